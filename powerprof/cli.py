@@ -1492,7 +1492,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     try:
         # What the progress bar measures against: the same stopping rule the sweep applies.
         bar_rule = SweepSettings(level_kind="power_limit", levels=(1.0,), min_requests=min_requests,
-                                 max_requests=max_requests, max_time_s=max_time_s, target_ci=target_ci)
+                                 max_requests=max_requests, max_time_s=max_time_s, target_ci=target_ci,
+                                 concurrency=concurrency)  # without it, a --concurrency 4 level's batches read "req"
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     # A closed pipe (`2>&1 | head`) silences the progress, not the sweep: it finishes, then exits 141.

@@ -314,3 +314,14 @@ def test_end_screen_of_a_concurrent_sweep_says_its_concurrency(tmp_path):
     assert "powerprof sweep at concurrency 4: decode only, medians over batches (tok/s of the 4 streams together)" in text
     assert "medians over requests" not in text
     assert "GPU J/token vs limit (W), concurrency 4" in text and "at concurrency 4 (the 4 streams together)" in text
+
+
+def test_a_concurrent_sweeps_level_line_counts_batches(tmp_path):
+    # The CLI built the progress line's settings without --concurrency: a `--concurrency 2` level said "2 req" where
+    # its figures and CI are over 2 batches (the line's own rule, tested above with the settings given).
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "300", "--concurrency", "2", "--min-requests", "2",
+                                  "--max-requests", "2", "--max-tokens", "200", "--idle-s", "0", "--warmup", "0",
+                                  "--out", str(tmp_path / "run")], env={"COLUMNS": "160"})
+    line = next((x for x in r.stderr.splitlines() if "level 1/1: 300 W" in x), None)
+    assert r.exit_code == 0 and line is not None, r.output
+    assert "2 batches " in line and " req " not in line, line
