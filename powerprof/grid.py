@@ -46,7 +46,8 @@ def parse_vary(specs) -> list[Knob]:
         name, sep, vals = spec.partition("=")
         name = name.strip()
         if not sep or not re.fullmatch(r"[A-Za-z_]\w*", name):
-            raise ValueError(f"--vary {spec!r}: write NAME=V1,V2,... with NAME a word (letters, digits, _)")
+            raise ValueError(f"--vary {spec!r}: write NAME=V1,V2,... with NAME a word (an ASCII letter or _ first, then "
+                             "letters, digits or _)")
         items = [v.strip() for v in vals.split(",")]
         if not any(items):
             raise ValueError(f"--vary {spec!r}: no values")

@@ -89,3 +89,12 @@ def test_replay_simulate_given_the_trace_says_what_was_meant(tmp_path, monkeypat
     assert f"replay {value} --simulate" in said and f"--simulate seed-16g {value}" in said, said
     r = CliRunner().invoke(main, ["replay", "--simulate", "h100", "x"])
     assert "not a simulated GPU profile; choose from" in r.output, r.output
+
+
+def test_a_knob_name_starting_with_a_non_ascii_letter_is_refused_in_true_words():
+    # "NAME a word (letters, digits, _)" refused `é=1,2`, a letter: the first must be an ASCII letter or _.
+    from powerprof.grid import parse_vary
+
+    with pytest.raises(ValueError, match=r"an ASCII letter or _ first"):
+        parse_vary(["é=1,2"])
+    assert [k.name for k in parse_vary(["draft_n=1,2"])] == ["draft_n"]
