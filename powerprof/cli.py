@@ -6,6 +6,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -101,6 +102,14 @@ class _SimProfiles(click.ParamType):
     def convert(self, value, param, ctx):
         keys = [k.strip() for k in str(value).split(",")]
         bad = [k for k in keys if k not in PROFILES]
+        if bad and (os.path.lexists(str(value)) or any(c in str(value) for c in "/.")):
+            # `replay --simulate trace.jsonl` took the trace as a profile's name: the option's value is optional, so the
+            # word after it is its value whatever it looks like.
+            what = "is a file" if os.path.lexists(str(value)) else "looks like a file's name"
+            self.fail(f"{str(value)!r} {what}, not a simulated GPU profile: --simulate's profile is optional, so the "
+                      f"word after it is read as one. Put the file before --simulate (`{ctx.command_path if ctx else 'powerprof'} "
+                      f"{value} --simulate`), or name a profile after it (`--simulate {DEFAULT_PROFILE} {value}`)",
+                      param, ctx)
         if bad:
             self.fail(f"{', '.join(repr(k) for k in bad)}: not a simulated GPU profile; choose from "
                       f"{', '.join(sorted(PROFILES))} (one, or one per GPU joined by commas)", param, ctx)
@@ -129,6 +138,17 @@ _GUESSED_COMMANDS = {
 
 
 JSON_SAID = "powerprof_json_said"  # ctx.meta: this command has printed its JSON object (_json_text)
+EXIT_SAID = "powerprof_exit_said"  # ctx.meta: why the command stops (_stop_exit), for its --json object
+
+
+def _stop_exit(text: str, code: int) -> NoReturn:
+    """Say why the command stops (stderr) and exit with `code`; under --json, _Command prints the same words as
+    `{"ok": false, "error", "exit_code"}` on stdout (before, a Ctrl-C'd `analyze --json` printed no object)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta[EXIT_SAID] = text
+    click.echo(text, err=True)
+    sys.exit(code)
 
 
 def _json_error(ctx: click.Context, e: click.ClickException, asked: bool) -> None:
@@ -183,6 +203,30 @@ class _Command(click.Command):
         except click.ClickException as e:
             _json_error(ctx, e, self._asks_json(ctx))
             raise
+        except KeyboardInterrupt:
+            if not self._asks_json(ctx):
+                raise
+            # A command with no stop path of its own (devices, tag): click said "Aborted!", exit 1, and no object.
+            ctx.meta[EXIT_SAID] = "interrupted"
+            click.echo("interrupted", err=True)
+            self._json_exit(ctx, 130, KeyboardInterrupt())
+            sys.exit(130)
+        except SystemExit as e:
+            self._json_exit(ctx, e.code if isinstance(e.code, int) else 1, e)
+            raise
+
+    def _json_exit(self, ctx, code: int, e: BaseException) -> None:
+        """A stop path's own exit (analyze's Ctrl-C 130, a signal's 128 + n) printed no object on stdout: a script's
+        json.loads failed on the empty text. The exit and the stderr line stay the command's."""
+        from powerprof import pipes, termination
+
+        # EXIT_PIPE: stdout's reader has gone, there is no one to tell.
+        if code in (0, pipes.EXIT_PIPE) or not self._asks_json(ctx) or ctx.meta.get(JSON_SAID):
+            return
+        why = ctx.meta.get(EXIT_SAID) or (_stopped_how(e) if isinstance(e, (KeyboardInterrupt, termination.Terminated))
+                                          else f"exited with code {code}")
+        with contextlib.suppress(OSError):
+            click.echo(_json_text({"ok": False, "error": why, "exit_code": code}))
 
 
 _SENDS_REQUESTS = ("measure", "sweep", "replay", "daemon")  # the commands whose requests carry $POWERPROF_API_KEY
@@ -900,9 +944,8 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     except (KeyboardInterrupt, termination.Terminated) as e:
         # Stopped before any measured request had finished (during start-up, warm-up or the first batch): a stop
         # later keeps the finished batches and is reported by _measure_stop_line.
-        click.echo(f"{_stopped_how(e)}: nothing was written to {out} (no measured request had finished); "
-                   "nothing was changed", err=True)
-        sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
+        _stop_exit(f"{_stopped_how(e)}: nothing was written to {out} (no measured request had finished); "
+                   "nothing was changed", 130 if isinstance(e, KeyboardInterrupt) else e.code)
     stop_code = None if res.stopped is None else (130 if isinstance(res.stopped, KeyboardInterrupt) else res.stopped.code)
     if as_json:
         import json
@@ -1067,8 +1110,8 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
         # Click turned Ctrl-C into "Aborted!" and exit 1, and every finished request's figures were lost.
         stopped = e
         if not done or not found:
-            click.echo(f"{_stopped_how(e)} before any request finished: nothing to report", err=True)
-            sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
+            _stop_exit(f"{_stopped_how(e)} before any request finished: nothing to report",
+                       130 if isinstance(e, KeyboardInterrupt) else e.code)
         server, records = found[0], sorted(done, key=lambda r: r.index)
     sm = summarize(records)
     notes = trace_notes(trace)
@@ -1285,9 +1328,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         # click's bare "Aborted!" (exit 1) read like a failure of the analysis itself.
-        click.echo("interrupted: the analysis did not finish (the runs are untouched); run it again for the report",
-                   err=True)
-        sys.exit(130)
+        _stop_exit("interrupted: the analysis did not finish (the runs are untouched); run it again for the report", 130)
     if as_json:
         from powerprof.analysis.report import result_json
 
@@ -1454,7 +1495,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     try:
         # What the progress bar measures against: the same stopping rule the sweep applies.
         bar_rule = SweepSettings(level_kind="power_limit", levels=(1.0,), min_requests=min_requests,
-                                 max_requests=max_requests, max_time_s=max_time_s, target_ci=target_ci)
+                                 max_requests=max_requests, max_time_s=max_time_s, target_ci=target_ci,
+                                 concurrency=concurrency)  # without it, a --concurrency 4 level's batches read "req"
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     # A closed pipe (`2>&1 | head`) silences the progress, not the sweep: it finishes, then exits 141.
@@ -1825,6 +1867,18 @@ def tag_start(name, socket, config_path, as_json):
     click.echo(f"tag {name} started")
 
 
+def _tag_figure(key: str, v):
+    """A figure of the daemon's stop answer as --json prints it: seconds and joules to the millisecond and millijoule,
+    J/token to 6 significant digits (the sum of readings printed `"duration_s": 0.30000000000000004`); others as given."""
+    if not isinstance(v, float) or v != v or v in (float("inf"), float("-inf")):
+        return v
+    if key == "duration_s" or key.endswith("_energy_j"):
+        return round(v, 3)
+    if key == "gpu_j_per_token":
+        return float(f"{v:.6g}")
+    return v
+
+
 @tag_group.command("stop")
 @click.argument("name")
 @_with_tag_opts
@@ -1836,9 +1890,9 @@ def tag_stop(name, socket, config_path, as_json):
                  "proxied tokens, bypass traffic's energy included (restart the daemon to take it out)")
         r = {**r, "note": f"{r['note']}; {older}" if r.get("note") else older}
     if as_json:
-        _echo_json({"name": name, **{k: r.get(k) for k in ("duration_s", "gpu_energy_j", "cpu_energy_j",
-                                                            "unproxied_energy_j", "proxy_tokens", "gpu_j_per_token",
-                                                            "server_count", "energy_note", "note")}})
+        _echo_json({"name": name, **{k: _tag_figure(k, r.get(k)) for k in (
+            "duration_s", "gpu_energy_j", "cpu_energy_j", "unproxied_energy_j", "proxy_tokens", "gpu_j_per_token",
+            "server_count", "energy_note", "note")}})
         return
     # A figure the daemon did not give (None) is printed as unknown, never as 0 (it read "GPU 0.0 J").
     def fig(key: str, fmt: str, unit: str) -> str:

@@ -46,7 +46,8 @@ def parse_vary(specs) -> list[Knob]:
         name, sep, vals = spec.partition("=")
         name = name.strip()
         if not sep or not re.fullmatch(r"[A-Za-z_]\w*", name):
-            raise ValueError(f"--vary {spec!r}: write NAME=V1,V2,... with NAME a word (letters, digits, _)")
+            raise ValueError(f"--vary {spec!r}: write NAME=V1,V2,... with NAME a word (an ASCII letter or _ first, then "
+                             "letters, digits or _)")
         items = [v.strip() for v in vals.split(",")]
         if not any(items):
             raise ValueError(f"--vary {spec!r}: no values")
@@ -217,6 +218,9 @@ class GridRun:
 
     def run(self) -> None:
         configs = self.spec.configs
+        # The plan, before any is measured: a grid killed (kill -9) before a configuration left no word of it
+        # (run.json `configs` lists those begun), so `analyze` could not say it was never measured.
+        self.writer.write_json(configs_planned=[[config_id(c), n] for c in configs for n in self.spec.contexts or [None]])
         for i, cfg in enumerate(configs):
             self._note(f"configuration {i + 1}/{len(configs)}: {config_id(cfg)}")
             self._run_config(cfg)

@@ -99,6 +99,8 @@ def output_file_refusal(path, force: bool, kept: str, option: str = "") -> str |
     whatever `force` says: a name that exists and is not a regular file (`not_a_regular_file`: a device, FIFO,
     socket, folder or symlink, which the atomic rename would replace by a file); without `force`, any name that
     exists (`kept`: what it may be, e.g. "a trace of yours?"). A symlink counts as existing however it ends."""
+    if not str(path).strip():  # Path('') is '.': `trace ''` was a traceback ("PosixPath('.') has an empty name")
+        return f"{str(path)!r} names no file: give the name of the file to write"
     if (why := path_problem(path)) is not None:
         return f"{path}: {why}"
     if (what := not_a_regular_file(path)) is not None:

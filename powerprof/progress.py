@@ -162,6 +162,14 @@ _DROP_ORDER = ("mem\nMHz", "enforced\nW", "J/tok\n+CPU", "windows", "SM\nMHz")
 TITLE = "powerprof sweep: decode only, medians over requests"
 
 
+def table_title(rows) -> str:
+    """TITLE, or at concurrency > 1 what the figures are then over: batches, and the streams' tok/s together (it said
+    "medians over requests" of a `--concurrency 4` sweep, whose J/token read as one stream's)."""
+    n = max((int(r["concurrency"]) for r in rows if r.get("concurrency") is not None), default=1)
+    return TITLE if n <= 1 else (f"powerprof sweep at concurrency {n}: decode only, medians over batches "
+                                 f"(tok/s of the {n} streams together)")
+
+
 class LevelsTable:
     """The per-level result table printed at the end of a sweep; `recommended` gets a ★.
 
@@ -177,7 +185,7 @@ class LevelsTable:
     def table(self, dropped: tuple[str, ...] = ()) -> Table:
         cols = [c for c in _COLUMNS if c[0] not in dropped]
         caption = ("left out for width: " + ", ".join(d.replace("\n", " ") for d in dropped)) if dropped else None
-        t = Table(title=TITLE, caption=caption, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True)
+        t = Table(title=table_title(self.rows), caption=caption, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True)
         for head, _ in cols:
             if head == "flags":
                 t.add_column(head, justify="left", overflow="fold", min_width=12)
@@ -207,7 +215,7 @@ class LevelsTable:
     def lines(self) -> Group:
         """One wrapped paragraph per level, every column named: for a terminal too narrow for any table. It wraps
         only between figures (terminal_plot.Together): a figure never ends a line with its unit on the next."""
-        out = [Text(TITLE, style="bold")]
+        out = [Text(table_title(self.rows), style="bold")]
         for r in self.rows:
             head = _COLUMNS[0][1](r, self.unit) + (f" {CHOSEN}" if self.recommended is not None
                                                     and r["level_value"] == self.recommended else "")
@@ -240,7 +248,8 @@ def curves(result) -> Curves:
     x = tuple(float(r["level_value"]) for r in rows)
     rec = sr.recommendation if sr.comparable and result.starred else None
     chosen = rec.level_value if rec is not None else None
-    what = f"SM clock ({unit})" if unit == "MHz" else f"limit ({unit})"
+    what = (f"SM clock ({unit})" if unit == "MHz" else f"limit ({unit})") + (
+        f", concurrency {sr.series.concurrency}" if sr.series.concurrency > 1 else "")
     panels = [
         Panel(f"GPU J/token vs {what}", x, tuple(r["gpu_j_per_token"] for r in rows), chosen, unit),
         Panel(f"decode tok/s vs {what}", x, tuple(r["decode_tok_s"] for r in rows), chosen, unit,

@@ -255,6 +255,21 @@ def counter_windows(profile: str, limit_w: float, window_s: float, n: int = 400,
     return rows, true_j / tokens_all
 
 
+def make_concurrent_run(out_dir: Path, truth: Truth, concurrency: int, **kw) -> Path:
+    """A `sweep --concurrency N` run (N > 1): its batch windows alone, as the sweep writes (make_run adds requests at
+    concurrency 1 beside them, a second series)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    out = make_run(out_dir, truth, concurrency=concurrency, **kw)
+    w = pq.read_table(out / "windows.parquet")
+    batches = w.filter(pc.equal(w["window_kind"], "batch"))
+    pq.write_table(batches, out / "windows.parquet")
+    pq.write_table(summarize_levels(batches, truth.default_limit_w, run_id=batches["run_id"][0].as_py(), n_boot=200),
+                   out / "levels.parquet")
+    return out
+
+
 def make_grid_run(out_dir: Path, truths: dict, levels=(180, 220, 260, 300), n_requests: int = 12,
                   level_edits=None, levels_done=None, seed: int = 0) -> Path:
     """A configuration sweep's run directory (powerprof/grid.py) with one knob, `draft`: truths is

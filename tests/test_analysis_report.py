@@ -958,3 +958,27 @@ def test_the_analyze_table_marks_the_reference_and_never_prints_minus_zero(tmp_p
     (line,) = [x for x in console_summary(res).splitlines() if x.lstrip().startswith("300 W")]
     assert "(ref)" in line
     assert f"{_no_minus_zero(-0.04):.1f}" == "0.0" and _no_minus_zero(-0.06) == -0.06 and _no_minus_zero(None) is None
+
+
+def test_a_run_at_concurrency_above_one_says_so_beside_its_figures(tmp_path):
+    # A `--concurrency 4` run's table and recommendation said nothing of it: its J/token and tok/s (the 4 streams
+    # together) read as one stream's. A pooled analysis of several concurrencies named only the other series.
+    from synthetic_runs import make_concurrent_run
+
+    run = make_concurrent_run(tmp_path / "c4", seed_truth(), 4, levels=SEED_LEVELS, n_requests=8)
+    result = analyze_run([run], n_boot=200, plots=False, formats=())
+    assert [s.series.concurrency for s in result.series] == [4]
+    text = console_summary(result, width=120)
+    assert text.splitlines()[0] == "Power limit, concurrency 4 (reference 300 W; tok/s of the streams together):", text
+    assert text.splitlines()[1].split() == ["level", "tok/s", "J/token", "±CI%", "slower", "saving", "chosen", "by"]
+    assert "tok/s decode at concurrency 4 (the 4 streams together); " in " ".join(text.split()), text
+    assert "concurrency 4" in console_summary(result, table=False, width=120)  # the sweep's end screen's part
+
+    both = analyze_run([make_run(tmp_path / "both", seed_truth(), levels=SEED_LEVELS, n_requests=8, concurrency=4)],
+                       n_boot=200, plots=False, formats=())
+    first = console_summary(both, width=120).splitlines()[0]
+    assert first == "Power limit, concurrency 1 (reference 300 W):", first  # which of the series the table is
+
+    one = console_summary(analyze_run([make_run(tmp_path / "c1", seed_truth(), levels=SEED_LEVELS, n_requests=8)],
+                                      n_boot=200, plots=False, formats=()), width=120)
+    assert one.split()[0] == "level" and "concurrency" not in one, one  # one stream, one series: as before

@@ -192,6 +192,54 @@ def test_a_json_error_is_not_a_second_object_after_the_result(tmp_path):
         del cli.main.commands["jsontwice"]
 
 
+def _raises(e):
+    def f(*a, **k):
+        raise e
+    return f
+
+
+@pytest.mark.parametrize("args, target, stop, code, said", [
+    (["analyze", "{run}", "--json"], "powerprof.analysis.report.analyze_run", KeyboardInterrupt(), 130,
+     "interrupted: the analysis did not finish"),
+    (["devices", "--simulate", "--json"], "powerprof.rig.Rig.describe", KeyboardInterrupt(), 130, "interrupted"),
+    (["measure", "--simulate", "--json", "--out", "{tmp}/m"], "powerprof.workload.measure.run_measure",
+     "SIGTERM", 143, "stopped by SIGTERM: nothing was written"),
+])
+def test_a_json_command_stopped_prints_one_json_object(tmp_path, monkeypatch, args, target, stop, code, said):
+    # `analyze --json` stopped by Ctrl-C printed no object on stdout (its words on stderr, exit 130): a script's
+    # json.loads failed on the empty text. A command without a stop path of its own said click's "Aborted!", exit 1.
+    import signal
+
+    from synthetic_runs import make_run, seed_truth
+
+    from powerprof import termination
+
+    run_dir = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=3) if "{run}" in args[1] else None
+    monkeypatch.setattr(target, _raises(termination.Terminated(signal.SIGTERM) if stop == "SIGTERM" else stop))
+    r = CliRunner().invoke(main, [a.format(tmp=tmp_path, run=run_dir) for a in args])
+    assert r.exit_code == code, r.output
+    d = json.loads(r.stdout)
+    assert d == {"ok": False, "error": d["error"], "exit_code": code} and d["error"].startswith(said), d
+    assert d["error"] in r.stderr and "Aborted" not in r.output, r.output
+
+
+def test_a_stop_after_the_result_prints_no_second_object(tmp_path):
+    # measure --json stopped after some requests prints its figures, then exits 130: that object is the one.
+    from powerprof import cli
+
+    @cli.main.command("jsonstop", hidden=True)
+    @click.option("--json", "as_json", is_flag=True)
+    def jsonstop(as_json):
+        cli._echo_json({"ok": True})
+        sys.exit(130)
+
+    try:
+        r = CliRunner().invoke(main, ["jsonstop", "--json"])
+        assert r.exit_code == 130 and json.loads(r.stdout) == {"ok": True}, r.output
+    finally:
+        del cli.main.commands["jsonstop"]
+
+
 def _one_second(monkeypatch):
     """Every default run folder name made in one second (names have one-second resolution)."""
     from datetime import datetime, timezone

@@ -215,6 +215,10 @@ def test_an_interrupted_grid_level_is_said_to_be_unfinished(tmp_path):
     stopped = [w for w in res.warnings if w.kind == "interrupted"]
     assert len(stopped) == 1 and f"draft=2,np=1 at 300 W ({len(cut)} window" in stopped[0].message
     assert "draft=1,np=1" not in stopped[0].message
+    # The plan, written before the first configuration: draft=2 at 220 W, never reached, is said too (unsaid before).
+    assert meta["configs_planned"] == [["draft=1,np=1", None], ["draft=2,np=1", None]]
+    (gap,) = [w.message for w in res.warnings if w.kind == "unmeasured-levels"]
+    assert "(draft=2,np=1 at 220 W)" in gap and "1 planned visit of measured levels has no measured window" in gap, gap
 
 
 # --- the configuration choice leaves out what the level choice leaves out (analyze.left_out_reason) ---------

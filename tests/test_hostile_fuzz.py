@@ -316,6 +316,50 @@ def test_planned_levels_a_killed_sweep_never_measured_are_named(tmp_path):
     assert "unmeasured-levels" not in _findings(run)
 
 
+def test_a_repeat_a_killed_sweep_never_measured_is_named(tmp_path):
+    # `--repeats 2`, killed -9 in the second pass after 300 W: 220 and 180 W rest on one repeat, the plan said two,
+    # and nothing said so (each level had some window, so none was "unmeasured").
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from synthetic_runs import make_run, seed_truth
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=4, repeats=2)
+    meta = json.loads((run / "run.json").read_text())
+    meta["settings"] = {"level_kind": "power_limit", "levels": [300.0, 220.0, 180.0], "repeats": 2}
+    (run / "run.json").write_text(json.dumps(meta))
+    assert "unmeasured-levels" not in _findings(run)  # every visit measured
+    w = pq.read_table(run / "windows.parquet")
+    kept = [r for r in w.to_pylist() if not (r["repeat"] == 1 and r["level_value"] in (220.0, 180.0))]
+    pq.write_table(pa.Table.from_pylist(kept, schema=w.schema), run / "windows.parquet")
+    said = _findings(run)["unmeasured-levels"]
+    assert "2 planned visits of measured levels have no measured window (220 W, repeat 2 of 2; 180 W, repeat 2 of 2)" \
+        in said, said
+    assert "planned (run.json settings.levels)" not in said  # no level is wholly unmeasured
+
+
+def test_a_configuration_a_killed_grid_never_measured_is_named(tmp_path):
+    # A grid of draft=1,2,3 killed -9 in draft=2's second level: draft=2 at 220 W and all of draft=3 were never
+    # measured, and run.json listed only the configurations begun, so nothing said so.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from synthetic_runs import make_grid_run, seed_truth
+
+    run = make_grid_run(tmp_path / "run", {1: seed_truth(), 2: seed_truth()}, levels=(220, 300), n_requests=4)
+    meta = json.loads((run / "run.json").read_text())
+    meta["settings"] = {"level_kind": "power_limit", "levels": [300.0, 220.0], "repeats": 1}
+    meta["configs_planned"] = [["draft=1", None], ["draft=2", None], ["draft=3", None]]
+    (run / "run.json").write_text(json.dumps(meta))
+    w = pq.read_table(run / "windows.parquet")
+    kept = [r for r in w.to_pylist() if not (r["config_id"] == "draft=2" and r["level_value"] == 220.0)]
+    pq.write_table(pa.Table.from_pylist(kept, schema=w.schema), run / "windows.parquet")
+    said = _findings(run)["unmeasured-levels"]
+    assert "(draft=2 at 220 W; draft=3 at 300 W; draft=3 at 220 W)" in said, said
+    meta["configs"] = [{"config_id": "draft=3", "context_tokens": None, "status": "out-of-memory"}]
+    (run / "run.json").write_text(json.dumps(meta))
+    said = _findings(run)["unmeasured-levels"]  # draft=3 did not fit: config-not-measured's, not said twice
+    assert "(draft=2 at 220 W)" in said and "draft=3" not in said, said
+
+
 def test_a_measured_window_without_energy_is_said_not_dropped_silently(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

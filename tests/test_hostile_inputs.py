@@ -12,13 +12,14 @@ from powerprof.daemon.tagapi import check_name
     ("=cmd|' /C calc'!A0", "\"=cmd|' /C calc'!A0\""),
     ("日本", "'日本'"),
     ("a\nb", "'a\\nb'"),
+    ("é", "'é'"),
 ])
 def test_a_refused_tag_name_is_quoted_short(name, said):
     # `powerprof tag start <5000 characters>` printed all 5000 back (and the daemon answered them in its 400).
     with pytest.raises(ValueError) as e:
         check_name(name)
     assert said in str(e.value) and len(str(e.value)) < 200, str(e.value)
-    assert "must be 1-128 characters of letters, digits and _ . : @ / -" in str(e.value)
+    assert "must be 1-128 characters of ASCII letters, digits and _ . : @ / -" in str(e.value)
 
 
 @pytest.mark.parametrize("name", ["..", ".", "a/..", "job/./1", "a//b", "/a", "a/"])

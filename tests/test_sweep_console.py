@@ -298,3 +298,30 @@ def test_a_level_a_hair_slower_than_the_reference_prints_0_0_not_minus_0_0():
     text = _text(levels_table(pa.Table.from_pylist(rows, schema=LEVELS), "W"), 120)
     assert "-0.0%" not in text and "0.0%" in text
     assert "32" in text  # the windows column, where the width allows
+
+
+def test_end_screen_of_a_concurrent_sweep_says_its_concurrency(tmp_path):
+    # `sweep --concurrency 4` titled its table "medians over requests" and its curves by the limit alone: its J/token
+    # (per token of 4 streams together) read as one stream's.
+    import pyarrow.parquet as pq
+
+    from powerprof.analysis.report import analyze_run
+    from synthetic_runs import make_concurrent_run, seed_truth
+
+    run_dir = make_concurrent_run(tmp_path / "run", seed_truth(), 4, n_requests=8)
+    result = analyze_run([run_dir], n_boot=200, plots=False, formats=())
+    text = " ".join(_text(end_screen(pq.read_table(run_dir / "levels.parquet"), result, "W"), 120).split())
+    assert "powerprof sweep at concurrency 4: decode only, medians over batches (tok/s of the 4 streams together)" in text
+    assert "medians over requests" not in text
+    assert "GPU J/token vs limit (W), concurrency 4" in text and "at concurrency 4 (the 4 streams together)" in text
+
+
+def test_a_concurrent_sweeps_level_line_counts_batches(tmp_path):
+    # The CLI built the progress line's settings without --concurrency: a `--concurrency 2` level said "2 req" where
+    # its figures and CI are over 2 batches (the line's own rule, tested above with the settings given).
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "300", "--concurrency", "2", "--min-requests", "2",
+                                  "--max-requests", "2", "--max-tokens", "200", "--idle-s", "0", "--warmup", "0",
+                                  "--out", str(tmp_path / "run")], env={"COLUMNS": "160"})
+    line = next((x for x in r.stderr.splitlines() if "level 1/1: 300 W" in x), None)
+    assert r.exit_code == 0 and line is not None, r.output
+    assert "2 batches " in line and " req " not in line, line

@@ -235,7 +235,7 @@ def analyze(
 
     level_figures: {(level_kind, level_value, concurrency): {column: value}} of sensor figures per level (stats.level_extra)
     (from the sweep's levels.parquet or the samples); see loading.py.
-    judge_interrupted: False where the caller judges unfinished levels over more windows than these
+    judge_interrupted: False where the caller judges unfinished and unmeasured visits over more windows than these
     (a configuration sweep's analysis gets only its chosen configuration's), which then gives
     interrupted_levels: (level_kind, concurrency, level_value) of the levels of these windows it found
     unfinished (never chosen in that series only: another concurrency's 220 W is another level)."""
@@ -306,7 +306,7 @@ def analyze(
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
     findings += uneven_pool_findings(runs, windows, all_series)
     findings += timing_findings(windows) + impossible_findings(windows) + no_energy_findings(windows)
-    findings += unmeasured_level_findings(runs, windows)
+    findings += unmeasured_level_findings(runs, windows) if judge_interrupted else []
     findings.extend(unstored_findings(runs))
     findings.extend(partial_cpu)
     findings.extend(stopped)

@@ -470,12 +470,15 @@ def no_energy_findings(windows) -> list[Finding]:
 
 
 def unmeasured_level_findings(runs, windows) -> list[Finding]:
-    """Levels a run planned (run.json settings.levels) with no measured window: a sweep killed (kill -9, a crash)
-    before them was analysed as if they had never been asked for."""
+    """The plan's visits a run never measured: levels (run.json settings.levels) with no measured window at all, and,
+    where every level has some, a repeat (settings.repeats) or a configuration (a grid's `configs_planned`) of a level
+    with none. A sweep killed (kill -9, a crash) before them was analysed as if they had never been asked for; a
+    repeat or configuration missing was not said at all. Configurations that failed are config-not-measured's."""
     from .stats import _col, window_masks
 
     measured = window_masks(windows)[0]
-    run_id, value = _col(windows, "run_id", object), _col(windows, "level_value")
+    run_id, value, repeat = _col(windows, "run_id", object), _col(windows, "level_value"), _col(windows, "repeat")
+    config, context = _col(windows, "config_id", object, None), _col(windows, "context_tokens")
     out = []
     for r in runs:
         st = r.meta.get("settings") if isinstance(r.meta.get("settings"), dict) else {}
@@ -487,22 +490,63 @@ def unmeasured_level_findings(runs, windows) -> list[Finding]:
             if len(runs) > 1:
                 continue
             mine = np.ones(windows.num_rows, bool)  # windows written under another run id: all of them are the run's
-        got = value[measured & mine]
-        got = got[np.isfinite(got)]
-        missing = list(dict.fromkeys(float(v) for v in planned
-                                     if v is not None and not np.any(np.abs(got - float(v)) < 1e-6)))
-        if not missing:
-            continue
+        idx = np.flatnonzero(measured & mine & np.isfinite(value))
+        got = value[idx]
+        levels = list(dict.fromkeys(float(v) for v in planned if v is not None))
+        missing = [v for v in levels if not np.any(np.abs(got - v) < 1e-6)]
         unit = "MHz" if kind == "sm_clock" else "W"
-        one = len(missing) == 1
         prefix = f"{r.path}: " if len(runs) > 1 else ""
-        out.append(Finding("unmeasured-levels", (
-            f"{prefix}{', '.join(_fmt(v, unit) for v in missing)} {'was' if one else 'were'} planned (run.json "
-            f"settings.levels) but {'has' if one else 'have'} no measured window: the run stopped before "
-            f"{'it' if one else 'them'} (killed or cut short), or every window there was left out; the figures and "
-            f"the recommendation are over the levels measured alone. Measure {'it' if one else 'them'} to complete "
-            "the curve."), tuple(missing)))
+        parts = []
+        if missing:
+            one = len(missing) == 1
+            parts.append(
+                f"{', '.join(_fmt(v, unit) for v in missing)} {'was' if one else 'were'} planned (run.json "
+                f"settings.levels) but {'has' if one else 'have'} no measured window: the run stopped before "
+                f"{'it' if one else 'them'} (killed or cut short), or every window there was left out; the figures and "
+                f"the recommendation are over the levels measured alone. Measure {'it' if one else 'them'} to complete "
+                "the curve.")
+        # Each visit the plan holds: (level, repeat, configuration, context), as run.json levels_done names them.
+        cells = {(round(float(value[i]), 6), int(repeat[i]) if np.isfinite(repeat[i]) else 0, config[i],
+                  None if not np.isfinite(context[i]) else int(context[i])) for i in idx}
+        reps = st.get("repeats") if isinstance(st.get("repeats"), int) and st.get("repeats") > 0 else 1
+        # Configuration by configuration, pass by pass, as the run goes (its levels in settings.levels' order).
+        gaps = [(v, k, c, n) for c, n in _planned_configs(r.meta) for k in range(reps) for v in levels
+                if v not in missing and (round(v, 6), k, c, n) not in cells]
+        if gaps:
+            shown = [_gap_name(v, k, reps, c, n, unit) for v, k, c, n in gaps]
+            shown = "; ".join(shown[:8]) + (f"; and {len(shown) - 8} more" if len(shown) > 8 else "")
+            parts.append(
+                f"{len(gaps)} planned visit{'s' if len(gaps) > 1 else ''} of measured levels "
+                f"{'has' if len(gaps) == 1 else 'have'} no measured window ({shown}): the run stopped before "
+                f"{'it' if len(gaps) == 1 else 'them'} (killed or cut short), or every window there was left out; those "
+                f"levels' figures rest on the {'repeats' if reps > 1 else 'visits'} measured alone, so they are not "
+                "compared over the same plan as the others. Measure the run again (or the missing visits) to complete it.")
+        if parts:
+            out.append(Finding("unmeasured-levels", prefix + " ".join(parts),
+                               tuple(dict.fromkeys(missing + [v for v, *_ in gaps]))))
     return out
+
+
+def _planned_configs(meta: dict) -> list[tuple]:
+    """(config_id, context_tokens) of each configuration a run planned and began measuring: run.json `configs_planned`
+    (a grid's whole plan), else its `configs` (those begun), less those that failed (config-not-measured says them);
+    [(None, None)] for a plain sweep."""
+    planned = meta.get("configs_planned")
+    if not isinstance(planned, list):
+        planned = [[c.get("config_id"), c.get("context_tokens")] for c in meta.get("configs") or [] if isinstance(c, dict)]
+    failed = {(c.get("config_id"), c.get("context_tokens")) for c in meta.get("configs") or []
+              if isinstance(c, dict) and c.get("status") not in (None, "ok")}
+    out = [(c[0], c[1]) for c in planned if isinstance(c, (list, tuple)) and len(c) == 2 and tuple(c) not in failed]
+    return list(dict.fromkeys(out)) or ([(None, None)] if not planned else [])
+
+
+def _gap_name(level: float, rep: int, reps: int, config_id, context_tokens, unit: str) -> str:
+    """`260 W, repeat 2 of 3`, `draft=2 at 260 W`, `draft=2 (8192 context tokens) at 260 W, repeat 1 of 2`."""
+    at = _fmt(level, unit)
+    if config_id is not None or context_tokens is not None:
+        ctx = f" ({context_tokens} context tokens)" if context_tokens is not None else ""
+        at = f"{config_id or 'the server as launched'}{ctx} at {at}"
+    return at + (f", repeat {rep + 1} of {reps}" if reps > 1 else "")
 
 
 def nothing_measured_text(windows, failed: int) -> str:

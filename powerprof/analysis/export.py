@@ -932,16 +932,21 @@ def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: lis
         keyless = [n for n in differ if row_key(kept[n]) is None]
         if keyless:
             raise ExportError(f"{first} and {srcs[i]} hold the same run (run_id {rid}) but their "
-                              f"{', '.join(keyless)} differ: two versions of the same rows; nothing written. Export "
+                              f"{_tables(keyless)} differ: two versions of the same rows; nothing written. Export "
                               "them separately, or give the one you trust")
         out[i] = list(kept.values())
         if notes is not None:
             files = ", ".join(f"{n}.parquet" if n != "analysis" else "analysis/analysis.parquet" for n in same)
             notes.append(f"{srcs[i]} holds the same run as {first} (run_id {rid}): "
                          + (f"its {files}, the same files, were written once" if same else "none of its files is the same")
-                         + (f"; its {', '.join(differ)} differ and are written row by row, each row once" if differ
+                         + (f"; its {_tables(differ)} differ and are written row by row, each row once" if differ
                             else ""))
     return out
+
+
+def _tables(names: list[str]) -> str:
+    """Tables named as the plural the sentence's verb takes: "their analysis differ" read as a slip."""
+    return ", ".join("analyses" if n == "analysis" else n for n in names)
 
 
 def _why(e: Exception, writing: bool = True) -> str:

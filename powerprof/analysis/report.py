@@ -24,7 +24,7 @@ from powerprof.trust import out_dir_refusal
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
                       interrupted_series_levels, server_notes)
-from .checks import Finding, sample_findings, saving_within_noise
+from .checks import Finding, sample_findings, saving_within_noise, unmeasured_level_findings
 from .knobs import analyze_knobs, is_grid, left_out_text, summary_lines
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, run_key, sample_level_figures,
                       sweep_level_figures)
@@ -90,7 +90,8 @@ def analyze_run(
     windows = read_windows(runs, twice)
     knob_result, where = _configurations(runs, max_slowdown, windows)
     # Judged over every configuration's windows: an interrupted one competes in the ranking too.
-    stopped = interrupted_findings(runs, windows) if knob_result is not None else []
+    stopped = (interrupted_findings(runs, windows) + unmeasured_level_findings(runs, windows)
+               if knob_result is not None else [])
     if where is not None:
         # A configuration sweep: the power analysis is that of the J/token-optimal configuration only.
         windows = windows.filter(_matches(windows, where))
@@ -406,7 +407,14 @@ def _figures_text(c) -> str:
     jpt, tok_s = c.gpu_j_per_token, c.decode_tok_s
     if jpt is None or tok_s is None or not (np.isfinite(jpt) and np.isfinite(tok_s)):
         return ""
-    return f"{jpt:.3f} J/token on the GPU at {tok_s:.1f} tok/s decode; "
+    return f"{jpt:.3f} J/token on the GPU at {tok_s:.1f} tok/s decode{concurrency_words(c.concurrency)}; "
+
+
+def concurrency_words(concurrency) -> str:
+    """What a figure measured above one stream is over (its tok/s the streams' together, its J/token per token of
+    them all), said beside it: a `--concurrency 4` run's J/token read as one stream's. '' at concurrency 1."""
+    n = int(concurrency or 1)
+    return "" if n <= 1 else f" at concurrency {n} (the {n} streams together)"
 
 
 def _why_the_reference(sr: SeriesResult, c, u: str) -> str:
@@ -736,6 +744,10 @@ def _level_rows(sr, width: int | None) -> list[str]:
 def _levels_summary(result: AnalysisResult, table: bool, width: int | None = None) -> str:
     sr = result.main
     rows = (_level_rows(sr, width) + [""]) if table else []
+    if rows and (sr.series.concurrency > 1 or len(result.series) > 1):
+        # The series the table is, as the report's heading says it: a lone concurrency-4 series was a bare table.
+        rows.insert(0, _wrapped([f"{sr.label.capitalize()} (reference {sr.series.reference_value:g} {_unit(sr)}"
+                                 f"{'; tok/s of the streams together' if sr.series.concurrency > 1 else ''}):"], width))
     lines = [recommendation_line(result)]
     if sr.comparable:
         others = [f"{p} {c.level_value:g} {_unit(sr)}" for p, c in sr.choices.items() if p != sr.primary]  # "edp 180" had no unit

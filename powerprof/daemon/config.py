@@ -100,7 +100,7 @@ def _host_problem(host: str) -> str | None:
         0 < len(x) <= 63 and x[0] != "-" and x[-1] != "-"
         and all(c.isascii() and (c.isalnum() or c in "-_") for c in x)
         for x in labels)
-    return None if ok else f"{host} is not a valid host name (letters, digits, hyphens, underscores and dots)"
+    return None if ok else f"{host} is not a valid host name (ASCII letters, digits, hyphens, underscores and dots)"
 
 
 def listen_host(listen: str) -> str | None:

@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import socket
+import stat
 import struct
 import sys
 import time
@@ -125,7 +126,7 @@ def check_name(name: str) -> str:
     if not NAME_RE.match(name):
         # A long one is quoted by its start and length: 5000 characters came back whole, in the CLI and the daemon's 400.
         shown = repr(name) if len(name) <= 128 else f"{name[:40] + '…'!r} ({len(name)} characters)"
-        raise ValueError(f"tag name {shown} must be 1-128 characters of letters, digits and _ . : @ / -")
+        raise ValueError(f"tag name {shown} must be 1-128 characters of ASCII letters, digits and _ . : @ / -")
     if any(part in ("", ".", "..") for part in name.split("/")):
         # A URL path's `.`, `..` and empty segments are collapsed on the way: `tag start ..` answered 404, and a window
         # opened over raw HTTP as `a/../../b` could not be stopped from the CLI.
@@ -201,6 +202,17 @@ def send_tag(socket_path: Path | str, action: str, name: str | None = None) -> d
         path, method = f"/tags/{name}/{action}", "POST"
     if not p.exists():
         raise TagApiError(f"no daemon socket at {p}: is `powerprof daemon` running (and is this its socket)?")
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        mode = None  # gone since, or unreadable: the connect below says which
+    if mode is not None and not stat.S_ISSOCK(mode):
+        # A regular file was told "no daemon listens on it (a socket left by a daemon that was killed?)".
+        what = "a regular file" if stat.S_ISREG(mode) else "a folder" if stat.S_ISDIR(mode) else "not a socket"
+        from powerprof.daemon.config import SYSTEMD_TAG_SOCKET  # noqa: PLC0415
+
+        raise TagApiError(f"{p} is {what}, not a socket: give the daemon's tag socket (its config's [tags] socket; "
+                          f"under systemd {SYSTEMD_TAG_SOCKET})")
     try:
         return asyncio.run(_send(p, method, path))
     except (aiohttp.ClientConnectionError, OSError) as e:

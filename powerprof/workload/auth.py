@@ -63,7 +63,7 @@ def check_tag_header(name) -> str:
     attack", and Authorization or Host were taken by both (the tag then replaced the API key, or made a second Host)."""
     shown = repr(name) if len(str(name)) <= 40 else repr(str(name)[:40]) + f"… ({len(str(name))} characters)"
     if not isinstance(name, str) or not _TOKEN.fullmatch(name):
-        raise ValueError(f"{shown} is not an HTTP header name: 1-128 letters, digits or !#$%&'*+-.^_`|~ (no spaces, "
+        raise ValueError(f"{shown} is not an HTTP header name: 1-128 ASCII letters, digits or !#$%&'*+-.^_`|~ (no spaces, "
                          "colons or line breaks), e.g. X-Powerprof-Tag")
     if name.lower() in _RESERVED:
         raise ValueError(f"{shown} is a header HTTP or the server's access needs for itself (one of "

@@ -1,0 +1,100 @@
+"""What a user reads when a command refuses or prints a figure: every message true, every figure as a person writes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from powerprof.cli import main
+
+
+def test_a_tag_name_with_a_non_ascii_letter_is_refused_in_true_words():
+    # "must be ... letters, digits" refused 'é', a letter: the rule is ASCII letters.
+    from powerprof.daemon.tagapi import check_name
+
+    with pytest.raises(ValueError, match="ASCII letters") as e:
+        check_name("café")
+    assert "'café'" in str(e.value)
+
+
+def test_trace_to_an_empty_path_is_refused_in_words(tmp_path, monkeypatch):
+    # `powerprof trace ''` was a traceback: ValueError: PosixPath('.') has an empty name.
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    r = CliRunner().invoke(main, ["trace", ""])
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "'' names no file" in r.output, r.output
+    assert list(here.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_tag_list_given_a_path_that_is_not_a_socket_says_so(tmp_path, kind):
+    # A regular file given as --socket was told "no daemon listens on it (a socket left by a daemon that was killed?)".
+    p = tmp_path / "notasocket"
+    p.write_text("x") if kind == "file" else p.mkdir()
+    r = CliRunner().invoke(main, ["tag", "list", "--socket", str(p)])
+    assert r.exit_code == 1, r.output
+    what = "a regular file" if kind == "file" else "a folder"
+    assert f"{p} is {what}, not a socket" in r.output and "killed" not in r.output, r.output
+    r = CliRunner().invoke(main, ["tag", "list", "--socket", str(p), "--json"])
+    assert r.exit_code == 1 and json.loads(r.stdout)["ok"] is False, r.output
+
+
+def test_tag_stop_json_prints_figures_rounded_not_a_float_repr(monkeypatch):
+    import powerprof.daemon.tagapi as tagapi
+
+    answer = {"ok": True, "duration_s": 0.1 + 0.2, "gpu_energy_j": 12.000000000000002, "cpu_energy_j": 1.1 + 2.2,
+              "unproxied_energy_j": 0.0, "proxy_tokens": 7, "gpu_j_per_token": 12.000000000000002 / 7,
+              "server_count": "complete", "energy_note": None}
+    monkeypatch.setattr(tagapi, "send_tag", lambda socket, action, name: answer)
+    r = CliRunner().invoke(main, ["tag", "stop", "job", "--socket", "/nonexistent", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "0000000" not in r.stdout, r.stdout
+    d = json.loads(r.stdout)
+    assert d["duration_s"] == 0.3 and d["gpu_energy_j"] == 12.0 and d["cpu_energy_j"] == 3.3, d
+    assert d["gpu_j_per_token"] == pytest.approx(12 / 7, rel=1e-5) and d["proxy_tokens"] == 7, d
+
+
+def test_export_of_two_versions_of_a_runs_analysis_says_analyses(tmp_path):
+    # "... but their analysis differ": the table's name as the plural its verb takes.
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from synthetic_runs import make_run, seed_truth
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    copy = shutil.copytree(run, tmp_path / "copy")
+    for d, v in ((run, 1.0), (copy, 2.0)):
+        (d / "analysis").mkdir()
+        pq.write_table(pa.table({"gpu_j_per_token": [v]}), d / "analysis" / "analysis.parquet")
+    r = CliRunner().invoke(main, ["export", str(run), str(copy), "--format", "csv", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1, r.output
+    said = " ".join(r.output.split())
+    assert "their analyses differ" in said and "analysis differ" not in said, said
+
+
+@pytest.mark.parametrize("value, what", [("trace.jsonl", "is a file"), ("later.csv", "looks like a file's name")])
+def test_replay_simulate_given_the_trace_says_what_was_meant(tmp_path, monkeypatch, value, what):
+    # `replay --simulate trace.jsonl` took the trace for a GPU profile's name: "not a simulated GPU profile; choose from".
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trace.jsonl").write_text("{}\n")
+    r = CliRunner().invoke(main, ["replay", "--simulate", value])
+    assert r.exit_code == 2, r.output
+    said = " ".join(r.output.split())
+    assert f"'{value}' {what}, not a simulated GPU profile" in said, said
+    assert f"replay {value} --simulate" in said and f"--simulate seed-16g {value}" in said, said
+    r = CliRunner().invoke(main, ["replay", "--simulate", "h100", "x"])
+    assert "not a simulated GPU profile; choose from" in r.output, r.output
+
+
+def test_a_knob_name_starting_with_a_non_ascii_letter_is_refused_in_true_words():
+    # "NAME a word (letters, digits, _)" refused `é=1,2`, a letter: the first must be an ASCII letter or _.
+    from powerprof.grid import parse_vary
+
+    with pytest.raises(ValueError, match=r"an ASCII letter or _ first"):
+        parse_vary(["é=1,2"])
+    assert [k.name for k in parse_vary(["draft_n=1,2"])] == ["draft_n"]
