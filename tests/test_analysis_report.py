@@ -910,7 +910,8 @@ def test_levels_of_few_windows_say_their_ci_covers_less_than_95_percent(tmp_path
     res = analyze_run([run], tmp_path / "a", n_boot=300, plots=False)
     assert all("few-windows" in r["flags"].split(",") for r in res.table.to_pylist())
     (warn,) = [w for w in res.warnings if w.kind == "few-windows"]
-    assert "75.0% at 3" in warn.message and "not the 95%" in warn.message and "--max-time" in warn.message
+    assert "(here 75% at 3)" in warn.message and "not the 95%" in warn.message and "--max-time" in warn.message
+    assert warn.message.count("% at ") == 1  # each window count once: "50.0% at 2; 50% at 2, 75% at 3, ..." before
     assert "--min-requests" in warn.message
     assert "! few-windows: " + warn.message in console_summary(res)
 

@@ -268,11 +268,11 @@ def _unchosen(ref: list, against: str) -> str:
 def _few_windows_message(rows: list[dict], unit: str) -> str:
     """Why a CI from 2-4 windows is no 95% CI, and the fix."""
     counts = ", ".join(f"{_fmt(r['level_value'], unit)}: {r['n_windows']}" for r in rows)
-    n = min(int(r["n_windows"]) for r in rows)
-    cover = (1 - 2.0 ** (1 - n)) * 100
+    # Each window count present once (two levels of 2 windows said "50.0% at 2; 50% at 2, ..." before).
+    covers = ", ".join(f"{(1 - 2.0 ** (1 - n)) * 100:g}% at {n}" for n in sorted({int(r["n_windows"]) for r in rows}))
     return (
         f"fewer than {MIN_CI_WINDOWS} measured windows ({counts}): the bootstrap CI of a median of n windows covers "
-        f"the truth at most 1 - 2^(1-n) of the time ({cover:.1f}% at {n}; 50% at 2, 75% at 3, 87.5% at 4), not the 95% "
+        f"the truth at most 1 - 2^(1-n) of the time (here {covers}), not the 95% "
         f"it is labelled, so its ± is narrower than it should be. Fix: a longer --max-time (the level stopped on its "
         f"time budget), or --min-requests {MIN_CI_WINDOWS} or more with the time to reach it.")
 
