@@ -204,9 +204,8 @@ class _Command(click.Command):
             _json_error(ctx, e, self._asks_json(ctx))
             raise
         except KeyboardInterrupt:
-            if not self._asks_json(ctx):
-                raise
-            # A command with no stop path of its own (devices, tag): click said "Aborted!", exit 1, and no object.
+            # A command with no stop path of its own (devices, tag): click said "Aborted!", exit 1 (read as a failure),
+            # and under --json no object. Ctrl-C is 130 whatever the output's form.
             ctx.meta[EXIT_SAID] = "interrupted"
             click.echo("interrupted", err=True)
             self._json_exit(ctx, 130, KeyboardInterrupt())

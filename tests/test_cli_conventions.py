@@ -223,6 +223,14 @@ def test_a_json_command_stopped_prints_one_json_object(tmp_path, monkeypatch, ar
     assert d["error"] in r.stderr and "Aborted" not in r.output, r.output
 
 
+def test_ctrl_c_in_a_command_without_a_stop_path_exits_130_with_or_without_json(monkeypatch):
+    # `devices` Ctrl-C'd said click's "Aborted!" and exited 1 without --json, 130 with it: one code for one stop.
+    monkeypatch.setattr("powerprof.rig.Rig.describe", _raises(KeyboardInterrupt()))
+    r = CliRunner().invoke(main, ["devices", "--simulate"])
+    assert r.exit_code == 130 and "interrupted" in r.stderr and "Aborted" not in r.output, r.output
+    assert r.stdout == ""
+
+
 def test_a_stop_after_the_result_prints_no_second_object(tmp_path):
     # measure --json stopped after some requests prints its figures, then exits 130: that object is the one.
     from powerprof import cli
