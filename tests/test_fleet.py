@@ -954,6 +954,7 @@ def test_daemons_on_different_gpu_sets_of_one_host_are_a_row_each_not_one_blend(
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "d1"), str(tmp_path / "d2")])
     assert res.exit_code == 0, res.output
     assert "a row per set" in res.output and "double counting" not in res.output
+    assert "all 1 host (2 GPU sets)" in res.output  # the total line: one machine, not "all 2 hosts"
 
 
 def test_two_daemons_at_once_on_a_shared_gpu_are_said_to_count_it_twice(tmp_path):
