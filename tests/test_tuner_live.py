@@ -150,6 +150,8 @@ def test_lost_figures_send_the_gpu_back_to_the_reference_level(tmp_path, fault):
     rows = pq.read_table(tmp_path / "decisions").to_pylist()
     stale = [r for r in rows if r["action"] == "stale"]
     assert len(stale) == 1 and stale[0]["to_level"] == 300 and stale[0]["applied"] and stale[0]["reason"]
+    # Which GPUs by UUID too: index 0 is another GPU once the node renumbers (the rows said "0" alone).
+    assert {(r["gpus"], r["gpu_uuids"]) for r in rows} == {("0", nvml.gpus[0].uuid)}
     assert _limit_w(nvml) == 300  # the controller put back the original limit on leaving
 
 

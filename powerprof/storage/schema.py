@@ -437,6 +437,7 @@ TUNER_DECISIONS_COLUMNS = [
     ("j_per_token", F64),  # the judged window's figure behind the verdict, if any
     ("slo_ratio", F64),  # its worst p95 over its SLO
     ("gpus", STR),  # comma-separated NVML indexes
+    ("gpu_uuids", STR),  # the same GPUs' UUIDs, sorted, comma-joined (null in files written before the column)
     HOST,
     ("tuner_id", STR),  # the tuner process (null in files written before the column)
     ("seq", I64),  # its decisions numbered from 0 in the order taken: with tuner_id, the row's key

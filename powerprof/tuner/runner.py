@@ -87,11 +87,14 @@ class OutDirError(OSError):
 class DecisionLog:
     """Rows of TUNER_DECISIONS, written as one small Parquet file per flush under `out_dir` (None: kept in memory)."""
 
-    def __init__(self, out_dir: Path | None, gpus: list[int], knob: str, euid: int | None = None):
-        """euid: whose rules the day folders are checked by (None: this process's; tests give 0 for root's)."""
+    def __init__(self, out_dir: Path | None, gpus: list[int], knob: str, euid: int | None = None,
+                 gpu_uuids: list[str] | None = None):
+        """euid: whose rules the day folders are checked by (None: this process's; tests give 0 for root's).
+        gpu_uuids: the same GPUs' UUIDs (None where not known): indexes alone are ambiguous once a node renumbers."""
         self.euid = euid
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.gpus = ",".join(str(g) for g in gpus)
+        self.gpu_uuids = ",".join(sorted(gpu_uuids)) if gpu_uuids else None
         self.knob = knob
         self.rows: deque[dict] = deque(maxlen=1000)  # the latest, in memory; all of them in the dataset
         self._unflushed: list[dict] = []
@@ -105,6 +108,7 @@ class DecisionLog:
         row = {"time_utc": time.time_ns(), "t_mono_s": d.t_s - t0_s, "action": d.action, "knob": self.knob,
                "from_level": d.from_level, "to_level": d.to_level, "applied": applied, "reason": d.reason,
                "regime": d.regime, "j_per_token": d.j_per_token, "slo_ratio": d.slo_ratio, "gpus": self.gpus,
+               "gpu_uuids": self.gpu_uuids,
                "tuner_id": self.tuner_id, "seq": self.seq}
         self.seq += 1
         self.rows.append(row)
@@ -192,7 +196,7 @@ class TuneRunner:
         self.clock = clock
         self.t0_s = clock()
         self.tuner = Tuner(cfg, self.t0_s)
-        self.log = DecisionLog(out_dir, gpus or [], cfg.knob, euid=euid)
+        self.log = DecisionLog(out_dir, gpus or [], cfg.knob, euid=euid, gpu_uuids=gpu_uuids)
         self.metrics = TunerMetrics(registry)
         self.metrics.dry_run.set(1 if cfg.dry_run else 0)
         self.metrics.reference.labels(cfg.knob).set(cfg.reference)
