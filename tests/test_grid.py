@@ -98,7 +98,7 @@ def test_each_configuration_is_measured_on_its_own_server_even_one_that_leaves_t
     assert left == []
 
 
-@pytest.mark.slow  # 10 server launches and 1 s windows: ~2.5 min alone on 2 cores
+@pytest.mark.slow  # 10 server launches and 1 s windows: ~2.5-3 min on 2 cores beside other jobs (docs/testing.md)
 @pytest.mark.timeout(900)
 def test_seed_card_grid_reproduces_the_seed_then_finds_the_power_sweet_spot(tmp_path):
     """Acceptance: draft 1-5 x np 1 and 4 on the simulated seed card: draft 3 fastest for one stream,
