@@ -26,11 +26,12 @@ def pytest_xdist_auto_num_workers(config):
 
 # The longest files in the README's `--dist loadfile` run (seconds each, one full run on 2 cores,
 # December 2026; the attribution, delivery-fault, restart and scrape files re-timed alone after their runs went
-# side by side or their waits were cut, at load 2-5). They start first: xdist's default order (most tests first)
+# side by side or their waits were cut, at load 2-5; the grid file after its seed-card test went to 10
+# configurations, beside other test runs, 5 December: docs/testing.md "The longest tests"). They start first: xdist's default order (most tests first)
 # started the one-test, 30-40 s files last, and the other workers stood idle while they ran. Only the order
 # changes; a file not named here runs after these, in collection order.
 LONGEST_FILES_S = {
-    "test_sweep_restart.py": 128, "test_sweep_foreign.py": 123, "test_grid.py": 103, "test_sweep_hostile.py": 97,
+    "test_sweep_restart.py": 128, "test_sweep_foreign.py": 123, "test_grid.py": 199, "test_sweep_hostile.py": 97,
     "test_sweep_e2e.py": 89, "test_attribution_mixed.py": 84, "test_sweep_accuracy.py": 66,
     "test_attribution_accuracy.py": 58, "test_tuner_live.py": 55, "test_trace_foreign.py": 55,
     "test_analysis_report.py": 44, "test_daemon_workers.py": 43, "test_gpu_check.py": 42, "test_real_llama_server.py": 41,

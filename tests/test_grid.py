@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -97,13 +98,15 @@ def test_each_configuration_is_measured_on_its_own_server_even_one_that_leaves_t
     assert left == []
 
 
-@pytest.mark.slow  # 20 server launches and 1 s windows: ~4 min alone on 2 cores, past the suite's 300 s beside others
+@pytest.mark.slow  # 10 server launches and 1 s windows: ~2.5-3 min on 2 cores beside other jobs (docs/testing.md)
 @pytest.mark.timeout(900)
 def test_seed_card_grid_reproduces_the_seed_then_finds_the_power_sweet_spot(tmp_path):
-    """Acceptance: draft 1-5 x np 1-4 on the simulated seed card: draft 3 fastest for one stream,
+    """Acceptance: draft 1-5 x np 1 and 4 on the simulated seed card: draft 3 fastest for one stream,
     draft 5 at np 4 rejected as not fitting; the J/token-optimal configuration, then its sweet-spot limit."""
     port = free_port()
-    spec = GridSpec(_sim_template(port, decode_tok_s=600), tuple(parse_vary(["draft=1,2,3,4,5", "np=1,2,3,4"])))
+    # np 1 and 4, not 1-4: at concurrency 1 the slots change no figure, only whether a configuration fits (np 2 and 3
+    # doubled the run, ~5 min); which configurations fit is the memory plan's, tests/test_sim_knobs.py.
+    spec = GridSpec(_sim_template(port, decode_tok_s=600), tuple(parse_vary(["draft=1,2,3,4,5", "np=1,4"])))
     t0 = time.monotonic()
     with Rig("seed-16g") as rig:
         out = run_grid(rig, spec, url=f"http://127.0.0.1:{port}", levels_spec="220,300", level_kind="power_limit",
@@ -116,7 +119,7 @@ def test_seed_card_grid_reproduces_the_seed_then_finds_the_power_sweet_spot(tmp_
     assert limit_after == 300_000  # the GPU is back at its original limit
     lv = pq.read_table(tmp_path / "run" / "levels.parquet").to_pylist()
     status = {r["config_id"]: r["config_status"] for r in lv}
-    assert len(status) == 20
+    assert len(status) == 10
     assert {c for c, s in status.items() if s != "ok"} == {"draft=5,np=4"}
     oom = next(r for r in lv if r["config_id"] == "draft=5,np=4")
     assert oom["config_status"] == "out-of-memory" and "RS buffer" in oom["config_error"]
@@ -131,15 +134,17 @@ def test_seed_card_grid_reproduces_the_seed_then_finds_the_power_sweet_spot(tmp_
     win = pq.read_table(tmp_path / "run" / "windows.parquet")
     assert {"knob_draft", "knob_np", "config_id"} <= set(win.column_names)
     run = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert len(run["configs"]) == 20 and run["configs"][-1]["status"] == "out-of-memory"
+    assert len(run["configs"]) == 10 and run["configs"][-1]["status"] == "out-of-memory"
 
     res = analyze_run([tmp_path / "run"], max_slowdown=0.10)
     chosen = res.knobs.chosen
     # J/token-optimal: the least J/token at the reference level. Drafts 2-4 lie within a few percent
     # (the analysis warns they are not distinguishable); drafts 1 and 5 are clearly worse.
     assert chosen.j_per_token == min(r["gpu_j_per_token"] for r in top)
-    j_by_draft = {d: sum(r["gpu_j_per_token"] for r in top if r["knob_draft"] == d) for d in range(1, 6)}
-    assert j_by_draft[3] / 4 < min(j_by_draft[1] / 4, j_by_draft[5] / 3)
+    j_by_draft = {d: np.mean([r["gpu_j_per_token"] for r in top if r["knob_draft"] == d]) for d in range(1, 6)}
+    assert j_by_draft[3] < min(j_by_draft[1], j_by_draft[5]), j_by_draft
+    # Windows long enough to choose on (the 768 tokens' reason, above): none flagged short-windows.
+    assert not any(w.kind == "short-windows" for w in res.warnings), [w.message for w in res.warnings]
     rec = res.recommendation
     # The seed's sweet spot on its chosen configuration; or, where a loaded full suite left its few requests noisy
     # (once: 300 W chosen by 54% of resamples, 220-300 W), a choice the analysis says is uncertain, with 220 W inside.
@@ -150,7 +155,7 @@ def test_seed_card_grid_reproduces_the_seed_then_finds_the_power_sweet_spot(tmp_
     assert any(w.kind == "config-not-measured" and "draft=5,np=4" in w.message for w in res.warnings)
     md = (tmp_path / "run" / "analysis" / "report.md").read_text()
     assert "## Configurations" in md and "config_heatmap.png" in md and "out-of-memory" in md
-    print(f"grid of 20 configurations x 2 levels in {elapsed:.0f} s")
+    print(f"grid of 10 configurations x 2 levels in {elapsed:.0f} s")
 
 
 def test_failed_configuration_does_not_stop_the_grid_and_no_levels_needs_no_controller(tmp_path):

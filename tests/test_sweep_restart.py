@@ -261,8 +261,8 @@ def test_a_connection_reset_without_a_restart_is_not_called_a_restart(tmp_path, 
     out = tmp_path / "run"
     ui = _Hook(_once_at_level_200(sim_server, lambda srv: srv.reset_connections(after_s=0.3)))
     with Rig("seed-16g", nvml=sim) as rig:
-        # ~1.5 s streams (no energy is checked here, so not the ~3 s windows): the cut 0.3 s on lands mid-stream.
-        outcome = _sweep(rig, out, ui, params=RequestParams(max_tokens=128))
+        # ~0.8 s streams (no energy is checked here, so not the ~3 s windows): the cut 0.3 s on lands mid-stream.
+        outcome = _sweep(rig, out, ui, params=RequestParams(max_tokens=64))
     assert not sim_server[0].restarts
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     flags = levels.loc[200.0, "flags"].split(",")
