@@ -786,6 +786,7 @@ def _server_on_gpu0_gpu1_idle(lose_gpu1_at=None):
     led.add_gpu_sample(t * S, t * S, [R(e[0], 70.0), R(None, None) if lost else R(e[1], 70.0)])
     led.advance(int((t + 3) * S))
     assert led.learner.serving.tolist() == [True, False]
+    sink.ledger = led
     return sink
 
 
@@ -816,6 +817,25 @@ def test_losing_a_gpu_that_serves_nothing_leaves_the_requests_energy_whole_and_n
     assert tag["gpu_energy_j"] == pytest.approx(8000.0, rel=0.01)
     assert tag["gpu_j_per_token"] == pytest.approx(40.0, rel=0.01)
     assert "sampled GPU(s) [1]" in tag["energy_note"] and "restarting the daemon" in tag["energy_note"]
+
+
+def test_a_lost_idle_gpu_leaves_the_intervals_idle_energy_empty_and_out_of_the_idle_total():
+    # Before: after the loss an interval read gpu_energy_j None, requests 400, idle_energy_j 0.0 (the lost GPU counted
+    # 0 J) and the note said nothing of idle; the daemon's idle total took the shortfall silently.
+    whole = _server_on_gpu0_gpu1_idle()
+    sink = _server_on_gpu0_gpu1_idle(lose_gpu1_at=30)
+    lost = [r for r in sink.rows["intervals"] if r["gpu_energy_j"] is None]
+    assert lost and all(r["idle_energy_j"] is None for r in lost)
+    assert all("idle_energy_j" in r["energy_note"] for r in lost)
+    kept = [r for r in sink.rows["intervals"] if r["gpu_energy_j"] is not None]
+    assert all(r["idle_energy_j"] is not None for r in kept)
+    before = sum(r["idle_energy_j"] for r in whole.rows["intervals"])
+    after = sum(r["idle_energy_j"] for r in kept)
+    assert after < before
+    # The daemon's idle total is the intervals' whose idle is known; those left out are counted.
+    assert sum(sink.ledger.totals.energy_by_dest_j[1:2]) == pytest.approx(after, rel=1e-6)
+    assert sink.ledger.totals.idle_unknown_intervals == len(lost)
+    assert whole.ledger.totals.idle_unknown_intervals == 0
 
 
 def test_a_stream_whose_only_token_comes_in_its_closing_chunk_is_attributed_that_token():

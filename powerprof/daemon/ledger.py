@@ -313,6 +313,8 @@ class Totals:
     # Intervals with tokens left out of j_per_token since start, and their tokens: {flag: (intervals, tokens)}
     # (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG).
     jpt_left_out: dict = field(default_factory=dict)
+    # Intervals kept out of energy_by_dest_j's idle since start: a GPU serving none of the work gave no reading there.
+    idle_unknown_intervals: int = 0
 
 
 class Ledger:
@@ -461,6 +463,7 @@ class Ledger:
         self._cpu_total: float | None = None
         self._by_kind = np.zeros(4)
         self._by_dest = np.zeros(3)
+        self._idle_unknown_intervals = 0
         self._tokens_total = 0.0
         self._tokens_attributed = 0.0
         self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
@@ -1632,10 +1635,13 @@ class Ledger:
         if serving is not None and serving.size == self.n_gpus and not serving.all():
             work_j = np.nan_to_num(per_gpu[:, serving]).sum(axis=1)
             aside = np.nan_to_num(per_gpu[:, ~serving]).sum(axis=1)
+            # One of them unread leaves the interval's idle energy unknown (its row's empty, out of the idle total).
+            aside_missing = np.isnan(per_gpu[:, ~serving]).any(axis=1)
             # The requests' energy is the serving GPUs': one of the others lost leaves the node total unknown, not theirs.
             work_missing = np.isnan(per_gpu[:, serving]).any(axis=1)
         else:
             work_j, aside, work_missing, serving = gpu0, None, gpu_missing, None
+            aside_missing = np.zeros(t.size - 1, bool)
         cpu = self._cpu_energy(t)
         host_s, other_s = self._cpu_time(t)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -1833,9 +1839,9 @@ class Ledger:
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
-                      work_j=np.where(work_missing, np.nan, work_j), serving=serving)
+                      work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
-                            unsure, per_gpu, serving)
+                            unsure, per_gpu, serving, idle_missing=aside_missing)
         ended = [r for r, d in zip(reqs, done) if d]
         for r in ended:
             del self.requests[r.trace.request_id]
@@ -2267,14 +2273,20 @@ class Ledger:
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
                  host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None,
-                 work_j=None, serving=None) -> None:
-        # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all).
+                 work_j=None, serving=None, idle_missing=None) -> None:
+        # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all);
+        # idle_missing: intervals where a GPU serving none of the work gave no reading: their idle energy is unknown,
+        # kept out of the idle total and counted (Totals.idle_unknown_intervals).
         work_j = gpu if work_j is None else work_j
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
         self._by_kind = self._by_kind + a.by_kind[:, 0]
-        self._by_dest = self._by_dest + a.by_dest[:, 0]
+        by_dest = a.by_dest[:, 0].copy()
+        if idle_missing is not None and idle_missing.any():
+            by_dest[attr.TO_IDLE] -= float(a.dest[idle_missing, attr.TO_IDLE, 0].sum())
+            self._idle_unknown_intervals += int(idle_missing.sum())
+        self._by_dest = self._by_dest + by_dest
         self._tokens_total += float(a.tokens.sum())
         self._tokens_attributed += float(a.request_tokens.sum())
         for k in range(t.size - 1):
@@ -2312,6 +2324,7 @@ class Ledger:
             cache_unsaid_requests=self.cache_unsaid_requests,
             cache_late_requests=self.cache_late_requests,
             jpt_left_out=dict(self._jpt_left_out),
+            idle_unknown_intervals=self._idle_unknown_intervals,
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:
@@ -2416,12 +2429,15 @@ class Ledger:
 
     def _interval_note(self, gpu: float, cpu: float, other_pct: float | None, work: bool, short: bool,
                        server_count: str | None, cache_unsaid: float = 0.0,
-                       idle_unread: list[int] | None = None) -> str | None:
+                       idle_unread: tuple[list[int], bool] | None = None) -> str | None:
         """An interval row's energy_note: for each figure of it that is empty or may be partial, why and the fix (the
         request rows' wording where the cause is the same); None where every figure is whole. `idle_unread`: the
-        unread GPUs where all of them serve none of the proxied work (the requests' split is whole)."""
-        notes = [None if not np.isnan(gpu) else _gpu_missing_note("this interval") if not idle_unread
-                 else _idle_gpu_missing_note(idle_unread, "this interval", "requests_energy_j are whole")]
+        GPUs serving none of the proxied work without energy here, and whether a serving one is unread too (`_idle_unread`)."""
+        aside, work_unread = idle_unread if idle_unread is not None else ([], False)
+        notes = [None if not np.isnan(gpu) else _gpu_missing_note("this interval") if work_unread or not aside
+                 else _idle_gpu_missing_note(aside, "this interval", "requests_energy_j are whole")]
+        if aside:
+            notes.append(_idle_unknown_note(aside))
         if np.isnan(cpu):
             notes.append(_cpu_missing_note("this interval's start or end") if self.rapl else NO_RAPL_NOTE)
         elif work and other_pct is not None and other_pct > BUSY_HOST_PCT:
@@ -2503,7 +2519,7 @@ class Ledger:
 
     def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None,
                        server_count=None, short_iv=None, cache_iv=None, unsure=None, per_gpu=None,
-                       serving=None) -> None:
+                       serving=None, idle_missing=None) -> None:
         rows = []
         unsaid = cache_iv if cache_iv is not None else np.zeros(t.size - 1)
         for k in range(t.size - 1):
@@ -2531,7 +2547,8 @@ class Ledger:
                     "n_prefill": int(a.n_prefill[k]),
                     "n_decoding": int(a.n_decoding[k]),
                     "requests_energy_j": float(a.dest[k, attr.TO_REQUESTS, 0]),
-                    "idle_energy_j": float(a.dest[k, attr.TO_IDLE, 0]),
+                    "idle_energy_j": (None if idle_missing is not None and idle_missing[k]
+                                      else float(a.dest[k, attr.TO_IDLE, 0])),
                     "unproxied_energy_j": float(a.dest[k, attr.TO_UNPROXIED, 0]),
                     "prefill_tokens": float(a.features[k, 3]),
                     "work_costs": costs.source,
@@ -2834,15 +2851,22 @@ def _idle_gpu_missing_note(gpus: list[int], where: str, whole: str) -> str:
             "nvidia-smi -q; restarting the daemon (daemon.gpus without a GPU that is gone) measures the others' total")
 
 
-def _idle_unread(per_gpu, serving, k: int) -> list[int] | None:
-    """The sampled GPUs (by position) without energy over interval k, where every one of them serves none of the
-    proxied work; None where none is unread or a serving one is."""
+def _idle_unread(per_gpu, serving, k: int) -> tuple[list[int], bool] | None:
+    """The sampled GPUs (by position) serving none of the proxied work without energy over interval k, and whether a
+    serving one is unread too; None where none of the former is."""
     if per_gpu is None or serving is None:
         return None
     unread = np.isnan(per_gpu[k])
-    if not unread.any() or (unread & serving).any():
+    if not (unread & ~serving).any():
         return None
-    return [int(g) for g in np.flatnonzero(unread)]
+    return [int(g) for g in np.flatnonzero(unread & ~serving)], bool((unread & serving).any())
+
+
+def _idle_unknown_note(gpus: list[int]) -> str:
+    """Why an interval's idle_energy_j is empty: `gpus`, serving none of the proxied work, gave no reading there."""
+    return (f"idle_energy_j empty: it holds the energy of sampled GPU(s) {gpus}, which serve none of the proxied work "
+            "and gave no energy reading here; counting them 0 J would understate it, so this interval is left out of "
+            "the daemon's idle total (powerprof_gpu_idle_energy_unknown_intervals counts such intervals)")
 
 
 def _gpu_missing_note(where: str) -> str:

@@ -121,6 +121,7 @@ class Snapshot:
     cache_late_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-late since start
     accounts_behind_s: float | None = None  # now − the end of the latest closed interval (None: none yet)
     jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
+    idle_unknown_intervals: int = 0  # ledger.Totals: intervals kept out of energy_by_dest_j's idle (an idle GPU unread)
 
 
 class SnapshotCollector:
@@ -178,6 +179,10 @@ class SnapshotCollector:
         for name, v in zip(DEST_NAMES, s.energy_by_dest_j):
             d.add_metric([name], v)
         yield d
+        yield CounterMetricFamily("powerprof_gpu_idle_energy_unknown_intervals",
+                                  "Intervals left out of the idle total: a GPU serving none of the proxied work gave "
+                                  "no energy reading there (their rows' idle_energy_j is empty, the note names it)",
+                                  value=s.idle_unknown_intervals)
         total = sum(s.energy_by_dest_j)
         if total > 0:
             yield GaugeMetricFamily("powerprof_requests_energy_ratio",
