@@ -990,3 +990,31 @@ def test_rows_written_before_gpu_uuids_are_read_and_their_gpu_set_said_unknown(t
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "d3"), str(tmp_path / "d4")])
     assert res.exit_code == 0, res.output
     assert "GPU set unknown" in res.output and "double counting" in res.output
+
+
+def test_the_overlap_count_is_every_interval_overlapping_another_daemons_as_matched_pair_by_pair():
+    # _overlaps matches by a merge (ASOF on the other daemon's running latest end), not pair by pair (quadratic: 80k
+    # intervals a daemon took 27 s): the same intervals and energy as every pair compared, on intervals that touch at
+    # their edges (no overlap), overlap one another within a daemon, repeat a start, or lack an end.
+    import random
+
+    from powerprof.analysis.fleet import _overlaps
+    rnd = random.Random(7)
+    rows = []
+    for d in ("one", "two"):
+        for _ in range(300):
+            s = rnd.randrange(0, 2000)
+            e = None if rnd.random() < 0.03 else s + rnd.choice([0, 1, 3, 10, 40])
+            rows.append(("vm", d, "GPU-b", s, e, float(rnd.randrange(1, 100))))
+    con = duckdb.connect()
+    con.execute("CREATE TABLE iv (host VARCHAR, daemon_id VARCHAR, gpu_uuids VARCHAR, t_start_utc BIGINT, "
+                "t_end_utc BIGINT, gpu_energy_j DOUBLE)")
+    con.executemany("INSERT INTO iv VALUES (?, ?, ?, ?, ?, ?)", rows)
+    got = _overlaps(con, "iv")
+    def hit(x, other):
+        return x[4] is not None and any(y[4] is not None and y[3] < x[4] and x[3] < y[4] for y in other)
+    one = [r for r in rows if r[1] == "one"]
+    two = [r for r in rows if r[1] == "two"]
+    want = [r for r in one if hit(r, two)] + [r for r in two if hit(r, one)]
+    assert got["vm"][0] == len(want) > 0
+    assert got["vm"][1] == pytest.approx(sum(r[5] for r in want))

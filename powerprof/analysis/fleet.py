@@ -244,11 +244,16 @@ def _overlaps(con, intervals: str) -> dict[str, tuple[int, float, list[str]]]:
             pairs.extend([(a, b), (b, a)])
     out: dict[str, tuple[int, float, list[str]]] = {}
     for a, b in pairs:
+        # x overlaps some y (y.start < x.end and x.start < y.end) where, of the y starting before x ends, the latest
+        # end is after x starts: the latest of them by start (ASOF: a merge, linear) carries the running max of the
+        # ends up to its start. The EXISTS it replaces matched every pair (quadratic: 80k intervals a daemon, 27 s).
         n, e = con.execute(
-            f"SELECT count(*), coalesce(sum(gpu_energy_j) FILTER (WHERE isfinite(gpu_energy_j)), 0) FROM {intervals} x "
-            f"WHERE x.host = ? AND x.daemon_id = ? AND EXISTS (SELECT 1 FROM {intervals} y WHERE y.host = ? "
-            "AND y.daemon_id = ? AND y.t_start_utc < x.t_end_utc AND x.t_start_utc < y.t_end_utc)",
-            [a[1], a[2], b[1], b[2]]).fetchall()[0]
+            f"WITH y AS (SELECT t_start_utc AS s, max(t_end_utc) OVER (ORDER BY t_start_utc) AS e FROM {intervals} "
+            "WHERE host = ? AND daemon_id = ? AND t_start_utc IS NOT NULL AND t_end_utc IS NOT NULL), "
+            f"x AS (SELECT t_start_utc, t_end_utc, gpu_energy_j FROM {intervals} WHERE host = ? AND daemon_id = ?) "
+            "SELECT count(*), coalesce(sum(x.gpu_energy_j) FILTER (WHERE isfinite(x.gpu_energy_j)), 0) "
+            "FROM x ASOF JOIN y ON x.t_end_utc > y.s WHERE y.e > x.t_start_utc",
+            [b[1], b[2], a[1], a[2]]).fetchall()[0]
         if n:
             n0, e0, ids = out.get(a[1], (0, 0.0, []))
             out[a[1]] = (n0 + n, e0 + e, sorted({*ids, a[2], b[2]}))
