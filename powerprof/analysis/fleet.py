@@ -189,9 +189,51 @@ def _raw_sql(con, table: str, files: list[str]) -> str:
         names = set(types)
         _check_types(table, files, {c: types[c] for c in cols if c in types})
         sel = ", ".join(c if c in names else f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
-        return f"SELECT {sel}, filename FROM {src}"
+        raw = f"SELECT {sel}, filename FROM {src}"
+        if "gpu_uuids" in cols and _has_table(con, GPU_SETS):
+            # Rows written before gpu_uuids: their daemon's GPU set as its samples say it (_recover_gpu_sets).
+            raw = (f"SELECT r.* REPLACE (coalesce(r.gpu_uuids, g.gpu_uuids) AS gpu_uuids) FROM ({raw}) r "
+                   f"LEFT JOIN {GPU_SETS} g ON r.daemon_id = g.daemon_id")
+        return raw
     sel = ", ".join(f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
     return f"SELECT {sel}, NULL::VARCHAR AS filename WHERE false"
+
+
+GPU_SETS = "fleet_gpu_sets"
+
+
+def _has_table(con, name: str) -> bool:
+    return con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [name]).fetchall()[0][0] > 0
+
+
+def _recover_gpu_sets(con, srcs: list[str], tables: tuple[str, ...]) -> None:
+    """Where rows of `tables` were written before gpu_uuids, put each such daemon's GPU set, as the samples dataset
+    among the sources says it (an nvml row per sampled GPU, with its UUID, sorted and comma-joined as gpu_uuids is), in
+    the temporary table GPU_SETS, which _raw_sql reads them by. A daemon whose samples are not among the sources keeps
+    its set unknown (said by `notes`); so does every one where the samples cannot be read."""
+    import duckdb  # noqa: PLC0415
+
+    old = False
+    for table in tables:
+        files = table_files(srcs, table)
+        if files and con.execute(f"SELECT EXISTS (SELECT 1 FROM ({_raw_sql(con, table, files)}) "
+                                 "WHERE gpu_uuids IS NULL)").fetchall()[0][0]:
+            old = True
+            break
+    samples = table_files(srcs, "samples") if old else []
+    if not samples:
+        return
+    try:
+        src = read_sql(samples)
+        names = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+        if not {"daemon_id", "gpu_uuid", "source"} <= names:
+            return
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {GPU_SETS} AS SELECT daemon_id, "
+                    "array_to_string(list_sort(list(DISTINCT gpu_uuid)), ',') AS gpu_uuids "
+                    f"FROM {src} WHERE source = 'nvml' AND gpu_uuid IS NOT NULL AND gpu_uuid <> '' "
+                    "AND daemon_id IS NOT NULL GROUP BY daemon_id")
+    except duckdb.IOException:
+        return  # a URI's samples glob matching nothing: those sets stay unknown, and said so
 
 
 # DuckDB's names of the types a column read as (the files' types unified) that the queries here take as COLUMNS' type.
@@ -224,12 +266,14 @@ def _check_types(table: str, files: list[str], read_as: dict[str, str]) -> None:
                      f"as {COLUMNS[table][c]} in it, or move it out of the dataset folder, and run again")
 
 
-def _overlaps(con, intervals: str) -> dict[str, tuple[int, float, list[str]]]:
+def _overlaps(con, intervals: str) -> tuple[dict[str, tuple[int, float, list[str]]], dict[str, tuple[int, float, list[str]]]]:
     """{host row (its label): (intervals of it that overlap in time another daemon's on the same machine and a GPU both
     sampled, their GPU energy, the daemon_ids involved)}: each daemon's intervals hold every sampled GPU's energy, so
     summed such a GPU's energy and hours count twice (two daemons at once on one host: 58.8 s of hours over a 29.4 s
-    span). GPU sets unknown (rows written before gpu_uuids) may share a GPU: counted too. Each daemon's span is taken
-    first (one GROUP BY); only the pairs whose spans overlap are matched interval by interval."""
+    span). Then the same for overlaps where either daemon's GPU set is unknown (rows written before gpu_uuids, no
+    samples to read it from): they may share a GPU or not, so these are apart (one daemon per GPU was a valid setup).
+    Each daemon's span is taken first (one GROUP BY); only the pairs whose spans overlap are matched interval by
+    interval."""
     machine = "regexp_replace(host, ' \\[[^]]*\\]$', '')"
     spans = con.execute(f"SELECT {machine} AS machine, host, daemon_id, min(gpu_uuids), min(t_start_utc), "
                         f"max(t_end_utc) FROM {intervals} WHERE daemon_id IS NOT NULL AND t_start_utc IS NOT NULL "
@@ -243,6 +287,7 @@ def _overlaps(con, intervals: str) -> dict[str, tuple[int, float, list[str]]]:
                 continue  # disjoint GPU sets: each its own row, nothing counted twice
             pairs.extend([(a, b), (b, a)])
     out: dict[str, tuple[int, float, list[str]]] = {}
+    maybe: dict[str, tuple[int, float, list[str]]] = {}
     for a, b in pairs:
         # x overlaps some y (y.start < x.end and x.start < y.end) where, of the y starting before x ends, the latest
         # end is after x starts: the latest of them by start (ASOF: a merge, linear) carries the running max of the
@@ -255,18 +300,23 @@ def _overlaps(con, intervals: str) -> dict[str, tuple[int, float, list[str]]]:
             "FROM x ASOF JOIN y ON x.t_end_utc > y.s WHERE y.e > x.t_start_utc",
             [b[1], b[2], a[1], a[2]]).fetchall()[0]
         if n:
-            n0, e0, ids = out.get(a[1], (0, 0.0, []))
-            out[a[1]] = (n0 + n, e0 + e, sorted({*ids, a[2], b[2]}))
-    return out
+            into = out if a[3] is not None and b[3] is not None else maybe
+            n0, e0, ids = into.get(a[1], (0, 0.0, []))
+            into[a[1]] = (n0 + n, e0 + e, sorted({*ids, a[2], b[2]}))
+    return out, maybe
 
 
-def _with_overlaps(t: pa.Table, got: dict) -> pa.Table:
+def _with_overlaps(t: pa.Table, got: tuple[dict, dict]) -> pa.Table:
+    got, maybe = got
     hosts = t.column("host").to_pylist()
     t = t.append_column("double_counted_intervals", pa.array([got.get(h, (0,))[0] for h in hosts], pa.int64()))
     t = t.append_column("double_counted_gpu_energy_j", pa.array([got[h][1] if h in got else None for h in hosts],
                                                                 pa.float64()))
-    return t.append_column("double_counted_daemons", pa.array([",".join(got[h][2]) if h in got else None
-                                                               for h in hosts], pa.string()))
+    t = t.append_column("double_counted_daemons", pa.array([",".join(got[h][2]) if h in got else None
+                                                            for h in hosts], pa.string()))
+    t = t.append_column("maybe_double_counted_intervals", pa.array([maybe.get(h, (0,))[0] for h in hosts], pa.int64()))
+    return t.append_column("maybe_double_counted_gpu_energy_j",
+                           pa.array([maybe[h][1] if h in maybe else None for h in hosts], pa.float64()))
 
 
 def _host_clashes(con, table: str, files: list[str]) -> tuple[int, list[list[str]]]:
@@ -445,6 +495,7 @@ def fleet_summary(sources) -> pa.Table:
         raise FleetError(f"{', '.join(bad)}: not a daemon dataset (no requests/ or intervals/ folder)")
     with connect() as con:
         try:
+            _recover_gpu_sets(con, srcs, ("requests", "intervals"))
             files = {table: table_files(srcs, table) for table in ("requests", "intervals")}
             parts = {table: _table_sql(con, table, files[table]) for table in ("requests", "intervals")}
             parts["requests"] = _spans_sql(parts["requests"], "t_arrival_utc", "t_end_utc",
@@ -543,6 +594,7 @@ def tag_summary(sources) -> pa.Table:
     srcs = expand_sources(sources)
     with connect() as con:
         try:
+            _recover_gpu_sets(con, srcs, ("tags",))
             files = table_files(srcs, "tags")
             tags = _table_sql(con, "tags", files)
             if files:  # the intervals are read only where there are windows to match against them
@@ -751,17 +803,30 @@ def notes(t: pa.Table) -> list[str]:
                    + "; ".join(f"{r['host']}: {r['bypass_unknown_intervals']}" for r in unknown))
     twice = [r for r in t.to_pylist() if r.get("double_counted_intervals")]
     if twice:
-        out.append("double counting: intervals of two daemons on one host over the same time, on a GPU both sampled "
-                   "(or GPU sets unknown: rows written before gpu_uuids), each hold that GPU's whole energy, so the "
+        out.append("double counting: intervals of two daemons on one host over the same time, on a GPU both sampled, "
+                   "each hold that GPU's whole energy, so the "
                    "GPU kWh, hours and J/token of these rows count it twice (each daemon's requests were given all of "
                    "it): " + "; ".join(f"{r['host']}: {r['double_counted_intervals']} intervals, "
                                        f"{(r['double_counted_gpu_energy_j'] or 0.0) / 3.6e6:.6f} kWh (daemons "
                                        f"{r['double_counted_daemons']})" for r in twice)
                    + "; the fix: one daemon per GPU (daemon.gpus disjoint), and analyse each daemon's folder alone")
+    may = [r for r in t.to_pylist() if r.get("maybe_double_counted_intervals")]
+    if may:
+        out.append("may count a GPU twice: intervals of two daemons on one host over the same time whose GPU sets are "
+                   "unknown (rows written before gpu_uuids, without those daemons' samples among the sources to read "
+                   "them from): had both sampled one GPU, each holds its whole energy and these rows count it twice; "
+                   "on GPUs of their own, nothing is: " + "; ".join(
+                       f"{r['host']}: {r['maybe_double_counted_intervals']} intervals, "
+                       f"{(r['maybe_double_counted_gpu_energy_j'] or 0.0) / 3.6e6:.6f} kWh" for r in may)
+                   + "; the fix: give the daemons' samples too (their data folders whole), or analyse each daemon's "
+                   "folder alone")
     machines: dict[str, list[str]] = {}
     for r in t.to_pylist():
         machines.setdefault(re.sub(r" \[[^]]*\]$", "", r["host"]), []).append(r["host"])
-    split = {m: hs for m, hs in machines.items() if len(hs) > 1 and any(h != m for h in hs)}
+    # A row without a set (rows written before gpu_uuids, none read from samples) is no different set: the
+    # unknown-set note says it.
+    split = {m: [h for h in hs if h != m] for m, hs in machines.items()}
+    split = {m: hs for m, hs in split.items() if len(hs) > 1}
     if split:
         out.append("hosts whose daemons sampled different GPU sets (daemon.gpus, the rows' gpu_uuids) are a row per "
                    "set, never one blend of their J/token: " + "; ".join(", ".join(hs) for hs in split.values())
