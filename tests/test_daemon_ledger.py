@@ -755,7 +755,7 @@ def test_a_gpu_no_server_uses_gives_its_energy_to_idle_not_to_the_requests():
     assert led.totals.energy_by_dest_j[1] >= 30 * 70.0  # GPU 1's energy in busy intervals is idle
 
 
-def _server_on_gpu0_gpu1_idle(lose_gpu1_at=None):
+def _server_on_gpu0_gpu1_idle(lose_gpu1_at=None, early_tag=False):
     """GPU 0 serves (70 W idle, 400 W busy), GPU 1 draws 70 W throughout; a tag over the last 20 of 40 requests.
     `lose_gpu1_at`: from that request on GPU 1 (judged not serving) gives no energy reading."""
     sink = Sink()
@@ -763,6 +763,10 @@ def _server_on_gpu0_gpu1_idle(lose_gpu1_at=None):
     e = [0.0, 0.0]
     t = 0
     for _ in range(8):
+        if early_tag and t == 1:
+            led.open_tag("early", t * S, t * S)
+        if early_tag and t == 6:
+            led.close_tag("early", t * S, t * S)
         led.add_gpu_sample(t * S, t * S, [R(e[0], 70.0), R(e[1], 70.0)])
         e = [e[0] + 70.0, e[1] + 70.0]
         t += 1
@@ -801,6 +805,18 @@ def test_a_tags_j_per_token_is_of_the_serving_gpus_as_its_requests_are():
     assert tag["gpu_energy_j"] == pytest.approx(8000.0, rel=0.01)  # GPU 0's: its J/token's
     assert "sampled GPU(s) [1]" in tag["energy_note"] and "1400 J" in tag["energy_note"]
     assert "all sampled GPUs 9400 J" in tag["energy_note"]
+
+
+def test_a_tag_closing_before_the_daemon_judged_which_gpus_serve_says_it_holds_every_gpus_energy():
+    # Before: a tag wholly before the judgement held both GPUs' energy (GPU 1 idle beside the server) and its note said
+    # nothing of it (only a tag with GPUs judged idle inside it mentioned its intervals before the judgement).
+    sink = _server_on_gpu0_gpu1_idle(early_tag=True)
+    tags = {r["name"]: r for r in sink.rows["tags"]}
+    early = tags["early"]
+    assert early["gpu_energy_j"] == pytest.approx(5 * 140.0, rel=0.01)  # both GPUs' energy
+    assert "which GPUs serve not yet judged" in (early["energy_note"] or "")
+    assert "every sampled GPU's energy" in early["energy_note"]
+    assert "which GPUs serve not yet judged" not in (tags["batch"]["energy_note"] or "")
 
 
 def test_losing_a_gpu_that_serves_nothing_leaves_the_requests_energy_whole_and_names_it():

@@ -1632,6 +1632,7 @@ class Ledger:
         # GPUs that do none of the proxied work (no server on them): their energy is idle, whole; the
         # requests, bypass traffic and the idle part of busy time split the others' (the work model's).
         serving = self.learner.serving
+        unjudged = serving is None  # which GPUs serve not judged yet: every sampled GPU's energy is the work's
         if serving is not None and serving.size == self.n_gpus and not serving.all():
             work_j = np.nan_to_num(per_gpu[:, serving]).sum(axis=1)
             aside = np.nan_to_num(per_gpu[:, ~serving]).sum(axis=1)
@@ -1839,7 +1840,7 @@ class Ledger:
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
-                      work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing)
+                      work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing)
         ended = [r for r, d in zip(reqs, done) if d]
@@ -2273,7 +2274,7 @@ class Ledger:
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
                  host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None,
-                 work_j=None, serving=None, idle_missing=None) -> None:
+                 work_j=None, serving=None, idle_missing=None, unjudged=False) -> None:
         # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all);
         # idle_missing: intervals where a GPU serving none of the work gave no reading: their idle energy is unknown,
         # kept out of the idle total and counted (Totals.idle_unknown_intervals).
@@ -2307,7 +2308,8 @@ class Ledger:
         e = sum(x[1] for x in self._recent)
         n = sum(x[2] for x in self._recent)
         for tag in list(self.tags.values()) + self.closed_tags:
-            self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged, server_count, work_j, per_gpu, serving)
+            self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged, server_count, work_j, per_gpu, serving,
+                          unjudged)
         self.totals = Totals(
             gpu_energy_j=tuple(float(x) for x in self._gpu_total),
             cpu_energy_j=self._cpu_total,
@@ -2357,7 +2359,7 @@ class Ledger:
         return row
 
     def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods, host_s=None, other_s=None, judged=None,
-                 server_count=None, work_j=None, per_gpu=None, serving=None) -> None:
+                 server_count=None, work_j=None, per_gpu=None, serving=None, unjudged=False) -> None:
         mid = (t[:-1] + t[1:]) // 2
         end = tag.t1_ns if tag.t1_ns is not None else attr.NEVER
         inside = (mid >= tag.t0_ns) & (mid < end)
@@ -2373,8 +2375,10 @@ class Ledger:
         if per_gpu is not None and serving is not None:
             tag.excluded.update(int(g) for g in np.flatnonzero(~serving))
             tag.excluded_j += float(np.nansum(per_gpu[np.ix_(inside, ~serving)]))
-        elif per_gpu is not None and per_gpu.shape[1] > 1:
-            tag.all_gpus_intervals += int(inside.sum())  # every sampled GPU's energy in its J/token there
+        elif per_gpu is not None and per_gpu.shape[1] > 1 and unjudged:
+            # Which GPUs serve not judged yet: every sampled GPU's energy in it there (once judged all serving, the
+            # same figure is the serving GPUs', nothing to say).
+            tag.all_gpus_intervals += int(inside.sum())
         if per_gpu is not None:
             tag.unread.update(int(g) for g in np.flatnonzero(np.isnan(per_gpu[inside]).any(axis=0)))
         # The interval rows' own unproxied_energy_j (the scrape windows' bypass tokens already spread over the
@@ -2467,6 +2471,12 @@ class Ledger:
         interval and request rows' words where the cause is the same (their builders); None where every figure is
         whole (`server_count` off or slots_only is said by that column alone, as an interval's is)."""
         notes = [_gpu_missing_note("part of this window") if tg.work_missing else None]
+        if tg.all_gpus_intervals and not tg.excluded:
+            notes.append(f"which GPUs serve not yet judged over {tg.all_gpus_intervals} of its {tg.intervals} "
+                         "intervals: gpu_energy_j and gpu_j_per_token there hold every sampled GPU's energy, a GPU "
+                         "serving none of the proxied work included (once judged, a window holds the serving GPUs' "
+                         "alone); fix: a window after the daemon's log says which GPUs serve, or daemon.gpus of the "
+                         "server's GPUs alone")
         if tg.excluded and tg.intervals:
             total = (f"all sampled GPUs {tg.gpu_j:.4g} J" if not tg.gpu_missing else
                      f"the node total unknown: sampled GPU(s) {sorted(tg.unread)} gave no energy reading over part of "
