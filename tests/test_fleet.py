@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from powerprof.analysis.export import export
-from powerprof.analysis.fleet import FleetError, fleet_summary
+from powerprof.analysis.fleet import FleetError, fleet_summary, tag_notes, tag_summary
 from powerprof.cli import main
 from powerprof.daemon.service import datasets
 from powerprof.daemon.store import DatasetStore
@@ -1071,3 +1071,23 @@ def test_the_overlap_count_is_every_interval_overlapping_another_daemons_as_matc
     want = [r for r in one if hit(r, two)] + [r for r in two if hit(r, one)]
     assert got["vm"][0] == len(want) > 0
     assert got["vm"][1] == pytest.approx(sum(r[5] for r in want))
+
+
+def test_tag_windows_written_before_gpu_uuids_are_counted_as_every_sampled_gpus_energy(tmp_path):
+    # A tag's windows written before gpu_uuids hold every sampled GPU's energy; the daemon now writes the serving GPUs'.
+    # Before: both summed into one J/token, unsaid.
+    def tag(root, daemon, gpus, t0, e):
+        store = DatasetStore(root, datasets(), host="vm", gpu_uuids=gpus)
+        store.append("tags", [{"daemon_id": daemon, "name": "exp", "t_start_utc": T0_NS + t0 * 10**9,
+                               "t_end_utc": T0_NS + (t0 + 5) * 10**9, "duration_s": 5.0, "gpu_energy_j": e,
+                               "unproxied_energy_j": 0.0, "proxy_tokens": 100.0, "server_count": "complete"}])
+        assert store.flush()
+    tag(tmp_path / "old", "old", None, 10, 280.0)
+    _as_before_gpu_uuids(tmp_path / "old")
+    _samples(tmp_path / "old", "old", [GPU_A, GPU_B])
+    tag(tmp_path / "new", "new", f"{GPU_A},{GPU_B}", 100, 200.0)
+    src = [str(tmp_path / "old"), str(tmp_path / "new")]
+    (t,) = tag_summary(src).to_pylist()
+    assert t["counted_windows"] == 2 and t["all_gpus_windows"] == 1
+    said = " ".join(tag_notes(tag_summary(src)))
+    assert "written before gpu_uuids" in said and "every sampled GPU's energy" in said and "vm [GPU-aaaaaaaa GPU-bbbbbbbb] exp: 1 of 2 counted" in said

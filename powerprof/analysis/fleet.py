@@ -143,7 +143,7 @@ def _table_sql(con, table: str, files: list[str]) -> str:
     label = _host_label_sql(table)
     key = KEYS[table]
     keyless = keyless_sql(key)  # every such row is its own, never a copy
-    other = [c for c in cols if c not in ("host", *key)]
+    other = [c for c in cols if c not in ("host", *key)] + (["gpu_set_unwritten"] if "gpu_uuids" in cols else [])
     k = ", ".join(key)
     copied = files and con.execute(f"SELECT EXISTS (SELECT 1 FROM ({raw}) WHERE NOT {keyless} "
                                    f"GROUP BY {k} HAVING count(*) > 1)").fetchall()[0][0]
@@ -189,14 +189,17 @@ def _raw_sql(con, table: str, files: list[str]) -> str:
         names = set(types)
         _check_types(table, files, {c: types[c] for c in cols if c in types})
         sel = ", ".join(c if c in names else f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
-        raw = f"SELECT {sel}, filename FROM {src}"
+        # Whether the row itself said its GPU set (a tag written before gpu_uuids is every sampled GPU's energy).
+        unwritten = ", gpu_uuids IS NULL AS gpu_set_unwritten" if "gpu_uuids" in cols else ""
+        raw = f"SELECT {sel}{unwritten}, filename FROM {src}"
         if "gpu_uuids" in cols and _has_table(con, GPU_SETS):
             # Rows written before gpu_uuids: their daemon's GPU set as its samples say it (_recover_gpu_sets).
             raw = (f"SELECT r.* REPLACE (coalesce(r.gpu_uuids, g.gpu_uuids) AS gpu_uuids) FROM ({raw}) r "
                    f"LEFT JOIN {GPU_SETS} g ON r.daemon_id = g.daemon_id")
         return raw
     sel = ", ".join(f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
-    return f"SELECT {sel}, NULL::VARCHAR AS filename WHERE false"
+    unwritten = ", NULL::BOOLEAN AS gpu_set_unwritten" if "gpu_uuids" in cols else ""
+    return f"SELECT {sel}{unwritten}, NULL::VARCHAR AS filename WHERE false"
 
 
 GPU_SETS = "fleet_gpu_sets"
@@ -573,6 +576,7 @@ SELECT host, name,
        sum(gpu_energy_j) FILTER (WHERE {counted} AND {unmeasured}) AS bypass_unmeasured_gpu_energy_j,
        string_agg(DISTINCT server_count, ',') FILTER (WHERE {counted} AND {unmeasured}) AS bypass_unmeasured_reasons,
        count(*) FILTER (WHERE {ok} AND NOT {energy}) AS no_energy_windows,
+       count(*) FILTER (WHERE {counted} AND gpu_set_unwritten) AS all_gpus_windows,
        count(*) FILTER (WHERE NOT ({ok})) AS invalid_windows,
        count(*) FILTER (WHERE {ok} AND spans_bad) AS invalid_interval_windows,
        CAST(sum(copies - 1) AS BIGINT) AS duplicate_windows,
@@ -685,6 +689,14 @@ def tag_notes(t: pa.Table) -> list[str]:
                    "the window open: closed_by lost, its energy_note says which) were left out of their tag's figures: "
                    + "; ".join(
                        f"{r['host']} {r['name']}: {r['no_energy_windows']} of {r['windows']}" for r in none))
+    every = [r for r in rows if r["all_gpus_windows"]]
+    if every:
+        out.append("tag windows written before gpu_uuids hold every sampled GPU's energy, a GPU serving none of the "
+                   "proxied work included (a newer daemon's hold the serving GPUs' alone, its energy_note says where "
+                   "not yet judged): counted in their tag's energy and J/token, which read high by any such GPU's: "
+                   + "; ".join(f"{r['host']} {r['name']}: {r['all_gpus_windows']} of {r['counted_windows']} counted"
+                               for r in every) + "; the fix: daemon.gpus of the server's GPUs alone, or compare windows "
+                   "of one daemon version")
     spans = [r for r in rows if r["invalid_interval_windows"]]
     if spans:
         out.append("tag windows over an interval left out of the host's figures (its GPU energy NaN, negative, or more "
