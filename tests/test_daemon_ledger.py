@@ -755,11 +755,11 @@ def test_a_gpu_no_server_uses_gives_its_energy_to_idle_not_to_the_requests():
     assert led.totals.energy_by_dest_j[1] >= 30 * 70.0  # GPU 1's energy in busy intervals is idle
 
 
-def _server_on_gpu0_gpu1_idle(lose_gpu1_at=None, early_tag=False):
+def _server_on_gpu0_gpu1_idle(lose_gpu1_at=None, early_tag=False, gpu_names=None):
     """GPU 0 serves (70 W idle, 400 W busy), GPU 1 draws 70 W throughout; a tag over the last 20 of 40 requests.
     `lose_gpu1_at`: from that request on GPU 1 (judged not serving) gives no energy reading."""
     sink = Sink()
-    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    led = Ledger("d", 0, 2, sink, grace_s=0.1, gpu_names=gpu_names)
     e = [0.0, 0.0]
     t = 0
     for _ in range(8):
@@ -803,7 +803,7 @@ def test_a_tags_j_per_token_is_of_the_serving_gpus_as_its_requests_are():
     (tag,) = sink.rows["tags"]
     assert tag["gpu_j_per_token"] == pytest.approx(40.0, rel=0.01)
     assert tag["gpu_energy_j"] == pytest.approx(8000.0, rel=0.01)  # GPU 0's: its J/token's
-    assert "sampled GPU(s) [1]" in tag["energy_note"] and "1400 J" in tag["energy_note"]
+    assert "GPU(s) gpu1 drew no more" in tag["energy_note"] and "1400 J" in tag["energy_note"]
     assert "all sampled GPUs 9400 J" in tag["energy_note"]
 
 
@@ -827,12 +827,23 @@ def test_losing_a_gpu_that_serves_nothing_leaves_the_requests_energy_whole_and_n
     assert all(req[100 + k]["gpu_j_per_token"] == pytest.approx(40.0, rel=0.01) for k in range(30, 40))
     lost = [r for r in sink.rows["intervals"] if r["gpu_energy_j"] is None]
     assert lost, "the node total is unknown where GPU 1 gave no reading"
-    assert all("sampled GPU(s) [1]" in r["energy_note"] and "restarting the daemon" in r["energy_note"] for r in lost)
+    assert all("GPU(s) gpu1 gave no" in r["energy_note"] and "restarting the daemon" in r["energy_note"] for r in lost)
     assert all(r["requests_energy_j"] == pytest.approx(400.0, rel=0.01) for r in lost if r["kind"] != "idle")
     (tag,) = sink.rows["tags"]
     assert tag["gpu_energy_j"] == pytest.approx(8000.0, rel=0.01)
     assert tag["gpu_j_per_token"] == pytest.approx(40.0, rel=0.01)
-    assert "sampled GPU(s) [1]" in tag["energy_note"] and "restarting the daemon" in tag["energy_note"]
+    assert "GPU(s) gpu1 gave no" in tag["energy_note"] and "restarting the daemon" in tag["energy_note"]
+
+
+def test_the_notes_name_a_gpu_by_its_nvml_index_and_uuid_not_its_position_among_the_sampled():
+    # daemon.gpus = [2, 5]: before, the notes said "sampled GPU(s) [1]", a position, which is GPU 5.
+    names = ["gpu2 (GPU-2222)", "gpu5 (GPU-5555)"]
+    sink = _server_on_gpu0_gpu1_idle(lose_gpu1_at=30, gpu_names=names)
+    lost = [r for r in sink.rows["intervals"] if r["gpu_energy_j"] is None]
+    assert lost and all("gpu5 (GPU-5555)" in r["energy_note"] and "[1]" not in r["energy_note"] for r in lost)
+    (tag,) = sink.rows["tags"]
+    assert "GPU(s) gpu5 (GPU-5555) drew no more" in tag["energy_note"]
+    assert "GPU(s) gpu5 (GPU-5555) gave no" in tag["energy_note"] and "[1]" not in tag["energy_note"]
 
 
 def test_a_lost_idle_gpu_leaves_the_intervals_idle_energy_empty_and_out_of_the_idle_total():

@@ -2439,9 +2439,9 @@ class Ledger:
         GPUs serving none of the proxied work without energy here, and whether a serving one is unread too (`_idle_unread`)."""
         aside, work_unread = idle_unread if idle_unread is not None else ([], False)
         notes = [None if not np.isnan(gpu) else _gpu_missing_note("this interval") if work_unread or not aside
-                 else _idle_gpu_missing_note(aside, "this interval", "requests_energy_j are whole")]
+                 else _idle_gpu_missing_note(self._named(aside), "this interval", "requests_energy_j are whole")]
         if aside:
-            notes.append(_idle_unknown_note(aside))
+            notes.append(_idle_unknown_note(self._named(aside)))
         if np.isnan(cpu):
             notes.append(_cpu_missing_note("this interval's start or end") if self.rapl else NO_RAPL_NOTE)
         elif work and other_pct is not None and other_pct > BUSY_HOST_PCT:
@@ -2466,6 +2466,10 @@ class Ledger:
         return (f"other_cpu_pct empty: not judged ({why}); cpu_energy_j is the whole package's and could "
                 f"include other processes' energy; fix: {BUSY_HOST_FIX}")
 
+    def _named(self, gpus) -> str:
+        """Sampled GPUs (by position) as the log names them: NVML index and UUID (`gpu_names`), never a position."""
+        return ", ".join(self.gpu_names[g] if g < len(self.gpu_names) else f"gpu{g}" for g in gpus)
+
     def _tag_note(self, tg: _Tag, row: dict) -> str | None:
         """A tag row's energy_note: for each figure of it that is empty or may be partial, why and the fix, in the
         interval and request rows' words where the cause is the same (their builders); None where every figure is
@@ -2479,11 +2483,11 @@ class Ledger:
                          "server's GPUs alone")
         if tg.excluded and tg.intervals:
             total = (f"all sampled GPUs {tg.gpu_j:.4g} J" if not tg.gpu_missing else
-                     f"the node total unknown: sampled GPU(s) {sorted(tg.unread)} gave no energy reading over part of "
+                     f"the node total unknown: GPU(s) {self._named(sorted(tg.unread))} gave no energy reading over part of "
                      "it (lost or failing reads; the samples' error column says which; restarting the daemon, "
                      "daemon.gpus without a GPU that is gone, measures the others' total)")
             notes.append(f"gpu_energy_j and gpu_j_per_token are of the GPUs serving the proxied work alone, as its "
-                         f"requests' split: sampled GPU(s) {sorted(tg.excluded)} drew no more when it ran than when "
+                         f"requests' split: GPU(s) {self._named(sorted(tg.excluded))} drew no more when it ran than when "
                          f"idle, so their {tg.excluded_j:.4g} J over this window is idle, not its work ({total})"
                          + (f"; {tg.all_gpus_intervals} of its {tg.intervals} intervals, before the daemon judged so, "
                             "hold every sampled GPU's energy" if tg.all_gpus_intervals else "")
@@ -2852,10 +2856,10 @@ def _cpu_missing_note(where: str) -> str:
             "busy processes beside the daemon")
 
 
-def _idle_gpu_missing_note(gpus: list[int], where: str, whole: str) -> str:
-    """Why a gpu_energy_j (all sampled GPUs) is empty while the serving GPUs' figures are whole: `gpus` (by position in
-    the sampled ones), judged to serve none of the proxied work, gave no energy reading over `where`."""
-    return (f"GPU energy unknown: sampled GPU(s) {gpus} gave no energy reading over {where} (lost or failing reads; "
+def _idle_gpu_missing_note(gpus: str, where: str, whole: str) -> str:
+    """Why a gpu_energy_j (all sampled GPUs) is empty while the serving GPUs' figures are whole: `gpus` (named as the log
+    names them, Ledger._named), judged to serve none of the proxied work, gave no energy reading over `where`."""
+    return (f"GPU energy unknown: GPU(s) {gpus} gave no energy reading over {where} (lost or failing reads; "
             f"the samples' error column says which and why), so gpu_energy_j, every sampled GPU's, is empty; they "
             f"serve none of the proxied work, so the requests' energy and {whole}; fix: powerprof devices, "
             "nvidia-smi -q; restarting the daemon (daemon.gpus without a GPU that is gone) measures the others' total")
@@ -2872,9 +2876,9 @@ def _idle_unread(per_gpu, serving, k: int) -> tuple[list[int], bool] | None:
     return [int(g) for g in np.flatnonzero(unread & ~serving)], bool((unread & serving).any())
 
 
-def _idle_unknown_note(gpus: list[int]) -> str:
+def _idle_unknown_note(gpus: str) -> str:
     """Why an interval's idle_energy_j is empty: `gpus`, serving none of the proxied work, gave no reading there."""
-    return (f"idle_energy_j empty: it holds the energy of sampled GPU(s) {gpus}, which serve none of the proxied work "
+    return (f"idle_energy_j empty: it holds the energy of GPU(s) {gpus}, which serve none of the proxied work "
             "and gave no energy reading here; counting them 0 J would understate it, so this interval is left out of "
             "the daemon's idle total (powerprof_gpu_idle_energy_unknown_intervals counts such intervals)")
 
