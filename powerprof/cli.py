@@ -1867,13 +1867,15 @@ def tag_start(name, socket, config_path, as_json):
 
 
 def _tag_figure(key: str, v):
-    """A figure of the daemon's stop answer as --json prints it: seconds and joules to the millisecond and millijoule,
-    J/token to 6 significant digits (the sum of readings printed `"duration_s": 0.30000000000000004`); others as given."""
+    """A figure of the daemon's stop answer as --json prints it: seconds to the millisecond, joules and J/token to 6
+    significant digits, and joules from 100 J on to the millijoule (the sum of readings printed
+    `"duration_s": 0.30000000000000004`; a tiny energy rounded to the millijoule read 0.0, a 0 posing as a
+    measurement); others as given."""
     if not isinstance(v, float) or v != v or v in (float("inf"), float("-inf")):
         return v
-    if key == "duration_s" or key.endswith("_energy_j"):
+    if key == "duration_s" or (key.endswith("_energy_j") and abs(v) >= 100):
         return round(v, 3)
-    if key == "gpu_j_per_token":
+    if key == "gpu_j_per_token" or key.endswith("_energy_j"):
         return float(f"{v:.6g}")
     return v
 

@@ -555,3 +555,15 @@ def test_an_out_whose_parent_is_missing_is_refused_and_nothing_is_made(cmd, tmp_
     r = run(*cmd, "--simulate", "--out", str(out))
     assert r.exit_code != 0 and "its parent folder" in r.output and f"mkdir -p {out.parent}" in r.output, r.output
     assert not (tmp_path / "typo").exists()
+
+
+def test_tag_stop_json_keeps_a_tiny_energy_to_significant_digits(monkeypatch):
+    # Before: round(v, 3) printed a tag's 0.0004 J as 0.0, a 0 posing as a measurement.
+    import powerprof.daemon.tagapi as tagapi
+
+    answers = {"stop": {"ok": True, "duration_s": 0.30000000000000004, "gpu_energy_j": 0.00041234567,
+                        "unproxied_energy_j": 0.0, "proxy_tokens": 1, "gpu_j_per_token": 0.00041234567}}
+    monkeypatch.setattr(tagapi, "send_tag", lambda socket, action, name: answers[action])
+    stop = json.loads(run("tag", "stop", "x", "--socket", "/nonexistent", "--json").output)
+    assert stop["gpu_energy_j"] == pytest.approx(0.000412346, rel=1e-6) and stop["gpu_energy_j"] != 0.0
+    assert stop["unproxied_energy_j"] == 0.0 and stop["duration_s"] == 0.3

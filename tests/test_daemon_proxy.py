@@ -970,3 +970,19 @@ def test_a_held_body_sent_in_slow_pieces_is_one_delivery_and_a_live_stream_is_no
     assert t.tokens_seen == 60 and t.extra.get("deliveries") == 1, (t.tokens_seen, t.extra)
     t = _run(main(live))
     assert t.tokens_seen == 60 and t.extra.get("deliveries", 0) >= 30, (t.tokens_seen, t.extra)
+
+
+def test_a_null_max_completion_tokens_beside_max_tokens_keeps_the_limit():
+    # Before: doc.get("max_completion_tokens", doc.get("max_tokens")) gave None for `"max_completion_tokens": null`
+    # beside `"max_tokens": 64`: the limit was lost, and a stream that stopped at it was flagged count-open.
+    import json
+
+    from powerprof.daemon.proxy import inspect_request_body
+    for doc, want in (({"max_completion_tokens": None, "max_tokens": 64}, 64),
+                      ({"max_completion_tokens": 32, "max_tokens": 64}, 32),
+                      ({"max_completion_tokens": "x", "max_tokens": 64}, 64),
+                      ({"max_tokens": None}, None)):
+        extra: dict = {}
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **doc}).encode()
+        inspect_request_body(body, api="openai-chat", extra=extra)
+        assert extra.get("max_tokens") == want, doc

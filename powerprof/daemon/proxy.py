@@ -314,7 +314,8 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             if n > 1:
                 extra["choices"] = n
         if api in ("openai-chat", "openai-completions"):
-            limit = doc.get("max_completion_tokens", doc.get("max_tokens"))
+            # The first of the two that is a number: `"max_completion_tokens": null` beside max_tokens leaves that one.
+            limit = next((v for v in (doc.get("max_completion_tokens"), doc.get("max_tokens")) if type(v) is int), None)
             if type(limit) is int and 0 < limit <= MAX_COUNT:
                 extra["max_tokens"] = limit  # a count at the limit is whole (the ledger's count-open check)
         best_of = request_best_of(doc, api)
