@@ -1036,6 +1036,7 @@ def test_an_upgraded_hosts_old_rows_join_its_new_ones_of_the_same_gpu_set(tmp_pa
     res = CliRunner().invoke(main, ["analyze", *src])
     assert res.exit_code == 0, res.output
     assert "GPU set unknown" in res.output and "different GPU sets" not in res.output
+    assert "all 1 host (1 GPU set, 1 unknown)" in res.output  # before: "(2 GPU sets)"
     _samples(tmp_path / "old", "old", [GPU_B])
     (row,) = fleet_summary(src).to_pylist()
     assert row["host"] == "vm [GPU-bbbbbbbb]" and row["requests"] == 12 and row["gpu_set_unknown_intervals"] == 0

@@ -895,8 +895,12 @@ def render_summary(t: pa.Table) -> str:
     jpt = f"{tot_att / tot_att_tok:.3f}" if tot_att_tok else "-"
     # A host's rows of several GPU sets are a row each ("vm [GPU-…]"): the machines are the labels without the set.
     hosts = {re.sub(r" \[[^\]]*\]$", "", r["host"]) for r in rows}
+    # A row without a set (written before gpu_uuids, none read from samples) is no set of its own: said apart.
+    unset = sum(1 for r in rows if re.sub(r" \[[^\]]*\]$", "", r["host"]) == r["host"])
+    n_sets = len(rows) - unset
     every = f"all {len(hosts)} host" + ("s" if len(hosts) != 1 else "") + (
-        f" ({len(rows)} GPU sets)" if len(rows) > len(hosts) else "")
+        (f" ({n_sets} GPU set" + ("s" if n_sets != 1 else "") + (f", {unset} unknown" if unset else "") + ")")
+        if len(rows) > len(hosts) else "")
     lines.append(f"{every:{w}s} {tot_req:9d} {tot_tok:11d} {tot_e / 3.6e6:9.3f} "
                  f"{100 * tot_idle / tot_e if tot_e else float('nan'):7.1f} "
                  f"{on(tot_att_tok, tot_tok) if tot_att_tok else '-':>8s} {jpt:>8s}")
