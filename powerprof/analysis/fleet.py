@@ -269,7 +269,10 @@ def _check_types(table: str, files: list[str], read_as: dict[str, str]) -> None:
                      f"as {COLUMNS[table][c]} in it, or move it out of the dataset folder, and run again")
 
 
-def _overlaps(con, intervals: str) -> tuple[dict[str, tuple[int, float, list[str]]], dict[str, tuple[int, float, list[str]]]]:
+_Overlap = dict[str, tuple[int, float, list[str]]]
+
+
+def _overlaps(con, intervals: str) -> tuple[_Overlap, _Overlap]:
     """{host row (its label): (intervals of it that overlap in time another daemon's on the same machine and a GPU both
     sampled, their GPU energy, the daemon_ids involved)}: each daemon's intervals hold every sampled GPU's energy, so
     summed such a GPU's energy and hours count twice (two daemons at once on one host: 58.8 s of hours over a 29.4 s
