@@ -863,6 +863,10 @@ def test_a_lost_idle_gpu_leaves_the_intervals_idle_energy_empty_and_out_of_the_i
     assert sum(sink.ledger.totals.energy_by_dest_j[1:2]) == pytest.approx(after, rel=1e-6)
     assert sink.ledger.totals.idle_unknown_intervals == len(lost)
     assert whole.ledger.totals.idle_unknown_intervals == 0
+    # The energy by interval kind is the intervals' whose total is known (before: the lost GPU counted 0 J there).
+    known = sum(r["gpu_energy_j"] for r in kept)
+    assert sum(sink.ledger.totals.energy_by_kind_j) == pytest.approx(known, rel=1e-6)
+    assert sink.ledger.totals.gpu_unknown_intervals == len(lost)
 
 
 def test_a_stream_whose_only_token_comes_in_its_closing_chunk_is_attributed_that_token():

@@ -315,6 +315,8 @@ class Totals:
     jpt_left_out: dict = field(default_factory=dict)
     # Intervals kept out of energy_by_dest_j's idle since start: a GPU serving none of the work gave no reading there.
     idle_unknown_intervals: int = 0
+    # Intervals in no kind of energy_by_kind_j since start: a GPU gave no reading there, their total unknown.
+    gpu_unknown_intervals: int = 0
 
 
 class Ledger:
@@ -464,6 +466,7 @@ class Ledger:
         self._by_kind = np.zeros(4)
         self._by_dest = np.zeros(3)
         self._idle_unknown_intervals = 0
+        self._gpu_unknown_intervals = 0
         self._tokens_total = 0.0
         self._tokens_attributed = 0.0
         self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
@@ -2282,7 +2285,14 @@ class Ledger:
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
-        self._by_kind = self._by_kind + a.by_kind[:, 0]
+        by_kind = a.by_kind[:, 0].copy()
+        gone = np.isnan(gpu)
+        if serving is not None and gone.any():
+            # An interval whose total is unknown (a GPU unread) is in no kind's energy: split by serving GPUs, the
+            # attribution's by_kind holds the others' sum there (the unread one as 0 J); unsplit, it holds 0 already.
+            by_kind -= np.bincount(a.kind[gone], weights=np.nansum(per_gpu[gone], axis=1), minlength=by_kind.size)
+        self._gpu_unknown_intervals += int(gone.sum())
+        self._by_kind = self._by_kind + by_kind
         by_dest = a.by_dest[:, 0].copy()
         if idle_missing is not None and idle_missing.any():
             by_dest[attr.TO_IDLE] -= float(a.dest[idle_missing, attr.TO_IDLE, 0].sum())
@@ -2327,6 +2337,7 @@ class Ledger:
             cache_late_requests=self.cache_late_requests,
             jpt_left_out=dict(self._jpt_left_out),
             idle_unknown_intervals=self._idle_unknown_intervals,
+            gpu_unknown_intervals=self._gpu_unknown_intervals,
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:

@@ -121,6 +121,7 @@ class Snapshot:
     cache_late_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-late since start
     accounts_behind_s: float | None = None  # now − the end of the latest closed interval (None: none yet)
     jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
+    gpu_unknown_intervals: int = 0  # ledger.Totals: intervals in no kind of energy_by_kind_j (a GPU unread there)
     idle_unknown_intervals: int = 0  # ledger.Totals: intervals kept out of energy_by_dest_j's idle (an idle GPU unread)
 
 
@@ -174,6 +175,10 @@ class SnapshotCollector:
         for name, v in zip(KIND_NAMES, s.energy_by_kind_j):
             k.add_metric([name], v)
         yield k
+        yield CounterMetricFamily("powerprof_gpu_energy_unknown_intervals",
+                                  "Intervals left out of the energy by interval kind: a GPU gave no energy reading "
+                                  "there, their total unknown (their rows' gpu_energy_j is empty, the note says why)",
+                                  value=s.gpu_unknown_intervals)
         d = CounterMetricFamily("powerprof_gpu_energy_attributed_joules",
                                 "GPU energy by where it went: requests (by their work), idle, unproxied", labels=["to"])
         for name, v in zip(DEST_NAMES, s.energy_by_dest_j):

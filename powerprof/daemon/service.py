@@ -852,6 +852,7 @@ class Daemon:
             cache_late_requests=tot.cache_late_requests,
             jpt_left_out=tot.jpt_left_out,
             idle_unknown_intervals=tot.idle_unknown_intervals,
+            gpu_unknown_intervals=tot.gpu_unknown_intervals,
         )
 
     def _helper_pids(self) -> list[int]:
