@@ -1266,3 +1266,18 @@ def test_a_normal_stop_says_the_gpu_is_back_at_its_original_limit(tmp_path, oper
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines()[-1] == f"GPU 0 back at its original {operator_limit:g} W limit", r.stderr
     assert sim_limit_w() == operator_limit
+
+
+def test_a_window_with_an_interval_whose_gpu_energy_is_unknown_is_not_judged():
+    # A GPU unread in an interval leaves its energy out of the daemon's totals (its idle, or the kinds'): before, such a
+    # window read low and was judged as measured.
+    with FakeDaemon(per_scrape=20, tpot_s=0.05) as fd:
+        a = parse_counters(fetch_metrics(fd.url), 0.0)
+        b = parse_counters(fetch_metrics(fd.url), 10.0)
+    assert a.energy_unknown_intervals == 0.0  # the daemon's counter, read
+    window_between(a, b, 300.0)
+    with pytest.raises(ObserveError, match="no energy reading"):
+        window_between(a, dataclasses.replace(b, energy_unknown_intervals=3.0), 300.0)
+    # A daemon older than the counter: nothing to check, the window stands.
+    window_between(dataclasses.replace(a, energy_unknown_intervals=None),
+                   dataclasses.replace(b, energy_unknown_intervals=None), 300.0)

@@ -63,6 +63,9 @@ class DaemonCounters:
     # How far the energy counters (closed intervals) were behind the read (None: a daemon older than the gauge): the
     # energy of a window between two reads was spent over the same span this much earlier.
     accounts_behind_s: float | None = None
+    # Intervals whose GPU energy is unknown (a GPU unread: out of the daemon's energy totals) since it started; None: a
+    # daemon older than the counter. A window in which it moved read its energy low, and is not judged.
+    energy_unknown_intervals: float | None = None
 
 
 def loopback_reason(url: str) -> str | None:
@@ -203,8 +206,11 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
 
     oldest, silence = (gauge(f"powerprof_requests_{k}_seconds")
                        for k in ("oldest_awaiting_first_token", "longest_stream_silence"))
+    unknown = ([num(s.value) for s in fam["powerprof_gpu_energy_unknown_intervals"].samples if s.name.endswith("_total")]
+               if "powerprof_gpu_energy_unknown_intervals" in fam else [])
     return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot, upstream, gpu, limits,
-                          in_flight, awaiting, clock, oldest, silence, gauge("powerprof_accounts_behind_seconds"))
+                          in_flight, awaiting, clock, oldest, silence, gauge("powerprof_accounts_behind_seconds"),
+                          sum(unknown) if unknown else None)
 
 
 def _le(x: str) -> float:
@@ -231,6 +237,12 @@ def window_between(a: DaemonCounters, b: DaemonCounters, level: float) -> Window
         d = [y - x for x, y in zip(ca, cb)]
         return (int(round(d[0])),) + tuple(int(round(d[k] - d[k - 1])) for k in range(1, len(d)))
 
+    if (a.energy_unknown_intervals is not None and b.energy_unknown_intervals is not None
+            and b.energy_unknown_intervals > a.energy_unknown_intervals):
+        raise ObserveError(f"{b.energy_unknown_intervals - a.energy_unknown_intervals:.0f} interval(s) in this window "
+                           "had a GPU give no energy reading (lost or failing reads: the daemon's log and "
+                           "powerprof_gpu_energy_unknown_intervals_total): their energy is out of its totals, so the "
+                           "window reads low: not usable")
     fin = b.finished - a.finished
     if not all(math.isfinite(getattr(b, f) - getattr(a, f)) for f in fields + ("active",)):
         raise ObserveError("the daemon's counters are not finite numbers: this window is not usable")
