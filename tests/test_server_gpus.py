@@ -193,3 +193,57 @@ def test_the_daemon_names_the_gpus_that_serve_by_nvml_index_and_uuid(caplog):
         led.advance(int((t - 0.5) * S))
     (line,) = [r.getMessage() for r in caplog.records if "the proxied work runs on" in r.getMessage()]
     assert "runs on sampled GPU(s) gpu2 (GPU-aaa);" in line and "GPU(s) gpu5 (GPU-bbb) draw no more" in line, line
+
+
+def _two_gpu_server(engine_gpu: int, engine_bytes: int, other_gpu: int, other_bytes: int):
+    """A simulated host of two GPUs with the server's engine (pid 4242) on one and a child (4243) on the other."""
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(engine_gpu, 4242, engine_bytes, lambda: 1.0)
+    sim.add_process(other_gpu, 4243, other_bytes, lambda: 0.0)
+    return sim
+
+
+def test_a_small_helper_context_on_an_unmeasured_gpu_is_a_note_not_a_refusal():
+    from powerprof.workload.placement import find_placement, judge_placement
+
+    # The engine holds 14 GiB on GPU 1; a child touched CUDA once (PyTorch's default device): 300 MiB on GPU 0. It
+    # read "the server also runs on GPU 0 …; add it: --gpus 0,1" and refused the sweep and the measure (exit 2).
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    assert p.unmeasured == {} and p.unmeasured_text() is None
+    notes: list[str] = []
+    judge_placement(p, notes)
+    (note,) = notes
+    assert f"a helper context of 300 MiB on GPU 0 ({sim.gpus[0].uuid})" in note and "not counted as serving" in note
+
+
+def test_real_use_on_an_unmeasured_gpu_is_still_refused_small_model_split_included():
+    from powerprof.workload.placement import GpuPlacementError, find_placement, judge_placement
+
+    # A small model split over two GPUs (400 MiB each): each GPU's share is its largest, so both serve.
+    sim = _two_gpu_server(1, 400 << 20, 0, 400 << 20)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    assert list(p.unmeasured) == [0]
+    # 2 GiB beside 14 GiB: over the 1 GiB bound, serving.
+    sim = _two_gpu_server(1, 14 << 30, 0, 2 << 30)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    with pytest.raises(GpuPlacementError) as e:
+        judge_placement(p, [])
+    assert "--gpus 0,1" in str(e.value) and "--allow-unmeasured-server-gpus" in str(e.value)
+    notes: list[str] = []
+    judge_placement(p, notes, allow=True)
+    assert notes and notes[0].startswith("measured anyway (--allow-unmeasured-server-gpus): the server also runs on GPU 0")
+
+
+def test_measure_allow_unmeasured_server_gpus_measures_and_says_so_in_run_json(tmp_path):
+    from powerprof.cli import main
+
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--requests", "2", "--max-tokens", "16",
+                                  "--allow-unmeasured-server-gpus", "--out", str(tmp_path / "m")],
+                           env={"CUDA_VISIBLE_DEVICES": "1"})
+    assert r.exit_code == 0, r.output
+    meta = json.loads((tmp_path / "m" / "run.json").read_text())
+    assert any(n.startswith("measured anyway (--allow-unmeasured-server-gpus): the server also runs on GPU 0")
+               for n in meta["notes"]), meta["notes"]
+
