@@ -247,3 +247,47 @@ def test_measure_allow_unmeasured_server_gpus_measures_and_says_so_in_run_json(t
     assert any(n.startswith("measured anyway (--allow-unmeasured-server-gpus): the server also runs on GPU 0")
                for n in meta["notes"]), meta["notes"]
 
+
+def test_the_daemon_keeps_the_unsampled_flag_while_nothing_can_be_told_and_clears_it_on_evidence():
+    from types import SimpleNamespace
+
+    from powerprof.daemon.service import Daemon
+
+    # The upstream on GPUs 0 and 1, the daemon sampling GPU 1. Then a restart: nothing listens for a moment, so the
+    # server's processes cannot be found (find_placement: None). That cleared the flag ("runs on sampled GPUs only
+    # again") and rows closed for up to 30 s after were unmarked, GPU 0 still unsampled.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    for i in (0, 1):
+        sim.add_process(i, 4242, 8 << 30, lambda: 1.0)
+    answer = [({4242}, None)]
+    d = SimpleNamespace(_server_procs=lambda: answer[0], collector=SimpleNamespace(nvml=sim),
+                        gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=SimpleNamespace(unsampled_note=None),
+                        _idle_said=False, _helper_said=False)
+    Daemon._check_placement(d)
+    assert d._unsampled == (0,) and d.ledger.unsampled_note.startswith("server-gpu-unsampled: the server also runs on GPU 0")
+    answer[0] = (None, "nothing listens on port 8000")  # restarting
+    Daemon._check_placement(d)
+    assert d._unsampled == (0,) and d.ledger.unsampled_note is not None
+    answer[0] = ({4242}, None)  # back, still on GPU 0: still flagged
+    Daemon._check_placement(d)
+    assert d._unsampled == (0,) and d.ledger.unsampled_note is not None
+    sim.remove_process(0, 4242)  # positive evidence: only on the sampled GPU now
+    Daemon._check_placement(d)
+    assert d._unsampled == () and d.ledger.unsampled_note is None
+
+
+def test_the_daemon_does_not_flag_rows_for_a_helper_context(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from powerprof.daemon.service import Daemon
+
+    caplog.set_level(logging.INFO)
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None), collector=SimpleNamespace(nvml=sim),
+                        gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=SimpleNamespace(unsampled_note=None),
+                        _idle_said=False, _helper_said=False)
+    Daemon._check_placement(d)
+    assert d._unsampled == () and d.ledger.unsampled_note is None
+    assert any("a helper context of 300 MiB on GPU 0" in r.getMessage() for r in caplog.records)
