@@ -1540,6 +1540,7 @@ def run_sweep(
     notes.extend(getattr(sweep, "level_notes", []))
     notes.extend(getattr(sweep, "restart_notes", []))
     notes.extend(getattr(sweep, "foreign_notes", []))
+    notes.extend(getattr(sweep, "placement_notes", []))  # a grid's: each configuration's server checked as it started
     notes.extend(getattr(sweep, "cut_notes", []))
     if ctl is not None:
         notes.extend(ctl.notes)  # a GPU reset between levels: reopened by its UUID, the next level set on it
