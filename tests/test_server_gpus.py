@@ -31,7 +31,8 @@ def test_sweep_on_one_gpu_of_a_server_on_two_stops_before_any_limit_and_names_th
 
     # The simulated server runs on both simulated GPUs (its process on both lists); the sweep measures GPU 1 alone.
     r = CliRunner().invoke(main, ["sweep", "--simulate", "--gpus", "1", "--limits", "300,220", "--max-time", "4",
-                                  "--max-tokens", "16", "--out", str(tmp_path / "x")])
+                                  "--max-tokens", "16", "--out", str(tmp_path / "x")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": "0,1"})
     assert r.exit_code == 2, r.output
     assert "the server also runs on GPU 0 (GPU-" in r.output and "--gpus 0,1" in r.output, r.output
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())  # nothing measured, nothing written
@@ -45,7 +46,8 @@ def test_measure_json_says_the_refusal_as_one_json_object(tmp_path):
 
     # A host of two simulated cards, powerprof shown GPU 1 alone; the simulated server runs on both.
     r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--requests", "2", "--max-tokens", "16",
-                                  "--json", "--out", str(tmp_path / "m")], env={"CUDA_VISIBLE_DEVICES": "1"})
+                                  "--json", "--out", str(tmp_path / "m")],
+                           env={"CUDA_VISIBLE_DEVICES": "1", "POWERPROF_SIM_SERVER_GPUS": "0,1"})
     assert r.exit_code == 2, r.output
     obj = json.loads(r.stdout.strip().splitlines()[-1])
     assert obj["ok"] is False and obj["exit_code"] == 2 and "the server also runs on GPU 0 (GPU-" in obj["error"], obj
@@ -58,7 +60,7 @@ def test_measure_of_a_gpu_subset_refuses_a_server_on_a_hidden_gpu(tmp_path, monk
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # measure measures the GPUs powerprof is shown
     sim = SimNVML("seed-16g", count=2, state_path=None)
-    with Rig("seed-16g", nvml=sim, sim_gpu_count=2) as rig:
+    with Rig("seed-16g", nvml=sim, sim_gpu_count=2, sim_server_gpus=[0, 1]) as rig:
         with pytest.raises(GpuPlacementError) as e:
             run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=PROMPTS, n_requests=2, concurrencies=[1],
                         params=RequestParams(max_tokens=16), warmup=0, interval_s=0.2)
@@ -120,7 +122,8 @@ def test_daemon_sampling_one_gpu_of_a_server_on_two_says_so_and_marks_its_rows(t
     cfg = tmp_path / "daemon.toml"
     cfg.write_text("[daemon]\ngpus = [1]\n")
     d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "seed-16g", "--sim-gpus", "2",
-                   "--interval", "0.25", "--flush-interval", "0.5", env=sim_env(tmp_path))
+                   "--interval", "0.25", "--flush-interval", "0.5",
+                   env={**sim_env(tmp_path), "POWERPROF_SIM_SERVER_GPUS": "0,1"})
     tag = [sys.executable, "-m", "powerprof.cli", "tag"]
     try:
         subprocess.run(tag + ["start", "t", "--socket", d.info["tags"]], check=True, capture_output=True, timeout=60)
@@ -241,7 +244,7 @@ def test_measure_allow_unmeasured_server_gpus_measures_and_says_so_in_run_json(t
 
     r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--requests", "2", "--max-tokens", "16",
                                   "--allow-unmeasured-server-gpus", "--out", str(tmp_path / "m")],
-                           env={"CUDA_VISIBLE_DEVICES": "1"})
+                           env={"CUDA_VISIBLE_DEVICES": "1", "POWERPROF_SIM_SERVER_GPUS": "0,1"})
     assert r.exit_code == 0, r.output
     meta = json.loads((tmp_path / "m" / "run.json").read_text())
     assert any(n.startswith("measured anyway (--allow-unmeasured-server-gpus): the server also runs on GPU 0")
@@ -291,3 +294,26 @@ def test_the_daemon_does_not_flag_rows_for_a_helper_context(caplog):
     Daemon._check_placement(d)
     assert d._unsampled == () and d.ledger.unsampled_note is None
     assert any("a helper context of 300 MiB on GPU 0" in r.getMessage() for r in caplog.records)
+
+
+def test_simulate_with_gpus_puts_the_simulated_server_on_the_selected_gpus(tmp_path):
+    from powerprof.cli import main
+
+    # A mixed simulated host: one kind at a time is the advice (docs/control.md), and --gpus 1 then refused "the
+    # server also runs on GPU 0 … add it: --gpus 0,1", whose advice led back to the first refusal; no CLI path put the
+    # simulated server on a subset. Now it runs on the selected GPUs, as a server launched with --gpus does.
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "h200-141g,l4-24g", "--gpus", "1", "--limits", "72,60",
+                                  "--max-time", "2", "--min-requests", "2", "--max-requests", "2", "--warmup", "0",
+                                  "--idle-s", "0.5", "--max-tokens", "16", "--out", str(tmp_path / "x")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": None})
+    assert r.exit_code == 0, r.output
+    assert "server also runs" not in r.output
+    # measure, shown GPU 1 of two by CUDA_VISIBLE_DEVICES, and the daemon sampling GPU 1: the server is there alone.
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--requests", "2", "--max-tokens", "16",
+                                  "--out", str(tmp_path / "m")],
+                           env={"CUDA_VISIBLE_DEVICES": "1", "POWERPROF_SIM_SERVER_GPUS": None})
+    assert r.exit_code == 0, r.output
+    with Rig("seed-16g", gpus=[1], sim_gpu_count=2, nvml=SimNVML("seed-16g", count=2, state_path=None)) as rig:
+        rig.sources
+        srv = rig.default_upstream()
+        assert srv and [g.index for g in rig._sim_servers[0].gpus] == [1]
