@@ -246,18 +246,22 @@ class Rig:
                 yield srv.url
 
     def _launch_env(self) -> dict | None:
-        """A launched server's environment: with --gpus given, CUDA_VISIBLE_DEVICES names the measured GPUs by UUID
-        (CUDA_DEVICE_ORDER=PCI_BUS_ID beside it), so the server runs on those and no other; one the user set is kept, and
-        said where it names other GPUs. None: the environment as it is (no --gpus, or no GPU open)."""
+        """A launched server's environment: with --gpus given, CUDA_VISIBLE_DEVICES names the measured GPUs by UUID, a
+        GPU named by MIG instance(s) by those instances' UUIDs (CUDA_DEVICE_ORDER=PCI_BUS_ID beside it), so the server
+        runs on those and no other; one the user set is kept, and said where it names other GPUs. None: the environment as it is (no --gpus, or no GPU open)."""
         if self.gpus is None or self._sources is None or self._sources.nvml is None:
             return None
         col = self._sources.nvml
         uuids = self._sources.gpu_uuids
-        measured = [uuids[i] for i in col.indexes]
+        # A GPU named by its MIG instance(s) is given to the server as those instances: its parent's UUID would let
+        # CUDA pick whichever instance it lists first, maybe not the one named.
+        migs = self._sources.migs
+        measured = [u for i in col.indexes for u in ([m.mig_uuid for m in migs if m.parent_index == i] or [uuids[i]])]
         have = os.environ.get("CUDA_VISIBLE_DEVICES")
         if have is None:
-            self._launch_notes.append(f"the launched server sees only the measured GPU(s) {', '.join(map(str, col.indexes))}: "
-                                      f"CUDA_VISIBLE_DEVICES={','.join(measured)} (from --gpus)")
+            inst = " (MIG instances as named)" if migs else ""
+            self._launch_notes.append(f"the launched server sees only the measured GPU(s) {', '.join(map(str, col.indexes))}"
+                                      f"{inst}: CUDA_VISIBLE_DEVICES={','.join(measured)} (from --gpus)")
             return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(measured), CUDA_DEVICE_ORDER="PCI_BUS_ID")
         from powerprof.collectors.gateway import gateway
         from powerprof.collectors.nvml import resolve_gpu_ids

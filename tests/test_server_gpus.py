@@ -317,3 +317,23 @@ def test_simulate_with_gpus_puts_the_simulated_server_on_the_selected_gpus(tmp_p
         rig.sources
         srv = rig.default_upstream()
         assert srv and [g.index for g in rig._sim_servers[0].gpus] == [1]
+
+
+def test_a_launched_server_given_a_mig_instance_is_shown_that_instance_not_its_parent_gpu(monkeypatch):
+    from powerprof.sim.mig import MigNVML
+
+    # --gpus MIG-…: CUDA_VISIBLE_DEVICES was the parent GPU's UUID, so the server got whichever instance CUDA listed
+    # first while the note said it "sees only the measured GPU(s)".
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nv = MigNVML(SimNVML("a100-40g", count=2, state_path=None), {1: 3})
+    nv.nvmlInit()
+    second = nv.mig_uuids(1)[1]
+    with Rig("a100-40g", nvml=nv, gpus=[second[:16]]) as rig:  # a prefix, as nvidia-smi -L's may be typed
+        assert rig.sources.nvml.indexes == [1]
+        env = rig._launch_env()
+        assert env["CUDA_VISIBLE_DEVICES"] == second, env["CUDA_VISIBLE_DEVICES"]
+        assert any("MIG instances as named" in n and second in n for n in rig.notes), rig.notes
+    # A whole GPU beside it is still named by its own UUID.
+    with Rig("a100-40g", nvml=nv, gpus=[0, second]) as rig:
+        rig.sources
+        assert rig._launch_env()["CUDA_VISIBLE_DEVICES"] == f"{nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(0))},{second}"
