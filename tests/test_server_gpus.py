@@ -337,3 +337,24 @@ def test_a_launched_server_given_a_mig_instance_is_shown_that_instance_not_its_p
     with Rig("a100-40g", nvml=nv, gpus=[0, second]) as rig:
         rig.sources
         assert rig._launch_env()["CUDA_VISIBLE_DEVICES"] == f"{nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(0))},{second}"
+
+
+def test_a_host_process_bearing_a_server_pid_number_is_not_taken_for_the_server():
+    import psutil
+
+    from powerprof.workload.placement import find_placement
+
+    # A container's own pid namespace: NVML lists the host's pids, and a host process (Xorg) bears the number of the
+    # server's pid here. It read "the server also runs on GPU 0" and refused the sweep.
+    me = os.getpid()
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(0, me, 4 << 30, lambda: 1.0, name="/usr/lib/xorg/Xorg")
+    assert find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({me}, None)) is None  # nothing of the server's: unknown
+    # The server's own process, named as this namespace names it, is still found; so is one NVML names not at all.
+    sim.add_process(1, me + 1, 4 << 30, lambda: 1.0)
+    exe = psutil.Process(me).exe()
+    sim.remove_process(0, me)
+    sim.add_process(0, me, 4 << 30, lambda: 1.0, name=exe)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({me, me + 1}, None))
+    assert list(p.unmeasured) == [0] and 1 in p.server

@@ -3,7 +3,8 @@
 NVML lists the processes using each GPU; the server's are found by its port or launch (serverprocs.py). Every GPU
 NVML reports is looked at, not only the measured ones: a server on GPUs 0 and 1 measured on GPU 1 alone has half its
 energy in no figure, and its limit stepped on one GPU of two. Where the server's processes cannot be found (a remote
-server, a socket list this user may not read) or none of them is on any GPU's list (a container's own pid namespace),
+server, a socket list this user may not read) or none of them is on any GPU's list (a container's own pid namespace:
+a listed pid whose name NVML gives differently from this namespace's is another process bearing the same number),
 nothing can be told and nothing is said here (GpuNeighbours, others.py, says the latter of the measured GPUs).
 
 A small context is not serving: a GPU where the server's processes hold under HELPER_MAX_BYTES together, and under
@@ -13,6 +14,7 @@ default device, a tokenizer or API process), said in the notes and never refused
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -107,6 +109,39 @@ def gpu_name(index: int, uuid: str | None) -> str:
     return f"GPU {index}" + (f" ({uuid})" if uuid else "")
 
 
+def _same_process(nvml, pid: int) -> bool:
+    """Whether the pid on NVML's list is the server's process of that number here, judged by name: in a container's
+    own pid namespace NVML's pids are the host's, and a host process may bear a server pid's number. NVML's name (its
+    first word's last path part) against this namespace's (psutil: the name, which the kernel cuts to 15 characters,
+    the executable's, the command line's first word's, which setproctitle rewrites: vLLM's VLLM::EngineCore); True
+    where either cannot be read (nothing shows them different)."""
+    import psutil
+
+    from powerprof.collectors.nvml import process_name
+
+    theirs = process_name(nvml, pid)
+    if not theirs:
+        return True
+
+    def base(text: str) -> str:
+        words = text.strip().split()
+        return os.path.basename(words[0]) if words else ""
+
+    ours: set[str] = set()
+    try:
+        p = psutil.Process(pid)
+        for read in (p.name, p.exe, lambda: (p.cmdline() or [""])[0]):
+            try:
+                ours.add(base(read() or ""))
+            except (psutil.Error, OSError):
+                pass
+    except (psutil.Error, OSError):
+        return True
+    ours.discard("")
+    b = base(theirs)
+    return not ours or any(b == o or b.startswith(o) or o.startswith(b) for o in ours)
+
+
 def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | None:
     """Where the server's processes hold a context, over every GPU NVML reports (NVML initialised by the caller: an
     open collector). measured: index → UUID of the GPUs measured. server_procs: a callable answering (pids, None) or
@@ -132,7 +167,7 @@ def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | 
         if procs is None:
             unlisted.append(i)
             continue
-        mine = [procs[pid] for pid in set(procs) & pids]
+        mine = [procs[pid] for pid in set(procs) & pids if _same_process(nvml, pid)]
         if mine:
             size = None if any(m is None for m in mine) else sum(mine)
             held[i] = (measured.get(i) or gw.query("nvmlDeviceGetUUID", h), size)
