@@ -899,9 +899,13 @@ def _int_list(ctx, param, value: str) -> list[int]:
                    "recorded, flagged, not counted).")
 @click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
 @_workload_options
+@click.option("--allow-unmeasured-server-gpus", "allow_unmeasured_server_gpus", is_flag=True,
+              help="Measure even where the server also runs on a GPU not measured (default: refuse, exit 2): that GPU's "
+                   "energy is in no figure; the run's notes say so.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api, max_tokens, prompts_file, prompt_set,
-            prompt_cache, seed, keep_text, launch_timeout, as_json):
+            prompt_cache, seed, keep_text, launch_timeout, as_json,
+            allow_unmeasured_server_gpus):
     """J/token and decode tok/s at the current settings. Changes nothing; needs no root."""
     import sys
     from pathlib import Path
@@ -935,7 +939,7 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
             res = run_measure(rig, url=url, out_dir=out, prompts=prompts, n_requests=n_requests,
                               concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
                               launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv),
-                              default_out=not out_dir)
+                              default_out=not out_dir, allow_unmeasured_server_gpus=allow_unmeasured_server_gpus)
     except GpuPlacementError as e:  # the GPUs measured, given or left out, miss one the server runs on
         raise click.UsageError(str(e)) from None
     except (ServerUnreachable, LaunchError, FileExistsError, ValueError) as e:
@@ -1442,9 +1446,13 @@ def _fraction_option(ctx, param, value):
               help="With --trace: divide its arrival times by this.")
 @click.option("--duration", "duration_s", type=_FloatRange(min=0, min_open=True), default=None,
               help="With --trace: replay only the requests arriving in the first this many seconds.")
+@click.option("--allow-unmeasured-server-gpus", "allow_unmeasured_server_gpus", is_flag=True,
+              help="Measure even where the server also runs on a GPU not measured (default: refuse, exit 2): that GPU's "
+                   "energy is in no figure; the run's notes say so.")
 def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, repeats, order, target_ci, target_paired_ci, min_requests, max_requests, max_time_s,
           warmup, idle_s, concurrency, server_restart_wait_s, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed,
-          keep_text, launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s):
+          keep_text, launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s,
+          allow_unmeasured_server_gpus):
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
     from rich.text import Text
 
@@ -1484,7 +1492,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     _check_trace_options(click.get_current_context(), trace_path)
     if trace_path:
         _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
-                     launch_timeout, out_dir, idle_s, dry_run, repeats, order)
+                     launch_timeout, out_dir, idle_s, dry_run, repeats, order, allow_unmeasured_server_gpus)
         return
     try:
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(prompt_set)
@@ -1520,6 +1528,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
                 target_paired_ci=target_paired_ci,
                 min_requests=min_requests, max_requests=max_requests, max_time_s=max_time_s, warmup_requests=warmup,
                 idle_s=idle_s, concurrency=concurrency, server_restart_wait_s=server_restart_wait_s,
+                allow_unmeasured_server_gpus=allow_unmeasured_server_gpus,
             )
     if dry_run:
         for line in outcome.plan_lines:
@@ -1686,7 +1695,7 @@ def _sweep_interrupted(back: str):
 
 
 def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
-                 launch_timeout, out_dir, idle_s, dry_run, repeats, order) -> None:
+                 launch_timeout, out_dir, idle_s, dry_run, repeats, order, allow_unmeasured_server_gpus=False) -> None:
     """`sweep --trace`: the whole trace at each level; J/token and latency per level, in a run directory."""
     import hashlib
 
@@ -1744,7 +1753,7 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
                                 url=url, launch=launch, api=api, interval_s=interval_s, out_dir=out_dir,
                                 launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv), idle_s=idle_s,
                                 dry_run=dry_run, repeats=repeats, order=order, trace=trace, trace_meta=meta,
-                                on_level=show, ui=Notes())
+                                on_level=show, ui=Notes(), allow_unmeasured_server_gpus=allow_unmeasured_server_gpus)
     back = None if dry_run else rig.restored_line(clocks=bool(clocks))
     for line in outcome.plan_lines if dry_run else [*(f"note: {n}" for n in outcome.notes), *([back] if back else []),
                                                     f"run directory: {outcome.run_dir}"]:

@@ -208,6 +208,10 @@ class GridRun:
     # Each GPU's power limits as the grid's first level began: configurations measured at the settings as they are
     # (or at locked clocks) are compared, so every one of them must run at those (Sweep._limit_problem).
     _held_limits: dict = field(default_factory=dict)
+    # A server GPU not measured, said instead of refused (sweep --allow-unmeasured-server-gpus); what the placement
+    # check of each configuration's server said (workload/placement.py), for run.json's notes.
+    allow_unmeasured_server_gpus: bool = False
+    placement_notes: list = field(default_factory=list)
 
     def excluded(self):
         """Measured windows of every configuration that the figures left out (untrusted timing); None if none."""
@@ -281,6 +285,7 @@ class GridRun:
         except (ServerUnreachable, TokenizeError, OSError) as e:
             rec.status, rec.error = "failed", str(e)
             return
+        self._check_placement(rec, url, launched)
         ref: list = []
         sweep = Sweep(
             self.settings, profiler=self.profiler, controller=self.controller, server=server, prompts=prompts,
@@ -308,6 +313,31 @@ class GridRun:
             if self.idle_power_w is None:
                 self.idle_power_w = sweep.idle_power_w
             self.done.append((rec, sweep))
+
+    def _check_placement(self, rec: ConfigRecord, url: str, launched: list) -> None:
+        """The GPUs this configuration's server runs on against the measured ones, once it answers and before it is
+        measured (run_sweep's check ran before any configuration's server existed): a server GPU not measured (a
+        CUDA_VISIBLE_DEVICES of the user's or the template's naming other GPUs) stops the grid, GpuPlacementError;
+        run_sweep then puts every limit back and keeps the configurations finished."""
+        from powerprof.workload.placement import GpuPlacementError, find_placement, judge_placement
+        from powerprof.workload.serverprocs import ServerProcesses
+
+        src = self.rig.sources
+        if src.nvml is None:
+            return
+        said: list[str] = []
+        try:
+            judge_placement(find_placement(src.nvml.nvml, src.gpu_uuids, ServerProcesses(url, launched)), said,
+                            allow=self.allow_unmeasured_server_gpus,
+                            stopped="the grid stopped before measuring it (every limit put back, the configurations "
+                                    "finished kept)")
+        except GpuPlacementError as e:
+            rec.status, rec.error = "failed", str(e)
+            raise GpuPlacementError(f"configuration {rec.config_id}: {e}") from None
+        for n in said:
+            n = f"configuration {rec.config_id}: {n}"
+            if n not in self.placement_notes:
+                self.placement_notes.append(n)
 
     @property
     def foreign_notes(self) -> list[str]:
@@ -410,7 +440,8 @@ def run_grid(rig, spec: GridSpec, *, url: str, api: str | None = None, prompts=N
     prompts = prompts or builtin_prompts("short")
     params = params or RequestParams()
     runner = partial(GridRun, spec=spec, rig=rig, url=url, api=api, prompts=prompts, params=params,
-                     launch_timeout_s=launch_timeout_s)
+                     launch_timeout_s=launch_timeout_s,
+                     allow_unmeasured_server_gpus=sweep_kw.get("allow_unmeasured_server_gpus", False))
     return run_sweep(rig, url=url, launch=spec.template, api=api, prompts=prompts, params=params,
                      launch_timeout_s=launch_timeout_s, runner=runner, plan_lines=spec.plan_lines(), **sweep_kw)
 

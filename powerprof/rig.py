@@ -46,7 +46,7 @@ class Rig:
         to use as given (tests hand in a SimNVML they control). host_cpu_time: judge a busy host from this machine's
         CPU times (default: only where RAPL is real; tests of that judgement set True beside the simulated RAPL).
         sim_server_gpus: the simulated GPUs (indexes) the simulated server runs on, as CUDA_VISIBLE_DEVICES picks a
-        real server's (default: every simulated GPU)."""
+        real server's (default: the measured GPUs; _sim_server_indexes)."""
         self.sim_profile = sim_profile
         self.host_cpu_time = host_cpu_time
         self.gpus = gpus
@@ -246,18 +246,22 @@ class Rig:
                 yield srv.url
 
     def _launch_env(self) -> dict | None:
-        """A launched server's environment: with --gpus given, CUDA_VISIBLE_DEVICES names the measured GPUs by UUID
-        (CUDA_DEVICE_ORDER=PCI_BUS_ID beside it), so the server runs on those and no other; one the user set is kept, and
-        said where it names other GPUs. None: the environment as it is (no --gpus, or no GPU open)."""
+        """A launched server's environment: with --gpus given, CUDA_VISIBLE_DEVICES names the measured GPUs by UUID, a
+        GPU named by MIG instance(s) by those instances' UUIDs (CUDA_DEVICE_ORDER=PCI_BUS_ID beside it), so the server
+        runs on those and no other; one the user set is kept, and said where it names other GPUs. None: the environment as it is (no --gpus, or no GPU open)."""
         if self.gpus is None or self._sources is None or self._sources.nvml is None:
             return None
         col = self._sources.nvml
         uuids = self._sources.gpu_uuids
-        measured = [uuids[i] for i in col.indexes]
+        # A GPU named by its MIG instance(s) is given to the server as those instances: its parent's UUID would let
+        # CUDA pick whichever instance it lists first, maybe not the one named.
+        migs = self._sources.migs
+        measured = [u for i in col.indexes for u in ([m.mig_uuid for m in migs if m.parent_index == i] or [uuids[i]])]
         have = os.environ.get("CUDA_VISIBLE_DEVICES")
         if have is None:
-            self._launch_notes.append(f"the launched server sees only the measured GPU(s) {', '.join(map(str, col.indexes))}: "
-                                      f"CUDA_VISIBLE_DEVICES={','.join(measured)} (from --gpus)")
+            inst = " (MIG instances as named)" if migs else ""
+            self._launch_notes.append(f"the launched server sees only the measured GPU(s) {', '.join(map(str, col.indexes))}"
+                                      f"{inst}: CUDA_VISIBLE_DEVICES={','.join(measured)} (from --gpus)")
             return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(measured), CUDA_DEVICE_ORDER="PCI_BUS_ID")
         from powerprof.collectors.gateway import gateway
         from powerprof.collectors.nvml import resolve_gpu_ids
@@ -278,11 +282,29 @@ class Rig:
                 "the two name the same GPUs")
         return None
 
+    def _sim_server_indexes(self) -> list[int] | None:
+        """The simulated GPUs the simulated server runs on: sim_server_gpus as given, else $POWERPROF_SIM_SERVER_GPUS
+        (indexes, comma-separated: a server beside GPUs not measured, from the command line), else the measured GPUs,
+        as a server launched with --gpus (or one that inherits powerprof's CUDA_VISIBLE_DEVICES) runs on those. None:
+        every simulated GPU (no GPU open yet). Before, it ran on every simulated GPU whatever --gpus chose, and the
+        placement check refused every subset: `--simulate h200-141g,l4-24g --gpus 1` had no way to run."""
+        if self._sim_server_gpus is not None:
+            return list(self._sim_server_gpus)
+        env = os.environ.get("POWERPROF_SIM_SERVER_GPUS", "").strip()
+        if env:
+            try:
+                return [int(x) for x in env.split(",") if x.strip()]
+            except ValueError:
+                raise ValueError(f"POWERPROF_SIM_SERVER_GPUS={env!r}: give simulated GPU indexes, e.g. 0,1") from None
+        if self._sources is not None and self._sources.nvml is not None:
+            return list(self._sources.nvml.indexes)
+        return None
+
     def sim_server(self, **kw):
         """A simulated server driving this rig's simulated GPUs; its busy flag drives the simulated CPU power."""
         from powerprof.sim.server import SimServer
 
-        srv = SimServer(self.nvml, gpu_indexes=self._sim_server_gpus, **kw)
+        srv = SimServer(self.nvml, gpu_indexes=self._sim_server_indexes(), **kw)
         srv.on_busy(self._set_busy)
         self._sim_server_used = True
         return srv

@@ -33,7 +33,7 @@ from powerprof.storage.samples import Timeline
 from powerprof.workload.client import (CONTEXT_FIX, RequestParams, context_problem, health_status, identity_changes,
                                       new_session, restart_evidence, restart_said, server_away, server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, prompt_set_record, run_load_async
-from powerprof.workload.placement import GpuPlacementError, find_placement
+from powerprof.workload.placement import find_placement, judge_placement
 from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from powerprof.workload.rows import FIGURES, Level, request_timing, spec_columns, trace_row, window_rows
 from powerprof.workload.servercount import ForeignWatch, settled_tally
@@ -1354,6 +1354,7 @@ def run_sweep(
     trace=None,
     trace_meta: dict | None = None,
     on_level=None,
+    allow_unmeasured_server_gpus: bool = False,
     **settings_kw,
 ) -> SweepOutcome:
     """Sweep on the `rig` (powerprof.rig.Rig: its GPUs, RAPL and server, whatever they are): open
@@ -1368,6 +1369,8 @@ def run_sweep(
     level_kind "none": measure at the settings as they are (no controller, no privilege needed).
     trace: replay these TraceRequests at every level instead of prompts (TraceSweep); trace_meta
     (the trace's identity) goes into run.json; on_level(TraceLevel) after each level.
+    allow_unmeasured_server_gpus: a server GPU not measured is said in the notes instead of refused
+    (workload/placement.judge_placement).
     """
 
 
@@ -1445,12 +1448,8 @@ def run_sweep(
         server_procs = ServerProcesses(url, launched) if url else None
         # Every GPU NVML reports, not only the measured ones: a server GPU left out is refused before any limit is
         # set (its energy in no figure, its limit not stepped); a measured GPU the server does not use is said.
-        placement = find_placement(nvml, src.gpu_uuids, server_procs)
-        if placement is not None:
-            if (why := placement.unmeasured_text()) is not None:
-                raise GpuPlacementError(why + "; nothing was changed")
-            if (idle := placement.idle_text()) is not None:
-                notes.append(idle)
+        judge_placement(find_placement(nvml, src.gpu_uuids, server_procs), notes,
+                        allow=allow_unmeasured_server_gpus)
 
         ctl = stack.enter_context(rig.controller(indexes)) if level_kind != "none" else None
         # Whose CPU time the host spent, beside RAPL's whole-package energy: a busy host is flagged (busy-host).
@@ -1541,6 +1540,7 @@ def run_sweep(
     notes.extend(getattr(sweep, "level_notes", []))
     notes.extend(getattr(sweep, "restart_notes", []))
     notes.extend(getattr(sweep, "foreign_notes", []))
+    notes.extend(getattr(sweep, "placement_notes", []))  # a grid's: each configuration's server checked as it started
     notes.extend(getattr(sweep, "cut_notes", []))
     if ctl is not None:
         notes.extend(ctl.notes)  # a GPU reset between levels: reopened by its UUID, the next level set on it

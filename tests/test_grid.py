@@ -424,3 +424,50 @@ def test_a_grid_idle_baseline_beside_another_process_is_not_kept_and_said(tmp_pa
     # Every batch ran beside it: the level ran out its budget for left-out batches, and the notes say so.
     said = [n for n in out.notes if "others' work ran beside" in n]
     assert len(said) == 1 and "budget ran out" in said[0] and f"{by.pid}" in said[0], out.notes
+
+
+class _ServerSpreadsAfter(UI):
+    """Once level `value` is done, the server's process (this one: the in-process simulated server) takes 8 GiB on
+    simulated GPU `index` too, as a configuration's server pinned by its own CUDA_VISIBLE_DEVICES would."""
+
+    def __init__(self, value, sim, index):
+        self.value, self.sim, self.index = value, sim, index
+        self.notes: list[str] = []
+
+    def level_done(self, visit, live):
+        import os
+
+        if visit.level_value == self.value:
+            self.sim.add_process(self.index, os.getpid(), 8 << 30, lambda: 1.0)
+
+    def note(self, text):
+        self.notes.append(text)
+
+    def idle(self, seconds): ...
+
+
+def test_a_grid_configuration_whose_server_runs_on_an_unmeasured_gpu_stops_the_grid_with_every_limit_back(tmp_path):
+    # Before: the grid launched each configuration's server with the controller active and never checked where it
+    # ran (run_sweep's check ran before any grid server existed and found nothing): a server on a GPU not measured
+    # was measured with that GPU's energy in no figure and its limit never stepped.
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.workload.placement import GpuPlacementError
+
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    default_w = sim.gpus[1].limit_w
+    spec = GridSpec(None, (), (64, 128))
+    ui = _ServerSpreadsAfter(220.0, sim, 0)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        with pytest.raises(GpuPlacementError) as e:
+            run_grid(rig, spec, url=None, levels_spec="300,220", level_kind="power_limit", out_dir=tmp_path / "run",
+                     params=RequestParams(max_tokens=32), ui=ui, **FAST)
+    msg = str(e.value)
+    assert msg.startswith("configuration as-launched: the server also runs on GPU 0") and "--gpus 0,1" in msg, msg
+    assert "the grid stopped before measuring it" in msg and "--allow-unmeasured-server-gpus" in msg
+    assert [g.limit_w for g in sim.gpus] == [default_w, default_w]  # 220 W was set for the first context: put back
+    import os
+
+    state = os.environ.get("POWERPROF_STATE_DIR")
+    assert not state or not [f for f in os.listdir(state) if f.endswith(".json")]  # no restore pending
+    lv = pq.read_table(tmp_path / "run" / "levels.parquet").to_pylist()
+    assert {(r["context_tokens"], r["level_value"]) for r in lv if r["config_status"] == "ok"} == {(64, 300.0), (64, 220.0)}

@@ -31,7 +31,8 @@ def test_sweep_on_one_gpu_of_a_server_on_two_stops_before_any_limit_and_names_th
 
     # The simulated server runs on both simulated GPUs (its process on both lists); the sweep measures GPU 1 alone.
     r = CliRunner().invoke(main, ["sweep", "--simulate", "--gpus", "1", "--limits", "300,220", "--max-time", "4",
-                                  "--max-tokens", "16", "--out", str(tmp_path / "x")])
+                                  "--max-tokens", "16", "--out", str(tmp_path / "x")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": "0,1"})
     assert r.exit_code == 2, r.output
     assert "the server also runs on GPU 0 (GPU-" in r.output and "--gpus 0,1" in r.output, r.output
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())  # nothing measured, nothing written
@@ -45,7 +46,8 @@ def test_measure_json_says_the_refusal_as_one_json_object(tmp_path):
 
     # A host of two simulated cards, powerprof shown GPU 1 alone; the simulated server runs on both.
     r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--requests", "2", "--max-tokens", "16",
-                                  "--json", "--out", str(tmp_path / "m")], env={"CUDA_VISIBLE_DEVICES": "1"})
+                                  "--json", "--out", str(tmp_path / "m")],
+                           env={"CUDA_VISIBLE_DEVICES": "1", "POWERPROF_SIM_SERVER_GPUS": "0,1"})
     assert r.exit_code == 2, r.output
     obj = json.loads(r.stdout.strip().splitlines()[-1])
     assert obj["ok"] is False and obj["exit_code"] == 2 and "the server also runs on GPU 0 (GPU-" in obj["error"], obj
@@ -58,7 +60,7 @@ def test_measure_of_a_gpu_subset_refuses_a_server_on_a_hidden_gpu(tmp_path, monk
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # measure measures the GPUs powerprof is shown
     sim = SimNVML("seed-16g", count=2, state_path=None)
-    with Rig("seed-16g", nvml=sim, sim_gpu_count=2) as rig:
+    with Rig("seed-16g", nvml=sim, sim_gpu_count=2, sim_server_gpus=[0, 1]) as rig:
         with pytest.raises(GpuPlacementError) as e:
             run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=PROMPTS, n_requests=2, concurrencies=[1],
                         params=RequestParams(max_tokens=16), warmup=0, interval_s=0.2)
@@ -120,7 +122,8 @@ def test_daemon_sampling_one_gpu_of_a_server_on_two_says_so_and_marks_its_rows(t
     cfg = tmp_path / "daemon.toml"
     cfg.write_text("[daemon]\ngpus = [1]\n")
     d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "seed-16g", "--sim-gpus", "2",
-                   "--interval", "0.25", "--flush-interval", "0.5", env=sim_env(tmp_path))
+                   "--interval", "0.25", "--flush-interval", "0.5",
+                   env={**sim_env(tmp_path), "POWERPROF_SIM_SERVER_GPUS": "0,1"})
     tag = [sys.executable, "-m", "powerprof.cli", "tag"]
     try:
         subprocess.run(tag + ["start", "t", "--socket", d.info["tags"]], check=True, capture_output=True, timeout=60)
@@ -193,3 +196,165 @@ def test_the_daemon_names_the_gpus_that_serve_by_nvml_index_and_uuid(caplog):
         led.advance(int((t - 0.5) * S))
     (line,) = [r.getMessage() for r in caplog.records if "the proxied work runs on" in r.getMessage()]
     assert "runs on sampled GPU(s) gpu2 (GPU-aaa);" in line and "GPU(s) gpu5 (GPU-bbb) draw no more" in line, line
+
+
+def _two_gpu_server(engine_gpu: int, engine_bytes: int, other_gpu: int, other_bytes: int):
+    """A simulated host of two GPUs with the server's engine (pid 4242) on one and a child (4243) on the other."""
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(engine_gpu, 4242, engine_bytes, lambda: 1.0)
+    sim.add_process(other_gpu, 4243, other_bytes, lambda: 0.0)
+    return sim
+
+
+def test_a_small_helper_context_on_an_unmeasured_gpu_is_a_note_not_a_refusal():
+    from powerprof.workload.placement import find_placement, judge_placement
+
+    # The engine holds 14 GiB on GPU 1; a child touched CUDA once (PyTorch's default device): 300 MiB on GPU 0. It
+    # read "the server also runs on GPU 0 …; add it: --gpus 0,1" and refused the sweep and the measure (exit 2).
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    assert p.unmeasured == {} and p.unmeasured_text() is None
+    notes: list[str] = []
+    judge_placement(p, notes)
+    (note,) = notes
+    assert f"a helper context of 300 MiB on GPU 0 ({sim.gpus[0].uuid})" in note and "not counted as serving" in note
+
+
+def test_real_use_on_an_unmeasured_gpu_is_still_refused_small_model_split_included():
+    from powerprof.workload.placement import GpuPlacementError, find_placement, judge_placement
+
+    # A small model split over two GPUs (400 MiB each): each GPU's share is its largest, so both serve.
+    sim = _two_gpu_server(1, 400 << 20, 0, 400 << 20)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    assert list(p.unmeasured) == [0]
+    # 2 GiB beside 14 GiB: over the 1 GiB bound, serving.
+    sim = _two_gpu_server(1, 14 << 30, 0, 2 << 30)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    with pytest.raises(GpuPlacementError) as e:
+        judge_placement(p, [])
+    assert "--gpus 0,1" in str(e.value) and "--allow-unmeasured-server-gpus" in str(e.value)
+    notes: list[str] = []
+    judge_placement(p, notes, allow=True)
+    assert notes and notes[0].startswith("measured anyway (--allow-unmeasured-server-gpus): the server also runs on GPU 0")
+
+
+def test_measure_allow_unmeasured_server_gpus_measures_and_says_so_in_run_json(tmp_path):
+    from powerprof.cli import main
+
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--requests", "2", "--max-tokens", "16",
+                                  "--allow-unmeasured-server-gpus", "--out", str(tmp_path / "m")],
+                           env={"CUDA_VISIBLE_DEVICES": "1", "POWERPROF_SIM_SERVER_GPUS": "0,1"})
+    assert r.exit_code == 0, r.output
+    meta = json.loads((tmp_path / "m" / "run.json").read_text())
+    assert any(n.startswith("measured anyway (--allow-unmeasured-server-gpus): the server also runs on GPU 0")
+               for n in meta["notes"]), meta["notes"]
+
+
+def test_the_daemon_keeps_the_unsampled_flag_while_nothing_can_be_told_and_clears_it_on_evidence():
+    from types import SimpleNamespace
+
+    from powerprof.daemon.service import Daemon
+
+    # The upstream on GPUs 0 and 1, the daemon sampling GPU 1. Then a restart: nothing listens for a moment, so the
+    # server's processes cannot be found (find_placement: None). That cleared the flag ("runs on sampled GPUs only
+    # again") and rows closed for up to 30 s after were unmarked, GPU 0 still unsampled.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    for i in (0, 1):
+        sim.add_process(i, 4242, 8 << 30, lambda: 1.0)
+    answer = [({4242}, None)]
+    d = SimpleNamespace(_server_procs=lambda: answer[0], collector=SimpleNamespace(nvml=sim),
+                        gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=SimpleNamespace(unsampled_note=None),
+                        _idle_said=False, _helper_said=False)
+    Daemon._check_placement(d)
+    assert d._unsampled == (0,) and d.ledger.unsampled_note.startswith("server-gpu-unsampled: the server also runs on GPU 0")
+    answer[0] = (None, "nothing listens on port 8000")  # restarting
+    Daemon._check_placement(d)
+    assert d._unsampled == (0,) and d.ledger.unsampled_note is not None
+    answer[0] = ({4242}, None)  # back, still on GPU 0: still flagged
+    Daemon._check_placement(d)
+    assert d._unsampled == (0,) and d.ledger.unsampled_note is not None
+    sim.remove_process(0, 4242)  # positive evidence: only on the sampled GPU now
+    Daemon._check_placement(d)
+    assert d._unsampled == () and d.ledger.unsampled_note is None
+
+
+def test_the_daemon_does_not_flag_rows_for_a_helper_context(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from powerprof.daemon.service import Daemon
+
+    caplog.set_level(logging.INFO)
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None), collector=SimpleNamespace(nvml=sim),
+                        gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=SimpleNamespace(unsampled_note=None),
+                        _idle_said=False, _helper_said=False)
+    Daemon._check_placement(d)
+    assert d._unsampled == () and d.ledger.unsampled_note is None
+    assert any("a helper context of 300 MiB on GPU 0" in r.getMessage() for r in caplog.records)
+
+
+def test_simulate_with_gpus_puts_the_simulated_server_on_the_selected_gpus(tmp_path):
+    from powerprof.cli import main
+
+    # A mixed simulated host: one kind at a time is the advice (docs/control.md), and --gpus 1 then refused "the
+    # server also runs on GPU 0 … add it: --gpus 0,1", whose advice led back to the first refusal; no CLI path put the
+    # simulated server on a subset. Now it runs on the selected GPUs, as a server launched with --gpus does.
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "h200-141g,l4-24g", "--gpus", "1", "--limits", "72,60",
+                                  "--max-time", "2", "--min-requests", "2", "--max-requests", "2", "--warmup", "0",
+                                  "--idle-s", "0.5", "--max-tokens", "16", "--out", str(tmp_path / "x")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": None})
+    assert r.exit_code == 0, r.output
+    assert "server also runs" not in r.output
+    # measure, shown GPU 1 of two by CUDA_VISIBLE_DEVICES, and the daemon sampling GPU 1: the server is there alone.
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--requests", "2", "--max-tokens", "16",
+                                  "--out", str(tmp_path / "m")],
+                           env={"CUDA_VISIBLE_DEVICES": "1", "POWERPROF_SIM_SERVER_GPUS": None})
+    assert r.exit_code == 0, r.output
+    with Rig("seed-16g", gpus=[1], sim_gpu_count=2, nvml=SimNVML("seed-16g", count=2, state_path=None)) as rig:
+        rig.sources
+        srv = rig.default_upstream()
+        assert srv and [g.index for g in rig._sim_servers[0].gpus] == [1]
+
+
+def test_a_launched_server_given_a_mig_instance_is_shown_that_instance_not_its_parent_gpu(monkeypatch):
+    from powerprof.sim.mig import MigNVML
+
+    # --gpus MIG-…: CUDA_VISIBLE_DEVICES was the parent GPU's UUID, so the server got whichever instance CUDA listed
+    # first while the note said it "sees only the measured GPU(s)".
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nv = MigNVML(SimNVML("a100-40g", count=2, state_path=None), {1: 3})
+    nv.nvmlInit()
+    second = nv.mig_uuids(1)[1]
+    with Rig("a100-40g", nvml=nv, gpus=[second[:16]]) as rig:  # a prefix, as nvidia-smi -L's may be typed
+        assert rig.sources.nvml.indexes == [1]
+        env = rig._launch_env()
+        assert env["CUDA_VISIBLE_DEVICES"] == second, env["CUDA_VISIBLE_DEVICES"]
+        assert any("MIG instances as named" in n and second in n for n in rig.notes), rig.notes
+    # A whole GPU beside it is still named by its own UUID.
+    with Rig("a100-40g", nvml=nv, gpus=[0, second]) as rig:
+        rig.sources
+        assert rig._launch_env()["CUDA_VISIBLE_DEVICES"] == f"{nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(0))},{second}"
+
+
+def test_a_host_process_bearing_a_server_pid_number_is_not_taken_for_the_server():
+    import psutil
+
+    from powerprof.workload.placement import find_placement
+
+    # A container's own pid namespace: NVML lists the host's pids, and a host process (Xorg) bears the number of the
+    # server's pid here. It read "the server also runs on GPU 0" and refused the sweep.
+    me = os.getpid()
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(0, me, 4 << 30, lambda: 1.0, name="/usr/lib/xorg/Xorg")
+    assert find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({me}, None)) is None  # nothing of the server's: unknown
+    # The server's own process, named as this namespace names it, is still found; so is one NVML names not at all.
+    sim.add_process(1, me + 1, 4 << 30, lambda: 1.0)
+    exe = psutil.Process(me).exe()
+    sim.remove_process(0, me)
+    sim.add_process(0, me, 4 << 30, lambda: 1.0, name=exe)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({me, me + 1}, None))
+    assert list(p.unmeasured) == [0] and 1 in p.server

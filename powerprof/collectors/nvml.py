@@ -477,6 +477,13 @@ def gpu_processes(nvml, handle) -> dict[int, int | None] | None:
     return out if listed else None
 
 
+def process_name(nvml, pid: int) -> str | None:
+    """The name NVML gives a pid (nvmlSystemGetProcessName: the executable's path or command line's first word; in a
+    container without --pid=host, of the host's process with that number), or None where it cannot say."""
+    name = gateway(nvml).query("nvmlSystemGetProcessName", int(pid))
+    return str(name).strip() or None if name else None
+
+
 # The engines a process's utilisation samples name: the SM (kernels), the memory (the share of time DRAM was read
 # or written: copy engines move data without SM time), the video encoder and decoder, and (the newer call only)
 # the JPEG and optical-flow engines. The field of each in NVML's sample structures.

@@ -44,6 +44,7 @@ class Sources:
     host: HostCollector | None = None
     problems: list[Problem] = field(default_factory=list)
     can_set_limits: bool | None = None  # None: no GPU
+    migs: list = field(default_factory=list)  # MigMapping of each MIG instance named (--gpus, CUDA_VISIBLE_DEVICES)
 
     @property
     def collectors(self) -> list:
@@ -158,6 +159,7 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
         src.problems.append(Problem("nvml", why, NO_GPU_FIX if not count else "unset or fix CUDA_VISIBLE_DEVICES"))
         return
     src.nvml = NvmlCollector(nvml, indexes)
+    src.migs = [m for m in migs if m.parent_index in indexes]
     src.problems.extend(_mig_problems(src.nvml.infos, migs))
     src.can_set_limits = bool(privileged())
     if not src.can_set_limits:

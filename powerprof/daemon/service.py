@@ -1289,14 +1289,16 @@ class Daemon:
         self._server_procs = ServerProcesses(self.upstream, []) if self.upstream else None
         self._unsampled: tuple[int, ...] = ()
         self._idle_said = False
+        self._helper_said = False
         self._check_placement()
         return data_dir
 
     def _check_placement(self) -> None:
         """Which GPUs the upstream's processes hold a context on, over every GPU NVML reports: one the daemon does not
         sample is said in the log and marks every interval and request row closed while it lasts
-        (SERVER_GPU_UNSAMPLED_FLAG); a sampled GPU it does not use is said once. Nothing where the server's processes
-        cannot be found (a remote upstream: no word can be told of its GPUs)."""
+        (SERVER_GPU_UNSAMPLED_FLAG); a sampled GPU it does not use, and a helper context (placement.py), are said
+        once. Where nothing can be told (a remote upstream, a restart's moment with no listener, no context yet, an
+        exception) the state stands: the flag ends only on a placement read with every server GPU sampled."""
         from powerprof.storage.schema import SERVER_GPU_UNSAMPLED_FLAG
         from powerprof.workload.placement import find_placement
 
@@ -1307,7 +1309,15 @@ class Daemon:
         except Exception as e:  # a check of where the server runs is never the daemon's end
             log.debug("checking which GPUs the server runs on failed: %s", error_text(e))
             return
-        gone = tuple(sorted(p.unmeasured)) if p is not None else ()
+        if p is None:
+            # Nothing can be told (no listener while the server restarts, a socket list denied, no context yet, NVML
+            # unable to count): the state stands. Clearing it here left rows unflagged for up to 30 s while the GPU
+            # was still unsampled; it is cleared only on a placement read with every server GPU sampled.
+            return
+        if not self._helper_said and (helper := p.helper_text()) is not None:
+            self._helper_said = True
+            log.info("%s", helper)
+        gone = tuple(sorted(p.unmeasured))
         if gone != self._unsampled:
             if gone:
                 note = f"{SERVER_GPU_UNSAMPLED_FLAG}: " + p.unmeasured_text(
@@ -1321,7 +1331,7 @@ class Daemon:
                             SERVER_GPU_UNSAMPLED_FLAG)
                 self.ledger.unsampled_note = None
             self._unsampled = gone
-        if p is not None and not self._idle_said and (idle := p.idle_text(
+        if not self._idle_said and (idle := p.idle_text(
                 f"leave {'it' if len(p.idle) == 1 else 'them'} out: daemon.gpus = [{', '.join(map(str, sorted(p.server)))}]",
                 "its energy counts as idle (the requests' attribution keeps it apart), and with it every host total")):
             self._idle_said = True

@@ -109,6 +109,7 @@ class _GpuProcess:
     # (sm, mem, enc, dec) shares it uses now; None: its kernels' share, with half that of the memory's bandwidth
     util: Callable[[], tuple[float, float, float, float]] | None = None
     last_util: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # as it stopped: its last samples outlive it
+    name: str | None = None  # what nvmlSystemGetProcessName says of its pid (None: NOT_FOUND, as for a pid unknown)
 
     def now_util(self) -> tuple[float, float, float, float]:
         if self.util is not None:
@@ -503,12 +504,22 @@ class SimNVML:
     # --- the processes using a GPU -----------------------------------------------------------------
 
     def add_process(self, index: int, pid: int, used_bytes: int, share: Callable[[], float],
-                    util: Callable[[], tuple[float, float, float, float]] | None = None) -> None:
+                    util: Callable[[], tuple[float, float, float, float]] | None = None, name: str | None = None) -> None:
         """A process uses GPU `index` from now (a server that loaded its model, a bystander: sim/bystander.py);
-        `util`: the (SM, memory, encoder, decoder) shares its samples say, where they are not `share`'s."""
+        `util`: the (SM, memory, encoder, decoder) shares its samples say, where they are not `share`'s; `name`: what
+        nvmlSystemGetProcessName says of the pid (another pid namespace's process with this one's number, in tests)."""
         with self._lock:
             self._procs.setdefault(index, {})[pid] = _GpuProcess(pid, int(used_bytes), share, time.time_ns() // 1000,
-                                                                 util=util)
+                                                                 util=util, name=name)
+
+    def nvmlSystemGetProcessName(self, pid: int) -> bytes:
+        """The name a process added with one says (NVML's: the executable's path), else NOT_FOUND."""
+        with self._lock:
+            for procs in self._procs.values():
+                p = procs.get(int(pid))
+                if p is not None and p.name:
+                    return p.name.encode()
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
 
     def remove_process(self, index: int, pid: int) -> None:
         """The process stops using GPU `index` (it exited): gone from the process lists at once, while the driver's

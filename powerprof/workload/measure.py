@@ -902,6 +902,7 @@ def _run_measure(
     command_line: str = "",
     sim_decode_tok_s: float | None = None,
     default_out: bool = False,
+    allow_unmeasured_server_gpus: bool = False,
 ) -> MeasureResult:
     """Everything `powerprof measure` does on the `rig` (powerprof.rig.Rig: its GPUs, RAPL and
     server, whatever they are): Profiler, load, windows.parquet and run.json in `out_dir`. Reads
@@ -914,7 +915,7 @@ def _run_measure(
     from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
     from powerprof.workload.load import prompt_set_record
 
-    from .placement import GpuPlacementError, find_placement
+    from .placement import find_placement, judge_placement
     from .serverprocs import ServerProcesses
 
     from powerprof.paths import path_problem
@@ -950,11 +951,8 @@ def _run_measure(
             # Every GPU NVML reports: a server GPU left unmeasured is refused (its energy would be in no figure); a
             # measured GPU the server does not use is said (its idle power is in every figure).
             placement = find_placement(src.nvml.nvml, src.gpu_uuids, server_procs)
-            if placement is not None:
-                if (why := placement.unmeasured_text(placement.visible_fix())) is not None:
-                    raise GpuPlacementError(why + "; nothing was measured")
-                if (idle := placement.idle_text(placement.visible_fix())) is not None:
-                    notes.append(idle)
+            judge_placement(placement, notes, allow=allow_unmeasured_server_gpus,
+                            fix=placement.visible_fix() if placement is not None else None, stopped="nothing was measured")
         for p in src.problems:
             if p.source == "nvml" and src.nvml is None:
                 cpu = "and CPU energy" if src.rapl is not None else "only"

@@ -3,13 +3,25 @@
 NVML lists the processes using each GPU; the server's are found by its port or launch (serverprocs.py). Every GPU
 NVML reports is looked at, not only the measured ones: a server on GPUs 0 and 1 measured on GPU 1 alone has half its
 energy in no figure, and its limit stepped on one GPU of two. Where the server's processes cannot be found (a remote
-server, a socket list this user may not read) or none of them is on any GPU's list (a container's own pid namespace),
+server, a socket list this user may not read) or none of them is on any GPU's list (a container's own pid namespace:
+a listed pid whose name NVML gives differently from this namespace's is another process bearing the same number),
 nothing can be told and nothing is said here (GpuNeighbours, others.py, says the latter of the measured GPUs).
+
+A small context is not serving: a GPU where the server's processes hold under HELPER_MAX_BYTES together, and under
+HELPER_MAX_SHARE of what they hold on their busiest GPU, is a helper context (a child that touched CUDA once: PyTorch's
+default device, a tokenizer or API process), said in the notes and never refused or flagged.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+
+# A bare CUDA context is ~300-600 MiB (PyTorch's on an H100: ~500 MiB); a server's engine holds its weights and KV cache,
+# GiBs. Both bounds must hold: a small model split over two GPUs (~400 MiB each) is each GPU's largest, so serving.
+HELPER_MAX_BYTES = 1 << 30
+HELPER_MAX_SHARE = 0.10
 
 
 class GpuPlacementError(ValueError):
@@ -19,12 +31,15 @@ class GpuPlacementError(ValueError):
 
 @dataclass
 class Placement:
-    """server: index → UUID of every GPU holding one of the server's processes; measured: index → UUID of the GPUs
+    """server: index → UUID of every GPU the server serves from (its processes hold more than a helper context there);
+    measured: index → UUID of the GPUs
     measured; unlisted: GPUs whose process list NVML cannot give (the server may be on them too)."""
 
     server: dict[int, str]
     measured: dict[int, str]
     unlisted: list[int] = field(default_factory=list)
+    helpers: dict[int, tuple[str, int]] = field(default_factory=dict)  # index → (UUID, bytes): a helper context only
+    largest: int = 0  # the bytes the server's processes hold on their busiest GPU
 
     @property
     def unmeasured(self) -> dict[int, str]:
@@ -36,7 +51,20 @@ class Placement:
         """Measured GPUs holding none of the server's processes (empty where the server is on no GPU's list: unknown)."""
         if not self.server:
             return {}
-        return {i: u for i, u in self.measured.items() if i not in self.server and i not in self.unlisted}
+        return {i: u for i, u in self.measured.items()
+                if i not in self.server and i not in self.unlisted and i not in self.helpers}
+
+    def helper_text(self) -> str | None:
+        """'a helper context of 300 MiB on GPU 0 (GPU-…): not counted as serving …', or None: the server's small
+        contexts on GPUs it does not serve from (not measured: said, not refused)."""
+        if not self.helpers:
+            return None
+        what = ", ".join(f"{b >> 20} MiB on {gpu_name(i, u)}" for i, (u, b) in sorted(self.helpers.items()))
+        one = len(self.helpers) == 1
+        return (f"the server's processes hold {'a helper context' if one else 'helper contexts'} of {what}: not "
+                f"counted as serving (under {HELPER_MAX_BYTES >> 20} MiB and under {HELPER_MAX_SHARE:.0%} of the "
+                f"{self.largest >> 20} MiB they hold on their busiest GPU); where not measured, {'its' if one else 'their'} "
+                "small draw is in no figure")
 
     def gpus_option(self) -> str:
         """The --gpus that measures every GPU the server uses and no other."""
@@ -81,6 +109,39 @@ def gpu_name(index: int, uuid: str | None) -> str:
     return f"GPU {index}" + (f" ({uuid})" if uuid else "")
 
 
+def _same_process(nvml, pid: int) -> bool:
+    """Whether the pid on NVML's list is the server's process of that number here, judged by name: in a container's
+    own pid namespace NVML's pids are the host's, and a host process may bear a server pid's number. NVML's name (its
+    first word's last path part) against this namespace's (psutil: the name, which the kernel cuts to 15 characters,
+    the executable's, the command line's first word's, which setproctitle rewrites: vLLM's VLLM::EngineCore); True
+    where either cannot be read (nothing shows them different)."""
+    import psutil
+
+    from powerprof.collectors.nvml import process_name
+
+    theirs = process_name(nvml, pid)
+    if not theirs:
+        return True
+
+    def base(text: str) -> str:
+        words = text.strip().split()
+        return os.path.basename(words[0]) if words else ""
+
+    ours: set[str] = set()
+    try:
+        p = psutil.Process(pid)
+        for read in (p.name, p.exe, lambda: (p.cmdline() or [""])[0]):
+            try:
+                ours.add(base(read() or ""))
+            except (psutil.Error, OSError):
+                pass
+    except (psutil.Error, OSError):
+        return True
+    ours.discard("")
+    b = base(theirs)
+    return not ours or any(b == o or b.startswith(o) or o.startswith(b) for o in ours)
+
+
 def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | None:
     """Where the server's processes hold a context, over every GPU NVML reports (NVML initialised by the caller: an
     open collector). measured: index → UUID of the GPUs measured. server_procs: a callable answering (pids, None) or
@@ -98,7 +159,7 @@ def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | 
     count = gw.query("nvmlDeviceGetCount")
     if not isinstance(count, int):
         return None
-    server: dict[int, str] = {}
+    held: dict[int, tuple[str, int | None]] = {}  # index → (UUID, bytes the server's processes hold; None: not said)
     unlisted: list[int] = []
     for i in range(count):
         h = gw.query("nvmlDeviceGetHandleByIndex", i)
@@ -106,8 +167,41 @@ def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | 
         if procs is None:
             unlisted.append(i)
             continue
-        if set(procs) & pids:
-            server[i] = measured.get(i) or gw.query("nvmlDeviceGetUUID", h)
-    if not server:
+        mine = [procs[pid] for pid in set(procs) & pids if _same_process(nvml, pid)]
+        if mine:
+            size = None if any(m is None for m in mine) else sum(mine)
+            held[i] = (measured.get(i) or gw.query("nvmlDeviceGetUUID", h), size)
+    if not held:
         return None
-    return Placement(server, dict(measured), unlisted)
+    largest = max((b for _u, b in held.values() if b is not None), default=0)
+    server: dict[int, str] = {}
+    helpers: dict[int, tuple[str, int]] = {}
+    for i, (u, b) in held.items():
+        # A size NVML does not say (None) is serving: nothing shows it small.
+        if b is not None and b < HELPER_MAX_BYTES and b < HELPER_MAX_SHARE * largest:
+            helpers[i] = (u, b)
+        else:
+            server[i] = u
+    return Placement(server, dict(measured), unlisted, helpers, largest)
+
+
+ALLOW_OPTION = "--allow-unmeasured-server-gpus"
+
+
+def judge_placement(placement: Placement | None, notes: list[str], *, allow: bool = False, fix: str | None = None,
+                    stopped: str = "nothing was changed") -> None:
+    """What sweep and measure do with a placement: a server GPU left unmeasured raises GpuPlacementError (naming the
+    fix, and ALLOW_OPTION to go on anyway) or, with allow, goes into the notes as measured anyway; a helper context and
+    a measured GPU the server does not use go into the notes. fix: the words of the fix (default --gpus of the
+    server's GPUs); stopped: what the refusal left undone. Nothing where the placement cannot be told (None)."""
+    if placement is None:
+        return
+    if (helper := placement.helper_text()) is not None:
+        notes.append(helper)
+    if (why := placement.unmeasured_text(fix)) is not None:
+        if not allow:
+            raise GpuPlacementError(f"{why}; {stopped} (to measure anyway, with those GPUs' energy in no figure: "
+                                    f"{ALLOW_OPTION})")
+        notes.append(f"measured anyway ({ALLOW_OPTION}): {why}")
+    if (idle := placement.idle_text(fix)) is not None:
+        notes.append(idle)
