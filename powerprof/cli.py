@@ -1300,6 +1300,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             table = fleet.fleet_summary(sources)
             tags = fleet.tag_summary(sources)  # per tag name: empty where no tag was ever stopped
             said = [n for n in (fleet.empty_note(sources), fleet.stray_note(sources)) if n] + fleet.notes(table) + fleet.tag_notes(tags)
+            said = list(dict.fromkeys(said))  # a note both tables carry (samples unreadable) said once
             if out_dir is not None:
                 from powerprof.storage.runs import atomic_write_table
                 from powerprof.trust import out_dir_refusal

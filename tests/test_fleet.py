@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from powerprof.analysis.export import export
-from powerprof.analysis.fleet import FleetError, fleet_summary, tag_notes, tag_summary
+from powerprof.analysis.fleet import FleetError, fleet_summary, notes, tag_notes, tag_summary
 from powerprof.cli import main
 from powerprof.daemon.service import datasets
 from powerprof.daemon.store import DatasetStore
@@ -1092,3 +1092,23 @@ def test_tag_windows_written_before_gpu_uuids_are_counted_as_every_sampled_gpus_
     assert t["counted_windows"] == 2 and t["all_gpus_windows"] == 1
     said = " ".join(tag_notes(tag_summary(src)))
     assert "written before gpu_uuids" in said and "every sampled GPU's energy" in said and "vm [GPU-aaaaaaaa GPU-bbbbbbbb] exp: 1 of 2 counted" in said
+
+
+def test_unreadable_samples_leave_old_rows_gpu_sets_unknown_and_are_named(tmp_path):
+    # One junk file among the samples, old rows (no gpu_uuids) beside. Before: fleet, analyze and tag failed entirely
+    # ("cannot read the datasets ...: No magic bytes found"), though fleet never needs the samples but for old rows' sets.
+    _daemon_rows(tmp_path / "d3", "three", None, 0, 10, 200.0, 150.0)
+    _as_before_gpu_uuids(tmp_path)
+    _samples(tmp_path / "d3", "three", [GPU_A])
+    (good,) = sorted((tmp_path / "d3").rglob("samples/**/*.parquet"))
+    (good.parent / "zz-broken.parquet").write_bytes(b"not parquet at all")
+    t = fleet_summary([str(tmp_path / "d3")])
+    (row,) = t.to_pylist()
+    assert row["host"] == "vm" and row["gpu_set_unknown_intervals"] == 10 and row["requests"] == 10
+    said = " ".join(notes(t))
+    assert "samples" in said and "zz-broken.parquet" in said and "unknown" in said
+    assert tag_summary([str(tmp_path / "d3")]).num_rows == 0
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "d3")])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("zz-broken.parquet") == 1  # one note, not one from the rows and one from the tags
+

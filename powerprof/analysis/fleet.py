@@ -209,34 +209,53 @@ def _has_table(con, name: str) -> bool:
     return con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [name]).fetchall()[0][0] > 0
 
 
-def _recover_gpu_sets(con, srcs: list[str], tables: tuple[str, ...]) -> None:
+def _recover_gpu_sets(con, srcs: list[str], tables: tuple[str, ...]) -> str | None:
     """Where rows of `tables` were written before gpu_uuids, put each such daemon's GPU set, as the samples dataset
     among the sources says it (an nvml row per sampled GPU, with its UUID, sorted and comma-joined as gpu_uuids is), in
-    the temporary table GPU_SETS, which _raw_sql reads them by. A daemon whose samples are not among the sources keeps
-    its set unknown (said by `notes`); so does every one where the samples cannot be read."""
+    the temporary table GPU_SETS, which _raw_sql reads them by. Only those daemons' rows and the three columns needed
+    are read (the samples are the largest dataset). A daemon whose samples are not among the sources keeps its set
+    unknown (said by `notes`); so does every one where the samples cannot be read (a junk file among them): returned,
+    the note that names them (SAMPLES_UNREAD, put on the summary's schema), never a failure of the whole summary."""
     import duckdb  # noqa: PLC0415
 
-    old = False
+    lacking: set[str] = set()
     for table in tables:
         files = table_files(srcs, table)
-        if files and con.execute(f"SELECT EXISTS (SELECT 1 FROM ({_raw_sql(con, table, files)}) "
-                                 "WHERE gpu_uuids IS NULL)").fetchall()[0][0]:
-            old = True
-            break
-    samples = table_files(srcs, "samples") if old else []
+        if files:
+            lacking |= {r[0] for r in con.execute(f"SELECT DISTINCT daemon_id FROM ({_raw_sql(con, table, files)}) "
+                                                  "WHERE gpu_uuids IS NULL AND daemon_id IS NOT NULL").fetchall()}
+    samples = table_files(srcs, "samples") if lacking else []
     if not samples:
-        return
+        return None
     try:
         src = read_sql(samples)
         names = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
         if not {"daemon_id", "gpu_uuid", "source"} <= names:
-            return
+            return None
         con.execute(f"CREATE OR REPLACE TEMP TABLE {GPU_SETS} AS SELECT daemon_id, "
                     "array_to_string(list_sort(list(DISTINCT gpu_uuid)), ',') AS gpu_uuids "
-                    f"FROM {src} WHERE source = 'nvml' AND gpu_uuid IS NOT NULL AND gpu_uuid <> '' "
-                    "AND daemon_id IS NOT NULL GROUP BY daemon_id")
-    except duckdb.IOException:
-        return  # a URI's samples glob matching nothing: those sets stay unknown, and said so
+                    f"FROM (SELECT daemon_id, gpu_uuid, source FROM {src}) WHERE source = 'nvml' AND gpu_uuid IS NOT "
+                    f"NULL AND gpu_uuid <> '' AND daemon_id IN ({', '.join(_quote(d) for d in sorted(lacking))}) "
+                    "GROUP BY daemon_id")
+    except duckdb.Error as e:  # a junk file among the samples, a URI's glob matching nothing: those sets stay unknown
+        why = str(e).split("\n\nLINE ")[0].strip()
+        return (f"the samples ({', '.join(sorted({s for s in srcs}))}) could not be read ({why}), so the GPU sets of "
+                f"the rows written before gpu_uuids stay unknown; the fix: move "
+                "the unreadable file out of the samples folder and run again")
+    return None
+
+
+# Schema metadata key of a summary table: the note of _recover_gpu_sets (samples unreadable), said by notes/tag_notes.
+SAMPLES_UNREAD = b"powerprof.samples_unread"
+
+
+def _with_samples_note(t: pa.Table, note: str | None) -> pa.Table:
+    return t.replace_schema_metadata({**(t.schema.metadata or {}), SAMPLES_UNREAD: note.encode()}) if note else t
+
+
+def _samples_note(t: pa.Table) -> list[str]:
+    got = (t.schema.metadata or {}).get(SAMPLES_UNREAD)
+    return [got.decode()] if got else []
 
 
 # DuckDB's names of the types a column read as (the files' types unified) that the queries here take as COLUMNS' type.
@@ -501,7 +520,7 @@ def fleet_summary(sources) -> pa.Table:
         raise FleetError(f"{', '.join(bad)}: not a daemon dataset (no requests/ or intervals/ folder)")
     with connect() as con:
         try:
-            _recover_gpu_sets(con, srcs, ("requests", "intervals"))
+            unread = _recover_gpu_sets(con, srcs, ("requests", "intervals"))
             files = {table: table_files(srcs, table) for table in ("requests", "intervals")}
             parts = {table: _table_sql(con, table, files[table]) for table in ("requests", "intervals")}
             parts["requests"] = _spans_sql(parts["requests"], "t_arrival_utc", "t_end_utc",
@@ -545,7 +564,7 @@ def fleet_summary(sources) -> pa.Table:
     if not out.num_rows:
         raise FleetError(f"{', '.join(srcs)}: no request or interval rows yet (the daemon writes them at each flush, "
                          "daemon.flush_interval_s, 30 s by default): nothing to summarise")
-    return out
+    return _with_samples_note(out, unread)
 
 
 # One row per host and tag name (`powerprof tag start|stop NAME`, every window of that name): the proxied traffic's GPU
@@ -601,7 +620,7 @@ def tag_summary(sources) -> pa.Table:
     srcs = expand_sources(sources)
     with connect() as con:
         try:
-            _recover_gpu_sets(con, srcs, ("tags",))
+            unread = _recover_gpu_sets(con, srcs, ("tags",))
             files = table_files(srcs, "tags")
             tags = _table_sql(con, "tags", files)
             if files:  # the intervals are read only where there are windows to match against them
@@ -625,7 +644,8 @@ def tag_summary(sources) -> pa.Table:
                          "different values, of which at most one is true. Remove the file that is wrong (`powerprof "
                          "export` of the same sources names the files), or analyse the folders separately")
     out = out.drop_columns(["conflicting_windows"])
-    return _utc_times(_reasons_sorted(out, ("bypass_uncertain_reasons", "bypass_unmeasured_reasons")))
+    return _with_samples_note(_utc_times(_reasons_sorted(out, ("bypass_uncertain_reasons",
+                                                               "bypass_unmeasured_reasons"))), unread)
 
 
 UTC_TIMESTAMP = pa.timestamp("us", tz="UTC")
@@ -655,7 +675,7 @@ def _reasons_sorted(t: pa.Table, names) -> pa.Table:
 def tag_notes(t: pa.Table) -> list[str]:
     """What the reader of the tag table must know: windows left out of a tag's J/token and why, rows counted once."""
     rows = t.to_pylist()
-    out = []
+    out = _samples_note(t)
     low = [r for r in rows if r["bypass_uncertain_windows"]]
     if low:
         out.append("tag windows whose server token count may be low (their server_count: bypass traffic's energy, "
@@ -738,7 +758,7 @@ def render_tags(t: pa.Table) -> str:
 
 def notes(t: pa.Table) -> list[str]:
     """What the reader of the summary must know: rows read twice and counted once, rows left out, hosts named by folder."""
-    out = []
+    out = _samples_note(t)
     sim = [r for r in t.to_pylist() if r.get("simulated_intervals")]
     if sim:
         real = t.num_rows > len(sim)
