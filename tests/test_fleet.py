@@ -1112,3 +1112,32 @@ def test_unreadable_samples_leave_old_rows_gpu_sets_unknown_and_are_named(tmp_pa
     assert res.exit_code == 0, res.output
     assert res.output.count("zz-broken.parquet") == 1  # one note, not one from the rows and one from the tags
 
+
+
+def _old_tag(root, daemon, t0, e):
+    store = DatasetStore(root, datasets(), host="vm")
+    store.append("tags", [{"daemon_id": daemon, "name": "exp", "t_start_utc": T0_NS + t0 * 10**9,
+                           "t_end_utc": T0_NS + (t0 + 5) * 10**9, "duration_s": 5.0, "gpu_energy_j": e,
+                           "unproxied_energy_j": 0.0, "proxy_tokens": 100.0, "server_count": "complete"}])
+    assert store.flush()
+    _as_before_gpu_uuids(root)
+
+
+def test_an_old_tag_window_on_a_one_gpu_host_is_no_false_alarm(tmp_path):
+    # Written before gpu_uuids, its samples saying one GPU: every sampled GPU's energy IS the serving GPU's. Before:
+    # all_gpus_windows 1 and the note that its J/token reads high.
+    _old_tag(tmp_path / "old", "old", 10, 200.0)
+    _samples(tmp_path / "old", "old", [GPU_A])
+    (t,) = tag_summary([str(tmp_path / "old")]).to_pylist()
+    assert t["host"] == "vm [GPU-aaaaaaaa]" and t["counted_windows"] == 1
+    assert t["all_gpus_windows"] == 0 and t["maybe_all_gpus_windows"] == 0
+    assert not any("every sampled GPU" in n for n in tag_notes(tag_summary([str(tmp_path / "old")])))
+
+
+def test_an_old_tag_window_of_unknown_gpu_set_may_read_high(tmp_path):
+    # No samples: the set is unknown, so the window may hold a GPU serving none of the work: said as "may".
+    _old_tag(tmp_path / "old", "old", 10, 200.0)
+    (t,) = tag_summary([str(tmp_path / "old")]).to_pylist()
+    assert t["all_gpus_windows"] == 0 and t["maybe_all_gpus_windows"] == 1
+    said = " ".join(tag_notes(tag_summary([str(tmp_path / "old")])))
+    assert "may read high" in said and "vm exp: 1 of 1 counted" in said

@@ -598,7 +598,8 @@ SELECT host, name,
        sum(gpu_energy_j) FILTER (WHERE {counted} AND {unmeasured}) AS bypass_unmeasured_gpu_energy_j,
        string_agg(DISTINCT server_count, ',') FILTER (WHERE {counted} AND {unmeasured}) AS bypass_unmeasured_reasons,
        count(*) FILTER (WHERE {ok} AND NOT {energy}) AS no_energy_windows,
-       count(*) FILTER (WHERE {counted} AND gpu_set_unwritten) AS all_gpus_windows,
+       count(*) FILTER (WHERE {counted} AND gpu_set_unwritten AND gpu_uuids LIKE '%,%') AS all_gpus_windows,
+       count(*) FILTER (WHERE {counted} AND gpu_set_unwritten AND gpu_uuids IS NULL) AS maybe_all_gpus_windows,
        count(*) FILTER (WHERE NOT ({ok})) AS invalid_windows,
        count(*) FILTER (WHERE {ok} AND spans_bad) AS invalid_interval_windows,
        CAST(sum(copies - 1) AS BIGINT) AS duplicate_windows,
@@ -712,14 +713,25 @@ def tag_notes(t: pa.Table) -> list[str]:
                    "the window open: closed_by lost, its energy_note says which) were left out of their tag's figures: "
                    + "; ".join(
                        f"{r['host']} {r['name']}: {r['no_energy_windows']} of {r['windows']}" for r in none))
+    # A window written before gpu_uuids holds every sampled GPU's energy: high only where its daemon sampled more
+    # than one (its set as the samples say it); on one GPU, that GPU's is the serving GPU's, honest, unsaid.
     every = [r for r in rows if r["all_gpus_windows"]]
     if every:
-        out.append("tag windows written before gpu_uuids hold every sampled GPU's energy, a GPU serving none of the "
-                   "proxied work included (a newer daemon's hold the serving GPUs' alone, its energy_note says where "
-                   "not yet judged): counted in their tag's energy and J/token, which read high by any such GPU's: "
+        out.append("tag windows written before gpu_uuids whose daemon sampled several GPUs hold every sampled GPU's "
+                   "energy, a GPU serving none of the proxied work included (a newer daemon's hold the serving GPUs' "
+                   "alone, its energy_note says where not yet judged): counted in their tag's energy and J/token, which "
+                   "read high by any such GPU's: "
                    + "; ".join(f"{r['host']} {r['name']}: {r['all_gpus_windows']} of {r['counted_windows']} counted"
                                for r in every) + "; the fix: daemon.gpus of the server's GPUs alone, or compare windows "
                    "of one daemon version")
+    maybe = [r for r in rows if r["maybe_all_gpus_windows"]]
+    if maybe:
+        out.append("tag windows written before gpu_uuids whose daemon's GPU set is unknown (no samples of it among the "
+                   "sources, or unreadable) hold every GPU it sampled's energy: had it sampled a GPU serving none of the "
+                   "proxied work, their tag's energy and J/token may read high by that GPU's; on one GPU, nothing is: "
+                   + "; ".join(f"{r['host']} {r['name']}: {r['maybe_all_gpus_windows']} of {r['counted_windows']} "
+                               "counted" for r in maybe)
+                   + "; the fix: give the daemon's samples too (its data folder whole)")
     spans = [r for r in rows if r["invalid_interval_windows"]]
     if spans:
         out.append("tag windows over an interval left out of the host's figures (its GPU energy NaN, negative, or more "
