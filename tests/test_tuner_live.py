@@ -1281,3 +1281,15 @@ def test_a_window_with_an_interval_whose_gpu_energy_is_unknown_is_not_judged():
     # A daemon older than the counter: nothing to check, the window stands.
     window_between(dataclasses.replace(a, energy_unknown_intervals=None),
                    dataclasses.replace(b, energy_unknown_intervals=None), 300.0)
+
+
+def test_the_refusal_of_a_window_with_a_serving_gpu_unread_says_it_persists_and_the_fix():
+    # Before: "... the window reads low: not usable", every window alike while the GPU stayed lost, with nothing saying
+    # that it lasts until the GPU reads again or what to do.
+    with FakeDaemon(per_scrape=20, tpot_s=0.05) as fd:
+        a = parse_counters(fetch_metrics(fd.url), 0.0)
+        b = parse_counters(fetch_metrics(fd.url), 10.0)
+    with pytest.raises(ObserveError) as e:
+        window_between(a, dataclasses.replace(b, energy_unknown_intervals=3.0), 300.0)
+    said = str(e.value)
+    assert "serving" in said and "every window" in said and "until" in said and "daemon.gpus" in said

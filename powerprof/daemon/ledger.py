@@ -313,9 +313,11 @@ class Totals:
     # Intervals with tokens left out of j_per_token since start, and their tokens: {flag: (intervals, tokens)}
     # (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG).
     jpt_left_out: dict = field(default_factory=dict)
-    # Intervals kept out of energy_by_dest_j's idle since start: a GPU serving none of the work gave no reading there.
+    # Intervals since start where a GPU serving none of the work gave no reading: in energy_by_dest_j and
+    # energy_by_kind_j with every read GPU's energy, the unread GPU's alone out (their rows' idle_energy_j empty).
     idle_unknown_intervals: int = 0
-    # Intervals in no kind of energy_by_kind_j since start: a GPU gave no reading there, their total unknown.
+    # Intervals in no kind of energy_by_kind_j since start: a GPU serving the work (or, before which serve is judged,
+    # any GPU) gave no reading there, their total unknown.
     gpu_unknown_intervals: int = 0
 
 
@@ -1639,7 +1641,7 @@ class Ledger:
         if serving is not None and serving.size == self.n_gpus and not serving.all():
             work_j = np.nan_to_num(per_gpu[:, serving]).sum(axis=1)
             aside = np.nan_to_num(per_gpu[:, ~serving]).sum(axis=1)
-            # One of them unread leaves the interval's idle energy unknown (its row's empty, out of the idle total).
+            # One of them unread leaves the interval's idle energy unknown (its row's empty; the totals keep every read GPU's: _account).
             aside_missing = np.isnan(per_gpu[:, ~serving]).any(axis=1)
             # The requests' energy is the serving GPUs': one of the others lost leaves the node total unknown, not theirs.
             work_missing = np.isnan(per_gpu[:, serving]).any(axis=1)
@@ -2279,14 +2281,18 @@ class Ledger:
                  host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None,
                  work_j=None, serving=None, idle_missing=None, unjudged=False) -> None:
         # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all);
-        # idle_missing: intervals where a GPU serving none of the work gave no reading: their idle energy is unknown,
-        # kept out of the idle total and counted (Totals.idle_unknown_intervals).
+        # idle_missing: intervals where a GPU serving none of the work gave no reading: the requests' energy and every
+        # read GPU's stay in the totals (by kind and by destination), the unread GPU's energy alone is out (0 J in the
+        # attribution), and they are counted in Totals.idle_unknown_intervals, not gpu_unknown_intervals (the tuner
+        # refuses a window on that one: a lost GPU that serves nothing would stop it for good). Their rows'
+        # idle_energy_j stays empty: its value is unknown.
         work_j = gpu if work_j is None else work_j
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
         by_kind = a.by_kind[:, 0].copy()
-        gone = np.isnan(gpu)
+        # Unknown total where a serving GPU is unread (work_j NaN); unsplit, where any GPU is.
+        gone = np.isnan(work_j) if serving is not None else np.isnan(gpu)
         if serving is not None and gone.any():
             # An interval whose total is unknown (a GPU unread) is in no kind's energy: split by serving GPUs, the
             # attribution's by_kind holds the others' sum there (the unread one as 0 J); unsplit, it holds 0 already.
@@ -2295,7 +2301,6 @@ class Ledger:
         self._by_kind = self._by_kind + by_kind
         by_dest = a.by_dest[:, 0].copy()
         if idle_missing is not None and idle_missing.any():
-            by_dest[attr.TO_IDLE] -= float(a.dest[idle_missing, attr.TO_IDLE, 0].sum())
             self._idle_unknown_intervals += int(idle_missing.sum())
         self._by_dest = self._by_dest + by_dest
         self._tokens_total += float(a.tokens.sum())
@@ -2890,8 +2895,9 @@ def _idle_unread(per_gpu, serving, k: int) -> tuple[list[int], bool] | None:
 def _idle_unknown_note(gpus: str) -> str:
     """Why an interval's idle_energy_j is empty: `gpus`, serving none of the proxied work, gave no reading there."""
     return (f"idle_energy_j empty: it holds the energy of GPU(s) {gpus}, which serve none of the proxied work "
-            "and gave no energy reading here; counting them 0 J would understate it, so this interval is left out of "
-            "the daemon's idle total (powerprof_gpu_idle_energy_unknown_intervals counts such intervals)")
+            "and gave no energy reading here; counting them 0 J would understate it; the daemon's totals keep every "
+            "read GPU's energy of this interval, theirs alone out (powerprof_gpu_idle_energy_unknown_intervals counts "
+            "such intervals)")
 
 
 def _gpu_missing_note(where: str) -> str:

@@ -122,7 +122,7 @@ class Snapshot:
     accounts_behind_s: float | None = None  # now − the end of the latest closed interval (None: none yet)
     jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
     gpu_unknown_intervals: int = 0  # ledger.Totals: intervals in no kind of energy_by_kind_j (a GPU unread there)
-    idle_unknown_intervals: int = 0  # ledger.Totals: intervals kept out of energy_by_dest_j's idle (an idle GPU unread)
+    idle_unknown_intervals: int = 0  # ledger.Totals: intervals with a GPU serving none of the work unread (its energy alone out)
 
 
 class SnapshotCollector:
@@ -176,8 +176,9 @@ class SnapshotCollector:
             k.add_metric([name], v)
         yield k
         yield CounterMetricFamily("powerprof_gpu_energy_unknown_intervals",
-                                  "Intervals left out of the energy by interval kind: a GPU gave no energy reading "
-                                  "there, their total unknown (their rows' gpu_energy_j is empty, the note says why)",
+                                  "Intervals left out of the energy by interval kind: a GPU serving the proxied work "
+                                  "(any, before which serve is judged) gave no energy reading there, their total unknown "
+                                  "(their rows' gpu_energy_j is empty, the note says why)",
                                   value=s.gpu_unknown_intervals)
         d = CounterMetricFamily("powerprof_gpu_energy_attributed_joules",
                                 "GPU energy by where it went: requests (by their work), idle, unproxied", labels=["to"])
@@ -185,8 +186,9 @@ class SnapshotCollector:
             d.add_metric([name], v)
         yield d
         yield CounterMetricFamily("powerprof_gpu_idle_energy_unknown_intervals",
-                                  "Intervals left out of the idle total: a GPU serving none of the proxied work gave "
-                                  "no energy reading there (their rows' idle_energy_j is empty, the note names it)",
+                                  "Intervals where a GPU serving none of the proxied work gave no energy reading: in "
+                                  "the totals with every read GPU's energy, the unread GPU's alone out (their rows' "
+                                  "idle_energy_j is empty, the note names it)",
                                   value=s.idle_unknown_intervals)
         total = sum(s.energy_by_dest_j)
         if total > 0:

@@ -239,10 +239,14 @@ def window_between(a: DaemonCounters, b: DaemonCounters, level: float) -> Window
 
     if (a.energy_unknown_intervals is not None and b.energy_unknown_intervals is not None
             and b.energy_unknown_intervals > a.energy_unknown_intervals):
+        # Counted by the daemon only where a GPU serving the traffic (or any, before it judged which serve) is unread:
+        # a lost GPU serving none leaves the requests' energy whole and the window judged (docs/tuner.md).
         raise ObserveError(f"{b.energy_unknown_intervals - a.energy_unknown_intervals:.0f} interval(s) in this window "
-                           "had a GPU give no energy reading (lost or failing reads: the daemon's log and "
-                           "powerprof_gpu_energy_unknown_intervals_total): their energy is out of its totals, so the "
-                           "window reads low: not usable")
+                           "had a GPU serving the traffic give no energy reading (lost or failing reads: the daemon's "
+                           "log and powerprof_gpu_energy_unknown_intervals_total): their energy is out of its totals, "
+                           "so the window reads low: not usable; every window is refused so until that GPU reads again "
+                           "(powerprof devices, nvidia-smi -q), or the daemon is restarted with daemon.gpus leaving it "
+                           "out")
     fin = b.finished - a.finished
     if not all(math.isfinite(getattr(b, f) - getattr(a, f)) for f in fields + ("active",)):
         raise ObserveError("the daemon's counters are not finite numbers: this window is not usable")
