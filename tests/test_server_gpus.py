@@ -358,3 +358,44 @@ def test_a_host_process_bearing_a_server_pid_number_is_not_taken_for_the_server(
     sim.add_process(0, me, 4 << 30, lambda: 1.0, name=exe)
     p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({me, me + 1}, None))
     assert list(p.unmeasured) == [0] and 1 in p.server
+
+
+def test_a_small_context_that_works_is_serving_not_a_helper():
+    from powerprof.workload.placement import GpuPlacementError, find_placement, judge_placement
+
+    # 14 GiB on GPU 1 and a 700 MiB reranker on GPU 0 running real inference (behind the same port): by memory alone
+    # it read "a helper context" and was never refused, its full-power draw in no figure.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 14 << 30, lambda: 1.0)
+    sim.add_process(0, 4243, 700 << 20, lambda: 0.9)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    assert list(p.unmeasured) == [0] and not p.helpers
+    with pytest.raises(GpuPlacementError):
+        judge_placement(p, [])
+
+
+def test_a_small_context_whose_work_nvml_cannot_say_is_serving(monkeypatch):
+    import pynvml
+
+    from powerprof.workload.placement import find_placement
+
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+
+    def no(*_a):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    monkeypatch.setattr(sim, "nvmlDeviceGetProcessUtilization", no)
+    monkeypatch.setattr(sim, "nvmlDeviceGetProcessesUtilizationInfo", no)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    assert list(p.unmeasured) == [0] and not p.helpers
+
+
+def test_the_helper_note_says_its_draw_is_not_measured():
+    from powerprof.workload.placement import find_placement
+
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    text = p.helper_text()
+    assert "its draw, not measured, is in no figure" in text and "small draw" not in text
+    assert "no work" in text
