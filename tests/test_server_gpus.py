@@ -399,3 +399,38 @@ def test_the_helper_note_says_its_draw_is_not_measured():
     text = p.helper_text()
     assert "its draw, not measured, is in no figure" in text and "small draw" not in text
     assert "no work" in text
+
+
+def test_the_daemon_says_once_why_the_unsampled_flag_stands_after_checks_that_tell_nothing(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from powerprof.daemon.service import UNKNOWN_CHECKS_SAY, Daemon
+
+    # The upstream flagged on GPU 0 (unsampled), then never found again (it moved to another host): every later row
+    # kept server-gpu-unsampled and analyze dropped them all, with no log line saying why.
+    caplog.set_level(logging.INFO)
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    for i in (0, 1):
+        sim.add_process(i, 4242, 8 << 30, lambda: 1.0)
+    answer = [({4242}, None)]
+    d = SimpleNamespace(_server_procs=lambda: answer[0], collector=SimpleNamespace(nvml=sim),
+                        gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=SimpleNamespace(unsampled_note=None),
+                        _idle_said=False, _helper_said=False)
+    Daemon._check_placement(d)
+    flagged = d.ledger.unsampled_note
+    answer[0] = (None, "nothing listens on port 8000")
+    for _ in range(UNKNOWN_CHECKS_SAY - 1):
+        Daemon._check_placement(d)
+    assert d.ledger.unsampled_note == flagged
+    assert not any("cannot be told" in r.getMessage() for r in caplog.records)
+    for _ in range(3):
+        Daemon._check_placement(d)
+    said = [r.getMessage() for r in caplog.records if "cannot be told" in r.getMessage()]
+    assert len(said) == 1 and "nothing listens on port 8000" in said[0] and "restart the daemon" in said[0], said
+    note = d.ledger.unsampled_note
+    assert note.startswith("server-gpu-unsampled: ") and "cannot be told since" in note and "GPU 0" in note, note
+    answer[0] = ({4242}, None)  # found again, still on GPU 0: the plain flag again
+    Daemon._check_placement(d)
+    assert d.ledger.unsampled_note == flagged
