@@ -434,3 +434,15 @@ def test_the_daemon_says_once_why_the_unsampled_flag_stands_after_checks_that_te
     answer[0] = ({4242}, None)  # found again, still on GPU 0: the plain flag again
     Daemon._check_placement(d)
     assert d.ledger.unsampled_note == flagged
+
+
+@pytest.mark.parametrize("value", ["5", "-1", "0,2"])
+def test_sim_server_gpus_out_of_range_is_a_clear_error_not_a_traceback(tmp_path, value):
+    from powerprof.cli import main
+
+    # =5 on one GPU raised IndexError in sim/server.py with a traceback; =-1 ran the server on GPU 1 silently.
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--requests", "2", "--max-tokens", "16",
+                                  "--out", str(tmp_path / "m")], env={"POWERPROF_SIM_SERVER_GPUS": value})
+    assert r.exit_code != 0 and not isinstance(r.exception, IndexError), (r.output, r.exception)
+    assert f"POWERPROF_SIM_SERVER_GPUS={value!r}" in r.output and "0 to 1" in r.output, r.output
+    assert "Traceback" not in r.output
