@@ -446,3 +446,22 @@ def test_sim_server_gpus_out_of_range_is_a_clear_error_not_a_traceback(tmp_path,
     assert r.exit_code != 0 and not isinstance(r.exception, IndexError), (r.output, r.exception)
     assert f"POWERPROF_SIM_SERVER_GPUS={value!r}" in r.output and "0 to 1" in r.output, r.output
     assert "Traceback" not in r.output
+
+
+def test_the_grid_placement_stop_is_a_run_stop_with_the_back_line_not_a_usage_error(tmp_path):
+    from powerprof.cli import main
+
+    # The grid found the server on GPU 0 partway through: the stop read under click's "Usage: … Try --help" banner,
+    # with no word that the GPU's limit was back, and run.json's notes known only at the end never written.
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--limits", "300,220",
+                                  "--context-tokens", "64,128", "--max-time", "4", "--max-tokens", "16",
+                                  "--out", str(tmp_path / "g")], env={"POWERPROF_SIM_SERVER_GPUS": "0,1"})
+    assert r.exit_code == 2, r.output
+    assert "Usage:" not in r.output and "--help" not in r.output, r.output
+    assert "the server also runs on GPU 0 (GPU-" in r.output and "--gpus 0,1" in r.output, r.output
+    assert "no GPU setting was changed" in r.output or "back at its original limit" in r.output, r.output
+    sim = SimNVML("seed-16g", count=2)
+    assert [g.limit_w for g in sim.gpus] == [g.profile.default_limit_w for g in sim.gpus]
+    assert not _restore_files()
+    meta = json.loads((tmp_path / "g" / "run.json").read_text())
+    assert any("the server also runs on GPU 0" in n for n in meta["notes"]), meta["notes"]
