@@ -465,3 +465,39 @@ def test_the_grid_placement_stop_is_a_run_stop_with_the_back_line_not_a_usage_er
     assert not _restore_files()
     meta = json.loads((tmp_path / "g" / "run.json").read_text())
     assert any("the server also runs on GPU 0" in n for n in meta["notes"]), meta["notes"]
+
+
+def test_same_process_claims_no_match_from_an_empty_name_or_a_short_prefix(monkeypatch):
+    import psutil
+
+    from powerprof.collectors import nvml as nvml_mod
+    from powerprof.workload import placement
+
+    class P:
+        def __init__(self, pid):
+            pass
+
+        def name(self):
+            return "python3"
+
+        def exe(self):
+            return "/usr/bin/python3"
+
+        def cmdline(self):
+            return ["python3", "-m", "vllm"]
+
+    monkeypatch.setattr(psutil, "Process", P)
+    # NVML's `python` (another namespace's process) against this one's `python3`: a prefix, not the same name.
+    monkeypatch.setattr(nvml_mod, "process_name", lambda _n, _pid: "/usr/bin/python")
+    assert placement._same_process(None, 4242) is False
+    monkeypatch.setattr(nvml_mod, "process_name", lambda _n, _pid: "/usr/bin/python3 -m vllm")
+    assert placement._same_process(None, 4242) is True
+    # The kernel's 15-character cut: a prefix of 15 characters still matches.
+    monkeypatch.setattr(nvml_mod, "process_name", lambda _n, _pid: "/opt/VLLM::EngineCore")
+    P.name = lambda self: "VLLM::EngineCor"
+    P.exe = lambda self: "/x/VLLM::EngineCor"
+    P.cmdline = lambda self: ["VLLM::EngineCor"]
+    assert placement._same_process(None, 4242) is True
+    # A name of spaces only is "cannot tell" (counted as the server's, as an unreadable one), not a match by prefix.
+    monkeypatch.setattr(nvml_mod, "process_name", lambda _n, _pid: "   ")
+    assert placement._same_process(None, 4242) is True

@@ -122,8 +122,9 @@ def _same_process(nvml, pid: int) -> bool:
     """Whether the pid on NVML's list is the server's process of that number here, judged by name: in a container's
     own pid namespace NVML's pids are the host's, and a host process may bear a server pid's number. NVML's name (its
     first word's last path part) against this namespace's (psutil: the name, which the kernel cuts to 15 characters,
-    the executable's, the command line's first word's, which setproctitle rewrites: vLLM's VLLM::EngineCore); True
-    where either cannot be read (nothing shows them different)."""
+    the executable's, the command line's first word's, which setproctitle rewrites: vLLM's VLLM::EngineCore): equal,
+    or one a prefix of the other where that one is 15 characters or more (the kernel's cut; `python` is not
+    `python3`); True where either cannot be read or is empty (nothing shows them different: cannot tell)."""
     import psutil
 
     from powerprof.collectors.nvml import process_name
@@ -148,7 +149,17 @@ def _same_process(nvml, pid: int) -> bool:
         return True
     ours.discard("")
     b = base(theirs)
-    return not ours or any(b == o or b.startswith(o) or o.startswith(b) for o in ours)
+    if not b or not ours:
+        return True  # an empty name (spaces only) says nothing: cannot tell, as an unreadable one, no match claimed
+
+    def cut(short: str, long: str) -> bool:
+        # A prefix only where the shorter is the kernel's cut (15 characters): `python` is not `python3`.
+        return len(short) >= COMM_LEN and long.startswith(short)
+
+    return any(b == o or cut(o, b) or cut(b, o) for o in ours)
+
+
+COMM_LEN = 15  # the kernel cuts a process's name (comm) to 15 characters
 
 
 def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | None:
