@@ -1664,7 +1664,9 @@ def _sweep_exits(dry_run: bool = False, clocks: bool = False):
     except (SweepError, ServerUnreachable, LaunchError) as e:
         # These reach here after the controller put every GPU back (a failed restore raises a ControlError in their
         # place); a stopped sweep said nothing of the GPU, and the user was left to wonder whether it was capped.
-        raise click.ClickException(str(e) if dry_run else f"{e}\n{back()}") from None
+        exc = click.ClickException(str(e) if dry_run else f"{e}\n{back()}")
+        exc.exit_code = getattr(e, "exit_code", 1)  # a grid's placement stop: 2, the --gpus the mistake
+        raise exc from None
     except (ControlError, OSError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:

@@ -317,8 +317,9 @@ class GridRun:
     def _check_placement(self, rec: ConfigRecord, url: str, launched: list) -> None:
         """The GPUs this configuration's server runs on against the measured ones, once it answers and before it is
         measured (run_sweep's check ran before any configuration's server existed): a server GPU not measured (a
-        CUDA_VISIBLE_DEVICES of the user's or the template's naming other GPUs) stops the grid, GpuPlacementError;
+        CUDA_VISIBLE_DEVICES of the user's or the template's naming other GPUs) stops the grid, PlacementStop (sweep.py);
         run_sweep then puts every limit back and keeps the configurations finished."""
+        from powerprof.sweep import PlacementStop
         from powerprof.workload.placement import GpuPlacementError, find_placement, judge_placement
         from powerprof.workload.serverprocs import ServerProcesses
 
@@ -333,7 +334,8 @@ class GridRun:
                                     "finished kept)")
         except GpuPlacementError as e:
             rec.status, rec.error = "failed", str(e)
-            raise GpuPlacementError(f"configuration {rec.config_id}: {e}") from None
+            # A stop partway through the run, not a usage error: said as other mid-run stops are, exit 2.
+            raise PlacementStop(f"configuration {rec.config_id}: {e}") from None
         for n in said:
             n = f"configuration {rec.config_id}: {n}"
             if n not in self.placement_notes:

@@ -293,9 +293,15 @@ class Rig:
         env = os.environ.get("POWERPROF_SIM_SERVER_GPUS", "").strip()
         if env:
             try:
-                return [int(x) for x in env.split(",") if x.strip()]
+                got = [int(x) for x in env.split(",") if x.strip()]
             except ValueError:
                 raise ValueError(f"POWERPROF_SIM_SERVER_GPUS={env!r}: give simulated GPU indexes, e.g. 0,1") from None
+            # Before, =5 on a one-GPU rig raised IndexError in the simulated server, and =-1 ran it on the last GPU.
+            count = len(self.nvml.gpus)
+            if any(not 0 <= i < count for i in got):
+                raise ValueError(f"POWERPROF_SIM_SERVER_GPUS={env!r}: simulated GPU indexes run from 0 to {count - 1} "
+                                 f"on this rig of {count} GPU(s); give indexes in that range, e.g. 0")
+            return got
         if self._sources is not None and self._sources.nvml is not None:
             return list(self._sources.nvml.indexes)
         return None

@@ -161,6 +161,14 @@ class SweepError(RuntimeError):
     """The sweep could not run or had to stop; the message says why. Limits are restored."""
 
 
+class PlacementStop(SweepError):
+    """A grid configuration's server runs on a GPU not measured, found as it started, partway through the run: the run
+    stops as any mid-run stop does (limits put back, the finished configurations kept, the back line said), exit 2
+    (the --gpus given, or left out, are the mistake)."""
+
+    exit_code = 2
+
+
 class RunWriteError(SweepError):
     """The run's files could not be written (a full disk): the whole run stops, a grid's next configuration too."""
 
@@ -1516,7 +1524,7 @@ def run_sweep(
                 except SweepError as e:
                     died = launched[0].death_note() if launched else ""
                     if died:
-                        raise SweepError(f"{e}; {died}") from None
+                        raise type(e)(f"{e}; {died}") from None
                     raise
             finally:
                 # Restore before the last write, so the final samples show the original limit back.
@@ -1530,10 +1538,17 @@ def run_sweep(
                     profiler.sampler.sample_now("restored")
                     sweep.flush()
             levels = sweep.levels_table()
-        except BaseException:
+        except BaseException as e:
             # Ctrl-C, a signal or an error, wherever it struck: the person must learn where the levels went.
             if ui is not None:
                 ui.stopped(_kept_note(run_dir, writer.metadata.get("levels_done") or []))
+            if isinstance(e, PlacementStop):
+                # The notes known only at the end (a grid's placement notes, the stop itself) were never written on
+                # this path; a failed write does not hide the stop.
+                try:
+                    writer.write_json(notes=notes + list(getattr(sweep, "placement_notes", [])) + [str(e)])
+                except Exception:  # noqa: BLE001
+                    pass
             raise
     notes.extend(profiler.edge_notes())
     notes.extend(busy_host_level_notes(levels, profiler, settings.level_kind))

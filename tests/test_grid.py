@@ -451,14 +451,14 @@ def test_a_grid_configuration_whose_server_runs_on_an_unmeasured_gpu_stops_the_g
     # ran (run_sweep's check ran before any grid server existed and found nothing): a server on a GPU not measured
     # was measured with that GPU's energy in no figure and its limit never stepped.
     from powerprof.sim.nvml import SimNVML
-    from powerprof.workload.placement import GpuPlacementError
+    from powerprof.sweep import PlacementStop
 
     sim = SimNVML("seed-16g", count=2, state_path=None)
     default_w = sim.gpus[1].limit_w
     spec = GridSpec(None, (), (64, 128))
     ui = _ServerSpreadsAfter(220.0, sim, 0)
     with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
-        with pytest.raises(GpuPlacementError) as e:
+        with pytest.raises(PlacementStop) as e:
             run_grid(rig, spec, url=None, levels_spec="300,220", level_kind="power_limit", out_dir=tmp_path / "run",
                      params=RequestParams(max_tokens=32), ui=ui, **FAST)
     msg = str(e.value)

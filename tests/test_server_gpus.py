@@ -358,3 +358,146 @@ def test_a_host_process_bearing_a_server_pid_number_is_not_taken_for_the_server(
     sim.add_process(0, me, 4 << 30, lambda: 1.0, name=exe)
     p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({me, me + 1}, None))
     assert list(p.unmeasured) == [0] and 1 in p.server
+
+
+def test_a_small_context_that_works_is_serving_not_a_helper():
+    from powerprof.workload.placement import GpuPlacementError, find_placement, judge_placement
+
+    # 14 GiB on GPU 1 and a 700 MiB reranker on GPU 0 running real inference (behind the same port): by memory alone
+    # it read "a helper context" and was never refused, its full-power draw in no figure.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 14 << 30, lambda: 1.0)
+    sim.add_process(0, 4243, 700 << 20, lambda: 0.9)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    assert list(p.unmeasured) == [0] and not p.helpers
+    with pytest.raises(GpuPlacementError):
+        judge_placement(p, [])
+
+
+def test_a_small_context_whose_work_nvml_cannot_say_is_serving(monkeypatch):
+    import pynvml
+
+    from powerprof.workload.placement import find_placement
+
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+
+    def no(*_a):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    monkeypatch.setattr(sim, "nvmlDeviceGetProcessUtilization", no)
+    monkeypatch.setattr(sim, "nvmlDeviceGetProcessesUtilizationInfo", no)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    assert list(p.unmeasured) == [0] and not p.helpers
+
+
+def test_the_helper_note_says_its_draw_is_not_measured():
+    from powerprof.workload.placement import find_placement
+
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    text = p.helper_text()
+    assert "its draw, not measured, is in no figure" in text and "small draw" not in text
+    assert "no work" in text
+
+
+def test_the_daemon_says_once_why_the_unsampled_flag_stands_after_checks_that_tell_nothing(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from powerprof.daemon.service import UNKNOWN_CHECKS_SAY, Daemon
+
+    # The upstream flagged on GPU 0 (unsampled), then never found again (it moved to another host): every later row
+    # kept server-gpu-unsampled and analyze dropped them all, with no log line saying why.
+    caplog.set_level(logging.INFO)
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    for i in (0, 1):
+        sim.add_process(i, 4242, 8 << 30, lambda: 1.0)
+    answer = [({4242}, None)]
+    d = SimpleNamespace(_server_procs=lambda: answer[0], collector=SimpleNamespace(nvml=sim),
+                        gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=SimpleNamespace(unsampled_note=None),
+                        _idle_said=False, _helper_said=False)
+    Daemon._check_placement(d)
+    flagged = d.ledger.unsampled_note
+    answer[0] = (None, "nothing listens on port 8000")
+    for _ in range(UNKNOWN_CHECKS_SAY - 1):
+        Daemon._check_placement(d)
+    assert d.ledger.unsampled_note == flagged
+    assert not any("cannot be told" in r.getMessage() for r in caplog.records)
+    for _ in range(3):
+        Daemon._check_placement(d)
+    said = [r.getMessage() for r in caplog.records if "cannot be told" in r.getMessage()]
+    assert len(said) == 1 and "nothing listens on port 8000" in said[0] and "restart the daemon" in said[0], said
+    note = d.ledger.unsampled_note
+    assert note.startswith("server-gpu-unsampled: ") and "cannot be told since" in note and "GPU 0" in note, note
+    answer[0] = ({4242}, None)  # found again, still on GPU 0: the plain flag again
+    Daemon._check_placement(d)
+    assert d.ledger.unsampled_note == flagged
+
+
+@pytest.mark.parametrize("value", ["5", "-1", "0,2"])
+def test_sim_server_gpus_out_of_range_is_a_clear_error_not_a_traceback(tmp_path, value):
+    from powerprof.cli import main
+
+    # =5 on one GPU raised IndexError in sim/server.py with a traceback; =-1 ran the server on GPU 1 silently.
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--requests", "2", "--max-tokens", "16",
+                                  "--out", str(tmp_path / "m")], env={"POWERPROF_SIM_SERVER_GPUS": value})
+    assert r.exit_code != 0 and not isinstance(r.exception, IndexError), (r.output, r.exception)
+    assert f"POWERPROF_SIM_SERVER_GPUS={value!r}" in r.output and "0 to 1" in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_the_grid_placement_stop_is_a_run_stop_with_the_back_line_not_a_usage_error(tmp_path):
+    from powerprof.cli import main
+
+    # The grid found the server on GPU 0 partway through: the stop read under click's "Usage: … Try --help" banner,
+    # with no word that the GPU's limit was back, and run.json's notes known only at the end never written.
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--limits", "300,220",
+                                  "--context-tokens", "64,128", "--max-time", "4", "--max-tokens", "16",
+                                  "--out", str(tmp_path / "g")], env={"POWERPROF_SIM_SERVER_GPUS": "0,1"})
+    assert r.exit_code == 2, r.output
+    assert "Usage:" not in r.output and "--help" not in r.output, r.output
+    assert "the server also runs on GPU 0 (GPU-" in r.output and "--gpus 0,1" in r.output, r.output
+    assert "no GPU setting was changed" in r.output or "back at its original limit" in r.output, r.output
+    sim = SimNVML("seed-16g", count=2)
+    assert [g.limit_w for g in sim.gpus] == [g.profile.default_limit_w for g in sim.gpus]
+    assert not _restore_files()
+    meta = json.loads((tmp_path / "g" / "run.json").read_text())
+    assert any("the server also runs on GPU 0" in n for n in meta["notes"]), meta["notes"]
+
+
+def test_same_process_claims_no_match_from_an_empty_name_or_a_short_prefix(monkeypatch):
+    import psutil
+
+    from powerprof.collectors import nvml as nvml_mod
+    from powerprof.workload import placement
+
+    class P:
+        def __init__(self, pid):
+            pass
+
+        def name(self):
+            return "python3"
+
+        def exe(self):
+            return "/usr/bin/python3"
+
+        def cmdline(self):
+            return ["python3", "-m", "vllm"]
+
+    monkeypatch.setattr(psutil, "Process", P)
+    # NVML's `python` (another namespace's process) against this one's `python3`: a prefix, not the same name.
+    monkeypatch.setattr(nvml_mod, "process_name", lambda _n, _pid: "/usr/bin/python")
+    assert placement._same_process(None, 4242) is False
+    monkeypatch.setattr(nvml_mod, "process_name", lambda _n, _pid: "/usr/bin/python3 -m vllm")
+    assert placement._same_process(None, 4242) is True
+    # The kernel's 15-character cut: a prefix of 15 characters still matches.
+    monkeypatch.setattr(nvml_mod, "process_name", lambda _n, _pid: "/opt/VLLM::EngineCore")
+    P.name = lambda self: "VLLM::EngineCor"
+    P.exe = lambda self: "/x/VLLM::EngineCor"
+    P.cmdline = lambda self: ["VLLM::EngineCor"]
+    assert placement._same_process(None, 4242) is True
+    # A name of spaces only is "cannot tell" (counted as the server's, as an unreadable one), not a match by prefix.
+    monkeypatch.setattr(nvml_mod, "process_name", lambda _n, _pid: "   ")
+    assert placement._same_process(None, 4242) is True

@@ -66,6 +66,9 @@ END_EDGE_DELAY_S = 0.1
 RAPL_HOLD_PERIODS = 3
 # s: how often the daemon looks again at which GPUs the upstream's processes run on (workload/placement.py).
 PLACEMENT_CHECK_S = 30.0
+# Checks in a row that tell nothing (find_placement None, or an error) after which a standing server-gpu-unsampled flag
+# is said in the log, once, with why and the fix, and its row note says the GPUs cannot be told (10: 5 min at 30 s).
+UNKNOWN_CHECKS_SAY = 10
 # The server's counters are read once before the daemon says ready (detection and one scrape: three GETs at most).
 BASELINE_WAIT_S = 3 * SCRAPE_TIMEOUT_S
 # At a clean stop, one last read of them past the last sample, waited for this long at most (one GET's own limit).
@@ -1304,16 +1307,45 @@ class Daemon:
 
         if self._server_procs is None:
             return
+        answers: list = []
+
+        def procs():
+            answers.append(self._server_procs())
+            return answers[-1]
+
+        why = None
         try:
-            p = find_placement(self.collector.nvml, self.gpu_uuids, self._server_procs)
+            p = find_placement(self.collector.nvml, self.gpu_uuids, procs)
         except Exception as e:  # a check of where the server runs is never the daemon's end
             log.debug("checking which GPUs the server runs on failed: %s", error_text(e))
-            return
+            p, why = None, f"the check failed: {error_text(e)}"
         if p is None:
             # Nothing can be told (no listener while the server restarts, a socket list denied, no context yet, NVML
             # unable to count): the state stands. Clearing it here left rows unflagged for up to 30 s while the GPU
-            # was still unsampled; it is cleared only on a placement read with every server GPU sampled.
+            # was still unsampled; it is cleared only on a placement read with every server GPU sampled. Standing
+            # UNKNOWN_CHECKS_SAY checks in a row, it is said once with why, and the row note says so (the flag kept:
+            # nothing shows the server left the unsampled GPU, and its rows may be low by that GPU's energy).
+            n = self._unknown_checks = getattr(self, "_unknown_checks", 0) + 1
+            if n == UNKNOWN_CHECKS_SAY and self._unsampled and self.ledger.unsampled_note:
+                if why is None:
+                    why = (answers[-1][1] if answers and answers[-1][1] else
+                           "none of its processes is on any GPU's list (another pid namespace?), or NVML cannot count "
+                           "its GPUs")
+                gpus = ", ".join(f"GPU {i}" for i in self._unsampled)
+                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() - n * PLACEMENT_CHECK_S))
+                self.ledger.unsampled_note = (
+                    f"{SERVER_GPU_UNSAMPLED_FLAG}: the server was last seen also on {gpus}, not sampled; which GPUs it "
+                    f"runs on cannot be told since {since} ({why}), so the flag stands")
+                log.warning("which GPUs the server runs on cannot be told since %s, %d checks in a row (%s): rows "
+                            "closed from now on keep %s (last seen also on %s, not sampled) and analyze leaves them "
+                            "out of J/token; fix: make the upstream's processes findable from the daemon (a local "
+                            "upstream, the daemon able to read its socket list), or, if it now runs on sampled GPUs "
+                            "only, restart the daemon", since, n, why, SERVER_GPU_UNSAMPLED_FLAG, gpus)
             return
+        if getattr(self, "_unknown_checks", 0) >= UNKNOWN_CHECKS_SAY and self._unsampled:
+            self._unsampled = None  # told again: the flag's note is set anew below, as the check finds it
+            log.info("which GPUs the server runs on can be told again")
+        self._unknown_checks = 0
         if not self._helper_said and (helper := p.helper_text()) is not None:
             self._helper_said = True
             log.info("%s", helper)

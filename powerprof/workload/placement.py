@@ -7,9 +7,14 @@ server, a socket list this user may not read) or none of them is on any GPU's li
 a listed pid whose name NVML gives differently from this namespace's is another process bearing the same number),
 nothing can be told and nothing is said here (GpuNeighbours, others.py, says the latter of the measured GPUs).
 
-A small context is not serving: a GPU where the server's processes hold under HELPER_MAX_BYTES together, and under
-HELPER_MAX_SHARE of what they hold on their busiest GPU, is a helper context (a child that touched CUDA once: PyTorch's
-default device, a tokenizer or API process), said in the notes and never refused or flagged.
+A small idle context is not serving: a GPU where the server's processes hold under HELPER_MAX_BYTES together, and
+under HELPER_MAX_SHARE of what they hold on their busiest GPU, and where NVML's per-process utilisation samples of the
+last HELPER_LOOK_S show none of them working (no engine over HELPER_MAX_PCT), is a helper context (a child that
+touched CUDA once: PyTorch's default device, a tokenizer or API process), said in the notes and never refused or
+flagged. Memory alone does not make a helper: a small model (an embedding, reranker or draft model behind the same
+port) holds under 1 GiB and draws full power while it works. Samples NVML cannot give, or one showing work, make the
+GPU serving. The limit: a small model idle through the look is taken for a helper until a later check sees it work
+(the daemon looks every 30 s; a sweep or measure looks once, before its load).
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from dataclasses import dataclass, field
 # GiBs. Both bounds must hold: a small model split over two GPUs (~400 MiB each) is each GPU's largest, so serving.
 HELPER_MAX_BYTES = 1 << 30
 HELPER_MAX_SHARE = 0.10
+# A helper context works (almost) not at all: no engine over HELPER_MAX_PCT in the samples of the last HELPER_LOOK_S.
+HELPER_MAX_PCT = 5.0
+HELPER_LOOK_S = 20.0
 
 
 class GpuPlacementError(ValueError):
@@ -63,8 +71,9 @@ class Placement:
         one = len(self.helpers) == 1
         return (f"the server's processes hold {'a helper context' if one else 'helper contexts'} of {what}: not "
                 f"counted as serving (under {HELPER_MAX_BYTES >> 20} MiB and under {HELPER_MAX_SHARE:.0%} of the "
-                f"{self.largest >> 20} MiB they hold on their busiest GPU); where not measured, {'its' if one else 'their'} "
-                "small draw is in no figure")
+                f"{self.largest >> 20} MiB they hold on their busiest GPU, and no work there in NVML's samples of the last "
+                f"{HELPER_LOOK_S:.0f} s); where not measured, {'its' if one else 'their'} draw, not measured, is in no "
+                "figure")
 
     def gpus_option(self) -> str:
         """The --gpus that measures every GPU the server uses and no other."""
@@ -113,8 +122,9 @@ def _same_process(nvml, pid: int) -> bool:
     """Whether the pid on NVML's list is the server's process of that number here, judged by name: in a container's
     own pid namespace NVML's pids are the host's, and a host process may bear a server pid's number. NVML's name (its
     first word's last path part) against this namespace's (psutil: the name, which the kernel cuts to 15 characters,
-    the executable's, the command line's first word's, which setproctitle rewrites: vLLM's VLLM::EngineCore); True
-    where either cannot be read (nothing shows them different)."""
+    the executable's, the command line's first word's, which setproctitle rewrites: vLLM's VLLM::EngineCore): equal,
+    or one a prefix of the other where that one is 15 characters or more (the kernel's cut; `python` is not
+    `python3`); True where either cannot be read or is empty (nothing shows them different: cannot tell)."""
     import psutil
 
     from powerprof.collectors.nvml import process_name
@@ -139,7 +149,17 @@ def _same_process(nvml, pid: int) -> bool:
         return True
     ours.discard("")
     b = base(theirs)
-    return not ours or any(b == o or b.startswith(o) or o.startswith(b) for o in ours)
+    if not b or not ours:
+        return True  # an empty name (spaces only) says nothing: cannot tell, as an unreadable one, no match claimed
+
+    def cut(short: str, long: str) -> bool:
+        # A prefix only where the shorter is the kernel's cut (15 characters): `python` is not `python3`.
+        return len(short) >= COMM_LEN and long.startswith(short)
+
+    return any(b == o or cut(o, b) or cut(b, o) for o in ours)
+
+
+COMM_LEN = 15  # the kernel cuts a process's name (comm) to 15 characters
 
 
 def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | None:
@@ -148,7 +168,7 @@ def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | 
     (None, why) (serverprocs.ServerProcesses). None where nothing can be told: the server's processes unknown, NVML
     unable to count its GPUs, or none of the server's processes on any GPU's list (another pid namespace)."""
     from powerprof.collectors.gateway import gateway
-    from powerprof.collectors.nvml import gpu_processes
+    from powerprof.collectors.nvml import gpu_processes, process_util
 
     if server_procs is None:
         return None
@@ -160,6 +180,7 @@ def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | 
     if not isinstance(count, int):
         return None
     held: dict[int, tuple[str, int | None]] = {}  # index → (UUID, bytes the server's processes hold; None: not said)
+    theirs: dict[int, tuple[object, set[int]]] = {}  # index → (handle, the server's pids on it)
     unlisted: list[int] = []
     for i in range(count):
         h = gw.query("nvmlDeviceGetHandleByIndex", i)
@@ -167,8 +188,10 @@ def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | 
         if procs is None:
             unlisted.append(i)
             continue
-        mine = [procs[pid] for pid in set(procs) & pids if _same_process(nvml, pid)]
+        ours = {pid for pid in set(procs) & pids if _same_process(nvml, pid)}
+        mine = [procs[pid] for pid in ours]
         if mine:
+            theirs[i] = (h, ours)
             size = None if any(m is None for m in mine) else sum(mine)
             held[i] = (measured.get(i) or gw.query("nvmlDeviceGetUUID", h), size)
     if not held:
@@ -178,11 +201,23 @@ def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | 
     helpers: dict[int, tuple[str, int]] = {}
     for i, (u, b) in held.items():
         # A size NVML does not say (None) is serving: nothing shows it small.
-        if b is not None and b < HELPER_MAX_BYTES and b < HELPER_MAX_SHARE * largest:
+        if (b is not None and b < HELPER_MAX_BYTES and b < HELPER_MAX_SHARE * largest
+                and _idle(nvml, *theirs[i], process_util)):
             helpers[i] = (u, b)
         else:
             server[i] = u
     return Placement(server, dict(measured), unlisted, helpers, largest)
+
+
+def _idle(nvml, handle, pids: set[int], process_util) -> bool:
+    """Whether NVML's per-process samples of the last HELPER_LOOK_S show none of `pids` working on the GPU (no engine
+    over HELPER_MAX_PCT); False where NVML cannot give them (nothing shows the context idle)."""
+    import time
+
+    util, _how = process_util(nvml, handle, time.time_ns() // 1000 - int(HELPER_LOOK_S * 1e6))
+    if util is None:
+        return False
+    return all(u <= HELPER_MAX_PCT for pid in pids for u in util.get(pid, {}).values())
 
 
 ALLOW_OPTION = "--allow-unmeasured-server-gpus"
