@@ -90,9 +90,7 @@ class Placement:
         gone = self.unmeasured
         if not gone:
             return None
-        what = ", ".join(gpu_name(i, u) for i, u in sorted(gone.items()))
-        one = len(gone) == 1
-        its = "its" if one else "their"
+        what, one, its = _named(gone)
         return (f"the server also runs on {what}, which {'is' if one else 'are'} not measured: "
                 + (cost or f"{its} energy would be in no figure (J/token low) and {its} limit not stepped") + "; "
                 + (fix or f"add {'it' if one else 'them'}: --gpus {self.gpus_option()}"))
@@ -103,9 +101,7 @@ class Placement:
         idle = self.idle
         if not idle:
             return None
-        what = ", ".join(gpu_name(i, u) for i, u in sorted(idle.items()))
-        one = len(idle) == 1
-        its = "its" if one else "their"
+        what, one, its = _named(idle)
         return (f"{what} {'holds' if one else 'hold'} none of the server's processes (the server runs on "
                 f"{', '.join(gpu_name(i, u) for i, u in sorted(self.server.items()))}): "
                 + (cost or f"{its} idle power is in every GPU energy and J/token figure, and a sweep steps {its} limit "
@@ -116,6 +112,12 @@ class Placement:
 def gpu_name(index: int, uuid: str | None) -> str:
     """'GPU 0 (GPU-…)', as the messages name a GPU."""
     return f"GPU {index}" + (f" ({uuid})" if uuid else "")
+
+
+def _named(gpus: dict) -> tuple[str, bool, str]:
+    """GPUs (index -> UUID) in words, whether there is one, and the possessive that goes with it."""
+    one = len(gpus) == 1
+    return ", ".join(gpu_name(i, u) for i, u in sorted(gpus.items())), one, "its" if one else "their"
 
 
 def _same_process(nvml, pid: int) -> bool:
