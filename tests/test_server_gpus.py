@@ -255,14 +255,11 @@ def test_measure_allow_unmeasured_server_gpus_measures_and_says_so_in_run_json(t
                for n in meta["notes"]), meta["notes"]
 
 
-def test_the_daemon_keeps_the_unsampled_flag_while_nothing_can_be_told_and_clears_it_on_evidence():
+def _daemon_sampling_gpu1_of_a_server_on_two():
+    """(simulated NVML, the server-process lookup's answer to change, the daemon's placement state) for
+    Daemon._check_placement: the upstream (pid 4242, 8 GiB on each) on GPUs 0 and 1, the daemon sampling GPU 1."""
     from types import SimpleNamespace
 
-    from powerprof.daemon.service import Daemon
-
-    # The upstream on GPUs 0 and 1, the daemon sampling GPU 1. Then a restart: nothing listens for a moment, so the
-    # server's processes cannot be found (find_placement: None). That cleared the flag ("runs on sampled GPUs only
-    # again") and rows closed for up to 30 s after were unmarked, GPU 0 still unsampled.
     sim = SimNVML("seed-16g", count=2, state_path=None)
     sim.nvmlInit()
     for i in (0, 1):
@@ -271,6 +268,16 @@ def test_the_daemon_keeps_the_unsampled_flag_while_nothing_can_be_told_and_clear
     d = SimpleNamespace(_server_procs=lambda: answer[0], collector=SimpleNamespace(nvml=sim),
                         gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=SimpleNamespace(unsampled_note=None),
                         _idle_said=False, _helper_said=False)
+    return sim, answer, d
+
+
+def test_the_daemon_keeps_the_unsampled_flag_while_nothing_can_be_told_and_clears_it_on_evidence():
+    from powerprof.daemon.service import Daemon
+
+    # The upstream on GPUs 0 and 1, the daemon sampling GPU 1. Then a restart: nothing listens for a moment, so the
+    # server's processes cannot be found (find_placement: None). That cleared the flag ("runs on sampled GPUs only
+    # again") and rows closed for up to 30 s after were unmarked, GPU 0 still unsampled.
+    sim, answer, d = _daemon_sampling_gpu1_of_a_server_on_two()
     Daemon._check_placement(d)
     assert d._unsampled == (0,) and d.ledger.unsampled_note.startswith("server-gpu-unsampled: the server also runs on GPU 0")
     answer[0] = (None, "nothing listens on port 8000")  # restarting
@@ -407,21 +414,13 @@ def test_the_helper_note_says_its_draw_is_not_measured():
 
 def test_the_daemon_says_once_why_the_unsampled_flag_stands_after_checks_that_tell_nothing(caplog):
     import logging
-    from types import SimpleNamespace
 
     from powerprof.daemon.service import UNKNOWN_CHECKS_SAY, Daemon
 
     # The upstream flagged on GPU 0 (unsampled), then never found again (it moved to another host): every later row
     # kept server-gpu-unsampled and analyze dropped them all, with no log line saying why.
     caplog.set_level(logging.INFO)
-    sim = SimNVML("seed-16g", count=2, state_path=None)
-    sim.nvmlInit()
-    for i in (0, 1):
-        sim.add_process(i, 4242, 8 << 30, lambda: 1.0)
-    answer = [({4242}, None)]
-    d = SimpleNamespace(_server_procs=lambda: answer[0], collector=SimpleNamespace(nvml=sim),
-                        gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=SimpleNamespace(unsampled_note=None),
-                        _idle_said=False, _helper_said=False)
+    sim, answer, d = _daemon_sampling_gpu1_of_a_server_on_two()
     Daemon._check_placement(d)
     flagged = d.ledger.unsampled_note
     answer[0] = (None, "nothing listens on port 8000")
