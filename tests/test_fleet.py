@@ -1045,6 +1045,37 @@ def test_an_upgraded_hosts_old_rows_join_its_new_ones_of_the_same_gpu_set(tmp_pa
     assert "different GPU sets" not in res.output and "GPU set unknown" not in res.output
 
 
+def _cost_fit(root: Path, daemon: str, gpus: str | None, t_s: float, limits: str) -> None:
+    """One fit of the work model as the daemon's ledger emits it (Ledger._costs_row's columns), written by the daemon's
+    store on host `vm` with its GPU set `gpus`."""
+    store = DatasetStore(root, datasets(), host="vm", gpu_uuids=gpus)
+    store.append("costs", [{"daemon_id": daemon, "time_utc": T0_NS + int(t_s * 10**9), "power_limits_w": limits,
+                            "n_intervals": 900, "n_busy": 600, "r2": 0.97, "rel_rmse": 0.04, "mature": True,
+                            "not_mature_reason": None, "idle_w": 70.0, "step_j": 0.5, "decode_j": 0.3,
+                            "prefill_j": 0.02, "ctx_j_per_ktoken": 0.01}])
+    assert store.flush()
+
+
+def test_cost_fits_carry_their_gpu_set_and_older_ones_read_it_as_null(tmp_path):
+    # Two daemons on one host, GPU B and GPUs A+B, each fitting its costs at 300 W: their costs rows said no GPU set,
+    # so a fit joined to the requests or intervals of one set could as well be the other's (both `vm`, both "300").
+    # Beside them a fit written before the column: read whole, its set null (unknown), as the other datasets' are.
+    _cost_fit(tmp_path / "d1", "one", GPU_B, 0, "300")
+    _cost_fit(tmp_path / "d2", "two", f"{GPU_A},{GPU_B}", 0, "300,300")
+    _cost_fit(tmp_path / "old", "old", None, 50, "300")
+    _as_before_gpu_uuids(tmp_path / "old")
+    (old,) = (tmp_path / "old" / "costs").rglob("*.parquet")
+    assert "gpu_uuids" not in pq.read_schema(old).names
+    paths = export([str(tmp_path / d) for d in ("d1", "d2", "old")], "parquet", tmp_path / "out")
+    costs = {p.stem: pq.read_table(p) for p in paths}["costs"]
+    got = {r["daemon_id"]: r["gpu_uuids"] for r in costs.to_pylist()}
+    assert got == {"one": GPU_B, "two": f"{GPU_A},{GPU_B}", "old": None}, got
+    # The column as the other datasets' have it: same type, same value as the daemon's intervals rows.
+    from powerprof.storage.schema import DAEMON_TABLES
+
+    assert DAEMON_TABLES["costs"].field("gpu_uuids") == DAEMON_TABLES["intervals"].field("gpu_uuids")
+
+
 def test_the_overlap_count_is_every_interval_overlapping_another_daemons_as_matched_pair_by_pair():
     # _overlaps matches by a merge (ASOF on the other daemon's running latest end), not pair by pair (quadratic: 80k
     # intervals a daemon took 27 s): the same intervals and energy as every pair compared, on intervals that touch at

@@ -461,6 +461,7 @@ DAEMON_COSTS_COLUMNS = [
     ("not_mature_reason", STR),
     HOST,
     SIMULATED,
+    GPU_UUIDS,  # sorted: not paired by position with power_limits_w
 ]
 
 # One row per application-defined tag window (powerprof tag start|stop NAME).
