@@ -977,6 +977,55 @@ def test_two_daemons_at_once_on_disjoint_gpus_count_nothing_twice(tmp_path):
     assert len(rows) == 2 and not any(r["double_counted_intervals"] for r in rows)
 
 
+def _label(host: str, gpu_uuids: str | None) -> str:
+    """`analyze`'s row name for a host and GPU set: each UUID to its first 8 hex digits (GPU-aaaaaaaa)."""
+    return host + (f" [{' '.join(u[:12] for u in gpu_uuids.split(','))}]" if gpu_uuids else "")
+
+
+def test_the_documented_queries_give_a_row_per_gpu_set_of_a_host(tmp_path):
+    # One host, two daemons at once on GPU A and on GPU B (nothing shared), GPU A's with an interval left out (1e15 J)
+    # over 3.2-3.3 s, GPU B's with a request of its own over that time. docs/fleet.md's queries grouped by host alone:
+    # one row `vm` blending both sets' energy and J/token, and GPU B's request left out of J/token for GPU A's interval.
+    # Run as written, each gives `powerprof fleet`'s row per set.
+    _daemon_rows(tmp_path / "fleet" / "a", "one", GPU_A, 0, 6, 200.0, 150.0)
+    _daemon_rows(tmp_path / "fleet" / "b", "two", GPU_B, 0, 6, 400.0, 300.0)
+    store = DatasetStore(tmp_path / "fleet" / "a", datasets(), host="vm", gpu_uuids=GPU_A)
+    store.append("intervals", [{"daemon_id": "one", "t_start_utc": T0_NS + 32 * 10**8, "t_end_utc": T0_NS + 33 * 10**8,
+                                "t_start_mono_s": 3.2, "duration_s": 0.1, "kind": "decode", "gpu_energy_j": 1e15,
+                                "server_count": "off"}])
+    assert store.flush()
+    store = DatasetStore(tmp_path / "fleet" / "b", datasets(), host="vm", gpu_uuids=GPU_B)
+    store.append("requests", [{"daemon_id": "two", "request_id": 99, "t_arrival_utc": T0_NS + 31 * 10**8,
+                               "t_end_utc": T0_NS + 34 * 10**8, "outcome": "ok", "generated_tokens": 10,
+                               "gpu_energy_j": 900.0, "attributed_tokens": 10.0, "ttft_s": 0.1, "energy_note": None}])
+    assert store.flush()
+    base = tmp_path / "fleet"
+    code = {r["host"]: r for r in fleet_summary([str(base / "*")]).to_pylist()}
+    assert sorted(code) == ["vm [GPU-aaaaaaaa]", "vm [GPU-bbbbbbbb]"]
+    assert code["vm [GPU-aaaaaaaa]"]["invalid_interval_requests"] == 1  # GPU A's request 3
+    assert code["vm [GPU-bbbbbbbb]"]["invalid_interval_requests"] == 0
+    assert code["vm [GPU-bbbbbbbb]"]["gpu_j_per_token"] == pytest.approx((6 * 300.0 + 900.0) / 70.0)
+    con = duckdb.connect()
+    duck = _docs_query("sql duckdb").replace("/var/lib/powerprof-fleet", str(base))
+    got = {"duckdb": con.execute(duck).fetchall()}
+    cols = {"duckdb": [d[0] for d in con.description]}
+    for t in ("requests", "intervals"):
+        con.execute(f"CREATE VIEW pp_{t} AS SELECT * FROM read_parquet('{base}/*/{t}/**/*.parquet', "
+                    "hive_partitioning = false, union_by_name = true)")
+    got["spark"] = con.execute(_docs_query("sql spark")).fetchall()
+    cols["spark"] = [d[0] for d in con.description]
+    for engine, rows in got.items():
+        rows = [dict(zip(cols[engine], r)) for r in rows]
+        by = {_label(r["host"], r.get("gpu_uuids")): r for r in rows}
+        assert len(by) == len(rows) and sorted(by) == sorted(code), (engine, rows)
+        for label, r in by.items():
+            c = code[label]
+            for col in ("requests", "generated_tokens", "gpu_energy_j", "idle_gpu_energy_j", "gpu_j_per_token"):
+                assert r[col] == pytest.approx(c[col]), (engine, label, col, r[col], c[col])
+            assert r["intervals_left_out"] == c["invalid_intervals"], (engine, label)
+            assert r["requests_out_of_j_per_token"] == c["invalid_interval_requests"], (engine, label)
+
+
 def _as_before_gpu_uuids(folder: Path) -> None:
     """Rewrite a daemon folder's files as an older daemon wrote them: no gpu_uuids column at all."""
     for f in folder.rglob("*.parquet"):
