@@ -297,6 +297,18 @@ def _parse_gpus(ctx, param, value):
     return list(dict.fromkeys(out))
 
 
+# sweep's and measure's --gpus (the GPUs measured, those the server must run on: workload/placement.py) and the way
+# past that check. One definition each: the two commands parse, refuse and word them alike.
+_server_gpus_option = click.option(
+    "--gpus", callback=_parse_gpus,
+    help="NVML indexes (or GPU-/MIG- UUIDs) of the GPUs serving the model, e.g. 0,1, measured together; a sweep sets "
+         "each level on all of them (default: the GPUs CUDA_VISIBLE_DEVICES shows, else all).")
+_allow_unmeasured_option = click.option(
+    "--allow-unmeasured-server-gpus", "allow_unmeasured_server_gpus", is_flag=True,
+    help="Measure even where the server also runs on a GPU not measured (default: refuse, exit 2): that GPU's "
+         "energy is in no figure; the run's notes say so.")
+
+
 def _tag_header_option(ctx, param, value):
     """replay's --tag-header, by the daemon's proxy.tag_header rule (one validator: workload.auth.check_tag_header)."""
     from powerprof.workload.auth import check_tag_header
@@ -890,6 +902,7 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @main.command()
 @click.option("--server", "url", metavar="URL", help="Inference server base URL, e.g. http://127.0.0.1:8080.", callback=_server_url)
 @simulate_option
+@_server_gpus_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output directory (default runs/<time>-measure).")
 @click.option("--requests", "n_requests", type=_IntRange(1), default=8, show_default=True, help="Measured requests per concurrency (rounded up to whole batches of its streams).")
 @click.option("--concurrency", default="1", callback=_int_list, show_default=True,
@@ -899,11 +912,9 @@ def _int_list(ctx, param, value: str) -> list[int]:
                    "recorded, flagged, not counted).")
 @click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
 @_workload_options
-@click.option("--allow-unmeasured-server-gpus", "allow_unmeasured_server_gpus", is_flag=True,
-              help="Measure even where the server also runs on a GPU not measured (default: refuse, exit 2): that GPU's "
-                   "energy is in no figure; the run's notes say so.")
+@_allow_unmeasured_option
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api, max_tokens, prompts_file, prompt_set,
+def measure(url, simulate, gpus, out_dir, n_requests, concurrency, warmup, launch, api, max_tokens, prompts_file, prompt_set,
             prompt_cache, seed, keep_text, launch_timeout, as_json,
             allow_unmeasured_server_gpus):
     """J/token and decode tok/s at the current settings. Changes nothing; needs no root."""
@@ -914,7 +925,6 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     from powerprof.workload.client import RequestParams, ServerUnreachable
     from powerprof.workload.launcher import LaunchError
     from powerprof.workload.load import PromptFileError, builtin_prompts, load_prompts
-    from powerprof.rig import Rig
     from powerprof.workload.measure import run_measure
     from powerprof.workload.placement import GpuPlacementError
 
@@ -935,7 +945,8 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     # SIGTERM's default action killed it where it stood: the empty --out folder stayed, and no word was said.
     # (A --launch server's launcher sets its own handlers over these, and stops the server in them.)
     try:
-        with _signals_raise(), Rig(simulate, host=False) as rig:
+        # An index or UUID that names no GPU is a usage error (exit 2), as sweep's --gpus: said before anything starts.
+        with _signals_raise(), _open_rig_or_exit(simulate, gpus, host=False) as rig:
             res = run_measure(rig, url=url, out_dir=out, prompts=prompts, n_requests=n_requests,
                               concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
                               launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv),
@@ -1413,7 +1424,7 @@ def _fraction_option(ctx, param, value):
 @click.option("--context-tokens", default=None, metavar="N,N,...",
               help="Context lengths to measure, e.g. 512,8k,32k: prompts of that many tokens, counted by the server's /tokenize.")
 @simulate_option
-@click.option("--gpus", callback=_parse_gpus, help="NVML indexes of the GPUs serving the model (all take the same level).")
+@_server_gpus_option
 @click.option("--repeats", default=1, show_default=True, type=_IntRange(1, 100), help="Passes over all levels, interleaved.")
 @click.option("--order", default="desc", show_default=True, type=click.Choice(["desc", "asc", "random"]),
               help="Order of the levels in each pass: high to low, low to high, or shuffled.")
@@ -1447,9 +1458,7 @@ def _fraction_option(ctx, param, value):
               help="With --trace: divide its arrival times by this.")
 @click.option("--duration", "duration_s", type=_FloatRange(min=0, min_open=True), default=None,
               help="With --trace: replay only the requests arriving in the first this many seconds.")
-@click.option("--allow-unmeasured-server-gpus", "allow_unmeasured_server_gpus", is_flag=True,
-              help="Measure even where the server also runs on a GPU not measured (default: refuse, exit 2): that GPU's "
-                   "energy is in no figure; the run's notes say so.")
+@_allow_unmeasured_option
 def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, repeats, order, target_ci, target_paired_ci, min_requests, max_requests, max_time_s,
           warmup, idle_s, concurrency, server_restart_wait_s, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed,
           keep_text, launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s,

@@ -64,7 +64,83 @@ def test_measure_of_a_gpu_subset_refuses_a_server_on_a_hidden_gpu(tmp_path, monk
         with pytest.raises(GpuPlacementError) as e:
             run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=PROMPTS, n_requests=2, concurrencies=[1],
                         params=RequestParams(max_tokens=16), warmup=0, interval_s=0.2)
-    assert f"GPU 0 ({sim.gpus[0].uuid})" in str(e.value) and f"CUDA_VISIBLE_DEVICES={sim.gpus[0].uuid}" in str(e.value)
+    # The fix is sweep's, --gpus (which measure takes too, over CUDA_VISIBLE_DEVICES), not a CUDA_VISIBLE_DEVICES to set.
+    assert f"GPU 0 ({sim.gpus[0].uuid})" in str(e.value) and "add it: --gpus 0,1" in str(e.value), str(e.value)
+    assert "CUDA_VISIBLE_DEVICES=" not in str(e.value)
+
+
+def test_measure_takes_gpus_as_sweep_does_and_measures_those(tmp_path):
+    from powerprof.cli import main
+
+    # measure had no --gpus: the GPUs measured were those CUDA_VISIBLE_DEVICES showed, and `--gpus 1` was "No such
+    # option". Now GPU 1 of two is measured (the simulated server on it, as a server launched with --gpus is).
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--requests", "2",
+                                  "--max-tokens", "16", "--warmup", "0", "--out", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((tmp_path / "m" / "run.json").read_text())
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    assert [(g["index"], g["uuid"]) for g in meta["gpus"]] == [(1, sim.gpus[1].uuid)], meta["gpus"]
+    assert not [n for n in meta["notes"] if "server also runs" in n or "server's processes" in n], meta["notes"]
+    # A UUID names the same GPU.
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--gpus", sim.gpus[1].uuid,
+                                  "--requests", "2", "--max-tokens", "16", "--warmup", "0", "--out", str(tmp_path / "u")])
+    assert r.exit_code == 0, r.output
+    assert [g["index"] for g in json.loads((tmp_path / "u" / "run.json").read_text())["gpus"]] == [1]
+
+
+@pytest.mark.parametrize("value, said", [
+    ("5", "GPU index 5 does not exist: this machine has 2 GPU(s) (0-1)"),
+    ("GPU-ffffffff", "'GPU-ffffffff' names no GPU or MIG instance on this machine"),
+    ("one", "expected NVML indexes like 0 or 0,1, or UUIDs"),
+])
+def test_measure_refuses_a_gpu_that_is_not_there_as_sweep_does(tmp_path, value, said):
+    from powerprof.cli import main
+
+    # The same --gpus, the same refusal (exit 2, before anything is measured or written), in the same words.
+    got = {}
+    for cmd in (["measure", "--requests", "2"], ["sweep", "--limits", "300"]):
+        r = CliRunner().invoke(main, [*cmd, "--simulate", "seed-16g,seed-16g", "--gpus", value, "--max-tokens", "16",
+                                      "--out", str(tmp_path / cmd[0])])
+        assert r.exit_code == 2, (cmd, r.output)
+        assert said in r.output and "Traceback" not in r.output, (cmd, r.output)
+        assert not (tmp_path / cmd[0]).exists(), cmd
+        got[cmd[0]] = [ln for ln in r.output.splitlines() if ln.startswith("Error")]
+    assert got["measure"] == got["sweep"], got
+
+
+def test_measure_on_one_gpu_of_a_server_on_two_stops_and_names_the_other(tmp_path):
+    from powerprof.cli import main
+
+    # The simulated server on both GPUs, measure given GPU 1: refused before any request (exit 2), GPU 0 named with
+    # its UUID and the fix, as a sweep refuses it; nothing written.
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--requests", "2",
+                                  "--max-tokens", "16", "--warmup", "0", "--out", str(tmp_path / "m")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": "0,1"})
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    assert r.exit_code == 2, r.output
+    assert f"the server also runs on GPU 0 ({sim.gpus[0].uuid})" in r.output and "add it: --gpus 0,1" in r.output, r.output
+    assert "nothing was measured" in r.output and "--allow-unmeasured-server-gpus" in r.output, r.output
+    assert not (tmp_path / "m").exists()
+    # With the way past it, measured anyway and said in the run's notes.
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--requests", "2",
+                                  "--max-tokens", "16", "--warmup", "0", "--out", str(tmp_path / "a"),
+                                  "--allow-unmeasured-server-gpus"], env={"POWERPROF_SIM_SERVER_GPUS": "0,1"})
+    assert r.exit_code == 0, r.output
+    notes = json.loads((tmp_path / "a" / "run.json").read_text())["notes"]
+    assert any(n.startswith("measured anyway (--allow-unmeasured-server-gpus): the server also runs on GPU 0") for n in notes)
+
+
+def test_sweep_and_measure_share_one_gpus_option():
+    from powerprof.cli import main
+
+    # One definition, so the two cannot drift apart in parsing or words (help text, callback, the way past the check).
+    def opt(cmd, name):
+        (o,) = [p for p in main.commands[cmd].params if p.name == name]
+        return o
+
+    for name in ("gpus", "allow_unmeasured_server_gpus"):
+        a, b = opt("sweep", name), opt("measure", name)
+        assert (a.opts, a.help, a.callback) == (b.opts, b.help, b.callback), name
 
 
 def test_a_measured_gpu_the_server_does_not_use_is_said_with_the_fix(tmp_path):

@@ -951,8 +951,7 @@ def _run_measure(
             # Every GPU NVML reports: a server GPU left unmeasured is refused (its energy would be in no figure); a
             # measured GPU the server does not use is said (its idle power is in every figure).
             placement = find_placement(src.nvml.nvml, src.gpu_uuids, server_procs)
-            judge_placement(placement, notes, allow=allow_unmeasured_server_gpus,
-                            fix=placement.visible_fix() if placement is not None else None, stopped="nothing was measured")
+            judge_placement(placement, notes, allow=allow_unmeasured_server_gpus, stopped="nothing was measured")
         for p in src.problems:
             if p.source == "nvml" and src.nvml is None:
                 cpu = "and CPU energy" if src.rapl is not None else "only"

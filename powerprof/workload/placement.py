@@ -79,11 +79,6 @@ class Placement:
         """The --gpus that measures every GPU the server uses and no other."""
         return ",".join(str(i) for i in sorted(self.server))
 
-    def visible_fix(self) -> str:
-        """The fix where the GPUs measured are those CUDA_VISIBLE_DEVICES shows (measure has no --gpus)."""
-        return ("measure the GPUs CUDA_VISIBLE_DEVICES shows powerprof: run it with CUDA_VISIBLE_DEVICES="
-                + ",".join(u or str(i) for i, u in sorted(self.server.items())))
-
     def unmeasured_text(self, fix: str | None = None, cost: str | None = None) -> str | None:
         """'the server also runs on GPU 0 (GPU-…): …; add it: --gpus 0,1', or None when every server GPU is measured.
         cost: what leaving it out costs, in words (default a sweep's: its energy in no figure, its limit not stepped)."""
@@ -225,20 +220,20 @@ def _idle(nvml, handle, pids: set[int], process_util) -> bool:
 ALLOW_OPTION = "--allow-unmeasured-server-gpus"
 
 
-def judge_placement(placement: Placement | None, notes: list[str], *, allow: bool = False, fix: str | None = None,
+def judge_placement(placement: Placement | None, notes: list[str], *, allow: bool = False,
                     stopped: str = "nothing was changed") -> None:
     """What sweep and measure do with a placement: a server GPU left unmeasured raises GpuPlacementError (naming the
-    fix, and ALLOW_OPTION to go on anyway) or, with allow, goes into the notes as measured anyway; a helper context and
-    a measured GPU the server does not use go into the notes. fix: the words of the fix (default --gpus of the
-    server's GPUs); stopped: what the refusal left undone. Nothing where the placement cannot be told (None)."""
+    fix, --gpus of the server's GPUs, and ALLOW_OPTION to go on anyway) or, with allow, goes into the notes as measured
+    anyway; a helper context and a measured GPU the server does not use go into the notes. stopped: what the refusal
+    left undone. Nothing where the placement cannot be told (None)."""
     if placement is None:
         return
     if (helper := placement.helper_text()) is not None:
         notes.append(helper)
-    if (why := placement.unmeasured_text(fix)) is not None:
+    if (why := placement.unmeasured_text()) is not None:
         if not allow:
             raise GpuPlacementError(f"{why}; {stopped} (to measure anyway, with those GPUs' energy in no figure: "
                                     f"{ALLOW_OPTION})")
         notes.append(f"measured anyway ({ALLOW_OPTION}): {why}")
-    if (idle := placement.idle_text(fix)) is not None:
+    if (idle := placement.idle_text()) is not None:
         notes.append(idle)
