@@ -130,6 +130,28 @@ def test_measure_on_one_gpu_of_a_server_on_two_stops_and_names_the_other(tmp_pat
     assert any(n.startswith("measured anyway (--allow-unmeasured-server-gpus): the server also runs on GPU 0") for n in notes)
 
 
+def test_a_server_measure_launches_is_shown_only_the_gpus_measured(tmp_path, monkeypatch):
+    import socket
+
+    from powerprof.workload.launcher import LaunchError
+    from powerprof.workload.measure import run_measure
+
+    # measure's --gpus goes where sweep's does: a --launch'ed server's CUDA_VISIBLE_DEVICES is the measured GPUs' UUIDs.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen = tmp_path / "env.txt"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = (f"{sys.executable} -c \"import os, sys; open({str(seen)!r}, 'w')"
+              ".write(os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')); sys.exit(3)\"")
+    sim = SimNVML("seed-16g", count=3, state_path=None)
+    with Rig("seed-16g", nvml=sim, gpus=[2]) as rig:
+        with pytest.raises(LaunchError, match="exited with code 3"):
+            run_measure(rig, url=f"http://127.0.0.1:{port}", launch=launch, launch_timeout_s=20, out_dir=tmp_path / "m",
+                        prompts=PROMPTS, n_requests=2, concurrencies=[1], params=RequestParams(max_tokens=16), warmup=0)
+    assert seen.read_text() == sim.gpus[2].uuid
+
+
 def test_sweep_and_measure_share_one_gpus_option():
     from powerprof.cli import main
 
