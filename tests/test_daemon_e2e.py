@@ -189,6 +189,8 @@ def test_energy_of_requests_idle_and_unproxied_adds_up_to_the_measured_total(tmp
         assert got.split(",") == sorted(got.split(",")) and len(got.split(",")) == 2, got
     costs = read_dataset(data, "costs")  # a fit of the work model: rows only once it has enough intervals
     assert costs is None or costs.empty or costs["simulated"].eq(True).all()
+    # A fit says its GPU set too, the same as the other rows': joined to them, it is told apart from another set's.
+    assert costs is None or costs.empty or set(costs["gpu_uuids"]) == set(reqs["gpu_uuids"]), costs.get("gpu_uuids")
     # Energy: requests + idle + unproxied = the total the GPU counters measured.
     gpu = samples[samples["source"] == "nvml"]
     measured = sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index"))
