@@ -683,6 +683,28 @@ def test_an_interval_one_gpu_has_no_energy_for_is_unknown_not_the_other_gpus_alo
     assert led.totals.gpu_energy_j[0] == pytest.approx(300.0)  # the GPU that reads on still counts
 
 
+def test_the_time_a_gpu_gave_no_energy_reading_is_counted_per_gpu_and_whether_it_is_unread_now():
+    # powerprof_gpu_energy_joules_total adds 0 J for an unread GPU: before, nothing said for which time, so a rate()
+    # over it read 0 W for a lost GPU. Two GPUs; GPU 1 unread at the edges 2 s and 3 s, back at 4 s.
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    for k in range(4):
+        lost = k >= 2
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0), R(None if lost else 100.0 * k, None if lost else 100.0)])
+    led.advance(int(3.5 * S))
+    # Intervals 1-2 s and 2-3 s have no reading of GPU 1 at one edge or both: 2 s unknown, and unread now.
+    assert led.totals.gpu_unknown_s == (0.0, pytest.approx(2.0))
+    assert led.totals.gpu_unread_now == (False, True)
+    assert led.totals.intervals == 3
+    assert led.totals.gpu_energy_j == (pytest.approx(300.0), pytest.approx(100.0))
+    for k in (4, 5):  # back (read again): 3-4 s still has no reading at 3 s
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0), R(100.0 * k, 100.0)])
+    led.advance(int(5.5 * S))
+    assert led.totals.gpu_unknown_s == (0.0, pytest.approx(3.0))
+    assert led.totals.gpu_unread_now == (False, False)
+    assert led.totals.intervals == 5
+
+
 def test_an_interval_across_a_gpu_counter_jump_takes_integrated_power_not_the_jump():
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)

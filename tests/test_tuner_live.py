@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
-from powerprof.tuner.observe import ObserveError, fetch_metrics, parse_counters, window_between
+from powerprof.tuner.observe import ObserveError, energy_moved, fetch_metrics, parse_counters, window_between
 from powerprof.tuner import policy
 from powerprof.tuner.policy import TunerConfig
 from powerprof.tuner.runner import TuneRunner
@@ -1293,3 +1293,18 @@ def test_the_refusal_of_a_window_with_a_serving_gpu_unread_says_it_persists_and_
         window_between(a, dataclasses.replace(b, energy_unknown_intervals=3.0), 300.0)
     said = str(e.value)
     assert "serving" in said and "every window" in said and "until" in said and "daemon.gpus" in said
+
+
+def test_a_gpu_whose_energy_series_goes_while_unread_is_no_stalled_daemon():
+    # The daemon leaves out the energy series of a GPU it cannot read (powerprof_gpu_energy_joules_total: never a still
+    # counter). The tuner's check that the daemon samples compared the sums: the GPU's whole count leaving read as
+    # energy that went down, "its sampling stalled?", on a daemon sampling on.
+    with FakeDaemon(per_scrape=20, tpot_s=0.05) as fd:
+        a = parse_counters(fetch_metrics(fd.url), 0.0)
+        b = parse_counters(fetch_metrics(fd.url), 10.0)
+    assert a.gpu_energies_j == {"GPU-fake": a.gpu_energy_j}  # read per GPU
+    a = dataclasses.replace(a, gpu_energies_j={"GPU-fake": a.gpu_energy_j, "GPU-1": 5000.0},
+                            gpu_energy_j=a.gpu_energy_j + 5000.0)
+    assert b.gpu_energy_j < a.gpu_energy_j and energy_moved(a, b)  # GPU 1 unread in b: GPU 0 rose
+    assert not energy_moved(b, b)
+    assert not energy_moved(a, dataclasses.replace(b, gpu_energies_j={}, gpu_energy_j=0.0))  # none read: the sums

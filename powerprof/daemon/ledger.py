@@ -296,7 +296,10 @@ class _Tag:
 class Totals:
     """Running totals for the metrics endpoint (read by another thread: replaced, not mutated)."""
 
-    gpu_energy_j: tuple = ()
+    gpu_energy_j: tuple = ()  # per GPU: the energy of the intervals it gave a reading over, since start
+    gpu_unknown_s: tuple = ()  # per GPU: seconds of intervals it gave no energy reading over (not in gpu_energy_j)
+    gpu_unread_now: tuple = ()  # per GPU: True when the latest closed interval is such (its gpu_energy_j stalls)
+    intervals: int = 0  # intervals closed since start: what the *_unknown_intervals below are counted out of
     cpu_energy_j: float | None = None
     energy_by_kind_j: tuple = (0.0, 0.0, 0.0, 0.0)
     tokens: float = 0.0
@@ -469,13 +472,17 @@ class Ledger:
         self._by_dest = np.zeros(3)
         self._idle_unknown_intervals = 0
         self._gpu_unknown_intervals = 0
+        self._gpu_unknown_s = np.zeros(n_gpus)  # Totals.gpu_unknown_s
+        self._gpu_unread_now = np.zeros(n_gpus, bool)  # Totals.gpu_unread_now
+        self._intervals_total = 0  # Totals.intervals
         self._tokens_total = 0.0
         self._tokens_attributed = 0.0
         self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
         self._jpt_left_out: dict[str, tuple[int, float]] = {}  # Totals.jpt_left_out
         self.prompt_lengths = PromptLengths()
         self.prompts_estimated: dict[str, int] = {}  # {why the server never counted it: requests}
-        self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus)
+        self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus, gpu_unknown_s=(0.0,) * n_gpus,
+                             gpu_unread_now=(False,) * n_gpus)
 
     # --- recorder interface (called by the proxy) ------------------------------------------
 
@@ -2288,6 +2295,13 @@ class Ledger:
         # idle_energy_j stays empty: its value is unknown.
         work_j = gpu if work_j is None else work_j
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
+        # What _gpu_total leaves out, per GPU: the time its energy is unknown (an interval it gave no reading over adds
+        # 0 J there), and whether the latest interval is such: a stalled counter would read as 0 W to a rate().
+        unread = np.isnan(per_gpu)
+        if unread.size:
+            self._gpu_unknown_s = self._gpu_unknown_s + (unread * (np.diff(t) / 1e9)[:, None]).sum(axis=0)
+            self._gpu_unread_now = unread[-1].copy()
+        self._intervals_total += t.size - 1
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
         by_kind = a.by_kind[:, 0].copy()
@@ -2327,6 +2341,9 @@ class Ledger:
                           unjudged)
         self.totals = Totals(
             gpu_energy_j=tuple(float(x) for x in self._gpu_total),
+            gpu_unknown_s=tuple(float(x) for x in self._gpu_unknown_s),
+            gpu_unread_now=tuple(bool(x) for x in self._gpu_unread_now),
+            intervals=self._intervals_total,
             cpu_energy_j=self._cpu_total,
             energy_by_kind_j=tuple(float(x) for x in self._by_kind),
             tokens=self._tokens_total,

@@ -66,6 +66,9 @@ class DaemonCounters:
     # Intervals whose GPU energy is unknown (a GPU unread: out of the daemon's energy totals) since it started; None: a
     # daemon older than the counter. A window in which it moved read its energy low, and is not judged.
     energy_unknown_intervals: float | None = None
+    # gpu_energy_j per GPU (gpu_uuid → J): a GPU the daemon cannot read has no series until it reads again, so the sum
+    # can fall; whether the daemon samples is told by the GPUs in both scrapes (empty: compare the sums).
+    gpu_energies_j: dict = field(default_factory=dict)
 
 
 def loopback_reason(url: str) -> str | None:
@@ -174,7 +177,9 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
     _, prompt = hist("powerprof_request_prompt_tokens")
     _, output = hist("powerprof_request_output_tokens")
     upstream = sum(num(s.value) for s in need("powerprof_proxy_upstream_failures") if s.name.endswith("_total"))
-    gpu = sum(num(s.value) for s in need("powerprof_gpu_energy_joules") if s.name.endswith("_total"))
+    per_gpu = [(s.labels.get("gpu_uuid", ""), num(s.value)) for s in need("powerprof_gpu_energy_joules")
+               if s.name.endswith("_total")]
+    gpu = sum(v for _, v in per_gpu)
     limits: dict = {}
     for s in need("powerprof_gpu_power_limit_watts"):
         u = s.labels.get("gpu_uuid", "")
@@ -210,7 +215,17 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
                if "powerprof_gpu_energy_unknown_intervals" in fam else [])
     return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot, upstream, gpu, limits,
                           in_flight, awaiting, clock, oldest, silence, gauge("powerprof_accounts_behind_seconds"),
-                          sum(unknown) if unknown else None)
+                          sum(unknown) if unknown else None, gpu_energies_j=dict(per_gpu))
+
+
+def energy_moved(a: DaemonCounters, b: DaemonCounters) -> bool:
+    """Whether the daemon's GPU energy rose from `a` to `b` (it samples): on a GPU in both scrapes where they name
+    their GPUs, as a GPU unread has no series (its counter would stand still), and one leaving took its whole count out
+    of the sum (a window refused as "not moved" on a daemon sampling on)."""
+    both = a.gpu_energies_j.keys() & b.gpu_energies_j.keys()
+    if both:
+        return any(b.gpu_energies_j[u] > a.gpu_energies_j[u] for u in both)
+    return b.gpu_energy_j > a.gpu_energy_j
 
 
 def _le(x: str) -> float:

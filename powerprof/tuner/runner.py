@@ -31,7 +31,7 @@ from powerprof.errtext import error_text, one_line
 from powerprof.storage.runs import atomic_write_table
 from powerprof.storage.schema import TUNER_DECISIONS, rows_to_table
 
-from .observe import DaemonCounters, ObserveError, window_between
+from .observe import DaemonCounters, ObserveError, energy_moved, window_between
 from .policy import Decision, Tuner, TunerConfig, Window, merge, slo_ratio, unfinished_threat
 from .setup import day_folder_reason
 
@@ -321,7 +321,7 @@ class TuneRunner:
                 if c.upstream_failures > last.upstream_failures:
                     raise ObserveError(f"the inference server is failing ({c.upstream_failures - last.upstream_failures:.0f} "
                                        "requests not delivered)")
-                if c.gpu_energy_j <= last.gpu_energy_j:
+                if not energy_moved(last, c):
                     raise ObserveError("the daemon's GPU energy has not moved (its sampling stalled?)")
                 before = self._actual_level(last)
                 level = self.tuner.level
