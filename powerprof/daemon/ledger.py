@@ -292,6 +292,11 @@ class _Tag:
     # measured zero: its energy is unknown
 
 
+# Request flags counted by the rows that say them (Totals.flagged_requests): each a /metrics counter (metrics.py
+# FLAG_COUNTERS). The flags counted before these have their own fields, judged as their rows are made.
+COUNTED_FLAGS = (BEST_OF_FLAG, COUNT_OPEN_FLAG)
+
+
 @dataclass
 class Totals:
     """Running totals for the metrics endpoint (read by another thread: replaced, not mutated)."""
@@ -313,6 +318,7 @@ class Totals:
     cpu_unknown_requests: int = 0  # request rows without cpu_energy_j though RAPL is read (CPU_MISSING_NOTE) since start
     cache_unsaid_requests: int = 0  # request rows flagged CACHE_UNSAID_FLAG since start
     cache_late_requests: int = 0  # request rows flagged CACHE_LATE_FLAG since start (a late count's, or beside one)
+    flagged_requests: dict = field(default_factory=dict)  # {flag: request rows saying it since start} (COUNTED_FLAGS)
     # Intervals with tokens left out of j_per_token since start, and their tokens: {flag: (intervals, tokens)}
     # (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG).
     jpt_left_out: dict = field(default_factory=dict)
@@ -396,6 +402,7 @@ class Ledger:
         self._cache_frozen = 0  # the leading windows whose `known` is final (`_cache_freeze`)
         self.cache_unsaid_requests = 0  # request rows emitted with CACHE_UNSAID_FLAG
         self.cache_late_requests = 0  # request rows emitted with CACHE_LATE_FLAG
+        self.flagged_requests = dict.fromkeys(COUNTED_FLAGS, 0)  # request rows emitted with each of COUNTED_FLAGS
         # {request id: the requests beside its prefill (`_Req.late_wait`)} of those whose end may still say a count
         # late: told as it settles (`_settle_late`). Before, the late counts were kept in a table of the latest 4096,
         # read at the rows: a stream longer than that many late counts read none of the one beside its start (or a
@@ -1869,7 +1876,8 @@ class Ledger:
         self.totals = replace(self.totals, no_counter_short_requests=self.no_counter_short_requests,
                               cpu_unknown_requests=self.cpu_unknown_requests,
                               cache_unsaid_requests=self.cache_unsaid_requests,
-                              cache_late_requests=self.cache_late_requests)
+                              cache_late_requests=self.cache_late_requests,
+                              flagged_requests=dict(self.flagged_requests))
 
     def _unpark(self, now_ns: int | None) -> list[dict]:
         """The rows of ended requests (in `_late_parked`) that need wait no longer for a request beside them to say its
@@ -2357,6 +2365,7 @@ class Ledger:
             cpu_unknown_requests=self.cpu_unknown_requests,
             cache_unsaid_requests=self.cache_unsaid_requests,
             cache_late_requests=self.cache_late_requests,
+            flagged_requests=dict(self.flagged_requests),
             jpt_left_out=dict(self._jpt_left_out),
             idle_unknown_intervals=self._idle_unknown_intervals,
             gpu_unknown_intervals=self._gpu_unknown_intervals,
@@ -2644,6 +2653,10 @@ class Ledger:
             self.cache_late_requests += 1
         if _no_counter_short(r):
             self.no_counter_short_requests += 1
+        note = row.get("energy_note") or ""
+        for flag in COUNTED_FLAGS:  # as the row says it: the count and the rows never disagree
+            if f"{flag}: " in note:
+                self.flagged_requests[flag] += 1
         if row["cpu_energy_j"] is None and row["energy_note"] and CPU_MISSING_NOTE in row["energy_note"]:
             self.cpu_unknown_requests += 1
         # Strings from clients and the upstream (model, stop reason, errors) as valid Unicode: a lone

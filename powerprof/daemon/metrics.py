@@ -21,7 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from powerprof import __version__
 from powerprof.arrival import COUNT_PROBLEM_KINDS
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
-from powerprof.storage.schema import BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_UNSAID_FIX, SERVER_COUNT_SLOTS_ONLY
+from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_UNSAID_FIX,
+                                      COUNT_OPEN_FIX, COUNT_OPEN_FLAG, SERVER_COUNT_SLOTS_ONLY)
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -33,6 +34,18 @@ LATENCY_DOCS = {
     "tpot_seconds": "Proxied requests' time per output token after the first ((last - first) / (tokens - 1))",
     "prompt_tokens": "Proxied requests' prompt tokens (as the server reported them)",
     "output_tokens": "Proxied requests' generated tokens",
+}
+# Request flags (ledger.COUNTED_FLAGS) → the counter of the rows that say them, and its help: always shown, 0 included,
+# so a dashboard's rate() of one reads 0 rather than no data.
+FLAG_COUNTERS = {
+    BEST_OF_FLAG: ("powerprof_requests_best_of_unseen", "Requests whose rows' energy_note says approximate: "
+                   f"{BEST_OF_FLAG}: they asked vLLM V0 for best_of sequences beyond the n returned, whose tokens never "
+                   "reached the proxy: their work is in the requests beside them and in unproxied, the flagged "
+                   f"requests' figures low; fix: {BEST_OF_FIX}"),
+    COUNT_OPEN_FLAG: ("powerprof_requests_count_open", "Requests whose rows' energy_note says approximate: "
+                      f"{COUNT_OPEN_FLAG}: their count is the server's running count as of the last chunk that carried "
+                      "one, no final count after (SGLang's chat stream with continuous_usage_stats alone): their "
+                      f"generated_tokens may be low, those tokens' energy in unproxied; fix: {COUNT_OPEN_FIX}"),
 }
 OTHER = "other"
 NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet
@@ -121,6 +134,7 @@ class Snapshot:
     cpu_unknown_requests: int = 0  # ledger.Totals: request rows without cpu_energy_j though RAPL is read, since start
     cache_unsaid_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-unsaid since start
     cache_late_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-late since start
+    flagged_requests: dict = field(default_factory=dict)  # ledger.Totals: {flag: request rows saying it} (FLAG_COUNTERS)
     accounts_behind_s: float | None = None  # now − the end of the latest closed interval (None: none yet)
     jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
     gpu_unknown_intervals: int = 0  # ledger.Totals: intervals in no kind of energy_by_kind_j (a GPU unread there)
@@ -281,6 +295,8 @@ class SnapshotCollector:
                                   "computed (that request over-charged), or a request given energy of such intervals "
                                   "beside it (under-charged); fix: " + CACHE_LATE_FIX,
                                   value=s.cache_late_requests)
+        for flag, (name, doc) in FLAG_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=(s.flagged_requests or {}).get(flag, 0))
         if s.joules_per_token is not None:
             yield GaugeMetricFamily("powerprof_joules_per_token",
                                     "Requests' GPU J per generated token over the intervals with tokens of the last "

@@ -855,6 +855,7 @@ class Daemon:
             cpu_unknown_requests=tot.cpu_unknown_requests,
             cache_unsaid_requests=tot.cache_unsaid_requests,
             cache_late_requests=tot.cache_late_requests,
+            flagged_requests=dict(tot.flagged_requests),
             jpt_left_out=tot.jpt_left_out,
             idle_unknown_intervals=tot.idle_unknown_intervals,
             gpu_unknown_intervals=tot.gpu_unknown_intervals,
