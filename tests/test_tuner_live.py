@@ -1374,3 +1374,20 @@ def test_a_trial_across_an_idle_gpus_loss_ends_back_at_its_incumbent_without_a_v
     thin = [d for d in runner.tuner.decisions if d.action == "thin"]
     assert thin and thin[0].to_level == 300 and "serving none of the traffic" in thin[0].reason, \
         [d.reason for d in runner.tuner.decisions]
+
+
+def test_a_tuned_gpu_the_daemon_cannot_read_is_said_as_such_not_as_other_gpus(tmp_path):
+    # Before: "the daemon measures GPUs <the others>, the tuner tunes <all>: its energy is not these GPUs'", for a GPU
+    # the daemon samples and lost.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml), aside_j=600.0) as fd, \
+            rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                            clock=clock, gpu_uuids=[nvml.gpus[0].uuid, "GPU-aside"])
+        runner.start()
+        fd.aside_lost, fd.aside_unread = True, 1.0
+        _drive(runner, clock, 5)
+    d = runner.tuner.decisions[-1]
+    assert d.action == "stale" and "reads no power limit on GPU GPU-aside now" in d.reason, d.reason
+    assert "not these GPUs" not in d.reason

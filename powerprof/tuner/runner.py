@@ -294,6 +294,13 @@ class TuneRunner:
         """The limit the daemon reads on the tuned GPUs (ObserveError when it measures other GPUs or they differ);
         None for the clock knob, whose lock the daemon does not expose."""
         if self.gpu_uuids is not None and sorted(c.gpu_limits_w) != self.gpu_uuids:
+            unread = sorted(set(self.gpu_uuids) - set(c.gpu_limits_w))
+            if set(c.gpu_limits_w) <= set(self.gpu_uuids) and set(unread) <= c.gpu_unknown_s.keys():
+                # The daemon samples those GPUs (each has its unknown-seconds series) and reads no limit on them now:
+                # lost, or reads failing. Said as that, not as a daemon measuring other GPUs.
+                raise ObserveError(f"the daemon reads no power limit on GPU {', '.join(one_line(u, 80) for u in unread[:8])}"
+                                   " now (lost, or its reads failing: powerprof_gpu_up, the daemon's log): the level "
+                                   "it runs at cannot be told, so no window is judged until it reads again")
             seen = sorted(c.gpu_limits_w)
             named = ", ".join(one_line(u, 80) for u in seen[:8]) + (f" and {len(seen) - 8} more" if len(seen) > 8 else "")
             raise ObserveError(f"the daemon measures GPUs {named or 'none'}, the tuner tunes "
