@@ -1391,3 +1391,26 @@ def test_a_tuned_gpu_the_daemon_cannot_read_is_said_as_such_not_as_other_gpus(tm
     d = runner.tuner.decisions[-1]
     assert d.action == "stale" and "reads no power limit on GPU GPU-aside now" in d.reason, d.reason
     assert "not these GPUs" not in d.reason
+
+
+def test_a_dry_run_gives_no_j_per_token_over_a_window_holding_part_of_an_idle_gpus_energy(tmp_path):
+    # Before: its verdict rows gave a J/token over the guard's windows, one of them with half of a lost idle GPU's
+    # energy, unsaid.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with FakeDaemon(gpu=sim_gpu(nvml), aside_j=600.0) as fd:
+        runner = TuneRunner(_cfg(dry_run=True), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=None,
+                            gpus=[0], clock=clock, gpu_uuids=[nvml.gpus[0].uuid, "GPU-aside"], out_dir=tmp_path / "d")
+        runner.start()
+        _drive(runner, clock, 4)
+        t_mixed = clock.t + runner.cfg.tick_s
+        fd.aside_unread = 0.5
+        _drive(runner, clock, 1)
+        fd.aside_unread = 1.0
+        _drive(runner, clock, 2)
+        runner.stop_row()
+    rows = [r for r in pq.read_table(tmp_path / "d").to_pylist() if r["action"] not in ("start", "stop")]
+    before = [r for r in rows if r["t_mono_s"] < t_mixed - runner.t0_s]
+    after = [r for r in rows if r["t_mono_s"] >= t_mixed - runner.t0_s]
+    assert before and all(r["j_per_token"] == pytest.approx(2200 / 1600) for r in before), before
+    assert after and all(r["j_per_token"] is None and "idle GPU" in r["reason"] for r in after), after

@@ -438,13 +438,16 @@ class TuneRunner:
             return []
         self._dry_said_s = w.t_end_s
         ratio = slo_ratio(g, cfg)
-        jpt = g.energy_j / g.tokens if g.tokens > 0 else None
+        # A window whose energy changed basis (energy_basis_change) is in the guard's stretch: its J/token would mix
+        # an idle GPU's energy in some windows with none in others, so the row gives none and says why.
+        jpt = g.energy_j / g.tokens if g.tokens > 0 and not g.energy_straddles else None
+        unjudged = "; no J/token: the energy of a window in it holds part of an idle GPU's" if g.energy_straddles else ""
         if ratio is not None and ratio > cfg.guard_ratio and w.level != cfg.reference:
             action, to, then = "backoff", cfg.reference, f"the guard would go back to the reference {self._fmt(cfg.reference)}"
         else:
             action, to, then = "hold", w.level, "the guard would hold"
         why = (f"dry run at the GPUs' {at}: p95 at {ratio:.0%} of the SLO over the last {g.duration_s:.0f} s; {then}"
-               if ratio is not None else f"dry run at the GPUs' {at}: no latency in the last {g.duration_s:.0f} s")
+               if ratio is not None else f"dry run at the GPUs' {at}: no latency in the last {g.duration_s:.0f} s") + unjudged
         return [Decision(w.t_end_s, action, w.level, to, why, "unknown", jpt, ratio)]
 
     def tick(self) -> None:
