@@ -886,6 +886,8 @@ class Tuner:
         a verdict (its saving would be that GPU's idle energy, not the level's). Said in a decision either way."""
         self._pending = [dataclasses.replace(w, energy_straddles=True) for w in self._pending]
         self._repair = None
+        if self.state == "killed":
+            return []  # pinned: no window is judged, so none is left out (resume measures afresh)
         if self.state == "trial":
             back = self._incumbent_idx if self._incumbent_idx is not None else self.ref
             self._end_trial(t_s)
