@@ -32,6 +32,19 @@ def _complete(url: str, cid: str, **extra) -> dict | bytes:
     return json.loads(raw) if r.headers.get("Content-Type", "").startswith("application/json") else raw
 
 
+def _metric(d, name: str) -> float | None:
+    """`name`'s value on the daemon's /metrics, once the rows read are counted there (the snapshot follows within a
+    loop turn): up to 10 s for it to be above 0."""
+    deadline, v = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        page = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+        v = next((float(line.split()[-1]) for line in page.splitlines() if line.startswith(name + " ")), None)
+        if v:
+            return v
+        time.sleep(0.2)
+    return v
+
+
 def test_the_simulated_vllm_v0_runs_best_of_and_returns_n():
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", batching="continuous",
                    vllm_v0_best_of=True) as sim:
@@ -61,6 +74,7 @@ def test_a_best_of_request_through_the_proxy_is_flagged_with_the_fix(tmp_path):
                 if rows is not None and len(rows) >= 2:
                     break
                 time.sleep(0.2)
+            counted = _metric(d, "powerprof_requests_best_of_unseen_total")
         finally:
             rc = d.stop()
         truth = sim.request_truth()
@@ -73,6 +87,7 @@ def test_a_best_of_request_through_the_proxy_is_flagged_with_the_fix(tmp_path):
     assert bo["generated_tokens"] == N_TOKENS
     assert f"{BEST_OF_FLAG}: it asked best_of 3 for n 1: the server ran 2 more sequence(s)" in note, note
     assert "its figure is low" in note and "fix: ask n equal to best_of" in note, note
+    assert counted == 1.0  # on /metrics as in its row (before: no count of such rows there)
     # The server ran 3 sequences of 48 tokens for it, the proxy saw 1: two thirds of its decode unseen.
     assert (truth["bo"]["generated"], truth["bo"]["sequences"]) == (3 * N_TOKENS, 3), truth["bo"]
 

@@ -683,6 +683,28 @@ def test_an_interval_one_gpu_has_no_energy_for_is_unknown_not_the_other_gpus_alo
     assert led.totals.gpu_energy_j[0] == pytest.approx(300.0)  # the GPU that reads on still counts
 
 
+def test_the_time_a_gpu_gave_no_energy_reading_is_counted_per_gpu_and_whether_it_is_unread_now():
+    # powerprof_gpu_energy_joules_total adds 0 J for an unread GPU: before, nothing said for which time, so a rate()
+    # over it read 0 W for a lost GPU. Two GPUs; GPU 1 unread at the edges 2 s and 3 s, back at 4 s.
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    for k in range(4):
+        lost = k >= 2
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0), R(None if lost else 100.0 * k, None if lost else 100.0)])
+    led.advance(int(3.5 * S))
+    # Intervals 1-2 s and 2-3 s have no reading of GPU 1 at one edge or both: 2 s unknown, and unread now.
+    assert led.totals.gpu_unknown_s == (0.0, pytest.approx(2.0))
+    assert led.totals.gpu_unread_now == (False, True)
+    assert led.totals.intervals == 3
+    assert led.totals.gpu_energy_j == (pytest.approx(300.0), pytest.approx(100.0))
+    for k in (4, 5):  # back (read again): 3-4 s still has no reading at 3 s
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0), R(100.0 * k, 100.0)])
+    led.advance(int(5.5 * S))
+    assert led.totals.gpu_unknown_s == (0.0, pytest.approx(3.0))
+    assert led.totals.gpu_unread_now == (False, False)
+    assert led.totals.intervals == 5
+
+
 def test_an_interval_across_a_gpu_counter_jump_takes_integrated_power_not_the_jump():
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
@@ -2295,3 +2317,38 @@ def test_the_fixed_ratio_note_never_says_none_of_a_share_it_was_given():
     # Given none there: "none" holds.
     r = _Req(_trace(2, 0.0), gpu_j=100.0, fixed_j=0.0, fixed_lo_j=0.0, fixed_hi_j=20.0, fixed_why="no fit yet")
     assert "none of its GPU energy is from intervals other requests did work in" in (_approximate_note(r) or "")
+
+
+def test_requests_flagged_best_of_unseen_and_count_open_are_counted_as_their_rows_say_it():
+    # Their rows said so and /metrics had no count of them (other flags, prefix-cache-unsaid say, had one): a dashboard
+    # could not see how many requests' figures were low.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from powerprof.daemon.metrics import Snapshot, make_registry, render
+    from powerprof.storage.schema import BEST_OF_FLAG, COUNT_OPEN_FLAG
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    bo, op, plain = _trace(1, 0.1), _trace(2, 0.1), _trace(3, 0.1)
+    bo.extra.update(best_of=3, choices=1)
+    for tr in (bo, op, plain):
+        led.on_start(tr)
+    for k in range(4):
+        _feed(led, k, 100.0 * k)
+    for tr in (bo, op, plain):
+        for j in range(10):
+            led.on_tokens(tr, int((0.2 + 0.2 * j) * S), 1)
+        tr.first_ns, tr.last_ns, tr.end_ns = int(0.2 * S), int(2.0 * S), int(2.1 * S)
+        tr.counts = Counts(generated_tokens=10, prompt_tokens=10, model=None, stop_reason="stop", token_source="usage",
+                           count_open=tr is op)
+        led.on_end(tr)
+    led.advance(int(3.5 * S))
+    rows = {r["request_id"]: r["energy_note"] or "" for r in sink.rows["requests"]}
+    assert f"{BEST_OF_FLAG}: " in rows[1] and f"{COUNT_OPEN_FLAG}: " in rows[2], rows
+    assert BEST_OF_FLAG not in rows[3] and COUNT_OPEN_FLAG not in rows[3], rows
+    none = render(make_registry(type("H", (), {"snapshot": Snapshot()}))).decode()
+    assert "powerprof_requests_best_of_unseen_total 0.0" in none and "powerprof_requests_count_open_total 0.0" in none
+    assert led.totals.flagged_requests == {BEST_OF_FLAG: 1, COUNT_OPEN_FLAG: 1}
+    text = render(make_registry(type("H", (), {"snapshot": Snapshot(flagged_requests=led.totals.flagged_requests)})))
+    got = {s.name: s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+    assert got["powerprof_requests_best_of_unseen_total"] == 1 and got["powerprof_requests_count_open_total"] == 1

@@ -25,6 +25,7 @@ _UNIT_OF = [
     (r"powerprof_gpu_power(_limit)?_watts|powerprof_idle_power_watts", "W"),
     (r"powerprof_(requests_energy|attributed_tokens|work_prefill_per_decode)_ratio|powerprof_work_model_(r_squared|fitted)", "ratio"),
     (r"powerprof_work_cost_joules", "J"),
+    (r"rate\(powerprof_gpu_energy_unknown_seconds_total", "ratio"),  # seconds unread per second: a share of the time
     (r"powerprof_joules_per_token", "J/token"),
     (r"powerprof_tokens_generated_total", "tokens/s"),
     (r"powerprof_requests_total|powerprof_requests_no_counter_short_total|powerprof_requests_cache_late_total", "requests/s"),

@@ -87,7 +87,7 @@ def test_grafana_dashboard_uses_only_exported_metrics():
              "powerprof_gpu_interval_energy_joules_total", "powerprof_build_info", "process_resident_memory_bytes",
              "process_cpu_seconds_total", "powerprof_dropped_rows_total", "powerprof_flush_errors_total",
              "powerprof_proxy_recorder_failures_total", "powerprof_proxy_upstream_failures_total",
-             "powerprof_requests_no_counter_short_total",
+             "powerprof_requests_no_counter_short_total", "powerprof_gpu_energy_unknown_seconds_total",
              # the work model's (docs/daemon.md, Attribution)
              "powerprof_gpu_energy_attributed_joules_total", "powerprof_requests_energy_ratio",
              "powerprof_attributed_tokens_ratio", "powerprof_work_model_fitted", "powerprof_work_cost_joules",

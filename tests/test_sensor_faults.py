@@ -61,6 +61,53 @@ def test_the_daemon_keeps_running_when_a_gpu_falls_off_the_bus_and_says_so(tmp_p
     assert any(r["device"] == "gpu1" and "GPU_IS_LOST" in (r["error"] or "") for r in samples)
 
 
+def _gpu_series(d: Daemon) -> dict:
+    """{(metric, gpu): value} of the per-GPU energy series on the daemon's /metrics, as Prometheus reads them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from powerprof.daemon.metrics import make_registry, render
+
+    want = ("powerprof_gpu_energy_joules_total", "powerprof_gpu_energy_unknown_seconds_total")
+    return {(s.name, s.labels["gpu"]): s.value for f in text_string_to_metric_families(render(make_registry(d)).decode())
+            for s in f.samples if s.name in want}
+
+
+def test_a_lost_gpus_energy_series_goes_and_the_time_it_misses_is_counted_never_a_counter_reading_0_w(tmp_path):
+    # Before: powerprof_gpu_energy_joules_total{gpu="1"} stood still while GPU 1 was lost, its rate() 0 W, nothing on
+    # /metrics per GPU saying its energy was unread.
+    nv = FaultyNVML(SimNVML("a100-40g", count=2, state_path=None))
+    d = _daemon(tmp_path, nv)
+
+    async def main():
+        task = await _started(d)
+        for _ in range(50):  # both GPUs' energy counted
+            before = _gpu_series(d)
+            if before.get(("powerprof_gpu_energy_joules_total", "1"), 0) > 0:
+                break
+            await asyncio.sleep(0.1)
+        nv.lose(1)
+        for _ in range(50):  # until the accounts (closed intervals) reach the loss (the grace, 0.3 s): 5 s at most
+            await asyncio.sleep(0.1)
+            if ("powerprof_gpu_energy_joules_total", "1") not in _gpu_series(d):
+                break
+        first = _gpu_series(d)
+        await asyncio.sleep(1.0)
+        later = _gpu_series(d)
+        d.stop_event.set()
+        return before, first, later, await task
+
+    before, first, later, rc = asyncio.run(asyncio.wait_for(main(), 60))
+    assert rc == 0
+    e, u = "powerprof_gpu_energy_joules_total", "powerprof_gpu_energy_unknown_seconds_total"
+    assert before[(e, "1")] > 0
+    assert (e, "1") not in first and (e, "1") not in later  # no value rather than a still one
+    assert before[(u, "0")] == 0.0 and before[(u, "1")] == 0.0
+    assert later[(e, "0")] > first[(e, "0")] > before[(e, "0")]  # the GPU that reads on counts on
+    assert later[(u, "0")] == 0.0
+    assert later[(u, "1")] > first[(u, "1")] > 0  # grows with the time it stays unread
+    assert later[(u, "1")] - first[(u, "1")] == pytest.approx(1.0, abs=0.6)
+
+
 def test_restore_puts_the_other_gpus_back_when_one_is_lost_and_says_how_to_fix_that_one(tmp_path):
     import pytest
 

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
-from powerprof.tuner.observe import ObserveError, fetch_metrics, parse_counters, window_between
+from powerprof.tuner.observe import ObserveError, energy_moved, fetch_metrics, parse_counters, window_between
 from powerprof.tuner import policy
 from powerprof.tuner.policy import TunerConfig
 from powerprof.tuner.runner import TuneRunner
@@ -1293,3 +1293,124 @@ def test_the_refusal_of_a_window_with_a_serving_gpu_unread_says_it_persists_and_
         window_between(a, dataclasses.replace(b, energy_unknown_intervals=3.0), 300.0)
     said = str(e.value)
     assert "serving" in said and "every window" in said and "until" in said and "daemon.gpus" in said
+
+
+def test_a_gpu_whose_energy_series_goes_while_unread_is_no_stalled_daemon():
+    # The daemon leaves out the energy series of a GPU it cannot read (powerprof_gpu_energy_joules_total: never a still
+    # counter). The tuner's check that the daemon samples compared the sums: the GPU's whole count leaving read as
+    # energy that went down, "its sampling stalled?", on a daemon sampling on.
+    with FakeDaemon(per_scrape=20, tpot_s=0.05) as fd:
+        a = parse_counters(fetch_metrics(fd.url), 0.0)
+        b = parse_counters(fetch_metrics(fd.url), 10.0)
+    assert a.gpu_energies_j == {"GPU-fake": a.gpu_energy_j}  # read per GPU
+    a = dataclasses.replace(a, gpu_energies_j={"GPU-fake": a.gpu_energy_j, "GPU-1": 5000.0},
+                            gpu_energy_j=a.gpu_energy_j + 5000.0)
+    assert b.gpu_energy_j < a.gpu_energy_j and energy_moved(a, b)  # GPU 1 unread in b: GPU 0 rose
+    assert not energy_moved(b, b)
+    assert not energy_moved(a, dataclasses.replace(b, gpu_energies_j={}, gpu_energy_j=0.0))  # none read: the sums
+
+
+def test_a_window_holding_part_of_an_idle_gpus_energy_after_it_was_lost_is_left_out_of_the_verdict_and_said(tmp_path):
+    # A GPU serving none of the traffic (600 J of idle energy a window, in the energy the tuner reads) is lost for a
+    # while. Its limit gauge goes at once, and the windows then are refused; the daemon's accounts lag, so the first
+    # window taken again holds half of its idle energy (read over 5 of its 10 intervals). Before, that window was
+    # pooled into the reference's verdict, which read (1900 + 2200) / 3200 = 1.28 J/token against the 1.375 it costs
+    # with that GPU read, unsaid.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml), aside_j=600.0) as fd, \
+            rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                            clock=clock, gpu_uuids=[nvml.gpus[0].uuid, "GPU-aside"])
+        runner.start()
+        ref = runner.tuner.ref
+        _drive(runner, clock, 2)  # a first window, both GPUs read
+        fd.aside_lost, fd.aside_unread = True, 1.0
+        _drive(runner, clock, 1)  # refused: its limit unread
+        fd.aside_lost = False
+        _drive(runner, clock, 1)  # refused: the window began while it was lost
+        fd.aside_unread = 0.5
+        _drive(runner, clock, 1)  # the accounts catch up: half of this window's intervals without it
+        fd.aside_unread = 0.0
+        first = None
+        for _ in range(6):
+            _drive(runner, clock, 1)
+            if ref in runner.tuner.regime.stats:
+                first = runner.tuner.regime.stats[ref]
+                break
+    assert first is not None, [d.reason for d in runner.tuner.decisions]
+    assert first.j_per_token == pytest.approx(2200 / 1600)
+    said = [d for d in runner.tuner.decisions if "serving none of the traffic" in d.reason]
+    assert len(said) == 1 and said[0].action == "hold" and "GPU-aside" in said[0].reason, \
+        [d.reason for d in runner.tuner.decisions]
+    assert "5 of this window's 10 intervals" in said[0].reason
+
+
+def test_a_trial_across_an_idle_gpus_loss_ends_back_at_its_incumbent_without_a_verdict(tmp_path):
+    # 250 W costs 1.3 J/token of work against 1.0 at 300 W, and a GPU serving none of the traffic spends 600 J a window
+    # beside it: with it read, the trial costs (2080 + 600) / (1600 + 600) - 1 = 22% more. Its energy reads fail from
+    # the trial's second window on (its limit still read): before, the trial's windows, without its idle energy, were
+    # weighed against the incumbent's, with it, read 1.3 against 1.375 J/token, "saves", and 250 W was accepted.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, \
+            FakeDaemon(gpu=sim_gpu(nvml), aside_j=600.0, j_per_token_at={250.0: 1.3}) as fd, \
+            rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(levels=(250, 300)), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl,
+                            gpus=[0], clock=clock, gpu_uuids=[nvml.gpus[0].uuid, "GPU-aside"])
+        runner.start()
+        for _ in range(20):
+            _drive(runner, clock, 1)
+            if runner.tuner.state == "trial":
+                break
+        assert runner.tuner.state == "trial" and runner.tuner.level == 250, [d.reason for d in runner.tuner.decisions]
+        _drive(runner, clock, 1)
+        fd.aside_unread = 0.5
+        _drive(runner, clock, 1)
+        fd.aside_unread = 1.0
+        _drive(runner, clock, 8)
+    acts = [(d.action, d.to_level) for d in runner.tuner.decisions]
+    assert ("accept", 250) not in acts, [d.reason for d in runner.tuner.decisions]
+    thin = [d for d in runner.tuner.decisions if d.action == "thin"]
+    assert thin and thin[0].to_level == 300 and "serving none of the traffic" in thin[0].reason, \
+        [d.reason for d in runner.tuner.decisions]
+
+
+def test_a_tuned_gpu_the_daemon_cannot_read_is_said_as_such_not_as_other_gpus(tmp_path):
+    # Before: "the daemon measures GPUs <the others>, the tuner tunes <all>: its energy is not these GPUs'", for a GPU
+    # the daemon samples and lost.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml), aside_j=600.0) as fd, \
+            rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                            clock=clock, gpu_uuids=[nvml.gpus[0].uuid, "GPU-aside"])
+        runner.start()
+        fd.aside_lost, fd.aside_unread = True, 1.0
+        _drive(runner, clock, 5)
+    d = runner.tuner.decisions[-1]
+    assert d.action == "stale" and "reads no power limit on GPU GPU-aside now" in d.reason, d.reason
+    assert "not these GPUs" not in d.reason
+
+
+def test_a_dry_run_gives_no_j_per_token_over_a_window_holding_part_of_an_idle_gpus_energy(tmp_path):
+    # Before: its verdict rows gave a J/token over the guard's windows, one of them with half of a lost idle GPU's
+    # energy, unsaid.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with FakeDaemon(gpu=sim_gpu(nvml), aside_j=600.0) as fd:
+        runner = TuneRunner(_cfg(dry_run=True), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=None,
+                            gpus=[0], clock=clock, gpu_uuids=[nvml.gpus[0].uuid, "GPU-aside"], out_dir=tmp_path / "d")
+        runner.start()
+        _drive(runner, clock, 4)
+        t_mixed = clock.t + runner.cfg.tick_s
+        fd.aside_unread = 0.5
+        _drive(runner, clock, 1)
+        fd.aside_unread = 1.0
+        _drive(runner, clock, 2)
+        runner.stop_row()
+    rows = [r for r in pq.read_table(tmp_path / "d").to_pylist() if r["action"] not in ("start", "stop")]
+    before = [r for r in rows if r["t_mono_s"] < t_mixed - runner.t0_s]
+    after = [r for r in rows if r["t_mono_s"] >= t_mixed - runner.t0_s]
+    assert before and all(r["j_per_token"] == pytest.approx(2200 / 1600) for r in before), before
+    assert after and all(r["j_per_token"] is None and "idle GPU" in r["reason"] for r in after), after

@@ -11,6 +11,9 @@ from powerprof.daemon.latency import RequestLatency
 from powerprof.daemon.metrics import GpuSnapshot, Snapshot, make_registry, render
 
 
+INTERVALS_PER_SCRAPE = 10
+
+
 class FakeDaemon:
     """Each scrape adds `per_scrape` finished requests at `tpot_s` (80 tokens each) and the energy they cost.
 
@@ -18,15 +21,25 @@ class FakeDaemon:
     inference server is failing: the proxy's upstream failures climb)."""
 
     def __init__(self, per_scrape: int = 20, tpot_s: float = 0.03, j_per_token: float = 1.0, gpu=None,
-                 in_flight: float = 4.0, awaiting: float = 1.0, accounts_behind: int = 0):
+                 in_flight: float = 4.0, awaiting: float = 1.0, accounts_behind: int = 0, aside_j: float = 0.0,
+                 j_per_token_at: dict | None = None):
         """gpu: () → (uuid, power limit W) the daemon reports for its one GPU (default a fixed GPU-fake at 300 W).
         in_flight, awaiting: the requests in flight and awaiting a first token since the last scrape, on the
         real clock as the daemon's (settable between scrapes).
         accounts_behind: the energy accounts (closed intervals) this many scrapes behind the tokens and the limit gauge,
         as a daemon whose sampler lags or whose intervals are held (prompt lengths, the server's counter): each
         scrape's energy is what was spent that many scrapes before, at the limit then (`released_from_w`), and the
-        daemon says how far behind its accounts are (`behind_s`: seconds; None exposes nothing, as an older daemon)."""
+        daemon says how far behind its accounts are (`behind_s`: seconds; None exposes nothing, as an older daemon).
+        aside_j: a second GPU serving none of the traffic spends this much idle energy per scrape, in the idle
+        energy the tuner reads, over INTERVALS_PER_SCRAPE intervals of 1 s; `aside_unread` (settable between scrapes)
+        is the share of the next scrape's intervals it gives no reading over, as a daemon counts them
+        (powerprof_gpu_idle_energy_unknown_intervals_total, its powerprof_gpu_energy_unknown_seconds_total) and leaves
+        its energy out; `aside_lost` (settable): unread now, so no limit gauge (the accounts lag: `aside_unread` apart).
+        j_per_token_at: {limit W: J/token} where the levels cost differently (default `j_per_token` at every one)."""
         self.accounts_behind = accounts_behind
+        self.aside_j, self.aside_unread, self.aside_lost = aside_j, 0.0, False  # lost: no limit gauge now
+        self.j_per_token_at = j_per_token_at or {}
+        self.idle = self.idle_unknown = self.intervals = self.aside_unknown_s = self.aside_energy = 0.0
         self._unreleased: list[tuple[float, float]] = []  # (energy J, the limit W it was spent at), oldest first
         self.released_from_w: set = set()  # the limits the energy released by the latest scrape was spent at
         self.behind_s: float | None = None
@@ -80,7 +93,15 @@ class FakeDaemon:
                     self.latency.observe(t0, t0 + 200_000_000, t0 + 200_000_000 + int(self.tpot_s * 79 * 1e9), 80, 400)
                     self.finished += 1
                 self.tokens += 80 * self.per_scrape
-                spent = self.j_per_token * 80 * self.per_scrape
+                spent = self.j_per_token_at.get(self.gpu()[1], self.j_per_token) * 80 * self.per_scrape
+                if self.aside_j:
+                    n = INTERVALS_PER_SCRAPE
+                    k = round(n * self.aside_unread)
+                    self.idle += self.aside_j * (n - k) / n
+                    self.aside_energy += self.aside_j * (n - k) / n
+                    self.idle_unknown += k
+                    self.aside_unknown_s += k * 1.0
+                self.intervals += INTERVALS_PER_SCRAPE
                 if self.accounts_behind:
                     self._unreleased.append((spent * self.gpu()[1] / 300.0, self.gpu()[1]))  # J/token ∝ limit
                     out, self._unreleased = (self._unreleased[:-self.accounts_behind],
@@ -98,9 +119,15 @@ class FakeDaemon:
                 q[2] += now - self._queue_t
                 self._queue_t = now
             uuid, limit_w = self.gpu()
+            aside = (GpuSnapshot(1, "GPU-aside", "fake", None, None, None, None if self.aside_lost else limit_w,
+                                 self.aside_energy,
+                                 energy_unknown_s=self.aside_unknown_s, energy_unread=self.aside_unread > 0),) \
+                if self.aside_j else ()
             self.snapshot = Snapshot(
-                gpus=(GpuSnapshot(0, uuid, "fake", 200.0, 1500.0, 9000.0, limit_w, self.gpu_energy),),
-                energy_by_dest_j=(self.energy, 0.0, 0.0),
+                gpus=(GpuSnapshot(0, uuid, "fake", 200.0, 1500.0, 9000.0, limit_w, self.gpu_energy),) + aside,
+                energy_by_dest_j=(self.energy, self.idle, 0.0),
+                idle_unknown_intervals=int(self.idle_unknown),
+                intervals=int(self.intervals),
                 tokens_by_tag={"": self.tokens},
                 requests_by_tag={("", "ok"): float(self.finished)},
                 proxy_upstream_failures=self.upstream_failures,

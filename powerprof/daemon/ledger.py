@@ -292,11 +292,19 @@ class _Tag:
     # measured zero: its energy is unknown
 
 
+# Request flags counted by the rows that say them (Totals.flagged_requests): each a /metrics counter (metrics.py
+# FLAG_COUNTERS). The flags counted before these have their own fields, judged as their rows are made.
+COUNTED_FLAGS = (BEST_OF_FLAG, COUNT_OPEN_FLAG)
+
+
 @dataclass
 class Totals:
     """Running totals for the metrics endpoint (read by another thread: replaced, not mutated)."""
 
-    gpu_energy_j: tuple = ()
+    gpu_energy_j: tuple = ()  # per GPU: the energy of the intervals it gave a reading over, since start
+    gpu_unknown_s: tuple = ()  # per GPU: seconds of intervals it gave no energy reading over (not in gpu_energy_j)
+    gpu_unread_now: tuple = ()  # per GPU: True when the latest closed interval is such (its gpu_energy_j stalls)
+    intervals: int = 0  # intervals closed since start: what the *_unknown_intervals below are counted out of
     cpu_energy_j: float | None = None
     energy_by_kind_j: tuple = (0.0, 0.0, 0.0, 0.0)
     tokens: float = 0.0
@@ -310,6 +318,7 @@ class Totals:
     cpu_unknown_requests: int = 0  # request rows without cpu_energy_j though RAPL is read (CPU_MISSING_NOTE) since start
     cache_unsaid_requests: int = 0  # request rows flagged CACHE_UNSAID_FLAG since start
     cache_late_requests: int = 0  # request rows flagged CACHE_LATE_FLAG since start (a late count's, or beside one)
+    flagged_requests: dict = field(default_factory=dict)  # {flag: request rows saying it since start} (COUNTED_FLAGS)
     # Intervals with tokens left out of j_per_token since start, and their tokens: {flag: (intervals, tokens)}
     # (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG).
     jpt_left_out: dict = field(default_factory=dict)
@@ -393,6 +402,7 @@ class Ledger:
         self._cache_frozen = 0  # the leading windows whose `known` is final (`_cache_freeze`)
         self.cache_unsaid_requests = 0  # request rows emitted with CACHE_UNSAID_FLAG
         self.cache_late_requests = 0  # request rows emitted with CACHE_LATE_FLAG
+        self.flagged_requests = dict.fromkeys(COUNTED_FLAGS, 0)  # request rows emitted with each of COUNTED_FLAGS
         # {request id: the requests beside its prefill (`_Req.late_wait`)} of those whose end may still say a count
         # late: told as it settles (`_settle_late`). Before, the late counts were kept in a table of the latest 4096,
         # read at the rows: a stream longer than that many late counts read none of the one beside its start (or a
@@ -469,13 +479,17 @@ class Ledger:
         self._by_dest = np.zeros(3)
         self._idle_unknown_intervals = 0
         self._gpu_unknown_intervals = 0
+        self._gpu_unknown_s = np.zeros(n_gpus)  # Totals.gpu_unknown_s
+        self._gpu_unread_now = np.zeros(n_gpus, bool)  # Totals.gpu_unread_now
+        self._intervals_total = 0  # Totals.intervals
         self._tokens_total = 0.0
         self._tokens_attributed = 0.0
         self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
         self._jpt_left_out: dict[str, tuple[int, float]] = {}  # Totals.jpt_left_out
         self.prompt_lengths = PromptLengths()
         self.prompts_estimated: dict[str, int] = {}  # {why the server never counted it: requests}
-        self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus)
+        self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus, gpu_unknown_s=(0.0,) * n_gpus,
+                             gpu_unread_now=(False,) * n_gpus)
 
     # --- recorder interface (called by the proxy) ------------------------------------------
 
@@ -1862,7 +1876,8 @@ class Ledger:
         self.totals = replace(self.totals, no_counter_short_requests=self.no_counter_short_requests,
                               cpu_unknown_requests=self.cpu_unknown_requests,
                               cache_unsaid_requests=self.cache_unsaid_requests,
-                              cache_late_requests=self.cache_late_requests)
+                              cache_late_requests=self.cache_late_requests,
+                              flagged_requests=dict(self.flagged_requests))
 
     def _unpark(self, now_ns: int | None) -> list[dict]:
         """The rows of ended requests (in `_late_parked`) that need wait no longer for a request beside them to say its
@@ -2288,6 +2303,13 @@ class Ledger:
         # idle_energy_j stays empty: its value is unknown.
         work_j = gpu if work_j is None else work_j
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
+        # What _gpu_total leaves out, per GPU: the time its energy is unknown (an interval it gave no reading over adds
+        # 0 J there), and whether the latest interval is such: a stalled counter would read as 0 W to a rate().
+        unread = np.isnan(per_gpu)
+        if unread.size:
+            self._gpu_unknown_s = self._gpu_unknown_s + (unread * (np.diff(t) / 1e9)[:, None]).sum(axis=0)
+            self._gpu_unread_now = unread[-1].copy()
+        self._intervals_total += t.size - 1
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
         by_kind = a.by_kind[:, 0].copy()
@@ -2327,6 +2349,9 @@ class Ledger:
                           unjudged)
         self.totals = Totals(
             gpu_energy_j=tuple(float(x) for x in self._gpu_total),
+            gpu_unknown_s=tuple(float(x) for x in self._gpu_unknown_s),
+            gpu_unread_now=tuple(bool(x) for x in self._gpu_unread_now),
+            intervals=self._intervals_total,
             cpu_energy_j=self._cpu_total,
             energy_by_kind_j=tuple(float(x) for x in self._by_kind),
             tokens=self._tokens_total,
@@ -2340,6 +2365,7 @@ class Ledger:
             cpu_unknown_requests=self.cpu_unknown_requests,
             cache_unsaid_requests=self.cache_unsaid_requests,
             cache_late_requests=self.cache_late_requests,
+            flagged_requests=dict(self.flagged_requests),
             jpt_left_out=dict(self._jpt_left_out),
             idle_unknown_intervals=self._idle_unknown_intervals,
             gpu_unknown_intervals=self._gpu_unknown_intervals,
@@ -2627,6 +2653,10 @@ class Ledger:
             self.cache_late_requests += 1
         if _no_counter_short(r):
             self.no_counter_short_requests += 1
+        note = row.get("energy_note") or ""
+        for flag in COUNTED_FLAGS:  # as the row says it: the count and the rows never disagree
+            if f"{flag}: " in note:
+                self.flagged_requests[flag] += 1
         if row["cpu_energy_j"] is None and row["energy_note"] and CPU_MISSING_NOTE in row["energy_note"]:
             self.cpu_unknown_requests += 1
         # Strings from clients and the upstream (model, stop reason, errors) as valid Unicode: a lone

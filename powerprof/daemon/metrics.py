@@ -21,7 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from powerprof import __version__
 from powerprof.arrival import COUNT_PROBLEM_KINDS
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
-from powerprof.storage.schema import BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_UNSAID_FIX, SERVER_COUNT_SLOTS_ONLY
+from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_UNSAID_FIX,
+                                      COUNT_OPEN_FIX, COUNT_OPEN_FLAG, SERVER_COUNT_SLOTS_ONLY)
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -33,6 +34,18 @@ LATENCY_DOCS = {
     "tpot_seconds": "Proxied requests' time per output token after the first ((last - first) / (tokens - 1))",
     "prompt_tokens": "Proxied requests' prompt tokens (as the server reported them)",
     "output_tokens": "Proxied requests' generated tokens",
+}
+# Request flags (ledger.COUNTED_FLAGS) → the counter of the rows that say them, and its help: always shown, 0 included,
+# so a dashboard's rate() of one reads 0 rather than no data.
+FLAG_COUNTERS = {
+    BEST_OF_FLAG: ("powerprof_requests_best_of_unseen", "Requests whose rows' energy_note says approximate: "
+                   f"{BEST_OF_FLAG}: they asked vLLM V0 for best_of sequences beyond the n returned, whose tokens never "
+                   "reached the proxy: their work is in the requests beside them and in unproxied, the flagged "
+                   f"requests' figures low; fix: {BEST_OF_FIX}"),
+    COUNT_OPEN_FLAG: ("powerprof_requests_count_open", "Requests whose rows' energy_note says approximate: "
+                      f"{COUNT_OPEN_FLAG}: their count is the server's running count as of the last chunk that carried "
+                      "one, no final count after (SGLang's chat stream with continuous_usage_stats alone): their "
+                      f"generated_tokens may be low, those tokens' energy in unproxied; fix: {COUNT_OPEN_FIX}"),
 }
 OTHER = "other"
 NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet
@@ -72,6 +85,8 @@ class GpuSnapshot:
     power_limit_w: float | None
     energy_j: float  # accumulated by the daemon since it started
     up: float = 1.0  # 0 once NVML says the GPU is lost: its energy stops counting and its gauges go
+    energy_unknown_s: float = 0.0  # seconds of closed intervals it gave no energy reading over (not in energy_j)
+    energy_unread: bool = False  # the latest closed interval is one: energy_j stalls, and its series is left out
 
 
 @dataclass(frozen=True)
@@ -119,10 +134,12 @@ class Snapshot:
     cpu_unknown_requests: int = 0  # ledger.Totals: request rows without cpu_energy_j though RAPL is read, since start
     cache_unsaid_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-unsaid since start
     cache_late_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-late since start
+    flagged_requests: dict = field(default_factory=dict)  # ledger.Totals: {flag: request rows saying it} (FLAG_COUNTERS)
     accounts_behind_s: float | None = None  # now − the end of the latest closed interval (None: none yet)
     jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
     gpu_unknown_intervals: int = 0  # ledger.Totals: intervals in no kind of energy_by_kind_j (a GPU unread there)
     idle_unknown_intervals: int = 0  # ledger.Totals: intervals with a GPU serving none of the work unread (its energy alone out)
+    intervals: int = 0  # ledger.Totals: intervals closed since start (what the *_unknown_intervals are out of)
 
 
 class SnapshotCollector:
@@ -149,10 +166,23 @@ class SnapshotCollector:
         yield gauge("powerprof_gpu_power_limit_watts", "GPU power management limit", 1.0, "power_limit_w")
         yield gauge("powerprof_gpu_up", "1 while the GPU answers NVML, 0 once it is lost (fell off the bus): its "
                     "energy stops counting and intervals lose their GPU energy", 1.0, "up")
-        c = CounterMetricFamily("powerprof_gpu_energy_joules", "GPU energy since the daemon started", labels=labels)
+        # A GPU unread over the latest closed interval has no series: its counter would stand still, and a rate() read
+        # 0 W for a GPU drawing hundreds (a value never measured, as an exporter leaves out a sensor it cannot read).
+        # It comes back with its count where it stopped (no reset); the time it missed is counted beside it.
+        c = CounterMetricFamily("powerprof_gpu_energy_joules", "GPU energy since the daemon started, over the closed "
+                                "intervals it gave a reading over; absent while it gives none (lost, reads failing): "
+                                "powerprof_gpu_energy_unknown_seconds_total counts the time left out", labels=labels)
         for x in s.gpus:
-            c.add_metric([str(x.index), x.uuid, x.name], x.energy_j)
+            if not x.energy_unread:
+                c.add_metric([str(x.index), x.uuid, x.name], x.energy_j)
         yield c
+        u = CounterMetricFamily("powerprof_gpu_energy_unknown_seconds", "Seconds of closed intervals this GPU gave no "
+                                "energy reading over (lost, reads failing), since the daemon started: their energy is "
+                                "in no powerprof_gpu_energy_joules_total, so its rate() reads low by that share of the "
+                                "time; the samples' error column and the daemon's log say why", labels=labels)
+        for x in s.gpus:
+            u.add_metric([str(x.index), x.uuid, x.name], x.energy_unknown_s)
+        yield u
         if s.cpu_energy_j is not None:
             yield CounterMetricFamily("powerprof_cpu_energy_joules", "CPU package+DRAM energy (RAPL) of the whole host, every process, since start",
                                       value=s.cpu_energy_j)
@@ -180,6 +210,8 @@ class SnapshotCollector:
                                   "(any, before which serve is judged) gave no energy reading there, their total unknown "
                                   "(their rows' gpu_energy_j is empty, the note says why)",
                                   value=s.gpu_unknown_intervals)
+        yield CounterMetricFamily("powerprof_intervals", "Intervals the daemon closed (accounted) since it started: "
+                                  "what the *_unknown_intervals_total counters are counted out of", value=s.intervals)
         d = CounterMetricFamily("powerprof_gpu_energy_attributed_joules",
                                 "GPU energy by where it went: requests (by their work), idle, unproxied", labels=["to"])
         for name, v in zip(DEST_NAMES, s.energy_by_dest_j):
@@ -263,6 +295,8 @@ class SnapshotCollector:
                                   "computed (that request over-charged), or a request given energy of such intervals "
                                   "beside it (under-charged); fix: " + CACHE_LATE_FIX,
                                   value=s.cache_late_requests)
+        for flag, (name, doc) in FLAG_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=(s.flagged_requests or {}).get(flag, 0))
         if s.joules_per_token is not None:
             yield GaugeMetricFamily("powerprof_joules_per_token",
                                     "Requests' GPU J per generated token over the intervals with tokens of the last "
@@ -346,7 +380,7 @@ class SnapshotCollector:
                                     "token of a streamed request past its first (0: none)", value=q.longest_silence_s)
         if s.accounts_behind_s is not None:
             yield GaugeMetricFamily("powerprof_accounts_behind_seconds", "How far the energy accounts (closed "
-                                    "intervals: every energy counter but powerprof_gpu_energy_joules) are behind now: "
+                                    "intervals: every energy counter, powerprof_gpu_energy_joules included) are behind now: "
                                     "the grace, the holds (prompt lengths, the server's counter, RAPL) and a late "
                                     "sampler; the token and request counters are not behind", value=s.accounts_behind_s)
         yield CounterMetricFamily("powerprof_proxy_records_dropped", "Proxy workers' records not shipped because "

@@ -798,6 +798,8 @@ class Daemon:
                     power_limit_w=r.power_limit_w if r else None,
                     energy_j=tot.gpu_energy_j[k] if k < len(tot.gpu_energy_j) else 0.0,
                     up=0.0 if info.index in self.collector.lost else 1.0,
+                    energy_unknown_s=tot.gpu_unknown_s[k] if k < len(tot.gpu_unknown_s) else 0.0,
+                    energy_unread=bool(tot.gpu_unread_now[k]) if k < len(tot.gpu_unread_now) else False,
                 )
             )
         # The latest closed interval's end (the edge the open ones start at), on the readings' own clock: a sample
@@ -853,9 +855,11 @@ class Daemon:
             cpu_unknown_requests=tot.cpu_unknown_requests,
             cache_unsaid_requests=tot.cache_unsaid_requests,
             cache_late_requests=tot.cache_late_requests,
+            flagged_requests=dict(tot.flagged_requests),
             jpt_left_out=tot.jpt_left_out,
             idle_unknown_intervals=tot.idle_unknown_intervals,
             gpu_unknown_intervals=tot.gpu_unknown_intervals,
+            intervals=tot.intervals,
         )
 
     def _helper_pids(self) -> list[int]:
