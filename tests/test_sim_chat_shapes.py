@@ -263,3 +263,35 @@ def test_a_requests_tools_are_in_its_prompt_as_the_template_renders_them(flavour
         assert prompt_tokens(srv, {"tools": TOOLS}) == plain + count_prompt_tokens(schema) - 1  # (one BOS)
         none = prompt_tokens(srv, {"tools": TOOLS, "tool_choice": "none"})
     assert none == (plain if flavour == "sglang" else plain + count_prompt_tokens(schema) - 1)
+
+
+def test_vllm_in_its_deprecation_window_says_the_thinking_under_both_names_and_it_is_kept_once():
+    # vLLM from #27752 (Nov 2025) to #33402 (Jan 2026): DeltaMessage's validator copied `reasoning` into the deprecated
+    # `reasoning_content` and serving_chat dumps with exclude_unset, so a thinking delta carries the text under both
+    # keys and every other delta `"reasoning_content": null`. The answer kept (--keep-text) has the thinking once, as
+    # under either name alone, and the count is the server's.
+    from powerprof.workload.client import RequestParams
+    from powerprof.workload.load import Prompt, run_load
+
+    texts = {}
+    for field in ("both", "reasoning"):
+        with SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", reasoning_tokens=THINK,
+                       reasoning_field=field) as srv:
+            deltas = _deltas(_chunks(_post(srv.url, _body("reasoning", {"include_usage": True}))))
+            (r,) = run_load(srv.url, [Prompt("p", "how much power")], 1, 1,
+                            RequestParams(max_tokens=N_TOKENS, ignore_eos=True, keep_text=True), warmup=0,
+                            api="openai-chat")
+        if field == "both":
+            thinking = [d for d in deltas if d.get("reasoning") is not None]
+            assert thinking and all(d["reasoning_content"] == d["reasoning"] for d in thinking), thinking
+            assert all("reasoning_content" in d for d in deltas), deltas  # null where no thinking
+        assert (r.ok, r.generated_tokens, r.token_source, r.count_problem) == (True, N_TOKENS, "usage", None), r
+        texts[field] = r.completion_text
+    # The thinking's words once (vLLM sends the last token with empty text, the end of thinking with none).
+    assert texts["both"] == texts["reasoning"] and len(texts["both"].split()) == N_TOKENS - 2, texts
+
+
+def test_the_simulator_refuses_a_reasoning_field_no_server_sends():
+    with pytest.raises(ValueError, match="reasoning_field"):
+        SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", reasoning_field="thinking")
+

@@ -29,7 +29,10 @@ class ChatShape:
     # neither server streams: vLLM's reasoning parser answers a step of it alone with no delta, so no chunk; SGLang's
     # detector strips it), then the answer (0: no thinking).
     reasoning_tokens: int = 0
-    reasoning_field: str = "reasoning_content"  # vLLM's since November 2025: "reasoning"
+    # The reasoning delta's key: SGLang's "reasoning_content"; vLLM's "reasoning" (since vllm-project/vllm#27752,
+    # November 2025), "reasoning_content" before, "both" in its deprecation window (the text under both keys: #27752's
+    # DeltaMessage validator copied reasoning into reasoning_content, until #33402 removed it, January 2026).
+    reasoning_field: str = "reasoning_content"
     tool: str | None = None  # "named" | "required": the answer is a tool call's arguments
     tool_name: str = "f"
     pos: int = 0  # tokens stepped so far
@@ -63,7 +66,10 @@ class ChatShape:
         out: list[dict] = []
         if think or (in_think and pieces):
             # A step of thinking (an empty piece too: vLLM's parser gives reasoning_content "" for it).
-            out.append({self.reasoning_field: think})
+            if self.reasoning_field == "both":
+                out.append({"reasoning": think, "reasoning_content": think})
+            else:
+                out.append({self.reasoning_field: think})
         if self.flavour == "vllm" and self.tool is None:
             if answer or (not in_think and pieces and not ended):
                 if out:

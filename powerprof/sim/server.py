@@ -397,8 +397,12 @@ class SimServer:
         # A thinking model behind a reasoning parser (vLLM and SGLang `--reasoning-parser`): each chat answer's first
         # `reasoning_tokens` tokens are its thinking (then one end-of-thinking token), streamed as reasoning deltas:
         # SGLang's `reasoning_content`; vLLM's `reasoning_field` (None: "reasoning", vLLM's since vllm-project/vllm#27752,
-        # November 2025; "reasoning_content" before). SGLang streams tool calls only when started with a tool-call
-        # parser (`tool_call_parser`). Settable between requests.
+        # November 2025; "reasoning_content" before; "both": #27752's deprecation copy, until #33402 (January 2026):
+        # the thinking under both keys, and `"reasoning_content": null` on every other chat delta, thinking model or
+        # not: its DeltaMessage validator set the field on every delta, dumped with exclude_unset). SGLang streams tool
+        # calls only when started with a tool-call parser (`tool_call_parser`). Settable between requests.
+        if reasoning_field not in (None, "reasoning", "reasoning_content", "both"):
+            raise ValueError(f"reasoning_field must be reasoning, reasoning_content or both, not {reasoning_field!r}")
         self.reasoning_tokens = int(reasoning_tokens)
         self.reasoning_field = reasoning_field
         self.tool_call_parser = bool(tool_call_parser)
@@ -1908,6 +1912,9 @@ class SimServer:
         group_text = ""
 
         def oai_chunk(choice: dict, **extra) -> bytes:
+            if chat and self.flavour == "vllm" and self.reasoning_field == "both" and "delta" in choice:
+                # vLLM in #27752's deprecation window: every delta's reasoning_content set (null where no thinking).
+                choice = dict(choice, delta={**choice["delta"], "reasoning_content": choice["delta"].get("reasoning")})
             if sglang:  # pydantic / msgspec dumps: every field, null where unset (usage null mid-stream)
                 if chat:
                     choice = dict(choice, delta={"reasoning_content": None, "role": None, "content": None,
