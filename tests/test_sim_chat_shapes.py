@@ -295,3 +295,50 @@ def test_the_simulator_refuses_a_reasoning_field_no_server_sends():
     with pytest.raises(ValueError, match="reasoning_field"):
         SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", reasoning_field="thinking")
 
+
+def _held_call(srv, body: dict):
+    before = len(srv.truth)
+    data = _post(srv.url, body)
+    (truth,) = srv.truth[before:]
+    chunks = _chunks(data)
+    p = StreamParser("openai-chat", count_only=True)
+    n = sum(p.count(e + b"\n\n") for e in data.split(b"\n\n") if e)
+    return truth, chunks, n, p.finish()
+
+
+def test_sglang_tool_call_cut_by_max_tokens_before_its_parser_sent_it_is_counted_whole():
+    # SGLang's deepseekv3 detector matches a call only once its closing fence is written: a call cut by max_tokens is
+    # never sent, and its tokens (here 17, after 6 of thinking, each in a chunk with its running count) are in no
+    # running count, only in the final usage. That count is the limit the request set, not a contradiction: before,
+    # the running count short by more than 3 (COUNT_SLACK_TOKENS) disbelieved it (running_count_short: no
+    # generated_tokens, no J/token). A call that closes goes out whole then, and finishes tool_calls.
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour="sglang", reasoning_tokens=THINK,
+                   tool_call_parser="deepseekv3") as srv:
+        opts = {"include_usage": True, "continuous_usage_stats": True}
+        truth, chunks, n, s = _held_call(srv, _body("tool_named", opts))
+        assert truth["generated"] == N_TOKENS and chunks[-1]["usage"]["completion_tokens"] == N_TOKENS
+        deltas = _deltas(chunks)
+        assert not any(d.get("tool_calls") for d in deltas), deltas  # the call never went out
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
+        assert finish == ["length"] and n == THINK and s.running_counts, (finish, n, s)
+        c = summary_counts(s, limit=N_TOKENS)
+        assert (c.generated_tokens, c.token_source, c.count_problem) == (N_TOKENS, "usage", None), c
+        # Without the request's limit the rule stands: more than 3 tokens past the last running count contradict.
+        assert summary_counts(s).count_problem_kind == "running_count_short"
+        # Asked for more than it generated (a stop at the limit of another, or none), the short count stays said.
+        assert summary_counts(s, limit=N_TOKENS + 1).count_problem_kind == "running_count_short"
+
+        body = dict(_body("tool_named", opts), max_tokens=200)
+        del body["ignore_eos"]
+        truth, chunks, n, s = _held_call(srv, body)
+    assert truth["generated"] < 200
+    calls = [tc for d in _deltas(chunks) for tc in (d.get("tool_calls") or [])]
+    assert calls and calls[0]["function"]["name"] == "get_power", calls
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
+    c = summary_counts(s, limit=200)
+    assert finish == ["tool_calls"] and (c.generated_tokens, c.count_problem) == (truth["generated"], None), (finish, c)
+
+
+def test_the_simulator_refuses_a_tool_call_parser_it_does_not_model():
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        SimServer(SimNVML("h200-141g", state_path=None), flavour="sglang", tool_call_parser="qwen25")

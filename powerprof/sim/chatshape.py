@@ -39,6 +39,11 @@ class ChatShape:
     named: bool = False  # the call's id and name were sent
     held: str = ""  # SGLang: argument text not yet streamed (its parser holds the newest back)
     carry: str = ""  # vLLM: the answer text of the step that ended the thinking, sent with the next delta
+    # SGLang's deepseekv3 detector (`--tool-call-parser deepseekv3`): a call matches its pattern only once the model has
+    # written the arguments' closing fence, so its name and arguments go out together then; a call cut by max_tokens
+    # before it is never sent, nor its tokens said in any running count (no `_check_for_unstreamed_tool_args` chunk
+    # either: its detector never recorded the call). False: the JSON detectors' one step late.
+    hold_call: bool = False
 
     def _split(self, pieces: list[str]) -> tuple[str, bool, str]:
         """(thinking text, the end of thinking was in this step, answer text) of a step's token pieces."""
@@ -92,6 +97,9 @@ class ChatShape:
         if after <= head:
             return []  # the array's opening and the name: nothing parsed yet
         args = (ARGS_OPEN if before <= head else "") + text
+        if self.flavour == "sglang" and self.hold_call:
+            self.held += args  # the closing fence not yet written: nothing matched, nothing sent (tail: at the end)
+            return []
         if self.flavour == "sglang":
             out = []
             if not self.named:
@@ -116,9 +124,17 @@ class ChatShape:
                                     "function": {"name": self.tool_name, "arguments": args}}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": args}}]}
 
-    def tail(self) -> list[dict]:
+    def tail(self, stop: str | None = None) -> list[dict]:
         """SGLang's `_check_for_unstreamed_tool_args`: at the finish, the arguments its parser still held, in a chunk
-        sent without usage; vLLM: nothing (its arguments went out with their steps)."""
+        sent without usage; vLLM: nothing (its arguments went out with their steps). `hold_call`: a call that closed
+        (`stop` not "length"), name and arguments, sent with the running usage as at the step that closed it (the
+        real one's closing tokens after it, 3 with deepseekv3, not modelled); one cut by max_tokens, nothing."""
+        if self.hold_call and self.flavour == "sglang":
+            if not self.held or stop == "length":
+                return []
+            self.named = True
+            held, self.held = self.held + '"}', ""
+            return [self._call("", first=True), self._call(held)]
         if self.flavour != "sglang" or not self.held:
             return []
         held, self.held = self.held, ""

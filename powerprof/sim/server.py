@@ -273,7 +273,7 @@ class SimServer:
         textless_share: float = 0.0,
         reasoning_tokens: int = 0,
         reasoning_field: str | None = None,
-        tool_call_parser: bool = False,
+        tool_call_parser: bool | str = False,
         prefix_cache: bool = False,
         prompt_details: bool = False,
         cold_batch_factor: float = 1.0,
@@ -405,7 +405,11 @@ class SimServer:
             raise ValueError(f"reasoning_field must be reasoning, reasoning_content or both, not {reasoning_field!r}")
         self.reasoning_tokens = int(reasoning_tokens)
         self.reasoning_field = reasoning_field
-        self.tool_call_parser = bool(tool_call_parser)
+        # True: a JSON detector's streaming (qwen25, llama3, mistral: each step's arguments one step late);
+        # "deepseekv3": that detector's (ChatShape.hold_call: a call sent whole once it closes, never if cut).
+        if tool_call_parser not in (False, True, "deepseekv3"):
+            raise ValueError(f"tool_call_parser must be True, False or 'deepseekv3', not {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
         # `--api-key`: llama-server answers 401 on everything but its public endpoints (/health, /models, /v1/models:
         # server.cpp's public_endpoints); vLLM guards its /v1 routes only (its /metrics, /health, /version are open);
         # SGLang everything but /health* and /metrics.
@@ -1757,7 +1761,8 @@ class SimServer:
         think = chatshape.thinks(body, self.reasoning_tokens)
         if tool or think:
             field_name = (self.reasoning_field or "reasoning") if self.flavour == "vllm" else "reasoning_content"
-            req.shape = chatshape.ChatShape(self.flavour, think, field_name, tool, name or "f")
+            req.shape = chatshape.ChatShape(self.flavour, think, field_name, tool, name or "f",
+                                            hold_call=self.flavour == "sglang" and self.tool_call_parser == "deepseekv3")
 
     async def _serve_whole(self, api: str, req: _Req, echo: _Echo = _NO_ECHO) -> web.Response:
         ids_all, text_all = [], ""
@@ -2092,8 +2097,10 @@ class SimServer:
                     else:
                         fr = "length" if req.stop_type == "limit" else "stop"
                         if req.shape is not None:
-                            for d in req.shape.tail():  # SGLang's held-back tool arguments: no usage on them
-                                await out.send(oai_chunk({"index": 0, "finish_reason": None, "delta": d}))
+                            # SGLang's held-back tool arguments: no usage on them; a held call that closed: its step's.
+                            for d in req.shape.tail(fr):
+                                await out.send(oai_chunk({"index": 0, "finish_reason": None, "delta": d},
+                                                         **(running() if req.shape.hold_call else {})))
                             fr = req.shape.finish_reason(fr)
                         if not closed:
                             last = {"index": 0, "finish_reason": fr}
