@@ -226,7 +226,8 @@ class CountProblem(NamedTuple):
     message: str
 
 
-def count_problem(stream_tokens: int, server_tokens: int | None, running: bool = False) -> CountProblem | None:
+def count_problem(stream_tokens: int, server_tokens: int | None, running: bool = False,
+                  at_limit: bool = False) -> CountProblem | None:
     """Why the server's own count of generated tokens cannot be believed beside its stream (None: it can).
 
     The server's count (usage, llama.cpp `tokens_predicted`/`predicted_n`) is the authority on how
@@ -236,13 +237,17 @@ def count_problem(stream_tokens: int, server_tokens: int | None, running: bool =
     never show more: tokens streamed beyond the server's count mean the count is wrong (or something
     between rewrote the stream), and J/token would be off by their ratio. Where every chunk carried
     the server's running count (`running`), the stream's count *is* the server's, and a final count
-    more than COUNT_SLACK_TOKENS above it contradicts the server's own figures."""
+    more than COUNT_SLACK_TOKENS above it contradicts the server's own figures, unless that count is exactly the
+    length the request asked, at a length stop (`at_limit`): SGLang's chat sends no chunk, so no running count, for
+    tokens its tool-call parser still holds, and a call cut by max_tokens can hold all of its own (the deepseekv3
+    detector sends a call only once its closing fence is written, the qwen3_coder one a parameter's value only
+    once `</parameter>` is): the final count is then the limit the request set, not a contradiction."""
     if server_tokens is None:
         return None
     if stream_tokens > server_tokens:
         return CountProblem(STREAM_ABOVE_COUNT, f"the server counted {server_tokens} generated tokens but its stream "
                             f"carried {stream_tokens}: the server's token count cannot be believed")
-    if running and server_tokens - stream_tokens > COUNT_SLACK_TOKENS:
+    if running and server_tokens - stream_tokens > COUNT_SLACK_TOKENS and not at_limit:
         return CountProblem(RUNNING_COUNT_SHORT, f"the server counted {server_tokens} generated tokens but its own "
                             f"running count in the stream reached {stream_tokens}: the server's token count cannot be believed")
     return None
@@ -264,6 +269,7 @@ def classify(
     client_lag_s: float | None = None,
     stream_tokens: int | None = None,
     running_counts: bool = False,
+    at_limit: bool = False,
 ) -> Timing:
     """The timing rule: stream when the stream can be trusted, else the server's own figures, else untrusted.
 
@@ -271,9 +277,10 @@ def classify(
     (a smooth stream can still hide a steady client-side delay; the server timed itself). First,
     `generated` (the server's own count) is checked against the tokens the stream showed
     (`stream_tokens`, default the events in `q`; `running_counts`: every chunk carried the server's
-    running count): a contradiction (`count_problem`) makes the window untrusted whatever else is known."""
+    running count; `at_limit`: its count is the length it asked, at a length stop): a contradiction (`count_problem`)
+    makes the window untrusted whatever else is known."""
     stream_s = (q.t_last_ns - q.t_first_ns) / 1e9 if q.t_first_ns is not None else None
-    lie = count_problem(q.counted if stream_tokens is None else stream_tokens, generated, running_counts)
+    lie = count_problem(q.counted if stream_tokens is None else stream_tokens, generated, running_counts, at_limit)
     if lie is not None:
         return Timing("untrusted", lie.message, None, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns)
     problem, bound = stream_problem(q, client_lag_s)

@@ -314,6 +314,38 @@ def test_a_server_counting_more_than_its_own_running_count_is_untrusted_but_slac
     assert classify(q, 125, 0.99, 124, stream_tokens=100, running_counts=False).kind == "server"
 
 
+def test_a_count_at_the_requests_limit_is_whole_whatever_the_running_counts_said():
+    # SGLang's chat sends no chunk (so no running count) for tokens its tool-call parser holds: a call cut by max_tokens
+    # (the deepseekv3 detector sends a call only once it closes) leaves the last running count far below the final
+    # usage, which is the limit the request set. At a length stop, a count of exactly that limit is whole; short of
+    # it, above it, or at another stop the rule stands. The measure path's record says so from the max_tokens it asked.
+    from powerprof.arrival import RUNNING_COUNT_SHORT, STREAM_ABOVE_COUNT, arrival_quality, classify, count_problem
+    from powerprof.workload.client import RequestRecord
+
+    assert count_problem(6, 24, running=True).kind == RUNNING_COUNT_SHORT
+    assert count_problem(6, 24, running=True, at_limit=True) is None
+    assert count_problem(30, 24, running=True, at_limit=True).kind == STREAM_ABOVE_COUNT  # more shown: still a lie
+    t, k = np.arange(6) * 10_000_000, np.ones(6)
+    q = arrival_quality(t, k, 24)
+    assert "cannot be believed" in classify(q, 24, stream_tokens=6, running_counts=True).reason
+    # At the limit the count stands; the stream alone cannot time the window (18 tokens in no chunk), the server can.
+    tm = classify(q, 24, stream_tokens=6, running_counts=True, at_limit=True)
+    assert tm.kind == "untrusted" and "cannot be believed" not in tm.reason, tm
+    assert classify(q, 24, 0.05, 23, stream_tokens=6, running_counts=True, at_limit=True).kind == "server"
+
+    def record(stop, generated, max_tokens):
+        return RequestRecord(request_id=1, prompt_id="p", api="openai-chat", attempt=1, status="ok", error=None,
+                             http_status=200, t_send_ns=0, t_end_ns=int(t[-1]) + 1, t_send_wall_ns=0,
+                             event_t_ns=tuple(int(x) for x in t), event_tokens=(1,) * 6, t_first_ns=int(t[0]),
+                             t_last_ns=int(t[-1]), prompt_tokens=5, generated_tokens=generated, decode_tokens=5,
+                             decode_s=0.05, decode_tok_s=100.0, token_source="usage", stop_reason=stop,
+                             stream_tokens=6, running_counts=True, max_tokens=max_tokens)
+
+    assert record("length", 24, 24).count_problem is None
+    for stop, generated, max_tokens in (("length", 24, 32), ("stop", 24, 24), ("length", 24, None)):
+        assert "running count" in record(stop, generated, max_tokens).count_problem, (stop, generated, max_tokens)
+
+
 def test_the_parser_counts_tokens_llama_server_held_back_for_an_unfinished_utf8_character():
     # Seen on llama-server b11434 (logit_bias forcing the bytes of "€"): tokens held back while the
     # text was an unfinished UTF-8 character were sent with the next event, whose `tokens` listed only

@@ -263,3 +263,82 @@ def test_a_requests_tools_are_in_its_prompt_as_the_template_renders_them(flavour
         assert prompt_tokens(srv, {"tools": TOOLS}) == plain + count_prompt_tokens(schema) - 1  # (one BOS)
         none = prompt_tokens(srv, {"tools": TOOLS, "tool_choice": "none"})
     assert none == (plain if flavour == "sglang" else plain + count_prompt_tokens(schema) - 1)
+
+
+def test_vllm_in_its_deprecation_window_says_the_thinking_under_both_names_and_it_is_kept_once():
+    # vLLM from #27752 (Nov 2025) to #33402 (Jan 2026): DeltaMessage's validator copied `reasoning` into the deprecated
+    # `reasoning_content` and serving_chat dumps with exclude_unset, so a thinking delta carries the text under both
+    # keys and every other delta `"reasoning_content": null`. The answer kept (--keep-text) has the thinking once, as
+    # under either name alone, and the count is the server's.
+    from powerprof.workload.client import RequestParams
+    from powerprof.workload.load import Prompt, run_load
+
+    texts = {}
+    for field in ("both", "reasoning"):
+        with SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", reasoning_tokens=THINK,
+                       reasoning_field=field) as srv:
+            deltas = _deltas(_chunks(_post(srv.url, _body("reasoning", {"include_usage": True}))))
+            (r,) = run_load(srv.url, [Prompt("p", "how much power")], 1, 1,
+                            RequestParams(max_tokens=N_TOKENS, ignore_eos=True, keep_text=True), warmup=0,
+                            api="openai-chat")
+        if field == "both":
+            thinking = [d for d in deltas if d.get("reasoning") is not None]
+            assert thinking and all(d["reasoning_content"] == d["reasoning"] for d in thinking), thinking
+            assert all("reasoning_content" in d for d in deltas), deltas  # null where no thinking
+        assert (r.ok, r.generated_tokens, r.token_source, r.count_problem) == (True, N_TOKENS, "usage", None), r
+        texts[field] = r.completion_text
+    # The thinking's words once (vLLM sends the last token with empty text, the end of thinking with none).
+    assert texts["both"] == texts["reasoning"] and len(texts["both"].split()) == N_TOKENS - 2, texts
+
+
+def test_the_simulator_refuses_a_reasoning_field_no_server_sends():
+    with pytest.raises(ValueError, match="reasoning_field"):
+        SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", reasoning_field="thinking")
+
+
+def _held_call(srv, body: dict):
+    before = len(srv.truth)
+    data = _post(srv.url, body)
+    (truth,) = srv.truth[before:]
+    chunks = _chunks(data)
+    p = StreamParser("openai-chat", count_only=True)
+    n = sum(p.count(e + b"\n\n") for e in data.split(b"\n\n") if e)
+    return truth, chunks, n, p.finish()
+
+
+def test_sglang_tool_call_cut_by_max_tokens_before_its_parser_sent_it_is_counted_whole():
+    # SGLang's deepseekv3 detector matches a call only once its closing fence is written: a call cut by max_tokens is
+    # never sent, and its tokens (here 17, after 6 of thinking, each in a chunk with its running count) are in no
+    # running count, only in the final usage. That count is the limit the request set, not a contradiction: before,
+    # the running count short by more than 3 (COUNT_SLACK_TOKENS) disbelieved it (running_count_short: no
+    # generated_tokens, no J/token). A call that closes goes out whole then, and finishes tool_calls.
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour="sglang", reasoning_tokens=THINK,
+                   tool_call_parser="deepseekv3") as srv:
+        opts = {"include_usage": True, "continuous_usage_stats": True}
+        truth, chunks, n, s = _held_call(srv, _body("tool_named", opts))
+        assert truth["generated"] == N_TOKENS and chunks[-1]["usage"]["completion_tokens"] == N_TOKENS
+        deltas = _deltas(chunks)
+        assert not any(d.get("tool_calls") for d in deltas), deltas  # the call never went out
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
+        assert finish == ["length"] and n == THINK and s.running_counts, (finish, n, s)
+        c = summary_counts(s, limit=N_TOKENS)
+        assert (c.generated_tokens, c.token_source, c.count_problem) == (N_TOKENS, "usage", None), c
+        # Without the request's limit the rule stands: more than 3 tokens past the last running count contradict.
+        assert summary_counts(s).count_problem_kind == "running_count_short"
+        # Asked for more than it generated (a stop at the limit of another, or none), the short count stays said.
+        assert summary_counts(s, limit=N_TOKENS + 1).count_problem_kind == "running_count_short"
+
+        body = dict(_body("tool_named", opts), max_tokens=200)
+        del body["ignore_eos"]
+        truth, chunks, n, s = _held_call(srv, body)
+    assert truth["generated"] < 200
+    calls = [tc for d in _deltas(chunks) for tc in (d.get("tool_calls") or [])]
+    assert calls and calls[0]["function"]["name"] == "get_power", calls
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
+    c = summary_counts(s, limit=200)
+    assert finish == ["tool_calls"] and (c.generated_tokens, c.count_problem) == (truth["generated"], None), (finish, c)
+
+
+def test_the_simulator_refuses_a_tool_call_parser_it_does_not_model():
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        SimServer(SimNVML("h200-141g", state_path=None), flavour="sglang", tool_call_parser="qwen25")

@@ -1341,3 +1341,54 @@ def test_a_running_count_that_stops_before_the_end_says_so(count_only):
         p.feed(sse(*chunks) + b"data: [DONE]\n\n")
         s = p.finish()
         assert (s.generated_tokens, s.count_open) == (gen, open_), name
+
+
+# --- vLLM's reasoning under both names (its deprecation window) -------------------------------
+
+# vLLM renamed the reasoning delta `reasoning_content` → `reasoning` (vllm-project/vllm#27752, Nov 2025) and kept the
+# old name as a copy: DeltaMessage's after-validator sets reasoning_content = reasoning, and serving_chat dumps chunks
+# with exclude_unset, so a thinking step's delta says its text under both keys, and every other delta carries
+# `"reasoning_content": null` (until #33402, Jan 2026, removed it; a later sync_reasoning_fields validator copies it
+# again where reasoning is set). The text is the step's once, whatever the keys.
+_VLLM_BOTH = [
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "", "reasoning_content": None},
+                  "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"reasoning": "Let me", "reasoning_content": "Let me"}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"reasoning": " think", "reasoning_content": " think"}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"content": " 42", "reasoning": "", "reasoning_content": ""},
+                  "finish_reason": None}]},  # the step that ended the thinking: an empty piece of it, and the answer
+    {"choices": [{"index": 0, "delta": {"content": "!", "reasoning_content": None}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"content": "", "reasoning_content": None}, "finish_reason": "stop"}]},
+    {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}},
+]
+
+
+@pytest.mark.parametrize("names", ["both", "reasoning", "reasoning_content"])
+@pytest.mark.parametrize("split", [None, 1, 9])
+def test_vllm_reasoning_sent_under_both_names_is_its_text_once_and_one_token_a_chunk(names, split):
+    def keep(d):
+        if names == "both":
+            return d
+        drop = "reasoning_content" if names == "reasoning" else "reasoning"
+        return {**d, "choices": [{**c, "delta": {k: v for k, v in c["delta"].items() if k != drop}}
+                                 for c in d["choices"]]}
+
+    events, s = feed_all("openai-chat", sse(*[keep(d) for d in _VLLM_BOTH]), split)
+    assert "".join(e.text for e in events) == "Let me think 42!"
+    assert [e.n_tokens for e in events] == [1, 1, 1, 1] and s.guessed_tokens == 4
+    assert (s.generated_tokens, s.token_source, s.error) == (6, "usage", None)
+    # A whole answer's message (ChatMessage: the same copy) too.
+    msg = {"role": "assistant", "content": "42!", "reasoning": "Let me think", "reasoning_content": "Let me think"}
+    if names != "both":
+        msg.pop("reasoning_content" if names == "reasoning" else "reasoning")
+    body = {"choices": [{"index": 0, "message": msg, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 6}}
+    (ev,), s = parse_response("openai-chat", json.dumps(body).encode())
+    assert (ev.text, ev.n_tokens, s.generated_tokens) == ("42!Let me think", 6, 6)
+
+
+def test_two_different_reasoning_texts_in_one_delta_are_both_kept():
+    # No server known sends two different texts under the two names; where one does, neither is dropped unsaid.
+    events, _ = feed_all("openai-chat", sse(
+        {"choices": [{"index": 0, "delta": {"reasoning": "a", "reasoning_content": "b"}, "finish_reason": None}]}))
+    assert [(e.n_tokens, e.text) for e in events] == [(1, "ba")]

@@ -628,6 +628,11 @@ class Ledger:
             # tokens then hidden that long); left out of one that does, its tokens would pass for bypass traffic.
             n = r.spent + float(sum(r.ev_n)) + r.late
             t = trace.last_ns if trace.last_ns is not None else trace.end_ns
+            if t is not None and r.ev_t and r.ev_t[-1] > t:
+                # Tokens its end placed after its last chunk (a tool call SGLang's parser held: `_placed_at_end`):
+                # the server finished it, and such a counter counted them, there. At the last chunk, about 1 run in 3 read
+                # them as bypass tokens in the window of its real finish (its energy -49%).
+                t = r.ev_t[-1]
             cut = self._restart_cut_ns(r)
             if t is not None and cut is not None:
                 t = min(int(t), cut)  # served by a process that died in a restart: never counted after it
@@ -674,6 +679,19 @@ class Ledger:
         if (c is not None and (c.tokens_estimated or none_seen) and c.token_source in ("usage", "timings") and c.invalid is None
                 and c.count_problem is None and c.generated_tokens and not trace.extra.get("spread")):
             return self._to_server_count(r, float(c.generated_tokens))
+        if (c is not None and trace.stream is True and c.token_source == "usage" and not c.tokens_estimated
+                and c.invalid is None and c.count_problem is None and c.generated_tokens and _at_limit(r)
+                and trace.last_ns is not None and trace.end_ns is not None and trace.end_ns > trace.last_ns):
+            # Its chunks carried running counts and its final count, the request's limit, is above the last of them:
+            # tokens the server generated after its last chunk and sent in none (SGLang's tool-call parser holds a
+            # call cut by max_tokens: arrival.count_problem's at_limit). Spread from that chunk to the end, over which
+            # they were decoded; left out, the server's counter gave them and their energy to `unproxied`.
+            surplus = float(c.generated_tokens) - float(trace.tokens_seen)
+            if surplus > 0:
+                step = (trace.end_ns - trace.last_ns) / SPREAD_EVENTS
+                ts = [int(trace.last_ns + step * (k + 1)) for k in range(SPREAD_EVENTS)]
+                self._place(r, ts, [surplus / SPREAD_EVENTS] * SPREAD_EVENTS)
+                return surplus
         if trace.extra.get("spread") and trace.first_ns is not None and trace.last_ns is not None:
             # A non-streamed body arrives at once: assume its tokens came evenly over its decode time.
             n = float(trace.tokens_seen)

@@ -257,6 +257,13 @@ def request_best_of(doc: dict, api: str | None) -> int | None:
     return b if type(b) is int and request_choices(doc, api) < b <= MAX_SEQUENCES else None
 
 
+def _limit(trace) -> int | None:
+    """The tokens a request allowed in all: its max_tokens times its sequences (as the ledger's _at_limit); None where
+    its body said no limit."""
+    limit = trace.extra.get("max_tokens")
+    return None if limit is None else limit * max(trace.extra.get("sequences", 1), 1)
+
+
 def chat_echo_chars(doc: dict) -> int:
     """The characters vLLM's chat `echo` sends back in a chunk of its own: the last message's content, where that
     message's role is the answer's (the assistant's, or with `add_generation_prompt: false` the last message's own:
@@ -668,7 +675,7 @@ class Proxy:
         if trace is not None and trace.recorder_error is None:
             try:
                 if sink.parser is not None:
-                    trace.counts = streams.summary_counts(sink.parser.finish())
+                    trace.counts = streams.summary_counts(sink.parser.finish(), limit=_limit(trace))
                     if self.closing and not trace.counts.complete:
                         trace.outcome = "interrupted"  # our shutdown closed the upstream mid-stream
                     elif (not trace.counts.complete and trace.counts.invalid is None
@@ -717,7 +724,7 @@ class Proxy:
         if sink.parser is None or trace.recorder_error is not None:
             return
         try:
-            trace.counts = streams.summary_counts(sink.parser.finish())
+            trace.counts = streams.summary_counts(sink.parser.finish(), limit=_limit(trace))
         except Exception as e:
             trace.recorder_error = f"summary: {error_text(e)}"[:300]
             self.recorder_failures += 1

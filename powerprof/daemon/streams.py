@@ -127,10 +127,12 @@ class Counts:
     count_open: bool = False
 
 
-def summary_counts(summary, streamed: bool = True) -> Counts:
+def summary_counts(summary, streamed: bool = True, limit: int | None = None) -> Counts:
     """What the daemon keeps of a StreamSummary; nothing of one that sent an invalid value. A stream's
     server count is checked against the tokens it carried by the timing rule's own test
-    (arrival.count_problem); `streamed` False: a whole body, whose count is the only one."""
+    (arrival.count_problem); `streamed` False: a whole body, whose count is the only one; `limit`: the tokens the
+    request allowed in all (max_tokens times its sequences; None: not said), a count of exactly which at a length
+    stop is whole whatever its chunks' running counts said."""
     if summary.invalid is not None:
         return Counts(None, None, summary.model, summary.stop_reason, "none", complete=summary.complete,
                       error=summary.error, invalid=summary.invalid, server_error=summary.server_error,
@@ -139,7 +141,8 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
     gen = summary.generated_tokens
     problem = None
     if streamed:
-        problem = count_problem(summary.counted_tokens, gen, summary.running_counts)
+        at_limit = summary.stop_reason == "length" and limit is not None and gen == limit
+        problem = count_problem(summary.counted_tokens, gen, summary.running_counts, at_limit)
     elif summary.first_choice_of is not None and gen:
         problem = first_choice_only(summary.first_choice_of, gen)
     elif summary.api == "sglang-generate" and summary.running_counts:

@@ -29,13 +29,21 @@ class ChatShape:
     # neither server streams: vLLM's reasoning parser answers a step of it alone with no delta, so no chunk; SGLang's
     # detector strips it), then the answer (0: no thinking).
     reasoning_tokens: int = 0
-    reasoning_field: str = "reasoning_content"  # vLLM's since November 2025: "reasoning"
+    # The reasoning delta's key: SGLang's "reasoning_content"; vLLM's "reasoning" (since vllm-project/vllm#27752,
+    # November 2025), "reasoning_content" before, "both" in its deprecation window (the text under both keys: #27752's
+    # DeltaMessage validator copied reasoning into reasoning_content, until #33402 removed it, January 2026).
+    reasoning_field: str = "reasoning_content"
     tool: str | None = None  # "named" | "required": the answer is a tool call's arguments
     tool_name: str = "f"
     pos: int = 0  # tokens stepped so far
     named: bool = False  # the call's id and name were sent
     held: str = ""  # SGLang: argument text not yet streamed (its parser holds the newest back)
     carry: str = ""  # vLLM: the answer text of the step that ended the thinking, sent with the next delta
+    # SGLang's deepseekv3 detector (`--tool-call-parser deepseekv3`): a call matches its pattern only once the model has
+    # written the arguments' closing fence, so its name and arguments go out together then; a call cut by max_tokens
+    # before it is never sent, nor its tokens said in any running count (no `_check_for_unstreamed_tool_args` chunk
+    # either: its detector never recorded the call). False: the JSON detectors' one step late.
+    hold_call: bool = False
 
     def _split(self, pieces: list[str]) -> tuple[str, bool, str]:
         """(thinking text, the end of thinking was in this step, answer text) of a step's token pieces."""
@@ -63,7 +71,10 @@ class ChatShape:
         out: list[dict] = []
         if think or (in_think and pieces):
             # A step of thinking (an empty piece too: vLLM's parser gives reasoning_content "" for it).
-            out.append({self.reasoning_field: think})
+            if self.reasoning_field == "both":
+                out.append({"reasoning": think, "reasoning_content": think})
+            else:
+                out.append({self.reasoning_field: think})
         if self.flavour == "vllm" and self.tool is None:
             if answer or (not in_think and pieces and not ended):
                 if out:
@@ -86,6 +97,9 @@ class ChatShape:
         if after <= head:
             return []  # the array's opening and the name: nothing parsed yet
         args = (ARGS_OPEN if before <= head else "") + text
+        if self.flavour == "sglang" and self.hold_call:
+            self.held += args  # the closing fence not yet written: nothing matched, nothing sent (tail: at the end)
+            return []
         if self.flavour == "sglang":
             out = []
             if not self.named:
@@ -110,9 +124,17 @@ class ChatShape:
                                     "function": {"name": self.tool_name, "arguments": args}}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": args}}]}
 
-    def tail(self) -> list[dict]:
+    def tail(self, stop: str | None = None) -> list[dict]:
         """SGLang's `_check_for_unstreamed_tool_args`: at the finish, the arguments its parser still held, in a chunk
-        sent without usage; vLLM: nothing (its arguments went out with their steps)."""
+        sent without usage; vLLM: nothing (its arguments went out with their steps). `hold_call`: a call that closed
+        (`stop` not "length"), name and arguments, sent with the running usage as at the step that closed it (the
+        real one's closing tokens after it, 3 with deepseekv3, not modelled); one cut by max_tokens, nothing."""
+        if self.hold_call and self.flavour == "sglang":
+            if not self.held or stop == "length":
+                return []
+            self.named = True
+            held, self.held = self.held + '"}', ""
+            return [self._call("", first=True), self._call(held)]
         if self.flavour != "sglang" or not self.held:
             return []
         held, self.held = self.held, ""

@@ -273,7 +273,7 @@ class SimServer:
         textless_share: float = 0.0,
         reasoning_tokens: int = 0,
         reasoning_field: str | None = None,
-        tool_call_parser: bool = False,
+        tool_call_parser: bool | str = False,
         prefix_cache: bool = False,
         prompt_details: bool = False,
         cold_batch_factor: float = 1.0,
@@ -397,11 +397,19 @@ class SimServer:
         # A thinking model behind a reasoning parser (vLLM and SGLang `--reasoning-parser`): each chat answer's first
         # `reasoning_tokens` tokens are its thinking (then one end-of-thinking token), streamed as reasoning deltas:
         # SGLang's `reasoning_content`; vLLM's `reasoning_field` (None: "reasoning", vLLM's since vllm-project/vllm#27752,
-        # November 2025; "reasoning_content" before). SGLang streams tool calls only when started with a tool-call
-        # parser (`tool_call_parser`). Settable between requests.
+        # November 2025; "reasoning_content" before; "both": #27752's deprecation copy, until #33402 (January 2026):
+        # the thinking under both keys, and `"reasoning_content": null` on every other chat delta, thinking model or
+        # not: its DeltaMessage validator set the field on every delta, dumped with exclude_unset). SGLang streams tool
+        # calls only when started with a tool-call parser (`tool_call_parser`). Settable between requests.
+        if reasoning_field not in (None, "reasoning", "reasoning_content", "both"):
+            raise ValueError(f"reasoning_field must be reasoning, reasoning_content or both, not {reasoning_field!r}")
         self.reasoning_tokens = int(reasoning_tokens)
         self.reasoning_field = reasoning_field
-        self.tool_call_parser = bool(tool_call_parser)
+        # True: a JSON detector's streaming (qwen25, llama3, mistral: each step's arguments one step late);
+        # "deepseekv3": that detector's (ChatShape.hold_call: a call sent whole once it closes, never if cut).
+        if tool_call_parser not in (False, True, "deepseekv3"):
+            raise ValueError(f"tool_call_parser must be True, False or 'deepseekv3', not {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
         # `--api-key`: llama-server answers 401 on everything but its public endpoints (/health, /models, /v1/models:
         # server.cpp's public_endpoints); vLLM guards its /v1 routes only (its /metrics, /health, /version are open);
         # SGLang everything but /health* and /metrics.
@@ -1753,7 +1761,8 @@ class SimServer:
         think = chatshape.thinks(body, self.reasoning_tokens)
         if tool or think:
             field_name = (self.reasoning_field or "reasoning") if self.flavour == "vllm" else "reasoning_content"
-            req.shape = chatshape.ChatShape(self.flavour, think, field_name, tool, name or "f")
+            req.shape = chatshape.ChatShape(self.flavour, think, field_name, tool, name or "f",
+                                            hold_call=self.flavour == "sglang" and self.tool_call_parser == "deepseekv3")
 
     async def _serve_whole(self, api: str, req: _Req, echo: _Echo = _NO_ECHO) -> web.Response:
         ids_all, text_all = [], ""
@@ -1908,6 +1917,9 @@ class SimServer:
         group_text = ""
 
         def oai_chunk(choice: dict, **extra) -> bytes:
+            if chat and self.flavour == "vllm" and self.reasoning_field == "both" and "delta" in choice:
+                # vLLM in #27752's deprecation window: every delta's reasoning_content set (null where no thinking).
+                choice = dict(choice, delta={**choice["delta"], "reasoning_content": choice["delta"].get("reasoning")})
             if sglang:  # pydantic / msgspec dumps: every field, null where unset (usage null mid-stream)
                 if chat:
                     choice = dict(choice, delta={"reasoning_content": None, "role": None, "content": None,
@@ -2085,8 +2097,10 @@ class SimServer:
                     else:
                         fr = "length" if req.stop_type == "limit" else "stop"
                         if req.shape is not None:
-                            for d in req.shape.tail():  # SGLang's held-back tool arguments: no usage on them
-                                await out.send(oai_chunk({"index": 0, "finish_reason": None, "delta": d}))
+                            # SGLang's held-back tool arguments: no usage on them; a held call that closed: its step's.
+                            for d in req.shape.tail(fr):
+                                await out.send(oai_chunk({"index": 0, "finish_reason": None, "delta": d},
+                                                         **(running() if req.shape.hold_call else {})))
                             fr = req.shape.finish_reason(fr)
                         if not closed:
                             last = {"index": 0, "finish_reason": fr}

@@ -1019,6 +1019,12 @@ class StreamParser:
                     for k in ("content", "reasoning_content", "reasoning"):
                         v = delta.get(k)
                         if isinstance(v, str):
+                            if k == "reasoning" and v == delta.get("reasoning_content"):
+                                # vLLM's deprecation copy: one text under both names (vllm-project/vllm#27752's
+                                # DeltaMessage and ChatMessage validators set reasoning_content = reasoning, dumped
+                                # with exclude_unset; a later sync_reasoning_fields does the same). Kept once: the
+                                # text was twice in the event and the answer kept with --keep-text.
+                                continue
                             texts.append(v)
                             # An empty content is still a token (a byte of an unfinished UTF-8
                             # character) unless it is the role-only opener or the closing chunk.
