@@ -726,3 +726,64 @@ def test_a_grid_configuration_whose_small_model_works_only_under_load_stops_the_
     # Stopped at the first configuration's first batch: no level of a wrongly scoped measurement kept (before, the
     # first configuration ran whole and was kept, the second configuration's check refusing only then).
     assert not meta.get("levels_done"), meta.get("levels_done")
+
+
+def test_the_daemon_flags_rows_within_seconds_of_the_server_reaching_an_unsampled_gpu():
+    import asyncio
+    from types import SimpleNamespace
+
+    from powerprof.daemon import service
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.ticks import Waker
+    from support import LedgerReading as R, RowSink as Sink
+
+    # The daemon samples GPU 1, where the upstream (pid 4242) runs; then the server reaches GPU 0 (a worker, a second
+    # model). The check ran every 30 s: rows closed for up to 30 s after were unflagged, GPU 0's energy in none.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
+    sink = Sink()
+
+    class D(SimpleNamespace):
+        def __getattr__(self, name):  # the daemon's own methods, on this stand-in's state
+            return getattr(service.Daemon, name).__get__(self)
+
+    d = D(_server_procs=lambda: ({4242}, None), collector=SimpleNamespace(nvml=sim), gpu_uuids={1: sim.gpus[1].uuid},
+          _unsampled=(), ledger=Ledger("d", 0, 1, sink, grace_s=0.1), _idle_said=False, _helper_said=False,
+          config_waker=Waker())
+    service.Daemon._check_placement(d)
+    assert d.ledger.unsampled_note is None
+    S, e = 1_000_000_000, 0.0
+
+    def run_ledger(t0: int, t1: int) -> None:
+        nonlocal e
+        for t in range(t0, t1):
+            d.ledger.add_gpu_sample(t * S, t * S, [R(e, 200.0)])
+            e += 200.0
+        d.ledger.advance(int((t1 - 0.5) * S))
+
+    run_ledger(0, 4)
+    before = list(sink.rows["intervals"])
+    assert before and not any("server-gpu-unsampled" in (r.get("energy_note") or "") for r in before)
+
+    async def go() -> float:
+        d.stop_event = asyncio.Event()
+        loop_task = asyncio.create_task(service.Daemon._placement_loop(d))
+        await asyncio.sleep(0.3)
+        t_new = time.monotonic()
+        sim.add_process(0, 4242, 8 << 30, lambda: 1.0)  # the server reaches GPU 0, not sampled
+        while d.ledger.unsampled_note is None and time.monotonic() - t_new < 10:
+            await asyncio.sleep(0.05)
+        took = time.monotonic() - t_new
+        d.stop_event.set()
+        d.config_waker.wake()  # as the daemon's stop wakes it
+        await asyncio.wait_for(loop_task, 1)
+        return took
+
+    took = asyncio.run(go())
+    # Noticed within the list-reading period (and the check's own time), not at the next 30 s check.
+    assert d.ledger.unsampled_note is not None and took <= service.PLACEMENT_LIST_S + 1.5, took
+    assert d.ledger.unsampled_note.startswith("server-gpu-unsampled: the server also runs on GPU 0")
+    run_ledger(4, 8)
+    after = sink.rows["intervals"][len(before):]
+    assert after and all("server-gpu-unsampled" in (r.get("energy_note") or "") for r in after), after

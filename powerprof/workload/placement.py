@@ -15,7 +15,7 @@ flagged. Memory alone does not make a helper: a small model (an embedding, reran
 port) holds under 1 GiB and draws full power while it works. Samples NVML cannot give, or one showing work, make the
 GPU serving. A small model idle through the look before the load is taken for a helper until a later look sees it
 work: sweep and measure look again once their load has run (LookUnderLoad), and a server GPU found then stops the run
-as the first look would have; the daemon looks again whenever a GPU's list of the server's processes changes.
+as the first look would have; the daemon looks again whenever a GPU's process list changes, and every 30 s.
 """
 
 from __future__ import annotations
