@@ -696,12 +696,13 @@ def test_a_small_model_idle_before_measure_and_busy_under_its_load_is_refused_or
                and "found once the load ran on GPU 0" in n for n in notes), notes
 
 
-def test_a_grid_configuration_whose_small_model_works_only_under_load_stops_the_grid_with_the_limit_put_back(
-        tmp_path, monkeypatch):
+@pytest.mark.parametrize("grid", [False, True])
+def test_a_small_model_working_only_under_load_stops_the_sweep_or_grid_exit_2_with_the_limit_put_back(tmp_path,
+                                                                                                      monkeypatch, grid):
     from powerprof.cli import main
 
-    # Each configuration's server is looked at as it answers, idle: its 300 MiB model on GPU 0 read as a helper's, and
-    # the grid measured GPU 1 alone while the load worked GPU 0 too.
+    # The server (each configuration's, in a grid) is looked at as it answers, idle: its 300 MiB model on GPU 0 read as
+    # a helper's, and the sweep measured GPU 1 alone while the load worked GPU 0 too.
     real_init = SimNVML.nvmlInit
 
     def init(self, *a, **k):
@@ -712,10 +713,12 @@ def test_a_grid_configuration_whose_small_model_works_only_under_load_stops_the_
 
     monkeypatch.setattr(SimNVML, "nvmlInit", init)
     r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--limits", "220,250",
-                                  "--context-tokens", "64,128", "--max-time", "4", "--max-tokens", "16",
-                                  "--idle-s", "0.5", "--out", str(tmp_path / "g")], env={"POWERPROF_SIM_SERVER_GPUS": "1"})
+                                  *(["--context-tokens", "64,128"] if grid else []), "--max-time", "4",
+                                  "--max-tokens", "16", "--idle-s", "0.5", "--out", str(tmp_path / "g")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": "1"})
     assert r.exit_code == 2, r.output
-    assert "configuration " in r.output and "the server also runs on GPU 0 (GPU-" in r.output, r.output
+    assert ("configuration " in r.output) == grid and "the server also runs on GPU 0 (GPU-" in r.output, r.output
+    assert "Usage:" not in r.output, r.output  # a stop partway through, said as one
     assert "found once the load ran on GPU 0" in r.output and "--gpus 0,1" in r.output, r.output
     assert "back at its original limit" in r.output, r.output
     sim = SimNVML("seed-16g", count=2)
@@ -723,8 +726,8 @@ def test_a_grid_configuration_whose_small_model_works_only_under_load_stops_the_
     assert not _restore_files()
     meta = json.loads((tmp_path / "g" / "run.json").read_text())
     assert any("found once the load ran" in n for n in meta["notes"]), meta["notes"]
-    # Stopped at the first configuration's first batch: no level of a wrongly scoped measurement kept (before, the
-    # first configuration ran whole and was kept, the second configuration's check refusing only then).
+    # Stopped at the first (configuration's) first batch: no level of a wrongly scoped measurement kept (before, a plain
+    # sweep ran to its end; a grid's first configuration ran whole and was kept, the second one's check refusing then).
     assert not meta.get("levels_done"), meta.get("levels_done")
 
 

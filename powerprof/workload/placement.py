@@ -280,12 +280,12 @@ class LookUnderLoad:
         was = [i for i in new if i in helpers]
         what = ", ".join(f"GPU {i}" for i in sorted(new))
         if self.first is None:
-            before_words = "the look before it could tell nothing"
+            before_words = "the look before the load could tell nothing"
         elif len(was) == len(new):
-            before_words = (f"before it {'it' if len(new) == 1 else 'they'} held only an idle context, taken for a "
-                            f"helper's; NVML's samples now show the server's work there")
+            before_words = (f"before the load {'it' if len(new) == 1 else 'they'} held only an idle context, taken for "
+                            f"a helper's; NVML's samples now show the server's work there")
         else:
-            before_words = "before it the server's processes were not all there"
+            before_words = "before the load the server's processes were not all there"
         found = f"found once the load ran on {what}: {before_words}"
         notes: list[str] = []
         _judge_unmeasured(again, notes, self.allow, f"{found}; {self.stopped}", when=f" ({found})")
