@@ -790,3 +790,21 @@ def test_the_daemon_flags_rows_within_seconds_of_the_server_reaching_an_unsample
     run_ledger(4, 8)
     after = sink.rows["intervals"][len(before):]
     assert after and all("server-gpu-unsampled" in (r.get("energy_note") or "") for r in after), after
+
+
+def test_a_trace_sweep_looks_again_after_its_first_replay(tmp_path, monkeypatch):
+    from powerprof.sweep import PlacementStop, run_sweep
+    from powerprof.workload.trace import synthetic
+
+    # sweep --trace replays a whole trace per level: its look under load follows the first replay, before its rows.
+    sim = SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json")
+    _small_model_busy_under_load(monkeypatch, sim, 0)
+    trace = synthetic(4, 2.0, prompt_median=20, output_median=16, output_range=(12, 20), seed=4)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig, rig.sim_server() as srv:
+        with pytest.raises(PlacementStop) as e:
+            run_sweep(rig, levels_spec="200,250", url=srv.url, trace=trace, trace_meta={}, out_dir=tmp_path / "t",
+                      idle_s=0, interval_s=0.2)
+    assert "found once the load ran on GPU 0" in str(e.value) and "--gpus 0,1" in str(e.value), str(e.value)
+    assert [g.limit_w for g in SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json").gpus] == [300.0, 300.0]
+    assert not _restore_files()
+    assert not json.loads((tmp_path / "t" / "run.json").read_text()).get("levels_done")
