@@ -269,7 +269,7 @@ class GridRun:
                     rec.error = (rec.error or "") + "\n" + (died or f"last lines of {log}:\n{tail(log)}")
 
     def _measure(self, rec: ConfigRecord, url: str, launched: list) -> None:
-        from powerprof.sweep import RunWriteError, Sweep, SweepError
+        from powerprof.sweep import PlacementStop, RunWriteError, Sweep, SweepError
         from powerprof.workload.client import ServerUnreachable
         from powerprof.workload.context import TokenizeError, context_prompt
         from powerprof.workload.load import detect
@@ -285,14 +285,14 @@ class GridRun:
         except (ServerUnreachable, TokenizeError, OSError) as e:
             rec.status, rec.error = "failed", str(e)
             return
-        self._check_placement(rec, url, launched)
+        look = self._check_placement(rec, url, launched)
         ref: list = []
         sweep = Sweep(
             self.settings, profiler=self.profiler, controller=self.controller, server=server, prompts=prompts,
             params=self.params, writer=_GridWriter(self, ref), timeline=self.timeline, run_id=self.run_id,
             reference_value=self.reference_value, ui=self.ui, row_extras=rec.columns(),
             # This configuration's server (its launch, its port): another process's kernels on the GPU are told from its.
-            server_procs=ServerProcesses(url, launched), held_limits=self._held_limits,
+            server_procs=ServerProcesses(url, launched), held_limits=self._held_limits, placement_look=look,
         )
         ref.append((rec, sweep))
         if self.done or self.idle_power_w is not None:
@@ -304,6 +304,10 @@ class GridRun:
             sweep.run()
         except RunWriteError:
             raise  # the disk, not this configuration: the next one could not be stored either
+        except PlacementStop as e:
+            # A server GPU found under this configuration's load: the grid stops, as the check before it would have.
+            rec.status, rec.error = "failed", str(e)
+            raise
         except SweepError as e:
             rec.status, rec.error = "failed", str(e)
         finally:
@@ -314,28 +318,37 @@ class GridRun:
                 self.idle_power_w = sweep.idle_power_w
             self.done.append((rec, sweep))
 
-    def _check_placement(self, rec: ConfigRecord, url: str, launched: list) -> None:
+    def _check_placement(self, rec: ConfigRecord, url: str, launched: list):
         """The GPUs this configuration's server runs on against the measured ones, once it answers and before it is
         measured (run_sweep's check ran before any configuration's server existed): a server GPU not measured (a
         CUDA_VISIBLE_DEVICES of the user's or the template's naming other GPUs) stops the grid, PlacementStop (sweep.py);
-        run_sweep then puts every limit back and keeps the configurations finished."""
+        run_sweep then puts every limit back and keeps the configurations finished. Returns the look again under this
+        configuration's load (placement.LookUnderLoad), None where there is no GPU to look at."""
         from powerprof.sweep import PlacementStop
-        from powerprof.workload.placement import GpuPlacementError, find_placement, judge_placement
+        from powerprof.workload.placement import GpuPlacementError, LookUnderLoad, find_placement, judge_placement
         from powerprof.workload.serverprocs import ServerProcesses
 
         src = self.rig.sources
         if src.nvml is None:
             return
         said: list[str] = []
+        procs = ServerProcesses(url, launched)
+        first = find_placement(src.nvml.nvml, src.gpu_uuids, procs)
         try:
-            judge_placement(find_placement(src.nvml.nvml, src.gpu_uuids, ServerProcesses(url, launched)), said,
-                            allow=self.allow_unmeasured_server_gpus,
+            judge_placement(first, said, allow=self.allow_unmeasured_server_gpus,
                             stopped="the grid stopped before measuring it (every limit put back, the configurations "
                                     "finished kept)")
         except GpuPlacementError as e:
             rec.status, rec.error = "failed", str(e)
             # A stop partway through the run, not a usage error: said as other mid-run stops are, exit 2.
             raise PlacementStop(f"configuration {rec.config_id}: {e}") from None
+        self._note_placement(rec, said)
+        return _GridLook(self, rec, LookUnderLoad(
+            src.nvml.nvml, src.gpu_uuids, procs, first, allow=self.allow_unmeasured_server_gpus,
+            stopped="the grid stopped at this configuration's first batch (every limit put back, the configurations "
+                    "finished before it kept)"))
+
+    def _note_placement(self, rec: ConfigRecord, said: list[str]) -> None:
         for n in said:
             n = f"configuration {rec.config_id}: {n}"
             if n not in self.placement_notes:
@@ -428,6 +441,23 @@ class GridRun:
 
         lv = self.levels_rows()
         return with_knob_columns(rows_to_table(LEVELS, lv), lv)
+
+
+class _GridLook:
+    """A configuration's LookUnderLoad, its refusal and notes named by the configuration, as its first check's are."""
+
+    def __init__(self, grid: "GridRun", rec: ConfigRecord, look):
+        self.grid, self.rec, self.look = grid, rec, look
+
+    def __call__(self) -> list[str]:
+        from powerprof.workload.placement import GpuPlacementError
+
+        try:
+            said = self.look()
+        except GpuPlacementError as e:
+            raise GpuPlacementError(f"configuration {self.rec.config_id}: {e}") from None
+        self.grid._note_placement(self.rec, said)
+        return []  # the grid's placement_notes carry them into run.json
 
 
 def run_grid(rig, spec: GridSpec, *, url: str, api: str | None = None, prompts=None, params=None,

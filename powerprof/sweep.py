@@ -33,7 +33,7 @@ from powerprof.storage.samples import Timeline
 from powerprof.workload.client import (CONTEXT_FIX, RequestParams, context_problem, health_status, identity_changes,
                                       new_session, restart_evidence, restart_said, server_away, server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, prompt_set_record, run_load_async
-from powerprof.workload.placement import find_placement, judge_placement
+from powerprof.workload.placement import GpuPlacementError, LookUnderLoad, find_placement, judge_placement
 from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from powerprof.workload.rows import FIGURES, Level, request_timing, spec_columns, trace_row, window_rows
 from powerprof.workload.servercount import ForeignWatch, settled_tally
@@ -250,11 +250,14 @@ class Sweep:
         row_extras: dict | None = None,
         server_procs=None,
         held_limits: dict | None = None,
+        placement_look=None,
     ):
         """row_extras: columns every windows row carries (a configuration sweep's knobs). server_procs: a callable
         answering (the server's pids, None) or (None, why) (workload.serverprocs.ServerProcesses), to tell the
         server's processes on the GPUs from others'. held_limits: each GPU's (power limit, enforced limit) as the run
-        began, filled at the first level when empty; a configuration sweep passes one for all its configurations."""
+        began, filled at the first level when empty; a configuration sweep passes one for all its configurations.
+        placement_look: the placement looked at again after the first batch (workload/placement.LookUnderLoad): a
+        server GPU found then stops the sweep, PlacementStop, before that batch's rows are kept."""
         self.s = settings
         self.row_extras = dict(row_extras or {})
         self.prof = profiler
@@ -295,6 +298,8 @@ class Sweep:
         self._epoch: dict = {}  # the server process's marks (server_epoch) when last seen answering, for restart_evidence
         self.idle_note: str | None = None  # why there is no idle baseline, where one was attempted and not kept
         self._server_procs = server_procs
+        self._placement_look = placement_look
+        self.placement_notes: list[str] = []  # the look under load's, with --allow-unmeasured-server-gpus
         # The server's books and the GPUs' processes against ours (workload/others.py); made with the session.
         self.others: OthersWatch | None = None
 
@@ -584,6 +589,7 @@ class Sweep:
                 self._add_rows(visit, recs)
                 self.flush()
                 raise SweepError(f"{_level_name(visit)}: {aborted}") from None
+            self._look_again()  # before the batch's rows are kept: a refusal keeps none of a wrongly scoped level
             if warmup:
                 # --max-time counts from the end of the warm-up (its --help says so): counted, it took the slowest
                 # level's time budget first, and that level got the fewest windows.
@@ -641,6 +647,17 @@ class Sweep:
                 visit.stop = "no-energy"  # no GPU energy readable: J/token can never converge
             if visit.stop:
                 return
+
+    def _look_again(self) -> None:
+        """The server's GPUs once more, now that the load has run (once per sweep: LookUnderLoad): a small model idle
+        before the load was taken for a helper, and its GPU left unmeasured; where the load's requests worked it, the
+        sweep stops (PlacementStop, exit 2: run_sweep puts every limit back) or, allowed, says so in its notes."""
+        if self._placement_look is None:
+            return
+        try:
+            self.placement_notes.extend(self._placement_look())
+        except GpuPlacementError as e:
+            raise PlacementStop(str(e)) from None
 
     async def _watch_others(self) -> None:
         """Begin comparing the server's books with our requests, and the GPUs' processes with the server's, from now."""
@@ -1165,6 +1182,7 @@ class TraceSweep(Sweep):
             await self._watch_others()
             with self.prof.window("trace") as w:
                 recs = await replay_async(self.session, self.server, self.trace, self.params)
+            self._look_again()
             visit.elapsed_s = time.monotonic() - t_start
             records = [r.record for r in recs]
             others = await self._others_beside(records)
@@ -1456,8 +1474,11 @@ def run_sweep(
         server_procs = ServerProcesses(url, launched) if url else None
         # Every GPU NVML reports, not only the measured ones: a server GPU left out is refused before any limit is
         # set (its energy in no figure, its limit not stepped); a measured GPU the server does not use is said.
-        judge_placement(find_placement(nvml, src.gpu_uuids, server_procs), notes,
-                        allow=allow_unmeasured_server_gpus)
+        first = find_placement(nvml, src.gpu_uuids, server_procs)
+        judge_placement(first, notes, allow=allow_unmeasured_server_gpus)
+        # Looked at again after the first batch: a small model idle during this look was taken for a helper.
+        look = LookUnderLoad(nvml, src.gpu_uuids, server_procs, first, allow=allow_unmeasured_server_gpus,
+                             stopped="the sweep stopped at its first level, none of it kept")
 
         ctl = stack.enter_context(rig.controller(indexes)) if level_kind != "none" else None
         # Whose CPU time the host spent, beside RAPL's whole-package energy: a busy host is flagged (busy-host).
@@ -1514,9 +1535,11 @@ def run_sweep(
         if runner is not None:
             sweep = runner(**parts)
         elif trace is not None:
-            sweep = TraceSweep(trace, on_level, server=server_info, params=params, server_procs=server_procs, **parts)
+            sweep = TraceSweep(trace, on_level, server=server_info, params=params, server_procs=server_procs,
+                               placement_look=look, **parts)
         else:
-            sweep = Sweep(server=server_info, prompts=prompts, params=params, server_procs=server_procs, **parts)
+            sweep = Sweep(server=server_info, prompts=prompts, params=params, server_procs=server_procs,
+                          placement_look=look, **parts)
         try:
             try:
                 try:

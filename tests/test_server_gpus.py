@@ -602,3 +602,209 @@ def test_same_process_claims_no_match_from_an_empty_name_or_a_short_prefix(monke
     # A name of spaces only is "cannot tell" (counted as the server's, as an unreadable one), not a match by prefix.
     monkeypatch.setattr(nvml_mod, "process_name", lambda _n, _pid: "   ")
     assert placement._same_process(None, 4242) is True
+
+
+def _small_model_busy_under_load(monkeypatch, sim, index: int):
+    """A small model of the simulated server's (its pid, 300 MiB) on GPU `index`, idle until the load begins and
+    working while it runs: its NVML samples show work while the server has been busy within HELPER_LOOK_S (NVML's
+    buffer of per-process samples, read since a timestamp). Before the load it is an idle small context: a helper's.
+    Returns the server's busy moments (cleared: idle again)."""
+    from powerprof.rig import Rig as RigClass
+    from powerprof.workload.placement import HELPER_LOOK_S
+
+    last_busy: list[float] = []
+    real = RigClass._set_busy
+
+    def set_busy(self, busy):
+        last_busy.append(time.monotonic())
+        real(self, busy)
+
+    monkeypatch.setattr(RigClass, "_set_busy", set_busy)
+    sim.add_process(index, os.getpid(), 300 << 20,
+                    lambda: 1.0 if last_busy and time.monotonic() - last_busy[-1] < HELPER_LOOK_S else 0.0)
+    return last_busy  # cleared: idle for HELPER_LOOK_S again
+
+
+def test_a_small_model_idle_before_the_sweep_and_busy_under_its_load_stops_it_with_the_limit_put_back(tmp_path,
+                                                                                                     monkeypatch):
+    from powerprof import sweep as sweep_mod
+    from powerprof.sweep import PlacementStop, run_sweep
+    from powerprof.workload import placement
+
+    # The engine on GPU 1 (measured), a 300 MiB draft/embedding model of the same server on GPU 0, idle during the one
+    # look before the load: taken for a helper, GPU 0 left unmeasured while the load worked it, and the sweep ran to
+    # the end with J/token missing GPU 0's energy, said nowhere.
+    sim = SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json")
+    _small_model_busy_under_load(monkeypatch, sim, 0)
+    at_look: list = []
+    real_find = placement.find_placement
+
+    def spy(nvml, measured, procs):
+        at_look.append(sim.gpus[1].limit_w)
+        return real_find(nvml, measured, procs)
+
+    monkeypatch.setattr(placement, "find_placement", spy)
+    monkeypatch.setattr(sweep_mod, "find_placement", spy)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        with pytest.raises(PlacementStop) as e:
+            run_sweep(rig, levels_spec="200,250", out_dir=tmp_path / "s", params=RequestParams(max_tokens=16),
+                      prompts=PROMPTS, idle_s=0, interval_s=0.2, min_requests=2, max_requests=2, warmup_requests=1)
+    said = str(e.value)
+    # The first check's words, GPU 0 named with the fix, and why it is found only now.
+    assert f"the server also runs on GPU 0 ({sim.gpus[0].uuid}), which is not measured" in said, said
+    assert "add it: --gpus 0,1" in said and "--allow-unmeasured-server-gpus" in said, said
+    assert "found once the load ran on GPU 0" in said and "taken for a helper's" in said, said
+    assert e.value.exit_code == 2
+    # Looked at once before the load (limit untouched) and once under it, at the first level's (capped).
+    assert at_look[0] == 300.0 and len(at_look) == 2 and at_look[1] in (200.0, 250.0), at_look
+    # The limit it had set is back, and no restore is pending.
+    assert [g.limit_w for g in SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json").gpus] == [300.0, 300.0]
+    assert not _restore_files()
+    meta = json.loads((tmp_path / "s" / "run.json").read_text())
+    assert not meta.get("levels_done") and any("found once the load ran" in n for n in meta["notes"]), meta
+    import pyarrow.parquet as pq
+
+    windows = pq.read_table(tmp_path / "s" / "windows.parquet").to_pylist() if (tmp_path / "s" / "windows.parquet").exists() else []
+    assert not [w for w in windows if w["status"] == "ok" and not w["warmup"]], windows
+
+
+def test_a_small_model_idle_before_measure_and_busy_under_its_load_is_refused_or_said_when_allowed(tmp_path,
+                                                                                                   monkeypatch):
+    from powerprof.workload.measure import run_measure
+    from powerprof.workload.placement import GpuPlacementError
+
+    # As for the sweep: the one look before the load took GPU 0's idle 300 MiB model for a helper, and measure
+    # reported GPU 1's J/token alone while the load worked both.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    busy = _small_model_busy_under_load(monkeypatch, sim, 0)
+    kw = dict(url=None, prompts=PROMPTS, n_requests=2, concurrencies=[1], params=RequestParams(max_tokens=16),
+              warmup=1, interval_s=0.2)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        with pytest.raises(GpuPlacementError) as e:
+            run_measure(rig, out_dir=tmp_path / "m", **kw)
+    said = str(e.value)
+    assert f"the server also runs on GPU 0 ({sim.gpus[0].uuid}), which is not measured" in said, said
+    assert "add it: --gpus 0,1" in said and "found once the load ran on GPU 0" in said, said
+    assert "measure stopped, nothing kept" in said and "--allow-unmeasured-server-gpus" in said, said
+    assert not (tmp_path / "m").exists()
+    # Allowed: measured, and the notes say what was found once the load ran.
+    busy.clear()
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        res = run_measure(rig, out_dir=tmp_path / "a", allow_unmeasured_server_gpus=True, **kw)
+    notes = json.loads((res.out_path / "run.json").read_text())["notes"]
+    assert any(n.startswith("measured anyway (--allow-unmeasured-server-gpus): the server also runs on GPU 0")
+               and "found once the load ran on GPU 0" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_a_small_model_working_only_under_load_stops_the_sweep_or_grid_exit_2_with_the_limit_put_back(tmp_path,
+                                                                                                      monkeypatch, grid):
+    from powerprof.cli import main
+
+    # The server (each configuration's, in a grid) is looked at as it answers, idle: its 300 MiB model on GPU 0 read as
+    # a helper's, and the sweep measured GPU 1 alone while the load worked GPU 0 too.
+    real_init = SimNVML.nvmlInit
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        if len(self.gpus) == 2 and not getattr(self, "_small_added", False):
+            self._small_added = True
+            _small_model_busy_under_load(monkeypatch, self, 0)
+
+    monkeypatch.setattr(SimNVML, "nvmlInit", init)
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--limits", "220,250",
+                                  *(["--context-tokens", "64,128"] if grid else []), "--max-time", "4",
+                                  "--max-tokens", "16", "--idle-s", "0.5", "--out", str(tmp_path / "g")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": "1"})
+    assert r.exit_code == 2, r.output
+    assert ("configuration " in r.output) == grid and "the server also runs on GPU 0 (GPU-" in r.output, r.output
+    assert "Usage:" not in r.output, r.output  # a stop partway through, said as one
+    assert "found once the load ran on GPU 0" in r.output and "--gpus 0,1" in r.output, r.output
+    assert "back at its original limit" in r.output, r.output
+    sim = SimNVML("seed-16g", count=2)
+    assert [g.limit_w for g in sim.gpus] == [g.profile.default_limit_w for g in sim.gpus]
+    assert not _restore_files()
+    meta = json.loads((tmp_path / "g" / "run.json").read_text())
+    assert any("found once the load ran" in n for n in meta["notes"]), meta["notes"]
+    # Stopped at the first (configuration's) first batch: no level of a wrongly scoped measurement kept (before, a plain
+    # sweep ran to its end; a grid's first configuration ran whole and was kept, the second one's check refusing then).
+    assert not meta.get("levels_done"), meta.get("levels_done")
+
+
+def test_the_daemon_flags_rows_within_seconds_of_the_server_reaching_an_unsampled_gpu():
+    import asyncio
+    from types import SimpleNamespace
+
+    from powerprof.daemon import service
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.ticks import Waker
+    from support import LedgerReading as R, RowSink as Sink
+
+    # The daemon samples GPU 1, where the upstream (pid 4242) runs; then the server reaches GPU 0 (a worker, a second
+    # model). The check ran every 30 s: rows closed for up to 30 s after were unflagged, GPU 0's energy in none.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
+    sink = Sink()
+
+    class D(SimpleNamespace):
+        def __getattr__(self, name):  # the daemon's own methods, on this stand-in's state
+            return getattr(service.Daemon, name).__get__(self)
+
+    d = D(_server_procs=lambda: ({4242}, None), collector=SimpleNamespace(nvml=sim), gpu_uuids={1: sim.gpus[1].uuid},
+          _unsampled=(), ledger=Ledger("d", 0, 1, sink, grace_s=0.1), _idle_said=False, _helper_said=False,
+          config_waker=Waker())
+    service.Daemon._check_placement(d)
+    assert d.ledger.unsampled_note is None
+    S, e = 1_000_000_000, 0.0
+
+    def run_ledger(t0: int, t1: int) -> None:
+        nonlocal e
+        for t in range(t0, t1):
+            d.ledger.add_gpu_sample(t * S, t * S, [R(e, 200.0)])
+            e += 200.0
+        d.ledger.advance(int((t1 - 0.5) * S))
+
+    run_ledger(0, 4)
+    before = list(sink.rows["intervals"])
+    assert before and not any("server-gpu-unsampled" in (r.get("energy_note") or "") for r in before)
+
+    async def go() -> float:
+        d.stop_event = asyncio.Event()
+        loop_task = asyncio.create_task(service.Daemon._placement_loop(d))
+        await asyncio.sleep(0.3)
+        t_new = time.monotonic()
+        sim.add_process(0, 4242, 8 << 30, lambda: 1.0)  # the server reaches GPU 0, not sampled
+        while d.ledger.unsampled_note is None and time.monotonic() - t_new < 10:
+            await asyncio.sleep(0.05)
+        took = time.monotonic() - t_new
+        d.stop_event.set()
+        d.config_waker.wake()  # as the daemon's stop wakes it
+        await asyncio.wait_for(loop_task, 1)
+        return took
+
+    took = asyncio.run(go())
+    # Noticed within the list-reading period (and the check's own time), not at the next 30 s check.
+    assert d.ledger.unsampled_note is not None and took <= service.PLACEMENT_LIST_S + 1.5, took
+    assert d.ledger.unsampled_note.startswith("server-gpu-unsampled: the server also runs on GPU 0")
+    run_ledger(4, 8)
+    after = sink.rows["intervals"][len(before):]
+    assert after and all("server-gpu-unsampled" in (r.get("energy_note") or "") for r in after), after
+
+
+def test_a_trace_sweep_looks_again_after_its_first_replay(tmp_path, monkeypatch):
+    from powerprof.sweep import PlacementStop, run_sweep
+    from powerprof.workload.trace import synthetic
+
+    # sweep --trace replays a whole trace per level: its look under load follows the first replay, before its rows.
+    sim = SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json")
+    _small_model_busy_under_load(monkeypatch, sim, 0)
+    trace = synthetic(4, 2.0, prompt_median=20, output_median=16, output_range=(12, 20), seed=4)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig, rig.sim_server() as srv:
+        with pytest.raises(PlacementStop) as e:
+            run_sweep(rig, levels_spec="200,250", url=srv.url, trace=trace, trace_meta={}, out_dir=tmp_path / "t",
+                      idle_s=0, interval_s=0.2)
+    assert "found once the load ran on GPU 0" in str(e.value) and "--gpus 0,1" in str(e.value), str(e.value)
+    assert [g.limit_w for g in SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json").gpus] == [300.0, 300.0]
+    assert not _restore_files()
+    assert not json.loads((tmp_path / "t" / "run.json").read_text()).get("levels_done")

@@ -64,8 +64,14 @@ END_EDGE_DELAY_S = 0.1
 # An interval waits up to this many sampling periods for a RAPL read past its end (Ledger's rapl_hold_s): the read
 # after an edge is due within one period, late by a loaded host's scheduling.
 RAPL_HOLD_PERIODS = 3
-# s: how often the daemon looks again at which GPUs the upstream's processes run on (workload/placement.py).
+# s: how often the daemon looks again at which GPUs the upstream's processes run on (workload/placement.py), whatever
+# the GPUs' process lists show: a small context idle at the last look may have begun working since.
 PLACEMENT_CHECK_S = 30.0
+# s: how often every GPU's process list (nvmlDeviceGet{Compute,Graphics}RunningProcesses, a few NVML calls per GPU) is
+# read; a list changed since the last check (a pid on a GPU or gone from one: the server reaching a new GPU) brings the
+# check forward, so rows closed from a few seconds after are flagged, not up to PLACEMENT_CHECK_S later. The check
+# itself (the host's socket list, the per-process utilisation read) runs only then.
+PLACEMENT_LIST_S = 2.0
 # Checks in a row that tell nothing (find_placement None, or an error) after which a standing server-gpu-unsampled flag
 # is said in the log, once, with why and the fix, and its row note says the GPUs cannot be told (10: 5 min at 30 s).
 UNKNOWN_CHECKS_SAY = 10
@@ -1374,17 +1380,49 @@ class Daemon:
             log.info("%s", idle)
 
     async def _placement_loop(self) -> None:
-        """`_check_placement` every PLACEMENT_CHECK_S (a server started after the daemon, a worker on a new GPU), off
-        the loop's thread: listing the host's sockets and every GPU's processes takes tens of ms."""
+        """`_check_placement` whenever a GPU's process list changed (read every PLACEMENT_LIST_S: a server started after
+        the daemon, a worker on a new GPU), and every PLACEMENT_CHECK_S whatever the lists say; off the loop's thread:
+        listing the host's sockets and every GPU's processes takes tens of ms. Before, the check ran every 30 s only,
+        and rows closed up to 30 s after the server reached an unsampled GPU were unflagged."""
         loop = asyncio.get_running_loop()
+        # Not read before the first pass: a list that changed between the start's check and this loop brings a check.
+        seen: object = object()
+        checked = time.monotonic()
         while not self.stop_event.is_set():
-            try:
-                await asyncio.wait_for(self.stop_event.wait(), PLACEMENT_CHECK_S)
-            except asyncio.TimeoutError:
-                pass
+            # On the idle loops' grid (a wake-up of its own costs the loop's thread CPU: ticks.py); a stop or a reload
+            # ends the sleep (config_waker), so a stop waits for no list read.
+            await sleep_on_grid(PLACEMENT_LIST_S, self.config_waker)
             if self.stop_event.is_set():
                 return
+            lists = await loop.run_in_executor(None, self._gpu_pid_lists)
+            if lists == seen and time.monotonic() - checked < PLACEMENT_CHECK_S:
+                continue
             await loop.run_in_executor(None, self._check_placement)
+            seen, checked = lists, time.monotonic()
+
+    def _gpu_pid_lists(self) -> tuple | None:
+        """The pids on every GPU NVML reports ((index, pids or None where it cannot list them), ...), the cheap read that
+        tells whether a placement check is due: NVML's process lists, no socket list, no utilisation samples. None
+        where NVML cannot count its GPUs or the read failed (compared as any other answer: no check brought forward
+        while it stays so)."""
+        from powerprof.collectors.gateway import gateway
+        from powerprof.collectors.nvml import gpu_processes
+
+        try:
+            nvml = self.collector.nvml
+            gw = gateway(nvml)
+            count = gw.query("nvmlDeviceGetCount")
+            if not isinstance(count, int):
+                return None
+            out = []
+            for i in range(count):
+                h = gw.query("nvmlDeviceGetHandleByIndex", i)
+                procs = gpu_processes(nvml, h) if h is not None else None
+                out.append((i, None if procs is None else frozenset(procs)))
+            return tuple(out)
+        except Exception as e:  # a look at the lists is never the daemon's end
+            log.debug("reading the GPUs' process lists failed: %s", error_text(e))
+            return None
 
     async def _start(self, session: aiohttp.ClientSession, data_dir: Path) -> None:
         """Listeners (proxy, /metrics, tag socket), the sampler, the writer and the loops."""

@@ -303,7 +303,8 @@ SERVER_COUNT_MISPLACED = "misplaced"  # the daemon's placing of proxied tokens c
 SERVER_COUNT_PROXY_LAG = "proxy_lag"
 BYPASS_LOW_FLAG = "bypass-uncounted"
 # A daemon interval's or request's energy_note while the server also ran on a GPU the daemon does not sample (found by
-# its processes on NVML's process lists, checked at the start and every PLACEMENT_CHECK_S): that GPU's energy is in no
+# its processes on NVML's process lists, checked at the start, within PLACEMENT_LIST_S of a GPU's list changing, and
+# every PLACEMENT_CHECK_S): that GPU's energy is in no
 # gpu_energy_j, every figure low by it (docs/daemon.md, "The server's GPUs").
 SERVER_GPU_UNSAMPLED_FLAG = "server-gpu-unsampled"
 # A daemon request's or interval's energy_note (inside its `approximate:` part) where the server's prefix-cache counter

@@ -468,6 +468,7 @@ def measure(
     keep_on_stop: bool = False,
     server_procs=None,
     watch_others: bool = True,
+    placement_look=None,
 ) -> MeasureResult:
     """Run the load at each concurrency with `profiler` (a started Profiler, or None) marking
     every window edge; returns the rows for windows.parquet and a summary per concurrency.
@@ -476,7 +477,8 @@ def measure(
     (workload/others.py); a batch beside others' work is left out (foreign_traffic) and its prompts sent
     again, up to as many requests again as the concurrency's. server_procs: a callable answering (the
     server's pids, None) or (None, why) (serverprocs.ServerProcesses), to tell the server's GPU processes
-    from others'.
+    from others'. placement_look: the server's GPUs looked at again after the first batch (placement.LookUnderLoad):
+    a server GPU found then raises its GpuPlacementError, nothing kept; its notes (allowed) go into the result's.
 
     keep_on_stop: a run-ending signal (Ctrl-C, SIGTERM, SIGHUP) returns what was finished, whole
     batches only, with `stopped` (the exit, for the caller to raise once it has written them) and
@@ -532,6 +534,10 @@ def measure(
                     await others.begin()  # none of ours in flight: the books as they stand, the GPUs' processes from now
 
                 async def between(recs, c=c, n=n):
+                    if placement_look is not None:
+                        # Once, after the first batch (warm-up or measured): a small model idle before the load was
+                        # taken for a helper and its GPU left unmeasured; a refusal keeps nothing.
+                        notes.extend(placement_look())
                     if limits is not None and limits.moved is not None:
                         raise _LimitMoved()  # the rest would measure another setting: stop, keep what ran before
                     if others is not None:
@@ -915,7 +921,7 @@ def _run_measure(
     from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
     from powerprof.workload.load import prompt_set_record
 
-    from .placement import find_placement, judge_placement
+    from .placement import LookUnderLoad, find_placement, judge_placement
     from .serverprocs import ServerProcesses
 
     from powerprof.paths import path_problem
@@ -947,11 +953,15 @@ def _run_measure(
                                              launched=launched))
         notes.extend(rig.notes)
         server_procs = ServerProcesses(url, launched)
+        look = None
         if src.nvml is not None:
             # Every GPU NVML reports: a server GPU left unmeasured is refused (its energy would be in no figure); a
             # measured GPU the server does not use is said (its idle power is in every figure).
             placement = find_placement(src.nvml.nvml, src.gpu_uuids, server_procs)
             judge_placement(placement, notes, allow=allow_unmeasured_server_gpus, stopped="nothing was measured")
+            # Looked at again after the first batch: a small model idle during this look was taken for a helper.
+            look = LookUnderLoad(src.nvml.nvml, src.gpu_uuids, server_procs, placement,
+                                 allow=allow_unmeasured_server_gpus, stopped="measure stopped, nothing kept")
         for p in src.problems:
             if p.source == "nvml" and src.nvml is None:
                 cpu = "and CPU energy" if src.rapl is not None else "only"
@@ -979,6 +989,7 @@ def _run_measure(
             run_id=run_id,
             keep_on_stop=True,
             server_procs=server_procs,
+            placement_look=look,
         )
         died = launched[0].death_note() if launched and result.aborted else ""
         if died:

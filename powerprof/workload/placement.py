@@ -13,8 +13,9 @@ last HELPER_LOOK_S show none of them working (no engine over HELPER_MAX_PCT), is
 touched CUDA once: PyTorch's default device, a tokenizer or API process), said in the notes and never refused or
 flagged. Memory alone does not make a helper: a small model (an embedding, reranker or draft model behind the same
 port) holds under 1 GiB and draws full power while it works. Samples NVML cannot give, or one showing work, make the
-GPU serving. The limit: a small model idle through the look is taken for a helper until a later check sees it work
-(the daemon looks every 30 s; a sweep or measure looks once, before its load).
+GPU serving. A small model idle through the look before the load is taken for a helper until a later look sees it
+work: sweep and measure look again once their load has run (LookUnderLoad), and a server GPU found then stops the run
+as the first look would have; the daemon looks again whenever a GPU's process list changes, and every 30 s.
 """
 
 from __future__ import annotations
@@ -230,10 +231,62 @@ def judge_placement(placement: Placement | None, notes: list[str], *, allow: boo
         return
     if (helper := placement.helper_text()) is not None:
         notes.append(helper)
-    if (why := placement.unmeasured_text()) is not None:
-        if not allow:
-            raise GpuPlacementError(f"{why}; {stopped} (to measure anyway, with those GPUs' energy in no figure: "
-                                    f"{ALLOW_OPTION})")
-        notes.append(f"measured anyway ({ALLOW_OPTION}): {why}")
+    _judge_unmeasured(placement, notes, allow, stopped)
     if (idle := placement.idle_text()) is not None:
         notes.append(idle)
+
+
+def _judge_unmeasured(placement: Placement, notes: list[str], allow: bool, stopped: str, when: str = "") -> None:
+    """A server GPU not measured: GpuPlacementError, or with allow a note (when: where it was found, in words)."""
+    if (why := placement.unmeasured_text()) is None:
+        return
+    if not allow:
+        raise GpuPlacementError(f"{why}; {stopped} (to measure anyway, with those GPUs' energy in no figure: "
+                                f"{ALLOW_OPTION})")
+    notes.append(f"measured anyway ({ALLOW_OPTION}): {why}{when}")
+
+
+class LookUnderLoad:
+    """The placement looked at once more, after the first batch of the load (sweep, measure): a small model idle
+    through the look before the load was taken for a helper, and one of the load's requests may work it. NVML's
+    per-process samples of the last HELPER_LOOK_S then show that work, and the GPU is the server's: refused in the
+    first look's words, or with allow said in the notes. Only a server GPU the first look did not already judge
+    unmeasured counts (those were refused or allowed then). Called once; later calls do nothing.
+
+    Refusing, not flagging the levels: the run would have been refused had the model worked during the first look, and
+    every figure of it lacks that GPU's energy (and a sweep's limit was not stepped there); a run told whole later by
+    flags alone would still have stepped the wrong GPUs. The caller restores any limit it set (its usual stop path)."""
+
+    def __init__(self, nvml, measured: dict[int, str], server_procs, first: Placement | None, *, allow: bool,
+                 stopped: str):
+        self.nvml, self.measured, self.server_procs, self.first = nvml, dict(measured), server_procs, first
+        self.allow, self.stopped = allow, stopped
+        self.done = False
+
+    def __call__(self) -> list[str]:
+        """The notes of the look (with allow), [] when nothing new was found or it was taken already; raises
+        GpuPlacementError where the server now runs on a GPU not measured."""
+        if self.done or self.server_procs is None:
+            return []
+        self.done = True
+        again = find_placement(self.nvml, self.measured, self.server_procs)
+        if again is None:
+            return []
+        before = self.first.unmeasured if self.first is not None else {}
+        new = {i: u for i, u in again.unmeasured.items() if i not in before}
+        if not new:
+            return []
+        helpers = self.first.helpers if self.first is not None else {}
+        was = [i for i in new if i in helpers]
+        what = ", ".join(f"GPU {i}" for i in sorted(new))
+        if self.first is None:
+            before_words = "the look before the load could tell nothing"
+        elif len(was) == len(new):
+            before_words = (f"before the load {'it' if len(new) == 1 else 'they'} held only an idle context, taken for "
+                            f"a helper's; NVML's samples now show the server's work there")
+        else:
+            before_words = "before the load the server's processes were not all there"
+        found = f"found once the load ran on {what}: {before_words}"
+        notes: list[str] = []
+        _judge_unmeasured(again, notes, self.allow, f"{found}; {self.stopped}", when=f" ({found})")
+        return notes
