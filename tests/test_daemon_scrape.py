@@ -868,3 +868,46 @@ def test_a_reload_applies_new_scrape_periods_at_once_not_after_the_old_period(tm
     after = [t - t_reload for t in scrapes if t > t_reload]
     # At the new period: the first within a second of the reload (a loaded host's stalls included), not ~5 s on.
     assert len(after) >= 3 and after[0] < 1.0, (after, d.cfg.get("scrape", "interval_s"))
+
+
+def test_a_windows_prefix_cache_hits_are_checked_over_every_instant_its_reads_may_have_come():
+    """A hit counted between two reads of the counter is checked against the requests whose hit span (arrival to first
+    token) meets the scrape window it lands in. Each window ran from the previous scrape's midpoint to this one's, but
+    a read comes anywhere in its GET, and a loaded host resumes the loop late after it (a GET of 200 ms, the read at its
+    start here): a request that arrived and got its first token between a read and that scrape's midpoint had its hit
+    counted in the next window, which begins after its span, and it was matched to none: flagged prefix-cache-unsaid
+    though its answer said it (vLLM with --enable-prompt-tokens-details, a loaded full suite). Now a window's hits are
+    checked from the previous scrape's start to this one's end: every instant between the two reads."""
+    from powerprof.daemon.service import Daemon
+
+    reads: list[int] = []
+
+    class SlowScraper:  # reads its counter at once, answered 0.2 s later (a loaded host)
+        kind, finished, window_partial, cache_hits = "vllm", None, (), 5.0
+
+        async def scrape(self):
+            reads.append(time.monotonic_ns())
+            await asyncio.sleep(0.2)
+            return 1.0
+
+    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], hit_windows=[])
+    ledger.add_cache_hits = lambda since, t, hits: ledger.hit_windows.append((since, t))
+    ledger.add_server_tokens = lambda *a, **k: None
+    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
+                               scraper=SlowScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
+
+    async def go():
+        me.stop_event = asyncio.Event()
+        task = asyncio.create_task(Daemon._scrape_loop(me))
+        t = time.monotonic()
+        while len(ledger.hit_windows) < 4 and not task.done() and time.monotonic() - t < 30:
+            await asyncio.sleep(0.02)
+        me.stop_event.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())
+    windows = [w for w in ledger.hit_windows if w[0] is not None]
+    assert len(windows) >= 3, ledger.hit_windows
+    for since, t in windows:
+        # Each window spans two consecutive reads whole: the one before (its hits' earliest instant) and its own.
+        assert any(since <= a and b <= t for a, b in zip(reads, reads[1:])), (since, t, reads)
