@@ -968,6 +968,12 @@ class Daemon:
             # Proxied requests and tags being measured keep the scrape fast (docs/daemon.md, Scrape cadence).
             led = self.ledger
             if cadence.due(time.monotonic(), _busy(led)):
+                # Scraped at the idle period (still: no request, no counter rise lately): only such a window's rise may
+                # be a burst that began late in it (below). One long for a slow read or a late loop while requests ran
+                # is not: placed at its end, its tokens left the proxy's before them as more than the server counted,
+                # and the rise back read as bypass tokens that never ran (the real llama-server: 33, rows saying only
+                # `server_restart`; tests/test_daemon_scrape.py).
+                still = cadence.period_s(time.monotonic()) > cadence.fast_s
                 t0 = time.monotonic_ns()
                 delta = await self.scraper.scrape()
                 t1 = time.monotonic_ns()
@@ -1003,7 +1009,7 @@ class Daemon:
                         held = None
                     # Why this window's count may be low (a restart, a late first read): its intervals say so.
                     partial = self.scraper.window_partial
-                    if delta > 0 and since is not None and t - since > 1.5e9 * cadence.fast_s:
+                    if delta > 0 and since is not None and still and t - since > 1.5e9 * cadence.fast_s:
                         # a slow window ending a stillness: placed at the next scrape
                         held = (since, t, delta, self.scraper.finished, partial)
                     else:
