@@ -2166,8 +2166,8 @@ class Ledger:
                 # and a window whose level is taken at one of them (its lookahead's lowest gap: 16 and 0 of 30 before
                 # a burst crowded in the window after them).
                 moved = np.inf
-            if not self.server_at_finish and sp[3] > LAG_TOKENS and self._live_at(int(ends[low])) \
-                    and self._silent_at(int(ends[low]), lag_ns):
+            if not self.server_at_finish and sp[3] > LAG_TOKENS and self._silent_at(int(ends[low]), lag_ns) \
+                    and self._live_at(int(ends[low])):  # the measures after the edge first: a few, not every request
                 # The proxy, measured before, measured nothing for LAG_S past the edge its level is taken at while a
                 # request was live there: stopped (its workers on a loaded host), it read none of the tokens the server
                 # counted meanwhile, and how far behind it fell nothing bounds (LAG_S's bound is the tokens it read over
