@@ -1031,3 +1031,20 @@ def test_a_proxy_that_never_measured_a_delay_is_judged_as_before():
     silent: its windows are judged as before (LAG_S's reach, by the tokens the proxy read over it)."""
     rows = _worker_silent_then_killed(1.5, 3.0, beats=False)
     assert not any("proxy_lag" in (r["server_count"] or "") for r in rows if r["t_start_mono_s"] < 1.0)
+
+
+def test_a_proxy_lagging_the_server_before_an_outage_longer_than_the_scrape_hold_makes_no_bypass_tokens_up():
+    """As test_a_proxy_lagging_the_server_at_a_restart_makes_no_bypass_tokens_up, but the server stays down 11 s: past
+    the 10 s an interval waits for the server's counter, so the windows of the second before the outage were resolved
+    (forced) before any scrape past their 1 s reach, and before the restart was told. The proxy's lag at the last scrape
+    stayed in their level as bypass tokens: 31 where 10 ran, 21 where none did (rows `proxy_lag`); against the real
+    llama-server, whose old process took 10 s to exit, 110.5 counted for the 100 sent. The proxy's tokens since the last
+    scrape are that lag or tokens the server counted after it (or, restarted, lost): taken as lag, as at a restart, the
+    count is never high there, and where it is lowered the row says `unscraped`."""
+    for stride in (4, 10**9):
+        rows, _, truth = _run(restart_at_s=6.2, down_s=11.0, stall=(5.85, 6.05), bypass_stride=stride, until_s=22.0)
+        for r in rows[2:8]:
+            k = int(round(r["t_start_mono_s"]))
+            assert r["server_tokens"] <= truth[k] + 1e-6, (stride, k, r["server_tokens"], truth[k], r["server_count"])
+            if r["server_tokens"] < truth[k] - 1e-6:
+                assert {"unscraped", "server_restart"} & set(r["server_count"].split(",")), (stride, k, r)

@@ -2119,6 +2119,19 @@ class Ledger:
                     level = crossed
                     if "server_restart" not in sp[5]:
                         sp[5] = (*sp[5], "server_restart")
+            elif forced and sp[1] + lag_ns > last:
+                # Forced (its intervals held the 10 s cap) before any scrape past its LAG_S reach: the server unread
+                # since the latest scrape (down, or too slow), a restart not told yet. The proxy's tokens since that
+                # scrape are its lag (counted there) or tokens the server counts later (or lost, restarted), and
+                # nothing tells which: taken as lag, as at a restart, the count is never high, and where that lowers it
+                # the window says `unscraped`. Not looked at, the lag stayed in the level as bypass tokens that never
+                # ran: against the real llama-server, its old process 10 s in exiting, 110.5 counted for the 100 sent.
+                after = cum[-1] - cum[np.searchsorted(pt, last, side="right")]
+                unread = float(gaps[-1]) - float(after)
+                if unread < level:
+                    level = unread
+                    if "unscraped" not in sp[5]:
+                        sp[5] = (*sp[5], "unscraped")
             ref = max([x[1] for x in self._levels if x[0] >= sp[1] - credit_ns], default=self._level)
             if not forced and counting_ns is not None and sp[1] > counting_ns and level > ref:
                 break
