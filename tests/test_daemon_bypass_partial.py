@@ -964,3 +964,87 @@ def test_a_steady_streams_constant_proxy_lag_reads_as_no_bypass_and_a_small_bypa
         assert 5 - 1e-6 <= got <= 6 + 1e-6, (phase_s, got)
         near = sum(r["server_tokens"] or 0 for r in rows if 2.75 <= r["t_start_mono_s"] < 3.25)
         assert near >= 5 - 1e-6, (phase_s, [(r["t_start_mono_s"], r["server_tokens"]) for r in rows])
+
+
+def _worker_silent_then_killed(silent_s: float, kill_s: float, beats: bool = True, rate: float = 300.0):
+    """A ledger fed as the daemon feeds it from proxy worker processes: one stream of `rate` tokens/s from 1 s (450
+    tokens, scrapes every 0.1 s, 0.25 s GPU samples), shipped in 20 ms records, each worker's heartbeat noting how late
+    its loop ran (on time) every 0.25 s (`beats`). At `silent_s` the workers stop (a loaded host) and send nothing more:
+    the server decodes the stream on and counts it, the proxy reads none of it, and no delay is measured. At `kill_s`
+    the daemon's watchdog kills them and records the stream interrupted (its tokens since never read); their records no
+    longer hold the intervals. No bypass traffic runs at all. Returns the interval rows."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    led.scraping = True
+    gen = 1.0 + np.arange(450) / rate  # when the server generated (and counted) each token
+    shipped = gen[gen < silent_s - 0.02]
+    pieces = [(float(shipped[b == i].max()) + 0.003, int((b == i).sum()))
+              for b in [np.floor((shipped - 1.0) / 0.02 + 1e-9)] for i in np.unique(b)]
+    tr = RequestTrace(1, "POST", "/completion", None, int(0.95 * S), int(0.95 * S), api="llamacpp", stream=True)
+    led.on_start(tr)
+    prev_t = prev_total = None
+    for k in range(int((kill_s + 4) / 0.005)):
+        t = round(k * 0.005, 6)
+        _read_pieces_due(led, tr, pieces, t)
+        if tr.end_ns is None and t >= kill_s:  # the watchdog's kill: in flight in it, recorded as interrupted
+            tr.end_ns = tr.end_wall_ns = int(t * S)
+            tr.counts = Counts(generated_tokens=None, prompt_tokens=None, model=None, stop_reason=None,
+                               token_source="stream")
+            led.on_end(tr)
+        if beats and k % 50 == 0 and not silent_s <= t < kill_s:
+            led.note_proxy_delay(int(t * S), 0.0)
+        if k % 50 == 0:
+            led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+        if k % 20 == 0 and t >= 0.5:
+            count = float((gen <= t).sum())
+            led.add_server_tokens(int(t * S), 0.0 if prev_t is None else count - prev_total,
+                                  None if prev_t is None else int(prev_t * S))
+            prev_t, prev_total = t, count
+        held = silent_s - 0.02 <= t < kill_s  # the silent workers' watermark holds the intervals until the kill
+        led.advance(int(t * S), int(((silent_s - 0.02) if held else t) * S))
+    led.close_all(int(t * S))
+    return sorted(sink.rows["intervals"], key=lambda r: r["t_start_mono_s"])
+
+
+@pytest.mark.parametrize("silent_s,kill_s", [(1.5, 12.5), (1.5, 3.0), (1.2, 5.0)])
+def test_a_proxy_silent_past_the_lag_reach_books_no_bypass_in_a_row_saying_complete(silent_s, kill_s):
+    """The proxy's workers stopped mid-stream (a loaded host) for longer than the LAG_S a window looks ahead, and killed
+    by the daemon's watchdog: the server counted the stream's tokens on, the proxy read none. Their silence measured no
+    delay, so the windows took none for the proxy's lag (LAG_S where unmeasured, but only as the tokens the proxy read
+    over it: none), and the stream's tokens read as bypass tokens that never ran, rows `complete` (against the real
+    llama-server, its two workers stopped across a restart that took 10 s, killed at 11 s: 314 for none). A window whose
+    edge the proxy was silent past, having been measured before, now says `proxy_lag` where it counts any bypass token:
+    its count may be that lag (the rows stay out of J/token, said)."""
+    rows = _worker_silent_then_killed(silent_s, kill_s)
+    # No bypass traffic ran: a row counting any (more than the token a record's delay moves) must say its count may be off.
+    high = [(r["t_start_mono_s"], r["server_tokens"], r["server_count"]) for r in rows
+            if (r["server_tokens"] or 0) > 1.0 and r["server_count"] == "complete"]
+    assert not high, high
+    assert any("proxy_lag" in (r["server_count"] or "") for r in rows), [r["server_count"] for r in rows]
+    # Before the stall the rows are whole and count nothing.
+    early = [r for r in rows if r["t_start_mono_s"] + r["duration_s"] <= silent_s - 1.0 - 1e-6 and r["t_start_mono_s"] >= 1.0]
+    assert all(r["server_count"] == "complete" and (r["server_tokens"] or 0) <= 1.0 for r in early), early
+
+
+def test_a_proxy_that_never_measured_a_delay_is_judged_as_before():
+    """Without any delay measure at all (a ledger fed by a caller that measures none), nothing says the proxy went
+    silent: its windows are judged as before (LAG_S's reach, by the tokens the proxy read over it)."""
+    rows = _worker_silent_then_killed(1.5, 3.0, beats=False)
+    assert not any("proxy_lag" in (r["server_count"] or "") for r in rows if r["t_start_mono_s"] < 1.0)
+
+
+def test_a_proxy_lagging_the_server_before_an_outage_longer_than_the_scrape_hold_makes_no_bypass_tokens_up():
+    """As test_a_proxy_lagging_the_server_at_a_restart_makes_no_bypass_tokens_up, but the server stays down 11 s: past
+    the 10 s an interval waits for the server's counter, so the windows of the second before the outage were resolved
+    (forced) before any scrape past their 1 s reach, and before the restart was told. The proxy's lag at the last scrape
+    stayed in their level as bypass tokens: 31 where 10 ran, 21 where none did (rows `proxy_lag`); against the real
+    llama-server, whose old process took 10 s to exit, 110.5 counted for the 100 sent. The proxy's tokens since the last
+    scrape are that lag or tokens the server counted after it (or, restarted, lost): taken as lag, as at a restart, the
+    count is never high there, and where it is lowered the row says `unscraped`."""
+    for stride in (4, 10**9):
+        rows, _, truth = _run(restart_at_s=6.2, down_s=11.0, stall=(5.85, 6.05), bypass_stride=stride, until_s=22.0)
+        for r in rows[2:8]:
+            k = int(round(r["t_start_mono_s"]))
+            assert r["server_tokens"] <= truth[k] + 1e-6, (stride, k, r["server_tokens"], truth[k], r["server_count"])
+            if r["server_tokens"] < truth[k] - 1e-6:
+                assert {"unscraped", "server_restart"} & set(r["server_count"].split(",")), (stride, k, r)

@@ -868,3 +868,86 @@ def test_a_reload_applies_new_scrape_periods_at_once_not_after_the_old_period(tm
     after = [t - t_reload for t in scrapes if t > t_reload]
     # At the new period: the first within a second of the reload (a loaded host's stalls included), not ~5 s on.
     assert len(after) >= 3 and after[0] < 1.0, (after, d.cfg.get("scrape", "interval_s"))
+
+
+def test_a_windows_prefix_cache_hits_are_checked_over_every_instant_its_reads_may_have_come():
+    """A hit counted between two reads of the counter is checked against the requests whose hit span (arrival to first
+    token) meets the scrape window it lands in. Each window ran from the previous scrape's midpoint to this one's, but
+    a read comes anywhere in its GET, and a loaded host resumes the loop late after it (a GET of 200 ms, the read at its
+    start here): a request that arrived and got its first token between a read and that scrape's midpoint had its hit
+    counted in the next window, which begins after its span, and it was matched to none: flagged prefix-cache-unsaid
+    though its answer said it (vLLM with --enable-prompt-tokens-details, a loaded full suite). Now a window's hits are
+    checked from the previous scrape's start to this one's end: every instant between the two reads."""
+    from powerprof.daemon.service import Daemon
+
+    reads: list[int] = []
+
+    class SlowScraper:  # reads its counter at once, answered 0.2 s later (a loaded host)
+        kind, finished, window_partial, cache_hits = "vllm", None, (), 5.0
+
+        async def scrape(self):
+            reads.append(time.monotonic_ns())
+            await asyncio.sleep(0.2)
+            return 1.0
+
+    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], hit_windows=[])
+    ledger.add_cache_hits = lambda since, t, hits: ledger.hit_windows.append((since, t))
+    ledger.add_server_tokens = lambda *a, **k: None
+    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
+                               scraper=SlowScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
+
+    async def go():
+        me.stop_event = asyncio.Event()
+        task = asyncio.create_task(Daemon._scrape_loop(me))
+        t = time.monotonic()
+        while len(ledger.hit_windows) < 4 and not task.done() and time.monotonic() - t < 30:
+            await asyncio.sleep(0.02)
+        me.stop_event.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())
+    windows = [w for w in ledger.hit_windows if w[0] is not None]
+    assert len(windows) >= 3, ledger.hit_windows
+    for since, t in windows:
+        # Each window spans two consecutive reads whole: the one before (its hits' earliest instant) and its own.
+        assert any(since <= a and b <= t for a, b in zip(reads, reads[1:])), (since, t, reads)
+
+
+def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stillness():
+    """A window longer than 1.5 fast periods whose counter rose was taken for a slow (idle-period) window ending a
+    stillness: its tokens were placed at its end, at the next window's rate (`burst_start_ns`), and none before. A
+    loaded host makes a window long while traffic runs all along (a GET of 0.2 s, a late loop): against the real
+    llama-server, a stream's 47 tokens of a 0.26 s window put in its last 0.08 s, the proxy's tokens in the 0.18 s before
+    read as 45 more than the server counted, and the rise back booked 33 bypass tokens where none ran (133 counted since
+    the restart for the 100 sent, the rows saying only `server_restart`: "may be low"; also 128.9, and the CI's 110).
+    A window scraped at the fast period (requests live, or the counter moving) is spread over its time as any other."""
+    from powerprof.daemon.service import Daemon
+
+    class SlowScraper:  # every read answered 0.2 s late (a loaded host), the counter rising 10 a window
+        kind, finished, window_partial, cache_hits = "llamacpp", None, (), None
+
+        async def scrape(self):
+            await asyncio.sleep(0.2)
+            return 10.0
+
+    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
+    ledger.add_cache_hits = lambda since, t, hits: None
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append((since, t, d))
+    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.05, idle_interval_s=2.0),
+                               scraper=SlowScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
+
+    async def go():
+        me.stop_event = asyncio.Event()
+        task = asyncio.create_task(Daemon._scrape_loop(me))
+        t = time.monotonic()
+        while len(ledger.spans) < 5 and not task.done() and time.monotonic() - t < 30:
+            await asyncio.sleep(0.02)
+        me.stop_event.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())
+    windows = [w for w in ledger.spans if w[0] is not None]
+    assert len(windows) >= 4, ledger.spans
+    # Each window whole: its 10 tokens over its whole time, none split into a still part and a burst.
+    assert all(d == 10.0 for _, _, d in windows), windows
+    assert all(a[1] == b[0] for a, b in zip(windows, windows[1:])), windows

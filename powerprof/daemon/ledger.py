@@ -1481,6 +1481,31 @@ class Ledger:
             least.append(min(max(min(near), still), LAG_S))
         return most, least
 
+    def _silent_at(self, edge_ns: int, reach_ns: int) -> bool:
+        """Whether the proxy went silent across `edge_ns`: measured before it (`note_proxy_delay`: every 0.25 s from a
+        live proxy), then nothing for over `reach_ns` about it, or a measure after it saying its loop stood still from
+        before the edge to over `reach_ns` past it. A proxy never measured (a caller that measures none) is not judged
+        silent: nothing says it stopped."""
+        after: tuple[int, float] | None = None
+        before: int | None = None
+        for t, d in reversed(self._delays):  # the newest first: an edge is recent, a few dozen measures back at most
+            if t < edge_ns:
+                before = t
+                break
+            after = (t, d)
+        if before is None:
+            return False
+        if after is None:
+            return True
+        t, d = after
+        return t - before > reach_ns or (t - int(d * 1e9) <= edge_ns and t - edge_ns > reach_ns)
+
+    def _live_at(self, t_ns: int) -> bool:
+        """Whether a proxied request was live at `t_ns` (arrived before it, not ended by it): one whose tokens the proxy
+        may not have read yet."""
+        return any(q.trace.api is not None and q.trace.arrival_ns <= t_ns
+                   and (q.trace.end_ns is None or q.trace.end_ns > t_ns) for q in self.requests.values())
+
     def _list_placed(self) -> None:
         """At the first read of the server: every request's token events placed so far into `_proxied`, and each
         ended one's tokens at its last into `_finished`, as on_tokens and on_end list them from then on."""
@@ -2127,6 +2152,19 @@ class Ledger:
                     level = crossed
                     if "server_restart" not in sp[5]:
                         sp[5] = (*sp[5], "server_restart")
+            elif forced and sp[1] + lag_ns > last:
+                # Forced (its intervals held the 10 s cap) before any scrape past its LAG_S reach: the server unread
+                # since the latest scrape (down, or too slow), a restart not told yet. The proxy's tokens since that
+                # scrape are its lag (counted there) or tokens the server counts later (or lost, restarted), and
+                # nothing tells which: taken as lag, as at a restart, the count is never high, and where that lowers it
+                # the window says `unscraped`. Not looked at, the lag stayed in the level as bypass tokens that never
+                # ran: against the real llama-server, its old process 10 s in exiting, 110.5 counted for the 100 sent.
+                after = cum[-1] - cum[np.searchsorted(pt, last, side="right")]
+                unread = float(gaps[-1]) - float(after)
+                if unread < level:
+                    level = unread
+                    if "unscraped" not in sp[5]:
+                        sp[5] = (*sp[5], "unscraped")
             ref = max([x[1] for x in self._levels if x[0] >= sp[1] - credit_ns], default=self._level)
             if not forced and counting_ns is not None and sp[1] > counting_ns and level > ref:
                 break
@@ -2174,6 +2212,14 @@ class Ledger:
                 # and a window whose level is taken at one of them (its lookahead's lowest gap: 16 and 0 of 30 before
                 # a burst crowded in the window after them).
                 moved = np.inf
+            if not self.server_at_finish and sp[3] > LAG_TOKENS and self._silent_at(int(ends[low]), lag_ns) \
+                    and self._live_at(int(ends[low])):  # the measures after the edge first: a few, not every request
+                # The proxy, measured before, measured nothing for LAG_S past the edge its level is taken at while a
+                # request was live there: stopped (its workers on a loaded host), it read none of the tokens the server
+                # counted meanwhile, and how far behind it fell nothing bounds (LAG_S's bound is the tokens it read over
+                # that second: none). Its count may be all that lag: against the real llama-server, two workers stopped
+                # for 11 s and killed by the watchdog, 314 of a cut stream's tokens read as bypass, rows `complete`.
+                moved = max(moved, float(sp[3]))
             if moved > max(LAG_TOKENS, LAG_SHARE * float(sp[2])) \
                     and "server_restart" not in sp[5] and PROXY_LAG not in sp[5]:
                 # Its bypass count may be off by the proxy's own lag. The proxy sees a token a delay after the server

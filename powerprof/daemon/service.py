@@ -558,6 +558,8 @@ class Daemon:
         self.proxy: Proxy | None = None
         self.scraper: Scraper | None = None
         self._scrape_since_ns: int | None = None  # when the baseline was read before ready (None: not then)
+        # When the latest scrape began: its read came no sooner (a window's prefix-cache hits are checked from there)
+        self._scrape_read_from_ns: int | None = None
         self.latest_gpu: Sample | None = None
         self._gpu_notes: dict[int, str | None] = {}  # NVML index -> its last reading's note
         self._gpu_lost: dict[int, bool] = {}  # NVML index -> lost at its last reading (a change is logged)
@@ -954,6 +956,7 @@ class Daemon:
                 why = f"no whole answer within {BASELINE_WAIT_S:g} s"
         if self.scraper.has_baseline():
             self._scrape_since_ns = (t0 + time.monotonic_ns()) // 2
+            self._scrape_read_from_ns = t0
         else:
             # Why, with the URL: "no answer in time, or no counters" left a refused connection and a server
             # without counters alike.
@@ -966,6 +969,7 @@ class Daemon:
 
     async def _scrape_loop(self) -> None:
         since, held = self._scrape_since_ns, None
+        read_from = getattr(self, "_scrape_read_from_ns", None)
         check_faults = 0  # prefix-cache checks that failed: logged the first three, then every hundredth
         cadence = Cadence(self.cfg.get("scrape", "interval_s"), self.cfg.get("scrape", "idle_interval_s"))
         while not self.stop_event.is_set():
@@ -974,9 +978,16 @@ class Daemon:
             # Proxied requests and tags being measured keep the scrape fast (docs/daemon.md, Scrape cadence).
             led = self.ledger
             if cadence.due(time.monotonic(), _busy(led)):
+                # Scraped at the idle period (still: no request, no counter rise lately): only such a window's rise may
+                # be a burst that began late in it (below). One long for a slow read or a late loop while requests ran
+                # is not: placed at its end, its tokens left the proxy's before them as more than the server counted,
+                # and the rise back read as bypass tokens that never ran (the real llama-server: 33, rows saying only
+                # `server_restart`; tests/test_daemon_scrape.py).
+                still = cadence.period_s(time.monotonic()) > cadence.fast_s
                 t0 = time.monotonic_ns()
                 delta = await self.scraper.scrape()
-                t = (t0 + time.monotonic_ns()) // 2  # the counter was read somewhere in the request
+                t1 = time.monotonic_ns()
+                t = (t0 + t1) // 2  # the counter was read somewhere in the request
                 cadence.scraped(time.monotonic(), delta)
                 at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
                 led.choices_prefilled_apart = self.scraper.kind in PREFILLS_CHOICES_APART
@@ -985,8 +996,14 @@ class Daemon:
                     # The prefix-cache hits of the whole window, slow or not: checked against the requests' said counts.
                     # A fault in that check must not end this loop (nothing here is caught): it ended for good, unsaid
                     # until shutdown, and every interval after closed `unscraped`. Its tokens are still placed.
+                    # From the previous scrape's start to this one's end, not midpoint to midpoint: each read came
+                    # anywhere in its GET (and a loaded host resumes this loop late after it), so a request whose hit span
+                    # (arrival to first token) fell between the previous read and its midpoint had its hit counted here,
+                    # in a window that began after its span: matched to none, its said hit was flagged
+                    # prefix-cache-unsaid. The windows overlap by a GET; the matching counts each hit once all the same.
                     try:
-                        self.ledger.add_cache_hits(since, t, self.scraper.cache_hits)
+                        self.ledger.add_cache_hits(None if since is None else min(since, read_from or since), t1,
+                                                   self.scraper.cache_hits)
                     except Exception:
                         # Throttled: a fault at every window logged a traceback at every scrape for as long as it ran.
                         check_faults += 1
@@ -1002,13 +1019,14 @@ class Daemon:
                         held = None
                     # Why this window's count may be low (a restart, a late first read): its intervals say so.
                     partial = self.scraper.window_partial
-                    if delta > 0 and since is not None and t - since > 1.5e9 * cadence.fast_s:
+                    if delta > 0 and since is not None and still and t - since > 1.5e9 * cadence.fast_s:
                         # a slow window ending a stillness: placed at the next scrape
                         held = (since, t, delta, self.scraper.finished, partial)
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
                         self.ledger.add_server_tokens(t, delta, since, at_finish, self.scraper.finished, partial=partial)
                     since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
+                    read_from = self._scrape_read_from_ns = t0
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
             # loop's grid (ticks.py); still and idle, at the idle scrapes' instants (Cadence.poll_s), woken by a request.
             # Read again: a reload that came while this pass scraped woke no sleeper, and the period read at the top
@@ -1036,8 +1054,11 @@ class Daemon:
         if delta is None:
             log.info("the server's counters could not be read at shutdown (%s): the last interval says unscraped", why)
             return
-        t = (t0 + time.monotonic_ns()) // 2
-        self.ledger.add_cache_hits(self._scrape_since_ns, t, self.scraper.cache_hits)
+        t1 = time.monotonic_ns()
+        t = (t0 + t1) // 2
+        since = self._scrape_since_ns
+        self.ledger.add_cache_hits(None if since is None else min(since, self._scrape_read_from_ns or since), t1,
+                                   self.scraper.cache_hits)
         self.ledger.add_server_tokens(t, delta, self._scrape_since_ns, self.scraper.kind in AT_FINISH,
                                       self.scraper.finished, partial=self.scraper.window_partial)
 

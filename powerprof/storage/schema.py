@@ -372,8 +372,9 @@ BYPASS_COUNT_FIX = {
     SERVER_COUNT_MISPLACED: "none for these rows (a fault of the daemon's placing of proxied tokens: report it with the "
                             "daemon's log)",
     SERVER_COUNT_PROXY_LAG: "their count may be high or low: the proxy's own delay behind the server (a loaded host) "
-                            "may read as bypass tokens where its streams begin, or hide some where they end; give the "
-                            "daemon's host CPU to spare",
+                            "may read as bypass tokens where its streams begin, or hide some where they end, and a "
+                            "proxy that went silent (its workers stopped) may leave a live stream's tokens read as "
+                            "bypass tokens; give the daemon's host CPU to spare",
 }
 # Whatever the reason, a count short of whole costs something only where requests bypass the proxy. Where none do, a
 # count that may be low (a restart) still leaves the rows out, as nothing in them can tell; the daemon told that no
