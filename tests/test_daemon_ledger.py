@@ -2352,3 +2352,19 @@ def test_requests_flagged_best_of_unseen_and_count_open_are_counted_as_their_row
     text = render(make_registry(type("H", (), {"snapshot": Snapshot(flagged_requests=led.totals.flagged_requests)})))
     got = {s.name: s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples}
     assert got["powerprof_requests_best_of_unseen_total"] == 1 and got["powerprof_requests_count_open_total"] == 1
+
+
+def test_the_serving_gpus_energy_in_the_totals_is_the_same_whether_a_gpu_serving_nothing_reads_or_not():
+    # The tuner's energy is the requests' and idle energy less that of the GPUs serving none of the work
+    # (Totals.idle_not_serving_j, powerprof_gpu_idle_energy_not_serving_joules_total): GPU 1 lost from request 30 on
+    # must not move it. Before, no total told the two apart, and the tuner's figure fell with GPU 1's energy.
+    whole = _server_on_gpu0_gpu1_idle()
+    sink = _server_on_gpu0_gpu1_idle(lose_gpu1_at=30)
+
+    def serving(led):
+        t = led.totals
+        return t.energy_by_dest_j[0] + t.energy_by_dest_j[1] - t.idle_not_serving_j
+
+    assert 0 < whole.ledger.totals.idle_not_serving_j <= whole.ledger.totals.gpu_energy_j[1] + 1e-9
+    assert sink.ledger.totals.idle_not_serving_j < whole.ledger.totals.idle_not_serving_j - 10 * 70.0 + 1e-6
+    assert serving(sink.ledger) == pytest.approx(serving(whole.ledger), rel=1e-9)

@@ -30,16 +30,16 @@ class FakeDaemon:
         as a daemon whose sampler lags or whose intervals are held (prompt lengths, the server's counter): each
         scrape's energy is what was spent that many scrapes before, at the limit then (`released_from_w`), and the
         daemon says how far behind its accounts are (`behind_s`: seconds; None exposes nothing, as an older daemon).
-        aside_j: a second GPU serving none of the traffic spends this much idle energy per scrape, in the idle
-        energy the tuner reads, over INTERVALS_PER_SCRAPE intervals of 1 s; `aside_unread` (settable between scrapes)
-        is the share of the next scrape's intervals it gives no reading over, as a daemon counts them
-        (powerprof_gpu_idle_energy_unknown_intervals_total, its powerprof_gpu_energy_unknown_seconds_total) and leaves
-        its energy out; `aside_lost` (settable): unread now, so no limit gauge (the accounts lag: `aside_unread` apart).
+        aside_j: a second GPU serving none of the traffic spends this much idle energy per scrape, in the daemon's idle
+        energy and its powerprof_gpu_idle_energy_not_serving_joules_total, over INTERVALS_PER_SCRAPE intervals of 1 s;
+        `aside_unread` (settable between scrapes) is the share of the next scrape's intervals it gives no reading over,
+        as a daemon counts them (its powerprof_gpu_energy_unknown_seconds_total) and leaves its energy out of both;
+        `aside_lost` (settable): unread now, so no limit gauge (the accounts lag: `aside_unread` apart).
         j_per_token_at: {limit W: J/token} where the levels cost differently (default `j_per_token` at every one)."""
         self.accounts_behind = accounts_behind
         self.aside_j, self.aside_unread, self.aside_lost = aside_j, 0.0, False  # lost: no limit gauge now
         self.j_per_token_at = j_per_token_at or {}
-        self.idle = self.idle_unknown = self.intervals = self.aside_unknown_s = self.aside_energy = 0.0
+        self.idle = self.aside_unknown_s = self.aside_energy = 0.0
         self._unreleased: list[tuple[float, float]] = []  # (energy J, the limit W it was spent at), oldest first
         self.released_from_w: set = set()  # the limits the energy released by the latest scrape was spent at
         self.behind_s: float | None = None
@@ -99,9 +99,7 @@ class FakeDaemon:
                     k = round(n * self.aside_unread)
                     self.idle += self.aside_j * (n - k) / n
                     self.aside_energy += self.aside_j * (n - k) / n
-                    self.idle_unknown += k
                     self.aside_unknown_s += k * 1.0
-                self.intervals += INTERVALS_PER_SCRAPE
                 if self.accounts_behind:
                     self._unreleased.append((spent * self.gpu()[1] / 300.0, self.gpu()[1]))  # J/token ∝ limit
                     out, self._unreleased = (self._unreleased[:-self.accounts_behind],
@@ -126,8 +124,7 @@ class FakeDaemon:
             self.snapshot = Snapshot(
                 gpus=(GpuSnapshot(0, uuid, "fake", 200.0, 1500.0, 9000.0, limit_w, self.gpu_energy),) + aside,
                 energy_by_dest_j=(self.energy, self.idle, 0.0),
-                idle_unknown_intervals=int(self.idle_unknown),
-                intervals=int(self.intervals),
+                idle_not_serving_j=self.aside_energy,
                 tokens_by_tag={"": self.tokens},
                 requests_by_tag={("", "ok"): float(self.finished)},
                 proxy_upstream_failures=self.upstream_failures,

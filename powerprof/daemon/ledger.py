@@ -328,6 +328,9 @@ class Totals:
     # Intervals in no kind of energy_by_kind_j since start: a GPU serving the work (or, before which serve is judged,
     # any GPU) gave no reading there, their total unknown.
     gpu_unknown_intervals: int = 0
+    # Of energy_by_dest_j's idle, the energy of the GPUs serving none of the work since start (the read ones'): what
+    # the others' figures are without it does not hang on whether such a GPU reads (the tuner's energy).
+    idle_not_serving_j: float = 0.0
 
 
 class Ledger:
@@ -478,6 +481,7 @@ class Ledger:
         self._by_kind = np.zeros(4)
         self._by_dest = np.zeros(3)
         self._idle_unknown_intervals = 0
+        self._not_serving_total = 0.0  # Totals.idle_not_serving_j
         self._gpu_unknown_intervals = 0
         self._gpu_unknown_s = np.zeros(n_gpus)  # Totals.gpu_unknown_s
         self._gpu_unread_now = np.zeros(n_gpus, bool)  # Totals.gpu_unread_now
@@ -1877,7 +1881,8 @@ class Ledger:
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
-                      work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged)
+                      work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
+                      aside_j=aside)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing)
         ended = [r for r, d in zip(reqs, done) if d]
@@ -2312,7 +2317,8 @@ class Ledger:
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
                  host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None,
-                 work_j=None, serving=None, idle_missing=None, unjudged=False) -> None:
+                 work_j=None, serving=None, idle_missing=None, unjudged=False, aside_j=None) -> None:
+        # aside_j: the energy of the GPUs serving none of the work per interval (their read ones', all of it idle);
         # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all);
         # idle_missing: intervals where a GPU serving none of the work gave no reading: the requests' energy and every
         # read GPU's stay in the totals (by kind and by destination), the unread GPU's energy alone is out (0 J in the
@@ -2342,6 +2348,8 @@ class Ledger:
         by_dest = a.by_dest[:, 0].copy()
         if idle_missing is not None and idle_missing.any():
             self._idle_unknown_intervals += int(idle_missing.sum())
+        if aside_j is not None:
+            self._not_serving_total += float(np.sum(aside_j))
         self._by_dest = self._by_dest + by_dest
         self._tokens_total += float(a.tokens.sum())
         self._tokens_attributed += float(a.request_tokens.sum())
@@ -2387,6 +2395,7 @@ class Ledger:
             jpt_left_out=dict(self._jpt_left_out),
             idle_unknown_intervals=self._idle_unknown_intervals,
             gpu_unknown_intervals=self._gpu_unknown_intervals,
+            idle_not_serving_j=self._not_serving_total,
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:

@@ -140,6 +140,7 @@ class Snapshot:
     gpu_unknown_intervals: int = 0  # ledger.Totals: intervals in no kind of energy_by_kind_j (a GPU unread there)
     idle_unknown_intervals: int = 0  # ledger.Totals: intervals with a GPU serving none of the work unread (its energy alone out)
     intervals: int = 0  # ledger.Totals: intervals closed since start (what the *_unknown_intervals are out of)
+    idle_not_serving_j: float = 0.0  # ledger.Totals: of the idle energy, the GPUs' serving none of the work
 
 
 class SnapshotCollector:
@@ -222,6 +223,11 @@ class SnapshotCollector:
                                   "the totals with every read GPU's energy, the unread GPU's alone out (their rows' "
                                   "idle_energy_j is empty, the note names it)",
                                   value=s.idle_unknown_intervals)
+        yield CounterMetricFamily("powerprof_gpu_idle_energy_not_serving_joules",
+                                  "Of powerprof_gpu_energy_attributed_joules_total{to=\"idle\"}, the energy of the GPUs "
+                                  "serving none of the proxied work (all of theirs is idle; an unread one's is in "
+                                  "neither): the idle energy less it is the serving GPUs', whether or not those others "
+                                  "read (the tuner's energy)", value=s.idle_not_serving_j)
         total = sum(s.energy_by_dest_j)
         if total > 0:
             yield GaugeMetricFamily("powerprof_requests_energy_ratio",

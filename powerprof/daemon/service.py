@@ -866,6 +866,7 @@ class Daemon:
             idle_unknown_intervals=tot.idle_unknown_intervals,
             gpu_unknown_intervals=tot.gpu_unknown_intervals,
             intervals=tot.intervals,
+            idle_not_serving_j=tot.idle_not_serving_j,
         )
 
     def _helper_pids(self) -> list[int]:
