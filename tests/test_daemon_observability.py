@@ -192,3 +192,25 @@ def test_requests_flagged_prefix_cache_late_are_counted_on_metrics():
     assert "fix: ask without continuous usage" in fams["powerprof_requests_cache_late"].documentation
     (zero,) = _exposition()["powerprof_requests_cache_late"].samples
     assert zero.value == 0
+
+
+def test_the_power_panel_from_energy_counters_leaves_out_an_instance_with_a_gpu_unread_over_the_range():
+    # A rate() over a range overlapping a GPU's unread time reads low whether its series is absent or not (Prometheus
+    # extrapolates the increase between the range's first and last samples): before, the panel summed every instance's
+    # rate, a 60 s gap of a 300 W GPU reading 237 W for 5 minutes; and the share panel's max of 1 clipped the share
+    # above 1 that a range shorter than the accounts' batches reads.
+    panels = {p["title"]: p for p in _dashboard()["panels"]}
+    (gpu,) = [t["expr"] for t in panels["GPU + CPU power from energy counters"]["targets"]
+              if "powerprof_gpu_energy_joules_total" in t["expr"]]
+    kept, _, dropped = gpu.partition(" unless on (job, instance) ")
+    assert kept.startswith("sum by (job, instance) (rate(powerprof_gpu_energy_joules_total"), gpu
+    assert "rate(powerprof_gpu_energy_unknown_seconds_total" in dropped and dropped.rstrip(")").endswith("> 0"), gpu
+    share = panels["GPUs without an energy reading (share of the time)"]["fieldConfig"]["defaults"]
+    assert "max" not in share
+
+
+def test_the_energy_help_says_a_rate_over_an_unread_gap_reads_low():
+    # Before: the help said the series is absent while unread, as if that kept a rate() right.
+    fams = _exposition(gpus=(GpuSnapshot(0, "GPU-x", "gpu", 100.0, 1.0, 1.0, 300.0, 5.0),))
+    assert "reads low" in fams["powerprof_gpu_energy_joules"].documentation
+    assert "exceed 1" in fams["powerprof_gpu_energy_unknown_seconds"].documentation

@@ -169,18 +169,25 @@ class SnapshotCollector:
                     "energy stops counting and intervals lose their GPU energy", 1.0, "up")
         # A GPU unread over the latest closed interval has no series: its counter would stand still, and a rate() read
         # 0 W for a GPU drawing hundreds (a value never measured, as an exporter leaves out a sensor it cannot read).
-        # It comes back with its count where it stopped (no reset); the time it missed is counted beside it.
+        # It comes back with its count where it stopped (no reset); the time it missed is counted beside it. Absence
+        # does not make a rate() right: Prometheus extrapolates the increase between a range's first and last samples
+        # over the whole range, so any range overlapping the gap reads low (a 60 s gap of a 300 W GPU: rate[5m] reads
+        # 237 W for 5 minutes, the series absent or not); the help says so and how to leave such a range out.
         c = CounterMetricFamily("powerprof_gpu_energy_joules", "GPU energy since the daemon started, over the closed "
-                                "intervals it gave a reading over; absent while it gives none (lost, reads failing): "
-                                "powerprof_gpu_energy_unknown_seconds_total counts the time left out", labels=labels)
+                                "intervals it gave a reading over; absent while it gives none (lost, reads failing), "
+                                "and its energy then is in no sample: a rate() over any range overlapping that time "
+                                "reads low by the share unread (the series there or not), so leave out the GPUs whose "
+                                "powerprof_gpu_energy_unknown_seconds_total rose over the same range", labels=labels)
         for x in s.gpus:
             if not x.energy_unread:
                 c.add_metric([str(x.index), x.uuid, x.name], x.energy_j)
         yield c
         u = CounterMetricFamily("powerprof_gpu_energy_unknown_seconds", "Seconds of closed intervals this GPU gave no "
                                 "energy reading over (lost, reads failing), since the daemon started: their energy is "
-                                "in no powerprof_gpu_energy_joules_total, so its rate() reads low by that share of the "
-                                "time; the samples' error column and the daemon's log say why", labels=labels)
+                                "in no powerprof_gpu_energy_joules_total, so its rate() over a range holding them reads "
+                                "low; its own rate() is the share of the time unread, and can exceed 1 over a range "
+                                "shorter than the accounts' batches (intervals close several at a time); the samples' "
+                                "error column and the daemon's log say why", labels=labels)
         for x in s.gpus:
             u.add_metric([str(x.index), x.uuid, x.name], x.energy_unknown_s)
         yield u
