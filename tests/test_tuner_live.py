@@ -1308,7 +1308,28 @@ def test_a_gpu_whose_energy_series_goes_while_unread_is_no_stalled_daemon():
                             gpu_energy_j=a.gpu_energy_j + 5000.0)
     assert b.gpu_energy_j < a.gpu_energy_j and energy_moved(a, b)  # GPU 1 unread in b: GPU 0 rose
     assert not energy_moved(b, b)
-    assert not energy_moved(a, dataclasses.replace(b, gpu_energies_j={}, gpu_energy_j=0.0))  # none read: the sums
+    none_read = dataclasses.replace(b, gpu_energies_j={}, gpu_energy_j=0.0)
+    assert not energy_moved(a, none_read)  # none read and no unread time counted: the sums, which fell
+    # None read, the daemon counting their unread time: it samples (window_between says why the window is refused).
+    assert energy_moved(a, dataclasses.replace(none_read, gpu_unknown_s={"GPU-fake": a.gpu_unknown_s["GPU-fake"] + 10}))
+
+
+def test_every_gpu_unread_is_refused_with_its_fix_not_as_a_stalled_daemon(tmp_path):
+    # The one GPU serving the traffic gives no energy reading (its limit still read): its series goes, nothing's energy
+    # moves. Before: "the daemon's GPU energy has not moved (its sampling stalled?)", not the refusal that names the
+    # GPU serving the traffic unread and the fix (daemon.gpus).
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                            clock=clock, gpu_uuids=[nvml.gpus[0].uuid])
+        runner.start()
+        _drive(runner, clock, 2)
+        fd.unread = True
+        _drive(runner, clock, 12)
+    (d,) = [d for d in runner.tuner.decisions if d.action == "stale"]
+    assert "serving the traffic give no energy reading" in d.reason and "daemon.gpus" in d.reason, d.reason
+    assert "stalled" not in d.reason
 
 
 def test_an_idle_gpus_energy_read_in_part_of_a_window_is_in_no_verdict(tmp_path):

@@ -236,9 +236,13 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
 
 
 def energy_moved(a: DaemonCounters, b: DaemonCounters) -> bool:
-    """Whether the daemon's GPU energy rose from `a` to `b` (it samples): on a GPU in both scrapes where they name
-    their GPUs, as a GPU unread has no series (its counter would stand still), and one leaving took its whole count out
-    of the sum (a window refused as "not moved" on a daemon sampling on)."""
+    """Whether the daemon sampled from `a` to `b`: a GPU's energy rose, on a GPU in both scrapes where they name their
+    GPUs, as a GPU unread has no series (its counter would stand still), and one leaving took its whole count out of
+    the sum (a window refused as "not moved" on a daemon sampling on); or a GPU's unread time rose, the daemon closing
+    intervals it read no energy over: every GPU unread is told by window_between's refusal, with its fix, not as a
+    stalled daemon."""
+    if any(v > a.gpu_unknown_s[u] for u, v in b.gpu_unknown_s.items() if u in a.gpu_unknown_s):
+        return True
     both = a.gpu_energies_j.keys() & b.gpu_energies_j.keys()
     if both:
         return any(b.gpu_energies_j[u] > a.gpu_energies_j[u] for u in both)

@@ -329,7 +329,8 @@ class TuneRunner:
                     raise ObserveError(f"the inference server is failing ({c.upstream_failures - last.upstream_failures:.0f} "
                                        "requests not delivered)")
                 if not energy_moved(last, c):
-                    raise ObserveError("the daemon's GPU energy has not moved (its sampling stalled?)")
+                    raise ObserveError("neither the daemon's GPU energy nor its GPUs' unread time has moved (its sampling "
+                                       "stalled?)")
                 before = self._actual_level(last)
                 level = self.tuner.level
                 if self.cfg.dry_run:
