@@ -1464,6 +1464,8 @@ def test_a_tuned_gpu_the_daemon_cannot_read_is_said_as_such_not_as_other_gpus(tm
     d = runner.tuner.decisions[-1]
     assert d.action == "stale" and "reads no power limit on GPU GPU-aside now" in d.reason, d.reason
     assert "not these GPUs" not in d.reason
+    # It lasts while the GPU is lost: the row says how to tune on without it (before, only "until it reads again").
+    assert "daemon.gpus leaving it out" in d.reason and "--gpus leaving it out" in d.reason, d.reason
 
 
 def test_a_dry_runs_j_per_token_is_the_serving_gpus_whatever_an_idle_gpu_reads(tmp_path):

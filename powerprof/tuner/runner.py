@@ -299,7 +299,9 @@ class TuneRunner:
                 # lost, or reads failing. Said as that, not as a daemon measuring other GPUs.
                 raise ObserveError(f"the daemon reads no power limit on GPU {', '.join(one_line(u, 80) for u in unread[:8])}"
                                    " now (lost, or its reads failing: powerprof_gpu_up, the daemon's log): the level "
-                                   "it runs at cannot be told, so no window is judged until it reads again")
+                                   "it runs at cannot be told, so no window is judged until it reads again; to tune "
+                                   "without it, restart the daemon with daemon.gpus leaving it out and the tuner with "
+                                   "--gpus leaving it out")
             seen = sorted(c.gpu_limits_w)
             named = ", ".join(one_line(u, 80) for u in seen[:8]) + (f" and {len(seen) - 8} more" if len(seen) > 8 else "")
             raise ObserveError(f"the daemon measures GPUs {named or 'none'}, the tuner tunes "
