@@ -2368,3 +2368,29 @@ def test_the_serving_gpus_energy_in_the_totals_is_the_same_whether_a_gpu_serving
     assert 0 < whole.ledger.totals.idle_not_serving_j <= whole.ledger.totals.gpu_energy_j[1] + 1e-9
     assert sink.ledger.totals.idle_not_serving_j < whole.ledger.totals.idle_not_serving_j - 10 * 70.0 + 1e-6
     assert serving(sink.ledger) == pytest.approx(serving(whole.ledger), rel=1e-9)
+
+
+def test_a_gpus_energy_total_comes_back_where_it_stopped_plus_the_energy_read_since():
+    # powerprof_gpu_energy_joules_total (Totals.gpu_energy_j) goes while a GPU is unread and comes back: never reset
+    # (below the value before the loss, a rate() would take it for a counter reset) and never holding the unread time's
+    # energy. GPU 1 reads 100 J a second, unread at the edges 2 s and 3 s, read again from 4 s.
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    for k in range(2):
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0), R(100.0 * k, 100.0)])
+    led.advance(int(1.5 * S))
+    before = led.totals.gpu_energy_j[1]
+    assert before == pytest.approx(100.0) and not led.totals.gpu_unread_now[1]
+    for k in (2, 3):
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0), R(None, None)])
+    led.advance(int(3.5 * S))
+    assert led.totals.gpu_unread_now[1] and led.totals.gpu_energy_j[1] == pytest.approx(before)
+    for k in (4, 5, 6):
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0), R(100.0 * k, 100.0)])
+    led.advance(int(6.5 * S))
+    back = led.totals.gpu_energy_j[1]
+    assert not led.totals.gpu_unread_now[1]
+    # Read since: 4-5 s and 5-6 s (3-4 s has no reading at 3 s): 200 J on top of where it stopped, not the counter's
+    # 500 J across the gap.
+    assert back >= before and back - before == pytest.approx(200.0)
+    assert led.totals.gpu_unknown_s[1] == pytest.approx(3.0)
