@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from powerprof import __version__
 from powerprof.daemon import service
 from powerprof.daemon.metrics import GpuSnapshot, Snapshot, TagLimiter, make_registry, render
+from powerprof.profiler import NO_COUNTER_SHORT_FLAG
+from powerprof.storage.schema import CACHE_LATE_FLAG
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "systemd" / "grafana-powerprof.json"
@@ -154,7 +156,7 @@ def test_journald_gets_no_timestamps_a_terminal_does(tmp_path):
 def test_requests_flagged_no_counter_short_are_counted_on_metrics():
     # Short requests on a GPU without an energy counter (ledger: energy_note no-counter-short) are said on /metrics,
     # and at zero too: a dashboard tells "none" from "not exported".
-    fams = _exposition(no_counter_short_requests=3)
+    fams = _exposition(flagged_requests={NO_COUNTER_SHORT_FLAG: 3})
     (sample,) = fams["powerprof_requests_no_counter_short"].samples
     assert sample.value == 3
     assert "no-counter-short" in fams["powerprof_requests_no_counter_short"].documentation
@@ -165,7 +167,7 @@ def test_requests_flagged_no_counter_short_are_counted_on_metrics():
 def test_the_j_per_token_help_says_what_it_leaves_out_and_the_flag_count_says_the_fix():
     # A user reading /metrics sees the headline J/token leave out no-counter-short intervals (its HELP said "recent
     # decode intervals" only) and, beside the count of such requests, what to do about them.
-    fams = _exposition(no_counter_short_requests=1, joules_per_token=0.5)
+    fams = _exposition(flagged_requests={NO_COUNTER_SHORT_FLAG: 1}, joules_per_token=0.5)
     assert "no-counter-short" in fams["powerprof_joules_per_token"].documentation
     assert "jpt_window_s" in fams["powerprof_joules_per_token"].documentation
     doc = fams["powerprof_requests_no_counter_short"].documentation
@@ -185,7 +187,7 @@ def test_the_dashboard_shows_the_requests_left_out_of_its_j_per_token():
 def test_requests_flagged_prefix_cache_late_are_counted_on_metrics():
     # Rows saying prefix-cache-late (a cached count said at a stream's end, or a share beside one) are counted, at
     # zero too, with the fix in the HELP. Before: no such series (prefix-cache-unsaid had one).
-    fams = _exposition(cache_late_requests=4)
+    fams = _exposition(flagged_requests={CACHE_LATE_FLAG: 4})
     (sample,) = fams["powerprof_requests_cache_late"].samples
     assert sample.value == 4 and sample.name == "powerprof_requests_cache_late_total"
     assert "prefix-cache-late" in fams["powerprof_requests_cache_late"].documentation

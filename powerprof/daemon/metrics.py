@@ -21,7 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from powerprof import __version__
 from powerprof.arrival import COUNT_PROBLEM_KINDS
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
-from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_UNSAID_FIX,
+from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
+                                      CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG,
                                       COUNT_OPEN_FIX, COUNT_OPEN_FLAG, SERVER_COUNT_SLOTS_ONLY)
 
 from .attribution import DEST_NAMES, KIND_NAMES
@@ -36,8 +37,25 @@ LATENCY_DOCS = {
     "output_tokens": "Proxied requests' generated tokens",
 }
 # Request flags (ledger.COUNTED_FLAGS) → the counter of the rows that say them, and its help: always shown, 0 included,
-# so a dashboard's rate() of one reads 0 rather than no data.
+# so a dashboard's rate() of one reads 0 rather than no data. One table for every flag counted, counted by the ledger
+# from the decision each row's note is written by.
 FLAG_COUNTERS = {
+    NO_COUNTER_SHORT_FLAG: ("powerprof_requests_no_counter_short", "Requests whose GPU energy came mostly from "
+                   "intervals without an energy counter (power readings) that requests were live in for "
+                   "under half their time (read from instant power: for less than all of it): it rests on "
+                   "the idle power taken out of the rest; their rows' energy_note says no-counter-short, "
+                   "and they are left out of powerprof_joules_per_token; fix: " + NO_COUNTER_SHORT_FIX),
+    CACHE_UNSAID_FLAG: ("powerprof_requests_cache_unsaid", "Requests whose prefill was costed at their whole "
+                   "prompt while the server's prefix-cache counter (vllm:prefix_cache_hits_total, or "
+                   "vllm:gpu_prefix_cache_hits_total on vLLM 0.8-0.9.1, sglang:cached_tokens_total) showed cached prompt tokens no answer said: "
+                   "their rows' "
+                   "energy_note says approximate: prefix-cache-unsaid (a reused prompt over-charged, the "
+                   "requests beside it under-charged); fix: " + CACHE_UNSAID_FIX),
+    CACHE_LATE_FLAG: ("powerprof_requests_cache_late", "Requests whose rows' energy_note says approximate: "
+                   "prefix-cache-late: a stream said its prompt's length early and its cached count only "
+                   "at its end, after intervals over its prefill closed with its whole prompt costed as "
+                   "computed (that request over-charged), or a request given energy of such intervals "
+                   "beside it (under-charged); fix: " + CACHE_LATE_FIX),
     BEST_OF_FLAG: ("powerprof_requests_best_of_unseen", "Requests whose rows' energy_note says approximate: "
                    f"{BEST_OF_FLAG}: they asked vLLM V0 for best_of sequences beyond the n returned, whose tokens never "
                    "reached the proxy: their work is in the requests beside them and in unproxied, the flagged "
@@ -130,10 +148,7 @@ class Snapshot:
     edge_read_cpu_s: float = 0.0
     other_cpu_pct: float | None = None  # ledger.Totals: other processes' share of busy CPU time, latest judged interval
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in busy-host intervals since start
-    no_counter_short_requests: int = 0  # ledger.Totals: request rows flagged no-counter-short since start
     cpu_unknown_requests: int = 0  # ledger.Totals: request rows without cpu_energy_j though RAPL is read, since start
-    cache_unsaid_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-unsaid since start
-    cache_late_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-late since start
     flagged_requests: dict = field(default_factory=dict)  # ledger.Totals: {flag: request rows saying it} (FLAG_COUNTERS)
     accounts_behind_s: float | None = None  # now − the end of the latest closed interval (None: none yet)
     jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
@@ -290,24 +305,6 @@ class SnapshotCollector:
         for kind in UNCOUNTED_KINDS:
             uc.add_metric([kind], s.uncounted_requests.get(kind, 0))
         yield uc
-        yield CounterMetricFamily("powerprof_requests_no_counter_short", "Requests whose GPU energy came mostly from "
-                                  "intervals without an energy counter (power readings) that requests were live in for "
-                                  "under half their time (read from instant power: for less than all of it): it rests on "
-                                  "the idle power taken out of the rest; their rows' energy_note says no-counter-short, "
-                                  "and they are left out of powerprof_joules_per_token; fix: " + NO_COUNTER_SHORT_FIX,
-                                  value=s.no_counter_short_requests)
-        yield CounterMetricFamily("powerprof_requests_cache_unsaid", "Requests whose prefill was costed at their whole "
-                                  "prompt while the server's prefix-cache counter (vllm:prefix_cache_hits_total, or "
-                                  "vllm:gpu_prefix_cache_hits_total on vLLM 0.8-0.9.1, sglang:cached_tokens_total) showed cached prompt tokens no answer said: their rows' "
-                                  "energy_note says approximate: prefix-cache-unsaid (a reused prompt over-charged, the "
-                                  "requests beside it under-charged); fix: " + CACHE_UNSAID_FIX,
-                                  value=s.cache_unsaid_requests)
-        yield CounterMetricFamily("powerprof_requests_cache_late", "Requests whose rows' energy_note says approximate: "
-                                  "prefix-cache-late: a stream said its prompt's length early and its cached count only "
-                                  "at its end, after intervals over its prefill closed with its whole prompt costed as "
-                                  "computed (that request over-charged), or a request given energy of such intervals "
-                                  "beside it (under-charged); fix: " + CACHE_LATE_FIX,
-                                  value=s.cache_late_requests)
         for flag, (name, doc) in FLAG_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=(s.flagged_requests or {}).get(flag, 0))
         if s.joules_per_token is not None:
