@@ -1488,3 +1488,16 @@ def test_a_dry_runs_j_per_token_is_the_serving_gpus_whatever_an_idle_gpu_reads(t
     before = [r for r in rows if r["t_mono_s"] < t_mixed - runner.t0_s]
     after = [r for r in rows if r["t_mono_s"] >= t_mixed - runner.t0_s]
     assert before and after and all(r["j_per_token"] == pytest.approx(1600 / 1600) for r in before + after), rows
+
+def test_a_not_serving_idle_energy_above_the_idle_and_requests_energy_is_refused():
+    # The serving GPUs' energy is requests + idle less it: a larger one is not the daemon's (it would read as negative
+    # energy, a level "saving" more than it spent).
+    with FakeDaemon() as fd:
+        text = fetch_metrics(fd.url)
+    assert parse_counters(text, 0.0).energy_j > 0
+    bad = re.sub(r"(?m)^powerprof_gpu_idle_energy_not_serving_joules_total .*$",
+                 "powerprof_gpu_idle_energy_not_serving_joules_total 1e9", text)
+    with pytest.raises(ObserveError, match="not_serving_joules_total exceeds"):
+        parse_counters(bad, 0.0)
+    with pytest.raises(ObserveError, match="lack powerprof_gpu_idle_energy_not_serving_joules"):
+        parse_counters(re.sub(r"(?m)^.*powerprof_gpu_idle_energy_not_serving_joules.*\n", "", text), 0.0)
