@@ -13,6 +13,7 @@ from powerprof.collectors.rapl import RaplCollector
 from powerprof.daemon.ledger import Ledger
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.streams import Counts
+from powerprof.profiler import NO_COUNTER_SHORT_FLAG
 from powerprof.sim.powercap import SimPowercap
 from powerprof.daemon.ticks import Waker
 
@@ -1682,7 +1683,7 @@ def test_a_request_between_two_instant_power_reads_says_no_counter_short():
     assert row["energy_note"] and row["energy_note"].startswith("no-counter-short: ") and "fix:" in row["energy_note"], \
         (row["gpu_energy_j"], truth)
     assert "instant power" in row["energy_note"]  # why its intervals count, said
-    assert led.totals.no_counter_short_requests == 1
+    assert led.totals.flagged_requests[NO_COUNTER_SHORT_FLAG] == 1
     assert led.totals.j_per_token is None
     # A request live through its intervals is read at both ends of each: not flagged, within the 1 Hz reads' error.
     led2 = Ledger("d", 0, 1, sink2 := Sink(), grace_s=0.1, avg_windows_s=(0.0,))
@@ -1703,13 +1704,13 @@ def test_a_short_request_on_a_gpu_without_a_counter_says_so_and_stays_out_of_the
     (row,) = sink.rows["requests"]
     assert row["energy_note"] and "no-counter-short" in row["energy_note"] and "fix:" in row["energy_note"]
     assert row["gpu_energy_j"] is not None  # kept, and said
-    assert led.totals.no_counter_short_requests == 1
+    assert led.totals.flagged_requests[NO_COUNTER_SHORT_FLAG] == 1
     assert led.totals.j_per_token is None  # its intervals were mostly idle: no headline figure from them
     gpu, traces = _avg_only_requests_run(led2 := Ledger("d", 0, 1, sink2 := Sink(), grace_s=0.1, avg_windows_s=(1.0,)),
                                          [(10.2, 16.6, 900)], until_s=20.0)
     (row,) = sink2.rows["requests"]
     assert not (row["energy_note"] or "").count("no-counter-short")
-    assert led2.totals.no_counter_short_requests == 0
+    assert led2.totals.flagged_requests[NO_COUNTER_SHORT_FLAG] == 0
     assert row["gpu_energy_j"] == pytest.approx(_true_j(gpu, traces[0]), rel=0.05)
     assert led2.totals.j_per_token is not None
 
@@ -2348,7 +2349,77 @@ def test_requests_flagged_best_of_unseen_and_count_open_are_counted_as_their_row
     assert BEST_OF_FLAG not in rows[3] and COUNT_OPEN_FLAG not in rows[3], rows
     none = render(make_registry(type("H", (), {"snapshot": Snapshot()}))).decode()
     assert "powerprof_requests_best_of_unseen_total 0.0" in none and "powerprof_requests_count_open_total 0.0" in none
-    assert led.totals.flagged_requests == {BEST_OF_FLAG: 1, COUNT_OPEN_FLAG: 1}
+    assert {f: n for f, n in led.totals.flagged_requests.items() if n} == {BEST_OF_FLAG: 1, COUNT_OPEN_FLAG: 1}
     text = render(make_registry(type("H", (), {"snapshot": Snapshot(flagged_requests=led.totals.flagged_requests)})))
     got = {s.name: s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples}
     assert got["powerprof_requests_best_of_unseen_total"] == 1 and got["powerprof_requests_count_open_total"] == 1
+
+
+def test_the_serving_gpus_energy_in_the_totals_is_the_same_whether_a_gpu_serving_nothing_reads_or_not():
+    # The tuner's energy is the requests' and idle energy less that of the GPUs serving none of the work
+    # (Totals.idle_not_serving_j, powerprof_gpu_idle_energy_not_serving_joules_total): GPU 1 lost from request 30 on
+    # must not move it. Before, no total told the two apart, and the tuner's figure fell with GPU 1's energy.
+    whole = _server_on_gpu0_gpu1_idle()
+    sink = _server_on_gpu0_gpu1_idle(lose_gpu1_at=30)
+
+    def serving(led):
+        t = led.totals
+        return t.energy_by_dest_j[0] + t.energy_by_dest_j[1] - t.idle_not_serving_j
+
+    assert 0 < whole.ledger.totals.idle_not_serving_j <= whole.ledger.totals.gpu_energy_j[1] + 1e-9
+    assert sink.ledger.totals.idle_not_serving_j < whole.ledger.totals.idle_not_serving_j - 10 * 70.0 + 1e-6
+    assert serving(sink.ledger) == pytest.approx(serving(whole.ledger), rel=1e-9)
+
+
+def test_a_gpus_energy_total_comes_back_where_it_stopped_plus_the_energy_read_since():
+    # powerprof_gpu_energy_joules_total (Totals.gpu_energy_j) goes while a GPU is unread and comes back: never reset
+    # (below the value before the loss, a rate() would take it for a counter reset) and never holding the unread time's
+    # energy. GPU 1 reads 100 J a second, unread at the edges 2 s and 3 s, read again from 4 s.
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    for k in range(2):
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0), R(100.0 * k, 100.0)])
+    led.advance(int(1.5 * S))
+    before = led.totals.gpu_energy_j[1]
+    assert before == pytest.approx(100.0) and not led.totals.gpu_unread_now[1]
+    for k in (2, 3):
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0), R(None, None)])
+    led.advance(int(3.5 * S))
+    assert led.totals.gpu_unread_now[1] and led.totals.gpu_energy_j[1] == pytest.approx(before)
+    for k in (4, 5, 6):
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0), R(100.0 * k, 100.0)])
+    led.advance(int(6.5 * S))
+    back = led.totals.gpu_energy_j[1]
+    assert not led.totals.gpu_unread_now[1]
+    # Read since: 4-5 s and 5-6 s (3-4 s has no reading at 3 s): 200 J on top of where it stopped, not the counter's
+    # 500 J across the gap.
+    assert back >= before and back - before == pytest.approx(200.0)
+    assert led.totals.gpu_unknown_s[1] == pytest.approx(3.0)
+
+
+def test_a_request_row_is_counted_by_its_flags_decided_not_by_words_a_client_put_in_its_note():
+    # A client's POST to a path of its own choosing ("/v1/x/count-open: y") is a request the proxy does not count: its
+    # row's note, and the notes of the requests live beside it, quote that path. Before, the flag counters counted rows
+    # whose note held "count-open: ", so each of those rows counted as count-open though none was.
+    from powerprof.storage.schema import COUNT_OPEN_FLAG
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    odd = RequestTrace(2, "POST", f"/v1/x/{COUNT_OPEN_FLAG}: y", None, int(0.1 * S), 0, api=None, stream=None,
+                       status=200)
+    plain = _trace(1, 0.1)
+    for tr in (plain, odd):
+        led.on_start(tr)
+    for k in range(4):
+        _feed(led, k, 100.0 * k)
+    for j in range(10):
+        led.on_tokens(plain, int((0.2 + 0.2 * j) * S), 1)
+    plain.first_ns, plain.last_ns, plain.end_ns = int(0.2 * S), int(2.0 * S), int(2.1 * S)
+    plain.counts = Counts(generated_tokens=10, prompt_tokens=10, model=None, stop_reason="stop", token_source="usage")
+    led.on_end(plain)
+    odd.end_ns = int(2.1 * S)
+    led.on_end(odd)
+    led.advance(int(3.5 * S))
+    notes = [r["energy_note"] or "" for r in sink.rows["requests"]]
+    assert any(f"{COUNT_OPEN_FLAG}: " in n for n in notes), notes  # the client's words are in a note
+    assert led.totals.flagged_requests[COUNT_OPEN_FLAG] == 0

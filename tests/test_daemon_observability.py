@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from powerprof import __version__
 from powerprof.daemon import service
 from powerprof.daemon.metrics import GpuSnapshot, Snapshot, TagLimiter, make_registry, render
+from powerprof.profiler import NO_COUNTER_SHORT_FLAG
+from powerprof.storage.schema import CACHE_LATE_FLAG
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "systemd" / "grafana-powerprof.json"
@@ -154,7 +156,7 @@ def test_journald_gets_no_timestamps_a_terminal_does(tmp_path):
 def test_requests_flagged_no_counter_short_are_counted_on_metrics():
     # Short requests on a GPU without an energy counter (ledger: energy_note no-counter-short) are said on /metrics,
     # and at zero too: a dashboard tells "none" from "not exported".
-    fams = _exposition(no_counter_short_requests=3)
+    fams = _exposition(flagged_requests={NO_COUNTER_SHORT_FLAG: 3})
     (sample,) = fams["powerprof_requests_no_counter_short"].samples
     assert sample.value == 3
     assert "no-counter-short" in fams["powerprof_requests_no_counter_short"].documentation
@@ -165,7 +167,7 @@ def test_requests_flagged_no_counter_short_are_counted_on_metrics():
 def test_the_j_per_token_help_says_what_it_leaves_out_and_the_flag_count_says_the_fix():
     # A user reading /metrics sees the headline J/token leave out no-counter-short intervals (its HELP said "recent
     # decode intervals" only) and, beside the count of such requests, what to do about them.
-    fams = _exposition(no_counter_short_requests=1, joules_per_token=0.5)
+    fams = _exposition(flagged_requests={NO_COUNTER_SHORT_FLAG: 1}, joules_per_token=0.5)
     assert "no-counter-short" in fams["powerprof_joules_per_token"].documentation
     assert "jpt_window_s" in fams["powerprof_joules_per_token"].documentation
     doc = fams["powerprof_requests_no_counter_short"].documentation
@@ -185,10 +187,32 @@ def test_the_dashboard_shows_the_requests_left_out_of_its_j_per_token():
 def test_requests_flagged_prefix_cache_late_are_counted_on_metrics():
     # Rows saying prefix-cache-late (a cached count said at a stream's end, or a share beside one) are counted, at
     # zero too, with the fix in the HELP. Before: no such series (prefix-cache-unsaid had one).
-    fams = _exposition(cache_late_requests=4)
+    fams = _exposition(flagged_requests={CACHE_LATE_FLAG: 4})
     (sample,) = fams["powerprof_requests_cache_late"].samples
     assert sample.value == 4 and sample.name == "powerprof_requests_cache_late_total"
     assert "prefix-cache-late" in fams["powerprof_requests_cache_late"].documentation
     assert "fix: ask without continuous usage" in fams["powerprof_requests_cache_late"].documentation
     (zero,) = _exposition()["powerprof_requests_cache_late"].samples
     assert zero.value == 0
+
+
+def test_the_power_panel_from_energy_counters_leaves_out_an_instance_with_a_gpu_unread_over_the_range():
+    # A rate() over a range overlapping a GPU's unread time reads low whether its series is absent or not (Prometheus
+    # extrapolates the increase between the range's first and last samples): before, the panel summed every instance's
+    # rate, a 60 s gap of a 300 W GPU reading 237 W for 5 minutes; and the share panel's max of 1 clipped the share
+    # above 1 that a range shorter than the accounts' batches reads.
+    panels = {p["title"]: p for p in _dashboard()["panels"]}
+    (gpu,) = [t["expr"] for t in panels["GPU + CPU power from energy counters"]["targets"]
+              if "powerprof_gpu_energy_joules_total" in t["expr"]]
+    kept, _, dropped = gpu.partition(" unless on (job, instance) ")
+    assert kept.startswith("sum by (job, instance) (rate(powerprof_gpu_energy_joules_total"), gpu
+    assert "rate(powerprof_gpu_energy_unknown_seconds_total" in dropped and dropped.rstrip(")").endswith("> 0"), gpu
+    share = panels["GPUs without an energy reading (share of the time)"]["fieldConfig"]["defaults"]
+    assert "max" not in share
+
+
+def test_the_energy_help_says_a_rate_over_an_unread_gap_reads_low():
+    # Before: the help said the series is absent while unread, as if that kept a rate() right.
+    fams = _exposition(gpus=(GpuSnapshot(0, "GPU-x", "gpu", 100.0, 1.0, 1.0, 300.0, 5.0),))
+    assert "reads low" in fams["powerprof_gpu_energy_joules"].documentation
+    assert "exceed 1" in fams["powerprof_gpu_energy_unknown_seconds"].documentation

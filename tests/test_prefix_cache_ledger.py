@@ -77,7 +77,7 @@ def test_a_cached_count_said_early_costs_the_prefill_at_the_part_computed():
     assert ivs[0]["prefill_tokens"] == 200
     assert abs(rq[2]["gpu_energy_j"] - 100.0) < 1.0 and abs(rq[1]["gpu_energy_j"] - 900.0) < 1.0
     assert not (rq[1]["energy_note"] or "").count(LATE) and not (rq[2]["energy_note"] or "").count(LATE)
-    assert led.totals.cache_late_requests == 0
+    assert led.totals.flagged_requests[LATE] == 0
 
 
 def test_a_cached_count_said_only_after_its_prefill_closed_marks_the_request():
@@ -98,7 +98,7 @@ def test_the_request_beside_a_late_cached_count_is_marked_and_counted():
     note = b["energy_note"] or ""
     assert note.startswith("approximate:") and LATE in note and "900" in note and "fix:" in note, note
     assert "low" in note
-    assert led.totals.cache_late_requests == 2  # A's row and B's
+    assert led.totals.flagged_requests[LATE] == 2  # A's row and B's
 
 
 def test_a_long_stream_beside_a_late_count_says_it_after_thousands_more_went_by():
@@ -346,7 +346,7 @@ def test_a_count_said_at_a_streams_end_after_a_scrape_flags_nothing():
     ivs, rq, led = _pending_run(details=True)
     assert set(rq) == {1, 2, 3} and rq[2]["cached_prompt_tokens"] == 900
     assert _unsaid_flagged(ivs, rq) == (set(), [])
-    assert led.totals.cache_unsaid_requests == 0
+    assert led.totals.flagged_requests[UNSAID] == 0
     # Every interval's row still comes, once, in order.
     starts = [iv["t_start_mono_s"] for iv in ivs]
     assert starts == sorted(starts) and len(starts) == len(set(starts)) >= 8
@@ -359,7 +359,7 @@ def test_a_server_that_never_says_its_counts_is_still_flagged_when_the_stream_en
     rows, flagged_ivs = _unsaid_flagged(ivs, rq)
     assert rows == {1, 2, 3} and "900" in rq[2]["energy_note"] and "fix:" in rq[1]["energy_note"]
     assert flagged_ivs == [0, 1]
-    assert led.totals.cache_unsaid_requests == 3
+    assert led.totals.flagged_requests[UNSAID] == 3
 
 
 @pytest.mark.parametrize("long_id", [1, 2])
@@ -370,7 +370,7 @@ def test_a_stream_longer_than_the_hits_are_kept_is_still_flagged(long_id):
     ivs, rq, led = _pending_run(details=False, ends={long_id: 320.0})
     rows, _ = _unsaid_flagged(ivs, rq)
     assert rows == {1, 2, 3}, {rid: r["energy_note"] for rid, r in rq.items()}
-    assert led.totals.cache_unsaid_requests == 3
+    assert led.totals.flagged_requests[UNSAID] == 3
 
 
 def test_a_long_stream_ending_just_before_its_hits_are_pruned_is_still_flagged():
@@ -382,7 +382,7 @@ def test_a_long_stream_ending_just_before_its_hits_are_pruned_is_still_flagged()
     rows, _ = _unsaid_flagged(ivs, rq)
     assert rows == {1, 2, 3}, {rid: r["energy_note"] for rid, r in rq.items()}
     assert "900" in rq[2]["energy_note"]
-    assert led.totals.cache_unsaid_requests == 3
+    assert led.totals.flagged_requests[UNSAID] == 3
 
 
 def test_a_count_said_late_marks_the_late_case_not_the_unsaid_one():
@@ -392,7 +392,7 @@ def test_a_count_said_late_marks_the_late_case_not_the_unsaid_one():
     ivs, rq, led = _pending_run(details=True, continuous=True)
     assert LATE in (rq[2]["energy_note"] or "")
     assert _unsaid_flagged(ivs, rq) == (set(), [])
-    assert led.totals.cache_unsaid_requests == 0
+    assert led.totals.flagged_requests[UNSAID] == 0
 
 
 def _row_delays_s(ivs):
@@ -409,7 +409,7 @@ def test_a_server_that_never_says_counts_does_not_hold_rows_for_its_live_streams
     # says no count.
     ivs, rq, led = _pending_run(details=False, continuous=True, ends={3: 2.5}, scrape_s=1.0)
     assert _unsaid_flagged(ivs, rq) == ({1, 2, 3}, [0, 1])  # flagged as before
-    assert led.totals.cache_unsaid_requests == 3
+    assert led.totals.flagged_requests[UNSAID] == 3
     delays = _row_delays_s(ivs)
     assert len(delays) >= 8 and max(delays) < 2.5, delays
     assert [iv["t_start_mono_s"] for iv in ivs] == sorted(iv["t_start_mono_s"] for iv in ivs)
@@ -420,7 +420,7 @@ def test_a_server_that_says_its_counts_keeps_the_wait_for_its_live_streams():
     # for it and nothing is flagged unsaid.
     ivs, rq, led = _pending_run(details=True, continuous=True, ends={3: 2.5}, scrape_s=1.0)
     assert _unsaid_flagged(ivs, rq) == (set(), [])
-    assert led.totals.cache_unsaid_requests == 0
+    assert led.totals.flagged_requests[UNSAID] == 0
     assert max(_row_delays_s(ivs)) > 4.0  # the 0-1 s row waited for B's end (5.05 s)
 
 
@@ -518,7 +518,7 @@ def test_said_counts_of_requests_whose_spans_cross_are_matched_whatever_order_th
     ivs, rq, led = _crossed_run(a_first)
     assert set(rq) == {1, 2} and rq[1]["cached_prompt_tokens"] == 200 and rq[2]["cached_prompt_tokens"] == 300
     assert _unsaid_flagged(ivs, rq) == (set(), []), {rid: r["energy_note"] for rid, r in rq.items()}
-    assert led.totals.cache_unsaid_requests == 0
+    assert led.totals.flagged_requests[UNSAID] == 0
 
 
 def _whole_then_stream_run(details: bool):

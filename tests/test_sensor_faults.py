@@ -108,6 +108,57 @@ def test_a_lost_gpus_energy_series_goes_and_the_time_it_misses_is_counted_never_
     assert later[(u, "1")] - first[(u, "1")] == pytest.approx(1.0, abs=0.6)
 
 
+
+def test_a_gpus_energy_series_comes_back_where_it_stopped_never_reset(tmp_path, monkeypatch):
+    # GPU 1 lost for about 1 s, then answering again (no reset: its counter runs on): its series comes back at or above
+    # its last value before the loss (below, a rate() takes a counter reset and reads its whole value), grown by no more
+    # than the GPU spent meanwhile (not the counter's jump across the gap counted twice, nor from zero).
+    from powerprof.collectors import nvml as nvmlmod
+
+    monkeypatch.setattr(nvmlmod, "REOPEN_INTERVAL_S", 0.3)
+    sim = SimNVML("a100-40g", count=2, state_path=None)
+    nv = FaultyNVML(sim)
+    d = _daemon(tmp_path, nv)
+    e = ("powerprof_gpu_energy_joules_total", "1")
+
+    async def main():
+        task = await _started(d)
+        for _ in range(50):
+            before = _gpu_series(d)
+            if before.get(e, 0) > 0:
+                break
+            await asyncio.sleep(0.1)
+        true_before = sim.gpus[1].true_energy_j()
+        nv.lose(1)
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if e not in _gpu_series(d):
+                break
+        gone = _gpu_series(d)
+        await asyncio.sleep(1.0)
+        nv.heal()
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            back = _gpu_series(d)
+            if e in back:
+                break
+        true_back = sim.gpus[1].true_energy_j()
+        for _ in range(50):  # its intervals close a grace period after their edges
+            await asyncio.sleep(0.1)
+            later = _gpu_series(d)
+            if later.get(e, 0) > back[e]:
+                break
+        d.stop_event.set()
+        return before, gone, back, later, true_before, true_back, await task
+
+    before, gone, back, later, true_before, true_back, rc = asyncio.run(asyncio.wait_for(main(), 60))
+    assert rc == 0
+    assert e not in gone and e in back, (gone, back)
+    assert back[e] >= before[e]
+    assert back[e] - before[e] <= true_back - true_before
+    assert later[e] > back[e]  # counting on
+    assert back[("powerprof_gpu_energy_unknown_seconds_total", "1")] > 0
+
 def test_restore_puts_the_other_gpus_back_when_one_is_lost_and_says_how_to_fix_that_one(tmp_path):
     import pytest
 

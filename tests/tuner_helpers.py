@@ -30,16 +30,19 @@ class FakeDaemon:
         as a daemon whose sampler lags or whose intervals are held (prompt lengths, the server's counter): each
         scrape's energy is what was spent that many scrapes before, at the limit then (`released_from_w`), and the
         daemon says how far behind its accounts are (`behind_s`: seconds; None exposes nothing, as an older daemon).
-        aside_j: a second GPU serving none of the traffic spends this much idle energy per scrape, in the idle
-        energy the tuner reads, over INTERVALS_PER_SCRAPE intervals of 1 s; `aside_unread` (settable between scrapes)
-        is the share of the next scrape's intervals it gives no reading over, as a daemon counts them
-        (powerprof_gpu_idle_energy_unknown_intervals_total, its powerprof_gpu_energy_unknown_seconds_total) and leaves
-        its energy out; `aside_lost` (settable): unread now, so no limit gauge (the accounts lag: `aside_unread` apart).
-        j_per_token_at: {limit W: J/token} where the levels cost differently (default `j_per_token` at every one)."""
+        aside_j: a second GPU serving none of the traffic spends this much idle energy per scrape, in the daemon's idle
+        energy and its powerprof_gpu_idle_energy_not_serving_joules_total, over INTERVALS_PER_SCRAPE intervals of 1 s;
+        `aside_unread` (settable between scrapes) is the share of the next scrape's intervals it gives no reading over,
+        as a daemon counts them (its powerprof_gpu_energy_unknown_seconds_total) and leaves its energy out of both;
+        `aside_lost` (settable): unread now, so no limit gauge (the accounts lag: `aside_unread` apart).
+        j_per_token_at: {limit W: J/token} where the levels cost differently (default `j_per_token` at every one).
+        `unread` (settable between scrapes): the serving GPU gives no energy reading (its limit still read): its
+        energy series goes, its unread seconds and powerprof_gpu_energy_unknown_intervals_total climb, no energy counts."""
         self.accounts_behind = accounts_behind
         self.aside_j, self.aside_unread, self.aside_lost = aside_j, 0.0, False  # lost: no limit gauge now
         self.j_per_token_at = j_per_token_at or {}
-        self.idle = self.idle_unknown = self.intervals = self.aside_unknown_s = self.aside_energy = 0.0
+        self.idle = self.aside_unknown_s = self.aside_energy = 0.0
+        self.unread, self.unknown_s, self.unknown_intervals = False, 0.0, 0
         self._unreleased: list[tuple[float, float]] = []  # (energy J, the limit W it was spent at), oldest first
         self.released_from_w: set = set()  # the limits the energy released by the latest scrape was spent at
         self.behind_s: float | None = None
@@ -99,18 +102,20 @@ class FakeDaemon:
                     k = round(n * self.aside_unread)
                     self.idle += self.aside_j * (n - k) / n
                     self.aside_energy += self.aside_j * (n - k) / n
-                    self.idle_unknown += k
                     self.aside_unknown_s += k * 1.0
-                self.intervals += INTERVALS_PER_SCRAPE
                 if self.accounts_behind:
                     self._unreleased.append((spent * self.gpu()[1] / 300.0, self.gpu()[1]))  # J/token ∝ limit
                     out, self._unreleased = (self._unreleased[:-self.accounts_behind],
                                              self._unreleased[-self.accounts_behind:])
                     self.energy += sum(e for e, _ in out)
                     self.released_from_w = {w for _, w in out}
+                elif self.unread:
+                    self.unknown_s += INTERVALS_PER_SCRAPE * 1.0
+                    self.unknown_intervals += INTERVALS_PER_SCRAPE
                 else:
                     self.energy += spent
-                self.gpu_energy += self.j_per_token * 80 * self.per_scrape + 50.0  # plus idle power between requests
+                if not self.unread:
+                    self.gpu_energy += self.j_per_token * 80 * self.per_scrape + 50.0  # plus idle power between requests
                 if self.mode == "upstream":
                     self.upstream_failures += 5
                 q, now = self.queue, time.monotonic()
@@ -124,10 +129,11 @@ class FakeDaemon:
                                  energy_unknown_s=self.aside_unknown_s, energy_unread=self.aside_unread > 0),) \
                 if self.aside_j else ()
             self.snapshot = Snapshot(
-                gpus=(GpuSnapshot(0, uuid, "fake", 200.0, 1500.0, 9000.0, limit_w, self.gpu_energy),) + aside,
+                gpus=(GpuSnapshot(0, uuid, "fake", 200.0, 1500.0, 9000.0, limit_w, self.gpu_energy,
+                                  energy_unknown_s=self.unknown_s, energy_unread=self.unread),) + aside,
+                gpu_unknown_intervals=self.unknown_intervals,
                 energy_by_dest_j=(self.energy, self.idle, 0.0),
-                idle_unknown_intervals=int(self.idle_unknown),
-                intervals=int(self.intervals),
+                idle_not_serving_j=self.aside_energy,
                 tokens_by_tag={"": self.tokens},
                 requests_by_tag={("", "ok"): float(self.finished)},
                 proxy_upstream_failures=self.upstream_failures,

@@ -293,8 +293,9 @@ class _Tag:
 
 
 # Request flags counted by the rows that say them (Totals.flagged_requests): each a /metrics counter (metrics.py
-# FLAG_COUNTERS). The flags counted before these have their own fields, judged as their rows are made.
-COUNTED_FLAGS = (BEST_OF_FLAG, COUNT_OPEN_FLAG)
+# FLAG_COUNTERS), counted from the decision its row's energy_note is written by (_request_flags), never from the note's
+# text, which quotes what clients send (a path).
+COUNTED_FLAGS = (NO_COUNTER_SHORT_FLAG, CACHE_UNSAID_FLAG, CACHE_LATE_FLAG, BEST_OF_FLAG, COUNT_OPEN_FLAG)
 
 
 @dataclass
@@ -314,10 +315,7 @@ class Totals:
     costs: dict = field(default_factory=dict)  # the costs in use and the latest fit's quality
     other_cpu_pct: float | None = None  # other processes' share of the host's busy CPU time, latest judged busy interval
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in intervals where it was above BUSY_HOST_PCT
-    no_counter_short_requests: int = 0  # request rows flagged NO_COUNTER_SHORT_FLAG since start
     cpu_unknown_requests: int = 0  # request rows without cpu_energy_j though RAPL is read (CPU_MISSING_NOTE) since start
-    cache_unsaid_requests: int = 0  # request rows flagged CACHE_UNSAID_FLAG since start
-    cache_late_requests: int = 0  # request rows flagged CACHE_LATE_FLAG since start (a late count's, or beside one)
     flagged_requests: dict = field(default_factory=dict)  # {flag: request rows saying it since start} (COUNTED_FLAGS)
     # Intervals with tokens left out of j_per_token since start, and their tokens: {flag: (intervals, tokens)}
     # (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG).
@@ -328,6 +326,9 @@ class Totals:
     # Intervals in no kind of energy_by_kind_j since start: a GPU serving the work (or, before which serve is judged,
     # any GPU) gave no reading there, their total unknown.
     gpu_unknown_intervals: int = 0
+    # Of energy_by_dest_j's idle, the energy of the GPUs serving none of the work since start (the read ones'): what
+    # the others' figures are without it does not hang on whether such a GPU reads (the tuner's energy).
+    idle_not_serving_j: float = 0.0
 
 
 class Ledger:
@@ -390,7 +391,6 @@ class Ledger:
         self._busy_spell = False  # inside a run of busy-host intervals (logged once when it starts)
         self._other_pct: float | None = None
         self._busy_cpu_j = 0.0
-        self.no_counter_short_requests = 0  # request rows emitted with NO_COUNTER_SHORT_FLAG
         # The server's prefix-cache hits against what its answers said (`add_cache_hits`, CACHE_UNSAID_FLAG):
         # [t0, t1, hits, known] of each scrape window in which it hit, `known` the cached tokens of the requests that
         # met it (said in their answers, or a shared prompt's other choices), each such token in one window only;
@@ -400,8 +400,6 @@ class Ledger:
         self._cache_known: deque = deque()
         self._cache_dirty = False
         self._cache_frozen = 0  # the leading windows whose `known` is final (`_cache_freeze`)
-        self.cache_unsaid_requests = 0  # request rows emitted with CACHE_UNSAID_FLAG
-        self.cache_late_requests = 0  # request rows emitted with CACHE_LATE_FLAG
         self.flagged_requests = dict.fromkeys(COUNTED_FLAGS, 0)  # request rows emitted with each of COUNTED_FLAGS
         # {request id: the requests beside its prefill (`_Req.late_wait`)} of those whose end may still say a count
         # late: told as it settles (`_settle_late`). Before, the late counts were kept in a table of the latest 4096,
@@ -478,6 +476,7 @@ class Ledger:
         self._by_kind = np.zeros(4)
         self._by_dest = np.zeros(3)
         self._idle_unknown_intervals = 0
+        self._not_serving_total = 0.0  # Totals.idle_not_serving_j
         self._gpu_unknown_intervals = 0
         self._gpu_unknown_s = np.zeros(n_gpus)  # Totals.gpu_unknown_s
         self._gpu_unread_now = np.zeros(n_gpus, bool)  # Totals.gpu_unread_now
@@ -1902,7 +1901,8 @@ class Ledger:
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
-                      work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged)
+                      work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
+                      aside_j=aside)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing)
         ended = [r for r, d in zip(reqs, done) if d]
@@ -1916,10 +1916,7 @@ class Ledger:
         self._late_parked.extend([r, int(r.trace.end_ns)] for r in ended)
         self.emit("requests", self._unpark(t_end))
         # The rows' counts, on /metrics with the rows themselves (the totals above were taken before them).
-        self.totals = replace(self.totals, no_counter_short_requests=self.no_counter_short_requests,
-                              cpu_unknown_requests=self.cpu_unknown_requests,
-                              cache_unsaid_requests=self.cache_unsaid_requests,
-                              cache_late_requests=self.cache_late_requests,
+        self.totals = replace(self.totals, cpu_unknown_requests=self.cpu_unknown_requests,
                               flagged_requests=dict(self.flagged_requests))
 
     def _unpark(self, now_ns: int | None) -> list[dict]:
@@ -2358,7 +2355,8 @@ class Ledger:
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
                  host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None,
-                 work_j=None, serving=None, idle_missing=None, unjudged=False) -> None:
+                 work_j=None, serving=None, idle_missing=None, unjudged=False, aside_j=None) -> None:
+        # aside_j: the energy of the GPUs serving none of the work per interval (their read ones', all of it idle);
         # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all);
         # idle_missing: intervals where a GPU serving none of the work gave no reading: the requests' energy and every
         # read GPU's stay in the totals (by kind and by destination), the unread GPU's energy alone is out (0 J in the
@@ -2388,6 +2386,8 @@ class Ledger:
         by_dest = a.by_dest[:, 0].copy()
         if idle_missing is not None and idle_missing.any():
             self._idle_unknown_intervals += int(idle_missing.sum())
+        if aside_j is not None:
+            self._not_serving_total += float(np.sum(aside_j))
         self._by_dest = self._by_dest + by_dest
         self._tokens_total += float(a.tokens.sum())
         self._tokens_attributed += float(a.request_tokens.sum())
@@ -2425,14 +2425,12 @@ class Ledger:
             costs=self._costs_state(costs),
             other_cpu_pct=self._other_pct,
             busy_host_requests_cpu_j=self._busy_cpu_j,
-            no_counter_short_requests=self.no_counter_short_requests,
             cpu_unknown_requests=self.cpu_unknown_requests,
-            cache_unsaid_requests=self.cache_unsaid_requests,
-            cache_late_requests=self.cache_late_requests,
             flagged_requests=dict(self.flagged_requests),
             jpt_left_out=dict(self._jpt_left_out),
             idle_unknown_intervals=self._idle_unknown_intervals,
             gpu_unknown_intervals=self._gpu_unknown_intervals,
+            idle_not_serving_j=self._not_serving_total,
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:
@@ -2711,16 +2709,8 @@ class Ledger:
             r.cache_unsaid = max(self._cache_unsaid(*self._hit_span(r)), r.cache_unsaid_early)
         self._settle_late(r)
         row = self._request_fields(r)
-        if _cache_flagged(r) and row["gpu_energy_j"] is not None:
-            self.cache_unsaid_requests += 1
-        if _late_flagged(r) and row["gpu_energy_j"] is not None:
-            self.cache_late_requests += 1
-        if _no_counter_short(r):
-            self.no_counter_short_requests += 1
-        note = row.get("energy_note") or ""
-        for flag in COUNTED_FLAGS:  # as the row says it: the count and the rows never disagree
-            if f"{flag}: " in note:
-                self.flagged_requests[flag] += 1
+        for flag in _request_flags(r, self.best_of_ignored):
+            self.flagged_requests[flag] += 1
         if row["cpu_energy_j"] is None and row["energy_note"] and CPU_MISSING_NOTE in row["energy_note"]:
             self.cpu_unknown_requests += 1
         # Strings from clients and the upstream (model, stop reason, errors) as valid Unicode: a lone
@@ -3091,6 +3081,29 @@ def _best_of_note(extra: dict) -> str:
             f"unproxied (read as bypass traffic), not here, so its figure is low; fix: {BEST_OF_FIX}")
 
 
+def _request_flags(r: _Req, best_of_ignored: bool) -> list[str]:
+    """The COUNTED_FLAGS a request's row says: each by the predicate its energy_note's words are written by. The notes
+    that _approximate_note and the cache notes write are in a row with GPU energy only (without, it says why none)."""
+    energy = r.gpu_j > 0 and not r.gpu_missing
+    said = {NO_COUNTER_SHORT_FLAG: _no_counter_short(r),
+            CACHE_UNSAID_FLAG: energy and _cache_flagged(r),
+            CACHE_LATE_FLAG: energy and _late_flagged(r),
+            BEST_OF_FLAG: energy and _best_of_flagged(r, best_of_ignored),
+            COUNT_OPEN_FLAG: energy and _count_open_flagged(r)}
+    return [f for f in COUNTED_FLAGS if said[f]]
+
+
+def _best_of_flagged(r: _Req, best_of_ignored: bool) -> bool:
+    """It asked for best_of sequences beyond those returned, on a server that runs them (BEST_OF_FLAG)."""
+    return bool(r.trace.extra.get("best_of")) and not best_of_ignored
+
+
+def _count_open_flagged(r: _Req) -> bool:
+    """Its count is a running count with no final one after (COUNT_OPEN_FLAG), and not whole by its length stop."""
+    c = r.trace.counts
+    return c is not None and c.count_open and c.count_problem is None and not _at_limit(r)
+
+
 def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
     """Why a request's energy rests on an estimate rather than the server's counts (None: it does not);
     `best_of_ignored`: the server is one that takes no best_of (its answer is the n asked, nothing unseen)."""
@@ -3105,10 +3118,10 @@ def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
                      f"prompt tokens ({r.prompt_est[1]}){fix}")
     if _unseen(r) and not _passive(r):
         notes.append(_uncounted_note(r))
-    if r.trace.extra.get("best_of") and not best_of_ignored:
+    if _best_of_flagged(r, best_of_ignored):
         notes.append(_best_of_note(r.trace.extra))
     c = r.trace.counts
-    if c is not None and c.count_open and c.count_problem is None and not _at_limit(r):
+    if _count_open_flagged(r):
         notes.append(f"{COUNT_OPEN_FLAG}: its count ({c.generated_tokens} tokens) is the server's running count as of "
                      "its last chunk that carried one, its closing chunk and no final usage saying any after (SGLang's "
                      "chat stream sends usage only on chunks with text): the tokens of a last step without text (its "

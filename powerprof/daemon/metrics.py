@@ -21,7 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from powerprof import __version__
 from powerprof.arrival import COUNT_PROBLEM_KINDS
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
-from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_UNSAID_FIX,
+from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
+                                      CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG,
                                       COUNT_OPEN_FIX, COUNT_OPEN_FLAG, SERVER_COUNT_SLOTS_ONLY)
 
 from .attribution import DEST_NAMES, KIND_NAMES
@@ -36,8 +37,25 @@ LATENCY_DOCS = {
     "output_tokens": "Proxied requests' generated tokens",
 }
 # Request flags (ledger.COUNTED_FLAGS) → the counter of the rows that say them, and its help: always shown, 0 included,
-# so a dashboard's rate() of one reads 0 rather than no data.
+# so a dashboard's rate() of one reads 0 rather than no data. One table for every flag counted, counted by the ledger
+# from the decision each row's note is written by.
 FLAG_COUNTERS = {
+    NO_COUNTER_SHORT_FLAG: ("powerprof_requests_no_counter_short", "Requests whose GPU energy came mostly from "
+                   "intervals without an energy counter (power readings) that requests were live in for "
+                   "under half their time (read from instant power: for less than all of it): it rests on "
+                   "the idle power taken out of the rest; their rows' energy_note says no-counter-short, "
+                   "and they are left out of powerprof_joules_per_token; fix: " + NO_COUNTER_SHORT_FIX),
+    CACHE_UNSAID_FLAG: ("powerprof_requests_cache_unsaid", "Requests whose prefill was costed at their whole "
+                   "prompt while the server's prefix-cache counter (vllm:prefix_cache_hits_total, or "
+                   "vllm:gpu_prefix_cache_hits_total on vLLM 0.8-0.9.1, sglang:cached_tokens_total) showed cached prompt tokens no answer said: "
+                   "their rows' "
+                   "energy_note says approximate: prefix-cache-unsaid (a reused prompt over-charged, the "
+                   "requests beside it under-charged); fix: " + CACHE_UNSAID_FIX),
+    CACHE_LATE_FLAG: ("powerprof_requests_cache_late", "Requests whose rows' energy_note says approximate: "
+                   "prefix-cache-late: a stream said its prompt's length early and its cached count only "
+                   "at its end, after intervals over its prefill closed with its whole prompt costed as "
+                   "computed (that request over-charged), or a request given energy of such intervals "
+                   "beside it (under-charged); fix: " + CACHE_LATE_FIX),
     BEST_OF_FLAG: ("powerprof_requests_best_of_unseen", "Requests whose rows' energy_note says approximate: "
                    f"{BEST_OF_FLAG}: they asked vLLM V0 for best_of sequences beyond the n returned, whose tokens never "
                    "reached the proxy: their work is in the requests beside them and in unproxied, the flagged "
@@ -130,16 +148,14 @@ class Snapshot:
     edge_read_cpu_s: float = 0.0
     other_cpu_pct: float | None = None  # ledger.Totals: other processes' share of busy CPU time, latest judged interval
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in busy-host intervals since start
-    no_counter_short_requests: int = 0  # ledger.Totals: request rows flagged no-counter-short since start
     cpu_unknown_requests: int = 0  # ledger.Totals: request rows without cpu_energy_j though RAPL is read, since start
-    cache_unsaid_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-unsaid since start
-    cache_late_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-late since start
     flagged_requests: dict = field(default_factory=dict)  # ledger.Totals: {flag: request rows saying it} (FLAG_COUNTERS)
     accounts_behind_s: float | None = None  # now − the end of the latest closed interval (None: none yet)
     jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
     gpu_unknown_intervals: int = 0  # ledger.Totals: intervals in no kind of energy_by_kind_j (a GPU unread there)
     idle_unknown_intervals: int = 0  # ledger.Totals: intervals with a GPU serving none of the work unread (its energy alone out)
     intervals: int = 0  # ledger.Totals: intervals closed since start (what the *_unknown_intervals are out of)
+    idle_not_serving_j: float = 0.0  # ledger.Totals: of the idle energy, the GPUs' serving none of the work
 
 
 class SnapshotCollector:
@@ -168,18 +184,25 @@ class SnapshotCollector:
                     "energy stops counting and intervals lose their GPU energy", 1.0, "up")
         # A GPU unread over the latest closed interval has no series: its counter would stand still, and a rate() read
         # 0 W for a GPU drawing hundreds (a value never measured, as an exporter leaves out a sensor it cannot read).
-        # It comes back with its count where it stopped (no reset); the time it missed is counted beside it.
+        # It comes back with its count where it stopped (no reset); the time it missed is counted beside it. Absence
+        # does not make a rate() right: Prometheus extrapolates the increase between a range's first and last samples
+        # over the whole range, so any range overlapping the gap reads low (a 60 s gap of a 300 W GPU: rate[5m] reads
+        # 237 W for 5 minutes, the series absent or not); the help says so and how to leave such a range out.
         c = CounterMetricFamily("powerprof_gpu_energy_joules", "GPU energy since the daemon started, over the closed "
-                                "intervals it gave a reading over; absent while it gives none (lost, reads failing): "
-                                "powerprof_gpu_energy_unknown_seconds_total counts the time left out", labels=labels)
+                                "intervals it gave a reading over; absent while it gives none (lost, reads failing), "
+                                "and its energy then is in no sample: a rate() over any range overlapping that time "
+                                "reads low by the share unread (the series there or not), so leave out the GPUs whose "
+                                "powerprof_gpu_energy_unknown_seconds_total rose over the same range", labels=labels)
         for x in s.gpus:
             if not x.energy_unread:
                 c.add_metric([str(x.index), x.uuid, x.name], x.energy_j)
         yield c
         u = CounterMetricFamily("powerprof_gpu_energy_unknown_seconds", "Seconds of closed intervals this GPU gave no "
                                 "energy reading over (lost, reads failing), since the daemon started: their energy is "
-                                "in no powerprof_gpu_energy_joules_total, so its rate() reads low by that share of the "
-                                "time; the samples' error column and the daemon's log say why", labels=labels)
+                                "in no powerprof_gpu_energy_joules_total, so its rate() over a range holding them reads "
+                                "low; its own rate() is the share of the time unread, and can exceed 1 over a range "
+                                "shorter than the accounts' batches (intervals close several at a time); the samples' "
+                                "error column and the daemon's log say why", labels=labels)
         for x in s.gpus:
             u.add_metric([str(x.index), x.uuid, x.name], x.energy_unknown_s)
         yield u
@@ -222,6 +245,11 @@ class SnapshotCollector:
                                   "the totals with every read GPU's energy, the unread GPU's alone out (their rows' "
                                   "idle_energy_j is empty, the note names it)",
                                   value=s.idle_unknown_intervals)
+        yield CounterMetricFamily("powerprof_gpu_idle_energy_not_serving_joules",
+                                  "Of powerprof_gpu_energy_attributed_joules_total{to=\"idle\"}, the energy of the GPUs "
+                                  "serving none of the proxied work (all of theirs is idle; an unread one's is in "
+                                  "neither): the idle energy less it is the serving GPUs', whether or not those others "
+                                  "read (the tuner's energy)", value=s.idle_not_serving_j)
         total = sum(s.energy_by_dest_j)
         if total > 0:
             yield GaugeMetricFamily("powerprof_requests_energy_ratio",
@@ -277,24 +305,6 @@ class SnapshotCollector:
         for kind in UNCOUNTED_KINDS:
             uc.add_metric([kind], s.uncounted_requests.get(kind, 0))
         yield uc
-        yield CounterMetricFamily("powerprof_requests_no_counter_short", "Requests whose GPU energy came mostly from "
-                                  "intervals without an energy counter (power readings) that requests were live in for "
-                                  "under half their time (read from instant power: for less than all of it): it rests on "
-                                  "the idle power taken out of the rest; their rows' energy_note says no-counter-short, "
-                                  "and they are left out of powerprof_joules_per_token; fix: " + NO_COUNTER_SHORT_FIX,
-                                  value=s.no_counter_short_requests)
-        yield CounterMetricFamily("powerprof_requests_cache_unsaid", "Requests whose prefill was costed at their whole "
-                                  "prompt while the server's prefix-cache counter (vllm:prefix_cache_hits_total, or "
-                                  "vllm:gpu_prefix_cache_hits_total on vLLM 0.8-0.9.1, sglang:cached_tokens_total) showed cached prompt tokens no answer said: their rows' "
-                                  "energy_note says approximate: prefix-cache-unsaid (a reused prompt over-charged, the "
-                                  "requests beside it under-charged); fix: " + CACHE_UNSAID_FIX,
-                                  value=s.cache_unsaid_requests)
-        yield CounterMetricFamily("powerprof_requests_cache_late", "Requests whose rows' energy_note says approximate: "
-                                  "prefix-cache-late: a stream said its prompt's length early and its cached count only "
-                                  "at its end, after intervals over its prefill closed with its whole prompt costed as "
-                                  "computed (that request over-charged), or a request given energy of such intervals "
-                                  "beside it (under-charged); fix: " + CACHE_LATE_FIX,
-                                  value=s.cache_late_requests)
         for flag, (name, doc) in FLAG_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=(s.flagged_requests or {}).get(flag, 0))
         if s.joules_per_token is not None:

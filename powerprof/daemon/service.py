@@ -859,15 +859,13 @@ class Daemon:
             late_tokens=self.ledger.late_tokens,
             other_cpu_pct=tot.other_cpu_pct,
             busy_host_requests_cpu_j=tot.busy_host_requests_cpu_j,
-            no_counter_short_requests=tot.no_counter_short_requests,
             cpu_unknown_requests=tot.cpu_unknown_requests,
-            cache_unsaid_requests=tot.cache_unsaid_requests,
-            cache_late_requests=tot.cache_late_requests,
             flagged_requests=dict(tot.flagged_requests),
             jpt_left_out=tot.jpt_left_out,
             idle_unknown_intervals=tot.idle_unknown_intervals,
             gpu_unknown_intervals=tot.gpu_unknown_intervals,
             intervals=tot.intervals,
+            idle_not_serving_j=tot.idle_not_serving_j,
         )
 
     def _helper_pids(self) -> list[int]:

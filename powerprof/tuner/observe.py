@@ -40,7 +40,10 @@ class DaemonCounters:
     """Cumulative counters of one scrape (t_s: the tuner's monotonic clock when it was read)."""
 
     t_s: float
-    energy_j: float  # GPU energy given to requests and idle (the proxied traffic's share)
+    # The GPUs serving the traffic: their energy given to requests and idle (the proxied traffic's share). Not the
+    # idle energy of GPUs serving none of it: the tuned level does not move it, and its leaving while such a GPU is
+    # unread (and coming back) would read as a level's saving (or cost).
+    energy_j: float
     tokens: float
     finished: float
     active: float
@@ -69,11 +72,8 @@ class DaemonCounters:
     # gpu_energy_j per GPU (gpu_uuid → J): a GPU the daemon cannot read has no series until it reads again, so the sum
     # can fall; whether the daemon samples is told by the GPUs in both scrapes (empty: compare the sums).
     gpu_energies_j: dict = field(default_factory=dict)
-    # Intervals where a GPU serving none of the traffic gave no energy reading, out of the intervals closed (both
-    # since the daemon started; None: a daemon older than them); and per GPU (gpu_uuid) the seconds it gave none. Its
-    # idle energy is in energy_j where it reads and not where it does not: the basis of a window's energy.
-    idle_unknown_intervals: float | None = None
-    intervals: float | None = None
+    # Per GPU (gpu_uuid) the seconds of closed intervals it gave no energy reading over: rising, the daemon samples
+    # (closes intervals) though it reads no energy there.
     gpu_unknown_s: dict = field(default_factory=dict)
 
 
@@ -159,7 +159,14 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
     if sorted(to for to, _ in parts) != ["idle", "requests"]:  # a part missing would read as free energy
         raise ObserveError("powerprof_gpu_energy_attributed_joules: want one sample each to=\"requests\" and "
                            f"to=\"idle\", got {sorted(str(to) for to, _ in parts)}")
-    energy = sum(v for _, v in parts)
+    aside = [num(s.value) for s in need("powerprof_gpu_idle_energy_not_serving_joules") if s.name.endswith("_total")]
+    if len(aside) != 1:
+        raise ObserveError(f"powerprof_gpu_idle_energy_not_serving_joules: want one sample, got {len(aside)}")
+    energy = sum(v for _, v in parts) - aside[0]
+    if energy < -1e-6 * max(1.0, aside[0]):  # a part of the idle energy larger than it: not the daemon's
+        raise ObserveError("powerprof_gpu_idle_energy_not_serving_joules_total exceeds the idle and requests' energy: "
+                           "not the daemon's figures")
+    energy = max(energy, 0.0)
     tokens = sum(num(s.value) for s in need("powerprof_tokens_generated") if s.name.endswith("_total"))
     finished = sum(num(s.value) for s in need("powerprof_requests") if s.name.endswith("_total"))
     active = sum(num(s.value) for s in need("powerprof_proxy_active_requests"))
@@ -215,11 +222,6 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
             raise ObserveError(f"{name}: want one sample, got {len(v)}")
         return v[0]
 
-    def optional(name):  # a counter of one sample a daemon older than it lacks (None)
-        if name not in fam:
-            return None
-        return one(name)
-
     oldest, silence = (gauge(f"powerprof_requests_{k}_seconds")
                        for k in ("oldest_awaiting_first_token", "longest_stream_silence"))
     unknown = ([num(s.value) for s in fam["powerprof_gpu_energy_unknown_intervals"].samples if s.name.endswith("_total")]
@@ -227,8 +229,6 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
     return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot, upstream, gpu, limits,
                           in_flight, awaiting, clock, oldest, silence, gauge("powerprof_accounts_behind_seconds"),
                           sum(unknown) if unknown else None, gpu_energies_j=dict(per_gpu),
-                          idle_unknown_intervals=optional("powerprof_gpu_idle_energy_unknown_intervals"),
-                          intervals=optional("powerprof_intervals"),
                           gpu_unknown_s={s.labels.get("gpu_uuid", ""): num(s.value)
                                          for s in (fam["powerprof_gpu_energy_unknown_seconds"].samples
                                                    if "powerprof_gpu_energy_unknown_seconds" in fam else ())
@@ -236,40 +236,17 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
 
 
 def energy_moved(a: DaemonCounters, b: DaemonCounters) -> bool:
-    """Whether the daemon's GPU energy rose from `a` to `b` (it samples): on a GPU in both scrapes where they name
-    their GPUs, as a GPU unread has no series (its counter would stand still), and one leaving took its whole count out
-    of the sum (a window refused as "not moved" on a daemon sampling on)."""
+    """Whether the daemon sampled from `a` to `b`: a GPU's energy rose, on a GPU in both scrapes where they name their
+    GPUs, as a GPU unread has no series (its counter would stand still), and one leaving took its whole count out of
+    the sum (a window refused as "not moved" on a daemon sampling on); or a GPU's unread time rose, the daemon closing
+    intervals it read no energy over: every GPU unread is told by window_between's refusal, with its fix, not as a
+    stalled daemon."""
+    if any(v > a.gpu_unknown_s[u] for u, v in b.gpu_unknown_s.items() if u in a.gpu_unknown_s):
+        return True
     both = a.gpu_energies_j.keys() & b.gpu_energies_j.keys()
     if both:
         return any(b.gpu_energies_j[u] > a.gpu_energies_j[u] for u in both)
     return b.gpu_energy_j > a.gpu_energy_j
-
-
-def energy_basis_change(a: DaemonCounters, b: DaemonCounters, before: frozenset | None) -> tuple[str | None, frozenset | None]:
-    """Whether the window from `a` to `b` measures its energy on another basis than the windows before it, and why
-    (None: the same, or no figure says); with the GPUs unread in it, for the next call's `before` (None: mixed).
-
-    The energy the tuner reads holds the idle energy of the GPUs serving none of the traffic, and leaves out that of
-    one unread (the daemon's totals cannot hold a figure it did not measure). A window in which such a GPU is unread
-    over some of its intervals and read over the rest holds part of its idle energy: it reads low against the windows
-    before a loss and high against those after; and those after lack the energy the ones before held, so a level
-    judged before is no yardstick for one judged after."""
-    if None in (a.idle_unknown_intervals, b.idle_unknown_intervals, a.intervals, b.intervals):
-        return None, before
-    du, dn = b.idle_unknown_intervals - a.idle_unknown_intervals, b.intervals - a.intervals
-    if dn <= 0:
-        return None, before
-    unread = frozenset(u for u, s in b.gpu_unknown_s.items() if s > a.gpu_unknown_s.get(u, s))
-    if 0 < du < dn:
-        return (f"a GPU serving none of the traffic ({', '.join(sorted(unread)) or 'which, the daemon does not say'}) "
-                f"gave no energy reading over {du:.0f} of this window's {dn:.0f} intervals: its idle energy is in the "
-                "rest alone"), None
-    if before is not None and unread != before:
-        gone, back = sorted(unread - before), sorted(before - unread)
-        what = "; ".join(x for x in (f"{', '.join(gone)} unread from here" if gone else "",
-                                     f"{', '.join(back)} read again" if back else "") if x)
-        return f"the GPUs read changed ({what}): their idle energy is in the windows on one side alone", unread
-    return None, unread
 
 
 def _le(x: str) -> float:

@@ -10,7 +10,6 @@ threatens the SLO, bounded exploration, and a memory per regime (arrival rate ×
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -877,28 +876,6 @@ class Tuner:
     def note(self, t_s: float, action: str, reason: str) -> Decision:
         """Record something the caller did at the current level (the start, say)."""
         return self._decide(t_s, action, self.idx, reason)
-
-    def energy_basis_changed(self, t_s: float, why: str) -> list[Decision]:
-        """The daemon's energy figure changed basis (a GPU serving none of the traffic unread from here, or read again:
-        its idle energy in the windows on one side alone; `why` says which). The windows before at this level are
-        left out of its energy verdict, as the caller leaves the one straddling the change out, and no pair of
-        verdicts spans it; a trial, whose incumbent was judged on the other basis, ends back at the incumbent without
-        a verdict (its saving would be that GPU's idle energy, not the level's). Said in a decision either way."""
-        self._pending = [dataclasses.replace(w, energy_straddles=True) for w in self._pending]
-        self._repair = None
-        if self.state == "killed":
-            return []  # pinned: no window is judged, so none is left out (resume measures afresh)
-        if self.state == "trial":
-            back = self._incumbent_idx if self._incumbent_idx is not None else self.ref
-            self._end_trial(t_s)
-            d = self._move(t_s, "thin", back, f"{why}: the trial's energy cannot be weighed against "
-                                              f"{self._fmt(self.cfg.levels[back])}'s, judged with it: back to it, "
-                                              "to measure both again")
-            self._enter("measure", t_s)
-            return [d]
-        return [self._decide(t_s, "hold", self.idx, f"{why}: this window and the ones before it at this level are "
-                                                     "left out of its energy verdict; levels judged before are "
-                                                     "measured again before any is weighed against one after")]
 
     def kill(self, t_s: float, why: str = "kill switch (SIGUSR1)") -> Decision:
         d = self._move(t_s, "kill", self.ref, why + ": back to the reference and hold")

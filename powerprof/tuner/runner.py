@@ -31,7 +31,7 @@ from powerprof.errtext import error_text, one_line
 from powerprof.storage.runs import atomic_write_table
 from powerprof.storage.schema import TUNER_DECISIONS, rows_to_table
 
-from .observe import DaemonCounters, ObserveError, energy_basis_change, energy_moved, window_between
+from .observe import DaemonCounters, ObserveError, energy_moved, window_between
 from .policy import Decision, Tuner, TunerConfig, Window, merge, slo_ratio, unfinished_threat
 from .setup import day_folder_reason
 
@@ -206,7 +206,6 @@ class TuneRunner:
         self.clear_kill = clear_kill
         self.kill_requested = kill_requested if kill_requested is not None else threading.Event()
         self._last: DaemonCounters | None = None
-        self._unread_gpus: frozenset | None = None  # the GPUs unread over the latest window (energy_basis_change)
         self._last_good_s = self.t0_s
         self._last_error = "no scrape yet"
         self._said_read_error: str | None = None  # the read failure last put on stderr; None while reads work
@@ -300,7 +299,9 @@ class TuneRunner:
                 # lost, or reads failing. Said as that, not as a daemon measuring other GPUs.
                 raise ObserveError(f"the daemon reads no power limit on GPU {', '.join(one_line(u, 80) for u in unread[:8])}"
                                    " now (lost, or its reads failing: powerprof_gpu_up, the daemon's log): the level "
-                                   "it runs at cannot be told, so no window is judged until it reads again")
+                                   "it runs at cannot be told, so no window is judged until it reads again; to tune "
+                                   "without it, restart the daemon with daemon.gpus leaving it out and the tuner with "
+                                   "--gpus leaving it out")
             seen = sorted(c.gpu_limits_w)
             named = ", ".join(one_line(u, 80) for u in seen[:8]) + (f" and {len(seen) - 8} more" if len(seen) > 8 else "")
             raise ObserveError(f"the daemon measures GPUs {named or 'none'}, the tuner tunes "
@@ -330,7 +331,8 @@ class TuneRunner:
                     raise ObserveError(f"the inference server is failing ({c.upstream_failures - last.upstream_failures:.0f} "
                                        "requests not delivered)")
                 if not energy_moved(last, c):
-                    raise ObserveError("the daemon's GPU energy has not moved (its sampling stalled?)")
+                    raise ObserveError("neither the daemon's GPU energy nor its GPUs' unread time has moved (its sampling "
+                                       "stalled?)")
                 before = self._actual_level(last)
                 level = self.tuner.level
                 if self.cfg.dry_run:
@@ -342,13 +344,6 @@ class TuneRunner:
                 w = window_between(last, c, level)
                 if self._energy_straddles(last):
                     w = dataclasses.replace(w, energy_straddles=True)
-                basis, self._unread_gpus = energy_basis_change(last, c, self._unread_gpus)
-                if basis is not None:
-                    # Its energy is on neither side's basis: out of the energy verdicts (its latency still guards),
-                    # and the windows before it are no yardstick for those after (Tuner.energy_basis_changed).
-                    w = dataclasses.replace(w, energy_straddles=True)
-                    if not self.cfg.dry_run:
-                        ds.extend(self.tuner.energy_basis_changed(now, basis))
                 if self.cfg.dry_run:
                     if self.tuner.state == "stale":
                         ds.append(self.tuner.resume(now))
@@ -438,16 +433,13 @@ class TuneRunner:
             return []
         self._dry_said_s = w.t_end_s
         ratio = slo_ratio(g, cfg)
-        # A window whose energy changed basis (energy_basis_change) is in the guard's stretch: its J/token would mix
-        # an idle GPU's energy in some windows with none in others, so the row gives none and says why.
-        jpt = g.energy_j / g.tokens if g.tokens > 0 and not g.energy_straddles else None
-        unjudged = "; no J/token: the energy of a window in it holds part of an idle GPU's" if g.energy_straddles else ""
+        jpt = g.energy_j / g.tokens if g.tokens > 0 else None
         if ratio is not None and ratio > cfg.guard_ratio and w.level != cfg.reference:
             action, to, then = "backoff", cfg.reference, f"the guard would go back to the reference {self._fmt(cfg.reference)}"
         else:
             action, to, then = "hold", w.level, "the guard would hold"
         why = (f"dry run at the GPUs' {at}: p95 at {ratio:.0%} of the SLO over the last {g.duration_s:.0f} s; {then}"
-               if ratio is not None else f"dry run at the GPUs' {at}: no latency in the last {g.duration_s:.0f} s") + unjudged
+               if ratio is not None else f"dry run at the GPUs' {at}: no latency in the last {g.duration_s:.0f} s")
         return [Decision(w.t_end_s, action, w.level, to, why, "unknown", jpt, ratio)]
 
     def tick(self) -> None:
