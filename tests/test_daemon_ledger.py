@@ -2352,3 +2352,45 @@ def test_requests_flagged_best_of_unseen_and_count_open_are_counted_as_their_row
     text = render(make_registry(type("H", (), {"snapshot": Snapshot(flagged_requests=led.totals.flagged_requests)})))
     got = {s.name: s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples}
     assert got["powerprof_requests_best_of_unseen_total"] == 1 and got["powerprof_requests_count_open_total"] == 1
+
+
+@pytest.mark.parametrize("held_tail", [True, False])
+def test_a_held_calls_tokens_are_placed_from_its_last_chunk_to_its_end_and_only_its(held_tail):
+    # Two streams over one 1 s interval (200 J): A, 10 tokens to its end; B, 2 tokens in chunks, then a final count of
+    # 100. Where the count passed its running counts by a tool call the server's parser held (Counts.held_tail:
+    # arrival.held_call_at_limit), its 98 other tokens were decoded from its last chunk (1.09 s) to its end (1.89 s)
+    # and take their share there: B 100 tokens, 233 J. A count that is no held call is placed nowhere by that rule (the
+    # proxy flags it): A keeps its energy. Before, a count at the request's limit was placed whatever said it was held,
+    # so a liar's count moved A's energy (230 J -> 66.7 J).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    a, b = (RequestTrace(rid, "POST", "/v1/chat/completions", "t", int(s * S), 0, api="openai-chat", stream=True)
+            for rid, s in ((1, 0.1), (2, 0.2)))
+    for t in (a, b):
+        t.extra["max_tokens"] = 100
+        led.on_start(t)
+    led.add_gpu_sample(0, 0, [R(1000.0, 200.0)])
+    led.add_gpu_sample(S, S, [R(1100.0, 200.0)])
+    for k in range(10):
+        t = int((1.0 + 0.09 * k) * S)
+        led.on_tokens(a, t, 1)
+        a.tokens_seen += 1
+        if k < 2:
+            led.on_tokens(b, t, 1)
+            b.tokens_seen += 1
+    a.first_ns = b.first_ns = S
+    a.last_ns, b.last_ns = int(1.81 * S), int(1.09 * S)
+    a.end_ns, b.end_ns = int(1.9 * S), int(1.89 * S)
+    a.counts = Counts(10, 100, None, "stop", "usage")
+    b.counts = Counts(100, 100, None, "length", "usage", choice_stops={0: "length"}, held_tail=held_tail)
+    led.on_end(b)
+    led.on_end(a)
+    led.add_gpu_sample(2 * S, 2 * S, [R(1300.0, 200.0)])
+    led.advance(int(2.2 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    if held_tail:
+        assert got[2]["attributed_tokens"] == pytest.approx(100)
+        assert got[1]["gpu_energy_j"] == pytest.approx(200 / 3, rel=0.01) and got[2]["gpu_energy_j"] == pytest.approx(700 / 3, rel=0.01)
+    else:
+        assert got[2]["attributed_tokens"] == pytest.approx(2)
+        assert got[1]["gpu_energy_j"] == pytest.approx(230, rel=0.01), got[1]["gpu_energy_j"]
