@@ -273,7 +273,7 @@ class HeldCall(NamedTuple):
 
     max_tokens: int | None  # for each sequence; None: not set
     sequences: int
-    step_ns: float | None  # the stream's own time per decode step, first to last counted chunk (None: under 2 steps)
+    step_ns: float | None  # the stream's own time per decode step, first to last counted chunk (None: none counted)
     tail_ns: int  # from its last counted chunk to the upstream's end of the response
 
 
@@ -283,7 +283,7 @@ def held_call_at_limit(held: HeldCall | None, choice_stops: dict, generated: int
     own (the deepseekv3 detector sends a call only once its closing fence is written, the qwen3_coder one a parameter's
     value only once `</parameter>` is). Believed only where the request carried tools, every sequence stopped at its
     max_tokens (at_limit) and the time from the last chunk to the end could have decoded the surplus at the stream's
-    own pace (HELD_PACE_DIVISOR); no measured pace (under two steps counted), no belief."""
+    own pace (HELD_PACE_DIVISOR); no pace (no chunk counted before the call), no belief."""
     if held is None or held.step_ns is None or generated is None:
         return False
     if not at_limit(choice_stops, generated, held.max_tokens, held.sequences):

@@ -265,8 +265,15 @@ def _held_call(trace, end_ns: int) -> HeldCall | None:
     seqs = max(trace.extra.get("sequences", 1), 1)
     steps = trace.tokens_seen / seqs
     first, last = trace.first_ns, trace.last_ns
-    step = (last - first) / (steps - 1) if first is not None and last > first and steps > 1 else None
-    return HeldCall(trace.extra.get("max_tokens"), seqs, step, end_ns - last if last is not None else 0)
+    if last is None or steps <= 0:
+        return HeldCall(trace.extra.get("max_tokens"), seqs, None, 0)  # no chunk counted: no pace to check
+    if last > first and steps > 1:
+        step = (last - first) / (steps - 1)
+    else:
+        # Its chunks read at one instant (a loaded host reads a few at once; with none apart it had no pace at all):
+        # from its arrival instead, its prefill in, a pace no faster than its own.
+        step = (last - trace.arrival_ns) / steps
+    return HeldCall(trace.extra.get("max_tokens"), seqs, step, end_ns - last)
 
 
 def chat_echo_chars(doc: dict) -> int:
