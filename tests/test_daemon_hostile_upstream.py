@@ -330,5 +330,6 @@ def test_a_final_count_at_the_limit_past_the_running_counts_is_believed_only_as_
     assert t.tokens_seen == 6 and c.generated_tokens == usage, (t.tokens_seen, c)
     if believed:
         assert (c.count_problem, c.held_tail) == (None, True), c
+        assert t.last_ns + tail_s * 1e9 <= t.extra["held_end_ns"] <= t.end_ns  # the upstream's end (proxy._held_end)
     else:
-        assert c.count_problem_kind == "running_count_short" and not c.held_tail, c
+        assert c.count_problem_kind == "running_count_short" and not c.held_tail and "held_end_ns" not in t.extra, c

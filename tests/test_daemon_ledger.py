@@ -2354,8 +2354,8 @@ def test_requests_flagged_best_of_unseen_and_count_open_are_counted_as_their_row
     assert got["powerprof_requests_best_of_unseen_total"] == 1 and got["powerprof_requests_count_open_total"] == 1
 
 
-@pytest.mark.parametrize("held_tail", [True, False])
-def test_a_held_calls_tokens_are_placed_from_its_last_chunk_to_its_end_and_only_its(held_tail):
+@pytest.mark.parametrize("held_tail,slow_client", [(True, False), (False, False), (True, True)])
+def test_a_held_calls_tokens_are_placed_from_its_last_chunk_to_its_end_and_only_its(held_tail, slow_client):
     # Two streams over one 1 s interval (200 J): A, 10 tokens to its end; B, 2 tokens in chunks, then a final count of
     # 100. Where the count passed its running counts by a tool call the server's parser held (Counts.held_tail:
     # arrival.held_call_at_limit), its 98 other tokens were decoded from its last chunk (1.09 s) to its end (1.89 s)
@@ -2381,12 +2381,18 @@ def test_a_held_calls_tokens_are_placed_from_its_last_chunk_to_its_end_and_only_
     a.first_ns = b.first_ns = S
     a.last_ns, b.last_ns = int(1.81 * S), int(1.09 * S)
     a.end_ns, b.end_ns = int(1.9 * S), int(1.89 * S)
+    if slow_client:
+        # Its client read the end 1.6 s after the upstream sent it (proxy._held_end): placed to the upstream's end,
+        # as above; to the client's, half its held tokens fell after the server had finished it.
+        b.extra["held_end_ns"], b.end_ns = b.end_ns, int(3.49 * S)
     a.counts = Counts(10, 100, None, "stop", "usage")
     b.counts = Counts(100, 100, None, "length", "usage", choice_stops={0: "length"}, held_tail=held_tail)
     led.on_end(b)
     led.on_end(a)
     led.add_gpu_sample(2 * S, 2 * S, [R(1300.0, 200.0)])
-    led.advance(int(2.2 * S))
+    led.add_gpu_sample(3 * S, 3 * S, [R(1300.0, 0.0)])
+    led.add_gpu_sample(4 * S, 4 * S, [R(1300.0, 0.0)])
+    led.advance(int(4.2 * S))
     got = {r["request_id"]: r for r in sink.rows["requests"]}
     if held_tail:
         assert got[2]["attributed_tokens"] == pytest.approx(100)

@@ -681,14 +681,17 @@ class Ledger:
             return self._to_server_count(r, float(c.generated_tokens))
         if (c is not None and trace.stream is True and c.token_source == "usage" and not c.tokens_estimated
                 and c.invalid is None and c.count_problem is None and c.generated_tokens and c.held_tail
-                and trace.last_ns is not None and trace.end_ns is not None and trace.end_ns > trace.last_ns):
+                and trace.last_ns is not None and trace.end_ns is not None
+                and min(trace.extra.get("held_end_ns", trace.end_ns), trace.end_ns) > trace.last_ns):
             # Its chunks carried running counts and its final count, the request's limit, is above the last of them:
             # tokens the server generated after its last chunk and sent in none (a tool call its parser held, cut by
             # max_tokens: arrival.held_call_at_limit). Spread from that chunk to the end, over which they were
             # decoded; left out, the server's counter gave them and their energy to `unproxied`.
             surplus = float(c.generated_tokens) - float(trace.tokens_seen)
             if surplus > 0:
-                step = (trace.end_ns - trace.last_ns) / SPREAD_EVENTS
+                # To the upstream's end (proxy._held_end), not the client's: a slow reader's end is past the server's.
+                end = min(trace.extra.get("held_end_ns", trace.end_ns), trace.end_ns)
+                step = (end - trace.last_ns) / SPREAD_EVENTS
                 ts = [int(trace.last_ns + step * (k + 1)) for k in range(SPREAD_EVENTS)]
                 self._place(r, ts, [surplus / SPREAD_EVENTS] * SPREAD_EVENTS)
                 return surplus

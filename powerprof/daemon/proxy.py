@@ -276,6 +276,14 @@ def _held_call(trace, end_ns: int) -> HeldCall | None:
     return HeldCall(trace.extra.get("max_tokens"), seqs, step, end_ns - last)
 
 
+def _held_end(trace, sink) -> None:
+    """A held call's end for the ledger's placing of its held tokens (Ledger._placed_at_end): the upstream's last piece,
+    where the server finished it; trace.end_ns waits on the client's last write, so a slow reader put those tokens
+    (and the server counter's match of them) after the server's finish."""
+    if trace.counts is not None and trace.counts.held_tail:
+        trace.extra["held_end_ns"] = sink.upstream_end_ns
+
+
 def chat_echo_chars(doc: dict) -> int:
     """The characters vLLM's chat `echo` sends back in a chunk of its own: the last message's content, where that
     message's role is the answer's (the assistant's, or with `add_generation_prompt: false` the last message's own:
@@ -693,6 +701,7 @@ class Proxy:
             try:
                 if sink.parser is not None:
                     trace.counts = streams.summary_counts(sink.parser.finish(), held=_held_call(trace, sink.upstream_end_ns))
+                    _held_end(trace, sink)
                     if self.closing and not trace.counts.complete:
                         trace.outcome = "interrupted"  # our shutdown closed the upstream mid-stream
                     elif (not trace.counts.complete and trace.counts.invalid is None
@@ -742,6 +751,7 @@ class Proxy:
             return
         try:
             trace.counts = streams.summary_counts(sink.parser.finish(), held=_held_call(trace, sink.upstream_end_ns))
+            _held_end(trace, sink)
         except Exception as e:
             trace.recorder_error = f"summary: {error_text(e)}"[:300]
             self.recorder_failures += 1
