@@ -227,7 +227,7 @@ class CountProblem(NamedTuple):
 
 
 def count_problem(stream_tokens: int, server_tokens: int | None, running: bool = False,
-                  at_limit: bool = False) -> CountProblem | None:
+                  held: bool = False) -> CountProblem | None:
     """Why the server's own count of generated tokens cannot be believed beside its stream (None: it can).
 
     The server's count (usage, llama.cpp `tokens_predicted`/`predicted_n`) is the authority on how
@@ -237,20 +237,59 @@ def count_problem(stream_tokens: int, server_tokens: int | None, running: bool =
     never show more: tokens streamed beyond the server's count mean the count is wrong (or something
     between rewrote the stream), and J/token would be off by their ratio. Where every chunk carried
     the server's running count (`running`), the stream's count *is* the server's, and a final count
-    more than COUNT_SLACK_TOKENS above it contradicts the server's own figures, unless that count is exactly the
-    length the request asked, at a length stop (`at_limit`): SGLang's chat sends no chunk, so no running count, for
-    tokens its tool-call parser still holds, and a call cut by max_tokens can hold all of its own (the deepseekv3
-    detector sends a call only once its closing fence is written, the qwen3_coder one a parameter's value only
-    once `</parameter>` is): the final count is then the limit the request set, not a contradiction."""
+    more than COUNT_SLACK_TOKENS above it contradicts the server's own figures, unless `held` (held_call_at_limit:
+    a tool call cut by max_tokens that the server's parser held in no chunk) accounts for the rest."""
     if server_tokens is None:
         return None
     if stream_tokens > server_tokens:
         return CountProblem(STREAM_ABOVE_COUNT, f"the server counted {server_tokens} generated tokens but its stream "
                             f"carried {stream_tokens}: the server's token count cannot be believed")
-    if running and server_tokens - stream_tokens > COUNT_SLACK_TOKENS and not at_limit:
+    if running and server_tokens - stream_tokens > COUNT_SLACK_TOKENS and not held:
         return CountProblem(RUNNING_COUNT_SHORT, f"the server counted {server_tokens} generated tokens but its own "
                             f"running count in the stream reached {stream_tokens}: the server's token count cannot be believed")
     return None
+
+
+# A held call's tokens were decoded after its last counted chunk, at about the stream's own pace: a final count whose
+# surplus would need that gap to run more than this many times faster than the stream did is no held call (a liar's 994
+# tokens in 0.36 ms after chunks 10 ms apart: 27,000 times). Not 4: a request's first steps share theirs with other
+# requests' prefills, its tail's often not: 60 simulated SGLang requests (30 held calls, bursty arrivals, a loaded
+# host) needed up to 6.7 times their first steps' pace; 4 flagged 3 honest held calls of 30.
+HELD_PACE_DIVISOR = 16
+
+
+def at_limit(choice_stops: dict, generated: int | None, max_tokens: int | None, sequences: int) -> bool:
+    """Every one of the request's `sequences` finished at `length` (`choice_stops`: each choice's finish reason by its
+    index; one choice's length beside another's early stop is not the limit) and the server's count is exactly
+    max_tokens for each: whole, whatever its chunks said. False where the request set no max_tokens (the server's
+    default, or a limit it clamped to the context, is not known here)."""
+    return (max_tokens is not None and generated == max_tokens * sequences and len(choice_stops) == sequences
+            and all(r == "length" for r in choice_stops.values()))
+
+
+class HeldCall(NamedTuple):
+    """What the daemon knows of a request that could end in a held tool call: one that carried `tools` with a
+    tool_choice other than "none" (without tools no parser holds anything)."""
+
+    max_tokens: int | None  # for each sequence; None: not set
+    sequences: int
+    step_ns: float | None  # the stream's own time per decode step, first to last counted chunk (None: none counted)
+    tail_ns: int  # from its last counted chunk to the upstream's end of the response
+
+
+def held_call_at_limit(held: HeldCall | None, choice_stops: dict, generated: int | None, seen: int) -> bool:
+    """A final count above the running counts that a tool call cut by max_tokens explains: SGLang's chat sends no
+    chunk, so no running count, for tokens its tool-call parser holds, and a call cut by max_tokens can hold all of its
+    own (the deepseekv3 detector sends a call only once its closing fence is written, the qwen3_coder one a parameter's
+    value only once `</parameter>` is). Believed only where the request carried tools, every sequence stopped at its
+    max_tokens (at_limit) and the time from the last chunk to the end could have decoded the surplus at the stream's
+    own pace (HELD_PACE_DIVISOR); no pace (no chunk counted before the call), no belief."""
+    if held is None or held.step_ns is None or generated is None:
+        return False
+    if not at_limit(choice_stops, generated, held.max_tokens, held.sequences):
+        return False
+    surplus_steps = max(generated - seen, 0) / held.sequences
+    return held.tail_ns * HELD_PACE_DIVISOR >= surplus_steps * held.step_ns
 
 
 def first_choice_only(n_choices: int, first_tokens: int) -> CountProblem:
@@ -269,7 +308,6 @@ def classify(
     client_lag_s: float | None = None,
     stream_tokens: int | None = None,
     running_counts: bool = False,
-    at_limit: bool = False,
 ) -> Timing:
     """The timing rule: stream when the stream can be trusted, else the server's own figures, else untrusted.
 
@@ -277,10 +315,10 @@ def classify(
     (a smooth stream can still hide a steady client-side delay; the server timed itself). First,
     `generated` (the server's own count) is checked against the tokens the stream showed
     (`stream_tokens`, default the events in `q`; `running_counts`: every chunk carried the server's
-    running count; `at_limit`: its count is the length it asked, at a length stop): a contradiction (`count_problem`)
+    running count): a contradiction (`count_problem`)
     makes the window untrusted whatever else is known."""
     stream_s = (q.t_last_ns - q.t_first_ns) / 1e9 if q.t_first_ns is not None else None
-    lie = count_problem(q.counted if stream_tokens is None else stream_tokens, generated, running_counts, at_limit)
+    lie = count_problem(q.counted if stream_tokens is None else stream_tokens, generated, running_counts)
     if lie is not None:
         return Timing("untrusted", lie.message, None, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns)
     problem, bound = stream_problem(q, client_lag_s)

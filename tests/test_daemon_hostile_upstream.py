@@ -4,6 +4,7 @@ proxy's memory stays bounded, and a count the proxy could not make is said on th
 from __future__ import annotations
 
 import asyncio
+import json
 import tracemalloc
 
 import aiohttp
@@ -256,3 +257,79 @@ def test_the_daemons_rows_say_what_the_proxy_could_not_count(tmp_path, workers):
     assert rows["bad"]["outcome"] == "ok" and "1 line(s) or event(s) of the response could not be read" in rows["bad"]["error"]
     assert "ended the response before its stream said it was done" in rows["cut"]["error"]
     assert rows["cut"]["generated_tokens"] == 2
+
+
+def _paced_liar(body: dict, usage: int, tail_s: float, step_s: float = 0.01, n: int = 6):
+    """The trace of a chat request through the real Proxy to an upstream that streams `n` chunks `step_s` apart (0: in
+    one write, 50 ms after the request), each with its running count, waits `tail_s`, then ends at `length` with a
+    final usage of `usage`."""
+    def ev(o):
+        return b"data: " + json.dumps(o, separators=(",", ":")).encode() + b"\n\n"
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        chunks = [ev({"choices": [{"index": 0, "delta": {"content": f"w{i}"}, "finish_reason": None}],
+                      "usage": {"prompt_tokens": 3, "completion_tokens": i + 1, "total_tokens": i + 4}}) for i in range(n)]
+        for c in (chunks if step_s else [b"".join(chunks)]):  # 0: all in one write, read at one instant
+            await asyncio.sleep(step_s or 0.05)
+            writer.write(c)
+            await writer.drain()
+        await asyncio.sleep(tail_s)
+        writer.write(ev({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": None})
+                     + ev({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": usage,
+                                                    "total_tokens": usage + 3}}) + b"data: [DONE]\n\n")
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        rec = Rec()
+        runner, url = await serve_here(Proxy(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", recorder=rec).app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/chat/completions", json={"model": "m", "stream": True, **body}) as r:
+                    await r.read()
+            for _ in range(100):
+                if rec.ended:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await runner.cleanup()
+            srv.close()
+        return rec.ended[0]
+
+    return asyncio.run(asyncio.wait_for(main(), 60))
+
+
+TOOLS = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+
+
+@pytest.mark.parametrize("body,usage,tail_s,believed,step_s", [
+    # A server that says its limit at a length stop, far above its running counts, 994 tokens in no time: no tools
+    # (nothing a parser could hold), then tools but no time to have decoded them. Before: believed, both.
+    ({"max_tokens": 1000}, 1000, 0.0, False, 0.01),
+    ({"max_tokens": 1000, **TOOLS}, 1000, 0.0, False, 0.01),
+    ({"max_tokens": 30, **TOOLS, "tool_choice": "none"}, 30, 0.2, False, 0.01),  # no call can be made
+    ({"max_tokens": 31, **TOOLS}, 30, 0.2, False, 0.01),  # short of its limit
+    # A held call cut by max_tokens: 24 tokens after the last chunk, 0.2 s for them at 10 ms a step (60 ms would do).
+    ({"max_tokens": 30, **TOOLS}, 30, 0.2, True, 0.01),
+    # vLLM's `max_completion_tokens or max_tokens`: a 0 falls back to max_tokens (before: read as no limit at all).
+    ({"max_completion_tokens": 0, "max_tokens": 30, **TOOLS}, 30, 0.2, True, 0.01),
+    # Chunks read at one instant: paced from the request's arrival (before: no pace, a held call flagged).
+    ({"max_tokens": 30, **TOOLS}, 30, 0.2, True, 0.0),
+    ({"max_tokens": 1000, **TOOLS}, 1000, 0.0, False, 0.0),
+], ids=["no-tools", "no-time", "tool-choice-none", "short-of-limit", "held-call", "max-completion-tokens-0",
+        "held-call-one-read", "no-time-one-read"])
+def test_a_final_count_at_the_limit_past_the_running_counts_is_believed_only_as_a_held_call(body, usage, tail_s,
+                                                                                          believed, step_s):
+    t = _paced_liar(body, usage, tail_s, step_s)
+    c = t.counts
+    assert t.tokens_seen == 6 and c.generated_tokens == usage, (t.tokens_seen, c)
+    if believed:
+        assert (c.count_problem, c.held_tail) == (None, True), c
+        assert t.last_ns + tail_s * 1e9 <= t.extra["held_end_ns"] <= t.end_ns  # the upstream's end (proxy._held_end)
+    else:
+        assert c.count_problem_kind == "running_count_short" and not c.held_tail and "held_end_ns" not in t.extra, c

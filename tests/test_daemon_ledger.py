@@ -2423,3 +2423,51 @@ def test_a_request_row_is_counted_by_its_flags_decided_not_by_words_a_client_put
     notes = [r["energy_note"] or "" for r in sink.rows["requests"]]
     assert any(f"{COUNT_OPEN_FLAG}: " in n for n in notes), notes  # the client's words are in a note
     assert led.totals.flagged_requests[COUNT_OPEN_FLAG] == 0
+
+
+@pytest.mark.parametrize("held_tail,slow_client", [(True, False), (False, False), (True, True)])
+def test_a_held_calls_tokens_are_placed_from_its_last_chunk_to_its_end_and_only_its(held_tail, slow_client):
+    # Two streams over one 1 s interval (200 J): A, 10 tokens to its end; B, 2 tokens in chunks, then a final count of
+    # 100. Where the count passed its running counts by a tool call the server's parser held (Counts.held_tail:
+    # arrival.held_call_at_limit), its 98 other tokens were decoded from its last chunk (1.09 s) to its end (1.89 s)
+    # and take their share there: B 100 tokens, 233 J. A count that is no held call is placed nowhere by that rule (the
+    # proxy flags it): A keeps its energy. Before, a count at the request's limit was placed whatever said it was held,
+    # so a liar's count moved A's energy (230 J -> 66.7 J).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    a, b = (RequestTrace(rid, "POST", "/v1/chat/completions", "t", int(s * S), 0, api="openai-chat", stream=True)
+            for rid, s in ((1, 0.1), (2, 0.2)))
+    for t in (a, b):
+        t.extra["max_tokens"] = 100
+        led.on_start(t)
+    led.add_gpu_sample(0, 0, [R(1000.0, 200.0)])
+    led.add_gpu_sample(S, S, [R(1100.0, 200.0)])
+    for k in range(10):
+        t = int((1.0 + 0.09 * k) * S)
+        led.on_tokens(a, t, 1)
+        a.tokens_seen += 1
+        if k < 2:
+            led.on_tokens(b, t, 1)
+            b.tokens_seen += 1
+    a.first_ns = b.first_ns = S
+    a.last_ns, b.last_ns = int(1.81 * S), int(1.09 * S)
+    a.end_ns, b.end_ns = int(1.9 * S), int(1.89 * S)
+    if slow_client:
+        # Its client read the end 1.6 s after the upstream sent it (proxy._held_end): placed to the upstream's end,
+        # as above; to the client's, half its held tokens fell after the server had finished it.
+        b.extra["held_end_ns"], b.end_ns = b.end_ns, int(3.49 * S)
+    a.counts = Counts(10, 100, None, "stop", "usage")
+    b.counts = Counts(100, 100, None, "length", "usage", choice_stops={0: "length"}, held_tail=held_tail)
+    led.on_end(b)
+    led.on_end(a)
+    led.add_gpu_sample(2 * S, 2 * S, [R(1300.0, 200.0)])
+    led.add_gpu_sample(3 * S, 3 * S, [R(1300.0, 0.0)])
+    led.add_gpu_sample(4 * S, 4 * S, [R(1300.0, 0.0)])
+    led.advance(int(4.2 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    if held_tail:
+        assert got[2]["attributed_tokens"] == pytest.approx(100)
+        assert got[1]["gpu_energy_j"] == pytest.approx(200 / 3, rel=0.01) and got[2]["gpu_energy_j"] == pytest.approx(700 / 3, rel=0.01)
+    else:
+        assert got[2]["attributed_tokens"] == pytest.approx(2)
+        assert got[1]["gpu_energy_j"] == pytest.approx(230, rel=0.01), got[1]["gpu_energy_j"]

@@ -314,36 +314,47 @@ def test_a_server_counting_more_than_its_own_running_count_is_untrusted_but_slac
     assert classify(q, 125, 0.99, 124, stream_tokens=100, running_counts=False).kind == "server"
 
 
-def test_a_count_at_the_requests_limit_is_whole_whatever_the_running_counts_said():
+def test_a_count_past_the_running_counts_is_believed_only_as_a_held_tool_call_cut_at_the_limit():
     # SGLang's chat sends no chunk (so no running count) for tokens its tool-call parser holds: a call cut by max_tokens
     # (the deepseekv3 detector sends a call only once it closes) leaves the last running count far below the final
-    # usage, which is the limit the request set. At a length stop, a count of exactly that limit is whole; short of
-    # it, above it, or at another stop the rule stands. The measure path's record says so from the max_tokens it asked.
-    from powerprof.arrival import RUNNING_COUNT_SHORT, STREAM_ABOVE_COUNT, arrival_quality, classify, count_problem
+    # usage, which is the request's limit. Believed only where the request carried tools, every choice stopped at
+    # length, the count is exactly max_tokens for each, and the time after its last chunk could have decoded the
+    # rest at the stream's own pace. Before: any count equal to the limit at a length stop, any request, any gap (a
+    # liar's 994 tokens in 0.36 ms were believed), one choice's length beside another's early stop enough.
+    from powerprof.arrival import (HELD_PACE_DIVISOR, RUNNING_COUNT_SHORT, STREAM_ABOVE_COUNT, HeldCall, at_limit,
+                                   count_problem, held_call_at_limit)
     from powerprof.workload.client import RequestRecord
 
     assert count_problem(6, 24, running=True).kind == RUNNING_COUNT_SHORT
-    assert count_problem(6, 24, running=True, at_limit=True) is None
-    assert count_problem(30, 24, running=True, at_limit=True).kind == STREAM_ABOVE_COUNT  # more shown: still a lie
-    t, k = np.arange(6) * 10_000_000, np.ones(6)
-    q = arrival_quality(t, k, 24)
-    assert "cannot be believed" in classify(q, 24, stream_tokens=6, running_counts=True).reason
-    # At the limit the count stands; the stream alone cannot time the window (18 tokens in no chunk), the server can.
-    tm = classify(q, 24, stream_tokens=6, running_counts=True, at_limit=True)
-    assert tm.kind == "untrusted" and "cannot be believed" not in tm.reason, tm
-    assert classify(q, 24, 0.05, 23, stream_tokens=6, running_counts=True, at_limit=True).kind == "server"
+    assert count_problem(6, 24, running=True, held=True) is None
+    assert count_problem(30, 24, running=True, held=True).kind == STREAM_ABOVE_COUNT  # more shown: still a lie
+    assert at_limit({0: "length"}, 24, 24, 1)
+    assert not at_limit({0: "stop"}, 24, 24, 1) and not at_limit({0: "length"}, 24, None, 1)
+    assert not at_limit({0: "length"}, 24, 32, 1)
+    # n = 2, max_tokens 100: one choice stopped after 2 tokens, the other at length; a count of 200 is no limit.
+    assert not at_limit({0: "stop", 1: "length"}, 200, 100, 2)
+    assert not at_limit({1: "length"}, 200, 100, 2)  # one choice's finish never seen
+    assert at_limit({0: "length", 1: "length"}, 200, 100, 2)
+    # 18 tokens after the last of 6 chunks 10 ms apart: 18 steps of 10 ms, at most HELD_PACE_DIVISOR times faster.
+    step = 10_000_000
+    need = 18 * step / HELD_PACE_DIVISOR
+    held = HeldCall(24, 1, float(step), int(need))
+    assert held_call_at_limit(held, {0: "length"}, 24, 6)
+    assert not held_call_at_limit(held._replace(tail_ns=int(need) - 1000), {0: "length"}, 24, 6)  # too quick
+    assert not held_call_at_limit(None, {0: "length"}, 24, 6)  # no tools: nothing held
+    assert not held_call_at_limit(held._replace(step_ns=None), {0: "length"}, 24, 6)  # no pace measured
+    assert not held_call_at_limit(held, {0: "stop"}, 24, 6)
 
-    def record(stop, generated, max_tokens):
-        return RequestRecord(request_id=1, prompt_id="p", api="openai-chat", attempt=1, status="ok", error=None,
-                             http_status=200, t_send_ns=0, t_end_ns=int(t[-1]) + 1, t_send_wall_ns=0,
-                             event_t_ns=tuple(int(x) for x in t), event_tokens=(1,) * 6, t_first_ns=int(t[0]),
-                             t_last_ns=int(t[-1]), prompt_tokens=5, generated_tokens=generated, decode_tokens=5,
-                             decode_s=0.05, decode_tok_s=100.0, token_source="usage", stop_reason=stop,
-                             stream_tokens=6, running_counts=True, max_tokens=max_tokens)
-
-    assert record("length", 24, 24).count_problem is None
-    for stop, generated, max_tokens in (("length", 24, 32), ("stop", 24, 24), ("length", 24, None)):
-        assert "running count" in record(stop, generated, max_tokens).count_problem, (stop, generated, max_tokens)
+    # measure never sends tools: its requests (ignore_eos, every one ending at max_tokens) keep the rule whole.
+    t = np.arange(6) * 10_000_000
+    r = RequestRecord(request_id=1, prompt_id="p", api="openai-chat", attempt=1, status="ok", error=None,
+                      http_status=200, t_send_ns=0, t_end_ns=int(t[-1]) + 1, t_send_wall_ns=0,
+                      event_t_ns=tuple(int(x) for x in t), event_tokens=(1,) * 6, t_first_ns=int(t[0]),
+                      t_last_ns=int(t[-1]), prompt_tokens=5, generated_tokens=24, decode_tokens=5,
+                      decode_s=0.05, decode_tok_s=100.0, token_source="usage", stop_reason="length",
+                      stream_tokens=6, running_counts=True)
+    assert "running count" in r.count_problem
+    assert r.timing.kind == "untrusted" and "cannot be believed" in r.timing.reason
 
 
 def test_the_parser_counts_tokens_llama_server_held_back_for_an_unfinished_utf8_character():
@@ -597,3 +608,31 @@ def test_a_vllm_queue_probe_whose_metrics_stop_answering_ends_the_level_within_i
     out, took_s = _probe_against([page], finished=4, hang_after=1)
     assert took_s < QUEUE_SETTLE_S + 1.0, took_s
     assert out is None
+
+
+def test_n2_one_choice_at_length_beside_one_stopped_early_is_not_the_limit():
+    # n = 2, max_tokens 100: choice 0 stops after 2 tokens, choice 1 ends at length after 2; a final usage of 200 (the
+    # limit of both) is 196 past the running counts. Only one choice reached its limit: the count stays contradicted.
+    # Before: the stream's last finish reason (choice 1's length) stood for both, and 200 was believed.
+    import json
+
+    from powerprof.arrival import HeldCall
+    from powerprof.daemon.streams import summary_counts
+    from powerprof.workload.stream import StreamParser
+
+    def ch(text, n, idx):
+        return {"choices": [{"index": idx, "delta": {"content": text}, "finish_reason": None}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}}
+
+    def run(stop0):
+        events = [ch("a", 1, 0), ch("b", 1, 1), ch("c", 2, 0), {"choices": [{"index": 0, "delta": {}, "finish_reason": stop0}]},
+                  ch("d", 2, 1), {"choices": [{"index": 1, "delta": {}, "finish_reason": "length"}]},
+                  {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 200, "total_tokens": 205}}]
+        p = StreamParser("openai-chat", count_only=True)
+        p.count(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n")
+        s = p.finish()
+        assert s.choice_stops == {0: stop0, 1: "length"}, s.choice_stops
+        return summary_counts(s, held=HeldCall(100, 2, 1.0, 10**9))
+
+    assert run("stop").count_problem_kind == "running_count_short"
+    assert run("length").count_problem is None  # both at their limit: a held call each

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from powerprof.daemon.proxy import chat_echo_chars
+from powerprof.arrival import HeldCall
 from powerprof.daemon.streams import summary_counts
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
@@ -321,12 +322,14 @@ def test_sglang_tool_call_cut_by_max_tokens_before_its_parser_sent_it_is_counted
         assert not any(d.get("tool_calls") for d in deltas), deltas  # the call never went out
         finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
         assert finish == ["length"] and n == THINK and s.running_counts, (finish, n, s)
-        c = summary_counts(s, limit=N_TOKENS)
-        assert (c.generated_tokens, c.token_source, c.count_problem) == (N_TOKENS, "usage", None), c
-        # Without the request's limit the rule stands: more than 3 tokens past the last running count contradict.
+        # The request carried tools; its 17 held tokens had 10 steps' time after its last chunk (the pace: 1 a step).
+        held = HeldCall(N_TOKENS, 1, 1.0, 10)
+        c = summary_counts(s, held=held)
+        assert (c.generated_tokens, c.token_source, c.count_problem, c.held_tail) == (N_TOKENS, "usage", None, True), c
+        # Without tools the rule stands: more than 3 tokens past the last running count contradict.
         assert summary_counts(s).count_problem_kind == "running_count_short"
         # Asked for more than it generated (a stop at the limit of another, or none), the short count stays said.
-        assert summary_counts(s, limit=N_TOKENS + 1).count_problem_kind == "running_count_short"
+        assert summary_counts(s, held=held._replace(max_tokens=N_TOKENS + 1)).count_problem_kind == "running_count_short"
 
         body = dict(_body("tool_named", opts), max_tokens=200)
         del body["ignore_eos"]
@@ -335,7 +338,7 @@ def test_sglang_tool_call_cut_by_max_tokens_before_its_parser_sent_it_is_counted
     calls = [tc for d in _deltas(chunks) for tc in (d.get("tool_calls") or [])]
     assert calls and calls[0]["function"]["name"] == "get_power", calls
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
-    c = summary_counts(s, limit=200)
+    c = summary_counts(s, held=HeldCall(200, 1, 1.0, 10))
     assert finish == ["tool_calls"] and (c.generated_tokens, c.count_problem) == (truth["generated"], None), (finish, c)
 
 

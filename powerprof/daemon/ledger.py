@@ -34,7 +34,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
                                       SERVER_COUNT_PROXY_LAG, SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
 
-from powerprof.arrival import SAME_DELIVERY_NS
+from powerprof.arrival import SAME_DELIVERY_NS, at_limit
 
 from . import attribution as attr
 from .promptlen import PromptLengths
@@ -679,15 +679,18 @@ class Ledger:
                 and c.count_problem is None and c.generated_tokens and not trace.extra.get("spread")):
             return self._to_server_count(r, float(c.generated_tokens))
         if (c is not None and trace.stream is True and c.token_source == "usage" and not c.tokens_estimated
-                and c.invalid is None and c.count_problem is None and c.generated_tokens and _at_limit(r)
-                and trace.last_ns is not None and trace.end_ns is not None and trace.end_ns > trace.last_ns):
+                and c.invalid is None and c.count_problem is None and c.generated_tokens and c.held_tail
+                and trace.last_ns is not None and trace.end_ns is not None
+                and min(trace.extra.get("held_end_ns", trace.end_ns), trace.end_ns) > trace.last_ns):
             # Its chunks carried running counts and its final count, the request's limit, is above the last of them:
-            # tokens the server generated after its last chunk and sent in none (SGLang's tool-call parser holds a
-            # call cut by max_tokens: arrival.count_problem's at_limit). Spread from that chunk to the end, over which
-            # they were decoded; left out, the server's counter gave them and their energy to `unproxied`.
+            # tokens the server generated after its last chunk and sent in none (a tool call its parser held, cut by
+            # max_tokens: arrival.held_call_at_limit). Spread from that chunk to the end, over which they were
+            # decoded; left out, the server's counter gave them and their energy to `unproxied`.
             surplus = float(c.generated_tokens) - float(trace.tokens_seen)
             if surplus > 0:
-                step = (trace.end_ns - trace.last_ns) / SPREAD_EVENTS
+                # To the upstream's end (proxy._held_end), not the client's: a slow reader's end is past the server's.
+                end = min(trace.extra.get("held_end_ns", trace.end_ns), trace.end_ns)
+                step = (end - trace.last_ns) / SPREAD_EVENTS
                 ts = [int(trace.last_ns + step * (k + 1)) for k in range(SPREAD_EVENTS)]
                 self._place(r, ts, [surplus / SPREAD_EVENTS] * SPREAD_EVENTS)
                 return surplus
@@ -3063,15 +3066,6 @@ def _unsaid_reason(r: _Req) -> str:
     return "client_left" if r.trace.outcome == "client_disconnected" else "no_usage"
 
 
-def _at_limit(r: _Req) -> bool:
-    """It stopped at the length it asked (`max_tokens` for each sequence) and its count says exactly that: whole,
-    whatever its stream's last chunk carried."""
-    c, extra = r.trace.counts, r.trace.extra
-    limit = extra.get("max_tokens")
-    return (c.stop_reason == "length" and limit is not None
-            and c.generated_tokens == limit * max(extra.get("sequences", 1), 1))
-
-
 def _best_of_note(extra: dict) -> str:
     """BEST_OF_FLAG's words: the sequences run beyond those returned (best_of - n per prompt), unseen by the proxy."""
     b, n = extra["best_of"], max(extra.get("choices", 1), 1)
@@ -3100,8 +3094,10 @@ def _best_of_flagged(r: _Req, best_of_ignored: bool) -> bool:
 
 def _count_open_flagged(r: _Req) -> bool:
     """Its count is a running count with no final one after (COUNT_OPEN_FLAG), and not whole by its length stop."""
-    c = r.trace.counts
-    return c is not None and c.count_open and c.count_problem is None and not _at_limit(r)
+    c, extra = r.trace.counts, r.trace.extra
+    return (c is not None and c.count_open and c.count_problem is None
+            and not at_limit(c.choice_stops, c.generated_tokens, extra.get("max_tokens"),
+                             max(extra.get("sequences", 1), 1)))
 
 
 def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:

@@ -28,7 +28,7 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
-from powerprof.arrival import SAME_DELIVERY_NS
+from powerprof.arrival import SAME_DELIVERY_NS, HeldCall
 from powerprof.errtext import error_text
 from powerprof.workload.limits import MAX_COUNT
 from powerprof.workload.stream import json_from_bytes
@@ -257,11 +257,31 @@ def request_best_of(doc: dict, api: str | None) -> int | None:
     return b if type(b) is int and request_choices(doc, api) < b <= MAX_SEQUENCES else None
 
 
-def _limit(trace) -> int | None:
-    """The tokens a request allowed in all: its max_tokens times its sequences (as the ledger's _at_limit); None where
-    its body said no limit."""
-    limit = trace.extra.get("max_tokens")
-    return None if limit is None else limit * max(trace.extra.get("sequences", 1), 1)
+def _held_call(trace, end_ns: int) -> HeldCall | None:
+    """What arrival.held_call_at_limit needs of a request that carried tools (None: it carried none, so no parser
+    held any of its tokens); `end_ns`: when the upstream's last piece of it came."""
+    if not trace.extra.get("tools"):
+        return None
+    seqs = max(trace.extra.get("sequences", 1), 1)
+    steps = trace.tokens_seen / seqs
+    first, last = trace.first_ns, trace.last_ns
+    if last is None or steps <= 0:
+        return HeldCall(trace.extra.get("max_tokens"), seqs, None, 0)  # no chunk counted: no pace to check
+    if last > first and steps > 1:
+        step = (last - first) / (steps - 1)
+    else:
+        # Its chunks read at one instant (a loaded host reads a few at once; with none apart it had no pace at all):
+        # from its arrival instead, its prefill in, a pace no faster than its own.
+        step = (last - trace.arrival_ns) / steps
+    return HeldCall(trace.extra.get("max_tokens"), seqs, step, end_ns - last)
+
+
+def _held_end(trace, sink) -> None:
+    """A held call's end for the ledger's placing of its held tokens (Ledger._placed_at_end): the upstream's last piece,
+    where the server finished it; trace.end_ns waits on the client's last write, so a slow reader put those tokens
+    (and the server counter's match of them) after the server's finish."""
+    if trace.counts is not None and trace.counts.held_tail:
+        trace.extra["held_end_ns"] = sink.upstream_end_ns
 
 
 def chat_echo_chars(doc: dict) -> int:
@@ -321,10 +341,15 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             if n > 1:
                 extra["choices"] = n
         if api in ("openai-chat", "openai-completions"):
-            # The first of the two that is a number: `"max_completion_tokens": null` beside max_tokens leaves that one.
-            limit = next((v for v in (doc.get("max_completion_tokens"), doc.get("max_tokens")) if type(v) is int), None)
+            # vLLM's rule (`max_completion_tokens or max_tokens`): a null or 0 max_completion_tokens leaves max_tokens.
+            limit = doc.get("max_completion_tokens")
+            if type(limit) is not int or not limit:
+                limit = doc.get("max_tokens")
             if type(limit) is int and 0 < limit <= MAX_COUNT:
-                extra["max_tokens"] = limit  # a count at the limit is whole (the ledger's count-open check)
+                extra["max_tokens"] = limit  # a count at the limit is whole (arrival.at_limit)
+            tools = doc.get("tools")
+            if isinstance(tools, list) and tools and doc.get("tool_choice") != "none":
+                extra["tools"] = True  # its tool-call parser may hold tokens in no chunk (arrival.held_call_at_limit)
         best_of = request_best_of(doc, api)
         if best_of is not None:
             extra["best_of"] = best_of  # its row says its energy leaves out the sequences not returned
@@ -675,7 +700,8 @@ class Proxy:
         if trace is not None and trace.recorder_error is None:
             try:
                 if sink.parser is not None:
-                    trace.counts = streams.summary_counts(sink.parser.finish(), limit=_limit(trace))
+                    trace.counts = streams.summary_counts(sink.parser.finish(), held=_held_call(trace, sink.upstream_end_ns))
+                    _held_end(trace, sink)
                     if self.closing and not trace.counts.complete:
                         trace.outcome = "interrupted"  # our shutdown closed the upstream mid-stream
                     elif (not trace.counts.complete and trace.counts.invalid is None
@@ -724,7 +750,8 @@ class Proxy:
         if sink.parser is None or trace.recorder_error is not None:
             return
         try:
-            trace.counts = streams.summary_counts(sink.parser.finish(), limit=_limit(trace))
+            trace.counts = streams.summary_counts(sink.parser.finish(), held=_held_call(trace, sink.upstream_end_ns))
+            _held_end(trace, sink)
         except Exception as e:
             trace.recorder_error = f"summary: {error_text(e)}"[:300]
             self.recorder_failures += 1
@@ -840,6 +867,9 @@ class _ClientSink:
         # was waiting while the previous one was handled, part of the same delivery (`account`, trace.extra["deliveries"]).
         self._free_ns: int | None = None
         self._piece_tokens = 0  # tokens in the last piece that carried any
+        # When the upstream's last piece came (tokens or not): the server's end of the response, not the client's
+        # (trace.end_ns waits on the client's last write).
+        self.upstream_end_ns = time.monotonic_ns()
 
     def on_body(self, piece: bytes, framed: bytes | None) -> None:
         # In the upstream socket's callback: no task wake-up per read. The piece goes out first; it is
@@ -870,6 +900,7 @@ class _ClientSink:
     def account(self, piece: bytes, now: int) -> None:
         """Counts one piece's tokens (fail-open)."""
         trace = self.trace
+        self.upstream_end_ns = now
         if trace is None:
             return
         try:

@@ -9,9 +9,9 @@ counts, model, stop reason.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from powerprof.arrival import count_problem, first_choice_only
+from powerprof.arrival import HeldCall, count_problem, first_choice_only, held_call_at_limit
 from powerprof.workload.stream import StreamParser, parse_response
 
 
@@ -125,14 +125,19 @@ class Counts:
     # Its count is the server's running count as of its last chunk that carried one, its end carrying none
     # (StreamSummary.count_open: SGLang's chat without include_usage): it may be low, the row says so.
     count_open: bool = False
+    # Each choice's finish reason by its index (StreamSummary.choice_stops): arrival.at_limit's.
+    choice_stops: dict = field(default_factory=dict)
+    # Its count passed its running counts by a tool call the server's parser held, cut by max_tokens
+    # (arrival.held_call_at_limit): tokens decoded after its last chunk, which the ledger places from there to the end.
+    held_tail: bool = False
 
 
-def summary_counts(summary, streamed: bool = True, limit: int | None = None) -> Counts:
+def summary_counts(summary, streamed: bool = True, held: HeldCall | None = None) -> Counts:
     """What the daemon keeps of a StreamSummary; nothing of one that sent an invalid value. A stream's
     server count is checked against the tokens it carried by the timing rule's own test
-    (arrival.count_problem); `streamed` False: a whole body, whose count is the only one; `limit`: the tokens the
-    request allowed in all (max_tokens times its sequences; None: not said), a count of exactly which at a length
-    stop is whole whatever its chunks' running counts said."""
+    (arrival.count_problem); `streamed` False: a whole body, whose count is the only one; `held`: a request that
+    carried tools, whose count a tool call cut by max_tokens may put above its running counts
+    (arrival.held_call_at_limit)."""
     if summary.invalid is not None:
         return Counts(None, None, summary.model, summary.stop_reason, "none", complete=summary.complete,
                       error=summary.error, invalid=summary.invalid, server_error=summary.server_error,
@@ -140,9 +145,12 @@ def summary_counts(summary, streamed: bool = True, limit: int | None = None) -> 
     timings = summary.timings or {}
     gen = summary.generated_tokens
     problem = None
+    held_tail = False
     if streamed:
-        at_limit = summary.stop_reason == "length" and limit is not None and gen == limit
-        problem = count_problem(summary.counted_tokens, gen, summary.running_counts, at_limit)
+        held_tail = (summary.running_counts and gen is not None and gen > summary.counted_tokens
+                     and held_call_at_limit(held, summary.choice_stops, gen, summary.counted_tokens))
+        problem = count_problem(summary.counted_tokens, gen, summary.running_counts, held_tail)
+        held_tail = held_tail and problem is None
     elif summary.first_choice_of is not None and gen:
         problem = first_choice_only(summary.first_choice_of, gen)
     elif summary.api == "sglang-generate" and summary.running_counts:
@@ -168,6 +176,8 @@ def summary_counts(summary, streamed: bool = True, limit: int | None = None) -> 
         unreadable=summary.unreadable,
         cached_tokens=summary.cached_tokens,
         count_open=summary.count_open,
+        choice_stops=summary.choice_stops,
+        held_tail=held_tail,
     )
 
 

@@ -353,7 +353,7 @@ _FIRST = (_I, _I, _I, _I, _IN, _BN, _FN, _FN)  # ... its prompt's length and cac
 _TOK = (_I, _I, _I, "float", "float")
 _END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN, _BN)
 _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "bool", _IN, _I, _IN,
-           "bool")  # streams.Counts, in its order
+           "bool", "stops", "bool")  # streams.Counts, in its order
 # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent,
 # slow), upstream retries
 _STATS = (_I, _I, _I, _I, _I, _I, _I, _I)  # ShippingRecorder._stats: its counters, then its loop's lateness (µs)
@@ -369,6 +369,8 @@ def _ok(v, kind: str) -> bool:
         return type(v) is bool
     if k == "float":
         return type(v) in (int, float)
+    if k == "stops":  # Counts.choice_stops: a finish reason by choice index
+        return type(v) is dict and all(type(i) is int and type(r) is str for i, r in v.items())
     return type(v) is str
 
 

@@ -137,8 +137,6 @@ class RequestRecord:
     # Checked against generated_tokens by the timing rule (arrival.count_problem).
     stream_tokens: int | None = None
     running_counts: bool = False
-    # The max_tokens it asked (None: none): a count of exactly that at a length stop is whole (arrival.count_problem).
-    max_tokens: int | None = None
     # Times it was sent again at once because a kept-alive connection the server had closed took it unanswered
     # (send_request): the server never began those sends, so they are no failed attempt and not in its times.
     resent: int = 0
@@ -157,7 +155,7 @@ class RequestRecord:
         if not self.ok:
             return None
         return classify(self.quality, self.generated_tokens, self.server_decode_s, self.server_decode_tokens, self.client_lag_s,
-                        self.shown_tokens, self.running_counts, self.at_limit)
+                        self.shown_tokens, self.running_counts)
 
     @property
     def shown_tokens(self) -> int:
@@ -169,13 +167,8 @@ class RequestRecord:
         """Why the server's own token count cannot be believed beside its stream (arrival.count_problem); None for failures."""
         if not self.ok:
             return None
-        lie = count_problem(self.shown_tokens, self.generated_tokens, self.running_counts, self.at_limit)
+        lie = count_problem(self.shown_tokens, self.generated_tokens, self.running_counts)
         return lie.message if lie else None
-
-    @property
-    def at_limit(self) -> bool:
-        """It stopped at the length it asked and its count says exactly that."""
-        return self.stop_reason == "length" and self.max_tokens is not None and self.generated_tokens == self.max_tokens
 
     @property
     def ttft_s(self) -> float | None:
@@ -868,6 +861,5 @@ async def send_request(
         truncated=truncated,
         stream_tokens=summary.counted_tokens,
         running_counts=summary.running_counts,
-        max_tokens=params.max_tokens,
     )
 

@@ -156,6 +156,8 @@ class StreamSummary:
     # after: SGLang's chat stream (continuous_usage_stats without include_usage) sends usage only on chunks with text,
     # so a last step whose text is empty (its end-of-text token, which it counts) is in no count: it may be low.
     count_open: bool = False
+    # OpenAI: each choice's finish_reason by its index (n > 1, a list of prompts: stop_reason is only the last one's).
+    choice_stops: dict = field(default_factory=dict)
 
     @property
     def running_counts(self) -> bool:
@@ -198,6 +200,7 @@ class _State:
     predicted_total: int | None = None  # llama.cpp tokens_predicted (cumulative)
     timings: dict = field(default_factory=dict)
     stop_reason: str | None = None
+    choice_stops: dict = field(default_factory=dict)  # OpenAI: each choice's finish_reason by its index
     model: str | None = None
     complete: bool = False
     finished_any: bool = False  # some choice carried a finish_reason
@@ -1061,6 +1064,7 @@ class StreamParser:
             if finished:
                 closing = True
                 s.stop_reason = fr
+                s.choice_stops[idx] = fr
                 s.unfinished.discard(idx)
                 s.finished_any = True
             else:
@@ -1169,6 +1173,7 @@ class StreamParser:
             draft_n=t.get("draft_n"),
             draft_n_accepted=t.get("draft_n_accepted"),
             stop_reason=s.stop_reason,
+            choice_stops=dict(s.choice_stops),
             model=s.model,
             complete=s.complete,
             done=s.done,
