@@ -775,21 +775,117 @@ def test_the_daemon_flags_rows_within_seconds_of_the_server_reaching_an_unsample
         await asyncio.sleep(0.3)
         t_new = time.monotonic()
         sim.add_process(0, 4242, 8 << 30, lambda: 1.0)  # the server reaches GPU 0, not sampled
-        while d.ledger.unsampled_note is None and time.monotonic() - t_new < 10:
+        while d.ledger.unsampled_note is None and time.monotonic() - t_new < WAIT_S:
             await asyncio.sleep(0.05)
         took = time.monotonic() - t_new
         d.stop_event.set()
         d.config_waker.wake()  # as the daemon's stop wakes it
-        await asyncio.wait_for(loop_task, 1)
+        await asyncio.wait_for(loop_task, 5)
         return took
 
     took = asyncio.run(go())
-    # Noticed within the list-reading period (and the check's own time), not at the next 30 s check.
-    assert d.ledger.unsampled_note is not None and took <= service.PLACEMENT_LIST_S + 1.5, took
+    # Noticed within a few list-reading periods, not at the next 30 s check: the bound is loose (a loaded CI host's
+    # two cores delay the executor's hops by seconds) yet half the 30 s it was before.
+    assert d.ledger.unsampled_note is not None and took <= NOTICED_S, took
     assert d.ledger.unsampled_note.startswith("server-gpu-unsampled: the server also runs on GPU 0")
     run_ledger(4, 8)
     after = sink.rows["intervals"][len(before):]
     assert after and all("server-gpu-unsampled" in (r.get("energy_note") or "") for r in after), after
+
+
+# The daemon's tests of noticing the server on a new GPU: noticed within NOTICED_S (a few PLACEMENT_LIST_S periods with
+# a loaded host's slack), waited for up to WAIT_S; the 30 s check alone (PLACEMENT_CHECK_S) misses both.
+NOTICED_S = 15.0
+WAIT_S = 20.0
+
+
+def test_daemon_flags_a_worker_that_starts_as_a_small_context_and_grows(tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from powerprof.daemon import service
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.ticks import Waker
+    from support import RowSink as Sink
+
+    # A new CUDA worker of the server's on GPU 0 (not sampled) first holds only its context (400 MiB, no kernels):
+    # judged a helper. Then it loads its weights (8 GiB) and works, its pid unmoved. Keyed on pids alone, the daemon
+    # saw no list change and its rows stayed unflagged until the 30 s check (29.3 s late).
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
+    d_cls = type("D", (SimpleNamespace,), {"__getattr__": lambda self, n: getattr(service.Daemon, n).__get__(self)})
+    d = d_cls(_server_procs=lambda: ({4242, 4343}, None), collector=SimpleNamespace(nvml=sim),
+              gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=Ledger("d", 0, 1, Sink(), grace_s=0.1),
+              _idle_said=False, _helper_said=False, config_waker=Waker())
+    service.Daemon._check_placement(d)
+    work = [0.0]
+
+    async def go() -> float:
+        d.stop_event = asyncio.Event()
+        loop_task = asyncio.create_task(service.Daemon._placement_loop(d))
+        await asyncio.sleep(0.3)
+        sim.add_process(0, 4343, 400 << 20, lambda: work[0])  # the context only: a helper's look
+        await asyncio.sleep(2 * service.PLACEMENT_LIST_S + 0.5)
+        assert d.ledger.unsampled_note is None  # idle and small: a helper, not flagged
+        t_grow = time.monotonic()
+        sim._procs[0][4343].used_bytes = 8 << 30  # weights loaded, serving
+        work[0] = 1.0
+        while d.ledger.unsampled_note is None and time.monotonic() - t_grow < WAIT_S:
+            await asyncio.sleep(0.05)
+        took = time.monotonic() - t_grow
+        d.stop_event.set()
+        d.config_waker.wake()
+        await asyncio.wait_for(loop_task, 5)
+        return took
+
+    took = asyncio.run(go())
+    assert d.ledger.unsampled_note is not None and took <= NOTICED_S, took
+    assert d.ledger.unsampled_note.startswith("server-gpu-unsampled: the server also runs on GPU 0")
+
+
+def test_daemon_flags_a_small_context_that_begins_working(tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from powerprof.daemon import service
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.ticks import Waker
+    from support import RowSink as Sink
+
+    # A small model of the server's (400 MiB) on GPU 0, not sampled, idle at the daemon's start (a helper's look),
+    # then worked by a request: no pid moves and no size crosses the bound; the check is kept due at every list read
+    # while a context on an unsampled GPU is judged a helper.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
+    work = [0.0]
+    sim.add_process(0, 4242, 400 << 20, lambda: work[0])
+    d_cls = type("D", (SimpleNamespace,), {"__getattr__": lambda self, n: getattr(service.Daemon, n).__get__(self)})
+    d = d_cls(_server_procs=lambda: ({4242}, None), collector=SimpleNamespace(nvml=sim),
+              gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=Ledger("d", 0, 1, Sink(), grace_s=0.1),
+              _idle_said=False, _helper_said=False, config_waker=Waker())
+    service.Daemon._check_placement(d)
+    assert d.ledger.unsampled_note is None and d._helper_said
+
+    async def go() -> float:
+        d.stop_event = asyncio.Event()
+        loop_task = asyncio.create_task(service.Daemon._placement_loop(d))
+        # Past the loop's first pass (which checks whatever the lists say): no list changes from here.
+        await asyncio.sleep(2 * service.PLACEMENT_LIST_S + 0.5)
+        assert d.ledger.unsampled_note is None
+        t_work = time.monotonic()
+        work[0] = 1.0
+        while d.ledger.unsampled_note is None and time.monotonic() - t_work < WAIT_S:
+            await asyncio.sleep(0.05)
+        took = time.monotonic() - t_work
+        d.stop_event.set()
+        d.config_waker.wake()
+        await asyncio.wait_for(loop_task, 5)
+        return took
+
+    took = asyncio.run(go())
+    assert d.ledger.unsampled_note is not None and took <= NOTICED_S, took
 
 
 def test_a_trace_sweep_looks_again_after_its_first_replay(tmp_path, monkeypatch):

@@ -15,7 +15,8 @@ flagged. Memory alone does not make a helper: a small model (an embedding, reran
 port) holds under 1 GiB and draws full power while it works. Samples NVML cannot give, or one showing work, make the
 GPU serving. A small model idle through the look before the load is taken for a helper until a later look sees it
 work: sweep and measure look again once their load has run (LookUnderLoad), and a server GPU found then stops the run
-as the first look would have; the daemon looks again whenever a GPU's process list changes, and every 30 s.
+as the first look would have; the daemon looks again whenever a GPU's process list changes (a pid, or one crossing
+HELPER_MAX_BYTES), every list read while a helper stands on a GPU it does not sample, and every 30 s.
 """
 
 from __future__ import annotations
