@@ -696,6 +696,26 @@ def test_a_small_model_idle_before_measure_and_busy_under_its_load_is_refused_or
                and "found once the load ran on GPU 0" in n for n in notes), notes
 
 
+def test_a_stop_during_measures_look_under_load_keeps_no_unchecked_batch(tmp_path, monkeypatch):
+    from powerprof.workload import placement
+    from powerprof.workload.measure import run_measure
+
+    # With no warm-up the first measured batch is finished (and counted as kept) before the look under load runs on
+    # it: a Ctrl-C during that look kept the batch, never checked, its notes calling GPU 0 a helper.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    _small_model_busy_under_load(monkeypatch, sim, 0)
+
+    def interrupted(self):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(placement.LookUnderLoad, "__call__", interrupted)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        with pytest.raises(KeyboardInterrupt):
+            run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=PROMPTS, n_requests=4, concurrencies=[1],
+                        params=RequestParams(max_tokens=16), warmup=0, interval_s=0.2)
+    assert not (tmp_path / "m").exists()
+
+
 @pytest.mark.parametrize("grid", [False, True])
 def test_a_small_model_working_only_under_load_stops_the_sweep_or_grid_exit_2_with_the_limit_put_back(tmp_path,
                                                                                                       monkeypatch, grid):

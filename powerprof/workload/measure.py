@@ -482,7 +482,8 @@ def measure(
 
     keep_on_stop: a run-ending signal (Ctrl-C, SIGTERM, SIGHUP) returns what was finished, whole
     batches only, with `stopped` (the exit, for the caller to raise once it has written them) and
-    `interrupted` set; when nothing measured had finished, or without it, the exit is raised."""
+    `interrupted` set; when nothing measured had finished, the look under load had not answered, or without it, the
+    exit is raised."""
     run_id = run_id or uuid.uuid4().hex[:12]
     hook = profiler.edge if profiler is not None else None
 
@@ -507,6 +508,10 @@ def measure(
     if limits is not None:
         profiler.sampler.subscribe(limits)
     cut: dict = {}  # the concurrency the limit moved in and those never begun
+    # Whether the look under load has answered (or there is none): until then no batch is kept on a stop. The first
+    # batch finishes (and is in `kept`) before the look runs; a Ctrl-C during the look kept that batch, never checked,
+    # its notes still calling the GPU the look was for a helper.
+    looked = [placement_look is None]
 
     async def go():
         records: list[RequestRecord] = []
@@ -538,6 +543,7 @@ def measure(
                         # Once, after the first batch (warm-up or measured): a small model idle before the load was
                         # taken for a helper and its GPU left unmeasured; a refusal keeps nothing.
                         notes.extend(placement_look())
+                        looked[0] = True
                     if limits is not None and limits.moved is not None:
                         raise _LimitMoved()  # the rest would measure another setting: stop, keep what ran before
                     if others is not None:
@@ -591,7 +597,7 @@ def measure(
     try:
         server, records, aborted = termination.run(go())
     except (KeyboardInterrupt, termination.Terminated) as e:
-        if not keep_on_stop or "server" not in found or all(r.warmup for r in kept):
+        if not keep_on_stop or "server" not in found or not looked[0] or all(r.warmup for r in kept):
             raise
         # Whole batches that finished and were annotated: each row is what a full run would have stored for it.
         server, records, aborted, stopped = found["server"], list(kept), None, e
