@@ -449,11 +449,11 @@ class _GridLook:
     def __init__(self, grid: "GridRun", rec: ConfigRecord, look):
         self.grid, self.rec, self.look = grid, rec, look
 
-    def __call__(self) -> list[str]:
+    def __call__(self, since_wall_ns: int | None = None) -> list[str]:
         from powerprof.workload.placement import GpuPlacementError
 
         try:
-            said = self.look()
+            said = self.look(since_wall_ns)
         except GpuPlacementError as e:
             raise GpuPlacementError(f"configuration {self.rec.config_id}: {e}") from None
         self.grid._note_placement(self.rec, said)

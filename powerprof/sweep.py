@@ -589,7 +589,8 @@ class Sweep:
                 self._add_rows(visit, recs)
                 self.flush()
                 raise SweepError(f"{_level_name(visit)}: {aborted}") from None
-            self._look_again()  # before the batch's rows are kept: a refusal keeps none of a wrongly scoped level
+            # Before the batch's rows are kept: a refusal keeps none of a wrongly scoped level.
+            self._look_again(min((r.t_send_wall_ns for r in recs), default=None))
             if warmup:
                 # --max-time counts from the end of the warm-up (its --help says so): counted, it took the slowest
                 # level's time budget first, and that level got the fewest windows.
@@ -648,14 +649,14 @@ class Sweep:
             if visit.stop:
                 return
 
-    def _look_again(self) -> None:
+    def _look_again(self, since_wall_ns: int | None) -> None:
         """The server's GPUs once more, now that the load has run (once per sweep: LookUnderLoad): a small model idle
         before the load was taken for a helper, and its GPU left unmeasured; where the load's requests worked it, the
         sweep stops (PlacementStop, exit 2: run_sweep puts every limit back) or, allowed, says so in its notes."""
         if self._placement_look is None:
             return
         try:
-            self.placement_notes.extend(self._placement_look())
+            self.placement_notes.extend(self._placement_look(since_wall_ns))
         except GpuPlacementError as e:
             raise PlacementStop(str(e)) from None
 
@@ -1182,9 +1183,9 @@ class TraceSweep(Sweep):
             await self._watch_others()
             with self.prof.window("trace") as w:
                 recs = await replay_async(self.session, self.server, self.trace, self.params)
-            self._look_again()
-            visit.elapsed_s = time.monotonic() - t_start
             records = [r.record for r in recs]
+            self._look_again(min((r.t_send_wall_ns for r in records), default=None))
+            visit.elapsed_s = time.monotonic() - t_start
             others = await self._others_beside(records)
             value = None if visit.level_value is None else float(visit.level_value)
             level = Level(self.s.level_kind, value, visit.repeat)

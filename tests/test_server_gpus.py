@@ -500,6 +500,72 @@ def test_a_small_context_whose_work_nvml_cannot_say_is_serving(monkeypatch):
     assert list(p.unmeasured) == [0] and not p.helpers
 
 
+def _look_under_load_with_util(monkeypatch, answers):
+    """The first look (samples read: GPU 0's 300 MiB context idle, a helper) and a LookUnderLoad over the same
+    simulated host whose per-process sample reads answer from `answers` in turn (None: the read fails as pynvml's does
+    when samples arrive between its two calls), then as they are."""
+    from powerprof.collectors import nvml as nvml_mod
+    from powerprof.workload import placement
+
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+    procs = lambda: ({4242, 4243}, None)  # noqa: E731
+    first = placement.find_placement(sim, {1: sim.gpus[1].uuid}, procs)
+    assert 0 in first.helpers
+    real = nvml_mod.process_util
+    left = list(answers)
+
+    def util(nvml, h, since):
+        if left:
+            a = left.pop(0)
+            return (None, "nvmlDeviceGetProcessUtilization: INSUFFICIENT_SIZE") if a is None else (a, "test")
+        return real(nvml, h, since)
+
+    monkeypatch.setattr(nvml_mod, "process_util", util)
+    return placement.LookUnderLoad(sim, {1: sim.gpus[1].uuid}, procs, first, allow=False, stopped="stopped")
+
+
+def test_one_failed_sample_read_under_load_is_retried_not_taken_for_the_servers_work(monkeypatch):
+    # One INSUFFICIENT_SIZE (samples arriving between pynvml's two calls, likelier under load) counted GPU 0 serving
+    # and stopped the run, saying "NVML's samples now show the server's work there".
+    look = _look_under_load_with_util(monkeypatch, [None])
+    assert look() == []
+
+
+def test_sample_reads_failing_under_load_refuse_in_words_that_say_so(monkeypatch):
+    from powerprof.workload.placement import UTIL_TRIES, GpuPlacementError
+
+    look = _look_under_load_with_util(monkeypatch, [None] * UTIL_TRIES)
+    with pytest.raises(GpuPlacementError) as e:
+        look()
+    said = str(e.value)
+    assert "NVML's per-process samples could not be read now" in said and "INSUFFICIENT_SIZE" in said, said
+    assert "show the server's work" not in said, said
+
+
+def test_the_look_under_load_reads_the_samples_since_the_load_began(monkeypatch):
+    from powerprof.workload import placement
+
+    # Work early in a long first batch (or a trace's first replay), idle over its last HELPER_LOOK_S: read over the
+    # last HELPER_LOOK_S only, it went unseen. Here the samples show work only to a read reaching back to the load's
+    # start, and the look window is shortened so that its last HELPER_LOOK_S do not.
+    began_us = time.time_ns() // 1000 - 5_000_000  # the load began 5 s ago
+    look = _look_under_load_with_util(monkeypatch, [])
+    from powerprof.collectors import nvml as nvml_mod
+
+    real = nvml_mod.process_util
+
+    def util(nvml, h, since):
+        if h is not None and since <= began_us:
+            return {4243: {"sm": 60.0}}, "test"
+        return real(nvml, h, since)
+
+    monkeypatch.setattr(nvml_mod, "process_util", util)
+    monkeypatch.setattr(placement, "HELPER_LOOK_S", 1.0)
+    with pytest.raises(placement.GpuPlacementError) as e:
+        look(began_us * 1000)
+    assert "NVML's samples now show the server's work there" in str(e.value)
+
+
 def test_the_helper_note_says_its_draw_is_not_measured():
     from powerprof.workload.placement import find_placement
 
@@ -639,9 +705,9 @@ def test_a_small_model_idle_before_the_sweep_and_busy_under_its_load_stops_it_wi
     at_look: list = []
     real_find = placement.find_placement
 
-    def spy(nvml, measured, procs):
+    def spy(nvml, measured, procs, **kw):
         at_look.append(sim.gpus[1].limit_w)
-        return real_find(nvml, measured, procs)
+        return real_find(nvml, measured, procs, **kw)
 
     monkeypatch.setattr(placement, "find_placement", spy)
     monkeypatch.setattr(sweep_mod, "find_placement", spy)
@@ -705,7 +771,7 @@ def test_a_stop_during_measures_look_under_load_keeps_no_unchecked_batch(tmp_pat
     sim = SimNVML("seed-16g", count=2, state_path=None)
     _small_model_busy_under_load(monkeypatch, sim, 0)
 
-    def interrupted(self):
+    def interrupted(self, *_a):
         raise KeyboardInterrupt()
 
     monkeypatch.setattr(placement.LookUnderLoad, "__call__", interrupted)

@@ -542,7 +542,7 @@ def measure(
                     if placement_look is not None:
                         # Once, after the first batch (warm-up or measured): a small model idle before the load was
                         # taken for a helper and its GPU left unmeasured; a refusal keeps nothing.
-                        notes.extend(placement_look())
+                        notes.extend(placement_look(min((r.t_send_wall_ns for r in recs), default=None)))
                         looked[0] = True
                     if limits is not None and limits.moved is not None:
                         raise _LimitMoved()  # the rest would measure another setting: stop, keep what ran before
