@@ -455,7 +455,7 @@ class _GridLook:
         try:
             said = self.look(since_wall_ns)
         except GpuPlacementError as e:
-            raise GpuPlacementError(f"configuration {self.rec.config_id}: {e}") from None
+            raise type(e)(f"configuration {self.rec.config_id}: {e}") from None
         self.grid._note_placement(self.rec, said)
         return []  # the grid's placement_notes carry them into run.json
 

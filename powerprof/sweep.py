@@ -33,7 +33,8 @@ from powerprof.storage.samples import Timeline
 from powerprof.workload.client import (CONTEXT_FIX, RequestParams, context_problem, health_status, identity_changes,
                                       new_session, restart_evidence, restart_said, server_away, server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, prompt_set_record, run_load_async
-from powerprof.workload.placement import GpuPlacementError, LookUnderLoad, find_placement, judge_placement
+from powerprof.workload.placement import (GpuPlacementError, LookUnderLoad, cost_words, find_placement,
+                                          judge_placement)
 from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from powerprof.workload.rows import FIGURES, Level, request_timing, spec_columns, trace_row, window_rows
 from powerprof.workload.servercount import ForeignWatch, settled_tally
@@ -1476,10 +1477,11 @@ def run_sweep(
         # Every GPU NVML reports, not only the measured ones: a server GPU left out is refused before any limit is
         # set (its energy in no figure, its limit not stepped); a measured GPU the server does not use is said.
         first = find_placement(nvml, src.gpu_uuids, server_procs)
-        judge_placement(first, notes, allow=allow_unmeasured_server_gpus)
+        cost = cost_words(level_kind)  # a clock sweep steps clocks, not limits
+        judge_placement(first, notes, allow=allow_unmeasured_server_gpus, cost=cost)
         # Looked at again after the first batch: a small model idle during this look was taken for a helper.
         look = LookUnderLoad(nvml, src.gpu_uuids, server_procs, first, allow=allow_unmeasured_server_gpus,
-                             stopped="the sweep stopped at its first level, none of it kept")
+                             stopped="the sweep stopped at its first level, none of it kept", cost=cost)
 
         ctl = stack.enter_context(rig.controller(indexes)) if level_kind != "none" else None
         # Whose CPU time the host spent, beside RAPL's whole-package energy: a busy host is flagged (busy-host).

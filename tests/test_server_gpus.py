@@ -817,6 +817,44 @@ def test_a_small_model_working_only_under_load_stops_the_sweep_or_grid_exit_2_wi
     assert not meta.get("levels_done"), meta.get("levels_done")
 
 
+def _small_model_on_gpu0_under_load(monkeypatch):
+    """Every 2-GPU SimNVML opened gets a small model of the server's on GPU 0, idle until the load (as above)."""
+    real_init = SimNVML.nvmlInit
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        if len(self.gpus) == 2 and not getattr(self, "_small_added", False):
+            self._small_added = True
+            _small_model_busy_under_load(monkeypatch, self, 0)
+
+    monkeypatch.setattr(SimNVML, "nvmlInit", init)
+
+
+def test_measures_stop_under_load_is_a_plain_stop_in_measures_words(tmp_path, monkeypatch):
+    from powerprof.cli import main
+
+    # measure's look under load stopped under click's "Usage: … Try --help" banner (sweep's had been removed as wrong
+    # for a stop partway), and said GPU 0's "limit not stepped" of a command that steps nothing.
+    _small_model_on_gpu0_under_load(monkeypatch)
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--requests", "2",
+                                  "--max-tokens", "16", "--out", str(tmp_path / "m")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": "1"})
+    assert r.exit_code == 2, r.output
+    assert "found once the load ran on GPU 0" in r.output and "measure stopped, nothing kept" in r.output, r.output
+    assert "Usage:" not in r.output and "Try " not in r.output, r.output
+    assert "not stepped" not in r.output and "would be in no figure (J/token low)" in r.output, r.output
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_clock_sweeps_refusal_says_its_clock_not_its_limit(tmp_path):
+    from powerprof.cli import main
+
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--clocks", "900,1200",
+                                  "--out", str(tmp_path / "c")], env={"POWERPROF_SIM_SERVER_GPUS": "0,1"})
+    assert r.exit_code == 2, r.output
+    assert "its clock not stepped" in r.output and "limit not stepped" not in r.output, r.output
+
+
 def test_the_daemon_flags_rows_within_seconds_of_the_server_reaching_an_unsampled_gpu():
     import asyncio
     from types import SimpleNamespace

@@ -927,7 +927,7 @@ def _run_measure(
     from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
     from powerprof.workload.load import prompt_set_record
 
-    from .placement import LookUnderLoad, find_placement, judge_placement
+    from .placement import LookUnderLoad, cost_words, find_placement, judge_placement
     from .serverprocs import ServerProcesses
 
     from powerprof.paths import path_problem
@@ -964,10 +964,13 @@ def _run_measure(
             # Every GPU NVML reports: a server GPU left unmeasured is refused (its energy would be in no figure); a
             # measured GPU the server does not use is said (its idle power is in every figure).
             placement = find_placement(src.nvml.nvml, src.gpu_uuids, server_procs)
-            judge_placement(placement, notes, allow=allow_unmeasured_server_gpus, stopped="nothing was measured")
+            cost = cost_words("none")  # measure steps nothing: no limit "not stepped"
+            judge_placement(placement, notes, allow=allow_unmeasured_server_gpus, stopped="nothing was measured",
+                            cost=cost)
             # Looked at again after the first batch: a small model idle during this look was taken for a helper.
             look = LookUnderLoad(src.nvml.nvml, src.gpu_uuids, server_procs, placement,
-                                 allow=allow_unmeasured_server_gpus, stopped="measure stopped, nothing kept")
+                                 allow=allow_unmeasured_server_gpus, stopped="measure stopped, nothing kept",
+                                 cost=cost)
         for p in src.problems:
             if p.source == "nvml" and src.nvml is None:
                 cpu = "and CPU energy" if src.rapl is not None else "only"

@@ -39,6 +39,18 @@ class GpuPlacementError(ValueError):
     exit 2 (the --gpus given, or left out, are the mistake)."""
 
 
+class GpuPlacementStop(GpuPlacementError):
+    """The same found by the look under load (LookUnderLoad), once the run has begun: a stop partway, said as one (no
+    usage banner), exit 2."""
+
+
+def cost_words(kind: str) -> str:
+    """What leaving a server GPU unmeasured costs, for unmeasured_text, by what the run steps: kind 'power_limit' (a
+    sweep of limits), 'sm_clock' (a sweep of clocks), or 'none' (measure, a grid of configurations as launched)."""
+    stepped = {"power_limit": "limit", "sm_clock": "clock"}.get(kind)
+    return "{its} energy would be in no figure (J/token low)" + (f" and {{its}} {stepped} not stepped" if stepped else "")
+
+
 @dataclass
 class Placement:
     """server: index → UUID of every GPU the server serves from (its processes hold more than a helper context there);
@@ -87,13 +99,14 @@ class Placement:
 
     def unmeasured_text(self, fix: str | None = None, cost: str | None = None) -> str | None:
         """'the server also runs on GPU 0 (GPU-…): …; add it: --gpus 0,1', or None when every server GPU is measured.
-        cost: what leaving it out costs, in words (default a sweep's: its energy in no figure, its limit not stepped)."""
+        cost: what leaving it out costs, in words, '{its}' standing for its or their (default a sweep of limits':
+        cost_words)."""
         gone = self.unmeasured
         if not gone:
             return None
         what, one, its = _named(gone)
         return (f"the server also runs on {what}, which {'is' if one else 'are'} not measured: "
-                + (cost or f"{its} energy would be in no figure (J/token low) and {its} limit not stepped") + "; "
+                + (cost or cost_words("power_limit")).format(its=its) + "; "
                 + (fix or f"add {'it' if one else 'them'}: --gpus {self.gpus_option()}"))
 
     def idle_text(self, fix: str | None = None, cost: str | None = None) -> str | None:
@@ -248,26 +261,27 @@ ALLOW_OPTION = "--allow-unmeasured-server-gpus"
 
 
 def judge_placement(placement: Placement | None, notes: list[str], *, allow: bool = False,
-                    stopped: str = "nothing was changed") -> None:
+                    stopped: str = "nothing was changed", cost: str | None = None) -> None:
     """What sweep and measure do with a placement: a server GPU left unmeasured raises GpuPlacementError (naming the
     fix, --gpus of the server's GPUs, and ALLOW_OPTION to go on anyway) or, with allow, goes into the notes as measured
     anyway; a helper context and a measured GPU the server does not use go into the notes. stopped: what the refusal
-    left undone. Nothing where the placement cannot be told (None)."""
+    left undone; cost: what leaving a GPU out costs (cost_words). Nothing where the placement cannot be told (None)."""
     if placement is None:
         return
     if (helper := placement.helper_text()) is not None:
         notes.append(helper)
-    _judge_unmeasured(placement, notes, allow, stopped)
+    _judge_unmeasured(placement, notes, allow, stopped, cost=cost)
     if (idle := placement.idle_text()) is not None:
         notes.append(idle)
 
 
-def _judge_unmeasured(placement: Placement, notes: list[str], allow: bool, stopped: str, when: str = "") -> None:
-    """A server GPU not measured: GpuPlacementError, or with allow a note (when: where it was found, in words)."""
-    if (why := placement.unmeasured_text()) is None:
+def _judge_unmeasured(placement: Placement, notes: list[str], allow: bool, stopped: str, when: str = "", *,
+                      cost: str | None = None, error: type[GpuPlacementError] = GpuPlacementError) -> None:
+    """A server GPU not measured: `error`, or with allow a note (when: where it was found, in words)."""
+    if (why := placement.unmeasured_text(cost=cost)) is None:
         return
     if not allow:
-        raise GpuPlacementError(f"{why}; {stopped} (to measure anyway, with those GPUs' energy in no figure: "
+        raise error(f"{why}; {stopped} (to measure anyway, with those GPUs' energy in no figure: "
                                 f"{ALLOW_OPTION})")
     notes.append(f"measured anyway ({ALLOW_OPTION}): {why}{when}")
 
@@ -284,14 +298,14 @@ class LookUnderLoad:
     flags alone would still have stepped the wrong GPUs. The caller restores any limit it set (its usual stop path)."""
 
     def __init__(self, nvml, measured: dict[int, str], server_procs, first: Placement | None, *, allow: bool,
-                 stopped: str):
+                 stopped: str, cost: str | None = None):
         self.nvml, self.measured, self.server_procs, self.first = nvml, dict(measured), server_procs, first
-        self.allow, self.stopped = allow, stopped
+        self.allow, self.stopped, self.cost = allow, stopped, cost
         self.done = False
 
     def __call__(self, since_wall_ns: int | None = None) -> list[str]:
         """The notes of the look (with allow), [] when nothing new was found or it was taken already; raises
-        GpuPlacementError where the server now runs on a GPU not measured. since_wall_ns: when the load began
+        GpuPlacementStop where the server now runs on a GPU not measured. since_wall_ns: when the load began
         (time.time_ns() of its first request), the samples read from then; None: the last HELPER_LOOK_S."""
         if self.done or self.server_procs is None:
             return []
@@ -318,7 +332,8 @@ class LookUnderLoad:
             before_words = "before the load the server's processes were not all there"
         found = f"found once the load ran on {what}: {before_words}"
         notes: list[str] = []
-        _judge_unmeasured(again, notes, self.allow, f"{found}; {self.stopped}", when=f" ({found})")
+        _judge_unmeasured(again, notes, self.allow, f"{found}; {self.stopped}", when=f" ({found})", cost=self.cost,
+                          error=GpuPlacementStop)
         return notes
 
 
