@@ -163,9 +163,10 @@ class SweepError(RuntimeError):
 
 
 class PlacementStop(SweepError):
-    """A grid configuration's server runs on a GPU not measured, found as it started, partway through the run: the run
-    stops as any mid-run stop does (limits put back, the finished configurations kept, the back line said), exit 2
-    (the --gpus given, or left out, are the mistake)."""
+    """The server runs on a GPU not measured, found partway through the run: by a grid configuration's check as its
+    server started, or by the look under load after the sweep's (or a configuration's) first batch (LookUnderLoad).
+    The run stops as any mid-run stop does (limits put back, the finished configurations kept, none of the level the
+    look stopped, the back line said), exit 2 (the --gpus given, or left out, are the mistake)."""
 
     exit_code = 2
 
