@@ -1482,7 +1482,8 @@ def run_sweep(
         judge_placement(first, notes, allow=allow_unmeasured_server_gpus, cost=cost)
         # Looked at again after the first batch: a small model idle during this look was taken for a helper.
         look = LookUnderLoad(nvml, src.gpu_uuids, server_procs, first, allow=allow_unmeasured_server_gpus,
-                             stopped="the sweep stopped at its first level, none of it kept", cost=cost)
+                             stopped="the sweep stopped at its first level, none of it kept", cost=cost,
+                             notes=notes)
 
         ctl = stack.enter_context(rig.controller(indexes)) if level_kind != "none" else None
         # Whose CPU time the host spent, beside RAPL's whole-package energy: a busy host is flagged (busy-host).

@@ -734,6 +734,22 @@ def test_a_small_model_idle_before_the_sweep_and_busy_under_its_load_stops_it_wi
     assert not [w for w in windows if w["status"] == "ok" and not w["warmup"]], windows
 
 
+def test_an_allowed_sweep_drops_the_helper_note_the_look_under_load_contradicts(tmp_path, monkeypatch):
+    from powerprof.sweep import run_sweep
+
+    # With --allow-unmeasured-server-gpus, run.json kept the first look's "a helper context … no work there" for GPU 0
+    # beside the look under load's "measured anyway … the server also runs on GPU 0".
+    sim = SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json")
+    _small_model_busy_under_load(monkeypatch, sim, 0)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        run_sweep(rig, levels_spec="250", out_dir=tmp_path / "s", params=RequestParams(max_tokens=16),
+                  prompts=PROMPTS, idle_s=0, interval_s=0.2, min_requests=2, max_requests=2, warmup_requests=1,
+                  allow_unmeasured_server_gpus=True)
+    notes = json.loads((tmp_path / "s" / "run.json").read_text())["notes"]
+    assert any("measured anyway" in n and "found once the load ran on GPU 0" in n for n in notes), notes
+    assert not any("helper context of 300 MiB on GPU 0" in n for n in notes), notes
+
+
 def test_a_small_model_idle_before_measure_and_busy_under_its_load_is_refused_or_said_when_allowed(tmp_path,
                                                                                                    monkeypatch):
     from powerprof.workload.measure import run_measure
@@ -760,6 +776,8 @@ def test_a_small_model_idle_before_measure_and_busy_under_its_load_is_refused_or
     notes = json.loads((res.out_path / "run.json").read_text())["notes"]
     assert any(n.startswith("measured anyway (--allow-unmeasured-server-gpus): the server also runs on GPU 0")
                and "found once the load ran on GPU 0" in n for n in notes), notes
+    # The first look's note calling GPU 0 a helper's, with no work there, is replaced: not said beside the stop's.
+    assert not any("helper context of 300 MiB on GPU 0" in n for n in notes), notes
 
 
 def test_a_stop_during_measures_look_under_load_keeps_no_unchecked_batch(tmp_path, monkeypatch):

@@ -970,7 +970,7 @@ def _run_measure(
             # Looked at again after the first batch: a small model idle during this look was taken for a helper.
             look = LookUnderLoad(src.nvml.nvml, src.gpu_uuids, server_procs, placement,
                                  allow=allow_unmeasured_server_gpus, stopped="measure stopped, nothing kept",
-                                 cost=cost)
+                                 cost=cost, notes=notes)
         for p in src.problems:
             if p.source == "nvml" and src.nvml is None:
                 cpu = "and CPU energy" if src.rapl is not None else "only"

@@ -298,9 +298,12 @@ class LookUnderLoad:
     flags alone would still have stepped the wrong GPUs. The caller restores any limit it set (its usual stop path)."""
 
     def __init__(self, nvml, measured: dict[int, str], server_procs, first: Placement | None, *, allow: bool,
-                 stopped: str, cost: str | None = None):
+                 stopped: str, cost: str | None = None, notes: list[str] | None = None):
         self.nvml, self.measured, self.server_procs, self.first = nvml, dict(measured), server_procs, first
         self.allow, self.stopped, self.cost = allow, stopped, cost
+        # The run's notes, holding the first look's (judge_placement): its helper note is replaced where this look
+        # finds a GPU it named serving, so no note goes on calling that GPU a helper's.
+        self.notes = notes
         self.done = False
 
     def __call__(self, since_wall_ns: int | None = None) -> list[str]:
@@ -322,6 +325,10 @@ class LookUnderLoad:
             return []
         helpers = self.first.helpers if self.first is not None else {}
         was = [i for i in new if i in helpers]
+        if was and self.notes is not None and (old := self.first.helper_text()) in self.notes:
+            k = self.notes.index(old)
+            still = again.helper_text()  # the helpers this look still finds, if any
+            self.notes[k:k + 1] = [still] if still is not None else []
         what = ", ".join(f"GPU {i}" for i in sorted(new))
         if self.first is None:
             before_words = "the look before the load could tell nothing"
