@@ -750,6 +750,20 @@ def test_an_allowed_sweep_drops_the_helper_note_the_look_under_load_contradicts(
     assert not any("helper context of 300 MiB on GPU 0" in n for n in notes), notes
 
 
+def test_an_allowed_grid_drops_the_helper_note_the_look_under_load_contradicts(tmp_path, monkeypatch):
+    from powerprof.cli import main
+
+    _small_model_on_gpu0_under_load(monkeypatch)
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--limits", "250",
+                                  "--context-tokens", "64", "--max-time", "3", "--max-tokens", "16", "--idle-s", "0.5",
+                                  "--allow-unmeasured-server-gpus", "--out", str(tmp_path / "g")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": "1"})
+    assert r.exit_code == 0, r.output
+    notes = json.loads((tmp_path / "g" / "run.json").read_text())["notes"]
+    assert any("measured anyway" in n and "found once the load ran on GPU 0" in n for n in notes), notes
+    assert not any("helper context of 300 MiB on GPU 0" in n for n in notes), notes
+
+
 def test_a_small_model_idle_before_measure_and_busy_under_its_load_is_refused_or_said_when_allowed(tmp_path,
                                                                                                    monkeypatch):
     from powerprof.workload.measure import run_measure
