@@ -449,6 +449,9 @@ class _GridLook:
     def __init__(self, grid: "GridRun", rec: ConfigRecord, look):
         self.grid, self.rec, self.look = grid, rec, look
 
+    def rearm(self) -> None:
+        self.look.rearm()
+
     def __call__(self, since_wall_ns: int | None = None) -> list[str]:
         from powerprof.workload.placement import GpuPlacementError
 

@@ -581,6 +581,10 @@ class Sweep:
             if self.s.server_restart_wait_s > 0 and any(server_away(r) for r in recs):
                 self._add_rows(visit, recs)
                 await self._ride_out(visit, recs)
+                if self._placement_look is not None:
+                    # The restarted server has not been looked at under load (it may have come back placed
+                    # otherwise, a small model on another GPU): looked at again after its first batch.
+                    self._placement_look.rearm()
                 # Measured again from scratch, as the level began: warm-up, the prompt set from its start.
                 t_start, warmup, jpt, attempted, foreign_sent = time.monotonic(), self.s.warmup_requests, [], 0, 0
                 counter_s = []

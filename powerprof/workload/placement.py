@@ -304,6 +304,12 @@ class LookUnderLoad:
         # The run's notes, holding the first look's (judge_placement): its helper note is replaced where this look
         # finds a GPU it named serving, so no note goes on calling that GPU a helper's.
         self.notes = notes
+        self.found: dict[int, str] = {}  # server GPUs this look already judged (allowed): not said again on a re-arm
+        self.done = False
+
+    def rearm(self) -> None:
+        """Look once more at the next call: the server restarted (sweep --server-restart-wait rode it out) and the
+        restarted one, its model placement perhaps another, has not been looked at under load."""
         self.done = False
 
     def __call__(self, since_wall_ns: int | None = None) -> list[str]:
@@ -319,8 +325,9 @@ class LookUnderLoad:
         again = find_placement(self.nvml, self.measured, self.server_procs, since_us=since, tries=UTIL_TRIES)
         if again is None:
             return []
-        before = self.first.unmeasured if self.first is not None else {}
+        before = {**(self.first.unmeasured if self.first is not None else {}), **self.found}
         new = {i: u for i, u in again.unmeasured.items() if i not in before}
+        self.found.update(new)
         if not new:
             return []
         helpers = self.first.helpers if self.first is not None else {}
