@@ -926,7 +926,7 @@ def measure(url, simulate, gpus, out_dir, n_requests, concurrency, warmup, launc
     from powerprof.workload.launcher import LaunchError
     from powerprof.workload.load import PromptFileError, builtin_prompts, load_prompts
     from powerprof.workload.measure import run_measure
-    from powerprof.workload.placement import GpuPlacementError
+    from powerprof.workload.placement import GpuPlacementError, GpuPlacementStop
 
     if bool(url) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
@@ -951,14 +951,22 @@ def measure(url, simulate, gpus, out_dir, n_requests, concurrency, warmup, launc
                               concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
                               launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv),
                               default_out=not out_dir, allow_unmeasured_server_gpus=allow_unmeasured_server_gpus)
-    except GpuPlacementError as e:  # the GPUs measured, given or left out, miss one the server runs on
+    except GpuPlacementStop as e:
+        # Found by the look under load, once measuring had begun: a stop partway, said as sweep's is (PlacementStop),
+        # exit 2 without the usage banner.
+        exc = click.ClickException(str(e))
+        exc.exit_code = 2
+        raise exc from None
+    except GpuPlacementError as e:  # the GPUs measured, given or left out, miss one the server runs on (sweep's too)
         raise click.UsageError(str(e)) from None
     except (ServerUnreachable, LaunchError, FileExistsError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except (KeyboardInterrupt, termination.Terminated) as e:
-        # Stopped before any measured request had finished (during start-up, warm-up or the first batch): a stop
-        # later keeps the finished batches and is reported by _measure_stop_line.
-        _stop_exit(f"{_stopped_how(e)}: nothing was written to {out} (no measured request had finished); "
+        # Stopped before any measured request had finished (during start-up, warm-up or the first batch), or before
+        # the look under load had checked the first batch: a stop later keeps the finished batches and is reported by
+        # _measure_stop_line.
+        _stop_exit(f"{_stopped_how(e)}: nothing was written to {out} (no measured request had finished, or the "
+                   "look at the server's GPUs after the first batch had not answered); "
                    "nothing was changed", 130 if isinstance(e, KeyboardInterrupt) else e.code)
     stop_code = None if res.stopped is None else (130 if isinstance(res.stopped, KeyboardInterrupt) else res.stopped.code)
     if as_json:

@@ -346,7 +346,7 @@ class GridRun:
         return _GridLook(self, rec, LookUnderLoad(
             src.nvml.nvml, src.gpu_uuids, procs, first, allow=self.allow_unmeasured_server_gpus,
             stopped="the grid stopped at this configuration's first batch (every limit put back, the configurations "
-                    "finished before it kept)"))
+                    "finished before it kept)", notes=list(said)))
 
     def _note_placement(self, rec: ConfigRecord, said: list[str]) -> None:
         for n in said:
@@ -449,14 +449,24 @@ class _GridLook:
     def __init__(self, grid: "GridRun", rec: ConfigRecord, look):
         self.grid, self.rec, self.look = grid, rec, look
 
-    def __call__(self) -> list[str]:
+    def rearm(self) -> None:
+        self.look.rearm()
+
+    def __call__(self, since_wall_ns: int | None = None) -> list[str]:
         from powerprof.workload.placement import GpuPlacementError
 
+        before = list(self.look.notes or [])
         try:
-            said = self.look()
+            said = self.look(since_wall_ns)
         except GpuPlacementError as e:
-            raise GpuPlacementError(f"configuration {self.rec.config_id}: {e}") from None
-        self.grid._note_placement(self.rec, said)
+            raise type(e)(f"configuration {self.rec.config_id}: {e}") from None
+        # The look drops (or rewords) the first look's helper note for a GPU it finds serving: the grid's copy too.
+        for n in before:
+            if n not in (self.look.notes or []):
+                gone = f"configuration {self.rec.config_id}: {n}"
+                if gone in self.grid.placement_notes:
+                    self.grid.placement_notes.remove(gone)
+        self.grid._note_placement(self.rec, [n for n in self.look.notes or [] if n not in before] + said)
         return []  # the grid's placement_notes carry them into run.json
 
 

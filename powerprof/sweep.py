@@ -33,7 +33,8 @@ from powerprof.storage.samples import Timeline
 from powerprof.workload.client import (CONTEXT_FIX, RequestParams, context_problem, health_status, identity_changes,
                                       new_session, restart_evidence, restart_said, server_away, server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, prompt_set_record, run_load_async
-from powerprof.workload.placement import GpuPlacementError, LookUnderLoad, find_placement, judge_placement
+from powerprof.workload.placement import (GpuPlacementError, LookUnderLoad, cost_words, find_placement,
+                                          judge_placement)
 from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from powerprof.workload.rows import FIGURES, Level, request_timing, spec_columns, trace_row, window_rows
 from powerprof.workload.servercount import ForeignWatch, settled_tally
@@ -162,9 +163,10 @@ class SweepError(RuntimeError):
 
 
 class PlacementStop(SweepError):
-    """A grid configuration's server runs on a GPU not measured, found as it started, partway through the run: the run
-    stops as any mid-run stop does (limits put back, the finished configurations kept, the back line said), exit 2
-    (the --gpus given, or left out, are the mistake)."""
+    """The server runs on a GPU not measured, found partway through the run: by a grid configuration's check as its
+    server started, or by the look under load after the sweep's (or a configuration's) first batch (LookUnderLoad).
+    The run stops as any mid-run stop does (limits put back, the finished configurations kept, none of the level the
+    look stopped, the back line said), exit 2 (the --gpus given, or left out, are the mistake)."""
 
     exit_code = 2
 
@@ -579,6 +581,10 @@ class Sweep:
             if self.s.server_restart_wait_s > 0 and any(server_away(r) for r in recs):
                 self._add_rows(visit, recs)
                 await self._ride_out(visit, recs)
+                if self._placement_look is not None:
+                    # The restarted server has not been looked at under load (it may have come back placed
+                    # otherwise, a small model on another GPU): looked at again after its first batch.
+                    self._placement_look.rearm()
                 # Measured again from scratch, as the level began: warm-up, the prompt set from its start.
                 t_start, warmup, jpt, attempted, foreign_sent = time.monotonic(), self.s.warmup_requests, [], 0, 0
                 counter_s = []
@@ -589,7 +595,8 @@ class Sweep:
                 self._add_rows(visit, recs)
                 self.flush()
                 raise SweepError(f"{_level_name(visit)}: {aborted}") from None
-            self._look_again()  # before the batch's rows are kept: a refusal keeps none of a wrongly scoped level
+            # Before the batch's rows are kept: a refusal keeps none of a wrongly scoped level.
+            self._look_again(min((r.t_send_wall_ns for r in recs), default=None))
             if warmup:
                 # --max-time counts from the end of the warm-up (its --help says so): counted, it took the slowest
                 # level's time budget first, and that level got the fewest windows.
@@ -648,14 +655,14 @@ class Sweep:
             if visit.stop:
                 return
 
-    def _look_again(self) -> None:
+    def _look_again(self, since_wall_ns: int | None) -> None:
         """The server's GPUs once more, now that the load has run (once per sweep: LookUnderLoad): a small model idle
         before the load was taken for a helper, and its GPU left unmeasured; where the load's requests worked it, the
         sweep stops (PlacementStop, exit 2: run_sweep puts every limit back) or, allowed, says so in its notes."""
         if self._placement_look is None:
             return
         try:
-            self.placement_notes.extend(self._placement_look())
+            self.placement_notes.extend(self._placement_look(since_wall_ns))
         except GpuPlacementError as e:
             raise PlacementStop(str(e)) from None
 
@@ -1182,9 +1189,9 @@ class TraceSweep(Sweep):
             await self._watch_others()
             with self.prof.window("trace") as w:
                 recs = await replay_async(self.session, self.server, self.trace, self.params)
-            self._look_again()
-            visit.elapsed_s = time.monotonic() - t_start
             records = [r.record for r in recs]
+            self._look_again(min((r.t_send_wall_ns for r in records), default=None))
+            visit.elapsed_s = time.monotonic() - t_start
             others = await self._others_beside(records)
             value = None if visit.level_value is None else float(visit.level_value)
             level = Level(self.s.level_kind, value, visit.repeat)
@@ -1475,10 +1482,12 @@ def run_sweep(
         # Every GPU NVML reports, not only the measured ones: a server GPU left out is refused before any limit is
         # set (its energy in no figure, its limit not stepped); a measured GPU the server does not use is said.
         first = find_placement(nvml, src.gpu_uuids, server_procs)
-        judge_placement(first, notes, allow=allow_unmeasured_server_gpus)
+        cost = cost_words(level_kind)  # a clock sweep steps clocks, not limits
+        judge_placement(first, notes, allow=allow_unmeasured_server_gpus, cost=cost)
         # Looked at again after the first batch: a small model idle during this look was taken for a helper.
         look = LookUnderLoad(nvml, src.gpu_uuids, server_procs, first, allow=allow_unmeasured_server_gpus,
-                             stopped="the sweep stopped at its first level, none of it kept")
+                             stopped="the sweep stopped at its first level, none of it kept", cost=cost,
+                             notes=notes)
 
         ctl = stack.enter_context(rig.controller(indexes)) if level_kind != "none" else None
         # Whose CPU time the host spent, beside RAPL's whole-package energy: a busy host is flagged (busy-host).

@@ -500,6 +500,72 @@ def test_a_small_context_whose_work_nvml_cannot_say_is_serving(monkeypatch):
     assert list(p.unmeasured) == [0] and not p.helpers
 
 
+def _look_under_load_with_util(monkeypatch, answers):
+    """The first look (samples read: GPU 0's 300 MiB context idle, a helper) and a LookUnderLoad over the same
+    simulated host whose per-process sample reads answer from `answers` in turn (None: the read fails as pynvml's does
+    when samples arrive between its two calls), then as they are."""
+    from powerprof.collectors import nvml as nvml_mod
+    from powerprof.workload import placement
+
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+    procs = lambda: ({4242, 4243}, None)  # noqa: E731
+    first = placement.find_placement(sim, {1: sim.gpus[1].uuid}, procs)
+    assert 0 in first.helpers
+    real = nvml_mod.process_util
+    left = list(answers)
+
+    def util(nvml, h, since):
+        if left:
+            a = left.pop(0)
+            return (None, "nvmlDeviceGetProcessUtilization: INSUFFICIENT_SIZE") if a is None else (a, "test")
+        return real(nvml, h, since)
+
+    monkeypatch.setattr(nvml_mod, "process_util", util)
+    return placement.LookUnderLoad(sim, {1: sim.gpus[1].uuid}, procs, first, allow=False, stopped="stopped")
+
+
+def test_one_failed_sample_read_under_load_is_retried_not_taken_for_the_servers_work(monkeypatch):
+    # One INSUFFICIENT_SIZE (samples arriving between pynvml's two calls, likelier under load) counted GPU 0 serving
+    # and stopped the run, saying "NVML's samples now show the server's work there".
+    look = _look_under_load_with_util(monkeypatch, [None])
+    assert look() == []
+
+
+def test_sample_reads_failing_under_load_refuse_in_words_that_say_so(monkeypatch):
+    from powerprof.workload.placement import UTIL_TRIES, GpuPlacementError
+
+    look = _look_under_load_with_util(monkeypatch, [None] * UTIL_TRIES)
+    with pytest.raises(GpuPlacementError) as e:
+        look()
+    said = str(e.value)
+    assert "NVML's per-process samples could not be read now" in said and "INSUFFICIENT_SIZE" in said, said
+    assert "show the server's work" not in said, said
+
+
+def test_the_look_under_load_reads_the_samples_since_the_load_began(monkeypatch):
+    from powerprof.workload import placement
+
+    # Work early in a long first batch (or a trace's first replay), idle over its last HELPER_LOOK_S: read over the
+    # last HELPER_LOOK_S only, it went unseen. Here the samples show work only to a read reaching back to the load's
+    # start, and the look window is shortened so that its last HELPER_LOOK_S do not.
+    began_us = time.time_ns() // 1000 - 5_000_000  # the load began 5 s ago
+    look = _look_under_load_with_util(monkeypatch, [])
+    from powerprof.collectors import nvml as nvml_mod
+
+    real = nvml_mod.process_util
+
+    def util(nvml, h, since):
+        if h is not None and since <= began_us:
+            return {4243: {"sm": 60.0}}, "test"
+        return real(nvml, h, since)
+
+    monkeypatch.setattr(nvml_mod, "process_util", util)
+    monkeypatch.setattr(placement, "HELPER_LOOK_S", 1.0)
+    with pytest.raises(placement.GpuPlacementError) as e:
+        look(began_us * 1000)
+    assert "NVML's samples now show the server's work there" in str(e.value)
+
+
 def test_the_helper_note_says_its_draw_is_not_measured():
     from powerprof.workload.placement import find_placement
 
@@ -639,9 +705,9 @@ def test_a_small_model_idle_before_the_sweep_and_busy_under_its_load_stops_it_wi
     at_look: list = []
     real_find = placement.find_placement
 
-    def spy(nvml, measured, procs):
+    def spy(nvml, measured, procs, **kw):
         at_look.append(sim.gpus[1].limit_w)
-        return real_find(nvml, measured, procs)
+        return real_find(nvml, measured, procs, **kw)
 
     monkeypatch.setattr(placement, "find_placement", spy)
     monkeypatch.setattr(sweep_mod, "find_placement", spy)
@@ -666,6 +732,36 @@ def test_a_small_model_idle_before_the_sweep_and_busy_under_its_load_stops_it_wi
 
     windows = pq.read_table(tmp_path / "s" / "windows.parquet").to_pylist() if (tmp_path / "s" / "windows.parquet").exists() else []
     assert not [w for w in windows if w["status"] == "ok" and not w["warmup"]], windows
+
+
+def test_an_allowed_sweep_drops_the_helper_note_the_look_under_load_contradicts(tmp_path, monkeypatch):
+    from powerprof.sweep import run_sweep
+
+    # With --allow-unmeasured-server-gpus, run.json kept the first look's "a helper context … no work there" for GPU 0
+    # beside the look under load's "measured anyway … the server also runs on GPU 0".
+    sim = SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json")
+    _small_model_busy_under_load(monkeypatch, sim, 0)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        run_sweep(rig, levels_spec="250", out_dir=tmp_path / "s", params=RequestParams(max_tokens=16),
+                  prompts=PROMPTS, idle_s=0, interval_s=0.2, min_requests=2, max_requests=2, warmup_requests=1,
+                  allow_unmeasured_server_gpus=True)
+    notes = json.loads((tmp_path / "s" / "run.json").read_text())["notes"]
+    assert any("measured anyway" in n and "found once the load ran on GPU 0" in n for n in notes), notes
+    assert not any("helper context of 300 MiB on GPU 0" in n for n in notes), notes
+
+
+def test_an_allowed_grid_drops_the_helper_note_the_look_under_load_contradicts(tmp_path, monkeypatch):
+    from powerprof.cli import main
+
+    _small_model_on_gpu0_under_load(monkeypatch)
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--limits", "250",
+                                  "--context-tokens", "64", "--max-time", "3", "--max-tokens", "16", "--idle-s", "0.5",
+                                  "--allow-unmeasured-server-gpus", "--out", str(tmp_path / "g")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": "1"})
+    assert r.exit_code == 0, r.output
+    notes = json.loads((tmp_path / "g" / "run.json").read_text())["notes"]
+    assert any("measured anyway" in n and "found once the load ran on GPU 0" in n for n in notes), notes
+    assert not any("helper context of 300 MiB on GPU 0" in n for n in notes), notes
 
 
 def test_a_small_model_idle_before_measure_and_busy_under_its_load_is_refused_or_said_when_allowed(tmp_path,
@@ -694,6 +790,28 @@ def test_a_small_model_idle_before_measure_and_busy_under_its_load_is_refused_or
     notes = json.loads((res.out_path / "run.json").read_text())["notes"]
     assert any(n.startswith("measured anyway (--allow-unmeasured-server-gpus): the server also runs on GPU 0")
                and "found once the load ran on GPU 0" in n for n in notes), notes
+    # The first look's note calling GPU 0 a helper's, with no work there, is replaced: not said beside the stop's.
+    assert not any("helper context of 300 MiB on GPU 0" in n for n in notes), notes
+
+
+def test_a_stop_during_measures_look_under_load_keeps_no_unchecked_batch(tmp_path, monkeypatch):
+    from powerprof.workload import placement
+    from powerprof.workload.measure import run_measure
+
+    # With no warm-up the first measured batch is finished (and counted as kept) before the look under load runs on
+    # it: a Ctrl-C during that look kept the batch, never checked, its notes calling GPU 0 a helper.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    _small_model_busy_under_load(monkeypatch, sim, 0)
+
+    def interrupted(self, *_a):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(placement.LookUnderLoad, "__call__", interrupted)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        with pytest.raises(KeyboardInterrupt):
+            run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=PROMPTS, n_requests=4, concurrencies=[1],
+                        params=RequestParams(max_tokens=16), warmup=0, interval_s=0.2)
+    assert not (tmp_path / "m").exists()
 
 
 @pytest.mark.parametrize("grid", [False, True])
@@ -729,6 +847,44 @@ def test_a_small_model_working_only_under_load_stops_the_sweep_or_grid_exit_2_wi
     # Stopped at the first (configuration's) first batch: no level of a wrongly scoped measurement kept (before, a plain
     # sweep ran to its end; a grid's first configuration ran whole and was kept, the second one's check refusing then).
     assert not meta.get("levels_done"), meta.get("levels_done")
+
+
+def _small_model_on_gpu0_under_load(monkeypatch):
+    """Every 2-GPU SimNVML opened gets a small model of the server's on GPU 0, idle until the load (as above)."""
+    real_init = SimNVML.nvmlInit
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        if len(self.gpus) == 2 and not getattr(self, "_small_added", False):
+            self._small_added = True
+            _small_model_busy_under_load(monkeypatch, self, 0)
+
+    monkeypatch.setattr(SimNVML, "nvmlInit", init)
+
+
+def test_measures_stop_under_load_is_a_plain_stop_in_measures_words(tmp_path, monkeypatch):
+    from powerprof.cli import main
+
+    # measure's look under load stopped under click's "Usage: … Try --help" banner (sweep's had been removed as wrong
+    # for a stop partway), and said GPU 0's "limit not stepped" of a command that steps nothing.
+    _small_model_on_gpu0_under_load(monkeypatch)
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--requests", "2",
+                                  "--max-tokens", "16", "--out", str(tmp_path / "m")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": "1"})
+    assert r.exit_code == 2, r.output
+    assert "found once the load ran on GPU 0" in r.output and "measure stopped, nothing kept" in r.output, r.output
+    assert "Usage:" not in r.output and "Try " not in r.output, r.output
+    assert "not stepped" not in r.output and "would be in no figure (J/token low)" in r.output, r.output
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_clock_sweeps_refusal_says_its_clock_not_its_limit(tmp_path):
+    from powerprof.cli import main
+
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--clocks", "900,1200",
+                                  "--out", str(tmp_path / "c")], env={"POWERPROF_SIM_SERVER_GPUS": "0,1"})
+    assert r.exit_code == 2, r.output
+    assert "its clock not stepped" in r.output and "limit not stepped" not in r.output, r.output
 
 
 def test_the_daemon_flags_rows_within_seconds_of_the_server_reaching_an_unsampled_gpu():
@@ -775,21 +931,117 @@ def test_the_daemon_flags_rows_within_seconds_of_the_server_reaching_an_unsample
         await asyncio.sleep(0.3)
         t_new = time.monotonic()
         sim.add_process(0, 4242, 8 << 30, lambda: 1.0)  # the server reaches GPU 0, not sampled
-        while d.ledger.unsampled_note is None and time.monotonic() - t_new < 10:
+        while d.ledger.unsampled_note is None and time.monotonic() - t_new < WAIT_S:
             await asyncio.sleep(0.05)
         took = time.monotonic() - t_new
         d.stop_event.set()
         d.config_waker.wake()  # as the daemon's stop wakes it
-        await asyncio.wait_for(loop_task, 1)
+        await asyncio.wait_for(loop_task, 5)
         return took
 
     took = asyncio.run(go())
-    # Noticed within the list-reading period (and the check's own time), not at the next 30 s check.
-    assert d.ledger.unsampled_note is not None and took <= service.PLACEMENT_LIST_S + 1.5, took
+    # Noticed within a few list-reading periods, not at the next 30 s check: the bound is loose (a loaded CI host's
+    # two cores delay the executor's hops by seconds) yet half the 30 s it was before.
+    assert d.ledger.unsampled_note is not None and took <= NOTICED_S, took
     assert d.ledger.unsampled_note.startswith("server-gpu-unsampled: the server also runs on GPU 0")
     run_ledger(4, 8)
     after = sink.rows["intervals"][len(before):]
     assert after and all("server-gpu-unsampled" in (r.get("energy_note") or "") for r in after), after
+
+
+# The daemon's tests of noticing the server on a new GPU: noticed within NOTICED_S (a few PLACEMENT_LIST_S periods with
+# a loaded host's slack), waited for up to WAIT_S; the 30 s check alone (PLACEMENT_CHECK_S) misses both.
+NOTICED_S = 15.0
+WAIT_S = 20.0
+
+
+def test_daemon_flags_a_worker_that_starts_as_a_small_context_and_grows(tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from powerprof.daemon import service
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.ticks import Waker
+    from support import RowSink as Sink
+
+    # A new CUDA worker of the server's on GPU 0 (not sampled) first holds only its context (400 MiB, no kernels):
+    # judged a helper. Then it loads its weights (8 GiB) and works, its pid unmoved. Keyed on pids alone, the daemon
+    # saw no list change and its rows stayed unflagged until the 30 s check (29.3 s late).
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
+    d_cls = type("D", (SimpleNamespace,), {"__getattr__": lambda self, n: getattr(service.Daemon, n).__get__(self)})
+    d = d_cls(_server_procs=lambda: ({4242, 4343}, None), collector=SimpleNamespace(nvml=sim),
+              gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=Ledger("d", 0, 1, Sink(), grace_s=0.1),
+              _idle_said=False, _helper_said=False, config_waker=Waker())
+    service.Daemon._check_placement(d)
+    work = [0.0]
+
+    async def go() -> float:
+        d.stop_event = asyncio.Event()
+        loop_task = asyncio.create_task(service.Daemon._placement_loop(d))
+        await asyncio.sleep(0.3)
+        sim.add_process(0, 4343, 400 << 20, lambda: work[0])  # the context only: a helper's look
+        await asyncio.sleep(2 * service.PLACEMENT_LIST_S + 0.5)
+        assert d.ledger.unsampled_note is None  # idle and small: a helper, not flagged
+        t_grow = time.monotonic()
+        sim._procs[0][4343].used_bytes = 8 << 30  # weights loaded, serving
+        work[0] = 1.0
+        while d.ledger.unsampled_note is None and time.monotonic() - t_grow < WAIT_S:
+            await asyncio.sleep(0.05)
+        took = time.monotonic() - t_grow
+        d.stop_event.set()
+        d.config_waker.wake()
+        await asyncio.wait_for(loop_task, 5)
+        return took
+
+    took = asyncio.run(go())
+    assert d.ledger.unsampled_note is not None and took <= NOTICED_S, took
+    assert d.ledger.unsampled_note.startswith("server-gpu-unsampled: the server also runs on GPU 0")
+
+
+def test_daemon_flags_a_small_context_that_begins_working(tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from powerprof.daemon import service
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.ticks import Waker
+    from support import RowSink as Sink
+
+    # A small model of the server's (400 MiB) on GPU 0, not sampled, idle at the daemon's start (a helper's look),
+    # then worked by a request: no pid moves and no size crosses the bound; the check is kept due at every list read
+    # while a context on an unsampled GPU is judged a helper.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
+    work = [0.0]
+    sim.add_process(0, 4242, 400 << 20, lambda: work[0])
+    d_cls = type("D", (SimpleNamespace,), {"__getattr__": lambda self, n: getattr(service.Daemon, n).__get__(self)})
+    d = d_cls(_server_procs=lambda: ({4242}, None), collector=SimpleNamespace(nvml=sim),
+              gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=Ledger("d", 0, 1, Sink(), grace_s=0.1),
+              _idle_said=False, _helper_said=False, config_waker=Waker())
+    service.Daemon._check_placement(d)
+    assert d.ledger.unsampled_note is None and d._helper_said
+
+    async def go() -> float:
+        d.stop_event = asyncio.Event()
+        loop_task = asyncio.create_task(service.Daemon._placement_loop(d))
+        # Past the loop's first pass (which checks whatever the lists say): no list changes from here.
+        await asyncio.sleep(2 * service.PLACEMENT_LIST_S + 0.5)
+        assert d.ledger.unsampled_note is None
+        t_work = time.monotonic()
+        work[0] = 1.0
+        while d.ledger.unsampled_note is None and time.monotonic() - t_work < WAIT_S:
+            await asyncio.sleep(0.05)
+        took = time.monotonic() - t_work
+        d.stop_event.set()
+        d.config_waker.wake()
+        await asyncio.wait_for(loop_task, 5)
+        return took
+
+    took = asyncio.run(go())
+    assert d.ledger.unsampled_note is not None and took <= NOTICED_S, took
 
 
 def test_a_trace_sweep_looks_again_after_its_first_replay(tmp_path, monkeypatch):

@@ -101,6 +101,28 @@ def test_a_server_that_restarts_mid_level_is_waited_for_and_the_level_measured_a
         assert levels.loc[value, "gpu_j_per_token"] == pytest.approx(measured, rel=1e-9)
 
 
+def test_a_server_restart_ridden_out_is_looked_at_under_load_again(tmp_path, sim_server, monkeypatch):
+    from powerprof.workload import placement
+
+    # The look under load ran once per sweep: a server restarted mid-sweep (placed otherwise, perhaps: a small model
+    # on another GPU) was never looked at under load.
+    looks: list[bool] = []
+    real = placement.LookUnderLoad.__call__
+
+    def spy(self, *a, **k):
+        looks.append(self.done)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(placement.LookUnderLoad, "__call__", spy)
+    sim = SimNVML("seed-16g", state_path=None)
+    ui = _Hook(_once_at_level_200(sim_server, lambda srv: srv.restart(0.5, loading_s=0.2)))
+    with Rig("seed-16g", nvml=sim) as rig:
+        _sweep(rig, tmp_path / "run", ui, params=RequestParams(max_tokens=32))
+    assert sim.gpus[0].limit_w == 300.0
+    # Armed at the first batch, and again at the first batch after the restart.
+    assert looks.count(False) == 2, looks
+
+
 def test_a_server_that_comes_back_with_other_slots_stops_the_sweep_with_the_finished_levels_kept(tmp_path, sim_server):
     sim = SimNVML("seed-16g", state_path=None)
     out = tmp_path / "run"

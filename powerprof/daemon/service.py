@@ -1322,6 +1322,7 @@ class Daemon:
         self._unsampled: tuple[int, ...] = ()
         self._idle_said = False
         self._helper_said = False
+        self._helper_unsampled = False  # the last check judged a context on an unsampled GPU a helper
         self._check_placement()
         return data_dir
 
@@ -1375,6 +1376,9 @@ class Daemon:
             self._unsampled = None  # told again: the flag's note is set anew below, as the check finds it
             log.info("which GPUs the server runs on can be told again")
         self._unknown_checks = 0
+        # A context judged a helper on a GPU not sampled may be a new worker of the server's that has not loaded its
+        # weights or run a kernel yet: the loop checks again every list read while one stands (_placement_loop).
+        self._helper_unsampled = any(i not in p.measured for i in p.helpers)
         if not self._helper_said and (helper := p.helper_text()) is not None:
             self._helper_said = True
             log.info("%s", helper)
@@ -1400,7 +1404,9 @@ class Daemon:
 
     async def _placement_loop(self) -> None:
         """`_check_placement` whenever a GPU's process list changed (read every PLACEMENT_LIST_S: a server started after
-        the daemon, a worker on a new GPU), and every PLACEMENT_CHECK_S whatever the lists say; off the loop's thread:
+        the daemon, a worker on a new GPU, a context there crossing HELPER_MAX_BYTES), at every list read while the last
+        check judged a context on an unsampled GPU a helper, and every PLACEMENT_CHECK_S whatever the lists say; off
+        the loop's thread:
         listing the host's sockets and every GPU's processes takes tens of ms. Before, the check ran every 30 s only,
         and rows closed up to 30 s after the server reached an unsampled GPU were unflagged."""
         loop = asyncio.get_running_loop()
@@ -1408,24 +1414,33 @@ class Daemon:
         seen: object = object()
         checked = time.monotonic()
         while not self.stop_event.is_set():
-            # On the idle loops' grid (a wake-up of its own costs the loop's thread CPU: ticks.py); a stop or a reload
-            # ends the sleep (config_waker), so a stop waits for no list read.
+            # On the idle loops' grid (a wake-up of its own costs the loop's thread CPU: ticks.py); a stop ends the
+            # sleep (config_waker), so a stop waits for no list read. (A reload wakes it only where scrape.* keys
+            # changed, which costs one early list read; no reloadable key concerns this loop.)
             await sleep_on_grid(PLACEMENT_LIST_S, self.config_waker)
             if self.stop_event.is_set():
                 return
             lists = await loop.run_in_executor(None, self._gpu_pid_lists)
-            if lists == seen and time.monotonic() - checked < PLACEMENT_CHECK_S:
+            # A helper on an unsampled GPU (set by the last check) keeps the check due at every list read: a worker
+            # that has not yet run a kernel looks like one, and its first kernels change no list. At most one check a
+            # PLACEMENT_LIST_S.
+            if (lists == seen and not getattr(self, "_helper_unsampled", False)
+                    and time.monotonic() - checked < PLACEMENT_CHECK_S):
                 continue
             await loop.run_in_executor(None, self._check_placement)
             seen, checked = lists, time.monotonic()
 
     def _gpu_pid_lists(self) -> tuple | None:
-        """The pids on every GPU NVML reports ((index, pids or None where it cannot list them), ...), the cheap read that
-        tells whether a placement check is due: NVML's process lists, no socket list, no utilisation samples. None
+        """The pids on every GPU NVML reports, each with whether it holds HELPER_MAX_BYTES or more ((index, {(pid,
+        big)} or None where it cannot list them), ...), the cheap read that tells whether a placement check is due:
+        NVML's process lists, no socket list, no utilisation samples. The size's side of the helper bound is in the key
+        because a new CUDA process first holds only its context (300-500 MiB, judged a helper) and grows when it loads
+        its weights, its pid unmoved: keyed on pids alone, that growth waited for the 30 s check. None
         where NVML cannot count its GPUs or the read failed (compared as any other answer: no check brought forward
         while it stays so)."""
         from powerprof.collectors.gateway import gateway
         from powerprof.collectors.nvml import gpu_processes
+        from powerprof.workload.placement import HELPER_MAX_BYTES
 
         try:
             nvml = self.collector.nvml
@@ -1437,7 +1452,8 @@ class Daemon:
             for i in range(count):
                 h = gw.query("nvmlDeviceGetHandleByIndex", i)
                 procs = gpu_processes(nvml, h) if h is not None else None
-                out.append((i, None if procs is None else frozenset(procs)))
+                out.append((i, None if procs is None else frozenset(
+                    (pid, None if b is None else b >= HELPER_MAX_BYTES) for pid, b in procs.items())))
             return tuple(out)
         except Exception as e:  # a look at the lists is never the daemon's end
             log.debug("reading the GPUs' process lists failed: %s", error_text(e))

@@ -482,7 +482,8 @@ def measure(
 
     keep_on_stop: a run-ending signal (Ctrl-C, SIGTERM, SIGHUP) returns what was finished, whole
     batches only, with `stopped` (the exit, for the caller to raise once it has written them) and
-    `interrupted` set; when nothing measured had finished, or without it, the exit is raised."""
+    `interrupted` set; when nothing measured had finished, the look under load had not answered, or without it, the
+    exit is raised."""
     run_id = run_id or uuid.uuid4().hex[:12]
     hook = profiler.edge if profiler is not None else None
 
@@ -507,6 +508,10 @@ def measure(
     if limits is not None:
         profiler.sampler.subscribe(limits)
     cut: dict = {}  # the concurrency the limit moved in and those never begun
+    # Whether the look under load has answered (or there is none): until then no batch is kept on a stop. The first
+    # batch finishes (and is in `kept`) before the look runs; a Ctrl-C during the look kept that batch, never checked,
+    # its notes still calling the GPU the look was for a helper.
+    looked = [placement_look is None]
 
     async def go():
         records: list[RequestRecord] = []
@@ -537,7 +542,8 @@ def measure(
                     if placement_look is not None:
                         # Once, after the first batch (warm-up or measured): a small model idle before the load was
                         # taken for a helper and its GPU left unmeasured; a refusal keeps nothing.
-                        notes.extend(placement_look())
+                        notes.extend(placement_look(min((r.t_send_wall_ns for r in recs), default=None)))
+                        looked[0] = True
                     if limits is not None and limits.moved is not None:
                         raise _LimitMoved()  # the rest would measure another setting: stop, keep what ran before
                     if others is not None:
@@ -591,7 +597,7 @@ def measure(
     try:
         server, records, aborted = termination.run(go())
     except (KeyboardInterrupt, termination.Terminated) as e:
-        if not keep_on_stop or "server" not in found or all(r.warmup for r in kept):
+        if not keep_on_stop or "server" not in found or not looked[0] or all(r.warmup for r in kept):
             raise
         # Whole batches that finished and were annotated: each row is what a full run would have stored for it.
         server, records, aborted, stopped = found["server"], list(kept), None, e
@@ -921,7 +927,7 @@ def _run_measure(
     from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
     from powerprof.workload.load import prompt_set_record
 
-    from .placement import LookUnderLoad, find_placement, judge_placement
+    from .placement import LookUnderLoad, cost_words, find_placement, judge_placement
     from .serverprocs import ServerProcesses
 
     from powerprof.paths import path_problem
@@ -958,10 +964,13 @@ def _run_measure(
             # Every GPU NVML reports: a server GPU left unmeasured is refused (its energy would be in no figure); a
             # measured GPU the server does not use is said (its idle power is in every figure).
             placement = find_placement(src.nvml.nvml, src.gpu_uuids, server_procs)
-            judge_placement(placement, notes, allow=allow_unmeasured_server_gpus, stopped="nothing was measured")
+            cost = cost_words("none")  # measure steps nothing: no limit "not stepped"
+            judge_placement(placement, notes, allow=allow_unmeasured_server_gpus, stopped="nothing was measured",
+                            cost=cost)
             # Looked at again after the first batch: a small model idle during this look was taken for a helper.
             look = LookUnderLoad(src.nvml.nvml, src.gpu_uuids, server_procs, placement,
-                                 allow=allow_unmeasured_server_gpus, stopped="measure stopped, nothing kept")
+                                 allow=allow_unmeasured_server_gpus, stopped="measure stopped, nothing kept",
+                                 cost=cost, notes=notes)
         for p in src.problems:
             if p.source == "nvml" and src.nvml is None:
                 cpu = "and CPU energy" if src.rapl is not None else "only"

@@ -15,7 +15,8 @@ flagged. Memory alone does not make a helper: a small model (an embedding, reran
 port) holds under 1 GiB and draws full power while it works. Samples NVML cannot give, or one showing work, make the
 GPU serving. A small model idle through the look before the load is taken for a helper until a later look sees it
 work: sweep and measure look again once their load has run (LookUnderLoad), and a server GPU found then stops the run
-as the first look would have; the daemon looks again whenever a GPU's process list changes, and every 30 s.
+as the first look would have; the daemon looks again whenever a GPU's process list changes (a pid, or one crossing
+HELPER_MAX_BYTES), every list read while a helper stands on a GPU it does not sample, and every 30 s.
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ class GpuPlacementError(ValueError):
     exit 2 (the --gpus given, or left out, are the mistake)."""
 
 
+class GpuPlacementStop(GpuPlacementError):
+    """The same found by the look under load (LookUnderLoad), once the run has begun: a stop partway, said as one (no
+    usage banner), exit 2."""
+
+
+def cost_words(kind: str) -> str:
+    """What leaving a server GPU unmeasured costs, for unmeasured_text, by what the run steps: kind 'power_limit' (a
+    sweep of limits), 'sm_clock' (a sweep of clocks), or 'none' (measure, a grid of configurations as launched)."""
+    stepped = {"power_limit": "limit", "sm_clock": "clock"}.get(kind)
+    return "{its} energy would be in no figure (J/token low)" + (f" and {{its}} {stepped} not stepped" if stepped else "")
+
+
 @dataclass
 class Placement:
     """server: index → UUID of every GPU the server serves from (its processes hold more than a helper context there);
@@ -49,6 +62,10 @@ class Placement:
     unlisted: list[int] = field(default_factory=list)
     helpers: dict[int, tuple[str, int]] = field(default_factory=dict)  # index → (UUID, bytes): a helper context only
     largest: int = 0  # the bytes the server's processes hold on their busiest GPU
+    # index → why: GPUs judged serving only because NVML's per-process samples could not be read (small, nothing
+    # shows them idle): said as such, not as work seen (LookUnderLoad).
+    unread: dict[int, str] = field(default_factory=dict)
+    sizes: dict[int, int | None] = field(default_factory=dict)  # index → bytes the server's processes hold (None: not said)
 
     @property
     def unmeasured(self) -> dict[int, str]:
@@ -82,13 +99,14 @@ class Placement:
 
     def unmeasured_text(self, fix: str | None = None, cost: str | None = None) -> str | None:
         """'the server also runs on GPU 0 (GPU-…): …; add it: --gpus 0,1', or None when every server GPU is measured.
-        cost: what leaving it out costs, in words (default a sweep's: its energy in no figure, its limit not stepped)."""
+        cost: what leaving it out costs, in words, '{its}' standing for its or their (default a sweep of limits':
+        cost_words)."""
         gone = self.unmeasured
         if not gone:
             return None
         what, one, its = _named(gone)
         return (f"the server also runs on {what}, which {'is' if one else 'are'} not measured: "
-                + (cost or f"{its} energy would be in no figure (J/token low) and {its} limit not stepped") + "; "
+                + (cost or cost_words("power_limit")).format(its=its) + "; "
                 + (fix or f"add {'it' if one else 'them'}: --gpus {self.gpus_option()}"))
 
     def idle_text(self, fix: str | None = None, cost: str | None = None) -> str | None:
@@ -160,11 +178,14 @@ def _same_process(nvml, pid: int) -> bool:
 COMM_LEN = 15  # the kernel cuts a process's name (comm) to 15 characters
 
 
-def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | None:
+def find_placement(nvml, measured: dict[int, str], server_procs, *, since_us: int | None = None,
+                   tries: int = 1) -> Placement | None:
     """Where the server's processes hold a context, over every GPU NVML reports (NVML initialised by the caller: an
     open collector). measured: index → UUID of the GPUs measured. server_procs: a callable answering (pids, None) or
     (None, why) (serverprocs.ServerProcesses). None where nothing can be told: the server's processes unknown, NVML
-    unable to count its GPUs, or none of the server's processes on any GPU's list (another pid namespace)."""
+    unable to count its GPUs, or none of the server's processes on any GPU's list (another pid namespace).
+    since_us: the per-process samples read from then (µs, wall clock; default the last HELPER_LOOK_S); tries: reads of
+    them before a failure counts (see _idle)."""
     from powerprof.collectors.gateway import gateway
     from powerprof.collectors.nvml import gpu_processes, process_util
 
@@ -197,51 +218,70 @@ def find_placement(nvml, measured: dict[int, str], server_procs) -> Placement | 
     largest = max((b for _u, b in held.values() if b is not None), default=0)
     server: dict[int, str] = {}
     helpers: dict[int, tuple[str, int]] = {}
+    unread: dict[int, str] = {}
     for i, (u, b) in held.items():
         # A size NVML does not say (None) is serving: nothing shows it small.
-        if (b is not None and b < HELPER_MAX_BYTES and b < HELPER_MAX_SHARE * largest
-                and _idle(nvml, *theirs[i], process_util)):
-            helpers[i] = (u, b)
-        else:
-            server[i] = u
-    return Placement(server, dict(measured), unlisted, helpers, largest)
+        if b is not None and b < HELPER_MAX_BYTES and b < HELPER_MAX_SHARE * largest:
+            idle, why = _idle(nvml, *theirs[i], process_util, since_us, tries)
+            if idle:
+                helpers[i] = (u, b)
+                continue
+            if why is not None:
+                unread[i] = why
+        server[i] = u
+    return Placement(server, dict(measured), unlisted, helpers, largest, unread, {i: b for i, (_u, b) in held.items()})
 
 
-def _idle(nvml, handle, pids: set[int], process_util) -> bool:
-    """Whether NVML's per-process samples of the last HELPER_LOOK_S show none of `pids` working on the GPU (no engine
-    over HELPER_MAX_PCT); False where NVML cannot give them (nothing shows the context idle)."""
+def _idle(nvml, handle, pids: set[int], process_util, since_us: int | None = None,
+          tries: int = 1) -> tuple[bool, str | None]:
+    """Whether NVML's per-process samples since `since_us` (default: the last HELPER_LOOK_S) show none of `pids`
+    working on the GPU (no engine over HELPER_MAX_PCT), and None; (False, why) where NVML cannot give them (nothing
+    shows the context idle). Read up to `tries` times, UTIL_RETRY_S apart: pynvml's read sizes its buffer by one call
+    and fills it by a second, and fails (INSUFFICIENT_SIZE) where samples arrived in between, likelier under load. A
+    look that read them before (LookUnderLoad) retries rather than take one such failure for the server's work."""
     import time
 
-    util, _how = process_util(nvml, handle, time.time_ns() // 1000 - int(HELPER_LOOK_S * 1e6))
-    if util is None:
-        return False
-    return all(u <= HELPER_MAX_PCT for pid in pids for u in util.get(pid, {}).values())
+    why = None
+    for k in range(max(1, tries)):
+        if k:
+            time.sleep(UTIL_RETRY_S)
+        start = since_us if since_us is not None else time.time_ns() // 1000 - int(HELPER_LOOK_S * 1e6)
+        util, how = process_util(nvml, handle, start)
+        if util is not None:
+            return all(u <= HELPER_MAX_PCT for pid in pids for u in util.get(pid, {}).values()), None
+        why = how
+    return False, why or "NVML gave no samples"
+
+
+UTIL_RETRY_S = 0.1  # s between reads of the per-process samples in a look that retries (_idle)
+UTIL_TRIES = 3  # reads of them before a failure counts, in the look under load
 
 
 ALLOW_OPTION = "--allow-unmeasured-server-gpus"
 
 
 def judge_placement(placement: Placement | None, notes: list[str], *, allow: bool = False,
-                    stopped: str = "nothing was changed") -> None:
+                    stopped: str = "nothing was changed", cost: str | None = None) -> None:
     """What sweep and measure do with a placement: a server GPU left unmeasured raises GpuPlacementError (naming the
     fix, --gpus of the server's GPUs, and ALLOW_OPTION to go on anyway) or, with allow, goes into the notes as measured
     anyway; a helper context and a measured GPU the server does not use go into the notes. stopped: what the refusal
-    left undone. Nothing where the placement cannot be told (None)."""
+    left undone; cost: what leaving a GPU out costs (cost_words). Nothing where the placement cannot be told (None)."""
     if placement is None:
         return
     if (helper := placement.helper_text()) is not None:
         notes.append(helper)
-    _judge_unmeasured(placement, notes, allow, stopped)
+    _judge_unmeasured(placement, notes, allow, stopped, cost=cost)
     if (idle := placement.idle_text()) is not None:
         notes.append(idle)
 
 
-def _judge_unmeasured(placement: Placement, notes: list[str], allow: bool, stopped: str, when: str = "") -> None:
-    """A server GPU not measured: GpuPlacementError, or with allow a note (when: where it was found, in words)."""
-    if (why := placement.unmeasured_text()) is None:
+def _judge_unmeasured(placement: Placement, notes: list[str], allow: bool, stopped: str, when: str = "", *,
+                      cost: str | None = None, error: type[GpuPlacementError] = GpuPlacementError) -> None:
+    """A server GPU not measured: `error`, or with allow a note (when: where it was found, in words)."""
+    if (why := placement.unmeasured_text(cost=cost)) is None:
         return
     if not allow:
-        raise GpuPlacementError(f"{why}; {stopped} (to measure anyway, with those GPUs' energy in no figure: "
+        raise error(f"{why}; {stopped} (to measure anyway, with those GPUs' energy in no figure: "
                                 f"{ALLOW_OPTION})")
     notes.append(f"measured anyway ({ALLOW_OPTION}): {why}{when}")
 
@@ -258,35 +298,75 @@ class LookUnderLoad:
     flags alone would still have stepped the wrong GPUs. The caller restores any limit it set (its usual stop path)."""
 
     def __init__(self, nvml, measured: dict[int, str], server_procs, first: Placement | None, *, allow: bool,
-                 stopped: str):
+                 stopped: str, cost: str | None = None, notes: list[str] | None = None):
         self.nvml, self.measured, self.server_procs, self.first = nvml, dict(measured), server_procs, first
-        self.allow, self.stopped = allow, stopped
+        self.allow, self.stopped, self.cost = allow, stopped, cost
+        # The run's notes, holding the first look's (judge_placement): its helper note is replaced where this look
+        # finds a GPU it named serving, so no note goes on calling that GPU a helper's.
+        self.notes = notes
+        self.found: dict[int, str] = {}  # server GPUs this look already judged (allowed): not said again on a re-arm
         self.done = False
 
-    def __call__(self) -> list[str]:
+    def rearm(self) -> None:
+        """Look once more at the next call: the server restarted (sweep --server-restart-wait rode it out) and the
+        restarted one, its model placement perhaps another, has not been looked at under load."""
+        self.done = False
+
+    def __call__(self, since_wall_ns: int | None = None) -> list[str]:
         """The notes of the look (with allow), [] when nothing new was found or it was taken already; raises
-        GpuPlacementError where the server now runs on a GPU not measured."""
+        GpuPlacementStop where the server now runs on a GPU not measured. since_wall_ns: when the load began
+        (time.time_ns() of its first request), the samples read from then; None: the last HELPER_LOOK_S."""
         if self.done or self.server_procs is None:
             return []
         self.done = True
-        again = find_placement(self.nvml, self.measured, self.server_procs)
+        # Samples since the load began (its first request's wall time): the whole first batch or replay, not its last
+        # HELPER_LOOK_S only (a long one's early work was unseen); NVML keeps what its buffer holds.
+        since = since_wall_ns // 1000 if since_wall_ns is not None else None
+        again = find_placement(self.nvml, self.measured, self.server_procs, since_us=since, tries=UTIL_TRIES)
         if again is None:
             return []
-        before = self.first.unmeasured if self.first is not None else {}
+        before = {**(self.first.unmeasured if self.first is not None else {}), **self.found}
         new = {i: u for i, u in again.unmeasured.items() if i not in before}
+        self.found.update(new)
         if not new:
             return []
         helpers = self.first.helpers if self.first is not None else {}
         was = [i for i in new if i in helpers]
+        if was and self.notes is not None and (old := self.first.helper_text()) in self.notes:
+            k = self.notes.index(old)
+            still = again.helper_text()  # the helpers this look still finds, if any
+            self.notes[k:k + 1] = [still] if still is not None else []
         what = ", ".join(f"GPU {i}" for i in sorted(new))
         if self.first is None:
             before_words = "the look before the load could tell nothing"
         elif len(was) == len(new):
             before_words = (f"before the load {'it' if len(new) == 1 else 'they'} held only an idle context, taken for "
-                            f"a helper's; NVML's samples now show the server's work there")
+                            f"a helper's; " + _now_words(again, new))
         else:
             before_words = "before the load the server's processes were not all there"
         found = f"found once the load ran on {what}: {before_words}"
         notes: list[str] = []
-        _judge_unmeasured(again, notes, self.allow, f"{found}; {self.stopped}", when=f" ({found})")
+        _judge_unmeasured(again, notes, self.allow, f"{found}; {self.stopped}", when=f" ({found})", cost=self.cost,
+                          error=GpuPlacementStop)
         return notes
+
+
+def _now_words(again: Placement, new: dict[int, str]) -> str:
+    """Why the look under load counts GPUs taken for a helper's as serving, in words: their samples unreadable (no
+    work seen: nothing shows them idle), or work seen there."""
+    unread = {i: w for i, w in again.unread.items() if i in new}
+    grown = {i: again.sizes.get(i) for i in new if i not in unread}
+    grown = {i: b for i, b in grown.items()
+             if b is None or b >= HELPER_MAX_BYTES or b >= HELPER_MAX_SHARE * again.largest}
+    if grown and len(grown) == len(new):
+        return "the server's processes now hold more there than a helper context (" + ", ".join(
+            f"GPU {i}: {'a size NVML does not say' if b is None else f'{b >> 20} MiB'}" for i, b in sorted(grown.items())) + ")"
+    if len(unread) == len(new):
+        why = "; ".join(sorted(set(unread.values())))
+        return (f"NVML's per-process samples could not be read now ({why}, {UTIL_TRIES} tries), so nothing shows "
+                f"{'it' if len(new) == 1 else 'them'} idle")
+    if unread or grown:
+        return ("NVML now shows the server's work, or more than a helper's memory, there"
+                + (", or could not read its samples (on " + ", ".join(f"GPU {i}" for i in sorted(unread)) + ")"
+                   if unread else ""))
+    return "NVML's samples now show the server's work there"
