@@ -146,7 +146,16 @@ def test_a_quiet_server_raises_no_flag(tmp_path, monkeypatch, hide):
     monkeypatch.setattr(rigmod.Rig, "sim_server", server)
     with Rig("seed-16g", nvml=SimNVML("seed-16g", state_path=None)) as rig:
         res = _measure(rig, tmp_path / "m", concurrencies=[1, 2], n_requests=4, params=RequestParams(max_tokens=32))
-    assert all(s.n_foreign == 0 and s.gpu_j_per_token is not None for s in res.summaries), res.summaries
+    assert all(s.n_foreign == 0 for s in res.summaries), res.summaries
+    # No foreign flag is the point. A figure may still go for another reason, said: on a host loaded past its cores
+    # (load 8-11 on 2 cores: 13 of 40 runs) a concurrency-2 batch whose client read one stream late is untrusted
+    # timing, both its windows left out (workload/rows.batch_row), never a foreign flag.
+    s1 = next(s for s in res.summaries if s.concurrency == 1)
+    assert s1.gpu_j_per_token is not None, res.summaries
+    for s in res.summaries:
+        if s.gpu_j_per_token is None:
+            assert any(n.startswith(f"concurrency {s.concurrency}: no J/token figure: all") and "untrusted" in n
+                       for n in res.notes), res.notes
     assert not any(r.get("foreign_traffic") for r in res.rows)
     assert res.foreign_traffic is None and json.loads((tmp_path / "m" / "run.json").read_text())["foreign_traffic"] is None
     said = [n for n in res.notes if n.startswith("other clients of the server")]
