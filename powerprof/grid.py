@@ -325,7 +325,8 @@ class GridRun:
         run_sweep then puts every limit back and keeps the configurations finished. Returns the look again under this
         configuration's load (placement.LookUnderLoad), None where there is no GPU to look at."""
         from powerprof.sweep import PlacementStop
-        from powerprof.workload.placement import GpuPlacementError, LookUnderLoad, find_placement, judge_placement
+        from powerprof.workload.placement import (GpuPlacementError, LookUnderLoad, cost_words, find_placement,
+                                                  judge_placement)
         from powerprof.workload.serverprocs import ServerProcesses
 
         src = self.rig.sources
@@ -334,8 +335,9 @@ class GridRun:
         said: list[str] = []
         procs = ServerProcesses(url, launched)
         first = find_placement(src.nvml.nvml, src.gpu_uuids, procs)
+        cost = cost_words(self.settings.level_kind)  # a grid steps clocks, limits or nothing: say what it leaves out
         try:
-            judge_placement(first, said, allow=self.allow_unmeasured_server_gpus,
+            judge_placement(first, said, allow=self.allow_unmeasured_server_gpus, cost=cost,
                             stopped="the grid stopped before measuring it (every limit put back, the configurations "
                                     "finished kept)")
         except GpuPlacementError as e:
@@ -346,7 +348,7 @@ class GridRun:
         return _GridLook(self, rec, LookUnderLoad(
             src.nvml.nvml, src.gpu_uuids, procs, first, allow=self.allow_unmeasured_server_gpus,
             stopped="the grid stopped at this configuration's first batch (every limit put back, the configurations "
-                    "finished before it kept)", notes=list(said)))
+                    "finished before it kept)", cost=cost, notes=list(said)))
 
     def _note_placement(self, rec: ConfigRecord, said: list[str]) -> None:
         for n in said:

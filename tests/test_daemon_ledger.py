@@ -2471,3 +2471,18 @@ def test_a_held_calls_tokens_are_placed_from_its_last_chunk_to_its_end_and_only_
     else:
         assert got[2]["attributed_tokens"] == pytest.approx(2)
         assert got[1]["gpu_energy_j"] == pytest.approx(230, rel=0.01), got[1]["gpu_energy_j"]
+
+
+def test_the_first_judgement_of_which_gpus_serve_is_counted_and_exposed():
+    # Until the daemon judges which GPUs serve, every GPU's energy is the work's; the judgement (GPU 1 serves none)
+    # moves GPU 1's idle energy out of the serving GPUs' figure the tuner weighs levels by. Before: nothing on /metrics
+    # said so, and the tuner weighed windows on the two sides (and levels judged on them) against each other.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from powerprof.daemon.metrics import Snapshot, make_registry, render
+
+    led = _server_on_gpu0_gpu1_idle().ledger
+    assert led.totals.serving_changes == 1  # all → GPU 0 alone, counted once, not once per batch of intervals
+    text = render(make_registry(type("H", (), {"snapshot": Snapshot(serving_changes=led.totals.serving_changes)})))
+    got = {s.name: s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+    assert got["powerprof_gpu_serving_changes_total"] == 1

@@ -471,3 +471,21 @@ def test_a_grid_configuration_whose_server_runs_on_an_unmeasured_gpu_stops_the_g
     assert not state or not [f for f in os.listdir(state) if f.endswith(".json")]  # no restore pending
     lv = pq.read_table(tmp_path / "run" / "levels.parquet").to_pylist()
     assert {(r["context_tokens"], r["level_value"]) for r in lv if r["config_status"] == "ok"} == {(64, 300.0), (64, 220.0)}
+
+def test_a_clock_grids_placement_refusal_says_its_clock_not_its_limit(tmp_path):
+    # Before: the grid's placement check passed no cost words (workload/placement.py cost_words), so a grid stepping
+    # clocks refused in a limit sweep's words, "its limit not stepped".
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sweep import PlacementStop
+
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    spec = GridSpec(None, (), (64, 128))
+    ui = _ServerSpreadsAfter(900.0, sim, 0)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        with pytest.raises(PlacementStop) as e:
+            run_grid(rig, spec, url=None, levels_spec="1200,900", level_kind="sm_clock", out_dir=tmp_path / "run",
+                     params=RequestParams(max_tokens=32), ui=ui, **FAST)
+    msg = str(e.value)
+    assert msg.startswith("configuration as-launched: the server also runs on GPU 0"), msg
+    assert "its clock not stepped" in msg and "limit not stepped" not in msg, msg
+

@@ -1394,6 +1394,40 @@ def test_a_trial_across_an_idle_gpus_loss_is_judged_on_the_serving_gpus_energy(t
     assert verdict and "250 W costs 30.0% more" in verdict[0].reason, [d.reason for d in runner.tuner.decisions]
 
 
+def test_a_trial_across_the_daemons_first_judgement_of_which_gpus_serve_is_not_judged_on_two_bases(tmp_path):
+    # 250 W costs 1.3 J/token against 1.0 at 300 W; a second GPU spends 1200 J a window (0.75 J/token) beside them, in
+    # the work's energy until the daemon first judges which GPUs serve (here: during the trial), then out of it. Before:
+    # nothing on /metrics said so: the trial read 1.3 against the incumbent's 1.75 J/token and was accepted, "saving"
+    # that GPU's idle energy; levels judged before the change were weighed against ones after.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, \
+            FakeDaemon(gpu=sim_gpu(nvml), aside_j=1200.0, j_per_token_at={250.0: 1.3}) as fd, \
+            rig.controller([0]) as ctl:
+        fd.aside_serving = fd._aside_served = True  # not judged yet: every GPU's energy is the work's
+        runner = TuneRunner(_cfg(levels=(250, 300)), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl,
+                            gpus=[0], clock=clock, gpu_uuids=[nvml.gpus[0].uuid, "GPU-aside"])
+        runner.start()
+        for _ in range(20):
+            _drive(runner, clock, 1)
+            if runner.tuner.state == "trial":
+                break
+        assert runner.tuner.state == "trial" and runner.tuner.level == 250, [d.reason for d in runner.tuner.decisions]
+        assert runner.tuner.regime.stats, "the incumbent's figures were judged on the first basis"
+        _drive(runner, clock, 1)
+        fd.aside_serving = False  # the daemon's first judgement: that GPU serves none of the traffic
+        _drive(runner, clock, 12)
+    ds = runner.tuner.decisions
+    acts = [(d.action, d.to_level) for d in ds]
+    assert ("accept", 250) not in acts, [d.reason for d in ds]
+    thin = [d for d in ds if d.action == "thin"]
+    assert len(thin) == 1 and thin[0].to_level == 300 and "changed which GPUs serve" in thin[0].reason, \
+        [d.reason for d in ds]
+    # Measured again on one basis, the trial is refused on its own energy.
+    verdict = [d for d in ds if d.t_s > thin[0].t_s and d.from_level == 250 and d.to_level == 300]
+    assert verdict and "250 W costs 30.0% more" in verdict[0].reason, [d.reason for d in ds]
+
+
 def test_an_idle_gpu_unread_for_a_second_every_30_s_leaves_the_tuner_converging(tmp_path):
     # An NVML hiccup on a GPU serving none of the traffic, 1 s of every 30 s. Before: each window holding it ended the
     # trial under way (thin) or left the level's windows out (hold): 13 explore / 13 thin / 14 hold over 120 ticks,

@@ -1106,3 +1106,18 @@ def test_energy_pairs_up_pairs_again_a_level_above_kept_on_one_pair(up):
         assert not any(d.action == "accept" and d.to_level == 250 and d.t_s > up_trials[0].t_s for d in tu.decisions)
     else:
         assert first.action == "accept" and "pairs" not in first.reason
+
+
+def test_a_change_of_energy_basis_forgets_the_energy_figures_and_keeps_what_latency_taught():
+    # The daemon re-decided which GPUs serve (Tuner.energy_basis_changed): energy judged before is on another basis.
+    # Levels' J/token and refusals on energy go; a level found too slow stays refused, as the basis moves no latency.
+    tu = Tuner(cfg(), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    r = tu.regime
+    assert tu.state == "hold" and tu.level == 200 and r.stats and 150 in [LEVELS[i] for i in r.rejected]
+    slow = dict(r.rejected)
+    r.rejected[2] = r.costly[2] = t - 5  # 250 W refused on energy
+    ds = tu.energy_basis_changed(t, "the daemon changed which GPUs serve the traffic")
+    assert [d.action for d in ds] == ["hold"] and "changed which GPUs serve" in ds[0].reason, ds
+    assert not r.stats and not r.costly and r.rejected == slow
+    assert tu.level == 200 and tu.state == "hold"

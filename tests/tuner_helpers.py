@@ -35,11 +35,16 @@ class FakeDaemon:
         `aside_unread` (settable between scrapes) is the share of the next scrape's intervals it gives no reading over,
         as a daemon counts them (its powerprof_gpu_energy_unknown_seconds_total) and leaves its energy out of both;
         `aside_lost` (settable): unread now, so no limit gauge (the accounts lag: `aside_unread` apart).
+        `aside_serving` (settable): the daemon judges that GPU serving the traffic (as before its first judgement of
+        which serve, when every GPU's energy is the work's): its energy is not in the not-serving counter, and each
+        scrape after a change of it counts one in powerprof_gpu_serving_changes_total.
         j_per_token_at: {limit W: J/token} where the levels cost differently (default `j_per_token` at every one).
         `unread` (settable between scrapes): the serving GPU gives no energy reading (its limit still read): its
         energy series goes, its unread seconds and powerprof_gpu_energy_unknown_intervals_total climb, no energy counts."""
         self.accounts_behind = accounts_behind
         self.aside_j, self.aside_unread, self.aside_lost = aside_j, 0.0, False  # lost: no limit gauge now
+        self.aside_serving = self._aside_served = False
+        self.serving_changes = 0
         self.j_per_token_at = j_per_token_at or {}
         self.idle = self.aside_unknown_s = self.aside_energy = 0.0
         self.unread, self.unknown_s, self.unknown_intervals = False, 0.0, 0
@@ -101,7 +106,11 @@ class FakeDaemon:
                     n = INTERVALS_PER_SCRAPE
                     k = round(n * self.aside_unread)
                     self.idle += self.aside_j * (n - k) / n
-                    self.aside_energy += self.aside_j * (n - k) / n
+                    if self.aside_serving != self._aside_served:
+                        self.serving_changes += 1
+                        self._aside_served = self.aside_serving
+                    if not self.aside_serving:
+                        self.aside_energy += self.aside_j * (n - k) / n
                     self.aside_unknown_s += k * 1.0
                 if self.accounts_behind:
                     self._unreleased.append((spent * self.gpu()[1] / 300.0, self.gpu()[1]))  # J/token ∝ limit
@@ -134,6 +143,7 @@ class FakeDaemon:
                 gpu_unknown_intervals=self.unknown_intervals,
                 energy_by_dest_j=(self.energy, self.idle, 0.0),
                 idle_not_serving_j=self.aside_energy,
+                serving_changes=self.serving_changes,
                 tokens_by_tag={"": self.tokens},
                 requests_by_tag={("", "ok"): float(self.finished)},
                 proxy_upstream_failures=self.upstream_failures,

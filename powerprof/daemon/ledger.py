@@ -329,6 +329,10 @@ class Totals:
     # Of energy_by_dest_j's idle, the energy of the GPUs serving none of the work since start (the read ones'): what
     # the others' figures are without it does not hang on whether such a GPU reads (the tuner's energy).
     idle_not_serving_j: float = 0.0
+    # Times since start the GPUs whose energy is the work's (and not idle_not_serving_j) changed: the first judgement
+    # of which serve (until then every GPU's is), and each later one that differs. Each moves a GPU's idle energy into
+    # or out of the serving GPUs' figure, whose windows on the two sides are then on different bases (the tuner's).
+    serving_changes: int = 0
 
 
 class Ledger:
@@ -477,6 +481,8 @@ class Ledger:
         self._by_dest = np.zeros(3)
         self._idle_unknown_intervals = 0
         self._not_serving_total = 0.0  # Totals.idle_not_serving_j
+        self._serving_changes = 0  # Totals.serving_changes
+        self._accounted_serving: np.ndarray | None = None  # the serving mask the last intervals were accounted by (None: all)
         self._gpu_unknown_intervals = 0
         self._gpu_unknown_s = np.zeros(n_gpus)  # Totals.gpu_unknown_s
         self._gpu_unread_now = np.zeros(n_gpus, bool)  # Totals.gpu_unread_now
@@ -1707,6 +1713,12 @@ class Ledger:
         else:
             work_j, aside, work_missing, serving = gpu0, None, gpu_missing, None
             aside_missing = np.zeros(t.size - 1, bool)
+        # Counted where the intervals accounted change basis, not where the learner re-judges (its new mask applies
+        # from the next intervals on): the window holding this count is the one straddling the change.
+        was = self._accounted_serving
+        if (was is None) != (serving is None) or (was is not None and not np.array_equal(was, serving)):
+            self._serving_changes += 1
+        self._accounted_serving = None if serving is None else serving.copy()
         cpu = self._cpu_energy(t)
         host_s, other_s = self._cpu_time(t)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -2434,6 +2446,7 @@ class Ledger:
             idle_unknown_intervals=self._idle_unknown_intervals,
             gpu_unknown_intervals=self._gpu_unknown_intervals,
             idle_not_serving_j=self._not_serving_total,
+            serving_changes=self._serving_changes,
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:

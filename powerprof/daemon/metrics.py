@@ -156,6 +156,7 @@ class Snapshot:
     idle_unknown_intervals: int = 0  # ledger.Totals: intervals with a GPU serving none of the work unread (its energy alone out)
     intervals: int = 0  # ledger.Totals: intervals closed since start (what the *_unknown_intervals are out of)
     idle_not_serving_j: float = 0.0  # ledger.Totals: of the idle energy, the GPUs' serving none of the work
+    serving_changes: int = 0  # ledger.Totals: changes of which GPUs' energy is the work's
 
 
 class SnapshotCollector:
@@ -250,6 +251,11 @@ class SnapshotCollector:
                                   "serving none of the proxied work (all of theirs is idle; an unread one's is in "
                                   "neither): the idle energy less it is the serving GPUs', whether or not those others "
                                   "read (the tuner's energy)", value=s.idle_not_serving_j)
+        yield CounterMetricFamily("powerprof_gpu_serving_changes",
+                                  "Times the daemon changed which GPUs serve the proxied work (the first judgement of "
+                                  "which serve, and each later change): each moves a GPU's idle energy into or out of "
+                                  "the serving GPUs' energy, so figures on its two sides are on different bases (the "
+                                  "tuner leaves the window holding one out)", value=s.serving_changes)
         total = sum(s.energy_by_dest_j)
         if total > 0:
             yield GaugeMetricFamily("powerprof_requests_energy_ratio",

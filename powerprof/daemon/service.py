@@ -866,6 +866,7 @@ class Daemon:
             gpu_unknown_intervals=tot.gpu_unknown_intervals,
             intervals=tot.intervals,
             idle_not_serving_j=tot.idle_not_serving_j,
+            serving_changes=tot.serving_changes,
         )
 
     def _helper_pids(self) -> list[int]:

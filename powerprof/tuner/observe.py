@@ -75,6 +75,9 @@ class DaemonCounters:
     # Per GPU (gpu_uuid) the seconds of closed intervals it gave no energy reading over: rising, the daemon samples
     # (closes intervals) though it reads no energy there.
     gpu_unknown_s: dict = field(default_factory=dict)
+    # Times the daemon changed which GPUs serve the traffic since it started (None: a daemon older than the counter):
+    # each moves a GPU's idle energy into or out of energy_j, so a window in which it rose straddles two bases.
+    serving_changes: float | None = None
 
 
 def loopback_reason(url: str) -> str | None:
@@ -232,7 +235,9 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
                           gpu_unknown_s={s.labels.get("gpu_uuid", ""): num(s.value)
                                          for s in (fam["powerprof_gpu_energy_unknown_seconds"].samples
                                                    if "powerprof_gpu_energy_unknown_seconds" in fam else ())
-                                         if s.name.endswith("_total")})
+                                         if s.name.endswith("_total")},
+                          serving_changes=one("powerprof_gpu_serving_changes")
+                          if "powerprof_gpu_serving_changes" in fam else None)
 
 
 def energy_moved(a: DaemonCounters, b: DaemonCounters) -> bool:
@@ -247,6 +252,17 @@ def energy_moved(a: DaemonCounters, b: DaemonCounters) -> bool:
     if both:
         return any(b.gpu_energies_j[u] > a.gpu_energies_j[u] for u in both)
     return b.gpu_energy_j > a.gpu_energy_j
+
+
+def serving_change(a: DaemonCounters, b: DaemonCounters) -> str | None:
+    """Why the window from `a` to `b` is on no one energy basis (None: it is, or the daemon does not say): the daemon
+    re-decided which GPUs serve the traffic in it, moving a GPU's idle energy into or out of energy_j."""
+    if a.serving_changes is None or b.serving_changes is None or b.serving_changes <= a.serving_changes:
+        return None
+    n = b.serving_changes - a.serving_changes
+    return (f"the daemon changed which GPUs serve the traffic ({n:.0f} time(s) in this window, "
+            "powerprof_gpu_serving_changes_total): a GPU's idle energy came into or left the energy the levels are "
+            "weighed by")
 
 
 def _le(x: str) -> float:

@@ -10,6 +10,7 @@ threatens the SLO, bounded exploration, and a memory per regime (arrival rate ×
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -876,6 +877,37 @@ class Tuner:
     def note(self, t_s: float, action: str, reason: str) -> Decision:
         """Record something the caller did at the current level (the start, say)."""
         return self._decide(t_s, action, self.idx, reason)
+
+    def energy_basis_changed(self, t_s: float, why: str) -> list[Decision]:
+        """The daemon re-decided which GPUs serve the traffic (`why` says how): a GPU's idle energy came into the
+        figure the levels are weighed by, or left it, so energy judged before is on another basis than energy after.
+        The windows at this level so far are left out of its energy verdict (the caller leaves out the one straddling
+        the change); every regime's energy memory goes (each level's last figures, the levels refused on energy, a
+        trial's pairs waiting for another), so no level judged before is weighed against one judged after; what was
+        learnt of latency (too slow, bars, p95 models) stands, as the basis moves no latency. A trial, whose incumbent
+        was judged on the other basis, ends back at the incumbent without a verdict (`thin`); otherwise a `hold` row
+        says it."""
+        self._pending = [dataclasses.replace(w, energy_straddles=True) for w in self._pending]
+        self._repair = None
+        for r in {id(x): x for x in (*self.regimes.values(), self.regime)}.values():
+            r.stats.clear()
+            for i, at in list(r.costly.items()):
+                if r.rejected.get(i) == at:  # refused on energy alone: that verdict was on the old basis
+                    del r.rejected[i]
+            r.costly.clear()
+        if self.state == "killed":
+            return []  # pinned: no window is judged, so none is left out (resume measures afresh)
+        if self.state == "trial":
+            back = self._incumbent_idx if self._incumbent_idx is not None else self.ref
+            self._end_trial(t_s)
+            d = self._move(t_s, "thin", back, f"{why}: the trial's energy cannot be weighed against "
+                                              f"{self._fmt(self.cfg.levels[back])}'s, judged on the other basis: back "
+                                              "to it, to measure both again")
+            self._enter("measure", t_s)
+            return [d]
+        return [self._decide(t_s, "hold", self.idx, f"{why}: this window and the ones before it at this level are "
+                                                     "left out of its energy verdict, and every level's energy "
+                                                     "figures judged before are forgotten, to be measured again")]
 
     def kill(self, t_s: float, why: str = "kill switch (SIGUSR1)") -> Decision:
         d = self._move(t_s, "kill", self.ref, why + ": back to the reference and hold")

@@ -31,7 +31,7 @@ from powerprof.errtext import error_text, one_line
 from powerprof.storage.runs import atomic_write_table
 from powerprof.storage.schema import TUNER_DECISIONS, rows_to_table
 
-from .observe import DaemonCounters, ObserveError, energy_moved, window_between
+from .observe import DaemonCounters, ObserveError, energy_moved, serving_change, window_between
 from .policy import Decision, Tuner, TunerConfig, Window, merge, slo_ratio, unfinished_threat
 from .setup import day_folder_reason
 
@@ -344,6 +344,12 @@ class TuneRunner:
                 w = window_between(last, c, level)
                 if self._energy_straddles(last):
                     w = dataclasses.replace(w, energy_straddles=True)
+                if (basis := serving_change(last, c)) is not None:
+                    # Its energy is on neither side's basis: out of the energy verdicts (its latency still guards),
+                    # and levels judged before are no yardstick for those after (Tuner.energy_basis_changed).
+                    w = dataclasses.replace(w, energy_straddles=True)
+                    if not self.cfg.dry_run:
+                        ds.extend(self.tuner.energy_basis_changed(now, basis))
                 if self.cfg.dry_run:
                     if self.tuner.state == "stale":
                         ds.append(self.tuner.resume(now))
