@@ -339,3 +339,14 @@ def test_a_final_count_at_the_limit_past_the_running_counts_is_believed_only_as_
         assert t.last_ns + tail_s * 1e9 <= t.extra["held_end_ns"] <= t.end_ns  # the upstream's end (proxy._held_end)
     else:
         assert c.count_problem_kind == "running_count_short" and not c.held_tail and "held_end_ns" not in t.extra, c
+
+
+def test_only_a_chat_request_with_tools_is_taken_as_one_a_tool_call_parser_could_hold():
+    """vLLM and SGLang run a tool-call parser on chat alone: a completions request that carries `tools` (ignored there)
+    gets no held-call belief, so a final count past its running counts is flagged (before: marked as carrying tools)."""
+    from powerprof.daemon.proxy import inspect_request_body
+    doc = json.dumps({"model": "m", "prompt": "p", "max_tokens": 30, **TOOLS}).encode()
+    for api, tools in (("openai-chat", True), ("openai-completions", None)):
+        e: dict = {}
+        inspect_request_body(doc, "", api, e)
+        assert e.get("tools") is tools and e["max_tokens"] == 30, (api, e)

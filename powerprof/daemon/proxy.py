@@ -349,7 +349,9 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             if type(limit) is int and 0 < limit <= MAX_COUNT:
                 extra["max_tokens"] = limit  # a count at the limit is whole (arrival.at_limit)
             tools = doc.get("tools")
-            if isinstance(tools, list) and tools and doc.get("tool_choice") != "none":
+            # Chat alone: no server runs a tool-call parser on completions (vLLM and SGLang ignore `tools` there), so
+            # nothing there is held, and a count past the running counts must not be believed as a held call.
+            if api == "openai-chat" and isinstance(tools, list) and tools and doc.get("tool_choice") != "none":
                 extra["tools"] = True  # its tool-call parser may hold tokens in no chunk (arrival.held_call_at_limit)
         best_of = request_best_of(doc, api)
         if best_of is not None:
