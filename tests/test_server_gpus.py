@@ -1139,3 +1139,23 @@ def test_the_daemons_checks_that_tell_nothing_do_not_keep_the_helpers_2s_checks_
     procs[0] = ({4242}, None)  # back (its lists changed, so checked): the helper's quick re-checks again
     service.Daemon._check_placement(d)
     assert d._helper_unsampled and d.ledger.unsampled_note is None
+
+
+def test_measures_stop_line_says_which_of_its_reasons_kept_nothing(tmp_path, monkeypatch):
+    from powerprof.cli import main
+    from powerprof.workload import placement
+
+    # A Ctrl-C during the look under load, the first (unwarmed) batch finished: the line said "no measured request had
+    # finished, or the look ... had not answered", though requests had finished and it was the look.
+    def interrupted(self, *_a, **_k):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(placement.LookUnderLoad, "__call__", interrupted)
+    out = tmp_path / "m"
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g", "--requests", "2", "--concurrency", "1",
+                                  "--warmup", "0", "--max-tokens", "16", "--out", str(out)])
+    assert r.exit_code == 130, r.output
+    assert (f"nothing was written to {out} (the look at the server's GPUs after the first batch had not answered: the "
+            "finished batch was never checked, so none of it is kept)") in r.output, r.output
+    assert "no measured request had finished" not in r.output, r.output
+    assert not out.exists()
