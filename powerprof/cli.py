@@ -965,9 +965,10 @@ def measure(url, simulate, gpus, out_dir, n_requests, concurrency, warmup, launc
         # Stopped before any measured request had finished (during start-up, warm-up or the first batch), or before
         # the look under load had checked the first batch: a stop later keeps the finished batches and is reported by
         # _measure_stop_line.
-        _stop_exit(f"{_stopped_how(e)}: nothing was written to {out} (no measured request had finished, or the "
-                   "look at the server's GPUs after the first batch had not answered); "
-                   "nothing was changed", 130 if isinstance(e, KeyboardInterrupt) else e.code)
+        why = getattr(e, "nothing_kept_why", None) or ("no measured request had finished, or the look at the "
+                                                       "server's GPUs after the first batch had not answered")
+        _stop_exit(f"{_stopped_how(e)}: nothing was written to {out} ({why}); nothing was changed",
+                   130 if isinstance(e, KeyboardInterrupt) else e.code)
     stop_code = None if res.stopped is None else (130 if isinstance(res.stopped, KeyboardInterrupt) else res.stopped.code)
     if as_json:
         import json

@@ -454,12 +454,17 @@ class _GridLook:
     def rearm(self) -> None:
         self.look.rearm()
 
-    def __call__(self, since_wall_ns: int | None = None) -> list[str]:
+    def __call__(self, since_wall_ns: int | None = None, stopped: str | None = None) -> list[str]:
         from powerprof.workload.placement import GpuPlacementError
 
         before = list(self.look.notes or [])
+        if stopped is not None:
+            # Re-armed after this configuration's server restarted (Sweep._stop_words): not its first batch; the
+            # configurations finished before it are what is kept.
+            stopped = ("the grid stopped at this configuration, after its server restarted (every limit put back, "
+                       "the configurations finished before it kept)")
         try:
-            said = self.look(since_wall_ns)
+            said = self.look(since_wall_ns, stopped=stopped)
         except GpuPlacementError as e:
             raise type(e)(f"configuration {self.rec.config_id}: {e}") from None
         # The look drops (or rewords) the first look's helper note for a GPU it finds serving: the grid's copy too.

@@ -301,6 +301,7 @@ class Sweep:
         self.idle_note: str | None = None  # why there is no idle baseline, where one was attempted and not kept
         self._server_procs = server_procs
         self._placement_look = placement_look
+        self._look_rearmed = False  # set once a server restart ridden out re-armed the look (_stop_words)
         self.placement_notes: list[str] = []  # the look under load's, with --allow-unmeasured-server-gpus
         # The server's books and the GPUs' processes against ours (workload/others.py); made with the session.
         self.others: OthersWatch | None = None
@@ -585,6 +586,7 @@ class Sweep:
                     # The restarted server has not been looked at under load (it may have come back placed
                     # otherwise, a small model on another GPU): looked at again after its first batch.
                     self._placement_look.rearm()
+                    self._look_rearmed = True  # its stop now says the level and the finished levels kept (_stop_words)
                 # Measured again from scratch, as the level began: warm-up, the prompt set from its start.
                 t_start, warmup, jpt, attempted, foreign_sent = time.monotonic(), self.s.warmup_requests, [], 0, 0
                 counter_s = []
@@ -596,7 +598,7 @@ class Sweep:
                 self.flush()
                 raise SweepError(f"{_level_name(visit)}: {aborted}") from None
             # Before the batch's rows are kept: a refusal keeps none of a wrongly scoped level.
-            self._look_again(min((r.t_send_wall_ns for r in recs), default=None))
+            self._look_again(min((r.t_send_wall_ns for r in recs), default=None), visit)
             if warmup:
                 # --max-time counts from the end of the warm-up (its --help says so): counted, it took the slowest
                 # level's time budget first, and that level got the fewest windows.
@@ -655,16 +657,33 @@ class Sweep:
             if visit.stop:
                 return
 
-    def _look_again(self, since_wall_ns: int | None) -> None:
+    def _look_again(self, since_wall_ns: int | None, visit: LevelVisit | None = None) -> None:
         """The server's GPUs once more, now that the load has run (once per sweep: LookUnderLoad): a small model idle
         before the load was taken for a helper, and its GPU left unmeasured; where the load's requests worked it, the
         sweep stops (PlacementStop, exit 2: run_sweep puts every limit back) or, allowed, says so in its notes."""
         if self._placement_look is None:
             return
         try:
-            self.placement_notes.extend(self._placement_look(since_wall_ns))
+            if visit is not None and self._look_rearmed:
+                # Re-armed after a server restart ridden out: the stop is at this level, not the first, and the
+                # levels finished before it are kept; the look's own words ("its first level, none of it kept"),
+                # fixed when it was made, said otherwise.
+                said = self._placement_look(since_wall_ns, stopped=self._stop_words(visit))
+            else:
+                said = self._placement_look(since_wall_ns)
+            self.placement_notes.extend(said)
         except GpuPlacementError as e:
             raise PlacementStop(str(e)) from None
+
+    def _stop_words(self, visit: LevelVisit) -> str:
+        """What a stop by the look under load at `visit`, after a server restart, leaves: that level, none of it kept,
+        and the levels finished before it, kept (run_sweep puts every limit back)."""
+        unit = {"power_limit": " W", "sm_clock": " MHz"}.get(self.s.level_kind, "")
+        level = "the settings as they are" if visit.level_value is None else f"level {visit.level_value:g}{unit}"
+        done = sorted({v.level_value for v in self.visits if v.stop and v.level_value is not None})
+        kept = (f"the finished level{'s' if len(done) > 1 else ''} ({', '.join(f'{x:g}' for x in done)}{unit}) kept"
+                if done else "no level had finished")
+        return f"the sweep stopped at {level}, after its server restarted: none of that level kept, {kept}"
 
     async def _watch_others(self) -> None:
         """Begin comparing the server's books with our requests, and the GPUs' processes with the server's, from now."""

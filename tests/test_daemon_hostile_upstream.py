@@ -259,10 +259,10 @@ def test_the_daemons_rows_say_what_the_proxy_could_not_count(tmp_path, workers):
     assert rows["cut"]["generated_tokens"] == 2
 
 
-def _paced_liar(body: dict, usage: int, tail_s: float, step_s: float = 0.01, n: int = 6):
+def _paced_liar(body: dict, usage: int, tail_s: float, step_s: float = 0.01, n: int = 6, first_s: float | None = None):
     """The trace of a chat request through the real Proxy to an upstream that streams `n` chunks `step_s` apart (0: in
     one write, 50 ms after the request), each with its running count, waits `tail_s`, then ends at `length` with a
-    final usage of `usage`."""
+    final usage of `usage`. `first_s`: its wait before the first chunk, where not `step_s`'s (a prefill)."""
     def ev(o):
         return b"data: " + json.dumps(o, separators=(",", ":")).encode() + b"\n\n"
 
@@ -273,8 +273,8 @@ def _paced_liar(body: dict, usage: int, tail_s: float, step_s: float = 0.01, n: 
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
         chunks = [ev({"choices": [{"index": 0, "delta": {"content": f"w{i}"}, "finish_reason": None}],
                       "usage": {"prompt_tokens": 3, "completion_tokens": i + 1, "total_tokens": i + 4}}) for i in range(n)]
-        for c in (chunks if step_s else [b"".join(chunks)]):  # 0: all in one write, read at one instant
-            await asyncio.sleep(step_s or 0.05)
+        for i, c in enumerate(chunks if step_s else [b"".join(chunks)]):  # 0: all in one write, read at one instant
+            await asyncio.sleep(first_s if i == 0 and first_s is not None else step_s or 0.05)
             writer.write(c)
             await writer.drain()
         await asyncio.sleep(tail_s)
@@ -321,11 +321,17 @@ TOOLS = {"tools": [{"type": "function", "function": {"name": "f", "parameters": 
     # Chunks read at one instant: paced from the request's arrival (before: no pace, a held call flagged).
     ({"max_tokens": 30, **TOOLS}, 30, 0.2, True, 0.0),
     ({"max_tokens": 1000, **TOOLS}, 1000, 0.0, False, 0.0),
+    # One burst 50 ms after the request, split over several reads µs apart: its own span gave a µs pace, so a 50 ms
+    # pause "explained" 994 missing tokens (before: believed, a wrong figure); paced from the arrival instead, as one
+    # read is (~8 ms a step), it would need ~0.5 s.
+    ({"max_tokens": 1000, **TOOLS, "tool_choice": "auto"}, 1000, 0.05, False, 0.00001),
+    # The same burst, a held call it could have been: 24 tokens in 0.2 s at the arrival's pace, still believed.
+    ({"max_tokens": 30, **TOOLS, "tool_choice": "auto"}, 30, 0.2, True, 0.00001),
 ], ids=["no-tools", "no-time", "tool-choice-none", "short-of-limit", "held-call", "max-completion-tokens-0",
-        "held-call-one-read", "no-time-one-read"])
+        "held-call-one-read", "no-time-one-read", "burst-us-apart", "held-call-burst-us-apart"])
 def test_a_final_count_at_the_limit_past_the_running_counts_is_believed_only_as_a_held_call(body, usage, tail_s,
                                                                                           believed, step_s):
-    t = _paced_liar(body, usage, tail_s, step_s)
+    t = _paced_liar(body, usage, tail_s, step_s, first_s=0.05 if 0 < step_s < 0.001 else None)
     c = t.counts
     assert t.tokens_seen == 6 and c.generated_tokens == usage, (t.tokens_seen, c)
     if believed:
@@ -333,3 +339,14 @@ def test_a_final_count_at_the_limit_past_the_running_counts_is_believed_only_as_
         assert t.last_ns + tail_s * 1e9 <= t.extra["held_end_ns"] <= t.end_ns  # the upstream's end (proxy._held_end)
     else:
         assert c.count_problem_kind == "running_count_short" and not c.held_tail and "held_end_ns" not in t.extra, c
+
+
+def test_only_a_chat_request_with_tools_is_taken_as_one_a_tool_call_parser_could_hold():
+    """vLLM and SGLang run a tool-call parser on chat alone: a completions request that carries `tools` (ignored there)
+    gets no held-call belief, so a final count past its running counts is flagged (before: marked as carrying tools)."""
+    from powerprof.daemon.proxy import inspect_request_body
+    doc = json.dumps({"model": "m", "prompt": "p", "max_tokens": 30, **TOOLS}).encode()
+    for api, tools in (("openai-chat", True), ("openai-completions", None)):
+        e: dict = {}
+        inspect_request_body(doc, "", api, e)
+        assert e.get("tools") is tools and e["max_tokens"] == 30, (api, e)

@@ -1028,3 +1028,48 @@ def test_a_count_that_stops_short_and_a_best_of_cross_the_link_with_the_end():
     assert workers.replay_failures == 0
     (counts, extra), = ends
     assert counts.count_open is True and extra["best_of"] == 3 and extra["max_tokens"] == 48
+
+
+def test_a_worker_speaking_another_record_shape_is_said_once_and_not_restarted(caplog):
+    # An in-place upgrade under a running daemon (the counts record grew 18 -> 20 fields): a restarted worker's every
+    # record was refused as an "unreadable frame", the worker restarted, refused again, for ever, the fix said nowhere.
+    import socket
+
+    from powerprof.daemon import workers as wmod
+    from powerprof.daemon.workers import _WorkerLink
+
+    led, _rows = _ledger()
+    w = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=_ToLedger(led), proxy_kwargs={},
+                     header_timeout_s=10, idle_timeout_s=10)
+    w.sockets = [socket.socket(), socket.socket()]
+    delays, killed = [], []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.call_later = lambda d, fn, *a: delays.append(d)
+        for k, wk in enumerate(w.workers):
+            wk.proc = SimpleNamespace(poll=lambda: None, pid=100 + k, kill=lambda k=k: killed.append(k))
+            wk.hello = loop.create_future()
+            wk.hello.add_done_callback(lambda f: f.cancelled() or f.exception())
+            wk.transport = SimpleNamespace(close=lambda: None)
+        # Worker 0 of the daemon's shape is served; worker 1 says another, a counts record of 20 fields behind it.
+        _WorkerLink(w, w.workers[0]).data_received(frame(("hello", 100, wmod.LINK_SHAPE)))
+        assert w.workers[0].said_hello and not w.workers[0].retired
+        for _ in range(2):  # said once, however often
+            _WorkerLink(w, w.workers[1]).data_received(frame(("hello", 101, "another-shape"))
+                                                       + frame(([], [], [], [], ZERO, [], T)))
+        assert w.workers[1].retired and killed == [1, 1] and w.replay_failures == 0
+        assert w.sockets[1].fileno() == -1 and w.sockets[0].fileno() != -1  # its share goes to worker 0
+        w.workers[1].proc = SimpleNamespace(poll=lambda: -9, pid=101)
+        w._reap(w.workers[1], time.monotonic() + 1)
+        w._restart(w.workers[1])
+        await asyncio.sleep(0)
+
+    with caplog.at_level("ERROR", logger="powerprof.daemon.workers"):
+        asyncio.run(main())
+    for s in w.sockets:
+        s.close()
+    assert delays == [], delays  # no restart scheduled
+    said = [r.getMessage() for r in caplog.records if "upgraded under the daemon" in r.getMessage()]
+    assert len(said) == 1 and "restart the daemon" in said[0] and "another-shape" in said[0], said
+    assert not [r for r in caplog.records if "restarting it in" in r.getMessage()]

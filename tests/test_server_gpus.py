@@ -1060,3 +1060,102 @@ def test_a_trace_sweep_looks_again_after_its_first_replay(tmp_path, monkeypatch)
     assert [g.limit_w for g in SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json").gpus] == [300.0, 300.0]
     assert not _restore_files()
     assert not json.loads((tmp_path / "t" / "run.json").read_text()).get("levels_done")
+
+
+def _daemon_with_a_helper_on_unsampled_gpu0(monkeypatch, answers):
+    """A daemon sampling GPU 1 of a server (pid 4242) with an idle 400 MiB context on GPU 0, judged a helper by its
+    first check; then the per-process sample reads answer from `answers` in turn (None: the read fails, as pynvml's
+    does when samples arrive between its two calls), then as they are."""
+    from types import SimpleNamespace
+
+    from powerprof.collectors import nvml as nvml_mod
+    from powerprof.daemon import service
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.ticks import Waker
+    from support import RowSink as Sink
+
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
+    sim.add_process(0, 4242, 400 << 20, lambda: 0.0)
+    procs = [({4242}, None)]
+    d_cls = type("D", (SimpleNamespace,), {"__getattr__": lambda self, n: getattr(service.Daemon, n).__get__(self)})
+    d = d_cls(_server_procs=lambda: procs[0], collector=SimpleNamespace(nvml=sim),
+              gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=Ledger("d", 0, 1, Sink(), grace_s=0.1),
+              _idle_said=False, _helper_said=False, config_waker=Waker())
+    service.Daemon._check_placement(d)
+    assert d.ledger.unsampled_note is None and d._helper_unsampled
+    real = nvml_mod.process_util
+    left = list(answers)
+
+    def util(nvml, h, since):
+        if left:
+            a = left.pop(0)
+            return (None, "nvmlDeviceGetProcessUtilization: INSUFFICIENT_SIZE") if a is None else (a, "test")
+        return real(nvml, h, since)
+
+    monkeypatch.setattr(nvml_mod, "process_util", util)
+    return d, procs
+
+
+def test_a_failed_sample_read_in_the_daemons_check_does_not_flag_a_helpers_gpu(monkeypatch, caplog):
+    import logging
+
+    from powerprof.daemon import service
+    from powerprof.workload.placement import UTIL_TRIES
+
+    caplog.set_level(logging.INFO)
+    # One INSUFFICIENT_SIZE at a 2-s check (kept due while the helper stands) counted GPU 0 serving: rows flagged and
+    # dropped by analyze for ~30 s, "add it to daemon.gpus ... restart" logged, and the 2-s checks stopped.
+    d, _ = _daemon_with_a_helper_on_unsampled_gpu0(monkeypatch, [None])
+    service.Daemon._check_placement(d)
+    assert d.ledger.unsampled_note is None and d._helper_unsampled
+    # Every read of a check failing: unknown, the helper's state kept (not serving), the check kept due...
+    d, _ = _daemon_with_a_helper_on_unsampled_gpu0(monkeypatch, [None] * UTIL_TRIES)
+    service.Daemon._check_placement(d)
+    assert d.ledger.unsampled_note is None and d._helper_unsampled
+    assert not any("add it to daemon.gpus" in r.getMessage() for r in caplog.records)
+    # ...but not for ever: reads failing at UNREAD_HELPER_CHECKS checks in a row, nothing shows it idle any more.
+    d, _ = _daemon_with_a_helper_on_unsampled_gpu0(monkeypatch, [None] * UTIL_TRIES * service.UNREAD_HELPER_CHECKS)
+    for _ in range(service.UNREAD_HELPER_CHECKS - 1):
+        service.Daemon._check_placement(d)
+        assert d.ledger.unsampled_note is None
+    service.Daemon._check_placement(d)
+    assert d.ledger.unsampled_note is not None and "could not be read" in d.ledger.unsampled_note, d.ledger.unsampled_note
+
+
+def test_the_daemons_checks_that_tell_nothing_do_not_keep_the_helpers_2s_checks_for_ever(monkeypatch):
+    from powerprof.daemon import service
+
+    # The server away (no listener: find_placement None) while a helper stood: the check stayed due at every 2-s list
+    # read for as long as it was away, a full check each time.
+    d, procs = _daemon_with_a_helper_on_unsampled_gpu0(monkeypatch, [])
+    procs[0] = (None, "nothing listens on port 8000")
+    for _ in range(service.HELPER_UNKNOWN_CHECKS - 1):
+        service.Daemon._check_placement(d)
+        assert d._helper_unsampled  # a moment's failure keeps the quick re-checks
+    service.Daemon._check_placement(d)
+    assert not d._helper_unsampled
+    procs[0] = ({4242}, None)  # back (its lists changed, so checked): the helper's quick re-checks again
+    service.Daemon._check_placement(d)
+    assert d._helper_unsampled and d.ledger.unsampled_note is None
+
+
+def test_measures_stop_line_says_which_of_its_reasons_kept_nothing(tmp_path, monkeypatch):
+    from powerprof.cli import main
+    from powerprof.workload import placement
+
+    # A Ctrl-C during the look under load, the first (unwarmed) batch finished: the line said "no measured request had
+    # finished, or the look ... had not answered", though requests had finished and it was the look.
+    def interrupted(self, *_a, **_k):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(placement.LookUnderLoad, "__call__", interrupted)
+    out = tmp_path / "m"
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g", "--requests", "2", "--concurrency", "1",
+                                  "--warmup", "0", "--max-tokens", "16", "--out", str(out)])
+    assert r.exit_code == 130, r.output
+    assert (f"nothing was written to {out} (the look at the server's GPUs after the first batch had not answered: the "
+            "finished batch was never checked, so none of it is kept)") in r.output, r.output
+    assert "no measured request had finished" not in r.output, r.output
+    assert not out.exists()

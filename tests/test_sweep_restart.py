@@ -339,3 +339,35 @@ def test_a_trace_sweep_says_the_server_went_away_during_a_levels_replay(tmp_path
     assert len(said) == 1 and said[0].startswith("level 300") and "does not ride out" in said[0], outcome.notes
     assert "cannot serve this traffic" not in said[0]
     assert sim.gpus[0].limit_w == 300.0
+
+
+def test_a_restarted_server_on_an_unmeasured_gpu_stops_the_sweep_at_that_level_with_the_finished_levels_kept(
+        tmp_path, sim_server):
+    import os
+
+    from powerprof.sweep import PlacementStop
+
+    # The server measured on GPU 1 restarts at level 200 and comes back working GPU 0 too (8 GiB, busy): the re-armed
+    # look stops the sweep. Its words were fixed when the look was made: "the sweep stopped at its first level, none of
+    # it kept", though level 250 had finished and was kept.
+    sim = SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json")
+
+    def restart(srv):
+        sim.add_process(0, os.getpid(), 8 << 30, lambda: 1.0)
+        return srv.restart(0.5, loading_s=0.2)
+
+    ui = _Hook(_once_at_level_200(sim_server, restart))
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig, pytest.raises(PlacementStop) as e:
+        _sweep(rig, out, ui, levels_spec="250,200", params=RequestParams(max_tokens=32))
+    said = str(e.value)
+    assert e.value.exit_code == 2
+    assert f"the server also runs on GPU 0 ({sim.gpus[0].uuid}), which is not measured" in said, said
+    assert ("the sweep stopped at level 200 W, after its server restarted: none of that level kept, the finished "
+            "level (250 W) kept") in said, said
+    assert "its first level" not in said, said
+    # Every limit back, as the simulator's persisted state says.
+    assert [g.limit_w for g in SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json").gpus] == [300.0, 300.0]
+    assert json.loads((out / "run.json").read_text())["levels_done"] == [[250.0, 0]]
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert np.isfinite(levels.loc[250.0, "gpu_j_per_token"])

@@ -267,11 +267,12 @@ def _held_call(trace, end_ns: int) -> HeldCall | None:
     first, last = trace.first_ns, trace.last_ns
     if last is None or steps <= 0:
         return HeldCall(trace.extra.get("max_tokens"), seqs, None, 0)  # no chunk counted: no pace to check
-    if last > first and steps > 1:
-        step = (last - first) / (steps - 1)
-    else:
-        # Its chunks read at one instant (a loaded host reads a few at once; with none apart it had no pace at all):
-        # from its arrival instead, its prefill in, a pace no faster than its own.
+    step = (last - first) / (steps - 1) if last > first and steps > 1 else 0.0
+    if trace.extra.get("deliveries", 1) <= 1 or step < SAME_DELIVERY_NS:
+        # Its chunks came as one delivery, or under SAME_DELIVERY_NS a step apart: one burst (a loaded host reads a few
+        # at once, or one write split over reads µs apart), whose span is the reads' and not the server's pace: a µs
+        # "pace" let a 5 ms pause explain hundreds of tokens. From its arrival instead, its prefill in, a pace no
+        # faster than its own.
         step = (last - trace.arrival_ns) / steps
     return HeldCall(trace.extra.get("max_tokens"), seqs, step, end_ns - last)
 
@@ -348,7 +349,9 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             if type(limit) is int and 0 < limit <= MAX_COUNT:
                 extra["max_tokens"] = limit  # a count at the limit is whole (arrival.at_limit)
             tools = doc.get("tools")
-            if isinstance(tools, list) and tools and doc.get("tool_choice") != "none":
+            # Chat alone: no server runs a tool-call parser on completions (vLLM and SGLang ignore `tools` there), so
+            # nothing there is held, and a count past the running counts must not be believed as a held call.
+            if api == "openai-chat" and isinstance(tools, list) and tools and doc.get("tool_choice") != "none":
                 extra["tools"] = True  # its tool-call parser may hold tokens in no chunk (arrival.held_call_at_limit)
         best_of = request_best_of(doc, api)
         if best_of is not None:

@@ -75,6 +75,14 @@ PLACEMENT_LIST_S = 2.0
 # Checks in a row that tell nothing (find_placement None, or an error) after which a standing server-gpu-unsampled flag
 # is said in the log, once, with why and the fix, and its row note says the GPUs cannot be told (10: 5 min at 30 s).
 UNKNOWN_CHECKS_SAY = 10
+# Checks in a row that tell nothing after which a helper on an unsampled GPU no longer keeps the check due at every
+# list read (_placement_loop): the server away (a restart) made it a full check every PLACEMENT_LIST_S for as long as it
+# was away. Its return changes the lists, which brings a check, and that one sets the quick re-checks anew.
+HELPER_UNKNOWN_CHECKS = 3
+# Checks in a row at which a GPU judged a helper before has per-process samples that cannot be read (UTIL_TRIES reads
+# each) before it counts as serving: until then unknown, its helper state kept. One transient failure (pynvml's
+# INSUFFICIENT_SIZE, samples arriving between its two calls) had flagged the GPU and its rows for ~30 s.
+UNREAD_HELPER_CHECKS = 3
 # The server's counters are read once before the daemon says ready (detection and one scrape: three GETs at most).
 BASELINE_WAIT_S = 3 * SCRAPE_TIMEOUT_S
 # At a clean stop, one last read of them past the last sample, waited for this long at most (one GET's own limit).
@@ -1324,6 +1332,8 @@ class Daemon:
         self._idle_said = False
         self._helper_said = False
         self._helper_unsampled = False  # the last check judged a context on an unsampled GPU a helper
+        self._helpers_seen: dict = {}  # the last check's helpers (index → (UUID, bytes))
+        self._unread_helper_checks: dict = {}  # index → checks in a row a helper's samples could not be read
         self._check_placement()
         return data_dir
 
@@ -1334,7 +1344,7 @@ class Daemon:
         once. Where nothing can be told (a remote upstream, a restart's moment with no listener, no context yet, an
         exception) the state stands: the flag ends only on a placement read with every server GPU sampled."""
         from powerprof.storage.schema import SERVER_GPU_UNSAMPLED_FLAG
-        from powerprof.workload.placement import find_placement
+        from powerprof.workload.placement import UTIL_TRIES, find_placement
 
         if self._server_procs is None:
             return
@@ -1346,7 +1356,9 @@ class Daemon:
 
         why = None
         try:
-            p = find_placement(self.collector.nvml, self.gpu_uuids, procs)
+            # UTIL_TRIES reads of the samples, as the look under load takes: while a helper stands the check runs at
+            # every list read, and one failed read counted its GPU serving.
+            p = find_placement(self.collector.nvml, self.gpu_uuids, procs, tries=UTIL_TRIES)
         except Exception as e:  # a check of where the server runs is never the daemon's end
             log.debug("checking which GPUs the server runs on failed: %s", error_text(e))
             p, why = None, f"the check failed: {error_text(e)}"
@@ -1357,13 +1369,17 @@ class Daemon:
             # UNKNOWN_CHECKS_SAY checks in a row, it is said once with why, and the row note says so (the flag kept:
             # nothing shows the server left the unsampled GPU, and its rows may be low by that GPU's energy).
             n = self._unknown_checks = getattr(self, "_unknown_checks", 0) + 1
+            if n == 1:
+                self._unknown_since = time.time()  # checks come every 2 s or 30 s: n of them is no length of time
+            if n >= HELPER_UNKNOWN_CHECKS:
+                self._helper_unsampled = False  # nothing seen to re-check: back to the lists' and 30 s cadence
             if n == UNKNOWN_CHECKS_SAY and self._unsampled and self.ledger.unsampled_note:
                 if why is None:
                     why = (answers[-1][1] if answers and answers[-1][1] else
                            "none of its processes is on any GPU's list (another pid namespace?), or NVML cannot count "
                            "its GPUs")
                 gpus = ", ".join(f"GPU {i}" for i in self._unsampled)
-                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() - n * PLACEMENT_CHECK_S))
+                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(getattr(self, "_unknown_since", time.time())))
                 self.ledger.unsampled_note = (
                     f"{SERVER_GPU_UNSAMPLED_FLAG}: the server was last seen also on {gpus}, not sampled; which GPUs it "
                     f"runs on cannot be told since {since} ({why}), so the flag stands")
@@ -1377,6 +1393,20 @@ class Daemon:
             self._unsampled = None  # told again: the flag's note is set anew below, as the check finds it
             log.info("which GPUs the server runs on can be told again")
         self._unknown_checks = 0
+        # A GPU judged a helper at the last check whose samples could not be read now (every try failed) is unknown,
+        # not serving: its helper state is kept, and the check kept due, for up to UNREAD_HELPER_CHECKS such checks in
+        # a row; then nothing shows it idle any more and it counts as serving (said as unread, not as work seen). A
+        # context that grows past the helper bound, or whose samples show work, is serving at once.
+        before = getattr(self, "_helpers_seen", {})
+        unread = getattr(self, "_unread_helper_checks", {})
+        unread = {i: unread.get(i, 0) + 1 for i in p.unread if i in before}
+        for i, n in unread.items():
+            if n < UNREAD_HELPER_CHECKS:
+                p.server.pop(i, None)
+                p.unread.pop(i, None)
+                p.helpers[i] = (before[i][0], p.sizes.get(i) or before[i][1])
+        self._unread_helper_checks = {i: n for i, n in unread.items() if n < UNREAD_HELPER_CHECKS}
+        self._helpers_seen = dict(p.helpers)
         # A context judged a helper on a GPU not sampled may be a new worker of the server's that has not loaded its
         # weights or run a kernel yet: the loop checks again every list read while one stands (_placement_loop).
         self._helper_unsampled = any(i not in p.measured for i in p.helpers)
@@ -1390,6 +1420,11 @@ class Daemon:
                     f"add {'it' if len(gone) == 1 else 'them'} to daemon.gpus (gpus = [{', '.join(map(str, sorted(p.server)))}]) "
                     "and restart the daemon",
                     "its energy is in no gpu_energy_j of the daemon's, every GPU figure and J/token low by it")
+                if unread_now := {i: w for i, w in p.unread.items() if i in gone}:
+                    # Said as such, not as work seen: the fix may be NVML's, not daemon.gpus.
+                    note += (" (" + ", ".join(f"GPU {i}" for i in sorted(unread_now)) + ": taken as serving because "
+                             f"NVML's per-process samples could not be read ({'; '.join(sorted(set(unread_now.values())))})"
+                             ", so nothing shows its context idle)")
                 log.warning("%s (interval and request rows closed from now on say so in energy_note)", note)
                 self.ledger.unsampled_note = note
             else:

@@ -24,6 +24,7 @@ daemon dies (PR_SET_PDEATHSIG, and the socket's EOF) and drain like the daemon o
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import logging
@@ -293,7 +294,9 @@ async def _serve(spec: dict, sock: socket.socket) -> int:
     # The daemon's listening socket, open since before any worker started: serving it takes no bind.
     await web.SockSite(runner, socket.socket(fileno=spec["listen_fd"])).start()
     guard.watch(runner.server)
-    transport.write(frame(("hello", os.getpid())))
+    # With the shape of the records it will send (LINK_SHAPE): a worker started after an in-place upgrade speaks the
+    # new code's records to a daemon that still reads the old ones.
+    transport.write(frame(("hello", os.getpid(), LINK_SHAPE)))
 
     async def beats():
         loop = asyncio.get_running_loop()
@@ -357,6 +360,12 @@ _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "b
 # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent,
 # slow), upstream retries
 _STATS = (_I, _I, _I, _I, _I, _I, _I, _I)  # ShippingRecorder._stats: its counters, then its loop's lateness (µs)
+_END_LEN = 18  # an end record's parts: its start, _END_REST, its counts, its extra
+# The link's record shapes, said in each worker's hello: the daemon checks every record's length exactly, so a worker
+# started from code upgraded in place under a running daemon (the counts record grew from 18 to 20 fields) had every
+# record refused as an "unreadable frame", restarted, refused, for ever. A hello of another shape is said once and
+# that worker is not restarted (ProxyWorkers._upgraded).
+LINK_SHAPE = hashlib.sha256(repr((_START, _FIRST, _TOK, _END_REST, _COUNTS, _STATS, _END_LEN)).encode()).hexdigest()[:16]
 
 
 def _ok(v, kind: str) -> bool:
@@ -385,7 +394,7 @@ def check_message(msg) -> None:
     if type(msg) is not tuple or not msg:
         raise ValueError(f"malformed message {msg!r:.200}")
     if msg[0] == "hello":
-        return _check(msg, (_S, _I), "hello")
+        return _check(msg, (_S, _I, _S), "hello")
     if msg[0] == "beat":
         _check(msg[:2], (_S, _I), "beat")
         if len(msg) != 4 or type(msg[2]) is not list or not all(type(r) is int for r in msg[2]):
@@ -404,7 +413,7 @@ def check_message(msg) -> None:
     for r in toks:
         _check(r, _TOK, "token")
     for e in ends:
-        if type(e) is not tuple or len(e) != 18 or type(e[17]) is not dict:
+        if type(e) is not tuple or len(e) != _END_LEN or type(e[17]) is not dict:
             raise ValueError(f"malformed end record {e!r:.200}")
         _check(e[0], _START, "end's start")
         _check(e[1:16], _END_REST, "end")
@@ -429,6 +438,10 @@ class _WorkerLink(asyncio.Protocol):
         try:
             msgs = self.unframer.feed(data)
             for m in msgs:
+                if type(m) is tuple and m and m[0] == "hello" and (len(m) < 3 or m[2] != LINK_SHAPE):
+                    # Before its records are read: each would be refused as unreadable, and the worker restarted.
+                    self.owner._upgraded(self.worker, m[2] if len(m) > 2 else None)
+                    return
                 check_message(m)
         except Exception as e:
             # A worker that sends what it cannot have meant is broken: its link goes, its requests end
@@ -463,6 +476,7 @@ class _Worker:
         self.watermark_ns: int | None = None  # every token it stamped before this has reached us (or was marked)
         self.served = 0  # requests it ended, over all its lives
         self.failures = 0  # deaths in a row, each within STABLE_S of its start (the restart backoff)
+        self.retired = False  # it spoke another record shape (an upgrade under the daemon): not restarted
 
 
 class ProxyWorkers:
@@ -830,6 +844,8 @@ class ProxyWorkers:
             if rc != 0:
                 log.info("proxy worker %d exited with status %s", w.index, rc)
             return
+        if w.retired:
+            return  # another record shape (_upgraded): a restart would run the same code
         # Backoff: a worker that keeps dying soon after its start waits 1, 2, 4 … 60 s; one that lived a
         # stable minute starts again from 1 s.
         w.failures = 1 if time.monotonic() - w.started_s >= STABLE_S else w.failures + 1
@@ -843,8 +859,30 @@ class ProxyWorkers:
                       delay, w.failures, "" if w.failures < 3 else "; this line is logged every 10th time from now")
         asyncio.get_running_loop().call_later(delay, self._restart, w)
 
+    def _upgraded(self, w: _Worker, theirs) -> None:
+        """Worker `w` said a record shape not the daemon's (LINK_SHAPE): powerprof was upgraded (or downgraded) in
+        place under the running daemon. Said once, in words that name the fix; the worker is stopped and not
+        restarted (a restart runs the same new code); its listening socket is closed where another worker still
+        serves, so the kernel sends its share of connections to those."""
+        w.retired = True
+        if not getattr(self, "_said_upgraded", False):
+            self._said_upgraded = True
+            log.error("powerprof was upgraded under the daemon: proxy worker %d (pid %s) started from the new code "
+                      "speaks another record shape (%s, the daemon's %s), which the daemon cannot read; it is not "
+                      "restarted, nor any other worker that does so: restart the daemon", w.index,
+                      w.proc.pid if w.proc is not None else "?", theirs, LINK_SHAPE)
+        if w.hello is not None and not w.hello.done():
+            w.hello.set_exception(RuntimeError(f"proxy worker {w.index} speaks another record shape (powerprof "
+                                               "upgraded under the daemon): restart it"))
+        if w.proc is not None and w.proc.poll() is None:
+            w.proc.kill()
+        if w.transport is not None:
+            w.transport.close()  # its EOF ends its requests marked and reaps it (_lost), not restarted
+        if any(not x.retired for x in self.workers) and w.index < len(self.sockets):
+            self.sockets[w.index].close()  # queued there, a client would wait for a worker that never comes
+
     def _restart(self, w: _Worker) -> None:
-        if self.closing:
+        if self.closing or w.retired:
             return
         try:
             self._spawn(w)

@@ -598,6 +598,15 @@ def measure(
         server, records, aborted = termination.run(go())
     except (KeyboardInterrupt, termination.Terminated) as e:
         if not keep_on_stop or "server" not in found or not looked[0] or all(r.warmup for r in kept):
+            # Which of them held, for the stop line (cli.measure): it said "no measured request had finished, or
+            # the look ... had not answered", though only one had happened.
+            if "server" not in found:
+                e.nothing_kept_why = "the server had not answered yet: no request had been sent"
+            elif all(r.warmup for r in kept):
+                e.nothing_kept_why = "no measured request had finished"
+            elif not looked[0]:
+                e.nothing_kept_why = ("the look at the server's GPUs after the first batch had not answered: the "
+                                      "finished batch was never checked, so none of it is kept")
             raise
         # Whole batches that finished and were annotated: each row is what a full run would have stored for it.
         server, records, aborted, stopped = found["server"], list(kept), None, e

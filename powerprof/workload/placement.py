@@ -312,10 +312,12 @@ class LookUnderLoad:
         restarted one, its model placement perhaps another, has not been looked at under load."""
         self.done = False
 
-    def __call__(self, since_wall_ns: int | None = None) -> list[str]:
+    def __call__(self, since_wall_ns: int | None = None, stopped: str | None = None) -> list[str]:
         """The notes of the look (with allow), [] when nothing new was found or it was taken already; raises
         GpuPlacementStop where the server now runs on a GPU not measured. since_wall_ns: when the load began
-        (time.time_ns() of its first request), the samples read from then; None: the last HELPER_LOOK_S."""
+        (time.time_ns() of its first request), the samples read from then; None: the last HELPER_LOOK_S. stopped: what
+        the refusal left undone, as the caller knows it now (a re-armed look stops partway), else the words given at
+        construction."""
         if self.done or self.server_procs is None:
             return []
         self.done = True
@@ -346,7 +348,7 @@ class LookUnderLoad:
             before_words = "before the load the server's processes were not all there"
         found = f"found once the load ran on {what}: {before_words}"
         notes: list[str] = []
-        _judge_unmeasured(again, notes, self.allow, f"{found}; {self.stopped}", when=f" ({found})", cost=self.cost,
+        _judge_unmeasured(again, notes, self.allow, f"{found}; {stopped or self.stopped}", when=f" ({found})", cost=self.cost,
                           error=GpuPlacementStop)
         return notes
 
