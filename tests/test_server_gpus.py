@@ -889,11 +889,7 @@ def test_a_clock_sweeps_refusal_says_its_clock_not_its_limit(tmp_path):
 
 def test_the_daemon_flags_rows_within_seconds_of_the_server_reaching_an_unsampled_gpu():
     import asyncio
-    from types import SimpleNamespace
 
-    from powerprof.daemon import service
-    from powerprof.daemon.ledger import Ledger
-    from powerprof.daemon.ticks import Waker
     from support import LedgerReading as R, RowSink as Sink
 
     # The daemon samples GPU 1, where the upstream (pid 4242) runs; then the server reaches GPU 0 (a worker, a second
@@ -902,15 +898,7 @@ def test_the_daemon_flags_rows_within_seconds_of_the_server_reaching_an_unsample
     sim.nvmlInit()
     sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
     sink = Sink()
-
-    class D(SimpleNamespace):
-        def __getattr__(self, name):  # the daemon's own methods, on this stand-in's state
-            return getattr(service.Daemon, name).__get__(self)
-
-    d = D(_server_procs=lambda: ({4242}, None), collector=SimpleNamespace(nvml=sim), gpu_uuids={1: sim.gpus[1].uuid},
-          _unsampled=(), ledger=Ledger("d", 0, 1, sink, grace_s=0.1), _idle_said=False, _helper_said=False,
-          config_waker=Waker())
-    service.Daemon._check_placement(d)
+    d = _stand_in_daemon(sim, lambda: ({4242}, None), sink)
     assert d.ledger.unsampled_note is None
     S, e = 1_000_000_000, 0.0
 
@@ -925,21 +913,8 @@ def test_the_daemon_flags_rows_within_seconds_of_the_server_reaching_an_unsample
     before = list(sink.rows["intervals"])
     assert before and not any("server-gpu-unsampled" in (r.get("energy_note") or "") for r in before)
 
-    async def go() -> float:
-        d.stop_event = asyncio.Event()
-        loop_task = asyncio.create_task(service.Daemon._placement_loop(d))
-        await asyncio.sleep(0.3)
-        t_new = time.monotonic()
-        sim.add_process(0, 4242, 8 << 30, lambda: 1.0)  # the server reaches GPU 0, not sampled
-        while d.ledger.unsampled_note is None and time.monotonic() - t_new < WAIT_S:
-            await asyncio.sleep(0.05)
-        took = time.monotonic() - t_new
-        d.stop_event.set()
-        d.config_waker.wake()  # as the daemon's stop wakes it
-        await asyncio.wait_for(loop_task, 5)
-        return took
-
-    took = asyncio.run(go())
+    # The server reaches GPU 0, not sampled.
+    took = asyncio.run(_seconds_to_flag(d, lambda: sim.add_process(0, 4242, 8 << 30, lambda: 1.0)))
     # Noticed within a few list-reading periods, not at the next 30 s check: the bound is loose (a loaded CI host's
     # two cores delay the executor's hops by seconds) yet half the 30 s it was before.
     assert d.ledger.unsampled_note is not None and took <= NOTICED_S, took
@@ -955,14 +930,51 @@ NOTICED_S = 15.0
 WAIT_S = 20.0
 
 
-def test_daemon_flags_a_worker_that_starts_as_a_small_context_and_grows(tmp_path):
-    import asyncio
+def _stand_in_daemon(sim, server_procs, sink=None):
+    """The daemon's own placement methods on a stand-in's state: sampling GPU 1 of `sim`, the server's pids from
+    `server_procs()`, its ledger writing to `sink`; checked once, as at its start."""
     from types import SimpleNamespace
 
     from powerprof.daemon import service
     from powerprof.daemon.ledger import Ledger
     from powerprof.daemon.ticks import Waker
     from support import RowSink as Sink
+
+    class D(SimpleNamespace):
+        def __getattr__(self, name):
+            return getattr(service.Daemon, name).__get__(self)
+
+    d = D(_server_procs=server_procs, collector=SimpleNamespace(nvml=sim), gpu_uuids={1: sim.gpus[1].uuid},
+          _unsampled=(), ledger=Ledger("d", 0, 1, Sink() if sink is None else sink, grace_s=0.1), _idle_said=False,
+          _helper_said=False, config_waker=Waker())
+    service.Daemon._check_placement(d)
+    return d
+
+
+async def _seconds_to_flag(d, change) -> float:
+    """The daemon's placement loop run past its first pass (2 list reads, nothing flagged), then `change()`: how long
+    until its rows are flagged (WAIT_S at most)."""
+    import asyncio
+
+    from powerprof.daemon import service
+
+    d.stop_event = asyncio.Event()
+    loop_task = asyncio.create_task(service.Daemon._placement_loop(d))
+    await asyncio.sleep(2 * service.PLACEMENT_LIST_S + 0.5)
+    assert d.ledger.unsampled_note is None
+    t0 = time.monotonic()
+    change()
+    while d.ledger.unsampled_note is None and time.monotonic() - t0 < WAIT_S:
+        await asyncio.sleep(0.05)
+    took = time.monotonic() - t0
+    d.stop_event.set()
+    d.config_waker.wake()
+    await asyncio.wait_for(loop_task, 5)
+    return took
+
+
+def test_daemon_flags_a_worker_that_starts_as_a_small_context_and_grows(tmp_path):
+    import asyncio
 
     # A new CUDA worker of the server's on GPU 0 (not sampled) first holds only its context (400 MiB, no kernels):
     # judged a helper. Then it loads its weights (8 GiB) and works, its pid unmoved. Keyed on pids alone, the daemon
@@ -970,44 +982,21 @@ def test_daemon_flags_a_worker_that_starts_as_a_small_context_and_grows(tmp_path
     sim = SimNVML("seed-16g", count=2, state_path=None)
     sim.nvmlInit()
     sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
-    d_cls = type("D", (SimpleNamespace,), {"__getattr__": lambda self, n: getattr(service.Daemon, n).__get__(self)})
-    d = d_cls(_server_procs=lambda: ({4242, 4343}, None), collector=SimpleNamespace(nvml=sim),
-              gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=Ledger("d", 0, 1, Sink(), grace_s=0.1),
-              _idle_said=False, _helper_said=False, config_waker=Waker())
-    service.Daemon._check_placement(d)
+    d = _stand_in_daemon(sim, lambda: ({4242, 4343}, None))
     work = [0.0]
+    sim.add_process(0, 4343, 400 << 20, lambda: work[0])  # the context only: a helper's look
 
-    async def go() -> float:
-        d.stop_event = asyncio.Event()
-        loop_task = asyncio.create_task(service.Daemon._placement_loop(d))
-        await asyncio.sleep(0.3)
-        sim.add_process(0, 4343, 400 << 20, lambda: work[0])  # the context only: a helper's look
-        await asyncio.sleep(2 * service.PLACEMENT_LIST_S + 0.5)
-        assert d.ledger.unsampled_note is None  # idle and small: a helper, not flagged
-        t_grow = time.monotonic()
+    def grow():
         sim._procs[0][4343].used_bytes = 8 << 30  # weights loaded, serving
         work[0] = 1.0
-        while d.ledger.unsampled_note is None and time.monotonic() - t_grow < WAIT_S:
-            await asyncio.sleep(0.05)
-        took = time.monotonic() - t_grow
-        d.stop_event.set()
-        d.config_waker.wake()
-        await asyncio.wait_for(loop_task, 5)
-        return took
 
-    took = asyncio.run(go())
+    took = asyncio.run(_seconds_to_flag(d, grow))
     assert d.ledger.unsampled_note is not None and took <= NOTICED_S, took
     assert d.ledger.unsampled_note.startswith("server-gpu-unsampled: the server also runs on GPU 0")
 
 
 def test_daemon_flags_a_small_context_that_begins_working(tmp_path):
     import asyncio
-    from types import SimpleNamespace
-
-    from powerprof.daemon import service
-    from powerprof.daemon.ledger import Ledger
-    from powerprof.daemon.ticks import Waker
-    from support import RowSink as Sink
 
     # A small model of the server's (400 MiB) on GPU 0, not sampled, idle at the daemon's start (a helper's look),
     # then worked by a request: no pid moves and no size crosses the bound; the check is kept due at every list read
@@ -1017,30 +1006,9 @@ def test_daemon_flags_a_small_context_that_begins_working(tmp_path):
     sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
     work = [0.0]
     sim.add_process(0, 4242, 400 << 20, lambda: work[0])
-    d_cls = type("D", (SimpleNamespace,), {"__getattr__": lambda self, n: getattr(service.Daemon, n).__get__(self)})
-    d = d_cls(_server_procs=lambda: ({4242}, None), collector=SimpleNamespace(nvml=sim),
-              gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=Ledger("d", 0, 1, Sink(), grace_s=0.1),
-              _idle_said=False, _helper_said=False, config_waker=Waker())
-    service.Daemon._check_placement(d)
+    d = _stand_in_daemon(sim, lambda: ({4242}, None))
     assert d.ledger.unsampled_note is None and d._helper_said
-
-    async def go() -> float:
-        d.stop_event = asyncio.Event()
-        loop_task = asyncio.create_task(service.Daemon._placement_loop(d))
-        # Past the loop's first pass (which checks whatever the lists say): no list changes from here.
-        await asyncio.sleep(2 * service.PLACEMENT_LIST_S + 0.5)
-        assert d.ledger.unsampled_note is None
-        t_work = time.monotonic()
-        work[0] = 1.0
-        while d.ledger.unsampled_note is None and time.monotonic() - t_work < WAIT_S:
-            await asyncio.sleep(0.05)
-        took = time.monotonic() - t_work
-        d.stop_event.set()
-        d.config_waker.wake()
-        await asyncio.wait_for(loop_task, 5)
-        return took
-
-    took = asyncio.run(go())
+    took = asyncio.run(_seconds_to_flag(d, lambda: work.__setitem__(0, 1.0)))
     assert d.ledger.unsampled_note is not None and took <= NOTICED_S, took
 
 
@@ -1066,24 +1034,14 @@ def _daemon_with_a_helper_on_unsampled_gpu0(monkeypatch, answers):
     """A daemon sampling GPU 1 of a server (pid 4242) with an idle 400 MiB context on GPU 0, judged a helper by its
     first check; then the per-process sample reads answer from `answers` in turn (None: the read fails, as pynvml's
     does when samples arrive between its two calls), then as they are."""
-    from types import SimpleNamespace
-
     from powerprof.collectors import nvml as nvml_mod
-    from powerprof.daemon import service
-    from powerprof.daemon.ledger import Ledger
-    from powerprof.daemon.ticks import Waker
-    from support import RowSink as Sink
 
     sim = SimNVML("seed-16g", count=2, state_path=None)
     sim.nvmlInit()
     sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
     sim.add_process(0, 4242, 400 << 20, lambda: 0.0)
     procs = [({4242}, None)]
-    d_cls = type("D", (SimpleNamespace,), {"__getattr__": lambda self, n: getattr(service.Daemon, n).__get__(self)})
-    d = d_cls(_server_procs=lambda: procs[0], collector=SimpleNamespace(nvml=sim),
-              gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=Ledger("d", 0, 1, Sink(), grace_s=0.1),
-              _idle_said=False, _helper_said=False, config_waker=Waker())
-    service.Daemon._check_placement(d)
+    d = _stand_in_daemon(sim, lambda: procs[0])
     assert d.ledger.unsampled_note is None and d._helper_unsampled
     real = nvml_mod.process_util
     left = list(answers)
