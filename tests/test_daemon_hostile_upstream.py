@@ -31,7 +31,8 @@ class Rec:
 
 def _raw_upstream(pieces):
     """A server that answers any request with an event-stream head and then `pieces` (a list, or a callable giving an
-    iterable) as they are, each its own write, its body ended by closing the connection (framed by close)."""
+    iterable or an async iterable: one that paces its pieces) as they are, each its own write, its body ended by
+    closing the connection (framed by close)."""
     async def handle(reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
         length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
@@ -39,17 +40,24 @@ def _raw_upstream(pieces):
         if length:
             await reader.readexactly(length)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        src = pieces() if callable(pieces) else pieces
         try:
-            for p in (pieces() if callable(pieces) else pieces):
-                writer.write(p)
-                await writer.drain()
+            if hasattr(src, "__aiter__"):
+                async for p in src:
+                    writer.write(p)
+                    await writer.drain()
+            else:
+                for p in src:
+                    writer.write(p)
+                    await writer.drain()
         finally:
             writer.close()
     return handle
 
 
-def _through_proxy(pieces, path="/v1/chat/completions"):
-    """(the bytes the client got, the bytes the upstream sent when `pieces` is a list, the request's trace)."""
+def _through_proxy(pieces, path="/v1/chat/completions", body=None):
+    """(the bytes the client got, the request's trace) for a request (`body` beside model and stream; no messages
+    where None) through the real Proxy to an upstream sending `pieces` (_raw_upstream)."""
     async def main():
         srv = await asyncio.start_server(_raw_upstream(pieces), "127.0.0.1", 0)
         rec = Rec()
@@ -57,7 +65,8 @@ def _through_proxy(pieces, path="/v1/chat/completions"):
         got = bytearray()
         try:
             async with aiohttp.ClientSession() as s:
-                async with s.post(url + path, json={"model": "m", "stream": True, "messages": []}) as r:
+                async with s.post(url + path, json={"model": "m", "stream": True,
+                                                    **({"messages": []} if body is None else body)}) as r:
                     async for chunk in r.content.iter_any():
                         got += chunk if len(got) < 1 << 20 else b""  # a big body is not kept whole here
             for _ in range(100):
@@ -266,42 +275,18 @@ def _paced_liar(body: dict, usage: int, tail_s: float, step_s: float = 0.01, n: 
     def ev(o):
         return b"data: " + json.dumps(o, separators=(",", ":")).encode() + b"\n\n"
 
-    async def handle(reader, writer):
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:"))
-        await reader.readexactly(length)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+    async def pieces():
         chunks = [ev({"choices": [{"index": 0, "delta": {"content": f"w{i}"}, "finish_reason": None}],
                       "usage": {"prompt_tokens": 3, "completion_tokens": i + 1, "total_tokens": i + 4}}) for i in range(n)]
         for i, c in enumerate(chunks if step_s else [b"".join(chunks)]):  # 0: all in one write, read at one instant
             await asyncio.sleep(first_s if i == 0 and first_s is not None else step_s or 0.05)
-            writer.write(c)
-            await writer.drain()
+            yield c
         await asyncio.sleep(tail_s)
-        writer.write(ev({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": None})
-                     + ev({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": usage,
-                                                    "total_tokens": usage + 3}}) + b"data: [DONE]\n\n")
-        await writer.drain()
-        writer.close()
+        yield (ev({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": None})
+               + ev({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": usage,
+                                              "total_tokens": usage + 3}}) + b"data: [DONE]\n\n")
 
-    async def main():
-        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-        rec = Rec()
-        runner, url = await serve_here(Proxy(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", recorder=rec).app())
-        try:
-            async with aiohttp.ClientSession() as s:
-                async with s.post(url + "/v1/chat/completions", json={"model": "m", "stream": True, **body}) as r:
-                    await r.read()
-            for _ in range(100):
-                if rec.ended:
-                    break
-                await asyncio.sleep(0.02)
-        finally:
-            await runner.cleanup()
-            srv.close()
-        return rec.ended[0]
-
-    return asyncio.run(asyncio.wait_for(main(), 60))
+    return _through_proxy(pieces, body=body)[1]
 
 
 TOOLS = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
