@@ -500,17 +500,11 @@ def test_a_small_context_whose_work_nvml_cannot_say_is_serving(monkeypatch):
     assert list(p.unmeasured) == [0] and not p.helpers
 
 
-def _look_under_load_with_util(monkeypatch, answers):
-    """The first look (samples read: GPU 0's 300 MiB context idle, a helper) and a LookUnderLoad over the same
-    simulated host whose per-process sample reads answer from `answers` in turn (None: the read fails as pynvml's does
-    when samples arrive between its two calls), then as they are."""
+def _sample_reads_answer(monkeypatch, answers) -> None:
+    """NVML's per-process sample reads answer from `answers` in turn (None: the read fails, as pynvml's does when
+    samples arrive between its two calls; a dict: those samples), then as they are."""
     from powerprof.collectors import nvml as nvml_mod
-    from powerprof.workload import placement
 
-    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
-    procs = lambda: ({4242, 4243}, None)  # noqa: E731
-    first = placement.find_placement(sim, {1: sim.gpus[1].uuid}, procs)
-    assert 0 in first.helpers
     real = nvml_mod.process_util
     left = list(answers)
 
@@ -521,6 +515,19 @@ def _look_under_load_with_util(monkeypatch, answers):
         return real(nvml, h, since)
 
     monkeypatch.setattr(nvml_mod, "process_util", util)
+
+
+def _look_under_load_with_util(monkeypatch, answers):
+    """The first look (samples read: GPU 0's 300 MiB context idle, a helper) and a LookUnderLoad over the same
+    simulated host whose per-process sample reads answer from `answers` in turn (None: the read fails as pynvml's does
+    when samples arrive between its two calls), then as they are."""
+    from powerprof.workload import placement
+
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+    procs = lambda: ({4242, 4243}, None)  # noqa: E731
+    first = placement.find_placement(sim, {1: sim.gpus[1].uuid}, procs)
+    assert 0 in first.helpers
+    _sample_reads_answer(monkeypatch, answers)
     return placement.LookUnderLoad(sim, {1: sim.gpus[1].uuid}, procs, first, allow=False, stopped="stopped")
 
 
@@ -1034,8 +1041,6 @@ def _daemon_with_a_helper_on_unsampled_gpu0(monkeypatch, answers):
     """A daemon sampling GPU 1 of a server (pid 4242) with an idle 400 MiB context on GPU 0, judged a helper by its
     first check; then the per-process sample reads answer from `answers` in turn (None: the read fails, as pynvml's
     does when samples arrive between its two calls), then as they are."""
-    from powerprof.collectors import nvml as nvml_mod
-
     sim = SimNVML("seed-16g", count=2, state_path=None)
     sim.nvmlInit()
     sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
@@ -1043,16 +1048,7 @@ def _daemon_with_a_helper_on_unsampled_gpu0(monkeypatch, answers):
     procs = [({4242}, None)]
     d = _stand_in_daemon(sim, lambda: procs[0])
     assert d.ledger.unsampled_note is None and d._helper_unsampled
-    real = nvml_mod.process_util
-    left = list(answers)
-
-    def util(nvml, h, since):
-        if left:
-            a = left.pop(0)
-            return (None, "nvmlDeviceGetProcessUtilization: INSUFFICIENT_SIZE") if a is None else (a, "test")
-        return real(nvml, h, since)
-
-    monkeypatch.setattr(nvml_mod, "process_util", util)
+    _sample_reads_answer(monkeypatch, answers)
     return d, procs
 
 
