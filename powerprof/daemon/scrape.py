@@ -79,6 +79,13 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
 # A counter below its highest reading at two pages or more, above half of it, the server never found down: two dips in a
 # row or a restart, not told apart (Scraper._dip_or_restart); counted from the highest reading, the windows marked.
 COUNTER_BELOW = "counter_below"
+# A highest reading this small (tokens) is of a dip's own size: a few tokens' dip takes it to half or less, so there a
+# fall to half or less is no restart's sign (Scraper._dip_or_restart). The simulated SGLang dipping 4 tokens read its
+# warm-up's 2 as 0 before any request had finished (a loaded CI run): taken for a restart, the window was marked
+# server_restart and the 2 tokens counted again. Judged as any fall instead, a restart then missed is one no scrape
+# found down (a real server is down for seconds while it loads) and costs at most this many tokens, said (counter_below)
+# unless the new counter has passed the old reading by the next page.
+YOUNG_COUNTER_TOKENS = 64
 # Why a scraped count may be low (keys of Scraper.partial; /metrics label `reason`).
 PARTIAL_REASONS = {
     "late_baseline": "the server's counters were first read after the daemon said it was ready, and it had counted tokens "
@@ -94,10 +101,11 @@ PARTIAL_REASONS = {
                       "the restart say so in server_count (fix: none needed for later figures; a restart whose new counter "
                       "has passed the old reading by the first scrape after it, on a server without "
                       "process_start_time_seconds, cannot be told from traffic and is not said)",
-    COUNTER_BELOW: "the server's token counter stayed below its highest reading at consecutive scrapes, above half of it, "
-                   "and no scrape found the server down: dips on consecutive pages of a multi-process /metrics (SGLang's, "
-                   "a vLLM with several API servers), where the count is exact, or a restart whose new process had "
-                   "counted more than half the old one's tokens by its first page, whose tokens until its counter "
+    COUNTER_BELOW: "the server's token counter stayed below its highest reading at consecutive scrapes, above half of it "
+                   f"(or that reading {YOUNG_COUNTER_TOKENS} tokens or fewer), and no scrape found the server down: dips "
+                   "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
+                   "the count is exact, or a restart whose new process had counted more than half the old one's tokens "
+                   "by its first page (or whose old one had counted that few), whose tokens until its counter "
                    "passes the old reading are not in the count. Counted from the highest reading either way (no token "
                    "made up), so bypass traffic then may not be in `unproxied` (its energy is with the proxied requests' "
                    "or idle); those intervals say so in server_count (fix: none needed once the counter passes its "
@@ -275,11 +283,12 @@ class Scraper:
         A multi-process page (prometheus_client's multiprocess collector sums each worker's file as it reads it) can
         show less than the page before for one read, the process the same: taken for a restart, the whole counter was
         counted as one window's tokens and that window marked server_restart (docs/daemon.md, A counter that dips). A
-        restart is told by what a dip does not do: the counter fell to half or less (a new process counts from 0), a
+        restart is told by what a dip does not do: the counter fell to half or less (a new process counts from 0; not
+        while the highest reading is YOUNG_COUNTER_TOKENS or fewer, which a dip of a few tokens takes there), a
         scrape since the last believed page found the server down (nothing listening, or a 502/503). A fall still
         there at the next page, neither of those, may be either: that page's window counts nothing and is marked
         (COUNTER_BELOW, `_below`), and tokens count again from `prev` once the counter passes it."""
-        if total <= prev / 2:
+        if total <= prev / 2 and prev > YOUNG_COUNTER_TOKENS:
             return f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}"
         if self._unreachable:
             return (f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} after a scrape found the server down")
