@@ -315,8 +315,7 @@ def classify(
     (a smooth stream can still hide a steady client-side delay; the server timed itself). First,
     `generated` (the server's own count) is checked against the tokens the stream showed
     (`stream_tokens`, default the events in `q`; `running_counts`: every chunk carried the server's
-    running count): a contradiction (`count_problem`)
-    makes the window untrusted whatever else is known."""
+    running count): a contradiction (`count_problem`) makes the window untrusted whatever else is known."""
     stream_s = (q.t_last_ns - q.t_first_ns) / 1e9 if q.t_first_ns is not None else None
     lie = count_problem(q.counted if stream_tokens is None else stream_tokens, generated, running_counts)
     if lie is not None:
