@@ -1535,3 +1535,27 @@ def test_a_not_serving_idle_energy_above_the_idle_and_requests_energy_is_refused
         parse_counters(bad, 0.0)
     with pytest.raises(ObserveError, match="lack powerprof_gpu_idle_energy_not_serving_joules"):
         parse_counters(re.sub(r"(?m)^.*powerprof_gpu_idle_energy_not_serving_joules.*\n", "", text), 0.0)
+
+
+def test_a_dry_runs_j_per_token_never_pools_energy_from_both_sides_of_a_serving_change(tmp_path):
+    # A second GPU spends 1200 J a window (0.75 J/token) in the work's energy until the daemon first judges which GPUs
+    # serve, then out of it: 1.75 J/token before, 1.0 after. Before: a dry run's verdict over its guard stretch pooled
+    # windows of both bases and recorded a J/token neither side had (1.25, 1.375), unflagged.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with FakeDaemon(gpu=sim_gpu(nvml), aside_j=1200.0) as fd:
+        fd.aside_serving = fd._aside_served = True  # not judged yet: every GPU's energy is the work's
+        runner = TuneRunner(_cfg(dry_run=True), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=None,
+                            gpus=[0], clock=clock, gpu_uuids=[nvml.gpus[0].uuid, "GPU-aside"], out_dir=tmp_path / "d")
+        runner.start()
+        _drive(runner, clock, 5)
+        fd.aside_serving = False  # the daemon's first judgement: that GPU serves none of the traffic
+        _drive(runner, clock, 8)
+        runner.stop_row()
+    rows = [r for r in pq.read_table(tmp_path / "d").to_pylist() if r["action"] not in ("start", "stop")]
+    jpt = [r["j_per_token"] for r in rows]
+    assert 1.75 in jpt and 1.0 in jpt, rows  # both bases were judged, each on its own
+    assert all(x is None or x in (pytest.approx(1.75), pytest.approx(1.0)) for x in jpt), jpt
+    # A verdict whose stretch held the change says its J/token is over the windows after it alone.
+    cut = [r for r in rows if "changed which GPUs serve" in r["reason"]]
+    assert cut and all(r["j_per_token"] in (None, pytest.approx(1.0)) for r in cut), rows

@@ -211,6 +211,7 @@ class TuneRunner:
         self._said_read_error: str | None = None  # the read failure last put on stderr; None while reads work
         self._dry: deque[Window] = deque()  # dry-run: the last guard_s at the GPUs' actual level
         self._dry_said_s = -float("inf")
+        self._basis_said = ""  # serving_change's why for the latest window straddling a change of which GPUs serve
         self._progress_said_s = self.t0_s  # a live run says what it waits for once a window_s without a decision
         self._said_blind = False
         self._level_since_s: float | None = None  # when the level on the GPUs was set (this tuner's clock)
@@ -348,6 +349,7 @@ class TuneRunner:
                     # Its energy is on neither side's basis: out of the energy verdicts (its latency still guards),
                     # and levels judged before are no yardstick for those after (Tuner.energy_basis_changed).
                     w = dataclasses.replace(w, energy_straddles=True)
+                    self._basis_said = basis
                     if not self.cfg.dry_run:
                         ds.extend(self.tuner.energy_basis_changed(now, basis))
                 if self.cfg.dry_run:
@@ -439,13 +441,22 @@ class TuneRunner:
             return []
         self._dry_said_s = w.t_end_s
         ratio = slo_ratio(g, cfg)
-        jpt = g.energy_j / g.tokens if g.tokens > 0 else None
+        # The J/token only over the windows after the latest change of which GPUs serve (one straddling it marked):
+        # pooled across it, it read a figure neither basis had (1.25 between 1.75 and 1.0). Latency: the whole stretch.
+        cut = max((k for k, x in enumerate(self._dry) if x.energy_straddles), default=-1)
+        same = list(self._dry)[cut + 1:]
+        e = merge(same) if same else None
+        jpt = e.energy_j / e.tokens if e is not None and e.tokens > 0 else None
+        cut_why = ""
+        if cut >= 0:
+            over = f"J/token over the last {e.duration_s:.0f} s alone" if jpt is not None else "no J/token yet"
+            cut_why = f"; {over}, on one energy basis: {self._basis_said}"
         if ratio is not None and ratio > cfg.guard_ratio and w.level != cfg.reference:
             action, to, then = "backoff", cfg.reference, f"the guard would go back to the reference {self._fmt(cfg.reference)}"
         else:
             action, to, then = "hold", w.level, "the guard would hold"
         why = (f"dry run at the GPUs' {at}: p95 at {ratio:.0%} of the SLO over the last {g.duration_s:.0f} s; {then}"
-               if ratio is not None else f"dry run at the GPUs' {at}: no latency in the last {g.duration_s:.0f} s")
+               if ratio is not None else f"dry run at the GPUs' {at}: no latency in the last {g.duration_s:.0f} s") + cut_why
         return [Decision(w.t_end_s, action, w.level, to, why, "unknown", jpt, ratio)]
 
     def tick(self) -> None:
