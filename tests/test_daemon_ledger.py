@@ -2486,3 +2486,21 @@ def test_the_first_judgement_of_which_gpus_serve_is_counted_and_exposed():
     text = render(make_registry(type("H", (), {"snapshot": Snapshot(serving_changes=led.totals.serving_changes)})))
     got = {s.name: s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples}
     assert got["powerprof_gpu_serving_changes_total"] == 1
+
+
+def test_which_gpus_serve_is_exposed_per_gpu_so_a_change_is_told_by_gpu():
+    # The count alone said a GPU's energy came into or left the serving GPUs' figure, not which: the tuner's rows could
+    # not name it. Each GPU's series now says whether its energy is the work's (every one's before the judgement).
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from powerprof.daemon.metrics import GpuSnapshot, Snapshot, make_registry, render
+
+    assert Ledger("d", 0, 2, Sink()).totals.serving_mask is None  # not judged: every GPU's energy is the work's
+    led = _server_on_gpu0_gpu1_idle().ledger
+    assert led.totals.serving_mask == (True, False)
+    gpus = tuple(GpuSnapshot(k, f"GPU-{k}", "fake", None, None, None, None, 0.0, serving=on)
+                 for k, on in enumerate(led.totals.serving_mask))
+    text = render(make_registry(type("H", (), {"snapshot": Snapshot(gpus=gpus)})))
+    got = {(s.labels["gpu"], s.labels["gpu_uuid"]): s.value for f in text_string_to_metric_families(text.decode())
+           for s in f.samples if s.name == "powerprof_gpu_serving"}
+    assert got == {("0", "GPU-0"): 1.0, ("1", "GPU-1"): 0.0}

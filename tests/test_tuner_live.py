@@ -17,7 +17,8 @@ from prometheus_client import generate_latest
 
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
-from powerprof.tuner.observe import ObserveError, energy_moved, fetch_metrics, parse_counters, window_between
+from powerprof.tuner.observe import (DaemonCounters, ObserveError, energy_moved, fetch_metrics, parse_counters,
+                                     serving_change, window_between)
 from powerprof.tuner import policy
 from powerprof.tuner.policy import TunerConfig
 from powerprof.tuner.runner import TuneRunner
@@ -1423,6 +1424,8 @@ def test_a_trial_across_the_daemons_first_judgement_of_which_gpus_serve_is_not_j
     thin = [d for d in ds if d.action == "thin"]
     assert len(thin) == 1 and thin[0].to_level == 300 and "changed which GPUs serve" in thin[0].reason, \
         [d.reason for d in ds]
+    # Named as the daemon's notes name GPUs (NVML index and UUID): before, the row counted the change, named nothing.
+    assert "; left: gpu1 (GPU-aside)" in thin[0].reason and "joined" not in thin[0].reason, thin[0].reason
     # Measured again on one basis, the trial is refused on its own energy.
     verdict = [d for d in ds if d.t_s > thin[0].t_s and d.from_level == 250 and d.to_level == 300]
     assert verdict and "250 W costs 30.0% more" in verdict[0].reason, [d.reason for d in ds]
@@ -1559,3 +1562,17 @@ def test_a_dry_runs_j_per_token_never_pools_energy_from_both_sides_of_a_serving_
     # A verdict whose stretch held the change says its J/token is over the windows after it alone.
     cut = [r for r in rows if "changed which GPUs serve" in r["reason"]]
     assert cut and all(r["j_per_token"] in (None, pytest.approx(1.0)) for r in cut), rows
+    assert all("left: gpu1 (GPU-aside)" in r["reason"] for r in cut), rows
+
+
+def test_a_serving_change_names_the_gpus_that_joined_and_left_or_says_it_cannot():
+    # Before: "the daemon changed which GPUs serve the traffic (1 time(s) ...)", naming none of them.
+    def at(changes, serving):
+        return DaemonCounters(0.0, 0, 0, 0, 0, 0, 0, (), (), 0, 0, {}, serving_changes=changes, serving_gpus=serving)
+
+    a = at(1, {"gpu0 (GPU-a)": True, "gpu1 (GPU-b)": False})
+    why = serving_change(a, at(2, {"gpu0 (GPU-a)": False, "gpu1 (GPU-b)": True}))
+    assert "; joined: gpu1 (GPU-b); left: gpu0 (GPU-a)" in why, why
+    assert "changed back within it" in serving_change(a, at(3, dict(a.serving_gpus)))
+    assert "names no GPUs" in serving_change(at(1, None), at(2, None))
+    assert serving_change(a, at(1, dict(a.serving_gpus))) is None

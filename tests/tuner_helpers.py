@@ -37,7 +37,8 @@ class FakeDaemon:
         `aside_lost` (settable): unread now, so no limit gauge (the accounts lag: `aside_unread` apart).
         `aside_serving` (settable): the daemon judges that GPU serving the traffic (as before its first judgement of
         which serve, when every GPU's energy is the work's): its energy is not in the not-serving counter, and each
-        scrape after a change of it counts one in powerprof_gpu_serving_changes_total.
+        scrape after a change of it counts one in powerprof_gpu_serving_changes_total, its powerprof_gpu_serving
+        series following.
         j_per_token_at: {limit W: J/token} where the levels cost differently (default `j_per_token` at every one).
         `unread` (settable between scrapes): the serving GPU gives no energy reading (its limit still read): its
         energy series goes, its unread seconds and powerprof_gpu_energy_unknown_intervals_total climb, no energy counts."""
@@ -135,11 +136,12 @@ class FakeDaemon:
             uuid, limit_w = self.gpu()
             aside = (GpuSnapshot(1, "GPU-aside", "fake", None, None, None, None if self.aside_lost else limit_w,
                                  self.aside_energy,
-                                 energy_unknown_s=self.aside_unknown_s, energy_unread=self.aside_unread > 0),) \
+                                 energy_unknown_s=self.aside_unknown_s, energy_unread=self.aside_unread > 0,
+                                 serving=self._aside_served),) \
                 if self.aside_j else ()
             self.snapshot = Snapshot(
                 gpus=(GpuSnapshot(0, uuid, "fake", 200.0, 1500.0, 9000.0, limit_w, self.gpu_energy,
-                                  energy_unknown_s=self.unknown_s, energy_unread=self.unread),) + aside,
+                                  energy_unknown_s=self.unknown_s, energy_unread=self.unread, serving=True),) + aside,
                 gpu_unknown_intervals=self.unknown_intervals,
                 energy_by_dest_j=(self.energy, self.idle, 0.0),
                 idle_not_serving_j=self.aside_energy,

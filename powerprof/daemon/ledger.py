@@ -333,6 +333,9 @@ class Totals:
     # of which serve (until then every GPU's is), and each later one that differs. Each moves a GPU's idle energy into
     # or out of the serving GPUs' figure, whose windows on the two sides are then on different bases (the tuner's).
     serving_changes: int = 0
+    # Per sampled GPU (by position), whether its energy is the work's in the latest intervals accounted: None while
+    # every GPU's is (which serve not judged yet, or all of them serve). Named on /metrics, so a change is told by GPU.
+    serving_mask: tuple | None = None
 
 
 class Ledger:
@@ -2447,6 +2450,7 @@ class Ledger:
             gpu_unknown_intervals=self._gpu_unknown_intervals,
             idle_not_serving_j=self._not_serving_total,
             serving_changes=self._serving_changes,
+            serving_mask=None if self._accounted_serving is None else tuple(bool(x) for x in self._accounted_serving),
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:

@@ -105,6 +105,7 @@ class GpuSnapshot:
     up: float = 1.0  # 0 once NVML says the GPU is lost: its energy stops counting and its gauges go
     energy_unknown_s: float = 0.0  # seconds of closed intervals it gave no energy reading over (not in energy_j)
     energy_unread: bool = False  # the latest closed interval is one: energy_j stalls, and its series is left out
+    serving: bool | None = None  # its energy is the work's (ledger.Totals.serving_mask); None: not said
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,15 @@ class SnapshotCollector:
         for x in s.gpus:
             u.add_metric([str(x.index), x.uuid, x.name], x.energy_unknown_s)
         yield u
+        sv = GaugeMetricFamily("powerprof_gpu_serving", "1 while this GPU's energy is the serving GPUs' (the proxied "
+                               "work's, the tuner's; every GPU's before the daemon judges which serve), 0 while it "
+                               "serves none of the work (its energy all idle, in "
+                               "powerprof_gpu_idle_energy_not_serving_joules_total): which GPUs each "
+                               "powerprof_gpu_serving_changes_total moved", labels=labels)
+        for x in s.gpus:
+            if x.serving is not None:
+                sv.add_metric([str(x.index), x.uuid, x.name], 1.0 if x.serving else 0.0)
+        yield sv
         if s.cpu_energy_j is not None:
             yield CounterMetricFamily("powerprof_cpu_energy_joules", "CPU package+DRAM energy (RAPL) of the whole host, every process, since start",
                                       value=s.cpu_energy_j)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from powerprof.daemon.latency import LATENCY_EDGES_S
-from powerprof.errtext import error_text
+from powerprof.errtext import error_text, one_line
 
 from .policy import Window
 
@@ -78,6 +78,9 @@ class DaemonCounters:
     # Times the daemon changed which GPUs serve the traffic since it started (None: a daemon older than the counter):
     # each moves a GPU's idle energy into or out of energy_j, so a window in which it rose straddles two bases.
     serving_changes: float | None = None
+    # Per GPU, named as the daemon's notes name it ('gpu1 (GPU-…)': NVML index and UUID), whether its energy is in
+    # energy_j (powerprof_gpu_serving; None: a daemon older than the gauge): which GPUs a serving change moved.
+    serving_gpus: dict | None = None
 
 
 def loopback_reason(url: str) -> str | None:
@@ -237,7 +240,10 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
                                                    if "powerprof_gpu_energy_unknown_seconds" in fam else ())
                                          if s.name.endswith("_total")},
                           serving_changes=one("powerprof_gpu_serving_changes")
-                          if "powerprof_gpu_serving_changes" in fam else None)
+                          if "powerprof_gpu_serving_changes" in fam else None,
+                          serving_gpus={f"gpu{s.labels.get('gpu', '?')} ({s.labels.get('gpu_uuid', '')})": num(s.value) > 0
+                                        for s in fam["powerprof_gpu_serving"].samples}
+                          if "powerprof_gpu_serving" in fam else None)
 
 
 def energy_moved(a: DaemonCounters, b: DaemonCounters) -> bool:
@@ -261,8 +267,24 @@ def serving_change(a: DaemonCounters, b: DaemonCounters) -> str | None:
         return None
     n = b.serving_changes - a.serving_changes
     return (f"the daemon changed which GPUs serve the traffic ({n:.0f} time(s) in this window, "
-            "powerprof_gpu_serving_changes_total): a GPU's idle energy came into or left the energy the levels are "
-            "weighed by")
+            f"powerprof_gpu_serving_changes_total{_serving_moved(a.serving_gpus, b.serving_gpus)}): a GPU's idle "
+            "energy came into or left the energy the levels are weighed by")
+
+
+def _serving_moved(a: dict | None, b: dict | None) -> str:
+    """Which GPUs' energy came into the serving GPUs' figure and which left it between two scrapes (powerprof_gpu_serving),
+    as '; joined: …; left: …'; what the scrapes cannot show said instead."""
+    if a is None or b is None:
+        return "; the daemon names no GPUs (older than powerprof_gpu_serving)"
+    joined = sorted(g for g, on in b.items() if on and not a.get(g, False))
+    left = sorted(g for g, on in a.items() if on and not b.get(g, False))
+    if not joined and not left:
+        return "; the same GPUs serve at both ends of the window: changed and changed back within it"
+
+    def named(gs):  # at most 8 named: the daemon's labels are its words, kept to a line
+        return ", ".join(one_line(g, 80) for g in gs[:8]) + (f" and {len(gs) - 8} more" if len(gs) > 8 else "")
+
+    return (f"; joined: {named(joined)}" if joined else "") + (f"; left: {named(left)}" if left else "")
 
 
 def _le(x: str) -> float:
