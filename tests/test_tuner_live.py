@@ -1576,3 +1576,23 @@ def test_a_serving_change_names_the_gpus_that_joined_and_left_or_says_it_cannot(
     assert "changed back within it" in serving_change(a, at(3, dict(a.serving_gpus)))
     assert "names no GPUs" in serving_change(at(1, None), at(2, None))
     assert serving_change(a, at(1, dict(a.serving_gpus))) is None
+
+
+def test_a_dry_runs_verdict_is_of_the_level_the_gpus_have_never_pooled_with_the_one_before(tmp_path):
+    # The operator moves the limit 300 → 250 W under a dry run (250 W costs 1.3 J/token, 300 W 1.0). Before: the
+    # verdict labelled 250 W pooled the guard's stretch across the move, its J/token (1.2) and p95 partly 300 W's.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with FakeDaemon(gpu=sim_gpu(nvml), j_per_token_at={250.0: 1.3}) as fd:
+        runner = TuneRunner(_cfg(dry_run=True), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=None,
+                            gpus=[0], clock=clock, gpu_uuids=[nvml.gpus[0].uuid], out_dir=tmp_path / "d")
+        runner.start()
+        _drive(runner, clock, 5)
+        nvml.gpus[0].set_limit_w(250)
+        _drive(runner, clock, 8)
+        runner.stop_row()
+    rows = [r for r in pq.read_table(tmp_path / "d").to_pylist() if r["action"] not in ("start", "stop")]
+    want = {300: 1.0, 250: 1.3}
+    assert {r["from_level"] for r in rows} == {300, 250}, rows
+    assert all(r["j_per_token"] == pytest.approx(want[r["from_level"]]) for r in rows), \
+        [(r["from_level"], r["j_per_token"]) for r in rows]

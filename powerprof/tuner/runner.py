@@ -427,6 +427,10 @@ class TuneRunner:
         """Dry-run: what the guard would do at the level the GPUs have, once per window_s; no exploration (a trial
         that is never applied measures nothing)."""
         cfg = self.cfg
+        if self._dry and abs(self._dry[-1].level - w.level) > LEVEL_TOLERANCE_W:
+            # The limit was moved (by the operator: a dry run sets nothing): the stretch starts again at the new one,
+            # or its verdict, labelled the new limit, pooled the old one's J/token and latency (1.15 for 1.0 and 1.3).
+            self._dry.clear()
         self._dry.append(w)
         while self._dry and self._dry[0].t_end_s <= w.t_end_s - cfg.guard_s:
             self._dry.popleft()
