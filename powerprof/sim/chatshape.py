@@ -44,6 +44,10 @@ class ChatShape:
     # before it is never sent, nor its tokens said in any running count (no `_check_for_unstreamed_tool_args` chunk
     # either: its detector never recorded the call). False: the JSON detectors' one step late.
     hold_call: bool = False
+    # `hold_call`: the tokens stepped when the call's closing fence is written (its request's natural end less the
+    # tokens the model writes after it: deepseekv3's `<｜tool▁call▁end｜>`, `<｜tool▁calls▁end｜>` and its end of
+    # sentence, 3, each in no chunk), where the call goes out with that step's running usage. None: at the finish.
+    close_at: int | None = None
 
     def _split(self, pieces: list[str]) -> tuple[str, bool, str]:
         """(thinking text, the end of thinking was in this step, answer text) of a step's token pieces."""
@@ -98,7 +102,11 @@ class ChatShape:
             return []  # the array's opening and the name: nothing parsed yet
         args = (ARGS_OPEN if before <= head else "") + text
         if self.flavour == "sglang" and self.hold_call:
+            if self.named:
+                return []  # the call went out: the tokens after its closing fence have no text to send
             self.held += args  # the closing fence not yet written: nothing matched, nothing sent (tail: at the end)
+            if self.close_at is not None and self.pos >= self.close_at:
+                return self._held_out()  # written in this step: matched, the whole call sent now
             return []
         if self.flavour == "sglang":
             out = []
@@ -128,17 +136,21 @@ class ChatShape:
         """SGLang's `_check_for_unstreamed_tool_args`: at the finish, the arguments its parser still held, in a chunk
         sent without usage; vLLM: nothing (its arguments went out with their steps). `hold_call`: a call that closed
         (`stop` not "length"), name and arguments, sent with the running usage as at the step that closed it (the
-        real one's closing tokens after it, 3 with deepseekv3, not modelled); one cut by max_tokens, nothing."""
+        real one's closing tokens after it: `close_at` sends it at its step instead); one cut by max_tokens, nothing."""
         if self.hold_call and self.flavour == "sglang":
-            if not self.held or stop == "length":
+            if not self.held or stop == "length" or self.named:
                 return []
-            self.named = True
-            held, self.held = self.held + '"}', ""
-            return [self._call("", first=True), self._call(held)]
+            return self._held_out()
         if self.flavour != "sglang" or not self.held:
             return []
         held, self.held = self.held, ""
         return [self._call(held + '"}')]  # with the object's close, which no step's text had
+
+    def _held_out(self) -> list[dict]:
+        """A held call once matched: its name, then its arguments with the object's close (which no step's text had)."""
+        self.named = True
+        held, self.held = self.held + '"}', ""
+        return [self._call("", first=True), self._call(held)]
 
     def finish_reason(self, fr: str) -> str:
         """vLLM says "tool_calls" once it streamed a call, whatever stopped it; SGLang only for a natural stop."""
