@@ -408,8 +408,10 @@ class SimServer:
         self.reasoning_field = reasoning_field
         # True: a JSON detector's streaming (qwen25, llama3, mistral: each step's arguments one step late);
         # "deepseekv3": that detector's (ChatShape.hold_call: a call sent whole once it closes, never if cut).
-        if tool_call_parser not in (False, True, "deepseekv3"):
-            raise ValueError(f"tool_call_parser must be True, False or 'deepseekv3', not {tool_call_parser!r}")
+        # "qwen3_coder": that detector's (the name at once, each parameter's value once its closing tag is written).
+        if tool_call_parser not in (False, True, "deepseekv3", "qwen3_coder"):
+            raise ValueError("tool_call_parser must be True, False, 'deepseekv3' or 'qwen3_coder', not "
+                             f"{tool_call_parser!r}")
         self.tool_call_parser = tool_call_parser
         # "deepseekv3": the tokens its model writes after a call's closing fence on a natural stop, each in no chunk nor
         # running count (its `<｜tool▁call▁end｜>`, `<｜tool▁calls▁end｜>`, end of sentence: 3, the most any of SGLang's
@@ -1768,8 +1770,10 @@ class SimServer:
         think = chatshape.thinks(body, self.reasoning_tokens)
         if tool or think:
             field_name = (self.reasoning_field or "reasoning") if self.flavour == "vllm" else "reasoning_content"
-            hold = self.flavour == "sglang" and self.tool_call_parser == "deepseekv3"
-            req.shape = chatshape.ChatShape(self.flavour, think, field_name, tool, name or "f", hold_call=hold)
+            hold = self.flavour == "sglang" and self.tool_call_parser in ("deepseekv3", "qwen3_coder")
+            req.shape = chatshape.ChatShape(self.flavour, think, field_name, tool, name or "f", hold_call=hold,
+                                            param_tokens=chatshape.QWEN3_CODER_PARAM_TOKENS
+                                            if self.tool_call_parser == "qwen3_coder" else None)
             if hold and req.eos_at is not None and req.eos_at < req.n_predict:
                 # Its natural end is known: the call closes that many tokens before it, and goes out at that step.
                 req.shape.close_at = req.eos_at - self.tool_call_trailing_tokens
