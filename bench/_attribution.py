@@ -22,7 +22,6 @@ from powerprof.daemon.config import load_config
 from powerprof.daemon.service import Daemon
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
-from powerprof.storage.schema import CACHE_LATE_FLAG, CACHE_UNSAID_FLAG
 from powerprof.sim.server import SimServer
 from powerprof.workload.client import RequestParams, detect_server, new_session
 from powerprof.workload.replay import replay_async
@@ -454,7 +453,7 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
                    late_p95_s=0.0, truth=truth, bypass_tokens=bypass_tokens, notes=[f"HTTP {c}: {statuses.count(c)}" for c in sorted(set(statuses))]
                    + [f"uncounted {k}: {v}" for k, v in sorted(daemon.uncounted_requests.items())]
                    + [f"proxy workers: {sum(bool(getattr(w, 'said_hello', False)) for w in getattr(daemon.proxy, 'workers', ()))}"]
-                   + [f"{flag} requests: {daemon.ledger.flagged_requests[flag]}" for flag in (CACHE_UNSAID_FLAG, CACHE_LATE_FLAG)])
+                   + [f"{flag} requests: {n}" for flag, n in daemon.ledger.flagged_requests.items()])
 
 
 def score_mixed(o: Outcome) -> dict:

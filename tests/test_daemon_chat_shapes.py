@@ -90,3 +90,40 @@ def test_held_tool_calls_under_load_keep_their_energy_and_leave_none_to_unproxie
         err = g["gpu_energy_j"].sum() / g["true_j"].sum() - 1
         assert abs(err) < 0.05, (kind, round(err, 3))
     assert o.unproxied_j < 0.04 * o.measured_j, (o.unproxied_j, o.measured_j)
+
+
+def test_a_held_calls_row_says_its_tails_timing_was_inferred_and_stays_in_j_per_token(tmp_path):
+    # A tool call SGLang's deepseekv3 parser held, cut by max_tokens: its count is the server's, but where its 160
+    # held tokens ran in time is the ledger's inference (spread from the last chunk to the upstream's end:
+    # arrival.held_call_at_limit, Ledger._placed_at_end). Before, the row carried no word of it. Its row says
+    # `approximate: held-tail` (counted on /metrics as powerprof_requests_held_tail_total) and keeps its count in
+    # J/token; the plain chat beside it, every token in a chunk, says nothing of the kind.
+    trace = [TraceRequest(0.0, 120, N_TOKENS, "chat_tool_named"), TraceRequest(2.5, 120, N_TOKENS, "chat")]
+    o = run_mixed(trace, data_dir=tmp_path, flavour="sglang", continuous=True,
+                  server={"reasoning_tokens": THINK, "tool_call_parser": "deepseekv3"})
+    rows = {r["kind"]: r for r in o.requests.to_dict("records")}
+    held, plain = rows["chat_tool_named"], rows["chat"]
+    assert held["generated_tokens"] == N_TOKENS and not held["tokens_estimated"], held
+    note = held["energy_note"] if isinstance(held["energy_note"], str) else ""  # no note: NaN
+    assert note.startswith("approximate: ") and "held-tail: " in note and "max_tokens" in note, note
+    assert "held-tail" not in str(plain["energy_note"]), plain
+    assert "held-tail requests: 1" in o.notes, o.notes
+
+
+def test_a_qwen3_coder_call_cut_by_max_tokens_keeps_its_count_and_its_energy(tmp_path):
+    # SGLang's qwen3_coder detector sends each parameter's value only once its `</parameter>` is written: a call cut by
+    # max_tokens leaves its open parameter (here 11 of 200 tokens: 40 of thinking, its end, 4 of the call's head, 9
+    # parameters of 16) in no chunk, only in the final usage, the request's limit: believed as a held call
+    # (arrival.held_call_at_limit), its tail placed from its last chunk to the end and said so (held-tail). Its energy
+    # against the simulator's truth, alone on the GPU: within 5%.
+    trace = [TraceRequest(0.0, 120, N_TOKENS, "chat_tool_named")]
+    o = run_mixed(trace, data_dir=tmp_path, flavour="sglang", continuous=True,
+                  server={"reasoning_tokens": THINK, "tool_call_parser": "qwen3_coder"})
+    (row,) = o.requests.to_dict("records")
+    truth = o.truth[str(row["index"])]
+    assert truth["generated"] == N_TOKENS and row["outcome"] == "ok", row
+    assert row["generated_tokens"] == N_TOKENS and row["attributed_tokens"] == pytest.approx(N_TOKENS), row
+    assert "held-tail: 11 of its 200 generated tokens" in str(row["energy_note"]), row["energy_note"]
+    err = row["gpu_energy_j"] / row["true_j"] - 1
+    assert abs(err) < 0.05, (round(err, 4), row["gpu_energy_j"], row["true_j"])
+    assert o.unproxied_j < 0.04 * row["true_j"], (o.unproxied_j, row["true_j"])

@@ -2465,10 +2465,22 @@ def test_a_held_calls_tokens_are_placed_from_its_last_chunk_to_its_end_and_only_
     led.add_gpu_sample(4 * S, 4 * S, [R(1300.0, 0.0)])
     led.advance(int(4.2 * S))
     got = {r["request_id"]: r for r in sink.rows["requests"]}
+    # Its row says its 98 tokens' timing was inferred (HELD_TAIL_FLAG, counted on /metrics), the count kept; A's not.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from powerprof.daemon.metrics import Snapshot, make_registry, render
+    from powerprof.storage.schema import HELD_TAIL_FLAG
+
+    text = render(make_registry(type("H", (), {"snapshot": Snapshot(flagged_requests=led.totals.flagged_requests)})))
+    metric = {s.name: s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+    assert HELD_TAIL_FLAG not in (got[1]["energy_note"] or "")
     if held_tail:
         assert got[2]["attributed_tokens"] == pytest.approx(100)
         assert got[1]["gpu_energy_j"] == pytest.approx(200 / 3, rel=0.01) and got[2]["gpu_energy_j"] == pytest.approx(700 / 3, rel=0.01)
+        assert f"{HELD_TAIL_FLAG}: 98 of its 100 generated tokens" in (got[2]["energy_note"] or ""), got[2]["energy_note"]
+        assert metric["powerprof_requests_held_tail_total"] == 1
     else:
+        assert HELD_TAIL_FLAG not in (got[2]["energy_note"] or "") and metric["powerprof_requests_held_tail_total"] == 0
         assert got[2]["attributed_tokens"] == pytest.approx(2)
         assert got[1]["gpu_energy_j"] == pytest.approx(230, rel=0.01), got[1]["gpu_energy_j"]
 

@@ -342,6 +342,65 @@ def test_sglang_tool_call_cut_by_max_tokens_before_its_parser_sent_it_is_counted
     assert finish == ["tool_calls"] and (c.generated_tokens, c.count_problem) == (truth["generated"], None), (finish, c)
 
 
+@pytest.mark.parametrize("trailing", [3, 4])
+def test_a_self_closing_held_call_is_believed_at_exactly_the_trailing_allowance_and_flagged_past_it(trailing):
+    # Real SGLang's deepseekv3 detector sends a call at the step that writes its closing fence, then the model writes
+    # `<｜tool▁call▁end｜>`, `<｜tool▁calls▁end｜>` and its end of sentence: 3 counted tokens in no chunk, no running
+    # count, only in the final usage (docs/daemon.md: the most any SGLang parser leaves). The running-count rule allows
+    # exactly 3 (COUNT_SLACK_TOKENS), no margin: a natural stop (not held_call_at_limit's case) 3 past its last running
+    # count is believed, 4 past it contradicts the server's own running counts. Before, the simulator sent the call at
+    # the finish, 1 token short (its end of sentence alone), so the allowance's edge was never met.
+    from powerprof.arrival import COUNT_SLACK_TOKENS
+
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour="sglang", reasoning_tokens=THINK,
+                   tool_call_parser="deepseekv3", tool_call_trailing_tokens=trailing) as srv:
+        body = dict(_body("tool_named", {"include_usage": True, "continuous_usage_stats": True}), max_tokens=200)
+        del body["ignore_eos"]
+        truth, chunks, n, s = _held_call(srv, body)
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c.get("choices") and c.get("usage")]
+    calls = [c for c in chunks if c.get("choices") and (c["choices"][0].get("delta") or {}).get("tool_calls")]
+    assert truth["generated"] < 200 and chunks[-1]["usage"]["completion_tokens"] == truth["generated"]
+    # The call went out, name and arguments, with the running count of the step that closed it, `trailing` before the end.
+    assert calls and calls[0]["usage"]["completion_tokens"] == counts[-1] == truth["generated"] - trailing, counts
+    c = summary_counts(s, held=HeldCall(200, 1, 1.0, 10))
+    if trailing <= COUNT_SLACK_TOKENS:
+        assert (c.generated_tokens, c.count_problem, c.held_tail) == (truth["generated"], None, False), c
+    else:
+        assert c.count_problem_kind == "running_count_short" and not c.held_tail, c
+
+
+def test_sglang_qwen3_coder_sends_each_parameter_once_closed_and_a_cut_one_never():
+    # SGLang's qwen3_coder detector: the name once `<function=name>` is parsed, each parameter's value only once its
+    # `</parameter>` is written (QWEN3_CODER_PARAM_TOKENS), nothing more of a parameter max_tokens cut: 50 tokens (6 of
+    # thinking, its end, 4 of head, 2 parameters closed, 7 of the third) leave 7 past the last running count, more than
+    # the 3 the running-count rule allows; believed as a held call (tools, at the limit, time enough), flagged without.
+    from powerprof.sim.chatshape import QWEN3_CODER_PARAM_TOKENS, TOOL_HEAD_TOKENS
+
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour="sglang", reasoning_tokens=THINK,
+                   tool_call_parser="qwen3_coder") as srv:
+        opts = {"include_usage": True, "continuous_usage_stats": True}
+        truth, chunks, n, s = _held_call(srv, dict(_body("tool_named", opts), max_tokens=50))
+        calls = [(c["usage"]["completion_tokens"], c["choices"][0]["delta"]["tool_calls"][0]["function"]) for c in chunks
+                 if c.get("choices") and (c["choices"][0].get("delta") or {}).get("tool_calls")]
+        head = THINK + 1 + TOOL_HEAD_TOKENS
+        assert calls[0][1]["name"] == "get_power" and [u for u, _ in calls[1:]] == [
+            head + QWEN3_CODER_PARAM_TOKENS, head + 2 * QWEN3_CODER_PARAM_TOKENS], calls
+        assert truth["generated"] == 50 and chunks[-1]["usage"]["completion_tokens"] == 50
+        c = summary_counts(s, held=HeldCall(50, 1, 1.0, 10))
+        assert (c.generated_tokens, c.count_problem, c.held_tail) == (50, None, True), c
+        assert summary_counts(s).count_problem_kind == "running_count_short"
+        # A call that closes: its last parameter and the call's end at its closing step, 3 tokens before the end.
+        body = dict(_body("tool_named", opts), max_tokens=200)
+        del body["ignore_eos"]
+        truth, chunks, n, s = _held_call(srv, body)
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c.get("choices") and c.get("usage")]
+    assert counts[-1] == truth["generated"] - 3 and chunks[-1]["usage"]["completion_tokens"] == truth["generated"]
+    c = summary_counts(s, held=HeldCall(200, 1, 1.0, 10))
+    assert (c.generated_tokens, c.count_problem) == (truth["generated"], None), c
+
+
 def test_the_simulator_refuses_a_tool_call_parser_it_does_not_model():
     with pytest.raises(ValueError, match="tool_call_parser"):
         SimServer(SimNVML("h200-141g", state_path=None), flavour="sglang", tool_call_parser="qwen25")
+    with pytest.raises(ValueError, match="tool_call_trailing_tokens"):  # its end of sentence is always one
+        SimServer(SimNVML("h200-141g", state_path=None), flavour="sglang", tool_call_trailing_tokens=0)

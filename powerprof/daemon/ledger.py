@@ -30,7 +30,7 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, COUNT_OPEN_FIX,
-                                      COUNT_OPEN_FLAG, CACHE_LATE_FLAG, CACHE_UNSAID_FIX,
+                                      COUNT_OPEN_FLAG, CACHE_LATE_FLAG, CACHE_UNSAID_FIX, HELD_TAIL_FIX, HELD_TAIL_FLAG,
                                       CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
                                       SERVER_COUNT_PROXY_LAG, SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
 
@@ -236,6 +236,9 @@ class _Req:
     late_wait_j: float = 0.0
     cache_beside_late: float = 0.0
     late_unresolved: bool = False
+    # Tokens its end placed after its last chunk as a held call's tail (`_placed_at_end`): their count is the server's,
+    # their timing inferred (HELD_TAIL_FLAG).
+    held_tail_n: float = 0.0
     # Its GPU joules from intervals other requests (or bypass traffic) did work in that the fixed ratio split (the work
     # model's fit not mature: `fixed_why`, why when they closed): its share there rests on that ratio, not learned costs.
     fixed_j: float = 0.0
@@ -295,7 +298,8 @@ class _Tag:
 # Request flags counted by the rows that say them (Totals.flagged_requests): each a /metrics counter (metrics.py
 # FLAG_COUNTERS), counted from the decision its row's energy_note is written by (_request_flags), never from the note's
 # text, which quotes what clients send (a path).
-COUNTED_FLAGS = (NO_COUNTER_SHORT_FLAG, CACHE_UNSAID_FLAG, CACHE_LATE_FLAG, BEST_OF_FLAG, COUNT_OPEN_FLAG)
+COUNTED_FLAGS = (NO_COUNTER_SHORT_FLAG, CACHE_UNSAID_FLAG, CACHE_LATE_FLAG, BEST_OF_FLAG, COUNT_OPEN_FLAG,
+                 HELD_TAIL_FLAG)
 
 
 @dataclass
@@ -702,6 +706,7 @@ class Ledger:
                 step = (end - trace.last_ns) / SPREAD_EVENTS
                 ts = [int(trace.last_ns + step * (k + 1)) for k in range(SPREAD_EVENTS)]
                 self._place(r, ts, [surplus / SPREAD_EVENTS] * SPREAD_EVENTS)
+                r.held_tail_n = surplus
                 return surplus
         if trace.extra.get("spread") and trace.first_ns is not None and trace.last_ns is not None:
             # A non-streamed body arrives at once: assume its tokens came evenly over its decode time.
@@ -3100,7 +3105,8 @@ def _request_flags(r: _Req, best_of_ignored: bool) -> list[str]:
             CACHE_UNSAID_FLAG: energy and _cache_flagged(r),
             CACHE_LATE_FLAG: energy and _late_flagged(r),
             BEST_OF_FLAG: energy and _best_of_flagged(r, best_of_ignored),
-            COUNT_OPEN_FLAG: energy and _count_open_flagged(r)}
+            COUNT_OPEN_FLAG: energy and _count_open_flagged(r),
+            HELD_TAIL_FLAG: energy and r.held_tail_n > 0}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -3140,6 +3146,12 @@ def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
                      "chat stream sends usage only on chunks with text): the tokens of a last step without text (its "
                      "end-of-text token, one on a stop) are in no count, so generated_tokens may be low by them and "
                      f"their energy is in unproxied; fix: {COUNT_OPEN_FIX}")
+    if r.held_tail_n > 0:
+        notes.append(f"{HELD_TAIL_FLAG}: {r.held_tail_n:.0f} of its {c.generated_tokens} generated tokens (the server's "
+                     "count, its max_tokens) came in no chunk: a tool call the server's parser held until it closed, "
+                     "cut by max_tokens; their count is the server's, but when they ran is inferred, spread evenly from "
+                     "its last chunk to the server's end of its answer, and its share of the intervals there with it; "
+                     f"fix: {HELD_TAIL_FIX}")
     if r.beside_uncounted:
         kinds = sorted(r.beside_uncounted)
         notes.append(f"requests the proxy does not count ran beside it ({', '.join(kinds[:3])}"

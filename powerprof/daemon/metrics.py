@@ -23,7 +23,8 @@ from powerprof.arrival import COUNT_PROBLEM_KINDS
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG,
-                                      COUNT_OPEN_FIX, COUNT_OPEN_FLAG, SERVER_COUNT_SLOTS_ONLY)
+                                      COUNT_OPEN_FIX, COUNT_OPEN_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG,
+                                      SERVER_COUNT_SLOTS_ONLY)
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -64,6 +65,10 @@ FLAG_COUNTERS = {
                       f"{COUNT_OPEN_FLAG}: their count is the server's running count as of the last chunk that carried "
                       "one, no final count after (SGLang's chat stream with continuous_usage_stats alone): their "
                       f"generated_tokens may be low, those tokens' energy in unproxied; fix: {COUNT_OPEN_FIX}"),
+    HELD_TAIL_FLAG: ("powerprof_requests_held_tail", "Requests whose rows' energy_note says approximate: "
+                     f"{HELD_TAIL_FLAG}: a tool call the server's parser held, cut by max_tokens, put tokens in no "
+                     "chunk: their count is the server's (kept in powerprof_joules_per_token), when they ran inferred "
+                     f"(spread from the last chunk to the server's end); fix: {HELD_TAIL_FIX}"),
 }
 OTHER = "other"
 NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet

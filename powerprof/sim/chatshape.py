@@ -15,6 +15,10 @@ from dataclasses import dataclass
 # takes these tokens before either server's partial-JSON parser knows the function's name, and sends nothing.
 TOOL_HEAD_TOKENS = 4
 
+# A simulated qwen3_coder call's parameter, `<parameter=name>`, its value and `</parameter>`, in tokens: what its
+# detector holds at most (a value of some 13 tokens between the tags).
+QWEN3_CODER_PARAM_TOKENS = 16
+
 # What the arguments open with, sent with the first argument token (the simulator's words then follow as its value).
 ARGS_OPEN = '{"q": "'
 
@@ -44,6 +48,16 @@ class ChatShape:
     # before it is never sent, nor its tokens said in any running count (no `_check_for_unstreamed_tool_args` chunk
     # either: its detector never recorded the call). False: the JSON detectors' one step late.
     hold_call: bool = False
+    # `hold_call`: the tokens stepped when the call's closing fence is written (its request's natural end less the
+    # tokens the model writes after it: deepseekv3's `<｜tool▁call▁end｜>`, `<｜tool▁calls▁end｜>` and its end of
+    # sentence, 3, each in no chunk), where the call goes out with that step's running usage. None: at the finish.
+    close_at: int | None = None
+    # SGLang's qwen3_coder detector (`--tool-call-parser qwen3_coder`, with `hold_call`): the name goes out once
+    # `<function=name>` is parsed, then each parameter's value only once its `</parameter>` is written: a parameter
+    # (tag, value, closing tag) every this many tokens. A call cut by max_tokens leaves its open parameter in no chunk.
+    # None: deepseekv3's whole call at its closing fence.
+    param_tokens: int | None = None
+    closed: bool = False  # `hold_call`: the call's end went out
 
     def _split(self, pieces: list[str]) -> tuple[str, bool, str]:
         """(thinking text, the end of thinking was in this step, answer text) of a step's token pieces."""
@@ -98,8 +112,18 @@ class ChatShape:
             return []  # the array's opening and the name: nothing parsed yet
         args = (ARGS_OPEN if before <= head else "") + text
         if self.flavour == "sglang" and self.hold_call:
-            self.held += args  # the closing fence not yet written: nothing matched, nothing sent (tail: at the end)
-            return []
+            if self.closed:
+                return []  # the call went out: the tokens after its closing tag have no text to send
+            out = []
+            if self.param_tokens and not self.named:
+                self.named = True
+                out.append(self._call("", first=True))  # qwen3_coder: `<function=name>` parsed, the name sent
+            self.held += args  # its closing tag not yet written: nothing matched, nothing sent (tail: at the end)
+            if self.close_at is not None and self.pos >= self.close_at:
+                return out + self._held_out()  # written in this step: matched, the call's rest sent now
+            if self.param_tokens and (after - head) // self.param_tokens > max(before - head, 0) // self.param_tokens:
+                return out + self._held_out(end=False)  # a `</parameter>` in this step: that value sent
+            return out
         if self.flavour == "sglang":
             out = []
             if not self.named:
@@ -128,17 +152,23 @@ class ChatShape:
         """SGLang's `_check_for_unstreamed_tool_args`: at the finish, the arguments its parser still held, in a chunk
         sent without usage; vLLM: nothing (its arguments went out with their steps). `hold_call`: a call that closed
         (`stop` not "length"), name and arguments, sent with the running usage as at the step that closed it (the
-        real one's closing tokens after it, 3 with deepseekv3, not modelled); one cut by max_tokens, nothing."""
+        real one's closing tokens after it: `close_at` sends it at its step instead); one cut by max_tokens, nothing."""
         if self.hold_call and self.flavour == "sglang":
-            if not self.held or stop == "length":
+            if not self.held or stop == "length" or self.closed:
                 return []
-            self.named = True
-            held, self.held = self.held + '"}', ""
-            return [self._call("", first=True), self._call(held)]
+            return self._held_out()
         if self.flavour != "sglang" or not self.held:
             return []
         held, self.held = self.held, ""
         return [self._call(held + '"}')]  # with the object's close, which no step's text had
+
+    def _held_out(self, end: bool = True) -> list[dict]:
+        """A held call's text once matched: its name where not yet sent, then the arguments held so far (`end`: the
+        call's last, with the object's close, which no step's text had)."""
+        out = [] if self.named else [self._call("", first=True)]
+        self.named, self.closed = True, self.closed or end
+        held, self.held = self.held + ('"}' if end else ""), ""
+        return out + [self._call(held)]
 
     def finish_reason(self, fr: str) -> str:
         """vLLM says "tool_calls" once it streamed a call, whatever stopped it; SGLang only for a natural stop."""

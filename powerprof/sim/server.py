@@ -274,6 +274,7 @@ class SimServer:
         reasoning_tokens: int = 0,
         reasoning_field: str | None = None,
         tool_call_parser: bool | str = False,
+        tool_call_trailing_tokens: int = 3,
         prefix_cache: bool = False,
         prompt_details: bool = False,
         cold_batch_factor: float = 1.0,
@@ -407,9 +408,17 @@ class SimServer:
         self.reasoning_field = reasoning_field
         # True: a JSON detector's streaming (qwen25, llama3, mistral: each step's arguments one step late);
         # "deepseekv3": that detector's (ChatShape.hold_call: a call sent whole once it closes, never if cut).
-        if tool_call_parser not in (False, True, "deepseekv3"):
-            raise ValueError(f"tool_call_parser must be True, False or 'deepseekv3', not {tool_call_parser!r}")
+        # "qwen3_coder": that detector's (the name at once, each parameter's value once its closing tag is written).
+        if tool_call_parser not in (False, True, "deepseekv3", "qwen3_coder"):
+            raise ValueError("tool_call_parser must be True, False, 'deepseekv3' or 'qwen3_coder', not "
+                             f"{tool_call_parser!r}")
         self.tool_call_parser = tool_call_parser
+        # "deepseekv3": the tokens its model writes after a call's closing fence on a natural stop, each in no chunk nor
+        # running count (its `<｜tool▁call▁end｜>`, `<｜tool▁calls▁end｜>`, end of sentence: 3, the most any of SGLang's
+        # parsers leaves, and what the daemon's COUNT_SLACK_TOKENS allows). Settable between requests.
+        if int(tool_call_trailing_tokens) < 1:
+            raise ValueError("tool_call_trailing_tokens must be at least 1 (the end of sentence)")
+        self.tool_call_trailing_tokens = int(tool_call_trailing_tokens)
         # `--api-key`: llama-server answers 401 on everything but its public endpoints (/health, /models, /v1/models:
         # server.cpp's public_endpoints); vLLM guards its /v1 routes only (its /metrics, /health, /version are open);
         # SGLang everything but /health* and /metrics.
@@ -1761,8 +1770,13 @@ class SimServer:
         think = chatshape.thinks(body, self.reasoning_tokens)
         if tool or think:
             field_name = (self.reasoning_field or "reasoning") if self.flavour == "vllm" else "reasoning_content"
-            req.shape = chatshape.ChatShape(self.flavour, think, field_name, tool, name or "f",
-                                            hold_call=self.flavour == "sglang" and self.tool_call_parser == "deepseekv3")
+            hold = self.flavour == "sglang" and self.tool_call_parser in ("deepseekv3", "qwen3_coder")
+            req.shape = chatshape.ChatShape(self.flavour, think, field_name, tool, name or "f", hold_call=hold,
+                                            param_tokens=chatshape.QWEN3_CODER_PARAM_TOKENS
+                                            if self.tool_call_parser == "qwen3_coder" else None)
+            if hold and req.eos_at is not None and req.eos_at < req.n_predict:
+                # Its natural end is known: the call closes that many tokens before it, and goes out at that step.
+                req.shape.close_at = req.eos_at - self.tool_call_trailing_tokens
 
     async def _serve_whole(self, api: str, req: _Req, echo: _Echo = _NO_ECHO) -> web.Response:
         ids_all, text_all = [], ""

@@ -327,6 +327,14 @@ BEST_OF_FIX = ("ask n equal to best_of and choose among the answers on the clien
 COUNT_OPEN_FLAG = "count-open"
 COUNT_OPEN_FIX = ("ask for the final count too, \"stream_options\": {\"include_usage\": true} beside "
                   "continuous_usage_stats (SGLang then ends the stream with the whole count)")
+# A daemon request's energy_note (inside its `approximate:` part) where its count, believed past its running counts as
+# a tool call the server's parser held and max_tokens cut (arrival.held_call_at_limit), put tokens in no chunk: the
+# count is the server's, but when they ran is inferred (spread from its last chunk to the upstream's end), and its share
+# of the intervals over that span with it. Kept in J/token (docs/daemon.md, "Tokens its tool-call parser still holds").
+HELD_TAIL_FLAG = "held-tail"
+HELD_TAIL_FIX = ("none for the count; for the timing, a max_tokens tool calls do not reach (a call that closes is sent "
+                 "with its running count), or a tool-call parser that streams arguments as they come (SGLang's JSON "
+                 "ones: qwen25, llama3, mistral)")
 # A request whose prompt's length was said early in its stream and its cached count only at its end, after intervals
 # over its prefill had closed with the whole prompt costed as computed (docs/daemon.md, "Prefix-cache hits are no
 # prefill").
