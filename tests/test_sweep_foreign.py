@@ -527,14 +527,22 @@ def test_a_server_whose_metrics_could_not_be_read_is_said_so_not_counterless(fai
     import aiohttp
     from powerprof.workload.servercount import read_tally
 
+    class Unresolved(aiohttp.abc.AbstractResolver):  # a name that does not resolve, at once (no DNS asked)
+        async def resolve(self, host, port=0, family=socket.AF_INET):
+            raise socket.gaierror(-2, "Name or service not known")
+
+        async def close(self):
+            pass
+
     async def go():
-        async with aiohttp.ClientSession() as s:
-            if failure == "refused":
+        if failure == "refused":
+            async with aiohttp.ClientSession() as s:
                 with socket.socket() as sock:
                     sock.bind(("127.0.0.1", 0))
                     port = sock.getsockname()[1]
                 return await read_tally(s, f"http://127.0.0.1:{port}")
-            return await read_tally(s, "http://powerprof-no-such-host.invalid:8000")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=Unresolved())) as s:
+            return await read_tally(s, "http://inference.example:8000")
 
     t = asyncio.run(asyncio.wait_for(go(), 60))
     assert t.blind and "--metrics" not in t.limits(), t.limits()

@@ -299,10 +299,17 @@ def test_a_connect_failure_other_than_a_refusal_is_not_said_as_one():
     was said "connection refused", the words of a server down, for a DNS failure."""
     from powerprof.workload.client import ServerInfo
 
-    server = ServerInfo("http://powerprof-no-such-host.invalid:8000", "llamacpp", "llamacpp")
+    server = ServerInfo("http://inference.example:8000", "llamacpp", "llamacpp")
+
+    class Unresolved(aiohttp.abc.AbstractResolver):  # a name that does not resolve, at once (no DNS asked)
+        async def resolve(self, host, port=0, family=socket.AF_INET):
+            raise socket.gaierror(-2, "Name or service not known")
+
+        async def close(self):
+            pass
 
     async def go():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=Unresolved())) as s:
             return await send_request(s, server, "hi", QUICK)
 
     r = asyncio.run(go())
