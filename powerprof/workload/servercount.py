@@ -460,7 +460,8 @@ class ForeignWatch:
     another client's. Counts compare cumulatively from the first snapshot with a high-water mark, so a
     counter that lags the stream by a step, or dips below the page before for one read, shifts nothing
     between batches. A token counter fallen to half its last reading or less is a restart (counted from
-    there again; not one of YOUNG_COUNTER_TOKENS or fewer: counter_restarted); a restart the sweep sees as the server going away is ridden out by sweep.py."""
+    there again; not one of YOUNG_COUNTER_TOKENS or fewer: counter_restarted); a restart the sweep sees as the
+    server going away is ridden out by sweep.py."""
 
     def __init__(self, first: Tally):
         self.first = self.prev = first
