@@ -22,6 +22,8 @@ def _vllm_multiprocess(tokens: float) -> str:
 
 
 DOWN = "down"  # this scrape finds nothing listening (connection refused): the server is down
+UNRESOLVED = "unresolved"  # this scrape cannot connect for another reason (its host name does not resolve)
+CONNECT_TIMEOUT = "connect-timeout"  # nor this one (the connect timed out: a host unreachable, a lost packet)
 
 
 def _scrapes(kind: str, script: list, seen: list | None = None) -> tuple[list, Scraper]:
@@ -39,6 +41,12 @@ def _scrapes(kind: str, script: list, seen: list | None = None) -> tuple[list, S
                     port = s.getsockname()[1]
                 async with self.session.get(f"http://127.0.0.1:{port}/metrics"):
                     pass
+            if step == UNRESOLVED:  # as aiohttp raises it: a ClientConnectorError whose os_error is the resolver's
+                import socket
+
+                raise aiohttp.ClientConnectorError(_KEY, socket.gaierror(-2, "Name or service not known"))
+            if step == CONNECT_TIMEOUT:
+                raise aiohttp.ClientConnectorError(_KEY, TimeoutError(110, "Connection timed out"))
             return 200, step
 
     async def go():
@@ -52,6 +60,13 @@ def _scrapes(kind: str, script: list, seen: list | None = None) -> tuple[list, S
             return out, sc
 
     return asyncio.run(asyncio.wait_for(go(), 60))
+
+
+class _Key:  # what ClientConnectorError's message reads of its connection
+    host, port, ssl = "server.example", 8000, None
+
+
+_KEY = _Key()
 
 
 @pytest.mark.parametrize("page", [_sglang, _vllm_multiprocess])
@@ -326,3 +341,14 @@ def test_a_simulated_sglang_restart_is_still_told_while_its_dips_are_not(after):
         # apart. Before, taken for a restart (52, right here; 99995 phantom tokens where it was a second dip); now
         # nothing made up: counted from 102, the window marked counter_below, whose words say what it may miss.
         assert sc.restarts == 0 and delta == 0 and sc.window_partial == ("counter_below",), (delta, sc.window_partial)
+
+
+@pytest.mark.parametrize("failure", [UNRESOLVED, CONNECT_TIMEOUT])
+def test_a_scrape_that_could_not_connect_for_another_reason_than_a_refusal_is_no_sign_of_a_restart(failure):
+    # A server given by host name whose name did not resolve for one scrape (a DNS blip), or whose connect timed out, is
+    # not shown down: only a refused connection (nothing listening) is. Before, any ClientConnectorError was, and the
+    # dip on the next page (1000 then 990) was taken for a restart: 990 tokens counted in one window that the server
+    # never generated, marked server_restart. Now the scrape is said as failed (could not read) and the dip is a dip.
+    deltas, sc = _scrapes("sglang", [_sglang(1000), failure, _sglang(990), _sglang(1010)])
+    assert deltas == [0, None, None, 10] and sc.restarts == 0 and sc.dips == 1, (deltas, sc.restarts)
+    assert sc.errors == 1 and "server_restart" not in sc.partial

@@ -1073,3 +1073,52 @@ def test_a_worker_speaking_another_record_shape_is_said_once_and_not_restarted(c
     said = [r.getMessage() for r in caplog.records if "upgraded under the daemon" in r.getMessage()]
     assert len(said) == 1 and "restart the daemon" in said[0] and "another-shape" in said[0], said
     assert not [r for r in caplog.records if "restarting it in" in r.getMessage()]
+
+
+@pytest.mark.slow
+def test_after_an_upgrade_retires_every_worker_one_still_serves_the_port_unattributed(monkeypatch, caplog):
+    """An in-place upgrade under a running daemon, then each worker restarted (both killed here): each new worker speaks
+    another record shape. Before, every one was stopped and none restarted: the port stayed bound (the daemon's
+    sockets) with nothing accepting, and the user's requests waited in its queue until their clients gave up. The proxy
+    is fail-open: the last worker keeps serving and forwarding, its records not read (its traffic is not attributed:
+    the server's counter shows it as bypass traffic), and /metrics (powerprof_proxy_workers_unread) and the log say so."""
+    from powerprof.daemon import workers as wmod
+
+    rec = Rec()
+    box = {}
+
+    async def main():
+        up = Upstream()
+        r1, up_url = await _serve(up.app())
+        w = ProxyWorkers(2, up_url, "127.0.0.1", 0, recorder=rec, proxy_kwargs={}, header_timeout_s=10,
+                         idle_timeout_s=10)
+        host, port = await w.start()
+        try:
+            monkeypatch.setattr(wmod, "LINK_SHAPE", "the-daemons-older-shape")  # the code on disk is newer now
+            for x in w.workers:
+                x.proc.kill()
+            deadline = time.monotonic() + 90  # restarted after 1 s, then a Python start on a loaded host
+            while time.monotonic() < deadline and not all(x.retired or getattr(x, "unread", False) and x.said_hello
+                                                            for x in w.workers):
+                await asyncio.sleep(0.1)
+            box["states"] = [(x.retired, getattr(x, "unread", False)) for x in w.workers]
+            try:
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(f"http://{host}:{port}/completion", json={"n_predict": 5},
+                                      timeout=aiohttp.ClientTimeout(total=30)) as r:
+                        box["status"] = r.status
+                        await r.read()
+            except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+                box["status"] = repr(e)
+            box["unread"] = getattr(w, "unread_workers", None)
+        finally:
+            await w.cleanup()
+            await r1.cleanup()
+
+    with caplog.at_level("ERROR", logger="powerprof.daemon.workers"):
+        asyncio.run(asyncio.wait_for(main(), 240))
+    assert box["status"] == 200, box  # the user's request was served
+    assert sorted(box["states"]) == [(False, True), (True, False)], box  # one retired, one serving unread
+    assert box["unread"] == 1 and not rec.ended, box  # its request is not attributed (not read), and said
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "not attributed" in said and "restart the daemon" in said, said

@@ -417,7 +417,7 @@ def test_an_sglang_without_its_token_counter_on_its_page_is_unknown_not_zero(mon
 
     def tokens(status, page):
         async def get(session, url):
-            return (status, page) if url.endswith("/metrics") else (404, "")
+            return (status, page, None) if url.endswith("/metrics") else (404, "", None)
 
         monkeypatch.setattr(sc, "_get", get)
         return asyncio.run(sc.read_tally(None, "http://x", "sglang"))
@@ -499,3 +499,54 @@ def test_a_sweep_beside_a_simulated_sglang_whose_counter_dips_flags_nothing(tmp_
     assert len(req_w) == 8, len(req_w)  # nothing sent again
     assert FOREIGN_FLAG not in (lv.loc[0, "flags"] or ""), lv.loc[0, "flags"]
     assert not any("others' work" in n for n in outcome.notes), outcome.notes
+
+
+def test_a_young_counter_dipping_to_zero_is_no_restart_in_the_sweep():
+    """SGLang's counter after its warm-up (2 tokens) read 0 on a page while a worker's share lagged. The daemon's scraper
+    judges such a young counter's fall (YOUNG_COUNTER_TOKENS or fewer) as a dip; the sweep's check called it a restart
+    (0 is half of 2 or less): its baseline went to 0, and the next batch was blamed for the warm-up's 2 tokens ("2 tokens
+    more than powerprof's requests received"), left out and sent again. One rule now (servercount.counter_restarted)."""
+    def t(tok):
+        return tally_from_metrics(SGLANG.format(tok=tok, run=0), 0)
+
+    w = ForeignWatch(t(2))
+    assert w.judge(t(0), []) is None  # the dip
+    assert w.judge(t(2 + 16), [_Rec(16)]) is None  # the truth again: only our 16 tokens beyond the warm-up's
+    assert w.seen_tokens == 0
+
+
+@pytest.mark.parametrize("failure", ["unresolved", "refused"])
+def test_a_server_whose_metrics_could_not_be_read_is_said_so_not_counterless(failure):
+    """The sweep's read of the server's books when /metrics cannot be reached. Before, any failure read as a server that
+    shows no counters ("start it with --metrics"): a wrong reason and a wrong fix for a host name that did not resolve.
+    A refused connection (nothing listens: the server is down) and any other connect failure (could not read it) are
+    told apart, as the daemon's scraper tells them (servercount.connection_refused)."""
+    import asyncio
+    import socket
+
+    import aiohttp
+    from powerprof.workload.servercount import read_tally
+
+    class Unresolved(aiohttp.abc.AbstractResolver):  # a name that does not resolve, at once (no DNS asked)
+        async def resolve(self, host, port=0, family=socket.AF_INET):
+            raise socket.gaierror(-2, "Name or service not known")
+
+        async def close(self):
+            pass
+
+    async def go():
+        if failure == "refused":
+            async with aiohttp.ClientSession() as s:
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    port = sock.getsockname()[1]
+                return await read_tally(s, f"http://127.0.0.1:{port}")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=Unresolved())) as s:
+            return await read_tally(s, "http://inference.example:8000")
+
+    t = asyncio.run(asyncio.wait_for(go(), 60))
+    assert t.blind and "--metrics" not in t.limits(), t.limits()
+    if failure == "refused":
+        assert "connection refused" in t.limits(), t.limits()
+    else:
+        assert "could not be read" in t.limits() and "connection refused" not in t.limits(), t.limits()

@@ -294,6 +294,28 @@ def test_single_request_never_raises_on_refusal():
     assert r.status == "failed" and "connection refused" in r.error
 
 
+def test_a_connect_failure_other_than_a_refusal_is_not_said_as_one():
+    """A host name that does not resolve (or a connect that times out) is no refusal: before, every ClientConnectorError
+    was said "connection refused", the words of a server down, for a DNS failure."""
+    from powerprof.workload.client import ServerInfo
+
+    server = ServerInfo("http://inference.example:8000", "llamacpp", "llamacpp")
+
+    class Unresolved(aiohttp.abc.AbstractResolver):  # a name that does not resolve, at once (no DNS asked)
+        async def resolve(self, host, port=0, family=socket.AF_INET):
+            raise socket.gaierror(-2, "Name or service not known")
+
+        async def close(self):
+            pass
+
+    async def go():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=Unresolved())) as s:
+            return await send_request(s, server, "hi", QUICK)
+
+    r = asyncio.run(go())
+    assert r.status == "failed" and r.error.startswith("could not connect") and "refused" not in r.error, r.error
+
+
 # --- prompts ----------------------------------------------------------------------------------------
 
 

@@ -146,6 +146,7 @@ class Snapshot:
     proxy_body_timeouts: dict = field(default_factory=dict)  # rule (silent, slow) → request bodies answered 408
     proxy_malformed_requests: int = 0  # rejected by aiohttp's parser (400), this process's and the workers'
     proxy_worker_restarts: dict = field(default_factory=dict)  # reason → count (proxy.workers > 1)
+    proxy_workers_unread: int = 0  # workers serving whose records the daemon cannot read (an upgrade under it)
     late_tokens: float = 0.0  # stamped before an interval already closed: not attributed
     latency: dict = field(default_factory=dict)  # name → latency.HistogramState
     inflight: InFlightState | None = None  # recorded requests in flight / awaiting a first token, with integrals
@@ -423,6 +424,10 @@ class SnapshotCollector:
         for reason, n in sorted(s.proxy_worker_restarts.items()):
             restarts.add_metric([reason], n)
         yield restarts
+        yield GaugeMetricFamily("powerprof_proxy_workers_unread", "Proxy workers serving the port whose records the "
+                                "daemon cannot read (powerprof upgraded under it): their requests are forwarded but not "
+                                "attributed, their tokens bypass traffic (fix: restart the daemon)",
+                                value=s.proxy_workers_unread)
         for name, idx, doc in (
             ("powerprof_sample_reads", 0, "Full reads of each sensor source (ticks and tag-API edges; "
              "request edges are powerprof_edge_reads)"),

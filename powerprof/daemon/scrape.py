@@ -43,8 +43,9 @@ from powerprof.workload.limits import IDLE_REUSE_S, MAX_METRICS_BYTES, read_capp
 from .ticks import IDLE_PERIOD_S
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
-    COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, counter_total, histogram_sum_count, llamacpp_generated,
-    prefix_cache_reading, slot_progress, slots_json, unset_means_zero)
+    COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, YOUNG_COUNTER_TOKENS, connection_refused, counter_restarted,
+    counter_total, histogram_sum_count, llamacpp_generated, prefix_cache_reading, slot_progress, slots_json,
+    unset_means_zero)
 
 log = logging.getLogger("powerprof.daemon.scrape")
 
@@ -79,13 +80,6 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
 # A counter below its highest reading at two pages or more, above half of it, the server never found down: two dips in a
 # row or a restart, not told apart (Scraper._dip_or_restart); counted from the highest reading, the windows marked.
 COUNTER_BELOW = "counter_below"
-# A highest reading this small (tokens) is of a dip's own size: a few tokens' dip takes it to half or less, so there a
-# fall to half or less is no restart's sign (Scraper._dip_or_restart). The simulated SGLang dipping 4 tokens read its
-# warm-up's 2 as 0 before any request had finished (a loaded CI run): taken for a restart, the window was marked
-# server_restart and the 2 tokens counted again. Judged as any fall instead, a restart then missed is one no scrape
-# found down (a real server is down for seconds while it loads) and costs at most this many tokens, said (counter_below)
-# unless the new counter has passed the old reading by the next page.
-YOUNG_COUNTER_TOKENS = 64
 # Why a scraped count may be low (keys of Scraper.partial; /metrics label `reason`).
 PARTIAL_REASONS = {
     "late_baseline": "the server's counters were first read after the daemon said it was ready, and it had counted tokens "
@@ -186,8 +180,10 @@ def burst_start_ns(since_ns: int, t_ns: int, delta: float, next_rate_per_ns: flo
 
 def _server_down(e: BaseException) -> bool:
     """Whether a failed scrape says the server is down (a restart's sign, _dip_or_restart): nothing listening on its
-    port, or a gateway's or a loading server's 502/503. A timeout (busy) or a bad page does not."""
-    return isinstance(e, aiohttp.ClientConnectorError) or (isinstance(e, _MetricsStatus) and e.status in (502, 503))
+    port (a refused connection: servercount.connection_refused), or a gateway's or a loading server's 502/503. A
+    timeout (busy), a bad page, or a connection that failed otherwise (a host name that did not resolve, a connect
+    that timed out) does not: that scrape could not read the server, and says so (last_error)."""
+    return connection_refused(e) or (isinstance(e, _MetricsStatus) and e.status in (502, 503))
 
 
 class _MetricsStatus(ValueError):
@@ -288,7 +284,7 @@ class Scraper:
         scrape since the last believed page found the server down (nothing listening, or a 502/503). A fall still
         there at the next page, neither of those, may be either: that page's window counts nothing and is marked
         (COUNTER_BELOW, `_below`), and tokens count again from `prev` once the counter passes it."""
-        if total <= prev / 2 and prev > YOUNG_COUNTER_TOKENS:
+        if counter_restarted(prev, total):
             return f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}"
         if self._unreachable:
             return (f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} after a scrape found the server down")

@@ -866,6 +866,7 @@ class Daemon:
             proxy_malformed_requests=(self.bad_requests.rejected if self.bad_requests is not None else 0)
             + getattr(self.proxy, "malformed_requests", 0),
             proxy_worker_restarts=dict(getattr(self.proxy, "restarts", {})),
+            proxy_workers_unread=getattr(self.proxy, "unread_workers", 0),
             late_tokens=self.ledger.late_tokens,
             other_cpu_pct=tot.other_cpu_pct,
             busy_host_requests_cpu_j=tot.busy_host_requests_cpu_j,

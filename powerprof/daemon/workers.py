@@ -434,7 +434,9 @@ class _WorkerLink(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.owner.record_bytes += len(data)
-        self.worker.heard_s = time.monotonic()
+        self.worker.heard_s = time.monotonic()  # an unread worker too: it lives, and is not killed as silent
+        if self.worker.unread:
+            return  # records of a shape the daemon cannot read (ProxyWorkers._upgraded): its traffic is not attributed
         try:
             msgs = self.unframer.feed(data)
             for m in msgs:
@@ -477,6 +479,7 @@ class _Worker:
         self.served = 0  # requests it ended, over all its lives
         self.failures = 0  # deaths in a row, each within STABLE_S of its start (the restart backoff)
         self.retired = False  # it spoke another record shape (an upgrade under the daemon): not restarted
+        self.unread = False  # it spoke another shape as the last worker: it serves on, its records not read
 
 
 class ProxyWorkers:
@@ -542,6 +545,11 @@ class ProxyWorkers:
     def malformed_requests(self) -> int:
         """Requests the workers' HTTP parsers rejected (400, never forwarded)."""
         return sum(w.base[3] + w.stats[3] for w in self.workers)
+
+    @property
+    def unread_workers(self) -> int:
+        """Workers serving whose records the daemon cannot read (_upgraded): their traffic is forwarded, not attributed."""
+        return sum(1 for w in self.workers if w.unread and w.proc is not None)
 
     @property
     def watermark_ns(self) -> int | None:
@@ -619,6 +627,7 @@ class ProxyWorkers:
             theirs.close()
         w.started_s = w.heard_s = time.monotonic()
         w.said_hello = False
+        w.unread = False  # its hello is checked again: the code on disk may be the daemon's again
         w.watermark_ns = None
         w.hello = loop.create_future()
         w.hello.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: only start() waits
@@ -863,7 +872,24 @@ class ProxyWorkers:
         """Worker `w` said a record shape not the daemon's (LINK_SHAPE): powerprof was upgraded (or downgraded) in
         place under the running daemon. Said once, in words that name the fix; the worker is stopped and not
         restarted (a restart runs the same new code); its listening socket is closed where another worker still
-        serves, so the kernel sends its share of connections to those."""
+        serves, so the kernel sends its share of connections to those. The last worker is not stopped: with every one
+        retired, the port (the daemon's sockets, still bound) accepted nothing and the user's requests hung until
+        their clients gave up. The proxy is fail-open: that worker serves and forwards on, its records unread (its
+        traffic not attributed: the server's counter shows it as bypass traffic), said (unread_workers, the log), and
+        restarted if it dies."""
+        if all(x.retired for x in self.workers if x is not w):
+            w.unread = True
+            if not getattr(self, "_said_unread", False):
+                self._said_unread = True
+                log.error("powerprof was upgraded under the daemon: proxy worker %d (pid %s), the last one, speaks "
+                          "another record shape (%s, the daemon's %s); it keeps serving the port so that traffic flows, "
+                          "but its requests are not attributed (no rows; their tokens count as bypass traffic, "
+                          "`unproxied`; powerprof_proxy_workers_unread): restart the daemon", w.index,
+                          w.proc.pid if w.proc is not None else "?", theirs, LINK_SHAPE)
+            w.said_hello = True  # it serves
+            if w.hello is not None and not w.hello.done():
+                w.hello.set_result(w.proc.pid if w.proc is not None else 0)
+            return
         w.retired = True
         if not getattr(self, "_said_upgraded", False):
             self._said_upgraded = True

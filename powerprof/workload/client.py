@@ -26,6 +26,7 @@ from powerprof.errtext import error_text
 from .auth import API_KEY_ENV, api_key_given, auth_headers
 from .limits import (IDLE_REUSE_S, MAX_ERROR_BYTES, MAX_INFO_BYTES, MAX_METRICS_BYTES, MAX_RESPONSE_BYTES,
                      BodyTooLarge, bad_count, read_capped)
+from .servercount import connection_refused
 from .stream import APIS, StreamParser, parse_response
 
 # Server kinds and what each accepts beyond the OpenAI basics.
@@ -437,7 +438,8 @@ def server_away(rec: "RequestRecord") -> bool:
     if rec.ok:
         return False
     e = rec.error or ""
-    return rec.http_status == 503 or e.startswith(("connection refused", "server closed the stream", "connection lost"))
+    return rec.http_status == 503 or e.startswith(("connection refused", "could not connect", "server closed the stream",
+                                                    "connection lost"))
 
 
 async def health_status(session: aiohttp.ClientSession, base_url: str) -> int | None:
@@ -787,7 +789,11 @@ async def send_request(
                             end_called = True
                         await _read_tail(resp)
         except aiohttp.ClientConnectorError as e:
-            return _failed(base, f"connection refused: {e.os_error or e}", None, clock_ns())
+            # Only a refusal is said as one (nothing listens: the server down); a name that did not resolve or a
+            # connect that timed out is said as it is (servercount.connection_refused). Either is ridden out
+            # (server_away): whether the server restarted is read from its /metrics then, never from these words.
+            said = "connection refused" if connection_refused(e) else "could not connect"
+            return _failed(base, f"{said}: {e.os_error or e}", None, clock_ns())
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
             if _closed_under_it(e, answered, reuse, resent):
                 resent += 1

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from powerprof.errtext import error_text
+
 from .limits import MAX_COUNTER, MAX_METRICS_BYTES, bad_amount, bad_count, read_capped
 
 COUNTERS = {"vllm": "vllm:generation_tokens_total", "sglang": "sglang:generation_tokens_total"}
@@ -84,6 +86,31 @@ MAX_METRIC_LINES = 4096
 # may carry each running request's prompt text, so its size says little (a byte cap would cut real pages); its slot
 # count is what makes decoding it dear: a 16 MiB page of 29 000 slots took 0.15-0.39 s of CPU, in that event loop.
 MAX_SLOTS = 1024
+
+
+# A highest reading this small (tokens) is of a dip's own size: a few tokens' dip takes it to half or less, so there a
+# fall to half or less is no restart's sign (counter_restarted). The simulated SGLang dipping 4 tokens read its
+# warm-up's 2 as 0 before any request had finished (a loaded CI run): taken for a restart, the window was marked
+# server_restart and the 2 tokens counted again. Judged as any fall instead, a restart then missed is one no scrape
+# found down (a real server is down for seconds while it loads) and costs at most this many tokens, said (the daemon's
+# counter_below) unless the new counter has passed the old reading by the next page.
+YOUNG_COUNTER_TOKENS = 64
+
+
+def counter_restarted(before: float, now: float, young: float = YOUNG_COUNTER_TOKENS) -> bool:
+    """Whether a counter read `now` after `before` (the daemon: its highest believed reading; the sweep: the page before)
+    says by itself that the server restarted:
+    it fell to half or less (a new process counts from 0), not while `before` is `young` or less (a dip of a few tokens
+    on a multi-process page takes a young counter there: SGLang's 2 read as 0). The one rule the daemon's scraper and
+    the sweep's foreign-traffic check judge a fall by; a smaller fall is a dip (or a restart nothing else says)."""
+    return now < before and now <= before / 2 and before > young
+
+
+def connection_refused(e: BaseException) -> bool:
+    """Whether a failed request says nothing listens at the server's address (a connection refused: a server down or
+    restarting), the only connection failure that is a restart's sign. Any other (a name that did not resolve, a
+    connect that timed out, a host unreachable) says the server could not be read, not that it went down."""
+    return isinstance(e, aiohttp.ClientConnectorError) and isinstance(e.os_error, ConnectionRefusedError)
 
 
 def _lines_naming(text: str, name: str) -> str:
@@ -309,6 +336,7 @@ class Tally:
     in_flight: float | None = None  # requests running or queued now
     in_flight_source: str | None = None  # the gauges, or /slots
     stale_in_flight: float | None = None  # what the gauges said while the engine took no step (not in in_flight)
+    unread: str | None = None  # why /metrics could not be read (_get): then blind is no fact about the server
 
     @property
     def blind(self) -> bool:
@@ -317,6 +345,9 @@ class Tally:
 
     def limits(self) -> str | None:
         """What this server cannot show of other clients' requests, in words; None when it shows both kinds."""
+        if self.blind and self.unread:
+            return (f"the server's /metrics {self.unread}, so other clients' requests cannot be ruled out (fix: "
+                    "check that the server runs and answers at the address given)")
         if self.blind:
             return ("the server shows no request or token counters (llama.cpp: start it with --metrics, or keep /slots "
                     "enabled; vLLM and SGLang: /metrics, SGLang with --enable-metrics), so other clients' requests "
@@ -333,14 +364,19 @@ class Tally:
         return None
 
 
-async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int | None, str]:
+async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int | None, str, str | None]:
+    """(status, body, None), or (None, "", why it could not be read): a refused connection says the server is down
+    (connection_refused); any other failure (a name that did not resolve, a connect timed out) only that it was not
+    read."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=TALLY_TIMEOUT_S)) as r:
             if r.status != 200:
-                return r.status, ""
-            return r.status, (await read_capped(r, MAX_METRICS_BYTES)).decode("utf-8", "replace")
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-        return None, ""
+                return r.status, "", None
+            return r.status, (await read_capped(r, MAX_METRICS_BYTES)).decode("utf-8", "replace"), None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+        if connection_refused(e):
+            return None, "", "was not read: connection refused (nothing listens there: the server is down)"
+        return None, "", f"could not be read ({error_text(e)}; not taken as the server down)"
 
 
 def tally_from_metrics(text: str, t_ns: int) -> Tally:
@@ -373,13 +409,13 @@ async def read_tally(session: aiohttp.ClientSession, base_url: str, kind: str | 
     (unset_means_zero); any other page without it leaves the count unknown."""
     base = base_url.rstrip("/")
     t_ns = time.monotonic_ns()
-    status, text = await _get(session, base + "/metrics")
-    tally = tally_from_metrics(text, t_ns) if status == 200 and text else Tally(t_ns)
+    status, text, unread = await _get(session, base + "/metrics")
+    tally = tally_from_metrics(text, t_ns) if status == 200 and text else Tally(t_ns, unread=unread)
     if status == 200 and tally.tokens is None and unset_means_zero(text, kind):
         tally = Tally(t_ns, 0.0, COUNTERS[kind], tally.requests, tally.requests_name, tally.in_flight,
                       tally.in_flight_source)
     if tally.in_flight is None:
-        status, text = await _get(session, base + "/slots")
+        status, text, _ = await _get(session, base + "/slots")
         try:
             busy = busy_slots(slots_json(text)) if status == 200 else None
         except ValueError:
@@ -424,7 +460,8 @@ class ForeignWatch:
     another client's. Counts compare cumulatively from the first snapshot with a high-water mark, so a
     counter that lags the stream by a step, or dips below the page before for one read, shifts nothing
     between batches. A token counter fallen to half its last reading or less is a restart (counted from
-    there again); a restart the sweep sees as the server going away is ridden out by sweep.py."""
+    there again; not one of YOUNG_COUNTER_TOKENS or fewer: counter_restarted); a restart the sweep sees as the
+    server going away is ridden out by sweep.py."""
 
     def __init__(self, first: Tally):
         self.first = self.prev = first
@@ -456,9 +493,10 @@ class ForeignWatch:
         self.ours_tokens += sum(int((r.shown_tokens if r.count_problem else r.generated_tokens) or 0) for r in recs)
         self.ours_requests += sum(1 for r in recs if r.ok)
         if now.tokens is not None and self.first.tokens is not None and self.prev.tokens is not None:
-            # The server restarted: its counter began again. A fall, never a counter standing still at 0 (a fresh
-            # server's counter lagging our first batch: reset there, that batch came back as another client's).
-            if now.tokens < self.prev.tokens and now.tokens <= self.prev.tokens / 2:
+            # The server restarted: its counter began again (counter_restarted, the daemon's rule too). A fall, never a
+            # counter standing still at 0 (a fresh server's counter lagging our first batch: reset there, that batch
+            # came back as another client's), nor a young counter's dip (SGLang's warm-up 2 read as 0).
+            if counter_restarted(self.prev.tokens, now.tokens):
                 self.first, self.ours_tokens, self._tok_high = now, 0, 0.0
             else:
                 # A fall above half the page before is no restart: a multi-process page (SGLang's, a vLLM with
@@ -475,8 +513,9 @@ class ForeignWatch:
                                f"requests received ({now.tokens_name})")
                 self._tok_high = max(self._tok_high, excess)
         if now.requests is not None and self.first.requests is not None and self.prev.requests is not None:
-            # Restarted (a fall to half or less, as the token counter's); a smaller fall a dip.
-            if now.requests < self.prev.requests and now.requests <= self.prev.requests / 2:
+            # Restarted (a fall to half or less, as the token counter's; a request counter has no young limit: no dip
+            # of a young one was seen); a smaller fall a dip.
+            if counter_restarted(self.prev.requests, now.requests, young=0):
                 self.first, self.ours_requests, self._req_high = now, 0, 0.0
             else:
                 excess = now.requests - self.first.requests - self.ours_requests
