@@ -203,7 +203,8 @@ class _Req:
     cpu_other_pct_j: float = 0.0
     # Its GPU joules from intervals without a counter that were mostly idle (NO_COUNTER_SHORT_FLAG).
     no_counter_short_j: float = 0.0
-    # Its GPU joules from intervals whose bypass count may be low (server_count), and their reasons (BYPASS_LOW_FLAG).
+    # Its GPU joules from intervals whose bypass count may be low, or high too (server_count; proxy_lag and
+    # server_restart: schema.BYPASS_COUNT_TWO_WAY), and their reasons (BYPASS_LOW_FLAG).
     bypass_low_j: float = 0.0
     bypass_low_why: set = field(default_factory=set)
     # Where its tokens were placed from, when not where the proxy saw its first: a stream that reached the proxy in
@@ -1780,7 +1781,8 @@ class Ledger:
         if self.server_seen:
             excess, bypass_spans, why_low = self._bypass_tokens(t)
         server_count = self._server_count(t, why_low)
-        # Intervals whose bypass count may be low: their requests may carry bypass traffic's energy (said on their rows),
+        # Intervals whose bypass count may be low (or high: schema.BYPASS_COUNT_TWO_WAY): their requests may carry bypass
+        # traffic's energy, or have lost some of theirs (said on their rows),
         # and the live J/token leaves them out, by the one rule `analyze` follows (schema.bypass_count_low).
         low_iv = np.array([bypass_count_low(c) for c in server_count], dtype=bool)
         setting = edges[-1].setting
@@ -1989,7 +1991,7 @@ class Ledger:
     def _bypass_tokens(self, t: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], list[set]]:
         """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic), the
         (start, end) of the scrape windows they came from (the time bypass traffic ran in), and per
-        interval why its count may be low (the reasons of the windows over it; `unscraped` where no
+        interval why its count may be low or off (the reasons of the windows over it; `unscraped` where no
         window reaches its end: its intervals could be held no longer, or the daemon stopped).
 
         Each scrape window's bypass tokens (`_resolve_spans`) are spread evenly over the time it
