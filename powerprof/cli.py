@@ -1948,13 +1948,15 @@ def tag_stop(name, socket, config_path, as_json):
         click.echo(f"note: {one_line(str(r['note']), 2000)}", err=True)
     if noted:
         click.echo(f"note: {one_line(str(noted), 2000)}", err=True)
-    from powerprof.storage.schema import SERVER_COUNT_COMPLETE, bypass_count_fix, bypass_count_low  # noqa: PLC0415
+    from powerprof.storage.schema import (SERVER_COUNT_COMPLETE, bypass_count_fix, bypass_count_low,  # noqa: PLC0415
+                                          bypass_count_may_be)
 
     sc = r.get("server_count")
     if "server_count" not in r or (noted and bypass_count_low(sc)):  # an older daemon's answer (no such key), or the
         pass  # row's energy_note said it (bypass-uncounted)
     elif bypass_count_low(sc):  # the rule analyze's tag table leaves such a window out by
-        click.echo(f"note: the server's token count over its intervals may be low or was not read (server_count "
+        click.echo(f"note: the server's token count over its intervals {bypass_count_may_be(sc)} or was not read "
+                   f"(server_count "
                    f"{sc or 'unknown'}): bypass traffic beside it is not known, and its energy may be in this window's "
                    "J/token; `powerprof analyze` leaves this window out of its tag's figures; fix: "
                    f"{bypass_count_fix(sc)} (docs/daemon.md, Which rows may be low)", err=True)

@@ -38,7 +38,8 @@ def _trace(rid, arrival_s):
 
 def _run(restart_at_s: float | None, late_first_read_s: float | None = None, until_s: float = 16.0, down_s: float = 0.5,
          slots_only: bool = False, bypass_stride: int = 4, idle_w: float | None = None, j_per_token: float = 0.25,
-         keep: list | None = None, tags: tuple = (), stall: tuple[float, float] | None = None):
+         keep: list | None = None, tags: tuple = (), stall: tuple[float, float] | None = None, read_early_s: float = 0.0,
+         proxied_until_s: float = np.inf):
     """A ledger fed as the daemon feeds it: 1 s GPU samples (100 J each), scrapes every 0.25 s, proxied streams at
     160 tokens/s (four streams' worth, 4 tokens a step) and bypass traffic at 10 tokens/s from 1 s on. `restart_at_s`: the server restarts there (the old
     process's tokens after the scrape before are lost, its counter counts from 0 again) and is down `down_s` (scrapes
@@ -48,7 +49,10 @@ def _run(restart_at_s: float | None, late_first_read_s: float | None = None, unt
     draws this plus `j_per_token` for every token it generates, proxied or not (the truth a J/token is held to);
     None: 100 J each second whatever ran. `keep`: the ledger is appended to it. `tags`: (name, start s, stop s) tag
     windows opened and closed at those scrape ticks. `stall`: (t0, t1) the proxy's event loop stalls (a loaded host): the
-    tokens generated in [t0, t1) it sees at t1, and a scrape meanwhile finds the server's count ahead. Returns (interval rows, request rows,
+    tokens generated in [t0, t1) it sees at t1, and a scrape meanwhile finds the server's count ahead. `read_early_s`: the
+    server's counter is read that long before the scrape's stamp (the daemon stamps a GET's midpoint): the proxied tokens
+    of that last stretch are placed in the window, counted in the next. `proxied_until_s`: no proxied tokens from then
+    on. Returns (interval rows, request rows,
     true bypass tokens per 1 s interval)."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
@@ -60,7 +64,7 @@ def _run(restart_at_s: float | None, late_first_read_s: float | None = None, unt
     down = (restart_at_s, restart_at_s + down_s) if restart_at_s is not None else (np.inf, np.inf)
     up = (gen < down[0]) | (gen >= down[1])
     bypass = gen[up][::bypass_stride]  # 10 tokens/s by default
-    proxied = gen[up]  # 160 tokens/s: 4 tokens a step (PER_STEP)
+    proxied = gen[up & (gen < proxied_until_s)]  # 160 tokens/s: 4 tokens a step (PER_STEP)
     # Streams of 2 s each through the proxy; a restart cuts the one running.
     traces, cur = [], None
     server_total = 0.0
@@ -100,7 +104,8 @@ def _run(restart_at_s: float | None, late_first_read_s: float | None = None, unt
             led.add_gpu_sample(int(t * S), int(t * S), [_R(float(spent))])
         # What the server's counter says at t: its process's tokens since it started.
         born = down[1] if t >= down[1] else 0.0
-        count = float(PER_STEP * ((proxied > born) & (proxied <= t)).sum() + ((bypass > born) & (bypass <= t)).sum())
+        count = float(PER_STEP * ((proxied > born) & (proxied <= t - read_early_s)).sum()
+                      + ((bypass > born) & (bypass <= t)).sum())
         readable = not (down[0] <= t < down[1])
         if readable and t >= first_read:
             if prev_total is None:
@@ -206,6 +211,33 @@ def test_a_proxy_lagging_the_server_at_a_restart_makes_no_bypass_tokens_up():
             if r["server_tokens"] < truth[k] - 1e-6:
                 assert "server_restart" in r["server_count"], (stride, k, r["server_tokens"], truth[k])
         assert [r["server_count"] for r in rows[4:8]] == ["complete", "server_restart", "server_restart", "complete"]
+
+
+
+@pytest.mark.parametrize("restart_at_s,proxied_until_s", [(None, 8.5), (None, np.inf), (6.2, 7.2), (6.2, np.inf)])
+def test_a_counter_read_before_its_stamp_owes_the_proxys_tokens_and_their_recovery_is_no_bypass(restart_at_s,
+                                                                                                 proxied_until_s):
+    """The server's counter is read 0.1 s before the scrape's stamp (the daemon stamps a GET's midpoint; llama-server's
+    /metrics is read before /slots): the proxy's last 16 tokens of each window are placed there and counted in the next,
+    a negative gap that lasts while the proxy's pace does, and is recovered where its streams end. Held past CREDIT_S,
+    or made the reference at a restart (the levels start afresh there, from a level whose lookahead took in the new
+    process's first dip), that recovery read as 16 bypass tokens where 1 ran, in rows saying `complete`. A negative gap
+    is carried forward now and netted against the rise its recovery makes."""
+    rows, _, truth = _run(restart_at_s=restart_at_s, down_s=0.5, read_early_s=0.1, bypass_stride=10**9,
+                          proxied_until_s=proxied_until_s)
+    got = np.array([r["server_tokens"] or 0.0 for r in rows])
+    assert got.sum() <= truth.sum() + 1e-6, ([(round(x, 1), r["server_count"]) for x, r in zip(got, rows)], truth)
+    assert got.sum() >= truth.sum() - 1.0, ([(round(x, 1), r["server_count"]) for x, r in zip(got, rows)], truth)
+    for x, r in zip(got, rows):
+        k = int(round(r["t_start_mono_s"]))
+        # Within a token (LAG_TOKENS): the one bypass token that ran may be booked a window late.
+        assert x <= truth[k] + 1.0 or r["server_count"] != "complete", (k, x, truth[k], r["server_count"])
+    # With bypass traffic beside it (10 tokens/s), every row's count that says `complete` is right to the token.
+    rows, _, truth = _run(restart_at_s=restart_at_s, down_s=0.5, read_early_s=0.1, proxied_until_s=proxied_until_s)
+    for r in rows[2:]:  # from 2 s: the first bypass token (at 1.0 s) is counted in the window before its bin
+        k = int(round(r["t_start_mono_s"]))
+        if r["server_count"] == "complete":
+            assert r["server_tokens"] == pytest.approx(truth[k], abs=1.0), (k, r["server_tokens"], truth[k])
 
 
 def _read_pieces_due(led, tr, pieces, t: float) -> None:

@@ -32,7 +32,8 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, COUNT_OPEN_FIX,
                                       COUNT_OPEN_FLAG, CACHE_LATE_FLAG, CACHE_UNSAID_FIX, HELD_TAIL_FIX, HELD_TAIL_FLAG,
                                       CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
-                                      SERVER_COUNT_PROXY_LAG, SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
+                                      SERVER_COUNT_PROXY_LAG, SERVER_COUNT_SLOTS_ONLY, SERVER_COUNT_UNREAD,
+                                      bypass_count_fix, bypass_count_low, bypass_count_may_be)
 
 from powerprof.arrival import SAME_DELIVERY_NS, at_limit
 
@@ -202,7 +203,8 @@ class _Req:
     cpu_other_pct_j: float = 0.0
     # Its GPU joules from intervals without a counter that were mostly idle (NO_COUNTER_SHORT_FLAG).
     no_counter_short_j: float = 0.0
-    # Its GPU joules from intervals whose bypass count may be low (server_count), and their reasons (BYPASS_LOW_FLAG).
+    # Its GPU joules from intervals whose bypass count may be low, or high too (server_count; proxy_lag and
+    # server_restart: schema.BYPASS_COUNT_TWO_WAY), and their reasons (BYPASS_LOW_FLAG).
     bypass_low_j: float = 0.0
     bypass_low_why: set = field(default_factory=set)
     # Where its tokens were placed from, when not where the proxy saw its first: a stream that reached the proxy in
@@ -472,6 +474,10 @@ class Ledger:
         self._open_bypass: dict = {}
         self._pass_len = 0
         self._level = 0.0  # the latest window's level
+        # Tokens the server's count owes the proxy's since its latest (re)start: read before its scrape's stamp, counted
+        # in a later window (`_resolve_spans`); and the latest window's reference level.
+        self._owed, self._ref_last = 0.0, 0.0
+        self._placed_last = 0.0  # the proxy's tokens in the latest resolved window
         self._ahead = (0.0, 0.0)  # and the most and least lag it may hold
         self._edge_most: float | None = 0.0  # the most lag the latest window may hold at its own end (None: unmeasured)
         # (t_ns, s) how late the proxy's event loop ran, as the daemon measures it (`note_proxy_delay`): the most a
@@ -1783,7 +1789,8 @@ class Ledger:
         if self.server_seen:
             excess, bypass_spans, why_low = self._bypass_tokens(t)
         server_count = self._server_count(t, why_low)
-        # Intervals whose bypass count may be low: their requests may carry bypass traffic's energy (said on their rows),
+        # Intervals whose bypass count may be low (or high: schema.BYPASS_COUNT_TWO_WAY): their requests may carry bypass
+        # traffic's energy, or have lost some of theirs (said on their rows),
         # and the live J/token leaves them out, by the one rule `analyze` follows (schema.bypass_count_low).
         low_iv = np.array([bypass_count_low(c) for c in server_count], dtype=bool)
         setting = edges[-1].setting
@@ -1992,7 +1999,7 @@ class Ledger:
     def _bypass_tokens(self, t: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], list[set]]:
         """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic), the
         (start, end) of the scrape windows they came from (the time bypass traffic ran in), and per
-        interval why its count may be low (the reasons of the windows over it; `unscraped` where no
+        interval why its count may be low or off (the reasons of the windows over it; `unscraped` where no
         window reaches its end: its intervals could be held no longer, or the daemon stopped).
 
         Each scrape window's bypass tokens (`_resolve_spans`) are spread evenly over the time it
@@ -2194,6 +2201,29 @@ class Ledger:
             while self._levels and self._levels[0][0] < sp[1] - credit_ns:
                 self._levels.popleft()
             sp[3] = max(0.0, level - ref)
+            if not restart[k] and not self.server_at_finish and not {SERVER_COUNT_SLOTS_ONLY, "server_restart",
+                                                                     "unscraped"} & set(sp[5]):
+                # Tokens are conserved: a counter read before its scrape's stamp (the daemon stamps the GET's midpoint;
+                # llama-server's /metrics is read before /slots) leaves the proxy's tokens of that stretch placed in the
+                # window and counted in the next, a dip of the gap that lasts while the proxy's pace does. Held past
+                # CREDIT_S (a stream running on), the dip became the reference, and its recovery (the stream's end) read
+                # as bypass tokens that never ran, in rows saying `complete` (16 where 1 ran, the counter read 0.1 s
+                # early: tests/test_daemon_bypass_partial.py). So what the reference fell by is owed, and a rise nets
+                # against it first, as far as the fall of the proxy's tokens from the window before can repay (the
+                # stretch read early holds fewer of them): while the proxy's pace holds, a rise is bypass traffic. At
+                # most the proxy's tokens of the LAG_S either side of the window's end are owed (what a read that early
+                # can owe, its level looking LAG_S ahead): a count lost for good is not carried for ever. A server that
+                # loses tokens by design (`slots_only`, an at-finish counter a cut stream never reaches) and a window
+                # whose level a restart's lost tail or an unread server lowered (said above) owe nothing: those losses
+                # would hide bypass traffic.
+                self._owed += max(0.0, self._ref_last - ref)
+                self._owed = min(self._owed, float(cum[np.searchsorted(pt, sp[1] + lag_ns, side="right")]
+                                                   - cum[np.searchsorted(pt, sp[1] - lag_ns, side="right")]))
+                repaid = min(self._owed, sp[3], max(0.0, (float(placed[k - 1]) if k else self._placed_last)
+                                                    - float(placed[k])))
+                sp[3] -= repaid
+                self._owed -= repaid
+            self._ref_last = ref
             if restart[k] and any(q.trace.arrival_ns <= sp[0] for q in live):
                 # Its level holds the old process's count of tokens still to come (placed at its end, here, once
                 # read): no bypass tokens are booked (low if any ran; the window says server_restart), and the levels
@@ -2265,6 +2295,16 @@ class Ledger:
                 sp[5] = (*sp[5], PROXY_LAG)
             if restart[k]:
                 self._levels.clear()
+                # The new process owes what its restart window's level fell below its gap (less the most lag the proxy
+                # may hold at its end): that LAG_S lookahead takes in the new process's first dips (tokens placed before
+                # the new counter read them), and their recovery read as bypass tokens that never ran (16 where 1 ran).
+                # And the tokens placed in the window for requests that arrived inside it beyond all the new counter
+                # counted there: the old process, cut, never counts them, so the new one, read before it counted them,
+                # owes them (placed, they lowered the gap as a lost tail does: 8 of those 16).
+                fresh = sum(n for q in self.requests.values() if q.trace.arrival_ns > sp[0]
+                            for t, n in zip(q.ev_t, q.ev_n) if sp[0] < t <= sp[1])
+                self._owed = max(0.0, float(gaps[k]) - float(ahead_n[k]) - level) + max(0.0, fresh - float(sp[2]))
+                self._ref_last = level
             if sp[3] > 0 and sp[4] is not None:
                 self._spread_back(sp, pt, dur)
             self._levels.append((sp[1], level, float(ahead_n[low]), float(ahead_lo[low])))
@@ -2273,6 +2313,7 @@ class Ledger:
                 self._bypassed.popleft()
             self._level, self._ahead = level, (float(ahead_n[low]), float(ahead_lo[low]))
             self._gap = float(gaps[k])
+            self._placed_last = float(placed[k])
             self._edge_most = float(ahead_n[k]) if measured[k] else None
 
     def _note_unsure(self, r: _Req, t1: int) -> None:
@@ -2582,8 +2623,10 @@ class Ledger:
                          "half of it: its requests' split rests on the idle power taken out of the rest and the "
                          f"readings' timing (left out of the daemon's J/token); fix: {NO_COUNTER_SHORT_FIX}")
         if server_count is not None and bypass_count_low(server_count):
-            notes.append(_count_low_note(server_count, "here", "server_tokens and unproxied_energy_j may be low and "
-                                                               "bypass traffic's energy may be in requests_energy_j"))
+            off = bypass_count_may_be(server_count)
+            notes.append(_count_low_note(server_count, "here", f"server_tokens and unproxied_energy_j {off} and bypass "
+                                                               "traffic's energy may be in requests_energy_j, or theirs "
+                                                               "in it"))
         notes.append(_interval_cache_note(cache_unsaid))
         return _joined(*notes)
 
@@ -2905,9 +2948,11 @@ def _busy_host_note(other_pct: float | None, during: str = "its intervals") -> s
 
 
 def _count_low_note(server_count: str | None, where: str, so: str) -> str:
-    """Why a row's bypass figures may be low: the server's count over it (`server_count`) may be, with the fix."""
+    """Why a row's bypass figures may be off: the server's count over it (`server_count`) may be low (or high, for the
+    reasons schema.BYPASS_COUNT_TWO_WAY names), with the fix."""
     why = ", ".join(sorted({w for w in (server_count or "").split(",") if w} - {COUNT_COMPLETE})) or "unknown"
-    return (f"{BYPASS_LOW_FLAG}: the server's token count may be low {where} ({why}: its server_count), so {so}; "
+    return (f"{BYPASS_LOW_FLAG}: the server's token count {bypass_count_may_be(server_count)} {where} ({why}: its "
+            f"server_count), so {so}; "
             f"fix: {bypass_count_fix(server_count)}")
 
 
@@ -2934,11 +2979,12 @@ def _bypass_low_note(r: _Req) -> str | None:
     if not (r.gpu_j > 0 and not r.gpu_missing and r.bypass_low_j > 0):
         return None
     why = sorted(r.bypass_low_why) or ["unknown"]
-    if PROXY_LAG in why:  # the one reason whose count may be high as well
+    if bypass_count_may_be(",".join(why)) != "may be low":  # proxy_lag, server_restart: a count that may be high too
         return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
                 f"server token count may be low or high ({', '.join(why)}: their server_count): bypass traffic there "
-                f"may be missing from unproxied, or the proxy's own lag taken for it, so this request's energy may hold "
-                f"bypass traffic's or have lost its own; fix: {bypass_count_fix(','.join(why))}")
+                f"may be missing from unproxied, or the proxy's own lag (or a restarted counter's) taken for it, so "
+                f"this request's energy may hold bypass traffic's or have lost its own; "
+                f"fix: {bypass_count_fix(','.join(why))}")
     return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
             f"server token count may be low ({', '.join(why)}: their server_count): bypass traffic there is not in "
             f"unproxied, and its energy may be in this request's; fix: {bypass_count_fix(','.join(why))}")

@@ -92,7 +92,9 @@ PARTIAL_REASONS = {
     "server_restart": "the server restarted (its token counter went back, or its process start time moved): the old "
                       "process's tokens after the last scrape before it went down are not in the count, so bypass traffic "
                       "then is not in `unproxied` (its energy is with the proxied requests' or idle); the intervals across "
-                      "the restart say so in server_count (fix: none needed for later figures; a restart whose new counter "
+                      "the restart say so in server_count, where the count may be high as well (the new process's "
+                      "first reads may owe the proxy's tokens in a way nothing tells from that loss) (fix: none "
+                      "needed for later figures; a restart whose new counter "
                       "has passed the old reading by the first scrape after it, on a server without "
                       "process_start_time_seconds, cannot be told from traffic and is not said)",
     COUNTER_BELOW: "the server's token counter stayed below its highest reading at consecutive scrapes, above half of it "
@@ -256,7 +258,7 @@ class Scraper:
         if "server_restart" not in self.partial:
             self.partial["server_restart"] = PARTIAL_REASONS["server_restart"]
         if self.restarts <= 3 or self.restarts % 100 == 0:
-            log.warning("the server at %s restarted (%s; %d so far): scraped server count may be low: %s",
+            log.warning("the server at %s restarted (%s; %d so far): scraped server count may be low or high: %s",
                         self.base, why, self.restarts, PARTIAL_REASONS["server_restart"])
 
     def _new_process(self, text: str) -> str | None:

@@ -290,8 +290,8 @@ DAEMON_REQUESTS_COLUMNS = [
 
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
 # read over it, the scraper having no answer yet (unread: its bypass traffic unknown); the daemon scrapes no server
-# (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, server_restart,
-# counter_below, slots_only, unscraped, misplaced), or may be low or high (proxy_lag). Null (files written before the column): unknown, never complete. A request given energy of
+# (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, counter_below,
+# slots_only, unscraped, misplaced), or may be low or high (proxy_lag, server_restart: BYPASS_COUNT_TWO_WAY). Null (files written before the column): unknown, never complete. A request given energy of
 # an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
@@ -361,6 +361,19 @@ def bypass_count_low(server_count: str | None) -> bool:
     return not server_count or not set(server_count.split(",")) <= set(SERVER_COUNT_TRUSTED)
 
 
+# The reasons whose count may be high as well as low: the proxy's own lag (proxy_lag), and a restart, where the old
+# process's last count is lost (low) and the new one's first reads may owe the proxy's tokens in a way nothing tells
+# from that loss (high, where a dip's recovery reads as bypass: docs/daemon.md, Which rows may be low).
+BYPASS_COUNT_TWO_WAY = (SERVER_COUNT_PROXY_LAG, "server_restart")
+
+
+def bypass_count_may_be(server_count: str | None) -> str:
+    """How a `server_count` may err, for a note: "may be low or high" where any of its reasons may err either way
+    (BYPASS_COUNT_TWO_WAY), else "may be low"."""
+    why = set((server_count or "").split(","))
+    return "may be low or high" if why & set(BYPASS_COUNT_TWO_WAY) else "may be low"
+
+
 def bypass_count_unknown(server_count: str | None) -> bool:
     """No server count at all: not read yet (`unread`), or null (written before the column). Left out, as low."""
     return not server_count or server_count == SERVER_COUNT_UNREAD
@@ -371,7 +384,8 @@ def bypass_count_unknown(server_count: str | None) -> bool:
 BYPASS_COUNT_FIX = {
     "late_baseline": "start the server before the daemon, or restart the daemon once the server is up",
     SERVER_COUNT_UNREAD: "start the server before the daemon, and check that scrape.url answers its /metrics",
-    "server_restart": "none for later requests (the count starts afresh); keep the server from restarting",
+    "server_restart": "their count may be low or high: none for later requests (the count starts afresh); keep the "
+                      "server from restarting",
     "counter_below": "none once the server's counter passes its highest reading again; where it was a restart, a page "
                      "with process_start_time_seconds (vLLM with one API server) tells it",
     SERVER_COUNT_SLOTS_ONLY: "start llama-server with --metrics",
