@@ -324,11 +324,10 @@ class LookUnderLoad:
         self._settled = None
 
     def __call__(self, since_wall_ns: int | None = None, stopped: str | None = None) -> list[str]:
-        """The notes of the look (with allow), [] when nothing new was found or it was taken already; raises
-        GpuPlacementStop where the server now runs on a GPU not measured. since_wall_ns: when the load began
-        (time.time_ns() of its first request), the samples read from then; None: the last HELPER_LOOK_S. stopped: what
-        the refusal left undone, as the caller knows it now (a re-armed look stops partway), else the words given at
-        construction."""
+        """The notes of the look (with allow), [] when nothing new was found; raises GpuPlacementStop where the server
+        now runs on a GPU not measured. since_wall_ns: when the batch began (time.time_ns() of its first request), the
+        samples read from then; None: the last HELPER_LOOK_S. stopped: what the refusal left undone, as the caller
+        knows it now (the level it struck, the levels kept), else the words given at construction."""
         if self.server_procs is None:
             return []
         self.looks += 1
