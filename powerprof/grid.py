@@ -450,8 +450,10 @@ class _GridLook:
 
     def __init__(self, grid: "GridRun", rec: ConfigRecord, look):
         self.grid, self.rec, self.look = grid, rec, look
+        self.rearmed = False
 
     def rearm(self) -> None:
+        self.rearmed = True
         self.look.rearm()
 
     def __call__(self, since_wall_ns: int | None = None, stopped: str | None = None) -> list[str]:
@@ -459,10 +461,11 @@ class _GridLook:
 
         before = list(self.look.notes or [])
         if stopped is not None:
-            # Re-armed after this configuration's server restarted (Sweep._stop_words): not its first batch; the
-            # configurations finished before it are what is kept.
-            stopped = ("the grid stopped at this configuration, after its server restarted (every limit put back, "
-                       "the configurations finished before it kept)")
+            # The sweep's words (Sweep._stop_words) name a level; a configuration's stop keeps the configurations
+            # finished before it, after this one's server restarted where one was ridden out.
+            after = ", after its server restarted" if self.rearmed else ""
+            stopped = (f"the grid stopped at this configuration{after} (every limit put back, the configurations "
+                       "finished before it kept)")
         try:
             said = self.look(since_wall_ns, stopped=stopped)
         except GpuPlacementError as e:

@@ -164,7 +164,7 @@ class SweepError(RuntimeError):
 
 class PlacementStop(SweepError):
     """The server runs on a GPU not measured, found partway through the run: by a grid configuration's check as its
-    server started, or by the look under load after the sweep's (or a configuration's) first batch (LookUnderLoad).
+    server started, or by the look under load after any batch of the sweep's (or a configuration's) (LookUnderLoad).
     The run stops as any mid-run stop does (limits put back, the finished configurations kept, none of the level the
     look stopped, the back line said), exit 2 (the --gpus given, or left out, are the mistake)."""
 
@@ -258,8 +258,8 @@ class Sweep:
         answering (the server's pids, None) or (None, why) (workload.serverprocs.ServerProcesses), to tell the
         server's processes on the GPUs from others'. held_limits: each GPU's (power limit, enforced limit) as the run
         began, filled at the first level when empty; a configuration sweep passes one for all its configurations.
-        placement_look: the placement looked at again after the first batch (workload/placement.LookUnderLoad): a
-        server GPU found then stops the sweep, PlacementStop, before that batch's rows are kept."""
+        placement_look: the placement looked at again after every batch (workload/placement.LookUnderLoad): a server
+        GPU found then stops the sweep, PlacementStop, before that batch's rows are kept."""
         self.s = settings
         self.row_extras = dict(row_extras or {})
         self.prof = profiler
@@ -584,7 +584,7 @@ class Sweep:
                 await self._ride_out(visit, recs)
                 if self._placement_look is not None:
                     # The restarted server has not been looked at under load (it may have come back placed
-                    # otherwise, a small model on another GPU): looked at again after its first batch.
+                    # otherwise, a small model on another GPU): its first batch's look is a full one.
                     self._placement_look.rearm()
                     self._look_rearmed = True  # its stop now says the level and the finished levels kept (_stop_words)
                 # Measured again from scratch, as the level began: warm-up, the prompt set from its start.
@@ -658,32 +658,29 @@ class Sweep:
                 return
 
     def _look_again(self, since_wall_ns: int | None, visit: LevelVisit | None = None) -> None:
-        """The server's GPUs once more, now that the load has run (once per sweep: LookUnderLoad): a small model idle
+        """The server's GPUs once more, now that a batch has run (every batch: LookUnderLoad): a small model idle
         before the load was taken for a helper, and its GPU left unmeasured; where the load's requests worked it, the
         sweep stops (PlacementStop, exit 2: run_sweep puts every limit back) or, allowed, says so in its notes."""
         if self._placement_look is None:
             return
         try:
-            if visit is not None and self._look_rearmed:
-                # Re-armed after a server restart ridden out: the stop is at this level, not the first, and the
-                # levels finished before it are kept; the look's own words ("its first level, none of it kept"),
-                # fixed when it was made, said otherwise.
-                said = self._placement_look(since_wall_ns, stopped=self._stop_words(visit))
-            else:
-                said = self._placement_look(since_wall_ns)
+            # Every batch is looked at: the stop says the level it struck and the finished levels kept (_stop_words),
+            # not the look's words fixed when it was made ("its first level, none of it kept").
+            said = self._placement_look(since_wall_ns, stopped=self._stop_words(visit) if visit is not None else None)
             self.placement_notes.extend(said)
         except GpuPlacementError as e:
             raise PlacementStop(str(e)) from None
 
     def _stop_words(self, visit: LevelVisit) -> str:
-        """What a stop by the look under load at `visit`, after a server restart, leaves: that level, none of it kept,
-        and the levels finished before it, kept (run_sweep puts every limit back)."""
+        """What a stop by the look under load at `visit` (after a server restart, if one was ridden out) leaves: that
+        level, none of it kept, and the levels finished before it, kept (run_sweep puts every limit back)."""
         unit = {"power_limit": " W", "sm_clock": " MHz"}.get(self.s.level_kind, "")
         level = "the settings as they are" if visit.level_value is None else f"level {visit.level_value:g}{unit}"
         done = sorted({v.level_value for v in self.visits if v.stop and v.level_value is not None})
         kept = (f"the finished level{'s' if len(done) > 1 else ''} ({', '.join(f'{x:g}' for x in done)}{unit}) kept"
                 if done else "no level had finished")
-        return f"the sweep stopped at {level}, after its server restarted: none of that level kept, {kept}"
+        after = ", after its server restarted" if self._look_rearmed else ""
+        return f"the sweep stopped at {level}{after}: none of that level kept, {kept}"
 
     async def _watch_others(self) -> None:
         """Begin comparing the server's books with our requests, and the GPUs' processes with the server's, from now."""
@@ -1209,7 +1206,7 @@ class TraceSweep(Sweep):
             with self.prof.window("trace") as w:
                 recs = await replay_async(self.session, self.server, self.trace, self.params)
             records = [r.record for r in recs]
-            self._look_again(min((r.t_send_wall_ns for r in records), default=None))
+            self._look_again(min((r.t_send_wall_ns for r in records), default=None), visit)
             visit.elapsed_s = time.monotonic() - t_start
             others = await self._others_beside(records)
             value = None if visit.level_value is None else float(visit.level_value)
@@ -1503,7 +1500,7 @@ def run_sweep(
         first = find_placement(nvml, src.gpu_uuids, server_procs)
         cost = cost_words(level_kind)  # a clock sweep steps clocks, not limits
         judge_placement(first, notes, allow=allow_unmeasured_server_gpus, cost=cost)
-        # Looked at again after the first batch: a small model idle during this look was taken for a helper.
+        # Looked at again after every batch: a small model idle during this look was taken for a helper.
         look = LookUnderLoad(nvml, src.gpu_uuids, server_procs, first, allow=allow_unmeasured_server_gpus,
                              stopped="the sweep stopped at its first level, none of it kept", cost=cost,
                              notes=notes)

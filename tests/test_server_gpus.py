@@ -1113,3 +1113,169 @@ def test_measures_stop_line_says_which_of_its_reasons_kept_nothing(tmp_path, mon
             "finished batch was never checked, so none of it is kept)") in r.output, r.output
     assert "no measured request had finished" not in r.output, r.output
     assert not out.exists()
+
+
+def test_a_small_model_the_first_batch_does_not_reach_stops_the_sweep_at_the_level_that_works_it(tmp_path,
+                                                                                              monkeypatch):
+    from powerprof.sweep import PlacementStop, run_sweep
+    from powerprof.workload.placement import HELPER_LOOK_S
+
+    # A small model of the server's on GPU 0 (unmeasured) idle through the look before the load and through the first
+    # level, worked once the sweep reaches 200 W (a router's replica the first level's batches did not reach). The
+    # sweep looked again once, after the first batch: GPU 0 stayed a "helper" for the whole run and the 200 W level
+    # was kept without its energy, said nowhere.
+    from powerprof.rig import Rig as RigClass
+
+    sim = SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json")
+    last_busy: list[float] = []
+    real = RigClass._set_busy
+
+    def set_busy(self, busy):
+        last_busy.append(time.monotonic())
+        real(self, busy)
+
+    monkeypatch.setattr(RigClass, "_set_busy", set_busy)
+    sim.add_process(0, os.getpid(), 300 << 20,
+                    lambda: 1.0 if sim.gpus[1].limit_w == 200.0 and last_busy
+                    and time.monotonic() - last_busy[-1] < HELPER_LOOK_S else 0.0)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        with pytest.raises(PlacementStop) as e:
+            run_sweep(rig, levels_spec="250,200", out_dir=tmp_path / "s", params=RequestParams(max_tokens=16),
+                      prompts=PROMPTS, idle_s=0, interval_s=0.2, min_requests=2, max_requests=4, warmup_requests=1)
+    said = str(e.value)
+    assert f"the server also runs on GPU 0 ({sim.gpus[0].uuid}), which is not measured" in said, said
+    assert "add it: --gpus 0,1" in said and "--allow-unmeasured-server-gpus" in said, said
+    assert "found once the load ran on GPU 0" in said, said
+    # The level it struck, and the finished one kept.
+    assert "the sweep stopped at level 200 W: none of that level kept, the finished level (250 W) kept" in said, said
+    assert e.value.exit_code == 2
+    assert [g.limit_w for g in SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json").gpus] == [300.0, 300.0]
+    assert not _restore_files()
+    meta = json.loads((tmp_path / "s" / "run.json").read_text())
+    assert [lv[0] for lv in meta.get("levels_done")] == [250.0], meta.get("levels_done")
+
+
+def test_the_look_under_load_reads_only_the_process_lists_while_nothing_small_stands(monkeypatch):
+    from powerprof.workload import placement
+
+    # Every batch is looked at: with the server's processes all on measured GPUs and no helper-sized context, a
+    # batch whose process lists are the last look's runs no find_placement (no sample reads, no pid matching).
+    sim = _two_gpu_server(0, 8 << 30, 1, 8 << 30)
+    procs = lambda: ({4242, 4243}, None)  # noqa: E731
+    monkeypatch.setattr(placement, "_same_process", lambda _n, _pid: True)
+    first = placement.find_placement(sim, {0: sim.gpus[0].uuid, 1: sim.gpus[1].uuid}, procs)
+    look = placement.LookUnderLoad(sim, {0: sim.gpus[0].uuid, 1: sim.gpus[1].uuid}, procs, first, allow=False,
+                                   stopped="stopped")
+    for _ in range(5):
+        assert look() == []
+    assert (look.looks, look.full_looks) == (5, 1)
+    # A new process on a GPU: judged again at once.
+    sim.add_process(1, 4244, 8 << 30, lambda: 1.0)
+    assert look() == [] and look.full_looks == 2
+    look.rearm()  # a restarted server: its processes found again
+    assert look() == [] and look.full_looks == 3
+
+
+def test_a_server_process_seen_only_as_an_mps_client_is_on_its_gpu(monkeypatch):
+    import pynvml
+
+    from powerprof.collectors.nvml import gpu_processes
+    from powerprof.workload.placement import find_placement
+
+    # Under NVIDIA MPS the server's processes are MPS clients: NVML lists them by
+    # nvmlDeviceGetMPSComputeRunningProcesses only. The compute and graphics lists alone missed the engine's 8 GiB
+    # on GPU 0: a sweep of --gpus 1 ran with GPU 0's energy in no figure, said nowhere.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 14 << 30, lambda: 1.0)
+    sim.add_process(0, 4243, 8 << 30, lambda: 1.0, mps=True)
+    assert gpu_processes(sim, sim.nvmlDeviceGetHandleByIndex(0)) == {4243: 8 << 30}
+    p = find_placement(sim, {1: sim.gpus[1].uuid}, lambda: ({4242, 4243}, None))
+    assert p.unmeasured == {0: sim.gpus[0].uuid}, p
+    assert "the server also runs on GPU 0" in p.unmeasured_text() and "--gpus 0,1" in p.unmeasured_text()
+
+    # Bindings without the call, or a driver or GPU that does not support it: the compute list still answers.
+    h1 = sim.nvmlDeviceGetHandleByIndex(1)
+    monkeypatch.setattr(sim, "nvmlDeviceGetMPSComputeRunningProcesses", None, raising=False)
+    assert gpu_processes(sim, h1) == {4242: 14 << 30}
+
+    def unsupported(_h):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    monkeypatch.setattr(sim, "nvmlDeviceGetMPSComputeRunningProcesses", unsupported)
+    assert gpu_processes(sim, h1) == {4242: 14 << 30}
+
+
+def _placement_loop_for(monkeypatch, d, seconds: float, changes: dict | None = None) -> list[tuple[float, bool]]:
+    """The daemon's placement loop over `seconds` of a simulated clock (each list read PLACEMENT_LIST_S on, no real
+    wait), `changes` ({t: change()}) made as the clock passes t: (t, flagged) at each full check."""
+    import asyncio
+
+    from powerprof.daemon import service
+
+    clock = [0.0]
+    changes = dict(changes or {})
+
+    class FakeTime:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def monotonic():
+            return clock[0]
+
+    async def fake_sleep(period_s, _waker):
+        clock[0] += period_s
+        for t in [t for t in changes if t <= clock[0]]:
+            changes.pop(t)()
+        if clock[0] > seconds:
+            d.stop_event.set()
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(service, "time", FakeTime())
+    monkeypatch.setattr(service, "sleep_on_grid", fake_sleep)
+    checks: list[tuple[float, bool]] = []
+
+    def check():
+        service.Daemon._check_placement(d)
+        checks.append((clock[0], d.ledger.unsampled_note is not None))
+
+    d._check_placement = check
+    d.stop_event = asyncio.Event()
+    asyncio.run(service.Daemon._placement_loop(d))
+    return checks
+
+
+def test_the_daemons_checks_back_off_while_a_helper_stands_unchanged(monkeypatch):
+    # An idle 400 MiB context of the server's on GPU 0 (not sampled), there for the daemon's life: the full check
+    # (host process tree, every GPU's list, the samples) ran at every 2 s list read: 30 a minute, for ever.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
+    sim.add_process(0, 4242, 400 << 20, lambda: 0.0)
+    d = _stand_in_daemon(sim, lambda: ({4242}, None))
+    assert d._helper_unsampled and d.ledger.unsampled_note is None
+    checks = _placement_loop_for(monkeypatch, d, 60.0)
+    assert len(checks) <= 6, checks  # 2, 4, 8, 16, 32 s: doubling to the 30 s check
+    assert not any(flagged for _t, flagged in checks)
+
+
+@pytest.mark.parametrize("change", ["grows", "works"])
+def test_a_backed_off_helper_that_grows_or_works_is_flagged_at_the_next_list_read(monkeypatch, change):
+    # Backed off (40 s in: the next full check 30 s away), the helper context loads weights (8 GiB) or begins working
+    # (a small model a request reached): flagged at the next 2 s list read, not at the backed-off check.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
+    work = [0.0]
+    sim.add_process(0, 4242, 400 << 20, lambda: work[0])
+    d = _stand_in_daemon(sim, lambda: ({4242}, None))
+
+    def grow():
+        if change == "grows":
+            sim._procs[0][4242].used_bytes = 8 << 30
+        work[0] = 1.0
+
+    checks = _placement_loop_for(monkeypatch, d, 60.0, {40.0: grow})
+    flagged = [t for t, f in checks if f]
+    assert flagged and flagged[0] <= 40.0 + 2.0, checks

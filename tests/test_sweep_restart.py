@@ -105,22 +105,30 @@ def test_a_server_restart_ridden_out_is_looked_at_under_load_again(tmp_path, sim
     from powerprof.workload import placement
 
     # The look under load ran once per sweep: a server restarted mid-sweep (placed otherwise, perhaps: a small model
-    # on another GPU) was never looked at under load.
-    looks: list[bool] = []
-    real = placement.LookUnderLoad.__call__
+    # on another GPU) was never looked at under load. Every batch is looked at now; the restart makes the next look a
+    # full one (rearm: no cheap path on the restarted server's first batch).
+    events: list = []
+    real, real_rearm = placement.LookUnderLoad.__call__, placement.LookUnderLoad.rearm
 
     def spy(self, *a, **k):
-        looks.append(self.done)
+        events.append(("look", self._settled is None))
         return real(self, *a, **k)
 
+    def rearm(self):
+        events.append("rearm")
+        real_rearm(self)
+
     monkeypatch.setattr(placement.LookUnderLoad, "__call__", spy)
+    monkeypatch.setattr(placement.LookUnderLoad, "rearm", rearm)
     sim = SimNVML("seed-16g", state_path=None)
     ui = _Hook(_once_at_level_200(sim_server, lambda srv: srv.restart(0.5, loading_s=0.2)))
     with Rig("seed-16g", nvml=sim) as rig:
         _sweep(rig, tmp_path / "run", ui, params=RequestParams(max_tokens=32))
     assert sim.gpus[0].limit_w == 300.0
-    # Armed at the first batch, and again at the first batch after the restart.
-    assert looks.count(False) == 2, looks
+    # Looked at from the first batch on, and in full at the first batch after the restart.
+    assert events[0] == ("look", True) and events.count("rearm") == 1, events
+    k = events.index("rearm")
+    assert events[k + 1] == ("look", True) and len(events) > 3, events
 
 
 def test_a_server_that_comes_back_with_other_slots_stops_the_sweep_with_the_finished_levels_kept(tmp_path, sim_server):

@@ -458,13 +458,16 @@ class NvmlCollector:
 
 
 def gpu_processes(nvml, handle) -> dict[int, int | None] | None:
-    """{pid: GPU memory it holds in bytes (None: not said)} of every process using the GPU, compute and graphics
-    (nvmlDeviceGet{Compute,Graphics}RunningProcesses); None where NVML cannot list them. In a container the
-    pids may be the host's, not this pid namespace's (nvidia-container-toolkit without --pid=host)."""
+    """{pid: GPU memory it holds in bytes (None: not said)} of every process using the GPU, compute, graphics and
+    MPS clients (nvmlDeviceGet{Compute,Graphics,MPSCompute}RunningProcesses); None where NVML cannot list them. In a
+    container the pids may be the host's, not this pid namespace's (nvidia-container-toolkit without --pid=host)."""
     gw = gateway(nvml)
     out: dict[int, int | None] = {}
     listed = False
-    for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+    # Under NVIDIA MPS a client's context is the MPS server's: the compute list names nvidia-cuda-mps-server, the
+    # clients (the inference server's processes) only the MPS list. Bindings or drivers without it answer None.
+    for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
+               "nvmlDeviceGetMPSComputeRunningProcesses"):
         procs = gw.query(fn, handle)
         if procs is None:
             continue

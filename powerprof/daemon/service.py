@@ -79,6 +79,12 @@ UNKNOWN_CHECKS_SAY = 10
 # list read (_placement_loop): the server away (a restart) made it a full check every PLACEMENT_LIST_S for as long as it
 # was away. Its return changes the lists, which brings a check, and that one sets the quick re-checks anew.
 HELPER_UNKNOWN_CHECKS = 3
+# While a helper stands on an unsampled GPU with every GPU's process list unchanged, the full check (the host's
+# process tree, every GPU's list, the samples) backs off: PLACEMENT_LIST_S after the check that found it, then doubled
+# at each check up to PLACEMENT_CHECK_S. Before, a helper that never went away (PyTorch's default-device context)
+# kept the full check every 2 s for the daemon's life: 30 a minute, 2 once backed off. In between, every list read
+# looks at the helper GPUs alone (_helper_moved: their server pids' sizes and samples since the last check), so one
+# that grows or begins working is checked at that read, as before.
 # Checks in a row at which a GPU judged a helper before has per-process samples that cannot be read (UTIL_TRIES reads
 # each) before it counts as serving: until then unknown, its helper state kept. One transient failure (pynvml's
 # INSUFFICIENT_SIZE, samples arriving between its two calls) had flagged the GPU and its rows for ~30 s.
@@ -1410,6 +1416,9 @@ class Daemon:
                 p.helpers[i] = (before[i][0], p.sizes.get(i) or before[i][1])
         self._unread_helper_checks = {i: n for i, n in unread.items() if n < UNREAD_HELPER_CHECKS}
         self._helpers_seen = dict(p.helpers)
+        # The unsampled helpers' pids, sizes and this check's time: what the light look between checks compares.
+        self._helper_look = ({i: (p.pids.get(i, frozenset()), p.sizes.get(i))
+                              for i in p.helpers if i not in p.measured}, time.time_ns() // 1000)
         # A context judged a helper on a GPU not sampled may be a new worker of the server's that has not loaded its
         # weights or run a kernel yet: the loop checks again every list read while one stands (_placement_loop).
         self._helper_unsampled = any(i not in p.measured for i in p.helpers)
@@ -1443,8 +1452,9 @@ class Daemon:
 
     async def _placement_loop(self) -> None:
         """`_check_placement` whenever a GPU's process list changed (read every PLACEMENT_LIST_S: a server started after
-        the daemon, a worker on a new GPU, a context there crossing HELPER_MAX_BYTES), at every list read while the last
-        check judged a context on an unsampled GPU a helper, and every PLACEMENT_CHECK_S whatever the lists say; off
+        the daemon, a worker on a new GPU, a context there crossing HELPER_MAX_BYTES), while the last check judged a
+        context on an unsampled GPU a helper every PLACEMENT_LIST_S doubling to PLACEMENT_CHECK_S and at any list read
+        where that context grew or worked (_helper_moved), and every PLACEMENT_CHECK_S whatever the lists say; off
         the loop's thread:
         listing the host's sockets and every GPU's processes takes tens of ms. Before, the check ran every 30 s only,
         and rows closed up to 30 s after the server reached an unsampled GPU were unflagged."""
@@ -1452,6 +1462,7 @@ class Daemon:
         # Not read before the first pass: a list that changed between the start's check and this loop brings a check.
         seen: object = object()
         checked = time.monotonic()
+        every_s = PLACEMENT_LIST_S  # the full check's interval while a helper stands, the lists unchanged: doubling
         while not self.stop_event.is_set():
             # On the idle loops' grid (a wake-up of its own costs the loop's thread CPU: ticks.py); a stop ends the
             # sleep (config_waker), so a stop waits for no list read. (A reload wakes it only where scrape.* keys
@@ -1460,14 +1471,51 @@ class Daemon:
             if self.stop_event.is_set():
                 return
             lists = await loop.run_in_executor(None, self._gpu_pid_lists)
-            # A helper on an unsampled GPU (set by the last check) keeps the check due at every list read: a worker
-            # that has not yet run a kernel looks like one, and its first kernels change no list. At most one check a
-            # PLACEMENT_LIST_S.
-            if (lists == seen and not getattr(self, "_helper_unsampled", False)
-                    and time.monotonic() - checked < PLACEMENT_CHECK_S):
-                continue
+            now = time.monotonic()
+            # A helper on an unsampled GPU (set by the last check) keeps the check due: a worker that has not yet run a
+            # kernel looks like one, and its first kernels change no list. Every every_s (backing off to
+            # PLACEMENT_CHECK_S while the lists stay), and at any list read where the helper GPUs alone show it grew
+            # or worked (_helper_moved). At most one check a PLACEMENT_LIST_S.
+            if lists == seen and now - checked < PLACEMENT_CHECK_S:
+                if not getattr(self, "_helper_unsampled", False):
+                    continue
+                if now - checked < every_s and not await loop.run_in_executor(None, self._helper_moved):
+                    continue
             await loop.run_in_executor(None, self._check_placement)
+            # Reset by a list change, and while a helper's samples go unread (UNREAD_HELPER_CHECKS counts checks, so
+            # those stay PLACEMENT_LIST_S apart, as before).
+            every_s = (PLACEMENT_LIST_S if lists != seen or getattr(self, "_unread_helper_checks", None)
+                       else min(2 * every_s, PLACEMENT_CHECK_S))
             seen, checked = lists, time.monotonic()
+            self.placement_checks = getattr(self, "placement_checks", 0) + 1
+
+    def _helper_moved(self) -> bool:
+        """Whether a helper context on an unsampled GPU (the last check's) changed since: its server pids' bytes there
+        differ, or NVML's per-process samples since that check show one of them working (an engine over
+        HELPER_MAX_PCT). One list and one sample read per such GPU, no host process tree: the light look between the
+        backed-off checks. A read that fails tells nothing (False): the backed-off check reads it UTIL_TRIES times."""
+        from powerprof.collectors.gateway import gateway
+        from powerprof.collectors.nvml import gpu_processes, process_util
+        from powerprof.workload.placement import HELPER_MAX_PCT
+
+        helpers, since_us = getattr(self, "_helper_look", ({}, None))
+        try:
+            nvml = self.collector.nvml
+            gw = gateway(nvml)
+            for i, (pids, size) in helpers.items():
+                h = gw.query("nvmlDeviceGetHandleByIndex", i)
+                procs = gpu_processes(nvml, h) if h is not None else None
+                if procs is None:
+                    continue
+                mine = [procs[pid] for pid in pids if pid in procs]
+                if (None if any(b is None for b in mine) else sum(mine)) != size:
+                    return True
+                util, _how = process_util(nvml, h, since_us)
+                if util is not None and any(u > HELPER_MAX_PCT for pid in pids for u in util.get(pid, {}).values()):
+                    return True
+        except Exception as e:  # a look at the helpers is never the daemon's end
+            log.debug("reading the helper contexts' sizes and samples failed: %s", error_text(e))
+        return False
 
     def _gpu_pid_lists(self) -> tuple | None:
         """The pids on every GPU NVML reports, each with whether it holds HELPER_MAX_BYTES or more ((index, {(pid,

@@ -110,6 +110,7 @@ class _GpuProcess:
     util: Callable[[], tuple[float, float, float, float]] | None = None
     last_util: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # as it stopped: its last samples outlive it
     name: str | None = None  # what nvmlSystemGetProcessName says of its pid (None: NOT_FOUND, as for a pid unknown)
+    mps: bool = False  # an NVIDIA MPS client: listed by nvmlDeviceGetMPSComputeRunningProcesses, not the compute list
 
     def now_util(self) -> tuple[float, float, float, float]:
         if self.util is not None:
@@ -504,13 +505,15 @@ class SimNVML:
     # --- the processes using a GPU -----------------------------------------------------------------
 
     def add_process(self, index: int, pid: int, used_bytes: int, share: Callable[[], float],
-                    util: Callable[[], tuple[float, float, float, float]] | None = None, name: str | None = None) -> None:
+                    util: Callable[[], tuple[float, float, float, float]] | None = None, name: str | None = None,
+                    mps: bool = False) -> None:
         """A process uses GPU `index` from now (a server that loaded its model, a bystander: sim/bystander.py);
         `util`: the (SM, memory, encoder, decoder) shares its samples say, where they are not `share`'s; `name`: what
-        nvmlSystemGetProcessName says of the pid (another pid namespace's process with this one's number, in tests)."""
+        nvmlSystemGetProcessName says of the pid (another pid namespace's process with this one's number, in tests);
+        `mps`: an MPS client, on NVML's MPS list only (nvmlDeviceGetMPSComputeRunningProcesses)."""
         with self._lock:
             self._procs.setdefault(index, {})[pid] = _GpuProcess(pid, int(used_bytes), share, time.time_ns() // 1000,
-                                                                 util=util, name=name)
+                                                                 util=util, name=name, mps=mps)
 
     def nvmlSystemGetProcessName(self, pid: int) -> bytes:
         """The name a process added with one says (NVML's: the executable's path), else NOT_FOUND."""
@@ -545,7 +548,11 @@ class SimNVML:
         return procs
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle) -> list[ProcessInfo]:
-        return [ProcessInfo(p.pid, p.used_bytes) for p in self._processes(handle)]
+        return [ProcessInfo(p.pid, p.used_bytes) for p in self._processes(handle) if not p.mps]
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle) -> list[ProcessInfo]:
+        """The MPS clients on the GPU (none where no MPS client was added: an empty list, as NVML's without MPS)."""
+        return [ProcessInfo(p.pid, p.used_bytes) for p in self._processes(handle) if p.mps]
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle) -> list[ProcessInfo]:
         self._gpu(handle)

@@ -477,7 +477,7 @@ def measure(
     (workload/others.py); a batch beside others' work is left out (foreign_traffic) and its prompts sent
     again, up to as many requests again as the concurrency's. server_procs: a callable answering (the
     server's pids, None) or (None, why) (serverprocs.ServerProcesses), to tell the server's GPU processes
-    from others'. placement_look: the server's GPUs looked at again after the first batch (placement.LookUnderLoad):
+    from others'. placement_look: the server's GPUs looked at again after every batch (placement.LookUnderLoad):
     a server GPU found then raises its GpuPlacementError, nothing kept; its notes (allowed) go into the result's.
 
     keep_on_stop: a run-ending signal (Ctrl-C, SIGTERM, SIGHUP) returns what was finished, whole
@@ -540,8 +540,8 @@ def measure(
 
                 async def between(recs, c=c, n=n):
                     if placement_look is not None:
-                        # Once, after the first batch (warm-up or measured): a small model idle before the load was
-                        # taken for a helper and its GPU left unmeasured; a refusal keeps nothing.
+                        # After every batch (warm-up or measured), over its samples: a small model idle before the
+                        # load was taken for a helper and its GPU left unmeasured; a refusal keeps nothing.
                         notes.extend(placement_look(min((r.t_send_wall_ns for r in recs), default=None)))
                         looked[0] = True
                     if limits is not None and limits.moved is not None:
@@ -976,7 +976,7 @@ def _run_measure(
             cost = cost_words("none")  # measure steps nothing: no limit "not stepped"
             judge_placement(placement, notes, allow=allow_unmeasured_server_gpus, stopped="nothing was measured",
                             cost=cost)
-            # Looked at again after the first batch: a small model idle during this look was taken for a helper.
+            # Looked at again after every batch: a small model idle during this look was taken for a helper.
             look = LookUnderLoad(src.nvml.nvml, src.gpu_uuids, server_procs, placement,
                                  allow=allow_unmeasured_server_gpus, stopped="measure stopped, nothing kept",
                                  cost=cost, notes=notes)

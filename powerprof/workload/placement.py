@@ -14,9 +14,10 @@ touched CUDA once: PyTorch's default device, a tokenizer or API process), said i
 flagged. Memory alone does not make a helper: a small model (an embedding, reranker or draft model behind the same
 port) holds under 1 GiB and draws full power while it works. Samples NVML cannot give, or one showing work, make the
 GPU serving. A small model idle through the look before the load is taken for a helper until a later look sees it
-work: sweep and measure look again once their load has run (LookUnderLoad), and a server GPU found then stops the run
-as the first look would have; the daemon looks again whenever a GPU's process list changes (a pid, or one crossing
-HELPER_MAX_BYTES), every list read while a helper stands on a GPU it does not sample, and every 30 s.
+work: sweep and measure look again after every batch of their load, over its samples (LookUnderLoad), and a server GPU
+found then stops the run as the first look would have; the daemon looks again whenever a GPU's process list changes (a
+pid, or one crossing HELPER_MAX_BYTES), while a helper stands on a GPU it does not sample at a list read that finds it
+grown or working and on a schedule backing off from 2 s to 30 s, and every 30 s.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Placement:
     # shows them idle): said as such, not as work seen (LookUnderLoad).
     unread: dict[int, str] = field(default_factory=dict)
     sizes: dict[int, int | None] = field(default_factory=dict)  # index → bytes the server's processes hold (None: not said)
+    pids: dict[int, frozenset] = field(default_factory=dict)  # index → the server's pids there (_helper_moved)
 
     @property
     def unmeasured(self) -> dict[int, str]:
@@ -229,7 +231,8 @@ def find_placement(nvml, measured: dict[int, str], server_procs, *, since_us: in
             if why is not None:
                 unread[i] = why
         server[i] = u
-    return Placement(server, dict(measured), unlisted, helpers, largest, unread, {i: b for i, (_u, b) in held.items()})
+    return Placement(server, dict(measured), unlisted, helpers, largest, unread, {i: b for i, (_u, b) in held.items()},
+                     {i: frozenset(ours) for i, (_h, ours) in theirs.items()})
 
 
 def _idle(nvml, handle, pids: set[int], process_util, since_us: int | None = None,
@@ -287,11 +290,16 @@ def _judge_unmeasured(placement: Placement, notes: list[str], allow: bool, stopp
 
 
 class LookUnderLoad:
-    """The placement looked at once more, after the first batch of the load (sweep, measure): a small model idle
-    through the look before the load was taken for a helper, and one of the load's requests may work it. NVML's
-    per-process samples of the last HELPER_LOOK_S then show that work, and the GPU is the server's: refused in the
-    first look's words, or with allow said in the notes. Only a server GPU the first look did not already judge
-    unmeasured counts (those were refused or allowed then). Called once; later calls do nothing.
+    """The placement looked at again after every batch of the load (sweep, measure, a grid's configuration, a trace's
+    replay), over that batch's samples: a small model idle through the look before the load was taken for a helper,
+    and any batch's requests may work it (a data-parallel server's or router's first low-concurrency batch may land
+    on one replica; another level's may reach the next). NVML's per-process samples since the batch began then show
+    that work, and the GPU is the server's: refused in the first look's words, or with allow said in the notes. Only a
+    server GPU not already judged unmeasured counts (those were refused or allowed then, or by an earlier batch's look).
+
+    Cheap enough for every batch: where every GPU's process list (pids and sizes) is the last look's and that look
+    found no helper context and no unread samples, nothing a sample could change stands, and the look is the lists
+    alone (_process_lists); otherwise find_placement, its sample reads only for the helper-sized contexts.
 
     Refusing, not flagging the levels: the run would have been refused had the model worked during the first look, and
     every figure of it lacks that GPU's energy (and a sweep's limit was not stepped there); a run told whole later by
@@ -304,27 +312,34 @@ class LookUnderLoad:
         # The run's notes, holding the first look's (judge_placement): its helper note is replaced where this look
         # finds a GPU it named serving, so no note goes on calling that GPU a helper's.
         self.notes = notes
-        self.found: dict[int, str] = {}  # server GPUs this look already judged (allowed): not said again on a re-arm
-        self.done = False
+        self.found: dict[int, str] = {}  # server GPUs an earlier batch's look already judged (allowed): not said again
+        # The process lists of the last full look, where it left nothing a sample could change (no helper, nothing
+        # unread): a batch finding the same lists skips the rest (_process_lists).
+        self._settled: dict | None = None
+        self.looks = self.full_looks = 0  # calls, and those that ran find_placement (what the cheap path saved)
 
     def rearm(self) -> None:
-        """Look once more at the next call: the server restarted (sweep --server-restart-wait rode it out) and the
-        restarted one, its model placement perhaps another, has not been looked at under load."""
-        self.done = False
+        """The server restarted (sweep --server-restart-wait rode it out): the next batch's look is a full one, the
+        restarted server's processes found again (its pids, its model placement perhaps another)."""
+        self._settled = None
 
     def __call__(self, since_wall_ns: int | None = None, stopped: str | None = None) -> list[str]:
-        """The notes of the look (with allow), [] when nothing new was found or it was taken already; raises
-        GpuPlacementStop where the server now runs on a GPU not measured. since_wall_ns: when the load began
-        (time.time_ns() of its first request), the samples read from then; None: the last HELPER_LOOK_S. stopped: what
-        the refusal left undone, as the caller knows it now (a re-armed look stops partway), else the words given at
-        construction."""
-        if self.done or self.server_procs is None:
+        """The notes of the look (with allow), [] when nothing new was found; raises GpuPlacementStop where the server
+        now runs on a GPU not measured. since_wall_ns: when the batch began (time.time_ns() of its first request), the
+        samples read from then; None: the last HELPER_LOOK_S. stopped: what the refusal left undone, as the caller
+        knows it now (the level it struck, the levels kept), else the words given at construction."""
+        if self.server_procs is None:
             return []
-        self.done = True
-        # Samples since the load began (its first request's wall time): the whole first batch or replay, not its last
+        self.looks += 1
+        lists = _process_lists(self.nvml)
+        if lists is not None and lists == self._settled:
+            return []
+        self.full_looks += 1
+        # Samples since the batch began (its first request's wall time): the whole batch or replay, not its last
         # HELPER_LOOK_S only (a long one's early work was unseen); NVML keeps what its buffer holds.
         since = since_wall_ns // 1000 if since_wall_ns is not None else None
         again = find_placement(self.nvml, self.measured, self.server_procs, since_us=since, tries=UTIL_TRIES)
+        self._settled = lists if again is not None and not again.helpers and not again.unread else None
         if again is None:
             return []
         before = {**(self.first.unmeasured if self.first is not None else {}), **self.found}
@@ -351,6 +366,23 @@ class LookUnderLoad:
         _judge_unmeasured(again, notes, self.allow, f"{found}; {stopped or self.stopped}", when=f" ({found})", cost=self.cost,
                           error=GpuPlacementStop)
         return notes
+
+
+def _process_lists(nvml) -> dict | None:
+    """Every GPU's process list ({index: {pid: bytes}}), as find_placement reads them; None where NVML cannot count
+    its GPUs. The look under load's cheap path: the same lists and nothing small, nothing new to judge."""
+    from powerprof.collectors.gateway import gateway
+    from powerprof.collectors.nvml import gpu_processes
+
+    gw = gateway(nvml)
+    count = gw.query("nvmlDeviceGetCount")
+    if not isinstance(count, int):
+        return None
+    out = {}
+    for i in range(count):
+        h = gw.query("nvmlDeviceGetHandleByIndex", i)
+        out[i] = gpu_processes(nvml, h) if h is not None else None
+    return out
 
 
 def _now_words(again: Placement, new: dict[int, str]) -> str:
