@@ -431,11 +431,12 @@ def check_message(msg) -> None:
 class _WorkerLink(asyncio.Protocol):
     def __init__(self, owner: "ProxyWorkers", worker: "_Worker"):
         self.owner, self.worker, self.unframer = owner, worker, Unframer()
+        self.unread = False  # this life of the worker spoke another record shape and serves on: its records not read
 
     def data_received(self, data: bytes) -> None:
         self.owner.record_bytes += len(data)
         self.worker.heard_s = time.monotonic()  # an unread worker too: it lives, and is not killed as silent
-        if self.worker.unread:
+        if self.unread:
             return  # records of a shape the daemon cannot read (ProxyWorkers._upgraded): its traffic is not attributed
         try:
             msgs = self.unframer.feed(data)
@@ -443,6 +444,7 @@ class _WorkerLink(asyncio.Protocol):
                 if type(m) is tuple and m and m[0] == "hello" and (len(m) < 3 or m[2] != LINK_SHAPE):
                     # Before its records are read: each would be refused as unreadable, and the worker restarted.
                     self.owner._upgraded(self.worker, m[2] if len(m) > 2 else None)
+                    self.unread = self.worker.unread
                     return
                 check_message(m)
         except Exception as e:
@@ -549,7 +551,9 @@ class ProxyWorkers:
     @property
     def unread_workers(self) -> int:
         """Workers serving whose records the daemon cannot read (_upgraded): their traffic is forwarded, not attributed."""
-        return sum(1 for w in self.workers if w.unread and w.proc is not None)
+        # Counted through a crashing unread worker's restart back-off and start too (until a new life says the
+        # daemon's shape: _replay): the gauge at 0 there read as "all read again" to the tuner and to alerts.
+        return sum(1 for w in self.workers if w.unread and not w.retired)
 
     @property
     def watermark_ns(self) -> int | None:
@@ -627,7 +631,6 @@ class ProxyWorkers:
             theirs.close()
         w.started_s = w.heard_s = time.monotonic()
         w.said_hello = False
-        w.unread = False  # its hello is checked again: the code on disk may be the daemon's again
         w.watermark_ns = None
         w.hello = loop.create_future()
         w.hello.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: only start() waits
@@ -696,6 +699,7 @@ class ProxyWorkers:
     def _replay(self, w: _Worker, msg) -> None:
         if msg[0] == "hello":
             w.said_hello = True
+            w.unread = False  # this life speaks the daemon's shape (the code on disk is the daemon's again)
             if not w.hello.done():
                 w.hello.set_result(msg[1])
             return
