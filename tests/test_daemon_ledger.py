@@ -2478,6 +2478,8 @@ def test_a_held_calls_tokens_are_placed_from_its_last_chunk_to_its_end_and_only_
         assert got[2]["attributed_tokens"] == pytest.approx(100)
         assert got[1]["gpu_energy_j"] == pytest.approx(200 / 3, rel=0.01) and got[2]["gpu_energy_j"] == pytest.approx(700 / 3, rel=0.01)
         assert f"{HELD_TAIL_FLAG}: 98 of its 100 generated tokens" in (got[2]["energy_note"] or ""), got[2]["energy_note"]
+        # The count is the server's over every sequence (n > 1: their sum), not "its max_tokens" as it said before.
+        assert "summed over its sequences" in got[2]["energy_note"] and "its max_tokens)" not in got[2]["energy_note"]
         assert metric["powerprof_requests_held_tail_total"] == 1
     else:
         assert HELD_TAIL_FLAG not in (got[2]["energy_note"] or "") and metric["powerprof_requests_held_tail_total"] == 0

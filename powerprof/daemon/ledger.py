@@ -3194,7 +3194,7 @@ def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
                      f"their energy is in unproxied; fix: {COUNT_OPEN_FIX}")
     if r.held_tail_n > 0:
         notes.append(f"{HELD_TAIL_FLAG}: {r.held_tail_n:.0f} of its {c.generated_tokens} generated tokens (the server's "
-                     "count, its max_tokens) came in no chunk: a tool call the server's parser held until it closed, "
+                     "count, summed over its sequences where it asked n > 1) came in no chunk: a tool call the server's parser held until it closed, "
                      "cut by max_tokens; their count is the server's, but when they ran is inferred, spread evenly from "
                      "its last chunk to the server's end of its answer, and its share of the intervals there with it; "
                      f"fix: {HELD_TAIL_FIX}")
