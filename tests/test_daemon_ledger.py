@@ -2518,3 +2518,22 @@ def test_which_gpus_serve_is_exposed_per_gpu_so_a_change_is_told_by_gpu():
     got = {(s.labels["gpu"], s.labels["gpu_uuid"]): s.value for f in text_string_to_metric_families(text.decode())
            for s in f.samples if s.name == "powerprof_gpu_serving"}
     assert got == {("0", "GPU-0"): 1.0, ("1", "GPU-1"): 0.0}
+
+
+@pytest.mark.parametrize("scraping,since_s,want", [(False, 1.5, "off,proxy_unread"), (False, None, "off"),
+                                                    (True, 1.5, "proxy_unread,unread")])
+def test_intervals_while_a_proxy_worker_serves_unread_say_so_where_its_traffic_reads_as_idle(scraping, since_s, want):
+    # powerprof upgraded under the daemon: the last proxy worker serves on, its records unread (workers._upgraded). With
+    # no server token counter (scrape off, or not read yet) its requests' energy was idle, said nowhere: the log and
+    # docs said bypass (`unproxied`). Now the intervals closed since say proxy_unread, left out of J/token, with the fix.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.scraping = scraping
+    led.proxy_unread_since_ns = None if since_s is None else int(since_s * S)
+    for k in range(4):
+        led.add_gpu_sample(k * S, k * S, [R(1000.0 + 100 * k, 100.0)])
+    led.advance(int(3.5 * S))
+    rows = sink.rows["intervals"]
+    assert [r["server_count"] for r in rows] == [("off" if not scraping else "unread")] + [want] * 2, rows
+    if since_s is not None:
+        assert all(r["kind"] == "idle" and "restart the daemon" in r["energy_note"] for r in rows[1:]), rows

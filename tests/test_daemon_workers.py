@@ -1090,6 +1090,7 @@ def test_the_unread_gauge_holds_through_an_unread_workers_restart_until_a_life_s
         last.hello = asyncio.get_running_loop().create_future()
         wmod._WorkerLink(w, last).data_received(frame(("hello", 123, "another-shape")))
         counts = [w.unread_workers]
+        assert w.unread_since_ns is not None  # the intervals closed from here say proxy_unread (ledger)
         last.proc = None  # it crashed: backing off before its restart
         counts.append(w.unread_workers)
         last.hello = asyncio.get_running_loop().create_future()
@@ -1099,6 +1100,7 @@ def test_the_unread_gauge_holds_through_an_unread_workers_restart_until_a_life_s
         last.hello = asyncio.get_running_loop().create_future()
         wmod._WorkerLink(w, last).data_received(frame(("hello", 125, wmod.LINK_SHAPE)))  # the daemon's code again
         counts.append(w.unread_workers)
+        assert w.unread_since_ns is None
         return counts
 
     assert asyncio.run(main()) == [1, 1, 1, 0]

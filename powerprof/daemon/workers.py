@@ -514,6 +514,7 @@ class ProxyWorkers:
         self.replay_failures = 0
         self.lost_requests = 0  # in flight in a worker that died, or lost with its dropped records
         self.record_bytes = 0  # received from the workers
+        self.unread_since_ns: int | None = None  # monotonic: since when a worker serves unread (None: none does)
 
     # what the daemon reads, as of an in-process Proxy
     @property
@@ -700,6 +701,8 @@ class ProxyWorkers:
         if msg[0] == "hello":
             w.said_hello = True
             w.unread = False  # this life speaks the daemon's shape (the code on disk is the daemon's again)
+            if not self.unread_workers:
+                self.unread_since_ns = None
             if not w.hello.done():
                 w.hello.set_result(msg[1])
             return
@@ -879,16 +882,21 @@ class ProxyWorkers:
         serves, so the kernel sends its share of connections to those. The last worker is not stopped: with every one
         retired, the port (the daemon's sockets, still bound) accepted nothing and the user's requests hung until
         their clients gave up. The proxy is fail-open: that worker serves and forwards on, its records unread (its
-        traffic not attributed: the server's counter shows it as bypass traffic), said (unread_workers, the log), and
-        restarted if it dies."""
+        traffic not attributed: the server's counter shows it as bypass traffic; without a complete one it is idle,
+        unmeasured, and the intervals say SERVER_COUNT_PROXY_UNREAD: unread_since_ns), said (unread_workers, the log),
+        and restarted if it dies."""
         if all(x.retired for x in self.workers if x is not w):
             w.unread = True
+            if self.unread_since_ns is None:
+                self.unread_since_ns = time.monotonic_ns()
             if not getattr(self, "_said_unread", False):
                 self._said_unread = True
                 log.error("powerprof was upgraded under the daemon: proxy worker %d (pid %s), the last one, speaks "
                           "another record shape (%s, the daemon's %s); it keeps serving the port so that traffic flows, "
-                          "but its requests are not attributed (no rows; their tokens count as bypass traffic, "
-                          "`unproxied`; powerprof_proxy_workers_unread): restart the daemon", w.index,
+                          "but its requests are not attributed (no rows; their energy is bypass traffic's, "
+                          "`unproxied`, where the daemon reads the server's token counter; otherwise it is in idle, "
+                          "unmeasured; the intervals say server_count proxy_unread where it is not measured; "
+                          "powerprof_proxy_workers_unread): restart the daemon", w.index,
                           w.proc.pid if w.proc is not None else "?", theirs, LINK_SHAPE)
             w.said_hello = True  # it serves
             if w.hello is not None and not w.hello.done():
