@@ -95,11 +95,19 @@ def test_a_young_counter_that_dips_to_half_or_less_is_no_restart():
     assert sc.partial == {} and sc.window_partial == ()
 
 
-def test_a_young_counter_still_fallen_at_the_next_page_is_counted_from_its_highest_reading_and_said():
-    # A restart while the counter is young, no scrape finding the server down: counted from the highest reading (40),
-    # never a token made up, and the window said (counter_below).
+def test_a_young_counter_fallen_by_more_than_a_dip_is_a_restart_at_once():
+    # A restart while the counter is young, no scrape finding the server down: 40 to 0 is no dip of a few tokens. Before,
+    # taken for one: counted from the highest reading (40), the new process's 50 tokens counted as 10 (deltas
+    # [0, None, 0, 10], said counter_below). Now a restart, every token counted.
     deltas, sc = _scrapes("sglang", [_sglang(40), _sglang(0), _sglang(2), _sglang(50)])
-    assert deltas == [0, None, 0, 10] and sc.restarts == 0 and "counter_below" in sc.partial, deltas
+    assert deltas == [0, 0, 2, 48] and sc.restarts == 1 and "server_restart" in sc.partial, deltas
+
+
+def test_a_young_counter_still_fallen_at_the_next_page_is_counted_from_its_highest_reading_and_said():
+    # A fall of a dip's size while young (4 to 0), still below at the next page: a restart or a second dip, not told
+    # apart: counted from the highest reading (4), never a token made up, and the window said (counter_below).
+    deltas, sc = _scrapes("sglang", [_sglang(4), _sglang(0), _sglang(2), _sglang(50)])
+    assert deltas == [0, None, 0, 46] and sc.restarts == 0 and "counter_below" in sc.partial, deltas
 
 
 def test_a_young_counter_the_server_was_down_before_is_still_a_restart_at_once():

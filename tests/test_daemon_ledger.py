@@ -2478,6 +2478,8 @@ def test_a_held_calls_tokens_are_placed_from_its_last_chunk_to_its_end_and_only_
         assert got[2]["attributed_tokens"] == pytest.approx(100)
         assert got[1]["gpu_energy_j"] == pytest.approx(200 / 3, rel=0.01) and got[2]["gpu_energy_j"] == pytest.approx(700 / 3, rel=0.01)
         assert f"{HELD_TAIL_FLAG}: 98 of its 100 generated tokens" in (got[2]["energy_note"] or ""), got[2]["energy_note"]
+        # The count is the server's over every sequence (n > 1: their sum), not "its max_tokens" as it said before.
+        assert "summed over its sequences" in got[2]["energy_note"] and "its max_tokens)" not in got[2]["energy_note"]
         assert metric["powerprof_requests_held_tail_total"] == 1
     else:
         assert HELD_TAIL_FLAG not in (got[2]["energy_note"] or "") and metric["powerprof_requests_held_tail_total"] == 0
@@ -2516,3 +2518,22 @@ def test_which_gpus_serve_is_exposed_per_gpu_so_a_change_is_told_by_gpu():
     got = {(s.labels["gpu"], s.labels["gpu_uuid"]): s.value for f in text_string_to_metric_families(text.decode())
            for s in f.samples if s.name == "powerprof_gpu_serving"}
     assert got == {("0", "GPU-0"): 1.0, ("1", "GPU-1"): 0.0}
+
+
+@pytest.mark.parametrize("scraping,since_s,want", [(False, 1.5, "off,proxy_unread"), (False, None, "off"),
+                                                    (True, 1.5, "proxy_unread,unread")])
+def test_intervals_while_a_proxy_worker_serves_unread_say_so_where_its_traffic_reads_as_idle(scraping, since_s, want):
+    # powerprof upgraded under the daemon: the last proxy worker serves on, its records unread (workers._upgraded). With
+    # no server token counter (scrape off, or not read yet) its requests' energy was idle, said nowhere: the log and
+    # docs said bypass (`unproxied`). Now the intervals closed since say proxy_unread, left out of J/token, with the fix.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.scraping = scraping
+    led.proxy_unread_since_ns = None if since_s is None else int(since_s * S)
+    for k in range(4):
+        led.add_gpu_sample(k * S, k * S, [R(1000.0 + 100 * k, 100.0)])
+    led.advance(int(3.5 * S))
+    rows = sink.rows["intervals"]
+    assert [r["server_count"] for r in rows] == [("off" if not scraping else "unread")] + [want] * 2, rows
+    if since_s is not None:
+        assert all(r["kind"] == "idle" and "restart the daemon" in r["energy_note"] for r in rows[1:]), rows

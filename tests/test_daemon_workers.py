@@ -1075,6 +1075,37 @@ def test_a_worker_speaking_another_record_shape_is_said_once_and_not_restarted(c
     assert not [r for r in caplog.records if "restarting it in" in r.getMessage()]
 
 
+def test_the_unread_gauge_holds_through_an_unread_workers_restart_until_a_life_speaks_the_daemons_shape():
+    """The last worker serving unread (an upgrade in place) that crashes is restarted with back-off (up to 60 s). The
+    gauge counted only a running worker and a spawn cleared its state, so it read 0 through the back-off and the
+    start: "all read again" to the tuner (which then judged windows of unread traffic as quiet) and to alerts."""
+    from powerprof.daemon import workers as wmod
+
+    async def main():
+        w = ProxyWorkers(2, "http://127.0.0.1:1", "127.0.0.1", 0, recorder=Rec(), proxy_kwargs={},
+                         header_timeout_s=10, idle_timeout_s=10)
+        old, last = w.workers
+        old.retired = True  # the other worker was retired by the upgrade
+        last.proc = SimpleNamespace(pid=123)  # running
+        last.hello = asyncio.get_running_loop().create_future()
+        wmod._WorkerLink(w, last).data_received(frame(("hello", 123, "another-shape")))
+        counts = [w.unread_workers]
+        assert w.unread_since_ns is not None  # the intervals closed from here say proxy_unread (ledger)
+        last.proc = None  # it crashed: backing off before its restart
+        counts.append(w.unread_workers)
+        last.hello = asyncio.get_running_loop().create_future()
+        last.proc = SimpleNamespace(pid=124)  # restarted
+        wmod._WorkerLink(w, last).data_received(frame(("hello", 124, "another-shape")))  # a new life, still newer code
+        counts.append(w.unread_workers)
+        last.hello = asyncio.get_running_loop().create_future()
+        wmod._WorkerLink(w, last).data_received(frame(("hello", 125, wmod.LINK_SHAPE)))  # the daemon's code again
+        counts.append(w.unread_workers)
+        assert w.unread_since_ns is None
+        return counts
+
+    assert asyncio.run(main()) == [1, 1, 1, 0]
+
+
 @pytest.mark.slow
 def test_after_an_upgrade_retires_every_worker_one_still_serves_the_port_unattributed(monkeypatch, caplog):
     """An in-place upgrade under a running daemon, then each worker restarted (both killed here): each new worker speaks

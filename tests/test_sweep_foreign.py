@@ -515,6 +515,25 @@ def test_a_young_counter_dipping_to_zero_is_no_restart_in_the_sweep():
     assert w.seen_tokens == 0
 
 
+def test_foreign_tokens_after_a_young_restart_are_seen():
+    """A fresh SGLang server restarted unseen between batches while its counter was young (60 → 20): taken for a young
+    counter's dip, the check compared on from the old process's count and hid another client's 40 tokens at the next
+    batch (excess 80 - 0 - 100 = -20, nothing flagged). A fall of more than a dip's few tokens is a restart."""
+    from types import SimpleNamespace as NS
+
+    def recs(n, tokens_each):
+        return [NS(ok=True, count_problem=None, shown_tokens=None, generated_tokens=tokens_each) for _ in range(n)]
+
+    def t(tok, i):
+        return Tally(i, float(tok), "sglang:generation_tokens_total")
+
+    fw = ForeignWatch(t(0, 0))
+    assert fw.judge(t(60, 1), recs(3, 20)) is None
+    assert fw.judge(t(20, 2), recs(1, 20)) is None  # restarted: counter from 0, our 20 tokens
+    why = fw.judge(t(80, 3), recs(1, 20))  # ours 20 + another client's 40
+    assert why is not None and "40 tokens more" in why, why
+
+
 @pytest.mark.parametrize("failure", ["unresolved", "refused"])
 def test_a_server_whose_metrics_could_not_be_read_is_said_so_not_counterless(failure):
     """The sweep's read of the server's books when /metrics cannot be reached. Before, any failure read as a server that
@@ -550,3 +569,44 @@ def test_a_server_whose_metrics_could_not_be_read_is_said_so_not_counterless(fai
         assert "connection refused" in t.limits(), t.limits()
     else:
         assert "could not be read" in t.limits() and "connection refused" not in t.limits(), t.limits()
+
+
+def test_an_unread_metrics_page_beside_slots_is_not_said_as_no_counter(monkeypatch):
+    """llama.cpp started with --metrics, its /metrics slower than TALLY_TIMEOUT_S at the snapshot, /slots answering: the
+    /slots reading dropped why /metrics was unread, and the level said "no token counter (llama.cpp: --metrics)", the
+    wrong fix. Now it says /metrics could not be read."""
+    import asyncio
+
+    from aiohttp import web
+
+    from powerprof.workload import servercount
+    from powerprof.workload.client import new_session
+
+    monkeypatch.setattr(servercount, "TALLY_TIMEOUT_S", 0.3)
+
+    async def metrics(_):
+        await asyncio.sleep(2)
+        return web.Response(text="llamacpp:tokens_predicted_total 100\n")
+
+    async def slots(_):
+        return web.json_response([{"id": 0, "is_processing": False}])
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/slots", slots)
+        r = web.AppRunner(app)
+        await r.setup()
+        site = web.TCPSite(r, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with new_session() as s:
+                return await servercount.read_tally(s, f"http://127.0.0.1:{port}", "llamacpp")
+        finally:
+            await r.cleanup()
+
+    t = asyncio.run(asyncio.wait_for(go(), 60))
+    said = t.limits()
+    assert t.in_flight == 0 and t.in_flight_source == "/slots"
+    assert "--metrics" not in said and "could not be read" in said, said

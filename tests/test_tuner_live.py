@@ -75,6 +75,16 @@ def test_the_daemon_exposition_reads_back_as_the_window_it_describes():
         fetch_metrics("http://127.0.0.1:1/metrics", timeout_s=1)
 
 
+def test_the_tuner_does_not_take_an_unread_proxy_for_a_quiet_server():
+    with FakeDaemon() as fd:
+        text = fetch_metrics(fd.url)
+    assert "powerprof_proxy_workers_unread 0.0" in text
+    parse_counters(text, 0.0)  # none unread: read as before
+    text = text.replace("powerprof_proxy_workers_unread 0.0", "powerprof_proxy_workers_unread 1.0")
+    with pytest.raises(ObserveError, match="restart the daemon"):
+        parse_counters(text, 0.0)
+
+
 def test_the_queue_integrals_read_back_as_exact_means_and_are_validated():
     with FakeDaemon(in_flight=6.0, awaiting=2.0) as fd:
         text_a = fetch_metrics(fd.url)
@@ -364,6 +374,11 @@ def _gpu_read_twice(text: str) -> str:
     # No _sum: was read as 0 prompt tokens and the window judged.
     (lambda t: "\n".join(ln for ln in t.splitlines() if not ln.startswith("powerprof_request_prompt_tokens_sum")),
      "want one _sum"),
+    # A proxy worker serving unread after an upgrade in place: requests and latencies stood still while energy moved,
+    # so windows were judged with 0 requests, the guard (below guard_min_requests) never backed off, and the GPU
+    # stayed at the trial limit with the users' latency unguarded.
+    (lambda t: t.replace("powerprof_proxy_workers_unread 0.0", "powerprof_proxy_workers_unread 1.0"),
+     "proxy traffic is unread"),
 ])
 def test_garbage_from_the_daemon_is_refused_with_its_reason_and_ends_at_the_reference(tmp_path, mutate, why):
     nvml = SimNVML("seed-16g", state_path=None)

@@ -32,7 +32,8 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, COUNT_OPEN_FIX,
                                       COUNT_OPEN_FLAG, CACHE_LATE_FLAG, CACHE_UNSAID_FIX, HELD_TAIL_FIX, HELD_TAIL_FLAG,
                                       CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
-                                      SERVER_COUNT_PROXY_LAG, SERVER_COUNT_SLOTS_ONLY, SERVER_COUNT_UNREAD,
+                                      SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD, SERVER_COUNT_SLOTS_ONLY,
+                                      SERVER_COUNT_UNREAD,
                                       bypass_count_fix, bypass_count_low, bypass_count_may_be)
 
 from powerprof.arrival import SAME_DELIVERY_NS, at_limit
@@ -93,7 +94,7 @@ BYPASS_PACE_S = 0.25
 LAG_SHARE = 0.05
 # What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
-MISPLACED, PROXY_LAG = SERVER_COUNT_MISPLACED, SERVER_COUNT_PROXY_LAG
+MISPLACED, PROXY_LAG, PROXY_UNREAD = SERVER_COUNT_MISPLACED, SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD
 # Prefix-cache hits the server counted beyond what its answers said (CACHE_UNSAID_FLAG): kept this long to meet the
 # requests that end after them; a request or an interval is flagged from this many unsaid tokens on.
 CACHE_KEEP_S = 300.0
@@ -460,6 +461,8 @@ class Ledger:
         self.server_from_ns: int | None = None
         self.server_before = UNREAD  # what the intervals wholly before it say in server_count (add_server_tokens)
         self.scraping = False  # the daemon scrapes the server's counters (set by it): no count yet is `unread`, not `off`
+        # Since when a proxy worker serves whose records are unread (set by the daemon: workers.ProxyWorkers), None: none.
+        self.proxy_unread_since_ns: int | None = None
         self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
         # (window end, bypass level, the most and the least lag a delay of the proxy's own can hold there) of recent windows
         self._levels: deque = deque()
@@ -2599,6 +2602,12 @@ class Ledger:
                 if self.server_from_ns is not None and t[k] < self.server_from_ns and self.server_before != UNREAD:
                     why.add(self.server_before)  # counted from the first read on: the part before it is not
                 out.append(",".join(sorted(why)) or COUNT_COMPLETE)
+        since = self.proxy_unread_since_ns
+        if since is not None:
+            # An unread proxy worker's traffic is in no row: with the server's count complete it is in unproxied;
+            # otherwise (off, unread, slots_only, a count that may be low) its energy read as idle, unsaid.
+            out = [v if v == COUNT_COMPLETE or t[k + 1] <= since else ",".join(sorted({*v.split(","), PROXY_UNREAD}))
+                   for k, v in enumerate(out)]
         return out
 
     def _interval_note(self, gpu: float, cpu: float, other_pct: float | None, work: bool, short: bool,
@@ -3194,7 +3203,7 @@ def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
                      f"their energy is in unproxied; fix: {COUNT_OPEN_FIX}")
     if r.held_tail_n > 0:
         notes.append(f"{HELD_TAIL_FLAG}: {r.held_tail_n:.0f} of its {c.generated_tokens} generated tokens (the server's "
-                     "count, its max_tokens) came in no chunk: a tool call the server's parser held until it closed, "
+                     "count, summed over its sequences where it asked n > 1) came in no chunk: a tool call the server's parser held until it closed, "
                      "cut by max_tokens; their count is the server's, but when they ran is inferred, spread evenly from "
                      "its last chunk to the server's end of its answer, and its share of the intervals there with it; "
                      f"fix: {HELD_TAIL_FIX}")

@@ -426,7 +426,9 @@ class SnapshotCollector:
         yield restarts
         yield GaugeMetricFamily("powerprof_proxy_workers_unread", "Proxy workers serving the port whose records the "
                                 "daemon cannot read (powerprof upgraded under it): their requests are forwarded but not "
-                                "attributed, their tokens bypass traffic (fix: restart the daemon)",
+                                "attributed, their energy bypass traffic's where the server's token count is complete, else idle "
+                                "(the intervals' server_count says proxy_unread); a live tuner refuses the figures "
+                                "while above 0 (fix: restart the daemon)",
                                 value=s.proxy_workers_unread)
         for name, idx, doc in (
             ("powerprof_sample_reads", 0, "Full reads of each sensor source (ticks and tag-API edges; "

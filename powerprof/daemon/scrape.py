@@ -43,8 +43,8 @@ from powerprof.workload.limits import IDLE_REUSE_S, MAX_METRICS_BYTES, read_capp
 from .ticks import IDLE_PERIOD_S
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
-    COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, YOUNG_COUNTER_TOKENS, connection_refused, counter_restarted,
-    counter_total, histogram_sum_count, llamacpp_generated, prefix_cache_reading, slot_progress, slots_json,
+    COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, YOUNG_COUNTER_TOKENS, YOUNG_DIP_TOKENS, connection_refused,
+    counter_restarted, counter_total, histogram_sum_count, llamacpp_generated, prefix_cache_reading, slot_progress, slots_json,
     unset_means_zero)
 
 log = logging.getLogger("powerprof.daemon.scrape")
@@ -98,7 +98,7 @@ PARTIAL_REASONS = {
                       "has passed the old reading by the first scrape after it, on a server without "
                       "process_start_time_seconds, cannot be told from traffic and is not said)",
     COUNTER_BELOW: "the server's token counter stayed below its highest reading at consecutive scrapes, above half of it "
-                   f"(or that reading {YOUNG_COUNTER_TOKENS} tokens or fewer), and no scrape found the server down: dips "
+                   f"(or that reading {YOUNG_COUNTER_TOKENS} tokens or fewer and the fall {YOUNG_DIP_TOKENS} or fewer), and no scrape found the server down: dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
                    "the count is exact, or a restart whose new process had counted more than half the old one's tokens "
                    "by its first page (or whose old one had counted that few), whose tokens until its counter "
@@ -282,7 +282,7 @@ class Scraper:
         show less than the page before for one read, the process the same: taken for a restart, the whole counter was
         counted as one window's tokens and that window marked server_restart (docs/daemon.md, A counter that dips). A
         restart is told by what a dip does not do: the counter fell to half or less (a new process counts from 0; not
-        while the highest reading is YOUNG_COUNTER_TOKENS or fewer, which a dip of a few tokens takes there), a
+        by a few tokens while the highest reading is YOUNG_COUNTER_TOKENS or fewer, which a dip takes there), a
         scrape since the last believed page found the server down (nothing listening, or a 502/503). A fall still
         there at the next page, neither of those, may be either: that page's window counts nothing and is marked
         (COUNTER_BELOW, `_below`), and tokens count again from `prev` once the counter passes it."""

@@ -923,6 +923,8 @@ class Daemon:
                 drained = self._drain()
                 edges = self.ledger.edges
                 first = edges[0] if edges else None
+                # Intervals closed while a proxy worker serves unread say so (ledger.proxy_unread_since_ns).
+                self.ledger.proxy_unread_since_ns = getattr(self.proxy, "unread_since_ns", None)
                 self.ledger.advance(time.monotonic_ns(), getattr(self.proxy, "watermark_ns", None))
                 # The snapshot moves only with a new sample (the GPU gauges) or closed intervals (the totals): built
                 # then, not at every pass (idle, 3 passes in 4 had nothing new, and the build was a quarter of the

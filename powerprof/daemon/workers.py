@@ -431,11 +431,12 @@ def check_message(msg) -> None:
 class _WorkerLink(asyncio.Protocol):
     def __init__(self, owner: "ProxyWorkers", worker: "_Worker"):
         self.owner, self.worker, self.unframer = owner, worker, Unframer()
+        self.unread = False  # this life of the worker spoke another record shape and serves on: its records not read
 
     def data_received(self, data: bytes) -> None:
         self.owner.record_bytes += len(data)
         self.worker.heard_s = time.monotonic()  # an unread worker too: it lives, and is not killed as silent
-        if self.worker.unread:
+        if self.unread:
             return  # records of a shape the daemon cannot read (ProxyWorkers._upgraded): its traffic is not attributed
         try:
             msgs = self.unframer.feed(data)
@@ -443,6 +444,7 @@ class _WorkerLink(asyncio.Protocol):
                 if type(m) is tuple and m and m[0] == "hello" and (len(m) < 3 or m[2] != LINK_SHAPE):
                     # Before its records are read: each would be refused as unreadable, and the worker restarted.
                     self.owner._upgraded(self.worker, m[2] if len(m) > 2 else None)
+                    self.unread = self.worker.unread
                     return
                 check_message(m)
         except Exception as e:
@@ -512,6 +514,7 @@ class ProxyWorkers:
         self.replay_failures = 0
         self.lost_requests = 0  # in flight in a worker that died, or lost with its dropped records
         self.record_bytes = 0  # received from the workers
+        self.unread_since_ns: int | None = None  # monotonic: since when a worker serves unread (None: none does)
 
     # what the daemon reads, as of an in-process Proxy
     @property
@@ -549,7 +552,9 @@ class ProxyWorkers:
     @property
     def unread_workers(self) -> int:
         """Workers serving whose records the daemon cannot read (_upgraded): their traffic is forwarded, not attributed."""
-        return sum(1 for w in self.workers if w.unread and w.proc is not None)
+        # Counted through a crashing unread worker's restart back-off and start too (until a new life says the
+        # daemon's shape: _replay): the gauge at 0 there read as "all read again" to the tuner and to alerts.
+        return sum(1 for w in self.workers if w.unread and not w.retired)
 
     @property
     def watermark_ns(self) -> int | None:
@@ -627,7 +632,6 @@ class ProxyWorkers:
             theirs.close()
         w.started_s = w.heard_s = time.monotonic()
         w.said_hello = False
-        w.unread = False  # its hello is checked again: the code on disk may be the daemon's again
         w.watermark_ns = None
         w.hello = loop.create_future()
         w.hello.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: only start() waits
@@ -696,6 +700,9 @@ class ProxyWorkers:
     def _replay(self, w: _Worker, msg) -> None:
         if msg[0] == "hello":
             w.said_hello = True
+            w.unread = False  # this life speaks the daemon's shape (the code on disk is the daemon's again)
+            if not self.unread_workers:
+                self.unread_since_ns = None
             if not w.hello.done():
                 w.hello.set_result(msg[1])
             return
@@ -875,16 +882,21 @@ class ProxyWorkers:
         serves, so the kernel sends its share of connections to those. The last worker is not stopped: with every one
         retired, the port (the daemon's sockets, still bound) accepted nothing and the user's requests hung until
         their clients gave up. The proxy is fail-open: that worker serves and forwards on, its records unread (its
-        traffic not attributed: the server's counter shows it as bypass traffic), said (unread_workers, the log), and
-        restarted if it dies."""
+        traffic not attributed: the server's counter shows it as bypass traffic; without a complete one it is idle,
+        unmeasured, and the intervals say SERVER_COUNT_PROXY_UNREAD: unread_since_ns), said (unread_workers, the log),
+        and restarted if it dies."""
         if all(x.retired for x in self.workers if x is not w):
             w.unread = True
+            if self.unread_since_ns is None:
+                self.unread_since_ns = time.monotonic_ns()
             if not getattr(self, "_said_unread", False):
                 self._said_unread = True
                 log.error("powerprof was upgraded under the daemon: proxy worker %d (pid %s), the last one, speaks "
                           "another record shape (%s, the daemon's %s); it keeps serving the port so that traffic flows, "
-                          "but its requests are not attributed (no rows; their tokens count as bypass traffic, "
-                          "`unproxied`; powerprof_proxy_workers_unread): restart the daemon", w.index,
+                          "but its requests are not attributed (no rows; their energy is bypass traffic's, "
+                          "`unproxied`, where the daemon reads the server's token counter; otherwise it is in idle, "
+                          "unmeasured; the intervals say server_count proxy_unread where it is not measured; "
+                          "powerprof_proxy_workers_unread): restart the daemon", w.index,
                           w.proc.pid if w.proc is not None else "?", theirs, LINK_SHAPE)
             w.said_hello = True  # it serves
             if w.hello is not None and not w.hello.done():

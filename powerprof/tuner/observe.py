@@ -160,6 +160,15 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
             raise ObserveError(f"implausible value {v!r} in the daemon's metrics")
         return v
 
+    # A proxy worker serving whose records the daemon cannot read (an upgrade in place under it): traffic flows, but
+    # every proxied figure (latencies, requests, upstream failures, in flight) stands still while energy moves, so
+    # windows would be judged quiet and the latency guard, below its minimum of requests, would never back off.
+    unread = [num(s.value) for s in fam["powerprof_proxy_workers_unread"].samples] \
+        if "powerprof_proxy_workers_unread" in fam else []
+    if any(v > 0 for v in unread):
+        raise ObserveError("the daemon's proxy traffic is unread (powerprof_proxy_workers_unread: powerprof was "
+                           "upgraded under the running daemon), so its requests and latencies stand still: restart the "
+                           "daemon")
     parts = [(s.labels.get("to"), num(s.value)) for s in need("powerprof_gpu_energy_attributed_joules")
              if s.name.endswith("_total") and s.labels.get("to") in ("requests", "idle")]
     if sorted(to for to, _ in parts) != ["idle", "requests"]:  # a part missing would read as free energy

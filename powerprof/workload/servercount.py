@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -95,15 +95,21 @@ MAX_SLOTS = 1024
 # found down (a real server is down for seconds while it loads) and costs at most this many tokens, said (the daemon's
 # counter_below) unless the new counter has passed the old reading by the next page.
 YOUNG_COUNTER_TOKENS = 64
+# The most a young counter's fall may be and still be judged a dip: the dips seen on young counters are of a few tokens
+# (SGLang's warm-up 2 read as 0; the simulator dips 4). A larger fall is no dip's: a fresh server's counter going from
+# 60 to 20 was taken for one, so the sweep compared on from the old process's count and hid another client's 40 tokens
+# at the next batch (its excess 80 - 0 - 100 = -20), and the daemon counted the new process's tokens up to 60 as none.
+YOUNG_DIP_TOKENS = 4
 
 
 def counter_restarted(before: float, now: float, young: float = YOUNG_COUNTER_TOKENS) -> bool:
     """Whether a counter read `now` after `before` (the daemon: its highest believed reading; the sweep: the page before)
     says by itself that the server restarted:
-    it fell to half or less (a new process counts from 0), not while `before` is `young` or less (a dip of a few tokens
-    on a multi-process page takes a young counter there: SGLang's 2 read as 0). The one rule the daemon's scraper and
-    the sweep's foreign-traffic check judge a fall by; a smaller fall is a dip (or a restart nothing else says)."""
-    return now < before and now <= before / 2 and before > young
+    it fell to half or less (a new process counts from 0), not while `before` is `young` or less and the fall is of
+    YOUNG_DIP_TOKENS or fewer (a dip of a few tokens on a multi-process page takes a young counter there: SGLang's 2
+    read as 0). The one rule the daemon's scraper and the sweep's foreign-traffic check judge a fall by; a smaller fall
+    is a dip (or a restart nothing else says)."""
+    return now < before and now <= before / 2 and (before > young or before - now > YOUNG_DIP_TOKENS)
 
 
 def connection_refused(e: BaseException) -> bool:
@@ -352,6 +358,11 @@ class Tally:
             return ("the server shows no request or token counters (llama.cpp: start it with --metrics, or keep /slots "
                     "enabled; vLLM and SGLang: /metrics, SGLang with --enable-metrics), so other clients' requests "
                     "cannot be ruled out")
+        if self.tokens is None and self.unread:  # /slots answered: "no token counter (--metrics)" was the wrong fix
+            return (f"the server's /metrics {self.unread}, so its token counter was not read and only the requests in "
+                    f"flight ({self.in_flight_source}) are seen: another client's request that starts and ends within "
+                    "one of powerprof's cannot be seen (fix: check that the server's /metrics answers at the address "
+                    "given)")
         if self.tokens is None:
             return (f"the server shows only the requests in flight ({self.in_flight_source}), no token counter "
                     "(llama.cpp: --metrics): another client's request that starts and ends within one of powerprof's "
@@ -421,7 +432,7 @@ async def read_tally(session: aiohttp.ClientSession, base_url: str, kind: str | 
         except ValueError:
             busy = None
         if busy is not None:
-            tally = Tally(t_ns, tally.tokens, tally.tokens_name, tally.requests, tally.requests_name, float(busy), "/slots")
+            tally = replace(tally, in_flight=float(busy), in_flight_source="/slots")  # keeps why /metrics was unread
     return tally
 
 
@@ -460,7 +471,7 @@ class ForeignWatch:
     another client's. Counts compare cumulatively from the first snapshot with a high-water mark, so a
     counter that lags the stream by a step, or dips below the page before for one read, shifts nothing
     between batches. A token counter fallen to half its last reading or less is a restart (counted from
-    there again; not one of YOUNG_COUNTER_TOKENS or fewer: counter_restarted); a restart the sweep sees as the
+    there again; not a fall of a few tokens from YOUNG_COUNTER_TOKENS or fewer: counter_restarted); a restart the sweep sees as the
     server going away is ridden out by sweep.py."""
 
     def __init__(self, first: Tally):
@@ -495,7 +506,7 @@ class ForeignWatch:
         if now.tokens is not None and self.first.tokens is not None and self.prev.tokens is not None:
             # The server restarted: its counter began again (counter_restarted, the daemon's rule too). A fall, never a
             # counter standing still at 0 (a fresh server's counter lagging our first batch: reset there, that batch
-            # came back as another client's), nor a young counter's dip (SGLang's warm-up 2 read as 0).
+            # came back as another client's), nor a young counter's dip of a few tokens (SGLang's warm-up 2 read as 0).
             if counter_restarted(self.prev.tokens, now.tokens):
                 self.first, self.ours_tokens, self._tok_high = now, 0, 0.0
             else:
