@@ -88,7 +88,7 @@ def _exposition() -> dict:
     latency.observe(0, 100_000_000, 600_000_000, 11, 40)
     holder = type("H", (), {})()
     holder.snapshot = Snapshot(
-        gpus=(GpuSnapshot(0, "GPU-x", "gpu", 100.0, 1.0, 1.0, 300.0, 5.0),), cpu_energy_j=1.0,
+        gpus=(GpuSnapshot(0, "GPU-x", "gpu", 100.0, 1.0, 1.0, 300.0, 5.0, serving=True),), cpu_energy_j=1.0,
         joules_per_token=0.5, server_tokens=3.0, tokens_by_tag={"a": 1}, requests_by_tag={("a", "ok"): 1},
         energy_by_dest_j=(80.0, 15.0, 5.0), tokens_closed=100.0, tokens_attributed=100.0,
         work_costs={"source": "fitted", "idle_w": 60.0, "step_j": 0.9, "decode_j": 0.2,
