@@ -346,6 +346,9 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
                                  "stream": True}
         return "/generate", {"text": text, "sampling_params": sp, "stream": kind == "generate"}
     msgs = [{"role": "user", "content": text}]
+    # `K_stop`: chat kind K without ignore_eos: the simulated model stops on its own (16-63 tokens), as real answers do.
+    stop = kind.endswith("_stop")
+    kind = kind.removesuffix("_stop")
     if kind == "messages":
         return "/v1/messages", {"messages": msgs, "max_tokens": n, "stream": True, "ignore_eos": True}
     if kind == "responses":
@@ -365,6 +368,8 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
                                else "required")
         if kind == "chat_tool_plain":  # no usage asked: the prompt (the tools' schemas in it) estimated from its size
             del body["stream_options"]
+    if stop:
+        del body["ignore_eos"]
     return "/v1/chat/completions", body
 
 

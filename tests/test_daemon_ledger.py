@@ -380,6 +380,8 @@ def test_tokens_in_an_interval_without_energy_give_no_zero_j_per_token():
     a = _trace(1, 0.1)
     led.on_start(a)
     led.on_tokens(a, int(0.5 * S), 3)
+    # The proxy's count of them, as it keeps it (else the usage's 3 read as 3 more after its chunks: _placed_at_end).
+    a.tokens_seen = 3
     a.first_ns, a.last_ns, a.end_ns = int(0.5 * S), int(0.5 * S), int(0.6 * S)
     a.counts = Counts(generated_tokens=3, prompt_tokens=10, model=None, stop_reason=None, token_source="usage")
     led.on_end(a)
@@ -1860,12 +1862,15 @@ def test_a_later_burst_held_past_the_prompt_hold_says_the_seconds_it_lost():
     assert "its own figure is low" in note
 
 
-def _held_stream(pieces, generated: int, late_s: float | None = None, predicted_ms: float | None = None):
+def _held_stream(pieces, generated: int, late_s: float | None = None, predicted_ms: float | None = None,
+                 extra: dict | None = None):
     """A stream arrived at 0.5 s, after three 1 Hz ticks, whose pieces (t_s, tokens) reach the proxy held back, the
-    proxy's loop measured `late_s` late at each where given; then its end and four more ticks. Its one row."""
+    proxy's loop measured `late_s` late at each where given; then its end (what the proxy said of it: `extra`) and four
+    more ticks. Its one row."""
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     tr = _trace(1, 0.5)
+    tr.extra.update(extra or {})
     led.on_start(tr)
     for k in range(3):
         _feed(led, float(k), 100.0 * k)
@@ -1922,6 +1927,21 @@ def test_bursts_read_while_the_proxys_own_loop_ran_late_say_so(late_s):
         assert "the proxy's own event loop ran up to 2.5 s late" in note and "(fix: give the daemon's host CPU" in note, note
     else:
         assert "own event loop" not in note and "(fix: point proxy.upstream" in note, note
+
+
+def test_a_burst_the_servers_tool_call_parser_held_blames_no_buffering_proxy():
+    # SGLang's deepseekv3 parser sends a call whole once it closes: its chunk's running count jumps (6 to 22) after a
+    # silence, a second burst. The proxy saw that jump in a chunk carrying the call (tool_call_jumps): the server held
+    # it, no hop. Before, the row said "held back between the server and the proxy: a buffering proxy or gateway" with
+    # nginx's fix, sending its operator after a proxy that is not there.
+    sink = _held_stream(((3.0, 6), (5.0, 16)), 22, extra={"tool_call_jumps": 1})
+    (row,) = sink.rows["requests"]
+    note = row["energy_note"]
+    assert "2 bursts" in note and "tool-call parser held a call" in note, note
+    assert "buffering proxy" not in note and "proxy_buffering off" not in note, note
+    # Without that word from the proxy, the same bursts are a hop's, as before.
+    (row,) = _held_stream(((3.0, 6), (5.0, 16)), 22).rows["requests"]
+    assert "buffering proxy" in row["energy_note"] and "tool-call parser" not in row["energy_note"], row["energy_note"]
 
 
 def test_a_large_first_burst_holds_its_windows_until_its_end_though_small_pieces_follow():

@@ -225,6 +225,23 @@ def test_the_server_process_takes_the_thinking_and_tool_parser_knobs():
     assert any(d.get("tool_calls") for d in deltas)
 
 
+def test_the_server_process_takes_the_tool_call_parser_by_name():
+    # SGLang's --tool-call-parser takes a parser's name, and the simulator streams deepseekv3's and qwen3_coder's calls
+    # otherwise than a JSON detector's (tool_call_parser). Before, sim.serve's flag was an on/off switch: a launch
+    # template naming the parser (`--tool-call-parser deepseekv3`) was refused, so a sweep could not reach those shapes.
+    from powerprof.sim.serve import TOOL_CALL_PARSERS, parse_args
+
+    def knob(*argv):
+        return TOOL_CALL_PARSERS.get(parse_args(list(argv)).tool_call_parser, False)
+
+    assert knob("--tool-call-parser", "deepseekv3") == "deepseekv3"
+    assert knob("--tool-call-parser", "qwen3_coder") == "qwen3_coder"
+    assert knob("--tool-call-parser", "qwen25") is True and knob("--tool-call-parser") is True  # a bare flag as before
+    assert knob() is False
+    with pytest.raises(SystemExit):  # a name it does not simulate: refused, not streamed as another's
+        parse_args(["--tool-call-parser", "no_such_parser"])
+
+
 @pytest.mark.parametrize("flavour", ["vllm", "sglang"])
 def test_a_tool_call_that_ends_itself_finishes_tool_calls_and_counts_true(flavour):
     # Without ignore_eos the simulated model stops on its own (16-63 tokens): a real tool call ends so, and both servers

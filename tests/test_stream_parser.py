@@ -1269,6 +1269,28 @@ def test_a_chunk_without_usage_after_running_counts_is_no_token_of_its_own(count
     assert (n, s.generated_tokens, c.count_problem) == (11, 11, None), (n, s, c)
 
 
+@pytest.mark.parametrize("count_only", [False, True])
+def test_a_tool_call_sent_whole_is_told_apart_from_one_streamed_step_by_step(count_only):
+    # SGLang's deepseekv3 parser sends a call whole once it closes: that chunk's running count jumps (6 to 22). The
+    # proxy tells the ledger so (tool_call_jumps), whose burst note then blames the server's parser, not a buffering
+    # proxy. A JSON detector's call, streamed a step a chunk, has no such jump.
+    def u(n):
+        return {"prompt_tokens": 20, "completion_tokens": n, "total_tokens": 20 + n}
+
+    def think(n):
+        return {**_CHAT, "choices": [{"index": 0, "delta": {"reasoning_content": "t"}, "finish_reason": None}],
+                "usage": u(n)}
+    end = ({**_CHAT, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+           {**_CHAT, "choices": [], "usage": u(25)}, b"[DONE]")
+    whole = _compact(*[think(k) for k in range(1, 7)], _tool_chunk('{"a": 1}', u(22), name="f"), *end)
+    stepwise = _compact(*[think(k) for k in range(1, 7)], _tool_chunk("", u(7), name="f"),
+                        *[_tool_chunk("x", u(8 + k)) for k in range(15)], *end)
+    for data, jumps in ((whole, 1), (stepwise, 0)):
+        p = StreamParser("openai-chat", count_only=count_only)
+        n = p.count(data) if count_only else sum(e.n_tokens for e in p.feed(data))
+        assert (n, p.tool_call_jumps) == (22, jumps), (n, p.tool_call_jumps)
+
+
 def test_a_list_of_prompts_with_running_counts_says_its_prompt_once_every_prompt_has():
     # vLLM's /v1/completions of two prompts with continuous_usage_stats: each chunk's usage says the prompt of its own
     # choice (num_prompt_tokens[prompt_idx]), the final usage their sum. Before: the first chunk's 10 was taken for the

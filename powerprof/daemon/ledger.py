@@ -36,7 +36,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       SERVER_COUNT_UNREAD,
                                       bypass_count_fix, bypass_count_low, bypass_count_may_be)
 
-from powerprof.arrival import SAME_DELIVERY_NS, at_limit
+from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS, at_limit
 
 from . import attribution as attr
 from .promptlen import PromptLengths
@@ -701,21 +701,24 @@ class Ledger:
                 and c.count_problem is None and c.generated_tokens and not trace.extra.get("spread")):
             return self._to_server_count(r, float(c.generated_tokens))
         if (c is not None and trace.stream is True and c.token_source == "usage" and not c.tokens_estimated
-                and c.invalid is None and c.count_problem is None and c.generated_tokens and c.held_tail
-                and trace.last_ns is not None and trace.end_ns is not None
-                and min(trace.extra.get("held_end_ns", trace.end_ns), trace.end_ns) > trace.last_ns):
-            # Its chunks carried running counts and its final count, the request's limit, is above the last of them:
-            # tokens the server generated after its last chunk and sent in none (a tool call its parser held, cut by
-            # max_tokens: arrival.held_call_at_limit). Spread from that chunk to the end, over which they were
-            # decoded; left out, the server's counter gave them and their energy to `unproxied`.
+                and c.invalid is None and c.count_problem is None and c.generated_tokens
+                and trace.last_ns is not None and trace.end_ns is not None):
+            # Its believed final count is above the tokens its chunks carried: tokens the server generated after its
+            # last chunk and sent in none. A tool call its parser held, cut by max_tokens (held_tail:
+            # arrival.held_call_at_limit); within COUNT_SLACK_TOKENS, a self-closing call's trailing tokens or
+            # SGLang's end-of-text token, which has no text. Spread from that chunk to the end, over which they were
+            # decoded; left out, the server's counter gave them and their energy to `unproxied` (a natural stop's
+            # 3 trailing tokens of 25: 6-9 J of ~51 J, with no bypass traffic).
             surplus = float(c.generated_tokens) - float(trace.tokens_seen)
-            if surplus > 0:
+            if 0 < surplus and (c.held_tail or surplus <= COUNT_SLACK_TOKENS):
                 # To the upstream's end (proxy._held_end), not the client's: a slow reader's end is past the server's.
-                end = min(trace.extra.get("held_end_ns", trace.end_ns), trace.end_ns)
+                # An end no later than the last chunk (the usage read with it): there.
+                end = max(min(trace.extra.get("held_end_ns", trace.end_ns), trace.end_ns), trace.last_ns)
                 step = (end - trace.last_ns) / SPREAD_EVENTS
                 ts = [int(trace.last_ns + step * (k + 1)) for k in range(SPREAD_EVENTS)]
                 self._place(r, ts, [surplus / SPREAD_EVENTS] * SPREAD_EVENTS)
-                r.held_tail_n = surplus
+                # Only a held tail's timing is inference worth its note: a few trailing tokens end the stream.
+                r.held_tail_n = surplus if c.held_tail else 0.0
                 return surplus
         if trace.extra.get("spread") and trace.first_ns is not None and trace.last_ns is not None:
             # A non-streamed body arrives at once: assume its tokens came evenly over its decode time.
@@ -842,7 +845,9 @@ class Ledger:
                "something between the server and the proxy buffers its streams, a busy host ran the server or the "
                "proxy late, or a busy server sent several steps' tokens at once")
         fix = _burst_fix(r)
-        if r.bursts and (self.burst_requests == 1 or self.burst_requests % 1000 == 0):
+        if r.bursts and _parser_held(r):
+            pass  # the server's parser's hold (its row says so): no hop to warn of
+        elif r.bursts and (self.burst_requests == 1 or self.burst_requests % 1000 == 0):
             log.warning("request %d: its %.0f tokens reached the proxy in %d bursts, up to %.1f s apart: %s; each "
                         "burst's are spread over the time before it and its row says so in energy_note (%d such "
                         "requests so far; %s)", tr.request_id, n, r.bursts + 1, r.held_s, why, self.burst_requests, fix)
@@ -3106,6 +3111,12 @@ def _secs(x: float) -> str:
     return f"{x * 1e3:.0f} ms" if x < 1.0 else f"{x:.1f} s"
 
 
+def _parser_held(r: _Req) -> bool:
+    """Every later burst of `r` can be a chunk in which the server's tool-call parser sent several tokens at once (the
+    proxy's count of such chunks: _State.tool_call_jumps), not a hop's buffer."""
+    return 0 < r.bursts <= r.trace.extra.get("tool_call_jumps", 0)
+
+
 def _burst_fix(r: _Req) -> str:
     """The fix of a burst note: the hop's first where nothing measured says the host, the host's first where it did."""
     return f"fix: {OWN_LATE_FIX}; or {BURST_FIX[5:]}" if r.own_late_s else f"{BURST_FIX}; on a busy host, {OWN_LATE_FIX}"
@@ -3217,7 +3228,17 @@ def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
                      f"the server and the proxy: a buffering proxy or gateway{_own_late_said(r)}), and were spread over "
                      f"{'the server' + chr(39) + 's decode time' if _server_timed(r) else 'its run'} at the server's "
                      f"pace as a non-streamed answer's; its decode_s is the burst's, not the server's ({_burst_fix(r)})")
-    if r.bursts:
+    if r.bursts and _parser_held(r):
+        # Each burst came in a chunk that carried a tool call and several tokens by the server's own running count: the
+        # server held them (SGLang's deepseekv3 parser sends a call whole once it closes), no hop between. Blaming a
+        # buffering proxy sent its operator hunting one that is not there.
+        notes.append(f"its tokens reached the proxy in {r.bursts + 1} bursts, up to {r.held_s:.1f} s apart (the "
+                     "server's tool-call parser held a call's tokens and sent them in one chunk once it closed: the "
+                     "server's running count jumped there, so no proxy between held them), each burst's spread over the "
+                     "time before it at the server's pace; its TTFT and decode_s are the bursts', not the server's "
+                     "(nothing to fix: a parser that streams calls as they go, such as SGLang's JSON detectors, "
+                     "sends them step by step)")
+    elif r.bursts:
         notes.append(f"its tokens reached the proxy in {r.bursts + 1} bursts, up to {r.held_s:.1f} s apart (held back "
                      "between the server and the proxy: a buffering proxy or gateway that passes its buffer on when "
                      f"full or on a timer{_own_late_said(r)}), each burst's spread over the time before it at the "

@@ -278,11 +278,15 @@ def _held_call(trace, end_ns: int) -> HeldCall | None:
 
 
 def _held_end(trace, sink) -> None:
-    """A held call's end for the ledger's placing of its held tokens (Ledger._placed_at_end): the upstream's last piece,
-    where the server finished it; trace.end_ns waits on the client's last write, so a slow reader put those tokens
-    (and the server counter's match of them) after the server's finish."""
-    if trace.counts is not None and trace.counts.held_tail:
+    """What a stream's end tells the ledger beyond its counts. Its end, for the placing of the tokens its count has past
+    its chunks (Ledger._placed_at_end: a held call's, a self-closing call's trailing tokens, SGLang's end-of-text
+    token): the upstream's last piece, where the server finished it; trace.end_ns waits on the client's last write,
+    so a slow reader put those tokens (and the server counter's match of them) after the server's finish."""
+    if trace.counts is not None:
         trace.extra["held_end_ns"] = sink.upstream_end_ns
+    if sink.parser is not None and sink.parser.tool_call_jumps:
+        # Its bursts at such chunks are the server's parser's hold, not a hop's (the ledger's burst note).
+        trace.extra["tool_call_jumps"] = sink.parser.tool_call_jumps
 
 
 def chat_echo_chars(doc: dict) -> int:

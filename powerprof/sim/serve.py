@@ -21,6 +21,12 @@ from .server import FLAVOURS, SimServer, until_signalled
 SETTINGS_POLL_S = 0.02  # how soon a power limit set by another process slows this server
 
 
+# SGLang's --tool-call-parser names as the simulator streams them (SimServer's tool_call_parser): its JSON detectors
+# alike (True), the two that hold a call's text by name. A bare flag (before: an on/off switch) is a JSON detector.
+TOOL_CALL_PARSERS = {"qwen25": True, "llama3": True, "mistral": True, "deepseekv3": "deepseekv3",
+                     "qwen3_coder": "qwen3_coder"}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m powerprof.sim.serve", description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
@@ -38,7 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reasoning-tokens", type=int, default=0,
                     help="vllm/sglang: a thinking model behind --reasoning-parser, each chat answer thinking this many "
                          "tokens first (docs/simulator.md, Thinking, tool calls and chat echo)")
-    ap.add_argument("--tool-call-parser", action="store_true", help="sglang: stream forced tool calls as tool-call deltas")
+    ap.add_argument("--tool-call-parser", nargs="?", const="qwen25", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                    help="sglang: stream forced tool calls as this SGLang parser does: a JSON detector's (qwen25, "
+                         "llama3, mistral; the default of a bare flag) a step a chunk, deepseekv3's whole once closed, "
+                         "qwen3_coder's a parameter once closed (SimServer's tool_call_parser)")
     a = ap.parse_args(argv)
     if a.n_slots < 1 or a.ctx_size < 1 or (a.draft is not None and a.draft < 0) or a.reasoning_tokens < 0:
         ap.error("-np and -c must be at least 1, the draft count and --reasoning-tokens at least 0")
@@ -62,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     nvml.publish_load()
     srv = SimServer(nvml, flavour=a.flavour, host=a.host, port=a.port, n_slots=a.n_slots, loading_s=a.loading_s,
                     decode_tok_s=a.decode_tok_s, prefill_tok_s=a.prefill_tok_s, draft_n_max=draft, n_ctx=a.ctx_size,
-                    reasoning_tokens=a.reasoning_tokens, tool_call_parser=a.tool_call_parser)
+                    reasoning_tokens=a.reasoning_tokens,
+                    tool_call_parser=TOOL_CALL_PARSERS.get(a.tool_call_parser, False))
     with srv:
         print(f"simulated server listening on {srv.url}", flush=True)
         until_signalled(SETTINGS_POLL_S, nvml.sync_settings)

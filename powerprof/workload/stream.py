@@ -218,6 +218,9 @@ class _State:
     n_bare: int = 0  # chunks without choices that carried usage or timings (keys "#1", "#2", ...)
     first_choice_of: int | None = None  # a whole answer's count is its first choice's alone, of this many
     scaled_tasks: bool = False  # a whole llama.cpp answer's first task's usage scaled to its choices (_one_task_answer)
+    # Chunks that carried a tool call and a running count more than one token past the one before: the server's
+    # tool-call parser held those tokens' text (SGLang's deepseekv3 sends a call whole once it closes), no hop between.
+    tool_call_jumps: int = 0
     done: bool = False
     errors: list = field(default_factory=list)
     unreadable: int = 0  # lines and events that could not be read (StreamSummary.unreadable)
@@ -276,6 +279,11 @@ class StreamParser:
         self._chat_echo = echo_chars if api == "openai-chat" and echo_chars > 0 else 0
         if self._chat_echo:
             self._quick = False
+
+    @property
+    def tool_call_jumps(self) -> int:
+        """Chunks so far that carried a tool call and several tokens by the running count (_State.tool_call_jumps)."""
+        return self._s.tool_call_jumps
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -1001,6 +1009,7 @@ class StreamParser:
             return
         texts: list[str] = []
         closing = False  # this chunk carries a finish_reason
+        tool = False  # this chunk carries a tool call
         # Per choice with a token: (index, tokens by the no-count rule: its logprobs' count, else one).
         carried: list[tuple[int, int]] = []
         n_seen = 0
@@ -1033,7 +1042,7 @@ class StreamParser:
                             # character) unless it is the role-only opener or the closing chunk.
                             token |= bool(v) or ("role" not in delta and not finished)
                     if delta.get("tool_calls"):
-                        token = True
+                        token = tool = True
             else:
                 v = ch.get("text")
                 if isinstance(v, str):
@@ -1085,6 +1094,8 @@ class StreamParser:
                 return
             if self._counted(n):
                 s.totalled += n
+                if tool and n > 1:
+                    s.tool_call_jumps += 1
                 if single and idx:
                     s.other_choices[idx] += n
                 out.append(TokenEvent(n, "".join(texts), usage_total))
