@@ -479,8 +479,14 @@ class Ledger:
         self._level = 0.0  # the latest window's level
         # Tokens the server's count owes the proxy's since its latest (re)start: read before its scrape's stamp, counted
         # in a later window (`_resolve_spans`); and the latest window's reference level.
-        self._owed, self._ref_last = 0.0, 0.0
-        self._placed_last = 0.0  # the proxy's tokens in the latest resolved window
+        # Each owed amount is [when the reference fell (ns), tokens, doubtful]: doubtful where a known loss of the
+        # count (a window with a reason other than proxy_lag) came within CREDIT_S + LAG_S of the fall, so the fall may
+        # be that loss rather than a read made early (`_resolve_spans`).
+        self._owed: deque = deque()
+        self._ref_last = 0.0
+        self._lost_ns: int | None = None  # the end of the latest window whose count a known loss lowered
+        # The proxy's tokens in the latest resolved window, and that window's length (ns): its rate is compared.
+        self._placed_last, self._placed_last_ns = 0.0, 1
         self._ahead = (0.0, 0.0)  # and the most and least lag it may hold
         self._edge_most: float | None = 0.0  # the most lag the latest window may hold at its own end (None: unmeasured)
         # (t_ns, s) how late the proxy's event loop ran, as the daemon measures it (`note_proxy_delay`): the most a
@@ -2209,28 +2215,71 @@ class Ledger:
             while self._levels and self._levels[0][0] < sp[1] - credit_ns:
                 self._levels.popleft()
             sp[3] = max(0.0, level - ref)
+            lossy = set(sp[5]) - {PROXY_LAG}
+            if lossy and not restart[k]:
+                # A known loss of the count (counter_below: the scraper counts on from the highest reading, the tokens
+                # below it lost for good; late_baseline, slots_only, unscraped, misplaced, server_restart): it lowers
+                # the gap for good, and the reference falls by it once the levels before it age out (CREDIT_S on).
+                # Owed, it was repaid out of real bypass traffic where the proxy's pace next fell, in rows saying
+                # `complete` (20 bypass tokens read as 0, 35 s after the fall: tests/test_daemon_bypass_partial.py).
+                # What is owed already, or falls owed within CREDIT_S + LAG_S of it, may be that loss: doubtful.
+                self._lost_ns = int(sp[1])
+                for o in self._owed:
+                    o[2] = True
             if not restart[k] and not self.server_at_finish and not {SERVER_COUNT_SLOTS_ONLY, "server_restart",
-                                                                     "unscraped"} & set(sp[5]):
+                                                                     "unscraped"} & lossy:
                 # Tokens are conserved: a counter read before its scrape's stamp (the daemon stamps the GET's midpoint;
                 # llama-server's /metrics is read before /slots) leaves the proxy's tokens of that stretch placed in the
                 # window and counted in the next, a dip of the gap that lasts while the proxy's pace does. Held past
                 # CREDIT_S (a stream running on), the dip became the reference, and its recovery (the stream's end) read
                 # as bypass tokens that never ran, in rows saying `complete` (16 where 1 ran, the counter read 0.1 s
                 # early: tests/test_daemon_bypass_partial.py). So what the reference fell by is owed, and a rise nets
-                # against it first, as far as the fall of the proxy's tokens from the window before can repay (the
-                # stretch read early holds fewer of them): while the proxy's pace holds, a rise is bypass traffic. At
-                # most the proxy's tokens of the LAG_S either side of the window's end are owed (what a read that early
-                # can owe, its level looking LAG_S ahead): a count lost for good is not carried for ever. A server that
-                # loses tokens by design (`slots_only`, an at-finish counter a cut stream never reaches) and a window
-                # whose level a restart's lost tail or an unread server lowered (said above) owe nothing: those losses
-                # would hide bypass traffic.
-                self._owed += max(0.0, self._ref_last - ref)
-                self._owed = min(self._owed, float(cum[np.searchsorted(pt, sp[1] + lag_ns, side="right")]
-                                                   - cum[np.searchsorted(pt, sp[1] - lag_ns, side="right")]))
-                repaid = min(self._owed, sp[3], max(0.0, (float(placed[k - 1]) if k else self._placed_last)
-                                                    - float(placed[k])))
-                sp[3] -= repaid
-                self._owed -= repaid
+                # against it first, as far as the fall of the proxy's RATE from the window before can repay (the
+                # stretch read early holds fewer of its tokens): while the proxy's pace holds, a rise is bypass traffic.
+                # Rates, not counts: windows differ in length (a scrape missed, one 0.5 s then one 0.25 s), and the
+                # count's fall read as a pace's hid a 12-token bypass request as repayment, then the owe spent, the
+                # stream's end showed 12 that never ran (both rows `complete`). The fall of the rate times this
+                # window's length bounds how far the tokens read early can fall (that stretch is within the window).
+                # At most the proxy's tokens of the LAG_S either side of the window's end are owed (what a read that
+                # early can owe, its level looking LAG_S ahead). A server that loses tokens by design (`slots_only`,
+                # an at-finish counter a cut stream never reaches) and a window whose level a restart's lost tail or
+                # an unread server lowered (said above) owe nothing: those losses would hide bypass traffic.
+                fell = max(0.0, self._ref_last - ref)
+                if fell > 0:
+                    doubtful = self._lost_ns is not None and sp[1] - self._lost_ns <= credit_ns + lag_ns
+                    self._owed.append([int(sp[1]), fell, doubtful])
+                cap = float(cum[np.searchsorted(pt, sp[1] + lag_ns, side="right")]
+                            - cum[np.searchsorted(pt, sp[1] - lag_ns, side="right")])
+                while self._owed and sum(o[1] for o in self._owed) > cap:  # the oldest first
+                    over = sum(o[1] for o in self._owed) - cap
+                    if self._owed[0][1] <= over:
+                        self._owed.popleft()
+                    else:
+                        self._owed[0][1] -= over
+                n_prev, d_prev = (float(placed[k - 1]), int(todo[k - 1][1] - todo[k - 1][0])) if k \
+                    else (self._placed_last, self._placed_last_ns)
+                d_k = int(sp[1] - sp[0])
+                due = min(sp[3], max(0.0, n_prev * d_k / max(d_prev, 1) - float(placed[k])))
+                # Repaid oldest first. An owe older than CREDIT_S nets still (a stream read early runs on for minutes),
+                # but nothing then tells it from a count lost for good that went unsaid: the window says proxy_lag
+                # (count may be high or low). A doubtful owe (a known loss near its fall) does not net, and where it
+                # would have, the window says proxy_lag too: its rise may be that recovery, or bypass traffic.
+                unsure = 0.0
+                while due > 0 and self._owed:
+                    o = self._owed[0]
+                    take = min(o[1], due)
+                    due -= take
+                    o[1] -= take
+                    if o[2]:
+                        unsure += take
+                    else:
+                        sp[3] -= take
+                        if sp[1] - o[0] > credit_ns:
+                            unsure += take
+                    if o[1] <= 0:
+                        self._owed.popleft()
+                if unsure > LAG_TOKENS and PROXY_LAG not in sp[5]:
+                    sp[5] = (*sp[5], PROXY_LAG)
             self._ref_last = ref
             if restart[k] and any(q.trace.arrival_ns <= sp[0] for q in live):
                 # Its level holds the old process's count of tokens still to come (placed at its end, here, once
@@ -2311,7 +2360,9 @@ class Ledger:
                 # owes them (placed, they lowered the gap as a lost tail does: 8 of those 16).
                 fresh = sum(n for q in self.requests.values() if q.trace.arrival_ns > sp[0]
                             for t, n in zip(q.ev_t, q.ev_n) if sp[0] < t <= sp[1])
-                self._owed = max(0.0, float(gaps[k]) - float(ahead_n[k]) - level) + max(0.0, fresh - float(sp[2]))
+                # The old process's owes go with it (its counter will never count them: its lost tail).
+                self._owed = deque([[int(sp[1]), max(0.0, float(gaps[k]) - float(ahead_n[k]) - level)
+                                     + max(0.0, fresh - float(sp[2])), False]])
                 self._ref_last = level
             if sp[3] > 0 and sp[4] is not None:
                 self._spread_back(sp, pt, dur)
@@ -2321,7 +2372,7 @@ class Ledger:
                 self._bypassed.popleft()
             self._level, self._ahead = level, (float(ahead_n[low]), float(ahead_lo[low]))
             self._gap = float(gaps[k])
-            self._placed_last = float(placed[k])
+            self._placed_last, self._placed_last_ns = float(placed[k]), int(sp[1] - sp[0])
             self._edge_most = float(ahead_n[k]) if measured[k] else None
 
     def _note_unsure(self, r: _Req, t1: int) -> None:
@@ -2706,10 +2757,16 @@ class Ledger:
                          "went straight to the server: unproxied_energy_j holds theirs), so gpu_j_per_token is empty; "
                          "fix: send the window's requests through the proxy (proxy.listen)")
         if tg.methods and bypass_count_low(row["server_count"]):
+            # The consequence follows the count's way (low, or low or high: schema.BYPASS_COUNT_TWO_WAY), as
+            # `_count_low_note`'s own words do: a one-way "may be low" beside "may be low or high" contradicted it.
+            two_way = bypass_count_may_be(row["server_count"]) != "may be low"
             notes.append(_count_low_note(row["server_count"], "over this window",
-                                         "unproxied_energy_j may be low and gpu_j_per_token high (bypass traffic's "
-                                         "energy may be in it: `powerprof analyze` leaves this window out of its "
-                                         "tag's figures)"))
+                                         ("unproxied_energy_j may be low or high and gpu_j_per_token high or low "
+                                          "(bypass traffic's energy may be in it, or the proxied traffic's in "
+                                          "unproxied_energy_j" if two_way else
+                                          "unproxied_energy_j may be low and gpu_j_per_token high (bypass traffic's "
+                                          "energy may be in it")
+                                         + ": `powerprof analyze` leaves this window out of its tag's figures)"))
         notes.append(self.unsampled_note if tg.intervals else None)  # the server on a GPU not sampled, as it closed
         if tg.closed_by == "shutdown":
             notes.append("closed at shutdown: the daemon stopped with this window open, so it ends at the daemon's "

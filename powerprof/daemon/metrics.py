@@ -334,14 +334,16 @@ class SnapshotCollector:
                                     "Requests' GPU J per generated token over the intervals with tokens of the last "
                                     "metrics.jpt_window_s, leaving out intervals without an energy counter that "
                                     "requests were live in for under half their time (no-counter-short) and intervals "
-                                    "whose server token count may be low or was not read (bypass-uncounted: bypass "
-                                    "traffic's energy may be in the requests'; the rule analyze leaves such requests out "
+                                    "whose server token count may be low (or high: proxy_lag, server_restart) or was not "
+                                    "read (bypass-uncounted: bypass traffic's energy may be in the requests', or theirs "
+                                    "in unproxied; the rule analyze leaves such requests out "
                                     "by); powerprof_joules_per_token_left_out_* count them; absent when none is left",
                                     value=s.joules_per_token)
         lo_iv = CounterMetricFamily("powerprof_joules_per_token_left_out_intervals", "Intervals with tokens left out of "
                                     "powerprof_joules_per_token since start, by reason: no-counter-short (no energy "
                                     "counter, mostly idle: fix: " + NO_COUNTER_SHORT_FIX + "), bypass-uncounted (their "
-                                    "server_count says the bypass count may be low or unread: "
+                                    "server_count says the bypass count may be low (or high: proxy_lag, server_restart) or "
+                                    "unread: "
                                     "the interval rows say why)", labels=["reason"])
         lo_tok = CounterMetricFamily("powerprof_joules_per_token_left_out_tokens", "Proxied tokens of the intervals "
                                      "left out of powerprof_joules_per_token since start, by reason (as "
