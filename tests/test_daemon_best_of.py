@@ -63,7 +63,7 @@ def test_a_best_of_request_through_the_proxy_is_flagged_with_the_fix(tmp_path):
     # Before: its row said nothing, its energy that of 1 of its 3 sequences' work (the others' in unproxied).
     data = tmp_path / "data"
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", batching="continuous", decode_tok_s=200,
-                   vllm_v0_best_of=True) as sim:
+                   vllm_v0_best_of=True, vllm_metrics="legacy") as sim:  # V0: the v0 names on its page
         d = DaemonProc(data, "--simulate", "--upstream", sim.url, "--interval", "0.25", "--flush-interval", "0.25",
                        env=sim_env(tmp_path))
         try:
@@ -93,11 +93,14 @@ def test_a_best_of_request_through_the_proxy_is_flagged_with_the_fix(tmp_path):
     assert (truth["bo"]["generated"], truth["bo"]["sequences"]) == (3 * N_TOKENS, 3), truth["bo"]
 
 
-def test_a_server_that_takes_no_best_of_gets_no_flag(tmp_path):
-    # SGLang's protocol has the field and ignores it (llama-server ignores it too): its answer hides no sequence, so a
-    # best_of there says nothing (the daemon knows the server from its scrape).
+@pytest.mark.parametrize("flavour", ["sglang", "vllm"])
+def test_a_server_that_takes_no_best_of_gets_no_flag(tmp_path, flavour):
+    # SGLang's protocol has the field and ignores it (llama-server ignores it too), and so does vLLM from 0.12 on (the
+    # field removed; the simulator's default): its answer hides no sequence, so a best_of there says nothing (the
+    # daemon knows the server from its scrape: vLLM's V1 by its prefix-cache counters). Before, vLLM's row said
+    # "the server ran 2 more sequence(s) than it returned", which it never ran.
     data = tmp_path / "data"
-    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", batching="continuous") as sim:
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, batching="continuous") as sim:
         d = DaemonProc(data, "--simulate", "--upstream", sim.url, "--interval", "0.25", "--flush-interval", "0.25",
                        env=sim_env(tmp_path))
         try:
