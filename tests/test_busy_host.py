@@ -107,6 +107,53 @@ def test_the_collector_sums_the_servers_processes_and_keeps_an_ended_ones_time()
     assert c.read().server_cpu_s == pytest.approx(3.5)
 
 
+def test_which_processes_started_since_the_collector_is_the_process_table_at_its_start_not_the_wall_clock():
+    # psutil's create_time is boot time (whole seconds of the wall clock, read anew) plus start ticks (jiffies): a
+    # wall-clock step (NTP) or the rounding moved the judgement. Here the clock stepped forward after the collector
+    # began, so the server's old process (an hour of CPU) reads as started since, and a worker started since reads
+    # half a second before: before, the old one's hour was counted into the first window (3600 s) and the new one's
+    # start missed. The process table at the collector's start says which ran before, whatever the clock says.
+    t0 = time.time()
+    procs = {1: [3600.0, t0 + 100.0]}  # pid -> [cpu s, create time as psutil would say it after the step]
+
+    class Ps:
+        def pids(self):
+            return list(procs)
+
+        def cpu_times(self):
+            return SimpleNamespace(user=5000.0, nice=0.0, system=0.0)
+
+        def Process(self, pid):
+            if pid not in procs:
+                raise psutil.NoSuchProcess(pid)
+            return SimpleNamespace(cpu_times=lambda: SimpleNamespace(user=procs[pid][0], system=0.0),
+                                   create_time=lambda: procs[pid][1])
+
+    c = CpuTimeCollector(lambda: ({1, 2}, None), ps=Ps(), pid=999)
+    procs[2] = [0.4, t0 - 0.5]  # started since (not in the table at the start), its create time rounded down
+    assert c.read().server_cpu_s == pytest.approx(0.4)  # all of the new one's time, none of the old one's past
+    procs[1][0] += 1.0
+    assert c.read().server_cpu_s == pytest.approx(1.4)  # the old one from its first sight on
+
+
+def test_without_a_process_table_a_process_with_more_cpu_than_the_collectors_age_allows_is_old():
+    # An injected psutil without pids(): create times decide, but a process whose CPU time could not have run since
+    # the collector began (its age times the cores) ran before it, whatever the stepped clock says.
+    t = {"now": 0.0}
+
+    class Ps:
+        def cpu_times(self):
+            return SimpleNamespace(user=5000.0, nice=0.0, system=0.0)
+
+        def Process(self, pid):
+            return SimpleNamespace(cpu_times=lambda: SimpleNamespace(user=3600.0, system=0.0),
+                                   create_time=lambda: time.time() + 100.0)
+
+    c = CpuTimeCollector(lambda: ({1}, None), ps=Ps(), pid=999, clock=lambda: t["now"])
+    t["now"] = 1.0
+    assert c.read().server_cpu_s == 0.0  # before: 3600
+
+
 def test_powerprofs_helper_processes_are_powerprofs_and_an_ended_ones_time_stays():
     # A helper (a proxy worker, the compaction child) that ends must not take its CPU time out of powerprof's: the
     # host's busy time keeps it, so "other processes" would jump by all of it in one interval.

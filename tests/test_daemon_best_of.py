@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
+import pandas as pd
 import pytest
 
 from powerprof.sim.nvml import SimNVML
@@ -62,7 +63,7 @@ def test_a_best_of_request_through_the_proxy_is_flagged_with_the_fix(tmp_path):
     # Before: its row said nothing, its energy that of 1 of its 3 sequences' work (the others' in unproxied).
     data = tmp_path / "data"
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", batching="continuous", decode_tok_s=200,
-                   vllm_v0_best_of=True) as sim:
+                   vllm_v0_best_of=True, vllm_metrics="legacy") as sim:  # V0: the v0 names on its page
         d = DaemonProc(data, "--simulate", "--upstream", sim.url, "--interval", "0.25", "--flush-interval", "0.25",
                        env=sim_env(tmp_path))
         try:
@@ -92,11 +93,14 @@ def test_a_best_of_request_through_the_proxy_is_flagged_with_the_fix(tmp_path):
     assert (truth["bo"]["generated"], truth["bo"]["sequences"]) == (3 * N_TOKENS, 3), truth["bo"]
 
 
-def test_a_server_that_takes_no_best_of_gets_no_flag(tmp_path):
-    # SGLang's protocol has the field and ignores it (llama-server ignores it too): its answer hides no sequence, so a
-    # best_of there says nothing (the daemon knows the server from its scrape).
+@pytest.mark.parametrize("flavour", ["sglang", "vllm"])
+def test_a_server_that_takes_no_best_of_gets_no_flag(tmp_path, flavour):
+    # SGLang's protocol has the field and ignores it (llama-server ignores it too), and so does vLLM from 0.12 on (the
+    # field removed; the simulator's default): its answer hides no sequence, so a best_of there says nothing (the
+    # daemon knows the server from its scrape: vLLM's V1 by its prefix-cache counters). Before, vLLM's row said
+    # "the server ran 2 more sequence(s) than it returned", which it never ran.
     data = tmp_path / "data"
-    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", batching="continuous") as sim:
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, batching="continuous") as sim:
         d = DaemonProc(data, "--simulate", "--upstream", sim.url, "--interval", "0.25", "--flush-interval", "0.25",
                        env=sim_env(tmp_path))
         try:
@@ -114,4 +118,67 @@ def test_a_server_that_takes_no_best_of_gets_no_flag(tmp_path):
     assert rc == 0, d.output()
     (row,) = read_dataset(data, "requests").to_dict("records")
     assert truth["sequences"] == 1 and row["generated_tokens"] == N_TOKENS
+    assert BEST_OF_FLAG not in note_of(row), note_of(row)
+
+
+def _refusal(url: str, path: str, cid: str, **extra) -> dict:
+    """A 400's JSON body (the request must be refused)."""
+    with pytest.raises(urllib.error.HTTPError) as e:
+        if path == "/v1/completions":
+            _complete(url, cid, **extra)
+        else:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": N_TOKENS, **extra}
+            req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json", "X-Sim-Request-Id": cid})
+            urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400
+    return json.loads(e.value.read())
+
+
+def test_the_simulated_vllm_v1_of_0_7_to_0_11_refuses_best_of_above_1():
+    # Its processor's ValueError ("vLLM V1 does not yet support best_of."), answered 400 in vLLM's error shape, on
+    # both OpenAI routes (both protocols carried the field); best_of 1 (or none) is served. Before: served, best_of
+    # ignored, as vLLM >= 0.12 (the field removed) does, still the default.
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", batching="continuous",
+                   vllm_v1_refuses_best_of=True) as sim:
+        comp = _refusal(sim.url, "/v1/completions", "c", best_of=3, n=1)
+        chat = _refusal(sim.url, "/v1/chat/completions", "h", best_of=2, n=2, stream=True)
+        low = _refusal(sim.url, "/v1/completions", "l", best_of=1, n=2)  # SamplingParams' check comes first
+        one = _complete(sim.url, "one", best_of=1)
+        truth = sim.request_truth()
+    for doc in (comp, chat):
+        assert doc == {"error": {"message": "vLLM V1 does not yet support best_of.", "type": "BadRequestError",
+                                 "param": None, "code": 400}}, doc
+    assert "best_of must be greater than or equal to n" in low["error"]["message"], low
+    assert one["usage"]["completion_tokens"] == N_TOKENS
+    assert set(truth) == {"one"}, truth  # nothing ran for the refused ones
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm") as sim:  # >= 0.12: ignored
+        assert _complete(sim.url, "bo", best_of=3)["usage"]["completion_tokens"] == N_TOKENS
+
+
+def test_a_best_of_refused_by_vllm_v1_is_a_failed_row_not_a_flagged_zero(tmp_path):
+    # Through the proxy the refusal is the client's own 400: its row says the status, no tokens and no energy
+    # (energy_note: an error answer), and no best-of-unseen flag (nothing ran, nothing unseen).
+    data = tmp_path / "data"
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", batching="continuous",
+                   vllm_v1_refuses_best_of=True) as sim:
+        d = DaemonProc(data, "--simulate", "--upstream", sim.url, "--interval", "0.25", "--flush-interval", "0.25",
+                       env=sim_env(tmp_path))
+        try:
+            time.sleep(1.0)  # a scrape or two: the server's kind known
+            _refusal(d.info["proxy"], "/v1/completions", "bo", best_of=3, n=1)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                rows = read_dataset(data, "requests")
+                if rows is not None and len(rows) >= 1:
+                    break
+                time.sleep(0.2)
+        finally:
+            rc = d.stop()
+    assert rc == 0, d.output()
+    (row,) = read_dataset(data, "requests").to_dict("records")
+    assert row["status"] == 400, row
+    assert row["token_source"] == "none" and row["attributed_tokens"] == 0, row
+    assert pd.isna(row["generated_tokens"]) and pd.isna(row["gpu_energy_j"]), row  # null, not a 0 in J/token
+    assert "an error answer (HTTP 400)" in note_of(row), note_of(row)
     assert BEST_OF_FLAG not in note_of(row), note_of(row)

@@ -192,6 +192,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
 
     class FakeScraper:
         kind, finished, window_partial, cache_hits = "vllm", None, (), 5.0
+        vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
             return 10.0
@@ -748,6 +749,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
 
     class FakeScraper:
         kind, finished, window_partial, cache_hits = "vllm", None, (), 5.0
+        vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
             return 10.0
@@ -884,6 +886,7 @@ def test_a_windows_prefix_cache_hits_are_checked_over_every_instant_its_reads_ma
 
     class SlowScraper:  # reads its counter at once, answered 0.2 s later (a loaded host)
         kind, finished, window_partial, cache_hits = "vllm", None, (), 5.0
+        vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
             reads.append(time.monotonic_ns())

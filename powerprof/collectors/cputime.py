@@ -117,6 +117,15 @@ class CpuTimeCollector:
         self.clock = clock
         self._lock = threading.Lock()
         self._t_start = time.time()
+        self._c_start = clock()
+        # Which processes ran before this collector: the process table now. psutil's create_time is the boot time
+        # (whole seconds, from the wall clock) plus start ticks, so comparing it with time.time() misjudged a process
+        # started within a second or so of now, and every one after a wall-clock step. A pid reused later reads as old
+        # (its time before first sight goes to other processes': the busy-host side, never hiding their work).
+        try:
+            self._before: set[int] | None = set(ps.pids())
+        except Exception:  # no process table (an injected psutil without one): create times, checked below
+            self._before = None
         self._procs: dict[int, tuple[object, float, float]] = {}  # pid -> (Process, base s, last s)
         self._gone_s = 0.0
         self._dropped: set[int] = set()  # counted into _gone_s: never counted again (a zombie still listed)
@@ -215,7 +224,11 @@ class CpuTimeCollector:
         try:
             p = self.ps.Process(pid)
             s = _proc_s(p)
-            new = p.create_time() >= self._t_start
+            if self._before is not None:
+                new = pid not in self._before
+            else:  # and never new with more CPU time than could have run since the start, whatever the clock says
+                new = (p.create_time() >= self._t_start
+                       and s <= (self.clock() - self._c_start) * (os.cpu_count() or 1))
         except Exception:
             return None
         return p, 0.0 if new else s, s

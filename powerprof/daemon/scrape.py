@@ -57,7 +57,7 @@ AT_FINISH = ("sglang",)
 # cached (SGLang's parallel sampling, tokenizer_manager._handle_batch_request): the ledger costs that prompt whole.
 PREFILLS_CHOICES_APART = ("sglang",)
 # Servers whose OpenAI routes take no `best_of` (SGLang's protocol has the field and ignores it, llama-server ignores
-# it): their answers hide no sequences. vLLM V0 runs them (V1 refuses best_of), and an unknown server may.
+# it): their answers hide no sequences. vLLM V0 runs them, V1 none (Scraper.vllm_v1), and an unknown server may.
 IGNORES_BEST_OF = ("sglang", "llamacpp")
 START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
 LLAMACPP_STEPS = "llamacpp:n_decode_total"  # llama-server's decode calls: every step, a restart's tell (_scrape_llamacpp)
@@ -226,6 +226,9 @@ class Scraper:
         self.cache_hits: float | None = None
         self._cache: tuple[str, float, float] | None = None  # prefix_cache_reading at the previous scrape
         self._blocks_said = False  # the log said once that the hits come in blocks of no known size
+        # vLLM's page has V1's prefix-cache counters (tokens or blocks, not v0's hit-rate gauge): its engine is V1,
+        # which runs no best_of sequences beyond n (0.7-0.11 refuse best_of, 0.12 on ignore it: the field removed).
+        self.vllm_v1 = False
         self.total = 0.0  # tokens the server reported since the daemon started
         self.errors = 0
         self.last_error: str | None = None
@@ -468,6 +471,8 @@ class Scraper:
             log.debug("prefix-cache counters unreadable: %s", error_text(e))
             now = None
         prev, self._cache = self._cache, now
+        if now is not None:
+            self.vllm_v1 = self.kind == "vllm" and now[0] in ("hits", "blocks")
         if now is not None and now[0] == "blocks" and not self._blocks_said:
             self._blocks_said = True
             log.warning("the server counts its prefix-cache hits in blocks (vllm:gpu_prefix_cache_hits_total, vLLM "

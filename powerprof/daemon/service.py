@@ -1009,7 +1009,7 @@ class Daemon:
                 cadence.scraped(time.monotonic(), delta)
                 at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
                 led.choices_prefilled_apart = self.scraper.kind in PREFILLS_CHOICES_APART
-                led.best_of_ignored = self.scraper.kind in IGNORES_BEST_OF
+                led.best_of_ignored = self.scraper.kind in IGNORES_BEST_OF or self.scraper.vllm_v1
                 if delta is not None:
                     # The prefix-cache hits of the whole window, slow or not: checked against the requests' said counts.
                     # A fault in that check must not end this loop (nothing here is caught): it ended for good, unsaid

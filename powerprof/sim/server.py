@@ -259,6 +259,7 @@ class SimServer:
         vllm_empty_final: bool = True,
         vllm_metrics: str = "current",
         vllm_v0_best_of: bool = False,
+        vllm_v1_refuses_best_of: bool = False,
         vllm_stale_gauges: bool = False,
         serve_metrics: bool = True,
         draft_n_max: int | None = None,
@@ -379,6 +380,11 @@ class SimServer:
         self.vllm_empty_final = vllm_empty_final
         self.vllm_metrics = vllm_metrics
         self.vllm_v0_best_of = bool(vllm_v0_best_of)  # vLLM V0's best_of (_serve_best_of); V1 takes none
+        # vLLM 0.7-0.11's V1: best_of still in the protocol and SamplingParams, refused above 1 by its processor (a
+        # 400). Off: vLLM >= 0.12 (vllm-project/vllm#29090 removed the field: an unknown field, ignored).
+        self.vllm_v1_refuses_best_of = bool(vllm_v1_refuses_best_of)
+        if self.vllm_v0_best_of and self.vllm_v1_refuses_best_of:
+            raise ValueError("vllm_v0_best_of and vllm_v1_refuses_best_of: one engine, V0 or V1")
         self.vllm_stale_gauges = vllm_stale_gauges
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
         self._slot_task: dict[int, int] = {}  # slot → its last task id (/slots `id_task`)
@@ -2187,12 +2193,17 @@ class SimServer:
 
     def _v0_best_of(self, api: str, body: dict, n: int) -> int | web.Response:
         """vLLM V0's `best_of` on /v1/completions (`vllm_v0_best_of`): the sequences it runs for the `n` it returns (n
-        where not asked or not simulated); a 400 for one below n, as V0's SamplingParams refuse it."""
+        where not asked or not simulated); a 400 for one below n, as V0's SamplingParams refuse it. vLLM 0.7-0.11's V1
+        (`vllm_v1_refuses_best_of`, chat too: both protocols carried the field) refuses any above 1 with a 400 (its
+        processor's ValueError), after the same SamplingParams check; it runs none."""
         b = body.get("best_of")
-        if not (self.vllm_v0_best_of and self.flavour == "vllm" and api == "openai-completions") or b is None:
+        v1 = self.vllm_v1_refuses_best_of and api in ("openai-chat", "openai-completions")
+        if not (v1 or self.vllm_v0_best_of and api == "openai-completions") or self.flavour != "vllm" or b is None:
             return n
         if not isinstance(b, int) or isinstance(b, bool) or b < n:
             return self._bad_request(f"best_of must be greater than or equal to n, got n={n} and best_of={b}.")
+        if v1:
+            return self._bad_request("vLLM V1 does not yet support best_of.") if b > 1 else n
         t = body.get("temperature")
         if b > 1 and isinstance(t, (int, float)) and t < 1e-5:
             return self._bad_request(f"best_of must be 1 when using greedy sampling.Got {b}.")
