@@ -2540,6 +2540,25 @@ def test_which_gpus_serve_is_exposed_per_gpu_so_a_change_is_told_by_gpu():
     assert got == {("0", "GPU-0"): 1.0, ("1", "GPU-1"): 0.0}
 
 
+def test_intervals_of_unread_traffic_closed_after_the_unread_state_ends_still_say_proxy_unread():
+    # The unread state ended (a new worker life spoke the daemon's shape) before the ledger closed the intervals it
+    # covered: with only a start kept (proxy_unread_since_ns, copied before each advance), the intervals 1-2 s and
+    # 2-3 s closed after it was None and said `off`, their unread traffic's energy idle, unsaid. The ended spans are
+    # kept (proxy_unread_spans, the workers' own: ProxyWorkers.unread_spans) and every interval overlapping one says so.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.scraping = False
+    for k in range(5):
+        led.add_gpu_sample(k * S, k * S, [R(1000.0 + 100 * k, 100.0)])
+    led.proxy_unread_since_ns = int(1.5 * S)
+    led.advance(int(2.2 * S))
+    led.proxy_unread_since_ns = None
+    led.proxy_unread_spans = ((int(1.5 * S), int(2.6 * S)),)  # as the daemon copies them (service.py)
+    led.advance(int(4.5 * S))
+    got = [r["server_count"] for r in sink.rows["intervals"]]
+    assert got == ["off", "off,proxy_unread", "off,proxy_unread", "off"], got
+
+
 @pytest.mark.parametrize("scraping,since_s,want", [(False, 1.5, "off,proxy_unread"), (False, None, "off"),
                                                     (True, 1.5, "proxy_unread,unread")])
 def test_intervals_while_a_proxy_worker_serves_unread_say_so_where_its_traffic_reads_as_idle(scraping, since_s, want):

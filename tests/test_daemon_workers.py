@@ -1075,15 +1075,31 @@ def test_a_worker_speaking_another_record_shape_is_said_once_and_not_restarted(c
     assert not [r for r in caplog.records if "restarting it in" in r.getMessage()]
 
 
-def test_the_unread_gauge_holds_through_an_unread_workers_restart_until_a_life_speaks_the_daemons_shape():
+def test_the_unread_gauge_holds_through_an_unread_workers_restart_until_a_life_speaks_the_daemons_shape(monkeypatch):
     """The last worker serving unread (an upgrade in place) that crashes is restarted with back-off (up to 60 s). The
     gauge counted only a running worker and a spawn cleared its state, so it read 0 through the back-off and the
-    start: "all read again" to the tuner (which then judged windows of unread traffic as quiet) and to alerts."""
+    start: "all read again" to the tuner (which then judged windows of unread traffic as quiet) and to alerts.
+    The restart goes through the real path (`_restart` → `_spawn`, its process faked): before, the test set the new
+    life's process by hand, and a spawn clearing the worker's unread state again passed it."""
+    import socket
+
     from powerprof.daemon import workers as wmod
+
+    spawned = []
+
+    def popen(*_a, **_k):  # a worker process that starts and says nothing until the test speaks for it
+        spawned.append(SimpleNamespace(pid=124 + len(spawned), stdin=SimpleNamespace(write=lambda _s: None,
+                                                                                      close=lambda: None),
+                                       poll=lambda: None, send_signal=lambda _s: None, kill=lambda: None,
+                                       wait=lambda *_: 0))
+        return spawned[-1]
+
+    monkeypatch.setattr(wmod.subprocess, "Popen", popen)
 
     async def main():
         w = ProxyWorkers(2, "http://127.0.0.1:1", "127.0.0.1", 0, recorder=Rec(), proxy_kwargs={},
                          header_timeout_s=10, idle_timeout_s=10)
+        w.sockets = [socket.socket(), socket.socket()]  # the listening sockets a spawn passes on (unused here)
         old, last = w.workers
         old.retired = True  # the other worker was retired by the upgrade
         last.proc = SimpleNamespace(pid=123)  # running
@@ -1093,17 +1109,21 @@ def test_the_unread_gauge_holds_through_an_unread_workers_restart_until_a_life_s
         assert w.unread_since_ns is not None  # the intervals closed from here say proxy_unread (ledger)
         last.proc = None  # it crashed: backing off before its restart
         counts.append(w.unread_workers)
-        last.hello = asyncio.get_running_loop().create_future()
-        last.proc = SimpleNamespace(pid=124)  # restarted
+        w._restart(last)  # the back-off over: a new life, spawned, not yet said hello
+        assert last.proc is spawned[-1] and not last.said_hello
+        counts.append(w.unread_workers)
         wmod._WorkerLink(w, last).data_received(frame(("hello", 124, "another-shape")))  # a new life, still newer code
         counts.append(w.unread_workers)
-        last.hello = asyncio.get_running_loop().create_future()
-        wmod._WorkerLink(w, last).data_received(frame(("hello", 125, wmod.LINK_SHAPE)))  # the daemon's code again
+        wmod._WorkerLink(w, last).data_received(frame(("hello", 124, wmod.LINK_SHAPE)))  # the daemon's code again
         counts.append(w.unread_workers)
         assert w.unread_since_ns is None
+        # the ended span is kept for the ledger's intervals closed after it (ledger.proxy_unread_spans)
+        assert len(w.unread_spans) == 1 and w.unread_spans[0][0] < w.unread_spans[0][1], w.unread_spans
+        for s in w.sockets:
+            s.close()
         return counts
 
-    assert asyncio.run(main()) == [1, 1, 1, 0]
+    assert asyncio.run(main()) == [1, 1, 1, 1, 0]
 
 
 @pytest.mark.slow

@@ -534,6 +534,44 @@ def test_foreign_tokens_after_a_young_restart_are_seen():
     assert why is not None and "40 tokens more" in why, why
 
 
+def test_sweep_young_dip_of_a_lagging_share_blames_no_batch():
+    """A young SGLang counter's real dip of a whole request's tokens (one process's share lagging on its multi-process
+    page): our batches of 20 and 10 read 20 then 10, the next page 40 after our 10 more (the truth 40). Read as a
+    restart at once (a young fall of more than 4 tokens), the last batch was blamed for "20 tokens more than
+    powerprof's requests received", with no other client. Judged at the next page instead: 40 is at least the 20
+    before the fall plus our 20 since, as a dip gives."""
+    from types import SimpleNamespace as NS
+
+    def recs(n, each):
+        return [NS(ok=True, count_problem=None, shown_tokens=None, generated_tokens=each) for _ in range(n)]
+
+    def t(tok, i):
+        return Tally(i, float(tok), "sglang:generation_tokens_total")
+
+    fw = ForeignWatch(t(0, 0))
+    got = [fw.judge(t(20, 1), recs(1, 20)), fw.judge(t(10, 2), recs(1, 10)), fw.judge(t(40, 3), recs(1, 10))]
+    assert got == [None, None, None], got
+    assert fw.seen_tokens == 0
+
+
+def test_a_young_restart_with_no_other_client_blames_no_batch():
+    """The consistency rule's restart side with no foreign work: 60, restart unseen, 20 (our 20), 40 (our 20): below the
+    60 + 40 a dip would give, so a restart, counted from 0: 40 tokens, all ours."""
+    from types import SimpleNamespace as NS
+
+    def recs(n, each):
+        return [NS(ok=True, count_problem=None, shown_tokens=None, generated_tokens=each) for _ in range(n)]
+
+    def t(tok, i):
+        return Tally(i, float(tok), "sglang:generation_tokens_total")
+
+    fw = ForeignWatch(t(0, 0))
+    got = [fw.judge(t(60, 1), recs(3, 20)), fw.judge(t(20, 2), recs(1, 20)), fw.judge(t(40, 3), recs(1, 20)),
+           fw.judge(t(60, 4), recs(1, 20)), fw.judge(t(100, 5), recs(1, 20))]
+    assert got == [None, None, None, None, "the server generated 20 tokens more than powerprof's requests received "
+                   "(sglang:generation_tokens_total)"], got
+
+
 @pytest.mark.parametrize("failure", ["unresolved", "refused"])
 def test_a_server_whose_metrics_could_not_be_read_is_said_so_not_counterless(failure):
     """The sweep's read of the server's books when /metrics cannot be reached. Before, any failure read as a server that

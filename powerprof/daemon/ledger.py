@@ -463,6 +463,10 @@ class Ledger:
         self.scraping = False  # the daemon scrapes the server's counters (set by it): no count yet is `unread`, not `off`
         # Since when a proxy worker serves whose records are unread (set by the daemon: workers.ProxyWorkers), None: none.
         self.proxy_unread_since_ns: int | None = None
+        # The ended spans of that state, (since, until) (set by the daemon: workers.ProxyWorkers.unread_spans, bounded
+        # there): an interval closed after the state ended (a new worker life spoke the daemon's shape first) still
+        # held its traffic, which the start alone lost (`off`, its energy idle, unsaid).
+        self.proxy_unread_spans: tuple[tuple[int, int], ...] = ()
         self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
         # (window end, bypass level, the most and the least lag a delay of the proxy's own can hold there) of recent windows
         self._levels: deque = deque()
@@ -2659,10 +2663,15 @@ class Ledger:
                     why.add(self.server_before)  # counted from the first read on: the part before it is not
                 out.append(",".join(sorted(why)) or COUNT_COMPLETE)
         since = self.proxy_unread_since_ns
-        if since is not None:
+        spans = [(a, b) for a, b in self.proxy_unread_spans if b > t[0]]  # those that reach these intervals
+        if since is not None or spans:
             # An unread proxy worker's traffic is in no row: with the server's count complete it is in unproxied;
-            # otherwise (off, unread, slots_only, a count that may be low) its energy read as idle, unsaid.
-            out = [v if v == COUNT_COMPLETE or t[k + 1] <= since else ",".join(sorted({*v.split(","), PROXY_UNREAD}))
+            # otherwise (off, unread, slots_only, a count that may be low) its energy read as idle, unsaid. An interval
+            # overlapping the state (still on since `since`, or an ended span) says so.
+            def unread(k: int) -> bool:
+                return ((since is not None and t[k + 1] > since)
+                        or any(a < t[k + 1] and b > t[k] for a, b in spans))
+            out = [v if v == COUNT_COMPLETE or not unread(k) else ",".join(sorted({*v.split(","), PROXY_UNREAD}))
                    for k, v in enumerate(out)]
         return out
 

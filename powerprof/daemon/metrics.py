@@ -361,7 +361,8 @@ class SnapshotCollector:
                                      "low (bypass traffic it misses is not in unproxied energy), for this reason (late_baseline: first read after the daemon's ready, with "
                                      f"tokens already counted; {SERVER_COUNT_SLOTS_ONLY}: llama-server without --metrics; server_restart: "
                                      "the server restarted, its last tokens before it lost; counter_below: the counter stayed below its highest "
-                                     "reading, two dips in a row or a restart not told); the log says what was missed "
+                                     "reading, two dips in a row or a restart not told, or a young counter fell and was back at it by the next "
+                                     "read, a dip or a restart not told); the log says what was missed "
                                      "and the fix, and the interval rows concerned say so in server_count", labels=["reason"])
             for why in PARTIAL_REASONS:
                 part.add_metric([why], 1 if why in s.server_tokens_partial else 0)

@@ -98,7 +98,10 @@ PARTIAL_REASONS = {
                       "has passed the old reading by the first scrape after it, on a server without "
                       "process_start_time_seconds, cannot be told from traffic and is not said)",
     COUNTER_BELOW: "the server's token counter stayed below its highest reading at consecutive scrapes, above half of it "
-                   f"(or that reading {YOUNG_COUNTER_TOKENS} tokens or fewer and the fall {YOUNG_DIP_TOKENS} or fewer), and no scrape found the server down: dips "
+                   f"(or that reading {YOUNG_COUNTER_TOKENS} tokens or fewer and the fall {YOUNG_DIP_TOKENS} or fewer), "
+                   "or, that reading "
+                   f"{YOUNG_COUNTER_TOKENS} tokens or fewer, fell by more than {YOUNG_DIP_TOKENS} and was back at it by "
+                   "the next scrape, and no scrape found the server down: dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
                    "the count is exact, or a restart whose new process had counted more than half the old one's tokens "
                    "by its first page (or whose old one had counted that few), whose tokens until its counter "
@@ -242,6 +245,7 @@ class Scraper:
         self.dips = 0  # pages whose counter went back with no other sign of a restart, not believed (_dip_or_restart)
         self.below = 0  # pages still below the highest reading after a dip, counted as 0 and marked (COUNTER_BELOW)
         self._dipped: float | None = None  # the dipped reading of the page before, not believed: the next one tells
+        self._young_fall = False  # that dip was a young counter's, of more than YOUNG_DIP_TOKENS (_dip_or_restart)
         self._unreachable = False  # a scrape since the last believed page found the server down (_SERVER_DOWN)
 
     def _baseline(self, counted: float) -> None:
@@ -285,14 +289,23 @@ class Scraper:
         show less than the page before for one read, the process the same: taken for a restart, the whole counter was
         counted as one window's tokens and that window marked server_restart (docs/daemon.md, A counter that dips). A
         restart is told by what a dip does not do: the counter fell to half or less (a new process counts from 0; not
-        by a few tokens while the highest reading is YOUNG_COUNTER_TOKENS or fewer, which a dip takes there), a
-        scrape since the last believed page found the server down (nothing listening, or a 502/503). A fall still
-        there at the next page, neither of those, may be either: that page's window counts nothing and is marked
-        (COUNTER_BELOW, `_below`), and tokens count again from `prev` once the counter passes it."""
+        while the highest reading is YOUNG_COUNTER_TOKENS or fewer, which a dip of a request's tokens takes there), a
+        scrape since the last believed page found the server down (nothing listening, or a 502/503), or a young
+        counter's fall of more than YOUNG_DIP_TOKENS still below `prev` at the next page (a dip is back by then: the
+        new process's count, counted from 0). A fall still there at the next page, none of those, may be either: that
+        page's window counts nothing and is marked (COUNTER_BELOW, `_below`), and tokens count again from `prev` once
+        the counter passes it; a young one of more than YOUNG_DIP_TOKENS back at the next page is counted from `prev`
+        and its window marked too (`_young_back`)."""
         if counter_restarted(prev, total):
             return f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}"
         if self._unreachable:
             return (f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} after a scrape found the server down")
+        if self._dipped is not None and self._young_fall:
+            # A young counter's fall of more than a few tokens, still below the reading before it at the next page:
+            # a dip adds nothing, so its next page reads at least that reading (plus any tokens since); below it, the
+            # new process's counter: counted from 0 (20 → 10 → 5 is 5 tokens of a new process, not none).
+            return (f"{COUNTERS[self.kind]} went back from {prev:g} to {self._dipped:g} and was still below {prev:g} at "
+                    f"the next scrape ({total:g}), where a dip is back")
         if self._dipped is not None:
             # Still below at the next page: a restart or a second dip, which nothing here tells apart. Taken for a
             # restart, two dips in a row (100000, 99990, 99995) counted 99995 tokens that never ran in one window,
@@ -300,12 +313,32 @@ class Scraper:
             self._below(prev, total)
             return None
         self._dipped = total
+        # Held like any dip, never a restart at once (a dip of one request's tokens takes a young counter to half or
+        # less: 20, 10, 20, 40 counted 10 tokens twice as bypass); larger than a few tokens, its next page tells
+        # (above, and `_young_back`).
+        self._young_fall = prev <= YOUNG_COUNTER_TOKENS and prev - total > YOUNG_DIP_TOKENS
         self.dips += 1
         if self.dips <= 3 or self.dips % 100 == 0:
             log.info("%s at %s went back from %g to %g with no other sign of a restart (%d so far): a multi-process "
                      "page read while a worker's share lagged; not believed, and told from a restart by the next "
                      "scrape", COUNTERS[self.kind], self.base, prev, total, self.dips)
         return None
+
+    def _young_back(self, prev: float, dipped: float, total: float) -> None:
+        """A young counter fell from `prev` to `dipped` by more than a few tokens and is back at `total` (at least
+        `prev`): a dip of a request's share, counted exact from `prev`, or a restart whose new process counted `total`
+        by now, of which only `total - prev` is counted. A dip's next reading is at least `prev` plus the proxy's
+        tokens since and a restart's need not be, but the proxy's tokens are not known here: the window is said
+        (COUNTER_BELOW), not believed whole. Read as a restart at once instead, a real dip's tokens were counted
+        twice as bypass (64 → 0 → 64: 64 tokens that never ran, the window after it marked nothing)."""
+        self.window_partial = (*self.window_partial, COUNTER_BELOW)
+        if COUNTER_BELOW not in self.partial:
+            self.partial[COUNTER_BELOW] = PARTIAL_REASONS[COUNTER_BELOW]
+        self.below += 1
+        if self.below <= 3 or self.below % 100 == 0:
+            log.warning("%s at %s went back from %g to %g and is at %g again: a dip, or a restart whose new process "
+                        "passed the old reading (%d so far): scraped server count may be low: %s", COUNTERS[self.kind],
+                        self.base, prev, dipped, total, self.below, PARTIAL_REASONS[COUNTER_BELOW])
 
     def _below(self, prev: float, total: float) -> None:
         """This page's counter is still below the highest reading `prev` (COUNTER_BELOW): its window closes with no
@@ -418,7 +451,10 @@ class Scraper:
                     raise ValueError(f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} on the same process "
                                      f"({START_TIME} unchanged): this scrape is not believed, and tokens are counted "
                                      f"again from {prev:g}")
+                if self._young_fall and self._dipped is not None and prev is not None and total >= prev:
+                    self._young_back(prev, self._dipped, total)
                 self._last_total, self._dipped, self._unreachable = total, None, False
+                self._young_fall = False
                 if prev is None:
                     self._baseline(total)
                 # A restart of the server zeroes its counter: count from zero again. A new process whose counter has

@@ -925,6 +925,8 @@ class Daemon:
                 first = edges[0] if edges else None
                 # Intervals closed while a proxy worker serves unread say so (ledger.proxy_unread_since_ns).
                 self.ledger.proxy_unread_since_ns = getattr(self.proxy, "unread_since_ns", None)
+                # and those closed after the state ended, by its ended spans (ledger.proxy_unread_spans)
+                self.ledger.proxy_unread_spans = tuple(getattr(self.proxy, "unread_spans", ()))
                 self.ledger.advance(time.monotonic_ns(), getattr(self.proxy, "watermark_ns", None))
                 # The snapshot moves only with a new sample (the GPU gauges) or closed intervals (the totals): built
                 # then, not at every pass (idle, 3 passes in 4 had nothing new, and the build was a quarter of the

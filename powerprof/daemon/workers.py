@@ -36,6 +36,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import astuple
 
 from powerprof.arrival import COUNT_PROBLEM_KINDS
@@ -57,6 +58,9 @@ STOP_TIMEOUT_S = 10.0  # SIGTERM: a worker cuts its requests after 2 s (like the
 LATE = 7  # the index of a worker's loop's lateness in its stats (ShippingRecorder._stats)
 BEAT_S = 0.25  # a worker's heartbeat: its live requests and its clock (the ledger's horizon waits for it)
 SILENT_S = 10.0  # a worker silent this long (stopped, wedged) is killed and restarted
+# Ended unread spans kept for the ledger: one a worker life that spoke another shape and then the daemon's again (an
+# upgrade under the daemon, then one back), a handful at most; the ledger closes intervals within seconds of one.
+UNREAD_SPANS_KEPT = 64
 RESTART_BACKOFF_S = (1.0, 60.0)  # a worker that keeps dying is restarted after 1, 2, 4 … 60 s
 STABLE_S = 60.0  # a worker that lived this long restarts after the shortest delay again
 LISTEN_BACKLOG = 1024
@@ -515,6 +519,10 @@ class ProxyWorkers:
         self.lost_requests = 0  # in flight in a worker that died, or lost with its dropped records
         self.record_bytes = 0  # received from the workers
         self.unread_since_ns: int | None = None  # monotonic: since when a worker serves unread (None: none does)
+        # The ended spans of that state, (since, until), monotonic, the latest UNREAD_SPANS_KEPT: the ledger closes
+        # intervals after the state ends (a new life speaks the daemon's shape first), and those that held unread
+        # traffic still say proxy_unread by them (ledger.proxy_unread_spans).
+        self.unread_spans: deque = deque(maxlen=UNREAD_SPANS_KEPT)
 
     # what the daemon reads, as of an in-process Proxy
     @property
@@ -701,7 +709,8 @@ class ProxyWorkers:
         if msg[0] == "hello":
             w.said_hello = True
             w.unread = False  # this life speaks the daemon's shape (the code on disk is the daemon's again)
-            if not self.unread_workers:
+            if not self.unread_workers and self.unread_since_ns is not None:
+                self.unread_spans.append((self.unread_since_ns, time.monotonic_ns()))
                 self.unread_since_ns = None
             if not w.hello.done():
                 w.hello.set_result(msg[1])

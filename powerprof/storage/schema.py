@@ -301,7 +301,7 @@ SERVER_COUNT_MISPLACED = "misplaced"  # the daemon's placing of proxied tokens c
 # behind the server (a loaded host) may read as bypass tokens where its streams begin, or hide some where they end: the
 # one reason whose count may be high as well as low.
 SERVER_COUNT_PROXY_LAG = "proxy_lag"
-# An interval closed while a proxy worker served whose records the daemon could not read (powerprof upgraded under it:
+# An interval overlapping a time a proxy worker served whose records the daemon could not read (powerprof upgraded under it:
 # daemon/workers.py) where the server's count is not complete: that worker's traffic is in no row, and without the
 # server's counter (off, unread) or with /slots alone its tokens are not (all) in unproxied, so its energy reads as idle.
 SERVER_COUNT_PROXY_UNREAD = "proxy_unread"

@@ -88,28 +88,28 @@ MAX_METRIC_LINES = 4096
 MAX_SLOTS = 1024
 
 
-# A highest reading this small (tokens) is of a dip's own size: a few tokens' dip takes it to half or less, so there a
-# fall to half or less is no restart's sign (counter_restarted). The simulated SGLang dipping 4 tokens read its
-# warm-up's 2 as 0 before any request had finished (a loaded CI run): taken for a restart, the window was marked
-# server_restart and the 2 tokens counted again. Judged as any fall instead, a restart then missed is one no scrape
-# found down (a real server is down for seconds while it loads) and costs at most this many tokens, said (the daemon's
-# counter_below) unless the new counter has passed the old reading by the next page.
+# A highest reading this small (tokens) is of a dip's own size: a dip of one request's tokens (SGLang adds a request's
+# tokens at its finish, so a process's lagging share on its multi-process page is whole requests') takes it to half or
+# less, so there a fall to half or less is no restart's sign by itself (counter_restarted): a young counter's fall is
+# held and judged at the next page by what the judge's own side knows (the sweep: ForeignWatch; the daemon:
+# Scraper._dip_or_restart). Read as a restart at once, the simulated SGLang's warm-up 2 read as 0 counted its 2 tokens
+# again, and a real dip of 10 (20, 10, 20, 40) counted 10 tokens twice as bypass, or blamed a sweep batch for them.
 YOUNG_COUNTER_TOKENS = 64
-# The most a young counter's fall may be and still be judged a dip: the dips seen on young counters are of a few tokens
-# (SGLang's warm-up 2 read as 0; the simulator dips 4). A larger fall is no dip's: a fresh server's counter going from
-# 60 to 20 was taken for one, so the sweep compared on from the old process's count and hid another client's 40 tokens
-# at the next batch (its excess 80 - 0 - 100 = -20), and the daemon counted the new process's tokens up to 60 as none.
+# A young counter's fall of this many tokens or fewer that comes back at the next page is the dip seen every run (the
+# simulator dips 4; SGLang's warm-up 2 read as 0): the daemon counts on from the highest reading unsaid. A larger young
+# fall that comes back is counted so too, but its window is said (counter_below): the daemon's scraper does not know
+# the proxy's tokens, so it cannot tell it from a restart whose new process passed the old reading by that page.
 YOUNG_DIP_TOKENS = 4
 
 
 def counter_restarted(before: float, now: float, young: float = YOUNG_COUNTER_TOKENS) -> bool:
     """Whether a counter read `now` after `before` (the daemon: its highest believed reading; the sweep: the page before)
-    says by itself that the server restarted:
-    it fell to half or less (a new process counts from 0), not while `before` is `young` or less and the fall is of
-    YOUNG_DIP_TOKENS or fewer (a dip of a few tokens on a multi-process page takes a young counter there: SGLang's 2
-    read as 0). The one rule the daemon's scraper and the sweep's foreign-traffic check judge a fall by; a smaller fall
-    is a dip (or a restart nothing else says)."""
-    return now < before and now <= before / 2 and (before > young or before - now > YOUNG_DIP_TOKENS)
+    says by itself that the server restarted: it fell to half or less (a new process counts from 0) while `before` is
+    above `young`. The one rule the daemon's scraper and the sweep's foreign-traffic check judge a fall by at once; a
+    smaller fall is a dip (or a restart nothing else says), and a young counter's fall (`before` at or below `young`)
+    is held and judged at the next page: a dip adds nothing, so a dip's next reading is at least the reading before the
+    fall plus the tokens the judge's own requests made since; one below that is a restart's."""
+    return now < before and now <= before / 2 and before > young
 
 
 def connection_refused(e: BaseException) -> bool:
@@ -471,8 +471,9 @@ class ForeignWatch:
     another client's. Counts compare cumulatively from the first snapshot with a high-water mark, so a
     counter that lags the stream by a step, or dips below the page before for one read, shifts nothing
     between batches. A token counter fallen to half its last reading or less is a restart (counted from
-    there again; not a fall of a few tokens from YOUNG_COUNTER_TOKENS or fewer: counter_restarted); a restart the sweep sees as the
-    server going away is ridden out by sweep.py."""
+    there again: counter_restarted); a fall from YOUNG_COUNTER_TOKENS or fewer is held to the next page, a dip if that
+    reads at least the reading before the fall plus powerprof's tokens since (a dip adds nothing), else a restart,
+    counted from 0 (`_held`); a restart the sweep sees as the server going away is ridden out by sweep.py."""
 
     def __init__(self, first: Tally):
         self.first = self.prev = first
@@ -480,6 +481,11 @@ class ForeignWatch:
         self.ours_requests = 0
         self._tok_high = 0.0
         self._req_high = 0.0
+        # The token count compared from (the first snapshot's, or a restart's): its own, not `first`'s, which the
+        # request counter's restart moves while powerprof's tokens so far stay counted.
+        self._tok_first = first.tokens
+        # A young counter's fall held to the next page: (the reading before it, powerprof's tokens then, requests since).
+        self._held: tuple[float, int, int] | None = None
         self.seen_tokens = 0.0  # tokens not ours the server generated, over the flagged batches
         self.seen_requests = 0.0
         self.stale: str | None = None  # once: the gauges read while the engine took no step (STALE_GAUGES)
@@ -501,14 +507,36 @@ class ForeignWatch:
         failed = any(not r.ok for r in recs)  # its tokens so far are in the server's count, not in ours
         # What came over the wire: where the server's own count for a request contradicts its stream (a server
         # lying in usage), the stream's, or that lie read as another client's tokens and hid its own reason.
-        self.ours_tokens += sum(int((r.shown_tokens if r.count_problem else r.generated_tokens) or 0) for r in recs)
+        batch_tokens = sum(int((r.shown_tokens if r.count_problem else r.generated_tokens) or 0) for r in recs)
+        self.ours_tokens += batch_tokens
         self.ours_requests += sum(1 for r in recs if r.ok)
-        if now.tokens is not None and self.first.tokens is not None and self.prev.tokens is not None:
+        if now.tokens is not None and self._tok_first is not None and self.prev.tokens is not None:
+            tol = TOKENS_PER_REQUEST_TOLERANCE * max(len(recs), 1)
+            held, self._held = self._held, None
+            if held is not None:
+                # A young counter fell at the page before: a dip adds nothing, so this page reads at least the reading
+                # before the fall plus our tokens since (less the tolerance a request: a server may count one fewer).
+                # Below that no dip gives: the server restarted, its new counter holds only its own tokens, so it is
+                # compared from 0 with our tokens since the fall's high (a restart unseen at 60, 20 (ours 20), 80 (ours
+                # 20, another client's 40): 40 tokens more than ours). At or above it, compared on from the first
+                # snapshot as any dip (20, 10, 40 with ours 20, 10, 10: nothing more than ours).
+                high, ours_then, n_then = held
+                since = self.ours_tokens - ours_then
+                tol = TOKENS_PER_REQUEST_TOLERANCE * max(n_then + len(recs), 1)
+                if now.tokens < high + since - tol:
+                    self._tok_first, self.ours_tokens, self._tok_high = 0.0, since, 0.0
+            elif now.tokens < self.prev.tokens and self.prev.tokens <= YOUNG_COUNTER_TOKENS:
+                # A young counter's fall: a dip of one request's share or a restart, not told apart by its size (a
+                # dip of one request's tokens takes a young counter to half or less: SGLang's warm-up 2 read as 0).
+                # Judged at the next page; this batch's compare waits for it (a dipped reading cannot show more than
+                # ours anyway).
+                self._held = (self.prev.tokens, self.ours_tokens - batch_tokens, len(recs))
+                return self._requests_and_why(now, recs, failed, why)
             # The server restarted: its counter began again (counter_restarted, the daemon's rule too). A fall, never a
             # counter standing still at 0 (a fresh server's counter lagging our first batch: reset there, that batch
-            # came back as another client's), nor a young counter's dip of a few tokens (SGLang's warm-up 2 read as 0).
-            if counter_restarted(self.prev.tokens, now.tokens):
-                self.first, self.ours_tokens, self._tok_high = now, 0, 0.0
+            # came back as another client's).
+            if held is None and counter_restarted(self.prev.tokens, now.tokens):
+                self._tok_first, self.ours_tokens, self._tok_high = now.tokens, 0, 0.0
             else:
                 # A fall above half the page before is no restart: a multi-process page (SGLang's, a vLLM with
                 # several API servers) read while a worker's share lagged (docs/daemon.md, "A counter that dips").
@@ -516,13 +544,16 @@ class ForeignWatch:
                 # windows of an SGLang level left out and sent again, tests/test_sweep_foreign.py). Compared from the
                 # first snapshot, a dipped reading cannot raise the high-water mark, and others' tokens beyond the
                 # dip are still seen in their batch; those it hides are seen at the next page, in the next batch.
-                excess = now.tokens - self.first.tokens - self.ours_tokens
-                tol = TOKENS_PER_REQUEST_TOLERANCE * max(len(recs), 1)
+                excess = now.tokens - self._tok_first - self.ours_tokens
                 if not failed and excess > self._tok_high + tol:
                     self.seen_tokens += excess - self._tok_high
                     why.append(f"the server generated {excess - self._tok_high:.0f} tokens more than powerprof's "
                                f"requests received ({now.tokens_name})")
                 self._tok_high = max(self._tok_high, excess)
+        return self._requests_and_why(now, recs, failed, why)
+
+    def _requests_and_why(self, now: Tally, recs, failed: bool, why: list) -> str | None:
+        """The request counter's compare for the batch `recs` (after its tokens'), and the batch's reasons joined."""
         if now.requests is not None and self.first.requests is not None and self.prev.requests is not None:
             # Restarted (a fall to half or less, as the token counter's; a request counter has no young limit: no dip
             # of a young one was seen); a smaller fall a dip.
