@@ -1373,3 +1373,44 @@ def test_the_look_under_loads_cheap_path_is_taken_only_for_the_same_server_pids(
     with pytest.raises(placement.GpuPlacementStop) as e:
         look()
     assert "GPU 0" in str(e.value)
+
+
+def test_a_stop_at_a_repeated_levels_later_visit_names_the_visit_and_the_visits_kept(tmp_path, monkeypatch):
+    # --repeats 2: the small model on GPU 0 is worked only at 200 W's second visit. The stop said "the sweep stopped
+    # at level 200 W: none of that level kept, the finished levels (200, 250 W) kept": 200 W both dropped and kept.
+    # The first visit of 200 W is kept (levels_done): the words now name visits by their repeat.
+    from powerprof.rig import Rig as RigClass
+    from powerprof.sweep import PlacementStop, run_sweep
+    from powerprof.workload.placement import HELPER_LOOK_S
+
+    sim = SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json")
+    last_busy: list[float] = []
+    seq: list[float] = []  # the limits set, in order, each once a run of batches
+    real = RigClass._set_busy
+
+    def set_busy(self, busy):
+        last_busy.append(time.monotonic())
+        if not seq or seq[-1] != sim.gpus[1].limit_w:
+            seq.append(sim.gpus[1].limit_w)
+        real(self, busy)
+
+    monkeypatch.setattr(RigClass, "_set_busy", set_busy)
+    sim.add_process(0, os.getpid(), 300 << 20,
+                    lambda: 1.0 if sim.gpus[1].limit_w == 200.0 and seq.count(200.0) >= 2 and last_busy
+                    and time.monotonic() - last_busy[-1] < HELPER_LOOK_S else 0.0)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        with pytest.raises(PlacementStop) as e:
+            run_sweep(rig, levels_spec="250,200", repeats=2, out_dir=tmp_path / "s",
+                      params=RequestParams(max_tokens=16), prompts=PROMPTS, idle_s=0, interval_s=0.2,
+                      min_requests=2, max_requests=4, warmup_requests=1)
+    said = str(e.value)
+    assert [g.limit_w for g in SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json").gpus] == [300.0, 300.0]
+    done = json.loads((tmp_path / "s" / "run.json").read_text()).get("levels_done")
+    assert [200.0, 0] in done and [200.0, 1] not in done, done
+    reps: dict = {}
+    for level, repeat in done:
+        reps.setdefault(level, []).append(repeat + 1)
+    kept = "; ".join(f"{x:g} W (repeat{'s' if len(reps[x]) > 1 else ''} {', '.join(map(str, sorted(reps[x])))})"
+                     for x in sorted(reps))
+    assert (f"the sweep stopped at level 200 W (repeat 2): none of that visit kept, the finished visits ({kept}) kept"
+            in said), (said, done)
