@@ -294,6 +294,7 @@ class GridRun:
             # This configuration's server (its launch, its port): another process's kernels on the GPU are told from its.
             server_procs=ServerProcesses(url, launched), held_limits=self._held_limits, placement_look=look,
         )
+        sweep.in_grid = True  # a stop under load says the grid stopped, and what of it is kept (Sweep._stop_words)
         ref.append((rec, sweep))
         if self.done or self.idle_power_w is not None:
             # One idle baseline for the grid: the GPU idles the same whichever server is loaded.
@@ -450,22 +451,23 @@ class _GridLook:
 
     def __init__(self, grid: "GridRun", rec: ConfigRecord, look):
         self.grid, self.rec, self.look = grid, rec, look
-        self.rearmed = False
 
     def rearm(self) -> None:
-        self.rearmed = True
-        self.look.rearm()
+        self.look.rearm()  # the stop's "after its server restarted" is the sweep's (Sweep._look_rearmed)
 
     def __call__(self, since_wall_ns: int | None = None, stopped: str | None = None) -> list[str]:
         from powerprof.workload.placement import GpuPlacementError
 
         before = list(self.look.notes or [])
+        # `stopped`: the configuration's sweep's words (Sweep._stop_words, in_grid): the level struck, this
+        # configuration's finished levels kept (run_sweep writes them out: levels_done) and the configurations before
+        # it. Before, they were replaced by "the configurations finished before it kept" alone, while levels_done
+        # held this configuration's finished levels too. The configurations before it are the grid's (done: each
+        # measured one's finished levels are written out whatever its status).
         if stopped is not None:
-            # The sweep's words (Sweep._stop_words) name a level; a configuration's stop keeps the configurations
-            # finished before it, after this one's server restarted where one was ridden out.
-            after = ", after its server restarted" if self.rearmed else ""
-            stopped = (f"the grid stopped at this configuration{after} (every limit put back, the configurations "
-                       "finished before it kept)")
+            n = len(self.grid.done)
+            stopped += (f", and the {n} configuration{'s' if n > 1 else ''} measured before it kept" if n
+                        else ", no configuration before it")
         try:
             said = self.look(since_wall_ns, stopped=stopped)
         except GpuPlacementError as e:

@@ -302,6 +302,9 @@ class Sweep:
         self._server_procs = server_procs
         self._placement_look = placement_look
         self._look_rearmed = False  # set once a server restart ridden out re-armed the look (_stop_words)
+        # Set by a grid (GridRun) for its configurations' sweeps: the stop's words then say the grid stopped, this
+        # configuration's finished levels and the configurations before it kept (_stop_words).
+        self.in_grid = False
         self.placement_notes: list[str] = []  # the look under load's, with --allow-unmeasured-server-gpus
         # The server's books and the GPUs' processes against ours (workload/others.py); made with the session.
         self.others: OthersWatch | None = None
@@ -673,14 +676,36 @@ class Sweep:
 
     def _stop_words(self, visit: LevelVisit) -> str:
         """What a stop by the look under load at `visit` (after a server restart, if one was ridden out) leaves: that
-        level, none of it kept, and the levels finished before it, kept (run_sweep puts every limit back)."""
+        visit, none of it kept, and the visits finished before it, kept (run_sweep puts every limit back). With
+        --repeats a level is visited once a pass: the visit is named by its repeat, and the finished ones by level and
+        repeat, since an earlier pass of the level struck is kept (levels_done); named by level alone, a stop at a
+        level's second visit said "none of that level kept" and listed that level kept. In a grid (in_grid), the grid
+        stopped, and this configuration's finished levels are kept (the configurations before it: grid._GridLook)."""
         unit = {"power_limit": " W", "sm_clock": " MHz"}.get(self.s.level_kind, "")
+        reps = self.s.repeats > 1
         level = "the settings as they are" if visit.level_value is None else f"level {visit.level_value:g}{unit}"
-        done = sorted({v.level_value for v in self.visits if v.stop and v.level_value is not None})
-        kept = (f"the finished level{'s' if len(done) > 1 else ''} ({', '.join(f'{x:g}' for x in done)}{unit}) kept"
-                if done else "no level had finished")
+        if reps:
+            level += f" (repeat {visit.repeat + 1})"
+        by_level: dict = {}
+        for v in self.visits:
+            if v.stop and v.level_value is not None and v is not visit:
+                by_level.setdefault(v.level_value, []).append(v.repeat + 1)
+        done = sorted(by_level)
+        if reps:
+            names = [f"{x:g}{unit} (repeat{'s' if len(by_level[x]) > 1 else ''} "
+                     f"{', '.join(map(str, sorted(by_level[x])))})" for x in done]
+        else:
+            names = [f"{x:g}" for x in done]
+        what = "visit" if reps else "level"
+        listed = "; ".join(names) if reps else f"{', '.join(names)}{unit}"
+        its = "this configuration's " if self.in_grid else "the "
+        kept = (f"{its}finished {what}{'s' if sum(map(len, by_level.values())) > 1 else ''} ({listed}) kept"
+                if done else f"no {what}{' of this configuration' if self.in_grid else ''} had finished")
         after = ", after its server restarted" if self._look_rearmed else ""
-        return f"the sweep stopped at {level}{after}: none of that level kept, {kept}"
+        if self.in_grid:
+            # The configurations before it are the grid's to say (grid._GridLook).
+            return f"the grid stopped at this configuration's {level}{after} (every limit put back): none of that {what} kept, {kept}"
+        return f"the sweep stopped at {level}{after}: none of that {what} kept, {kept}"
 
     async def _watch_others(self) -> None:
         """Begin comparing the server's books with our requests, and the GPUs' processes with the server's, from now."""

@@ -86,3 +86,34 @@ def test_a_memory_neighbour_slows_a_memory_bound_decode_and_adds_watts():
     assert g.utilization()[1] >= mem0 + 10  # the memory busier: the server's stretched traffic and the neighbour's
     g.set_bystander(0.0, 0.0, 0.0)
     assert g.speed_factor() == pytest.approx(speed0) and g.true_power_w() == pytest.approx(power0)
+
+
+def _mps(sim, *, stranger: bool):
+    """The server as an MPS client on GPU 0 (NVML's MPS list only), the MPS server on the compute list working (as if
+    NVML charged its clients' work to it); with `stranger`, another's idle MPS client beside them."""
+    sim.add_process(0, SERVER, 10 << 30, lambda: 1.0, mps=True)
+    sim.add_process(0, 555, 300 << 20, lambda: 1.0, name="/usr/bin/nvidia-cuda-mps-server")
+    if stranger:
+        sim.add_process(0, 777, 2 << 30, lambda: 0.0, mps=True)
+    gpu = SimpleNamespace(indexes=[0], handles=[sim.nvmlDeviceGetHandleByIndex(0)], nvml=sim)
+    return GpuNeighbours(gpu, server_procs=lambda: ({SERVER}, ""))
+
+
+def test_the_mps_server_serving_only_the_servers_clients_is_not_anothers_work():
+    # With the MPS list read, the server's clients are found on the GPU and the samples judged; the MPS server's pid
+    # was taken for another's process, and work NVML charged to it flagged every batch foreign-traffic. (How NVML
+    # charges an MPS client's work is not verified on hardware: both ways are covered.)
+    sim = SimNVML("seed-16g", state_path=None)
+    sim.nvmlInit()
+    watch = _mps(sim, stranger=False)
+    assert watch.check() is None
+    assert any("MPS server" in n and "not verified on hardware" in n for n in watch.notes.values()), watch.notes
+
+
+def test_the_mps_servers_work_beside_anothers_client_is_not_ruled_out():
+    sim = SimNVML("seed-16g", state_path=None)
+    sim.nvmlInit()
+    watch = _mps(sim, stranger=True)
+    why = watch.check()
+    assert why is not None and "MPS server" in why and "cannot be told" in why, why
+    assert watch.unsure == {777}

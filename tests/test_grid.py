@@ -489,3 +489,48 @@ def test_a_clock_grids_placement_refusal_says_its_clock_not_its_limit(tmp_path):
     assert msg.startswith("configuration as-launched: the server also runs on GPU 0"), msg
     assert "its clock not stepped" in msg and "limit not stepped" not in msg, msg
 
+
+
+def test_a_grid_stop_under_load_says_this_configurations_finished_levels_are_kept(tmp_path, monkeypatch):
+    # A small model of the server's on GPU 0 (unmeasured) works only at 220 W, the first configuration's second level:
+    # the grid stops there. Its words were "the grid stopped at this configuration (every limit put back, the
+    # configurations finished before it kept)" - none before it - while run.json's levels_done kept this
+    # configuration's finished 250 W level (sound: its batches were looked at). The words now say what is kept.
+    import os
+
+    from powerprof.rig import Rig as RigClass
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.workload.placement import HELPER_LOOK_S
+
+    real_init = SimNVML.nvmlInit
+    last_busy: list[float] = []
+    real = RigClass._set_busy
+
+    def set_busy(self, busy):
+        last_busy.append(time.monotonic())
+        real(self, busy)
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        if len(self.gpus) == 2 and not getattr(self, "_small_added", False):
+            self._small_added = True
+            sim, h1 = self, self.nvmlDeviceGetHandleByIndex(1)
+            sim.add_process(0, os.getpid(), 300 << 20,
+                            lambda: 1.0 if sim.nvmlDeviceGetPowerManagementLimit(h1) == 220000 and last_busy
+                            and time.monotonic() - last_busy[-1] < HELPER_LOOK_S else 0.0)
+
+    monkeypatch.setattr(RigClass, "_set_busy", set_busy)
+    monkeypatch.setattr(SimNVML, "nvmlInit", init)
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g,seed-16g", "--gpus", "1", "--limits", "220,250",
+                                  "--order", "desc", "--context-tokens", "64,128", "--max-time", "4",
+                                  "--max-tokens", "16", "--idle-s", "0.5", "--out", str(tmp_path / "g")],
+                           env={"POWERPROF_SIM_SERVER_GPUS": "1"})
+    assert r.exit_code == 2, r.output
+    sim = SimNVML("seed-16g", count=2)
+    assert [g.limit_w for g in sim.gpus] == [g.profile.default_limit_w for g in sim.gpus]
+    meta = json.loads((tmp_path / "g" / "run.json").read_text())
+    assert meta.get("levels_done") == [[250.0, 0, "as-launched", 64]], meta.get("levels_done")
+    flat = " ".join(r.output.split())
+    assert ("the grid stopped at this configuration's level 220 W (every limit put back): none of that level kept, "
+            "this configuration's finished level (250 W) kept, no configuration before it") in flat, flat
+    assert "stopped: 1 finished level kept" in flat, flat

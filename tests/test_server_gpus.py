@@ -1206,9 +1206,11 @@ def test_a_server_process_seen_only_as_an_mps_client_is_on_its_gpu(monkeypatch):
     assert gpu_processes(sim, h1) == {4242: 14 << 30}
 
 
-def _placement_loop_for(monkeypatch, d, seconds: float, changes: dict | None = None) -> list[tuple[float, bool]]:
+def _placement_loop_for(monkeypatch, d, seconds: float, changes: dict | None = None,
+                        wall_base: float | None = None) -> list[tuple[float, bool]]:
     """The daemon's placement loop over `seconds` of a simulated clock (each list read PLACEMENT_LIST_S on, no real
-    wait), `changes` ({t: change()}) made as the clock passes t: (t, flagged) at each full check."""
+    wait), `changes` ({t: change()}) made as the clock passes t: (t, flagged) at each full check. wall_base: the wall
+    clock (time.time_ns, everywhere) follows the simulated one from that epoch second, for samples judged by time."""
     import asyncio
 
     from powerprof.daemon import service
@@ -1234,6 +1236,8 @@ def _placement_loop_for(monkeypatch, d, seconds: float, changes: dict | None = N
 
     monkeypatch.setattr(service, "time", FakeTime())
     monkeypatch.setattr(service, "sleep_on_grid", fake_sleep)
+    if wall_base is not None:
+        monkeypatch.setattr(time, "time_ns", lambda: int((wall_base + clock[0]) * 1e9))
     checks: list[tuple[float, bool]] = []
 
     def check():
@@ -1279,3 +1283,134 @@ def test_a_backed_off_helper_that_grows_or_works_is_flagged_at_the_next_list_rea
     checks = _placement_loop_for(monkeypatch, d, 60.0, {40.0: grow})
     flagged = [t for t, f in checks if f]
     assert flagged and flagged[0] <= 40.0 + 2.0, checks
+
+
+def _quick_reads_fail(monkeypatch, d) -> None:
+    """NVML's per-process samples unreadable (INSUFFICIENT_SIZE: samples arrived between pynvml's sizing call and its
+    read) at every light look (`_helper_moved`) of the stand-in daemon `d`, readable at its full checks."""
+    from powerprof.collectors import nvml as cn
+
+    real, quick = cn.process_util, [False]
+
+    def process_util(nvml, h, since_us):
+        if quick[0]:
+            return None, "nvmlDeviceGetProcessUtilization: NVML_ERROR_INSUFFICIENT_SIZE"
+        return real(nvml, h, since_us)
+
+    monkeypatch.setattr(cn, "process_util", process_util)
+    light = d._helper_moved  # the daemon's own, bound to the stand-in
+
+    def helper_moved():
+        quick[0] = True
+        try:
+            return light()
+        finally:
+            quick[0] = False
+
+    d._helper_moved = helper_moved
+
+
+def test_a_light_look_that_cannot_read_the_samples_runs_the_full_check(monkeypatch):
+    # Backed off, the 400 MiB helper on unsampled GPU 0 begins working at 40 s while every light look's sample read
+    # fails: that look said "not moved", and the rows were flagged only at the 62 s backed-off check, 40-62 s
+    # unflagged though missing GPU 0's energy. A failed light read now runs the full check at that list read.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
+    work = [0.0]
+    sim.add_process(0, 4242, 400 << 20, lambda: work[0])
+    d = _stand_in_daemon(sim, lambda: ({4242}, None))
+    _quick_reads_fail(monkeypatch, d)
+    checks = _placement_loop_for(monkeypatch, d, 90.0, {40.0: lambda: work.__setitem__(0, 1.0)})
+    flagged = [t for t, f in checks if f]
+    assert flagged and flagged[0] <= 40.0 + 2.0, checks
+
+
+def test_a_backed_off_full_check_reads_the_samples_since_the_last_check(monkeypatch):
+    # Backed off to 30 s, the full check read the last 20 s of samples only: a helper's work from 33 to 40 s, between
+    # the checks at 32 and 62 s, fell in neither window, and with the light looks blind to it (their reads failing)
+    # the rows were never flagged. The full check now reads from the last check's start.
+    from powerprof.collectors import nvml as cn
+
+    base = 1.8e9  # the wall clock's epoch second at the simulated clock's 0
+    burst = (base + 33.0, base + 40.0)
+
+    def process_util(nvml, h, since_us):
+        now = time.time_ns() / 1e9
+        if h == nvml.nvmlDeviceGetHandleByIndex(0) and since_us / 1e6 < burst[1] and now > burst[0]:
+            return {4242: {"sm": 90.0}}, "simulated"
+        return {}, "simulated"
+
+    monkeypatch.setattr(cn, "process_util", process_util)
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(1, 4242, 8 << 30, lambda: 1.0)
+    sim.add_process(0, 4242, 400 << 20, lambda: 0.0)
+    d = _stand_in_daemon(sim, lambda: ({4242}, None))
+    d._helper_moved = lambda: False  # the light looks see nothing: only the full checks' windows are judged here
+    checks = _placement_loop_for(monkeypatch, d, 120.0, wall_base=base)
+    flagged = [t for t, f in checks if f]
+    assert flagged and flagged[0] <= 62.0 + 2.0, checks
+
+
+def test_the_look_under_loads_cheap_path_is_taken_only_for_the_same_server_pids(monkeypatch):
+    # The first batch's look found the server's processes partly (serverprocs drops a root's children where psutil
+    # raises): only the engine on measured GPU 1, nothing small, so its lists were kept as settled. Every later
+    # batch, the lists unchanged, took the lists-only path: the child's 8 GiB on GPU 0, now found, never judged, and
+    # the sweep finished with GPU 0's energy in no figure, unsaid.
+    from powerprof.workload import placement
+
+    sim = _two_gpu_server(0, 8 << 30, 1, 8 << 30)
+    monkeypatch.setattr(placement, "_same_process", lambda _n, _pid: True)
+    lists = placement._process_lists(sim)
+    on0, on1 = set(lists[0]), set(lists[1])
+    answer = [(on1, None)]
+    measured = {1: sim.gpus[1].uuid}
+    first = placement.find_placement(sim, measured, lambda: answer[0])
+    look = placement.LookUnderLoad(sim, measured, lambda: answer[0], first, allow=False, stopped="stopped")
+    assert look() == [] and look() == [] and look.full_looks == 1  # the same pids and lists: the cheap path
+    answer[0] = (on0 | on1, None)
+    with pytest.raises(placement.GpuPlacementStop) as e:
+        look()
+    assert "GPU 0" in str(e.value)
+
+
+def test_a_stop_at_a_repeated_levels_later_visit_names_the_visit_and_the_visits_kept(tmp_path, monkeypatch):
+    # --repeats 2: the small model on GPU 0 is worked only at 200 W's second visit. The stop said "the sweep stopped
+    # at level 200 W: none of that level kept, the finished levels (200, 250 W) kept": 200 W both dropped and kept.
+    # The first visit of 200 W is kept (levels_done): the words now name visits by their repeat.
+    from powerprof.rig import Rig as RigClass
+    from powerprof.sweep import PlacementStop, run_sweep
+    from powerprof.workload.placement import HELPER_LOOK_S
+
+    sim = SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json")
+    last_busy: list[float] = []
+    seq: list[float] = []  # the limits set, in order, each once a run of batches
+    real = RigClass._set_busy
+
+    def set_busy(self, busy):
+        last_busy.append(time.monotonic())
+        if not seq or seq[-1] != sim.gpus[1].limit_w:
+            seq.append(sim.gpus[1].limit_w)
+        real(self, busy)
+
+    monkeypatch.setattr(RigClass, "_set_busy", set_busy)
+    sim.add_process(0, os.getpid(), 300 << 20,
+                    lambda: 1.0 if sim.gpus[1].limit_w == 200.0 and seq.count(200.0) >= 2 and last_busy
+                    and time.monotonic() - last_busy[-1] < HELPER_LOOK_S else 0.0)
+    with Rig("seed-16g", nvml=sim, gpus=[1], sim_server_gpus=[1]) as rig:
+        with pytest.raises(PlacementStop) as e:
+            run_sweep(rig, levels_spec="250,200", repeats=2, out_dir=tmp_path / "s",
+                      params=RequestParams(max_tokens=16), prompts=PROMPTS, idle_s=0, interval_s=0.2,
+                      min_requests=2, max_requests=4, warmup_requests=1)
+    said = str(e.value)
+    assert [g.limit_w for g in SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json").gpus] == [300.0, 300.0]
+    done = json.loads((tmp_path / "s" / "run.json").read_text()).get("levels_done")
+    assert [200.0, 0] in done and [200.0, 1] not in done, done
+    reps: dict = {}
+    for level, repeat in done:
+        reps.setdefault(level, []).append(repeat + 1)
+    kept = "; ".join(f"{x:g} W (repeat{'s' if len(reps[x]) > 1 else ''} {', '.join(map(str, sorted(reps[x])))})"
+                     for x in sorted(reps))
+    assert (f"the sweep stopped at level 200 W (repeat 2): none of that visit kept, the finished visits ({kept}) kept"
+            in said), (said, done)

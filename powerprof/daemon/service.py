@@ -1357,7 +1357,7 @@ class Daemon:
         once. Where nothing can be told (a remote upstream, a restart's moment with no listener, no context yet, an
         exception) the state stands: the flag ends only on a placement read with every server GPU sampled."""
         from powerprof.storage.schema import SERVER_GPU_UNSAMPLED_FLAG
-        from powerprof.workload.placement import UTIL_TRIES, find_placement
+        from powerprof.workload.placement import HELPER_LOOK_S, UTIL_TRIES, find_placement
 
         if self._server_procs is None:
             return
@@ -1368,10 +1368,17 @@ class Daemon:
             return answers[-1]
 
         why = None
+        # The samples read from the last check's start, and at least HELPER_LOOK_S back: a fixed HELPER_LOOK_S (20 s)
+        # against checks backed off to 30 s left 10 s of every 30 seen by the light look alone, and a helper's burst
+        # of work there (its samples unread by that look) by nothing. Stamped before the reads, so no sample falls
+        # between one check's window and the next's.
+        started_us = time.time_ns() // 1000
+        last_us = getattr(self, "_helper_look", ({}, None))[1]
+        since_us = min(last_us, started_us - int(HELPER_LOOK_S * 1e6)) if last_us is not None else None
         try:
             # UTIL_TRIES reads of the samples, as the look under load takes: while a helper stands the check runs at
             # every list read, and one failed read counted its GPU serving.
-            p = find_placement(self.collector.nvml, self.gpu_uuids, procs, tries=UTIL_TRIES)
+            p = find_placement(self.collector.nvml, self.gpu_uuids, procs, since_us=since_us, tries=UTIL_TRIES)
         except Exception as e:  # a check of where the server runs is never the daemon's end
             log.debug("checking which GPUs the server runs on failed: %s", error_text(e))
             p, why = None, f"the check failed: {error_text(e)}"
@@ -1420,9 +1427,10 @@ class Daemon:
                 p.helpers[i] = (before[i][0], p.sizes.get(i) or before[i][1])
         self._unread_helper_checks = {i: n for i, n in unread.items() if n < UNREAD_HELPER_CHECKS}
         self._helpers_seen = dict(p.helpers)
-        # The unsampled helpers' pids, sizes and this check's time: what the light look between checks compares.
+        # The unsampled helpers' pids, sizes and this check's start: what the light look between checks compares, and
+        # where the next check's samples begin.
         self._helper_look = ({i: (p.pids.get(i, frozenset()), p.sizes.get(i))
-                              for i in p.helpers if i not in p.measured}, time.time_ns() // 1000)
+                              for i in p.helpers if i not in p.measured}, started_us)
         # A context judged a helper on a GPU not sampled may be a new worker of the server's that has not loaded its
         # weights or run a kernel yet: the loop checks again every list read while one stands (_placement_loop).
         self._helper_unsampled = any(i not in p.measured for i in p.helpers)
@@ -1497,7 +1505,10 @@ class Daemon:
         """Whether a helper context on an unsampled GPU (the last check's) changed since: its server pids' bytes there
         differ, or NVML's per-process samples since that check show one of them working (an engine over
         HELPER_MAX_PCT). One list and one sample read per such GPU, no host process tree: the light look between the
-        backed-off checks. A read that fails tells nothing (False): the backed-off check reads it UTIL_TRIES times."""
+        backed-off checks. A read that fails (a list or the samples unread, an exception) is True: the full check runs
+        at that list read, reading the samples UTIL_TRIES times and counting a GPU whose samples stay unread
+        (UNREAD_HELPER_CHECKS, which also sets its interval back to 2 s). Before, a failed read was False: a helper
+        that began working was seen only at the next backed-off check (up to 30 s of rows unflagged)."""
         from powerprof.collectors.gateway import gateway
         from powerprof.collectors.nvml import gpu_processes, process_util
         from powerprof.workload.placement import HELPER_MAX_PCT
@@ -1510,15 +1521,19 @@ class Daemon:
                 h = gw.query("nvmlDeviceGetHandleByIndex", i)
                 procs = gpu_processes(nvml, h) if h is not None else None
                 if procs is None:
-                    continue
+                    return True  # nothing shows the helper unchanged: the full check tells
                 mine = [procs[pid] for pid in pids if pid in procs]
                 if (None if any(b is None for b in mine) else sum(mine)) != size:
                     return True
-                util, _how = process_util(nvml, h, since_us)
-                if util is not None and any(u > HELPER_MAX_PCT for pid in pids for u in util.get(pid, {}).values()):
+                util, how = process_util(nvml, h, since_us)
+                if util is None:
+                    log.debug("the light look could not read GPU %d's per-process samples (%s): checking in full", i, how)
+                    return True
+                if any(u > HELPER_MAX_PCT for pid in pids for u in util.get(pid, {}).values()):
                     return True
         except Exception as e:  # a look at the helpers is never the daemon's end
             log.debug("reading the helper contexts' sizes and samples failed: %s", error_text(e))
+            return True
         return False
 
     def _gpu_pid_lists(self) -> tuple | None:

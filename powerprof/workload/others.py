@@ -62,6 +62,18 @@ def _working(util: dict[str, float]) -> str | None:
     return ", ".join(parts) or None
 
 
+MPS_SERVER = "nvidia-cuda-mps-server"
+
+
+def _is_mps_server(nvml, pid: int) -> bool:
+    """Whether NVML names `pid` the NVIDIA MPS server (its name's first word's last path part)."""
+    from powerprof.collectors.nvml import process_name
+
+    name = process_name(nvml, pid)
+    words = name.split() if name else []
+    return bool(words) and os.path.basename(words[0]) == MPS_SERVER
+
+
 class GpuNeighbours:
     """Whether a process other than the server's worked on the measured GPUs since the last look.
 
@@ -105,6 +117,13 @@ class GpuNeighbours:
             if pids is None and why_server is None:
                 pids, why_server = self.server_procs() if self.server_procs is not None else (None, "not looked for")
             others = {p for p in procs if p != os.getpid() and (pids is None or p not in pids)}
+            # Under NVIDIA MPS the compute list names the MPS server (nvidia-cuda-mps-server), which holds its clients'
+            # contexts; whether NVML's per-process samples charge a client's work to the client's pid or to the MPS
+            # server's is not documented and not verified here on hardware. Taken for another's process, the server's
+            # own work charged to it flagged every batch foreign-traffic: it is neither the server's nor another's,
+            # and its samples are judged below by whose clients it serves.
+            mps = {p for p in others if _is_mps_server(gpu.nvml, p)}
+            others -= mps
             if pids is None:
                 if others:
                     self.notes.setdefault(f"whose{idx}", (
@@ -128,8 +147,21 @@ class GpuNeighbours:
                 continue
             # Samples of a process no longer listed count too: one that ran beside the batch and exited before this
             # look is gone from the lists, not from the driver's samples since the last look.
-            theirs = {p: u for p, u in util.items() if p != os.getpid() and p not in pids}
+            theirs = {p: u for p, u in util.items() if p != os.getpid() and p not in pids and p not in mps}
             busy = {p: w for p, u in theirs.items() if (w := _working(u))}
+            mps_busy = {p: w for p in mps if (w := _working(util.get(p, {})))}
+            if mps_busy and others:
+                # Work charged to the MPS server while another's process is also on the GPU (an MPS client of
+                # someone else's among them, perhaps): whose work it was cannot be told, so it is not ruled out.
+                self.unsure |= others
+                return (f"the MPS server (process {pid_text(sorted(mps_busy))}) worked on GPU {idx} (up to "
+                        f"{'; '.join(mps_busy.values())}) while process {pid_text(others)}, not the server's, also "
+                        "uses it: whether that work was the server's clients' or another's cannot be told")
+            if mps_busy:
+                self.notes.setdefault(f"mps{idx}", (
+                    f"GPU {idx}'s MPS server (process {pid_text(sorted(mps_busy))}) showed work in NVML's per-process "
+                    "samples, and no process but the server's uses the GPU: taken as the server's clients' work, not "
+                    "others' (how NVML charges MPS clients' work is not verified on hardware here)"))
             if busy:
                 self.seen |= set(busy)
                 return "; ".join(f"process {pid_text([p])} "

@@ -297,9 +297,10 @@ class LookUnderLoad:
     that work, and the GPU is the server's: refused in the first look's words, or with allow said in the notes. Only a
     server GPU not already judged unmeasured counts (those were refused or allowed then, or by an earlier batch's look).
 
-    Cheap enough for every batch: where every GPU's process list (pids and sizes) is the last look's and that look
-    found no helper context and no unread samples, nothing a sample could change stands, and the look is the lists
-    alone (_process_lists); otherwise find_placement, its sample reads only for the helper-sized contexts.
+    Cheap enough for every batch: where every GPU's process list (pids and sizes) and the server's pid set are the
+    last look's and that look found no helper context and no unread samples, nothing a sample could change stands,
+    and the look is the lists and the server's processes alone (_process_lists); otherwise find_placement, its sample
+    reads only for the helper-sized contexts.
 
     Refusing, not flagging the levels: the run would have been refused had the model worked during the first look, and
     every figure of it lacks that GPU's energy (and a sweep's limit was not stepped there); a run told whole later by
@@ -313,9 +314,11 @@ class LookUnderLoad:
         # finds a GPU it named serving, so no note goes on calling that GPU a helper's.
         self.notes = notes
         self.found: dict[int, str] = {}  # server GPUs an earlier batch's look already judged (allowed): not said again
-        # The process lists of the last full look, where it left nothing a sample could change (no helper, nothing
-        # unread): a batch finding the same lists skips the rest (_process_lists).
-        self._settled: dict | None = None
+        # The server's pids and the process lists of the last full look, where it left nothing a sample could change
+        # (no helper, nothing unread): a batch finding both the same skips the rest (_process_lists). The pids too:
+        # a look with a partial pid set (serverprocs drops a root's children where psutil raises) found the lists
+        # settled, and with the lists alone every later batch took this path, a server GPU never seen.
+        self._settled: tuple[frozenset, dict] | None = None
         self.looks = self.full_looks = 0  # calls, and those that ran find_placement (what the cheap path saved)
 
     def rearm(self) -> None:
@@ -332,14 +335,18 @@ class LookUnderLoad:
             return []
         self.looks += 1
         lists = _process_lists(self.nvml)
-        if lists is not None and lists == self._settled:
+        # The server's processes read once, for the comparison and the full look alike.
+        answer = self.server_procs()
+        pids = frozenset(answer[0]) if answer[0] else None
+        if lists is not None and pids is not None and (pids, lists) == self._settled:
             return []
         self.full_looks += 1
         # Samples since the batch began (its first request's wall time): the whole batch or replay, not its last
         # HELPER_LOOK_S only (a long one's early work was unseen); NVML keeps what its buffer holds.
         since = since_wall_ns // 1000 if since_wall_ns is not None else None
-        again = find_placement(self.nvml, self.measured, self.server_procs, since_us=since, tries=UTIL_TRIES)
-        self._settled = lists if again is not None and not again.helpers and not again.unread else None
+        again = find_placement(self.nvml, self.measured, lambda: answer, since_us=since, tries=UTIL_TRIES)
+        self._settled = ((pids, lists) if again is not None and pids is not None and not again.helpers
+                         and not again.unread else None)
         if again is None:
             return []
         before = {**(self.first.unmeasured if self.first is not None else {}), **self.found}
