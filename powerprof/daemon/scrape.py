@@ -89,7 +89,9 @@ PARTIAL_REASONS = {
     SERVER_COUNT_SLOTS_ONLY: "llama-server without /metrics: /slots alone misses each request's tokens after the last scrape before "
                   "it ends, so bypass traffic's missed tokens are not in `unproxied` (their energy is with the proxied "
                   "requests' or idle) (fix: start llama-server with --metrics)",
-    "server_restart": "the server restarted (its token counter went back, or its process start time moved): the old "
+    "server_restart": "the server restarted (its token counter went back, or its process start time moved; told by the "
+                      "fall alone, the windows until the counter is back at the reading before it too, where a dip that "
+                      "lasted would be counted again: the count may be high there): the old "
                       "process's tokens after the last scrape before it went down are not in the count, so bypass traffic "
                       "then is not in `unproxied` (its energy is with the proxied requests' or idle); the intervals across "
                       "the restart say so in server_count, where the count may be high as well (the new process's "
@@ -247,6 +249,11 @@ class Scraper:
         self._dipped: float | None = None  # the dipped reading of the page before, not believed: the next one tells
         self._young_fall = False  # that dip was a young counter's, of more than YOUNG_DIP_TOKENS (_dip_or_restart)
         self._unreachable = False  # a scrape since the last believed page found the server down (_SERVER_DOWN)
+        # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
+        # moved): until a window starts at or above it, the fall may have been a dip (one process's share of a
+        # multi-process page lagging for more than a page), whose recovery the windows after it count again as new
+        # tokens; they say server_restart (may be low or high), never a silently high count (_fall_unconfirmed).
+        self._fall_high: float | None = None
 
     def _baseline(self, counted: float) -> None:
         """The first reading: `counted` tokens the server says it has generated. Read after the daemon's ready, a
@@ -323,6 +330,20 @@ class Scraper:
                      "page read while a worker's share lagged; not believed, and told from a restart by the next "
                      "scrape", COUNTERS[self.kind], self.base, prev, total, self.dips)
         return None
+
+    def _fall_unconfirmed(self, start: float | None) -> None:
+        """A window after a restart judged from a fall alone (`_fall_high`), starting at `start`: below the reading
+        before the fall, it is marked server_restart. That fall may have been a dip of one process's share of a
+        multi-process page that lasted past the next page, or fell to half or less (a request's tokens on a counter of
+        a few hundred): its recovery is then counted again as new tokens (200, 400, 200, 400, 440: 640 counted where
+        240 ran, the fourth window's 200 unmarked and booked as bypass in a `complete` row); a restart's is right.
+        Nothing here tells which, so the count is kept and said may be low or high. The first window starting at or
+        above that reading holds no recovery: whole again."""
+        if start is not None and start >= self._fall_high:
+            self._fall_high = None
+            return
+        if "server_restart" not in self.window_partial:
+            self.window_partial = (*self.window_partial, "server_restart")
 
     def _young_back(self, prev: float, dipped: float, total: float) -> None:
         """A young counter fell from `prev` to `dipped` by more than a few tokens and is back at `total` (at least
@@ -429,9 +450,12 @@ class Scraper:
                 new_process = self._new_process(text)
                 prev = self._last_total
                 same_start = had_start and self._start_s is not None
+                by_fall = False  # a restart judged from the fall alone (below)
                 if prev is not None and total < prev and new_process is None and not same_start:
                     # No start time to tell (SGLang's page, a vLLM with several API servers): a dip or a restart.
+                    unreachable = self._unreachable
                     new_process = self._dip_or_restart(prev, total)
+                    by_fall = new_process is not None and not unreachable
                     if new_process is None and COUNTER_BELOW in self.window_partial:
                         # Its window closes, with nothing counted and marked; the latency and cache-hit counters of a
                         # page that may be a dip are not taken as the base either, and the base before it is let go:
@@ -462,6 +486,11 @@ class Scraper:
                 restart = prev is not None and (total < prev or new_process is not None)
                 if restart:
                     self._restarted(new_process or f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}")
+                    # Told by the fall alone, it may have been a dip that lasted: the windows until the counter is back
+                    # at the reading before it are marked too. Told by real evidence, the new process counts whole.
+                    self._fall_high = prev if by_fall else None
+                elif self._fall_high is not None:
+                    self._fall_unconfirmed(prev)
                 delta = 0.0 if prev is None else (total if restart else total - prev)
                 self.finished = self._finished_since(text, prev is None or restart)
                 self.cache_hits = self._cache_hits_since(text, prev is None or restart)
