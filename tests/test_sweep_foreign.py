@@ -648,3 +648,39 @@ def test_an_unread_metrics_page_beside_slots_is_not_said_as_no_counter(monkeypat
     said = t.limits()
     assert t.in_flight == 0 and t.in_flight_source == "/slots"
     assert "--metrics" not in said and "could not be read" in said, said
+
+
+def test_sweep_young_request_counter_dip_blames_a_batch():
+    """vLLM with several API servers (a multi-process page): both counters dip together, 20 tokens / 2 requests, then
+    10 / 1, then 40 / 4, our 10 tokens and 1 request each batch. The token side held the fall and found a dip; the
+    request side read its fall to half as a restart at once and blamed the last batch for "2 request(s) more than
+    powerprof sent" with nothing foreign running. Now held as the tokens are: 4 is at least the 2 before the fall plus
+    our 2 since, as a dip gives."""
+    from types import SimpleNamespace as NS
+
+    def recs(n, each):
+        return [NS(ok=True, count_problem=None, shown_tokens=None, generated_tokens=each) for _ in range(n)]
+
+    def t(tok, req, i):
+        return Tally(i, float(tok), "vllm:generation_tokens_total", float(req), "vllm:request_success_total")
+
+    fw = ForeignWatch(t(20, 2, 0))
+    got = [fw.judge(t(10, 1, 1), recs(1, 10)), fw.judge(t(40, 4, 2), recs(1, 10))]
+    assert got == [None, None], got
+
+
+def test_sweep_request_counter_restart_judged_at_the_next_page_still_sees_another_clients_requests():
+    """The held rule's restart side: 100 requests, then 10 (restarted unseen), then 14 after our 2 batches of 1: below the
+    102 a dip gives, so a restart, counted from 0 with our 2 since: 12 requests of another client."""
+    from types import SimpleNamespace as NS
+
+    def recs(n, each):
+        return [NS(ok=True, count_problem=None, shown_tokens=None, generated_tokens=each) for _ in range(n)]
+
+    def t(tok, req, i):
+        return Tally(i, float(tok), "vllm:generation_tokens_total", float(req), "vllm:request_success_total")
+
+    fw = ForeignWatch(t(10000, 100, 0))
+    assert fw.judge(t(10, 10, 1), recs(1, 10)) is None  # held: the fall is judged at the next page
+    why = fw.judge(t(20, 14, 2), recs(1, 10))
+    assert why is not None and "12 request(s) more" in why, why

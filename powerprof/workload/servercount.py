@@ -473,7 +473,8 @@ class ForeignWatch:
     between batches. A token counter fallen to half its last reading or less is a restart (counted from
     there again: counter_restarted); a fall from YOUNG_COUNTER_TOKENS or fewer is held to the next page, a dip if that
     reads at least the reading before the fall plus powerprof's tokens since (a dip adds nothing), else a restart,
-    counted from 0 (`_held`); a restart the sweep sees as the server going away is ridden out by sweep.py."""
+    counted from 0 (`_held`); the request counter's fall to half or less is held and judged so too (`_req_held`);
+    a restart the sweep sees as the server going away is ridden out by sweep.py."""
 
     def __init__(self, first: Tally):
         self.first = self.prev = first
@@ -486,6 +487,10 @@ class ForeignWatch:
         self._tok_first = first.tokens
         # A young counter's fall held to the next page: (the reading before it, powerprof's tokens then, requests since).
         self._held: tuple[float, int, int] | None = None
+        # The request count compared from (the first snapshot's, or a restart's), and a fall of it to half or less held
+        # to the next page: (the reading before it, powerprof's requests then). As the tokens', judged there.
+        self._req_first = first.requests
+        self._req_held: tuple[float, int] | None = None
         self.seen_tokens = 0.0  # tokens not ours the server generated, over the flagged batches
         self.seen_requests = 0.0
         self.stale: str | None = None  # once: the gauges read while the engine took no step (STALE_GAUGES)
@@ -554,17 +559,31 @@ class ForeignWatch:
 
     def _requests_and_why(self, now: Tally, recs, failed: bool, why: list) -> str | None:
         """The request counter's compare for the batch `recs` (after its tokens'), and the batch's reasons joined."""
-        if now.requests is not None and self.first.requests is not None and self.prev.requests is not None:
-            # Restarted (a fall to half or less, as the token counter's; a request counter has no young limit: no dip
-            # of a young one was seen); a smaller fall a dip.
-            if counter_restarted(self.prev.requests, now.requests, young=0):
-                self.first, self.ours_requests, self._req_high = now, 0, 0.0
-            else:
-                excess = now.requests - self.first.requests - self.ours_requests
-                if not failed and excess > self._req_high:
-                    self.seen_requests += excess - self._req_high
-                    why.append(f"the server finished {excess - self._req_high:.0f} request(s) more than powerprof "
-                               f"sent ({now.requests_name})")
-                self._req_high = max(self._req_high, excess)
+        if now.requests is not None and self._req_first is not None and self.prev.requests is not None:
+            held, self._req_held = self._req_held, None
+            if held is not None:
+                # Its fall at the page before: a dip adds nothing, so this page reads at least the reading before the
+                # fall plus our requests since; below that, a restart, its new counter compared from 0 with our
+                # requests since the fall's high (as the tokens', `judge`).
+                high, ours_then = held
+                since = self.ours_requests - ours_then
+                if now.requests < high + since:
+                    self._req_first, self.ours_requests, self._req_high = 0.0, since, 0.0
+            elif counter_restarted(self.prev.requests, now.requests, young=0):
+                # A fall to half or less: a restart, or both counters of a multi-process page (a vLLM with several API
+                # servers) dipping together while one process's share lags; a few requests' share takes a request
+                # counter to half or less. Read as a restart at once, the next page's recovery was blamed on its batch
+                # (20/2, 10/1, 40/4 with ours 10/1 a batch: "2 request(s) more", nothing foreign running, the token
+                # side silent). Held to the next page, as a young token counter's fall is; this batch's compare waits
+                # (a dipped reading cannot show more than ours anyway).
+                self._req_held = (self.prev.requests, self.ours_requests - sum(1 for r in recs if r.ok))
+                self.prev = now
+                return "; ".join(why) or None
+            excess = now.requests - self._req_first - self.ours_requests
+            if not failed and excess > self._req_high:
+                self.seen_requests += excess - self._req_high
+                why.append(f"the server finished {excess - self._req_high:.0f} request(s) more than powerprof "
+                           f"sent ({now.requests_name})")
+            self._req_high = max(self._req_high, excess)
         self.prev = now
         return "; ".join(why) or None
