@@ -117,3 +117,22 @@ def test_the_mps_servers_work_beside_anothers_client_is_not_ruled_out():
     why = watch.check()
     assert why is not None and "MPS server" in why and "cannot be told" in why, why
     assert watch.unsure == {777}
+
+
+def test_mps_stranger_client_that_exited_before_the_look_is_missed():
+    # Another's MPS client listed when the batch began, gone by the look: the MPS server's work was taken as the server's
+    # clients' (a note) because nothing but the server's was listed at the look, though the stranger may have done it.
+    # Every list read over the batch (its start and the look) counts now: whose work it was cannot be told.
+    sim = SimNVML("seed-16g", state_path=None)
+    sim.nvmlInit()
+    sim.add_process(0, SERVER, 10 << 30, lambda: 0.0, mps=True)
+    sim.add_process(0, 555, 300 << 20, lambda: 1.0, name="/usr/bin/nvidia-cuda-mps-server")
+    sim.add_process(0, 777, 2 << 30, lambda: 0.0, mps=True)
+    gpu = SimpleNamespace(indexes=[0], handles=[sim.nvmlDeviceGetHandleByIndex(0)], nvml=sim)
+    watch = GpuNeighbours(gpu, server_procs=lambda: ({SERVER}, ""))
+    sim.remove_process(0, 777)
+    why = watch.check()
+    assert why is not None and "cannot be told" in why, watch.notes
+    assert watch.unsure == {777}
+    # The next batch starts at that look, where 777 was gone: nothing but the server's listed over it, taken as ours.
+    assert watch.check() is None

@@ -95,10 +95,29 @@ class GpuNeighbours:
         self.notes: dict[str, str] = {}  # once each: what cannot be told, idle holders
         self.seen: set[int] = set()  # pids flagged as working beside the server
         self.unsure: set[int] = set()  # pids flagged because NVML cannot say whether they worked (not seen working)
+        # Per GPU, the pids (not ours, not an MPS server) its process list named at the batch's start: the look before
+        # (or mark()). Work charged to the MPS server is taken as the server's clients' only if no other process was
+        # listed at either read over the batch: judged at the look alone, another's MPS client that worked and exited
+        # before it was missed, its work taken as ours (a note, nothing flagged).
+        self._listed: dict[int, set[int]] = {}
+        self._list_all()
+
+    def _list_all(self) -> None:
+        """Read every measured GPU's process list into `_listed` (a batch starts here)."""
+        gpu = self.collector
+        if gpu is None:
+            return
+        from powerprof.collectors.nvml import gpu_processes
+
+        for idx, h in zip(gpu.indexes, gpu.handles):
+            procs = gpu_processes(gpu.nvml, h)
+            self._listed[idx] = set() if procs is None else {
+                p for p in procs if p != os.getpid() and not _is_mps_server(gpu.nvml, p)}
 
     def mark(self) -> None:
         """Judge from now on (a measurement starts)."""
         self.since_us = time.time_ns() // 1000
+        self._list_all()
 
     def check(self) -> str | None:
         from powerprof.collectors.nvml import gpu_processes, process_util
@@ -110,6 +129,10 @@ class GpuNeighbours:
         pids = why_server = None
         for idx, h in zip(gpu.indexes, gpu.handles):
             procs = gpu_processes(gpu.nvml, h)
+            # Listed at the batch's start (the look before); this look starts the next batch.
+            before = self._listed.get(idx, set())
+            self._listed[idx] = set() if procs is None else {
+                p for p in procs if p != os.getpid() and not _is_mps_server(gpu.nvml, p)}
             if procs is None:
                 self.notes.setdefault(f"list{idx}", f"NVML does not list the processes using GPU {idx}, so another "
                                       "process's work on it cannot be ruled out")
@@ -150,17 +173,22 @@ class GpuNeighbours:
             theirs = {p: u for p, u in util.items() if p != os.getpid() and p not in pids and p not in mps}
             busy = {p: w for p, u in theirs.items() if (w := _working(u))}
             mps_busy = {p: w for p in mps if (w := _working(util.get(p, {})))}
-            if mps_busy and others:
+            # Another's process listed at the batch's start or at this look (one gone by now may have worked and
+            # exited between them); one that starts and exits between two reads is not seen (docs/sweep.md).
+            listed = others | (before - pids - mps)
+            if mps_busy and listed:
                 # Work charged to the MPS server while another's process is also on the GPU (an MPS client of
                 # someone else's among them, perhaps): whose work it was cannot be told, so it is not ruled out.
-                self.unsure |= others
+                self.unsure |= listed
                 return (f"the MPS server (process {pid_text(sorted(mps_busy))}) worked on GPU {idx} (up to "
-                        f"{'; '.join(mps_busy.values())}) while process {pid_text(others)}, not the server's, also "
-                        "uses it: whether that work was the server's clients' or another's cannot be told")
+                        f"{'; '.join(mps_busy.values())}) while process {pid_text(listed)}, not the server's, was "
+                        "listed on it over the batch: whether that work was the server's clients' or another's cannot "
+                        "be told")
             if mps_busy:
                 self.notes.setdefault(f"mps{idx}", (
                     f"GPU {idx}'s MPS server (process {pid_text(sorted(mps_busy))}) showed work in NVML's per-process "
-                    "samples, and no process but the server's uses the GPU: taken as the server's clients' work, not "
+                    "samples, and no process but the server's was listed on the GPU at the batch's start or end: "
+                    "taken as the server's clients' work, not "
                     "others' (how NVML charges MPS clients' work is not verified on hardware here)"))
             if busy:
                 self.seen |= set(busy)
