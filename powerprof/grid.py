@@ -465,8 +465,11 @@ class _GridLook:
         # held this configuration's finished levels too. The configurations before it are the grid's (done: each
         # measured one's finished levels are written out whatever its status).
         if stopped is not None:
-            n = len(self.grid.done)
+            # Only those that kept a finished level: a configuration that failed before finishing one is in `done` too
+            # (appended whatever its status) and keeps nothing; counted, the words said more was kept than was.
+            n = sum(1 for _, sw in self.grid.done if any(v.stop for v in sw.visits))
             stopped += (f", and the {n} configuration{'s' if n > 1 else ''} measured before it kept" if n
+                        else ", no configuration before it kept a level" if self.grid.done
                         else ", no configuration before it")
         try:
             said = self.look(since_wall_ns, stopped=stopped)

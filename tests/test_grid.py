@@ -534,3 +534,30 @@ def test_a_grid_stop_under_load_says_this_configurations_finished_levels_are_kep
     assert ("the grid stopped at this configuration's level 220 W (every limit put back): none of that level kept, "
             "this configuration's finished level (250 W) kept, no configuration before it") in flat, flat
     assert "stopped: 1 finished level kept" in flat, flat
+
+
+def test_a_grid_stop_under_load_counts_only_configurations_that_kept_levels():
+    # A configuration that failed with no finished level is in the grid's `done` (appended whatever its status) but
+    # keeps nothing: "the 2 configurations measured before it kept" said of one that kept a level and one that failed.
+    from types import SimpleNamespace as NS
+
+    from powerprof.grid import _GridLook
+
+    seen = []
+
+    class Look:
+        notes: list = []
+
+        def __call__(self, since_wall_ns=None, stopped=None):
+            seen.append(stopped)
+            return []
+
+    kept = NS(visits=[NS(stop=True)])
+    failed = NS(visits=[NS(stop=False)])
+    grid = NS(done=[(NS(status="failed"), failed), (NS(status="ok"), kept)], placement_notes=[],
+              _note_placement=lambda rec, notes: None)
+    _GridLook(grid, NS(config_id="c"), Look())(stopped="stopped")
+    assert seen == ["stopped, and the 1 configuration measured before it kept"], seen
+    grid.done = [(NS(status="failed"), failed)]
+    _GridLook(grid, NS(config_id="c"), Look())(stopped="stopped")
+    assert seen[-1] == "stopped, no configuration before it kept a level", seen
