@@ -388,8 +388,9 @@ def bypass_count_unknown(server_count: str | None) -> bool:
 BYPASS_COUNT_FIX = {
     "late_baseline": "start the server before the daemon, or restart the daemon once the server is up",
     SERVER_COUNT_UNREAD: "start the server before the daemon, and check that scrape.url answers its /metrics",
-    "server_restart": "their count may be low or high: none for later requests (the count starts afresh); keep the "
-                      "server from restarting",
+    "server_restart": "their count may be low or high: none for later requests (the count starts afresh; told by the "
+                      "counter's fall alone, a dip's recovery may be in it, marked until the counter passes the reading "
+                      "before the fall); keep the server from restarting",
     "counter_below": "none once the server's counter passes its highest reading again; where it was a restart, a page "
                      "with process_start_time_seconds (vLLM with one API server) tells it",
     SERVER_COUNT_SLOTS_ONLY: "start llama-server with --metrics",
