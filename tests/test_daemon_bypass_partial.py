@@ -1299,3 +1299,13 @@ def test_honest_sglang_one_end_of_text_token_beyond_100_token_chunks_stays_compl
     assert not _wrong_complete([r for r in rows if r["t_start_mono_s"] < 9], truth)
     mid = [r for r in rows if 1 <= r["t_start_mono_s"] <= 9]
     assert mid and all(r["server_count"] == "complete" for r in mid), [r["server_count"] for r in mid]
+
+
+@pytest.mark.parametrize("at_s", [3.0, 4.0, 4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 8.0, 10.0])
+def test_a_counter_read_early_repays_no_more_at_a_pace_fall_than_its_lag_holds(at_s):
+    """The owe of a counter read 0.1 s early nets at a fall of the proxy's pace as far as the fall of its rate can
+    repay: bounded by that fall over the window's length (80 tokens), the whole owe (16) was netted where the true
+    recovery was 8, the owe spent, and at the stream's end the real 8-token recovery read as bypass tokens that never
+    ran (rows 21 = 2 and 22 = 6, `complete`). The read-early span is at most LAG_S: the bound is the fall over it."""
+    rows, truth = _sim(alt=False, early=0.1, pace_fall_at=at_s, burst=at_s + 0.00625 * np.arange(1, 21))
+    assert not _wrong_complete(rows, truth)
