@@ -2576,3 +2576,23 @@ def test_intervals_while_a_proxy_worker_serves_unread_say_so_where_its_traffic_r
     assert [r["server_count"] for r in rows] == [("off" if not scraping else "unread")] + [want] * 2, rows
     if since_s is not None:
         assert all(r["kind"] == "idle" and "restart the daemon" in r["energy_note"] for r in rows[1:]), rows
+
+
+def test_a_buffering_proxy_in_front_of_a_call_streamed_two_tokens_a_chunk_is_still_named():
+    # A call streamed at 2 tokens a chunk (speculative decoding) behind a buffering nginx that delivered it in 3 pieces
+    # 2 s apart: every tool-call chunk carried 2 tokens, and each counted as a parser's "jump", so the row read "the
+    # server's tool-call parser held a call ... nothing to fix" and the warning was suppressed, where nginx buffered
+    # (fix: proxy_buffering off). A jump is a running count past the stream's usual step now (stream._State.max_step).
+    from powerprof.workload.stream import StreamParser
+    from test_stream_parser import _CHAT, _compact, _tool_chunk
+
+    def u(n):
+        return {"prompt_tokens": 20, "completion_tokens": n, "total_tokens": 20 + n}
+    data = _compact(_tool_chunk("", u(2), name="f"), *[_tool_chunk("x", u(4 + 2 * k)) for k in range(20)],
+                    {**_CHAT, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+                    {**_CHAT, "choices": [], "usage": u(42)}, b"[DONE]")
+    p = StreamParser("openai-chat")
+    assert sum(e.n_tokens for e in p.feed(data)) == 42
+    sink = _held_stream(((1.0, 14), (3.0, 14), (5.0, 14)), 42, extra={"tool_call_jumps": p.tool_call_jumps})
+    (row,) = sink.rows["requests"]
+    assert "buffering proxy" in row["energy_note"] and "tool-call parser" not in row["energy_note"], row["energy_note"]

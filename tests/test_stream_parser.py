@@ -1414,3 +1414,22 @@ def test_two_different_reasoning_texts_in_one_delta_are_both_kept():
     events, _ = feed_all("openai-chat", sse(
         {"choices": [{"index": 0, "delta": {"reasoning": "a", "reasoning_content": "b"}, "finish_reason": None}]}))
     assert [(e.n_tokens, e.text) for e in events] == [(1, "ba")]
+
+
+@pytest.mark.parametrize("count_only", [False, True])
+def test_a_call_streamed_two_tokens_a_chunk_makes_no_tool_call_jump(count_only):
+    # Speculative decoding: every chunk carries 2 tokens, the call's too. A jump is a running count past the stream's
+    # usual step (more than twice the largest step of its other chunks): none here; a call sent whole after 2-token
+    # steps (16 at once) still is one.
+    def u(n):
+        return {"prompt_tokens": 20, "completion_tokens": n, "total_tokens": 20 + n}
+    end = ({**_CHAT, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+           {**_CHAT, "choices": [], "usage": u(42)}, b"[DONE]")
+    stepwise = _compact(_tool_chunk("", u(2), name="f"), *[_tool_chunk("x", u(4 + 2 * k)) for k in range(20)], *end)
+    think = [{**_CHAT, "choices": [{"index": 0, "delta": {"reasoning_content": "t"}, "finish_reason": None}],
+              "usage": u(2 * k)} for k in range(1, 14)]
+    whole = _compact(*think, _tool_chunk('{"a": 1}', u(42), name="f"), *end)
+    for data, jumps in ((stepwise, 0), (whole, 1)):
+        p = StreamParser("openai-chat", count_only=count_only)
+        n = p.count(data) if count_only else sum(e.n_tokens for e in p.feed(data))
+        assert (n, p.tool_call_jumps) == (42, jumps), (n, p.tool_call_jumps)

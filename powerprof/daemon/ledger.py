@@ -32,6 +32,7 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, COUNT_OPEN_FIX,
                                       COUNT_OPEN_FLAG, CACHE_LATE_FLAG, CACHE_UNSAID_FIX, HELD_TAIL_FIX, HELD_TAIL_FLAG,
                                       CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
+                                      SERVER_COUNT_USAGE_BEYOND,
                                       SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD, SERVER_COUNT_SLOTS_ONLY,
                                       SERVER_COUNT_UNREAD,
                                       bypass_count_fix, bypass_count_low, bypass_count_may_be)
@@ -95,6 +96,7 @@ LAG_SHARE = 0.05
 # What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
 MISPLACED, PROXY_LAG, PROXY_UNREAD = SERVER_COUNT_MISPLACED, SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD
+USAGE_BEYOND = SERVER_COUNT_USAGE_BEYOND
 # Prefix-cache hits the server counted beyond what its answers said (CACHE_UNSAID_FLAG): kept this long to meet the
 # requests that end after them; a request or an interval is flagged from this many unsaid tokens on.
 CACHE_KEEP_S = 300.0
@@ -439,6 +441,9 @@ class Ledger:
         #  why its count may be low (scrape.PARTIAL_REASONS keys)] per scrape
         self.server_spans: list[list] = []
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
+        # (t_ns, tokens) of those placed for a stream's usage beyond its chunks within COUNT_SLACK_TOKENS (in _proxied
+        # too): believed, not seen; a window where they weigh says USAGE_BEYOND (`_resolve_spans`).
+        self._slack: deque = deque()
         # (start, end) of the latest restarts' scrape windows: kept past their windows' pruning, as a request that
         # arrived before one may show tokens long after its intervals closed (`_restart_cut_ns`).
         self._restarts: deque = deque(maxlen=64)
@@ -488,6 +493,7 @@ class Ledger:
         # be that loss rather than a read made early (`_resolve_spans`).
         self._owed: deque = deque()
         self._ref_last = 0.0
+        self._overpaid = 0.0  # owed tokens netted beyond what the fall of the proxy's rate could recover (`_resolve_spans`)
         self._lost_ns: int | None = None  # the end of the latest window whose count a known loss lowered
         # The proxy's tokens in the latest resolved window, and that window's length (ns): its rate is compared.
         self._placed_last, self._placed_last_ns = 0.0, 1
@@ -727,6 +733,14 @@ class Ledger:
                 step = (end - trace.last_ns) / SPREAD_EVENTS
                 ts = [int(trace.last_ns + step * (k + 1)) for k in range(SPREAD_EVENTS)]
                 self._place(r, ts, [surplus / SPREAD_EVENTS] * SPREAD_EVENTS)
+                if not c.held_tail and self.server_seen:
+                    # Believed on the usage's word alone: right where the server's counter counted them too (SGLang's
+                    # end-of-text token), but a usage that says more than the counter counted hid as many bypass
+                    # tokens behind them, rows `complete` (1-token streams whose usage said 4, every 0.1 s: 30
+                    # bypass tokens/s read as 0). Kept apart so the windows where they weigh say so. An at-finish
+                    # counter's windows hold them where on_end puts the request (its last event).
+                    self._slack.extend([(ts[-1], surplus)] if self.server_at_finish
+                                       else zip(ts, [surplus / SPREAD_EVENTS] * SPREAD_EVENTS))
                 # Only a held tail's timing is inference worth its note: a few trailing tokens end the stream.
                 r.held_tail_n = surplus if c.held_tail else 0.0
                 return surplus
@@ -2041,7 +2055,7 @@ class Ledger:
         # Spans ending inside the closed intervals are spent; later ones (and their events) wait.
         self.server_spans = [x for x in self.server_spans if x[1] > t[-1]]
         keep_from = min([x[0] for x in self.server_spans], default=int(t[-1]))
-        for q in (self._proxied, self._finished):
+        for q in (self._proxied, self._finished, self._slack):
             while q and q[0][0] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
                 q.popleft()
                 if q is self._proxied:
@@ -2127,6 +2141,15 @@ class Ledger:
         t0 = np.searchsorted(pt, [sp[0] for sp in todo], side="right")
         t1 = np.searchsorted(pt, [sp[1] for sp in todo], side="right")
         placed = self._placed_in(todo, cum[t1] - cum[t0])
+        if self._slack:  # the usage's tokens beyond the chunks in each window (`_placed_at_end`)
+            st = np.fromiter((x[0] for x in self._slack), dtype=np.int64, count=len(self._slack))
+            sn = np.fromiter((x[1] for x in self._slack), dtype=float, count=len(self._slack))
+            so = np.argsort(st, kind="stable")
+            st, scum = st[so], np.concatenate([[0.0], np.cumsum(sn[so])])
+            slack = (scum[np.searchsorted(st, [sp[1] for sp in todo], side="right")]
+                     - scum[np.searchsorted(st, [sp[0] for sp in todo], side="right")])
+        else:
+            slack = np.zeros(len(todo))
         if not self.server_at_finish:  # the open windows' bypass tokens as they stand (`_bypass_pace`)
             self._open_bypass = {(sp[0], sp[1]): sp[2] - x for sp, x in zip(todo, placed.tolist())}
             self._pass_len = len(self._proxied)
@@ -2264,6 +2287,19 @@ class Ledger:
                     else (self._placed_last, self._placed_last_ns)
                 d_k = int(sp[1] - sp[0])
                 due = min(sp[3], max(0.0, n_prev * d_k / max(d_prev, 1) - float(placed[k])))
+                # What a read e s early owes is the proxy's rate times e, and a fall of the rate by f recovers f x e
+                # (e: the owe over the rate before the fall, at most LAG_S), less than the bound above where e is
+                # under the window's length: a 0.1 s early read's whole owe (16 at 160 tokens/s) netted at a fall to
+                # 80 tokens/s whose recovery was 8, the owe spent, and the stream's end's real recovery of 8 read as
+                # bypass tokens that never ran (rows 21 = 2 and 22 = 6, `complete`). Netted by that bound alone, the
+                # existing scenes' owes (made over several windows, at a pace that alternates) were left partly
+                # unpaid, so the bound stays; what it nets beyond f x e is kept as `_overpaid`, and the windows whose
+                # count rises while any is left say proxy_lag: their rise may be a recovery the owe no longer holds.
+                rate_prev = n_prev / max(d_prev, 1)
+                owed_now = sum(o[1] for o in self._owed)
+                early_ns = min(float(d_k), float(lag_ns), owed_now / rate_prev) if rate_prev > 0 else float(d_k)
+                sure = max(0.0, (rate_prev - float(placed[k]) / max(d_k, 1)) * early_ns)
+                due_was = due
                 # Repaid oldest first. An owe older than CREDIT_S nets still (a stream read early runs on for minutes),
                 # but nothing then tells it from a count lost for good that went unsaid: the window says proxy_lag
                 # (count may be high or low). A doubtful owe (a known loss near its fall) does not net, and where it
@@ -2284,6 +2320,10 @@ class Ledger:
                         self._owed.popleft()
                 if unsure > LAG_TOKENS and PROXY_LAG not in sp[5]:
                     sp[5] = (*sp[5], PROXY_LAG)
+                netted = due_was - due
+                if sp[3] > LAG_TOKENS and self._overpaid > LAG_TOKENS and PROXY_LAG not in sp[5]:
+                    sp[5] = (*sp[5], PROXY_LAG)  # its rise may be a recovery repaid early (`_overpaid`)
+                self._overpaid = max(0.0, self._overpaid - float(sp[3])) + max(0.0, netted - sure)
             self._ref_last = ref
             if restart[k] and any(q.trace.arrival_ns <= sp[0] for q in live):
                 # Its level holds the old process's count of tokens still to come (placed at its end, here, once
@@ -2354,6 +2394,18 @@ class Ledger:
                 # that run, and left its tag out). Not where a
                 # restart lowered the count (server_restart): the server down, not the proxy, moved the rate there.
                 sp[5] = (*sp[5], PROXY_LAG)
+            s_k = float(slack[k])
+            tol = LAG_TOKENS + LAG_SHARE * float(sp[2])
+            if s_k > 0 and USAGE_BEYOND not in sp[5] and (
+                    s_k > tol or float(sp[2]) - (float(placed[k]) - s_k) < s_k - tol):
+                # Tokens placed on the usage's word beyond the stream's chunks (`_placed_at_end`), more than the
+                # window's tolerance (a token plus LAG_SHARE of its server count, PROXY_LAG's): if the server's
+                # counter did not count them, as many bypass tokens hide behind them, and per window an honest server
+                # (its counter counting them: SGLang's end-of-text token) and one whose usage over-says read alike
+                # while bypass traffic is steady. Or the counter rose by less than them beyond the chunks' tokens even
+                # with no bypass traffic: the usage said more than the counter counted. Honest SGLang at a normal
+                # length (100-token answers: 1 in 101, under 1%) stays `complete`.
+                sp[5] = (*sp[5], USAGE_BEYOND)
             if restart[k]:
                 self._levels.clear()
                 # The new process owes what its restart window's level fell below its gap (less the most lag the proxy

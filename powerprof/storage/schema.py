@@ -291,7 +291,7 @@ DAEMON_REQUESTS_COLUMNS = [
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
 # read over it, the scraper having no answer yet (unread: its bypass traffic unknown); the daemon scrapes no server
 # (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, counter_below,
-# slots_only, unscraped, misplaced, proxy_unread), or may be low or high (proxy_lag, server_restart: BYPASS_COUNT_TWO_WAY). Null (files written before the column): unknown, never complete. A request given energy of
+# slots_only, unscraped, misplaced, proxy_unread, usage_beyond_chunks), or may be low or high (proxy_lag, server_restart: BYPASS_COUNT_TWO_WAY). Null (files written before the column): unknown, never complete. A request given energy of
 # an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
@@ -301,6 +301,11 @@ SERVER_COUNT_MISPLACED = "misplaced"  # the daemon's placing of proxied tokens c
 # behind the server (a loaded host) may read as bypass tokens where its streams begin, or hide some where they end: the
 # one reason whose count may be high as well as low.
 SERVER_COUNT_PROXY_LAG = "proxy_lag"
+# A window where the tokens placed as proxied on a stream's final usage beyond its chunks (up to COUNT_SLACK_TOKENS a
+# stream: SGLang's end-of-text token, a self-closing call's trailing tokens) are more than a token plus 5% of its server
+# count, or more than the counter rose beyond the chunks' tokens: believed, but if the server's counter did not count
+# them, as many bypass tokens hide behind them.
+SERVER_COUNT_USAGE_BEYOND = "usage_beyond_chunks"
 # An interval overlapping a time a proxy worker served whose records the daemon could not read (powerprof upgraded under it:
 # daemon/workers.py) where the server's count is not complete: that worker's traffic is in no row, and without the
 # server's counter (off, unread) or with /slots alone its tokens are not (all) in unproxied, so its energy reads as idle.
@@ -400,6 +405,10 @@ BYPASS_COUNT_FIX = {
                             "daemon's log)",
     SERVER_COUNT_PROXY_UNREAD: "restart the daemon (powerprof was upgraded under it: a proxy worker serves whose "
                                "records it cannot read, so its requests' energy is idle or bypass traffic's)",
+    SERVER_COUNT_USAGE_BEYOND: "the server's usage said up to 3 tokens a stream more than its chunks carried, believed "
+                               "and placed as proxied; if its counter did not count them, bypass traffic hides behind "
+                               "them: ask for longer answers, or check that the server's counter and its usage agree "
+                               "(SGLang counts its end-of-text token in both)",
     SERVER_COUNT_PROXY_LAG: "their count may be high or low: the proxy's own delay behind the server (a loaded host) "
                             "may read as bypass tokens where its streams begin, or hide some where they end, and a "
                             "proxy that went silent (its workers stopped) may leave a live stream's tokens read as "

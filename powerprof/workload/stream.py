@@ -218,9 +218,14 @@ class _State:
     n_bare: int = 0  # chunks without choices that carried usage or timings (keys "#1", "#2", ...)
     first_choice_of: int | None = None  # a whole answer's count is its first choice's alone, of this many
     scaled_tasks: bool = False  # a whole llama.cpp answer's first task's usage scaled to its choices (_one_task_answer)
-    # Chunks that carried a tool call and a running count more than one token past the one before: the server's
-    # tool-call parser held those tokens' text (SGLang's deepseekv3 sends a call whole once it closes), no hop between.
+    # Chunks that carried a tool call and a running count past the stream's usual step (more than twice `max_step`,
+    # and more than 2): the server's tool-call parser held those tokens' text (SGLang's deepseekv3 sends a call whole
+    # once it closes), no hop between.
     tool_call_jumps: int = 0
+    # The largest step of the running count over the chunks that made no such jump. Any tool-call chunk of 2 or more
+    # tokens counted as a jump: a call streamed 2 tokens a chunk (speculative decoding) behind a buffering nginx read
+    # "the server's tool-call parser held a call ... nothing to fix", its warning suppressed, where nginx buffered.
+    max_step: int = 0
     done: bool = False
     errors: list = field(default_factory=list)
     unreadable: int = 0  # lines and events that could not be read (StreamSummary.unreadable)
@@ -1094,8 +1099,10 @@ class StreamParser:
                 return
             if self._counted(n):
                 s.totalled += n
-                if tool and n > 1:
+                if tool and n > 2 * max(s.max_step, 1):
                     s.tool_call_jumps += 1
+                else:
+                    s.max_step = max(s.max_step, n)
                 if single and idx:
                     s.other_choices[idx] += n
                 out.append(TokenEvent(n, "".join(texts), usage_total))
