@@ -409,10 +409,12 @@ def test_daemon_dip_of_one_requests_share_above_young_is_counted_twice_unmarked(
     # Before: deltas [0, 200, 200, 200, 40], only the third window marked: 640 counted where 240 ran, the fourth
     # window's 200 phantom tokens unmarked (booked as bypass in a `complete` row). Nothing tells this dip from a restart
     # whose new process counted 200 then 400, so the count is kept and every window until the counter is back at the
-    # reading before the fall (400) says server_restart (may be low or high).
+    # reading before the fall (400) says so: the restart's own window server_restart, the next fall_unconfirmed (may be
+    # low or high; never server_restart, which the ledger takes for a restart in that window).
     got = _run([200, 400, 200, 400, 440])
     assert [d for d, _ in got] == [0, 200, 200, 200, 40], got
-    assert [("server_restart" in w) for _, w in got] == [False, False, True, True, False], got
+    assert [("server_restart" in w) for _, w in got] == [False, False, True, False, False], got
+    assert [("fall_unconfirmed" in w) for _, w in got] == [False, False, False, True, False], got
 
 
 def test_daemon_half_dip_second_window_is_unmarked():
@@ -425,6 +427,7 @@ def test_daemon_young_dip_lasting_two_pages():
     # reads the same. Before, the window after it (10 → 20) counted its 10 tokens unmarked: 20 counted where none ran.
     got = _run([20, 10, 10, 20, 20])
     assert all(not d or w for d, w in got), got
+    assert "fall_unconfirmed" in got[3][1] and "server_restart" not in got[3][1], got
     assert got[-1] == (0, ()), got  # back at the reading before the fall: whole again
 
 
@@ -433,3 +436,30 @@ def test_a_restart_told_by_a_refused_connection_marks_only_its_own_window():
     seen: list = []
     deltas, sc = _scrapes("sglang", [_sglang(1000), DOWN, _sglang(40), _sglang(100)], seen)
     assert deltas == [0, None, 40, 60] and sc.window_partial == (), (deltas, sc.window_partial)
+
+
+def test_a_grown_counter_restarted_by_fall_alone_marks_a_bounded_number_of_windows():
+    # SGLang at 1,000,000 tokens restarting unseen: before, 201 of 202 windows said server_restart (about 17 min at
+    # 1000 tokens/s; an idle server never passes the old reading). A dip lasts a scrape or two: after
+    # FALL_UNCONFIRMED_PAGES scrapes (or FALL_UNCONFIRMED_S) the fall was a restart, the windows whole again.
+    from powerprof.daemon.scrape import FALL_UNCONFIRMED_PAGES
+
+    pages = [1_000_000, 1000] + [1000 + 1000 * i for i in range(1, 201)]
+    got = _run(pages)
+    marked = [bool(w) for _, w in got]
+    assert sum(marked) <= FALL_UNCONFIRMED_PAGES + 1 and sum(marked) < 60, got
+    assert marked[1] and "server_restart" in got[1][1]  # the restart's own window
+    assert all("server_restart" not in w for _, w in got[2:]), got
+    assert all("fall_unconfirmed" in w for _, w in got[2:2 + FALL_UNCONFIRMED_PAGES]), got
+    assert not any(marked[2 + FALL_UNCONFIRMED_PAGES:]), got
+    assert [d for d, _ in got[2:]] == [1000] * 200  # the count itself unchanged
+
+
+def test_a_connect_timeout_restart_by_fall_alone_marks_a_bounded_number_of_windows():
+    # Connect timeouts (a pod moved) are no sign of a restart: the fall alone tells it, and its marking is bounded too.
+    from powerprof.daemon.scrape import FALL_UNCONFIRMED_PAGES
+
+    script = [_sglang(50_000)] + [CONNECT_TIMEOUT] * 5 + [_sglang(100 + 100 * i) for i in range(50)]
+    deltas, sc = _scrapes("sglang", script)
+    assert sc.restarts == 1
+    assert sc.window_partial == ()  # long past the bound: whole again

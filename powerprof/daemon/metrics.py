@@ -362,7 +362,8 @@ class SnapshotCollector:
                                      f"tokens already counted; {SERVER_COUNT_SLOTS_ONLY}: llama-server without --metrics; server_restart: "
                                      "the server restarted, its last tokens before it lost; counter_below: the counter stayed below its highest "
                                      "reading, two dips in a row or a restart not told, or a young counter fell and was back at it by the next "
-                                     "read, a dip or a restart not told); the log says what was missed "
+                                     "read, a dip or a restart not told; fall_unconfirmed: after a restart told by the counter's fall alone, "
+                                     "a dip's recovery may be counted again, may be low or high); the log says what was missed "
                                      "and the fix, and the interval rows concerned say so in server_count", labels=["reason"])
             for why in PARTIAL_REASONS:
                 part.add_metric([why], 1 if why in s.server_tokens_partial else 0)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import aiohttp
 from powerprof.errtext import error_text
@@ -80,6 +81,15 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
 # A counter below its highest reading at two pages or more, above half of it, the server never found down: two dips in a
 # row or a restart, not told apart (Scraper._dip_or_restart); counted from the highest reading, the windows marked.
 COUNTER_BELOW = "counter_below"
+# The windows after a restart told by the counter's fall alone (no scrape found the server down, no start time moved),
+# until the counter passes the reading before the fall: that fall may have been a dip that lasted, whose recovery is
+# then counted again, or a restart, whose new process's tokens are right (Scraper._fall_unconfirmed). Not a restart:
+# the ledger reads server_restart as one (levels, owed tokens, a restart cut) and only the restart's own window says it.
+FALL_UNCONFIRMED = "fall_unconfirmed"
+# A multi-process page's dip lasts a scrape or two, not minutes: a fall still below the reading before it this long
+# after (or after this many pages) was a restart, and the windows after it are the new process's, unmarked again.
+FALL_UNCONFIRMED_S = 10.0
+FALL_UNCONFIRMED_PAGES = 10
 # Why a scraped count may be low (keys of Scraper.partial; /metrics label `reason`).
 PARTIAL_REASONS = {
     "late_baseline": "the server's counters were first read after the daemon said it was ready, and it had counted tokens "
@@ -89,14 +99,13 @@ PARTIAL_REASONS = {
     SERVER_COUNT_SLOTS_ONLY: "llama-server without /metrics: /slots alone misses each request's tokens after the last scrape before "
                   "it ends, so bypass traffic's missed tokens are not in `unproxied` (their energy is with the proxied "
                   "requests' or idle) (fix: start llama-server with --metrics)",
-    "server_restart": "the server restarted (its token counter went back, or its process start time moved; told by the "
-                      "fall alone, the windows until the counter is back at the reading before it too, where a dip that "
-                      "lasted would be counted again: the count may be high there): the old "
+    "server_restart": "the server restarted (its token counter went back, or its process start time moved): the old "
                       "process's tokens after the last scrape before it went down are not in the count, so bypass traffic "
                       "then is not in `unproxied` (its energy is with the proxied requests' or idle); the intervals across "
                       "the restart say so in server_count, where the count may be high as well (the new process's "
                       "first reads may owe the proxy's tokens in a way nothing tells from that loss) (fix: none "
-                      "needed for later figures; a restart whose new counter "
+                      "for the figures kept, they are left out of J/token; told by the fall alone, the windows after "
+                      "it say fall_unconfirmed; a restart whose new counter "
                       "has passed the old reading by the first scrape after it, on a server without "
                       "process_start_time_seconds, cannot be told from traffic and is not said)",
     COUNTER_BELOW: "the server's token counter stayed below its highest reading at consecutive scrapes, above half of it "
@@ -112,6 +121,14 @@ PARTIAL_REASONS = {
                    "or idle); those intervals say so in server_count (fix: none needed once the counter passes its "
                    "highest reading again; a page with process_start_time_seconds, vLLM with one API server, tells a "
                    "restart by it)",
+    FALL_UNCONFIRMED: "after a restart told by the server's token counter's fall alone (no scrape found the server down, "
+                      "no process start time moved), the windows until the counter is back at the reading before the "
+                      f"fall, for {FALL_UNCONFIRMED_S:g} s or {FALL_UNCONFIRMED_PAGES} scrapes at most: if the fall was "
+                      "a dip of a multi-process page that lasted, its recovery is counted again as bypass tokens (the "
+                      "count may be high), if a restart, the new process's tokens are right; the count may be low or "
+                      "high, so those intervals say so in server_count and are left out of J/token (fix: none for the "
+                      "figures kept, they are left out of J/token; if it goes on, restart the daemon once the server "
+                      "is up, and check whether the server restarts)",
 }
 
 STILL_S = 5.0  # the counter and the proxy this long without movement: scrape at the idle period
@@ -252,8 +269,10 @@ class Scraper:
         # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
         # moved): until a window starts at or above it, the fall may have been a dip (one process's share of a
         # multi-process page lagging for more than a page), whose recovery the windows after it count again as new
-        # tokens; they say server_restart (may be low or high), never a silently high count (_fall_unconfirmed).
+        # tokens; they say fall_unconfirmed (may be low or high), never a silently high count (_fall_unconfirmed).
         self._fall_high: float | None = None
+        self._fall_at = 0.0  # when that fall was read (time.monotonic()), and the windows marked since (the bound)
+        self._fall_pages = 0
 
     def _baseline(self, counted: float) -> None:
         """The first reading: `counted` tokens the server says it has generated. Read after the daemon's ready, a
@@ -333,17 +352,36 @@ class Scraper:
 
     def _fall_unconfirmed(self, start: float | None) -> None:
         """A window after a restart judged from a fall alone (`_fall_high`), starting at `start`: below the reading
-        before the fall, it is marked server_restart. That fall may have been a dip of one process's share of a
+        before the fall, it is marked FALL_UNCONFIRMED. That fall may have been a dip of one process's share of a
         multi-process page that lasted past the next page, or fell to half or less (a request's tokens on a counter of
         a few hundred): its recovery is then counted again as new tokens (200, 400, 200, 400, 440: 640 counted where
         240 ran, the fourth window's 200 unmarked and booked as bypass in a `complete` row); a restart's is right.
         Nothing here tells which, so the count is kept and said may be low or high. The first window starting at or
-        above that reading holds no recovery: whole again."""
+        above that reading holds no recovery: whole again.
+
+        They say FALL_UNCONFIRMED, not server_restart: the ledger reads server_restart as a restart in that window
+        (levels restart, owed tokens replaced, the tokens moved to the restart's cut), which distorted every later
+        window's figures (bypass 922 where 69 ran, a request's energy -47%). Bounded: a dip lasts a scrape or two, so a
+        fall still below after FALL_UNCONFIRMED_S or FALL_UNCONFIRMED_PAGES was a restart, whole from then on (an
+        idle or slow new process never passes the old reading)."""
         if start is not None and start >= self._fall_high:
             self._fall_high = None
             return
-        if "server_restart" not in self.window_partial:
-            self.window_partial = (*self.window_partial, "server_restart")
+        self._fall_pages += 1
+        if (self._fall_pages > FALL_UNCONFIRMED_PAGES
+                or time.monotonic() - self._fall_at > FALL_UNCONFIRMED_S):
+            log.warning("%s at %s still below %g, the reading before its fall, %d scrapes and %.0f s after it: a "
+                        "restart, not a dip that lasted; the windows from now on are the new process's, counted whole "
+                        "(the %d before said %s)", COUNTERS[self.kind], self.base, self._fall_high,
+                        self._fall_pages - 1, time.monotonic() - self._fall_at, self._fall_pages - 1,
+                        FALL_UNCONFIRMED)
+            self._fall_high = None
+            return
+        if FALL_UNCONFIRMED not in self.window_partial:
+            self.window_partial = (*self.window_partial, FALL_UNCONFIRMED)
+        if FALL_UNCONFIRMED not in self.partial:
+            self.partial[FALL_UNCONFIRMED] = PARTIAL_REASONS[FALL_UNCONFIRMED]
+            log.warning("scraped server count may be low or high: %s", PARTIAL_REASONS[FALL_UNCONFIRMED])
 
     def _young_back(self, prev: float, dipped: float, total: float) -> None:
         """A young counter fell from `prev` to `dipped` by more than a few tokens and is back at `total` (at least
@@ -487,8 +525,10 @@ class Scraper:
                 if restart:
                     self._restarted(new_process or f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}")
                     # Told by the fall alone, it may have been a dip that lasted: the windows until the counter is back
-                    # at the reading before it are marked too. Told by real evidence, the new process counts whole.
+                    # at the reading before it are marked fall_unconfirmed (FALL_UNCONFIRMED_S / _PAGES at most). Told
+                    # by real evidence, the new process counts whole.
                     self._fall_high = prev if by_fall else None
+                    self._fall_at, self._fall_pages = time.monotonic(), 0
                 elif self._fall_high is not None:
                     self._fall_unconfirmed(prev)
                 delta = 0.0 if prev is None else (total if restart else total - prev)

@@ -291,7 +291,7 @@ DAEMON_REQUESTS_COLUMNS = [
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
 # read over it, the scraper having no answer yet (unread: its bypass traffic unknown); the daemon scrapes no server
 # (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, counter_below,
-# slots_only, unscraped, misplaced, proxy_unread, usage_beyond_chunks), or may be low or high (proxy_lag, server_restart: BYPASS_COUNT_TWO_WAY). Null (files written before the column): unknown, never complete. A request given energy of
+# slots_only, unscraped, misplaced, proxy_unread, usage_beyond_chunks), or may be low or high (proxy_lag, server_restart, fall_unconfirmed: BYPASS_COUNT_TWO_WAY). Null (files written before the column): unknown, never complete. A request given energy of
 # an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
@@ -373,7 +373,7 @@ def bypass_count_low(server_count: str | None) -> bool:
 # The reasons whose count may be high as well as low: the proxy's own lag (proxy_lag), and a restart, where the old
 # process's last count is lost (low) and the new one's first reads may owe the proxy's tokens in a way nothing tells
 # from that loss (high, where a dip's recovery reads as bypass: docs/daemon.md, Which rows may be low).
-BYPASS_COUNT_TWO_WAY = (SERVER_COUNT_PROXY_LAG, "server_restart")
+BYPASS_COUNT_TWO_WAY = (SERVER_COUNT_PROXY_LAG, "server_restart", "fall_unconfirmed")
 
 
 def bypass_count_may_be(server_count: str | None) -> str:
@@ -393,9 +393,11 @@ def bypass_count_unknown(server_count: str | None) -> bool:
 BYPASS_COUNT_FIX = {
     "late_baseline": "start the server before the daemon, or restart the daemon once the server is up",
     SERVER_COUNT_UNREAD: "start the server before the daemon, and check that scrape.url answers its /metrics",
-    "server_restart": "their count may be low or high: none for later requests (the count starts afresh; told by the "
-                      "counter's fall alone, a dip's recovery may be in it, marked until the counter passes the reading "
-                      "before the fall); keep the server from restarting",
+    "server_restart": "their count may be low or high: none for later requests (the count starts afresh); keep the "
+                      "server from restarting",
+    "fall_unconfirmed": "their count may be low or high (after a restart told by the counter's fall alone, a dip's "
+                        "recovery may be counted again, or the new process's tokens are right): none for the figures "
+                        "kept, they are left out of J/token; if it goes on, restart the daemon once the server is up",
     "counter_below": "none once the server's counter passes its highest reading again; where it was a restart, a page "
                      "with process_start_time_seconds (vLLM with one API server) tells it",
     SERVER_COUNT_SLOTS_ONLY: "start llama-server with --metrics",
