@@ -1348,3 +1348,15 @@ def test_windows_marked_fall_unconfirmed_after_a_restart_keep_the_figures(monkey
     assert b1 == pytest.approx(b0, abs=1.0), (b0, b1, float(truth[7:14].sum()))
     # And said: each of those rows may be low or high, left out of J/token.
     assert all("fall_unconfirmed" in r["server_count"] for r in rows1[8:14]), [r["server_count"] for r in rows1]
+
+
+@pytest.mark.parametrize("chunks,every_s", [(20, 0.04), (30, 0.04), (50, 0.04), (30, 0.1), (50, 0.1)])
+def test_an_honest_end_of_text_token_at_normal_lengths_leaves_the_windows_complete(chunks, every_s):
+    """SGLang's usage and counter both count its end-of-text token, which no chunk carries: answers of 20 tokens and
+    more, one every 40 or 100 ms, stay `complete` (a rule that marked a window wherever the placed tokens ran ahead of
+    the counter by the tolerance marked all of them: placing jitter, the surplus cancelling out of it)."""
+    base, _, _ = _usage_over_chunks(chunks, 0.0, chunks=chunks, counted=chunks, every_s=every_s)
+    rows, _, _ = _usage_over_chunks(chunks + 1, 0.0, chunks=chunks, counted=chunks + 1, every_s=every_s)
+    mid = [r for r in rows if 2 <= r["t_start_mono_s"] < 9]
+    assert all(r["server_count"] == "complete" for r in base if 2 <= r["t_start_mono_s"] < 9)
+    assert mid and all(r["server_count"] == "complete" for r in mid), [r["server_count"] for r in mid]

@@ -303,7 +303,7 @@ SERVER_COUNT_MISPLACED = "misplaced"  # the daemon's placing of proxied tokens c
 SERVER_COUNT_PROXY_LAG = "proxy_lag"
 # A window where the tokens placed as proxied on a stream's final usage beyond its chunks (up to COUNT_SLACK_TOKENS a
 # stream: SGLang's end-of-text token, a self-closing call's trailing tokens) are more than a token plus 5% of its server
-# count, or more than the counter rose beyond the chunks' tokens: believed, but if the server's counter did not count
+# count: believed, but if the server's counter did not count
 # them, as many bypass tokens hide behind them.
 SERVER_COUNT_USAGE_BEYOND = "usage_beyond_chunks"
 # An interval overlapping a time a proxy worker served whose records the daemon could not read (powerprof upgraded under it:
