@@ -438,11 +438,15 @@ def test_a_restart_told_by_a_refused_connection_marks_only_its_own_window():
     assert deltas == [0, None, 40, 60] and sc.window_partial == (), (deltas, sc.window_partial)
 
 
-def test_a_grown_counter_restarted_by_fall_alone_marks_a_bounded_number_of_windows():
+def test_a_grown_counter_restarted_by_fall_alone_marks_a_bounded_number_of_windows(monkeypatch):
     # SGLang at 1,000,000 tokens restarting unseen: before, 201 of 202 windows said server_restart (about 17 min at
     # 1000 tokens/s; an idle server never passes the old reading). A dip lasts a scrape or two: after
-    # FALL_UNCONFIRMED_PAGES scrapes (or FALL_UNCONFIRMED_S) the fall was a restart, the windows whole again.
+    # FALL_UNCONFIRMED_PAGES scrapes and FALL_UNCONFIRMED_S the fall was a restart, the windows whole again (the
+    # scripted pages take no time: the seconds' bound is set to 0 here, the pages' tested).
+    from powerprof.daemon import scrape
     from powerprof.daemon.scrape import FALL_UNCONFIRMED_PAGES
+
+    monkeypatch.setattr(scrape, "FALL_UNCONFIRMED_S", 0.0)
 
     pages = [1_000_000, 1000] + [1000 + 1000 * i for i in range(1, 201)]
     got = _run(pages)
@@ -455,11 +459,53 @@ def test_a_grown_counter_restarted_by_fall_alone_marks_a_bounded_number_of_windo
     assert [d for d, _ in got[2:]] == [1000] * 200  # the count itself unchanged
 
 
-def test_a_connect_timeout_restart_by_fall_alone_marks_a_bounded_number_of_windows():
+def test_a_connect_timeout_restart_by_fall_alone_marks_a_bounded_number_of_windows(monkeypatch):
     # Connect timeouts (a pod moved) are no sign of a restart: the fall alone tells it, and its marking is bounded too.
+    from powerprof.daemon import scrape
     from powerprof.daemon.scrape import FALL_UNCONFIRMED_PAGES
+
+    monkeypatch.setattr(scrape, "FALL_UNCONFIRMED_S", 0.0)
 
     script = [_sglang(50_000)] + [CONNECT_TIMEOUT] * 5 + [_sglang(100 + 100 * i) for i in range(50)]
     deltas, sc = _scrapes("sglang", script)
     assert sc.restarts == 1
     assert sc.window_partial == ()  # long past the bound: whole again
+
+
+def _run_clocked(pages_tok: list, period_s: float, monkeypatch) -> list:
+    """`_run` with the scraper's clock moving `period_s` a scrape (the scrape interval)."""
+    import types
+
+    from powerprof.daemon import scrape
+
+    clock = [1000.0]
+    monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0]))
+    pages = [_sglang(x) for x in pages_tok]
+
+    class S(Scraper):
+        async def _get(self, path):
+            return 200, pages.pop(0)
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            sc = S(s, "http://x", "sglang")
+            out = []
+            for _ in range(len(pages_tok)):
+                out.append((await sc.scrape(), sc.window_partial))
+                clock[0] += period_s
+            return out
+
+    return asyncio.run(asyncio.wait_for(go(), 60))
+
+
+@pytest.mark.parametrize("pages,period_s", [
+    ([200, 400, 200, 200, 200, 400, 440], 5.0),           # a 3-page dip at a 5 s scrape interval (the seconds' bound alone: 2 pages)
+    ([200, 400] + [200] * 11 + [400, 440], 0.25),         # an 11-page dip at 0.25 s (the pages' bound alone: 2.5 s)
+    ([200, 400, 200, 300, 150, 300, 400, 440], 0.25),     # a second fall while the first is unconfirmed
+])
+def test_a_dip_that_lasts_has_its_recovery_marked_within_the_bound(pages, period_s, monkeypatch):
+    """The window where a dip that lasted recovers holds tokens counted again: it is marked (not `complete`), whichever
+    of the bound's seconds and pages ends later, and a second fall keeps the first's higher reading."""
+    got = _run_clocked(pages, period_s, monkeypatch)
+    unmarked = [(i, d, w) for i, (d, w) in enumerate(got) if 3 <= i < len(got) - 1 and d and not w]
+    assert not unmarked, got

@@ -87,7 +87,9 @@ COUNTER_BELOW = "counter_below"
 # the ledger reads server_restart as one (levels, owed tokens, a restart cut) and only the restart's own window says it.
 FALL_UNCONFIRMED = "fall_unconfirmed"
 # A multi-process page's dip lasts a scrape or two, not minutes: a fall still below the reading before it this long
-# after (or after this many pages) was a restart, and the windows after it are the new process's, unmarked again.
+# after AND after this many pages was a restart, and the windows after it are the new process's, unmarked again. Both:
+# the seconds alone end it after 2 pages at a 5 s scrape interval, the pages alone after 2.5 s at 0.25 s (a 3-page dip
+# at 5 s and an 11-page one at 0.25 s had their recovery counted again unmarked).
 FALL_UNCONFIRMED_S = 10.0
 FALL_UNCONFIRMED_PAGES = 10
 # Why a scraped count may be low (keys of Scraper.partial; /metrics label `reason`).
@@ -123,7 +125,7 @@ PARTIAL_REASONS = {
                    "restart by it)",
     FALL_UNCONFIRMED: "after a restart told by the server's token counter's fall alone (no scrape found the server down, "
                       "no process start time moved), the windows until the counter is back at the reading before the "
-                      f"fall, for {FALL_UNCONFIRMED_S:g} s or {FALL_UNCONFIRMED_PAGES} scrapes at most: if the fall was "
+                      f"fall, for at most {FALL_UNCONFIRMED_S:g} s and {FALL_UNCONFIRMED_PAGES} scrapes, whichever ends later: if the fall was "
                       "a dip of a multi-process page that lasted, its recovery is counted again as bypass tokens (the "
                       "count may be high), if a restart, the new process's tokens are right; the count may be low or "
                       "high, so those intervals say so in server_count and are left out of J/token (fix: none for the "
@@ -362,14 +364,14 @@ class Scraper:
         They say FALL_UNCONFIRMED, not server_restart: the ledger reads server_restart as a restart in that window
         (levels restart, owed tokens replaced, the tokens moved to the restart's cut), which distorted every later
         window's figures (bypass 922 where 69 ran, a request's energy -47%). Bounded: a dip lasts a scrape or two, so a
-        fall still below after FALL_UNCONFIRMED_S or FALL_UNCONFIRMED_PAGES was a restart, whole from then on (an
+        fall still below after FALL_UNCONFIRMED_S and FALL_UNCONFIRMED_PAGES was a restart, whole from then on (an
         idle or slow new process never passes the old reading)."""
         if start is not None and start >= self._fall_high:
             self._fall_high = None
             return
         self._fall_pages += 1
         if (self._fall_pages > FALL_UNCONFIRMED_PAGES
-                or time.monotonic() - self._fall_at > FALL_UNCONFIRMED_S):
+                and time.monotonic() - self._fall_at > FALL_UNCONFIRMED_S):
             log.warning("%s at %s still below %g, the reading before its fall, %d scrapes and %.0f s after it: a "
                         "restart, not a dip that lasted; the windows from now on are the new process's, counted whole "
                         "(the %d before said %s)", COUNTERS[self.kind], self.base, self._fall_high,
@@ -527,7 +529,9 @@ class Scraper:
                     # Told by the fall alone, it may have been a dip that lasted: the windows until the counter is back
                     # at the reading before it are marked fall_unconfirmed (FALL_UNCONFIRMED_S / _PAGES at most). Told
                     # by real evidence, the new process counts whole.
-                    self._fall_high = prev if by_fall else None
+                    # A second fall while the first is unconfirmed keeps the higher reading: windows below it may
+                    # hold the first dip's recovery (200, 400, 200, 300, 150: the 300 → 400 window went unmarked).
+                    self._fall_high = (max(prev, self._fall_high or 0.0) if by_fall else None)
                     self._fall_at, self._fall_pages = time.monotonic(), 0
                 elif self._fall_high is not None:
                     self._fall_unconfirmed(prev)
