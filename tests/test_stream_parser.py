@@ -1417,19 +1417,23 @@ def test_two_different_reasoning_texts_in_one_delta_are_both_kept():
 
 
 @pytest.mark.parametrize("count_only", [False, True])
-def test_a_call_streamed_two_tokens_a_chunk_makes_no_tool_call_jump(count_only):
-    # Speculative decoding: every chunk carries 2 tokens, the call's too. A jump is a running count past the stream's
-    # usual step (more than twice the largest step of its other chunks): none here; a call sent whole after 2-token
-    # steps (16 at once) still is one.
+@pytest.mark.parametrize("step", [2, 3, 4])
+def test_a_call_streamed_two_tokens_a_chunk_makes_no_tool_call_jump(count_only, step):
+    # Speculative decoding: every chunk carries `step` tokens, the call's too. A jump is a running count past the
+    # stream's usual step (more than twice the largest step of the chunks before it): none here, the first chunk
+    # included (it has none to be measured against: at 3 or 4 tokens a chunk every chunk of a call alone counted); a
+    # call sent whole after such steps (far more at once) still is one.
     def u(n):
         return {"prompt_tokens": 20, "completion_tokens": n, "total_tokens": 20 + n}
+    total = 21 * step
     end = ({**_CHAT, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
-           {**_CHAT, "choices": [], "usage": u(42)}, b"[DONE]")
-    stepwise = _compact(_tool_chunk("", u(2), name="f"), *[_tool_chunk("x", u(4 + 2 * k)) for k in range(20)], *end)
+           {**_CHAT, "choices": [], "usage": u(total)}, b"[DONE]")
+    stepwise = _compact(_tool_chunk("", u(step), name="f"), *[_tool_chunk("x", u(step * (k + 2))) for k in range(20)],
+                        *end)
     think = [{**_CHAT, "choices": [{"index": 0, "delta": {"reasoning_content": "t"}, "finish_reason": None}],
-              "usage": u(2 * k)} for k in range(1, 14)]
-    whole = _compact(*think, _tool_chunk('{"a": 1}', u(42), name="f"), *end)
+              "usage": u(step * k)} for k in range(1, 7)]
+    whole = _compact(*think, _tool_chunk('{"a": 1}', u(total), name="f"), *end)
     for data, jumps in ((stepwise, 0), (whole, 1)):
         p = StreamParser("openai-chat", count_only=count_only)
         n = p.count(data) if count_only else sum(e.n_tokens for e in p.feed(data))
-        assert (n, p.tool_call_jumps) == (42, jumps), (n, p.tool_call_jumps)
+        assert (n, p.tool_call_jumps) == (total, jumps), (step, n, p.tool_call_jumps)

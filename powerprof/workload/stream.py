@@ -222,8 +222,8 @@ class _State:
     # and more than 2): the server's tool-call parser held those tokens' text (SGLang's deepseekv3 sends a call whole
     # once it closes), no hop between.
     tool_call_jumps: int = 0
-    # The largest step of the running count over the chunks that made no such jump. Any tool-call chunk of 2 or more
-    # tokens counted as a jump: a call streamed 2 tokens a chunk (speculative decoding) behind a buffering nginx read
+    # The largest step of the running count over the chunks that made no such jump (a stream's first counted chunk,
+    # with none before it, is never one). Any tool-call chunk of 2 or more tokens counted as a jump: a call streamed 2 tokens a chunk (speculative decoding) behind a buffering nginx read
     # "the server's tool-call parser held a call ... nothing to fix", its warning suppressed, where nginx buffered.
     max_step: int = 0
     done: bool = False
@@ -1099,7 +1099,10 @@ class StreamParser:
                 return
             if self._counted(n):
                 s.totalled += n
-                if tool and n > 2 * max(s.max_step, 1):
+                # A jump against the steps seen before it; the first counted chunk has none to be measured against (a
+                # call streamed 3 tokens a chunk from its start counted every chunk a jump, and a buffering proxy in
+                # front of it was excused as the server's parser).
+                if tool and s.max_step and n > 2 * s.max_step:
                     s.tool_call_jumps += 1
                 else:
                     s.max_step = max(s.max_step, n)
