@@ -388,8 +388,16 @@ def test_a_scrape_that_could_not_connect_for_another_reason_than_a_refusal_is_no
 # --- a restart judged from a fall alone: the windows until the counter passes the reading before it are marked --------
 
 
-def _run(pages_tok: list) -> list:
-    """(delta, window_partial) of each scrape of an SGLang page reading `pages_tok` tokens in turn."""
+def _run(pages_tok: list, period_s: float | None = None, monkeypatch=None) -> list:
+    """(delta, window_partial) of each scrape of an SGLang page reading `pages_tok` tokens in turn; with `period_s`,
+    the scraper's clock moves that much a scrape (the scrape interval), else the pages take no time."""
+    if period_s is not None:
+        import types
+
+        from powerprof.daemon import scrape
+
+        clock = [1000.0]
+        monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0]))
     pages = [_sglang(x) for x in pages_tok]
 
     class S(Scraper):
@@ -399,7 +407,12 @@ def _run(pages_tok: list) -> list:
     async def go():
         async with aiohttp.ClientSession() as s:
             sc = S(s, "http://x", "sglang")
-            return [(await sc.scrape(), sc.window_partial) for _ in range(len(pages_tok))]
+            out = []
+            for _ in range(len(pages_tok)):
+                out.append((await sc.scrape(), sc.window_partial))
+                if period_s is not None:
+                    clock[0] += period_s
+            return out
 
     return asyncio.run(asyncio.wait_for(go(), 60))
 
@@ -472,32 +485,6 @@ def test_a_connect_timeout_restart_by_fall_alone_marks_a_bounded_number_of_windo
     assert sc.window_partial == ()  # long past the bound: whole again
 
 
-def _run_clocked(pages_tok: list, period_s: float, monkeypatch) -> list:
-    """`_run` with the scraper's clock moving `period_s` a scrape (the scrape interval)."""
-    import types
-
-    from powerprof.daemon import scrape
-
-    clock = [1000.0]
-    monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0]))
-    pages = [_sglang(x) for x in pages_tok]
-
-    class S(Scraper):
-        async def _get(self, path):
-            return 200, pages.pop(0)
-
-    async def go():
-        async with aiohttp.ClientSession() as s:
-            sc = S(s, "http://x", "sglang")
-            out = []
-            for _ in range(len(pages_tok)):
-                out.append((await sc.scrape(), sc.window_partial))
-                clock[0] += period_s
-            return out
-
-    return asyncio.run(asyncio.wait_for(go(), 60))
-
-
 @pytest.mark.parametrize("pages,period_s", [
     ([200, 400, 200, 200, 200, 400, 440], 5.0),           # a 3-page dip at a 5 s scrape interval (the seconds' bound alone: 2 pages)
     ([200, 400] + [200] * 11 + [400, 440], 0.25),         # an 11-page dip at 0.25 s (the pages' bound alone: 2.5 s)
@@ -506,6 +493,6 @@ def _run_clocked(pages_tok: list, period_s: float, monkeypatch) -> list:
 def test_a_dip_that_lasts_has_its_recovery_marked_within_the_bound(pages, period_s, monkeypatch):
     """The window where a dip that lasted recovers holds tokens counted again: it is marked (not `complete`), whichever
     of the bound's seconds and pages ends later, and a second fall keeps the first's higher reading."""
-    got = _run_clocked(pages, period_s, monkeypatch)
+    got = _run(pages, period_s, monkeypatch)
     unmarked = [(i, d, w) for i, (d, w) in enumerate(got) if 3 <= i < len(got) - 1 and d and not w]
     assert not unmarked, got
