@@ -46,6 +46,32 @@ def _metric(d, name: str) -> float | None:
     return v
 
 
+def _one_row_through(sim, tmp_path, send) -> tuple[int, str, dict]:
+    """(the daemon's exit status, its output, the one request row) of `send(proxy_url)` through a daemon before `sim`,
+    sent once the daemon has read the server's page (its kind, vLLM's V1, known: a fixed second was no promise on a
+    loaded host)."""
+    data = tmp_path / "data"
+    d = DaemonProc(data, "--simulate", "--upstream", sim.url, "--interval", "0.25", "--flush-interval", "0.25",
+                   env=sim_env(tmp_path))
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            page = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+            if "powerprof_server_tokens_generated_total " in page:
+                break
+            time.sleep(0.2)
+        send(d.info["proxy"])
+        while time.monotonic() < deadline + 60:
+            rows = read_dataset(data, "requests")
+            if rows is not None and len(rows) >= 1:
+                break
+            time.sleep(0.2)
+    finally:
+        rc = d.stop()
+    (row,) = read_dataset(data, "requests").to_dict("records")
+    return rc, d.output(), row
+
+
 def test_the_simulated_vllm_v0_runs_best_of_and_returns_n():
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", batching="continuous",
                    vllm_v0_best_of=True) as sim:
@@ -99,24 +125,10 @@ def test_a_server_that_takes_no_best_of_gets_no_flag(tmp_path, flavour):
     # field removed; the simulator's default): its answer hides no sequence, so a best_of there says nothing (the
     # daemon knows the server from its scrape: vLLM's V1 by its prefix-cache counters). Before, vLLM's row said
     # "the server ran 2 more sequence(s) than it returned", which it never ran.
-    data = tmp_path / "data"
     with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, batching="continuous") as sim:
-        d = DaemonProc(data, "--simulate", "--upstream", sim.url, "--interval", "0.25", "--flush-interval", "0.25",
-                       env=sim_env(tmp_path))
-        try:
-            time.sleep(1.0)  # a scrape or two: the server's kind known
-            _complete(d.info["proxy"], "bo", best_of=3, n=1)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                rows = read_dataset(data, "requests")
-                if rows is not None and len(rows) >= 1:
-                    break
-                time.sleep(0.2)
-        finally:
-            rc = d.stop()
+        rc, said, row = _one_row_through(sim, tmp_path, lambda url: _complete(url, "bo", best_of=3, n=1))
         truth = sim.request_truth()["bo"]
-    assert rc == 0, d.output()
-    (row,) = read_dataset(data, "requests").to_dict("records")
+    assert rc == 0, said
     assert truth["sequences"] == 1 and row["generated_tokens"] == N_TOKENS
     assert BEST_OF_FLAG not in note_of(row), note_of(row)
 
@@ -159,24 +171,11 @@ def test_the_simulated_vllm_v1_of_0_7_to_0_11_refuses_best_of_above_1():
 def test_a_best_of_refused_by_vllm_v1_is_a_failed_row_not_a_flagged_zero(tmp_path):
     # Through the proxy the refusal is the client's own 400: its row says the status, no tokens and no energy
     # (energy_note: an error answer), and no best-of-unseen flag (nothing ran, nothing unseen).
-    data = tmp_path / "data"
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", batching="continuous",
                    vllm_v1_refuses_best_of=True) as sim:
-        d = DaemonProc(data, "--simulate", "--upstream", sim.url, "--interval", "0.25", "--flush-interval", "0.25",
-                       env=sim_env(tmp_path))
-        try:
-            time.sleep(1.0)  # a scrape or two: the server's kind known
-            _refusal(d.info["proxy"], "/v1/completions", "bo", best_of=3, n=1)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                rows = read_dataset(data, "requests")
-                if rows is not None and len(rows) >= 1:
-                    break
-                time.sleep(0.2)
-        finally:
-            rc = d.stop()
-    assert rc == 0, d.output()
-    (row,) = read_dataset(data, "requests").to_dict("records")
+        rc, said, row = _one_row_through(
+            sim, tmp_path, lambda url: _refusal(url, "/v1/completions", "bo", best_of=3, n=1))
+    assert rc == 0, said
     assert row["status"] == 400, row
     assert row["token_source"] == "none" and row["attributed_tokens"] == 0, row
     assert pd.isna(row["generated_tokens"]) and pd.isna(row["gpu_energy_j"]), row  # null, not a 0 in J/token
