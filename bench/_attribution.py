@@ -376,7 +376,7 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
 BYPASS_ID0 = 100_000  # run_mixed's bypass requests' truth keys, from here
 
 
-def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s: float = 1.0, n_slots: int = 64,
+def run_mixed(trace: list[TraceRequest], profile="h200-141g", interval_s: float = 1.0, n_slots: int = 64,
               data_dir: Path | None = None, config: dict | None = None, flavour: str = "llamacpp",
               server: dict | None = None, continuous: bool = False, bypass: list[TraceRequest] = ()) -> Outcome:
     """Replay a mixed trace (`mixed_trace`: each request's tag its kind) through the daemon in front of the simulated
@@ -396,7 +396,7 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
         "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
         "daemon.restore_on_start": False, "tags.socket": str(tmp / "pp.sock"), **(config or {}),
     })
-    daemon = Daemon(cfg, Rig(profile, nvml=nvml, host=False))
+    daemon = Daemon(cfg, Rig(profile if isinstance(profile, str) else profile.key, nvml=nvml, host=False))
     statuses: list[int] = []
 
     async def one(s, url, i, r, t0):
