@@ -496,3 +496,27 @@ def test_a_dip_that_lasts_has_its_recovery_marked_within_the_bound(pages, period
     got = _run(pages, period_s, monkeypatch)
     unmarked = [(i, d, w) for i, (d, w) in enumerate(got) if 3 <= i < len(got) - 1 and d and not w]
     assert not unmarked, got
+
+
+@pytest.mark.parametrize("pages", [
+    [200, 400] + [200] * 15 + [400, 440],                   # a flat dip: 75 s and 15 pages at 5 s scrapes
+    [2000, 4000] + [2000 + 50 * i for i in range(15)] + [4800, 4850],  # the other shares go on: 50 a page, then +1000
+])
+def test_a_dip_that_lasts_past_the_bound_has_its_recovery_marked(pages, monkeypatch):
+    # Past FALL_UNCONFIRMED_S and _PAGES the fall is taken for a restart, its windows whole again; a dip that lasted that
+    # long and then came back had its recovery counted again, in an unmarked window (200 phantom tokens of 240, booked
+    # as bypass in a `complete` row). The window that passes the reading before the fall in one jump (over twice the
+    # largest rise since) says fall_unconfirmed; the count is kept.
+    got = _run(pages, 5.0, monkeypatch)
+    back = next(i for i, p in enumerate(pages) if i > 2 and p >= pages[1])
+    assert "fall_unconfirmed" in got[back][1], (back, got)
+    assert not got[back - 1][1] and not got[back + 1][1], got  # the bound's end still holds: whole around it
+    assert got[back][0] == pages[back] - pages[back - 1], got
+
+
+def test_a_restarted_counter_passing_its_old_reading_at_its_pace_is_not_marked(monkeypatch):
+    # A restart by the fall alone, its new process counting 500 a page past the old reading (5000): no jump, whole.
+    pages = [5000, 500] + [500 + 500 * i for i in range(1, 16)]
+    got = _run(pages, 5.0, monkeypatch)
+    assert not any(w for _, w in got[14:]), got
+    assert [d for d, _ in got[2:]] == [500] * 15, got

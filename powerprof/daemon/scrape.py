@@ -125,7 +125,8 @@ PARTIAL_REASONS = {
                    "restart by it)",
     FALL_UNCONFIRMED: "after a restart told by the server's token counter's fall alone (no scrape found the server down, "
                       "no process start time moved), the windows until the counter is back at the reading before the "
-                      f"fall, for at most {FALL_UNCONFIRMED_S:g} s and {FALL_UNCONFIRMED_PAGES} scrapes, whichever ends later: if the fall was "
+                      f"fall, for at most {FALL_UNCONFIRMED_S:g} s and {FALL_UNCONFIRMED_PAGES} scrapes, whichever ends later, and after that "
+                      "the window that passes that reading in a jump (over twice the largest rise since): if the fall was "
                       "a dip of a multi-process page that lasted, its recovery is counted again as bypass tokens (the "
                       "count may be high), if a restart, the new process's tokens are right; the count may be low or "
                       "high, so those intervals say so in server_count and are left out of J/token (fix: none for the "
@@ -275,6 +276,10 @@ class Scraper:
         self._fall_high: float | None = None
         self._fall_at = 0.0  # when that fall was read (time.monotonic()), and the windows marked since (the bound)
         self._fall_pages = 0
+        # That reading once the bound has ended (`_fall_high` then taken for a restart), and the largest rise of a window
+        # since: a dip that lasted longer still comes back in one jump, which `_past_fall` marks (`None`: none kept).
+        self._fall_past: float | None = None
+        self._past_rise = 0.0
 
     def _baseline(self, counted: float) -> None:
         """The first reading: `counted` tokens the server says it has generated. Read after the daemon's ready, a
@@ -377,6 +382,7 @@ class Scraper:
                         "(the %d before said %s)", COUNTERS[self.kind], self.base, self._fall_high,
                         self._fall_pages - 1, time.monotonic() - self._fall_at, self._fall_pages - 1,
                         FALL_UNCONFIRMED)
+            self._fall_past, self._past_rise = self._fall_high, 0.0
             self._fall_high = None
             return
         if FALL_UNCONFIRMED not in self.window_partial:
@@ -384,6 +390,25 @@ class Scraper:
         if FALL_UNCONFIRMED not in self.partial:
             self.partial[FALL_UNCONFIRMED] = PARTIAL_REASONS[FALL_UNCONFIRMED]
             log.warning("scraped server count may be low or high: %s", PARTIAL_REASONS[FALL_UNCONFIRMED])
+
+    def _past_fall(self, prev: float, total: float) -> None:
+        """A window after the bound of `_fall_unconfirmed` ended, the counter still below the reading before the fall
+        (`_fall_past`): one that passes it in a jump (a rise over twice the largest since the bound ended, and over
+        YOUNG_DIP_TOKENS) may be a dip that lasted longer coming back, counted again (200, 400, 200 for 75 s, 400: 200
+        phantom tokens in an unmarked window, booked as bypass in a `complete` row): marked FALL_UNCONFIRMED, the count
+        kept. A restarted process passing the old reading at its own pace is not a jump, and stays whole."""
+        rise, high = total - prev, self._fall_past
+        if total < high:
+            self._past_rise = max(self._past_rise, rise)
+            return
+        self._fall_past = None
+        if rise > max(2 * self._past_rise, YOUNG_DIP_TOKENS):
+            self.window_partial = (*self.window_partial, FALL_UNCONFIRMED)
+            if FALL_UNCONFIRMED not in self.partial:
+                self.partial[FALL_UNCONFIRMED] = PARTIAL_REASONS[FALL_UNCONFIRMED]
+            log.warning("%s at %s jumped from %g to %g, past %g, the reading before a fall taken for a restart: a dip "
+                        "that lasted may be back, its tokens counted again; this window says %s",
+                        COUNTERS[self.kind], self.base, prev, total, high, FALL_UNCONFIRMED)
 
     def _young_back(self, prev: float, dipped: float, total: float) -> None:
         """A young counter fell from `prev` to `dipped` by more than a few tokens and is back at `total` (at least
@@ -531,10 +556,12 @@ class Scraper:
                     # by real evidence, the new process counts whole.
                     # A second fall while the first is unconfirmed keeps the higher reading: windows below it may
                     # hold the first dip's recovery (200, 400, 200, 300, 150: the 300 → 400 window went unmarked).
-                    self._fall_high = (max(prev, self._fall_high or 0.0) if by_fall else None)
-                    self._fall_at, self._fall_pages = time.monotonic(), 0
+                    self._fall_high = (max(prev, self._fall_high or 0.0, self._fall_past or 0.0) if by_fall else None)
+                    self._fall_at, self._fall_pages, self._fall_past = time.monotonic(), 0, None
                 elif self._fall_high is not None:
                     self._fall_unconfirmed(prev)
+                elif self._fall_past is not None and prev is not None:
+                    self._past_fall(prev, total)
                 delta = 0.0 if prev is None else (total if restart else total - prev)
                 self.finished = self._finished_since(text, prev is None or restart)
                 self.cache_hits = self._cache_hits_since(text, prev is None or restart)
