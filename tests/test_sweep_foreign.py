@@ -669,6 +669,33 @@ def test_sweep_young_request_counter_dip_blames_a_batch():
     assert got == [None, None], got
 
 
+def test_sweep_request_counter_dip_lasting_two_pages_blames_no_batch():
+    """vLLM with several API servers: the request counter's fall to half or less (2 → 1) lasted a second page while the
+    token counter read on with no restart, then the truth (5) came back, our 1 request and 10 tokens a batch. Judged at
+    the next page alone, the second dipped page read as a restart (1 below the 2 + 2 a dip gives), and the recovery was
+    blamed on the third batch ("2 request(s) more than powerprof sent", nothing foreign running: sent again). A
+    restart resets both counters: while the token side finds none, the fall is held a second page and judged there
+    (5 is the 2 before the fall plus our 3 since: a dip)."""
+    from types import SimpleNamespace as NS
+
+    def recs(n, each):
+        return [NS(ok=True, count_problem=None, shown_tokens=None, generated_tokens=each) for _ in range(n)]
+
+    def t(tok, req, i):
+        return Tally(i, float(tok), "vllm:generation_tokens_total", float(req), "vllm:request_success_total")
+
+    fw = ForeignWatch(t(20, 2, 0))
+    got = [fw.judge(t(25, 1, 1), recs(1, 10)), fw.judge(t(35, 1, 2), recs(1, 10)), fw.judge(t(50, 5, 3), recs(1, 10))]
+    assert got == [None, None, None], got
+    assert fw.seen_requests == 0 and fw.seen_tokens == 0
+    # Still below a third page: a restart (REQ_DIP_PAGES), compared from 0 with our 3 requests since the fall: another
+    # client's 13 are seen there.
+    fw = ForeignWatch(t(10000, 100, 0))
+    got = [fw.judge(t(10010, 10, 1), recs(1, 10)), fw.judge(t(10020, 11, 2), recs(1, 10)),
+           fw.judge(t(10030, 16, 3), recs(1, 10))]
+    assert got[:2] == [None, None] and got[2] is not None and "13 request(s) more" in got[2], got
+
+
 def test_sweep_request_counter_restart_judged_at_the_next_page_still_sees_another_clients_requests():
     """The held rule's restart side: 100 requests, then 10 (restarted unseen), then 14 after our 2 batches of 1: below the
     102 a dip gives, so a restart, counted from 0 with our 2 since: 12 requests of another client."""

@@ -100,6 +100,11 @@ YOUNG_COUNTER_TOKENS = 64
 # fall that comes back is counted so too, but its window is said (counter_below): the daemon's scraper does not know
 # the proxy's tokens, so it cannot tell it from a restart whose new process passed the old reading by that page.
 YOUNG_DIP_TOKENS = 4
+# A request counter's fall to half or less is held this many pages at most (the fall's and the next), while the token
+# counter on those pages finds no restart (a restart resets both): a multi-process page's dip lasts a page or two
+# (ForeignWatch._requests_and_why). Past it, a reading still below the reading before the fall plus ours since is a
+# restart's.
+REQ_DIP_PAGES = 2
 
 
 def counter_restarted(before: float, now: float, young: float = YOUNG_COUNTER_TOKENS) -> bool:
@@ -473,7 +478,8 @@ class ForeignWatch:
     between batches. A token counter fallen to half its last reading or less is a restart (counted from
     there again: counter_restarted); a fall from YOUNG_COUNTER_TOKENS or fewer is held to the next page, a dip if that
     reads at least the reading before the fall plus powerprof's tokens since (a dip adds nothing), else a restart,
-    counted from 0 (`_held`); the request counter's fall to half or less is held and judged so too (`_req_held`);
+    counted from 0 (`_held`); the request counter's fall to half or less is held and judged so too (`_req_held`),
+    a second page where the token counter finds no restart on them (REQ_DIP_PAGES);
     a restart the sweep sees as the server going away is ridden out by sweep.py."""
 
     def __init__(self, first: Tally):
@@ -490,7 +496,9 @@ class ForeignWatch:
         # The request count compared from (the first snapshot's, or a restart's), and a fall of it to half or less held
         # to the next page: (the reading before it, powerprof's requests then). As the tokens', judged there.
         self._req_first = first.requests
-        self._req_held: tuple[float, int] | None = None
+        self._req_held: tuple[float, int, int] | None = None  # ... and the pages it has been held (REQ_DIP_PAGES)
+        self._tok_restarted = False  # the token side took this page for a restart (its compare, `judge`)
+        self._tok_restarts_held = False  # ... or the page where the request counter's held fall began
         self.seen_tokens = 0.0  # tokens not ours the server generated, over the flagged batches
         self.seen_requests = 0.0
         self.stale: str | None = None  # once: the gauges read while the engine took no step (STALE_GAUGES)
@@ -515,6 +523,7 @@ class ForeignWatch:
         batch_tokens = sum(int((r.shown_tokens if r.count_problem else r.generated_tokens) or 0) for r in recs)
         self.ours_tokens += batch_tokens
         self.ours_requests += sum(1 for r in recs if r.ok)
+        self._tok_restarted = False
         if now.tokens is not None and self._tok_first is not None and self.prev.tokens is not None:
             tol = TOKENS_PER_REQUEST_TOLERANCE * max(len(recs), 1)
             held, self._held = self._held, None
@@ -530,6 +539,7 @@ class ForeignWatch:
                 tol = TOKENS_PER_REQUEST_TOLERANCE * max(n_then + len(recs), 1)
                 if now.tokens < high + since - tol:
                     self._tok_first, self.ours_tokens, self._tok_high = 0.0, since, 0.0
+                    self._tok_restarted = True
             elif now.tokens < self.prev.tokens and self.prev.tokens <= YOUNG_COUNTER_TOKENS:
                 # A young counter's fall: a dip of one request's share or a restart, not told apart by its size (a
                 # dip of one request's tokens takes a young counter to half or less: SGLang's warm-up 2 read as 0).
@@ -542,6 +552,7 @@ class ForeignWatch:
             # came back as another client's).
             if held is None and counter_restarted(self.prev.tokens, now.tokens):
                 self._tok_first, self.ours_tokens, self._tok_high = now.tokens, 0, 0.0
+                self._tok_restarted = True
             else:
                 # A fall above half the page before is no restart: a multi-process page (SGLang's, a vLLM with
                 # several API servers) read while a worker's share lagged (docs/daemon.md, "A counter that dips").
@@ -565,9 +576,19 @@ class ForeignWatch:
                 # Its fall at the page before: a dip adds nothing, so this page reads at least the reading before the
                 # fall plus our requests since; below that, a restart, its new counter compared from 0 with our
                 # requests since the fall's high (as the tokens', `judge`).
-                high, ours_then = held
+                high, ours_then, pages = held
                 since = self.ours_requests - ours_then
                 if now.requests < high + since:
+                    if (pages < REQ_DIP_PAGES and now.tokens is not None and self._tok_first is not None
+                            and not self._tok_restarted and not self._tok_restarts_held):
+                        # Still below, but the token counter on the same pages found no restart (a restart resets
+                        # both): a dip lasting a second page (one process's share still lagging). Held once more, and
+                        # judged at the next page by the same rule; this batch's compare waits too. Judged here, it
+                        # read as a restart, and the next page's recovery was blamed on its batch (2 / 1, 1, 1, then
+                        # 5 with ours 1 a batch: "2 request(s) more", nothing foreign running).
+                        self._req_held = (high, ours_then, pages + 1)
+                        self.prev = now
+                        return "; ".join(why) or None
                     self._req_first, self.ours_requests, self._req_high = 0.0, since, 0.0
             elif counter_restarted(self.prev.requests, now.requests, young=0):
                 # A fall to half or less: a restart, or both counters of a multi-process page (a vLLM with several API
@@ -576,7 +597,8 @@ class ForeignWatch:
                 # (20/2, 10/1, 40/4 with ours 10/1 a batch: "2 request(s) more", nothing foreign running, the token
                 # side silent). Held to the next page, as a young token counter's fall is; this batch's compare waits
                 # (a dipped reading cannot show more than ours anyway).
-                self._req_held = (self.prev.requests, self.ours_requests - sum(1 for r in recs if r.ok))
+                self._req_held = (self.prev.requests, self.ours_requests - sum(1 for r in recs if r.ok), 1)
+                self._tok_restarts_held = self._tok_restarted
                 self.prev = now
                 return "; ".join(why) or None
             excess = now.requests - self._req_first - self.ours_requests
