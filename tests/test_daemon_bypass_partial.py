@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from powerprof.analysis.fleet import fleet_summary
 from powerprof.cli import main
-from powerprof.daemon.ledger import Ledger
+from powerprof.daemon.ledger import PROXY_LAG, Ledger
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.scrape import Scraper
 from powerprof.daemon.service import datasets
@@ -241,17 +241,22 @@ def test_a_counter_read_before_its_stamp_owes_the_proxys_tokens_and_their_recove
 
 
 def _sim(drop: float = 0.0, drop_at: float = 5.0, until_s: float = 24.0, alt: bool = True, bypass_from: float = 1.0,
-         pace_fall_at: float = np.inf, burst=None, early: float = 0.0, skip: tuple = ()):
+         pace_fall_at: float = np.inf, burst=None, early: float = 0.0, skip: tuple = (), every: float = 0.25,
+         proxied_until: float = np.inf, keep: list | None = None):
     """A ledger fed with streams of 2 s through the proxy, 4 tokens a 25 ms step (2 from `pace_fall_at` on, and every
     other 0.25 s with `alt`), scraped every 0.25 s but at the times in `skip`, the counter read `early` s before its
     stamp. Bypass traffic: a token a step from `bypass_from`, or the tokens at the times `burst`. `drop`: the counter
     falls by that many at `drop_at` for good; the scraper then counts from its highest reading (as scrape.py does:
     the first dip unsaid, the next `counter_below`, each window's tokens those beyond that reading). Returns
-    (interval rows, true bypass tokens per 1 s interval)."""
+    (interval rows, true bypass tokens per 1 s interval). `every`: the scrape interval (from a baseline at 0.5 s);
+    `proxied_until`: the proxied streams' tokens end there; `keep`: the ledger is appended to it."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     led.scraping = True
+    if keep is not None:
+        keep.append(led)
     gen = np.arange(1.0, until_s - 2.0, 0.025)
+    gen = gen[gen < proxied_until]
     per = np.where((np.floor(gen / 0.25).astype(int) % 2 == 1) & alt, 2, 4)
     per = np.where(gen >= pace_fall_at, 2, per)
     bypass = gen[gen >= bypass_from] if burst is None else np.asarray(burst, dtype=float)
@@ -281,7 +286,7 @@ def _sim(drop: float = 0.0, drop_at: float = 5.0, until_s: float = 24.0, alt: bo
         if t == int(t):
             led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
         count = float(per[gen <= t - early].sum() + (bypass <= t).sum()) - (drop if t >= drop_at else 0.0)
-        if t >= 0.5 and t not in skip:
+        if t >= 0.5 and t not in skip and (t == 0.5 or round(t / every, 6) == int(round(t / every, 6))):
             if high is None:
                 led.add_server_tokens(int(t * S), 0.0, None)
                 high, prev_t = count, t
@@ -1309,6 +1314,47 @@ def test_a_counter_read_early_repays_no_more_at_a_pace_fall_than_its_lag_holds(a
     ran (rows 21 = 2 and 22 = 6, `complete`). The read-early span is at most LAG_S: the bound is the fall over it."""
     rows, truth = _sim(alt=False, early=0.1, pace_fall_at=at_s, burst=at_s + 0.00625 * np.arange(1, 21))
     assert not _wrong_complete(rows, truth)
+
+
+@pytest.mark.parametrize("proxied_until", [10.0, 12.5, 17.5, 27.5])
+def test_at_a_5_s_scrape_interval_an_exact_read_early_repayment_at_the_next_scrape_stays_complete(proxied_until):
+    """Scraped every 5 s, the counter read 0.1 s early: the reference falls by 16 at the 10 s scrape (owed), and the
+    streams' end repays it. Two faults: a stream ending inside a 5 s window took its own owe away before the window
+    could net it (owes were bounded by the proxy's tokens within LAG_S of the window's END: none there), and its
+    recovery of 16 read as bypass tokens that never ran (3.2 in each of five rows, `complete`); and an owe repaid past
+    CREDIT_S (3 s) said proxy_lag, so even an exact repayment at the next scrape (5 s on) was flagged. Bounded at the
+    window's start before it nets, and aged by max(CREDIT_S, 1.5 scrape intervals): repaid at the next scrape (the end
+    at 10 or 12.5 s), its window stays complete and exact (0); repaid two or more scrapes on (17.5, 27.5 s), proxy_lag."""
+    rows, truth = _sim(alt=False, early=0.1, every=5.0, proxied_until=proxied_until, until_s=proxied_until + 18.0,
+                       burst=[])
+    assert not _wrong_complete(rows, truth)
+    w0 = 5.0 * np.floor(proxied_until / 5.0)  # the window of the streams' end: it repays
+    win = [r for r in rows if w0 - 1e-6 <= r["t_start_mono_s"] < w0 + 5.0 - 1e-6]
+    assert len(win) == 5, win
+    if proxied_until <= 15.0:
+        assert all(r["server_count"] == "complete" and r["server_tokens"] == pytest.approx(0.0, abs=1e-6) for r in win), \
+            [(r["server_count"], r["server_tokens"]) for r in win]
+    else:
+        assert all(PROXY_LAG in r["server_count"] for r in win), [r["server_count"] for r in win]
+
+
+@pytest.mark.parametrize("burst_at", [15.5, 130.0])
+def test_an_overpay_marks_a_rise_right_after_it_not_one_minutes_later_on_an_idle_server(burst_at):
+    """Scraped every 5 s, read 0.1 s early, the streams ending at 14.5 s: their window nets the whole owe (16) where the
+    fall of the proxy's rate recovers 1.6, and keeps 14.4 as overpaid (`_overpaid`): the next rise may be a recovery
+    the owe no longer holds, and says proxy_lag (a 20-token bypass burst at 15.5 s). Before, that overpay never aged:
+    the server idle from then on, a 20-token bypass burst two minutes later (130 s) said proxy_lag too, its count exact
+    and left out of J/token. The dip an overpay stands for is bounded as the owe is, by the proxy's tokens within
+    LAG_S of the scrape: gone with them, and the later burst is judged on its own (complete, 20)."""
+    rows, truth = _sim(alt=False, early=0.1, every=5.0, proxied_until=14.5, until_s=140.0,
+                       burst=burst_at + 0.01 * np.arange(1, 21))
+    w0 = 5.0 * np.floor(burst_at / 5.0)
+    win = [r for r in rows if w0 - 1e-6 <= r["t_start_mono_s"] < w0 + 5.0 - 1e-6]
+    assert len(win) == 5 and sum(r["server_tokens"] for r in win) == pytest.approx(20.0, abs=1e-6), win
+    want = "proxy_lag" if burst_at < 20 else "complete"
+    assert all(r["server_count"] == want for r in win), [r["server_count"] for r in win]
+    assert all(r["server_count"] == "complete" for r in rows if r["t_start_mono_s"] < 15.0), \
+        [(r["t_start_mono_s"], r["server_count"]) for r in rows if r["t_start_mono_s"] < 15.0]
 
 
 # --- the windows after a restart told by the fall alone say fall_unconfirmed, which the ledger never takes for one ----

@@ -70,6 +70,11 @@ BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of th
 SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
 LAG_S = 1.0  # the proxy may see a token this long after the server counted it (a loaded host)
 CREDIT_S = 3.0  # a higher server-minus-proxy level is held this long before a lower one replaces it
+# An owed count (a counter read before its stamp) repaid within max(CREDIT_S, this many scrape intervals) of its fall
+# nets unmarked; older, the window says proxy_lag (`_owe_horizon_ns`). A repayment at the next scrape is never old by
+# itself: at a 5 s scrape interval every one was past CREDIT_S, and an exact one said proxy_lag.
+OWE_SCRAPES = 1.5
+OWE_CADENCE_WINDOWS = 8  # the scrape interval is the median length of this many latest scrape windows
 # A stream's piece holding more tokens than its sequences, this long or more after its previous piece, is a burst held
 # back since then (a buffering hop that flushes when its buffer fills or on a timer: `_held_burst`) ...
 HELD_GAP_NS = 100_000_000
@@ -493,7 +498,10 @@ class Ledger:
         # be that loss rather than a read made early (`_resolve_spans`).
         self._owed: deque = deque()
         self._ref_last = 0.0
-        self._overpaid = 0.0  # owed tokens netted beyond what the fall of the proxy's rate could recover (`_resolve_spans`)
+        # Owed tokens netted beyond what the fall of the proxy's rate could recover, [when (ns), tokens], oldest first
+        # (`_resolve_spans`).
+        self._overpaid: deque = deque()
+        self._window_ns: deque = deque(maxlen=OWE_CADENCE_WINDOWS)  # the latest resolved scrape windows' lengths (ns)
         self._lost_ns: int | None = None  # the end of the latest window whose count a known loss lowered
         # The proxy's tokens in the latest resolved window, and that window's length (ns): its rate is compared.
         self._placed_last, self._placed_last_ns = 0.0, 1
@@ -2267,22 +2275,21 @@ class Ledger:
                 # count's fall read as a pace's hid a 12-token bypass request as repayment, then the owe spent, the
                 # stream's end showed 12 that never ran (both rows `complete`). The fall of the rate times this
                 # window's length bounds how far the tokens read early can fall (that stretch is within the window).
-                # At most the proxy's tokens of the LAG_S either side of the window's end are owed (what a read that
-                # early can owe, its level looking LAG_S ahead). A server that loses tokens by design (`slots_only`,
-                # an at-finish counter a cut stream never reaches) and a window whose level a restart's lost tail or
-                # an unread server lowered (said above) owe nothing: those losses would hide bypass traffic.
+                # At most the proxy's tokens of the LAG_S either side of a scrape are owed (what a read that early can
+                # owe, its level looking LAG_S ahead): at the window's start before it nets, at its end after. A server
+                # that loses tokens by design (`slots_only`, an at-finish counter a cut stream never reaches) and a
+                # window whose level a restart's lost tail or an unread server lowered (said above) owe nothing: those
+                # losses would hide bypass traffic.
                 fell = max(0.0, self._ref_last - ref)
                 if fell > 0:
                     doubtful = self._lost_ns is not None and sp[1] - self._lost_ns <= credit_ns + lag_ns
                     self._owed.append([int(sp[1]), fell, doubtful])
-                cap = float(cum[np.searchsorted(pt, sp[1] + lag_ns, side="right")]
-                            - cum[np.searchsorted(pt, sp[1] - lag_ns, side="right")])
-                while self._owed and sum(o[1] for o in self._owed) > cap:  # the oldest first
-                    over = sum(o[1] for o in self._owed) - cap
-                    if self._owed[0][1] <= over:
-                        self._owed.popleft()
-                    else:
-                        self._owed[0][1] -= over
+                # Bounded at the window's start (the owe stood there, read early at the scrape before), before it nets,
+                # and at its end after (below). Bounded at its end first, a stream that ended inside the window took
+                # its own owe away before the window could net its recovery: at a 5 s scrape interval (a window holding
+                # the whole end, none of its tokens within LAG_S of the window's end), a read 0.1 s early's recovery of
+                # 16 read as bypass tokens that never ran, rows `complete`.
+                self._cap_owed(cum, pt, int(sp[0]), lag_ns)
                 n_prev, d_prev = (float(placed[k - 1]), int(todo[k - 1][1] - todo[k - 1][0])) if k \
                     else (self._placed_last, self._placed_last_ns)
                 d_k = int(sp[1] - sp[0])
@@ -2295,16 +2302,19 @@ class Ledger:
                 # existing scenes' owes (made over several windows, at a pace that alternates) were left partly
                 # unpaid, so the bound stays; what it nets beyond f x e is kept as `_overpaid`, and the windows whose
                 # count rises while any is left say proxy_lag: their rise may be a recovery the owe no longer holds.
+                # Bounded as the owe is (`_cap_owed`): the dip it stands for goes with the proxy's tokens.
                 rate_prev = n_prev / max(d_prev, 1)
                 owed_now = sum(o[1] for o in self._owed)
                 early_ns = min(float(d_k), float(lag_ns), owed_now / rate_prev) if rate_prev > 0 else float(d_k)
                 sure = max(0.0, (rate_prev - float(placed[k]) / max(d_k, 1)) * early_ns)
                 due_was = due
-                # Repaid oldest first. An owe older than CREDIT_S nets still (a stream read early runs on for minutes),
-                # but nothing then tells it from a count lost for good that went unsaid: the window says proxy_lag
+                # Repaid oldest first. An owe older than CREDIT_S (or 1.5 scrape intervals where longer:
+                # `_owe_horizon_ns`) nets still (a stream read early runs on for minutes), but nothing then tells it
+                # from a count lost for good that went unsaid: the window says proxy_lag
                 # (count may be high or low). A doubtful owe (a known loss near its fall) does not net, and where it
                 # would have, the window says proxy_lag too: its rise may be that recovery, or bypass traffic.
                 unsure = 0.0
+                horizon_ns = self._owe_horizon_ns(d_k, credit_ns)
                 while due > 0 and self._owed:
                     o = self._owed[0]
                     take = min(o[1], due)
@@ -2314,16 +2324,19 @@ class Ledger:
                         unsure += take
                     else:
                         sp[3] -= take
-                        if sp[1] - o[0] > credit_ns:
+                        if sp[1] - o[0] > horizon_ns:
                             unsure += take
                     if o[1] <= 0:
                         self._owed.popleft()
                 if unsure > LAG_TOKENS and PROXY_LAG not in sp[5]:
                     sp[5] = (*sp[5], PROXY_LAG)
                 netted = due_was - due
-                if sp[3] > LAG_TOKENS and self._overpaid > LAG_TOKENS and PROXY_LAG not in sp[5]:
+                if sp[3] > LAG_TOKENS and sum(x[1] for x in self._overpaid) > LAG_TOKENS and PROXY_LAG not in sp[5]:
                     sp[5] = (*sp[5], PROXY_LAG)  # its rise may be a recovery repaid early (`_overpaid`)
-                self._overpaid = max(0.0, self._overpaid - float(sp[3])) + max(0.0, netted - sure)
+                _take_oldest(self._overpaid, float(sp[3]))
+                if netted - sure > 0:
+                    self._overpaid.append([int(sp[1]), netted - sure])
+                self._cap_owed(cum, pt, int(sp[1]), lag_ns)
             self._ref_last = ref
             if restart[k] and any(q.trace.arrival_ns <= sp[0] for q in live):
                 # Its level holds the old process's count of tokens still to come (placed at its end, here, once
@@ -2431,7 +2444,29 @@ class Ledger:
             self._level, self._ahead = level, (float(ahead_n[low]), float(ahead_lo[low]))
             self._gap = float(gaps[k])
             self._placed_last, self._placed_last_ns = float(placed[k]), int(sp[1] - sp[0])
+            self._window_ns.append(int(sp[1] - sp[0]))
             self._edge_most = float(ahead_n[k]) if measured[k] else None
+
+    def _cap_owed(self, cum: np.ndarray, pt: np.ndarray, at_ns: int, lag_ns: int) -> None:
+        """At most the proxy's tokens of the LAG_S either side of `at_ns` (a scrape) are owed (`_resolve_spans`): what a
+        read that early can owe, its level looking LAG_S ahead. The oldest go first. So too what was netted beyond the
+        recovery (`_overpaid`): the recovery it stands for is of the dip a read made early holds, no larger than what
+        it owes, and gone once the proxy's tokens are (never recovered later). Kept past them, an overpay marked the
+        next bypass rise proxy_lag however long after: 8 tokens at a 5 s scrape interval, a 20-token bypass burst two
+        minutes after the streams' end, the server idle between."""
+        cap = float(cum[np.searchsorted(pt, at_ns + lag_ns, side="right")]
+                    - cum[np.searchsorted(pt, at_ns - lag_ns, side="right")])
+        for q in (self._owed, self._overpaid):
+            _take_oldest(q, sum(o[1] for o in q) - cap)  # the oldest first
+
+    def _owe_horizon_ns(self, d_k: int, credit_ns: int) -> int:
+        """How old an owed count may be when repaid and still net unmarked (`_resolve_spans`): CREDIT_S, or
+        OWE_SCRAPES scrape intervals where those are longer (the median length of the latest windows, this one's `d_k`
+        among them: one long window, a scrape missed, does not stretch it). An owe falls at a window's end and is repaid
+        at a scrape after it: at a 5 s scrape interval even the next one is 5 s on, past CREDIT_S, and an exact
+        repayment there said proxy_lag on age alone. Several scrapes on it still does."""
+        lens = sorted([*self._window_ns, int(d_k)])
+        return max(credit_ns, int(OWE_SCRAPES * lens[len(lens) // 2]))
 
     def _note_unsure(self, r: _Req, t1: int) -> None:
         """`r`'s tokens read at `t1` are being placed back over the time before it (a non-streamed body, a stream's
@@ -3515,6 +3550,16 @@ def _cache_unsaid_note(tokens: float, what: str) -> str:
             "cached counts the answers said), and a prompt whose answer says no cached count is costed as computed "
             f"whole: a reused prompt's prefill is charged too high, the requests beside it too low; fix: "
             f"{CACHE_UNSAID_FIX}")
+
+
+def _take_oldest(q: deque, n: float) -> None:
+    """Takes `n` tokens out of the [when, tokens] entries of `q`, the oldest first."""
+    while n > 0 and q:
+        take = min(q[0][1], n)
+        n -= take
+        q[0][1] -= take
+        if q[0][1] <= 0:
+            q.popleft()
 
 
 def _prompt_tokens(r: _Req) -> float | None:
