@@ -205,7 +205,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
             raise ValueError("a fault in the check")
 
     ledger.add_cache_hits = add_cache_hits
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
@@ -223,6 +223,44 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
     asyncio.run(go())
     assert len(ledger.spans) >= 5 and ledger.checks >= 5
     assert all(a[1] == b[0] for a, b in zip(ledger.spans[1:], ledger.spans[2:]))  # each window where the last ended
+
+
+def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
+    """The server reads its counter anywhere in the GET, and the window's end is stamped at the GET's midpoint: the
+    ledger is given the GET's start and end with each window (`read_ns`), so the proxy's tokens inside it can be
+    judged (docs/daemon.md, "A counter read before its stamp"). Before, it had the midpoint alone."""
+    from powerprof.daemon.service import Daemon
+
+    class FakeScraper:
+        kind, finished, window_partial, cache_hits = "llamacpp", None, (), None
+        vllm_v1 = False
+
+        async def scrape(self):
+            await asyncio.sleep(0.03)  # a GET that takes 30 ms (longer on a loaded host)
+            return 10.0
+
+    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
+    ledger.add_cache_hits = lambda since, t, hits: None
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None: \
+        ledger.spans.append((t, d, read_ns))
+    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
+                               scraper=FakeScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
+
+    async def go():
+        me.stop_event = asyncio.Event()
+        task = asyncio.create_task(Daemon._scrape_loop(me))
+        t = time.monotonic()
+        while len(ledger.spans) < 4 and not task.done() and time.monotonic() - t < 30:
+            await asyncio.sleep(0.02)
+        me.stop_event.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())
+    read = [(t, r) for t, d, r in ledger.spans if d > 0]  # (a held slow window's split point, 0 tokens, is no read)
+    assert len(read) >= 3, ledger.spans
+    for t, r in read:
+        assert r is not None, ledger.spans
+        assert r[1] - r[0] >= 0.025e9 and abs((r[0] + r[1]) // 2 - t) <= 1, (t, r)
 
 
 def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
@@ -248,7 +286,7 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
             return deltas.pop(0) if deltas else 0.0
 
     ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append(
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None: ledger.spans.append(
         (since, t, d, at_finish, finished))
     ledger.add_cache_hits = lambda since, t, hits: None
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
@@ -763,7 +801,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
         raise ValueError("a fault in the check")
 
     ledger.add_cache_hits = add_cache_hits
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.01, idle_interval_s=0.01), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
@@ -935,7 +973,7 @@ def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stilln
 
     ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
     ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.05, idle_interval_s=2.0),
                                scraper=SlowScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
 

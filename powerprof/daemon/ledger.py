@@ -507,6 +507,9 @@ class Ledger:
         self._placed_last, self._placed_last_ns = 0.0, 1
         self._ahead = (0.0, 0.0)  # and the most and least lag it may hold
         self._edge_most: float | None = 0.0  # the most lag the latest window may hold at its own end (None: unmeasured)
+        # The proxy's tokens between the latest resolved window's end (its GET's midpoint) and its GET's start, and its
+        # end: those the count may lack, and those it may hold already (the counter read anywhere in the GET).
+        self._edge_read = (0.0, 0.0)
         # (t_ns, s) how late the proxy's event loop ran, as the daemon measures it (`note_proxy_delay`): the most a
         # delay of the proxy's own can move its tokens (`PROXY_LAG`). None measured: up to LAG_S, as nothing says less.
         self._delays: deque = deque(maxlen=4096)
@@ -1459,7 +1462,8 @@ class Ledger:
         return bool(seen) and not any(seen)
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
-                          finished: tuple[float, float] | None = None, partial: tuple[str, ...] = ()) -> None:
+                          finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
+                          read_ns: tuple[int, int] | None = None) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: spread
         evenly over that time, so bypass tokens land in the intervals where they were generated.
         `at_finish`: the server counts a request's tokens when it finishes (SGLang; scrape.AT_FINISH).
@@ -1467,7 +1471,9 @@ class Ledger:
         histogram; scrape.Scraper.finished): an at-finish window's bypass tokens are spread back over their requests'
         mean duration (`_spread_back`).
         `partial`: why this window's count may be low (scrape.PARTIAL_REASONS keys: the scraper's `window_partial`);
-        the intervals it covers say so in `server_count`, and the requests given their energy in `energy_note`."""
+        the intervals it covers say so in `server_count`, and the requests given their energy in `energy_note`.
+        `read_ns`: the (start, end) of the GET that read the counter (`t_ns` is its midpoint): the server read it
+        somewhere in there, so the proxy's tokens inside it may or may not be in this count (`_resolve_spans`)."""
         if not self.server_seen:
             # The proxy's token events are listed for the scrape windows (`_proxied`, `_finished`) only once a server
             # is read. Its first window starts at the baseline read, before the daemon's ready, and its first pass can
@@ -1493,8 +1499,9 @@ class Ledger:
         # The last: the scraper said the server restarted in this window. Not read from the reasons (the sixth), which
         # the windows whose lookahead crosses a restart take on too (`_resolve_spans`): one left waiting was taken for
         # the restart at the next pass, its levels started afresh a window early.
+        read = (min(int(read_ns[0]), int(t_ns)), max(int(read_ns[1]), int(t_ns))) if read_ns is not None else None
         self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial),
-                                  "server_restart" in partial])
+                                  "server_restart" in partial, read, None])
         if "server_restart" in partial:
             self._restarts.append((int(t0), int(t_ns)))
 
@@ -2054,6 +2061,9 @@ class Ledger:
                     why[k].update(x[5])
         for k in np.flatnonzero(t[1:] > self.server_upto_ns):
             why[k].add("unscraped")
+        for k, (unsure, tol) in enumerate(self._read_unsure(t)):
+            if unsure > tol and "server_restart" not in why[k]:
+                why[k].add(PROXY_LAG)
         spans = [sp for sp in self.server_spans if sp[3] is not None and sp[3] > 0 and sp[1] > t[0] and sp[0] < t[-1]]
         sp = np.array([x[:2] for x in spans], dtype=np.int64).reshape(-1, 2)
         if spans:
@@ -2168,6 +2178,14 @@ class Ledger:
         # the restart's window starts the levels afresh: held against the levels before it, the fall hid as many
         # bypass tokens for CREDIT_S after it (35 of 50 counted, tests/test_daemon_bypass_partial.py).
         restart = np.array([sp[6] for sp in todo], dtype=bool)
+        # The server read its counter somewhere in the GET whose midpoint stamps the window's end (`read_ns`): the
+        # proxy's tokens from the GET's start to that stamp may be missing from the count (read early), those from the
+        # stamp to its end may be in it already (read late). Unknown (a caller that gives no GET): none, as before.
+        read_a = np.array([sp[7][0] if len(sp) > 7 and sp[7] is not None else sp[1] for sp in todo], dtype=np.int64)
+        read_b = np.array([sp[7][1] if len(sp) > 7 and sp[7] is not None else sp[1] for sp in todo], dtype=np.int64)
+        at_end = cum[np.searchsorted(pt, ends, side="right")]
+        early_n = at_end - cum[np.searchsorted(pt, read_a, side="right")]
+        late_n = cum[np.searchsorted(pt, read_b, side="right")] - at_end
         # The most and the least lag a delay of the proxy's own can hold at each window's end (`PROXY_LAG`, below): the
         # proxy's tokens over that delay after it, the delay measured on its loop at that edge (LAG_S where none was).
         if self.server_at_finish:
@@ -2421,6 +2439,9 @@ class Ledger:
                 # every window of honest 50-token SGLang answers every 40 ms; a usage over-saying with no bypass beside
                 # it is a negative gap, which the owed-count rules above see.
                 sp[5] = (*sp[5], USAGE_BEYOND)
+            if len(sp) > 8:  # what the reads at its edges may have missed or taken early (`_read_unsure`)
+                sp[8] = (*((float(early_n[k - 1]), float(late_n[k - 1])) if k else self._edge_read),
+                         float(early_n[k]), float(late_n[k]))
             if restart[k]:
                 self._levels.clear()
                 # The new process owes what its restart window's level fell below its gap (less the most lag the proxy
@@ -2446,6 +2467,7 @@ class Ledger:
             self._placed_last, self._placed_last_ns = float(placed[k]), int(sp[1] - sp[0])
             self._window_ns.append(int(sp[1] - sp[0]))
             self._edge_most = float(ahead_n[k]) if measured[k] else None
+            self._edge_read = (float(early_n[k]), float(late_n[k]))
 
     def _cap_owed(self, cum: np.ndarray, pt: np.ndarray, at_ns: int, lag_ns: int) -> None:
         """At most the proxy's tokens of the LAG_S either side of `at_ns` (a scrape) are owed (`_resolve_spans`): what a
@@ -2736,6 +2758,40 @@ class Ledger:
             self.emit("requests", [self._request_row(r)])
 
     # --- rows --------------------------------------------------------------------------------
+
+    def _read_unsure(self, t: np.ndarray) -> list[tuple[float, float]]:
+        """Per interval, how far its count may be off for where in their GETs the server read its counter, and its
+        tolerance (a token plus LAG_SHARE of its windows' server tokens, their shares of it).
+
+        Each window's bypass count is the server's rise less the proxy's tokens placed between its edges' stamps (the
+        GETs' midpoints); the counter was read anywhere in each GET, so at an edge the count may lack the proxy's tokens
+        from the GET's start to the stamp, or hold those from the stamp to its end already (`_resolve_spans`: sp[8]).
+        Such an edge moves tokens from one window to the next: within an interval they cancel, and only the edges where
+        its share of the windows changes (its own ends) move its count, by that change of share times those tokens."""
+        out = [(0.0, 0.0)] * (t.size - 1)
+        spans = [x for x in self.server_spans if len(x) > 8 and x[8] is not None and x[1] > t[0] and x[0] < t[-1]
+                 and x[1] > x[0]]
+        if not spans:
+            return out
+        sp = np.array([x[:2] for x in spans], dtype=np.int64)
+        share = attr.span_overlap_s(t, sp[:, 0], sp[:, 1]) / ((sp[:, 1] - sp[:, 0]) / 1e9)[:, None]  # (windows, K)
+        for k in range(t.size - 1):
+            coef: dict[int, float] = {}
+            reads: dict[int, tuple[float, float]] = {}
+            counted = 0.0
+            for i, x in enumerate(spans):
+                f = float(share[i, k])
+                if f <= 0:
+                    continue
+                counted += f * x[2]
+                coef[x[1]] = coef.get(x[1], 0.0) + f  # its end's read: the count may lack (early) or hold (late)
+                coef[x[0]] = coef.get(x[0], 0.0) - f  # its start's, the other way round
+                reads[x[0]], reads[x[1]] = x[8][:2], x[8][2:]
+            # A read early at an edge lowers the window before it and raises the one after, by the tokens it missed.
+            high = sum(c * reads[e][0] if c > 0 else -c * reads[e][1] for e, c in coef.items())
+            low = sum(c * reads[e][1] if c > 0 else -c * reads[e][0] for e, c in coef.items())
+            out[k] = (max(high, low), LAG_TOKENS + LAG_SHARE * counted)
+        return out
 
     def _server_count(self, t: np.ndarray, why_low: list[set]) -> list[str]:
         """Per interval, how far the server's count covers it (its row's `server_count`): COUNT_COMPLETE, the reasons it

@@ -1031,20 +1031,24 @@ class Daemon:
                             log.exception("checking a scrape window's prefix-cache hits failed (%d so far); its hits go "
                                           "unchecked, its tokens are counted", check_faults)
                     if held is not None:  # the held slow window's burst began where this window's rate says
-                        h_since, h_t, h_delta, h_finished, h_partial = held
+                        h_since, h_t, h_delta, h_finished, h_partial, h_read = held
                         start = burst_start_ns(h_since, h_t, h_delta, delta / max(1, t - h_t))
                         if start > h_since:
                             self.ledger.add_server_tokens(start, 0.0, h_since, at_finish, partial=h_partial)
-                        self.ledger.add_server_tokens(h_t, h_delta, start, at_finish, h_finished, partial=h_partial)
+                        self.ledger.add_server_tokens(h_t, h_delta, start, at_finish, h_finished, partial=h_partial,
+                                                      read_ns=h_read)
                         held = None
                     # Why this window's count may be low (a restart, a late first read): its intervals say so.
                     partial = self.scraper.window_partial
                     if delta > 0 and since is not None and still and t - since > 1.5e9 * cadence.fast_s:
                         # a slow window ending a stillness: placed at the next scrape
-                        held = (since, t, delta, self.scraper.finished, partial)
+                        held = (since, t, delta, self.scraper.finished, partial, (t0, t1))
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
-                        self.ledger.add_server_tokens(t, delta, since, at_finish, self.scraper.finished, partial=partial)
+                        # With the GET's span: the counter was read somewhere in it (docs/daemon.md, "A counter read
+                        # before its stamp").
+                        self.ledger.add_server_tokens(t, delta, since, at_finish, self.scraper.finished, partial=partial,
+                                                      read_ns=(t0, t1))
                     since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
                     read_from = self._scrape_read_from_ns = t0
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
@@ -1056,7 +1060,8 @@ class Daemon:
             poll = cadence.poll_s(time.monotonic(), _busy(led))
             await sleep_on_grid(poll, self.waker if poll > cadence.fast_s else self.config_waker)
         if held is not None:
-            self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH, held[3], partial=held[4])
+            self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH, held[3], partial=held[4],
+                                          read_ns=held[5])
 
     async def _final_scrape(self) -> None:
         """At a clean stop, after the last sample: read the server's counters once more, so the last interval's count
@@ -1080,7 +1085,7 @@ class Daemon:
         self.ledger.add_cache_hits(None if since is None else min(since, self._scrape_read_from_ns or since), t1,
                                    self.scraper.cache_hits)
         self.ledger.add_server_tokens(t, delta, self._scrape_since_ns, self.scraper.kind in AT_FINISH,
-                                      self.scraper.finished, partial=self.scraper.window_partial)
+                                      self.scraper.finished, partial=self.scraper.window_partial, read_ns=(t0, t1))
 
     # --- reload ------------------------------------------------------------------------------------
 
