@@ -1345,7 +1345,7 @@ def test_a_tag_edge_is_dated_where_the_ledger_dates_its_sample():
     led = Ledger("d", 0, 4, Sink())
     led.add_gpu_sample(int(0.4 * S), int(0.4 * S), [RT(0.0, 100.0 * (g + 1)) for g in range(4)])
     led.add_gpu_sample(int(0.506 * S), 7 * S, readings)
-    t, wall = Ledger.sample_instant(int(0.506 * S), 7 * S, readings)
+    t, wall = led.sample_instant(int(0.506 * S), 7 * S, readings)
     assert led.edges[-1].t_ns == t and led.edges[-1].wall_ns == wall
     assert t == round(np.dot(ts, [1, 2, 3, 4]) / 10)  # weighted by each GPU's power
     assert wall == 7 * S - (int(0.506 * S) - t)
