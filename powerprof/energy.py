@@ -164,43 +164,38 @@ def counter_value_instants_ns(t_ns: np.ndarray, period_ns: int, phase_ns: int) -
     return t if period_ns <= 0 else t - (t - phase_ns) % period_ns
 
 
-def _bend(t_ns: np.ndarray, e_j: np.ndarray, quantile: float | None = 0.3) -> float:
+def _bend(t_ns: np.ndarray, e_j: np.ndarray) -> float:
     """How far three reads in a row are off a straight line (|slope change| over slope sum), at its 30% quantile:
     at reads dated at their values' true instants, stretches of steady power give 0, and the quantile keeps out
-    the triples across a power step (a window's edges). quantile None: the mean instead, for reads mostly at one
-    steady power (a daemon's idle GPU): there every grid within tens of ms of the true one leaves over 30% of the
-    triples straight, the quantile is 0 (rounding) for all of them, and the phase is a tie."""
+    the triples across a power step (a window's edges)."""
     k = np.concatenate([[True], np.diff(t_ns) > 0])
     t, e = t_ns[k].astype(float), e_j[k]
     if t.size < 3:
         return float("nan")
     p1 = (e[1:-1] - e[:-2]) / (t[1:-1] - t[:-2])
     p2 = (e[2:] - e[1:-1]) / (t[2:] - t[1:-1])
-    bend = np.abs(p1 - p2) / np.maximum(p1 + p2, 1e-300)
-    return float(np.mean(bend) if quantile is None else np.quantile(bend, quantile))
+    return float(np.quantile(np.abs(p1 - p2) / np.maximum(p1 + p2, 1e-300), 0.3))
 
 
-def counter_refresh_grid(t_ns: np.ndarray, e_j: np.ndarray, margin: float = 1.0,
-                         quantile: float | None = 0.3) -> tuple[int, int]:
+def counter_refresh_grid(t_ns: np.ndarray, e_j: np.ndarray, margin: float = 1.0) -> tuple[int, int]:
     """(period_ns, phase_ns) of a cumulative counter's refresh grid, estimated from its reads: the grid on which the
     reads, each dated at its last refresh (`counter_value_instants_ns`), bend least (`_bend`). A read up to one
     refresh old dated at the read puts a power step's energy up to a refresh late, which a window's edges charge
     to the wrong side. Needs reads at random phases against the grid (a profiler's edge reads); (0, 0) where the
     reads cannot tell (too few, or no grid bends less than taking each read as fresh, or, with `margin` < 1, the
-    best period's bend is not under `margin` times every other period's best: periods that fit about as well).
-    quantile: the bend's (`_bend`; None: its mean)."""
+    best period's bend is not under `margin` times every other period's best: periods that fit about as well)."""
     t = np.asarray(t_ns, dtype=np.int64)
     e = unwrap_resets(e_j)
     if t.size < 8:
         return 0, 0
     rel = t - t[0]
-    best = (_bend(rel, e, quantile), 0, 0)
+    best = (_bend(rel, e), 0, 0)
     if not np.isfinite(best[0]):
         return 0, 0
     per_period = {0: best[0]}  # each period's least bend (0: every read taken as fresh)
     for period in COUNTER_PERIODS_NS:
         for phase in range(0, period, GRID_STEP_NS):
-            b = _bend(counter_value_instants_ns(rel, period, phase), e, quantile)
+            b = _bend(counter_value_instants_ns(rel, period, phase), e)
             per_period[period] = min(per_period.get(period, b), b)
             if b < best[0]:
                 best = (b, period, phase)
@@ -210,30 +205,64 @@ def counter_refresh_grid(t_ns: np.ndarray, e_j: np.ndarray, margin: float = 1.0,
     return period, int((t[0] + phase) % period) if period else 0
 
 
-GRID_FINE_NS = 10_000  # `refine_refresh_phase`'s step
+GRID_FINE_NS = 100_000  # `counter_grid_from_pairs`'s phase step
 
 
-def refine_refresh_phase(t_ns: np.ndarray, e_j: np.ndarray, period_ns: int, phase_ns: int,
-                         reach_ns: int = GRID_STEP_NS) -> int:
-    """A grid's phase (`counter_refresh_grid`: 1 ms steps) to GRID_FINE_NS, from the reads' values themselves: two reads
-    less than a period apart show one value where no refresh came between them and two where one did. Of the phases
-    within reach_ns, the middle of those that the fewest pairs of successive reads contradict. A read between the true
-    refresh and a phase 1 ms off is dated a whole period wrong; on a simulated H200 (100 ms) that moved a short request's
-    edges in about 1 of 50 requests (6-8 J of 45-56 J). phase_ns as given where no two reads are that close."""
+def counter_grid_from_pairs(t_ns: np.ndarray, e_j: np.ndarray, min_pairs: int,
+                            max_band_ns: int = 5_000_000) -> tuple[int, int, int]:
+    """(period_ns, phase_ns, band_ns) of a counter's refresh grid from what its reads' values say exactly: two reads
+    less than a period apart show one value where no refresh came between them, and two where one did (a driver
+    returns the value of its last refresh unchanged until the next). The refreshes lie in [phase, phase + band) of
+    each period; (0, 0, 0) where the reads cannot tell.
+
+    For each period of COUNTER_PERIODS_NS, each phase GRID_FINE_NS apart is scored by the pairs of successive reads
+    (those closer than the period) it contradicts. The period taken is the longest one that at least min_pairs pairs
+    judge and that at most one pair in 50 contradicts at its best phases (a read's own call, ~3 ms on an H200, blurs
+    its instant): a longer period than the counter's is contradicted by the pairs inside one of its periods that show
+    two values. Its best phases must span under max_band_ns. Unlike `counter_refresh_grid`'s bend this needs no
+    reads at random phases across power steps: a daemon's reads are mostly 1 Hz ticks at one phase and, spaced by
+    their CPU cost, about one read per short request (bench/daemon_counter_grid.py)."""
     order = np.argsort(np.asarray(t_ns, dtype=np.int64), kind="stable")
     t = np.asarray(t_ns, dtype=np.int64)[order]
     e = np.asarray(e_j, dtype=float)[order]
     dt = np.diff(t)
-    close = (dt > 0) & (dt < period_ns)
-    if not close.any():
-        return phase_ns
-    t0, t1 = t[:-1][close], t[1:][close]
-    moved = e[1:][close] != e[:-1][close]
-    cands = phase_ns + np.arange(-reach_ns, reach_ns + 1, GRID_FINE_NS, dtype=np.int64)
-    same = (t0[None, :] - cands[:, None]) // period_ns == (t1[None, :] - cands[:, None]) // period_ns
-    wrong = (same == moved[None, :]).sum(axis=1)
-    best = np.flatnonzero(wrong == wrong.min())
-    return int(cands[best[len(best) // 2]] % period_ns)
+    for period in sorted(COUNTER_PERIODS_NS, reverse=True):
+        close = (dt > 0) & (dt < period)
+        n = int(close.sum())
+        if n < min_pairs:
+            continue
+        moved = (e[1:] != e[:-1])[close]
+        cands = np.arange(0, period, GRID_FINE_NS, dtype=np.int64)
+        # A refresh at phase c falls between a pair's reads where c is on the arc (t0, t1] modulo the period: a pair
+        # whose value moved contradicts every phase off its arc, one whose value stayed every phase on it. Counted
+        # with a difference array over the phases: O(pairs + phases), ~1 ms for 2000 reads.
+        first = (t[:-1][close] % period) // GRID_FINE_NS + 1  # the first phase index past t0
+        last = (t[:-1][close] % period + dt[close]) // GRID_FINE_NS  # the last at or before t1 (may pass the period)
+        on_moved = _arc_counts(first[moved], last[moved], cands.size)
+        on_still = _arc_counts(first[~moved], last[~moved], cands.size)
+        wrong = (int(moved.sum()) - on_moved) + on_still
+        if wrong.min() > n // 50:
+            continue  # contradicted: the counter refreshes more often (or the reads are not a counter's)
+        best = np.flatnonzero(wrong == wrong.min())
+        # The best phases as one circular run: its start is the first best phase after the widest gap between them.
+        gaps = np.diff(np.concatenate([best, [best[0] + cands.size]]))
+        start = best[(int(np.argmax(gaps)) + 1) % best.size]
+        band = (cands.size - int(gaps.max()) + 1) * GRID_FINE_NS
+        if band > max_band_ns:
+            return 0, 0, 0
+        # Phase c stands for a refresh anywhere after the phase before it up to c: the refresh lies in [lo, lo + band).
+        return period, int((cands[start] - GRID_FINE_NS) % period), band
+    return 0, 0, 0
+
+
+def _arc_counts(first: np.ndarray, last: np.ndarray, size: int) -> np.ndarray:
+    """How many of the index arcs [first, last] (modulo size; empty where last < first) hold each index 0..size-1."""
+    diff = np.zeros(2 * size + 1, dtype=np.int64)
+    keep = last >= first
+    np.add.at(diff, first[keep], 1)
+    np.add.at(diff, last[keep] + 1, -1)
+    on = np.cumsum(diff)[: 2 * size]
+    return on[:size] + on[size:]  # an arc past the period wraps to its start
 
 
 # The counter's refresh grid (energy.counter_refresh_grid) is estimated from a GPU's reads once it holds this many

@@ -1392,7 +1392,7 @@ def _short_requests_on_a_100ms_counter(led: Ledger, n_requests: int, seed: int):
         elif kind == "start":
             gpu.set_phase(Phase("prefill", 0.9))
             led.on_start(tr)
-            gridded[tr.request_id] = led.counter_grids[0].grid != (0, 0)
+            gridded[tr.request_id] = led.counter_grids[0].grid[0] != 0
         elif kind == "decode":
             gpu.set_phase(Phase("decode", 0.45))
         elif kind == "token":
@@ -1447,7 +1447,7 @@ def test_a_tick_and_an_edge_read_of_one_refresh_make_one_edge_that_keeps_the_tic
     for edge_first in (True, False):
         led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
         led.add_gpu_sample(0, 0, [RT(1000.0, 100.0, None, 700.0, energy_t_mono_ns=0)])
-        led.counter_grids[0].grid = (100_000_000, 30_000_000)
+        led.counter_grids[0].grid = (100_000_000, 29_000_000, 2_000_000)  # the refresh within [29, 31) ms
         got = CounterRead([1040.0])
         got.t_mono_ns = (int(0.35 * S),)
         steps = [lambda: led.add_gpu_edge(int(0.35 * S), int(0.35 * S), got),

@@ -25,8 +25,8 @@ import numpy as np
 from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
                                           interval_cpu_s, unknown_server_text)
 from powerprof.collectors.rapl import cpu_energy_j
-from powerprof.energy import (GRID_READS, counter_refresh_grid, counter_value_instants_ns, epoch_broken,
-                              grid_due, interp_at, refine_refresh_phase, trailing_average_interval_energy_j, unwrap_resets)
+from powerprof.energy import (GRID_READS, counter_grid_from_pairs, epoch_broken, grid_due, interp_at,
+                              trailing_average_interval_energy_j, unwrap_resets)
 from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
@@ -176,29 +176,32 @@ def sample_edge_instant(t_ns: int, wall_ns: int, readings) -> tuple[int, int]:
     return _edge_instant(t_ns, wall_ns, read_ns, counter, power)
 
 
-# The daemon dates a GPU's counter reads at their value's refresh (energy.counter_value_instants_ns) only once two
-# estimates of its grid in a row (energy.grid_due's schedule, from DAEMON_GRID_MIN_READS reads on) agree: the same
-# period, phases within GRID_AGREE_NS of each other. A wrong grid moves an edge by up to a refresh the wrong way, worse
-# than none, and estimates from a few hundred reads of mostly idle ticks came out wrong (docs/daemon.md, "Short
-# sampling intervals are only as good as the counter's refresh": figures from bench/daemon_counter_grid.py).
-# A later estimate that disagrees (a GPU clock drifting against the host's, a reload) drops the grid until two agree.
+# The daemon dates a GPU's counter reads at their value's refresh only once two estimates of its grid in a row
+# (energy.counter_grid_from_pairs, on energy.grid_due's schedule from DAEMON_GRID_MIN_READS reads on) agree: the same
+# period, the middles of their phase bands within GRID_AGREE_NS. A wrong grid dates a read a whole refresh (100 ms on
+# an H200) wrong, worse than none. Figures: docs/daemon.md, "Short sampling intervals are only as good as the
+# counter's refresh", from bench/daemon_counter_grid.py. A read inside the band where the refresh may be keeps its
+# own instant, as without a grid.
 DAEMON_GRID_MIN_READS = 500
-DAEMON_GRID_MARGIN = 0.85
+DAEMON_GRID_MIN_PAIRS = 30  # successive reads closer than the period that an estimate needs
 GRID_AGREE_NS = 2_000_000
 # Between estimates (GRID_READS reads apart) each pair of successive reads less than a period apart checks the grid in
 # force: on it, they share a value exactly where no refresh falls between them. Where more than GRID_CONTRADICTED of
 # the latest GRID_CHECKS pairs say otherwise the grid has moved (a clock drifting, a restarted driver keeping its
-# epoch) and is dropped at once; a read's own call (~3 ms on an H200) leaves a few pairs in a hundred ambiguous.
+# epoch) and is dropped at once, until two estimates agree again.
 GRID_CHECKS = 20
 GRID_CONTRADICTED = 4
 
 
-def grids_agree(a: tuple[int, int], b: tuple[int, int], tol_ns: int = GRID_AGREE_NS) -> bool:
-    """Whether two (period_ns, phase_ns) estimates are one grid: the same period (none is no grid) and phases within
-    tol_ns of each other, modulo the period (within a tenth of a shorter period: 2 ms of a 10 ms one is no match)."""
+def grids_agree(a: tuple, b: tuple, tol_ns: int = GRID_AGREE_NS) -> bool:
+    """Whether two (period_ns, phase_ns[, band_ns]) estimates are one grid: the same period (none is no grid) and the
+    middles of their phase bands within tol_ns of each other, modulo the period (within a tenth of a shorter period:
+    2 ms of a 10 ms one is no match)."""
     if not a[0] or a[0] != b[0]:
         return False
-    d = (a[1] - b[1]) % a[0]
+    mid_a = a[1] + (a[2] // 2 if len(a) > 2 else 0)
+    mid_b = b[1] + (b[2] // 2 if len(b) > 2 else 0)
+    d = (mid_a - mid_b) % a[0]
     return min(d, a[0] - d) <= min(tol_ns, a[0] // 10)
 
 
@@ -213,8 +216,8 @@ class CounterGridWatch:
         self.n = 0  # reads of this epoch, all of them (the schedule counts past what is kept)
         self.n_at = 0  # self.n at the latest estimate (0: none yet)
         self.epoch: int | None = None
-        self.last = (0, 0)  # the latest estimate
-        self.grid = (0, 0)  # in force: (0, 0) dates each read at its own instant, as a counter taken as fresh
+        self.last = (0, 0, 0)  # the latest estimate: (period_ns, phase_ns, band_ns)
+        self.grid = (0, 0, 0)  # in force; no period: each read dated at its own instant, a counter taken as fresh
         self.checks: deque = deque(maxlen=GRID_CHECKS)  # whether each recent close pair contradicted the grid in force
 
     def add(self, t_ns: int, e_j: float, epoch: int | None) -> None:
@@ -228,33 +231,38 @@ class CounterGridWatch:
             self.e_j.append(float(e_j))
             self.n += 1
 
+    def _ambiguous(self, t_ns: int) -> bool:
+        period, lo, band = self.grid
+        return (t_ns - lo) % period < band
+
     def _check(self, t_ns: int, e_j: float) -> None:
-        period, phase = self.grid
+        period, lo, band = self.grid
         if not period or not self.t_ns or not 0 < t_ns - self.t_ns[-1] < period:
             return
-        same_refresh = (self.t_ns[-1] - phase) // period == (t_ns - phase) // period
+        if self._ambiguous(t_ns) or self._ambiguous(self.t_ns[-1]):
+            return
+        same_refresh = (self.t_ns[-1] - lo) // period == (t_ns - lo) // period
         self.checks.append(same_refresh != (e_j == self.e_j[-1]))
         if sum(self.checks) > GRID_CONTRADICTED:
-            self.grid, self.last = (0, 0), (0, 0)  # two estimates must agree again
+            self.grid = self.last = (0, 0, 0)  # two estimates must agree again
             self.checks.clear()
 
     def due(self) -> bool:
         return grid_due(self.n, self.n_at, self.min_reads)
 
     def estimate(self) -> None:
-        t = np.array(self.t_ns, dtype=np.int64)
-        order = np.argsort(t, kind="stable")  # an edge read published late lands after a later tick
-        t, e = t[order], np.array(self.e_j)[order]
-        est = counter_refresh_grid(t, e, DAEMON_GRID_MARGIN, quantile=None)
-        if est[0]:
-            est = (est[0], refine_refresh_phase(t, e, *est))
-        self.grid = est if grids_agree(est, self.last) else (0, 0)
+        est = counter_grid_from_pairs(np.array(self.t_ns, dtype=np.int64), np.array(self.e_j), DAEMON_GRID_MIN_PAIRS)
+        self.grid = est if grids_agree(est, self.last) else (0, 0, 0)
         self.last, self.n_at = est, self.n
         self.checks.clear()
 
     def value_instant_ns(self, read_ns: int) -> int:
-        period, phase = self.grid
-        return int(counter_value_instants_ns(np.array([read_ns], dtype=np.int64), period, phase)[0]) if period else read_ns
+        """The instant a read's value was current: the middle of the band its last refresh lies in, or the read's own
+        instant where no grid is in force or the read is inside the band (its refresh may be before or after it)."""
+        period, lo, band = self.grid
+        if not period or self._ambiguous(read_ns):
+            return read_ns
+        return read_ns - (read_ns - lo) % period + band // 2
 
 
 def _sample_reads(t_ns: int, readings) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
