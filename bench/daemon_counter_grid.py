@@ -42,7 +42,7 @@ def daemon_reads(seed: int, n_reads: int, gap_s: float = 2.0, refresh_s: float =
     gpu = SimGpu(prof, 0, "GPU-grid", clock_ns=lambda: now[0] + offset_ns)
     events = []  # (t_s, kind)
     t, k = rng.uniform(0, gap_s), 0
-    while len(events) < 2 * n_reads:
+    while len(events) < 8 * n_reads:  # most edge reads are spaced out: enough events for n_reads reads
         events.append((k + rng.uniform(0, 0.003), "read", 0.0))
         k += 1
         while t < k:

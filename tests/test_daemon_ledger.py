@@ -1455,7 +1455,7 @@ def test_a_tick_and_an_edge_read_of_one_refresh_make_one_edge_that_keeps_the_tic
                                                                               energy_t_mono_ns=int(0.42 * S))])]
         for step in (steps if edge_first else steps[::-1]):
             step()
-        assert [e.t_ns for e in led.edges] == [0, int(0.33 * S)], edge_first
+        assert [e.t_ns for e in led.edges] == [0, int(0.331 * S)], edge_first  # the band's end
         assert led.edges[-1].power_w[0] == 150.0 and led.edges[-1].setting == (700.0,), edge_first
 
 

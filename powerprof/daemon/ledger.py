@@ -257,12 +257,14 @@ class CounterGridWatch:
         self.checks.clear()
 
     def value_instant_ns(self, read_ns: int) -> int:
-        """The instant a read's value was current: the middle of the band its last refresh lies in, or the read's own
-        instant where no grid is in force or the read is inside the band (its refresh may be before or after it)."""
+        """The instant a read's value was current: the end of the band its last refresh lies in, or the read's own
+        instant where no grid is in force or the read is inside the band (its refresh may be before or after it).
+        The band's end, not its middle: a read inside the band is dated at itself, so the reads after it (dated at
+        the band's end) stay after it; a read before (the band before, a period back) before it."""
         period, lo, band = self.grid
         if not period or self._ambiguous(read_ns):
             return read_ns
-        return read_ns - (read_ns - lo) % period + band // 2
+        return read_ns - (read_ns - lo) % period + band
 
 
 def _sample_reads(t_ns: int, readings) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
