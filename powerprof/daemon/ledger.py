@@ -1242,8 +1242,9 @@ class Ledger:
             g.add(int(read_ns[k]), float(counter[k]), None if epoch is None else int(epoch[k]))
 
     def _estimate_one_grid(self) -> None:
-        """At most one GPU's grid estimate per tick, the GPUs in turn: one costs ~15 ms of the event loop's thread
-        (the proxy's) from GRID_READS reads, and every GPU falls due at the same read (they are read together)."""
+        """At most one GPU's grid estimate per tick, the GPUs in turn: every GPU falls due at the same read (they are
+        read together), and each estimate runs in the event loop's thread (the proxy's): ~1 ms from GRID_READS reads,
+        1-4 ms where every read is close to the next (bench/daemon_counter_grid.py), so eight GPUs never stack up."""
         n = len(self.counter_grids)
         for i in range(n):
             k = (self._grid_next + i) % n
