@@ -205,6 +205,87 @@ def counter_refresh_grid(t_ns: np.ndarray, e_j: np.ndarray, margin: float = 1.0)
     return period, int((t[0] + phase) % period) if period else 0
 
 
+GRID_FINE_NS = 100_000  # `counter_grid_from_pairs`'s phase step
+
+
+def counter_grid_from_pairs(t_ns: np.ndarray, e_j: np.ndarray, min_pairs: int,
+                            max_band_ns: int = 5_000_000) -> tuple[int, int, int]:
+    """(period_ns, phase_ns, band_ns) of a counter's refresh grid from what its reads' values say exactly: two reads
+    less than a period apart show one value where no refresh came between them, and two where one did (a driver
+    returns the value of its last refresh unchanged until the next). The refreshes lie in [phase, phase + band) of
+    each period; (0, 0, 0) where the reads cannot tell.
+
+    For each period of COUNTER_PERIODS_NS, each phase GRID_FINE_NS apart is scored by the pairs of successive reads
+    (those closer than the period) it contradicts. The period taken is the longest one that at least min_pairs pairs
+    judge and that at most one pair in 50 contradicts at its best phases (a read's own call, ~3 ms on an H200, blurs
+    its instant): a longer period than the counter's is contradicted by the pairs inside one of its periods that show
+    two values. Its best phases must span under max_band_ns. Unlike `counter_refresh_grid`'s bend this needs no
+    reads at random phases across power steps: a daemon's reads are mostly 1 Hz ticks at one phase and, spaced by
+    their CPU cost, about one read per short request (bench/daemon_counter_grid.py)."""
+    order = np.argsort(np.asarray(t_ns, dtype=np.int64), kind="stable")
+    t = np.asarray(t_ns, dtype=np.int64)[order]
+    e = np.asarray(e_j, dtype=float)[order]
+    dt = np.diff(t)
+    for period in sorted(COUNTER_PERIODS_NS, reverse=True):
+        close = (dt > 0) & (dt < period)
+        n = int(close.sum())
+        if n < min_pairs:
+            continue
+        moved = (e[1:] != e[:-1])[close]
+        cands = np.arange(0, period, GRID_FINE_NS, dtype=np.int64)
+        # A refresh at phase c falls between a pair's reads where c is on the arc (t0, t1] modulo the period: a pair
+        # whose value moved contradicts every phase off its arc, one whose value stayed every phase on it. Counted
+        # with a difference array over the phases: O(pairs + phases), ~1 ms for 2000 reads.
+        first = (t[:-1][close] % period) // GRID_FINE_NS + 1  # the first phase index past t0
+        last = (t[:-1][close] % period + dt[close]) // GRID_FINE_NS  # the last at or before t1 (may pass the period)
+        on_moved = _arc_counts(first[moved], last[moved], cands.size)
+        on_still = _arc_counts(first[~moved], last[~moved], cands.size)
+        wrong = (int(moved.sum()) - on_moved) + on_still
+        if wrong.min() > n // 50:
+            continue  # contradicted: the counter refreshes more often (or the reads are not a counter's)
+        best = np.flatnonzero(wrong == wrong.min())
+        # The best phases as one circular run: its start is the first best phase after the widest gap between them.
+        gaps = np.diff(np.concatenate([best, [best[0] + cands.size]]))
+        start = best[(int(np.argmax(gaps)) + 1) % best.size]
+        band = (cands.size - int(gaps.max()) + 1) * GRID_FINE_NS
+        if band > max_band_ns:
+            return 0, 0, 0
+        # Phase c stands for a refresh anywhere after the phase before it up to c: the refresh lies in [lo, lo + band).
+        return period, int((cands[start] - GRID_FINE_NS) % period), band
+    return 0, 0, 0
+
+
+def _arc_counts(first: np.ndarray, last: np.ndarray, size: int) -> np.ndarray:
+    """How many of the index arcs [first, last] (modulo size; empty where last < first) hold each index 0..size-1."""
+    diff = np.zeros(2 * size + 1, dtype=np.int64)
+    keep = last >= first
+    np.add.at(diff, first[keep], 1)
+    np.add.at(diff, last[keep] + 1, -1)
+    on = np.cumsum(diff)[: 2 * size]
+    return on[:size] + on[size:]  # an arc past the period wraps to its start
+
+
+# The counter's refresh grid (energy.counter_refresh_grid) is estimated from a GPU's reads once it holds this many
+# (a run's first few minutes of 1 Hz ticks and edge reads): from fewer, prefixes of simulated runs gave a wrong
+# period or a phase off by several ms (seed-16g, H200). Until then, and wherever no grid is found, windows take the
+# placement without a grid. The estimate is taken again once the reads have doubled, or GRID_READS more came, from
+# the latest GRID_READS reads of the counter's current epoch (its cost, under the timeline's lock, stays bounded).
+# A grid is taken only where its period's bend is under GRID_MARGIN times every other period's (`counter_refresh_grid`'s
+# margin): on the simulated seed-16g (20 ms refresh) a 50 ms grid bent within 15% of the true
+# one and was picked from 1037 reads of one run (windows -1.17 -> -0.40% instead of 0.00%); the H200's 100 ms grid
+# bends 3-6x less than any other once ~1000 reads are in.
+GRID_MIN_READS = 256
+GRID_READS = 2000
+GRID_MARGIN = 0.5
+
+
+def grid_due(n_reads: int, n_at: int, min_reads: int = GRID_MIN_READS) -> bool:
+    """Whether a counter's refresh grid is to be estimated (again) from its `n_reads` reads so far, the last estimate
+    taken at `n_at` reads (0: none yet): from `min_reads` on, then once the reads have doubled or GRID_READS more
+    came (the profiler's EnergyTimeline and the daemon's ledger keep this one schedule)."""
+    return n_reads >= min_reads and (not n_at or n_reads >= min(2 * n_at, n_at + GRID_READS))
+
+
 def edge_read_delay_s(t_ns: np.ndarray, t0_ns: int, t1_ns: int) -> float:
     """How long after its edge the later of a window's two edge reads came: the first read at or after each edge
     (0 for an edge with no read after it)."""

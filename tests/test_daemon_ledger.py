@@ -1345,10 +1345,118 @@ def test_a_tag_edge_is_dated_where_the_ledger_dates_its_sample():
     led = Ledger("d", 0, 4, Sink())
     led.add_gpu_sample(int(0.4 * S), int(0.4 * S), [RT(0.0, 100.0 * (g + 1)) for g in range(4)])
     led.add_gpu_sample(int(0.506 * S), 7 * S, readings)
-    t, wall = Ledger.sample_instant(int(0.506 * S), 7 * S, readings)
+    t, wall = led.sample_instant(int(0.506 * S), 7 * S, readings)
     assert led.edges[-1].t_ns == t and led.edges[-1].wall_ns == wall
     assert t == round(np.dot(ts, [1, 2, 3, 4]) / 10)  # weighted by each GPU's power
     assert wall == 7 * S - (int(0.506 * S) - t)
+
+
+def _short_requests_on_a_100ms_counter(led: Ledger, n_requests: int, seed: int):
+    """The daemon's reads of a simulated H200 whose counter refreshes every 100 ms (as a real H200's: the true energy as
+    of the last 100 ms of its own clock, at a random phase against the host's): 1 Hz ticks (the ledger advanced after
+    each), and for each lone 25-token request (0.02 s prefill, 0.15 s decode, one every ~2 s) counter reads 0.5-5 ms
+    after its arrival, its first token and its end + END_EDGE_DELAY_S (0.1 s). Returns each request's true energy
+    and whether the ledger had a grid in force at its arrival."""
+    import dataclasses
+
+    from powerprof.collectors.nvml import CounterRead
+    from powerprof.sim.gpu import IDLE, Phase, SimGpu
+    from powerprof.sim.profiles import get_profile
+
+    rng = np.random.default_rng(seed)
+    offset_ns = int(rng.integers(0, S // 10))
+    now = [0]
+    prof = dataclasses.replace(get_profile("h200-141g"), energy_counter_update_s=0.1)
+    gpu = SimGpu(prof, 0, "GPU-grid", clock_ns=lambda: now[0] + offset_ns, record_history=True)
+    events, traces, a = [], [], 2.0
+    for i in range(n_requests):
+        a += 0.6 + rng.exponential(1.4)
+        tr = _trace(i + 1, a)
+        traces.append(tr)
+        events += [(a, 1, "start", tr), (a + rng.uniform(0.0005, 0.005), 2, "read", None), (a + 0.02, 1, "decode", tr),
+                   (a + 0.02 + rng.uniform(0.0005, 0.005), 2, "read", None), (a + 0.17, 1, "end", tr),
+                   (a + 0.27 + rng.uniform(0.0005, 0.005), 2, "read", None)]
+        events += [(a + 0.02 + 0.15 * j / 24, 1, "token", tr) for j in range(25)]
+    events += [(k + rng.uniform(0, 0.003), 0, "tick", None) for k in range(int(a) + 4)]
+    gridded = {}
+    for t, _, kind, tr in sorted(events, key=lambda x: (x[0], x[1])):
+        now[0] = int(t * S)
+        if kind == "tick":
+            led.add_gpu_sample(now[0], now[0], [RT(gpu.counter_energy_j(), gpu.instant_power_w(), None, 700.0,
+                                                   energy_t_mono_ns=now[0])])
+            led.advance(now[0])
+        elif kind == "read":
+            got = CounterRead([gpu.counter_energy_j()])
+            got.t_mono_ns = (now[0],)
+            led.add_gpu_edge(now[0], now[0], got)
+        elif kind == "start":
+            gpu.set_phase(Phase("prefill", 0.9))
+            led.on_start(tr)
+            gridded[tr.request_id] = led.counter_grids[0].grid[0] != 0
+        elif kind == "decode":
+            gpu.set_phase(Phase("decode", 0.45))
+        elif kind == "token":
+            tr.first_ns = tr.first_ns or now[0]
+            tr.last_ns = now[0]
+            tr.tokens_seen += 1
+            led.on_tokens(tr, now[0], 1)
+        else:
+            gpu.set_phase(IDLE)
+            tr.end_ns = now[0]
+            tr.counts = Counts(generated_tokens=25, prompt_tokens=200, model=None, stop_reason=None, token_source="usage")
+            led.on_end(tr)
+    truth = {tr.request_id: gpu.true_energy_at_j(tr.end_ns + offset_ns) - gpu.true_energy_at_j(tr.arrival_ns + offset_ns)
+             for tr in traces}
+    return truth, gridded
+
+
+def test_a_short_lone_request_on_a_100ms_counter_is_exact_once_the_counters_refresh_grid_is_known():
+    # docs/daemon.md, "Short sampling intervals are only as good as the counter's refresh": a read returns the energy as
+    # of the counter's last refresh, up to 100 ms before it on an H200, and was dated at the read, so each edge of a
+    # 0.17 s request (~35-56 J) was off by up to a refresh of idle power (7.8 J). Once two estimates of the grid agree
+    # (from ~1000 reads: ~200 requests here) each read is dated at its value's refresh. Before that, nothing changes.
+    from powerprof.daemon.ledger import CounterGridWatch
+
+    sinks, grid_at = {}, None
+    for name in ("grid", "none"):
+        led = Ledger("d", 0, 1, sinks.setdefault(name, Sink()), grace_s=0.1)
+        if name == "none":
+            led.counter_grids = [CounterGridWatch(min_reads=1 << 62)]  # never estimated: the ledger before
+        truth, gridded = _short_requests_on_a_100ms_counter(led, 260, seed=2)
+        if name == "grid":
+            grid_at = min(k for k, g in gridded.items() if g)
+    assert 150 < grid_at < 230, grid_at
+    err = {name: {r["request_id"]: r["gpu_energy_j"] - truth[r["request_id"]] for r in sink.rows["requests"]}
+           for name, sink in sinks.items()}
+    assert set(err["grid"]) == set(err["none"]) == set(truth)
+    before = [k for k in truth if k < grid_at - 2]
+    after = [k for k in truth if k >= grid_at + 5]
+    assert all(err["grid"][k] == pytest.approx(err["none"][k], abs=1e-9) for k in before)
+    off = np.abs([err["none"][k] for k in after])
+    on = np.abs([err["grid"][k] for k in after])
+    # Without the grid: 3-4 J off on average, up to ~15 J; with it: exact but where a read lands within the grid's
+    # phase error (~0.05 ms here) of a refresh.
+    assert off.mean() > 2.0 and on.mean() < 0.5 and np.mean(on < 1.0) > 0.95, (off.mean(), on.mean(), on.max())
+
+
+def test_a_tick_and_an_edge_read_of_one_refresh_make_one_edge_that_keeps_the_ticks_power():
+    # On a grid both reads of one refresh are dated at it: one edge (no zero-length interval), and the tick's power
+    # readings and settings are kept whichever came first.
+    from powerprof.collectors.nvml import CounterRead
+
+    for edge_first in (True, False):
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        led.add_gpu_sample(0, 0, [RT(1000.0, 100.0, None, 700.0, energy_t_mono_ns=0)])
+        led.counter_grids[0].grid = (100_000_000, 29_000_000, 2_000_000)  # the refresh within [29, 31) ms
+        got = CounterRead([1040.0])
+        got.t_mono_ns = (int(0.35 * S),)
+        steps = [lambda: led.add_gpu_edge(int(0.35 * S), int(0.35 * S), got),
+                 lambda: led.add_gpu_sample(int(0.42 * S), int(0.42 * S), [RT(1040.0, 150.0, None, 700.0,
+                                                                              energy_t_mono_ns=int(0.42 * S))])]
+        for step in (steps if edge_first else steps[::-1]):
+            step()
+        assert [e.t_ns for e in led.edges] == [0, int(0.331 * S)], edge_first  # the band's end
+        assert led.edges[-1].power_w[0] == 150.0 and led.edges[-1].setting == (700.0,), edge_first
 
 
 def _avg_only_run(led: Ledger, steps, until_s: float, interval_s: float = 1.0):
