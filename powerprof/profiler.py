@@ -27,9 +27,8 @@ from powerprof.collectors.cputime import CpuTime
 from powerprof.collectors.nvml import NvmlCollector
 from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.collectors.sampler import Clock, Sample, Sampler
-from powerprof.energy import (GRID_MARGIN, GRID_MIN_READS, GRID_READS, counter_energy_j, counter_refresh_grid,
-                              counter_value_instants_ns, counter_window_energy_j, edge_read_delay_s, grid_due,
-                              instant_power_energy_j, trailing_average_energy_j)
+from powerprof.energy import (counter_energy_j, counter_refresh_grid, counter_value_instants_ns, counter_window_energy_j,
+                              edge_read_delay_s, instant_power_energy_j, trailing_average_energy_j)
 
 # Below these window lengths a figure is reported but flagged low-confidence. From
 # bench/window_accuracy.py (docs/benchmarks.md, "Energy windows"): the counter's p95 error is under
@@ -74,6 +73,17 @@ EDGE_READ_LATE_S = 0.1
 # the run's notes (Profiler.edge_notes). Windows under LOW_CONFIDENCE_S["counter"] are flagged low_confidence anyway,
 # and at 10 s this share is EDGE_READ_LATE_S: the per-window flag already covers them; the note is what is new.
 END_EDGE_BIAS_SHARE = 0.01
+# The counter's refresh grid (energy.counter_refresh_grid) is estimated from a GPU's reads once it holds this many
+# (a run's first few minutes of 1 Hz ticks and edge reads): from fewer, prefixes of simulated runs gave a wrong
+# period or a phase off by several ms (seed-16g, H200). Until then, and wherever no grid is found, windows take the
+# placement without a grid. The estimate is taken again once the reads have doubled, or GRID_READS more came, from
+# the latest GRID_READS reads of the counter's current epoch (its cost, under the timeline's lock, stays bounded).
+# A grid is taken only where its period's bend is under GRID_MARGIN times every other period's (energy.
+# counter_refresh_grid's margin): on the simulated seed-16g (20 ms refresh) a 50 ms grid bent within 15% of the true
+# one and was picked from 1037 reads of one run (windows -1.17 -> -0.40% instead of 0.00%); the H200's 100 ms grid
+# bends 3-6x less than any other once ~1000 reads are in.
+GRID_MIN_READS = 256
+GRID_READS = 2000
 # A window shorter than the counter's refresh (its grid's period; until that is known, the slowest refresh drivers use,
 # 100 ms: field notes, docs/hardware.md) gets no GPU figure on a GPU with a counter: its reads hold one refresh's value
 # or two, so the counter says 0 J or about a whole refresh's energy, and instant power, refreshed as seldom on a real
@@ -85,6 +95,7 @@ END_EDGE_BIAS_SHARE = 0.01
 # over and lifted 50 ms windows' pooled J/token from +14% to +32%. Such a window says so (method none, low_confidence)
 # and `measure` names the reason and the fix (--max-tokens). A GPU without a counter keeps its power figure.
 COUNTER_REFRESH_MAX_NS = 100_000_000
+GRID_MARGIN = 0.5
 LOW_CONFIDENCE_S = {"counter": 10.0, "avg_power_integration": 30.0, "power_integration": float("inf"), "none": float("inf")}
 
 METHOD_COUNTER = "counter"
@@ -353,7 +364,7 @@ class EnergyTimeline:
         s = self.gpu_energy[k]
         grid, n_at = self._grid[k]
         n = len(s.t_ns)
-        if not grid_due(n, n_at, GRID_MIN_READS):  # this module's name: bench/counter_refresh.py switches it off
+        if n < GRID_MIN_READS or (n_at and n < min(2 * n_at, n_at + GRID_READS)):
             return grid
         ep = np.asarray(s.epoch[-GRID_READS:])
         keep = ep == ep[-1]  # a reload may restart the counter on another grid

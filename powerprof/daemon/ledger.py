@@ -25,8 +25,7 @@ import numpy as np
 from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
                                           interval_cpu_s, unknown_server_text)
 from powerprof.collectors.rapl import cpu_energy_j
-from powerprof.energy import (GRID_READS, counter_grid_from_pairs, epoch_broken, grid_due, interp_at,
-                              trailing_average_interval_energy_j, unwrap_resets)
+from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_energy_j, unwrap_resets
 from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
@@ -172,104 +171,6 @@ def _edge_instant(t_ns: int, wall_ns: int, read_ns: np.ndarray, read_j: np.ndarr
     off = read_ns[ok] - read_ns[ok].min()  # in ns from the first: exact in float
     t = int(read_ns[ok].min()) + int(round(float(np.dot(w, off) / w.sum())))
     return t, wall_ns - (t_ns - t)
-
-
-def sample_edge_instant(t_ns: int, wall_ns: int, readings) -> tuple[int, int]:
-    """(monotonic ns, wall ns) a full GPU sample's edge is dated at with each counter taken as fresh (no refresh grid in
-    force: `Ledger.sample_instant`)."""
-    counter, read_ns, power = _sample_reads(t_ns, readings)
-    return _edge_instant(t_ns, wall_ns, read_ns, counter, power)
-
-
-# The daemon dates a GPU's counter reads at their value's refresh only once two estimates of its grid in a row
-# (energy.counter_grid_from_pairs, on energy.grid_due's schedule from DAEMON_GRID_MIN_READS reads on) agree: the same
-# period, the middles of their phase bands within GRID_AGREE_NS. A wrong grid dates a read a whole refresh (100 ms on
-# an H200) wrong, worse than none. Figures: docs/daemon.md, "Short sampling intervals are only as good as the
-# counter's refresh", from bench/daemon_counter_grid.py. A read inside the band where the refresh may be keeps its
-# own instant, as without a grid.
-DAEMON_GRID_MIN_READS = 500
-DAEMON_GRID_MIN_PAIRS = 30  # successive reads closer than the period that an estimate needs
-GRID_AGREE_NS = 2_000_000
-# Between estimates (GRID_READS reads apart) each pair of successive reads less than a period apart checks the grid in
-# force: on it, they share a value exactly where no refresh falls between them. Where more than GRID_CONTRADICTED of
-# the latest GRID_CHECKS pairs say otherwise the grid has moved (a clock drifting, a restarted driver keeping its
-# epoch) and is dropped at once, until two estimates agree again.
-GRID_CHECKS = 20
-GRID_CONTRADICTED = 4
-
-
-def grids_agree(a: tuple, b: tuple, tol_ns: int = GRID_AGREE_NS) -> bool:
-    """Whether two (period_ns, phase_ns[, band_ns]) estimates are one grid: the same period (none is no grid) and the
-    middles of their phase bands within tol_ns of each other, modulo the period (within a tenth of a shorter period:
-    2 ms of a 10 ms one is no match)."""
-    if not a[0] or a[0] != b[0]:
-        return False
-    mid_a = a[1] + (a[2] // 2 if len(a) > 2 else 0)
-    mid_b = b[1] + (b[2] // 2 if len(b) > 2 else 0)
-    d = (mid_a - mid_b) % a[0]
-    return min(d, a[0] - d) <= min(tol_ns, a[0] // 10)
-
-
-class CounterGridWatch:
-    """One GPU's counter refresh grid, as the ledger dates its reads: its latest GRID_READS reads (ticks and edge reads)
-    of the counter's current epoch, estimated on energy.grid_due's schedule, in force once two estimates agree."""
-
-    def __init__(self, min_reads: int = DAEMON_GRID_MIN_READS):
-        self.min_reads = min_reads
-        self.t_ns: deque = deque(maxlen=GRID_READS)
-        self.e_j: deque = deque(maxlen=GRID_READS)
-        self.n = 0  # reads of this epoch, all of them (the schedule counts past what is kept)
-        self.n_at = 0  # self.n at the latest estimate (0: none yet)
-        self.epoch: int | None = None
-        self.last = (0, 0, 0)  # the latest estimate: (period_ns, phase_ns, band_ns)
-        self.grid = (0, 0, 0)  # in force; no period: each read dated at its own instant, a counter taken as fresh
-        self.checks: deque = deque(maxlen=GRID_CHECKS)  # whether each recent close pair contradicted the grid in force
-
-    def add(self, t_ns: int, e_j: float, epoch: int | None) -> None:
-        if epoch is not None and epoch != self.epoch:
-            if self.epoch is not None:  # a reload may restart the counter on another grid: start over
-                self.__init__(self.min_reads)
-            self.epoch = epoch
-        if np.isfinite(e_j):
-            self._check(int(t_ns), float(e_j))
-            self.t_ns.append(int(t_ns))
-            self.e_j.append(float(e_j))
-            self.n += 1
-
-    def _ambiguous(self, t_ns: int) -> bool:
-        period, lo, band = self.grid
-        return (t_ns - lo) % period < band
-
-    def _check(self, t_ns: int, e_j: float) -> None:
-        period, lo, band = self.grid
-        if not period or not self.t_ns or not 0 < t_ns - self.t_ns[-1] < period:
-            return
-        if self._ambiguous(t_ns) or self._ambiguous(self.t_ns[-1]):
-            return
-        same_refresh = (self.t_ns[-1] - lo) // period == (t_ns - lo) // period
-        self.checks.append(same_refresh != (e_j == self.e_j[-1]))
-        if sum(self.checks) > GRID_CONTRADICTED:
-            self.grid = self.last = (0, 0, 0)  # two estimates must agree again
-            self.checks.clear()
-
-    def due(self) -> bool:
-        return grid_due(self.n, self.n_at, self.min_reads)
-
-    def estimate(self) -> None:
-        est = counter_grid_from_pairs(np.array(self.t_ns, dtype=np.int64), np.array(self.e_j), DAEMON_GRID_MIN_PAIRS)
-        self.grid = est if grids_agree(est, self.last) else (0, 0, 0)
-        self.last, self.n_at = est, self.n
-        self.checks.clear()
-
-    def value_instant_ns(self, read_ns: int) -> int:
-        """The instant a read's value was current: the end of the band its last refresh lies in, or the read's own
-        instant where no grid is in force or the read is inside the band (its refresh may be before or after it).
-        The band's end, not its middle: a read inside the band is dated at itself, so the reads after it (dated at
-        the band's end) stay after it; a read before (the band before, a period back) before it."""
-        period, lo, band = self.grid
-        if not period or self._ambiguous(read_ns):
-            return read_ns
-        return read_ns - (read_ns - lo) % period + band
 
 
 def _sample_reads(t_ns: int, readings) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -564,13 +465,6 @@ class Ledger:
         self.server_seen = False
         self._setting: tuple = ()  # the GPUs' power limits at the latest full sample
         self._power_w: np.ndarray | None = None  # the GPUs' power at the latest full sample
-        # Per GPU its counter's refresh grid, from its reads (CounterGridWatch): where one is in force, each read is
-        # dated at its value's refresh, not at the read (up to a refresh, 100 ms on an H200, later).
-        self.counter_grids = [CounterGridWatch() for _ in range(n_gpus)]
-        self._grid_next = 0  # the GPU whose estimate, when due, is taken first (`_estimate_one_grid`)
-        # (sample ns, sample wall ns) -> the instant its edge was dated at, for `sample_instant` (a tag's edge) to
-        # give that one even where an estimate since changed the grid.
-        self._dated: dict = {}
         self.server_upto_ns: int | None = None
         # Where the server's count begins (the first scrape window's start): an interval wholly before it has no
         # server count (null, not 0: bypass traffic there was never read).
@@ -1233,36 +1127,11 @@ class Ledger:
 
     # --- inputs from the sampler and the scraper ----------------------------------------------
 
-    def sample_instant(self, t_ns: int, wall_ns: int, readings) -> tuple[int, int]:
+    @staticmethod
+    def sample_instant(t_ns: int, wall_ns: int, readings) -> tuple[int, int]:
         """(monotonic ns, wall ns) a full GPU sample's edge is dated at (`_edge_instant`): a tag's edge is that."""
-        if (t_ns, wall_ns) in self._dated:
-            return self._dated[(t_ns, wall_ns)]
         counter, read_ns, power = _sample_reads(t_ns, readings)
-        return _edge_instant(t_ns, wall_ns, self._value_instants_ns(read_ns), counter, power)
-
-    def _value_instants_ns(self, read_ns: np.ndarray) -> np.ndarray:
-        """Each GPU's counter read instant moved back to its value's refresh where that GPU's grid is in force."""
-        if len(read_ns) != self.n_gpus:
-            return read_ns
-        return np.array([g.value_instant_ns(int(t)) for g, t in zip(self.counter_grids, read_ns)], dtype=np.int64)
-
-    def _watch_reads(self, read_ns: np.ndarray, counter: np.ndarray, epoch: np.ndarray | None) -> None:
-        if len(counter) != self.n_gpus:
-            return
-        for k, g in enumerate(self.counter_grids):
-            g.add(int(read_ns[k]), float(counter[k]), None if epoch is None else int(epoch[k]))
-
-    def _estimate_one_grid(self) -> None:
-        """At most one GPU's grid estimate per tick, the GPUs in turn: every GPU falls due at the same read (they are
-        read together), and each estimate runs in the event loop's thread (the proxy's): ~1 ms from GRID_READS reads,
-        1-4 ms where every read is close to the next (bench/daemon_counter_grid.py), so eight GPUs never stack up."""
-        n = len(self.counter_grids)
-        for i in range(n):
-            k = (self._grid_next + i) % n
-            if self.counter_grids[k].due():
-                self.counter_grids[k].estimate()
-                self._grid_next = (k + 1) % n
-                return
+        return _edge_instant(t_ns, wall_ns, read_ns, counter, power)
 
     def add_gpu_sample(self, t_ns: int, wall_ns: int, readings) -> None:
         counter, read_ns, weight_w = _sample_reads(t_ns, readings)
@@ -1282,13 +1151,8 @@ class Ledger:
             self._avg_needed = np.isnan(counter) & has_avg
         # The edge instant is weighted by each GPU's power, instant or averaged: only the weights need it.
         self._power_w = weight_w
-        t, wall = _edge_instant(t_ns, wall_ns, self._value_instants_ns(read_ns), counter, weight_w)
-        self._dated[(t_ns, wall_ns)] = (t, wall)
-        while len(self._dated) > 64:  # a tag asks right after its sample: only the latest few are wanted
-            del self._dated[next(iter(self._dated))]
+        t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, weight_w)
         self._insert_edge(_Edge(t, wall, counter, power, setting, epoch, avg))
-        self._watch_reads(read_ns, counter, epoch)  # after dating it: this sample is dated on the grid it was read under
-        self._estimate_one_grid()
 
     def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> None:
         """An edge from the energy counters alone (a short request's arrival, first token or end):
@@ -1301,10 +1165,8 @@ class Ledger:
         epoch = np.array(epochs, dtype=np.int64) if epochs else None
         at = getattr(energy_j, "t_mono_ns", None)
         read_ns = np.array(at, dtype=np.int64) if at and len(at) == self.n_gpus else np.full(self.n_gpus, t_ns, np.int64)
-        # Weighted by the last full sample's power.
-        t, wall = _edge_instant(t_ns, wall_ns, self._value_instants_ns(read_ns), counter, self._power_w)
+        t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, self._power_w)  # weighted by the last full sample's power
         self._insert_edge(_Edge(t, wall, counter, np.full(self.n_gpus, np.nan), self._setting, epoch))
-        self._watch_reads(read_ns, counter, epoch)
 
     def _insert_edge(self, edge: _Edge) -> None:
         t_ns = edge.t_ns
@@ -1315,11 +1177,6 @@ class Ledger:
             ts = [e.t_ns for e in self.edges]
             i = int(np.searchsorted(ts, t_ns))
             if i < len(ts) and ts[i] == t_ns:
-                # Two reads dated at one instant (on a refresh grid: one refresh's value, read twice) make one edge,
-                # never a zero-length interval; a tick's power readings and settings are kept over an edge read's
-                # counters alone.
-                if np.isnan(self.edges[i].power_w).all() and not np.isnan(edge.power_w).all():
-                    self.edges[i] = edge
                 return
             if i == 0:
                 return  # before everything already closed: nothing to attribute it to

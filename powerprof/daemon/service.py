@@ -42,7 +42,7 @@ from .config import Config, ConfigError, is_loopback, listen_host, load_config
 from .guard import ConnectionGuard, quiet_bad_requests
 from .inflight import InFlight
 from .latency import RequestLatency
-from .ledger import RAPL_HOLD_S, Ledger, sample_edge_instant
+from .ledger import RAPL_HOLD_S, Ledger
 from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .scrape import AT_FINISH, IGNORES_BEST_OF, PREFILLS_CHOICES_APART, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns, new_session
@@ -709,9 +709,7 @@ class Daemon:
         s = got.get("nvml")
         if s is None or s.data is None:
             return time.monotonic_ns(), time.time_ns()
-        if self.ledger is None:
-            return sample_edge_instant(s.t_mono_ns, s.t_wall_ns, s.data)
-        return self.ledger.sample_instant(s.t_mono_ns, s.t_wall_ns, s.data)  # the instant the ledger dates this edge at
+        return Ledger.sample_instant(s.t_mono_ns, s.t_wall_ns, s.data)  # the instant the ledger dates this edge at
 
     def _recover_lost_tags(self, data_dir: Path) -> None:
         """Windows a daemon that did not stop cleanly left open (opentags.py): a row each, and said; before, a kill -9
