@@ -178,8 +178,11 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
             # The counter refreshes every energy_counter_update_s: a read at either end of the interval may
             # be up to one refresh old, so the counter's energy over it is exact only within that share of it
             # (3.5 s of a 100 ms counter: 2.9%; a loaded run read 0.971 where the bound was a fixed 2%).
+            # A read preempted on a loaded host holds energy past its stamp: its delay at the edges too (a full suite
+            # beside other jobs read 1.040 over 4.35 s where the bound was 3.3%).
             stale = truth.energy_counter_update_s / x["interval_s"]
-            assert x["counter_vs_true"] == pytest.approx(1, abs=max(0.02, 0.01 + stale)), (e["state"], rate, x)
+            late = x["edge_read_delay_s"] / x["interval_s"]
+            assert x["counter_vs_true"] == pytest.approx(1, abs=max(0.02, 0.01 + stale + late)), (e["state"], rate, x)
             assert x["instant_vs_counter"] == pytest.approx(1, abs=max(0.03, 0.02 + stale)), (e["state"], rate, x)
             assert x["average_vs_counter"] == pytest.approx(1, abs=0.05), (e["state"], rate, x)
         # Polled tightly, a change is seen up to the longest gap between polls late: a starved poller (a full suite
