@@ -2337,7 +2337,7 @@ class Ledger:
                 early_ns = min(float(d_k), float(lag_ns), owed_now / rate_prev) if rate_prev > 0 else float(d_k)
                 sure = max(0.0, (rate_prev - float(placed[k]) / max(d_k, 1)) * early_ns)
                 due_was = due
-                # Repaid oldest first. An owe older than CREDIT_S (or 1.5 scrape intervals where longer:
+                # Repaid oldest first. An owe older than CREDIT_S (or OWE_SCRAPES scrape intervals where longer:
                 # `_owe_horizon_ns`) nets still (a stream read early runs on for minutes), but nothing then tells it
                 # from a count lost for good that went unsaid: the window says proxy_lag
                 # (count may be high or low). A doubtful owe (a known loss near its fall) does not net, and where it
