@@ -306,6 +306,7 @@ SERVER_COUNT_PROXY_LAG = "proxy_lag"
 # count: believed, but if the server's counter did not count
 # them, as many bypass tokens hide behind them.
 SERVER_COUNT_USAGE_BEYOND = "usage_beyond_chunks"
+SERVER_COUNT_BELOW = "counter_below"  # a scrape window whose count lost tokens (scrape.COUNTER_BELOW; ledger._lost_beyond)
 # An interval overlapping a time a proxy worker served whose records the daemon could not read (powerprof upgraded under it:
 # daemon/workers.py) where the server's count is not complete: that worker's traffic is in no row, and without the
 # server's counter (off, unread) or with /slots alone its tokens are not (all) in unproxied, so its energy reads as idle.
