@@ -34,7 +34,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
                                       SERVER_COUNT_USAGE_BEYOND,
                                       SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD, SERVER_COUNT_SLOTS_ONLY,
-                                      SERVER_COUNT_UNREAD,
+                                      SERVER_COUNT_UNREAD, SERVER_COUNT_BELOW,
                                       bypass_count_fix, bypass_count_low, bypass_count_may_be)
 
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS, at_limit
@@ -105,6 +105,7 @@ LAG_SHARE = 0.05
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
 MISPLACED, PROXY_LAG, PROXY_UNREAD = SERVER_COUNT_MISPLACED, SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD
 USAGE_BEYOND = SERVER_COUNT_USAGE_BEYOND
+COUNTER_BELOW = SERVER_COUNT_BELOW
 # Prefix-cache hits the server counted beyond what its answers said (CACHE_UNSAID_FLAG): kept this long to meet the
 # requests that end after them; a request or an interval is flagged from this many unsaid tokens on.
 CACHE_KEEP_S = 300.0
@@ -2174,7 +2175,6 @@ class Ledger:
         if not self.server_at_finish:  # the open windows' bypass tokens as they stand (`_bypass_pace`)
             self._open_bypass = {(sp[0], sp[1]): sp[2] - x for sp, x in zip(todo, placed.tolist())}
             self._pass_len = len(self._proxied)
-        gaps = self._gap + np.cumsum(np.array([sp[2] for sp in todo], dtype=float) - placed)
         ends = np.array([sp[1] for sp in todo], dtype=np.int64)
         # A restarted server lost the old process's tail, the proxied tokens in it too: the gap falls there for good.
         # No window before the restart looks past it for its level (its LAG_S lookahead read the fall as lag), and
@@ -2211,6 +2211,13 @@ class Ledger:
                 held = np.array([LAG_S if d is None else d for d in ds])
                 return cum[np.searchsorted(pt, ends + np.rint(held * 1e9).astype(np.int64), side="right")] - cum[at]
             ahead_n, ahead_lo = tokens_over(most), tokens_over(least)
+        # The count lost beyond what its reads and the proxy's lag explain (`_lost_beyond`): added back to the gap, so
+        # no level before or after it holds that loss (the windows it falls in say counter_below).
+        lost = self._lost_beyond(todo, placed, slack, restart, ahead_n, measured, early_n, late_n, lag_ns)
+        # The first window that may have lost tokens, not judged yet (`_lost_beyond`): the scrape after its run tells.
+        unjudged = int(np.argmax(np.isnan(lost))) if np.isnan(lost).any() else None
+        lost = np.nan_to_num(lost, nan=0.0)
+        gaps = self._gap + np.cumsum(np.array([sp[2] for sp in todo], dtype=float) - placed + lost)
         next_restart, nxt = np.empty(len(todo), dtype=np.int64), len(todo)  # the first restart after each window
         for k in range(len(todo) - 1, -1, -1):
             next_restart[k] = nxt
@@ -2225,6 +2232,8 @@ class Ledger:
             if not forced and pending_ns is not None and sp[1] > pending_ns:
                 break
             ahead = slice(k, next_restart[k])
+            if unjudged is not None and not forced and unjudged < next_restart[k] and ends[unjudged] <= sp[1] + lag_ns:
+                break  # its lookahead takes in a fall not judged yet (`_lost_beyond`): the next scrape tells
             low = k + int(np.argmin(gaps[ahead][ends[ahead] <= sp[1] + lag_ns]))  # the window its level is taken at
             level = float(gaps[low])
             nr = int(next_restart[k])
@@ -2279,6 +2288,8 @@ class Ledger:
             while self._levels and self._levels[0][0] < sp[1] - credit_ns:
                 self._levels.popleft()
             sp[3] = max(0.0, level - ref)
+            if lost[k] > 0 and COUNTER_BELOW not in sp[5]:
+                sp[5] = (*sp[5], COUNTER_BELOW)  # its count lost tokens nothing here explains (`_lost_beyond`)
             lossy = set(sp[5]) - {PROXY_LAG}
             if lossy and not restart[k]:
                 # A known loss of the count (counter_below: the scraper counts on from the highest reading, the tokens
@@ -2479,6 +2490,107 @@ class Ledger:
             self._window_ns.append(int(sp[1] - sp[0]))
             self._edge_most = float(ahead_n[k]) if measured[k] else None
             self._edge_read = (float(early_n[k]), float(late_n[k]))
+
+    def _lost_beyond(self, todo: list, placed: np.ndarray, slack: np.ndarray, restart: np.ndarray,
+                     ahead_n: np.ndarray, measured: np.ndarray, early_n: np.ndarray, late_n: np.ndarray,
+                     lag_ns: int) -> np.ndarray:
+        """Per window, the tokens its count lost that nothing but a loss explains: how far the count rose less than the
+        proxy's tokens placed in it, beyond what may lawfully lie between them, where that exceeds the window's
+        tolerance (a token plus LAG_SHARE of the proxy's tokens there); else 0.
+
+        Lawfully, the count may lack (a) the proxy's lag at the window's start (tokens counted before that edge and seen
+        after it: `ahead_n`, the most a measured delay there may hold), (b) the proxy's tokens between its start's stamp
+        and the end of the GET that read the counter there (read late: already in the count before) and between the
+        start of the GET at its end and that stamp (read early: in the next count), and (c) a usage's tokens beyond the
+        chunks (`slack`, said `usage_beyond_chunks` on its own). A caller that gives no GET span is read at the stamp,
+        as elsewhere, but for a read early by up to LAG_S while the proxy's rate rose (the rise of the rate over it: what
+        an owe of a counter read early grows by). Unmeasured delays, restarts (their own rules), counters that lose by
+        design (`slots_only`), unread servers and at-finish counters are not judged.
+
+        A counter that lost tokens for good (a restart not told, the scraper counting on from its highest reading:
+        `counter_below` where it says so, nothing said where the next page was back at that reading) lowers the gap for
+        good. Held in the gap, the lookahead of the windows before it took the loss into their levels, and the
+        reference held from before it for CREDIT_S hid as many bypass tokens after it, in rows saying `complete` (a
+        counter losing 200 tokens at 5 s beside bypass traffic at 40 tokens/s: row 6 read 0 for 40; losing 100, back at
+        its reading one page on and so unsaid, rows 4-6 read 0, 0, 20 for 40: tests/test_daemon_bypass_partial.py).
+        Added back, the loss moves no level; the windows it fell in say counter_below (their bypass tokens are lost)."""
+        lost = np.zeros(len(todo))
+        if self.server_at_finish:
+            return lost
+        beyond = np.zeros(len(todo))
+        for k, sp in enumerate(todo):
+            if restart[k] or {SERVER_COUNT_SLOTS_ONLY, "server_restart", "unscraped"} & set(sp[5]):
+                continue
+            lag0 = (float(ahead_n[k - 1]) if measured[k - 1] else None) if k else self._edge_most
+            if lag0 is None:
+                continue
+            late0 = float(late_n[k - 1]) if k else self._edge_read[1]
+            n_k, d_k = float(placed[k]), max(int(sp[1] - sp[0]), 1)
+            explained = lag0 + late0 + float(early_n[k]) + float(slack[k])
+            if len(sp) <= 7 or sp[7] is None:
+                n_prev, d_prev = (float(placed[k - 1]), int(todo[k - 1][1] - todo[k - 1][0])) if k \
+                    else (self._placed_last, self._placed_last_ns)
+                explained += max(0.0, n_k / d_k - n_prev / max(d_prev, 1)) * float(lag_ns)
+            b = n_k - float(sp[2]) - explained
+            if b > LAG_TOKENS + LAG_SHARE * n_k:
+                beyond[k] = b
+        # A loss is for good; a dip comes back. A run of such windows is judged by the LAG_S after it: the proxy's
+        # placing (a burst spread back over its run) moves tokens between neighbouring windows, and a multi-process
+        # page's dip (the scraper counting from its highest reading, the windows below it 0) is back at the page that
+        # passes that reading, whose count rises above the proxy's tokens by what the run lacked: no loss (the held
+        # levels book it as before). What the windows of the LAG_S after it do not win back (the most the count rose
+        # above the proxy's tokens there, summed from the run's end) is lost: the whole run's falls are added back.
+        # A loss beside as many bypass tokens in that second is not told (held as before), nor a dip that lasts past
+        # it (added back, its recovery then reads as bypass tokens, in windows the scraper marks counter_below where
+        # it counted 0 below its highest reading, unsaid where the dip was one page: docs/daemon.md). A run whose LAG_S
+        # after it has not been scraped yet is not judged (NaN: the windows whose lookahead takes it in wait,
+        # `_resolve_spans`).
+        k = 0
+        while k < len(todo):
+            if not beyond[k]:
+                k += 1
+                continue
+            m = k
+            while m < len(todo) and beyond[m]:
+                m += 1
+            if m == len(todo) or int(todo[-1][1]) < int(todo[m - 1][1]) + lag_ns:
+                lost[k:] = np.nan
+                break
+            after = [i for i in range(m, len(todo)) if int(todo[i][1]) <= int(todo[m - 1][1]) + lag_ns
+                     and not restart[i]] or [m]
+            back = max(0.0, float(np.cumsum([float(todo[i][2]) - float(placed[i]) for i in after]).max()))
+            if beyond[k:m].sum() - back > LAG_TOKENS + LAG_SHARE * float(placed[k:m].sum()):
+                lost[k:m] = beyond[k:m]
+            k = m
+        return lost
+        for k, sp in enumerate(todo):
+            if restart[k] or {SERVER_COUNT_SLOTS_ONLY, "server_restart", "unscraped"} & set(sp[5]):
+                continue
+            lag0 = (float(ahead_n[k - 1]) if measured[k - 1] else None) if k else self._edge_most
+            if lag0 is None:
+                continue
+            late0 = float(late_n[k - 1]) if k else self._edge_read[1]
+            n_k, d_k = float(placed[k]), max(int(sp[1] - sp[0]), 1)
+            explained = lag0 + late0 + float(early_n[k]) + float(slack[k])
+            if len(sp) <= 7 or sp[7] is None:
+                n_prev, d_prev = (float(placed[k - 1]), int(todo[k - 1][1] - todo[k - 1][0])) if k \
+                    else (self._placed_last, self._placed_last_ns)
+                explained += max(0.0, n_k / d_k - n_prev / max(d_prev, 1)) * float(lag_ns)
+            beyond = n_k - float(sp[2]) - explained
+            if beyond <= LAG_TOKENS + LAG_SHARE * n_k:
+                continue
+            if k + 1 == len(todo):
+                lost[k] = np.nan  # not judged yet: the next window tells
+                continue
+            # A loss is for good; the proxy's placing (a burst spread back over its run, a record's span) moves tokens
+            # between neighbouring windows, and the next window's count rises above its tokens as far (honest 20-token
+            # answers every 40 ms, each spread back: every window judged so). What the next window's rise does not win
+            # back is the loss (a rise of bypass traffic there counts against it: a loss hidden by as many bypass tokens
+            # at once is not told, the level then takes it as before).
+            back = max(0.0, float(todo[k + 1][2]) - float(placed[k + 1]))
+            if beyond - back > LAG_TOKENS + LAG_SHARE * n_k:
+                lost[k] = beyond
+        return lost
 
     def _cap_owed(self, cum: np.ndarray, pt: np.ndarray, at_ns: int, lag_ns: int) -> None:
         """At most the proxy's tokens of the LAG_S either side of `at_ns` (a scrape) are owed (`_resolve_spans`): what a

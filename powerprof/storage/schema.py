@@ -306,6 +306,9 @@ SERVER_COUNT_PROXY_LAG = "proxy_lag"
 # count: believed, but if the server's counter did not count
 # them, as many bypass tokens hide behind them.
 SERVER_COUNT_USAGE_BEYOND = "usage_beyond_chunks"
+# A scrape window still below the counter's highest reading (scrape.COUNTER_BELOW), or one whose count fell short of the
+# proxy's tokens for good beyond what its reads and the proxy's lag explain (ledger.Ledger._lost_beyond).
+SERVER_COUNT_BELOW = "counter_below"
 # An interval overlapping a time a proxy worker served whose records the daemon could not read (powerprof upgraded under it:
 # daemon/workers.py) where the server's count is not complete: that worker's traffic is in no row, and without the
 # server's counter (off, unread) or with /slots alone its tokens are not (all) in unproxied, so its energy reads as idle.
@@ -399,7 +402,8 @@ BYPASS_COUNT_FIX = {
                         "recovery may be counted again, or the new process's tokens are right): none for the figures "
                         "kept, they are left out of J/token; if it goes on, restart the daemon once the server is up",
     "counter_below": "none once the server's counter passes its highest reading again; where it was a restart, a page "
-                     "with process_start_time_seconds (vLLM with one API server) tells it",
+                     "with process_start_time_seconds (vLLM with one API server) tells it; where the count fell short "
+                     "of the proxy's tokens for good, keep the server from restarting",
     SERVER_COUNT_SLOTS_ONLY: "start llama-server with --metrics",
     "unscraped": "keep the server's /metrics answering within scrape's 2 s (the intervals wait for it 10 s at most)",
     SERVER_COUNT_OFF: "let the daemon scrape the server (scrape.server not none)",
