@@ -2066,7 +2066,11 @@ class Ledger:
         for k in np.flatnonzero(t[1:] > self.server_upto_ns):
             why[k].add("unscraped")
         for k, (unsure, tol) in enumerate(self._read_unsure(t)):
-            if unsure > tol and "server_restart" not in why[k]:
+            # Not over llama-server's /slots alone: answered from its task queue between decode steps (a GET a step
+            # long or more), a count already said approximate (`slots_only`) and kept in J/token by design
+            # (schema.SERVER_COUNT_TRUSTED); marked, every interval of a loaded host left J/token (a real llama-server,
+            # tests/test_real_llama_server.py).
+            if unsure > tol and not {"server_restart", SERVER_COUNT_SLOTS_ONLY} & why[k]:
                 why[k].add(PROXY_LAG)
         spans = [sp for sp in self.server_spans if sp[3] is not None and sp[3] > 0 and sp[1] > t[0] and sp[0] < t[-1]]
         sp = np.array([x[:2] for x in spans], dtype=np.int64).reshape(-1, 2)
