@@ -38,7 +38,7 @@ import time
 
 import aiohttp
 from powerprof.errtext import error_text
-from powerprof.storage.schema import SERVER_COUNT_SLOTS_ONLY
+from powerprof.storage.schema import SERVER_COUNT_BELOW, SERVER_COUNT_SLOTS_ONLY
 from powerprof.workload.auth import API_KEY_ENV, api_key_given, auth_headers
 from powerprof.workload.limits import IDLE_REUSE_S, MAX_METRICS_BYTES, read_capped
 from .ticks import IDLE_PERIOD_S
@@ -80,7 +80,7 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
 
 # A counter below its highest reading at two pages or more, above half of it, the server never found down: two dips in a
 # row or a restart, not told apart (Scraper._dip_or_restart); counted from the highest reading, the windows marked.
-COUNTER_BELOW = "counter_below"
+COUNTER_BELOW = SERVER_COUNT_BELOW
 # The windows after a restart told by the counter's fall alone (no scrape found the server down, no start time moved),
 # until the counter passes the reading before the fall: that fall may have been a dip that lasted, whose recovery is
 # then counted again, or a restart, whose new process's tokens are right (Scraper._fall_unconfirmed). Not a restart:
