@@ -1540,3 +1540,92 @@ def test_a_dip_that_comes_back_is_no_loss_and_makes_no_bypass_tokens_up(until):
                 > 1.0 + 0.05 * (truth[int(r["t_start_mono_s"])] + px[int(r["t_start_mono_s"])])]
     got = sum(r["server_tokens"] or 0.0 for r in rows if 2 <= r["t_start_mono_s"] < 12)
     assert got == pytest.approx(float(truth[2:12].sum()), abs=2.0), (got, float(truth[2:12].sum()))
+
+
+def _proxied_px(alt):
+    g = np.arange(1.0, 22.0, 0.025)
+    w = np.where((np.floor(g / 0.25).astype(int) % 2 == 1) & alt, 2, 4)
+    return np.histogram(g, bins=np.arange(0, 25), weights=w)[0]
+
+
+def _wrong_complete_rows(rows, truth, px, from_s=2):
+    return [(int(r["t_start_mono_s"]), r["server_tokens"], float(truth[int(r["t_start_mono_s"])])) for r in rows
+            if from_s <= r["t_start_mono_s"] < 21 and r["server_count"] == "complete"
+            and abs((r["server_tokens"] or 0.0) - truth[int(r["t_start_mono_s"])])
+            > 1.0 + 0.05 * (truth[int(r["t_start_mono_s"])] + px[int(r["t_start_mono_s"])])]
+
+
+def test_a_loss_read_through_50ms_gets_beside_an_alternating_pace_is_judged_as_a_whole_run():
+    """Production path (GET told). 300 tokens lost for good at 5 s, proxied pace alternating 160/80 tokens/s,
+    bypass 40/s, each GET 50 ms, counter read 20 ms before the stamp. Before 9ffa170: no wrong `complete` row
+    (rows 7-10 proxy_lag). After: row 7 reads 20 for 40, `complete`."""
+    rows, truth = _sim(drop=300.0, alt=True, get_s=0.05, early=0.02)
+    assert not _wrong_complete_rows(rows, truth, _proxied_px(True))
+
+
+@pytest.mark.parametrize("early", [0.0, 0.1])
+def test_a_200_token_loss_beside_an_alternating_pace_with_no_get_told_is_judged_as_a_whole_run(early):
+    """No GET told. Rows from 7 s on: before 9ffa170 row 7 said proxy_lag (20 for 40); after it says `complete`.
+    (Row 6, 0 for 40 `complete`, is wrong both before and after.)"""
+    rows, truth = _sim(drop=200.0, alt=True, early=early)
+    assert not _wrong_complete_rows(rows, truth, _proxied_px(True), from_s=7)
+
+
+@pytest.mark.parametrize("until", [6.5, 7.0])
+def test_a_dip_back_after_1_5_to_2_s_is_not_counted_twice(until):
+    """A 100-token one-page dip at 5 s, back at `until`: bypass over 2-12 s must total what ran (400).
+    Before: 400 (misplaced, in wrong `complete` rows); after: 480 (the dip booked as a loss AND its recovery
+    booked as bypass, in a row reading 140 for 40 that says `complete`)."""
+    rows, truth = _sim(drop=100.0, alt=False, drop_until=until)
+    got = sum(r["server_tokens"] or 0.0 for r in rows if 2 <= r["t_start_mono_s"] < 12)
+    assert got == pytest.approx(float(truth[2:12].sum()), abs=2.0), (got, float(truth[2:12].sum()))
+
+
+def _lagged_end(lag_s, until_s=16.0):
+    """Proxied 160 tokens/s in 2 s streams and bypass 40/s, both ending at until_s - 2; the proxy sees each token
+    lag_s after the server counted it (its loop on time: note_proxy_delay says 0). No loss anywhere."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.scraping = True
+    gen = np.arange(1.0, until_s - 2.0, 0.025)
+    seen = gen + lag_s
+    cur, n, prev_t, prev_c = None, 0, None, None
+
+    def end(tr):
+        tr.end_ns = tr.end_wall_ns = tr.last_ns
+        tr.counts = Counts(generated_tokens=int(tr.tokens_seen), prompt_tokens=20, model=None, stop_reason=None,
+                           token_source="usage")
+        led.on_end(tr)
+    for k in range(int(until_s / 0.25) + 1):
+        t = k * 0.25
+        for ts in seen[(seen > t - 0.25) & (seen <= t)]:
+            if cur is None or ts - cur.arrival_ns / S >= 2.0:
+                if cur is not None:
+                    end(cur)
+                n += 1
+                cur = _trace(n, ts - 0.01)
+                led.on_start(cur)
+            cur.first_ns = cur.first_ns or int(ts * S)
+            cur.last_ns = int(ts * S)
+            cur.tokens_seen += 4
+            led.on_tokens(cur, int(ts * S), 4)
+        led.note_proxy_delay(int(t * S), 0.0)
+        if t == int(t):
+            led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+        c = float(5 * (gen <= t).sum())  # 4 proxied + 1 bypass a step
+        if t >= 0.5:
+            led.add_server_tokens(int(t * S), 0.0 if prev_c is None else c - prev_c,
+                                  None if prev_t is None else int(prev_t * S))
+            prev_t, prev_c = t, c
+        led.advance(int(t * S))
+    end(cur)
+    led.close_all(int(until_s * S))
+    return sink.rows["intervals"]
+
+
+@pytest.mark.parametrize("lag_s", [0.05, 0.1])
+def test_traffic_ending_under_a_steady_unmeasured_lag_is_no_counter_below(lag_s):
+    """Nothing lost: the proxy's last tokens arrive lag_s after the counter counted them. Before: no row says
+    counter_below. After: row 14 (0 for 0, exact) says counter_below."""
+    rows = _lagged_end(lag_s)
+    assert not [(r["t_start_mono_s"], r["server_count"]) for r in rows if "counter_below" in r["server_count"]]

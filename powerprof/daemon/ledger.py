@@ -507,6 +507,9 @@ class Ledger:
         self._overpaid: deque = deque()
         self._window_ns: deque = deque(maxlen=OWE_CADENCE_WINDOWS)  # the latest resolved scrape windows' lengths (ns)
         self._lost_ns: int | None = None  # the end of the latest window whose count a known loss lowered
+        # [end (ns), tokens, bypass pace (tokens/ns)] of the runs of resolved windows whose loss was added back
+        # (`_lost_beyond`), kept CREDIT_S: a rise above that pace after one may be the count coming back, not bypass
+        self._lost_runs: deque = deque()
         # The proxy's tokens in the latest resolved window, and that window's length (ns): its rate is compared.
         self._placed_last, self._placed_last_ns = 0.0, 1
         self._ahead = (0.0, 0.0)  # and the most and least lag it may hold
@@ -2217,7 +2220,7 @@ class Ledger:
             ahead_n, ahead_lo = tokens_over(most), tokens_over(least)
         # The count lost beyond what its reads and the proxy's lag explain (`_lost_beyond`): added back to the gap, so
         # no level before or after it holds that loss (the windows it falls in say counter_below).
-        lost = self._lost_beyond(todo, placed, slack, restart, ahead_n, measured, early_n, late_n, lag_ns)
+        lost, run_pace = self._lost_beyond(todo, placed, slack, restart, ahead_n, measured, early_n, late_n, lag_ns)
         # The first window that may have lost tokens, not judged yet (`_lost_beyond`): the scrape after its run tells.
         unjudged = int(np.argmax(np.isnan(lost))) if np.isnan(lost).any() else None
         lost = np.nan_to_num(lost, nan=0.0)
@@ -2294,6 +2297,18 @@ class Ledger:
             sp[3] = max(0.0, level - ref)
             if lost[k] > 0 and COUNTER_BELOW not in sp[5]:
                 sp[5] = (*sp[5], COUNTER_BELOW)  # its count lost tokens nothing here explains (`_lost_beyond`)
+            if lost[k] < 0 and PROXY_LAG not in sp[5]:
+                sp[5] = (*sp[5], PROXY_LAG)  # its rise may be a loss added back coming back, or bypass (`_lost_beyond`)
+            while self._lost_runs and self._lost_runs[0][0] < sp[0] - credit_ns:
+                self._lost_runs.popleft()
+            if lost[k] > 0:
+                if self._lost_runs and self._lost_runs[-1][0] == int(sp[0]):
+                    self._lost_runs[-1][0] = int(sp[1])
+                    self._lost_runs[-1][1] += float(lost[k])
+                else:
+                    self._lost_runs.append([int(sp[1]), float(lost[k]), float(run_pace[k])])
+            elif lost[k] < 0:
+                _take_oldest(self._lost_runs, -float(lost[k]))
             lossy = set(sp[5]) - {PROXY_LAG}
             if lossy and not restart[k]:
                 # A known loss of the count (counter_below: the scraper counts on from the highest reading, the tokens
@@ -2497,10 +2512,12 @@ class Ledger:
 
     def _lost_beyond(self, todo: list, placed: np.ndarray, slack: np.ndarray, restart: np.ndarray,
                      ahead_n: np.ndarray, measured: np.ndarray, early_n: np.ndarray, late_n: np.ndarray,
-                     lag_ns: int) -> np.ndarray:
-        """Per window, the tokens its count lost that nothing but a loss explains: how far the count rose less than the
-        proxy's tokens placed in it, beyond what may lawfully lie between them, where that exceeds the window's
-        tolerance (a token plus LAG_SHARE of the proxy's tokens there); else 0.
+                     lag_ns: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per window, the tokens its count lost that nothing but a loss explains (judged by whole runs of windows: how
+        far their count rose less than the proxy's tokens placed in them, beyond what may lawfully lie between them at
+        the run's outer edges, where that exceeds the run's tolerance, a token plus LAG_SHARE of the proxy's tokens
+        there), negative where a window after such a run takes a recovery back out of it; else 0. And per window of a
+        lost run, the bypass pace (tokens/ns) before it.
 
         Lawfully, the count may lack (a) the proxy's lag at the window's start (tokens counted before that edge and seen
         after it: `ahead_n`, the most a measured delay there may hold), (b) the proxy's tokens between its start's stamp
@@ -2519,9 +2536,15 @@ class Ledger:
         its reading one page on and so unsaid, rows 4-6 read 0, 0, 20 for 40: tests/test_daemon_bypass_partial.py).
         Added back, the loss moves no level; the windows it fell in say counter_below (their bypass tokens are lost)."""
         lost = np.zeros(len(todo))
+        run_pace = np.zeros(len(todo))
+        credit_ns = int(CREDIT_S * 1e9)
         if self.server_at_finish:
-            return lost
-        beyond = np.zeros(len(todo))
+            return lost, run_pace
+        n_w = len(todo)
+        dur = np.array([max(int(sp[1] - sp[0]), 1) for sp in todo], dtype=float)
+        short = np.zeros(n_w)  # how far the count rose less than the proxy's tokens placed in it, less the slack
+        start_allow = np.zeros(n_w)  # the lag and the late read at its start
+        ok = np.zeros(n_w, dtype=bool)
         for k, sp in enumerate(todo):
             if restart[k] or {SERVER_COUNT_SLOTS_ONLY, "server_restart", "unscraped"} & set(sp[5]):
                 continue
@@ -2529,72 +2552,106 @@ class Ledger:
             if lag0 is None:
                 continue
             late0 = float(late_n[k - 1]) if k else self._edge_read[1]
-            n_k, d_k = float(placed[k]), max(int(sp[1] - sp[0]), 1)
-            explained = lag0 + late0 + float(early_n[k]) + float(slack[k])
-            if len(sp) <= 7 or sp[7] is None:
-                n_prev, d_prev = (float(placed[k - 1]), int(todo[k - 1][1] - todo[k - 1][0])) if k \
-                    else (self._placed_last, self._placed_last_ns)
-                explained += max(0.0, n_k / d_k - n_prev / max(d_prev, 1)) * float(lag_ns)
-            b = n_k - float(sp[2]) - explained
-            if b > LAG_TOKENS + LAG_SHARE * n_k:
-                beyond[k] = b
-        # A loss is for good; a dip comes back. A run of such windows is judged by the LAG_S after it: the proxy's
-        # placing (a burst spread back over its run) moves tokens between neighbouring windows, and a multi-process
-        # page's dip (the scraper counting from its highest reading, the windows below it 0) is back at the page that
-        # passes that reading, whose count rises above the proxy's tokens by what the run lacked: no loss (the held
-        # levels book it as before). What the windows of the LAG_S after it do not win back (the most the count rose
-        # above the proxy's tokens there, summed from the run's end) is lost: the whole run's falls are added back.
-        # A loss beside as many bypass tokens in that second is not told (held as before), nor a dip that lasts past
-        # it (added back, its recovery then reads as bypass tokens, in windows the scraper marks counter_below where
-        # it counted 0 below its highest reading, unsaid where the dip was one page: docs/daemon.md). A run whose LAG_S
-        # after it has not been scraped yet is not judged (NaN: the windows whose lookahead takes it in wait,
-        # `_resolve_spans`).
+            ok[k] = True
+            short[k] = float(placed[k]) - float(sp[2]) - float(slack[k])
+            start_allow[k] = lag0 + late0
+        # Whole runs. Each window's allowance taken off that window alone missed that inside a run the inner edges
+        # cancel (what one lacks by an early read, the next holds): a 300-token loss read through 50 ms GETs beside a
+        # pace alternating 160/80 tokens/s left 62 of its 240 proxied tokens in the gap (row 7 read 20 for 40,
+        # `complete`), and the no-GET allowance (the rate's rise over LAG_S) broke a run into pieces, each won back by
+        # steady bypass traffic after it. So a run is the windows in a row whose count fell short of the proxy's tokens
+        # by over the tolerance, or that the scraper marked counter_below, and its loss is their shortfall less the
+        # allowances at its outer edges only: the lag and the late read at its start, the early read at its end (no
+        # GET: the proxy's rate's rise from before the run to its last window, over LAG_S).
+        # A loss is for good; a dip comes back. A run is judged by the LAG_S after it: the proxy's placing moves tokens
+        # between neighbouring windows, and a multi-process page's dip (the scraper counting from its highest reading,
+        # the windows below it 0) is back at the page that passes that reading. What the windows there do not win back
+        # (the most the count rose above the proxy's tokens beyond the bypass pace before the run, summed from its end)
+        # is lost, and the run's loss is added back. A run whose LAG_S after it has not been scraped yet is not judged
+        # (NaN: the windows whose lookahead takes it in wait, `_resolve_spans`).
+        seed = ok & ((short > LAG_TOKENS + LAG_SHARE * placed)
+                     | np.array([COUNTER_BELOW in sp[5] for sp in todo], dtype=bool))
         k = 0
-        while k < len(todo):
-            if not beyond[k]:
+        while k < n_w:
+            if not seed[k]:
                 k += 1
                 continue
             m = k
-            while m < len(todo) and beyond[m]:
+            while m < n_w and seed[m]:
                 m += 1
-            if m == len(todo) or int(todo[-1][1]) < int(todo[m - 1][1]) + lag_ns:
+            if m == n_w or int(todo[-1][1]) < int(todo[m - 1][1]) + lag_ns:
                 lost[k:] = np.nan
                 break
-            after = [i for i in range(m, len(todo)) if int(todo[i][1]) <= int(todo[m - 1][1]) + lag_ns
+            loss = float(short[k:m].sum()) - float(start_allow[k]) - float(early_n[m - 1])
+            sp_end = todo[m - 1]
+            if len(sp_end) <= 7 or sp_end[7] is None:
+                n_prev, d_prev = (float(placed[k - 1]), float(dur[k - 1])) if k \
+                    else (self._placed_last, float(max(self._placed_last_ns, 1)))
+                loss -= max(0.0, float(placed[m - 1]) / dur[m - 1] - n_prev / max(d_prev, 1.0)) * float(lag_ns)
+            tol = LAG_TOKENS + LAG_SHARE * float(placed[k:m].sum())
+            if loss <= tol:
+                k = m
+                continue
+            # The bypass traffic's pace before the run (the server's count less the proxy's tokens per ns, over the LAG_S
+            # before it): a rise at that pace after it is that traffic, not the count winning back what it lacked.
+            pre = [i for i in range(k) if ok[i] and not seed[i] and int(todo[i][1]) > int(todo[k][0]) - lag_ns]
+            if pre:
+                pace = max(0.0, sum(float(todo[i][2]) - float(placed[i]) for i in pre) / sum(dur[i] for i in pre))
+            else:
+                dur_b = sum(b - a for a, b, _ in self._bypassed)
+                pace = max(0.0, sum(x for _, _, x in self._bypassed) / dur_b) if dur_b > 0 else 0.0
+            after = [i for i in range(m, n_w) if int(todo[i][1]) <= int(todo[m - 1][1]) + lag_ns
                      and not restart[i]] or [m]
-            back = max(0.0, float(np.cumsum([float(todo[i][2]) - float(placed[i]) for i in after]).max()))
-            if beyond[k:m].sum() - back > LAG_TOKENS + LAG_SHARE * float(placed[k:m].sum()):
-                lost[k:m] = beyond[k:m]
+            # No proxied tokens in the second after it (traffic ended): the fall may be the proxy's last lag draining
+            # (unmeasured, its loop on time), and nothing wins back what a lag took: not judged, held as before.
+            if sum(float(placed[i]) for i in after) <= LAG_TOKENS:
+                k = m
+                continue
+            back = max(0.0, float(np.cumsum([float(todo[i][2]) - float(placed[i]) - pace * dur[i]
+                                             for i in after]).max()))
+            if loss - back > tol:
+                pos = np.clip(short[k:m], 0.0, None)
+                lost[k:m] = pos * (loss / pos.sum()) if pos.sum() > 0 else 0.0
+                run_pace[k:m] = pace
             k = m
-        return lost
-        for k, sp in enumerate(todo):
-            if restart[k] or {SERVER_COUNT_SLOTS_ONLY, "server_restart", "unscraped"} & set(sp[5]):
+        # A dip back past the LAG_S after its run (a multi-process page's, back 1.5-2 s on) was counted twice: added back
+        # as a loss, and its recovery read as bypass traffic (480 bypass tokens over 2-12 s where 400 ran, the recovery
+        # row 140 for 40, `complete`). Within CREDIT_S after a run added back, a window whose count rises above the
+        # proxy's tokens by more than the bypass pace before the run (and what its reads and a fall of the proxy's rate
+        # explain) takes that excess back out of the loss (negative here), and says proxy_lag: a recovery, or bypass.
+        runs = [list(r) for r in self._lost_runs]
+        for i in range(n_w):
+            if np.isnan(lost[i]):
+                break
+            if lost[i] > 0:
+                if runs and runs[-1][0] == int(todo[i][0]):
+                    runs[-1][0] = int(todo[i][1])
+                    runs[-1][1] += float(lost[i])
+                else:
+                    runs.append([int(todo[i][1]), float(lost[i]), float(run_pace[i])])
                 continue
-            lag0 = (float(ahead_n[k - 1]) if measured[k - 1] else None) if k else self._edge_most
-            if lag0 is None:
+            if not ok[i] or seed[i]:
                 continue
-            late0 = float(late_n[k - 1]) if k else self._edge_read[1]
-            n_k, d_k = float(placed[k]), max(int(sp[1] - sp[0]), 1)
-            explained = lag0 + late0 + float(early_n[k]) + float(slack[k])
+            live = [r for r in runs if r[0] <= int(todo[i][0]) and int(todo[i][1]) <= r[0] + credit_ns and r[1] > 0]
+            if not live:
+                continue
+            sp = todo[i]
+            explained = float(late_n[i]) + (float(early_n[i - 1]) if i else self._edge_read[0])
             if len(sp) <= 7 or sp[7] is None:
-                n_prev, d_prev = (float(placed[k - 1]), int(todo[k - 1][1] - todo[k - 1][0])) if k \
-                    else (self._placed_last, self._placed_last_ns)
-                explained += max(0.0, n_k / d_k - n_prev / max(d_prev, 1)) * float(lag_ns)
-            beyond = n_k - float(sp[2]) - explained
-            if beyond <= LAG_TOKENS + LAG_SHARE * n_k:
+                n_prev, d_prev = (float(placed[i - 1]), float(dur[i - 1])) if i \
+                    else (self._placed_last, float(max(self._placed_last_ns, 1)))
+                explained += max(0.0, n_prev / max(d_prev, 1.0) - float(placed[i]) / dur[i]) * float(lag_ns)
+            excess = (float(sp[2]) - float(placed[i]) - max(r[2] for r in live) * dur[i] - explained
+                      - LAG_TOKENS - LAG_SHARE * float(placed[i]))
+            if excess <= 0:
                 continue
-            if k + 1 == len(todo):
-                lost[k] = np.nan  # not judged yet: the next window tells
-                continue
-            # A loss is for good; the proxy's placing (a burst spread back over its run, a record's span) moves tokens
-            # between neighbouring windows, and the next window's count rises above its tokens as far (honest 20-token
-            # answers every 40 ms, each spread back: every window judged so). What the next window's rise does not win
-            # back is the loss (a rise of bypass traffic there counts against it: a loss hidden by as many bypass tokens
-            # at once is not told, the level then takes it as before).
-            back = max(0.0, float(todo[k + 1][2]) - float(placed[k + 1]))
-            if beyond - back > LAG_TOKENS + LAG_SHARE * n_k:
-                lost[k] = beyond
-        return lost
+            take = 0.0
+            for r in live:
+                t = min(r[1], excess - take)
+                r[1] -= t
+                take += t
+            lost[i] = -take
+        return lost, run_pace
 
     def _cap_owed(self, cum: np.ndarray, pt: np.ndarray, at_ns: int, lag_ns: int) -> None:
         """At most the proxy's tokens of the LAG_S either side of `at_ns` (a scrape) are owed (`_resolve_spans`): what a
