@@ -505,6 +505,16 @@ class NewPaths:
                 break
 
 
+class _HeldWindow(NamedTuple):
+    """A slow scrape window ending a stillness, held until the next scrape's rate says where its burst began."""
+    since_ns: int
+    t_ns: int
+    delta: float
+    finished: tuple[float, float] | None  # the scraper's (requests, seconds) finished in it, at-finish servers
+    partial: tuple
+    read_ns: tuple[int, int]
+
+
 class Daemon:
     def __init__(
         self,
@@ -1031,18 +1041,17 @@ class Daemon:
                             log.exception("checking a scrape window's prefix-cache hits failed (%d so far); its hits go "
                                           "unchecked, its tokens are counted", check_faults)
                     if held is not None:  # the held slow window's burst began where this window's rate says
-                        h_since, h_t, h_delta, h_finished, h_partial, h_read = held
-                        start = burst_start_ns(h_since, h_t, h_delta, delta / max(1, t - h_t))
-                        if start > h_since:
-                            self.ledger.add_server_tokens(start, 0.0, h_since, at_finish, partial=h_partial)
-                        self.ledger.add_server_tokens(h_t, h_delta, start, at_finish, h_finished, partial=h_partial,
-                                                      read_ns=h_read)
+                        start = burst_start_ns(held.since_ns, held.t_ns, held.delta, delta / max(1, t - held.t_ns))
+                        if start > held.since_ns:
+                            self.ledger.add_server_tokens(start, 0.0, held.since_ns, at_finish, partial=held.partial)
+                        self.ledger.add_server_tokens(held.t_ns, held.delta, start, at_finish, held.finished,
+                                                      partial=held.partial, read_ns=held.read_ns)
                         held = None
                     # Why this window's count may be low (a restart, a late first read): its intervals say so.
                     partial = self.scraper.window_partial
                     if delta > 0 and since is not None and still and t - since > 1.5e9 * cadence.fast_s:
                         # a slow window ending a stillness: placed at the next scrape
-                        held = (since, t, delta, self.scraper.finished, partial, (t0, t1))
+                        held = _HeldWindow(since, t, delta, self.scraper.finished, partial, (t0, t1))
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
                         # With the GET's span: the counter was read somewhere in it (docs/daemon.md, "A counter read
@@ -1060,8 +1069,8 @@ class Daemon:
             poll = cadence.poll_s(time.monotonic(), _busy(led))
             await sleep_on_grid(poll, self.waker if poll > cadence.fast_s else self.config_waker)
         if held is not None:
-            self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH, held[3], partial=held[4],
-                                          read_ns=held[5])
+            self.ledger.add_server_tokens(held.t_ns, held.delta, held.since_ns, self.scraper.kind in AT_FINISH,
+                                          held.finished, partial=held.partial, read_ns=held.read_ns)
 
     async def _final_scrape(self) -> None:
         """At a clean stop, after the last sample: read the server's counters once more, so the last interval's count
