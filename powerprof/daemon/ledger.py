@@ -2543,22 +2543,22 @@ class Ledger:
         finish sits past the proxy's measured delay and GET_FINISH_SLACK_S inside the GETs at its edges (the proxy sees
         a finish later than the server counted it), and the window says nothing else; a rise above the placed tokens
         (a stream the proxy saw less of) tells nothing. Per count a stream (1: SGLang's end-of-text token; 3: a
-        self-closing call's trailing tokens with it), from windows whose streams all had that many: a counter that
-        counted one of them and not the other two is not taken as counting 3 on 1's word."""
+        self-closing call's trailing tokens with it), each seen in windows holding streams with that many: a counter
+        that counted one of them and not the other two is not taken as counting 3 on 1's word."""
         if sp[6]:  # a restarted server may be another build
             self._usage_seen, self._usage_short = {}, 0
         a, b = np.searchsorted(slack_t, [sp[0], sp[1]], side="right")
         sizes = {int(round(x)) for x in slack_n[a:b].tolist()}  # at-finish: one entry a stream, its whole surplus
         fa, fb = (int(x) for x in np.searchsorted(fin_t, [sp[0], sp[1]], side="right"))
         prev, self._usage_read = self._usage_read, read
-        if len(sizes) == 1 and fb > fa and len(sp) > 9 and sp[9] == fb - fa and not sp[5] and prev is not None:
+        if sizes and fb > fa and len(sp) > 9 and sp[9] == fb - fa and not sp[5] and prev is not None:
             most_s = self._delay_most_s(sp[0] - lag_ns, sp[1] + lag_ns)
             margin_ns = None if most_s is None else int((GET_FINISH_SLACK_S + most_s) * 1e9)
             if (margin_ns is not None and int(fin_t[fa]) - max(sp[0], prev[1]) >= margin_ns
                     and min(sp[1], read[0]) - int(fin_t[fb - 1]) >= margin_ns):
-                if abs(float(sp[2]) - placed_n) <= 0.5:
-                    (n,) = sizes
-                    self._usage_seen[n] = self._usage_seen.get(n, 0) + 1
+                if abs(float(sp[2]) - placed_n) <= 0.5:  # every such token in it was counted, of each number there
+                    for n in sizes:
+                        self._usage_seen[n] = self._usage_seen.get(n, 0) + 1
                 elif float(sp[2]) < placed_n:
                     self._usage_short += 1
         # One window short of them is enough to believe them no more; a few (not one: an unmeasured lag past the margin
