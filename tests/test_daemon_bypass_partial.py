@@ -1633,15 +1633,16 @@ def test_traffic_ending_under_a_steady_unmeasured_lag_is_no_counter_below(lag_s)
 
 def _sglang_short(ntok: int, surplus: int, counted: int, bypass_per_s: float = 0.0, seed: int = 0,
                   per_s: float = 4.0, until_s: float = 22.0, delays: bool = True, then: tuple | None = None,
-                  steady_from_s: float | None = None):
+                  steady_from_s: float | None = None, restart_at_s: float | None = None):
     """SGLang's counter (a request's tokens counted at its finish, with the finished requests' number and durations:
     scrape.Scraper.finished). Streams of `ntok` chunks (a token every 20 ms, the proxy seeing each 10 ms later), `per_s`
     a second at random over 2-18 s, each ending a step after its last chunk with a usage of `ntok + surplus` (SGLang's
     end-of-text token: 1; a self-closing call's trailing tokens with it: 3); the counter counts `ntok + counted` of each
     (honest: `counted == surplus`). Bypass requests of 30 tokens, `bypass_per_s` tokens a second, finish at random.
     Scraped every 0.25 s; `then` (surplus, counted, from_s): those of the streams arriving from from_s on;
-    `steady_from_s`: from then on a 5-token bypass request finishes in the middle of every window as well. Returns the
-    interval rows of 3-18 s and all the request rows."""
+    `steady_from_s`: from then on a 5-token bypass request finishes in the middle of every window as well;
+    `restart_at_s`: the scrape then says the server restarted. Returns the interval rows of 3-18 s and all the request
+    rows."""
     rng = np.random.default_rng(seed)
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
@@ -1654,16 +1655,15 @@ def _sglang_short(ntok: int, surplus: int, counted: int, bypass_per_s: float = 0
         tr.counts = Counts(generated_tokens=None, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
         seen = (a + 0.02 * np.arange(1, ntok + 1)) * S + S // 100
         says, counts = (then[0], then[1]) if then is not None and a >= then[2] else (surplus, counted)
-        reqs.append([tr, seen, False, int(seen[-1] + 0.02 * S), says])
-    fin = [(q[3] - S // 100, ntok + (then[1] if then is not None and q[4] == then[0] else counted),
-            (q[3] - q[0].arrival_ns) / S) for q in reqs]
+        reqs.append([tr, seen, False, int(seen[-1] + 0.02 * S), says, counts])
+    fin = [(q[3] - S // 100, ntok + q[5], (q[3] - q[0].arrival_ns) / S) for q in reqs]
     fin += [(int(f * S), 30, 0.6) for f in rng.uniform(2.5, 18.0, int(16 * bypass_per_s / 30))]
     if steady_from_s is not None:
         fin += [(int(f * S), 5, 0.1) for f in np.arange(steady_from_s, 18.0, 0.25) + 0.125]
     prev, counted_n = None, 0
     for t in np.arange(4, int(until_s) * 4) * (S // 4):
         for q in reqs:
-            tr, seen, started, end, says = q
+            tr, seen, started, end, says, _ = q
             if not started and tr.arrival_ns <= t:
                 led.on_start(tr)
                 q[2] = True
@@ -1681,7 +1681,9 @@ def _sglang_short(ntok: int, surplus: int, counted: int, bypass_per_s: float = 0
             led.note_proxy_delay(int(t), 0.0)
         n = sum(x for f, x, _ in fin if f <= t)
         ended = [d for f, _, d in fin if t - S // 4 < f <= t]
-        led.add_server_tokens(int(t), float(n - counted_n), prev, at_finish=True, finished=(len(ended), sum(ended)))
+        restart = ("server_restart",) if restart_at_s is not None and t == int(restart_at_s * S) else ()
+        led.add_server_tokens(int(t), float(n - counted_n), prev, at_finish=True, finished=(len(ended), sum(ended)),
+                              partial=restart)
         prev, counted_n = int(t), n
         led.advance(int(t))
     led.close_all(int((until_s + 1) * S))
@@ -1749,6 +1751,17 @@ def test_a_counter_seen_counting_one_usage_only_token_is_not_taken_to_count_thre
     windows they would read `complete`; they stay usage_beyond_chunks, as before the rule."""
     rows, _ = _sglang_short(25, 1, 1, 0.0, then=(3, 1, 10.0), steady_from_s=10.0)
     early = [r["server_count"] for r in rows if 5 <= r["t_start_mono_s"] < 10]
+    assert early and all(c == "complete" for c in early), early
+    late = [r["server_count"] for r in rows if r["t_start_mono_s"] >= 11]
+    assert late and all("usage_beyond_chunks" in c for c in late), late
+
+
+def test_what_was_seen_of_a_counter_is_forgotten_at_its_restart():
+    """Seen counting a call's 3 trailing tokens over 2-10 s, the server restarts at 10 s as a build whose counter counts
+    none of them, a 5-token bypass request finishing in every window from then on (so no window tells again): each
+    window may hide 3 of its 5 bypass tokens. Its windows are judged afresh, by the tolerance: usage_beyond_chunks."""
+    rows, _ = _sglang_short(25, 3, 3, 0.0, then=(3, 0, 9.6), steady_from_s=10.0, restart_at_s=10.0)
+    early = [r["server_count"] for r in rows if 5 <= r["t_start_mono_s"] < 9]
     assert early and all(c == "complete" for c in early), early
     late = [r["server_count"] for r in rows if r["t_start_mono_s"] >= 11]
     assert late and all("usage_beyond_chunks" in c for c in late), late
