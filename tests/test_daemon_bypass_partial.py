@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from powerprof.analysis.fleet import fleet_summary
 from powerprof.cli import main
-from powerprof.daemon.ledger import PROXY_LAG, Ledger
+from powerprof.daemon.ledger import LAG_SHARE, PROXY_LAG, Ledger
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.scrape import Scraper
 from powerprof.daemon.service import datasets
@@ -1629,3 +1629,139 @@ def test_traffic_ending_under_a_steady_unmeasured_lag_is_no_counter_below(lag_s)
     counter_below. After: row 14 (0 for 0, exact) says counter_below."""
     rows = _lagged_end(lag_s)
     assert not [(r["t_start_mono_s"], r["server_count"]) for r in rows if "counter_below" in r["server_count"]]
+
+
+def _sglang_short(ntok: int, surplus: int, counted: int, bypass_per_s: float = 0.0, seed: int = 0,
+                  per_s: float = 4.0, until_s: float = 22.0, delays: bool = True, then: tuple | None = None,
+                  steady_from_s: float | None = None, restart_at_s: float | None = None):
+    """SGLang's counter (a request's tokens counted at its finish, with the finished requests' number and durations:
+    scrape.Scraper.finished). Streams of `ntok` chunks (a token every 20 ms, the proxy seeing each 10 ms later), `per_s`
+    a second at random over 2-18 s, each ending a step after its last chunk with a usage of `ntok + surplus` (SGLang's
+    end-of-text token: 1; a self-closing call's trailing tokens with it: 3); the counter counts `ntok + counted` of each
+    (honest: `counted == surplus`). Bypass requests of 30 tokens, `bypass_per_s` tokens a second, finish at random.
+    Scraped every 0.25 s; `then` (surplus, counted, from_s): those of the streams arriving from from_s on;
+    `steady_from_s`: from then on a 5-token bypass request finishes in the middle of every window as well;
+    `restart_at_s`: the scrape then says the server restarted. Returns the interval rows of 3-18 s and all the request
+    rows."""
+    rng = np.random.default_rng(seed)
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    for k in range(int(until_s) + 3):
+        led.add_gpu_sample(int(k * S), int(k * S), [_R(100.0 * k)])
+    reqs = []
+    for i, a in enumerate(np.sort(rng.uniform(2.0, 18.0, int(16 * per_s)))):
+        tr = RequestTrace(i + 1, "POST", "/v1/chat/completions", "t", int(a * S), int(a * S), api="llamacpp",
+                          stream=True)
+        tr.counts = Counts(generated_tokens=None, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+        seen = (a + 0.02 * np.arange(1, ntok + 1)) * S + S // 100
+        says, counts = (then[0], then[1]) if then is not None and a >= then[2] else (surplus, counted)
+        reqs.append([tr, seen, False, int(seen[-1] + 0.02 * S), says, counts])
+    fin = [(q[3] - S // 100, ntok + q[5], (q[3] - q[0].arrival_ns) / S) for q in reqs]
+    fin += [(int(f * S), 30, 0.6) for f in rng.uniform(2.5, 18.0, int(16 * bypass_per_s / 30))]
+    if steady_from_s is not None:
+        fin += [(int(f * S), 5, 0.1) for f in np.arange(steady_from_s, 18.0, 0.25) + 0.125]
+    prev, counted_n = None, 0
+    for t in np.arange(4, int(until_s) * 4) * (S // 4):
+        for q in reqs:
+            tr, seen, started, end, says, _ = q
+            if not started and tr.arrival_ns <= t:
+                led.on_start(tr)
+                q[2] = True
+            for ts in seen[(seen > t - S // 4) & (seen <= t)]:
+                tr.first_ns = tr.first_ns or int(ts)
+                tr.last_ns = int(ts)
+                tr.tokens_seen += 1
+                led.on_tokens(tr, int(ts), 1)
+            if q[2] and tr.end_ns is None and end <= t:
+                tr.end_ns = tr.end_wall_ns = tr.extra["held_end_ns"] = end
+                tr.counts = Counts(generated_tokens=ntok + says, prompt_tokens=20, model=None, stop_reason=None,
+                                   token_source="usage")
+                led.on_end(tr)
+        if delays:
+            led.note_proxy_delay(int(t), 0.0)
+        n = sum(x for f, x, _ in fin if f <= t)
+        ended = [d for f, _, d in fin if t - S // 4 < f <= t]
+        restart = ("server_restart",) if restart_at_s is not None and t == int(restart_at_s * S) else ()
+        led.add_server_tokens(int(t), float(n - counted_n), prev, at_finish=True, finished=(len(ended), sum(ended)),
+                              partial=restart)
+        prev, counted_n = int(t), n
+        led.advance(int(t))
+    led.close_all(int((until_s + 1) * S))
+    return [r for r in sink.rows["intervals"] if 3 <= r["t_start_mono_s"] < 18], sink.rows["requests"]
+
+
+@pytest.mark.parametrize("ntok", [10, 25, 40])
+@pytest.mark.parametrize("surplus", [1, 3])
+@pytest.mark.parametrize("bypass_per_s", [0.0, 30.0])
+def test_honest_sglang_short_answers_stay_complete_once_its_counter_is_seen_to_count_their_usage_only_tokens(
+        ntok, surplus, bypass_per_s):
+    """SGLang's short answers (4 a second, 10-40 tokens) whose usage says 1 token (its end-of-text) or 3 (a self-closing
+    call's trailing tokens with it) beyond their chunks, its counter counting them too. Per window nothing tells that
+    from a usage that over-says, so a window whose such tokens exceeded a token plus 5% of its server count said
+    usage_beyond_chunks: with 3 a stream, 14-15 of 15 interval rows and 63-64 of 64 request rows at 10 and 25 tokens, 12
+    of 15 and 59 of 64 at 40 (9 and 50 beside 30 bypass tokens/s); with 1, 3 of 15 and 17 of 64 at 10 tokens, 1 and 5 at
+    40. The counter's finished-request count says when no bypass request finished in a window: there its rise is the
+    proxied streams' tokens, with those tokens (counted) or without (not). Once seen counted (USAGE_COUNTED_VOTES such
+    windows of that many a stream, none seen short), the windows are not marked: now 0-2 of the 15 interval rows and
+    0-13 of the 64 request rows, all before 5 s (before 3 such windows came)."""
+    rows, reqs = _sglang_short(ntok, surplus, surplus, bypass_per_s)
+    late = [(r["t_start_mono_s"], r["server_count"]) for r in rows if r["t_start_mono_s"] >= 5]
+    assert all(c == "complete" for _, c in late), late
+    assert len(reqs) == 64
+    marked = [r["request_id"] for r in reqs
+              if "bypass-uncounted" in str(r["energy_note"]) and r["t_arrival_utc"] >= 5 * S]
+    assert not marked, marked
+
+
+@pytest.mark.parametrize("ntok", [10, 25, 40])
+@pytest.mark.parametrize("bypass_per_s", [0.0, 30.0])
+def test_an_at_finish_server_whose_usage_over_says_its_counter_stays_marked_and_never_complete_wrong(ntok,
+                                                                                                   bypass_per_s):
+    """The same streams, usage 3 beyond their chunks, the counter counting none of the 3: beside bypass traffic as
+    many bypass tokens hide behind them. Its clean windows (no bypass request finished) read its rise 3 a stream short
+    of the proxied tokens: never learned counted, and once seen short 3 times every window holding any such token says
+    usage_beyond_chunks. By the tolerance alone, 40-token answers beside 30 bypass tokens/s left 6 of 15 rows
+    `complete`, 3 of them off past the bound below (15, 76 and 67.5 for 30, 90 and 85: a window's bound is its own, and
+    a row's 4 took more); now 15 of 15 are marked. No row
+    saying `complete` reads further from the honest server's same run (the figures the ledger gives with nothing
+    hidden) than the rule's bound, a token plus 5% of the row's server count."""
+    rows, _ = _sglang_short(ntok, 3, 0, bypass_per_s)
+    honest, _ = _sglang_short(ntok, 3, 3, bypass_per_s)
+    assert len(rows) == len(honest)
+    wrong = [(r["t_start_mono_s"], r["server_tokens"], h["server_tokens"]) for r, h in zip(rows, honest)
+             if r["server_count"] == "complete"
+             and abs((r["server_tokens"] or 0.0) - (h["server_tokens"] or 0.0))
+             > 1.0 + LAG_SHARE * ((h["server_tokens"] or 0.0) + h["proxy_tokens"])]
+    assert not wrong, wrong
+    said = [r["server_count"] for r in rows]
+    assert sum("usage_beyond_chunks" in c for c in said) >= 0.6 * len(rows), said
+
+
+def test_without_the_proxys_delay_measured_nothing_is_learned_and_short_answers_stay_marked():
+    """Where the proxy's delay is not measured, a stream's finish may sit past a window's edge at the server by any
+    lag: no window tells, and they are marked as before."""
+    rows, _ = _sglang_short(25, 3, 3, 0.0, delays=False)
+    assert all("usage_beyond_chunks" in r["server_count"] for r in rows)
+
+
+def test_a_counter_seen_counting_one_usage_only_token_is_not_taken_to_count_three():
+    """A counter that counts the end-of-text token but not a call's other 2 trailing tokens (as if its usage over-said
+    those): seen counting 1 a stream over 2-10 s, then from 10 s 3-a-stream answers beside a 5-token bypass request
+    finishing in every window (so no window tells again). Each may hide 2 bypass tokens: on the word of the 1-a-stream
+    windows they would read `complete`; they stay usage_beyond_chunks, as before the rule."""
+    rows, _ = _sglang_short(25, 1, 1, 0.0, then=(3, 1, 10.0), steady_from_s=10.0)
+    early = [r["server_count"] for r in rows if 5 <= r["t_start_mono_s"] < 10]
+    assert early and all(c == "complete" for c in early), early
+    late = [r["server_count"] for r in rows if r["t_start_mono_s"] >= 11]
+    assert late and all("usage_beyond_chunks" in c for c in late), late
+
+
+def test_what_was_seen_of_a_counter_is_forgotten_at_its_restart():
+    """Seen counting a call's 3 trailing tokens over 2-10 s, the server restarts at 10 s as a build whose counter counts
+    none of them, a 5-token bypass request finishing in every window from then on (so no window tells again): each
+    window may hide 3 of its 5 bypass tokens. Its windows are judged afresh, by the tolerance: usage_beyond_chunks."""
+    rows, _ = _sglang_short(25, 3, 3, 0.0, then=(3, 0, 9.6), steady_from_s=10.0, restart_at_s=10.0)
+    early = [r["server_count"] for r in rows if 5 <= r["t_start_mono_s"] < 9]
+    assert early and all(c == "complete" for c in early), early
+    late = [r["server_count"] for r in rows if r["t_start_mono_s"] >= 11]
+    assert late and all("usage_beyond_chunks" in c for c in late), late
