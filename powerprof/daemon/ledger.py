@@ -102,9 +102,15 @@ BYPASS_PACE_S = 0.25
 # left most requests of a loaded host out of J/token (docs/daemon.md, "A server restart": the figures).
 LAG_SHARE = 0.05
 # An at-finish counter is taken to count the usage's tokens beyond a stream's chunks of a given number a stream once
-# this many windows with no bypass request finished rose by exactly the proxied tokens with them, and none short of
-# them; and to count none of them once this many rose short (`_usage_counted`).
+# this many windows with no bypass request finished rose by exactly the proxied tokens with them, and at most one in
+# USAGE_SHORT_RATIO as many short of them; and to count none of them once this many rose short, more than that share
+# (`_usage_doubt`). Only the votes of the latest USAGE_VOTE_S count: kept for the daemon's life, an honest counter's
+# few windows timed wrong (a stream the proxy saw later than its measured delay) outweighed 90 exact ones, and every
+# row of an honest SGLang was marked from its third on (70 of 115 rows over 2 minutes); and a verdict lapses where no
+# window tells again.
 USAGE_COUNTED_VOTES = 3
+USAGE_SHORT_RATIO = 4
+USAGE_VOTE_S = 30.0
 # What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
 MISPLACED, PROXY_LAG, PROXY_UNREAD = SERVER_COUNT_MISPLACED, SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD
@@ -457,11 +463,10 @@ class Ledger:
         # (t_ns, tokens) of those placed for a stream's usage beyond its chunks within COUNT_SLACK_TOKENS (in _proxied
         # too): believed, not seen; a window where they weigh says USAGE_BEYOND (`_resolve_spans`).
         self._slack: deque = deque()
-        # What the at-finish counter was seen to do with those tokens since its latest restart (`_usage_counted`):
-        # {tokens a stream: windows that rose by exactly the proxied tokens with them}, the windows that rose short of
-        # them, and the GET span that read the counter at the latest resolved window's end.
-        self._usage_seen: dict[int, int] = {}
-        self._usage_short = 0
+        # What the at-finish counter was seen to do with those tokens lately (`_usage_doubt`): {tokens a stream:
+        # (window end, rose by exactly the proxied tokens with them) of the latest USAGE_VOTE_S}, and the GET span that
+        # read the counter at the latest resolved window's end.
+        self._usage_votes: dict[int, deque] = {}
         self._usage_read: tuple[int, int] | None = None
         # (start, end) of the latest restarts' scrape windows: kept past their windows' pruning, as a request that
         # arrived before one may show tokens long after its intervals closed (`_restart_cut_ns`).
@@ -1517,7 +1522,7 @@ class Ledger:
         # the windows whose lookahead crosses a restart take on too (`_resolve_spans`): one left waiting was taken for
         # the restart at the next pass, its levels started afresh a window early.
         read = (min(int(read_ns[0]), int(t_ns)), max(int(read_ns[1]), int(t_ns))) if read_ns is not None else None
-        # The last: how many requests the server finished in it, none included (None: not told), for `_usage_counted`.
+        # The last: how many requests the server finished in it, none included (None: not told), for `_usage_doubt`.
         self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial),
                                   "server_restart" in partial, read, None,
                                   int(finished[0]) if at_finish and finished is not None else None])
@@ -2486,18 +2491,18 @@ class Ledger:
             # did not count them, as many bypass tokens hide behind them, and per window an honest server (its counter
             # counting them: SGLang's end-of-text token) and one whose usage over-says read alike while bypass traffic
             # is steady. Past the window's tolerance (a token plus LAG_SHARE of its server count, PROXY_LAG's) it says
-            # so, unless an at-finish counter was seen to count them (`_usage_counted`): there the tolerance alone
+            # so, but for those an at-finish counter was seen to count (`_usage_doubt`): there the tolerance alone
             # marked honest SGLang's short answers, a 25-token call's 3 trailing tokens every window (1 in 20 is past
-            # LAG_SHARE), for nothing. A counter seen short of them marks every window that holds any: below the
-            # tolerance a window hid up to a token plus 5% unsaid, and a row's 4 such windows more than the row's own
+            # LAG_SHARE), for nothing. Any of a number a stream the counter was seen short of marks the window: below
+            # the tolerance a window hid up to a token plus 5% unsaid, and a row's 4 such windows more than the row's own
             # (40-token answers beside bypass traffic: rows 15 for 30 `complete`). A second test, "the counter rose less
             # than the placed tokens by more than the tolerance", reduced to placed − count > tol whatever the surplus
             # (it cancels out): ordinary placing jitter, which marked every window of honest 50-token SGLang answers
             # every 40 ms; a usage over-saying with no bypass beside it is a negative gap, which the owed-count rules
             # above see.
-            counted = self._usage_counted(sp, float(placed[k]), pt, st, sn, (int(read_a[k]), int(read_b[k])), lag_ns) \
-                if self.server_at_finish else None
-            if s_k > (PLACED_EPS if counted is False else tol) and counted is not True and USAGE_BEYOND not in sp[5]:
+            short_n, unknown_n = self._usage_doubt(sp, float(placed[k]), pt, st, sn, (int(read_a[k]), int(read_b[k])),
+                                                   lag_ns) if self.server_at_finish else (0.0, s_k)
+            if (short_n > PLACED_EPS or short_n + unknown_n > tol) and USAGE_BEYOND not in sp[5]:
                 sp[5] = (*sp[5], USAGE_BEYOND)
             if len(sp) > 8:  # what the reads at its edges may have missed or taken early (`_read_unsure`)
                 sp[8] = (*((float(early_n[k - 1]), float(late_n[k - 1])) if k else self._edge_read),
@@ -2529,26 +2534,31 @@ class Ledger:
             self._edge_most = float(ahead_n[k]) if measured[k] else None
             self._edge_read = (float(early_n[k]), float(late_n[k]))
 
-    def _usage_counted(self, sp: list, placed_n: float, fin_t: np.ndarray, slack_t: np.ndarray, slack_n: np.ndarray,
-                       read: tuple[int, int], lag_ns: int) -> bool | None:
-        """Whether the at-finish counter counts the usage's tokens beyond the chunks (`_placed_at_end`) of the streams
-        that finished in window `sp`, as seen since its latest restart: True where it was seen to count that many a
-        stream (USAGE_COUNTED_VOTES windows) and never short of them, False where it was seen short of them as often,
-        None otherwise (the window is judged by its tolerance alone, as before). `read` is the GET span that read the
-        counter at its end; each window is passed once, in order, as it is resolved.
+    def _usage_doubt(self, sp: list, placed_n: float, fin_t: np.ndarray, slack_t: np.ndarray, slack_n: np.ndarray,
+                     read: tuple[int, int], lag_ns: int) -> tuple[float, float]:
+        """Of the usage's tokens beyond the chunks (`_placed_at_end`) of the streams that finished in window `sp`, those
+        of a number a stream the at-finish counter was seen short of lately, and those of a number it was not seen to
+        count either way (judged by the window's tolerance, as before); those it was seen to count are neither. Per
+        number a stream (1: SGLang's end-of-text token; 3: a self-closing call's trailing tokens with it), from the
+        votes of the latest USAGE_VOTE_S: seen to count it where USAGE_COUNTED_VOTES windows holding such streams rose
+        by exactly the proxied tokens and at most one in USAGE_SHORT_RATIO as many rose short, seen short of it where
+        as many rose short and more than that share. `read` is the GET span that read the counter at its end; each
+        window is passed once, in order, as it is resolved.
 
         What tells: a window in which the server finished exactly as many requests as the proxy placed finishes there
         (its latency histogram's count: scrape.Scraper.finished) finished no bypass request, so at finish its counter
         rose by the proxied streams' tokens alone, with those tokens (counted) or without them (short). Only where each
         finish sits past the proxy's measured delay and GET_FINISH_SLACK_S inside the GETs at its edges (the proxy sees
         a finish later than the server counted it), and the window says nothing else; a rise above the placed tokens
-        (a stream the proxy saw less of) tells nothing. Per count a stream (1: SGLang's end-of-text token; 3: a
-        self-closing call's trailing tokens with it), each seen in windows holding streams with that many: a counter
-        that counted one of them and not the other two is not taken as counting 3 on 1's word."""
-        if sp[6]:  # a restarted server may be another build
-            self._usage_seen, self._usage_short = {}, 0
+        (a stream the proxy saw less of) tells nothing. A window holding streams of several numbers votes for each: a
+        counter that counted one of them and not the other two is not taken as counting 3 on 1's word, and one short of
+        3 does not mark the windows of 1 it was seen to count. Votes are let go at a restart, told or said by the
+        scraper's marks (counter_below, fall_unconfirmed: a new process unseen may be another build)."""
+        if sp[6] or {COUNTER_BELOW, "fall_unconfirmed"} & set(sp[5]):
+            self._usage_votes = {}
         a, b = np.searchsorted(slack_t, [sp[0], sp[1]], side="right")
-        sizes = {int(round(x)) for x in slack_n[a:b].tolist()}  # at-finish: one entry a stream, its whole surplus
+        per = [(int(round(x)), x) for x in slack_n[a:b].tolist()]  # at-finish: one entry a stream, its whole surplus
+        sizes = {n for n, _ in per}
         fa, fb = (int(x) for x in np.searchsorted(fin_t, [sp[0], sp[1]], side="right"))
         prev, self._usage_read = self._usage_read, read
         if sizes and fb > fa and len(sp) > 9 and sp[9] == fb - fa and not sp[5] and prev is not None:
@@ -2556,18 +2566,23 @@ class Ledger:
             margin_ns = None if most_s is None else int((GET_FINISH_SLACK_S + most_s) * 1e9)
             if (margin_ns is not None and int(fin_t[fa]) - max(sp[0], prev[1]) >= margin_ns
                     and min(sp[1], read[0]) - int(fin_t[fb - 1]) >= margin_ns):
-                if abs(float(sp[2]) - placed_n) <= 0.5:  # every such token in it was counted, of each number there
+                exact = abs(float(sp[2]) - placed_n) <= 0.5  # every such token in it was counted, of each number there
+                if exact or float(sp[2]) < placed_n:
                     for n in sizes:
-                        self._usage_seen[n] = self._usage_seen.get(n, 0) + 1
-                elif float(sp[2]) < placed_n:
-                    self._usage_short += 1
-        # One window short of them is enough to believe them no more; a few (not one: an unmeasured lag past the margin
-        # can swap two streams of different lengths across an edge) to take every such token as a hidden bypass token.
-        if self._usage_short:
-            return False if self._usage_short >= USAGE_COUNTED_VOTES else None
-        if sizes and all(self._usage_seen.get(n, 0) >= USAGE_COUNTED_VOTES for n in sizes):
-            return True
-        return None
+                        self._usage_votes.setdefault(n, deque()).append((int(sp[1]), exact))
+        horizon_ns = int(sp[1]) - int(USAGE_VOTE_S * 1e9)
+        short_n = unknown_n = 0.0
+        for n, x in per:
+            votes = self._usage_votes.get(n, ())
+            while votes and votes[0][0] < horizon_ns:
+                votes.popleft()
+            exact_votes = sum(1 for _, e in votes if e)
+            short_votes = len(votes) - exact_votes
+            if short_votes >= USAGE_COUNTED_VOTES and short_votes * USAGE_SHORT_RATIO > exact_votes:
+                short_n += x
+            elif not (exact_votes >= USAGE_COUNTED_VOTES and short_votes * USAGE_SHORT_RATIO <= exact_votes):
+                unknown_n += x
+        return short_n, unknown_n
 
     def _delay_most_s(self, a_ns: int, b_ns: int) -> float | None:
         """The most delay of the proxy's own loop measured from `a_ns` to `b_ns` (`note_proxy_delay`); None: none."""
