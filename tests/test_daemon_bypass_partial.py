@@ -1710,3 +1710,13 @@ def test_a_one_page_dip_with_no_bypass_traffic_beside_it_leaves_its_rows_complet
     rows, truth = _sim(drop=drop, alt=alt, drop_until=5.0 + back_s, bypass_from=30.0)
     got = [(r["t_start_mono_s"], r["server_tokens"], r["server_count"]) for r in rows if 2 <= r["t_start_mono_s"] < 21]
     assert all(c == "complete" and abs(n or 0.0) <= 1.0 for _, n, c in got), got
+
+
+def test_a_dip_back_after_the_second_beside_an_alternating_pace_with_no_get_told_books_no_bypass_unmarked():
+    """A 50-token dip at 5 s back at 6.5 s, no bypass traffic, no GET told, the proxied pace alternating 160/80
+    tokens/s. Added back as a loss, its return (70 counted for 20 placed) is taken back out of it only beyond what a read
+    early may hold: that was the fall of the proxy's rate over 1 s, 80 tokens between an alternating pace's windows,
+    so the return stayed: row 6 read 50 (49) bypass tokens for none, `complete`. Now the most a read up to 1 s early
+    holds beyond the window's own tokens, from the proxy's own tokens (20 here): row 6 reads 21 and says proxy_lag."""
+    rows, truth = _sim(drop=50.0, alt=True, drop_until=6.5, bypass_from=30.0)
+    assert not _wrong_complete_rows(rows, truth, _px_of(True))

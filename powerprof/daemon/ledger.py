@@ -2699,9 +2699,11 @@ class Ledger:
             sp = todo[i]
             explained = float(late_n[i]) + (float(early_n[i - 1]) if i else self._edge_read[0])
             if len(sp) <= 7 or sp[7] is None:
-                n_prev, d_prev = (float(placed[i - 1]), float(dur[i - 1])) if i \
-                    else (self._placed_last, float(max(self._placed_last_ns, 1)))
-                explained += max(0.0, n_prev / max(d_prev, 1.0) - float(placed[i]) / dur[i]) * float(lag_ns)
+                # The most a read up to LAG_S early holds beyond the window's own tokens (`_read_early_most`); the fall
+                # of the proxy's rate over LAG_S that stood for it is 80 beside a pace alternating 160/80 tokens/s where
+                # a read early holds 20, and a 50-token dip back 1.25 s on with no bypass traffic read as 49 bypass
+                # tokens, row 6 `complete`.
+                explained += _read_early_most(pt, cum, int(sp[0]), int(sp[1]), lag_ns, held=True)
             excess = (float(sp[2]) - float(placed[i]) - max(r[2] for r in live) * dur[i] - explained
                       - LAG_TOKENS - LAG_SHARE * float(placed[i]))
             if excess <= 0:
@@ -3853,14 +3855,18 @@ def _cache_unsaid_note(tokens: float, what: str) -> str:
             f"{CACHE_UNSAID_FIX}")
 
 
-def _read_early_most(pt: np.ndarray, cum: np.ndarray, s_ns: int, t_ns: int, lag_ns: int) -> float:
+def _read_early_most(pt: np.ndarray, cum: np.ndarray, s_ns: int, t_ns: int, lag_ns: int, held: bool = False) -> float:
     """The most of the proxy's tokens (times `pt`, running sums `cum`) that a count of (s, t] read e early, 0 < e <=
-    lag, lacks: P(t - e, t] - P(s - e, s]. It is largest just as a token of (t - lag, t] enters the first stretch."""
+    lag, lacks: P(t - e, t] - P(s - e, s]; with `held`, the most it holds beyond them: P(s - e, s] - P(t - e, t]. Each
+    is largest just as a token of the stretch before t (before s, held) enters it: those are the e tried."""
     lo, hi = np.searchsorted(pt, [t_ns - lag_ns, t_ns], side="right")
     e = np.append(t_ns - pt[lo:hi] + 1, lag_ns)
+    if held:
+        lo_s, hi_s = np.searchsorted(pt, [s_ns - lag_ns, s_ns], side="right")
+        e = np.append(s_ns - pt[lo_s:hi_s] + 1, lag_ns)
     a = cum[hi] - cum[np.searchsorted(pt, t_ns - e, side="right")]
     b = cum[np.searchsorted(pt, s_ns, side="right")] - cum[np.searchsorted(pt, s_ns - e, side="right")]
-    return max(0.0, float((a - b).max()))
+    return max(0.0, float((b - a).max() if held else (a - b).max()))
 
 
 def _take_oldest(q: deque, n: float) -> None:
