@@ -456,8 +456,11 @@ class Ledger:
         self._wait_floor = 1  # waits below this number left at their hold
         # Per API, whether its latest ended answers said a cached count (`_never_says_cached`).
         self._says_cached: dict[str, deque] = {}
-        # [t0, t1, server tokens, bypass tokens or None, (requests finished, their summed seconds) or None,
-        #  why its count may be low (scrape.PARTIAL_REASONS keys)] per scrape
+        # Per scrape window, by position: [0] t0, [1] t1 (ns), [2] the server's tokens, [3] its bypass tokens (None until
+        # resolved), [4] (requests finished, their summed seconds) or None, [5] why its count may be low
+        # (scrape.PARTIAL_REASONS keys), [6] the scraper said the server restarted in it, [7] the GET span that read the
+        # counter at t1 or None (not told), [8] what the reads at its edges may have missed or taken early (set when
+        # resolved, `_read_unsure`), [9] the requests the server finished in it (None: not told; `_usage_doubt`).
         self.server_spans: list[list] = []
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
         # (t_ns, tokens) of those placed for a stream's usage beyond its chunks within COUNT_SLACK_TOKENS (in _proxied
@@ -1523,11 +1526,10 @@ class Ledger:
             self._durations.append((int(t_ns), fin[1] / fin[0]))
         while self._durations and self._durations[0][0] < t_ns - int(FINISH_HOLD_S * 1e9):
             self._durations.popleft()
-        # The last: the scraper said the server restarted in this window. Not read from the reasons (the sixth), which
-        # the windows whose lookahead crosses a restart take on too (`_resolve_spans`): one left waiting was taken for
-        # the restart at the next pass, its levels started afresh a window early.
+        # [6]: the scraper said the server restarted in this window. Not read from the reasons ([5]), which the windows
+        # whose lookahead crosses a restart take on too (`_resolve_spans`): one left waiting was taken for the restart
+        # at the next pass, its levels started afresh a window early.
         read = (min(int(read_ns[0]), int(t_ns)), max(int(read_ns[1]), int(t_ns))) if read_ns is not None else None
-        # The last: how many requests the server finished in it, none included (None: not told), for `_usage_doubt`.
         self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial),
                                   "server_restart" in partial, read, None,
                                   int(finished[0]) if at_finish and finished is not None else None])
@@ -2221,7 +2223,7 @@ class Ledger:
         slack_ns = int(GET_FINISH_SLACK_S * 1e9) if self.server_at_finish else 0
 
         def told(sp) -> bool:
-            return len(sp) > 7 and sp[7] is not None and sp[7][1] - sp[7][0] >= slack_ns
+            return sp[7] is not None and sp[7][1] - sp[7][0] >= slack_ns
 
         read_a = np.array([sp[7][0] if told(sp) else sp[1] for sp in todo], dtype=np.int64)
         read_b = np.array([sp[7][1] if told(sp) else sp[1] for sp in todo], dtype=np.int64)
@@ -2379,7 +2381,7 @@ class Ledger:
                 # its own owe away before the window could net its recovery: at a 5 s scrape interval (a window holding
                 # the whole end, none of its tokens within LAG_S of the window's end), a read 0.1 s early's recovery of
                 # 16 read as bypass tokens that never ran, rows `complete`.
-                self._cap_owed(cum, pt, int(sp[0]), lag_ns)
+                self._cap_owed_and_overpaid(cum, pt, int(sp[0]), lag_ns)
                 n_prev, d_prev = (float(placed[k - 1]), int(todo[k - 1][1] - todo[k - 1][0])) if k \
                     else (self._placed_last, self._placed_last_ns)
                 d_k = int(sp[1] - sp[0])
@@ -2392,7 +2394,7 @@ class Ledger:
                 # existing scenes' owes (made over several windows, at a pace that alternates) were left partly
                 # unpaid, so the bound stays; what it nets beyond f x e is kept as `_overpaid`, and the windows whose
                 # count rises while any is left say proxy_lag: their rise may be a recovery the owe no longer holds.
-                # Bounded as the owe is (`_cap_owed`): the dip it stands for goes with the proxy's tokens.
+                # Bounded as the owe is (`_cap_owed_and_overpaid`): the dip it stands for goes with the proxy's tokens.
                 rate_prev = n_prev / max(d_prev, 1)
                 owed_now = sum(o[1] for o in self._owed)
                 early_ns = min(float(d_k), float(lag_ns), owed_now / rate_prev) if rate_prev > 0 else float(d_k)
@@ -2426,7 +2428,7 @@ class Ledger:
                 _take_oldest(self._overpaid, float(sp[3]))
                 if netted - sure > 0:
                     self._overpaid.append([int(sp[1]), netted - sure])
-                self._cap_owed(cum, pt, int(sp[1]), lag_ns)
+                self._cap_owed_and_overpaid(cum, pt, int(sp[1]), lag_ns)
             self._ref_last = ref
             if restart[k] and any(q.trace.arrival_ns <= sp[0] for q in live):
                 # Its level holds the old process's count of tokens still to come (placed at its end, here, once
@@ -2516,9 +2518,9 @@ class Ledger:
                                                    lag_ns) if self.server_at_finish else (0.0, s_k)
             if (short_n > PLACED_EPS or short_n + unknown_n > tol) and USAGE_BEYOND not in sp[5]:
                 sp[5] = (*sp[5], USAGE_BEYOND)
-            if len(sp) > 8:  # what the reads at its edges may have missed or taken early (`_read_unsure`)
-                sp[8] = (*((float(early_n[k - 1]), float(late_n[k - 1])) if k else self._edge_read),
-                         float(early_n[k]), float(late_n[k]))
+            # What the reads at its edges may have missed or taken early (`_read_unsure`).
+            sp[8] = (*((float(early_n[k - 1]), float(late_n[k - 1])) if k else self._edge_read),
+                     float(early_n[k]), float(late_n[k]))
             if restart[k]:
                 self._levels.clear()
                 # The new process owes what its restart window's level fell below its gap (less the most lag the proxy
@@ -2573,7 +2575,7 @@ class Ledger:
         sizes = {n for n, _ in per}
         fa, fb = (int(x) for x in np.searchsorted(fin_t, [sp[0], sp[1]], side="right"))
         prev, self._usage_read = self._usage_read, read
-        if sizes and fb > fa and len(sp) > 9 and sp[9] == fb - fa and not sp[5] and prev is not None:
+        if sizes and fb > fa and sp[9] == fb - fa and not sp[5] and prev is not None:
             most_s = self._delay_most_s(sp[0] - lag_ns, sp[1] + lag_ns)
             margin_ns = None if most_s is None else int((GET_FINISH_SLACK_S + most_s) * 1e9)
             if (margin_ns is not None and int(fin_t[fa]) - max(sp[0], prev[1]) >= margin_ns
@@ -2681,7 +2683,7 @@ class Ledger:
                 break
             loss = float(short[k:m].sum()) - float(start_allow[k]) - float(early_n[m - 1])
             sp_end = todo[m - 1]
-            if len(sp_end) <= 7 or sp_end[7] is None:
+            if sp_end[7] is None:
                 # Read early by up to LAG_S, the run's count lacks the proxy's tokens of that stretch before its end and
                 # holds those before its start: the most that leaves short, from the proxy's own tokens. The rise of its
                 # rate from the window before the run to its last one, over LAG_S, stood for it: beside a pace
@@ -2782,7 +2784,7 @@ class Ledger:
                 continue
             sp = todo[i]
             explained = float(late_n[i]) + (float(early_n[i - 1]) if i else self._edge_read[0])
-            if len(sp) <= 7 or sp[7] is None:
+            if sp[7] is None:
                 # The most a read up to LAG_S early holds beyond the window's own tokens (`_read_early_most`); the fall
                 # of the proxy's rate over LAG_S that stood for it is 80 beside a pace alternating 160/80 tokens/s where
                 # a read early holds 20, and a 50-token dip back 1.25 s on with no bypass traffic read as 49 bypass
@@ -2800,7 +2802,7 @@ class Ledger:
             lost[i] = -take
         return lost, run_pace
 
-    def _cap_owed(self, cum: np.ndarray, pt: np.ndarray, at_ns: int, lag_ns: int) -> None:
+    def _cap_owed_and_overpaid(self, cum: np.ndarray, pt: np.ndarray, at_ns: int, lag_ns: int) -> None:
         """At most the proxy's tokens of the LAG_S either side of `at_ns` (a scrape) are owed (`_resolve_spans`): what a
         read that early can owe, its level looking LAG_S ahead. The oldest go first. So too what was netted beyond the
         recovery (`_overpaid`): the recovery it stands for is of the dip a read made early holds, no larger than what
@@ -3100,7 +3102,7 @@ class Ledger:
         Such an edge moves tokens from one window to the next: within an interval they cancel, and only the edges where
         its share of the windows changes (its own ends) move its count, by that change of share times those tokens."""
         out = [(0.0, 0.0)] * (t.size - 1)
-        spans = [x for x in self.server_spans if len(x) > 8 and x[8] is not None and x[1] > t[0] and x[0] < t[-1]
+        spans = [x for x in self.server_spans if x[8] is not None and x[1] > t[0] and x[0] < t[-1]
                  and x[1] > x[0]]
         if not spans:
             return out
