@@ -533,6 +533,9 @@ class Ledger:
         self._passing: dict[int, float] = {}
         # The start of each window a dip came back in, and the tokens taken back there (`_lost_beyond`): likewise.
         self._dip_back: dict[int, float] = {}
+        # The end of each window of a run short of the proxy's tokens (`_lost_beyond`), kept LAG_S past the windows
+        # still to resolve: those after it within LAG_S may hold its return, no bypass pace for a later run.
+        self._seed_ends: set[int] = set()
         # The proxy's tokens in the latest resolved window, and that window's length (ns): its rate is compared.
         self._placed_last, self._placed_last_ns = 0.0, 1
         self._ahead = (0.0, 0.0)  # and the most and least lag it may hold
@@ -2670,6 +2673,9 @@ class Ledger:
         # (NaN: the windows whose lookahead takes it in wait, `_resolve_spans`).
         seed = ok & ((short > LAG_TOKENS + LAG_SHARE * placed)
                      | np.array([COUNTER_BELOW in sp[5] for sp in todo], dtype=bool))
+        self._seed_ends = {e for e in self._seed_ends if e > int(todo[0][0]) - lag_ns}
+        self._seed_ends.update(int(todo[i][1]) for i in np.flatnonzero(seed))
+        seed_ends = np.array(sorted(self._seed_ends), dtype=np.int64)
         k = 0
         while k < n_w:
             if not seed[k]:
@@ -2696,7 +2702,13 @@ class Ledger:
                 continue
             # The bypass traffic's pace before the run (the server's count less the proxy's tokens per ns, over the LAG_S
             # before it): a rise at that pace after it is that traffic, not the count winning back what it lacked.
-            pre = [i for i in range(k) if ok[i] and not seed[i] and int(todo[i][1]) > int(todo[k][0]) - lag_ns]
+            # Not a window within LAG_S after an earlier run, nor one a dip was taken back out of: what it rose above
+            # the proxy's tokens may be that run's return, not bypass traffic. Taken as the pace, a 100-token dip's
+            # return (80 counted for 20 proxied) made a second dip 0.25 s on, no bypass traffic at all, a loss added
+            # back, and its passing page's return 60 bypass tokens (row 6 60 for 0, `complete`).
+            pre = [i for i in range(k) if ok[i] and not seed[i] and int(todo[i][1]) > int(todo[k][0]) - lag_ns
+                   and int(todo[i][0]) not in self._dip_back
+                   and not ((seed_ends <= int(todo[i][0])) & (seed_ends > int(todo[i][0]) - lag_ns)).any()]
             if pre:
                 pace = max(0.0, sum(float(todo[i][2]) - float(placed[i]) for i in pre) / sum(dur[i] for i in pre))
             else:
