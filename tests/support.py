@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import socket
 from dataclasses import dataclass
 
@@ -13,7 +14,30 @@ import pytest
 from powerprof.sweep import UI
 
 
+# Ports handed out below the kernel's ephemeral range (where it leaves room): a server a test starts on its port
+# later (its address given to the daemon first) found it taken meanwhile by another process's outgoing connection,
+# the range's ports being those the kernel hands out (EADDRINUSE at the bind in a fresh-clone run, session 52).
+_LOW_PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A loopback port free now, for a server a test may start on it later."""
+    top = _ephemeral_low()
+    for _ in range(50):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", random.randrange(_LOW_PORTS_FROM, top) if top > _LOW_PORTS_FROM + 100 else 0))
+            except OSError:
+                continue  # in use, or in TIME_WAIT: another
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
