@@ -47,6 +47,8 @@ def _scrapes(kind: str, script: list, seen: list | None = None) -> tuple[list, S
                 raise aiohttp.ClientConnectorError(_KEY, socket.gaierror(-2, "Name or service not known"))
             if step == CONNECT_TIMEOUT:
                 raise aiohttp.ClientConnectorError(_KEY, TimeoutError(110, "Connection timed out"))
+            if step == "503":  # a loading server's, or a gateway's while its upstream is down
+                return 503, ""
             return 200, step
 
     async def go():
@@ -136,6 +138,27 @@ def test_a_young_counter_still_fallen_at_the_next_page_is_counted_from_its_highe
 def test_a_young_counter_the_server_was_down_before_is_still_a_restart_at_once():
     deltas, sc = _scrapes("sglang", [_sglang(2), DOWN, _sglang(0), _sglang(2)])
     assert deltas == [0, None, 0, 2] and sc.restarts == 1 and "server_restart" in sc.partial, deltas
+
+
+@pytest.mark.parametrize("down", [DOWN, "503"])
+def test_a_counter_back_at_or_past_its_reading_after_the_server_was_found_down_says_it_may_be_low(down):
+    # A restart whose new process passed the old reading by the first page after it (a young counter, a fast server):
+    # only total - old reading is counted, the new process's tokens up to the old reading are in no count. Before,
+    # that window said nothing (`complete`): 40, down, 50 counted 10 where the new process had counted 50. Nothing on
+    # a page without a start time tells it from a server found down and back with its counter whole (a gateway's
+    # 503), so the count is kept (no token made up) and the window said, as a young counter's dip back at its reading.
+    seen: list = []
+    deltas, sc = _scrapes("sglang", [_sglang(40), down, _sglang(50), _sglang(60)], seen)
+    assert deltas == [0, None, 10, 10] and sc.restarts == 0, deltas
+    assert "counter_below" in sc.partial and "server_restart" not in sc.partial, sc.partial
+    assert sc.window_partial == (), sc.window_partial  # the window after it is whole again
+
+
+def test_a_counter_back_past_its_reading_on_a_page_with_an_unmoved_start_time_is_not_marked():
+    # vLLM's page says its process's start time: the same one back, the server was not restarted, the count is whole.
+    page = lambda n: _vllm_multiprocess(n) + "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1700000000.0\n"
+    deltas, sc = _scrapes("vllm", [page(40), DOWN, page(50), page(60)])
+    assert deltas == [0, None, 10, 10] and sc.partial == {}, (deltas, sc.partial)
 
 
 def test_a_grown_counter_fallen_to_half_or_less_is_still_a_restart_at_once():

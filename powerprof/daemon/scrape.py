@@ -79,7 +79,9 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
 
 
 # A counter below its highest reading at two pages or more, above half of it, the server never found down: two dips in a
-# row or a restart, not told apart (Scraper._dip_or_restart); counted from the highest reading, the windows marked.
+# row or a restart, not told apart (Scraper._dip_or_restart); counted from the highest reading, the windows marked. Also
+# a young counter's dip back at its reading (_young_back) and a counter at or past it after the server was found down
+# (_down_back): a restart whose new process passed the old reading may hide there.
 COUNTER_BELOW = SERVER_COUNT_BELOW
 # The windows after a restart told by the counter's fall alone (no scrape found the server down, no start time moved),
 # until the counter passes the reading before the fall: that fall may have been a dip that lasted, whose recovery is
@@ -109,15 +111,18 @@ PARTIAL_REASONS = {
                       "for the figures kept, they are left out of J/token; told by the fall alone, the windows after "
                       "it say fall_unconfirmed; a restart whose new counter "
                       "has passed the old reading by the first scrape after it, on a server without "
-                      "process_start_time_seconds, cannot be told from traffic and is not said)",
+                      "process_start_time_seconds, cannot be told from traffic: said as counter_below where a scrape "
+                      "found the server down, not said where none did)",
     COUNTER_BELOW: "the server's token counter stayed below its highest reading at consecutive scrapes, above half of it "
                    f"(or that reading {YOUNG_COUNTER_TOKENS} tokens or fewer and the fall {YOUNG_DIP_TOKENS} or fewer), "
                    "or, that reading "
                    f"{YOUNG_COUNTER_TOKENS} tokens or fewer, fell by more than {YOUNG_DIP_TOKENS} and was back at it by "
-                   "the next scrape, and no scrape found the server down: dips "
+                   "the next scrape, and no scrape found the server down, or the counter was at or past that reading "
+                   "at the first page after a scrape found the server down (no process start time on the page): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
-                   "the count is exact, or a restart whose new process had counted more than half the old one's tokens "
-                   "by its first page (or whose old one had counted that few), whose tokens until its counter "
+                   "the count is exact, a server back from a 503 with its counter whole, or a restart whose new process "
+                   "had counted more than half the old one's tokens by its first page (or whose old one had counted "
+                   "that few, or that had passed the old reading), whose tokens until its counter "
                    "passes the old reading are not in the count. Counted from the highest reading either way (no token "
                    "made up), so bypass traffic then may not be in `unproxied` (its energy is with the proxied requests' "
                    "or idle); those intervals say so in server_count (fix: none needed once the counter passes its "
@@ -426,6 +431,23 @@ class Scraper:
                         "passed the old reading (%d so far): scraped server count may be low: %s", COUNTERS[self.kind],
                         self.base, prev, dipped, total, self.below, PARTIAL_REASONS[COUNTER_BELOW])
 
+    def _down_back(self, prev: float, total: float) -> None:
+        """A scrape since the last believed page found the server down, and this page's counter is at `total`, at or
+        past that page's `prev`, with no start time to say whether the process is the same: a server back from a
+        gateway's or a loading server's 503 with its counter whole, or a restart whose new process passed the old
+        reading by its first page (a young counter, a fast server), of whose `total` only `total - prev` is counted.
+        Counted so (no token made up) and said (COUNTER_BELOW), as `_young_back`. Before, a restart of 40 tokens back at
+        50 counted 10 in a window that said nothing."""
+        self.window_partial = (*self.window_partial, COUNTER_BELOW)
+        if COUNTER_BELOW not in self.partial:
+            self.partial[COUNTER_BELOW] = PARTIAL_REASONS[COUNTER_BELOW]
+        self.below += 1
+        if self.below <= 3 or self.below % 100 == 0:
+            log.warning("%s at %s is at %g after a scrape found the server down, at or past %g, its reading before: "
+                        "the same process back, or a restart whose new process passed the old reading (%d so far): "
+                        "scraped server count may be low: %s", COUNTERS[self.kind], self.base, total, prev, self.below,
+                        PARTIAL_REASONS[COUNTER_BELOW])
+
     def _below(self, prev: float, total: float) -> None:
         """This page's counter is still below the highest reading `prev` (COUNTER_BELOW): its window closes with no
         tokens counted (counted again once the counter passes `prev`) and says why its count may be low."""
@@ -542,6 +564,8 @@ class Scraper:
                                      f"again from {prev:g}")
                 if self._young_fall and self._dipped is not None and prev is not None and total >= prev:
                     self._young_back(prev, self._dipped, total)
+                elif self._unreachable and prev is not None and total >= prev and new_process is None and not same_start:
+                    self._down_back(prev, total)
                 self._last_total, self._dipped, self._unreachable = total, None, False
                 self._young_fall = False
                 if prev is None:
