@@ -152,6 +152,10 @@ def test_a_counter_back_at_or_past_its_reading_after_the_server_was_found_down_s
     assert deltas == [0, None, 10, 10] and sc.restarts == 0, deltas
     assert "counter_below" in sc.partial and "server_restart" not in sc.partial, sc.partial
     assert sc.window_partial == (), sc.window_partial  # the window after it is whole again
+    # Back at its reading exactly (an idle server's blip; SGLang restarted to its warm-up's 2 tokens): nothing ran,
+    # nothing said.
+    deltas, sc = _scrapes("sglang", [_sglang(2), down, _sglang(2), _sglang(12)])
+    assert deltas == [0, None, 0, 10] and sc.partial == {}, (deltas, sc.partial)
 
 
 def test_a_counter_back_past_its_reading_on_a_page_with_an_unmoved_start_time_is_not_marked():

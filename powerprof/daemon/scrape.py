@@ -80,7 +80,7 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
 
 # A counter below its highest reading at two pages or more, above half of it, the server never found down: two dips in a
 # row or a restart, not told apart (Scraper._dip_or_restart); counted from the highest reading, the windows marked. Also
-# a young counter's dip back at its reading (_young_back) and a counter at or past it after the server was found down
+# a young counter's dip back at its reading (_young_back) and a counter past it after the server was found down
 # (_down_back): a restart whose new process passed the old reading may hide there.
 COUNTER_BELOW = SERVER_COUNT_BELOW
 # The windows after a restart told by the counter's fall alone (no scrape found the server down, no start time moved),
@@ -117,7 +117,7 @@ PARTIAL_REASONS = {
                    f"(or that reading {YOUNG_COUNTER_TOKENS} tokens or fewer and the fall {YOUNG_DIP_TOKENS} or fewer), "
                    "or, that reading "
                    f"{YOUNG_COUNTER_TOKENS} tokens or fewer, fell by more than {YOUNG_DIP_TOKENS} and was back at it by "
-                   "the next scrape, and no scrape found the server down, or the counter was at or past that reading "
+                   "the next scrape, and no scrape found the server down, or the counter was past that reading "
                    "at the first page after a scrape found the server down (no process start time on the page): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
                    "the count is exact, a server back from a 503 with its counter whole, or a restart whose new process "
@@ -432,18 +432,19 @@ class Scraper:
                         self.base, prev, dipped, total, self.below, PARTIAL_REASONS[COUNTER_BELOW])
 
     def _down_back(self, prev: float, total: float) -> None:
-        """A scrape since the last believed page found the server down, and this page's counter is at `total`, at or
-        past that page's `prev`, with no start time to say whether the process is the same: a server back from a
+        """A scrape since the last believed page found the server down, and this page's counter is at `total`, past
+        that page's `prev`, with no start time to say whether the process is the same: a server back from a
         gateway's or a loading server's 503 with its counter whole, or a restart whose new process passed the old
         reading by its first page (a young counter, a fast server), of whose `total` only `total - prev` is counted.
         Counted so (no token made up) and said (COUNTER_BELOW), as `_young_back`. Before, a restart of 40 tokens back at
-        50 counted 10 in a window that said nothing."""
+        50 counted 10 in a window that said nothing. Back at `prev` exactly is not said: an idle server's blip, or a
+        restart whose new process counted only what its old one had (SGLang's warm-up 2 tokens), nothing ran."""
         self.window_partial = (*self.window_partial, COUNTER_BELOW)
         if COUNTER_BELOW not in self.partial:
             self.partial[COUNTER_BELOW] = PARTIAL_REASONS[COUNTER_BELOW]
         self.below += 1
         if self.below <= 3 or self.below % 100 == 0:
-            log.warning("%s at %s is at %g after a scrape found the server down, at or past %g, its reading before: "
+            log.warning("%s at %s is at %g after a scrape found the server down, past %g, its reading before: "
                         "the same process back, or a restart whose new process passed the old reading (%d so far): "
                         "scraped server count may be low: %s", COUNTERS[self.kind], self.base, total, prev, self.below,
                         PARTIAL_REASONS[COUNTER_BELOW])
@@ -564,7 +565,7 @@ class Scraper:
                                      f"again from {prev:g}")
                 if self._young_fall and self._dipped is not None and prev is not None and total >= prev:
                     self._young_back(prev, self._dipped, total)
-                elif self._unreachable and prev is not None and total >= prev and new_process is None and not same_start:
+                elif self._unreachable and prev is not None and total > prev and new_process is None and not same_start:
                     self._down_back(prev, total)
                 self._last_total, self._dipped, self._unreachable = total, None, False
                 self._young_fall = False
