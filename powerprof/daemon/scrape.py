@@ -422,14 +422,8 @@ class Scraper:
         tokens since and a restart's need not be, but the proxy's tokens are not known here: the window is said
         (COUNTER_BELOW), not believed whole. Read as a restart at once instead, a real dip's tokens were counted
         twice as bypass (64 → 0 → 64: 64 tokens that never ran, the window after it marked nothing)."""
-        self.window_partial = (*self.window_partial, COUNTER_BELOW)
-        if COUNTER_BELOW not in self.partial:
-            self.partial[COUNTER_BELOW] = PARTIAL_REASONS[COUNTER_BELOW]
-        self.below += 1
-        if self.below <= 3 or self.below % 100 == 0:
-            log.warning("%s at %s went back from %g to %g and is at %g again: a dip, or a restart whose new process "
-                        "passed the old reading (%d so far): scraped server count may be low: %s", COUNTERS[self.kind],
-                        self.base, prev, dipped, total, self.below, PARTIAL_REASONS[COUNTER_BELOW])
+        self._said_below(f"went back from {prev:g} to {dipped:g} and is at {total:g} again: a dip, or a restart whose "
+                         "new process passed the old reading")
 
     def _down_back(self, prev: float, total: float) -> None:
         """A scrape since the last believed page found the server down, and this page's counter is at `total`, past
@@ -439,27 +433,24 @@ class Scraper:
         Counted so (no token made up) and said (COUNTER_BELOW), as `_young_back`. Before, a restart of 40 tokens back at
         50 counted 10 in a window that said nothing. Back at `prev` exactly is not said: an idle server's blip, or a
         restart whose new process counted only what its old one had (SGLang's warm-up 2 tokens), nothing ran."""
-        self.window_partial = (*self.window_partial, COUNTER_BELOW)
-        if COUNTER_BELOW not in self.partial:
-            self.partial[COUNTER_BELOW] = PARTIAL_REASONS[COUNTER_BELOW]
-        self.below += 1
-        if self.below <= 3 or self.below % 100 == 0:
-            log.warning("%s at %s is at %g after a scrape found the server down, past %g, its reading before: "
-                        "the same process back, or a restart whose new process passed the old reading (%d so far): "
-                        "scraped server count may be low: %s", COUNTERS[self.kind], self.base, total, prev, self.below,
-                        PARTIAL_REASONS[COUNTER_BELOW])
+        self._said_below(f"is at {total:g} after a scrape found the server down, past {prev:g}, its reading before: the "
+                         "same process back, or a restart whose new process passed the old reading")
 
     def _below(self, prev: float, total: float) -> None:
         """This page's counter is still below the highest reading `prev` (COUNTER_BELOW): its window closes with no
         tokens counted (counted again once the counter passes `prev`) and says why its count may be low."""
+        self._said_below(f"still below its highest reading {prev:g} at the next scrape ({total:g})")
+
+    def _said_below(self, what: str) -> None:
+        """This scrape's window says COUNTER_BELOW (its count may be low); the log says `what` the counter did (the first
+        three, then every hundredth)."""
         self.window_partial = (*self.window_partial, COUNTER_BELOW)
         if COUNTER_BELOW not in self.partial:
             self.partial[COUNTER_BELOW] = PARTIAL_REASONS[COUNTER_BELOW]
         self.below += 1
         if self.below <= 3 or self.below % 100 == 0:
-            log.warning("%s at %s still below its highest reading %g at the next scrape (%g; %d so far): scraped "
-                        "server count may be low: %s", COUNTERS[self.kind], self.base, prev, total, self.below,
-                        PARTIAL_REASONS[COUNTER_BELOW])
+            log.warning("%s at %s %s (%d so far): scraped server count may be low: %s", COUNTERS[self.kind], self.base,
+                        what, self.below, PARTIAL_REASONS[COUNTER_BELOW])
 
     def has_baseline(self) -> bool:
         return self._last_total is not None or self._high is not None or self._slots is not None
