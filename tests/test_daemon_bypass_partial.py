@@ -948,7 +948,7 @@ def test_tag_rows_say_how_far_the_server_count_covers_their_intervals():
 
 
 def test_a_tags_server_count_joins_its_intervals_reasons_and_an_empty_one_is_unknown():
-    from powerprof.daemon.ledger import tag_server_count
+    from powerprof.daemon.rowtext import tag_server_count
     from powerprof.storage.schema import bypass_count_low
 
     assert tag_server_count({"complete"}) == "complete" and tag_server_count({"off"}) == "off"

@@ -2327,7 +2327,8 @@ def test_the_fixed_ratio_note_never_says_none_of_a_share_it_was_given():
     # A request given 0.3% of its energy from ratio-split intervals (its prompt's fast placement only grazing one),
     # which the range's other end gives 20% more: its row said "none of its GPU energy is from intervals other requests
     # did work in" (pct < 0.5 chose that lead), a false "none". And a range's end a hair below its figure read "-0%".
-    from powerprof.daemon.ledger import _approximate_note, _Req
+    from powerprof.daemon.liverequest import _Req
+    from powerprof.daemon.rowtext import _approximate_note
 
     r = _Req(_trace(1, 0.0), gpu_j=100.0, fixed_j=0.3, fixed_lo_j=0.1, fixed_hi_j=20.3, fixed_why="no fit yet")
     note = _approximate_note(r) or ""

@@ -209,7 +209,7 @@ def test_windows_whose_bypass_traffic_was_not_measured_are_counted_and_said(tmp_
 def test_a_tag_over_intervals_that_are_each_trusted_stays_trusted():
     # A tag's server_count joins its intervals'; `off` beside `slots_only` read as low ("off,slots_only" is neither),
     # though each interval's count was trusted: the tag's J/token was left out (analyze) and `tag stop` warned.
-    from powerprof.daemon.ledger import tag_server_count
+    from powerprof.daemon.rowtext import tag_server_count
     from powerprof.storage.schema import bypass_count_low
 
     joined = tag_server_count({"off", "slots_only"})

@@ -771,7 +771,8 @@ def test_slow_request_heads_are_cut_after_the_header_timeout(tmp_path):
 def test_buffered_rows_fit_within_half_the_units_memory_max():
     import tracemalloc
 
-    from powerprof.daemon.ledger import Ledger, _Req
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.liverequest import _Req
     from powerprof.daemon.proxy import RequestTrace
 
     mem_max = 512 << 20

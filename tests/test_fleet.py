@@ -616,7 +616,7 @@ def test_requests_whose_gpu_energy_is_unknown_are_left_out_of_j_per_token_and_sa
     # The daemon writes gpu_energy_j empty (never 0) for a request a GPU gave no energy reading over (its energy_note says
     # "GPU energy unknown"), with its tokens. The summary summed those tokens under the other requests' energy: 10 such
     # requests beside node-0's 10 measured ones read 0.250 J/token against the true 0.500, and nothing said so.
-    from powerprof.daemon.ledger import GPU_MISSING_NOTE
+    from powerprof.daemon.rowtext import GPU_MISSING_NOTE
 
     truth = _node(tmp_path / "n", 0)
     store = DatasetStore(tmp_path / "n", datasets(), host="node-0")

@@ -37,7 +37,7 @@ LATENCY_DOCS = {
     "prompt_tokens": "Proxied requests' prompt tokens (as the server reported them)",
     "output_tokens": "Proxied requests' generated tokens",
 }
-# Request flags (ledger.COUNTED_FLAGS) → the counter of the rows that say them, and its help: always shown, 0 included,
+# Request flags (rowtext.COUNTED_FLAGS) → the counter of the rows that say them, and its help: always shown, 0 included,
 # so a dashboard's rate() of one reads 0 rather than no data. One table for every flag counted, counted by the ledger
 # from the decision each row's note is written by.
 FLAG_COUNTERS = {

@@ -1,0 +1,134 @@
+"""One proxied request's live account, as the ledger keeps it: what its rows are made from, and what it has told.
+
+`_Req` is filled by `ledger.Ledger` as the request's tokens, prompt and energy shares come; the few readings of it
+that the ledger's accounting and its rows' words (`rowtext`) both take are here: its prompt length once the server
+told it (`_prompt_tokens`), and whether it is GPU work the proxy sees (`_unseen`, `_passive`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .proxy import RequestTrace
+
+PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
+
+
+@dataclass
+class _Req:
+    trace: RequestTrace
+    # Its n > 1 choices' prompt prefilled apart by the server, in a request of its own whose cache hit it never says
+    # (SGLang's parallel sampling): its choices' cached counts are no part of its prefill work (`_prefill_cached`).
+    prefilled_apart: bool = False
+    ev_t: list = field(default_factory=list)
+    ev_n: list = field(default_factory=list)
+    gpu_j: float = 0.0
+    cpu_j: float = 0.0
+    cpu_known: bool = False
+    cpu_missing: bool = False  # given a share of an interval whose CPU energy is unknown
+    gpu_missing: bool = False  # given a share of an interval some GPU gave no energy for (lost, failing reads)
+    tokens: float = 0.0
+    spent: float = 0.0  # tokens of events already closed (the context of later ones)
+    late: float = 0.0  # tokens that came after their interval had closed: not attributed, flagged on the row
+    to_server: bool = False  # its chunk counts were scaled to the server's final count (usage)
+    server_ahead: float = 0.0  # tokens the server counted beyond the proxy's in intervals it was live in
+    prompt_est: tuple | None = None  # (tokens, how) its prompt was costed at where the server never counted it
+    # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
+    uncounted: str | None = None
+    beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared
+    # Its CPU joules from intervals whose other processes' share is known, and those joules × that share (%): the
+    # share of its CPU figure that other processes' CPU time stood beside (collectors/cputime.py, busy-host).
+    cpu_judged_j: float = 0.0
+    cpu_other_pct_j: float = 0.0
+    # Its GPU joules from intervals without a counter that were mostly idle (NO_COUNTER_SHORT_FLAG).
+    no_counter_short_j: float = 0.0
+    # Its GPU joules from intervals whose bypass count may be low, or high too (server_count; proxy_lag and
+    # server_restart: schema.BYPASS_COUNT_TWO_WAY), and their reasons (BYPASS_LOW_FLAG).
+    bypass_low_j: float = 0.0
+    bypass_low_why: set = field(default_factory=set)
+    # Where its tokens were placed from, when not where the proxy saw its first: a stream that reached the proxy in
+    # one burst, spread back over its run (`_spread_burst`); its prompt is placed before this instead.
+    placed_from_ns: int | None = None
+    burst_s: float | None = None  # that burst came this long after its arrival
+    # A stream that came in several bursts (`_held_burst`): how many after its first, the longest time one was held, and
+    # where its first burst ended (its tokens are placed from its decode's start to there at its end).
+    bursts: int = 0
+    held_s: float = 0.0
+    own_late_s: float = 0.0  # the most the proxy's own loop was measured late while it ran, where it explains its bursts
+    first_burst_end_ns: int | None = None
+    prev_ns: int | None = None  # its latest piece's stamp
+    # Prefix-cache hits the server counted over its hit span that no answer said, where its own said no cached count
+    # (CACHE_UNSAID_FLAG; set as its row is made).
+    cache_unsaid: float = 0.0
+    # Its GPU joules from intervals with prefill over which the server reused cached prompt tokens no answer said, and
+    # the most such tokens of one of them (CACHE_UNSAID_FLAG: its share beside a reused prompt costed whole).
+    cache_beside_j: float = 0.0
+    cache_beside: float = 0.0
+    # The cached count its prefill was first placed with (a prompt said early, before its end's count: `_cached_tokens`)
+    # and, as its row is made, how many more its end said (CACHE_LATE_FLAG: placed as computed, not found cached).
+    prefill_cached: float | None = None
+    cache_late: float = 0.0
+    # The requests whose prefill was placed, at a prompt said early with no cached count yet, in intervals it was given
+    # energy of (`_cache_pending`), and its GPU joules from such intervals: their end may say part of that prompt was
+    # cached (CACHE_LATE_FLAG), and then its share there is low. Each leaves `late_wait` as it settles (its end's
+    # close), its late count, if any, kept in `cache_beside_late` (the most one said); at its row, whether one had still
+    # not ended when that row could wait no longer (`late_unresolved`).
+    late_wait: set = field(default_factory=set)
+    late_wait_j: float = 0.0
+    cache_beside_late: float = 0.0
+    late_unresolved: bool = False
+    # Tokens its end placed after its last chunk as a held call's tail (`_placed_at_end`): their count is the server's,
+    # their timing inferred (HELD_TAIL_FLAG).
+    held_tail_n: float = 0.0
+    # Its GPU joules from intervals other requests (or bypass traffic) did work in that the fixed ratio split (the work
+    # model's fit not mature: `fixed_why`, why when they closed): its share there rests on that ratio, not learned costs.
+    fixed_j: float = 0.0
+    fixed_why: str = ""
+    # What it would take of those intervals at the ends of the range the ratio stands for (attr.PREFILL_PER_DECODE_RANGE,
+    # either prefill rate): the least and the most, in GPU joules. A request given little there (a prompt queued beside
+    # another's decode) may be due much more: its own figure says nothing of that, this does.
+    fixed_lo_j: float = 0.0
+    fixed_hi_j: float = 0.0
+    # [t0, t1, its GPU joules there] of intervals with prefill over hits no answer had said when they closed while
+    # requests whose hit may be among them were still live (`_cache_waiting`): their end may say it. Judged as its row
+    # is made, once those (`cache_wait`) have ended (CACHE_UNSAID_FLAG only where the hits are still unsaid then).
+    cache_unsure: list = field(default_factory=list)
+    cache_wait: set = field(default_factory=set)  # the waits' numbers (`Ledger._waits`), not the requests' ids
+    # The waits it is one of the live requests of, as [first, last] ranges of their numbers (`Ledger._await`): its
+    # end takes it out of their counts.
+    awaited: list = field(default_factory=list)
+    cache_unsaid_early: float = 0.0  # its hit span's unsaid hits, judged before those windows were pruned
+    prev_held: bool = False  # that piece held more tokens than its sequences
+    first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
+    first_piece_n: float = 0.0  # the tokens its first piece held, and how many pieces came (`tokens_at_first`)
+    pieces: int = 0
+    closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
+    before_first_s: float = 0.0  # seconds it was live before the ledger's first GPU read: their energy is in no interval
+
+
+def _prompt_tokens(r: _Req) -> float | None:
+    """The request's prompt length once the server has told it (usage or timings), else None."""
+    c = r.trace.counts
+    if c is not None and c.prompt_tokens is not None:
+        return float(c.prompt_tokens)
+    if c is not None and c.invalid:
+        return None  # none of an invalid response's counts are kept, the early one included
+    p = r.trace.extra.get("prompt_tokens")  # said early in the stream (continuous usage)
+    return float(p) if p is not None else None
+
+
+def _passive(r: _Req) -> bool:
+    """An error answer (HTTP 4xx/5xx, the proxy's own 502 included; known from its head, before it ends), or a
+    request that is neither a POST nor to a generation endpoint (GET /v1/models, /metrics, /health; known from its
+    start: SGLang's /generate takes PUT too, and is one), with no token and no prompt length: no GPU work of it was
+    seen, so it takes no share by live time (its time is idle)."""
+    tr = r.trace
+    return ((tr.status is not None and tr.status >= 400 or (tr.method != "POST" and tr.api is None))
+            and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0 and _prompt_tokens(r) is None)
+
+
+def _unseen(r: _Req) -> bool:
+    """GPU work the proxy does not see: an endpoint it does not count (streams.uncounted_kind), except an embeddings
+    request whose answer gave its input's length (usage.prompt_tokens): that is its whole work, a prefill costed as
+    any prompt is."""
+    return r.uncounted is not None and not (r.uncounted == "embeddings" and _prompt_tokens(r) is not None)

@@ -1,0 +1,440 @@
+"""The words of the ledger's rows: each note, flag and reason a request, interval or tag row carries, from a request's account.
+
+`ledger.Ledger` decides what a row says (its figures, and which of these apply); here is how each is said, stated once
+so a request's, an interval's and a tag's rows say the same cause in the same words, and the fixes with them. A few
+predicates on a request (`_Req`) live here too: those its notes' and flags' words are written by, so the flag a row is
+counted under (`_request_flags`, COUNTED_FLAGS) and the words it carries never disagree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from powerprof.arrival import at_limit
+from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text
+from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SHARE, NO_COUNTER_SHORT_FIX,
+                                NO_COUNTER_SHORT_FLAG)
+from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
+                                      CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
+                                      HELD_TAIL_FIX, HELD_TAIL_FLAG, SERVER_COUNT_COMPLETE, bypass_count_fix,
+                                      bypass_count_may_be)
+
+from . import attribution as attr
+from .liverequest import PROMPT_HOLD_S, _passive, _prompt_tokens, _Req, _unseen
+from .workmodel import MIN_BUSY, MIN_R2
+
+# What an interval row's `server_count` says where the server's count is whole (storage/schema.py states them).
+COUNT_COMPLETE = SERVER_COUNT_COMPLETE
+# What a row whose server count contradicts its stream says to do about it.
+COUNT_FIX = ("fix: point proxy.upstream at the server itself, not at a proxy that rewrites streams, and check the "
+             "server build's usage/timings reporting against its logs")
+# A request or an interval is flagged CACHE_UNSAID_FLAG (prefix-cache hits the server counted beyond what its
+# answers said) from this many unsaid tokens on.
+CACHE_UNSAID_MIN = 1.0
+# A request's energy from intervals other requests (or bypass traffic) did work in while the fixed ratio split them
+# (the work model's fit not mature) is said on its row from this part of its GPU energy on, and so is what the range
+# the ratio stands for could add to it there: below it the ratio moves its figure by a fraction of a percent.
+FIXED_RATIO_MIN_SHARE = 0.05
+FIXED_RATIO_LEAD = "{pct}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
+# Given none there (not a joule: a share under 0.5% reads "under 1%"): only the range's slow rate places its prompt
+# beside the others' work.
+FIXED_RATIO_LEAD_NONE = ("none of its GPU energy is from intervals other requests did work in (or bypass traffic did), "
+                         "where its prompt may have been prefilled")
+FIXED_RATIO_NOTE = ("{lead}, split among them by the fixed ratio (a prompt token costs "
+                    f"{attr.DEFAULT_PREFILL_PER_DECODE} of a decoded token and is prefilled at {attr.DEFAULT_PREFILL_TOK_S:.0f} "
+                    "tokens/s, no step or context cost) while the work "
+                    "model's fit was not mature ({why}): at a prompt token of "
+                    f"{attr.PREFILL_PER_DECODE_RANGE[0]}-{attr.PREFILL_PER_DECODE_RANGE[1]} of a decoded token, "
+                    f"prefilled at {attr.PREFILL_TOK_S_SLOW:.0f}-{attr.DEFAULT_PREFILL_TOK_S:.0f} tokens/s, its figure "
+                    "would be {lo:+.0f}% to {hi:+.0f}% (step and context costs move it too), the "
+                    "intervals' sums are measured; fix: none for these rows, later ones are split by the learned costs "
+                    f"once {MIN_BUSY} busy intervals fit with R² ≥ {MIN_R2} (docs/daemon.md, work model): too little "
+                    "traffic or a busy host delays that")
+# What a row whose stream reached the proxy in one burst says to do about it (`_spread_burst`).
+BURST_FIX = ("fix: point proxy.upstream at the server itself, or turn off the buffering of what stands between them "
+             "(nginx: proxy_buffering off, or the answer header X-Accel-Buffering: no)")
+# What a burst note says to do where the proxy's own event loop was measured late enough to explain the burst
+# (`_burst_fix`; the ledger's OWN_LATE_SHARE says when).
+OWN_LATE_FIX = "give the daemon's host CPU to spare (fewer other processes, or more proxy.workers)"
+# Request flags counted by the rows that say them (Totals.flagged_requests): each a /metrics counter (metrics.py
+# FLAG_COUNTERS), counted from the decision its row's energy_note is written by (_request_flags), never from the note's
+# text, which quotes what clients send (a path).
+COUNTED_FLAGS = (NO_COUNTER_SHORT_FLAG, CACHE_UNSAID_FLAG, CACHE_LATE_FLAG, BEST_OF_FLAG, COUNT_OPEN_FLAG,
+                 HELD_TAIL_FLAG)
+
+
+def tag_server_count(counts: set) -> str | None:
+    """A tag's `server_count` from its intervals': one value they all share (complete, off, unread), else every
+    reason any of them gives, comma-separated (`complete` dropped: a part of it may be low). None: no interval."""
+    if len(counts) <= 1:
+        return next(iter(counts), None)
+    return ",".join(sorted({w for c in counts for w in c.split(",")} - {COUNT_COMPLETE}))
+
+
+# An interval whose every GPU's counter read alike at both ends (two reads within one refresh, 10-100 ms: a request's
+# edge just after a tick). Its 0.0 J is kept: the staleness at a request's start and end balances out in its own
+# figure, and the intervals' sum stays the counter's; left out (the edge dropped), a request arriving just after a
+# tick read ~idle x (arrival - tick) low (identical lone requests' J/token spread 6% against 1%,
+# bench/attribution_accuracy.py). Said instead.
+COUNTER_FLAT_WHY = ("(read twice within one of its refreshes, 10-100 ms), so its energy is in the next interval's "
+                    "figure; fix: read the two together (their sum is the counter's)")
+COUNTER_FLAT_NOTE = f"gpu_energy_j 0: the energy counter did not move between this interval's reads {COUNTER_FLAT_WHY}"
+
+
+def _counter_flat_note(per_gpu_j: np.ndarray) -> str | None:
+    """COUNTER_FLAT_NOTE where every GPU's counter read alike over the interval; where only some did (GPU 0 at the
+    tick's value, GPU 1 refreshed since), which: the sum then holds none of theirs, a plausible figure, low. Whatever
+    the interval's method (its weakest GPU's: one whose counter broke there is integrated from power): a GPU's 0 J
+    over a positive length is a counter that did not move, as power readings of 0 W are none (collectors.md)."""
+    flat = np.flatnonzero(np.asarray(per_gpu_j) == 0)
+    if not flat.size:
+        return None
+    if flat.size == np.size(per_gpu_j):
+        return COUNTER_FLAT_NOTE
+    return (f"gpu_energy_j holds nothing of GPU {', '.join(str(int(g)) for g in flat)}: its energy counter did not move "
+            f"between this interval's reads {COUNTER_FLAT_WHY}")
+
+
+def _joined(*notes: str | None) -> str | None:
+    return "; ".join(n for n in notes if n) or None
+
+
+def _busy_host_note(other_pct: float | None, during: str = "its intervals") -> str | None:
+    """A row's CPU figure beside other processes' work (a request's over `during` its intervals, an interval's, a
+    tag's): kept, and said (as the sweep flags a level busy-host)."""
+    if other_pct is None or other_pct <= BUSY_HOST_PCT:
+        return None
+    return (f"{BUSY_HOST_FLAG}: {busy_host_text(other_pct, during, 'its cpu_energy_j')}; "
+            f"fix: {BUSY_HOST_FIX}")
+
+
+def _count_low_note(server_count: str | None, where: str, so: str) -> str:
+    """Why a row's bypass figures may be off: the server's count over it (`server_count`) may be low (or high, for the
+    reasons schema.BYPASS_COUNT_TWO_WAY names), with the fix."""
+    why = ", ".join(sorted({w for w in (server_count or "").split(",") if w} - {COUNT_COMPLETE})) or "unknown"
+    return (f"{BYPASS_LOW_FLAG}: the server's token count {bypass_count_may_be(server_count)} {where} ({why}: its "
+            f"server_count), so {so}; "
+            f"fix: {bypass_count_fix(server_count)}")
+
+
+def _no_counter_short(r: _Req) -> bool:
+    """Most of its GPU energy came from intervals without a counter that were mostly idle (NO_COUNTER_SHORT_FLAG)."""
+    return r.gpu_j > 0 and not r.gpu_missing and r.no_counter_short_j > 0.5 * r.gpu_j
+
+
+def _no_counter_short_note(r: _Req) -> str | None:
+    """A short request's energy on a GPU without a counter: kept, and said (docs/daemon.md)."""
+    if not _no_counter_short(r):
+        return None
+    return (f"{NO_COUNTER_SHORT_FLAG}: {100 * r.no_counter_short_j / r.gpu_j:.0f}% of its GPU energy is from intervals "
+            f"read without an energy counter (power readings) that requests were live in for under "
+            f"{100 * NO_COUNTER_SHORT_BUSY_SHARE:.0f}% of their time (read from instant power: for less than all of "
+            f"it, as a request between two reads is unseen): the idle power taken out of the rest and the "
+            f"readings' timing decide it, not the GPU's own count (it is left out of the daemon's J/token); "
+            f"fix: {NO_COUNTER_SHORT_FIX}")
+
+
+def _bypass_low_note(r: _Req) -> str | None:
+    """A request given energy of intervals whose bypass count may be low: bypass traffic's energy there may be in its
+    share. Kept, and said; `analyze` leaves it out of J/token (docs/daemon.md, The baseline)."""
+    if not (r.gpu_j > 0 and not r.gpu_missing and r.bypass_low_j > 0):
+        return None
+    why = sorted(r.bypass_low_why) or ["unknown"]
+    if bypass_count_may_be(",".join(why)) != "may be low":  # proxy_lag, server_restart: a count that may be high too
+        return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
+                f"server token count may be low or high ({', '.join(why)}: their server_count): bypass traffic there "
+                f"may be missing from unproxied, or the proxy's own lag (or a restarted counter's) taken for it, so "
+                f"this request's energy may hold bypass traffic's or have lost its own; "
+                f"fix: {bypass_count_fix(','.join(why))}")
+    return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
+            f"server token count may be low ({', '.join(why)}: their server_count): bypass traffic there is not in "
+            f"unproxied, and its energy may be in this request's; fix: {bypass_count_fix(','.join(why))}")
+
+
+def _before_first_note(r: _Req) -> str | None:
+    """A request live before the daemon's first GPU read (the start's read failed, or a ledger fed late): the energy of
+    that part of its run is in no interval. Said, and left out of J/token: its figures are low."""
+    if not (r.before_first_s > 0 and r.gpu_j > 0):
+        return None
+    gap = f"{r.before_first_s * 1e3:.1f} ms" if r.before_first_s < 0.1 else f"{r.before_first_s:.2f} s"  # never "0.00 s"
+    return (f"{BEFORE_FIRST_READ_FLAG}: it arrived {gap} before the daemon's first GPU read, and "
+            "its energy before that read was not counted: its gpu_energy_j, cpu_energy_j and J/token are low; fix: "
+            "none for this row (later requests are measured whole); the log says why the start's NVML read failed")
+
+
+def _with_late(error: str | None, late: float) -> str | None:
+    if not late:
+        return error
+    note = f"{late:g} token(s) arrived after their interval had closed and were not attributed"
+    return note if error is None else f"{error}; {note}"
+
+
+def _cpu_missing_note(where: str) -> str:
+    """Why a cpu_energy_j is empty beside RAPL: no read covered `where` (a request's intervals, an interval's edges)."""
+    return (f"CPU energy unknown: no RAPL read covered {where} (a dropped delta, "
+            "reads failing, or reads periods late on a loaded host: the log, the rapl samples' error "
+            "column and powerprof_sample_missed_total{source=\"rapl\"} say which): a sum of the rest would be "
+            "too small, so cpu_energy_j is empty; fix: powerprof devices (RAPL zones and permissions), fewer "
+            "busy processes beside the daemon")
+
+
+def _idle_gpu_missing_note(gpus: str, where: str, whole: str) -> str:
+    """Why a gpu_energy_j (all sampled GPUs) is empty while the serving GPUs' figures are whole: `gpus` (named as the log
+    names them, Ledger._named), judged to serve none of the proxied work, gave no energy reading over `where`."""
+    return (f"GPU energy unknown: GPU(s) {gpus} gave no energy reading over {where} (lost or failing reads; "
+            f"the samples' error column says which and why), so gpu_energy_j, every sampled GPU's, is empty; they "
+            f"serve none of the proxied work, so the requests' energy and {whole}; fix: powerprof devices, "
+            "nvidia-smi -q; restarting the daemon (daemon.gpus without a GPU that is gone) measures the others' total")
+
+
+def _idle_unknown_note(gpus: str) -> str:
+    """Why an interval's idle_energy_j is empty: `gpus`, serving none of the proxied work, gave no reading there."""
+    return (f"idle_energy_j empty: it holds the energy of GPU(s) {gpus}, which serve none of the proxied work "
+            "and gave no energy reading here; counting them 0 J would understate it; the daemon's totals keep every "
+            "read GPU's energy of this interval, theirs alone out (powerprof_gpu_idle_energy_unknown_intervals counts "
+            "such intervals)")
+
+
+def _gpu_missing_note(where: str) -> str:
+    """Why a gpu_energy_j is empty: a GPU gave no energy reading over `where`."""
+    return (f"GPU energy unknown: a GPU gave no energy reading over {where} (lost or failing "
+            "reads; the samples' error column says which and why): a sum of the others would be too small; "
+            "fix: powerprof devices, nvidia-smi -q")
+
+
+CPU_MISSING_NOTE = _cpu_missing_note("part of this request's intervals")
+GPU_MISSING_NOTE = _gpu_missing_note("part of this request")
+# An interval row's energy_note, for what only an interval has: a host without RAPL (a request's row says nothing of
+# it: every request there alike), and a busy interval whose other processes' CPU share was not judged.
+# An interval or tag read from power readings (no counter, or one that jumped) says it in these words.
+NO_COUNTER_READ = "read without an energy counter (power readings)"
+NO_RAPL_NOTE = ("CPU energy not read: no RAPL on this host, or not readable by the daemon (the start's log says "
+                "which), so cpu_energy_j is empty; fix: powerprof devices (RAPL zones and permissions)")
+
+
+def _uncounted_note(r: _Req) -> str:
+    tr = r.trace
+    return (f"not counted: {tr.method} {tr.endpoint} is not a generation API whose tokens the proxy reads "
+            f"({r.uncounted} work): it takes energy only by its live time where no counted request worked, so its "
+            "figure is low, and the requests beside it carry the rest (their energy_note says so)")
+
+
+def _own_late_said(r: _Req) -> str:
+    """A burst note's other cause, where the proxy's own loop was measured late enough to explain it (`_burst_said`)."""
+    return (f"; or read late by the proxy itself: the proxy's own event loop ran up to {_secs(r.own_late_s)} late "
+            "while it streamed, a busy host" if r.own_late_s else "; or a busy host that ran the server or the proxy late")
+
+
+def _secs(x: float) -> str:
+    """A lateness in words: under a second in ms (a loop 40 ms late read "0.0 s late")."""
+    return f"{x * 1e3:.0f} ms" if x < 1.0 else f"{x:.1f} s"
+
+
+def _parser_held(r: _Req) -> bool:
+    """Every later burst of `r` can be a chunk in which the server's tool-call parser sent several tokens at once (the
+    proxy's count of such chunks: _State.tool_call_jumps), not a hop's buffer."""
+    return 0 < r.bursts <= r.trace.extra.get("tool_call_jumps", 0)
+
+
+def _burst_fix(r: _Req) -> str:
+    """The fix of a burst note: the hop's first where nothing measured says the host, the host's first where it did."""
+    return f"fix: {OWN_LATE_FIX}; or {BURST_FIX[5:]}" if r.own_late_s else f"{BURST_FIX}; on a busy host, {OWN_LATE_FIX}"
+
+
+def _no_energy_reason(r: _Req) -> str:
+    """Why a request got no energy: what the work model could not see."""
+    if _unseen(r) and not _passive(r):
+        return "no share: " + _uncounted_note(r)
+    if r.trace.end_ns is not None and _passive(r):
+        what = (f"an error answer (HTTP {r.trace.status})" if r.trace.status is not None and r.trace.status >= 400
+                else f"a {r.trace.method[:16]} request to no generation endpoint")
+        return (f"no share: {what} with no token and no prompt length: no GPU work of it was seen, and its time "
+                "counts as idle")
+    if r.tokens > 0 or _prompt_tokens(r):
+        return "no share: its tokens and prompt were work of no cost at the costs in use (costs/), or in no interval with energy"
+    if _prompt_tokens(r) is None:
+        return "no share: no tokens and no prompt length (the response did not say it)"
+    return "no share: no tokens and an empty prompt"
+
+
+UNSAID_NOTES = {
+    "client_left": "the client left before the server said the prompt's length (in the usage at the stream's end)",
+    "no_usage": "the server never said the prompt's length (the stream carried no usage)",
+    "not_yet": "the server had not said the prompt's length 30 s after arrival (its intervals could be held no longer)",
+}
+UNSAID_FIX = {"no_usage": "; fix: ask for it, \"stream_options\": {\"include_usage\": true}"}
+
+
+def _unsaid_reason(r: _Req) -> str:
+    # Whether the request has ended, not whether it ended inside the intervals being closed: once a client has left,
+    # the prompt hold is over and earlier intervals close with the request still "live" in them.
+    if r.trace.end_ns is None:
+        return "not_yet"
+    return "client_left" if r.trace.outcome == "client_disconnected" else "no_usage"
+
+
+def _best_of_note(extra: dict) -> str:
+    """BEST_OF_FLAG's words: the sequences run beyond those returned (best_of - n per prompt), unseen by the proxy."""
+    b, n = extra["best_of"], max(extra.get("choices", 1), 1)
+    unseen = (b - n) * max(extra.get("sequences", 1) // n, 1)
+    return (f"{BEST_OF_FLAG}: it asked best_of {b} for n {n}: the server ran {unseen} more sequence(s) than it returned, "
+            "whose tokens never reached the proxy: their work is in the shares of the requests beside it and in "
+            f"unproxied (read as bypass traffic), not here, so its figure is low; fix: {BEST_OF_FIX}")
+
+
+def _request_flags(r: _Req, best_of_ignored: bool) -> list[str]:
+    """The COUNTED_FLAGS a request's row says: each by the predicate its energy_note's words are written by. The notes
+    that _approximate_note and the cache notes write are in a row with GPU energy only (without, it says why none)."""
+    energy = r.gpu_j > 0 and not r.gpu_missing
+    said = {NO_COUNTER_SHORT_FLAG: _no_counter_short(r),
+            CACHE_UNSAID_FLAG: energy and _cache_flagged(r),
+            CACHE_LATE_FLAG: energy and _late_flagged(r),
+            BEST_OF_FLAG: energy and _best_of_flagged(r, best_of_ignored),
+            COUNT_OPEN_FLAG: energy and _count_open_flagged(r),
+            HELD_TAIL_FLAG: energy and r.held_tail_n > 0}
+    return [f for f in COUNTED_FLAGS if said[f]]
+
+
+def _best_of_flagged(r: _Req, best_of_ignored: bool) -> bool:
+    """It asked for best_of sequences beyond those returned, on a server that runs them (BEST_OF_FLAG)."""
+    return bool(r.trace.extra.get("best_of")) and not best_of_ignored
+
+
+def _count_open_flagged(r: _Req) -> bool:
+    """Its count is a running count with no final one after (COUNT_OPEN_FLAG), and not whole by its length stop."""
+    c, extra = r.trace.counts, r.trace.extra
+    return (c is not None and c.count_open and c.count_problem is None
+            and not at_limit(c.choice_stops, c.generated_tokens, extra.get("max_tokens"),
+                             max(extra.get("sequences", 1), 1)))
+
+
+def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
+    """Why a request's energy rests on an estimate rather than the server's counts (None: it does not);
+    `best_of_ignored`: the server is one that takes no best_of (its answer is the n asked, nothing unseen)."""
+    notes = []
+    if r.prompt_est is not None and _prompt_tokens(r) is None:
+        why = _unsaid_reason(r)
+        said, fix = UNSAID_NOTES[why], UNSAID_FIX.get(why, "")
+        if why == "no_usage" and not (r.trace.stream is True and (r.trace.api or "").startswith("openai")):
+            # include_usage is an OpenAI stream's option: a whole answer, or a native stream, has none to ask for.
+            said, fix = "the server's answer did not say the prompt's length", ""
+        notes.append(f"{said}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
+                     f"prompt tokens ({r.prompt_est[1]}){fix}")
+    if _unseen(r) and not _passive(r):
+        notes.append(_uncounted_note(r))
+    if _best_of_flagged(r, best_of_ignored):
+        notes.append(_best_of_note(r.trace.extra))
+    c = r.trace.counts
+    if _count_open_flagged(r):
+        notes.append(f"{COUNT_OPEN_FLAG}: its count ({c.generated_tokens} tokens) is the server's running count as of "
+                     "its last chunk that carried one, its closing chunk and no final usage saying any after (SGLang's "
+                     "chat stream sends usage only on chunks with text): the tokens of a last step without text (its "
+                     "end-of-text token, one on a stop) are in no count, so generated_tokens may be low by them and "
+                     f"their energy is in unproxied; fix: {COUNT_OPEN_FIX}")
+    if r.held_tail_n > 0:
+        notes.append(f"{HELD_TAIL_FLAG}: {r.held_tail_n:.0f} of its {c.generated_tokens} generated tokens (the server's "
+                     "count, summed over its sequences where it asked n > 1) came in no chunk: a tool call the server's parser held until it closed, "
+                     "cut by max_tokens; their count is the server's, but when they ran is inferred, spread evenly from "
+                     "its last chunk to the server's end of its answer, and its share of the intervals there with it; "
+                     f"fix: {HELD_TAIL_FIX}")
+    if r.beside_uncounted:
+        kinds = sorted(r.beside_uncounted)
+        notes.append(f"requests the proxy does not count ran beside it ({', '.join(kinds[:3])}"
+                     f"{f' and {len(kinds) - 3} more' if len(kinds) > 3 else ''}): their GPU work is unseen, so part "
+                     "of their energy is in this request's share")
+    if r.burst_s is not None:
+        notes.append(f"its tokens reached the proxy in one burst, {r.burst_s:.1f} s after its arrival (held back between "
+                     f"the server and the proxy: a buffering proxy or gateway{_own_late_said(r)}), and were spread over "
+                     f"{'the server' + chr(39) + 's decode time' if _server_timed(r) else 'its run'} at the server's "
+                     f"pace as a non-streamed answer's; its decode_s is the burst's, not the server's ({_burst_fix(r)})")
+    if r.bursts and _parser_held(r):
+        # Each burst came in a chunk that carried a tool call and several tokens by the server's own running count: the
+        # server held them (SGLang's deepseekv3 parser sends a call whole once it closes), no hop between. Blaming a
+        # buffering proxy sent its operator hunting one that is not there.
+        notes.append(f"its tokens reached the proxy in {r.bursts + 1} bursts, up to {r.held_s:.1f} s apart (the "
+                     "server's tool-call parser held a call's tokens and sent them in one chunk once it closed: the "
+                     "server's running count jumped there, so no proxy between held them), each burst's spread over the "
+                     "time before it at the server's pace; its TTFT and decode_s are the bursts', not the server's "
+                     "(nothing to fix: a parser that streams calls as they go, such as SGLang's JSON detectors, "
+                     "sends them step by step)")
+    elif r.bursts:
+        notes.append(f"its tokens reached the proxy in {r.bursts + 1} bursts, up to {r.held_s:.1f} s apart (held back "
+                     "between the server and the proxy: a buffering proxy or gateway that passes its buffer on when "
+                     f"full or on a timer{_own_late_said(r)}), each burst's spread over the time before it at the "
+                     f"server's pace; its TTFT and decode_s are the bursts', not the server's ({_burst_fix(r)})")
+    if r.closed_s > 0 and (r.burst_s is not None or r.bursts):
+        notes.append(f"{r.closed_s:.1f} s of its run ran in intervals closed before its tokens came (held longer than "
+                     "they can wait): that energy went to the requests beside it or to idle, and its own figure is low "
+                     f"({BURST_FIX})")
+    if r.cache_late >= CACHE_UNSAID_MIN:
+        notes.append(f"{CACHE_LATE_FLAG}: its answer said {r.cache_late:.0f} of its prompt tokens were found in the "
+                     "prefix cache only at its end, after intervals over its prefill had closed with them costed as "
+                     "computed (its prompt's length was said early, its cached count not): its GPU energy may be high, "
+                     f"the requests beside it low; fix: {CACHE_LATE_FIX}")
+    if (r.cache_beside_late >= CACHE_UNSAID_MIN or r.late_unresolved) and r.gpu_j > 0:
+        said = (f"a request beside it said only at its end that {r.cache_beside_late:.0f} of its prompt tokens were found "
+                "in the prefix cache" if r.cache_beside_late >= CACHE_UNSAID_MIN else
+                f"a request beside it had not said its cached count {PROMPT_HOLD_S:.0f} s after this one ended")
+        notes.append(f"{CACHE_LATE_FLAG}: up to {100 * min(r.late_wait_j / r.gpu_j, 1.0):.0f}% of its GPU energy is "
+                     f"from intervals over that request's prefill, closed with its whole prompt costed as computed "
+                     f"({said}): its own share there may be low; fix: {CACHE_LATE_FIX}")
+    if r.cache_unsaid >= CACHE_UNSAID_MIN:
+        apart = (" (its n choices' prompt, prefilled apart by the server in a request of its own whose cache hit it "
+                 "does not say, costed whole)") if r.prefilled_apart else ""
+        notes.append(_cache_unsaid_note(r.cache_unsaid, "its prefill" + apart))
+    elif r.cache_beside_j > 0:
+        notes.append(f"{CACHE_UNSAID_FLAG}: {100 * r.cache_beside_j / r.gpu_j:.0f}% of its GPU energy is from intervals "
+                     f"over which the server reused up to {r.cache_beside:.0f} cached prompt token(s) that it did not "
+                     "attribute to requests (its prefix-cache counter on /metrics rose by more than the cached counts "
+                     "the answers said): a reused prompt beside it was costed as computed whole, so its own share may "
+                     f"be low; fix: {CACHE_UNSAID_FIX}")
+    # Given much there, or little where the range's other end gives it much (a queued prompt beside another's decode).
+    if r.gpu_j > 0 and max(r.fixed_j, r.fixed_hi_j - r.fixed_j) >= FIXED_RATIO_MIN_SHARE * r.gpu_j:
+        pct = 100 * min(r.fixed_j / r.gpu_j, 1.0)
+        lead = (FIXED_RATIO_LEAD_NONE if r.fixed_j <= 0 else
+                FIXED_RATIO_LEAD.format(pct=f"{pct:.0f}" if pct >= 0.5 else "under 1"))
+        # Rounded first: an end a hair below its figure reads +0%, not -0%.
+        notes.append(FIXED_RATIO_NOTE.format(lead=lead, why=r.fixed_why,
+                                             lo=round(100 * (r.fixed_lo_j - r.fixed_j) / r.gpu_j) + 0.0,
+                                             hi=round(100 * (r.fixed_hi_j - r.fixed_j) / r.gpu_j) + 0.0))
+    c = r.trace.counts
+    if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
+        notes.append(f"its tokens were counted from its chunks (one each, or their logprobs) and the server's counter ran {r.server_ahead:.0f} token(s) "
+                     "ahead of the proxy's while it was live: their energy is in unproxied, not here (fix: "
+                     "\"stream_options\": {\"include_usage\": true}, or vLLM's --enable-force-include-usage)")
+    return "approximate: " + "; ".join(notes) if notes else None
+
+
+def _server_timed(r: _Req) -> bool:
+    c = r.trace.counts
+    return c is not None and c.predicted_ms is not None and r.placed_from_ns is not None \
+        and r.placed_from_ns > r.trace.arrival_ns
+
+
+def _cache_flagged(r: _Req) -> bool:
+    """Its energy_note says CACHE_UNSAID_FLAG (its prompt costed whole, or its share beside one that was)."""
+    return r.cache_unsaid >= CACHE_UNSAID_MIN or r.cache_beside_j > 0
+
+
+def _late_flagged(r: _Req) -> bool:
+    """Its energy_note says CACHE_LATE_FLAG (its own count said late, or a share beside one that was)."""
+    return r.cache_late >= CACHE_UNSAID_MIN or ((r.cache_beside_late >= CACHE_UNSAID_MIN or r.late_unresolved)
+                                                and r.gpu_j > 0)
+
+
+def _interval_cache_note(unsaid: float) -> str | None:
+    """An interval row's CACHE_UNSAID_FLAG note (None below CACHE_UNSAID_MIN). Its energy is whole; its prefill_tokens
+    and its requests' split are not (their rows say so too)."""
+    if unsaid < CACHE_UNSAID_MIN:
+        return None
+    return "approximate: " + _cache_unsaid_note(unsaid, "this interval") + "; prefill_tokens here may be high by them"
+
+
+def _cache_unsaid_note(tokens: float, what: str) -> str:
+    """Why a prefill figure may be high (a request's, an interval's): prefix-cache hits the server counted and no
+    answer said (CACHE_UNSAID_FLAG)."""
+    return (f"{CACHE_UNSAID_FLAG}: the server reused {tokens:.0f} cached prompt token(s) in the scrape window(s) over "
+            f"{what} that it did not attribute to requests (its prefix-cache counter on /metrics rose by more than the "
+            "cached counts the answers said), and a prompt whose answer says no cached count is costed as computed "
+            f"whole: a reused prompt's prefill is charged too high, the requests beside it too low; fix: "
+            f"{CACHE_UNSAID_FIX}")
