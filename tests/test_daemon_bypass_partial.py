@@ -462,10 +462,11 @@ def _worker_stalled_across_restart(rate: float, stall_s: float, stop_s: float, r
         resolve = led._resolve_spans
 
         def spied(upto_ns, force=False):  # each window's proxied tokens, as the ledger held them when it resolved it
-            todo = [sp for sp in led.server_spans if sp[3] is None]
+            todo = [sp for sp in led.server_spans if sp.bypass_tokens is None]
             resolve(upto_ns, force)
-            checks["windows"] += [(sp[0] / S, sp[1] / S, sum(n for t, n in led._proxied if sp[0] < t <= sp[1]))
-                                  for sp in todo if sp[3] is not None]
+            checks["windows"] += [(sp.t0_ns / S, sp.t1_ns / S,
+                                   sum(n for t, n in led._proxied if sp.t0_ns < t <= sp.t1_ns))
+                                  for sp in todo if sp.bypass_tokens is not None]
         led._resolve_spans = spied
     prev_t = prev_total = told = bypass = None
     prev_old = True

@@ -605,9 +605,9 @@ def test_a_count_less_stream_that_keeps_up_with_the_server_holds_no_scrape_windo
             _feed(led, now / S, 100.0 * now / S)
         led.advance(now)
     assert tr.end_ns is None  # still streaming
-    resolved = [sp for sp in led.server_spans if sp[3] is not None]
-    assert resolved and max(sp[1] for sp in resolved) >= int(6.0 * S)
-    assert sum(sp[3] for sp in resolved) == pytest.approx(0.0, abs=1e-9)
+    resolved = [sp for sp in led.server_spans if sp.bypass_tokens is not None]
+    assert resolved and max(sp.t1_ns for sp in resolved) >= int(6.0 * S)
+    assert sum(sp.bypass_tokens for sp in resolved) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_a_count_less_stream_the_server_counted_more_of_says_so_on_its_row(caplog):

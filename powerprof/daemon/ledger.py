@@ -178,6 +178,29 @@ def _sample_reads(t_ns: int, readings) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return counter, read_ns, power
 
 
+@dataclass(slots=True)
+class _ScrapeWindow:
+    """One scrape window of the server's token counter (`Ledger.server_spans`): made by `add_server_tokens`, resolved
+    (its bypass tokens, what its reads may have missed) by `_resolve_spans`, spent by `_bypass_tokens`."""
+
+    t0_ns: int  # its start (the scrape before; an at-finish window's moves back once resolved: `_spread_back`)
+    t1_ns: int  # its end: the scrape that read the counter (the GET's midpoint)
+    server_tokens: float  # the tokens the server counted in it
+    # (requests finished, their summed end-to-end seconds) of an at-finish server, where both are positive; else None
+    finished_latency: tuple[float, float] | None
+    partial: tuple[str, ...]  # why its count may be low (scrape.PARTIAL_REASONS keys), added to as it is resolved
+    # The scraper said the server restarted in it. Not read from `partial`, which the windows whose lookahead crosses a
+    # restart take on too (`_resolve_spans`): one left waiting was taken for the restart at the next pass, its levels
+    # started afresh a window early.
+    restarted: bool
+    read_span_ns: tuple[int, int] | None  # (start, end) of the GET that read the counter at `t1_ns`; None: not told
+    finished_requests: int | None  # the requests the server finished in it (None: not told; `_usage_doubt`)
+    bypass_tokens: float | None = None  # of `server_tokens`, the bypass tokens: None until resolved
+    # What the reads at its edges may have missed or taken early, (early, late) at its start then at its end (set when
+    # resolved: `_read_unsure`).
+    read_unsure: tuple[float, float, float, float] | None = None
+
+
 @dataclass
 class _Tag:
     name: str
@@ -338,12 +361,8 @@ class Ledger:
         self._wait_floor = 1  # waits below this number left at their hold
         # Per API, whether its latest ended answers said a cached count (`_never_says_cached`).
         self._says_cached: dict[str, deque] = {}
-        # Per scrape window, by position: [0] t0, [1] t1 (ns), [2] the server's tokens, [3] its bypass tokens (None until
-        # resolved), [4] (requests finished, their summed seconds) or None, [5] why its count may be low
-        # (scrape.PARTIAL_REASONS keys), [6] the scraper said the server restarted in it, [7] the GET span that read the
-        # counter at t1 or None (not told), [8] what the reads at its edges may have missed or taken early (set when
-        # resolved, `_read_unsure`), [9] the requests the server finished in it (None: not told; `_usage_doubt`).
-        self.server_spans: list[list] = []
+        # The scrape windows not yet spent, in order (`_ScrapeWindow`).
+        self.server_spans: list[_ScrapeWindow] = []
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
         # (t_ns, tokens) of those placed for a stream's usage beyond its chunks within COUNT_SLACK_TOKENS (in _proxied
         # too): believed, not seen; a window where they weigh says USAGE_BEYOND (`_resolve_spans`).
@@ -851,12 +870,12 @@ class Ledger:
             if start >= t1:
                 return [int(t1)] * k
         even = np.linspace(start, t1, k).astype(np.int64).tolist()
-        spans = [sp for sp in self.server_spans if sp[1] > start and sp[0] < t1 and sp[1] > sp[0]
-                 and (cut is None or sp[1] <= cut[0])]
+        spans = [sp for sp in self.server_spans if sp.t1_ns > start and sp.t0_ns < t1 and sp.t1_ns > sp.t0_ns
+                 and (cut is None or sp.t1_ns <= cut[0])]
         if not self.server_seen or self.server_at_finish or not spans:
             return even
-        s0 = np.array([sp[0] for sp in spans], dtype=np.int64)
-        s1 = np.array([sp[1] for sp in spans], dtype=np.int64)
+        s0 = np.array([sp.t0_ns for sp in spans], dtype=np.int64)
+        s1 = np.array([sp.t1_ns for sp in spans], dtype=np.int64)
         a0, a1, full = np.maximum(s0, start), np.minimum(s1, t1), (s1 - s0).astype(float)
         # The proxied requests' share of the server's count: less each window's bypass tokens, resolved, else at the
         # bypass pace just before the span (`_bypass_pace`). Taken whole, bypass traffic beside the span made its scraped
@@ -864,7 +883,8 @@ class Ledger:
         # stalled 150-300 ms beside 100 bypass tokens/s crowded its burst before the latest scrape: windows there read
         # 0-6 bypass tokens of 10, others up to 24, rows `complete` (tests/test_daemon_bypass_lag.py).
         rate_b = self._bypass_pace(start)
-        delta = np.array([max(sp[2] - (sp[3] if sp[3] is not None else rate_b * (sp[1] - sp[0])), 0.0)
+        delta = np.array([max(sp.server_tokens - (sp.bypass_tokens if sp.bypass_tokens is not None
+                                                  else rate_b * (sp.t1_ns - sp.t0_ns)), 0.0)
                           for sp in spans], dtype=float)
         lives = []  # (from, to, sequences) of every other request the server was running, as the proxy saw them
         for q in self.requests.values():
@@ -897,8 +917,8 @@ class Ledger:
             # the windows there read 8-15 bypass tokens of none, rows `complete` (tests/test_daemon_bypass_lag.py).
             # With no bypass pace taken out, no room is the count saying fewer tokens than the burst holds, which
             # bypass traffic cannot make (below): unmarked.
-            if n is not None and n > LAG_TOKENS + LAG_SHARE * float(max(sp[2] for sp in spans)) \
-                    and any(sp[3] is None for sp in spans) and rate_b > 0.0:
+            if n is not None and n > LAG_TOKENS + LAG_SHARE * float(max(sp.server_tokens for sp in spans)) \
+                    and any(sp.bypass_tokens is None for sp in spans) and rate_b > 0.0:
                 self._pace_unsure.append((int(start), int(t1)))
             return even
         # The span's pieces in order: the windows (clipped to it) and what they leave uncovered at the pace of the
@@ -916,7 +936,7 @@ class Ledger:
             t, prev = max(t, int(a1[i])), float(pace[i])
         seqs = max(r.trace.extra.get("sequences", 1), 1)
         measured = float(np.dot(rates, np.diff(np.array(edges, dtype=float)))) * seqs
-        if n is not None and any(sp[3] is None for sp in spans):
+        if n is not None and any(sp.bypass_tokens is None for sp in spans):
             # The server's pace, less the bypass tokens assumed in windows not yet resolved, says how many tokens the
             # span held (its part after the latest scrape at the last window's pace): off the burst's own count by more
             # than a window's bound, the bypass traffic's pace changed there (began or stopped with the stall), and
@@ -933,7 +953,7 @@ class Ledger:
             # window of its span, and with them every row of tests/test_daemon_buffered_bypass.py's run with none.
             said = measured + (prev * (t1 - t) * seqs if t < t1 else 0.0)
             off = said - n if rate_b <= 0.0 else abs(said - n)
-            if off > LAG_TOKENS + LAG_SHARE * float(max(sp[2] for sp in spans)):
+            if off > LAG_TOKENS + LAG_SHARE * float(max(sp.server_tokens for sp in spans)):
                 self._pace_unsure.append((int(start), int(t1)))
         if t < t1:
             if n is not None:
@@ -967,21 +987,22 @@ class Ledger:
         # said `proxy_lag`: 40 of 40 rows, their figures left out of J/token. Those windows are left out here: the
         # pace is the latest others' (resolved, or from before the held streams), else as where none was scraped.
         held = self._held_from()
-        before = [sp for sp in self.server_spans if sp[1] <= start and sp[1] > sp[0] and not sp[6]
-                  and (sp[3] is not None or ((sp[0], sp[1]) in self._open_bypass and (held is None or sp[1] <= held)))]
-        last = max((sp[1] for sp in before), default=None)
-        near = [sp for sp in before if sp[1] > min(start - back_ns, last - 1)] if last is not None else []
+        before = [sp for sp in self.server_spans if sp.t1_ns <= start and sp.t1_ns > sp.t0_ns and not sp.restarted
+                  and (sp.bypass_tokens is not None
+                       or ((sp.t0_ns, sp.t1_ns) in self._open_bypass and (held is None or sp.t1_ns <= held)))]
+        last = max((sp.t1_ns for sp in before), default=None)
+        near = [sp for sp in before if sp.t1_ns > min(start - back_ns, last - 1)] if last is not None else []
         if not near:
             dur_b, sum_b = sum(b - a for a, b, _ in self._bypassed), sum(x for _, _, x in self._bypassed)
             return sum_b / dur_b if dur_b > 0 and sum_b > LAG_TOKENS else 0.0
         since = list(itertools.islice(reversed(self._proxied), max(len(self._proxied) - self._pass_len, 0)))
         sum_b = 0.0
         for sp in near:
-            if sp[3] is not None:
-                sum_b += sp[3]
+            if sp.bypass_tokens is not None:
+                sum_b += sp.bypass_tokens
             else:
-                sum_b += self._open_bypass[(sp[0], sp[1])] - sum(x for t, x in since if sp[0] < t <= sp[1])
-        dur_b = sum(sp[1] - sp[0] for sp in near)
+                sum_b += self._open_bypass[(sp.t0_ns, sp.t1_ns)] - sum(x for t, x in since if sp.t0_ns < t <= sp.t1_ns)
+        dur_b = sum(sp.t1_ns - sp.t0_ns for sp in near)
         return sum_b / dur_b if sum_b > LAG_TOKENS else 0.0
 
     def _held_from(self) -> int | None:
@@ -1414,13 +1435,11 @@ class Ledger:
             self._durations.append((int(t_ns), fin[1] / fin[0]))
         while self._durations and self._durations[0][0] < t_ns - int(FINISH_HOLD_S * 1e9):
             self._durations.popleft()
-        # [6]: the scraper said the server restarted in this window. Not read from the reasons ([5]), which the windows
-        # whose lookahead crosses a restart take on too (`_resolve_spans`): one left waiting was taken for the restart
-        # at the next pass, its levels started afresh a window early.
         read = (min(int(read_ns[0]), int(t_ns)), max(int(read_ns[1]), int(t_ns))) if read_ns is not None else None
-        self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial),
-                                  "server_restart" in partial, read, None,
-                                  int(finished[0]) if at_finish and finished is not None else None])
+        self.server_spans.append(_ScrapeWindow(
+            t0_ns=int(t0), t1_ns=int(t_ns), server_tokens=float(delta), finished_latency=fin, partial=tuple(partial),
+            restarted="server_restart" in partial, read_span_ns=read,
+            finished_requests=int(finished[0]) if at_finish and finished is not None else None))
         if "server_restart" in partial:
             self._restarts.append((int(t0), int(t_ns)))
 
@@ -1552,12 +1571,12 @@ class Ledger:
             # Bypass tokens are known once the server's counter has been scraped past the interval
             # and LAG_S beyond (the proxy's late view of the same tokens).
             self._resolve_spans(self.server_upto_ns)
-            known = min((sp[0] for sp in self.server_spans if sp[3] is None), default=self.server_upto_ns)
+            known = min((sp.t0_ns for sp in self.server_spans if sp.bypass_tokens is None), default=self.server_upto_ns)
             if self._durations:
                 # A bypass request running now is seen only at its end (an at-finish server): its intervals are held
                 # as far back as the recent requests lasted, plus the window it may end in, so its tokens can be
                 # spread back over them (`_spread_back`).
-                window_ns = self.server_spans[-1][1] - self.server_spans[-1][0] if self.server_spans else 0
+                window_ns = self.server_spans[-1].t1_ns - self.server_spans[-1].t0_ns if self.server_spans else 0
                 known = min(known, self.server_upto_ns - window_ns - int(max(d for _, d in self._durations) * 1e9))
             horizon = min(horizon, max(known, now_ns - int(SCRAPE_HOLD_S * 1e9)))
         if self._avg_needed.any():
@@ -1975,9 +1994,9 @@ class Ledger:
         out = np.zeros(t.size - 1)
         why: list[set] = [set() for _ in range(t.size - 1)]
         for x in self.server_spans:
-            if x[5] and x[1] > t[0] and x[0] < t[-1]:
-                for k in np.flatnonzero((x[1] > t[:-1]) & (x[0] < t[1:])):
-                    why[k].update(x[5])
+            if x.partial and x.t1_ns > t[0] and x.t0_ns < t[-1]:
+                for k in np.flatnonzero((x.t1_ns > t[:-1]) & (x.t0_ns < t[1:])):
+                    why[k].update(x.partial)
         for k in np.flatnonzero(t[1:] > self.server_upto_ns):
             why[k].add("unscraped")
         for k, (unsure, tol) in enumerate(self._read_unsure(t)):
@@ -1987,15 +2006,16 @@ class Ledger:
             # tests/test_real_llama_server.py).
             if unsure > tol and not {"server_restart", SERVER_COUNT_SLOTS_ONLY} & why[k]:
                 why[k].add(PROXY_LAG)
-        spans = [sp for sp in self.server_spans if sp[3] is not None and sp[3] > 0 and sp[1] > t[0] and sp[0] < t[-1]]
-        sp = np.array([x[:2] for x in spans], dtype=np.int64).reshape(-1, 2)
+        spans = [x for x in self.server_spans if x.bypass_tokens is not None and x.bypass_tokens > 0 and x.t1_ns > t[0]
+                 and x.t0_ns < t[-1]]
+        sp = np.array([(x.t0_ns, x.t1_ns) for x in spans], dtype=np.int64).reshape(-1, 2)
         if spans:
-            ex = np.array([x[3] for x in spans])
+            ex = np.array([x.bypass_tokens for x in spans])
             over = attr.span_overlap_s(t, sp[:, 0], sp[:, 1])
             out = (over * (ex / ((sp[:, 1] - sp[:, 0]) / 1e9))[:, None]).sum(axis=0)
         # Spans ending inside the closed intervals are spent; later ones (and their events) wait.
-        self.server_spans = [x for x in self.server_spans if x[1] > t[-1]]
-        keep_from = min([x[0] for x in self.server_spans], default=int(t[-1]))
+        self.server_spans = [x for x in self.server_spans if x.t1_ns > t[-1]]
+        keep_from = min([x.t0_ns for x in self.server_spans], default=int(t[-1]))
         for q in (self._proxied, self._finished, self._slack):
             while q and q[0][0] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
                 q.popleft()
@@ -2024,7 +2044,7 @@ class Ledger:
         count: its windows need not wait for its end."""
         lag_ns, credit_ns = int(LAG_S * 1e9), int(CREDIT_S * 1e9)
         self._mark_restart_unsure(credit_ns)
-        todo = [sp for sp in self.server_spans if sp[3] is None]
+        todo = [sp for sp in self.server_spans if sp.bypass_tokens is None]
         if not todo:
             return
         # A live request whose tokens are only placed at its end (a non-streamed body, spread back) or
@@ -2065,7 +2085,7 @@ class Ledger:
         counting_ns = min((r.trace.arrival_ns for r in live
                            if r.trace.stream is True and r.trace.api.startswith("openai") and _prompt_tokens(r) is None
                            and r.trace.arrival_ns >= upto_ns - self.prompt_hold_ns), default=None)
-        last = self.server_spans[-1][1]
+        last = self.server_spans[-1].t1_ns
         if last == self._resolved_last and not force:
             return  # no scrape since the last pass: no window has become resolvable (4 passes a second)
         self._resolved_last = last
@@ -2079,8 +2099,8 @@ class Ledger:
         dur = None
         if self.server_at_finish:  # the proxied requests' durations, in the same order (`_spread_back`)
             dur = np.concatenate([[0], np.cumsum(np.fromiter((x[2] for x in src), dtype=np.int64, count=len(src))[order])])
-        t0 = np.searchsorted(pt, [sp[0] for sp in todo], side="right")
-        t1 = np.searchsorted(pt, [sp[1] for sp in todo], side="right")
+        t0 = np.searchsorted(pt, [sp.t0_ns for sp in todo], side="right")
+        t1 = np.searchsorted(pt, [sp.t1_ns for sp in todo], side="right")
         placed = self._placed_in(todo, cum[t1] - cum[t0])
         if self._slack:  # the usage's tokens beyond the chunks in each window (`_placed_at_end`)
             st = np.fromiter((x[0] for x in self._slack), dtype=np.int64, count=len(self._slack))
@@ -2088,20 +2108,20 @@ class Ledger:
             so = np.argsort(st, kind="stable")
             st, sn = st[so], sn[so]
             scum = np.concatenate([[0.0], np.cumsum(sn)])
-            slack = (scum[np.searchsorted(st, [sp[1] for sp in todo], side="right")]
-                     - scum[np.searchsorted(st, [sp[0] for sp in todo], side="right")])
+            slack = (scum[np.searchsorted(st, [sp.t1_ns for sp in todo], side="right")]
+                     - scum[np.searchsorted(st, [sp.t0_ns for sp in todo], side="right")])
         else:
             slack = np.zeros(len(todo))
             st, sn = np.zeros(0, dtype=np.int64), np.zeros(0)
         if not self.server_at_finish:  # the open windows' bypass tokens as they stand (`_bypass_pace`)
-            self._open_bypass = {(sp[0], sp[1]): sp[2] - x for sp, x in zip(todo, placed.tolist())}
+            self._open_bypass = {(sp.t0_ns, sp.t1_ns): sp.server_tokens - x for sp, x in zip(todo, placed.tolist())}
             self._pass_len = len(self._proxied)
-        ends = np.array([sp[1] for sp in todo], dtype=np.int64)
+        ends = np.array([sp.t1_ns for sp in todo], dtype=np.int64)
         # A restarted server lost the old process's tail, the proxied tokens in it too: the gap falls there for good.
         # No window before the restart looks past it for its level (its LAG_S lookahead read the fall as lag), and
         # the restart's window starts the levels afresh: held against the levels before it, the fall hid as many
         # bypass tokens for CREDIT_S after it (35 of 50 counted, tests/test_daemon_bypass_partial.py).
-        restart = np.array([sp[6] for sp in todo], dtype=bool)
+        restart = np.array([sp.restarted for sp in todo], dtype=bool)
         # The server read its counter somewhere in the GET whose midpoint stamps the window's end (`read_ns`): the
         # proxy's tokens from the GET's start to that stamp may be missing from the count (read early), those from the
         # stamp to its end may be in it already (read late). Unknown (a caller that gives no GET): none, as before.
@@ -2111,10 +2131,10 @@ class Ledger:
         slack_ns = int(GET_FINISH_SLACK_S * 1e9) if self.server_at_finish else 0
 
         def told(sp) -> bool:
-            return sp[7] is not None and sp[7][1] - sp[7][0] >= slack_ns
+            return sp.read_span_ns is not None and sp.read_span_ns[1] - sp.read_span_ns[0] >= slack_ns
 
-        read_a = np.array([sp[7][0] if told(sp) else sp[1] for sp in todo], dtype=np.int64)
-        read_b = np.array([sp[7][1] if told(sp) else sp[1] for sp in todo], dtype=np.int64)
+        read_a = np.array([sp.read_span_ns[0] if told(sp) else sp.t1_ns for sp in todo], dtype=np.int64)
+        read_b = np.array([sp.read_span_ns[1] if told(sp) else sp.t1_ns for sp in todo], dtype=np.int64)
         at_end = cum[np.searchsorted(pt, ends, side="right")]
         early_n = at_end - cum[np.searchsorted(pt, read_a, side="right")]
         late_n = cum[np.searchsorted(pt, read_b, side="right")] - at_end
@@ -2139,7 +2159,7 @@ class Ledger:
         # The first window that may have lost tokens, not judged yet (`_lost_beyond`): the scrape after its run tells.
         unjudged = int(np.argmax(np.isnan(lost))) if np.isnan(lost).any() else None
         lost = np.nan_to_num(lost, nan=0.0)
-        gaps = self._gap + np.cumsum(np.array([sp[2] for sp in todo], dtype=float) - placed + lost)
+        gaps = self._gap + np.cumsum(np.array([sp.server_tokens for sp in todo], dtype=float) - placed + lost)
         next_restart, nxt = np.empty(len(todo), dtype=np.int64), len(todo)  # the first restart after each window
         for k in range(len(todo) - 1, -1, -1):
             next_restart[k] = nxt
@@ -2148,15 +2168,16 @@ class Ledger:
             # `force` is for the windows of the intervals being closed only: later ones, old enough but
             # live with a stream still to be corrected, keep waiting (forced too, 4 tokens a chunk with
             # usage gave ~13% of the requests' energy to unproxied with no bypass traffic at all).
-            forced = force and sp[0] < upto_ns
-            if not (sp[1] + lag_ns <= last or forced):
+            forced = force and sp.t0_ns < upto_ns
+            if not (sp.t1_ns + lag_ns <= last or forced):
                 break
-            if not forced and pending_ns is not None and sp[1] > pending_ns:
+            if not forced and pending_ns is not None and sp.t1_ns > pending_ns:
                 break
             ahead = slice(k, next_restart[k])
-            if unjudged is not None and not forced and unjudged < next_restart[k] and ends[unjudged] <= sp[1] + lag_ns:
+            if unjudged is not None and not forced and unjudged < next_restart[k] \
+                    and ends[unjudged] <= sp.t1_ns + lag_ns:
                 break  # its lookahead takes in a fall not judged yet (`_lost_beyond`): the next scrape tells
-            low = k + int(np.argmin(gaps[ahead][ends[ahead] <= sp[1] + lag_ns]))  # the window its level is taken at
+            low = k + int(np.argmin(gaps[ahead][ends[ahead] <= sp.t1_ns + lag_ns]))  # the window its level is taken at
             level = float(gaps[low])
             nr = int(next_restart[k])
             if nr < len(todo):
@@ -2173,7 +2194,7 @@ class Ledger:
                 # of them fell in the restart's window past the LAG_S reach, and the stall's windows, some over LAG_S
                 # before it and held open for that burst, kept the rest of the lag as bypass tokens that never ran
                 # (230 counted for 100 sent, rows `complete`; tests/test_daemon_bypass_partial.py: 48, 71, 119 for 0).
-                cut = todo[nr][0]
+                cut = todo[nr].t0_ns
                 reach = int(ends[nr])
                 seen = cum[np.searchsorted(pt, reach, side="right")] - cum[np.searchsorted(pt, cut, side="right")]
                 crossed = float(gaps[nr - 1]) - float(seen)
@@ -2182,13 +2203,13 @@ class Ledger:
                 # counted them here, so no bypass tokens are booked here (low if any ran: said). Resolved before its
                 # second piece came (its intervals closed), a window read that piece as bypass tokens that never ran.
                 if any(q.trace.arrival_ns <= cut for q in live):
-                    crossed = min(crossed, max([x[1] for x in self._levels if x[0] >= sp[1] - credit_ns],
+                    crossed = min(crossed, max([x[1] for x in self._levels if x[0] >= sp.t1_ns - credit_ns],
                                                default=self._level))
                 if crossed < level:
                     level = crossed
-                    if "server_restart" not in sp[5]:
-                        sp[5] = (*sp[5], "server_restart")
-            elif forced and sp[1] + lag_ns > last:
+                    if "server_restart" not in sp.partial:
+                        sp.partial = (*sp.partial, "server_restart")
+            elif forced and sp.t1_ns + lag_ns > last:
                 # Forced (its intervals held the 10 s cap) before any scrape past its LAG_S reach: the server unread
                 # since the latest scrape (down, or too slow), a restart not told yet. The proxy's tokens since that
                 # scrape are its lag (counted there) or tokens the server counts later (or lost, restarted), and
@@ -2199,27 +2220,28 @@ class Ledger:
                 unread = float(gaps[-1]) - float(after)
                 if unread < level:
                     level = unread
-                    if "unscraped" not in sp[5]:
-                        sp[5] = (*sp[5], "unscraped")
-            ref = max([x[1] for x in self._levels if x[0] >= sp[1] - credit_ns], default=self._level)
-            if not forced and counting_ns is not None and sp[1] > counting_ns and level > ref:
+                    if "unscraped" not in sp.partial:
+                        sp.partial = (*sp.partial, "unscraped")
+            ref = max([x[1] for x in self._levels if x[0] >= sp.t1_ns - credit_ns], default=self._level)
+            if not forced and counting_ns is not None and sp.t1_ns > counting_ns and level > ref:
                 break
-            recent = [x for x in self._levels if x[0] >= sp[1] - credit_ns]
+            recent = [x for x in self._levels if x[0] >= sp.t1_ns - credit_ns]
             ref_least = max([x[3] for x in recent], default=self._ahead[1])
             ref_most = max([x[2] for x in recent], default=self._ahead[0])
-            while self._levels and self._levels[0][0] < sp[1] - credit_ns:
+            while self._levels and self._levels[0][0] < sp.t1_ns - credit_ns:
                 self._levels.popleft()
-            sp[3] = max(0.0, level - ref)
-            if lost[k] > 0 and COUNTER_BELOW not in sp[5]:
-                sp[5] = (*sp[5], COUNTER_BELOW)  # its count lost tokens nothing here explains (`_lost_beyond`)
-            if COUNTER_BELOW not in sp[5] and (lost[k + 1:low + 1] > 0).any() \
-                    and float(gaps[k]) - level - float(ahead_n[k]) > LAG_TOKENS + LAG_SHARE * float(sp[2]):
+            sp.bypass_tokens = max(0.0, level - ref)
+            if lost[k] > 0 and COUNTER_BELOW not in sp.partial:
+                # its count lost tokens nothing here explains (`_lost_beyond`)
+                sp.partial = (*sp.partial, COUNTER_BELOW)
+            if COUNTER_BELOW not in sp.partial and (lost[k + 1:low + 1] > 0).any() \
+                    and float(gaps[k]) - level - float(ahead_n[k]) > LAG_TOKENS + LAG_SHARE * float(sp.server_tokens):
                 # Its level is taken past a lost run, lower by what that run's reads may explain (a read early: left in
                 # the gap, not added back) beyond the proxy's lag at its end: as many bypass tokens may hide here (200
                 # lost at 5.1 s beside an alternating pace, no GET told: row 4 read 20 or 27 for 40, `complete`).
-                sp[5] = (*sp[5], COUNTER_BELOW)
-            left = [(e, x) for e, x in self._left_runs.items() if e <= sp[0] and sp[1] <= e + credit_ns and x > 0]
-            if COUNTER_BELOW not in sp[5] and left:
+                sp.partial = (*sp.partial, COUNTER_BELOW)
+            left = [(e, x) for e, x in self._left_runs.items() if e <= sp.t0_ns and sp.t1_ns <= e + credit_ns and x > 0]
+            if COUNTER_BELOW not in sp.partial and left:
                 # After a lost run, the part of its shortfall its reads may explain (a read early) was left in the gap:
                 # the reference, held from before the run, stands above this window's level by as much, and bypass
                 # tokens as many hide here (200 lost at 5.1 s among jittered streams, no GET told: 103 added back, row
@@ -2227,22 +2249,23 @@ class Ledger:
                 # it back would raise the figure past its tolerance, the window says counter_below.
                 up = sum(x for _, x in left)
                 ref_up = max([x[1] + sum(v for e, v in left if e < x[0]) for x in self._levels
-                              if x[0] >= sp[1] - credit_ns], default=self._level)
-                if max(0.0, level + up - ref_up) - sp[3] > LAG_TOKENS + LAG_SHARE * float(sp[2]):
-                    sp[5] = (*sp[5], COUNTER_BELOW)
-            if lost[k] < 0 and PROXY_LAG not in sp[5]:
-                sp[5] = (*sp[5], PROXY_LAG)  # its rise may be a loss added back coming back, or bypass (`_lost_beyond`)
-            while self._lost_runs and self._lost_runs[0][0] < sp[0] - credit_ns:
+                              if x[0] >= sp.t1_ns - credit_ns], default=self._level)
+                if max(0.0, level + up - ref_up) - sp.bypass_tokens > LAG_TOKENS + LAG_SHARE * float(sp.server_tokens):
+                    sp.partial = (*sp.partial, COUNTER_BELOW)
+            if lost[k] < 0 and PROXY_LAG not in sp.partial:
+                # its rise may be a loss added back coming back, or bypass (`_lost_beyond`)
+                sp.partial = (*sp.partial, PROXY_LAG)
+            while self._lost_runs and self._lost_runs[0][0] < sp.t0_ns - credit_ns:
                 self._lost_runs.popleft()
             if lost[k] > 0:
-                if self._lost_runs and self._lost_runs[-1][0] == int(sp[0]):
-                    self._lost_runs[-1][0] = int(sp[1])
+                if self._lost_runs and self._lost_runs[-1][0] == int(sp.t0_ns):
+                    self._lost_runs[-1][0] = int(sp.t1_ns)
                     self._lost_runs[-1][1] += float(lost[k])
                 else:
-                    self._lost_runs.append([int(sp[1]), float(lost[k]), float(run_pace[k])])
+                    self._lost_runs.append([int(sp.t1_ns), float(lost[k]), float(run_pace[k])])
             elif lost[k] < 0:
                 _take_oldest(self._lost_runs, -float(lost[k]))
-            lossy = set(sp[5]) - {PROXY_LAG}
+            lossy = set(sp.partial) - {PROXY_LAG}
             if lossy and not restart[k]:
                 # A known loss of the count (counter_below: the scraper counts on from the highest reading, the tokens
                 # below it lost for good; late_baseline, slots_only, unscraped, misplaced, server_restart): it lowers
@@ -2250,7 +2273,7 @@ class Ledger:
                 # Owed, it was repaid out of real bypass traffic where the proxy's pace next fell, in rows saying
                 # `complete` (20 bypass tokens read as 0, 35 s after the fall: tests/test_daemon_bypass_partial.py).
                 # What is owed already, or falls owed within CREDIT_S + LAG_S of it, may be that loss: doubtful.
-                self._lost_ns = int(sp[1])
+                self._lost_ns = int(sp.t1_ns)
                 for o in self._owed:
                     o[2] = True
             if not restart[k] and not self.server_at_finish and not {SERVER_COUNT_SLOTS_ONLY, "server_restart",
@@ -2274,18 +2297,18 @@ class Ledger:
                 # losses would hide bypass traffic.
                 fell = max(0.0, self._ref_last - ref)
                 if fell > 0:
-                    doubtful = self._lost_ns is not None and sp[1] - self._lost_ns <= credit_ns + lag_ns
-                    self._owed.append([int(sp[1]), fell, doubtful])
+                    doubtful = self._lost_ns is not None and sp.t1_ns - self._lost_ns <= credit_ns + lag_ns
+                    self._owed.append([int(sp.t1_ns), fell, doubtful])
                 # Bounded at the window's start (the owe stood there, read early at the scrape before), before it nets,
                 # and at its end after (below). Bounded at its end first, a stream that ended inside the window took
                 # its own owe away before the window could net its recovery: at a 5 s scrape interval (a window holding
                 # the whole end, none of its tokens within LAG_S of the window's end), a read 0.1 s early's recovery of
                 # 16 read as bypass tokens that never ran, rows `complete`.
-                self._cap_owed_and_overpaid(cum, pt, int(sp[0]), lag_ns)
-                n_prev, d_prev = (float(placed[k - 1]), int(todo[k - 1][1] - todo[k - 1][0])) if k \
+                self._cap_owed_and_overpaid(cum, pt, int(sp.t0_ns), lag_ns)
+                n_prev, d_prev = (float(placed[k - 1]), int(todo[k - 1].t1_ns - todo[k - 1].t0_ns)) if k \
                     else (self._placed_last, self._placed_last_ns)
-                d_k = int(sp[1] - sp[0])
-                due = min(sp[3], max(0.0, n_prev * d_k / max(d_prev, 1) - float(placed[k])))
+                d_k = int(sp.t1_ns - sp.t0_ns)
+                due = min(sp.bypass_tokens, max(0.0, n_prev * d_k / max(d_prev, 1) - float(placed[k])))
                 # What a read e s early owes is the proxy's rate times e, and a fall of the rate by f recovers f x e
                 # (e: the owe over the rate before the fall, at most LAG_S), less than the bound above where e is
                 # under the window's length: a 0.1 s early read's whole owe (16 at 160 tokens/s) netted at a fall to
@@ -2315,26 +2338,27 @@ class Ledger:
                     if o[2]:
                         unsure += take
                     else:
-                        sp[3] -= take
-                        if sp[1] - o[0] > horizon_ns:
+                        sp.bypass_tokens -= take
+                        if sp.t1_ns - o[0] > horizon_ns:
                             unsure += take
                     if o[1] <= 0:
                         self._owed.popleft()
-                if unsure > LAG_TOKENS and PROXY_LAG not in sp[5]:
-                    sp[5] = (*sp[5], PROXY_LAG)
+                if unsure > LAG_TOKENS and PROXY_LAG not in sp.partial:
+                    sp.partial = (*sp.partial, PROXY_LAG)
                 netted = due_was - due
-                if sp[3] > LAG_TOKENS and sum(x[1] for x in self._overpaid) > LAG_TOKENS and PROXY_LAG not in sp[5]:
-                    sp[5] = (*sp[5], PROXY_LAG)  # its rise may be a recovery repaid early (`_overpaid`)
-                _take_oldest(self._overpaid, float(sp[3]))
+                if sp.bypass_tokens > LAG_TOKENS and sum(x[1] for x in self._overpaid) > LAG_TOKENS \
+                        and PROXY_LAG not in sp.partial:
+                    sp.partial = (*sp.partial, PROXY_LAG)  # its rise may be a recovery repaid early (`_overpaid`)
+                _take_oldest(self._overpaid, float(sp.bypass_tokens))
                 if netted - sure > 0:
-                    self._overpaid.append([int(sp[1]), netted - sure])
-                self._cap_owed_and_overpaid(cum, pt, int(sp[1]), lag_ns)
+                    self._overpaid.append([int(sp.t1_ns), netted - sure])
+                self._cap_owed_and_overpaid(cum, pt, int(sp.t1_ns), lag_ns)
             self._ref_last = ref
-            if restart[k] and any(q.trace.arrival_ns <= sp[0] for q in live):
+            if restart[k] and any(q.trace.arrival_ns <= sp.t0_ns for q in live):
                 # Its level holds the old process's count of tokens still to come (placed at its end, here, once
                 # read): no bypass tokens are booked (low if any ran; the window says server_restart), and the levels
                 # after it start from it, where those tokens will stay.
-                sp[3] = 0.0
+                sp.bypass_tokens = 0.0
             # How far the lag its level may hold (at the window it is taken at) rose, or fell, from what the levels of
             # the last CREDIT_S held, a delay held so making a lag of its share of the proxy's rate; and the lag at its
             # end that its lookahead took out. Not measured, that share is not the lag (LAG_S's is the next second's
@@ -2344,40 +2368,44 @@ class Ledger:
             rose, fell = float(ahead_n[low]) - ref_least, ref_most - float(ahead_lo[low])
             drained = float(gaps[k]) - level
             if not measured[low]:
-                rose, fell = (float(ahead_n[low]), -float(ahead_n[low])) if sp[3] > LAG_TOKENS else (-ref_most, ref_most)
-            moved = max(min(sp[3], rose), min(drained, fell))  # the bypass tokens that lag may have made or hidden
+                rose, fell = (float(ahead_n[low]), -float(ahead_n[low])) if sp.bypass_tokens > LAG_TOKENS \
+                    else (-ref_most, ref_most)
+            # the bypass tokens that lag may have made or hidden
+            moved = max(min(sp.bypass_tokens, rose), min(drained, fell))
             # And the bypass tokens a lag that fell since the window before may have hidden here: those that ran are the
             # rise of the gap less the lag's, at most (its gap less the least lag at its end) less (the window before's
-            # less the most there), and the count took `sp[3]` of them. The levels held the lag (a level is the lowest
-            # gap of the lookahead; its reference, the highest level of CREDIT_S), so where it fell the windows after
-            # counted short, and only a window whose own lookahead took the lag out said so: a loop catching up from
-            # 150 ms late over a second beside 100 bypass tokens/s, its windows 4-5 of 10, the window after a 90 ms
-            # stall 4 of 10, rows `complete` (tests/test_daemon_bypass_lag.py). Only where bypass traffic ran lately
-            # (over a token in the last LAG_S's windows, or this one's): the lag's bounds are wide around a measured
-            # stall, and with no bypass traffic there, nothing to hide, they marked its windows (5 a 90 ms stall).
+            # less the most there), and the count took `sp.bypass_tokens` of them. The levels held the lag (a level is
+            # the lowest gap of the lookahead; its reference, the highest level of CREDIT_S), so where it fell the
+            # windows after counted short, and only a window whose own lookahead took the lag out said so: a loop
+            # catching up from 150 ms late over a second beside 100 bypass tokens/s, its windows 4-5 of 10, the window
+            # after a 90 ms stall 4 of 10, rows `complete` (tests/test_daemon_bypass_lag.py). Only where bypass traffic
+            # ran lately (over a token in the last LAG_S's windows, or this one's): the lag's bounds are wide around a
+            # measured stall, and with no bypass traffic there, nothing to hide, they marked its windows (5 a 90 ms
+            # stall).
             gap_prev, most_prev = (float(gaps[k - 1]), float(ahead_n[k - 1]) if measured[k - 1] else None) if k \
                 else (self._gap, self._edge_most)
-            lately = sp[3] > LAG_TOKENS or sum(x for _, _, x in self._bypassed) > LAG_TOKENS
+            lately = sp.bypass_tokens > LAG_TOKENS or sum(x for _, _, x in self._bypassed) > LAG_TOKENS
             if lately and measured[k] and most_prev is not None and not restart[k] and not self.server_at_finish:
                 ran = min(float(gaps[k]) - float(ahead_lo[k]), level - float(ahead_lo[low])) - (gap_prev - most_prev)
-                moved = max(moved, ran - sp[3])
-            while self._pace_unsure and self._pace_unsure[0][1] < sp[0] - lag_ns:
+                moved = max(moved, ran - sp.bypass_tokens)
+            while self._pace_unsure and self._pace_unsure[0][1] < sp.t0_ns - lag_ns:
                 self._pace_unsure.popleft()
-            if self._pace_unsure and any(a < w[1] and b > w[0] for a, b in self._pace_unsure for w in (sp, todo[low])):
+            if self._pace_unsure and any(a < w.t1_ns and b > w.t0_ns
+                                         for a, b in self._pace_unsure for w in (sp, todo[low])):
                 # Where a held burst's tokens belong, nothing tells (`_at_server_pace`): its windows' counts may be off,
                 # and a window whose level is taken at one of them (its lookahead's lowest gap: 16 and 0 of 30 before
                 # a burst crowded in the window after them).
                 moved = np.inf
-            if not self.server_at_finish and sp[3] > LAG_TOKENS and self._silent_at(int(ends[low]), lag_ns) \
+            if not self.server_at_finish and sp.bypass_tokens > LAG_TOKENS and self._silent_at(int(ends[low]), lag_ns) \
                     and self._live_at(int(ends[low])):  # the measures after the edge first: a few, not every request
                 # The proxy, measured before, measured nothing for LAG_S past the edge its level is taken at while a
                 # request was live there: stopped (its workers on a loaded host), it read none of the tokens the server
                 # counted meanwhile, and how far behind it fell nothing bounds (LAG_S's bound is the tokens it read over
                 # that second: none). Its count may be all that lag: against the real llama-server, two workers stopped
                 # for 11 s and killed by the watchdog, 314 of a cut stream's tokens read as bypass, rows `complete`.
-                moved = max(moved, float(sp[3]))
-            if moved > max(LAG_TOKENS, LAG_SHARE * float(sp[2])) \
-                    and "server_restart" not in sp[5] and PROXY_LAG not in sp[5]:
+                moved = max(moved, float(sp.bypass_tokens))
+            if moved > max(LAG_TOKENS, LAG_SHARE * float(sp.server_tokens)) \
+                    and "server_restart" not in sp.partial and PROXY_LAG not in sp.partial:
                 # Its bypass count may be off by the proxy's own lag. The proxy sees a token a delay after the server
                 # counted it: a record's 20 ms are placed back over their span (on_tokens), but a delay of the proxy's
                 # own (a loaded host's event loop) is not, and holds the server that delay's tokens ahead as long as
@@ -2398,9 +2426,9 @@ class Ledger:
                 # beside a proxy on time is not marked at every rise (LAG_S's bound marked 7 of 25 busy intervals of
                 # that run, and left its tag out). Not where a
                 # restart lowered the count (server_restart): the server down, not the proxy, moved the rate there.
-                sp[5] = (*sp[5], PROXY_LAG)
+                sp.partial = (*sp.partial, PROXY_LAG)
             s_k = float(slack[k])
-            tol = LAG_TOKENS + LAG_SHARE * float(sp[2])
+            tol = LAG_TOKENS + LAG_SHARE * float(sp.server_tokens)
             # Tokens placed on the usage's word beyond the stream's chunks (`_placed_at_end`): if the server's counter
             # did not count them, as many bypass tokens hide behind them, and per window an honest server (its counter
             # counting them: SGLang's end-of-text token) and one whose usage over-says read alike while bypass traffic
@@ -2416,10 +2444,10 @@ class Ledger:
             # above see.
             short_n, unknown_n = self._usage_doubt(sp, float(placed[k]), pt, st, sn, (int(read_a[k]), int(read_b[k])),
                                                    lag_ns) if self.server_at_finish else (0.0, s_k)
-            if (short_n > PLACED_EPS or short_n + unknown_n > tol) and USAGE_BEYOND not in sp[5]:
-                sp[5] = (*sp[5], USAGE_BEYOND)
+            if (short_n > PLACED_EPS or short_n + unknown_n > tol) and USAGE_BEYOND not in sp.partial:
+                sp.partial = (*sp.partial, USAGE_BEYOND)
             # What the reads at its edges may have missed or taken early (`_read_unsure`).
-            sp[8] = (*((float(early_n[k - 1]), float(late_n[k - 1])) if k else self._edge_read),
+            sp.read_unsure = (*((float(early_n[k - 1]), float(late_n[k - 1])) if k else self._edge_read),
                      float(early_n[k]), float(late_n[k]))
             if restart[k]:
                 self._levels.clear()
@@ -2429,27 +2457,27 @@ class Ledger:
                 # And the tokens placed in the window for requests that arrived inside it beyond all the new counter
                 # counted there: the old process, cut, never counts them, so the new one, read before it counted them,
                 # owes them (placed, they lowered the gap as a lost tail does: 8 of those 16).
-                fresh = sum(n for q in self.requests.values() if q.trace.arrival_ns > sp[0]
-                            for t, n in zip(q.ev_t, q.ev_n) if sp[0] < t <= sp[1])
+                fresh = sum(n for q in self.requests.values() if q.trace.arrival_ns > sp.t0_ns
+                            for t, n in zip(q.ev_t, q.ev_n) if sp.t0_ns < t <= sp.t1_ns)
                 # The old process's owes go with it (its counter will never count them: its lost tail).
-                self._owed = deque([[int(sp[1]), max(0.0, float(gaps[k]) - float(ahead_n[k]) - level)
-                                     + max(0.0, fresh - float(sp[2])), False]])
+                self._owed = deque([[int(sp.t1_ns), max(0.0, float(gaps[k]) - float(ahead_n[k]) - level)
+                                     + max(0.0, fresh - float(sp.server_tokens)), False]])
                 self._ref_last = level
-            if sp[3] > 0 and sp[4] is not None:
+            if sp.bypass_tokens > 0 and sp.finished_latency is not None:
                 self._spread_back(sp, pt, dur)
-            self._levels.append((sp[1], level, float(ahead_n[low]), float(ahead_lo[low])))
-            self._bypassed.append((sp[0], sp[1], sp[3]))
-            while self._bypassed and self._bypassed[0][1] < sp[1] - lag_ns:
+            self._levels.append((sp.t1_ns, level, float(ahead_n[low]), float(ahead_lo[low])))
+            self._bypassed.append((sp.t0_ns, sp.t1_ns, sp.bypass_tokens))
+            while self._bypassed and self._bypassed[0][1] < sp.t1_ns - lag_ns:
                 self._bypassed.popleft()
             self._level, self._ahead = level, (float(ahead_n[low]), float(ahead_lo[low]))
             self._gap = float(gaps[k])
-            self._placed_last, self._placed_last_ns = float(placed[k]), int(sp[1] - sp[0])
-            self._window_ns.append(int(sp[1] - sp[0]))
+            self._placed_last, self._placed_last_ns = float(placed[k]), int(sp.t1_ns - sp.t0_ns)
+            self._window_ns.append(int(sp.t1_ns - sp.t0_ns))
             self._edge_most = float(ahead_n[k]) if measured[k] else None
             self._edge_read = (float(early_n[k]), float(late_n[k]))
 
-    def _usage_doubt(self, sp: list, placed_n: float, fin_t: np.ndarray, slack_t: np.ndarray, slack_n: np.ndarray,
-                     read: tuple[int, int], lag_ns: int) -> tuple[float, float]:
+    def _usage_doubt(self, sp: _ScrapeWindow, placed_n: float, fin_t: np.ndarray, slack_t: np.ndarray,
+                     slack_n: np.ndarray, read: tuple[int, int], lag_ns: int) -> tuple[float, float]:
         """Of the usage's tokens beyond the chunks (`_placed_at_end`) of the streams that finished in window `sp`, those
         of a number a stream the at-finish counter was seen short of lately, and those of a number it was not seen to
         count either way (judged by the window's tolerance, as before); those it was seen to count are neither. Per
@@ -2468,23 +2496,24 @@ class Ledger:
         counter that counted one of them and not the other two is not taken as counting 3 on 1's word, and one short of
         3 does not mark the windows of 1 it was seen to count. Votes are let go at a restart, told or said by the
         scraper's marks (counter_below, fall_unconfirmed: a new process unseen may be another build)."""
-        if sp[6] or {COUNTER_BELOW, "fall_unconfirmed"} & set(sp[5]):
+        if sp.restarted or {COUNTER_BELOW, "fall_unconfirmed"} & set(sp.partial):
             self._usage_votes = {}
-        a, b = np.searchsorted(slack_t, [sp[0], sp[1]], side="right")
+        a, b = np.searchsorted(slack_t, [sp.t0_ns, sp.t1_ns], side="right")
         per = [(int(round(x)), x) for x in slack_n[a:b].tolist()]  # at-finish: one entry a stream, its whole surplus
         sizes = {n for n, _ in per}
-        fa, fb = (int(x) for x in np.searchsorted(fin_t, [sp[0], sp[1]], side="right"))
+        fa, fb = (int(x) for x in np.searchsorted(fin_t, [sp.t0_ns, sp.t1_ns], side="right"))
         prev, self._usage_read = self._usage_read, read
-        if sizes and fb > fa and sp[9] == fb - fa and not sp[5] and prev is not None:
-            most_s = self._delay_most_s(sp[0] - lag_ns, sp[1] + lag_ns)
+        if sizes and fb > fa and sp.finished_requests == fb - fa and not sp.partial and prev is not None:
+            most_s = self._delay_most_s(sp.t0_ns - lag_ns, sp.t1_ns + lag_ns)
             margin_ns = None if most_s is None else int((GET_FINISH_SLACK_S + most_s) * 1e9)
-            if (margin_ns is not None and int(fin_t[fa]) - max(sp[0], prev[1]) >= margin_ns
-                    and min(sp[1], read[0]) - int(fin_t[fb - 1]) >= margin_ns):
-                exact = abs(float(sp[2]) - placed_n) <= 0.5  # every such token in it was counted, of each number there
-                if exact or float(sp[2]) < placed_n:
+            if (margin_ns is not None and int(fin_t[fa]) - max(sp.t0_ns, prev[1]) >= margin_ns
+                    and min(sp.t1_ns, read[0]) - int(fin_t[fb - 1]) >= margin_ns):
+                # every such token in it was counted, of each number there
+                exact = abs(float(sp.server_tokens) - placed_n) <= 0.5
+                if exact or float(sp.server_tokens) < placed_n:
                     for n in sizes:
-                        self._usage_votes.setdefault(n, deque()).append((int(sp[1]), exact))
-        horizon_ns = int(sp[1]) - int(USAGE_VOTE_S * 1e9)
+                        self._usage_votes.setdefault(n, deque()).append((int(sp.t1_ns), exact))
+        horizon_ns = int(sp.t1_ns) - int(USAGE_VOTE_S * 1e9)
         short_n = unknown_n = 0.0
         for n, x in per:
             votes = self._usage_votes.get(n, ())
@@ -2508,7 +2537,7 @@ class Ledger:
                 most = d if most is None else max(most, d)
         return most
 
-    def _lost_beyond(self, todo: list, placed: np.ndarray, slack: np.ndarray, restart: np.ndarray,
+    def _lost_beyond(self, todo: list[_ScrapeWindow], placed: np.ndarray, slack: np.ndarray, restart: np.ndarray,
                      ahead_n: np.ndarray, measured: np.ndarray, early_n: np.ndarray, late_n: np.ndarray,
                      lag_ns: int, pt: np.ndarray, cum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per window, the tokens its count lost that nothing but a loss explains (judged by whole runs of windows: how
@@ -2539,19 +2568,19 @@ class Ledger:
         if self.server_at_finish:
             return lost, run_pace
         n_w = len(todo)
-        dur = np.array([max(int(sp[1] - sp[0]), 1) for sp in todo], dtype=float)
+        dur = np.array([max(int(sp.t1_ns - sp.t0_ns), 1) for sp in todo], dtype=float)
         short = np.zeros(n_w)  # how far the count rose less than the proxy's tokens placed in it, less the slack
         start_allow = np.zeros(n_w)  # the lag and the late read at its start
         ok = np.zeros(n_w, dtype=bool)
         for k, sp in enumerate(todo):
-            if restart[k] or {SERVER_COUNT_SLOTS_ONLY, "server_restart", "unscraped"} & set(sp[5]):
+            if restart[k] or {SERVER_COUNT_SLOTS_ONLY, "server_restart", "unscraped"} & set(sp.partial):
                 continue
             lag0 = (float(ahead_n[k - 1]) if measured[k - 1] else None) if k else self._edge_most
             if lag0 is None:
                 continue
             late0 = float(late_n[k - 1]) if k else self._edge_read[1]
             ok[k] = True
-            short[k] = float(placed[k]) - float(sp[2]) - float(slack[k])
+            short[k] = float(placed[k]) - float(sp.server_tokens) - float(slack[k])
             start_allow[k] = lag0 + late0
         # Whole runs. Each window's allowance taken off that window alone missed that inside a run the inner edges
         # cancel (what one lacks by an early read, the next holds): a 300-token loss read through 50 ms GETs beside a
@@ -2569,12 +2598,12 @@ class Ledger:
         # A run whose LAG_S after it has not been scraped yet is not judged
         # (NaN: the windows whose lookahead takes it in wait, `_resolve_spans`).
         seed = ok & ((short > LAG_TOKENS + LAG_SHARE * placed)
-                     | np.array([COUNTER_BELOW in sp[5] for sp in todo], dtype=bool))
-        self._seed_ends = {e for e in self._seed_ends if e > int(todo[0][0]) - lag_ns}
-        self._seed_ends.update(int(todo[i][1]) for i in np.flatnonzero(seed))
+                     | np.array([COUNTER_BELOW in sp.partial for sp in todo], dtype=bool))
+        self._seed_ends = {e for e in self._seed_ends if e > int(todo[0].t0_ns) - lag_ns}
+        self._seed_ends.update(int(todo[i].t1_ns) for i in np.flatnonzero(seed))
         seed_ends = np.array(sorted(self._seed_ends), dtype=np.int64)
         # A run ending among the windows still to resolve is judged afresh below (more of the proxy's tokens placed).
-        self._left_runs = {e: x for e, x in self._left_runs.items() if e <= int(todo[0][0])}
+        self._left_runs = {e: x for e, x in self._left_runs.items() if e <= int(todo[0].t0_ns)}
         k = 0
         while k < n_w:
             if not seed[k]:
@@ -2583,18 +2612,18 @@ class Ledger:
             m = k
             while m < n_w and seed[m]:
                 m += 1
-            if m == n_w or int(todo[-1][1]) < int(todo[m - 1][1]) + lag_ns:
+            if m == n_w or int(todo[-1].t1_ns) < int(todo[m - 1].t1_ns) + lag_ns:
                 lost[k:] = np.nan
                 break
             loss = float(short[k:m].sum()) - float(start_allow[k]) - float(early_n[m - 1])
             sp_end = todo[m - 1]
-            if sp_end[7] is None:
+            if sp_end.read_span_ns is None:
                 # Read early by up to LAG_S, the run's count lacks the proxy's tokens of that stretch before its end and
                 # holds those before its start: the most that leaves short, from the proxy's own tokens. The rise of its
                 # rate from the window before the run to its last one, over LAG_S, stood for it: beside a pace
                 # alternating 160/80 tokens/s each 0.25 s that is 80 tokens where a read early leaves at most 20, and
                 # a 100-token loss at 5.1 s went unjudged (rows 4 and 6 read 10 for 40, `complete`).
-                loss -= _read_early_most(pt, cum, int(todo[k][0]), int(sp_end[1]), lag_ns)
+                loss -= _read_early_most(pt, cum, int(todo[k].t0_ns), int(sp_end.t1_ns), lag_ns)
             tol = LAG_TOKENS + LAG_SHARE * float(placed[k:m].sum())
             if loss <= tol:
                 k = m
@@ -2605,22 +2634,23 @@ class Ledger:
             # the proxy's tokens may be that run's return, not bypass traffic. Taken as the pace, a 100-token dip's
             # return (80 counted for 20 proxied) made a second dip 0.25 s on, no bypass traffic at all, a loss added
             # back, and its passing page's return 60 bypass tokens (row 6 60 for 0, `complete`).
-            pre = [i for i in range(k) if ok[i] and not seed[i] and int(todo[i][1]) > int(todo[k][0]) - lag_ns
-                   and int(todo[i][0]) not in self._dip_back
-                   and not ((seed_ends <= int(todo[i][0])) & (seed_ends > int(todo[i][0]) - lag_ns)).any()]
+            pre = [i for i in range(k) if ok[i] and not seed[i] and int(todo[i].t1_ns) > int(todo[k].t0_ns) - lag_ns
+                   and int(todo[i].t0_ns) not in self._dip_back
+                   and not ((seed_ends <= int(todo[i].t0_ns)) & (seed_ends > int(todo[i].t0_ns) - lag_ns)).any()]
             if pre:
-                pace = max(0.0, sum(float(todo[i][2]) - float(placed[i]) for i in pre) / sum(dur[i] for i in pre))
+                pace = max(0.0, sum(float(todo[i].server_tokens) - float(placed[i]) for i in pre)
+                           / sum(dur[i] for i in pre))
             else:
                 dur_b = sum(b - a for a, b, _ in self._bypassed)
                 pace = max(0.0, sum(x for _, _, x in self._bypassed) / dur_b) if dur_b > 0 else 0.0
-            after = [i for i in range(m, n_w) if int(todo[i][1]) <= int(todo[m - 1][1]) + lag_ns
+            after = [i for i in range(m, n_w) if int(todo[i].t1_ns) <= int(todo[m - 1].t1_ns) + lag_ns
                      and not restart[i]] or [m]
             # No proxied tokens in the second after it (traffic ended): the fall may be the proxy's last lag draining
             # (unmeasured, its loop on time), and nothing wins back what a lag took: not judged, held as before.
             if sum(float(placed[i]) for i in after) <= LAG_TOKENS:
                 k = m
                 continue
-            rise = [float(todo[i][2]) - float(placed[i]) - pace * dur[i] for i in after]
+            rise = [float(todo[i].server_tokens) - float(placed[i]) - pace * dur[i] for i in after]
             back = max(0.0, float(np.cumsum(rise).max()))
             pos = np.clip(short[k:m], 0.0, None)
             if loss - back > tol:
@@ -2631,8 +2661,8 @@ class Ledger:
                 # is of the run: its shortfall there is added back, and it says counter_below.
                 lost[k:m] = pos * (loss / pos.sum()) if pos.sum() > 0 else 0.0
                 run_pace[k:m] = pace
-                self._passing[int(todo[m][0])] = pace
-                self._left_runs[int(sp_end[1])] = max(0.0, float(short[k:m].sum()) - loss)
+                self._passing[int(todo[m].t0_ns)] = pace
+                self._left_runs[int(sp_end.t1_ns)] = max(0.0, float(short[k:m].sum()) - loss)
             elif pos.sum() > 0 and pace * lag_ns > LAG_TOKENS + LAG_SHARE * float(placed[k:m].sum()):
                 # A dip won back within the second: left in the gap, the LAG_S lookahead of the windows before it took
                 # the dip into their levels as the proxy's lag, and the window it came back in read it as bypass tokens
@@ -2650,23 +2680,23 @@ class Ledger:
                 for i, x in zip(after, rise):
                     take = min(max(x, 0.0), dipped)
                     if take > 0:
-                        self._dip_back[int(todo[i][0])] = take
+                        self._dip_back[int(todo[i].t0_ns)] = take
                         dipped -= take
             k = m
         for i in range(n_w):
             if np.isnan(lost[i]):
                 continue
-            take = self._dip_back.get(int(todo[i][0]))
+            take = self._dip_back.get(int(todo[i].t0_ns))
             if take is not None and lost[i] == 0:
                 lost[i] = -take
-            pace = self._passing.get(int(todo[i][0]))
+            pace = self._passing.get(int(todo[i].t0_ns))
             if pace is not None and lost[i] == 0 and ok[i] and not seed[i]:
-                short_n = float(placed[i]) + pace * dur[i] - float(todo[i][2])
+                short_n = float(placed[i]) + pace * dur[i] - float(todo[i].server_tokens)
                 if short_n > LAG_TOKENS + LAG_SHARE * float(placed[i]):
                     lost[i], run_pace[i] = short_n, pace
-        self._passing = {a: p for a, p in self._passing.items() if a >= int(todo[0][0])}
-        self._left_runs = {e: x for e, x in self._left_runs.items() if e >= int(todo[0][0]) - credit_ns}
-        self._dip_back = {a: p for a, p in self._dip_back.items() if a >= int(todo[0][0])}
+        self._passing = {a: p for a, p in self._passing.items() if a >= int(todo[0].t0_ns)}
+        self._left_runs = {e: x for e, x in self._left_runs.items() if e >= int(todo[0].t0_ns) - credit_ns}
+        self._dip_back = {a: p for a, p in self._dip_back.items() if a >= int(todo[0].t0_ns)}
         # A dip back past the LAG_S after its run (a multi-process page's, back 1.5-2 s on) was counted twice: added back
         # as a loss, and its recovery read as bypass traffic (480 bypass tokens over 2-12 s where 400 ran, the recovery
         # row 140 for 40, `complete`). Within CREDIT_S after a run added back, a window whose count rises above the
@@ -2684,26 +2714,27 @@ class Ledger:
                     owed_n -= t
                 continue
             if lost[i] > 0:
-                if runs and runs[-1][0] == int(todo[i][0]):
-                    runs[-1][0] = int(todo[i][1])
+                if runs and runs[-1][0] == int(todo[i].t0_ns):
+                    runs[-1][0] = int(todo[i].t1_ns)
                     runs[-1][1] += float(lost[i])
                 else:
-                    runs.append([int(todo[i][1]), float(lost[i]), float(run_pace[i])])
+                    runs.append([int(todo[i].t1_ns), float(lost[i]), float(run_pace[i])])
                 continue
             if not ok[i] or seed[i]:
                 continue
-            live = [r for r in runs if r[0] <= int(todo[i][0]) and int(todo[i][1]) <= r[0] + credit_ns and r[1] > 0]
+            live = [r for r in runs
+                    if r[0] <= int(todo[i].t0_ns) and int(todo[i].t1_ns) <= r[0] + credit_ns and r[1] > 0]
             if not live:
                 continue
             sp = todo[i]
             explained = float(late_n[i]) + (float(early_n[i - 1]) if i else self._edge_read[0])
-            if sp[7] is None:
+            if sp.read_span_ns is None:
                 # The most a read up to LAG_S early holds beyond the window's own tokens (`_read_early_most`); the fall
                 # of the proxy's rate over LAG_S that stood for it is 80 beside a pace alternating 160/80 tokens/s where
                 # a read early holds 20, and a 50-token dip back 1.25 s on with no bypass traffic read as 49 bypass
                 # tokens, row 6 `complete`.
-                explained += _read_early_most(pt, cum, int(sp[0]), int(sp[1]), lag_ns, held=True)
-            excess = (float(sp[2]) - float(placed[i]) - max(r[2] for r in live) * dur[i] - explained
+                explained += _read_early_most(pt, cum, int(sp.t0_ns), int(sp.t1_ns), lag_ns, held=True)
+            excess = (float(sp.server_tokens) - float(placed[i]) - max(r[2] for r in live) * dur[i] - explained
                       - LAG_TOKENS - LAG_SHARE * float(placed[i]))
             if excess <= 0:
                 continue
@@ -2763,15 +2794,15 @@ class Ledger:
             if q is not None and q.trace.end_ns is not None:
                 t = q.trace.last_ns if q.trace.last_ns is not None else q.trace.end_ns
                 self._unsure[i] = (b, int(t) + credit_ns)
-        oldest = self.server_spans[0][0] if self.server_spans else None
+        oldest = self.server_spans[0].t0_ns if self.server_spans else None
         self._unsure = {i: (b, u) for i, (b, u) in self._unsure.items()
                         if (i in self.requests or u is not None) and (u is None or oldest is None or u > oldest)}
         for sp in self.server_spans:
-            if not sp[6] and "server_restart" not in sp[5] and any(
-                    b <= sp[0] and (u is None or sp[0] < u) for b, u in self._unsure.values()):
-                sp[5] = (*sp[5], "server_restart")
+            if not sp.restarted and "server_restart" not in sp.partial and any(
+                    b <= sp.t0_ns and (u is None or sp.t0_ns < u) for b, u in self._unsure.values()):
+                sp.partial = (*sp.partial, "server_restart")
 
-    def _placed_in(self, todo: list, placed: np.ndarray) -> np.ndarray:
+    def _placed_in(self, todo: list[_ScrapeWindow], placed: np.ndarray) -> np.ndarray:
         """The proxy's tokens placed in each window, checked: a stream's placings move its tokens, never make or take
         any, so a window can hold no fewer than none. One that does (a placing that took out what was never listed)
         would count its server's tokens and that shortfall as bypass tokens that never ran, in rows saying `complete`:
@@ -2782,19 +2813,19 @@ class Ledger:
             return placed
         for k in np.flatnonzero(wrong):
             sp = todo[k]
-            if MISPLACED in sp[5]:
+            if MISPLACED in sp.partial:
                 continue
-            sp[5] = (*sp[5], MISPLACED)
+            sp.partial = (*sp.partial, MISPLACED)
             self.misplaced_windows += 1
             if self.misplaced_windows <= 3 or self.misplaced_windows % 100 == 0:
                 log.warning("the proxy's tokens placed in the scrape window %.3f-%.3f s came to %.1f, below none (a "
                             "fault of the daemon's; %d such windows so far): its bypass count is taken as 0, and its "
-                            "intervals say %s in server_count; fix: %s", (sp[0] - self.t0_ns) / 1e9,
-                            (sp[1] - self.t0_ns) / 1e9, float(placed[k]), self.misplaced_windows, MISPLACED,
+                            "intervals say %s in server_count; fix: %s", (sp.t0_ns - self.t0_ns) / 1e9,
+                            (sp.t1_ns - self.t0_ns) / 1e9, float(placed[k]), self.misplaced_windows, MISPLACED,
                             bypass_count_fix(MISPLACED))
-        return np.where(wrong, np.array([max(sp[2], 0.0) for sp in todo], dtype=float), placed)
+        return np.where(wrong, np.array([max(sp.server_tokens, 0.0) for sp in todo], dtype=float), placed)
 
-    def _spread_back(self, sp: list, pt: np.ndarray, dur: np.ndarray | None) -> None:
+    def _spread_back(self, sp: _ScrapeWindow, pt: np.ndarray, dur: np.ndarray | None) -> None:
         """Move a resolved at-finish window's start back to where its bypass requests began: their tokens were
         generated over their run, not in the window their end was counted in (docs/daemon.md, Bypass traffic).
 
@@ -2802,18 +2833,18 @@ class Ledger:
         (arrival to last token), over their number; where that is not positive (a proxied request counted by the
         server in the next window), the mean of all that ended in it. Never before the first open interval: those
         closed have been accounted."""
-        n_fin, sum_s = sp[4]
+        n_fin, sum_s = sp.finished_latency
         if dur is None:
             return
-        a, b = np.searchsorted(pt, [sp[0], sp[1]], side="right")
+        a, b = np.searchsorted(pt, [sp.t0_ns, sp.t1_ns], side="right")
         n_bypass = n_fin - (b - a)
         s_bypass = sum_s - (dur[b] - dur[a]) / 1e9
         mean_s = s_bypass / n_bypass if n_bypass >= 1 and s_bypass > 0 else sum_s / n_fin
         # From `mean_s` before the window's end (they ended somewhere in it) to its end; never shorter than the window
         # itself (where it was placed before). Spread from its middle instead (their mean end), the 160-request SGLang
         # run read 113-115% of the bypass requests' true energy against 107%.
-        floor = self.edges[0].t_ns if self.edges else sp[0]
-        sp[0] = min(sp[0], max(floor, sp[1] - int(mean_s * 1e9)))
+        floor = self.edges[0].t_ns if self.edges else sp.t0_ns
+        sp.t0_ns = min(sp.t0_ns, max(floor, sp.t1_ns - int(mean_s * 1e9)))
 
     def _judge_host(self, t, a: attr.Attribution, other_pct, judged) -> None:
         """Count the requests' CPU energy in busy-host intervals and say when a spell of them begins (once) and ends.
@@ -3011,15 +3042,16 @@ class Ledger:
 
         Each window's bypass count is the server's rise less the proxy's tokens placed between its edges' stamps (the
         GETs' midpoints); the counter was read anywhere in each GET, so at an edge the count may lack the proxy's tokens
-        from the GET's start to the stamp, or hold those from the stamp to its end already (`_resolve_spans`: sp[8]).
+        from the GET's start to the stamp, or hold those from the stamp to its end already (`_resolve_spans`: the
+        window's `read_unsure`).
         Such an edge moves tokens from one window to the next: within an interval they cancel, and only the edges where
         its share of the windows changes (its own ends) move its count, by that change of share times those tokens."""
         out = [(0.0, 0.0)] * (t.size - 1)
-        spans = [x for x in self.server_spans if x[8] is not None and x[1] > t[0] and x[0] < t[-1]
-                 and x[1] > x[0]]
+        spans = [x for x in self.server_spans if x.read_unsure is not None and x.t1_ns > t[0] and x.t0_ns < t[-1]
+                 and x.t1_ns > x.t0_ns]
         if not spans:
             return out
-        sp = np.array([x[:2] for x in spans], dtype=np.int64)
+        sp = np.array([(x.t0_ns, x.t1_ns) for x in spans], dtype=np.int64)
         share = attr.span_overlap_s(t, sp[:, 0], sp[:, 1]) / ((sp[:, 1] - sp[:, 0]) / 1e9)[:, None]  # (windows, K)
         for k in range(t.size - 1):
             coef: dict[int, float] = {}
@@ -3029,10 +3061,10 @@ class Ledger:
                 f = float(share[i, k])
                 if f <= 0:
                     continue
-                counted += f * x[2]
-                coef[x[1]] = coef.get(x[1], 0.0) + f  # its end's read: the count may lack (early) or hold (late)
-                coef[x[0]] = coef.get(x[0], 0.0) - f  # its start's, the other way round
-                reads[x[0]], reads[x[1]] = x[8][:2], x[8][2:]
+                counted += f * x.server_tokens
+                coef[x.t1_ns] = coef.get(x.t1_ns, 0.0) + f  # its end's read: the count may lack (early) or hold (late)
+                coef[x.t0_ns] = coef.get(x.t0_ns, 0.0) - f  # its start's, the other way round
+                reads[x.t0_ns], reads[x.t1_ns] = x.read_unsure[:2], x.read_unsure[2:]
             # A read early at an edge lowers the window before it and raises the one after, by the tokens it missed.
             high = sum(c * reads[e][0] if c > 0 else -c * reads[e][1] for e, c in coef.items())
             low = sum(c * reads[e][1] if c > 0 else -c * reads[e][0] for e, c in coef.items())
