@@ -2327,17 +2327,17 @@ def test_the_fixed_ratio_note_never_says_none_of_a_share_it_was_given():
     # A request given 0.3% of its energy from ratio-split intervals (its prompt's fast placement only grazing one),
     # which the range's other end gives 20% more: its row said "none of its GPU energy is from intervals other requests
     # did work in" (pct < 0.5 chose that lead), a false "none". And a range's end a hair below its figure read "-0%".
-    from powerprof.daemon.liverequest import _Req
+    from powerprof.daemon.liverequest import LiveRequest
     from powerprof.daemon.rowtext import _approximate_note
 
-    r = _Req(_trace(1, 0.0), gpu_j=100.0, fixed_j=0.3, fixed_lo_j=0.1, fixed_hi_j=20.3, fixed_why="no fit yet")
+    r = LiveRequest(_trace(1, 0.0), gpu_j=100.0, fixed_j=0.3, fixed_lo_j=0.1, fixed_hi_j=20.3, fixed_why="no fit yet")
     note = _approximate_note(r) or ""
     assert "split among them by the fixed ratio" in note, note
     assert "none of its GPU energy" not in note, note
     assert "under 1% of its GPU energy is from intervals other requests did work in too" in note, note
     assert "its figure would be +0% to +20%" in note, note
     # Given none there: "none" holds.
-    r = _Req(_trace(2, 0.0), gpu_j=100.0, fixed_j=0.0, fixed_lo_j=0.0, fixed_hi_j=20.0, fixed_why="no fit yet")
+    r = LiveRequest(_trace(2, 0.0), gpu_j=100.0, fixed_j=0.0, fixed_lo_j=0.0, fixed_hi_j=20.0, fixed_why="no fit yet")
     assert "none of its GPU energy is from intervals other requests did work in" in (_approximate_note(r) or "")
 
 

@@ -772,7 +772,7 @@ def test_buffered_rows_fit_within_half_the_units_memory_max():
     import tracemalloc
 
     from powerprof.daemon.ledger import Ledger
-    from powerprof.daemon.liverequest import _Req
+    from powerprof.daemon.liverequest import LiveRequest
     from powerprof.daemon.proxy import RequestTrace
 
     mem_max = 512 << 20
@@ -788,7 +788,7 @@ def test_buffered_rows_fit_within_half_the_units_memory_max():
         tr = RequestTrace(i, "POST", "/v1/completions", f"tag-{i % 7}", time.monotonic_ns(), time.time_ns(),
                           api="openai-completions", model="some-model-name", status=200, first_ns=1, first_wall_ns=1,
                           last_ns=2, last_wall_ns=2, end_ns=3, end_wall_ns=3, tokens_seen=100, response_bytes=12345)
-        rows.append(led._request_row(_Req(tr, gpu_j=1.5, cpu_j=0.5, cpu_known=True, tokens=99.0)))
+        rows.append(led._request_row(LiveRequest(tr, gpu_j=1.5, cpu_j=0.5, cpu_known=True, tokens=99.0)))
     per_row = (tracemalloc.get_traced_memory()[0] - base) / 2000
     tracemalloc.stop()
     assert per_row < ROW_BYTES_EST, per_row

@@ -10,7 +10,7 @@ until the server's token counter has been scraped past them, and (at most `rapl_
 RAPL read covers their end (and a CPU-time read, where whose CPU time it was is judged). Memory stays bounded: closed
 intervals, emitted requests and used token events are dropped.
 
-A request's account is `liverequest._Req`; the words its rows carry (each note, flag, reason and fix) are
+A request's account is `liverequest.LiveRequest`; the words its rows carry (each note, flag, reason and fix) are
 `rowtext`'s: the ledger decides which apply.
 """
 
@@ -42,7 +42,7 @@ from powerprof.storage.schema import (BYPASS_LOW_FLAG,
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import PROMPT_HOLD_S, _passive, _prompt_tokens, _Req, _unseen
+from .liverequest import PROMPT_HOLD_S, is_passive, told_prompt_tokens, LiveRequest, is_unseen
 from .promptlen import PromptLengths
 from .proxy import RequestTrace, bounded_text, valid_text
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GPU_MISSING_NOTE, NO_COUNTER_READ,
@@ -124,7 +124,7 @@ COUNTER_BELOW = SERVER_COUNT_BELOW
 # Prefix-cache hits the server counted beyond what its answers said (CACHE_UNSAID_FLAG): kept this long to meet the
 # requests that end after them (a request or an interval is flagged from rowtext.CACHE_UNSAID_MIN of them on).
 CACHE_KEEP_S = 300.0
-# Intervals a request keeps to judge once the requests whose end may say their hits have ended (`_Req.cache_unsure`);
+# Intervals a request keeps to judge once the requests whose end may say their hits have ended (`LiveRequest.cache_unsure`);
 # beyond, judged at their close as before (a stream live for hours over 1 s intervals).
 CACHE_UNSURE_MAX = 256
 # An API whose latest this many ended answers (prompts over one token) all said no cached count while the server
@@ -314,7 +314,7 @@ class Ledger:
         self.jpt_window_ns = int(jpt_window_s * 1e9)
         self.edges: list[_Edge] = []
         self.first_edge_ns: int | None = None  # the first GPU read's instant: no energy before it is known
-        self.requests: dict[int, _Req] = {}
+        self.requests: dict[int, LiveRequest] = {}
         self.tags: dict[str, _Tag] = {}
         self.closed_tags: list[_Tag] = []
         self.cpu_t: deque = deque(maxlen=4096)
@@ -341,7 +341,7 @@ class Ledger:
         self._cache_dirty = False
         self._cache_frozen = 0  # the leading windows whose `known` is final (`_cache_freeze`)
         self.flagged_requests = dict.fromkeys(COUNTED_FLAGS, 0)  # request rows emitted with each of COUNTED_FLAGS
-        # {request id: the requests beside its prefill (`_Req.late_wait`)} of those whose end may still say a count
+        # {request id: the requests beside its prefill (`LiveRequest.late_wait`)} of those whose end may still say a count
         # late: told as it settles (`_settle_late`). Before, the late counts were kept in a table of the latest 4096,
         # read at the rows: a stream longer than that many late counts read none of the one beside its start (or a
         # smaller one's figure) and its `late_wait` kept every id it was ever beside. And the ended requests whose
@@ -352,7 +352,7 @@ class Ledger:
         # number, 0: none), its close], each waiting (at most prompt_hold_s past its close) for those to end before its
         # CACHE_UNSAID_FLAG is judged.
         self._iv_parked: deque = deque()
-        # What those rows and the rows of `_Req.cache_wait` wait for, kept as counts, not ids: {wait number: [its
+        # What those rows and the rows of `LiveRequest.cache_wait` wait for, kept as counts, not ids: {wait number: [its
         # requests still live, its close]}; a wait leaves once its last request ends or prompt_hold_s past its close
         # (no row waits on it longer). One set of ids per waiting request and parked row held ~1000 x 1000 ids with
         # 1000 live streams (48.7 MB more than with no hits, tests/test_prefix_cache_ledger.py).
@@ -479,7 +479,7 @@ class Ledger:
     # --- recorder interface (called by the proxy) ------------------------------------------
 
     def on_start(self, trace: RequestTrace) -> None:
-        self.requests[trace.request_id] = _Req(
+        self.requests[trace.request_id] = LiveRequest(
             trace, uncounted=uncounted_kind(trace.method, trace.endpoint) if trace.api is None else None)
 
     def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
@@ -538,7 +538,7 @@ class Ledger:
                     self._proxied.append((t_ns, n))
             r.prev_ns, r.prev_held = t_ns, n > seqs
 
-    def _held_burst(self, r: _Req, t_ns: int, n: float, seqs: int) -> bool:
+    def _held_burst(self, r: LiveRequest, t_ns: int, n: float, seqs: int) -> bool:
         """A piece of a stream that came in several bursts, each held back on its way since the one before (a buffering
         hop that passes its buffer on when full, nginx's 4 kB, or on a timer): its tokens were generated since the
         previous piece, not at once; they are placed over that time at the server's pace, now, so that the scrape
@@ -570,14 +570,14 @@ class Ledger:
         r.prev_ns, r.prev_held = t_ns, True
         return True
 
-    def _restart_cut_ns(self, r: _Req) -> int | None:
+    def _restart_cut_ns(self, r: LiveRequest) -> int | None:
         """The first scrape after the first restart known since `r` arrived (the end of that restart's window): the
         process that served `r` died before it, so none of `r`'s tokens was generated, or counted, later."""
         if not self._restarts:
             return None  # the common case, asked on every piece: no generator to build
         return min((b for a, b in self._restarts if a >= r.trace.arrival_ns), default=None)
 
-    def _place(self, r: _Req, ts: list[int], ns: list[float]) -> None:
+    def _place(self, r: LiveRequest, ts: list[int], ns: list[float]) -> None:
         """`r`'s token events `ns` at `ts`, listed for the scrape windows. Any before the first open interval (placed
         back to a restart's cut after those closed) are late: counted on its row, in no interval's energy."""
         floor = self.edges[0].t_ns if self.edges else None
@@ -649,7 +649,7 @@ class Ledger:
             return None
         return r.first_piece_n * (generated / seen if generated and seen > 0 else 1.0)
 
-    def _placed_at_end(self, r: _Req) -> float:
+    def _placed_at_end(self, r: LiveRequest) -> float:
         """on_end's placing of the tokens only the end tells (usage, a non-streamed body); returns on_end's figure."""
         trace = r.trace
         c = trace.counts
@@ -711,7 +711,7 @@ class Ledger:
             self._place(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS)
         return 0.0
 
-    def _spread_burst(self, r: _Req) -> None:
+    def _spread_burst(self, r: LiveRequest) -> None:
         """A stream whose tokens all reached the proxy in one delivery (chunks under SAME_DELIVERY_NS apart) was held
         back on its way (a buffering proxy or gateway between the server and this one): the server generated them
         over its run, not at the instant they passed. They are spread evenly over it, as a non-streamed answer's
@@ -752,7 +752,7 @@ class Ledger:
         r.burst_s = (t1 - tr.arrival_ns) / 1e9
         self._burst_said(r, n)
 
-    def _open_only(self, r: _Req, ts: list[int], ns: list[float]) -> tuple[list[int], list[float]]:
+    def _open_only(self, r: LiveRequest, ts: list[int], ns: list[float]) -> tuple[list[int], list[float]]:
         """Of an end's re-placing of `r`'s tokens (`_spread_burst`, `_first_burst`), the events in open intervals; those
         before the first (put back to a restart's cut, `_at_server_pace`, after the intervals there closed) are late, as
         `_place` makes them: counted on its row, in no interval's energy. Kept in its events, they were spent with the
@@ -766,7 +766,7 @@ class Ledger:
         self.late_tokens += gone
         return ts[j:], ns[j:]
 
-    def _decode_start(self, r: _Req, t1: int) -> int:
+    def _decode_start(self, r: LiveRequest, t1: int) -> int:
         """Where a held-back stream's decode began: from the server's decode time where its timings say it (they end
         at its last token, `t1`), else its arrival; never in intervals already closed (their accounts are done: the
         seconds cut so are said on its row, `closed_s`)."""
@@ -779,7 +779,7 @@ class Ledger:
             start = self.edges[0].t_ns
         return start
 
-    def _first_burst(self, r: _Req) -> None:
+    def _first_burst(self, r: LiveRequest) -> None:
         """A stream that came in several bursts, at its end: its later bursts were placed as they came
         (`_held_burst`); its first burst's tokens, held since its decode began, are placed from there."""
         tr = r.trace
@@ -806,7 +806,7 @@ class Ledger:
                 r.held_s = max(r.held_s, (cut - start) / 1e9)
         self._burst_said(r, r.spent + float(sum(r.ev_n)))
 
-    def _burst_said(self, r: _Req, n: float) -> None:
+    def _burst_said(self, r: LiveRequest, n: float) -> None:
         """Counted, and logged the first time and every 1000th: a stream held back on its way."""
         tr = r.trace
         self.burst_requests += 1
@@ -828,7 +828,7 @@ class Ledger:
                         "are spread over its run and its row says so in energy_note (%d such requests so far; %s)",
                         tr.request_id, n, r.burst_s, why, self.burst_requests, fix)
 
-    def _own_late_s(self, r: _Req) -> float:
+    def _own_late_s(self, r: LiveRequest) -> float:
         """The most the proxy's own event loop was measured late (`note_proxy_delay`) while `r` streamed: a measure at t
         of d says the loop stood still over [t - d, t], so those that overlap its arrival to its last piece count."""
         tr = r.trace
@@ -841,7 +841,7 @@ class Ledger:
                 most = max(most, d)
         return most
 
-    def _at_server_pace(self, r: _Req, start: int, t1: int, k: int, n: float | None = None) -> list[int]:
+    def _at_server_pace(self, r: LiveRequest, start: int, t1: int, k: int, n: float | None = None) -> list[int]:
         """`k` instants from `start` to `t1`, each standing for an equal share of `r`'s `n` tokens, as dense as the server
         gave each sequence tokens: a continuous-batching server gives every running sequence one token a step, so in
         each scrape window a sequence got (the server's count) / (the sequences running) tokens. The running ones are
@@ -1024,7 +1024,7 @@ class Ledger:
             out = t if out is None else min(out, t)
         return out
 
-    def _to_server_count(self, r: _Req, total: float) -> float:
+    def _to_server_count(self, r: LiveRequest, total: float) -> float:
         """A stream whose chunks carried no counts was counted one token per chunk; its final `usage`
         gives the server's own count (more under speculative decoding or batched chunks). Its
         chunks still open are scaled so the request's tokens add up to that count: each chunk
@@ -1204,14 +1204,14 @@ class Ledger:
             if h0 < t_ns:
                 r.cache_unsaid_early = max(r.cache_unsaid_early, self._cache_unsaid(h0, h1))
 
-    def _judge_unsure(self, r: _Req, t0: int, t1: int, j: float) -> None:
+    def _judge_unsure(self, r: LiveRequest, t0: int, t1: int, j: float) -> None:
         """One interval r took energy of beside hits no answer had said when it closed: CACHE_UNSAID_FLAG's share."""
         u = self._cache_unsaid(t0, t1)
         if u >= CACHE_UNSAID_MIN:
             r.cache_beside_j += j
             r.cache_beside = max(r.cache_beside, u)
 
-    def _hit_span(self, r: _Req) -> tuple[int, int]:
+    def _hit_span(self, r: LiveRequest) -> tuple[int, int]:
         """Where the server counts the request's prefix-cache hit: vLLM as it schedules it (arrival to first token),
         SGLang as it finishes it (its last token to its end: scrape.AT_FINISH)."""
         tr = r.trace
@@ -1223,7 +1223,7 @@ class Ledger:
         first = _first_token_seen(tr)
         return int(tr.arrival_ns), int(first if first is not None else end)
 
-    def _cache_met(self, r: _Req) -> None:
+    def _cache_met(self, r: LiveRequest) -> None:
         """At a request's end: the cached tokens its answer said (or its shared prompt's other choices found) go to
         the scrape windows of its hit span, those read already and those to come."""
         n = _known_cached(r)
@@ -1342,7 +1342,7 @@ class Ledger:
                 a.append([n, n])
         return n
 
-    def _release(self, r: _Req) -> None:
+    def _release(self, r: LiveRequest) -> None:
         """The request ended (or can say no cached count): the waits it was one of count it no more."""
         for n0, n1 in r.awaited:
             for n in range(max(n0, self._wait_floor), n1 + 1):
@@ -1367,7 +1367,7 @@ class Ledger:
         """Whether one of these waits has a request that has still not ended (its answer may yet say its count)."""
         return any(n in self._waits for n in waits)
 
-    def _learn_says_cached(self, r: _Req) -> None:
+    def _learn_says_cached(self, r: LiveRequest) -> None:
         """At a request's end: whether its answer said a cached count (0 or more) or, while the server counted hits,
         said none (vLLM without --enable-prompt-tokens-details). A None while no hit was counted is left out: a server
         may leave out a count of 0. Once an API says none, its live requests leave every wait."""
@@ -1384,12 +1384,12 @@ class Ledger:
                 if q.awaited and self._cannot_say_cached(q):
                     self._release(q)
 
-    def _prefilled_apart(self, r: _Req) -> bool:
+    def _prefilled_apart(self, r: LiveRequest) -> bool:
         """Whether the server prefilled the request's n > 1 choices' prompt in a request of its own (SGLang: its
         /generate, or its OpenAI endpoints once the scrape knows it is SGLang)."""
         return r.trace.extra.get("choices", 1) > 1 and (r.trace.api == "sglang-generate" or self.choices_prefilled_apart)
 
-    def _cannot_say_cached(self, r: _Req) -> bool:
+    def _cannot_say_cached(self, r: LiveRequest) -> bool:
         """Its end cannot tell a hit: its API says no cached count and its prompt is not shared by n choices (whose other
         choices' hits its end tells all the same: `_known_cached`)."""
         return self._never_says_cached(r.trace.api) and r.trace.extra.get("choices", 1) <= 1
@@ -1564,7 +1564,7 @@ class Ledger:
         # An embeddings request's length (its whole work, a prefill) comes with its answer: held likewise.
         unknown = [r.trace.arrival_ns for r in self.requests.values()
                    if r.trace.end_ns is None and (r.trace.api is not None or r.uncounted == "embeddings")
-                   and _prompt_tokens(r) is None]
+                   and told_prompt_tokens(r) is None]
         if unknown:
             horizon = min(horizon, max(min(unknown), now_ns - self.prompt_hold_ns))
         if self.server_upto_ns is not None:
@@ -1789,7 +1789,7 @@ class Ledger:
         cpu0 = np.nan_to_num(cpu)
         energy = np.column_stack([work_j, cpu0, np.isnan(cpu), work_missing, np.where(judged, cpu0, 0.0),
                                   np.where(judged, cpu0 * np.nan_to_num(other_pct), 0.0)])
-        passive = np.array([_passive(r) for r in reqs], dtype=bool)  # its error status is known from its head
+        passive = np.array([is_passive(r) for r in reqs], dtype=bool)  # its error status is known from its head
         # Intervals without a counter that no request (or bypass traffic) was live in for half their time: their
         # requests' energy is the interval's less the idle power over the rest, an estimate a counter would not need.
         dur = np.diff(t) / 1e9
@@ -1897,13 +1897,13 @@ class Ledger:
                 j = int(np.searchsorted(r.ev_t, t_end))
                 r.spent += float(sum(r.ev_n[:j]))
                 del r.ev_t[:j], r.ev_n[:j]
-        unc = [i for i, r in enumerate(reqs) if _unseen(r) and not passive[i]]
+        unc = [i for i, r in enumerate(reqs) if is_unseen(r) and not passive[i]]
         if unc:
             # Requests whose work the proxy cannot see (embeddings, audio, an endpoint it does not parse) take no
             # share where counted work ran: that energy went to the requests beside them, whose rows say so.
             live = (arrival[:, None] < t[None, 1:]) & (end[:, None] > t[None, :-1])
             for i, r in enumerate(reqs):
-                if not _unseen(r) and len(r.beside_uncounted) < 8:  # bounded: the note names 3
+                if not is_unseen(r) and len(r.beside_uncounted) < 8:  # bounded: the note names 3
                     for j in unc:
                         if (live[i] & live[j]).any():
                             r.beside_uncounted.add(f"{reqs[j].uncounted} ({reqs[j].trace.method} {reqs[j].trace.endpoint})")
@@ -1936,7 +1936,7 @@ class Ledger:
 
     def _unpark(self, now_ns: int | None) -> list[dict]:
         """The rows of ended requests (in `_late_parked`) that need wait no longer for a request beside them to say its
-        cached count (`_Req.late_wait`): none of those is still live, or they waited prompt_hold_s past their own end
+        cached count (`LiveRequest.late_wait`): none of those is still live, or they waited prompt_hold_s past their own end
         (then its row says it could not wait: `late_unresolved`), or `now_ns` None (shutdown: every one)."""
         rows, keep = [], []
         for item in self._late_parked:
@@ -1951,7 +1951,7 @@ class Ledger:
         self._late_parked = keep
         return rows
 
-    def _settle_late(self, r: _Req) -> None:
+    def _settle_late(self, r: LiveRequest) -> None:
         """How many of its prompt tokens its end said were cached beyond those its prefill was placed with
         (CACHE_LATE_FLAG), told to the requests beside that prefill (`_late_waiters`), which wait for it no more."""
         if r.prefill_cached is not None:
@@ -1962,10 +1962,10 @@ class Ledger:
             if r.cache_late >= CACHE_UNSAID_MIN:
                 w.cache_beside_late = max(w.cache_beside_late, r.cache_late)
 
-    def _prompt_work(self, r: _Req, done: bool) -> float:
+    def _prompt_work(self, r: LiveRequest, done: bool) -> float:
         """The prompt tokens a request's prefill is costed at: the server's count, else (it ended without
         one, or its intervals could be held no longer) an estimate from its body, kept for its row."""
-        p = _prompt_tokens(r)
+        p = told_prompt_tokens(r)
         if p is not None:
             return p
         tr = r.trace
@@ -2083,7 +2083,7 @@ class Ledger:
         if held_ns is not None:
             pending_ns = held_ns if pending_ns is None else min(pending_ns, held_ns)
         counting_ns = min((r.trace.arrival_ns for r in live
-                           if r.trace.stream is True and r.trace.api.startswith("openai") and _prompt_tokens(r) is None
+                           if r.trace.stream is True and r.trace.api.startswith("openai") and told_prompt_tokens(r) is None
                            and r.trace.arrival_ns >= upto_ns - self.prompt_hold_ns), default=None)
         last = self.server_spans[-1].t1_ns
         if last == self._resolved_last and not force:
@@ -2767,7 +2767,7 @@ class Ledger:
         lens = sorted([*self._window_ns, int(d_k)])
         return max(credit_ns, int(OWE_SCRAPES * lens[len(lens) // 2]))
 
-    def _note_unsure(self, r: _Req, t1: int) -> None:
+    def _note_unsure(self, r: LiveRequest, t1: int) -> None:
         """`r`'s tokens read at `t1` are being placed back over the time before it (a non-streamed body, a stream's
         burst). If `r` arrived inside a restart's scrape window and `t1` is past it, nothing tells which process served
         them: its windows are marked from then on (`_mark_restart_unsure`)."""
@@ -3272,7 +3272,7 @@ class Ledger:
             out.append(row)
         return out
 
-    def _request_row(self, r: _Req) -> dict:
+    def _request_row(self, r: LiveRequest) -> dict:
         for t0, t1, j in r.cache_unsure:  # judged now that the requests whose end may say those hits have ended
             self._judge_unsure(r, t0, t1, j)
         r.cache_unsure = []
@@ -3288,7 +3288,7 @@ class Ledger:
         # surrogate (a JSON `\\ud800`) would send the whole row to quarantine.
         return {k: valid_text(v) if isinstance(v, str) else v for k, v in row.items()}
 
-    def _chunk_counted_low_said(self, r: _Req) -> None:
+    def _chunk_counted_low_said(self, r: LiveRequest) -> None:
         """Counted, and logged the first time and every 1000th: most OpenAI clients stream without asking for usage,
         and under speculative decoding (or a busy vLLM) every such request is counted low, its rest in unproxied;
         rows alone said it, where nobody running the daemon looks first."""
@@ -3302,7 +3302,7 @@ class Ledger:
                         "bypasses the proxy: clients send \"stream_options\": {\"include_usage\": true}, or start vLLM "
                         "with --enable-force-include-usage", r.trace.request_id, r.server_ahead, n)
 
-    def _request_fields(self, r: _Req) -> dict:
+    def _request_fields(self, r: LiveRequest) -> dict:
         tr = r.trace
         c = tr.counts
         gen = c.generated_tokens if c is not None and c.generated_tokens is not None else (tr.tokens_seen or None)
@@ -3352,7 +3352,7 @@ class Ledger:
             "outcome": tr.outcome,
             "error": error,
             # An embeddings request's is its input's length (usage.prompt_tokens, read by the proxy).
-            "prompt_tokens": c.prompt_tokens if c is not None else (_prompt_tokens(r) if r.uncounted else None),
+            "prompt_tokens": c.prompt_tokens if c is not None else (told_prompt_tokens(r) if r.uncounted else None),
             "generated_tokens": gen,
             "decode_tokens": max(gen - 1, 0) if gen else None,
             "token_source": c.token_source if c is not None else ("counted" if tr.tokens_seen else "none"),
@@ -3368,7 +3368,7 @@ class Ledger:
                                    else _no_energy_reason(r), CPU_MISSING_NOTE if cpu_unknown else None,
                                    _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct),
                                    _before_first_note(r), self.unsampled_note if r.gpu_j > 0 else None),
-            "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and _prompt_tokens(r) is None else None,
+            "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and told_prompt_tokens(r) is None else None,
             "cached_prompt_tokens": c.cached_tokens if c is not None and c.invalid is None else None,
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
@@ -3416,8 +3416,8 @@ def _idle_unread(per_gpu, serving, k: int) -> tuple[list[int], bool] | None:
     return [int(g) for g in np.flatnonzero(unread & ~serving)], bool((unread & serving).any())
 
 
-def _prompt_sequences(r: _Req) -> int:
-    """The sequences among which the request's prompt figure (`_prompt_tokens`, or its estimate) is divided for each
+def _prompt_sequences(r: LiveRequest) -> int:
+    """The sequences among which the request's prompt figure (`told_prompt_tokens`, or its estimate) is divided for each
     one's context: all of them (n choices × prompts) where the figure sums each task's (llama.cpp: a task per choice,
     each prefilling the prompt in its own slot); its prompts alone where each prompt is said once for its n choices
     (vLLM and SGLang compute it once: the other choices find it in the prefix cache, still in their context), as
@@ -3431,20 +3431,20 @@ def _prompt_sequences(r: _Req) -> int:
     return max(seqs // max(r.trace.extra.get("choices", 1), 1), 1)
 
 
-def _cached_tokens(r: _Req) -> float:
+def _cached_tokens(r: LiveRequest) -> float:
     """Of the request's prompt figure, the tokens the server said it found in its prefix cache (no prefill work); 0
     where it did not say (then its whole prompt is costed as computed: `_cache_unsaid_note`). Before its end, the
-    count said early with the prompt's length (`_prompt_tokens`: SGLang's meta_info, continuous usage's details)."""
+    count said early with the prompt's length (`told_prompt_tokens`: SGLang's meta_info, continuous usage's details)."""
     c = r.trace.counts
     if c is not None and c.prompt_tokens is not None:
         return float(c.cached_tokens) if c.cached_tokens is not None and c.invalid is None else 0.0
     if c is not None and c.invalid:
         return 0.0
-    k, p = r.trace.extra.get("cached_tokens"), _prompt_tokens(r)
+    k, p = r.trace.extra.get("cached_tokens"), told_prompt_tokens(r)
     return float(min(k, p)) if k is not None and p is not None else 0.0
 
 
-def _prefill_cached(r: _Req) -> float:
+def _prefill_cached(r: LiveRequest) -> float:
     """Of the request's prompt figure, the cached tokens that were no prefill work of it: its said cached count
     (`_cached_tokens`), or none where its prompt was prefilled apart (`prefilled_apart`): SGLang's n > 1 choices each
     say the prompt but one cached, found there by the request SGLang prefilled it in, for this one, first. That
@@ -3462,7 +3462,7 @@ def _first_token_seen(tr) -> int | None:
     return None if tr.extra.get("spread") else tr.first_ns
 
 
-def _known_cached(r: _Req) -> float:
+def _known_cached(r: LiveRequest) -> float:
     """The prefix-cache hits the daemon knows the request met: the cached count its answer said, and where its prompt
     figure is said once for its n choices (vLLM, SGLang: `_prompt_sequences`) the other choices', which find the
     prompt cached (all of it but its last token each: at most what a block-wise cache finds)."""
@@ -3477,16 +3477,16 @@ def _known_cached(r: _Req) -> float:
     return _cached_tokens(r) + float(shared)
 
 
-def _cache_pending(r: _Req) -> bool:
+def _cache_pending(r: LiveRequest) -> bool:
     """Its prompt was said early (continuous usage) and its cached count not yet: its end may still say one."""
     tr = r.trace
     return tr.counts is None and tr.extra.get("prompt_tokens") is not None and tr.extra.get("cached_tokens") is None
 
 
-def _cache_unsaid_candidate(r: _Req) -> bool:
+def _cache_unsaid_candidate(r: LiveRequest) -> bool:
     """A request whose prefill was costed at a prompt the server never said how much of it was cached."""
     c = r.trace.counts
-    p = _prompt_tokens(r)
+    p = told_prompt_tokens(r)
     if r.prefilled_apart:
         return True
     return (c is None or c.cached_tokens is None) and ((p is not None and p > 1) or r.prompt_est is not None)

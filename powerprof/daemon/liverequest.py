@@ -1,8 +1,8 @@
 """One proxied request's live account, as the ledger keeps it: what its rows are made from, and what it has told.
 
-`_Req` is filled by `ledger.Ledger` as the request's tokens, prompt and energy shares come; the few readings of it
+`LiveRequest` is filled by `ledger.Ledger` as the request's tokens, prompt and energy shares come; the few readings of it
 that the ledger's accounting and its rows' words (`rowtext`) both take are here: its prompt length once the server
-told it (`_prompt_tokens`), and whether it is GPU work the proxy sees (`_unseen`, `_passive`).
+told it (`told_prompt_tokens`), and whether it is GPU work the proxy sees (`is_unseen`, `is_passive`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's pr
 
 
 @dataclass
-class _Req:
+class LiveRequest:
     trace: RequestTrace
     # Its n > 1 choices' prompt prefilled apart by the server, in a request of its own whose cache hit it never says
     # (SGLang's parallel sampling): its choices' cached counts are no part of its prefill work (`_prefill_cached`).
@@ -106,7 +106,7 @@ class _Req:
     before_first_s: float = 0.0  # seconds it was live before the ledger's first GPU read: their energy is in no interval
 
 
-def _prompt_tokens(r: _Req) -> float | None:
+def told_prompt_tokens(r: LiveRequest) -> float | None:
     """The request's prompt length once the server has told it (usage or timings), else None."""
     c = r.trace.counts
     if c is not None and c.prompt_tokens is not None:
@@ -117,18 +117,18 @@ def _prompt_tokens(r: _Req) -> float | None:
     return float(p) if p is not None else None
 
 
-def _passive(r: _Req) -> bool:
+def is_passive(r: LiveRequest) -> bool:
     """An error answer (HTTP 4xx/5xx, the proxy's own 502 included; known from its head, before it ends), or a
     request that is neither a POST nor to a generation endpoint (GET /v1/models, /metrics, /health; known from its
     start: SGLang's /generate takes PUT too, and is one), with no token and no prompt length: no GPU work of it was
     seen, so it takes no share by live time (its time is idle)."""
     tr = r.trace
     return ((tr.status is not None and tr.status >= 400 or (tr.method != "POST" and tr.api is None))
-            and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0 and _prompt_tokens(r) is None)
+            and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0 and told_prompt_tokens(r) is None)
 
 
-def _unseen(r: _Req) -> bool:
+def is_unseen(r: LiveRequest) -> bool:
     """GPU work the proxy does not see: an endpoint it does not count (streams.uncounted_kind), except an embeddings
     request whose answer gave its input's length (usage.prompt_tokens): that is its whole work, a prefill costed as
     any prompt is."""
-    return r.uncounted is not None and not (r.uncounted == "embeddings" and _prompt_tokens(r) is not None)
+    return r.uncounted is not None and not (r.uncounted == "embeddings" and told_prompt_tokens(r) is not None)

@@ -2,7 +2,7 @@
 
 `ledger.Ledger` decides what a row says (its figures, and which of these apply); here is how each is said, stated once
 so a request's, an interval's and a tag's rows say the same cause in the same words, and the fixes with them. A few
-predicates on a request (`_Req`) live here too: those its notes' and flags' words are written by, so the flag a row is
+predicates on a request (`LiveRequest`) live here too: those its notes' and flags' words are written by, so the flag a row is
 counted under (`_request_flags`, COUNTED_FLAGS) and the words it carries never disagree.
 """
 
@@ -20,7 +20,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       bypass_count_may_be)
 
 from . import attribution as attr
-from .liverequest import PROMPT_HOLD_S, _passive, _prompt_tokens, _Req, _unseen
+from .liverequest import PROMPT_HOLD_S, is_passive, told_prompt_tokens, LiveRequest, is_unseen
 from .workmodel import MIN_BUSY, MIN_R2
 
 # What an interval row's `server_count` says where the server's count is whole (storage/schema.py states them).
@@ -117,12 +117,12 @@ def _count_low_note(server_count: str | None, where: str, so: str) -> str:
             f"fix: {bypass_count_fix(server_count)}")
 
 
-def _no_counter_short(r: _Req) -> bool:
+def _no_counter_short(r: LiveRequest) -> bool:
     """Most of its GPU energy came from intervals without a counter that were mostly idle (NO_COUNTER_SHORT_FLAG)."""
     return r.gpu_j > 0 and not r.gpu_missing and r.no_counter_short_j > 0.5 * r.gpu_j
 
 
-def _no_counter_short_note(r: _Req) -> str | None:
+def _no_counter_short_note(r: LiveRequest) -> str | None:
     """A short request's energy on a GPU without a counter: kept, and said (docs/daemon.md)."""
     if not _no_counter_short(r):
         return None
@@ -134,7 +134,7 @@ def _no_counter_short_note(r: _Req) -> str | None:
             f"fix: {NO_COUNTER_SHORT_FIX}")
 
 
-def _bypass_low_note(r: _Req) -> str | None:
+def _bypass_low_note(r: LiveRequest) -> str | None:
     """A request given energy of intervals whose bypass count may be low: bypass traffic's energy there may be in its
     share. Kept, and said; `analyze` leaves it out of J/token (docs/daemon.md, The baseline)."""
     if not (r.gpu_j > 0 and not r.gpu_missing and r.bypass_low_j > 0):
@@ -151,7 +151,7 @@ def _bypass_low_note(r: _Req) -> str | None:
             f"unproxied, and its energy may be in this request's; fix: {bypass_count_fix(','.join(why))}")
 
 
-def _before_first_note(r: _Req) -> str | None:
+def _before_first_note(r: LiveRequest) -> str | None:
     """A request live before the daemon's first GPU read (the start's read failed, or a ledger fed late): the energy of
     that part of its run is in no interval. Said, and left out of J/token: its figures are low."""
     if not (r.before_first_s > 0 and r.gpu_j > 0):
@@ -212,14 +212,14 @@ NO_RAPL_NOTE = ("CPU energy not read: no RAPL on this host, or not readable by t
                 "which), so cpu_energy_j is empty; fix: powerprof devices (RAPL zones and permissions)")
 
 
-def _uncounted_note(r: _Req) -> str:
+def _uncounted_note(r: LiveRequest) -> str:
     tr = r.trace
     return (f"not counted: {tr.method} {tr.endpoint} is not a generation API whose tokens the proxy reads "
             f"({r.uncounted} work): it takes energy only by its live time where no counted request worked, so its "
             "figure is low, and the requests beside it carry the rest (their energy_note says so)")
 
 
-def _own_late_said(r: _Req) -> str:
+def _own_late_said(r: LiveRequest) -> str:
     """A burst note's other cause, where the proxy's own loop was measured late enough to explain it (`_burst_said`)."""
     return (f"; or read late by the proxy itself: the proxy's own event loop ran up to {_secs(r.own_late_s)} late "
             "while it streamed, a busy host" if r.own_late_s else "; or a busy host that ran the server or the proxy late")
@@ -230,29 +230,29 @@ def _secs(x: float) -> str:
     return f"{x * 1e3:.0f} ms" if x < 1.0 else f"{x:.1f} s"
 
 
-def _parser_held(r: _Req) -> bool:
+def _parser_held(r: LiveRequest) -> bool:
     """Every later burst of `r` can be a chunk in which the server's tool-call parser sent several tokens at once (the
     proxy's count of such chunks: _State.tool_call_jumps), not a hop's buffer."""
     return 0 < r.bursts <= r.trace.extra.get("tool_call_jumps", 0)
 
 
-def _burst_fix(r: _Req) -> str:
+def _burst_fix(r: LiveRequest) -> str:
     """The fix of a burst note: the hop's first where nothing measured says the host, the host's first where it did."""
     return f"fix: {OWN_LATE_FIX}; or {BURST_FIX[5:]}" if r.own_late_s else f"{BURST_FIX}; on a busy host, {OWN_LATE_FIX}"
 
 
-def _no_energy_reason(r: _Req) -> str:
+def _no_energy_reason(r: LiveRequest) -> str:
     """Why a request got no energy: what the work model could not see."""
-    if _unseen(r) and not _passive(r):
+    if is_unseen(r) and not is_passive(r):
         return "no share: " + _uncounted_note(r)
-    if r.trace.end_ns is not None and _passive(r):
+    if r.trace.end_ns is not None and is_passive(r):
         what = (f"an error answer (HTTP {r.trace.status})" if r.trace.status is not None and r.trace.status >= 400
                 else f"a {r.trace.method[:16]} request to no generation endpoint")
         return (f"no share: {what} with no token and no prompt length: no GPU work of it was seen, and its time "
                 "counts as idle")
-    if r.tokens > 0 or _prompt_tokens(r):
+    if r.tokens > 0 or told_prompt_tokens(r):
         return "no share: its tokens and prompt were work of no cost at the costs in use (costs/), or in no interval with energy"
-    if _prompt_tokens(r) is None:
+    if told_prompt_tokens(r) is None:
         return "no share: no tokens and no prompt length (the response did not say it)"
     return "no share: no tokens and an empty prompt"
 
@@ -265,7 +265,7 @@ UNSAID_NOTES = {
 UNSAID_FIX = {"no_usage": "; fix: ask for it, \"stream_options\": {\"include_usage\": true}"}
 
 
-def _unsaid_reason(r: _Req) -> str:
+def _unsaid_reason(r: LiveRequest) -> str:
     # Whether the request has ended, not whether it ended inside the intervals being closed: once a client has left,
     # the prompt hold is over and earlier intervals close with the request still "live" in them.
     if r.trace.end_ns is None:
@@ -282,7 +282,7 @@ def _best_of_note(extra: dict) -> str:
             f"unproxied (read as bypass traffic), not here, so its figure is low; fix: {BEST_OF_FIX}")
 
 
-def _request_flags(r: _Req, best_of_ignored: bool) -> list[str]:
+def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
     """The COUNTED_FLAGS a request's row says: each by the predicate its energy_note's words are written by. The notes
     that _approximate_note and the cache notes write are in a row with GPU energy only (without, it says why none)."""
     energy = r.gpu_j > 0 and not r.gpu_missing
@@ -295,12 +295,12 @@ def _request_flags(r: _Req, best_of_ignored: bool) -> list[str]:
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
-def _best_of_flagged(r: _Req, best_of_ignored: bool) -> bool:
+def _best_of_flagged(r: LiveRequest, best_of_ignored: bool) -> bool:
     """It asked for best_of sequences beyond those returned, on a server that runs them (BEST_OF_FLAG)."""
     return bool(r.trace.extra.get("best_of")) and not best_of_ignored
 
 
-def _count_open_flagged(r: _Req) -> bool:
+def _count_open_flagged(r: LiveRequest) -> bool:
     """Its count is a running count with no final one after (COUNT_OPEN_FLAG), and not whole by its length stop."""
     c, extra = r.trace.counts, r.trace.extra
     return (c is not None and c.count_open and c.count_problem is None
@@ -308,11 +308,11 @@ def _count_open_flagged(r: _Req) -> bool:
                              max(extra.get("sequences", 1), 1)))
 
 
-def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
+def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | None:
     """Why a request's energy rests on an estimate rather than the server's counts (None: it does not);
     `best_of_ignored`: the server is one that takes no best_of (its answer is the n asked, nothing unseen)."""
     notes = []
-    if r.prompt_est is not None and _prompt_tokens(r) is None:
+    if r.prompt_est is not None and told_prompt_tokens(r) is None:
         why = _unsaid_reason(r)
         said, fix = UNSAID_NOTES[why], UNSAID_FIX.get(why, "")
         if why == "no_usage" and not (r.trace.stream is True and (r.trace.api or "").startswith("openai")):
@@ -320,7 +320,7 @@ def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
             said, fix = "the server's answer did not say the prompt's length", ""
         notes.append(f"{said}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
                      f"prompt tokens ({r.prompt_est[1]}){fix}")
-    if _unseen(r) and not _passive(r):
+    if is_unseen(r) and not is_passive(r):
         notes.append(_uncounted_note(r))
     if _best_of_flagged(r, best_of_ignored):
         notes.append(_best_of_note(r.trace.extra))
@@ -405,18 +405,18 @@ def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
     return "approximate: " + "; ".join(notes) if notes else None
 
 
-def _server_timed(r: _Req) -> bool:
+def _server_timed(r: LiveRequest) -> bool:
     c = r.trace.counts
     return c is not None and c.predicted_ms is not None and r.placed_from_ns is not None \
         and r.placed_from_ns > r.trace.arrival_ns
 
 
-def _cache_flagged(r: _Req) -> bool:
+def _cache_flagged(r: LiveRequest) -> bool:
     """Its energy_note says CACHE_UNSAID_FLAG (its prompt costed whole, or its share beside one that was)."""
     return r.cache_unsaid >= CACHE_UNSAID_MIN or r.cache_beside_j > 0
 
 
-def _late_flagged(r: _Req) -> bool:
+def _late_flagged(r: LiveRequest) -> bool:
     """Its energy_note says CACHE_LATE_FLAG (its own count said late, or a share beside one that was)."""
     return r.cache_late >= CACHE_UNSAID_MIN or ((r.cache_beside_late >= CACHE_UNSAID_MIN or r.late_unresolved)
                                                 and r.gpu_j > 0)

@@ -629,7 +629,7 @@ class Daemon:
         self.requests_by_tag[(self.tags.label(trace.tag), trace.outcome)] += 1
         kind = streams.uncounted_kind(trace.method, trace.endpoint) if trace.api is None else None
         if kind == "embeddings" and trace.extra.get("prompt_tokens") is not None:
-            kind = None  # its answer gave its input's length: its work (a prefill) is counted (liverequest._unseen)
+            kind = None  # its answer gave its input's length: its work (a prefill) is counted (liverequest.is_unseen)
         if kind is not None and (trace.status is None or trace.status < 400):
             # GPU work whose tokens the proxy cannot read: said on /metrics (and on its row), never a silent zero.
             self.uncounted_requests[kind] += 1
