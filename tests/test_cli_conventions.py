@@ -306,6 +306,19 @@ def test_restore_json_with_nothing_to_restore(tmp_path):
     assert d["ok"] is True and d["files"] == [] and "searched" in d
 
 
+def test_restore_whose_state_folder_cannot_be_listed_says_so_and_fails(tmp_path, monkeypatch):
+    # A state folder that is a file (or one this user may not read): "Nothing to restore", exit 0 and "ok": true, the
+    # only word a warning on stderr; a GPU left capped by a run recorded there would have gone unsaid.
+    (tmp_path / "statefile").write_text("x")
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(tmp_path / "statefile"))
+    r = run("restore", "--json")
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.output)
+    assert d["ok"] is False and d["files"][0]["status"] == "failed" and "could not be listed" in d["files"][0]["message"]
+    r = run("restore")
+    assert r.exit_code == 1 and "Nothing to restore" not in r.output and "could not be listed" in r.output, r.output
+
+
 def test_analyze_json_is_analysis_json(tmp_path):
     from synthetic_runs import make_run, seed_truth
 

@@ -456,6 +456,27 @@ def test_force_default_on_a_symlink_or_fifo_changes_nothing(tmp_path, monkeypatc
         assert _limit_w(tmp_path) == default_w - 40 and (tmp_path / name).exists()
 
 
+def test_force_default_without_nvml_says_so_and_keeps_the_file(tmp_path, monkeypatch):
+    # The fix a refused sweep prints, run on a host whose NVML is missing (or whose driver is gone): a traceback
+    # (NVMLError_LibraryNotFound) and, with --json, nothing on stdout. Now a failure said as a plain restore says it.
+    import pynvml
+
+    from powerprof.control.restore import force_default
+
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    nvml = _sim(tmp_path)
+
+    def missing():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(nvml, "nvmlInit", missing)
+    path = tmp_path / "restore-dddddddddddd.json"
+    path.write_text('{"gpus": {"GPU-0000')
+    os.chmod(path, 0o600)
+    out = force_default(path, nvml, directory=tmp_path / "state")
+    assert out.status == "failed" and "is kept" in out.message and path.exists(), out
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another user needs root")
 def test_force_default_sets_the_defaults_but_removes_nothing_through_another_users_folder(tmp_path, monkeypatch):
     # A folder another user controls can be swapped for a symlink to root's state folder between the read and the

@@ -194,9 +194,10 @@ def force_default_help(path: Path) -> str:
             f"none can be read) to its default power limit, releases clock locks, and removes the file")
 
 
-def pending_restore_files(directory: Path | None = None) -> list[Path]:
+def pending_restore_files(directory: Path | None = None, unlisted: list | None = None) -> list[Path]:
     """Restore files in `directory`; in root's default state folder, also those an older powerprof left
-    in its former folder (`paths.legacy_state_dirs`), which then fail the trust check and are reported."""
+    in its former folder (`paths.legacy_state_dirs`), which then fail the trust check and are reported. A folder that
+    exists but cannot be listed is logged, and `directory` so added to `unlisted` as (folder, why) where one is given."""
     d = state_dir() if directory is None else Path(directory)
     legacy = [p for p in legacy_state_dirs() if p != d] if d == state_dir() else []
     out: list[Path] = []
@@ -211,6 +212,8 @@ def pending_restore_files(directory: Path | None = None) -> list[Path]:
         except OSError as e:
             _log.warning("cannot list %s (%s): restore files there are not checked; run `powerprof restore` where "
                          "that folder can be read (as root, outside the tuner's sandbox)", f, e.strerror or e)
+            if unlisted is not None and f == d:  # a former folder unread is the warning alone, as before
+                unlisted.append((f, e.strerror or error_text(e)))
             continue
         found = sorted(p for p in (f / n for n in names) if p.is_file())
         if f in legacy:
@@ -399,8 +402,19 @@ def restore_from_file(
         searched = path
     else:
         lock_dir = Path(directory) if directory is not None else state_dir()
-        files = pending_restore_files(lock_dir)
+        unlisted: list = []
+        files = pending_restore_files(lock_dir, unlisted)
         searched = lock_dir
+        if unlisted:
+            # "Nothing to restore", exit 0, where the folder could not even be listed (a state folder that is a file,
+            # one this user may not read): a GPU left capped would have gone unsaid.
+            return RestoreReport(
+                tuple(FileOutcome(f, "failed", f"Not checked: {f} could not be listed ({why}), so any restore file in "
+                                               "it is not seen; run `powerprof restore` where it can be read (as root, "
+                                               "outside the tuner's sandbox), or set POWERPROF_STATE_DIR to the state "
+                                               "folder") for f, why in unlisted),
+                searched=lock_dir,
+            )
     return RestoreReport(
         tuple(_restore_one_file(f, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w, machine_scope)
               for f in files),
@@ -562,8 +576,12 @@ def force_default(
     gw = gateway(nvml)
     locks: list = []
     done: list[GpuRestored] = []
-    gw.init()
+    started = False
     try:
+        # Inside the try: NVML missing or the driver gone is this command's failure to say (the file kept), as a plain
+        # restore says it; it was a traceback, from the very command a refused sweep prints as its fix.
+        gw.init()
+        started = True
         handles = []
         if named:
             for uuid in named:
@@ -613,9 +631,10 @@ def force_default(
         return FileOutcome(path, "defaulted", f"Set to default limits and removed {path}:", tuple(done))
     except GpuBusyError as e:
         return FileOutcome(path, "in_use", f"Not changed: {e}")
-    except Exception as e:
+    except Exception as e:  # NVML missing, driver gone: report and keep the file
         return FileOutcome(path, "failed", f"Not changed; {path} is kept: {error_text(e)}")
     finally:
-        gw.shutdown()
+        if started:
+            gw.shutdown()
         for lock in locks:
             lock.release()
