@@ -119,19 +119,22 @@ def test_a_copy_of_a_run_whose_windows_differ_in_bytes_is_refused(tmp_path):
     assert not (tmp_path / "o2").exists()
 
 
-def test_windows_whose_level_is_nan_are_refused_by_name_not_dropped(tmp_path):
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, -220.0])
+def test_windows_whose_level_is_nan_are_refused_by_name_not_dropped(tmp_path, bad):
     # A power-limit window with level_value NaN is at no level: the series kept only finite levels, so those windows
-    # left every figure with no word (2 of 12 windows gone, their energy in no level's J/token).
+    # left every figure with no word (2 of 12 windows gone, their energy in no level's J/token). Zero and negative
+    # levels are none either: a negated column was analysed, "Recommended limit: -180 W", exit 0.
     run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=6)
     t = pq.read_table(run / "windows.parquet")
     lv = t.column("level_value").to_pylist()
-    lv[0] = lv[1] = float("nan")
+    lv[0] = lv[1] = bad
     pq.write_table(t.set_column(t.schema.get_field_index("level_value"), "level_value", pa.array(lv, pa.float64())),
                    run / "windows.parquet")
     r = CliRunner().invoke(main, ["analyze", str(run)])
     assert r.exit_code != 0, r.output
     said = " ".join(r.output.split())
-    assert "2 windows" in said and "level_value NaN" in said and "power_limit" in said, said
+    assert "2 windows" in said and f"level_value {'NaN' if bad != bad else f'{bad:g}'}" in said, said
+    assert "power_limit" in said, said
     assert str(run / "windows.parquet") in said and "Traceback" not in r.output, said
 
 
