@@ -26,9 +26,9 @@ UNRESOLVED = "unresolved"  # this scrape cannot connect for another reason (its 
 CONNECT_TIMEOUT = "connect-timeout"  # nor this one (the connect timed out: a host unreachable, a lost packet)
 
 
-def _scrapes(kind: str, script: list, seen: list | None = None) -> tuple[list, Scraper]:
-    """The deltas of one Scraper reading the pages of `script` in turn (DOWN: a refused connection); `seen` gets each
-    scrape's (delta, cache_hits, finished)."""
+def _scrapes(kind: str, script: list, seen: list | None = None, n: int | None = None) -> tuple[list, Scraper]:
+    """The deltas of one Scraper reading the pages of `script` in turn (DOWN: a refused connection) over `n` scrapes
+    (default: one a page); `seen` gets each scrape's (delta, cache_hits, finished)."""
 
     class Scripted(Scraper):
         async def _get(self, path):
@@ -55,7 +55,7 @@ def _scrapes(kind: str, script: list, seen: list | None = None) -> tuple[list, S
         async with aiohttp.ClientSession() as s:
             sc = Scripted(s, "http://x", kind)
             out = []
-            for _ in range(len(script)):
+            for _ in range(n or len(script)):
                 out.append(await sc.scrape())
                 if seen is not None:
                     seen.append((out[-1], sc.cache_hits, sc.finished))
@@ -141,7 +141,7 @@ def test_a_young_counter_the_server_was_down_before_is_still_a_restart_at_once()
 
 
 @pytest.mark.parametrize("down", [DOWN, "503"])
-def test_a_counter_back_at_or_past_its_reading_after_the_server_was_found_down_says_it_may_be_low(down):
+def test_a_counter_past_its_reading_after_the_server_was_found_down_says_it_may_be_low(down):
     # A restart whose new process passed the old reading by the first page after it (a young counter, a fast server):
     # only total - old reading is counted, the new process's tokens up to the old reading are in no count. Before,
     # that window said nothing (`complete`): 40, down, 50 counted 10 where the new process had counted 50. Nothing on
@@ -152,10 +152,47 @@ def test_a_counter_back_at_or_past_its_reading_after_the_server_was_found_down_s
     assert deltas == [0, None, 10, 10] and sc.restarts == 0, deltas
     assert "counter_below" in sc.partial and "server_restart" not in sc.partial, sc.partial
     assert sc.window_partial == (), sc.window_partial  # the window after it is whole again
-    # Back at its reading exactly (an idle server's blip; SGLang restarted to its warm-up's 2 tokens): nothing ran,
-    # nothing said.
-    deltas, sc = _scrapes("sglang", [_sglang(2), down, _sglang(2), _sglang(12)])
+
+
+@pytest.mark.parametrize("down", [DOWN, "503"])
+def test_a_counter_back_at_exactly_its_reading_after_the_server_was_found_down_is_said_unless_nothing_finished(down):
+    # The review's case: the old SGLang at 34 tokens (its warm-up's 2 and one 32-token request), restarted, the new one
+    # at 34 by its first page (its warm-up's 2 and one 32-token bypass request): 32 ran, none counted, nothing said.
+    # Its finished-request histogram tells the new process (its own requests' seconds) from the same one idle since.
+    deltas, sc = _scrapes("sglang", [_sglang_full(34, 0, 2, 0.35), down, _sglang_full(34, 0, 2, 0.41),
+                                     _sglang_full(34, 0, 2, 0.41)])
+    assert deltas == [0, None, 0, 0] and "counter_below" in sc.partial, (deltas, sc.partial)
+    # The same process back, idle: its histogram as it was; nothing ran, nothing said.
+    deltas, sc = _scrapes("sglang", [_sglang_full(34, 0, 2, 0.35), down, _sglang_full(34, 0, 2, 0.35),
+                                     _sglang_full(44, 0, 3, 0.5)])
     assert deltas == [0, None, 0, 10] and sc.partial == {}, (deltas, sc.partial)
+
+
+def _llama_page(tokens: float, steps: float) -> str:
+    return (f"# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total {tokens}\n"
+            f"# TYPE llamacpp:n_decode_total counter\nllamacpp:n_decode_total {steps}\n")
+
+
+def test_a_llama_server_back_past_its_reading_after_it_was_found_down_says_it_may_be_low():
+    # The review's llama.cpp case: 40 tokens in 40 decode calls, a refused scrape, then 50 in 50: a new process that
+    # passed both counters (two bypass requests at once take fewer calls than tokens) counted 10 of its 50, unsaid.
+    # Back with neither counter moved, it is the same process: nothing said.
+    import json
+
+    def pages(script):
+        out = []
+        for step in script:
+            out.append(step if step == DOWN else _llama_page(*step))
+            if step != DOWN:  # each believed scrape reads /slots after /metrics
+                out.append(json.dumps([{"id": 0, "id_task": 1, "is_processing": False,
+                                        "next_token": [{"n_decoded": 0}]}]))
+        return out
+
+    deltas, sc = _scrapes("llamacpp", pages([(40, 40), DOWN, (50, 50), (60, 60)]), n=4)
+    assert deltas == [0, None, 10, 10] and sc.errors == 1, deltas
+    assert "counter_below" in sc.partial and sc.restarts == 0, (deltas, sc.partial)
+    deltas, sc = _scrapes("llamacpp", pages([(40, 40), DOWN, (40, 40), (50, 50)]), n=4)
+    assert deltas == [0, None, 0, 10] and sc.partial == {} and sc.restarts == 0, (deltas, sc.partial)
 
 
 def test_a_counter_back_past_its_reading_on_a_page_with_an_unmoved_start_time_is_not_marked():

@@ -80,8 +80,8 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
 
 # A counter below its highest reading at two pages or more, above half of it, the server never found down: two dips in a
 # row or a restart, not told apart (Scraper._dip_or_restart); counted from the highest reading, the windows marked. Also
-# a young counter's dip back at its reading (_young_back) and a counter past it after the server was found down
-# (_down_back): a restart whose new process passed the old reading may hide there.
+# a young counter's dip back at its reading (_young_back) and a counter at or past it after the server was found down
+# (_down_back): a restart whose new process reached the old reading may hide there.
 COUNTER_BELOW = SERVER_COUNT_BELOW
 # The windows after a restart told by the counter's fall alone (no scrape found the server down, no start time moved),
 # until the counter passes the reading before the fall: that fall may have been a dip that lasted, whose recovery is
@@ -117,8 +117,9 @@ PARTIAL_REASONS = {
                    f"(or that reading {YOUNG_COUNTER_TOKENS} tokens or fewer and the fall {YOUNG_DIP_TOKENS} or fewer), "
                    "or, that reading "
                    f"{YOUNG_COUNTER_TOKENS} tokens or fewer, fell by more than {YOUNG_DIP_TOKENS} and was back at it by "
-                   "the next scrape, and no scrape found the server down, or the counter was past that reading "
-                   "at the first page after a scrape found the server down (no process start time on the page): dips "
+                   "the next scrape, and no scrape found the server down, or the counter was at or past that reading "
+                   "at the first page after a scrape found the server down (no process start time on the page; not "
+                   "where it and the finished-request histogram, or llama.cpp's decode calls, had not moved): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
                    "the count is exact, a server back from a 503 with its counter whole, or a restart whose new process "
                    "had counted more than half the old one's tokens by its first page (or whose old one had counted "
@@ -426,15 +427,27 @@ class Scraper:
                          "new process passed the old reading")
 
     def _down_back(self, prev: float, total: float) -> None:
-        """A scrape since the last believed page found the server down, and this page's counter is at `total`, past
-        that page's `prev`, with no start time to say whether the process is the same: a server back from a
-        gateway's or a loading server's 503 with its counter whole, or a restart whose new process passed the old
+        """A scrape since the last believed page found the server down, and this page's counter is at `total`, at or
+        past that page's `prev`, with no start time to say whether the process is the same: a server back from a
+        gateway's or a loading server's 503 with its counter whole, or a restart whose new process reached the old
         reading by its first page (a young counter, a fast server), of whose `total` only `total - prev` is counted.
         Counted so (no token made up) and said (COUNTER_BELOW), as `_young_back`. Before, a restart of 40 tokens back at
-        50 counted 10 in a window that said nothing. Back at `prev` exactly is not said: an idle server's blip, or a
-        restart whose new process counted only what its old one had (SGLang's warm-up 2 tokens), nothing ran."""
-        self._said_below(f"is at {total:g} after a scrape found the server down, past {prev:g}, its reading before: the "
-                         "same process back, or a restart whose new process passed the old reading")
+        50 counted 10 in a window that said nothing; one back at exactly its reading (34: warm-up 2 and one 32-token
+        request, in the old process and the new alike) counted none of the new one's 32."""
+        self._said_below(f"is at {total:g} after a scrape found the server down, at or past {prev:g}, its reading "
+                         "before: the same process back, or a restart whose new process reached the old reading")
+
+    def _same_finished(self, text: str) -> bool:
+        """Whether this page's finished-request histogram (FINISHED_LATENCY: count and summed seconds) reads as the last
+        believed page's did: the same process, idle since (a restart's new process has its own requests' seconds). False
+        where either is not known."""
+        name = FINISHED_LATENCY.get(self.kind or "")
+        if name is None or self._latency is None:
+            return False
+        try:
+            return histogram_sum_count(text, name) == self._latency
+        except ValueError:
+            return False
 
     def _below(self, prev: float, total: float) -> None:
         """This page's counter is still below the highest reading `prev` (COUNTER_BELOW): its window closes with no
@@ -449,8 +462,9 @@ class Scraper:
             self.partial[COUNTER_BELOW] = PARTIAL_REASONS[COUNTER_BELOW]
         self.below += 1
         if self.below <= 3 or self.below % 100 == 0:
-            log.warning("%s at %s %s (%d so far): scraped server count may be low: %s", COUNTERS[self.kind], self.base,
-                        what, self.below, PARTIAL_REASONS[COUNTER_BELOW])
+            log.warning("%s at %s %s (%d so far): scraped server count may be low: %s",
+                        COUNTERS.get(self.kind or "", LLAMACPP_COUNTER), self.base, what, self.below,
+                        PARTIAL_REASONS[COUNTER_BELOW])
 
     def has_baseline(self) -> bool:
         return self._last_total is not None or self._high is not None or self._slots is not None
@@ -514,6 +528,7 @@ class Scraper:
                 log.info("scraping %s token counters at %s", self.kind, self.base)
             if self.kind == "llamacpp":
                 delta = await self._scrape_llamacpp()
+                self._unreachable = False  # a believed page: the next fall is judged afresh
             else:
                 status, text = await self._get("/metrics")
                 if status != 200:
@@ -556,7 +571,8 @@ class Scraper:
                                      f"again from {prev:g}")
                 if self._young_fall and self._dipped is not None and prev is not None and total >= prev:
                     self._young_back(prev, self._dipped, total)
-                elif self._unreachable and prev is not None and total > prev and new_process is None and not same_start:
+                elif (self._unreachable and prev is not None and total >= prev and new_process is None and not same_start
+                      and not (total == prev and self._same_finished(text))):
                     self._down_back(prev, total)
                 self._last_total, self._dipped, self._unreachable = total, None, False
                 self._young_fall = False
@@ -681,6 +697,12 @@ class Scraper:
         elif prev_steps is not None and steps is not None and steps < prev_steps:
             self._high = 0.0
             self._restarted(f"{LLAMACPP_STEPS} went back from {prev_steps:g} to {steps:g}")
+        elif self._unreachable and self._finished is not None and not (
+                finished == self._finished and steps is not None and steps == prev_steps):
+            # Found down, and back with neither counter fallen: a restart whose new process passed both by its first
+            # page (a young server; two bypass requests at once take fewer decode calls than tokens), or the same
+            # process back; its page has no start time to tell (`_down_back`). Not moved at all, it is the same.
+            self._down_back(self._finished, finished)
         self._finished = finished
         if self._high is None:
             self._high = total  # the first scrape is the baseline
