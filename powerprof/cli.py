@@ -1322,11 +1322,14 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             said = [n for n in (fleet.empty_note(sources), fleet.stray_note(sources)) if n] + fleet.notes(table) + fleet.tag_notes(tags)
             said = list(dict.fromkeys(said))  # a note both tables carry (samples unreadable) said once
             if out_dir is not None:
-                from powerprof.storage.runs import atomic_write_table
+                from powerprof.storage.runs import atomic_write_table, holds_sweep_run
                 from powerprof.trust import out_dir_refusal
 
                 if (why := out_dir_refusal(Path(out_dir), "folder")) is not None:  # as root: root's or the sudo user's
                     raise fleet.FleetError(why)
+                if holds_sweep_run(out_dir):  # export of the run would show fleet.parquet as one of its tables
+                    raise AnalysisOutTaken(f"--out {out_dir} is a sweep's run directory: fleet.parquet would lie among "
+                                           "its tables, read as that run's; give another folder with --out")
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 atomic_write_table(Path(out_dir) / "fleet.parquet", table)
                 if tags.num_rows:

@@ -853,6 +853,13 @@ def test_an_analysis_is_never_written_into_another_runs_folder(tmp_path):
         line = " ".join(r.output.split())
         assert str(b) in line and said in line and "synthetic-2" in line and "--out" in line, r.output
         assert sorted(p.name for p in b.iterdir()) == before
+    # A run folder is one by its windows.parquet alone (analyze reads it so), run.json or not.
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "windows.parquet").write_bytes((a / "windows.parquet").read_bytes())
+    r = CliRunner().invoke(main, ["analyze", str(a), "--bootstrap", "100", "--out", str(c)])
+    assert r.exit_code == 2 and "run directory" in " ".join(r.output.split()), r.output
+    assert sorted(p.name for p in c.iterdir()) == ["windows.parquet"]
     # An input's own run folder is no place for it either: its analysis folder is (the default).
     r = CliRunner().invoke(main, ["analyze", str(a), "--bootstrap", "100", "--out", str(a)])
     assert r.exit_code == 2 and str(a / "analysis") in " ".join(r.output.split()), r.output

@@ -346,6 +346,31 @@ def test_a_data_dir_that_cannot_be_a_folder_fails_the_check(tmp_path, make):
     load_config(None, env={}, overrides={"daemon.data_dir": str(tmp_path / "new" / "dir")})  # made at start: fine
 
 
+@pytest.mark.parametrize("mark", ["run.json", "windows.parquet"])
+def test_a_data_dir_that_holds_a_sweeps_run_is_refused_before_anything_is_written(tmp_path, mark, monkeypatch):
+    # `daemon --data-dir RUN` (a copy of a sweep's run) passed --check and started: its datasets beside the run's tables
+    # made `analyze RUN` show the daemon's summary in the run's stead, and `export RUN` the run's tables alone.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / mark).write_text("the run's own")
+    with pytest.raises(ConfigError, match=rf"daemon.data_dir = '{run}'.* holds a sweep's run \({mark}\)"):
+        load_config(None, env={}, overrides={"daemon.data_dir": str(run)})
+    for check in (["--check"], []):
+        r = CliRunner().invoke(main, ["daemon", "--simulate", "--data-dir", str(run), "--listen", "127.0.0.1:0",
+                                      "--metrics-listen", "127.0.0.1:0", *check])
+        assert r.exit_code == 2 and "holds a sweep's run" in r.output and "config OK" not in r.output, r.output
+        assert sorted(p.name for p in run.iterdir()) == [mark] and (run / mark).read_text() == "the run's own"
+    # The default data dir too ($STATE_DIRECTORY, as the unit sets it).
+    monkeypatch.setenv("STATE_DIRECTORY", str(run))
+    with pytest.raises(ConfigError, match=rf"the default data dir {run} holds a sweep's run"):
+        load_config(None, env={})
+    load_config(None, env={}, overrides={"daemon.data_dir": str(tmp_path)})  # the folder above it: fine
+
+
 @pytest.mark.parametrize("proxy,metrics,beyond", [
     ("127.0.0.1:9000", "127.0.0.1:9000", False),
     ("0.0.0.0:9000", "127.0.0.1:9000", True),  # the wildcard takes every address's port

@@ -159,6 +159,44 @@ def test_not_a_daemon_dataset_is_a_clear_error(tmp_path):
         fleet_summary([str(tmp_path / "x")])
 
 
+def test_a_folder_with_a_sweeps_run_and_daemon_datasets_is_refused_not_read_as_one_of_them(fleet, tmp_path):
+    # A daemon once given a run directory as its data dir: `analyze` of the folder showed the daemon's summary in the
+    # run's stead, `export` the run's tables without the daemon's, neither saying the other was there.
+    from synthetic_runs import make_run, seed_truth
+
+    base, _ = fleet
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=6, seed=1)
+    _copy(base / "node-1", tmp_path / "both")
+    for f in run.iterdir():
+        if f.is_file():
+            (tmp_path / "both" / f.name).write_bytes(f.read_bytes())
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    for args in (["analyze", str(tmp_path / "both")], ["analyze", str(base / "node-0"), str(tmp_path / "both")],
+                 ["analyze", str(tmp_path / "both"), "--out", str(tmp_path / "o")],
+                 ["export", str(tmp_path / "both"), "--format", "csv", "--out", str(tmp_path / "x")]):
+        res = CliRunner().invoke(main, args)
+        said = " ".join(res.output.split())
+        assert res.exit_code == 1 and "holds both a sweep's run" in said and str(tmp_path / "both") in said, res.output
+        assert "Traceback" not in res.output
+    with pytest.raises(FleetError, match="holds both a sweep's run"):
+        fleet_summary([str(tmp_path / "both")])
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before  # nothing written
+    # Each apart is read as before.
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--json"]).exit_code == 0
+    assert CliRunner().invoke(main, ["analyze", str(base / "node-1")]).exit_code == 0
+
+
+def test_a_fleet_summary_is_never_written_into_a_sweeps_run_folder(fleet, tmp_path):
+    # `analyze NODE --out RUN` put fleet.parquet among the run's tables, which `export RUN` then gave as the run's.
+    base, _ = fleet
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-1"), "--out", str(run)])
+    assert res.exit_code == 2 and "sweep's run directory" in " ".join(res.output.split()), res.output
+    assert sorted(p.name for p in run.iterdir()) == ["run.json"]
+
+
 # --- overlapping and older datasets (review s29) --------------------------------------------------
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -81,6 +81,44 @@ def test_limits_persist_across_processes_through_the_state_file(tmp_path):
     assert a.nvmlDeviceGetPowerManagementLimit(a.nvmlDeviceGetHandleByIndex(0)) == 300_000
 
 
+SEED0 = "GPU-120f3146-ea43-d621-928b-197932ac1b31"  # seed-16g's GPU 0 (sim_uuid)
+
+
+@pytest.mark.parametrize("text,said", [
+    ("[1, 2]", "holds a JSON list, not an object"),
+    ('{"' + SEED0 + '": {"power_limit_mw": 2', "not valid JSON"),
+    ('{"' + SEED0 + '": 5}', "is no JSON object"),
+    ('{"' + SEED0 + '": {"power_limit_mw": 99999999}}', "power_limit_mw 99999999 is no limit of this card (150-320 W)"),
+    ('{"' + SEED0 + '": {"power_limit_mw": true}}', "power_limit_mw True is no limit of this card"),
+    ('{"' + SEED0 + '": {"locked_clocks_mhz": [2000, 900]}}', "locked_clocks_mhz [2000, 900] is no [min, max] lock"),
+    ('{"' + SEED0 + '": {"locked_clocks_mhz": "fast"}}', "locked_clocks_mhz 'fast' is no [min, max] lock"),
+])
+def test_a_state_file_the_simulator_never_wrote_is_said_and_read_as_the_defaults(tmp_path, monkeypatch, caplog, text, said):
+    # A JSON list was a traceback (`devices --simulate`: 'list' object has no attribute 'get'), truncated JSON read as
+    # the defaults without a word, and power_limit_mw 99999999 showed a 150-320 W card at "power limit 100000 W".
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    path = tmp_path / "sim.json"
+    path.write_text(text)
+    caplog.set_level("WARNING", logger="powerprof.sim.nvml")
+    nv = SimNVML("seed-16g", state_path=path)
+    nv.nvmlInit()
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    assert nv.nvmlDeviceGetPowerManagementLimit(h) == 300_000 and nv.gpus[0].locked_clocks_mhz is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and str(path) in lines[0] and said in lines[0] and "default" in lines[0], lines
+    assert path.read_text() == text  # read, not rewritten: nothing changed until a setting is
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(path))
+    r = CliRunner().invoke(main, ["devices", "--simulate"])
+    assert r.exit_code == 0 and r.exception is None and "power limit 300 W" in r.output, r.output
+    # A setting made is kept, in place of what could not be used.
+    nv.nvmlDeviceSetPowerManagementLimit(h, 200_000)
+    other = SimNVML("seed-16g", state_path=path)
+    assert other.gpus[0].limit_w == 200.0
+
+
 def test_a_mixed_host_has_each_cards_own_profile_limits_and_default_after_a_reset(tmp_path):
     import pynvml
 

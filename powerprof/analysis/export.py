@@ -263,6 +263,10 @@ def find_sources(src) -> list[Source]:
         if p.suffix != ".parquet":
             raise ExportError(f"{p}: not a Parquet file; give a run directory, a dataset folder or a .parquet file")
         return [Source(p.stem, open_dataset(p))]
+    from .fleet import run_and_dataset  # noqa: PLC0415
+
+    if (why := run_and_dataset(str(p))) is not None:
+        raise ExportError(why)
     out = [Source(f.stem, open_dataset(f)) for f in sorted(p.glob("*.parquet")) if datafiles.is_data_name(f.name)]
     if (p / "analysis" / "analysis.parquet").exists():
         out.append(Source("analysis", open_dataset(p / "analysis" / "analysis.parquet")))

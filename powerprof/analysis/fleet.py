@@ -51,6 +51,9 @@ def expand_sources(sources) -> list[str]:
             if (why := path_problem(s)) is not None:  # an OSError traceback from is_dir() ("File name too long")
                 raise FleetError(f"{s}: {why}")
             out.append(s)
+    for s in out:
+        if (why := run_and_dataset(s)) is not None:
+            raise FleetError(why)
     # A source named twice (a glob and a path, a trailing slash) would count its rows twice.
     unique: dict[str, str] = {}
     for s in out:
@@ -64,6 +67,19 @@ def is_daemon_dataset(path: str) -> bool:
         return True
     p = Path(path)
     return p.is_dir() and any((p / d).is_dir() for d in ("requests", "intervals"))
+
+
+def run_and_dataset(path: str) -> str | None:
+    """The refusal of a local folder that holds both a sweep's run and a daemon's datasets (a daemon once given a run
+    directory as its data dir): `analyze` read it as the daemon's and `export` as the run's, each leaving the other
+    out unsaid. None for any other source."""
+    from powerprof.storage.runs import holds_sweep_run  # noqa: PLC0415
+
+    if is_uri(path) or not is_daemon_dataset(path) or not holds_sweep_run(path):
+        return None
+    return (f"{path} holds both a sweep's run (run.json or windows.parquet) and a daemon's datasets (requests/, "
+            "intervals/): read as either, the other's rows would be left out; move one of them to a folder of its own "
+            "and give each apart")
 
 
 def table_files(sources: list[str], table: str) -> list[str]:

@@ -179,10 +179,10 @@ def check_out(out: Path, runs) -> None:
 
 
 def _refuse_a_run_folder(out: Path, runs) -> None:
-    """AnalysisOutTaken where `out` is a run directory (it holds run.json), or the `analysis` folder of a run that is
+    """AnalysisOutTaken where `out` is a run directory (storage.runs.holds_sweep_run), or the `analysis` folder of a run that is
     not among `runs`: `analyze a --out b` wrote a's report among run b's tables without a word, and in b/analysis
     `export b` shows it as b's own. An input's own RUN/analysis (the default) is its place; RUN itself is not."""
-    from powerprof.storage.runs import RUN_JSON  # noqa: PLC0415
+    from powerprof.storage.runs import RUN_JSON, holds_sweep_run  # noqa: PLC0415
 
     def run_id(folder: Path) -> str:
         try:
@@ -191,13 +191,13 @@ def _refuse_a_run_folder(out: Path, runs) -> None:
             return "unknown"
 
     inputs = {r.path.resolve() for r in runs}
-    if (out / RUN_JSON).is_file():
+    if holds_sweep_run(out):
         if out.resolve() in inputs:
             raise AnalysisOutTaken(f"--out {out} is the run directory itself: its analysis goes in {out / 'analysis'} "
                                    "(the default: give no --out), never among its tables")
         raise AnalysisOutTaken(f"--out {out} is the run directory of another run ({run_id(out)}): this analysis would "
                                "lie among its tables, read as that run's; give another folder with --out")
-    if out.name == "analysis" and (out.parent / RUN_JSON).is_file() and out.parent.resolve() not in inputs:
+    if out.name == "analysis" and holds_sweep_run(out.parent) and out.parent.resolve() not in inputs:
         raise AnalysisOutTaken(f"--out {out} is the analysis folder of another run, {out.parent} ({run_id(out.parent)}), "
                                f"not analysed here: `export {out.parent}` would show this analysis as that run's; give "
                                "another folder with --out")

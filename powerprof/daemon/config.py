@@ -485,6 +485,9 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
     if (d := values["daemon"]["data_dir"]) and isinstance(d, str) and (why := _not_a_folder(Path(d))):
         errors.append(f"config key daemon.data_dir = {d!r}{came_from('daemon.data_dir')} is not a folder: {why}; "
                       "give a folder, or a path where one can be made")
+    elif (why := _holds_a_run(there := Config(values, "").data_dir())) is not None:
+        said = f"config key daemon.data_dir = {d!r}{came_from('daemon.data_dir')}" if d else f"the default data dir {there}"
+        errors.append(f"{said} {why}")
     if values["proxy"]["workers"] > 1 and str(values["proxy"]["listen"]).startswith("unix:"):
         errors.append("config key proxy.workers > 1 needs a TCP proxy.listen (host:port); a unix: socket is "
                       "served by the daemon itself (proxy.workers = 1)" + came_from("proxy.workers", "proxy.listen"))
@@ -533,6 +536,19 @@ def _not_a_folder(d: Path) -> str | None:
     if os.path.isdir(there):
         return None
     return "it exists and is no folder" if there == d else f"{there} exists and is no folder"
+
+
+def _holds_a_run(d: Path) -> str | None:
+    """Why `d` cannot be the daemon's data folder: a sweep's run is in it (`--data-dir` a copy of one passed --check
+    and started, then `analyze` of the folder showed the daemon's summary in the run's stead, `export` the run's tables
+    without the daemon's). None where it holds none."""
+    from powerprof.storage.runs import RUN_MARKS, holds_sweep_run  # noqa: PLC0415  (pyarrow: only when asked)
+
+    if not holds_sweep_run(d):
+        return None
+    found = [m for m in RUN_MARKS if (d / m).is_file()]
+    return (f"holds a sweep's run ({', '.join(found)}): the daemon's datasets beside its tables would make "
+            "`analyze` and `export` of that folder read one and leave the other out; give the daemon a folder of its own")
 
 
 def example_toml() -> str:

@@ -15,6 +15,8 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
+import math
 import os
 import random
 import threading
@@ -126,12 +128,26 @@ class MemoryInfo:
     used: int
 
 
+_log = logging.getLogger(__name__)
+# What a state file that cannot be used becomes, said after why (one line each, docs/simulator.md).
+RESET_SAID = "taken as the default until set again"
+
+
 class _StateFile:
     """Power limits and locked clocks per UUID, JSON, replaced atomically under an flock."""
 
     def __init__(self, path: Path | None):
         self.path = path
         self._mtime_ns = -1
+        self._said: set[str] = set()
+
+    def warn(self, why: str) -> None:
+        """One warning line naming the file, once a process: a file that is not what the simulator writes was read
+        as the defaults without a word (truncated JSON), or stopped every command (a list: a traceback)."""
+        line = f"simulator state file {self.path}: {why}"
+        if line not in self._said:
+            self._said.add(line)
+            _log.warning("%s", line)
 
     @contextlib.contextmanager
     def _locked(self):
@@ -145,12 +161,25 @@ class _StateFile:
                 fcntl.flock(lf, fcntl.LOCK_UN)
 
     def load(self) -> dict:
+        """{uuid: {setting: value}} as written by `update`; {} where the file is missing, and (said by `warn`) where it
+        is no JSON object. An entry that is no object is left out, said too; the values are checked by the reader,
+        which knows each card's ranges (`SimNVML._saved`)."""
         if self.path is None or not self.path.exists():
             return {}
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            state = json.loads(self.path.read_text())
+        except (OSError, ValueError) as e:  # truncated or no text (UnicodeDecodeError is a ValueError); unreadable
+            why = "not valid JSON" if isinstance(e, ValueError) else f"cannot be read ({e.strerror or e})"
+            self.warn(f"{why}: every GPU's power limit and clock lock: {RESET_SAID}")
             return {}
+        if not isinstance(state, dict):
+            self.warn(f"holds a JSON {type(state).__name__}, not an object: every GPU's power limit and clock lock: "
+                      f"{RESET_SAID}")
+            return {}
+        bad = [k for k, v in state.items() if not isinstance(v, dict)]
+        if bad:
+            self.warn(f"the entry of {', '.join(bad)} is no JSON object: its power limit and clock lock: {RESET_SAID}")
+        return {k: v for k, v in state.items() if isinstance(v, dict)}
 
     def changed(self) -> bool:
         if self.path is None:
@@ -215,6 +244,21 @@ class _LoadFile:
         os.replace(tmp, self.path)
 
 
+def _is_number(x) -> bool:
+    """A finite JSON number (a bool is none, though Python counts it as an int)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _limit_ok(p: GpuProfile, limit_mw) -> bool:
+    """A power limit (mW) the card takes: nvmlDeviceSetPowerManagementLimit's rule, and the state file's."""
+    return p.min_limit_w * 1000 <= limit_mw <= p.max_limit_w * 1000
+
+
+def _clocks_ok(p: GpuProfile, min_mhz, max_mhz) -> bool:
+    """A clock lock the card takes: nvmlDeviceSetGpuLockedClocks' rule, and the state file's."""
+    return not (min_mhz > max_mhz or max_mhz < p.sm_clock_min_mhz or min_mhz > p.sm_clock_max_mhz)
+
+
 class SimNVML:
     """Drop-in for the `pynvml` module. `SimNVML(profile="seed-16g", count=2)`; a host of mixed cards takes a
     profile per GPU: `SimNVML(profile="h200-141g,l4-24g")` or a list of keys or profiles (count is then their
@@ -250,17 +294,15 @@ class SimNVML:
         self.gpus: list[SimGpu] = []
         for i, prof in enumerate(self.profiles):
             uuid = sim_uuid(prof.key, i)
-            entry = saved.get(uuid, {})
-            limit_mw = entry.get("power_limit_mw")
-            locked = entry.get("locked_clocks_mhz")
+            limit_w, locked = self._saved(saved, uuid, prof)
             self.gpus.append(
                 SimGpu(
                     prof,
                     i,
                     uuid,
                     clock_ns=clock_ns,
-                    limit_w=limit_mw / 1000 if limit_mw else None,
-                    locked_clocks_mhz=tuple(locked) if locked else None,
+                    limit_w=limit_w,
+                    locked_clocks_mhz=locked,
                     record_history=record_history,
                 )
             )
@@ -338,15 +380,29 @@ class SimNVML:
             return
         saved = self._state.load()
         for g in self.gpus:
-            entry = saved.get(g.uuid, {})
-            limit_mw = entry.get("power_limit_mw")
-            want = limit_mw / 1000 if limit_mw else g.profile.default_limit_w
+            limit_w, locked = self._saved(saved, g.uuid, g.profile)
+            want = limit_w if limit_w is not None else g.profile.default_limit_w
             if want != g.limit_w:
                 g.set_limit_w(want)
-            locked = entry.get("locked_clocks_mhz")
-            locked = tuple(locked) if locked else None
             if locked != g.locked_clocks_mhz:
                 g.set_locked_clocks(locked)
+
+    def _saved(self, saved: dict, uuid: str, p: GpuProfile) -> tuple[float | None, tuple[int, int] | None]:
+        """(power limit W, clock lock) the state file keeps for GPU `uuid`; None: the default, also for a value its
+        setter would refuse on this card (`power_limit_mw` 99999999 showed a 150-320 W card at 100000 W), said."""
+        entry = saved.get(uuid, {})
+        limit_mw, locked = entry.get("power_limit_mw"), entry.get("locked_clocks_mhz")
+        if limit_mw is not None and not (_is_number(limit_mw) and _limit_ok(p, limit_mw)):
+            self._state.warn(f"{uuid}: power_limit_mw {limit_mw!r} is no limit of this card ({p.min_limit_w:g}-"
+                             f"{p.max_limit_w:g} W): its power limit: {RESET_SAID}")
+            limit_mw = None
+        if locked is not None and not (isinstance(locked, list) and len(locked) == 2
+                                       and all(_is_number(x) and x == int(x) for x in locked)
+                                       and _clocks_ok(p, *locked)):
+            self._state.warn(f"{uuid}: locked_clocks_mhz {locked!r} is no [min, max] lock of this card ("
+                             f"{p.sm_clock_min_mhz}-{p.sm_clock_max_mhz} MHz): its clock lock: {RESET_SAID}")
+            locked = None
+        return (limit_mw / 1000 if limit_mw else None), (tuple(int(x) for x in locked) if locked else None)
 
     def _gpu(self, handle: SimHandle) -> SimGpu:
         if self._initialised <= 0:
@@ -619,7 +675,7 @@ class SimNVML:
         g = self._gpu(handle)
         self._need_root()
         p = g.profile
-        if not p.min_limit_w * 1000 <= limit_mw <= p.max_limit_w * 1000:
+        if not _limit_ok(p, limit_mw):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         with self._lock:
             g.set_limit_w(limit_mw / 1000)
@@ -630,8 +686,7 @@ class SimNVML:
     def nvmlDeviceSetGpuLockedClocks(self, handle, min_mhz: int, max_mhz: int) -> None:
         g = self._gpu(handle)
         self._need_root()
-        p = g.profile
-        if min_mhz > max_mhz or max_mhz < p.sm_clock_min_mhz or min_mhz > p.sm_clock_max_mhz:
+        if not _clocks_ok(g.profile, min_mhz, max_mhz):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         with self._lock:
             g.set_locked_clocks((min_mhz, max_mhz))
