@@ -225,8 +225,11 @@ def _configurations(runs, max_slowdown: float, windows):
         return None, None
     kr = analyze_knobs(levels, max_slowdown, interrupted=interrupted_cells(runs, windows))
     if not any(p.measured for p in kr.points):
-        raise AnalysisError("no configuration of the sweep was measured: "
-                            + "; ".join(f"{p.config_id}: {p.status}" for p in kr.points))
+        # The reason is the point: "as-launched: failed" alone sent the user to levels.parquet for the
+        # HTTP 413 behind it. Its first line only: the server log's tail follows it in config_error.
+        raise AnalysisError("no configuration of the sweep was measured: " + "; ".join(
+            f"{p.label()}: {p.status}" + (f" ({p.error.strip().splitlines()[0]})" if p.error and p.error.strip() else "")
+            for p in kr.points))
     if kr.chosen is None:
         return kr, None
     return kr, {"config_id": kr.chosen.config_id, "context_tokens": kr.chosen.context_tokens}
