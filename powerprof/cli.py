@@ -1208,7 +1208,7 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
 
-    from powerprof.paths import output_file_refusal
+    from powerprof.paths import missing_folder, output_file_refusal
 
     out = Path(out_path)
     parent = out.parent if str(out.parent) else Path(".")
@@ -1216,7 +1216,7 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
     if (why := output_file_refusal(out_path, force, "a trace of yours?")) is not None:
         raise click.BadParameter(why, param_hint="OUT.jsonl")
     if not parent.is_dir():
-        raise click.BadParameter(f"folder {str(parent)!r} does not exist", param_hint="OUT.jsonl")
+        raise click.BadParameter(missing_folder(parent), param_hint="OUT.jsonl")
     from powerprof.workload.trace import COMMON_CONTEXT_TOKENS, MAX_SPAN_S
 
     # The mean span first: `--rate 1e-300` wrote arrivals 1e300 s apart, which replay and sweep --trace then refused.

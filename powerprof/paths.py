@@ -42,6 +42,35 @@ def configured_state_dir(env: dict | None = None) -> Path | None:
     return None
 
 
+def file_in_the_way(folder) -> Path | None:
+    """`folder` or the folder above it that is a regular file, where the first of them that exists is one; else None
+    (a folder, a link to one, or another kind, whose own error says what it is)."""
+    p = Path(folder)
+    for q in (p, *p.parents):
+        if os.path.lexists(q):
+            return q if q.is_file() else None
+    return None
+
+
+def missing_folder(folder) -> str:
+    """Why `folder`, not a folder, cannot hold an output: `'x.txt' is a file, not a folder` (a file where a folder was
+    meant: "does not exist" said of a file that does), else `folder 'x' does not exist`."""
+    q = file_in_the_way(folder)
+    return f"folder {str(folder)!r} does not exist" if q is None else f"{str(q)!r} is a file, not a folder"
+
+
+def state_folder_is_file(path) -> str | None:
+    """Where the state folder `path`, or a folder above it, is a file: one line saying so, with the fix; None otherwise.
+    Making the folder then failed with a bare `[Errno 17] File exists` naming no folder and no fix."""
+    p = Path(path)
+    q = file_in_the_way(p)
+    if q is None:
+        return None
+    where = "is a file" if q == p else f"is inside {q}, which is a file"
+    return (f"state folder {p} {where}, not a folder. Fix: move the file aside, or point {STATE_DIR_ENV} at a folder "
+            "(made where missing)")
+
+
 def legacy_state_dirs(env: dict | None = None, euid: int | None = None) -> list[Path]:
     """Older state folders still to be searched for pending restore files (root's default only)."""
     env = os.environ if env is None else env

@@ -275,7 +275,7 @@ def make_grid_run(out_dir: Path, truths: dict, levels=(180, 220, 260, 300), n_re
     """A configuration sweep's run directory (powerprof/grid.py) with one knob, `draft`: truths is
     {draft value: Truth}; each configuration is a make_run at its own hour, its rows tagged as
     the grid tags them. level_edits {(draft, level): {column: value}} overwrite levels rows (the
-    sweep's own flags: thermal_throttle, flags); levels_done [[level, repeat, config_id, None]]
+    sweep's own flags: thermal_throttle, flags; config_status, config_error); levels_done [[level, repeat, config_id, None]]
     replaces the list of finished visits (default: every one)."""
     import json
 
@@ -292,7 +292,8 @@ def make_grid_run(out_dir: Path, truths: dict, levels=(180, 220, 260, 300), n_re
         tag = {"config_id": f"draft={draft}", "context_tokens": None, "knob_draft": draft}
         windows += [{**r, **tag} for r in pq.read_table(part / "windows.parquet").to_pylist()]
         for r in pq.read_table(part / "levels.parquet").to_pylist():
-            r.update(tag, config_status="ok", **(level_edits or {}).get((draft, r["level_value"]), {}))
+            r.update(tag, config_status="ok")
+            r.update((level_edits or {}).get((draft, r["level_value"]), {}))  # may overwrite config_status
             lv.append(r)
         samples.append(pq.read_table(part / "samples.parquet"))
         meta = meta or json.loads((part / "run.json").read_text())

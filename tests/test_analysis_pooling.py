@@ -147,6 +147,29 @@ def test_a_run_without_run_json_is_not_pooled_unchecked(tmp_path):
     analyze_run([b], tmp_path / "alone", n_boot=200, plots=False, formats=())
 
 
+def test_a_run_without_run_json_is_read_by_its_footer_metadata_and_says_so(tmp_path):
+    # Before: a copy without run.json was analysed as a real card's (no "Simulated" banner, exit 0, no word) and
+    # advised "Add levels 160 W, 140 W" below the card's 150 W minimum, though every Parquet footer held run.json.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(200, 300), n_requests=8, seed=1)
+    (run / "run.json").unlink()
+    res = analyze_run([run], tmp_path / "out", n_boot=200, plots=False, formats=("md",))
+    (info,) = res.runs
+    assert info.simulated and info.min_limit_w == seed_truth().min_limit_w and info.meta_from == "windows.parquet"
+    (w,) = [w for w in res.warnings if w.kind == "no-run-json"]
+    assert str(run) in w.message and "read from windows.parquet's footer metadata" in w.message, w.message
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "**Simulated**" in md, md
+    edge = [w.message for w in res.warnings if w.kind == "edge"]
+    assert edge and not any(f"{v} W" in m for m in edge for v in range(100, 150, 10)), edge
+    # Nor a footer: said, not silent.
+    t = pq.read_table(run / "windows.parquet")
+    pq.write_table(t.replace_schema_metadata(None), run / "windows.parquet")
+    res = analyze_run([run], tmp_path / "bare", n_boot=200, plots=False, formats=())
+    assert not res.runs[0].simulated and res.runs[0].meta_from is None
+    (w,) = [w for w in res.warnings if w.kind == "no-run-json"]
+    assert "no footer metadata either" in w.message and "unknown" in w.message, w.message
+
+
 def test_gpu_plus_cpu_figure_is_left_out_where_only_some_runs_measured_the_cpu(tmp_path):
     # One host could read RAPL, the other not: each level's "GPU + CPU" J/token was the median of the first
     # run's windows only, beside a GPU J/token of both, and in 220 W (only the second run) it was missing.

@@ -184,6 +184,21 @@ def test_cli_analyze_prints_the_recommendation(tmp_path):
     assert (tmp_path / "o" / "report.md").exists() and not (tmp_path / "o" / "report.html").exists()
 
 
+def test_a_slowdown_budget_is_printed_with_the_digits_it_was_given(tmp_path):
+    # --max-slowdown 0.999 printed "≤ 100% slower" (":.0%"), a budget that reads as no budget at all.
+    from powerprof.analysis.sweetspot import slowdown_text
+
+    assert [slowdown_text(x) for x in (0.1, 0.05, 0.125, 0.999, 0.0)] == ["10%", "5%", "12.5%", "99.9%", "0%"]
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=20)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--out", str(tmp_path / "o"), "--max-slowdown", "0.999",
+                                  "--format", "md", "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "≤ 99.9% slower" in said and "100%" not in said, said
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "≤ 99.9% slower" in md and "(≤ 99.9%)" in md and "≤ 100%" not in md
+
+
 @pytest.mark.parametrize("args,msg", [
     (["analyze", "/nonexistent/run"], "no such run directory"),
     # A file (the run's windows.parquet, a daemon part file) read "no such run directory", which it exists as.

@@ -30,6 +30,45 @@ def test_trace_to_an_empty_path_is_refused_in_words(tmp_path, monkeypatch):
     assert list(here.iterdir()) == []
 
 
+def test_an_output_inside_a_file_says_it_is_a_file_not_a_missing_folder(tmp_path):
+    # "folder '.../file.txt' does not exist" was said of a file that exists.
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    for args, flag in ((["trace", str(f / "x.jsonl")], "OUT.jsonl"), (["trace", str(f / "a" / "x.jsonl")], "OUT.jsonl"),
+                       (["monitor", "--simulate", "--duration", "0.1", "--output", str(f / "x.parquet")], "--output")):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2, r.output
+        said = " ".join(r.output.split())
+        assert flag in said and f"'{f}' is a file, not a folder" in said and "does not exist" not in said, said
+    assert f.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "state"]  # conftest's
+    r = CliRunner().invoke(main, ["trace", str(tmp_path / "nope" / "x.jsonl")])
+    assert r.exit_code == 2 and f"folder '{tmp_path / 'nope'}' does not exist" in " ".join(r.output.split()), r.output
+
+
+def test_a_state_folder_that_is_a_file_is_said_with_the_fix(tmp_path, monkeypatch):
+    # A bare "Error: [Errno 17] File exists: '...'", naming neither the state folder nor the fix.
+    from powerprof.control.errors import StateFolderError
+    from powerprof.control.gpulock import GpuLock
+
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    for state in (f, f / "sub"):
+        monkeypatch.setenv("POWERPROF_STATE_DIR", str(state))
+        r = CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "200,300", "--max-time", "3",
+                                      "--out", str(tmp_path / "run")])
+        assert r.exit_code == 1, r.output
+        said = " ".join(r.output.split())
+        assert f"state folder {state}" in said and "is a file" in said and "Fix: move the file aside, or point " \
+            "POWERPROF_STATE_DIR at a folder" in said and "Errno" not in said, said
+        assert not (tmp_path / "run").exists() and f.read_text() == "x"
+    # A real GPU's lock, the controller's first write there (the simulator's folder is made before it): said so too.
+    with pytest.raises(StateFolderError) as e:
+        GpuLock(f, "GPU-x").acquire()
+    said = str(e.value)
+    assert f"{f} is a file, not a folder: move it aside, or point POWERPROF_STATE_DIR at another folder" in said, said
+    assert "Nothing was changed on any GPU" in said and "Errno" not in said, said
+
+
 @pytest.mark.parametrize("kind", ["file", "folder"])
 def test_tag_list_given_a_path_that_is_not_a_socket_says_so(tmp_path, kind):
     # A regular file given as --socket was told "no daemon listens on it (a socket left by a daemon that was killed?)".

@@ -45,6 +45,41 @@ def test_vary_and_template_parse_and_refuse_bad_input():
     assert launch_status("error: invalid argument: x") == "failed-to-start"
 
 
+def test_a_context_length_past_any_request_is_refused_before_anything_is_made(tmp_path):
+    # Before: 10000000k (10 billion tokens) was accepted; the run built the prompt text in memory until
+    # MemoryError, leaving a run folder with only run.json. 128000k, a plausible typo, is 131M tokens.
+    from powerprof.workload.trace import MAX_TOKENS
+
+    assert parse_context_tokens(f"512,{MAX_TOKENS}") == [512, MAX_TOKENS]
+    for spec in ("10000000k", "128000k", str(MAX_TOKENS + 1)):
+        with pytest.raises(ValueError, match=f"more than {MAX_TOKENS:,} tokens in one request"):
+            parse_context_tokens(spec)
+    out = tmp_path / "run"
+    for dry in ([], ["--dry-run"]):
+        r = CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "200,300", "--context-tokens", "10000000k",
+                                      "--out", str(out), *dry])
+        assert r.exit_code == 2, r.output
+        assert f"more than {MAX_TOKENS:,} tokens in one request" in " ".join(r.output.split()), r.output
+    assert not out.exists() and not (tmp_path / "state" / "powerprof").exists()
+
+
+def test_a_sweep_whose_every_configuration_failed_says_why_each_did(tmp_path):
+    # Before: "no configuration of the sweep was measured: as-launched: failed", the server's HTTP 413 only in
+    # levels.parquet's config_error.
+    from synthetic_runs import make_grid_run
+
+    failed = {"config_status": "failed", "gpu_j_per_token": None, "decode_tok_s": None,
+              "config_error": "http://127.0.0.1:1/tokenize answered HTTP 413\nlast lines of server.log:\nrequest too large"}
+    run = make_grid_run(tmp_path / "run", _grid_truths(), levels=(220, 300),
+                        level_edits={(d, v): failed for d in _grid_truths() for v in (220.0, 300.0)})
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "200"])
+    assert r.exit_code != 0, r.output
+    said = " ".join(r.output.split())
+    assert ("no configuration of the sweep was measured: draft=1: failed (http://127.0.0.1:1/tokenize answered HTTP "
+            "413); draft=3: failed (http://127.0.0.1:1/tokenize answered HTTP 413)") in said, said
+    assert "last lines" not in said, said
+
+
 def test_a_value_with_spaces_quotes_or_shell_characters_reaches_the_server_as_one_argument(tmp_path):
     # Before: the value was pasted into the command line, which was then split: `a b` became two
     # arguments, and `it's` crashed the whole grid with "No closing quotation" when its turn came.

@@ -307,6 +307,7 @@ def analyze(
     findings += uneven_pool_findings(runs, windows, all_series)
     findings += timing_findings(windows) + impossible_findings(windows) + no_energy_findings(windows)
     findings += unmeasured_level_findings(runs, windows) if judge_interrupted else []
+    findings.extend(no_run_json_findings(runs))
     findings.extend(unstored_findings(runs))
     findings.extend(partial_cpu)
     findings.extend(stopped)
@@ -449,6 +450,23 @@ def flagged_reference_findings(s: LevelSeries, table: pa.Table, interrupted=froz
         f"flagged ({why}): its figures are not the setting's effect alone, so every comparison against it is off by "
         f"as much, the recommendation's too. Measure {ref['level_value']:g} {unit} again before trusting them."),
         (float(ref["level_value"]),))]
+
+
+def no_run_json_findings(runs: list[RunInfo]) -> list[Finding]:
+    """A run analysed without its run.json: where its GPU, limits and settings came from instead, or that nothing
+    said them (no "simulated" banner, advice not kept within the card's limits)."""
+    out = []
+    for r in runs:
+        if r.meta_from == "run.json":
+            continue
+        if r.meta_from:
+            why = (f"its GPU, limits and settings (simulated or not) are read from {r.meta_from}'s footer metadata, "
+                   "run.json as that file was written")
+        else:
+            why = ("windows.parquet has no footer metadata either, so its GPU, the card's limit range and whether it "
+                   "was simulated are unknown: the advice is not kept within the card's limits")
+        out.append(Finding("no-run-json", f"{r.path}: run.json is missing; {why}. Restore run.json to analyse it as measured."))
+    return out
 
 
 def unstored_findings(runs: list[RunInfo]) -> list[Finding]:

@@ -22,6 +22,7 @@ from powerprof.storage.schema import KNOB_PREFIX
 from .analyze import left_out_reason
 from .checks import Finding
 from .stats import WIDE_CI_PCT
+from .sweetspot import slowdown_text
 
 
 @dataclass(frozen=True)
@@ -303,7 +304,7 @@ def summary_lines(result: KnobResult) -> list[str]:
         out.append(f"Fastest configuration{at}: {d['fastest'].config_id} ({d['fastest'].tok_s:.1f} tok/s, "
                    f"{d['fastest'].j_per_token:.3f} J/token).")
         out.append(f"Most efficient{at}: {d['min_j'].config_id} ({d['min_j'].j_per_token:.3f} J/token, "
-                   f"{d['min_j'].tok_s:.1f} tok/s); within a {100 * result.max_slowdown:g}% slowdown of the fastest: "
+                   f"{d['min_j'].tok_s:.1f} tok/s); within a {slowdown_text(result.max_slowdown)} slowdown of the fastest: "
                    f"{d['efficient'].config_id}.")
         out.append("Pareto set (fastest first): " + ", ".join(p.config_id for p in d["pareto"]) + ".")
     for ctx, why in result.not_chosen.items():

@@ -26,6 +26,8 @@ from . import engine
 from .rowkeys import window_key
 
 TIMELINE_BINS = 1500  # points per device in the power/clock plot: enough for a page-wide figure
+# The key under which RunWriter copies run.json into every Parquet file's footer (storage/runs.py).
+FOOTER_META_KEY = b"powerprof"
 
 
 class AnalysisError(ValueError):
@@ -46,6 +48,8 @@ class RunInfo:
     meta: dict = field(default_factory=dict, repr=False)
     gpu_count: int | None = None  # GPUs whose energy the windows sum (run.json `gpus`); None: unknown
     has_meta: bool = True  # run.json was there: without it nothing says what the run measured with
+    # Where `meta` came from: "run.json", FOOTER_META_KEY's copy in windows.parquet (run.json missing), or None (neither).
+    meta_from: str | None = "run.json"
 
 
 def _get(meta: dict, *paths, default=None):
@@ -102,6 +106,14 @@ def read_run_info(run_dir) -> RunInfo:
                 + (", ..." if len(inner) > 3 else "") + f"), or several as a glob ({path}/*)") if inner else ""
         raise AnalysisError(no_finished_level(path) or _daemon_dataset_hint(path)
                             or f"{path} is not a powerprof run directory: windows.parquet is missing{hint}")
+    meta_from = "run.json" if meta_path.exists() else None
+    if meta_from is None:
+        # A copy without run.json was analysed as a real card's (no "simulated" banner) and advised levels below the
+        # card's minimum: every Parquet file carries run.json as it was when the file was written.
+        meta = _footer_meta(path / "windows.parquet")
+        if meta:
+            _check_meta_types(path / "windows.parquet", meta)
+            meta_from = "windows.parquet"
     model = _get(meta, "model", "server.model", "server.model_path", "workload.model")
     if model is None:
         model = _windows_model(path / "windows.parquet")
@@ -120,7 +132,19 @@ def read_run_info(run_dir) -> RunInfo:
         meta=meta,
         gpu_count=_gpu_count(meta),
         has_meta=meta_path.exists(),
+        meta_from=meta_from,
     )
+
+
+def _footer_meta(windows_path: Path) -> dict:
+    """run.json's copy in a Parquet file's footer (RunWriter writes one into each); {} where there is none or it
+    cannot be read (the analysis then goes on without, and says so)."""
+    try:
+        raw = (pq.read_schema(windows_path).metadata or {}).get(FOOTER_META_KEY)
+        meta = json.loads(raw) if raw else {}
+    except (pa.ArrowInvalid, OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _what(v) -> str:

@@ -20,6 +20,7 @@ from matplotlib.transforms import offset_copy
 from .analyze import SeriesResult
 from .fits import pchip_grid
 from .loading import Timeline
+from .sweetspot import slowdown_text
 
 MARKERS = {"min_energy": "v", "budget": "*", "edp": "s", "ed2p": "D", "knee": "^", "weighted": "P"}
 COLORS = {"min_energy": "tab:green", "budget": "tab:red", "edp": "tab:purple", "ed2p": "tab:brown",
@@ -159,7 +160,7 @@ def plot_tradeoff(sr: SeriesResult, path: Path) -> Figure:
     budget = sr.choices.get("budget")
     if budget is not None:
         ax.axvline(budget.params["max_slowdown"] * 100, color="tab:red", ls=":", lw=1,
-                   label=f"slowdown budget {budget.params['max_slowdown']:.0%}")
+                   label=f"slowdown budget {slowdown_text(budget.params['max_slowdown'])}")
     if sr.starred:
         _policy_markers(ax, sr, x, y, unit)
         rec = sr.recommendation

@@ -28,7 +28,7 @@ from .checks import Finding, sample_findings, saving_within_noise, unmeasured_le
 from .knobs import analyze_knobs, is_grid, left_out_text, summary_lines
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, run_key, sample_level_figures,
                       sweep_level_figures)
-from .sweetspot import DESCRIPTIONS, POLICIES, PolicyParams
+from .sweetspot import DESCRIPTIONS, POLICIES, PolicyParams, slowdown_text
 
 FORMATS = ("md", "html")
 
@@ -225,8 +225,11 @@ def _configurations(runs, max_slowdown: float, windows):
         return None, None
     kr = analyze_knobs(levels, max_slowdown, interrupted=interrupted_cells(runs, windows))
     if not any(p.measured for p in kr.points):
-        raise AnalysisError("no configuration of the sweep was measured: "
-                            + "; ".join(f"{p.config_id}: {p.status}" for p in kr.points))
+        # The reason is the point: "as-launched: failed" alone sent the user to levels.parquet for the
+        # HTTP 413 behind it. Its first line only: the server log's tail follows it in config_error.
+        raise AnalysisError("no configuration of the sweep was measured: " + "; ".join(
+            f"{p.label()}: {p.status}" + (f" ({p.error.strip().splitlines()[0]})" if p.error and p.error.strip() else "")
+            for p in kr.points))
     if kr.chosen is None:
         return kr, None
     return kr, {"config_id": kr.chosen.config_id, "context_tokens": kr.chosen.context_tokens}
@@ -376,7 +379,7 @@ def recommendation_line(result: AnalysisResult) -> str:
     if noise is not None:
         # A slower setting whose saving the CI cannot tell from none is no sweet spot: say so, not "run at X".
         line = (f"No measured {what} is shown to save energy against {sr.series.reference_value:g} {u}, the reference "
-                f"({DESCRIPTIONS[c.policy]}" + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
+                f"({DESCRIPTIONS[c.policy]}" + (f", ≤ {slowdown_text(c.params['max_slowdown'])} slower" if c.policy == "budget" else "")
                 + f"): its best, {c.level_value:g} {u}, is {c.speed_loss_pct:.1f}% slower and {c.energy_saving_pct:.1f}% "
                 f"less energy per token, 95% CI [{noise[0]:.1f}, {noise[1]:.1f}]%, a saving within noise; keep "
                 f"{sr.series.reference_value:g} {u}, or measure more requests per level (more distinct prompts) to settle it.")
@@ -385,7 +388,7 @@ def recommendation_line(result: AnalysisResult) -> str:
         return line + (" (simulated)" if result.simulated else "")
     head = (f"Recommended {what}: {c.recommended_value:g} {u}"
             + (", the reference" if c.level_value == sr.series.reference_value else "")
-            + f" ({DESCRIPTIONS[c.policy]}" + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
+            + f" ({DESCRIPTIONS[c.policy]}" + (f", ≤ {slowdown_text(c.params['max_slowdown'])} slower" if c.policy == "budget" else "")
             + "): ")
     head += _figures_text(c)
     if c.level_value == sr.series.reference_value:
@@ -505,7 +508,7 @@ def _choice_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
         c = sr.choices[p]
         crit = DESCRIPTIONS[p]
         if p == "budget":
-            crit += f" (≤ {c.params['max_slowdown']:.0%})"
+            crit += f" (≤ {slowdown_text(c.params['max_slowdown'])})"
         if p == "weighted":
             crit += f" (η = {c.params['eta']:g}, P_max = {_f(c.params['p_max_w'], '.0f')} W)"
         rows.append([p, crit, f"{c.level_value:g}" + (" ★" if p == sr.primary and sr.starred else ""),

@@ -42,6 +42,12 @@ def check_max_slowdown(v: float) -> float:
     return v
 
 
+def slowdown_text(share: float) -> str:
+    """A slowdown budget as a percentage with the digits it was given: 0.1 → "10%", 0.999 → "99.9%" (":.0%" printed
+    0.999 as "100%", a budget no level could break, and 0.125 as "12%")."""
+    return f"{share * 100:.6g}%"
+
+
 @dataclass(frozen=True)
 class PolicyParams:
     max_slowdown: float = 0.10  # fraction

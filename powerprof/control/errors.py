@@ -39,6 +39,8 @@ def state_folder_message(what: str, path, e: OSError) -> str:
     import errno as _errno
     from pathlib import Path as _Path
 
+    from powerprof.paths import file_in_the_way
+
     path = _Path(path)
     folder = path.parent
     elsewhere = "or point POWERPROF_STATE_DIR at another folder"
@@ -49,6 +51,8 @@ def state_folder_message(what: str, path, e: OSError) -> str:
         why = f"{e.strerror}: free space in {folder} (`df -h {folder}`), {elsewhere}"
     elif e.errno == _errno.EROFS:
         why = f"{e.strerror}: {elsewhere} on a writable file system"
+    elif e.errno in (_errno.ENOTDIR, _errno.EEXIST) and (q := file_in_the_way(folder)) is not None:
+        why = f"{q} is a file, not a folder: move it aside, {elsewhere}"
     elif e.errno in (_errno.EACCES, _errno.EPERM):
         why = f"{e.strerror}: run as the user the folder belongs to, fix its permissions, {elsewhere}"
     else:

@@ -27,7 +27,7 @@ from typing import Callable, Collection
 
 import psutil
 
-from powerprof.paths import configured_state_dir
+from powerprof.paths import configured_state_dir, state_folder_is_file
 
 DEFAULT_MAX_ENERGY_RANGE_UJ = 262_143_328_850  # what Intel client and server parts report
 DEFAULT_PACKAGE_W = 30.0  # per package zone, idle-ish desktop/server part
@@ -372,6 +372,9 @@ def remove_stale_sim_powercap_dirs(parent: str) -> list[str]:
 def make_sim_powercap_dir(env=None) -> str:
     """A fresh folder for a simulated powercap tree, named with our pid; clears dead processes' trees."""
     parent = sim_powercap_parent(env)
+    problem = state_folder_is_file(parent)
+    if problem:
+        raise NotADirectoryError(problem)
     os.makedirs(parent, exist_ok=True)
     remove_stale_sim_powercap_dirs(parent)
     return tempfile.mkdtemp(prefix=f"{SIM_POWERCAP_PREFIX}{os.getpid()}-", dir=parent)

@@ -190,7 +190,7 @@ class Timeline:
 
 def check_output_path(path: str | os.PathLike) -> Path:
     """Validate an output file name before any work starts; raises ValueError with the reason."""
-    from powerprof.paths import path_problem  # noqa: PLC0415
+    from powerprof.paths import missing_folder, path_problem  # noqa: PLC0415
 
     p = Path(path)
     if (why := path_problem(p)) is not None:  # an OSError traceback from is_dir() ("File name too long")
@@ -199,7 +199,7 @@ def check_output_path(path: str | os.PathLike) -> Path:
         raise ValueError(f"output {str(p)!r}: the file name must end in {' or '.join(FORMATS)}")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
-        raise ValueError(f"output {str(p)!r}: folder {str(parent)!r} does not exist")
+        raise ValueError(f"output {str(p)!r}: {missing_folder(parent)}")
     if not os.access(parent, os.W_OK) or not _can_create_in(parent):
         raise ValueError(f"output {str(p)!r}: folder {str(parent)!r} is not writable")
     if p.is_dir():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .auth import auth_headers
 from .client import ServerInfo
 from .load import Prompt
+from .trace import MAX_TOKENS
 
 CHARS_PER_TOKEN_ESTIMATE = 4.0  # only where the server cannot count: English text, BPE tokenizers
 _FILLER = (
@@ -32,7 +33,8 @@ class TokenizeError(RuntimeError):
 
 
 def parse_context_tokens(spec: str) -> list[int]:
-    """"512,8k,32k,128k" → [512, 8192, 32768, 131072] (k = 1024 tokens). ValueError on bad input."""
+    """"512,8k,32k,128k" → [512, 8192, 32768, 131072] (k = 1024 tokens, at most trace.MAX_TOKENS each).
+    ValueError on bad input."""
     out = []
     for part in (p.strip() for p in spec.split(",")):
         m = re.fullmatch(r"(\d+)\s*([kK]?)", part)
@@ -41,6 +43,10 @@ def parse_context_tokens(spec: str) -> list[int]:
         n = int(m.group(1)) * (1024 if m.group(2) else 1)
         if n < 16:
             raise ValueError(f"--context-tokens: {part!r} is under 16 tokens")
+        if n > MAX_TOKENS:
+            # The prompt text is built in memory first (4 characters a token): 10000000k ran out of memory
+            # building it, and a typo such as 128000k (131M tokens) is no model's context.
+            raise ValueError(f"--context-tokens: {part!r} is {n:,} tokens, more than {MAX_TOKENS:,} tokens in one request")
         out.append(n)
     if not out or len(set(out)) != len(out):
         raise ValueError("--context-tokens needs distinct token counts, e.g. 512,8k,32k")
