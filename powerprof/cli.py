@@ -341,6 +341,9 @@ def _open_rig_or_exit(simulate, gpus=None, rapl_backend="sysfs", host=True):
     except ValueError as e:
         rig.close()
         raise click.UsageError(str(e)) from None
+    except NotADirectoryError as e:  # the simulator's state folder a file (sim.powercap says which, and the fix)
+        rig.close()
+        raise click.ClickException(str(e)) from None
     return rig
 
 
@@ -1322,7 +1325,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             said = [n for n in (fleet.empty_note(sources), fleet.stray_note(sources)) if n] + fleet.notes(table) + fleet.tag_notes(tags)
             said = list(dict.fromkeys(said))  # a note both tables carry (samples unreadable) said once
             if out_dir is not None:
-                from powerprof.storage.runs import atomic_write_table, holds_sweep_run
+                from powerprof.paths import holds_sweep_run
+                from powerprof.storage.runs import atomic_write_table
                 from powerprof.trust import out_dir_refusal
 
                 if (why := out_dir_refusal(Path(out_dir), "folder")) is not None:  # as root: root's or the sudo user's
@@ -1330,6 +1334,12 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                 if holds_sweep_run(out_dir):  # export of the run would show fleet.parquet as one of its tables
                     raise AnalysisOutTaken(f"--out {out_dir} is a sweep's run directory: fleet.parquet would lie among "
                                            "its tables, read as that run's; give another folder with --out")
+                if Path(out_dir).is_dir() and fleet.is_daemon_dataset(str(out_dir)):
+                    # A table beside a daemon's dataset folders made `export` of that folder read it alone, the
+                    # requests, intervals and samples left out unsaid.
+                    raise AnalysisOutTaken(f"--out {out_dir} holds a daemon's datasets: fleet.parquet beside them would "
+                                           "make `export` of that folder read it in their stead; give another folder "
+                                           "with --out")
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 atomic_write_table(Path(out_dir) / "fleet.parquet", table)
                 if tags.num_rows:
@@ -1855,7 +1865,7 @@ def _tag_socket(socket, config_path):
     if socket:
         return socket
     try:
-        path = dconfig.load_config(config_path).tag_socket()
+        path = dconfig.load_config(config_path, data_dir_checked=False).tag_socket()
     except dconfig.ConfigError as e:
         raise click.ClickException(str(e))
     # A shell has no RUNTIME_DIRECTORY: the default was a folder of the caller's own, never the daemon's under the shipped

@@ -139,3 +139,15 @@ def output_file_refusal(path, force: bool, kept: str, option: str = "") -> str |
         return (f"{path} exists ({kept}); choose another name{' with ' + option if option else ''}, "
                 "or --force to replace it")
     return None
+
+
+# What marks a folder as a sweep's run: its run.json, or windows.parquet (analyze reads a folder with it as a run even
+# without run.json). Here, not in storage.runs: the daemon's config check asks without loading pyarrow (45 MiB).
+RUN_JSON = "run.json"
+RUN_MARKS = (RUN_JSON, "windows.parquet")
+
+
+def holds_sweep_run(path) -> bool:
+    """`path` holds a sweep's run (its run.json or windows.parquet): no place for other output (`analyze --out`,
+    the daemon's datasets), which `analyze` and `export` would read as the run's, or read in its stead."""
+    return any(os.path.isfile(os.path.join(path, m)) for m in RUN_MARKS)

@@ -138,6 +138,20 @@ def test_windows_whose_level_is_nan_are_refused_by_name_not_dropped(tmp_path, ba
     assert str(run / "windows.parquet") in said and "Traceback" not in r.output, said
 
 
+@pytest.mark.parametrize("kind", [None, "none"])
+def test_negated_levels_of_no_set_kind_are_refused_too(tmp_path, kind):
+    # The review's case: level_value negated and level_kind null or "none" (as the settings as they are): the rule
+    # skipped those kinds, and "Recommended limit: -220 W", exit 0.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=6)
+    t = pq.read_table(run / "windows.parquet")
+    lv = [None if v is None else -v for v in t.column("level_value").to_pylist()]
+    t = t.set_column(t.schema.get_field_index("level_value"), "level_value", pa.array(lv, pa.float64()))
+    t = t.set_column(t.schema.get_field_index("level_kind"), "level_kind", pa.array([kind] * t.num_rows, pa.string()))
+    pq.write_table(t, run / "windows.parquet")
+    r = CliRunner().invoke(main, ["analyze", str(run)])
+    assert r.exit_code != 0 and "-220 W" not in r.output and "level_value -220" in " ".join(r.output.split()), r.output
+
+
 @pytest.mark.parametrize("damage", ["binary", "folder"])
 def test_a_run_json_that_cannot_be_read_as_text_is_said_not_a_traceback(tmp_path, damage):
     # A run.json of bytes that are no UTF-8 (a disk error, another tool's file) died with UnicodeDecodeError, and a

@@ -497,3 +497,12 @@ def test_monitor_refuses_plain_and_json_together(tmp_path):
     # `monitor --json --plain` quietly printed JSON lines: one output form a run, said.
     r = run("monitor", "--json", "--plain", "--duration", "1", "--simulate")
     assert r.exit_code == 2 and "--plain and --json" in r.output, r.output
+
+
+def test_devices_on_the_simulator_with_a_state_folder_that_is_a_file_says_so(tmp_path, monkeypatch):
+    # The review's case: NotADirectoryError from the simulated powercap folder, a traceback; `sweep` said it already.
+    (tmp_path / "statefile").write_text("x")
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(tmp_path / "statefile"))
+    r = CliRunner().invoke(main, ["devices", "--simulate"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "is a file, not a folder" in r.output, r.output

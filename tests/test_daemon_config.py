@@ -391,3 +391,22 @@ def test_proxy_and_metrics_on_one_address_fail_the_check(tmp_path, proxy, metric
 ])
 def test_proxy_and_metrics_on_different_addresses_pass(proxy, metrics):
     load_config(None, env={}, overrides={"proxy.listen": proxy, "metrics.listen": metrics})
+
+
+def test_the_config_check_loads_no_pyarrow_and_tag_is_not_refused_for_the_data_dir(tmp_path):
+    # The data-dir check (a folder holding a sweep's run) imported storage.runs, so pyarrow (~45 MiB) rode into every
+    # daemon start, in a unit capped at MemoryMax=512M (tests/test_daemon_e2e.py's footprint check failed). And
+    # `powerprof tag`, which reads the config for its socket only, was refused for the daemon's data dir.
+    import subprocess
+
+    code = ("import sys; from powerprof.daemon.config import load_config; load_config(None); "
+            "assert 'pyarrow' not in sys.modules, 'pyarrow loaded by load_config'")
+    env = {**os.environ, "POWERPROF_STATE_DIR": str(tmp_path / "state")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    with pytest.raises(ConfigError, match="sweep's run"):
+        load_config(None, env={}, overrides={"daemon.data_dir": str(run)})
+    assert load_config(None, env={}, overrides={"daemon.data_dir": str(run)}, data_dir_checked=False).data_dir() == run

@@ -477,6 +477,24 @@ def test_force_default_without_nvml_says_so_and_keeps_the_file(tmp_path, monkeyp
     assert out.status == "failed" and "is kept" in out.message and path.exists(), out
 
 
+def test_a_former_folders_restore_file_is_still_reported_when_the_state_folder_cannot_be_listed(tmp_path, monkeypatch):
+    # The review's case: the unlisted state folder's "Not checked" returned at once, and the file found in the former
+    # folder (an older powerprof's) was no longer reported.
+    import powerprof.control.restore as R
+
+    sd = tmp_path / "statefile"
+    sd.write_text("x")
+    legacy = tmp_path / "legacy"
+    legacy.mkdir(mode=0o755)
+    f = legacy / "restore-aaaaaaaaaaaa.json"
+    f.write_text('{"gpus": {"GPU-0000')
+    os.chmod(f, 0o600)
+    monkeypatch.setattr(R, "state_dir", lambda: sd)
+    monkeypatch.setattr(R, "legacy_state_dirs", lambda: [legacy])
+    rep = R.restore_from_file()
+    assert not rep.ok and [o.path for o in rep.outcomes] == [sd, f], [(str(o.path), o.status) for o in rep.outcomes]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another user needs root")
 def test_force_default_sets_the_defaults_but_removes_nothing_through_another_users_folder(tmp_path, monkeypatch):
     # A folder another user controls can be swapped for a symlink to root's state folder between the read and the

@@ -1259,3 +1259,13 @@ def test_an_old_tag_window_of_unknown_gpu_set_may_read_high(tmp_path):
     assert t["all_gpus_windows"] == 0 and t["maybe_all_gpus_windows"] == 1
     said = " ".join(tag_notes(tag_summary([str(tmp_path / "old")])))
     assert "may read high" in said and "vm exp: 1 of 1 counted" in said
+
+
+def test_analyze_out_into_a_nodes_own_dataset_folder_is_refused(tmp_path):
+    # fleet.parquet written among a node's dataset folders made `export` of that folder read it alone: the requests,
+    # intervals and samples left out, exit 0, unsaid.
+    node = tmp_path / "node-1"
+    _node(node, 1)
+    r = CliRunner().invoke(main, ["analyze", str(node), "--out", str(node)])
+    assert r.exit_code != 0 and "daemon's datasets" in r.output, r.output
+    assert not (node / "fleet.parquet").exists()

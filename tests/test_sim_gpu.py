@@ -165,3 +165,15 @@ def test_the_simulated_h200s_instant_power_is_as_stale_as_a_real_ones():
     assert g.instant_power_w() == idle_w
     clock.advance(0.05)  # past the next refresh (1.1 s): decode
     assert g.instant_power_w() == decode_w
+
+
+def test_a_damaged_state_file_is_said_once_a_process(tmp_path, caplog):
+    # `restore --simulate` opens a simulator per restore record beside the rig's: the warning was said by each.
+    import logging
+
+    p = tmp_path / "sim.json"
+    p.write_text("[1, 2]")
+    with caplog.at_level(logging.WARNING):
+        SimNVML("seed-16g", state_path=p)
+        SimNVML("seed-16g", state_path=p)
+    assert len([r for r in caplog.records if "simulator state file" in r.getMessage()]) == 1

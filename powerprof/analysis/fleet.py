@@ -73,7 +73,7 @@ def run_and_dataset(path: str) -> str | None:
     """The refusal of a local folder that holds both a sweep's run and a daemon's datasets (a daemon once given a run
     directory as its data dir): `analyze` read it as the daemon's and `export` as the run's, each leaving the other
     out unsaid. None for any other source."""
-    from powerprof.storage.runs import holds_sweep_run  # noqa: PLC0415
+    from powerprof.paths import holds_sweep_run  # noqa: PLC0415
 
     if is_uri(path) or not is_daemon_dataset(path) or not holds_sweep_run(path):
         return None

@@ -452,18 +452,18 @@ def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
 
 
 def _refuse_unlevelled(path, t: pa.Table) -> None:
-    """AnalysisError for windows of a set kind (power_limit, sm_clock) whose level_value is NaN, infinite, zero or
-    negative: no level is, so no level's figures could hold them, and leaving them out would drop them unsaid (pandas
-    and numpy drop NaN keys; DuckDB and Arrow would group them as one NaN level); analysed, a negated column
-    recommended "-180 W", exit 0. powerprof writes a level as a positive number, and the settings as they are
-    (level_kind none) as null; anything else comes from another tool or an edit."""
+    """AnalysisError for windows whose level_value is NaN, infinite, zero or negative, whatever their level_kind: no
+    level is, so no level's figures could hold them, and leaving them out would drop them unsaid (pandas and numpy
+    drop NaN keys; DuckDB and Arrow would group them as one NaN level); analysed, a negated column recommended
+    "-180 W", exit 0 (with level_kind none or null too). powerprof writes a level as a positive number, and the
+    settings as they are (level_kind none) as null; anything else comes from another tool or an edit."""
     if "level_value" not in t.column_names or "level_kind" not in t.column_names or not t.num_rows:
         return
     values = np.asarray(t.column("level_value").to_numpy(zero_copy_only=False), dtype=float)
     kinds = t.column("level_kind").to_pylist()
     bad: dict[tuple, int] = {}
     for k, v, null in zip(kinds, values, t.column("level_value").is_null().to_pylist()):
-        if k not in (None, "none") and not null and not (np.isfinite(v) and v > 0):
+        if not null and not (np.isfinite(v) and v > 0):
             bad[(k, "NaN" if v != v else f"{v:g}")] = bad.get((k, "NaN" if v != v else f"{v:g}"), 0) + 1
     if bad:
         which = "; ".join(f"{n} windows at level_kind {k} have level_value {v}" for (k, v), n in bad.items())

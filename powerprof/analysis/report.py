@@ -182,7 +182,7 @@ def _refuse_a_run_folder(out: Path, runs) -> None:
     """AnalysisOutTaken where `out` is a run directory (storage.runs.holds_sweep_run), or the `analysis` folder of a run that is
     not among `runs`: `analyze a --out b` wrote a's report among run b's tables without a word, and in b/analysis
     `export b` shows it as b's own. An input's own RUN/analysis (the default) is its place; RUN itself is not."""
-    from powerprof.storage.runs import RUN_JSON, holds_sweep_run  # noqa: PLC0415
+    from powerprof.paths import RUN_JSON, holds_sweep_run  # noqa: PLC0415
 
     def run_id(folder: Path) -> str:
         try:

@@ -389,6 +389,7 @@ def restore_from_file(
     simulator); `refuse(record)` returns why a record must be left alone, or None. A named `path`
     that does not exist is a failure, not "nothing to restore".
     """
+    unlisted: list = []
     if path is not None:
         path = Path(path)
         if not path.exists():
@@ -402,22 +403,17 @@ def restore_from_file(
         searched = path
     else:
         lock_dir = Path(directory) if directory is not None else state_dir()
-        unlisted: list = []
         files = pending_restore_files(lock_dir, unlisted)
         searched = lock_dir
-        if unlisted:
-            # "Nothing to restore", exit 0, where the folder could not even be listed (a state folder that is a file,
-            # one this user may not read): a GPU left capped would have gone unsaid.
-            return RestoreReport(
-                tuple(FileOutcome(f, "failed", f"Not checked: {f} could not be listed ({why}), so any restore file in "
-                                               "it is not seen; run `powerprof restore` where it can be read (as root, "
-                                               "outside the tuner's sandbox), or set POWERPROF_STATE_DIR to the state "
-                                               "folder") for f, why in unlisted),
-                searched=lock_dir,
-            )
+    # A folder that could not be listed is no "Nothing to restore" (exit 0: a state folder that is a file, one this user
+    # may not read, and a GPU left capped went unsaid); the files found elsewhere (a former folder) are still acted on.
+    not_checked = tuple(FileOutcome(f, "failed", f"Not checked: {f} could not be listed ({why}), so any restore file in "
+                                                 "it is not seen; run `powerprof restore` where it can be read (as root, "
+                                                 "outside the tuner's sandbox), or set POWERPROF_STATE_DIR to the state "
+                                                 "folder") for f, why in unlisted)
     return RestoreReport(
-        tuple(_restore_one_file(f, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w, machine_scope)
-              for f in files),
+        (*not_checked, *(_restore_one_file(f, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w, machine_scope)
+                         for f in files)),
         searched=searched,
     )
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from powerprof.paths import STATE_DIR_ENV, user_state_home
+from powerprof.paths import RUN_MARKS, STATE_DIR_ENV, holds_sweep_run, user_state_home
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -382,11 +382,12 @@ def default_tag_socket(data_dir: Path) -> Path:
 
 
 def load_config(path: str | os.PathLike | None = None, env: dict | None = None, overrides: dict | None = None,
-                flags: dict | None = None) -> Config:
+                flags: dict | None = None, data_dir_checked: bool = True) -> Config:
     """File (optional) → env → overrides {"section.key": value}; raises ConfigError naming every bad key.
 
     flags: the command-line flag each override came from ({"daemon.data_dir": "--data-dir"}), so
-    Config.source names what the user typed."""
+    Config.source names what the user typed. data_dir_checked False: a caller that only reads the config (`powerprof
+    tag`, for the socket) is not refused for a data folder the daemon would refuse (`_holds_a_run`)."""
     env = os.environ if env is None else env
     errors: list[str] = []
 
@@ -485,7 +486,7 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
     if (d := values["daemon"]["data_dir"]) and isinstance(d, str) and (why := _not_a_folder(Path(d))):
         errors.append(f"config key daemon.data_dir = {d!r}{came_from('daemon.data_dir')} is not a folder: {why}; "
                       "give a folder, or a path where one can be made")
-    elif (why := _holds_a_run(there := Config(values, "").data_dir())) is not None:
+    elif data_dir_checked and (why := _holds_a_run(there := Config(values, "").data_dir())) is not None:
         said = f"config key daemon.data_dir = {d!r}{came_from('daemon.data_dir')}" if d else f"the default data dir {there}"
         errors.append(f"{said} {why}")
     if values["proxy"]["workers"] > 1 and str(values["proxy"]["listen"]).startswith("unix:"):
@@ -542,8 +543,6 @@ def _holds_a_run(d: Path) -> str | None:
     """Why `d` cannot be the daemon's data folder: a sweep's run is in it (`--data-dir` a copy of one passed --check
     and started, then `analyze` of the folder showed the daemon's summary in the run's stead, `export` the run's tables
     without the daemon's). None where it holds none."""
-    from powerprof.storage.runs import RUN_MARKS, holds_sweep_run  # noqa: PLC0415  (pyarrow: only when asked)
-
     if not holds_sweep_run(d):
         return None
     found = [m for m in RUN_MARKS if (d / m).is_file()]

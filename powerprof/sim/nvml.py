@@ -131,6 +131,7 @@ class MemoryInfo:
 _log = logging.getLogger(__name__)
 # What a state file that cannot be used becomes, said after why (one line each, docs/simulator.md).
 RESET_SAID = "taken as the default until set again"
+_SAID: set[str] = set()  # the state file's warnings said so far in this process (`_StateFile.warn`)
 
 
 class _StateFile:
@@ -139,14 +140,13 @@ class _StateFile:
     def __init__(self, path: Path | None):
         self.path = path
         self._mtime_ns = -1
-        self._said: set[str] = set()
 
     def warn(self, why: str) -> None:
         """One warning line naming the file, once a process: a file that is not what the simulator writes was read
         as the defaults without a word (truncated JSON), or stopped every command (a list: a traceback)."""
         line = f"simulator state file {self.path}: {why}"
-        if line not in self._said:
-            self._said.add(line)
+        if line not in _SAID:  # per process: `restore --simulate` opens a simulator per record beside the rig's
+            _SAID.add(line)
             _log.warning("%s", line)
 
     @contextlib.contextmanager

@@ -15,15 +15,7 @@ from powerprof.errtext import error_text
 from .atomic import atomic_path, atomic_write_bytes
 from .schema import TABLES, rows_to_table
 
-RUN_JSON = "run.json"
-# What marks a folder as a sweep's run: analyze reads a folder with windows.parquet as one even without run.json.
-RUN_MARKS = (RUN_JSON, "windows.parquet")
-
-
-def holds_sweep_run(path) -> bool:
-    """`path` holds a sweep's run (its run.json or windows.parquet): no place for other output (`analyze --out`,
-    the daemon's datasets), which `analyze` and `export` would read as the run's, or read in its stead."""
-    return any(os.path.isfile(os.path.join(path, m)) for m in RUN_MARKS)
+from powerprof.paths import RUN_JSON
 
 
 def atomic_write_table(path: Path, table: pa.Table, metadata: dict | None = None) -> None:
