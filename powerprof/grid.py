@@ -175,7 +175,7 @@ class _GridWriter:
         self.grid = grid
         self.sweep_ref = sweep_ref
 
-    def write(self, name, table) -> None:
+    def write(self, name, table, coming=None) -> None:
         pass  # the grid writes every table once per flush, from all sweeps
 
     def write_json(self, **extra) -> None:
@@ -427,17 +427,19 @@ class GridRun:
 
         w = self.windows_rows(current)
         lv = self.levels_rows(current)
-        self.writer.write("windows", with_knob_columns(rows_to_table(WINDOWS, w), w))
-        self.writer.write("samples", self.timeline.to_table())
-        self.writer.write("levels", with_knob_columns(rows_to_table(LEVELS, lv), lv))
         # Without it an interrupted level reads like a finished one (analysis interrupted_findings).
         pairs = list(self.done) + ([current] if current is not None and current not in self.done else [])
         levels_done = [(v.level_value, v.repeat, rec.config_id, rec.context_tokens)
                        for rec, sw in pairs for v in sw.visits if v.stop]
         # The grid's one idle baseline, left out for others' work beside it: run.json says so as a plain sweep's does.
         extra = {"idle_baseline_note": n for n in (sw.idle_note for _, sw in pairs) if n}
-        self.writer.write_json(idle_gpu_power_w=self.idle_power_w, configs=[r.to_dict() for r in self.records],
-                               levels_done=levels_done, **extra)
+        extra.update(idle_gpu_power_w=self.idle_power_w, configs=[r.to_dict() for r in self.records],
+                     levels_done=levels_done)
+        # The footers say what run.json will (RunWriter.write): the rows they hold, no flush behind.
+        self.writer.write("windows", with_knob_columns(rows_to_table(WINDOWS, w), w), coming=extra)
+        self.writer.write("samples", self.timeline.to_table(), coming=extra)
+        self.writer.write("levels", with_knob_columns(rows_to_table(LEVELS, lv), lv), coming=extra)
+        self.writer.write_json(**extra)
 
     def levels_table(self):
         from powerprof.storage.schema import LEVELS, rows_to_table, with_knob_columns

@@ -1152,16 +1152,16 @@ class Sweep:
                 self.unstored_rows += len(bad)
                 self.ui.note(f"{len(bad)} window row(s) could not be stored and are left out of every figure: {err}")
                 self.writer.write_json(unstored_window_rows=self.unstored_rows, unstored_error=err)
-            self.writer.write("windows", self.windows_table())
-            samples = self.timeline.to_table()
-            self.writer.write("samples", samples)
-            self.writer.write("levels", self.levels_table(samples))
             extra = {"server_restarts": self.restarts} if self.restarts else {}
             if self.idle_note:
                 extra["idle_baseline_note"] = self.idle_note
-            self.writer.write_json(idle_gpu_power_w=self.idle_power_w, idle_gpu_power_w_by_gpu=self.idle_power_by_gpu_w,
-                                   levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop],
-                                   **extra)
+            extra.update(idle_gpu_power_w=self.idle_power_w, idle_gpu_power_w_by_gpu=self.idle_power_by_gpu_w,
+                         levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop])
+            self.writer.write("windows", self.windows_table(), coming=extra)
+            samples = self.timeline.to_table()
+            self.writer.write("samples", samples, coming=extra)
+            self.writer.write("levels", self.levels_table(samples), coming=extra)
+            self.writer.write_json(**extra)
         except OSError as e:
             raise run_write_error(getattr(self.writer, "path", "the run directory"), e) from None
 

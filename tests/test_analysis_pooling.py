@@ -167,7 +167,7 @@ def test_a_run_without_run_json_is_read_by_its_footer_metadata_and_says_so(tmp_p
     res = analyze_run([run], tmp_path / "bare", n_boot=200, plots=False, formats=())
     assert not res.runs[0].simulated and res.runs[0].meta_from is None
     (w,) = [w for w in res.warnings if w.kind == "no-run-json"]
-    assert "no footer metadata either" in w.message and "unknown" in w.message, w.message
+    assert "no usable footer metadata either" in w.message and "unknown" in w.message, w.message
 
 
 def test_gpu_plus_cpu_figure_is_left_out_where_only_some_runs_measured_the_cpu(tmp_path):
@@ -229,3 +229,52 @@ def test_draft_counts_pooled_over_runs_are_summed_and_their_acceptance_is_the_su
     got = sweep_level_figures(runs)[("power_limit", 200.0, 1)]  # keyed by concurrency too (no column: 1)
     assert got["draft_n"] == 1101 and got["draft_n_accepted"] == 910, got
     assert got["draft_acceptance"] == pytest.approx(910 / 1101) and got["draft_source"] == "timings"
+
+
+def test_every_flushs_footer_says_the_levels_its_rows_finished(tmp_path, monkeypatch):
+    # The footers were written before run.json's levels_done of the same flush: one flush behind their own rows. A run
+    # killed there (SIGKILL, out of memory) and analysed from its footer without run.json said a finished level was
+    # interrupted, and recommended another (the review: 250 W finished, "interrupted", 300 W recommended).
+    import powerprof.sweep as sweep_mod
+
+    out, seen, orig = tmp_path / "run", [], sweep_mod.Sweep.flush
+
+    def flush(self):
+        orig(self)
+        said = json.loads((out / "run.json").read_text()).get("levels_done")
+        for name in ("windows", "samples", "levels"):
+            seen.append((said, json.loads(pq.read_schema(out / f"{name}.parquet").metadata[b"powerprof"]).get("levels_done")))
+
+    monkeypatch.setattr(sweep_mod.Sweep, "flush", flush)
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "200,300", "--idle-s", "0", "--min-requests", "2",
+                                  "--max-requests", "2", "--warmup", "0", "--max-tokens", "16", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert seen and all(a == b for a, b in seen), seen
+
+
+@pytest.mark.parametrize("footer", [b'{"settings": "x", "gpus": []}', b"[" * 200000 + b"]" * 200000])
+def test_an_unusable_footer_is_no_refusal_whose_fix_cannot_be_followed(tmp_path, footer):
+    # A footer of the wrong shape refused the run, its fix "restore run.json, or move it aside" (there was none to move),
+    # and one nested past Python's stack was a RecursionError traceback; the run analysed before the footer was read.
+    from powerprof.analysis.loading import read_run_info
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(200, 300), n_requests=8, seed=1)
+    (run / "run.json").unlink()
+    t = pq.read_table(run / "windows.parquet")
+    pq.write_table(t.replace_schema_metadata({**(t.schema.metadata or {}), b"powerprof": footer}), run / "windows.parquet")
+    info = read_run_info(run)
+    assert info.meta_from is None and info.meta == {}, info
+
+
+
+def test_a_forced_pool_says_a_footer_read_runs_facts_were_read_not_unknown(tmp_path):
+    # The refusal said a run without run.json had its GPU, count and settings unknown, beside the no-run-json warning
+    # saying they were read from the footer (the review): now it says where they came from.
+    a = make_run(tmp_path / "a", seed_truth(), levels=(200, 300), n_requests=8, seed=1)
+    b = make_run(tmp_path / "b", seed_truth(), levels=(200, 300), n_requests=8, seed=2)
+    (b / "run.json").unlink()
+    with pytest.raises(AnalysisError, match="read from windows.parquet's footer metadata"):
+        analyze_run([a, b], tmp_path / "o1", n_boot=200, plots=False, formats=())
+    res = analyze_run([a, b], tmp_path / "out", n_boot=200, plots=False, formats=(), force=True)
+    said = [f"{w.kind}: {w.message}" for w in res.warnings]
+    assert not any("are unknown" in x for x in said), said

@@ -189,6 +189,8 @@ def test_a_slowdown_budget_is_printed_with_the_digits_it_was_given(tmp_path):
     from powerprof.analysis.sweetspot import slowdown_text
 
     assert [slowdown_text(x) for x in (0.1, 0.05, 0.125, 0.999, 0.0)] == ["10%", "5%", "12.5%", "99.9%", "0%"]
+    # Six digits rounded 99.99999% up to "100%" and wrote 1e-9 as "1e-07%" (the review).
+    assert [slowdown_text(x) for x in (0.9999999, 1e-9, 1.0)] == ["99.99999%", "0.0000001%", "100%"]
     run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=20)
     r = CliRunner().invoke(main, ["analyze", str(run), "--out", str(tmp_path / "o"), "--max-slowdown", "0.999",
                                   "--format", "md", "--bootstrap", "200"])

@@ -463,8 +463,8 @@ def no_run_json_findings(runs: list[RunInfo]) -> list[Finding]:
             why = (f"its GPU, limits and settings (simulated or not) are read from {r.meta_from}'s footer metadata, "
                    "run.json as that file was written")
         else:
-            why = ("windows.parquet has no footer metadata either, so its GPU, the card's limit range and whether it "
-                   "was simulated are unknown: the advice is not kept within the card's limits")
+            why = ("windows.parquet has no usable footer metadata either, so its GPU, the card's limit range and "
+                   "whether it was simulated are unknown: the advice is not kept within the card's limits")
         out.append(Finding("no-run-json", f"{r.path}: run.json is missing; {why}. Restore run.json to analyse it as measured."))
     return out
 

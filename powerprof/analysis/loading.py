@@ -111,8 +111,13 @@ def read_run_info(run_dir) -> RunInfo:
         # A copy without run.json was analysed as a real card's (no "simulated" banner) and advised levels below the
         # card's minimum: every Parquet file carries run.json as it was when the file was written.
         meta = _footer_meta(path / "windows.parquet")
-        if meta:
+        try:
             _check_meta_types(path / "windows.parquet", meta)
+        except AnalysisError:
+            # Its fix (restore run.json, or move it aside) cannot be followed here: analysed without, as before the
+            # footer was read, and said (no_run_json_findings).
+            meta = {}
+        if meta:
             meta_from = "windows.parquet"
     model = _get(meta, "model", "server.model", "server.model_path", "workload.model")
     if model is None:
@@ -142,7 +147,7 @@ def _footer_meta(windows_path: Path) -> dict:
     try:
         raw = (pq.read_schema(windows_path).metadata or {}).get(FOOTER_META_KEY)
         meta = json.loads(raw) if raw else {}
-    except (pa.ArrowInvalid, OSError, ValueError):
+    except (pa.ArrowInvalid, OSError, ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
         return {}
     return meta if isinstance(meta, dict) else {}
 
@@ -303,10 +308,17 @@ def check_compatible(runs: list[RunInfo], force: bool = False) -> list[str]:
     if len(runs) < 2:
         return []
     differs = []
-    blind = [r for r in runs if not r.has_meta]
+    blind = [r for r in runs if not r.has_meta and not r.meta_from]
     if blind:
         differs.append(f"{', '.join(str(r.path) for r in blind)} {'has' if len(blind) == 1 else 'have'} no run.json: "
                        "its GPU, GPU count and settings are unknown, so nothing could tell it from another card's run")
+    # Read from the footer instead, the facts are compared below as run.json's would be; still not pooled unasked, since
+    # a run.json missing is a copy made by hand, and what else it left out nothing says.
+    footed = [r for r in runs if not r.has_meta and r.meta_from]
+    if footed:
+        differs.append(f"{', '.join(str(r.path) for r in footed)} {'has' if len(footed) == 1 else 'have'} no run.json: "
+                       "its GPU, GPU count and settings are read from windows.parquet's footer metadata (compared "
+                       "below), not from the run's own record")
     facts = {r.path: _window_facts(r) for r in runs}
 
     def compare(what: str, value) -> None:

@@ -45,7 +45,12 @@ def check_max_slowdown(v: float) -> float:
 def slowdown_text(share: float) -> str:
     """A slowdown budget as a percentage with the digits it was given: 0.1 → "10%", 0.999 → "99.9%" (":.0%" printed
     0.999 as "100%", a budget no level could break, and 0.125 as "12%")."""
-    return f"{share * 100:.6g}%"
+    pct = share * 100
+    for digits in range(6, 16):  # more where six round a budget under 100% up to it (0.9999999), or above 0 to it
+        text = f"{pct:.{digits}f}".rstrip("0").rstrip(".")  # fixed notation: 1e-9 read "1e-07%"
+        if (float(text) == 100) == (pct == 100) and (float(text) == 0) == (pct == 0):  # 100% and 0% only when so
+            break
+    return f"{text}%"
 
 
 @dataclass(frozen=True)

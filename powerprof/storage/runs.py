@@ -147,7 +147,10 @@ class RunWriter:
         atomic_write_bytes(self.path / RUN_JSON, json.dumps(meta, indent=2, default=str).encode())
         self.metadata = meta  # only once written: what a stopped sweep says it kept (levels_done) is what the file holds
 
-    def write(self, name: str, table: pa.Table) -> Path:
+    def write(self, name: str, table: pa.Table, coming: dict | None = None) -> Path:
+        """The table, its footer carrying run.json as it is, with `coming`: what the caller writes into run.json once
+        its tables are written (levels_done), so a footer never says less than its own rows (killed between the two,
+        a footer one flush behind read as a level interrupted that had finished, when run.json was lost)."""
         path = self.path / f"{name}.parquet"
-        atomic_write_table(path, table, {"powerprof": self.metadata})
+        atomic_write_table(path, table, {"powerprof": {**self.metadata, **(coming or {})}})
         return path
