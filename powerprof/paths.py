@@ -43,20 +43,33 @@ def configured_state_dir(env: dict | None = None) -> Path | None:
 
 
 def file_in_the_way(folder) -> Path | None:
-    """`folder` or the folder above it that is a regular file, where the first of them that exists is one; else None
-    (a folder, a link to one, or another kind, whose own error says what it is)."""
+    """`folder` or the folder above it that is no folder, where the first of them that exists is none (a file, a FIFO,
+    a link to nothing); else None (a folder, or a link to one). A FIFO or a dangling link there read a bare "[Errno 17]
+    File exists", or "does not exist" of a name that does."""
     p = Path(folder)
     for q in (p, *p.parents):
         if os.path.lexists(q):
-            return q if q.is_file() else None
+            return None if q.is_dir() else q
     return None
+
+
+def what_is(path) -> str:
+    """What an existing thing that is no folder is, as a message names it: "a file", "a FIFO", "a link to nothing"."""
+    p = Path(path)
+    if p.is_file():
+        return "a file"
+    if p.is_fifo():
+        return "a FIFO (a named pipe)"
+    if p.is_symlink():
+        return "a link to nothing (dangling, or a loop)"
+    return "no folder (a socket or a device)"
 
 
 def missing_folder(folder) -> str:
     """Why `folder`, not a folder, cannot hold an output: `'x.txt' is a file, not a folder` (a file where a folder was
     meant: "does not exist" said of a file that does), else `folder 'x' does not exist`."""
     q = file_in_the_way(folder)
-    return f"folder {str(folder)!r} does not exist" if q is None else f"{str(q)!r} is a file, not a folder"
+    return f"folder {str(folder)!r} does not exist" if q is None else f"{str(q)!r} is {what_is(q)}, not a folder"
 
 
 def state_folder_is_file(path) -> str | None:
@@ -66,7 +79,7 @@ def state_folder_is_file(path) -> str | None:
     q = file_in_the_way(p)
     if q is None:
         return None
-    where = "is a file" if q == p else f"is inside {q}, which is a file"
+    where = f"is {what_is(q)}" if q == p else f"is inside {q}, which is {what_is(q)}"
     return (f"state folder {p} {where}, not a folder. Fix: move the file aside, or point {STATE_DIR_ENV} at a folder "
             "(made where missing)")
 

@@ -69,6 +69,26 @@ def test_a_state_folder_that_is_a_file_is_said_with_the_fix(tmp_path, monkeypatc
     assert "Nothing was changed on any GPU" in said and "Errno" not in said, said
 
 
+@pytest.mark.parametrize("kind", ["fifo", "dangling"])
+def test_a_state_folder_or_output_folder_that_is_a_fifo_or_a_link_to_nothing_is_said(tmp_path, monkeypatch, kind):
+    # The review's cases: a FIFO or a dangling link as the state folder read a bare "[Errno 17] File exists" in sweep,
+    # and an output inside one "folder ... does not exist" of a name that exists.
+    import os
+
+    p = tmp_path / kind
+    os.mkfifo(p) if kind == "fifo" else p.symlink_to(tmp_path / "nothere")
+    what = "a FIFO" if kind == "fifo" else "a link to nothing"
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(p))
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "200,300", "--max-time", "3",
+                                  "--out", str(tmp_path / "run")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and f"state folder {p} is {what}" in said and "Errno" not in said, said
+    monkeypatch.delenv("POWERPROF_STATE_DIR")
+    r = CliRunner().invoke(main, ["trace", str(p / "x.jsonl")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and f"'{p}' is {what}" in said and "does not exist" not in said, said
+
+
 @pytest.mark.parametrize("kind", ["file", "folder"])
 def test_tag_list_given_a_path_that_is_not_a_socket_says_so(tmp_path, kind):
     # A regular file given as --socket was told "no daemon listens on it (a socket left by a daemon that was killed?)".

@@ -39,7 +39,7 @@ def state_folder_message(what: str, path, e: OSError) -> str:
     import errno as _errno
     from pathlib import Path as _Path
 
-    from powerprof.paths import file_in_the_way
+    from powerprof.paths import file_in_the_way, what_is
 
     path = _Path(path)
     folder = path.parent
@@ -52,7 +52,7 @@ def state_folder_message(what: str, path, e: OSError) -> str:
     elif e.errno == _errno.EROFS:
         why = f"{e.strerror}: {elsewhere} on a writable file system"
     elif e.errno in (_errno.ENOTDIR, _errno.EEXIST) and (q := file_in_the_way(folder)) is not None:
-        why = f"{q} is a file, not a folder: move it aside, {elsewhere}"
+        why = f"{q} is {what_is(q)}, not a folder: move it aside, {elsewhere}"
     elif e.errno in (_errno.EACCES, _errno.EPERM):
         why = f"{e.strerror}: run as the user the folder belongs to, fix its permissions, {elsewhere}"
     else:
