@@ -40,7 +40,11 @@ def parse_context_tokens(spec: str) -> list[int]:
         m = re.fullmatch(r"(\d+)\s*([kK]?)", part)
         if not m:
             raise ValueError(f"--context-tokens: {part!r} is not a token count (e.g. 512, 8k, 128k)")
-        n = int(m.group(1)) * (1024 if m.group(2) else 1)
+        digits = m.group(1).lstrip("0") or "0"
+        if len(digits) > len(str(MAX_TOKENS)):  # past the cap however read; int() of 5000 digits is Python's own error
+            raise ValueError(f"--context-tokens: {part[:20]!r}... has {len(digits)} digits, more than "
+                             f"{MAX_TOKENS:,} tokens in one request")
+        n = int(digits) * (1024 if m.group(2) else 1)
         if n < 16:
             raise ValueError(f"--context-tokens: {part!r} is under 16 tokens")
         if n > MAX_TOKENS:
