@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from powerprof.paths import holds_sweep_run
 from powerprof.profiler import BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
 from powerprof.storage import datafiles
 from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_TRUSTED, SERVER_COUNT_UNREAD,
@@ -73,8 +74,6 @@ def run_and_dataset(path: str) -> str | None:
     """The refusal of a local folder that holds both a sweep's run and a daemon's datasets (a daemon once given a run
     directory as its data dir): `analyze` read it as the daemon's and `export` as the run's, each leaving the other
     out unsaid. None for any other source."""
-    from powerprof.paths import holds_sweep_run  # noqa: PLC0415
-
     if is_uri(path) or not is_daemon_dataset(path) or not holds_sweep_run(path):
         return None
     return (f"{path} holds both a sweep's run (run.json or windows.parquet) and a daemon's datasets (requests/, "

@@ -179,7 +179,7 @@ def check_out(out: Path, runs) -> None:
 
 
 def _refuse_a_run_folder(out: Path, runs) -> None:
-    """AnalysisOutTaken where `out` is a run directory (storage.runs.holds_sweep_run), or the `analysis` folder of a run that is
+    """AnalysisOutTaken where `out` is a run directory (paths.holds_sweep_run), or the `analysis` folder of a run that is
     not among `runs`: `analyze a --out b` wrote a's report among run b's tables without a word, and in b/analysis
     `export b` shows it as b's own. An input's own RUN/analysis (the default) is its place; RUN itself is not."""
     from powerprof.paths import RUN_JSON, holds_sweep_run  # noqa: PLC0415
