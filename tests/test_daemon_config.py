@@ -410,3 +410,16 @@ def test_the_config_check_loads_no_pyarrow_and_tag_is_not_refused_for_the_data_d
     with pytest.raises(ConfigError, match="sweep's run"):
         load_config(None, env={}, overrides={"daemon.data_dir": str(run)})
     assert load_config(None, env={}, overrides={"daemon.data_dir": str(run)}, data_dir_checked=False).data_dir() == run
+
+
+@pytest.mark.parametrize("key", ["tags.socket", "proxy.listen"])
+def test_a_socket_path_past_the_kernels_limit_is_refused_at_check(tmp_path, key):
+    # The hostile battery's: --check said "config OK"; at start the proxy's exited 1, and the tag socket's was logged
+    # while the daemon ran on with no tag API (`powerprof tag` then found no daemon).
+    long = str(tmp_path / ("d" * 120 + ".sock"))
+    value = long if key == "tags.socket" else "unix:" + long
+    with pytest.raises(ConfigError, match=f"config key {key}: the socket path .* more than the 107"):
+        load_config(None, env={}, overrides={key: value, "daemon.data_dir": str(tmp_path / "d")})
+    short = str(tmp_path / "p.sock")
+    load_config(None, env={}, overrides={key: short if key == "tags.socket" else "unix:" + short,
+                                         "daemon.data_dir": str(tmp_path / "d")})

@@ -12,6 +12,7 @@ from powerprof.daemon.tagapi import check_name
     ("=cmd|' /C calc'!A0", "\"=cmd|' /C calc'!A0\""),
     ("日本", "'日本'"),
     ("a\nb", "'a\\nb'"),
+    ("ab\n", "'ab\\n'"),  # a trailing newline passed `$`; the daemon opened "ab" where the CLI said "ab\n"
     ("é", "'é'"),
 ])
 def test_a_refused_tag_name_is_quoted_short(name, said):

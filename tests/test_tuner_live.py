@@ -666,12 +666,15 @@ def test_bad_tuner_settings_exit_2_and_change_nothing(tmp_path, operator_limit, 
     assert not list((tmp_path / "state").rglob("restore-*.json"))
 
 
-@pytest.mark.parametrize("url", ["http://10.0.0.1:9464/metrics", "http://example.com/metrics", "ftp://127.0.0.1/x"])
+@pytest.mark.parametrize("url", ["http://10.0.0.1:9464/metrics", "http://example.com/metrics", "ftp://127.0.0.1/x",
+                                 "http://user:pw@127.0.0.1:9464/metrics"])
 def test_a_daemon_url_off_loopback_is_refused(url, operator_limit):
+    # With a user and password (the hostile battery's): the loopback check passed, urllib then resolved
+    # "user:pw@127.0.0.1" as a host name, never read it, and logged the password every 10 s.
     r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics", url,
                         "--levels", "150,300", "--tpot-p95-ms", "100"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert "loopback" in r.stderr or "http://" in r.stderr
+    assert "loopback" in r.stderr or "http://" in r.stderr or "no user or password" in r.stderr
     assert sim_limit_w() == operator_limit
 
 

@@ -492,6 +492,17 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
     if values["proxy"]["workers"] > 1 and str(values["proxy"]["listen"]).startswith("unix:"):
         errors.append("config key proxy.workers > 1 needs a TCP proxy.listen (host:port); a unix: socket is "
                       "served by the daemon itself (proxy.workers = 1)" + came_from("proxy.workers", "proxy.listen"))
+    # A socket path past the kernel's sun_path (108 bytes with its NUL) passed --check ("config OK"); at start the proxy's
+    # exited 1 and the tag socket's was logged while the daemon ran on with no tag API.
+    # The paths given only: a default tag socket in a deep data dir is logged at start as before, the daemon running on.
+    sockets = [("tags.socket", Path(values["tags"]["socket"]))] if values["tags"]["socket"] else []
+    sockets += [(k, Path(str(values[k.split(".")[0]]["listen"])[5:])) for k in ("proxy.listen", "metrics.listen")
+                if str(values[k.split(".")[0]]["listen"]).startswith("unix:")]
+    for key, sock in sockets:
+        if len(os.fsencode(sock)) > UNIX_PATH_MAX_BYTES:
+            errors.append(f"config key {key}: the socket path {str(sock)[:60]!r}... is {len(os.fsencode(sock))} bytes, "
+                          f"more than the {UNIX_PATH_MAX_BYTES} a unix socket's path may have"
+                          + came_from(key) + "; give a shorter path")
     if values["daemon"]["flush_interval_s"] > values["daemon"]["compact_interval_s"]:
         errors.append(f"config key daemon.flush_interval_s = {values['daemon']['flush_interval_s']:g} must not exceed "
                       f"daemon.compact_interval_s = {values['daemon']['compact_interval_s']:g}"
@@ -537,6 +548,9 @@ def _not_a_folder(d: Path) -> str | None:
     if os.path.isdir(there):
         return None
     return "it exists and is no folder" if there == d else f"{there} exists and is no folder"
+
+
+UNIX_PATH_MAX_BYTES = 107  # Linux's sun_path is 108 bytes, its last the NUL
 
 
 def _holds_a_run(d: Path) -> str | None:

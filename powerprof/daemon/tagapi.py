@@ -29,7 +29,8 @@ from aiohttp import web
 
 from powerprof.errtext import error_text
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}$")
+# \Z, not $: `$` matches before a final newline, so "ab\n" passed, and the CLI said a tag the daemon opened as "ab".
+NAME_RE = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}\Z")
 log = logging.getLogger("powerprof.daemon.tagapi")
 # Linux's SO_PEERGROUPS (4.13+), which Python does not name: 59 on every architecture but sparc and parisc.
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", None) or (

@@ -88,6 +88,10 @@ def loopback_reason(url: str) -> str | None:
     u = urllib.parse.urlsplit(url)
     if u.scheme not in ("http", "https") or not u.hostname:
         return "--daemon-metrics must be an http:// or https:// URL"
+    if u.username is not None or u.password is not None:
+        # urllib resolves "user:pw@127.0.0.1" as a host name: never read, and the password in every retry's log line.
+        return ("--daemon-metrics: give no user or password in the URL (the daemon's /metrics asks for none, and it "
+                "would be logged)")
     host = u.hostname
     if host != "localhost":
         try:
