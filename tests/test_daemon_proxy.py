@@ -175,6 +175,31 @@ def test_recorder_failure_never_touches_the_traffic():
     assert proxy.recorder_failures == 1 and rec.ended == []
 
 
+def test_an_upstream_answering_no_http_is_said_to_break_the_exchange_not_unreachable():
+    # The hostile battery's: an upstream that answered "THIS IS NOT HTTP" was said "unreachable", which it was not.
+    async def garbage(reader, writer):
+        await reader.read(65536)
+        writer.write(b"THIS IS NOT HTTP\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(garbage, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        rec = Rec()
+        runner, url = await serve_here(Proxy(f"http://127.0.0.1:{port}", recorder=rec, connect_timeout_s=2).app())
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/completion", json={"stream": True}) as r:
+                status, body = r.status, await r.json()
+        await runner.cleanup()
+        server.close()
+        return status, body
+
+    status, body = _run(main())
+    assert status == 502 and "broke the HTTP exchange" in body["error"]["message"], body
+    assert "unreachable" not in body["error"]["message"], body
+
+
 def test_unreachable_upstream_answers_502_and_the_proxy_keeps_serving():
     async def main():
         rec = Rec()

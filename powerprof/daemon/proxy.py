@@ -573,7 +573,10 @@ class Proxy:
             if ex is not None:
                 self._drop(ex)
             self.upstream_failures += 1
-            msg = f"powerprof proxy: upstream {self.upstream} unreachable: {error_text(e)}"
+            # Reached but answering no HTTP (a bad status line, a head over 64 KiB) is not "unreachable": said apart.
+            what = "broke the HTTP exchange" if isinstance(e, UpstreamError) and not isinstance(e, StaleConnection) \
+                else "unreachable"
+            msg = f"powerprof proxy: upstream {self.upstream} {what}: {error_text(e)}"
             if self.upstream_failures <= 5 or self.upstream_failures % 100 == 0:
                 log.error("%s (%d failures so far)", msg, self.upstream_failures)
             if trace is not None:
