@@ -570,6 +570,7 @@ def test_a_daemon_url_where_nothing_answers_is_said_at_once(tmp_path, operator_l
     assert r.returncode == 0, r.stderr
     assert f"cannot read {url}" in r.stderr, r.stderr
     assert r.stderr.count(f"cannot read {url}") == 1  # said once, not every tick
+    assert "no figures ever read from the daemon" in r.stderr, r.stderr  # and at the end: nothing was judged
     assert sim_limit_w() == operator_limit
 
 
@@ -1614,3 +1615,22 @@ def test_a_dry_runs_verdict_is_of_the_level_the_gpus_have_never_pooled_with_the_
     assert {r["from_level"] for r in rows} == {300, 250}, rows
     assert all(r["j_per_token"] == pytest.approx(want[r["from_level"]]) for r in rows), \
         [(r["from_level"], r["j_per_token"]) for r in rows]
+
+
+def test_a_dry_run_that_never_read_the_daemon_says_so_in_its_stop_row(tmp_path, caplog):
+    # The hostile battery's: a wrong --daemon-metrics (nothing listening, or /health) ran its --duration out and exited
+    # 0, its dataset the start and stop rows alone, no word at the end. Now its stop row and the log say it.
+    import logging
+
+    def unread():
+        raise ObserveError("http://127.0.0.1:9/metrics was not read: connection refused")
+
+    clock = Clock()
+    runner = TuneRunner(_cfg(dry_run=True), unread, ctl=None, gpus=[0], out_dir=tmp_path / "decisions", clock=clock)
+    runner.start()
+    _drive(runner, clock, 3)
+    with caplog.at_level(logging.WARNING):
+        runner.stop_row()
+    stop = pq.read_table(tmp_path / "decisions").to_pylist()[-1]
+    assert stop["action"] == "stop" and "no figures were ever read from the daemon" in stop["reason"], stop
+    assert any("nothing was judged" in r.getMessage() for r in caplog.records)

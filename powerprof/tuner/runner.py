@@ -209,6 +209,7 @@ class TuneRunner:
         self._last_good_s = self.t0_s
         self._last_error = "no scrape yet"
         self._said_read_error: str | None = None  # the read failure last put on stderr; None while reads work
+        self._ever_read = False  # a read of the daemon gave figures once: its stop row says so where none ever did
         self._dry: deque[Window] = deque()  # dry-run: the last guard_s at the GPUs' actual level
         self._dry_said_s = -float("inf")
         self._basis_said = ""  # serving_change's why for the latest window straddling a change of which GPUs serve
@@ -321,6 +322,7 @@ class TuneRunner:
         try:
             if isinstance(got, ObserveError):
                 raise got
+            self._ever_read = True
             c = dataclasses.replace(got, t_s=now)
             self._check_sight(c)
             last, self._last = self._last, c
@@ -482,6 +484,10 @@ class TuneRunner:
             to = orig[0] if orig else self.tuner.level
             why = ("tuner stopped: the controller puts back the original limits "
                    f"({', '.join(f'{x:g} W' for x in orig)}) and releases clock locks")
+        if not self._ever_read:
+            # A wrong --daemon-metrics ran its --duration out and exited 0 with no word at the end ("no recommendation").
+            why += "; no figures were ever read from the daemon (why: the warning at its first read): nothing was judged"
+            log.warning("stopped with no figures ever read from the daemon: nothing was judged; check --daemon-metrics")
         self._record([Decision(self.clock(), "stop", self.tuner.level, to, why, self.tuner.regime_name)])
 
     def run(self, stop: threading.Event, duration_s: float | None = None) -> None:
