@@ -26,9 +26,18 @@ UNRESOLVED = "unresolved"  # this scrape cannot connect for another reason (its 
 CONNECT_TIMEOUT = "connect-timeout"  # nor this one (the connect timed out: a host unreachable, a lost packet)
 
 
-def _scrapes(kind: str, script: list, seen: list | None = None, n: int | None = None) -> tuple[list, Scraper]:
+def _scrapes(kind: str, script: list, seen: list | None = None, n: int | None = None, period_s: float | None = None,
+             monkeypatch=None) -> tuple[list, Scraper]:
     """The deltas of one Scraper reading the pages of `script` in turn (DOWN: a refused connection) over `n` scrapes
-    (default: one a page); `seen` gets each scrape's (delta, cache_hits, finished)."""
+    (default: one a page); `seen` gets each scrape's (delta, cache_hits, finished). With `period_s`, the scraper's
+    clock moves that much a scrape (the scrape interval), else the pages take (almost) no time."""
+    if period_s is not None:
+        import types
+
+        from powerprof.daemon import scrape
+
+        clock = [1000.0]
+        monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0]))
 
     class Scripted(Scraper):
         async def _get(self, path):
@@ -59,6 +68,8 @@ def _scrapes(kind: str, script: list, seen: list | None = None, n: int | None = 
                 out.append(await sc.scrape())
                 if seen is not None:
                     seen.append((out[-1], sc.cache_hits, sc.finished))
+                if period_s is not None:
+                    clock[0] += period_s
             return out, sc
 
     return asyncio.run(asyncio.wait_for(go(), 60))
@@ -193,6 +204,32 @@ def test_a_llama_server_back_past_its_reading_after_it_was_found_down_says_it_ma
     assert "counter_below" in sc.partial and sc.restarts == 0, (deltas, sc.partial)
     deltas, sc = _scrapes("llamacpp", pages([(40, 40), DOWN, (40, 40), (50, 50)]), n=4)
     assert deltas == [0, None, 0, 10] and sc.partial == {} and sc.restarts == 0, (deltas, sc.partial)
+
+
+@pytest.mark.parametrize("down", [DOWN, "503"])
+def test_a_grown_counter_back_past_its_reading_after_a_short_outage_is_the_same_process_and_not_marked(down, monkeypatch):
+    # A gateway answering 503 for a scrape in front of a server that has run for hours: no new process counts 5,000,000
+    # tokens from zero in the 2 s since the last page believed (FASTEST_SERVER_TOKENS_PER_S), so it is the same process
+    # and its window whole. Before, each such blip marked its window counter_below (a gateway's 503 now and then, one
+    # marked window each time).
+    deltas, sc = _scrapes("sglang", [_sglang(5e6), down, _sglang(5e6 + 40), _sglang(5e6 + 80)], period_s=1.0,
+                          monkeypatch=monkeypatch)
+    assert deltas == [0, None, 40, 40] and sc.partial == {} and sc.restarts == 0, (deltas, sc.partial)
+    # The same on llama-server's page (its finished-token counter and decode calls), found down by a refusal.
+    import json
+
+    slots = json.dumps([{"id": 0, "id_task": 1, "is_processing": False, "next_token": [{"n_decoded": 0}]}])
+    script = [_llama_page(5e6, 5e6), slots, DOWN, _llama_page(5e6 + 40, 5e6 + 40), slots,
+              _llama_page(5e6 + 80, 5e6 + 80), slots]
+    deltas, sc = _scrapes("llamacpp", script, n=4, period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas == [0, None, 40, 40] and sc.partial == {} and sc.restarts == 0, (deltas, sc.partial)
+
+
+def test_a_grown_counter_back_past_its_reading_after_a_long_outage_is_still_said(monkeypatch):
+    # Down for minutes, a new process may have counted past 5,000,000 by its first page: not told apart, said as before.
+    deltas, sc = _scrapes("sglang", [_sglang(5e6), DOWN, _sglang(5e6 + 40), _sglang(5e6 + 80)], period_s=300.0,
+                          monkeypatch=monkeypatch)
+    assert deltas == [0, None, 40, 40] and "counter_below" in sc.partial, (deltas, sc.partial)
 
 
 def test_a_counter_back_past_its_reading_on_a_page_with_an_unmoved_start_time_is_not_marked():

@@ -63,6 +63,11 @@ IGNORES_BEST_OF = ("sglang", "llamacpp")
 START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
 LLAMACPP_STEPS = "llamacpp:n_decode_total"  # llama-server's decode calls: every step, a restart's tell (_scrape_llamacpp)
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
+# More tokens a second than any one server's page counts (one H200 at high batch makes tens of thousands; a node of
+# eight, a few hundred thousand): a counter back at or past its reading after the server was found down, higher than
+# this times the seconds since the last believed page's GET began, cannot be a new process's count from zero, so it is
+# the same process back (a gateway's 503 in front of a server that ran on), its window whole (Scraper._down_back).
+FASTEST_SERVER_TOKENS_PER_S = 1_000_000.0
 
 
 def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object, int]]) -> int:
@@ -119,7 +124,8 @@ PARTIAL_REASONS = {
                    f"{YOUNG_COUNTER_TOKENS} tokens or fewer, fell by more than {YOUNG_DIP_TOKENS} and was back at it by "
                    "the next scrape, and no scrape found the server down, or the counter was at or past that reading "
                    "at the first page after a scrape found the server down (no process start time on the page; not "
-                   "where it and the finished-request histogram, or llama.cpp's decode calls, had not moved): dips "
+                   "where it and the finished-request histogram, or llama.cpp's decode calls, had not moved, nor where "
+                   "it was higher than a new process could have counted since the page before the outage): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
                    "the count is exact, a server back from a 503 with its counter whole, or a restart whose new process "
                    "had counted more than half the old one's tokens by its first page (or whose old one had counted "
@@ -275,6 +281,8 @@ class Scraper:
         self._dipped: float | None = None  # the dipped reading of the page before, not believed: the next one tells
         self._young_fall = False  # that dip was a young counter's, of more than YOUNG_DIP_TOKENS (_dip_or_restart)
         self._unreachable = False  # a scrape since the last believed page found the server down (_SERVER_DOWN)
+        self._believed_at: float | None = None  # time.monotonic() as the last believed page's scrape began
+        self._scrape_at = 0.0  # and as this scrape began
         # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
         # moved): until a window starts at or above it, the fall may have been a dip (one process's share of a
         # multi-process page lagging for more than a page), whose recovery the windows after it count again as new
@@ -433,7 +441,11 @@ class Scraper:
         reading by its first page (a young counter, a fast server), of whose `total` only `total - prev` is counted.
         Counted so (no token made up) and said (COUNTER_BELOW), as `_young_back`. Before, a restart of 40 tokens back at
         50 counted 10 in a window that said nothing; one back at exactly its reading (34: warm-up 2 and one 32-token
-        request, in the old process and the new alike) counted none of the new one's 32."""
+        request, in the old process and the new alike) counted none of the new one's 32. Not said where `total` is more
+        than a new process could have counted from 0 since the last believed page's scrape began (at
+        FASTEST_SERVER_TOKENS_PER_S): the same process, a long-running server behind a gateway's 503 blip, whole."""
+        if self._believed_at is not None and total > FASTEST_SERVER_TOKENS_PER_S * (time.monotonic() - self._believed_at):
+            return
         self._said_below(f"is at {total:g} after a scrape found the server down, at or past {prev:g}, its reading "
                          "before: the same process back, or a restart whose new process reached the old reading")
 
@@ -520,6 +532,7 @@ class Scraper:
             return None
         self.window_partial = ()
         self.cache_hits = None
+        self._scrape_at = time.monotonic()
         try:
             if self.kind is None:
                 self.kind = await self._detect()
@@ -529,6 +542,7 @@ class Scraper:
             if self.kind == "llamacpp":
                 delta = await self._scrape_llamacpp()
                 self._unreachable = False  # a believed page: the next fall is judged afresh
+                self._believed_at = self._scrape_at
             else:
                 status, text = await self._get("/metrics")
                 if status != 200:
@@ -576,6 +590,7 @@ class Scraper:
                     self._down_back(prev, total)
                 self._last_total, self._dipped, self._unreachable = total, None, False
                 self._young_fall = False
+                self._believed_at = self._scrape_at
                 if prev is None:
                     self._baseline(total)
                 # A restart of the server zeroes its counter: count from zero again. A new process whose counter has
