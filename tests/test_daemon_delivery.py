@@ -127,7 +127,13 @@ def test_a_stream_delivered_in_one_burst_is_spread_over_its_run_and_says_so(buff
     o, s = buffered
     assert abs(s["conservation_err"]) <= 0.001
     assert s["requests_est_j"] == pytest.approx(s["requests_true_j"], rel=0.04), s
-    assert s["unproxied_j"] < 0.02 * s["requests_true_j"], s
+    # Unproxied energy (there is no bypass traffic): 9.5-16 J of 1890 J at a load of 4-5, of which 0-3.8 J in intervals
+    # that say `complete`, the rest `proxy_lag` or `counter_below` (the proxy behind the server's counter); a suite on
+    # 2 cores once put 59 J there in all. What no interval says stays under 1%; the whole, said or not, under 5%.
+    iv = o.intervals
+    silent_j = iv.loc[iv["server_count"] == "complete", "unproxied_energy_j"].sum()
+    assert silent_j < 0.01 * s["requests_true_j"], (silent_j, s)
+    assert s["unproxied_j"] < 0.05 * s["requests_true_j"], s
     for kind in ("chat", "messages"):
         m = s["kinds_all"][kind]
         # 16 runs two side by side: chat -0.0 to +2.0%, messages -0.4 to -4.5%; a full suite on 2 cores once -6.3%.
