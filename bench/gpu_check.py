@@ -460,15 +460,22 @@ class BackgroundLoad:
         self._thread.join(timeout=30)
 
 
-def fresh_counter_mj(nvml, h, wait_s: float = 0.3) -> tuple[float, int]:
-    """The counter the moment it refreshes: a read taken just after an update carries no lag."""
+def fresh_counter_mj(nvml, h, wait_s: float = 0.3) -> tuple[float, int, int]:
+    """The counter the moment it refreshes: a read taken just after an update carries no lag. Also the ns from the
+    start of the last read that still saw the old value to the stamp: the refresh came somewhere in that gap (a poller
+    starved on a loaded host stamps it that late)."""
+    before = time.monotonic_ns()
     first = nvml.nvmlDeviceGetTotalEnergyConsumption(h)
     end = time.monotonic_ns() + int(wait_s * 1e9)
     while time.monotonic_ns() < end:
+        t = time.monotonic_ns()
         v = nvml.nvmlDeviceGetTotalEnergyConsumption(h)
         if v != first:
-            return float(v), time.monotonic_ns()
-    return float(first), time.monotonic_ns()
+            now = time.monotonic_ns()
+            return float(v), now, now - before
+        before = t
+    now = time.monotonic_ns()
+    return float(first), now, now - before
 
 
 def sim_pulse(gpu, on_ms: float, period_ms: float, seconds: float, phase_ms: float = 0.0) -> dict:
@@ -513,25 +520,27 @@ def check_sensor_coverage(ctx) -> dict:
     n, h = ctx.nvml, ctx.nvml.nvmlDeviceGetHandleByIndex(ctx.index)
 
     def energy_of(fn):
-        e0, t0 = fresh_counter_mj(n, h)
+        e0, t0, g0 = fresh_counter_mj(n, h)
         res = fn()
         time.sleep(0.15)  # the last burst's tail reaches the counter
-        e1, t1 = fresh_counter_mj(n, h)
-        return (e1 - e0) / 1e3, t0, t1, res
+        e1, t1, g1 = fresh_counter_mj(n, h)
+        return (e1 - e0) / 1e3, t0, t1, res, g0 + g1
 
-    idle_j, a, b, _ = energy_of(lambda: time.sleep(1.0))
+    idle_j, a, b, _, _ = energy_of(lambda: time.sleep(1.0))
     idle_w = idle_j / ((b - a) / 1e9)
     period = ctx.pulse_period_ms
-    cont_j, a, b, cont = energy_of(lambda: ctx.pulse(period, period, ctx.pulse_s, 0.0))
+    cont_j, a, b, cont, _ = energy_of(lambda: ctx.pulse(period, period, ctx.pulse_s, 0.0))
     busy_excess_w = (cont_j - idle_w * (b - a) / 1e9) / cont["busy_s"]
     runs = []
     for k in range(ctx.pulse_phases):
         phase = k * period / ctx.pulse_phases
-        j, a, b, res = energy_of(lambda: ctx.pulse(ctx.pulse_on_ms, period, ctx.pulse_s, phase))
+        j, a, b, res, gaps = energy_of(lambda: ctx.pulse(ctx.pulse_on_ms, period, ctx.pulse_s, phase))
         excess = j - idle_w * (b - a) / 1e9
         expected = busy_excess_w * res["busy_s"]
         run = {"phase_ms": _num(phase, 1), "bursts": res["bursts"], "busy_s": _num(res["busy_s"], 4),
-               "excess_j": _num(excess), "seen_vs_expected": _num(excess / expected, 3) if expected > 0 else None}
+               "excess_j": _num(excess), "seen_vs_expected": _num(excess / expected, 3) if expected > 0 else None,
+               # where in the two polls' gaps the refreshes came is not known: the truth's span is that uncertain
+               "interval_s": _num((b - a) / 1e9, 4), "edge_poll_gaps_s": _num(gaps / 1e9, 4)}
         if ctx.truth_fn is not None:
             run["counter_vs_true"] = _num(j / ctx.truth_fn(a, b), 4)
         runs.append(run)
@@ -772,7 +781,7 @@ async def _daemon_run(ctx, data: Path, tag_socket: Path) -> dict:
         async with aiohttp.ClientSession(headers={"X-Powerprof-Tag": tag}) as s:
             server = await detect_server(s, url)
             loop = asyncio.get_running_loop()
-            e0, t0 = await loop.run_in_executor(None, fresh_counter_mj, ctx.nvml, h)
+            e0, t0, _ = await loop.run_in_executor(None, fresh_counter_mj, ctx.nvml, h)
 
             async def one(k: int):
                 r = await send_request(s, server, f"Daemon check {tag} {k}: tell a long story.", params)
@@ -785,7 +794,7 @@ async def _daemon_run(ctx, data: Path, tag_socket: Path) -> dict:
                 if d.stop_event.is_set():  # a signal stopped the daemon: nothing more to send through it
                     return
                 await asyncio.gather(*(one(k) for k in range(first, min(n, first + concurrency))))
-            e1, t1 = await loop.run_in_executor(None, fresh_counter_mj, ctx.nvml, h)
+            e1, t1, _ = await loop.run_in_executor(None, fresh_counter_mj, ctx.nvml, h)
             counter[tag] = ((e1 - e0) / 1e3, t0, t1)
 
     t_load = time.monotonic()
