@@ -367,6 +367,22 @@ def left_out_words(group: str | None, timing: str = "their timing cannot be trus
     return timing
 
 
+def left_out_text(groups: dict[str, int], n_windows: int, every: str = "the figures",
+                  timing: str = "their timing cannot be trusted") -> str:
+    """What windows left out of the figures were left out for, in words: `groups` (reason group -> windows) among
+    `n_windows` that would otherwise count. Each reason with its count where there are several, and each distinct fix
+    (a sweep's windows before its server's restart and one its starved client timed were all said to be the restart's,
+    with its fix)."""
+    ordered = sorted(groups.items(), key=lambda kv: -kv[1])
+    top = ordered[0][0]
+    words = list(dict.fromkeys(left_out_words(g, timing) for g, _ in ordered))
+    why = top if len(ordered) == 1 else "; ".join(f"{n}: {g}" for g, n in ordered)
+    fixes = list(dict.fromkeys(fix_for(g) for g, _ in ordered))
+    fix = fixes[0] + "".join(f"; and {f}" for f in fixes[1:])
+    return (f"{sum(groups.values())} of {n_windows} windows left out of {every}: {' or '.join(words)} ({why}); "
+            f"fix: {fix}")
+
+
 def reason_group(reason: str | None) -> str:
     """A window's reason without its own figures, so that reasons can be counted together."""
     r = reason or "unknown"

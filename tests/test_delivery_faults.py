@@ -147,6 +147,31 @@ def test_partly_untrusted_run_says_how_many_were_left_out():
     assert "1 of 2 windows left out" in ex.message() and "buffering" in ex.message()
 
 
+def test_windows_left_out_for_several_reasons_are_each_said_with_their_count_and_fix():
+    # A sweep whose server restarted mid-level (2 windows measured before it) and whose client was starved for a third
+    # said "3 of 10 windows left out: ... (measured before the server restarted mid-level ...)": the third window's
+    # reason, and its fix, were the restart's. Each reason is said with its count, and each distinct fix.
+    from powerprof.analysis.checks import timing_findings
+    from powerprof.workload.measure import excluded_windows
+
+    ok = {"window_kind": "batch", "concurrency": 2, "warmup": False, "status": "ok", "timing": "stream"}
+    restart = {**ok, "timing": "untrusted", "timing_reason": "measured before the server restarted mid-level"}
+    late = {**ok, "timing": "untrusted", "timing_reason": "the client read 2 of its streams' edges 40 ms late: the "
+                                                          "edges may be off"}
+    rows = [ok] * 7 + [restart, restart, late]
+    msg = excluded_windows(rows).message()
+    assert msg.startswith("3 of 10 windows left out of the figures"), msg
+    assert "2: measured before the server restarted" in msg and "1: the client was late reading" in msg, msg
+    assert "starved of CPU" in msg and "the level was measured again" in msg, msg
+    import pyarrow as pa
+
+    (f,) = timing_findings(pa.Table.from_pylist([{**r, "timing_reason": r.get("timing_reason")} for r in rows]))
+    assert "2: measured before the server restarted" in f.message and "1: the client was late reading" in f.message, f
+    # One reason: said as before.
+    one = excluded_windows([ok] * 8 + [restart, restart]).message()
+    assert "2 of 10 windows left out of the figures: their timing cannot be trusted (measured before" in one, one
+
+
 # --- saturation, truncation, refusals (issue 10, item 5) -----------------------------------------
 
 QUICK = RequestParams(max_tokens=24, stall_timeout_s=5, first_token_timeout_s=10, connect_timeout_s=2)

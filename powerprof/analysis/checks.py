@@ -396,7 +396,7 @@ def timing_findings(windows) -> list[Finding]:
     """Windows left out of every figure because their token timing could not be trusted (arrival.py)."""
     from collections import Counter
 
-    from powerprof.arrival import fix_for, left_out_words, reason_group
+    from powerprof.arrival import left_out_text, reason_group
 
     from .stats import _col, figure_kind, window_masks
 
@@ -411,10 +411,9 @@ def timing_findings(windows) -> list[Finding]:
            and kind[i]]
     if not bad:
         return []
-    top, _ = Counter(reason_group(reasons[i]) for i in bad).most_common(1)[0]
-    n = len(bad) + int(measured.sum())
-    return [Finding("untrusted-timing", f"{len(bad)} of {n} windows left out of every figure: "
-                    f"{left_out_words(top, 'their token timing cannot be trusted')} ({top}); fix: {fix_for(top)}")]
+    groups = Counter(reason_group(reasons[i]) for i in bad)
+    return [Finding("untrusted-timing", left_out_text(dict(groups), len(bad) + int(measured.sum()), "every figure",
+                                                      "their token timing cannot be trusted"))]
 
 
 def impossible_findings(windows) -> list[Finding]:

@@ -158,13 +158,9 @@ class Excluded:
     fix: str
 
     def message(self) -> str:
-        from powerprof.arrival import left_out_words
+        from powerprof.arrival import left_out_text
 
-        top = max(self.reasons, key=self.reasons.get)
-        return (
-            f"{self.n} of {self.n_windows} windows left out of the figures: {left_out_words(top)} "
-            f"({top}); fix: {self.fix}"
-        )
+        return left_out_text(self.reasons, self.n_windows)
 
 
 def excluded_windows(rows: Sequence[dict], counted_kind=None) -> Excluded | None:
