@@ -213,10 +213,18 @@ def test_a_restart_quicker_than_the_retries_still_has_the_level_measured_again(t
     w = pq.read_table(out / "windows.parquet").to_pandas()
     b = w[(w.level_value == 200.0) & (w.window_kind == "batch")]
     kept = [r for r in outcome.sweep.rows if r["level_value"] == 200.0 and outcome.sweep._counts(r)]
-    assert len(kept) == 4 and (b.timing == "untrusted").sum() >= 1  # a whole round after it; what came before left out
+    assert (b.timing == "untrusted").sum() >= 1  # what came before the cut left out
     failed = w[(w.level_value == 200.0) & (w.status == "failed")]
-    assert len(failed) >= 1 and failed.error.str.match(r"connection lost|server closed the stream|connection refused").all()
+    # Each a sign of the server away (client.server_away): a connect that met the closing listener reads "could not
+    # connect: [Errno 104]" (2 runs in 11 on a loaded host), one that found none "connection refused".
+    away = r"connection lost|server closed the stream|connection refused|could not connect"
+    assert len(failed) >= 1 and failed.error.str.match(away).all(), failed.error.tolist()
     assert min(r["batch_id"] for r in kept) > failed.batch_id.max()  # every counted batch was sent after the cut
+    # A whole round measured after it (4 batches of 2). On a loaded host one of them may be left out for its own timing
+    # (a starved client read its stream in bursts: 4 runs in 16 beside other tests), said so: never for the restart.
+    after = b[(b.batch_id > failed.batch_id.max()) & ~b.warmup & (b.status == "ok")]
+    assert len(after) == 4 and len(kept) >= 3, after[["batch_id", "timing", "timing_reason"]]
+    assert not after.timing_reason.fillna("").str.contains("restarted").any(), after.timing_reason.tolist()
 
 
 def _restart_begun(srv, down_s, loading_s):
