@@ -221,30 +221,38 @@ def _with_schema(d: ds.Dataset, schema: pa.Schema) -> ds.Dataset:
                                  for f in d.get_fragments()], schema, d.format, d.filesystem)
 
 
+def _open_uri(uri: str):
+    """(filesystem, path) of a URI, by pyarrow.fs."""
+    import pyarrow.fs as pafs
+
+    return pafs.FileSystem.from_uri(uri)
+
+
 def _uri_sources(uri: str) -> list[Source]:
     """A daemon dataset folder, one of its tables, or one Parquet file behind a URI (s3://, gs://,
-    abfs://, hdfs://, file://), through pyarrow.fs."""
+    abfs://, hdfs://, file://), through pyarrow.fs.
+
+    Any failure to reach the store, from opening to listing the tables' files, is an ExportError naming the URI:
+    an unreachable store raises OSError (S3), or pyarrow's plain ArrowException (Azure's credential chain), either
+    of which was a traceback."""
     import pyarrow.fs as pafs
 
     try:
-        fs, path = pafs.FileSystem.from_uri(uri)
+        fs, path = _open_uri(uri)
         info = fs.get_file_info(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ExportError(f"{uri}: cannot open ({e})") from None
-    if info.type == pafs.FileType.NotFound:
-        raise ExportError(f"{uri}: no such file or folder")
-    name = path.rstrip("/").rsplit("/", 1)[-1]
+        if info.type == pafs.FileType.NotFound:
+            raise ExportError(f"{uri}: no such file or folder")
+        name = path.rstrip("/").rsplit("/", 1)[-1]
 
-    if info.type == pafs.FileType.File:
-        return [Source(name.removesuffix(".parquet"), open_dataset(path, filesystem=fs, label=uri))]
-    subs = [i for i in fs.get_file_info(pafs.FileSelector(path)) if i.type == pafs.FileType.Directory
-            and not i.base_name.startswith((".", "_"))]
-    if subs and all(i.base_name.startswith("date=") for i in subs):
-        subs = []  # the URI names one table (requests/), not the data folder above it
-    out = []
-    for sub in subs or [info]:
-        out.append(table_source(sub.base_name if subs else name, sub.path, filesystem=fs, label=uri))
-    return out
+        if info.type == pafs.FileType.File:
+            return [Source(name.removesuffix(".parquet"), open_dataset(path, filesystem=fs, label=uri))]
+        subs = [i for i in fs.get_file_info(pafs.FileSelector(path)) if i.type == pafs.FileType.Directory
+                and not i.base_name.startswith((".", "_"))]
+        if subs and all(i.base_name.startswith("date=") for i in subs):
+            subs = []  # the URI names one table (requests/), not the data folder above it
+        return [table_source(sub.base_name if subs else name, sub.path, filesystem=fs, label=uri) for sub in subs or [info]]
+    except (pa.ArrowException, OSError) as e:  # ArrowInvalid and ArrowTypeError are ArrowExceptions too
+        raise ExportError(f"{uri}: cannot open ({e})") from None
 
 
 def find_sources(src) -> list[Source]:
