@@ -1074,3 +1074,30 @@ def test_a_uri_pyarrow_cannot_open_at_all_is_a_clear_error(tmp_path, monkeypatch
                                   "--out", str(tmp_path / "x")])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
     assert "Error: abfs://c@a.dfs.core.windows.net/pp: cannot open (Unknown error: Check for" in r.output, r.output
+
+
+@pytest.mark.parametrize("uri,limit_s", [("gs://nobucket-xyz/pp", None), ("gcs://nobucket-xyz/pp", None),
+                                         ("gs://nobucket-xyz/pp?retry_limit_seconds=3", 3)])
+def test_a_gcs_uri_is_opened_with_a_retry_limit(uri, limit_s):
+    # pyarrow's GCS client retries for 15 minutes by default: `export gs://…` with no network printed nothing and was
+    # killed after 9 min 50 s. A limit the URI gives is kept.
+    fs, path = ex._open_uri(uri)
+    assert path == "nobucket-xyz/pp"
+    assert fs.__reduce__()[1][0]["retry_time_limit"] == timedelta(seconds=limit_s or ex.GCS_RETRY_LIMIT_S)
+
+
+@pytest.mark.timeout(120)
+def test_a_gcs_store_that_cannot_be_reached_is_a_clear_error_within_the_limit(tmp_path, monkeypatch):
+    import socket  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    with socket.socket() as s:  # a port nothing listens on: the store refuses every connection, offline
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(ex, "GCS_RETRY_LIMIT_S", 1)
+    uri = f"gs://nobucket-xyz/pp?endpoint_override=127.0.0.1:{port}&scheme=http"
+    t0 = time.monotonic()
+    r = CliRunner().invoke(main, ["export", uri, "--format", "csv", "--out", str(tmp_path / "x")])
+    assert time.monotonic() - t0 < 30
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and f"Error: {uri}: cannot open (" in r.output, r.output
+    assert not (tmp_path / "x").exists()

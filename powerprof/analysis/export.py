@@ -221,10 +221,20 @@ def _with_schema(d: ds.Dataset, schema: pa.Schema) -> ds.Dataset:
                                  for f in d.get_fragments()], schema, d.format, d.filesystem)
 
 
-def _open_uri(uri: str):
-    """(filesystem, path) of a URI, by pyarrow.fs."""
-    import pyarrow.fs as pafs
+# How long pyarrow's GCS client retries one call before it gives up: its default is 15 minutes, and `export gs://…`
+# with no network printed nothing for 9 min 50 s. A `retry_limit_seconds` the URI gives is kept.
+GCS_RETRY_LIMIT_S = 20
 
+
+def _open_uri(uri: str):
+    """(filesystem, path) of a URI, by pyarrow.fs; a GCS one bounded by GCS_RETRY_LIMIT_S."""
+    import pyarrow.fs as pafs
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit  # noqa: PLC0415
+
+    parts = urlsplit(uri)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.scheme in ("gs", "gcs") and not any(k == "retry_limit_seconds" for k, _ in query):
+        uri = urlunsplit(parts._replace(query=urlencode([*query, ("retry_limit_seconds", GCS_RETRY_LIMIT_S)])))
     return pafs.FileSystem.from_uri(uri)
 
 
