@@ -1269,3 +1269,37 @@ def test_analyze_out_into_a_nodes_own_dataset_folder_is_refused(tmp_path):
     r = CliRunner().invoke(main, ["analyze", str(node), "--out", str(node)])
     assert r.exit_code != 0 and "daemon's datasets" in r.output, r.output
     assert not (node / "fleet.parquet").exists()
+
+
+# --- analyze --out of daemon datasets: what is in the folder (review rvA) ------------------------------------------
+
+@pytest.mark.parametrize("name", ["fleet.parquet", "fleet_tags.parquet"])
+def test_analyze_out_never_replaces_a_file_it_did_not_write(tmp_path, name):
+    # A person's text file out/fleet.parquet was replaced by the summary, exit 0, nothing said; a sweep's analyze
+    # refuses files of its names that no analysis wrote (exit 2).
+    _node(tmp_path / "node-0", 0)
+    _old_tag(tmp_path / "node-0", "d0", 10, 200.0)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).write_text("my precious notes")
+    r = CliRunner().invoke(main, ["analyze", str(tmp_path / "node-0"), "--out", str(out)])
+    assert r.exit_code == 2 and name in r.output and "no powerprof fleet summary" in " ".join(r.output.split()), r.output
+    assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).read_text() == "my precious notes"
+
+
+def test_analyze_out_replaces_its_own_summary_and_leaves_no_stale_tags(tmp_path):
+    # `analyze nodeA --out Y` then `analyze nodeB --out Y` (nodeB without tags) left fleet.parquet of nodeB beside
+    # fleet_tags.parquet of nodeA: the pair in one folder from two calls.
+    _node(tmp_path / "a", 0)
+    _old_tag(tmp_path / "a", "d0", 10, 200.0)
+    _node(tmp_path / "b", 1)
+    out = tmp_path / "out"
+    assert CliRunner().invoke(main, ["analyze", str(tmp_path / "a"), "--out", str(out)]).exit_code == 0
+    assert (out / "fleet_tags.parquet").exists()
+    r = CliRunner().invoke(main, ["analyze", str(tmp_path / "b"), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert pq.read_table(out / "fleet.parquet").column("host").to_pylist() == ["node-1"]
+    assert sorted(p.name for p in out.iterdir()) == ["fleet.parquet"]
+    r = CliRunner().invoke(main, ["analyze", str(tmp_path / "a"), "--out", str(out)])  # and back: both replaced
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["fleet.parquet", "fleet_tags.parquet"]

@@ -81,6 +81,47 @@ def run_and_dataset(path: str) -> str | None:
             "and give each apart")
 
 
+# Columns that make a file of these names one of `analyze`'s own fleet summaries (any version's): replaced by the next.
+OUT_FILES = {"fleet.parquet": {"host", "requests", "gpu_energy_j", "gpu_j_per_token"},
+             "fleet_tags.parquet": {"host", "name", "windows", "counted_windows"}}
+
+
+def out_taken(out: Path) -> str | None:
+    """Why `--out` cannot take this summary: it holds a file of OUT_FILES' names that no fleet analysis wrote (a
+    person's notes, which was replaced unsaid). An earlier summary is no reason: replaced whole, as a sweep's
+    re-analysis replaces its own files (docs/fleet.md). None: the folder may take it."""
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    foreign = []
+    for name, cols in OUT_FILES.items():
+        f = out / name
+        if not (f.exists() or f.is_symlink()):
+            continue
+        try:
+            ours = f.is_file() and not f.is_symlink() and cols <= set(pq.read_schema(f).names)
+        except (OSError, pa.ArrowException):  # not Parquet at all
+            ours = False
+        if not ours:
+            foreign.append(name)
+    if not foreign:
+        return None
+    return (f"{out} holds {' and '.join(foreign)}, which {'is' if len(foreign) == 1 else 'are'} no powerprof fleet "
+            "summary and this analysis would replace; give another folder with --out, or remove it first")
+
+
+def write_out(out: Path, table: pa.Table, tags: pa.Table) -> None:
+    """fleet.parquet and, where a tag window was recorded, fleet_tags.parquet in `out`: an earlier call's
+    fleet_tags.parquet goes first, so the two in the folder are never from two calls (a node without tags analysed
+    over one with them left the other's tags beside the new summary)."""
+    from powerprof.storage.runs import atomic_write_table  # noqa: PLC0415
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fleet_tags.parquet").unlink(missing_ok=True)
+    atomic_write_table(out / "fleet.parquet", table)
+    if tags.num_rows:
+        atomic_write_table(out / "fleet_tags.parquet", tags)
+
+
 def table_files(sources: list[str], table: str) -> list[str]:
     """One daemon table's files under each source: a local folder's by the rule export reads too
     (storage/datafiles.py), a URI's as a glob (DuckDB lists it remotely)."""
