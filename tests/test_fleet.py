@@ -1303,3 +1303,21 @@ def test_analyze_out_replaces_its_own_summary_and_leaves_no_stale_tags(tmp_path)
     r = CliRunner().invoke(main, ["analyze", str(tmp_path / "a"), "--out", str(out)])  # and back: both replaced
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in out.iterdir()) == ["fleet.parquet", "fleet_tags.parquet"]
+
+
+def test_export_of_a_fleet_folder_is_refused_as_analyze_refuses_it(tmp_path):
+    # `export fleet` (one dataset per node in it) wrote node-0.csv and node-1.csv, each every table's columns mixed
+    # (requests, intervals, samples, tags), with notes of "columns written before they existed", exit 0; `analyze
+    # fleet` refused it. A glob whose hit is a symlink back to that folder did the same.
+    for k in range(2):
+        _node(tmp_path / "fleet" / f"node-{k}", k)
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "fleet").symlink_to(tmp_path / "fleet")
+    for given in (tmp_path / "fleet", tmp_path / "links" / "*"):
+        r = CliRunner().invoke(main, ["export", str(given), "--format", "csv", "--out", str(tmp_path / "x")])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and "holds daemon datasets (node-0, node-1)" in flat, r.output
+        assert "powerprof export '" in flat and "/fleet/*'" in flat and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "x").exists()
+    ok = CliRunner().invoke(main, ["export", str(tmp_path / "fleet" / "*"), "--format", "csv", "--out", str(tmp_path / "x")])
+    assert ok.exit_code == 0 and (tmp_path / "x" / "requests.csv").exists(), ok.output

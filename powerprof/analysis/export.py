@@ -301,6 +301,10 @@ def find_sources(src) -> list[Source]:
             shown = ", ".join(runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
             raise ExportError(f"{p}: a folder of runs ({shown}), not a run or a daemon dataset: give the runs "
                               f"themselves, e.g. '{p}/*'")
+        from .fleet import fleet_folder_refusal  # noqa: PLC0415
+
+        if (why := fleet_folder_refusal(p, "export")) is not None:  # else each node read as one table, all mixed
+            raise ExportError(why)
         for sub in subs:
             if datafiles.table_files(sub)[0]:
                 out.append(table_source(sub.name, sub))

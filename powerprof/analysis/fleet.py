@@ -70,6 +70,22 @@ def is_daemon_dataset(path: str) -> bool:
     return p.is_dir() and any((p / d).is_dir() for d in ("requests", "intervals"))
 
 
+def fleet_folder_refusal(path, command: str) -> str | None:
+    """The refusal of a local folder that is no daemon dataset but holds some (a fleet's folder, one dataset per node,
+    as docs/fleet.md lays them out), naming them and the glob to give `command` (analyze, or export with its options).
+    `export` of it read each node as one table, every table's columns mixed, exit 0. None for any other folder."""
+    p = Path(path)
+    try:
+        nodes = sorted(d.name for d in p.iterdir() if d.is_dir() and is_daemon_dataset(str(d))) \
+            if p.is_dir() and not is_daemon_dataset(str(p)) else []
+    except OSError:  # a folder it may not read: the message it would have given stands
+        nodes = []
+    if not nodes:
+        return None
+    return (f"{path} holds daemon datasets ({', '.join(nodes[:3])}{', ...' if len(nodes) > 3 else ''}), not a "
+            f"sweep's run: give them, or all as a glob: powerprof {command} '{path}/*' (docs/fleet.md)")
+
+
 def run_and_dataset(path: str) -> str | None:
     """The refusal of a local folder that holds both a sweep's run and a daemon's datasets (a daemon once given a run
     directory as its data dir): `analyze` read it as the daemon's and `export` as the run's, each leaving the other
