@@ -1321,3 +1321,20 @@ def test_export_of_a_fleet_folder_is_refused_as_analyze_refuses_it(tmp_path):
         assert not (tmp_path / "x").exists()
     ok = CliRunner().invoke(main, ["export", str(tmp_path / "fleet" / "*"), "--format", "csv", "--out", str(tmp_path / "x")])
     assert ok.exit_code == 0 and (tmp_path / "x" / "requests.csv").exists(), ok.output
+
+
+def test_export_of_a_daemon_dataset_beside_a_sweep_run_is_refused_as_analyze_refuses_it(tmp_path):
+    # `export nodeA runs/r2` wrote one samples.csv of 240 daemon rows and 309 sweep rows, with a note calling host,
+    # daemon_id and simulated "empty in the 309 rows written before those columns existed", exit 0; `analyze` of
+    # the same two refuses the mix (exit 1).
+    from synthetic_runs import make_run, seed_truth  # noqa: PLC0415
+
+    _node(tmp_path / "node-0", 0)
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    for given in ([tmp_path / "node-0", run], [run, tmp_path / "node-0"]):
+        r = CliRunner().invoke(main, ["export", *map(str, given), "--format", "csv", "--out", str(tmp_path / "x")])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"{tmp_path / 'node-0'} is a daemon dataset" in flat and str(run) in flat, r.output
+        assert "export it on its own" in flat and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "x").exists()
+        assert CliRunner().invoke(main, ["analyze", *map(str, given)]).exit_code == 1

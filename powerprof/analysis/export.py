@@ -531,7 +531,10 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     if t_from and t_to and t_from >= t_to:
         raise ExportUsageError(f"--from ({time_from}) must be before --to ({time_to})")
     srcs = expand(src)
-    sources = union_sources(_without_copied_runs(srcs, [find_sources(s) for s in srcs], notes))
+    groups = [find_sources(s) for s in srcs]
+    if (why := _dataset_beside_run(srcs, groups)) is not None:
+        raise ExportError(why)
+    sources = union_sources(_without_copied_runs(srcs, groups, notes))
     if notes is not None:
         # Its tables are there (Ctrl-C in the first level flushes them) but hold no finished level.
         notes.extend(f"{m}: its tables hold only what was measured before it stopped"
@@ -926,6 +929,32 @@ class _Once:
                 return
         raise ExportError(f"table {self.copies.table}: its files changed while the export read them (a compaction "
                           "or a sync running?); nothing of it written. Export again once they are still")
+
+
+def _dataset_beside_run(srcs: list[str], groups: list[list[Source]]) -> str | None:
+    """The refusal of daemon datasets given with sweep runs, as `analyze` refuses them: their tables of one name
+    (samples) were one file, the daemon's rows and the run's mixed, the run's said to lack `host` as "written before
+    the column existed", exit 0. A local folder is a dataset or a run by what it holds; a URI is a dataset where
+    its tables are a daemon's (requests/, intervals/). None: no such mix."""
+    from powerprof.paths import holds_sweep_run  # noqa: PLC0415
+
+    from .fleet import is_daemon_dataset  # noqa: PLC0415
+
+    datasets, runs = [], []
+    for s, group in zip(srcs, groups):
+        if is_uri(s):
+            if {"requests", "intervals"} & {g.name for g in group}:
+                datasets.append(s)
+        elif Path(s).is_dir() and is_daemon_dataset(s):
+            datasets.append(s)
+        elif Path(s).is_dir() and holds_sweep_run(s):
+            runs.append(s)
+    if not (datasets and runs):
+        return None
+    return (f"{datasets[0]} is a daemon dataset, given with the sweep run{'s' if len(runs) > 1 else ''} "
+            f"{', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}: export it on its own (powerprof export {datasets[0]} ...), and the "
+            "sweep runs apart; together, their tables of one name (samples) would be one, the daemon's rows and the "
+            "runs' mixed")
 
 
 def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: list[str] | None) -> list[list[Source]]:
