@@ -1355,6 +1355,12 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             return
         if any(fleet.is_uri(s) for s in sources):
             raise AnalysisError("sweep runs are read from local folders; object-store URIs are for daemon datasets")
+        if any(fleet.is_daemon_dataset(s) for s in sources):
+            from powerprof.analysis.loading import read_run_info
+
+            for s in sources:  # one that is no run at all is named, not the dataset beside it (refused after)
+                if not fleet.is_daemon_dataset(s):
+                    read_run_info(s)
         result = analyze_run(sources, out_dir, max_slowdown=max_slowdown, eta=eta, formats=formats,
                              force=force, n_boot=n_boot)
     except AnalysisOutTaken as e:  # said as an output file that exists (export --out, monitor --output)

@@ -1338,3 +1338,43 @@ def test_export_of_a_daemon_dataset_beside_a_sweep_run_is_refused_as_analyze_ref
         assert "export it on its own" in flat and "Traceback" not in r.output, r.output
         assert not (tmp_path / "x").exists()
         assert CliRunner().invoke(main, ["analyze", *map(str, given)]).exit_code == 1
+
+
+def test_analyze_names_the_source_that_is_wrong_not_the_dataset_beside_it(tmp_path):
+    # `analyze NODE typo` and `analyze NODE emptydir` said "NODE is a daemon dataset, not a sweep's run: analyze it on
+    # its own", the bad path never named.
+    _node(tmp_path / "node-0", 0)
+    (tmp_path / "emptydir").mkdir()
+    for bad, said in ((tmp_path / "typo-nonexistent", "no such run directory or daemon data folder"),
+                      (tmp_path / "emptydir", "is not a powerprof run directory")):
+        r = CliRunner().invoke(main, ["analyze", str(tmp_path / "node-0"), str(bad)])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"{bad}" in flat and said in flat, r.output
+        assert "is a daemon dataset" not in flat, r.output
+
+
+def test_analyze_reads_a_file_uri_as_its_folder_and_names_a_uri_it_cannot_read(tmp_path):
+    # `analyze file:///…/node` said "file:/…: no such run directory" (the path mangled by Path) while export read it;
+    # hdfs:// and a bare s3:// the same way.
+    truth = _node(tmp_path / "node-0", 0)
+    r = CliRunner().invoke(main, ["analyze", f"file://{tmp_path / 'node-0'}", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    _check(pq.read_table(tmp_path / "a" / "fleet.parquet").to_pylist(), {"node-0": truth})
+    for uri, said in (("hdfs://namenode/pp/node-0", "not hdfs://"), ("s3://", "names no bucket"),
+                      ("file://otherhost/pp", "another host")):
+        r = CliRunner().invoke(main, ["analyze", uri])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"Error: {uri}:" in flat and said in flat, r.output
+        assert "no such run directory" not in flat and "Traceback" not in r.output, r.output
+
+
+def test_a_stray_file_behind_a_uri_is_named_with_its_table_folder(tmp_path):
+    # Exported through file://, the note named "file:///…/node-0/date=…/part-x.parquet.tmp": requests/ left out.
+    _node(tmp_path / "node-0", 0)
+    good = next((tmp_path / "node-0" / "requests").rglob("*.parquet"))
+    good.with_name("part-x.parquet.tmp").write_bytes(good.read_bytes()[:200])
+    rel = good.with_name("part-x.parquet.tmp").relative_to(tmp_path / "node-0")
+    r = CliRunner().invoke(main, ["export", f"file://{tmp_path / 'node-0'}", "--format", "csv",
+                                  "--out", str(tmp_path / "x")])
+    assert r.exit_code == 0, r.output
+    assert f"file://{tmp_path / 'node-0' / rel}" in r.stderr, r.stderr

@@ -238,6 +238,14 @@ def _open_uri(uri: str):
     return pafs.FileSystem.from_uri(uri)
 
 
+def _uri_join(uri: str, name: str) -> str:
+    """The URI of `name` in the folder `uri` names (its query kept after it): a table's stray files are named by it."""
+    from urllib.parse import urlsplit, urlunsplit  # noqa: PLC0415
+
+    parts = urlsplit(uri)
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + name))
+
+
 def _uri_sources(uri: str) -> list[Source]:
     """A daemon dataset folder, one of its tables, or one Parquet file behind a URI (s3://, gs://,
     abfs://, hdfs://, file://), through pyarrow.fs.
@@ -260,7 +268,8 @@ def _uri_sources(uri: str) -> list[Source]:
                 and not i.base_name.startswith((".", "_"))]
         if subs and all(i.base_name.startswith("date=") for i in subs):
             subs = []  # the URI names one table (requests/), not the data folder above it
-        return [table_source(sub.base_name if subs else name, sub.path, filesystem=fs, label=uri) for sub in subs or [info]]
+        return [table_source(sub.base_name, sub.path, filesystem=fs, label=_uri_join(uri, sub.base_name)) for sub in subs] \
+            or [table_source(name, info.path, filesystem=fs, label=uri)]
     except (pa.ArrowException, OSError) as e:  # ArrowInvalid and ArrowTypeError are ArrowExceptions too
         raise ExportError(f"{uri}: cannot open ({e})") from None
 

@@ -9,6 +9,7 @@ SQL here is the one docs/fleet.md shows; the same query runs on Spark or Trino o
 from __future__ import annotations
 
 import glob
+import os
 import re
 from pathlib import Path
 
@@ -34,11 +35,35 @@ def is_uri(s: str) -> bool:
     return str(s).startswith(URI_SCHEMES)
 
 
+def _local_of(s: str) -> str:
+    """A source as analyze reads it: a file:// URI as its local path (export reads file:// too); any other URI as
+    given, refused where DuckDB cannot read it (hdfs://, abfs://) or it names no bucket (a bare s3://). Path() made
+    `file:///x` "file:/x", then "no such run directory", the URI mangled."""
+    from urllib.parse import unquote, urlsplit  # noqa: PLC0415
+
+    if "://" not in s:
+        return s
+    parts = urlsplit(s)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise FleetError(f"{s}: a file:// URI of another host ({parts.netloc}); give the folder as this machine "
+                             "sees it (file:///path or /path)")
+        return unquote(parts.path)
+    if not is_uri(s):
+        raise FleetError(f"{s}: analyze reads local folders and {', '.join(URI_SCHEMES)} URIs (DuckDB), not "
+                         f"{parts.scheme}://; copy the dataset to a local folder, or read its rows with `powerprof "
+                         "export`, which reads hdfs://, abfs:// and file:// through pyarrow")
+    if not parts.netloc:
+        raise FleetError(f"{s}: names no bucket or host; give the daemon dataset's folder, e.g. "
+                         f"{parts.scheme}://BUCKET/powerprof/gpu-node-01")
+    return s
+
+
 def expand_sources(sources) -> list[str]:
-    """Local globs expanded (sorted), URIs kept as given (DuckDB globs them remotely)."""
+    """Local globs expanded (sorted), URIs kept as given (DuckDB globs them remotely), file:// read as local."""
     out: list[str] = []
     for s in sources:
-        s = str(s)
+        s = _local_of(str(s))
         if is_uri(s):
             out.append(s.rstrip("/"))
         elif glob.has_magic(s):
@@ -51,6 +76,8 @@ def expand_sources(sources) -> list[str]:
 
             if (why := path_problem(s)) is not None:  # an OSError traceback from is_dir() ("File name too long")
                 raise FleetError(f"{s}: {why}")
+            if not os.path.lexists(s):  # beside a dataset, the dataset's refusal was said and this path never named
+                raise FleetError(f"{s}: no such run directory or daemon data folder")
             out.append(s)
     for s in out:
         if (why := run_and_dataset(s)) is not None:
