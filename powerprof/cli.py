@@ -1326,7 +1326,6 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             said = list(dict.fromkeys(said))  # a note both tables carry (samples unreadable) said once
             if out_dir is not None:
                 from powerprof.paths import holds_sweep_run
-                from powerprof.storage.runs import atomic_write_table
                 from powerprof.trust import out_dir_refusal
 
                 if (why := out_dir_refusal(Path(out_dir), "folder")) is not None:  # as root: root's or the sudo user's
@@ -1340,10 +1339,9 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                     raise AnalysisOutTaken(f"--out {out_dir} holds a daemon's datasets: fleet.parquet beside them would "
                                            "make `export` of that folder read it in their stead; give another folder "
                                            "with --out")
-                Path(out_dir).mkdir(parents=True, exist_ok=True)
-                atomic_write_table(Path(out_dir) / "fleet.parquet", table)
-                if tags.num_rows:
-                    atomic_write_table(Path(out_dir) / "fleet_tags.parquet", tags)
+                if (why := fleet.out_taken(Path(out_dir))) is not None:  # a person's file of the summary's name
+                    raise AnalysisOutTaken(why)
+                fleet.write_out(Path(out_dir), table, tags)
             if as_json:
                 # One object: the hosts, the tags and the notes that say what was left out of their figures.
                 click.echo(_json_text({"hosts": table.to_pylist(), "tags": tags.to_pylist(),
@@ -1357,6 +1355,12 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             return
         if any(fleet.is_uri(s) for s in sources):
             raise AnalysisError("sweep runs are read from local folders; object-store URIs are for daemon datasets")
+        if any(fleet.is_daemon_dataset(s) for s in sources):
+            from powerprof.analysis.loading import read_run_info
+
+            for s in sources:  # one that is no run at all is named, not the dataset beside it (refused after)
+                if not fleet.is_daemon_dataset(s):
+                    read_run_info(s)
         result = analyze_run(sources, out_dir, max_slowdown=max_slowdown, eta=eta, formats=formats,
                              force=force, n_boot=n_boot)
     except AnalysisOutTaken as e:  # said as an output file that exists (export --out, monitor --output)

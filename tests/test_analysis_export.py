@@ -1033,3 +1033,71 @@ def test_a_folder_of_runs_is_refused_with_the_glob_to_give(run, tmp_path):
     assert not (tmp_path / "o").exists()
     r = CliRunner().invoke(main, ["export", str(tmp_path / "runs" / "*"), "--format", "csv", "--out", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
+
+
+class _UnreachableStore:
+    """A filesystem behind a URI whose store cannot be reached: found, then its listing fails (an S3 endpoint that
+    cannot be resolved), or every look fails (Azure's credential chain raising pyarrow's plain ArrowException)."""
+
+    def __init__(self, error, on_listing_only):
+        self.error, self.on_listing_only = error, on_listing_only
+
+    def get_file_info(self, what):
+        import pyarrow.fs as pafs  # noqa: PLC0415
+
+        if isinstance(what, pafs.FileSelector) or not self.on_listing_only:
+            raise self.error
+        return pafs.FileInfo(what, pafs.FileType.Directory)
+
+
+@pytest.mark.parametrize("uri,error,on_listing_only", [
+    # `export s3://`: the listing sat outside the try, an OSError traceback at _uri_sources.
+    ("s3://", OSError("When listing buckets: AWS Error NETWORK_CONNECTION during ListBuckets operation"), True),
+    # `export abfs://…`: pyarrow's ArrowException (no OSError, no ArrowInvalid) escaped as a traceback.
+    ("abfs://container@acct.dfs.core.windows.net/pp",
+     pa.ArrowException("Unknown error: Failed to get token from DefaultAzureCredential"), False),
+])
+def test_an_object_store_that_cannot_be_reached_is_a_clear_error(tmp_path, monkeypatch, uri, error, on_listing_only):
+    monkeypatch.setattr(ex, "_open_uri", lambda u: (_UnreachableStore(error, on_listing_only), "pp"))
+    r = CliRunner().invoke(main, ["export", uri, "--format", "csv", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 1 and "Traceback" not in r.output and isinstance(r.exception, SystemExit), r.output
+    assert f"Error: {uri}: cannot open (" in r.output and str(error) in r.output, r.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_uri_pyarrow_cannot_open_at_all_is_a_clear_error(tmp_path, monkeypatch):
+    def refuse(u):
+        raise pa.ArrowException("Unknown error: Check for Hierarchical Namespace support failed")
+
+    monkeypatch.setattr(ex, "_open_uri", refuse)
+    r = CliRunner().invoke(main, ["export", "abfs://c@a.dfs.core.windows.net/pp", "--format", "csv",
+                                  "--out", str(tmp_path / "x")])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert "Error: abfs://c@a.dfs.core.windows.net/pp: cannot open (Unknown error: Check for" in r.output, r.output
+
+
+@pytest.mark.parametrize("uri,limit_s", [("gs://nobucket-xyz/pp", None), ("gcs://nobucket-xyz/pp", None),
+                                         ("gs://nobucket-xyz/pp?retry_limit_seconds=3", 3)])
+def test_a_gcs_uri_is_opened_with_a_retry_limit(uri, limit_s):
+    # pyarrow's GCS client retries for 15 minutes by default: `export gs://…` with no network printed nothing and was
+    # killed after 9 min 50 s. A limit the URI gives is kept.
+    fs, path = ex._open_uri(uri)
+    assert path == "nobucket-xyz/pp"
+    assert fs.__reduce__()[1][0]["retry_time_limit"] == timedelta(seconds=limit_s or ex.GCS_RETRY_LIMIT_S)
+
+
+@pytest.mark.timeout(120)
+def test_a_gcs_store_that_cannot_be_reached_is_a_clear_error_within_the_limit(tmp_path, monkeypatch):
+    import socket  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    with socket.socket() as s:  # a port nothing listens on: the store refuses every connection, offline
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(ex, "GCS_RETRY_LIMIT_S", 1)
+    uri = f"gs://nobucket-xyz/pp?endpoint_override=127.0.0.1:{port}&scheme=http"
+    t0 = time.monotonic()
+    r = CliRunner().invoke(main, ["export", uri, "--format", "csv", "--out", str(tmp_path / "x")])
+    assert time.monotonic() - t0 < 30
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and f"Error: {uri}: cannot open (" in r.output, r.output
+    assert not (tmp_path / "x").exists()

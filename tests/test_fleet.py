@@ -1269,3 +1269,112 @@ def test_analyze_out_into_a_nodes_own_dataset_folder_is_refused(tmp_path):
     r = CliRunner().invoke(main, ["analyze", str(node), "--out", str(node)])
     assert r.exit_code != 0 and "daemon's datasets" in r.output, r.output
     assert not (node / "fleet.parquet").exists()
+
+
+# --- analyze --out of daemon datasets: what is in the folder (review rvA) ------------------------------------------
+
+@pytest.mark.parametrize("name", ["fleet.parquet", "fleet_tags.parquet"])
+def test_analyze_out_never_replaces_a_file_it_did_not_write(tmp_path, name):
+    # A person's text file out/fleet.parquet was replaced by the summary, exit 0, nothing said; a sweep's analyze
+    # refuses files of its names that no analysis wrote (exit 2).
+    _node(tmp_path / "node-0", 0)
+    _old_tag(tmp_path / "node-0", "d0", 10, 200.0)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).write_text("my precious notes")
+    r = CliRunner().invoke(main, ["analyze", str(tmp_path / "node-0"), "--out", str(out)])
+    assert r.exit_code == 2 and name in r.output and "no powerprof fleet summary" in " ".join(r.output.split()), r.output
+    assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).read_text() == "my precious notes"
+
+
+def test_analyze_out_replaces_its_own_summary_and_leaves_no_stale_tags(tmp_path):
+    # `analyze nodeA --out Y` then `analyze nodeB --out Y` (nodeB without tags) left fleet.parquet of nodeB beside
+    # fleet_tags.parquet of nodeA: the pair in one folder from two calls.
+    _node(tmp_path / "a", 0)
+    _old_tag(tmp_path / "a", "d0", 10, 200.0)
+    _node(tmp_path / "b", 1)
+    out = tmp_path / "out"
+    assert CliRunner().invoke(main, ["analyze", str(tmp_path / "a"), "--out", str(out)]).exit_code == 0
+    assert (out / "fleet_tags.parquet").exists()
+    r = CliRunner().invoke(main, ["analyze", str(tmp_path / "b"), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert pq.read_table(out / "fleet.parquet").column("host").to_pylist() == ["node-1"]
+    assert sorted(p.name for p in out.iterdir()) == ["fleet.parquet"]
+    r = CliRunner().invoke(main, ["analyze", str(tmp_path / "a"), "--out", str(out)])  # and back: both replaced
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["fleet.parquet", "fleet_tags.parquet"]
+
+
+def test_export_of_a_fleet_folder_is_refused_as_analyze_refuses_it(tmp_path):
+    # `export fleet` (one dataset per node in it) wrote node-0.csv and node-1.csv, each every table's columns mixed
+    # (requests, intervals, samples, tags), with notes of "columns written before they existed", exit 0; `analyze
+    # fleet` refused it. A glob whose hit is a symlink back to that folder did the same.
+    for k in range(2):
+        _node(tmp_path / "fleet" / f"node-{k}", k)
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "fleet").symlink_to(tmp_path / "fleet")
+    for given in (tmp_path / "fleet", tmp_path / "links" / "*"):
+        r = CliRunner().invoke(main, ["export", str(given), "--format", "csv", "--out", str(tmp_path / "x")])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and "holds daemon datasets (node-0, node-1)" in flat, r.output
+        assert "powerprof export '" in flat and "/fleet/*'" in flat and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "x").exists()
+    ok = CliRunner().invoke(main, ["export", str(tmp_path / "fleet" / "*"), "--format", "csv", "--out", str(tmp_path / "x")])
+    assert ok.exit_code == 0 and (tmp_path / "x" / "requests.csv").exists(), ok.output
+
+
+def test_export_of_a_daemon_dataset_beside_a_sweep_run_is_refused_as_analyze_refuses_it(tmp_path):
+    # `export nodeA runs/r2` wrote one samples.csv of 240 daemon rows and 309 sweep rows, with a note calling host,
+    # daemon_id and simulated "empty in the 309 rows written before those columns existed", exit 0; `analyze` of
+    # the same two refuses the mix (exit 1).
+    from synthetic_runs import make_run, seed_truth  # noqa: PLC0415
+
+    _node(tmp_path / "node-0", 0)
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    for given in ([tmp_path / "node-0", run], [run, tmp_path / "node-0"]):
+        r = CliRunner().invoke(main, ["export", *map(str, given), "--format", "csv", "--out", str(tmp_path / "x")])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"{tmp_path / 'node-0'} is a daemon dataset" in flat and str(run) in flat, r.output
+        assert "export it on its own" in flat and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "x").exists()
+        assert CliRunner().invoke(main, ["analyze", *map(str, given)]).exit_code == 1
+
+
+def test_analyze_names_the_source_that_is_wrong_not_the_dataset_beside_it(tmp_path):
+    # `analyze NODE typo` and `analyze NODE emptydir` said "NODE is a daemon dataset, not a sweep's run: analyze it on
+    # its own", the bad path never named.
+    _node(tmp_path / "node-0", 0)
+    (tmp_path / "emptydir").mkdir()
+    for bad, said in ((tmp_path / "typo-nonexistent", "no such run directory or daemon data folder"),
+                      (tmp_path / "emptydir", "is not a powerprof run directory")):
+        r = CliRunner().invoke(main, ["analyze", str(tmp_path / "node-0"), str(bad)])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"{bad}" in flat and said in flat, r.output
+        assert "is a daemon dataset" not in flat, r.output
+
+
+def test_analyze_reads_a_file_uri_as_its_folder_and_names_a_uri_it_cannot_read(tmp_path):
+    # `analyze file:///…/node` said "file:/…: no such run directory" (the path mangled by Path) while export read it;
+    # hdfs:// and a bare s3:// the same way.
+    truth = _node(tmp_path / "node-0", 0)
+    r = CliRunner().invoke(main, ["analyze", f"file://{tmp_path / 'node-0'}", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    _check(pq.read_table(tmp_path / "a" / "fleet.parquet").to_pylist(), {"node-0": truth})
+    for uri, said in (("hdfs://namenode/pp/node-0", "not hdfs://"), ("s3://", "names no bucket"),
+                      ("file://otherhost/pp", "another host")):
+        r = CliRunner().invoke(main, ["analyze", uri])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"Error: {uri}:" in flat and said in flat, r.output
+        assert "no such run directory" not in flat and "Traceback" not in r.output, r.output
+
+
+def test_a_stray_file_behind_a_uri_is_named_with_its_table_folder(tmp_path):
+    # Exported through file://, the note named "file:///…/node-0/date=…/part-x.parquet.tmp": requests/ left out.
+    _node(tmp_path / "node-0", 0)
+    good = next((tmp_path / "node-0" / "requests").rglob("*.parquet"))
+    good.with_name("part-x.parquet.tmp").write_bytes(good.read_bytes()[:200])
+    rel = good.with_name("part-x.parquet.tmp").relative_to(tmp_path / "node-0")
+    r = CliRunner().invoke(main, ["export", f"file://{tmp_path / 'node-0'}", "--format", "csv",
+                                  "--out", str(tmp_path / "x")])
+    assert r.exit_code == 0, r.output
+    assert f"file://{tmp_path / 'node-0' / rel}" in r.stderr, r.stderr

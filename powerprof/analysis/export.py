@@ -221,30 +221,57 @@ def _with_schema(d: ds.Dataset, schema: pa.Schema) -> ds.Dataset:
                                  for f in d.get_fragments()], schema, d.format, d.filesystem)
 
 
+# How long pyarrow's GCS client retries one call before it gives up: its default is 15 minutes, and `export gs://…`
+# with no network printed nothing for 9 min 50 s. A `retry_limit_seconds` the URI gives is kept.
+GCS_RETRY_LIMIT_S = 20
+
+
+def _open_uri(uri: str):
+    """(filesystem, path) of a URI, by pyarrow.fs; a GCS one bounded by GCS_RETRY_LIMIT_S."""
+    import pyarrow.fs as pafs
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit  # noqa: PLC0415
+
+    parts = urlsplit(uri)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.scheme in ("gs", "gcs") and not any(k == "retry_limit_seconds" for k, _ in query):
+        uri = urlunsplit(parts._replace(query=urlencode([*query, ("retry_limit_seconds", GCS_RETRY_LIMIT_S)])))
+    return pafs.FileSystem.from_uri(uri)
+
+
+def _uri_join(uri: str, name: str) -> str:
+    """The URI of `name` in the folder `uri` names (its query kept after it): a table's stray files are named by it."""
+    from urllib.parse import urlsplit, urlunsplit  # noqa: PLC0415
+
+    parts = urlsplit(uri)
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + name))
+
+
 def _uri_sources(uri: str) -> list[Source]:
     """A daemon dataset folder, one of its tables, or one Parquet file behind a URI (s3://, gs://,
-    abfs://, hdfs://, file://), through pyarrow.fs."""
+    abfs://, hdfs://, file://), through pyarrow.fs.
+
+    Any failure to reach the store, from opening to listing the tables' files, is an ExportError naming the URI:
+    an unreachable store raises OSError (S3), or pyarrow's plain ArrowException (Azure's credential chain), either
+    of which was a traceback."""
     import pyarrow.fs as pafs
 
     try:
-        fs, path = pafs.FileSystem.from_uri(uri)
+        fs, path = _open_uri(uri)
         info = fs.get_file_info(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ExportError(f"{uri}: cannot open ({e})") from None
-    if info.type == pafs.FileType.NotFound:
-        raise ExportError(f"{uri}: no such file or folder")
-    name = path.rstrip("/").rsplit("/", 1)[-1]
+        if info.type == pafs.FileType.NotFound:
+            raise ExportError(f"{uri}: no such file or folder")
+        name = path.rstrip("/").rsplit("/", 1)[-1]
 
-    if info.type == pafs.FileType.File:
-        return [Source(name.removesuffix(".parquet"), open_dataset(path, filesystem=fs, label=uri))]
-    subs = [i for i in fs.get_file_info(pafs.FileSelector(path)) if i.type == pafs.FileType.Directory
-            and not i.base_name.startswith((".", "_"))]
-    if subs and all(i.base_name.startswith("date=") for i in subs):
-        subs = []  # the URI names one table (requests/), not the data folder above it
-    out = []
-    for sub in subs or [info]:
-        out.append(table_source(sub.base_name if subs else name, sub.path, filesystem=fs, label=uri))
-    return out
+        if info.type == pafs.FileType.File:
+            return [Source(name.removesuffix(".parquet"), open_dataset(path, filesystem=fs, label=uri))]
+        subs = [i for i in fs.get_file_info(pafs.FileSelector(path)) if i.type == pafs.FileType.Directory
+                and not i.base_name.startswith((".", "_"))]
+        if subs and all(i.base_name.startswith("date=") for i in subs):
+            subs = []  # the URI names one table (requests/), not the data folder above it
+        return [table_source(sub.base_name, sub.path, filesystem=fs, label=_uri_join(uri, sub.base_name)) for sub in subs] \
+            or [table_source(name, info.path, filesystem=fs, label=uri)]
+    except (pa.ArrowException, OSError) as e:  # ArrowInvalid and ArrowTypeError are ArrowExceptions too
+        raise ExportError(f"{uri}: cannot open ({e})") from None
 
 
 def find_sources(src) -> list[Source]:
@@ -283,6 +310,10 @@ def find_sources(src) -> list[Source]:
             shown = ", ".join(runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
             raise ExportError(f"{p}: a folder of runs ({shown}), not a run or a daemon dataset: give the runs "
                               f"themselves, e.g. '{p}/*'")
+        from .fleet import fleet_folder_refusal  # noqa: PLC0415
+
+        if (why := fleet_folder_refusal(p, "export")) is not None:  # else each node read as one table, all mixed
+            raise ExportError(why)
         for sub in subs:
             if datafiles.table_files(sub)[0]:
                 out.append(table_source(sub.name, sub))
@@ -509,7 +540,10 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     if t_from and t_to and t_from >= t_to:
         raise ExportUsageError(f"--from ({time_from}) must be before --to ({time_to})")
     srcs = expand(src)
-    sources = union_sources(_without_copied_runs(srcs, [find_sources(s) for s in srcs], notes))
+    groups = [find_sources(s) for s in srcs]
+    if (why := _dataset_beside_run(srcs, groups)) is not None:
+        raise ExportError(why)
+    sources = union_sources(_without_copied_runs(srcs, groups, notes))
     if notes is not None:
         # Its tables are there (Ctrl-C in the first level flushes them) but hold no finished level.
         notes.extend(f"{m}: its tables hold only what was measured before it stopped"
@@ -904,6 +938,32 @@ class _Once:
                 return
         raise ExportError(f"table {self.copies.table}: its files changed while the export read them (a compaction "
                           "or a sync running?); nothing of it written. Export again once they are still")
+
+
+def _dataset_beside_run(srcs: list[str], groups: list[list[Source]]) -> str | None:
+    """The refusal of daemon datasets given with sweep runs, as `analyze` refuses them: their tables of one name
+    (samples) were one file, the daemon's rows and the run's mixed, the run's said to lack `host` as "written before
+    the column existed", exit 0. A local folder is a dataset or a run by what it holds; a URI is a dataset where
+    its tables are a daemon's (requests/, intervals/). None: no such mix."""
+    from powerprof.paths import holds_sweep_run  # noqa: PLC0415
+
+    from .fleet import is_daemon_dataset  # noqa: PLC0415
+
+    datasets, runs = [], []
+    for s, group in zip(srcs, groups):
+        if is_uri(s):
+            if {"requests", "intervals"} & {g.name for g in group}:
+                datasets.append(s)
+        elif Path(s).is_dir() and is_daemon_dataset(s):
+            datasets.append(s)
+        elif Path(s).is_dir() and holds_sweep_run(s):
+            runs.append(s)
+    if not (datasets and runs):
+        return None
+    return (f"{datasets[0]} is a daemon dataset, given with the sweep run{'s' if len(runs) > 1 else ''} "
+            f"{', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}: export it on its own (powerprof export {datasets[0]} ...), and the "
+            "sweep runs apart; together, their tables of one name (samples) would be one, the daemon's rows and the "
+            "runs' mixed")
 
 
 def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: list[str] | None) -> list[list[Source]]:

@@ -9,6 +9,7 @@ SQL here is the one docs/fleet.md shows; the same query runs on Spark or Trino o
 from __future__ import annotations
 
 import glob
+import os
 import re
 from pathlib import Path
 
@@ -34,11 +35,35 @@ def is_uri(s: str) -> bool:
     return str(s).startswith(URI_SCHEMES)
 
 
+def _local_of(s: str) -> str:
+    """A source as analyze reads it: a file:// URI as its local path (export reads file:// too); any other URI as
+    given, refused where DuckDB cannot read it (hdfs://, abfs://) or it names no bucket (a bare s3://). Path() made
+    `file:///x` "file:/x", then "no such run directory", the URI mangled."""
+    from urllib.parse import unquote, urlsplit  # noqa: PLC0415
+
+    if "://" not in s:
+        return s
+    parts = urlsplit(s)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise FleetError(f"{s}: a file:// URI of another host ({parts.netloc}); give the folder as this machine "
+                             "sees it (file:///path or /path)")
+        return unquote(parts.path)
+    if not is_uri(s):
+        raise FleetError(f"{s}: analyze reads local folders and {', '.join(URI_SCHEMES)} URIs (DuckDB), not "
+                         f"{parts.scheme}://; copy the dataset to a local folder, or read its rows with `powerprof "
+                         "export`, which reads hdfs://, abfs:// and file:// through pyarrow")
+    if not parts.netloc:
+        raise FleetError(f"{s}: names no bucket or host; give the daemon dataset's folder, e.g. "
+                         f"{parts.scheme}://BUCKET/powerprof/gpu-node-01")
+    return s
+
+
 def expand_sources(sources) -> list[str]:
-    """Local globs expanded (sorted), URIs kept as given (DuckDB globs them remotely)."""
+    """Local globs expanded (sorted), URIs kept as given (DuckDB globs them remotely), file:// read as local."""
     out: list[str] = []
     for s in sources:
-        s = str(s)
+        s = _local_of(str(s))
         if is_uri(s):
             out.append(s.rstrip("/"))
         elif glob.has_magic(s):
@@ -51,6 +76,8 @@ def expand_sources(sources) -> list[str]:
 
             if (why := path_problem(s)) is not None:  # an OSError traceback from is_dir() ("File name too long")
                 raise FleetError(f"{s}: {why}")
+            if not os.path.lexists(s):  # beside a dataset, the dataset's refusal was said and this path never named
+                raise FleetError(f"{s}: no such run directory or daemon data folder")
             out.append(s)
     for s in out:
         if (why := run_and_dataset(s)) is not None:
@@ -70,6 +97,22 @@ def is_daemon_dataset(path: str) -> bool:
     return p.is_dir() and any((p / d).is_dir() for d in ("requests", "intervals"))
 
 
+def fleet_folder_refusal(path, command: str) -> str | None:
+    """The refusal of a local folder that is no daemon dataset but holds some (a fleet's folder, one dataset per node,
+    as docs/fleet.md lays them out), naming them and the glob to give `command` (analyze, or export with its options).
+    `export` of it read each node as one table, every table's columns mixed, exit 0. None for any other folder."""
+    p = Path(path)
+    try:
+        nodes = sorted(d.name for d in p.iterdir() if d.is_dir() and is_daemon_dataset(str(d))) \
+            if p.is_dir() and not is_daemon_dataset(str(p)) else []
+    except OSError:  # a folder it may not read: the message it would have given stands
+        nodes = []
+    if not nodes:
+        return None
+    return (f"{path} holds daemon datasets ({', '.join(nodes[:3])}{', ...' if len(nodes) > 3 else ''}), not a "
+            f"sweep's run: give them, or all as a glob: powerprof {command} '{path}/*' (docs/fleet.md)")
+
+
 def run_and_dataset(path: str) -> str | None:
     """The refusal of a local folder that holds both a sweep's run and a daemon's datasets (a daemon once given a run
     directory as its data dir): `analyze` read it as the daemon's and `export` as the run's, each leaving the other
@@ -79,6 +122,47 @@ def run_and_dataset(path: str) -> str | None:
     return (f"{path} holds both a sweep's run (run.json or windows.parquet) and a daemon's datasets (requests/, "
             "intervals/): read as either, the other's rows would be left out; move one of them to a folder of its own "
             "and give each apart")
+
+
+# Columns that make a file of these names one of `analyze`'s own fleet summaries (any version's): replaced by the next.
+OUT_FILES = {"fleet.parquet": {"host", "requests", "gpu_energy_j", "gpu_j_per_token"},
+             "fleet_tags.parquet": {"host", "name", "windows", "counted_windows"}}
+
+
+def out_taken(out: Path) -> str | None:
+    """Why `--out` cannot take this summary: it holds a file of OUT_FILES' names that no fleet analysis wrote (a
+    person's notes, which was replaced unsaid). An earlier summary is no reason: replaced whole, as a sweep's
+    re-analysis replaces its own files (docs/fleet.md). None: the folder may take it."""
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    foreign = []
+    for name, cols in OUT_FILES.items():
+        f = out / name
+        if not (f.exists() or f.is_symlink()):
+            continue
+        try:
+            ours = f.is_file() and not f.is_symlink() and cols <= set(pq.read_schema(f).names)
+        except (OSError, pa.ArrowException):  # not Parquet at all
+            ours = False
+        if not ours:
+            foreign.append(name)
+    if not foreign:
+        return None
+    return (f"{out} holds {' and '.join(foreign)}, which {'is' if len(foreign) == 1 else 'are'} no powerprof fleet "
+            "summary and this analysis would replace; give another folder with --out, or remove it first")
+
+
+def write_out(out: Path, table: pa.Table, tags: pa.Table) -> None:
+    """fleet.parquet and, where a tag window was recorded, fleet_tags.parquet in `out`: an earlier call's
+    fleet_tags.parquet goes first, so the two in the folder are never from two calls (a node without tags analysed
+    over one with them left the other's tags beside the new summary)."""
+    from powerprof.storage.runs import atomic_write_table  # noqa: PLC0415
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fleet_tags.parquet").unlink(missing_ok=True)
+    atomic_write_table(out / "fleet.parquet", table)
+    if tags.num_rows:
+        atomic_write_table(out / "fleet_tags.parquet", tags)
 
 
 def table_files(sources: list[str], table: str) -> list[str]:

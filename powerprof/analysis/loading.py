@@ -237,7 +237,7 @@ def _daemon_dataset_hint(path: Path) -> str | None:
     DIR/requests` said "windows.parquet is missing", and a dataset beside sweep runs the same. None: neither."""
     from powerprof.storage.schema import DAEMON_DATASETS
 
-    from .fleet import is_daemon_dataset
+    from .fleet import fleet_folder_refusal, is_daemon_dataset
 
     if is_daemon_dataset(str(path)):
         return (f"{path} is a daemon dataset, not a sweep's run: analyze it on its own (powerprof analyze {path}: "
@@ -250,14 +250,7 @@ def _daemon_dataset_hint(path: Path) -> str | None:
                     f"the dataset folder: powerprof analyze {root} (the per-host summary; powerprof export {root} "
                     "--format csv for its rows)")
     # A fleet's folder, one dataset per node in it (docs/fleet.md): "windows.parquet is missing" told nothing.
-    try:
-        nodes = sorted(p.name for p in path.iterdir() if p.is_dir() and is_daemon_dataset(str(p))) if path.is_dir() else []
-    except OSError:  # a folder it may not read: the message it would have given stands
-        nodes = []
-    if nodes:
-        return (f"{path} holds daemon datasets ({', '.join(nodes[:3])}{', ...' if len(nodes) > 3 else ''}), not a "
-                f"sweep's run: give them, or all as a glob: powerprof analyze '{path}/*' (docs/fleet.md)")
-    return None
+    return fleet_folder_refusal(path, "analyze")
 
 
 def _gpu_count(meta: dict) -> int | None:
