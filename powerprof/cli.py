@@ -666,153 +666,44 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     Reads the daemon's /metrics every tick; sets levels through the controller (the original limit
     comes back on every exit; `powerprof restore` after kill -9). SIGUSR1: back to the reference and
     hold, persisted until `tune --resume`."""
-    import signal as _signal
-    import threading
-    import time as _time
+    # SIGUSR1 is the kill switch from here on (and from powerprof.entry's recorder before, whose catch it takes on): by
+    # default it would end the process, and systemd would restart it tuning, the kill lost.
+    from powerprof.tuner.runner import KillSwitch
 
-    from prometheus_client import CollectorRegistry
+    early_kill = KillSwitch()
+    early_kill.install()
 
     from powerprof import termination
     from powerprof.control.errors import ControlError
-    from powerprof.control.levels import LevelError
     from powerprof.paths import state_dir
     from powerprof.rig import Rig
-    from powerprof.tuner.observe import SCRAPE_DEADLINE_S, ObserveError, fetch_metrics, loopback_reason, parse_counters
-    from powerprof.tuner.policy import TunerConfigError
-    from powerprof.tuner.runner import KillSwitch, OutDirError, TuneRunner, install_kill_switch
-    from powerprof.tuner.setup import (check_bounds, check_out_dir, check_root_folder, gpu_problem, kill_file, load_table,
-                                       make_config, slo_warnings)
+    from powerprof.tuner import session
+    from powerprof.tuner.runner import OutDirError
 
-    # SIGUSR1 is the kill switch from here on (and from powerprof.entry's recorder before, whose catch it takes on): by
-    # default it would end the process, and systemd would restart it tuning, the kill lost.
-    early_kill = KillSwitch()
-    early_kill.install()
-    why = loopback_reason(metrics_url)
-    if why:
-        raise click.UsageError(why)
+    def say(line: str) -> None:
+        click.echo(line, err=True)
+
     try:
-        table = load_table(config_path)
-    except TunerConfigError as e:
+        table = session.read_settings(metrics_url, config_path, levels=levels, reference=reference,
+                                      tpot_p95_ms=tpot_p95_ms, ttft_p95_ms=ttft_p95_ms, dry_run=dry_run)
+    except session.TuneUsageError as e:
         raise click.UsageError(str(e)) from None
-    overrides = {k: v for k, v in (("tpot_p95_ms", tpot_p95_ms), ("ttft_p95_ms", ttft_p95_ms)) if v is not None}
-    if dry_run:
-        overrides["dry_run"] = True
-    table = {**table, **overrides}
-    if levels is not None:
-        table["levels"] = levels
-    if reference is not None:
-        table["reference"] = reference
     gpus = gpus or [0]
     default_out = out_dir is None
     out_dir = out_dir if out_dir is not None else state_dir() / "tuner"
-    stop = threading.Event()
-    caught: list[int] = []
 
     with Rig(simulate, gpus=gpus) as rig:
-        if (why := gpu_problem(rig.nvml)) is not None:
-            raise click.ClickException(why)
-        if any(isinstance(g, str) for g in gpus):  # UUIDs (a MIG instance stands for its GPU): the NVML indexes
-            try:
-                src = rig.sources
-            except ValueError as e:
-                raise click.UsageError(str(e)) from None
-            if src.nvml is None:
-                raise click.UsageError(f"--gpus {','.join(map(str, gpus))}: no GPU could be opened")
-            for p in src.problems:
-                if "MIG" in p.message:
-                    click.echo(f"note: {p.message}", err=True)
-            gpus = list(src.nvml.indexes)
         # Everything the user gave is checked before a controller opens (exit 2, nothing changed, no restart loop).
         try:
-            def plan_levels(knob, spec):
-                p = rig.plan(gpus, power_levels=spec) if knob == "power" else rig.plan(gpus, clock_levels=spec)
-                return list(p.power_levels_w) if knob == "power" else list(p.clock_levels_mhz)
-
-            cfg = make_config(table, plan_levels)
-            check_bounds(cfg)
-            for w in slo_warnings(cfg):
-                click.echo(f"warning: {w}", err=True)
-            check_out_dir(out_dir, parents=default_out)
-            if not cfg.dry_run:  # the kill switch's file, beside the controller's locks and restore files
-                check_root_folder(kill_file().parent, "state folder")
-                early_kill.arm(kill_file())
-            uuids = [d.uuid for d in rig.plan(gpus).devices]
-        except (TunerConfigError, LevelError) as e:
+            run = session.prepare(rig, table, metrics_url=metrics_url, gpus=gpus, out_dir=out_dir,
+                                  default_out=default_out, metrics_port=metrics_port, resume=resume,
+                                  early_kill=early_kill, say=say)
+        except session.TuneUsageError as e:
             raise click.UsageError(str(e)) from None
-        registry = CollectorRegistry()
-        if metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            try:
-                start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
-            except OSError as e:
-                raise click.UsageError(f"--metrics-port {metrics_port}: {e.strerror or e}") from None
-
-        # Every decision (explore, back-off, kill, stop) as one line on stderr: root's journal under systemd, beside the
-        # dataset and /metrics. Without a handler only warnings reached stderr, through logging's last resort.
-        import logging
-
-        from powerprof.daemon.service import log_format
-
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(log_format()))
-        tune_log = logging.getLogger("powerprof.tune")
-        tune_log.addHandler(handler)
-        tune_log.setLevel(logging.INFO)
-        tune_log.propagate = False
-
-        def run_tuner(ctl):
-            runner = TuneRunner(cfg, lambda: parse_counters(fetch_metrics(metrics_url), _time.monotonic()), ctl=ctl,
-                                gpus=gpus, out_dir=out_dir, registry=registry, gpu_uuids=uuids,
-                                kill_path=None if cfg.dry_run else kill_file(), clear_kill=resume,
-                                kill_requested=early_kill.requested)
-            install_kill_switch(runner)
-            for note in rig.notes:
-                click.echo(f"NOTE: {note}", err=True)
-            click.echo(f"tuning GPUs {','.join(map(str, gpus))}: levels {', '.join(f'{x:g}' for x in cfg.levels)} "
-                       f"{cfg.unit}, reference {cfg.reference:g}{' (dry run: recommendations only)' if cfg.dry_run else ''}",
-                       err=True)
-            if cfg.reference != cfg.levels[-1]:
-                click.echo(f"WARNING: the reference {cfg.reference:g} {cfg.unit} is not the highest level: back-offs, "
-                           "faults and the kill switch go to it", err=True)
-            # One read now: a wrong --daemon-metrics said nothing until the first tick (10 s), and then only in
-            # the dataset. Not an error: under systemd the daemon may still be starting.
-            # In a thread, as the runner reads: headers dripped slowly could hold a read past its deadline.
-            probe: list = []
-
-            def read_once():
-                try:
-                    parse_counters(fetch_metrics(metrics_url), _time.monotonic())
-                except ObserveError as e:
-                    probe.append(e)
-
-            reader = threading.Thread(target=read_once, daemon=True, name="tune-first-read")
-            reader.start()
-            reader.join(SCRAPE_DEADLINE_S + 1)
-            if reader.is_alive():
-                probe.append(ObserveError(f"{metrics_url} did not answer within {SCRAPE_DEADLINE_S + 1:g} s"))
-            if probe:
-                runner.say_read(probe[0])
-            runner.run(stop, duration_s)
-
+        except session.TuneRefused as e:
+            raise click.ClickException(str(e)) from None
         try:
-            if cfg.dry_run:
-                # Nothing will be set: no controller, no lock, no permission needed. A signal stops the run and
-                # exits 128+signal, as the controller does when it holds the GPUs.
-                def on_signal(signum, _frame):
-                    caught.append(signum)
-                    # Not stop.set() here: the main thread may hold the Event's lock inside stop.wait()
-                    # when the signal lands (the lock is not reentrant: a deadlock). A thread waits for it.
-                    threading.Thread(target=stop.set, daemon=True).start()
-
-                for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP) + termination.EXTRA_END_SIGNALS:
-                    _signal.signal(sig, on_signal)
-                run_tuner(None)
-            else:
-                with rig.controller(gpus) as ctl:
-                    run_tuner(ctl)
-                if back := rig.restored_line(clocks=cfg.knob != "power"):
-                    click.echo(back, err=True)  # a normal stop (--duration) said nothing of the GPUs
+            run.run(duration_s)
         except ControlError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(1)
@@ -838,8 +729,8 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
             # does (SIGQUIT once ended the tuner silently with the GPU capped).
             click.echo(f"{_stopped_how(e)}: the original limits are back", err=True)
             raise
-    if caught:
-        sys.exit(128 + caught[0])
+    if run.caught:
+        sys.exit(128 + run.caught[0])
 
 
 # Options measure and sweep share: one definition, one default.
