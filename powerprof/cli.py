@@ -438,164 +438,29 @@ def _print_devices(info):
 @simulate_option
 def monitor(duration, interval, output, force, recover, gpus, plain, as_json, rapl_backend, simulate):
     """Live view once per interval: GPU name, load, memory, power and temperature with bars; clocks, energy, reasons; CPU power."""
-    import json
-
-    from rich.console import Console
-    from rich.live import Live
-
     from powerprof import monitor as mon
-    from powerprof.storage.samples import SampleSpool, Timeline, check_output_path, parts_dir_for
 
     if plain and as_json:  # --json won unsaid: one output form a run
         raise click.UsageError("--plain and --json are two forms of the same output: give one")
-    if recover is not None:
-        if output is not None:
-            raise click.UsageError("--recover FILE samples nothing: give it without --output")
-        _recover_monitor_output(recover, force)
-        return
-    if output is not None:
-        from powerprof.paths import output_file_refusal
-
-        # The write at the end replaced an earlier run's samples without a word; --force, a FIFO or a device.
-        if (why := output_file_refusal(output, force, "samples of an earlier run?")) is not None:
-            raise click.BadParameter(why, param_hint="--output")
-        try:
-            check_output_path(output)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--output") from None
-        from powerprof.trust import out_dir_refusal
-
-        # Joined, not normalised (never abspath): `link/../f` is checked through `link`, as the kernel will write it.
-        why = out_dir_refusal(Path(os.path.join(os.getcwd(), output)).parent, "folder", "--output FILE")
-        if why:  # as root (sudo for RAPL): FILE.parts/, its parts and FILE are made there by names known in advance
-            raise click.BadParameter(why, param_hint="--output")
-        parts = parts_dir_for(output)
-        if os.path.lexists(parts):
-            # A monitor of this name that could not finish (kill -9, OOM, power cut) left its samples there;
-            # --force replaces the file, never them.
-            raise click.BadParameter(f"{parts} exists: the samples of a monitor --output {output} that was killed "
-                                     "before it could combine them (kill -9, out of memory, power cut), readable as "
-                                     f"a Parquet folder; combine them into {output} first with `powerprof monitor "
-                                     f"--recover {output}`, or move the folder away", param_hint="--output")
-    console = Console()
-    with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
-        src = rig.sources
-        timeline = Timeline(gpu_uuids=src.gpu_uuids)
-        for p in src.problems:
-            click.secho(f"problem ({p.source}): {p.message}", fg="yellow", err=True)
-        if not src.collectors:
-            raise click.ClickException("nothing to monitor")
-        for note in mon.interval_notes(src, interval):
-            click.echo(f"note: {note}", err=True)
-        from powerprof import pipes, termination
-
-        stopped = None
-        pipe_closed = False
-        spool = None
-        if output is not None:
-            meta = {"powerprof_command": "monitor", "simulated": str(rig.simulated).lower(),
-                    "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
-                                        for i in (src.nvml.infos if src.nvml else [])])}
-            try:
-                # Written as they come (FILE.parts/), so a kill -9 keeps all but the last seconds.
-                spool = SampleSpool(timeline, output, meta).start()
-            except FileExistsError:
-                raise click.BadParameter(f"{parts_dir_for(output)} appeared meanwhile (another monitor of that name)",
-                                         param_hint="--output") from None
-        try:
-            with _signals_raise():  # SIGTERM/SIGHUP (kill, timeout, a closed terminal) keep the samples as Ctrl-C does
-                if as_json:
-                    mon.run_monitor(src, interval, duration, timeline=timeline, keep=output is not None,
-                                    on_tick=lambda k, rows: click.echo(mon.json_line(k, rows, interval)))
-                elif console.is_terminal and not plain:
-                    with Live(console=console, auto_refresh=False) as live:
-                        mon.run_monitor(
-                            src, interval, duration, timeline=timeline, keep=output is not None,
-                            on_tick=lambda k, rows: live.update(mon.render(k, rows, interval), refresh=True),
-                        )
-                else:
-                    mon.run_monitor(
-                        src, interval, duration, timeline=timeline, keep=output is not None,
-                        on_tick=lambda k, rows: [click.echo(line) for line in mon.lines(k, rows, interval)],
-                    )
-        except ValueError as e:  # e.g. an interval too long for the RAPL counters' wrap period
-            if spool is not None and spool.abandon():
-                pipes.echo_err(f"the samples taken so far are in {spool.parts_dir} (a Parquet folder)")
-            raise click.UsageError(str(e)) from None
-        except KeyboardInterrupt:
-            pipes.echo_err("interrupted")  # still write what was sampled (a `2>&1 | head` is gone too)
-        except termination.Terminated as e:
-            stopped = e
-            pipes.echo_err(_stopped_how(e))  # still write what was sampled, then exit 128 + signum
-        except BrokenPipeError:
-            if not pipes.silence_closed():
-                raise
-            pipe_closed = True  # the reader has gone (`| head -3`): stop, still write what was sampled
-        except BaseException:
-            if spool is not None and spool.abandon():
-                pipes.echo_err(f"the samples taken so far are in {spool.parts_dir} (a Parquet folder)")
-            raise
-        if spool is not None:
-            # Checked at the start only: a file made there since (another monitor of that name) is kept.
-            with termination.exits_held() as late:  # a Ctrl-C while the parts are combined waits for the file
-                path, rows = spool.close(replace=force)
-            if late and stopped is None and isinstance(termination.exit_for(late[0]), termination.Terminated):
-                stopped = termination.exit_for(late[0])  # SIGTERM/SIGHUP: 128 + signal; a Ctrl-C ends as one does, exit 0
-            if Path(path) != Path(output):
-                pipes.echo_err(f"{output} appeared while monitor ran and is kept; the samples went beside it")
-            # Rows, as the file holds them: one read of RAPL gives a row per zone.
-            pipes.echo_err(f"wrote {rows} rows ({spool.reads} reads) to {path}")
-            if spool.left:  # put there while it ran, by someone else: kept
-                pipes.echo_err(f"left: {spool.left} other file{'s' if spool.left != 1 else ''} in {spool.parts_dir}, "
-                               "not written by monitor")
-    if stopped is not None:
-        raise stopped
-    if pipe_closed:
-        sys.exit(pipes.EXIT_PIPE)
-
-
-def _recover_monitor_output(output: str, force: bool) -> None:
-    """`monitor --recover FILE`: the parts of a killed `monitor --output FILE` as FILE, then the parts removed."""
-    from powerprof import pipes
-    from powerprof.storage.samples import RecoverError, check_output_path, parts_dir_for, recover_parts
-    from powerprof.trust import out_dir_refusal
-
-    from powerprof.paths import output_file_refusal
-
-    # A FIFO, a device or a symlink at FILE is refused even with --force (the rename would replace it by a file).
-    if (why := output_file_refusal(output, True, "")) is not None:
-        raise click.BadParameter(why, param_hint="--recover")
+    if recover is not None and output is not None:
+        raise click.UsageError("--recover FILE samples nothing: give it without --output")
     try:
-        check_output_path(output)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--recover") from None
-    parts = parts_dir_for(output)
-    # FILE's folder as --output checks it (a folder root writes FILE in: not root's sticky /tmp), then the parts.
-    why = (out_dir_refusal(Path(os.path.join(os.getcwd(), output)).parent, "folder", "--recover FILE")
-           or out_dir_refusal(parts, "the parts folder", "--recover FILE"))
-    if why:  # as root: the lock, FILE and the parts' removal are names another user could point elsewhere
-        raise click.BadParameter(why, param_hint="--recover")
-    if not parts.is_dir():
-        raise click.BadParameter(f"{parts} does not exist: nothing to recover (a killed monitor --output {output} "
-                                 "leaves its samples there)", param_hint="--recover")
-    if os.path.lexists(output) and not force:
-        raise click.BadParameter(f"{output} exists (samples of an earlier run?); choose another name for the "
-                                 f"recovered samples (move {parts} beside it), or --force to replace it",
-                                 param_hint="--recover")
-    try:
-        path, rows, left = recover_parts(output, replace=force)
-    except FileExistsError:  # made while the parts were combined
-        raise click.ClickException(f"{output} appeared while the parts were combined and is kept; so are the parts "
-                                   f"({parts})") from None
-    except RecoverError as e:
+        if recover is not None:
+            mon.recover_output(recover, force)
+            return
+        if output is not None:
+            mon.check_output(output, force)
+        with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
+            ending = mon.watch(rig, interval, duration, output, force, plain, as_json, echo=click.echo,
+                               warn=lambda line: click.secho(line, fg="yellow", err=True))
+    except mon.OptionRefused as e:
+        raise click.BadParameter(str(e), param_hint=e.option) from None
+    except mon.MonitorUsageError as e:
+        raise click.UsageError(str(e)) from None
+    except mon.MonitorError as e:
         raise click.ClickException(str(e)) from None
-    except OSError as e:
-        raise click.ClickException(f"cannot write {output}: {e.strerror or e}; the parts are kept ({parts})") from None
-    if left:  # a file in the folder that no monitor wrote (the user's notes): kept, and the folder with it
-        pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}: its parts removed; left: {left} other "
-                       f"file{'s' if left != 1 else ''} in {parts}, not written by monitor)")
-    else:
-        pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}, now removed)")
+    if ending is not None:  # a signal's 128 + n, a closed stdout's 141: raised once the rig is closed
+        raise ending
 
 
 # --- control: power-limit and clock restore ------------------------------------------------
@@ -1533,30 +1398,17 @@ def _check_trace_options(ctx, trace_path) -> None:
             raise click.UsageError(f"only used with --trace: {', '.join(bad)} (to limit a level's time, use --max-time)")
 
 
-@contextlib.contextmanager
 def _signals_raise():
-    """SIGTERM and SIGHUP raise termination.Terminated inside, as Ctrl-C raises KeyboardInterrupt, so the
-    caller can clean up and say what was kept; their earlier handlers are back afterwards."""
-    import signal
-
+    """termination.signals_raise, imported when a command uses it (asyncio at every start otherwise)."""
     from powerprof import termination
 
-    def on_signal(signum, _frame):
-        termination.note(signum)
-        raise termination.Terminated(signum)
-
-    held = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP) + termination.EXTRA_END_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, h in held.items():
-            signal.signal(sig, h)
+    return termination.signals_raise()
 
 
 def _stopped_how(e: BaseException) -> str:
-    import signal
+    from powerprof import termination
 
-    return "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {signal.Signals(e.signum).name}"
+    return termination.stopped_how(e)
 
 
 @contextlib.contextmanager
