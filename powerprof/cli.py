@@ -849,103 +849,40 @@ def _load_trace(trace_path, time_scale, duration_s):
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_header, as_json):
     """Drive a server with a trace's arrival times and token counts (Azure CSV or JSONL); latency and throughput."""
-    import json
-
     from powerprof import termination
     from powerprof.rig import Rig
-    from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server, new_session
+    from powerprof.workload.client import ServerUnreachable
     from powerprof.workload.launcher import LaunchError
-    from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch
-    from powerprof.workload.replay import (LATE_NOTE_S, away_record, cut_short, few_for_p95, replay_async, summarize,
-                                           trace_notes)
+    from powerprof.workload.replay import TraceReplay
 
     if bool(url) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
     if launch and not url:
         raise click.UsageError("--launch needs --server URL: where the launched server will listen")
     trace = _load_trace(trace_path, time_scale, duration_s)
-    done: list = []  # finished requests, kept when a signal stops the replay
-    found: list = []  # the server, once detected
-
-    watch: list = []  # the server's books against the replay's own (workload/others.py)
-
-    async def go(base):
-        async with new_session() as s:
-            found.append(await detect_server(s, base, api))
-            # Said once the server answers: said before, it read as started to a user whose server was not there.
-            click.echo(f"replaying {len(trace)} request(s) over {trace[-1].t_s:.1f} s (Ctrl-C stops it and reports "
-                       "those finished)", err=True)
-            # A replay's requests overlap: the server's books are compared over the whole replay, as one batch.
-            others = OthersWatch(s, found[0].base_url, kind=found[0].kind)
-            await others.begin()
-            recs = await replay_async(s, found[0], trace, RequestParams(), tag_header, done=done)
-            watch.append((others, await others.judge([r.record for r in recs])))
-            return found[0], recs
-
-    stopped = None
+    rp = TraceReplay(trace, api, tag_header, say=lambda line: click.echo(line, err=True))
     try:
         with _signals_raise(), Rig(simulate, host=False) as rig, rig.server(url, launch) as base:
-            server, records = termination.run(go(base))
+            rp.run(base)
     except (ServerUnreachable, LaunchError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except (KeyboardInterrupt, termination.Terminated) as e:
         # Click turned Ctrl-C into "Aborted!" and exit 1, and every finished request's figures were lost.
-        stopped = e
-        if not done or not found:
+        rp.stopped = e
+        if not rp.finished_any():
             _stop_exit(f"{_stopped_how(e)} before any request finished: nothing to report",
                        130 if isinstance(e, KeyboardInterrupt) else e.code)
-        server, records = found[0], sorted(done, key=lambda r: r.index)
-    sm = summarize(records)
-    notes = trace_notes(trace)
-    away = away_record(records)
-    if sm.count_problems:
-        from powerprof.arrival import fix_for
-
-        notes.append(f"the token figures are the server's own counts, and for {sm.count_problems} of {sm.ok} "
-                     f"requests they contradict its stream ({sm.count_problem}); fix: {fix_for(sm.count_problem)}")
-    if sm.late_p95_s > LATE_NOTE_S:
-        notes.append(f"requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the trace's pace")
-    if cut_short(records):
-        notes.append(cut_short(records))
-    if sm.ok and few_for_p95(sm.ok):
-        notes.append(few_for_p95(sm.ok))
-    foreign = None
-    if watch:
-        others, why = watch[0]
-        if why:
-            foreign = {"reason": why, **others.record(),
-                       "message": f"others' work ran beside the replay ({FOREIGN_FLAG}): {why}; its latencies and "
-                                  "throughput hold their queueing and their tokens' steps, not the trace's traffic "
-                                  f"alone; fix: {FOREIGN_FIX}"}
-            notes.insert(0, foreign["message"])
-        notes.extend(others.cannot)
+    report = rp.report()
     if as_json:
-        click.echo(_json_text({"server": server.meta(), **sm.to_dict(), "notes": notes, "server_away": away,
-                               "foreign_traffic": foreign,
-                               "interrupted": None if stopped is None else {"requests_planned": len(trace)}}, indent=2))
+        click.echo(_json_text(report.to_dict(), indent=2))
     else:
-        def f(v):
-            return "-" if v is None else f"{v:.3f}"
-
-        click.echo(f"server: {server.kind} ({server.api})" + (" [simulated]" if server.simulated else ""))
-        click.echo(f"requests: {sm.ok} ok, {sm.failed} failed, in {sm.duration_s:.1f} s; "
-                   f"{sm.generated_tokens} token{'' if sm.generated_tokens == 1 else 's'} generated ({sm.generated_tokens / sm.duration_s if sm.duration_s else 0:.1f}/s), "
-                   f"{sm.prompt_tokens} prompt tokens")
-        click.echo(f"TTFT p50 {f(sm.ttft_p50_s)} s, p95 {f(sm.ttft_p95_s)} s; latency p50 {f(sm.latency_p50_s)} s, "
-                   f"p95 {f(sm.latency_p95_s)} s; time per output token p50 {f(sm.tpot_p50_s)} s")
-        for n in notes:
-            click.echo(f"note: {n}")
-    if stopped is not None:
-        click.echo(f"{_stopped_how(stopped)}: the figures are over the {sm.n} of {len(trace)} requests that had finished "
-                   "(those in flight were cut and left out, the rest never sent)", err=True)
-        sys.exit(130 if isinstance(stopped, KeyboardInterrupt) else stopped.code)
-    if away is not None:
-        raise click.ClickException(away["message"])
-    if sm.failed:
-        errs = sorted({r.record.error for r in records if not r.record.ok})[:3]
-        raise click.ClickException(f"{sm.failed} of {sm.n} requests failed: " + "; ".join(e or "?" for e in errs))
-    if foreign is not None:
-        raise click.ClickException(f"the figures above are not the trace's alone: {foreign['message']}")
+        for line in report.lines():
+            click.echo(line)
+    if report.stopped is not None:
+        click.echo(report.stopped_line(_stopped_how(report.stopped)), err=True)
+        sys.exit(130 if isinstance(report.stopped, KeyboardInterrupt) else report.stopped.code)
+    if (why := report.error()) is not None:
+        raise click.ClickException(why)
 
 
 @main.command("trace")
