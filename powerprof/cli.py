@@ -723,56 +723,37 @@ def measure(url, simulate, gpus, out_dir, n_requests, concurrency, warmup, launc
     except (KeyboardInterrupt, termination.Terminated) as e:
         # Stopped before any measured request had finished (during start-up, warm-up or the first batch), or before
         # the look under load had checked the first batch: a stop later keeps the finished batches and is reported by
-        # _measure_stop_line.
+        # MeasureResult.stop_line.
         why = getattr(e, "nothing_kept_why", None) or ("no measured request had finished, or the look at the "
                                                        "server's GPUs after the first batch had not answered")
         _stop_exit(f"{_stopped_how(e)}: nothing was written to {out} ({why}); nothing was changed",
                    130 if isinstance(e, KeyboardInterrupt) else e.code)
     stop_code = None if res.stopped is None else (130 if isinstance(res.stopped, KeyboardInterrupt) else res.stopped.code)
     if as_json:
-        import json
-
         click.echo(_json_text(res.to_dict(), indent=2))
         if res.write_error:
             raise click.ClickException(res.write_error)
         if stop_code is not None:
-            click.echo(_measure_stop_line(res), err=True)
+            click.echo(res.stop_line(), err=True)
             sys.exit(stop_code)
         if res.excluded is not None and not any(m.n_trusted for m in res.summaries):
             click.echo(f"Error: no window could be trusted: {res.excluded.message()}", err=True)
             sys.exit(1)
         if res.foreign_traffic is not None and not any(m.n_trusted for m in res.summaries):
-            click.echo(f"Error: {_measure_all_foreign(res)}", err=True)
+            click.echo(f"Error: {res.all_foreign()}", err=True)
             sys.exit(1)
         if res.aborted:
             sys.exit(1)
         return
-    s = res.server
-    click.echo(f"server: {s.kind} ({s.api}) model={s.model} build={s.build_info}" + (" [simulated]" if s.simulated else ""))
-    for note in res.notes:
-        click.echo(f"note: {note}")
-
-    click.echo(MEASURE_HEADER)
-    short = {x["concurrency"]: f"  stopped early: {x['requests_kept']} of {x['requests_planned']} requests"
-             for x in (res.interrupted or {}).get("concurrencies", []) if x["requests_kept"] < x["requests_planned"]}
-    for m in res.summaries:
-        click.echo(measure_row(m) + short.get(m.concurrency, ""))
-    if any(m.concurrency > 1 for m in res.summaries):
-        # "8 ok, 2 used" read as 6 of 8 requests thrown away: above concurrency 1 a window is a whole batch.
-        click.echo("used windows: what each figure rests on, one per request at concurrency 1 and one per batch (its "
-                   "streams decoding at once) above it: 8 requests at concurrency 4 are 2 windows")
-    from powerprof.workload.measure import per_gpu_line
-
-    for m in res.summaries:  # a figure summed over several GPUs says what it sums (run.json per_gpu)
-        if (line := per_gpu_line(m)) is not None:
-            click.echo(line)
+    for line in res.lines():
+        click.echo(line)
     if res.write_error:
         raise click.ClickException(res.write_error)
     click.echo(f"windows: {res.out_path / 'windows.parquet'}")
     if stop_code is not None:
         if res.excluded is not None:
             click.echo(f"warning: {res.excluded.message()}", err=True)
-        click.echo(_measure_stop_line(res), err=True)
+        click.echo(res.stop_line(), err=True)
         sys.exit(stop_code)
     if res.aborted:
         if not any(m.n_ok for m in res.summaries):
@@ -784,40 +765,7 @@ def measure(url, simulate, gpus, out_dir, n_requests, concurrency, warmup, launc
             raise click.ClickException(f"no window could be trusted: {res.excluded.message()}")
         click.echo(f"warning: {res.excluded.message()}", err=True)
     if res.foreign_traffic is not None and not any(m.n_trusted for m in res.summaries):
-        raise click.ClickException(_measure_all_foreign(res))
-
-
-def _measure_all_foreign(res) -> str:
-    """Every window ran beside others' work: no figure stands (exit 1)."""
-    from powerprof.workload.others import FOREIGN_FIX
-
-    return (f"no window ran without others' work beside it ({res.foreign_traffic['concurrencies'][0]['first_reason']}), "
-            f"so there is no figure; fix: {FOREIGN_FIX}")
-
-
-MEASURE_HEADER = (f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used windows':>12} {'decode tok/s':>12} {'GPU J/tok':>10} "
-                  f"{'GPU+CPU J/tok':>13}   method")
-
-
-def measure_row(m) -> str:
-    """One concurrency's row under MEASURE_HEADER; a missing figure is a '-' in its own column."""
-
-    def fmt(v, width, spec):
-        # A bare "-" shifted the next figures left, under the wrong heading ("364.6 - -  none").
-        return f"{'-':>{width}}" if v is None else format(v, f"{width}{spec}")
-
-    return (f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>12} {fmt(m.decode_tok_s, 12, '.1f')} "
-            # '!': other processes used the host's CPU meanwhile, and RAPL counts their energy (the notes say how much).
-            f"{fmt(m.gpu_j_per_token, 10, '.3f')} {fmt(m.total_j_per_token, 13, '.3f')}{'!' if getattr(m, 'busy_host', False) else ' '}"
-            f"  {m.energy_method}")
-
-
-def _measure_stop_line(res) -> str:
-    """What a measurement stopped by a signal kept (its exit status follows)."""
-    how = _stopped_how(res.stopped)
-    if res.interrupted is None:
-        return f"{how} after the measurement was complete: all of it is in {res.out_path}; nothing was changed"
-    return f"{how}: {res.interrupted['message']}; written to {res.out_path} (run.json \"interrupted\"); nothing was changed"
+        raise click.ClickException(res.all_foreign())
 
 
 def _load_trace(trace_path, time_scale, duration_s):
