@@ -438,164 +438,29 @@ def _print_devices(info):
 @simulate_option
 def monitor(duration, interval, output, force, recover, gpus, plain, as_json, rapl_backend, simulate):
     """Live view once per interval: GPU name, load, memory, power and temperature with bars; clocks, energy, reasons; CPU power."""
-    import json
-
-    from rich.console import Console
-    from rich.live import Live
-
     from powerprof import monitor as mon
-    from powerprof.storage.samples import SampleSpool, Timeline, check_output_path, parts_dir_for
 
     if plain and as_json:  # --json won unsaid: one output form a run
         raise click.UsageError("--plain and --json are two forms of the same output: give one")
-    if recover is not None:
-        if output is not None:
-            raise click.UsageError("--recover FILE samples nothing: give it without --output")
-        _recover_monitor_output(recover, force)
-        return
-    if output is not None:
-        from powerprof.paths import output_file_refusal
-
-        # The write at the end replaced an earlier run's samples without a word; --force, a FIFO or a device.
-        if (why := output_file_refusal(output, force, "samples of an earlier run?")) is not None:
-            raise click.BadParameter(why, param_hint="--output")
-        try:
-            check_output_path(output)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--output") from None
-        from powerprof.trust import out_dir_refusal
-
-        # Joined, not normalised (never abspath): `link/../f` is checked through `link`, as the kernel will write it.
-        why = out_dir_refusal(Path(os.path.join(os.getcwd(), output)).parent, "folder", "--output FILE")
-        if why:  # as root (sudo for RAPL): FILE.parts/, its parts and FILE are made there by names known in advance
-            raise click.BadParameter(why, param_hint="--output")
-        parts = parts_dir_for(output)
-        if os.path.lexists(parts):
-            # A monitor of this name that could not finish (kill -9, OOM, power cut) left its samples there;
-            # --force replaces the file, never them.
-            raise click.BadParameter(f"{parts} exists: the samples of a monitor --output {output} that was killed "
-                                     "before it could combine them (kill -9, out of memory, power cut), readable as "
-                                     f"a Parquet folder; combine them into {output} first with `powerprof monitor "
-                                     f"--recover {output}`, or move the folder away", param_hint="--output")
-    console = Console()
-    with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
-        src = rig.sources
-        timeline = Timeline(gpu_uuids=src.gpu_uuids)
-        for p in src.problems:
-            click.secho(f"problem ({p.source}): {p.message}", fg="yellow", err=True)
-        if not src.collectors:
-            raise click.ClickException("nothing to monitor")
-        for note in mon.interval_notes(src, interval):
-            click.echo(f"note: {note}", err=True)
-        from powerprof import pipes, termination
-
-        stopped = None
-        pipe_closed = False
-        spool = None
-        if output is not None:
-            meta = {"powerprof_command": "monitor", "simulated": str(rig.simulated).lower(),
-                    "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
-                                        for i in (src.nvml.infos if src.nvml else [])])}
-            try:
-                # Written as they come (FILE.parts/), so a kill -9 keeps all but the last seconds.
-                spool = SampleSpool(timeline, output, meta).start()
-            except FileExistsError:
-                raise click.BadParameter(f"{parts_dir_for(output)} appeared meanwhile (another monitor of that name)",
-                                         param_hint="--output") from None
-        try:
-            with _signals_raise():  # SIGTERM/SIGHUP (kill, timeout, a closed terminal) keep the samples as Ctrl-C does
-                if as_json:
-                    mon.run_monitor(src, interval, duration, timeline=timeline, keep=output is not None,
-                                    on_tick=lambda k, rows: click.echo(mon.json_line(k, rows, interval)))
-                elif console.is_terminal and not plain:
-                    with Live(console=console, auto_refresh=False) as live:
-                        mon.run_monitor(
-                            src, interval, duration, timeline=timeline, keep=output is not None,
-                            on_tick=lambda k, rows: live.update(mon.render(k, rows, interval), refresh=True),
-                        )
-                else:
-                    mon.run_monitor(
-                        src, interval, duration, timeline=timeline, keep=output is not None,
-                        on_tick=lambda k, rows: [click.echo(line) for line in mon.lines(k, rows, interval)],
-                    )
-        except ValueError as e:  # e.g. an interval too long for the RAPL counters' wrap period
-            if spool is not None and spool.abandon():
-                pipes.echo_err(f"the samples taken so far are in {spool.parts_dir} (a Parquet folder)")
-            raise click.UsageError(str(e)) from None
-        except KeyboardInterrupt:
-            pipes.echo_err("interrupted")  # still write what was sampled (a `2>&1 | head` is gone too)
-        except termination.Terminated as e:
-            stopped = e
-            pipes.echo_err(_stopped_how(e))  # still write what was sampled, then exit 128 + signum
-        except BrokenPipeError:
-            if not pipes.silence_closed():
-                raise
-            pipe_closed = True  # the reader has gone (`| head -3`): stop, still write what was sampled
-        except BaseException:
-            if spool is not None and spool.abandon():
-                pipes.echo_err(f"the samples taken so far are in {spool.parts_dir} (a Parquet folder)")
-            raise
-        if spool is not None:
-            # Checked at the start only: a file made there since (another monitor of that name) is kept.
-            with termination.exits_held() as late:  # a Ctrl-C while the parts are combined waits for the file
-                path, rows = spool.close(replace=force)
-            if late and stopped is None and isinstance(termination.exit_for(late[0]), termination.Terminated):
-                stopped = termination.exit_for(late[0])  # SIGTERM/SIGHUP: 128 + signal; a Ctrl-C ends as one does, exit 0
-            if Path(path) != Path(output):
-                pipes.echo_err(f"{output} appeared while monitor ran and is kept; the samples went beside it")
-            # Rows, as the file holds them: one read of RAPL gives a row per zone.
-            pipes.echo_err(f"wrote {rows} rows ({spool.reads} reads) to {path}")
-            if spool.left:  # put there while it ran, by someone else: kept
-                pipes.echo_err(f"left: {spool.left} other file{'s' if spool.left != 1 else ''} in {spool.parts_dir}, "
-                               "not written by monitor")
-    if stopped is not None:
-        raise stopped
-    if pipe_closed:
-        sys.exit(pipes.EXIT_PIPE)
-
-
-def _recover_monitor_output(output: str, force: bool) -> None:
-    """`monitor --recover FILE`: the parts of a killed `monitor --output FILE` as FILE, then the parts removed."""
-    from powerprof import pipes
-    from powerprof.storage.samples import RecoverError, check_output_path, parts_dir_for, recover_parts
-    from powerprof.trust import out_dir_refusal
-
-    from powerprof.paths import output_file_refusal
-
-    # A FIFO, a device or a symlink at FILE is refused even with --force (the rename would replace it by a file).
-    if (why := output_file_refusal(output, True, "")) is not None:
-        raise click.BadParameter(why, param_hint="--recover")
+    if recover is not None and output is not None:
+        raise click.UsageError("--recover FILE samples nothing: give it without --output")
     try:
-        check_output_path(output)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--recover") from None
-    parts = parts_dir_for(output)
-    # FILE's folder as --output checks it (a folder root writes FILE in: not root's sticky /tmp), then the parts.
-    why = (out_dir_refusal(Path(os.path.join(os.getcwd(), output)).parent, "folder", "--recover FILE")
-           or out_dir_refusal(parts, "the parts folder", "--recover FILE"))
-    if why:  # as root: the lock, FILE and the parts' removal are names another user could point elsewhere
-        raise click.BadParameter(why, param_hint="--recover")
-    if not parts.is_dir():
-        raise click.BadParameter(f"{parts} does not exist: nothing to recover (a killed monitor --output {output} "
-                                 "leaves its samples there)", param_hint="--recover")
-    if os.path.lexists(output) and not force:
-        raise click.BadParameter(f"{output} exists (samples of an earlier run?); choose another name for the "
-                                 f"recovered samples (move {parts} beside it), or --force to replace it",
-                                 param_hint="--recover")
-    try:
-        path, rows, left = recover_parts(output, replace=force)
-    except FileExistsError:  # made while the parts were combined
-        raise click.ClickException(f"{output} appeared while the parts were combined and is kept; so are the parts "
-                                   f"({parts})") from None
-    except RecoverError as e:
+        if recover is not None:
+            mon.recover_output(recover, force)
+            return
+        if output is not None:
+            mon.check_output(output, force)
+        with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
+            ending = mon.watch(rig, interval, duration, output, force, plain, as_json, echo=click.echo,
+                               warn=lambda line: click.secho(line, fg="yellow", err=True))
+    except mon.OptionRefused as e:
+        raise click.BadParameter(str(e), param_hint=e.option) from None
+    except mon.MonitorUsageError as e:
+        raise click.UsageError(str(e)) from None
+    except mon.MonitorError as e:
         raise click.ClickException(str(e)) from None
-    except OSError as e:
-        raise click.ClickException(f"cannot write {output}: {e.strerror or e}; the parts are kept ({parts})") from None
-    if left:  # a file in the folder that no monitor wrote (the user's notes): kept, and the folder with it
-        pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}: its parts removed; left: {left} other "
-                       f"file{'s' if left != 1 else ''} in {parts}, not written by monitor)")
-    else:
-        pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}, now removed)")
+    if ending is not None:  # a signal's 128 + n, a closed stdout's 141: raised once the rig is closed
+        raise ending
 
 
 # --- control: power-limit and clock restore ------------------------------------------------
@@ -666,153 +531,44 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     Reads the daemon's /metrics every tick; sets levels through the controller (the original limit
     comes back on every exit; `powerprof restore` after kill -9). SIGUSR1: back to the reference and
     hold, persisted until `tune --resume`."""
-    import signal as _signal
-    import threading
-    import time as _time
+    # SIGUSR1 is the kill switch from here on (and from powerprof.entry's recorder before, whose catch it takes on): by
+    # default it would end the process, and systemd would restart it tuning, the kill lost.
+    from powerprof.tuner.runner import KillSwitch
 
-    from prometheus_client import CollectorRegistry
+    early_kill = KillSwitch()
+    early_kill.install()
 
     from powerprof import termination
     from powerprof.control.errors import ControlError
-    from powerprof.control.levels import LevelError
     from powerprof.paths import state_dir
     from powerprof.rig import Rig
-    from powerprof.tuner.observe import SCRAPE_DEADLINE_S, ObserveError, fetch_metrics, loopback_reason, parse_counters
-    from powerprof.tuner.policy import TunerConfigError
-    from powerprof.tuner.runner import KillSwitch, OutDirError, TuneRunner, install_kill_switch
-    from powerprof.tuner.setup import (check_bounds, check_out_dir, check_root_folder, gpu_problem, kill_file, load_table,
-                                       make_config, slo_warnings)
+    from powerprof.tuner import session
+    from powerprof.tuner.runner import OutDirError
 
-    # SIGUSR1 is the kill switch from here on (and from powerprof.entry's recorder before, whose catch it takes on): by
-    # default it would end the process, and systemd would restart it tuning, the kill lost.
-    early_kill = KillSwitch()
-    early_kill.install()
-    why = loopback_reason(metrics_url)
-    if why:
-        raise click.UsageError(why)
+    def say(line: str) -> None:
+        click.echo(line, err=True)
+
     try:
-        table = load_table(config_path)
-    except TunerConfigError as e:
+        table = session.read_settings(metrics_url, config_path, levels=levels, reference=reference,
+                                      tpot_p95_ms=tpot_p95_ms, ttft_p95_ms=ttft_p95_ms, dry_run=dry_run)
+    except session.TuneUsageError as e:
         raise click.UsageError(str(e)) from None
-    overrides = {k: v for k, v in (("tpot_p95_ms", tpot_p95_ms), ("ttft_p95_ms", ttft_p95_ms)) if v is not None}
-    if dry_run:
-        overrides["dry_run"] = True
-    table = {**table, **overrides}
-    if levels is not None:
-        table["levels"] = levels
-    if reference is not None:
-        table["reference"] = reference
     gpus = gpus or [0]
     default_out = out_dir is None
     out_dir = out_dir if out_dir is not None else state_dir() / "tuner"
-    stop = threading.Event()
-    caught: list[int] = []
 
     with Rig(simulate, gpus=gpus) as rig:
-        if (why := gpu_problem(rig.nvml)) is not None:
-            raise click.ClickException(why)
-        if any(isinstance(g, str) for g in gpus):  # UUIDs (a MIG instance stands for its GPU): the NVML indexes
-            try:
-                src = rig.sources
-            except ValueError as e:
-                raise click.UsageError(str(e)) from None
-            if src.nvml is None:
-                raise click.UsageError(f"--gpus {','.join(map(str, gpus))}: no GPU could be opened")
-            for p in src.problems:
-                if "MIG" in p.message:
-                    click.echo(f"note: {p.message}", err=True)
-            gpus = list(src.nvml.indexes)
         # Everything the user gave is checked before a controller opens (exit 2, nothing changed, no restart loop).
         try:
-            def plan_levels(knob, spec):
-                p = rig.plan(gpus, power_levels=spec) if knob == "power" else rig.plan(gpus, clock_levels=spec)
-                return list(p.power_levels_w) if knob == "power" else list(p.clock_levels_mhz)
-
-            cfg = make_config(table, plan_levels)
-            check_bounds(cfg)
-            for w in slo_warnings(cfg):
-                click.echo(f"warning: {w}", err=True)
-            check_out_dir(out_dir, parents=default_out)
-            if not cfg.dry_run:  # the kill switch's file, beside the controller's locks and restore files
-                check_root_folder(kill_file().parent, "state folder")
-                early_kill.arm(kill_file())
-            uuids = [d.uuid for d in rig.plan(gpus).devices]
-        except (TunerConfigError, LevelError) as e:
+            run = session.prepare(rig, table, metrics_url=metrics_url, gpus=gpus, out_dir=out_dir,
+                                  default_out=default_out, metrics_port=metrics_port, resume=resume,
+                                  early_kill=early_kill, say=say)
+        except session.TuneUsageError as e:
             raise click.UsageError(str(e)) from None
-        registry = CollectorRegistry()
-        if metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            try:
-                start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
-            except OSError as e:
-                raise click.UsageError(f"--metrics-port {metrics_port}: {e.strerror or e}") from None
-
-        # Every decision (explore, back-off, kill, stop) as one line on stderr: root's journal under systemd, beside the
-        # dataset and /metrics. Without a handler only warnings reached stderr, through logging's last resort.
-        import logging
-
-        from powerprof.daemon.service import log_format
-
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(log_format()))
-        tune_log = logging.getLogger("powerprof.tune")
-        tune_log.addHandler(handler)
-        tune_log.setLevel(logging.INFO)
-        tune_log.propagate = False
-
-        def run_tuner(ctl):
-            runner = TuneRunner(cfg, lambda: parse_counters(fetch_metrics(metrics_url), _time.monotonic()), ctl=ctl,
-                                gpus=gpus, out_dir=out_dir, registry=registry, gpu_uuids=uuids,
-                                kill_path=None if cfg.dry_run else kill_file(), clear_kill=resume,
-                                kill_requested=early_kill.requested)
-            install_kill_switch(runner)
-            for note in rig.notes:
-                click.echo(f"NOTE: {note}", err=True)
-            click.echo(f"tuning GPUs {','.join(map(str, gpus))}: levels {', '.join(f'{x:g}' for x in cfg.levels)} "
-                       f"{cfg.unit}, reference {cfg.reference:g}{' (dry run: recommendations only)' if cfg.dry_run else ''}",
-                       err=True)
-            if cfg.reference != cfg.levels[-1]:
-                click.echo(f"WARNING: the reference {cfg.reference:g} {cfg.unit} is not the highest level: back-offs, "
-                           "faults and the kill switch go to it", err=True)
-            # One read now: a wrong --daemon-metrics said nothing until the first tick (10 s), and then only in
-            # the dataset. Not an error: under systemd the daemon may still be starting.
-            # In a thread, as the runner reads: headers dripped slowly could hold a read past its deadline.
-            probe: list = []
-
-            def read_once():
-                try:
-                    parse_counters(fetch_metrics(metrics_url), _time.monotonic())
-                except ObserveError as e:
-                    probe.append(e)
-
-            reader = threading.Thread(target=read_once, daemon=True, name="tune-first-read")
-            reader.start()
-            reader.join(SCRAPE_DEADLINE_S + 1)
-            if reader.is_alive():
-                probe.append(ObserveError(f"{metrics_url} did not answer within {SCRAPE_DEADLINE_S + 1:g} s"))
-            if probe:
-                runner.say_read(probe[0])
-            runner.run(stop, duration_s)
-
+        except session.TuneRefused as e:
+            raise click.ClickException(str(e)) from None
         try:
-            if cfg.dry_run:
-                # Nothing will be set: no controller, no lock, no permission needed. A signal stops the run and
-                # exits 128+signal, as the controller does when it holds the GPUs.
-                def on_signal(signum, _frame):
-                    caught.append(signum)
-                    # Not stop.set() here: the main thread may hold the Event's lock inside stop.wait()
-                    # when the signal lands (the lock is not reentrant: a deadlock). A thread waits for it.
-                    threading.Thread(target=stop.set, daemon=True).start()
-
-                for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP) + termination.EXTRA_END_SIGNALS:
-                    _signal.signal(sig, on_signal)
-                run_tuner(None)
-            else:
-                with rig.controller(gpus) as ctl:
-                    run_tuner(ctl)
-                if back := rig.restored_line(clocks=cfg.knob != "power"):
-                    click.echo(back, err=True)  # a normal stop (--duration) said nothing of the GPUs
+            run.run(duration_s)
         except ControlError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(1)
@@ -838,8 +594,8 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
             # does (SIGQUIT once ended the tuner silently with the GPU capped).
             click.echo(f"{_stopped_how(e)}: the original limits are back", err=True)
             raise
-    if caught:
-        sys.exit(128 + caught[0])
+    if run.caught:
+        sys.exit(128 + run.caught[0])
 
 
 # Options measure and sweep share: one definition, one default.
@@ -967,56 +723,37 @@ def measure(url, simulate, gpus, out_dir, n_requests, concurrency, warmup, launc
     except (KeyboardInterrupt, termination.Terminated) as e:
         # Stopped before any measured request had finished (during start-up, warm-up or the first batch), or before
         # the look under load had checked the first batch: a stop later keeps the finished batches and is reported by
-        # _measure_stop_line.
+        # MeasureResult.stop_line.
         why = getattr(e, "nothing_kept_why", None) or ("no measured request had finished, or the look at the "
                                                        "server's GPUs after the first batch had not answered")
         _stop_exit(f"{_stopped_how(e)}: nothing was written to {out} ({why}); nothing was changed",
                    130 if isinstance(e, KeyboardInterrupt) else e.code)
     stop_code = None if res.stopped is None else (130 if isinstance(res.stopped, KeyboardInterrupt) else res.stopped.code)
     if as_json:
-        import json
-
         click.echo(_json_text(res.to_dict(), indent=2))
         if res.write_error:
             raise click.ClickException(res.write_error)
         if stop_code is not None:
-            click.echo(_measure_stop_line(res), err=True)
+            click.echo(res.stop_line(), err=True)
             sys.exit(stop_code)
         if res.excluded is not None and not any(m.n_trusted for m in res.summaries):
             click.echo(f"Error: no window could be trusted: {res.excluded.message()}", err=True)
             sys.exit(1)
         if res.foreign_traffic is not None and not any(m.n_trusted for m in res.summaries):
-            click.echo(f"Error: {_measure_all_foreign(res)}", err=True)
+            click.echo(f"Error: {res.all_foreign()}", err=True)
             sys.exit(1)
         if res.aborted:
             sys.exit(1)
         return
-    s = res.server
-    click.echo(f"server: {s.kind} ({s.api}) model={s.model} build={s.build_info}" + (" [simulated]" if s.simulated else ""))
-    for note in res.notes:
-        click.echo(f"note: {note}")
-
-    click.echo(MEASURE_HEADER)
-    short = {x["concurrency"]: f"  stopped early: {x['requests_kept']} of {x['requests_planned']} requests"
-             for x in (res.interrupted or {}).get("concurrencies", []) if x["requests_kept"] < x["requests_planned"]}
-    for m in res.summaries:
-        click.echo(measure_row(m) + short.get(m.concurrency, ""))
-    if any(m.concurrency > 1 for m in res.summaries):
-        # "8 ok, 2 used" read as 6 of 8 requests thrown away: above concurrency 1 a window is a whole batch.
-        click.echo("used windows: what each figure rests on, one per request at concurrency 1 and one per batch (its "
-                   "streams decoding at once) above it: 8 requests at concurrency 4 are 2 windows")
-    from powerprof.workload.measure import per_gpu_line
-
-    for m in res.summaries:  # a figure summed over several GPUs says what it sums (run.json per_gpu)
-        if (line := per_gpu_line(m)) is not None:
-            click.echo(line)
+    for line in res.lines():
+        click.echo(line)
     if res.write_error:
         raise click.ClickException(res.write_error)
     click.echo(f"windows: {res.out_path / 'windows.parquet'}")
     if stop_code is not None:
         if res.excluded is not None:
             click.echo(f"warning: {res.excluded.message()}", err=True)
-        click.echo(_measure_stop_line(res), err=True)
+        click.echo(res.stop_line(), err=True)
         sys.exit(stop_code)
     if res.aborted:
         if not any(m.n_ok for m in res.summaries):
@@ -1028,40 +765,7 @@ def measure(url, simulate, gpus, out_dir, n_requests, concurrency, warmup, launc
             raise click.ClickException(f"no window could be trusted: {res.excluded.message()}")
         click.echo(f"warning: {res.excluded.message()}", err=True)
     if res.foreign_traffic is not None and not any(m.n_trusted for m in res.summaries):
-        raise click.ClickException(_measure_all_foreign(res))
-
-
-def _measure_all_foreign(res) -> str:
-    """Every window ran beside others' work: no figure stands (exit 1)."""
-    from powerprof.workload.others import FOREIGN_FIX
-
-    return (f"no window ran without others' work beside it ({res.foreign_traffic['concurrencies'][0]['first_reason']}), "
-            f"so there is no figure; fix: {FOREIGN_FIX}")
-
-
-MEASURE_HEADER = (f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used windows':>12} {'decode tok/s':>12} {'GPU J/tok':>10} "
-                  f"{'GPU+CPU J/tok':>13}   method")
-
-
-def measure_row(m) -> str:
-    """One concurrency's row under MEASURE_HEADER; a missing figure is a '-' in its own column."""
-
-    def fmt(v, width, spec):
-        # A bare "-" shifted the next figures left, under the wrong heading ("364.6 - -  none").
-        return f"{'-':>{width}}" if v is None else format(v, f"{width}{spec}")
-
-    return (f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>12} {fmt(m.decode_tok_s, 12, '.1f')} "
-            # '!': other processes used the host's CPU meanwhile, and RAPL counts their energy (the notes say how much).
-            f"{fmt(m.gpu_j_per_token, 10, '.3f')} {fmt(m.total_j_per_token, 13, '.3f')}{'!' if getattr(m, 'busy_host', False) else ' '}"
-            f"  {m.energy_method}")
-
-
-def _measure_stop_line(res) -> str:
-    """What a measurement stopped by a signal kept (its exit status follows)."""
-    how = _stopped_how(res.stopped)
-    if res.interrupted is None:
-        return f"{how} after the measurement was complete: all of it is in {res.out_path}; nothing was changed"
-    return f"{how}: {res.interrupted['message']}; written to {res.out_path} (run.json \"interrupted\"); nothing was changed"
+        raise click.ClickException(res.all_foreign())
 
 
 def _load_trace(trace_path, time_scale, duration_s):
@@ -1093,103 +797,40 @@ def _load_trace(trace_path, time_scale, duration_s):
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_header, as_json):
     """Drive a server with a trace's arrival times and token counts (Azure CSV or JSONL); latency and throughput."""
-    import json
-
     from powerprof import termination
     from powerprof.rig import Rig
-    from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server, new_session
+    from powerprof.workload.client import ServerUnreachable
     from powerprof.workload.launcher import LaunchError
-    from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch
-    from powerprof.workload.replay import (LATE_NOTE_S, away_record, cut_short, few_for_p95, replay_async, summarize,
-                                           trace_notes)
+    from powerprof.workload.replay import TraceReplay
 
     if bool(url) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
     if launch and not url:
         raise click.UsageError("--launch needs --server URL: where the launched server will listen")
     trace = _load_trace(trace_path, time_scale, duration_s)
-    done: list = []  # finished requests, kept when a signal stops the replay
-    found: list = []  # the server, once detected
-
-    watch: list = []  # the server's books against the replay's own (workload/others.py)
-
-    async def go(base):
-        async with new_session() as s:
-            found.append(await detect_server(s, base, api))
-            # Said once the server answers: said before, it read as started to a user whose server was not there.
-            click.echo(f"replaying {len(trace)} request(s) over {trace[-1].t_s:.1f} s (Ctrl-C stops it and reports "
-                       "those finished)", err=True)
-            # A replay's requests overlap: the server's books are compared over the whole replay, as one batch.
-            others = OthersWatch(s, found[0].base_url, kind=found[0].kind)
-            await others.begin()
-            recs = await replay_async(s, found[0], trace, RequestParams(), tag_header, done=done)
-            watch.append((others, await others.judge([r.record for r in recs])))
-            return found[0], recs
-
-    stopped = None
+    rp = TraceReplay(trace, api, tag_header, say=lambda line: click.echo(line, err=True))
     try:
         with _signals_raise(), Rig(simulate, host=False) as rig, rig.server(url, launch) as base:
-            server, records = termination.run(go(base))
+            rp.run(base)
     except (ServerUnreachable, LaunchError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except (KeyboardInterrupt, termination.Terminated) as e:
         # Click turned Ctrl-C into "Aborted!" and exit 1, and every finished request's figures were lost.
-        stopped = e
-        if not done or not found:
+        rp.stopped = e
+        if not rp.finished_any():
             _stop_exit(f"{_stopped_how(e)} before any request finished: nothing to report",
                        130 if isinstance(e, KeyboardInterrupt) else e.code)
-        server, records = found[0], sorted(done, key=lambda r: r.index)
-    sm = summarize(records)
-    notes = trace_notes(trace)
-    away = away_record(records)
-    if sm.count_problems:
-        from powerprof.arrival import fix_for
-
-        notes.append(f"the token figures are the server's own counts, and for {sm.count_problems} of {sm.ok} "
-                     f"requests they contradict its stream ({sm.count_problem}); fix: {fix_for(sm.count_problem)}")
-    if sm.late_p95_s > LATE_NOTE_S:
-        notes.append(f"requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the trace's pace")
-    if cut_short(records):
-        notes.append(cut_short(records))
-    if sm.ok and few_for_p95(sm.ok):
-        notes.append(few_for_p95(sm.ok))
-    foreign = None
-    if watch:
-        others, why = watch[0]
-        if why:
-            foreign = {"reason": why, **others.record(),
-                       "message": f"others' work ran beside the replay ({FOREIGN_FLAG}): {why}; its latencies and "
-                                  "throughput hold their queueing and their tokens' steps, not the trace's traffic "
-                                  f"alone; fix: {FOREIGN_FIX}"}
-            notes.insert(0, foreign["message"])
-        notes.extend(others.cannot)
+    report = rp.report()
     if as_json:
-        click.echo(_json_text({"server": server.meta(), **sm.to_dict(), "notes": notes, "server_away": away,
-                               "foreign_traffic": foreign,
-                               "interrupted": None if stopped is None else {"requests_planned": len(trace)}}, indent=2))
+        click.echo(_json_text(report.to_dict(), indent=2))
     else:
-        def f(v):
-            return "-" if v is None else f"{v:.3f}"
-
-        click.echo(f"server: {server.kind} ({server.api})" + (" [simulated]" if server.simulated else ""))
-        click.echo(f"requests: {sm.ok} ok, {sm.failed} failed, in {sm.duration_s:.1f} s; "
-                   f"{sm.generated_tokens} token{'' if sm.generated_tokens == 1 else 's'} generated ({sm.generated_tokens / sm.duration_s if sm.duration_s else 0:.1f}/s), "
-                   f"{sm.prompt_tokens} prompt tokens")
-        click.echo(f"TTFT p50 {f(sm.ttft_p50_s)} s, p95 {f(sm.ttft_p95_s)} s; latency p50 {f(sm.latency_p50_s)} s, "
-                   f"p95 {f(sm.latency_p95_s)} s; time per output token p50 {f(sm.tpot_p50_s)} s")
-        for n in notes:
-            click.echo(f"note: {n}")
-    if stopped is not None:
-        click.echo(f"{_stopped_how(stopped)}: the figures are over the {sm.n} of {len(trace)} requests that had finished "
-                   "(those in flight were cut and left out, the rest never sent)", err=True)
-        sys.exit(130 if isinstance(stopped, KeyboardInterrupt) else stopped.code)
-    if away is not None:
-        raise click.ClickException(away["message"])
-    if sm.failed:
-        errs = sorted({r.record.error for r in records if not r.record.ok})[:3]
-        raise click.ClickException(f"{sm.failed} of {sm.n} requests failed: " + "; ".join(e or "?" for e in errs))
-    if foreign is not None:
-        raise click.ClickException(f"the figures above are not the trace's alone: {foreign['message']}")
+        for line in report.lines():
+            click.echo(line)
+    if report.stopped is not None:
+        click.echo(report.stopped_line(_stopped_how(report.stopped)), err=True)
+        sys.exit(130 if isinstance(report.stopped, KeyboardInterrupt) else report.stopped.code)
+    if (why := report.error()) is not None:
+        raise click.ClickException(why)
 
 
 @main.command("trace")
@@ -1646,30 +1287,17 @@ def _check_trace_options(ctx, trace_path) -> None:
             raise click.UsageError(f"only used with --trace: {', '.join(bad)} (to limit a level's time, use --max-time)")
 
 
-@contextlib.contextmanager
 def _signals_raise():
-    """SIGTERM and SIGHUP raise termination.Terminated inside, as Ctrl-C raises KeyboardInterrupt, so the
-    caller can clean up and say what was kept; their earlier handlers are back afterwards."""
-    import signal
-
+    """termination.signals_raise, imported when a command uses it (asyncio at every start otherwise)."""
     from powerprof import termination
 
-    def on_signal(signum, _frame):
-        termination.note(signum)
-        raise termination.Terminated(signum)
-
-    held = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP) + termination.EXTRA_END_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, h in held.items():
-            signal.signal(sig, h)
+    return termination.signals_raise()
 
 
 def _stopped_how(e: BaseException) -> str:
-    import signal
+    from powerprof import termination
 
-    return "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {signal.Signals(e.signum).name}"
+    return termination.stopped_how(e)
 
 
 @contextlib.contextmanager

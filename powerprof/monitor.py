@@ -1,14 +1,19 @@
-"""Live monitor: runs the sampler over open sources and turns each completed tick into display rows.
+"""Live monitor: runs the sampler over open sources, turns each completed tick into display rows, and runs `monitor`.
 
 Three views of the same rows: `render` (a rich panel per GPU, nvitop-style: name, memory used/total,
 bars, load and temperature coloured), `lines` (plain text for pipes and logs) and `json_line`
 (one JSON object per tick for scripts). Bars are drawn with █/░, so they read without colour too.
+`watch` is the command's run on the sources the door opened (its --output spooled as it comes), `check_output` and
+`recover_output` its --output and --recover; they raise OptionRefused, MonitorUsageError or MonitorError for the
+command to word, and print through the callables it passes (this module knows no click).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import json
@@ -322,3 +327,181 @@ def lines(k: int, rows: dict, interval_s: float) -> list[str]:
     if cpu:
         out.append(f"{ts} {cpu}")
     return out
+
+
+# --- the command: `powerprof monitor` on the sources the door opened ---------------------------------------------
+
+
+class OptionRefused(Exception):
+    """An option's value monitor will not take (a usage error naming the option)."""
+
+    def __init__(self, message: str, option: str):
+        super().__init__(message)
+        self.option = option
+
+
+class MonitorUsageError(Exception):
+    """What monitor was asked cannot be done (a usage error: an interval the RAPL counters cannot span)."""
+
+
+class MonitorError(Exception):
+    """Monitor cannot run or finish (exit 1): nothing to monitor, a recovery that cannot be written."""
+
+
+def check_output(output: str, force: bool) -> None:
+    """`--output FILE` refused before anything opens (OptionRefused): a file of an earlier run without --force, a
+    FIFO or a device, a folder root may not write in, or the parts a killed monitor of that name left."""
+    from powerprof.paths import output_file_refusal
+    from powerprof.storage.samples import check_output_path, parts_dir_for
+    from powerprof.trust import out_dir_refusal
+
+    # The write at the end replaced an earlier run's samples without a word; --force, a FIFO or a device.
+    if (why := output_file_refusal(output, force, "samples of an earlier run?")) is not None:
+        raise OptionRefused(why, "--output")
+    try:
+        check_output_path(output)
+    except ValueError as e:
+        raise OptionRefused(str(e), "--output") from None
+    # Joined, not normalised (never abspath): `link/../f` is checked through `link`, as the kernel will write it.
+    why = out_dir_refusal(Path(os.path.join(os.getcwd(), output)).parent, "folder", "--output FILE")
+    if why:  # as root (sudo for RAPL): FILE.parts/, its parts and FILE are made there by names known in advance
+        raise OptionRefused(why, "--output")
+    parts = parts_dir_for(output)
+    if os.path.lexists(parts):
+        # A monitor of this name that could not finish (kill -9, OOM, power cut) left its samples there;
+        # --force replaces the file, never them.
+        raise OptionRefused(f"{parts} exists: the samples of a monitor --output {output} that was killed "
+                            "before it could combine them (kill -9, out of memory, power cut), readable as "
+                            f"a Parquet folder; combine them into {output} first with `powerprof monitor "
+                            f"--recover {output}`, or move the folder away", "--output")
+
+
+def watch(rig, interval_s: float, duration_s: float | None, output: str | None, force: bool, plain: bool,
+          as_json: bool, echo: Callable[..., None], warn: Callable[[str], None]) -> BaseException | None:
+    """Show the rig's sources every `interval_s` until `duration_s` or a stop, writing every sample to `output` as
+    it comes. `echo(text, err=False)` prints a line; `warn` says a problem on stderr. Returns the exit to raise once
+    the rig is closed (a signal's Terminated, a closed stdout's exit 141), None for a normal end or Ctrl-C."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from powerprof import pipes, termination
+    from powerprof.storage.samples import SampleSpool, parts_dir_for
+
+    console = Console()
+    src = rig.sources
+    timeline = Timeline(gpu_uuids=src.gpu_uuids)
+    for p in src.problems:
+        warn(f"problem ({p.source}): {p.message}")
+    if not src.collectors:
+        raise MonitorError("nothing to monitor")
+    for note in interval_notes(src, interval_s):
+        echo(f"note: {note}", err=True)
+
+    stopped = None
+    pipe_closed = False
+    spool = None
+    if output is not None:
+        meta = {"powerprof_command": "monitor", "simulated": str(rig.simulated).lower(),
+                "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
+                                    for i in (src.nvml.infos if src.nvml else [])])}
+        try:
+            # Written as they come (FILE.parts/), so a kill -9 keeps all but the last seconds.
+            spool = SampleSpool(timeline, output, meta).start()
+        except FileExistsError:
+            raise OptionRefused(f"{parts_dir_for(output)} appeared meanwhile (another monitor of that name)",
+                                "--output") from None
+    try:
+        # SIGTERM/SIGHUP (kill, timeout, a closed terminal) keep the samples as Ctrl-C does
+        with termination.signals_raise():
+            if as_json:
+                run_monitor(src, interval_s, duration_s, timeline=timeline, keep=output is not None,
+                            on_tick=lambda k, rows: echo(json_line(k, rows, interval_s)))
+            elif console.is_terminal and not plain:
+                with Live(console=console, auto_refresh=False) as live:
+                    run_monitor(
+                        src, interval_s, duration_s, timeline=timeline, keep=output is not None,
+                        on_tick=lambda k, rows: live.update(render(k, rows, interval_s), refresh=True),
+                    )
+            else:
+                run_monitor(
+                    src, interval_s, duration_s, timeline=timeline, keep=output is not None,
+                    on_tick=lambda k, rows: [echo(line) for line in lines(k, rows, interval_s)],
+                )
+    except ValueError as e:  # e.g. an interval too long for the RAPL counters' wrap period
+        if spool is not None and spool.abandon():
+            pipes.echo_err(f"the samples taken so far are in {spool.parts_dir} (a Parquet folder)")
+        raise MonitorUsageError(str(e)) from None
+    except KeyboardInterrupt:
+        pipes.echo_err("interrupted")  # still write what was sampled (a `2>&1 | head` is gone too)
+    except termination.Terminated as e:
+        stopped = e
+        pipes.echo_err(termination.stopped_how(e))  # still write what was sampled, then exit 128 + signum
+    except BrokenPipeError:
+        if not pipes.silence_closed():
+            raise
+        pipe_closed = True  # the reader has gone (`| head -3`): stop, still write what was sampled
+    except BaseException:
+        if spool is not None and spool.abandon():
+            pipes.echo_err(f"the samples taken so far are in {spool.parts_dir} (a Parquet folder)")
+        raise
+    if spool is not None:
+        # Checked at the start only: a file made there since (another monitor of that name) is kept.
+        with termination.exits_held() as late:  # a Ctrl-C while the parts are combined waits for the file
+            path, rows = spool.close(replace=force)
+        if late and stopped is None and isinstance(termination.exit_for(late[0]), termination.Terminated):
+            stopped = termination.exit_for(late[0])  # SIGTERM/SIGHUP: 128 + signal; a Ctrl-C ends as one does, exit 0
+        if Path(path) != Path(output):
+            pipes.echo_err(f"{output} appeared while monitor ran and is kept; the samples went beside it")
+        # Rows, as the file holds them: one read of RAPL gives a row per zone.
+        pipes.echo_err(f"wrote {rows} rows ({spool.reads} reads) to {path}")
+        if spool.left:  # put there while it ran, by someone else: kept
+            pipes.echo_err(f"left: {spool.left} other file{'s' if spool.left != 1 else ''} in {spool.parts_dir}, "
+                           "not written by monitor")
+    if stopped is not None:
+        return stopped
+    if pipe_closed:
+        return SystemExit(pipes.EXIT_PIPE)
+    return None
+
+
+def recover_output(output: str, force: bool) -> None:
+    """`monitor --recover FILE`: the parts of a killed `monitor --output FILE` as FILE, then the parts removed.
+    Raises OptionRefused for a FILE or folder it will not write, MonitorError for a recovery that failed."""
+    from powerprof import pipes
+    from powerprof.paths import output_file_refusal
+    from powerprof.storage.samples import RecoverError, check_output_path, parts_dir_for, recover_parts
+    from powerprof.trust import out_dir_refusal
+
+    # A FIFO, a device or a symlink at FILE is refused even with --force (the rename would replace it by a file).
+    if (why := output_file_refusal(output, True, "")) is not None:
+        raise OptionRefused(why, "--recover")
+    try:
+        check_output_path(output)
+    except ValueError as e:
+        raise OptionRefused(str(e), "--recover") from None
+    parts = parts_dir_for(output)
+    # FILE's folder as --output checks it (a folder root writes FILE in: not root's sticky /tmp), then the parts.
+    why = (out_dir_refusal(Path(os.path.join(os.getcwd(), output)).parent, "folder", "--recover FILE")
+           or out_dir_refusal(parts, "the parts folder", "--recover FILE"))
+    if why:  # as root: the lock, FILE and the parts' removal are names another user could point elsewhere
+        raise OptionRefused(why, "--recover")
+    if not parts.is_dir():
+        raise OptionRefused(f"{parts} does not exist: nothing to recover (a killed monitor --output {output} "
+                            "leaves its samples there)", "--recover")
+    if os.path.lexists(output) and not force:
+        raise OptionRefused(f"{output} exists (samples of an earlier run?); choose another name for the "
+                            f"recovered samples (move {parts} beside it), or --force to replace it", "--recover")
+    try:
+        path, rows, left = recover_parts(output, replace=force)
+    except FileExistsError:  # made while the parts were combined
+        raise MonitorError(f"{output} appeared while the parts were combined and is kept; so are the parts "
+                           f"({parts})") from None
+    except RecoverError as e:
+        raise MonitorError(str(e)) from None
+    except OSError as e:
+        raise MonitorError(f"cannot write {output}: {e.strerror or e}; the parts are kept ({parts})") from None
+    if left:  # a file in the folder that no monitor wrote (the user's notes): kept, and the folder with it
+        pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}: its parts removed; left: {left} other "
+                       f"file{'s' if left != 1 else ''} in {parts}, not written by monitor)")
+    else:
+        pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}, now removed)")

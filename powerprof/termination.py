@@ -162,6 +162,28 @@ def exits_held():
         yield got
 
 
+@contextlib.contextmanager
+def signals_raise():
+    """SIGTERM and SIGHUP raise Terminated inside, as Ctrl-C raises KeyboardInterrupt, so the
+    caller can clean up and say what was kept; their earlier handlers are back afterwards."""
+
+    def on_signal(signum, _frame):
+        note(signum)
+        raise Terminated(signum)
+
+    held = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP) + EXTRA_END_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, h in held.items():
+            signal.signal(sig, h)
+
+
+def stopped_how(e: BaseException) -> str:
+    """How a run was stopped, in words: "interrupted" (Ctrl-C) or "stopped by SIGTERM" (a Terminated's signal)."""
+    return "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {signal.Signals(e.signum).name}"
+
+
 def exit_inside(e: BaseException) -> BaseException | None:
     """The exit a library turned into an error of its own, to raise in its place; None if `e` is none.
 

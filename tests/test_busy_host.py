@@ -248,7 +248,7 @@ def test_measure_beside_a_busy_loop_flags_the_gpu_plus_cpu_figure(tmp_path, hog,
     w = pq.read_table(tmp_path / "m" / "windows.parquet").to_pandas()
     w = w[w.status == "ok"]
     assert (w.other_cpu_s > 0).all() and (w.host_cpu_s >= w.other_cpu_s).all()
-    from powerprof.cli import measure_row
+    from powerprof.workload.measure import measure_row
 
     assert measure_row(m).rstrip().endswith("!  counter")
 

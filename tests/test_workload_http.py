@@ -561,7 +561,7 @@ def test_a_missing_figure_keeps_the_next_ones_under_their_headings():
     # GPU+CPU figure would have stood under "GPU J/tok".
     from types import SimpleNamespace
 
-    from powerprof.cli import MEASURE_HEADER, measure_row
+    from powerprof.workload.measure import MEASURE_HEADER, measure_row
 
     m = SimpleNamespace(concurrency=1, n_ok=4, n_failed=0, n_trusted=4, decode_tok_s=364.6,
                         gpu_j_per_token=None, total_j_per_token=1.234, energy_method="none")

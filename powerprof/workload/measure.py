@@ -109,6 +109,56 @@ class MeasureResult:
                                                             "reasons": self.excluded.reasons, "fix": self.excluded.fix},
         }
 
+    def lines(self) -> list[str]:
+        """`powerprof measure`'s text on stdout before where the windows went: the server, the notes, a row per
+        concurrency (a stopped one says how many of its requests it kept) and what a summed figure is made of."""
+        s = self.server
+        out = [f"server: {s.kind} ({s.api}) model={s.model} build={s.build_info}" + (" [simulated]" if s.simulated else "")]
+        out += [f"note: {note}" for note in self.notes]
+        out.append(MEASURE_HEADER)
+        short = {x["concurrency"]: f"  stopped early: {x['requests_kept']} of {x['requests_planned']} requests"
+                 for x in (self.interrupted or {}).get("concurrencies", []) if x["requests_kept"] < x["requests_planned"]}
+        out += [measure_row(m) + short.get(m.concurrency, "") for m in self.summaries]
+        if any(m.concurrency > 1 for m in self.summaries):
+            # "8 ok, 2 used" read as 6 of 8 requests thrown away: above concurrency 1 a window is a whole batch.
+            out.append("used windows: what each figure rests on, one per request at concurrency 1 and one per batch (its "
+                       "streams decoding at once) above it: 8 requests at concurrency 4 are 2 windows")
+        # A figure summed over several GPUs says what it sums (run.json per_gpu).
+        out += [line for m in self.summaries if (line := per_gpu_line(m)) is not None]
+        return out
+
+    def stop_line(self) -> str:
+        """What a measurement stopped by a signal kept (its exit status follows)."""
+        how = termination.stopped_how(self.stopped)
+        if self.interrupted is None:
+            return f"{how} after the measurement was complete: all of it is in {self.out_path}; nothing was changed"
+        return (f"{how}: {self.interrupted['message']}; written to {self.out_path} (run.json \"interrupted\"); nothing "
+                "was changed")
+
+    def all_foreign(self) -> str:
+        """Every window ran beside others' work: no figure stands (exit 1)."""
+        from .others import FOREIGN_FIX
+
+        return (f"no window ran without others' work beside it "
+                f"({self.foreign_traffic['concurrencies'][0]['first_reason']}), so there is no figure; fix: {FOREIGN_FIX}")
+
+
+MEASURE_HEADER = (f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used windows':>12} {'decode tok/s':>12} {'GPU J/tok':>10} "
+                  f"{'GPU+CPU J/tok':>13}   method")
+
+
+def measure_row(m) -> str:
+    """One concurrency's row under MEASURE_HEADER; a missing figure is a '-' in its own column."""
+
+    def fmt(v, width, spec):
+        # A bare "-" shifted the next figures left, under the wrong heading ("364.6 - -  none").
+        return f"{'-':>{width}}" if v is None else format(v, f"{width}{spec}")
+
+    return (f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>12} {fmt(m.decode_tok_s, 12, '.1f')} "
+            # '!': other processes used the host's CPU meanwhile, and RAPL counts their energy (the notes say how much).
+            f"{fmt(m.gpu_j_per_token, 10, '.3f')} {fmt(m.total_j_per_token, 13, '.3f')}"
+            f"{'!' if getattr(m, 'busy_host', False) else ' '}  {m.energy_method}")
+
 
 def trusted(row: dict) -> bool:
     """A window whose figures can be used: not untrusted by the timing rule (old rows have no timing)."""

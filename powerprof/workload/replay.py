@@ -6,6 +6,7 @@ a cached prefix; `max_tokens` is the trace's output length, with ignore-EOS (lla
 SGLang) and `min_tokens` (vLLM) so the server generates all of it. Arrivals follow the trace's
 times divided by a time scale, on the monotonic clock; a request sent late (the event loop was
 busy) records its lateness, measured when it is sent. Every request gives one `ReplayRecord`; failures are records too.
+`TraceReplay` is `powerprof replay`'s run on the server the door gives; `ReplayReport` what it says at the end.
 """
 
 from __future__ import annotations
@@ -206,3 +207,126 @@ def replay(url: str, trace: list[TraceRequest], params: RequestParams = RequestP
             return server, await replay_async(s, server, trace, params, tag_header)
 
     return termination.run(go())
+
+
+# --- `powerprof replay`: one trace against the server the door gives, and what it says at the end ------------------
+
+
+class TraceReplay:
+    """`powerprof replay`: the trace against a server, the server's books judged against the replay's own over the
+    whole of it (workload/others.py). A stop (Ctrl-C, a signal) leaves the finished requests here: the caller catches
+    it where it closes the rig and the server, sets `stopped`, and `report()` is over what had finished."""
+
+    def __init__(self, trace: list[TraceRequest], api: str | None, tag_header: str, say):
+        self.trace, self.api, self.tag_header, self.say = trace, api, tag_header, say
+        self.done: list[ReplayRecord] = []  # finished requests, kept when a signal stops the replay
+        self.found: list[ServerInfo] = []  # the server, once detected
+        self.watch: list = []  # (OthersWatch, why): the server's books against the replay's own
+        self.records: list[ReplayRecord] | None = None  # every request, once the replay has ended
+        self.stopped: BaseException | None = None  # the Ctrl-C or signal that ended it early
+
+    def finished_any(self) -> bool:
+        """Whether a stop now leaves anything to report: the server answered and a request finished."""
+        return bool(self.done and self.found)
+
+    async def _go(self, base: str) -> None:
+        from .others import OthersWatch
+
+        async with new_session() as s:
+            self.found.append(await detect_server(s, base, self.api))
+            # Said once the server answers: said before, it read as started to a user whose server was not there.
+            self.say(f"replaying {len(self.trace)} request(s) over {self.trace[-1].t_s:.1f} s (Ctrl-C stops it and "
+                     "reports those finished)")
+            # A replay's requests overlap: the server's books are compared over the whole replay, as one batch.
+            others = OthersWatch(s, self.found[0].base_url, kind=self.found[0].kind)
+            await others.begin()
+            recs = await replay_async(s, self.found[0], self.trace, RequestParams(), self.tag_header, done=self.done)
+            self.watch.append((others, await others.judge([r.record for r in recs])))
+            self.records = recs
+
+    def run(self, base: str) -> None:
+        """Replay the trace against the server at `base` (ServerUnreachable, LaunchError, a stop: raised)."""
+        termination.run(self._go(base))
+
+    def report(self) -> "ReplayReport":
+        """The figures and notes over the requests that finished (all of them, unless `stopped`)."""
+        from .others import FOREIGN_FIX, FOREIGN_FLAG
+
+        records = self.records if self.stopped is None else sorted(self.done, key=lambda r: r.index)
+        sm = summarize(records)
+        notes = trace_notes(self.trace)
+        away = away_record(records)
+        if sm.count_problems:
+            from powerprof.arrival import fix_for
+
+            notes.append(f"the token figures are the server's own counts, and for {sm.count_problems} of {sm.ok} "
+                         f"requests they contradict its stream ({sm.count_problem}); fix: {fix_for(sm.count_problem)}")
+        if sm.late_p95_s > LATE_NOTE_S:
+            notes.append(f"requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the "
+                         "trace's pace")
+        if cut_short(records):
+            notes.append(cut_short(records))
+        if sm.ok and few_for_p95(sm.ok):
+            notes.append(few_for_p95(sm.ok))
+        foreign = None
+        if self.watch:
+            others, why = self.watch[0]
+            if why:
+                foreign = {"reason": why, **others.record(),
+                           "message": f"others' work ran beside the replay ({FOREIGN_FLAG}): {why}; its latencies and "
+                                      "throughput hold their queueing and their tokens' steps, not the trace's traffic "
+                                      f"alone; fix: {FOREIGN_FIX}"}
+                notes.insert(0, foreign["message"])
+            notes.extend(others.cannot)
+        return ReplayReport(self.found[0], records, sm, notes, away, foreign, len(self.trace), self.stopped)
+
+
+@dataclass
+class ReplayReport:
+    """What `powerprof replay` says at the end: its figures (`to_dict` for --json, `lines` for text) and the error it
+    exits 1 with, if any (`error`)."""
+
+    server: ServerInfo
+    records: list[ReplayRecord]
+    summary: ReplaySummary
+    notes: list[str]
+    away: dict | None  # away_record
+    foreign: dict | None  # others' work beside the replay: reason, the server's books, message
+    n_planned: int  # requests in the trace
+    stopped: BaseException | None
+
+    def to_dict(self) -> dict:
+        return {"server": self.server.meta(), **self.summary.to_dict(), "notes": self.notes, "server_away": self.away,
+                "foreign_traffic": self.foreign,
+                "interrupted": None if self.stopped is None else {"requests_planned": self.n_planned}}
+
+    def lines(self) -> list[str]:
+        sm, server = self.summary, self.server
+
+        def f(v):
+            return "-" if v is None else f"{v:.3f}"
+
+        return [f"server: {server.kind} ({server.api})" + (" [simulated]" if server.simulated else ""),
+                f"requests: {sm.ok} ok, {sm.failed} failed, in {sm.duration_s:.1f} s; "
+                f"{sm.generated_tokens} token{'' if sm.generated_tokens == 1 else 's'} generated "
+                f"({sm.generated_tokens / sm.duration_s if sm.duration_s else 0:.1f}/s), "
+                f"{sm.prompt_tokens} prompt tokens",
+                f"TTFT p50 {f(sm.ttft_p50_s)} s, p95 {f(sm.ttft_p95_s)} s; latency p50 {f(sm.latency_p50_s)} s, "
+                f"p95 {f(sm.latency_p95_s)} s; time per output token p50 {f(sm.tpot_p50_s)} s",
+                *(f"note: {n}" for n in self.notes)]
+
+    def stopped_line(self, how: str) -> str:
+        """What a replay stopped early kept, after `how` it was stopped ("interrupted", "stopped by SIGTERM")."""
+        return (f"{how}: the figures are over the {self.summary.n} of {self.n_planned} requests that had finished "
+                "(those in flight were cut and left out, the rest never sent)")
+
+    def error(self) -> str | None:
+        """Why the replay fails (exit 1): the server went away, else requests failed, else others' work beside it."""
+        if self.away is not None:
+            return self.away["message"]
+        if self.summary.failed:
+            errs = sorted({r.record.error for r in self.records if not r.record.ok})[:3]
+            return f"{self.summary.failed} of {self.summary.n} requests failed: " + "; ".join(e or "?" for e in errs)
+        if self.foreign is not None:
+            return f"the figures above are not the trace's alone: {self.foreign['message']}"
+        return None
