@@ -237,7 +237,7 @@ def test_a_lag_within_its_share_of_a_busy_window_is_counted_not_marked():
     tests/test_daemon_tag_bypass.py: its tag left out of analyze for 2-4 tokens of a window of 179-302). Now a row is
     marked where the lag may move more than a token and more than LAG_SHARE of its window's count: unmarked, the lag
     it holds is within a token plus that share of each window's tokens (docs/daemon.md, "A server restart")."""
-    from powerprof.daemon.ledger import LAG_SHARE, LAG_TOKENS
+    from powerprof.daemon.reconcile import LAG_SHARE, LAG_TOKENS
 
     bound = LAG_TOKENS + LAG_SHARE * 1000 * 0.1  # a stream's start: its window's 100 tokens
     for phase_s in (0.0, 0.035, 0.07):
@@ -327,7 +327,7 @@ def _window_rows_off(rows, truth, lo_s: float = 1.5, hi_s: float = 5.5) -> list:
     """The `complete` rows (one a scrape window: `_streams(sample_s=0.1)`) away from the bypass stream's ends whose
     bypass count is off the truth by more than what an unmarked row keeps: a token plus LAG_SHARE of the window's
     server count (docs/daemon.md, "A server restart")."""
-    from powerprof.daemon.ledger import LAG_SHARE, LAG_TOKENS
+    from powerprof.daemon.reconcile import LAG_SHARE, LAG_TOKENS
 
     off = []
     for r in rows:

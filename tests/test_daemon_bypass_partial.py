@@ -17,7 +17,8 @@ from click.testing import CliRunner
 
 from powerprof.analysis.fleet import fleet_summary
 from powerprof.cli import main
-from powerprof.daemon.ledger import LAG_SHARE, PROXY_LAG, USAGE_VOTE_S, Ledger
+from powerprof.daemon.ledger import Ledger
+from powerprof.daemon.reconcile import LAG_SHARE, PROXY_LAG, USAGE_VOTE_S
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.scrape import Scraper
 from powerprof.daemon.service import datasets
@@ -459,15 +460,15 @@ def _worker_stalled_across_restart(rate: float, stall_s: float, stop_s: float, r
     led.on_start(tr)
     if checks is not None:
         checks["windows"] = []
-        resolve = led._resolve_spans
+        resolve = led.recon.resolve_spans
 
         def spied(upto_ns, force=False):  # each window's proxied tokens, as the ledger held them when it resolved it
-            todo = [sp for sp in led.server_spans if sp.bypass_tokens is None]
+            todo = [sp for sp in led.recon.server_spans if sp.bypass_tokens is None]
             resolve(upto_ns, force)
             checks["windows"] += [(sp.t0_ns / S, sp.t1_ns / S,
-                                   sum(n for t, n in led._proxied if sp.t0_ns < t <= sp.t1_ns))
+                                   sum(n for t, n in led.recon.proxied if sp.t0_ns < t <= sp.t1_ns))
                                   for sp in todo if sp.bypass_tokens is not None]
-        led._resolve_spans = spied
+        led.recon.resolve_spans = spied
     prev_t = prev_total = told = bypass = None
     prev_old = True
     for k in range(int((max(t_end, up) + 6) / 0.005)):
@@ -480,14 +481,14 @@ def _worker_stalled_across_restart(rate: float, stall_s: float, stop_s: float, r
             led.on_end(tr)
             if checks is not None:
                 r = led.requests[1]
-                checks["listed"] = sum(n for _, n in led._proxied)
+                checks["listed"] = sum(n for _, n in led.recon.proxied)
                 checks["placed"] = r.spent + sum(r.ev_n) + r.late
         if told is not None and bypass is None and t >= told + 0.3:
             bypass = t + np.arange(100) / 400.0
         if k % 50 == 0:
             led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
         # The scrape loop's first pass after the baseline comes at `first_read_s` (none before it).
-        waiting = first_read_s is not None and prev_t is not None and led.server_upto_ns is None and t < first_read_s
+        waiting = first_read_s is not None and prev_t is not None and led.recon.server_upto_ns is None and t < first_read_s
         if (k - round(phase_s / 0.005)) % 20 == 0 and t >= 0.5 and (t < stop or t >= up) and not waiting:
             count = float((gen <= t).sum()) if t < stop else float(0 if bypass is None else (bypass <= t).sum())
             restarted = prev_t is not None and t >= up and prev_old
@@ -768,7 +769,7 @@ def test_a_window_whose_placed_proxied_tokens_came_out_below_none_is_marked_not_
             tr.counts = Counts(generated_tokens=count, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
             led.on_end(tr)
         if t == 2.05:
-            led._proxied.append((int(t * S), -50.0))  # the fault
+            led.recon.proxied.append((int(t * S), -50.0))  # the fault
         if k % 25 == 0:
             led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
         if k % 10 == 0 and t >= 0.5:
@@ -1095,7 +1096,7 @@ def test_a_tag_window_whose_count_may_be_low_reads_like_an_exact_one_so_it_is_le
 def _steady_stream(rate: float, phase_s: float, bypass_at_s: float | None = None, bypass_n: int = 0):
     """A ledger fed one proxied stream of `rate` tokens/s from 1 s to 6 s, shipped by a proxy worker in 20 ms records
     (each stamped 3 ms after its last token), scrapes every 0.1 s offset by `phase_s`, 0.25 s GPU samples, no restart;
-    the proxy's delay measured at 3 ms (ledger.PROXY_LAG: unmeasured, a record's lag draining reads as a proxy's).
+    the proxy's delay measured at 3 ms (reconcile.PROXY_LAG: unmeasured, a record's lag draining reads as a proxy's).
     `bypass_n` tokens straight to the server at 400/s from `bypass_at_s`. Returns the interval rows."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.3)

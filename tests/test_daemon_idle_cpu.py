@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import powerprof.daemon.service as service
 from powerprof.daemon.config import load_config
-from powerprof.daemon.ledger import LAG_S, Ledger
+from powerprof.daemon.ledger import Ledger
+from powerprof.daemon.reconcile import LAG_S
 from powerprof.daemon.service import Daemon
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
@@ -98,8 +99,8 @@ def _cpu_energy_whole_history(led, t):
 
 def _edge_delays_whole_history(led, edges, reach_ns):
     """The proxy's delay bounds at each edge from every measure kept (the code before it read only the recent ones)."""
-    dt = np.array([t for t, _ in led._delays], dtype=np.int64)
-    dx = np.array([x for _, x in led._delays], dtype=float)
+    dt = np.array([t for t, _ in led.recon.delays], dtype=np.int64)
+    dx = np.array([x for _, x in led.recon.delays], dtype=float)
     stood = dt - np.rint(dx * 1e9).astype(np.int64)
     most, least = [], []
     for s, i, j in zip(edges.tolist(), np.searchsorted(dt, edges, "left").tolist(),
@@ -131,14 +132,14 @@ def test_a_long_running_daemons_closes_read_only_recent_history_with_the_same_fi
         led.cpu_e.append(e)
         led.cpu_epoch.append(epoch)
     for k in range(20000):
-        led._delays.append((k * s // 4, 0.9 if 19000 <= k < 19004 else float(rng.random()) * 0.01))
+        led.recon.delays.append((k * s // 4, 0.9 if 19000 <= k < 19004 else float(rng.random()) * 0.01))
     for t0 in (100, 4400, 4498, 4699, 4990, 4999):
         t = np.array([t0 * s + s // 3 + k * s for k in range(4)], dtype=np.int64)
         # The same NaNs; the values to rounding (after a reset every cumulative value carries its offset, 1e-13 apart)
         np.testing.assert_allclose(led._cpu_energy(t), _cpu_energy_whole_history(led, t), rtol=1e-9)
     for t0 in (0, 4000, 4749, 4990, 5010):
         edges = np.array([t0 * s + k * s // 2 for k in range(5)], dtype=np.int64)
-        assert led._edge_delays_s(edges, s) == _edge_delays_whole_history(led, edges, s)
+        assert led.recon.edge_delays_s(edges, s) == _edge_delays_whole_history(led, edges, s)
 
 
 def test_a_close_whose_counters_are_all_exact_has_each_gpus_own_energy_and_method():

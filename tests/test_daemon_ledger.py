@@ -605,7 +605,7 @@ def test_a_count_less_stream_that_keeps_up_with_the_server_holds_no_scrape_windo
             _feed(led, now / S, 100.0 * now / S)
         led.advance(now)
     assert tr.end_ns is None  # still streaming
-    resolved = [sp for sp in led.server_spans if sp.bypass_tokens is not None]
+    resolved = [sp for sp in led.recon.server_spans if sp.bypass_tokens is not None]
     assert resolved and max(sp.t1_ns for sp in resolved) >= int(6.0 * S)
     assert sum(sp.bypass_tokens for sp in resolved) == pytest.approx(0.0, abs=1e-9)
 
@@ -2218,7 +2218,7 @@ def test_multi_step_piece_kept_in_order_and_late_part_counted():
     ms = 1_000_000
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.add_gpu_edge(0, 0, [0.0])
-    led.server_seen = True
+    led.recon.server_seen = True
     tr = _trace(1, 0.0)
     led.on_start(tr)
     led.on_tokens(tr, 100 * ms, 1)
@@ -2228,7 +2228,7 @@ def test_multi_step_piece_kept_in_order_and_late_part_counted():
     led.on_tokens(tr, 180 * ms, 4)  # spread over (100, 180] ms: three events before 165 ms
     assert r.ev_t == [100 * ms, 120 * ms, 140 * ms, 160 * ms, 165 * ms, 180 * ms]
     assert r.ev_n == [1, 1, 1, 1, 1, 1]
-    assert [t for t, _ in led._proxied] == [100 * ms, 120 * ms, 140 * ms, 160 * ms, 180 * ms]
+    assert [t for t, _ in led.recon.proxied] == [100 * ms, 120 * ms, 140 * ms, 160 * ms, 180 * ms]
     led.edges[0].t_ns = 230 * ms  # the intervals up to 230 ms closed meanwhile
     led.on_tokens(tr, 260 * ms, 4)  # spread over (180, 260] ms: 200 and 220 ms in closed intervals
     assert led.late_tokens == 2 and r.late == 2

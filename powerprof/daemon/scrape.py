@@ -52,7 +52,7 @@ log = logging.getLogger("powerprof.daemon.scrape")
 
 SERVERS = ("auto", "vllm", "sglang", "llamacpp", "none")
 # Servers whose token counter moves when a request finishes, by its tokens (not as they are generated): the ledger
-# compares theirs with the proxied requests' tokens at their ends (Ledger._resolve_spans, docs/daemon.md).
+# compares theirs with the proxied requests' tokens at their ends (reconcile.CountReconciler.resolve_spans, docs/daemon.md).
 AT_FINISH = ("sglang",)
 # Servers that prefill an n > 1 request's prompt in a request of their own before its n sequences, which all find it
 # cached (SGLang's parallel sampling, tokenizer_manager._handle_batch_request): the ledger costs that prompt whole.

@@ -619,7 +619,7 @@ class Daemon:
 
     def note_proxy_delay(self, t_ns: int, delay_s: float) -> None:
         """How late the proxy's event loop ran (proxy workers' heartbeats; this loop's own ticks where it serves the
-        proxy itself): the bound on a delay of the proxy's own that the ledger's bypass count checks (ledger.PROXY_LAG)."""
+        proxy itself): the bound on a delay of the proxy's own that the ledger's bypass count checks (reconcile.PROXY_LAG)."""
         self.ledger.note_proxy_delay(t_ns, delay_s)
 
     def on_end(self, trace: RequestTrace) -> None:

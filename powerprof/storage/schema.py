@@ -307,7 +307,7 @@ SERVER_COUNT_PROXY_LAG = "proxy_lag"
 # them, as many bypass tokens hide behind them.
 SERVER_COUNT_USAGE_BEYOND = "usage_beyond_chunks"
 # A scrape window still below the counter's highest reading (scrape.COUNTER_BELOW), or one whose count fell short of the
-# proxy's tokens for good beyond what its reads and the proxy's lag explain (ledger.Ledger._lost_beyond).
+# proxy's tokens for good beyond what its reads and the proxy's lag explain (reconcile.CountReconciler._lost_beyond).
 SERVER_COUNT_BELOW = "counter_below"
 # An interval overlapping a time a proxy worker served whose records the daemon could not read (powerprof upgraded under it:
 # daemon/workers.py) where the server's count is not complete: that worker's traffic is in no row, and without the
