@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from powerprof.storage.schema import ANALYSIS
+from powerprof.storage.schema import ANALYSIS, KNOB_PREFIX, with_knob_columns
 from powerprof.workload.client import restart_said
 
 from .checks import (Finding, choice_findings, edge_findings, fit_findings, impossible_findings, level_findings,
@@ -230,6 +230,7 @@ def analyze(
     wide_ci_pct: float = WIDE_CI_PCT,
     judge_interrupted: bool = True,
     interrupted_levels=(),
+    config: dict | None = None,
 ) -> AnalysisResult:
     """Everything `powerprof analyze` computes, from pooled windows and the runs' metadata.
 
@@ -238,7 +239,9 @@ def analyze(
     judge_interrupted: False where the caller judges unfinished and unmeasured visits over more windows than these
     (a configuration sweep's analysis gets only its chosen configuration's), which then gives
     interrupted_levels: (level_kind, concurrency, level_value) of the levels of these windows it found
-    unfinished (never chosen in that series only: another concurrency's 220 W is another level)."""
+    unfinished (never chosen in that series only: another concurrency's 220 W is another level).
+    config: a configuration sweep's configuration these windows are ({config_id, context_tokens, config_status,
+    knob_<NAME>: value}): written on every row, which alone would not say whose levels they are."""
     if primary not in POLICIES:
         raise ValueError(f"unknown policy {primary!r}; choose one of: {', '.join(POLICIES)}")
     params = params or PolicyParams()
@@ -290,7 +293,7 @@ def analyze(
         )
         in_series = {v for k, c, v in cut if (k, c) == (s.level_kind, s.concurrency)}
         choices = choose_all(s, sp, card, left_out=left_out_levels(base, in_series))
-        table = _analysis_table(base, s, fits, choices, primary, n_runs)
+        table = _with_config(_analysis_table(base, s, fits, choices, primary, n_runs), config)
         results.append(SeriesResult(s, table, fits, choices, primary))
         not_engaged = {r["level_value"] for r in table.to_pylist() if r.get("cap_not_engaged")}
         prefix = "" if len(all_series) == 1 else f"[{results[-1].label}] "
@@ -657,6 +660,17 @@ def _analysis_table(base: pa.Table, s: LevelSeries, fits: dict[str, ModelFit], c
     }
     cols = [base.column(n) if n in base.column_names else extra[n] for n in ANALYSIS.names]
     return pa.Table.from_arrays(cols, schema=ANALYSIS)
+
+
+def _with_config(table: pa.Table, config: dict | None) -> pa.Table:
+    """The rows labelled with the configuration they are (report._configurations' choice), as levels.parquet's are."""
+    if not config:
+        return table
+    for name in ("config_id", "context_tokens", "config_status"):
+        i = table.column_names.index(name)
+        table = table.set_column(i, table.schema.field(i), pa.array([config.get(name)] * table.num_rows,
+                                                                     table.schema.field(i).type))
+    return with_knob_columns(table, [{k: v for k, v in config.items() if k.startswith(KNOB_PREFIX)}] * table.num_rows)
 
 
 def _nan_none(a) -> list:

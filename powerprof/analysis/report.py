@@ -112,7 +112,8 @@ def analyze_run(
             cut = (interrupted_series_levels(runs, windows, where["config_id"], where["context_tokens"])
                    if where is not None else set())
             result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary,
-                             judge_interrupted=knob_result is None, interrupted_levels=cut)
+                             judge_interrupted=knob_result is None, interrupted_levels=cut,
+                             config=_chosen_config(knob_result, where))
     except ValueError as e:
         raise AnalysisError(f"{', '.join(map(str, run_dirs))}: {e}") from None
     if knob_result is not None:
@@ -233,6 +234,17 @@ def _configurations(runs, max_slowdown: float, windows):
     if kr.chosen is None:
         return kr, None
     return kr, {"config_id": kr.chosen.config_id, "context_tokens": kr.chosen.context_tokens}
+
+
+def _chosen_config(kr, where: dict | None) -> dict | None:
+    """The chosen configuration's labels for its analysis rows (config_id, context_tokens, config_status, knob_*):
+    the power-limit analysis is of it alone (docs/sweep.md, Analysis); None outside a configuration sweep."""
+    if kr is None or where is None or kr.chosen is None:
+        return None
+    from powerprof.storage.schema import KNOB_PREFIX  # noqa: PLC0415
+
+    return {**where, "config_status": kr.chosen.status,
+            **{f"{KNOB_PREFIX}{k}": v for k, v in (kr.chosen.knobs or {}).items()}}
 
 
 def _matches(windows, where: dict):
