@@ -201,6 +201,40 @@ def test_a_slowdown_budget_is_printed_with_the_digits_it_was_given(tmp_path):
     assert "≤ 99.9% slower" in md and "(≤ 99.9%)" in md and "≤ 100%" not in md
 
 
+def test_a_speed_loss_just_over_the_budget_never_prints_as_within_it(tmp_path):
+    # 220 W 10.0396% slower printed "10.0%" beside "Recommended limit: 260 W (…, ≤ 10% slower)": a level that read as
+    # within the budget, left out with no reason. The loss gets the digits that put it on its side of the budget.
+    from rich.console import Console
+
+    from powerprof.analysis.sweetspot import loss_text
+    from powerprof.progress import end_screen
+
+    assert [loss_text(x, 0.10) for x in (10.0396, 9.96, 10.0, 5.0, -1.04, 10.0000004)] == [
+        "10.04", "10.0", "10.0", "5.0", "-1.0", "10.0000004"]
+    assert loss_text(9.985, 0.0999) == "9.98" and loss_text(10.0396, None) == "10.0"
+    tok = {180: 80.0, 220: 89.96, 260: 95.0, 300: 100.0}
+
+    def at(d):
+        return lambda L: np.array([d[float(x)] for x in np.atleast_1d(L)])
+
+    truth = Truth(tok_s=at(tok), power_w=at({L: float(L) for L in tok}), sm_clock_mhz=lambda L: np.atleast_1d(L) * 8.0)
+    run = make_run(tmp_path / "run", truth, noise=0.00001, n_requests=12, decode_tokens=2000)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--out", str(tmp_path / "o"), "--format", "md",
+                                  "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    assert "Recommended limit: 260 W" in r.output
+    row = next(ln for ln in r.output.splitlines() if ln.lstrip().startswith("220 W"))
+    assert "10.04%" in row and "10.0%" not in row, row
+    md = (tmp_path / "o" / "report.md").read_text()
+    row = next(ln for ln in md.splitlines() if ln.startswith("| 220 |"))
+    assert "| 10.04 [" in row, row
+    res = analyze_run([run], out_dir=tmp_path / "o2", n_boot=200, plots=False)
+    con = Console(width=160, record=True, color_system=None, file=io.StringIO())
+    con.print(end_screen(pq.read_table(run / "levels.parquet"), res, "W"))
+    row = next(ln for ln in con.export_text().splitlines() if ln.lstrip().startswith("220 W"))
+    assert "10.04%" in row, row
+
+
 @pytest.mark.parametrize("args,msg", [
     (["analyze", "/nonexistent/run"], "no such run directory"),
     # A file (the run's windows.parquet, a daemon part file) read "no such run directory", which it exists as.

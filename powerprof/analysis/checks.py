@@ -15,7 +15,7 @@ from powerprof.workload.servercount import FOREIGN_FIX, FOREIGN_FLAG
 
 from .fits import ModelFit
 from .stats import FEW_WINDOWS_FLAG, INSTANT_POWER_FLAG, MIN_CI_WINDOWS, NO_BUSY_FLAG, SHORT_WINDOWS_FLAG, LevelSeries
-from .sweetspot import Choice
+from .sweetspot import Choice, loss_text
 
 TARGET_CI_PCT = 2.0  # the sweep's default --target-ci, as a percentage
 UNSTABLE_SHARE = 0.8  # a choice picked by fewer bootstrap replicates than this is uncertain
@@ -375,7 +375,8 @@ def saving_findings(choices: dict[str, Choice], table: pa.Table, reference_value
         return []
     return [Finding("no-clear-saving", (
         f"{primary}: {c.level_value:g} {unit} saves {c.energy_saving_pct:.1f}% energy per token, 95% CI "
-        f"[{ci[0]:.1f}, {ci[1]:.1f}]%: not told from no saving, at {c.speed_loss_pct:.1f}% slower. Keep "
+        f"[{ci[0]:.1f}, {ci[1]:.1f}]%: not told from no saving, at "
+        f"{loss_text(c.speed_loss_pct, c.params.get('max_slowdown') if c.policy == 'budget' else None)}% slower. Keep "
         f"{reference_value:g} {unit}, or measure more requests per level (more distinct prompts) to settle it."),
         (c.level_value,))]
 
