@@ -864,6 +864,41 @@ def test_a_level_measured_again_after_the_server_went_away_is_noted_in_every_out
     assert not plain.notes and "## Notes" not in (tmp_path / "a0" / "report.md").read_text()
 
 
+def test_the_notes_a_sweep_stored_in_run_json_are_in_every_analysis_output_once(tmp_path):
+    # runs/r2's run.json said "1 windows' end-edge reads came over 1% of their length…" (its end screen's note), and
+    # report.md, analysis.json and analyze's console said it nowhere: the xlsx summary sheet alone carried it. Those
+    # analyze says itself in its own words (the simulator, a restart ridden out, a flag it has a finding of) stay
+    # out: said twice, they read as two events.
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=6)
+    meta_path = run / "run.json"
+    meta = json.loads(meta_path.read_text())
+    edge = ("1 windows' end-edge reads came over 1% of their length after their end (a loaded host): their energy may "
+            "read low by up to that share (the end's energy counter is interpolated over the delay), and they are "
+            "flagged low_confidence; fix: longer windows (more --max-tokens) or a less loaded host (taskset powerprof "
+            "onto its own core)")
+    sim = "simulated GPU and simulated server (seed-16g): the figures demonstrate the method, not your hardware"
+    restart = ("the server restarted at level 220 W (its counter llamacpp:tokens_predicted fell from 9000 to 0), down "
+               "14.2 s (connection refused: y): the level was measured again from scratch after a warm-up; the windows "
+               "measured before are left out (levels.parquet flag server-restarted)")
+    meta["notes"] = [sim, edge, restart, edge]
+    meta["server_restarts"] = [{"stage": "level", "level_value": 220.0, "repeat": 0, "down_s": 14.25,
+                                "error": "connection refused: y", "restarted": True,
+                                "evidence": "its counter llamacpp:tokens_predicted fell from 9000 to 0"}]
+    meta_path.write_text(json.dumps(meta))
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "200", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    notes = json.loads((tmp_path / "a" / "analysis.json").read_text())["notes"]
+    assert notes.count(edge) == 1, notes
+    assert not any("demonstrate the method" in n or "levels.parquet flag server-restarted" in n for n in notes), notes
+    assert sum("220 W was measured again from scratch" in n for n in notes) == 1, notes
+    md = (tmp_path / "a" / "report.md").read_text()
+    assert md.count("end-edge reads came over 1%") == 1 and "demonstrate the method" not in md
+    assert "end-edge reads came over 1%" in (tmp_path / "a" / "report.html").read_text()
+    said = " ".join(r.output.split())
+    assert said.count("note: 1 windows' end-edge reads came over 1%") == 1, r.output
+    assert "demonstrate the method" not in said and "(simulated)" in said
+
+
 def test_an_analysis_of_other_runs_or_a_users_files_are_never_replaced(tmp_path):
     # `analyze a b` wrote the pooled analysis over a/analysis, run a's own, without a word: `export a`'s summary
     # sheet then gave the pool's recommendation as run a's. `--out ~/notes` replaced the user's own report.md.

@@ -5,6 +5,7 @@ Pure computation over tables already read; report.py reads run directories and w
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -522,6 +523,49 @@ def server_notes(runs: list[RunInfo]) -> tuple[list[str], list[dict]]:
         if isinstance(r.meta.get("idle_baseline_note"), str):
             notes.append(prefix + r.meta["idle_baseline_note"])
     return notes, entries
+
+
+# A stored note names the levels' flag it explains ("flag busy-host on 220 W", "levels.parquet flag server-restarted").
+_FLAG_NAMED = re.compile(r"\bflag ([a-z][a-z-]*[a-z])")
+_RESTART_FLAGS = ("server-restarted", "server-away")  # sweep.RESTARTED_FLAG, AWAY_FLAG (analysis does not import sweep)
+
+
+def run_notes(runs: list[RunInfo], findings: list[Finding], said: list[str]) -> list[str]:
+    """The notes each sweep stored in run.json `notes` (its end screen's: late window-edge reads, others' work, the
+    server's context cutting answers short, ...), each once, `said` (analyze's own notes) and the findings aside.
+    Left out where analyze says the same itself: a note whose words are in one of its findings or notes; the
+    simulator's note (rig.notes: analyze marks the figures `(simulated)` and says so in the reports); a restart ridden
+    out, or the idle baseline retaken over one (server_notes says each from run.json `server_restarts`); a note that
+    names a level flag analyze has a finding of (busy-host, foreign-traffic); windows left out for their timing where
+    analyze's `untrusted-timing` counts them. Before, they were in run.json alone: report.md, analysis.json and the
+    console said none, the xlsx summary sheet alone carried them."""
+    def norm(text: str) -> str:
+        return " ".join(str(text).split())
+
+    own = [t for t in (norm(f.message) for f in findings) if t] + [t for t in (norm(n) for n in said) if t]
+    kinds = {f.kind for f in findings}
+    out: list[str] = []
+    for r in runs:
+        got = r.meta.get("notes")
+        if not isinstance(got, list):
+            continue
+        prefix = f"{r.path}: " if len(runs) > 1 else ""
+        restarts = [e for e in r.meta.get("server_restarts") or [] if isinstance(e, dict)] \
+            if isinstance(r.meta.get("server_restarts"), list) else []
+        for note in got:
+            if not isinstance(note, str) or not note.strip():
+                continue
+            text = norm(note)
+            flags = set(_FLAG_NAMED.findall(text))
+            if (any(text in o or o in text for o in own)
+                    or (r.simulated and re.match(r"(?i)simulated GPU\b", text))
+                    or (restarts and (flags & set(_RESTART_FLAGS)
+                                      or "the baseline was taken again once it was back" in text))
+                    or flags & kinds
+                    or ("untrusted-timing" in kinds and re.match(r"\d+ of \d+ windows left out of ", text))):
+                continue
+            out.append(prefix + note)
+    return list(dict.fromkeys(out))
 
 
 def interrupted_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding]:

@@ -23,7 +23,7 @@ from powerprof.storage.runs import no_finished_level, write_table
 from powerprof.trust import out_dir_refusal
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
-                      interrupted_series_levels, server_notes)
+                      interrupted_series_levels, run_notes, server_notes)
 from .checks import Finding, sample_findings, saving_within_noise, unmeasured_level_findings
 from .knobs import analyze_knobs, is_grid, left_out_text, summary_lines
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, run_key, sample_level_figures,
@@ -130,6 +130,7 @@ def analyze_run(
                                      "or written twice, holds them; the figures are those of the distinct windows.")
         for p, n in twice.items()] + sample_findings(implausible)
     result.notes, result.server_restarts = server_notes(runs)
+    result.notes += run_notes(runs, result.warnings, result.notes)
     try:
         write_outputs(result, out, formats, plots)
     except OSError as e:  # --out where no folder can be made or written (read-only, /proc, full disk)
