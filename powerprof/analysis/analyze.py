@@ -656,7 +656,8 @@ def _visit_name(config_id, context_tokens, level, unit: str) -> str:
 
 
 def sweep_settings(runs: list[RunInfo]) -> dict:
-    """The sweep settings (run.json `settings`) the wide-CI advice needs, as level_findings keywords.
+    """The sweep settings (run.json `settings`) the wide-CI advice needs, and whether a run replayed a trace (the
+    one-window advice), as level_findings keywords.
 
     Pooled runs: the strictest target, and the longest time and request limits (advice must ask
     for more than any run had). Absent settings (old or synthetic runs) stay None."""
@@ -673,6 +674,8 @@ def sweep_settings(runs: list[RunInfo]) -> dict:
         "max_time_s": max(max_time) if max_time else None,
         "max_requests": int(max(max_req)) if max_req else None,
         "repeats": int(max(repeats)) if repeats else 1,
+        # A trace run's one window per level is the replay itself (one-window's cause and fix).
+        "trace": any(isinstance(r.meta.get("trace"), dict) for r in runs),
     }
 
 
