@@ -30,6 +30,18 @@ def _pct(v, spec: str = ".1f") -> str:
     return _f(v, spec) + "%"
 
 
+def _slower(r: dict) -> str:
+    """The level's speed loss, with the digits that keep it on its side of the slowdown budget where the row carries
+    it (LevelsTable's max_slowdown: sweetspot.loss_text; 10.0396% read "10.0%" beside "≤ 10% slower")."""
+    v, budget = r.get("speed_loss_pct"), r.get("max_slowdown")
+    if v is None or budget is None:
+        return _pct(v)
+    from powerprof.analysis.sweetspot import loss_text  # noqa: PLC0415
+
+    text = loss_text(v, budget)
+    return (text[1:] if text.startswith("-") and float(text) == 0 else text) + "%"
+
+
 def _level_text(value, unit: str) -> str:
     return "settings as they are" if value is None else f"{value:g} {unit}"
 
@@ -149,7 +161,7 @@ _COLUMNS = (
     # (flag few-windows), so the count is worth a glance where the width allows.
     ("windows", lambda r, u: _f(r.get("n_windows"), "d")),
     ("tok/s", lambda r, u: _f(r.get("decode_tok_s"), ".1f")),
-    ("slower", lambda r, u: _pct(r.get("speed_loss_pct"))),
+    ("slower", lambda r, u: _slower(r)),
     ("J/tok\nGPU", lambda r, u: _f(r.get("gpu_j_per_token"), ".3f")),
     ("±CI", lambda r, u: _f(r.get("ci_reached_pct"), ".1f") + "%"),
     ("J/tok\n+CPU", lambda r, u: _f(r.get("total_j_per_token"), ".3f")),
@@ -177,8 +189,8 @@ class LevelsTable:
     instead of being cut with an ellipsis. Where the terminal is too narrow for every column,
     the least needed ones are left out (and the caption names them) rather than numbers cut."""
 
-    def __init__(self, levels, unit: str = "W", recommended: float | None = None):
-        self.rows = levels.to_pylist()
+    def __init__(self, levels, unit: str = "W", recommended: float | None = None, max_slowdown: float | None = None):
+        self.rows = [r if max_slowdown is None else dict(r, max_slowdown=max_slowdown) for r in levels.to_pylist()]
         self.unit = unit
         self.recommended = recommended
 
@@ -236,8 +248,9 @@ class LevelsTable:
         yield self.lines()
 
 
-def levels_table(levels, unit: str = "W", recommended: float | None = None) -> LevelsTable:
-    return LevelsTable(levels, unit, recommended)
+def levels_table(levels, unit: str = "W", recommended: float | None = None,
+                 max_slowdown: float | None = None) -> LevelsTable:
+    return LevelsTable(levels, unit, recommended, max_slowdown)
 
 
 def curves(result) -> Curves:
@@ -267,7 +280,7 @@ def end_screen(levels, result, unit: str) -> Group:
     from powerprof.analysis.report import console_summary
 
     rec = result.main.recommendation.level_value if result.series and result.main.comparable and result.starred else None
-    parts = [levels_table(levels, unit, recommended=rec)]
+    parts = [levels_table(levels, unit, recommended=rec, max_slowdown=result.params.max_slowdown)]
     if result.series:
         parts += [Text(""), curves(result), Text("")]
     parts.append(Text(console_summary(result, table=False)))

@@ -184,3 +184,41 @@ def test_the_advice_uses_the_limits_every_gpu_of_the_run_accepts(tmp_path):
     _, said = _advice(analyze_run([run], tmp_path / "o", n_boot=200, plots=False, formats=()))
     assert "Add level 170 W" in said["edge"] and "every GPU of the run accepts down to 170 W" in said["edge"], said
     assert "card-range" not in said
+
+
+def _one_window(findings) -> str:
+    (f,) = [f for f in findings if f.kind == "one-window"]
+    return " ".join(f.message.split())
+
+
+def test_one_window_says_why_the_level_has_one_and_the_fix_that_fits(tmp_path):
+    # A copy of a sweep (no trace) where 3 of 4 windows at 260 W failed said "one measured window at 260 W (a trace
+    # replayed once per level)… the recommendation no resampling spread; replay each level more than once (--repeats
+    # 3)", beside "95% of resamples choose 220–260 W": the wrong cause, a spread that was there, a fix for traces.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 260, 300), n_requests=4, n_failed=0)
+    t = pq.read_table(run / "windows.parquet")
+    rows = t.to_pylist()
+    seen = 0
+    for r in rows:
+        if r["level_value"] == 260.0 and not r["warmup"]:
+            seen += 1
+            if seen > 1:
+                r["status"] = "failed"
+    pq.write_table(pa.Table.from_pylist(rows, schema=t.schema), run / "windows.parquet")
+    res = analyze_run([run], out_dir=tmp_path / "a", n_boot=200, plots=False)
+    msg = _one_window(res.warnings)
+    assert msg.startswith("one measured window at 260 W (3 of its 4 requests failed)"), msg
+    assert "trace" not in msg and "--repeats" not in msg and "no resampling spread" not in msg, msg
+    assert "failed" in msg and "--min-requests" in msg, msg
+    # Windows left out (not failed), and a level that stopped after one: each its own cause.
+    left = _one_window(level_findings(_levels(n_requests=4, n_windows=1, n_failed=0, flags="one-window",
+                                              concurrency=1)))
+    assert "(3 of its 4 measured requests left out)" in left and "the findings above say why" in left, left
+    stopped = _one_window(level_findings(_levels(n_requests=1, n_windows=1, n_failed=0, flags="one-window")))
+    assert "(the level stopped after one request)" in stopped and "--max-time" in stopped, stopped
+    # A trace replayed once per level: its own cause and fix; no spread where every level has one window.
+    trace = _one_window(level_findings(pa.Table.from_pylist(
+        [{"level_kind": "power_limit", "level_value": v, "n_requests": 8, "n_windows": 1, "flags": "one-window"}
+         for v in (200.0, 300.0)], schema=LEVELS), trace=True))
+    assert trace.startswith("one measured window at 200 W, 300 W (a trace replayed once per level)"), trace
+    assert "no resampling spread" in trace and "--repeats 3" in trace, trace

@@ -111,6 +111,43 @@ def test_a_simulated_hosts_figures_are_marked_and_said_beside_real_ones(fleet, t
     assert rows["node-5"]["requests"] == rows["node-5 (sim)"]["requests"] == 15
 
 
+def test_a_host_missing_a_table_prints_unknown_and_its_simulated_rows_are_said(fleet, tmp_path):
+    # A simulated node synced without its intervals/ (a partial sync) printed `0.000   nan` for its GPU kWh and idle %,
+    # and the note on the simulator's figures named only the real-looking hosts with simulated intervals: the
+    # `(sim)` host with request rows alone was counted as real. A node without requests/ printed 0 requests, 0 tokens
+    # where the JSON says null (unknown).
+    import shutil
+
+    base, _ = fleet
+    _node(tmp_path / "noint", 9, simulated=True)
+    shutil.rmtree(tmp_path / "noint" / "intervals")
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-0"), str(tmp_path / "noint")])
+    assert res.exit_code == 0, res.output
+    row = next(ln for ln in res.stdout.splitlines() if ln.startswith("node-9 (sim)")).split()
+    assert row[2:] == ["19", "2071", "-", "-", "100%", f"{59 / 109:.3f}"], row
+    assert "nan" not in res.output.lower(), res.output
+    every = next(ln for ln in res.stdout.splitlines() if ln.startswith("all 2 hosts")).split()
+    assert every[5:7] == ["-", "-"], every  # node-0's GPU energy alone is no total for both
+    said = [ln for ln in res.stderr.splitlines() if "simulated GPU" in ln]
+    assert len(said) == 1 and "node-9 (sim): 0 intervals, 19 requests" in said[0], said
+    assert "adds them to real hosts'" in said[0], said
+    gone = [ln for ln in res.stderr.splitlines() if "no interval rows" in ln]
+    assert len(gone) == 1 and "node-9 (sim)" in gone[0] and "intervals/" in gone[0], res.stderr
+    row = {r["host"]: r for r in fleet_summary([str(tmp_path / "noint")]).to_pylist()}["node-9 (sim)"]
+    assert row["simulated_requests"] == 19 and row["simulated_intervals"] == 0 and row["gpu_energy_j"] is None
+    _node(tmp_path / "noreq", 1)
+    shutil.rmtree(tmp_path / "noreq" / "requests")
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-0"), str(tmp_path / "noreq")])
+    assert res.exit_code == 0, res.output
+    row = next(ln for ln in res.stdout.splitlines() if ln.startswith("node-1 ")).split()
+    assert row[1:3] == ["-", "-"] and row[3] == f"{40 * 301 / 3.6e6:.3f}", row
+    every = next(ln for ln in res.stdout.splitlines() if ln.startswith("all 2 hosts")).split()
+    assert every[3:5] == ["-", "-"], every
+    gone = [ln for ln in res.stderr.splitlines() if "no request rows" in ln]
+    assert len(gone) == 1 and "node-1" in gone[0] and "requests/" in gone[0], res.stderr
+    assert "simulated GPU" not in res.output
+
+
 def test_a_node_named_twice_counts_once(fleet, tmp_path):
     # `analyze node-3 node-3/` (or a glob plus a path) doubled that node's requests, tokens and energy.
     base, truth = fleet

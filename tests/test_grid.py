@@ -306,6 +306,25 @@ def test_a_throttled_configuration_is_never_chosen_and_every_output_names_it(tmp
     assert xlsx["configurations never chosen"] == "draft=3 at 300 W (thermal throttling)"
 
 
+def test_a_grids_analysis_rows_name_the_configuration_they_analyse(tmp_path):
+    # The power-limit analysis is the J/token-optimal configuration's (docs/sweep.md, Analysis), but its rows in
+    # analysis.parquet, and the export's analysis sheet, carried config_id null: two unlabelled rows beside a
+    # levels.parquet of every configuration.
+    from powerprof.analysis.export import export
+    from synthetic_runs import make_grid_run
+
+    run = make_grid_run(tmp_path / "run", _grid_truths(), levels=(220, 300))
+    res = analyze_run([run], n_boot=200, plots=False)
+    assert res.knobs.chosen.config_id == "draft=3"
+    for t in (pq.read_table(run / "analysis" / "analysis.parquet"),
+              pq.read_table(export([str(run)], "parquet", tmp_path / "out")[0].parent / "analysis.parquet")):
+        assert t.num_rows == 2 and t.column("level_value").to_pylist() == [220.0, 300.0]
+        assert t.column("config_id").to_pylist() == ["draft=3"] * 2
+        assert t.column("config_status").to_pylist() == ["ok"] * 2
+        assert t.column("knob_draft").to_pylist() == [3, 3]
+        assert t.column("context_tokens").to_pylist() == [None, None]
+
+
 def test_no_configuration_is_chosen_when_every_one_is_flagged_and_the_report_says_why(tmp_path):
     # Both configurations' compared figures flagged: the grid still chose the lower J/token of the two.
     from powerprof.analysis.report import console_summary

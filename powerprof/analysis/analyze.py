@@ -5,12 +5,13 @@ Pure computation over tables already read; report.py reads run directories and w
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
-from powerprof.storage.schema import ANALYSIS
+from powerprof.storage.schema import ANALYSIS, KNOB_PREFIX, with_knob_columns
 from powerprof.workload.client import restart_said
 
 from .checks import (Finding, choice_findings, edge_findings, fit_findings, impossible_findings, level_findings,
@@ -230,6 +231,7 @@ def analyze(
     wide_ci_pct: float = WIDE_CI_PCT,
     judge_interrupted: bool = True,
     interrupted_levels=(),
+    config: dict | None = None,
 ) -> AnalysisResult:
     """Everything `powerprof analyze` computes, from pooled windows and the runs' metadata.
 
@@ -238,7 +240,9 @@ def analyze(
     judge_interrupted: False where the caller judges unfinished and unmeasured visits over more windows than these
     (a configuration sweep's analysis gets only its chosen configuration's), which then gives
     interrupted_levels: (level_kind, concurrency, level_value) of the levels of these windows it found
-    unfinished (never chosen in that series only: another concurrency's 220 W is another level)."""
+    unfinished (never chosen in that series only: another concurrency's 220 W is another level).
+    config: a configuration sweep's configuration these windows are ({config_id, context_tokens, config_status,
+    knob_<NAME>: value}): written on every row, which alone would not say whose levels they are."""
     if primary not in POLICIES:
         raise ValueError(f"unknown policy {primary!r}; choose one of: {', '.join(POLICIES)}")
     params = params or PolicyParams()
@@ -290,7 +294,7 @@ def analyze(
         )
         in_series = {v for k, c, v in cut if (k, c) == (s.level_kind, s.concurrency)}
         choices = choose_all(s, sp, card, left_out=left_out_levels(base, in_series))
-        table = _analysis_table(base, s, fits, choices, primary, n_runs)
+        table = _with_config(_analysis_table(base, s, fits, choices, primary, n_runs), config)
         results.append(SeriesResult(s, table, fits, choices, primary))
         not_engaged = {r["level_value"] for r in table.to_pylist() if r.get("cap_not_engaged")}
         prefix = "" if len(all_series) == 1 else f"[{results[-1].label}] "
@@ -521,6 +525,49 @@ def server_notes(runs: list[RunInfo]) -> tuple[list[str], list[dict]]:
     return notes, entries
 
 
+# A stored note names the levels' flag it explains ("flag busy-host on 220 W", "levels.parquet flag server-restarted").
+_FLAG_NAMED = re.compile(r"\bflag ([a-z][a-z-]*[a-z])")
+_RESTART_FLAGS = ("server-restarted", "server-away")  # sweep.RESTARTED_FLAG, AWAY_FLAG (analysis does not import sweep)
+
+
+def run_notes(runs: list[RunInfo], findings: list[Finding], said: list[str]) -> list[str]:
+    """The notes each sweep stored in run.json `notes` (its end screen's: late window-edge reads, others' work, the
+    server's context cutting answers short, ...), each once, `said` (analyze's own notes) and the findings aside.
+    Left out where analyze says the same itself: a note whose words are in one of its findings or notes; the
+    simulator's note (rig.notes: analyze marks the figures `(simulated)` and says so in the reports); a restart ridden
+    out, or the idle baseline retaken over one (server_notes says each from run.json `server_restarts`); a note that
+    names a level flag analyze has a finding of (busy-host, foreign-traffic); windows left out for their timing where
+    analyze's `untrusted-timing` counts them. Before, they were in run.json alone: report.md, analysis.json and the
+    console said none, the xlsx summary sheet alone carried them."""
+    def norm(text: str) -> str:
+        return " ".join(str(text).split())
+
+    own = [t for t in (norm(f.message) for f in findings) if t] + [t for t in (norm(n) for n in said) if t]
+    kinds = {f.kind for f in findings}
+    out: list[str] = []
+    for r in runs:
+        got = r.meta.get("notes")
+        if not isinstance(got, list):
+            continue
+        prefix = f"{r.path}: " if len(runs) > 1 else ""
+        restarts = [e for e in r.meta.get("server_restarts") or [] if isinstance(e, dict)] \
+            if isinstance(r.meta.get("server_restarts"), list) else []
+        for note in got:
+            if not isinstance(note, str) or not note.strip():
+                continue
+            text = norm(note)
+            flags = set(_FLAG_NAMED.findall(text))
+            if (any(text in o or o in text for o in own)
+                    or (r.simulated and re.match(r"(?i)simulated GPU\b", text))
+                    or (restarts and (flags & set(_RESTART_FLAGS)
+                                      or "the baseline was taken again once it was back" in text))
+                    or flags & kinds
+                    or ("untrusted-timing" in kinds and re.match(r"\d+ of \d+ windows left out of ", text))):
+                continue
+            out.append(prefix + note)
+    return list(dict.fromkeys(out))
+
+
 def interrupted_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding]:
     """Levels a sweep was still measuring when it stopped (Ctrl-C, a signal, too many failures): their
     windows are stored and counted like the others', but they cover part of a round of the prompt set,
@@ -609,7 +656,8 @@ def _visit_name(config_id, context_tokens, level, unit: str) -> str:
 
 
 def sweep_settings(runs: list[RunInfo]) -> dict:
-    """The sweep settings (run.json `settings`) the wide-CI advice needs, as level_findings keywords.
+    """The sweep settings (run.json `settings`) the wide-CI advice needs, and whether a run replayed a trace (the
+    one-window advice), as level_findings keywords.
 
     Pooled runs: the strictest target, and the longest time and request limits (advice must ask
     for more than any run had). Absent settings (old or synthetic runs) stay None."""
@@ -626,6 +674,8 @@ def sweep_settings(runs: list[RunInfo]) -> dict:
         "max_time_s": max(max_time) if max_time else None,
         "max_requests": int(max(max_req)) if max_req else None,
         "repeats": int(max(repeats)) if repeats else 1,
+        # A trace run's one window per level is the replay itself (one-window's cause and fix).
+        "trace": any(isinstance(r.meta.get("trace"), dict) for r in runs),
     }
 
 
@@ -657,6 +707,17 @@ def _analysis_table(base: pa.Table, s: LevelSeries, fits: dict[str, ModelFit], c
     }
     cols = [base.column(n) if n in base.column_names else extra[n] for n in ANALYSIS.names]
     return pa.Table.from_arrays(cols, schema=ANALYSIS)
+
+
+def _with_config(table: pa.Table, config: dict | None) -> pa.Table:
+    """The rows labelled with the configuration they are (report._configurations' choice), as levels.parquet's are."""
+    if not config:
+        return table
+    for name in ("config_id", "context_tokens", "config_status"):
+        i = table.column_names.index(name)
+        table = table.set_column(i, table.schema.field(i), pa.array([config.get(name)] * table.num_rows,
+                                                                     table.schema.field(i).type))
+    return with_knob_columns(table, [{k: v for k, v in config.items() if k.startswith(KNOB_PREFIX)}] * table.num_rows)
 
 
 def _nan_none(a) -> list:

@@ -15,7 +15,7 @@ from powerprof.workload.servercount import FOREIGN_FIX, FOREIGN_FLAG
 
 from .fits import ModelFit
 from .stats import FEW_WINDOWS_FLAG, INSTANT_POWER_FLAG, MIN_CI_WINDOWS, NO_BUSY_FLAG, SHORT_WINDOWS_FLAG, LevelSeries
-from .sweetspot import Choice
+from .sweetspot import Choice, loss_text
 
 TARGET_CI_PCT = 2.0  # the sweep's default --target-ci, as a percentage
 UNSTABLE_SHARE = 0.8  # a choice picked by fewer bootstrap replicates than this is uncertain
@@ -100,13 +100,15 @@ BLIND_GPU_FIX = ("the simulated GPU does not see the real server's work (`--simu
 
 
 def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_time_s: float | None = None,
-                   max_requests: int | None = None, repeats: int = 1, blind_gpu: bool = False) -> list[Finding]:
+                   max_requests: int | None = None, repeats: int = 1, blind_gpu: bool = False,
+                   trace: bool = False) -> list[Finding]:
     """Per-level problems: cap not engaged, wide CIs, thermal throttling, failed requests.
 
     target_ci_pct, max_time_s, max_requests, repeats: the sweep's settings (run.json), so the advice
     for a wide CI aims at the run's own target and names the limit that stopped the level. blind_gpu: a simulated
     GPU beside a real server (run.json `sim_beside_real_server`): the cap and idle findings say that, not their fixes
-    for hardware (lower the limits, check --gpus)."""
+    for hardware (lower the limits, check --gpus). trace: a `--trace` run (run.json `trace`), whose one window per level
+    is the replay itself."""
     rows = levels.to_pylist()
     out = []
     unit = _unit(rows[0]["level_kind"]) if rows else "W"
@@ -170,12 +172,10 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
             f"prompt{'s' if k > 1 else ''}: more rounds narrow the J/token CI for these prompts only; to speak for "
             "a wider workload, add distinct prompts (--prompt-set mixed, --prompts FILE)."),
             tuple(r["level_value"] for r in few)))
-    one = [r["level_value"] for r in rows if r["flags"] and "one-window" in r["flags"]]
+    one = [r for r in rows if r["flags"] and "one-window" in r["flags"].split(",")]
     if one:
-        out.append(Finding("one-window", (
-            f"one measured window at {', '.join(_fmt(v, unit) for v in one)} (a trace replayed once per level): "
-            "its J/token has no confidence interval and the recommendation no resampling spread; replay each "
-            "level more than once (--repeats 3) to get them."), tuple(one)))
+        out.append(Finding("one-window", _one_window_message(one, rows, unit, trace and repeats <= 1),
+                           tuple(r["level_value"] for r in one)))
     few_w = [r for r in rows if r["flags"] and FEW_WINDOWS_FLAG in r["flags"].split(",")]
     if few_w:
         out.append(Finding(FEW_WINDOWS_FLAG, _few_windows_message(few_w, unit), tuple(r["level_value"] for r in few_w)))
@@ -263,6 +263,39 @@ def _unchosen(ref: list, against: str) -> str:
     """That no policy chooses the levels flagged, save the reference among them (whose figure the savings are against)."""
     return "No policy chooses these levels" + (
         f" but the reference (keeping the default is always a choice), and every {against}" if ref else "")
+
+
+def _one_window_message(one: list[dict], rows: list[dict], unit: str, trace: bool) -> str:
+    """Why the levels `one` rest on a single window, and the fix that fits: a trace replayed once per level (replay
+    it more often), else each level's own cause, failed requests, windows left out, or a level stopped after one (it
+    said "a trace replayed once" and "--repeats 3" of a sweep whose windows had failed). The recommendation has no
+    resampling spread only where every measured level has one window; otherwise these levels hold still in it."""
+    spread = ("the recommendation no resampling spread" if all((r.get("n_windows") or 0) <= 1 for r in rows)
+              else "resampling holds their figures still, so the choice's 95% range leaves out their uncertainty")
+    if trace:
+        return (f"one measured window at {', '.join(_fmt(r['level_value'], unit) for r in one)} (a trace replayed "
+                f"once per level): its J/token has no confidence interval and {spread}; replay each level more than "
+                "once (--repeats 3) to get them.")
+    said, fixes = [], []
+    for r in one:
+        ok, failed = int(r.get("n_requests") or 0), int(r.get("n_failed") or 0)
+        # Requests and windows are one to one at concurrency 1 only (above it, a window is a batch).
+        left = ok - 1 if (r.get("concurrency") or 1) == 1 and ok > 1 else 0
+        why = []
+        if failed:
+            why.append(f"{failed} of its {ok + failed} requests failed")
+            fixes.append("see why the requests failed (the failed finding counts them; the server's log says why: a "
+                         "prompt past its context, a crash)")
+        if left:
+            why.append(f"{left} of its {ok} measured requests left out")
+            fixes.append("the findings above say why its windows were left out, and their fixes")
+        if not why:
+            why.append("the level stopped after one " + ("request" if (r.get("concurrency") or 1) == 1 else "batch"))
+            fixes.append("a longer --max-time (the level stopped on its budget)")
+        said.append(f"{_fmt(r['level_value'], unit)} ({'; '.join(why)})")
+    fixes.append(f"measure again with --min-requests {MIN_CI_WINDOWS} or more and the time to reach it")
+    return (f"one measured window at {', '.join(said)}: its J/token and tok/s have no confidence interval, and "
+            f"{spread}. Fix: {'; '.join(dict.fromkeys(fixes))}.")
 
 
 def _few_windows_message(rows: list[dict], unit: str) -> str:
@@ -375,7 +408,8 @@ def saving_findings(choices: dict[str, Choice], table: pa.Table, reference_value
         return []
     return [Finding("no-clear-saving", (
         f"{primary}: {c.level_value:g} {unit} saves {c.energy_saving_pct:.1f}% energy per token, 95% CI "
-        f"[{ci[0]:.1f}, {ci[1]:.1f}]%: not told from no saving, at {c.speed_loss_pct:.1f}% slower. Keep "
+        f"[{ci[0]:.1f}, {ci[1]:.1f}]%: not told from no saving, at "
+        f"{loss_text(c.speed_loss_pct, c.params.get('max_slowdown') if c.policy == 'budget' else None)}% slower. Keep "
         f"{reference_value:g} {unit}, or measure more requests per level (more distinct prompts) to settle it."),
         (c.level_value,))]
 

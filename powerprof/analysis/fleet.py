@@ -555,7 +555,8 @@ WITH r AS (
            approx_quantile(ttft_s, 0.5) AS ttft_p50_s,
            CAST(sum(copies - 1) AS BIGINT) AS duplicate_requests,
            CAST(sum(conflicts) AS BIGINT) AS conflicting_requests,
-           count(*) FILTER (WHERE NOT ({r_ok})) AS invalid_requests
+           count(*) FILTER (WHERE NOT ({r_ok})) AS invalid_requests,
+           count(*) FILTER (WHERE simulated) AS simulated_requests
     FROM {requests} GROUP BY 1
 ), i AS (
     SELECT host,
@@ -596,6 +597,7 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        coalesce(bypass_unmeasured_intervals, 0) AS bypass_unmeasured_intervals,
        bypass_unmeasured_gpu_energy_j, bypass_unmeasured_reasons,
        coalesce(simulated_intervals, 0) AS simulated_intervals,
+       coalesce(simulated_requests, 0) AS simulated_requests,
        coalesce(gpu_set_unknown_intervals, 0) AS gpu_set_unknown_intervals
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
@@ -870,13 +872,27 @@ def render_tags(t: pa.Table) -> str:
 def notes(t: pa.Table) -> list[str]:
     """What the reader of the summary must know: rows read twice and counted once, rows left out, hosts named by folder."""
     out = _samples_note(t)
-    sim = [r for r in t.to_pylist() if r.get("simulated_intervals")]
+    # Either table's rows mark a host simulated: one synced without its intervals/ is no real host.
+    sim = [r for r in t.to_pylist() if r.get("simulated_intervals") or r.get("simulated_requests")]
     if sim:
         real = t.num_rows > len(sim)
         out.append("figures from powerprof's simulated GPU (`daemon --simulate`), not hardware's (hosts marked (sim)): "
-                   + "; ".join(f"{r['host']}: {r['simulated_intervals']} intervals" for r in sim)
+                   + "; ".join(f"{r['host']}: {r['simulated_intervals']} intervals, {r.get('simulated_requests') or 0} "
+                               "requests" for r in sim)
                    + ("; the `all` line adds them to real hosts' figures: analyse the real hosts' folders alone"
                       if real else ""))
+    # A host with one table's rows and not the other's (a partial sync, a folder copied in part): the other's figures
+    # are unknown, printed `-`, never 0.
+    no_iv = [r["host"] for r in t.to_pylist() if r["t_first_utc"] is None]
+    if no_iv:
+        out.append("no interval rows: " + ", ".join(no_iv) + ": GPU energy, idle share and hours unknown (`-`), and "
+                   "the `all` line's with them; its requests' own J/token stands. The fix: copy the host's intervals/ "
+                   "folder too (a partial sync), or wait for the daemon's flush")
+    no_rq = [r["host"] for r in t.to_pylist() if r["requests"] is None]
+    if no_rq:
+        out.append("no request rows: " + ", ".join(no_rq) + ": requests and tokens unknown (`-`), and the `all` "
+                   "line's with them. The fix: copy the host's requests/ folder too (a partial sync), or wait for the "
+                   "daemon's flush")
     dup = [r for r in t.to_pylist() if r["duplicate_requests"] or r["duplicate_intervals"]]
     if dup:
         out.append("rows found more than once were counted once (the same daemon_id and request_id, or interval "
@@ -1013,17 +1029,27 @@ def render_summary(t: pa.Table) -> str:
              f"{'J/token':>8s}"]
     tot_e = tot_idle = tot_att = tot_att_tok = 0.0
     tot_tok = tot_req = 0
+    # A figure a host has no rows for (its intervals/ or requests/ not synced: null) is unknown: `-`, here and in the
+    # `all` line, where the others' sum alone would pass for the fleet's (notes() says which host and the fix).
+    no_e = no_tok = no_req = False
     short = False
+
+    def num(v, fmt: str, width: int) -> str:
+        return f"{'-':>{width}s}" if v is None else f"{v:{width}{fmt}}"
+
     for r in rows:
-        e, idle = r["gpu_energy_j"] or 0.0, r["idle_gpu_energy_j"] or 0.0
+        e, idle = r["gpu_energy_j"], r["idle_gpu_energy_j"] or 0.0
         jpt = r["gpu_j_per_token"]
-        att_tok, tok = r["attributed_tokens"] or 0.0, r["generated_tokens"] or 0
-        short = short or (jpt is not None and att_tok < tok)
-        lines.append(f"{r['host']:{w}s} {r['requests'] or 0:9d} {tok:11d} {e / 3.6e6:9.3f} "
-                     f"{100 * idle / e if e else float('nan'):7.1f} {on(att_tok, tok) if jpt is not None else '-':>8s} "
+        att_tok, tok = r["attributed_tokens"] or 0.0, r["generated_tokens"]
+        short = short or (jpt is not None and att_tok < (tok or 0))
+        idle_pct = 100 * idle / e if e else None
+        lines.append(f"{r['host']:{w}s} {num(r['requests'], 'd', 9)} {num(tok, 'd', 11)} "
+                     f"{num(None if e is None else e / 3.6e6, '.3f', 9)} {num(idle_pct, '.1f', 7)} "
+                     f"{on(att_tok, tok or 0) if jpt is not None else '-':>8s} "
                      f"{'-' if jpt is None else f'{jpt:.3f}':>8s}")
-        tot_e, tot_idle = tot_e + e, tot_idle + idle
-        tot_tok, tot_req = tot_tok + tok, tot_req + (r["requests"] or 0)
+        no_e, no_tok, no_req = no_e or e is None, no_tok or tok is None, no_req or r["requests"] is None
+        tot_e, tot_idle = tot_e + (e or 0.0), tot_idle + idle
+        tot_tok, tot_req = tot_tok + (tok or 0), tot_req + (r["requests"] or 0)
         tot_att += r["attributed_gpu_energy_j"] or 0.0
         tot_att_tok += att_tok
     jpt = f"{tot_att / tot_att_tok:.3f}" if tot_att_tok else "-"
@@ -1035,9 +1061,10 @@ def render_summary(t: pa.Table) -> str:
     every = f"all {len(hosts)} host" + ("s" if len(hosts) != 1 else "") + (
         (f" ({n_sets} GPU set" + ("s" if n_sets != 1 else "") + (f", {unset} unknown" if unset else "") + ")")
         if len(rows) > len(hosts) else "")
-    lines.append(f"{every:{w}s} {tot_req:9d} {tot_tok:11d} {tot_e / 3.6e6:9.3f} "
-                 f"{100 * tot_idle / tot_e if tot_e else float('nan'):7.1f} "
-                 f"{on(tot_att_tok, tot_tok) if tot_att_tok else '-':>8s} {jpt:>8s}")
+    lines.append(f"{every:{w}s} {num(None if no_req else tot_req, 'd', 9)} {num(None if no_tok else tot_tok, 'd', 11)} "
+                 f"{num(None if no_e else tot_e / 3.6e6, '.3f', 9)} "
+                 f"{num(None if no_e or not tot_e else 100 * tot_idle / tot_e, '.1f', 7)} "
+                 f"{on(tot_att_tok, tot_tok) if tot_att_tok and not no_tok else '-':>8s} {jpt:>8s}")
     # Which idle figure `idle %` is, where it is read: beside the intervals' idle_energy_j summed (3.45% against 3.3%)
     # nothing said which it was. IDLE_LEGEND keeps to 80 columns, as the table does.
     lines.extend(IDLE_LEGEND)

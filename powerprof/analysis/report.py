@@ -23,12 +23,12 @@ from powerprof.storage.runs import no_finished_level, write_table
 from powerprof.trust import out_dir_refusal
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
-                      interrupted_series_levels, server_notes)
+                      interrupted_series_levels, run_notes, server_notes)
 from .checks import Finding, sample_findings, saving_within_noise, unmeasured_level_findings
 from .knobs import analyze_knobs, is_grid, left_out_text, summary_lines
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, run_key, sample_level_figures,
                       sweep_level_figures)
-from .sweetspot import DESCRIPTIONS, POLICIES, PolicyParams, slowdown_text
+from .sweetspot import DESCRIPTIONS, POLICIES, PolicyParams, loss_text, slowdown_text
 
 FORMATS = ("md", "html")
 
@@ -112,7 +112,8 @@ def analyze_run(
             cut = (interrupted_series_levels(runs, windows, where["config_id"], where["context_tokens"])
                    if where is not None else set())
             result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary,
-                             judge_interrupted=knob_result is None, interrupted_levels=cut)
+                             judge_interrupted=knob_result is None, interrupted_levels=cut,
+                             config=_chosen_config(knob_result, where))
     except ValueError as e:
         raise AnalysisError(f"{', '.join(map(str, run_dirs))}: {e}") from None
     if knob_result is not None:
@@ -129,6 +130,7 @@ def analyze_run(
                                      "or written twice, holds them; the figures are those of the distinct windows.")
         for p, n in twice.items()] + sample_findings(implausible)
     result.notes, result.server_restarts = server_notes(runs)
+    result.notes += run_notes(runs, result.warnings, result.notes)
     try:
         write_outputs(result, out, formats, plots)
     except OSError as e:  # --out where no folder can be made or written (read-only, /proc, full disk)
@@ -233,6 +235,17 @@ def _configurations(runs, max_slowdown: float, windows):
     if kr.chosen is None:
         return kr, None
     return kr, {"config_id": kr.chosen.config_id, "context_tokens": kr.chosen.context_tokens}
+
+
+def _chosen_config(kr, where: dict | None) -> dict | None:
+    """The chosen configuration's labels for its analysis rows (config_id, context_tokens, config_status, knob_*):
+    the power-limit analysis is of it alone (docs/sweep.md, Analysis); None outside a configuration sweep."""
+    if kr is None or where is None or kr.chosen is None:
+        return None
+    from powerprof.storage.schema import KNOB_PREFIX  # noqa: PLC0415
+
+    return {**where, "config_status": kr.chosen.status,
+            **{f"{KNOB_PREFIX}{k}": v for k, v in (kr.chosen.knobs or {}).items()}}
 
 
 def _matches(windows, where: dict):
@@ -380,7 +393,7 @@ def recommendation_line(result: AnalysisResult) -> str:
         # A slower setting whose saving the CI cannot tell from none is no sweet spot: say so, not "run at X".
         line = (f"No measured {what} is shown to save energy against {sr.series.reference_value:g} {u}, the reference "
                 f"({DESCRIPTIONS[c.policy]}" + (f", ≤ {slowdown_text(c.params['max_slowdown'])} slower" if c.policy == "budget" else "")
-                + f"): its best, {c.level_value:g} {u}, is {c.speed_loss_pct:.1f}% slower and {c.energy_saving_pct:.1f}% "
+                + f"): its best, {c.level_value:g} {u}, is {_loss(c.speed_loss_pct, sr)}% slower and {c.energy_saving_pct:.1f}% "
                 f"less energy per token, 95% CI [{noise[0]:.1f}, {noise[1]:.1f}]%, a saving within noise; keep "
                 f"{sr.series.reference_value:g} {u}, or measure more requests per level (more distinct prompts) to settle it.")
         if c.left_out:
@@ -395,7 +408,7 @@ def recommendation_line(result: AnalysisResult) -> str:
         # "0.0% slower, 0.0% less energy per token than 300 W" would compare it with itself.
         line = head + _why_the_reference(sr, c, u) + "; " + _choice_range_text(sr, c, u)
     else:
-        line = (head + f"{c.speed_loss_pct:.1f}% slower, {c.energy_saving_pct:.1f}% less energy per token than "
+        line = (head + f"{_loss(c.speed_loss_pct, sr)}% slower, {c.energy_saving_pct:.1f}% less energy per token than "
                 f"{sr.series.reference_value:g} {u}; " + _choice_range_text(sr, c, u))
     if c.left_out:
         line += " " + left_out_text({f"{v:g} {u}": why for v, why in c.left_out.items()})
@@ -445,10 +458,10 @@ def _why_the_reference_of(below: list[dict], sr: SeriesResult, c, u: str) -> str
             # A lower level within the budget lost on energy, not speed: "slower than the budget allows" was false.
             r = min(within, key=lambda r: r["gpu_j_per_token"] if r["gpu_j_per_token"] is not None else np.inf)
             return (f"no lower level within the budget uses less energy per token ({r['level_value']:g} {u}: "
-                    f"{_f(r['speed_loss_pct'], '.1f')}% slower, {_saving_words(r['energy_saving_pct'])})")
+                    f"{_loss(r['speed_loss_pct'], sr)}% slower, {_saving_words(r['energy_saving_pct'])})")
         r = max(below, key=lambda r: r["level_value"])
         return (f"every lower level is slower than the budget allows ({r['level_value']:g} {u}: "
-                f"{_f(r['speed_loss_pct'], '.1f')}% slower, {_saving_words(r['energy_saving_pct'])})")
+                f"{_loss(r['speed_loss_pct'], sr)}% slower, {_saving_words(r['energy_saving_pct'])})")
     return "no other measured level does better by this measure"
 
 
@@ -481,7 +494,7 @@ def _levels_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
             f"{_f(r['decode_tok_s'], '.1f')} [{_f(r['decode_tok_s_ci_low'], '.1f')}, {_f(r['decode_tok_s_ci_high'], '.1f')}]",
             f"{_f(r['gpu_j_per_token'], '.3f')} [{_f(r['gpu_j_per_token_ci_low'], '.3f')}, "
             f"{_f(r['gpu_j_per_token_ci_high'], '.3f')}]",
-            f"{_f(r['speed_loss_pct'], '.1f')} [{_f(r['speed_loss_pct_ci_low'], '.1f')}, {_f(r['speed_loss_pct_ci_high'], '.1f')}]",
+            f"{_loss(r['speed_loss_pct'], sr)} [{_f(r['speed_loss_pct_ci_low'], '.1f')}, {_f(r['speed_loss_pct_ci_high'], '.1f')}]",
             f"{_f(r['energy_saving_pct'], '.1f')} [{_f(r['energy_saving_pct_ci_low'], '.1f')}, "
             f"{_f(r['energy_saving_pct_ci_high'], '.1f')}]",
             _f(r["avg_gpu_power_w"], ".0f"),
@@ -513,7 +526,7 @@ def _choice_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
             crit += f" (η = {c.params['eta']:g}, P_max = {_f(c.params['p_max_w'], '.0f')} W)"
         rows.append([p, crit, f"{c.level_value:g}" + (" ★" if p == sr.primary and sr.starred else ""),
                      f"{c.ci_low:g}–{c.ci_high:g}", f"{c.stability:.0%}", _f(c.interpolated_value, "g"),
-                     f"{c.speed_loss_pct:.1f}", f"{c.energy_saving_pct:.1f}"])
+                     _loss(c.speed_loss_pct, sr), f"{c.energy_saving_pct:.1f}"])
     return head, rows
 
 
@@ -699,6 +712,20 @@ def _no_minus_zero(v):
     return 0.0 if v is not None and round(v, 1) == 0 else v
 
 
+def _budget(sr: SeriesResult) -> float | None:
+    c = sr.choices.get("budget")
+    return c.params.get("max_slowdown") if c is not None else None
+
+
+def _loss(v, sr: SeriesResult) -> str:
+    """A level's speed loss (%) with the digits that keep it on its side of the slowdown budget (loss_text: 10.0396%
+    read "10.0%" beside "≤ 10% slower", the level over it), never -0.0; "–" unknown."""
+    if v is None or not np.isfinite(v):
+        return "–"
+    text = loss_text(v, _budget(sr))
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
 _HEAD = f"{'level':>8}  {'tok/s':>7}  {'J/token':>8}  {'±CI%':>5}  {'slower':>7}  {'saving':>7}  "
 
 
@@ -712,7 +739,7 @@ def _level_rows(sr, width: int | None) -> list[str]:
     for r in rows:
         fixed.append(f"{r['level_value']:>6g} {u:<2}{'*' if r['recommended'] else ' '}{_f(r['decode_tok_s'], '7.1f'):>7}  "
                      f"{_f(r['gpu_j_per_token'], '8.3f'):>8}  {_f(r['ci_reached_pct'], '5.1f'):>5}  "
-                     f"{_f(_no_minus_zero(r['speed_loss_pct']), '6.1f'):>6}%  "
+                     f"{_loss(r['speed_loss_pct'], sr):>6}%  "
                      f"{_f(_no_minus_zero(r['energy_saving_pct']), '6.1f'):>6}%  ")
         # "(ref)" as the sweep's end table marks it: every loss and saving is against that level.
         tails.append(("(ref)" + ("  " if r["chosen_by"] else "") if r.get("reference") else "") + (r["chosen_by"] or "") + ("  [" + r["flags"] + "]" if r["flags"] else "")
@@ -732,7 +759,7 @@ def _level_rows(sr, width: int | None) -> list[str]:
     for r in rows:
         p = (f"{r['level_value']:g} {u}{' *' if r['recommended'] else ''}: {_f(r['decode_tok_s'], '.1f')} tok/s, "
              f"{_f(r['gpu_j_per_token'], '.3f')} J/token ±{_f(r['ci_reached_pct'], '.1f')}%, "
-             f"{_f(_no_minus_zero(r['speed_loss_pct']), '.1f')}% slower, "
+             f"{_loss(r['speed_loss_pct'], sr)}% slower, "
              f"{_f(_no_minus_zero(r['energy_saving_pct']), '.1f')}% saving" + (" (ref)" if r.get("reference") else ""))
         if r["chosen_by"]:
             p += "; chosen by " + r["chosen_by"].replace(",", ", ")

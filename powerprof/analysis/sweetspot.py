@@ -53,6 +53,21 @@ def slowdown_text(share: float) -> str:
     return f"{text}%"
 
 
+def loss_text(loss_pct: float, max_slowdown: float | None, digits: int = 1) -> str:
+    """A speed loss in % at `digits` decimals, more where those would put it on the other side of the slowdown budget
+    than it is (the budget policy's test, choose_budget's: loss ≤ max_slowdown + 1e-12): 10.0396 → "10.04" under
+    a 10% budget, where "10.0" read as within it beside a level left out as over it. No budget: `digits` alone."""
+    text = f"{loss_pct:.{digits}f}"
+    if max_slowdown is None or not np.isfinite(loss_pct):
+        return text
+    over = loss_pct / 100 > max_slowdown + 1e-12
+    for d in range(digits, 16):
+        text = f"{loss_pct:.{d}f}"
+        if (float(text) / 100 > max_slowdown) == over:
+            break
+    return text
+
+
 @dataclass(frozen=True)
 class PolicyParams:
     max_slowdown: float = 0.10  # fraction
