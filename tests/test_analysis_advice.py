@@ -210,6 +210,18 @@ def test_one_window_says_why_the_level_has_one_and_the_fix_that_fits(tmp_path):
     assert msg.startswith("one measured window at 260 W (3 of its 4 requests failed)"), msg
     assert "trace" not in msg and "--repeats" not in msg and "no resampling spread" not in msg, msg
     assert "failed" in msg and "--min-requests" in msg, msg
+    # Every level one window, no trace: the choice's line says there is no spread and points at the warning, never
+    # at --repeats (a trace's fix; it told every such run to replay each level).
+    seen = {}
+    for r in rows:
+        if not r["warmup"]:
+            seen[r["level_value"]] = seen.get(r["level_value"], 0) + 1
+            if seen[r["level_value"]] > 1:
+                r["status"] = "failed"
+    pq.write_table(pa.Table.from_pylist(rows, schema=t.schema), run / "windows.parquet")
+    analyze_run([run], out_dir=tmp_path / "b", n_boot=200, plots=False)
+    report = " ".join((tmp_path / "b" / "report.md").read_text().split())
+    assert "one window per level: no resampling spread" in report and "--repeats" not in report, report
     # Windows left out (not failed), and a level that stopped after one: each its own cause.
     left = _one_window(level_findings(_levels(n_requests=4, n_windows=1, n_failed=0, flags="one-window",
                                               concurrency=1)))

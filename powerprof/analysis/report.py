@@ -476,7 +476,9 @@ def _choice_range_text(sr: SeriesResult, c, u: str) -> str:
     """Where the bootstrap puts the choice; a range covering every measured level says nothing."""
     lv = sr.series.level_values
     if sr.series.n_windows.size and sr.series.n_windows.max() <= 1:
-        return "one window per level: no resampling spread (replay each level more than once: --repeats)."
+        # Why each level has one, and its fix, differ by run (a trace replayed once, requests failed or left out):
+        # the one-window warning says them; a fix here told a non-trace run to use --repeats.
+        return "one window per level: no resampling spread (the one-window warning says why, and the fix)."
     if lv.size > 1 and c.ci_low <= float(lv.min()) and c.ci_high >= float(lv.max()):
         return (f"uncertain choice: resamples choose levels across the whole measured range "
                 f"({c.ci_low:g}–{c.ci_high:g} {u}); more requests per level would settle it.")
