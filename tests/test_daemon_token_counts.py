@@ -87,3 +87,78 @@ def test_requests_whose_server_count_contradicts_the_stream_are_flagged_and_coun
     assert hist["powerprof_request_output_tokens_count"] == len(PLAN)
     assert hist["powerprof_request_output_tokens_sum"] == 5 * 40 + 50
     assert "cannot be believed" in d.output()  # logged, naming both counts
+
+
+def _usage_scene(tmp_path, factor: float, tokens_per_event: int):
+    """Three chat streams (include_usage) and three whole chat answers of 40 tokens, one after another, no bypass
+    traffic, through the daemon (0.25 s intervals) in front of a simulated vLLM whose final usage is the truth times
+    `factor` and whose stream sends `tokens_per_event` tokens a chunk; its /metrics counter counts the truth. Returns
+    (request rows, interval rows)."""
+    data = tmp_path / "data"
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=80.0, draft_n_max=0,
+                   tokens_per_event=tokens_per_event) as srv:
+        d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
+                       env=sim_env(tmp_path))
+        try:
+            time.sleep(1.0)
+            srv.count_factor = factor
+            for stream in (True, False, True, False, True, False):
+                body = {**CHAT[1], "stream": stream}
+                if not stream:
+                    body.pop("stream_options")
+                req = urllib.request.Request(d.info["proxy"] + CHAT[0], data=json.dumps(body).encode(), method="POST",
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    assert r.status == 200
+                    r.read()
+            time.sleep(3.0)  # the intervals over the last one close (scrapes past its end)
+        finally:
+            rc = d.stop()
+    assert rc == 0, d.output()
+    return (read_dataset(data, "requests").sort_values("request_id").to_dict("records"),
+            read_dataset(data, "intervals").sort_values("t_start_mono_s").to_dict("records"))
+
+
+def _said(row) -> str:
+    return f"{row['error'] or ''} {row['energy_note'] or ''}"
+
+
+# The reason a fix should give the windows (and the intervals, tags and requests over them) where the server's own
+# counter contradicts the usage the proxy believed (not in storage/schema.py yet: the xfail below pins the gap).
+USAGE_ABOVE_COUNTER = "usage_above_counter"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not fixed (session 54, branch lie): a usage above a stream's chunks is believed as speculative decoding, and a "
+    "whole answer's usage has nothing but the server's counter to be checked against; where that counter (/metrics) "
+    "counted 40 and the usage said 50, the reconciler takes each window's shortfall for a counter read early (owed: "
+    "CountReconciler._owed) and drops it unsaid once the proxy's traffic ends (_cap_owed_and_overpaid: 160 of the "
+    "160 surplus tokens of the battery's lie125), or for a loss (counter_below): rows say nothing, or blame "
+    "proxy_lag/bypass, and generated_tokens 50 and its J/token stand"))
+def test_a_usage_above_the_servers_own_counter_is_said_on_the_rows_naming_both_counts(tmp_path):
+    """A server whose final usage says 1.25x what it generated (50 for 40), its stream and its /metrics counter true:
+    the proxy's count runs 10 a request above the counter, which no bypass traffic can explain (bypass only raises the
+    counter). Each such request's row should say so, naming the reason and both counts (its usage's 50, the counter's
+    40), and every interval over them should carry the reason in `server_count`."""
+    reqs, intervals = _usage_scene(tmp_path, 1.25, 1)
+    assert len(reqs) == 6
+    for row in reqs:
+        text = _said(row)
+        assert USAGE_ABOVE_COUNTER in text and "50" in text and "40" in text, row
+    busy = [iv for iv in intervals if iv["proxy_tokens"] and iv["proxy_tokens"] > 1]
+    assert busy and all(USAGE_ABOVE_COUNTER in iv["server_count"] for iv in busy), \
+        [(iv["proxy_tokens"], iv["server_count"]) for iv in busy]
+
+
+def test_a_usage_above_its_chunks_that_the_servers_counter_agrees_with_stays_believed(tmp_path):
+    """Speculative decoding's shape (4 tokens a chunk, usage 40 over 10 chunks counted one a chunk) with an honest
+    counter (40): the usage is believed (generated_tokens 40, J/token kept, no error) and nothing says the server's
+    counter contradicted it. The guard for the test above: a fix must read the counter, not the usage's distance from
+    the chunks."""
+    reqs, intervals = _usage_scene(tmp_path, 1.0, 4)
+    assert len(reqs) == 6
+    for row in reqs:
+        assert row["generated_tokens"] == 40 and pd.isna(row["error"]), row
+        assert row["gpu_j_per_token"] is not None and not pd.isna(row["gpu_j_per_token"]), row
+        assert USAGE_ABOVE_COUNTER not in _said(row), row
+    assert not any(USAGE_ABOVE_COUNTER in (iv["server_count"] or "") for iv in intervals)
