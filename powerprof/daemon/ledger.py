@@ -45,7 +45,8 @@ from . import attribution as attr
 from .liverequest import PROMPT_HOLD_S, is_passive, told_prompt_tokens, LiveRequest, is_unseen
 from .promptlen import PromptLengths
 from .proxy import RequestTrace, bounded_text, valid_text
-from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GPU_MISSING_NOTE, NO_COUNTER_READ,
+from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
+                      NO_COUNTER_READ,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
@@ -453,6 +454,9 @@ class Ledger:
         self.late_tokens = 0.0  # token events stamped before an interval already closed (not attributed)
         self.burst_requests = 0  # streams that reached the proxy in one burst (`_spread_burst`)
         self.chunk_counted_low = 0  # count-less streams the server's counter showed low (`_request_fields`)
+        # [arrival, end + GONE_ABORT_SLACK_S] of requests gone before their first token, their prompt unsaid: the
+        # intervals whose requests say GONE_PREFILL_FLAG, kept past their request's row for the intervals after its end.
+        self._gone_spans: list[tuple[int, int]] = []
         self.misplaced_windows = 0  # scrape windows whose placed proxied tokens came out below none (`_placed_in`)
         self._resolved_last: int | None = None  # the last scrape's end at the latest resolving pass
         self._gpu_total = np.zeros(n_gpus)
@@ -1736,14 +1740,18 @@ class Ledger:
         done = [r.trace.end_ns is not None and r.trace.end_ns <= t_end for r in reqs]
         last = np.array([ns(r.trace.last_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
         end = np.array([ns(r.trace.end_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
-        # A prompt counts once its first token is known: it is spread over arrival → first token.
-        prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or d else 0.0
-                           for r, d in zip(reqs, done)], dtype=float)
+        # A prompt counts once its first token is known: it is spread over arrival → first token; or once it has ended
+        # without one, over arrival → end (below).
+        gone_first = [d and r.trace.first_ns is None for r, d in zip(reqs, done)]
+        prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or (d and told_prompt_tokens(r))
+                           else 0.0 for r, d in zip(reqs, done)], dtype=float)
         # Its prefill is the part the server computed: a prefix-cache hit is in its context, not its prefill work.
         for r in reqs:
             r.prefilled_apart = r.prefilled_apart or self._prefilled_apart(r)
         cached = np.array([_prefill_cached(r) for r in reqs], dtype=float)
         computed = np.maximum(prompt - cached, 0.0)
+        self._cost_gone(reqs, gone_first, arrival, first, end, prompt, cached, computed,
+                        self.learner.costs(edges[-1].setting))  # `costs` below: nothing is learned between
         for i, r in enumerate(reqs):
             if prompt[i] > 0 and r.prefill_cached is None:
                 r.prefill_cached = float(cached[i])  # its prefill placed in the intervals closing now
@@ -1820,6 +1828,18 @@ class Ledger:
                                   np.where(sure_iv >= CACHE_UNSAID_MIN, work_j, 0.0),
                                   np.where([len(p) > 0 for p in pend_iv], work_j, 0.0)]
                                  + [np.where(np.arange(t.size - 1) == k, work_j, 0.0) for k in uk])
+        # Requests that ended before their first token with their prompt's length unsaid: their prefill is costed at an
+        # estimate (or nothing) that may be off either way, and the requests live beside them say so (GONE_PREFILL_FLAG).
+        gone = np.array([d and r.trace.first_ns is None and told_prompt_tokens(r) is None and not passive[i]
+                         and r.trace.api is not None for i, (r, d) in enumerate(zip(reqs, done))], dtype=bool)
+        self._gone_spans = [s for s in self._gone_spans if s[1] > t[0]]
+        slack_ns = int(GONE_ABORT_SLACK_S * 1e9)
+        self._gone_spans.extend((int(arrival[i]), int(end[i]) + slack_ns) for i in np.flatnonzero(gone))
+        gone_iv = np.zeros(t.size - 1, bool)
+        for a0, a1 in self._gone_spans:
+            gone_iv |= (a0 < t[1:]) & (a1 > t[:-1])
+        energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
+        gone_col = energy.shape[1] - 1
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=computed, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
@@ -1880,6 +1900,8 @@ class Ledger:
                     else:  # bounded: judged now, as before (flagged where unsaid so far: never silent)
                         r.cache_beside_j += a.request_energy[i, 10 + u]
                         r.cache_beside = max(r.cache_beside, float(cache_iv[k]))
+            if not gone[i]:
+                r.gone_beside_j += a.request_energy[i, gone_col]
             if a.request_energy[i, 9] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                 others = {reqs[j].trace.request_id for k in np.flatnonzero(live) for j in pend_iv[k] if j != i}
@@ -1962,15 +1984,46 @@ class Ledger:
             if r.cache_late >= CACHE_UNSAID_MIN:
                 w.cache_beside_late = max(w.cache_beside_late, r.cache_late)
 
-    def _prompt_work(self, r: LiveRequest, done: bool) -> float:
+    def _cost_gone(self, reqs: list, gone_first: list, arrival: np.ndarray, first: np.ndarray, end: np.ndarray,
+                   prompt: np.ndarray, cached: np.ndarray, computed: np.ndarray, costs: attr.WorkCosts) -> None:
+        """Cost the prompts of requests that ended before their first token, their length unsaid, in `prompt` and
+        `computed` (in place): each at its body's estimate, no more than its time in flight could prefill at the rate in
+        use beside the prompts placed over that time (the GPU's prefill is shared: three 12000-token prompts cut after
+        1 s could not all have run whole at 16 000 tokens/s), taken in arrival order, as a server admits them."""
+        idx = sorted((i for i, g in enumerate(gone_first) if g and told_prompt_tokens(reqs[i]) is None),
+                     key=lambda i: arrival[i])
+        if not idx:
+            return
+        prefill_end = np.where(first != attr.NEVER, first, end)
+        for i in idx:
+            a_ns, e_ns = int(arrival[i]), int(end[i])
+            others = np.delete(np.arange(len(reqs)), i)
+            beside = float(attr.prefill_tokens_at(arrival[others], prefill_end[others], computed[others], a_ns, e_ns,
+                                                  costs.prefill_tok_s).sum())
+            room = max((e_ns - a_ns) / 1e9 * costs.prefill_tok_s - beside, 0.0)
+            prompt[i] = self._prompt_work(reqs[i], True, (room, (e_ns - a_ns) / 1e9, beside, costs))
+            computed[i] = max(prompt[i] - cached[i], 0.0)
+
+    def _prompt_work(self, r: LiveRequest, done: bool, room: tuple | None = None) -> float:
         """The prompt tokens a request's prefill is costed at: the server's count, else (it ended without
-        one, or its intervals could be held no longer) an estimate from its body, kept for its row."""
+        one, or its intervals could be held no longer) an estimate from its body, kept for its row. One that ended
+        before its first token (`_cost_gone`) is estimated too, no more than `room`: (the prompt tokens its time in
+        flight had room for, those seconds, the prompt tokens placed beside it then, the costs whose rate it is at)."""
         p = told_prompt_tokens(r)
         if p is not None:
             return p
         tr = r.trace
-        if r.prompt_est is None and tr.first_ns is not None and (tr.status is None or tr.status < 400):
+        # Gone before its first token (a client that gave up while its prompt queued or prefilled): its prefill may have
+        # run whole, in part or not at all, and no server says which. Left out, every such prompt's energy went to the
+        # requests beside it with nothing said (the simulator: 60-token chats beside 12000-token prompts cut after
+        # 0.12 s, +61% to +252%); costed at its body's estimate, no more than its arrival → end had room for (`_cost_gone`).
+        gone = tr.first_ns is None and done and tr.end_ns is not None and room is not None
+        if r.prompt_est is None and (tr.first_ns is not None or gone) and (tr.status is None or tr.status < 400):
             est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"))
+            if est is not None and gone and est[0] > room[0]:
+                most, in_flight_s, beside, costs = room
+                r.prompt_cap = (est[0], in_flight_s, costs.prefill_tok_s, costs.source, beside)
+                est = (most, est[1])
             if est is not None:
                 r.prompt_est = est
                 why = _unsaid_reason(r)
