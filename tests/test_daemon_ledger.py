@@ -1037,11 +1037,13 @@ def test_a_cut_stream_is_named_client_left_even_when_an_interval_before_its_end_
     assert led.prompts_estimated == {"client_left": 1}
 
 
-def _gone_before_first(led, chars, gone_end_s):
+def _gone_before_first(led, chars, gone_end_s, tag=None):
     """A chat stream (500 prompt tokens counted, 2000 characters; 10 tokens from 0.1 s) and one of `chars` characters
     arriving at 0.05 s whose client left at `gone_end_s` before its first token (queued or prefilling), both ended on
-    `led`; the intervals [0, 1 s) fed, 100 J, and closed."""
+    `led`; the intervals [0, 1 s) fed, 100 J, inside the tag window `tag` where given, and closed."""
     done, gone = _chat(1, 0.05, 2000), _chat(2, 0.05, chars)
+    if tag:
+        led.open_tag(tag, 0, 0)
     for tr in (done, gone):
         led.on_start(tr)
     for k in range(10):
@@ -1054,6 +1056,8 @@ def _gone_before_first(led, chars, gone_end_s):
         led.on_end(tr)
     _feed(led, 0.0, 0.0)
     _feed(led, 1.0, 100.0)
+    if tag:
+        led.close_tag(tag, S, S)
     led.advance(int(1.5 * S))
     return {r["request_id"]: r for r in led.emit.rows["requests"]}
 
@@ -1154,6 +1158,17 @@ def test_a_request_in_the_step_after_one_gone_before_its_first_token_says_its_sh
     led.advance(int(2.5 * S))
     note = {r["request_id"]: r for r in sink.rows["requests"]}[2]["energy_note"]
     assert "gone-prefill-beside: 100% of its GPU energy is from intervals over (or within 1 s after)" in note, note
+
+
+def test_a_tag_over_a_request_gone_before_its_first_token_says_so_and_blames_no_speculative_decoding():
+    # The simulator's tag over such cuts: 934 J in unproxied_energy_j with no bypass traffic, its note blaming streams
+    # that "carried no token counts … speculative decoding" and asking for include_usage, which they had asked for.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _gone_before_first(led, 2000, 0.6, tag="win")
+    note = sink.rows["tags"][0]["energy_note"] or ""
+    assert "1 request(s) in this window were cut by their clients, 1 before their first token" in note, note
+    assert "speculative" not in note and "include_usage" not in note, note
 
 
 def test_a_prompt_never_counted_by_its_server_is_estimated_at_the_default_ratio_and_names_the_fix():

@@ -32,7 +32,7 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG,
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG,
                                       SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
                                       SERVER_COUNT_USAGE_BEYOND,
                                       SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD, SERVER_COUNT_SLOTS_ONLY,
@@ -223,6 +223,10 @@ class _Tag:
     tokens: float = 0.0
     methods: set = field(default_factory=set)
     counted_low: int = 0  # requests inside it counted one token a chunk that the server counted more (_request_fields)
+    # Requests inside it whose client left before their response ended, and of those, ended before their first token
+    # with their prompt's length unsaid (_request_fields): the server's work for them after they left is unseen.
+    cut: int = 0
+    gone_first: int = 0
     closed_by: str = "stop"
     host_cpu_s: float = 0.0  # the host's busy CPU time over its intervals whose share is known
     server_counts: set = field(default_factory=set)  # its intervals' server_count values (tag_server_count)
@@ -3225,6 +3229,15 @@ class Ledger:
                          "surplus's energy is in unproxied_energy_j as if bypass traffic ran, and gpu_j_per_token is "
                          "high by it; fix: clients send \"stream_options\": {\"include_usage\": true}, or start vLLM "
                          "with --enable-force-include-usage")
+        if tg.cut and (tg.unproxied_j > 0 or tg.gone_first):
+            gone = (f", {tg.gone_first} before their first token (each prefill costed at an estimate from its body, "
+                    "bounded by its time in flight, that may be high or low: the requests beside say "
+                    f"{GONE_PREFILL_FLAG})") if tg.gone_first else ""
+            notes.append(f"{tg.cut} request(s) in this window were cut by their clients{gone}: what the server still ran "
+                         "for them after they left (a prefill it finished, tokens it counted and never sent) is in "
+                         "unproxied_energy_j as if bypass traffic ran, or in the shares of the requests beside them; "
+                         "fix: none from the server (it says nothing per request of what it ran for a client gone); "
+                         "clients that give up under load: a longer timeout, or fewer requests at once")
         if tg.cpu_missing or (row["cpu_energy_j"] is None and tg.methods):
             notes.append(_cpu_missing_note("part of this window's intervals") if self.rapl else NO_RAPL_NOTE)
         elif tg.work and row["other_cpu_pct"] is not None and row["other_cpu_pct"] > BUSY_HOST_PCT:
@@ -3341,6 +3354,12 @@ class Ledger:
         # surrogate (a JSON `\\ud800`) would send the whole row to quarantine.
         return {k: valid_text(v) if isinstance(v, str) else v for k, v in row.items()}
 
+    def _tags_over(self, tr) -> list:
+        """The tag windows, open or closed, that the request's run (arrival → end) overlaps."""
+        end = tr.end_ns if tr.end_ns is not None else attr.NEVER
+        return [tg for tg in [*self.tags.values(), *self.closed_tags]
+                if tg.t0_ns < end and (tg.t1_ns is None or tr.arrival_ns < tg.t1_ns)]
+
     def _chunk_counted_low_said(self, r: LiveRequest) -> None:
         """Counted, and logged the first time and every 1000th: most OpenAI clients stream without asking for usage,
         and under speculative decoding (or a busy vLLM) every such request is counted low, its rest in unproxied;
@@ -3379,10 +3398,14 @@ class Ledger:
                     "traffic): its count is likely low, and those tokens' energy is in unproxied")
             error = note if error is None else f"{error}; {note}"
             self._chunk_counted_low_said(r)
-            end = tr.end_ns if tr.end_ns is not None else attr.NEVER
-            for tg in [*self.tags.values(), *self.closed_tags]:  # the windows its surplus's energy went to unproxied in
-                if tg.t0_ns < end and (tg.t1_ns is None or tr.arrival_ns < tg.t1_ns):
+            if tr.outcome != "client_disconnected":  # a cut one's surplus is what the server ran after it left (below)
+                for tg in self._tags_over(tr):  # the windows its surplus's energy went to unproxied in
                     tg.counted_low += 1
+        if tr.outcome == "client_disconnected" and tr.api is not None:
+            gone = tr.first_ns is None and told_prompt_tokens(r) is None
+            for tg in self._tags_over(tr):
+                tg.cut += 1
+                tg.gone_first += gone
         if lie is not None:
             note = f"{lie}: generated_tokens and J/token left empty ({COUNT_FIX})"
             error = note if error is None else f"{error}; {note}"
