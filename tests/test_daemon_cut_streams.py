@@ -57,7 +57,7 @@ def test_a_stream_cut_before_its_usage_is_costed_an_estimated_prompt_and_says_so
     fams = {f.name: f for f in text_string_to_metric_families(metrics)}
     got = {s.labels["reason"]: s.value for s in fams["powerprof_requests_prompt_estimated"].samples
            if s.name.endswith("_total")}
-    assert got == {"client_left": 1, "no_usage": 0, "not_yet": 0}, got
+    assert got == {"client_left": 1, "no_usage": 0, "not_yet": 0, "before_first_token": 0}, got
     assert "costed at an estimate of" in d.output()
 
 

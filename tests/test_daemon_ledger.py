@@ -320,9 +320,11 @@ def test_a_prefill_only_request_gets_its_prompt_work_and_one_with_no_work_seen_s
     # [0,1): 10 tokens, 9 of them decoded (1 each at the fixed ratio; the first came out of the
     # prefill), 10 + 2000 prompt tokens at 0.05.
     assert got[2]["gpu_energy_j"] == pytest.approx(100.0 * 100 / 109.5)
-    # Its work is seen; its share of [0, 1) beside request 1 rests on the fixed ratio (no fit yet), and it says that alone.
-    assert got[2]["energy_note"].startswith("approximate: 100% of its GPU energy is from intervals other requests did "
-                                            "work in too")
+    # Its work is seen; its share of [0, 1) beside request 1 rests on the fixed ratio (no fit yet), and it says so; and
+    # beside request 3, ended with no token and no prompt length, whose prefill (if it ran) is in the others' shares.
+    assert got[2]["energy_note"].startswith("approximate: gone-prefill-beside: 100% of its GPU energy is from intervals "
+                                            "over (or within 1 s after) a request that ended before its first token")
+    assert "100% of its GPU energy is from intervals other requests did work in too" in got[2]["energy_note"]
     assert "no prompt length" not in got[2]["energy_note"]
     assert got[3]["gpu_energy_j"] is None and "no prompt length" in got[3]["energy_note"]
     assert got[1]["gpu_energy_j"] + got[2]["gpu_energy_j"] == pytest.approx(200.0)  # nothing lost
@@ -1033,6 +1035,140 @@ def test_a_cut_stream_is_named_client_left_even_when_an_interval_before_its_end_
     got = {r["request_id"]: r for r in sink.rows["requests"]}
     assert "client left" in got[2]["energy_note"] and "30 s" not in got[2]["energy_note"]
     assert led.prompts_estimated == {"client_left": 1}
+
+
+def _gone_before_first(led, chars, gone_end_s, tag=None):
+    """A chat stream (500 prompt tokens counted, 2000 characters; 10 tokens from 0.1 s) and one of `chars` characters
+    arriving at 0.05 s whose client left at `gone_end_s` before its first token (queued or prefilling), both ended on
+    `led`; the intervals [0, 1 s) fed, 100 J, inside the tag window `tag` where given, and closed."""
+    done, gone = _chat(1, 0.05, 2000), _chat(2, 0.05, chars)
+    if tag:
+        led.open_tag(tag, 0, 0)
+    for tr in (done, gone):
+        led.on_start(tr)
+    for k in range(10):
+        led.on_tokens(done, int((0.1 + 0.05 * k) * S), 1)
+    done.first_ns, done.last_ns, done.end_ns = int(0.1 * S), int(0.55 * S), int(0.6 * S)
+    done.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
+                         token_source="usage")
+    gone.end_ns, gone.outcome = int(gone_end_s * S), "client_disconnected"
+    for tr in (done, gone):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    if tag:
+        led.close_tag(tag, S, S)
+    led.advance(int(1.5 * S))
+    return {r["request_id"]: r for r in led.emit.rows["requests"]}
+
+
+def test_a_request_gone_before_its_first_token_is_costed_its_estimated_prompt_and_its_neighbours_say_so(caplog):
+    # A client that gives up while its long prompt is queued or prefilling (common under load). Before: only requests
+    # with a first token were estimated; this one said `no share` and its prompt's energy went to the request beside
+    # it, silently (the simulator: 12000-token prompts cut after 0.12 s beside 60-token chats, the chats +61% to +252%).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    with caplog.at_level(logging.WARNING, logger="powerprof.daemon.ledger"):
+        got = _gone_before_first(led, 2000, 0.6)
+    gone, done = got[2], got[1]
+    assert gone["prompt_tokens"] is None and gone["prompt_tokens_estimate"] == pytest.approx(500.0)
+    # Its 500 prompt tokens at 0.05 of a decoded token beside its neighbour's 500 and 9 decoded (its first out of its prefill).
+    assert gone["gpu_energy_j"] == pytest.approx(100.0 * 25 / 59.0)
+    assert done["gpu_energy_j"] + gone["gpu_energy_j"] == pytest.approx(100.0)
+    note = gone["energy_note"]
+    assert note.startswith("approximate: it ended before its first token"), note
+    assert "or never run (queued" in note and "costed at an estimate of 500 prompt tokens" in note and "fix:" in note
+    assert "include_usage" not in note
+    assert led.prompts_estimated == {"before_first_token": 1}
+    assert "before its first token" in caplog.text
+    # The request beside it says its share there may be off, counted under its flag.
+    assert "gone-prefill-beside: 100% of its GPU energy is from intervals over (or within 1 s after) a request that " \
+        "ended before its first token" in done["energy_note"], done["energy_note"]
+    assert led.flagged_requests.get("gone-prefill-beside") == 1
+
+
+def test_a_prompt_gone_before_its_first_token_is_costed_no_more_than_its_time_in_flight_could_prefill():
+    # 40 000 characters (10 000 tokens at the server's 4 a token) gone after 0.15 s: at the prefill rate in use
+    # (10 000 tokens/s until the fit is mature) 1 500 could have run then, less the 500 of its neighbour's prompt
+    # placed in that time (the GPU's prefill is shared).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    got = _gone_before_first(led, 40_000, 0.2)
+    gone = got[2]
+    assert gone["prompt_tokens_estimate"] == pytest.approx(1000.0)
+    note = gone["energy_note"]
+    assert ("costed at 1000 prompt tokens, what its 0.15 s in flight could prefill at 10000 tokens/s (the default "
+            "prefill rate, the work model's fit not mature) beside the 500 prompt tokens of other requests placed then, "
+            "of an estimate of 10000") in note, note
+
+
+def test_prompts_gone_before_their_first_token_share_what_their_time_in_flight_could_prefill_in_arrival_order():
+    # Two 4000-token prompts gone after 0.25 s: at 10 000 tokens/s the GPU had room for 2 500 prompt tokens then, 500 of
+    # them its neighbour's. The first to arrive takes the rest, the second none: a server admits them in that order, and
+    # vLLM or SGLang drop a request still queued when its client left unrun (each costed whole, the simulator with that
+    # abort gave 78 J to one that never ran).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    done, first, second = _chat(1, 0.05, 2000), _chat(2, 0.05, 16_000), _chat(3, 0.05, 16_000)
+    for tr in (done, first, second):
+        led.on_start(tr)
+    for k in range(10):
+        led.on_tokens(done, int((0.1 + 0.05 * k) * S), 1)
+    done.first_ns, done.last_ns, done.end_ns = int(0.1 * S), int(0.55 * S), int(0.6 * S)
+    done.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length", token_source="usage")
+    for tr in (first, second):
+        tr.end_ns, tr.outcome = int(0.3 * S), "client_disconnected"
+    for tr in (done, first, second):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[2]["prompt_tokens_estimate"] == pytest.approx(2000.0)
+    assert got[3]["prompt_tokens_estimate"] == pytest.approx(0.0, abs=1.0)
+    assert got[3]["gpu_energy_j"] is None and got[3]["energy_note"].startswith(
+        "no share: it ended before its first token, and in its 0.25 s in flight the GPU had no room for its prefill at "
+        "10000 tokens/s beside the 2500 prompt tokens of other requests placed then"), got[3]["energy_note"]
+
+
+def test_a_request_in_the_step_after_one_gone_before_its_first_token_says_its_share_may_be_off():
+    # vLLM and SGLang drop an aborted request between engine steps: the prefill step in flight when the connection
+    # closed runs on after the proxy saw its end. The simulator with that abort: chats queued behind such prompts took
+    # that step's energy in intervals after the proxy had seen them end, +29%, their rows silent. Here the intervals
+    # after the gone request's end close after its row is made.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    gone = _chat(1, 0.05, 2000)
+    led.on_start(gone)
+    gone.end_ns, gone.outcome = int(0.3 * S), "client_disconnected"
+    led.on_end(gone)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 0.4, 40.0)
+    led.advance(int(0.55 * S))
+    assert [r["request_id"] for r in sink.rows["requests"]] == [1]
+    late = _chat(2, 0.45, 2000)
+    led.on_start(late)
+    for k in range(10):
+        led.on_tokens(late, int((0.5 + 0.04 * k) * S), 1)
+    late.first_ns, late.last_ns, late.end_ns = int(0.5 * S), int(0.86 * S), int(0.9 * S)
+    late.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length", token_source="usage")
+    led.on_end(late)
+    _feed(led, 1.0, 100.0)
+    _feed(led, 2.0, 200.0)
+    led.advance(int(2.5 * S))
+    note = {r["request_id"]: r for r in sink.rows["requests"]}[2]["energy_note"]
+    assert "gone-prefill-beside: 100% of its GPU energy is from intervals over (or within 1 s after)" in note, note
+
+
+def test_a_tag_over_a_request_gone_before_its_first_token_says_so_and_blames_no_speculative_decoding():
+    # The simulator's tag over such cuts: 934 J in unproxied_energy_j with no bypass traffic, its note blaming streams
+    # that "carried no token counts … speculative decoding" and asking for include_usage, which they had asked for.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _gone_before_first(led, 2000, 0.6, tag="win")
+    note = sink.rows["tags"][0]["energy_note"] or ""
+    assert "1 request(s) in this window were cut by their clients, 1 before their first token" in note, note
+    assert "speculative" not in note and "include_usage" not in note, note
 
 
 def test_a_prompt_never_counted_by_its_server_is_estimated_at_the_default_ratio_and_names_the_fix():

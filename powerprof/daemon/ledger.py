@@ -34,7 +34,7 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import BYPASS_LOW_FLAG, bypass_count_low, bypass_count_may_be
+from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_count_low, bypass_count_may_be
 
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
@@ -43,7 +43,8 @@ from .liverequest import PROMPT_HOLD_S, is_passive, told_prompt_tokens, LiveRequ
 from .promptlen import PromptLengths
 from .proxy import RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
-from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GPU_MISSING_NOTE, NO_COUNTER_READ,
+from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
+                      NO_COUNTER_READ,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
@@ -158,6 +159,10 @@ class _Tag:
     tokens: float = 0.0
     methods: set = field(default_factory=set)
     counted_low: int = 0  # requests inside it counted one token a chunk that the server counted more (_request_fields)
+    # Requests inside it whose client left before their response ended, and of those, ended before their first token
+    # with their prompt's length unsaid (_request_fields): the server's work for them after they left is unseen.
+    cut: int = 0
+    gone_first: int = 0
     closed_by: str = "stop"
     host_cpu_s: float = 0.0  # the host's busy CPU time over its intervals whose share is known
     server_counts: set = field(default_factory=set)  # its intervals' server_count values (tag_server_count)
@@ -315,6 +320,9 @@ class Ledger:
         self.late_tokens = 0.0  # token events stamped before an interval already closed (not attributed)
         self.burst_requests = 0  # streams that reached the proxy in one burst (`_spread_burst`)
         self.chunk_counted_low = 0  # count-less streams the server's counter showed low (`_request_fields`)
+        # [arrival, end + GONE_ABORT_SLACK_S] of requests gone before their first token, their prompt unsaid: the
+        # intervals whose requests say GONE_PREFILL_FLAG, kept past their request's row for the intervals after its end.
+        self._gone_spans: list[tuple[int, int]] = []
         self._gpu_total = np.zeros(n_gpus)
         self._cpu_total: float | None = None
         self._by_kind = np.zeros(4)
@@ -1447,14 +1455,18 @@ class Ledger:
         done = [r.trace.end_ns is not None and r.trace.end_ns <= t_end for r in reqs]
         last = np.array([ns(r.trace.last_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
         end = np.array([ns(r.trace.end_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
-        # A prompt counts once its first token is known: it is spread over arrival → first token.
-        prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or d else 0.0
-                           for r, d in zip(reqs, done)], dtype=float)
+        # A prompt counts once its first token is known: it is spread over arrival → first token; or once it has ended
+        # without one, over arrival → end (below).
+        gone_first = [d and r.trace.first_ns is None for r, d in zip(reqs, done)]
+        prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or (d and told_prompt_tokens(r))
+                           else 0.0 for r, d in zip(reqs, done)], dtype=float)
         # Its prefill is the part the server computed: a prefix-cache hit is in its context, not its prefill work.
         for r in reqs:
             r.prefilled_apart = r.prefilled_apart or self._prefilled_apart(r)
         cached = np.array([_prefill_cached(r) for r in reqs], dtype=float)
         computed = np.maximum(prompt - cached, 0.0)
+        self._cost_gone(reqs, gone_first, arrival, first, end, prompt, cached, computed,
+                        self.learner.costs(edges[-1].setting))  # `costs` below: nothing is learned between
         for i, r in enumerate(reqs):
             if prompt[i] > 0 and r.prefill_cached is None:
                 r.prefill_cached = float(cached[i])  # its prefill placed in the intervals closing now
@@ -1532,6 +1544,18 @@ class Ledger:
                                   np.where(sure_iv >= CACHE_UNSAID_MIN, work_j, 0.0),
                                   np.where([len(p) > 0 for p in pend_iv], work_j, 0.0)]
                                  + [np.where(np.arange(t.size - 1) == k, work_j, 0.0) for k in uk])
+        # Requests that ended before their first token with their prompt's length unsaid: their prefill is costed at an
+        # estimate (or nothing) that may be off either way, and the requests live beside them say so (GONE_PREFILL_FLAG).
+        gone = np.array([d and r.trace.first_ns is None and told_prompt_tokens(r) is None and not passive[i]
+                         and r.trace.api is not None for i, (r, d) in enumerate(zip(reqs, done))], dtype=bool)
+        self._gone_spans = [s for s in self._gone_spans if s[1] > t[0]]
+        slack_ns = int(GONE_ABORT_SLACK_S * 1e9)
+        self._gone_spans.extend((int(arrival[i]), int(end[i]) + slack_ns) for i in np.flatnonzero(gone))
+        gone_iv = np.zeros(t.size - 1, bool)
+        for a0, a1 in self._gone_spans:
+            gone_iv |= (a0 < t[1:]) & (a1 > t[:-1])
+        energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
+        gone_col = energy.shape[1] - 1
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=computed, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
@@ -1592,6 +1616,8 @@ class Ledger:
                     else:  # bounded: judged now, as before (flagged where unsaid so far: never silent)
                         r.cache_beside_j += a.request_energy[i, 10 + u]
                         r.cache_beside = max(r.cache_beside, float(cache_iv[k]))
+            if not gone[i]:
+                r.gone_beside_j += a.request_energy[i, gone_col]
             if a.request_energy[i, 9] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                 others = {reqs[j].trace.request_id for k in np.flatnonzero(live) for j in pend_iv[k] if j != i}
@@ -1674,15 +1700,46 @@ class Ledger:
             if r.cache_late >= CACHE_UNSAID_MIN:
                 w.cache_beside_late = max(w.cache_beside_late, r.cache_late)
 
-    def _prompt_work(self, r: LiveRequest, done: bool) -> float:
+    def _cost_gone(self, reqs: list, gone_first: list, arrival: np.ndarray, first: np.ndarray, end: np.ndarray,
+                   prompt: np.ndarray, cached: np.ndarray, computed: np.ndarray, costs: attr.WorkCosts) -> None:
+        """Cost the prompts of requests that ended before their first token, their length unsaid, in `prompt` and
+        `computed` (in place): each at its body's estimate, no more than its time in flight could prefill at the rate in
+        use beside the prompts placed over that time (the GPU's prefill is shared: three 12000-token prompts cut after
+        1 s could not all have run whole at 16 000 tokens/s), taken in arrival order, as a server admits them."""
+        idx = sorted((i for i, g in enumerate(gone_first) if g and told_prompt_tokens(reqs[i]) is None),
+                     key=lambda i: arrival[i])
+        if not idx:
+            return
+        prefill_end = np.where(first != attr.NEVER, first, end)
+        for i in idx:
+            a_ns, e_ns = int(arrival[i]), int(end[i])
+            others = np.delete(np.arange(len(reqs)), i)
+            beside = float(attr.prefill_tokens_at(arrival[others], prefill_end[others], computed[others], a_ns, e_ns,
+                                                  costs.prefill_tok_s).sum())
+            room = max((e_ns - a_ns) / 1e9 * costs.prefill_tok_s - beside, 0.0)
+            prompt[i] = self._prompt_work(reqs[i], True, (room, (e_ns - a_ns) / 1e9, beside, costs))
+            computed[i] = max(prompt[i] - cached[i], 0.0)
+
+    def _prompt_work(self, r: LiveRequest, done: bool, room: tuple | None = None) -> float:
         """The prompt tokens a request's prefill is costed at: the server's count, else (it ended without
-        one, or its intervals could be held no longer) an estimate from its body, kept for its row."""
+        one, or its intervals could be held no longer) an estimate from its body, kept for its row. One that ended
+        before its first token (`_cost_gone`) is estimated too, no more than `room`: (the prompt tokens its time in
+        flight had room for, those seconds, the prompt tokens placed beside it then, the costs whose rate it is at)."""
         p = told_prompt_tokens(r)
         if p is not None:
             return p
         tr = r.trace
-        if r.prompt_est is None and tr.first_ns is not None and (tr.status is None or tr.status < 400):
+        # Gone before its first token (a client that gave up while its prompt queued or prefilled): its prefill may have
+        # run whole, in part or not at all, and no server says which. Left out, every such prompt's energy went to the
+        # requests beside it with nothing said (the simulator: 60-token chats beside 12000-token prompts cut after
+        # 0.12 s, +61% to +252%); costed at its body's estimate, no more than its arrival → end had room for (`_cost_gone`).
+        gone = tr.first_ns is None and done and tr.end_ns is not None and room is not None
+        if r.prompt_est is None and (tr.first_ns is not None or gone) and (tr.status is None or tr.status < 400):
             est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"))
+            if est is not None and gone and est[0] > room[0]:
+                most, in_flight_s, beside, costs = room
+                r.prompt_cap = (est[0], in_flight_s, costs.prefill_tok_s, costs.source, beside)
+                est = (most, est[1])
             if est is not None:
                 r.prompt_est = est
                 why = _unsaid_reason(r)
@@ -1957,6 +2014,15 @@ class Ledger:
                          "surplus's energy is in unproxied_energy_j as if bypass traffic ran, and gpu_j_per_token is "
                          "high by it; fix: clients send \"stream_options\": {\"include_usage\": true}, or start vLLM "
                          "with --enable-force-include-usage")
+        if tg.cut and (tg.unproxied_j > 0 or tg.gone_first):
+            gone = (f", {tg.gone_first} before their first token (each prefill costed at an estimate from its body, "
+                    "bounded by its time in flight, that may be high or low: the requests beside say "
+                    f"{GONE_PREFILL_FLAG})") if tg.gone_first else ""
+            notes.append(f"{tg.cut} request(s) in this window were cut by their clients{gone}: what the server still ran "
+                         "for them after they left (a prefill it finished, tokens it counted and never sent) is in "
+                         "unproxied_energy_j as if bypass traffic ran, or in the shares of the requests beside them; "
+                         "fix: none from the server (it says nothing per request of what it ran for a client gone); "
+                         "clients that give up under load: a longer timeout, or fewer requests at once")
         if tg.cpu_missing or (row["cpu_energy_j"] is None and tg.methods):
             notes.append(_cpu_missing_note("part of this window's intervals") if self.rapl else NO_RAPL_NOTE)
         elif tg.work and row["other_cpu_pct"] is not None and row["other_cpu_pct"] > BUSY_HOST_PCT:
@@ -2073,6 +2139,12 @@ class Ledger:
         # surrogate (a JSON `\\ud800`) would send the whole row to quarantine.
         return {k: valid_text(v) if isinstance(v, str) else v for k, v in row.items()}
 
+    def _tags_over(self, tr) -> list:
+        """The tag windows, open or closed, that the request's run (arrival → end) overlaps."""
+        end = tr.end_ns if tr.end_ns is not None else attr.NEVER
+        return [tg for tg in [*self.tags.values(), *self.closed_tags]
+                if tg.t0_ns < end and (tg.t1_ns is None or tr.arrival_ns < tg.t1_ns)]
+
     def _chunk_counted_low_said(self, r: LiveRequest) -> None:
         """Counted, and logged the first time and every 1000th: most OpenAI clients stream without asking for usage,
         and under speculative decoding (or a busy vLLM) every such request is counted low, its rest in unproxied;
@@ -2111,10 +2183,14 @@ class Ledger:
                     "traffic): its count is likely low, and those tokens' energy is in unproxied")
             error = note if error is None else f"{error}; {note}"
             self._chunk_counted_low_said(r)
-            end = tr.end_ns if tr.end_ns is not None else attr.NEVER
-            for tg in [*self.tags.values(), *self.closed_tags]:  # the windows its surplus's energy went to unproxied in
-                if tg.t0_ns < end and (tg.t1_ns is None or tr.arrival_ns < tg.t1_ns):
+            if tr.outcome != "client_disconnected":  # a cut one's surplus is what the server ran after it left (below)
+                for tg in self._tags_over(tr):  # the windows its surplus's energy went to unproxied in
                     tg.counted_low += 1
+        if tr.outcome == "client_disconnected" and tr.api is not None:
+            gone = tr.first_ns is None and told_prompt_tokens(r) is None
+            for tg in self._tags_over(tr):
+                tg.cut += 1
+                tg.gone_first += gone
         if lie is not None:
             note = f"{lie}: generated_tokens and J/token left empty ({COUNT_FIX})"
             error = note if error is None else f"{error}; {note}"

@@ -33,6 +33,13 @@ class LiveRequest:
     to_server: bool = False  # its chunk counts were scaled to the server's final count (usage)
     server_ahead: float = 0.0  # tokens the server counted beyond the proxy's in intervals it was live in
     prompt_est: tuple | None = None  # (tokens, how) its prompt was costed at where the server never counted it
+    # Ended before its first token: (the body's estimate, its seconds in flight, the prefill rate, the rate's source, the
+    # prompt tokens of other requests placed in that time) where the estimate was more than its time in flight had room
+    # for beside them (Ledger._cost_gone), and `prompt_est` was cut to that room.
+    prompt_cap: tuple | None = None
+    # Its GPU joules from intervals a request that ended before its first token, its prompt unsaid, was live in
+    # (GONE_PREFILL_FLAG): that prompt's prefill, costed at an estimate or not at all, may have run longer or shorter.
+    gone_beside_j: float = 0.0
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared

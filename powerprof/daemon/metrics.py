@@ -23,8 +23,8 @@ from powerprof.arrival import COUNT_PROBLEM_KINDS
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG,
-                                      COUNT_OPEN_FIX, COUNT_OPEN_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG,
-                                      SERVER_COUNT_SLOTS_ONLY)
+                                      COUNT_OPEN_FIX, COUNT_OPEN_FLAG, GONE_PREFILL_FIX, GONE_PREFILL_FLAG,
+                                      HELD_TAIL_FIX, HELD_TAIL_FLAG, SERVER_COUNT_SLOTS_ONLY)
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -69,6 +69,11 @@ FLAG_COUNTERS = {
                      f"{HELD_TAIL_FLAG}: a tool call the server's parser held, cut by max_tokens, put tokens in no "
                      "chunk: their count is the server's (kept in powerprof_joules_per_token), when they ran inferred "
                      f"(spread from the last chunk to the server's end); fix: {HELD_TAIL_FIX}"),
+    GONE_PREFILL_FLAG: ("powerprof_requests_gone_prefill_beside", "Requests whose rows' energy_note says approximate: "
+                        f"{GONE_PREFILL_FLAG}: part of their energy is from intervals over (or just after) a request "
+                        "that ended before its first token, its prompt's length unsaid, whose prefill was costed at an estimate "
+                        "from its body and may have been cut short, never run (queued) or run whole: their share there "
+                        f"may be high or low (kept in powerprof_joules_per_token); fix: {GONE_PREFILL_FIX}"),
 }
 OTHER = "other"
 NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet
@@ -315,9 +320,10 @@ class SnapshotCollector:
         yield cc
         pe = CounterMetricFamily("powerprof_requests_prompt_estimated", "Requests whose prompt length the server never "
                                  "said, costed at an estimate from the request body (client_left: the client left before "
-                                 "the usage; no_usage: the stream carried none; not_yet: unsaid 30 s after arrival): their "
-                                 "rows' energy_note says so", labels=["reason"])
-        for reason in ("client_left", "no_usage", "not_yet"):
+                                 "the usage; no_usage: the stream carried none; not_yet: unsaid 30 s after arrival; "
+                                 "before_first_token: it ended before its first token, its prefill bounded by its time in "
+                                 "flight): their rows' energy_note says so", labels=["reason"])
+        for reason in ("client_left", "no_usage", "not_yet", "before_first_token"):
             pe.add_metric([reason], s.prompts_estimated.get(reason, 0))
         yield pe
         uc = CounterMetricFamily("powerprof_requests_uncounted", "Requests of GPU work whose tokens the proxy does not "

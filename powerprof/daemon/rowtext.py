@@ -16,7 +16,7 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SH
                                 NO_COUNTER_SHORT_FLAG)
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
-                                      HELD_TAIL_FIX, HELD_TAIL_FLAG, SERVER_COUNT_COMPLETE, bypass_count_fix,
+                                      GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, SERVER_COUNT_COMPLETE, bypass_count_fix,
                                       bypass_count_may_be)
 
 from . import attribution as attr
@@ -31,6 +31,12 @@ COUNT_FIX = ("fix: point proxy.upstream at the server itself, not at a proxy tha
 # A request or an interval is flagged CACHE_UNSAID_FLAG (prefix-cache hits the server counted beyond what its
 # answers said) from this many unsaid tokens on.
 CACHE_UNSAID_MIN = 1.0
+# How long past a request's end, gone before its first token, the server may still run its prefill: vLLM and SGLang drop
+# an aborted request between engine steps, so the step in flight (a chunk of a chunked prefill: 2048-16384 tokens by
+# their defaults, up to ~1 s at 20 000 tokens/s) runs on after the connection closed. The requests live then say their
+# share may be off too (GONE_PREFILL_FLAG): on the simulator with that abort, 60-token chats queued behind two such
+# prompts took that last step's energy, +29%, in intervals after the proxy had seen them end.
+GONE_ABORT_SLACK_S = 1.0
 # A request's energy from intervals other requests (or bypass traffic) did work in while the fixed ratio split them
 # (the work model's fit not mature) is said on its row from this part of its GPU energy on, and so is what the range
 # the ratio stands for could add to it there: below it the ratio moves its figure by a fraction of a percent.
@@ -60,7 +66,7 @@ OWN_LATE_FIX = "give the daemon's host CPU to spare (fewer other processes, or m
 # FLAG_COUNTERS), counted from the decision its row's energy_note is written by (_request_flags), never from the note's
 # text, which quotes what clients send (a path).
 COUNTED_FLAGS = (NO_COUNTER_SHORT_FLAG, CACHE_UNSAID_FLAG, CACHE_LATE_FLAG, BEST_OF_FLAG, COUNT_OPEN_FLAG,
-                 HELD_TAIL_FLAG)
+                 HELD_TAIL_FLAG, GONE_PREFILL_FLAG)
 
 
 def tag_server_count(counts: set) -> str | None:
@@ -250,6 +256,12 @@ def _no_energy_reason(r: LiveRequest) -> str:
                 else f"a {r.trace.method[:16]} request to no generation endpoint")
         return (f"no share: {what} with no token and no prompt length: no GPU work of it was seen, and its time "
                 "counts as idle")
+    if r.prompt_cap is not None and r.prompt_est is not None and r.prompt_est[0] <= 0:
+        est, in_flight_s, rate, _, beside = r.prompt_cap
+        return (f"no share: it ended before its first token, and in its {in_flight_s:.2f} s in flight the GPU had no room "
+                f"for its prefill at {rate:.0f} tokens/s beside the {beside:.0f} prompt tokens of other requests placed "
+                f"then (queued: vLLM and SGLang drop a request whose client left unrun), so its prompt (an estimate of "
+                f"{est:.0f} tokens) is costed at none; the requests beside it say {GONE_PREFILL_FLAG}")
     if r.tokens > 0 or told_prompt_tokens(r):
         return "no share: its tokens and prompt were work of no cost at the costs in use (costs/), or in no interval with energy"
     if told_prompt_tokens(r) is None:
@@ -261,11 +273,21 @@ UNSAID_NOTES = {
     "client_left": "the client left before the server said the prompt's length (in the usage at the stream's end)",
     "no_usage": "the server never said the prompt's length (the stream carried no usage)",
     "not_yet": "the server had not said the prompt's length 30 s after arrival (its intervals could be held no longer)",
+    "before_first_token": ("it ended before its first token (its client left, or its answer stopped, while its prompt was "
+                           "queued or prefilling) and the server never said the prompt's length: its prefill may have "
+                           "been cut short, or never run (queued: vLLM and SGLang drop a request whose client left at "
+                           "their next step), or run whole"),
 }
-UNSAID_FIX = {"no_usage": "; fix: ask for it, \"stream_options\": {\"include_usage\": true}"}
+UNSAID_FIX = {"no_usage": "; fix: ask for it, \"stream_options\": {\"include_usage\": true}",
+              "before_first_token": (f"; its figure may be high and the requests beside it low, or the other way "
+                                     f"(theirs say {GONE_PREFILL_FLAG}); fix: {GONE_PREFILL_FIX}")}
 
 
 def _unsaid_reason(r: LiveRequest) -> str:
+    # Ended with no token: no usage was ever coming, whoever ended it (`Ledger._prompt_work` costs such a prompt only
+    # once it has ended, bounded by its time in flight).
+    if r.trace.first_ns is None and r.trace.end_ns is not None:
+        return "before_first_token"
     # Whether the request has ended, not whether it ended inside the intervals being closed: once a client has left,
     # the prompt hold is over and earlier intervals close with the request still "live" in them.
     if r.trace.end_ns is None:
@@ -291,7 +313,8 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             CACHE_LATE_FLAG: energy and _late_flagged(r),
             BEST_OF_FLAG: energy and _best_of_flagged(r, best_of_ignored),
             COUNT_OPEN_FLAG: energy and _count_open_flagged(r),
-            HELD_TAIL_FLAG: energy and r.held_tail_n > 0}
+            HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
+            GONE_PREFILL_FLAG: energy and _gone_flagged(r)}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -318,8 +341,17 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         if why == "no_usage" and not (r.trace.stream is True and (r.trace.api or "").startswith("openai")):
             # include_usage is an OpenAI stream's option: a whole answer, or a native stream, has none to ask for.
             said, fix = "the server's answer did not say the prompt's length", ""
-        notes.append(f"{said}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
-                     f"prompt tokens ({r.prompt_est[1]}){fix}")
+        if r.prompt_cap is not None:
+            est, in_flight_s, rate, source, beside = r.prompt_cap
+            rate_said = "the work model's fitted prefill rate" if source == "fitted" else \
+                "the default prefill rate, the work model's fit not mature"
+            notes.append(f"{said}; its prefill was costed at {r.prompt_est[0]:.0f} prompt tokens, what its "
+                         f"{in_flight_s:.2f} s in flight could prefill at {rate:.0f} tokens/s ({rate_said}) beside the "
+                         f"{beside:.0f} prompt tokens of other requests placed then, of an estimate of {est:.0f} "
+                         f"({r.prompt_est[1]}){fix}")
+        else:
+            notes.append(f"{said}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
+                         f"prompt tokens ({r.prompt_est[1]}){fix}")
     if is_unseen(r) and not is_passive(r):
         notes.append(_uncounted_note(r))
     if _best_of_flagged(r, best_of_ignored):
@@ -388,6 +420,14 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "attribute to requests (its prefix-cache counter on /metrics rose by more than the cached counts "
                      "the answers said): a reused prompt beside it was costed as computed whole, so its own share may "
                      f"be low; fix: {CACHE_UNSAID_FIX}")
+    if _gone_flagged(r):
+        notes.append(f"{GONE_PREFILL_FLAG}: {100 * min(r.gone_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
+                     f"intervals over (or within {GONE_ABORT_SLACK_S:g} s after) a request that ended before its first "
+                     "token with its prompt's length unsaid (its client left, or its answer stopped, while it was queued or "
+                     "prefilling): that prefill, costed at an estimate from its body (bounded by its time in flight; not "
+                     "at all where the body gave none), may have been cut short, never run or run whole, or run on to "
+                     "the server's next step, so this request's share there may be high or low; fix: "
+                     f"{GONE_PREFILL_FIX}")
     # Given much there, or little where the range's other end gives it much (a queued prompt beside another's decode).
     if r.gpu_j > 0 and max(r.fixed_j, r.fixed_hi_j - r.fixed_j) >= FIXED_RATIO_MIN_SHARE * r.gpu_j:
         pct = 100 * min(r.fixed_j / r.gpu_j, 1.0)
@@ -414,6 +454,12 @@ def _server_timed(r: LiveRequest) -> bool:
 def _cache_flagged(r: LiveRequest) -> bool:
     """Its energy_note says CACHE_UNSAID_FLAG (its prompt costed whole, or its share beside one that was)."""
     return r.cache_unsaid >= CACHE_UNSAID_MIN or r.cache_beside_j > 0
+
+
+def _gone_flagged(r: LiveRequest) -> bool:
+    """Its energy_note says GONE_PREFILL_FLAG: part of its energy is from intervals beside a request gone before its
+    first token (`LiveRequest.gone_beside_j`)."""
+    return r.gone_beside_j > 0 and r.gpu_j > 0
 
 
 def _late_flagged(r: LiveRequest) -> bool:

@@ -355,6 +355,15 @@ CACHE_LATE_FIX = ("ask without continuous usage (stream_options continuous_usage
                   "says no prompt_tokens_details, only its final one does), so its prompt waits for the end's count, "
                   "or use a stream that says its cached count with its prompt's length (SGLang /generate on every "
                   "event)")
+# A daemon request's energy_note (inside its `approximate:` part) where part of its energy is from intervals a request
+# that ended before its first token, its prompt's length unsaid, was live in: that prompt's prefill was costed at an
+# estimate from its body (or not at all where the body gave none), and may have been cut short, never run (queued) or
+# run whole, so the share of the requests beside it may be high or low. Kept in J/token (docs/daemon.md, "Prompts are
+# known").
+GONE_PREFILL_FLAG = "gone-prefill-beside"
+GONE_PREFILL_FIX = ("none from the server (vLLM and SGLang say nothing per request of a prefill they dropped when its "
+                    "client left); clients that give up on long prompts under load: a longer timeout, or fewer "
+                    "requests at once")
 # The `server_count` values whose energy is trusted in J/token. `slots_only` alone is every interval of a llama-server
 # started without --metrics (its default): leaving it out would leave every figure out for a loss only bypass traffic
 # causes; like `off` (bypass not measured at all), the rows, /metrics, the log and `analyze`'s notes say it instead.
