@@ -949,6 +949,72 @@ def test_a_stream_whose_only_token_comes_in_its_closing_chunk_is_attributed_that
     assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)
 
 
+@pytest.mark.parametrize("limit,prompt", [(None, None), (None, 4000), (1, None)],
+                         ids=["no-max-tokens", "no-max-tokens-prompt-said", "max-tokens-1"])
+def test_a_stream_that_said_no_count_says_so_on_its_row_and_its_intervals(limit, prompt):
+    # vLLM's max_tokens 1 answer without include_usage: the role chunk, the closing chunk (its one token, empty
+    # content, finish_reason length), [DONE]. Where the request set no max_tokens, nothing says the token: its row has
+    # no generated_tokens, and the server's counter counts that token in an interval whose unproxied then holds a
+    # proxied request's work. Before, the row's energy_note was null (1.9-5 J of ~80 J, simulated) or 'no share ...
+    # (the response did not say it)' with no fix, and the interval said nothing, server_count `complete`. Where the
+    # request's max_tokens is 1, the limit says it (StreamParser max_tokens): its token counted, nothing to say.
+    import json
+
+    from powerprof.daemon import streams
+    parser = streams.new_parser("openai-chat", max_tokens=limit)
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = RequestTrace(1, "POST", "/v1/chat/completions", "t", int(1.0 * S), 0, api="openai-chat", stream=True)
+    tr.extra["prompt_chars"] = 4000
+    if limit is not None:
+        tr.extra["max_tokens"] = limit
+    if prompt is not None:  # its prompt's length said (a share by its prefill), its tokens not
+        tr.extra["prompt_tokens"] = prompt
+    led.on_start(tr)
+    chunk = {"id": "c", "object": "chat.completion.chunk", "model": "m"}
+    events = [
+        b"data: " + json.dumps({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": None},
+                                                       "finish_reason": None}]}).encode() + b"\n\n",
+        b"data: " + json.dumps({**chunk, "choices": [{"index": 0, "delta": {"content": ""},
+                                                       "finish_reason": "length"}]}).encode() + b"\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.5 * S), 0.0)
+    for i, ev in enumerate(events):
+        _deliver(led, tr, parser, int((1.02 + 0.001 * i) * S), ev)
+    tr.end_ns = int(1.03 * S)
+    tr.counts = streams.summary_counts(parser.finish())
+    led.on_end(tr)
+    for k in range(1, 13):  # the scraper sees the server count the token at 1.02 s
+        now = int((0.5 + 0.25 * k) * S)
+        led.add_server_tokens(now, 1.0 if k == 3 else 0.0, now - S // 4)
+        if k % 4 == 2:
+            _feed(led, now / S, 100.0 * now / S)
+        led.advance(now)
+    led.close_all(int(4 * S))
+    (row,) = sink.rows["requests"]
+    ivs = sink.rows["intervals"]
+    if limit is not None:
+        assert row["generated_tokens"] == 1 and row["attributed_tokens"] == pytest.approx(1.0)
+        assert "no tokens" not in str(row["energy_note"])
+        assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)
+        assert not any("carried no token counts" in str(r["energy_note"]) for r in ivs)
+        return
+    assert row["generated_tokens"] is None and row["token_source"] == "none"
+    note = row["energy_note"] or ""
+    # Whether it got a share or none, its note says the tokens are unknown, why, and the fix.
+    assert "no tokens" in note and "include_usage" in note, row
+    if prompt is None:
+        assert row["gpu_energy_j"] is None and note.startswith("no share: "), row
+    else:  # a share: its figure rests on its prompt's work alone, and says so
+        assert row["gpu_energy_j"] > 0 and note.startswith("approximate: no tokens: "), row
+    said = [r for r in ivs if r["unproxied_energy_j"] > 0]
+    assert said, ivs  # the server's count of its token went to unproxied
+    for r in said:  # server_count complete (the server's count is whole), the note says whose it may be
+        assert "carried no token counts" in str(r["energy_note"]) and "include_usage" in r["energy_note"], r
+
+
 def _chat(rid, arrival_s, chars):
     tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(arrival_s * S), 0, api="openai-chat", stream=True)
     tr.extra["prompt_chars"] = chars

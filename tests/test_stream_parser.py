@@ -255,6 +255,68 @@ def test_closing_chunk_without_usage_is_kept_as_a_marker_for_the_last_token():
     assert (s.counted_tokens, s.generated_tokens) == (2, 3)
 
 
+def _cmpl_chunk(text, finish=None, index=0):
+    return {"choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+@pytest.mark.parametrize("api", ["openai-chat", "openai-completions"])
+@pytest.mark.parametrize("count_only", [False, True])
+def test_closing_chunk_at_the_length_limit_carries_the_one_token_max_tokens_left(api, count_only):
+    # vLLM's max_tokens 1 answer without include_usage: the role opener, then its one token in the empty closing
+    # chunk (finish_reason length). The request's max_tokens (1) is the tokens shown (0) + 1: that chunk generated it.
+    mk = _chunk if api == "openai-chat" else _cmpl_chunk
+    opener = ([{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+              if api == "openai-chat" else [])
+    for shown, max_tokens in ((0, 1), (3, 4)):
+        data = sse(*opener, *[mk("x") for _ in range(shown)], mk("", "length")) + b"data: [DONE]\n\n"
+        for split in (None, 9):
+            p = StreamParser(api, count_only=count_only, max_tokens=max_tokens)
+            evs = []
+            for i in range(0, len(data), split or len(data)):
+                evs += p.feed(data[i:i + (split or len(data))])
+            s = p.finish()
+            assert [e.n_tokens for e in evs if e.n_tokens] == [1] * (shown + 1)
+            assert not evs[-1].closing  # a token, not the marker: the client and the proxy time it there
+            assert (s.counted_tokens, s.generated_tokens, s.token_source) == (shown + 1, shown + 1, "counted")
+            # With include_usage the final usage confirms it: no token placed twice.
+            p = StreamParser(api, count_only=count_only, max_tokens=max_tokens)
+            p.feed(data.replace(b"data: [DONE]", b"data: " + json.dumps(
+                {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": shown + 1}}).encode()
+                + b"\n\ndata: [DONE]"))
+            s = p.finish()
+            assert (s.counted_tokens, s.generated_tokens, s.token_source) == (shown + 1, shown + 1, "usage")
+
+
+def test_closing_chunk_says_nothing_certain_where_the_limit_does_not_fit():
+    # A `stop` finish, a length finish with max_tokens not exactly the tokens shown + 1, no max_tokens known, or the
+    # closing chunk's token shown with its text (SGLang, llama.cpp, vLLM with text): no token added.
+    cases = [
+        (sse(_chunk("a"), _chunk("", "stop")), 2),
+        (sse(_chunk("a"), _chunk("", "length")), 3),
+        (sse(_chunk("a"), _chunk("", "length")), 1),
+        (sse(_chunk("a"), _chunk("", "length")), None),
+        (sse(_chunk("a"), _chunk("b", "length")), 2),
+    ]
+    for data, max_tokens in cases:
+        p = StreamParser("openai-chat", count_only=True, max_tokens=max_tokens)
+        n = p.count(data + b"data: [DONE]\n\n")
+        want = 2 if b'"b"' in data else 1
+        assert (n, p.finish().counted_tokens) == (want, want), (data, max_tokens)
+
+
+def _ichunk(content, finish=None, index=0):
+    return {"choices": [{"index": index, "delta": {"content": content}, "finish_reason": finish}]}
+
+
+def test_closing_chunk_at_the_limit_counts_per_choice():
+    # n 2, max_tokens 2: choice 0 showed 1 token and closes empty at length (its 2nd there); choice 1 showed both.
+    data = sse(_ichunk("a", index=0), _ichunk("b", index=1), _ichunk("c", index=1), _ichunk("", "length", index=0),
+               _ichunk("", "length", index=1)) + b"data: [DONE]\n\n"
+    p = StreamParser("openai-chat", count_only=True, choices=2, max_tokens=2)
+    assert p.count(data) == 4
+    assert p.finish().counted_tokens == 4
+
+
 def test_several_tokens_in_one_chunk_from_continuous_usage():
     data = sse(_chunk("abcd", usage=4), _chunk("efgh", usage=8), _chunk("", "length", usage=8)) + b"data: [DONE]\n\n"
     events, s = feed_all("openai-completions".replace("completions", "chat"), data)

@@ -42,14 +42,14 @@ from . import attribution as attr
 from .liverequest import PROMPT_HOLD_S, is_passive, told_prompt_tokens, LiveRequest, is_unseen
 from .promptlen import PromptLengths
 from .proxy import RequestTrace, bounded_text, valid_text
-from .reconcile import LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
+from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
                       NO_COUNTER_READ,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
                       _no_counter_short_note, _no_energy_reason, _parser_held, _request_flags, _secs, _unsaid_reason,
-                      _with_late, tag_server_count)
+                      _with_late, _counted_low_interval_note, counted_low, tag_server_count, tokens_unknown)
 from .streams import uncounted_kind
 from .workmodel import FEATURES, CostLearner
 
@@ -323,6 +323,9 @@ class Ledger:
         # [arrival, end + GONE_ABORT_SLACK_S] of requests gone before their first token, their prompt unsaid: the
         # intervals whose requests say GONE_PREFILL_FLAG, kept past their request's row for the intervals after its end.
         self._gone_spans: list[tuple[int, int]] = []
+        # Ends of recently ended streams that said no count (rowtext.counted_low): intervals up to LAG_S after them say
+        # their unproxied may hold those streams' tokens (the scrape window that counted them spreads them past the end).
+        self._counted_low_ends: deque = deque(maxlen=256)
         self._gpu_total = np.zeros(n_gpus)
         self._cpu_total: float | None = None
         self._by_kind = np.zeros(4)
@@ -1645,19 +1648,31 @@ class Ledger:
                     for j in unc:
                         if (live[i] & live[j]).any():
                             r.beside_uncounted.add(f"{reqs[j].uncounted} ({reqs[j].trace.method} {reqs[j].trace.endpoint})")
+        low_counted = None
         if excess is not None:
             # A stream counted one token a chunk is low where the server sends several a chunk (speculative
             # decoding): the server's counter then runs ahead of the proxy's while it is live. Noted for its row.
+            low_counted = np.zeros(t.size - 1, dtype=np.int64)
+            lag_ns = int(LAG_S * 1e9)
             for i, r in enumerate(reqs):
                 if r.trace.stream is True and r.trace.api is not None and r.trace.api.startswith("openai"):
                     live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                     r.server_ahead += float(excess[live].sum())
+                    if done[i] and counted_low(r):
+                        # Its intervals' unproxied may hold its tokens: they say so, and those up to LAG_S before it
+                        # (the scrape window that counted them spreads them over its whole span: f1, 3-7 J there).
+                        low_counted += (arrival[i] - lag_ns < t[1:]) & (end[i] > t[:-1]) & (excess > 0)
+                        self._counted_low_ends.append(int(end[i]))
+            for e in self._counted_low_ends:  # and those up to LAG_S after its end (f1: 38 J there, the rest said)
+                low_counted += (t[:-1] >= e) & (t[:-1] < e + lag_ns) & (excess > 0)
+            while self._counted_low_ends and self._counted_low_ends[0] + lag_ns <= t[-1]:
+                self._counted_low_ends.popleft()
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
                       aside_j=aside)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
-                            unsure, per_gpu, serving, idle_missing=aside_missing)
+                            unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted)
         ended = [r for r, d in zip(reqs, done) if d]
         for r in ended:
             del self.requests[r.trace.request_id]
@@ -2059,7 +2074,7 @@ class Ledger:
 
     def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None,
                        server_count=None, short_iv=None, cache_iv=None, unsure=None, per_gpu=None,
-                       serving=None, idle_missing=None) -> None:
+                       serving=None, idle_missing=None, low_counted=None) -> None:
         rows = []
         unsaid = cache_iv if cache_iv is not None else np.zeros(t.size - 1)
         for k in range(t.size - 1):
@@ -2096,7 +2111,9 @@ class Ledger:
                                                                bool(short_iv[k]) if short_iv is not None else False,
                                                                count, unsaid[k], _idle_unread(per_gpu, serving, k)),
                                            _counter_flat_note(gpu[k:k + 1] if per_gpu is None else per_gpu[k])
-                                           if methods[k] != METHOD_NONE and dur > 0 else None, self.unsampled_note),
+                                           if methods[k] != METHOD_NONE and dur > 0 else None, self.unsampled_note,
+                                           _counted_low_interval_note(int(low_counted[k]), float(server[k]))
+                                           if low_counted is not None and low_counted[k] else None),
                 }
             )
         unsure = unsure or {}
@@ -2176,12 +2193,14 @@ class Ledger:
         cpu_unknown = self.rapl and cpu_j is None and r.gpu_j > 0
         # Weighted by its CPU joules from each interval: how much of its CPU figure stood beside others' work.
         other_pct = r.cpu_other_pct_j / r.cpu_judged_j if cpu_j is not None and r.cpu_judged_j > 0 else None
-        if estimated and r.server_ahead >= 0.5:
-            note = (f"tokens counted one a chunk (the stream carried no counts: ask for usage, stream_options "
-                    f"include_usage); the server's counter ran {r.server_ahead:.0f} token(s) ahead of the proxy's in "
-                    "the intervals it was live in (several tokens a chunk under speculative decoding, or bypass "
-                    "traffic): its count is likely low, and those tokens' energy is in unproxied")
-            error = note if error is None else f"{error}; {note}"
+        # No count at all (its energy_note says why: rowtext._no_tokens_note) is as low: logged, its windows told.
+        if (estimated or (tokens_unknown(r) and counted_low(r))) and r.server_ahead >= 0.5:
+            if estimated:
+                note = (f"tokens counted one a chunk (the stream carried no counts: ask for usage, stream_options "
+                        f"include_usage); the server's counter ran {r.server_ahead:.0f} token(s) ahead of the proxy's "
+                        "in the intervals it was live in (several tokens a chunk under speculative decoding, or bypass "
+                        "traffic): its count is likely low, and those tokens' energy is in unproxied")
+                error = note if error is None else f"{error}; {note}"
             self._chunk_counted_low_said(r)
             if tr.outcome != "client_disconnected":  # a cut one's surplus is what the server ran after it left (below)
                 for tg in self._tags_over(tr):  # the windows its surplus's energy went to unproxied in

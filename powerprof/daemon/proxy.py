@@ -650,7 +650,8 @@ class Proxy:
                         sink.parser = streams.new_parser(trace.api, echo=trace.extra.get("echo", False),
                                                          choices=trace.extra.get("choices", 1),
                                                          sequences=trace.extra.get("sequences", 1),
-                                                         echo_chars=trace.extra.get("echo_chars", 0))
+                                                         echo_chars=trace.extra.get("echo_chars", 0),
+                                                         max_tokens=trace.extra.get("max_tokens"))
                         trace.stream = True
                     else:
                         sink.body_copy = bytearray()

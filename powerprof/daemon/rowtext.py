@@ -265,8 +265,67 @@ def _no_energy_reason(r: LiveRequest) -> str:
     if r.tokens > 0 or told_prompt_tokens(r):
         return "no share: its tokens and prompt were work of no cost at the costs in use (costs/), or in no interval with energy"
     if told_prompt_tokens(r) is None:
-        return "no share: no tokens and no prompt length (the response did not say it)"
+        fix = f"; {NO_TOKENS_FIX}" if _usage_askable(r.trace) and r.trace.outcome == "ok" else ""
+        return f"no share: no tokens and no prompt length (the response did not say it){fix}"
     return "no share: no tokens and an empty prompt"
+
+
+NO_TOKENS_FIX = ("fix: ask for the count, \"stream_options\": {\"include_usage\": true} (or start vLLM with "
+                 "--enable-force-include-usage)")
+
+
+def _usage_askable(tr) -> bool:
+    """An OpenAI-style stream: one whose client can ask the server to say its counts (include_usage)."""
+    return tr.stream is True and tr.api in ("openai-chat", "openai-completions")
+
+
+def tokens_unknown(r: LiveRequest) -> bool:
+    """Its row's generated_tokens is null for want of any count: a counted API's answer that showed no token and said
+    none (not a count contradicted or invalid, which `error` says, nor an error answer or uncounted work, said apart).
+    A whole answer that said its prompt's length said its count too (usage, timings): a null there is a count of 0."""
+    tr, c = r.trace, r.trace.counts
+    if tr.api is None or tr.tokens_seen or r.ev_n or r.spent or is_passive(r) or is_unseen(r):
+        return False
+    if c is not None and c.prompt_tokens is not None and tr.outcome == "ok":
+        return False
+    return c is None or (c.generated_tokens is None and c.count_problem is None and c.invalid is None)
+
+
+def _no_tokens_note(r: LiveRequest) -> str | None:
+    """Why a request with a share has no token count (tokens_unknown), with the fix; None where it has one. Its share
+    rests on its prompt's work and time alone: the tokens the server generated for it went to unproxied."""
+    if not tokens_unknown(r):
+        return None
+    tr = r.trace
+    ahead = (f" (the server's counter ran {r.server_ahead:.0f} token(s) ahead of the proxy's while it was live)"
+             if r.server_ahead >= 0.5 else "")
+    if tr.outcome != "ok":
+        return (f"no tokens: its response was cut ({tr.outcome}) before it showed a token or said a count, so "
+                f"generated_tokens is unknown: tokens the server generated for it{ahead}, and their energy, are in "
+                "unproxied, not here")
+    askable = _usage_askable(tr)
+    fix = NO_TOKENS_FIX if askable else "fix: a server that says its count (usage or timings)"
+    return (f"no tokens: its response showed no token and said no count{' (no usage)' if askable else ''}, so "
+            "generated_tokens is unknown and its share rests on its prompt's work and time alone: tokens the server "
+            f"generated for it{ahead}, and their energy, are in unproxied as if bypass traffic ran; {fix}")
+
+
+def counted_low(r: LiveRequest) -> bool:
+    """Its tokens were counted from its chunks alone, or not at all (tokens_unknown), on an OpenAI-style stream: the
+    server's counter running ahead while it was live is likely its own tokens, not bypass traffic."""
+    c = r.trace.counts
+    if not (r.trace.stream is True and (r.trace.api or "").startswith("openai")):
+        return False
+    return tokens_unknown(r) or (c is not None and c.tokens_estimated and not r.to_server)
+
+
+def _counted_low_interval_note(n: int, surplus: float) -> str:
+    """An interval's: `n` requests live in it that carried no token counts while the server counted `surplus` more."""
+    return (f"{n} request(s) live in it carried no token counts, and the server counted {surplus:.3g} token(s) more "
+            "than the proxy did in it (tokens no chunk showed: vLLM's last token in its closing chunk, several a chunk "
+            "under speculative decoding): unproxied_energy_j may hold their work as if bypass traffic ran, and "
+            "server_count says complete because the server's count is whole, not the proxy's; fix: clients send "
+            "\"stream_options\": {\"include_usage\": true}, or start vLLM with --enable-force-include-usage")
 
 
 UNSAID_NOTES = {
@@ -335,6 +394,9 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
     """Why a request's energy rests on an estimate rather than the server's counts (None: it does not);
     `best_of_ignored`: the server is one that takes no best_of (its answer is the n asked, nothing unseen)."""
     notes = []
+    no_tokens = _no_tokens_note(r)
+    if no_tokens is not None:
+        notes.append(no_tokens)
     if r.prompt_est is not None and told_prompt_tokens(r) is None:
         why = _unsaid_reason(r)
         said, fix = UNSAID_NOTES[why], UNSAID_FIX.get(why, "")
@@ -438,7 +500,7 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                                              lo=round(100 * (r.fixed_lo_j - r.fixed_j) / r.gpu_j) + 0.0,
                                              hi=round(100 * (r.fixed_hi_j - r.fixed_j) / r.gpu_j) + 0.0))
     c = r.trace.counts
-    if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
+    if r.server_ahead >= 0.5 and not r.to_server and no_tokens is None and (c is None or c.tokens_estimated):
         notes.append(f"its tokens were counted from its chunks (one each, or their logprobs) and the server's counter ran {r.server_ahead:.0f} token(s) "
                      "ahead of the proxy's while it was live: their energy is in unproxied, not here (fix: "
                      "\"stream_options\": {\"include_usage\": true}, or vLLM's --enable-force-include-usage)")

@@ -181,12 +181,15 @@ def summary_counts(summary, streamed: bool = True, held: HeldCall | None = None)
     )
 
 
-def new_parser(api: str, echo: bool = False, choices: int = 1, sequences: int = 1, echo_chars: int = 0) -> StreamParser:
+def new_parser(api: str, echo: bool = False, choices: int = 1, sequences: int = 1, echo_chars: int = 0,
+               max_tokens: int | None = None) -> StreamParser:
     """A counting parser: plain token chunks are counted from their bytes, not parsed (see StreamParser); `echo`:
     the request asked for its prompt echoed (its first chunks carry it); `choices`, `sequences`: the request's n
     and its sequences in all (SGLang's /generate says each prompt in each of its n sequences); `echo_chars`: a chat
-    asking `echo` of a last message of that many characters (vLLM sends it as a chunk of its own)."""
-    return StreamParser(api, count_only=True, echo=echo, choices=choices, sequences=sequences, echo_chars=echo_chars)
+    asking `echo` of a last message of that many characters (vLLM sends it as a chunk of its own); `max_tokens`:
+    its limit per choice, where it set one (vLLM's last token in an empty closing chunk at that limit is counted)."""
+    return StreamParser(api, count_only=True, echo=echo, choices=choices, sequences=sequences, echo_chars=echo_chars,
+                        max_tokens=max_tokens)
 
 
 def body_counts(api: str, body: bytes, choices: int = 1, sequences: int = 1) -> Counts:

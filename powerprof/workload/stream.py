@@ -246,7 +246,7 @@ class StreamParser:
     """Parses one streamed (SSE) response incrementally. `feed(bytes)` → events; `finish()` → summary."""
 
     def __init__(self, api: str, count_only: bool = False, echo: bool = False, choices: int = 1, sequences: int = 1,
-                 echo_chars: int = 0):
+                 echo_chars: int = 0, max_tokens: int | None = None):
         """count_only: the caller needs counts, not text (the daemon's proxy). Plain token chunks
         are then counted from their bytes (`_quick_count`) and not parsed as JSON; their events
         carry no text. The first event and every one with usage, finish_reason, timings, stop,
@@ -256,7 +256,9 @@ class StreamParser:
         that chunk stands for the one token the prompt's step generated, not for the tokens its logprobs
         list (a chunk without logprobs is one token anyway, so the fast path is unchanged).
         choices, sequences: SGLang /generate's `n` and its sequences in all (prompts × n), whose `index` is
-        prompt × n + choice: each prompt's length is said by each of its n sequences and counted once."""
+        prompt × n + choice: each prompt's length is said by each of its n sequences and counted once.
+        max_tokens: the request's limit for each choice (max_completion_tokens or max_tokens), where it set one: a
+        choice that closes at `length` in a chunk showing no token, one short of it, generated its last token there."""
         if api not in APIS:
             raise ValueError(f"unknown api {api!r}; choose one of: {', '.join(APIS)}")
         self.api = api
@@ -284,6 +286,7 @@ class StreamParser:
         self._chat_echo = echo_chars if api == "openai-chat" and echo_chars > 0 else 0
         if self._chat_echo:
             self._quick = False
+        self._max_tokens = max_tokens if type(max_tokens) is int and max_tokens > 0 else None
 
     @property
     def tool_call_jumps(self) -> int:
@@ -1017,6 +1020,7 @@ class StreamParser:
         tool = False  # this chunk carries a tool call
         # Per choice with a token: (index, tokens by the no-count rule: its logprobs' count, else one).
         carried: list[tuple[int, int]] = []
+        at_limit: list[int] = []  # choices this chunk closes at `length` without showing a token
         n_seen = 0
         idx = 0
         for ch in choices:
@@ -1077,6 +1081,8 @@ class StreamParser:
                 s.other_choices[idx] = 0
             if finished:
                 closing = True
+                if fr == "length" and not (token or k_lp):
+                    at_limit.append(idx)
                 s.stop_reason = fr
                 s.choice_stops[idx] = fr
                 s.unfinished.discard(idx)
@@ -1118,6 +1124,14 @@ class StreamParser:
             # late piece of counted text (SGLang's tool-call arguments held by its parser, sent at the finish after
             # the step's counted chunk: _check_for_unstreamed_tool_args), no token of its own.
             carried = [(i, k) for i, k in carried if i not in s.choice_usage]
+        if at_limit and self._max_tokens is not None:
+            # vLLM sends a length-limited choice's last token in its closing chunk with empty content where that
+            # token's text is empty (max_tokens 1: the only token); only a final usage said so, and without
+            # include_usage none does: the row had no tokens, its energy went to unproxied. A choice that showed
+            # exactly max_tokens - 1 and stopped at the limit generated the last one here (a `stop`, or any other
+            # count, says nothing certain; a server that shows every token never meets it).
+            carried += [(i, 1) for i in at_limit
+                        if i not in s.choice_usage and self._choice_count(i) + 1 == self._max_tokens]
         if not carried:
             if closing:
                 out.append(TokenEvent(0, "", None, closing=True))
