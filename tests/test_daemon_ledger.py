@@ -320,11 +320,10 @@ def test_a_prefill_only_request_gets_its_prompt_work_and_one_with_no_work_seen_s
     # [0,1): 10 tokens, 9 of them decoded (1 each at the fixed ratio; the first came out of the
     # prefill), 10 + 2000 prompt tokens at 0.05.
     assert got[2]["gpu_energy_j"] == pytest.approx(100.0 * 100 / 109.5)
-    # Its work is seen; its share of [0, 1) beside request 1 rests on the fixed ratio (no fit yet), and it says so; and
-    # beside request 3, ended with no token and no prompt length, whose prefill (if it ran) is in the others' shares.
-    assert got[2]["energy_note"].startswith("approximate: gone-prefill-beside: 100% of its GPU energy is from intervals "
-                                            "over (or within 1 s after) a request that ended before its first token")
-    assert "100% of its GPU energy is from intervals other requests did work in too" in got[2]["energy_note"]
+    # Its work is seen; its share of [0, 1) beside request 1 rests on the fixed ratio (no fit yet), and it says that
+    # alone: request 3's answer ended as the server ended it (outcome ok), no request gone before its first token.
+    assert got[2]["energy_note"].startswith("approximate: 100% of its GPU energy is from intervals other requests did "
+                                            "work in too")
     assert "no prompt length" not in got[2]["energy_note"]
     assert got[3]["gpu_energy_j"] is None and "no prompt length" in got[3]["energy_note"]
     assert got[1]["gpu_energy_j"] + got[2]["gpu_energy_j"] == pytest.approx(200.0)  # nothing lost
@@ -1169,6 +1168,101 @@ def test_a_tag_over_a_request_gone_before_its_first_token_says_so_and_blames_no_
     note = sink.rows["tags"][0]["energy_note"] or ""
     assert "1 request(s) in this window were cut by their clients, 1 before their first token" in note, note
     assert "speculative" not in note and "include_usage" not in note, note
+
+
+def _streamed(rid, arrival_s, first_s, end_s, n=10, prompt=500):
+    """A chat stream of 2000 characters whose server counted its prompt (`prompt` tokens): `n` tokens from `first_s`,
+    ended at `end_s`. Returns (trace, token events, prompt)."""
+    tr = _chat(rid, arrival_s, 2000)
+    return tr, [(int((first_s + (end_s - 0.05 - first_s) * k / (n - 1)) * S), 1) for k in range(n)], prompt
+
+
+def _beside(led, done_specs, others, feeds, adv):
+    """`done_specs` (`_streamed`) and `others` (ended as set on their traces) started, ended, `feeds` (s, J) fed and
+    closed at each of `adv` (s): their rows by request id."""
+    for tr, ev, p in done_specs:
+        led.on_start(tr)
+    for tr in others:
+        led.on_start(tr)
+    for tr, ev, p in done_specs:
+        for t, n in ev:
+            led.on_tokens(tr, t, n)
+        tr.first_ns, tr.last_ns = ev[0][0], ev[-1][0]
+        tr.end_ns = ev[-1][0] + int(0.05 * S)
+        tr.counts = Counts(generated_tokens=len(ev), prompt_tokens=p, model=None, stop_reason="length",
+                           token_source="usage")
+    for tr in [d[0] for d in done_specs] + others:
+        led.on_end(tr)
+    for t, e in feeds:
+        _feed(led, t, e)
+    for a in adv:
+        led.advance(int(a * S))
+    return {r["request_id"]: r for r in led.emit.rows["requests"]}
+
+
+def test_a_server_error_inside_a_200_stream_before_any_token_is_an_error_answer_not_a_prefill():
+    # SGLang answers a streamed chat's too-long prompt with `data: {"error": ...}` inside an HTTP 200 stream (llama.cpp's
+    # stream errors likewise): the server never ran it. Before, it was costed as a gone prefill (1500 tokens, 68.8 J of
+    # 100) and the request beside it flagged gone-prefill-beside.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    bad = _chat(2, 0.05, 40_000)
+    bad.status, bad.end_ns, bad.outcome = 200, int(0.25 * S), "upstream_error"
+    bad.counts = Counts(generated_tokens=0, prompt_tokens=None, model=None, stop_reason=None, token_source="counted",
+                        server_error="The input (10000 tokens) is longer than the model's context length")
+    got = _beside(led, [_streamed(1, 0.05, 0.1, 0.6)], [bad], [(0.0, 0.0), (1.0, 100.0)], [1.5])
+    assert got[2]["prompt_tokens_estimate"] is None and got[2]["gpu_energy_j"] is None
+    assert got[2]["energy_note"].startswith("no share: an error answer (the server's error inside its HTTP 200 "
+                                            "response)"), got[2]["energy_note"]
+    assert got[1]["gpu_energy_j"] == pytest.approx(100.0)
+    assert "gone-prefill-beside" not in (got[1]["energy_note"] or "")
+    assert led.prompts_estimated == {}
+
+
+def test_a_whole_answer_cut_by_its_client_is_not_placed_as_a_prefill_before_its_end():
+    # A non-streamed request whose client left after 10 s: the server prefilled it at its start and decoded since, and
+    # the proxy saw none of it. Before, it was said "ended before its first token … queued or prefilling", its prefill
+    # placed in the last moments before its end (211 J of 2200), its decode in the request beside it, unflagged there.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    whole = _chat(2, 0.05, 2000)
+    whole.stream = False
+    whole.end_ns, whole.outcome = int(10.0 * S), "client_disconnected"
+    got = _beside(led, [_streamed(1, 0.05, 0.1, 10.0, n=200)], [whole], [(t, 200.0 * t) for t in range(0, 12)],
+                  [12.5])
+    note = got[2]["energy_note"]  # a share by live time of [10 s, 11 s), where both ended
+    assert "queued or prefilling" not in note and got[2]["prompt_tokens_estimate"] is None
+    assert "a whole answer (not streamed) whose client left, or whose connection broke, before it came" in note, note
+    assert "none of its work" in note, note
+    assert "gone-prefill-beside" in got[1]["energy_note"], got[1]["energy_note"]
+    assert led.prompts_estimated == {}
+
+
+@pytest.mark.parametrize("how", ["unreadable", "interrupted", "mid-body"])
+def test_requests_the_server_never_ran_or_finished_are_not_gone_before_their_first_token(how):
+    # unreadable: a whole answer whose tokens the proxy could not read (outcome ok, a Content-Encoding not inspected),
+    # its decode then in the request beside it, was taken for a prompt gone before its first token. interrupted: a
+    # request a proxy worker ended (its end record dropped: ended at its arrival) flagged the requests beside it.
+    # mid-body: a client that left while sending its body (the server never had it) was costed a prefill.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    other = _chat(2, 0.05, 40_000)
+    if how == "unreadable":
+        other.status, other.outcome, other.end_ns = 200, "ok", int(0.5 * S)
+        other.error = "response Content-Encoding 'br' is not inspected: its tokens were not counted"
+    elif how == "interrupted":
+        other.end_ns, other.outcome = other.arrival_ns, "interrupted"
+        other.error = "proxy worker 0 ended this request but its end record was dropped"
+    else:
+        other.end_ns, other.outcome = int(0.5 * S), "client_disconnected"
+        other.error = "the client left while sending its request body; the server may have generated tokens …"
+    led.open_tag("win", 0, 0)
+    got = _beside(led, [_streamed(1, 0.05, 0.1, 0.6)], [other], [(0.0, 0.0), (1.0, 100.0)], [])
+    led.close_tag("win", S, S)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in led.emit.rows["requests"]}
+    assert got[2]["prompt_tokens_estimate"] is None
+    assert "before its first token" not in (got[2]["energy_note"] or "")
+    assert "gone-prefill-beside" not in (got[1]["energy_note"] or "")
+    assert led.prompts_estimated == {}
+    assert "cut by their clients" not in (led.emit.rows["tags"][0]["energy_note"] or "")
 
 
 def test_a_prompt_never_counted_by_its_server_is_estimated_at_the_default_ratio_and_names_the_fix():

@@ -39,9 +39,9 @@ from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import PROMPT_HOLD_S, is_passive, told_prompt_tokens, LiveRequest, is_unseen
+from .liverequest import PROMPT_HOLD_S, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen
 from .promptlen import PromptLengths
-from .proxy import RequestTrace, bounded_text, valid_text
+from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
                       NO_COUNTER_READ,
@@ -1455,9 +1455,10 @@ class Ledger:
         done = [r.trace.end_ns is not None and r.trace.end_ns <= t_end for r in reqs]
         last = np.array([ns(r.trace.last_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
         end = np.array([ns(r.trace.end_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
-        # A prompt counts once its first token is known: it is spread over arrival → first token; or once it has ended
-        # without one, over arrival → end (below).
-        gone_first = [d and r.trace.first_ns is None for r, d in zip(reqs, done)]
+        # A prompt counts once its first token is known: it is spread over arrival → first token; or, a stream the server
+        # had that ended without one, its prompt unsaid, over arrival → end (below). A whole answer cut before it came is
+        # not: the server prefilled it at its start and decoded since, unseen, and its end says nothing of when.
+        gone_first = [d and gone_unsaid(r) and r.trace.stream is True for r, d in zip(reqs, done)]
         prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or (d and told_prompt_tokens(r))
                            else 0.0 for r, d in zip(reqs, done)], dtype=float)
         # Its prefill is the part the server computed: a prefix-cache hit is in its context, not its prefill work.
@@ -1545,9 +1546,9 @@ class Ledger:
                                   np.where([len(p) > 0 for p in pend_iv], work_j, 0.0)]
                                  + [np.where(np.arange(t.size - 1) == k, work_j, 0.0) for k in uk])
         # Requests that ended before their first token with their prompt's length unsaid: their prefill is costed at an
-        # estimate (or nothing) that may be off either way, and the requests live beside them say so (GONE_PREFILL_FLAG).
-        gone = np.array([d and r.trace.first_ns is None and told_prompt_tokens(r) is None and not passive[i]
-                         and r.trace.api is not None for i, (r, d) in enumerate(zip(reqs, done))], dtype=bool)
+        # estimate (or nothing; a whole answer's, and its decode, not at all) that may be off either way, and the
+        # requests live beside them say so (GONE_PREFILL_FLAG).
+        gone = np.array([d and gone_unsaid(r) for r, d in zip(reqs, done)], dtype=bool)
         self._gone_spans = [s for s in self._gone_spans if s[1] > t[0]]
         slack_ns = int(GONE_ABORT_SLACK_S * 1e9)
         self._gone_spans.extend((int(arrival[i]), int(end[i]) + slack_ns) for i in np.flatnonzero(gone))
@@ -1706,8 +1707,7 @@ class Ledger:
         `computed` (in place): each at its body's estimate, no more than its time in flight could prefill at the rate in
         use beside the prompts placed over that time (the GPU's prefill is shared: three 12000-token prompts cut after
         1 s could not all have run whole at 16 000 tokens/s), taken in arrival order, as a server admits them."""
-        idx = sorted((i for i, g in enumerate(gone_first) if g and told_prompt_tokens(reqs[i]) is None),
-                     key=lambda i: arrival[i])
+        idx = sorted(np.flatnonzero(gone_first), key=lambda i: arrival[i])
         if not idx:
             return
         prefill_end = np.where(first != attr.NEVER, first, end)
@@ -2186,8 +2186,8 @@ class Ledger:
             if tr.outcome != "client_disconnected":  # a cut one's surplus is what the server ran after it left (below)
                 for tg in self._tags_over(tr):  # the windows its surplus's energy went to unproxied in
                     tg.counted_low += 1
-        if tr.outcome == "client_disconnected" and tr.api is not None:
-            gone = tr.first_ns is None and told_prompt_tokens(r) is None
+        if tr.outcome == "client_disconnected" and tr.api is not None and not (tr.error or "").startswith(BODY_LEFT_NOTE):
+            gone = gone_unsaid(r) and tr.stream is True
             for tg in self._tags_over(tr):
                 tg.cut += 1
                 tg.gone_first += gone
