@@ -1265,6 +1265,33 @@ def test_requests_the_server_never_ran_or_finished_are_not_gone_before_their_fir
     assert "cut by their clients" not in (led.emit.rows["tags"][0]["energy_note"] or "")
 
 
+def test_the_prefix_cache_check_runs_over_a_gone_requests_prefill_not_past_its_end(monkeypatch):
+    # A prompt placed over arrival → first token; one gone before its first token over arrival → end, as attribution
+    # places it. Before, its `first` (never) made every interval to the close's end count as prefilling once its prompt
+    # was costed: the prefix-cache counter was checked there, and a decode-only request beside a bypass hit later said
+    # prefix-cache-unsaid.
+    asked, notes = {}, {}
+    for label, chars in (("no body estimate", None), ("costed", 2000)):
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        seen = []
+        monkeypatch.setattr(led, "_cache_unsaid", lambda t0, t1, seen=seen: seen.append((t0 / S, t1 / S)) or 0.0)
+        gone = _chat(2, 0.05, chars)
+        gone.end_ns, gone.outcome = int(0.3 * S), "client_disconnected"
+        _beside(led, [_streamed(1, 0.05, 0.1, 0.45), _streamed(3, 2.05, 2.1, 2.9)], [gone],
+                [(t / 2, 50.0 * t / 2) for t in range(0, 8)], [4.5])
+        asked[label] = seen
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        monkeypatch.setattr(led, "_cache_unsaid", lambda t0, t1: 100.0 if t0 >= 2 * S else 0.0)
+        gone = _chat(2, 0.05, chars)
+        gone.end_ns, gone.outcome = int(0.3 * S), "client_disconnected"
+        got = _beside(led, [_streamed(1, 0.05, 0.1, 3.4, n=60)], [gone], [(t / 2, 50.0 * t / 2) for t in range(0, 8)],
+                      [4.5])
+        notes[label] = got[1]["energy_note"] or ""
+    closes = {k: [sp for sp in v if sp[1] - sp[0] == 0.5] for k, v in asked.items()}  # not the rows' own hit spans
+    assert closes["costed"] == closes["no body estimate"] == [(0.0, 0.5), (2.0, 2.5)], asked
+    assert "prefix-cache-unsaid" not in notes["costed"] + notes["no body estimate"], notes
+
+
 def test_a_prompt_never_counted_by_its_server_is_estimated_at_the_default_ratio_and_names_the_fix():
     # No request has had its prompt counted (streams without include_usage): 4 characters a token, said on the row.
     sink = Sink()

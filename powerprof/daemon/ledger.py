@@ -1524,9 +1524,11 @@ class Ledger:
                           for m in methods])
         short_iv = (np.array([m != METHOD_COUNTER for m in methods], dtype=bool) & (busy > 0)
                     & (busy < share * dur))
-        # Intervals with prefill in them (a prompt is placed over arrival → first token) over which the server reused
-        # cached prompt tokens no answer said: their requests' split is approximate (CACHE_UNSAID_FLAG).
-        prefilling = np.array([bool(((arrival < t[k + 1]) & (first > t[k]) & (computed > 0)).any())
+        # Intervals with prefill in them (a prompt is placed over arrival → first token, or → end for one gone before its
+        # first token, as attribution places it) over which the server reused cached prompt tokens no answer said: their
+        # requests' split is approximate (CACHE_UNSAID_FLAG).
+        prefill_end = np.where(first != never, first, end)
+        prefilling = np.array([bool(((arrival < t[k + 1]) & (prefill_end > t[k]) & (computed > 0)).any())
                                for k in range(t.size - 1)], dtype=bool)
         cache_iv = np.array([self._cache_unsaid(int(t[k]), int(t[k + 1])) if prefilling[k] else 0.0
                              for k in range(t.size - 1)])
@@ -1540,7 +1542,7 @@ class Ledger:
         # Intervals with prefill of a request whose prompt was said early and its cached count not yet: costed as computed
         # whole, a count its end says late leaves the requests beside it under-charged there (CACHE_LATE_FLAG).
         pending = np.array([computed[i] > 0 and _cache_pending(r) for i, r in enumerate(reqs)], dtype=bool)
-        pend_iv = [np.flatnonzero(pending & (arrival < t[k + 1]) & (first > t[k])) for k in range(t.size - 1)]
+        pend_iv = [np.flatnonzero(pending & (arrival < t[k + 1]) & (prefill_end > t[k])) for k in range(t.size - 1)]
         energy = np.column_stack([energy, np.where(short_iv, work_j, 0.0), np.where(low_iv, work_j, 0.0),
                                   np.where(sure_iv >= CACHE_UNSAID_MIN, work_j, 0.0),
                                   np.where([len(p) > 0 for p in pend_iv], work_j, 0.0)]
