@@ -1292,6 +1292,52 @@ def test_the_prefix_cache_check_runs_over_a_gone_requests_prefill_not_past_its_e
     assert "prefix-cache-unsaid" not in notes["costed"] + notes["no body estimate"], notes
 
 
+def _ticking(incremental):
+    """A 10-token chat (0.02 → 0.5 s) beside a 10 000-token prompt gone at 0.9 s before its first token, 100 W sampled
+    every 0.2 s; closed at every 0.1 s tick as the daemon does (`incremental`), or once at 3 s."""
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.3)
+    nb_tr, nb_ev, _ = _streamed(1, 0.02, 0.05, 0.5, n=10)
+    gone = _chat(2, 0.05, 40_000)
+    led.on_start(nb_tr)
+    led.on_start(gone)
+    for k in range(0, 26):
+        t = k * 0.1
+        for tt, n in nb_ev:
+            if t - 0.1 < tt / S <= t:
+                led.on_tokens(nb_tr, tt, n)
+                nb_tr.first_ns = nb_tr.first_ns or tt
+                nb_tr.last_ns = tt
+        if k == 9:
+            gone.end_ns, gone.outcome = int(0.9 * S), "client_disconnected"
+            led.on_end(gone)
+        if k == 5:
+            nb_tr.end_ns = int(0.5 * S)
+            nb_tr.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
+                                  token_source="usage")
+            led.on_end(nb_tr)
+        if k % 2 == 0:
+            _feed(led, t, 100.0 * t)
+        if incremental:
+            led.advance(int(t * S))
+    led.advance(int(3.0 * S))
+    led.close_all(int(3.0 * S))
+    return {r["request_id"]: r for r in led.emit.rows["requests"]}
+
+
+def test_a_prompt_gone_before_its_first_token_is_costed_alike_however_often_the_intervals_close():
+    # Its end known, the prompt hold was over, and the daemon's next close (up to now − grace, before that end) took its
+    # intervals with it still live there: its prompt uncosted and no gone span kept, then its prefill placed over the
+    # end of its time in flight in the next close, the part in intervals already closed lost to its neighbour,
+    # unflagged there (every tick: it 40 J, its neighbour 60 J unflagged; at once: 93.4 J and 6.6 J flagged). Now the
+    # intervals from its arrival wait for an edge past its end (bounded as the prompt hold).
+    a, b = _ticking(True), _ticking(False)
+    assert a[2]["gpu_energy_j"] == pytest.approx(b[2]["gpu_energy_j"], rel=1e-6)
+    assert a[2]["prompt_tokens_estimate"] == pytest.approx(b[2]["prompt_tokens_estimate"])
+    assert a[1]["gpu_energy_j"] == pytest.approx(b[1]["gpu_energy_j"], rel=1e-6)
+    for rows in (a, b):
+        assert "gone-prefill-beside" in (rows[1]["energy_note"] or ""), rows[1]["energy_note"]
+
+
 def test_a_prompt_never_counted_by_its_server_is_estimated_at_the_default_ratio_and_names_the_fix():
     # No request has had its prompt counted (streams without include_usage): 4 characters a token, said on the row.
     sink = Sink()
