@@ -1338,6 +1338,36 @@ def test_a_prompt_gone_before_its_first_token_is_costed_alike_however_often_the_
         assert "gone-prefill-beside" in (rows[1]["energy_note"] or ""), rows[1]["energy_note"]
 
 
+def test_a_tag_counts_a_request_gone_before_its_first_token_whose_row_was_held_back():
+    # Its row waits for the request beside it, whose prompt was said early and its cached count not yet (`late_wait`):
+    # counted when its row was made, it came after the tag's row had gone out, and the tag never said it.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.open_tag("win", 0, 0)
+    nb, gone = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
+    nb.extra["prompt_tokens"] = 500  # said early (continuous usage), its cached count not yet
+    for tr in (nb, gone):
+        led.on_start(tr)
+    for k in range(60):
+        led.on_tokens(nb, int((0.1 + 0.05 * k) * S), 1)
+    nb.first_ns, nb.last_ns = int(0.1 * S), int((0.1 + 0.05 * 59) * S)
+    gone.end_ns, gone.outcome = int(0.4 * S), "client_disconnected"
+    led.on_end(gone)
+    for k in range(0, 9):
+        _feed(led, k / 2, 50.0 * k / 2)
+    led.close_tag("win", S, S)
+    led.advance(int(2.0 * S))
+    assert [r["request_id"] for r in led.emit.rows.get("requests", [])] == []  # its row held back
+    note = led.emit.rows["tags"][0]["energy_note"] or ""
+    assert "1 request(s) in this window were cut by their clients, 1 before their first token" in note, note
+    nb.end_ns = int(3.2 * S)
+    nb.counts = Counts(generated_tokens=60, prompt_tokens=500, model=None, stop_reason="length", token_source="usage")
+    led.on_end(nb)
+    _feed(led, 4.0, 200.0)
+    led.advance(int(4.5 * S))
+    led.close_all(int(5 * S))
+    assert sorted(r["request_id"] for r in led.emit.rows["requests"]) == [1, 2]
+
+
 def test_a_prompt_never_counted_by_its_server_is_estimated_at_the_default_ratio_and_names_the_fix():
     # No request has had its prompt counted (streams without include_usage): 4 characters a token, said on the row.
     sink = Sink()

@@ -160,7 +160,7 @@ class _Tag:
     methods: set = field(default_factory=set)
     counted_low: int = 0  # requests inside it counted one token a chunk that the server counted more (_request_fields)
     # Requests inside it whose client left before their response ended, and of those, ended before their first token
-    # with their prompt's length unsaid (_request_fields): the server's work for them after they left is unseen.
+    # with their prompt's length unsaid (Ledger.on_end): the server's work for them after they left is unseen.
     cut: int = 0
     gone_first: int = 0
     closed_by: str = "stop"
@@ -470,6 +470,13 @@ class Ledger:
         if r is None:
             return 0.0
         added = self._placed_at_end(r)
+        if trace.outcome == "client_disconnected" and trace.api is not None \
+                and not (trace.error or "").startswith(BODY_LEFT_NOTE):
+            # Counted at its end, not at its row: a row held back (`_late_parked`) is made after its tag's row went out.
+            gone = gone_unsaid(r) and trace.stream is True
+            for tg in self._tags_over(trace):
+                tg.cut += 1
+                tg.gone_first += gone
         r.prefilled_apart = r.prefilled_apart or self._prefilled_apart(r)  # an end before any close placed it
         self._cache_met(r)
         self._release(r)  # its end may have said its count: no wait counts it any more
@@ -2201,11 +2208,6 @@ class Ledger:
             if tr.outcome != "client_disconnected":  # a cut one's surplus is what the server ran after it left (below)
                 for tg in self._tags_over(tr):  # the windows its surplus's energy went to unproxied in
                     tg.counted_low += 1
-        if tr.outcome == "client_disconnected" and tr.api is not None and not (tr.error or "").startswith(BODY_LEFT_NOTE):
-            gone = gone_unsaid(r) and tr.stream is True
-            for tg in self._tags_over(tr):
-                tg.cut += 1
-                tg.gone_first += gone
         if lie is not None:
             note = f"{lie}: generated_tokens and J/token left empty ({COUNT_FIX})"
             error = note if error is None else f"{error}; {note}"
