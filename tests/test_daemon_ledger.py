@@ -1368,6 +1368,17 @@ def test_a_tag_counts_a_request_gone_before_its_first_token_whose_row_was_held_b
     assert sorted(r["request_id"] for r in led.emit.rows["requests"]) == [1, 2]
 
 
+def test_the_gone_prefill_flag_is_per_sampling_interval_as_the_split_is():
+    # A request that ended (0.3 s) before the gone one arrived (0.6 s) in the same 1 s interval took its share of that
+    # interval, the gone prompt's estimate in it: it says so (docs/daemon.md, "Prompts are known": per interval, not per
+    # request overlap).
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    gone = _chat(2, 0.6, 2000)
+    gone.end_ns, gone.outcome = int(0.9 * S), "client_disconnected"
+    got = _beside(led, [_streamed(1, 0.02, 0.05, 0.3)], [gone], [(0.0, 0.0), (1.0, 100.0), (2.0, 200.0)], [2.5])
+    assert "gone-prefill-beside" in (got[1]["energy_note"] or ""), got[1]["energy_note"]
+
+
 def test_a_prompt_never_counted_by_its_server_is_estimated_at_the_default_ratio_and_names_the_fix():
     # No request has had its prompt counted (streams without include_usage): 4 characters a token, said on the row.
     sink = Sink()
