@@ -1128,6 +1128,19 @@ def test_prompts_gone_before_their_first_token_share_what_their_time_in_flight_c
     assert got[3]["gpu_energy_j"] is None and got[3]["energy_note"].startswith(
         "no share: it ended before its first token, and in its 0.25 s in flight the GPU had no room for its prefill at "
         "10000 tokens/s beside the 2500 prompt tokens of other requests placed then"), got[3]["energy_note"]
+    assert led.prompts_estimated == {"before_first_token": 1}  # the one costed none is no estimate used
+
+
+def test_a_gone_prompts_bound_takes_no_prefill_rate_below_the_slow_end(monkeypatch):
+    # A fit of few or odd intervals can give a rate far below any server's (100 tokens/s here): the bound would cost
+    # the prompt at nothing, its energy in the request beside it.
+    from powerprof.daemon import attribution as attr
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    monkeypatch.setattr(led.learner, "costs", lambda setting: attr.WorkCosts(prefill_tok_s=100.0, source="fitted"))
+    got = _gone_before_first(led, 40_000, 0.6)
+    assert got[2]["prompt_tokens_estimate"] == pytest.approx(50.0)
+    assert ("what its 0.55 s in flight could prefill at 1000 tokens/s (the slowest taken, the work model's fitted rate "
+            "being below it)") in got[2]["energy_note"], got[2]["energy_note"]
 
 
 def test_a_request_in_the_step_after_one_gone_before_its_first_token_says_its_share_may_be_off():

@@ -1733,6 +1733,10 @@ class Ledger:
         if not idx:
             return
         prefill_end = np.where(first != attr.NEVER, first, end)
+        if costs.prefill_tok_s < attr.PREFILL_TOK_S_SLOW:
+            # A fit of few or odd intervals can give a rate far below any server's: the bound would cost such prompts at
+            # next to nothing, their energy in the requests beside them. Bounded at the slow end of the rates taken.
+            costs = replace(costs, prefill_tok_s=attr.PREFILL_TOK_S_SLOW, source="floor")
         for i in idx:
             a_ns, e_ns = int(arrival[i]), int(end[i])
             others = np.delete(np.arange(len(reqs)), i)
@@ -1764,6 +1768,7 @@ class Ledger:
                 est = (most, est[1])
             if est is not None:
                 r.prompt_est = est
+            if est is not None and (est[0] > 0 or not gone):  # one costed none (no room) says so on its row alone
                 why = _unsaid_reason(r)
                 n = self.prompts_estimated[why] = self.prompts_estimated.get(why, 0) + 1
                 if n == 1 or n % 1000 == 0:

@@ -360,8 +360,9 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
             said, fix = "the server's answer did not say the prompt's length", ""
         if r.prompt_cap is not None:
             est, in_flight_s, rate, source, beside = r.prompt_cap
-            rate_said = "the work model's fitted prefill rate" if source == "fitted" else \
-                "the default prefill rate, the work model's fit not mature"
+            rate_said = ("the work model's fitted prefill rate" if source == "fitted" else
+                         "the slowest taken, the work model's fitted rate being below it" if source == "floor" else
+                         "the default prefill rate, the work model's fit not mature")
             notes.append(f"{said}; its prefill was costed at {r.prompt_est[0]:.0f} prompt tokens, what its "
                          f"{in_flight_s:.2f} s in flight could prefill at {rate:.0f} tokens/s ({rate_said}) beside the "
                          f"{beside:.0f} prompt tokens of other requests placed then, of an estimate of {est:.0f} "
