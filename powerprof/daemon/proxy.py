@@ -71,7 +71,7 @@ SERVER_OPTIONS = {"auto_decompress": False}
 
 
 # The `error` of a request whose client left while sending its body: the server never had the whole request, so never
-# ran it (the ledger takes it for no prefill gone before its first token: `liverequest.gone_unsaid`).
+# ran it (the ledger costs it no prefill and flags no request beside it: `liverequest.gone_unsaid`).
 BODY_LEFT_NOTE = "the client left while sending its request body"
 
 
