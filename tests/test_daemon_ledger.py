@@ -320,11 +320,10 @@ def test_a_prefill_only_request_gets_its_prompt_work_and_one_with_no_work_seen_s
     # [0,1): 10 tokens, 9 of them decoded (1 each at the fixed ratio; the first came out of the
     # prefill), 10 + 2000 prompt tokens at 0.05.
     assert got[2]["gpu_energy_j"] == pytest.approx(100.0 * 100 / 109.5)
-    # Its work is seen; its share of [0, 1) beside request 1 rests on the fixed ratio (no fit yet), and it says so; and
-    # beside request 3, ended with no token and no prompt length, whose prefill (if it ran) is in the others' shares.
-    assert got[2]["energy_note"].startswith("approximate: gone-prefill-beside: 100% of its GPU energy is from intervals "
-                                            "over (or within 1 s after) a request that ended before its first token")
-    assert "100% of its GPU energy is from intervals other requests did work in too" in got[2]["energy_note"]
+    # Its work is seen; its share of [0, 1) beside request 1 rests on the fixed ratio (no fit yet), and it says that
+    # alone: request 3's answer ended as the server ended it (outcome ok), no request gone before its first token.
+    assert got[2]["energy_note"].startswith("approximate: 100% of its GPU energy is from intervals other requests did "
+                                            "work in too")
     assert "no prompt length" not in got[2]["energy_note"]
     assert got[3]["gpu_energy_j"] is None and "no prompt length" in got[3]["energy_note"]
     assert got[1]["gpu_energy_j"] + got[2]["gpu_energy_j"] == pytest.approx(200.0)  # nothing lost
@@ -1195,6 +1194,19 @@ def test_prompts_gone_before_their_first_token_share_what_their_time_in_flight_c
     assert got[3]["gpu_energy_j"] is None and got[3]["energy_note"].startswith(
         "no share: it ended before its first token, and in its 0.25 s in flight the GPU had no room for its prefill at "
         "10000 tokens/s beside the 2500 prompt tokens of other requests placed then"), got[3]["energy_note"]
+    assert led.prompts_estimated == {"before_first_token": 1}  # the one costed none is no estimate used
+
+
+def test_a_gone_prompts_bound_takes_no_prefill_rate_below_the_slow_end(monkeypatch):
+    # A fit of few or odd intervals can give a rate far below any server's (100 tokens/s here): the bound would cost
+    # the prompt at nothing, its energy in the request beside it.
+    from powerprof.daemon import attribution as attr
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    monkeypatch.setattr(led.learner, "costs", lambda setting: attr.WorkCosts(prefill_tok_s=100.0, source="fitted"))
+    got = _gone_before_first(led, 40_000, 0.6)
+    assert got[2]["prompt_tokens_estimate"] == pytest.approx(50.0)
+    assert ("what its 0.55 s in flight could prefill at 1000 tokens/s (the slowest taken, the work model's fitted rate "
+            "being below it)") in got[2]["energy_note"], got[2]["energy_note"]
 
 
 def test_a_request_in_the_step_after_one_gone_before_its_first_token_says_its_share_may_be_off():
@@ -1235,6 +1247,215 @@ def test_a_tag_over_a_request_gone_before_its_first_token_says_so_and_blames_no_
     note = sink.rows["tags"][0]["energy_note"] or ""
     assert "1 request(s) in this window were cut by their clients, 1 before their first token" in note, note
     assert "speculative" not in note and "include_usage" not in note, note
+
+
+def _streamed(rid, arrival_s, first_s, end_s, n=10, prompt=500):
+    """A chat stream of 2000 characters whose server counted its prompt (`prompt` tokens): `n` tokens from `first_s`,
+    ended at `end_s`. Returns (trace, token events, prompt)."""
+    tr = _chat(rid, arrival_s, 2000)
+    return tr, [(int((first_s + (end_s - 0.05 - first_s) * k / (n - 1)) * S), 1) for k in range(n)], prompt
+
+
+def _beside(led, done_specs, others, feeds, adv):
+    """`done_specs` (`_streamed`) and `others` (ended as set on their traces) started, ended, `feeds` (s, J) fed and
+    closed at each of `adv` (s): their rows by request id."""
+    for tr, ev, p in done_specs:
+        led.on_start(tr)
+    for tr in others:
+        led.on_start(tr)
+    for tr, ev, p in done_specs:
+        for t, n in ev:
+            led.on_tokens(tr, t, n)
+        tr.first_ns, tr.last_ns = ev[0][0], ev[-1][0]
+        tr.end_ns = ev[-1][0] + int(0.05 * S)
+        tr.counts = Counts(generated_tokens=len(ev), prompt_tokens=p, model=None, stop_reason="length",
+                           token_source="usage")
+    for tr in [d[0] for d in done_specs] + others:
+        led.on_end(tr)
+    for t, e in feeds:
+        _feed(led, t, e)
+    for a in adv:
+        led.advance(int(a * S))
+    return {r["request_id"]: r for r in led.emit.rows["requests"]}
+
+
+def test_a_server_error_inside_a_200_stream_before_any_token_is_an_error_answer_not_a_prefill():
+    # SGLang answers a streamed chat's too-long prompt with `data: {"error": ...}` inside an HTTP 200 stream (llama.cpp's
+    # stream errors likewise): the server never ran it. Before, it was costed as a gone prefill (1500 tokens, 68.8 J of
+    # 100) and the request beside it flagged gone-prefill-beside.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    bad = _chat(2, 0.05, 40_000)
+    bad.status, bad.end_ns, bad.outcome = 200, int(0.25 * S), "upstream_error"
+    bad.counts = Counts(generated_tokens=0, prompt_tokens=None, model=None, stop_reason=None, token_source="counted",
+                        server_error="The input (10000 tokens) is longer than the model's context length")
+    got = _beside(led, [_streamed(1, 0.05, 0.1, 0.6)], [bad], [(0.0, 0.0), (1.0, 100.0)], [1.5])
+    assert got[2]["prompt_tokens_estimate"] is None and got[2]["gpu_energy_j"] is None
+    assert got[2]["energy_note"].startswith("no share: an error answer (the server's error inside its HTTP 200 "
+                                            "response)"), got[2]["energy_note"]
+    assert got[1]["gpu_energy_j"] == pytest.approx(100.0)
+    assert "gone-prefill-beside" not in (got[1]["energy_note"] or "")
+    assert led.prompts_estimated == {}
+
+
+def test_a_whole_answer_cut_by_its_client_is_not_placed_as_a_prefill_before_its_end():
+    # A non-streamed request whose client left after 10 s: the server prefilled it at its start and decoded since, and
+    # the proxy saw none of it. Before, it was said "ended before its first token … queued or prefilling", its prefill
+    # placed in the last moments before its end (211 J of 2200), its decode in the request beside it, unflagged there.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    whole = _chat(2, 0.05, 2000)
+    whole.stream = False
+    whole.end_ns, whole.outcome = int(10.0 * S), "client_disconnected"
+    got = _beside(led, [_streamed(1, 0.05, 0.1, 10.0, n=200)], [whole], [(t, 200.0 * t) for t in range(0, 12)],
+                  [12.5])
+    note = got[2]["energy_note"]  # a share by live time of [10 s, 11 s), where both ended
+    assert "queued or prefilling" not in note and got[2]["prompt_tokens_estimate"] is None
+    assert "a whole answer (not streamed) whose client left, or whose connection broke, before it came" in note, note
+    assert "none of its work" in note, note
+    assert "gone-prefill-beside" in got[1]["energy_note"], got[1]["energy_note"]
+    assert led.prompts_estimated == {}
+
+
+@pytest.mark.parametrize("how", ["unreadable", "interrupted", "mid-body"])
+def test_requests_the_server_never_ran_or_finished_are_not_gone_before_their_first_token(how):
+    # unreadable: a whole answer whose tokens the proxy could not read (outcome ok, a Content-Encoding not inspected),
+    # its decode then in the request beside it, was taken for a prompt gone before its first token. interrupted: a
+    # request a proxy worker ended (its end record dropped: ended at its arrival) flagged the requests beside it.
+    # mid-body: a client that left while sending its body (the server never had it) was costed a prefill.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    other = _chat(2, 0.05, 40_000)
+    if how == "unreadable":
+        other.status, other.outcome, other.end_ns = 200, "ok", int(0.5 * S)
+        other.error = "response Content-Encoding 'br' is not inspected: its tokens were not counted"
+    elif how == "interrupted":
+        other.end_ns, other.outcome = other.arrival_ns, "interrupted"
+        other.error = "proxy worker 0 ended this request but its end record was dropped"
+    else:
+        other.end_ns, other.outcome = int(0.5 * S), "client_disconnected"
+        other.error = "the client left while sending its request body; the server may have generated tokens …"
+    led.open_tag("win", 0, 0)
+    got = _beside(led, [_streamed(1, 0.05, 0.1, 0.6)], [other], [(0.0, 0.0), (1.0, 100.0)], [])
+    led.close_tag("win", S, S)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in led.emit.rows["requests"]}
+    assert got[2]["prompt_tokens_estimate"] is None
+    assert "before its first token" not in (got[2]["energy_note"] or "")
+    assert "gone-prefill-beside" not in (got[1]["energy_note"] or "")
+    assert led.prompts_estimated == {}
+    assert "cut by their clients" not in (led.emit.rows["tags"][0]["energy_note"] or "")
+
+
+def test_the_prefix_cache_check_runs_over_a_gone_requests_prefill_not_past_its_end(monkeypatch):
+    # A prompt placed over arrival → first token; one gone before its first token over arrival → end, as attribution
+    # places it. Before, its `first` (never) made every interval to the close's end count as prefilling once its prompt
+    # was costed: the prefix-cache counter was checked there, and a decode-only request beside a bypass hit later said
+    # prefix-cache-unsaid.
+    asked, notes = {}, {}
+    for label, chars in (("no body estimate", None), ("costed", 2000)):
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        seen = []
+        monkeypatch.setattr(led, "_cache_unsaid", lambda t0, t1, seen=seen: seen.append((t0 / S, t1 / S)) or 0.0)
+        gone = _chat(2, 0.05, chars)
+        gone.end_ns, gone.outcome = int(0.3 * S), "client_disconnected"
+        _beside(led, [_streamed(1, 0.05, 0.1, 0.45), _streamed(3, 2.05, 2.1, 2.9)], [gone],
+                [(t / 2, 50.0 * t / 2) for t in range(0, 8)], [4.5])
+        asked[label] = seen
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        monkeypatch.setattr(led, "_cache_unsaid", lambda t0, t1: 100.0 if t0 >= 2 * S else 0.0)
+        gone = _chat(2, 0.05, chars)
+        gone.end_ns, gone.outcome = int(0.3 * S), "client_disconnected"
+        got = _beside(led, [_streamed(1, 0.05, 0.1, 3.4, n=60)], [gone], [(t / 2, 50.0 * t / 2) for t in range(0, 8)],
+                      [4.5])
+        notes[label] = got[1]["energy_note"] or ""
+    closes = {k: [sp for sp in v if sp[1] - sp[0] == 0.5] for k, v in asked.items()}  # not the rows' own hit spans
+    assert closes["costed"] == closes["no body estimate"] == [(0.0, 0.5), (2.0, 2.5)], asked
+    assert "prefix-cache-unsaid" not in notes["costed"] + notes["no body estimate"], notes
+
+
+def _ticking(incremental):
+    """A 10-token chat (0.02 → 0.5 s) beside a 10 000-token prompt gone at 0.9 s before its first token, 100 W sampled
+    every 0.2 s; closed at every 0.1 s tick as the daemon does (`incremental`), or once at 3 s."""
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.3)
+    nb_tr, nb_ev, _ = _streamed(1, 0.02, 0.05, 0.5, n=10)
+    gone = _chat(2, 0.05, 40_000)
+    led.on_start(nb_tr)
+    led.on_start(gone)
+    for k in range(0, 26):
+        t = k * 0.1
+        for tt, n in nb_ev:
+            if t - 0.1 < tt / S <= t:
+                led.on_tokens(nb_tr, tt, n)
+                nb_tr.first_ns = nb_tr.first_ns or tt
+                nb_tr.last_ns = tt
+        if k == 9:
+            gone.end_ns, gone.outcome = int(0.9 * S), "client_disconnected"
+            led.on_end(gone)
+        if k == 5:
+            nb_tr.end_ns = int(0.5 * S)
+            nb_tr.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
+                                  token_source="usage")
+            led.on_end(nb_tr)
+        if k % 2 == 0:
+            _feed(led, t, 100.0 * t)
+        if incremental:
+            led.advance(int(t * S))
+    led.advance(int(3.0 * S))
+    led.close_all(int(3.0 * S))
+    return {r["request_id"]: r for r in led.emit.rows["requests"]}
+
+
+def test_a_prompt_gone_before_its_first_token_is_costed_alike_however_often_the_intervals_close():
+    # Its end known, the prompt hold was over, and the daemon's next close (up to now − grace, before that end) took its
+    # intervals with it still live there: its prompt uncosted and no gone span kept, then its prefill placed over the
+    # end of its time in flight in the next close, the part in intervals already closed lost to its neighbour,
+    # unflagged there (every tick: it 40 J, its neighbour 60 J unflagged; at once: 93.4 J and 6.6 J flagged). Now the
+    # intervals from its arrival wait for an edge past its end (bounded as the prompt hold).
+    a, b = _ticking(True), _ticking(False)
+    assert a[2]["gpu_energy_j"] == pytest.approx(b[2]["gpu_energy_j"], rel=1e-6)
+    assert a[2]["prompt_tokens_estimate"] == pytest.approx(b[2]["prompt_tokens_estimate"])
+    assert a[1]["gpu_energy_j"] == pytest.approx(b[1]["gpu_energy_j"], rel=1e-6)
+    for rows in (a, b):
+        assert "gone-prefill-beside" in (rows[1]["energy_note"] or ""), rows[1]["energy_note"]
+
+
+def test_a_tag_counts_a_request_gone_before_its_first_token_whose_row_was_held_back():
+    # Its row waits for the request beside it, whose prompt was said early and its cached count not yet (`late_wait`):
+    # counted when its row was made, it came after the tag's row had gone out, and the tag never said it.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.open_tag("win", 0, 0)
+    nb, gone = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
+    nb.extra["prompt_tokens"] = 500  # said early (continuous usage), its cached count not yet
+    for tr in (nb, gone):
+        led.on_start(tr)
+    for k in range(60):
+        led.on_tokens(nb, int((0.1 + 0.05 * k) * S), 1)
+    nb.first_ns, nb.last_ns = int(0.1 * S), int((0.1 + 0.05 * 59) * S)
+    gone.end_ns, gone.outcome = int(0.4 * S), "client_disconnected"
+    led.on_end(gone)
+    for k in range(0, 9):
+        _feed(led, k / 2, 50.0 * k / 2)
+    led.close_tag("win", S, S)
+    led.advance(int(2.0 * S))
+    assert [r["request_id"] for r in led.emit.rows.get("requests", [])] == []  # its row held back
+    note = led.emit.rows["tags"][0]["energy_note"] or ""
+    assert "1 request(s) in this window were cut by their clients, 1 before their first token" in note, note
+    nb.end_ns = int(3.2 * S)
+    nb.counts = Counts(generated_tokens=60, prompt_tokens=500, model=None, stop_reason="length", token_source="usage")
+    led.on_end(nb)
+    _feed(led, 4.0, 200.0)
+    led.advance(int(4.5 * S))
+    led.close_all(int(5 * S))
+    assert sorted(r["request_id"] for r in led.emit.rows["requests"]) == [1, 2]
+
+
+def test_the_gone_prefill_flag_is_per_sampling_interval_as_the_split_is():
+    # A request that ended (0.3 s) before the gone one arrived (0.6 s) in the same 1 s interval took its share of that
+    # interval, the gone prompt's estimate in it: it says so (docs/daemon.md, "Prompts are known": per interval, not per
+    # request overlap).
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    gone = _chat(2, 0.6, 2000)
+    gone.end_ns, gone.outcome = int(0.9 * S), "client_disconnected"
+    got = _beside(led, [_streamed(1, 0.02, 0.05, 0.3)], [gone], [(0.0, 0.0), (1.0, 100.0), (2.0, 200.0)], [2.5])
+    assert "gone-prefill-beside" in (got[1]["energy_note"] or ""), got[1]["energy_note"]
 
 
 def test_a_prompt_never_counted_by_its_server_is_estimated_at_the_default_ratio_and_names_the_fix():

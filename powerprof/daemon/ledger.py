@@ -39,9 +39,9 @@ from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import PROMPT_HOLD_S, is_passive, told_prompt_tokens, LiveRequest, is_unseen
+from .liverequest import PROMPT_HOLD_S, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen
 from .promptlen import PromptLengths
-from .proxy import RequestTrace, bounded_text, valid_text
+from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
                       NO_COUNTER_READ,
@@ -160,7 +160,7 @@ class _Tag:
     methods: set = field(default_factory=set)
     counted_low: int = 0  # requests inside it counted one token a chunk that the server counted more (_request_fields)
     # Requests inside it whose client left before their response ended, and of those, ended before their first token
-    # with their prompt's length unsaid (_request_fields): the server's work for them after they left is unseen.
+    # with their prompt's length unsaid (Ledger.on_end): the server's work for them after they left is unseen.
     cut: int = 0
     gone_first: int = 0
     closed_by: str = "stop"
@@ -473,6 +473,13 @@ class Ledger:
         if r is None:
             return 0.0
         added = self._placed_at_end(r)
+        if trace.outcome == "client_disconnected" and trace.api is not None \
+                and not (trace.error or "").startswith(BODY_LEFT_NOTE):
+            # Counted at its end, not at its row: a row held back (`_late_parked`) is made after its tag's row went out.
+            gone = gone_unsaid(r) and trace.stream is True
+            for tg in self._tags_over(trace):
+                tg.cut += 1
+                tg.gone_first += gone
         r.prefilled_apart = r.prefilled_apart or self._prefilled_apart(r)  # an end before any close placed it
         self._cache_met(r)
         self._release(r)  # its end may have said its count: no wait counts it any more
@@ -1319,6 +1326,19 @@ class Ledger:
             # before a read past its end, an interval took the latest span's rate, the quiet one before other
             # processes began (1.8% where they used 47.6%, unmarked). Held for it, bounded as RAPL's.
             horizon = min(horizon, max(self.ct_t[-1], now_ns - self.rapl_hold_ns))
+        # A request gone before its first token (`gone_unsaid`) is costed, and the requests beside it flagged, in the close
+        # that holds its end: its prefill is placed over the end of its time in flight. Its end known, the prompt hold is
+        # over, and a close up to the horizon, before that end, took its intervals with it still live there, its prompt
+        # uncosted and no gone span kept; the next close placed its prefill partly in intervals already closed, lost to
+        # the requests beside it, unflagged: the figures hung on how often the daemon closed (every tick: 40 J, its
+        # neighbour 60 J unflagged; at once: 93 J, 7 J flagged). Held at its arrival until an edge past its end can
+        # close, bounded as the prompt hold.
+        if any(r.trace.end_ns is not None and r.trace.first_ns is None for r in self.requests.values()):
+            edge = max((e.t_ns for e in self.edges if e.t_ns <= horizon), default=None)
+            gone = [r.trace.arrival_ns for r in self.requests.values()
+                    if (edge is None or r.trace.end_ns is not None and r.trace.end_ns > edge) and gone_unsaid(r)]
+            if gone:
+                horizon = min(horizon, max(min(gone), now_ns - self.prompt_hold_ns))
         n = 0
         while n + 1 < len(self.edges) and self.edges[n + 1].t_ns <= horizon:
             n += 1
@@ -1458,9 +1478,10 @@ class Ledger:
         done = [r.trace.end_ns is not None and r.trace.end_ns <= t_end for r in reqs]
         last = np.array([ns(r.trace.last_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
         end = np.array([ns(r.trace.end_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
-        # A prompt counts once its first token is known: it is spread over arrival → first token; or once it has ended
-        # without one, over arrival → end (below).
-        gone_first = [d and r.trace.first_ns is None for r, d in zip(reqs, done)]
+        # A prompt counts once its first token is known: it is spread over arrival → first token; or, a stream the server
+        # had that ended without one, its prompt unsaid, over arrival → end (below). A whole answer cut before it came is
+        # not: the server prefilled it at its start and decoded since, unseen, and its end says nothing of when.
+        gone_first = [d and gone_unsaid(r) and r.trace.stream is True for r, d in zip(reqs, done)]
         prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or (d and told_prompt_tokens(r))
                            else 0.0 for r, d in zip(reqs, done)], dtype=float)
         # Its prefill is the part the server computed: a prefix-cache hit is in its context, not its prefill work.
@@ -1526,9 +1547,11 @@ class Ledger:
                           for m in methods])
         short_iv = (np.array([m != METHOD_COUNTER for m in methods], dtype=bool) & (busy > 0)
                     & (busy < share * dur))
-        # Intervals with prefill in them (a prompt is placed over arrival → first token) over which the server reused
-        # cached prompt tokens no answer said: their requests' split is approximate (CACHE_UNSAID_FLAG).
-        prefilling = np.array([bool(((arrival < t[k + 1]) & (first > t[k]) & (computed > 0)).any())
+        # Intervals with prefill in them (a prompt is placed over arrival → first token, or → end for one gone before its
+        # first token, as attribution places it) over which the server reused cached prompt tokens no answer said: their
+        # requests' split is approximate (CACHE_UNSAID_FLAG).
+        prefill_end = np.where(first != never, first, end)
+        prefilling = np.array([bool(((arrival < t[k + 1]) & (prefill_end > t[k]) & (computed > 0)).any())
                                for k in range(t.size - 1)], dtype=bool)
         cache_iv = np.array([self._cache_unsaid(int(t[k]), int(t[k + 1])) if prefilling[k] else 0.0
                              for k in range(t.size - 1)])
@@ -1542,15 +1565,15 @@ class Ledger:
         # Intervals with prefill of a request whose prompt was said early and its cached count not yet: costed as computed
         # whole, a count its end says late leaves the requests beside it under-charged there (CACHE_LATE_FLAG).
         pending = np.array([computed[i] > 0 and _cache_pending(r) for i, r in enumerate(reqs)], dtype=bool)
-        pend_iv = [np.flatnonzero(pending & (arrival < t[k + 1]) & (first > t[k])) for k in range(t.size - 1)]
+        pend_iv = [np.flatnonzero(pending & (arrival < t[k + 1]) & (prefill_end > t[k])) for k in range(t.size - 1)]
         energy = np.column_stack([energy, np.where(short_iv, work_j, 0.0), np.where(low_iv, work_j, 0.0),
                                   np.where(sure_iv >= CACHE_UNSAID_MIN, work_j, 0.0),
                                   np.where([len(p) > 0 for p in pend_iv], work_j, 0.0)]
                                  + [np.where(np.arange(t.size - 1) == k, work_j, 0.0) for k in uk])
         # Requests that ended before their first token with their prompt's length unsaid: their prefill is costed at an
-        # estimate (or nothing) that may be off either way, and the requests live beside them say so (GONE_PREFILL_FLAG).
-        gone = np.array([d and r.trace.first_ns is None and told_prompt_tokens(r) is None and not passive[i]
-                         and r.trace.api is not None for i, (r, d) in enumerate(zip(reqs, done))], dtype=bool)
+        # estimate (or nothing; a whole answer's, and its decode, not at all) that may be off either way, and the
+        # requests live beside them say so (GONE_PREFILL_FLAG).
+        gone = np.array([d and gone_unsaid(r) for r, d in zip(reqs, done)], dtype=bool)
         self._gone_spans = [s for s in self._gone_spans if s[1] > t[0]]
         slack_ns = int(GONE_ABORT_SLACK_S * 1e9)
         self._gone_spans.extend((int(arrival[i]), int(end[i]) + slack_ns) for i in np.flatnonzero(gone))
@@ -1721,11 +1744,14 @@ class Ledger:
         `computed` (in place): each at its body's estimate, no more than its time in flight could prefill at the rate in
         use beside the prompts placed over that time (the GPU's prefill is shared: three 12000-token prompts cut after
         1 s could not all have run whole at 16 000 tokens/s), taken in arrival order, as a server admits them."""
-        idx = sorted((i for i, g in enumerate(gone_first) if g and told_prompt_tokens(reqs[i]) is None),
-                     key=lambda i: arrival[i])
+        idx = sorted(np.flatnonzero(gone_first), key=lambda i: arrival[i])
         if not idx:
             return
         prefill_end = np.where(first != attr.NEVER, first, end)
+        if costs.prefill_tok_s < attr.PREFILL_TOK_S_SLOW:
+            # A fit of few or odd intervals can give a rate far below any server's: the bound would cost such prompts at
+            # next to nothing, their energy in the requests beside them. Bounded at the slow end of the rates taken.
+            costs = replace(costs, prefill_tok_s=attr.PREFILL_TOK_S_SLOW, source="floor")
         for i in idx:
             a_ns, e_ns = int(arrival[i]), int(end[i])
             others = np.delete(np.arange(len(reqs)), i)
@@ -1757,6 +1783,7 @@ class Ledger:
                 est = (most, est[1])
             if est is not None:
                 r.prompt_est = est
+            if est is not None and (est[0] > 0 or not gone):  # one costed none (no room) says so on its row alone
                 why = _unsaid_reason(r)
                 n = self.prompts_estimated[why] = self.prompts_estimated.get(why, 0) + 1
                 if n == 1 or n % 1000 == 0:
@@ -2205,11 +2232,6 @@ class Ledger:
             if tr.outcome != "client_disconnected":  # a cut one's surplus is what the server ran after it left (below)
                 for tg in self._tags_over(tr):  # the windows its surplus's energy went to unproxied in
                     tg.counted_low += 1
-        if tr.outcome == "client_disconnected" and tr.api is not None:
-            gone = tr.first_ns is None and told_prompt_tokens(r) is None
-            for tg in self._tags_over(tr):
-                tg.cut += 1
-                tg.gone_first += gone
         if lie is not None:
             note = f"{lie}: generated_tokens and J/token left empty ({COUNT_FIX})"
             error = note if error is None else f"{error}; {note}"

@@ -2,14 +2,15 @@
 
 `LiveRequest` is filled by `ledger.Ledger` as the request's tokens, prompt and energy shares come; the few readings of it
 that the ledger's accounting and its rows' words (`rowtext`) both take are here: its prompt length once the server
-told it (`told_prompt_tokens`), and whether it is GPU work the proxy sees (`is_unseen`, `is_passive`).
+told it (`told_prompt_tokens`), whether it is GPU work the proxy sees (`is_unseen`, `is_passive`), and whether it ended
+before its first token with its prompt unsaid after the server had it (`gone_unsaid`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .proxy import RequestTrace
+from .proxy import BODY_LEFT_NOTE, RequestTrace
 
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
 
@@ -128,10 +129,29 @@ def is_passive(r: LiveRequest) -> bool:
     """An error answer (HTTP 4xx/5xx, the proxy's own 502 included; known from its head, before it ends), or a
     request that is neither a POST nor to a generation endpoint (GET /v1/models, /metrics, /health; known from its
     start: SGLang's /generate takes PUT too, and is one), with no token and no prompt length: no GPU work of it was
-    seen, so it takes no share by live time (its time is idle)."""
+    seen, so it takes no share by live time (its time is idle). So is one whose server sent its error inside an HTTP 200
+    stream before any token (SGLang answers a streamed chat's too-long prompt so), known at its end: it never ran."""
     tr = r.trace
-    return ((tr.status is not None and tr.status >= 400 or (tr.method != "POST" and tr.api is None))
+    return ((tr.status is not None and tr.status >= 400 or (tr.method != "POST" and tr.api is None)
+             or (tr.counts is not None and tr.counts.server_error is not None))
             and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0 and told_prompt_tokens(r) is None)
+
+
+# The outcomes of a request the server had and may have run for a while after the proxy saw it end: its client left, or
+# its connection to the server broke. Not `ok` (a whole answer, its tokens unread: a Content-Encoding not inspected),
+# nor `interrupted` (ended by the proxy's own machinery: a worker's dropped end record, a shutdown), nor `expired`.
+GONE_OUTCOMES = ("client_disconnected", "upstream_error")
+
+
+def gone_unsaid(r: LiveRequest) -> bool:
+    """It ended with no token seen and its prompt's length unsaid, after the server had it: its client left (or the
+    connection broke) while its prompt was queued or prefilling, or, a whole answer (not streamed), while it ran. Not one
+    whose client left mid-body (never sent whole), nor an error answer (`is_passive`). Streams of these are costed at
+    their body's estimate (`Ledger._cost_gone`); the requests beside any of them say GONE_PREFILL_FLAG."""
+    tr = r.trace
+    return (tr.end_ns is not None and tr.first_ns is None and tr.api is not None and tr.outcome in GONE_OUTCOMES
+            and told_prompt_tokens(r) is None and not is_passive(r)
+            and not (tr.error or "").startswith(BODY_LEFT_NOTE))
 
 
 def is_unseen(r: LiveRequest) -> bool:

@@ -70,6 +70,11 @@ DRAIN_S = 2.0
 SERVER_OPTIONS = {"auto_decompress": False}
 
 
+# The `error` of a request whose client left while sending its body: the server never had the whole request, so never
+# ran it (the ledger costs it no prefill and flags no request beside it: `liverequest.gone_unsaid`).
+BODY_LEFT_NOTE = "the client left while sending its request body"
+
+
 @dataclass
 class RequestTrace:
     """What the proxy learns about one request. Monotonic ns for arithmetic, wall ns for storage: the
@@ -607,8 +612,7 @@ class Proxy:
             trace.status, trace.outcome, trace.error = 408, "client_timeout", why
         return web.Response(status=408, text=f"powerprof proxy: {why}\n")
 
-    def _client_left(self, trace: RequestTrace | None, why: str = "the client left while sending its request body"
-                     ) -> web.Response:
+    def _client_left(self, trace: RequestTrace | None, why: str = BODY_LEFT_NOTE) -> web.Response:
         """The client left before its response began: not the upstream's failure."""
         if trace is not None:
             trace.outcome, trace.error = "client_disconnected", why

@@ -20,7 +20,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       bypass_count_may_be)
 
 from . import attribution as attr
-from .liverequest import PROMPT_HOLD_S, is_passive, told_prompt_tokens, LiveRequest, is_unseen
+from .liverequest import PROMPT_HOLD_S, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen
 from .workmodel import MIN_BUSY, MIN_R2
 
 # What an interval row's `server_count` says where the server's count is whole (storage/schema.py states them).
@@ -247,12 +247,27 @@ def _burst_fix(r: LiveRequest) -> str:
     return f"fix: {OWN_LATE_FIX}; or {BURST_FIX[5:]}" if r.own_late_s else f"{BURST_FIX}; on a busy host, {OWN_LATE_FIX}"
 
 
+# A whole answer (not streamed) cut before it came: its row's words, with no share or with one by live time alone.
+WHOLE_GONE_NOTE = ("a whole answer (not streamed) whose client left, or whose connection broke, before it came: the proxy "
+                   "saw none of its tokens, so the server's work for it (its prefill at its start, then what it decoded "
+                   "until it stopped) is unseen and its energy is in the shares of the requests beside it, which say "
+                   f"{GONE_PREFILL_FLAG}")
+
+
+def _whole_gone(r: LiveRequest) -> bool:
+    """A whole answer cut before it came (`gone_unsaid`, not streamed): its work unseen, none of it costed."""
+    return gone_unsaid(r) and r.trace.stream is not True
+
+
 def _no_energy_reason(r: LiveRequest) -> str:
     """Why a request got no energy: what the work model could not see."""
     if is_unseen(r) and not is_passive(r):
         return "no share: " + _uncounted_note(r)
     if r.trace.end_ns is not None and is_passive(r):
+        c = r.trace.counts
         what = (f"an error answer (HTTP {r.trace.status})" if r.trace.status is not None and r.trace.status >= 400
+                else f"an error answer (the server's error inside its HTTP {r.trace.status} response)"
+                if c is not None and c.server_error is not None
                 else f"a {r.trace.method[:16]} request to no generation endpoint")
         return (f"no share: {what} with no token and no prompt length: no GPU work of it was seen, and its time "
                 "counts as idle")
@@ -262,6 +277,8 @@ def _no_energy_reason(r: LiveRequest) -> str:
                 f"for its prefill at {rate:.0f} tokens/s beside the {beside:.0f} prompt tokens of other requests placed "
                 f"then (queued: vLLM and SGLang drop a request whose client left unrun), so its prompt (an estimate of "
                 f"{est:.0f} tokens) is costed at none; the requests beside it say {GONE_PREFILL_FLAG}")
+    if _whole_gone(r):
+        return f"no share: {WHOLE_GONE_NOTE}"
     if r.tokens > 0 or told_prompt_tokens(r):
         return "no share: its tokens and prompt were work of no cost at the costs in use (costs/), or in no interval with energy"
     if told_prompt_tokens(r) is None:
@@ -405,8 +422,9 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
             said, fix = "the server's answer did not say the prompt's length", ""
         if r.prompt_cap is not None:
             est, in_flight_s, rate, source, beside = r.prompt_cap
-            rate_said = "the work model's fitted prefill rate" if source == "fitted" else \
-                "the default prefill rate, the work model's fit not mature"
+            rate_said = ("the work model's fitted prefill rate" if source == "fitted" else
+                         "the slowest taken, the work model's fitted rate being below it" if source == "floor" else
+                         "the default prefill rate, the work model's fit not mature")
             notes.append(f"{said}; its prefill was costed at {r.prompt_est[0]:.0f} prompt tokens, what its "
                          f"{in_flight_s:.2f} s in flight could prefill at {rate:.0f} tokens/s ({rate_said}) beside the "
                          f"{beside:.0f} prompt tokens of other requests placed then, of an estimate of {est:.0f} "
@@ -416,6 +434,8 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                          f"prompt tokens ({r.prompt_est[1]}){fix}")
     if is_unseen(r) and not is_passive(r):
         notes.append(_uncounted_note(r))
+    if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
+        notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
         notes.append(_best_of_note(r.trace.extra))
     c = r.trace.counts
@@ -487,8 +507,9 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      f"intervals over (or within {GONE_ABORT_SLACK_S:g} s after) a request that ended before its first "
                      "token with its prompt's length unsaid (its client left, or its answer stopped, while it was queued or "
                      "prefilling): that prefill, costed at an estimate from its body (bounded by its time in flight; not "
-                     "at all where the body gave none), may have been cut short, never run or run whole, or run on to "
-                     "the server's next step, so this request's share there may be high or low; fix: "
+                     "at all where the body gave none, nor for a whole answer, whose decode is unseen too), may have "
+                     "been cut short, never run or run whole, or run on to the server's next step, so this request's "
+                     "share there may be high or low; fix: "
                      f"{GONE_PREFILL_FIX}")
     # Given much there, or little where the range's other end gives it much (a queued prompt beside another's decode).
     if r.gpu_j > 0 and max(r.fixed_j, r.fixed_hi_j - r.fixed_j) >= FIXED_RATIO_MIN_SHARE * r.gpu_j:
