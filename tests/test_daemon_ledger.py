@@ -899,6 +899,19 @@ def test_a_lost_idle_gpu_leaves_the_intervals_idle_energy_empty_and_the_serving_
     assert by_dest[1] < whole.ledger.totals.energy_by_dest_j[1]  # the lost GPU's idle alone out
 
 
+
+def _scrape_one_token_to_4_s(led) -> None:
+    """Scrapes every 0.25 s to 3.5 s, the server counting one token at 1.02 s (in the window to 1.25 s), power fed each
+    second, intervals advanced as the daemon does; then everything closed at 4 s."""
+    for k in range(1, 13):
+        now = int((0.5 + 0.25 * k) * S)
+        led.add_server_tokens(now, 1.0 if k == 3 else 0.0, now - S // 4)
+        if k % 4 == 2:
+            _feed(led, now / S, 100.0 * now / S)
+        led.advance(now)
+    led.close_all(int(4 * S))
+
+
 def test_a_stream_whose_only_token_comes_in_its_closing_chunk_is_attributed_that_token():
     # vLLM with max_tokens=1 (a classifier, a yes/no): the role chunk, then the closing chunk with empty
     # content and finish_reason (the token is in it, the usage says so), then the usage chunk. The proxy
@@ -933,13 +946,7 @@ def test_a_stream_whose_only_token_comes_in_its_closing_chunk_is_attributed_that
     tr.counts = streams.summary_counts(parser.finish())
     led.on_end(tr)
     assert seen == 0 and tr.counts.generated_tokens == 1
-    for k in range(1, 13):  # the scraper sees the server count the token at 1.02 s
-        now = int((0.5 + 0.25 * k) * S)
-        led.add_server_tokens(now, 1.0 if k == 3 else 0.0, now - S // 4)
-        if k % 4 == 2:
-            _feed(led, now / S, 100.0 * now / S)
-        led.advance(now)
-    led.close_all(int(4 * S))
+    _scrape_one_token_to_4_s(led)
     (row,) = sink.rows["requests"]
     assert row["attributed_tokens"] == 1.0 and row["generated_tokens"] == 1
     assert row["gpu_j_per_token"] is not None
@@ -985,13 +992,7 @@ def test_a_stream_that_said_no_count_says_so_on_its_row_and_its_intervals(limit,
     tr.end_ns = int(1.03 * S)
     tr.counts = streams.summary_counts(parser.finish())
     led.on_end(tr)
-    for k in range(1, 13):  # the scraper sees the server count the token at 1.02 s
-        now = int((0.5 + 0.25 * k) * S)
-        led.add_server_tokens(now, 1.0 if k == 3 else 0.0, now - S // 4)
-        if k % 4 == 2:
-            _feed(led, now / S, 100.0 * now / S)
-        led.advance(now)
-    led.close_all(int(4 * S))
+    _scrape_one_token_to_4_s(led)
     (row,) = sink.rows["requests"]
     ivs = sink.rows["intervals"]
     if limit is not None:
