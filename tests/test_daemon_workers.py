@@ -1030,6 +1030,32 @@ def test_a_count_that_stops_short_and_a_best_of_cross_the_link_with_the_end():
     assert counts.count_open is True and extra["best_of"] == 3 and extra["max_tokens"] == 48
 
 
+def test_a_requests_max_tokens_reaches_the_daemon_with_its_start_before_its_first_token():
+    # The daemon reads a first token that holds every token max_tokens allows (vLLM's 1-token answer, its one token in
+    # the closing chunk) as the request's end, its edge read once the counter caught up (service.on_tokens). From a
+    # worker, max_tokens came with the end alone: at the first token the daemon did not know it, and read the edge as a
+    # first token's (the end's last joules to idle: a 1-token answer alone read -33% about one run in two).
+    from powerprof.daemon.workers import _start_record, _WorkerLink
+
+    seen = []
+    rec = SimpleNamespace(on_start=lambda tr: None, on_end=lambda tr: 0.0,
+                          on_tokens=lambda tr, t, n: seen.append((tr.extra.get("max_tokens"), tr.tokens_seen)) or 0.0)
+    workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=rec, proxy_kwargs={},
+                           header_timeout_s=10, idle_timeout_s=10)
+    w = workers.workers[0]
+    w.transport = SimpleNamespace(close=lambda: None)
+    link = _WorkerLink(workers, w)
+    tr = _trace(1, T)
+    tr.extra["max_tokens"] = 1
+    first = (1, T + S // 10, T + S // 10, 1, 200, True, None, None)
+    link.data_received(frame(([_start_record(tr)], [first], [], [], ZERO, [], T)))
+    untold = _trace(2, T)  # a request that set no max_tokens
+    link.data_received(frame(([_start_record(untold)], [(2, T + S // 5, T + S // 5, 1, 200, True, None, None)], [], [],
+                              ZERO, [], T)))
+    assert workers.replay_failures == 0
+    assert seen == [(1, 1), (None, 1)]
+
+
 def test_a_worker_speaking_another_record_shape_is_said_once_and_not_restarted(caplog):
     # An in-place upgrade under a running daemon (the counts record grew 18 -> 20 fields): a restarted worker's every
     # record was refused as an "unreadable frame", the worker restarted, refused again, for ever, the fix said nowhere.

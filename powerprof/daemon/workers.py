@@ -97,9 +97,11 @@ class Unframer:
 
 
 def _start_record(tr: RequestTrace) -> tuple:
-    # Its sequences (n choices × prompts) and choices with it: the ledger splits its intervals while it runs, before its end.
+    # Its sequences (n choices × prompts) and choices with it: the ledger splits its intervals while it runs, before its
+    # end. Its max_tokens too: a first token holding all it allows is the request's end (service.on_tokens reads the
+    # edge then), and with the end alone it came too late for that.
     return (tr.request_id, tr.method, tr.endpoint, tr.tag, tr.arrival_ns, tr.arrival_wall_ns, tr.api, tr.model, tr.stream,
-            tr.extra.get("sequences", 1), tr.extra.get("choices", 1))
+            tr.extra.get("sequences", 1), tr.extra.get("choices", 1), tr.extra.get("max_tokens"))
 
 
 def _end_record(tr: RequestTrace) -> tuple:
@@ -355,7 +357,7 @@ def worker_main() -> int:
 # --- the daemon's side ------------------------------------------------------------------------------------
 
 _I, _IN, _S, _SN, _BN, _FN = "int", "int?", "str", "str?", "bool?", "float?"
-_START = (_I, _S, _S, _SN, _I, _I, _SN, _SN, _BN, _I, _I)
+_START = (_I, _S, _S, _SN, _I, _I, _SN, _SN, _BN, _I, _I, _IN)
 _FIRST = (_I, _I, _I, _I, _IN, _BN, _FN, _FN)  # ... its prompt's length and cached count, where said early
 _TOK = (_I, _I, _I, "float", "float")
 _END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN, _BN)
@@ -732,13 +734,15 @@ class ProxyWorkers:
         starts, firsts, toks, ends, stats, marks, watermark = msg
         w.stats = tuple(stats)
         rec, mirrors = self.recorder, self.mirrors
-        for rid, method, endpoint, tag, arr, arr_wall, api, model, stream, seqs, choices in starts:
+        for rid, method, endpoint, tag, arr, arr_wall, api, model, stream, seqs, choices, limit in starts:
             tr = RequestTrace(request_id=next(self._ids), method=method, endpoint=endpoint, tag=tag, arrival_ns=arr,
                               arrival_wall_ns=arr_wall, api=api, model=model, stream=stream)
             if seqs > 1:
                 tr.extra["sequences"] = seqs
             if choices > 1:
                 tr.extra["choices"] = choices
+            if limit is not None:
+                tr.extra["max_tokens"] = limit
             mirrors[(w.index, rid)] = tr
             self._call(rec.on_start, tr)
         for rid, t, wall, n, status, stream, prompt, cached in firsts:
@@ -776,7 +780,7 @@ class ProxyWorkers:
             key = (w.index, e[0][0])
             tr = mirrors.pop(key, None)
             if tr is None:  # never started (or its start was dropped): recorded from the end's copy
-                rid, method, endpoint, tag, arr, arr_wall, api, model, stream, _seqs, _choices = e[0]  # its end's extra has them
+                rid, method, endpoint, tag, arr, arr_wall, api, model, stream, _seqs, _choices, _limit = e[0]  # its end's extra has them
                 tr = RequestTrace(request_id=next(self._ids), method=method, endpoint=endpoint, tag=tag,
                                   arrival_ns=arr, arrival_wall_ns=arr_wall, api=api, model=model, stream=stream)
                 if key in self.marked:  # its start was dropped, not absent: it gets its row, flagged
