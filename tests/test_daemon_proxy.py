@@ -11,6 +11,8 @@ from aiohttp import web
 
 from proxy_helpers import serve_here
 from powerprof.daemon.proxy import Proxy, RequestTrace
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.server import SimServer
 
 
 class Upstream:
@@ -424,44 +426,33 @@ def test_a_body_read_whole_gives_its_budget_back_once_its_answer_begins():
 
 def test_a_client_leaving_before_the_response_head_closes_the_upstream():
     """A non-streamed generation sends its head only when done: a client that leaves while it runs must close
-    the upstream within about a second (the server stops generating), not when the answer comes."""
-
-    async def main():
-        cut = asyncio.Event()
-
-        async def slow(request):
-            await request.read()
-            try:
-                await asyncio.sleep(10)  # generating; the head comes with the answer
-            except asyncio.CancelledError:
-                cut.set()
-                raise
-            return web.json_response({"content": "x", "tokens_predicted": 1})
-
-        app = web.Application(handler_args={"handler_cancellation": True})
-        app.router.add_post("/completion", slow)
-        r1, up_url = await serve_here(app)
+    the upstream within about a second, so that the server (which aborts a request whose connection closed, as
+    llama-server does at its next 1 s poll) stops generating, not when the answer comes."""
+    async def main(sim):
         rec = Rec()
-        proxy = Proxy(up_url, recorder=rec)
+        proxy = Proxy(sim.url, recorder=rec)
         r2, px_url = await serve_here(proxy.app())
         port = int(px_url.rsplit(":", 1)[1])
+        body = json.dumps({"prompt": "x", "n_predict": 2000, "ignore_eos": True}).encode()  # 20 s of decode
         _r, w = await asyncio.open_connection("127.0.0.1", port)
-        w.write(b'POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}')
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         await asyncio.sleep(0.3)
         w.close()
         t0 = asyncio.get_running_loop().time()
-        await asyncio.wait_for(cut.wait(), 5)  # 10 s without the check
+        while not sim.truth_cancelled and asyncio.get_running_loop().time() - t0 < 5:
+            await asyncio.sleep(0.02)
         waited = asyncio.get_running_loop().time() - t0
         for _ in range(100):
             if rec.ended:
                 break
             await asyncio.sleep(0.02)
         await r2.cleanup()
-        await r1.cleanup()
         return proxy, rec, waited
 
-    proxy, rec, waited = _run(main())
-    assert waited < 5
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=100) as sim:
+        proxy, rec, waited = _run(main(sim))
+        gone = [t["abort"] for t in sim.truth_cancelled]
+    assert waited < 5 and gone == ["client_gone"]  # 20 s without the proxy's check
     assert [t.outcome for t in rec.ended] == ["client_disconnected"] and proxy.upstream_failures == 0
 
 

@@ -249,7 +249,7 @@ def test_workers_pass_bytes_unchanged_and_the_one_ledger_books_every_request(tmp
     from powerprof.sim.nvml import SimNVML
     from powerprof.sim.server import SimServer
     from powerprof.workload.stream import StreamParser
-    from test_daemon_e2e import ByteTap, _traffic
+    from test_daemon_e2e import ByteTap, _traffic, cut_while_sending
 
     tap = ByteTap(monkeypatch)
     with SimServer(nvml=SimNVML("seed-16g", state_path=None), n_slots=64) as srv:
@@ -279,7 +279,7 @@ def test_workers_pass_bytes_unchanged_and_the_one_ledger_books_every_request(tmp
             assert body == sent, f"request {i}: bytes through a worker differ from what the server sent"
         else:
             assert sent.startswith(body)
-            cut_count += len(body) < len(sent)
+            cut_count += cut_while_sending(tap, i, body, cut)
     reqs = read_dataset(tmp_path / "data", "requests")
     assert len(reqs) == 64 and reqs["request_id"].is_unique, reqs[["request_id", "tag", "outcome"]]
     # Exact: a client cuts only while the server still sends (test_daemon_e2e._traffic says why a later close is `ok`).
@@ -290,7 +290,7 @@ def test_workers_pass_bytes_unchanged_and_the_one_ledger_books_every_request(tmp
 
     for i, _status, _ctype, body, _cut in results:
         path, make = APIS[i % len(APIS)]
-        if make(1).get("stream") and body == bytes(tap.sent[f"n{i}"]):
+        if make(1).get("stream") and body == bytes(tap.sent[f"n{i}"]) and f"n{i}" in tap.ended:
             p = StreamParser(streams.api_for_path(path))
             p.feed(body)
             expected.setdefault(path, []).append(streams.summary_counts(p.finish()).generated_tokens)

@@ -245,3 +245,81 @@ def test_a_hop_that_flushes_its_buffer_delivers_a_stream_in_several_bursts(knobs
     else:
         gaps = [b[0] - a[0] for a, b in zip(bursts, bursts[1:-1])]
         assert all(0.2 <= g <= 0.6 for g in gaps), gaps  # the timer's 0.3 s, with margin for a loaded host
+
+
+# Each flavour's server aborts a request whose client left as it does (docs/simulator.md, "A client that leaves"):
+# the longest it takes to notice, after the close, and (SGLang's streams) the least. vLLM: at once. llama-server:
+# its next 1 s poll, a stream's next write during decode. SGLang: a whole answer at its tokenizer's next 4 s wait,
+# a stream 2 s after (its background abort task). (Upper bounds with 0.5 s for a loaded machine's late event loop.)
+_ABORT_WITHIN_S = {("vllm", False): (0.0, 0.5), ("vllm", True): (0.0, 0.5),
+                   ("llamacpp", False): (0.0, 1.5), ("llamacpp", True): (0.0, 1.5),
+                   ("sglang", False): (0.0, 4.5), ("sglang", True): (1.9, 2.5)}
+_PATHS = {"llamacpp": "/completion", "vllm": "/v1/completions", "sglang": "/v1/completions"}
+
+
+async def _leave_then_follow(url: str, path: str, first: dict, leave_after_s: float, second: dict) -> tuple[int, float]:
+    """`first` sent and its connection closed after `leave_after_s` (a client gone); `second` sent at that moment.
+    Returns (monotonic ns of the close, seconds the second took)."""
+    async with aiohttp.ClientSession() as s1:
+        task = asyncio.create_task(s1.post(url + path, json=first))
+        await asyncio.sleep(leave_after_s)
+        task.cancel()  # (aiohttp closes the request's connection when its task is cancelled)
+        try:
+            r = await task
+            r.close()
+        except asyncio.CancelledError:
+            pass
+    t_close = time.monotonic_ns()
+    async with aiohttp.ClientSession() as s2:
+        async with s2.post(url + path, json=second) as r:
+            assert r.status == 200
+            await r.read()
+    return t_close, (time.monotonic_ns() - t_close) / 1e9
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("flavour", ["vllm", "llamacpp", "sglang"])
+def test_a_client_leaving_is_aborted_as_its_engine_aborts_it_and_frees_the_batch(flavour, phase, stream):
+    # One slot, serial batching: a request left running for nobody would hold the slot (and the GPU) for seconds;
+    # aborted, the next request waits only for the server to notice, then for the prefill chunk in flight.
+    prefill_tok_s = 8192.0
+    n_prompt = 16 * 8192 if phase == "prefill" else 16  # a 16 s prefill, or a short one then a long decode
+    first = {"prompt": "w " * (n_prompt - 1), "n_predict": 4000, "max_tokens": 4000, "ignore_eos": True,
+             "stream": stream}
+    second = {"prompt": "hi", "n_predict": 2, "max_tokens": 2, "ignore_eos": True}
+    nvml = SimNVML("a100-40g", state_path=None)
+    lo_s, hi_s = _ABORT_WITHIN_S[(flavour, stream)]
+    with SimServer(nvml, flavour=flavour, n_slots=1, decode_tok_s=100, prefill_tok_s=prefill_tok_s,
+                   n_ctx=1 << 20) as s:
+        t_close, second_s = asyncio.run(_leave_then_follow(s.url, _PATHS[flavour], first, 0.6, second))
+        for _ in range(300):
+            if not s.busy:
+                break
+            time.sleep(0.02)
+        assert not s.busy and nvml.gpus[0].read()["phase"].kind == "idle"  # nothing runs on for nobody
+        page = asyncio.run(_get(s.url + "/metrics"))
+        gone = [t for t in s.truth_cancelled if t["abort"] == "client_gone"]
+        finished = list(s.truth)
+    assert len(gone) == 1, s.truth_cancelled
+    row = gone[0]
+    # The ground truth says when the server noticed and when the engine dropped it, and what it had done.
+    assert lo_s <= (row["t_abort_ns"] - t_close) / 1e9 <= hi_s, row
+    assert row["t_client_gone_ns"] <= row["t_abort_ns"]
+    if phase == "prefill":
+        assert row["t_prefill_end_ns"] == 0 and row["generated"] == 0 and 0 < row["prefilled"] < n_prompt
+    else:
+        assert row["t_prefill_end_ns"] > 0 and row["generated"] > 0
+    # The slot was freed: the next request waited for the abort and the chunk in flight (1 s at most), not for the
+    # rest of a 16 s prefill or a 40 s decode.
+    assert second_s <= hi_s + 1.0 + 0.5, second_s
+    assert [t["generated"] for t in finished if t.get("kind") == "generation"][-1] == 2
+    # Counted as the real server counts it.
+    if flavour == "vllm":  # no success (its front end drops an aborted request's state); its tokens stay counted
+        assert _metric(page, "vllm:request_success_total") == 1.0
+        assert _metric(page, "vllm:generation_tokens_total") == row["generated"] + 2
+    elif flavour == "llamacpp":  # a cancelled slot is released without metrics.on_prediction: its tokens never counted
+        assert _metric(page, "llamacpp:tokens_predicted_total") == 2.0
+    else:  # the tokenizer manager's abort_request counts it (observe_one_aborted_request); finished ones as before
+        assert _metric(page, 'sglang:num_aborted_requests_total{model_name="sim-model.gguf"}') == 1.0
+        assert _metric(page, 'sglang:num_requests_total{model_name="sim-model.gguf"}') == 2.0  # the warm-up and the second

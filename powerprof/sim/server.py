@@ -19,14 +19,16 @@ It records ground truth (true emission times, prefill spans) for tests, exposes 
 flag with callbacks (to drive simulated CPU power), and has fault injection (HTTP errors,
 dropped or stalled streams, malformed JSON, a server that dies, one that restarts: down for a
 while, then back, loading, maybe with other flags). Its connections are handled as the real servers handle
-theirs (llama.cpp closes after every stream without saying so; idle ones closed after 5 s). Everything it
-answers is marked simulated.
+theirs (llama.cpp closes after every stream without saying so; idle ones closed after 5 s), and a request whose
+client left is aborted when and as each real server aborts it (_watch_clients). Everything it answers is marked
+simulated.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import os
 import re
@@ -145,6 +147,28 @@ class Fault:
     seconds: float = 5.0  # for stall
 
 
+@dataclass(eq=False)
+class _Client:
+    """One HTTP request's connection and the sequences it put into the engine: whether its client left (_watch_clients)."""
+    request: web.Request
+    task: asyncio.Task | None  # its handler's: cancelled once the server gives up on it, as the real one's is
+    t_start_ns: int
+    reqs: list = field(default_factory=list)
+    streamed: bool = False  # its answer's head went out before its end (a stream)
+    next_check_ns: int = 0  # when the flavour's server next looks at the connection (0: every watch tick)
+    t_gone_ns: int = 0  # when the server noticed the connection closed (0: not yet)
+
+
+# The HTTP request whose handler is running (set by _track_client), for _submit to tie its sequences to.
+_CLIENT: contextvars.ContextVar[_Client | None] = contextvars.ContextVar("sim_client", default=None)
+
+
+def _gone(request: web.Request) -> bool:
+    """The request's connection is closed (aiohttp drops the transport once it learns the peer left)."""
+    tr = request.transport
+    return tr is None or tr.is_closing()
+
+
 @dataclass
 class _Req:
     rid: int
@@ -184,6 +208,9 @@ class _Req:
     ctx_cut: bool = False  # its n_predict was lowered to what the context leaves after the prompt
     shape: object = None  # a chat stream's chatshape.ChatShape: thinking, a tool call (None: content alone)
     echo_text: str = ""  # vLLM's chat `echo`: the last message's content, sent after the role chunk
+    client: _Client | None = None  # the HTTP request it serves (None: the server's own, SGLang's warm-up)
+    abort: str = ""  # why the engine dropped it before its end: "client_gone", "server" (an error, a fault, a death)
+    t_abort_ns: int = 0  # when it was marked to be dropped (the engine drops it at its next step)
 
 
 # Late by more than this (the process was stopped, say): start the step schedule afresh rather
@@ -229,6 +256,23 @@ SGLANG_WARMUP_E2E_S = 0.05
 # SGLang's context_length (each the model's max_position_embeddings by default: a 32K model's).
 LLAMACPP_CTX_PER_SLOT = 4096
 DEFAULT_CONTEXT_TOKENS = 32768
+# A client that leaves (its connection closed) while its request runs: each server aborts the request as its own
+# code does (docs/simulator.md, "A client that leaves"), read from their sources. vLLM's API server listens for the
+# disconnect (starlette's listen_for_disconnect, its with_cancellation) and its generate() aborts the request in the
+# engine at once, streamed or not. llama-server's HTTP thread waits for results HTTP_POLLING_SECONDS at a time and
+# checks the connection in between (should_stop: a cancel task, the slot released at its next update_slots); a
+# stream's failed write stops it sooner. SGLang's tokenizer manager waits SGLANG_REQUEST_STATE_WAIT_TIMEOUT at a time
+# for a whole answer and checks request.is_disconnected() only then; a stream is cancelled by starlette at once and
+# its background abort task (create_abort_task) aborts the request 2 s later. Until then the GPU works for nobody.
+LLAMACPP_HTTP_POLL_S = 1.0
+SGLANG_WAIT_TIMEOUT_S = 4.0
+SGLANG_STREAM_ABORT_AFTER_S = 2.0
+# How often the simulator looks at its clients' connections: vLLM's "at once" is within this.
+CLIENT_WATCH_TICK_S = 0.02
+# A serial engine's prefill runs in chunks, an abort taking effect between them: llama-server's n_batch (2048 by
+# default), vLLM's max_num_batched_tokens and SGLang's chunked_prefill_size (8192 here: both defaults depend on the
+# GPU and the version, 2048 to 16384).
+PREFILL_CHUNK_TOKENS = {"llamacpp": 2048, "vllm": 8192, "sglang": 8192}
 
 
 class SimServer:
@@ -431,6 +475,7 @@ class SimServer:
         self.api_key = api_key
         self._sg_decode_steps = 0  # SGLang's forward count of decode batches (its decode log every 40)
         self._sg_last_log = time.monotonic()
+        self._clients: set[_Client] = set()  # the POSTs whose handlers run (_track_client)
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.truth_cancelled: list[dict] = []  # one per request dropped while running (its client left)
         self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
@@ -541,6 +586,8 @@ class SimServer:
         self._m_cached = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", tok, registry=self._registry)
         self._m_retractions = Histogram("sglang:num_retractions", "Histogram of retraction counts per request.", tok,
                                         buckets=SGLANG_RETRACTION_BUCKETS, registry=self._registry)
+        # Its tokenizer manager's abort_request (observe_one_aborted_request): one per sequence aborted, its client gone.
+        self._m_aborted = Counter("sglang:num_aborted_requests", "Number of requests aborted.", tok, registry=self._registry)
         # Its HTTP middleware (add_prometheus_track_response_middleware, with --enable-metrics): every request, /metrics
         # scrapes included, by route and method; set before its handler runs, so even a fresh server's page shows them.
         http = ("endpoint", "method")
@@ -769,8 +816,10 @@ class SimServer:
     async def _astart(self) -> None:
         self._started_ns = time.monotonic_ns()
         self._wake = asyncio.Event()
+        self._watch_wake = asyncio.Event()  # a request's sequences to watch (_watch_clients)
         sglang_http = self.flavour == "sglang" and self.serve_metrics
-        middlewares = ([self._guard_api_key] if self.api_key else []) + ([self._sglang_http_metrics] if sglang_http else [])
+        middlewares = ([self._track_client] + ([self._guard_api_key] if self.api_key else [])
+                       + ([self._sglang_http_metrics] if sglang_http else []))
         app = web.Application(middlewares=middlewares)
         r = app.router
         r.add_get("/health", self._health)
@@ -802,18 +851,20 @@ class SimServer:
         await site.start()
         self._port = self._runner.addresses[0][1]
         self._engine_task = asyncio.get_running_loop().create_task(self._engine())
+        self._watch_task = asyncio.get_running_loop().create_task(self._watch_clients())
 
     async def _akill(self) -> None:
         for site in list(self._runner.sites):
             await site.stop()
+        self._drop(self._active + self._waiting, "server")
         for req in self._active + self._waiting:
-            req.cancelled = True
             req.queue.put_nowait(("dead", None))
 
     async def _astop(self) -> None:
         for task in list(self._restarting):
             task.cancel()
         self._engine_task.cancel()
+        self._watch_task.cancel()
         try:
             await self._engine_task
         except (asyncio.CancelledError, Exception):
@@ -823,6 +874,89 @@ class SimServer:
         await self._runner.cleanup()
         for g in self.gpus:
             g.set_phase(Phase("idle"))
+
+    @web.middleware
+    async def _track_client(self, request: web.Request, handler):
+        """Each POST's connection watched while its handler runs (_watch_clients): the sequences it submits are tied to
+        it, so that they are aborted once the server notices that their client left. aiohttp itself runs a handler on
+        for a client gone (its handler_cancellation is off by default since 3.9), and so would every request here."""
+        if request.method != "POST":
+            return await handler(request)
+        now = time.monotonic_ns()
+        client = _Client(request, asyncio.current_task(), now, next_check_ns=now + int(self._client_poll_s(False) * 1e9))
+        token = _CLIENT.set(client)
+        self._clients.add(client)
+        try:
+            return await handler(request)
+        finally:
+            self._clients.discard(client)
+            _CLIENT.reset(token)
+
+    def _client_poll_s(self, streamed: bool) -> float:
+        """How often the flavour's server looks at a running request's connection (0: it hears of a close at once)."""
+        if self.flavour == "llamacpp":
+            return LLAMACPP_HTTP_POLL_S
+        if self.flavour == "sglang" and not streamed:
+            return SGLANG_WAIT_TIMEOUT_S
+        return 0.0
+
+    async def _watch_clients(self) -> None:
+        """Every CLIENT_WATCH_TICK_S, each running request's connection is looked at when its flavour's server would
+        look (_client_poll_s), and a closed one's request given up (_client_left)."""
+        while True:
+            if not any(c.reqs for c in self._clients):
+                self._watch_wake.clear()  # no wakeups while nothing runs (an idle server costs no CPU)
+                await self._watch_wake.wait()
+            await asyncio.sleep(CLIENT_WATCH_TICK_S)
+            now = time.monotonic_ns()
+            for c in list(self._clients):
+                if not self._running(c) or c.t_gone_ns:
+                    continue
+                poll_s = self._client_poll_s(c.streamed)
+                if poll_s > 0:
+                    if now < c.next_check_ns:
+                        continue
+                    # Its polls keep their own rhythm from the request's start (a wait that timed out, again).
+                    periods = (now - c.t_start_ns) // int(poll_s * 1e9)
+                    c.next_check_ns = c.t_start_ns + (periods + 1) * int(poll_s * 1e9)
+                if _gone(c.request):
+                    self._client_left(c)
+
+    def _running(self, c: _Client) -> bool:
+        """Whether any of c's sequences is still in the engine, not yet dropped (one the server cut is not its
+        client's leaving)."""
+        return any(not r.cancelled and (r in self._active or r in self._waiting) for r in c.reqs)
+
+    def _client_left(self, c: _Client) -> None:
+        """The server noticed that c's client left: its handler is cancelled and its sequences aborted, at once or (an
+        SGLang stream: its background abort task) SGLANG_STREAM_ABORT_AFTER_S later, running on meanwhile."""
+        if c.t_gone_ns:
+            return
+        c.t_gone_ns = time.monotonic_ns()
+        self._clients.discard(c)
+        if self.flavour == "sglang" and c.streamed:
+            self._loop.call_later(SGLANG_STREAM_ABORT_AFTER_S, self._abort_client, c)
+        else:
+            self._abort_client(c)
+        if c.task is not None and c.task is not asyncio.current_task() and not c.task.done():
+            c.task.cancel()  # what aiohttp's handler_cancellation would do, as starlette cancels the real handler
+
+    def _abort_client(self, c: _Client) -> None:
+        """The engine drops c's unfinished sequences at its next step; SGLang counts each (its abort_request does)."""
+        n = self._drop([r for r in c.reqs], "client_gone")
+        if n and self.flavour == "sglang":
+            self._m_aborted.labels(model_name=self.model).inc(n)
+
+    def _drop(self, reqs: list, why: str) -> int:
+        """Mark the sequences still in the engine to be dropped at its next step; how many were."""
+        n, now = 0, time.monotonic_ns()
+        for r in reqs:
+            if (r in self._active or r in self._waiting) and not r.cancelled:
+                r.cancelled, r.abort, r.t_abort_ns = True, why, now
+                n += 1
+        if n and self._wake is not None:
+            self._wake.set()
+        return n
 
     @web.middleware
     async def _guard_api_key(self, request: web.Request, handler):
@@ -857,6 +991,12 @@ class SimServer:
         except web.HTTPException as e:
             status = e.status
             raise
+        except asyncio.CancelledError:
+            # Given up on for a client gone (_client_left): a stream was counted answered as it began; a whole answer's
+            # handler caught the tokenizer manager's "disconnected" ValueError and answered 400, to nobody.
+            client = _CLIENT.get()
+            status = 200 if client is not None and client.streamed else 400
+            raise
         finally:
             self._m_http_responses.labels(status_code=str(status), **lab).inc()
             self._m_http_active.labels(**lab).dec()
@@ -866,6 +1006,9 @@ class SimServer:
         answer it keeps the connection for says `Keep-Alive: timeout=5, max=100`; a connection's 100th answer and
         every 4xx say `Connection: close` and close it. (A streamed answer says Keep-Alive too, and closes anyway:
         _serve_stream.) uvicorn (the vLLM flavour) says neither."""
+        client = _CLIENT.get()
+        if client is not None and not isinstance(resp, web.Response):
+            client.streamed = True  # its head goes out now: SGLang's streams learn of a close otherwise (_client_poll_s)
         if self.flavour != "llamacpp":
             return
         tr = request.transport
@@ -902,7 +1045,7 @@ class SimServer:
 
     async def _engine(self) -> None:
         while True:
-            for r in self._active:
+            for r in self._active + self._waiting:  # (a waiting one's row: aborted before it ran at all)
                 if r.cancelled and r.truth_row is None:
                     self._cancelled_truth(r)
             aborted = any(r.cancelled for r in self._active + self._waiting)
@@ -983,10 +1126,19 @@ class SimServer:
             self._sglang_log(decoding, len(self._waiting) + len(self._active) - decoding - 1)
         req.t_prefill_start_ns = time.monotonic_ns()
         todo = max(req.prompt_tokens - req.cached, 1)
-        speed = self._phase("prefill", PREFILL_COMPUTE_SHARE)
-        await self._step(todo / self.prefill_tok_s / speed)
+        chunk = PREFILL_CHUNK_TOKENS[self.flavour]
+        t_sched0 = None
+        while req.prefilled < todo:  # chunk by chunk: an abort (a client gone) takes effect between them
+            k = min(chunk, todo - req.prefilled)
+            speed = self._phase("prefill", PREFILL_COMPUTE_SHARE)
+            await self._step(k / self.prefill_tok_s / speed)
+            t_sched0 = self._t_step_start_ns if t_sched0 is None else t_sched0
+            req.prefilled += k
+            if req.cancelled:
+                self._log_step(req.t_prefill_start_ns, time.monotonic_ns(), "prefill", 1, 0)
+                return
         self._scheduled(req)  # with the step's output (its docstring)
-        req.t_prefill_start_sched_ns = self._t_step_start_ns
+        req.t_prefill_start_sched_ns = t_sched0
         req.t_prefill_end_ns = time.monotonic_ns()
         if req.embed:
             self._finish_embedding(req)
@@ -1247,17 +1399,28 @@ class SimServer:
         return out
 
     def _cancelled_truth(self, req: _Req) -> None:
-        """A request dropped before its end (its client left): what it generated and the energy of the
-        steps it was in, kept apart from `truth` (finished requests only) in `truth_cancelled`."""
+        """A request dropped before its end (its client left, or the server's fault): what it generated, how far its
+        prefill got, the energy of the steps it was in, and why and when it was dropped, kept apart from `truth`
+        (finished requests only) in `truth_cancelled`. Taken when the engine drops it: its last step is over."""
+        client = req.client
         req.truth_row = {
             "rid": req.rid,
             "prompt_tokens": req.prompt_tokens,
+            "cached_tokens": req.cached,
             "t_arrive_ns": req.t_arrive_ns,
+            "t_prefill_start_ns": req.t_prefill_start_ns,
+            "t_prefill_end_ns": req.t_prefill_end_ns,  # 0: cut during its prefill (or before it ran)
+            "prefilled": req.prefilled,  # prompt tokens computed before it was dropped
             "emissions": list(req.emissions),
             "generated": req.generated,
             "energy_j": req.true_energy_j if self.batching == "continuous" else None,
             "prefill_energy_j": req.true_prefill_j if self.batching == "continuous" else None,
             "client_id": req.client_id,
+            "choice": req.choice,
+            "abort": req.abort or "server",  # "client_gone": the server noticed its client left and aborted it
+            "t_client_gone_ns": client.t_gone_ns if client is not None else 0,  # when the server noticed (0: never)
+            "t_abort_ns": req.t_abort_ns,  # when it was marked to be dropped
+            "t_dropped_ns": time.monotonic_ns(),  # when the engine let it go: no step of it after this
         }
         if len(self.truth_cancelled) < 100_000:
             self.truth_cancelled.append(req.truth_row)
@@ -1324,6 +1487,11 @@ class SimServer:
             embed=embed or hidden,
             hidden=hidden,
         )
+        client = _CLIENT.get()
+        if client is not None:
+            req.client = client
+            client.reqs.append(req)
+            self._watch_wake.set()
         self._waiting.append(req)
         self._wake.set()
         return req
@@ -1574,11 +1742,13 @@ class SimServer:
             self._cancel_unfinished(reqs)
 
     def _cancel_unfinished(self, reqs: list) -> None:
-        """A client gone (or an error) before its sequences finished: the engine stops them at its next step."""
-        for r in reqs:
-            if r in self._active or r in self._waiting:
-                r.cancelled = True
-                self._wake.set()
+        """A handler ended before its sequences finished: a client gone (as the flavour's server aborts: _client_left)
+        or an error (the engine stops them at its next step)."""
+        clients = {id(r.client): r.client for r in reqs if r.client is not None}
+        for c in clients.values():
+            if _gone(c.request) and self._running(c):
+                self._client_left(c)
+        self._drop([r for r in reqs if r.client is None or not r.client.t_gone_ns], "server")
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -1761,9 +1931,7 @@ class SimServer:
                 return await self._serve_whole(api, req, echo)
             return await self._serve_stream(request, api, req, fault, opts, echo)
         finally:
-            if req in self._active or req in self._waiting:
-                req.cancelled = True
-                self._wake.set()
+            self._cancel_unfinished([req])
 
     def _plan_chat(self, req: _Req, body: dict) -> None:
         """How a chat answer's tokens show in its stream, as the flavour's server parses them (docs/simulator.md,
@@ -1903,9 +2071,10 @@ class SimServer:
                 await asyncio.sleep(self.close_delay_s)
         except ConnectionResetError:  # aiohttp.ClientConnectionResetError is one
             # The client hung up (an interrupted sweep, a closed terminal): ordinary for a server, so
-            # no "Error handling request" traceback; the engine drops the request as a real one does.
-            # CancelledError is left to propagate: aiohttp handles it quietly and _serve marks the request.
-            req.cancelled = True
+            # no "Error handling request" traceback; _serve's end aborts the request as the flavour's server does
+            # (a failed write is how llama-server's stream learns it; vLLM's knew already, SGLang's aborts 2 s on).
+            # CancelledError is left to propagate: aiohttp handles it quietly.
+            pass
         return resp
 
     def _continuous_usage(self, opts: dict) -> bool:
@@ -1954,14 +2123,13 @@ class SimServer:
             nonlocal n_events, sent, text_sent
             if fault is not None and n_events == fault.after_tokens:
                 if fault.kind == "drop":
-                    req.cancelled = True
+                    self._drop([req], "server")
                     _abort(request)
                     raise _Dropped()
                 if fault.kind == "malformed":
                     await out.send(b'data: {"content": "broken\n\n')
                 if fault.kind == "stream_error":
-                    req.cancelled = True  # the engine holds it no more
-                    self._wake.set()
+                    self._drop([req], "server")  # the engine holds it no more
                     await out.send(b"data: " + json.dumps(VLLM_ENGINE_DEAD).encode() + b"\n\n")
                     await out.send(b"data: [DONE]\n\n")
                     await resp.write_eof(await out.take())
@@ -2185,8 +2353,7 @@ class SimServer:
                 await resp.prepare(request)
                 await self._write_choices(resp, request, api, reqs, q, opts, echo)
             except ConnectionResetError:
-                for r in reqs:
-                    r.cancelled = True
+                pass  # the client left: aborted below as the flavour's server aborts it
             return resp
         finally:
             self._cancel_unfinished(reqs)
