@@ -16,6 +16,7 @@ Simulated means: GPUs are `SimNVML` (the same calls and constants as pynvml), RA
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -406,20 +407,35 @@ class Rig:
         return RestoreReport(outcomes, searched=report.searched, notes=report.notes)
 
     def _force_default_one(self, outcome, force_default):
-        """On the simulated rig only a file that names nothing but this simulator's GPUs is touched: a
-        damaged file of a real GPU must never be 'defaulted' on the simulator and then deleted."""
-        from powerprof.control.restore import FileOutcome, uuids_named_in
+        """On the simulated rig only a file provably this simulator's is touched: the UUIDs it names are all its
+        GPUs', or, where it names none (cut short), its name is the one a record of some of its GPUs gets (a hash
+        of their UUIDs). A damaged file of a real GPU must never be 'defaulted' on the simulator and then deleted:
+        the next real run would take the capped limit as the original."""
+        from powerprof.control.restore import FileOutcome, gpus_its_name_proves, uuids_named_in
 
-        if self.simulated:
-            named = set(uuids_named_in(outcome.path) or ())
-            ours = {g.uuid for g in self.nvml.gpus}
-            if not named or not named <= ours:
-                why = ("names no GPU that can be read" if not named
-                       else f"names GPUs that are not this simulator's ({', '.join(sorted(named - ours))})")
-                return FileOutcome(outcome.path, "refused",
-                                   f"Not changed: {outcome.path} {why}; it may hold a real GPU's original limit. "
-                                   "Run `powerprof restore --force-default` without --simulate on the GPU's host.")
-        return force_default(outcome.path, self.nvml, machine_scope=self.machine_scope)
+        if not self.simulated:
+            return force_default(outcome.path, self.nvml, machine_scope=self.machine_scope)
+        named = set(uuids_named_in(outcome.path) or ())
+        ours = {g.uuid for g in self.nvml.gpus}
+        if named and named <= ours:
+            return force_default(outcome.path, self.nvml, machine_scope=self.machine_scope)
+        if not named and (proved := gpus_its_name_proves(outcome.path, ours)):
+            done = force_default(outcome.path, self.nvml, machine_scope=self.machine_scope, uuids=proved)
+            gpus = ", ".join(f"GPU {g.index}" for g in self.nvml.gpus if g.uuid in proved)
+            return dataclasses.replace(done, message=f"{done.message.rstrip(':')} (it names no GPU any more; its "
+                                                     f"name is the record of this simulator's {gpus}):"
+                                       if done.message.endswith(":") else done.message)
+        if not named and (other := _profile_its_name_proves(outcome.path)):
+            return FileOutcome(outcome.path, "refused",
+                               f"Not changed: {outcome.path} names no GPU that can be read; its name is the record "
+                               f"of simulated {other} GPUs, not this simulator's. Run `powerprof restore --simulate "
+                               f"{other} --force-default`.")
+        why = (f"names GPUs that are not this simulator's ({', '.join(sorted(named - ours))})" if named
+               else "names no GPU that can be read, and its name is no record of this simulator's GPUs")
+        return FileOutcome(outcome.path, "refused",
+                           f"Not changed: {outcome.path} {why}; it may hold a real GPU's original limit. Run "
+                           "`powerprof restore --force-default` without --simulate on the GPU's host (if you know "
+                           "it was a simulated run's, remove it yourself).")
 
     def _refuse_record(self, record: dict) -> str | None:
         if self.simulated and not record.get("simulated"):
@@ -472,6 +488,19 @@ class Rig:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _profile_its_name_proves(path) -> str | None:
+    """The simulated profile some of whose GPUs (indexes 0-7) a restore file's name is the record of, if any: a
+    damaged file of a simulated run of another profile is said as that, with the command that acts on it."""
+    from powerprof.control.restore import gpus_its_name_proves
+    from powerprof.sim.nvml import sim_uuid
+    from powerprof.sim.profiles import PROFILES
+
+    for key in PROFILES:
+        if gpus_its_name_proves(path, [sim_uuid(key, i) for i in range(8)]):
+            return key
+    return None
 
 
 def _pynvml():

@@ -179,10 +179,17 @@ def run_write_error(path, e: OSError) -> RunWriteError:
     """A full disk (or a folder gone) mid-sweep, as a stop that says where the run is and that the GPUs are back, as
     for any failure. Each file is replaced whole or not at all, so run.json's levels_done still names the levels
     whose tables were written."""
-    from powerprof.storage.runs import WRITE_FIX, write_failure
+    import errno
 
+    from powerprof.storage.runs import GONE_FIX, WRITE_FIX, run_folder_gone, write_failure
+
+    if (gone := run_folder_gone(path)) is not None:
+        # Said as a full disk with "the levels in run.json's levels_done were stored", of a folder rm -rf had taken.
+        return RunWriteError(f"cannot write the run's tables to {path}: {write_failure(e)}: {gone}, so nothing of this "
+                             f"run was kept; fix: {GONE_FIX}")
+    fix = WRITE_FIX if e.errno in (errno.ENOSPC, errno.EDQUOT) else "remove that cause (or give another --out) and rerun"
     return RunWriteError(f"cannot write the run's tables to {path}: {write_failure(e)}; the levels in run.json's "
-                         f"levels_done were stored before it; fix: {WRITE_FIX}")
+                         f"levels_done were stored before it; fix: {fix}")
 
 
 @dataclass
@@ -1362,6 +1369,10 @@ def _kept_note(run_dir, levels_done: list) -> str:
     `levels_done` lists visits ([level, repeat], a grid's with its config and context after them):
     with --repeats a level is visited once per pass, so the levels are the distinct ones, and the
     visits are said beside them when they differ."""
+    from powerprof.storage.runs import run_folder_gone
+
+    if (gone := run_folder_gone(run_dir)) is not None:
+        return f"stopped: {gone}; nothing of this run was kept (rerun it)"
     n = len(levels_done)
     if n == 0:
         return f"stopped before any level finished: {run_dir} holds nothing to analyse"

@@ -234,3 +234,30 @@ def test_one_window_says_why_the_level_has_one_and_the_fix_that_fits(tmp_path):
          for v in (200.0, 300.0)], schema=LEVELS), trace=True))
     assert trace.startswith("one measured window at 200 W, 300 W (a trace replayed once per level)"), trace
     assert "no resampling spread" in trace and "--repeats 3" in trace, trace
+
+
+def _few_windows(findings) -> str:
+    (f,) = [f for f in findings if f.kind == "few-windows"]
+    return " ".join(f.message.split())
+
+
+def test_few_windows_names_the_fix_each_levels_stop_rule_calls_for():
+    # `sweep --max-requests 4 --min-requests 2`: both levels stopped on --max-requests, yet the fix said "a longer
+    # --max-time (the level stopped on its time budget), or --min-requests 5 or more" (refused beside --max-requests 4).
+    def rows(**kw):
+        return pa.Table.from_pylist([{"level_kind": "power_limit", "level_value": v, "n_requests": 4, "n_windows": 4,
+                                      "concurrency": 1, "flags": "few-windows", **kw} for v in (180.0, 300.0)],
+                                    schema=LEVELS)
+
+    capped = _few_windows(level_findings(rows(stop_rule="max-requests"), max_requests=4, max_time_s=5.0))
+    assert "--max-time" not in capped and "time budget" not in capped, capped
+    assert "180 W, 300 W stopped at --max-requests 4: raise it to 5 or more" in capped, capped
+    timed = _few_windows(level_findings(rows(stop_rule="max-time"), max_requests=40, max_time_s=5.0))
+    assert "stopped on --max-time 5 s: a longer --max-time" in timed and "--min-requests 5" in timed, timed
+    cut = _few_windows(level_findings(rows(stop_rule=None, flags="few-windows,interrupted")))
+    assert "interrupted: let the level finish" in cut and "--max-time" not in cut, cut
+    # At concurrency 4 a window is a batch: 5 windows take about 20 requests.
+    batched = _few_windows(level_findings(pa.Table.from_pylist(
+        [{"level_kind": "power_limit", "level_value": 200.0, "n_requests": 8, "n_windows": 2, "concurrency": 4,
+          "flags": "few-windows", "stop_rule": "max-requests"}], schema=LEVELS), max_requests=8))
+    assert "raise it to about 20 or more" in batched, batched

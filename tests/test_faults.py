@@ -360,6 +360,41 @@ def test_a_restore_file_of_valid_json_but_no_object_is_damaged_not_a_crash(tmp_p
     assert "restore" in r.output
 
 
+def test_force_default_on_the_simulator_clears_a_file_its_name_proves_is_the_simulators(tmp_path, monkeypatch):
+    # A sweep killed at a capped level, its file then cut to 50 bytes: no UUID is left in it, but its name is
+    # the hash of the GPUs it was written for (default_restore_path), and that names this simulator's GPU. It
+    # was refused ("names no GPU that can be read"), the GPU stayed capped and every later run refused to start.
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    default_w = _limit_w(tmp_path)
+    with LimitController(_sim(tmp_path), [0]) as ctl:
+        ctl.set_power_limit_w(default_w - 50)
+        path = ctl.restore_path
+        text = path.read_text()
+        ctl._record = None  # killed here
+    path.write_text(text[:50])
+    r = CliRunner().invoke(main, ["restore", "--simulate", "seed-16g", "--force-default"])
+    assert r.exit_code == 0, r.output
+    assert _limit_w(tmp_path) == default_w and not path.exists()
+    assert "its name is the record of this simulator's GPU" in r.output, r.output
+    with LimitController(_sim(tmp_path), [0]) as ctl:  # runs may start again
+        assert ctl.original_limits_w == (default_w,)
+
+
+def test_force_default_on_the_simulator_names_the_profile_a_damaged_files_name_proves(tmp_path, monkeypatch):
+    # Written for another simulated profile's GPU: refused here (its GPUs are not this simulator's), with
+    # the command that acts on them.
+    from powerprof.sim.nvml import sim_uuid
+
+    state = Path(os.environ["POWERPROF_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    other = default_restore_path([sim_uuid("a100-40g", 0)], state)
+    other.write_text('{\n "argv": [')
+    os.chmod(other, 0o600)
+    r = CliRunner().invoke(main, ["restore", "--simulate", "seed-16g", "--force-default"])
+    assert r.exit_code == 1 and other.exists(), r.output
+    assert "powerprof restore --simulate a100-40g --force-default" in r.output, r.output
+
+
 def test_force_default_on_the_simulator_never_touches_a_real_gpus_file(tmp_path, monkeypatch):
     # A damaged file that names no readable GPU, or a GPU that is not the simulator's, may hold a real
     # GPU's original limit: `restore --simulate --force-default` refuses it and keeps it.

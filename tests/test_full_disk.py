@@ -50,6 +50,36 @@ def test_a_disk_that_fills_mid_sweep_names_the_run_the_cause_and_the_fix_and_the
     assert SimNVML("seed-16g").gpus[0].limit_w == 300.0
 
 
+def test_a_run_folder_removed_mid_sweep_is_said_as_gone_not_as_a_full_disk_with_levels_kept(tmp_path, monkeypatch):
+    # `rm -rf` of the --out folder at the second level, a file put in its place: it said "stopped: 1 finished level
+    # kept in …" and "the levels in run.json's levels_done were stored before it; fix: free space on that disk",
+    # though nothing was kept and the cause was "Not a directory".
+    import shutil
+
+    out = tmp_path / "run"
+    real = runs.atomic_write_table
+    seen = []
+
+    def write(path, tbl, metadata=None):
+        if path.name == "windows.parquet":
+            seen.append(path)
+            if len(seen) == 2:
+                shutil.rmtree(out)
+                out.write_text("")
+        return real(path, tbl, metadata)
+
+    monkeypatch.setattr(runs, "atomic_write_table", write)
+    r = CliRunner().invoke(main, ["sweep", "--limits", "300,200", "--simulate", "--out", str(out), "--idle-s", "0",
+                                  "--max-tokens", "32", "--min-requests", "2", "--max-requests", "2", "--warmup", "0"])
+    assert r.exit_code == 1, r.output
+    flat = " ".join(r.output.split())
+    assert "kept in" not in flat and "free space" not in flat and "levels_done were stored" not in flat, r.output
+    assert f"the run folder {out} is no longer a folder (removed or replaced while the sweep ran)" in flat, r.output
+    assert "nothing of this run was kept" in flat and "rerun" in flat, r.output
+    assert flat.rstrip().endswith("every GPU is back at its original limit"), r.output
+    assert SimNVML("seed-16g").gpus[0].limit_w == 300.0
+
+
 def test_a_disk_that_fills_as_measure_writes_prints_the_figures_and_leaves_no_half_run(tmp_path, monkeypatch):
     # Before: a traceback, the figures measured never printed, and run.json left without its windows.parquet
     # ("run.json and its table, or neither").

@@ -85,8 +85,11 @@ def test_sweep_stops_a_level_on_the_paired_ci(tmp_path):
     assert levels.loc[250.0, "n_requests"] < levels.loc[400.0, "n_requests"]
 
 
-def test_the_stopped_note_counts_distinct_levels_not_visits():
+def test_the_stopped_note_counts_distinct_levels_not_visits(tmp_path, monkeypatch):
     from powerprof.sweep import _kept_note
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "RUN").mkdir()  # the note says the folder is gone where it is (tests/test_full_disk.py)
 
     # --repeats 2 over 300,250,200: both passes of 300 and 250 finished, then 200 of the first pass.
     done = [(300.0, 0), (250.0, 0), (200.0, 0), (300.0, 1), (250.0, 1)]

@@ -388,6 +388,11 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     assert "used windows" in res.output and "one per batch (its streams decoding at once) above it" in res.output
     row2 = next(ln.split() for ln in res.output.splitlines() if ln.split()[:1] == ["2"])
     assert row2[1] == "2" and row2[3] in ("0", "1"), row2  # 2 requests ok, 1 batch window (0: left untrusted, said)
+    # Its example is this run's own row: a fixed "8 requests at concurrency 4 are 2 windows" sat under "4 ok, 1 used".
+    flat = " ".join(res.output.split())
+    assert "8 requests at concurrency 4" not in flat, res.output
+    n = int(row2[3])
+    assert f"here 2 ok requests at concurrency 2 rest on {n} window{'' if n == 1 else 's'}" in flat, res.output
     t = pq.read_table(out / "windows.parquet").to_pylist()
     req = [r for r in t if r["window_kind"] == "request" and not r["warmup"]]
     batch = [r for r in t if r["window_kind"] == "batch"]

@@ -178,7 +178,7 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
                            tuple(r["level_value"] for r in one)))
     few_w = [r for r in rows if r["flags"] and FEW_WINDOWS_FLAG in r["flags"].split(",")]
     if few_w:
-        out.append(Finding(FEW_WINDOWS_FLAG, _few_windows_message(few_w, unit), tuple(r["level_value"] for r in few_w)))
+        out.append(Finding(FEW_WINDOWS_FLAG, _few_windows_message(few_w, unit, max_requests, max_time_s), tuple(r["level_value"] for r in few_w)))
     th = [r["level_value"] for r in rows if r.get("thermal_throttle")]
     if th:
         out.append(Finding("thermal", (
@@ -291,23 +291,57 @@ def _one_window_message(one: list[dict], rows: list[dict], unit: str, trace: boo
             fixes.append("the findings above say why its windows were left out, and their fixes")
         if not why:
             why.append("the level stopped after one " + ("request" if (r.get("concurrency") or 1) == 1 else "batch"))
-            fixes.append("a longer --max-time (the level stopped on its budget)")
+            # From what stopped it: "the level stopped on its budget" was said of levels --max-requests stopped.
+            cause, fix = _more_windows_fix(r, None, None)
+            fixes.append(f"{fix} (it {cause})" if cause else fix)
         said.append(f"{_fmt(r['level_value'], unit)} ({'; '.join(why)})")
     fixes.append(f"measure again with --min-requests {MIN_CI_WINDOWS} or more and the time to reach it")
     return (f"one measured window at {', '.join(said)}: its J/token and tok/s have no confidence interval, and "
             f"{spread}. Fix: {'; '.join(dict.fromkeys(fixes))}.")
 
 
-def _few_windows_message(rows: list[dict], unit: str) -> str:
-    """Why a CI from 2-4 windows is no 95% CI, and the fix."""
+def _few_windows_message(rows: list[dict], unit: str, max_requests: int | None = None,
+                         max_time_s: float | None = None) -> str:
+    """Why a CI from 2-4 windows is no 95% CI, and each level's fix from what stopped it: it said "a longer --max-time
+    (the level stopped on its time budget)" of levels --max-requests had stopped, and "--min-requests 5" beside a
+    --max-requests 4 the CLI refuses it with."""
     counts = ", ".join(f"{_fmt(r['level_value'], unit)}: {r['n_windows']}" for r in rows)
     # Each window count present once (two levels of 2 windows said "50.0% at 2; 50% at 2, ..." before).
     covers = ", ".join(f"{(1 - 2.0 ** (1 - n)) * 100:g}% at {n}" for n in sorted({int(r["n_windows"]) for r in rows}))
+    by_fix: dict[tuple, list[str]] = {}
+    for r in rows:
+        by_fix.setdefault(_more_windows_fix(r, max_requests, max_time_s), []).append(_fmt(r["level_value"], unit))
+    fixes = "; ".join(f"{', '.join(levels)} {cause}: {fix}" if cause else fix for (cause, fix), levels in by_fix.items())
     return (
         f"fewer than {MIN_CI_WINDOWS} measured windows ({counts}): the bootstrap CI of a median of n windows covers "
         f"the truth at most 1 - 2^(1-n) of the time (here {covers}), not the 95% "
-        f"it is labelled, so its ± is narrower than it should be. Fix: a longer --max-time (the level stopped on its "
-        f"time budget), or --min-requests {MIN_CI_WINDOWS} or more with the time to reach it.")
+        f"it is labelled, so its ± is narrower than it should be. Fix: {fixes}.")
+
+
+def _more_windows_fix(r: dict, max_requests: int | None, max_time_s: float | None) -> tuple[str | None, str]:
+    """(what stopped level row `r`, None unknown; what gives it MIN_CI_WINDOWS windows), from its flags and stop_rule
+    (sweep.stop_reason). Above concurrency 1 a window is a batch, so that many windows take about as many times the
+    requests."""
+    rules = set(filter(None, (r.get("stop_rule") or "").split(",")))
+    c = max(int(r.get("concurrency") or 1), 1)
+    need = f"{MIN_CI_WINDOWS * c}" if c == 1 else f"about {MIN_CI_WINDOWS * c}"
+    if "interrupted" in (r.get("flags") or "").split(","):
+        return "interrupted", "let the level finish (measure it again and let the sweep run to its end)"
+    if "max-requests" in rules:
+        return (f"stopped at --max-requests{f' {max_requests}' if max_requests else ''}",
+                f"raise it to {need} or more (and --min-requests with it)")
+    if "max-time" in rules:
+        return (f"stopped on --max-time{f' {max_time_s:g} s' if max_time_s else ''}",
+                f"a longer --max-time (a level stops on it once it has 2 windows), and --min-requests {need} or more")
+    if rules & {"ci-reached", "paired-ci-reached"}:
+        return "stopped with its CI judged reached", f"--min-requests {need} or more"
+    if "trace-replayed" in rules:
+        return "replayed the trace", f"--repeats {MIN_CI_WINDOWS} or more"
+    if "foreign-traffic" in rules:
+        return ("gave up on others' work beside it", "measure while nothing else runs on the GPU (the foreign-traffic "
+                                                     "finding)")
+    return None, (f"a longer --max-time or a higher --max-requests, and --min-requests {MIN_CI_WINDOWS} or more with "
+                  "the time to reach it")
 
 
 def _energy_resolution_message(rows: list[dict], unit: str) -> str:

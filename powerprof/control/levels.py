@@ -170,53 +170,82 @@ def _parse(spec, kind, unit, lo, hi, allowed, percent_base, percent_of, as_int, 
     items = _split(spec)
     if not items:
         raise LevelError([f"no {kind} levels given"], allowed)
-    problems: list[str] = []
+    # rule -> (what breaks it, as said of one level; of several; the levels that do): `--limits` of 1 W steps past the
+    # card's range said one long sentence per level, 29 KB of it.
+    broken: dict[str, tuple[list[str], str, list[str]]] = {}
+
+    def refuse(rule: str, one: str, several: str = "", subject: str = "") -> None:
+        broken.setdefault(rule, ([], several, []))
+        broken[rule][0].append(one)
+        broken[rule][2].append(subject)
+
     seen: dict[float, str] = {}
     out: list = []
     example = "220 or 220W" if kind == "power" else "1500 or 1500MHz"
-    for item in items:
+    for n, item in enumerate(items):
         if not item:
-            problems.append(f"empty item in the {kind} level list")
+            refuse("empty", f"empty item in the {kind} level list")
             continue
         m = _TOKEN[kind].match(item)
         if not m:
             if _NEGATIVE.match(item):
-                problems.append(f"'{item}' is negative")
+                refuse("negative", f"'{item}' is negative", "are negative", f"'{item}'")
             else:
-                problems.append(f"'{item}' is not a number of {unit} (like {example}) or a percentage of {percent_of} (like 60%)")
+                what = f"a number of {unit} (like {example}) or a percentage of {percent_of} (like 60%)"
+                refuse("nan", f"'{item}' is not {what}", f"are not {what}", f"'{item}'")
             continue
         number, suffix = float(m.group(1)), (m.group(2) or "").lower()
         if suffix == "%":
             if percent_base is None:
-                problems.append(f"'{item}': the selected GPUs differ in {percent_of}, so give {unit} instead of a percentage")
+                refuse("percent", f"'{item}': the selected GPUs differ in {percent_of}, so give {unit} instead of a percentage",
+                       f"are percentages, but the selected GPUs differ in {percent_of}, so give {unit} instead", f"'{item}'")
                 continue
             value = float(round(percent_base * number / 100.0))
         else:
             value = float(round(number)) if as_int else round(number, 3)
         if not lo <= value <= hi:
             shown = item if suffix != "%" else f"{item} = {_fmt(value)} {unit}"
-            problems.append(f"'{shown}' is outside the allowed range {_fmt(lo)}-{_fmt(hi)} {unit}")
+            refuse("range", f"'{shown}' is outside the allowed range {_fmt(lo)}-{_fmt(hi)} {unit}",
+                   f"are outside the allowed range {_fmt(lo)}-{_fmt(hi)} {unit}", f"'{shown}'")
             continue
         if value in seen:
-            problems.append(f"'{item}' ({_fmt(value)} {unit}) duplicates '{seen[value]}'")
+            refuse("duplicate", f"'{item}' ({_fmt(value)} {unit}) duplicates '{seen[value]}'", "duplicate an earlier level",
+                   f"'{item}' (as '{seen[value]}')")
             continue
         # At the gap too: a reading off by exactly it is not a move (limit_moved flags more than the tolerance).
         near = next((v for v in seen if abs(v - value) <= min_gap), None) if min_gap > 0 else None
         if near is not None:
-            problems.append(f"'{item}' ({_fmt(value)} {unit}) is {_fmt(min_gap)} {unit} or less from '{seen[near]}': a "
-                            f"limit is set and read back to +-{_fmt(min_gap)} {unit}, so no reading tells the two apart "
-                            f"and the figures cannot resolve the step; give levels more than {_fmt(min_gap)} {unit} apart")
+            why = (f"a limit is set and read back to +-{_fmt(min_gap)} {unit}, so no reading tells the two apart "
+                   f"and the figures cannot resolve the step; give levels more than {_fmt(min_gap)} {unit} apart")
+            refuse("gap", f"'{item}' ({_fmt(value)} {unit}) is {_fmt(min_gap)} {unit} or less from '{seen[near]}': {why}",
+                   f"are each {_fmt(min_gap)} {unit} or less from an earlier level: {why}", f"'{item}' (from '{seen[near]}')")
             continue
         clash = next(((v, why) for v in seen if (why := same_setting(v, value))), None) if same_setting else None
         if clash is not None:
             v, why = clash
-            problems.append(f"'{item}' ({_fmt(value)} {unit}) and '{seen[v]}' ({_fmt(v)} {unit}) {why}")
+            # Each clash says its own clocks: no rule shared in words.
+            refuse(f"clash{n}", f"'{item}' ({_fmt(value)} {unit}) and '{seen[v]}' ({_fmt(v)} {unit}) {why}")
             continue
         seen[value] = item
         out.append(int(value) if as_int else value)
-    if problems:
-        raise LevelError([f"invalid {kind} levels {','.join(items)!r}: " + problems[0], *problems[1:]], allowed)
+    if broken:
+        problems = []
+        for ones, several, subjects in broken.values():
+            if len(ones) <= 2 or not several:
+                problems += ones
+            else:
+                problems.append(f"{len(ones)} levels {several}: {_compact(subjects)}")
+        echoed = (repr(",".join(items)) if len(items) <= 12
+                  else f"{','.join(items[:3]) + ',…,' + items[-1]!r} ({len(items)} levels)")
+        raise LevelError([f"invalid {kind} levels {echoed}: " + problems[0], *problems[1:]], allowed)
     return out
+
+
+def _compact(subjects: list[str], head: int = 4) -> str:
+    """Many levels in a line: the first few, how many more, and the last."""
+    if len(subjects) <= head + 2:
+        return ", ".join(subjects)
+    return f"{', '.join(subjects[:head])}, … ({len(subjects) - head - 1} more) …, {subjects[-1]}"
 
 
 def parse_gpu_indexes(spec: str | Iterable | None, count: int) -> list[int]:

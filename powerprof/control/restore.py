@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import fnmatch
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -187,6 +188,18 @@ def uuids_named_in(path: Path) -> list[str] | None:
     finally:
         os.close(fd)
     return sorted({m.decode() for m in _UUID_RE.findall(raw)})
+
+
+def gpus_its_name_proves(path: Path, uuids: Sequence[str]) -> list[str] | None:
+    """The set of `uuids` whose record `default_restore_path` names as `path` (its name is a hash of the UUIDs it
+    was written for, so a file cut before any UUID still says whose it is); None: no set of them (at most 8 UUIDs:
+    255 sets to hash)."""
+    uuids = sorted(set(uuids))[:8]
+    for k in range(1, len(uuids) + 1):
+        for subset in itertools.combinations(uuids, k):
+            if default_restore_path(subset, Path(path).parent).name == Path(path).name:
+                return list(subset)
+    return None
 
 
 def force_default_help(path: Path) -> str:
@@ -557,13 +570,17 @@ def force_default(
     directory: Path | None = None,
     tolerance_w: float = DEFAULT_TOLERANCE_W,
     machine_scope: str | None = None,
+    uuids: Sequence[str] | None = None,
 ) -> FileOutcome:
     """The operator's way out of a damaged or refused restore file: every GPU it names (all GPUs when no UUID
     can be read from it) goes to its default power limit with clock locks released, then the file is removed.
-    Nothing in the file is trusted beyond the UUIDs it names."""
+    Nothing in the file is trusted beyond the UUIDs it names. `uuids`: the GPUs to act on where the file's text
+    names none but its name proves whose it is (gpus_its_name_proves)."""
     path = Path(path)
     lock_dir = Path(directory) if directory is not None else state_dir()
     named = uuids_named_in(path)
+    if named is not None and not named and uuids:
+        named = sorted(uuids)
     if named is None:
         # "No UUID readable" sets every GPU to its default: a symlink or a FIFO planted there would have done that
         # (and before, through the symlink, set the GPUs its target named).

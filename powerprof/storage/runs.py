@@ -93,6 +93,17 @@ def write_failure(e: OSError) -> str:
 
 
 WRITE_FIX = "free space on that disk (or give another --out) and rerun"
+GONE_FIX = "leave the run folder in place while a sweep runs, and rerun"
+
+
+def run_folder_gone(path) -> str | None:
+    """Why a run's folder holds nothing any more, where it was removed (or replaced by a file) while the run went on;
+    None while it is a folder. A failed write there is no full disk, and no level of it is kept."""
+    if os.path.isdir(path):
+        return None
+    if not os.path.lexists(path):
+        return f"the run folder {path} is gone (removed while the sweep ran)"
+    return f"the run folder {path} is no longer a folder (removed or replaced while the sweep ran)"
 
 
 def given_out_problem(out: Path, flag: str = "--out") -> str | None:

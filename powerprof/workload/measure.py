@@ -119,10 +119,13 @@ class MeasureResult:
         short = {x["concurrency"]: f"  stopped early: {x['requests_kept']} of {x['requests_planned']} requests"
                  for x in (self.interrupted or {}).get("concurrencies", []) if x["requests_kept"] < x["requests_planned"]}
         out += [measure_row(m) + short.get(m.concurrency, "") for m in self.summaries]
-        if any(m.concurrency > 1 for m in self.summaries):
-            # "8 ok, 2 used" read as 6 of 8 requests thrown away: above concurrency 1 a window is a whole batch.
+        if batched := [m for m in self.summaries if m.concurrency > 1]:
+            # "8 ok, 2 used" read as 6 of 8 requests thrown away: above concurrency 1 a window is a whole batch. The
+            # example is this run's own row: a fixed "8 requests at concurrency 4 are 2 windows" sat under "4 ok, 1 used".
+            m = batched[0]
             out.append("used windows: what each figure rests on, one per request at concurrency 1 and one per batch (its "
-                       "streams decoding at once) above it: 8 requests at concurrency 4 are 2 windows")
+                       f"streams decoding at once) above it: here {m.n_ok} ok requests at concurrency {m.concurrency} "
+                       f"rest on {m.n_trusted} window{'' if m.n_trusted == 1 else 's'}")
         # A figure summed over several GPUs says what it sums (run.json per_gpu).
         out += [line for m in self.summaries if (line := per_gpu_line(m)) is not None]
         return out

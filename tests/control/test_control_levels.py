@@ -183,3 +183,19 @@ def test_clock_levels_on_different_supported_clocks_are_kept():
 def test_a_clock_range_whose_ends_share_a_supported_clock_is_still_a_range():
     # lock_sm_clock_mhz(lo, hi) checks each end alone: a range is not two levels.
     assert parse_clock_levels(["1500"], STEPPED) == [1500] and parse_clock_levels(["1505"], STEPPED) == [1505]
+
+
+def test_many_levels_breaking_one_rule_say_the_rule_once_and_list_them_compactly():
+    # `--limits $(seq -s, 100 1 400)` printed 29 KB: the whole list, then "'N' is outside the allowed range 150-320 W"
+    # once per level, and the gap rule's long sentence once per level 1 W from another.
+    spec = ",".join(str(w) for w in range(100, 401))
+    with pytest.raises(LevelError) as ei:
+        parse_power_levels(spec, ONE)
+    msg = str(ei.value)
+    assert len(msg) < 1500, (len(msg), msg)
+    assert msg.count("outside the allowed range") == 1 and msg.count("no reading tells") == 1, msg
+    assert "130 levels are outside the allowed range 150-320 W: '100', '101', '102', '103', … (125 more) …, '400'" in msg, msg
+    assert "(301 levels)" in msg and "Nothing was changed" in msg, msg
+    # One level breaking a rule is said as before.
+    with pytest.raises(LevelError, match=r"'400' is outside the allowed range 150-320 W"):
+        parse_power_levels("200,400", ONE)
