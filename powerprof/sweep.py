@@ -179,17 +179,14 @@ def run_write_error(path, e: OSError) -> RunWriteError:
     """A full disk (or a folder gone) mid-sweep, as a stop that says where the run is and that the GPUs are back, as
     for any failure. Each file is replaced whole or not at all, so run.json's levels_done still names the levels
     whose tables were written."""
-    import errno
-
-    from powerprof.storage.runs import GONE_FIX, WRITE_FIX, run_folder_gone, write_failure
+    from powerprof.storage.runs import GONE_FIX, run_folder_gone, write_failure, write_fix
 
     if (gone := run_folder_gone(path)) is not None:
         # Said as a full disk with "the levels in run.json's levels_done were stored", of a folder rm -rf had taken.
         return RunWriteError(f"cannot write the run's tables to {path}: {write_failure(e)}: {gone}, so nothing of this "
                              f"run was kept; fix: {GONE_FIX}")
-    fix = WRITE_FIX if e.errno in (errno.ENOSPC, errno.EDQUOT) else "remove that cause (or give another --out) and rerun"
     return RunWriteError(f"cannot write the run's tables to {path}: {write_failure(e)}; the levels in run.json's "
-                         f"levels_done were stored before it; fix: {fix}")
+                         f"levels_done were stored before it; fix: {write_fix(e)}")
 
 
 @dataclass

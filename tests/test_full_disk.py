@@ -95,6 +95,24 @@ def test_a_disk_that_fills_as_measure_writes_prints_the_figures_and_leaves_no_ha
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
 
 
+def test_a_measure_write_failing_for_another_cause_is_not_told_to_free_space(tmp_path, monkeypatch):
+    # A read-only file system (or a folder made read-only) was said as a full disk: "fix: free space on that disk".
+    real = runs.atomic_write_table
+
+    def write(path, tbl, metadata=None):
+        if path.name == "windows.parquet":
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(path, tbl, metadata)
+
+    monkeypatch.setattr(runs, "atomic_write_table", write)
+    out = tmp_path / "m"
+    r = CliRunner().invoke(main, ["measure", "--simulate", "--requests", "3", "--max-tokens", "32", "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    flat = " ".join(r.output.split())
+    assert f"cannot write the measurement to {out}: Read-only file system" in flat, r.output
+    assert "free space" not in flat and "fix: remove that cause (or give another --out) and rerun" in flat, r.output
+
+
 def test_a_failed_run_json_write_leaves_the_writers_record_as_the_file_is(tmp_path, monkeypatch):
     # What the writer says it holds (levels_done, which the sweep's stop line counts) is what is on disk.
     w = runs.RunWriter(tmp_path / "r", {"kind": "sweep", "levels_done": []})

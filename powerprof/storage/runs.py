@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from datetime import datetime, timezone
@@ -93,6 +94,13 @@ def write_failure(e: OSError) -> str:
 
 
 WRITE_FIX = "free space on that disk (or give another --out) and rerun"
+OTHER_WRITE_FIX = "remove that cause (or give another --out) and rerun"
+
+
+def write_fix(e: OSError) -> str:
+    """The fix for a run's failed write: free space where the disk is full or over quota, else the cause itself
+    (told as a full disk, a folder made read-only or a bad mount sent the user to `df` for nothing)."""
+    return WRITE_FIX if e.errno in (errno.ENOSPC, errno.EDQUOT) else OTHER_WRITE_FIX
 GONE_FIX = "leave the run folder in place while a sweep runs, and rerun"
 
 

@@ -1107,7 +1107,7 @@ def _run_measure(
     except OSError as e:
         # A full disk: run.json alone would be a run without its windows, so neither is kept; the figures, already
         # measured, are still printed (the command's exit says they were not stored).
-        from powerprof.storage.runs import RUN_JSON, WRITE_FIX, write_failure
+        from powerprof.storage.runs import RUN_JSON, write_failure, write_fix
 
         for name in (RUN_JSON, "windows.parquet"):  # the folder was empty (or made) before: these are ours
             (out_dir / name).unlink(missing_ok=True)
@@ -1117,7 +1117,7 @@ def _run_measure(
             result.foreign_traffic["message"] = unstored(result.foreign_traffic["message"])
         result.write_error = (f"cannot write the measurement to {out_dir}: {write_failure(e)}; nothing was stored "
                               f"(run.json and windows.parquet go together), the figures above are the only record; "
-                              f"fix: {WRITE_FIX}")
+                              f"fix: {write_fix(e)}")
         return result
     result.out_path = out_dir
     if late and result.stopped is None:
