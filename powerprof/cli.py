@@ -1002,6 +1002,10 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             for s in sources:  # one that is no run at all is named, not the dataset beside it (refused after)
                 if not fleet.is_daemon_dataset(s):
                     read_run_info(s)
+            # The text `export` gives the same mix (one refusal for both commands).
+            raise AnalysisError(fleet.dataset_beside_run(next(s for s in sources if fleet.is_daemon_dataset(s)),
+                                                         [s for s in sources if not fleet.is_daemon_dataset(s)],
+                                                         "analyze"))
         result = analyze_run(sources, out_dir, max_slowdown=max_slowdown, eta=eta, formats=formats,
                              force=force, n_boot=n_boot)
     except AnalysisOutTaken as e:  # said as an output file that exists (export --out, monitor --output)

@@ -1377,6 +1377,43 @@ def test_export_of_a_daemon_dataset_beside_a_sweep_run_is_refused_as_analyze_ref
         assert CliRunner().invoke(main, ["analyze", *map(str, given)]).exit_code == 1
 
 
+def test_export_of_a_daemon_dataset_beside_a_sweep_runs_file_is_refused_as_the_folder_is(tmp_path):
+    # `export nodeA runs/r2/samples.parquet` (a run's one table, in its folder or copied out of it, whose name is a
+    # daemon table's) wrote one samples.csv of both, the run's rows said to lack `host` as "written before the column
+    # existed", exit 0; `export runs/r2 nodeA/samples` (the dataset's one table) the same. Refused as `export nodeA
+    # runs/r2` is, with the text `analyze` gives the mix.
+    import shutil  # noqa: PLC0415
+
+    from synthetic_runs import make_run, seed_truth  # noqa: PLC0415
+
+    _node(tmp_path / "node-0", 0)
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    (tmp_path / "loose").mkdir()
+    shutil.copy(run / "samples.parquet", tmp_path / "loose" / "samples.parquet")
+    sweep_files = [run / "samples.parquet", run / "windows.parquet", tmp_path / "loose" / "samples.parquet"]
+    cases = [([tmp_path / "node-0", f], tmp_path / "node-0", f) for f in sweep_files]
+    cases += [([f, tmp_path / "node-0"], tmp_path / "node-0", f) for f in sweep_files[:1]]
+    cases += [([run, tmp_path / "node-0" / "samples"], tmp_path / "node-0" / "samples", run)]
+    for given, dataset, other in cases:
+        r = CliRunner().invoke(main, ["export", *map(str, given), "--format", "csv", "--out", str(tmp_path / "x")])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"{dataset} is a daemon dataset" in flat and str(other) in flat, r.output
+        assert "export it on its own" in flat and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "x").exists()
+    # The one text both commands give: `analyze nodeA runs/r2` says it with analyze's command in it.
+    r = CliRunner().invoke(main, ["analyze", str(tmp_path / "node-0"), str(run)])
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and f"{tmp_path / 'node-0'} is a daemon dataset, not a sweep's run, given with the sweep run {run}" in flat, r.output
+    e = CliRunner().invoke(main, ["export", str(tmp_path / "node-0"), str(run), "--format", "csv", "--out", str(tmp_path / "x")])
+    assert " ".join(e.output.split()).replace(": export it", ": analyze it").split(" (powerprof")[0] == flat.split(" (powerprof")[0]
+    # A file of the dataset's own, or a Parquet file of another name, is no mix: exported as before.
+    part = next((tmp_path / "node-0" / "samples").rglob("*.parquet"))
+    for given in ([tmp_path / "node-0", part], [run, part]):
+        ok = CliRunner().invoke(main, ["export", *map(str, given), "--format", "csv", "--out", str(tmp_path / "y")])
+        assert ok.exit_code == 0, ok.output
+        shutil.rmtree(tmp_path / "y")
+
+
 def test_analyze_names_the_source_that_is_wrong_not_the_dataset_beside_it(tmp_path):
     # `analyze NODE typo` and `analyze NODE emptydir` said "NODE is a daemon dataset, not a sweep's run: analyze it on
     # its own", the bad path never named.

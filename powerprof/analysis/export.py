@@ -941,29 +941,39 @@ class _Once:
 
 
 def _dataset_beside_run(srcs: list[str], groups: list[list[Source]]) -> str | None:
-    """The refusal of daemon datasets given with sweep runs, as `analyze` refuses them: their tables of one name
-    (samples) were one file, the daemon's rows and the run's mixed, the run's said to lack `host` as "written before
-    the column existed", exit 0. A local folder is a dataset or a run by what it holds; a URI is a dataset where
-    its tables are a daemon's (requests/, intervals/). None: no such mix."""
+    """The refusal of daemon datasets given with sweep runs, as `analyze` refuses them (fleet.dataset_beside_run):
+    their tables of one name (samples) were one file, the daemon's rows and the run's mixed, the run's said to lack
+    `host` as "written before the column existed", exit 0. A local folder is a dataset, a dataset's table (its
+    samples/ given alone) or a run by what it holds; a .parquet file is a run's table by the run.json a sweep writes
+    into every file's footer, or by the run folder it lies in (`export NODE runs/r2/samples.parquet` mixed them as
+    the folder did); a URI is a dataset where its tables are a daemon's (requests/, intervals/). None: no such mix."""
     from powerprof.paths import holds_sweep_run  # noqa: PLC0415
+    from powerprof.storage.schema import DAEMON_DATASETS  # noqa: PLC0415
 
-    from .fleet import is_daemon_dataset  # noqa: PLC0415
+    from .fleet import dataset_beside_run, is_daemon_dataset  # noqa: PLC0415
 
     datasets, runs = [], []
     for s, group in zip(srcs, groups):
+        p = Path(s)
         if is_uri(s):
             if {"requests", "intervals"} & {g.name for g in group}:
-                datasets.append(s)
-        elif Path(s).is_dir() and is_daemon_dataset(s):
-            datasets.append(s)
-        elif Path(s).is_dir() and holds_sweep_run(s):
+                datasets.append((s, None))
+        elif p.is_dir() and is_daemon_dataset(s):
+            datasets.append((s, None))
+        elif p.is_dir() and p.name in DAEMON_DATASETS and is_daemon_dataset(str(p.resolve().parent)):
+            datasets.append((s, p.name))
+        elif p.is_dir() and holds_sweep_run(s):
+            runs.append(s)
+        elif p.is_file() and (_sweep_footer(group) or any(holds_sweep_run(d) for d in list(p.resolve().parents)[:2])):
             runs.append(s)
     if not (datasets and runs):
         return None
-    return (f"{datasets[0]} is a daemon dataset, given with the sweep run{'s' if len(runs) > 1 else ''} "
-            f"{', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}: export it on its own (powerprof export {datasets[0]} ...), and the "
-            "sweep runs apart; together, their tables of one name (samples) would be one, the daemon's rows and the "
-            "runs' mixed")
+    return dataset_beside_run(datasets[0][0], runs, "export", table=datasets[0][1])
+
+
+def _sweep_footer(group: list[Source]) -> bool:
+    """A single file's table carries the run.json a sweep writes into every Parquet footer (storage.runs)."""
+    return any(b"powerprof" in (g.dataset.schema.metadata or {}) for g in group)
 
 
 def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: list[str] | None) -> list[list[Source]]:

@@ -113,6 +113,19 @@ def fleet_folder_refusal(path, command: str) -> str | None:
             f"sweep's run: give them, or all as a glob: powerprof {command} '{path}/*' (docs/fleet.md)")
 
 
+def dataset_beside_run(dataset: str, others: list[str], command: str, table: str | None = None) -> str:
+    """The one refusal of a daemon dataset (or `table`, one of its tables' folders) given with sweep runs or a run's
+    tables (`others`), for `analyze` and `export` alike (`command`): each reads them apart. `export` wrote their
+    tables of one name (samples) as one, the daemon's rows and the run's mixed, exit 0."""
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    what = f"a daemon dataset's {table}/ table" if table else "a daemon dataset"
+    whole = str(Path(dataset).parent) if table and not is_uri(dataset) else dataset
+    how = ": the per-host summary" if command == "analyze" else " ..."
+    return (f"{dataset} is {what}, not a sweep's run, given with the sweep run{'s' if len(others) > 1 else ''} "
+            f"{shown}: {command} it on its own (powerprof {command} {whole}{how}), and the sweep runs apart; "
+            "together, their tables of one name (samples) would be read as one, the daemon's rows and the runs' mixed")
+
+
 def run_and_dataset(path: str) -> str | None:
     """The refusal of a local folder that holds both a sweep's run and a daemon's datasets (a daemon once given a run
     directory as its data dir): `analyze` read it as the daemon's and `export` as the run's, each leaving the other
