@@ -1442,6 +1442,51 @@ def test_analyze_reads_a_file_uri_as_its_folder_and_names_a_uri_it_cannot_read(t
         assert "no such run directory" not in flat and "Traceback" not in r.output, r.output
 
 
+def _extension_store(monkeypatch, tmp_path, answers: bool):
+    """DuckDB's connections made to fetch extensions from a local port, with no extension installed: a port that takes
+    connections and never answers (a network that drops them, a proxy that hangs), or one nothing listens on."""
+    import socket  # noqa: PLC0415
+
+    import duckdb  # noqa: PLC0415
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    if answers:
+        s.listen(64)
+    real = duckdb.connect
+
+    def connect(*a, config=None, **k):
+        return real(*a, config={**(config or {}), "extension_directory": str(tmp_path / "ext"),
+                                "custom_extension_repository": f"http://127.0.0.1:{s.getsockname()[1]}"}, **k)
+
+    monkeypatch.setattr(duckdb, "connect", connect)
+    return s
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("hangs", [True, False])
+def test_analyze_of_a_uri_without_httpfs_and_network_is_a_clear_error_within_the_limit(tmp_path, monkeypatch, hangs):
+    # `analyze gs://…` with httpfs not installed and a network that took connections and never answered (a proxy, a
+    # firewall dropping them) said nothing for 2 min 2 s while DuckDB tried to download httpfs, then a 5-line error.
+    import time  # noqa: PLC0415
+
+    from powerprof.analysis import engine  # noqa: PLC0415
+
+    store = _extension_store(monkeypatch, tmp_path, answers=hangs)
+    monkeypatch.setattr(engine, "HTTPFS_INSTALL_LIMIT_S", 3)
+    t0 = time.monotonic()
+    with store:
+        r = CliRunner().invoke(main, ["analyze", "gs://nobucket-xyz/pp", "--out", str(tmp_path / "a")])
+    assert time.monotonic() - t0 < 30
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and "Traceback" not in r.output, r.output
+    assert flat.startswith("Error: gs://nobucket-xyz/pp: cannot read: DuckDB reads object-store URIs through its httpfs "
+                           "extension, not installed here"), r.output
+    assert ("did not finish in 3 s" if hangs else "failed (") in flat and "install_extension('httpfs')" in flat, r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_stray_file_behind_a_uri_is_named_with_its_table_folder(tmp_path):
     # Exported through file://, the note named "file:///…/node-0/date=…/part-x.parquet.tmp": requests/ left out.
     _node(tmp_path / "node-0", 0)

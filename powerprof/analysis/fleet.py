@@ -624,6 +624,15 @@ ORDER BY host
     "{i_ok}", I_OK)
 
 
+def _load_httpfs(con, srcs: list[str]) -> None:
+    """Where a source is a URI: DuckDB's httpfs loaded before any query, else FleetError naming the URIs and why."""
+    from .engine import httpfs_refusal  # noqa: PLC0415
+
+    uris = [s for s in srcs if is_uri(s)]
+    if uris and (why := httpfs_refusal(con)) is not None:
+        raise FleetError(f"{', '.join(uris)}: cannot read: {why}")
+
+
 def fleet_summary(sources) -> pa.Table:
     """Per-host summary over several daemon datasets (folders, globs, URIs): one query, out of core."""
     srcs = expand_sources(sources)
@@ -633,6 +642,7 @@ def fleet_summary(sources) -> pa.Table:
     if bad:
         raise FleetError(f"{', '.join(bad)}: not a daemon dataset (no requests/ or intervals/ folder)")
     with connect() as con:
+        _load_httpfs(con, srcs)
         try:
             unread = _recover_gpu_sets(con, srcs, ("requests", "intervals"))
             files = {table: table_files(srcs, table) for table in ("requests", "intervals")}
@@ -734,6 +744,7 @@ def tag_summary(sources) -> pa.Table:
     the windows whose count is whole, the rest counted apart. No rows where no tag was ever stopped."""
     srcs = expand_sources(sources)
     with connect() as con:
+        _load_httpfs(con, srcs)
         try:
             unread = _recover_gpu_sets(con, srcs, ("tags",))
             files = table_files(srcs, "tags")
