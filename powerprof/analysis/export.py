@@ -598,6 +598,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                                       if fmt == "xlsx" and what == "a folder" else ""))
     if any(not is_uri(s) and out.resolve() == Path(s).resolve() for s in srcs):
         raise ExportError("--out must not be the source itself")
+    if fmt == "parquet" and (why := _parquet_out_taken(out.parent if single else out)) is not None:
+        raise ExportUsageError(why)
     if fmt == "xlsx" and (out.is_dir() or out.suffix.lower() != ".xlsx"):
         # A workbook named x.csv (or written into a folder's place) opens as garbage, or not at all.
         raise ExportError(f"--out {out}: an xlsx export is one workbook; give a file name ending in .xlsx")
@@ -938,6 +940,36 @@ class _Once:
                 return
         raise ExportError(f"table {self.copies.table}: its files changed while the export read them (a compaction "
                           "or a sync running?); nothing of it written. Export again once they are still")
+
+
+def _parquet_out_taken(folder: Path) -> str | None:
+    """Why a Parquet export may not write into `folder`: a sweep's run (its tables are the *.parquet at its top, so
+    `export NODE --format parquet --out RUN --force` replaced the run's samples.parquet with the daemon's rows and
+    added requests.parquet as a table of the run), or a daemon's dataset folder (a .parquet at its top made `export`
+    of it read that file in the datasets' stead). CSV and xlsx are read by neither. None: the folder may take them."""
+    from powerprof.paths import holds_sweep_run  # noqa: PLC0415
+
+    from .fleet import is_daemon_dataset  # noqa: PLC0415
+
+    if holds_sweep_run(folder) and not _an_export(folder):
+        return (f"--out {folder} is a sweep's run folder: the .parquet files written there would be read as the run's "
+                "own tables by `analyze` and `export` (and replace its own of those names); nothing written: give "
+                "another folder with --out")
+    if is_daemon_dataset(str(folder)):
+        return (f"--out {folder} holds a daemon's datasets: .parquet files at its top would make `export` of it read "
+                "them in the datasets' stead; nothing written: give another folder with --out")
+    return None
+
+
+def _an_export(folder: Path) -> bool:
+    """`folder` is an earlier Parquet export of a run (no run.json; its windows.parquet carries the footer key
+    `powerprof_export` every exported file has), which an export may write to again (--force), not a sweep's run."""
+    if (folder / "run.json").exists():
+        return False
+    try:
+        return b"powerprof_export" in (pq.read_schema(folder / "windows.parquet").metadata or {})
+    except (OSError, pa.ArrowException):  # unreadable: taken for the run's own, refused rather than replaced
+        return False
 
 
 def _dataset_beside_run(srcs: list[str], groups: list[list[Source]]) -> str | None:
