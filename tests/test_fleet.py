@@ -1497,3 +1497,21 @@ def test_a_stray_file_behind_a_uri_is_named_with_its_table_folder(tmp_path):
                                   "--out", str(tmp_path / "x")])
     assert r.exit_code == 0, r.output
     assert f"file://{tmp_path / 'node-0' / rel}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("table", ["requests", "intervals"])
+def test_a_foreign_file_in_a_daemon_table_is_refused_naming_it(tmp_path, table):
+    # A Parquet file with none of the table's columns (another tool's, or one misplaced) in requests/: `analyze` counted
+    # its 2 rows as 2 requests of a host "(unknown) NODE" ("written before rows carried their host"), and `export`
+    # wrote them as request rows with every column empty; both exit 0.
+    _node(tmp_path / "node-0", 0)
+    part = next((tmp_path / "node-0" / table).rglob("*.parquet"))
+    foreign = part.with_name("part-foreign.parquet")
+    pq.write_table(pa.table({"x": ["a", "b"], "power_w": ["hot", "cold"]}), foreign)
+    for args in (["analyze", str(tmp_path / "node-0"), "--out", str(tmp_path / "a")],
+                 ["export", str(tmp_path / "node-0"), "--format", "csv", "--out", str(tmp_path / "x")]):
+        r = CliRunner().invoke(main, args)
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"{foreign}: none of its columns (x, power_w) is a column of {table}" in flat, r.output
+        assert "move it out of the dataset folder" in flat and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "a").exists() and not (tmp_path / "x").exists()

@@ -366,6 +366,11 @@ def open_dataset(path, hive: bool = False, filesystem=None, label=None, base=Non
         frags = list(d.get_fragments())
         if why := datafiles.type_refusal(table, ((f.path, f.physical_schema) for f in frags)):
             raise ExportError(why)
+        # In a table's folder, a file of none of its columns would lend it rows with every column empty (a file
+        # given alone is exported as it is: nothing to mix it into).
+        for f in frags if isinstance(path, list) else ():  # a list: table_source's files of a table's folder
+            if why := datafiles.foreign_file_refusal(table, f.path, f.physical_schema.names):
+                raise ExportError(why)
         files = sorted((f.physical_schema for f in frags), key=lambda s: -len(s.names))
         if len(files) < 2 or all(s.equals(files[0]) for s in files[1:]):
             return d

@@ -299,6 +299,7 @@ def _raw_sql(con, table: str, files: list[str]) -> str:
         src = read_sql(files)
         types = {r[0]: r[1] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
         names = set(types)
+        _check_foreign(table, files)
         _check_types(table, files, {c: types[c] for c in cols if c in types})
         sel = ", ".join(c if c in names else f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
         # Whether the row itself said its GPU set (a tag written before gpu_uuids is every sampled GPU's energy).
@@ -375,6 +376,17 @@ _DUCK_NUMBER = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT
                 "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL")
 _DUCK_FITS = {"DOUBLE": _DUCK_NUMBER, "BIGINT": _DUCK_NUMBER, "VARCHAR": ("VARCHAR",), "TIMESTAMPTZ": ("TIMESTAMP",),
               "BOOLEAN": ("BOOLEAN",)}
+
+
+def _check_foreign(table: str, files: list[str]) -> None:
+    """Refuse, naming it, a local file of none of `table`'s columns (datafiles.foreign_file_refusal): read by name, its
+    rows were the table's with every column empty, 2 such rows counted as 2 requests of a host "(unknown)". Footers
+    only; files behind a URI are not fetched twice for it."""
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    for f in files:
+        if not is_uri(f) and (why := datafiles.foreign_file_refusal(table, f, pq.read_schema(f).names)):
+            raise FleetError(why)
 
 
 def _check_types(table: str, files: list[str], read_as: dict[str, str]) -> None:
