@@ -1137,3 +1137,25 @@ def test_a_parquet_export_into_a_sweeps_run_or_a_daemon_dataset_is_refused(tmp_p
     # CSV beside them is read by neither: written as before.
     ok = CliRunner().invoke(main, ["export", str(tmp_path / "node-0"), "--format", "csv", "--out", str(run)])
     assert ok.exit_code == 0 and (run / "samples.csv").exists(), ok.output
+
+
+@pytest.mark.parametrize("cut", ["half", "empty"])
+def test_a_damaged_parquet_file_is_named_once_with_the_fix(tmp_path, cut):
+    # A run's file or a dataset's part file cut short (a crash, a partial copy) or empty: export said "DIR: cannot be
+    # read as Parquet (Error creating dataset. Could not read schema from 'F'. Is this a 'parquet' file?: Could not
+    # open Parquet input source 'F': …)", the file twice in pyarrow's words and no fix.
+    from test_fleet import _node  # noqa: PLC0415
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    _node(tmp_path / "node-0", 0)
+    part = next((tmp_path / "node-0" / "requests").rglob("*.parquet"))
+    for src, f in ((run, run / "samples.parquet"), (tmp_path / "node-0", part)):
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2] if cut == "half" else b"")
+        r = CliRunner().invoke(main, ["export", str(src), "--format", "csv", "--out", str(tmp_path / "x")])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and flat.startswith(f"Error: {f}: cannot be read as Parquet ("), r.output
+        assert flat.count(str(f)) == 1 and "Error creating dataset" not in flat, r.output
+        assert "restore it, or move it out of the folder, and run again" in flat and "Traceback" not in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+        f.write_bytes(data)

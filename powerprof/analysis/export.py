@@ -381,7 +381,19 @@ def open_dataset(path, hive: bool = False, filesystem=None, label=None, base=Non
         return ds.dataset(path, schema=schema, filesystem=filesystem, format="parquet",
                           partitioning=ds.HivePartitioning(parts) if hive else None, **extra)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
-        raise ExportError(f"{label}: cannot be read as Parquet ({e})") from None
+        raise ExportError(_unreadable(label, e, filesystem is None)) from None
+
+
+def _unreadable(label, e: Exception, local: bool) -> str:
+    """The refusal of a table with a file pyarrow cannot open (cut short, empty, not Parquet): that file, named once,
+    the reason and the fix. pyarrow's own text named the file twice within "Error creating dataset. Could not read
+    schema from …" and said nothing of what to do. Behind a URI the text names the file without its scheme: kept whole
+    under the URI given."""
+    m = re.search(r"Could not open Parquet input source '(.+?)': (.*)", str(e), re.S) if local else None
+    if m is None:
+        return f"{label}: cannot be read as Parquet ({e})"
+    return (f"{m[1]}: cannot be read as Parquet ({' '.join(m[2].split())}): restore it, or move it out of the folder, "
+            "and run again")
 
 
 def _dense(schema: pa.Schema) -> pa.Schema:
