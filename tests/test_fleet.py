@@ -1515,3 +1515,20 @@ def test_a_foreign_file_in_a_daemon_table_is_refused_naming_it(tmp_path, table):
         assert r.exit_code == 1 and f"{foreign}: none of its columns (x, power_w) is a column of {table}" in flat, r.output
         assert "move it out of the dataset folder" in flat and "Traceback" not in r.output, r.output
         assert not (tmp_path / "a").exists() and not (tmp_path / "x").exists()
+
+
+def test_export_of_a_daemon_dataset_with_a_run_inside_says_so(tmp_path):
+    # A sweep's run inside a daemon's data dir (data/r1; the daemon refuses no run below it): `export data` said "data:
+    # a folder of runs (r1), not a run or a daemon dataset: give the runs themselves, e.g. 'data/*'", which named the
+    # dataset no dataset and, followed, gave its table folders one by one.
+    from synthetic_runs import make_run, seed_truth  # noqa: PLC0415
+
+    _node(tmp_path / "data", 0)
+    make_run(tmp_path / "data" / "r1", seed_truth(), levels=(220, 300), n_requests=4)
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "data"), "--format", "csv", "--out", str(tmp_path / "x")])
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and f"{tmp_path / 'data'} holds a daemon's datasets and the sweep run r1" in flat, r.output
+    assert f"move the run out of it (e.g. mv {tmp_path / 'data' / 'r1'} " in flat and "not a run or a daemon" not in flat
+    assert not (tmp_path / "x").exists()
+    ok = CliRunner().invoke(main, ["analyze", str(tmp_path / "data")])  # the daemon's tables alone: the run is no table
+    assert ok.exit_code == 0, ok.output

@@ -308,6 +308,14 @@ def find_sources(src) -> list[Source]:
             # A folder of runs read as a daemon dataset took each run for one table ("table s1": its levels and its
             # analysis as one, "3 keys hold rows that differ").
             shown = ", ".join(runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+            from .fleet import is_daemon_dataset  # noqa: PLC0415
+
+            if is_daemon_dataset(str(p)):
+                # Else read as one more table of the dataset's, the run's files mixed in it; the daemon takes a data
+                # dir with runs below it, which nothing else reads as one.
+                raise ExportError(f"{p} holds a daemon's datasets and the sweep run{'s' if len(runs) > 1 else ''} "
+                                  f"{shown}: the run's files would be read as one more table of the daemon's; move the "
+                                  f"run out of it (e.g. mv {p / runs[0]} {p.parent}/), then export each on its own")
             raise ExportError(f"{p}: a folder of runs ({shown}), not a run or a daemon dataset: give the runs "
                               f"themselves, e.g. '{p}/*'")
         from .fleet import fleet_folder_refusal  # noqa: PLC0415
