@@ -1121,7 +1121,13 @@ def test_a_parquet_export_into_a_sweeps_run_or_a_daemon_dataset_is_refused(tmp_p
             ([tmp_path / "node-0" / "requests"], run / "requests.parquet", f"--out {run} is a sweep's run folder"),
             ([run], tmp_path / "node-1", f"--out {tmp_path / 'node-1'} holds a daemon's datasets"),
             ([run / "samples.parquet"], tmp_path / "node-1" / "samples.parquet",
-             f"--out {tmp_path / 'node-1'} holds a daemon's datasets")):
+             f"--out {tmp_path / 'node-1'} holds a daemon's datasets"),
+            # Inside one: its requests/ read every .parquet below it as request rows, a folder beside its tables
+            # (node-1/exports) was read as one more table.
+            ([run], tmp_path / "node-1" / "requests", f"--out {tmp_path / 'node-1' / 'requests'} is inside the daemon "
+             f"dataset {tmp_path / 'node-1'}"),
+            ([run], tmp_path / "node-1" / "exports" / "new", f"--out {tmp_path / 'node-1' / 'exports' / 'new'} is inside "
+             f"the daemon dataset {tmp_path / 'node-1'}")):
         for force in ([], ["--force"]):
             r = CliRunner().invoke(main, ["export", *map(str, given), "--format", "parquet", "--out", str(out), *force])
             flat = " ".join(r.output.split())

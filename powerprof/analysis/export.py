@@ -983,6 +983,12 @@ def _parquet_out_taken(folder: Path) -> str | None:
     if is_daemon_dataset(str(folder)):
         return (f"--out {folder} holds a daemon's datasets: .parquet files at its top would make `export` of it read "
                 "them in the datasets' stead; nothing written: give another folder with --out")
+    # Inside one (made yet or not): a table's folder reads every .parquet below it as its rows, and any other folder
+    # with Parquet files in it is read as one more table of the dataset's.
+    for above in Path(os.path.abspath(folder)).parents:
+        if is_daemon_dataset(str(above)):
+            return (f"--out {folder} is inside the daemon dataset {above}: the .parquet files written there would be "
+                    "read as its rows, or as one more table of it; nothing written: give another folder with --out")
     return None
 
 
