@@ -1532,3 +1532,21 @@ def test_export_of_a_daemon_dataset_with_a_run_inside_says_so(tmp_path):
     assert not (tmp_path / "x").exists()
     ok = CliRunner().invoke(main, ["analyze", str(tmp_path / "data")])  # the daemon's tables alone: the run is no table
     assert ok.exit_code == 0, ok.output
+
+
+def test_analyze_out_inside_a_daemon_dataset_is_refused(tmp_path):
+    # `analyze NODE --out NODE/requests` wrote fleet.parquet among the request files: the next `analyze NODE` read its
+    # row as one more request (host, gpu_energy_j of the whole summary), 11 requests at 6.250 J/token where there were
+    # 10 at 0.500, exit 0. A sweep's analysis there (`analyze RUN --out NODE/requests`) the same.
+    from synthetic_runs import make_run, seed_truth  # noqa: PLC0415
+
+    _node(tmp_path / "node-0", 0)
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    files = sorted(str(p) for p in (tmp_path / "node-0").rglob("*"))
+    for src in (tmp_path / "node-0", run):
+        for out in (tmp_path / "node-0" / "requests", tmp_path / "node-0" / "reports" / "new"):
+            r = CliRunner().invoke(main, ["analyze", str(src), "--out", str(out), "--bootstrap", "100"])
+            flat = " ".join(r.output.split())
+            assert r.exit_code == 2 and f"--out {out} is inside the daemon dataset {tmp_path / 'node-0'}" in flat, r.output
+            assert "give another folder with --out" in flat and "Traceback" not in r.output, r.output
+            assert sorted(str(p) for p in (tmp_path / "node-0").rglob("*")) == files

@@ -974,7 +974,7 @@ def _parquet_out_taken(folder: Path) -> str | None:
     of it read that file in the datasets' stead). CSV and xlsx are read by neither. None: the folder may take them."""
     from powerprof.paths import holds_sweep_run  # noqa: PLC0415
 
-    from .fleet import is_daemon_dataset  # noqa: PLC0415
+    from .fleet import dataset_above, is_daemon_dataset  # noqa: PLC0415
 
     if holds_sweep_run(folder) and not _an_export(folder):
         return (f"--out {folder} is a sweep's run folder: the .parquet files written there would be read as the run's "
@@ -983,12 +983,9 @@ def _parquet_out_taken(folder: Path) -> str | None:
     if is_daemon_dataset(str(folder)):
         return (f"--out {folder} holds a daemon's datasets: .parquet files at its top would make `export` of it read "
                 "them in the datasets' stead; nothing written: give another folder with --out")
-    # Inside one (made yet or not): a table's folder reads every .parquet below it as its rows, and any other folder
-    # with Parquet files in it is read as one more table of the dataset's.
-    for above in Path(os.path.abspath(folder)).parents:
-        if is_daemon_dataset(str(above)):
-            return (f"--out {folder} is inside the daemon dataset {above}: the .parquet files written there would be "
-                    "read as its rows, or as one more table of it; nothing written: give another folder with --out")
+    if (above := dataset_above(folder)) is not None:
+        return (f"--out {folder} is inside the daemon dataset {above}: the .parquet files written there would be "
+                "read as its rows, or as one more table of it; nothing written: give another folder with --out")
     return None
 
 

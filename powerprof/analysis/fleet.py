@@ -97,6 +97,15 @@ def is_daemon_dataset(path: str) -> bool:
     return p.is_dir() and any((p / d).is_dir() for d in ("requests", "intervals"))
 
 
+def dataset_above(path) -> Path | None:
+    """The daemon dataset `path` lies inside (below it, made yet or not), or None. Output written there is read as the
+    dataset's: its requests/ reads every .parquet below it as request rows, another folder as one more table."""
+    for above in Path(os.path.abspath(path)).parents:
+        if is_daemon_dataset(str(above)):
+            return above
+    return None
+
+
 def fleet_folder_refusal(path, command: str) -> str | None:
     """The refusal of a local folder that is no daemon dataset but holds some (a fleet's folder, one dataset per node,
     as docs/fleet.md lays them out), naming them and the glob to give `command` (analyze, or export with its options).
