@@ -98,12 +98,10 @@ def is_daemon_dataset(path: str) -> bool:
 
 
 def dataset_above(path) -> Path | None:
-    """The daemon dataset `path` lies inside (below it, made yet or not), or None. Output written there is read as the
-    dataset's: its requests/ reads every .parquet below it as request rows, another folder as one more table."""
-    for above in Path(os.path.abspath(path)).parents:
-        if is_daemon_dataset(str(above)):
-            return above
-    return None
+    """The daemon dataset `path` lies inside (paths.daemon_dataset_above, the rule the sweep's --out is held to)."""
+    from powerprof.paths import daemon_dataset_above  # noqa: PLC0415
+
+    return daemon_dataset_above(path)
 
 
 def fleet_folder_refusal(path, command: str) -> str | None:
