@@ -980,6 +980,11 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                     raise AnalysisOutTaken(f"--out {out_dir} holds a daemon's datasets: fleet.parquet beside them would "
                                            "make `export` of that folder read it in their stead; give another folder "
                                            "with --out")
+                if (above := fleet.dataset_above(out_dir)) is not None:
+                    # Its requests/ read fleet.parquet's row as one more request: 11 at 6.250 J/token, not 10 at 0.500.
+                    raise AnalysisOutTaken(f"--out {out_dir} is inside the daemon dataset {above}: fleet.parquet there "
+                                           "would be read as its rows, or as one more table of it; give another "
+                                           "folder with --out")
                 if (why := fleet.out_taken(Path(out_dir))) is not None:  # a person's file of the summary's name
                     raise AnalysisOutTaken(why)
                 fleet.write_out(Path(out_dir), table, tags)
@@ -1002,6 +1007,10 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             for s in sources:  # one that is no run at all is named, not the dataset beside it (refused after)
                 if not fleet.is_daemon_dataset(s):
                     read_run_info(s)
+            # The text `export` gives the same mix (one refusal for both commands).
+            raise AnalysisError(fleet.dataset_beside_run(next(s for s in sources if fleet.is_daemon_dataset(s)),
+                                                         [s for s in sources if not fleet.is_daemon_dataset(s)],
+                                                         "analyze"))
         result = analyze_run(sources, out_dir, max_slowdown=max_slowdown, eta=eta, formats=formats,
                              force=force, n_boot=n_boot)
     except AnalysisOutTaken as e:  # said as an output file that exists (export --out, monitor --output)

@@ -164,3 +164,20 @@ def holds_sweep_run(path) -> bool:
     """`path` holds a sweep's run (its run.json or windows.parquet): no place for other output (`analyze --out`,
     the daemon's datasets), which `analyze` and `export` would read as the run's, or read in its stead."""
     return any(os.path.isfile(os.path.join(path, m)) for m in RUN_MARKS)
+
+
+# What marks a folder as a daemon's dataset: one of these tables' folders in it (analysis.fleet.is_daemon_dataset, for
+# a local path). Here, beside RUN_MARKS: the sweep's --out check asks without loading the analysis.
+DATASET_MARKS = ("requests", "intervals")
+
+
+def daemon_dataset_above(path):
+    """The daemon dataset folder `path` lies inside (below it, made yet or not), or None: output there is read as the
+    dataset's (its requests/ reads every .parquet below it as request rows, another folder is one more table)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    for above in Path(os.path.abspath(path)).parents:
+        if any(os.path.isdir(os.path.join(above, m)) for m in DATASET_MARKS):
+            return above
+    return None
+

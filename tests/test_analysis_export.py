@@ -1101,3 +1101,67 @@ def test_a_gcs_store_that_cannot_be_reached_is_a_clear_error_within_the_limit(tm
     assert time.monotonic() - t0 < 30
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and f"Error: {uri}: cannot open (" in r.output, r.output
     assert not (tmp_path / "x").exists()
+
+
+def test_a_parquet_export_into_a_sweeps_run_or_a_daemon_dataset_is_refused(tmp_path):
+    # `export NODE --format parquet --out RUN --force` replaced the run's samples.parquet with the daemon's rows (the
+    # run's samples lost) and added requests.parquet and intervals.parquet, which `export RUN` then read as the run's
+    # tables; without --force, `export NODE/requests --format parquet --out RUN` added requests.parquet the same way.
+    # Into a daemon's dataset folder, a .parquet at its top made `export` of it read that file in the datasets' stead.
+    from test_fleet import _node  # noqa: PLC0415
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    _node(tmp_path / "node-0", 0)
+    _node(tmp_path / "node-1", 1)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    node_files = sorted(str(p) for p in (tmp_path / "node-1").rglob("*"))
+    for given, out, said in (
+            ([tmp_path / "node-0"], run, f"--out {run} is a sweep's run folder"),
+            ([tmp_path / "node-0" / "requests"], run, f"--out {run} is a sweep's run folder"),
+            ([tmp_path / "node-0" / "requests"], run / "requests.parquet", f"--out {run} is a sweep's run folder"),
+            ([run], tmp_path / "node-1", f"--out {tmp_path / 'node-1'} holds a daemon's datasets"),
+            ([run / "samples.parquet"], tmp_path / "node-1" / "samples.parquet",
+             f"--out {tmp_path / 'node-1'} holds a daemon's datasets"),
+            # Inside one: its requests/ read every .parquet below it as request rows, a folder beside its tables
+            # (node-1/exports) was read as one more table.
+            ([run], tmp_path / "node-1" / "requests", f"--out {tmp_path / 'node-1' / 'requests'} is inside the daemon "
+             f"dataset {tmp_path / 'node-1'}"),
+            ([run], tmp_path / "node-1" / "exports" / "new", f"--out {tmp_path / 'node-1' / 'exports' / 'new'} is inside "
+             f"the daemon dataset {tmp_path / 'node-1'}")):
+        for force in ([], ["--force"]):
+            r = CliRunner().invoke(main, ["export", *map(str, given), "--format", "parquet", "--out", str(out), *force])
+            flat = " ".join(r.output.split())
+            assert r.exit_code == 2 and said in flat and "give another folder with --out" in flat, r.output
+            assert "Traceback" not in r.output, r.output
+            assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+            assert sorted(str(p) for p in (tmp_path / "node-1").rglob("*")) == node_files
+    # An earlier Parquet export of the run (windows.parquet, no run.json, each file's footer marked) is no run: --force
+    # replaces it, as before.
+    for force in ([], ["--force"]):
+        again = CliRunner().invoke(main, ["export", str(run), "--format", "parquet", "--out", str(tmp_path / "e"), *force])
+        assert again.exit_code == 0, again.output
+    # CSV beside them is read by neither: written as before.
+    ok = CliRunner().invoke(main, ["export", str(tmp_path / "node-0"), "--format", "csv", "--out", str(run)])
+    assert ok.exit_code == 0 and (run / "samples.csv").exists(), ok.output
+
+
+@pytest.mark.parametrize("cut", ["half", "empty"])
+def test_a_damaged_parquet_file_is_named_once_with_the_fix(tmp_path, cut):
+    # A run's file or a dataset's part file cut short (a crash, a partial copy) or empty: export said "DIR: cannot be
+    # read as Parquet (Error creating dataset. Could not read schema from 'F'. Is this a 'parquet' file?: Could not
+    # open Parquet input source 'F': …)", the file twice in pyarrow's words and no fix.
+    from test_fleet import _node  # noqa: PLC0415
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    _node(tmp_path / "node-0", 0)
+    part = next((tmp_path / "node-0" / "requests").rglob("*.parquet"))
+    for src, f in ((run, run / "samples.parquet"), (tmp_path / "node-0", part)):
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2] if cut == "half" else b"")
+        r = CliRunner().invoke(main, ["export", str(src), "--format", "csv", "--out", str(tmp_path / "x")])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and flat.startswith(f"Error: {f}: cannot be read as Parquet ("), r.output
+        assert flat.count(str(f)) == 1 and "Error creating dataset" not in flat, r.output
+        assert "restore it, or move it out of the folder, and run again" in flat and "Traceback" not in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+        f.write_bytes(data)

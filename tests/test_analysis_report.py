@@ -1077,3 +1077,22 @@ def test_a_run_at_concurrency_above_one_says_so_beside_its_figures(tmp_path):
     one = console_summary(analyze_run([make_run(tmp_path / "c1", seed_truth(), levels=SEED_LEVELS, n_requests=8)],
                                       n_boot=200, plots=False, formats=()), width=120)
     assert one.split()[0] == "level" and "concurrency" not in one, one  # one stream, one series: as before
+
+
+def test_analyze_into_a_daemons_dataset_folder_is_refused(tmp_path):
+    # A daemon's data dir at RUN/analysis (taken before the daemon refused one inside a run): `analyze RUN` wrote its
+    # report there, and `export` of the daemon's folder then read analysis.parquet alone, its requests, intervals and
+    # samples left out unsaid. `analyze RUN --out NODE` the same.
+    from test_fleet import _node  # noqa: PLC0415
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    _node(run / "analysis", 0)
+    _node(tmp_path / "node-1", 1)
+    for args, out in (([], run / "analysis"), (["--out", str(tmp_path / "node-1")], tmp_path / "node-1")):
+        before = sorted(str(p) for p in out.rglob("*"))
+        r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", *args])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 2 and f"--out {out} holds a daemon's datasets" in flat, r.output
+        assert "give another folder with --out" in flat and "Traceback" not in r.output, r.output
+        assert sorted(str(p) for p in out.rglob("*")) == before
+        assert ("move the daemon's data out of the run" in flat) == (out == run / "analysis"), r.output

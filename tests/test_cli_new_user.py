@@ -248,3 +248,19 @@ def test_analyze_of_a_daemon_datasets_table_names_the_dataset_and_the_command(tm
     assert f"analyze it on its own (powerprof analyze {data}: the per-host summary)" in flat, flat
     assert run("analyze", str(data)).exit_code == 0
     assert not (sweep_run / "analysis").exists()
+
+
+def test_a_sweep_or_measure_into_a_daemon_dataset_is_refused(tmp_path):
+    # `sweep --out NODE/requests/r1` was taken: the run's windows.parquet, samples.parquet and levels.parquet lay among
+    # the request files, and `analyze NODE` read their rows as requests (windows share request_id, gpu_energy_j, ...),
+    # unsaid. Anywhere in a dataset the same (a folder beside its tables is read as one more table by `export`).
+    from test_fleet import _node
+
+    _node(tmp_path / "node-0", 0)
+    for out in (tmp_path / "node-0" / "requests" / "r1", tmp_path / "node-0" / "r1"):
+        for cmd in (["sweep", "--limits", "180,220", "--dry-run"], ["measure"]):
+            r = run(*cmd, "--simulate", "--out", str(out))
+            flat = " ".join(r.output.split())
+            assert r.exit_code != 0 and f"--out {out} is inside the daemon dataset {tmp_path / 'node-0'}" in flat, r.output
+            assert "Traceback" not in r.output and not out.exists(), r.output
+    assert sim_limit_w() == 300.0

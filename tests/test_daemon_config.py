@@ -371,6 +371,32 @@ def test_a_data_dir_that_holds_a_sweeps_run_is_refused_before_anything_is_writte
     load_config(None, env={}, overrides={"daemon.data_dir": str(tmp_path)})  # the folder above it: fine
 
 
+def test_a_data_dir_inside_a_sweeps_run_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    # `daemon --data-dir RUN/analysis` passed --check and started: `analyze RUN` then wrote its report into the
+    # daemon's folder, and `export` of that folder read analysis.parquet alone, the daemon's requests, intervals and
+    # samples left out unsaid. Any folder in a run, however deep, or one not made yet, is refused the same way.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    for inside in (run / "analysis", run / "daemon" / "not-made-yet"):
+        with pytest.raises(ConfigError, match=rf"daemon.data_dir = '{inside}'.* is inside a sweep's run folder, {run} "
+                                              r"\(run.json\).*give the daemon a folder of its own, outside any run"):
+            load_config(None, env={}, overrides={"daemon.data_dir": str(inside)})
+        for check in (["--check"], []):
+            r = CliRunner().invoke(main, ["daemon", "--simulate", "--data-dir", str(inside), "--listen", "127.0.0.1:0",
+                                          "--metrics-listen", "127.0.0.1:0", *check])
+            assert r.exit_code == 2 and "is inside a sweep's run folder" in r.output, r.output
+            assert "config OK" not in r.output and sorted(p.name for p in run.iterdir()) == ["run.json"], r.output
+    monkeypatch.setenv("STATE_DIRECTORY", str(run / "state"))
+    with pytest.raises(ConfigError, match=rf"the default data dir {run / 'state'} is inside a sweep's run folder"):
+        load_config(None, env={})
+    load_config(None, env={}, overrides={"daemon.data_dir": str(tmp_path / "daemon")})  # beside the run: fine
+
+
 @pytest.mark.parametrize("proxy,metrics,beyond", [
     ("127.0.0.1:9000", "127.0.0.1:9000", False),
     ("0.0.0.0:9000", "127.0.0.1:9000", True),  # the wildcard takes every address's port

@@ -1377,6 +1377,43 @@ def test_export_of_a_daemon_dataset_beside_a_sweep_run_is_refused_as_analyze_ref
         assert CliRunner().invoke(main, ["analyze", *map(str, given)]).exit_code == 1
 
 
+def test_export_of_a_daemon_dataset_beside_a_sweep_runs_file_is_refused_as_the_folder_is(tmp_path):
+    # `export nodeA runs/r2/samples.parquet` (a run's one table, in its folder or copied out of it, whose name is a
+    # daemon table's) wrote one samples.csv of both, the run's rows said to lack `host` as "written before the column
+    # existed", exit 0; `export runs/r2 nodeA/samples` (the dataset's one table) the same. Refused as `export nodeA
+    # runs/r2` is, with the text `analyze` gives the mix.
+    import shutil  # noqa: PLC0415
+
+    from synthetic_runs import make_run, seed_truth  # noqa: PLC0415
+
+    _node(tmp_path / "node-0", 0)
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    (tmp_path / "loose").mkdir()
+    shutil.copy(run / "samples.parquet", tmp_path / "loose" / "samples.parquet")
+    sweep_files = [run / "samples.parquet", run / "windows.parquet", tmp_path / "loose" / "samples.parquet"]
+    cases = [([tmp_path / "node-0", f], tmp_path / "node-0", f) for f in sweep_files]
+    cases += [([f, tmp_path / "node-0"], tmp_path / "node-0", f) for f in sweep_files[:1]]
+    cases += [([run, tmp_path / "node-0" / "samples"], tmp_path / "node-0" / "samples", run)]
+    for given, dataset, other in cases:
+        r = CliRunner().invoke(main, ["export", *map(str, given), "--format", "csv", "--out", str(tmp_path / "x")])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"{dataset} is a daemon dataset" in flat and str(other) in flat, r.output
+        assert "export it on its own" in flat and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "x").exists()
+    # The one text both commands give: `analyze nodeA runs/r2` says it with analyze's command in it.
+    r = CliRunner().invoke(main, ["analyze", str(tmp_path / "node-0"), str(run)])
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and f"{tmp_path / 'node-0'} is a daemon dataset, not a sweep's run, given with the sweep run {run}" in flat, r.output
+    e = CliRunner().invoke(main, ["export", str(tmp_path / "node-0"), str(run), "--format", "csv", "--out", str(tmp_path / "x")])
+    assert " ".join(e.output.split()).replace(": export it", ": analyze it").split(" (powerprof")[0] == flat.split(" (powerprof")[0]
+    # A file of the dataset's own, or a Parquet file of another name, is no mix: exported as before.
+    part = next((tmp_path / "node-0" / "samples").rglob("*.parquet"))
+    for given in ([tmp_path / "node-0", part], [run, part]):
+        ok = CliRunner().invoke(main, ["export", *map(str, given), "--format", "csv", "--out", str(tmp_path / "y")])
+        assert ok.exit_code == 0, ok.output
+        shutil.rmtree(tmp_path / "y")
+
+
 def test_analyze_names_the_source_that_is_wrong_not_the_dataset_beside_it(tmp_path):
     # `analyze NODE typo` and `analyze NODE emptydir` said "NODE is a daemon dataset, not a sweep's run: analyze it on
     # its own", the bad path never named.
@@ -1405,6 +1442,51 @@ def test_analyze_reads_a_file_uri_as_its_folder_and_names_a_uri_it_cannot_read(t
         assert "no such run directory" not in flat and "Traceback" not in r.output, r.output
 
 
+def _extension_store(monkeypatch, tmp_path, answers: bool):
+    """DuckDB's connections made to fetch extensions from a local port, with no extension installed: a port that takes
+    connections and never answers (a network that drops them, a proxy that hangs), or one nothing listens on."""
+    import socket  # noqa: PLC0415
+
+    import duckdb  # noqa: PLC0415
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    if answers:
+        s.listen(64)
+    real = duckdb.connect
+
+    def connect(*a, config=None, **k):
+        return real(*a, config={**(config or {}), "extension_directory": str(tmp_path / "ext"),
+                                "custom_extension_repository": f"http://127.0.0.1:{s.getsockname()[1]}"}, **k)
+
+    monkeypatch.setattr(duckdb, "connect", connect)
+    return s
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("hangs", [True, False])
+def test_analyze_of_a_uri_without_httpfs_and_network_is_a_clear_error_within_the_limit(tmp_path, monkeypatch, hangs):
+    # `analyze gs://…` with httpfs not installed and a network that took connections and never answered (a proxy, a
+    # firewall dropping them) said nothing for 2 min 2 s while DuckDB tried to download httpfs, then a 5-line error.
+    import time  # noqa: PLC0415
+
+    from powerprof.analysis import engine  # noqa: PLC0415
+
+    store = _extension_store(monkeypatch, tmp_path, answers=hangs)
+    monkeypatch.setattr(engine, "HTTPFS_INSTALL_LIMIT_S", 3)
+    t0 = time.monotonic()
+    with store:
+        r = CliRunner().invoke(main, ["analyze", "gs://nobucket-xyz/pp", "--out", str(tmp_path / "a")])
+    assert time.monotonic() - t0 < 30
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and "Traceback" not in r.output, r.output
+    assert flat.startswith("Error: gs://nobucket-xyz/pp: cannot read: DuckDB reads object-store URIs through its httpfs "
+                           "extension, not installed here"), r.output
+    assert ("did not finish in 3 s" if hangs else "failed (") in flat and "install_extension('httpfs')" in flat, r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_stray_file_behind_a_uri_is_named_with_its_table_folder(tmp_path):
     # Exported through file://, the note named "file:///…/node-0/date=…/part-x.parquet.tmp": requests/ left out.
     _node(tmp_path / "node-0", 0)
@@ -1415,3 +1497,56 @@ def test_a_stray_file_behind_a_uri_is_named_with_its_table_folder(tmp_path):
                                   "--out", str(tmp_path / "x")])
     assert r.exit_code == 0, r.output
     assert f"file://{tmp_path / 'node-0' / rel}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("table", ["requests", "intervals"])
+def test_a_foreign_file_in_a_daemon_table_is_refused_naming_it(tmp_path, table):
+    # A Parquet file with none of the table's columns (another tool's, or one misplaced) in requests/: `analyze` counted
+    # its 2 rows as 2 requests of a host "(unknown) NODE" ("written before rows carried their host"), and `export`
+    # wrote them as request rows with every column empty; both exit 0.
+    _node(tmp_path / "node-0", 0)
+    part = next((tmp_path / "node-0" / table).rglob("*.parquet"))
+    foreign = part.with_name("part-foreign.parquet")
+    pq.write_table(pa.table({"x": ["a", "b"], "power_w": ["hot", "cold"]}), foreign)
+    for args in (["analyze", str(tmp_path / "node-0"), "--out", str(tmp_path / "a")],
+                 ["export", str(tmp_path / "node-0"), "--format", "csv", "--out", str(tmp_path / "x")]):
+        r = CliRunner().invoke(main, args)
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"{foreign}: none of its columns (x, power_w) is a column of {table}" in flat, r.output
+        assert "move it out of the dataset folder" in flat and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "a").exists() and not (tmp_path / "x").exists()
+
+
+def test_export_of_a_daemon_dataset_with_a_run_inside_says_so(tmp_path):
+    # A sweep's run inside a daemon's data dir (data/r1; the daemon refuses no run below it): `export data` said "data:
+    # a folder of runs (r1), not a run or a daemon dataset: give the runs themselves, e.g. 'data/*'", which named the
+    # dataset no dataset and, followed, gave its table folders one by one.
+    from synthetic_runs import make_run, seed_truth  # noqa: PLC0415
+
+    _node(tmp_path / "data", 0)
+    make_run(tmp_path / "data" / "r1", seed_truth(), levels=(220, 300), n_requests=4)
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "data"), "--format", "csv", "--out", str(tmp_path / "x")])
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and f"{tmp_path / 'data'} holds a daemon's datasets and the sweep run r1" in flat, r.output
+    assert f"move the run out of it (e.g. mv {tmp_path / 'data' / 'r1'} " in flat and "not a run or a daemon" not in flat
+    assert not (tmp_path / "x").exists()
+    ok = CliRunner().invoke(main, ["analyze", str(tmp_path / "data")])  # the daemon's tables alone: the run is no table
+    assert ok.exit_code == 0, ok.output
+
+
+def test_analyze_out_inside_a_daemon_dataset_is_refused(tmp_path):
+    # `analyze NODE --out NODE/requests` wrote fleet.parquet among the request files: the next `analyze NODE` read its
+    # row as one more request (host, gpu_energy_j of the whole summary), 11 requests at 6.250 J/token where there were
+    # 10 at 0.500, exit 0. A sweep's analysis there (`analyze RUN --out NODE/requests`) the same.
+    from synthetic_runs import make_run, seed_truth  # noqa: PLC0415
+
+    _node(tmp_path / "node-0", 0)
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    files = sorted(str(p) for p in (tmp_path / "node-0").rglob("*"))
+    for src in (tmp_path / "node-0", run):
+        for out in (tmp_path / "node-0" / "requests", tmp_path / "node-0" / "reports" / "new"):
+            r = CliRunner().invoke(main, ["analyze", str(src), "--out", str(out), "--bootstrap", "100"])
+            flat = " ".join(r.output.split())
+            assert r.exit_code == 2 and f"--out {out} is inside the daemon dataset {tmp_path / 'node-0'}" in flat, r.output
+            assert "give another folder with --out" in flat and "Traceback" not in r.output, r.output
+            assert sorted(str(p) for p in (tmp_path / "node-0").rglob("*")) == files

@@ -78,6 +78,56 @@ def connect(memory_limit: str = MEMORY_LIMIT, threads: int = THREADS):
         shutil.rmtree(spill, ignore_errors=True)
 
 
+# Seconds a download of DuckDB's httpfs extension may take. DuckDB's own download, which no interrupt stops, waited 2 min
+# on a network that takes connections and never answers (a proxy, a firewall dropping them), saying nothing; the
+# extension is a few MB, well within this on any network that works.
+HTTPFS_INSTALL_LIMIT_S = 25
+
+# Run in a child process, which can be killed at the limit; the parent's connection settings say where to install from
+# and to (argv: extension folder, repository, each '' for DuckDB's default).
+_INSTALL_HTTPFS = ("import sys, duckdb\n"
+                   "con = duckdb.connect(config={'extension_directory': sys.argv[1]} if sys.argv[1] else {})\n"
+                   "con.execute(\"INSTALL httpfs\" + (\" FROM '\" + sys.argv[2].replace(\"'\", \"''\") + \"'\" "
+                   "if sys.argv[2] else ''))\n")
+
+
+def httpfs_refusal(con) -> str | None:
+    """Load the httpfs extension that DuckDB reads object-store URIs through, installing it where it is not, the download
+    bounded by HTTPFS_INSTALL_LIMIT_S: why it cannot be had (one line, with the fix), or None once loaded."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    import duckdb  # noqa: PLC0415
+
+    try:
+        con.execute("LOAD httpfs")
+        return None
+    except duckdb.Error:
+        pass  # not installed: installed below, bounded, where a query's autoload would wait unbounded
+    setting = lambda name: con.execute(f"SELECT current_setting('{name}')").fetchone()[0] or ""  # noqa: E731
+    repo = setting("autoinstall_extension_repository") or setting("custom_extension_repository")
+    fix = ("install it once where the network reaches DuckDB's extension repository (python -c \"import duckdb; "
+           "duckdb.connect().install_extension('httpfs')\"), or copy the dataset to a local folder")
+    what = "DuckDB reads object-store URIs through its httpfs extension, not installed here, and its download"
+    try:
+        done = subprocess.run([sys.executable, "-c", _INSTALL_HTTPFS, setting("extension_directory"), repo],
+                              capture_output=True, text=True, timeout=HTTPFS_INSTALL_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        return (f"{what} did not finish in {HTTPFS_INSTALL_LIMIT_S} s (no network, or a proxy or firewall that does "
+                f"not answer): {fix}")
+    if done.returncode != 0:
+        lines = [ln.strip() for ln in done.stderr.splitlines() if ln.strip()]
+        why = lines[-1] if lines else f"exit status {done.returncode}"
+        # DuckDB's last line: "For more info, visit … (ERROR Could not establish connection)": the reason is in ().
+        why = why[why.rindex("(ERROR ") + 7:].rstrip(")") if "(ERROR " in why else why
+        return f"{what} failed ({why}): {fix}"
+    try:
+        con.execute("LOAD httpfs")
+    except duckdb.Error as e:
+        return f"{what} finished, yet it does not load ({str(e).splitlines()[0]}): {fix}"
+    return None
+
+
 def to_arrow(con, sql: str) -> pa.Table:
     """A query's result as an Arrow table (DuckDB 2 names it to_arrow_table, 1.x arrow)."""
     rel = con.sql(sql)

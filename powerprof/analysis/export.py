@@ -308,6 +308,14 @@ def find_sources(src) -> list[Source]:
             # A folder of runs read as a daemon dataset took each run for one table ("table s1": its levels and its
             # analysis as one, "3 keys hold rows that differ").
             shown = ", ".join(runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+            from .fleet import is_daemon_dataset  # noqa: PLC0415
+
+            if is_daemon_dataset(str(p)):
+                # Else read as one more table of the dataset's, the run's files mixed in it; the daemon takes a data
+                # dir with runs below it, which nothing else reads as one.
+                raise ExportError(f"{p} holds a daemon's datasets and the sweep run{'s' if len(runs) > 1 else ''} "
+                                  f"{shown}: the run's files would be read as one more table of the daemon's; move the "
+                                  f"run out of it (e.g. mv {p / runs[0]} {p.parent}/), then export each on its own")
             raise ExportError(f"{p}: a folder of runs ({shown}), not a run or a daemon dataset: give the runs "
                               f"themselves, e.g. '{p}/*'")
         from .fleet import fleet_folder_refusal  # noqa: PLC0415
@@ -366,6 +374,11 @@ def open_dataset(path, hive: bool = False, filesystem=None, label=None, base=Non
         frags = list(d.get_fragments())
         if why := datafiles.type_refusal(table, ((f.path, f.physical_schema) for f in frags)):
             raise ExportError(why)
+        # In a table's folder, a file of none of its columns would lend it rows with every column empty (a file
+        # given alone is exported as it is: nothing to mix it into).
+        for f in frags if isinstance(path, list) else ():  # a list: table_source's files of a table's folder
+            if why := datafiles.foreign_file_refusal(table, f.path, f.physical_schema.names):
+                raise ExportError(why)
         files = sorted((f.physical_schema for f in frags), key=lambda s: -len(s.names))
         if len(files) < 2 or all(s.equals(files[0]) for s in files[1:]):
             return d
@@ -376,7 +389,19 @@ def open_dataset(path, hive: bool = False, filesystem=None, label=None, base=Non
         return ds.dataset(path, schema=schema, filesystem=filesystem, format="parquet",
                           partitioning=ds.HivePartitioning(parts) if hive else None, **extra)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
-        raise ExportError(f"{label}: cannot be read as Parquet ({e})") from None
+        raise ExportError(_unreadable(label, e, filesystem is None)) from None
+
+
+def _unreadable(label, e: Exception, local: bool) -> str:
+    """The refusal of a table with a file pyarrow cannot open (cut short, empty, not Parquet): that file, named once,
+    the reason and the fix. pyarrow's own text named the file twice within "Error creating dataset. Could not read
+    schema from …" and said nothing of what to do. Behind a URI the text names the file without its scheme: kept whole
+    under the URI given."""
+    m = re.search(r"Could not open Parquet input source '(.+?)': (.*)", str(e), re.S) if local else None
+    if m is None:
+        return f"{label}: cannot be read as Parquet ({e})"
+    return (f"{m[1]}: cannot be read as Parquet ({' '.join(m[2].split())}): restore it, or move it out of the folder, "
+            "and run again")
 
 
 def _dense(schema: pa.Schema) -> pa.Schema:
@@ -598,6 +623,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                                       if fmt == "xlsx" and what == "a folder" else ""))
     if any(not is_uri(s) and out.resolve() == Path(s).resolve() for s in srcs):
         raise ExportError("--out must not be the source itself")
+    if fmt == "parquet" and (why := _parquet_out_taken(out.parent if single else out)) is not None:
+        raise ExportUsageError(why)
     if fmt == "xlsx" and (out.is_dir() or out.suffix.lower() != ".xlsx"):
         # A workbook named x.csv (or written into a folder's place) opens as garbage, or not at all.
         raise ExportError(f"--out {out}: an xlsx export is one workbook; give a file name ending in .xlsx")
@@ -940,30 +967,73 @@ class _Once:
                           "or a sync running?); nothing of it written. Export again once they are still")
 
 
-def _dataset_beside_run(srcs: list[str], groups: list[list[Source]]) -> str | None:
-    """The refusal of daemon datasets given with sweep runs, as `analyze` refuses them: their tables of one name
-    (samples) were one file, the daemon's rows and the run's mixed, the run's said to lack `host` as "written before
-    the column existed", exit 0. A local folder is a dataset or a run by what it holds; a URI is a dataset where
-    its tables are a daemon's (requests/, intervals/). None: no such mix."""
+def _parquet_out_taken(folder: Path) -> str | None:
+    """Why a Parquet export may not write into `folder`: a sweep's run (its tables are the *.parquet at its top, so
+    `export NODE --format parquet --out RUN --force` replaced the run's samples.parquet with the daemon's rows and
+    added requests.parquet as a table of the run), or a daemon's dataset folder (a .parquet at its top made `export`
+    of it read that file in the datasets' stead). CSV and xlsx are read by neither. None: the folder may take them."""
     from powerprof.paths import holds_sweep_run  # noqa: PLC0415
 
-    from .fleet import is_daemon_dataset  # noqa: PLC0415
+    from .fleet import dataset_above, is_daemon_dataset  # noqa: PLC0415
+
+    if holds_sweep_run(folder) and not _an_export(folder):
+        return (f"--out {folder} is a sweep's run folder: the .parquet files written there would be read as the run's "
+                "own tables by `analyze` and `export` (and replace its own of those names); nothing written: give "
+                "another folder with --out")
+    if is_daemon_dataset(str(folder)):
+        return (f"--out {folder} holds a daemon's datasets: .parquet files at its top would make `export` of it read "
+                "them in the datasets' stead; nothing written: give another folder with --out")
+    if (above := dataset_above(folder)) is not None:
+        return (f"--out {folder} is inside the daemon dataset {above}: the .parquet files written there would be "
+                "read as its rows, or as one more table of it; nothing written: give another folder with --out")
+    return None
+
+
+def _an_export(folder: Path) -> bool:
+    """`folder` is an earlier Parquet export of a run (no run.json; its windows.parquet carries the footer key
+    `powerprof_export` every exported file has), which an export may write to again (--force), not a sweep's run."""
+    if (folder / "run.json").exists():
+        return False
+    try:
+        return b"powerprof_export" in (pq.read_schema(folder / "windows.parquet").metadata or {})
+    except (OSError, pa.ArrowException):  # unreadable: taken for the run's own, refused rather than replaced
+        return False
+
+
+def _dataset_beside_run(srcs: list[str], groups: list[list[Source]]) -> str | None:
+    """The refusal of daemon datasets given with sweep runs, as `analyze` refuses them (fleet.dataset_beside_run):
+    their tables of one name (samples) were one file, the daemon's rows and the run's mixed, the run's said to lack
+    `host` as "written before the column existed", exit 0. A local folder is a dataset, a dataset's table (its
+    samples/ given alone) or a run by what it holds; a .parquet file is a run's table by the run.json a sweep writes
+    into every file's footer, or by the run folder it lies in (`export NODE runs/r2/samples.parquet` mixed them as
+    the folder did); a URI is a dataset where its tables are a daemon's (requests/, intervals/). None: no such mix."""
+    from powerprof.paths import holds_sweep_run  # noqa: PLC0415
+    from powerprof.storage.schema import DAEMON_DATASETS  # noqa: PLC0415
+
+    from .fleet import dataset_beside_run, is_daemon_dataset  # noqa: PLC0415
 
     datasets, runs = [], []
     for s, group in zip(srcs, groups):
+        p = Path(s)
         if is_uri(s):
             if {"requests", "intervals"} & {g.name for g in group}:
-                datasets.append(s)
-        elif Path(s).is_dir() and is_daemon_dataset(s):
-            datasets.append(s)
-        elif Path(s).is_dir() and holds_sweep_run(s):
+                datasets.append((s, None))
+        elif p.is_dir() and is_daemon_dataset(s):
+            datasets.append((s, None))
+        elif p.is_dir() and p.name in DAEMON_DATASETS and is_daemon_dataset(str(p.resolve().parent)):
+            datasets.append((s, p.name))
+        elif p.is_dir() and holds_sweep_run(s):
+            runs.append(s)
+        elif p.is_file() and (_sweep_footer(group) or any(holds_sweep_run(d) for d in list(p.resolve().parents)[:2])):
             runs.append(s)
     if not (datasets and runs):
         return None
-    return (f"{datasets[0]} is a daemon dataset, given with the sweep run{'s' if len(runs) > 1 else ''} "
-            f"{', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}: export it on its own (powerprof export {datasets[0]} ...), and the "
-            "sweep runs apart; together, their tables of one name (samples) would be one, the daemon's rows and the "
-            "runs' mixed")
+    return dataset_beside_run(datasets[0][0], runs, "export", table=datasets[0][1])
+
+
+def _sweep_footer(group: list[Source]) -> bool:
+    """A single file's table carries the run.json a sweep writes into every Parquet footer (storage.runs)."""
+    return any(b"powerprof" in (g.dataset.schema.metadata or {}) for g in group)
 
 
 def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: list[str] | None) -> list[list[Source]]:

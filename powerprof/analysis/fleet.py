@@ -97,6 +97,13 @@ def is_daemon_dataset(path: str) -> bool:
     return p.is_dir() and any((p / d).is_dir() for d in ("requests", "intervals"))
 
 
+def dataset_above(path) -> Path | None:
+    """The daemon dataset `path` lies inside (paths.daemon_dataset_above, the rule the sweep's --out is held to)."""
+    from powerprof.paths import daemon_dataset_above  # noqa: PLC0415
+
+    return daemon_dataset_above(path)
+
+
 def fleet_folder_refusal(path, command: str) -> str | None:
     """The refusal of a local folder that is no daemon dataset but holds some (a fleet's folder, one dataset per node,
     as docs/fleet.md lays them out), naming them and the glob to give `command` (analyze, or export with its options).
@@ -111,6 +118,19 @@ def fleet_folder_refusal(path, command: str) -> str | None:
         return None
     return (f"{path} holds daemon datasets ({', '.join(nodes[:3])}{', ...' if len(nodes) > 3 else ''}), not a "
             f"sweep's run: give them, or all as a glob: powerprof {command} '{path}/*' (docs/fleet.md)")
+
+
+def dataset_beside_run(dataset: str, others: list[str], command: str, table: str | None = None) -> str:
+    """The one refusal of a daemon dataset (or `table`, one of its tables' folders) given with sweep runs or a run's
+    tables (`others`), for `analyze` and `export` alike (`command`): each reads them apart. `export` wrote their
+    tables of one name (samples) as one, the daemon's rows and the run's mixed, exit 0."""
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    what = f"a daemon dataset's {table}/ table" if table else "a daemon dataset"
+    whole = str(Path(dataset).parent) if table and not is_uri(dataset) else dataset
+    how = ": the per-host summary" if command == "analyze" else " ..."
+    return (f"{dataset} is {what}, not a sweep's run, given with the sweep run{'s' if len(others) > 1 else ''} "
+            f"{shown}: {command} it on its own (powerprof {command} {whole}{how}), and the sweep runs apart; "
+            "together, their tables of one name (samples) would be read as one, the daemon's rows and the runs' mixed")
 
 
 def run_and_dataset(path: str) -> str | None:
@@ -286,6 +306,7 @@ def _raw_sql(con, table: str, files: list[str]) -> str:
         src = read_sql(files)
         types = {r[0]: r[1] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
         names = set(types)
+        _check_foreign(table, files)
         _check_types(table, files, {c: types[c] for c in cols if c in types})
         sel = ", ".join(c if c in names else f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
         # Whether the row itself said its GPU set (a tag written before gpu_uuids is every sampled GPU's energy).
@@ -362,6 +383,17 @@ _DUCK_NUMBER = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT
                 "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL")
 _DUCK_FITS = {"DOUBLE": _DUCK_NUMBER, "BIGINT": _DUCK_NUMBER, "VARCHAR": ("VARCHAR",), "TIMESTAMPTZ": ("TIMESTAMP",),
               "BOOLEAN": ("BOOLEAN",)}
+
+
+def _check_foreign(table: str, files: list[str]) -> None:
+    """Refuse, naming it, a local file of none of `table`'s columns (datafiles.foreign_file_refusal): read by name, its
+    rows were the table's with every column empty, 2 such rows counted as 2 requests of a host "(unknown)". Footers
+    only; files behind a URI are not fetched twice for it."""
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    for f in files:
+        if not is_uri(f) and (why := datafiles.foreign_file_refusal(table, f, pq.read_schema(f).names)):
+            raise FleetError(why)
 
 
 def _check_types(table: str, files: list[str], read_as: dict[str, str]) -> None:
@@ -611,6 +643,15 @@ ORDER BY host
     "{i_ok}", I_OK)
 
 
+def _load_httpfs(con, srcs: list[str]) -> None:
+    """Where a source is a URI: DuckDB's httpfs loaded before any query, else FleetError naming the URIs and why."""
+    from .engine import httpfs_refusal  # noqa: PLC0415
+
+    uris = [s for s in srcs if is_uri(s)]
+    if uris and (why := httpfs_refusal(con)) is not None:
+        raise FleetError(f"{', '.join(uris)}: cannot read: {why}")
+
+
 def fleet_summary(sources) -> pa.Table:
     """Per-host summary over several daemon datasets (folders, globs, URIs): one query, out of core."""
     srcs = expand_sources(sources)
@@ -620,6 +661,7 @@ def fleet_summary(sources) -> pa.Table:
     if bad:
         raise FleetError(f"{', '.join(bad)}: not a daemon dataset (no requests/ or intervals/ folder)")
     with connect() as con:
+        _load_httpfs(con, srcs)
         try:
             unread = _recover_gpu_sets(con, srcs, ("requests", "intervals"))
             files = {table: table_files(srcs, table) for table in ("requests", "intervals")}
@@ -721,6 +763,7 @@ def tag_summary(sources) -> pa.Table:
     the windows whose count is whole, the rest counted apart. No rows where no tag was ever stopped."""
     srcs = expand_sources(sources)
     with connect() as con:
+        _load_httpfs(con, srcs)
         try:
             unread = _recover_gpu_sets(con, srcs, ("tags",))
             files = table_files(srcs, "tags")

@@ -556,12 +556,22 @@ UNIX_PATH_MAX_BYTES = 107  # Linux's sun_path is 108 bytes, its last the NUL
 def _holds_a_run(d: Path) -> str | None:
     """Why `d` cannot be the daemon's data folder: a sweep's run is in it (`--data-dir` a copy of one passed --check
     and started, then `analyze` of the folder showed the daemon's summary in the run's stead, `export` the run's tables
-    without the daemon's). None where it holds none."""
-    if not holds_sweep_run(d):
-        return None
-    found = [m for m in RUN_MARKS if (d / m).is_file()]
-    return (f"holds a sweep's run ({', '.join(found)}): the daemon's datasets beside its tables would make "
-            "`analyze` and `export` of that folder read one and leave the other out; give the daemon a folder of its own")
+    without the daemon's), or it is inside a run's folder (`--data-dir RUN/analysis`: `analyze RUN` wrote its report
+    among the daemon's datasets, and `export` of them read analysis.parquet in their stead). None where neither."""
+    if holds_sweep_run(d):
+        found = [m for m in RUN_MARKS if (d / m).is_file()]
+        return (f"holds a sweep's run ({', '.join(found)}): the daemon's datasets beside its tables would make "
+                "`analyze` and `export` of that folder read one and leave the other out; give the daemon a folder of "
+                "its own")
+    # abspath, not resolve: the folder may not exist yet (made at start), and a symlinked run is the run.
+    for above in Path(os.path.abspath(d)).parents:
+        if holds_sweep_run(above):
+            found = [m for m in RUN_MARKS if (above / m).is_file()]
+            return (f"is inside a sweep's run folder, {above} ({', '.join(found)}): that folder is the sweep's and "
+                    f"`analyze`'s (its report goes to {above / 'analysis'}, beside any datasets there, and `export` "
+                    "of them reads the report's analysis.parquet in their stead); give the daemon a folder of its "
+                    "own, outside any run")
+    return None
 
 
 def example_toml() -> str:

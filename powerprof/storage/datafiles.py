@@ -98,6 +98,20 @@ def expected_types(table: str) -> dict[str, str] | None:
     return None if cols is None else dict(cols)
 
 
+def foreign_file_refusal(table: str, f, names) -> str | None:
+    """Why file `f` (its column `names`) is no file of `table`, a table powerprof writes: none of its columns is one of
+    the table's (another tool's file, or one misplaced). Its rows read as the table's, every column empty: `analyze`
+    counted a foreign file's rows in requests/ as requests of a host "(unknown)". None: it has one of them, as every
+    version powerprof wrote has (an older file lacks only the newer columns)."""
+    expected = expected_types(table)
+    if expected is None or not names or any(n in expected for n in names):
+        return None
+    shown = ", ".join(list(names)[:5]) + (", ..." if len(names) > 5 else "")
+    return (f"{f}: none of its columns ({shown}) is a column of {table}: not a powerprof {table} file (another tool's, "
+            "or one misplaced), whose rows would be read as the table's with every column empty; move it out of the "
+            "dataset folder, and run again")
+
+
 def type_refusal(table: str, schemas, columns=None) -> str | None:
     """Why a table's files cannot be read together, or None: the first file whose column is stored as another kind of
     value than powerprof writes (gpu_energy_j as text: an edited or foreign file), named with its type, the type

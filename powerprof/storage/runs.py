@@ -117,6 +117,12 @@ def run_folder_gone(path) -> str | None:
 def given_out_problem(out: Path, flag: str = "--out") -> str | None:
     """Why a folder the user named is not made: its parent is missing (a typo made a tree of folders from /, root's
     `sweep --out /nonexistent/dir/out` among them). None where it may be made; the default one is never asked."""
+    from powerprof.paths import daemon_dataset_above  # noqa: PLC0415
+
+    if (above := daemon_dataset_above(out)) is not None:
+        # `sweep --out NODE/requests/r1`: the run's tables were read by `analyze NODE` as request rows, unsaid.
+        return (f"{flag} {out} is inside the daemon dataset {above}: the run's tables there would be read as its rows, "
+                f"or as one more table of it; give a folder outside it with {flag}")
     parent = Path(os.path.join(os.getcwd(), out)).parent
     if os.path.lexists(out) or os.path.lexists(parent):  # a parent that is a file: the mkdir's own error says it
         return None
