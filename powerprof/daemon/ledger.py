@@ -1334,11 +1334,7 @@ class Ledger:
         # neighbour 60 J unflagged; at once: 93 J, 7 J flagged). Held at its arrival until an edge past its end can
         # close, bounded as the prompt hold.
         if any(r.trace.end_ns is not None and r.trace.first_ns is None for r in self.requests.values()):
-            edge = max((e.t_ns for e in self.edges if e.t_ns <= horizon), default=None)
-            gone = [r.trace.arrival_ns for r in self.requests.values()
-                    if (edge is None or r.trace.end_ns is not None and r.trace.end_ns > edge) and gone_unsaid(r)]
-            if gone:
-                horizon = min(horizon, max(min(gone), now_ns - self.prompt_hold_ns))
+            horizon = self._gone_hold(horizon, now_ns)
         n = 0
         while n + 1 < len(self.edges) and self.edges[n + 1].t_ns <= horizon:
             n += 1
@@ -1737,6 +1733,22 @@ class Ledger:
             w.late_wait.discard(rid)
             if r.cache_late >= CACHE_UNSAID_MIN:
                 w.cache_beside_late = max(w.cache_beside_late, r.cache_late)
+
+    def _gone_hold(self, horizon: int, now_ns: int) -> int:
+        """The horizon held at the arrival of each request gone before its first token (`gone_unsaid`) that a close up
+        to it would cut (no edge at or past its end below it), taken again from each edge a hold moves the close back
+        to, until no such span is cut: one held moves the close's last edge before the end of another, not held at the
+        first edge, whose prefill the next close then placed partly in intervals already closed, to its neighbours
+        unflagged (a 10 000-token prompt gone at 0.9 s beside one from 0.8 s to 1.5 s, closed every 0.1 s: their
+        neighbour 60 J, against 6.6 J closed at once). Bounded as the prompt hold."""
+        while True:
+            edge = max((e.t_ns for e in self.edges if e.t_ns <= horizon), default=None)
+            gone = [r.trace.arrival_ns for r in self.requests.values()
+                    if (edge is None or r.trace.end_ns is not None and r.trace.end_ns > edge) and gone_unsaid(r)]
+            held = min(horizon, max(min(gone), now_ns - self.prompt_hold_ns)) if gone else horizon
+            if held >= horizon:
+                return horizon
+            horizon = held
 
     def _cost_gone(self, reqs: list, gone_first: list, arrival: np.ndarray, first: np.ndarray, end: np.ndarray,
                    prompt: np.ndarray, cached: np.ndarray, computed: np.ndarray, costs: attr.WorkCosts) -> None:
