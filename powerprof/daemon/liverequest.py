@@ -41,6 +41,11 @@ class LiveRequest:
     # Its GPU joules from intervals a request that ended before its first token, its prompt unsaid, was live in
     # (GONE_PREFILL_FLAG): that prompt's prefill, costed at an estimate or not at all, may have run longer or shorter.
     gone_beside_j: float = 0.0
+    # Its client left and the server ran it on for nobody until it aborted it (`Ledger._run_on`, SGLang): that run's
+    # estimated end, the tokens placed over it (no client received them) and whose pace they were placed at.
+    run_on_end_ns: int | None = None
+    run_on_tokens: float = 0.0
+    run_on_pace: str | None = None
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared

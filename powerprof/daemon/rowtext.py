@@ -21,6 +21,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
 
 from . import attribution as attr
 from .liverequest import PROMPT_HOLD_S, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen
+from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
 
 # What an interval row's `server_count` says where the server's count is whole (storage/schema.py states them).
@@ -254,9 +255,26 @@ WHOLE_GONE_NOTE = ("a whole answer (not streamed) whose client left, or whose co
                    f"{GONE_PREFILL_FLAG}")
 
 
+def _run_on_note(r: LiveRequest) -> str:
+    """What its figure holds of the work the server did for it after its client left, until it aborted it
+    (`Ledger._run_on`: SGLang's delays, scrape.RUNS_ON_AFTER_LEAVE)."""
+    tr = r.trace
+    s = (r.run_on_end_ns - tr.end_ns) / 1e9
+    stream_s, wait_s = RUNS_ON_AFTER_LEAVE["sglang"]
+    how = (f"a stream's request {stream_s:g} s after its client left" if tr.stream is True else
+           f"a whole answer's request at its next {wait_s:g} s wait from its start")
+    lead = (f"the server ran on about {s:.1f} s after its client left (SGLang aborts {how}, counting it in "
+            "sglang:num_aborted_requests_total and in none of its token counters)")
+    if r.run_on_tokens > 0:
+        return (f"{lead}: its energy includes that work, which no client received, {r.run_on_tokens:.0f} tokens decoded "
+                f"at {r.run_on_pace} pace (an estimate; its attributed tokens count them)")
+    return f"{lead}: it is live in that time, its work there unseen (no pace to decode it at)"
+
+
 def _whole_gone(r: LiveRequest) -> bool:
-    """A whole answer cut before it came (`gone_unsaid`, not streamed): its work unseen, none of it costed."""
-    return gone_unsaid(r) and r.trace.stream is not True
+    """A whole answer cut before it came (`gone_unsaid`, not streamed): its work unseen, none of it costed (unless the
+    server ran it on to a known abort: `Ledger._run_on_gone` costs it)."""
+    return gone_unsaid(r) and r.trace.stream is not True and r.run_on_end_ns is None
 
 
 def _no_energy_reason(r: LiveRequest) -> str:
@@ -316,6 +334,9 @@ def _no_tokens_note(r: LiveRequest) -> str | None:
     tr = r.trace
     ahead = (f" (the server's counter ran {r.server_ahead:.0f} token(s) ahead of the proxy's while it was live)"
              if r.server_ahead >= 0.5 else "")
+    if tr.outcome != "ok" and r.run_on_tokens > 0:  # its decode placed at a pace to its server's abort (`_run_on_note`)
+        return (f"no tokens: its response was cut ({tr.outcome}) before it showed a token or said a count, so "
+                "generated_tokens is unknown")
     if tr.outcome != "ok":
         return (f"no tokens: its response was cut ({tr.outcome}) before it showed a token or said a count, so "
                 f"generated_tokens is unknown: tokens the server generated for it{ahead}, and their energy, are in "
@@ -434,6 +455,8 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                          f"prompt tokens ({r.prompt_est[1]}){fix}")
     if is_unseen(r) and not is_passive(r):
         notes.append(_uncounted_note(r))
+    if r.run_on_end_ns is not None:
+        notes.append(_run_on_note(r))
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
@@ -507,8 +530,10 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      f"intervals over (or within {GONE_ABORT_SLACK_S:g} s after) a request that ended before its first "
                      "token with its prompt's length unsaid (its client left, or its answer stopped, while it was queued or "
                      "prefilling): that prefill, costed at an estimate from its body (bounded by its time in flight; not "
-                     "at all where the body gave none, nor for a whole answer, whose decode is unseen too), may have "
-                     "been cut short, never run or run whole, or run on to the server's next step, so this request's "
+                     "at all where the body gave none, nor for a whole answer, whose decode is unseen too, but on SGLang, "
+                     "which runs it on to its abort), may have been cut short, never run or run whole, or run on to the "
+                     f"server's next step (on SGLang to its abort of it, up to {RUNS_ON_AFTER_LEAVE['sglang'][1]:g} s), "
+                     "so this request's "
                      "share there may be high or low; fix: "
                      f"{GONE_PREFILL_FIX}")
     # Given much there, or little where the range's other end gives it much (a queued prompt beside another's decode).

@@ -45,7 +45,7 @@ from .latency import RequestLatency
 from .ledger import RAPL_HOLD_S, Ledger
 from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
-from .scrape import AT_FINISH, IGNORES_BEST_OF, PREFILLS_CHOICES_APART, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns, new_session
+from .scrape import AT_FINISH, IGNORES_BEST_OF, PREFILLS_CHOICES_APART, RUNS_ON_AFTER_LEAVE, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns, new_session
 from .store import COMPACTION_LOCK, Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import PeerPolicy, tag_app
 from .ticks import Waker, idle_period, sleep_on_grid
@@ -1028,6 +1028,7 @@ class Daemon:
                 at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
                 led.choices_prefilled_apart = self.scraper.kind in PREFILLS_CHOICES_APART
                 led.best_of_ignored = self.scraper.kind in IGNORES_BEST_OF or self.scraper.vllm_v1
+                led.runs_on_after_leave = RUNS_ON_AFTER_LEAVE.get(self.scraper.kind or "")
                 if delta is not None:
                     # The prefix-cache hits of the whole window, slow or not: checked against the requests' said counts.
                     # A fault in that check must not end this loop (nothing here is caught): it ended for good, unsaid
