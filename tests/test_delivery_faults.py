@@ -533,6 +533,24 @@ def test_a_server_timed_window_sits_on_a_fresh_end_of_the_stream_never_on_a_read
     assert tm.kind == "untrusted" and "neither the first nor the last read" in tm.reason, tm
 
 
+def test_a_server_timed_window_never_ends_after_the_streams_last_read():
+    # 256 tokens emitted every 10 ms from t = 1 s behind a hop that passes them on 80 at a time (nginx's 4 kB
+    # buffer), the rest when the server finished: every read a pile of the same size, so the first looks on time
+    # though it came 0.79 s after its token. The server's 2.55 s hung on it ended 0.79 s after the response did
+    # (idle time costed as decode; in a sweep no counter read existed that late, so no energy at all): the window
+    # ends at the last read at the latest, where the server finished.
+    from powerprof.arrival import arrival_quality, classify
+
+    ms = 1_000_000
+    emitted = 1000 * ms + 10 * ms * np.arange(256)
+    t = np.array([emitted[min(i // 80 * 80 + 79, 255)] for i in range(256)], dtype=np.int64)
+    q = arrival_quality(t, np.ones(256), 256)
+    assert q.first_fresh and q.t_first_ns == 1790 * ms  # on time as far as the reads can tell
+    tm = classify(q, 256, server_decode_s=2.55, server_decode_tokens=255)
+    assert tm.kind == "server"
+    assert (tm.t0_ns, tm.t1_ns) == (1000 * ms, 3550 * ms)
+
+
 def test_vllms_error_inside_a_200_stream_fails_the_request_and_says_the_servers_words():
     # vLLM 0.32 whose engine dies mid-generation sends its error inside the HTTP 200 stream, then [DONE]
     # (tests/test_real_vllm.py holds the simulator's `stream_error` to it): never a request counted as ok.
