@@ -442,6 +442,7 @@ class Profiler:
         self.late_edge_windows = 0  # windows whose edge read came over EDGE_READ_LATE_S after the edge: said
         self.end_bias_windows = 0  # windows whose end read came over END_EDGE_BIAS_SHARE of their length late: said
         self.short_windows = 0  # windows without a GPU figure, shorter than the counter's refresh: said
+        self.unread_windows = 0  # windows without a GPU figure for want of a reading over them, not shortness: said
 
     @property
     def gpu_infos(self):
@@ -544,6 +545,14 @@ class Profiler:
                          "counter holds one or two refreshes' values; instant power, refreshed as seldom, shows the "
                          "power before the window): they carry no GPU energy figure, nor does a level or batch that "
                          "holds one; fix: longer requests (more --max-tokens), streams sent together")
+        if self.unread_windows:
+            # A sweep costed 3 of 4 windows a level this way behind a buffering hop (a window placed past the response's
+            # end, arrival.classify), and nothing said why their energy_method was none.
+            notes.append(f"{self.unread_windows} windows carry no GPU energy figure (energy_method none): no GPU "
+                         "reading covered them from start to end when they were costed (a counter is interpolated, "
+                         "never extrapolated past its last read); they count in no J/token, and a level's rests on "
+                         "the windows that have one (flag one-window where one is left); fix: check the GPU driver "
+                         "(powerprof devices says what the GPU can report; nvidia-smi -q for a hung GPU)")
         if self.end_bias_windows:
             notes.append(f"{self.end_bias_windows} windows' end-edge reads came over {END_EDGE_BIAS_SHARE:.0%} of their "
                          "length after their end (a loaded host): their energy may read low by up to that share (the "
@@ -584,6 +593,8 @@ class Profiler:
     def _counted(self, r: EnergyResult) -> EnergyResult:
         if r.under_refresh:
             self.short_windows += 1
+        elif r.gpu_methods and r.gpu_energy_total_j is None:
+            self.unread_windows += 1
         if r.edge_read_delay_s > EDGE_READ_LATE_S:
             self.late_edge_windows += 1
         elif r.end_edge_bias_share > END_EDGE_BIAS_SHARE and r.duration_s >= EDGE_BIAS_WINDOW_S:
