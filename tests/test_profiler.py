@@ -121,7 +121,8 @@ def test_windows_shorter_than_the_counters_refresh_are_counted_and_said_in_the_r
     assert short.under_refresh and not longer.under_refresh
     prof = Profiler.__new__(Profiler)
     prof.late_edge_windows = prof.end_bias_windows = prof.edge_errors = prof.edge_timeouts = prof.short_windows = 0
-    prof.unread_windows = 0
+    prof.unread_windows = prof.placed_edge_windows = 0
+    prof.placed_edge_delay_s = 0.0
     for r in (short, longer, short):
         prof._counted(r)
     (note,) = [n for n in prof.edge_notes() if "refresh" in n]

@@ -222,6 +222,11 @@ def test_a_server_behind_a_buffering_hop_gets_every_windows_j_per_token_within_2
         em = starts[int(np.searchsorted(t0s, rec.t_first_ns, side="right")) - 1][1]["emissions"]
         truth.setdefault(value, []).append((g.true_energy_at_j(em[-1][0]) - g.true_energy_at_j(em[0][0]))
                                            / sum(n for _, n in em[1:]))
+    # Each window's start is placed by the server's decode time, where no reading was taken: said as that, not as
+    # "a loaded host" (run.json's note blamed one, for every window).
+    notes = json.loads((outcome.run_dir / "run.json").read_text())["notes"]
+    assert any("server-timed windows" in n and "placed by the server's own decode time" in n for n in notes), notes
+    assert not any("a loaded host" in n for n in notes), notes
     levels = pq.read_table(outcome.run_dir / "levels.parquet").to_pandas().set_index("level_value")
     for value in (300.0, 200.0):
         assert len(truth[value]) == 4 and levels.loc[value, "n_windows"] == 4
