@@ -442,6 +442,9 @@ class Profiler:
         self.late_edge_windows = 0  # windows whose edge read came over EDGE_READ_LATE_S after the edge: said
         self.end_bias_windows = 0  # windows whose end read came over END_EDGE_BIAS_SHARE of their length late: said
         self.short_windows = 0  # windows without a GPU figure, shorter than the counter's refresh: said
+        self.unread_windows = 0  # windows without a GPU figure for want of a reading over them, not shortness: said
+        self.placed_edge_windows = 0  # server-timed windows whose placed edge had no reading near it: said
+        self.placed_edge_delay_s = 0.0  # the farthest such reading from its edge
 
     @property
     def gpu_infos(self):
@@ -544,6 +547,24 @@ class Profiler:
                          "counter holds one or two refreshes' values; instant power, refreshed as seldom, shows the "
                          "power before the window): they carry no GPU energy figure, nor does a level or batch that "
                          "holds one; fix: longer requests (more --max-tokens), streams sent together")
+        if self.placed_edge_windows:
+            # Behind a buffering hop every window is server-timed and its start is placed: the note that said "a loaded
+            # host" for them sent the person after the wrong cause.
+            notes.append(f"{self.placed_edge_windows} server-timed windows (a stream not delivered token by token: a "
+                         "buffering proxy, a stream held back) have an edge placed by the server's own decode time, "
+                         "where no reading was taken (the client learned of it later): their energy there is "
+                         f"interpolated between readings up to {self.placed_edge_delay_s * 1e3:.0f} ms away, and they "
+                         "are flagged low_confidence; fix: point --server at the server itself, or turn the proxy's "
+                         "buffering off (nginx: proxy_buffering off), so the stream times its windows; or sample more "
+                         "often (--interval)")
+        if self.unread_windows:
+            # A sweep costed 3 of 4 windows a level this way behind a buffering hop (a window placed past the response's
+            # end, arrival.classify), and nothing said why their energy_method was none.
+            notes.append(f"{self.unread_windows} windows carry no GPU energy figure (energy_method none): no GPU "
+                         "reading covered them from start to end when they were costed (a counter is interpolated, "
+                         "never extrapolated past its last read); they count in no J/token, and a level's rests on "
+                         "the windows that have one (flag one-window where one is left); fix: check the GPU driver "
+                         "(powerprof devices says what the GPU can report; nvidia-smi -q for a hung GPU)")
         if self.end_bias_windows:
             notes.append(f"{self.end_bias_windows} windows' end-edge reads came over {END_EDGE_BIAS_SHARE:.0%} of their "
                          "length after their end (a loaded host): their energy may read low by up to that share (the "
@@ -574,19 +595,29 @@ class Profiler:
                     self._edges_pending -= len(labels)
                     self._edge_done.notify_all()
 
-    def energy_between(self, t0_ns: int, t1_ns: int) -> EnergyResult:
+    def energy_between(self, t0_ns: int, t1_ns: int, placed: bool = False) -> EnergyResult:
+        """The energy over [t0_ns, t1_ns]; `placed`: an edge was placed by the server's own decode time (a server-timed
+        window, powerprof/arrival.py), not read when it happened, so no reading was taken at it: the delay to the
+        nearest reading there is said as that, never as a loaded host's."""
         latest = self.timeline.latest_ns() if self.flush_edges() else t1_ns  # a wedged read holds the source's lock
         if latest is None or latest < t1_ns:
             self.mark("edge")
         self._cputime_after(t1_ns)
-        return self._counted(self.timeline.energy_between(t0_ns, t1_ns))
+        return self._counted(self.timeline.energy_between(t0_ns, t1_ns), placed)
 
-    def _counted(self, r: EnergyResult) -> EnergyResult:
+    def _counted(self, r: EnergyResult, placed: bool = False) -> EnergyResult:
         if r.under_refresh:
             self.short_windows += 1
-        if r.edge_read_delay_s > EDGE_READ_LATE_S:
+        elif r.gpu_methods and r.gpu_energy_total_j is None:
+            self.unread_windows += 1
+        late = r.edge_read_delay_s > EDGE_READ_LATE_S
+        biased = r.end_edge_bias_share > END_EDGE_BIAS_SHARE and r.duration_s >= EDGE_BIAS_WINDOW_S
+        if placed and (late or biased):
+            self.placed_edge_windows += 1
+            self.placed_edge_delay_s = max(self.placed_edge_delay_s, r.edge_read_delay_s)
+        elif late:
             self.late_edge_windows += 1
-        elif r.end_edge_bias_share > END_EDGE_BIAS_SHARE and r.duration_s >= EDGE_BIAS_WINDOW_S:
+        elif biased:
             self.end_bias_windows += 1
         return r
 

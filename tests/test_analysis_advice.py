@@ -261,3 +261,29 @@ def test_few_windows_names_the_fix_each_levels_stop_rule_calls_for():
         [{"level_kind": "power_limit", "level_value": 200.0, "n_requests": 8, "n_windows": 2, "concurrency": 4,
           "flags": "few-windows", "stop_rule": "max-requests"}], schema=LEVELS), max_requests=8))
     assert "raise it to about 20 or more" in batched, batched
+
+
+def test_a_level_whose_j_per_token_rests_on_one_of_its_windows_is_one_window_with_no_ci(tmp_path):
+    # A sweep behind a buffering hop costed 3 of 4 windows a level with no energy (energy_method none): the level's
+    # J/token was its one window's, flagged few-windows alone (n_windows 4), and analyze printed its CI as ±0.0%.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 260, 300), n_requests=4, n_failed=0)
+    t = pq.read_table(run / "windows.parquet")
+    rows = t.to_pylist()
+    seen = 0
+    for r in rows:
+        if r["level_value"] == 260.0 and not r["warmup"] and r["window_kind"] == "request":
+            seen += 1
+            if seen > 1:
+                r.update(gpu_energy_j=None, gpu_j_per_token=None, total_j_per_token=None, energy_method="none",
+                         above_idle_gpu_j_per_token=None, avg_gpu_power_w=None)
+    pq.write_table(pa.Table.from_pylist(rows, schema=t.schema), run / "windows.parquet")
+    res = analyze_run([run], out_dir=tmp_path / "a", n_boot=200, plots=False, formats=())
+    lv = {r["level_value"]: r for r in res.table.to_pylist()}
+    at = lv[260.0]
+    assert at["n_windows"] == 4 and "one-window" in at["flags"].split(",") and "few-windows" not in at["flags"], at
+    assert at["gpu_j_per_token"] > 0
+    assert at["gpu_j_per_token_ci_low"] is None or at["gpu_j_per_token_ci_low"] != at["gpu_j_per_token_ci_low"], at
+    assert at["decode_tok_s_ci_low"] == at["decode_tok_s_ci_low"]  # its rate rests on all 4: its CI stays
+    msg = _one_window(res.warnings)
+    assert msg.startswith("one window with a J/token at 260 W (its J/token rests on 1 of its 4 measured windows"), msg
+    assert "energy_method none" in msg and "notes say why" in msg and "left out" not in msg, msg

@@ -533,6 +533,24 @@ def test_a_server_timed_window_sits_on_a_fresh_end_of_the_stream_never_on_a_read
     assert tm.kind == "untrusted" and "neither the first nor the last read" in tm.reason, tm
 
 
+def test_a_server_timed_window_never_ends_after_the_streams_last_read():
+    # 256 tokens emitted every 10 ms from t = 1 s behind a hop that passes them on 80 at a time (nginx's 4 kB
+    # buffer), the rest when the server finished: every read a pile of the same size, so the first looks on time
+    # though it came 0.79 s after its token. The server's 2.55 s hung on it ended 0.79 s after the response did
+    # (idle time costed as decode; in a sweep no counter read existed that late, so no energy at all): the window
+    # ends at the last read at the latest, where the server finished.
+    from powerprof.arrival import arrival_quality, classify
+
+    ms = 1_000_000
+    emitted = 1000 * ms + 10 * ms * np.arange(256)
+    t = np.array([emitted[min(i // 80 * 80 + 79, 255)] for i in range(256)], dtype=np.int64)
+    q = arrival_quality(t, np.ones(256), 256)
+    assert q.first_fresh and q.t_first_ns == 1790 * ms  # on time as far as the reads can tell
+    tm = classify(q, 256, server_decode_s=2.55, server_decode_tokens=255)
+    assert tm.kind == "server"
+    assert (tm.t0_ns, tm.t1_ns) == (1000 * ms, 3550 * ms)
+
+
 def test_vllms_error_inside_a_200_stream_fails_the_request_and_says_the_servers_words():
     # vLLM 0.32 whose engine dies mid-generation sends its error inside the HTTP 200 stream, then [DONE]
     # (tests/test_real_vllm.py holds the simulator's `stream_error` to it): never a request counted as ok.
@@ -661,3 +679,59 @@ def test_n2_one_choice_at_length_beside_one_stopped_early_is_not_the_limit():
 
     assert run("stop").count_problem_kind == "running_count_short"
     assert run("length").count_problem is None  # both at their limit: a held call each
+
+
+
+def test_a_sweep_against_a_server_answering_whole_empty_completions_stops_in_words_and_puts_the_limit_back(tmp_path):
+    """A server answering every completion unstreamed with no text and completion_tokens 0: its answer is one event
+    of no tokens, which passed for a response with tokens; the lag monitor then read its window's edges (none) and
+    the sweep died with a traceback. A streamed one said "the response carried no tokens": so must this one."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class EmptyCompletions(BaseHTTPRequestHandler):
+        def _send(self, code, body, ctype):
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path.startswith("/v1/models"):
+                self._send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}), "application/json")
+            elif self.path.startswith("/health"):
+                self._send(200, "", "text/plain")
+            else:
+                self._send(404, "not found", "text/plain")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._send(200, json.dumps({"id": "x", "object": "text_completion", "model": "m",
+                                        "choices": [{"text": "", "index": 0, "finish_reason": "stop"}],
+                                        "usage": {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}}),
+                       "application/json")
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), EmptyCompletions)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    env = dict(os.environ, POWERPROF_SIM_STATE=str(tmp_path / "sim.json"), POWERPROF_STATE_DIR=str(tmp_path / "pp"),
+               XDG_STATE_HOME=str(tmp_path))
+    try:
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "sweep", "--limits", "200,180", "--simulate",
+                            "--server", f"http://127.0.0.1:{srv.server_address[1]}", "--idle-s", "0", "--warmup", "0",
+                            "--min-requests", "2", "--max-requests", "2", "--out", str(tmp_path / "run")],
+                           capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        srv.shutdown()
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 1, (r.stdout, err)
+    assert "Traceback" not in err and "the response carried no tokens" in err, err
+    assert "every GPU is back at its original limit" in err, err

@@ -164,6 +164,8 @@ def test_end_read_late_against_its_window_is_said():
     # and says so in its notes.
     prof = Profiler.__new__(Profiler)
     prof.late_edge_windows = prof.end_bias_windows = prof.edge_errors = prof.edge_timeouts = prof.short_windows = 0
+    prof.unread_windows = prof.placed_edge_windows = 0
+    prof.placed_edge_delay_s = 0.0
     for length_s, share in ((3.0, 0.02), (3.0, 0.005), (0.5, 0.04)):
         prof._counted(EnergyResult(0, int(length_s * 1e9), (1.0,), (METHOD_COUNTER,), None, end_edge_bias_share=share))
     said = [n for n in prof.edge_notes() if "end-edge reads" in n]

@@ -279,6 +279,13 @@ def _one_window_message(one: list[dict], rows: list[dict], unit: str, trace: boo
     said, fixes = [], []
     for r in one:
         ok, failed = int(r.get("n_requests") or 0), int(r.get("n_failed") or 0)
+        n_windows = int(r.get("n_windows") or 0)
+        if n_windows > 1:  # several windows timed, one with energy: stats.levels_table
+            said.append(f"{_fmt(r['level_value'], unit)} (its J/token rests on 1 of its {n_windows} measured windows: "
+                        "the others carry no GPU energy figure, energy_method none in windows.parquet)")
+            fixes.append("the run's notes say why those windows have no energy, and the fix (powerprof devices says "
+                         "what the GPU can report)")
+            continue
         # Requests and windows are one to one at concurrency 1 only (above it, a window is a batch).
         left = ok - 1 if (r.get("concurrency") or 1) == 1 and ok > 1 else 0
         why = []
@@ -296,7 +303,11 @@ def _one_window_message(one: list[dict], rows: list[dict], unit: str, trace: boo
             fixes.append(f"{fix} (it {cause})" if cause else fix)
         said.append(f"{_fmt(r['level_value'], unit)} ({'; '.join(why)})")
     fixes.append(f"measure again with --min-requests {MIN_CI_WINDOWS} or more and the time to reach it")
-    return (f"one measured window at {', '.join(said)}: its J/token and tok/s have no confidence interval, and "
+    # Where every such level timed several windows, its tok/s has its CI: only the J/token rests on one.
+    energy_only = all(int(r.get("n_windows") or 0) > 1 for r in one)
+    head, what = ("one window with a J/token", "its J/token has") if energy_only else ("one measured window",
+                                                                                       "its J/token and tok/s have")
+    return (f"{head} at {', '.join(said)}: {what} no confidence interval, and "
             f"{spread}. Fix: {'; '.join(dict.fromkeys(fixes))}.")
 
 

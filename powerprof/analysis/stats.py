@@ -267,6 +267,9 @@ class LevelSeries:
     other_cpu_pct: np.ndarray | None = None
     powerprof_cpu_pct: np.ndarray | None = None
     n_foreign: np.ndarray | None = None  # (L,) windows left out for others' work beside them (flag foreign-traffic)
+    # (L,) measured windows with a GPU J/token: fewer than n_windows where some carry no energy figure (energy_method
+    # none), and the level's J/token and its CI rest on these alone. None: n_windows (tables built without it).
+    n_j_windows: np.ndarray | None = None
 
     @property
     def comparison_factor(self) -> float:
@@ -370,7 +373,7 @@ def level_series(
         lv = np.unique(values[in_series & np.isfinite(values)])
         if kind == "none" and lv.size == 0:
             lv = np.array([np.nan])
-        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both", "pool", "cw", "pw", "wp", "ocpu", "pcpu", "nfor")}
+        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nj", "nr", "nf", "np", "both", "pool", "cw", "pw", "wp", "ocpu", "pcpu", "nfor")}
         meths: set[str] = set()
         for v in lv:
             at = in_series & (np.isnan(values) if np.isnan(v) else values == v)
@@ -382,6 +385,7 @@ def level_series(
             cols["tot"].append(_median(tot[m]))
             cols["above"].append(_median(above[m]))
             cols["nw"].append(int(m.sum()))
+            cols["nj"].append(int((m & np.isfinite(jpt)).sum()))
             cols["nr"].append(int((at & counted).sum()))
             cols["nf"].append(int((at & failed).sum()))
             cols["nfor"].append(int((at & foreign).sum()))
@@ -444,6 +448,7 @@ def level_series(
                 other_cpu_pct=np.array(cols["ocpu"], dtype=float),
                 powerprof_cpu_pct=np.array(cols["pcpu"], dtype=float),
                 n_foreign=np.array(cols["nfor"], dtype=int),
+                n_j_windows=np.array(cols["nj"], dtype=int),
             )
         )
     return out
@@ -654,11 +659,17 @@ def levels_table(
             tok_lo, tok_hi = percentile_interval(level_tok[:, i], ci)
             j_lo, j_hi = percentile_interval(level_j[:, i], ci)
             flags = []
+            n_j = s.n_windows[i] if s.n_j_windows is None else s.n_j_windows[i]
             if s.n_windows[i] == 1:
                 # One window (a trace replayed once): resampling it says nothing; no CI, not a zero-width one.
                 tok_lo = tok_hi = j_lo = j_hi = float("nan")
                 flags.append("one-window")
-            elif 2 <= s.n_windows[i] < MIN_CI_WINDOWS:
+            elif n_j == 1:
+                # Several windows timed, one with energy (the rest energy_method none): the J/token is that one
+                # window's, and its CI was printed as ±0.0% under few-windows alone.
+                j_lo = j_hi = float("nan")
+                flags.append("one-window")
+            elif 2 <= min(s.n_windows[i], n_j) < MIN_CI_WINDOWS:
                 flags.append(FEW_WINDOWS_FLAG)  # a CI from 2-4 windows covers 50-87.5%, not 95%
             j = s.j_per_token[i]
             half_pct = (j_hi - j_lo) / 2 / j * 100 if np.isfinite(j) and j else float("nan")

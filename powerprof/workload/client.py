@@ -833,6 +833,11 @@ async def send_request(
         # placed there would pass for a stream whose last read held them all.
         times.append(closing_t)
         counts.append(deficit)
+    if not any(counts) and not summary.generated_tokens:
+        # A whole (unstreamed) answer is one event whatever it holds: one with no text and a count of 0 passed the
+        # check above as a response with tokens, and its window had no edges to time (a sweep died on them). Tokens
+        # the server counted but no event showed go on as before: the timing rule leaves such a window untrusted.
+        return _failed(base, "the response carried no tokens", http_status, t_end)
     q = arrival_quality(np.asarray(times, dtype=np.int64), np.asarray(counts, dtype=np.int64), summary.generated_tokens)
     dur_s = (q.t_last_ns - q.t_first_ns) / 1e9 if q.t_first_ns is not None else None
     sd_s, sd_n, sd_src = server_decode(summary.timings)

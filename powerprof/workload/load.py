@@ -237,6 +237,8 @@ class LagMonitor:
         if not rec.ok or rec.t_first_ns is None:
             return rec
         q = rec.quality  # the lag that matters is at the edges the window uses
+        if q.t_first_ns is None:  # events, but none with a token: no edges for a lag to move
+            return rec
         lags = [self.lag_at(q.t_first_ns), self.lag_at(q.t_last_ns)]
         # Unknown (a request longer than the ticks kept): not a stream the rule can vouch for.
         edge = max(x if x is not None else float("inf") for x in lags)

@@ -141,10 +141,10 @@ def request_timing(r: RequestRecord):
 
 def request_energy(profiler, r: RequestRecord):
     """The Profiler's energy over the window the record's timing uses; None when it has none."""
-    _, edges = request_timing(r)
+    tm, edges = request_timing(r)
     if profiler is None or edges is None or edges[1] <= edges[0]:
         return None
-    return profiler.energy_between(*edges)
+    return profiler.energy_between(*edges, placed=tm.kind == "server")
 
 
 def request_row(
