@@ -103,6 +103,42 @@ def test_intervals_wait_for_a_non_streamed_response_then_count_it_as_decode():
     assert row["attributed_tokens"] == pytest.approx(52)
 
 
+@pytest.mark.parametrize("prompt", [500, 100])
+def test_short_whole_answers_each_alone_are_costed_their_own_run_not_their_neighbours(prompt):
+    # vLLM and SGLang answers not streamed carry no timings: their first token is unseen (first_ns is the arrival).
+    # Their prompt was placed ending there, before the request arrived: in the interval the daemon's arrival edge
+    # (read just after it) closes, where the request before ran. Three 1-3-token answers each alone, 0.2 s each at
+    # 300 W (60 J each, nothing between), edges at the arrivals alone (a rate-limited end edge skipped): before, the
+    # first got 0.1 J and each later one its predecessor's run (the simulated vLLM: 20 of 50 rows off 10-74%, silent).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    runs = [(1.0, 1.2, 1), (1.5, 1.7, 2), (2.0, 2.2, 3)]  # arrival, end (s), tokens
+
+    def joules(t):
+        return 300.0 * sum(min(max(t - a, 0.0), e - a) for a, e, _ in runs)
+
+    _feed(led, 0.0, 0.0)
+    for rid, (a, e, n) in enumerate(runs, start=1):
+        tr = RequestTrace(rid, "POST", "/v1/chat/completions", f"t{rid}", int(a * S), 0, api="openai-chat", stream=False)
+        led.on_start(tr)
+        _feed(led, a + 0.0003, joules(a + 0.0003))  # the arrival's edge, read just after it
+        # As the proxy records a body without timings (`Proxy._body_done`): its tokens from its arrival to its end.
+        tr.first_ns, tr.last_ns, tr.end_ns, tr.tokens_seen = int(a * S), int(e * S), int(e * S), n
+        tr.extra["spread"] = True
+        tr.counts = Counts(generated_tokens=n, prompt_tokens=prompt, model=None, stop_reason="length",
+                           token_source="usage")
+        led.on_end(tr)
+    _feed(led, 3.0, joules(3.0))
+    led.advance(int(3.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    # Within 5%: a prompt placed from its arrival has its first 0.3 ms in the interval before its arrival's edge (3 of a
+    # 100-token prompt placed over 10 ms at the default 10 000 tokens/s, beside the 100 of the request there: -2.8%).
+    for rid in (1, 2, 3):
+        assert got[rid]["gpu_energy_j"] == pytest.approx(60.0, rel=0.05), (rid, got[rid]["gpu_energy_j"])
+    # Its TTFT is still not seen: the row's is not made up from where its prompt was placed.
+    assert got[1]["ttft_s"] == 0.0
+
+
 def test_tag_windows_and_server_tokens_beyond_the_proxy():
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)

@@ -584,10 +584,32 @@ class Ledger:
                 ts = self._at_server_pace(r, start, cut, SPREAD_EVENTS, n)
             else:
                 self.recon.note_unsure(r, trace.last_ns)
-                ts = np.linspace(trace.first_ns, trace.last_ns, SPREAD_EVENTS).astype(np.int64).tolist()
+                first = self._whole_answer_first_ns(r)
+                if first != trace.first_ns:
+                    r.placed_from_ns = first  # its prompt ends, and its decode starts, there (not its row's TTFT)
+                ts = np.linspace(first, trace.last_ns, SPREAD_EVENTS).astype(np.int64).tolist()
             r.ev_t, r.ev_n = [], []
             self._place(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS)
         return 0.0
+
+    def _whole_answer_first_ns(self, r: LiveRequest) -> int:
+        """Where a non-streamed answer's first token most likely came, which its prompt's prefill ends at and its decode
+        starts from: the server's decode time back from its end where its timings say it (llama.cpp: the proxy's
+        `first_ns` past its arrival), else (vLLM, SGLang: no timings, `first_ns` is its arrival) its arrival plus its
+        computed prompt at the prefill rate, and its end for an answer of one token a sequence (that token is the
+        prefill's output), never past its last token. A prompt cannot be computed before its request arrives: placed
+        ending at the arrival, it fell in the interval the daemon's arrival edge (read just after it) closes, the run
+        of the request before, whose energy it took (the simulated vLLM, 1-3-token answers each alone: 20 of 50 rows
+        off 10-74%, silent; docs/daemon.md)."""
+        tr = r.trace
+        if tr.first_ns is None or tr.last_ns is None or tr.first_ns > tr.arrival_ns:
+            return tr.first_ns if tr.first_ns is not None else tr.arrival_ns
+        last = max(int(tr.last_ns), tr.arrival_ns)
+        if float(tr.tokens_seen) <= max(tr.extra.get("sequences", 1), 1):
+            return last
+        computed = max(self._prompt_work(r, True) - _prefill_cached(r), 0.0)
+        rate = self.learner.costs(self.edges[-1].setting if self.edges else self._setting).prefill_tok_s
+        return min(tr.arrival_ns + int(computed / max(rate, 1e-9) * 1e9), last)
 
     def _spread_burst(self, r: LiveRequest) -> None:
         """A stream whose tokens all reached the proxy in one delivery (chunks under SAME_DELIVERY_NS apart) was held
