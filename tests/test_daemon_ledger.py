@@ -2407,6 +2407,25 @@ def test_a_burst_the_servers_tool_call_parser_held_blames_no_buffering_proxy():
     assert "buffering proxy" in row["energy_note"] and "tool-call parser" not in row["energy_note"], row["energy_note"]
 
 
+@pytest.mark.parametrize("paused_s", [1.5, 0.2])
+def test_bursts_its_own_client_held_back_blame_no_buffering_hop(paused_s):
+    # A client that read nothing for 20 s (a 4 KB receive buffer): the proxy, its writes to it waiting, stopped reading
+    # the server (`_ClientSink._drain`), whose tokens then came in bursts. Its energy was right (-2%), but its row said
+    # "held back between the server and the proxy: a buffering proxy or gateway" with nginx's fix. The proxy says how long
+    # its upstream stood paused for the client (client_held_s): from half the hold on, the row names the client, and
+    # that nothing is to fix for its energy.
+    sink = _held_stream(((3.0, 20), (5.0, 20)), 40, extra={"client_held_s": paused_s})
+    (row,) = sink.rows["requests"]
+    note = row["energy_note"]
+    assert "2 bursts" in note, note
+    if paused_s >= 1.0:  # of a 2 s hold
+        assert "held back by its own client" in note and "waited 1.5 s in all" in note, note
+        assert "nothing to fix for its energy" in note and "its client's reading pace" in note, note
+        assert "buffering proxy" not in note and "proxy_buffering off" not in note, note
+    else:  # a short pause explains little of a 2 s hold: the hop's words, as before
+        assert "held back by its own client" not in note and "buffering proxy" in note, note
+
+
 def test_a_large_first_burst_holds_its_windows_until_its_end_though_small_pieces_follow():
     # A stream's first piece came held back (20 tokens generated over [1 s, 3 s), passed at 3 s), then it streamed a
     # token a piece. Its first burst is placed back at its end; the scrape windows from its arrival must wait until

@@ -49,7 +49,8 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
                       _no_counter_short_note, _no_energy_reason, _parser_held, _request_flags, _secs, _unsaid_reason,
-                      _with_late, _counted_low_interval_note, counted_low, tag_server_count, tokens_unknown)
+                      _with_late, _counted_low_interval_note, client_held, counted_low, tag_server_count,
+                      tokens_unknown)
 from .streams import uncounted_kind
 from .workmodel import FEATURES, CostLearner
 
@@ -717,6 +718,10 @@ class Ledger:
                "something between the server and the proxy buffers its streams, a busy host ran the server or the "
                "proxy late, or a busy server sent several steps' tokens at once")
         fix = _burst_fix(r)
+        if client_held(r):
+            why = (f"its own client read it slower than the server sent it (the proxy's writes to it waited "
+                   f"{_secs(tr.extra.get('client_held_s', 0.0))}, and the proxy stopped reading the server meanwhile)")
+            fix = "nothing to fix for its energy: its TTFT and decode_s are its client's reading pace"
         if r.bursts and _parser_held(r):
             pass  # the server's parser's hold (its row says so): no hop to warn of
         elif r.bursts and (self.burst_requests == 1 or self.burst_requests % 1000 == 0):
