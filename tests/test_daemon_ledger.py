@@ -2823,6 +2823,22 @@ def test_the_fixed_ratio_note_never_says_none_of_a_share_it_was_given():
     assert "none of its GPU energy is from intervals other requests did work in" in (_approximate_note(r) or "")
 
 
+def test_the_fixed_ratio_range_says_it_bounds_two_costs_not_the_error():
+    # The range is the row's figure over the prompt token's cost and the prefill rate alone. Short answers beside 4 long
+    # streams decoding (the simulated vLLM, fit not mature) read +37% where it said -1% to +0%, +131% where it said -49%
+    # to +36%; after the whole-answer placement fix 24 of 124 rows still lay outside it, 23 high: the context cost the
+    # ratio leaves out (a long stream's token costs more) moves a figure further, by nothing bounded here. The row says
+    # so, and which way: a shorter context than those beside it reads high.
+    from powerprof.daemon.liverequest import LiveRequest
+    from powerprof.daemon.rowtext import _approximate_note
+
+    r = LiveRequest(_trace(1, 0.0), gpu_j=100.0, fixed_j=100.0, fixed_lo_j=99.0, fixed_hi_j=100.0, fixed_why="no fit yet")
+    note = _approximate_note(r) or ""
+    assert "its figure would be -1% to +0% over those two alone" in note, note
+    assert "no bound on its error" in note, note
+    assert "a request of shorter context than those beside it reads high, of longer low" in note, note
+
+
 def test_requests_flagged_best_of_unseen_and_count_open_are_counted_as_their_rows_say_it():
     # Their rows said so and /metrics had no count of them (other flags, prefix-cache-unsaid say, had one): a dashboard
     # could not see how many requests' figures were low.

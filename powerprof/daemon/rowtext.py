@@ -39,7 +39,10 @@ CACHE_UNSAID_MIN = 1.0
 GONE_ABORT_SLACK_S = 1.0
 # A request's energy from intervals other requests (or bypass traffic) did work in while the fixed ratio split them
 # (the work model's fit not mature) is said on its row from this part of its GPU energy on, and so is what the range
-# the ratio stands for could add to it there: below it the ratio moves its figure by a fraction of a percent.
+# the ratio stands for could add to it there: below it the ratio moves its figure by a fraction of a percent. That range
+# is over the prompt token's cost and the prefill rate alone, and its words say so: read as the row's uncertainty, short
+# answers beside long streams decoding lay outside it, all high (+37% where it said -1% to +0%), by the context cost
+# the ratio leaves out, which nothing here bounds.
 FIXED_RATIO_MIN_SHARE = 0.05
 FIXED_RATIO_LEAD = "{pct}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
 # Given none there (not a joule: a share under 0.5% reads "under 1%"): only the range's slow rate places its prompt
@@ -52,7 +55,10 @@ FIXED_RATIO_NOTE = ("{lead}, split among them by the fixed ratio (a prompt token
                     "model's fit was not mature ({why}): at a prompt token of "
                     f"{attr.PREFILL_PER_DECODE_RANGE[0]}-{attr.PREFILL_PER_DECODE_RANGE[1]} of a decoded token, "
                     f"prefilled at {attr.PREFILL_TOK_S_SLOW:.0f}-{attr.DEFAULT_PREFILL_TOK_S:.0f} tokens/s, its figure "
-                    "would be {lo:+.0f}% to {hi:+.0f}% (step and context costs move it too), the "
+                    "would be {lo:+.0f}% to {hi:+.0f}% over those two alone, no bound on its error: the step and "
+                    "context costs the ratio leaves out move it further, by nothing bounded here (a token of a long "
+                    "context costs more: a request of shorter context than those beside it reads high, of longer low), "
+                    "the "
                     "intervals' sums are measured; fix: none for these rows, later ones are split by the learned costs "
                     f"once {MIN_BUSY} busy intervals fit with R² ≥ {MIN_R2} (docs/daemon.md, work model): too little "
                     "traffic or a busy host delays that")
