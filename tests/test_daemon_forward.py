@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import socket
 import time
 
 import aiohttp
@@ -307,6 +308,47 @@ def test_big_upload_and_a_slow_client_pass_every_byte():
     echoed, got = _run(main())
     assert echoed == {"len": len(blob), "sha": hashlib.sha256(blob).hexdigest()}
     assert got == blob
+
+
+def test_a_client_that_does_not_read_pauses_the_upstream_and_its_trace_says_how_long():
+    # The proxy stops reading the server while its writes to a client wait (a client slow to read): what then reaches
+    # it comes in bursts, which the ledger blamed on a buffering hop. The seconds paused go to the trace
+    # (client_held_s), for the row to name the client instead (rowtext.client_held).
+    blob = random.Random(2).randbytes(4 << 20)
+
+    async def big(request):
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i in range(0, len(blob), 1 << 16):
+            await resp.write(blob[i:i + (1 << 16)])
+        await resp.write_eof()
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/big", big)
+        ur = web.AppRunner(app)
+        await ur.setup()
+        await web.TCPSite(ur, "127.0.0.1", 0).start()
+        rec, proxy, runner, url = await _proxy(f"http://127.0.0.1:{ur.addresses[0][1]}")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small receive buffer: full at once
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.6)  # reads nothing a while: the proxy's writes to it wait
+        got = await reader.read()
+        writer.close()
+        await runner.cleanup()
+        await ur.cleanup()
+        return rec, bytes(got)
+
+    rec, got = _run(main())
+    assert got.startswith(b"HTTP/1.1 200") and len(got) > len(blob)  # every byte (framed) once it read
+    (tr,) = rec.ended
+    assert tr.extra.get("client_held_s", 0.0) >= 0.3, tr.extra
 
 
 def test_silent_upstream_hits_the_read_timeout_and_a_departed_client_closes_it():

@@ -49,7 +49,8 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
                       _no_counter_short_note, _no_energy_reason, _parser_held, _request_flags, _secs, _unsaid_reason,
-                      _with_late, _counted_low_interval_note, counted_low, tag_server_count, tokens_unknown)
+                      _with_late, _counted_low_interval_note, client_held, counted_low, tag_server_count,
+                      tokens_unknown)
 from .streams import uncounted_kind
 from .workmodel import FEATURES, CostLearner
 
@@ -657,10 +658,32 @@ class Ledger:
                 ts = self._at_server_pace(r, start, cut, SPREAD_EVENTS, n)
             else:
                 self.recon.note_unsure(r, trace.last_ns)
-                ts = np.linspace(trace.first_ns, trace.last_ns, SPREAD_EVENTS).astype(np.int64).tolist()
+                first = self._whole_answer_first_ns(r)
+                if first != trace.first_ns:
+                    r.placed_from_ns = first  # its prompt ends, and its decode starts, there (not its row's TTFT)
+                ts = np.linspace(first, trace.last_ns, SPREAD_EVENTS).astype(np.int64).tolist()
             r.ev_t, r.ev_n = [], []
             self._place(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS)
         return 0.0
+
+    def _whole_answer_first_ns(self, r: LiveRequest) -> int:
+        """Where a non-streamed answer's first token most likely came, which its prompt's prefill ends at and its decode
+        starts from: the server's decode time back from its end where its timings say it (llama.cpp: the proxy's
+        `first_ns` past its arrival), else (vLLM, SGLang: no timings, `first_ns` is its arrival) its arrival plus its
+        computed prompt at the prefill rate, and its end for an answer of one token a sequence (that token is the
+        prefill's output), never past its last token. A prompt cannot be computed before its request arrives: placed
+        ending at the arrival, it fell in the interval the daemon's arrival edge (read just after it) closes, the run
+        of the request before, whose energy it took (the simulated vLLM, 1-3-token answers each alone: 20 of 50 rows
+        off 10-74%, silent; docs/daemon.md)."""
+        tr = r.trace
+        if tr.first_ns is None or tr.last_ns is None or tr.first_ns > tr.arrival_ns:
+            return tr.first_ns if tr.first_ns is not None else tr.arrival_ns
+        last = max(int(tr.last_ns), tr.arrival_ns)
+        if float(tr.tokens_seen) <= max(tr.extra.get("sequences", 1), 1):
+            return last
+        computed = max(self._prompt_work(r, True) - _prefill_cached(r), 0.0)
+        rate = self.learner.costs(self.edges[-1].setting if self.edges else self._setting).prefill_tok_s
+        return min(tr.arrival_ns + int(computed / max(rate, 1e-9) * 1e9), last)
 
     def _spread_burst(self, r: LiveRequest) -> None:
         """A stream whose tokens all reached the proxy in one delivery (chunks under SAME_DELIVERY_NS apart) was held
@@ -768,6 +791,10 @@ class Ledger:
                "something between the server and the proxy buffers its streams, a busy host ran the server or the "
                "proxy late, or a busy server sent several steps' tokens at once")
         fix = _burst_fix(r)
+        if client_held(r):
+            why = (f"its own client read it slower than the server sent it (the proxy's writes to it waited "
+                   f"{_secs(tr.extra.get('client_held_s', 0.0))}, and the proxy stopped reading the server meanwhile)")
+            fix = "nothing to fix for its energy: its TTFT and decode_s are its client's reading pace"
         if r.bursts and _parser_held(r):
             pass  # the server's parser's hold (its row says so): no hop to warn of
         elif r.bursts and (self.burst_requests == 1 or self.burst_requests % 1000 == 0):

@@ -878,6 +878,7 @@ class _ClientSink:
         self._not_inspected = False
         self._draining = False
         self._drain_task: asyncio.Task | None = None
+        self._paused_ns = 0  # when its upstream was paused for a client slow to read (`_drain`)
         # When this sink last finished with a piece (monotonic ns): a piece that comes within SAME_DELIVERY_NS of it
         # was waiting while the previous one was handled, part of the same delivery (`account`, trace.extra["deliveries"]).
         self._free_ns: int | None = None
@@ -905,6 +906,7 @@ class _ClientSink:
                 transport.write(piece)
             if not self._draining and transport.get_write_buffer_size() > self.WRITE_BUFFER_MAX_BYTES:
                 self._draining = True
+                self._paused_ns = now
                 self.ex.pause()  # a slow client: stop reading the upstream until its buffer drains
                 self._drain_task = asyncio.get_running_loop().create_task(self._drain())  # held: not collected
         except Exception:  # the client's socket failed: as if it left (the piece still counts, as above)
@@ -1004,8 +1006,19 @@ class _ClientSink:
             return
         finally:
             self._draining = False
+            self._note_client_held()
         if self.ex is not None:
             self.ex.resume()
+
+    def _note_client_held(self) -> None:
+        """The seconds its upstream stood paused for its client to read (its own backpressure: a receive buffer full),
+        summed on the trace (`client_held_s`): the tokens the server sent meanwhile reach the proxy in a burst once the
+        client reads, which the ledger would otherwise blame on a buffering hop between the server and the proxy."""
+        trace = self.trace
+        if trace is not None and self._paused_ns:
+            held_s = (time.monotonic_ns() - self._paused_ns) / 1e9
+            trace.extra["client_held_s"] = trace.extra.get("client_held_s", 0.0) + held_s
+        self._paused_ns = 0
 
     def check_client(self) -> None:
         """On the upstream's timer: a client that left while the upstream is silent ends the request too."""

@@ -40,7 +40,10 @@ CACHE_UNSAID_MIN = 1.0
 GONE_ABORT_SLACK_S = 1.0
 # A request's energy from intervals other requests (or bypass traffic) did work in while the fixed ratio split them
 # (the work model's fit not mature) is said on its row from this part of its GPU energy on, and so is what the range
-# the ratio stands for could add to it there: below it the ratio moves its figure by a fraction of a percent.
+# the ratio stands for could add to it there: below it the ratio moves its figure by a fraction of a percent. That range
+# is over the prompt token's cost and the prefill rate alone, and its words say so: read as the row's uncertainty, short
+# answers beside long streams decoding lay outside it, all high (+37% where it said -1% to +0%), by the context cost
+# the ratio leaves out, which nothing here bounds.
 FIXED_RATIO_MIN_SHARE = 0.05
 FIXED_RATIO_LEAD = "{pct}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
 # Given none there (not a joule: a share under 0.5% reads "under 1%"): only the range's slow rate places its prompt
@@ -53,7 +56,10 @@ FIXED_RATIO_NOTE = ("{lead}, split among them by the fixed ratio (a prompt token
                     "model's fit was not mature ({why}): at a prompt token of "
                     f"{attr.PREFILL_PER_DECODE_RANGE[0]}-{attr.PREFILL_PER_DECODE_RANGE[1]} of a decoded token, "
                     f"prefilled at {attr.PREFILL_TOK_S_SLOW:.0f}-{attr.DEFAULT_PREFILL_TOK_S:.0f} tokens/s, its figure "
-                    "would be {lo:+.0f}% to {hi:+.0f}% (step and context costs move it too), the "
+                    "would be {lo:+.0f}% to {hi:+.0f}% over those two alone, no bound on its error: the step and "
+                    "context costs the ratio leaves out move it further, by nothing bounded here (a token of a long "
+                    "context costs more: a request of shorter context than those beside it reads high, of longer low), "
+                    "the "
                     "intervals' sums are measured; fix: none for these rows, later ones are split by the learned costs "
                     f"once {MIN_BUSY} busy intervals fit with R² ≥ {MIN_R2} (docs/daemon.md, work model): too little "
                     "traffic or a busy host delays that")
@@ -241,6 +247,41 @@ def _parser_held(r: LiveRequest) -> bool:
     """Every later burst of `r` can be a chunk in which the server's tool-call parser sent several tokens at once (the
     proxy's count of such chunks: _State.tool_call_jumps), not a hop's buffer."""
     return 0 < r.bursts <= r.trace.extra.get("tool_call_jumps", 0)
+
+
+# The share of a held-back stream's hold its own client's backpressure must explain to be named its cause (`client_held`).
+CLIENT_HELD_SHARE = 0.5
+# A stream held back by its own client, which read it slower than the server sent it: what its row says (`client_held`).
+CLIENT_HELD_NOTE = ("its tokens reached the proxy in {what}, held back by its own client: it read its stream slower than "
+                    "the server sent it (its receive buffer full), so the proxy's writes to it waited {held} in all, and "
+                    "the proxy stopped reading the server meanwhile rather than buffer without bound; {spread}; its TTFT "
+                    "and decode_s are its client's reading pace, not the server's (nothing to fix for its energy: no "
+                    "proxy or gateway between the server and the proxy held them; a client that reads as it goes gets "
+                    "the server's pace)")
+
+
+# What to do where a client held its stream back so long that intervals closed before its tokens came.
+CLIENT_HELD_FIX = "fix: its client reads its stream as it comes (the proxy holds intervals only so long)"
+
+
+def client_held(r: LiveRequest) -> bool:
+    """Its bursts are its own client's doing: the proxy's upstream stood paused for the client to read
+    (`proxy._ClientSink._note_client_held`) for at least CLIENT_HELD_SHARE of the time its tokens were held back. Blamed
+    on a buffering hop, a client that read nothing for 20 s sent its operator to turn off nginx's proxy_buffering."""
+    paused_s = r.trace.extra.get("client_held_s", 0.0)
+    hold_s = r.held_s if r.bursts else (r.burst_s or 0.0)
+    return paused_s > 0 and paused_s >= CLIENT_HELD_SHARE * hold_s
+
+
+def _client_held_note(r: LiveRequest) -> str:
+    """A held-back stream's note where its client held it (`client_held`)."""
+    if r.bursts:
+        what = f"{r.bursts + 1} bursts, up to {r.held_s:.1f} s apart"
+        spread = "each burst's were spread over the time before it at the server's pace"
+    else:
+        what = f"one burst, {r.burst_s:.1f} s after its arrival"
+        spread = "they were spread over its run at the server's pace"
+    return CLIENT_HELD_NOTE.format(what=what, held=_secs(r.trace.extra.get("client_held_s", 0.0)), spread=spread)
 
 
 def _burst_fix(r: LiveRequest) -> str:
@@ -479,7 +520,10 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         notes.append(f"requests the proxy does not count ran beside it ({', '.join(kinds[:3])}"
                      f"{f' and {len(kinds) - 3} more' if len(kinds) > 3 else ''}): their GPU work is unseen, so part "
                      "of their energy is in this request's share")
-    if r.burst_s is not None:
+    by_client = (r.burst_s is not None or (r.bursts and not _parser_held(r))) and client_held(r)
+    if by_client:
+        notes.append(_client_held_note(r))
+    elif r.burst_s is not None:
         notes.append(f"its tokens reached the proxy in one burst, {r.burst_s:.1f} s after its arrival (held back between "
                      f"the server and the proxy: a buffering proxy or gateway{_own_late_said(r)}), and were spread over "
                      f"{'the server' + chr(39) + 's decode time' if _server_timed(r) else 'its run'} at the server's "
@@ -494,7 +538,7 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "time before it at the server's pace; its TTFT and decode_s are the bursts', not the server's "
                      "(nothing to fix: a parser that streams calls as they go, such as SGLang's JSON detectors, "
                      "sends them step by step)")
-    elif r.bursts:
+    elif r.bursts and not by_client:
         notes.append(f"its tokens reached the proxy in {r.bursts + 1} bursts, up to {r.held_s:.1f} s apart (held back "
                      "between the server and the proxy: a buffering proxy or gateway that passes its buffer on when "
                      f"full or on a timer{_own_late_said(r)}), each burst's spread over the time before it at the "
@@ -502,7 +546,7 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
     if r.closed_s > 0 and (r.burst_s is not None or r.bursts):
         notes.append(f"{r.closed_s:.1f} s of its run ran in intervals closed before its tokens came (held longer than "
                      "they can wait): that energy went to the requests beside it or to idle, and its own figure is low "
-                     f"({BURST_FIX})")
+                     f"({CLIENT_HELD_FIX if by_client else BURST_FIX})")
     if r.cache_late >= CACHE_UNSAID_MIN:
         notes.append(f"{CACHE_LATE_FLAG}: its answer said {r.cache_late:.0f} of its prompt tokens were found in the "
                      "prefix cache only at its end, after intervals over its prefill had closed with them costed as "
