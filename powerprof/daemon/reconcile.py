@@ -75,8 +75,9 @@ COUNTER_BELOW = SERVER_COUNT_BELOW
 # A stretch of traffic between two quiet scrapes (`_judge_usage`) over which the server's counter counted fewer tokens
 # than the proxy placed by more than this many tokens and this share of the tokens the proxy believed from a final
 # count alone (usage-only: `note_usage_only`) says its usage runs above the counter. Between quiet points conservation
-# holds: bypass traffic only raises the counter, and an honest counter's lag and reads read early have drained (an
-# honest speculative run of the test scene fell 0-2.2 tokens short over its whole run, of 210 usage-only tokens).
+# holds: bypass traffic only raises the counter, and an honest counter's lag and reads read early have drained
+# (tests/test_daemon_token_counts.py's scene: an honest counter fell 0 tokens short of 207 usage-only tokens at 4 tokens
+# a chunk, 0 of 120 at one a chunk; a usage saying 1.25x, 60 of 180).
 USAGE_ABOVE_TOKENS = 3.0
 USAGE_ABOVE_SHARE = 0.05
 USAGE_ONLY_MAX = 100_000  # usage-only token events kept unjudged at most (each window's are let go as it is resolved)
@@ -291,7 +292,10 @@ class CountReconciler:
     def usage_hold_ns(self) -> int | None:
         """The start of the earliest resolved window whose usage-only tokens are not judged yet (`_judge_usage`): its
         intervals wait for the stretch's quiet scrape, SCRAPE_HOLD_S at most (the ledger's hold on the server's count;
-        forced, `bypass_over` judges on what is known). None: none waits."""
+        closed before, `bypass_over` judges on what is known). Steady traffic has no quiet scrape, and every whole
+        answer's tokens are usage-only, so there intervals close 10 s late; held 5 s instead, two clients of a 1.25x
+        usage back to back for 14 s left the first 3 s of intervals and 4 of 22 rows unsaid (10 s: none). None: none
+        waits."""
         st = self._stretch
         return min((sp.t0_ns for sp in st.windows), default=None) if not st.above else None
 
