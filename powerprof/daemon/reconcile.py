@@ -126,6 +126,7 @@ class _UsageStretch:
     # the resolved windows holding them, not yet judged (their intervals wait: `usage_hold_ns`)
     windows: list = field(default_factory=list)
     end_ns: int = 0  # its latest resolved window's end
+    allow: float = 0.0  # the proxy's tokens of the LAG_S before it, as of its resolving pass (`_judge_usage_forced`)
     unjudged: bool = False  # a window of it says its count is lost or unread (a restart, counter_below told, ...)
     above: bool = False  # judged: the usage runs above the counter (its later windows say so as they are resolved)
 
@@ -292,9 +293,9 @@ class CountReconciler:
     def usage_hold_ns(self) -> int | None:
         """The start of the earliest resolved window whose usage-only tokens are not judged yet (`_judge_usage`): its
         intervals wait for the stretch's quiet scrape, SCRAPE_HOLD_S at most (the ledger's hold on the server's count;
-        closed before, `bypass_over` judges on what is known). Steady traffic has no quiet scrape, and every whole
-        answer's tokens are usage-only, so there intervals close 10 s late; held 5 s instead, two clients of a 1.25x
-        usage back to back for 14 s left the first 3 s of intervals and 4 of 22 rows unsaid (10 s: none). None: none
+        closed before, `bypass_over` judges on what is known). Only while the stretch's counter stands over a token
+        below the proxy's tokens (`_usage_account`). Held 5 s instead of 10, two clients of a 1.25x usage back to back
+        for 14 s (no quiet scrape) left the first 3 s of intervals and 4 of 22 rows unsaid (10 s: none). None: none
         waits."""
         st = self._stretch
         return min((sp.t0_ns for sp in st.windows), default=None) if not st.above else None
@@ -1004,6 +1005,8 @@ class CountReconciler:
                 quiet = (np.searchsorted(pt, int(sp.t1_ns) - lag_ns, side="right")
                          == np.searchsorted(pt, int(sp.t1_ns) + lag_ns, side="right")) and not self._live_at(int(sp.t1_ns))
                 self._usage_account(sp, float(placed[k]), float(slack[k]), told, quiet)
+                self._stretch.allow = float(cum[np.searchsorted(pt, int(sp.t1_ns), side="right")]
+                                            - cum[np.searchsorted(pt, int(sp.t1_ns) - lag_ns, side="right")])
 
     def _usage_account(self, sp: _ScrapeWindow, placed_n: float, slack_n: float, told: set, quiet: bool) -> None:
         """Adds resolved window `sp` (the proxy's `placed_n` tokens in it, `slack_n` of them a usage's few beyond a
@@ -1040,6 +1043,13 @@ class CountReconciler:
             st.windows.append(sp)
             if st.above:
                 self._usage_said(st)
+        if not st.above and st.placed_n - st.server_n - st.slack_n <= LAG_TOKENS:
+            # The counter has kept up with the proxy so far (a token: what a record's own delay moves): nothing to hold
+            # its windows for. Held to the quiet scrape whatever, every whole answer's windows (all its tokens
+            # usage-only) held the intervals after them: a third turn's prefill intervals closed after its end had
+            # said its cached count, and its row no longer said prefix-cache-late
+            # (tests/test_daemon_prefix_cache.py); under steady traffic, every row came 10 s late.
+            st.windows = []
         if quiet:
             self._judge_usage(st, 0.0)
             for rid in st.requests:
@@ -1111,9 +1121,9 @@ class CountReconciler:
         st = self._stretch
         if st.above or not st.windows or min(sp.t0_ns for sp in st.windows) >= upto_ns:
             return
-        end, lag_ns = st.end_ns, int(LAG_S * 1e9)
-        allow = LAG_TOKENS + sum(x for t, x in self.proxied if end - lag_ns < t <= end)
-        if not self._judge_usage(st, allow):
+        # As of the pass that resolved its latest window: summed afresh over `proxied` at every close, steady traffic's
+        # 10 s of token events were walked 4 times a second.
+        if not self._judge_usage(st, LAG_TOKENS + st.allow):
             st.windows = [sp for sp in st.windows if sp.t1_ns > upto_ns]
 
     def _usage_doubt(self, sp: _ScrapeWindow, placed_n: float, fin_t: np.ndarray, slack_t: np.ndarray,
