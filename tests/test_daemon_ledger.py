@@ -544,6 +544,98 @@ def test_a_non_streamed_answer_longer_than_the_scrape_lag_is_not_also_taken_for_
     assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)
 
 
+@pytest.mark.parametrize("counted", [30, 24])
+def test_a_whole_answers_usage_above_the_servers_counter_is_said_with_both_counts(counted):
+    # A non-streamed answer whose usage says 30 over 1-3.5 s, the server's counter counting `counted` of them as it
+    # generates, then quiet: 24 (the usage 1.25x the counter) is no lag and no bypass traffic (bypass only raises the
+    # counter). Before, its row kept 30 and a J/token over them, its intervals `complete`; 30 stays unsaid.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = RequestTrace(1, "POST", "/v1/completions", None, int(0.9 * S), 0, api="openai-completions", stream=None)
+    led.on_start(tr)
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.5 * S), 0.0)
+    prev, served = int(0.5 * S), 0.0
+    for step in range(11, 161):  # 0.55 s ... 8.0 s
+        now = step * S // 20
+        if step == 70:  # 3.5 s: the body, with usage
+            tr.stream = False
+            tr.first_ns, tr.last_ns, tr.end_ns = int(1.0 * S), now, now
+            tr.tokens_seen = 30
+            tr.extra["spread"] = True
+            tr.counts = Counts(generated_tokens=30, prompt_tokens=5, model=None, stop_reason=None, token_source="usage")
+            led.on_end(tr)
+        if step % 5 == 0:
+            n = float(min(max(round((now / S - 1.0) * 12 * counted / 30), 0), counted))
+            led.add_server_tokens(now, n - served, prev)
+            prev, served = now, n
+        if step % 20 == 0:
+            _feed(led, now / S, 100.0 * now / S)
+        led.advance(now)
+    led.close_all(int(8.2 * S))
+    (row,) = sink.rows["requests"]
+    busy = [r for r in sink.rows["intervals"] if r["proxy_tokens"]]
+    if counted == 30:
+        assert row["error"] is None and row["gpu_j_per_token"] is not None
+        assert busy and not any("usage_above_counter" in r["server_count"] for r in sink.rows["intervals"])
+        return
+    assert "usage_above_counter: its usage said 30 generated tokens" in row["error"], row["error"]
+    assert "counter (/metrics) about 24" in row["error"] and "fix:" in row["error"], row["error"]
+    assert row["generated_tokens"] == 30 and row["gpu_j_per_token"] is None and row["gpu_energy_j"] > 0
+    assert busy and all("usage_above_counter" in r["server_count"] for r in busy), [r["server_count"] for r in busy]
+    assert "usage_above_counter" in row["energy_note"]  # its energy is of intervals whose count is not complete
+
+
+def test_steady_whole_answers_with_no_quiet_scrape_keep_bounded_state_and_close_within_the_hold():
+    # 400 whole answers of 6 tokens, one every 0.3 s, each 0.5 s long (two live at once: never a quiet scrape), the
+    # counter exact: what the reconciler keeps to judge their usage stays bounded (reconcile.USAGE_REQUESTS_KEPT past the
+    # live ones), their intervals are not held for it, and nothing says usage_above_counter.
+    from powerprof.daemon.reconcile import USAGE_REQUESTS_KEPT
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.25 * S), 0.0)
+    trs, ends, served, counted, prev = {}, {}, 0.0, 0.0, int(0.25 * S)
+    most_kept = 0
+    for step in range(6, 2500):  # 0.3 s ... 125 s, every 0.05 s
+        now = step * S // 20
+        if step % 6 == 0 and step // 6 <= 400:  # a new answer every 0.3 s
+            rid = step // 6
+            trs[rid] = tr = RequestTrace(rid, "POST", "/v1/completions", None, now, 0, api="openai-completions",
+                                         stream=None)
+            led.on_start(tr)
+            ends[rid] = now + S // 2
+        for rid in [r for r, e in ends.items() if e <= now]:
+            tr = trs.pop(rid)
+            del ends[rid]
+            tr.stream = False
+            tr.first_ns, tr.last_ns, tr.end_ns = tr.arrival_ns + S // 10, now, now
+            tr.tokens_seen = 6
+            tr.extra["spread"] = True
+            tr.counts = Counts(generated_tokens=6, prompt_tokens=5, model=None, stop_reason=None, token_source="usage")
+            led.on_end(tr)
+        # the server counts each live answer's 6 tokens evenly over its last 0.4 s
+        counted = sum(min(max((now - (e - 2 * S // 5)) / (2 * S // 5), 0.0), 1.0) * 6 for e in ends.values())
+        if step % 5 == 0:
+            done = 6.0 * (min(step // 6, 400) - len(ends))
+            led.add_server_tokens(now, done + counted - served, prev)
+            prev, served = now, done + counted
+        if step % 5 == 0:
+            _feed(led, now / S, 100.0 * now / S)
+        led.advance(now)
+        rc = led.recon
+        most_kept = max(most_kept, len(rc._usage_counts), len(rc._stretch.requests))
+        if 40 * S < now < 110 * S:
+            # Steady, the counter keeping up: nothing holds its intervals for the judgment (1.45 s behind at most, as
+            # the scrapes' LAG_S lookahead makes them; held to a quiet scrape, SCRAPE_HOLD_S and more).
+            assert sink.rows["intervals"][-1]["t_start_mono_s"] > now / S - 2.5
+    led.close_all(int(125.2 * S))
+    assert most_kept <= USAGE_REQUESTS_KEPT + 4 and len(led.recon._usage_only) < 1000
+    assert len(sink.rows["requests"]) == 400
+    assert not any("usage_above_counter" in (r["error"] or "") for r in sink.rows["requests"])
+    assert not any("usage_above_counter" in r["server_count"] for r in sink.rows["intervals"])
+
+
 def test_an_error_answer_with_no_work_takes_no_energy_and_its_time_stays_idle():
     # Before: a 413 (or 503, or the proxy's 502) alone in an interval shared it "by live time": it was
     # charged the idle GPU's energy over its life (31 J for one 413 on the simulator) and idle was short.

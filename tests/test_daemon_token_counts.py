@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemon_helpers import DaemonProc, read_dataset, sim_env
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
+from powerprof.storage.schema import SERVER_COUNT_USAGE_ABOVE
 
 pytestmark = pytest.mark.slow
 
@@ -123,18 +124,11 @@ def _said(row) -> str:
     return f"{row['error'] or ''} {row['energy_note'] or ''}"
 
 
-# The reason a fix should give the windows (and the intervals, tags and requests over them) where the server's own
-# counter contradicts the usage the proxy believed (not in storage/schema.py yet: the xfail below pins the gap).
-USAGE_ABOVE_COUNTER = "usage_above_counter"
+# The reason the windows (and the intervals, tags and requests over them) say where the server's own counter contradicts
+# the usage the proxy believed.
+USAGE_ABOVE_COUNTER = SERVER_COUNT_USAGE_ABOVE
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not fixed (session 54, branch lie): a usage above a stream's chunks is believed as speculative decoding, and a "
-    "whole answer's usage has nothing but the server's counter to be checked against; where that counter (/metrics) "
-    "counted 40 and the usage said 50, the reconciler takes each window's shortfall for a counter read early (owed: "
-    "CountReconciler._owed) and drops it unsaid once the proxy's traffic ends (_cap_owed_and_overpaid: 160 of the "
-    "160 surplus tokens of the battery's lie125), or for a loss (counter_below): rows say nothing, or blame "
-    "proxy_lag/bypass, and generated_tokens 50 and its J/token stand"))
 def test_a_usage_above_the_servers_own_counter_is_said_on_the_rows_naming_both_counts(tmp_path):
     """A server whose final usage says 1.25x what it generated (50 for 40), its stream and its /metrics counter true:
     the proxy's count runs 10 a request above the counter, which no bypass traffic can explain (bypass only raises the
@@ -144,7 +138,8 @@ def test_a_usage_above_the_servers_own_counter_is_said_on_the_rows_naming_both_c
     assert len(reqs) == 6
     for row in reqs:
         text = _said(row)
-        assert USAGE_ABOVE_COUNTER in text and "50" in text and "40" in text, row
+        assert USAGE_ABOVE_COUNTER in text and "usage said 50" in text and "about 40" in text, row
+        assert pd.isna(row["gpu_j_per_token"]) and row["gpu_energy_j"] > 0, row
     busy = [iv for iv in intervals if iv["proxy_tokens"] and iv["proxy_tokens"] > 1]
     assert busy and all(USAGE_ABOVE_COUNTER in iv["server_count"] for iv in busy), \
         [(iv["proxy_tokens"], iv["server_count"]) for iv in busy]

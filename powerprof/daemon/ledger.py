@@ -49,8 +49,8 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
                       _no_counter_short_note, _no_energy_reason, _parser_held, _request_flags, _secs, _unsaid_reason,
-                      _with_late, _counted_low_interval_note, client_held, counted_low, tag_server_count,
-                      tokens_unknown)
+                      _usage_above_note, _with_late, _counted_low_interval_note, client_held, counted_low,
+                      tag_server_count, tokens_unknown)
 from .streams import uncounted_kind
 from .workmodel import FEATURES, CostLearner
 
@@ -664,6 +664,10 @@ class Ledger:
                 ts = np.linspace(first, trace.last_ns, SPREAD_EVENTS).astype(np.int64).tolist()
             r.ev_t, r.ev_n = [], []
             self._place(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS)
+            if c is not None and c.token_source in ("usage", "timings") and c.invalid is None \
+                    and c.count_problem is None:
+                # A whole answer's count is the server's word alone: only its counter checks it.
+                self.recon.note_usage_only(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS, n, 0.0)
         return 0.0
 
     def _whole_answer_first_ns(self, r: LiveRequest) -> int:
@@ -992,6 +996,7 @@ class Ledger:
             r.ev_t, r.ev_n = [int(t)], [target]
             if self.recon.server_seen:
                 self.recon.proxied.append((int(t), target))
+                self.recon.note_usage_only(r, [int(t)], [target], total, float(r.trace.tokens_seen or 0))
             r.to_server = True
             return target
         f = target / open_n
@@ -999,6 +1004,9 @@ class Ledger:
         scaled[-1] = target - sum(scaled[:-1])  # the request's tokens add up to the count exactly
         if self.recon.server_seen:
             self.recon.proxied.extend((t, new - n) for t, n, new in zip(r.ev_t, r.ev_n, scaled))
+            # Beyond its chunks, on the usage's word alone: only the server's counter checks them.
+            self.recon.note_usage_only(r, r.ev_t, [new - n for n, new in zip(r.ev_n, scaled)], total,
+                                       float(r.trace.tokens_seen or 0))
         r.ev_n = scaled
         r.to_server = True
         return target - open_n
@@ -1407,6 +1415,9 @@ class Ledger:
                 # spread back over them (`recon._spread_back`).
                 window_ns = rc.server_spans[-1].t1_ns - rc.server_spans[-1].t0_ns if rc.server_spans else 0
                 known = min(known, rc.server_upto_ns - window_ns - int(max(d for _, d in rc.durations) * 1e9))
+            usage_ns = rc.usage_hold_ns()  # windows whose usage-only tokens wait for their stretch's quiet scrape
+            if usage_ns is not None:
+                known = min(known, usage_ns)
             horizon = min(horizon, max(known, now_ns - int(SCRAPE_HOLD_S * 1e9)))
         if self._avg_needed.any():
             # A GPU read by its trailing average alone: the reading that covers an interval's end is taken half a
@@ -2375,6 +2386,9 @@ class Ledger:
         if lie is not None:
             note = f"{lie}: generated_tokens and J/token left empty ({COUNT_FIX})"
             error = note if error is None else f"{error}; {note}"
+        if r.usage_above is not None and lie is None:
+            note = _usage_above_note(r)
+            error = note if error is None else f"{error}; {note}"
         return {
             "daemon_id": self.daemon_id,
             "request_id": tr.request_id,
@@ -2414,7 +2428,8 @@ class Ledger:
             "cached_prompt_tokens": c.cached_tokens if c is not None and c.invalid is None else None,
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
-                                if r.tokens > 0 and r.gpu_j > 0 and lie is None and not r.gpu_missing else None),
+                                if r.tokens > 0 and r.gpu_j > 0 and lie is None and r.usage_above is None
+                                and not r.gpu_missing else None),
             "recorder_error": tr.recorder_error,
         }
 

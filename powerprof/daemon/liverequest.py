@@ -93,6 +93,10 @@ class LiveRequest:
     # Tokens its end placed after its last chunk as a held call's tail (`_placed_at_end`): their count is the server's,
     # their timing inferred (HELD_TAIL_FLAG).
     held_tail_n: float = 0.0
+    # (its final count, the server counter's share of it, the shortfall and requests of the stretch it ran in) where the
+    # server's counter counted fewer tokens than its usage said (reconcile.CountReconciler._judge_usage): its
+    # generated_tokens is the usage's, its J/token left empty; None: not found so.
+    usage_above: tuple[float, float, float, int] | None = None
     # Its GPU joules from intervals other requests (or bypass traffic) did work in that the fixed ratio split (the work
     # model's fit not mature: `fixed_why`, why when they closed): its share there rests on that ratio, not learned costs.
     fixed_j: float = 0.0

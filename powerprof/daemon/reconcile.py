@@ -18,12 +18,12 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from powerprof.storage.schema import (SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
-                                      SERVER_COUNT_USAGE_BEYOND,
+                                      SERVER_COUNT_USAGE_ABOVE, SERVER_COUNT_USAGE_BEYOND,
                                       SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD, SERVER_COUNT_SLOTS_ONLY,
                                       SERVER_COUNT_UNREAD, SERVER_COUNT_BELOW, bypass_count_fix)
 
@@ -70,8 +70,18 @@ USAGE_VOTE_S = 30.0
 # What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
 MISPLACED, PROXY_LAG, PROXY_UNREAD = SERVER_COUNT_MISPLACED, SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD
-USAGE_BEYOND = SERVER_COUNT_USAGE_BEYOND
+USAGE_BEYOND, USAGE_ABOVE = SERVER_COUNT_USAGE_BEYOND, SERVER_COUNT_USAGE_ABOVE
 COUNTER_BELOW = SERVER_COUNT_BELOW
+# A stretch of traffic between two quiet scrapes (`_judge_usage`) over which the server's counter counted fewer tokens
+# than the proxy placed by more than this many tokens and this share of the tokens the proxy believed from a final
+# count alone (usage-only: `note_usage_only`) says its usage runs above the counter. Between quiet points conservation
+# holds: bypass traffic only raises the counter, and an honest counter's lag and reads read early have drained
+# (tests/test_daemon_token_counts.py's scene: an honest counter fell 0 tokens short of 207 usage-only tokens at 4 tokens
+# a chunk, 0 of 120 at one a chunk; a usage saying 1.25x, 60 of 180).
+USAGE_ABOVE_TOKENS = 3.0
+USAGE_ABOVE_SHARE = 0.05
+USAGE_ONLY_MAX = 100_000  # usage-only token events kept unjudged at most (each window's are let go as it is resolved)
+USAGE_REQUESTS_KEPT = 256  # past this many, a stretch's requests whose rows are written are let go (`_usage_prune`)
 FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held
 
 
@@ -96,6 +106,29 @@ class _ScrapeWindow:
     # What the reads at its edges may have missed or taken early, (early, late) at its start then at its end (set when
     # resolved: `_read_unsure`).
     read_unsure: tuple[float, float, float, float] | None = None
+
+
+@dataclass(slots=True)
+class _UsageStretch:
+    """The traffic since the latest quiet scrape (no proxied token within LAG_S of it, no proxied request live across
+    it), for `CountReconciler._judge_usage`: what the server counted and the proxy placed over its resolved windows,
+    the usage-only tokens among the latter, and the windows holding those, not yet judged."""
+
+    server_n: float = 0.0  # the server's count over its resolved windows
+    placed_n: float = 0.0  # the proxy's tokens placed in them
+    slack_n: float = 0.0  # of those, a usage's few beyond a stream's chunks (`slack`: usage_beyond_chunks's own)
+    usage_n: float = 0.0  # of those, the tokens believed from a final count alone (`note_usage_only`)
+    # the ids of the requests those came from, still live (`CountReconciler._usage_prune`), and the number and summed
+    # final counts of all of them
+    requests: set = field(default_factory=set)
+    n_requests: int = 0
+    final_n: float = 0.0
+    # the resolved windows holding them, not yet judged (their intervals wait: `usage_hold_ns`)
+    windows: list = field(default_factory=list)
+    end_ns: int = 0  # its latest resolved window's end
+    allow: float = 0.0  # the proxy's tokens of the LAG_S before it, as of its resolving pass (`_judge_usage_forced`)
+    unjudged: bool = False  # a window of it says its count is lost or unread (a restart, counter_below told, ...)
+    above: bool = False  # judged: the usage runs above the counter (its later windows say so as they are resolved)
 
 
 class CountReconciler:
@@ -196,6 +229,13 @@ class CountReconciler:
         self.delays: deque = deque(maxlen=4096)
         self.misplaced_windows = 0  # scrape windows whose placed proxied tokens came out below none (`_placed_in`)
         self._resolved_last: int | None = None  # the last scrape's end at the latest resolving pass
+        # (t_ns, tokens, request id) of the tokens placed as proxied on a server's final count alone (a stream's usage
+        # beyond its chunks counted one a chunk, a whole answer's count: `note_usage_only`), let go as their window is
+        # resolved; {request id: (its final count, its chunks' count)} of those; the stretch they are judged over.
+        self._usage_only: deque = deque(maxlen=USAGE_ONLY_MAX)
+        self._usage_counts: dict[int, tuple[float, float]] = {}
+        self._stretch = _UsageStretch()
+        self.usage_above_stretches = 0  # stretches judged usage_above_counter (the log says the first and every 100th)
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
@@ -239,6 +279,26 @@ class CountReconciler:
             finished_requests=int(finished[0]) if at_finish and finished is not None else None))
         if "server_restart" in partial:
             self.restarts.append((int(t0), int(t_ns)))
+
+    def note_usage_only(self, r: LiveRequest, ts: list, ns: list, final_n: float, chunks_n: float) -> None:
+        """Tokens the ledger placed as proxied (`ts`, `ns`, in `proxied` too) on `r`'s final count alone (`final_n`: a
+        usage, a whole answer's count; `chunks_n`: the tokens its chunks carried, 0 for a whole answer): only the
+        server's counter can check them (`_judge_usage`)."""
+        if not self.server_seen or self.server_at_finish:
+            return
+        rid = r.trace.request_id
+        self._usage_only.extend((int(t), float(n), rid) for t, n in zip(ts, ns) if n > 0)
+        self._usage_counts[rid] = (float(final_n), float(chunks_n))
+
+    def usage_hold_ns(self) -> int | None:
+        """The start of the earliest resolved window whose usage-only tokens are not judged yet (`_judge_usage`): its
+        intervals wait for the stretch's quiet scrape, SCRAPE_HOLD_S at most (the ledger's hold on the server's count;
+        closed before, `bypass_over` judges on what is known). Only while the stretch's counter stands over a token
+        below the proxy's tokens (`_usage_account`). Held 5 s instead of 10, two clients of a 1.25x usage back to back
+        for 14 s (no quiet scrape) left the first 3 s of intervals and 4 of 22 rows unsaid (10 s: none). None: none
+        waits."""
+        st = self._stretch
+        return min((sp.t0_ns for sp in st.windows), default=None) if not st.above else None
 
     def note_proxy_delay(self, t_ns: int, delay_s: float) -> None:
         """How late the proxy's event loop ran at `t_ns` (a timer's lateness there): it reads the server's tokens no
@@ -390,6 +450,7 @@ class CountReconciler:
         covers. Windows overlapping these intervals are resolved now with what is known (their
         lag margin is cut short only when the intervals could not be held longer)."""
         self.resolve_spans(int(t[-1]), force=True)
+        self._judge_usage_forced(int(t[-1]))
         out = np.zeros(t.size - 1)
         why: list[set] = [set() for _ in range(t.size - 1)]
         for x in self.server_spans:
@@ -629,6 +690,7 @@ class CountReconciler:
             next_restart[k] = nxt
             nxt = k if restart[k] else nxt
         for k, sp in enumerate(todo):
+            told = set(sp.partial)  # what the scraper said of it (and a restart's marks), before this pass adds any
             # `force` is for the windows of the intervals being closed only: later ones, old enough but
             # live with a stream still to be corrected, keep waiting (forced too, 4 tokens a chunk with
             # usage gave ~13% of the requests' energy to unproxied with no bypass traffic at all).
@@ -939,6 +1001,130 @@ class CountReconciler:
             self._window_ns.append(int(sp.t1_ns - sp.t0_ns))
             self._edge_most = float(ahead_n[k]) if measured[k] else None
             self._edge_read = (float(early_n[k]), float(late_n[k]))
+            if not self.server_at_finish:
+                quiet = (np.searchsorted(pt, int(sp.t1_ns) - lag_ns, side="right")
+                         == np.searchsorted(pt, int(sp.t1_ns) + lag_ns, side="right")) and not self._live_at(int(sp.t1_ns))
+                self._usage_account(sp, float(placed[k]), float(slack[k]), told, quiet)
+                self._stretch.allow = float(cum[np.searchsorted(pt, int(sp.t1_ns), side="right")]
+                                            - cum[np.searchsorted(pt, int(sp.t1_ns) - lag_ns, side="right")])
+
+    def _usage_account(self, sp: _ScrapeWindow, placed_n: float, slack_n: float, told: set, quiet: bool) -> None:
+        """Adds resolved window `sp` (the proxy's `placed_n` tokens in it, `slack_n` of them a usage's few beyond a
+        stream's chunks; `told`: its reasons before this pass) to the stretch of traffic since the latest quiet scrape,
+        with the usage-only tokens placed in it (`note_usage_only`), and judges the stretch where `sp` ends quiet (no
+        proxied token within LAG_S of its end, no proxied request live across it): `_judge_usage`."""
+        st = self._stretch
+        n, rids, keep = 0.0, set(), []
+        for t, x, rid in self._usage_only:
+            if t > sp.t1_ns:
+                keep.append((t, x, rid))
+            elif t > sp.t0_ns:  # those at or before its start came after their window was resolved: in no placed count
+                n += x
+                rids.add(rid)
+        if len(keep) != len(self._usage_only):
+            self._usage_only = deque(keep, maxlen=USAGE_ONLY_MAX)
+        st.server_n += float(sp.server_tokens)
+        st.placed_n += placed_n
+        st.slack_n += slack_n
+        st.end_ns = int(sp.t1_ns)
+        # A count lost or unread in the stretch (a restart, the scraper's counter_below, a late baseline, slots_only,
+        # unscraped, misplaced) leaves it short of the proxy's tokens for reasons of its own: not judged. The
+        # reconciler's own counter_below (`_lost_beyond`: a run short for good) is no such word: it is what a usage
+        # above the counter reads as (6 of the test scene's 30 busy intervals), and is judged.
+        if (sp.restarted or told - {PROXY_LAG, USAGE_BEYOND, USAGE_ABOVE}
+                or {"server_restart", "unscraped", MISPLACED} & set(sp.partial)):
+            st.unjudged = True
+        if n > 0:
+            st.usage_n += n
+            for rid in rids - st.requests:
+                st.n_requests += 1
+                st.final_n += self._usage_counts.get(rid, (0.0, 0.0))[0]
+            st.requests |= rids
+            st.windows.append(sp)
+            if st.above:
+                self._usage_said(st)
+        if not st.above and st.placed_n - st.server_n - st.slack_n <= LAG_TOKENS:
+            # The counter has kept up with the proxy so far (a token: what a record's own delay moves): nothing to hold
+            # its windows for. Held to the quiet scrape whatever, every whole answer's windows (all its tokens
+            # usage-only) held the intervals after them: a third turn's prefill intervals closed after its end had
+            # said its cached count, and its row no longer said prefix-cache-late
+            # (tests/test_daemon_prefix_cache.py); under steady traffic, every row came 10 s late.
+            st.windows = []
+        if quiet:
+            self._judge_usage(st, 0.0)
+            for rid in st.requests:
+                self._usage_counts.pop(rid, None)
+            self._stretch = _UsageStretch()
+        self._usage_prune()
+
+    def _usage_prune(self) -> None:
+        """Bounds what steady traffic (no quiet scrape for hours) keeps for `_judge_usage`: past USAGE_REQUESTS_KEPT, the
+        requests no longer live (their rows written: nothing left to tell them) are let go, from the stretch and from
+        the final counts kept (`note_usage_only`); the stretch keeps their number and summed counts."""
+        st = self._stretch
+        if len(st.requests) > USAGE_REQUESTS_KEPT:
+            st.requests = {rid for rid in st.requests if rid in self.requests}
+        if len(self._usage_counts) > USAGE_REQUESTS_KEPT:
+            self._usage_counts = {rid: x for rid, x in self._usage_counts.items()
+                                  if rid in self.requests or rid in st.requests}
+
+    def _judge_usage(self, st: _UsageStretch, allow: float) -> bool:
+        """Whether the server's usage ran above its own counter over stretch `st`: the counter counted fewer tokens
+        than the proxy placed (less a usage's few beyond its chunks, `slack`, which usage_beyond_chunks says on its own,
+        and `allow`, what an honest counter may still owe: 0 at a quiet scrape) by more than USAGE_ABOVE_TOKENS and
+        USAGE_ABOVE_SHARE of its usage-only tokens. Where so, its windows holding them say USAGE_ABOVE, and its
+        requests' rows too (`_usage_said`).
+
+        Between two quiet scrapes every token the proxy placed was generated, and counted, between them: bypass traffic
+        only raises the counter, and a lag or a read made early has drained. So a counter short of the proxy there is
+        short of tokens believed on the server's word alone (the chunks were seen), or lost some (a restart: not
+        judged). Per window nothing tells: the reconciler took each window's shortfall for a read made early (owed) and
+        let it go unsaid once traffic ended (`_cap_owed_and_overpaid`), or for a loss (counter_below)."""
+        short = st.placed_n - st.server_n - st.slack_n - allow
+        if st.above or st.unjudged or st.usage_n <= 0 \
+                or short <= max(USAGE_ABOVE_TOKENS, USAGE_ABOVE_SHARE * st.usage_n):
+            return st.above
+        st.above = True
+        self.usage_above_stretches += 1
+        n = self.usage_above_stretches
+        if n <= 3 or n % 100 == 0:
+            log.warning("the server's own token counter counted %.0f token(s) fewer than the proxy placed over a stretch "
+                        "of %d request(s) whose usage alone said %.0f of them (%d such stretches so far): its usage runs "
+                        "above its counter, which no bypass traffic explains; their rows and intervals say %s; fix: %s",
+                        short, st.n_requests, st.usage_n, n, USAGE_ABOVE, bypass_count_fix(USAGE_ABOVE))
+        self._usage_said(st)
+        return True
+
+    def _usage_said(self, st: _UsageStretch) -> None:
+        """Marks stretch `st`'s windows holding usage-only tokens USAGE_ABOVE and tells its requests (LiveRequest.
+        usage_above: their final count, the counter's share of it, the stretch's shortfall and requests). The counter's
+        share is the final count less the stretch's shortfall over its requests' final counts, that share of it (a
+        usage over-saying by one factor), never below the tokens its chunks carried (seen, so generated)."""
+        for sp in st.windows:
+            if USAGE_ABOVE not in sp.partial:
+                sp.partial = (*sp.partial, USAGE_ABOVE)
+        st.windows = []
+        short = max(0.0, st.placed_n - st.server_n - st.slack_n)
+        kept = max(0.0, 1.0 - short / st.final_n) if st.final_n > 0 else 1.0
+        for rid in st.requests:
+            q, counts = self.requests.get(rid), self._usage_counts.get(rid)
+            if q is not None and counts is not None:
+                final_n, chunks_n = counts
+                q.usage_above = (final_n, max(chunks_n, final_n * kept), short, st.n_requests)
+
+    def _judge_usage_forced(self, upto_ns: int) -> None:
+        """The intervals up to `upto_ns` close (`bypass_over`) over windows whose stretch is not judged yet (its quiet
+        scrape not come: steady traffic, or intervals held SCRAPE_HOLD_S): judged on what is known, an honest counter
+        allowed to owe still the proxy's tokens of the LAG_S before the stretch's latest resolved window (a lag, a read
+        made early) and a token. Those windows not found above close as they are; the stretch goes on, judged again at
+        its quiet scrape or next close."""
+        st = self._stretch
+        if st.above or not st.windows or min(sp.t0_ns for sp in st.windows) >= upto_ns:
+            return
+        # As of the pass that resolved its latest window: summed afresh over `proxied` at every close, steady traffic's
+        # 10 s of token events were walked 4 times a second.
+        if not self._judge_usage(st, LAG_TOKENS + st.allow):
+            st.windows = [sp for sp in st.windows if sp.t1_ns > upto_ns]
 
     def _usage_doubt(self, sp: _ScrapeWindow, placed_n: float, fin_t: np.ndarray, slack_t: np.ndarray,
                      slack_n: np.ndarray, read: tuple[int, int], lag_ns: int) -> tuple[float, float]:

@@ -16,7 +16,8 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SH
                                 NO_COUNTER_SHORT_FLAG)
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
-                                      GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, SERVER_COUNT_COMPLETE, bypass_count_fix,
+                                      GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, SERVER_COUNT_COMPLETE,
+                                      SERVER_COUNT_USAGE_ABOVE, bypass_count_fix,
                                       bypass_count_may_be)
 
 from . import attribution as attr
@@ -173,6 +174,19 @@ def _before_first_note(r: LiveRequest) -> str | None:
     return (f"{BEFORE_FIRST_READ_FLAG}: it arrived {gap} before the daemon's first GPU read, and "
             "its energy before that read was not counted: its gpu_energy_j, cpu_energy_j and J/token are low; fix: "
             "none for this row (later requests are measured whole); the log says why the start's NVML read failed")
+
+
+def _usage_above_note(r: LiveRequest) -> str:
+    """Why a request's count is not believed whole (LiveRequest.usage_above): the server's counter counted fewer tokens
+    than its usage (and its neighbours') said over the stretch it ran in; both counts named, with the fix."""
+    final_n, counter_n, short_n, n_req = r.usage_above
+    chunks = r.trace.tokens_seen if r.trace.stream is True and r.trace.tokens_seen else None
+    return (f"{SERVER_COUNT_USAGE_ABOVE}: its usage said {final_n:.0f} generated tokens"
+            f"{f' (its chunks carried {chunks:.0f})' if chunks is not None else ''}, the server's own token counter "
+            f"(/metrics) about {counter_n:.0f}: over the stretch of {n_req} request(s) it ran in the counter counted "
+            f"{short_n:.0f} fewer than their usage said, which no bypass traffic explains (it only raises the counter); "
+            "generated_tokens is the usage's, gpu_j_per_token left empty, and its energy is a share taken by the "
+            f"usage's count; fix: {bypass_count_fix(SERVER_COUNT_USAGE_ABOVE)}")
 
 
 def _with_late(error: str | None, late: float) -> str | None:
