@@ -1611,6 +1611,55 @@ def test_honest_streams_of_several_tokens_a_chunk_are_not_flagged_whenever_the_s
     assert sum(r["server_tokens"] or 0.0 for r in ivs) <= 1.0
 
 
+def test_lockstep_streams_whose_step_falls_inside_a_scrapes_get_are_not_said_proxy_lag():
+    # Four streams decoded together, one token each a 50 ms step (a continuous batch), every token through the proxy
+    # 1 ms after the server counted it, no bypass traffic; the scraper's GETs take 6 ms and some hold a step. Where in
+    # the GET the counter was read moves that step's 4 tokens between two windows, more than a token plus 5% of their
+    # 20: but both windows booked no bypass token, so the read moved none (`CountReconciler._quiet_edges`). Before,
+    # each interval beside such an edge said proxy_lag (the simulator, 4 streams of 40: 13 of 34 busy intervals), every
+    # window's bypass 0.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    traces = [RequestTrace(i + 1, "POST", "/completion", "t", int(0.95 * S), 0, api="llamacpp", stream=True)
+              for i in range(4)]
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.5 * S), 0.0)
+    prev, served, counted = int(0.5 * S), 0.0, 0.0
+    for ms in range(501, 6001):  # every 1 ms to 6 s
+        now = ms * S // 1000
+        if ms == 950:
+            for tr in traces:
+                led.on_start(tr)
+        step = 1000 <= ms <= 4000 and ms % 50 == 0
+        if step:
+            counted += 4  # the server counts the step's token of each stream
+        if 1000 < ms <= 4001 and ms % 50 == 1:  # the proxy reads them 1 ms later
+            for tr in traces:
+                tr.first_ns = tr.first_ns or now
+                tr.last_ns = now
+                tr.tokens_seen += 1
+                led.on_tokens(tr, now, 1)
+        if ms == 4002:
+            for tr in traces:
+                tr.end_ns = now
+                led.on_end(tr)
+        if ms % 250 == 5:  # a GET from 6 ms before now, stamped at its middle (2 ms after a step, 1 after its tokens)
+            mid = now - 3 * S // 1000
+            led.add_server_tokens(mid, counted - served, prev, read_ns=(mid - 3 * S // 1000, now))
+            led.note_proxy_delay(now, 0.001)
+            prev, served = mid, counted
+        if ms % 250 == 200:  # 0.25 s intervals, their edges 50 ms before the scrapes (the daemon samples on its own clock)
+            _feed(led, now / S, 100.0 * now / S)
+        if ms % 10 == 0:
+            led.advance(now)
+    led.close_all(int(6.2 * S))
+    ivs = sink.rows["intervals"]
+    assert sum(r["proxy_tokens"] for r in ivs) == pytest.approx(61 * 4)
+    assert sum(r["server_tokens"] or 0.0 for r in ivs) <= 1.0
+    said = [(r["t_start_mono_s"], r["server_count"]) for r in ivs if r["server_count"] != "complete" and r["proxy_tokens"]]
+    assert not said, said
+
+
 def test_a_power_limit_changed_while_intervals_are_held_splits_each_with_its_own_settings_costs():
     # The tuner (or a sweep) moves the limit from 300 W to 200 W at 3.5 s while a stream runs whose prompt length
     # comes only at its end, so its intervals are held and close together. Before: all of them were split with the
