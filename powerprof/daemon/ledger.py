@@ -913,14 +913,14 @@ class Ledger:
 
     def _chunks_to_server_count(self, r: LiveRequest, target: float) -> None:
         """`_to_server_count` where the usage says several tokens a chunk (CHUNK_TOKENS_SEVERAL times the open chunks or
-        more): each chunk's share is placed step by step over the time since the chunk before it, as on_tokens places a counted
-        piece of several steps (the first open chunk at its stamp: nothing before it is open), and the chunks in scrape
-        windows already resolved keep their count (their windows took the server's count as it stood: a surplus placed
-        there is in no window's count, its tokens read as bypass tokens that never ran). Scaled at the chunks' stamps, a
-        stream batching 4 tokens a chunk (a server's stream interval) ran up to 3 tokens behind the counter between its
-        chunks, and its first chunk (the prefill's token alone) 2.6 ahead: honest windows said counter_below or
-        proxy_lag (the simulator's 4-a-chunk scene: up to 15 of 30 busy intervals, docs/daemon.md "Where in a
-        chunk's time")."""
+        more): each chunk's share is placed step by step over the time since the chunk before it, as on_tokens places a
+        counted piece of several steps (the first open chunk at its stamp: nothing before it is open), and the chunks in
+        scrape windows already resolved keep their count (their windows took the server's count as it stood: a surplus
+        placed there is in no window's count, its tokens read as bypass tokens that never ran). Scaled at the chunks'
+        stamps, a stream batching 4 tokens a chunk (a server's stream interval) ran up to 3 tokens behind the counter
+        between its chunks, and its first chunk (the prefill's token alone) 2.6 ahead: honest windows said counter_below
+        or proxy_lag (the simulator's 4-a-chunk scene: up to 15 of 30 busy intervals, docs/daemon.md "Where in a chunk's
+        time")."""
         ev_t, ev_n = list(r.ev_t), list(r.ev_n)
         done = self.recon.resolved_to_ns if self.recon.server_seen else None
         kept = 0 if done is None else int(np.searchsorted(np.asarray(ev_t, dtype=np.int64), done, side="right"))

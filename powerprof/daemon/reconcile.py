@@ -195,8 +195,8 @@ class CountReconciler:
         # delay of the proxy's own can move its tokens (`PROXY_LAG`). None measured: up to LAG_S, as nothing says less.
         self.delays: deque = deque(maxlen=4096)
         self.misplaced_windows = 0  # scrape windows whose placed proxied tokens came out below none (`_placed_in`)
-        # (from, to, tokens) of each chunk a stream's usage said held several tokens, spread over the time since the
-        # chunk before it (`note_chunk_spread`): where the server counted them in that time is unknown.
+        # (from, to, tokens, at its start) of each chunk a stream's usage said held several tokens, spread over the time
+        # since the chunk before it (`note_chunk_spread`): where the server counted them in that time is unknown.
         self.chunk_spreads: deque = deque()
         self._spent_quiet: dict[int, bool] = {}  # the latest spent window's end: it booked no bypass (`_quiet_edges`)
         # The end of the latest resolved scrape window: tokens placed at or before it are in no window's count any more
@@ -496,10 +496,9 @@ class CountReconciler:
     def _quiet_edges(self) -> set[int]:
         """The scrape edges where the counter's read, wherever in its GET, moved no bypass token: both windows beside it
         resolved with at most a token of bypass traffic (LAG_TOKENS), or the later still open and its count at most a
-        token above the proxy's, and nothing said of their count. A read there moves
-        the proxy's tokens of its GET from one window to the other, and a window's level is the lowest gap of its
-        lookahead: a read late raised one gap the level passed over, a read early hid bypass tokens the next window
-        books. Both booking none, there were none to move. Marked, lockstep streams (a batch's step puts a token of each
+        token above the proxy's, and nothing said of their count. A read there moves the proxy's tokens of its GET from
+        one window to the other, and a window's level is the lowest gap of its lookahead: a read late raised one gap the
+        level passed over, a read early hid bypass tokens the next window books. Both booking none, there were none. Marked, lockstep streams (a batch's step puts a token of each
         in a 3 ms GET) said proxy_lag on honest rows: 4 streams, 13 of 34 busy intervals, every window's bypass 0."""
         by_edge: dict[int, list] = {e: [q] for e, q in self._spent_quiet.items()}  # a spent window's end, its word
         for x in self.server_spans:
@@ -892,7 +891,7 @@ class CountReconciler:
             # from the most they held to the least it may hold.
             rose, fell = float(ahead_n[low]) - ref_least, ref_most - float(ahead_lo[low])
             # Less what the level's own edge may lack of chunk tokens placed before it (`_chunk_early`): a stream's dip
-            # there, no lag drained (vLLM's speculative chunks, 3 tokens each, 4 streams: 15 of 22 honest intervals).
+            # there, no lag drained (taken for one, it marked honest windows of speculative chunks placed early).
             drained = max(0.0, float(gaps[k]) - level - float(chunk_low[low]))
             if not measured[low]:
                 rose, fell = (float(ahead_n[low]), -float(ahead_n[low])) if sp.bypass_tokens > LAG_TOKENS \
