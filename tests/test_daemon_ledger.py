@@ -1714,6 +1714,125 @@ def test_streams_sending_several_tokens_a_chunk_give_none_to_unproxied_when_an_e
     assert rows[1]["gpu_energy_j"] + rows[2]["gpu_energy_j"] == pytest.approx(sum(r["requests_energy_j"] for r in ivs))
 
 
+def _chunked_streams(first_token_alone: bool, count_per_step: bool, phase_ms: int = 0):
+    """Three honest streams one after another (no bypass traffic), each of 40 tokens sent 4 a chunk every 100 ms and
+    counted one a chunk until its usage (40) scales them, through a ledger scraping the server every 250 ms. The
+    server's counter rises one token a 25 ms step over each chunk's 100 ms (`count_per_step`: a stream interval) or by
+    the chunk's 4 at its send (speculative decoding); `first_token_alone`: the first chunk holds the prefill's token
+    alone (then 9 chunks of 4 and one of 3), else 10 of 4. `phase_ms`: the streams' offset against the scrapes.
+    Returns the interval rows."""
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    sizes = [1] + [4] * 9 + [3] if first_token_alone else [4] * 10
+    plan = []  # (trace, [(chunk at step, its tokens)]) over 5 ms steps
+    for i in range(3):
+        start = 200 + 260 * i + phase_ms // 5  # 1 s apart and a bit, so each meets the scrapes at another phase
+        tr = RequestTrace(i + 1, "POST", "/v1/completions", "t", (start - 4) * S // 200, 0, api="openai-completions",
+                          stream=True)
+        plan.append((tr, [(start + 20 * j, n) for j, n in enumerate(sizes)]))
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.5 * S), 0.0)
+    prev, served, counted = int(0.5 * S), 0.0, 0.0
+    for step in range(101, 1200):  # every 5 ms, to 6 s
+        now = step * S // 200
+        for tr, chunks in plan:
+            if step == chunks[0][0] - 4:
+                led.on_start(tr)
+            for at, n in chunks:
+                # The server's count of this chunk: per 25 ms step over the 100 ms before it (the first, at once), or all
+                # at its send.
+                if count_per_step and at != chunks[0][0]:
+                    counted += n / 20 if at - 20 < step <= at else 0.0
+                elif step == at:
+                    counted += n
+                if step == at:
+                    tr.first_ns = tr.first_ns or now
+                    tr.last_ns = now
+                    tr.tokens_seen += 1
+                    led.on_tokens(tr, now, 1)
+            if step == chunks[-1][0] + 1:
+                tr.end_ns = now
+                tr.counts = Counts(generated_tokens=sum(sizes), prompt_tokens=5, model=None, stop_reason=None,
+                                   token_source="usage", tokens_estimated=True)
+                led.on_end(tr)
+        if step % 50 == 0:
+            led.add_server_tokens(now, counted - served, prev)
+            prev, served = now, counted
+            led.note_proxy_delay(now, 0.001)  # the proxy's loop on time, measured as the daemon does
+        if step % 200 == 0:
+            _feed(led, now / S, 100.0 * now / S)
+        led.advance(now)
+    led.close_all(int(6.2 * S))
+    return sink.rows["intervals"]
+
+
+@pytest.mark.parametrize("phase_ms", [0, 40, 90, 160])
+@pytest.mark.parametrize("first_token_alone,count_per_step", [(True, True), (False, True), (False, False)])
+def test_honest_streams_of_several_tokens_a_chunk_are_not_flagged_whenever_the_server_counted_them(
+        first_token_alone, count_per_step, phase_ms):
+    # A stream counted one token a chunk whose usage says 4 a chunk: where in each chunk's time the server counted its
+    # tokens, nothing tells (step by step over it: a server's stream interval; all at the chunk: speculative decoding),
+    # nor whether its first chunk held the prefill's token alone. No bypass traffic ran: no interval may say its count
+    # is low or off, and none but a token's worth in all may go to bypass traffic (the tolerance: a token, what a
+    # record's own delay moves whatever the placing, LAG_TOKENS). Before, scaled at the chunks' stamps, the stream-
+    # interval scene's windows ran up to 3 tokens behind the counter, and its first chunk 2.6 ahead: counter_below and
+    # proxy_lag on honest rows (the simulator's scene: 5-15 of 30 busy intervals in 2 runs of 3).
+    ivs = _chunked_streams(first_token_alone, count_per_step, phase_ms)
+    assert sum(r["proxy_tokens"] for r in ivs) == pytest.approx(3 * 40)
+    said = [(r["t_start_mono_s"], r["server_count"]) for r in ivs if r["server_count"] != "complete"]
+    assert not said, said
+    assert sum(r["server_tokens"] or 0.0 for r in ivs) <= 1.0
+
+
+def test_lockstep_streams_whose_step_falls_inside_a_scrapes_get_are_not_said_proxy_lag():
+    # Four streams decoded together, one token each a 50 ms step (a continuous batch), every token through the proxy
+    # 1 ms after the server counted it, no bypass traffic; the scraper's GETs take 6 ms and some hold a step. Where in
+    # the GET the counter was read moves that step's 4 tokens between two windows, more than a token plus 5% of their
+    # 20: but both windows booked no bypass token, so the read moved none (`CountReconciler._quiet_edges`). Before,
+    # each interval beside such an edge said proxy_lag (the simulator, 4 streams of 40: 13 of 34 busy intervals), every
+    # window's bypass 0.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    traces = [RequestTrace(i + 1, "POST", "/completion", "t", int(0.95 * S), 0, api="llamacpp", stream=True)
+              for i in range(4)]
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.5 * S), 0.0)
+    prev, served, counted = int(0.5 * S), 0.0, 0.0
+    for ms in range(501, 6001):  # every 1 ms to 6 s
+        now = ms * S // 1000
+        if ms == 950:
+            for tr in traces:
+                led.on_start(tr)
+        step = 1000 <= ms <= 4000 and ms % 50 == 0
+        if step:
+            counted += 4  # the server counts the step's token of each stream
+        if 1000 < ms <= 4001 and ms % 50 == 1:  # the proxy reads them 1 ms later
+            for tr in traces:
+                tr.first_ns = tr.first_ns or now
+                tr.last_ns = now
+                tr.tokens_seen += 1
+                led.on_tokens(tr, now, 1)
+        if ms == 4002:
+            for tr in traces:
+                tr.end_ns = now
+                led.on_end(tr)
+        if ms % 250 == 5:  # a GET from 6 ms before now, stamped at its middle (2 ms after a step, 1 after its tokens)
+            mid = now - 3 * S // 1000
+            led.add_server_tokens(mid, counted - served, prev, read_ns=(mid - 3 * S // 1000, now))
+            led.note_proxy_delay(now, 0.001)
+            prev, served = mid, counted
+        if ms % 250 == 200:  # 0.25 s intervals, their edges 50 ms before the scrapes (the daemon samples on its own clock)
+            _feed(led, now / S, 100.0 * now / S)
+        if ms % 10 == 0:
+            led.advance(now)
+    led.close_all(int(6.2 * S))
+    ivs = sink.rows["intervals"]
+    assert sum(r["proxy_tokens"] for r in ivs) == pytest.approx(61 * 4)
+    assert sum(r["server_tokens"] or 0.0 for r in ivs) <= 1.0
+    said = [(r["t_start_mono_s"], r["server_count"]) for r in ivs if r["server_count"] != "complete" and r["proxy_tokens"]]
+    assert not said, said
+
+
 def test_a_power_limit_changed_while_intervals_are_held_splits_each_with_its_own_settings_costs():
     # The tuner (or a sweep) moves the limit from 300 W to 200 W at 3.5 s while a stream runs whose prompt length
     # comes only at its end, so its intervals are held and close together. Before: all of them were split with the

@@ -83,6 +83,11 @@ HELD_PACE_X = 4.0
 FIRST_BURST_TOKENS = 8
 # A stream's piece of several steps is placed as at most this many events over the time since its previous piece.
 PIECE_STEPS = 8
+# A stream counted one token a chunk whose usage says this many times as many or more holds several tokens a chunk
+# (speculative decoding, a server's stream interval), each chunk's placed over the time since the one before
+# (`_chunks_to_server_count`); below, a few tokens beyond the chunks (a closing token the stream showed none of), each
+# chunk's share at its stamp as before.
+CHUNK_TOKENS_SEVERAL = 1.5
 # Prefix-cache hits the server counted beyond what its answers said (CACHE_UNSAID_FLAG): kept this long to meet the
 # requests that end after them (a request or an interval is flagged from rowtext.CACHE_UNSAID_MIN of them on).
 CACHE_KEEP_S = 300.0
@@ -999,6 +1004,9 @@ class Ledger:
                 self.recon.note_usage_only(r, [int(t)], [target], total, float(r.trace.tokens_seen or 0))
             r.to_server = True
             return target
+        if target >= CHUNK_TOKENS_SEVERAL * open_n and len(r.ev_n) > 1:
+            self._chunks_to_server_count(r, target)
+            return target - open_n
         f = target / open_n
         scaled = [n * f for n in r.ev_n]
         scaled[-1] = target - sum(scaled[:-1])  # the request's tokens add up to the count exactly
@@ -1010,6 +1018,54 @@ class Ledger:
         r.ev_n = scaled
         r.to_server = True
         return target - open_n
+
+    def _chunks_to_server_count(self, r: LiveRequest, target: float) -> None:
+        """`_to_server_count` where the usage says several tokens a chunk (CHUNK_TOKENS_SEVERAL times the open chunks or
+        more): each chunk's share is placed step by step over the time since the chunk before it, as on_tokens places a
+        counted piece of several steps (the first open chunk at its stamp: nothing before it is open), and the chunks in
+        scrape windows already resolved keep their count (their windows took the server's count as it stood: a surplus
+        placed there is in no window's count, its tokens read as bypass tokens that never ran). Scaled at the chunks'
+        stamps, a stream batching 4 tokens a chunk (a server's stream interval) ran up to 3 tokens behind the counter
+        between its chunks, and its first chunk (the prefill's token alone) 2.6 ahead: honest windows said counter_below
+        or proxy_lag (the simulator's 4-a-chunk scene: up to 15 of 30 busy intervals, docs/daemon.md "Where in a chunk's
+        time")."""
+        ev_t, ev_n = list(r.ev_t), list(r.ev_n)
+        done = self.recon.resolved_to_ns if self.recon.server_seen else None
+        kept = 0 if done is None else int(np.searchsorted(np.asarray(ev_t, dtype=np.int64), done, side="right"))
+        if kept >= len(ev_t) or float(sum(ev_n[kept:])) <= 0:
+            kept = 0  # every chunk in resolved windows: scaled all the same (where else could the count go)
+        fixed = float(sum(ev_n[:kept]))
+        f = (target - fixed) / (float(sum(ev_n)) - fixed)
+        steps = int(round(f))
+        steps = PIECE_STEPS if steps > PIECE_STEPS else steps if steps > 1 else 1
+        ts: list[int] = [int(t) for t in ev_t[:kept + 1]]
+        ns: list[float] = [float(n) for n in ev_n[:kept]] + [ev_n[kept] * f]
+        if self.recon.server_seen and not r.spent and not r.late and kept == 0:
+            # Its first chunk's share beyond its own count: maybe its token alone (out of the prefill), the rest the
+            # later chunks' (`recon.note_chunk_spread`).
+            self.recon.note_chunk_spread(int(ev_t[0]), int(ev_t[-1]), ev_n[0] * (f - 1.0), at_start=True)
+        if kept:
+            # The first chunk after the resolved windows: spread from their end, never into them.
+            a = max(int(ev_t[kept - 1]), int(done))
+            d, k = int(ev_t[kept]) - a, steps
+            if d > 0 and k > 1:
+                ts[-1:] = [a + d * i // k for i in range(1, k + 1)]
+                ns[-1:] = [ev_n[kept] * f / k] * k
+                if self.recon.server_seen:
+                    self.recon.note_chunk_spread(a, int(ev_t[kept]), ev_n[kept] * f)
+        for a, t, n in zip(ev_t[kept:], ev_t[kept + 1:], ev_n[kept + 1:]):
+            d = int(t) - int(a)
+            k = steps if d > 0 else 1
+            ts.extend(int(a) + d * i // k for i in range(1, k + 1))
+            ns.extend([n * f / k] * k)
+            if k > 1 and self.recon.server_seen:
+                self.recon.note_chunk_spread(int(a), int(t), n * f)
+        ns[-1] = target - float(sum(ns[:-1]))  # the request's tokens add up to the count exactly
+        if self.recon.server_seen:
+            self.recon.proxied.extend((t, -n) for t, n in zip(ev_t, ev_n))
+            self.recon.proxied.extend(zip(ts, ns))
+        r.ev_t, r.ev_n = ts, ns
+        r.to_server = True
 
     # --- inputs from the sampler and the scraper ----------------------------------------------
 

@@ -228,6 +228,13 @@ class CountReconciler:
         # delay of the proxy's own can move its tokens (`PROXY_LAG`). None measured: up to LAG_S, as nothing says less.
         self.delays: deque = deque(maxlen=4096)
         self.misplaced_windows = 0  # scrape windows whose placed proxied tokens came out below none (`_placed_in`)
+        # (from, to, tokens, at its start) of each chunk a stream's usage said held several tokens, spread over the time
+        # since the chunk before it (`note_chunk_spread`): where the server counted them in that time is unknown.
+        self.chunk_spreads: deque = deque()
+        self._spent_quiet: dict[int, bool] = {}  # the latest spent window's end: it booked no bypass (`_quiet_edges`)
+        # The end of the latest resolved scrape window: tokens placed at or before it are in no window's count any more
+        # (`Ledger._chunks_to_server_count` keeps its chunks there as they were counted).
+        self.resolved_to_ns: int | None = None
         self._resolved_last: int | None = None  # the last scrape's end at the latest resolving pass
         # (t_ns, tokens, request id) of the tokens placed as proxied on a server's final count alone (a stream's usage
         # beyond its chunks counted one a chunk, a whole answer's count: `note_usage_only`), let go as their window is
@@ -299,6 +306,26 @@ class CountReconciler:
         waits."""
         st = self._stretch
         return min((sp.t0_ns for sp in st.windows), default=None) if not st.above else None
+
+    def note_chunk_spread(self, from_ns: int, to_ns: int, tokens: float, at_start: bool = False) -> None:
+        """Chunk tokens a stream's usage told (a stream counted one a chunk: `Ledger._chunks_to_server_count`) whose
+        count's place in time is unknown. Spread evenly over (`from_ns`, `to_ns`], the time since the chunk before: a
+        server that generated them step by step there (a stream interval) counted them so, one that made them in one
+        step (speculative decoding) all at `to_ns`. `at_start`: the first chunk's share beyond its own count, placed at
+        `from_ns`, its token out of the prefill alone or several, counted there or by the stream's last chunk at
+        `to_ns`. Either way placed no later than counted: those before a scrape may be counted after it
+        (`_chunk_early`)."""
+        self.chunk_spreads.append((int(from_ns), int(to_ns), float(tokens), bool(at_start)))
+
+    def _chunk_early(self, edges: np.ndarray) -> np.ndarray:
+        """Per edge, the chunk tokens placed before it that the server may count after it (`note_chunk_spread`): a dip of
+        the gap that the windows after it win back while the proxy's pace holds, lawful, no loss of the count."""
+        sp = np.array(self.chunk_spreads, dtype=float).reshape(-1, 4)
+        a, b, x, point = (sp[:, i][None, :] for i in range(4))
+        e = edges.astype(float)[:, None]
+        inside = (e > a) & (e < b)
+        share = np.where(point > 0, 1.0, (e - a) / np.where(inside, b - a, 1.0))
+        return np.where(inside, x * share, 0.0).sum(axis=1)
 
     def note_proxy_delay(self, t_ns: int, delay_s: float) -> None:
         """How late the proxy's event loop ran at `t_ns` (a timer's lateness there): it reads the server's tokens no
@@ -473,9 +500,15 @@ class CountReconciler:
             ex = np.array([x.bypass_tokens for x in spans])
             over = attr.span_overlap_s(t, sp[:, 0], sp[:, 1])
             out = (over * (ex / ((sp[:, 1] - sp[:, 0]) / 1e9))[:, None]).sum(axis=0)
-        # Spans ending inside the closed intervals are spent; later ones (and their events) wait.
+        # Spans ending inside the closed intervals are spent; later ones (and their events) wait. The latest spent one's
+        # end keeps whether it booked bypass tokens: the next intervals' first edge may be there (`_quiet_edges`).
+        spent = [x for x in self.server_spans if x.t1_ns <= t[-1]]
+        if spent:
+            self._spent_quiet = {int(spent[-1].t1_ns): _quiet(spent[-1])}
         self.server_spans = [x for x in self.server_spans if x.t1_ns > t[-1]]
         keep_from = min([x.t0_ns for x in self.server_spans], default=int(t[-1]))
+        while self.chunk_spreads and self.chunk_spreads[0][1] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
+            self.chunk_spreads.popleft()
         for q in (self.proxied, self.finished, self.slack):
             while q and q[0][0] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
                 q.popleft()
@@ -500,6 +533,7 @@ class CountReconciler:
             return out
         sp = np.array([(x.t0_ns, x.t1_ns) for x in spans], dtype=np.int64)
         share = attr.span_overlap_s(t, sp[:, 0], sp[:, 1]) / ((sp[:, 1] - sp[:, 0]) / 1e9)[:, None]  # (windows, K)
+        quiet = self._quiet_edges()
         for k in range(t.size - 1):
             coef: dict[int, float] = {}
             reads: dict[int, tuple[float, float]] = {}
@@ -512,11 +546,30 @@ class CountReconciler:
                 coef[x.t1_ns] = coef.get(x.t1_ns, 0.0) + f  # its end's read: the count may lack (early) or hold (late)
                 coef[x.t0_ns] = coef.get(x.t0_ns, 0.0) - f  # its start's, the other way round
                 reads[x.t0_ns], reads[x.t1_ns] = x.read_unsure[:2], x.read_unsure[2:]
+            for e in quiet & reads.keys():
+                reads[e] = (0.0, 0.0)  # it moved no bypass token (`_quiet_edges`)
             # A read early at an edge lowers the window before it and raises the one after, by the tokens it missed.
             high = sum(c * reads[e][0] if c > 0 else -c * reads[e][1] for e, c in coef.items())
             low = sum(c * reads[e][1] if c > 0 else -c * reads[e][0] for e, c in coef.items())
             out[k] = (max(high, low), LAG_TOKENS + LAG_SHARE * counted)
         return out
+
+    def _quiet_edges(self) -> set[int]:
+        """The scrape edges where the counter's read, wherever in its GET, moved no bypass token: both windows beside it
+        resolved with at most a token of bypass traffic (LAG_TOKENS), or the later still open and its count at most a
+        token above the proxy's, and nothing said of their count. A read there moves the proxy's tokens of its GET from
+        one window to the other, and a window's level is the lowest gap of its lookahead: a read late raised one gap the
+        level passed over, a read early hid bypass tokens the next window books. Both booking none, there were none. Marked, lockstep streams (a batch's step puts a token of each
+        in a 3 ms GET) said proxy_lag on honest rows: 4 streams, 13 of 34 busy intervals, every window's bypass 0."""
+        by_edge: dict[int, list] = {e: [q] for e, q in self._spent_quiet.items()}  # a spent window's end, its word
+        for x in self.server_spans:
+            # One not resolved yet (the window after the intervals closing): its count less the proxy's tokens at the
+            # latest pass (`_open_bypass`). A read early at its start moved the tokens it missed into it: they show there.
+            open_n = self._open_bypass.get((x.t0_ns, x.t1_ns)) if x.bypass_tokens is None else None
+            quiet = _quiet(x) or (open_n is not None and open_n <= LAG_TOKENS and not x.partial)
+            by_edge.setdefault(int(x.t0_ns), []).append(quiet)
+            by_edge.setdefault(int(x.t1_ns), []).append(quiet)
+        return {e for e, q in by_edge.items() if len(q) >= 2 and all(q)}
 
     def server_count(self, t: np.ndarray, why_low: list[set], scraping: bool, unread_since_ns: int | None,
                      unread_spans: tuple[tuple[int, int], ...]) -> list[str]:
@@ -642,6 +695,9 @@ class CountReconciler:
             self._open_bypass = {(sp.t0_ns, sp.t1_ns): sp.server_tokens - x for sp, x in zip(todo, placed.tolist())}
             self._pass_len = len(self.proxied)
         ends = np.array([sp.t1_ns for sp in todo], dtype=np.int64)
+        chunk_early = self._chunk_early(np.array([sp.t0_ns for sp in todo], dtype=np.int64)) if self.chunk_spreads \
+            else np.zeros(len(todo))
+        chunk_low = self._chunk_early(ends) if self.chunk_spreads else np.zeros(len(todo))
         # A restarted server lost the old process's tail, the proxied tokens in it too: the gap falls there for good.
         # No window before the restart looks past it for its level (its LAG_S lookahead read the fall as lag), and
         # the restart's window starts the levels afresh: held against the levels before it, the fall hid as many
@@ -834,7 +890,11 @@ class CountReconciler:
                 n_prev, d_prev = (float(placed[k - 1]), int(todo[k - 1].t1_ns - todo[k - 1].t0_ns)) if k \
                     else (self._placed_last, self._placed_last_ns)
                 d_k = int(sp.t1_ns - sp.t0_ns)
-                due = min(sp.bypass_tokens, max(0.0, n_prev * d_k / max(d_prev, 1) - float(placed[k])))
+                # A chunk spread before the window's start and counted in it (`_chunk_early`) repays too, whatever the
+                # pace: spread over its 100 ms, 4-token chunks counted at once (speculative decoding) left 2 tokens of
+                # an owe that a stream's last window repaid at an unchanged pace, read as bypass tokens (proxy_lag).
+                due = min(sp.bypass_tokens, max(0.0, n_prev * d_k / max(d_prev, 1) - float(placed[k]))
+                          + float(chunk_early[k]))
                 # What a read e s early owes is the proxy's rate times e, and a fall of the rate by f recovers f x e
                 # (e: the owe over the rate before the fall, at most LAG_S), less than the bound above where e is
                 # under the window's length: a 0.1 s early read's whole owe (16 at 160 tokens/s) netted at a fall to
@@ -892,7 +952,9 @@ class CountReconciler:
             # Each the most it may have: risen from the least the levels held to the most the window's may hold, fallen
             # from the most they held to the least it may hold.
             rose, fell = float(ahead_n[low]) - ref_least, ref_most - float(ahead_lo[low])
-            drained = float(gaps[k]) - level
+            # Less what the level's own edge may lack of chunk tokens placed before it (`_chunk_early`): a stream's dip
+            # there, no lag drained (taken for one, it marked honest windows of speculative chunks placed early).
+            drained = max(0.0, float(gaps[k]) - level - float(chunk_low[low]))
             if not measured[low]:
                 rose, fell = (float(ahead_n[low]), -float(ahead_n[low])) if sp.bypass_tokens > LAG_TOKENS \
                     else (-ref_most, ref_most)
@@ -1001,6 +1063,7 @@ class CountReconciler:
             self._window_ns.append(int(sp.t1_ns - sp.t0_ns))
             self._edge_most = float(ahead_n[k]) if measured[k] else None
             self._edge_read = (float(early_n[k]), float(late_n[k]))
+            self.resolved_to_ns = int(sp.t1_ns)
             if not self.server_at_finish:
                 quiet = (np.searchsorted(pt, int(sp.t1_ns) - lag_ns, side="right")
                          == np.searchsorted(pt, int(sp.t1_ns) + lag_ns, side="right")) and not self._live_at(int(sp.t1_ns))
@@ -1237,6 +1300,12 @@ class CountReconciler:
         # is lost, and the run's loss is added back; what they win back is a dip, added back and taken back out of them.
         # A run whose LAG_S after it has not been scraped yet is not judged
         # (NaN: the windows whose lookahead takes it in wait, `resolve_spans`).
+        # What the proxy placed of chunks a usage told before each window's end and the server may count after it
+        # (`_chunk_early`): the run's count lacks it lawfully, as a read early (a stream's first chunk given 3.6 of its
+        # 4-a-chunk usage, its token the prefill's alone: 2.6 ahead of the counter till the stream's end, 4-10 of 30
+        # honest intervals counter_below in the simulator's scene).
+        chunk_end = self._chunk_early(np.array([sp.t1_ns for sp in todo], dtype=np.int64)) if self.chunk_spreads \
+            else np.zeros(n_w)
         seed = ok & ((short > LAG_TOKENS + LAG_SHARE * placed)
                      | np.array([COUNTER_BELOW in sp.partial for sp in todo], dtype=bool))
         self._seed_ends = {e for e in self._seed_ends if e > int(todo[0].t0_ns) - lag_ns}
@@ -1255,7 +1324,7 @@ class CountReconciler:
             if m == n_w or int(todo[-1].t1_ns) < int(todo[m - 1].t1_ns) + lag_ns:
                 lost[k:] = np.nan
                 break
-            loss = float(short[k:m].sum()) - float(start_allow[k]) - float(early_n[m - 1])
+            loss = float(short[k:m].sum()) - float(start_allow[k]) - float(early_n[m - 1]) - float(chunk_end[m - 1])
             sp_end = todo[m - 1]
             if sp_end.read_span_ns is None:
                 # Read early by up to LAG_S, the run's count lacks the proxy's tokens of that stretch before its end and
@@ -1490,6 +1559,11 @@ def _read_early_most(pt: np.ndarray, cum: np.ndarray, s_ns: int, t_ns: int, lag_
     a = cum[hi] - cum[np.searchsorted(pt, t_ns - e, side="right")]
     b = cum[np.searchsorted(pt, s_ns, side="right")] - cum[np.searchsorted(pt, s_ns - e, side="right")]
     return max(0.0, float((b - a).max() if held else (a - b).max()))
+
+
+def _quiet(x: _ScrapeWindow) -> bool:
+    """Window `x` is resolved, booked at most a token of bypass traffic (LAG_TOKENS), and says nothing of its count."""
+    return x.bypass_tokens is not None and x.bypass_tokens <= LAG_TOKENS and not x.partial
 
 
 def _take_oldest(q: deque, n: float) -> None:
