@@ -145,6 +145,17 @@ def test_a_usage_above_the_servers_own_counter_is_said_on_the_rows_naming_both_c
         [(iv["proxy_tokens"], iv["server_count"]) for iv in busy]
 
 
+def test_a_usage_above_the_servers_own_counter_is_said_under_several_tokens_a_chunk_too(tmp_path):
+    """The same lie behind a stream of 4 tokens a chunk (usage 50 over 10 chunks counted one a chunk): the ledger spreads
+    such a stream's chunks step by step (`Ledger._chunks_to_server_count`), and the tokens it placed there on the usage's
+    word alone went unrecorded for the counter's check: every row believed, nothing said."""
+    reqs, intervals = _usage_scene(tmp_path, 1.25, 4)
+    assert len(reqs) == 6
+    for row in reqs:
+        assert USAGE_ABOVE_COUNTER in _said(row) and "50" in _said(row), row
+        assert row["gpu_j_per_token"] is None or pd.isna(row["gpu_j_per_token"]), row
+
+
 def test_a_usage_above_its_chunks_that_the_servers_counter_agrees_with_stays_believed(tmp_path):
     """Speculative decoding's shape (4 tokens a chunk, usage 40 over 10 chunks counted one a chunk) with an honest
     counter (40): the usage is believed (generated_tokens 40, J/token kept, no error) and nothing says the server's

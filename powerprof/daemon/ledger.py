@@ -1005,7 +1005,7 @@ class Ledger:
             r.to_server = True
             return target
         if target >= CHUNK_TOKENS_SEVERAL * open_n and len(r.ev_n) > 1:
-            self._chunks_to_server_count(r, target)
+            self._chunks_to_server_count(r, target, total)
             return target - open_n
         f = target / open_n
         scaled = [n * f for n in r.ev_n]
@@ -1019,7 +1019,7 @@ class Ledger:
         r.to_server = True
         return target - open_n
 
-    def _chunks_to_server_count(self, r: LiveRequest, target: float) -> None:
+    def _chunks_to_server_count(self, r: LiveRequest, target: float, total: float) -> None:
         """`_to_server_count` where the usage says several tokens a chunk (CHUNK_TOKENS_SEVERAL times the open chunks or
         more): each chunk's share is placed step by step over the time since the chunk before it, as on_tokens places a
         counted piece of several steps (the first open chunk at its stamp: nothing before it is open), and the chunks in
@@ -1064,6 +1064,12 @@ class Ledger:
         if self.recon.server_seen:
             self.recon.proxied.extend((t, -n) for t, n in zip(ev_t, ev_n))
             self.recon.proxied.extend(zip(ts, ns))
+            # Beyond its chunks, on the usage's word alone: only the server's counter checks them (`_judge_usage`; left
+            # unrecorded, a usage lying above its counter behind several tokens a chunk went unsaid). Each placed
+            # token after the resolved windows is (f - 1) / f beyond its chunk's own count.
+            beyond = (f - 1.0) / f if f > 0 else 0.0
+            self.recon.note_usage_only(r, ts[kept:], [n * beyond for n in ns[kept:]], total,
+                                       float(r.trace.tokens_seen or 0))
         r.ev_t, r.ev_n = ts, ns
         r.to_server = True
 
