@@ -166,18 +166,54 @@ def holds_sweep_run(path) -> bool:
     return any(os.path.isfile(os.path.join(path, m)) for m in RUN_MARKS)
 
 
+def is_powerprof_run(path) -> bool:
+    """`path` is a run powerprof wrote: its windows.parquet, or a run.json naming a run_id and a kind. A run.json of
+    another tool's (sacred writes one a run, many CI jobs do) is none: in a folder above a daemon's data dir it refused
+    the daemon's default data dir as "inside a sweep's run folder"."""
+    import json  # noqa: PLC0415
+
+    if os.path.isfile(os.path.join(path, "windows.parquet")):
+        return True
+    try:
+        with open(os.path.join(path, RUN_JSON), "rb") as f:
+            meta = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "run_id" in meta and "kind" in meta
+
+
 # What marks a folder as a daemon's dataset: one of these tables' folders in it (analysis.fleet.is_daemon_dataset, for
 # a local path). Here, beside RUN_MARKS: the sweep's --out check asks without loading the analysis.
 DATASET_MARKS = ("requests", "intervals")
+# Entries looked at below a table's folder for a .parquet file before it is taken for no table (a clone of psf/requests
+# in a home folder has hundreds; a daemon's table has its first file within a few partition folders).
+TABLE_SCAN_MAX_ENTRIES = 2000
+
+
+def _holds_parquet(folder: str) -> bool:
+    """A .parquet file somewhere below `folder`, looked for among TABLE_SCAN_MAX_ENTRIES entries at most."""
+    seen = 0
+    for _root, dirs, files in os.walk(folder):
+        if any(f.endswith(".parquet") for f in files):
+            return True
+        seen += len(dirs) + len(files)
+        if seen > TABLE_SCAN_MAX_ENTRIES:
+            return False
+    return False
+
+
+def holds_dataset_tables(path) -> bool:
+    """`path` holds a daemon dataset's tables: a requests/ or intervals/ folder with Parquet files below it. A folder
+    of that name alone is not one (a clone of psf/requests, a folder of saved prompts): taken for a dataset, every
+    output below a home folder holding one was refused, a finished sweep's default analysis among them."""
+    return any(os.path.isdir(t := os.path.join(path, m)) and _holds_parquet(t) for m in DATASET_MARKS)
 
 
 def daemon_dataset_above(path):
     """The daemon dataset folder `path` lies inside (below it, made yet or not), or None: output there is read as the
     dataset's (its requests/ reads every .parquet below it as request rows, another folder is one more table)."""
-    from pathlib import Path  # noqa: PLC0415
-
     for above in Path(os.path.abspath(path)).parents:
-        if any(os.path.isdir(os.path.join(above, m)) for m in DATASET_MARKS):
+        if holds_dataset_tables(above):
             return above
     return None
 

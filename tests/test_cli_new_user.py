@@ -250,6 +250,26 @@ def test_analyze_of_a_daemon_datasets_table_names_the_dataset_and_the_command(tm
     assert not (sweep_run / "analysis").exists()
 
 
+def test_output_below_a_folder_holding_a_requests_folder_of_no_tables_is_not_refused(tmp_path):
+    # The review: a home or project folder holding requests/ (a clone of psf/requests, saved prompts) was taken for a
+    # daemon dataset: `analyze RUN` of every run below it exited 2, a finished sweep's default analysis failed (exit
+    # 1), and sweep/export --out there were refused, "inside the daemon dataset". Only tables make a dataset.
+    from synthetic_runs import make_run, seed_truth
+
+    home = tmp_path / "home"
+    (home / "requests" / "requests").mkdir(parents=True)
+    (home / "requests" / "requests" / "api.py").write_text("def get(url): ...\n")
+    (home / "intervals").mkdir()
+    sweep_run = make_run(home / "runs" / "r1", seed_truth(), levels=(220, 300), n_requests=4)
+    r = run("analyze", str(sweep_run))
+    assert r.exit_code == 0 and (sweep_run / "analysis" / "analysis.parquet").is_file(), r.output
+    r = run("export", str(sweep_run), "--format", "parquet", "--out", str(home / "exports" / "r1"))
+    assert r.exit_code == 0, r.output
+    r = run("sweep", "--limits", "180,220", "--dry-run", "--simulate", "--out", str(home / "runs" / "r2"))
+    assert r.exit_code == 0 and "daemon dataset" not in r.output, r.output
+    assert sim_limit_w() == 300.0
+
+
 def test_a_sweep_or_measure_into_a_daemon_dataset_is_refused(tmp_path):
     # `sweep --out NODE/requests/r1` was taken: the run's windows.parquet, samples.parquet and levels.parquet lay among
     # the request files, and `analyze NODE` read their rows as requests (windows share request_id, gpu_energy_j, ...),

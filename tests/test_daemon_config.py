@@ -374,27 +374,41 @@ def test_a_data_dir_that_holds_a_sweeps_run_is_refused_before_anything_is_writte
 def test_a_data_dir_inside_a_sweeps_run_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     # `daemon --data-dir RUN/analysis` passed --check and started: `analyze RUN` then wrote its report into the
     # daemon's folder, and `export` of that folder read analysis.parquet alone, the daemon's requests, intervals and
-    # samples left out unsaid. Any folder in a run, however deep, or one not made yet, is refused the same way.
+    # samples left out unsaid. Anywhere in a run's analysis folder, or not made yet there, is refused the same way.
     from click.testing import CliRunner
 
     from powerprof.cli import main
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / "run.json").write_text("{}")
-    for inside in (run / "analysis", run / "daemon" / "not-made-yet"):
-        with pytest.raises(ConfigError, match=rf"daemon.data_dir = '{inside}'.* is inside a sweep's run folder, {run} "
-                                              r"\(run.json\).*give the daemon a folder of its own, outside any run"):
+    (run / "run.json").write_text('{"kind": "sweep", "run_id": "0123456789ab"}')
+    for inside in (run / "analysis", run / "analysis" / "not-made-yet"):
+        with pytest.raises(ConfigError, match=rf"daemon.data_dir = '{inside}'.* is inside a sweep's run folder's "
+                                              rf"analysis, {run / 'analysis'} \(run.json in {run}\).*give the daemon a "
+                                              "folder of its own, outside it"):
             load_config(None, env={}, overrides={"daemon.data_dir": str(inside)})
         for check in (["--check"], []):
             r = CliRunner().invoke(main, ["daemon", "--simulate", "--data-dir", str(inside), "--listen", "127.0.0.1:0",
                                           "--metrics-listen", "127.0.0.1:0", *check])
-            assert r.exit_code == 2 and "is inside a sweep's run folder" in r.output, r.output
+            assert r.exit_code == 2 and "is inside a sweep's run folder's analysis" in r.output, r.output
             assert "config OK" not in r.output and sorted(p.name for p in run.iterdir()) == ["run.json"], r.output
-    monkeypatch.setenv("STATE_DIRECTORY", str(run / "state"))
-    with pytest.raises(ConfigError, match=rf"the default data dir {run / 'state'} is inside a sweep's run folder"):
+    monkeypatch.setenv("STATE_DIRECTORY", str(run / "analysis" / "state"))
+    with pytest.raises(ConfigError, match=r"the default data dir .* is inside a sweep's run folder's analysis"):
         load_config(None, env={})
     load_config(None, env={}, overrides={"daemon.data_dir": str(tmp_path / "daemon")})  # beside the run: fine
+    # Elsewhere in a run no command of the run's reads it (`analyze RUN` writes RUN/analysis alone): accepted.
+    load_config(None, env={}, overrides={"daemon.data_dir": str(run / "node1")})
+
+
+def test_a_data_dir_below_another_tools_run_json_is_not_refused(tmp_path, monkeypatch):
+    # The review: a home folder holding another tool's run.json (sacred writes one a run, many CI jobs do) refused the
+    # daemon's default data dir below it, "inside a sweep's run folder", exit 2.
+    home = tmp_path / "home"
+    (home / "analysis").mkdir(parents=True)
+    (home / "run.json").write_text('{"name": "my-ci-job"}')
+    monkeypatch.setenv("STATE_DIRECTORY", str(home / "analysis" / "powerprof"))
+    load_config(None, env={})
+    load_config(None, env={}, overrides={"daemon.data_dir": str(home / ".local" / "state" / "powerprof" / "daemon")})
 
 
 @pytest.mark.parametrize("proxy,metrics,beyond", [

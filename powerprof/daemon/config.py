@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from powerprof.paths import RUN_MARKS, STATE_DIR_ENV, holds_sweep_run, user_state_home
+from powerprof.paths import RUN_MARKS, STATE_DIR_ENV, holds_sweep_run, is_powerprof_run, user_state_home
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -563,14 +563,17 @@ def _holds_a_run(d: Path) -> str | None:
         return (f"holds a sweep's run ({', '.join(found)}): the daemon's datasets beside its tables would make "
                 "`analyze` and `export` of that folder read one and leave the other out; give the daemon a folder of "
                 "its own")
-    # abspath, not resolve: the folder may not exist yet (made at start), and a symlinked run is the run.
-    for above in Path(os.path.abspath(d)).parents:
-        if holds_sweep_run(above):
+    # abspath, not resolve: the folder may not exist yet (made at start), and a symlinked run is the run. Only a run's
+    # analysis folder is `analyze`'s (RUN/node1 is read by no command of the run's), and only a run powerprof wrote:
+    # another tool's run.json in a home folder refused the daemon's default data dir below it.
+    d_abs = Path(os.path.abspath(d))
+    for above in d_abs.parents:
+        report = above / "analysis"
+        if (d_abs == report or report in d_abs.parents) and is_powerprof_run(above):
             found = [m for m in RUN_MARKS if (above / m).is_file()]
-            return (f"is inside a sweep's run folder, {above} ({', '.join(found)}): that folder is the sweep's and "
-                    f"`analyze`'s (its report goes to {above / 'analysis'}, beside any datasets there, and `export` "
-                    "of them reads the report's analysis.parquet in their stead); give the daemon a folder of its "
-                    "own, outside any run")
+            return (f"is inside a sweep's run folder's analysis, {report} ({', '.join(found)} in {above}): `analyze` "
+                    f"of that run writes its report there, beside any datasets, and `export` of them reads the "
+                    "report's analysis.parquet in their stead; give the daemon a folder of its own, outside it")
     return None
 
 
