@@ -966,7 +966,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             said = [n for n in (fleet.empty_note(sources), fleet.stray_note(sources)) if n] + fleet.notes(table) + fleet.tag_notes(tags)
             said = list(dict.fromkeys(said))  # a note both tables carry (samples unreadable) said once
             if out_dir is not None:
-                from powerprof.paths import holds_sweep_run
+                from powerprof.paths import holds_dataset_tables, holds_sweep_run
                 from powerprof.trust import out_dir_refusal
 
                 if (why := out_dir_refusal(Path(out_dir), "folder")) is not None:  # as root: root's or the sudo user's
@@ -974,7 +974,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                 if holds_sweep_run(out_dir):  # export of the run would show fleet.parquet as one of its tables
                     raise AnalysisOutTaken(f"--out {out_dir} is a sweep's run directory: fleet.parquet would lie among "
                                            "its tables, read as that run's; give another folder with --out")
-                if Path(out_dir).is_dir() and fleet.is_daemon_dataset(str(out_dir)):
+                if holds_dataset_tables(out_dir):
                     # A table beside a daemon's dataset folders made `export` of that folder read it alone, the
                     # requests, intervals and samples left out unsaid.
                     raise AnalysisOutTaken(f"--out {out_dir} holds a daemon's datasets: fleet.parquet beside them would "

@@ -267,6 +267,10 @@ def test_output_below_a_folder_holding_a_requests_folder_of_no_tables_is_not_ref
     assert r.exit_code == 0, r.output
     r = run("sweep", "--limits", "180,220", "--dry-run", "--simulate", "--out", str(home / "runs" / "r2"))
     assert r.exit_code == 0 and "daemon dataset" not in r.output, r.output
+    r = run("export", str(sweep_run / "levels.parquet"), "--format", "parquet", "--out", str(home / "levels.parquet"))
+    assert r.exit_code == 0 and (home / "levels.parquet").is_file(), r.output
+    r = run("analyze", str(sweep_run), "--out", str(home))
+    assert r.exit_code == 0 and (home / "analysis.parquet").is_file(), r.output
     assert sim_limit_w() == 300.0
 
 

@@ -972,15 +972,15 @@ def _parquet_out_taken(folder: Path) -> str | None:
     `export NODE --format parquet --out RUN --force` replaced the run's samples.parquet with the daemon's rows and
     added requests.parquet as a table of the run), or a daemon's dataset folder (a .parquet at its top made `export`
     of it read that file in the datasets' stead). CSV and xlsx are read by neither. None: the folder may take them."""
-    from powerprof.paths import holds_sweep_run  # noqa: PLC0415
+    from powerprof.paths import holds_dataset_tables, holds_sweep_run  # noqa: PLC0415
 
-    from .fleet import dataset_above, is_daemon_dataset  # noqa: PLC0415
+    from .fleet import dataset_above  # noqa: PLC0415
 
     if holds_sweep_run(folder) and not _an_export(folder):
         return (f"--out {folder} is a sweep's run folder: the .parquet files written there would be read as the run's "
                 "own tables by `analyze` and `export` (and replace its own of those names); nothing written: give "
                 "another folder with --out")
-    if is_daemon_dataset(str(folder)):
+    if holds_dataset_tables(folder):
         return (f"--out {folder} holds a daemon's datasets: .parquet files at its top would make `export` of it read "
                 "them in the datasets' stead; nothing written: give another folder with --out")
     if (above := dataset_above(folder)) is not None:

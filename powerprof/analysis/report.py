@@ -199,12 +199,14 @@ def _refuse_a_run_folder(out: Path, runs) -> None:
                                    "(the default: give no --out), never among its tables")
         raise AnalysisOutTaken(f"--out {out} is the run directory of another run ({run_id(out)}): this analysis would "
                                "lie among its tables, read as that run's; give another folder with --out")
-    from .fleet import dataset_above, is_daemon_dataset  # noqa: PLC0415
+    from powerprof.paths import holds_dataset_tables  # noqa: PLC0415
+
+    from .fleet import dataset_above  # noqa: PLC0415
 
     if (above := dataset_above(out)) is not None:
         raise AnalysisOutTaken(f"--out {out} is inside the daemon dataset {above}: this analysis's analysis.parquet "
                                "would be read as its rows, or as one more table of it; give another folder with --out")
-    if is_daemon_dataset(str(out)):
+    if holds_dataset_tables(out):
         # A daemon's data dir in RUN/analysis (taken before the daemon refused one inside a run): the report's
         # analysis.parquet among its datasets made `export` of that folder read it in their stead.
         raise AnalysisOutTaken(f"--out {out} holds a daemon's datasets (requests/, intervals/): this analysis's "
