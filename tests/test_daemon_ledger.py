@@ -3351,3 +3351,52 @@ def test_a_buffering_proxy_in_front_of_a_call_streamed_two_tokens_a_chunk_is_sti
     sink = _held_stream(((1.0, 14), (3.0, 14), (5.0, 14)), 42, extra={"tool_call_jumps": p.tool_call_jumps})
     (row,) = sink.rows["requests"]
     assert "buffering proxy" in row["energy_note"] and "tool-call parser" not in row["energy_note"], row["energy_note"]
+
+
+def _sglang_cut_at_its_limit(whole: bool) -> dict:
+    """A neighbour stream of 200 tokens at 40 tok/s beside a request of max_tokens 4 whose client left: a stream that
+    had shown all 4 (before the usage chunk), or a whole answer; the ledger told SGLang's run-on delays. Its row."""
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.runs_on_after_leave = (2.0, 4.0)
+
+    def chat(rid, a, stream, **extra):
+        tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat", stream=stream)
+        tr.extra.update(prompt_chars=400, **extra)
+        return tr
+
+    nb, cut = chat(1, 0.0, True), chat(2, 0.5, not whole, max_tokens=4)
+    led.on_start(nb)
+    led.on_start(cut)
+    for k in range(200):
+        led.on_tokens(nb, int((0.1 + 0.025 * k) * S), 1)
+    nb.first_ns, nb.last_ns = int(0.1 * S), int((0.1 + 0.025 * 199) * S)
+    if whole:
+        cut.end_ns = int(0.6 * S)
+    else:
+        for k in range(4):
+            led.on_tokens(cut, int((0.6 + 0.025 * k) * S), 1)
+        cut.first_ns, cut.last_ns, cut.end_ns = int(0.6 * S), int(0.675 * S), int(0.68 * S)
+    cut.outcome = "client_disconnected"
+    led.on_end(cut)
+    nb.end_ns, nb.outcome = int(5.1 * S), "ok"
+    nb.counts = Counts(generated_tokens=200, prompt_tokens=100, model=None, stop_reason="length", token_source="usage")
+    led.on_end(nb)
+    e = 0.0
+    for k in range(60):
+        e += 100.0 * 0.1
+        led.add_gpu_sample(int(k * 0.1 * S), int(k * 0.1 * S), [R(e, 100.0)])
+    led.advance(int(9 * S))
+    led.close_all(int(10 * S))
+    (row,) = [r for r in led.emit.rows["requests"] if r["request_id"] == 2]
+    return row
+
+
+def test_a_request_that_had_all_its_max_tokens_is_not_said_to_have_run_on_for_seconds():
+    # The review: a stream that had shown all of its max_tokens when its client left (the server had finished it) was
+    # said "the server ran on about 2.0 s after its client left … no pace to decode it at", and a whole answer of
+    # max_tokens 4 "ran on about 3.9 s" with 4 tokens placed.
+    stream = _sglang_cut_at_its_limit(whole=False)
+    assert "ran on" not in (stream["energy_note"] or ""), stream["energy_note"]
+    whole = _sglang_cut_at_its_limit(whole=True)
+    note = whole["energy_note"] or ""
+    assert "until its max_tokens (4) were decoded, about 0.0 s" in note and "ran on about 3" not in note, note

@@ -551,6 +551,10 @@ class Ledger:
                 or tr.api is None or is_passive(r) or is_unseen(r) or (tr.error or "").startswith(BODY_LEFT_NOTE)):
             return
         stream_s, wait_s = self.runs_on_after_leave
+        limit = tr.extra.get("max_tokens")
+        if (tr.stream is True and isinstance(limit, int) and limit > 0
+                and r.spent + float(sum(r.ev_n)) + r.late >= limit * max(tr.extra.get("sequences", 1), 1)):
+            return  # it had shown all its max_tokens allow: the server had finished it, nothing ran on (its row said so)
         if tr.stream is True:
             r.run_on_end_ns = tr.end_ns + int(stream_s * 1e9)
         else:
@@ -579,10 +583,13 @@ class Ledger:
         if span_ns <= 0 or n <= 0:
             return
         k = max(1, min(SPREAD_EVENTS, int(np.ceil(n))))
+        capped = int(n / tok_s * 1e9) < span_ns
         span_ns = min(span_ns, int(n / tok_s * 1e9))  # at its pace: a max_tokens reached stops it before the abort
         r.ev_t.extend(int(start_ns + span_ns * (j + 1) / k) for j in range(k))
         r.ev_n.extend([n / k] * k)
         r.run_on_tokens, r.run_on_pace = n, whose
+        if capped:  # its max_tokens, reached at its pace, ended it before the abort: live no longer
+            r.run_on_end_ns, r.run_on_capped = max(start_ns + span_ns, r.trace.end_ns), True
 
     def tokens_at_first(self, request_id: int, generated: float) -> float | None:
         """The tokens (in `generated`'s count) its stream had shown at its first piece, for a time per output token over

@@ -46,6 +46,7 @@ class LiveRequest:
     run_on_end_ns: int | None = None
     run_on_tokens: float = 0.0
     run_on_pace: str | None = None
+    run_on_capped: bool = False  # its max_tokens ended that run before the abort
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared

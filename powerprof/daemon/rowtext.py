@@ -318,8 +318,12 @@ def _run_on_note(r: LiveRequest) -> str:
     stream_s, wait_s = RUNS_ON_AFTER_LEAVE["sglang"]
     how = (f"a stream's request {stream_s:g} s after its client left" if tr.stream is True else
            f"a whole answer's request at its next {wait_s:g} s wait from its start")
-    lead = (f"the server ran on about {s:.1f} s after its client left (SGLang aborts {how}, counting it in "
-            "sglang:num_aborted_requests_total and in none of its token counters)")
+    said = ("sglang:num_aborted_requests_total and in none of its token counters")
+    if r.run_on_capped:
+        lead = (f"the server ran on after its client left until its max_tokens ({tr.extra.get('max_tokens')}) were "
+                f"decoded, about {s:.1f} s (SGLang aborts {how}: it finished first)")
+    else:
+        lead = f"the server ran on about {s:.1f} s after its client left (SGLang aborts {how}, counting it in {said})"
     if r.run_on_tokens > 0:
         return (f"{lead}: its energy includes that work, which no client received, {r.run_on_tokens:.0f} tokens decoded "
                 f"at {r.run_on_pace} pace (an estimate; its attributed tokens count them)")
