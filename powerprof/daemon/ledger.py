@@ -48,7 +48,8 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
-                      _no_counter_short_note, _no_energy_reason, _parser_held, _request_flags, _secs, _unsaid_reason,
+                      _no_counter_short_note, _counter_short_note, _no_energy_reason, _parser_held, _request_flags,
+                      _secs, _unsaid_reason,
                       _with_late, _counted_low_interval_note, counted_low, tag_server_count, tokens_unknown)
 from . import tagedge
 from .streams import uncounted_kind
@@ -1605,6 +1606,8 @@ class Ledger:
             gone_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
         gone_col = energy.shape[1] - 1
+        energy = np.column_stack([energy, np.where(_counter_measured(methods), work_j, 0.0)])
+        counter_col = energy.shape[1] - 1
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=computed, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
@@ -1667,6 +1670,7 @@ class Ledger:
                         r.cache_beside = max(r.cache_beside, float(cache_iv[k]))
             if not gone[i]:
                 r.gone_beside_j += a.request_energy[i, gone_col]
+            r.counter_j += a.request_energy[i, counter_col]
             if a.request_energy[i, 9] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                 others = {reqs[j].trace.request_id for k in np.flatnonzero(live) for j in pend_iv[k] if j != i}
@@ -2302,7 +2306,8 @@ class Ledger:
             "other_cpu_pct": other_pct,
             "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r, self.best_of_ignored) if r.gpu_j > 0
                                    else _no_energy_reason(r), CPU_MISSING_NOTE if cpu_unknown else None,
-                                   _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct),
+                                   _no_counter_short_note(r), _counter_short_note(r), _bypass_low_note(r),
+                                   _busy_host_note(other_pct),
                                    _before_first_note(r), self.unsampled_note if r.gpu_j > 0 else None),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and told_prompt_tokens(r) is None else None,
             "cached_prompt_tokens": c.cached_tokens if c is not None and c.invalid is None else None,
@@ -2344,6 +2349,12 @@ class Ledger:
         }
         row["energy_note"] = self._tag_note(tg, row)
         return row
+
+
+def _counter_measured(methods) -> np.ndarray:
+    """(K,) intervals whose energy is a counter difference: each end may read the counter up to a refresh stale, which
+    a request's figure feels as a refresh's joules at each of its edges (rowtext.COUNTER_SHORT_FLAG)."""
+    return np.array([m == METHOD_COUNTER for m in methods], dtype=bool)
 
 
 def _tag_trim_j(tg: _Tag) -> list[float]:
