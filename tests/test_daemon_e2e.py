@@ -212,11 +212,15 @@ def test_energy_of_requests_idle_and_unproxied_adds_up_to_the_measured_total(tmp
     assert reqs["attributed_tokens"].sum() == pytest.approx(intervals["proxy_tokens"].sum())
     assert "powerprof_gpu_energy_attributed_joules_total" in metrics
     assert reqs["cpu_energy_j"].notna().any()  # simulated RAPL is split the same way
-    # The tag window covered the burst: its energy is the intervals' energy inside it.
+    # The tag window covered the burst: its energy is the intervals' energy inside it, and of the one its stop call falls
+    # in, up to that call (its edge is held past a counter refresh after the call, and what the GPUs drew between is
+    # taken out: docs/daemon.md, "Tag windows and the counter's refresh"; its start's trim is a poll's few ms of power).
     t = tags.iloc[0]
     assert t["name"] == "burst" and t["closed_by"] == "stop" and t["proxy_tokens"] > 0
     inside = intervals[(intervals["t_start_utc"] >= t["t_start_utc"]) & (intervals["t_end_utc"] <= t["t_end_utc"])]
-    assert t["gpu_energy_j"] == pytest.approx(inside["gpu_energy_j"].sum(), rel=1e-6)
+    last = intervals[(intervals["t_start_utc"] < t["t_end_utc"]) & (intervals["t_end_utc"] > t["t_end_utc"])]
+    assert 0.995 * inside["gpu_energy_j"].sum() <= t["gpu_energy_j"], (t["gpu_energy_j"], inside["gpu_energy_j"].sum())
+    assert t["gpu_energy_j"] <= inside["gpu_energy_j"].sum() + last["gpu_energy_j"].sum() + 1e-6
 
 
 def test_bad_config_exits_2_naming_the_key(tmp_path):

@@ -3400,3 +3400,27 @@ def test_a_request_that_had_all_its_max_tokens_is_not_said_to_have_run_on_for_se
     whole = _sglang_cut_at_its_limit(whole=True)
     note = whole["energy_note"] or ""
     assert "until its max_tokens (4) were decoded, about 0.0 s" in note and "ran on about 3" not in note, note
+
+
+def test_a_short_request_on_a_counter_says_its_figure_is_good_to_joules_not_a_percentage():
+    # A 1-3 token request alone on an H200 (100 ms counter refresh) read -96% to +147% against the simulator's truth,
+    # its row with no note or another's reason (a hostile review: scene_a4.py). Its edges may each read the counter a
+    # refresh stale: said, with the fix (J/token over many, a faster-refreshing counter); a request of 0.8 s is not.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    short, long_ = _trace(1, 1.0), _trace(2, 3.0)
+    for tr, end_s, n in ((short, 1.1, 2), (long_, 3.8, 40)):
+        led.on_start(tr)
+        for k in range(n):
+            led.on_tokens(tr, int((tr.arrival_ns / S + 0.03 + (end_s - tr.arrival_ns / S - 0.05) * k / n) * S), 1)
+        tr.first_ns, tr.last_ns, tr.end_ns = tr.arrival_ns + int(0.03 * S), int((end_s - 0.02) * S), int(end_s * S)
+        tr.counts = Counts(generated_tokens=n, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
+        led.on_end(tr)
+    for t_s, e in ((0.0, 0.0), (1.0, 80.0), (1.1, 110.0), (2.0, 190.0), (3.0, 270.0), (3.8, 500.0), (5.0, 600.0)):
+        _feed(led, t_s, e)
+    led.advance(int(6 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    note = got[1]["energy_note"] or ""
+    assert got[1]["gpu_energy_j"] > 0 and note.count("counter-short: live 0.10 s") == 1, note
+    assert "not to a percentage" in note and "fix: read J/token summed over many such requests" in note, note
+    assert "counter-short" not in (got[2]["energy_note"] or ""), got[2]["energy_note"]

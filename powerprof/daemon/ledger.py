@@ -30,7 +30,7 @@ import numpy as np
 from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
                                           interval_cpu_s, unknown_server_text)
 from powerprof.collectors.rapl import cpu_energy_j
-from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_energy_j, unwrap_resets
+from powerprof.energy import COUNTER_STEP_S, epoch_broken, interp_at, trailing_average_interval_energy_j, unwrap_resets
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
@@ -48,10 +48,12 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
-                      _no_counter_short_note, _no_energy_reason, _parser_held, _request_flags, _secs, _unsaid_reason,
-                      _usage_above_note, _with_late, _counted_low_interval_note, client_held, counted_low,
-                      tag_server_count, tokens_unknown)
+                      _no_counter_short_note, _counter_short_note, _no_energy_reason, _parser_held, _request_flags,
+                      _secs, _unsaid_reason, _usage_above_note, _with_late, _counted_low_interval_note, client_held,
+                      counted_low, tag_server_count, tokens_unknown)
+from . import tagedge
 from .streams import uncounted_kind
+from .tagedge import TAG_UNHELD_FIX, TAG_UNHELD_FLAG
 from .workmodel import FEATURES, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
@@ -187,6 +189,12 @@ class _Tag:
     work: bool = False  # an interval inside had work (prefill or decode): its other_cpu_pct is then worth judging
     intervals: int = 0  # intervals inside it: none (its edges' on-demand reads failed, shorter than half of one) is no
     # measured zero: its energy is unknown
+    # Its edges held until the GPUs' counters refreshed past them (daemon/tagedge.py): False where a counter did not
+    # move in time (its edges then read up to a refresh stale), None where not said (edges given by hand).
+    held: bool | None = None
+    stop_trim_j: tuple = ()  # per GPU: the energy drawn between its stop call and its held stop edge, not its own
+    start_trim_j: tuple = ()  # per GPU: what its held start edge's counter values hold of before the edge
+    held_s: float = 0.0  # how long its stop edge was held after the stop call
 
 
 @dataclass
@@ -1109,21 +1117,24 @@ class Ledger:
         t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, weight_w)
         self._insert_edge(_Edge(t, wall, counter, power, setting, epoch, avg))
 
-    def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> None:
-        """An edge from the energy counters alone (a short request's arrival, first token or end):
-        no power reading, so its intervals need the counter at both ends; the GPUs' setting is
-        the last full sample's."""
+    def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> tuple[int, int] | None:
+        """An edge from the energy counters alone (a short request's arrival, first token or end, a tag window's held
+        edge): no power reading, so its intervals need the counter at both ends; the GPUs' setting is the last full
+        sample's. Returns the instant it is dated at (monotonic ns, wall ns); None where it was not taken."""
         counter = np.array(energy_j, dtype=float)
         if counter.shape != (self.n_gpus,) or np.isnan(counter).any():
-            return
+            return None
         epochs = getattr(energy_j, "epochs", None)  # collectors.nvml.CounterRead
         epoch = np.array(epochs, dtype=np.int64) if epochs else None
         at = getattr(energy_j, "t_mono_ns", None)
         read_ns = np.array(at, dtype=np.int64) if at and len(at) == self.n_gpus else np.full(self.n_gpus, t_ns, np.int64)
         t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, self._power_w)  # weighted by the last full sample's power
-        self._insert_edge(_Edge(t, wall, counter, np.full(self.n_gpus, np.nan), self._setting, epoch))
+        if not self._insert_edge(_Edge(t, wall, counter, np.full(self.n_gpus, np.nan), self._setting, epoch)):
+            return None
+        return t, wall
 
-    def _insert_edge(self, edge: _Edge) -> None:
+    def _insert_edge(self, edge: _Edge) -> bool:
+        """Whether the edge was taken (one at its instant already, or before everything closed, is not)."""
         t_ns = edge.t_ns
         if self.first_edge_ns is None:
             self.first_edge_ns = t_ns
@@ -1132,12 +1143,13 @@ class Ledger:
             ts = [e.t_ns for e in self.edges]
             i = int(np.searchsorted(ts, t_ns))
             if i < len(ts) and ts[i] == t_ns:
-                return
+                return False
             if i == 0:
-                return  # before everything already closed: nothing to attribute it to
+                return False  # before everything already closed: nothing to attribute it to
             self.edges.insert(i, edge)
         else:
             self.edges.append(edge)
+        return True
 
     def add_rapl_sample(self, t_ns: int, readings) -> None:
         self.rapl = True
@@ -1431,18 +1443,29 @@ class Ledger:
 
     # --- tags --------------------------------------------------------------------------------
 
-    def open_tag(self, name: str, t_ns: int, wall_ns: int) -> None:
+    def open_tag(self, name: str, t_ns: int, wall_ns: int, held: bool | None = None, start_edge=None) -> None:
+        """A tag window from its start edge; `held`: whether that edge was held past a counter refresh (tagedge.py),
+        `start_edge` (a tagedge.StopEdge): what its counter values hold of before it, taken out of its figures."""
         if name in self.tags:
             raise ValueError(f"tag {name!r} is already open")
         if len(self.tags) >= MAX_OPEN_TAGS:
             raise ValueError(f"too many open tags ({MAX_OPEN_TAGS}); stop some first")
-        self.tags[name] = _Tag(name, t_ns, wall_ns)
+        self.tags[name] = _Tag(name, t_ns, wall_ns, held=held)
+        if start_edge is not None and len(start_edge.trim_j) == self.n_gpus:
+            self.tags[name].start_trim_j = tuple(start_edge.trim_j)
 
-    def close_tag(self, name: str, t_ns: int, wall_ns: int, closed_by: str = "stop") -> None:
+    def close_tag(self, name: str, t_ns: int, wall_ns: int, closed_by: str = "stop", stop_edge=None,
+                  held: bool | None = None) -> None:
+        """A tag window closed at its stop edge; `stop_edge` (a tagedge.StopEdge): the energy drawn after the stop call
+        up to that edge, taken out of its figures."""
         tag = self.tags.pop(name, None)
         if tag is None:
             raise ValueError(f"tag {name!r} is not open")
         tag.t1_ns, tag.wall1_ns, tag.closed_by = t_ns, wall_ns, closed_by
+        if held is not None:
+            tag.held = held if tag.held is None else tag.held and held
+        if stop_edge is not None and len(stop_edge.trim_j) == self.n_gpus:
+            tag.stop_trim_j, tag.held_s = tuple(stop_edge.trim_j), stop_edge.held_s
         self.closed_tags.append(tag)
 
     def open_tag_names(self) -> list[str]:
@@ -1763,6 +1786,8 @@ class Ledger:
             gone_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
         gone_col = energy.shape[1] - 1
+        energy = np.column_stack([energy, np.where(_counter_measured(methods), work_j, 0.0)])
+        counter_col = energy.shape[1] - 1
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=computed, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
@@ -1825,6 +1850,7 @@ class Ledger:
                         r.cache_beside = max(r.cache_beside, float(cache_iv[k]))
             if not gone[i]:
                 r.gone_beside_j += a.request_energy[i, gone_col]
+            r.counter_j += a.request_energy[i, counter_col]
             if a.request_energy[i, 9] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                 others = {reqs[j].trace.request_id for k in np.flatnonzero(live) for j in pend_iv[k] if j != i}
@@ -2255,7 +2281,7 @@ class Ledger:
                          "alone); fix: a window after the daemon's log says which GPUs serve, or daemon.gpus of the "
                          "server's GPUs alone")
         if tg.excluded and tg.intervals:
-            total = (f"all sampled GPUs {tg.gpu_j:.4g} J" if not tg.gpu_missing else
+            total = (f"all sampled GPUs {tg.gpu_j - sum(_tag_trim_j(tg)):.4g} J" if not tg.gpu_missing else
                      f"the node total unknown: GPU(s) {self._named(sorted(tg.unread))} gave no energy reading over part of "
                      "it (lost or failing reads; the samples' error column says which; restarting the daemon, "
                      "daemon.gpus without a GPU that is gone, measures the others' total)")
@@ -2265,6 +2291,17 @@ class Ledger:
                          + (f"; {tg.all_gpus_intervals} of its {tg.intervals} intervals, before the daemon judged so, "
                             "hold every sampled GPU's energy" if tg.all_gpus_intervals else "")
                          + "; fix: daemon.gpus can leave them out")
+        if _unresolved_tag(tg):
+            notes.append(f"{TAG_UNHELD_FLAG}: shorter than the energy counter's refresh (up to "
+                         f"{COUNTER_STEP_S * 1e3:.0f} ms), and a GPU's counter did not move within "
+                         f"{tagedge.HOLD_MAX_S:.1f} s of its start or stop to hold its edges past a refresh: its edges "
+                         "read one refresh's value or two (0 J or about a whole refresh's energy), so gpu_energy_j, "
+                         f"unproxied_energy_j and gpu_j_per_token are empty (not zero); fix: {TAG_UNHELD_FIX}")
+        elif tg.held is False and tg.t1_ns is not None and METHOD_COUNTER in tg.methods:
+            notes.append(f"{TAG_UNHELD_FLAG}: a GPU's energy counter did not move within {tagedge.HOLD_MAX_S:.1f} s of "
+                         "this window's start or stop, so its edges were read at the calls, each up to one refresh "
+                         "stale (100 ms on an H200): gpu_energy_j is good to about a refresh of the GPUs' power at each "
+                         f"edge, not to a percentage; fix: {TAG_UNHELD_FIX}")
         if tg.intervals == 0 and tg.t1_ns is not None:
             notes.append("no interval inside: the GPU reads at this window's start and stop failed and it is shorter "
                          "than half a sampling interval, so no energy was measured over it: gpu_energy_j, "
@@ -2491,7 +2528,8 @@ class Ledger:
             "other_cpu_pct": other_pct,
             "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r, self.best_of_ignored) if r.gpu_j > 0
                                    else _no_energy_reason(r), CPU_MISSING_NOTE if cpu_unknown else None,
-                                   _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct),
+                                   _no_counter_short_note(r), _counter_short_note(r), _bypass_low_note(r),
+                                   _busy_host_note(other_pct),
                                    _before_first_note(r), self.unsampled_note if r.gpu_j > 0 else None),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and told_prompt_tokens(r) is None else None,
             "cached_prompt_tokens": c.cached_tokens if c is not None and c.invalid is None else None,
@@ -2507,20 +2545,25 @@ class Ledger:
         # J/token of the proxied traffic: the window's energy less bypass traffic's, over the proxied tokens. Bypass
         # energy in it otherwise sat over tokens the proxy never saw (a third of the tokens bypass: +56%, unmarked).
         # Where the server's count may be low, unproxied may be too: `server_count` says so (schema.bypass_count_low).
-        proxied_j = tg.work_j - tg.unproxied_j
-        unknown = tg.work_missing or tg.intervals == 0  # the serving GPUs' energy (its J/token's)
+        # Its stop edge held past a counter refresh: what the serving GPUs drew after the stop call is not its own.
+        work_j = tg.work_j - sum(j for g, j in enumerate(_tag_trim_j(tg)) if g not in tg.excluded)
+        proxied_j = work_j - tg.unproxied_j
+        unknown = (tg.work_missing or tg.intervals == 0  # the serving GPUs' energy (its J/token's)
+                   or _unresolved_tag(tg))
+        dur = None if dur is None else dur - tg.held_s  # the window the client asked for: to its stop call
         row = {
             "daemon_id": self.daemon_id,
             "name": tg.name,
             "t_start_utc": tg.wall0_ns,
-            "t_end_utc": tg.wall1_ns,
+            "t_end_utc": None if tg.wall1_ns is None else tg.wall1_ns - int(tg.held_s * 1e9),
             "duration_s": dur,
             # The serving GPUs' (its J/token's, as the requests' split): the others' joules are named in energy_note.
-            "gpu_energy_j": None if unknown else tg.work_j,
+            "gpu_energy_j": None if unknown else work_j,
             "cpu_energy_j": None if tg.cpu_missing else tg.cpu_j,
             "other_cpu_pct": (100.0 * tg.other_cpu_s / tg.host_cpu_s
                               if tg.host_cpu_s > 0 and tg.cpu_j is not None and not tg.cpu_missing else None),
-            "energy_method": weakest_method(tg.methods) if tg.methods else None,
+            "energy_method": (METHOD_NONE if _unresolved_tag(tg) else weakest_method(tg.methods) if tg.methods
+                              else None),
             "unproxied_energy_j": None if unknown else tg.unproxied_j,
             "proxy_tokens": tg.tokens,
             "gpu_j_per_token": proxied_j / tg.tokens if tg.tokens > 0 and not unknown else None,
@@ -2529,6 +2572,28 @@ class Ledger:
         }
         row["energy_note"] = self._tag_note(tg, row)
         return row
+
+
+def _counter_measured(methods) -> np.ndarray:
+    """(K,) intervals whose energy is a counter difference: each end may read the counter up to a refresh stale, which
+    a request's figure feels as a refresh's joules at each of its edges (rowtext.COUNTER_SHORT_FLAG)."""
+    return np.array([m == METHOD_COUNTER for m in methods], dtype=bool)
+
+
+def _tag_trim_j(tg: _Tag) -> list[float]:
+    """Per GPU, J: what a tag window's held edges' counter values hold from outside it (tagedge.py), out of its figures."""
+    n = max(len(tg.start_trim_j), len(tg.stop_trim_j))
+    return [(tg.start_trim_j[g] if g < len(tg.start_trim_j) else 0.0)
+            + (tg.stop_trim_j[g] if g < len(tg.stop_trim_j) else 0.0) for g in range(n)]
+
+
+def _unresolved_tag(tg: _Tag) -> bool:
+    """A counter-measured tag window shorter than the counter's coarsest refresh whose edges could not be held past a
+    refresh (tagedge.py: a counter that did not move in time): its edges read one refresh's value or two, 0 J or about
+    a whole refresh's energy, so it has no GPU figure (docs/collectors.md, "A window shorter than the counter's
+    refresh")."""
+    return (tg.held is False and tg.t1_ns is not None and METHOD_COUNTER in tg.methods
+            and (tg.t1_ns - tg.t0_ns) / 1e9 < COUNTER_STEP_S)
 
 
 def _idle_unread(per_gpu, serving, k: int) -> tuple[list[int], bool] | None:

@@ -56,6 +56,7 @@ class LiveRequest:
     cpu_other_pct_j: float = 0.0
     # Its GPU joules from intervals without a counter that were mostly idle (NO_COUNTER_SHORT_FLAG).
     no_counter_short_j: float = 0.0
+    counter_j: float = 0.0  # of gpu_j, from intervals measured by the energy counter (rowtext.COUNTER_SHORT_FLAG)
     # Its GPU joules from intervals whose bypass count may be low, or high too (server_count; proxy_lag and
     # server_restart: schema.BYPASS_COUNT_TWO_WAY), and their reasons (BYPASS_LOW_FLAG).
     bypass_low_j: float = 0.0

@@ -12,6 +12,7 @@ import numpy as np
 
 from powerprof.arrival import at_limit
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text
+from powerprof.energy import COUNTER_STEP_S
 from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SHARE, NO_COUNTER_SHORT_FIX,
                                 NO_COUNTER_SHORT_FLAG)
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
@@ -146,6 +147,38 @@ def _no_counter_short_note(r: LiveRequest) -> str | None:
             f"it, as a request between two reads is unseen): the idle power taken out of the rest and the "
             f"readings' timing decide it, not the GPU's own count (it is left out of the daemon's J/token); "
             f"fix: {NO_COUNTER_SHORT_FIX}")
+
+
+COUNTER_SHORT_FLAG = "counter-short"
+COUNTER_SHORT_FIX = ("read J/token summed over many such requests (a tag window around them, the intervals over a "
+                     "minute, `powerprof analyze`), where each edge's staleness is a small part; a GPU whose energy "
+                     "counter refreshes faster (an A100's every 20 ms, an H200's every 100 ms); or longer requests")
+
+
+# A request live for less than this has a counter figure good to joules, not to a percentage: each of its edges may
+# read the counter up to a refresh stale (docs/daemon.md, "Short sampling intervals": a 64-token request of ~0.45 s
+# 2-4% off on a simulated H200, a 25-token one of ~0.17 s 3-12%, 1-3 token ones alone -96% to +147%). By length, as
+# `measure` judges its windows, never by what a reading said; the refresh of a card is not known: the coarsest's.
+COUNTER_SHORT_SPAN_S = 5 * COUNTER_STEP_S
+
+
+def _counter_short(r: LiveRequest) -> bool:
+    """Live (arrival to end) for under COUNTER_SHORT_SPAN_S with most of its GPU energy counted by the counter."""
+    tr = r.trace
+    return (r.gpu_j > 0 and not r.gpu_missing and r.counter_j > 0.5 * r.gpu_j and tr.end_ns is not None
+            and (tr.end_ns - tr.arrival_ns) / 1e9 < COUNTER_SHORT_SPAN_S)
+
+
+def _counter_short_note(r: LiveRequest) -> str | None:
+    """A short request's counter figure: kept, and said, with how far it may be off and the fix."""
+    if not _counter_short(r):
+        return None
+    span_s = (r.trace.end_ns - r.trace.arrival_ns) / 1e9
+    return (f"{COUNTER_SHORT_FLAG}: live {span_s:.2f} s, under {COUNTER_SHORT_SPAN_S:g} s, its GPU energy from the "
+            "energy counter, whose reads at the edges of its intervals may each be up to a refresh stale (up to "
+            "100 ms: an H200's): this figure is good to about a refresh of the GPU's power at each of its edges (~8 J "
+            "idle on an H200), not to a percentage (1-3 token requests alone on a simulated H200 read -96% to +147%), "
+            f"whatever its other notes say; fix: {COUNTER_SHORT_FIX}")
 
 
 def _bypass_low_note(r: LiveRequest) -> str | None:
@@ -357,7 +390,10 @@ def _no_energy_reason(r: LiveRequest) -> str:
     if _whole_gone(r):
         return f"no share: {WHOLE_GONE_NOTE}"
     if r.tokens > 0 or told_prompt_tokens(r):
-        return "no share: its tokens and prompt were work of no cost at the costs in use (costs/), or in no interval with energy"
+        return ("no share: its tokens and prompt were work of no cost at the costs in use (costs/), or in no interval "
+                "with energy (the energy counter did not move over its intervals: shorter than its refresh, up to 100 "
+                "ms, their energy counted in the next interval's, and that interval's rows say so); fix: "
+                f"{COUNTER_SHORT_FIX}")
     if told_prompt_tokens(r) is None:
         fix = f"; {NO_TOKENS_FIX}" if _usage_askable(r.trace) and r.trace.outcome == "ok" else ""
         return f"no share: no tokens and no prompt length (the response did not say it){fix}"

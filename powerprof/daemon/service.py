@@ -37,7 +37,7 @@ from powerprof.storage.atomic import atomic_path
 from powerprof.storage.samples import sample_rows
 from powerprof.storage.schema import gpu_uuids_value
 
-from . import opentags, sdnotify, streams
+from . import opentags, sdnotify, streams, tagedge
 from .config import Config, ConfigError, is_loopback, listen_host, load_config
 from .guard import ConnectionGuard, quiet_bad_requests
 from .inflight import InFlight
@@ -719,13 +719,56 @@ class Daemon:
 
     # --- tag API ---------------------------------------------------------------------------------
 
-    async def _edge(self, label: str) -> tuple[int, int]:
+    async def _edge(self, label: str) -> tuple[int, int, tagedge.StopEdge | None, bool]:
+        """A tag window's edge (a stop's where `label` starts tag-stop:), held until every GPU's counter refreshed past
+        the call (tagedge.py): (its instant, its wall time, for a stop what its window gives back, whether it was
+        held). Not held (a full sample at once, as before) on GPUs without a counter or one that did not move within
+        tagedge.HOLD_MAX_S."""
+        stop = label.startswith("tag-stop:")
         loop = asyncio.get_running_loop()
-        got = await loop.run_in_executor(None, lambda: self.sampler.sample_now(label, sources=["nvml"]))
-        s = got.get("nvml")
-        if s is None or s.data is None:
-            return time.monotonic_ns(), time.time_ns()
-        return Ledger.sample_instant(s.t_mono_ns, s.t_wall_ns, s.data)  # the instant the ledger dates this edge at
+        held = await loop.run_in_executor(None, lambda: self._hold_edge(stop))
+        at = self.ledger.add_gpu_edge(*held[1]) if held is not None else None  # in the loop's thread, as every edge
+        if at is None:
+            got = await loop.run_in_executor(None, lambda: self.sampler.sample_now(label, sources=["nvml"]))
+            s = got.get("nvml")
+            if s is None or s.data is None:
+                return time.monotonic_ns(), time.time_ns(), None, False
+            # the instant the ledger dates this edge at
+            return (*Ledger.sample_instant(s.t_mono_ns, s.t_wall_ns, s.data), None, False)
+        if not stop:
+            return (*at, held[3], True)
+        return (*at, await loop.run_in_executor(None, lambda: self._stop_trim(*held[:3])), True)
+
+    def _read_counters(self) -> tuple:
+        return self.sampler.read_with("nvml", self.collector.read_energy_j)
+
+    def _hold_edge(self, stop: bool) -> tuple | None:
+        """(the first counter read, the read that saw every GPU's energy counter refreshed after it: the edge, each
+        GPU's refresh, for a start what its edge holds of before it); None without a counter, or where one did not
+        move in time. A start waits for a second refresh: the power before the client's work, for its trim."""
+        first = self._read_counters()
+        at0 = getattr(first[2], "t_mono_ns", ())
+        if first[2] is None or len(at0) != len(first[2]):
+            return None
+        r1 = tagedge.wait_refresh(self._read_counters, tuple(first[2]), at0, self.sampler.clock.monotonic_ns)
+        if r1 is None or stop:
+            return None if r1 is None else (first, r1[1], r1[0], None)
+        r2 = tagedge.wait_refresh(self._read_counters, tuple(f.value_j for f in r1[0]), tagedge.still_at(r1[1], r1[0]),
+                                  self.sampler.clock.monotonic_ns)
+        if r2 is None:
+            return None
+        return first, r2[1], r2[0], tagedge.StopEdge(tagedge.start_trim_j(r1[0], r2[0], r2[1]), 0.0)
+
+    def _stop_trim(self, first: tuple, edge: tuple, fresh: list) -> tagedge.StopEdge:
+        """What a held stop edge's window gives back: the energy drawn between the stop call (`first` read) and the
+        edge's counter values, at the power each counter shows over its next refresh."""
+        at0 = first[2].t_mono_ns
+        held_s = max(edge[0] - min(at0), 0) / 1e9
+        r2 = tagedge.wait_refresh(self._read_counters, tuple(f.value_j for f in fresh), tagedge.still_at(edge, fresh),
+                                  self.sampler.clock.monotonic_ns)
+        if r2 is None:  # stalled since: the measured part alone (what came after the first refresh)
+            r2 = (fresh, None)
+        return tagedge.StopEdge(tagedge.stop_trim_j(at0, tuple(first[2]), fresh, r2[0], tuple(edge[2])), held_s)
 
     def _recover_lost_tags(self, data_dir: Path) -> None:
         """Windows a daemon that did not stop cleanly left open (opentags.py): a row each, and said; before, a kill -9
@@ -745,8 +788,8 @@ class Daemon:
     async def tag_start(self, name: str) -> dict:
         if name in self.ledger.tags:
             raise ValueError(f"tag {name!r} is already open")
-        t, wall = await self._edge(f"tag-start:{name}")
-        self.ledger.open_tag(name, t, wall)
+        t, wall, *held = await self._edge(f"tag-start:{name}")
+        self.ledger.open_tag(name, t, wall, held=held[1] if held else None, start_edge=held[0] if held else None)
         self._lost_tags.pop(name, None)
         self._save_open_tags()
         self.waker.wake()
@@ -759,8 +802,8 @@ class Daemon:
                 raise ValueError(f"tag {name!r} is not open: it was open when the daemon before stopped without closing "
                                  "it (killed or crashed), and its row says closed_by lost, with no figures; start it again")
             raise ValueError(f"tag {name!r} is not open")
-        t, wall = await self._edge(f"tag-stop:{name}")
-        self.ledger.close_tag(name, t, wall)
+        t, wall, *held = await self._edge(f"tag-stop:{name}")
+        self.ledger.close_tag(name, t, wall, stop_edge=held[0] if held else None, held=held[1] if held else None)
         self._save_open_tags()
         tag = self.ledger.closed_tags[-1]
         deadline = time.monotonic() + 3 * self.cfg.get("daemon", "interval_s") + 2

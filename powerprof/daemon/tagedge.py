@@ -1,0 +1,120 @@
+"""Hold a tag window's edges until each GPU's energy counter refreshes past them, so a window shorter than the refresh is measured.
+
+A counter read is up to one refresh old (100 ms on an H200, 20 ms on an A100): a tag window's edges read at its
+start and stop call took a 45 ms job's energy as 0 J (no refresh between them) or a whole refresh's, and a 250 ms
+job's 15-32% low (its last refresh before the stop missed the job's end). So each edge waits for the counter to
+move after the call (docs/daemon.md, "Tag windows and the counter's refresh"):
+
+- the start edge is the counter read that saw every GPU's counter refreshed twice after the start call: the client
+  waits for the answer before its work begins, so the window begins there; what its values hold of the time between
+  the last refresh and the read (a poll, or a busy host's wait) is taken out at the power over the refresh before
+  (`start_trim_j`);
+- the stop edge is the counter read that saw every GPU's counter refreshed after the stop call; what the GPUs drew
+  between the stop call and that read's counter values is taken out of the window's energy (`StopEdge.trim_j`), at
+  the power each counter shows over its next refresh (the GPU after the client's work: the instant the refresh came
+  is known to within a poll, the power after it only from the next one).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+# Between counter reads while waiting for a refresh: a refresh is dated to within this (half of it, at the midpoint
+# of the reads around it). A real H200's read costs ~2.6 ms of CPU (docs/hardware.md): this is at most a few
+# hundred reads a window's edge, and tags are opened by hand or by a benchmark's harness, not per request.
+POLL_S = 0.002
+# The coarsest counter refresh is 100 ms (COUNTER_STEP_S): a counter that has not moved in this long is stalled, and
+# the edge is taken as it was (its row says it was not held).
+HOLD_MAX_S = 0.3
+
+
+@dataclass
+class Refresh:
+    """One GPU's counter refresh seen by polling: the new value (J) and when it came (monotonic ns, the middle of the
+    last read still showing the old value and the first showing the new one)."""
+
+    at_ns: int
+    value_j: float
+
+
+def wait_refresh(read: Callable, values_j, after_ns, clock_ns: Callable[[], int] = time.monotonic_ns,
+                 sleep: Callable[[float], None] = time.sleep, hold_max_s: float = HOLD_MAX_S
+                 ) -> tuple[list[Refresh], tuple] | None:
+    """Poll `read()` ((monotonic ns, wall ns, a `collectors.nvml.CounterRead` or None), as `Sampler.read_with` gives)
+    until every GPU's counter differs from `values_j` (per GPU, J, last read at `after_ns`): each GPU's first new
+    value and the instant it came, and the read that saw the last of them (the edge: every counter in it fresh).
+    None where a read failed or some counter did not move within `hold_max_s`."""
+    n = len(values_j)
+    last_ns = list(after_ns)
+    got: list[Refresh | None] = [None] * n
+    deadline = clock_ns() + int(hold_max_s * 1e9)
+    while clock_ns() < deadline:
+        sleep(POLL_S)
+        whole = read()
+        r = whole[2]
+        if r is None or len(r) != n:
+            return None
+        at = r.t_mono_ns if len(getattr(r, "t_mono_ns", ())) == n else (whole[0],) * n
+        for k in range(n):
+            if got[k] is not None:
+                continue
+            if r[k] != values_j[k]:
+                got[k] = Refresh((last_ns[k] + at[k]) // 2, float(r[k]))
+            else:
+                last_ns[k] = at[k]
+        if all(g is not None for g in got):
+            return got, whole  # type: ignore[return-value]
+    return None
+
+
+@dataclass
+class StopEdge:
+    """What a held edge takes out of its window: per GPU, the energy (J) its counter values hold from outside the
+    window (a start's: before its read; a stop's: between the stop call and its read), and how long a stop's edge
+    was held after the call (s)."""
+
+    trim_j: tuple
+    held_s: float
+
+
+def start_trim_j(first: list[Refresh], second: list[Refresh], edge: tuple) -> tuple:
+    """Per GPU, J: what the held start edge's read (`edge`: (ns, wall ns, CounterRead)) holds of the time before its
+    own instant: its value is the counter's at the last refresh (`second`), the read a poll or a busy host's wait
+    later, the GPU then at the power over the refresh before (`first` → `second`: the client still waiting). 0 for a
+    GPU whose counter moved again before the read (several GPUs at other phases)."""
+    out = []
+    for r1, r2, e, at in zip(first, second, edge[2], edge[2].t_mono_ns):
+        span_ns = r2.at_ns - r1.at_ns
+        if e != r2.value_j or span_ns <= 0:
+            out.append(0.0)
+            continue
+        out.append(max((r2.value_j - r1.value_j) * max(at - r2.at_ns, 0) / span_ns, 0.0))
+    return tuple(out)
+
+
+def stop_trim_j(stop_ns, before_j, first: list[Refresh], second: list[Refresh], edge_j) -> tuple:
+    """Per GPU, J: the edge's counter value (`edge_j`) less the counter's value at the stop call, that value placed
+    back from the first refresh after the call at the power over the next one (`second`), and kept between the value
+    read at the call (`before_j`) and the first refresh's: the GPU ran the window's work before the call, not after."""
+    out = []
+    for k, (t_stop, e0, r1, r2, e_edge) in enumerate(zip(stop_ns, before_j, first, second, edge_j)):
+        span_ns = r2.at_ns - r1.at_ns
+        after_w = (r2.value_j - r1.value_j) / (span_ns / 1e9) if span_ns > 0 else 0.0
+        at_stop = r1.value_j - after_w * max(r1.at_ns - t_stop, 0) / 1e9
+        at_stop = min(max(at_stop, e0), r1.value_j)
+        out.append(max(float(e_edge) - at_stop, 0.0))
+    return tuple(out)
+
+
+# A tag row's energy_note where its edges could not be held past a refresh (ledger._tag_note).
+TAG_UNHELD_FLAG = "edges-unheld"
+TAG_UNHELD_FIX = ("a window of at least a second (a counter one refresh stale at each edge is then a few percent), "
+                  "and the log's NVML errors (a stalled counter)")
+
+
+def still_at(edge: tuple, fresh: list[Refresh]) -> list[int]:
+    """Per GPU, the last instant its counter was seen at its refresh `fresh`: the edge's read where it still shows that
+    value (the next refresh came after it), else the refresh itself."""
+    return [t if e == f.value_j else f.at_ns for t, e, f in zip(edge[2].t_mono_ns, edge[2], fresh)]
