@@ -267,12 +267,8 @@ def test_odd_framing_keepalive_and_a_broken_upstream_through_the_proxy():
     assert rec.ended[3].outcome == "upstream_error"
 
 
-def test_big_upload_and_a_slow_client_pass_every_byte():
-    blob = random.Random(1).randbytes(3 << 20)  # above the proxy's inspect size: the body is streamed
-
-    async def echo(request):
-        data = await request.read()
-        return web.json_response({"len": len(data), "sha": hashlib.sha256(data).hexdigest()})
+def _serves(blob: bytes):
+    """An aiohttp handler streaming `blob` in 64 KiB writes."""
 
     async def big(request):
         resp = web.StreamResponse()
@@ -281,6 +277,18 @@ def test_big_upload_and_a_slow_client_pass_every_byte():
             await resp.write(blob[i:i + (1 << 16)])
         await resp.write_eof()
         return resp
+
+    return big
+
+
+def test_big_upload_and_a_slow_client_pass_every_byte():
+    blob = random.Random(1).randbytes(3 << 20)  # above the proxy's inspect size: the body is streamed
+
+    async def echo(request):
+        data = await request.read()
+        return web.json_response({"len": len(data), "sha": hashlib.sha256(data).hexdigest()})
+
+    big = _serves(blob)
 
     async def main():
         app = web.Application(client_max_size=1 << 30)
@@ -316,13 +324,7 @@ def test_a_client_that_does_not_read_pauses_the_upstream_and_its_trace_says_how_
     # (client_held_s), for the row to name the client instead (rowtext.client_held).
     blob = random.Random(2).randbytes(4 << 20)
 
-    async def big(request):
-        resp = web.StreamResponse()
-        await resp.prepare(request)
-        for i in range(0, len(blob), 1 << 16):
-            await resp.write(blob[i:i + (1 << 16)])
-        await resp.write_eof()
-        return resp
+    big = _serves(blob)
 
     async def main():
         app = web.Application()

@@ -509,10 +509,10 @@ def test_a_stream_carrying_more_tokens_than_its_servers_usage_is_not_scaled_down
     assert "counted 8 generated tokens but its stream carried 10" in tr.counts.count_problem
 
 
-def test_a_non_streamed_answer_longer_than_the_scrape_lag_is_not_also_taken_for_bypass():
-    # A non-streamed answer of 30 tokens over 1-3.5 s: the server counts them as it generates, the
-    # proxy sees them only at the end (spread back). Before: the windows resolved while it ran took
-    # its tokens for bypass traffic, and the request was attributed them too (counted twice).
+def _whole_answer_beside_scrapes(counted: int, until_s: float):
+    """A non-streamed answer whose usage says 30 over 1-3.5 s, the server's counter counting `counted` of them as it
+    generates (the proxy sees them only at its end, spread back), scraped every 0.25 s, then quiet until `until_s`. The
+    rows emitted."""
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     tr = RequestTrace(1, "POST", "/v1/completions", None, int(0.9 * S), 0, api="openai-completions", stream=None)
@@ -520,43 +520,7 @@ def test_a_non_streamed_answer_longer_than_the_scrape_lag_is_not_also_taken_for_
     _feed(led, 0.0, 0.0)
     led.add_server_tokens(int(0.5 * S), 0.0)
     prev, served = int(0.5 * S), 0.0
-    for step in range(11, 101):  # 0.55 s ... 5.0 s
-        now = step * S // 20
-        if step == 70:  # 3.5 s: the body, with usage
-            tr.stream = False
-            tr.first_ns, tr.last_ns, tr.end_ns = int(1.0 * S), now, now
-            tr.tokens_seen = 30
-            tr.extra["spread"] = True
-            tr.counts = Counts(generated_tokens=30, prompt_tokens=5, model=None, stop_reason=None, token_source="usage")
-            led.on_end(tr)
-        if step % 5 == 0:
-            n = float(min(max(round((now / S - 1.0) * 12), 0), 30))
-            led.add_server_tokens(now, n - served, prev)
-            prev, served = now, n
-        if step % 20 == 0:
-            _feed(led, now / S, 100.0 * now / S)
-        led.advance(now)
-    led.close_all(int(5.2 * S))
-    (row,) = sink.rows["requests"]
-    assert row["attributed_tokens"] == pytest.approx(30.0)
-    ivs = sink.rows["intervals"]
-    assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(0.0, abs=1e-9)
-    assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)
-
-
-@pytest.mark.parametrize("counted", [30, 24])
-def test_a_whole_answers_usage_above_the_servers_counter_is_said_with_both_counts(counted):
-    # A non-streamed answer whose usage says 30 over 1-3.5 s, the server's counter counting `counted` of them as it
-    # generates, then quiet: 24 (the usage 1.25x the counter) is no lag and no bypass traffic (bypass only raises the
-    # counter). Before, its row kept 30 and a J/token over them, its intervals `complete`; 30 stays unsaid.
-    sink = Sink()
-    led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    tr = RequestTrace(1, "POST", "/v1/completions", None, int(0.9 * S), 0, api="openai-completions", stream=None)
-    led.on_start(tr)
-    _feed(led, 0.0, 0.0)
-    led.add_server_tokens(int(0.5 * S), 0.0)
-    prev, served = int(0.5 * S), 0.0
-    for step in range(11, 161):  # 0.55 s ... 8.0 s
+    for step in range(11, int(round(until_s * 20)) + 1):  # 0.55 s ... until_s
         now = step * S // 20
         if step == 70:  # 3.5 s: the body, with usage
             tr.stream = False
@@ -572,7 +536,28 @@ def test_a_whole_answers_usage_above_the_servers_counter_is_said_with_both_count
         if step % 20 == 0:
             _feed(led, now / S, 100.0 * now / S)
         led.advance(now)
-    led.close_all(int(8.2 * S))
+    led.close_all(int((until_s + 0.2) * S))
+    return sink
+
+
+def test_a_non_streamed_answer_longer_than_the_scrape_lag_is_not_also_taken_for_bypass():
+    # A non-streamed answer of 30 tokens over 1-3.5 s: the server counts them as it generates, the
+    # proxy sees them only at the end (spread back). Before: the windows resolved while it ran took
+    # its tokens for bypass traffic, and the request was attributed them too (counted twice).
+    sink = _whole_answer_beside_scrapes(30, 5.0)
+    (row,) = sink.rows["requests"]
+    assert row["attributed_tokens"] == pytest.approx(30.0)
+    ivs = sink.rows["intervals"]
+    assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(0.0, abs=1e-9)
+    assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("counted", [30, 24])
+def test_a_whole_answers_usage_above_the_servers_counter_is_said_with_both_counts(counted):
+    # A non-streamed answer whose usage says 30 over 1-3.5 s, the server's counter counting `counted` of them as it
+    # generates, then quiet: 24 (the usage 1.25x the counter) is no lag and no bypass traffic (bypass only raises the
+    # counter). Before, its row kept 30 and a J/token over them, its intervals `complete`; 30 stays unsaid.
+    sink = _whole_answer_beside_scrapes(counted, 8.0)
     (row,) = sink.rows["requests"]
     busy = [r for r in sink.rows["intervals"] if r["proxy_tokens"]]
     if counted == 30:
