@@ -1488,35 +1488,41 @@ def test_the_prefix_cache_check_runs_over_a_gone_requests_prefill_not_past_its_e
     assert "prefix-cache-unsaid" not in notes["costed"] + notes["no body estimate"], notes
 
 
-def _ticking(incremental):
+def _ticking(incremental, second: bool = False):
     """A 10-token chat (0.02 → 0.5 s) beside a 10 000-token prompt gone at 0.9 s before its first token, 100 W sampled
-    every 0.2 s; closed at every 0.1 s tick as the daemon does (`incremental`), or once at 3 s."""
+    every 0.2 s; closed at every 0.1 s tick as the daemon does (`incremental`), or once at the end (3 s). `second`: and
+    a second 10 000-token prompt arriving at 0.8 s gone at 1.5 s (the end at 3.5 s)."""
     led = Ledger("d", 0, 1, Sink(), grace_s=0.3)
     nb_tr, nb_ev, _ = _streamed(1, 0.02, 0.05, 0.5, n=10)
-    gone = _chat(2, 0.05, 40_000)
+    gone, later = _chat(2, 0.05, 40_000), _chat(3, 0.8, 40_000)
     led.on_start(nb_tr)
     led.on_start(gone)
-    for k in range(0, 26):
+    ends = ((gone, 9), (later, 15)) if second else ((gone, 9),)
+    until_s = 3.5 if second else 3.0
+    for k in range(0, int(round(until_s * 10)) - 4):
         t = k * 0.1
         for tt, n in nb_ev:
             if t - 0.1 < tt / S <= t:
                 led.on_tokens(nb_tr, tt, n)
                 nb_tr.first_ns = nb_tr.first_ns or tt
                 nb_tr.last_ns = tt
-        if k == 9:
-            gone.end_ns, gone.outcome = int(0.9 * S), "client_disconnected"
-            led.on_end(gone)
         if k == 5:
             nb_tr.end_ns = int(0.5 * S)
             nb_tr.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
                                   token_source="usage")
             led.on_end(nb_tr)
+        if k == 8 and second:
+            led.on_start(later)
+        for tr, at in ends:
+            if k == at:
+                tr.end_ns, tr.outcome = int(t * S), "client_disconnected"
+                led.on_end(tr)
         if k % 2 == 0:
             _feed(led, t, 100.0 * t)
         if incremental:
             led.advance(int(t * S))
-    led.advance(int(3.0 * S))
-    led.close_all(int(3.0 * S))
+    led.advance(int(until_s * S))
+    led.close_all(int(until_s * S))
     return {r["request_id"]: r for r in led.emit.rows["requests"]}
 
 
@@ -1534,46 +1540,12 @@ def test_a_prompt_gone_before_its_first_token_is_costed_alike_however_often_the_
         assert "gone-prefill-beside" in (rows[1]["energy_note"] or ""), rows[1]["energy_note"]
 
 
-def _two_gone(incremental):
-    """`_ticking`'s chat and prompt gone at 0.9 s, and a second 10 000-token prompt arriving at 0.8 s gone at 1.5 s."""
-    led = Ledger("d", 0, 1, Sink(), grace_s=0.3)
-    nb_tr, nb_ev, _ = _streamed(1, 0.02, 0.05, 0.5, n=10)
-    gone, later = _chat(2, 0.05, 40_000), _chat(3, 0.8, 40_000)
-    for tr in (nb_tr, gone):
-        led.on_start(tr)
-    for k in range(0, 31):
-        t = k * 0.1
-        for tt, n in nb_ev:
-            if t - 0.1 < tt / S <= t:
-                led.on_tokens(nb_tr, tt, n)
-                nb_tr.first_ns = nb_tr.first_ns or tt
-                nb_tr.last_ns = tt
-        if k == 5:
-            nb_tr.end_ns = int(0.5 * S)
-            nb_tr.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
-                                  token_source="usage")
-            led.on_end(nb_tr)
-        if k == 8:
-            led.on_start(later)
-        for tr, at in ((gone, 9), (later, 15)):
-            if k == at:
-                tr.end_ns, tr.outcome = int(t * S), "client_disconnected"
-                led.on_end(tr)
-        if k % 2 == 0:
-            _feed(led, t, 100.0 * t)
-        if incremental:
-            led.advance(int(t * S))
-    led.advance(int(3.5 * S))
-    led.close_all(int(3.5 * S))
-    return {r["request_id"]: r for r in led.emit.rows["requests"]}
-
-
 def test_two_overlapping_prompts_gone_before_their_first_token_are_costed_alike_however_often_the_intervals_close():
     # The hold for the later one (its end past the close's edge) moved the close back to its arrival, before the first
     # one's end, which the edge had been past: that close cut the first one's span with it still live, and its prefill,
     # placed over its time in flight in the next close, fell in intervals already closed, to its neighbour. Now the hold
     # is taken again from each edge it moves back to, until no gone request's span is cut.
-    a, b = _two_gone(True), _two_gone(False)
+    a, b = _ticking(True, second=True), _ticking(False, second=True)
     for rid in (1, 2, 3):
         assert a[rid]["gpu_energy_j"] == pytest.approx(b[rid]["gpu_energy_j"], rel=1e-6), rid
     assert a[2]["prompt_tokens_estimate"] == pytest.approx(b[2]["prompt_tokens_estimate"])
