@@ -165,7 +165,13 @@ def test_a_request_sglang_runs_on_after_its_client_left_is_charged_that_work_not
             if "proxy" in daemon.urls:
                 break
             await asyncio.sleep(0.05)
-        await asyncio.sleep(4)  # the scraper has told the server's kind
+        # The scraper has told the server's kind (its run-on delays with it): a fixed 4 s was short of it on a loaded
+        # host (the CI beside other jobs: the first cut request said no run-on, twice).
+        for _ in range(600):
+            if daemon.ledger is not None and daemon.ledger.runs_on_after_leave is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert daemon.ledger.runs_on_after_leave is not None, "the scraper never told the server's kind in 30 s"
         url = daemon.urls["proxy"]
         async with aiohttp.ClientSession() as s:
             jobs = []
@@ -194,7 +200,8 @@ def test_a_request_sglang_runs_on_after_its_client_left_is_charged_that_work_not
     err = {t: (r["gpu_energy_j"] - truth[t]["energy_j"]) / truth[t]["energy_j"] for t, r in rows.items()}
     for t in ("cutd2", "cutd7", "cutw4"):
         note = rows[t]["energy_note"] or ""
-        assert "the server ran on about" in note and "SGLang aborts" in note, (t, note)
+        # (Or "ran on … until its max_tokens were decoded": the whole answer's 300 at the estimated pace, before 4 s.)
+        assert "the server ran on" in note and "SGLang aborts" in note, (t, note)
         assert abs(err[t]) < 0.7, (t, err[t], note)  # its run-on's pace is an estimate (its own, or recent streams')
     ok = [t for t in rows if t.startswith("ok")]
     # Beside the whole answer its prefill is an estimate: those rows may be off, and say so (GONE_PREFILL_FLAG).
