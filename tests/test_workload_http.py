@@ -366,8 +366,12 @@ def test_measure_with_windows_shorter_than_the_counters_refresh_gives_no_figure_
     req = [r for r in pq.read_table(out / "windows.parquet").to_pylist()
            if r["window_kind"] == "request" and not r["warmup"] and r["timing"] != "untrusted"]
     assert req
-    for r in req:
-        assert r["decode_s"] < 0.1
+    # The premise, windows under the refresh: a loaded host (the CI's four workers) once stretched one to 0.29 s,
+    # which a reading may resolve. Those are not this test's; the short ones must carry no figure.
+    short = [r for r in req if r["decode_s"] < 0.1]
+    if not short:
+        pytest.skip("a loaded host stretched every decode window past the counter's refresh (the test's premise)")
+    for r in short:
         assert r["gpu_energy_j"] is None and r["energy_method"] == "none" and r["low_confidence"], r
     text = " ".join(res.output.split())
     assert "shorter than the GPU energy counter's refresh" in text and "--max-tokens" in text, res.output
