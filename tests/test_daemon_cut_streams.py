@@ -202,7 +202,9 @@ def test_a_request_sglang_runs_on_after_its_client_left_is_charged_that_work_not
         note = rows[t]["energy_note"] or ""
         # (Or "ran on … until its max_tokens were decoded": the whole answer's 300 at the estimated pace, before 4 s.)
         assert "the server ran on" in note and "SGLang aborts" in note, (t, note)
-        assert abs(err[t]) < 0.7, (t, err[t], note)  # its run-on's pace is an estimate (its own, or recent streams')
+        # Its run-on's pace is an estimate: its batch's over that run (`Ledger._batch_pace`; its own read +38% to +76%
+        # in cut_accuracy, docs/daemon.md, but within 0.5 in this smaller scene too).
+        assert abs(err[t]) < 0.5, (t, err[t], note)
     ok = [t for t in rows if t.startswith("ok")]
     # Beside the whole answer its prefill is an estimate: those rows may be off, and say so (GONE_PREFILL_FLAG).
     unflagged = [t for t in ok if "gone-prefill-beside" not in (rows[t]["energy_note"] or "")]

@@ -3359,6 +3359,63 @@ def test_a_request_that_had_all_its_max_tokens_is_not_said_to_have_run_on_for_se
     assert "until its max_tokens (4) were decoded, about 0.0 s" in note and "ran on about 3" not in note, note
 
 
+def test_a_stream_sglang_runs_on_decodes_at_its_batchs_pace_not_its_own():
+    # cut_accuracy (SGLang, H200): a stream cut after 41 tokens ran on at its own pace, read over those 41, which ran
+    # ahead of the batch it decoded in once other prompts' prefills joined it: +22% to +66%. One cut after one token
+    # before any stream had finished had no pace at all ("no pace to decode it at"). Here four streams decode at
+    # 40 tokens/s to 1.1 s, then at 20 (prefills joined) to 4.1 s; stream 9 showed 41 tokens (to 1.1 s), stream 10
+    # one (at 1.1 s), their clients leaving at 1.12 and 1.15 s: SGLang decodes each on for 2 s, about 40 tokens.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.runs_on_after_leave = (2.0, 4.0)
+
+    def chat(rid, a):
+        tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat", stream=True)
+        tr.extra.update(prompt_chars=400, max_tokens=2000)
+        return tr
+
+    nbs, cut, one = [chat(k, 0.0) for k in range(1, 5)], chat(9, 0.0), chat(10, 1.0)
+    for tr in (*nbs, cut, one):
+        led.on_start(tr)
+    step_s = [0.025] * 40 + [0.05] * 60  # a token a step a sequence: 40 tokens/s, then 20 from 1.1 s
+    nb_ts = list(np.cumsum([0.1, *step_s]))
+    events = [(t, tr) for tr in nbs for t in nb_ts] + [(t, cut) for t in nb_ts[:41]] + [(1.1, one)]
+    leaves = {cut.request_id: 1.12, one.request_id: 1.15}
+    e, k = 0.0, 0
+    for t, tr in sorted(events, key=lambda x: (x[0], x[1].request_id)):
+        while k * 0.1 <= t:  # the GPU at 300 W, sampled every 0.1 s, the ledger advancing as the daemon's does
+            led.add_gpu_sample(int(k * 0.1 * S), int(k * 0.1 * S), [R(e, 300.0)])
+            led.advance(int(k * 0.1 * S))
+            e, k = e + 30.0, k + 1
+        for c in (cut, one):
+            if c.end_ns is None and leaves[c.request_id] <= t:
+                c.end_ns, c.outcome = int(leaves[c.request_id] * S), "client_disconnected"
+                led.on_end(c)
+        tr.first_ns = tr.first_ns or int(t * S)
+        tr.last_ns = int(t * S)
+        tr.tokens_seen += 1
+        led.on_tokens(tr, int(t * S), 1)
+    for tr in nbs:
+        tr.end_ns, tr.outcome = int(4.11 * S), "ok"
+        tr.counts = Counts(generated_tokens=101, prompt_tokens=100, model=None, stop_reason="length",
+                           token_source="usage")
+        led.on_end(tr)
+    for j in range(k, 60):
+        led.add_gpu_sample(int(j * 0.1 * S), int(j * 0.1 * S), [R(e, 300.0)])
+        led.advance(int(j * 0.1 * S))
+        e += 30.0
+    led.close_all(int(6 * S))
+    rows = {r["request_id"]: r for r in led.emit.rows["requests"]}
+    # 2 s at 20 tokens/s beside its 41 (before: 81 more at its own 40 tokens/s) and beside its one (before: none).
+    assert rows[9]["attributed_tokens"] == pytest.approx(41 + 40, rel=0.1), rows[9]
+    assert rows[10]["attributed_tokens"] == pytest.approx(1 + 41, rel=0.1), rows[10]
+    for rid in (9, 10):
+        note = rows[rid]["energy_note"]
+        assert "at its batch's (the 4 streams shown beside it then) pace" in note, note
+    # Its energy: 300 W split among the 5 streams decoding to 1.1 s, then the 6 to its abort at 3.12 s (each a token a
+    # step). Before: 267 J (+60%), its 81 own-pace tokens against the 40 of each stream beside it.
+    assert rows[9]["gpu_energy_j"] == pytest.approx(300.0 * (1.1 / 5 + 2.02 / 6), rel=0.1), rows[9]
+
+
 def test_a_short_request_on_a_counter_says_its_figure_is_good_to_joules_not_a_percentage():
     # A 1-3 token request alone on an H200 (100 ms counter refresh) read -96% to +147% against the simulator's truth,
     # its row with no note or another's reason (a hostile review: scene_a4.py). Its edges may each read the counter a

@@ -44,6 +44,7 @@ class LiveRequest:
     # Its client left and the server ran it on for nobody until it aborted it (`Ledger._run_on`, SGLang): that run's
     # estimated end, the tokens placed over it (no client received them) and whose pace they were placed at.
     run_on_end_ns: int | None = None
+    run_on_from_ns: int | None = None  # a stream's run-on, from here, waits to be placed (`Ledger._place_run_ons`)
     run_on_tokens: float = 0.0
     run_on_pace: str | None = None
     run_on_capped: bool = False  # its max_tokens ended that run before the abort
