@@ -3411,6 +3411,9 @@ def test_a_stream_sglang_runs_on_decodes_at_its_batchs_pace_not_its_own():
     for rid in (9, 10):
         note = rows[rid]["energy_note"]
         assert "at its batch's (the 4 streams shown beside it then) pace" in note, note
+        # Not "until its max_tokens (2000) were decoded": its placed span, rounded down to the nanosecond, read as ended
+        # short of the abort by its max_tokens (2 of 4 such streams in a cut_accuracy run, 1 of 4 whole answers).
+        assert "until its max_tokens" not in note and "the server ran on about 2.0 s" in note, note
     # Its energy: 300 W split among the 5 streams decoding to 1.1 s, then the 6 to its abort at 3.12 s (each a token a
     # step). Before: 267 J (+60%), its 81 own-pace tokens against the 40 of each stream beside it.
     assert rows[9]["gpu_energy_j"] == pytest.approx(300.0 * (1.1 / 5 + 2.02 / 6), rel=0.1), rows[9]

@@ -630,13 +630,17 @@ class Ledger:
         span_ns = r.run_on_end_ns - start_ns
         n = tok_s * span_ns / 1e9
         limit = r.trace.extra.get("max_tokens")
+        # Capped where its max_tokens leave fewer than its pace decodes to the abort: not where the span, rounded back
+        # from the tokens to the nanosecond, comes 1 ns short (half such runs said "until its max_tokens were decoded").
+        capped = False
         if isinstance(limit, (int, float)) and limit > 0:
-            n = min(n, max(float(limit) * seqs - (r.spent + float(sum(r.ev_n)) + r.late), 0.0))
+            left = max(float(limit) * seqs - (r.spent + float(sum(r.ev_n)) + r.late), 0.0)
+            capped, n = left < n, min(n, left)
         if span_ns <= 0 or n <= 0:
             return
         k = max(1, min(SPREAD_EVENTS, int(np.ceil(n))))
-        capped = int(n / tok_s * 1e9) < span_ns
-        span_ns = min(span_ns, int(n / tok_s * 1e9))  # at its pace: a max_tokens reached stops it before the abort
+        if capped:  # at its pace: a max_tokens reached stops it before the abort
+            span_ns = min(span_ns, int(n / tok_s * 1e9))
         r.ev_t.extend(int(start_ns + span_ns * (j + 1) / k) for j in range(k))
         r.ev_n.extend([n / k] * k)
         r.run_on_tokens, r.run_on_pace = n, whose
