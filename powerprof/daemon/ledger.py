@@ -40,7 +40,8 @@ from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import PROMPT_HOLD_S, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen
+from .liverequest import (PROMPT_HOLD_S, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen,
+                          server_end_ns)
 from .promptlen import PromptLengths
 from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
@@ -121,12 +122,6 @@ class _Edge:
     setting: tuple = ()  # the GPUs' power limits: costs are learned per setting
     epoch: np.ndarray | None = None  # (G,) the counters' epochs (a jump or reset bumps one); None: as the edge before
     avg_power_w: np.ndarray | None = None  # (G,) trailing-average power (GPUs with an averaging window); None: not read
-
-
-def _server_end_ns(r: LiveRequest) -> int | None:
-    """When the server stopped working on a request: its end (None: not ended), or where it runs on after its client
-    left, that run's end (`Ledger._run_on`)."""
-    return r.trace.end_ns if r.trace.end_ns is None or r.run_on_end_ns is None else max(r.trace.end_ns, r.run_on_end_ns)
 
 
 def _edge_instant(t_ns: int, wall_ns: int, read_ns: np.ndarray, read_j: np.ndarray, weight_w: np.ndarray) -> tuple[int, int]:
@@ -552,7 +547,7 @@ class Ledger:
     def _run_on(self, r: LiveRequest) -> None:
         """A request whose client left that the server runs on for nobody until it aborts it (SGLang: 2 s after a
         stream's client left, a whole answer at its next 4 s wait: scrape.RUNS_ON_AFTER_LEAVE): it stays in the split
-        until then (`run_on_end_ns`, `_server_end_ns`), and a stream's decode goes on there at its batch's pace
+        until then (`run_on_end_ns`, `server_end_ns`), and a stream's decode goes on there at its batch's pace
         (`_place_run_ons`, once the streams beside it have shown that run), placed as token events no scrape window lists
         (the server counts an aborted request's tokens nowhere). Without it that work went to the requests beside it:
         on the simulator's SGLang, streams cut after 41 tokens decoded 100-170 more for nobody, and the requests beside
@@ -1734,10 +1729,10 @@ class Ledger:
         first = np.array([r.placed_from_ns if r.placed_from_ns is not None else r.trace.first_ns
                           if r.trace.first_ns is not None else never for r in reqs], dtype=np.int64)
         # Ended where the server stopped it: a request it runs on after its client left, at that run's end (`_run_on`).
-        done = [r.trace.end_ns is not None and _server_end_ns(r) <= t_end for r in reqs]
+        done = [r.trace.end_ns is not None and server_end_ns(r) <= t_end for r in reqs]
         last = np.array([ns(r.trace.last_ns if r.run_on_end_ns is None else r.run_on_end_ns, d)
                          for r, d in zip(reqs, done)], dtype=np.int64)
-        end = np.array([ns(_server_end_ns(r), d) for r, d in zip(reqs, done)], dtype=np.int64)
+        end = np.array([ns(server_end_ns(r), d) for r, d in zip(reqs, done)], dtype=np.int64)
         # A prompt counts once its first token is known: it is spread over arrival → first token; or, a stream the server
         # had that ended without one, its prompt unsaid, over arrival → end (below). A whole answer cut before it came is
         # not: the server prefilled it at its start and decoded since, unseen, and its end says nothing of when.
@@ -2006,7 +2001,7 @@ class Ledger:
 
     def _gone_hold(self, horizon: int, now_ns: int) -> int:
         """The horizon held at the arrival of each request gone before its first token (`gone_unsaid`) that a close up
-        to it would cut (no edge at or past its server's end of it below it: `_server_end_ns`), taken again from each
+        to it would cut (no edge at or past its server's end of it below it: `server_end_ns`), taken again from each
         edge a hold moves the close back to, until no such span is cut: one held moves the close's last edge before the
         end of another, not held at the first edge, whose prefill the next close then placed partly in intervals already
         closed, to its neighbours unflagged (a 10 000-token prompt gone at 0.9 s beside one from 0.8 s to 1.5 s, closed every 0.1 s: their
@@ -2014,7 +2009,7 @@ class Ledger:
         while True:
             edge = max((e.t_ns for e in self.edges if e.t_ns <= horizon), default=None)
             gone = [r.trace.arrival_ns for r in self.requests.values()
-                    if (edge is None or r.trace.end_ns is not None and _server_end_ns(r) > edge) and gone_unsaid(r)]
+                    if (edge is None or r.trace.end_ns is not None and server_end_ns(r) > edge) and gone_unsaid(r)]
             held = min(horizon, max(min(gone), now_ns - self.prompt_hold_ns)) if gone else horizon
             if held >= horizon:
                 return horizon

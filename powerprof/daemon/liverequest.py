@@ -2,8 +2,9 @@
 
 `LiveRequest` is filled by `ledger.Ledger` as the request's tokens, prompt and energy shares come; the few readings of it
 that the ledger's accounting and its rows' words (`rowtext`) both take are here: its prompt length once the server
-told it (`told_prompt_tokens`), whether it is GPU work the proxy sees (`is_unseen`, `is_passive`), and whether it ended
-before its first token with its prompt unsaid after the server had it (`gone_unsaid`).
+told it (`told_prompt_tokens`), whether it is GPU work the proxy sees (`is_unseen`, `is_passive`), whether it ended
+before its first token with its prompt unsaid after the server had it (`gone_unsaid`), and when the server stopped
+working on it (`server_end_ns`).
 """
 
 from __future__ import annotations
@@ -153,6 +154,12 @@ def is_passive(r: LiveRequest) -> bool:
 # its connection to the server broke. Not `ok` (a whole answer, its tokens unread: a Content-Encoding not inspected),
 # nor `interrupted` (ended by the proxy's own machinery: a worker's dropped end record, a shutdown), nor `expired`.
 GONE_OUTCOMES = ("client_disconnected", "upstream_error")
+
+
+def server_end_ns(r: LiveRequest) -> int | None:
+    """When the server stopped working on a request: its end (None: not ended), or where it runs on after its client
+    left, that run's end (`Ledger._run_on`)."""
+    return r.trace.end_ns if r.trace.end_ns is None or r.run_on_end_ns is None else max(r.trace.end_ns, r.run_on_end_ns)
 
 
 def gone_unsaid(r: LiveRequest) -> bool:
