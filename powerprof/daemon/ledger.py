@@ -7,7 +7,8 @@ before it has been seen), the intervals up to it are closed: their energy is spl
 and requests whose response ended before the edge are emitted with their energy. Intervals are
 held (at most `prompt_hold_s`) while a request live in them has not yet told its prompt length,
 until the server's token counter has been scraped past them, and (at most `rapl_hold_s`) until a
-RAPL read covers their end (and a CPU-time read, where whose CPU time it was is judged). Memory stays bounded: closed
+RAPL read covers their end (and a CPU-time read, where whose CPU time it was is judged), and from a stream's leave until
+the proxy has seen past the abort of a server that runs it on (`Ledger._run_on`). Memory stays bounded: closed
 intervals, emitted requests and used token events are dropped.
 
 A request's account is `liverequest.LiveRequest`; the words its rows carry (each note, flag, reason and fix) are
