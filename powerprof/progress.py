@@ -157,7 +157,7 @@ def result_console() -> QuietPipeConsole:
 _COLUMNS = (
     ("level", lambda r, u: f"{r['level_value']:g} {u}" + (" (ref)" if r.get("reference") else "")),
     ("enforced\nW", lambda r, u: _f(r.get("enforced_limit_w"), ".0f")),
-    # The windows the CI rests on (requests at concurrency 1, batches above): under 5 the "95%" CI covers less
+    # The windows the J/token CI rests on (requests at concurrency 1, batches above): under 5 the "95%" CI covers less
     # (flag few-windows), so the count is worth a glance where the width allows.
     ("windows", lambda r, u: _f(r.get("n_windows"), "d")),
     ("tok/s", lambda r, u: _f(r.get("decode_tok_s"), ".1f")),

@@ -19,7 +19,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
+import stat
 from typing import Iterator
 
 from powerprof.collectors.sources import Sources, describe, open_sources
@@ -415,6 +417,11 @@ class Rig:
 
         if not self.simulated:
             return force_default(outcome.path, self.nvml, machine_scope=self.machine_scope)
+        if (why := self._other_sim_state({"state_file": state_file_named_in(outcome.path)},
+                                         "powerprof restore --simulate --force-default")) is not None:
+            # Simulated UUIDs are the same in every state file: a whole but damaged or untrusted record of another
+            # one defaulted this simulator's GPUs and was removed, its own GPUs left capped with nothing to say so.
+            return FileOutcome(outcome.path, "refused", f"Not changed: {outcome.path} {why}")
         named = set(uuids_named_in(outcome.path) or ())
         ours = {g.uuid for g in self.nvml.gpus}
         if named and named <= ours:
@@ -442,7 +449,7 @@ class Rig:
             return "records a real GPU; run `powerprof restore` without --simulate."
         return _bad_origin(record.get("simulated")) or self._other_sim_state(record.get("simulated"))
 
-    def _other_sim_state(self, origin) -> str | None:
+    def _other_sim_state(self, origin, command: str = "powerprof restore --simulate") -> str | None:
         """Why a simulated record is not this simulator's to restore: its GPUs live in another state file (another
         POWERPROF_SIM_STATE, or `sudo` having dropped it), or in one that is gone. A record of an older powerprof
         names none: it is restored where the environment points, as before."""
@@ -453,8 +460,8 @@ class Rig:
 
         state = getattr(self.nvml, "state_path", None) if self.simulated else None
         here = os.path.realpath(state if state is not None else default_state_path())
-        fix = (f"point at it: `{STATE_ENV}={recorded} powerprof restore --simulate` (with sudo: "
-               f"`sudo env {STATE_ENV}={recorded} powerprof restore --simulate`)")
+        fix = (f"point at it: `{STATE_ENV}={recorded} {command}` (with sudo: "
+               f"`sudo env {STATE_ENV}={recorded} {command}`)")
         if not os.path.exists(recorded):
             return (f"records simulated GPUs whose state file {recorded} no longer exists (this simulator's is {here}); "
                     "nothing was changed and the file is kept: if that file comes back, " + fix + "; if it is gone for "
@@ -488,6 +495,37 @@ class Rig:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_STATE_FILE_RE = re.compile(rb'(?<!\\)"state_file":\s*("(?:[^"\\]|\\.)*")')
+
+
+def state_file_named_in(path) -> str | None:
+    """The simulator state file a (possibly damaged) restore file's text names (its "simulated" object's last
+    "state_file"), read as `uuids_named_in` reads UUIDs; None where none can be read (cut before it, or no record of a
+    simulator): whose state it is is then unknown."""
+    from powerprof.control.restore import UUID_SCAN_BYTES
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.read(fd, UUID_SCAN_BYTES)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    for m in reversed(_STATE_FILE_RE.findall(raw)):
+        try:
+            name = json.loads(m)
+        except ValueError:
+            continue
+        if isinstance(name, str) and os.path.isabs(name) and "\0" not in name:
+            return name
+    return None
 
 
 def _profile_its_name_proves(path) -> str | None:

@@ -280,10 +280,37 @@ def test_a_level_whose_j_per_token_rests_on_one_of_its_windows_is_one_window_wit
     res = analyze_run([run], out_dir=tmp_path / "a", n_boot=200, plots=False, formats=())
     lv = {r["level_value"]: r for r in res.table.to_pylist()}
     at = lv[260.0]
-    assert at["n_windows"] == 4 and "one-window" in at["flags"].split(",") and "few-windows" not in at["flags"], at
+    # n_windows counts the windows its J/token rests on; the 3 with a rate alone are counted apart.
+    assert at["n_windows"] == 1 and at["n_windows_tok_s_only"] == 3, at
+    assert lv[220.0]["n_windows"] == 4 and lv[220.0]["n_windows_tok_s_only"] == 0, lv[220.0]
+    assert "one-window" in at["flags"].split(",") and "few-windows" not in at["flags"], at
     assert at["gpu_j_per_token"] > 0
     assert at["gpu_j_per_token_ci_low"] is None or at["gpu_j_per_token_ci_low"] != at["gpu_j_per_token_ci_low"], at
     assert at["decode_tok_s_ci_low"] == at["decode_tok_s_ci_low"]  # its rate rests on all 4: its CI stays
     msg = _one_window(res.warnings)
     assert msg.startswith("one window with a J/token at 260 W (its J/token rests on 1 of its 4 measured windows"), msg
     assert "energy_method none" in msg and "notes say why" in msg and "left out" not in msg, msg
+
+
+def test_a_levels_window_count_is_the_windows_its_j_per_token_rests_on(tmp_path):
+    # 8 windows at 260 W, 5 of them with no energy (energy_method none): levels.parquet said n_windows 8 beside a
+    # J/token and CI resting on 3, and the few-windows finding said "fewer than 5 measured windows (260 W: 8)" and
+    # "99.2188% at 8" where the CI of 3 windows covers 75%. n_windows is now the 3; the 5 timed alone are
+    # n_windows_tok_s_only.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 260, 300), n_requests=8, n_failed=0)
+    t = pq.read_table(run / "windows.parquet")
+    rows = t.to_pylist()
+    seen = 0
+    for r in rows:
+        if r["level_value"] == 260.0 and not r["warmup"] and r["window_kind"] == "request":
+            seen += 1
+            if seen > 3:
+                r.update(gpu_energy_j=None, gpu_j_per_token=None, total_j_per_token=None, energy_method="none",
+                         above_idle_gpu_j_per_token=None, avg_gpu_power_w=None)
+    pq.write_table(pa.Table.from_pylist(rows, schema=t.schema), run / "windows.parquet")
+    res = analyze_run([run], out_dir=tmp_path / "a", n_boot=200, plots=False, formats=())
+    at = {r["level_value"]: r for r in res.table.to_pylist()}[260.0]
+    assert at["n_windows"] == 3 and at["n_windows_tok_s_only"] == 5, at
+    assert "few-windows" in at["flags"].split(","), at
+    msg = _few_windows(res.warnings)
+    assert "(260 W: 3)" in msg and "75% at 3" in msg and "at 8" not in msg, msg

@@ -250,6 +250,26 @@ def test_analyze_of_a_daemon_datasets_table_names_the_dataset_and_the_command(tm
     assert not (sweep_run / "analysis").exists()
 
 
+def test_a_sweep_or_measure_inside_another_runs_folder_is_refused(tmp_path):
+    # `sweep --out RUN/levels` or `--out RUN/analysis/x` was taken: a run inside another's folder, which goes with it
+    # when that run is moved or removed, and `analyze RUN`'s report folder held another run's tables. Refused as an
+    # --out inside a daemon dataset is, nothing made; beside a run (its parent folder) is fine.
+    from synthetic_runs import make_run, seed_truth
+
+    sweep_run = make_run(tmp_path / "runs" / "r1", seed_truth(), levels=(220, 300), n_requests=4)
+    for out in (sweep_run / "levels", sweep_run / "analysis" / "x"):
+        for cmd in (["sweep", "--limits", "180,220", "--dry-run"], ["measure"]):
+            r = run(*cmd, "--simulate", "--out", str(out))
+            flat = " ".join(r.output.split())
+            assert r.exit_code != 0 and f"--out {out} is inside the powerprof run {sweep_run}" in flat, r.output
+            assert "give a folder outside it with --out" in flat and "Traceback" not in r.output, r.output
+            assert not out.exists(), r.output
+    assert not (sweep_run / "analysis").exists()
+    r = run("sweep", "--limits", "180,220", "--dry-run", "--simulate", "--out", str(tmp_path / "runs" / "r2"))
+    assert r.exit_code == 0, r.output
+    assert sim_limit_w() == 300.0
+
+
 def test_output_below_a_folder_holding_a_requests_folder_of_no_tables_is_not_refused(tmp_path):
     # The review: a home or project folder holding requests/ (a clone of psf/requests, saved prompts) was taken for a
     # daemon dataset: `analyze RUN` of every run below it exited 2, a finished sweep's default analysis failed (exit

@@ -380,6 +380,41 @@ def test_force_default_on_the_simulator_clears_a_file_its_name_proves_is_the_sim
         assert ctl.original_limits_w == (default_w,)
 
 
+@pytest.mark.parametrize("damage", ["field", "group-writable"])
+def test_force_default_on_the_simulator_leaves_a_file_of_another_state_file_alone(tmp_path, monkeypatch, damage):
+    # A sweep on the simulator of state file A left its GPU at 250 W, its record then damaged (a field, or made
+    # group-writable: untrusted) but whole, naming A. `restore --simulate --force-default` under another
+    # POWERPROF_SIM_STATE (B, or sudo, which drops it) set B's GPU to its default, removed A's record, said
+    # "Set to default limits" and exit 0: A's GPU stayed at 250 W, the next run on A took 250 W as its original.
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    default_w = _limit_w(a)
+    origin = {"profile": "seed-16g", "count": 1, "state_file": os.path.realpath(a / "sim.json")}
+    with LimitController(_sim(a), [0], origin=origin) as ctl:
+        ctl.set_power_limit_w(default_w - 50)
+        path = ctl.restore_path
+        rec = json.loads(path.read_text())
+        ctl._record = None  # killed here
+    assert rec["simulated"]["state_file"] == origin["state_file"]
+    if damage == "field":
+        for g in rec["gpus"].values():
+            g["original_limit_mw"] = True
+        path.write_text(json.dumps(rec, indent=1, sort_keys=True))
+    else:
+        os.chmod(path, 0o660)
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(b / "sim.json"))
+    r = CliRunner().invoke(main, ["restore", "--simulate", "seed-16g", "--force-default"])
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and path.exists(), r.output
+    assert _limit_w(a) == default_w - 50 and _limit_w(b) == default_w
+    assert f"records the simulated GPUs of the state file {origin['state_file']}" in flat, r.output
+    assert f"POWERPROF_SIM_STATE={origin['state_file']} powerprof restore --simulate --force-default`" in flat, r.output
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(a / "sim.json"))
+    r = CliRunner().invoke(main, ["restore", "--simulate", "seed-16g", "--force-default"])
+    assert r.exit_code == 0 and not path.exists() and _limit_w(a) == default_w, r.output
+
+
 def test_force_default_on_the_simulator_names_the_profile_a_damaged_files_name_proves(tmp_path, monkeypatch):
     # Written for another simulated profile's GPU: refused here (its GPUs are not this simulator's), with
     # the command that acts on them.

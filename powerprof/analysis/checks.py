@@ -265,12 +265,18 @@ def _unchosen(ref: list, against: str) -> str:
         f" but the reference (keeping the default is always a choice), and every {against}" if ref else "")
 
 
+def _measured_windows(r: dict) -> int:
+    """A level row's measured windows: those its J/token rests on (n_windows) and those timed alone, with no energy
+    figure (n_windows_tok_s_only; null in rows written before it, whose n_windows counted them)."""
+    return int(r.get("n_windows") or 0) + int(r.get("n_windows_tok_s_only") or 0)
+
+
 def _one_window_message(one: list[dict], rows: list[dict], unit: str, trace: bool) -> str:
     """Why the levels `one` rest on a single window, and the fix that fits: a trace replayed once per level (replay
     it more often), else each level's own cause, failed requests, windows left out, or a level stopped after one (it
     said "a trace replayed once" and "--repeats 3" of a sweep whose windows had failed). The recommendation has no
     resampling spread only where every measured level has one window; otherwise these levels hold still in it."""
-    spread = ("the recommendation no resampling spread" if all((r.get("n_windows") or 0) <= 1 for r in rows)
+    spread = ("the recommendation no resampling spread" if all(_measured_windows(r) <= 1 for r in rows)
               else "resampling holds their figures still, so the choice's 95% range leaves out their uncertainty")
     if trace:
         return (f"one measured window at {', '.join(_fmt(r['level_value'], unit) for r in one)} (a trace replayed "
@@ -279,7 +285,7 @@ def _one_window_message(one: list[dict], rows: list[dict], unit: str, trace: boo
     said, fixes = [], []
     for r in one:
         ok, failed = int(r.get("n_requests") or 0), int(r.get("n_failed") or 0)
-        n_windows = int(r.get("n_windows") or 0)
+        n_windows = _measured_windows(r)
         if n_windows > 1:  # several windows timed, one with energy: stats.levels_table
             said.append(f"{_fmt(r['level_value'], unit)} (its J/token rests on 1 of its {n_windows} measured windows: "
                         "the others carry no GPU energy figure, energy_method none in windows.parquet)")
@@ -304,7 +310,7 @@ def _one_window_message(one: list[dict], rows: list[dict], unit: str, trace: boo
         said.append(f"{_fmt(r['level_value'], unit)} ({'; '.join(why)})")
     fixes.append(f"measure again with --min-requests {MIN_CI_WINDOWS} or more and the time to reach it")
     # Where every such level timed several windows, its tok/s has its CI: only the J/token rests on one.
-    energy_only = all(int(r.get("n_windows") or 0) > 1 for r in one)
+    energy_only = all(_measured_windows(r) > 1 for r in one)
     head, what = ("one window with a J/token", "its J/token has") if energy_only else ("one measured window",
                                                                                        "its J/token and tok/s have")
     return (f"{head} at {', '.join(said)}: {what} no confidence interval, and "

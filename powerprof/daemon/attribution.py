@@ -18,6 +18,7 @@ batches), decode, unproxied (only bypass traffic), idle.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -189,6 +190,12 @@ def prefill_start_ns(arrival_ns: np.ndarray, prefill_end_ns: np.ndarray, prompt_
     return np.where(end == NEVER, arr, np.maximum(arr, end - d_ns))
 
 
+def _prefill_start(arr: np.ndarray, end: np.ndarray, p: np.ndarray, prefill_tok_s) -> np.ndarray:
+    """Where a prompt of `p` tokens placed at prefill_tok_s before its prefill's end starts (not before its arrival)."""
+    d_ns = np.minimum(p / np.maximum(np.asarray(prefill_tok_s, dtype=float), 1e-9) * 1e9, 1e15).astype(np.int64)
+    return np.where(end == NEVER, arr, np.maximum(arr, end - d_ns))
+
+
 def prefill_tokens_at(arrival_ns: np.ndarray, prefill_end_ns: np.ndarray, prompt_tokens: np.ndarray, a_ns: np.ndarray,
                       b_ns: np.ndarray, prefill_tok_s: np.ndarray) -> np.ndarray:
     """Prompt tokens a request prefills in the interval [a, b) with its prompt placed at prefill_tok_s, element by
@@ -196,13 +203,121 @@ def prefill_tokens_at(arrival_ns: np.ndarray, prefill_end_ns: np.ndarray, prompt
     arr, end = np.asarray(arrival_ns, dtype=np.int64), np.asarray(prefill_end_ns, dtype=np.int64)
     a, b = np.asarray(a_ns, dtype=np.int64), np.asarray(b_ns, dtype=np.int64)
     p = np.nan_to_num(np.asarray(prompt_tokens, dtype=float))
-    d_ns = np.minimum(p / np.maximum(np.asarray(prefill_tok_s, dtype=float), 1e-9) * 1e9, 1e15).astype(np.int64)
-    start = np.where(end == NEVER, arr, np.maximum(arr, end - d_ns))
+    start = _prefill_start(arr, end, p, prefill_tok_s)
     span = (end - start) / 1e9
     frac = np.divide(np.clip(np.minimum(end, b) - np.maximum(start, a), 0, None) / 1e9, span,
                      out=np.zeros(np.shape(span)), where=span > 0)
     frac = np.where(span <= 0, ((end >= a) & (end < b)).astype(float), frac)  # all of it where its first token is
     return frac * p
+
+
+class PlacedPrefill:
+    """The prompt tokens requests prefill over [a, b), summed over all of them but one (`beside`), where a prompt may be
+    changed between the sums (`replace`): what `prefill_tokens_at` summed over the others gives, in O(log n) a sum, not
+    O(n). Each request's tokens over time are a line from its prefill's start to its end (all at once at its end where
+    the two coincide); their sum up to t is a piecewise-linear F(t), and [a, b) holds F(b) - F(a). The prompts as
+    first given are summed once, sorted; a changed prompt is a difference kept in Fenwick trees over the instants
+    `at_ns` the sums are asked at (only those). Equal to the direct sum but for float rounding."""
+
+    def __init__(self, arrival_ns, prefill_end_ns, prompt_tokens, prefill_tok_s: float, at_ns):
+        self._arr = np.asarray(arrival_ns, dtype=np.int64)
+        self._end = np.asarray(prefill_end_ns, dtype=np.int64)
+        self._p = np.nan_to_num(np.asarray(prompt_tokens, dtype=float)).copy()
+        self._rate = float(prefill_tok_s)
+        self._q = np.unique(np.asarray(at_ns, dtype=np.int64))
+        self._o = int(self._q[0]) if self._q.size else 0  # times relative to the first instant asked: less cancellation
+        self._k = {int(x): k for k, x in enumerate(self._q)}
+        x = self._rel(self._q)
+        start, end, r, pt = self._pieces(self._arr, self._end, self._p)
+        # F at every instant asked, of the prompts as given: every prompt whole once its prefill ended before it, and
+        # the lines under way then, Σ r·(x - s) as x·Σr - Σr·s (a line ended counted whole, not as r·(e - s) out of
+        # sums over all of them: those cancel, to 1e-5 of a token over a minute of requests).
+        order = np.argsort(end, kind="stable")
+        cp = np.concatenate(([0.0], np.cumsum(self._p[order])))
+        f = cp[np.searchsorted(end[order], self._q, side="left")]
+        line = r != 0
+        rs = r[line] * self._rel(start[line])
+        for edge, sign in ((start[line], 1.0), (end[line], -1.0)):
+            order = np.argsort(edge, kind="stable")
+            cr = np.concatenate(([0.0], np.cumsum(r[line][order])))
+            crs = np.concatenate(([0.0], np.cumsum(rs[order])))
+            k = np.searchsorted(edge[order], self._q, side="left")
+            f = f + sign * (x * cr[k] - crs[k])
+        self._f = f
+        self._ql = self._q.tolist()
+        self._tree = [[0.0] * 3 for _ in self._ql]  # Fenwick nodes of the changes: Σr, Σr·s of lines; Σ whole prompts
+
+    def _rel(self, t_ns) -> np.ndarray:
+        return (np.asarray(t_ns, dtype=np.int64) - self._o).astype(float)
+
+    def _pieces(self, arr, end, p):
+        """(start ns, end ns, tokens a ns of a line or 0, tokens placed at one instant or 0), as prefill_tokens_at."""
+        start = _prefill_start(arr, end, p, self._rate)
+        span_ns = (end - start).astype(float)
+        r = np.divide(p, span_ns, out=np.zeros(np.shape(p)), where=span_ns > 0)
+        return start, end, r, np.where(span_ns > 0, 0.0, p)
+
+    def _start(self, i: int, p: float) -> int:
+        """_prefill_start of request i with a prompt of p tokens, in Python's ints and floats (one request: numpy's
+        overhead was most of the time); the same arithmetic, truncation toward zero included."""
+        arr, end = int(self._arr[i]), int(self._end[i])
+        if end == NEVER:
+            return arr
+        return max(arr, end - int(min(p / max(self._rate, 1e-9) * 1e9, 1e15)))
+
+    def _own(self, i: int, a_ns: int, b_ns: int) -> float:
+        """prefill_tokens_at of request i alone over [a, b)."""
+        p, end = float(self._p[i]), int(self._end[i])
+        start = self._start(i, p)
+        span = (end - start) / 1e9
+        if span <= 0:
+            return p if a_ns <= end < b_ns else 0.0
+        return max(min(end, b_ns) - max(start, a_ns), 0) / 1e9 / span * p
+
+    def _add(self, t_ns: int, w: tuple) -> None:
+        """Weights w (Σr, Σr·s of lines, Σ whole prompts) at instant t: counted at every instant asked after it."""
+        tr, n = self._tree, len(self._ql)
+        k = bisect.bisect_right(self._ql, t_ns) + 1  # 1-based: the first instant asked after t
+        while k <= n:
+            node = tr[k - 1]
+            for j, x in enumerate(w):
+                if x:
+                    node[j] += x
+            k += k & -k
+
+    def _f_at(self, t_ns: int) -> float:
+        k, tr = self._k[t_ns] + 1, self._tree
+        s0 = s1 = s2 = 0.0
+        while k > 0:
+            node = tr[k - 1]
+            s0 += node[0]
+            s1 += node[1]
+            s2 += node[2]
+            k -= k & -k
+        return float(self._f[self._k[t_ns]]) + float(t_ns - self._o) * s0 - s1 + s2
+
+    def beside(self, i: int, a_ns: int, b_ns: int) -> float:
+        """Prompt tokens the requests other than `i` prefill over [a, b) (a and b among `at_ns`)."""
+        if b_ns <= a_ns:
+            return 0.0
+        return max(self._f_at(b_ns) - self._f_at(a_ns) - self._own(i, a_ns, b_ns), 0.0)  # each term >= 0: rounding
+
+    def replace(self, i: int, prompt_tokens: float) -> None:
+        """Request i's prompt is `prompt_tokens` now."""
+        new = float(np.nan_to_num(prompt_tokens))
+        if new == self._p[i]:
+            return
+        end = int(self._end[i])
+        for p, w in ((float(self._p[i]), -1.0), (new, 1.0)):
+            start = self._start(i, p)
+            if end - start > 0:
+                r = p / float(end - start)
+                rs = r * float(start - self._o)
+                self._add(start, (w * r, w * rs, 0.0))
+                self._add(end, (-w * r, -w * rs, w * p))
+            else:
+                self._add(end, (0.0, 0.0, w * p))
+        self._p[i] = new
 
 
 def prefill_tokens(edges_ns: np.ndarray, start_ns: np.ndarray, prefill_end_ns: np.ndarray,

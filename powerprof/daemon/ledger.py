@@ -2030,14 +2030,17 @@ class Ledger:
             # A fit of few or odd intervals can give a rate far below any server's: the bound would cost such prompts at
             # next to nothing, their energy in the requests beside them. Bounded at the slow end of the rates taken.
             costs = replace(costs, prefill_tok_s=attr.PREFILL_TOK_S_SLOW, source="floor")
+        # Summed over the others once, sorted, each prompt costed here a change to that sum: the loop over every request
+        # for each one gone was quadratic (10 000 gone beside 2 500 streams: 5.8 s a close, now 0.5 s).
+        placed = attr.PlacedPrefill(arrival, prefill_end, computed, costs.prefill_tok_s,
+                                    np.concatenate([arrival[idx], end[idx]]))
         for i in idx:
             a_ns, e_ns = int(arrival[i]), int(end[i])
-            others = np.delete(np.arange(len(reqs)), i)
-            beside = float(attr.prefill_tokens_at(arrival[others], prefill_end[others], computed[others], a_ns, e_ns,
-                                                  costs.prefill_tok_s).sum())
+            beside = placed.beside(i, a_ns, e_ns)
             room = max((e_ns - a_ns) / 1e9 * costs.prefill_tok_s - beside, 0.0)
             prompt[i] = self._prompt_work(reqs[i], True, (room, (e_ns - a_ns) / 1e9, beside, costs))
             computed[i] = max(prompt[i] - cached[i], 0.0)
+            placed.replace(i, computed[i])
 
     def _run_on_gone(self, reqs: list, gone_first: list, arrival: np.ndarray, first: np.ndarray, computed: np.ndarray,
                      costs: attr.WorkCosts) -> None:

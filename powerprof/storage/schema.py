@@ -201,9 +201,12 @@ LEVELS_COLUMNS = [
     # Several GPUs: those the cap did not bind on, each with its own power and limit ("gpu1 (183 W of 250 W)",
     # comma-separated); null on one GPU or where it bound on every GPU (flag cap-partly-engaged where it bound on some).
     ("cap_not_engaged_gpus", STR),
-    # The windows the figures rest on (requests at concurrency 1, batches above; a trace run's replays): n_requests
-    # counts every successful request, those left out too (others' work beside them, untrusted timing).
+    # The windows the J/token and its CI rest on (requests at concurrency 1, batches above; a trace run's replays):
+    # n_requests counts every successful request, those left out too (others' work beside them, untrusted timing).
     ("n_windows", I32),
+    # Measured windows with no J/token (energy_method none: no GPU reading over them), in decode_tok_s alone: counted
+    # in n_windows, a J/token resting on 1 window of 4 read as resting on 4.
+    ("n_windows_tok_s_only", I32),
     # s: median decode window of the level's counter-read windows (null: none read on a counter). Under 10 refreshes
     # of the counter (energy.short_counter_window_s) the level is flagged short-windows.
     ("counter_window_s", F64),
