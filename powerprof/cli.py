@@ -861,6 +861,12 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
         raise click.BadParameter(why, param_hint="OUT.jsonl")
     if not parent.is_dir():
         raise click.BadParameter(missing_folder(parent), param_hint="OUT.jsonl")
+    from powerprof.trust import out_dir_refusal
+
+    # As root, the folder too, as monitor --output's: through another user's symlinked folder root wrote anywhere.
+    # Joined, not normalised: `link/../f` is checked through `link`, as the kernel will write it.
+    if (why := out_dir_refusal(Path(os.path.join(os.getcwd(), out_path)).parent, "folder", "OUT.jsonl")) is not None:
+        raise click.BadParameter(why, param_hint="OUT.jsonl")
     from powerprof.workload.trace import COMMON_CONTEXT_TOKENS, MAX_SPAN_S
 
     # The mean span first: `--rate 1e-300` wrote arrivals 1e300 s apart, which replay and sweep --trace then refused.
