@@ -203,6 +203,16 @@ class _Command(click.Command):
         except click.ClickException as e:
             _json_error(ctx, e, self._asks_json(ctx))
             raise
+        except PermissionError as e:
+            from powerprof.sim.nvml import SimStateRefused  # loaded already where it is one
+
+            if not isinstance(e, SimStateRefused):
+                raise
+            # The simulator's state file refused (as root in another user's folder, a symlink at its lock), whichever
+            # command opened the simulator: one line, exit 1, as click's own errors.
+            exc = click.ClickException(str(e))
+            _json_error(ctx, exc, self._asks_json(ctx))
+            raise exc from None
         except KeyboardInterrupt:
             # A command with no stop path of its own (devices, tag): click said "Aborted!", exit 1 (read as a failure),
             # and under --json no object. Ctrl-C is 130 whatever the output's form.
