@@ -124,6 +124,8 @@ def load_record(path: Path) -> dict:
         rec = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise RestoreError(f"cannot read restore file {path}: {e}") from e
+    except RecursionError:  # nested past Python's stack: no ValueError, and it was a traceback
+        raise RestoreError(f"cannot read restore file {path}: not valid JSON (nested deeper than Python's parser goes)") from None
     problems = record_problems(rec)
     if problems and problems[0].startswith("it is not"):
         raise RestoreError(f"{path} is not a powerprof restore file (format {FORMAT}) or is damaged")
