@@ -203,6 +203,16 @@ class _Command(click.Command):
         except click.ClickException as e:
             _json_error(ctx, e, self._asks_json(ctx))
             raise
+        except PermissionError as e:
+            from powerprof.sim.nvml import SimStateRefused  # loaded already where it is one
+
+            if not isinstance(e, SimStateRefused):
+                raise
+            # The simulator's state file refused (as root in another user's folder, a symlink at its lock), whichever
+            # command opened the simulator: one line, exit 1, as click's own errors.
+            exc = click.ClickException(str(e))
+            _json_error(ctx, exc, self._asks_json(ctx))
+            raise exc from None
         except KeyboardInterrupt:
             # A command with no stop path of its own (devices, tag): click said "Aborted!", exit 1 (read as a failure),
             # and under --json no object. Ctrl-C is 130 whatever the output's form.
@@ -861,6 +871,12 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
         raise click.BadParameter(why, param_hint="OUT.jsonl")
     if not parent.is_dir():
         raise click.BadParameter(missing_folder(parent), param_hint="OUT.jsonl")
+    from powerprof.trust import out_dir_refusal
+
+    # As root, the folder too, as monitor --output's: through another user's symlinked folder root wrote anywhere.
+    # Joined, not normalised: `link/../f` is checked through `link`, as the kernel will write it.
+    if (why := out_dir_refusal(Path(os.path.join(os.getcwd(), out_path)).parent, "folder", "OUT.jsonl")) is not None:
+        raise click.BadParameter(why, param_hint="OUT.jsonl")
     from powerprof.workload.trace import COMMON_CONTEXT_TOKENS, MAX_SPAN_S
 
     # The mean span first: `--rate 1e-300` wrote arrivals 1e300 s apart, which replay and sweep --trace then refused.

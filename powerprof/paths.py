@@ -15,6 +15,16 @@ ROOT_STATE_DIR = Path("/var/lib/powerprof-control")
 LEGACY_ROOT_STATE_DIR = Path("/var/lib/powerprof")
 
 
+def temp_sibling(path) -> Path:
+    """A temporary name next to `path` for an atomic replace, `.<name>.<pid>.<random>.tmp`: unpredictable, so no one can
+    plant a symlink there in advance (a fixed `.<name>.<pid>.tmp` was sprayed over the next pids and followed as root).
+    Dot-prefixed and ending in `.tmp`, so `*.parquet`/`restore-*.json` globs and hive-partition readers skip it."""
+    import secrets  # noqa: PLC0415
+
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
 def user_state_home(env: dict | None = None) -> Path:
     """$XDG_STATE_HOME, else ~/.local/state (the XDG base-directory default)."""
     env = os.environ if env is None else env

@@ -1150,3 +1150,35 @@ def test_root_makes_no_tag_socket_folder_through_another_users_symlink(tmp_path)
         assert d.stop() == 0
     assert list(roots.iterdir()) == []
     assert "tag API disabled" in d.output() and "link is a symlink" in d.output()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another user needs root")
+@pytest.mark.parametrize("force", [False, True])
+def test_root_takes_no_gpu_lock_in_a_state_folder_another_user_controls(tmp_path, monkeypatch, force):
+    # Before: `restore --restore-file ROOTS_FILE` (and --force-default) took the GPU's lock in POWERPROF_STATE_DIR
+    # unchecked: with it in another user's folder, a `locks` symlink planted there had root make the lock file in
+    # whatever folder it named. The controller already refused such a state folder; restore now does the same.
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    default_w = _limit_w(tmp_path)
+    _set_limit(tmp_path, default_w - 40)
+    p = _foreign_restore_file(tmp_path, owner_uid=0)  # root's own file, in a folder of root's
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    target = tmp_path / "roots-only"
+    target.mkdir(mode=0o700)
+    os.symlink(target, theirs / "locks")
+    os.lchown(theirs / "locks", 65534, 65534)
+    os.chown(theirs, 65534, 65534)
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(theirs))
+    r = CliRunner().invoke(main, ["restore", "--simulate", "seed-16g", "--restore-file", str(p),
+                                  *(["--force-default"] if force else [])])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1, r.output
+    assert f"state folder {theirs}: refusing to keep GPU locks" in said and "owned by uid 65534" in said, said
+    assert list(target.iterdir()) == [] and p.exists() and _limit_w(tmp_path) == default_w - 40
+    if force:  # a damaged file's way out, called on its own: the same refusal before any lock
+        from powerprof.control.restore import force_default
+
+        out = force_default(p, _sim(tmp_path), directory=theirs)
+        assert out.status == "refused" and f"state folder {theirs}: refusing" in out.message, out
+        assert list(target.iterdir()) == [] and p.exists() and _limit_w(tmp_path) == default_w - 40

@@ -1550,3 +1550,23 @@ def test_analyze_out_inside_a_daemon_dataset_is_refused(tmp_path):
             assert r.exit_code == 2 and f"--out {out} is inside the daemon dataset {tmp_path / 'node-0'}" in flat, r.output
             assert "give another folder with --out" in flat and "Traceback" not in r.output, r.output
             assert sorted(str(p) for p in (tmp_path / "node-0").rglob("*")) == files
+
+
+def test_the_httpfs_download_child_imports_no_duckdb_py_from_the_working_directory(tmp_path, monkeypatch):
+    # The child that downloads httpfs ran `python -c …`, which puts the working directory first on sys.path: a
+    # duckdb.py another user planted in the folder root ran `analyze https://…` from ran as root.
+    import duckdb  # noqa: PLC0415
+
+    from powerprof.analysis import engine  # noqa: PLC0415
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    marker = tmp_path / "PWNED"
+    (cwd / "duckdb.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nraise SystemExit(1)\n")
+    monkeypatch.chdir(cwd)
+    store = _extension_store(monkeypatch, tmp_path, answers=False)
+    monkeypatch.setattr(engine, "HTTPFS_INSTALL_LIMIT_S", 20)
+    with store:
+        why = engine.httpfs_refusal(duckdb.connect())
+    assert not marker.exists(), "the child imported the working directory's duckdb.py"
+    assert why is not None and "failed (" in why and "No module named" not in why, why

@@ -191,3 +191,63 @@ def test_trace_takes_a_rate_whose_span_fits_a_replay(tmp_path):
     r = CliRunner().invoke(main, ["trace", str(out), "--rate", "1.5e-6", "--requests", "1000"])
     assert r.exit_code == 0, r.output
     assert out.exists()
+
+
+DEEP = "[" * 200_000  # nested past Python's stack: json's and tomllib's parsers raise RecursionError, no ValueError
+
+
+def _deep_restore_file(tmp_path):
+    from powerprof.control.restore import RestoreError, load_record
+
+    (tmp_path / "restore-000000000000.json").write_text(DEEP)
+    with pytest.raises(RestoreError, match="not valid JSON"):
+        load_record(tmp_path / "restore-000000000000.json")
+
+
+def _deep_run_json(tmp_path):
+    from powerprof.analysis.loading import AnalysisError, read_run_info
+
+    (tmp_path / "run.json").write_text(DEEP)
+    with pytest.raises(AnalysisError, match="run.json: not valid JSON"):
+        read_run_info(tmp_path)
+
+
+def _deep_run_json_no_level(tmp_path):
+    from powerprof.storage.runs import no_finished_level
+
+    (tmp_path / "run.json").write_text(DEEP)
+    assert no_finished_level(tmp_path) is None  # no sweep's run.json: as one not valid JSON
+
+
+def _deep_daemon_config(tmp_path):
+    from powerprof.daemon.config import ConfigError, load_config
+
+    (tmp_path / "c.toml").write_text("a = " + DEEP)
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(tmp_path / "c.toml", env={})
+
+
+def _deep_tuner_table(tmp_path):
+    from powerprof.tuner.setup import TunerConfigError, load_table
+
+    (tmp_path / "t.toml").write_text("[tuner]\na = " + DEEP)
+    with pytest.raises(TunerConfigError, match="not valid TOML"):
+        load_table(tmp_path / "t.toml")
+
+
+@pytest.mark.parametrize("reader", [_deep_restore_file, _deep_run_json, _deep_run_json_no_level, _deep_daemon_config,
+                                    _deep_tuner_table])
+def test_a_file_nested_past_pythons_stack_is_said_damaged_not_a_traceback(tmp_path, reader):
+    # The readers caught ValueError only: 200,000 `[` was a RecursionError traceback (`restore`, `devices`, `sweep` on
+    # such a restore file; `analyze` on such a run.json; the daemon exited 1, not its config error's 2).
+    reader(tmp_path)
+
+
+def test_the_daemon_says_a_config_nested_past_pythons_stack_as_a_config_error(tmp_path):
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    (tmp_path / "c.toml").write_text("a = " + DEEP)
+    r = CliRunner().invoke(main, ["daemon", "--config", str(tmp_path / "c.toml"), "--simulate"])
+    assert r.exit_code == 2 and "is not valid TOML" in r.output and "Traceback" not in r.output, (r.output, r.exception)

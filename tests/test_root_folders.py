@@ -373,3 +373,28 @@ def test_analyze_as_root_writes_its_default_folder_in_the_sudo_users_run_only(tm
     monkeypatch.setenv("SUDO_UID", "65534")
     r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--format", "md"])
     assert r.exit_code == 0 and (run / "analysis" / "report.md").exists(), r.output
+
+
+@AS_ROOT
+@pytest.mark.parametrize("force", [False, True])
+def test_trace_as_root_refuses_a_folder_another_user_controls_or_links(tmp_path, monkeypatch, force):
+    # Before: `trace OUT` checked OUT's own name only, so root wrote through a folder symlink another user had planted
+    # (a new file made, or with --force a file of root's replaced, in whatever folder the link named).
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "important.conf").write_text("root's")
+    theirs = _theirs(tmp_path)
+    link = tmp_path / "traces"
+    os.symlink(mine, link)
+    os.lchown(link, 65534, 65534)
+    for folder in (link, theirs):
+        name = "important.conf" if force else "new.jsonl"
+        r = CliRunner().invoke(main, ["trace", str(folder / name), "--requests", "3", *(["--force"] if force else [])])
+        assert r.exit_code == 2 and "refusing to write there as root" in r.output, r.output
+        assert "Traceback" not in r.output and "uid 65534" in r.output, r.output
+    assert sorted(p.name for p in mine.iterdir()) == ["important.conf"] and list(theirs.iterdir()) == []
+    assert (mine / "important.conf").read_text() == "root's"
+    monkeypatch.setenv("SUDO_UID", "65534")  # the user who ran sudo: their own folder
+    r = CliRunner().invoke(main, ["trace", str(theirs / "t.jsonl"), "--requests", "3"])
+    assert r.exit_code == 0 and (theirs / "t.jsonl").exists(), r.output

@@ -177,3 +177,59 @@ def test_a_damaged_state_file_is_said_once_a_process(tmp_path, caplog):
         SimNVML("seed-16g", state_path=p)
         SimNVML("seed-16g", state_path=p)
     assert len([r for r in caplog.records if "simulator state file" in r.getMessage()]) == 1
+
+
+def test_the_state_file_follows_no_symlink_at_its_lock_or_its_temporary(tmp_path, monkeypatch):
+    # The lock was opened "a+", following a symlink planted at `sim.json.lock` (root made an empty file wherever it
+    # pointed), and each write went to the predictable `.sim.json.<pid>.tmp`, through a symlink planted there onto a
+    # file of root's (replaced by the state's JSON).
+    import os
+
+    path = tmp_path / "sim.json"
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    for pid in range(os.getpid() - 5, os.getpid() + 5):
+        os.symlink(victim, tmp_path / f".sim.json.{pid}.tmp")
+        os.symlink(victim, tmp_path / f".sim.json.load.{pid}.tmp")
+    n = SimNVML("seed-16g", state_path=path)
+    n.nvmlInit()
+    n.nvmlDeviceSetPowerManagementLimit(n.nvmlDeviceGetHandleByIndex(0), 180_000)
+    n.publish_load()
+    assert victim.read_text() == "keep" and SimNVML("seed-16g", state_path=path).gpus[0].limit_w == 180
+    # A symlink at the lock's name: refused, one line, never followed.
+    made = tmp_path / "made-by-the-lock"
+    os.unlink(str(path) + ".lock")
+    os.symlink(made, str(path) + ".lock")
+    with pytest.raises(PermissionError) as e:
+        n.nvmlDeviceSetPowerManagementLimit(n.nvmlDeviceGetHandleByIndex(0), 200_000)
+    assert "symlink" in str(e.value) and str(path) + ".lock" in str(e.value), str(e.value)
+    assert not os.path.lexists(made)
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="root's refusal: only root can chown a folder to uid 65534")
+def test_as_root_a_state_file_in_a_folder_another_user_controls_is_refused(tmp_path, monkeypatch):
+    # Root followed POWERPROF_SIM_STATE into another user's folder, where they could plant symlinks at the names it writes.
+    import os
+
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(theirs / "sim.json"))
+    with pytest.raises(PermissionError) as e:
+        SimNVML("seed-16g")
+    assert "refusing" in str(e.value) and "owned by uid 65534" in str(e.value), str(e.value)
+    for args in (["devices", "--simulate"], ["sweep", "--simulate", "--limits", "200,300", "--max-time", "3",
+                                             "--out", str(tmp_path / "run")]):
+        r = CliRunner().invoke(main, args)
+        said = " ".join(r.output.split())
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+        assert f"simulator state file {theirs / 'sim.json'}" in said and "owned by uid 65534" in said, said
+        assert "Traceback" not in r.output
+    assert list(theirs.iterdir()) == [] and not (tmp_path / "run").exists()
+    monkeypatch.setenv("SUDO_UID", "65534")  # the user who ran sudo: their own folder, as for `sweep --out`
+    SimNVML("seed-16g")

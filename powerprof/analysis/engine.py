@@ -84,8 +84,12 @@ def connect(memory_limit: str = MEMORY_LIMIT, threads: int = THREADS):
 HTTPFS_INSTALL_LIMIT_S = 25
 
 # Run in a child process, which can be killed at the limit; the parent's connection settings say where to install from
-# and to (argv: extension folder, repository, each '' for DuckDB's default).
-_INSTALL_HTTPFS = ("import sys, duckdb\n"
+# and to (argv: the folder this process imported duckdb from, extension folder, repository, each '' for DuckDB's
+# default). The child is isolated (`-I`, cwd "/"): `python -c` puts the working directory first on sys.path, and a
+# duckdb.py another user planted in the folder root ran `analyze https://…` from ran as root.
+_INSTALL_HTTPFS = ("import sys\n"
+                   "sys.argv[1] in sys.path or sys.path.append(sys.argv[1]); del sys.argv[1]\n"
+                   "import duckdb\n"
                    "con = duckdb.connect(config={'extension_directory': sys.argv[1]} if sys.argv[1] else {})\n"
                    "con.execute(\"INSTALL httpfs\" + (\" FROM '\" + sys.argv[2].replace(\"'\", \"''\") + \"'\" "
                    "if sys.argv[2] else ''))\n")
@@ -110,8 +114,10 @@ def httpfs_refusal(con) -> str | None:
            "duckdb.connect().install_extension('httpfs')\"), or copy the dataset to a local folder")
     what = "DuckDB reads object-store URIs through its httpfs extension, not installed here, and its download"
     try:
-        done = subprocess.run([sys.executable, "-c", _INSTALL_HTTPFS, setting("extension_directory"), repo],
-                              capture_output=True, text=True, timeout=HTTPFS_INSTALL_LIMIT_S)
+        from pathlib import Path  # noqa: PLC0415
+        home = str(Path(duckdb.__file__).resolve().parent.parent)
+        done = subprocess.run([sys.executable, "-I", "-c", _INSTALL_HTTPFS, home, setting("extension_directory"), repo],
+                              capture_output=True, text=True, timeout=HTTPFS_INSTALL_LIMIT_S, cwd="/")
     except subprocess.TimeoutExpired:
         return (f"{what} did not finish in {HTTPFS_INSTALL_LIMIT_S} s (no network, or a proxy or firewall that does "
                 f"not answer): {fix}")

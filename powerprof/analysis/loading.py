@@ -90,6 +90,8 @@ def read_run_info(run_dir) -> RunInfo:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:
             raise AnalysisError(f"{meta_path}: not valid JSON ({e})") from None
+        except RecursionError:  # nested past Python's stack: no ValueError, and it was a traceback
+            raise AnalysisError(f"{meta_path}: not valid JSON (nested deeper than Python's parser goes)") from None
         except (OSError, UnicodeDecodeError) as e:  # a folder by that name, bytes that are no text: was a traceback
             why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e))
             raise AnalysisError(f"{meta_path}: cannot be read ({why}); a sweep writes it as JSON with the run's GPU and "

@@ -33,6 +33,7 @@ from .restore import (
     pending_blocker,
     remove_file,
     restore_gpu,
+    state_folder_refusal,
     write_json_atomic,
 )
 from .setter import GpuReadback, NvidiaSmi, check_applied, lock_sm_clocks, reset_sm_clocks, run_nvidia_smi
@@ -126,12 +127,9 @@ class LimitController:
     def _refuse_untrusted_state_dir(self) -> None:
         """As root: the locks and the restore file go where only root could have written (a symlink planted in a
         folder others can write would lead root's writes anywhere, and a planted restore file would set limits)."""
-        why = untrusted_place(self.state_dir)
+        why = state_folder_refusal(self.state_dir)
         if why:
-            raise ControlError(
-                f"state folder {self.state_dir}: refusing to keep GPU locks and the restore file there as root: {why}; "
-                "another user could plant files or symlinks in it. Fix: point POWERPROF_STATE_DIR at a folder of "
-                "root's own (chown root: and chmod go-w it and every folder above it), or unset it")
+            raise ControlError(why)
         # A restore file given apart from the state folder: the same rule, or `powerprof restore` would refuse it after
         # a crash (untrusted) and leave the GPU capped, and its folder's owner could replace it with limits of theirs.
         why = self._restore_path_arg is not None and untrusted_place(self._restore_path_arg)

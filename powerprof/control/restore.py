@@ -124,6 +124,8 @@ def load_record(path: Path) -> dict:
         rec = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise RestoreError(f"cannot read restore file {path}: {e}") from e
+    except RecursionError:  # nested past Python's stack: no ValueError, and it was a traceback
+        raise RestoreError(f"cannot read restore file {path}: not valid JSON (nested deeper than Python's parser goes)") from None
     problems = record_problems(rec)
     if problems and problems[0].startswith("it is not"):
         raise RestoreError(f"{path} is not a powerprof restore file (format {FORMAT}) or is damaged")
@@ -431,6 +433,19 @@ def restore_from_file(
     )
 
 
+def state_folder_refusal(folder: Path) -> str | None:
+    """As root, why GPU locks and restore files must not be kept in `folder` (`untrusted_place`: another user's, or
+    writable by others, or reached through another user's symlink), in the words every taker of a GPU lock says it
+    (the controller, `restore`, `--force-default`); None where they may. A `locks` symlink planted there had root make
+    its lock file in whatever folder it named."""
+    why = untrusted_place(folder)
+    if not why:
+        return None
+    return (f"state folder {folder}: refusing to keep GPU locks and the restore file there as root: {why}; another "
+            "user could plant files or symlinks in it. Fix: point POWERPROF_STATE_DIR at a folder of root's own (chown "
+            "root: and chmod go-w it and every folder above it), or unset it")
+
+
 def _lock_gpu(locks: list, lock_dir: Path, uuid: str, index, machine_scope: str | None) -> None:
     """The state folder's lock of the GPU, and its machine-wide one where the door gives a scope: a controller of
     another state folder is refused too (GpuBusyError), not acted under."""
@@ -447,6 +462,8 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
     why = refuse(rec)
     if why:
         return FileOutcome(path, "refused", f"Not restored: {path} {why}")
+    if (why := state_folder_refusal(lock_dir)) is not None:  # before any lock is taken there
+        return FileOutcome(path, "refused", f"Not restored: {path}: {why}")
     locks: list = []
     nvml = None
     try:
@@ -586,6 +603,8 @@ def force_default(
         # (and before, through the symlink, set the GPUs its target named).
         return FileOutcome(path, "failed", f"Not changed: {path} is no regular file that can be read (a symlink, a "
                                            "FIFO, or gone): there is nothing in it to act on; remove it yourself")
+    if (why := state_folder_refusal(lock_dir)) is not None:  # before any lock is taken there
+        return FileOutcome(path, "refused", f"Not changed: {path}: {why}")
     gw = gateway(nvml)
     locks: list = []
     done: list[GpuRestored] = []

@@ -431,6 +431,8 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
             raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        except RecursionError:  # nested past Python's stack: no TOMLDecodeError, and the daemon exited 1, a traceback
+            raise ConfigError(f"config file {p} is not valid TOML: nested deeper than Python's parser goes") from None
         for section, table in raw.items():
             if section not in SPEC:
                 errors.append(f"unknown config section [{section}] in {p}; known: {', '.join(SPEC)}")

@@ -12,6 +12,7 @@ process then reads the power and energy of the work the launched server does.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -27,7 +28,8 @@ from typing import Callable
 
 import pynvml
 
-from powerprof.paths import user_state_home
+from powerprof.paths import temp_sibling, user_state_home
+from powerprof.trust import untrusted_out_dir
 
 from .gpu import SimGpu
 from .profiles import DEFAULT_PROFILE, MAX_SIM_GPUS, GpuProfile, get_profiles
@@ -134,12 +136,45 @@ RESET_SAID = "taken as the default until set again"
 _SAID: set[str] = set()  # the state file's warnings said so far in this process (`_StateFile.warn`)
 
 
+class SimStateRefused(PermissionError):
+    """The simulator's state file is where it must not be used: as root, in a folder another user controls, or with a
+    symlink at its lock's name. The message names the file, why and the fix (nothing was written)."""
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write `text` to `path`, a name that must not exist yet: never through a symlink planted there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _replace_with(path: Path, text: str) -> None:
+    """Replace `path` with `text` through a temporary of an unpredictable name (`paths.temp_sibling`)."""
+    tmp = temp_sibling(path)
+    try:
+        _write_new(tmp, text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
 class _StateFile:
     """Power limits and locked clocks per UUID, JSON, replaced atomically under an flock."""
 
     def __init__(self, path: Path | None):
         self.path = path
         self._mtime_ns = -1
+        # As root, the state file's folder (and the load file's, its lock's and temporaries', the same folder) must be
+        # root's, or of the user who ran sudo, writable by no one else (`untrusted_out_dir`): in another user's folder
+        # they could plant symlinks at the names root writes there.
+        why = path is not None and untrusted_out_dir(path.parent)
+        if why:
+            raise SimStateRefused(
+                f"simulator state file {path}: refusing to use it as root: {why}; another user could plant symlinks "
+                f"there to have root write any file. Fix: point {STATE_ENV} at a file in a folder of root's own (or of "
+                "the user who ran sudo), writable by no one else, or unset it. Nothing was written")
 
     def warn(self, why: str) -> None:
         """One warning line naming the file, once a process: a file that is not what the simulator writes was read
@@ -153,7 +188,16 @@ class _StateFile:
     def _locked(self):
         assert self.path is not None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(str(self.path) + ".lock", "a+") as lf:
+        lock = str(self.path) + ".lock"
+        try:  # never through a symlink planted at the lock's name: "a+" made the file it named, as root anywhere
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise SimStateRefused(f"simulator state file lock {lock} is a symlink, which powerprof never writes "
+                                  f"through (another user may have planted it): look at where it points, then remove "
+                                  f"it (`rm {lock}`). Nothing was written") from None
+        with os.fdopen(fd, "r+") as lf:
             fcntl.flock(lf, fcntl.LOCK_EX)
             try:
                 yield
@@ -204,9 +248,7 @@ class _StateFile:
                     entry.pop(k, None)
                 else:
                     entry[k] = v
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
+            _replace_with(self.path, json.dumps(state, indent=1, sort_keys=True))
 
 
 class _LoadFile:
@@ -239,9 +281,7 @@ class _LoadFile:
 
     def publish(self, phases: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(phases))
-        os.replace(tmp, self.path)
+        _replace_with(self.path, json.dumps(phases))
 
 
 def _is_number(x) -> bool:

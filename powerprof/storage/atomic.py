@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
 from powerprof import termination
+from powerprof.paths import temp_sibling
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -52,7 +52,7 @@ def atomic_path(path: str | os.PathLike, tmp_name: str | None = None, replace: b
     FileExistsError raised, the temporary removed.
     """
     path = Path(path)
-    tmp = path.with_name(tmp_name) if tmp_name else _tmp_name(path)
+    tmp = path.with_name(tmp_name) if tmp_name else temp_sibling(path)
     try:
         yield tmp
         _fsync_file(tmp)
@@ -102,10 +102,6 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-
-
 @contextmanager
 def atomic_group() -> Iterator[Callable[[str | os.PathLike], Path]]:
     """Yield `stage(path) -> temporary path` for several files that must change together.
@@ -117,7 +113,7 @@ def atomic_group() -> Iterator[Callable[[str | os.PathLike], Path]]:
 
     def stage(path: str | os.PathLike) -> Path:
         path = Path(path)
-        staged.append((_tmp_name(path), path))
+        staged.append((temp_sibling(path), path))
         return staged[-1][0]
 
     try:

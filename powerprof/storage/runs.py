@@ -65,7 +65,7 @@ def no_finished_level(path, what: str | None = "analyse") -> str | None:
     p = Path(path)
     try:
         meta = json.loads((p / RUN_JSON).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
         return None
     if not isinstance(meta, dict) or meta.get("kind") != "sweep":
         return None

@@ -40,6 +40,8 @@ def load_table(path: Path | None, euid: int | None = None) -> dict:
         raw = tomllib.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise TunerConfigError(f"{path}: not valid TOML ({e})") from None
+    except RecursionError:  # nested past Python's stack: no TOMLDecodeError, and it was a traceback
+        raise TunerConfigError(f"{path}: not valid TOML (nested deeper than Python's parser goes)") from None
     extra = sorted(set(raw) - {"tuner"})
     if extra:
         raise TunerConfigError(f"{path}: unknown section(s) {', '.join(extra)}; only [tuner] is read")
