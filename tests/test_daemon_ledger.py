@@ -509,10 +509,13 @@ def test_a_stream_carrying_more_tokens_than_its_servers_usage_is_not_scaled_down
     assert "counted 8 generated tokens but its stream carried 10" in tr.counts.count_problem
 
 
-def _whole_answer_beside_scrapes(counted: int, until_s: float):
+def _whole_answer_beside_scrapes(counted: int, until_s: float, books: str | None = None):
     """A non-streamed answer whose usage says 30 over 1-3.5 s, the server's counter counting `counted` of them as it
     generates (the proxy sees them only at its end, spread back), scraped every 0.25 s, then quiet until `until_s`. The
-    rows emitted."""
+    rows emitted. `books`: what each page says of the server's requests (scrape.Scraper.served): None, nothing (llama.cpp,
+    SGLang, an older vLLM); "own", vLLM's, the answer running 1-3.5 s and finished then; "bypass", another request
+    beside it, running 2-3 s and finished then; "stale", "own" but its running gauge stuck at 1 after it (a vLLM
+    before vllm-project/vllm#29928 after an abort)."""
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     tr = RequestTrace(1, "POST", "/v1/completions", None, int(0.9 * S), 0, api="openai-completions", stream=None)
@@ -524,6 +527,7 @@ def _whole_answer_beside_scrapes(counted: int, until_s: float):
         now = step * S // 20
         if step == 70:  # 3.5 s: the body, with usage
             tr.stream = False
+            tr.status = 200
             tr.first_ns, tr.last_ns, tr.end_ns = int(1.0 * S), now, now
             tr.tokens_seen = 30
             tr.extra["spread"] = True
@@ -531,7 +535,13 @@ def _whole_answer_beside_scrapes(counted: int, until_s: float):
             led.on_end(tr)
         if step % 5 == 0:
             n = float(min(max(round((now / S - 1.0) * 12 * counted / 30), 0), counted))
-            led.add_server_tokens(now, n - served, prev)
+            book = None
+            if books is not None:
+                done = (now >= int(3.5 * S)) + (books == "bypass" and now >= 3 * S)
+                running = ((S <= now < int(3.5 * S) or (books == "stale" and now >= S))
+                           + (books == "bypass" and 2 * S <= now < 3 * S))
+                book = (float(done), float(running))
+            led.add_server_tokens(now, n - served, prev, served=book)
             prev, served = now, n
         if step % 20 == 0:
             _feed(led, now / S, 100.0 * now / S)
@@ -569,6 +579,34 @@ def test_a_whole_answers_usage_above_the_servers_counter_is_said_with_both_count
     assert row["generated_tokens"] == 30 and row["gpu_j_per_token"] is None and row["gpu_energy_j"] > 0
     assert busy and all("usage_above_counter" in r["server_count"] for r in busy), [r["server_count"] for r in busy]
     assert "usage_above_counter" in row["energy_note"]  # its energy is of intervals whose count is not complete
+
+
+@pytest.mark.parametrize("books", ["own", "bypass", "stale", None])
+def test_a_whole_answers_usage_below_the_servers_counter_is_said_where_the_servers_books_rule_out_bypass(books):
+    # A non-streamed answer whose usage says 30 where the server's counter counted 36 as it generated it (a usage lying
+    # low, 0.83x), then quiet. Bypass traffic raises the counter the same way; vLLM's books tell them apart: over a
+    # stretch whose quiet ends find no request running and in which the server finished as many requests as the proxy
+    # saw end ("own"), no bypass request ran, so the 6 are the answer's own. Before, they were booked as bypass
+    # (unproxied) and the row kept generated_tokens 30 and a J/token over them, its intervals `complete`.
+    sink = _whole_answer_beside_scrapes(36, 8.0, books)
+    (row,) = sink.rows["requests"]
+    ivs = sink.rows["intervals"]
+    busy = [r for r in ivs if r["proxy_tokens"]]
+    bypass = sum(r["server_tokens"] or 0.0 for r in ivs)
+    if books == "own":
+        assert "usage_below_counter: its usage said 30 generated tokens" in (row["error"] or ""), row["error"]
+        assert "counter (/metrics) about 36" in row["error"] and "fix:" in row["error"], row["error"]
+        assert row["generated_tokens"] == 30 and row["gpu_j_per_token"] is None and row["gpu_energy_j"] > 0
+        assert bypass == pytest.approx(0.0, abs=1e-6)
+        assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-6)
+        assert busy and all("usage_below_counter" in r["server_count"] for r in busy), [r["server_count"] for r in busy]
+        return
+    # Another request finished beside it ("bypass"), a gauge that reads a request running at the quiet end ("stale":
+    # stuck, or a bypass request running across it: nothing tells), or the server tells nothing of its requests (None):
+    # the surplus is bypass traffic's, as before, and nothing says usage_below_counter.
+    assert row["error"] is None and row["gpu_j_per_token"] is not None, row["error"]
+    assert bypass == pytest.approx(6.0, abs=1.0)
+    assert not any("usage_below_counter" in r["server_count"] for r in ivs)
 
 
 def test_steady_whole_answers_with_no_quiet_scrape_keep_bounded_state_and_close_within_the_hold():

@@ -191,7 +191,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
     from powerprof.daemon.service import Daemon
 
     class FakeScraper:
-        kind, finished, window_partial, cache_hits = "vllm", None, (), 5.0
+        kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -205,7 +205,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
             raise ValueError("a fault in the check")
 
     ledger.add_cache_hits = add_cache_hits
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None: ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
@@ -232,7 +232,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
     from powerprof.daemon.service import Daemon
 
     class FakeScraper:
-        kind, finished, window_partial, cache_hits = "llamacpp", None, (), None
+        kind, finished, window_partial, cache_hits, served = "llamacpp", None, (), None, None
         vllm_v1 = False
 
         async def scrape(self):
@@ -241,7 +241,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
 
     ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
     ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None: \
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None: \
         ledger.spans.append((t, d, read_ns))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
                                scraper=FakeScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
@@ -280,13 +280,14 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
         finished = (1.0, 2.5)  # and the requests finished in it with their summed seconds (e2e latency histogram)
         window_partial = ()  # nothing makes its windows' counts low
         cache_hits = None  # its prefix-cache counter not known (the ledger is told so with every window)
+        served = None  # its page shows no finished-request count (an SGLang's)
 
         async def scrape(self):
             calls.append(time.monotonic())
             return deltas.pop(0) if deltas else 0.0
 
     ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None: ledger.spans.append(
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None: ledger.spans.append(
         (since, t, d, at_finish, finished))
     ledger.add_cache_hits = lambda since, t, hits: None
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
@@ -786,7 +787,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
     from powerprof.daemon.service import Daemon
 
     class FakeScraper:
-        kind, finished, window_partial, cache_hits = "vllm", None, (), 5.0
+        kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -801,7 +802,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
         raise ValueError("a fault in the check")
 
     ledger.add_cache_hits = add_cache_hits
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None: ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.01, idle_interval_s=0.01), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
@@ -923,7 +924,7 @@ def test_a_windows_prefix_cache_hits_are_checked_over_every_instant_its_reads_ma
     reads: list[int] = []
 
     class SlowScraper:  # reads its counter at once, answered 0.2 s later (a loaded host)
-        kind, finished, window_partial, cache_hits = "vllm", None, (), 5.0
+        kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -965,7 +966,7 @@ def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stilln
     from powerprof.daemon.service import Daemon
 
     class SlowScraper:  # every read answered 0.2 s late (a loaded host), the counter rising 10 a window
-        kind, finished, window_partial, cache_hits = "llamacpp", None, (), None
+        kind, finished, window_partial, cache_hits, served = "llamacpp", None, (), None, None
 
         async def scrape(self):
             await asyncio.sleep(0.2)
@@ -973,7 +974,7 @@ def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stilln
 
     ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
     ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None: ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.05, idle_interval_s=2.0),
                                scraper=SlowScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
 
@@ -992,3 +993,35 @@ def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stilln
     # Each window whole: its 10 tokens over its whole time, none split into a still part and a burst.
     assert all(d == 10.0 for _, _, d in windows), windows
     assert all(a[1] == b[0] for a, b in zip(windows, windows[1:])), windows
+
+
+class _Pages(Scraper):
+    """A Scraper whose server answers /metrics from a list of pages, one a scrape."""
+
+    def __init__(self, pages, server="vllm"):
+        super().__init__(session=None, base_url="http://x", server=server)
+        self.pages = list(pages)
+
+    async def _get(self, path):
+        return 200, self.pages.pop(0)
+
+
+def _vllm_page(tok: float, done: dict, running: float, waiting: float) -> str:
+    """A vLLM /metrics page as 0.32 writes it: every sample labelled, its finished requests by finish reason."""
+    lines = ["# TYPE vllm:generation_tokens_total counter",
+             f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {tok}',
+             "# TYPE vllm:request_success_total counter"]
+    lines += [f'vllm:request_success_total{{engine="0",finished_reason="{k}",model_name="m"}} {v}' for k, v in done.items()]
+    lines += ["# TYPE vllm:num_requests_running gauge", f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}',
+              "# TYPE vllm:num_requests_waiting gauge", f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}']
+    return "\n".join(lines) + "\n"
+
+
+def test_the_scraper_reads_vllms_finished_and_running_requests_beside_its_token_counter():
+    # The reconciler's proof that no bypass request ran over a quiet stretch (reconcile._judge_usage_below) rests on
+    # them: finished summed over finish reasons, running and queued summed; None where the page shows no such books.
+    sc = _Pages([_vllm_page(0, {"stop": 0, "length": 0}, 0, 0), _vllm_page(40, {"stop": 1, "length": 2}, 1, 1),
+                 "# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total 80\n"])
+    assert _run(sc, 1) == [0.0] and sc.served == (0.0, 0.0)
+    assert _run(sc, 1) == [40.0] and sc.served == (3.0, 2.0)
+    assert _run(sc, 1) == [40.0] and sc.served is None  # an older vLLM's page: no finished-request counter

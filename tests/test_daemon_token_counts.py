@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemon_helpers import DaemonProc, read_dataset, sim_env
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
-from powerprof.storage.schema import SERVER_COUNT_USAGE_ABOVE
+from powerprof.storage.schema import SERVER_COUNT_USAGE_ABOVE, SERVER_COUNT_USAGE_BELOW
 
 pytestmark = pytest.mark.slow
 
@@ -90,13 +90,14 @@ def test_requests_whose_server_count_contradicts_the_stream_are_flagged_and_coun
     assert "cannot be believed" in d.output()  # logged, naming both counts
 
 
-def _usage_scene(tmp_path, factor: float, tokens_per_event: int):
+def _usage_scene(tmp_path, factor: float, tokens_per_event: int, bypass: bool = False, flavour: str = "llamacpp"):
     """Three chat streams (include_usage) and three whole chat answers of 40 tokens, one after another, no bypass
-    traffic, through the daemon (0.25 s intervals) in front of a simulated vLLM whose final usage is the truth times
-    `factor` and whose stream sends `tokens_per_event` tokens a chunk; its /metrics counter counts the truth. Returns
-    (request rows, interval rows)."""
+    traffic, through the daemon (0.25 s intervals) in front of a simulated server (llama-server's OpenAI routes, or
+    `flavour`'s) whose final usage is the truth times `factor` and whose stream sends `tokens_per_event` tokens a chunk;
+    its /metrics counter counts the truth. `bypass`: each whole answer is followed by the same one sent to the server
+    directly, not through the proxy. Returns (request rows, interval rows)."""
     data = tmp_path / "data"
-    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=80.0, draft_n_max=0,
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=80.0, draft_n_max=0,
                    tokens_per_event=tokens_per_event) as srv:
         d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
                        env=sim_env(tmp_path))
@@ -112,6 +113,12 @@ def _usage_scene(tmp_path, factor: float, tokens_per_event: int):
                 with urllib.request.urlopen(req, timeout=60) as r:
                     assert r.status == 200
                     r.read()
+                if bypass and not stream:
+                    req = urllib.request.Request(srv.url + CHAT[0], data=json.dumps(body).encode(), method="POST",
+                                                 headers={"Content-Type": "application/json"})
+                    with urllib.request.urlopen(req, timeout=60) as r:
+                        assert r.status == 200
+                        r.read()
             time.sleep(3.0)  # the intervals over the last one close (scrapes past its end)
         finally:
             rc = d.stop()
@@ -178,3 +185,59 @@ def test_a_usage_above_its_chunks_that_the_servers_counter_agrees_with_stays_bel
     assert not said, said
     assert not any("bypass-uncounted" in _said(row) for row in reqs), [_said(row) for row in reqs]
     assert sum(iv["server_tokens"] or 0.0 for iv in intervals) <= 2.0
+
+
+# The reason where the server's counter counted more than the usage said and its books rule out bypass traffic.
+USAGE_BELOW_COUNTER = SERVER_COUNT_USAGE_BELOW
+
+
+def _energy(intervals) -> tuple[float, float]:
+    """(unproxied GPU joules, all GPU joules) over the interval rows."""
+    return (sum(iv["unproxied_energy_j"] or 0.0 for iv in intervals),
+            sum(iv["gpu_energy_j"] or 0.0 for iv in intervals))
+
+
+def test_a_whole_answers_usage_below_the_servers_own_counter_is_said_and_not_booked_as_bypass(tmp_path):
+    """A vLLM whose final usage says 0.8x what it generated (32 for 40), its stream and its /metrics counter true: its
+    streams are caught by their chunks (stream_above_count), its whole answers have none, and the counter's 8 more a
+    whole answer read as bypass traffic (unproxied 14.4 J of 227.9, each whole answer 18.6-19.0 J where honest ones
+    took 22.7-23.6, its row 32 tokens and a J/token over them, its intervals `complete`). Its books
+    (vllm:request_success_total, vllm:num_requests_running) show that no request but the proxy's ran: each whole
+    answer's row should say usage_below_counter naming both counts (32, about 40), its J/token empty, and nothing
+    should go to unproxied."""
+    reqs, intervals = _usage_scene(tmp_path, 0.8, 1, flavour="vllm")
+    assert len(reqs) == 6
+    for row in reqs:
+        if row["stream"]:
+            assert "the server counted 32 generated tokens but its stream carried 40" in _said(row), row  # as before
+            continue
+        text = _said(row)
+        assert USAGE_BELOW_COUNTER in text and "usage said 32" in text and "about 40" in text, row
+        assert pd.isna(row["gpu_j_per_token"]) and row["gpu_energy_j"] > 0, row
+    unproxied, total = _energy(intervals)
+    assert unproxied <= 0.01 * total, (unproxied, total)
+    assert sum(iv["server_tokens"] or 0.0 for iv in intervals) <= 2.0
+    assert any(USAGE_BELOW_COUNTER in (iv["server_count"] or "") for iv in intervals)
+
+
+def test_bypass_whole_answers_beside_a_usage_below_the_counter_stay_bypass_traffic(tmp_path):
+    """The same scene with a whole answer sent to the server directly after each proxied one: the server finished more
+    requests than the proxy saw, so the counter's surplus may be (and here mostly is) bypass traffic: booked to
+    unproxied as before, and no row or interval says usage_below_counter."""
+    reqs, intervals = _usage_scene(tmp_path, 0.8, 1, bypass=True, flavour="vllm")
+    assert len(reqs) == 6
+    assert not any(USAGE_BELOW_COUNTER in _said(row) for row in reqs), [_said(row) for row in reqs]
+    assert not any(USAGE_BELOW_COUNTER in (iv["server_count"] or "") for iv in intervals)
+    unproxied, total = _energy(intervals)
+    # 3 bypass answers of 40 tokens (and the proxied answers' 24 unsaid): at least the bypass answers' 120 tokens.
+    assert sum(iv["server_tokens"] or 0.0 for iv in intervals) >= 110, intervals
+    assert unproxied > 0.15 * total, (unproxied, total)
+
+
+def test_a_whole_answers_usage_below_the_counter_of_a_server_without_request_books_stays_bypass(tmp_path):
+    """The same lie on llama-server's OpenAI routes: its /metrics counts no finished requests, so nothing rules bypass
+    traffic out and the counter's surplus is booked as bypass, as before (docs/daemon.md says so); nothing says
+    usage_below_counter."""
+    reqs, intervals = _usage_scene(tmp_path, 0.8, 1)
+    assert not any(USAGE_BELOW_COUNTER in _said(row) for row in reqs), [_said(row) for row in reqs]
+    assert sum(iv["server_tokens"] or 0.0 for iv in intervals) == pytest.approx(24.0, abs=3.0)

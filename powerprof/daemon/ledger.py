@@ -52,7 +52,7 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
                       _no_counter_short_note, _counter_short_note, _no_energy_reason, _parser_held, _request_flags,
-                      _secs, _unsaid_reason, _usage_above_note, _with_late, _counted_low_interval_note, client_held,
+                      _secs, _unsaid_reason, _usage_above_note, _usage_below_note, _with_late, _counted_low_interval_note, client_held,
                       counted_low, tag_server_count, tokens_unknown)
 from . import tagedge
 from .streams import uncounted_kind
@@ -532,6 +532,7 @@ class Ledger:
                 # Its duration too: an at-finish window's bypass requests' durations are the server's latency sum
                 # less the proxied ones' (`recon._spread_back`).
                 self.recon.finished.append((int(t), n, max(0, int(t) - trace.arrival_ns)))
+            self.recon.note_end(r)
         self._learn_pace(r)
         self._run_on(r)  # after the count listed for the scrape windows above: the server counts none of the run-on
         return added
@@ -1476,10 +1477,10 @@ class Ledger:
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
-                          read_ns: tuple[int, int] | None = None) -> None:
+                          read_ns: tuple[int, int] | None = None, served: tuple[float, float] | None = None) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: a scrape window, its
         arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger)."""
-        self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns)
+        self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served)
 
     def note_proxy_delay(self, t_ns: int, delay_s: float) -> None:
         """How late the proxy's event loop ran at `t_ns` (`CountReconciler.note_proxy_delay`)."""
@@ -2558,6 +2559,9 @@ class Ledger:
         if r.usage_above is not None and lie is None:
             note = _usage_above_note(r)
             error = note if error is None else f"{error}; {note}"
+        if r.usage_below is not None and lie is None:
+            note = _usage_below_note(r)
+            error = note if error is None else f"{error}; {note}"
         return {
             "daemon_id": self.daemon_id,
             "request_id": tr.request_id,
@@ -2599,6 +2603,7 @@ class Ledger:
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
                                 if r.tokens > 0 and r.gpu_j > 0 and lie is None and r.usage_above is None
+                                and r.usage_below is None
                                 and not r.gpu_missing else None),
             "recorder_error": tr.recorder_error,
         }

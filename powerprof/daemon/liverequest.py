@@ -101,6 +101,10 @@ class LiveRequest:
     # server's counter counted fewer tokens than its usage said (reconcile.CountReconciler._judge_usage): its
     # generated_tokens is the usage's, its J/token left empty; None: not found so.
     usage_above: tuple[float, float, float, int] | None = None
+    # (its final count, the server counter's share of it, the surplus and the requests ended in the stretch) where the
+    # server's counter counted more tokens than its usage said and its books show no bypass request
+    # (reconcile.CountReconciler._judge_usage_below): its generated_tokens is the usage's, its J/token left empty.
+    usage_below: tuple[float, float, float, int] | None = None
     # Its GPU joules from intervals other requests (or bypass traffic) did work in that the fixed ratio split (the work
     # model's fit not mature: `fixed_why`, why when they closed): its share there rests on that ratio, not learned costs.
     fixed_j: float = 0.0

@@ -5,7 +5,9 @@ here (`CountReconciler.add_server_tokens`); the proxy's token events are listed 
 (`proxied`, `finished`, `slack`). Resolving a window (`CountReconciler.resolve_spans`) weighs the server's count
 against the proxy's: the rise beyond it is unproxied (bypass) traffic, held against the proxy's own lag, the reads'
 place in their GETs, a counter's losses and restarts (`_lost_beyond`, `_mark_restart_unsure`), and what an
-at-finish counter was seen to count of a usage's tokens (`_usage_doubt`). The ledger spends the resolved windows over
+at-finish counter was seen to count of a usage's tokens (`_usage_doubt`); over a stretch between two quiet scrapes, a
+usage above the counter (`_judge_usage`) or, where the server's books show no bypass request, below it
+(`_judge_usage_below`). The ledger spends the resolved windows over
 the intervals it closes (`CountReconciler.bypass_over`) and writes each interval's `server_count` from the reasons
 they carry (`CountReconciler.server_count`).
 
@@ -23,12 +25,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from powerprof.storage.schema import (SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
-                                      SERVER_COUNT_USAGE_ABOVE, SERVER_COUNT_USAGE_BEYOND,
+                                      SERVER_COUNT_USAGE_ABOVE, SERVER_COUNT_USAGE_BELOW, SERVER_COUNT_USAGE_BEYOND,
                                       SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD, SERVER_COUNT_SLOTS_ONLY,
                                       SERVER_COUNT_UNREAD, SERVER_COUNT_BELOW, bypass_count_fix)
 
 from . import attribution as attr
-from .liverequest import LiveRequest, told_prompt_tokens
+from .liverequest import LiveRequest, is_passive, told_prompt_tokens
 
 # The ledger's logger: these lines were the ledger's before the reconciliation was its own module, and a log filter
 # (or a test's caplog) that names the ledger still sees them.
@@ -70,7 +72,7 @@ USAGE_VOTE_S = 30.0
 # What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
 MISPLACED, PROXY_LAG, PROXY_UNREAD = SERVER_COUNT_MISPLACED, SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD
-USAGE_BEYOND, USAGE_ABOVE = SERVER_COUNT_USAGE_BEYOND, SERVER_COUNT_USAGE_ABOVE
+USAGE_BEYOND, USAGE_ABOVE, USAGE_BELOW = SERVER_COUNT_USAGE_BEYOND, SERVER_COUNT_USAGE_ABOVE, SERVER_COUNT_USAGE_BELOW
 COUNTER_BELOW = SERVER_COUNT_BELOW
 # A stretch of traffic between two quiet scrapes (`_judge_usage`) over which the server's counter counted fewer tokens
 # than the proxy placed by more than this many tokens and this share of the tokens the proxy believed from a final
@@ -80,7 +82,9 @@ COUNTER_BELOW = SERVER_COUNT_BELOW
 # a chunk, 0 of 120 at one a chunk; a usage saying 1.25x, 60 of 180).
 USAGE_ABOVE_TOKENS = 3.0
 USAGE_ABOVE_SHARE = 0.05
-USAGE_ONLY_MAX = 100_000  # usage-only token events kept unjudged at most (each window's are let go as it is resolved)
+# usage-only token events kept unjudged at most (each window's are let go as it is resolved), and proxied requests' ends
+# (`note_end`, let go at each quiet scrape)
+USAGE_ONLY_MAX = 100_000
 USAGE_REQUESTS_KEPT = 256  # past this many, a stretch's requests whose rows are written are let go (`_usage_prune`)
 FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held
 
@@ -106,6 +110,9 @@ class _ScrapeWindow:
     # What the reads at its edges may have missed or taken early, (early, late) at its start then at its end (set when
     # resolved: `_read_unsure`).
     read_unsure: tuple[float, float, float, float] | None = None
+    # The server's (requests finished since its start, requests running and queued) on the page read at its end
+    # (scrape.Scraper.served: vLLM's); None where not told (`_judge_usage_below`).
+    served: tuple[float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -129,6 +136,20 @@ class _UsageStretch:
     allow: float = 0.0  # the proxy's tokens of the LAG_S before it, as of its resolving pass (`_judge_usage_forced`)
     unjudged: bool = False  # a window of it says its count is lost or unread (a restart, counter_below told, ...)
     above: bool = False  # judged: the usage runs above the counter (its later windows say so as they are resolved)
+    # For `_judge_usage_below`: its start (the quiet scrape before it; None: the daemon's first stretch) and the server's
+    # (requests finished, in flight) read there; its resolved windows not yet spent, and those holding usage-only tokens;
+    start_ns: int | None = None
+    start_served: tuple[float, float] | None = None
+    spans: list = field(default_factory=list)
+    usage_spans: list = field(default_factory=list)
+    # its windows wait for its quiet scrape (its counter over a token above the proxy's as of its latest resolved
+    # window, usage-only tokens in it);
+    # a page in it did not say the server's requests (untold), or said more finished or in flight than the proxy's
+    # (bypass_seen: a request not the proxy's ran); judged below its counter.
+    below_hold: bool = False
+    untold: bool = False
+    bypass_seen: bool = False
+    below: bool = False
 
 
 class CountReconciler:
@@ -243,10 +264,14 @@ class CountReconciler:
         self._usage_counts: dict[int, tuple[float, float]] = {}
         self._stretch = _UsageStretch()
         self.usage_above_stretches = 0  # stretches judged usage_above_counter (the log says the first and every 100th)
+        # (end, counted) of every proxied request that ended since the stretch began: counted where the server counts it
+        # among its finished requests (`note_end`); and the stretches judged usage_below_counter (logged likewise).
+        self._ends: deque = deque(maxlen=USAGE_ONLY_MAX)
+        self.usage_below_stretches = 0
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
-                          read_ns: tuple[int, int] | None = None) -> None:
+                          read_ns: tuple[int, int] | None = None, served: tuple[float, float] | None = None) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: spread
         evenly over that time, so bypass tokens land in the intervals where they were generated.
         `at_finish`: the server counts a request's tokens when it finishes (SGLang; scrape.AT_FINISH).
@@ -256,7 +281,9 @@ class CountReconciler:
         `partial`: why this window's count may be low (scrape.PARTIAL_REASONS keys: the scraper's `window_partial`);
         the intervals it covers say so in `server_count`, and the requests given their energy in `energy_note`.
         `read_ns`: the (start, end) of the GET that read the counter (`t_ns` is its midpoint): the server read it
-        somewhere in there, so the proxy's tokens inside it may or may not be in this count (`resolve_spans`)."""
+        somewhere in there, so the proxy's tokens inside it may or may not be in this count (`resolve_spans`).
+        `served`: the server's (requests finished since its start, requests running and queued) on the page read at
+        `t_ns` (scrape.Scraper.served); None where not told (`_judge_usage_below`)."""
         if not self.server_seen:
             # The proxy's token events are listed for the scrape windows (`proxied`, `finished`) only once a server
             # is read. Its first window starts at the baseline read, before the daemon's ready, and its first pass can
@@ -283,7 +310,8 @@ class CountReconciler:
         self.server_spans.append(_ScrapeWindow(
             t0_ns=int(t0), t1_ns=int(t_ns), server_tokens=float(delta), finished_latency=fin, partial=tuple(partial),
             restarted="server_restart" in partial, read_span_ns=read,
-            finished_requests=int(finished[0]) if at_finish and finished is not None else None))
+            finished_requests=int(finished[0]) if at_finish and finished is not None else None,
+            served=(float(served[0]), float(served[1])) if served is not None else None))
         if "server_restart" in partial:
             self.restarts.append((int(t0), int(t_ns)))
 
@@ -297,15 +325,41 @@ class CountReconciler:
         self._usage_only.extend((int(t), float(n), rid) for t, n in zip(ts, ns) if n > 0)
         self._usage_counts[rid] = (float(final_n), float(chunks_n))
 
+    def note_end(self, r: LiveRequest) -> None:
+        """Proxied request `r` ended: listed with whether the server counts it among its finished requests
+        (vllm:request_success_total: a generation request run to its end, one sequence, answered 200 with its own
+        count). Not one a client left or the server failed (vLLM counts no aborted request), n > 1 (a count a
+        sequence), nor a count the proxy took from its chunks unconfirmed: those say the stretch cannot be judged below
+        its counter (`_judge_usage_below`). An error answer or a GET that did no work (`is_passive`) is not listed."""
+        if not self.server_seen or self.server_at_finish or is_passive(r):
+            return
+        tr, c = r.trace, r.trace.counts
+        counted = (tr.api is not None and tr.outcome == "ok" and tr.status == 200 and tr.error is None
+                   and c is not None and c.invalid is None and c.server_error is None and not c.count_open
+                   and not c.unreadable and (not c.tokens_estimated or c.count_problem is not None)
+                   and max(tr.extra.get("sequences", 1), 1) == 1)
+        t = tr.end_ns if tr.end_ns is not None else tr.last_ns
+        if t is not None:
+            self._ends.append((int(t), counted))
+
     def usage_hold_ns(self) -> int | None:
         """The start of the earliest resolved window whose usage-only tokens are not judged yet (`_judge_usage`): its
         intervals wait for the stretch's quiet scrape, SCRAPE_HOLD_S at most (the ledger's hold on the server's count;
         closed before, `bypass_over` judges on what is known). Only while the stretch's counter stands over a token
         below the proxy's tokens (`_usage_account`). Held 5 s instead of 10, two clients of a 1.25x usage back to back
         for 14 s (no quiet scrape) left the first 3 s of intervals and 4 of 22 rows unsaid (10 s: none). None: none
-        waits."""
+        waits. Also, where the server tells its requests (`_judge_usage_below`), while the stretch's counter stands over a
+        token above the proxy's tokens with usage-only tokens in it and its server's books show no request not the
+        proxy's so far: all its windows not yet spent wait, SCRAPE_HOLD_S at most (closed before its quiet scrape, their
+        surplus is booked as bypass tokens, as where the server does not tell)."""
         st = self._stretch
-        return min((sp.t0_ns for sp in st.windows), default=None) if not st.above else None
+        held = [sp.t0_ns for sp in st.windows] if not st.above else []
+        if st.below_hold and not (st.below or st.untold or st.bypass_seen or st.unjudged):
+            # A counter standing above the proxy's where usage-only tokens were placed: bypass traffic or a usage
+            # lying low, told apart only at the stretch's quiet scrape (`_judge_usage_below`); its windows' bypass
+            # tokens are not booked until then.
+            held += [sp.t0_ns for sp in st.spans]
+        return min(held, default=None)
 
     def note_chunk_spread(self, from_ns: int, to_ns: int, tokens: float, at_start: bool = False) -> None:
         """Chunk tokens a stream's usage told (a stream counted one a chunk: `Ledger._chunks_to_server_count`) whose
@@ -506,6 +560,10 @@ class CountReconciler:
         if spent:
             self._spent_quiet = {int(spent[-1].t1_ns): _quiet(spent[-1])}
         self.server_spans = [x for x in self.server_spans if x.t1_ns > t[-1]]
+        st = self._stretch
+        if st.spans:  # spent: booked as they stand, out of `_judge_usage_below`'s reach
+            st.spans = [x for x in st.spans if x.t1_ns > t[-1]]
+            st.usage_spans = [x for x in st.usage_spans if x.t1_ns > t[-1]]
         keep_from = min([x.t0_ns for x in self.server_spans], default=int(t[-1]))
         while self.chunk_spreads and self.chunk_spreads[0][1] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
             self.chunk_spreads.popleft()
@@ -1094,7 +1152,7 @@ class CountReconciler:
         # unscraped, misplaced) leaves it short of the proxy's tokens for reasons of its own: not judged. The
         # reconciler's own counter_below (`_lost_beyond`: a run short for good) is no such word: it is what a usage
         # above the counter reads as (6 of the test scene's 30 busy intervals), and is judged.
-        if (sp.restarted or told - {PROXY_LAG, USAGE_BEYOND, USAGE_ABOVE}
+        if (sp.restarted or told - {PROXY_LAG, USAGE_BEYOND, USAGE_ABOVE, USAGE_BELOW}
                 or {"server_restart", "unscraped", MISPLACED} & set(sp.partial)):
             st.unjudged = True
         if n > 0:
@@ -1104,6 +1162,7 @@ class CountReconciler:
                 st.final_n += self._usage_counts.get(rid, (0.0, 0.0))[0]
             st.requests |= rids
             st.windows.append(sp)
+            st.usage_spans.append(sp)
             if st.above:
                 self._usage_said(st)
         if not st.above and st.placed_n - st.server_n - st.slack_n <= LAG_TOKENS:
@@ -1113,12 +1172,89 @@ class CountReconciler:
             # said its cached count, and its row no longer said prefix-cache-late
             # (tests/test_daemon_prefix_cache.py); under steady traffic, every row came 10 s late.
             st.windows = []
+        st.spans.append(sp)
+        self._below_books(st, sp)
+        # Held only while the counter stands above: an honest counter's lead (up to 3 tokens ahead of streams) drains
+        # within the second, and latched, every stretch mixing streams with whole answers held its rows to its end.
+        st.below_hold = (st.usage_n > 0 and st.server_n - st.placed_n > LAG_TOKENS and st.start_served is not None
+                         and st.start_served[1] == 0)
         if quiet:
-            self._judge_usage(st, 0.0)
+            if not self._judge_usage_below(st, sp):
+                self._judge_usage(st, 0.0)
             for rid in st.requests:
                 self._usage_counts.pop(rid, None)
-            self._stretch = _UsageStretch()
+            self._stretch = _UsageStretch(start_ns=int(sp.t1_ns), start_served=sp.served)
+            if self._ends:  # listed as ends were told (a proxy worker's may come late): not in time order
+                self._ends = deque((e for e in self._ends if e[0] > sp.t1_ns), maxlen=USAGE_ONLY_MAX)
         self._usage_prune()
+
+    def _below_books(self, st: _UsageStretch, sp: _ScrapeWindow) -> None:
+        """What the server's books say at resolved window `sp`'s end of stretch `st` (`_judge_usage_below`): untold where
+        the page did not say them (or its finished count went back: a restart), bypass_seen where the server finished
+        more requests since the stretch began than the proxy saw end and holds live near it, or holds more running and
+        queued than the proxy's requests live within LAG_S of it: a request not the proxy's ran. A stale gauge (a vLLM
+        before vllm-project/vllm#29928 keeps its last step's count once every request was aborted) only reads too many:
+        a stretch left unjudged, never one judged wrong."""
+        if st.untold or st.bypass_seen or st.start_served is None or st.start_ns is None:
+            return
+        if sp.served is None or sp.served[0] < st.start_served[0]:
+            st.untold = True
+            return
+        lag_ns = int(LAG_S * 1e9)
+        t1 = int(sp.t1_ns)
+        # The proxy's ends since the stretch began (listed after it, pruned at its start): those after `sp` too, so an
+        # upper bound, which only lets a stretch be held on to its quiet scrape and judged there.
+        ended = len(self._ends)
+        near = sum(1 for q in self.requests.values() if (q.trace.api is not None or q.uncounted is not None)
+                   and q.trace.arrival_ns <= t1 + lag_ns and (q.trace.end_ns is None or q.trace.end_ns >= t1 - lag_ns))
+        if sp.served[0] - st.start_served[0] > ended + near or sp.served[1] > near:
+            st.bypass_seen = True
+
+    def _judge_usage_below(self, st: _UsageStretch, sp: _ScrapeWindow) -> bool:
+        """Whether the server's usage ran below its own counter over stretch `st`, ended by the quiet resolved window `sp`:
+        the counter counted more tokens than the proxy placed, by more than USAGE_ABOVE_TOKENS and USAGE_ABOVE_SHARE of
+        its usage-only tokens, and the server's books prove that no bypass request ran: none running or queued at the
+        stretch's two quiet scrapes (vllm:num_requests_running + _waiting 0 on both pages), and it finished exactly as
+        many requests in between (vllm:request_success_total) as the proxy saw end, each one the server counts
+        (`note_end`). Then the surplus is its requests' own tokens that their usage did not say: its windows' bypass
+        tokens not yet spent are 0, those holding usage-only tokens say USAGE_BELOW, and its requests' rows name their
+        usage's count and the counter's share (LiveRequest.usage_below).
+
+        Bypass traffic raises the counter just as such a usage does, and nothing else tells them apart: before, every
+        such surplus was booked as bypass (unproxied), the rows kept J/token over the low count, all `complete`. The
+        finished count alone would miss a bypass request running across the stretch's end, the gauges alone one that
+        began and ended inside it. Where the page shows neither (llama.cpp, SGLang, an older vLLM), nothing changes."""
+        surplus = st.server_n - st.placed_n
+        if (st.below or st.untold or st.bypass_seen or st.unjudged or st.usage_n <= 0 or st.start_served is None
+                or st.start_ns is None or sp.served is None
+                or surplus <= max(USAGE_ABOVE_TOKENS, USAGE_ABOVE_SHARE * st.usage_n)):
+            return False
+        ends = [counted for t, counted in self._ends if st.start_ns < t <= sp.t1_ns]
+        if (st.start_served[1] != 0 or sp.served[1] != 0 or not all(ends)
+                or sp.served[0] - st.start_served[0] != len(ends)):
+            return False
+        st.below = True
+        for x in st.spans:
+            if x.bypass_tokens is not None:
+                x.bypass_tokens = 0.0
+        for x in st.usage_spans:
+            if USAGE_BELOW not in x.partial:
+                x.partial = (*x.partial, USAGE_BELOW)
+        share = 1.0 + surplus / st.final_n if st.final_n > 0 else 1.0
+        for rid in st.requests:
+            q, counts = self.requests.get(rid), self._usage_counts.get(rid)
+            if q is not None and counts is not None:
+                q.usage_below = (counts[0], counts[0] * share, surplus, len(ends))
+        self.usage_below_stretches += 1
+        n = self.usage_below_stretches
+        if n <= 3 or n % 100 == 0:
+            log.warning("the server's own token counter counted %.0f token(s) more than the proxy placed over a stretch "
+                        "of %d request(s) (%d whose usage alone said %.0f tokens), and its books show no request but the "
+                        "proxy's (%d finished, none running at either end): its usage runs below its counter, not bypass "
+                        "traffic (%d such stretches so far); their rows and intervals say %s; fix: %s",
+                        surplus, len(ends), st.n_requests, st.usage_n, len(ends), n, USAGE_BELOW,
+                        bypass_count_fix(USAGE_BELOW))
+        return True
 
     def _usage_prune(self) -> None:
         """Bounds what steady traffic (no quiet scrape for hours) keeps for `_judge_usage`: past USAGE_REQUESTS_KEPT, the

@@ -18,7 +18,7 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SH
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
                                       GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, SERVER_COUNT_COMPLETE,
-                                      SERVER_COUNT_USAGE_ABOVE, bypass_count_fix,
+                                      SERVER_COUNT_USAGE_ABOVE, SERVER_COUNT_USAGE_BELOW, bypass_count_fix,
                                       bypass_count_may_be)
 
 from . import attribution as attr
@@ -223,6 +223,19 @@ def _usage_above_note(r: LiveRequest) -> str:
             f"{short_n:.0f} fewer than their usage said, which no bypass traffic explains (it only raises the counter); "
             "generated_tokens is the usage's, gpu_j_per_token left empty, and its energy is a share taken by the "
             f"usage's count; fix: {bypass_count_fix(SERVER_COUNT_USAGE_ABOVE)}")
+
+
+def _usage_below_note(r: LiveRequest) -> str:
+    """Why a request's count is not believed whole (LiveRequest.usage_below): the server's counter counted more tokens
+    than its usage (and its neighbours') said over the stretch it ran in, no bypass request beside them; both counts
+    named, with the fix."""
+    final_n, counter_n, surplus_n, n_req = r.usage_below
+    return (f"{SERVER_COUNT_USAGE_BELOW}: its usage said {final_n:.0f} generated tokens, the server's own token counter "
+            f"(/metrics) about {counter_n:.0f}: over the stretch it ran in the counter counted {surplus_n:.0f} more than "
+            f"the proxy placed, and the server finished the proxy's {n_req} request(s) there and no other, none running "
+            "at the stretch's ends, so no bypass traffic explains them; generated_tokens is the usage's (low), "
+            "gpu_j_per_token left empty, and its energy holds those tokens' work; "
+            f"fix: {bypass_count_fix(SERVER_COUNT_USAGE_BELOW)}")
 
 
 def _with_late(error: str | None, late: float) -> str | None:

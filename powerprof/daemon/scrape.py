@@ -1,6 +1,8 @@
 """Scrape the inference server's own token counters: a cross-check and a view of unproxied traffic.
 
-- vLLM: `vllm:generation_tokens_total` on /metrics, updated every engine step.
+- vLLM: `vllm:generation_tokens_total` on /metrics, updated every engine step; with it its finished requests
+  (`vllm:request_success_total`) and those running and queued (`vllm:num_requests_running` + `_waiting`):
+  `Scraper.served`, which tells a quiet stretch that no bypass request ran (reconcile.py).
 - SGLang: `sglang:generation_tokens_total` on /metrics (moves when a request finishes). Its /metrics is
   prometheus_client's multiprocess collector, which shows a labelled family only once set: until its first
   request finishes (its warm-up's, none with --skip-server-warmup) the counter is absent, and the page may be
@@ -45,8 +47,8 @@ from .ticks import IDLE_PERIOD_S
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
     COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, YOUNG_COUNTER_TOKENS, YOUNG_DIP_TOKENS, connection_refused,
-    counter_restarted, counter_total, histogram_sum_count, llamacpp_generated, prefix_cache_reading, slot_progress, slots_json,
-    unset_means_zero)
+    counter_restarted, counter_total, histogram_sum_count, llamacpp_generated, prefix_cache_reading, requests_and_in_flight,
+    slot_progress, slots_json, unset_means_zero)
 
 log = logging.getLogger("powerprof.daemon.scrape")
 
@@ -270,6 +272,11 @@ class Scraper:
         # Prompt tokens the server found in its prefix cache since the previous scrape (its hit counter's rise, or
         # vLLM v0's hit rate times its prompt tokens' rise: an estimate); None where not known (_cache_hits_since).
         self.cache_hits: float | None = None
+        # (requests the server finished since its start, requests running and queued now) as of the latest scrape's page
+        # (vLLM's vllm:request_success_total and vllm:num_requests_running + _waiting: servercount.requests_and_in_flight);
+        # None where the page does not show both (llama.cpp, SGLang, an older vLLM) or the scrape failed. The reconciler's
+        # proof that no bypass request ran over a quiet stretch (reconcile.CountReconciler._judge_usage_below).
+        self.served: tuple[float, float] | None = None
         self._cache: tuple[str, float, float] | None = None  # prefix_cache_reading at the previous scrape
         self._blocks_said = False  # the log said once that the hits come in blocks of no known size
         # vLLM's page has V1's prefix-cache counters (tokens or blocks, not v0's hit-rate gauge): its engine is V1,
@@ -541,6 +548,7 @@ class Scraper:
             return None
         self.window_partial = ()
         self.cache_hits = None
+        self.served = None
         self._scrape_at = time.monotonic()
         try:
             if self.kind is None:
@@ -621,6 +629,8 @@ class Scraper:
                 delta = 0.0 if prev is None else (total if restart else total - prev)
                 self.finished = self._finished_since(text, prev is None or restart)
                 self.cache_hits = self._cache_hits_since(text, prev is None or restart)
+                done, _, in_flight, _ = requests_and_in_flight(text)
+                self.served = (done, in_flight) if done is not None and in_flight is not None else None
         except Exception as e:  # a server's answer never ends the scrape loop: counted and logged
             self._unreachable |= _server_down(e)
             self.errors += 1

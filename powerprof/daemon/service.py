@@ -513,6 +513,7 @@ class _HeldWindow(NamedTuple):
     finished: tuple[float, float] | None  # the scraper's (requests, seconds) finished in it, at-finish servers
     partial: tuple
     read_ns: tuple[int, int]
+    served: tuple[float, float] | None  # the scraper's (requests finished, in flight) at its end (Scraper.served)
 
 
 class Daemon:
@@ -1095,19 +1096,19 @@ class Daemon:
                         if start > held.since_ns:
                             self.ledger.add_server_tokens(start, 0.0, held.since_ns, at_finish, partial=held.partial)
                         self.ledger.add_server_tokens(held.t_ns, held.delta, start, at_finish, held.finished,
-                                                      partial=held.partial, read_ns=held.read_ns)
+                                                      partial=held.partial, read_ns=held.read_ns, served=held.served)
                         held = None
                     # Why this window's count may be low (a restart, a late first read): its intervals say so.
                     partial = self.scraper.window_partial
                     if delta > 0 and since is not None and still and t - since > 1.5e9 * cadence.fast_s:
                         # a slow window ending a stillness: placed at the next scrape
-                        held = _HeldWindow(since, t, delta, self.scraper.finished, partial, (t0, t1))
+                        held = _HeldWindow(since, t, delta, self.scraper.finished, partial, (t0, t1), self.scraper.served)
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
                         # With the GET's span: the counter was read somewhere in it (docs/daemon.md, "A counter read
                         # before its stamp").
                         self.ledger.add_server_tokens(t, delta, since, at_finish, self.scraper.finished, partial=partial,
-                                                      read_ns=(t0, t1))
+                                                      read_ns=(t0, t1), served=self.scraper.served)
                     since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
                     read_from = self._scrape_read_from_ns = t0
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
@@ -1120,7 +1121,7 @@ class Daemon:
             await sleep_on_grid(poll, self.waker if poll > cadence.fast_s else self.config_waker)
         if held is not None:
             self.ledger.add_server_tokens(held.t_ns, held.delta, held.since_ns, self.scraper.kind in AT_FINISH,
-                                          held.finished, partial=held.partial, read_ns=held.read_ns)
+                                          held.finished, partial=held.partial, read_ns=held.read_ns, served=held.served)
 
     async def _final_scrape(self) -> None:
         """At a clean stop, after the last sample: read the server's counters once more, so the last interval's count
@@ -1144,7 +1145,8 @@ class Daemon:
         self.ledger.add_cache_hits(None if since is None else min(since, self._scrape_read_from_ns or since), t1,
                                    self.scraper.cache_hits)
         self.ledger.add_server_tokens(t, delta, self._scrape_since_ns, self.scraper.kind in AT_FINISH,
-                                      self.scraper.finished, partial=self.scraper.window_partial, read_ns=(t0, t1))
+                                      self.scraper.finished, partial=self.scraper.window_partial, read_ns=(t0, t1),
+                                      served=self.scraper.served)
 
     # --- reload ------------------------------------------------------------------------------------
 

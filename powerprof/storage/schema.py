@@ -294,7 +294,7 @@ DAEMON_REQUESTS_COLUMNS = [
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
 # read over it, the scraper having no answer yet (unread: its bypass traffic unknown); the daemon scrapes no server
 # (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, counter_below,
-# slots_only, unscraped, misplaced, proxy_unread, usage_beyond_chunks, usage_above_counter), or may be low or high (proxy_lag, server_restart, fall_unconfirmed: BYPASS_COUNT_TWO_WAY). Null (files written before the column): unknown, never complete. A request given energy of
+# slots_only, unscraped, misplaced, proxy_unread, usage_beyond_chunks, usage_above_counter, usage_below_counter), or may be low or high (proxy_lag, server_restart, fall_unconfirmed: BYPASS_COUNT_TWO_WAY). Null (files written before the column): unknown, never complete. A request given energy of
 # an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
@@ -314,6 +314,11 @@ SERVER_COUNT_USAGE_BEYOND = "usage_beyond_chunks"
 # fewer tokens than the proxy placed, beyond what honest lag explains (reconcile.CountReconciler._judge_usage): the
 # usage runs above the counter (a server fault), so its requests' counts are high and bypass traffic beside them hides.
 SERVER_COUNT_USAGE_ABOVE = "usage_above_counter"
+# A window holding such tokens in a stretch over which the server's counter counted more than the proxy placed while its
+# books (vLLM's finished requests and requests running) show that no request but the proxy's ran
+# (reconcile.CountReconciler._judge_usage_below): the usage runs below the counter, the surplus is its requests' own
+# tokens, not bypass traffic's (booked to none), and their counts are low.
+SERVER_COUNT_USAGE_BELOW = "usage_below_counter"
 # A scrape window still below the counter's highest reading (scrape.COUNTER_BELOW), or one whose count fell short of the
 # proxy's tokens for good beyond what its reads and the proxy's lag explain (reconcile.CountReconciler._lost_beyond).
 SERVER_COUNT_BELOW = "counter_below"
@@ -435,6 +440,10 @@ BYPASS_COUNT_FIX = {
     SERVER_COUNT_USAGE_ABOVE: "the server's usage runs above its own token counter (/metrics): check the server's "
                               "version and report it upstream; the rows' generated_tokens are its usage's, their "
                               "J/token is left empty, and bypass traffic beside them is hidden by as many tokens",
+    SERVER_COUNT_USAGE_BELOW: "the server's usage runs below its own token counter (/metrics), and its books show that "
+                              "no request but the proxy's ran, so the counter's surplus is theirs (not in unproxied): "
+                              "check the server's version and report it upstream; the rows' generated_tokens are its "
+                              "usage's (low), their J/token is left empty",
     SERVER_COUNT_PROXY_LAG: "their count may be high or low: the proxy's own delay behind the server (a loaded host) "
                             "may read as bypass tokens where its streams begin, or hide some where they end, and a "
                             "proxy that went silent (its workers stopped) may leave a live stream's tokens read as "

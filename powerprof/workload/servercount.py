@@ -395,27 +395,38 @@ async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int | None, st
         return None, "", f"could not be read ({error_text(e)}; not taken as the server down)"
 
 
+def _first_counter(text: str, names) -> tuple[float | None, str | None]:
+    """(value, name) of the first of `names` the page shows as a count; (None, None) where none."""
+    for name in names:
+        try:
+            v = counter_total(text, name)
+        except ValueError:
+            v = None
+        if v is not None:
+            return v, name
+    return None, None
+
+
 def tally_from_metrics(text: str, t_ns: int) -> Tally:
     """The counters and gauges of one /metrics page (any server family); a value that is not a count is left out."""
-    def first(names):
-        for name in names:
-            try:
-                v = counter_total(text, name)
-            except ValueError:
-                v = None
-            if v is not None:
-                return v, name
-        return None, None
+    tokens, tokens_name = _first_counter(text, TOKEN_COUNTERS)
+    requests, requests_name, in_flight, source = requests_and_in_flight(text)
+    return Tally(t_ns, tokens, tokens_name, requests, requests_name, in_flight, source)
 
-    tokens, tokens_name = first(TOKEN_COUNTERS)
-    requests, requests_name = first(REQUEST_COUNTERS)
+
+def requests_and_in_flight(text: str) -> tuple[float | None, str | None, float | None, str | None]:
+    """(finished requests so far, the counter's name, requests running and queued now, the gauges' names) of one
+    /metrics page (REQUEST_COUNTERS, IN_FLIGHT_GAUGES); None where the page does not say, or says a value that is not a
+    count. The sweep's foreign-traffic check (`tally_from_metrics`) and the daemon's scraper (its quiet stretches'
+    proof that no bypass request ran: daemon/reconcile.py) read them so."""
+    requests, requests_name = _first_counter(text, REQUEST_COUNTERS)
     in_flight = source = None
     for names in IN_FLIGHT_GAUGES:
-        vals = [v for v, _ in (first((n,)) for n in names) if v is not None]
+        vals = [v for v, _ in (_first_counter(text, (n,)) for n in names) if v is not None]
         if vals:
             in_flight, source = sum(vals), " + ".join(n for n in names if n in text)
             break
-    return Tally(t_ns, tokens, tokens_name, requests, requests_name, in_flight, source)
+    return requests, requests_name, in_flight, source
 
 
 async def read_tally(session: aiohttp.ClientSession, base_url: str, kind: str | None = None) -> Tally:
