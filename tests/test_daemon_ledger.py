@@ -3481,6 +3481,85 @@ def test_a_request_sglang_ran_on_for_seconds_is_no_counter_short_request():
     assert "counter-short" not in rows[10]["energy_note"], rows[10]["energy_note"]
 
 
+def _sglang_scene(streams, stop_s: float = 6.0, told: bool = False) -> dict:
+    """Streams (request id, arrival s, its chunks' times, its end s, whether its client left then, max_tokens) on a GPU
+    at 300 W sampled every 0.1 s, the ledger told SGLang's run-on delays and advancing as the daemon's does, shut down
+    (close_all) at stop_s: nothing after it happens. `told`: each stream says its prompt's length at its start
+    (continuous usage). The rows by request id."""
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.runs_on_after_leave = (2.0, 4.0)
+    events = []
+    for rid, a, ts, end, left, limit in streams:
+        tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat", stream=True)
+        tr.extra.update(prompt_chars=400, max_tokens=limit)
+        if told:
+            tr.extra["prompt_tokens"] = 100
+        events += [(a, 0, tr, left), *((t, 1, tr, left) for t in ts), (end, 2, tr, left)]
+    e, k = 0.0, 0
+
+    def to(t):
+        nonlocal e, k
+        while k * 0.1 <= t:
+            led.add_gpu_sample(int(k * 0.1 * S), int(k * 0.1 * S), [R(e, 300.0)])
+            led.advance(int(k * 0.1 * S))
+            e, k = e + 30.0, k + 1
+
+    for t, kind, tr, left in sorted(events, key=lambda x: (x[0], x[1], x[2].request_id)):
+        if t > stop_s:
+            break
+        to(t)
+        if kind == 0:
+            led.on_start(tr)
+        elif kind == 1:
+            tr.first_ns = tr.first_ns or int(t * S)
+            tr.last_ns = int(t * S)
+            tr.tokens_seen += 1
+            led.on_tokens(tr, int(t * S), 1)
+        else:
+            tr.end_ns, tr.outcome = int(t * S), "client_disconnected" if left else "ok"
+            if not left:
+                tr.counts = Counts(generated_tokens=int(tr.tokens_seen), prompt_tokens=100, model=None,
+                                   stop_reason="length", token_source="usage")
+            led.on_end(tr)
+    to(stop_s)
+    led.close_all(int(stop_s * S))
+    return {r["request_id"]: r for r in led.emit.rows["requests"]}
+
+
+_STEPS_40 = [0.1 + 0.025 * i for i in range(41)]  # a token a step a sequence, 40 tokens/s, to 1.1 s
+
+
+def test_streams_cut_together_run_on_at_their_batchs_pace_not_a_step_over_microseconds():
+    # The review (f_masscut.py): a load generator stopped, 16 streams decoding together at 40 tokens/s, each one's
+    # chunk written 0.05 ms after the one before it, every client leaving mid-step at 1.112 s; SGLang runs them all on
+    # together 2 s at the same pace. The others showed one chunk each in a cut one's run: counted over the microseconds
+    # between them, a step's token read as thousands a second, 8 of 16 rows "until its max_tokens (2000) were decoded"
+    # (-26% to +12%), the 8 left with no pace beside them +20%. A stream's pace is now read from its own chunks there.
+    streams = [(i, 0.0, [t + 0.00005 * i for t in _STEPS_40], 1.112 + 0.00001 * i, True, 2000) for i in range(1, 17)]
+    rows = _sglang_scene(streams, stop_s=7.0)
+    for rid in range(1, 17):
+        note = rows[rid]["energy_note"]
+        assert "until its max_tokens" not in note and "the server ran on about 2.0 s" in note, note
+        # 41 shown and 80 run on (2 s at 40 tokens/s); 300 W split 16 ways to their aborts at 3.112 s.
+        assert rows[rid]["attributed_tokens"] == pytest.approx(41 + 80, rel=0.1), rows[rid]
+        assert rows[rid]["gpu_energy_j"] == pytest.approx(300.0 * 3.112 / 16, rel=0.1), rows[rid]
+
+
+def test_a_cut_stream_beside_streams_that_end_at_its_step_is_no_step_over_microseconds():
+    # The review (e_jitter.py): 12 streams end (ok) at the 1.1 s step, the last of the cut stream's 41 tokens; its client
+    # leaves at 1.12 s and SGLang decodes it on alone to 3.12 s. The 12 showed one chunk each in its run, 0.05 ms apart:
+    # "until its max_tokens (2000) were decoded, about 0.6 s", 234 J against 624 (-62.5%). Nothing shown beside it
+    # says its pace alone (60 tokens/s in the scene): it decodes at its own.
+    others = [(i, 0.0, [t + 0.0001 + 0.00005 * (i - 1) for t in _STEPS_40], 1.1006 + 0.00005 * (i - 1), False, 2000)
+              for i in range(1, 13)]
+    rows = _sglang_scene([*others, (99, 0.0, [t + 0.00005 for t in _STEPS_40], 1.12, True, 2000)])
+    note = rows[99]["energy_note"]
+    assert "until its max_tokens" not in note and "at its own (no stream shown beside it then) pace" in note, note
+    assert rows[99]["attributed_tokens"] == pytest.approx(41 + 80, rel=0.1), rows[99]
+    # 300 W split 13 ways to the others' last step's end at 1.125 s, all of it its own from there to its abort.
+    assert rows[99]["gpu_energy_j"] == pytest.approx(300.0 * (1.125 / 13 + 3.12 - 1.125), rel=0.1), rows[99]
+
+
 def test_a_short_request_on_a_counter_says_its_figure_is_good_to_joules_not_a_percentage():
     # A 1-3 token request alone on an H200 (100 ms counter refresh) read -96% to +147% against the simulator's truth,
     # its row with no note or another's reason (a hostile review: scene_a4.py). Its edges may each read the counter a
