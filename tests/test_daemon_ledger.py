@@ -3560,6 +3560,39 @@ def test_a_cut_stream_beside_streams_that_end_at_its_step_is_no_step_over_micros
     assert rows[99]["gpu_energy_j"] == pytest.approx(300.0 * (1.125 / 13 + 3.12 - 1.125), rel=0.1), rows[99]
 
 
+def _sglang_slows(told: bool = False, stop_s: float = 6.0) -> dict:
+    """`_sglang_batch_slows_after_cut`'s scene (four streams at 40 tokens/s to 1.1 s then 20 to 4.11 s; 9 cut at 1.12 s
+    after 41 tokens, 10 from 1.0 s cut at 1.15 s after one) through `_sglang_scene`. The rows by request id."""
+    nb_ts = list(np.cumsum([0.1] + [0.025] * 40 + [0.05] * 60))
+    streams = [(k, 0.0, nb_ts, 4.11, False, 2000) for k in range(1, 5)]
+    streams += [(9, 0.0, nb_ts[:41], 1.12, True, 2000), (10, 1.0, [1.1], 1.15, True, 2000)]
+    return _sglang_scene(streams, stop_s=stop_s, told=told)
+
+
+def test_a_run_on_is_placed_at_its_batchs_pace_where_the_streams_beside_it_said_their_prompts_early():
+    # The review (a2_told.py): with every stream's prompt length said at its start (continuous usage) no prompt hold
+    # keeps the intervals open, and only the run-on's own hold (`advance`: the horizon no later than a pending run-on's
+    # start) keeps its intervals from closing before it is placed: without it 9's row read -56.5% (42 tokens), its
+    # run-on in intervals already closed to the streams beside it (-60.8% in the review's scene, without 10).
+    rows = _sglang_slows(told=True)
+    assert rows[9]["attributed_tokens"] == pytest.approx(41 + 40, rel=0.1), rows[9]
+    assert "at its batch's (the 4 streams shown beside it then) pace" in rows[9]["energy_note"], rows[9]
+    # 300 W split 5 ways to 1.0 s, 6 ways (10 from 1.0 s) to their aborts at 3.12 and 3.15 s.
+    assert rows[9]["gpu_energy_j"] == pytest.approx(300.0 * (1.0 / 5 + 2.12 / 6), rel=0.1), rows[9]
+
+
+def test_a_run_on_pending_at_shutdown_is_placed_from_what_the_streams_beside_it_showed():
+    # The review (a_shutdown.py 1.5): the daemon shut down 0.38 s after 9's client left, its run-on not yet placed (the
+    # proxy had not seen past its abort): `close_all` places it from what the streams beside it showed; without that,
+    # 9 read -19.8% and 10 -76%, their run-ons lost to the streams beside them.
+    rows = _sglang_slows(stop_s=1.5)
+    for rid in (9, 10):
+        assert "at its batch's (the 4 streams shown beside it then) pace" in rows[rid]["energy_note"], rows[rid]
+    # Truth to the shutdown: 300 W split 5 ways to 1.0 s, then 6 ways (10 from its arrival).
+    assert rows[9]["gpu_energy_j"] == pytest.approx(300.0 * (1.0 / 5 + 0.5 / 6), rel=0.1), rows[9]
+    assert rows[10]["gpu_energy_j"] == pytest.approx(300.0 * 0.5 / 6, rel=0.1), rows[10]
+
+
 def test_a_short_request_on_a_counter_says_its_figure_is_good_to_joules_not_a_percentage():
     # A 1-3 token request alone on an H200 (100 ms counter refresh) read -96% to +147% against the simulator's truth,
     # its row with no note or another's reason (a hostile review: scene_a4.py). Its edges may each read the counter a
