@@ -2053,7 +2053,8 @@ class Ledger:
                      costs: attr.WorkCosts) -> None:
         """A request gone before its first token that the server runs on (`_run_on`): its prefill ends at its prompt's
         length at the rate in use from its arrival (a stream's not before its client left: no token had come), its first
-        token in `first` (in place), and from there it decodes at the median pace of the recent streams until the abort.
+        token in `first` (in place), and from there it decodes until the abort at its batch's pace over that run
+        (`_batch_pace`), with no stream shown beside it then at the median of the server's latest streams' paces.
         Before, a stream's prefill was placed over the end of its run, and its decode (a whole answer's work, all of it)
         went to the requests beside it (on the simulator's SGLang a 12000-token prompt cut after 0.25 s decoded 100 tokens
         for nobody, -60%; two whole answers 173 and 272, 1350 J, their rows empty)."""
