@@ -305,7 +305,11 @@ class MachineLock:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
             try:
                 s.bind(self.name)
-                s.listen(1)  # its peer credentials answer a connect, accepted or not
+                # Its peer credentials answer a connect, accepted or not. Never accepted, each connect that asked stays
+                # queued until the holder exits, and a full queue answers none: with a queue of 1 the holder went
+                # unnamed from the third question on ("another powerprof process", `kill PID`). SOMAXCONN (4096 here,
+                # capped by net.core.somaxconn) questions last a long `tune`.
+                s.listen(socket.SOMAXCONN)
             except OSError as e:
                 s.close()
                 if e.errno != errno.EADDRINUSE:

@@ -384,3 +384,18 @@ def test_who_could_control_a_gpu(tmp_path):
         folder.chmod(0o777)
         assert could_control(scope, 10, 1001, where)
     assert could_control("another-scope", 10, 1001, where)
+
+
+def test_a_held_machine_wide_lock_names_its_holder_however_often_it_is_asked():
+    # Never accepted, each connect that asked for the holder's credentials stayed in the listen queue (backlog 1): from
+    # the third on, connect failed and the holder went unnamed ("another powerprof process", `kill PID`).
+    import uuid as uuidlib  # noqa: PLC0415
+
+    from powerprof.control.gpulock import MachineLock, _holder  # noqa: PLC0415
+
+    lock = MachineLock(f"test-{uuidlib.uuid4()}", "GPU-x")
+    lock.acquire()
+    try:
+        assert [_holder(lock.name) for _ in range(20)] == [(os.getpid(), os.geteuid())] * 20
+    finally:
+        lock.release()
