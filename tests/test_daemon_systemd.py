@@ -220,3 +220,15 @@ def test_both_units_bound_memory_and_tasks_and_the_tuner_is_killed_not_throttled
     assert "Service.MemoryHigh" not in tuner
     assert tuner.get("Service.OOMPolicy", ["stop"]) == ["stop"]
     assert any("restore" in v for v in tuner["Service.ExecStopPost"])
+
+
+def test_roots_machine_wide_gpu_locks_are_where_the_tuner_unit_may_write():
+    # ProtectSystem=strict leaves the tuner (and its ExecStartPre/ExecStopPost restore, in the same sandbox) only its
+    # StateDirectory to write: root's machine-wide locks in /run/powerprof-control could not be made there, and every
+    # tune and restore of the unit failed before any GPU was put back.
+    from powerprof.control.gpulock import ROOT_LOCK_DIR  # noqa: PLC0415
+
+    tuner = _unit(TUNE_UNIT)
+    assert tuner["Service.ProtectSystem"] == ["strict"] and not tuner.get("Service.ReadWritePaths")
+    state = [Path("/var/lib") / d for d in tuner["Service.StateDirectory"]]
+    assert any(d == ROOT_LOCK_DIR or d in ROOT_LOCK_DIR.parents for d in state), (ROOT_LOCK_DIR, state)

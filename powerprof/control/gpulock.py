@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from powerprof.paths import ROOT_STATE_DIR
 from powerprof.privilege import CAP_SYS_ADMIN
 from powerprof.trust import untrusted_place
 
@@ -170,9 +171,10 @@ def read_holder_pid(path: Path) -> int | None:
 
 
 # Root's own machine-wide locks: a folder only root may write, the same whatever the state folder (root's controllers of
-# two state folders exclude each other here). Mode 0600 files: a file lock needs only a descriptor, so a lock file any
-# user could open read-only, any user could hold.
-ROOT_LOCK_DIR = Path("/run/powerprof-control")
+# two state folders exclude each other here): in root's default state folder, the tuner unit's StateDirectory, the one
+# place its sandbox (ProtectSystem=strict) lets it and its restore write. Mode 0600 files: a file lock needs only a
+# descriptor, so a lock file any user could open read-only, any user could hold.
+ROOT_LOCK_DIR = ROOT_STATE_DIR / "machine-locks"
 
 
 class MachineLock:
