@@ -284,6 +284,7 @@ class MachineLock:
             else:
                 raise StateFolderError(f"{what}: {self.root_path} kept being replaced; try again")
             try:
+                os.ftruncate(fd, 0)  # a killed holder's PID may still be there, longer than ours
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             except OSError:
                 os.close(fd)

@@ -399,3 +399,24 @@ def test_a_held_machine_wide_lock_names_its_holder_however_often_it_is_asked():
         assert [_holder(lock.name) for _ in range(20)] == [(os.getpid(), os.geteuid())] * 20
     finally:
         lock.release()
+
+
+@needs_root
+def test_roots_machine_wide_lock_file_names_its_holder_over_a_killed_ones_pid():
+    # A root controller killed with -9 leaves its lock file, its PID inside; the next one's shorter PID was written over
+    # it without cutting it ("1234\n" over "2147483646\n": "1234\n83646\n"), so a refused controller could not name it.
+    import uuid as uuidlib  # noqa: PLC0415
+
+    from powerprof.control.gpulock import ROOT_LOCK_DIR, MachineLock, make_dirs, read_holder_pid  # noqa: PLC0415
+
+    lock = MachineLock(f"test-{uuidlib.uuid4()}", "GPU-x")
+    make_dirs(ROOT_LOCK_DIR, 0o700)
+    fd = os.open(lock.root_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"2147483646\n")
+    os.close(fd)
+    lock.acquire()
+    try:
+        assert read_holder_pid(lock.root_path) == os.getpid()
+    finally:
+        lock.release()
+    assert not lock.root_path.exists()
