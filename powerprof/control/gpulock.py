@@ -320,10 +320,15 @@ class MachineLock:
             else:
                 self._sock = s
                 return
-            pid, uid = _holder(self.name)
             if not root:
-                raise self._busy(pid, uid) from None
-            holders = [(pid, uid)] if pid else _holders_from_proc(self.name)
+                raise self._busy(*_holder(self.name)) from None
+            # Root: the processes that hold the socket now, read through /proc. The peer credentials name the one that
+            # called listen(), which may have exited leaving a child of its own holding the socket (that PID gone, or
+            # another process's by now); they are the answer only where /proc shows none (a sandbox's ProtectProc).
+            holders = _holders_from_proc(self.name)
+            if not holders:
+                pid, uid = _holder(self.name)
+                holders = [(pid, uid)] if pid else []
             if not holders and attempt == 0:
                 continue  # gone in between: bind again
             if not holders or any(could_control(self.scope, p, u) for p, u in holders):

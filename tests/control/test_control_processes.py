@@ -261,9 +261,11 @@ def test_a_dry_run_beside_a_live_controller_says_the_gpu_is_in_use_not_a_leftove
 # name is public (the scope, "nvml" on real hardware, and the GPU's UUID in the daemon's /metrics). It kept root's
 # `restore` from putting a capped GPU back ("controlled by powerprof process N (uid 1001)", exit 1) and refused every sweep.
 @contextlib.contextmanager
-def _squatter(uuid: str, listen: bool = True):
+def _squatter(uuid: str, how: str = "listening"):
     """A process of uid 65534 (nobody: neither root nor CAP_SYS_ADMIN, no write in the simulator's folder) holding GPU
-    `uuid`'s machine-wide lock name of this test's simulator; `listen` False: bound only, so no connect names it."""
+    `uuid`'s machine-wide lock name of this test's simulator, its PID yielded. `how`: "listening"; "bound-only" (no
+    connect names it); "orphaned" (the process that listened has exited, a child of it holds the socket: the peer
+    credentials name a PID that is gone)."""
     from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
     from powerprof.rig import Rig  # noqa: PLC0415
 
@@ -279,35 +281,45 @@ def _squatter(uuid: str, listen: bool = True):
             os.setuid(65534)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.bind(name)
-            if listen:
+            if how != "bound-only":
                 s.listen(1)
-            os.write(w, b"BOUND")
+            if how == "orphaned" and os.fork() != 0:
+                os._exit(0)
+            os.write(w, f"BOUND {os.getpid()}\n".encode())
             time.sleep(60)
         finally:
             os._exit(0)
     os.close(w)
+    holder = None
     try:
         with os.fdopen(r, "rb") as f:
-            assert f.read(5) == b"BOUND", "the squatter could not bind the name"
-        yield pid
+            said = f.readline().split()
+        assert said[:1] == [b"BOUND"], "the squatter could not bind the name"
+        holder = int(said[1])
+        if holder != pid:
+            os.waitpid(pid, 0)  # reaped: no zombie left whose /proc entry still says who it was
+        yield holder
     finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        for victim in {pid, holder} - {None}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a holder of another uid needs root to start it (setuid)")
 
 
 @needs_root
-@pytest.mark.parametrize("listen", [True, False], ids=["listening", "bound-only"])
-def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(originals, listen):
+@pytest.mark.parametrize("how", ["listening", "bound-only", "orphaned"])
+def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(originals, how):
     p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
     _wait_for_line(p, "STEPPED")
     p.kill()  # the GPUs left at 200 W, root's restore file recording the originals
     p.wait(timeout=WAIT_S)
     assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
     uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
-    with _squatter(uuid, listen) as squat:
+    with _squatter(uuid, how) as squat:
         r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
                            capture_output=True, text=True, timeout=WAIT_S)
         said = " ".join((r.stdout + r.stderr).split())
