@@ -418,17 +418,23 @@ def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/pr
     lock root must respect. Changing a power limit on NVIDIA needs root or CAP_SYS_ADMIN (privilege.CAP_SYS_ADMIN in
     its effective set); a simulator's limits, a write in its state file's folder or the file itself (or
     CAP_DAC_OVERRIDE). Anything unknown (the process gone, its status unreadable, a scope not known here) counts as
-    could: a refusal, never a second controller."""
-    if uid is None or uid == 0 or pid is None:
+    could: a refusal, never a second controller. A process whose real uid is not its effective one is none: a setuid
+    program (passwd at its prompt, root in its effective uid) that a squatter exec'd holding the socket; no controller
+    runs so (sudo and systemd set both, a script cannot be setuid)."""
+    if uid is None or pid is None:
         return True
     st = _status(pid, proc)
     try:
         cap = int(st["CapEff"][0], 16)
-        euid = int(st["Uid"][1])
+        ruid, euid = int(st["Uid"][0]), int(st["Uid"][1])
         gids = {int(g) for g in st.get("Groups", [])} | {int(st["Gid"][1])}
     except (KeyError, IndexError, ValueError):
         return True
-    if euid != uid or euid == 0 or cap >> CAP_SYS_ADMIN & 1:
+    if euid != uid:
+        return True  # not the process the caller found: unknown
+    if ruid != euid:
+        return False
+    if euid == 0 or cap >> CAP_SYS_ADMIN & 1:
         return True
     if scope == "nvml":
         return False

@@ -396,6 +396,13 @@ def test_who_could_control_a_gpu(tmp_path):
         folder.chmod(0o777)
         assert could_control(scope, 10, 1001, where)
     assert could_control("another-scope", 10, 1001, where)
+    # A setuid-root program (passwd at its prompt) that a squatter exec'd holding the socket: root in its effective
+    # uid, every capability, its real uid the user's. No controller runs so (sudo and systemd set both uids; a script
+    # cannot be setuid): holding the name that way kept root off the GPU.
+    d = tmp_path / "proc" / "13"
+    d.mkdir()
+    (d / "status").write_text("Uid:\t1001\t0\t0\t0\nGid:\t1001\t1001\t1001\t1001\nGroups:\t\nCapEff:\t000001ffffffffff\n")
+    assert not could_control("nvml", 13, 0, where)
 
 
 def test_a_held_machine_wide_lock_names_its_holder_however_often_it_is_asked():
