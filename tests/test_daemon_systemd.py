@@ -220,3 +220,26 @@ def test_both_units_bound_memory_and_tasks_and_the_tuner_is_killed_not_throttled
     assert "Service.MemoryHigh" not in tuner
     assert tuner.get("Service.OOMPolicy", ["stop"]) == ["stop"]
     assert any("restore" in v for v in tuner["Service.ExecStopPost"])
+
+
+def test_roots_machine_wide_gpu_locks_are_where_the_tuner_unit_may_write():
+    # ProtectSystem=strict leaves the tuner (and its ExecStartPre/ExecStopPost restore, in the same sandbox) only its
+    # StateDirectory to write: root's machine-wide locks in /run/powerprof-control could not be made there, and every
+    # tune and restore of the unit failed before any GPU was put back.
+    from powerprof.control.gpulock import ROOT_LOCK_DIR  # noqa: PLC0415
+
+    tuner = _unit(TUNE_UNIT)
+    assert tuner["Service.ProtectSystem"] == ["strict"] and not tuner.get("Service.ReadWritePaths")
+    state = [Path("/var/lib") / d for d in tuner["Service.StateDirectory"]]
+    assert any(d == ROOT_LOCK_DIR or d in ROOT_LOCK_DIR.parents for d in state), (ROOT_LOCK_DIR, state)
+
+
+def test_the_tuner_units_restore_steps_run_outside_its_sandbox():
+    # Inside it (ProtectProc=invisible, no CAP_SYS_PTRACE) another user's /proc entry is hidden, so `restore` cannot tell
+    # a process squatting a GPU's machine-wide lock name from a CAP_SYS_ADMIN controller and leaves the GPU alone: after
+    # a killed tuner, any local user could keep the GPU at its trial limit. Run as root outside it ("+"), as the
+    # daemon unit's start-up restore, root passes such a holder over (docs/safety.md, different state folders).
+    tuner = _unit(TUNE_UNIT)
+    steps = [v for k in ("Service.ExecStartPre", "Service.ExecStopPost") for v in tuner[k] if "restore" in v]
+    assert len(steps) == 2 and all(v.startswith(("+-", "-+")) and v.endswith("powerprof restore") for v in steps), steps
+    assert tuner["Service.ProtectProc"] == ["invisible"]

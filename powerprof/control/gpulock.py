@@ -10,8 +10,13 @@ import os
 import re
 import socket
 import struct
+import sys
 import time
 from pathlib import Path
+
+from powerprof.paths import ROOT_STATE_DIR
+from powerprof.privilege import CAP_SYS_ADMIN
+from powerprof.trust import untrusted_place
 
 from .errors import GpuBusyError, StateFolderError, state_folder_message
 
@@ -145,7 +150,7 @@ def holder_now(state_dir: Path, uuid: str, machine_scope: str | None = None) -> 
     if machine_scope:
         lock = MachineLock(machine_scope, uuid)
         try:
-            lock.acquire()
+            lock.acquire(probe=True)
         except GpuBusyError as e:
             return True, e.holder_pid
         except OSError:
@@ -165,6 +170,13 @@ def read_holder_pid(path: Path) -> int | None:
     return pid if 0 < pid < 2**31 else None
 
 
+# Root's own machine-wide locks: a folder only root may write, the same whatever the state folder (root's controllers of
+# two state folders exclude each other here): in root's default state folder, the tuner unit's StateDirectory, the one
+# place its sandbox (ProtectSystem=strict) lets it and its restore write. Mode 0600 files: a file lock needs only a
+# descriptor, so a lock file any user could open read-only, any user could hold.
+ROOT_LOCK_DIR = ROOT_STATE_DIR / "machine-locks"
+
+
 class MachineLock:
     """The GPU's lock across state folders: a listening socket in the abstract namespace (no file: no folder another
     user could plant in, none to share), named by the hardware's scope and the GPU's UUID. The kernel drops it when
@@ -172,46 +184,171 @@ class MachineLock:
     user's, or another POWERPROF_STATE_DIR) each took the other's level for the original: both said "every GPU is back"
     and the GPU stayed capped. The second is refused now, its holder named by the socket's peer credentials.
 
+    An abstract name has no permissions: any local user can bind it first (the scope and the GPU's UUID are public).
+    As root, therefore, the lock is a file lock in ROOT_LOCK_DIR (root's controllers exclude each other there), and the
+    name is taken beside it where it is free; a holder of the name that could not change the GPU's limit
+    (`could_control`: on NVIDIA, neither root nor CAP_SYS_ADMIN) is no controller: it is said (stderr, `warning`) and
+    passed over. Before, such a squatter kept root's `restore` from putting a capped GPU back, and every sweep off it.
+    Another user's process stays refused where it could control the GPU (a CAP_SYS_ADMIN user's sweep). Not root: the
+    name alone, as before (no folder such a user shares with root).
+
     `scope`: whose hardware ("nvml" for this machine's GPUs; a simulator's state file for simulated ones). Limit: the
     abstract namespace is per network namespace (a container with a network of its own does not see it)."""
 
     def __init__(self, scope: str, uuid: str, index: int | None = None):
         digest = hashlib.sha256(f"{scope}\0{uuid}".encode()).hexdigest()[:40]
         self.name = b"\0powerprof-gpu-" + digest.encode()
+        self.root_path = ROOT_LOCK_DIR / f"gpu-{digest}.lock"
+        self.scope = scope
         self.uuid = uuid
         self.index = index
+        self.warning: str | None = None  # a holder of the name passed over (root only), as said on stderr
         self._sock: socket.socket | None = None
+        self._fd: int | None = None
 
-    def acquire(self) -> None:
-        if self._sock is not None:
+    def _gpu(self) -> str:
+        return f"GPU {self.index} ({self.uuid})" if self.index is not None else f"GPU {self.uuid}"
+
+    def _busy(self, pid: int | None, uid: int | None) -> GpuBusyError:
+        if pid == os.getpid():  # two controllers of one process, each with a state folder of its own
+            return GpuBusyError(f"GPU {self.index if self.index is not None else self.uuid} is already being "
+                                "controlled by another controller of this process: close that one first", None)
+        who = f"powerprof process {pid} (uid {uid})" if pid else "another powerprof process"
+        return GpuBusyError(
+            f"{self._gpu()} is already being controlled by {who}, which keeps its restore file and locks in another state "
+            "folder (another user's, or another POWERPROF_STATE_DIR). Two controllers on one GPU would fight over "
+            "its power limit, and the second would take the first one's level for the original and leave it "
+            f"there: wait for it to finish or stop it (kill {pid or 'PID'}); it puts the GPU back when it exits",
+            pid,
+        )
+
+    def acquire(self, probe: bool = False) -> None:
+        """Take the lock (GpuBusyError where a controller holds it). `probe`: as root, create no folder or file (a dry
+        run's question: `holder_now` lets it go at once)."""
+        if self._sock is not None or self._fd is not None:
             return
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
+        root = os.geteuid() == 0
+        if root:
+            self._root_flock(probe)
         try:
-            s.bind(self.name)
-            s.listen(1)  # its peer credentials answer a connect, accepted or not
-        except OSError as e:
-            s.close()
-            if e.errno != errno.EADDRINUSE:
+            self._bind(root)
+        except BaseException:
+            self._drop_root_flock()
+            raise
+
+    def _root_flock(self, probe: bool) -> None:
+        """Root's lock of the GPU: an flock on ROOT_LOCK_DIR/gpu-<digest>.lock holding the holder's PID. The file is
+        removed on release (a simulated GPU's name is its state file's: the folder would fill up with tests' names), so
+        a lock is kept only on the file that is still at that name (checked after the flock)."""
+        if probe:
+            try:
+                fd = os.open(self.root_path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                return  # no such file: no root controller holds this GPU
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                raise self._busy(read_holder_pid(self.root_path), 0) from None
+            finally:
+                os.close(fd)
+            return
+        what = f"the machine-wide lock of {self._gpu()}"
+        try:
+            make_dirs(ROOT_LOCK_DIR, 0o700)
+            why = untrusted_place(ROOT_LOCK_DIR)
+            if why:
+                raise StateFolderError(f"{what}: {ROOT_LOCK_DIR} is not root's alone ({why}): remove it (root makes it "
+                                       "again, mode 700)")
+            for attempt in range(8):
+                fd = os.open(self.root_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as e:
+                    os.close(fd)
+                    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        raise
+                    if attempt >= 3:  # a few short retries: a probe takes it in shared mode for a moment
+                        raise self._busy(read_holder_pid(self.root_path), 0) from None
+                    time.sleep(0.05)
+                    continue
+                try:
+                    now = os.stat(self.root_path, follow_symlinks=False)
+                except FileNotFoundError:
+                    now = None
+                st = os.fstat(fd)
+                if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                    break
+                os.close(fd)  # its holder removed it as we locked it: lock the one at the name now
+            else:
+                raise StateFolderError(f"{what}: {self.root_path} kept being replaced; try again")
+            try:
+                os.ftruncate(fd, 0)  # a killed holder's PID may still be there, longer than ours
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError:
+                os.close(fd)
                 raise
-            pid, uid = _holder(self.name)
-            if pid == os.getpid():  # two controllers of one process, each with a state folder of its own
-                raise GpuBusyError(f"GPU {self.index if self.index is not None else self.uuid} is already being "
-                                   "controlled by another controller of this process: close that one first", None)
-            who = f"powerprof process {pid} (uid {uid})" if pid else "another powerprof process"
-            gpu = f"GPU {self.index} ({self.uuid})" if self.index is not None else f"GPU {self.uuid}"
-            raise GpuBusyError(
-                f"{gpu} is already being controlled by {who}, which keeps its restore file and locks in another state "
-                "folder (another user's, or another POWERPROF_STATE_DIR). Two controllers on one GPU would fight over "
-                "its power limit, and the second would take the first one's level for the original and leave it "
-                f"there: wait for it to finish or stop it (kill {pid or 'PID'}); it puts the GPU back when it exits",
-                pid,
-            ) from None
-        self._sock = s
+        except OSError as e:
+            raise StateFolderError(state_folder_message(what, self.root_path, e)) from None
+        self._fd = fd
+
+    def _drop_root_flock(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.unlink(self.root_path)  # still locked: whoever opened it meanwhile sees it gone and opens anew
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def _bind(self, root: bool) -> None:
+        for attempt in range(2):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
+            try:
+                s.bind(self.name)
+                # Its peer credentials answer a connect, accepted or not. Never accepted, each connect that asked stays
+                # queued until the holder exits, and a full queue answers none: with a queue of 1 the holder went
+                # unnamed from the third question on ("another powerprof process", `kill PID`). SOMAXCONN (4096 here,
+                # capped by net.core.somaxconn) questions last a long `tune`.
+                s.listen(socket.SOMAXCONN)
+            except OSError as e:
+                s.close()
+                if e.errno != errno.EADDRINUSE:
+                    raise
+            else:
+                self._sock = s
+                return
+            if not root:
+                raise self._busy(*_holder(self.name)) from None
+            # Root: the processes that hold the socket now, read through /proc. The peer credentials name the one that
+            # called listen(), which may have exited leaving a child of its own holding the socket (that PID gone, or
+            # another process's by now); they are the answer only where /proc shows none (a sandbox's ProtectProc).
+            holders = _holders_from_proc(self.name)
+            if not holders:
+                pid, uid = _holder(self.name)
+                holders = [(pid, uid)] if pid else []
+            if not holders and attempt == 0:
+                continue  # gone in between: bind again
+            if not holders or any(could_control(self.scope, p, u) for p, u in holders):
+                raise self._busy(*(next(((p, u) for p, u in holders if could_control(self.scope, p, u)), (None, None))))
+            named = ", ".join(f"process {p} (uid {u})" for p, u in holders)
+            self.warning = (
+                f"{self._gpu()}: its machine-wide lock name is held by {named}, which could not change this GPU's "
+                "power limit (neither root nor CAP_SYS_ADMIN" + (", nor allowed to write the simulator's state" if
+                                                                  self.scope.startswith("sim:") else "")
+                + "), so it is no powerprof controller: passed over (root's controllers exclude each other through "
+                f"{ROOT_LOCK_DIR}). Held by another user, the name keeps every controller not run as root (a CAP_SYS_ADMIN "
+                f"user's) off this GPU: see `ps -o user,pid,args -p {holders[0][0]}`")
+            print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
+            return
 
     def release(self) -> None:
         s, self._sock = self._sock, None
         if s is not None:
             s.close()
+        self._drop_root_flock()
 
 
 def _holder(name: bytes) -> tuple[int | None, int | None]:
@@ -224,3 +361,101 @@ def _holder(name: bytes) -> tuple[int | None, int | None]:
             return (pid or None), uid
     except OSError:
         return None, None
+
+
+def _holders_from_proc(name: bytes, proc: str = "/proc") -> list[tuple[int, int | None]]:
+    """(pid, uid) of every process holding a socket bound to the abstract `name`, found through /proc (root reads every
+    process's descriptors): a holder that never listens, or whose queue is full, answers no connect."""
+    want = "@" + name[1:].decode(errors="replace")
+    inodes = set()
+    try:
+        with open(f"{proc}/net/unix") as f:
+            next(f, None)
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 8 and parts[7] == want:
+                    inodes.add(f"socket:[{parts[6]}]")
+    except OSError:
+        return []
+    found = []
+    for entry in os.scandir(proc) if inodes else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"{proc}/{entry.name}/fd")
+            if any(_readlink(f"{proc}/{entry.name}/fd/{fd}") in inodes for fd in fds):
+                found.append((int(entry.name), _status(int(entry.name), proc).get("Uid", [None, None])[1]))
+        except OSError:
+            continue
+    return [(p, int(u) if u is not None and u.isdigit() else None) for p, u in found]
+
+
+def _readlink(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+def _status(pid: int, proc: str = "/proc") -> dict[str, list[str]]:
+    """/proc/<pid>/status as {key: fields}; {} where it cannot be read (the process gone)."""
+    out: dict[str, list[str]] = {}
+    try:
+        with open(f"{proc}/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                out[key] = rest.split()
+    except OSError:
+        return {}
+    return out
+
+
+CAP_DAC_OVERRIDE = 1
+
+
+def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/proc") -> bool:
+    """Whether the process `pid` (uid `uid`) could change the limits of `scope`'s GPUs, and so may be a controller whose
+    lock root must respect. Changing a power limit on NVIDIA needs root or CAP_SYS_ADMIN (privilege.CAP_SYS_ADMIN in
+    its effective set); a simulator's limits, a write in its state file's folder or the file itself (or
+    CAP_DAC_OVERRIDE). Anything unknown (the process gone, its status unreadable, a scope not known here) counts as
+    could: a refusal, never a second controller. A process whose real uid is not its effective one is none: a setuid
+    program (passwd at its prompt, root in its effective uid) that a squatter exec'd holding the socket; no controller
+    runs so (sudo and systemd set both, a script cannot be setuid)."""
+    if uid is None or pid is None:
+        return True
+    st = _status(pid, proc)
+    try:
+        cap = int(st["CapEff"][0], 16)
+        ruid, euid = int(st["Uid"][0]), int(st["Uid"][1])
+        gids = {int(g) for g in st.get("Groups", [])} | {int(st["Gid"][1])}
+    except (KeyError, IndexError, ValueError):
+        return True
+    if euid != uid:
+        return True  # not the process the caller found: unknown
+    if ruid != euid:
+        return False
+    if euid == 0 or cap >> CAP_SYS_ADMIN & 1:
+        return True
+    if scope == "nvml":
+        return False
+    if scope.startswith("sim:"):
+        if cap >> CAP_DAC_OVERRIDE & 1:
+            return True
+        state = scope[len("sim:"):]
+        return any(_may_write(p, euid, gids) for p in (state, os.path.dirname(state) or "/"))
+    return True
+
+
+def _may_write(path: str, uid: int, gids: set[int]) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    mode = st.st_mode
+    if st.st_uid == uid:
+        return bool(mode & 0o200)
+    if st.st_gid in gids:
+        return bool(mode & 0o020)
+    return bool(mode & 0o002)

@@ -6,6 +6,7 @@ import contextlib
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -254,3 +255,187 @@ def test_a_dry_run_beside_a_live_controller_says_the_gpu_is_in_use_not_a_leftove
         assert "until it ends" in said and "never put back" not in said and "powerprof restore" not in said, said
         assert "to 200 W" not in said, said
         assert not (tmp_path / "x").exists()
+
+
+# A process of another uid binding a GPU's machine-wide lock name first: an abstract socket has no permissions, and the
+# name is public (the scope, "nvml" on real hardware, and the GPU's UUID in the daemon's /metrics). It kept root's
+# `restore` from putting a capped GPU back ("controlled by powerprof process N (uid 1001)", exit 1) and refused every sweep.
+@contextlib.contextmanager
+def _squatter(uuid: str, how: str = "listening"):
+    """A process of uid 65534 (nobody: neither root nor CAP_SYS_ADMIN, no write in the simulator's folder) holding GPU
+    `uuid`'s machine-wide lock name of this test's simulator, its PID yielded. `how`: "listening"; "bound-only" (no
+    connect names it); "orphaned" (the process that listened has exited, a child of it holds the socket: the peer
+    credentials name a PID that is gone)."""
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+    from powerprof.rig import Rig  # noqa: PLC0415
+
+    with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2)) as rig:
+        name = MachineLock(rig.machine_scope, uuid).name
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drops to nobody, holds the name, never returns into pytest
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(name)
+            if how != "bound-only":
+                s.listen(1)
+            if how == "orphaned" and os.fork() != 0:
+                os._exit(0)
+            os.write(w, f"BOUND {os.getpid()}\n".encode())
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(w)
+    holder = None
+    try:
+        with os.fdopen(r, "rb") as f:
+            said = f.readline().split()
+        assert said[:1] == [b"BOUND"], "the squatter could not bind the name"
+        holder = int(said[1])
+        if holder != pid:
+            os.waitpid(pid, 0)  # reaped: no zombie left whose /proc entry still says who it was
+        yield holder
+    finally:
+        for victim in {pid, holder} - {None}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a holder of another uid needs root to start it (setuid)")
+
+
+@needs_root
+@pytest.mark.parametrize("how", ["listening", "bound-only", "orphaned"])
+def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(originals, how):
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
+    _wait_for_line(p, "STEPPED")
+    p.kill()  # the GPUs left at 200 W, root's restore file recording the originals
+    p.wait(timeout=WAIT_S)
+    assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    with _squatter(uuid, how) as squat:
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
+                           capture_output=True, text=True, timeout=WAIT_S)
+        said = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode == 0, said
+        assert_untouched()
+        assert restore_files() == []
+        assert f"process {squat} (uid 65534)" in said and "passed over" in said, said  # said out loud
+        # A sweep's controller takes the GPU too (and puts it back).
+        with LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope()) as ctl:
+            ctl.set_power_limit_w(220)
+        assert_untouched()
+
+
+def _scope() -> str:
+    from powerprof.rig import Rig  # noqa: PLC0415
+
+    with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2)) as rig:
+        return rig.machine_scope
+
+
+@needs_root
+def test_two_root_controllers_still_exclude_each_other_beside_a_squatter(originals, tmp_path):
+    # Root passes over the squatted name; its own lock (a file in a folder only root writes) keeps a second root
+    # controller of another state folder off the GPU, naming the first.
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    with _squatter(uuid):
+        p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200", "--gpus", "0"])
+        try:
+            _wait_for_line(p, "STEPPED")
+            elsewhere = dict(os.environ, POWERPROF_STATE_DIR=str(tmp_path / "other-state"))
+            second = subprocess.run(child_cmd("--gpus", "0", "--levels", "250"), capture_output=True, text=True,
+                                    timeout=WAIT_S, env=elsewhere)
+            assert second.returncode == 2, second.stderr
+            assert f"powerprof process {p.pid} (uid 0)" in second.stderr, second.stderr
+            with pytest.raises(GpuBusyError) as ei:
+                LimitController(SimNVML("seed-16g", count=2), [0], state_dir_path=tmp_path / "third",
+                                machine_scope=_scope()).open()
+            assert ei.value.holder_pid == p.pid
+            assert sim_state()[0] == (200.0, None) and p.poll() is None
+        finally:
+            p.terminate()
+        assert _finish(p)[0] == 128 + signal.SIGTERM
+    assert_untouched()
+
+
+def test_who_could_control_a_gpu(tmp_path):
+    # root or CAP_SYS_ADMIN on NVIDIA; for a simulator, whoever may write its state file or folder; unknown: could.
+    from powerprof.control.gpulock import could_control  # noqa: PLC0415
+
+    def proc(pid, uid, cap, groups=""):
+        d = tmp_path / "proc" / str(pid)
+        d.mkdir(parents=True)
+        (d / "status").write_text(f"Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
+                                  f"Groups:\t{groups}\nCapEff:\t{cap:016x}\n")
+
+    proc(10, 1001, 0)
+    proc(11, 1001, 1 << 21)  # CAP_SYS_ADMIN
+    proc(12, 1001, 1 << 1)  # CAP_DAC_OVERRIDE
+    where = str(tmp_path / "proc")
+    assert not could_control("nvml", 10, 1001, where)
+    assert could_control("nvml", 11, 1001, where)
+    assert could_control("nvml", 10, 0, where) and could_control("nvml", 99, 1001, where)  # root; gone: unknown
+    assert could_control("nvml", 10, 1002, where)  # its status names another uid: unknown
+    folder = tmp_path / "sim"
+    folder.mkdir(mode=0o755)
+    state = folder / "sim.json"
+    state.write_text("{}")
+    state.chmod(0o644)
+    scope = f"sim:{state}"
+    owner = os.stat(folder).st_uid
+    if owner != 1001:
+        assert not could_control(scope, 10, 1001, where)
+        assert could_control(scope, 12, 1001, where)
+        folder.chmod(0o777)
+        assert could_control(scope, 10, 1001, where)
+    assert could_control("another-scope", 10, 1001, where)
+    # A setuid-root program (passwd at its prompt) that a squatter exec'd holding the socket: root in its effective
+    # uid, every capability, its real uid the user's. No controller runs so (sudo and systemd set both uids; a script
+    # cannot be setuid): holding the name that way kept root off the GPU.
+    d = tmp_path / "proc" / "13"
+    d.mkdir()
+    (d / "status").write_text("Uid:\t1001\t0\t0\t0\nGid:\t1001\t1001\t1001\t1001\nGroups:\t\nCapEff:\t000001ffffffffff\n")
+    assert not could_control("nvml", 13, 0, where)
+
+
+def test_a_held_machine_wide_lock_names_its_holder_however_often_it_is_asked():
+    # Never accepted, each connect that asked for the holder's credentials stayed in the listen queue (backlog 1): from
+    # the third on, connect failed and the holder went unnamed ("another powerprof process", `kill PID`).
+    import uuid as uuidlib  # noqa: PLC0415
+
+    from powerprof.control.gpulock import MachineLock, _holder  # noqa: PLC0415
+
+    lock = MachineLock(f"test-{uuidlib.uuid4()}", "GPU-x")
+    lock.acquire()
+    try:
+        assert [_holder(lock.name) for _ in range(20)] == [(os.getpid(), os.geteuid())] * 20
+    finally:
+        lock.release()
+
+
+@needs_root
+def test_roots_machine_wide_lock_file_names_its_holder_over_a_killed_ones_pid():
+    # A root controller killed with -9 leaves its lock file, its PID inside; the next one's shorter PID was written over
+    # it without cutting it ("1234\n" over "2147483646\n": "1234\n83646\n"), so a refused controller could not name it.
+    import uuid as uuidlib  # noqa: PLC0415
+
+    from powerprof.control.gpulock import ROOT_LOCK_DIR, MachineLock, make_dirs, read_holder_pid  # noqa: PLC0415
+
+    lock = MachineLock(f"test-{uuidlib.uuid4()}", "GPU-x")
+    make_dirs(ROOT_LOCK_DIR, 0o700)
+    fd = os.open(lock.root_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"2147483646\n")
+    os.close(fd)
+    lock.acquire()
+    try:
+        assert read_holder_pid(lock.root_path) == os.getpid()
+    finally:
+        lock.release()
+    assert not lock.root_path.exists()
