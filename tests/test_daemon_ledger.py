@@ -14,6 +14,7 @@ from powerprof.daemon.ledger import Ledger
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.streams import Counts
 from powerprof.profiler import NO_COUNTER_SHORT_FLAG
+from powerprof.storage.schema import PROMPT_UNREAD_FLAG
 from powerprof.sim.powercap import SimPowercap
 from powerprof.daemon.ticks import Waker
 
@@ -1196,6 +1197,29 @@ def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_r
     assert note.startswith("approximate:") and "client left" in note and "2000 prompt characters" in note
     assert led.prompts_estimated == {"client_left": 1}
     assert "costed at an estimate of 500 prompt tokens" in caplog.text
+
+
+def test_a_prompt_whose_body_was_never_read_is_said_not_costed_and_counted():
+    # A body over the proxy's inspection bound (1 MiB) streams on unread: its prompt's size was unknown and its prefill
+    # costed at 0 with nothing said (the simulator: a 7501-token prompt's row -63%, the stream beside it +26%). Its
+    # bytes bound nothing useful (1.1 MB of a field beside a 30 kB prompt, base64 images): not costed, and said so.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    done, unread = _twin_streams(led, 0.05, 0.6, 0.6)
+    unread.outcome = "ok"
+    del unread.extra["prompt_chars"]
+    unread.extra["body_bytes"] = 1_130_000
+    for tr in (done, unread):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[2]["prompt_tokens_estimate"] is None
+    note = got[2]["energy_note"]
+    assert f"{PROMPT_UNREAD_FLAG}: its request body (1130000 bytes) was not read" in note and "include_usage" in note, note
+    assert PROMPT_UNREAD_FLAG not in got[1]["energy_note"]
+    assert led.flagged_requests[PROMPT_UNREAD_FLAG] == 1
 
 
 def test_a_cut_stream_is_named_client_left_even_when_an_interval_before_its_end_closes_first():

@@ -464,7 +464,10 @@ class Proxy:
             log.warning("cannot trace request: %s", error_text(e))
         self.active += 1
         length = request.content_length
-        held = length if request.body_exists and length is not None and length <= INSPECT_MAX_BYTES else 0
+        # A chunked body (no Content-Length: what httpx, requests and aiohttp send for a generator) reserves the whole
+        # bound, trimmed to its size once read (`_forward`): left unread, a 7501-token prompt's prefill was costed at 0.
+        held = (0 if not request.body_exists else INSPECT_MAX_BYTES if length is None
+                else length if length <= INSPECT_MAX_BYTES else 0)
         if held and self._inspecting + held > INSPECT_BUDGET_BYTES:
             self.uninspected_bodies += 1
             if trace is not None:
@@ -500,7 +503,42 @@ class Proxy:
         length = request.content_length
         body: bytes | None = None
         streamed = False
-        if budget[0]:
+        chunks = None  # a chunked body's pieces still to stream on, past what was read of it (`prefix`)
+        prefix = b""
+        if budget[0] and length is None:
+            # Chunked: read up to INSPECT_MAX_BYTES under the streamed body's own timers; one that ends by then is
+            # inspected and sent on as one chunk (the server gets the same bytes, chunked as before), one longer streams
+            # on from what was read.
+            chunks = _body_chunks(request.content, self.body_timeout_s, self.body_min_bytes_per_s)
+            parts, got = [], 0
+            try:
+                async for chunk in chunks:
+                    parts.append(chunk)
+                    got += len(chunk)
+                    if got > INSPECT_MAX_BYTES:
+                        break
+                else:
+                    chunks = None
+            except asyncio.TimeoutError:
+                return self._body_timeout(trace, f"request body silent for {self.body_timeout_s:g} s", "silent")
+            except BodyTooSlow:
+                return self._body_timeout(trace, f"request body slower than {self.body_min_bytes_per_s:g} bytes/s "
+                                                 f"on average after its first {self.body_timeout_s:g} s")
+            except OSError:
+                return self._client_left(trace)
+            self._inspecting -= budget[0] - (0 if chunks is not None else got)
+            budget[0] = 0 if chunks is not None else got
+            if chunks is None:
+                body = b"".join(parts)
+            else:
+                prefix = b"".join(parts)
+        if body is not None or chunks is not None:
+            streamed = chunks is not None
+            framing = b"Transfer-Encoding: chunked\r\n"
+            if body is not None:
+                self._inspect(request, trace, body)
+                body = (b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)) if body else b"0\r\n\r\n"
+        elif budget[0]:
             try:
                 if request.content.is_eof():  # all here already (the usual small POST): no timer, no await
                     body = request.content.read_nowait()
@@ -513,13 +551,7 @@ class Proxy:
             except OSError:  # the client left mid-body (aiohttp: ConnectionResetError)
                 return self._client_left(trace)
             framing = b"Content-Length: %d\r\n" % len(body)
-            if trace is not None and trace.api is not None:
-                try:
-                    encoding = request.headers.get("Content-Encoding", "")
-                    model, trace.stream = inspect_request_body(body, encoding, trace.api, trace.extra)
-                    trace.model = bounded_text(model)
-                except Exception:
-                    pass
+            self._inspect(request, trace, body)
         elif request.body_exists:
             streamed = True
             framing = b"Transfer-Encoding: chunked\r\n"
@@ -539,8 +571,15 @@ class Proxy:
                 head += body  # one write for head and a small body
             ex.start(request.method, head)
             if streamed:
+                sent = len(prefix)
                 try:
-                    async for chunk in _body_chunks(request.content, self.body_timeout_s, self.body_min_bytes_per_s):
+                    if prefix:
+                        await ex.write_body(b"%x\r\n%b\r\n" % (len(prefix), prefix))
+                    prefix = b""
+                    if chunks is None:
+                        chunks = _body_chunks(request.content, self.body_timeout_s, self.body_min_bytes_per_s)
+                    async for chunk in chunks:
+                        sent += len(chunk)
                         await ex.write_body(b"%x\r\n%b\r\n" % (len(chunk), chunk))
                 except asyncio.TimeoutError:
                     self._drop(ex)
@@ -553,6 +592,10 @@ class Proxy:
                     self._drop(ex)
                     return self._client_left(trace)
                 await ex.write_body(b"0\r\n\r\n")
+                if trace is not None and trace.api is not None and request.headers.get(
+                        "Content-Encoding", "").strip().lower() in ("", "identity"):
+                    # Not read: its prompt's size unknown, its bytes bound its characters (Ledger._prompt_work).
+                    trace.extra["body_bytes"] = sent
             # Until the head comes (a server sends a non-streamed answer's head only when done), the upstream's
             # timer also checks the client: one that left closes the upstream, which stops generating. (While
             # a body is streamed, a client gone shows in reading it.)
@@ -600,6 +643,16 @@ class Proxy:
             return await self._relay(request, ex, status, reason, up_headers, trace)
         finally:
             self.pool.release(ex)
+
+    def _inspect(self, request: web.Request, trace: RequestTrace | None, body: bytes) -> None:
+        """A body read whole: its model, stream flag and prompt size onto the trace (fail-open)."""
+        if trace is not None and trace.api is not None:
+            try:
+                encoding = request.headers.get("Content-Encoding", "")
+                model, trace.stream = inspect_request_body(body, encoding, trace.api, trace.extra)
+                trace.model = bounded_text(model)
+            except Exception:
+                pass
 
     def _drop(self, ex: Exchange) -> None:
         ex.abort()

@@ -17,7 +17,8 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SH
                                 NO_COUNTER_SHORT_FLAG)
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
-                                      GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, SERVER_COUNT_COMPLETE,
+                                      GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_UNREAD_FIX,
+                                      PROMPT_UNREAD_FLAG, SERVER_COUNT_COMPLETE,
                                       SERVER_COUNT_USAGE_ABOVE, bypass_count_fix,
                                       bypass_count_may_be)
 
@@ -75,7 +76,7 @@ OWN_LATE_FIX = "give the daemon's host CPU to spare (fewer other processes, or m
 # FLAG_COUNTERS), counted from the decision its row's energy_note is written by (_request_flags), never from the note's
 # text, which quotes what clients send (a path).
 COUNTED_FLAGS = (NO_COUNTER_SHORT_FLAG, CACHE_UNSAID_FLAG, CACHE_LATE_FLAG, BEST_OF_FLAG, COUNT_OPEN_FLAG,
-                 HELD_TAIL_FLAG, GONE_PREFILL_FLAG)
+                 HELD_TAIL_FLAG, GONE_PREFILL_FLAG, PROMPT_UNREAD_FLAG)
 
 
 def tag_server_count(counts: set) -> str | None:
@@ -506,8 +507,15 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             BEST_OF_FLAG: energy and _best_of_flagged(r, best_of_ignored),
             COUNT_OPEN_FLAG: energy and _count_open_flagged(r),
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
-            GONE_PREFILL_FLAG: energy and _gone_flagged(r)}
+            GONE_PREFILL_FLAG: energy and _gone_flagged(r),
+            PROMPT_UNREAD_FLAG: energy and _prompt_unread(r)}
     return [f for f in COUNTED_FLAGS if said[f]]
+
+
+def _prompt_unread(r: LiveRequest) -> bool:
+    """PROMPT_UNREAD_FLAG: its body streamed on unread (`body_bytes`, the proxy's) and no prompt length from the server,
+    so its prefill was costed at none (a silent 0 before)."""
+    return r.trace.extra.get("body_bytes") is not None and told_prompt_tokens(r) is None and r.prompt_est is None
 
 
 def _best_of_flagged(r: LiveRequest, best_of_ignored: bool) -> bool:
@@ -548,6 +556,11 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         else:
             notes.append(f"{said}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
                          f"prompt tokens ({r.prompt_est[1]}){fix}")
+    if _prompt_unread(r) and r.gpu_j > 0 and not r.gpu_missing:
+        notes.append(f"{PROMPT_UNREAD_FLAG}: its request body ({r.trace.extra['body_bytes']} bytes) was not read (over the "
+                     "proxy's inspection bound, or past its memory budget for reading bodies) and the server never said "
+                     "the prompt's length: its prefill is not costed, so its figure is low and the requests beside it "
+                     f"high; fix: {PROMPT_UNREAD_FIX}")
     if is_unseen(r) and not is_passive(r):
         notes.append(_uncounted_note(r))
     if r.run_on_end_ns is not None:
