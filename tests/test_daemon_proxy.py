@@ -541,6 +541,30 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     assert rec.ended[0].extra["prompt_chars"] == 13
 
 
+def test_counts_and_flags_are_read_as_the_server_reads_them():
+    # vLLM's pydantic takes max_tokens 1.0 and "1" as 1, n "4" as 4, stream "false" as false; the proxy took only an
+    # int (a max_tokens:1 answer of 1.0 or "1" got no share, -99% beside its int twin's +10%) and bool("false") (True).
+    from powerprof.daemon.proxy import inspect_request_body
+
+    def read(doc, api="openai-completions"):
+        extra = {}
+        model, stream = inspect_request_body(json.dumps(doc).encode(), "", api, extra)
+        return stream, extra
+
+    for mt in (1, 1.0, "1"):
+        assert read({"prompt": "x", "max_tokens": mt})[1]["max_tokens"] == 1, mt
+    assert read({"max_completion_tokens": "7"}, "openai-chat")[1] == {"max_tokens": 7}
+    assert read({"messages": [], "max_completion_tokens": 7.0}, "openai-chat")[1]["max_tokens"] == 7
+    for bad in (1.5, "1.5", "x", True, -1, "-1", "", " 1"):
+        assert "max_tokens" not in read({"prompt": "x", "max_tokens": bad})[1], bad
+    assert read({"prompt": "x", "n": "4"})[1] == {"prompt_chars": 1, "sequences": 4, "choices": 4}
+    assert read({"prompt": "x", "n": 4.0})[1]["choices"] == 4
+    assert read({"prompt": "x", "n": 2, "best_of": "3"})[1]["best_of"] == 3
+    for flag, want in (("false", False), ("False", False), ("0", False), ("off", False), ("true", True), ("1", True),
+                       ("yes", True), (False, False), (True, True), ("maybe", None), (0, False), (1, True)):
+        assert read({"prompt": "x", "stream": flag})[0] is want, flag
+
+
 def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
     # n choices, each of a list of prompts: that many sequences in the server's batch, each getting a token a step.
     # The ledger counts an interval's engine steps from its tokens and needs it (before: n = 2 read as twice the steps).
@@ -559,8 +583,9 @@ def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
     assert seqs({"prompt": ["a", "b"]}, "llamacpp") == 2  # llama.cpp's /completion: a task per prompt
     assert seqs({"messages": [], "n": 1}, "openai-chat") == 1
     # Not a count: the request is one sequence (the server refuses it; never a guess that multiplies steps).
-    for bad in ("2", 0, -1, True, 2.5, None):
+    for bad in (0, -1, True, 2.5, None, "2.0", "x"):
         assert seqs({"messages": [], "n": bad}, "openai-chat") == 1, bad
+    assert seqs({"messages": [], "n": "2"}, "openai-chat") == 2  # vLLM's pydantic (lax) takes "2" as 2
     assert seqs({"input": "x", "n": 4}, "openai-responses") == 1  # no `n` in the Responses API
     assert seqs({"messages": [], "n": 2}, None) == 1
 
@@ -573,7 +598,7 @@ def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
     assert choices({"prompt": ["a", "b", [1, 2]], "n": 2}, "openai-completions") == 2
     assert choices({"messages": [], "n": 3}, "openai-chat") == 3
     assert choices({"prompt": ["a", "b"]}, "llamacpp") == 1
-    assert choices({"messages": [], "n": "2"}, "openai-chat") == 1
+    assert choices({"messages": [], "n": "2"}, "openai-chat") == 2
 
 
 def test_an_n_no_server_runs_does_not_stop_the_daemons_accounting():

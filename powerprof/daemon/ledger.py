@@ -39,7 +39,7 @@ from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import PROMPT_HOLD_S, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen
+from .liverequest import PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen
 from .promptlen import PromptLengths
 from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
@@ -1686,7 +1686,7 @@ class Ledger:
         gone_first = [d and gone_unsaid(r) and (r.trace.stream is True or r.run_on_end_ns is not None)
                       for r, d in zip(reqs, done)]
         prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or (d and told_prompt_tokens(r))
-                           else 0.0 for r, d in zip(reqs, done)], dtype=float)
+                           or (d and finished_unsaid(r)) else 0.0 for r, d in zip(reqs, done)], dtype=float)
         # Its prefill is the part the server computed: a prefix-cache hit is in its context, not its prefill work.
         for r in reqs:
             r.prefilled_apart = r.prefilled_apart or self._prefilled_apart(r)
@@ -2021,7 +2021,8 @@ class Ledger:
         # requests beside it with nothing said (the simulator: 60-token chats beside 12000-token prompts cut after
         # 0.12 s, +61% to +252%); costed at its body's estimate, no more than its arrival → end had room for (`_cost_gone`).
         gone = tr.first_ns is None and done and tr.end_ns is not None and room is not None
-        if r.prompt_est is None and (tr.first_ns is not None or gone) and (tr.status is None or tr.status < 400):
+        if r.prompt_est is None and (tr.first_ns is not None or gone or (done and finished_unsaid(r))) \
+                and (tr.status is None or tr.status < 400):
             est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"))
             if est is not None and gone and est[0] > room[0]:
                 most, in_flight_s, beside, costs = room

@@ -165,6 +165,16 @@ def gone_unsaid(r: LiveRequest) -> bool:
             and not (tr.error or "").startswith(BODY_LEFT_NOTE))
 
 
+def finished_unsaid(r: LiveRequest) -> bool:
+    """The server finished it (outcome ok, no error answer) and its response, read whole, showed no token and did not say
+    its prompt's length (a stream without usage whose one token came in a chunk the proxy took for none): its prefill ran
+    whole all the same, and is costed at its body's estimate (`Ledger._prompt_work`); before, at 0 (the simulator's
+    4000-word prompts -99%). Not one whose response went unread (counts None: a Content-Encoding not inspected)."""
+    tr = r.trace
+    return (tr.end_ns is not None and tr.first_ns is None and tr.api is not None and tr.outcome == "ok"
+            and tr.counts is not None and told_prompt_tokens(r) is None and not is_passive(r))
+
+
 def is_unseen(r: LiveRequest) -> bool:
     """GPU work the proxy does not see: an endpoint it does not count (streams.uncounted_kind), except an embeddings
     request whose answer gave its input's length (usage.prompt_tokens): that is its whole work, a prefill costed as

@@ -213,6 +213,38 @@ def request_head(method: str, target: str, host: str, raw_headers, framing: byte
     return b"".join(parts)
 
 
+def whole_count(v) -> int | None:
+    """A JSON count as the server reads it: an int, a float with no fraction (1.0), or a string of ASCII digits ("1"):
+    vLLM's and SGLang's OpenAI endpoints (pydantic, lax) take all three (llama-server takes 1.0, and ignores "1" for
+    its default: a limit read where it set none only matters at that count); None for anything else (a bool, 1.5, "x"),
+    which the proxy leaves unread as before. Taking an int alone, a max_tokens of 1.0 or "1" went unread (its answer's one token in no count:
+    -99%)."""
+    if type(v) is int:
+        return v
+    if type(v) is float and v.is_integer() and abs(v) <= MAX_COUNT:
+        return int(v)
+    if type(v) is str and 0 < len(v) <= 20 and v.isascii() and v.isdigit():
+        return int(v)
+    return None
+
+
+# pydantic's lax booleans (vLLM's `stream`: "false" is false; bool("false") took it for a stream).
+_TRUE_TEXT = frozenset(("1", "on", "t", "true", "y", "yes"))
+_FALSE_TEXT = frozenset(("0", "off", "f", "false", "n", "no"))
+
+
+def lax_bool(v) -> bool | None:
+    """A JSON flag as the server reads it: a bool, 0 or 1, or one of pydantic's words (any case); None otherwise."""
+    if type(v) is bool:
+        return v
+    if type(v) is int and v in (0, 1):
+        return bool(v)
+    if type(v) is str:
+        w = v.lower()
+        return True if w in _TRUE_TEXT else False if w in _FALSE_TEXT else None
+    return None
+
+
 # More sequences than any server batches (vLLM's max_num_seqs is 256-1024, llama.cpp's tasks are its slots): an `n`
 # beyond is no count (a 400-digit one overflowed the ledger's float arrays and failed every accounting step after).
 MAX_SEQUENCES = 4096
@@ -220,15 +252,16 @@ MAX_SEQUENCES = 4096
 
 def request_choices(doc: dict, api: str | None) -> int:
     """The `n` choices a request asks for each of its prompts (chat, completions; 1 where `n` is not a positive
-    integer, or is over MAX_SEQUENCES: the server refuses such a request). The ledger needs it apart from the
+    whole number, `whole_count`, or is over MAX_SEQUENCES: the server refuses such a request). The ledger needs it apart from the
     sequences: vLLM says a prompt once for its n choices, llama.cpp once per choice."""
-    n = doc.get("n") if api in ("openai-chat", "openai-completions") else None
+    n = whole_count(doc.get("n")) if api in ("openai-chat", "openai-completions") else None
     if api == "sglang-generate":
         # SGLang's sampling_params: one dict, or one per prompt, each with the same `n` (its parallel_sample_num).
         sp = doc.get("sampling_params")
         sp = sp[0] if isinstance(sp, list) and sp else sp
-        n = sp.get("n") if isinstance(sp, dict) else None
-    return n if type(n) is int and 1 < n <= MAX_SEQUENCES else 1
+        # A plain dict to SGLang, not pydantic: an int alone (a "2" or 2.0 fails its comparisons, the request refused).
+        n = sp.get("n") if isinstance(sp, dict) and type(sp.get("n")) is int else None
+    return n if n is not None and 1 < n <= MAX_SEQUENCES else 1
 
 
 def request_sequences(doc: dict, api: str | None) -> int:
@@ -258,8 +291,8 @@ def request_best_of(doc: dict, api: str | None) -> int | None:
     otherwise (an invalid one the server refuses)."""
     if api not in ("openai-chat", "openai-completions"):
         return None
-    b = doc.get("best_of")
-    return b if type(b) is int and request_choices(doc, api) < b <= MAX_SEQUENCES else None
+    b = whole_count(doc.get("best_of"))
+    return b if b is not None and request_choices(doc, api) < b <= MAX_SEQUENCES else None
 
 
 def _held_call(trace, end_ns: int) -> HeldCall | None:
@@ -352,10 +385,10 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
                 extra["choices"] = n
         if api in ("openai-chat", "openai-completions"):
             # vLLM's rule (`max_completion_tokens or max_tokens`): a null or 0 max_completion_tokens leaves max_tokens.
-            limit = doc.get("max_completion_tokens")
-            if type(limit) is not int or not limit:
-                limit = doc.get("max_tokens")
-            if type(limit) is int and 0 < limit <= MAX_COUNT:
+            limit = whole_count(doc.get("max_completion_tokens"))
+            if not limit:
+                limit = whole_count(doc.get("max_tokens"))
+            if limit is not None and 0 < limit <= MAX_COUNT:
                 extra["max_tokens"] = limit  # a count at the limit is whole (arrival.at_limit)
             tools = doc.get("tools")
             # Chat alone: no server runs a tool-call parser on completions (vLLM and SGLang ignore `tools` there), so
@@ -371,7 +404,7 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             n = chat_echo_chars(doc)
             if n:
                 extra["echo_chars"] = n
-    return (model if isinstance(model, str) else None), (bool(stream) if stream is not None else None)
+    return (model if isinstance(model, str) else None), lax_bool(stream)
 
 
 class Proxy:

@@ -23,7 +23,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       bypass_count_may_be)
 
 from . import attribution as attr
-from .liverequest import PROMPT_HOLD_S, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen
+from .liverequest import PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
 
@@ -479,7 +479,7 @@ UNSAID_FIX = {"no_usage": "; fix: ask for it, \"stream_options\": {\"include_usa
 def _unsaid_reason(r: LiveRequest) -> str:
     # Ended with no token: no usage was ever coming, whoever ended it (`Ledger._prompt_work` costs such a prompt only
     # once it has ended, bounded by its time in flight).
-    if r.trace.first_ns is None and r.trace.end_ns is not None:
+    if r.trace.first_ns is None and r.trace.end_ns is not None and not finished_unsaid(r):
         return "before_first_token"
     # Whether the request has ended, not whether it ended inside the intervals being closed: once a client has left,
     # the prompt hold is over and earlier intervals close with the request still "live" in them.
