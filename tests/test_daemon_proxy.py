@@ -1070,3 +1070,41 @@ def test_a_chunked_body_is_read_whole_and_inspected_and_one_past_the_bound_has_i
     assert one.extra["prompt_chars"] == 30_000 and one.model == "m" and one.stream is False
     assert "body_bytes" not in one.extra
     assert "prompt_chars" not in two.extra and two.extra["body_bytes"] == len(big)
+
+
+def test_an_http_1_0_client_gets_a_close_delimited_stream_and_the_close_that_ends_it():
+    """An HTTP/1.0 client asking keep-alive read a streamed answer (no Content-Length: HTTP/1.0 has no chunks, so the
+    body ends where the connection does) and then waited 75 s (aiohttp's keep-alive) for that close; straight from an
+    aiohttp server, 5 s (session 56's hostile battery). A whole answer with its length keeps the connection."""
+
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        port = int(px_url.rsplit(":", 1)[1])
+        out = {}
+        for name, path, doc in (("stream", "/completion", {"n_predict": 5, "stream": True}),
+                                ("whole", "/echo/x", {})):
+            b = json.dumps(doc).encode()
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"POST %s HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\nContent-Length: %d\r\n\r\n%s"
+                    % (path.encode(), len(b), b))
+            t0 = asyncio.get_running_loop().time()
+            got = b""
+            try:
+                while chunk := await asyncio.wait_for(r.read(65536), 3.0):
+                    got += chunk
+                out[name] = (got, asyncio.get_running_loop().time() - t0)
+            except asyncio.TimeoutError:
+                out[name] = (got, None)  # still open
+            w.close()
+        await r2.cleanup()
+        await r1.cleanup()
+        return out
+
+    out = _run(main())
+    got, closed_s = out["stream"]
+    assert got.startswith(b"HTTP/1.0 200") and b"tokens_predicted" in got
+    head = got.split(b"\r\n\r\n", 1)[0].lower()
+    assert closed_s is not None and closed_s < 2.5 and b"keep-alive" not in head, (closed_s, head)
+    got, closed_s = out["whole"]
+    assert b"content-length" in got.split(b"\r\n\r\n", 1)[0].lower() and closed_s is None  # kept alive, as asked

@@ -716,6 +716,11 @@ class Proxy:
         resp.headers.extend(forward_headers(up_headers, _CONTENT_LENGTH if by_te else frozenset()))
         if not by_te and up_headers.get("Content-Length") is not None and request.method != "HEAD":
             resp.content_length = int(up_headers["Content-Length"])
+        if (request.version < aiohttp.HttpVersion11 and resp.content_length is None and request.method != "HEAD"
+                and status >= 200 and status not in (204, 304)):
+            # HTTP/1.0 has no chunks: such a body ends where the connection does. aiohttp drops its keep-alive header
+            # then but keeps the connection open (3.14): a client that asked keep-alive waited 75 s for the close.
+            resp.force_close()
         ctype = up_headers.get("Content-Type", "")
         sink = _ClientSink(self, trace)
         if trace is not None:
