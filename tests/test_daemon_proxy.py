@@ -1108,3 +1108,26 @@ def test_an_http_1_0_client_gets_a_close_delimited_stream_and_the_close_that_end
     assert closed_s is not None and closed_s < 2.5 and b"keep-alive" not in head, (closed_s, head)
     got, closed_s = out["whole"]
     assert b"content-length" in got.split(b"\r\n\r\n", 1)[0].lower() and closed_s is None  # kept alive, as asked
+
+
+def test_a_rows_stream_is_what_its_answer_was_not_what_its_body_said():
+    # llama-server reads a "stream" that is not a JSON bool as false and answers whole; vLLM reads "false" as false.
+    # Stored from the body, such a row said stream true for a whole answer (session 56's hostile battery).
+    async def whole(request):
+        await request.read()
+        return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+    async def main():
+        rec = Rec()
+        r1, r2, px_url = await _proxy_for_completion(whole, rec)
+        async with aiohttp.ClientSession() as s:
+            for flag in ("true", True):
+                async with s.post(px_url + "/completion", json={"prompt": "x", "stream": flag}) as r:
+                    await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    rec = _run(main())
+    assert [t.stream for t in rec.ended] == [False, False]
+    assert [t.counts.generated_tokens for t in rec.ended] == [1, 1]

@@ -749,8 +749,10 @@ class Proxy:
                                                          max_tokens=trace.extra.get("max_tokens"))
                         trace.stream = True
                     else:
+                        # Answered whole, whatever its body asked (llama-server reads a "stream" that is no JSON bool as
+                        # false; before, such a row said stream true for a whole answer).
                         sink.body_copy = bytearray()
-                        trace.stream = False if trace.stream is None else trace.stream
+                        trace.stream = False
                 except Exception as e:
                     trace.recorder_error = f"parser: {e}"
                     self.recorder_failures += 1
