@@ -41,6 +41,9 @@ class LiveRequest:
     # Its GPU joules from intervals a request that ended before its first token, its prompt unsaid, was live in
     # (GONE_PREFILL_FLAG): that prompt's prefill, costed at an estimate or not at all, may have run longer or shorter.
     gone_beside_j: float = 0.0
+    # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
+    # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
+    unread_beside_j: float = 0.0
     # Its client left and the server ran it on for nobody until it aborted it (`Ledger._run_on`, SGLang): that run's
     # estimated end, the tokens placed over it (no client received them) and whose pace they were placed at.
     run_on_end_ns: int | None = None

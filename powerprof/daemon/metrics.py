@@ -78,8 +78,8 @@ FLAG_COUNTERS = {
     PROMPT_UNREAD_FLAG: ("powerprof_requests_prompt_unread", "Requests whose rows' energy_note says approximate: "
                          f"{PROMPT_UNREAD_FLAG}: the proxy streamed their request body on unread (over its inspection "
                          "bound, or past its memory budget for reading bodies) and the server never said the prompt's "
-                         "length: their prefill is not costed, their figures low and the requests beside them high; "
-                         f"fix: {PROMPT_UNREAD_FIX}"),
+                         "length, their prefill not costed and their figures low; or they ran over such a prefill, "
+                         f"their figures high; fix: {PROMPT_UNREAD_FIX}"),
 }
 OTHER = "other"
 NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet

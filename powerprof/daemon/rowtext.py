@@ -508,11 +508,11 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             COUNT_OPEN_FLAG: energy and _count_open_flagged(r),
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
-            PROMPT_UNREAD_FLAG: energy and _prompt_unread(r)}
+            PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.unread_beside_j > 0)}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
-def _prompt_unread(r: LiveRequest) -> bool:
+def prompt_unread(r: LiveRequest) -> bool:
     """PROMPT_UNREAD_FLAG: its body streamed on unread (`body_bytes`, the proxy's) and no prompt length from the server,
     so its prefill was costed at none (a silent 0 before)."""
     return r.trace.extra.get("body_bytes") is not None and told_prompt_tokens(r) is None and r.prompt_est is None
@@ -556,11 +556,17 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         else:
             notes.append(f"{said}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
                          f"prompt tokens ({r.prompt_est[1]}){fix}")
-    if _prompt_unread(r) and r.gpu_j > 0 and not r.gpu_missing:
+    if prompt_unread(r) and r.gpu_j > 0 and not r.gpu_missing:
         notes.append(f"{PROMPT_UNREAD_FLAG}: its request body ({r.trace.extra['body_bytes']} bytes) was not read (over the "
                      "proxy's inspection bound, or past its memory budget for reading bodies) and the server never said "
                      "the prompt's length: its prefill is not costed, so its figure is low and the requests beside it "
                      f"high; fix: {PROMPT_UNREAD_FIX}")
+    elif r.unread_beside_j > 0 and r.gpu_j > 0:
+        notes.append(f"{PROMPT_UNREAD_FLAG}: {100 * min(r.unread_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
+                     "intervals over the prefill of a request whose body the proxy did not read (over its inspection "
+                     "bound, or past its memory budget for reading bodies), its prompt's length unsaid: that prefill is "
+                     "not costed, its energy in the shares of the requests live then, so this figure may be high; fix: "
+                     f"{PROMPT_UNREAD_FIX}")
     if is_unseen(r) and not is_passive(r):
         notes.append(_uncounted_note(r))
     if r.run_on_end_ns is not None:

@@ -354,8 +354,8 @@ HELD_TAIL_FIX = ("none for the count; for the timing, a max_tokens tool calls do
                  "ones: qwen25, llama3, mistral)")
 # A daemon request's energy_note (inside its `approximate:` part) where the proxy streamed its request body on unread
 # (over its 1 MiB inspection bound, or past its memory budget for reading bodies) and the server never said the
-# prompt's length: its prefill is not costed, so its figure is low and the requests beside it high (docs/daemon.md,
-# "Prompts are known"). Its byte count bounds nothing useful: a field or base64 images beside the prompt.
+# prompt's length: its prefill is not costed, so its figure is low; the requests live over that prefill say it too,
+# their figures high (docs/daemon.md, "Prompts are known"). Its byte count bounds nothing useful: a field or base64 images beside the prompt.
 PROMPT_UNREAD_FLAG = "prompt-unread"
 PROMPT_UNREAD_FIX = ("ask for the prompt's length, \"stream_options\": {\"include_usage\": true} (an OpenAI stream; "
                      "a whole answer's usage says it), or keep request bodies under 1 MiB")
