@@ -118,6 +118,23 @@ def test_a_crlf_cut_between_reads_is_one_line_end_for_the_parser():
     assert n == 1 and p.finish().unreadable == 0
 
 
+@pytest.mark.parametrize("split", ["events", "bytes"])
+def test_a_utf8_bom_opening_the_stream_is_not_its_first_events(split):
+    # The SSE spec strips one U+FEFF at the stream's start. Before, "\ufeffdata" was an unexpected field name: the first
+    # event (its first token) lost, the row's error blaming an unreadable line. The client still gets the BOM.
+    stream = b"\xef\xbb\xbf" + STREAM
+    pieces = [stream[:3 + len(_chunk(0))], stream[3 + len(_chunk(0)):]] if split == "events" else \
+        [stream[i:i + 1] for i in range(len(stream))]
+    got, tr = _through_proxy(pieces)
+    assert got == stream
+    assert tr.outcome == "ok" and tr.error is None, tr.error
+    assert tr.tokens_seen == 4 and tr.counts.generated_tokens == 4 and tr.counts.unreadable == 0
+    p = StreamParser("openai-chat")  # one BOM only: a second is a line's own bytes
+    assert sum(e.n_tokens for e in p.feed(b"\xef\xbb\xbf" + _chunk(0))) == 1
+    p.feed(b"\xef\xbb\xbf" + _chunk(1))
+    assert p.finish().unreadable == 1
+
+
 def test_an_event_that_never_ends_is_bounded_in_memory_and_said():
     # Data lines of one event, with no blank line to end it. Before, the parser kept every one: 400 MB of such lines
     # through the proxy took 1.6 GB resident (the unit's MemoryMax is 512M), and the row said nothing.

@@ -14,6 +14,7 @@ from powerprof.daemon.ledger import Ledger
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.streams import Counts
 from powerprof.profiler import NO_COUNTER_SHORT_FLAG
+from powerprof.storage.schema import PROMPT_UNREAD_FLAG
 from powerprof.sim.powercap import SimPowercap
 from powerprof.daemon.ticks import Waker
 
@@ -1154,12 +1155,11 @@ def test_a_stream_that_said_no_count_says_so_on_its_row_and_its_intervals(limit,
         return
     assert row["generated_tokens"] is None and row["token_source"] == "none"
     note = row["energy_note"] or ""
-    # Whether it got a share or none, its note says the tokens are unknown, why, and the fix.
+    # Its note says the tokens are unknown, why, and the fix; its share rests on its prompt's work alone: said by the
+    # server, or its body's estimate (before, that one had no share: its prefill costed at 0).
     assert "no tokens" in note and "include_usage" in note, row
-    if prompt is None:
-        assert row["gpu_energy_j"] is None and note.startswith("no share: "), row
-    else:  # a share: its figure rests on its prompt's work alone, and says so
-        assert row["gpu_energy_j"] > 0 and note.startswith("approximate: no tokens: "), row
+    assert row["gpu_energy_j"] > 0 and note.startswith("approximate: no tokens: "), row
+    assert (row["prompt_tokens_estimate"] is None) is (prompt is not None), row
     said = [r for r in ivs if r["unproxied_energy_j"] > 0]
     assert said, ivs  # the server's count of its token went to unproxied
     for r in said:  # server_count complete (the server's count is whole), the note says whose it may be
@@ -1234,6 +1234,60 @@ def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_r
     assert note.startswith("approximate:") and "client left" in note and "2000 prompt characters" in note
     assert led.prompts_estimated == {"client_left": 1}
     assert "costed at an estimate of 500 prompt tokens" in caplog.text
+
+
+def test_a_prompt_whose_body_was_never_read_is_said_not_costed_and_counted():
+    # A body over the proxy's inspection bound (1 MiB) streams on unread: its prompt's size was unknown and its prefill
+    # costed at 0 with nothing said (the simulator: a 7501-token prompt's row -63%, the stream beside it +26%). Its
+    # bytes bound nothing useful (1.1 MB of a field beside a 30 kB prompt, base64 images): not costed, and said so.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    done, unread = _twin_streams(led, 0.05, 0.6, 0.6)
+    unread.outcome = "ok"
+    del unread.extra["prompt_chars"]
+    unread.extra["body_bytes"] = 1_130_000
+    for tr in (done, unread):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[2]["prompt_tokens_estimate"] is None
+    note = got[2]["energy_note"]
+    assert f"{PROMPT_UNREAD_FLAG}: its request body (1130000 bytes) was not read" in note and "include_usage" in note, note
+    # The stream beside it holds that prefill's energy, and says so (c11: +25%, silent before).
+    beside = got[1]["energy_note"]
+    assert f"{PROMPT_UNREAD_FLAG}: 100% of its GPU energy is from intervals over the prefill of a request" in beside, beside
+    assert led.flagged_requests[PROMPT_UNREAD_FLAG] == 2
+
+
+def test_a_finished_stream_that_showed_no_token_is_costed_its_prompts_estimate():
+    # A stream the server finished (outcome ok) with no token shown and no usage (a max_tokens the proxy did not read,
+    # the one token in a chunk it took for none) got no prefill work though its prompt's size was known: the simulator's
+    # 4000-word completions came out -99% with a note claiming its share rested on its prompt's work.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    done, quiet = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
+    for tr in (done, quiet):
+        led.on_start(tr)
+    for k in range(10):
+        led.on_tokens(done, int((0.1 + 0.05 * k) * S), 1)
+    done.first_ns, done.last_ns, done.end_ns = int(0.1 * S), int(0.55 * S), int(0.6 * S)
+    done.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length", token_source="usage")
+    quiet.end_ns, quiet.status, quiet.outcome = int(0.6 * S), 200, "ok"
+    quiet.counts = Counts(generated_tokens=None, prompt_tokens=None, model=None, stop_reason="length",
+                          token_source="counted", tokens_estimated=True, complete=True)
+    for tr in (done, quiet):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[2]["prompt_tokens_estimate"] == pytest.approx(500.0)
+    assert got[2]["gpu_energy_j"] > 0.2 * got[1]["gpu_energy_j"], (got[1]["gpu_energy_j"], got[2]["gpu_energy_j"])
+    note = got[2]["energy_note"]
+    assert "the stream carried no usage" in note and "costed at an estimate of 500 prompt tokens" in note, note
+    assert led.prompts_estimated == {"no_usage": 1}
 
 
 def test_a_cut_stream_is_named_client_left_even_when_an_interval_before_its_end_closes_first():

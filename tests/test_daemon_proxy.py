@@ -541,6 +541,30 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     assert rec.ended[0].extra["prompt_chars"] == 13
 
 
+def test_counts_and_flags_are_read_as_the_server_reads_them():
+    # vLLM's pydantic takes max_tokens 1.0 and "1" as 1, n "4" as 4, stream "false" as false; the proxy took only an
+    # int (a max_tokens:1 answer of 1.0 or "1" got no share, -99% beside its int twin's +10%) and bool("false") (True).
+    from powerprof.daemon.proxy import inspect_request_body
+
+    def read(doc, api="openai-completions"):
+        extra = {}
+        model, stream = inspect_request_body(json.dumps(doc).encode(), "", api, extra)
+        return stream, extra
+
+    for mt in (1, 1.0, "1"):
+        assert read({"prompt": "x", "max_tokens": mt})[1]["max_tokens"] == 1, mt
+    assert read({"max_completion_tokens": "7"}, "openai-chat")[1] == {"max_tokens": 7}
+    assert read({"messages": [], "max_completion_tokens": 7.0}, "openai-chat")[1]["max_tokens"] == 7
+    for bad in (1.5, "1.5", "x", True, -1, "-1", "", " 1"):
+        assert "max_tokens" not in read({"prompt": "x", "max_tokens": bad})[1], bad
+    assert read({"prompt": "x", "n": "4"})[1] == {"prompt_chars": 1, "sequences": 4, "choices": 4}
+    assert read({"prompt": "x", "n": 4.0})[1]["choices"] == 4
+    assert read({"prompt": "x", "n": 2, "best_of": "3"})[1]["best_of"] == 3
+    for flag, want in (("false", False), ("False", False), ("0", False), ("off", False), ("true", True), ("1", True),
+                       ("yes", True), (False, False), (True, True), ("maybe", None), (0, False), (1, True)):
+        assert read({"prompt": "x", "stream": flag})[0] is want, flag
+
+
 def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
     # n choices, each of a list of prompts: that many sequences in the server's batch, each getting a token a step.
     # The ledger counts an interval's engine steps from its tokens and needs it (before: n = 2 read as twice the steps).
@@ -559,8 +583,9 @@ def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
     assert seqs({"prompt": ["a", "b"]}, "llamacpp") == 2  # llama.cpp's /completion: a task per prompt
     assert seqs({"messages": [], "n": 1}, "openai-chat") == 1
     # Not a count: the request is one sequence (the server refuses it; never a guess that multiplies steps).
-    for bad in ("2", 0, -1, True, 2.5, None):
+    for bad in (0, -1, True, 2.5, None, "2.0", "x"):
         assert seqs({"messages": [], "n": bad}, "openai-chat") == 1, bad
+    assert seqs({"messages": [], "n": "2"}, "openai-chat") == 2  # vLLM's pydantic (lax) takes "2" as 2
     assert seqs({"input": "x", "n": 4}, "openai-responses") == 1  # no `n` in the Responses API
     assert seqs({"messages": [], "n": 2}, None) == 1
 
@@ -573,7 +598,7 @@ def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
     assert choices({"prompt": ["a", "b", [1, 2]], "n": 2}, "openai-completions") == 2
     assert choices({"messages": [], "n": 3}, "openai-chat") == 3
     assert choices({"prompt": ["a", "b"]}, "llamacpp") == 1
-    assert choices({"messages": [], "n": "2"}, "openai-chat") == 1
+    assert choices({"messages": [], "n": "2"}, "openai-chat") == 2
 
 
 def test_an_n_no_server_runs_does_not_stop_the_daemons_accounting():
@@ -1002,3 +1027,107 @@ def test_a_null_max_completion_tokens_beside_max_tokens_keeps_the_limit():
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **doc}).encode()
         inspect_request_body(body, api="openai-chat", extra=extra)
         assert extra.get("max_tokens") == want, doc
+
+
+def test_a_chunked_body_is_read_whole_and_inspected_and_one_past_the_bound_has_its_bytes_counted():
+    """A chunked request body (what httpx, requests and aiohttp send for a generator) was never inspected: a 7501-token
+    prompt's prefill was costed at 0 (its row -63%, the stream beside it +26%, neither said so; session 56's hostile
+    battery). Up to INSPECT_MAX_BYTES it is read whole and inspected; past that it streams on as before, and its bytes
+    are counted (the ledger's bound on its prompt). The server gets the same body bytes either way."""
+    from powerprof.daemon.proxy import INSPECT_MAX_BYTES
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append((await request.read(), request.headers.get("Transfer-Encoding")))
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=4 * INSPECT_MAX_BYTES)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        r2, px_url = await serve_here(Proxy(up_url, recorder=rec).app())
+        small = json.dumps({"model": "m", "prompt": "p" * 30_000, "n_predict": 1, "stream": False}).encode()
+        big = json.dumps({"model": "m", "prompt": "q" * (INSPECT_MAX_BYTES + 5), "stream": False}).encode()
+
+        async def pieces(b):
+            for i in range(0, len(b), 7000):
+                yield b[i:i + 7000]
+
+        async with aiohttp.ClientSession() as s:
+            for b in (small, big):
+                async with s.post(px_url + "/completion", data=pieces(b)) as r:  # aiohttp sends it chunked
+                    assert r.status == 200
+                    await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec, seen, small, big
+
+    rec, seen, small, big = _run(main())
+    assert [b for b, _ in seen] == [small, big]  # byte identity of what the server gets
+    one, two = rec.ended
+    assert one.extra["prompt_chars"] == 30_000 and one.model == "m" and one.stream is False
+    assert "body_bytes" not in one.extra
+    assert "prompt_chars" not in two.extra and two.extra["body_bytes"] == len(big)
+
+
+def test_an_http_1_0_client_gets_a_close_delimited_stream_and_the_close_that_ends_it():
+    """An HTTP/1.0 client asking keep-alive read a streamed answer (no Content-Length: HTTP/1.0 has no chunks, so the
+    body ends where the connection does) and then waited 75 s (aiohttp's keep-alive) for that close; straight from an
+    aiohttp server, 5 s (session 56's hostile battery). A whole answer with its length keeps the connection."""
+
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        port = int(px_url.rsplit(":", 1)[1])
+        out = {}
+        for name, path, doc in (("stream", "/completion", {"n_predict": 5, "stream": True}),
+                                ("whole", "/echo/x", {})):
+            b = json.dumps(doc).encode()
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"POST %s HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\nContent-Length: %d\r\n\r\n%s"
+                    % (path.encode(), len(b), b))
+            t0 = asyncio.get_running_loop().time()
+            got = b""
+            try:
+                while chunk := await asyncio.wait_for(r.read(65536), 3.0):
+                    got += chunk
+                out[name] = (got, asyncio.get_running_loop().time() - t0)
+            except asyncio.TimeoutError:
+                out[name] = (got, None)  # still open
+            w.close()
+        await r2.cleanup()
+        await r1.cleanup()
+        return out
+
+    out = _run(main())
+    got, closed_s = out["stream"]
+    assert got.startswith(b"HTTP/1.0 200") and b"tokens_predicted" in got
+    head = got.split(b"\r\n\r\n", 1)[0].lower()
+    assert closed_s is not None and closed_s < 2.5 and b"keep-alive" not in head, (closed_s, head)
+    got, closed_s = out["whole"]
+    assert b"content-length" in got.split(b"\r\n\r\n", 1)[0].lower() and closed_s is None  # kept alive, as asked
+
+
+def test_a_rows_stream_is_what_its_answer_was_not_what_its_body_said():
+    # llama-server reads a "stream" that is not a JSON bool as false and answers whole; vLLM reads "false" as false.
+    # Stored from the body, such a row said stream true for a whole answer (session 56's hostile battery).
+    async def whole(request):
+        await request.read()
+        return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+    async def main():
+        rec = Rec()
+        r1, r2, px_url = await _proxy_for_completion(whole, rec)
+        async with aiohttp.ClientSession() as s:
+            for flag in ("true", True):
+                async with s.post(px_url + "/completion", json={"prompt": "x", "stream": flag}) as r:
+                    await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    rec = _run(main())
+    assert [t.stream for t in rec.ended] == [False, False]
+    assert [t.counts.generated_tokens for t in rec.ended] == [1, 1]

@@ -41,13 +41,13 @@ from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen,
-                          server_end_ns)
+from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
+                          is_unseen, server_end_ns)
 from .promptlen import PromptLengths
 from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
-                      NO_COUNTER_READ,
+                      NO_COUNTER_READ, prompt_unread,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
@@ -352,6 +352,9 @@ class Ledger:
         # [arrival, end + GONE_ABORT_SLACK_S] of requests gone before their first token, their prompt unsaid: the
         # intervals whose requests say GONE_PREFILL_FLAG, kept past their request's row for the intervals after its end.
         self._gone_spans: list[tuple[int, int]] = []
+        # [arrival, first token or end] of requests whose prefill is costed at none, their body unread and their prompt
+        # unsaid (rowtext.prompt_unread): the intervals whose other requests say PROMPT_UNREAD_FLAG.
+        self._unread_spans: list[tuple[int, int]] = []
         # Ends of recently ended streams that said no count (rowtext.counted_low): intervals up to LAG_S after them say
         # their unproxied may hold those streams' tokens (the scrape window that counted them spreads them past the end).
         self._counted_low_ends: deque = deque(maxlen=256)
@@ -1749,7 +1752,7 @@ class Ledger:
         gone_first = [d and gone_unsaid(r) and (r.trace.stream is True or r.run_on_end_ns is not None)
                       for r, d in zip(reqs, done)]
         prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or (d and told_prompt_tokens(r))
-                           else 0.0 for r, d in zip(reqs, done)], dtype=float)
+                           or (d and finished_unsaid(r)) else 0.0 for r, d in zip(reqs, done)], dtype=float)
         # Its prefill is the part the server computed: a prefix-cache hit is in its context, not its prefill work.
         for r in reqs:
             r.prefilled_apart = r.prefilled_apart or self._prefilled_apart(r)
@@ -1849,6 +1852,17 @@ class Ledger:
             gone_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
         gone_col = energy.shape[1] - 1
+        # Requests whose prefill went uncosted, their body unread and their prompt unsaid: the requests live over that
+        # prefill hold its energy, and say so (PROMPT_UNREAD_FLAG; c11 on the simulator: +25%, silent before).
+        unread = np.array([prompt[i] == 0 and (r.trace.first_ns is not None or d) and not passive[i]
+                           and prompt_unread(r) for i, (r, d) in enumerate(zip(reqs, done))], dtype=bool)
+        self._unread_spans = [s for s in self._unread_spans if s[1] > t[0]]
+        self._unread_spans.extend((int(arrival[i]), int(prefill_end[i])) for i in np.flatnonzero(unread))
+        unread_iv = np.zeros(t.size - 1, bool)
+        for a0, a1 in self._unread_spans:
+            unread_iv |= (a0 < t[1:]) & (a1 > t[:-1])
+        energy = np.column_stack([energy, np.where(unread_iv, work_j, 0.0)])
+        unread_col = energy.shape[1] - 1
         energy = np.column_stack([energy, np.where(_counter_measured(methods), work_j, 0.0)])
         counter_col = energy.shape[1] - 1
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
@@ -1913,6 +1927,8 @@ class Ledger:
                         r.cache_beside = max(r.cache_beside, float(cache_iv[k]))
             if not gone[i]:
                 r.gone_beside_j += a.request_energy[i, gone_col]
+            if not unread[i]:
+                r.unread_beside_j += a.request_energy[i, unread_col]
             r.counter_j += a.request_energy[i, counter_col]
             if a.request_energy[i, 9] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
@@ -2093,7 +2109,8 @@ class Ledger:
         # requests beside it with nothing said (the simulator: 60-token chats beside 12000-token prompts cut after
         # 0.12 s, +61% to +252%); costed at its body's estimate, no more than its arrival → end had room for (`_cost_gone`).
         gone = tr.first_ns is None and done and tr.end_ns is not None and room is not None
-        if r.prompt_est is None and (tr.first_ns is not None or gone) and (tr.status is None or tr.status < 400):
+        if r.prompt_est is None and (tr.first_ns is not None or gone or (done and finished_unsaid(r))) \
+                and (tr.status is None or tr.status < 400):
             est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"))
             if est is not None and gone and est[0] > room[0]:
                 most, in_flight_s, beside, costs = room

@@ -42,6 +42,9 @@ class LiveRequest:
     # Its GPU joules from intervals a request that ended before its first token, its prompt unsaid, was live in
     # (GONE_PREFILL_FLAG): that prompt's prefill, costed at an estimate or not at all, may have run longer or shorter.
     gone_beside_j: float = 0.0
+    # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
+    # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
+    unread_beside_j: float = 0.0
     # Its client left and the server ran it on for nobody until it aborted it (`Ledger._run_on`, SGLang): that run's
     # estimated end, the tokens placed over it (no client received them) and whose pace they were placed at.
     run_on_end_ns: int | None = None
@@ -175,6 +178,16 @@ def gone_unsaid(r: LiveRequest) -> bool:
     return (tr.end_ns is not None and tr.first_ns is None and tr.api is not None and tr.outcome in GONE_OUTCOMES
             and told_prompt_tokens(r) is None and not is_passive(r)
             and not (tr.error or "").startswith(BODY_LEFT_NOTE))
+
+
+def finished_unsaid(r: LiveRequest) -> bool:
+    """The server finished it (outcome ok, no error answer) and its response, read whole, showed no token and did not say
+    its prompt's length (a stream without usage whose one token came in a chunk the proxy took for none): its prefill ran
+    whole all the same, and is costed at its body's estimate (`Ledger._prompt_work`); before, at 0 (the simulator's
+    4000-word prompts -99%). Not one whose response went unread (counts None: a Content-Encoding not inspected)."""
+    tr = r.trace
+    return (tr.end_ns is not None and tr.first_ns is None and tr.api is not None and tr.outcome == "ok"
+            and tr.counts is not None and told_prompt_tokens(r) is None and not is_passive(r))
 
 
 def is_unseen(r: LiveRequest) -> bool:

@@ -24,7 +24,8 @@ from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG,
                                       COUNT_OPEN_FIX, COUNT_OPEN_FLAG, GONE_PREFILL_FIX, GONE_PREFILL_FLAG,
-                                      HELD_TAIL_FIX, HELD_TAIL_FLAG, SERVER_COUNT_SLOTS_ONLY)
+                                      HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_UNREAD_FIX, PROMPT_UNREAD_FLAG,
+                                      SERVER_COUNT_SLOTS_ONLY)
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -74,6 +75,11 @@ FLAG_COUNTERS = {
                         "that ended before its first token, its prompt's length unsaid, whose prefill was costed at an estimate "
                         "from its body and may have been cut short, never run (queued) or run whole: their share there "
                         f"may be high or low (kept in powerprof_joules_per_token); fix: {GONE_PREFILL_FIX}"),
+    PROMPT_UNREAD_FLAG: ("powerprof_requests_prompt_unread", "Requests whose rows' energy_note says approximate: "
+                         f"{PROMPT_UNREAD_FLAG}: the proxy streamed their request body on unread (over its inspection "
+                         "bound, or past its memory budget for reading bodies) and the server never said the prompt's "
+                         "length, their prefill not costed and their figures low; or they ran over such a prefill, "
+                         f"their figures high; fix: {PROMPT_UNREAD_FIX}"),
 }
 OTHER = "other"
 NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet

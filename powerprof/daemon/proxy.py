@@ -213,6 +213,38 @@ def request_head(method: str, target: str, host: str, raw_headers, framing: byte
     return b"".join(parts)
 
 
+def whole_count(v) -> int | None:
+    """A JSON count as the server reads it: an int, a float with no fraction (1.0), or a string of ASCII digits ("1"):
+    vLLM's and SGLang's OpenAI endpoints (pydantic, lax) take all three (llama-server takes 1.0, and ignores "1" for
+    its default: a limit read where it set none only matters at that count); None for anything else (a bool, 1.5, "x"),
+    which the proxy leaves unread as before. Taking an int alone, a max_tokens of 1.0 or "1" went unread (its answer's one token in no count:
+    -99%)."""
+    if type(v) is int:
+        return v
+    if type(v) is float and v.is_integer() and abs(v) <= MAX_COUNT:
+        return int(v)
+    if type(v) is str and 0 < len(v) <= 20 and v.isascii() and v.isdigit():
+        return int(v)
+    return None
+
+
+# pydantic's lax booleans (vLLM's `stream`: "false" is false; bool("false") took it for a stream).
+_TRUE_TEXT = frozenset(("1", "on", "t", "true", "y", "yes"))
+_FALSE_TEXT = frozenset(("0", "off", "f", "false", "n", "no"))
+
+
+def lax_bool(v) -> bool | None:
+    """A JSON flag as the server reads it: a bool, 0 or 1, or one of pydantic's words (any case); None otherwise."""
+    if type(v) is bool:
+        return v
+    if type(v) is int and v in (0, 1):
+        return bool(v)
+    if type(v) is str:
+        w = v.lower()
+        return True if w in _TRUE_TEXT else False if w in _FALSE_TEXT else None
+    return None
+
+
 # More sequences than any server batches (vLLM's max_num_seqs is 256-1024, llama.cpp's tasks are its slots): an `n`
 # beyond is no count (a 400-digit one overflowed the ledger's float arrays and failed every accounting step after).
 MAX_SEQUENCES = 4096
@@ -220,15 +252,16 @@ MAX_SEQUENCES = 4096
 
 def request_choices(doc: dict, api: str | None) -> int:
     """The `n` choices a request asks for each of its prompts (chat, completions; 1 where `n` is not a positive
-    integer, or is over MAX_SEQUENCES: the server refuses such a request). The ledger needs it apart from the
+    whole number, `whole_count`, or is over MAX_SEQUENCES: the server refuses such a request). The ledger needs it apart from the
     sequences: vLLM says a prompt once for its n choices, llama.cpp once per choice."""
-    n = doc.get("n") if api in ("openai-chat", "openai-completions") else None
+    n = whole_count(doc.get("n")) if api in ("openai-chat", "openai-completions") else None
     if api == "sglang-generate":
         # SGLang's sampling_params: one dict, or one per prompt, each with the same `n` (its parallel_sample_num).
         sp = doc.get("sampling_params")
         sp = sp[0] if isinstance(sp, list) and sp else sp
-        n = sp.get("n") if isinstance(sp, dict) else None
-    return n if type(n) is int and 1 < n <= MAX_SEQUENCES else 1
+        # A plain dict to SGLang, not pydantic: an int alone (a "2" or 2.0 fails its comparisons, the request refused).
+        n = sp.get("n") if isinstance(sp, dict) and type(sp.get("n")) is int else None
+    return n if n is not None and 1 < n <= MAX_SEQUENCES else 1
 
 
 def request_sequences(doc: dict, api: str | None) -> int:
@@ -258,8 +291,8 @@ def request_best_of(doc: dict, api: str | None) -> int | None:
     otherwise (an invalid one the server refuses)."""
     if api not in ("openai-chat", "openai-completions"):
         return None
-    b = doc.get("best_of")
-    return b if type(b) is int and request_choices(doc, api) < b <= MAX_SEQUENCES else None
+    b = whole_count(doc.get("best_of"))
+    return b if b is not None and request_choices(doc, api) < b <= MAX_SEQUENCES else None
 
 
 def _held_call(trace, end_ns: int) -> HeldCall | None:
@@ -352,10 +385,10 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
                 extra["choices"] = n
         if api in ("openai-chat", "openai-completions"):
             # vLLM's rule (`max_completion_tokens or max_tokens`): a null or 0 max_completion_tokens leaves max_tokens.
-            limit = doc.get("max_completion_tokens")
-            if type(limit) is not int or not limit:
-                limit = doc.get("max_tokens")
-            if type(limit) is int and 0 < limit <= MAX_COUNT:
+            limit = whole_count(doc.get("max_completion_tokens"))
+            if not limit:
+                limit = whole_count(doc.get("max_tokens"))
+            if limit is not None and 0 < limit <= MAX_COUNT:
                 extra["max_tokens"] = limit  # a count at the limit is whole (arrival.at_limit)
             tools = doc.get("tools")
             # Chat alone: no server runs a tool-call parser on completions (vLLM and SGLang ignore `tools` there), so
@@ -371,7 +404,7 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             n = chat_echo_chars(doc)
             if n:
                 extra["echo_chars"] = n
-    return (model if isinstance(model, str) else None), (bool(stream) if stream is not None else None)
+    return (model if isinstance(model, str) else None), lax_bool(stream)
 
 
 class Proxy:
@@ -464,7 +497,10 @@ class Proxy:
             log.warning("cannot trace request: %s", error_text(e))
         self.active += 1
         length = request.content_length
-        held = length if request.body_exists and length is not None and length <= INSPECT_MAX_BYTES else 0
+        # A chunked body (no Content-Length: what httpx, requests and aiohttp send for a generator) reserves the whole
+        # bound, trimmed to its size once read (`_forward`): left unread, a 7501-token prompt's prefill was costed at 0.
+        held = (0 if not request.body_exists else INSPECT_MAX_BYTES if length is None
+                else length if length <= INSPECT_MAX_BYTES else 0)
         if held and self._inspecting + held > INSPECT_BUDGET_BYTES:
             self.uninspected_bodies += 1
             if trace is not None:
@@ -500,7 +536,42 @@ class Proxy:
         length = request.content_length
         body: bytes | None = None
         streamed = False
-        if budget[0]:
+        chunks = None  # a chunked body's pieces still to stream on, past what was read of it (`prefix`)
+        prefix = b""
+        if budget[0] and length is None:
+            # Chunked: read up to INSPECT_MAX_BYTES under the streamed body's own timers; one that ends by then is
+            # inspected and sent on as one chunk (the server gets the same bytes, chunked as before), one longer streams
+            # on from what was read.
+            chunks = _body_chunks(request.content, self.body_timeout_s, self.body_min_bytes_per_s)
+            parts, got = [], 0
+            try:
+                async for chunk in chunks:
+                    parts.append(chunk)
+                    got += len(chunk)
+                    if got > INSPECT_MAX_BYTES:
+                        break
+                else:
+                    chunks = None
+            except asyncio.TimeoutError:
+                return self._body_timeout(trace, f"request body silent for {self.body_timeout_s:g} s", "silent")
+            except BodyTooSlow:
+                return self._body_timeout(trace, f"request body slower than {self.body_min_bytes_per_s:g} bytes/s "
+                                                 f"on average after its first {self.body_timeout_s:g} s")
+            except OSError:
+                return self._client_left(trace)
+            self._inspecting -= budget[0] - (0 if chunks is not None else got)
+            budget[0] = 0 if chunks is not None else got
+            if chunks is None:
+                body = b"".join(parts)
+            else:
+                prefix = b"".join(parts)
+        if body is not None or chunks is not None:
+            streamed = chunks is not None
+            framing = b"Transfer-Encoding: chunked\r\n"
+            if body is not None:
+                self._inspect(request, trace, body)
+                body = (b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)) if body else b"0\r\n\r\n"
+        elif budget[0]:
             try:
                 if request.content.is_eof():  # all here already (the usual small POST): no timer, no await
                     body = request.content.read_nowait()
@@ -513,13 +584,7 @@ class Proxy:
             except OSError:  # the client left mid-body (aiohttp: ConnectionResetError)
                 return self._client_left(trace)
             framing = b"Content-Length: %d\r\n" % len(body)
-            if trace is not None and trace.api is not None:
-                try:
-                    encoding = request.headers.get("Content-Encoding", "")
-                    model, trace.stream = inspect_request_body(body, encoding, trace.api, trace.extra)
-                    trace.model = bounded_text(model)
-                except Exception:
-                    pass
+            self._inspect(request, trace, body)
         elif request.body_exists:
             streamed = True
             framing = b"Transfer-Encoding: chunked\r\n"
@@ -539,8 +604,15 @@ class Proxy:
                 head += body  # one write for head and a small body
             ex.start(request.method, head)
             if streamed:
+                sent = len(prefix)
                 try:
-                    async for chunk in _body_chunks(request.content, self.body_timeout_s, self.body_min_bytes_per_s):
+                    if prefix:
+                        await ex.write_body(b"%x\r\n%b\r\n" % (len(prefix), prefix))
+                    prefix = b""
+                    if chunks is None:
+                        chunks = _body_chunks(request.content, self.body_timeout_s, self.body_min_bytes_per_s)
+                    async for chunk in chunks:
+                        sent += len(chunk)
                         await ex.write_body(b"%x\r\n%b\r\n" % (len(chunk), chunk))
                 except asyncio.TimeoutError:
                     self._drop(ex)
@@ -553,6 +625,10 @@ class Proxy:
                     self._drop(ex)
                     return self._client_left(trace)
                 await ex.write_body(b"0\r\n\r\n")
+                if trace is not None and trace.api is not None and request.headers.get(
+                        "Content-Encoding", "").strip().lower() in ("", "identity"):
+                    # Not read: its prompt's size unknown, its bytes bound its characters (Ledger._prompt_work).
+                    trace.extra["body_bytes"] = sent
             # Until the head comes (a server sends a non-streamed answer's head only when done), the upstream's
             # timer also checks the client: one that left closes the upstream, which stops generating. (While
             # a body is streamed, a client gone shows in reading it.)
@@ -601,6 +677,16 @@ class Proxy:
         finally:
             self.pool.release(ex)
 
+    def _inspect(self, request: web.Request, trace: RequestTrace | None, body: bytes) -> None:
+        """A body read whole: its model, stream flag and prompt size onto the trace (fail-open)."""
+        if trace is not None and trace.api is not None:
+            try:
+                encoding = request.headers.get("Content-Encoding", "")
+                model, trace.stream = inspect_request_body(body, encoding, trace.api, trace.extra)
+                trace.model = bounded_text(model)
+            except Exception:
+                pass
+
     def _drop(self, ex: Exchange) -> None:
         ex.abort()
         self.pool.release(ex)
@@ -630,6 +716,11 @@ class Proxy:
         resp.headers.extend(forward_headers(up_headers, _CONTENT_LENGTH if by_te else frozenset()))
         if not by_te and up_headers.get("Content-Length") is not None and request.method != "HEAD":
             resp.content_length = int(up_headers["Content-Length"])
+        if (request.version < aiohttp.HttpVersion11 and resp.content_length is None and request.method != "HEAD"
+                and status >= 200 and status not in (204, 304)):
+            # HTTP/1.0 has no chunks: such a body ends where the connection does. aiohttp drops its keep-alive header
+            # then but keeps the connection open (3.14): a client that asked keep-alive waited 75 s for the close.
+            resp.force_close()
         ctype = up_headers.get("Content-Type", "")
         sink = _ClientSink(self, trace)
         if trace is not None:
@@ -658,8 +749,10 @@ class Proxy:
                                                          max_tokens=trace.extra.get("max_tokens"))
                         trace.stream = True
                     else:
+                        # Answered whole, whatever its body asked (llama-server reads a "stream" that is no JSON bool as
+                        # false; before, such a row said stream true for a whole answer).
                         sink.body_copy = bytearray()
-                        trace.stream = False if trace.stream is None else trace.stream
+                        trace.stream = False
                 except Exception as e:
                     trace.recorder_error = f"parser: {e}"
                     self.recorder_failures += 1

@@ -17,13 +17,13 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SH
                                 NO_COUNTER_SHORT_FLAG)
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
-                                      GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, SERVER_COUNT_COMPLETE,
-                                      SERVER_COUNT_USAGE_ABOVE, SERVER_COUNT_USAGE_BELOW, bypass_count_fix,
-                                      bypass_count_may_be)
+                                      GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_UNREAD_FIX,
+                                      PROMPT_UNREAD_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_USAGE_ABOVE,
+                                      SERVER_COUNT_USAGE_BELOW, bypass_count_fix, bypass_count_may_be)
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen,
-                          server_end_ns)
+from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
+                          is_unseen, server_end_ns)
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
 
@@ -76,7 +76,7 @@ OWN_LATE_FIX = "give the daemon's host CPU to spare (fewer other processes, or m
 # FLAG_COUNTERS), counted from the decision its row's energy_note is written by (_request_flags), never from the note's
 # text, which quotes what clients send (a path).
 COUNTED_FLAGS = (NO_COUNTER_SHORT_FLAG, CACHE_UNSAID_FLAG, CACHE_LATE_FLAG, BEST_OF_FLAG, COUNT_OPEN_FLAG,
-                 HELD_TAIL_FLAG, GONE_PREFILL_FLAG)
+                 HELD_TAIL_FLAG, GONE_PREFILL_FLAG, PROMPT_UNREAD_FLAG)
 
 
 def tag_server_count(counts: set) -> str | None:
@@ -494,7 +494,7 @@ UNSAID_FIX = {"no_usage": "; fix: ask for it, \"stream_options\": {\"include_usa
 def _unsaid_reason(r: LiveRequest) -> str:
     # Ended with no token: no usage was ever coming, whoever ended it (`Ledger._prompt_work` costs such a prompt only
     # once it has ended, bounded by its time in flight).
-    if r.trace.first_ns is None and r.trace.end_ns is not None:
+    if r.trace.first_ns is None and r.trace.end_ns is not None and not finished_unsaid(r):
         return "before_first_token"
     # Whether the request has ended, not whether it ended inside the intervals being closed: once a client has left,
     # the prompt hold is over and earlier intervals close with the request still "live" in them.
@@ -522,8 +522,15 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             BEST_OF_FLAG: energy and _best_of_flagged(r, best_of_ignored),
             COUNT_OPEN_FLAG: energy and _count_open_flagged(r),
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
-            GONE_PREFILL_FLAG: energy and _gone_flagged(r)}
+            GONE_PREFILL_FLAG: energy and _gone_flagged(r),
+            PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.unread_beside_j > 0)}
     return [f for f in COUNTED_FLAGS if said[f]]
+
+
+def prompt_unread(r: LiveRequest) -> bool:
+    """PROMPT_UNREAD_FLAG: its body streamed on unread (`body_bytes`, the proxy's) and no prompt length from the server,
+    so its prefill was costed at none (a silent 0 before)."""
+    return r.trace.extra.get("body_bytes") is not None and told_prompt_tokens(r) is None and r.prompt_est is None
 
 
 def _best_of_flagged(r: LiveRequest, best_of_ignored: bool) -> bool:
@@ -564,6 +571,17 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         else:
             notes.append(f"{said}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
                          f"prompt tokens ({r.prompt_est[1]}){fix}")
+    if prompt_unread(r) and r.gpu_j > 0 and not r.gpu_missing:
+        notes.append(f"{PROMPT_UNREAD_FLAG}: its request body ({r.trace.extra['body_bytes']} bytes) was not read (over the "
+                     "proxy's inspection bound, or past its memory budget for reading bodies) and the server never said "
+                     "the prompt's length: its prefill is not costed, so its figure is low and the requests beside it "
+                     f"high; fix: {PROMPT_UNREAD_FIX}")
+    elif r.unread_beside_j > 0 and r.gpu_j > 0:
+        notes.append(f"{PROMPT_UNREAD_FLAG}: {100 * min(r.unread_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
+                     "intervals over the prefill of a request whose body the proxy did not read (over its inspection "
+                     "bound, or past its memory budget for reading bodies), its prompt's length unsaid: that prefill is "
+                     "not costed, its energy in the shares of the requests live then, so this figure may be high; fix: "
+                     f"{PROMPT_UNREAD_FIX}")
     if is_unseen(r) and not is_passive(r):
         notes.append(_uncounted_note(r))
     if r.run_on_end_ns is not None:

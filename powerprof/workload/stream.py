@@ -242,6 +242,8 @@ class _State:
     unclosed: set = field(default_factory=set)  # choices whose running counts ended before a closing chunk without one
 
 
+_BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, U+FEFF
+
 class StreamParser:
     """Parses one streamed (SSE) response incrementally. `feed(bytes)` → events; `finish()` → summary."""
 
@@ -263,6 +265,9 @@ class StreamParser:
             raise ValueError(f"unknown api {api!r}; choose one of: {', '.join(APIS)}")
         self.api = api
         self._buf = b""
+        # The stream's first bytes until they can be told from a UTF-8 BOM (None after): the SSE spec strips one at the
+        # stream's start; read as a field name, it lost the first event (its first token) and blamed an unreadable line.
+        self._bom: bytes | None = b""
         self._pending: list[bytes] = []  # data lines of an event not yet dispatched
         self._pending_bytes = 0  # their size: bounded by _MAX_PENDING_BYTES, as a line is
         # The previous chunk ended in a CR: a LF opening this one is the same line end (CRLF cut between reads).
@@ -335,6 +340,16 @@ class StreamParser:
         out: list[TokenEvent] = []
         if not chunk:
             return out
+        if self._bom is not None:
+            chunk = self._bom + chunk
+            if len(chunk) < 3 and _BOM.startswith(chunk):
+                self._bom = chunk  # a BOM's first bytes, or a stream that short: wait for more
+                return out
+            self._bom = None
+            if chunk[:3] == _BOM:
+                chunk = chunk[3:]
+                if not chunk:
+                    return out
         if self._after_cr or b"\r" in chunk:
             chunk = self._lf_lines(chunk)
             if not chunk:
@@ -409,6 +424,8 @@ class StreamParser:
         """Tokens in `chunk`, the same as `sum(e.n_tokens for e in feed(chunk))`. In count-only mode a
         chunk that is exactly one compact `data: {...}` event, with nothing buffered before it (how
         servers write a token), is counted without building the event."""
+        if self._bom is not None:  # the stream's first bytes: `feed` looks for its BOM
+            return sum(e.n_tokens for e in self.feed(chunk))
         if (self._an_quick and chunk[:_AN_EVENT_LEN] == _AN_EVENT and chunk[-2:] == b"\n\n" and not self._buf
                 and not self._pending and not self._after_cr):
             n = self._anthropic_quick(chunk[_AN_EVENT_LEN:-2], None)
