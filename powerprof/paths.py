@@ -182,13 +182,24 @@ def is_powerprof_run(path) -> bool:
     the daemon's default data dir as "inside a sweep's run folder"."""
     import json  # noqa: PLC0415
 
+    import stat  # noqa: PLC0415
+
     if os.path.isfile(os.path.join(path, "windows.parquet")):
         return True
+    # Opened without blocking or following a link, and read only if a regular file: a FIFO named run.json in a folder
+    # above --out (anyone can make /tmp/run.json) hung `sweep` and `measure` for ever, waiting for a writer.
     try:
-        with open(os.path.join(path, RUN_JSON), "rb") as f:
-            meta = json.loads(f.read(1 << 20))
+        fd = os.open(os.path.join(path, RUN_JSON), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        meta = json.loads(os.read(fd, 1 << 20))
     except (OSError, ValueError):
         return False
+    finally:
+        os.close(fd)
     return isinstance(meta, dict) and "run_id" in meta and "kind" in meta
 
 

@@ -308,3 +308,20 @@ def test_a_sweep_or_measure_into_a_daemon_dataset_is_refused(tmp_path):
             assert r.exit_code != 0 and f"--out {out} is inside the daemon dataset {tmp_path / 'node-0'}" in flat, r.output
             assert "Traceback" not in r.output and not out.exists(), r.output
     assert sim_limit_w() == 300.0
+
+
+def test_a_fifo_named_run_json_above_the_out_folder_is_no_run_and_no_hang(tmp_path):
+    # `sweep`/`measure --out D/x` hung for ever where D held a FIFO named run.json (anyone can make /tmp/run.json):
+    # the check for a run above --out opened it blocking, waiting for a writer that never came.
+    import os
+    import subprocess
+    import sys
+
+    d = tmp_path / "d"
+    d.mkdir()
+    os.mkfifo(d / "run.json")
+    for cmd in (["sweep", "--limits", "180,220", "--dry-run"], ["measure", "--requests", "2"]):
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", *cmd, "--simulate", "--out", str(d / cmd[0])],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "inside the powerprof run" not in r.stderr, r.stderr
+    assert sim_limit_w() == 300.0
