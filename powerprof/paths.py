@@ -196,7 +196,7 @@ def is_powerprof_run(path) -> bool:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return False
         meta = json.loads(os.read(fd, 1 << 20))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
         return False
     finally:
         os.close(fd)

@@ -212,8 +212,9 @@ class _StateFile:
             return {}
         try:
             state = json.loads(self.path.read_text())
-        except (OSError, ValueError) as e:  # truncated or no text (UnicodeDecodeError is a ValueError); unreadable
-            why = "not valid JSON" if isinstance(e, ValueError) else f"cannot be read ({e.strerror or e})"
+        except (OSError, ValueError, RecursionError) as e:  # truncated or no text (UnicodeDecodeError is a ValueError)
+            why = ("not valid JSON (nested deeper than Python's parser goes)" if isinstance(e, RecursionError)
+                   else "not valid JSON" if isinstance(e, ValueError) else f"cannot be read ({e.strerror or e})")
             self.warn(f"{why}: every GPU's power limit and clock lock: {RESET_SAID}")
             return {}
         if not isinstance(state, dict):
