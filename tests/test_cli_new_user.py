@@ -325,3 +325,33 @@ def test_a_fifo_named_run_json_above_the_out_folder_is_no_run_and_no_hang(tmp_pa
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "inside the powerprof run" not in r.stderr, r.stderr
     assert sim_limit_w() == 300.0
+
+
+def test_only_a_run_json_of_ours_in_a_folder_of_ours_above_the_out_folder_refuses_it(tmp_path):
+    # Any windows.parquet in a folder above --out refused it "inside the powerprof run": after `export --format parquet
+    # --out . RUN` every sweep below the working folder, and an empty one planted in /tmp every --out below /tmp. A
+    # run.json of ours in a folder anyone may write to (sticky, world-writable: /tmp) or another user's is a plant too.
+    import os
+
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    (exported / "windows.parquet").write_bytes(b"")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (shared / "run.json").write_text('{"run_id": "x", "kind": "sweep"}')
+    places = [exported, shared]
+    if os.geteuid() == 0:
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "run.json").write_text('{"run_id": "x", "kind": "sweep"}')
+        os.chown(other, 65534, 65534)
+        places.append(other)
+    for place in places:
+        for cmd in (["sweep", "--limits", "180,220", "--dry-run"], ["measure", "--requests", "2"]):
+            (place / "sub").mkdir(exist_ok=True)
+            r = run(*cmd, "--simulate", "--out", str(place / "sub" / cmd[0]))
+            assert "inside the powerprof run" not in r.output, (place, r.output)
+            # As root, below another user's folder is refused for that (safety.md's trust boundaries), not as a run.
+            assert r.exit_code == 0 or (place.name == "other" and "refus" in r.output), (place, r.output)
+    assert sim_limit_w() == 300.0
