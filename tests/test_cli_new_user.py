@@ -355,3 +355,18 @@ def test_only_a_run_json_of_ours_in_a_folder_of_ours_above_the_out_folder_refuse
             # As root, below another user's folder is refused for that (safety.md's trust boundaries), not as a run.
             assert r.exit_code == 0 or (place.name == "other" and "refus" in r.output), (place, r.output)
     assert sim_limit_w() == 300.0
+
+
+def test_the_default_out_folder_inside_a_run_is_refused_as_a_given_one_is(tmp_path, monkeypatch):
+    # `cd RUN && powerprof sweep` made RUN/runs/<stamp>: the check for a run above --out skipped the default folder.
+    from synthetic_runs import make_run, seed_truth
+
+    sweep_run = make_run(tmp_path / "r1", seed_truth(), levels=(220, 300), n_requests=4)
+    monkeypatch.chdir(sweep_run)
+    for cmd in (["sweep", "--limits", "180,220", "--dry-run"], ["measure", "--requests", "2"]):
+        r = run(*cmd, "--simulate")
+        flat = " ".join(r.output.split())
+        assert r.exit_code != 0 and "the default run folder runs/" in flat, r.output
+        assert f"is inside the powerprof run {sweep_run}" in flat and "give a folder outside it with --out" in flat, flat
+        assert not (sweep_run / "runs").exists(), r.output
+    assert sim_limit_w() == 300.0
