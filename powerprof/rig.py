@@ -475,7 +475,8 @@ class Rig:
             # A sudo user's simulated sweep killed -9: root without sudo was told to point at that file, which the
             # simulator then refused ("owned by uid N"), and --force-default was refused both ways.
             where = path if path is not None else "this restore file"
-            return (f"records the simulated GPUs of the state file {recorded}, which root may not use ({untrusted}); "
+            who = "root" if os.geteuid() == 0 else "this user"
+            return (f"records the simulated GPUs of the state file {recorded}, which {who} may not use ({untrusted}); "
                     "nothing was changed and the file is kept. Either the user who owns that folder runs "
                     f"`sudo env {STATE_ENV}={recorded} {command} --restore-file {where}` (sudo trusts its caller's "
                     f"folders), or remove the record: `rm {where}` (it records simulated GPUs only: no real GPU is "
