@@ -706,7 +706,7 @@ def measure(url, simulate, gpus, out_dir, n_requests, concurrency, warmup, launc
     except PromptFileError as e:
         raise click.UsageError(str(e)) from None
     out = Path(out_dir) if out_dir else default_run_dir(Path("runs"), "measure")
-    if out_dir and (why := given_out_problem(out)) is not None:
+    if (why := given_out_problem(out, default=not out_dir)) is not None:
         raise click.UsageError(why)
     params = RequestParams(max_tokens=max_tokens, seed=seed, prompt_cache=prompt_cache, keep_text=keep_text)
     from powerprof import termination

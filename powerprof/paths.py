@@ -177,19 +177,47 @@ def holds_sweep_run(path) -> bool:
 
 
 def is_powerprof_run(path) -> bool:
-    """`path` is a run powerprof wrote: its windows.parquet, or a run.json naming a run_id and a kind. A run.json of
-    another tool's (sacred writes one a run, many CI jobs do) is none: in a folder above a daemon's data dir it refused
-    the daemon's default data dir as "inside a sweep's run folder"."""
+    """`path` is a run powerprof wrote: a run.json naming a run_id and a kind (every sweep and measure writes it first).
+    A run.json of another tool's (sacred writes one a run, many CI jobs do) is none: in a folder above a daemon's data
+    dir it refused the daemon's default data dir as "inside a sweep's run folder". A windows.parquet alone is none
+    either: `export --format parquet --out .` writes one, and every --out below that folder was refused."""
     import json  # noqa: PLC0415
+    import stat  # noqa: PLC0415
 
-    if os.path.isfile(os.path.join(path, "windows.parquet")):
-        return True
+    # Opened without blocking or following a link, and read only if a regular file: a FIFO named run.json in a folder
+    # above --out (anyone can make /tmp/run.json) hung `sweep` and `measure` for ever, waiting for a writer.
     try:
-        with open(os.path.join(path, RUN_JSON), "rb") as f:
-            meta = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
+        fd = os.open(os.path.join(path, RUN_JSON), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        meta = json.loads(os.read(fd, 1 << 20))
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
+        return False
+    finally:
+        os.close(fd)
     return isinstance(meta, dict) and "run_id" in meta and "kind" in meta
+
+
+def run_folder_above(path) -> Path | None:
+    """The nearest folder above `path` that is a powerprof run (`is_powerprof_run`), else None. A folder anyone may
+    write to (sticky and world-writable: /tmp) or another user's (not ours, not root's) is passed over: a run.json
+    planted there refused every --out below it, root's too."""
+    import stat  # noqa: PLC0415
+
+    euid = os.geteuid()
+    for q in Path(os.path.abspath(path)).parents:
+        try:
+            st = os.stat(q)
+        except OSError:
+            continue
+        if st.st_uid not in (euid, 0) or (st.st_mode & stat.S_ISVTX and st.st_mode & stat.S_IWOTH):
+            continue
+        if is_powerprof_run(q):
+            return q
+    return None
 
 
 # What marks a folder as a daemon's dataset: one of these tables' folders in it (analysis.fleet.is_daemon_dataset, for

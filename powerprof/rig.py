@@ -418,7 +418,7 @@ class Rig:
         if not self.simulated:
             return force_default(outcome.path, self.nvml, machine_scope=self.machine_scope)
         if (why := self._other_sim_state({"state_file": state_file_named_in(outcome.path)},
-                                         "powerprof restore --simulate --force-default")) is not None:
+                                         "powerprof restore --simulate --force-default", outcome.path)) is not None:
             # Simulated UUIDs are the same in every state file: a whole but damaged or untrusted record of another
             # one defaulted this simulator's GPUs and was removed, its own GPUs left capped with nothing to say so.
             return FileOutcome(outcome.path, "refused", f"Not changed: {outcome.path} {why}")
@@ -444,19 +444,24 @@ class Rig:
                            "`powerprof restore --force-default` without --simulate on the GPU's host (if you know "
                            "it was a simulated run's, remove it yourself).")
 
-    def _refuse_record(self, record: dict) -> str | None:
+    def _refuse_record(self, record: dict, path=None) -> str | None:
         if self.simulated and not record.get("simulated"):
             return "records a real GPU; run `powerprof restore` without --simulate."
-        return _bad_origin(record.get("simulated")) or self._other_sim_state(record.get("simulated"))
+        return _bad_origin(record.get("simulated")) or self._other_sim_state(record.get("simulated"), path=path)
 
-    def _other_sim_state(self, origin, command: str = "powerprof restore --simulate") -> str | None:
-        """Why a simulated record is not this simulator's to restore: its GPUs live in another state file (another
-        POWERPROF_SIM_STATE, or `sudo` having dropped it), or in one that is gone. A record of an older powerprof
-        names none: it is restored where the environment points, as before."""
+    def _other_sim_state(self, origin, command: str = "powerprof restore --simulate", path=None) -> str | None:
+        """Why a simulated record (restore file `path`) is not this simulator's to restore: its GPUs live in another
+        state file (another POWERPROF_SIM_STATE, or `sudo` having dropped it), or in one that is gone. A record of an
+        older powerprof names none: it is restored where the environment points, as before. Where root may not use
+        that state file's folder (another user's: `untrusted_out_dir`, as the simulator checks it), pointing at it
+        cannot work: the routes that do are said instead."""
         recorded = origin.get("state_file") if origin else None
         if recorded is None:
             return None
+        from pathlib import Path
+
         from powerprof.sim.nvml import STATE_ENV, default_state_path
+        from powerprof.trust import untrusted_out_dir
 
         state = getattr(self.nvml, "state_path", None) if self.simulated else None
         here = os.path.realpath(state if state is not None else default_state_path())
@@ -466,6 +471,16 @@ class Rig:
             return (f"records simulated GPUs whose state file {recorded} no longer exists (this simulator's is {here}); "
                     "nothing was changed and the file is kept: if that file comes back, " + fix + "; if it is gone for "
                     "good, so are its simulated limits: delete the restore file")
+        if recorded != here and (untrusted := untrusted_out_dir(Path(recorded).parent)):
+            # A sudo user's simulated sweep killed -9: root without sudo was told to point at that file, which the
+            # simulator then refused ("owned by uid N"), and --force-default was refused both ways.
+            where = path if path is not None else "this restore file"
+            who = "root" if os.geteuid() == 0 else "this user"
+            return (f"records the simulated GPUs of the state file {recorded}, which {who} may not use ({untrusted}); "
+                    "nothing was changed and the file is kept. Either the user who owns that folder runs "
+                    f"`sudo env {STATE_ENV}={recorded} {command} --restore-file {where}` (sudo trusts its caller's "
+                    f"folders), or remove the record: `rm {where}` (it records simulated GPUs only: no real GPU is "
+                    f"left capped; the simulated ones keep their level in {recorded})")
         if recorded != here:
             return (f"records the simulated GPUs of the state file {recorded}, not this simulator's ({here}; "
                     f"{STATE_ENV} differs or `sudo` dropped it); nothing was changed and the file is kept: " + fix)

@@ -1494,7 +1494,7 @@ def run_sweep(
 
         if (why := path_problem(run_dir)) is not None:  # it said "[Errno 36] File name too long", from exists()
             raise SweepError(f"--out {run_dir}: {why}")
-        if out_dir and (why := given_out_problem(run_dir)) is not None:
+        if (why := given_out_problem(run_dir, default=not out_dir)) is not None:
             raise SweepError(why)
         # A default name taken (another run started in the same second) is no error: the next free one is claimed.
         if out_dir and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):

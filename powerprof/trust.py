@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 
+class PlaceRefused(PermissionError):
+    """A file powerprof refuses to use where it is (as root, in a folder another user controls; a symlink at a name it
+    writes): the message names it, why and the fix, and nothing was written. A stop, said once as the command's error,
+    not a failure of the step that met it (the simulator's `SimStateRefused` is one)."""
+
+
 def _file_reason(path, st, owners, euid, root_too) -> str | None:
     who = "root" if euid == 0 else f"uid {euid}" + (" or root" if root_too else "")
     if not stat.S_ISREG(st.st_mode):

@@ -165,7 +165,7 @@ def make_run(
     w = pa.Table.from_pylist(windows, schema=WINDOWS)
     s = pa.Table.from_pylist(samples, schema=SAMPLES)
     meta = {
-        "run_id": run_id, "gpu_name": truth.gpu_name, "gpu_uuid": "GPU-synthetic-0", "model": model,
+        "run_id": run_id, "kind": "sweep", "gpu_name": truth.gpu_name, "gpu_uuid": "GPU-synthetic-0", "model": model,
         "min_limit_w": truth.min_limit_w, "max_limit_w": truth.max_limit_w,
         "default_limit_w": truth.default_limit_w, "level_kind": "power_limit", "levels": [float(x) for x in lv],
         "simulated": True, "synthetic": True, "command": "tests/synthetic_runs.py:make_run",

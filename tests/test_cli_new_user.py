@@ -308,3 +308,65 @@ def test_a_sweep_or_measure_into_a_daemon_dataset_is_refused(tmp_path):
             assert r.exit_code != 0 and f"--out {out} is inside the daemon dataset {tmp_path / 'node-0'}" in flat, r.output
             assert "Traceback" not in r.output and not out.exists(), r.output
     assert sim_limit_w() == 300.0
+
+
+def test_a_fifo_named_run_json_above_the_out_folder_is_no_run_and_no_hang(tmp_path):
+    # `sweep`/`measure --out D/x` hung for ever where D held a FIFO named run.json (anyone can make /tmp/run.json):
+    # the check for a run above --out opened it blocking, waiting for a writer that never came.
+    import os
+    import subprocess
+    import sys
+
+    d = tmp_path / "d"
+    d.mkdir()
+    os.mkfifo(d / "run.json")
+    for cmd in (["sweep", "--limits", "180,220", "--dry-run"], ["measure", "--requests", "2"]):
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", *cmd, "--simulate", "--out", str(d / cmd[0])],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "inside the powerprof run" not in r.stderr, r.stderr
+    assert sim_limit_w() == 300.0
+
+
+def test_only_a_run_json_of_ours_in_a_folder_of_ours_above_the_out_folder_refuses_it(tmp_path):
+    # Any windows.parquet in a folder above --out refused it "inside the powerprof run": after `export --format parquet
+    # --out . RUN` every sweep below the working folder, and an empty one planted in /tmp every --out below /tmp. A
+    # run.json of ours in a folder anyone may write to (sticky, world-writable: /tmp) or another user's is a plant too.
+    import os
+
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    (exported / "windows.parquet").write_bytes(b"")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (shared / "run.json").write_text('{"run_id": "x", "kind": "sweep"}')
+    places = [exported, shared]
+    if os.geteuid() == 0:
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "run.json").write_text('{"run_id": "x", "kind": "sweep"}')
+        os.chown(other, 65534, 65534)
+        places.append(other)
+    for place in places:
+        for cmd in (["sweep", "--limits", "180,220", "--dry-run"], ["measure", "--requests", "2"]):
+            (place / "sub").mkdir(exist_ok=True)
+            r = run(*cmd, "--simulate", "--out", str(place / "sub" / cmd[0]))
+            assert "inside the powerprof run" not in r.output, (place, r.output)
+            # As root, below another user's folder is refused for that (safety.md's trust boundaries), not as a run.
+            assert r.exit_code == 0 or (place.name == "other" and "refus" in r.output), (place, r.output)
+    assert sim_limit_w() == 300.0
+
+
+def test_the_default_out_folder_inside_a_run_is_refused_as_a_given_one_is(tmp_path, monkeypatch):
+    # `cd RUN && powerprof sweep` made RUN/runs/<stamp>: the check for a run above --out skipped the default folder.
+    from synthetic_runs import make_run, seed_truth
+
+    sweep_run = make_run(tmp_path / "r1", seed_truth(), levels=(220, 300), n_requests=4)
+    monkeypatch.chdir(sweep_run)
+    for cmd in (["sweep", "--limits", "180,220", "--dry-run"], ["measure", "--requests", "2"]):
+        r = run(*cmd, "--simulate")
+        flat = " ".join(r.output.split())
+        assert r.exit_code != 0 and "the default run folder runs/" in flat, r.output
+        assert f"is inside the powerprof run {sweep_run}" in flat and "give a folder outside it with --out" in flat, flat
+        assert not (sweep_run / "runs").exists(), r.output
+    assert sim_limit_w() == 300.0

@@ -415,6 +415,42 @@ def test_force_default_on_the_simulator_leaves_a_file_of_another_state_file_alon
     assert r.exit_code == 0 and not path.exists() and _limit_w(a) == default_w, r.output
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a state file in another user's folder is refused only to root")
+def test_a_record_of_a_state_file_root_may_not_use_names_the_routes_that_work(tmp_path, monkeypatch):
+    # A sudo user's simulated sweep (its state file in their home) was killed -9. Root without sudo was stuck: the
+    # refusal said `POWERPROF_SIM_STATE=/home/U/... powerprof restore --simulate`, which root's own check on that
+    # folder then refused ("owned by uid N"), and --force-default was refused both ways: no way out was named.
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    default_w = _limit_w(a)
+    origin = {"profile": "seed-16g", "count": 1, "state_file": os.path.realpath(a / "sim.json")}
+    with LimitController(_sim(a), [0], origin=origin) as ctl:
+        ctl.set_power_limit_w(default_w - 50)
+        path = ctl.restore_path
+        ctl._record = None  # killed here
+    for f in (a, a / "sim.json"):
+        os.chown(f, 65534, 65534)
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(b / "sim.json"))
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    for force in ([], ["--force-default"]):
+        r = CliRunner().invoke(main, ["restore", "--simulate", "seed-16g", *force])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and path.exists(), r.output
+        assert f"records the simulated GPUs of the state file {origin['state_file']}" in flat, r.output
+        assert f"is owned by uid 65534, not root" in flat, r.output
+        assert (f"`sudo env POWERPROF_SIM_STATE={origin['state_file']} powerprof restore --simulate --restore-file "
+                f"{path}`" in flat), r.output
+        assert f"`rm {path}`" in flat and "no real GPU" in flat, r.output
+        assert f"`POWERPROF_SIM_STATE={origin['state_file']} powerprof restore --simulate`" not in flat, r.output
+    # The sudo route works: run by that user, whose folder sudo's root trusts.
+    monkeypatch.setenv("POWERPROF_SIM_STATE", origin["state_file"])
+    monkeypatch.setenv("SUDO_UID", "65534")
+    r = CliRunner().invoke(main, ["restore", "--simulate", "--restore-file", str(path)])
+    assert r.exit_code == 0 and not path.exists(), r.output
+    assert _limit_w(a) == default_w
+
+
 def test_force_default_on_the_simulator_names_the_profile_a_damaged_files_name_proves(tmp_path, monkeypatch):
     # Written for another simulated profile's GPU: refused here (its GPUs are not this simulator's), with
     # the command that acts on them.

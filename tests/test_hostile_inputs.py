@@ -235,12 +235,39 @@ def _deep_tuner_table(tmp_path):
         load_table(tmp_path / "t.toml")
 
 
+def _deep_run_json_above_out(tmp_path):
+    from powerprof.paths import is_powerprof_run
+
+    (tmp_path / "run.json").write_text(DEEP)
+    assert not is_powerprof_run(tmp_path)  # no run of ours above `--out`, as a run.json not valid JSON
+
+
+def _deep_sim_state_file(tmp_path, caplog):
+    from powerprof.sim.nvml import _StateFile
+
+    (tmp_path / "sim.json").write_text(DEEP)
+    assert _StateFile(tmp_path / "sim.json").load() == {}
+    assert "not valid JSON (nested deeper than Python's parser goes)" in caplog.text, caplog.text
+
+
+def _deep_prompts_file(tmp_path):
+    from powerprof.workload.load import PromptFileError, load_prompts
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n' + DEEP + "\n")
+    with pytest.raises(PromptFileError, match=r"p.jsonl:2: not valid JSON \(nested deeper than Python's parser goes\)"):
+        load_prompts(tmp_path / "p.jsonl")
+
+
 @pytest.mark.parametrize("reader", [_deep_restore_file, _deep_run_json, _deep_run_json_no_level, _deep_daemon_config,
-                                    _deep_tuner_table])
-def test_a_file_nested_past_pythons_stack_is_said_damaged_not_a_traceback(tmp_path, reader):
+                                    _deep_tuner_table, _deep_run_json_above_out, _deep_sim_state_file,
+                                    _deep_prompts_file])
+def test_a_file_nested_past_pythons_stack_is_said_damaged_not_a_traceback(tmp_path, reader, caplog):
     # The readers caught ValueError only: 200,000 `[` was a RecursionError traceback (`restore`, `devices`, `sweep` on
-    # such a restore file; `analyze` on such a run.json; the daemon exited 1, not its config error's 2).
-    reader(tmp_path)
+    # such a restore file; `analyze` on such a run.json; the daemon exited 1, not its config error's 2; `sweep` and
+    # `measure` on such a run.json in a folder above --out, on such a simulator state file or --prompts file).
+    import inspect
+
+    reader(tmp_path, caplog) if "caplog" in inspect.signature(reader).parameters else reader(tmp_path)
 
 
 def test_the_daemon_says_a_config_nested_past_pythons_stack_as_a_config_error(tmp_path):

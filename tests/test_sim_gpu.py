@@ -231,5 +231,16 @@ def test_as_root_a_state_file_in_a_folder_another_user_controls_is_refused(tmp_p
         assert f"simulator state file {theirs / 'sim.json'}" in said and "owned by uid 65534" in said, said
         assert "Traceback" not in r.output
     assert list(theirs.iterdir()) == [] and not (tmp_path / "run").exists()
+    # The daemon logged "ERROR … restoring the limits left by a crashed sweep failed: SimStateRefused: …" before its
+    # one-line error, though no sweep had crashed: the refusal is said once, as the error.
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "--data-dir",
+                        str(tmp_path / "data"), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
+                       capture_output=True, text=True, timeout=120)
+    said = " ".join((r.stdout + r.stderr).split())
+    assert r.returncode == 1 and said.count("owned by uid 65534") == 1, said
+    assert "crashed sweep" not in said and "Traceback" not in said, said
     monkeypatch.setenv("SUDO_UID", "65534")  # the user who ran sudo: their own folder, as for `sweep --out`
     SimNVML("seed-16g")

@@ -388,7 +388,7 @@ def restore_from_file(
     path: Path | str | None = None,
     *,
     nvml_factory: Callable[[dict], object] = _real_nvml,
-    refuse: Callable[[dict], str | None] = lambda record: None,
+    refuse: Callable[[dict, Path], str | None] = lambda record, path: None,
     nvidia_smi: NvidiaSmi = run_nvidia_smi,
     directory: Path | None = None,
     tolerance_w: float = DEFAULT_TOLERANCE_W,
@@ -401,8 +401,8 @@ def restore_from_file(
     Each GPU's lock is taken first, so a controller that is still running is left alone. A file is
     removed only when every GPU in it is back; otherwise it stays for the next attempt.
     `nvml_factory(record)` opens the NVML the record was made with (the door decides: pynvml or a
-    simulator); `refuse(record)` returns why a record must be left alone, or None. A named `path`
-    that does not exist is a failure, not "nothing to restore".
+    simulator); `refuse(record, file)` returns why the record of restore file `file` must be left alone, or None. A
+    named `path` that does not exist is a failure, not "nothing to restore".
     """
     unlisted: list = []
     if path is not None:
@@ -459,7 +459,7 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
     if early is not None:
         return early
     rec = load_record(path)
-    why = refuse(rec)
+    why = refuse(rec, path)
     if why:
         return FileOutcome(path, "refused", f"Not restored: {path} {why}")
     if (why := state_folder_refusal(lock_dir)) is not None:  # before any lock is taken there

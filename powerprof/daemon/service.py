@@ -178,9 +178,15 @@ def datasets() -> list[Dataset]:
 
 
 def restore_pending(rig) -> None:
-    """Put back power limits a crashed sweep left behind, and say so in the log."""
+    """Put back power limits a crashed sweep left behind, and say so in the log. A simulator state file refused
+    (`trust.PlaceRefused`) is no failed restore: it stops the start, said once as its error (it was logged first as
+    "restoring the limits left by a crashed sweep failed", though no sweep had crashed)."""
+    from powerprof.trust import PlaceRefused
+
     try:
         report = rig.restore()
+    except PlaceRefused:
+        raise
     except Exception as e:
         log.error("restoring the limits left by a crashed sweep failed: %s", error_text(e))
         return

@@ -29,7 +29,7 @@ from typing import Callable
 import pynvml
 
 from powerprof.paths import temp_sibling, user_state_home
-from powerprof.trust import untrusted_out_dir
+from powerprof.trust import PlaceRefused, untrusted_out_dir
 
 from .gpu import SimGpu
 from .profiles import DEFAULT_PROFILE, MAX_SIM_GPUS, GpuProfile, get_profiles
@@ -136,7 +136,7 @@ RESET_SAID = "taken as the default until set again"
 _SAID: set[str] = set()  # the state file's warnings said so far in this process (`_StateFile.warn`)
 
 
-class SimStateRefused(PermissionError):
+class SimStateRefused(PlaceRefused):
     """The simulator's state file is where it must not be used: as root, in a folder another user controls, or with a
     symlink at its lock's name. The message names the file, why and the fix (nothing was written)."""
 
@@ -212,8 +212,9 @@ class _StateFile:
             return {}
         try:
             state = json.loads(self.path.read_text())
-        except (OSError, ValueError) as e:  # truncated or no text (UnicodeDecodeError is a ValueError); unreadable
-            why = "not valid JSON" if isinstance(e, ValueError) else f"cannot be read ({e.strerror or e})"
+        except (OSError, ValueError, RecursionError) as e:  # truncated or no text (UnicodeDecodeError is a ValueError)
+            why = ("not valid JSON (nested deeper than Python's parser goes)" if isinstance(e, RecursionError)
+                   else "not valid JSON" if isinstance(e, ValueError) else f"cannot be read ({e.strerror or e})")
             self.warn(f"{why}: every GPU's power limit and clock lock: {RESET_SAID}")
             return {}
         if not isinstance(state, dict):

@@ -114,20 +114,25 @@ def run_folder_gone(path) -> str | None:
     return f"the run folder {path} is no longer a folder (removed or replaced while the sweep ran)"
 
 
-def given_out_problem(out: Path, flag: str = "--out") -> str | None:
-    """Why a folder the user named is not made: its parent is missing (a typo made a tree of folders from /, root's
-    `sweep --out /nonexistent/dir/out` among them). None where it may be made; the default one is never asked."""
-    from powerprof.paths import daemon_dataset_above, is_powerprof_run  # noqa: PLC0415
+def given_out_problem(out: Path, flag: str = "--out", default: bool = False) -> str | None:
+    """Why a folder the user named is not made: inside a daemon dataset or a powerprof run, or its parent is missing (a
+    typo made a tree of folders from /, root's `sweep --out /nonexistent/dir/out` among them). None where it may be
+    made. `default`: the default run folder (`runs/<stamp>`), whose parent is made as needed: only the first two."""
+    from powerprof.paths import daemon_dataset_above, run_folder_above  # noqa: PLC0415
 
+    said = f"the default run folder {out}" if default else f"{flag} {out}"
     if (above := daemon_dataset_above(out)) is not None:
         # `sweep --out NODE/requests/r1`: the run's tables were read by `analyze NODE` as request rows, unsaid.
-        return (f"{flag} {out} is inside the daemon dataset {above}: the run's tables there would be read as its rows, "
+        return (f"{said} is inside the daemon dataset {above}: the run's tables there would be read as its rows, "
                 f"or as one more table of it; give a folder outside it with {flag}")
-    if (above := next((q for q in Path(os.path.abspath(out)).parents if is_powerprof_run(q)), None)) is not None:
+    if (above := run_folder_above(out)) is not None:
         # `sweep --out RUN/levels`, `--out RUN/analysis/x` were taken: a run inside another's folder, copied, moved and
-        # removed with it, and in RUN/analysis among the report `analyze RUN` writes there.
-        return (f"{flag} {out} is inside the powerprof run {above}: a run there is copied, moved and removed with that "
+        # removed with it, and in RUN/analysis among the report `analyze RUN` writes there. `cd RUN && powerprof
+        # sweep` the same, in RUN/runs/<stamp>.
+        return (f"{said} is inside the powerprof run {above}: a run there is copied, moved and removed with that "
                 f"run, and taken for part of it; give a folder outside it with {flag} (beside it: {above.parent})")
+    if default:
+        return None
     parent = Path(os.path.join(os.getcwd(), out)).parent
     if os.path.lexists(out) or os.path.lexists(parent):  # a parent that is a file: the mkdir's own error says it
         return None

@@ -130,6 +130,8 @@ def load_prompts(path: str | Path) -> list[Prompt]:
             obj = json.loads(line)
         except ValueError as e:
             raise PromptFileError(f"{p}:{no}: not valid JSON ({e.msg})") from None
+        except RecursionError:  # nested past Python's stack: no ValueError, and it was a traceback
+            raise PromptFileError(f"{p}:{no}: not valid JSON (nested deeper than Python's parser goes)") from None
         if not isinstance(obj, dict):
             raise PromptFileError(f"{p}:{no}: expected a JSON object like {{\"prompt\": \"...\"}}")
         text = obj.get("prompt", obj.get("text"))
