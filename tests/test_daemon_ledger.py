@@ -516,7 +516,9 @@ def _whole_answer_beside_scrapes(counted: int, until_s: float, books: str | None
     rows emitted. `books`: what each page says of the server's requests (scrape.Scraper.served): None, nothing (llama.cpp,
     SGLang, an older vLLM); "own", vLLM's, the answer running 1-3.5 s and finished then; "bypass", another request
     beside it, running 2-3 s and finished then; "stale", "own" but its running gauge stuck at 1 after it (a vLLM
-    before vllm-project/vllm#29928 after an abort)."""
+    before vllm-project/vllm#29928 after an abort); "aborted", "own" but 6 of the counter's tokens not in the finished
+    requests' histogram (vllm:request_generation_tokens_sum: a bypass request aborted unfinished generated them);
+    "nohist", "own" with no such histogram."""
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     tr = RequestTrace(1, "POST", "/v1/completions", None, int(0.9 * S), 0, api="openai-completions", stream=None)
@@ -541,7 +543,13 @@ def _whole_answer_beside_scrapes(counted: int, until_s: float, books: str | None
                 done = (now >= int(3.5 * S)) + (books == "bypass" and now >= 3 * S)
                 running = ((S <= now < int(3.5 * S) or (books == "stale" and now >= S))
                            + (books == "bypass" and 2 * S <= now < 3 * S))
-                book = (float(done), float(running))
+                # vllm:request_generation_tokens_sum: the answer's `counted` once it finished (the bypass one's
+                # tokens are not in this counter either)
+                book = (float(done), float(running), float(counted if now >= int(3.5 * S) else 0))
+                if books == "aborted":  # 6 of the counter's tokens from a request aborted unfinished: in no histogram
+                    book = (*book[:2], float(min(book[2], 30)))
+                if books == "nohist":  # a page without the histogram
+                    book = book[:2]
             led.add_server_tokens(now, n - served, prev, served=book)
             prev, served = now, n
         if step % 20 == 0:
@@ -582,7 +590,7 @@ def test_a_whole_answers_usage_above_the_servers_counter_is_said_with_both_count
     assert "usage_above_counter" in row["energy_note"]  # its energy is of intervals whose count is not complete
 
 
-@pytest.mark.parametrize("books", ["own", "bypass", "stale", None])
+@pytest.mark.parametrize("books", ["own", "bypass", "stale", "aborted", "nohist", None])
 def test_a_whole_answers_usage_below_the_servers_counter_is_said_where_the_servers_books_rule_out_bypass(books):
     # A non-streamed answer whose usage says 30 where the server's counter counted 36 as it generated it (a usage lying
     # low, 0.83x), then quiet. Bypass traffic raises the counter the same way; vLLM's books tell them apart: over a
@@ -603,7 +611,9 @@ def test_a_whole_answers_usage_below_the_servers_counter_is_said_where_the_serve
         assert busy and all("usage_below_counter" in r["server_count"] for r in busy), [r["server_count"] for r in busy]
         return
     # Another request finished beside it ("bypass"), a gauge that reads a request running at the quiet end ("stale":
-    # stuck, or a bypass request running across it: nothing tells), or the server tells nothing of its requests (None):
+    # stuck, or a bypass request running across it: nothing tells), a counter above its finished requests' tokens
+    # ("aborted": a request it never finished, bypass maybe; before, judged the usage's), or the server tells nothing
+    # of its requests, or not their tokens (None, "nohist"):
     # the surplus is bypass traffic's, as before, and nothing says usage_below_counter.
     assert row["error"] is None and row["gpu_j_per_token"] is not None, row["error"]
     assert bypass == pytest.approx(6.0, abs=1.0)

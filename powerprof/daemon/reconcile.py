@@ -110,9 +110,10 @@ class _ScrapeWindow:
     # What the reads at its edges may have missed or taken early, (early, late) at its start then at its end (set when
     # resolved: `_read_unsure`).
     read_unsure: tuple[float, float, float, float] | None = None
-    # The server's (requests finished since its start, requests running and queued) on the page read at its end
+    # The server's (requests finished since its start, requests running and queued, finished requests' generated tokens)
+    # on the page read at its end
     # (scrape.Scraper.served: vLLM's); None where not told (`_judge_usage_below`).
-    served: tuple[float, float] | None = None
+    served: tuple[float, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -139,7 +140,7 @@ class _UsageStretch:
     # For `_judge_usage_below`: its start (the quiet scrape before it; None: the daemon's first stretch) and the server's
     # (requests finished, in flight) read there; its resolved windows not yet spent, and those holding usage-only tokens;
     start_ns: int | None = None
-    start_served: tuple[float, float] | None = None
+    start_served: tuple[float, ...] | None = None
     spans: list = field(default_factory=list)
     usage_spans: list = field(default_factory=list)
     # its windows wait for its quiet scrape (its counter over a token above the proxy's as of its latest resolved
@@ -271,7 +272,7 @@ class CountReconciler:
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
-                          read_ns: tuple[int, int] | None = None, served: tuple[float, float] | None = None) -> None:
+                          read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: spread
         evenly over that time, so bypass tokens land in the intervals where they were generated.
         `at_finish`: the server counts a request's tokens when it finishes (SGLang; scrape.AT_FINISH).
@@ -282,8 +283,8 @@ class CountReconciler:
         the intervals it covers say so in `server_count`, and the requests given their energy in `energy_note`.
         `read_ns`: the (start, end) of the GET that read the counter (`t_ns` is its midpoint): the server read it
         somewhere in there, so the proxy's tokens inside it may or may not be in this count (`resolve_spans`).
-        `served`: the server's (requests finished since its start, requests running and queued) on the page read at
-        `t_ns` (scrape.Scraper.served); None where not told (`_judge_usage_below`)."""
+        `served`: the server's (requests finished since its start, requests running and queued, finished requests'
+        generated tokens) on the page read at `t_ns` (scrape.Scraper.served); None where not told (`_judge_usage_below`)."""
         if not self.server_seen:
             # The proxy's token events are listed for the scrape windows (`proxied`, `finished`) only once a server
             # is read. Its first window starts at the baseline read, before the daemon's ready, and its first pass can
@@ -311,7 +312,7 @@ class CountReconciler:
             t0_ns=int(t0), t1_ns=int(t_ns), server_tokens=float(delta), finished_latency=fin, partial=tuple(partial),
             restarted="server_restart" in partial, read_span_ns=read,
             finished_requests=int(finished[0]) if at_finish and finished is not None else None,
-            served=(float(served[0]), float(served[1])) if served is not None else None))
+            served=tuple(float(v) for v in served) if served is not None else None))
         if "server_restart" in partial:
             self.restarts.append((int(t0), int(t_ns)))
 
@@ -1223,7 +1224,10 @@ class CountReconciler:
         Bypass traffic raises the counter just as such a usage does, and nothing else tells them apart: before, every
         such surplus was booked as bypass (unproxied), the rows kept J/token over the low count, all `complete`. The
         finished count alone would miss a bypass request running across the stretch's end, the gauges alone one that
-        began and ended inside it. Where the page shows neither (llama.cpp, SGLang, an older vLLM), nothing changes."""
+        began and ended inside it; neither counts a request the server aborted unfinished, whose tokens the counter
+        holds: the counter may rise no more than USAGE_ABOVE_TOKENS over its finished requests' tokens
+        (vllm:request_generation_tokens_sum). Where the page shows none (llama.cpp, SGLang, an older vLLM), nothing
+        changes."""
         surplus = st.server_n - st.placed_n
         if (st.below or st.untold or st.bypass_seen or st.unjudged or st.usage_n <= 0 or st.start_served is None
                 or st.start_ns is None or sp.served is None
@@ -1232,6 +1236,11 @@ class CountReconciler:
         ends = [counted for t, counted in self._ends if st.start_ns < t <= sp.t1_ns]
         if (st.start_served[1] != 0 or sp.served[1] != 0 or not all(ends)
                 or sp.served[0] - st.start_served[0] != len(ends)):
+            return False
+        # Tokens the counter counted that no finished request's histogram holds: a request aborted unfinished (vLLM
+        # counts none in request_success_total) generated them, a bypass one maybe (the proxy's cut ones say so above).
+        if (len(sp.served) < 3 or len(st.start_served) < 3
+                or st.server_n - (sp.served[2] - st.start_served[2]) > USAGE_ABOVE_TOKENS):
             return False
         st.below = True
         for x in st.spans:
