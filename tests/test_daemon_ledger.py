@@ -626,21 +626,24 @@ def test_a_whole_answers_usage_below_the_servers_counter_is_said_where_the_serve
     assert not any("usage_below_counter" in r["server_count"] for r in ivs)
 
 
-def test_steady_whole_answers_with_no_quiet_scrape_keep_bounded_state_and_close_within_the_hold():
+@pytest.mark.parametrize("usage", [6, 5])
+def test_steady_whole_answers_with_no_quiet_scrape_keep_bounded_state_and_close_within_the_hold(usage):
     # 400 whole answers of 6 tokens, one every 0.3 s, each 0.5 s long (two live at once: never a quiet scrape), the
-    # counter exact: what the reconciler keeps to judge their usage stays bounded (reconcile.USAGE_REQUESTS_KEPT past the
-    # live ones), their intervals are not held for it, and nothing says usage_above_counter.
+    # counter exact, vLLM's books on its pages: what the reconciler keeps to judge their usage stays bounded
+    # (reconcile.USAGE_REQUESTS_KEPT past the live ones), their intervals are not held for it, and nothing says
+    # usage_above_counter. A usage of 5 (below the counter: judged only at a quiet scrape, which never comes) holds
+    # them no more: before, every interval waited SCRAPE_HOLD_S (10 s) for it.
     from powerprof.daemon.reconcile import USAGE_REQUESTS_KEPT
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     _feed(led, 0.0, 0.0)
-    led.add_server_tokens(int(0.25 * S), 0.0)
+    led.add_server_tokens(int(0.25 * S), 0.0, served=(0.0, 0.0, 0.0))
     trs, ends, served, counted, prev = {}, {}, 0.0, 0.0, int(0.25 * S)
     most_kept = 0
-    for step in range(6, 2500):  # 0.3 s ... 125 s, every 0.05 s
+    for step in range(6, 2560):  # 0.3 s ... 128 s, every 0.05 s; quiet until 3 s (a quiet scrape: a stretch begins)
         now = step * S // 20
-        if step % 6 == 0 and step // 6 <= 400:  # a new answer every 0.3 s
-            rid = step // 6
+        if step % 6 == 0 and 10 <= step // 6 <= 409:  # a new answer every 0.3 s
+            rid = step // 6 - 9
             trs[rid] = tr = RequestTrace(rid, "POST", "/v1/completions", None, now, 0, api="openai-completions",
                                          stream=None)
             led.on_start(tr)
@@ -650,15 +653,18 @@ def test_steady_whole_answers_with_no_quiet_scrape_keep_bounded_state_and_close_
             del ends[rid]
             tr.stream = False
             tr.first_ns, tr.last_ns, tr.end_ns = tr.arrival_ns + S // 10, now, now
-            tr.tokens_seen = 6
+            tr.tokens_seen = usage
             tr.extra["spread"] = True
-            tr.counts = Counts(generated_tokens=6, prompt_tokens=5, model=None, stop_reason=None, token_source="usage")
+            tr.counts = Counts(generated_tokens=usage, prompt_tokens=5, model=None, stop_reason=None,
+                               token_source="usage")
             led.on_end(tr)
         # the server counts each live answer's 6 tokens evenly over its last 0.4 s
         counted = sum(min(max((now - (e - 2 * S // 5)) / (2 * S // 5), 0.0), 1.0) * 6 for e in ends.values())
         if step % 5 == 0:
-            done = 6.0 * (min(step // 6, 400) - len(ends))
-            led.add_server_tokens(now, done + counted - served, prev)
+            n_done = min(max(step // 6 - 9, 0), 400) - len(ends)
+            done = 6.0 * n_done
+            led.add_server_tokens(now, done + counted - served, prev,
+                                  served=(float(n_done), float(len(ends)), done))
             prev, served = now, done + counted
         if step % 5 == 0:
             _feed(led, now / S, 100.0 * now / S)
@@ -669,7 +675,7 @@ def test_steady_whole_answers_with_no_quiet_scrape_keep_bounded_state_and_close_
             # Steady, the counter keeping up: nothing holds its intervals for the judgment (1.45 s behind at most, as
             # the scrapes' LAG_S lookahead makes them; held to a quiet scrape, SCRAPE_HOLD_S and more).
             assert sink.rows["intervals"][-1]["t_start_mono_s"] > now / S - 2.5
-    led.close_all(int(125.2 * S))
+    led.close_all(int(128.2 * S))
     assert most_kept <= USAGE_REQUESTS_KEPT + 4 and len(led.recon._usage_only) < 1000
     assert len(sink.rows["requests"]) == 400
     assert not any("usage_above_counter" in (r["error"] or "") for r in sink.rows["requests"])

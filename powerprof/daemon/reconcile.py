@@ -81,6 +81,11 @@ COUNTER_BELOW = SERVER_COUNT_BELOW
 # (tests/test_daemon_token_counts.py's scene: an honest counter fell 0 tokens short of 207 usage-only tokens at 4 tokens
 # a chunk, 0 of 120 at one a chunk; a usage saying 1.25x, 60 of 180).
 USAGE_ABOVE_TOKENS = 3.0
+# A stretch whose counter stands above the proxy's holds its windows for its quiet scrape (`usage_hold_ns`) while it
+# is younger than this, or no proxied request is live: busier longer, its quiet scrape is not near (steady traffic).
+# The usage-below scene (tests/test_daemon_token_counts.py: six answers of about 1 s back to back) is 7.5 s from its
+# quiet scrape to its last end; 5 s let its first whole answer's windows go, booked as bypass.
+USAGE_BELOW_BUSY_S = 8.0
 USAGE_ABOVE_SHARE = 0.05
 # usage-only token events kept unjudged at most (each window's are let go as it is resolved), and proxied requests' ends
 # (`note_end`, let go at each quiet scrape)
@@ -351,14 +356,18 @@ class CountReconciler:
         for 14 s (no quiet scrape) left the first 3 s of intervals and 4 of 22 rows unsaid (10 s: none). None: none
         waits. Also, where the server tells its requests (`_judge_usage_below`), while the stretch's counter stands over a
         token above the proxy's tokens with usage-only tokens in it and its server's books show no request not the
-        proxy's so far: all its windows not yet spent wait, SCRAPE_HOLD_S at most (closed before its quiet scrape, their
-        surplus is booked as bypass tokens, as where the server does not tell)."""
+        proxy's so far: all its windows not yet spent wait, SCRAPE_HOLD_S at most, and only while the stretch is younger
+        than USAGE_BELOW_BUSY_S or no proxied request is live (closed before its quiet scrape, their surplus is booked
+        as bypass tokens, as where the server does not tell)."""
         st = self._stretch
         held = [sp.t0_ns for sp in st.windows] if not st.above else []
-        if st.below_hold and not (st.below or st.untold or st.bypass_seen or st.unjudged):
+        if (st.below_hold and not (st.below or st.untold or st.bypass_seen or st.unjudged)
+                and (st.end_ns - st.start_ns < USAGE_BELOW_BUSY_S * 1e9 or not self._live_now())):
             # A counter standing above the proxy's where usage-only tokens were placed: bypass traffic or a usage
             # lying low, told apart only at the stretch's quiet scrape (`_judge_usage_below`); its windows' bypass
-            # tokens are not booked until then.
+            # tokens are not booked until then. Only while that scrape may be near: a stretch busy for over
+            # USAGE_BELOW_BUSY_S with a proxied request live now (steady traffic) lets them go, booked as bypass.
+            # Held to the 10 s of SCRAPE_HOLD_S whatever, under steady traffic every row came 10 s late.
             held += [sp.t0_ns for sp in st.spans]
         return min(held, default=None)
 
@@ -456,6 +465,10 @@ class CountReconciler:
             return True
         t, d = after
         return t - before > reach_ns or (t - int(d * 1e9) <= edge_ns and t - edge_ns > reach_ns)
+
+    def _live_now(self) -> bool:
+        """Whether a proxied request is live now (not ended): no quiet scrape comes before it ends."""
+        return any(q.trace.api is not None and q.trace.end_ns is None for q in self.requests.values())
 
     def _live_at(self, t_ns: int) -> bool:
         """Whether a proxied request was live at `t_ns` (arrived before it, not ended by it): one whose tokens the proxy
