@@ -516,7 +516,11 @@ def _whole_answer_beside_scrapes(counted: int, until_s: float, books: str | None
     rows emitted. `books`: what each page says of the server's requests (scrape.Scraper.served): None, nothing (llama.cpp,
     SGLang, an older vLLM); "own", vLLM's, the answer running 1-3.5 s and finished then; "bypass", another request
     beside it, running 2-3 s and finished then; "stale", "own" but its running gauge stuck at 1 after it (a vLLM
-    before vllm-project/vllm#29928 after an abort)."""
+    before vllm-project/vllm#29928 after an abort); "aborted", "own" but 6 of the counter's tokens not in the finished
+    requests' histogram (vllm:request_generation_tokens_sum: a bypass request aborted unfinished generated them);
+    "nohist", "own" with no such histogram; "between", the answer's usage true (30) and a bypass answer of 6 tokens
+    (the counter's 6 more) started and finished between the scrapes at 2 and 2.25 s: no page shows it running, the
+    proxy's answer live beside it hides it from the finished count until the quiet end."""
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     tr = RequestTrace(1, "POST", "/v1/completions", None, int(0.9 * S), 0, api="openai-completions", stream=None)
@@ -541,7 +545,16 @@ def _whole_answer_beside_scrapes(counted: int, until_s: float, books: str | None
                 done = (now >= int(3.5 * S)) + (books == "bypass" and now >= 3 * S)
                 running = ((S <= now < int(3.5 * S) or (books == "stale" and now >= S))
                            + (books == "bypass" and 2 * S <= now < 3 * S))
-                book = (float(done), float(running))
+                # vllm:request_generation_tokens_sum: the answer's `counted` once it finished (the bypass one's
+                # tokens are not in this counter either)
+                book = (float(done), float(running), float(counted if now >= int(3.5 * S) else 0))
+                if books == "aborted":  # 6 of the counter's tokens from a request aborted unfinished: in no histogram
+                    book = (*book[:2], float(min(book[2], 30)))
+                if books == "nohist":  # a page without the histogram
+                    book = book[:2]
+                if books == "between":  # a bypass answer of 6 running 2.05-2.2 s: finished, never seen running
+                    byp = now >= int(2.25 * S)
+                    book = (book[0] + byp, book[1], float(30 * (now >= int(3.5 * S)) + 6 * byp))
             led.add_server_tokens(now, n - served, prev, served=book)
             prev, served = now, n
         if step % 20 == 0:
@@ -582,7 +595,7 @@ def test_a_whole_answers_usage_above_the_servers_counter_is_said_with_both_count
     assert "usage_above_counter" in row["energy_note"]  # its energy is of intervals whose count is not complete
 
 
-@pytest.mark.parametrize("books", ["own", "bypass", "stale", None])
+@pytest.mark.parametrize("books", ["own", "bypass", "between", "stale", "aborted", "nohist", None])
 def test_a_whole_answers_usage_below_the_servers_counter_is_said_where_the_servers_books_rule_out_bypass(books):
     # A non-streamed answer whose usage says 30 where the server's counter counted 36 as it generated it (a usage lying
     # low, 0.83x), then quiet. Bypass traffic raises the counter the same way; vLLM's books tell them apart: over a
@@ -602,29 +615,35 @@ def test_a_whole_answers_usage_below_the_servers_counter_is_said_where_the_serve
         assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-6)
         assert busy and all("usage_below_counter" in r["server_count"] for r in busy), [r["server_count"] for r in busy]
         return
-    # Another request finished beside it ("bypass"), a gauge that reads a request running at the quiet end ("stale":
-    # stuck, or a bypass request running across it: nothing tells), or the server tells nothing of its requests (None):
+    # Another request finished beside it ("bypass"; "between": only the finished count at the quiet end, one more than
+    # the proxy's ends, shows it; before, no test failed without that check), a gauge that reads a request running at the quiet end ("stale":
+    # stuck, or a bypass request running across it: nothing tells), a counter above its finished requests' tokens
+    # ("aborted": a request it never finished, bypass maybe; before, judged the usage's), or the server tells nothing
+    # of its requests, or not their tokens (None, "nohist"):
     # the surplus is bypass traffic's, as before, and nothing says usage_below_counter.
     assert row["error"] is None and row["gpu_j_per_token"] is not None, row["error"]
     assert bypass == pytest.approx(6.0, abs=1.0)
     assert not any("usage_below_counter" in r["server_count"] for r in ivs)
 
 
-def test_steady_whole_answers_with_no_quiet_scrape_keep_bounded_state_and_close_within_the_hold():
+@pytest.mark.parametrize("usage", [6, 5])
+def test_steady_whole_answers_with_no_quiet_scrape_keep_bounded_state_and_close_within_the_hold(usage):
     # 400 whole answers of 6 tokens, one every 0.3 s, each 0.5 s long (two live at once: never a quiet scrape), the
-    # counter exact: what the reconciler keeps to judge their usage stays bounded (reconcile.USAGE_REQUESTS_KEPT past the
-    # live ones), their intervals are not held for it, and nothing says usage_above_counter.
+    # counter exact, vLLM's books on its pages: what the reconciler keeps to judge their usage stays bounded
+    # (reconcile.USAGE_REQUESTS_KEPT past the live ones), their intervals are not held for it, and nothing says
+    # usage_above_counter. A usage of 5 (below the counter: judged only at a quiet scrape, which never comes) holds
+    # them no more: before, every interval waited SCRAPE_HOLD_S (10 s) for it.
     from powerprof.daemon.reconcile import USAGE_REQUESTS_KEPT
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     _feed(led, 0.0, 0.0)
-    led.add_server_tokens(int(0.25 * S), 0.0)
+    led.add_server_tokens(int(0.25 * S), 0.0, served=(0.0, 0.0, 0.0))
     trs, ends, served, counted, prev = {}, {}, 0.0, 0.0, int(0.25 * S)
     most_kept = 0
-    for step in range(6, 2500):  # 0.3 s ... 125 s, every 0.05 s
+    for step in range(6, 2560):  # 0.3 s ... 128 s, every 0.05 s; quiet until 3 s (a quiet scrape: a stretch begins)
         now = step * S // 20
-        if step % 6 == 0 and step // 6 <= 400:  # a new answer every 0.3 s
-            rid = step // 6
+        if step % 6 == 0 and 10 <= step // 6 <= 409:  # a new answer every 0.3 s
+            rid = step // 6 - 9
             trs[rid] = tr = RequestTrace(rid, "POST", "/v1/completions", None, now, 0, api="openai-completions",
                                          stream=None)
             led.on_start(tr)
@@ -634,15 +653,18 @@ def test_steady_whole_answers_with_no_quiet_scrape_keep_bounded_state_and_close_
             del ends[rid]
             tr.stream = False
             tr.first_ns, tr.last_ns, tr.end_ns = tr.arrival_ns + S // 10, now, now
-            tr.tokens_seen = 6
+            tr.tokens_seen = usage
             tr.extra["spread"] = True
-            tr.counts = Counts(generated_tokens=6, prompt_tokens=5, model=None, stop_reason=None, token_source="usage")
+            tr.counts = Counts(generated_tokens=usage, prompt_tokens=5, model=None, stop_reason=None,
+                               token_source="usage")
             led.on_end(tr)
         # the server counts each live answer's 6 tokens evenly over its last 0.4 s
         counted = sum(min(max((now - (e - 2 * S // 5)) / (2 * S // 5), 0.0), 1.0) * 6 for e in ends.values())
         if step % 5 == 0:
-            done = 6.0 * (min(step // 6, 400) - len(ends))
-            led.add_server_tokens(now, done + counted - served, prev)
+            n_done = min(max(step // 6 - 9, 0), 400) - len(ends)
+            done = 6.0 * n_done
+            led.add_server_tokens(now, done + counted - served, prev,
+                                  served=(float(n_done), float(len(ends)), done))
             prev, served = now, done + counted
         if step % 5 == 0:
             _feed(led, now / S, 100.0 * now / S)
@@ -653,7 +675,7 @@ def test_steady_whole_answers_with_no_quiet_scrape_keep_bounded_state_and_close_
             # Steady, the counter keeping up: nothing holds its intervals for the judgment (1.45 s behind at most, as
             # the scrapes' LAG_S lookahead makes them; held to a quiet scrape, SCRAPE_HOLD_S and more).
             assert sink.rows["intervals"][-1]["t_start_mono_s"] > now / S - 2.5
-    led.close_all(int(125.2 * S))
+    led.close_all(int(128.2 * S))
     assert most_kept <= USAGE_REQUESTS_KEPT + 4 and len(led.recon._usage_only) < 1000
     assert len(sink.rows["requests"]) == 400
     assert not any("usage_above_counter" in (r["error"] or "") for r in sink.rows["requests"])

@@ -1006,22 +1006,31 @@ class _Pages(Scraper):
         return 200, self.pages.pop(0)
 
 
-def _vllm_page(tok: float, done: dict, running: float, waiting: float) -> str:
-    """A vLLM /metrics page as 0.32 writes it: every sample labelled, its finished requests by finish reason."""
+def _vllm_page(tok: float, done: dict, running: float, waiting: float, gen: float | None = None) -> str:
+    """A vLLM /metrics page as 0.32 writes it: every sample labelled, its finished requests by finish reason; `gen`:
+    its finished requests' generated tokens (the vllm:request_generation_tokens histogram's _sum; None: no histogram)."""
     lines = ["# TYPE vllm:generation_tokens_total counter",
              f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {tok}',
              "# TYPE vllm:request_success_total counter"]
     lines += [f'vllm:request_success_total{{engine="0",finished_reason="{k}",model_name="m"}} {v}' for k, v in done.items()]
     lines += ["# TYPE vllm:num_requests_running gauge", f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}',
               "# TYPE vllm:num_requests_waiting gauge", f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}']
+    if gen is not None:
+        lines += ["# TYPE vllm:request_generation_tokens histogram",
+                  f'vllm:request_generation_tokens_bucket{{engine="0",le="+Inf",model_name="m"}} {sum(done.values())}',
+                  f'vllm:request_generation_tokens_count{{engine="0",model_name="m"}} {sum(done.values())}',
+                  f'vllm:request_generation_tokens_sum{{engine="0",model_name="m"}} {gen}']
     return "\n".join(lines) + "\n"
 
 
 def test_the_scraper_reads_vllms_finished_and_running_requests_beside_its_token_counter():
     # The reconciler's proof that no bypass request ran over a quiet stretch (reconcile._judge_usage_below) rests on
-    # them: finished summed over finish reasons, running and queued summed; None where the page shows no such books.
-    sc = _Pages([_vllm_page(0, {"stop": 0, "length": 0}, 0, 0), _vllm_page(40, {"stop": 1, "length": 2}, 1, 1),
+    # them: finished summed over finish reasons, running and queued summed, the finished requests' generated tokens
+    # (the histogram's _sum); None where the page shows no such books, or not all of them.
+    sc = _Pages([_vllm_page(0, {"stop": 0, "length": 0}, 0, 0, 0), _vllm_page(40, {"stop": 1, "length": 2}, 1, 1, 30),
+                 _vllm_page(60, {"stop": 2, "length": 2}, 0, 0),
                  "# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total 80\n"])
-    assert _run(sc, 1) == [0.0] and sc.served == (0.0, 0.0)
-    assert _run(sc, 1) == [40.0] and sc.served == (3.0, 2.0)
-    assert _run(sc, 1) == [40.0] and sc.served is None  # an older vLLM's page: no finished-request counter
+    assert _run(sc, 1) == [0.0] and sc.served == (0.0, 0.0, 0.0)
+    assert _run(sc, 1) == [40.0] and sc.served == (3.0, 2.0, 30.0)
+    assert _run(sc, 1) == [20.0] and sc.served is None  # no vllm:request_generation_tokens histogram
+    assert _run(sc, 1) == [20.0] and sc.served is None  # an older vLLM's page: no finished-request counter

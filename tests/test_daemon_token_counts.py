@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.request
@@ -90,12 +91,27 @@ def test_requests_whose_server_count_contradicts_the_stream_are_flagged_and_coun
     assert "cannot be believed" in d.output()  # logged, naming both counts
 
 
-def _usage_scene(tmp_path, factor: float, tokens_per_event: int, bypass: bool = False, flavour: str = "llamacpp"):
+def _abandoned_stream(url: str, chunks: int = 25) -> None:
+    """A chat stream of 200 tokens sent to `url`, its client gone after `chunks` data lines (vLLM aborts it)."""
+    host, port = url.split("//")[1].split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=30)
+    c.request("POST", CHAT[0], body=json.dumps({**CHAT[1], "max_tokens": 200}),
+              headers={"Content-Type": "application/json"})
+    r, n = c.getresponse(), 0
+    while n < chunks:
+        n += r.fp.readline().startswith(b"data:")
+    c.sock.close()
+    c.close()
+
+
+def _usage_scene(tmp_path, factor: float, tokens_per_event: int, bypass: bool | str = False,
+                 flavour: str = "llamacpp"):
     """Three chat streams (include_usage) and three whole chat answers of 40 tokens, one after another, no bypass
     traffic, through the daemon (0.25 s intervals) in front of a simulated server (llama-server's OpenAI routes, or
     `flavour`'s) whose final usage is the truth times `factor` and whose stream sends `tokens_per_event` tokens a chunk;
     its /metrics counter counts the truth. `bypass`: each whole answer is followed by the same one sent to the server
-    directly, not through the proxy. Returns (request rows, interval rows)."""
+    directly, not through the proxy; "aborted": by a stream sent to the server directly whose client leaves after 25
+    tokens (the server aborts it). Returns (request rows, interval rows)."""
     data = tmp_path / "data"
     with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=80.0, draft_n_max=0,
                    tokens_per_event=tokens_per_event) as srv:
@@ -113,7 +129,9 @@ def _usage_scene(tmp_path, factor: float, tokens_per_event: int, bypass: bool = 
                 with urllib.request.urlopen(req, timeout=60) as r:
                     assert r.status == 200
                     r.read()
-                if bypass and not stream:
+                if bypass == "aborted" and not stream:
+                    _abandoned_stream(srv.url)
+                elif bypass and not stream:
                     req = urllib.request.Request(srv.url + CHAT[0], data=json.dumps(body).encode(), method="POST",
                                                  headers={"Content-Type": "application/json"})
                     with urllib.request.urlopen(req, timeout=60) as r:
@@ -232,6 +250,23 @@ def test_bypass_whole_answers_beside_a_usage_below_the_counter_stay_bypass_traff
     # 3 bypass answers of 40 tokens (and the proxied answers' 24 unsaid): at least the bypass answers' 120 tokens.
     assert sum(iv["server_tokens"] or 0.0 for iv in intervals) >= 110, intervals
     assert unproxied > 0.15 * total, (unproxied, total)
+
+
+def test_aborted_bypass_streams_beside_honest_whole_answers_stay_bypass_traffic(tmp_path):
+    """An honest vLLM (usage true) and, after each proxied whole answer, a stream sent to the server directly whose
+    client leaves after 25 tokens: the server aborts it, so it is never in vllm:request_success_total, but its 24-25
+    tokens are in vllm:generation_tokens_total. The finished count matched the proxy's ends, so the 72 bypass tokens
+    were read as the whole answers' usage lying low: 0 booked as bypass, unproxied 0 J of 271 (truth about 49 J), the
+    three honest rows said usage_below_counter, their J/token emptied. vllm:request_generation_tokens_sum (finished
+    requests' tokens) falls short of the counter's rise by the aborted ones': bypass, as before."""
+    reqs, intervals = _usage_scene(tmp_path, 1.0, 1, bypass="aborted", flavour="vllm")
+    assert len(reqs) == 6
+    assert not any(USAGE_BELOW_COUNTER in _said(row) for row in reqs), [_said(row) for row in reqs]
+    assert not any(USAGE_BELOW_COUNTER in (iv["server_count"] or "") for iv in intervals)
+    assert all(not pd.isna(row["gpu_j_per_token"]) for row in reqs), [_said(row) for row in reqs]
+    assert sum(iv["server_tokens"] or 0.0 for iv in intervals) >= 60, intervals  # 3 aborted streams: about 72
+    unproxied, total = _energy(intervals)
+    assert unproxied > 0.1 * total, (unproxied, total)
 
 
 def test_a_whole_answers_usage_below_the_counter_of_a_server_without_request_books_stays_bypass(tmp_path):

@@ -81,6 +81,11 @@ COUNTER_BELOW = SERVER_COUNT_BELOW
 # (tests/test_daemon_token_counts.py's scene: an honest counter fell 0 tokens short of 207 usage-only tokens at 4 tokens
 # a chunk, 0 of 120 at one a chunk; a usage saying 1.25x, 60 of 180).
 USAGE_ABOVE_TOKENS = 3.0
+# A stretch whose counter stands above the proxy's holds its windows for its quiet scrape (`usage_hold_ns`) while it
+# is younger than this, or no proxied request is live: busier longer, its quiet scrape is not near (steady traffic).
+# The usage-below scene (tests/test_daemon_token_counts.py: six answers of about 1 s back to back) is 7.5 s from its
+# quiet scrape to its last end; 5 s let its first whole answer's windows go, booked as bypass.
+USAGE_BELOW_BUSY_S = 8.0
 USAGE_ABOVE_SHARE = 0.05
 # usage-only token events kept unjudged at most (each window's are let go as it is resolved), and proxied requests' ends
 # (`note_end`, let go at each quiet scrape)
@@ -110,9 +115,10 @@ class _ScrapeWindow:
     # What the reads at its edges may have missed or taken early, (early, late) at its start then at its end (set when
     # resolved: `_read_unsure`).
     read_unsure: tuple[float, float, float, float] | None = None
-    # The server's (requests finished since its start, requests running and queued) on the page read at its end
+    # The server's (requests finished since its start, requests running and queued, finished requests' generated tokens)
+    # on the page read at its end
     # (scrape.Scraper.served: vLLM's); None where not told (`_judge_usage_below`).
-    served: tuple[float, float] | None = None
+    served: tuple[float, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -139,7 +145,7 @@ class _UsageStretch:
     # For `_judge_usage_below`: its start (the quiet scrape before it; None: the daemon's first stretch) and the server's
     # (requests finished, in flight) read there; its resolved windows not yet spent, and those holding usage-only tokens;
     start_ns: int | None = None
-    start_served: tuple[float, float] | None = None
+    start_served: tuple[float, ...] | None = None
     spans: list = field(default_factory=list)
     usage_spans: list = field(default_factory=list)
     # its windows wait for its quiet scrape (its counter over a token above the proxy's as of its latest resolved
@@ -271,7 +277,7 @@ class CountReconciler:
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
-                          read_ns: tuple[int, int] | None = None, served: tuple[float, float] | None = None) -> None:
+                          read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: spread
         evenly over that time, so bypass tokens land in the intervals where they were generated.
         `at_finish`: the server counts a request's tokens when it finishes (SGLang; scrape.AT_FINISH).
@@ -282,8 +288,8 @@ class CountReconciler:
         the intervals it covers say so in `server_count`, and the requests given their energy in `energy_note`.
         `read_ns`: the (start, end) of the GET that read the counter (`t_ns` is its midpoint): the server read it
         somewhere in there, so the proxy's tokens inside it may or may not be in this count (`resolve_spans`).
-        `served`: the server's (requests finished since its start, requests running and queued) on the page read at
-        `t_ns` (scrape.Scraper.served); None where not told (`_judge_usage_below`)."""
+        `served`: the server's (requests finished since its start, requests running and queued, finished requests'
+        generated tokens) on the page read at `t_ns` (scrape.Scraper.served); None where not told (`_judge_usage_below`)."""
         if not self.server_seen:
             # The proxy's token events are listed for the scrape windows (`proxied`, `finished`) only once a server
             # is read. Its first window starts at the baseline read, before the daemon's ready, and its first pass can
@@ -311,7 +317,7 @@ class CountReconciler:
             t0_ns=int(t0), t1_ns=int(t_ns), server_tokens=float(delta), finished_latency=fin, partial=tuple(partial),
             restarted="server_restart" in partial, read_span_ns=read,
             finished_requests=int(finished[0]) if at_finish and finished is not None else None,
-            served=(float(served[0]), float(served[1])) if served is not None else None))
+            served=tuple(float(v) for v in served) if served is not None else None))
         if "server_restart" in partial:
             self.restarts.append((int(t0), int(t_ns)))
 
@@ -350,14 +356,18 @@ class CountReconciler:
         for 14 s (no quiet scrape) left the first 3 s of intervals and 4 of 22 rows unsaid (10 s: none). None: none
         waits. Also, where the server tells its requests (`_judge_usage_below`), while the stretch's counter stands over a
         token above the proxy's tokens with usage-only tokens in it and its server's books show no request not the
-        proxy's so far: all its windows not yet spent wait, SCRAPE_HOLD_S at most (closed before its quiet scrape, their
-        surplus is booked as bypass tokens, as where the server does not tell)."""
+        proxy's so far: all its windows not yet spent wait, SCRAPE_HOLD_S at most, and only while the stretch is younger
+        than USAGE_BELOW_BUSY_S or no proxied request is live (closed before its quiet scrape, their surplus is booked
+        as bypass tokens, as where the server does not tell)."""
         st = self._stretch
         held = [sp.t0_ns for sp in st.windows] if not st.above else []
-        if st.below_hold and not (st.below or st.untold or st.bypass_seen or st.unjudged):
+        if (st.below_hold and not (st.below or st.untold or st.bypass_seen or st.unjudged)
+                and (st.end_ns - st.start_ns < USAGE_BELOW_BUSY_S * 1e9 or not self._live_now())):
             # A counter standing above the proxy's where usage-only tokens were placed: bypass traffic or a usage
             # lying low, told apart only at the stretch's quiet scrape (`_judge_usage_below`); its windows' bypass
-            # tokens are not booked until then.
+            # tokens are not booked until then. Only while that scrape may be near: a stretch busy for over
+            # USAGE_BELOW_BUSY_S with a proxied request live now (steady traffic) lets them go, booked as bypass.
+            # Held to the 10 s of SCRAPE_HOLD_S whatever, under steady traffic every row came 10 s late.
             held += [sp.t0_ns for sp in st.spans]
         return min(held, default=None)
 
@@ -455,6 +465,10 @@ class CountReconciler:
             return True
         t, d = after
         return t - before > reach_ns or (t - int(d * 1e9) <= edge_ns and t - edge_ns > reach_ns)
+
+    def _live_now(self) -> bool:
+        """Whether a proxied request is live now (not ended): no quiet scrape comes before it ends."""
+        return any(q.trace.api is not None and q.trace.end_ns is None for q in self.requests.values())
 
     def _live_at(self, t_ns: int) -> bool:
         """Whether a proxied request was live at `t_ns` (arrived before it, not ended by it): one whose tokens the proxy
@@ -1223,7 +1237,10 @@ class CountReconciler:
         Bypass traffic raises the counter just as such a usage does, and nothing else tells them apart: before, every
         such surplus was booked as bypass (unproxied), the rows kept J/token over the low count, all `complete`. The
         finished count alone would miss a bypass request running across the stretch's end, the gauges alone one that
-        began and ended inside it. Where the page shows neither (llama.cpp, SGLang, an older vLLM), nothing changes."""
+        began and ended inside it; neither counts a request the server aborted unfinished, whose tokens the counter
+        holds: the counter may rise no more than USAGE_ABOVE_TOKENS over its finished requests' tokens
+        (vllm:request_generation_tokens_sum). Where the page shows none (llama.cpp, SGLang, an older vLLM), nothing
+        changes."""
         surplus = st.server_n - st.placed_n
         if (st.below or st.untold or st.bypass_seen or st.unjudged or st.usage_n <= 0 or st.start_served is None
                 or st.start_ns is None or sp.served is None
@@ -1232,6 +1249,11 @@ class CountReconciler:
         ends = [counted for t, counted in self._ends if st.start_ns < t <= sp.t1_ns]
         if (st.start_served[1] != 0 or sp.served[1] != 0 or not all(ends)
                 or sp.served[0] - st.start_served[0] != len(ends)):
+            return False
+        # Tokens the counter counted that no finished request's histogram holds: a request aborted unfinished (vLLM
+        # counts none in request_success_total) generated them, a bypass one maybe (the proxy's cut ones say so above).
+        if (len(sp.served) < 3 or len(st.start_served) < 3
+                or st.server_n - (sp.served[2] - st.start_served[2]) > USAGE_ABOVE_TOKENS):
             return False
         st.below = True
         for x in st.spans:

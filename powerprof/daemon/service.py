@@ -519,7 +519,8 @@ class _HeldWindow(NamedTuple):
     finished: tuple[float, float] | None  # the scraper's (requests, seconds) finished in it, at-finish servers
     partial: tuple
     read_ns: tuple[int, int]
-    served: tuple[float, float] | None  # the scraper's (requests finished, in flight) at its end (Scraper.served)
+    # the scraper's (requests finished, in flight, their tokens) at its end (Scraper.served)
+    served: tuple[float, float, float] | None
 
 
 class Daemon:
