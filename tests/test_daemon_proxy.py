@@ -1131,3 +1131,62 @@ def test_a_rows_stream_is_what_its_answer_was_not_what_its_body_said():
     rec = _run(main())
     assert [t.stream for t in rec.ended] == [False, False]
     assert [t.counts.generated_tokens for t in rec.ended] == [1, 1]
+
+
+def test_a_trickled_chunked_body_gives_its_budget_back_after_body_timeout_s_and_streams_on(monkeypatch):
+    """A chunked body read for inspection had no total deadline: 32 clients trickling chunked bodies at 2 KiB/s (above
+    the minimum rate) held all 32 MiB of the inspect budget for minutes, and every normal request went uninspected
+    (model None, prompt not costed; session 56's review). Read for body_timeout_s at most, as a Content-Length body;
+    past that it streams on from what was read, byte for byte, uninspected (its bytes counted), not refused."""
+    import powerprof.daemon.proxy as proxy_mod
+
+    monkeypatch.setattr(proxy_mod, "INSPECT_BUDGET_BYTES", proxy_mod.INSPECT_MAX_BYTES)  # room for one body
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=4 << 20)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, body_timeout_s=0.5, body_min_bytes_per_s=100)
+        r2, px_url = await serve_here(proxy.app())
+        port = int(px_url.rsplit(":", 1)[1])
+        body = json.dumps({"model": "m", "prompt": "t" * 20_000, "n_predict": 1}).encode()
+        _r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        t0 = asyncio.get_running_loop().time()
+        held = []
+        for i in range(0, len(body), 1000):  # 10 kB/s for 2 s: 4 x body_timeout_s
+            w.write(b"%x\r\n%b\r\n" % (len(body[i:i + 1000]), body[i:i + 1000]))
+            await w.drain()
+            held.append((asyncio.get_running_loop().time() - t0, proxy._inspecting))
+            await asyncio.sleep(0.1)
+            if i == 12_000:  # 1.2 s in: a normal request beside it
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(px_url + "/completion", json={"model": "n", "prompt": "hi"}) as r:
+                        await r.read()
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+        head = await asyncio.wait_for(_r.read(65536), 10)
+        w.close()
+        for _ in range(100):
+            if len(rec.ended) == 2:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return proxy, rec, seen, body, held, head
+
+    proxy, rec, seen, body, held, head = _run(main())
+    assert head.startswith(b"HTTP/1.1 200") and seen[-1] == body  # not refused; the server got the same bytes
+    late = [h for t, h in held if t > 1.2]
+    assert late and all(h == 0 for h in late), held  # the budget given back ~0.5 s in, not held to the body's end
+    normal, t = rec.ended
+    assert normal.model == "n" and normal.extra["prompt_chars"] == 2  # inspected: the budget was free again
+    assert t.outcome == "ok" and "prompt_chars" not in t.extra and t.extra["body_bytes"] == len(body)
+    assert proxy._inspecting == 0
