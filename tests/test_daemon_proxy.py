@@ -1190,3 +1190,100 @@ def test_a_trickled_chunked_body_gives_its_budget_back_after_body_timeout_s_and_
     assert normal.model == "n" and normal.extra["prompt_chars"] == 2  # inspected: the budget was free again
     assert t.outcome == "ok" and "prompt_chars" not in t.extra and t.extra["body_bytes"] == len(body)
     assert proxy._inspecting == 0
+
+
+def test_a_chunked_body_of_exactly_the_bound_is_read_whole_and_one_byte_more_is_not():
+    """The bound is inclusive, as for a Content-Length body: a chunked body of exactly INSPECT_MAX_BYTES is read whole
+    and inspected, one of INSPECT_MAX_BYTES + 1 streams on (no test failed when `>` became `>=`, leaving a 1 MiB
+    prompt uncosted; session 56's review)."""
+    from powerprof.daemon.proxy import INSPECT_MAX_BYTES
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=4 * INSPECT_MAX_BYTES)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        r2, px_url = await serve_here(Proxy(up_url, recorder=rec).app())
+        bodies = []
+        for size in (INSPECT_MAX_BYTES, INSPECT_MAX_BYTES + 1):
+            shell = len(json.dumps({"model": "m", "prompt": ""}))
+            bodies.append(json.dumps({"model": "m", "prompt": "p" * (size - shell)}).encode())
+            assert len(bodies[-1]) == size
+
+        async def pieces(b):
+            for i in range(0, len(b), 65536):
+                yield b[i:i + 65536]
+
+        async with aiohttp.ClientSession() as s:
+            for b in bodies:
+                async with s.post(px_url + "/completion", data=pieces(b)) as r:  # chunked
+                    assert r.status == 200
+                    await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec, seen, bodies
+
+    rec, seen, bodies = _run(main())
+    assert seen == bodies
+    exact, over = rec.ended
+    assert exact.model == "m" and "body_bytes" not in exact.extra
+    assert exact.extra["prompt_chars"] == INSPECT_MAX_BYTES - len(json.dumps({"model": "m", "prompt": ""}))
+    assert over.model is None and over.extra["body_bytes"] == INSPECT_MAX_BYTES + 1
+
+
+def test_a_chunked_body_holds_only_its_own_size_of_the_budget_once_read():
+    """A chunked body reserves the whole INSPECT_MAX_BYTES until read; then it holds its own size (a small one) or none
+    (one past the bound, streamed on) while the server works: untrimmed, 32 small chunked requests waiting on their
+    answers would hold the whole 32 MiB, and every other body go uninspected (no test failed without the trim)."""
+    from powerprof.daemon.proxy import INSPECT_MAX_BYTES
+
+    async def main():
+        arrived, answer = asyncio.Event(), asyncio.Event()
+
+        async def completion(request):
+            await request.read()
+            arrived.set()
+            await answer.wait()
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=4 * INSPECT_MAX_BYTES)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec)
+        r2, px_url = await serve_here(proxy.app())
+        small = json.dumps({"model": "m", "prompt": "s" * 5000}).encode()
+        big = json.dumps({"model": "m", "prompt": "b" * (INSPECT_MAX_BYTES + 10)}).encode()
+
+        async def pieces(b):
+            for i in range(0, len(b), 4000):
+                yield b[i:i + 4000]
+
+        held = []
+        async with aiohttp.ClientSession() as s:
+            for b in (small, big):
+                arrived.clear()
+                answer.clear()
+
+                async def one():
+                    async with s.post(px_url + "/completion", data=pieces(b)) as r:
+                        return await r.read()
+
+                task = asyncio.create_task(one())
+                await asyncio.wait_for(arrived.wait(), 10)
+                await asyncio.sleep(0.1)
+                held.append(proxy._inspecting)  # the server has it all and has not answered yet
+                answer.set()
+                await task
+        await r2.cleanup()
+        await r1.cleanup()
+        return proxy, held, small
+
+    proxy, held, small = _run(main())
+    assert held == [len(small), 0] and proxy._inspecting == 0
