@@ -7,6 +7,7 @@ import json
 import random
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from proxy_helpers import serve_here
@@ -551,11 +552,11 @@ def test_counts_and_flags_are_read_as_the_server_reads_them():
         model, stream = inspect_request_body(json.dumps(doc).encode(), "", api, extra)
         return stream, extra
 
-    for mt in (1, 1.0, "1"):
+    for mt in (1, 1.0, "1", " 1", "+1", "1.0", True):  # pydantic (lax) reads all as 1
         assert read({"prompt": "x", "max_tokens": mt})[1]["max_tokens"] == 1, mt
     assert read({"max_completion_tokens": "7"}, "openai-chat")[1] == {"max_tokens": 7}
     assert read({"messages": [], "max_completion_tokens": 7.0}, "openai-chat")[1]["max_tokens"] == 7
-    for bad in (1.5, "1.5", "x", True, -1, "-1", "", " 1"):
+    for bad in (1.5, "1.5", "x", False, -1, "-1", "", "1e0"):
         assert "max_tokens" not in read({"prompt": "x", "max_tokens": bad})[1], bad
     assert read({"prompt": "x", "n": "4"})[1] == {"prompt_chars": 1, "sequences": 4, "choices": 4}
     assert read({"prompt": "x", "n": 4.0})[1]["choices"] == 4
@@ -583,9 +584,10 @@ def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
     assert seqs({"prompt": ["a", "b"]}, "llamacpp") == 2  # llama.cpp's /completion: a task per prompt
     assert seqs({"messages": [], "n": 1}, "openai-chat") == 1
     # Not a count: the request is one sequence (the server refuses it; never a guess that multiplies steps).
-    for bad in (0, -1, True, 2.5, None, "2.0", "x"):
+    for bad in (0, -1, True, 2.5, None, "2.5", "x"):
         assert seqs({"messages": [], "n": bad}, "openai-chat") == 1, bad
-    assert seqs({"messages": [], "n": "2"}, "openai-chat") == 2  # vLLM's pydantic (lax) takes "2" as 2
+    for two in ("2", "2.0", " 2"):  # vLLM's pydantic (lax) takes each as 2
+        assert seqs({"messages": [], "n": two}, "openai-chat") == 2, two
     assert seqs({"input": "x", "n": 4}, "openai-responses") == 1  # no `n` in the Responses API
     assert seqs({"messages": [], "n": 2}, None) == 1
 
@@ -1287,3 +1289,52 @@ def test_a_chunked_body_holds_only_its_own_size_of_the_budget_once_read():
 
     proxy, held, small = _run(main())
     assert held == [len(small), 0] and proxy._inspecting == 0
+
+
+# (value, what vLLM's pydantic 2.14 reads it as, lax: an int for max_tokens, n, best_of; None where it refuses it).
+# Taken from pydantic (session 56's review, parse_cmp.py); hard-coded here, pydantic is not a dependency.
+_PYDANTIC_INTS = [
+    (1, 1), (1.0, 1), (-1.0, -1), (1000.0, 1000), (1.5, None), (float("nan"), None), (float("inf"), None),
+    (True, 1), (False, 0), (None, None), ([1], None),
+    ("1", 1), ("01", 1), ("0001", 1), ("00", 0), ("-1", -1), ("-0", 0), ("+0", 0), ("+1", 1),
+    (" 1", 1), ("1 ", 1), (" +1 ", 1), ("\t1\n", 1), ("\x0b1", 1), ("\x0c1", 1), ("\r1", 1), ("\xa01", 1),
+    ("1\xa0", 1), ("\x851", 1), ("\u16801", 1), ("\u20001", 1), ("\u200a1", 1), ("\u20281", 1), ("1\u2029", 1),
+    ("\u202f1", 1), ("\u205f1", 1), ("1\u3000", 1),
+    ("\x1c1", None), ("1\x1f", None), ("\u200b1", None), ("\ufeff1", None), ("\u180e1", None), ("1\x00", None),
+    ("1_000", 1000), ("1_0_0", 100), ("01_0", 10), ("0_1", 1), ("-1_0", -10),
+    ("1__0", None), ("_1", None), ("1_", None), ("1__", None), ("+_1", None), ("-_1", None), ("1 _0", None),
+    ("1.0", 1), ("1.00", 1), ("+1.0", 1), ("-0.0", 0), ("0.0", 0), (" 1.0 ", 1), ("1.0 ", 1), ("1_000.0", 1000),
+    ("1_0.0", 10), ("-01.00", -1), ("1.000000000000", 1),
+    ("1.5", None), ("1.10", None), ("1.01", None), ("1.", None), ("2.", None), (".0", None), (".", None),
+    ("1.0_0", None), ("1._0", None), ("1_.0", None), ("1.0.0", None), ("1e3", None), ("1e0", None), ("1.5e0", None),
+    ("0x10", None), ("+", None), ("", None), ("  ", None), ("++1", None), ("+-1", None), ("-+1", None),
+    ("x", None), ("\u0661", None), ("1.0000000000000000000001", None),
+    ("9" * 19, 10**19 - 1), ("9" * 20, 10**20 - 1), ("-" + "9" * 19, -(10**19 - 1)),
+]
+# Past 20 characters a string is left unread (pydantic reads all but the last; a bound on the work, as before).
+_BEYOND_BOUND = [("9" * 21, None), ("1.0000000000000000000000000000", None), (" " * 20 + "1", None), ("9" * 5000, None)]
+_PYDANTIC_BOOLS = [
+    (True, True), (False, False), (1, True), (0, False), (2, None), (1.0, True), (0.0, False), (-0.0, False),
+    (2.0, None), (0.5, None), (float("nan"), None), (None, None),
+    ("1", True), ("0", False), ("true", True), ("TRUE", True), ("False", False), ("t", True), ("T", True),
+    ("Y", True), ("yes", True), ("on", True), ("ON", True), ("Off", False), ("n", False), ("no", False),
+    ("1.0", None), ("0.0", None), (" 1", None), ("1 ", None), (" true", None), ("true ", None), ("\ttrue", None),
+    ("+1", None), ("01", None), ("2", None), ("", None), ("nan", None), ("maybe", None), ("f" * 5000, None),
+]
+
+
+@pytest.mark.parametrize("value,want", _PYDANTIC_INTS + _BEYOND_BOUND)
+def test_a_count_is_read_as_vllms_pydantic_reads_it(value, want):
+    """" 1", "+1", "1_000", "1.0" and True went unread as counts (a max_tokens: " 1" answer then in no count)."""
+    from powerprof.daemon.proxy import whole_count
+
+    got = whole_count(value)
+    assert got == want and type(got) is type(want), (value, got)
+
+
+@pytest.mark.parametrize("value,want", _PYDANTIC_BOOLS)
+def test_a_stream_flag_is_read_as_vllms_pydantic_reads_it(value, want):
+    """1.0 and 0.0 went unread as `stream` (pydantic: true and false)."""
+    from powerprof.daemon.proxy import lax_bool
+
+    assert lax_bool(value) is want, value
