@@ -1338,3 +1338,55 @@ def test_a_stream_flag_is_read_as_vllms_pydantic_reads_it(value, want):
     from powerprof.daemon.proxy import lax_bool
 
     assert lax_bool(value) is want, value
+
+
+def test_a_chunked_bodys_read_prefix_stays_in_the_budget_until_written_upstream():
+    """A chunked body just over INSPECT_MAX_BYTES gave its budget back once its first 1 MiB was read, but kept those
+    bytes in memory until an upstream connection was free: 400 such clients with the pool full took the proxy +420 MiB
+    (+133 MiB, 0.33 MiB a client, over the proxy before chunked bodies were read; session 56's review). They stay counted until written upstream,
+    so past the budget a body streams on unread and the memory held stays bounded."""
+    from powerprof.daemon.proxy import INSPECT_MAX_BYTES
+
+    async def main():
+        release = asyncio.Event()
+        seen = []
+
+        async def completion(request):
+            await release.wait()
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=4 * INSPECT_MAX_BYTES)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, max_connections=1)
+        r2, px_url = await serve_here(proxy.app())
+        big = json.dumps({"model": "m", "prompt": "b" * (INSPECT_MAX_BYTES + 65536)}).encode()
+        sent = asyncio.Event()
+
+        async def pieces(b):
+            for i in range(0, len(b), 16384):
+                yield b[i:i + 16384]
+            sent.set()
+
+        async with aiohttp.ClientSession() as s:
+            async def post(data):
+                async with s.post(px_url + "/completion", data=data) as r:
+                    return r.status, await r.read()
+
+            first = asyncio.create_task(post(b'{"prompt": "x"}'))  # holds the only upstream connection
+            await asyncio.sleep(0.3)
+            second = asyncio.create_task(post(pieces(big)))
+            await asyncio.wait_for(sent.wait(), 10)
+            await asyncio.sleep(0.5)
+            held = proxy._inspecting  # its prefix read, waiting for the connection
+            release.set()
+            got = await asyncio.gather(first, second)
+        await r2.cleanup()
+        await r1.cleanup()
+        return proxy, rec, seen, big, held, got
+
+    proxy, rec, seen, big, held, got = _run(main())
+    assert INSPECT_MAX_BYTES < held <= 15 + len(big), held  # the bytes read of it, counted (before: 15, the first's)
+    assert [g[0] for g in got] == [200, 200] and seen[-1] == big and proxy._inspecting == 0
