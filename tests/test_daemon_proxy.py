@@ -7,6 +7,7 @@ import json
 import random
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from proxy_helpers import serve_here
@@ -551,11 +552,11 @@ def test_counts_and_flags_are_read_as_the_server_reads_them():
         model, stream = inspect_request_body(json.dumps(doc).encode(), "", api, extra)
         return stream, extra
 
-    for mt in (1, 1.0, "1"):
+    for mt in (1, 1.0, "1", " 1", "+1", "1.0", True):  # pydantic (lax) reads all as 1
         assert read({"prompt": "x", "max_tokens": mt})[1]["max_tokens"] == 1, mt
     assert read({"max_completion_tokens": "7"}, "openai-chat")[1] == {"max_tokens": 7}
     assert read({"messages": [], "max_completion_tokens": 7.0}, "openai-chat")[1]["max_tokens"] == 7
-    for bad in (1.5, "1.5", "x", True, -1, "-1", "", " 1"):
+    for bad in (1.5, "1.5", "x", False, -1, "-1", "", "1e0"):
         assert "max_tokens" not in read({"prompt": "x", "max_tokens": bad})[1], bad
     assert read({"prompt": "x", "n": "4"})[1] == {"prompt_chars": 1, "sequences": 4, "choices": 4}
     assert read({"prompt": "x", "n": 4.0})[1]["choices"] == 4
@@ -583,9 +584,10 @@ def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
     assert seqs({"prompt": ["a", "b"]}, "llamacpp") == 2  # llama.cpp's /completion: a task per prompt
     assert seqs({"messages": [], "n": 1}, "openai-chat") == 1
     # Not a count: the request is one sequence (the server refuses it; never a guess that multiplies steps).
-    for bad in (0, -1, True, 2.5, None, "2.0", "x"):
+    for bad in (0, -1, True, 2.5, None, "2.5", "x"):
         assert seqs({"messages": [], "n": bad}, "openai-chat") == 1, bad
-    assert seqs({"messages": [], "n": "2"}, "openai-chat") == 2  # vLLM's pydantic (lax) takes "2" as 2
+    for two in ("2", "2.0", " 2"):  # vLLM's pydantic (lax) takes each as 2
+        assert seqs({"messages": [], "n": two}, "openai-chat") == 2, two
     assert seqs({"input": "x", "n": 4}, "openai-responses") == 1  # no `n` in the Responses API
     assert seqs({"messages": [], "n": 2}, None) == 1
 
@@ -1131,3 +1133,260 @@ def test_a_rows_stream_is_what_its_answer_was_not_what_its_body_said():
     rec = _run(main())
     assert [t.stream for t in rec.ended] == [False, False]
     assert [t.counts.generated_tokens for t in rec.ended] == [1, 1]
+
+
+def test_a_trickled_chunked_body_gives_its_budget_back_after_body_timeout_s_and_streams_on(monkeypatch):
+    """A chunked body read for inspection had no total deadline: 32 clients trickling chunked bodies at 2 KiB/s (above
+    the minimum rate) held all 32 MiB of the inspect budget for minutes, and every normal request went uninspected
+    (model None, prompt not costed; session 56's review). Read for body_timeout_s at most, as a Content-Length body;
+    past that it streams on from what was read, byte for byte, uninspected (its bytes counted), not refused."""
+    import powerprof.daemon.proxy as proxy_mod
+
+    monkeypatch.setattr(proxy_mod, "INSPECT_BUDGET_BYTES", proxy_mod.INSPECT_MAX_BYTES)  # room for one body
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=4 << 20)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, body_timeout_s=0.5, body_min_bytes_per_s=100)
+        r2, px_url = await serve_here(proxy.app())
+        port = int(px_url.rsplit(":", 1)[1])
+        body = json.dumps({"model": "m", "prompt": "t" * 20_000, "n_predict": 1}).encode()
+        _r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        t0 = asyncio.get_running_loop().time()
+        held = []
+        for i in range(0, len(body), 1000):  # 10 kB/s for 2 s: 4 x body_timeout_s
+            w.write(b"%x\r\n%b\r\n" % (len(body[i:i + 1000]), body[i:i + 1000]))
+            await w.drain()
+            held.append((asyncio.get_running_loop().time() - t0, proxy._inspecting))
+            await asyncio.sleep(0.1)
+            if i == 12_000:  # 1.2 s in: a normal request beside it
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(px_url + "/completion", json={"model": "n", "prompt": "hi"}) as r:
+                        await r.read()
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+        head = await asyncio.wait_for(_r.read(65536), 10)
+        w.close()
+        for _ in range(100):
+            if len(rec.ended) == 2:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return proxy, rec, seen, body, held, head
+
+    proxy, rec, seen, body, held, head = _run(main())
+    assert head.startswith(b"HTTP/1.1 200") and seen[-1] == body  # not refused; the server got the same bytes
+    late = [h for t, h in held if t > 1.2]
+    assert late and all(h == 0 for h in late), held  # the budget given back ~0.5 s in, not held to the body's end
+    normal, t = rec.ended
+    assert normal.model == "n" and normal.extra["prompt_chars"] == 2  # inspected: the budget was free again
+    assert t.outcome == "ok" and "prompt_chars" not in t.extra and t.extra["body_bytes"] == len(body)
+    assert proxy._inspecting == 0
+
+
+def test_a_chunked_body_of_exactly_the_bound_is_read_whole_and_one_byte_more_is_not():
+    """The bound is inclusive, as for a Content-Length body: a chunked body of exactly INSPECT_MAX_BYTES is read whole
+    and inspected, one of INSPECT_MAX_BYTES + 1 streams on (no test failed when `>` became `>=`, leaving a 1 MiB
+    prompt uncosted; session 56's review)."""
+    from powerprof.daemon.proxy import INSPECT_MAX_BYTES
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=4 * INSPECT_MAX_BYTES)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        r2, px_url = await serve_here(Proxy(up_url, recorder=rec).app())
+        bodies = []
+        for size in (INSPECT_MAX_BYTES, INSPECT_MAX_BYTES + 1):
+            shell = len(json.dumps({"model": "m", "prompt": ""}))
+            bodies.append(json.dumps({"model": "m", "prompt": "p" * (size - shell)}).encode())
+            assert len(bodies[-1]) == size
+
+        async def pieces(b):
+            for i in range(0, len(b), 65536):
+                yield b[i:i + 65536]
+
+        async with aiohttp.ClientSession() as s:
+            for b in bodies:
+                async with s.post(px_url + "/completion", data=pieces(b)) as r:  # chunked
+                    assert r.status == 200
+                    await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec, seen, bodies
+
+    rec, seen, bodies = _run(main())
+    assert seen == bodies
+    exact, over = rec.ended
+    assert exact.model == "m" and "body_bytes" not in exact.extra
+    assert exact.extra["prompt_chars"] == INSPECT_MAX_BYTES - len(json.dumps({"model": "m", "prompt": ""}))
+    assert over.model is None and over.extra["body_bytes"] == INSPECT_MAX_BYTES + 1
+
+
+def test_a_chunked_body_holds_only_its_own_size_of_the_budget_once_read():
+    """A chunked body reserves the whole INSPECT_MAX_BYTES until read; then it holds its own size (a small one) or none
+    (one past the bound, streamed on) while the server works: untrimmed, 32 small chunked requests waiting on their
+    answers would hold the whole 32 MiB, and every other body go uninspected (no test failed without the trim)."""
+    from powerprof.daemon.proxy import INSPECT_MAX_BYTES
+
+    async def main():
+        arrived, answer = asyncio.Event(), asyncio.Event()
+
+        async def completion(request):
+            await request.read()
+            arrived.set()
+            await answer.wait()
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=4 * INSPECT_MAX_BYTES)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec)
+        r2, px_url = await serve_here(proxy.app())
+        small = json.dumps({"model": "m", "prompt": "s" * 5000}).encode()
+        big = json.dumps({"model": "m", "prompt": "b" * (INSPECT_MAX_BYTES + 10)}).encode()
+
+        async def pieces(b):
+            for i in range(0, len(b), 4000):
+                yield b[i:i + 4000]
+
+        held = []
+        async with aiohttp.ClientSession() as s:
+            for b in (small, big):
+                arrived.clear()
+                answer.clear()
+
+                async def one():
+                    async with s.post(px_url + "/completion", data=pieces(b)) as r:
+                        return await r.read()
+
+                task = asyncio.create_task(one())
+                await asyncio.wait_for(arrived.wait(), 10)
+                await asyncio.sleep(0.1)
+                held.append(proxy._inspecting)  # the server has it all and has not answered yet
+                answer.set()
+                await task
+        await r2.cleanup()
+        await r1.cleanup()
+        return proxy, held, small
+
+    proxy, held, small = _run(main())
+    assert held == [len(small), 0] and proxy._inspecting == 0
+
+
+# (value, what vLLM's pydantic 2.14 reads it as, lax: an int for max_tokens, n, best_of; None where it refuses it).
+# Taken from pydantic (session 56's review, parse_cmp.py); hard-coded here, pydantic is not a dependency.
+_PYDANTIC_INTS = [
+    (1, 1), (1.0, 1), (-1.0, -1), (1000.0, 1000), (1.5, None), (float("nan"), None), (float("inf"), None),
+    (True, 1), (False, 0), (None, None), ([1], None),
+    ("1", 1), ("01", 1), ("0001", 1), ("00", 0), ("-1", -1), ("-0", 0), ("+0", 0), ("+1", 1),
+    (" 1", 1), ("1 ", 1), (" +1 ", 1), ("\t1\n", 1), ("\x0b1", 1), ("\x0c1", 1), ("\r1", 1), ("\xa01", 1),
+    ("1\xa0", 1), ("\x851", 1), ("\u16801", 1), ("\u20001", 1), ("\u200a1", 1), ("\u20281", 1), ("1\u2029", 1),
+    ("\u202f1", 1), ("\u205f1", 1), ("1\u3000", 1),
+    ("\x1c1", None), ("1\x1f", None), ("\u200b1", None), ("\ufeff1", None), ("\u180e1", None), ("1\x00", None),
+    ("1_000", 1000), ("1_0_0", 100), ("01_0", 10), ("0_1", 1), ("-1_0", -10),
+    ("1__0", None), ("_1", None), ("1_", None), ("1__", None), ("+_1", None), ("-_1", None), ("1 _0", None),
+    ("1.0", 1), ("1.00", 1), ("+1.0", 1), ("-0.0", 0), ("0.0", 0), (" 1.0 ", 1), ("1.0 ", 1), ("1_000.0", 1000),
+    ("1_0.0", 10), ("-01.00", -1), ("1.000000000000", 1),
+    ("1.5", None), ("1.10", None), ("1.01", None), ("1.", None), ("2.", None), (".0", None), (".", None),
+    ("1.0_0", None), ("1._0", None), ("1_.0", None), ("1.0.0", None), ("1e3", None), ("1e0", None), ("1.5e0", None),
+    ("0x10", None), ("+", None), ("", None), ("  ", None), ("++1", None), ("+-1", None), ("-+1", None),
+    ("x", None), ("\u0661", None), ("1.0000000000000000000001", None),
+    ("9" * 19, 10**19 - 1), ("9" * 20, 10**20 - 1), ("-" + "9" * 19, -(10**19 - 1)),
+]
+# Past 20 characters a string is left unread (pydantic reads all but the last; a bound on the work, as before).
+_BEYOND_BOUND = [("9" * 21, None), ("1.0000000000000000000000000000", None), (" " * 20 + "1", None), ("9" * 5000, None)]
+_PYDANTIC_BOOLS = [
+    (True, True), (False, False), (1, True), (0, False), (2, None), (1.0, True), (0.0, False), (-0.0, False),
+    (2.0, None), (0.5, None), (float("nan"), None), (None, None),
+    ("1", True), ("0", False), ("true", True), ("TRUE", True), ("False", False), ("t", True), ("T", True),
+    ("Y", True), ("yes", True), ("on", True), ("ON", True), ("Off", False), ("n", False), ("no", False),
+    ("1.0", None), ("0.0", None), (" 1", None), ("1 ", None), (" true", None), ("true ", None), ("\ttrue", None),
+    ("+1", None), ("01", None), ("2", None), ("", None), ("nan", None), ("maybe", None), ("f" * 5000, None),
+]
+
+
+@pytest.mark.parametrize("value,want", _PYDANTIC_INTS + _BEYOND_BOUND)
+def test_a_count_is_read_as_vllms_pydantic_reads_it(value, want):
+    """" 1", "+1", "1_000", "1.0" and True went unread as counts (a max_tokens: " 1" answer then in no count)."""
+    from powerprof.daemon.proxy import whole_count
+
+    got = whole_count(value)
+    assert got == want and type(got) is type(want), (value, got)
+
+
+@pytest.mark.parametrize("value,want", _PYDANTIC_BOOLS)
+def test_a_stream_flag_is_read_as_vllms_pydantic_reads_it(value, want):
+    """1.0 and 0.0 went unread as `stream` (pydantic: true and false)."""
+    from powerprof.daemon.proxy import lax_bool
+
+    assert lax_bool(value) is want, value
+
+
+def test_a_chunked_bodys_read_prefix_stays_in_the_budget_until_written_upstream():
+    """A chunked body just over INSPECT_MAX_BYTES gave its budget back once its first 1 MiB was read, but kept those
+    bytes in memory until an upstream connection was free: 400 such clients with the pool full took the proxy +420 MiB
+    (+133 MiB, 0.33 MiB a client, over the proxy before chunked bodies were read; session 56's review). They stay counted until written upstream,
+    so past the budget a body streams on unread and the memory held stays bounded."""
+    from powerprof.daemon.proxy import INSPECT_MAX_BYTES
+
+    async def main():
+        release = asyncio.Event()
+        seen = []
+
+        async def completion(request):
+            await release.wait()
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=4 * INSPECT_MAX_BYTES)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, max_connections=1)
+        r2, px_url = await serve_here(proxy.app())
+        big = json.dumps({"model": "m", "prompt": "b" * (INSPECT_MAX_BYTES + 65536)}).encode()
+        sent = asyncio.Event()
+
+        async def pieces(b):
+            for i in range(0, len(b), 16384):
+                yield b[i:i + 16384]
+            sent.set()
+
+        async with aiohttp.ClientSession() as s:
+            async def post(data):
+                async with s.post(px_url + "/completion", data=data) as r:
+                    return r.status, await r.read()
+
+            first = asyncio.create_task(post(b'{"prompt": "x"}'))  # holds the only upstream connection
+            await asyncio.sleep(0.3)
+            second = asyncio.create_task(post(pieces(big)))
+            await asyncio.wait_for(sent.wait(), 10)
+            await asyncio.sleep(0.5)
+            held = proxy._inspecting  # its prefix read, waiting for the connection
+            release.set()
+            got = await asyncio.gather(first, second)
+        await r2.cleanup()
+        await r1.cleanup()
+        return proxy, rec, seen, big, held, got
+
+    proxy, rec, seen, big, held, got = _run(main())
+    assert INSPECT_MAX_BYTES < held <= 15 + len(big), held  # the bytes read of it, counted (before: 15, the first's)
+    assert [g[0] for g in got] == [200, 200] and seen[-1] == big and proxy._inspecting == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -213,18 +214,29 @@ def request_head(method: str, target: str, host: str, raw_headers, framing: byte
     return b"".join(parts)
 
 
+# pydantic's str -> int (lax): Rust's whitespace trimmed (not Python's: \x1c-\x1f are not), a sign, ASCII digits with
+# single underscores between them, and a fraction of zeros alone ("1.0", "1_000.00"); 20 characters at most read here.
+_COUNT_WS = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+_COUNT_TEXT = re.compile(r"([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?")
+COUNT_TEXT_MAX_CHARS = 20
+
+
 def whole_count(v) -> int | None:
-    """A JSON count as the server reads it: an int, a float with no fraction (1.0), or a string of ASCII digits ("1"):
-    vLLM's and SGLang's OpenAI endpoints (pydantic, lax) take all three (llama-server takes 1.0, and ignores "1" for
-    its default: a limit read where it set none only matters at that count); None for anything else (a bool, 1.5, "x"),
-    which the proxy leaves unread as before. Taking an int alone, a max_tokens of 1.0 or "1" went unread (its answer's one token in no count:
-    -99%)."""
+    """A JSON count as vLLM's and SGLang's OpenAI endpoints read it (pydantic, lax): an int, a bool (0 or 1), a float
+    with no fraction (1.0), or a string of digits as pydantic takes it (" 1", "+1", "1_000", "1.0"; at most
+    COUNT_TEXT_MAX_CHARS); None for anything else (1.5, "x", "1e3"), which the proxy leaves unread as before
+    (llama-server takes 1.0, and ignores "1" for its default: a limit read where it set none only matters at that
+    count). Taking an int alone, a max_tokens of 1.0 or "1" went unread (its answer's one token in no count: -99%);
+    taking ASCII digits alone, " 1", "+1", "1_000", "1.0" and true still did."""
     if type(v) is int:
         return v
+    if type(v) is bool:
+        return int(v)
     if type(v) is float and v.is_integer() and abs(v) <= MAX_COUNT:
         return int(v)
-    if type(v) is str and 0 < len(v) <= 20 and v.isascii() and v.isdigit():
-        return int(v)
+    if type(v) is str and len(v) <= COUNT_TEXT_MAX_CHARS:
+        m = _COUNT_TEXT.fullmatch(v.strip(_COUNT_WS))
+        return int(m.group(1)) if m else None
     return None
 
 
@@ -234,12 +246,13 @@ _FALSE_TEXT = frozenset(("0", "off", "f", "false", "n", "no"))
 
 
 def lax_bool(v) -> bool | None:
-    """A JSON flag as the server reads it: a bool, 0 or 1, or one of pydantic's words (any case); None otherwise."""
+    """A JSON flag as the server reads it (pydantic, lax): a bool, 0 or 1, 0.0 or 1.0, or one of pydantic's words (any
+    case, no spaces); None otherwise."""
     if type(v) is bool:
         return v
-    if type(v) is int and v in (0, 1):
+    if type(v) in (int, float) and v in (0, 1):
         return bool(v)
-    if type(v) is str:
+    if type(v) is str and len(v) <= 5:
         w = v.lower()
         return True if w in _TRUE_TEXT else False if w in _FALSE_TEXT else None
     return None
@@ -544,11 +557,14 @@ class Proxy:
             # on from what was read.
             chunks = _body_chunks(request.content, self.body_timeout_s, self.body_min_bytes_per_s)
             parts, got = [], 0
+            # As a Content-Length body's read (one body_timeout_s in all): a body trickled at the minimum rate held
+            # its 1 MiB of the budget for ~18 min; past this it streams on from what was read, uninspected.
+            until = time.monotonic() + self.body_timeout_s
             try:
                 async for chunk in chunks:
                     parts.append(chunk)
                     got += len(chunk)
-                    if got > INSPECT_MAX_BYTES:
+                    if got > INSPECT_MAX_BYTES or time.monotonic() > until:
                         break
                 else:
                     chunks = None
@@ -559,8 +575,10 @@ class Proxy:
                                                  f"on average after its first {self.body_timeout_s:g} s")
             except OSError:
                 return self._client_left(trace)
-            self._inspecting -= budget[0] - (0 if chunks is not None else got)
-            budget[0] = 0 if chunks is not None else got
+            # Trimmed to the bytes read: a body's until its answer begins, a prefix's until written upstream (given
+            # back at once, a prefix just over 1 MiB waited on a free connection outside the budget: +0.33 MiB a client).
+            self._inspecting -= budget[0] - got
+            budget[0] = got
             if chunks is None:
                 body = b"".join(parts)
             else:
@@ -609,6 +627,8 @@ class Proxy:
                     if prefix:
                         await ex.write_body(b"%x\r\n%b\r\n" % (len(prefix), prefix))
                     prefix = b""
+                    self._inspecting -= budget[0]
+                    budget[0] = 0
                     if chunks is None:
                         chunks = _body_chunks(request.content, self.body_timeout_s, self.body_min_bytes_per_s)
                     async for chunk in chunks:
