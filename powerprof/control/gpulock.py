@@ -363,6 +363,15 @@ def _holder(name: bytes) -> tuple[int | None, int | None]:
         return None, None
 
 
+def _same_userns(pid: int, proc: str = "/proc") -> bool:
+    """Whether `pid` is in this process's user namespace (its capabilities count here); True where unknown."""
+    try:
+        a, b = os.stat(f"{proc}/{pid}/ns/user"), os.stat("/proc/self/ns/user")
+    except OSError:
+        return True
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def _holders_from_proc(name: bytes, proc: str = "/proc") -> list[tuple[int, int | None]]:
     """(pid, uid) of every process holding a socket bound to the abstract `name`, found through /proc (root reads every
     process's descriptors): a holder that never listens, or whose queue is full, answers no connect."""
@@ -434,6 +443,8 @@ def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/pr
         return True  # not the process the caller found: unknown
     if ruid != euid:
         return False
+    if not _same_userns(pid, proc):
+        cap = 0  # root of a user namespace of its own (unshare -U -r): every capability there, no privilege over the GPU
     if euid == 0 or cap >> CAP_SYS_ADMIN & 1:
         return True
     if scope == "nvml":

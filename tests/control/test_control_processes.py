@@ -265,7 +265,9 @@ def _squatter(uuid: str, how: str = "listening"):
     """A process of uid 65534 (nobody: neither root nor CAP_SYS_ADMIN, no write in the simulator's folder) holding GPU
     `uuid`'s machine-wide lock name of this test's simulator, its PID yielded. `how`: "listening"; "bound-only" (no
     connect names it); "orphaned" (the process that listened has exited, a child of it holds the socket: the peer
-    credentials name a PID that is gone)."""
+    credentials name a PID that is gone); "userns" (listening from a user namespace of its own, as `unshare -U -r`:
+    every capability in its CapEff, none outside it); "in-flight" (bound, its only descriptor parked in an SCM_RIGHTS
+    message: no /proc/*/fd shows it, no connect answers); "flapping" (bound and closed in a loop)."""
     from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
     from powerprof.rig import Rig  # noqa: PLC0415
 
@@ -279,9 +281,27 @@ def _squatter(uuid: str, how: str = "listening"):
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
+            if how == "userns":
+                import ctypes  # noqa: PLC0415
+
+                if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:  # CLONE_NEWUSER
+                    os._exit(3)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.bind(name)
-            if how != "bound-only":
+            if how == "flapping":
+                os.write(w, f"BOUND {os.getpid()}\n".encode())
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    s.close()
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    with contextlib.suppress(OSError):
+                        s.bind(name)
+                    time.sleep(0.0005)
+            if how == "in-flight":
+                a, b = socket.socketpair()
+                socket.send_fds(a, [b"x"], [s.fileno()])
+                s.close()
+            elif how != "bound-only":
                 s.listen(1)
             if how == "orphaned" and os.fork() != 0:
                 os._exit(0)
@@ -311,7 +331,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a holder of another u
 
 
 @needs_root
-@pytest.mark.parametrize("how", ["listening", "bound-only", "orphaned"])
+@pytest.mark.parametrize("how", ["listening", "bound-only", "orphaned", "userns"])
 def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(originals, how):
     p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
     _wait_for_line(p, "STEPPED")
