@@ -304,7 +304,8 @@ class MachineLock:
                 os.close(fd)
 
     def _bind(self, root: bool) -> None:
-        for attempt in range(2):
+        refused = 0
+        for attempt in range(5):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
             try:
                 s.bind(self.name)
@@ -329,8 +330,21 @@ class MachineLock:
             if not holders:
                 pid, uid = _holder(self.name)
                 holders = [(pid, uid)] if pid else []
-            if not holders and attempt == 0:
-                continue  # gone in between: bind again
+            if not holders:
+                # No process shows it in its descriptors and none answers a connect: gone in between, or held by no
+                # controller (each listens right after its bind): a name parked in an SCM_RIGHTS message, or bound and
+                # closed in a loop. A few tries, 20 ms apart; refused every time, it is passed over.
+                refused += _refuses(self.name)
+                if attempt < 4:
+                    time.sleep(0.02)
+                    continue
+                if refused == 5:
+                    self.warning = (
+                        f"{self._gpu()}: its machine-wide lock name is held, but by no process that holds it open and "
+                        "listens (every powerprof controller does), so it is no powerprof controller: passed over "
+                        f"(root's controllers exclude each other through {ROOT_LOCK_DIR})")
+                    print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
+                    return
             if not holders or any(could_control(self.scope, p, u) for p, u in holders):
                 raise self._busy(*(next(((p, u) for p, u in holders if could_control(self.scope, p, u)), (None, None))))
             named = ", ".join(f"process {p} (uid {u})" for p, u in holders)
@@ -361,6 +375,17 @@ def _holder(name: bytes) -> tuple[int | None, int | None]:
             return (pid or None), uid
     except OSError:
         return None, None
+
+
+def _refuses(name: bytes) -> bool:
+    """Whether a connect to `name` is refused (bound and not listening, or no longer bound): no controller's."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(1.0)
+            c.connect(name)
+    except OSError as e:
+        return e.errno in (errno.ECONNREFUSED, errno.ENOENT)
+    return False
 
 
 def _same_userns(pid: int, proc: str = "/proc") -> bool:

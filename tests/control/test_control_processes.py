@@ -353,6 +353,33 @@ def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(origina
         assert_untouched()
 
 
+@needs_root
+@pytest.mark.parametrize("how", ["in-flight", "flapping"])
+def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_process(originals, how):
+    # A name no process shows in /proc/*/fd and no connect answers (parked in an SCM_RIGHTS message, or bound and
+    # closed in a loop) was taken for a controller's: restore refused, saying "kill PID" of no one; a flapping squatter
+    # won every time. Every controller listens right after its bind, so a name refused a few times over is none's.
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
+    _wait_for_line(p, "STEPPED")
+    p.kill()
+    p.wait(timeout=WAIT_S)
+    assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    with _squatter(uuid, how):
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
+                           capture_output=True, text=True, timeout=WAIT_S)
+        said = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode == 0, said
+        if how == "in-flight":  # a flapping squatter's name may be caught free (taken) or its descriptor in /proc/*/fd
+            assert "no process that holds it open and listens" in said and "passed over" in said, said
+        assert_untouched()
+        assert restore_files() == []
+        for _ in range(5):  # a sweep's controller takes the GPU every time (and puts it back)
+            with LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope()) as ctl:
+                ctl.set_power_limit_w(220)
+            assert_untouched()
+
+
 def _scope() -> str:
     from powerprof.rig import Rig  # noqa: PLC0415
 
