@@ -358,6 +358,25 @@ class MachineLock:
             print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
             return
 
+    def reclaim(self) -> bool:
+        """Root, having passed over a holder of the name (`warning`): bind the name now if it is free, and keep it.
+        Passed over, root never took it: once the squatter left, a controller not run as root (a CAP_SYS_ADMIN user's,
+        which has only the name) could take the GPU beside root's. Called at each limit change; never raises. Whether
+        the name is held now."""
+        if self._sock is not None:
+            return True
+        if self._fd is None:
+            return False  # not held at all (released, or never taken)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind(self.name)
+            s.listen(socket.SOMAXCONN)
+        except OSError:
+            s.close()
+            return False
+        self._sock = s
+        return True
+
     def release(self) -> None:
         s, self._sock = self._sock, None
         if s is not None:

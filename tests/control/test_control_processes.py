@@ -380,6 +380,33 @@ def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_pro
             assert_untouched()
 
 
+@needs_root
+def test_root_takes_the_name_once_a_squatter_it_passed_over_lets_go(originals):
+    # Root passed over a squatter and never took the name: once the squatter left, a controller not run as root (a
+    # CAP_SYS_ADMIN user's, which has only the name) could take the GPU beside root's. Each limit change binds it now.
+    from powerprof.control.gpulock import MachineLock, _holder  # noqa: PLC0415
+
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    name = MachineLock(_scope(), uuid).name
+    ctl = LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope())
+    try:
+        with _squatter(uuid) as squat:
+            ctl.open()
+            ctl.set_power_limit_w(220)
+            assert _holder(name) == (squat, 65534)
+        ctl.set_power_limit_w(230)
+        assert _holder(name) == (os.getpid(), 0)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, pytest.raises(OSError):
+            s.bind(name)
+        ctl.set_power_limit_w(240)  # kept, not bound again
+        assert _holder(name) == (os.getpid(), 0)
+    finally:
+        ctl.close()
+    assert_untouched()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(name)  # let go at the close
+
+
 def _scope() -> str:
     from powerprof.rig import Rig  # noqa: PLC0415
 
