@@ -381,6 +381,25 @@ def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_pro
 
 
 @needs_root
+def test_restore_json_carries_the_pass_over_warning_in_its_notes(originals):
+    # `restore --json` said the squatter passed over on stderr only: a script reading stdout saw nothing of it.
+    import json  # noqa: PLC0415
+
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
+    _wait_for_line(p, "STEPPED")
+    p.kill()
+    p.wait(timeout=WAIT_S)
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    with _squatter(uuid) as squat:
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g", "--json"],
+                           capture_output=True, text=True, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    notes = json.loads(r.stdout)["notes"]
+    assert any(f"process {squat} (uid 65534)" in n and "passed over" in n for n in notes), notes
+    assert_untouched()
+
+
+@needs_root
 def test_root_takes_the_name_once_a_squatter_it_passed_over_lets_go(originals):
     # Root passed over a squatter and never took the name: once the squatter left, a controller not run as root (a
     # CAP_SYS_ADMIN user's, which has only the name) could take the GPU beside root's. Each limit change binds it now.
