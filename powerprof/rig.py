@@ -406,7 +406,7 @@ class Rig:
 
         outcomes = tuple(self._force_default_one(o, force_default) if o.status in ("damaged", "untrusted") else o
                          for o in report.outcomes)
-        return RestoreReport(outcomes, searched=report.searched, notes=report.notes)
+        return RestoreReport(outcomes, searched=report.searched, notes=report.notes, warnings=report.warnings)
 
     def _force_default_one(self, outcome, force_default):
         """On the simulated rig only a file provably this simulator's is touched: the UUIDs it names are all its

@@ -99,7 +99,7 @@ class LimitController:
         self.machine_scope = machine_scope
         self.devices: tuple[DeviceRange, ...] = ()
         self._handles: list = []
-        self._locks: list[GpuLock] = []
+        self._locks: list[GpuLock | MachineLock] = []
         self._record: dict | None = None  # the restore record once written: our "dirty" flag
         # Whether a GPU was ever changed (the record was written), kept after the restore: a command may only say
         # "every GPU is back" where one was changed (it said so after a sweep that never reached a GPU).
@@ -242,6 +242,7 @@ class LimitController:
         lo, hi = common_power_range(self.devices)
         if not lo <= watts <= hi:
             raise LevelError([f"{watts:g} W is outside the allowed range"], describe_power_range(self.devices))
+        self._reclaim_names()
         with self._critical():
             self._ensure_record()
             try:
@@ -263,6 +264,7 @@ class LimitController:
             raise LevelError([f"clock range {lo_mhz}-{hi_mhz} MHz is reversed"], "Give the lower clock first.")
         for mhz in {int(lo_mhz), int(hi_mhz)}:  # raises if out of range (each alone: a range's ends may share a clock)
             parse_clock_levels([str(mhz)], self.devices)
+        self._reclaim_names()
         with self._critical():
             self._ensure_record()
             # Marked before the call: a kill right after the lock takes effect must still release it.
@@ -291,6 +293,12 @@ class LimitController:
             self._restore_now()
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _reclaim_names(self) -> None:
+        """Each machine-wide lock name root passed over (a squatter held it): bound now where it is free, and kept."""
+        for lock in self._locks:
+            if isinstance(lock, MachineLock):
+                lock.reclaim()
 
     def _require_active(self) -> None:
         if not self._active:

@@ -304,7 +304,8 @@ class MachineLock:
                 os.close(fd)
 
     def _bind(self, root: bool) -> None:
-        for attempt in range(2):
+        refused = 0
+        for attempt in range(5):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
             try:
                 s.bind(self.name)
@@ -329,8 +330,21 @@ class MachineLock:
             if not holders:
                 pid, uid = _holder(self.name)
                 holders = [(pid, uid)] if pid else []
-            if not holders and attempt == 0:
-                continue  # gone in between: bind again
+            if not holders:
+                # No process shows it in its descriptors and none answers a connect: gone in between, or held by no
+                # controller (each listens right after its bind): a name parked in an SCM_RIGHTS message, or bound and
+                # closed in a loop. A few tries, 20 ms apart; refused every time, it is passed over.
+                refused += _refuses(self.name)
+                if attempt < 4:
+                    time.sleep(0.02)
+                    continue
+                if refused == 5:
+                    self.warning = (
+                        f"{self._gpu()}: its machine-wide lock name is held, but by no process that holds it open and "
+                        "listens (every powerprof controller does), so it is no powerprof controller: passed over "
+                        f"(root's controllers exclude each other through {ROOT_LOCK_DIR})")
+                    print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
+                    return
             if not holders or any(could_control(self.scope, p, u) for p, u in holders):
                 raise self._busy(*(next(((p, u) for p, u in holders if could_control(self.scope, p, u)), (None, None))))
             named = ", ".join(f"process {p} (uid {u})" for p, u in holders)
@@ -343,6 +357,25 @@ class MachineLock:
                 f"user's) off this GPU: see `ps -o user,pid,args -p {holders[0][0]}`")
             print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
             return
+
+    def reclaim(self) -> bool:
+        """Root, having passed over a holder of the name (`warning`): bind the name now if it is free, and keep it.
+        Passed over, root never took it: once the squatter left, a controller not run as root (a CAP_SYS_ADMIN user's,
+        which has only the name) could take the GPU beside root's. Called at each limit change; never raises. Whether
+        the name is held now."""
+        if self._sock is not None:
+            return True
+        if self._fd is None:
+            return False  # not held at all (released, or never taken)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind(self.name)
+            s.listen(socket.SOMAXCONN)
+        except OSError:
+            s.close()
+            return False
+        self._sock = s
+        return True
 
     def release(self) -> None:
         s, self._sock = self._sock, None
@@ -361,6 +394,26 @@ def _holder(name: bytes) -> tuple[int | None, int | None]:
             return (pid or None), uid
     except OSError:
         return None, None
+
+
+def _refuses(name: bytes) -> bool:
+    """Whether a connect to `name` is refused (bound and not listening, or no longer bound): no controller's."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(1.0)
+            c.connect(name)
+    except OSError as e:
+        return e.errno in (errno.ECONNREFUSED, errno.ENOENT)
+    return False
+
+
+def _same_userns(pid: int, proc: str = "/proc") -> bool:
+    """Whether `pid` is in this process's user namespace (its capabilities count here); True where unknown."""
+    try:
+        a, b = os.stat(f"{proc}/{pid}/ns/user"), os.stat("/proc/self/ns/user")
+    except OSError:
+        return True
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _holders_from_proc(name: bytes, proc: str = "/proc") -> list[tuple[int, int | None]]:
@@ -434,6 +487,8 @@ def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/pr
         return True  # not the process the caller found: unknown
     if ruid != euid:
         return False
+    if not _same_userns(pid, proc):
+        cap = 0  # root of a user namespace of its own (unshare -U -r): every capability there, no privilege over the GPU
     if euid == 0 or cap >> CAP_SYS_ADMIN & 1:
         return True
     if scope == "nvml":

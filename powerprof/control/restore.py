@@ -344,6 +344,9 @@ class RestoreReport:
     outcomes: tuple[FileOutcome, ...]
     searched: Path | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Said on stderr as they were found (a squatter of a GPU's machine-wide lock name passed over): in --json's notes
+    # too, not in `lines()` (said already).
+    warnings: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def ok(self) -> bool:
@@ -367,7 +370,7 @@ class RestoreReport:
         return {
             "ok": self.ok,
             "searched": None if self.searched is None else str(self.searched),
-            "notes": list(self.notes),
+            "notes": list(self.notes) + [f"warning: {w}" for w in self.warnings],
             "files": [
                 {"path": str(o.path), "status": o.status, "message": o.message,
                  "gpus": [{"index": g.index, "uuid": g.uuid, "before_limit_w": g.before_w, "limit_w": g.limit_w,
@@ -426,11 +429,10 @@ def restore_from_file(
                                                  "it is not seen; run `powerprof restore` where it can be read (as root, "
                                                  "outside the tuner's sandbox), or set POWERPROF_STATE_DIR to the state "
                                                  "folder") for f, why in unlisted)
-    return RestoreReport(
-        (*not_checked, *(_restore_one_file(f, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w, machine_scope)
-                         for f in files)),
-        searched=searched,
-    )
+    warnings: list[str] = []
+    outcomes = (*not_checked, *(_restore_one_file(f, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w,
+                                                  machine_scope, warnings) for f in files))
+    return RestoreReport(outcomes, searched=searched, warnings=tuple(warnings))
 
 
 def state_folder_refusal(folder: Path) -> str | None:
@@ -446,15 +448,19 @@ def state_folder_refusal(folder: Path) -> str | None:
             "root: and chmod go-w it and every folder above it), or unset it")
 
 
-def _lock_gpu(locks: list, lock_dir: Path, uuid: str, index, machine_scope: str | None) -> None:
+def _lock_gpu(locks: list, lock_dir: Path, uuid: str, index, machine_scope: str | None,
+              warnings: list[str] | None = None) -> None:
     """The state folder's lock of the GPU, and its machine-wide one where the door gives a scope: a controller of
-    another state folder is refused too (GpuBusyError), not acted under."""
+    another state folder is refused too (GpuBusyError), not acted under. `warnings`: each holder passed over is added."""
     for lock in (GpuLock(lock_dir, uuid, index),) + ((MachineLock(machine_scope, uuid, index),) if machine_scope else ()):
         lock.acquire()
         locks.append(lock)
+        if warnings is not None and getattr(lock, "warning", None):
+            warnings.append(lock.warning)
 
 
-def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w, machine_scope=None) -> FileOutcome:
+def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w, machine_scope=None,
+                      warnings=None) -> FileOutcome:
     early = check_restore_file(path)
     if early is not None:
         return early
@@ -468,7 +474,7 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
     nvml = None
     try:
         for uuid, g in rec["gpus"].items():
-            _lock_gpu(locks, lock_dir, uuid, g.get("index"), machine_scope)
+            _lock_gpu(locks, lock_dir, uuid, g.get("index"), machine_scope, warnings)
         nvml = nvml_factory(rec)
         gateway(nvml).init()
         done, problems, found = [], [], []
