@@ -176,28 +176,44 @@ def holds_sweep_run(path) -> bool:
     return any(os.path.isfile(os.path.join(path, m)) for m in RUN_MARKS)
 
 
+def regular_file_head(path, limit: int) -> bytes | None:
+    """The first `limit` bytes of the regular file at `path`; None where it is no regular file that can be read (gone,
+    a symlink, a FIFO, a folder). Opened without following a link or blocking, and read no further than `limit`: a
+    FIFO named run.json above --out hung `sweep` for ever waiting for a writer, and a symlink to an 8 GB file had root's
+    `restore --force-default` read it whole (8.4 GB resident, 36 s)."""
+    import stat  # noqa: PLC0415
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = b""
+        while len(raw) < limit and (chunk := os.read(fd, limit - len(raw))):
+            raw += chunk
+        return raw
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def is_powerprof_run(path) -> bool:
     """`path` is a run powerprof wrote: a run.json naming a run_id and a kind (every sweep and measure writes it first).
     A run.json of another tool's (sacred writes one a run, many CI jobs do) is none: in a folder above a daemon's data
     dir it refused the daemon's default data dir as "inside a sweep's run folder". A windows.parquet alone is none
     either: `export --format parquet --out .` writes one, and every --out below that folder was refused."""
     import json  # noqa: PLC0415
-    import stat  # noqa: PLC0415
 
-    # Opened without blocking or following a link, and read only if a regular file: a FIFO named run.json in a folder
-    # above --out (anyone can make /tmp/run.json) hung `sweep` and `measure` for ever, waiting for a writer.
-    try:
-        fd = os.open(os.path.join(path, RUN_JSON), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    raw = regular_file_head(os.path.join(path, RUN_JSON), 1 << 20)  # a FIFO planted as /tmp/run.json: not waited on
+    if raw is None:
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        meta = json.loads(os.read(fd, 1 << 20))
-    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
+        meta = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
         return False
-    finally:
-        os.close(fd)
     return isinstance(meta, dict) and "run_id" in meta and "kind" in meta
 
 

@@ -21,11 +21,11 @@ import json
 import os
 import re
 import shutil
-import stat
 from typing import Iterator
 
 from powerprof.collectors.sources import Sources, describe, open_sources
 from powerprof.privilege import has_admin_privilege
+from powerprof.paths import regular_file_head
 
 
 class Rig:
@@ -521,18 +521,9 @@ def state_file_named_in(path) -> str | None:
     simulator): whose state it is is then unknown."""
     from powerprof.control.restore import UUID_SCAN_BYTES
 
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    raw = regular_file_head(path, UUID_SCAN_BYTES)
+    if raw is None:
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        raw = os.read(fd, UUID_SCAN_BYTES)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     for m in reversed(_STATE_FILE_RE.findall(raw)):
         try:
             name = json.loads(m)

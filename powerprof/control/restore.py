@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import re
-import stat
 import sys
 import dataclasses
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Callable, Sequence
 
 from powerprof.collectors.gateway import gateway
 from powerprof.errtext import error_text
-from powerprof.paths import legacy_state_dirs, state_dir
+from powerprof.paths import legacy_state_dirs, regular_file_head, state_dir
 from powerprof.storage.atomic import atomic_path, fsync_dir
 from powerprof.trust import _file_reason, _folder_reason, _trusted_target, untrusted_place
 
@@ -175,20 +174,9 @@ def uuids_named_in(path: Path) -> list[str] | None:
     regular file that can be read (a symlink, a FIFO, gone): nothing to act on. Never through a symlink, and never
     more than that MiB: a symlink there to an 8 GB file had root's `restore --force-default` read it whole first
     (8.4 GB resident, 36 s), and a FIFO would have held it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    raw = regular_file_head(path, UUID_SCAN_BYTES)
+    if raw is None:
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        raw = b""
-        while len(raw) < UUID_SCAN_BYTES and (chunk := os.read(fd, UUID_SCAN_BYTES - len(raw))):
-            raw += chunk
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     return sorted({m.decode() for m in _UUID_RE.findall(raw)})
 
 
