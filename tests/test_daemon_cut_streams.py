@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemon_helpers import DaemonProc, read_dataset, sim_env
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer, count_prompt_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import cut_accuracy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -130,34 +136,8 @@ def test_a_request_sglang_runs_on_after_its_client_left_is_charged_that_work_not
         "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
         "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
     daemon = Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
-    words = lambda n: " ".join(["word"] * n)  # noqa: E731
-
-    async def post(s, url, tag, body):
-        return await s.post(url + "/v1/completions", json={"model": "m", "ignore_eos": True, **body},
-                            headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
-
-    async def normal(s, url, tag):
-        async with await post(s, url, tag, {"prompt": words(300), "max_tokens": 80, "stream": True,
-                                            "stream_options": {"include_usage": True}}) as r:
-            await r.read()
-
-    async def cut_decode(s, url, tag):  # the client leaves after 40 chunks
-        r = await post(s, url, tag, {"prompt": words(300), "max_tokens": 2000, "stream": True})
-        n = 0
-        async for line in r.content:
-            n += line.startswith(b"data:")
-            if n == 40:
-                break
-        r.close()
-
-    async def cut_whole(s, url, tag):  # a whole answer whose client leaves during its 12000-token prefill
-        t = asyncio.create_task(post(s, url, tag, {"prompt": words(12000), "max_tokens": 300, "stream": False}))
-        await asyncio.sleep(0.25)
-        t.cancel()
-        try:
-            (await t).close()
-        except asyncio.CancelledError:
-            pass
+    # The scene's requests are bench/cut_accuracy.py's (the bench measures the docs' figures over it).
+    normal, cut_decode, cut_whole = cut_accuracy._normal, cut_accuracy._cut_decode, cut_accuracy._cut_prefill
 
     async def main():
         task = asyncio.create_task(daemon.run())
