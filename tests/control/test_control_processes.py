@@ -532,3 +532,26 @@ def test_roots_machine_wide_lock_file_names_its_holder_over_a_killed_ones_pid():
     finally:
         lock.release()
     assert not lock.root_path.exists()
+
+
+def test_reclaim_never_raises_where_no_socket_can_be_made(monkeypatch, tmp_path):
+    # reclaim runs before every limit or clock change: out of descriptors (EMFILE at socket()), it raised OSError and the
+    # limit change failed over a name it only tries to take back. It says False, as for a bind that fails.
+    import errno  # noqa: PLC0415
+
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    lock = gpulock.MachineLock("nvml", "GPU-reclaim-emfile", 0)
+    fd = os.open(tmp_path / "held.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    lock._fd = fd  # as root after a pass-over: its flock held, the name not
+
+    def no_socket(*_a, **_k):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(gpulock.socket, "socket", no_socket)
+    try:
+        assert lock.reclaim() is False and lock._sock is None
+    finally:
+        monkeypatch.undo()
+        lock._fd = None
+        os.close(fd)
