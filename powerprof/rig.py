@@ -402,11 +402,15 @@ class Rig:
     def force_default(self, report):
         """`powerprof restore --force-default`: each damaged or untrusted file of `report` is replaced by the
         outcome of setting the GPUs it names (on this rig) to their default limit and removing it."""
+        import functools
+
         from powerprof.control.restore import RestoreReport, force_default
 
-        outcomes = tuple(self._force_default_one(o, force_default) if o.status in ("damaged", "untrusted") else o
-                         for o in report.outcomes)
-        return RestoreReport(outcomes, searched=report.searched, notes=report.notes, warnings=report.warnings)
+        warnings: list[str] = []  # a machine-wide lock holder passed over while locking a file's GPUs: --json's notes
+        outcomes = tuple(self._force_default_one(o, functools.partial(force_default, warnings=warnings))
+                         if o.status in ("damaged", "untrusted") else o for o in report.outcomes)
+        return RestoreReport(outcomes, searched=report.searched, notes=report.notes,
+                             warnings=(*report.warnings, *warnings))
 
     def _force_default_one(self, outcome, force_default):
         """On the simulated rig only a file provably this simulator's is touched: the UUIDs it names are all its

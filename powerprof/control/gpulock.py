@@ -367,7 +367,10 @@ class MachineLock:
             return True
         if self._fd is None:
             return False  # not held at all (released, or never taken)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # out of descriptors (EMFILE) too: False, no raise
+        except OSError:
+            return False
         try:
             s.bind(self.name)
             s.listen(socket.SOMAXCONN)

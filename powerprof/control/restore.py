@@ -582,11 +582,13 @@ def force_default(
     tolerance_w: float = DEFAULT_TOLERANCE_W,
     machine_scope: str | None = None,
     uuids: Sequence[str] | None = None,
+    warnings: list[str] | None = None,
 ) -> FileOutcome:
     """The operator's way out of a damaged or refused restore file: every GPU it names (all GPUs when no UUID
     can be read from it) goes to its default power limit with clock locks released, then the file is removed.
     Nothing in the file is trusted beyond the UUIDs it names. `uuids`: the GPUs to act on where the file's text
-    names none but its name proves whose it is (gpus_its_name_proves)."""
+    names none but its name proves whose it is (gpus_its_name_proves). `warnings`: each machine-wide lock holder
+    passed over is added (RestoreReport.warnings: --json's notes)."""
     path = Path(path)
     lock_dir = Path(directory) if directory is not None else state_dir()
     named = uuids_named_in(path)
@@ -623,7 +625,7 @@ def force_default(
                 h = gw.call("nvmlDeviceGetHandleByIndex", i)
                 handles.append((gw.call("nvmlDeviceGetUUID", h), h))
         for uuid, h in handles:
-            _lock_gpu(locks, lock_dir, uuid, int(gw.call("nvmlDeviceGetIndex", h)), machine_scope)
+            _lock_gpu(locks, lock_dir, uuid, int(gw.call("nvmlDeviceGetIndex", h)), machine_scope, warnings)
         problems = []
         for uuid, h in handles:
             index = int(gw.call("nvmlDeviceGetIndex", h))

@@ -532,3 +532,51 @@ def test_roots_machine_wide_lock_file_names_its_holder_over_a_killed_ones_pid():
     finally:
         lock.release()
     assert not lock.root_path.exists()
+
+
+def test_reclaim_never_raises_where_no_socket_can_be_made(monkeypatch, tmp_path):
+    # reclaim runs before every limit or clock change: out of descriptors (EMFILE at socket()), it raised OSError and the
+    # limit change failed over a name it only tries to take back. It says False, as for a bind that fails.
+    import errno  # noqa: PLC0415
+
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    lock = gpulock.MachineLock("nvml", "GPU-reclaim-emfile", 0)
+    fd = os.open(tmp_path / "held.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    lock._fd = fd  # as root after a pass-over: its flock held, the name not
+
+    def no_socket(*_a, **_k):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(gpulock.socket, "socket", no_socket)
+    try:
+        assert lock.reclaim() is False and lock._sock is None
+    finally:
+        monkeypatch.undo()
+        lock._fd = None
+        os.close(fd)
+
+
+@needs_root
+def test_restore_force_default_json_carries_the_pass_over_warning_in_its_notes(originals):
+    # `restore --json` put a squatter passed over in its notes, but `--force-default`'s own locking of a damaged file's
+    # GPUs did not: said on stderr only, a script reading stdout saw nothing of it.
+    import json  # noqa: PLC0415
+
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
+    _wait_for_line(p, "STEPPED")
+    p.kill()
+    p.wait(timeout=WAIT_S)
+    [record] = restore_files()
+    uuids = [g.uuid for g in SimNVML("seed-16g", count=2).gpus]
+    record.write_text('{"gpus": {"' + uuids[0] + '": {}, "' + uuids[1] + '": {')  # damaged: cut short
+    with _squatter(uuids[0]) as squat:
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g", "--force-default",
+                            "--json"], capture_output=True, text=True, timeout=WAIT_S)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"process {squat} (uid 65534)" in r.stderr  # said on stderr as before
+    notes = json.loads(r.stdout)["notes"]
+    assert any(f"process {squat} (uid 65534)" in n and "passed over" in n for n in notes), notes
+    assert all(w > 200 and c is None for w, c in sim_state())  # at their defaults, not the originals: the file is damaged
+    assert restore_files() == []
+    preset_originals()
