@@ -572,6 +572,14 @@ def test_an_azure_row_with_fields_missing_says_how_many(tmp_path):
         read_trace(p)
 
 
+def test_an_azure_csv_its_reader_cannot_parse_names_the_line_without_a_traceback(tmp_path):
+    # csv's own error (a field over its 131,072-character limit) ended `replay` in a `_csv.Error` traceback.
+    p = tmp_path / "odd.csv"
+    p.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n0,4,5\n1,2," + b"9" * 140_000 + b"\n")
+    with pytest.raises(TraceError, match=r"odd\.csv:3: not CSV the trace reader can read \(field larger than"):
+        read_trace(p)
+
+
 @pytest.mark.parametrize("line, missing", [
     # It said "not a trace record (KeyError: 'timestamp')": a field the message's own list did not name.
     ('{"foo": 1}', '"t_s" (or "timestamp"), "prompt_tokens", "output_tokens"'),

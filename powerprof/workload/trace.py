@@ -187,22 +187,27 @@ def _parse_trace(p: Path, text: str) -> list[TraceRequest]:
                 raise TraceError(f"{p}:{i}: not a trace record ({error_text(e)}); want {_JSONL_WANT}") from None
     else:
         rows = csv.reader(lines)
-        header = [h.strip() for h in next(rows, [])]
-        want = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-        if not all(w in header for w in want):
-            raise TraceError(f"{p}: not an Azure trace: the header must name {', '.join(want)} (got {', '.join(header)})")
-        ix = [header.index(w) for w in want]
-        for i, row in enumerate(rows, 2):
-            if not row or not "".join(row).strip():
-                continue
-            if len(row) <= max(ix):
-                raise TraceError(f"{p}:{i}: bad row ({len(row)} fields, the header names {len(header)}: "
-                                 f"{', '.join(header)}); every row needs {', '.join(want)}")
-            try:
-                out.append((_when(row[ix[0]]), _positive_int(row[ix[1]], "ContextTokens"),
-                            _positive_int(row[ix[2]], "GeneratedTokens"), None))
-            except ValueError as e:
-                raise TraceError(f"{p}:{i}: bad row ({e})") from None
+        try:
+            header = [h.strip() for h in next(rows, [])]
+            want = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+            if not all(w in header for w in want):
+                raise TraceError(f"{p}: not an Azure trace: the header must name {', '.join(want)} "
+                                 f"(got {', '.join(header)})")
+            ix = [header.index(w) for w in want]
+            for i, row in enumerate(rows, 2):
+                if not row or not "".join(row).strip():
+                    continue
+                if len(row) <= max(ix):
+                    raise TraceError(f"{p}:{i}: bad row ({len(row)} fields, the header names {len(header)}: "
+                                     f"{', '.join(header)}); every row needs {', '.join(want)}")
+                try:
+                    out.append((_when(row[ix[0]]), _positive_int(row[ix[1]], "ContextTokens"),
+                                _positive_int(row[ix[2]], "GeneratedTokens"), None))
+                except ValueError as e:
+                    raise TraceError(f"{p}:{i}: bad row ({e})") from None
+        except csv.Error as e:  # a field over csv's 131,072-character limit: it ended `replay` in a traceback
+            raise TraceError(f"{p}:{rows.line_num}: not CSV the trace reader can read ({e}); want an Azure CSV "
+                             "(TIMESTAMP, ContextTokens, GeneratedTokens) or JSONL") from None
     if not out:
         raise TraceError(f"{p}: the trace has no requests")
     out.sort(key=lambda r: r[0])
