@@ -1194,6 +1194,87 @@ def test_a_trickled_chunked_body_gives_its_budget_back_after_body_timeout_s_and_
     assert proxy._inspecting == 0
 
 
+
+
+def test_a_chunked_body_silent_after_a_late_chunk_gives_its_budget_back_at_body_timeout_s(monkeypatch):
+    """The chunked read's deadline was checked only as chunks came: a client sending a chunk just before
+    body_timeout_s and then nothing held its 1 MiB of the inspect budget for another body_timeout_s (~2x in all), so
+    N such clients kept every honest request beside them uninspected for twice as long. Now a real deadline: at
+    body_timeout_s the read stops, the budget is given back, the body streams on under the silence rule (408 once
+    silent for body_timeout_s); a client silent from its first chunk, or a Content-Length body not whole, gets its
+    408 at body_timeout_s."""
+    import powerprof.daemon.proxy as proxy_mod
+
+    n = 6
+    monkeypatch.setattr(proxy_mod, "INSPECT_BUDGET_BYTES", n * proxy_mod.INSPECT_MAX_BYTES)  # room for the N alone
+    timeout_s = 0.6
+
+    async def main():
+        async def completion(request):
+            await request.read()
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=4 << 20)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, body_timeout_s=timeout_s, body_min_bytes_per_s=100)
+        r2, px_url = await serve_here(proxy.app())
+        port = int(px_url.rsplit(":", 1)[1])
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def silent_client(late: bool, chunked: bool = True):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            if chunked:
+                w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
+            else:
+                w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"a\":")
+            await w.drain()
+            if late:
+                await asyncio.sleep(timeout_s * 0.8)  # one more chunk just before the deadline, then nothing
+                w.write(b"c8\r\n%b\r\n" % (b" " * 200))  # 200 bytes: 2 s more under the 100 bytes/s rate
+                await w.drain()
+            head = await asyncio.wait_for(r.read(65536), 10)
+            w.close()
+            return loop.time() - t0, head
+
+        tasks = [asyncio.ensure_future(silent_client(late=True)) for _ in range(n)]
+        early = asyncio.ensure_future(silent_client(late=False))
+        length = asyncio.ensure_future(silent_client(late=False, chunked=False))
+        held = []
+        while loop.time() - t0 < timeout_s * 1.5:
+            held.append((loop.time() - t0, proxy._inspecting))
+            await asyncio.sleep(0.02)
+        # The honest request, after the deadline, before the late chunks' silence runs out (~1.08 s).
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px_url + "/completion", json={"model": "honest", "prompt": "hi"}) as r:
+                honest = (r.status, loop.time() - t0)
+                await r.read()
+        late = await asyncio.gather(*tasks)
+        ends = (await early, await length)
+        for _ in range(100):
+            if len(rec.ended) == n + 3:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return proxy, rec, held, honest, late, ends
+
+    proxy, rec, held, honest, late, ends = _run(main())
+    after = [h for t, h in held if t > timeout_s * 1.25]  # the deadline passed, with time to give it back
+    assert after and all(h == 0 for h in after), held
+    assert honest[0] == 200 and honest[1] < timeout_s * 1.7, honest  # through, not waiting on the slowloris
+    (model,) = [t.model for t in rec.ended if t.model == "honest"]  # inspected: the budget was free
+    for t, head in late:  # silent for body_timeout_s after the late chunk: 408
+        assert head.startswith(b"HTTP/1.1 408") and b"silent" in head, head
+        assert timeout_s * 1.6 < t < timeout_s * 3, late
+    for t, head in ends:  # silent from the first chunk, or a Content-Length body not whole: 408 at the deadline
+        assert head.startswith(b"HTTP/1.1 408") and timeout_s * 0.9 < t < timeout_s * 1.5, ends
+    assert sum(proxy.body_timeouts.values()) == n + 2
+    assert proxy._inspecting == 0
+
+
 def test_a_chunked_body_of_exactly_the_bound_is_read_whole_and_one_byte_more_is_not():
     """The bound is inclusive, as for a Content-Length body: a chunked body of exactly INSPECT_MAX_BYTES is read whole
     and inspected, one of INSPECT_MAX_BYTES + 1 streams on (no test failed when `>` became `>=`, leaving a 1 MiB

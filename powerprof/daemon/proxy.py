@@ -171,32 +171,51 @@ class BodyTooSlow(Exception):
     """A streamed request body arrived slower on average than the proxy's minimum rate."""
 
 
-async def _body_chunks(content, timeout_s: float, min_bytes_per_s: float = 0.0):
-    """A streamed request body; a silence of `timeout_s` between chunks ends it with a TimeoutError, and
-    not having `min_bytes_per_s` × (elapsed − `timeout_s`) bytes by then with BodyTooSlow (0: no rate).
+class _BodyReader:
+    """A streamed request body, a chunk at a time; a silence of `timeout_s` ends it with a TimeoutError, and not
+    having `min_bytes_per_s` × (elapsed − `timeout_s`) bytes by then with BodyTooSlow (0: no rate).
 
     The silence rule alone let a body trickled a byte every timeout_s − 1 hold its upstream connection for
     ever. A rate, not a total deadline: a large body on a slow link still arrives, however long it takes,
     while holding a connection costs a client bytes in proportion to the time (mod_reqtimeout's MinRate)."""
-    start = time.monotonic()
-    got = 0
-    while True:
-        wait = timeout_s
-        if min_bytes_per_s > 0:
-            left = start + timeout_s + got / min_bytes_per_s - time.monotonic()
+
+    def __init__(self, content, timeout_s: float, min_bytes_per_s: float = 0.0):
+        self.content, self.timeout_s, self.min_bytes_per_s = content, timeout_s, min_bytes_per_s
+        self.start = time.monotonic()
+        self.got = 0
+        self._silent_since: float | None = None  # a wait cut short by `until` goes on from here, not afresh
+
+    async def read(self, until: float | None = None) -> bytes | None:
+        """The next chunk, b"" at the body's end; None if the monotonic time `until` comes first (the body read on
+        later with a later read, its silence counted from before). A deadline checked only as chunks came let a
+        client send one just before it, then nothing, and hold what it was read under for ~2 x timeout_s."""
+        now = time.monotonic()
+        if self._silent_since is None:
+            self._silent_since = now
+        wait, rule = self._silent_since + self.timeout_s - now, "silent"
+        if self.min_bytes_per_s > 0:
+            left = self.start + self.timeout_s + self.got / self.min_bytes_per_s - now
             if left <= 0:
                 raise BodyTooSlow()
-            wait = min(wait, left)
+            if left < wait:
+                wait, rule = left, "slow"
+        if until is not None and until - now < wait:
+            if until <= now:
+                return None
+            wait, rule = until - now, "until"
+        if wait <= 0:
+            raise asyncio.TimeoutError()
         try:
-            chunk = await asyncio.wait_for(content.readany(), wait)
+            chunk = await asyncio.wait_for(self.content.readany(), wait)
         except asyncio.TimeoutError:
-            if wait < timeout_s:
+            if rule == "until":
+                return None
+            if rule == "slow":
                 raise BodyTooSlow() from None
             raise
-        if not chunk:
-            return
-        got += len(chunk)
-        yield chunk
+        self._silent_since = None
+        self.got += len(chunk)
+        return chunk
 
 
 def request_head(method: str, target: str, host: str, raw_headers, framing: bytes = b"", connection=()) -> bytes:
@@ -555,19 +574,23 @@ class Proxy:
             # Chunked: read up to INSPECT_MAX_BYTES under the streamed body's own timers; one that ends by then is
             # inspected and sent on as one chunk (the server gets the same bytes, chunked as before), one longer streams
             # on from what was read.
-            chunks = _body_chunks(request.content, self.body_timeout_s, self.body_min_bytes_per_s)
+            chunks = _BodyReader(request.content, self.body_timeout_s, self.body_min_bytes_per_s)
             parts, got = [], 0
             # As a Content-Length body's read (one body_timeout_s in all): a body trickled at the minimum rate held
             # its 1 MiB of the budget for ~18 min; past this it streams on from what was read, uninspected.
             until = time.monotonic() + self.body_timeout_s
             try:
-                async for chunk in chunks:
+                while True:
+                    chunk = await chunks.read(until)
+                    if chunk is None:  # still arriving at the deadline
+                        break
+                    if not chunk:
+                        chunks = None
+                        break
                     parts.append(chunk)
                     got += len(chunk)
-                    if got > INSPECT_MAX_BYTES or time.monotonic() > until:
+                    if got > INSPECT_MAX_BYTES:
                         break
-                else:
-                    chunks = None
             except asyncio.TimeoutError:
                 return self._body_timeout(trace, f"request body silent for {self.body_timeout_s:g} s", "silent")
             except BodyTooSlow:
@@ -630,8 +653,8 @@ class Proxy:
                     self._inspecting -= budget[0]
                     budget[0] = 0
                     if chunks is None:
-                        chunks = _body_chunks(request.content, self.body_timeout_s, self.body_min_bytes_per_s)
-                    async for chunk in chunks:
+                        chunks = _BodyReader(request.content, self.body_timeout_s, self.body_min_bytes_per_s)
+                    while chunk := await chunks.read():
                         sent += len(chunk)
                         await ex.write_body(b"%x\r\n%b\r\n" % (len(chunk), chunk))
                 except asyncio.TimeoutError:
