@@ -1487,6 +1487,115 @@ def test_analyze_of_a_uri_without_httpfs_and_network_is_a_clear_error_within_the
     assert not (tmp_path / "a").exists()
 
 
+
+
+def _httpfs_loads() -> bool:
+    try:
+        duckdb.connect().execute("LOAD httpfs")
+        return True
+    except duckdb.Error:
+        return False
+
+
+class _StallingS3:
+    """A local S3 endpoint that lists one Parquet file under any prefix, then stalls half way through every body:
+    a remote that takes the connection and stops sending (a dead peer behind a load balancer, a proxy that hangs)."""
+
+    def __init__(self):
+        import http.server  # noqa: PLC0415
+        import socketserver  # noqa: PLC0415
+        import threading  # noqa: PLC0415
+
+        self.stop = threading.Event()
+        data = b"PAR1" + bytes(4096) + b"PAR1"
+        stop = self.stop
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _head(self, code, length, extra=()):
+                self.send_response(code)
+                for k, v in (("Content-Length", str(length)), ("Accept-Ranges", "bytes"), *extra):
+                    self.send_header(k, v)
+                self.end_headers()
+
+            def do_HEAD(self):
+                self._head(200, len(data)) if self.path.split("?")[0].endswith(".parquet") else self._head(404, 0)
+
+            def do_GET(self):
+                from urllib.parse import parse_qs, urlsplit  # noqa: PLC0415
+
+                q = parse_qs(urlsplit(self.path).query)
+                if "list-type" in q:
+                    key = q.get("prefix", [""])[0] + "date=2026-01-01/part-0.parquet"
+                    body = ("<?xml version='1.0' encoding='UTF-8'?><ListBucketResult><Name>b</Name><KeyCount>1</KeyCount>"
+                            "<MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated><Contents><Key>" + key + "</Key>"
+                            f"<LastModified>2026-01-01T00:00:00.000Z</LastModified><Size>{len(data)}</Size></Contents>"
+                            "</ListBucketResult>").encode()
+                    self._head(200, len(body), (("Content-Type", "application/xml"),))
+                    self.wfile.write(body)
+                    return
+                body = data
+                if rng := self.headers.get("Range"):
+                    a, b = rng.split("=")[1].split("-")
+                    body = data[int(a):int(b) + 1]
+                self._head(206 if rng else 200, len(body))
+                self.wfile.write(body[:len(body) // 2])
+                self.wfile.flush()
+                stop.wait(120)  # the rest never comes
+
+        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _httpfs_loads(), reason="DuckDB's httpfs extension is not installed here")
+def test_analyze_of_a_uri_whose_remote_stalls_mid_body_is_a_clear_error_within_the_limit(tmp_path, monkeypatch):
+    # A remote that took the connection and stopped sending mid-body held `analyze s3://…` for DuckDB's own bound
+    # (http_timeout 30 s, 3 retries with backoff: over 2 min), then said "IO Error: Failed to read connection": not
+    # what timed out, nor what to do. Now powerprof sets the bound itself and names it, the URI and the fix.
+    import time  # noqa: PLC0415
+
+    from powerprof.analysis import engine  # noqa: PLC0415
+
+    monkeypatch.setattr(engine, "HTTP_TIMEOUT_S", 2, raising=False)
+    real = engine.httpfs_refusal
+    with _StallingS3() as s3:
+
+        def local_s3(con):
+            why = real(con)
+            for setting in (f"s3_endpoint = '127.0.0.1:{s3.server.server_address[1]}'", "s3_use_ssl = false",
+                            "s3_url_style = 'path'", "s3_region = 'us-east-1'"):
+                con.execute(f"SET {setting}")
+            return why
+
+        monkeypatch.setattr(engine, "httpfs_refusal", local_s3)
+        t0 = time.monotonic()
+        r = CliRunner().invoke(main, ["analyze", "s3://b/ds", "--out", str(tmp_path / "a")])
+        took = time.monotonic() - t0
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and "Traceback" not in r.output, r.output
+    assert flat.startswith("Error: s3://b/ds: cannot read: the remote stopped sending (nothing for 2 s"), r.output
+    assert "copy the dataset to a local folder" in flat, r.output
+    assert took < 30, took
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_stray_file_behind_a_uri_is_named_with_its_table_folder(tmp_path):
     # Exported through file://, the note named "file:///…/node-0/date=…/part-x.parquet.tmp": requests/ left out.
     _node(tmp_path / "node-0", 0)

@@ -95,9 +95,40 @@ _INSTALL_HTTPFS = ("import sys\n"
                    "if sys.argv[2] else ''))\n")
 
 
+# Seconds a remote may send nothing (connect, each read) before DuckDB's httpfs gives up on a request, and the times it
+# asks again after that: a remote that takes the connection and stops sending ends `analyze` in at most about
+# (1 + HTTP_RETRIES) x HTTP_TIMEOUT_S with http_stall_refusal's error. Left to DuckDB's own (30 s, 3 retries, backoff),
+# it waited over 2 min, then said "Failed to read connection": neither what timed out nor what to do.
+HTTP_TIMEOUT_S = 30
+HTTP_RETRIES = 2
+
+
+def _bound_http(con) -> None:
+    """httpfs's timeout and retries as HTTP_TIMEOUT_S and HTTP_RETRIES say (they exist once httpfs is loaded)."""
+    import duckdb  # noqa: PLC0415
+
+    try:
+        con.execute(f"SET http_timeout = {int(HTTP_TIMEOUT_S)}")
+        con.execute(f"SET http_retries = {int(HTTP_RETRIES)}")
+    except duckdb.Error:
+        pass  # a DuckDB that renamed them: its own bound (30 s, 3 retries in 1.x) still ends a stall, later
+
+
+def http_stall_refusal(why: str) -> str | None:
+    """DuckDB's error `why` when a remote stopped sending (httpfs's read timed out, or the connection broke) said as
+    powerprof says it (what timed out, the bound, the fix; `why` kept at the end); None for any other error."""
+    low = why.lower()
+    if "failed to read connection" not in low and "timed out" not in low and "timeout" not in low:
+        return None
+    return (f"the remote stopped sending (nothing for {HTTP_TIMEOUT_S:g} s, asked {1 + HTTP_RETRIES} times; or it broke "
+            "the connection): check that the endpoint answers from here (a proxy or firewall that holds connections, "
+            f"a dead peer behind a load balancer), or copy the dataset to a local folder and analyze that (DuckDB: {why})")
+
+
 def httpfs_refusal(con) -> str | None:
     """Load the httpfs extension that DuckDB reads object-store URIs through, installing it where it is not, the download
-    bounded by HTTPFS_INSTALL_LIMIT_S: why it cannot be had (one line, with the fix), or None once loaded."""
+    bounded by HTTPFS_INSTALL_LIMIT_S, and bound its reads (_bound_http): why it cannot be had (one line, with the fix),
+    or None once loaded."""
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
@@ -105,9 +136,11 @@ def httpfs_refusal(con) -> str | None:
 
     try:
         con.execute("LOAD httpfs")
-        return None
     except duckdb.Error:
         pass  # not installed: installed below, bounded, where a query's autoload would wait unbounded
+    else:
+        _bound_http(con)
+        return None
     setting = lambda name: con.execute(f"SELECT current_setting('{name}')").fetchone()[0] or ""  # noqa: E731
     repo = setting("autoinstall_extension_repository") or setting("custom_extension_repository")
     fix = ("install it once where the network reaches DuckDB's extension repository (python -c \"import duckdb; "
@@ -131,6 +164,7 @@ def httpfs_refusal(con) -> str | None:
         con.execute("LOAD httpfs")
     except duckdb.Error as e:
         return f"{what} finished, yet it does not load ({str(e).splitlines()[0]}): {fix}"
+    _bound_http(con)
     return None
 
 

@@ -652,6 +652,15 @@ def _load_httpfs(con, srcs: list[str]) -> None:
         raise FleetError(f"{', '.join(uris)}: cannot read: {why}")
 
 
+def _raise_if_stalled(srcs: list[str], why: str) -> None:
+    """FleetError naming the URIs and the bound where DuckDB's error `why` is a remote that stopped sending."""
+    from .engine import http_stall_refusal  # noqa: PLC0415
+
+    uris = [s for s in srcs if is_uri(s)]
+    if uris and (said := http_stall_refusal(why)) is not None:
+        raise FleetError(f"{', '.join(uris)}: cannot read: {said}")
+
+
 def fleet_summary(sources) -> pa.Table:
     """Per-host summary over several daemon datasets (folders, globs, URIs): one query, out of core."""
     srcs = expand_sources(sources)
@@ -680,6 +689,7 @@ def fleet_summary(sources) -> pa.Table:
             if (stop := termination.exit_inside(e)) is not None:
                 raise stop from None
             why = str(e).split("\n\nLINE ")[0].strip()  # DuckDB's echo of our query says nothing to the user
+            _raise_if_stalled(srcs, why)
             raise FleetError(f"cannot read the datasets {', '.join(srcs)}: {why}") from None
     bad = [r for r in out.select(["host", "conflicting_requests", "conflicting_intervals"]).to_pylist()
            if r["conflicting_requests"] or r["conflicting_intervals"]]
@@ -781,6 +791,7 @@ def tag_summary(sources) -> pa.Table:
             if (stop := termination.exit_inside(e)) is not None:
                 raise stop from None
             why = str(e).split("\n\nLINE ")[0].strip()
+            _raise_if_stalled(srcs, why)
             raise FleetError(f"cannot read the tag rows of {', '.join(srcs)}: {why}") from None
     bad = [r["host"] for r in out.select(["host", "conflicting_windows"]).to_pylist() if r["conflicting_windows"]]
     if bad:
