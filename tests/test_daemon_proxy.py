@@ -1206,7 +1206,8 @@ def test_a_chunked_body_silent_after_a_late_chunk_gives_its_budget_back_at_body_
     import powerprof.daemon.proxy as proxy_mod
 
     n = 6
-    monkeypatch.setattr(proxy_mod, "INSPECT_BUDGET_BYTES", n * proxy_mod.INSPECT_MAX_BYTES)  # room for the N alone
+    # Room for the N and a 20-byte Content-Length body alone: the honest request's 35 bytes fit once the N's are back.
+    monkeypatch.setattr(proxy_mod, "INSPECT_BUDGET_BYTES", n * proxy_mod.INSPECT_MAX_BYTES + 20)
     timeout_s = 0.6
 
     async def main():
@@ -1229,7 +1230,7 @@ def test_a_chunked_body_silent_after_a_late_chunk_gives_its_budget_back_at_body_
             if chunked:
                 w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
             else:
-                w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"a\":")
+                w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n{\"a\":")
             await w.drain()
             if late:
                 await asyncio.sleep(timeout_s * 0.8)  # one more chunk just before the deadline, then nothing
@@ -1239,9 +1240,11 @@ def test_a_chunked_body_silent_after_a_late_chunk_gives_its_budget_back_at_body_
             w.close()
             return loop.time() - t0, head
 
+        length = asyncio.ensure_future(silent_client(late=False, chunked=False))  # read whole: its 20 bytes held
+        await asyncio.sleep(0.05)
         tasks = [asyncio.ensure_future(silent_client(late=True)) for _ in range(n)]
-        early = asyncio.ensure_future(silent_client(late=False))
-        length = asyncio.ensure_future(silent_client(late=False, chunked=False))
+        await asyncio.sleep(0.05)
+        early = asyncio.ensure_future(silent_client(late=False))  # the budget full: streamed on, silent from the start
         held = []
         while loop.time() - t0 < timeout_s * 1.5:
             held.append((loop.time() - t0, proxy._inspecting))
@@ -1271,6 +1274,7 @@ def test_a_chunked_body_silent_after_a_late_chunk_gives_its_budget_back_at_body_
         assert timeout_s * 1.6 < t < timeout_s * 3, late
     for t, head in ends:  # silent from the first chunk, or a Content-Length body not whole: 408 at the deadline
         assert head.startswith(b"HTTP/1.1 408") and timeout_s * 0.9 < t < timeout_s * 1.5, ends
+    assert b"not received within" in ends[1][1] and b"silent" in ends[0][1], ends
     assert sum(proxy.body_timeouts.values()) == n + 2
     assert proxy._inspecting == 0
 
