@@ -1475,3 +1475,41 @@ def test_a_chunked_bodys_read_prefix_stays_in_the_budget_until_written_upstream(
     proxy, rec, seen, big, held, got = _run(main())
     assert INSPECT_MAX_BYTES < held <= 15 + len(big), held  # the bytes read of it, counted (before: 15, the first's)
     assert [g[0] for g in got] == [200, 200] and seen[-1] == big and proxy._inspecting == 0
+
+
+def test_a_body_read_stopped_at_its_deadline_then_left_waiting_does_not_count_the_wait_as_silence():
+    """After the inspect read stops at its deadline, the body waits for an upstream connection before it is read on:
+    bytes the client sent meanwhile are there to read, not a silence that ends it with a 408."""
+    from powerprof.daemon.proxy import _BodyReader
+
+    class Content:
+        def __init__(self):
+            self.buf, self.arrived = b"", asyncio.Event()
+
+        def feed(self, b):
+            self.buf += b
+            self.arrived.set()
+
+        async def readany(self):
+            await self.arrived.wait()
+            return self.read_nowait()
+
+        def read_nowait(self, n=-1):
+            out, self.buf = self.buf, b""
+            self.arrived.clear()
+            return out
+
+        def at_eof(self):
+            return False
+
+    async def main():
+        import time
+
+        content = Content()
+        reader = _BodyReader(content, timeout_s=0.2)
+        first = await reader.read(time.monotonic() + 0.1)  # the deadline comes first
+        content.feed(b"more")  # sent while the proxy waited on the upstream, past the silence bound
+        await asyncio.sleep(0.3)
+        return first, await reader.read()
+
+    assert _run(main()) == (None, b"more")

@@ -204,7 +204,14 @@ class _BodyReader:
                 return None
             wait, rule = until - now, "until"
         if wait <= 0:
-            raise asyncio.TimeoutError()
+            # The silence ran out while nobody read (the proxy waiting on an upstream connection after the deadline):
+            # what the client sent meanwhile is read, only none at all is a silence.
+            chunk = self.content.read_nowait()
+            if not chunk and not self.content.at_eof():
+                raise asyncio.TimeoutError()
+            self._silent_since = None
+            self.got += len(chunk)
+            return chunk
         try:
             chunk = await asyncio.wait_for(self.content.readany(), wait)
         except asyncio.TimeoutError:
