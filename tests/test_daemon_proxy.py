@@ -1246,10 +1246,10 @@ def test_a_chunked_body_silent_after_a_late_chunk_gives_its_budget_back_at_body_
         await asyncio.sleep(0.05)
         early = asyncio.ensure_future(silent_client(late=False))  # the budget full: streamed on, silent from the start
         held = []
-        while loop.time() - t0 < timeout_s * 1.5:
+        while loop.time() - t0 < timeout_s * 1.65:
             held.append((loop.time() - t0, proxy._inspecting))
             await asyncio.sleep(0.02)
-        # The honest request, after the deadline, before the late chunks' silence runs out (~1.08 s).
+        # The honest request, after the deadline, before the late chunks' silence runs out (~1.13 s).
         async with aiohttp.ClientSession() as s:
             async with s.post(px_url + "/completion", json={"model": "honest", "prompt": "hi"}) as r:
                 honest = (r.status, loop.time() - t0)
@@ -1265,9 +1265,9 @@ def test_a_chunked_body_silent_after_a_late_chunk_gives_its_budget_back_at_body_
         return proxy, rec, held, honest, late, ends
 
     proxy, rec, held, honest, late, ends = _run(main())
-    after = [h for t, h in held if t > timeout_s * 1.25]  # the deadline passed, with time to give it back
+    after = [h for t, h in held if t > timeout_s * 1.4]  # the deadline passed, with time to give it back
     assert after and all(h == 0 for h in after), held
-    assert honest[0] == 200 and honest[1] < timeout_s * 1.7, honest  # through, not waiting on the slowloris
+    assert honest[0] == 200 and honest[1] < timeout_s * 2.5, honest  # through, not waiting on the slowloris
     (model,) = [t.model for t in rec.ended if t.model == "honest"]  # inspected: the budget was free
     for t, head in late:  # silent for body_timeout_s after the late chunk: 408
         assert head.startswith(b"HTTP/1.1 408") and b"silent" in head, head
