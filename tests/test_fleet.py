@@ -1596,6 +1596,29 @@ def test_analyze_of_a_uri_whose_remote_stalls_mid_body_is_a_clear_error_within_t
     assert not (tmp_path / "a").exists()
 
 
+def test_httpfs_reads_are_bounded_once_it_loads_and_a_stall_is_said_as_such():
+    # Where httpfs is not installed (CI: no network) the stalling-remote test above is skipped; this runs everywhere.
+    from powerprof.analysis import engine  # noqa: PLC0415
+
+    class Con:
+        def __init__(self):
+            self.said = []
+
+        def execute(self, sql):
+            self.said.append(sql)
+            return self
+
+    con = Con()
+    assert engine.httpfs_refusal(con) is None
+    assert con.said == ["LOAD httpfs", f"SET http_timeout = {engine.HTTP_TIMEOUT_S}",
+                        f"SET http_retries = {engine.HTTP_RETRIES}"]
+    why = "IO Error: Failed to read connection error for HTTP GET to 'http://h/x.parquet'"
+    said = engine.http_stall_refusal(why)
+    assert said.startswith("the remote stopped sending (nothing for 30 s, asked 3 times") and said.endswith(
+        f"(DuckDB: {why})"), said
+    assert engine.http_stall_refusal("Binder Error: Referenced column x not found") is None
+
+
 def test_a_stray_file_behind_a_uri_is_named_with_its_table_folder(tmp_path):
     # Exported through file://, the note named "file:///…/node-0/date=…/part-x.parquet.tmp": requests/ left out.
     _node(tmp_path / "node-0", 0)
