@@ -1211,7 +1211,10 @@ def test_a_chunked_body_silent_after_a_late_chunk_gives_its_budget_back_at_body_
     timeout_s = 0.6
 
     async def main():
+        reached = []
+
         async def completion(request):
+            reached.append(request)
             await request.read()
             return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
 
@@ -1262,11 +1265,13 @@ def test_a_chunked_body_silent_after_a_late_chunk_gives_its_budget_back_at_body_
             await asyncio.sleep(0.02)
         await r2.cleanup()
         await r1.cleanup()
-        return proxy, rec, held, honest, late, ends
+        return proxy, rec, held, honest, late, ends, len(reached)
 
-    proxy, rec, held, honest, late, ends = _run(main())
+    proxy, rec, held, honest, late, ends, reached = _run(main())
     after = [h for t, h in held if t > timeout_s * 1.4]  # the deadline passed, with time to give it back
-    assert after and all(h == 0 for h in after), held
+    assert after and all(h <= n * 205 for h in after), held  # only the bytes read, not 1 MiB each
+    # Nor did a silent one take an upstream connection: only the honest request and the one streamed from the start.
+    assert reached == 2, reached
     assert honest[0] == 200 and honest[1] < timeout_s * 2.5, honest  # through, not waiting on the slowloris
     (model,) = [t.model for t in rec.ended if t.model == "honest"]  # inspected: the budget was free
     for t, head in late:  # silent for body_timeout_s after the late chunk: 408
@@ -1513,3 +1518,47 @@ def test_a_body_read_stopped_at_its_deadline_then_left_waiting_does_not_count_th
         return first, await reader.read()
 
     assert _run(main()) == (None, b"more")
+
+
+def test_a_chunked_body_that_ends_just_after_the_deadline_is_read_whole():
+    """A chunked body whose last bytes came just after body_timeout_s was streamed on unread (model None, prompt not
+    costed) though whole an instant later: past the deadline the next chunk is awaited, and one that ends the body
+    leaves it whole, inspected."""
+
+    async def main():
+        async def completion(request):
+            await request.read()
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, body_timeout_s=0.4, body_min_bytes_per_s=0)
+        r2, px_url = await serve_here(proxy.app())
+        body = json.dumps({"model": "late", "prompt": "hello", "n_predict": 1}).encode()
+        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"%x\r\n%b\r\n" % (10, body[:10]))
+        await w.drain()
+        await asyncio.sleep(0.25)  # never silent for 0.4 s; the rest 0.1 s after the deadline
+        w.write(b"%x\r\n%b\r\n" % (5, body[10:15]))
+        await w.drain()
+        await asyncio.sleep(0.25)
+        w.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body) - 15, body[15:]))
+        await w.drain()
+        head = await asyncio.wait_for(r.read(65536), 10)
+        w.close()
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return head, rec, proxy
+
+    head, rec, proxy = _run(main())
+    assert head.startswith(b"HTTP/1.1 200"), head
+    (t,) = rec.ended
+    assert t.model == "late" and t.extra.get("prompt_chars") == 5 and "body_bytes" not in t.extra, t.extra
+    assert proxy._inspecting == 0

@@ -589,7 +589,18 @@ class Proxy:
             try:
                 while True:
                     chunk = await chunks.read(until)
-                    if chunk is None:  # still arriving at the deadline
+                    if chunk is None:
+                        # Still arriving at the deadline: the reservation given back (the bytes read stay counted),
+                        # and the next chunk awaited under the body's own timers before an upstream connection is
+                        # taken. Streamed on at the deadline, a client silent from there held an upstream connection
+                        # until its 408 (six such clients took six); one whose end comes with this chunk is whole.
+                        self._inspecting -= budget[0] - got
+                        budget[0] = got
+                        chunk = await chunks.read()
+                        parts.append(chunk)
+                        got += len(chunk)
+                        if not chunk or (got <= INSPECT_MAX_BYTES and request.content.at_eof()):
+                            chunks = None  # its end came with it: whole
                         break
                     if not chunk:
                         chunks = None
