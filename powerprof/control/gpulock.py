@@ -329,7 +329,7 @@ class MachineLock:
             holders = _holders_from_proc(self.name)
             if not holders:
                 pid, uid = _holder(self.name)
-                holders = [(pid, uid)] if pid else []
+                holders = [(pid, uid, None)] if pid else []
             if not holders:
                 # No process shows it in its descriptors and none answers a connect: gone in between, or held by no
                 # controller (each listens right after its bind): a name parked in an SCM_RIGHTS message, or bound and
@@ -345,9 +345,10 @@ class MachineLock:
                         f"(root's controllers exclude each other through {ROOT_LOCK_DIR})")
                     print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
                     return
-            if not holders or any(could_control(self.scope, p, u) for p, u in holders):
-                raise self._busy(*(next(((p, u) for p, u in holders if could_control(self.scope, p, u)), (None, None))))
-            named = ", ".join(f"process {p} (uid {u})" for p, u in holders)
+            controlling = [(p, u) for p, u, t in holders if could_control(self.scope, p, u, tid=t)]
+            if not holders or controlling:
+                raise self._busy(*(controlling[0] if controlling else (None, None)))
+            named = ", ".join(dict.fromkeys(f"process {p} (uid {u})" for p, u, _t in holders))
             self.warning = (
                 f"{self._gpu()}: its machine-wide lock name is held by {named}, which could not change this GPU's "
                 "power limit (neither root nor CAP_SYS_ADMIN" + (", nor allowed to write the simulator's state" if
@@ -410,8 +411,14 @@ def _refuses(name: bytes) -> bool:
     return False
 
 
-def _same_userns(pid: int, proc: str = "/proc") -> bool:
-    """Whether `pid` is in this process's user namespace (its capabilities count here); True where unknown."""
+def _task(pid: int | str, tid: int | None) -> str:
+    """The /proc entry of `pid`'s thread `tid` (None: the process's own entry, its thread-group leader's)."""
+    return f"{pid}" if tid is None else f"{pid}/task/{tid}"
+
+
+def _same_userns(pid: int | str, proc: str = "/proc") -> bool:
+    """Whether `pid` (or "pid/task/tid") is in this process's user namespace (its capabilities count here); True where
+    unknown."""
     try:
         a, b = os.stat(f"{proc}/{pid}/ns/user"), os.stat("/proc/self/ns/user")
     except OSError:
@@ -419,9 +426,15 @@ def _same_userns(pid: int, proc: str = "/proc") -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _holders_from_proc(name: bytes, proc: str = "/proc") -> list[tuple[int, int | None]]:
-    """(pid, uid) of every process holding a socket bound to the abstract `name`, found through /proc (root reads every
-    process's descriptors): a holder that never listens, or whose queue is full, answers no connect."""
+def _holders_from_proc(name: bytes, proc: str = "/proc") -> list[tuple[int, int | None, int]]:
+    """(pid, uid, tid) of every thread holding a socket bound to the abstract `name`, found through /proc (root reads
+    every process's descriptors): a holder that never listens, or whose queue is full, answers no connect. Every thread's
+    descriptors (/proc/<pid>/task/<tid>/fd), judged by that thread's status: a thread whose thread-group leader has
+    exited (a zombie: /proc/<pid>/fd lists nothing) or that unshared its descriptor table holds what the leader's list
+    lacks. Read from the leader's alone, such a holder went unseen, and with its queue full no connect named it either:
+    root's `restore` refused, "another powerprof process", and the GPU stayed capped. A thread sharing its leader's
+    table (kcmp says so) is not read again: on a loaded 2-core test host, reading every thread's took 0.4-0.9 s, this
+    0.08-0.13 s, the leaders' alone 0.03-0.08 s."""
     want = "@" + name[1:].decode(errors="replace")
     inodes = set()
     try:
@@ -438,12 +451,38 @@ def _holders_from_proc(name: bytes, proc: str = "/proc") -> list[tuple[int, int 
         if not entry.name.isdigit():
             continue
         try:
-            fds = os.listdir(f"{proc}/{entry.name}/fd")
-            if any(_readlink(f"{proc}/{entry.name}/fd/{fd}") in inodes for fd in fds):
-                found.append((int(entry.name), _status(int(entry.name), proc).get("Uid", [None, None])[1]))
+            tids = [t for t in os.listdir(f"{proc}/{entry.name}/task") if t.isdigit()]
         except OSError:
-            continue
-    return [(p, int(u) if u is not None and u.isdigit() else None) for p, u in found]
+            continue  # gone
+        for tid in sorted(tids, key=lambda t: t != entry.name):  # the leader first: the others mostly share its table
+            if tid != entry.name and _shares_files(int(entry.name), int(tid)):
+                continue
+            where = f"{entry.name}/task/{tid}"
+            try:
+                fds = os.listdir(f"{proc}/{where}/fd")
+            except OSError:
+                continue
+            if any(_readlink(f"{proc}/{where}/fd/{fd}") in inodes for fd in fds):
+                found.append((int(entry.name), _status(where, proc).get("Uid", [None, None])[1], int(tid)))
+    return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found]
+
+
+_SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(os.uname().machine)
+_KCMP_FILES = 2
+_libc = None
+
+
+def _shares_files(pid: int, tid: int) -> bool:
+    """Whether thread `tid` shares its leader `pid`'s descriptor table (kcmp KCMP_FILES); False where unknown (no kcmp
+    here, or it failed): then the thread's own table is read. A zombie leader has none, so no thread shares it."""
+    global _libc
+    if _SYS_KCMP is None:
+        return False
+    if _libc is None:
+        import ctypes  # noqa: PLC0415
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc.syscall(_SYS_KCMP, pid, tid, _KCMP_FILES, 0, 0) == 0
 
 
 def _readlink(path: str) -> str | None:
@@ -453,8 +492,9 @@ def _readlink(path: str) -> str | None:
         return None
 
 
-def _status(pid: int, proc: str = "/proc") -> dict[str, list[str]]:
-    """/proc/<pid>/status as {key: fields}; {} where it cannot be read (the process gone)."""
+def _status(pid: int | str, proc: str = "/proc") -> dict[str, list[str]]:
+    """/proc/<pid>/status (or a thread's, "pid/task/tid") as {key: fields}; {} where it cannot be read (the process
+    gone)."""
     out: dict[str, list[str]] = {}
     try:
         with open(f"{proc}/{pid}/status") as f:
@@ -469,17 +509,19 @@ def _status(pid: int, proc: str = "/proc") -> dict[str, list[str]]:
 CAP_DAC_OVERRIDE = 1
 
 
-def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/proc") -> bool:
+def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/proc", tid: int | None = None) -> bool:
     """Whether the process `pid` (uid `uid`) could change the limits of `scope`'s GPUs, and so may be a controller whose
     lock root must respect. Changing a power limit on NVIDIA needs root or CAP_SYS_ADMIN (privilege.CAP_SYS_ADMIN in
     its effective set); a simulator's limits, a write in its state file's folder or the file itself (or
     CAP_DAC_OVERRIDE). Anything unknown (the process gone, its status unreadable, a scope not known here) counts as
     could: a refusal, never a second controller. A process whose real uid is not its effective one is none: a setuid
     program (passwd at its prompt, root in its effective uid) that a squatter exec'd holding the socket; no controller
-    runs so (sudo and systemd set both, a script cannot be setuid)."""
+    runs so (sudo and systemd set both, a script cannot be setuid). `tid`: the thread found holding the socket, judged by
+    its own status (a thread's credentials may differ from its leader's, and a zombie leader's are no one's)."""
     if uid is None or pid is None:
         return True
-    st = _status(pid, proc)
+    where = _task(pid, tid)
+    st = _status(where, proc)
     try:
         cap = int(st["CapEff"][0], 16)
         ruid, euid = int(st["Uid"][0]), int(st["Uid"][1])
@@ -490,7 +532,7 @@ def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/pr
         return True  # not the process the caller found: unknown
     if ruid != euid:
         return False
-    if not _same_userns(pid, proc):
+    if not _same_userns(where, proc):
         cap = 0  # root of a user namespace of its own (unshare -U -r): every capability there, no privilege over the GPU
     if euid == 0 or cap >> CAP_SYS_ADMIN & 1:
         return True

@@ -267,7 +267,10 @@ def _squatter(uuid: str, how: str = "listening"):
     connect names it); "orphaned" (the process that listened has exited, a child of it holds the socket: the peer
     credentials name a PID that is gone); "userns" (listening from a user namespace of its own, as `unshare -U -r`:
     every capability in its CapEff, none outside it); "in-flight" (bound, its only descriptor parked in an SCM_RIGHTS
-    message: no /proc/*/fd shows it, no connect answers); "flapping" (bound and closed in a loop)."""
+    message: no /proc/*/fd shows it, no connect answers); "flapping" (bound and closed in a loop); "zombie-leader"
+    (listening from a thread whose thread-group leader has exited: /proc/<pid>/fd of the leader lists nothing, and the
+    thread is in no /proc/<pid>; its queue full, as below, so no connect names it); "full-queue" (listening with a backlog of 0, its queue filled, its only descriptor
+    parked in an SCM_RIGHTS message: a connect finds the queue full, EAGAIN, neither answered nor refused)."""
     from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
     from powerprof.rig import Rig  # noqa: PLC0415
 
@@ -297,11 +300,36 @@ def _squatter(uuid: str, how: str = "listening"):
                     with contextlib.suppress(OSError):
                         s.bind(name)
                     time.sleep(0.0005)
-            if how == "in-flight":
+            def listen_full():  # backlog 0, filled: every later connect finds the queue full (EAGAIN)
+                s.listen(0)
+                waiting = []
+                with contextlib.suppress(BlockingIOError):
+                    for _ in range(8):
+                        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        waiting.append(c)
+                        c.setblocking(False)
+                        c.connect(name)
+                for c in waiting:
+                    c.close()  # their connections stay queued, never accepted
+
+            if how == "zombie-leader":
+                import ctypes  # noqa: PLC0415
+
+                def hold():
+                    listen_full()
+                    os.write(w, f"BOUND {os.getpid()}\n".encode())
+                    time.sleep(60)
+                    os._exit(0)
+
+                threading.Thread(target=hold, daemon=True).start()
+                ctypes.CDLL(None).syscall(60, 0)  # SYS_exit (x86_64): the leader thread alone exits, a zombie
+            if how == "full-queue":
+                listen_full()
+            if how in ("in-flight", "full-queue"):
                 a, b = socket.socketpair()
                 socket.send_fds(a, [b"x"], [s.fileno()])
                 s.close()
-            elif how != "bound-only":
+            elif how not in ("bound-only", "zombie-leader"):
                 s.listen(1)
             if how == "orphaned" and os.fork() != 0:
                 os._exit(0)
@@ -331,7 +359,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a holder of another u
 
 
 @needs_root
-@pytest.mark.parametrize("how", ["listening", "bound-only", "orphaned", "userns"])
+@pytest.mark.parametrize("how", ["listening", "bound-only", "orphaned", "userns", "zombie-leader"])
 def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(originals, how):
     p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
     _wait_for_line(p, "STEPPED")
@@ -496,6 +524,11 @@ def test_who_could_control_a_gpu(tmp_path):
     d.mkdir()
     (d / "status").write_text("Uid:\t1001\t0\t0\t0\nGid:\t1001\t1001\t1001\t1001\nGroups:\t\nCapEff:\t000001ffffffffff\n")
     assert not could_control("nvml", 13, 0, where)
+    # A thread is judged by its own status (/proc/<pid>/task/<tid>): its leader's may be a zombie's, or another's creds.
+    t = d / "task" / "14"
+    t.mkdir(parents=True)
+    (t / "status").write_text("Uid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\nGroups:\t\nCapEff:\t000001ffffffffff\n")
+    assert could_control("nvml", 13, 0, where, tid=14)
 
 
 def test_a_held_machine_wide_lock_names_its_holder_however_often_it_is_asked():
