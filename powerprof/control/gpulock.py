@@ -304,7 +304,7 @@ class MachineLock:
                 os.close(fd)
 
     def _bind(self, root: bool) -> None:
-        refused = 0
+        unanswered = 0
         for attempt in range(5):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
             try:
@@ -326,22 +326,26 @@ class MachineLock:
             # Root: the processes that hold the socket now, read through /proc. The peer credentials name the one that
             # called listen(), which may have exited leaving a child of its own holding the socket (that PID gone, or
             # another process's by now); they are the answer only where /proc shows none (a sandbox's ProtectProc).
-            holders = _holders_from_proc(self.name)
+            holders, whole = _holders_from_proc(self.name)
             if not holders:
                 pid, uid = _holder(self.name)
                 holders = [(pid, uid, None)] if pid else []
             if not holders:
                 # No process shows it in its descriptors and none answers a connect: gone in between, or held by no
-                # controller (each listens right after its bind): a name parked in an SCM_RIGHTS message, or bound and
-                # closed in a loop. A few tries, 20 ms apart; refused every time, it is passed over.
-                refused += _refuses(self.name)
+                # controller: a name parked in an SCM_RIGHTS message, or bound and closed in a loop. A few tries, 20 ms
+                # apart; refused every time (each controller listens right after its bind), it is passed over. A full
+                # queue (EAGAIN) is no proof alone: any user may fill a controller's (it never accepts). It counts only
+                # where /proc was read whole and shows this process every other (a controller holds its socket open).
+                answer = _unanswered(self.name)
+                unanswered += answer == "refused" or (answer == "full" and whole and _sees_every_process())
                 if attempt < 4:
                     time.sleep(0.02)
                     continue
-                if refused == 5:
+                if unanswered == 5:
                     self.warning = (
-                        f"{self._gpu()}: its machine-wide lock name is held, but by no process that holds it open and "
-                        "listens (every powerprof controller does), so it is no powerprof controller: passed over "
+                        f"{self._gpu()}: its machine-wide lock name is held, but by no process that holds it open "
+                        "(every powerprof controller holds its own and listens), and no connect is answered (refused, or "
+                        "its queue full), so it is no powerprof controller: passed over "
                         f"(root's controllers exclude each other through {ROOT_LOCK_DIR})")
                     print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
                     return
@@ -400,15 +404,47 @@ def _holder(name: bytes) -> tuple[int | None, int | None]:
         return None, None
 
 
-def _refuses(name: bytes) -> bool:
-    """Whether a connect to `name` is refused (bound and not listening, or no longer bound): no controller's."""
+def _unanswered(name: bytes) -> str | None:
+    """How a connect to `name` goes unanswered: "refused" (bound and not listening, or no longer bound: no
+    controller's), "full" (its listen queue full: EAGAIN, never accepted; a controller's may be too), None otherwise."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
             c.settimeout(1.0)
             c.connect(name)
+    except TimeoutError:
+        return "full"
     except OSError as e:
-        return e.errno in (errno.ECONNREFUSED, errno.ENOENT)
-    return False
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return "refused"
+        return "full" if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK) else None
+    return None
+
+
+_PID_NS_INIT_INO = 0xEFFFFFFC  # the first PID namespace's inode number (the kernel's PROC_PID_INIT_INO)
+CAP_SYS_PTRACE = 19
+
+
+def _sees_every_process(proc: str = "/proc", pid_ns_ino: int | None = None) -> bool:
+    """Whether this process's /proc shows it every process's descriptors: in the first PID namespace (a process of an
+    enclosing one, sharing this network namespace, shows in no /proc here), with CAP_SYS_PTRACE (hidepid and the ptrace
+    check hide nothing then), its /proc mounted without hidepid (ProtectProc= in a unit). False where unknown."""
+    try:
+        if pid_ns_ino is None:
+            pid_ns_ino = os.stat(f"{proc}/self/ns/pid").st_ino
+        cap = int(_status("self", proc)["CapEff"][0], 16)
+        with open(f"{proc}/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except (OSError, KeyError, IndexError, ValueError):
+        return False
+    if pid_ns_ino != _PID_NS_INIT_INO or not cap >> CAP_SYS_PTRACE & 1:
+        return False
+    for m in mounts:
+        if len(m) > 4 and m[4] == "/proc" and "-" in m:
+            options = m[m.index("-") + 3:][:1]
+            if any(o.startswith("hidepid=") and o not in ("hidepid=0", "hidepid=off") or o == "subset=pid"
+                   for o in ",".join(options).split(",")):
+                return False
+    return True
 
 
 def _task(pid: int | str, tid: int | None) -> str:
@@ -426,8 +462,9 @@ def _same_userns(pid: int | str, proc: str = "/proc") -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _holders_from_proc(name: bytes, proc: str = "/proc") -> list[tuple[int, int | None, int]]:
-    """(pid, uid, tid) of every thread holding a socket bound to the abstract `name`, found through /proc (root reads
+def _holders_from_proc(name: bytes, proc: str = "/proc") -> tuple[list[tuple[int, int | None, int]], bool]:
+    """((pid, uid, tid) of every thread holding a socket bound to the abstract `name`, whether every process's and
+    thread's descriptors were read (False: /proc/net/unix or a table unreadable, not just gone)), through /proc (root reads
     every process's descriptors): a holder that never listens, or whose queue is full, answers no connect. Every thread's
     descriptors (/proc/<pid>/task/<tid>/fd), judged by that thread's status: a thread whose thread-group leader has
     exited (a zombie: /proc/<pid>/fd lists nothing) or that unshared its descriptor table holds what the leader's list
@@ -445,26 +482,29 @@ def _holders_from_proc(name: bytes, proc: str = "/proc") -> list[tuple[int, int 
                 if len(parts) >= 8 and parts[7] == want:
                     inodes.add(f"socket:[{parts[6]}]")
     except OSError:
-        return []
+        return [], False
     found = []
+    whole = True
     for entry in os.scandir(proc) if inodes else ():
         if not entry.name.isdigit():
             continue
         try:
             tids = [t for t in os.listdir(f"{proc}/{entry.name}/task") if t.isdigit()]
-        except OSError:
-            continue  # gone
+        except OSError as e:
+            whole &= e.errno in (errno.ENOENT, errno.ESRCH)  # gone; anything else hides it
+            continue
         for tid in sorted(tids, key=lambda t: t != entry.name):  # the leader first: the others mostly share its table
             if tid != entry.name and _shares_files(int(entry.name), int(tid)):
                 continue
             where = f"{entry.name}/task/{tid}"
             try:
                 fds = os.listdir(f"{proc}/{where}/fd")
-            except OSError:
+            except OSError as e:
+                whole &= e.errno in (errno.ENOENT, errno.ESRCH)
                 continue
             if any(_readlink(f"{proc}/{where}/fd/{fd}") in inodes for fd in fds):
                 found.append((int(entry.name), _status(where, proc).get("Uid", [None, None])[1], int(tid)))
-    return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found]
+    return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found], whole
 
 
 _SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(os.uname().machine)

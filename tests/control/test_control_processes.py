@@ -382,11 +382,13 @@ def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(origina
 
 
 @needs_root
-@pytest.mark.parametrize("how", ["in-flight", "flapping"])
+@pytest.mark.parametrize("how", ["in-flight", "flapping", "full-queue"])
 def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_process(originals, how):
     # A name no process shows in /proc/*/fd and no connect answers (parked in an SCM_RIGHTS message, or bound and
     # closed in a loop) was taken for a controller's: restore refused, saying "kill PID" of no one; a flapping squatter
-    # won every time. Every controller listens right after its bind, so a name refused a few times over is none's.
+    # won every time. Every controller listens right after its bind, so a name refused a few times over is none's. A
+    # parked one whose queue is full (EAGAIN: neither answered nor refused) still kept restore off the GPU; every
+    # controller holds its socket open, so one no thread in /proc holds, /proc showing root every process, is none's.
     p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
     _wait_for_line(p, "STEPPED")
     p.kill()
@@ -398,14 +400,120 @@ def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_pro
                            capture_output=True, text=True, timeout=WAIT_S)
         said = " ".join((r.stdout + r.stderr).split())
         assert r.returncode == 0, said
-        if how == "in-flight":  # a flapping squatter's name may be caught free (taken) or its descriptor in /proc/*/fd
-            assert "no process that holds it open and listens" in said and "passed over" in said, said
+        if how in ("in-flight", "full-queue"):  # a flapping squatter's name may be caught free (taken) or its descriptor in /proc/*/fd
+            assert "no process that holds it open" in said and "passed over" in said, said
         assert_untouched()
         assert restore_files() == []
         for _ in range(5):  # a sweep's controller takes the GPU every time (and puts it back)
             with LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope()) as ctl:
                 ctl.set_power_limit_w(220)
             assert_untouched()
+
+
+def _fill_queue(name: bytes) -> None:
+    """As uid 65534, connect to `name` until its listen queue is full (EAGAIN), leaving every connection queued."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            for _ in range(70000):
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.setblocking(False)
+                try:
+                    c.connect(name)
+                except BlockingIOError:
+                    os._exit(0)
+                finally:
+                    c.close()
+            os._exit(1)
+        finally:
+            os._exit(2)
+    assert os.waitpid(pid, 0)[1] == 0, "the queue never filled"
+
+
+@needs_root
+def test_a_root_controller_whose_queue_another_user_filled_is_never_passed_over(originals, tmp_path):
+    # Any user may fill a controller's listen queue (it never accepts): a connect then finds it full, as it finds a
+    # parked squatter's. A controller holds its socket open, so /proc names it and it is judged, never passed over.
+    from powerprof.control.gpulock import MachineLock, _holder  # noqa: PLC0415
+
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    lock = MachineLock(_scope(), uuid)
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200", "--gpus", "0"])
+    try:
+        _wait_for_line(p, "STEPPED")
+        _fill_queue(lock.name)
+        assert _holder(lock.name) == (None, None)  # no connect names it now
+        with pytest.raises(GpuBusyError) as ei:
+            lock._bind(root=True)  # the name alone, past root's own flock
+        assert ei.value.holder_pid == p.pid and lock.warning is None
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
+                           capture_output=True, text=True, timeout=WAIT_S,
+                           env=dict(os.environ, POWERPROF_STATE_DIR=str(tmp_path / "other-state")))
+        assert "passed over" not in r.stderr, r.stderr
+        assert sim_state()[0] == (200.0, None) and p.poll() is None
+    finally:
+        p.terminate()
+    assert _finish(p)[0] == 128 + signal.SIGTERM
+    assert_untouched()
+
+
+def test_a_full_queue_no_process_shows_is_passed_over_only_where_proc_shows_every_process(monkeypatch):
+    # A listening name whose only descriptor is parked in an SCM_RIGHTS message, its queue full: root passes it over
+    # only where its /proc shows every process (a controller in another PID namespace sharing this network, or hidden
+    # by hidepid, or an unreadable descriptor table, could be the holder); anywhere else it is refused, as before.
+    import uuid as uuidlib  # noqa: PLC0415
+
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    lock = gpulock.MachineLock(f"test-{uuidlib.uuid4()}", "GPU-full")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(lock.name)
+    s.listen(0)
+    with contextlib.suppress(BlockingIOError):
+        for _ in range(8):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                c.setblocking(False)
+                c.connect(lock.name)
+    a, b = socket.socketpair()
+    socket.send_fds(a, [b"x"], [s.fileno()])
+    s.close()
+    try:
+        monkeypatch.setattr(gpulock, "_sees_every_process", lambda: False)
+        with pytest.raises(GpuBusyError):
+            lock._bind(root=True)
+        monkeypatch.setattr(gpulock, "_sees_every_process", lambda: True)
+        real = gpulock._holders_from_proc
+        monkeypatch.setattr(gpulock, "_holders_from_proc", lambda name, proc="/proc": (real(name, proc)[0], False))
+        with pytest.raises(GpuBusyError):  # a descriptor table it could not read
+            lock._bind(root=True)
+        monkeypatch.setattr(gpulock, "_holders_from_proc", real)
+        lock._bind(root=True)
+        assert lock._sock is None and "no process that holds it open" in lock.warning
+    finally:
+        a.close()
+        b.close()
+
+
+def test_who_sees_every_process(tmp_path):
+    # Root's /proc shows every process only with CAP_SYS_PTRACE, in the first PID namespace, its /proc without hidepid.
+    from powerprof.control.gpulock import _sees_every_process  # noqa: PLC0415
+
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+
+    def view(cap, mount="22 27 0:21 / /proc rw,relatime - proc proc rw"):
+        (proc / "self" / "status").write_text(f"Uid:\t0\t0\t0\t0\nCapEff:\t{cap:016x}\n")
+        (proc / "self" / "mountinfo").write_text(mount + "\n")
+        return _sees_every_process(str(proc), pid_ns_ino=0xEFFFFFFC)
+
+    assert view(1 << 19)
+    assert not view(1 << 21)  # no CAP_SYS_PTRACE
+    assert not view(1 << 19, "22 27 0:21 / /proc rw,relatime - proc proc rw,hidepid=invisible")
+    assert view(1 << 19, "22 27 0:21 / /proc rw,relatime - proc proc rw,hidepid=0")
+    assert not _sees_every_process(str(proc), pid_ns_ino=0xF0000001)  # a PID namespace below the first
 
 
 @needs_root
