@@ -16,7 +16,7 @@ from pathlib import Path
 
 from powerprof.paths import ROOT_STATE_DIR
 from powerprof.privilege import CAP_SYS_ADMIN
-from powerprof.trust import untrusted_place
+from powerprof.trust import untrusted_out_dir, untrusted_place
 
 from .errors import GpuBusyError, StateFolderError, state_folder_message
 
@@ -177,6 +177,13 @@ def read_holder_pid(path: Path) -> int | None:
 ROOT_LOCK_DIR = ROOT_STATE_DIR / "machine-locks"
 
 
+def root_lock_dir(scope: str) -> Path:
+    """Where root's machine-wide locks of `scope`'s GPUs live: ROOT_LOCK_DIR; a simulator's beside its state file
+    (`<state file>.machine-locks`), the simulated GPU's one home. In ROOT_LOCK_DIR, every test's state file was a GPU of
+    its own, and each root controller a test killed (no release) left a file there on the test host, run after run."""
+    return Path(scope[len("sim:"):] + ".machine-locks") if scope.startswith("sim:") else ROOT_LOCK_DIR
+
+
 class MachineLock:
     """The GPU's lock across state folders: a listening socket in the abstract namespace (no file: no folder another
     user could plant in, none to share), named by the hardware's scope and the GPU's UUID. The kernel drops it when
@@ -185,8 +192,8 @@ class MachineLock:
     and the GPU stayed capped. The second is refused now, its holder named by the socket's peer credentials.
 
     An abstract name has no permissions: any local user can bind it first (the scope and the GPU's UUID are public).
-    As root, therefore, the lock is a file lock in ROOT_LOCK_DIR (root's controllers exclude each other there), and the
-    name is taken beside it where it is free; a holder of the name that could not change the GPU's limit
+    As root, therefore, the lock is a file lock in ROOT_LOCK_DIR (`root_lock_dir`; root's controllers exclude each other
+    there), and the name is taken beside it where it is free; a holder of the name that could not change the GPU's limit
     (`could_control`: on NVIDIA, neither root nor CAP_SYS_ADMIN) is no controller: it is said (stderr, `warning`) and
     passed over. Before, such a squatter kept root's `restore` from putting a capped GPU back, and every sweep off it.
     Another user's process stays refused where it could control the GPU (a CAP_SYS_ADMIN user's sweep). Not root: the
@@ -198,7 +205,8 @@ class MachineLock:
     def __init__(self, scope: str, uuid: str, index: int | None = None):
         digest = hashlib.sha256(f"{scope}\0{uuid}".encode()).hexdigest()[:40]
         self.name = b"\0powerprof-gpu-" + digest.encode()
-        self.root_path = ROOT_LOCK_DIR / f"gpu-{digest}.lock"
+        self.root_dir = root_lock_dir(scope)
+        self.root_path = self.root_dir / f"gpu-{digest}.lock"
         self.scope = scope
         self.uuid = uuid
         self.index = index
@@ -256,10 +264,13 @@ class MachineLock:
             return
         what = f"the machine-wide lock of {self._gpu()}"
         try:
-            make_dirs(ROOT_LOCK_DIR, 0o700)
-            why = untrusted_place(ROOT_LOCK_DIR)
+            make_dirs(self.root_dir, 0o700)
+            # A simulator's, beside its state file: trusted as the simulator trusts that file's folder (root's, or the
+            # sudo user's: `sudo powerprof sweep --simulate` with the state in their home); whoever may write there may
+            # change the simulated limits anyway.
+            why = (untrusted_out_dir if self.scope.startswith("sim:") else untrusted_place)(self.root_dir)
             if why:
-                raise StateFolderError(f"{what}: {ROOT_LOCK_DIR} is not root's alone ({why}): remove it (root makes it "
+                raise StateFolderError(f"{what}: {self.root_dir} is not root's alone ({why}): remove it (root makes it "
                                        "again, mode 700)")
             for attempt in range(8):
                 fd = os.open(self.root_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -346,7 +357,7 @@ class MachineLock:
                         f"{self._gpu()}: its machine-wide lock name is held, but by no process that holds it open "
                         "(every powerprof controller holds its own and listens), and no connect is answered (refused, or "
                         "its queue full), so it is no powerprof controller: passed over "
-                        f"(root's controllers exclude each other through {ROOT_LOCK_DIR})")
+                        f"(root's controllers exclude each other through {self.root_dir})")
                     print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
                     return
             controlling = [(p, u) for p, u, t in holders if could_control(self.scope, p, u, tid=t)]
@@ -358,7 +369,7 @@ class MachineLock:
                 "power limit (neither root nor CAP_SYS_ADMIN" + (", nor allowed to write the simulator's state" if
                                                                   self.scope.startswith("sim:") else "")
                 + "), so it is no powerprof controller: passed over (root's controllers exclude each other through "
-                f"{ROOT_LOCK_DIR}). Held by another user, the name keeps every controller not run as root (a CAP_SYS_ADMIN "
+                f"{self.root_dir}). Held by another user, the name keeps every controller not run as root (a CAP_SYS_ADMIN "
                 f"user's) off this GPU: see `ps -o user,pid,args -p {holders[0][0]}`")
             print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
             return

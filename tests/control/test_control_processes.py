@@ -460,15 +460,13 @@ def test_a_root_controller_whose_queue_another_user_filled_is_never_passed_over(
     assert_untouched()
 
 
-def test_a_full_queue_no_process_shows_is_passed_over_only_where_proc_shows_every_process(monkeypatch):
+def test_a_full_queue_no_process_shows_is_passed_over_only_where_proc_shows_every_process(monkeypatch, tmp_path):
     # A listening name whose only descriptor is parked in an SCM_RIGHTS message, its queue full: root passes it over
     # only where its /proc shows every process (a controller in another PID namespace sharing this network, or hidden
     # by hidepid, or an unreadable descriptor table, could be the holder); anywhere else it is refused, as before.
-    import uuid as uuidlib  # noqa: PLC0415
-
     from powerprof.control import gpulock  # noqa: PLC0415
 
-    lock = gpulock.MachineLock(f"test-{uuidlib.uuid4()}", "GPU-full")
+    lock = gpulock.MachineLock(f"sim:{tmp_path}/sim.json", "GPU-full")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(lock.name)
     s.listen(0)
@@ -594,6 +592,29 @@ def test_two_root_controllers_still_exclude_each_other_beside_a_squatter(origina
     assert_untouched()
 
 
+@needs_root
+def test_a_simulated_gpus_root_lock_lives_beside_its_state_file_not_in_roots_folder(originals):
+    # Root's machine-wide lock of a simulated GPU was a file in /var/lib/powerprof-control/machine-locks, named by the
+    # simulator's state file: each test's state file is a GPU of its own, so every root controller a test killed
+    # (SIGKILL: no release) left a file there on the test host, one more each run. It lives beside the state file now.
+    from powerprof.control.gpulock import ROOT_LOCK_DIR, MachineLock  # noqa: PLC0415
+
+    lock = MachineLock(_scope(), SimNVML("seed-16g", count=2).gpus[0].uuid)
+    state = Path(os.environ["POWERPROF_SIM_STATE"])
+    assert lock.root_path.parent == Path(os.path.realpath(state)).parent / f"{state.name}.machine-locks"
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200", "--gpus", "0"])
+    _wait_for_line(p, "STEPPED")
+    p.kill()
+    p.wait(timeout=WAIT_S)
+    assert lock.root_path.exists()  # its killed holder's, where the test's folder takes it away
+    assert not (ROOT_LOCK_DIR / lock.root_path.name).exists()
+    assert oct(lock.root_path.parent.stat().st_mode & 0o777) == "0o700"
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
+                       capture_output=True, text=True, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    assert_untouched()
+
+
 def test_who_could_control_a_gpu(tmp_path):
     # root or CAP_SYS_ADMIN on NVIDIA; for a simulator, whoever may write its state file or folder; unknown: could.
     from powerprof.control.gpulock import could_control  # noqa: PLC0415
@@ -639,14 +660,12 @@ def test_who_could_control_a_gpu(tmp_path):
     assert could_control("nvml", 13, 0, where, tid=14)
 
 
-def test_a_held_machine_wide_lock_names_its_holder_however_often_it_is_asked():
+def test_a_held_machine_wide_lock_names_its_holder_however_often_it_is_asked(tmp_path):
     # Never accepted, each connect that asked for the holder's credentials stayed in the listen queue (backlog 1): from
     # the third on, connect failed and the holder went unnamed ("another powerprof process", `kill PID`).
-    import uuid as uuidlib  # noqa: PLC0415
-
     from powerprof.control.gpulock import MachineLock, _holder  # noqa: PLC0415
 
-    lock = MachineLock(f"test-{uuidlib.uuid4()}", "GPU-x")
+    lock = MachineLock(f"sim:{tmp_path}/sim.json", "GPU-x")  # as root, its lock file in tmp_path
     lock.acquire()
     try:
         assert [_holder(lock.name) for _ in range(20)] == [(os.getpid(), os.geteuid())] * 20
@@ -655,15 +674,13 @@ def test_a_held_machine_wide_lock_names_its_holder_however_often_it_is_asked():
 
 
 @needs_root
-def test_roots_machine_wide_lock_file_names_its_holder_over_a_killed_ones_pid():
+def test_roots_machine_wide_lock_file_names_its_holder_over_a_killed_ones_pid(tmp_path):
     # A root controller killed with -9 leaves its lock file, its PID inside; the next one's shorter PID was written over
     # it without cutting it ("1234\n" over "2147483646\n": "1234\n83646\n"), so a refused controller could not name it.
-    import uuid as uuidlib  # noqa: PLC0415
+    from powerprof.control.gpulock import MachineLock, make_dirs, read_holder_pid  # noqa: PLC0415
 
-    from powerprof.control.gpulock import ROOT_LOCK_DIR, MachineLock, make_dirs, read_holder_pid  # noqa: PLC0415
-
-    lock = MachineLock(f"test-{uuidlib.uuid4()}", "GPU-x")
-    make_dirs(ROOT_LOCK_DIR, 0o700)
+    lock = MachineLock(f"sim:{tmp_path}/sim.json", "GPU-x")  # its lock file in tmp_path
+    make_dirs(lock.root_path.parent, 0o700)
     fd = os.open(lock.root_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, b"2147483646\n")
     os.close(fd)
