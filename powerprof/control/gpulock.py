@@ -16,7 +16,7 @@ from pathlib import Path
 
 from powerprof.paths import ROOT_STATE_DIR
 from powerprof.privilege import CAP_SYS_ADMIN
-from powerprof.trust import untrusted_place
+from powerprof.trust import untrusted_out_dir, untrusted_place
 
 from .errors import GpuBusyError, StateFolderError, state_folder_message
 
@@ -177,6 +177,13 @@ def read_holder_pid(path: Path) -> int | None:
 ROOT_LOCK_DIR = ROOT_STATE_DIR / "machine-locks"
 
 
+def root_lock_dir(scope: str) -> Path:
+    """Where root's machine-wide locks of `scope`'s GPUs live: ROOT_LOCK_DIR; a simulator's beside its state file
+    (`<state file>.machine-locks`), the simulated GPU's one home. In ROOT_LOCK_DIR, every test's state file was a GPU of
+    its own, and each root controller a test killed (no release) left a file there on the test host, run after run."""
+    return Path(scope[len("sim:"):] + ".machine-locks") if scope.startswith("sim:") else ROOT_LOCK_DIR
+
+
 class MachineLock:
     """The GPU's lock across state folders: a listening socket in the abstract namespace (no file: no folder another
     user could plant in, none to share), named by the hardware's scope and the GPU's UUID. The kernel drops it when
@@ -185,8 +192,8 @@ class MachineLock:
     and the GPU stayed capped. The second is refused now, its holder named by the socket's peer credentials.
 
     An abstract name has no permissions: any local user can bind it first (the scope and the GPU's UUID are public).
-    As root, therefore, the lock is a file lock in ROOT_LOCK_DIR (root's controllers exclude each other there), and the
-    name is taken beside it where it is free; a holder of the name that could not change the GPU's limit
+    As root, therefore, the lock is a file lock in ROOT_LOCK_DIR (`root_lock_dir`; root's controllers exclude each other
+    there), and the name is taken beside it where it is free; a holder of the name that could not change the GPU's limit
     (`could_control`: on NVIDIA, neither root nor CAP_SYS_ADMIN) is no controller: it is said (stderr, `warning`) and
     passed over. Before, such a squatter kept root's `restore` from putting a capped GPU back, and every sweep off it.
     Another user's process stays refused where it could control the GPU (a CAP_SYS_ADMIN user's sweep). Not root: the
@@ -198,7 +205,8 @@ class MachineLock:
     def __init__(self, scope: str, uuid: str, index: int | None = None):
         digest = hashlib.sha256(f"{scope}\0{uuid}".encode()).hexdigest()[:40]
         self.name = b"\0powerprof-gpu-" + digest.encode()
-        self.root_path = ROOT_LOCK_DIR / f"gpu-{digest}.lock"
+        self.root_dir = root_lock_dir(scope)
+        self.root_path = self.root_dir / f"gpu-{digest}.lock"
         self.scope = scope
         self.uuid = uuid
         self.index = index
@@ -256,10 +264,13 @@ class MachineLock:
             return
         what = f"the machine-wide lock of {self._gpu()}"
         try:
-            make_dirs(ROOT_LOCK_DIR, 0o700)
-            why = untrusted_place(ROOT_LOCK_DIR)
+            make_dirs(self.root_dir, 0o700)
+            # A simulator's, beside its state file: trusted as the simulator trusts that file's folder (root's, or the
+            # sudo user's: `sudo powerprof sweep --simulate` with the state in their home); whoever may write there may
+            # change the simulated limits anyway.
+            why = (untrusted_out_dir if self.scope.startswith("sim:") else untrusted_place)(self.root_dir)
             if why:
-                raise StateFolderError(f"{what}: {ROOT_LOCK_DIR} is not root's alone ({why}): remove it (root makes it "
+                raise StateFolderError(f"{what}: {self.root_dir} is not root's alone ({why}): remove it (root makes it "
                                        "again, mode 700)")
             for attempt in range(8):
                 fd = os.open(self.root_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -304,7 +315,7 @@ class MachineLock:
                 os.close(fd)
 
     def _bind(self, root: bool) -> None:
-        refused = 0
+        unanswered = 0
         for attempt in range(5):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
             try:
@@ -326,34 +337,39 @@ class MachineLock:
             # Root: the processes that hold the socket now, read through /proc. The peer credentials name the one that
             # called listen(), which may have exited leaving a child of its own holding the socket (that PID gone, or
             # another process's by now); they are the answer only where /proc shows none (a sandbox's ProtectProc).
-            holders = _holders_from_proc(self.name)
+            holders, whole = _holders_from_proc(self.name)
             if not holders:
                 pid, uid = _holder(self.name)
-                holders = [(pid, uid)] if pid else []
+                holders = [(pid, uid, None)] if pid else []
             if not holders:
                 # No process shows it in its descriptors and none answers a connect: gone in between, or held by no
-                # controller (each listens right after its bind): a name parked in an SCM_RIGHTS message, or bound and
-                # closed in a loop. A few tries, 20 ms apart; refused every time, it is passed over.
-                refused += _refuses(self.name)
+                # controller: a name parked in an SCM_RIGHTS message, or bound and closed in a loop. A few tries, 20 ms
+                # apart; refused every time (each controller listens right after its bind), it is passed over. A full
+                # queue (EAGAIN) is no proof alone: any user may fill a controller's (it never accepts). It counts only
+                # where /proc was read whole and shows this process every other (a controller holds its socket open).
+                answer = _unanswered(self.name)
+                unanswered += answer == "refused" or (answer == "full" and whole and _sees_every_process())
                 if attempt < 4:
                     time.sleep(0.02)
                     continue
-                if refused == 5:
+                if unanswered == 5:
                     self.warning = (
-                        f"{self._gpu()}: its machine-wide lock name is held, but by no process that holds it open and "
-                        "listens (every powerprof controller does), so it is no powerprof controller: passed over "
-                        f"(root's controllers exclude each other through {ROOT_LOCK_DIR})")
+                        f"{self._gpu()}: its machine-wide lock name is held, but by no process that holds it open "
+                        "(every powerprof controller holds its own and listens), and no connect is answered (refused, or "
+                        "its queue full), so it is no powerprof controller: passed over "
+                        f"(root's controllers exclude each other through {self.root_dir})")
                     print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
                     return
-            if not holders or any(could_control(self.scope, p, u) for p, u in holders):
-                raise self._busy(*(next(((p, u) for p, u in holders if could_control(self.scope, p, u)), (None, None))))
-            named = ", ".join(f"process {p} (uid {u})" for p, u in holders)
+            controlling = [(p, u) for p, u, t in holders if could_control(self.scope, p, u, tid=t)]
+            if not holders or controlling:
+                raise self._busy(*(controlling[0] if controlling else (None, None)))
+            named = ", ".join(dict.fromkeys(f"process {p} (uid {u})" for p, u, _t in holders))
             self.warning = (
                 f"{self._gpu()}: its machine-wide lock name is held by {named}, which could not change this GPU's "
                 "power limit (neither root nor CAP_SYS_ADMIN" + (", nor allowed to write the simulator's state" if
                                                                   self.scope.startswith("sim:") else "")
                 + "), so it is no powerprof controller: passed over (root's controllers exclude each other through "
-                f"{ROOT_LOCK_DIR}). Held by another user, the name keeps every controller not run as root (a CAP_SYS_ADMIN "
+                f"{self.root_dir}). Held by another user, the name keeps every controller not run as root (a CAP_SYS_ADMIN "
                 f"user's) off this GPU: see `ps -o user,pid,args -p {holders[0][0]}`")
             print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
             return
@@ -399,19 +415,57 @@ def _holder(name: bytes) -> tuple[int | None, int | None]:
         return None, None
 
 
-def _refuses(name: bytes) -> bool:
-    """Whether a connect to `name` is refused (bound and not listening, or no longer bound): no controller's."""
+def _unanswered(name: bytes) -> str | None:
+    """How a connect to `name` goes unanswered: "refused" (bound and not listening, or no longer bound: no
+    controller's), "full" (its listen queue full: EAGAIN, never accepted; a controller's may be too), None otherwise."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
             c.settimeout(1.0)
             c.connect(name)
+    except TimeoutError:
+        return "full"
     except OSError as e:
-        return e.errno in (errno.ECONNREFUSED, errno.ENOENT)
-    return False
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return "refused"
+        return "full" if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK) else None
+    return None
 
 
-def _same_userns(pid: int, proc: str = "/proc") -> bool:
-    """Whether `pid` is in this process's user namespace (its capabilities count here); True where unknown."""
+_PID_NS_INIT_INO = 0xEFFFFFFC  # the first PID namespace's inode number (the kernel's PROC_PID_INIT_INO)
+CAP_SYS_PTRACE = 19
+
+
+def _sees_every_process(proc: str = "/proc", pid_ns_ino: int | None = None) -> bool:
+    """Whether this process's /proc shows it every process's descriptors: in the first PID namespace (a process of an
+    enclosing one, sharing this network namespace, shows in no /proc here), with CAP_SYS_PTRACE (hidepid and the ptrace
+    check hide nothing then), its /proc mounted without hidepid (ProtectProc= in a unit). False where unknown."""
+    try:
+        if pid_ns_ino is None:
+            pid_ns_ino = os.stat(f"{proc}/self/ns/pid").st_ino
+        cap = int(_status("self", proc)["CapEff"][0], 16)
+        with open(f"{proc}/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except (OSError, KeyError, IndexError, ValueError):
+        return False
+    if pid_ns_ino != _PID_NS_INIT_INO or not cap >> CAP_SYS_PTRACE & 1:
+        return False
+    for m in mounts:
+        if len(m) > 4 and m[4] == "/proc" and "-" in m:
+            options = m[m.index("-") + 3:][:1]
+            if any(o.startswith("hidepid=") and o not in ("hidepid=0", "hidepid=off") or o == "subset=pid"
+                   for o in ",".join(options).split(",")):
+                return False
+    return True
+
+
+def _task(pid: int | str, tid: int | None) -> str:
+    """The /proc entry of `pid`'s thread `tid` (None: the process's own entry, its thread-group leader's)."""
+    return f"{pid}" if tid is None else f"{pid}/task/{tid}"
+
+
+def _same_userns(pid: int | str, proc: str = "/proc") -> bool:
+    """Whether `pid` (or "pid/task/tid") is in this process's user namespace (its capabilities count here); True where
+    unknown."""
     try:
         a, b = os.stat(f"{proc}/{pid}/ns/user"), os.stat("/proc/self/ns/user")
     except OSError:
@@ -419,9 +473,16 @@ def _same_userns(pid: int, proc: str = "/proc") -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _holders_from_proc(name: bytes, proc: str = "/proc") -> list[tuple[int, int | None]]:
-    """(pid, uid) of every process holding a socket bound to the abstract `name`, found through /proc (root reads every
-    process's descriptors): a holder that never listens, or whose queue is full, answers no connect."""
+def _holders_from_proc(name: bytes, proc: str = "/proc") -> tuple[list[tuple[int, int | None, int]], bool]:
+    """((pid, uid, tid) of every thread holding a socket bound to the abstract `name`, whether every process's and
+    thread's descriptors were read (False: /proc/net/unix or a table unreadable, not just gone)), through /proc (root reads
+    every process's descriptors): a holder that never listens, or whose queue is full, answers no connect. Every thread's
+    descriptors (/proc/<pid>/task/<tid>/fd), judged by that thread's status: a thread whose thread-group leader has
+    exited (a zombie: /proc/<pid>/fd lists nothing) or that unshared its descriptor table holds what the leader's list
+    lacks. Read from the leader's alone, such a holder went unseen, and with its queue full no connect named it either:
+    root's `restore` refused, "another powerprof process", and the GPU stayed capped. A thread sharing its leader's
+    table (kcmp says so) is not read again: on a loaded 2-core test host, reading every thread's took 0.4-0.9 s, this
+    0.08-0.13 s, the leaders' alone 0.03-0.08 s."""
     want = "@" + name[1:].decode(errors="replace")
     inodes = set()
     try:
@@ -432,18 +493,47 @@ def _holders_from_proc(name: bytes, proc: str = "/proc") -> list[tuple[int, int 
                 if len(parts) >= 8 and parts[7] == want:
                     inodes.add(f"socket:[{parts[6]}]")
     except OSError:
-        return []
+        return [], False
     found = []
+    whole = True
     for entry in os.scandir(proc) if inodes else ():
         if not entry.name.isdigit():
             continue
         try:
-            fds = os.listdir(f"{proc}/{entry.name}/fd")
-            if any(_readlink(f"{proc}/{entry.name}/fd/{fd}") in inodes for fd in fds):
-                found.append((int(entry.name), _status(int(entry.name), proc).get("Uid", [None, None])[1]))
-        except OSError:
+            tids = [t for t in os.listdir(f"{proc}/{entry.name}/task") if t.isdigit()]
+        except OSError as e:
+            whole &= e.errno in (errno.ENOENT, errno.ESRCH)  # gone; anything else hides it
             continue
-    return [(p, int(u) if u is not None and u.isdigit() else None) for p, u in found]
+        for tid in sorted(tids, key=lambda t: t != entry.name):  # the leader first: the others mostly share its table
+            if tid != entry.name and _shares_files(int(entry.name), int(tid)):
+                continue
+            where = f"{entry.name}/task/{tid}"
+            try:
+                fds = os.listdir(f"{proc}/{where}/fd")
+            except OSError as e:
+                whole &= e.errno in (errno.ENOENT, errno.ESRCH)
+                continue
+            if any(_readlink(f"{proc}/{where}/fd/{fd}") in inodes for fd in fds):
+                found.append((int(entry.name), _status(where, proc).get("Uid", [None, None])[1], int(tid)))
+    return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found], whole
+
+
+_SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(os.uname().machine)
+_KCMP_FILES = 2
+_libc = None
+
+
+def _shares_files(pid: int, tid: int) -> bool:
+    """Whether thread `tid` shares its leader `pid`'s descriptor table (kcmp KCMP_FILES); False where unknown (no kcmp
+    here, or it failed): then the thread's own table is read. A zombie leader has none, so no thread shares it."""
+    global _libc
+    if _SYS_KCMP is None:
+        return False
+    if _libc is None:
+        import ctypes  # noqa: PLC0415
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc.syscall(_SYS_KCMP, pid, tid, _KCMP_FILES, 0, 0) == 0
 
 
 def _readlink(path: str) -> str | None:
@@ -453,8 +543,9 @@ def _readlink(path: str) -> str | None:
         return None
 
 
-def _status(pid: int, proc: str = "/proc") -> dict[str, list[str]]:
-    """/proc/<pid>/status as {key: fields}; {} where it cannot be read (the process gone)."""
+def _status(pid: int | str, proc: str = "/proc") -> dict[str, list[str]]:
+    """/proc/<pid>/status (or a thread's, "pid/task/tid") as {key: fields}; {} where it cannot be read (the process
+    gone)."""
     out: dict[str, list[str]] = {}
     try:
         with open(f"{proc}/{pid}/status") as f:
@@ -469,17 +560,19 @@ def _status(pid: int, proc: str = "/proc") -> dict[str, list[str]]:
 CAP_DAC_OVERRIDE = 1
 
 
-def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/proc") -> bool:
+def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/proc", tid: int | None = None) -> bool:
     """Whether the process `pid` (uid `uid`) could change the limits of `scope`'s GPUs, and so may be a controller whose
     lock root must respect. Changing a power limit on NVIDIA needs root or CAP_SYS_ADMIN (privilege.CAP_SYS_ADMIN in
     its effective set); a simulator's limits, a write in its state file's folder or the file itself (or
     CAP_DAC_OVERRIDE). Anything unknown (the process gone, its status unreadable, a scope not known here) counts as
     could: a refusal, never a second controller. A process whose real uid is not its effective one is none: a setuid
     program (passwd at its prompt, root in its effective uid) that a squatter exec'd holding the socket; no controller
-    runs so (sudo and systemd set both, a script cannot be setuid)."""
+    runs so (sudo and systemd set both, a script cannot be setuid). `tid`: the thread found holding the socket, judged by
+    its own status (a thread's credentials may differ from its leader's, and a zombie leader's are no one's)."""
     if uid is None or pid is None:
         return True
-    st = _status(pid, proc)
+    where = _task(pid, tid)
+    st = _status(where, proc)
     try:
         cap = int(st["CapEff"][0], 16)
         ruid, euid = int(st["Uid"][0]), int(st["Uid"][1])
@@ -490,7 +583,7 @@ def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/pr
         return True  # not the process the caller found: unknown
     if ruid != euid:
         return False
-    if not _same_userns(pid, proc):
+    if not _same_userns(where, proc):
         cap = 0  # root of a user namespace of its own (unshare -U -r): every capability there, no privilege over the GPU
     if euid == 0 or cap >> CAP_SYS_ADMIN & 1:
         return True

@@ -267,7 +267,10 @@ def _squatter(uuid: str, how: str = "listening"):
     connect names it); "orphaned" (the process that listened has exited, a child of it holds the socket: the peer
     credentials name a PID that is gone); "userns" (listening from a user namespace of its own, as `unshare -U -r`:
     every capability in its CapEff, none outside it); "in-flight" (bound, its only descriptor parked in an SCM_RIGHTS
-    message: no /proc/*/fd shows it, no connect answers); "flapping" (bound and closed in a loop)."""
+    message: no /proc/*/fd shows it, no connect answers); "flapping" (bound and closed in a loop); "zombie-leader"
+    (listening from a thread whose thread-group leader has exited: /proc/<pid>/fd of the leader lists nothing, and the
+    thread is in no /proc/<pid>; its queue full, as below, so no connect names it); "full-queue" (listening with a backlog of 0, its queue filled, its only descriptor
+    parked in an SCM_RIGHTS message: a connect finds the queue full, EAGAIN, neither answered nor refused)."""
     from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
     from powerprof.rig import Rig  # noqa: PLC0415
 
@@ -297,11 +300,36 @@ def _squatter(uuid: str, how: str = "listening"):
                     with contextlib.suppress(OSError):
                         s.bind(name)
                     time.sleep(0.0005)
-            if how == "in-flight":
+            def listen_full():  # backlog 0, filled: every later connect finds the queue full (EAGAIN)
+                s.listen(0)
+                waiting = []
+                with contextlib.suppress(BlockingIOError):
+                    for _ in range(8):
+                        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        waiting.append(c)
+                        c.setblocking(False)
+                        c.connect(name)
+                for c in waiting:
+                    c.close()  # their connections stay queued, never accepted
+
+            if how == "zombie-leader":
+                import ctypes  # noqa: PLC0415
+
+                def hold():
+                    listen_full()
+                    os.write(w, f"BOUND {os.getpid()}\n".encode())
+                    time.sleep(60)
+                    os._exit(0)
+
+                threading.Thread(target=hold, daemon=True).start()
+                ctypes.CDLL(None).syscall(60, 0)  # SYS_exit (x86_64): the leader thread alone exits, a zombie
+            if how == "full-queue":
+                listen_full()
+            if how in ("in-flight", "full-queue"):
                 a, b = socket.socketpair()
                 socket.send_fds(a, [b"x"], [s.fileno()])
                 s.close()
-            elif how != "bound-only":
+            elif how not in ("bound-only", "zombie-leader"):
                 s.listen(1)
             if how == "orphaned" and os.fork() != 0:
                 os._exit(0)
@@ -331,7 +359,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a holder of another u
 
 
 @needs_root
-@pytest.mark.parametrize("how", ["listening", "bound-only", "orphaned", "userns"])
+@pytest.mark.parametrize("how", ["listening", "bound-only", "orphaned", "userns", "zombie-leader"])
 def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(originals, how):
     p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
     _wait_for_line(p, "STEPPED")
@@ -354,11 +382,13 @@ def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(origina
 
 
 @needs_root
-@pytest.mark.parametrize("how", ["in-flight", "flapping"])
+@pytest.mark.parametrize("how", ["in-flight", "flapping", "full-queue"])
 def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_process(originals, how):
     # A name no process shows in /proc/*/fd and no connect answers (parked in an SCM_RIGHTS message, or bound and
     # closed in a loop) was taken for a controller's: restore refused, saying "kill PID" of no one; a flapping squatter
-    # won every time. Every controller listens right after its bind, so a name refused a few times over is none's.
+    # won every time. Every controller listens right after its bind, so a name refused a few times over is none's. A
+    # parked one whose queue is full (EAGAIN: neither answered nor refused) still kept restore off the GPU; every
+    # controller holds its socket open, so one no thread in /proc holds, /proc showing root every process, is none's.
     p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
     _wait_for_line(p, "STEPPED")
     p.kill()
@@ -370,14 +400,118 @@ def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_pro
                            capture_output=True, text=True, timeout=WAIT_S)
         said = " ".join((r.stdout + r.stderr).split())
         assert r.returncode == 0, said
-        if how == "in-flight":  # a flapping squatter's name may be caught free (taken) or its descriptor in /proc/*/fd
-            assert "no process that holds it open and listens" in said and "passed over" in said, said
+        if how in ("in-flight", "full-queue"):  # a flapping squatter's name may be caught free (taken) or its descriptor in /proc/*/fd
+            assert "no process that holds it open" in said and "passed over" in said, said
         assert_untouched()
         assert restore_files() == []
         for _ in range(5):  # a sweep's controller takes the GPU every time (and puts it back)
             with LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope()) as ctl:
                 ctl.set_power_limit_w(220)
             assert_untouched()
+
+
+def _fill_queue(name: bytes) -> None:
+    """As uid 65534, connect to `name` until its listen queue is full (EAGAIN), leaving every connection queued."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            for _ in range(70000):
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.setblocking(False)
+                try:
+                    c.connect(name)
+                except BlockingIOError:
+                    os._exit(0)
+                finally:
+                    c.close()
+            os._exit(1)
+        finally:
+            os._exit(2)
+    assert os.waitpid(pid, 0)[1] == 0, "the queue never filled"
+
+
+@needs_root
+def test_a_root_controller_whose_queue_another_user_filled_is_never_passed_over(originals, tmp_path):
+    # Any user may fill a controller's listen queue (it never accepts): a connect then finds it full, as it finds a
+    # parked squatter's. A controller holds its socket open, so /proc names it and it is judged, never passed over.
+    from powerprof.control.gpulock import MachineLock, _holder  # noqa: PLC0415
+
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    lock = MachineLock(_scope(), uuid)
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200", "--gpus", "0"])
+    try:
+        _wait_for_line(p, "STEPPED")
+        _fill_queue(lock.name)
+        assert _holder(lock.name) == (None, None)  # no connect names it now
+        with pytest.raises(GpuBusyError) as ei:
+            lock._bind(root=True)  # the name alone, past root's own flock
+        assert ei.value.holder_pid == p.pid and lock.warning is None
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
+                           capture_output=True, text=True, timeout=WAIT_S,
+                           env=dict(os.environ, POWERPROF_STATE_DIR=str(tmp_path / "other-state")))
+        assert "passed over" not in r.stderr, r.stderr
+        assert sim_state()[0] == (200.0, None) and p.poll() is None
+    finally:
+        p.terminate()
+    assert _finish(p)[0] == 128 + signal.SIGTERM
+    assert_untouched()
+
+
+def test_a_full_queue_no_process_shows_is_passed_over_only_where_proc_shows_every_process(monkeypatch, tmp_path):
+    # A listening name whose only descriptor is parked in an SCM_RIGHTS message, its queue full: root passes it over
+    # only where its /proc shows every process (a controller in another PID namespace sharing this network, or hidden
+    # by hidepid, or an unreadable descriptor table, could be the holder); anywhere else it is refused, as before.
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    lock = gpulock.MachineLock(f"sim:{tmp_path}/sim.json", "GPU-full")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(lock.name)
+    s.listen(0)
+    with contextlib.suppress(BlockingIOError):
+        for _ in range(8):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                c.setblocking(False)
+                c.connect(lock.name)
+    a, b = socket.socketpair()
+    socket.send_fds(a, [b"x"], [s.fileno()])
+    s.close()
+    try:
+        monkeypatch.setattr(gpulock, "_sees_every_process", lambda: False)
+        with pytest.raises(GpuBusyError):
+            lock._bind(root=True)
+        monkeypatch.setattr(gpulock, "_sees_every_process", lambda: True)
+        real = gpulock._holders_from_proc
+        monkeypatch.setattr(gpulock, "_holders_from_proc", lambda name, proc="/proc": (real(name, proc)[0], False))
+        with pytest.raises(GpuBusyError):  # a descriptor table it could not read
+            lock._bind(root=True)
+        monkeypatch.setattr(gpulock, "_holders_from_proc", real)
+        lock._bind(root=True)
+        assert lock._sock is None and "no process that holds it open" in lock.warning
+    finally:
+        a.close()
+        b.close()
+
+
+def test_who_sees_every_process(tmp_path):
+    # Root's /proc shows every process only with CAP_SYS_PTRACE, in the first PID namespace, its /proc without hidepid.
+    from powerprof.control.gpulock import _sees_every_process  # noqa: PLC0415
+
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+
+    def view(cap, mount="22 27 0:21 / /proc rw,relatime - proc proc rw"):
+        (proc / "self" / "status").write_text(f"Uid:\t0\t0\t0\t0\nCapEff:\t{cap:016x}\n")
+        (proc / "self" / "mountinfo").write_text(mount + "\n")
+        return _sees_every_process(str(proc), pid_ns_ino=0xEFFFFFFC)
+
+    assert view(1 << 19)
+    assert not view(1 << 21)  # no CAP_SYS_PTRACE
+    assert not view(1 << 19, "22 27 0:21 / /proc rw,relatime - proc proc rw,hidepid=invisible")
+    assert view(1 << 19, "22 27 0:21 / /proc rw,relatime - proc proc rw,hidepid=0")
+    assert not _sees_every_process(str(proc), pid_ns_ino=0xF0000001)  # a PID namespace below the first
 
 
 @needs_root
@@ -458,6 +592,29 @@ def test_two_root_controllers_still_exclude_each_other_beside_a_squatter(origina
     assert_untouched()
 
 
+@needs_root
+def test_a_simulated_gpus_root_lock_lives_beside_its_state_file_not_in_roots_folder(originals):
+    # Root's machine-wide lock of a simulated GPU was a file in /var/lib/powerprof-control/machine-locks, named by the
+    # simulator's state file: each test's state file is a GPU of its own, so every root controller a test killed
+    # (SIGKILL: no release) left a file there on the test host, one more each run. It lives beside the state file now.
+    from powerprof.control.gpulock import ROOT_LOCK_DIR, MachineLock  # noqa: PLC0415
+
+    lock = MachineLock(_scope(), SimNVML("seed-16g", count=2).gpus[0].uuid)
+    state = Path(os.environ["POWERPROF_SIM_STATE"])
+    assert lock.root_path.parent == Path(os.path.realpath(state)).parent / f"{state.name}.machine-locks"
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200", "--gpus", "0"])
+    _wait_for_line(p, "STEPPED")
+    p.kill()
+    p.wait(timeout=WAIT_S)
+    assert lock.root_path.exists()  # its killed holder's, where the test's folder takes it away
+    assert not (ROOT_LOCK_DIR / lock.root_path.name).exists()
+    assert oct(lock.root_path.parent.stat().st_mode & 0o777) == "0o700"
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
+                       capture_output=True, text=True, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    assert_untouched()
+
+
 def test_who_could_control_a_gpu(tmp_path):
     # root or CAP_SYS_ADMIN on NVIDIA; for a simulator, whoever may write its state file or folder; unknown: could.
     from powerprof.control.gpulock import could_control  # noqa: PLC0415
@@ -496,16 +653,19 @@ def test_who_could_control_a_gpu(tmp_path):
     d.mkdir()
     (d / "status").write_text("Uid:\t1001\t0\t0\t0\nGid:\t1001\t1001\t1001\t1001\nGroups:\t\nCapEff:\t000001ffffffffff\n")
     assert not could_control("nvml", 13, 0, where)
+    # A thread is judged by its own status (/proc/<pid>/task/<tid>): its leader's may be a zombie's, or another's creds.
+    t = d / "task" / "14"
+    t.mkdir(parents=True)
+    (t / "status").write_text("Uid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\nGroups:\t\nCapEff:\t000001ffffffffff\n")
+    assert could_control("nvml", 13, 0, where, tid=14)
 
 
-def test_a_held_machine_wide_lock_names_its_holder_however_often_it_is_asked():
+def test_a_held_machine_wide_lock_names_its_holder_however_often_it_is_asked(tmp_path):
     # Never accepted, each connect that asked for the holder's credentials stayed in the listen queue (backlog 1): from
     # the third on, connect failed and the holder went unnamed ("another powerprof process", `kill PID`).
-    import uuid as uuidlib  # noqa: PLC0415
-
     from powerprof.control.gpulock import MachineLock, _holder  # noqa: PLC0415
 
-    lock = MachineLock(f"test-{uuidlib.uuid4()}", "GPU-x")
+    lock = MachineLock(f"sim:{tmp_path}/sim.json", "GPU-x")  # as root, its lock file in tmp_path
     lock.acquire()
     try:
         assert [_holder(lock.name) for _ in range(20)] == [(os.getpid(), os.geteuid())] * 20
@@ -514,15 +674,13 @@ def test_a_held_machine_wide_lock_names_its_holder_however_often_it_is_asked():
 
 
 @needs_root
-def test_roots_machine_wide_lock_file_names_its_holder_over_a_killed_ones_pid():
+def test_roots_machine_wide_lock_file_names_its_holder_over_a_killed_ones_pid(tmp_path):
     # A root controller killed with -9 leaves its lock file, its PID inside; the next one's shorter PID was written over
     # it without cutting it ("1234\n" over "2147483646\n": "1234\n83646\n"), so a refused controller could not name it.
-    import uuid as uuidlib  # noqa: PLC0415
+    from powerprof.control.gpulock import MachineLock, make_dirs, read_holder_pid  # noqa: PLC0415
 
-    from powerprof.control.gpulock import ROOT_LOCK_DIR, MachineLock, make_dirs, read_holder_pid  # noqa: PLC0415
-
-    lock = MachineLock(f"test-{uuidlib.uuid4()}", "GPU-x")
-    make_dirs(ROOT_LOCK_DIR, 0o700)
+    lock = MachineLock(f"sim:{tmp_path}/sim.json", "GPU-x")  # its lock file in tmp_path
+    make_dirs(lock.root_path.parent, 0o700)
     fd = os.open(lock.root_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, b"2147483646\n")
     os.close(fd)
