@@ -50,6 +50,21 @@ class Outcome:
     tag_answer: dict | None = None  # what `powerprof tag stop` was answered
     data_dir: Path | None = None  # the daemon's datasets
     bypass_tokens: np.ndarray | None = None  # run_mixed's bypass traffic: each token's UTC instant (ns), the server's
+    # run_mixed's scrape windows of the server's token counter as the ledger was given them, (W, 2) UTC ns (start, end):
+    # the daemon spreads each window's bypass tokens evenly over it, so these bound where it can place them.
+    scrape_windows_ns: np.ndarray | None = None
+
+
+def _record_windows(ledger, out: list) -> None:
+    """Every scrape window the daemon gives `ledger` from now on, appended to `out` as (start, end) monotonic ns (the
+    ledger's own rule for a window with no start: its last nanosecond)."""
+    add = ledger.add_server_tokens
+
+    def recorded(t_ns, delta, since_ns=None, *args, **kwargs):
+        out.append((int(since_ns) if since_ns is not None and since_ns < t_ns else int(t_ns) - 1, int(t_ns)))
+        return add(t_ns, delta, since_ns, *args, **kwargs)
+
+    ledger.add_server_tokens = recorded
 
 
 async def _started(daemon, interval_s: float) -> asyncio.Task:
@@ -398,6 +413,7 @@ def run_mixed(trace: list[TraceRequest], profile="h200-141g", interval_s: float 
     })
     daemon = Daemon(cfg, Rig(profile if isinstance(profile, str) else profile.key, nvml=nvml, host=False))
     statuses: list[int] = []
+    windows: list[tuple[int, int]] = []  # (since, at) of each scrape the ledger is given, monotonic ns
 
     async def one(s, url, i, r, t0):
         await asyncio.sleep(max(0.0, t0 + r.t_s - time.monotonic()))
@@ -417,6 +433,7 @@ def run_mixed(trace: list[TraceRequest], profile="h200-141g", interval_s: float 
         import aiohttp
 
         task = await _started(daemon, interval_s)
+        _record_windows(daemon.ledger, windows)
         # The bypass clients' own connections, one a request: the llama.cpp flavour closes a connection after a
         # stream without saying so (as llama-server does), and a client reusing it on a loaded host meets a reset
         # (the race real clients retry): a bypass request lost there would be truth the bench never sent.
@@ -453,9 +470,11 @@ def run_mixed(trace: list[TraceRequest], profile="h200-141g", interval_s: float 
     reqs["true_tokens"] = [truth[str(i)]["generated"] if str(i) in truth else np.nan for i in reqs["index"]]
     reqs["true_cached"] = [truth[str(i)].get("cached_tokens", np.nan) if str(i) in truth else np.nan
                            for i in reqs["index"]]
+    scrape_windows = np.array(windows, dtype=np.int64).reshape(-1, 2) + wall_off
     return Outcome(requests=reqs, intervals=intervals, costs=costs, measured_j=measured, bypass_truth_j=bypass_truth,
                    unproxied_j=float(intervals["unproxied_energy_j"].sum()), client_tokens=0, wall_s=wall,
-                   late_p95_s=0.0, truth=truth, bypass_tokens=bypass_tokens, notes=[f"HTTP {c}: {statuses.count(c)}" for c in sorted(set(statuses))]
+                   late_p95_s=0.0, truth=truth, bypass_tokens=bypass_tokens,
+                   scrape_windows_ns=scrape_windows, notes=[f"HTTP {c}: {statuses.count(c)}" for c in sorted(set(statuses))]
                    + [f"uncounted {k}: {v}" for k, v in sorted(daemon.uncounted_requests.items())]
                    + [f"proxy workers: {sum(bool(getattr(w, 'said_hello', False)) for w in getattr(daemon.proxy, 'workers', ()))}"]
                    + [f"{flag} requests: {n}" for flag, n in daemon.ledger.flagged_requests.items()])

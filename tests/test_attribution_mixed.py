@@ -125,9 +125,21 @@ def test_vllms_two_choices_are_costed_at_each_choices_whole_prompt(vllm_outcome)
         pytest.skip(f"the work model's fit matured too late to score n = 2 chat ({after} of {every['n']} arrived after "
                     f"it; {when}): a host too loaded for it")
     assert m is not None and m["n"] >= 15 and m["no_share"] == 0, m
-    assert abs(m["sum_err"]) < 0.025, m
-    g = o.requests[(o.requests["kind"] == "chat_n2") & o.requests["true_j"].notna()]
-    assert (g["prompt_tokens"] > 0).all()  # the prompt once, as the server said it
+    assert (n2["prompt_tokens"] > 0).all()  # the prompt once, as the server said it
+    # Judged: the rows whose figure the daemon says is whole (no energy_note: docs/data.md). On a loaded host the proxy
+    # reads streams late and the rows say so: `approximate:` (read in bursts, each spread over the time before it) or
+    # `bypass-uncounted:` (their intervals' server count `proxy_lag`: the proxy's own lag may be in it), their figures
+    # off by that, not by the split checked here. Reproduced beside a loaded suite and CPU hogs (load 8-10 on 2 cores):
+    # the fit mature once 657 of 800 requests had arrived, 21 n = 2 rows scored, -2.7% against this 2.5% bound (CI
+    # saw 3.0%), and every one flagged: 14 `bypass-uncounted` (-4.2%), 7 `approximate:` (-0.3%); in that run and two
+    # more all 800 rows carried a note. Those are left to the rows' flags; a host too loaded for any whole row skips.
+    scored = n2[n2["t_arrival_utc"] >= t_mature]
+    whole = scored[scored["energy_note"].isna()]
+    if len(whole) < 15:
+        pytest.skip(f"{len(whole)} of the {len(scored)} n = 2 chat rows scored carry no energy_note (the rest say their "
+                    f"figure may be off: read late or beside `proxy_lag` counts, a loaded host): too few to judge the split")
+    err = whole["gpu_energy_j"].sum() / whole["true_j"].sum() - 1.0
+    assert abs(err) < 0.025, (err, len(whole), m)
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
+import pandas as pd
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from buffered_bypass import run_case  # noqa: E402
+from buffered_bypass import run_case, score  # noqa: E402
 
 # |requests' summed error|, |unproxied / bypass truth - 1| bounds per (delivery, bypass). Measured, two runs each on a
 # loaded 2-core machine (vLLM, 40 chat and messages streams at 4/s beside ~1300-1850 J of bypass requests):
@@ -53,6 +56,46 @@ def test_held_back_streams_beside_bypass_traffic_are_off_only_where_their_rows_s
     # unmarked: tests/test_daemon_bypass_lag.py); now those windows say `proxy_lag`: 0 intervals in 6 runs.
     share = 0.03
     assert s["complete_off_tokens"] <= share * s["bypass_tokens"], s
+
+
+def _scored(tok_s: np.ndarray, windows_s: list[tuple[float, float]], edges_s: list[float], extra: dict) -> dict:
+    """score() of a run of no requests: bypass tokens at `tok_s`, the server's count read over `windows_s` and spread
+    evenly over each (the daemon's rule), intervals between `edges_s` all `complete`, `extra` tokens more in some."""
+    ns = 1_000_000_000
+    tok = np.sort((tok_s * ns).astype(np.int64))
+    win = np.array([(int(a * ns), int(b * ns)) for a, b in windows_s], dtype=np.int64)
+    rows = []
+    for k, (a, b) in enumerate(zip(edges_s, edges_s[1:])):
+        got = extra.get(k, 0.0)
+        for w0, w1 in windows_s:
+            n = float(((tok_s > w0) & (tok_s <= w1)).sum())
+            got += n * max(0.0, min(b, w1) - max(a, w0)) / (w1 - w0)
+        rows.append({"t_start_utc": pd.Timestamp(int(a * ns), tz="UTC"), "t_end_utc": pd.Timestamp(int(b * ns), tz="UTC"),
+                     "server_tokens": got, "proxy_tokens": 0.0, "server_count": "complete"})
+    o = SimpleNamespace(requests=pd.DataFrame({"true_j": [1.0], "gpu_energy_j": [1.0], "energy_note": [None]}),
+                        intervals=pd.DataFrame(rows), bypass_tokens=tok, scrape_windows_ns=win, bypass_truth_j=1.0,
+                        unproxied_j=1.0)
+    return score(o)
+
+
+def test_a_scrape_window_of_seconds_spread_over_an_interval_edge_is_the_daemons_rule_not_a_fault():
+    # Bypass traffic at 185 tokens/s that stops at 1.0 s, scraped every 0.25 s until a scrape is 2 s late (a loaded
+    # host; a failed GET waits 2 s): the daemon spreads that window's 46 tokens over its 2 s, 40 of them past the
+    # interval edge at 1.0 s where none ran. The scorer allowed only what a 0.25 s window moves (at most 12): beside a
+    # loaded suite and CPU hogs one `complete` interval of 7 runs of the test below read 60 bypass tokens for 26 so
+    # (windows of 0.56-0.68 s), over its bound. What the daemon's rule moves in the run's own windows is now allowed.
+    tok = np.arange(1, 186) / 185.0
+    windows = [(0.0, 0.25), (0.25, 0.5), (0.5, 0.75), (0.75, 2.75), (2.75, 3.0)]
+    s = _scored(tok, windows, [0.0, 1.0, 2.0, 3.0], {})
+    assert s["intervals_complete_off"] == 0 and s["complete_off_tokens"] == 0, s
+    # Tokens beyond that spread are still off: 20 more in the last interval (17 of the late window's spread there).
+    s = _scored(tok, windows, [0.0, 1.0, 2.0, 3.0], {2: 20.0})
+    assert s["intervals_complete_off"] == 1, s
+    # Scraped on time, the 23 tokens the late window put in the middle interval are off: what is allowed is what the
+    # run's own windows move, not a looser bound.
+    on_time = [(k * 0.25, (k + 1) * 0.25) for k in range(12)]
+    assert _scored(tok, on_time, [0.0, 1.0, 2.0, 3.0], {})["intervals_complete_off"] == 0
+    assert _scored(tok, on_time, [0.0, 1.0, 2.0, 3.0], {1: 23.0})["intervals_complete_off"] == 1
 
 
 @pytest.mark.slow
