@@ -521,10 +521,21 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     with_tools = size(dict(chat, tools=tools, messages=chat["messages"] + [calls]), "openai-chat")
     assert with_tools["prompt_chars"] == 8 + len(json.dumps(tools, separators=(",", ":"))) + len("get_power") + len('{"gpu":0}')
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
-    assert size(image, "openai-chat") == {}  # an image's tokens are not its characters: no estimate
+    # An image's tokens are not its characters: no estimate, and what gave none is kept for its row (before: nothing
+    # kept, its prefill costed 0 unsaid).
+    assert size(image, "openai-chat") == {"prompt_unsized": "a content part of type 'image_url'"}
+    assert size({"messages": [{"role": "user", "content": [{"image": "x"}]}]}, "openai-chat") == {
+        "prompt_unsized": "a content part of no known shape"}
+    assert size({"messages": "hi"}, "openai-chat") == {"prompt_unsized": "a `messages` that is not a list"}
+    assert size({"text": "a", "image_data": "x.png"}, "sglang-generate") == {"prompt_unsized": "`image_data` beside the prompt"}
+    assert size({"prompt": {"prompt_string": "a", "multimodal_data": ["x"]}}, "llamacpp")["prompt_unsized"].startswith(
+        "a `prompt` of no shape read here")
+    assert size({"input": "a"}, "openai-responses") == {
+        "prompt_unsized": "a body of the openai-responses API (the proxy reads no prompt size from its bodies)"}
     assert size({"prompt": "héllo"}, "openai-completions") == {"prompt_chars": 5}
     assert size({"prompt": [1, 2, 3]}, "llamacpp") == {"prompt_ids": 3}
-    assert size({"prompt": ["a", "b"]}, "openai-completions") == {"sequences": 2}  # a batch: no one prompt size
+    assert size({"prompt": ["a", "b"]}, "openai-completions") == {  # a batch: no one prompt size
+        "sequences": 2, "prompt_unsized": "a `prompt` of no shape read here (a batch of prompts)"}
     assert size({"prompt": "x"}, None) == {}
 
     async def main():  # through the proxy: on the trace the recorder gets, and nothing of the text
@@ -554,7 +565,7 @@ def test_counts_and_flags_are_read_as_the_server_reads_them():
 
     for mt in (1, 1.0, "1", " 1", "+1", "1.0", True):  # pydantic (lax) reads all as 1
         assert read({"prompt": "x", "max_tokens": mt})[1]["max_tokens"] == 1, mt
-    assert read({"max_completion_tokens": "7"}, "openai-chat")[1] == {"max_tokens": 7}
+    assert read({"messages": [], "max_completion_tokens": "7"}, "openai-chat")[1] == {"prompt_chars": 0, "max_tokens": 7}
     assert read({"messages": [], "max_completion_tokens": 7.0}, "openai-chat")[1]["max_tokens"] == 7
     for bad in (1.5, "1.5", "x", False, -1, "-1", "", "1e0"):
         assert "max_tokens" not in read({"prompt": "x", "max_tokens": bad})[1], bad

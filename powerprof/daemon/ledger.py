@@ -352,7 +352,7 @@ class Ledger:
         # [arrival, end + GONE_ABORT_SLACK_S] of requests gone before their first token, their prompt unsaid: the
         # intervals whose requests say GONE_PREFILL_FLAG, kept past their request's row for the intervals after its end.
         self._gone_spans: list[tuple[int, int]] = []
-        # [arrival, first token or end] of requests whose prefill is costed at none, their body unread and their prompt
+        # [arrival, first token or end] of requests whose prefill is costed at none, their body unread or sizeless, their prompt
         # unsaid (rowtext.prompt_unread): the intervals whose other requests say PROMPT_UNREAD_FLAG.
         self._unread_spans: list[tuple[int, int]] = []
         # Ends of recently ended streams that said no count (rowtext.counted_low): intervals up to LAG_S after them say
@@ -1852,7 +1852,7 @@ class Ledger:
             gone_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
         gone_col = energy.shape[1] - 1
-        # Requests whose prefill went uncosted, their body unread and their prompt unsaid: the requests live over that
+        # Requests whose prefill went uncosted, their body unread or sizeless and their prompt unsaid: the requests live over that
         # prefill hold its energy, and say so (PROMPT_UNREAD_FLAG; c11 on the simulator: +25%, silent before).
         unread = np.array([prompt[i] == 0 and (r.trace.first_ns is not None or d) and not passive[i]
                            and prompt_unread(r) for i, (r, d) in enumerate(zip(reqs, done))], dtype=bool)

@@ -20,28 +20,34 @@ KEEP = 256  # requests per endpoint the ratio is learned from
 MIN_FIT = 16  # requests before the intercept (template tokens) is fitted rather than the ratio of sums
 
 
-def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None]:
-    """(characters of the prompt's text, token ids given as the prompt) from a JSON request body; None
-    where the body does not say (an image part, a shape not known). Only lengths are taken."""
+def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str | None]:
+    """(characters of the prompt's text, token ids given as the prompt, None) from a JSON request body; (None, None,
+    what) where the body does not say its size, `what` the part that does not (an image part: its tokens are not its
+    characters; a shape not known), for its row (rowtext.prompt_unread). Only lengths are taken."""
     if api == "openai-chat":
         msgs = doc.get("messages")
         if not isinstance(msgs, list):
-            return None, None
+            return None, None, "a `messages` that is not a list"
         n = 0
         for m in msgs:
             if not isinstance(m, dict):
-                return None, None
+                return None, None, "a message that is not an object"
             c = m.get("content")
             if isinstance(c, str):
                 n += len(c)
             elif isinstance(c, list):
                 for part in c:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    if isinstance(part, str):
+                        n += len(part)  # vLLM takes a bare string as a text part
+                    elif isinstance(part, dict) and isinstance(part.get("text"), str):
                         n += len(part["text"])
-                    elif isinstance(part, dict) and part.get("type") not in (None, "text"):
-                        return None, None  # an image or audio part: its tokens are not its characters
+                    elif isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] != "text":
+                        # An image or audio part: its tokens are not its characters.
+                        return None, None, f"a content part of type {part['type'][:40]!r}"
+                    else:
+                        return None, None, "a content part of no known shape"
             elif c is not None:
-                return None, None
+                return None, None, "a message content that is neither text nor a list of parts"
             n += _tool_call_chars(m.get("tool_calls"))
         tools = doc.get("tools")
         if isinstance(tools, list) and tools:
@@ -49,20 +55,27 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None]:
             try:
                 n += len(json.dumps(tools, separators=(",", ":")))
             except (TypeError, ValueError):
-                return None, None
-        return n, None
+                return None, None, "a `tools` not JSON"
+        return n, None, None
     if api in ("openai-completions", "llamacpp", "sglang-generate"):
         if api == "sglang-generate":
-            p = doc.get("text", doc.get("input_ids"))
+            field = "text" if doc.get("text") is not None else "input_ids"
         else:
-            p = doc.get("prompt", doc.get("content") if api == "llamacpp" else None)
+            field = "content" if api == "llamacpp" and doc.get("prompt") is None else "prompt"
+        p = doc.get(field)
+        media = next((k for k in ("image_data", "audio_data", "video_data") if doc.get(k)), None)
+        if media is not None:  # SGLang's (and older llama.cpp's) media beside the text: their tokens are not characters
+            return None, None, f"`{media}` beside the prompt"
         if isinstance(p, str):
-            return len(p), None
+            return len(p), None, None
         if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            return None, len(p)
+            return None, len(p), None
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            return len(p[0]), None
-    return None, None  # a batch of prompts, or none: not one request's prompt
+            return len(p[0]), None, None
+        if p is None:
+            return None, None, f"no `{field}` (the prompt given otherwise: embeddings, multimodal data)"
+        return None, None, f"a `{field}` of no shape read here (a batch of prompts)"
+    return None, None, f"a body of the {api} API (the proxy reads no prompt size from its bodies)"
 
 
 def _tool_call_chars(calls) -> int:
