@@ -1258,6 +1258,34 @@ def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_r
     assert "costed at an estimate of 500 prompt tokens" in caplog.text
 
 
+def test_a_batch_of_prompts_cut_before_its_usage_is_costed_their_sum_each_with_its_template():
+    # A /v1/completions prompt list gave the proxy no size: its prefill was costed at 0 (silently, before the row said
+    # prompt-unread). Its prompts' characters are summed, each prompt with the template's own tokens (`a`).
+    from powerprof.daemon.promptlen import PromptLengths
+
+    pl = PromptLengths()
+    for k in range(40):  # the server counts 10 + chars / 4 tokens a prompt
+        pl.learn("openai-completions", 400 + 40 * k, 10 + (400 + 40 * k) / 4)
+    one = pl.estimate("openai-completions", 2000, None)
+    two = pl.estimate("openai-completions", 4000, None, 2)
+    assert one[0] == pytest.approx(510, rel=1e-6) and two[0] == pytest.approx(1020, rel=1e-6), (one, two)
+    assert "4000 prompt characters of 2 prompts" in two[1], two
+    assert pl.estimate("openai-completions", None, 7, 2)[0] == 7.0  # ids are their count, whatever the prompts
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    done, cut = _twin_streams(led, 0.05, 0.6, 0.6)
+    cut.extra.update(prompt_chars=4000, prompt_count=2)
+    for tr in (done, cut):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[2]["prompt_tokens_estimate"] == pytest.approx(1000.0), got[2]
+    assert "4000 prompt characters of 2 prompts" in got[2]["energy_note"] and PROMPT_UNREAD_FLAG not in got[2]["energy_note"]
+
+
 def test_a_prompt_whose_body_was_never_read_is_said_not_costed_and_counted():
     # A body over the proxy's inspection bound (1 MiB) streams on unread: its prompt's size was unknown and its prefill
     # costed at 0 with nothing said (the simulator: a 7501-token prompt's row -63%, the stream beside it +26%). Its

@@ -534,8 +534,17 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
         "prompt_unsized": "a body of the openai-responses API (the proxy reads no prompt size from its bodies)"}
     assert size({"prompt": "héllo"}, "openai-completions") == {"prompt_chars": 5}
     assert size({"prompt": [1, 2, 3]}, "llamacpp") == {"prompt_ids": 3}
-    assert size({"prompt": ["a", "b"]}, "openai-completions") == {  # a batch: no one prompt size
-        "sequences": 2, "prompt_unsized": "a `prompt` of no shape read here (a batch of prompts)"}
+    # A batch of prompts (vLLM, SGLang and llama.cpp run each as a request of its own, the usage their sum): their
+    # characters or ids summed, and how many (each its template's tokens). Before: no size, its prefill costed 0.
+    assert size({"prompt": ["ab", "cde"]}, "openai-completions") == {"prompt_chars": 5, "prompt_count": 2, "sequences": 2}
+    assert size({"prompt": [[1, 2], [3]], "n": 2}, "openai-completions") == {
+        "prompt_ids": 3, "prompt_count": 2, "sequences": 4, "choices": 2}
+    assert size({"text": ["ab", "c"]}, "sglang-generate") == {"prompt_chars": 3, "prompt_count": 2, "sequences": 2}
+    assert size({"input_ids": [[1], [2, 3, 4]]}, "sglang-generate") == {"prompt_ids": 4, "prompt_count": 2, "sequences": 2}
+    assert size({"content": ["ab", "c"]}, "llamacpp") == {"prompt_chars": 3, "prompt_count": 2, "sequences": 2}
+    # llama.cpp's ids and text mixed in one prompt, or batches of them: no size read (said on its row).
+    assert size({"prompt": [1, "ab"]}, "llamacpp") == {"prompt_unsized": "a `prompt` of no shape read here (ids and text mixed)"}
+    assert size({"prompt": ["ab", [1]]}, "openai-completions")["prompt_unsized"].startswith("a `prompt` of no shape")
     assert size({"prompt": "x"}, None) == {}
 
     async def main():  # through the proxy: on the trace the recorder gets, and nothing of the text

@@ -684,7 +684,8 @@ class Ledger:
         if c is not None and c.prompt_tokens is not None and c.invalid is None and c.count_problem is None:
             # The body's prompt once: llama.cpp's figure of n choices is n copies of it (n = 2 taught twice the tokens a character).
             copies = max(trace.extra.get("choices", 1), 1) if c.prompt_each_task else 1
-            self.prompt_lengths.learn(trace.api, trace.extra.get("prompt_chars"), c.prompt_tokens / copies)
+            self.prompt_lengths.learn(trace.api, trace.extra.get("prompt_chars"), c.prompt_tokens / copies,
+                                      trace.extra.get("prompt_count", 1))
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
         none_seen = not trace.tokens_seen and not r.ev_n and not r.spent and trace.stream is True
@@ -2111,7 +2112,8 @@ class Ledger:
         gone = tr.first_ns is None and done and tr.end_ns is not None and room is not None
         if r.prompt_est is None and (tr.first_ns is not None or gone or (done and finished_unsaid(r))) \
                 and (tr.status is None or tr.status < 400):
-            est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"))
+            est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"),
+                                               tr.extra.get("prompt_count", 1))
             if est is not None and gone and est[0] > room[0]:
                 most, in_flight_s, beside, costs = room
                 r.prompt_cap = (est[0], in_flight_s, costs.prefill_tok_s, costs.source, beside)

@@ -21,9 +21,10 @@ MIN_FIT = 16  # requests before the intercept (template tokens) is fitted rather
 
 
 def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str | None]:
-    """(characters of the prompt's text, token ids given as the prompt, None) from a JSON request body; (None, None,
-    what) where the body does not say its size, `what` the part that does not (an image part: its tokens are not its
-    characters; a shape not known), for its row (rowtext.prompt_unread). Only lengths are taken."""
+    """(characters of the prompt's text, token ids given as the prompt, None) from a JSON request body, a batch of
+    prompts' summed (`prompt_count` says how many); (None, None, what) where the body does not say its size, `what` the
+    part that does not (an image part: its tokens are not its characters; a shape not known), for its row
+    (rowtext.prompt_unread). Only lengths are taken."""
     if api == "openai-chat":
         msgs = doc.get("messages")
         if not isinstance(msgs, list):
@@ -68,14 +69,35 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str
             return None, None, f"`{media}` beside the prompt"
         if isinstance(p, str):
             return len(p), None, None
-        if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        if isinstance(p, list) and p and all(_is_id(x) for x in p):
             return None, len(p), None
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            return len(p[0]), None, None
+        # A batch (vLLM, SGLang, llama.cpp: each prompt a request of its own, the usage their sum): summed.
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            return sum(len(x) for x in p), None, None
+        if isinstance(p, list) and p and all(isinstance(x, list) and x and all(_is_id(i) for i in x) for x in p):
+            return None, sum(len(x) for x in p), None
         if p is None:
             return None, None, f"no `{field}` (the prompt given otherwise: embeddings, multimodal data)"
-        return None, None, f"a `{field}` of no shape read here (a batch of prompts)"
+        mixed = isinstance(p, list) and any(_is_id(x) for x in p)
+        return None, None, f"a `{field}` of no shape read here ({'ids and text mixed' if mixed else 'its items'})"
     return None, None, f"a body of the {api} API (the proxy reads no prompt size from its bodies)"
+
+
+def prompt_count(doc: dict, api: str | None) -> int:
+    """How many prompts a body's batch holds (a completions prompt list, SGLang's `text` or `input_ids` list): each
+    has its template's own tokens (`a` of the fit); 1 for any other body."""
+    if api in ("openai-completions", "llamacpp", "sglang-generate"):
+        if api == "sglang-generate":
+            p = doc.get("text") if doc.get("text") is not None else doc.get("input_ids")
+        else:
+            p = doc.get("content") if api == "llamacpp" and doc.get("prompt") is None else doc.get("prompt")
+        if isinstance(p, list) and p and not any(_is_id(x) for x in p):
+            return len(p)
+    return 1
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _tool_call_chars(calls) -> int:
@@ -97,10 +119,12 @@ class PromptLengths:
         self._fit: dict[str, tuple[int, float, float]] = {}  # api → (learned when fitted, a, b)
         self.keep = keep
 
-    def learn(self, api: str | None, chars: int | None, tokens: float | None) -> None:
+    def learn(self, api: str | None, chars: int | None, tokens: float | None, prompts: int = 1) -> None:
+        """A prompt the server counted; a batch of `prompts` as its mean prompt (the fit's `a` is a prompt's)."""
         if api is None or chars is None or tokens is None or chars <= 0 or tokens <= 0:
             return
-        self.seen.setdefault(api, deque(maxlen=self.keep)).append((float(chars), float(tokens)))
+        k = float(max(prompts, 1))
+        self.seen.setdefault(api, deque(maxlen=self.keep)).append((chars / k, tokens / k))
         self.learned[api] = self.learned.get(api, 0) + 1
 
     def _coef(self, api: str) -> tuple[float, float, int]:
@@ -120,15 +144,21 @@ class PromptLengths:
         self._fit[api] = (self.learned[api], a, b)
         return a, b, len(d)
 
-    def estimate(self, api: str | None, chars: int | None, ids: int | None) -> tuple[float, str] | None:
-        """(tokens, how) for a prompt the server did not count; None when the body gave no size."""
+    def estimate(self, api: str | None, chars: int | None, ids: int | None,
+                 prompts: int = 1) -> tuple[float, str] | None:
+        """(tokens, how) for a prompt the server did not count, a batch's `prompts` summed (each with the template's
+        `a`); None when the body gave no size."""
         if ids is not None:
             return float(ids), f"the request's {ids} prompt token ids"
         if chars is None or api is None:
             return None
+        k = max(prompts, 1)
+        of = f" of {k} prompts" if k > 1 else ""
         a, b, n = self._coef(api)
         if n == 0:
-            return max(1.0, chars * b), (f"{chars} prompt characters at {CHARS_PER_TOKEN:g} characters a token (a default: no "
-                                          "request of this endpoint has had its prompt counted by the server yet)")
-        return max(1.0, a + chars * b), (f"{chars} prompt characters at {a:.1f} + {b:.3f} tokens a character, as this "
-                                          f"server counted its last {n} such prompts")
+            return max(1.0, chars * b), (f"{chars} prompt characters{of} at {CHARS_PER_TOKEN:g} characters a token (a "
+                                          "default: no request of this endpoint has had its prompt counted by the "
+                                          "server yet)")
+        return max(1.0, k * a + chars * b), (f"{chars} prompt characters{of} at {a:.1f} + {b:.3f} tokens a character"
+                                              f"{' each' if k > 1 else ''}, as this server counted its last {n} such "
+                                              "prompts")

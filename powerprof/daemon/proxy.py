@@ -36,7 +36,7 @@ from powerprof.workload.stream import json_from_bytes
 
 from . import streams
 from .forward import Exchange, StaleConnection, UpstreamError, UpstreamPool
-from .promptlen import prompt_size
+from .promptlen import prompt_count, prompt_size
 
 log = logging.getLogger("powerprof.daemon.proxy")
 
@@ -393,6 +393,8 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             extra["prompt_ids"] = ids
         if unsized is not None:
             extra["prompt_unsized"] = unsized  # read, but no size in it: said on its row if the server never says one
+        elif prompt_count(doc, api) > 1:
+            extra["prompt_count"] = prompt_count(doc, api)  # a batch's: each its template's tokens (`promptlen`)
         seqs = request_sequences(doc, api)
         if seqs > 1:
             extra["sequences"] = seqs
