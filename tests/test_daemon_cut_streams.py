@@ -24,21 +24,27 @@ import cut_accuracy  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def _chat(words: int) -> dict:
+def _chat(words: int, path: str = "/v1/chat/completions") -> dict:
+    if path == "/v1/responses":  # its usage comes in its last event (response.completed), and needs no asking
+        return {"input": [{"role": "user", "content": [{"type": "input_text", "text": " ".join(["word"] * words)}]}],
+                "max_output_tokens": 200, "ignore_eos": True, "stream": True}
     return {"messages": [{"role": "user", "content": " ".join(["word"] * words)}], "max_tokens": 200,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])  # 2: the prompt's size crosses from the proxy workers to the daemon
-def test_a_stream_cut_before_its_usage_is_costed_an_estimated_prompt_and_says_so(tmp_path, workers):
+# 2 workers: the prompt's size crosses from the proxy workers to the daemon. The Responses API: its body's prompt was
+# not read, a cut stream's prefill costed 0 (silently; then said prompt-unread).
+@pytest.mark.parametrize("workers, path", [("1", "/v1/chat/completions"), ("2", "/v1/chat/completions"),
+                                           ("1", "/v1/responses")])
+def test_a_stream_cut_before_its_usage_is_costed_an_estimated_prompt_and_says_so(tmp_path, workers, path):
     data = tmp_path / "data"
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=80.0, draft_n_max=0) as srv:
         d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
                        env={**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": workers})
         try:
-            url = d.info["proxy"] + "/v1/chat/completions"
+            url = d.info["proxy"] + path
             for words, cut in ((300, False), (300, True)):
-                req = urllib.request.Request(url, data=json.dumps(_chat(words)).encode(), method="POST",
+                req = urllib.request.Request(url, data=json.dumps(_chat(words, path)).encode(), method="POST",
                                              headers={"Content-Type": "application/json"})
                 r = urllib.request.urlopen(req, timeout=60)
                 if cut:
@@ -46,7 +52,7 @@ def test_a_stream_cut_before_its_usage_is_costed_an_estimated_prompt_and_says_so
                         r.readline()
                     r.close()  # gone before the usage
                 else:
-                    assert b'"prompt_tokens"' in r.read()
+                    assert b'"prompt_tokens"' in r.read() or path == "/v1/responses"
             for _ in range(60):  # until its intervals have closed (held for the scrape and the prompt)
                 metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
                 if 'powerprof_requests_prompt_estimated_total{reason="client_left"} 1.0' in metrics:

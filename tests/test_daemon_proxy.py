@@ -530,8 +530,24 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     assert size({"text": "a", "image_data": "x.png"}, "sglang-generate") == {"prompt_unsized": "`image_data` beside the prompt"}
     assert size({"prompt": {"prompt_string": "a", "multimodal_data": ["x"]}}, "llamacpp")["prompt_unsized"].startswith(
         "a `prompt` of no shape read here")
-    assert size({"input": "a"}, "openai-responses") == {
-        "prompt_unsized": "a body of the openai-responses API (the proxy reads no prompt size from its bodies)"}
+    # The Responses and Messages APIs' text (their streams say the prompt's length at their end, or at their start):
+    # before, no size, a cut Responses stream's prefill costed 0.
+    assert size({"input": "hello", "instructions": "be brief"}, "openai-responses") == {"prompt_chars": 13}
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c", "output": "42"}]
+    assert size({"input": items}, "openai-responses") == {"prompt_chars": 2 + 3 + 2}
+    assert size({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                "openai-responses") == {"prompt_unsized": "a content part of type 'input_image'"}
+    assert size({"input": [{"type": "web_search_call"}]}, "openai-responses") == {
+        "prompt_unsized": "an input item of type 'web_search_call'"}
+    msgs = {"system": [{"type": "text", "text": "abc"}], "messages": [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"a": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}]}
+    assert size(msgs, "anthropic-messages") == {"prompt_chars": 3 + 5 + 1 + len('{"a":1}') + 2}
+    assert size({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "anthropic-messages") == {
+        "prompt_unsized": "a content part of type 'image'"}
     assert size({"prompt": "héllo"}, "openai-completions") == {"prompt_chars": 5}
     assert size({"prompt": [1, 2, 3]}, "llamacpp") == {"prompt_ids": 3}
     # A batch of prompts (vLLM, SGLang and llama.cpp run each as a request of its own, the usage their sum): their

@@ -25,39 +25,41 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str
     prompts' summed (`prompt_count` says how many); (None, None, what) where the body does not say its size, `what` the
     part that does not (an image part: its tokens are not its characters; a shape not known), for its row
     (rowtext.prompt_unread). Only lengths are taken."""
-    if api == "openai-chat":
+    if api in ("openai-chat", "anthropic-messages"):
         msgs = doc.get("messages")
         if not isinstance(msgs, list):
             return None, None, "a `messages` that is not a list"
-        n = 0
+        n, why = _content_chars(doc.get("system")) if api == "anthropic-messages" else (0, None)
         for m in msgs:
+            if why is not None:
+                break
             if not isinstance(m, dict):
                 return None, None, "a message that is not an object"
-            c = m.get("content")
-            if isinstance(c, str):
-                n += len(c)
-            elif isinstance(c, list):
-                for part in c:
-                    if isinstance(part, str):
-                        n += len(part)  # vLLM takes a bare string as a text part
-                    elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                        n += len(part["text"])
-                    elif isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] != "text":
-                        # An image or audio part: its tokens are not its characters.
-                        return None, None, f"a content part of type {part['type'][:40]!r}"
-                    else:
-                        return None, None, "a content part of no known shape"
-            elif c is not None:
-                return None, None, "a message content that is neither text nor a list of parts"
-            n += _tool_call_chars(m.get("tool_calls"))
-        tools = doc.get("tools")
-        if isinstance(tools, list) and tools:
-            # The template renders the schemas into the prompt (its wording around them unknown: their JSON's size).
-            try:
-                n += len(json.dumps(tools, separators=(",", ":")))
-            except (TypeError, ValueError):
-                return None, None, "a `tools` not JSON"
-        return n, None, None
+            k, why = _content_chars(m.get("content"))
+            n += k + _tool_call_chars(m.get("tool_calls"))
+        return _with_tools(n, why, doc)
+    if api == "openai-responses":
+        inp = doc.get("input")
+        n, why = _content_chars(doc.get("instructions"))
+        for item in inp if isinstance(inp, list) else [inp]:
+            if why is not None:
+                break
+            kind = item.get("type") if isinstance(item, dict) else None
+            if isinstance(item, str):
+                k = len(item)
+            elif isinstance(item, dict) and (kind in (None, "message") or "role" in item):
+                k, why = _content_chars(item.get("content"))
+            elif kind == "function_call":
+                k = sum(len(item[f]) for f in ("name", "arguments") if isinstance(item.get(f), str))
+            elif kind == "function_call_output":
+                k, why = _content_chars(item.get("output"))
+            elif kind == "reasoning":
+                k, why = _content_chars(item.get("summary"))
+            else:
+                return None, None, (f"an input item of type {kind[:40]!r}" if isinstance(kind, str)
+                                    else "an input item of no known shape")
+            n += k
+        return _with_tools(n, why, doc)
     if api in ("openai-completions", "llamacpp", "sglang-generate"):
         if api == "sglang-generate":
             field = "text" if doc.get("text") is not None else "input_ids"
@@ -81,6 +83,53 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str
         mixed = isinstance(p, list) and any(_is_id(x) for x in p)
         return None, None, f"a `{field}` of no shape read here ({'ids and text mixed' if mixed else 'its items'})"
     return None, None, f"a body of the {api} API (the proxy reads no prompt size from its bodies)"
+
+
+def _content_chars(c) -> tuple[int, str | None]:
+    """(characters, None) of a message's content: text, or a list of parts whose text is their tokens' (text, a tool's
+    use or result, a refusal, a reasoning summary); (0, what) where a part's tokens are not its characters (an image,
+    audio, a file) or its shape is not known. None is empty (an assistant's tool calls alone)."""
+    if c is None:
+        return 0, None
+    if isinstance(c, str):
+        return len(c), None
+    if not isinstance(c, list):
+        return 0, "a message content that is neither text nor a list of parts"
+    n = 0
+    for part in c:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(part, str):
+            n += len(part)  # vLLM takes a bare string as a text part
+        elif isinstance(part, dict) and isinstance(part.get("text"), str):
+            n += len(part["text"])  # text, input_text, output_text, summary_text
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            n += len(part["refusal"])
+        elif kind == "thinking" and isinstance(part.get("thinking"), str):
+            n += len(part["thinking"])
+        elif kind == "tool_use":  # Messages: the call, rendered as its name and input's JSON
+            n += len(part["name"]) if isinstance(part.get("name"), str) else 0
+            n += len(json.dumps(part.get("input"), separators=(",", ":")))
+        elif kind == "tool_result":
+            k, why = _content_chars(part.get("content"))
+            if why is not None:
+                return 0, why
+            n += k
+        elif isinstance(kind, str):
+            return 0, f"a content part of type {kind[:40]!r}"  # an image or audio part: its tokens are not characters
+        else:
+            return 0, "a content part of no known shape"
+    return n, None
+
+
+def _with_tools(n: int, why: str | None, doc: dict) -> tuple[int | None, None, str | None]:
+    """A chat's size with its `tools`: the template renders the schemas into the prompt (its wording around them
+    unknown: their JSON's size)."""
+    if why is not None:
+        return None, None, why
+    tools = doc.get("tools")
+    if isinstance(tools, list) and tools:
+        n += len(json.dumps(tools, separators=(",", ":")))
+    return n, None, None
 
 
 def prompt_count(doc: dict, api: str | None) -> int:
