@@ -1216,10 +1216,11 @@ def _twin_streams(led, step_s, done_end_s, cut_end_s):
 
 
 @pytest.mark.parametrize("stream, api, fix", [(True, "openai-chat", True), (False, "openai-chat", False),
-                                              (True, "llamacpp", False)])
+                                              (True, "llamacpp", False), (True, "openai-responses", False)])
 def test_a_prompt_never_said_is_said_with_the_fix_only_where_there_is_one(stream, api, fix):
-    # include_usage is an OpenAI stream's option: a whole answer (llama-server's n: 2) and a native stream were told to
-    # ask for it (session 46's walkthrough against the real llama-server).
+    # include_usage is an OpenAI chat or completions stream's option: a whole answer (llama-server's n: 2) and a native
+    # stream were told to ask for it (session 46's walkthrough against the real llama-server), and a Responses stream
+    # (its usage comes unasked in response.completed; no stream_options) once its body was sized.
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     done, quiet = _twin_streams(led, 0.05, 0.6, 0.6)

@@ -560,8 +560,9 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
     if r.prompt_est is not None and told_prompt_tokens(r) is None:
         why = _unsaid_reason(r)
         said, fix = UNSAID_NOTES[why], UNSAID_FIX.get(why, "")
-        if why == "no_usage" and not (r.trace.stream is True and (r.trace.api or "").startswith("openai")):
-            # include_usage is an OpenAI stream's option: a whole answer, or a native stream, has none to ask for.
+        if why == "no_usage" and not (r.trace.stream is True and r.trace.api in ("openai-chat", "openai-completions")):
+            # include_usage is an OpenAI chat or completions stream's option: a whole answer, a native stream, or a
+            # Responses stream (its usage unasked, in response.completed) has none to ask for.
             said, fix = "the server's answer did not say the prompt's length", ""
         if r.prompt_cap is not None:
             est, in_flight_s, rate, source, beside = r.prompt_cap
