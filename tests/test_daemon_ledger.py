@@ -1216,10 +1216,11 @@ def _twin_streams(led, step_s, done_end_s, cut_end_s):
 
 
 @pytest.mark.parametrize("stream, api, fix", [(True, "openai-chat", True), (False, "openai-chat", False),
-                                              (True, "llamacpp", False)])
+                                              (True, "llamacpp", False), (True, "openai-responses", False)])
 def test_a_prompt_never_said_is_said_with_the_fix_only_where_there_is_one(stream, api, fix):
-    # include_usage is an OpenAI stream's option: a whole answer (llama-server's n: 2) and a native stream were told to
-    # ask for it (session 46's walkthrough against the real llama-server).
+    # include_usage is an OpenAI chat or completions stream's option: a whole answer (llama-server's n: 2) and a native
+    # stream were told to ask for it (session 46's walkthrough against the real llama-server), and a Responses stream
+    # (its usage comes unasked in response.completed; no stream_options) once its body was sized.
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     done, quiet = _twin_streams(led, 0.05, 0.6, 0.6)
@@ -1256,6 +1257,34 @@ def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_r
     assert note.startswith("approximate:") and "client left" in note and "2000 prompt characters" in note
     assert led.prompts_estimated == {"client_left": 1}
     assert "costed at an estimate of 500 prompt tokens" in caplog.text
+
+
+def test_a_batch_of_prompts_cut_before_its_usage_is_costed_their_sum_each_with_its_template():
+    # A /v1/completions prompt list gave the proxy no size: its prefill was costed at 0 (silently, before the row said
+    # prompt-unread). Its prompts' characters are summed, each prompt with the template's own tokens (`a`).
+    from powerprof.daemon.promptlen import PromptLengths
+
+    pl = PromptLengths()
+    for k in range(40):  # the server counts 10 + chars / 4 tokens a prompt
+        pl.learn("openai-completions", 400 + 40 * k, 10 + (400 + 40 * k) / 4)
+    one = pl.estimate("openai-completions", 2000, None)
+    two = pl.estimate("openai-completions", 4000, None, 2)
+    assert one[0] == pytest.approx(510, rel=1e-6) and two[0] == pytest.approx(1020, rel=1e-6), (one, two)
+    assert "4000 prompt characters of 2 prompts" in two[1], two
+    assert pl.estimate("openai-completions", None, 7, 2)[0] == 7.0  # ids are their count, whatever the prompts
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    done, cut = _twin_streams(led, 0.05, 0.6, 0.6)
+    cut.extra.update(prompt_chars=4000, prompt_count=2)
+    for tr in (done, cut):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[2]["prompt_tokens_estimate"] == pytest.approx(1000.0), got[2]
+    assert "4000 prompt characters of 2 prompts" in got[2]["energy_note"] and PROMPT_UNREAD_FLAG not in got[2]["energy_note"]
 
 
 def test_a_prompt_whose_body_was_never_read_is_said_not_costed_and_counted():

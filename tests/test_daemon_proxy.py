@@ -521,10 +521,46 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     with_tools = size(dict(chat, tools=tools, messages=chat["messages"] + [calls]), "openai-chat")
     assert with_tools["prompt_chars"] == 8 + len(json.dumps(tools, separators=(",", ":"))) + len("get_power") + len('{"gpu":0}')
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
-    assert size(image, "openai-chat") == {}  # an image's tokens are not its characters: no estimate
+    # An image's tokens are not its characters: no estimate, and what gave none is kept for its row (before: nothing
+    # kept, its prefill costed 0 unsaid).
+    assert size(image, "openai-chat") == {"prompt_unsized": "a content part of type 'image_url'"}
+    assert size({"messages": [{"role": "user", "content": [{"image": "x"}]}]}, "openai-chat") == {
+        "prompt_unsized": "a content part of no known shape"}
+    assert size({"messages": "hi"}, "openai-chat") == {"prompt_unsized": "a `messages` that is not a list"}
+    assert size({"text": "a", "image_data": "x.png"}, "sglang-generate") == {"prompt_unsized": "`image_data` beside the prompt"}
+    assert size({"prompt": {"prompt_string": "a", "multimodal_data": ["x"]}}, "llamacpp")["prompt_unsized"].startswith(
+        "a `prompt` of no shape read here")
+    # The Responses and Messages APIs' text (their streams say the prompt's length at their end, or at their start):
+    # before, no size, a cut Responses stream's prefill costed 0.
+    assert size({"input": "hello", "instructions": "be brief"}, "openai-responses") == {"prompt_chars": 13}
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c", "output": "42"}]
+    assert size({"input": items}, "openai-responses") == {"prompt_chars": 2 + 3 + 2}
+    assert size({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                "openai-responses") == {"prompt_unsized": "a content part of type 'input_image'"}
+    assert size({"input": [{"type": "web_search_call"}]}, "openai-responses") == {
+        "prompt_unsized": "an input item of type 'web_search_call'"}
+    msgs = {"system": [{"type": "text", "text": "abc"}], "messages": [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"a": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}]}
+    assert size(msgs, "anthropic-messages") == {"prompt_chars": 3 + 5 + 1 + len('{"a":1}') + 2}
+    assert size({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "anthropic-messages") == {
+        "prompt_unsized": "a content part of type 'image'"}
     assert size({"prompt": "héllo"}, "openai-completions") == {"prompt_chars": 5}
     assert size({"prompt": [1, 2, 3]}, "llamacpp") == {"prompt_ids": 3}
-    assert size({"prompt": ["a", "b"]}, "openai-completions") == {"sequences": 2}  # a batch: no one prompt size
+    # A batch of prompts (vLLM, SGLang and llama.cpp run each as a request of its own, the usage their sum): their
+    # characters or ids summed, and how many (each its template's tokens). Before: no size, its prefill costed 0.
+    assert size({"prompt": ["ab", "cde"]}, "openai-completions") == {"prompt_chars": 5, "prompt_count": 2, "sequences": 2}
+    assert size({"prompt": [[1, 2], [3]], "n": 2}, "openai-completions") == {
+        "prompt_ids": 3, "prompt_count": 2, "sequences": 4, "choices": 2}
+    assert size({"text": ["ab", "c"]}, "sglang-generate") == {"prompt_chars": 3, "prompt_count": 2, "sequences": 2}
+    assert size({"input_ids": [[1], [2, 3, 4]]}, "sglang-generate") == {"prompt_ids": 4, "prompt_count": 2, "sequences": 2}
+    assert size({"content": ["ab", "c"]}, "llamacpp") == {"prompt_chars": 3, "prompt_count": 2, "sequences": 2}
+    # llama.cpp's ids and text mixed in one prompt, or batches of them: no size read (said on its row).
+    assert size({"prompt": [1, "ab"]}, "llamacpp") == {"prompt_unsized": "a `prompt` of no shape read here (ids and text mixed)"}
+    assert size({"prompt": ["ab", [1]]}, "openai-completions")["prompt_unsized"].startswith("a `prompt` of no shape")
     assert size({"prompt": "x"}, None) == {}
 
     async def main():  # through the proxy: on the trace the recorder gets, and nothing of the text
@@ -554,7 +590,7 @@ def test_counts_and_flags_are_read_as_the_server_reads_them():
 
     for mt in (1, 1.0, "1", " 1", "+1", "1.0", True):  # pydantic (lax) reads all as 1
         assert read({"prompt": "x", "max_tokens": mt})[1]["max_tokens"] == 1, mt
-    assert read({"max_completion_tokens": "7"}, "openai-chat")[1] == {"max_tokens": 7}
+    assert read({"messages": [], "max_completion_tokens": "7"}, "openai-chat")[1] == {"prompt_chars": 0, "max_tokens": 7}
     assert read({"messages": [], "max_completion_tokens": 7.0}, "openai-chat")[1]["max_tokens"] == 7
     for bad in (1.5, "1.5", "x", False, -1, "-1", "", "1e0"):
         assert "max_tokens" not in read({"prompt": "x", "max_tokens": bad})[1], bad

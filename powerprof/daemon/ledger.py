@@ -352,7 +352,7 @@ class Ledger:
         # [arrival, end + GONE_ABORT_SLACK_S] of requests gone before their first token, their prompt unsaid: the
         # intervals whose requests say GONE_PREFILL_FLAG, kept past their request's row for the intervals after its end.
         self._gone_spans: list[tuple[int, int]] = []
-        # [arrival, first token or end] of requests whose prefill is costed at none, their body unread and their prompt
+        # [arrival, first token or end] of requests whose prefill is costed at none, their body unread or sizeless, their prompt
         # unsaid (rowtext.prompt_unread): the intervals whose other requests say PROMPT_UNREAD_FLAG.
         self._unread_spans: list[tuple[int, int]] = []
         # Ends of recently ended streams that said no count (rowtext.counted_low): intervals up to LAG_S after them say
@@ -684,7 +684,8 @@ class Ledger:
         if c is not None and c.prompt_tokens is not None and c.invalid is None and c.count_problem is None:
             # The body's prompt once: llama.cpp's figure of n choices is n copies of it (n = 2 taught twice the tokens a character).
             copies = max(trace.extra.get("choices", 1), 1) if c.prompt_each_task else 1
-            self.prompt_lengths.learn(trace.api, trace.extra.get("prompt_chars"), c.prompt_tokens / copies)
+            self.prompt_lengths.learn(trace.api, trace.extra.get("prompt_chars"), c.prompt_tokens / copies,
+                                      trace.extra.get("prompt_count", 1))
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
         none_seen = not trace.tokens_seen and not r.ev_n and not r.spent and trace.stream is True
@@ -1852,7 +1853,7 @@ class Ledger:
             gone_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
         gone_col = energy.shape[1] - 1
-        # Requests whose prefill went uncosted, their body unread and their prompt unsaid: the requests live over that
+        # Requests whose prefill went uncosted, their body unread or sizeless and their prompt unsaid: the requests live over that
         # prefill hold its energy, and say so (PROMPT_UNREAD_FLAG; c11 on the simulator: +25%, silent before).
         unread = np.array([prompt[i] == 0 and (r.trace.first_ns is not None or d) and not passive[i]
                            and prompt_unread(r) for i, (r, d) in enumerate(zip(reqs, done))], dtype=bool)
@@ -2111,7 +2112,8 @@ class Ledger:
         gone = tr.first_ns is None and done and tr.end_ns is not None and room is not None
         if r.prompt_est is None and (tr.first_ns is not None or gone or (done and finished_unsaid(r))) \
                 and (tr.status is None or tr.status < 400):
-            est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"))
+            est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"),
+                                               tr.extra.get("prompt_count", 1))
             if est is not None and gone and est[0] > room[0]:
                 most, in_flight_s, beside, costs = room
                 r.prompt_cap = (est[0], in_flight_s, costs.prefill_tok_s, costs.source, beside)

@@ -77,7 +77,8 @@ FLAG_COUNTERS = {
                         f"may be high or low (kept in powerprof_joules_per_token); fix: {GONE_PREFILL_FIX}"),
     PROMPT_UNREAD_FLAG: ("powerprof_requests_prompt_unread", "Requests whose rows' energy_note says approximate: "
                          f"{PROMPT_UNREAD_FLAG}: the proxy streamed their request body on unread (over its inspection "
-                         "bound, or past its memory budget for reading bodies) and the server never said the prompt's "
+                         "bound, or past its memory budget for reading bodies), or read it and found no prompt size in "
+                         "it (an image or audio part, a shape not known), and the server never said the prompt's "
                          "length, their prefill not costed and their figures low; or they ran over such a prefill, "
                          f"their figures high; fix: {PROMPT_UNREAD_FIX}"),
 }

@@ -20,49 +20,133 @@ KEEP = 256  # requests per endpoint the ratio is learned from
 MIN_FIT = 16  # requests before the intercept (template tokens) is fitted rather than the ratio of sums
 
 
-def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None]:
-    """(characters of the prompt's text, token ids given as the prompt) from a JSON request body; None
-    where the body does not say (an image part, a shape not known). Only lengths are taken."""
-    if api == "openai-chat":
+def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str | None]:
+    """(characters of the prompt's text, token ids given as the prompt, None) from a JSON request body, a batch of
+    prompts' summed (`prompt_count` says how many); (None, None, what) where the body does not say its size, `what` the
+    part that does not (an image part: its tokens are not its characters; a shape not known), for its row
+    (rowtext.prompt_unread). Only lengths are taken."""
+    if api in ("openai-chat", "anthropic-messages"):
         msgs = doc.get("messages")
         if not isinstance(msgs, list):
-            return None, None
-        n = 0
+            return None, None, "a `messages` that is not a list"
+        n, why = _content_chars(doc.get("system")) if api == "anthropic-messages" else (0, None)
         for m in msgs:
+            if why is not None:
+                break
             if not isinstance(m, dict):
-                return None, None
-            c = m.get("content")
-            if isinstance(c, str):
-                n += len(c)
-            elif isinstance(c, list):
-                for part in c:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        n += len(part["text"])
-                    elif isinstance(part, dict) and part.get("type") not in (None, "text"):
-                        return None, None  # an image or audio part: its tokens are not its characters
-            elif c is not None:
-                return None, None
-            n += _tool_call_chars(m.get("tool_calls"))
-        tools = doc.get("tools")
-        if isinstance(tools, list) and tools:
-            # The template renders the schemas into the prompt (its wording around them unknown: their JSON's size).
-            try:
-                n += len(json.dumps(tools, separators=(",", ":")))
-            except (TypeError, ValueError):
-                return None, None
-        return n, None
+                return None, None, "a message that is not an object"
+            k, why = _content_chars(m.get("content"))
+            n += k + _tool_call_chars(m.get("tool_calls"))
+        return _with_tools(n, why, doc)
+    if api == "openai-responses":
+        inp = doc.get("input")
+        n, why = _content_chars(doc.get("instructions"))
+        for item in inp if isinstance(inp, list) else [inp]:
+            if why is not None:
+                break
+            kind = item.get("type") if isinstance(item, dict) else None
+            if isinstance(item, str):
+                k = len(item)
+            elif isinstance(item, dict) and (kind in (None, "message") or "role" in item):
+                k, why = _content_chars(item.get("content"))
+            elif kind == "function_call":
+                k = sum(len(item[f]) for f in ("name", "arguments") if isinstance(item.get(f), str))
+            elif kind == "function_call_output":
+                k, why = _content_chars(item.get("output"))
+            elif kind == "reasoning":
+                k, why = _content_chars(item.get("summary"))
+            else:
+                return None, None, (f"an input item of type {kind[:40]!r}" if isinstance(kind, str)
+                                    else "an input item of no known shape")
+            n += k
+        return _with_tools(n, why, doc)
     if api in ("openai-completions", "llamacpp", "sglang-generate"):
         if api == "sglang-generate":
-            p = doc.get("text", doc.get("input_ids"))
+            field = "text" if doc.get("text") is not None else "input_ids"
         else:
-            p = doc.get("prompt", doc.get("content") if api == "llamacpp" else None)
+            field = "content" if api == "llamacpp" and doc.get("prompt") is None else "prompt"
+        p = doc.get(field)
+        media = next((k for k in ("image_data", "audio_data", "video_data") if doc.get(k)), None)
+        if media is not None:  # SGLang's (and older llama.cpp's) media beside the text: their tokens are not characters
+            return None, None, f"`{media}` beside the prompt"
         if isinstance(p, str):
-            return len(p), None
-        if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            return None, len(p)
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            return len(p[0]), None
-    return None, None  # a batch of prompts, or none: not one request's prompt
+            return len(p), None, None
+        if isinstance(p, list) and p and all(_is_id(x) for x in p):
+            return None, len(p), None
+        # A batch (vLLM, SGLang, llama.cpp: each prompt a request of its own, the usage their sum): summed.
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            return sum(len(x) for x in p), None, None
+        if isinstance(p, list) and p and all(isinstance(x, list) and x and all(_is_id(i) for i in x) for x in p):
+            return None, sum(len(x) for x in p), None
+        if p is None:
+            return None, None, f"no `{field}` (the prompt given otherwise: embeddings, multimodal data)"
+        mixed = isinstance(p, list) and any(_is_id(x) for x in p)
+        return None, None, f"a `{field}` of no shape read here ({'ids and text mixed' if mixed else 'its items'})"
+    return None, None, f"a body of the {api} API (the proxy reads no prompt size from its bodies)"
+
+
+def _content_chars(c) -> tuple[int, str | None]:
+    """(characters, None) of a message's content: text, or a list of parts whose text is their tokens' (text, a tool's
+    use or result, a refusal, a reasoning summary); (0, what) where a part's tokens are not its characters (an image,
+    audio, a file) or its shape is not known. None is empty (an assistant's tool calls alone)."""
+    if c is None:
+        return 0, None
+    if isinstance(c, str):
+        return len(c), None
+    if not isinstance(c, list):
+        return 0, "a message content that is neither text nor a list of parts"
+    n = 0
+    for part in c:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(part, str):
+            n += len(part)  # vLLM takes a bare string as a text part
+        elif isinstance(part, dict) and isinstance(part.get("text"), str):
+            n += len(part["text"])  # text, input_text, output_text, summary_text
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            n += len(part["refusal"])
+        elif kind == "thinking" and isinstance(part.get("thinking"), str):
+            n += len(part["thinking"])
+        elif kind == "tool_use":  # Messages: the call, rendered as its name and input's JSON
+            n += len(part["name"]) if isinstance(part.get("name"), str) else 0
+            n += len(json.dumps(part.get("input"), separators=(",", ":")))
+        elif kind == "tool_result":
+            k, why = _content_chars(part.get("content"))
+            if why is not None:
+                return 0, why
+            n += k
+        elif isinstance(kind, str):
+            return 0, f"a content part of type {kind[:40]!r}"  # an image or audio part: its tokens are not characters
+        else:
+            return 0, "a content part of no known shape"
+    return n, None
+
+
+def _with_tools(n: int, why: str | None, doc: dict) -> tuple[int | None, None, str | None]:
+    """A chat's size with its `tools`: the template renders the schemas into the prompt (its wording around them
+    unknown: their JSON's size)."""
+    if why is not None:
+        return None, None, why
+    tools = doc.get("tools")
+    if isinstance(tools, list) and tools:
+        n += len(json.dumps(tools, separators=(",", ":")))
+    return n, None, None
+
+
+def prompt_count(doc: dict, api: str | None) -> int:
+    """How many prompts a body's batch holds (a completions prompt list, SGLang's `text` or `input_ids` list): each
+    has its template's own tokens (`a` of the fit); 1 for any other body."""
+    if api in ("openai-completions", "llamacpp", "sglang-generate"):
+        if api == "sglang-generate":
+            p = doc.get("text") if doc.get("text") is not None else doc.get("input_ids")
+        else:
+            p = doc.get("content") if api == "llamacpp" and doc.get("prompt") is None else doc.get("prompt")
+        if isinstance(p, list) and p and not any(_is_id(x) for x in p):
+            return len(p)
+    return 1
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _tool_call_chars(calls) -> int:
@@ -84,10 +168,12 @@ class PromptLengths:
         self._fit: dict[str, tuple[int, float, float]] = {}  # api → (learned when fitted, a, b)
         self.keep = keep
 
-    def learn(self, api: str | None, chars: int | None, tokens: float | None) -> None:
+    def learn(self, api: str | None, chars: int | None, tokens: float | None, prompts: int = 1) -> None:
+        """A prompt the server counted; a batch of `prompts` as its mean prompt (the fit's `a` is a prompt's)."""
         if api is None or chars is None or tokens is None or chars <= 0 or tokens <= 0:
             return
-        self.seen.setdefault(api, deque(maxlen=self.keep)).append((float(chars), float(tokens)))
+        k = float(max(prompts, 1))
+        self.seen.setdefault(api, deque(maxlen=self.keep)).append((chars / k, tokens / k))
         self.learned[api] = self.learned.get(api, 0) + 1
 
     def _coef(self, api: str) -> tuple[float, float, int]:
@@ -107,15 +193,21 @@ class PromptLengths:
         self._fit[api] = (self.learned[api], a, b)
         return a, b, len(d)
 
-    def estimate(self, api: str | None, chars: int | None, ids: int | None) -> tuple[float, str] | None:
-        """(tokens, how) for a prompt the server did not count; None when the body gave no size."""
+    def estimate(self, api: str | None, chars: int | None, ids: int | None,
+                 prompts: int = 1) -> tuple[float, str] | None:
+        """(tokens, how) for a prompt the server did not count, a batch's `prompts` summed (each with the template's
+        `a`); None when the body gave no size."""
         if ids is not None:
             return float(ids), f"the request's {ids} prompt token ids"
         if chars is None or api is None:
             return None
+        k = max(prompts, 1)
+        of = f" of {k} prompts" if k > 1 else ""
         a, b, n = self._coef(api)
         if n == 0:
-            return max(1.0, chars * b), (f"{chars} prompt characters at {CHARS_PER_TOKEN:g} characters a token (a default: no "
-                                          "request of this endpoint has had its prompt counted by the server yet)")
-        return max(1.0, a + chars * b), (f"{chars} prompt characters at {a:.1f} + {b:.3f} tokens a character, as this "
-                                          f"server counted its last {n} such prompts")
+            return max(1.0, chars * b), (f"{chars} prompt characters{of} at {CHARS_PER_TOKEN:g} characters a token (a "
+                                          "default: no request of this endpoint has had its prompt counted by the "
+                                          "server yet)")
+        return max(1.0, k * a + chars * b), (f"{chars} prompt characters{of} at {a:.1f} + {b:.3f} tokens a character"
+                                              f"{' each' if k > 1 else ''}, as this server counted its last {n} such "
+                                              "prompts")

@@ -36,7 +36,7 @@ from powerprof.workload.stream import json_from_bytes
 
 from . import streams
 from .forward import Exchange, StaleConnection, UpstreamError, UpstreamPool
-from .promptlen import prompt_size
+from .promptlen import prompt_count, prompt_size
 
 log = logging.getLogger("powerprof.daemon.proxy")
 
@@ -386,7 +386,8 @@ def chat_echo_chars(doc: dict) -> int:
 def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None,
                          extra: dict | None = None) -> tuple[str | None, bool | None]:
     """(model, stream) from a JSON request body; of the prompt only its size is taken (into `extra`:
-    prompt_chars or prompt_ids, for a prompt the server never counts, `promptlen`), and the sequences it runs
+    prompt_chars or prompt_ids, for a prompt the server never counts, `promptlen`; or prompt_unsized, the part of the
+    body that gives none), and the sequences it runs
     side by side where more than one (`sequences`: `request_sequences`), and `echo` where a completion echoes its
     prompt. A gzip or
     deflate body (`encoding`: its Content-Encoding) is inflated on the side, at most INSPECT_MAX_BYTES: the
@@ -411,11 +412,15 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
     model = doc.get("model")
     stream = doc.get("stream")
     if extra is not None and api is not None:
-        chars, ids = prompt_size(doc, api)
+        chars, ids, unsized = prompt_size(doc, api)
         if chars is not None:
             extra["prompt_chars"] = chars
         if ids is not None:
             extra["prompt_ids"] = ids
+        if unsized is not None:
+            extra["prompt_unsized"] = unsized  # read, but no size in it: said on its row if the server never says one
+        elif prompt_count(doc, api) > 1:
+            extra["prompt_count"] = prompt_count(doc, api)  # a batch's: each its template's tokens (`promptlen`)
         seqs = request_sequences(doc, api)
         if seqs > 1:
             extra["sequences"] = seqs

@@ -18,6 +18,7 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SH
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
                                       GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_UNREAD_FIX,
+                                      PROMPT_USAGE_FIX,
                                       PROMPT_UNREAD_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_USAGE_ABOVE,
                                       SERVER_COUNT_USAGE_BELOW, bypass_count_fix, bypass_count_may_be)
 
@@ -528,9 +529,12 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
 
 
 def prompt_unread(r: LiveRequest) -> bool:
-    """PROMPT_UNREAD_FLAG: its body streamed on unread (`body_bytes`, the proxy's) and no prompt length from the server,
-    so its prefill was costed at none (a silent 0 before)."""
-    return r.trace.extra.get("body_bytes") is not None and told_prompt_tokens(r) is None and r.prompt_est is None
+    """PROMPT_UNREAD_FLAG: its body streamed on unread (`body_bytes`, the proxy's) or read with no size in it
+    (`prompt_unsized`: an image part, a shape not known), and no prompt length from the server, so its prefill was
+    costed at none (a silent 0 before)."""
+    extra = r.trace.extra
+    return ((extra.get("body_bytes") is not None or extra.get("prompt_unsized") is not None)
+            and told_prompt_tokens(r) is None and r.prompt_est is None)
 
 
 def _best_of_flagged(r: LiveRequest, best_of_ignored: bool) -> bool:
@@ -556,8 +560,9 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
     if r.prompt_est is not None and told_prompt_tokens(r) is None:
         why = _unsaid_reason(r)
         said, fix = UNSAID_NOTES[why], UNSAID_FIX.get(why, "")
-        if why == "no_usage" and not (r.trace.stream is True and (r.trace.api or "").startswith("openai")):
-            # include_usage is an OpenAI stream's option: a whole answer, or a native stream, has none to ask for.
+        if why == "no_usage" and not (r.trace.stream is True and r.trace.api in ("openai-chat", "openai-completions")):
+            # include_usage is an OpenAI chat or completions stream's option: a whole answer, a native stream, or a
+            # Responses stream (its usage unasked, in response.completed) has none to ask for.
             said, fix = "the server's answer did not say the prompt's length", ""
         if r.prompt_cap is not None:
             est, in_flight_s, rate, source, beside = r.prompt_cap
@@ -572,16 +577,20 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
             notes.append(f"{said}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
                          f"prompt tokens ({r.prompt_est[1]}){fix}")
     if prompt_unread(r) and r.gpu_j > 0 and not r.gpu_missing:
-        notes.append(f"{PROMPT_UNREAD_FLAG}: its request body ({r.trace.extra['body_bytes']} bytes) was not read (over the "
-                     "proxy's inspection bound, or past its memory budget for reading bodies) and the server never said "
-                     "the prompt's length: its prefill is not costed, so its figure is low and the requests beside it "
-                     f"high; fix: {PROMPT_UNREAD_FIX}")
+        unsized = r.trace.extra.get("prompt_unsized")
+        body = (f"its request body was read but its prompt's size could not be ({unsized}: no characters or token ids "
+                "that count its tokens)" if unsized is not None else
+                f"its request body ({r.trace.extra['body_bytes']} bytes) was not read (over the proxy's inspection "
+                "bound, or past its memory budget for reading bodies)")
+        notes.append(f"{PROMPT_UNREAD_FLAG}: {body} and the server never said the prompt's length: its prefill is not "
+                     "costed, so its figure is low and the requests beside it high; fix: "
+                     f"{PROMPT_USAGE_FIX if unsized is not None else PROMPT_UNREAD_FIX}")
     elif r.unread_beside_j > 0 and r.gpu_j > 0:
         notes.append(f"{PROMPT_UNREAD_FLAG}: {100 * min(r.unread_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
-                     "intervals over the prefill of a request whose body the proxy did not read (over its inspection "
-                     "bound, or past its memory budget for reading bodies), its prompt's length unsaid: that prefill is "
-                     "not costed, its energy in the shares of the requests live then, so this figure may be high; fix: "
-                     f"{PROMPT_UNREAD_FIX}")
+                     "intervals over the prefill of a request whose body gave the proxy no prompt size (unread: over its "
+                     "inspection bound, or past its memory budget for reading bodies; or read, with an image or audio "
+                     "part or a shape not known), its prompt's length unsaid: that prefill is not costed, its energy in "
+                     f"the shares of the requests live then, so this figure may be high; fix: {PROMPT_UNREAD_FIX}")
     if is_unseen(r) and not is_passive(r):
         notes.append(_uncounted_note(r))
     if r.run_on_end_ns is not None:

@@ -361,12 +361,14 @@ HELD_TAIL_FIX = ("none for the count; for the timing, a max_tokens tool calls do
                  "with its running count), or a tool-call parser that streams arguments as they come (SGLang's JSON "
                  "ones: qwen25, llama3, mistral)")
 # A daemon request's energy_note (inside its `approximate:` part) where the proxy streamed its request body on unread
-# (over its 1 MiB inspection bound, or past its memory budget for reading bodies) and the server never said the
-# prompt's length: its prefill is not costed, so its figure is low; the requests live over that prefill say it too,
-# their figures high (docs/daemon.md, "Prompts are known"). Its byte count bounds nothing useful: a field or base64 images beside the prompt.
+# (over its 1 MiB inspection bound, or past its memory budget for reading bodies), or read it and found no size in it
+# (an image or audio part, a shape not known), and the server never said the prompt's length: its prefill is not
+# costed, so its figure is low; the requests live over that prefill say it too, their figures high (docs/daemon.md,
+# "Prompts are known"). Its byte count bounds nothing useful: a field or base64 images beside the prompt.
 PROMPT_UNREAD_FLAG = "prompt-unread"
-PROMPT_UNREAD_FIX = ("ask for the prompt's length, \"stream_options\": {\"include_usage\": true} (an OpenAI stream; "
-                     "a whole answer's usage says it), or keep request bodies under 1 MiB")
+PROMPT_USAGE_FIX = ("ask for the prompt's length, \"stream_options\": {\"include_usage\": true} (an OpenAI stream; "
+                    "a whole answer's usage says it)")
+PROMPT_UNREAD_FIX = f"{PROMPT_USAGE_FIX}, or keep request bodies under 1 MiB"
 # A request whose prompt's length was said early in its stream and its cached count only at its end, after intervals
 # over its prefill had closed with the whole prompt costed as computed (docs/daemon.md, "Prefix-cache hits are no
 # prefill").
