@@ -32,7 +32,7 @@ def pytest_xdist_auto_num_workers(config):
 # changes; a file not named here runs after these, in collection order.
 LONGEST_FILES_S = {
     "test_sweep_restart.py": 128, "test_sweep_foreign.py": 123, "test_grid.py": 199, "test_sweep_hostile.py": 97,
-    "test_sweep_e2e.py": 89, "test_attribution_mixed.py": 84, "test_sweep_accuracy.py": 66,
+    "test_sweep_e2e.py": 89, "test_attribution_mixed.py": 84, "test_sweep_accuracy.py": 144,
     "test_attribution_accuracy.py": 58, "test_tuner_live.py": 55, "test_trace_foreign.py": 55,
     "test_analysis_report.py": 44, "test_daemon_workers.py": 43, "test_gpu_check.py": 42, "test_real_llama_server.py": 41,
     "test_daemon_scrape.py": 40, "test_sim_virtual_vs_realtime.py": 39, "test_measure_foreign.py": 54,

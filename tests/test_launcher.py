@@ -512,3 +512,33 @@ def test_a_server_still_exiting_when_its_request_failed_is_said_to_have_died(tmp
     finally:
         la.proc.kill()
         la.proc.wait()
+
+
+def test_readiness_is_probed_often_at_first_and_no_more_than_every_poll_s_later(monkeypatch):
+    # Before: /health was probed every 0.5 s from the start, so a server ready in 1.5 s (a simulated one; a small model)
+    # was found up to 0.5 s late, each launch: a grid of 10 configurations waited ~2.5 s for nothing. The wait between
+    # probes now grows with the time waited (a tenth of it, 50 ms at least, poll_s at most): a server ready after t
+    # is found by t + max(50 ms, t/10), and a model loading for minutes is still probed no more often than before.
+    import powerprof.workload.launcher as launcher
+
+    now = [0.0]
+    probes: list[float] = []
+    ready_at = [1.5]
+
+    async def probe(base_url):
+        probes.append(now[0])
+        return 200 if now[0] >= ready_at[0] else 503
+
+    monkeypatch.setattr(launcher.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(launcher.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    monkeypatch.setattr(launcher, "_probe", probe)
+    la = ServerLauncher(["true"], "http://127.0.0.1:1", timeout_s=600)
+    la.proc = type("Running", (), {"poll": staticmethod(lambda: None)})()
+    for ready in (1.5, 0.3, 120.0):
+        now[0], ready_at[0] = 0.0, ready
+        probes.clear()
+        la._wait_healthy()
+        assert now[0] <= ready + max(0.05, ready / 10) + 1e-9, (ready, now[0])
+        gaps = [b - a for a, b in zip(probes, probes[1:])]
+        assert all(g >= 0.05 - 1e-9 for g in gaps) and max(gaps) <= la.poll_s + 1e-9, gaps
+    assert len(probes) <= 120 / la.poll_s + 60  # minutes of loading: probed every poll_s (0.5 s), as before

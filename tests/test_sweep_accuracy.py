@@ -2,7 +2,8 @@
 from one sweep over the seed card's levels, and the files users open from it.
 
 Its own file (split from test_sweep_e2e.py) so the README's `--dist loadfile` run puts this ~70 s
-sweep and that file's ~100 s of crash-safety sweeps on different workers."""
+sweep and that file's ~100 s of crash-safety sweeps on different workers. The two buffering-hop sweeps (~35 s each)
+run side by side in processes of their own after it: the file ~145 s on 2 cores at load ~10-16, not ~160 s."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import run_sweep as _run_sweep
 from powerprof.workload.client import RequestParams
-from support import true_window_energy_j
+from support import side_by_side, true_window_energy_j
 
 
 @pytest.fixture(scope="module")
@@ -180,17 +181,24 @@ def test_run_directory_opens_as_is_in_pyarrow_pandas_and_duckdb(seed_sweep):
     assert gpu.sort_values("t_mono_s").power_limit_w.iloc[-1] == 300.0
 
 
-@pytest.mark.parametrize("burst", [{"burst_bytes": 4096}, {"burst_bytes": None, "burst_every_s": 0.7}],
-                         ids=["every-4kB", "every-0.7s"])
-def test_a_server_behind_a_buffering_hop_gets_every_windows_j_per_token_within_2pct_of_truth(tmp_path, monkeypatch, burst):
-    # A hop that passes the stream on in bursts (nginx's 4 kB proxy buffer, a gateway flushing on a timer) holds the
-    # first tokens back with the rest: the first read came 0.7-0.9 s late yet looked on time (every read a pile of
-    # the same size). The server's decode time hung on it ended that long after the response did, no counter read
-    # existed past that end when the window was costed, and 3 of 4 windows a level carried no energy and no reason;
-    # the level's J/token rested on one window (+6.5-7% against the truth of the level's requests), flagged only
-    # few-windows. The stream's last read came when the server finished: the window ends there at the latest.
+# The hops' bursts: nginx's 4 kB proxy buffer, a gateway flushing on a timer.
+BURSTS = {"every-4kB": {"burst_bytes": 4096}, "every-0.7s": {"burst_bytes": None, "burst_every_s": 0.7}}
+
+
+def _buffered_sweep(burst: dict, out_dir) -> dict:
+    """One sweep of the seed card behind a hop delivering in `burst`s, in a process of its own (side_by_side); what
+    the test checks, as plain data: each measured window's row, its request's truth, the run's notes, the levels."""
+    import os
+
     import powerprof.rig as rigmod
 
+    # A state of its own, as tests/conftest.py's _isolated_state gives each test (a module's fixture starts this
+    # process before any test's is set): the two sweeps' restore files and locks on GPU 0 must not meet.
+    state = out_dir.parent / "state"
+    state.mkdir()
+    os.environ.update(XDG_STATE_HOME=str(state), POWERPROF_SIM_STATE=str(state / "sim-state.json"),
+                      POWERPROF_STATE_DIR=str(state / "powerprof"))
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     servers = []
     real = rigmod.Rig.sim_server
 
@@ -201,9 +209,9 @@ def test_a_server_behind_a_buffering_hop_gets_every_windows_j_per_token_within_2
         servers.append(srv)
         return srv
 
-    monkeypatch.setattr(rigmod.Rig, "sim_server", buffered)
+    rigmod.Rig.sim_server = buffered  # this process is the sweep's own: nothing else runs in it
     sim = SimNVML("seed-16g", record_history=True, state_path=None)
-    outcome = run_sweep(levels_spec="300,200", sim=sim, out_dir=tmp_path / "run", params=RequestParams(max_tokens=256),
+    outcome = run_sweep(levels_spec="300,200", sim=sim, out_dir=out_dir, params=RequestParams(max_tokens=256),
                         idle_s=0.5, interval_s=0.5, min_requests=4, max_requests=4, warmup_requests=1)
     (server,) = servers
     g = sim.gpus[0]
@@ -211,23 +219,48 @@ def test_a_server_behind_a_buffering_hop_gets_every_windows_j_per_token_within_2
     rows = {r["request_id"]: r for r in _measured(windows).to_dict("records")}
     starts = sorted((t["emissions"][0][0], t) for t in server.truth if len(t["emissions"]) > 1)
     t0s = np.array([s for s, _ in starts])
-    truth: dict[float, list[float]] = {}
+    measured = []  # (level, the window's row, its request's true J/token)
     for value, rec in outcome.sweep.records:
         if rec.request_id not in rows:
             continue
-        row = rows[rec.request_id]
-        assert row["timing"] == "server" and "bursts" in row["timing_reason"], row["timing_reason"]
-        assert row["energy_method"] == "counter" and row["gpu_j_per_token"] > 0, row
         # Its own request's truth: the server emitted the first token before the client read it, whatever the hop.
         em = starts[int(np.searchsorted(t0s, rec.t_first_ns, side="right")) - 1][1]["emissions"]
-        truth.setdefault(value, []).append((g.true_energy_at_j(em[-1][0]) - g.true_energy_at_j(em[0][0]))
-                                           / sum(n for _, n in em[1:]))
+        measured.append((value, rows[rec.request_id], (g.true_energy_at_j(em[-1][0]) - g.true_energy_at_j(em[0][0]))
+                         / sum(n for _, n in em[1:])))
+    levels = pq.read_table(outcome.run_dir / "levels.parquet").to_pandas().set_index("level_value")
+    return {"measured": measured, "notes": json.loads((outcome.run_dir / "run.json").read_text())["notes"],
+            "levels": {v: (int(levels.loc[v, "n_windows"]), float(levels.loc[v, "gpu_j_per_token"])) for v in levels.index}}
+
+
+@pytest.fixture(scope="module")
+def buffered_runs(request, tmp_path_factory):
+    """Both hops' sweeps at once, each in its own process (tests/support.py side_by_side): each waits on ~30 s of
+    simulated decode at a small share of a core; one after the other they took 72 s (34 + 38 s, 6 December 2026)."""
+    return side_by_side(request, {name: (_buffered_sweep, (burst, tmp_path_factory.mktemp(name) / "run"), {})
+                                  for name, burst in BURSTS.items()})
+
+
+@pytest.mark.parametrize("burst", list(BURSTS))
+def test_a_server_behind_a_buffering_hop_gets_every_windows_j_per_token_within_2pct_of_truth(buffered_runs, burst):
+    # A hop that passes the stream on in bursts (nginx's 4 kB proxy buffer, a gateway flushing on a timer) holds the
+    # first tokens back with the rest: the first read came 0.7-0.9 s late yet looked on time (every read a pile of
+    # the same size). The server's decode time hung on it ended that long after the response did, no counter read
+    # existed past that end when the window was costed, and 3 of 4 windows a level carried no energy and no reason;
+    # the level's J/token rested on one window (+6.5-7% against the truth of the level's requests), flagged only
+    # few-windows. The stream's last read came when the server finished: the window ends there at the latest.
+    run = buffered_runs[burst].result()
+    truth: dict[float, list[float]] = {}
+    for value, row, true_j_per_token in run["measured"]:
+        assert row["timing"] == "server" and "bursts" in row["timing_reason"], row["timing_reason"]
+        assert row["energy_method"] == "counter" and row["gpu_j_per_token"] > 0, row
+        truth.setdefault(value, []).append(true_j_per_token)
     # Each window's start is placed by the server's decode time, where no reading was taken: said as that, not as
     # "a loaded host" (run.json's note blamed one, for every window).
-    notes = json.loads((outcome.run_dir / "run.json").read_text())["notes"]
+    notes = run["notes"]
     assert any("server-timed windows" in n and "placed by the server's own decode time" in n for n in notes), notes
     assert not any("a loaded host" in n for n in notes), notes
-    levels = pq.read_table(outcome.run_dir / "levels.parquet").to_pandas().set_index("level_value")
+    levels = run["levels"]
     for value in (300.0, 200.0):
-        assert len(truth[value]) == 4 and levels.loc[value, "n_windows"] == 4
-        assert levels.loc[value, "gpu_j_per_token"] == pytest.approx(np.median(truth[value]), rel=0.02), value
+        n_windows, j_per_token = levels[value]
+        assert len(truth[value]) == 4 and n_windows == 4
+        assert j_per_token == pytest.approx(np.median(truth[value]), rel=0.02), value

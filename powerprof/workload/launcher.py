@@ -240,6 +240,9 @@ async def _probe(base_url: str) -> int | None:
         return None
 
 
+FIRST_POLL_S = 0.05  # the shortest wait between two readiness probes (ServerLauncher._wait_healthy)
+
+
 class ServerLauncher:
     """Context manager around one server process. `ServerLauncher(cmd, "http://127.0.0.1:8080")`."""
 
@@ -351,7 +354,8 @@ class ServerLauncher:
             time.sleep(0.1)
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
         last = None
         while True:
             self._check_alive()
@@ -365,7 +369,10 @@ class ServerLauncher:
                     f"server not healthy at {self.base_url}/health after {self.timeout_s:g} s ({seen}); "
                     f"last lines of {self.log_path}:\n{tail(self.log_path)}"
                 )
-            time.sleep(self.poll_s)
+            # Probed often at first, a tenth of the time waited later (poll_s at most): a server up in 1.5 s (a small
+            # model, the simulator) is found within 0.15 s, not up to poll_s late each launch, and one loading its model
+            # for minutes is probed no more often than every poll_s.
+            time.sleep(min(self.poll_s, max(FIRST_POLL_S, (time.monotonic() - t0) / 10)))
 
     def _check_alive(self) -> None:
         code = self.proc.poll()
