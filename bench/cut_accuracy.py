@@ -67,9 +67,11 @@ async def _cut_prefill(s, url, tag):  # a whole answer whose client leaves durin
 
 
 def run(flavour: str, data: Path) -> dict:
-    """One run of the scene; {class: [(tag, error or None, true tokens, attributed tokens)]}."""
+    """One run of the scene; {class: [(tag, error or None, true tokens, attributed tokens, energy_note)]}."""
     nvml = SimNVML("h200-141g", state_path=None)
-    srv = SimServer(nvml, flavour=flavour, n_slots=64, batching="continuous").start()
+    # llama-server's context is split among its slots (4096 each by default): a 12000-token prompt needs more.
+    srv = SimServer(nvml, flavour=flavour, n_slots=64, batching="continuous",
+                    n_ctx=64 * 16384 if flavour == "llamacpp" else None).start()
     cfg = load_config(None, env={}, overrides={
         "daemon.data_dir": str(data), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
         "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
@@ -112,7 +114,8 @@ def run(flavour: str, data: Path) -> dict:
             r, tr = rows.get(t), truth[t]
             j = None if r is None else r["gpu_energy_j"]
             err = None if j is None or j != j else (j - tr["energy_j"]) / tr["energy_j"]
-            got.append((t, err, tr.get("generated"), None if r is None else r["attributed_tokens"]))
+            got.append((t, err, tr.get("generated"), None if r is None else r["attributed_tokens"],
+                        None if r is None else r["energy_note"]))
         out[cls] = got
     return out
 
@@ -128,14 +131,18 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as d:
                 res = run(flavour, Path(d) / "data")
             for cls, got in res.items():
-                errs = [e for _, e, _, _ in got if e is not None]
+                errs = [e for _, e, _, _, _ in got if e is not None]
                 if not got:
                     continue
                 fig = (f"median |error| {100 * float(np.median(np.abs(errs))):.1f}%, "
                        f"{100 * min(errs):+.0f}% to {100 * max(errs):+.0f}%" if errs else "no figure")
                 print(f"{flavour} run {k + 1}: {names[cls]} ({len(errs)} of {len(got)} with a figure): {fig}")
+                if cls == "ok":  # those beside a request gone before its first token say so (their share an estimate's)
+                    flagged = [e for _, e, _, _, n in got if e is not None and "gone-prefill-beside" in (n or "")]
+                    print(f"    {len(flagged)} flagged gone-prefill-beside" + (
+                        f": {100 * min(flagged):+.0f}% to {100 * max(flagged):+.0f}%" if flagged else ""))
                 if cls == "cutd":
-                    print("    tokens (row/truth): " + ", ".join(f"{a:.0f}/{g}" for _, _, g, a in got if a is not None))
+                    print("    tokens (row/truth): " + ", ".join(f"{a:.0f}/{g}" for _, _, g, a, _ in got if a is not None))
 
 
 if __name__ == "__main__":

@@ -1608,20 +1608,25 @@ def test_a_server_error_inside_a_200_stream_before_any_token_is_an_error_answer_
 
 def test_a_whole_answer_cut_by_its_client_is_not_placed_as_a_prefill_before_its_end():
     # A non-streamed request whose client left after 10 s: the server prefilled it at its start and decoded since, and
-    # the proxy saw none of it. Before, it was said "ended before its first token … queued or prefilling", its prefill
-    # placed in the last moments before its end (211 J of 2200), its decode in the request beside it, unflagged there.
+    # the proxy saw none of it. Before, its prefill was placed in the last moments before its end (211 J of 2200), its
+    # decode in the request beside it, unflagged there; then it was not costed at all (no figure, its prefill in the
+    # request beside it: on the simulated vLLM, which aborts it at once, +183%). Now, the server aborting at once, its
+    # prompt is costed at its body's estimate from its arrival, its decode after unseen, and the row says so.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     whole = _chat(2, 0.05, 2000)
     whole.stream = False
     whole.end_ns, whole.outcome = int(10.0 * S), "client_disconnected"
     got = _beside(led, [_streamed(1, 0.05, 0.1, 10.0, n=200)], [whole], [(t, 200.0 * t) for t in range(0, 12)],
                   [12.5])
-    note = got[2]["energy_note"]  # a share by live time of [10 s, 11 s), where both ended
-    assert "queued or prefilling" not in note and got[2]["prompt_tokens_estimate"] is None
-    assert "a whole answer (not streamed) whose client left, or whose connection broke, before it came" in note, note
-    assert "none of its work" in note, note
+    note = got[2]["energy_note"]
+    assert got[2]["prompt_tokens_estimate"] == pytest.approx(500.0), got[2]
+    assert "what it decoded after its prefill, if it got that far, is unseen" in note, note
+    assert "none of its work" not in note and got[2]["gpu_energy_j"] > 0, note
+    # Its 500 tokens' prefill from its arrival (0.05 s → 0.1 s at the default 10 000 tokens/s), in the first interval.
+    prefill = [r["prefill_tokens"] for r in led.emit.rows["intervals"]]
+    assert prefill[0] >= 500.0 and sum(prefill[1:]) == pytest.approx(0.0), prefill
     assert "gone-prefill-beside" in got[1]["energy_note"], got[1]["energy_note"]
-    assert led.prompts_estimated == {}
+    assert led.prompts_estimated == {"before_first_token": 1}
 
 
 @pytest.mark.parametrize("how", ["unreadable", "interrupted", "mid-body"])

@@ -1746,11 +1746,14 @@ class Ledger:
         last = np.array([ns(r.trace.last_ns if r.run_on_end_ns is None else r.run_on_end_ns, d)
                          for r, d in zip(reqs, done)], dtype=np.int64)
         end = np.array([ns(server_end_ns(r), d) for r, d in zip(reqs, done)], dtype=np.int64)
-        # A prompt counts once its first token is known: it is spread over arrival → first token; or, a stream the server
-        # had that ended without one, its prompt unsaid, over arrival → end (below). A whole answer cut before it came is
-        # not: the server prefilled it at its start and decoded since, unseen, and its end says nothing of when.
-        # A whole answer the server runs on after its client left (`_run_on`) is costed so too: it ran to that run's end.
-        gone_first = [d and gone_unsaid(r) and (r.trace.stream is True or r.run_on_end_ns is not None)
+        # A prompt counts once its first token is known: it is spread over arrival → first token; or, a request the
+        # server had that ended without one, its prompt unsaid, over arrival → end (`_cost_gone`): a stream; a whole
+        # answer cut before it came on a server that aborts it at once (vLLM; llama-server within its 1 s poll), whose
+        # prefill ran from its arrival (or its queue exit) until then, what it decoded after, if any, unseen (before, it
+        # was not costed: no figure, and its prefill in the streams beside it, +183% on the simulated vLLM); or one the
+        # server runs on after its client left (`_run_on`, SGLang), costed so too: it ran to that run's end.
+        gone_first = [d and gone_unsaid(r) and (r.trace.stream is True or r.run_on_end_ns is not None
+                                                or self.runs_on_after_leave is None)
                       for r, d in zip(reqs, done)]
         prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or (d and told_prompt_tokens(r))
                            or (d and finished_unsaid(r)) else 0.0 for r, d in zip(reqs, done)], dtype=float)
@@ -1762,6 +1765,12 @@ class Ledger:
         self._cost_gone(reqs, gone_first, arrival, first, end, prompt, cached, computed,
                         self.learner.costs(edges[-1].setting))  # `costs` below: nothing is learned between
         self._run_on_gone(reqs, gone_first, arrival, first, computed, self.learner.costs(edges[-1].setting))
+        rate = max(self.learner.costs(edges[-1].setting).prefill_tok_s, attr.PREFILL_TOK_S_SLOW)
+        for i in np.flatnonzero(gone_first):
+            if reqs[i].trace.stream is not True and reqs[i].run_on_end_ns is None:
+                # A whole answer the server aborted at once: its prefill ran from its arrival (it may have decoded after,
+                # unseen), not just before its end, where a stream's (none of its tokens shown) ends.
+                first[i] = min(int(arrival[i]) + int(computed[i] / rate * 1e9), int(end[i]))
         for i, r in enumerate(reqs):
             if prompt[i] > 0 and r.prefill_cached is None:
                 r.prefill_cached = float(cached[i])  # its prefill placed in the intervals closing now

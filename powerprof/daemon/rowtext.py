@@ -360,6 +360,12 @@ WHOLE_GONE_NOTE = ("a whole answer (not streamed) whose client left, or whose co
                    f"{GONE_PREFILL_FLAG}")
 
 
+# The same, where the server aborted it at once and its prompt is costed (`_whole_gone_costed`): its row's words.
+WHOLE_GONE_COSTED = (" (a whole answer, not streamed: the server, which aborts a request whose client left at once, "
+                     "prefilled it from its arrival or its queue exit until then; what it decoded after its prefill, if "
+                     "it got that far, is unseen, in the shares of the requests beside it)")
+
+
 def _run_on_note(r: LiveRequest) -> str:
     """What its figure holds of the work the server did for it after its client left, until it aborted it
     (`Ledger._run_on`: SGLang's delays, scrape.RUNS_ON_AFTER_LEAVE)."""
@@ -381,9 +387,16 @@ def _run_on_note(r: LiveRequest) -> str:
 
 
 def _whole_gone(r: LiveRequest) -> bool:
-    """A whole answer cut before it came (`gone_unsaid`, not streamed): its work unseen, none of it costed (unless the
-    server ran it on to a known abort: `Ledger._run_on_gone` costs it)."""
-    return gone_unsaid(r) and r.trace.stream is not True and r.run_on_end_ns is None
+    """A whole answer cut before it came (`gone_unsaid`, not streamed) whose body gave no estimate, or on a server that
+    runs it on (SGLang) to no abort the daemon knows (its connection to the server broke, its client still there): its
+    work unseen, none of it costed. (Else `Ledger._cost_gone` costs its prompt, and `_run_on_gone` a known run-on.)"""
+    return gone_unsaid(r) and r.trace.stream is not True and r.run_on_end_ns is None and r.prompt_est is None
+
+
+def _whole_gone_costed(r: LiveRequest) -> bool:
+    """A whole answer cut before it came whose prompt `Ledger._cost_gone` costed, the server having aborted it at once:
+    what it decoded after its prefill, if it got that far, is unseen."""
+    return gone_unsaid(r) and r.trace.stream is not True and r.run_on_end_ns is None and r.prompt_est is not None
 
 
 def _no_energy_reason(r: LiveRequest) -> str:
@@ -564,6 +577,8 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
             # include_usage is an OpenAI chat or completions stream's option: a whole answer, a native stream, or a
             # Responses stream (its usage unasked, in response.completed) has none to ask for.
             said, fix = "the server's answer did not say the prompt's length", ""
+        if _whole_gone_costed(r):
+            said += WHOLE_GONE_COSTED
         if r.prompt_cap is not None:
             est, in_flight_s, rate, source, beside = r.prompt_cap
             rate_said = ("the work model's fitted prefill rate" if source == "fitted" else
@@ -671,7 +686,7 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      f"intervals over (or within {GONE_ABORT_SLACK_S:g} s after) a request that ended before its first "
                      "token with its prompt's length unsaid (its client left, or its answer stopped, while it was queued or "
                      "prefilling): that prefill, costed at an estimate from its body (bounded by its time in flight; not "
-                     "at all where the body gave none, nor for a whole answer, whose decode is unseen too, but on SGLang, "
+                     "at all where the body gave none; a whole answer's decode after it, if any, unseen, but on SGLang, "
                      "which runs it on to its abort), may have been cut short, never run or run whole, or run on to the "
                      f"server's next step (on SGLang to its abort of it, up to {RUNS_ON_AFTER_LEAVE['sglang'][1]:g} s), "
                      "so this request's "
