@@ -1598,3 +1598,114 @@ def test_a_chunked_body_that_ends_just_after_the_deadline_is_read_whole():
     (t,) = rec.ended
     assert t.model == "late" and t.extra.get("prompt_chars") == 5 and "body_bytes" not in t.extra, t.extra
     assert proxy._inspecting == 0
+
+
+@pytest.mark.parametrize("gap_s", [0.02, 0.2])
+def test_a_chunked_body_whose_end_marker_comes_apart_past_the_deadline_is_read_whole_within_a_grace(gap_s):
+    """requests (urllib3) sends a body's last chunk and its end marker 0\\r\\n\\n as two sends: past the deadline the
+    last chunk came alone, at_eof() was not yet true, and a body whole 1-20 ms later streamed on unread (model None,
+    prompt_chars unknown; 3 of 3 runs at 1, 5 and 20 ms). Pieces arriving within BODY_GRACE_S of each other are read on;
+    a gap longer than that streams it on."""
+
+    async def main():
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        seen = []
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, body_timeout_s=0.4, body_min_bytes_per_s=0)
+        r2, px_url = await serve_here(proxy.app())
+        body = json.dumps({"model": "late", "prompt": "hello", "n_predict": 1}).encode()
+        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"%x\r\n%b\r\n" % (10, body[:10]))
+        await w.drain()
+        await asyncio.sleep(0.25)
+        w.write(b"%x\r\n%b\r\n" % (5, body[10:15]))
+        await w.drain()
+        await asyncio.sleep(0.25)  # past the deadline
+        w.write(b"%x\r\n%b\r\n" % (len(body) - 15, body[15:]))
+        await w.drain()
+        await asyncio.sleep(gap_s)
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+        head = await asyncio.wait_for(r.read(65536), 10)
+        w.close()
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return head, rec, proxy, seen, body
+
+    head, rec, proxy, seen, body = _run(main())
+    assert head.startswith(b"HTTP/1.1 200"), head
+    (t,) = rec.ended
+    assert seen == [body] and proxy._inspecting == 0
+    if gap_s < 0.05:
+        assert t.model == "late" and t.extra.get("prompt_chars") == 5 and "body_bytes" not in t.extra, t.extra
+    else:  # a pause past the grace: streamed on from what was read, its bytes counted
+        assert t.model is None and t.extra.get("body_bytes") == len(body), t.extra
+
+
+def test_a_chunk_read_past_the_deadline_stays_within_the_budget(monkeypatch):
+    """Past the deadline a chunk was read whole and added to the budget unchecked: 32 clients holding 1 MiB - 1 KiB
+    each, then sending 200 KB after the deadline with the upstream pool full, took it to 36.88 MiB of 32 (session 57's
+    review). Now each read is capped by INSPECT_MAX_BYTES and the budget left; past those the body streams on."""
+    from powerprof.daemon import proxy as proxy_mod
+
+    monkeypatch.setattr(proxy_mod, "INSPECT_MAX_BYTES", 16 << 10)
+    monkeypatch.setattr(proxy_mod, "INSPECT_BUDGET_BYTES", 64 << 10)
+
+    async def main():
+        release = asyncio.Event()
+        seen = []
+
+        async def completion(request):
+            await release.wait()
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        proxy = Proxy(up_url, recorder=Rec(), max_connections=1, body_timeout_s=0.4, body_min_bytes_per_s=0)
+        r2, px_url = await serve_here(proxy.app())
+        port = int(px_url.rsplit(":", 1)[1])
+        bodies = [bytes([65 + i]) * ((16 << 10) - 256 + (20 << 10)) for i in range(4)]
+
+        async def client(b):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            head = b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            w.write(head + b"%x\r\n%b\r\n" % ((16 << 10) - 512, b[:(16 << 10) - 512]))
+            await w.drain()
+            await asyncio.sleep(0.3)
+            w.write(b"%x\r\n%b\r\n" % (256, b[(16 << 10) - 512:(16 << 10) - 256]))
+            await w.drain()
+            await asyncio.sleep(0.25)  # past the deadline, never silent for 0.4 s
+            w.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(b) - (16 << 10) + 256, b[(16 << 10) - 256:]))
+            await w.drain()
+            out = await asyncio.wait_for(r.read(65536), 20)
+            w.close()
+            return out
+
+        tasks = [asyncio.create_task(client(b)) for b in bodies]
+        peak = 0
+        for _ in range(100):  # 1 s: all past their deadlines, their bodies waiting on the one connection
+            peak = max(peak, proxy._inspecting)
+            await asyncio.sleep(0.01)
+        release.set()
+        heads = await asyncio.gather(*tasks)
+        await r2.cleanup()
+        await r1.cleanup()
+        return peak, heads, seen, bodies, proxy
+
+    peak, heads, seen, bodies, proxy = _run(main())
+    assert peak <= 64 << 10, peak
+    assert all(h.startswith(b"HTTP/1.1 200") for h in heads) and sorted(seen) == sorted(bodies)
+    assert proxy._inspecting == 0
