@@ -1653,6 +1653,70 @@ def test_a_chunked_body_whose_end_marker_comes_apart_past_the_deadline_is_read_w
         assert t.model is None and t.extra.get("body_bytes") == len(body), t.extra
 
 
+@pytest.mark.parametrize("fallback_fails", [False, True])
+def test_a_body_reader_that_raises_fails_open(monkeypatch, fallback_fails):
+    """A body reader raising anything but a timeout or the client leaving (a bug) gave the client a 500, the server
+    never saw the request, and the ledger had no row (on_start never called; session 57's review). Now the request
+    streams on uninspected from what was read, byte-identical, its row saying so (prompt-unread: body_bytes); where
+    even that fails mid-body, the upstream is closed and the row says proxy_error, status 500: never silent."""
+    from powerprof.daemon import proxy as proxy_mod
+
+    async def boom(self, *a, **k):
+        raise ValueError("reader bug")
+
+    monkeypatch.setattr(proxy_mod._BodyReader, "read", boom)
+    if fallback_fails:
+        monkeypatch.setattr(proxy_mod._PlainReader, "read", boom)
+
+    class Started(Rec):
+        def __init__(self):
+            super().__init__()
+            self.started = []
+
+        def on_start(self, trace):
+            self.started.append(trace.request_id)
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Started()
+        proxy = Proxy(up_url, recorder=rec)
+        r2, px_url = await serve_here(proxy.app())
+        body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+
+        async def gen():
+            yield body
+
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px_url + "/completion", data=gen()) as r:
+                status = r.status
+                await r.read()
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return status, seen, body, rec, proxy
+
+    status, seen, body, rec, proxy = _run(main())
+    (t,) = rec.ended
+    assert rec.started == [t.request_id] and proxy._inspecting == 0
+    assert "request body not read (the proxy's body reader failed: ValueError: reader bug)" in (t.error or ""), t.error
+    if not fallback_fails:
+        assert status == 200 and seen == [body] and t.outcome == "ok" and t.model is None, (status, seen, t)
+        assert t.extra.get("body_bytes") == len(body), t.extra
+    else:
+        assert status == 500 and seen == [] and (t.status, t.outcome) == (500, "proxy_error"), (status, seen, t)
+
+
 def test_a_chunk_read_past_the_deadline_stays_within_the_budget(monkeypatch):
     """Past the deadline a chunk was read whole and added to the budget unchecked: 32 clients holding 1 MiB - 1 KiB
     each, then sending 200 KB after the deadline with the upstream pool full, took it to 36.88 MiB of 32 (session 57's

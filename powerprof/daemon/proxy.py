@@ -229,6 +229,17 @@ class _BodyReader:
         return chunk
 
 
+class _PlainReader:
+    """A streamed body read on after _BodyReader raised what it should not (a bug): a chunk at a time, a silence of
+    `timeout_s` a TimeoutError, no rate rule (the less code here, the less to fail again)."""
+
+    def __init__(self, content, timeout_s: float):
+        self.content, self.timeout_s = content, timeout_s
+
+    async def read(self, until: float | None = None, limit: int = -1) -> bytes:
+        return await asyncio.wait_for(self.content.readany(), self.timeout_s)
+
+
 def request_head(method: str, target: str, host: str, raw_headers, framing: bytes = b"", connection=()) -> bytes:
     """An HTTP/1.1 request head: the client's header lines as it sent them (aiohttp's `raw_headers`, bytes,
     names in the client's case) minus hop-by-hop ones, Host and Content-Length (and those the Connection
@@ -487,6 +498,7 @@ class Proxy:
         self.active = 0
         self._inspecting = 0  # bytes of request bodies being read whole (INSPECT_BUDGET_BYTES)
         self.uninspected_bodies = 0  # bodies up to INSPECT_MAX_BYTES streamed on uninspected, over that budget
+        self.proxy_failures = 0  # the proxy's own faults reading a request body (a bug): streamed on, or a 500 row
         self.closing = False
 
     def app(self) -> web.Application:
@@ -638,6 +650,14 @@ class Proxy:
                                                  f"on average after its first {self.body_timeout_s:g} s")
             except OSError:
                 return self._client_left(trace)
+            except Exception as e:
+                # A bug in the reader: a 500 where the server never saw the request and no row. Fail open: the
+                # bytes read go on as they came, the rest read plainly, the row saying its body was not read.
+                self._proxy_failed(e)
+                if trace is not None:
+                    _add_error(trace, f"request body not read (the proxy's body reader failed: {error_text(e)[:150]}):"
+                                      " streamed on, its model and stream not known")
+                chunks = _PlainReader(request.content, self.body_timeout_s)
             # Trimmed to the bytes read: a body's until its answer begins, a prefix's until written upstream (given
             # back at once, a prefix just over 1 MiB waited on a free connection outside the budget: +0.33 MiB a client).
             self._inspecting -= budget[0] - got
@@ -707,6 +727,17 @@ class Proxy:
                 except OSError:  # from the client's side: write_body raises UpstreamError only
                     self._drop(ex)
                     return self._client_left(trace)
+                except (UpstreamError, _ClientLeft):
+                    raise  # said below
+                except Exception as e:  # a bug reading the body on: the server has part of it, so it cannot go on
+                    self._drop(ex)
+                    self._proxy_failed(e)
+                    msg = f"powerprof proxy: reading the request body failed ({error_text(e)[:150]}): upstream closed"
+                    if trace is not None:
+                        trace.status, trace.outcome = 500, "proxy_error"
+                        _add_error(trace, msg[:300])
+                    body = json.dumps({"error": {"message": msg, "type": "proxy_error", "code": 500}}).encode()
+                    return web.Response(status=500, body=body, content_type="application/json")
                 await ex.write_body(b"0\r\n\r\n")
                 if trace is not None and trace.api is not None and request.headers.get(
                         "Content-Encoding", "").strip().lower() in ("", "identity"):
@@ -759,6 +790,12 @@ class Proxy:
             return await self._relay(request, ex, status, reason, up_headers, trace)
         finally:
             self.pool.release(ex)
+
+    def _proxy_failed(self, e: Exception) -> None:
+        self.proxy_failures += 1
+        if self.proxy_failures <= 5 or self.proxy_failures % 1000 == 0:
+            log.error("the proxy failed reading a request body (%d so far): %s", self.proxy_failures, error_text(e),
+                      exc_info=self.proxy_failures == 1)
 
     def _inspect(self, request: web.Request, trace: RequestTrace | None, body: bytes) -> None:
         """A body read whole: its model, stream flag and prompt size onto the trace (fail-open)."""
