@@ -1717,6 +1717,54 @@ def test_a_body_reader_that_raises_fails_open(monkeypatch, fallback_fails):
         assert status == 500 and seen == [] and (t.status, t.outcome) == (500, "proxy_error"), (status, seen, t)
 
 
+def test_a_body_that_breaks_http_framing_is_the_clients_fault_not_a_proxy_bug(monkeypatch, caplog):
+    """aiohttp raises its HttpProcessingError (TransferEncodingError: a bad chunk size) from the body's stream, and
+    closes that connection: the client's doing, not the proxy's, so no error logged as a proxy fault and no body
+    streamed on; the client is gone as one that left mid-body."""
+    from aiohttp.http_exceptions import TransferEncodingError
+
+    from powerprof.daemon import proxy as proxy_mod
+
+    async def bad(self, *a, **k):
+        raise TransferEncodingError("Not enough data to satisfy transfer length header.")
+
+    monkeypatch.setattr(proxy_mod._BodyReader, "read", bad)
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x"})
+
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec)
+        r2, px_url = await serve_here(proxy.app())
+
+        async def gen():
+            yield b'{"model": "m"}'
+
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px_url + "/completion", data=gen()) as r:
+                await r.read()
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return seen, rec, proxy
+
+    seen, rec, proxy = _run(main())
+    (t,) = rec.ended
+    assert seen == [] and proxy.proxy_failures == 0 and t.outcome == "client_disconnected", (seen, t)
+    assert "broke HTTP's framing (TransferEncodingError" in t.error, t.error
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 def test_a_chunk_read_past_the_deadline_stays_within_the_budget(monkeypatch):
     """Past the deadline a chunk was read whole and added to the budget unchecked: 32 clients holding 1 MiB - 1 KiB
     each, then sending 200 KB after the deadline with the upstream pool full, took it to 36.88 MiB of 32 (session 57's

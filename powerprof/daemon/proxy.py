@@ -28,6 +28,7 @@ from typing import Protocol
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from powerprof.arrival import SAME_DELIVERY_NS, HeldCall
 from powerprof.errtext import error_text
@@ -650,6 +651,8 @@ class Proxy:
                                                  f"on average after its first {self.body_timeout_s:g} s")
             except OSError:
                 return self._client_left(trace)
+            except HttpProcessingError as e:
+                return self._client_left(trace, _broken_body_note(e))
             except Exception as e:
                 # A bug in the reader: a 500 where the server never saw the request and no row. Fail open: the
                 # bytes read go on as they came, the rest read plainly, the row saying its body was not read.
@@ -684,6 +687,8 @@ class Proxy:
                                                  f"{self.body_timeout_s:g} s")
             except OSError:  # the client left mid-body (aiohttp: ConnectionResetError)
                 return self._client_left(trace)
+            except HttpProcessingError as e:
+                return self._client_left(trace, _broken_body_note(e))
             framing = b"Content-Length: %d\r\n" % len(body)
             self._inspect(request, trace, body)
         elif request.body_exists:
@@ -727,6 +732,9 @@ class Proxy:
                 except OSError:  # from the client's side: write_body raises UpstreamError only
                     self._drop(ex)
                     return self._client_left(trace)
+                except HttpProcessingError as e:
+                    self._drop(ex)
+                    return self._client_left(trace, _broken_body_note(e))
                 except (UpstreamError, _ClientLeft):
                     raise  # said below
                 except Exception as e:  # a bug reading the body on: the server has part of it, so it cannot go on
@@ -1019,6 +1027,12 @@ def unreadable_note(counts: streams.Counts) -> str:
     first = (counts.error or "")[:160]
     return (f"{counts.unreadable} line(s) or event(s) of the response could not be read ({first}): tokens they carried "
             "are not in the proxy's count")
+
+
+def _broken_body_note(e: HttpProcessingError) -> str:
+    """aiohttp's error for a body that broke HTTP's framing (it closes that connection): the client's doing, said as
+    one that left mid-body, not as the proxy's fault (logged and streamed on as one)."""
+    return f"{BODY_LEFT_NOTE}: its body broke HTTP's framing ({error_text(e)[:150]})"
 
 
 def _add_error(trace: RequestTrace, note: str) -> None:
