@@ -1717,6 +1717,49 @@ def test_a_body_reader_that_raises_fails_open(monkeypatch, fallback_fails):
         assert status == 500 and seen == [] and (t.status, t.outcome) == (500, "proxy_error"), (status, seen, t)
 
 
+def test_a_body_trickled_in_pieces_within_the_grace_streams_on_soon_after_the_deadline():
+    """The grace past the deadline is for a body's end coming apart from its last chunk, not for a body still being
+    sent: a client sending a piece every 20 ms (never a 50 ms gap) would keep the inspection read, and the bytes it
+    holds of the budget, going past body_timeout_s until 1 MiB. The grace ends BODY_GRACE_LIMIT_S after the deadline's
+    first piece: the server sees the request while the client still sends."""
+    import time
+
+    async def main():
+        entered = []
+
+        async def completion(request):
+            entered.append(time.monotonic())
+            await request.read()
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, body_timeout_s=0.4, body_min_bytes_per_s=0)
+        r2, px_url = await serve_here(proxy.app())
+        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
+        await w.drain()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0:  # the deadline at 0.4 s, then pieces every 20 ms for 1.6 s more
+            await asyncio.sleep(0.02)
+            w.write(b"1\r\n \r\n")
+            await w.drain()
+        done = time.monotonic()
+        w.write(b"1\r\n1\r\n1\r\n}\r\n0\r\n\r\n")
+        await w.drain()
+        head = await asyncio.wait_for(r.read(65536), 10)
+        w.close()
+        await r2.cleanup()
+        await r1.cleanup()
+        return head, entered, t0, done
+
+    head, entered, t0, done = _run(main())
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert entered and entered[0] - t0 < 1.4 < done - t0, (entered[0] - t0, done - t0)
+
+
 def test_a_body_that_breaks_http_framing_is_the_clients_fault_not_a_proxy_bug(monkeypatch, caplog):
     """aiohttp raises its HttpProcessingError (TransferEncodingError: a bad chunk size) from the body's stream, and
     closes that connection: the client's doing, not the proxy's, so no error logged as a proxy fault and no body

@@ -57,6 +57,9 @@ INSPECT_BUDGET_BYTES = 32 << 20
 # Past the inspect deadline a chunked body is read on while each next piece comes within this: requests (urllib3) sends
 # its last chunk and the end marker apart, and a body whole 1-20 ms after the deadline streamed on unread.
 BODY_GRACE_S = 0.05
+# …for at most this long after the first piece past the deadline: a client sending a piece every 20 ms kept the read
+# (and the bytes it holds of the budget) going past the deadline until 1 MiB, the server not seeing the request.
+BODY_GRACE_LIMIT_S = 0.5
 # Non-streamed responses are copied (for their usage block) up to this size; only counts are kept.
 BODY_COPY_MAX_BYTES = 4 << 20
 # A gzip/deflate response is inflated on the side for its counts (the client gets the bytes as sent), at
@@ -609,6 +612,7 @@ class Proxy:
             # its 1 MiB of the budget for ~18 min; past this it streams on from what was read, uninspected.
             until: float | None = time.monotonic() + self.body_timeout_s
             late = False  # past the deadline
+            grace_end = 0.0  # the grace's end, once the first piece past the deadline is in
             try:
                 while True:
                     # Each read capped by the bound (one byte past it tells a longer body) and by the budget left: a
@@ -643,7 +647,9 @@ class Proxy:
                         if request.content.at_eof():
                             chunks = None  # its end came with it: whole
                             break
-                        until = time.monotonic() + BODY_GRACE_S  # its next piece (the end marker, apart) awaited
+                        now = time.monotonic()
+                        grace_end = grace_end or now + BODY_GRACE_LIMIT_S
+                        until = min(now + BODY_GRACE_S, grace_end)  # its next piece (the end marker, apart) awaited
             except asyncio.TimeoutError:
                 return self._body_timeout(trace, f"request body silent for {self.body_timeout_s:g} s", "silent")
             except BodyTooSlow:
