@@ -1598,3 +1598,269 @@ def test_a_chunked_body_that_ends_just_after_the_deadline_is_read_whole():
     (t,) = rec.ended
     assert t.model == "late" and t.extra.get("prompt_chars") == 5 and "body_bytes" not in t.extra, t.extra
     assert proxy._inspecting == 0
+
+
+@pytest.mark.parametrize("gap_s", [0.02, 0.2])
+def test_a_chunked_body_whose_end_marker_comes_apart_past_the_deadline_is_read_whole_within_a_grace(gap_s):
+    """requests (urllib3) sends a body's last chunk and its end marker 0\\r\\n\\n as two sends: past the deadline the
+    last chunk came alone, at_eof() was not yet true, and a body whole 1-20 ms later streamed on unread (model None,
+    prompt_chars unknown; 3 of 3 runs at 1, 5 and 20 ms). Pieces arriving within BODY_GRACE_S of each other are read on;
+    a gap longer than that streams it on."""
+
+    async def main():
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        seen = []
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, body_timeout_s=0.4, body_min_bytes_per_s=0)
+        r2, px_url = await serve_here(proxy.app())
+        body = json.dumps({"model": "late", "prompt": "hello", "n_predict": 1}).encode()
+        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"%x\r\n%b\r\n" % (10, body[:10]))
+        await w.drain()
+        await asyncio.sleep(0.25)
+        w.write(b"%x\r\n%b\r\n" % (5, body[10:15]))
+        await w.drain()
+        await asyncio.sleep(0.25)  # past the deadline
+        w.write(b"%x\r\n%b\r\n" % (len(body) - 15, body[15:]))
+        await w.drain()
+        await asyncio.sleep(gap_s)
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+        head = await asyncio.wait_for(r.read(65536), 10)
+        w.close()
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return head, rec, proxy, seen, body
+
+    head, rec, proxy, seen, body = _run(main())
+    assert head.startswith(b"HTTP/1.1 200"), head
+    (t,) = rec.ended
+    assert seen == [body] and proxy._inspecting == 0
+    if gap_s < 0.05:
+        assert t.model == "late" and t.extra.get("prompt_chars") == 5 and "body_bytes" not in t.extra, t.extra
+    else:  # a pause past the grace: streamed on from what was read, its bytes counted
+        assert t.model is None and t.extra.get("body_bytes") == len(body), t.extra
+
+
+@pytest.mark.parametrize("fallback_fails", [False, True])
+def test_a_body_reader_that_raises_fails_open(monkeypatch, fallback_fails):
+    """A body reader raising anything but a timeout or the client leaving (a bug) gave the client a 500, the server
+    never saw the request, and the ledger had no row (on_start never called; session 57's review). Now the request
+    streams on uninspected from what was read, byte-identical, its row saying so (prompt-unread: body_bytes); where
+    even that fails mid-body, the upstream is closed and the row says proxy_error, status 500: never silent."""
+    from powerprof.daemon import proxy as proxy_mod
+
+    async def boom(self, *a, **k):
+        raise ValueError("reader bug")
+
+    monkeypatch.setattr(proxy_mod._BodyReader, "read", boom)
+    if fallback_fails:
+        monkeypatch.setattr(proxy_mod._PlainReader, "read", boom)
+
+    class Started(Rec):
+        def __init__(self):
+            super().__init__()
+            self.started = []
+
+        def on_start(self, trace):
+            self.started.append(trace.request_id)
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Started()
+        proxy = Proxy(up_url, recorder=rec)
+        r2, px_url = await serve_here(proxy.app())
+        body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+
+        async def gen():
+            yield body
+
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px_url + "/completion", data=gen()) as r:
+                status = r.status
+                await r.read()
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return status, seen, body, rec, proxy
+
+    status, seen, body, rec, proxy = _run(main())
+    (t,) = rec.ended
+    assert rec.started == [t.request_id] and proxy._inspecting == 0
+    assert "request body not read (the proxy's body reader failed: ValueError: reader bug)" in (t.error or ""), t.error
+    if not fallback_fails:
+        assert status == 200 and seen == [body] and t.outcome == "ok" and t.model is None, (status, seen, t)
+        assert t.extra.get("body_bytes") == len(body), t.extra
+    else:
+        assert status == 500 and seen == [] and (t.status, t.outcome) == (500, "proxy_error"), (status, seen, t)
+
+
+def test_a_body_trickled_in_pieces_within_the_grace_streams_on_soon_after_the_deadline():
+    """The grace past the deadline is for a body's end coming apart from its last chunk, not for a body still being
+    sent: a client sending a piece every 20 ms (never a 50 ms gap) would keep the inspection read, and the bytes it
+    holds of the budget, going past body_timeout_s until 1 MiB. The grace ends BODY_GRACE_LIMIT_S after the deadline's
+    first piece: the server sees the request while the client still sends."""
+    import time
+
+    async def main():
+        entered = []
+
+        async def completion(request):
+            entered.append(time.monotonic())
+            await request.read()
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, body_timeout_s=0.4, body_min_bytes_per_s=0)
+        r2, px_url = await serve_here(proxy.app())
+        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
+        await w.drain()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0:  # the deadline at 0.4 s, then pieces every 20 ms for 1.6 s more
+            await asyncio.sleep(0.02)
+            w.write(b"1\r\n \r\n")
+            await w.drain()
+        done = time.monotonic()
+        w.write(b"1\r\n1\r\n1\r\n}\r\n0\r\n\r\n")
+        await w.drain()
+        head = await asyncio.wait_for(r.read(65536), 10)
+        w.close()
+        await r2.cleanup()
+        await r1.cleanup()
+        return head, entered, t0, done
+
+    head, entered, t0, done = _run(main())
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert entered and entered[0] - t0 < 1.4 < done - t0, (entered[0] - t0, done - t0)
+
+
+def test_a_body_that_breaks_http_framing_is_the_clients_fault_not_a_proxy_bug(monkeypatch, caplog):
+    """aiohttp raises its HttpProcessingError (TransferEncodingError: a bad chunk size) from the body's stream, and
+    closes that connection: the client's doing, not the proxy's, so no error logged as a proxy fault and no body
+    streamed on; the client is gone as one that left mid-body."""
+    from aiohttp.http_exceptions import TransferEncodingError
+
+    from powerprof.daemon import proxy as proxy_mod
+
+    async def bad(self, *a, **k):
+        raise TransferEncodingError("Not enough data to satisfy transfer length header.")
+
+    monkeypatch.setattr(proxy_mod._BodyReader, "read", bad)
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x"})
+
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec)
+        r2, px_url = await serve_here(proxy.app())
+
+        async def gen():
+            yield b'{"model": "m"}'
+
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px_url + "/completion", data=gen()) as r:
+                await r.read()
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return seen, rec, proxy
+
+    seen, rec, proxy = _run(main())
+    (t,) = rec.ended
+    assert seen == [] and proxy.proxy_failures == 0 and t.outcome == "client_disconnected", (seen, t)
+    assert "broke HTTP's framing (TransferEncodingError" in t.error, t.error
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_a_chunk_read_past_the_deadline_stays_within_the_budget(monkeypatch):
+    """Past the deadline a chunk was read whole and added to the budget unchecked: 32 clients holding 1 MiB - 1 KiB
+    each, then sending 200 KB after the deadline with the upstream pool full, took it to 36.88 MiB of 32 (session 57's
+    review). Now each read is capped by INSPECT_MAX_BYTES and the budget left; past those the body streams on."""
+    from powerprof.daemon import proxy as proxy_mod
+
+    monkeypatch.setattr(proxy_mod, "INSPECT_MAX_BYTES", 16 << 10)
+    monkeypatch.setattr(proxy_mod, "INSPECT_BUDGET_BYTES", 64 << 10)
+
+    async def main():
+        release = asyncio.Event()
+        seen = []
+
+        async def completion(request):
+            await release.wait()
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        proxy = Proxy(up_url, recorder=Rec(), max_connections=1, body_timeout_s=0.4, body_min_bytes_per_s=0)
+        r2, px_url = await serve_here(proxy.app())
+        port = int(px_url.rsplit(":", 1)[1])
+        bodies = [bytes([65 + i]) * ((16 << 10) - 256 + (20 << 10)) for i in range(4)]
+
+        async def client(b):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            head = b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            w.write(head + b"%x\r\n%b\r\n" % ((16 << 10) - 512, b[:(16 << 10) - 512]))
+            await w.drain()
+            await asyncio.sleep(0.3)
+            w.write(b"%x\r\n%b\r\n" % (256, b[(16 << 10) - 512:(16 << 10) - 256]))
+            await w.drain()
+            await asyncio.sleep(0.25)  # past the deadline, never silent for 0.4 s
+            w.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(b) - (16 << 10) + 256, b[(16 << 10) - 256:]))
+            await w.drain()
+            out = await asyncio.wait_for(r.read(65536), 20)
+            w.close()
+            return out
+
+        tasks = [asyncio.create_task(client(b)) for b in bodies]
+        peak = 0
+        for _ in range(100):  # 1 s: all past their deadlines, their bodies waiting on the one connection
+            peak = max(peak, proxy._inspecting)
+            await asyncio.sleep(0.01)
+        release.set()
+        heads = await asyncio.gather(*tasks)
+        await r2.cleanup()
+        await r1.cleanup()
+        return peak, heads, seen, bodies, proxy
+
+    peak, heads, seen, bodies, proxy = _run(main())
+    assert peak <= 64 << 10, peak
+    assert all(h.startswith(b"HTTP/1.1 200") for h in heads) and sorted(seen) == sorted(bodies)
+    assert proxy._inspecting == 0

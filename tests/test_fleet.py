@@ -1617,6 +1617,21 @@ def test_httpfs_reads_are_bounded_once_it_loads_and_a_stall_is_said_as_such():
     assert said.startswith("the remote stopped sending (nothing for 30 s, asked 3 times") and said.endswith(
         f"(DuckDB: {why})"), said
     assert engine.http_stall_refusal("Binder Error: Referenced column x not found") is None
+    assert engine.http_stall_refusal("IO Error: Connection timed out for 'http://h/x.parquet'") is not None
+
+
+@pytest.mark.parametrize("why", [
+    # DuckDB's own texts (httpfs 1.x) for a missing file and a non-Parquet one, the URI quoted in them: a bucket or
+    # folder named "timeout…" made both read "the remote stopped sending (nothing for 30 s …)", the wrong fix.
+    'HTTP Error: Unable to connect to URL "http://h/timeout-study/requests/missing.parquet": 404 (Not Found).',
+    "Invalid Input Error: No magic bytes found at end of file 's3://gpu-timeouts/x.parquet'",
+    "HTTP Error: Request returned HTTP 504 for HTTP HEAD to 'http://timed-out.example/x.parquet'",
+    "IO Error: No files found that match the pattern s3://timeouts/failed-to-read-connection/x.parquet",
+])
+def test_a_timeout_in_the_uri_is_no_stall(why):
+    from powerprof.analysis import engine  # noqa: PLC0415
+
+    assert engine.http_stall_refusal(why) is None, why
 
 
 def test_a_stray_file_behind_a_uri_is_named_with_its_table_folder(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -114,10 +115,14 @@ def _bound_http(con) -> None:
         pass  # a DuckDB that renamed them: its own bound (30 s, 3 retries in 1.x) still ends a stall, later
 
 
+_QUOTED_OR_URI = re.compile(r"'[^']*'|\"[^\"]*\"|\b[a-z][a-z0-9+.-]*://\S*", re.IGNORECASE)
+
+
 def http_stall_refusal(why: str) -> str | None:
     """DuckDB's error `why` when a remote stopped sending (httpfs's read timed out, or the connection broke) said as
     powerprof says it (what timed out, the bound, the fix; `why` kept at the end); None for any other error."""
-    low = why.lower()
+    # DuckDB quotes the URI in its errors (and a glob's pattern bare): a bucket or folder named "timeouts" is no stall.
+    low = _QUOTED_OR_URI.sub(" ", why).lower()
     if "failed to read connection" not in low and "timed out" not in low and "timeout" not in low:
         return None
     return (f"the remote stopped sending (nothing for {HTTP_TIMEOUT_S:g} s, asked {1 + HTTP_RETRIES} times; or it broke "

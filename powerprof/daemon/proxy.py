@@ -28,6 +28,7 @@ from typing import Protocol
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from powerprof.arrival import SAME_DELIVERY_NS, HeldCall
 from powerprof.errtext import error_text
@@ -53,6 +54,12 @@ INSPECT_MAX_BYTES = 1 << 20
 # a 1 MiB body took the daemon from 66 to 642 MB resident, past the unit's MemoryMax (512M). Past it a body is
 # streamed on like a bigger one (its row's model and stream unknown, its error saying why).
 INSPECT_BUDGET_BYTES = 32 << 20
+# Past the inspect deadline a chunked body is read on while each next piece comes within this: requests (urllib3) sends
+# its last chunk and the end marker apart, and a body whole 1-20 ms after the deadline streamed on unread.
+BODY_GRACE_S = 0.05
+# …for at most this long after the first piece past the deadline: a client sending a piece every 20 ms kept the read
+# (and the bytes it holds of the budget) going past the deadline until 1 MiB, the server not seeing the request.
+BODY_GRACE_LIMIT_S = 0.5
 # Non-streamed responses are copied (for their usage block) up to this size; only counts are kept.
 BODY_COPY_MAX_BYTES = 4 << 20
 # A gzip/deflate response is inflated on the side for its counts (the client gets the bytes as sent), at
@@ -185,10 +192,11 @@ class _BodyReader:
         self.got = 0
         self._silent_since: float | None = None  # a wait cut short by `until` goes on from here, not afresh
 
-    async def read(self, until: float | None = None) -> bytes | None:
-        """The next chunk, b"" at the body's end; None if the monotonic time `until` comes first (the body read on
-        later with a later read, its silence counted from before). A deadline checked only as chunks came let a
-        client send one just before it, then nothing, and hold what it was read under for ~2 x timeout_s."""
+    async def read(self, until: float | None = None, limit: int = -1) -> bytes | None:
+        """The next chunk (at most `limit` bytes where > 0), b"" at the body's end; None if the monotonic time `until`
+        comes first (the body read on later with a later read, its silence counted from before). A deadline checked
+        only as chunks came let a client send one just before it, then nothing, and hold what it was read under for
+        ~2 x timeout_s."""
         now = time.monotonic()
         if self._silent_since is None:
             self._silent_since = now
@@ -206,14 +214,14 @@ class _BodyReader:
         if wait <= 0:
             # The silence ran out while nobody read (the proxy waiting on an upstream connection after the deadline):
             # what the client sent meanwhile is read, only none at all is a silence.
-            chunk = self.content.read_nowait()
+            chunk = self.content.read_nowait(limit)
             if not chunk and not self.content.at_eof():
                 raise asyncio.TimeoutError()
             self._silent_since = None
             self.got += len(chunk)
             return chunk
         try:
-            chunk = await asyncio.wait_for(self.content.readany(), wait)
+            chunk = await asyncio.wait_for(self.content.read(limit) if limit > 0 else self.content.readany(), wait)
         except asyncio.TimeoutError:
             if rule == "until":
                 return None
@@ -223,6 +231,17 @@ class _BodyReader:
         self._silent_since = None
         self.got += len(chunk)
         return chunk
+
+
+class _PlainReader:
+    """A streamed body read on after _BodyReader raised what it should not (a bug): a chunk at a time, a silence of
+    `timeout_s` a TimeoutError, no rate rule (the less code here, the less to fail again)."""
+
+    def __init__(self, content, timeout_s: float):
+        self.content, self.timeout_s = content, timeout_s
+
+    async def read(self, until: float | None = None, limit: int = -1) -> bytes:
+        return await asyncio.wait_for(self.content.readany(), self.timeout_s)
 
 
 def request_head(method: str, target: str, host: str, raw_headers, framing: bytes = b"", connection=()) -> bytes:
@@ -483,6 +502,7 @@ class Proxy:
         self.active = 0
         self._inspecting = 0  # bytes of request bodies being read whole (INSPECT_BUDGET_BYTES)
         self.uninspected_bodies = 0  # bodies up to INSPECT_MAX_BYTES streamed on uninspected, over that budget
+        self.proxy_failures = 0  # the proxy's own faults reading a request body (a bug): streamed on, or a 500 row
         self.closing = False
 
     def app(self) -> web.Application:
@@ -590,30 +610,46 @@ class Proxy:
             parts, got = [], 0
             # As a Content-Length body's read (one body_timeout_s in all): a body trickled at the minimum rate held
             # its 1 MiB of the budget for ~18 min; past this it streams on from what was read, uninspected.
-            until = time.monotonic() + self.body_timeout_s
+            until: float | None = time.monotonic() + self.body_timeout_s
+            late = False  # past the deadline
+            grace_end = 0.0  # the grace's end, once the first piece past the deadline is in
             try:
                 while True:
-                    chunk = await chunks.read(until)
+                    # Each read capped by the bound (one byte past it tells a longer body) and by the budget left: a
+                    # chunk read whole past the deadline took 32 clients to 36.88 MiB of 32. Neither left: streams on.
+                    room = min(INSPECT_MAX_BYTES + 1 - got, INSPECT_BUDGET_BYTES - self._inspecting + budget[0] - got)
+                    if room <= 0:
+                        break
+                    chunk = await chunks.read(until, room)
                     if chunk is None:
+                        if late:
+                            break  # a gap past the grace: streamed on from what was read
                         # Still arriving at the deadline: the reservation given back (the bytes read stay counted),
                         # and the next chunk awaited under the body's own timers before an upstream connection is
                         # taken. Streamed on at the deadline, a client silent from there held an upstream connection
-                        # until its 408 (six such clients took six); one whose end comes with this chunk is whole.
+                        # until its 408 (six such clients took six).
+                        late = True
                         self._inspecting -= budget[0] - got
                         budget[0] = got
-                        chunk = await chunks.read()
-                        parts.append(chunk)
-                        got += len(chunk)
-                        if not chunk or (got <= INSPECT_MAX_BYTES and request.content.at_eof()):
-                            chunks = None  # its end came with it: whole
-                        break
+                        until = None
+                        continue
                     if not chunk:
-                        chunks = None
+                        chunks = None  # its end came: whole
                         break
                     parts.append(chunk)
                     got += len(chunk)
+                    if got > budget[0]:  # past the deadline: what is read, counted (room kept it within the budget)
+                        self._inspecting += got - budget[0]
+                        budget[0] = got
                     if got > INSPECT_MAX_BYTES:
                         break
+                    if late:
+                        if request.content.at_eof():
+                            chunks = None  # its end came with it: whole
+                            break
+                        now = time.monotonic()
+                        grace_end = grace_end or now + BODY_GRACE_LIMIT_S
+                        until = min(now + BODY_GRACE_S, grace_end)  # its next piece (the end marker, apart) awaited
             except asyncio.TimeoutError:
                 return self._body_timeout(trace, f"request body silent for {self.body_timeout_s:g} s", "silent")
             except BodyTooSlow:
@@ -621,6 +657,16 @@ class Proxy:
                                                  f"on average after its first {self.body_timeout_s:g} s")
             except OSError:
                 return self._client_left(trace)
+            except HttpProcessingError as e:
+                return self._client_left(trace, _broken_body_note(e))
+            except Exception as e:
+                # A bug in the reader: a 500 where the server never saw the request and no row. Fail open: the
+                # bytes read go on as they came, the rest read plainly, the row saying its body was not read.
+                self._proxy_failed(e)
+                if trace is not None:
+                    _add_error(trace, f"request body not read (the proxy's body reader failed: {error_text(e)[:150]}):"
+                                      " streamed on, its model and stream not known")
+                chunks = _PlainReader(request.content, self.body_timeout_s)
             # Trimmed to the bytes read: a body's until its answer begins, a prefix's until written upstream (given
             # back at once, a prefix just over 1 MiB waited on a free connection outside the budget: +0.33 MiB a client).
             self._inspecting -= budget[0] - got
@@ -647,6 +693,8 @@ class Proxy:
                                                  f"{self.body_timeout_s:g} s")
             except OSError:  # the client left mid-body (aiohttp: ConnectionResetError)
                 return self._client_left(trace)
+            except HttpProcessingError as e:
+                return self._client_left(trace, _broken_body_note(e))
             framing = b"Content-Length: %d\r\n" % len(body)
             self._inspect(request, trace, body)
         elif request.body_exists:
@@ -690,6 +738,20 @@ class Proxy:
                 except OSError:  # from the client's side: write_body raises UpstreamError only
                     self._drop(ex)
                     return self._client_left(trace)
+                except HttpProcessingError as e:
+                    self._drop(ex)
+                    return self._client_left(trace, _broken_body_note(e))
+                except (UpstreamError, _ClientLeft):
+                    raise  # said below
+                except Exception as e:  # a bug reading the body on: the server has part of it, so it cannot go on
+                    self._drop(ex)
+                    self._proxy_failed(e)
+                    msg = f"powerprof proxy: reading the request body failed ({error_text(e)[:150]}): upstream closed"
+                    if trace is not None:
+                        trace.status, trace.outcome = 500, "proxy_error"
+                        _add_error(trace, msg[:300])
+                    body = json.dumps({"error": {"message": msg, "type": "proxy_error", "code": 500}}).encode()
+                    return web.Response(status=500, body=body, content_type="application/json")
                 await ex.write_body(b"0\r\n\r\n")
                 if trace is not None and trace.api is not None and request.headers.get(
                         "Content-Encoding", "").strip().lower() in ("", "identity"):
@@ -742,6 +804,12 @@ class Proxy:
             return await self._relay(request, ex, status, reason, up_headers, trace)
         finally:
             self.pool.release(ex)
+
+    def _proxy_failed(self, e: Exception) -> None:
+        self.proxy_failures += 1
+        if self.proxy_failures <= 5 or self.proxy_failures % 1000 == 0:
+            log.error("the proxy failed reading a request body (%d so far): %s", self.proxy_failures, error_text(e),
+                      exc_info=self.proxy_failures == 1)
 
     def _inspect(self, request: web.Request, trace: RequestTrace | None, body: bytes) -> None:
         """A body read whole: its model, stream flag and prompt size onto the trace (fail-open)."""
@@ -965,6 +1033,12 @@ def unreadable_note(counts: streams.Counts) -> str:
     first = (counts.error or "")[:160]
     return (f"{counts.unreadable} line(s) or event(s) of the response could not be read ({first}): tokens they carried "
             "are not in the proxy's count")
+
+
+def _broken_body_note(e: HttpProcessingError) -> str:
+    """aiohttp's error for a body that broke HTTP's framing (it closes that connection): the client's doing, said as
+    one that left mid-body, not as the proxy's fault (logged and streamed on as one)."""
+    return f"{BODY_LEFT_NOTE}: its body broke HTTP's framing ({error_text(e)[:150]})"
 
 
 def _add_error(trace: RequestTrace, note: str) -> None:
