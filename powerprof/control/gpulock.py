@@ -336,27 +336,31 @@ class MachineLock:
                 raise self._busy(*_holder(self.name)) from None
             # Root: the processes that hold the socket now, read through /proc. The peer credentials name the one that
             # called listen(), which may have exited leaving a child of its own holding the socket (that PID gone, or
-            # another process's by now); they are the answer only where /proc shows none (a sandbox's ProtectProc).
+            # another process's by now); they are the answer only where /proc is partial (a sandbox's ProtectProc).
+            # Where /proc was read whole and shows every process, a socket no thread holds is no controller's however
+            # a connect goes: a parked one answered (queued by the kernel) named its dead listener, and root refused.
             holders, whole = _holders_from_proc(self.name)
-            if not holders:
+            seen_all = whole and _sees_every_process()
+            if not holders and not seen_all:
                 pid, uid = _holder(self.name)
                 holders = [(pid, uid, None)] if pid else []
             if not holders:
-                # No process shows it in its descriptors and none answers a connect: gone in between, or held by no
-                # controller: a name parked in an SCM_RIGHTS message, or bound and closed in a loop. A few tries, 20 ms
-                # apart; refused every time (each controller listens right after its bind), it is passed over. A full
-                # queue (EAGAIN) is no proof alone: any user may fill a controller's (it never accepts). It counts only
-                # where /proc was read whole and shows this process every other (a controller holds its socket open).
+                # No process shows it in its descriptors: gone in between, or held by no controller: a name parked in
+                # an SCM_RIGHTS message, or bound and closed in a loop. A few tries, 20 ms apart; refused every time
+                # (each controller listens right after its bind), it is passed over. A full queue (EAGAIN) or an
+                # answered connect is no proof alone: any user may fill a controller's queue (it never accepts), and a
+                # controller answers. They count only where /proc was read whole and shows this process every other (a
+                # controller holds its socket open).
                 answer = _unanswered(self.name)
-                unanswered += answer == "refused" or (answer == "full" and whole and _sees_every_process())
+                unanswered += answer == "refused" or (answer in ("full", "answered") and seen_all)
                 if attempt < 4:
                     time.sleep(0.02)
                     continue
                 if unanswered == 5:
                     self.warning = (
                         f"{self._gpu()}: its machine-wide lock name is held, but by no process that holds it open "
-                        "(every powerprof controller holds its own and listens), and no connect is answered (refused, or "
-                        "its queue full), so it is no powerprof controller: passed over "
+                        "(every powerprof controller holds its own and listens), so it is no powerprof controller: "
+                        "passed over "
                         f"(root's controllers exclude each other through {self.root_dir})")
                     print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
                     return
@@ -416,8 +420,9 @@ def _holder(name: bytes) -> tuple[int | None, int | None]:
 
 
 def _unanswered(name: bytes) -> str | None:
-    """How a connect to `name` goes unanswered: "refused" (bound and not listening, or no longer bound: no
-    controller's), "full" (its listen queue full: EAGAIN, never accepted; a controller's may be too), None otherwise."""
+    """How a connect to `name` goes: "refused" (bound and not listening, or no longer bound: no controller's), "full"
+    (its listen queue full: EAGAIN, never accepted; a controller's may be too), "answered" (queued by the kernel, whoever
+    holds the socket; a controller's is too), None otherwise."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
             c.settimeout(1.0)
@@ -428,7 +433,7 @@ def _unanswered(name: bytes) -> str | None:
         if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
             return "refused"
         return "full" if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK) else None
-    return None
+    return "answered"
 
 
 _PID_NS_INIT_INO = 0xEFFFFFFC  # the first PID namespace's inode number (the kernel's PROC_PID_INIT_INO)

@@ -270,7 +270,9 @@ def _squatter(uuid: str, how: str = "listening"):
     message: no /proc/*/fd shows it, no connect answers); "flapping" (bound and closed in a loop); "zombie-leader"
     (listening from a thread whose thread-group leader has exited: /proc/<pid>/fd of the leader lists nothing, and the
     thread is in no /proc/<pid>; its queue full, as below, so no connect names it); "full-queue" (listening with a backlog of 0, its queue filled, its only descriptor
-    parked in an SCM_RIGHTS message: a connect finds the queue full, EAGAIN, neither answered nor refused)."""
+    parked in an SCM_RIGHTS message: a connect finds the queue full, EAGAIN, neither answered nor refused);
+    "parked-listening" (listening, its queue not full, its only descriptor parked in an SCM_RIGHTS message a child
+    keeps, the process that listened exited: a connect is answered and its peer credentials name a PID that is gone)."""
     from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
     from powerprof.rig import Rig  # noqa: PLC0415
 
@@ -325,13 +327,15 @@ def _squatter(uuid: str, how: str = "listening"):
                 ctypes.CDLL(None).syscall(60, 0)  # SYS_exit (x86_64): the leader thread alone exits, a zombie
             if how == "full-queue":
                 listen_full()
-            if how in ("in-flight", "full-queue"):
+            if how == "parked-listening":
+                s.listen(16)
+            if how in ("in-flight", "full-queue", "parked-listening"):
                 a, b = socket.socketpair()
                 socket.send_fds(a, [b"x"], [s.fileno()])
                 s.close()
             elif how not in ("bound-only", "zombie-leader"):
                 s.listen(1)
-            if how == "orphaned" and os.fork() != 0:
+            if how in ("orphaned", "parked-listening") and os.fork() != 0:
                 os._exit(0)
             os.write(w, f"BOUND {os.getpid()}\n".encode())
             time.sleep(60)
@@ -382,13 +386,15 @@ def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(origina
 
 
 @needs_root
-@pytest.mark.parametrize("how", ["in-flight", "flapping", "full-queue"])
+@pytest.mark.parametrize("how", ["in-flight", "flapping", "full-queue", "parked-listening"])
 def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_process(originals, how):
     # A name no process shows in /proc/*/fd and no connect answers (parked in an SCM_RIGHTS message, or bound and
     # closed in a loop) was taken for a controller's: restore refused, saying "kill PID" of no one; a flapping squatter
     # won every time. Every controller listens right after its bind, so a name refused a few times over is none's. A
     # parked one whose queue is full (EAGAIN: neither answered nor refused) still kept restore off the GPU; every
     # controller holds its socket open, so one no thread in /proc holds, /proc showing root every process, is none's.
+    # Parked listening, its queue not full, its listener exited: the connect was answered, the peer credentials named
+    # the dead listener, and root refused ("kill N", N gone; exit 1), the GPU left capped.
     p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
     _wait_for_line(p, "STEPPED")
     p.kill()
@@ -400,7 +406,7 @@ def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_pro
                            capture_output=True, text=True, timeout=WAIT_S)
         said = " ".join((r.stdout + r.stderr).split())
         assert r.returncode == 0, said
-        if how in ("in-flight", "full-queue"):  # a flapping squatter's name may be caught free (taken) or its descriptor in /proc/*/fd
+        if how != "flapping":  # a flapping squatter's name may be caught free (taken) or its descriptor in /proc/*/fd
             assert "no process that holds it open" in said and "passed over" in said, said
         assert_untouched()
         assert restore_files() == []
