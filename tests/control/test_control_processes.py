@@ -466,6 +466,46 @@ def test_a_root_controller_whose_queue_another_user_filled_is_never_passed_over(
     assert_untouched()
 
 
+@needs_root
+@pytest.mark.parametrize("how", ["full-queue", "parked-listening"])
+def test_a_controller_binding_the_name_as_a_parked_squatter_lets_go_is_never_passed_over(originals, how):
+    # Root counted a parked squatter's name (its queue full, or answered) on tries 1-4; during the 5th, after its /proc
+    # scan and before its connect, the squatter let go and a real controller bound the name (its queue filled by anyone):
+    # the connect went as before, and root passed it over: two controllers on one GPU. Forced by wrapping _unanswered.
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    lock = gpulock.MachineLock(_scope(), uuid)
+    real, calls, ctl = gpulock._unanswered, [], []
+    code = ("import errno,socket,sys,time\nn=bytes.fromhex(sys.argv[1]);s=socket.socket(socket.AF_UNIX)\n"
+            "for _ in range(500):\n try:\n  s.bind(n);break\n except OSError as e:\n  time.sleep(0.01)\n"
+            "s.listen(64);print('READY',flush=True);time.sleep(60)")
+
+    def handover(name):
+        calls.append(name)
+        if len(calls) == 5:
+            os.kill(squat, signal.SIGKILL)
+            ctl.append(subprocess.Popen([sys.executable, "-c", code, name.hex()], stdout=subprocess.PIPE, text=True))
+            _wait_for_line(ctl[0], "READY")
+            if how == "full-queue":
+                _fill_queue(name)
+        return real(name)
+
+    try:
+        with _squatter(uuid, how) as squat:
+            gpulock._unanswered = handover
+            with pytest.raises(GpuBusyError) as ei:
+                lock._bind(root=True)  # the name alone, past root's own flock
+            assert len(calls) == 5 and lock._sock is None and lock.warning is None
+            assert ei.value.holder_pid == ctl[0].pid  # named
+    finally:
+        gpulock._unanswered = real
+        lock.release()
+        for p in ctl:
+            p.kill()
+            p.wait(timeout=WAIT_S)
+
+
 def test_a_full_queue_no_process_shows_is_passed_over_only_where_proc_shows_every_process(monkeypatch, tmp_path):
     # A listening name whose only descriptor is parked in an SCM_RIGHTS message, its queue full: root passes it over
     # only where its /proc shows every process (a controller in another PID namespace sharing this network, or hidden
@@ -490,7 +530,7 @@ def test_a_full_queue_no_process_shows_is_passed_over_only_where_proc_shows_ever
             lock._bind(root=True)
         monkeypatch.setattr(gpulock, "_sees_every_process", lambda: True)
         real = gpulock._holders_from_proc
-        monkeypatch.setattr(gpulock, "_holders_from_proc", lambda name, proc="/proc": (real(name, proc)[0], False))
+        monkeypatch.setattr(gpulock, "_holders_from_proc", lambda name, proc="/proc": (real(name, proc)[0], False, real(name, proc)[2]))
         with pytest.raises(GpuBusyError):  # a descriptor table it could not read
             lock._bind(root=True)
         monkeypatch.setattr(gpulock, "_holders_from_proc", real)
