@@ -3,6 +3,7 @@ and a machine-wide one (an abstract socket) that two state folders share."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -184,6 +185,21 @@ def root_lock_dir(scope: str) -> Path:
     return Path(scope[len("sim:"):] + ".machine-locks") if scope.startswith("sim:") else ROOT_LOCK_DIR
 
 
+def scope_identity(scope: str) -> str:
+    """What names `scope`'s GPUs for the machine-wide lock: the scope itself, and a simulator's by its state folder's
+    (st_dev, st_ino) and the file's name, so every path to that folder (a bind mount, a symlinked folder) names one GPU.
+    By path, a second root controller reaching the folder through a bind mount got another name and stepped the GPU
+    the first held. A folder that cannot be read is named by its path."""
+    if not scope.startswith("sim:"):
+        return scope
+    path = scope[len("sim:"):]
+    try:
+        st = os.stat(os.path.dirname(path) or "/")
+    except OSError:
+        return scope
+    return f"sim-folder:{st.st_dev}:{st.st_ino}/{os.path.basename(path)}"
+
+
 class MachineLock:
     """The GPU's lock across state folders: a listening socket in the abstract namespace (no file: no folder another
     user could plant in, none to share), named by the hardware's scope and the GPU's UUID. The kernel drops it when
@@ -203,16 +219,20 @@ class MachineLock:
     abstract namespace is per network namespace (a container with a network of its own does not see it)."""
 
     def __init__(self, scope: str, uuid: str, index: int | None = None):
-        digest = hashlib.sha256(f"{scope}\0{uuid}".encode()).hexdigest()[:40]
-        self.name = b"\0powerprof-gpu-" + digest.encode()
-        self.root_dir = root_lock_dir(scope)
-        self.root_path = self.root_dir / f"gpu-{digest}.lock"
         self.scope = scope
         self.uuid = uuid
         self.index = index
+        self.root_dir = root_lock_dir(scope)
+        self._name()
         self.warning: str | None = None  # a holder of the name passed over (root only), as said on stderr
         self._sock: socket.socket | None = None
         self._fd: int | None = None
+
+    def _name(self) -> None:
+        """The abstract name and root's lock file, from the scope's identity (`scope_identity`)."""
+        digest = hashlib.sha256(f"{scope_identity(self.scope)}\0{self.uuid}".encode()).hexdigest()[:40]
+        self.name = b"\0powerprof-gpu-" + digest.encode()
+        self.root_path = self.root_dir / f"gpu-{digest}.lock"
 
     def _gpu(self) -> str:
         return f"GPU {self.index} ({self.uuid})" if self.index is not None else f"GPU {self.uuid}"
@@ -235,6 +255,13 @@ class MachineLock:
         run's question: `holder_now` lets it go at once)."""
         if self._sock is not None or self._fd is not None:
             return
+        if self.scope.startswith("sim:") and not probe:
+            # The name is the state folder's identity: made first, so every controller names it by the same folder
+            # (one finding it missing was named by its path, one after by its inode). A probe makes nothing: a holder
+            # made it.
+            with contextlib.suppress(OSError):  # one that cannot be made cannot be written either
+                make_dirs(Path(os.path.dirname(self.scope[len("sim:"):]) or "/"))
+            self._name()
         root = os.geteuid() == 0
         if root:
             self._root_flock(probe)

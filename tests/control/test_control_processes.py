@@ -784,3 +784,44 @@ def test_restore_force_default_json_carries_the_pass_over_warning_in_its_notes(o
     assert all(w > 200 and c is None for w, c in sim_state())  # at their defaults, not the originals: the file is damaged
     assert restore_files() == []
     preset_originals()
+
+
+def test_a_state_file_reached_through_a_symlink_is_one_gpu_before_and_after_a_write(tmp_path):
+    # POWERPROF_SIM_STATE a symlink, link.json -> real.json: the first controller's scope was real.json, but its first
+    # write replaced link.json itself with a regular file, and the next controller, given the same link.json, got
+    # another scope, name and .machine-locks folder: it set 250 W beside the first's 200 W, and the GPU ended at 200 W
+    # with nothing to restore (its original 300 W).
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+    from powerprof.rig import Rig  # noqa: PLC0415
+
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    link.symlink_to(real)
+    uuid = SimNVML("seed-16g", count=2, state_path=link).gpus[0].uuid
+
+    def name():
+        with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2, state_path=link)) as rig:
+            return MachineLock(rig.machine_scope, uuid).name
+
+    before = name()
+    nvml = SimNVML("seed-16g", count=2, state_path=link)
+    nvml.nvmlInit()
+    nvml.nvmlDeviceSetPowerManagementLimit(nvml.nvmlDeviceGetHandleByIndex(0), 200_000)
+    assert link.is_symlink() and uuid in real.read_text()  # written through the link, not over it
+    assert name() == before
+
+
+def test_a_state_file_reached_through_a_bind_mount_is_one_gpu(tmp_path):
+    # The same folder reached through a bind mount (another path, the same folder) was another GPU for the machine-wide
+    # lock: a second root controller of another state folder stepped the GPU the first held.
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    code = "import sys; from powerprof.control.gpulock import MachineLock; print(MachineLock(sys.argv[1], 'GPU-x').name.hex())"
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                        f'mount --bind "$1" "$2" || exit 97; exec "$3" -c "$4" "sim:$2/sim.json"', "sh",
+                        str(tmp_path / "a"), str(tmp_path / "b"), sys.executable, code],
+                       capture_output=True, text=True, timeout=WAIT_S)
+    if r.returncode == 97 or r.stderr.startswith("unshare:"):
+        pytest.skip(f"no private bind mount here: {r.stderr.strip()}")
+    assert r.stdout.strip() == MachineLock(f"sim:{tmp_path}/a/sim.json", "GPU-x").name.hex(), r.stderr
