@@ -462,8 +462,8 @@ def _holder(name: bytes) -> tuple[int | None, int | None]:
 
 def _unanswered(name: bytes) -> str | None:
     """How a connect to `name` goes: "refused" (bound and not listening, or no longer bound: no controller's), "full"
-    (its listen queue full: EAGAIN, never accepted; a controller's may be too), "answered" (queued by the kernel, whoever
-    holds the socket; a controller's is too), None otherwise."""
+    (its listen queue full: EAGAIN, never accepted; a controller's may be too), "answered" (queued by the kernel,
+    whoever holds the socket; a controller's is too), None otherwise."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
             c.settimeout(1.0)
@@ -545,10 +545,11 @@ def _bound_sockets(name: bytes, proc: str = "/proc") -> frozenset[str] | None:
     return None if found is None else found[1]
 
 
-def _holders_from_proc(name: bytes, proc: str = "/proc") -> tuple[list[tuple[int, int | None, int]], bool, frozenset[str]]:
+def _holders_from_proc(name: bytes,
+                       proc: str = "/proc") -> tuple[list[tuple[int, int | None, int]], bool, frozenset[str]]:
     """((pid, uid, tid) of every thread holding a socket bound to the abstract `name`, whether every process's and
-    thread's descriptors were read (False: /proc/net/unix or a table unreadable, not just gone), the bound socket(s) this
-    scan looked for (`_bound_sockets`)), through /proc (root reads
+    thread's descriptors were read (False: /proc/net/unix or a table unreadable, not just gone), the bound socket(s)
+    this scan looked for (`_bound_sockets`)), through /proc (root reads
     every process's descriptors): a holder that never listens, or whose queue is full, answers no connect. Every thread's
     descriptors (/proc/<pid>/task/<tid>/fd), judged by that thread's status: a thread whose thread-group leader has
     exited (a zombie: /proc/<pid>/fd lists nothing) or that unshared its descriptor table holds what the leader's list

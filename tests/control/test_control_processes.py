@@ -470,8 +470,8 @@ def test_a_root_controller_whose_queue_another_user_filled_is_never_passed_over(
 @pytest.mark.parametrize("how", ["full-queue", "parked-listening"])
 def test_a_controller_binding_the_name_as_a_parked_squatter_lets_go_is_never_passed_over(originals, how):
     # Root counted a parked squatter's name (its queue full, or answered) on tries 1-4; during the 5th, after its /proc
-    # scan and before its connect, the squatter let go and a real controller bound the name (its queue filled by anyone):
-    # the connect went as before, and root passed it over: two controllers on one GPU. Forced by wrapping _unanswered.
+    # scan and before its connect, the squatter let go and a real controller bound the name (its queue filled by
+    # anyone): the connect went as before, and root passed it over: two controllers on one GPU. Forced by wrapping _unanswered.
     from powerprof.control import gpulock  # noqa: PLC0415
 
     uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
@@ -530,7 +530,8 @@ def test_a_full_queue_no_process_shows_is_passed_over_only_where_proc_shows_ever
             lock._bind(root=True)
         monkeypatch.setattr(gpulock, "_sees_every_process", lambda: True)
         real = gpulock._holders_from_proc
-        monkeypatch.setattr(gpulock, "_holders_from_proc", lambda name, proc="/proc": (real(name, proc)[0], False, real(name, proc)[2]))
+        monkeypatch.setattr(gpulock, "_holders_from_proc",
+                            lambda name, proc="/proc": (real(name, proc)[0], False, real(name, proc)[2]))
         with pytest.raises(GpuBusyError):  # a descriptor table it could not read
             lock._bind(root=True)
         monkeypatch.setattr(gpulock, "_holders_from_proc", real)
@@ -817,9 +818,10 @@ def test_a_state_file_reached_through_a_bind_mount_is_one_gpu(tmp_path):
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    code = "import sys; from powerprof.control.gpulock import MachineLock; print(MachineLock(sys.argv[1], 'GPU-x').name.hex())"
+    code = ("import sys; from powerprof.control.gpulock import MachineLock; "
+            "print(MachineLock(sys.argv[1], 'GPU-x').name.hex())")
     r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                        f'mount --bind "$1" "$2" || exit 97; exec "$3" -c "$4" "sim:$2/sim.json"', "sh",
+                        'mount --bind "$1" "$2" || exit 97; exec "$3" -c "$4" "sim:$2/sim.json"', "sh",
                         str(tmp_path / "a"), str(tmp_path / "b"), sys.executable, code],
                        capture_output=True, text=True, timeout=WAIT_S)
     if r.returncode == 97 or r.stderr.startswith("unshare:"):
