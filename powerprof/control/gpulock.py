@@ -3,6 +3,7 @@ and a machine-wide one (an abstract socket) that two state folders share."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -184,6 +185,21 @@ def root_lock_dir(scope: str) -> Path:
     return Path(scope[len("sim:"):] + ".machine-locks") if scope.startswith("sim:") else ROOT_LOCK_DIR
 
 
+def scope_identity(scope: str) -> str:
+    """What names `scope`'s GPUs for the machine-wide lock: the scope itself, and a simulator's by its state folder's
+    (st_dev, st_ino) and the file's name, so every path to that folder (a bind mount, a symlinked folder) names one GPU.
+    By path, a second root controller reaching the folder through a bind mount got another name and stepped the GPU
+    the first held. A folder that cannot be read is named by its path."""
+    if not scope.startswith("sim:"):
+        return scope
+    path = scope[len("sim:"):]
+    try:
+        st = os.stat(os.path.dirname(path) or "/")
+    except OSError:
+        return scope
+    return f"sim-folder:{st.st_dev}:{st.st_ino}/{os.path.basename(path)}"
+
+
 class MachineLock:
     """The GPU's lock across state folders: a listening socket in the abstract namespace (no file: no folder another
     user could plant in, none to share), named by the hardware's scope and the GPU's UUID. The kernel drops it when
@@ -203,16 +219,20 @@ class MachineLock:
     abstract namespace is per network namespace (a container with a network of its own does not see it)."""
 
     def __init__(self, scope: str, uuid: str, index: int | None = None):
-        digest = hashlib.sha256(f"{scope}\0{uuid}".encode()).hexdigest()[:40]
-        self.name = b"\0powerprof-gpu-" + digest.encode()
-        self.root_dir = root_lock_dir(scope)
-        self.root_path = self.root_dir / f"gpu-{digest}.lock"
         self.scope = scope
         self.uuid = uuid
         self.index = index
+        self.root_dir = root_lock_dir(scope)
+        self._name()
         self.warning: str | None = None  # a holder of the name passed over (root only), as said on stderr
         self._sock: socket.socket | None = None
         self._fd: int | None = None
+
+    def _name(self) -> None:
+        """The abstract name and root's lock file, from the scope's identity (`scope_identity`)."""
+        digest = hashlib.sha256(f"{scope_identity(self.scope)}\0{self.uuid}".encode()).hexdigest()[:40]
+        self.name = b"\0powerprof-gpu-" + digest.encode()
+        self.root_path = self.root_dir / f"gpu-{digest}.lock"
 
     def _gpu(self) -> str:
         return f"GPU {self.index} ({self.uuid})" if self.index is not None else f"GPU {self.uuid}"
@@ -235,6 +255,13 @@ class MachineLock:
         run's question: `holder_now` lets it go at once)."""
         if self._sock is not None or self._fd is not None:
             return
+        if self.scope.startswith("sim:") and not probe:
+            # The name is the state folder's identity: made first, so every controller names it by the same folder
+            # (one finding it missing was named by its path, one after by its inode). A probe makes nothing: a holder
+            # made it.
+            with contextlib.suppress(OSError):  # one that cannot be made cannot be written either
+                make_dirs(Path(os.path.dirname(self.scope[len("sim:"):]) or "/"))
+            self._name()
         root = os.geteuid() == 0
         if root:
             self._root_flock(probe)
@@ -316,6 +343,7 @@ class MachineLock:
 
     def _bind(self, root: bool) -> None:
         unanswered = 0
+        counted: frozenset[str] | None = None  # the socket a counted full or answered connect reached
         for attempt in range(5):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
             try:
@@ -336,27 +364,44 @@ class MachineLock:
                 raise self._busy(*_holder(self.name)) from None
             # Root: the processes that hold the socket now, read through /proc. The peer credentials name the one that
             # called listen(), which may have exited leaving a child of its own holding the socket (that PID gone, or
-            # another process's by now); they are the answer only where /proc shows none (a sandbox's ProtectProc).
-            holders, whole = _holders_from_proc(self.name)
-            if not holders:
+            # another process's by now); they are the answer only where /proc is partial (a sandbox's ProtectProc).
+            # Where /proc was read whole and shows every process, a socket no thread holds is no controller's however
+            # a connect goes: a parked one answered (queued by the kernel) named its dead listener, and root refused.
+            holders, whole, bound = _holders_from_proc(self.name)
+            seen_all = whole and _sees_every_process()
+            if not holders and not seen_all:
                 pid, uid = _holder(self.name)
                 holders = [(pid, uid, None)] if pid else []
             if not holders:
-                # No process shows it in its descriptors and none answers a connect: gone in between, or held by no
-                # controller: a name parked in an SCM_RIGHTS message, or bound and closed in a loop. A few tries, 20 ms
-                # apart; refused every time (each controller listens right after its bind), it is passed over. A full
-                # queue (EAGAIN) is no proof alone: any user may fill a controller's (it never accepts). It counts only
-                # where /proc was read whole and shows this process every other (a controller holds its socket open).
+                # No process shows it in its descriptors: gone in between, or held by no controller: a name parked in
+                # an SCM_RIGHTS message, or bound and closed in a loop. A few tries, 20 ms apart; refused every time
+                # (each controller listens right after its bind), it is passed over. A full queue (EAGAIN) or an
+                # answered connect is no proof alone: any user may fill a controller's queue (it never accepts), and a
+                # controller answers. They count only where /proc was read whole and shows this process every other (a
+                # controller holds its socket open), and only for the one socket the scan found at the name, the same
+                # in every try and still there after the connect: a squatter that let go between the scan and the
+                # connect left it to a real controller, whose queue, filled, answered the same, and root passed it over.
                 answer = _unanswered(self.name)
-                unanswered += answer == "refused" or (answer == "full" and whole and _sees_every_process())
+                same = len(bound) == 1 and _bound_sockets(self.name) == bound and counted in (None, bound)
+                if answer == "refused":
+                    unanswered += 1
+                elif answer in ("full", "answered") and seen_all and same:
+                    unanswered += 1
+                    counted = bound
                 if attempt < 4:
                     time.sleep(0.02)
                     continue
-                if unanswered == 5:
+                # Once more, after the last connect: a controller that bound the name meanwhile holds it open. And a
+                # full or answered queue counted, the socket it reached is still the one at the name, read last (a few
+                # ms after the scan's start, not the scan's 0.1 s): without, 1 try in 16 passed over a controller that
+                # bound during this scan (h-rev2 f2b).
+                holders, _whole, bound = _holders_from_proc(self.name)
+                stable = counted is None or bound == counted == _bound_sockets(self.name)
+                if unanswered == 5 and not holders and stable:
                     self.warning = (
                         f"{self._gpu()}: its machine-wide lock name is held, but by no process that holds it open "
-                        "(every powerprof controller holds its own and listens), and no connect is answered (refused, or "
-                        "its queue full), so it is no powerprof controller: passed over "
+                        "(every powerprof controller holds its own and listens), so it is no powerprof controller: "
+                        "passed over "
                         f"(root's controllers exclude each other through {self.root_dir})")
                     print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
                     return
@@ -416,8 +461,9 @@ def _holder(name: bytes) -> tuple[int | None, int | None]:
 
 
 def _unanswered(name: bytes) -> str | None:
-    """How a connect to `name` goes unanswered: "refused" (bound and not listening, or no longer bound: no
-    controller's), "full" (its listen queue full: EAGAIN, never accepted; a controller's may be too), None otherwise."""
+    """How a connect to `name` goes: "refused" (bound and not listening, or no longer bound: no controller's), "full"
+    (its listen queue full: EAGAIN, never accepted; a controller's may be too), "answered" (queued by the kernel,
+    whoever holds the socket; a controller's is too), None otherwise."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
             c.settimeout(1.0)
@@ -428,7 +474,7 @@ def _unanswered(name: bytes) -> str | None:
         if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
             return "refused"
         return "full" if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK) else None
-    return None
+    return "answered"
 
 
 _PID_NS_INIT_INO = 0xEFFFFFFC  # the first PID namespace's inode number (the kernel's PROC_PID_INIT_INO)
@@ -473,9 +519,37 @@ def _same_userns(pid: int | str, proc: str = "/proc") -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _holders_from_proc(name: bytes, proc: str = "/proc") -> tuple[list[tuple[int, int | None, int]], bool]:
+def _name_sockets(name: bytes, proc: str = "/proc") -> tuple[set[str], frozenset[str]] | None:
+    """(every socket with the abstract `name` as its address, "socket:[inode]": the one bound to it and those accepted
+    from it; those of them not connected: the bound one, listening or not), from /proc/net/unix; None where unreadable.
+    A connect still queued has inode 0 (no file yet): left out, as anyone may add one."""
+    want = "@" + name[1:].decode(errors="replace")
+    every, unconnected = set(), set()
+    try:
+        with open(f"{proc}/net/unix") as f:
+            next(f, None)
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 8 and parts[7] == want and parts[6] != "0":
+                    every.add(f"socket:[{parts[6]}]")
+                    if parts[5] == "01":  # SS_UNCONNECTED
+                        unconnected.add(f"socket:[{parts[6]}]")
+    except OSError:
+        return None
+    return every, frozenset(unconnected)
+
+
+def _bound_sockets(name: bytes, proc: str = "/proc") -> frozenset[str] | None:
+    """The socket bound to the abstract `name` now (`_name_sockets`), to tell it from one bound after a scan."""
+    found = _name_sockets(name, proc)
+    return None if found is None else found[1]
+
+
+def _holders_from_proc(name: bytes,
+                       proc: str = "/proc") -> tuple[list[tuple[int, int | None, int]], bool, frozenset[str]]:
     """((pid, uid, tid) of every thread holding a socket bound to the abstract `name`, whether every process's and
-    thread's descriptors were read (False: /proc/net/unix or a table unreadable, not just gone)), through /proc (root reads
+    thread's descriptors were read (False: /proc/net/unix or a table unreadable, not just gone), the bound socket(s)
+    this scan looked for (`_bound_sockets`)), through /proc (root reads
     every process's descriptors): a holder that never listens, or whose queue is full, answers no connect. Every thread's
     descriptors (/proc/<pid>/task/<tid>/fd), judged by that thread's status: a thread whose thread-group leader has
     exited (a zombie: /proc/<pid>/fd lists nothing) or that unshared its descriptor table holds what the leader's list
@@ -483,17 +557,10 @@ def _holders_from_proc(name: bytes, proc: str = "/proc") -> tuple[list[tuple[int
     root's `restore` refused, "another powerprof process", and the GPU stayed capped. A thread sharing its leader's
     table (kcmp says so) is not read again: on a loaded 2-core test host, reading every thread's took 0.4-0.9 s, this
     0.08-0.13 s, the leaders' alone 0.03-0.08 s."""
-    want = "@" + name[1:].decode(errors="replace")
-    inodes = set()
-    try:
-        with open(f"{proc}/net/unix") as f:
-            next(f, None)
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 8 and parts[7] == want:
-                    inodes.add(f"socket:[{parts[6]}]")
-    except OSError:
-        return [], False
+    sockets = _name_sockets(name, proc)
+    if sockets is None:
+        return [], False, frozenset()
+    inodes, bound = sockets
     found = []
     whole = True
     for entry in os.scandir(proc) if inodes else ():
@@ -515,7 +582,7 @@ def _holders_from_proc(name: bytes, proc: str = "/proc") -> tuple[list[tuple[int
                 continue
             if any(_readlink(f"{proc}/{where}/fd/{fd}") in inodes for fd in fds):
                 found.append((int(entry.name), _status(where, proc).get("Uid", [None, None])[1], int(tid)))
-    return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found], whole
+    return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found], whole, bound
 
 
 _SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(os.uname().machine)

@@ -326,7 +326,9 @@ class SimNVML:
         self.profile = self.profiles[0]
         if state_path is True:
             state_path = default_state_path()
-        self._state = _StateFile(Path(state_path) if state_path else None)
+        # Resolved once, and written through: a symlink given as the state file was replaced by the first write (a
+        # regular file at its name), and a second controller given the same link had another file, scope and lock.
+        self._state = _StateFile(Path(os.path.realpath(state_path)) if state_path else None)
         self.privileged = (os.environ.get(UNPRIVILEGED_ENV) != "1") if privileged is None else privileged
         self._lock = threading.Lock()
         self._cost_rng = random.Random(0x5EED)

@@ -270,7 +270,9 @@ def _squatter(uuid: str, how: str = "listening"):
     message: no /proc/*/fd shows it, no connect answers); "flapping" (bound and closed in a loop); "zombie-leader"
     (listening from a thread whose thread-group leader has exited: /proc/<pid>/fd of the leader lists nothing, and the
     thread is in no /proc/<pid>; its queue full, as below, so no connect names it); "full-queue" (listening with a backlog of 0, its queue filled, its only descriptor
-    parked in an SCM_RIGHTS message: a connect finds the queue full, EAGAIN, neither answered nor refused)."""
+    parked in an SCM_RIGHTS message: a connect finds the queue full, EAGAIN, neither answered nor refused);
+    "parked-listening" (listening, its queue not full, its only descriptor parked in an SCM_RIGHTS message a child
+    keeps, the process that listened exited: a connect is answered and its peer credentials name a PID that is gone)."""
     from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
     from powerprof.rig import Rig  # noqa: PLC0415
 
@@ -325,13 +327,15 @@ def _squatter(uuid: str, how: str = "listening"):
                 ctypes.CDLL(None).syscall(60, 0)  # SYS_exit (x86_64): the leader thread alone exits, a zombie
             if how == "full-queue":
                 listen_full()
-            if how in ("in-flight", "full-queue"):
+            if how == "parked-listening":
+                s.listen(16)
+            if how in ("in-flight", "full-queue", "parked-listening"):
                 a, b = socket.socketpair()
                 socket.send_fds(a, [b"x"], [s.fileno()])
                 s.close()
             elif how not in ("bound-only", "zombie-leader"):
                 s.listen(1)
-            if how == "orphaned" and os.fork() != 0:
+            if how in ("orphaned", "parked-listening") and os.fork() != 0:
                 os._exit(0)
             os.write(w, f"BOUND {os.getpid()}\n".encode())
             time.sleep(60)
@@ -382,13 +386,15 @@ def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(origina
 
 
 @needs_root
-@pytest.mark.parametrize("how", ["in-flight", "flapping", "full-queue"])
+@pytest.mark.parametrize("how", ["in-flight", "flapping", "full-queue", "parked-listening"])
 def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_process(originals, how):
     # A name no process shows in /proc/*/fd and no connect answers (parked in an SCM_RIGHTS message, or bound and
     # closed in a loop) was taken for a controller's: restore refused, saying "kill PID" of no one; a flapping squatter
     # won every time. Every controller listens right after its bind, so a name refused a few times over is none's. A
     # parked one whose queue is full (EAGAIN: neither answered nor refused) still kept restore off the GPU; every
     # controller holds its socket open, so one no thread in /proc holds, /proc showing root every process, is none's.
+    # Parked listening, its queue not full, its listener exited: the connect was answered, the peer credentials named
+    # the dead listener, and root refused ("kill N", N gone; exit 1), the GPU left capped.
     p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
     _wait_for_line(p, "STEPPED")
     p.kill()
@@ -400,7 +406,7 @@ def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_pro
                            capture_output=True, text=True, timeout=WAIT_S)
         said = " ".join((r.stdout + r.stderr).split())
         assert r.returncode == 0, said
-        if how in ("in-flight", "full-queue"):  # a flapping squatter's name may be caught free (taken) or its descriptor in /proc/*/fd
+        if how != "flapping":  # a flapping squatter's name may be caught free (taken) or its descriptor in /proc/*/fd
             assert "no process that holds it open" in said and "passed over" in said, said
         assert_untouched()
         assert restore_files() == []
@@ -460,6 +466,46 @@ def test_a_root_controller_whose_queue_another_user_filled_is_never_passed_over(
     assert_untouched()
 
 
+@needs_root
+@pytest.mark.parametrize("how", ["full-queue", "parked-listening"])
+def test_a_controller_binding_the_name_as_a_parked_squatter_lets_go_is_never_passed_over(originals, how):
+    # Root counted a parked squatter's name (its queue full, or answered) on tries 1-4; during the 5th, after its /proc
+    # scan and before its connect, the squatter let go and a real controller bound the name (its queue filled by
+    # anyone): the connect went as before, and root passed it over: two controllers on one GPU. Forced by wrapping _unanswered.
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    lock = gpulock.MachineLock(_scope(), uuid)
+    real, calls, ctl = gpulock._unanswered, [], []
+    code = ("import errno,socket,sys,time\nn=bytes.fromhex(sys.argv[1]);s=socket.socket(socket.AF_UNIX)\n"
+            "for _ in range(500):\n try:\n  s.bind(n);break\n except OSError as e:\n  time.sleep(0.01)\n"
+            "s.listen(64);print('READY',flush=True);time.sleep(60)")
+
+    def handover(name):
+        calls.append(name)
+        if len(calls) == 5:
+            os.kill(squat, signal.SIGKILL)
+            ctl.append(subprocess.Popen([sys.executable, "-c", code, name.hex()], stdout=subprocess.PIPE, text=True))
+            _wait_for_line(ctl[0], "READY")
+            if how == "full-queue":
+                _fill_queue(name)
+        return real(name)
+
+    try:
+        with _squatter(uuid, how) as squat:
+            gpulock._unanswered = handover
+            with pytest.raises(GpuBusyError) as ei:
+                lock._bind(root=True)  # the name alone, past root's own flock
+            assert len(calls) == 5 and lock._sock is None and lock.warning is None
+            assert ei.value.holder_pid == ctl[0].pid  # named
+    finally:
+        gpulock._unanswered = real
+        lock.release()
+        for p in ctl:
+            p.kill()
+            p.wait(timeout=WAIT_S)
+
+
 def test_a_full_queue_no_process_shows_is_passed_over_only_where_proc_shows_every_process(monkeypatch, tmp_path):
     # A listening name whose only descriptor is parked in an SCM_RIGHTS message, its queue full: root passes it over
     # only where its /proc shows every process (a controller in another PID namespace sharing this network, or hidden
@@ -484,7 +530,8 @@ def test_a_full_queue_no_process_shows_is_passed_over_only_where_proc_shows_ever
             lock._bind(root=True)
         monkeypatch.setattr(gpulock, "_sees_every_process", lambda: True)
         real = gpulock._holders_from_proc
-        monkeypatch.setattr(gpulock, "_holders_from_proc", lambda name, proc="/proc": (real(name, proc)[0], False))
+        monkeypatch.setattr(gpulock, "_holders_from_proc",
+                            lambda name, proc="/proc": (real(name, proc)[0], False, real(name, proc)[2]))
         with pytest.raises(GpuBusyError):  # a descriptor table it could not read
             lock._bind(root=True)
         monkeypatch.setattr(gpulock, "_holders_from_proc", real)
@@ -738,3 +785,45 @@ def test_restore_force_default_json_carries_the_pass_over_warning_in_its_notes(o
     assert all(w > 200 and c is None for w, c in sim_state())  # at their defaults, not the originals: the file is damaged
     assert restore_files() == []
     preset_originals()
+
+
+def test_a_state_file_reached_through_a_symlink_is_one_gpu_before_and_after_a_write(tmp_path):
+    # POWERPROF_SIM_STATE a symlink, link.json -> real.json: the first controller's scope was real.json, but its first
+    # write replaced link.json itself with a regular file, and the next controller, given the same link.json, got
+    # another scope, name and .machine-locks folder: it set 250 W beside the first's 200 W, and the GPU ended at 200 W
+    # with nothing to restore (its original 300 W).
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+    from powerprof.rig import Rig  # noqa: PLC0415
+
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    link.symlink_to(real)
+    uuid = SimNVML("seed-16g", count=2, state_path=link).gpus[0].uuid
+
+    def name():
+        with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2, state_path=link)) as rig:
+            return MachineLock(rig.machine_scope, uuid).name
+
+    before = name()
+    nvml = SimNVML("seed-16g", count=2, state_path=link)
+    nvml.nvmlInit()
+    nvml.nvmlDeviceSetPowerManagementLimit(nvml.nvmlDeviceGetHandleByIndex(0), 200_000)
+    assert link.is_symlink() and uuid in real.read_text()  # written through the link, not over it
+    assert name() == before
+
+
+def test_a_state_file_reached_through_a_bind_mount_is_one_gpu(tmp_path):
+    # The same folder reached through a bind mount (another path, the same folder) was another GPU for the machine-wide
+    # lock: a second root controller of another state folder stepped the GPU the first held.
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    code = ("import sys; from powerprof.control.gpulock import MachineLock; "
+            "print(MachineLock(sys.argv[1], 'GPU-x').name.hex())")
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                        'mount --bind "$1" "$2" || exit 97; exec "$3" -c "$4" "sim:$2/sim.json"', "sh",
+                        str(tmp_path / "a"), str(tmp_path / "b"), sys.executable, code],
+                       capture_output=True, text=True, timeout=WAIT_S)
+    if r.returncode == 97 or r.stderr.startswith("unshare:"):
+        pytest.skip(f"no private bind mount here: {r.stderr.strip()}")
+    assert r.stdout.strip() == MachineLock(f"sim:{tmp_path}/a/sim.json", "GPU-x").name.hex(), r.stderr
