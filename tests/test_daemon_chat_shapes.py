@@ -40,9 +40,6 @@ STREAMS = {
     "sglang-held-call-cut": ("sglang", True, {"reasoning_tokens": THINK, "tool_call_parser": "deepseekv3"},
                              ("chat_tool_named",)),
 }
-# The H200 with its counter refreshed every 10 ms, not 100 (the natural-stop scenes: why at their test).
-FINE = dataclasses.replace(get_profile("h200-141g"), energy_counter_update_s=0.01)
-STOP_KINDS = ("chat_tool_named_stop", "chat_stop")
 
 
 def _one_at_a_time(kinds, prompt_tokens: int = 120, output_tokens: int = N_TOKENS) -> list[TraceRequest]:
@@ -67,26 +64,21 @@ def _scenes(mktemp) -> dict:
         run_mixed, ([TraceRequest(0.0, 120, N_TOKENS, "chat_tool_named")],),
         dict(data_dir=mktemp("qwen3-coder-cut"), flavour="sglang", continuous=True,
              server={"reasoning_tokens": THINK, "tool_call_parser": "qwen3_coder"}))
-    for parser in ("deepseekv3", "qwen3_coder"):
-        jobs[f"stop-{parser}"] = (
-            run_mixed, (_one_at_a_time(STOP_KINDS),),
-            dict(profile=FINE, data_dir=mktemp(f"stop-{parser}"), flavour="sglang", continuous=True,
-                 server={"reasoning_tokens": 5, "tool_call_parser": parser}))
-    for kind in ("chat_plain", "chat"):
-        jobs[f"one-token-{kind}"] = (run_mixed, (_one_at_a_time([kind] * 4, 4000, 1),),
-                                     dict(data_dir=mktemp(f"one-token-{kind}"), flavour="vllm"))
     # The longest first (alone: vllm-thinking 27 s, held-under-load 26 s, ... the single requests 14 s), so that the
     # last to start are short ones: the pool ends close to the sum over its processes.
-    first = ("vllm-thinking", "held-under-load", "sglang-thinking-continuous", "one-token-chat_plain", "one-token-chat")
+    first = ("vllm-thinking", "held-under-load", "sglang-thinking-continuous")
     return {name: jobs[name] for name in (*first, *(n for n in jobs if n not in first))}
 
 
 @pytest.fixture(scope="module")
 def scenes(request, tmp_path_factory):
-    """The module's scenes, four at a time, each in a process of its own (tests/support.py side_by_side): each alone
-    took 14-27 s, mostly real time it sleeps through (the daemon's idle intervals before its trace, the trace itself)
-    at 4-12% of a core; one after the other the module took ~205 s. Each test reads its own scene's Outcome."""
-    return side_by_side(request, _scenes(tmp_path_factory.mktemp), max_processes=4)
+    """The module's scenes of a few seconds' requests, three at a time, each in a process of its own
+    (tests/support.py side_by_side): each alone took 14-27 s, mostly real time it sleeps through (the daemon's idle
+    intervals before its trace, the trace itself) at 4-12% of a core. Each test reads its own scene's Outcome. The
+    0.17-0.23 s requests of the last two tests stay in the pytest process, one scene at a time, after every scene of
+    the pool has been read (so none runs beside them): their energy within 10% rests on edge reads a loaded host
+    delays, and beside seven other scenes (this pool of four and test_daemon_delivery's three) they read +11-17%."""
+    return side_by_side(request, _scenes(tmp_path_factory.mktemp), max_processes=3)
 
 
 @pytest.mark.parametrize("scene", list(STREAMS))
@@ -182,8 +174,9 @@ def test_a_qwen3_coder_call_cut_by_max_tokens_keeps_its_count_and_its_energy(sce
     assert o.unproxied_j < 0.04 * row["true_j"], (o.unproxied_j, row["true_j"])
 
 
-@pytest.mark.parametrize("scene", ["stop-deepseekv3", "stop-qwen3_coder"], ids=["deepseekv3", "qwen3_coder"])
-def test_a_self_closing_call_and_a_plain_answer_on_a_natural_stop_keep_their_trailing_tokens_and_energy(scenes, scene):
+@pytest.mark.parametrize("parser", ["deepseekv3", "qwen3_coder"])
+def test_a_self_closing_call_and_a_plain_answer_on_a_natural_stop_keep_their_trailing_tokens_and_energy(tmp_path,
+                                                                                                        parser):
     # SGLang on a natural stop: a held call goes out whole at the step that closes it, the model's 3 trailing tokens
     # (its closing fences, end of sentence) in no chunk nor running count; a plain answer's end-of-text token (no text)
     # likewise. The final usage says them, within COUNT_SLACK_TOKENS: believed. Before, placed nowhere: the row read
@@ -192,9 +185,11 @@ def test_a_self_closing_call_and_a_plain_answer_on_a_natural_stop_keep_their_tra
     # The H200 with its counter refreshed every 10 ms, not 100: a 25-token call runs ~0.17 s, and a counter one refresh
     # stale at each of its edges moves its figure by up to a refresh of idle power (7.8 J of ~51 J, docs/daemon.md,
     # "Short sampling intervals"): +8-12% in CI's runs, -1..+3% with this counter. What is tested here is where its
-    # trailing tokens go, not the counter's staleness (FINE).
-    trace = _one_at_a_time(STOP_KINDS)
-    o = scenes[scene].result()
+    # trailing tokens go, not the counter's staleness.
+    fine = dataclasses.replace(get_profile("h200-141g"), energy_counter_update_s=0.01)
+    trace = [TraceRequest(2.5 * i, 120, N_TOKENS, k) for i, k in enumerate(("chat_tool_named_stop", "chat_stop"))]
+    o = run_mixed(trace, profile=fine, data_dir=tmp_path, flavour="sglang", continuous=True,
+                  server={"reasoning_tokens": 5, "tool_call_parser": parser})
     reqs = o.requests.sort_values("index")
     assert len(reqs) == len(trace), o.notes
     for row in reqs.to_dict("records"):
@@ -213,16 +208,15 @@ def test_a_self_closing_call_and_a_plain_answer_on_a_natural_stop_keep_their_tra
     assert o.unproxied_j < 0.03 * reqs["true_j"].sum(), (o.unproxied_j, reqs["true_j"].sum())
 
 
-@pytest.mark.parametrize("scene", ["one-token-chat_plain", "one-token-chat"], ids=["no-usage", "usage"])
-def test_vllms_one_token_answers_in_the_empty_closing_chunk_are_counted_there_and_given_their_energy(scenes, scene):
+@pytest.mark.parametrize("kind", ["chat_plain", "chat"], ids=["no-usage", "usage"])
+def test_vllms_one_token_answers_in_the_empty_closing_chunk_are_counted_there_and_given_their_energy(tmp_path, kind):
     # vLLM's max_tokens 1 answer (a classifier's yes/no) sends its one token in the closing chunk, empty content and
     # finish_reason `length`: no chunk shows it. Without include_usage nothing said it: rows with no tokens, their
     # figures 1.9-5 J of ~80 J with energy_note null (or `no share`), ~700 J in `unproxied` with no bypass traffic;
     # with usage it was placed at the end, no first token: its prefill misplaced beside neighbours. The limit says it
     # (shown 0 + 1 == max_tokens at a length stop): counted at the closing chunk, its first token there. Each alone.
-    kind = scene.removeprefix("one-token-")
-    trace = _one_at_a_time([kind] * 4, 4000, 1)
-    o = scenes[scene].result()
+    trace = [TraceRequest(2.5 * i, 4000, 1, kind) for i in range(4)]
+    o = run_mixed(trace, data_dir=tmp_path, flavour="vllm")
     reqs = o.requests.sort_values("index")
     assert len(reqs) == len(trace), o.notes
     for row in reqs.to_dict("records"):
