@@ -13,7 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from _attribution import run_mixed  # noqa: E402
+from _attribution import mixed_trace, run_mixed  # noqa: E402
+from support import side_by_side  # noqa: E402
 
 from powerprof.sim.chatshape import TOOL_HEAD_TOKENS  # noqa: E402
 from powerprof.sim.profiles import get_profile  # noqa: E402
@@ -24,27 +25,70 @@ pytestmark = pytest.mark.slow
 N_TOKENS = 200
 THINK = 40  # each answer thinks this many tokens, then ends its thinking (one token), then answers
 
-
-@pytest.mark.parametrize("flavour,continuous,server,kinds", [
-    ("vllm", False, {"reasoning_tokens": THINK},
-     ("chat", "chat_echo", "chat_tool", "chat_tool_named", "chat_plain", "chat_tool_plain")),
-    ("sglang", True, {"reasoning_tokens": THINK, "tool_call_parser": True},
-     ("chat", "chat_tool", "chat_tool_named", "chat_plain")),
+# The thinking / tool-call / echo scenes: (flavour, continuous usage, server knobs, the kinds sent one at a time).
+STREAMS = {
+    "vllm-thinking": ("vllm", False, {"reasoning_tokens": THINK},
+                      ("chat", "chat_echo", "chat_tool", "chat_tool_named", "chat_plain", "chat_tool_plain")),
+    "sglang-thinking-continuous": ("sglang", True, {"reasoning_tokens": THINK, "tool_call_parser": True},
+                                   ("chat", "chat_tool", "chat_tool_named", "chat_plain")),
     # No thinking, and the last token's text in its chunk: every chunk a token, so the echo chunk taken for one would
     # be a token more than the server's count ("contradicted": no generated_tokens, no J/token). With thinking, the
     # end of thinking (no chunk) hid that.
-    ("vllm", False, {"vllm_empty_final": False}, ("chat_echo", "chat_tool")),
+    "vllm-echo": ("vllm", False, {"vllm_empty_final": False}, ("chat_echo", "chat_tool")),
     # SGLang's deepseekv3 detector sends a call only once it closes: one cut by max_tokens is never sent, its tokens in
     # no running count, only in the final usage, which is the request's limit (was: running_count_short, contradicted).
-    ("sglang", True, {"reasoning_tokens": THINK, "tool_call_parser": "deepseekv3"}, ("chat_tool_named",)),
-], ids=["vllm-thinking", "sglang-thinking-continuous", "vllm-echo", "sglang-held-call-cut"])
-def test_thinking_tool_call_and_echo_streams_are_given_the_servers_tokens_and_their_energy(tmp_path, flavour,
-                                                                                            continuous, server, kinds):
+    "sglang-held-call-cut": ("sglang", True, {"reasoning_tokens": THINK, "tool_call_parser": "deepseekv3"},
+                             ("chat_tool_named",)),
+}
+
+
+def _one_at_a_time(kinds, prompt_tokens: int = 120, output_tokens: int = N_TOKENS) -> list[TraceRequest]:
+    """One request of each kind, 2.5 s apart: each alone on the GPU."""
+    return [TraceRequest(2.5 * i, prompt_tokens, output_tokens, k) for i, k in enumerate(kinds)]
+
+
+def _scenes(mktemp) -> dict:
+    """Every scene of the module, {name: (run_mixed, (trace,), kwargs)}: each its own simulated server and daemon."""
+    jobs = {name: (run_mixed, (_one_at_a_time(kinds),),
+                   dict(data_dir=mktemp(name), flavour=flavour, continuous=continuous, server=server))
+            for name, (flavour, continuous, server, kinds) in STREAMS.items()}
+    jobs["held-under-load"] = (
+        run_mixed, (mixed_trace(60, 6.0, seed=5, kinds=("chat", "chat_tool_named"), weights=(0.5, 0.5)),),
+        dict(data_dir=mktemp("held-under-load"), flavour="sglang", continuous=True,
+             server={"reasoning_tokens": 5, "tool_call_parser": "deepseekv3"}))
+    jobs["held-tail-row"] = (
+        run_mixed, ([TraceRequest(0.0, 120, N_TOKENS, "chat_tool_named"), TraceRequest(2.5, 120, N_TOKENS, "chat")],),
+        dict(data_dir=mktemp("held-tail-row"), flavour="sglang", continuous=True,
+             server={"reasoning_tokens": THINK, "tool_call_parser": "deepseekv3"}))
+    jobs["qwen3-coder-cut"] = (
+        run_mixed, ([TraceRequest(0.0, 120, N_TOKENS, "chat_tool_named")],),
+        dict(data_dir=mktemp("qwen3-coder-cut"), flavour="sglang", continuous=True,
+             server={"reasoning_tokens": THINK, "tool_call_parser": "qwen3_coder"}))
+    # The longest first (alone: vllm-thinking 27 s, held-under-load 26 s, ... the single requests 14 s), so that the
+    # last to start are short ones: the pool ends close to the sum over its processes.
+    first = ("vllm-thinking", "held-under-load", "sglang-thinking-continuous")
+    return {name: jobs[name] for name in (*first, *(n for n in jobs if n not in first))}
+
+
+@pytest.fixture(scope="module")
+def scenes(request, tmp_path_factory):
+    """The module's scenes of a few seconds' requests, three at a time, each in a process of its own
+    (tests/support.py side_by_side): each alone took 14-27 s, mostly real time it sleeps through (the daemon's idle
+    intervals before its trace, the trace itself) at 4-12% of a core. Each test reads its own scene's Outcome. The
+    0.17-0.23 s requests of the last two tests stay in the pytest process, one scene at a time, after every scene of
+    the pool has been read (so none runs beside them): their energy within 10% rests on edge reads a loaded host
+    delays, and beside seven other scenes (this pool of four and test_daemon_delivery's three) they read +11-17%."""
+    return side_by_side(request, _scenes(tmp_path_factory.mktemp), max_processes=3)
+
+
+@pytest.mark.parametrize("scene", list(STREAMS))
+def test_thinking_tool_call_and_echo_streams_are_given_the_servers_tokens_and_their_energy(scenes, scene):
     # One request at a time (2.5 s apart, each ~1.4 s on the simulated H200): each alone in its intervals, so its energy
     # is the GPU's over its run. A server with a reasoning parser (and, on SGLang, a tool-call parser); chat_plain asks
     # no usage at all (a user's curl): its count is the chunks', an estimate said so.
-    trace = [TraceRequest(2.5 * i, 120, N_TOKENS, k) for i, k in enumerate(kinds)]
-    o = run_mixed(trace, data_dir=tmp_path, flavour=flavour, continuous=continuous, server=server)
+    flavour, _continuous, _server, kinds = STREAMS[scene]
+    trace = _one_at_a_time(kinds)
+    o = scenes[scene].result()
     reqs = o.requests.sort_values("index")
     assert len(reqs) == len(trace), o.notes
     for row in reqs.to_dict("records"):
@@ -74,18 +118,16 @@ def test_thinking_tool_call_and_echo_streams_are_given_the_servers_tokens_and_th
     assert o.unproxied_j < 0.04 * reqs["true_j"].sum(), (o.unproxied_j, reqs["true_j"].sum())
 
 
-def test_held_tool_calls_under_load_keep_their_energy_and_leave_none_to_unproxied(tmp_path):
+@pytest.mark.parametrize("scene", ["held-under-load"])
+def test_held_tool_calls_under_load_keep_their_energy_and_leave_none_to_unproxied(scenes, scene):
     # 60 SGLang requests in bursts, half plain chat, half tool calls its deepseekv3 parser holds whole and that
     # max_tokens cuts (their tokens past 5 of thinking in no chunk, only in the final usage), continuous usage. Each held
     # call's tail is placed from its last chunk to its end and SGLang's at-finish counter of it matched there
     # (Ledger.on_end), where the server finished it. Matched at its last chunk instead, the server's count of the held
     # tokens read as bypass in the window of its real finish: held calls' energy -20..-34%, ~1000 J unproxied (of
     # ~4700 J), in 3 seeds; the single-request case above caught that about 1 run in 6.
-    from _attribution import mixed_trace
-
     trace = mixed_trace(60, 6.0, seed=5, kinds=("chat", "chat_tool_named"), weights=(0.5, 0.5))
-    o = run_mixed(trace, data_dir=tmp_path, flavour="sglang", continuous=True,
-                  server={"reasoning_tokens": 5, "tool_call_parser": "deepseekv3"})
+    o = scenes[scene].result()
     r = o.requests
     assert len(r) == len(trace), o.notes
     held = r[r["kind"] == "chat_tool_named"]
@@ -97,15 +139,14 @@ def test_held_tool_calls_under_load_keep_their_energy_and_leave_none_to_unproxie
     assert o.unproxied_j < 0.04 * o.measured_j, (o.unproxied_j, o.measured_j)
 
 
-def test_a_held_calls_row_says_its_tails_timing_was_inferred_and_stays_in_j_per_token(tmp_path):
+@pytest.mark.parametrize("scene", ["held-tail-row"])
+def test_a_held_calls_row_says_its_tails_timing_was_inferred_and_stays_in_j_per_token(scenes, scene):
     # A tool call SGLang's deepseekv3 parser held, cut by max_tokens: its count is the server's, but where its 160
     # held tokens ran in time is the ledger's inference (spread from the last chunk to the upstream's end:
     # arrival.held_call_at_limit, Ledger._placed_at_end). Before, the row carried no word of it. Its row says
     # `approximate: held-tail` (counted on /metrics as powerprof_requests_held_tail_total) and keeps its count in
     # J/token; the plain chat beside it, every token in a chunk, says nothing of the kind.
-    trace = [TraceRequest(0.0, 120, N_TOKENS, "chat_tool_named"), TraceRequest(2.5, 120, N_TOKENS, "chat")]
-    o = run_mixed(trace, data_dir=tmp_path, flavour="sglang", continuous=True,
-                  server={"reasoning_tokens": THINK, "tool_call_parser": "deepseekv3"})
+    o = scenes[scene].result()  # a held call at 0 s, a plain chat at 2.5 s, 200 tokens each (THINK of thinking)
     rows = {r["kind"]: r for r in o.requests.to_dict("records")}
     held, plain = rows["chat_tool_named"], rows["chat"]
     assert held["generated_tokens"] == N_TOKENS and not held["tokens_estimated"], held
@@ -115,15 +156,14 @@ def test_a_held_calls_row_says_its_tails_timing_was_inferred_and_stays_in_j_per_
     assert "held-tail requests: 1" in o.notes, o.notes
 
 
-def test_a_qwen3_coder_call_cut_by_max_tokens_keeps_its_count_and_its_energy(tmp_path):
+@pytest.mark.parametrize("scene", ["qwen3-coder-cut"])
+def test_a_qwen3_coder_call_cut_by_max_tokens_keeps_its_count_and_its_energy(scenes, scene):
     # SGLang's qwen3_coder detector sends each parameter's value only once its `</parameter>` is written: a call cut by
     # max_tokens leaves its open parameter (here 11 of 200 tokens: 40 of thinking, its end, 4 of the call's head, 9
     # parameters of 16) in no chunk, only in the final usage, the request's limit: believed as a held call
     # (arrival.held_call_at_limit), its tail placed from its last chunk to the end and said so (held-tail). Its energy
     # against the simulator's truth, alone on the GPU: within 5%.
-    trace = [TraceRequest(0.0, 120, N_TOKENS, "chat_tool_named")]
-    o = run_mixed(trace, data_dir=tmp_path, flavour="sglang", continuous=True,
-                  server={"reasoning_tokens": THINK, "tool_call_parser": "qwen3_coder"})
+    o = scenes[scene].result()  # one chat_tool_named request of N_TOKENS, THINK of thinking
     (row,) = o.requests.to_dict("records")
     truth = o.truth[str(row["index"])]
     assert truth["generated"] == N_TOKENS and row["outcome"] == "ok", row

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from _attribution import mixed_trace, run_mixed, score_mixed  # noqa: E402
+from support import side_by_side  # noqa: E402
 from powerprof.daemon.config import load_config  # noqa: E402
 from powerprof.daemon.inflight import InFlight  # noqa: E402
 from powerprof.daemon.ledger import Ledger  # noqa: E402
@@ -107,12 +108,43 @@ def test_a_time_per_output_token_is_per_sequence_and_in_the_servers_count():
     assert st.n == 2 and st.total - first == pytest.approx(29 * 0.32 / (480 - 16), rel=0.001), st.total  # 0.020 s
 
 
+def _chat_and_messages():
+    """Chat and messages streams, 40 requests at 4/s."""
+    return mixed_trace(40, 4.0, seed=7, kinds=("chat", "messages"), weights=(0.5, 0.5))
+
+
+# The several-bursts hops (a test's parameter), by scene name.
+HOPS = {"hop-4kB": {"burst_bytes": 4096}, "hop-timer": {"burst_bytes": None, "burst_every_s": 0.5}}
+
+
 @pytest.fixture(scope="module")
-def buffered(tmp_path_factory):
-    # Chat (an OpenAI stream: its scrape windows wait while its prompt is unsaid) and messages (Anthropic's: they did
-    # not), 40 requests at 4/s on the simulated vLLM, every answer held back whole and sent at its end.
-    o = run_mixed(mixed_trace(40, 4.0, seed=7, kinds=("chat", "messages"), weights=(0.5, 0.5)),
-                  data_dir=tmp_path_factory.mktemp("buffered"), flavour="vllm", server={"delivery": "buffered"})
+def scenes(request, tmp_path_factory):
+    """The module's single-proxy scenes, two at a time, each its own simulated vLLM (or llama.cpp) and daemon in a
+    process of its own (tests/support.py side_by_side): each took ~23-26 s alone, mostly real time slept through.
+    Each test reads its own scene's Outcome. The two proxy-worker scenes (three processes each) stay in the pytest
+    process, one at a time, after the pool's scenes are all read: beside seven other scenes (three of this pool and
+    test_daemon_chat_shapes' three) their buffered case put 2.7% of the requests' energy in unproxied against 1.5%."""
+    mk = tmp_path_factory.mktemp
+    jobs = {
+        # Chat (an OpenAI stream: its scrape windows wait while its prompt is unsaid) and messages (Anthropic's: they
+        # did not), 40 requests at 4/s on the simulated vLLM, every answer held back whole and sent at its end.
+        "buffered": (run_mixed, (_chat_and_messages(),),
+                     dict(data_dir=mk("buffered"), flavour="vllm", server={"delivery": "buffered"})),
+        # The same held-back chat streams on the simulated llama.cpp: each answer's `timings` say where its decode
+        # ran, so its span is right; what is left to get right is how its tokens are placed inside that span.
+        "buffered_llamacpp": (run_mixed, (mixed_trace(40, 4.0, seed=7, kinds=("chat",), weights=(1.0,)),),
+                              dict(data_dir=mk("buffered-llamacpp"), flavour="llamacpp",
+                                   server={"delivery": "buffered"})),
+        **{name: (run_mixed, (_chat_and_messages(),),
+                  dict(data_dir=mk(name), flavour="vllm", server={"delivery": "bursts", **hop}))
+           for name, hop in HOPS.items()},
+    }
+    return side_by_side(request, jobs, max_processes=2)
+
+
+@pytest.fixture(scope="module")
+def buffered(scenes):
+    o = scenes["buffered"].result()
     return o, score_mixed(o)
 
 
@@ -147,12 +179,8 @@ def test_a_stream_delivered_in_one_burst_is_spread_over_its_run_and_says_so(buff
 
 
 @pytest.fixture(scope="module")
-def buffered_llamacpp(tmp_path_factory):
-    # The same held-back chat streams on the simulated llama.cpp: each answer's `timings` say where its decode ran, so
-    # its span is right; what is left to get right is how its tokens are placed inside that span.
-    o = run_mixed(mixed_trace(40, 4.0, seed=7, kinds=("chat",), weights=(1.0,)),
-                  data_dir=tmp_path_factory.mktemp("buffered-llamacpp"), flavour="llamacpp",
-                  server={"delivery": "buffered"})
+def buffered_llamacpp(scenes):
+    o = scenes["buffered_llamacpp"].result()
     return o, score_mixed(o)
 
 
@@ -180,9 +208,8 @@ def test_a_burst_is_spread_at_the_servers_pace_not_evenly(buffered_llamacpp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hop", [{"burst_bytes": 4096}, {"burst_bytes": None, "burst_every_s": 0.5}],
-                         ids=["full-4kB", "timer-0.5s"])
-def test_a_stream_delivered_in_several_bursts_is_placed_back_and_says_so(tmp_path, hop):
+@pytest.mark.parametrize("scene", list(HOPS), ids=["full-4kB", "timer-0.5s"])
+def test_a_stream_delivered_in_several_bursts_is_placed_back_and_says_so(scenes, scene):
     # A hop that passes its buffer on when it fills (nginx's 4 kB) or on a timer: several bursts a stream. Before: the
     # proxy took the whole stream for one burst (each gap came after a piece of many tokens) and spread it evenly
     # from arrival, its row saying "one burst" or nothing (1 and 5 rows of 40); the bursts' tokens were generated
@@ -190,8 +217,7 @@ def test_a_stream_delivered_in_several_bursts_is_placed_back_and_says_so(tmp_pat
     # energy, unproxied 9.3% / 12.7% of it (messages -9% / -18%); at the server's pace alone -3.8% / -1.6%, 4.6% /
     # 2.0%. After: each burst spread over the time before it at the server's pace, the windows held meanwhile:
     # -0.1% / -0.2%, unproxied 0.5% / 0.4%, and every row says it.
-    o = run_mixed(mixed_trace(40, 4.0, seed=7, kinds=("chat", "messages"), weights=(0.5, 0.5)), data_dir=tmp_path,
-                  flavour="vllm", server={"delivery": "bursts", **hop})
+    o = scenes[scene].result()  # _chat_and_messages() through the hop HOPS[scene] on the simulated vLLM
     s = score_mixed(o)
     assert abs(s["conservation_err"]) <= 0.001
     assert s["requests_est_j"] == pytest.approx(s["requests_true_j"], rel=0.03), s

@@ -81,6 +81,32 @@ def test_requests_are_emitted_with_their_energy_once_their_intervals_close():
     assert led.totals.tokens_attributed == led.totals.tokens == 40
 
 
+def test_settled_waits_for_the_ledgers_own_close_past_the_traffic_and_every_row():
+    # What bench/_attribution.py waits for after a trace, in place of a fixed 4 s, before the stop's close_all: every
+    # interval up to the traffic's end closed by `advance`, no request live or parked.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    assert not led.settled(0)  # no edge yet
+    a = _trace(1, 0.1)
+    led.on_start(a)
+    _feed(led, 0.0, 1000.0)
+    _feed(led, 1.0, 1100.0)
+    a.first_ns = a.last_ns = int(0.5 * S)
+    led.on_tokens(a, int(0.5 * S), 10)
+    a.end_ns = int(0.6 * S)
+    a.counts = Counts(generated_tokens=10, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
+    led.on_end(a)
+    end = int(0.7 * S)  # the traffic's end
+    assert not led.settled(end)  # the request is live: its interval not closed
+    led.advance(int(1.05 * S))
+    assert not led.settled(end) and sink.rows["requests"] == []  # its closing edge inside the grace period
+    led.advance(int(1.2 * S))
+    assert len(sink.rows["requests"]) == 1 and led.settled(end)
+    assert not led.settled(int(1.5 * S))  # the open interval [1, ...) is not closed past 1.5 s
+    led.on_start(_trace(2, 1.3))
+    assert not led.settled(end)  # a request live again
+
+
 def test_intervals_wait_for_a_non_streamed_response_then_count_it_as_decode():
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)

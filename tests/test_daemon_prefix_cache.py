@@ -21,8 +21,19 @@ SERVER = {"prefix_cache": True, "prompt_details": True}
 FLAG = "prefix-cache-unsaid"  # storage/schema.py CACHE_UNSAID_FLAG
 
 
+def _long_turns():
+    """Long cached turns (600 tokens) beside single chats."""
+    from powerprof.workload.trace import TraceRequest
+
+    return [TraceRequest(r.t_s, r.prompt_tokens, 600 if r.tag != "chat" else r.output_tokens, r.tag)
+            for r in conversation_trace(6, 6, 60, 6.0)]
+
+
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
+    """The module's five scenes, three at a time, each its own simulated server and daemon in a process of its own
+    (tests/support.py side_by_side). end_run and late_run, module fixtures of their own, ran after the first three, one
+    after the other (~51 s each); in the pool they run beside the live-daemon tests."""
     trace = conversation_trace(10, 10, 150, 6.0)
     return side_by_side(request, {
         # llama-server: timings.cache_n beside the chat usage; vLLM: usage.prompt_tokens_details.cached_tokens.
@@ -30,7 +41,16 @@ def runs(request, tmp_path_factory):
            for f in ("llamacpp", "vllm")},
         # vLLM as started by default: automatic prefix caching on, no --enable-prompt-tokens-details.
         "vllm-unsaid": (run_mixed, (trace,), dict(data_dir=tmp_path_factory.mktemp("vllm-unsaid"), flavour="vllm",
-                                                  server=dict(SERVER, prompt_details=False)))})
+                                                  server=dict(SERVER, prompt_details=False))),
+        # Long cached turns beside single chats, vLLM with the details flag, chat streams asking continuous usage:
+        # most turns' prefill intervals close before their end says their cached count.
+        "late_run": (run_mixed, (_long_turns(),), dict(data_dir=tmp_path_factory.mktemp("late"), flavour="vllm",
+                                                       server=SERVER, continuous=True)),
+        # The same trace without continuous usage: each stream says its prompt and its cached count at its end, its
+        # prefill's intervals held for them (the prompt hold).
+        "end_run": (run_mixed, (_long_turns(),), dict(data_dir=tmp_path_factory.mktemp("end"), flavour="vllm",
+                                                      server=SERVER)),
+    }, max_processes=3)
 
 
 @pytest.mark.parametrize("flavour", ["llamacpp", "vllm"])
@@ -167,27 +187,14 @@ def test_a_live_daemon_counts_cached_counts_said_late_on_metrics(tmp_path):
     assert late == len(flagged), (late, flagged)
 
 
-def _long_turns():
-    """Long cached turns (600 tokens) beside single chats."""
-    from powerprof.workload.trace import TraceRequest
-
-    return [TraceRequest(r.t_s, r.prompt_tokens, 600 if r.tag != "chat" else r.output_tokens, r.tag)
-            for r in conversation_trace(6, 6, 60, 6.0)]
+@pytest.fixture(scope="module")
+def late_run(runs):
+    return runs["late_run"].result()
 
 
 @pytest.fixture(scope="module")
-def late_run(tmp_path_factory):
-    """Long cached turns beside single chats, vLLM with the details flag, chat streams asking continuous usage: most
-    turns' prefill intervals close before their end says their cached count."""
-    return run_mixed(_long_turns(), data_dir=tmp_path_factory.mktemp("late"), flavour="vllm", server=SERVER,
-                     continuous=True)
-
-
-@pytest.fixture(scope="module")
-def end_run(tmp_path_factory):
-    """The same trace without continuous usage: each stream says its prompt and its cached count at its end, its
-    prefill's intervals held for them (the prompt hold)."""
-    return run_mixed(_long_turns(), data_dir=tmp_path_factory.mktemp("end"), flavour="vllm", server=SERVER)
+def end_run(runs):
+    return runs["end_run"].result()
 
 
 @pytest.mark.parametrize("run", ["end_run", "late_run"])

@@ -1613,6 +1613,14 @@ class Ledger:
         self._emit_tags()
         self._expire(now_ns)
 
+    def settled(self, upto_ns: int) -> bool:
+        """Whether every interval up to the monotonic instant `upto_ns` has been closed by `advance` (no hold left on
+        it) and every row it holds is out: no request live or parked, no interval row parked, no tag open or closing.
+        What a caller that ends the traffic at `upto_ns` waits for before stopping, so that no row is left to
+        `close_all`, the stop's close, whose figures lack the holds' answers."""
+        return (bool(self.edges) and self.edges[0].t_ns >= upto_ns and not self.requests and not self._late_parked
+                and not self._iv_parked and not self.tags and not self.closed_tags)
+
     def close_all(self, now_ns: int, now_wall_ns: int | None = None) -> None:
         """At shutdown: close every interval; open requests and tags are emitted as interrupted. A tag open when no
         sample was ever taken ends at `now_wall_ns` (the caller's wall clock), not at 1970."""
