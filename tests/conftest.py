@@ -27,17 +27,22 @@ def pytest_xdist_auto_num_workers(config):
 # The longest files in the README's `--dist loadfile` run (seconds each, one full run on 2 cores,
 # December 2026; the attribution, delivery-fault, restart and scrape files re-timed alone after their runs went
 # side by side or their waits were cut, at load 2-5; the grid file after its seed-card test went to 10
-# configurations, beside other test runs, 5 December: docs/testing.md "The longest tests"). They start first: xdist's default order (most tests first)
+# configurations, beside other test runs, 5 December; the daemon files that were missing, among them the two longest,
+# from session 56's durations run and their side-by-side pools' timings, 6 December: docs/testing.md "The longest
+# tests"). They start first: xdist's default order (most tests first)
 # started the one-test, 30-40 s files last, and the other workers stood idle while they ran. Only the order
 # changes; a file not named here runs after these, in collection order.
 LONGEST_FILES_S = {
-    "test_sweep_restart.py": 128, "test_sweep_foreign.py": 123, "test_grid.py": 199, "test_sweep_hostile.py": 97,
-    "test_sweep_e2e.py": 89, "test_attribution_mixed.py": 84, "test_sweep_accuracy.py": 144,
+    "test_sweep_restart.py": 128, "test_sweep_foreign.py": 123, "test_grid.py": 180, "test_sweep_hostile.py": 97,
+    "test_sweep_e2e.py": 89, "test_attribution_mixed.py": 215, "test_sweep_accuracy.py": 144,
     "test_attribution_accuracy.py": 58, "test_tuner_live.py": 55, "test_trace_foreign.py": 55,
-    "test_analysis_report.py": 44, "test_daemon_workers.py": 43, "test_gpu_check.py": 42, "test_real_llama_server.py": 41,
-    "test_daemon_scrape.py": 40, "test_sim_virtual_vs_realtime.py": 39, "test_measure_foreign.py": 54,
-    "test_daemon_crash.py": 34, "test_delivery_faults.py": 33, "test_busy_host.py": 31, "test_daemon_e2e.py": 28,
-    "test_workload_trace.py": 27, "test_launcher.py": 26,
+    "test_analysis_report.py": 44, "test_daemon_workers.py": 43, "test_gpu_check.py": 54, "test_real_llama_server.py": 41,
+    "test_daemon_scrape.py": 40, "test_sim_virtual_vs_realtime.py": 40, "test_measure_foreign.py": 54,
+    "test_daemon_crash.py": 50, "test_delivery_faults.py": 33, "test_busy_host.py": 31, "test_daemon_e2e.py": 28,
+    "test_workload_trace.py": 27, "test_launcher.py": 26, "test_daemon_buffered_bypass.py": 140,
+    "test_daemon_prefix_cache.py": 150, "test_daemon_chat_shapes.py": 129, "test_daemon_delivery.py": 110,
+    "test_prefix_cache_ledger.py": 34, "test_cli_new_user.py": 32, "test_daemon_token_counts.py": 29,
+    "test_sweep_rules.py": 28, "test_daemon_textless_tokens.py": 26,
 }
 
 
