@@ -1748,7 +1748,7 @@ class Ledger:
         end = np.array([ns(server_end_ns(r), d) for r, d in zip(reqs, done)], dtype=np.int64)
         # A prompt counts once its first token is known: it is spread over arrival → first token; or, a request the
         # server had that ended without one, its prompt unsaid, over arrival → end (`_cost_gone`): a stream; a whole
-        # answer cut before it came on a server that aborts it at once (vLLM; llama-server within its 1 s poll), whose
+        # answer cut before it came on a server that aborts it at once (vLLM; llama-server taken for one, though it runs on), whose
         # prefill ran from its arrival (or its queue exit) until then, what it decoded after, if any, unseen (before, it
         # was not costed: no figure, and its prefill in the streams beside it, +183% on the simulated vLLM); or one the
         # server runs on after its client left (`_run_on`, SGLang), costed so too: it ran to that run's end.
