@@ -3789,3 +3789,57 @@ def test_a_short_request_on_a_counter_says_its_figure_is_good_to_joules_not_a_pe
     assert got[1]["gpu_energy_j"] > 0 and note.count("counter-short: live 0.10 s") == 1, note
     assert "not to a percentage" in note and "fix: read J/token summed over many such requests" in note, note
     assert "counter-short" not in (got[2]["energy_note"] or ""), got[2]["energy_note"]
+
+
+@pytest.mark.parametrize("limit", [40, None], ids=["max_tokens", "no_max_tokens"])
+def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_its_batchs_pace(limit):
+    # llama-server looks at a whole answer's connection only after a second without any result to any request: beside a
+    # stream (a token every 25 ms) a whole answer whose client left decodes to its max_tokens for nobody
+    # (scrape.RUNS_ON_AFTER_LEAVE). Costed as one aborted at once, it had its prompt alone and its 40 tokens' decode
+    # went to the stream beside it; a stream cut mid-decode stops within a token there, and runs on not at all. With no
+    # max_tokens its end is unknown: costed as one aborted at once, its prompt (not left out: no figure at all).
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.runs_on_after_leave = (None, None)
+
+    def chat(rid, a, stream, **extra):
+        tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat", stream=stream)
+        tr.extra.update(prompt_chars=400, **extra)
+        return tr
+
+    done, nb, whole, cutd = chat(1, 0.0, True), chat(2, 0.0, True), chat(3, 0.5, False, **({} if limit is None else {"max_tokens": limit})), \
+        chat(4, 0.5, True, max_tokens=400)
+    for tr in (done, nb, whole, cutd):
+        led.on_start(tr)
+    for k in range(20):  # a stream done before, at the batch's 40 tokens/s: the server's latest pace
+        led.on_tokens(done, int((0.01 + 0.025 * k) * S), 1)
+    done.first_ns, done.last_ns, done.end_ns, done.outcome = int(0.01 * S), int(0.485 * S), int(0.49 * S), "ok"
+    done.counts = Counts(generated_tokens=20, prompt_tokens=100, model=None, stop_reason="length", token_source="usage")
+    led.on_end(done)
+    for k in range(200):
+        led.on_tokens(nb, int((0.1 + 0.025 * k) * S), 1)
+        if 0.6 <= 0.1 + 0.025 * k < 0.7:
+            led.on_tokens(cutd, int((0.1 + 0.025 * k) * S), 1)
+    nb.first_ns, nb.last_ns = int(0.1 * S), int((0.1 + 0.025 * 199) * S)
+    cutd.first_ns, cutd.last_ns, cutd.end_ns, cutd.outcome = int(0.6 * S), int(0.675 * S), int(0.68 * S), \
+        "client_disconnected"
+    led.on_end(cutd)
+    whole.end_ns, whole.outcome = int(0.6 * S), "client_disconnected"
+    led.on_end(whole)
+    nb.end_ns, nb.outcome = int(5.1 * S), "ok"
+    nb.counts = Counts(generated_tokens=200, prompt_tokens=100, model=None, stop_reason="length", token_source="usage")
+    led.on_end(nb)
+    e = 0.0
+    for k in range(60):
+        e += 100.0 * 0.1
+        led.add_gpu_sample(int(k * 0.1 * S), int(k * 0.1 * S), [R(e, 100.0)])
+    led.advance(int(9 * S))
+    led.close_all(int(10 * S))
+    rows = {r["request_id"]: r for r in led.emit.rows["requests"]}
+    note = rows[3]["energy_note"] or ""
+    if limit is None:
+        assert "the server ran on" not in note and "it ended before its first token" in note, note
+        assert rows[3]["prompt_tokens_estimate"] > 0 and rows[3]["gpu_energy_j"] > 0, rows[3]
+    else:
+        assert "until its max_tokens (40) were decoded" in note and "llama-server" in note, note
+        assert rows[3]["attributed_tokens"] == pytest.approx(40, abs=1), rows[3]
+    assert "ran on" not in (rows[4]["energy_note"] or ""), rows[4]["energy_note"]

@@ -249,8 +249,9 @@ def test_a_hop_that_flushes_its_buffer_delivers_a_stream_in_several_bursts(knobs
 
 # Each flavour's server aborts a request whose client left as it does (docs/simulator.md, "A client that leaves"):
 # the longest it takes to notice, after the close, and (SGLang's streams) the least. vLLM: at once. llama-server:
-# its next 1 s poll, a stream's next write during decode. SGLang: a whole answer at its tokenizer's next 4 s wait,
-# a stream 2 s after (its background abort task). (Upper bounds with 0.5 s for a loaded machine's late event loop.)
+# its next 1 s poll (nothing else runs here to wake its wait), a stream's next write during decode. SGLang: a whole
+# answer at its tokenizer's next 4 s wait, a stream 2 s after (its background abort task). (Upper bounds with 0.5 s
+# for a loaded machine's late event loop.)
 _ABORT_WITHIN_S = {("vllm", False): (0.0, 0.5), ("vllm", True): (0.0, 0.5),
                    ("llamacpp", False): (0.0, 1.5), ("llamacpp", True): (0.0, 1.5),
                    ("sglang", False): (0.0, 4.5), ("sglang", True): (1.9, 2.5)}
@@ -323,3 +324,54 @@ def test_a_client_leaving_is_aborted_as_its_engine_aborts_it_and_frees_the_batch
     else:  # the tokenizer manager's abort_request counts it (observe_one_aborted_request); finished ones as before
         assert _metric(page, 'sglang:num_aborted_requests_total{model_name="sim-model.gguf"}') == 1.0
         assert _metric(page, 'sglang:num_requests_total{model_name="sim-model.gguf"}') == 2.0  # the warm-up and the second
+
+
+async def _leave_while_scraped(url: str, body: dict, leave_after_s: float, scrape_s: float, scrape_until_s: float
+                               ) -> tuple[int, int]:
+    """`body` sent to /completion and its connection closed after `leave_after_s`, while /metrics is read every
+    `scrape_s` (as powerprof's daemon reads it) until `scrape_until_s` from the send. Returns (monotonic ns of the
+    close, of the last scrape's answer)."""
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as s1:
+        task = asyncio.create_task(s1.post(url + "/completion", json=body))
+        await asyncio.sleep(leave_after_s)
+        task.cancel()  # (aiohttp closes the request's connection when its task is cancelled)
+        try:
+            r = await task
+            r.close()
+        except asyncio.CancelledError:
+            pass
+    t_close = time.monotonic_ns()
+    while time.monotonic() - t0 < scrape_until_s:
+        await _get(url + "/metrics")
+        await asyncio.sleep(scrape_s)
+    return t_close, time.monotonic_ns()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_llamacpp_looks_at_a_gone_client_only_after_a_second_without_any_result(stream):
+    # llama-server's HTTP thread waits for its task's result on one condition variable shared by every waiting
+    # request (server_response::recv_with_timeout: wait_for 1 s, again after each wakeup), and every result sent to
+    # any of them wakes it (send: notify_all), a /metrics answer too. It looks at its connection only when a wait
+    # times out: after 1 s in which the server sent no result at all, or (a stream) after a result of its own. Read
+    # every 0.25 s, a whole answer whose client left runs on until the reads stop; a stream cut mid-prefill prefills
+    # whole and is dropped at its first token.
+    n_prompt = 3 * 8192  # a 3 s prefill
+    body = {"prompt": "w " * (n_prompt - 1), "n_predict": 4000, "ignore_eos": True, "stream": stream}
+    with SimServer(SimNVML("a100-40g", state_path=None), flavour="llamacpp", n_slots=1, decode_tok_s=100,
+                   prefill_tok_s=8192.0, n_ctx=1 << 20) as s:
+        t_close, t_last_read = asyncio.run(_leave_while_scraped(s.url, body, 0.6, 0.25, 2.5))
+        for _ in range(300):
+            if not s.busy:
+                break
+            time.sleep(0.02)
+        assert not s.busy
+        gone = [t for t in s.truth_cancelled if t["abort"] == "client_gone"]
+    assert len(gone) == 1, s.truth_cancelled
+    row = gone[0]
+    assert row["t_prefill_end_ns"] > 0 and row["generated"] >= 1, row  # its prefill ran whole, for nobody
+    if stream:  # noticed at its first token's result, not at a poll 1 s from its start (mid-prefill)
+        assert (row["t_abort_ns"] - row["t_prefill_end_ns"]) / 1e9 <= 0.5, row
+    else:  # noticed only once a second went by without a result: after the last read
+        assert row["t_abort_ns"] >= t_last_read - 0.3e9, (row, t_last_read)
+        assert (row["t_abort_ns"] - t_last_read) / 1e9 <= 1.6, (row, t_last_read)

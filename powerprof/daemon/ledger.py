@@ -102,6 +102,9 @@ CACHE_KEEP_S = 300.0
 # tokens (fewer give too few gaps for a pace).
 RUN_ON_PACES = 32
 RUN_ON_PACE_TOKENS = 8
+# A whole answer a server runs on to its end (llama.cpp: `_run_on`) is held open no longer than this past its client's
+# leaving (its intervals wait for that run, bounded by the prompt hold too).
+RUN_ON_TO_END_MAX_S = 30.0
 # Intervals a request keeps to judge once the requests whose end may say their hits have ended (`LiveRequest.cache_unsure`);
 # beyond, judged at their close as before (a stream live for hours over 1 s intervals).
 CACHE_UNSURE_MAX = 256
@@ -333,7 +336,7 @@ class Ledger:
         self.best_of_ignored = False  # the server takes no best_of (scrape.IGNORES_BEST_OF): no BEST_OF_FLAG
         # (a stream's seconds, a whole answer's wait period) the server runs a request on after its client left, until it
         # aborts it (scrape.RUNS_ON_AFTER_LEAVE; set by the daemon once the server is known), None: it aborts at once.
-        self.runs_on_after_leave: tuple[float, float] | None = None
+        self.runs_on_after_leave: tuple[float | None, float | None] | None = None
         # Recent streams' decode paces (tokens a second a sequence, first token to last): a stream gone before its first
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
         self._paces: deque = deque(maxlen=RUN_ON_PACES)
@@ -551,7 +554,8 @@ class Ledger:
 
     def _run_on(self, r: LiveRequest) -> None:
         """A request whose client left that the server runs on for nobody until it aborts it (SGLang: 2 s after a
-        stream's client left, a whole answer at its next 4 s wait: scrape.RUNS_ON_AFTER_LEAVE): it stays in the split
+        stream's client left, a whole answer at its next 4 s wait; llama.cpp: a whole answer to its end, taken as its
+        max_tokens: scrape.RUNS_ON_AFTER_LEAVE): it stays in the split
         until then (`run_on_end_ns`, `server_end_ns`), and a stream's decode goes on there at its batch's pace
         (`_place_run_ons`, once the streams beside it have shown that run), placed as token events no scrape window lists
         (the server counts an aborted request's tokens nowhere). Without it that work went to the requests beside it:
@@ -567,7 +571,20 @@ class Ledger:
                 and r.spent + float(sum(r.ev_n)) + r.late >= limit * max(tr.extra.get("sequences", 1), 1)):
             return  # it had shown all its max_tokens allow: the server had finished it, nothing ran on (its row said so)
         if tr.stream is True:
+            if stream_s is None:
+                return  # it stops within a token of its client's leaving (llama-server looks after each result)
             r.run_on_end_ns = tr.end_ns + int(stream_s * 1e9)
+        elif wait_s is None:
+            # llama-server runs it on to its end: its wait for the result, woken by every result the server sends (the
+            # streams beside it, this daemon's own scrapes), never times out to look at its connection. Its end is
+            # placed at its max_tokens (`_place_run_on` stops it there at its batch's pace); the run is held open for
+            # twice as long as the server's latest streams' pace decodes them. Without a max_tokens or a pace its end is
+            # unknown: costed as one aborted at once (its prompt), its row saying what it decoded is unseen.
+            seqs = max(tr.extra.get("sequences", 1), 1)
+            if not (isinstance(limit, int) and limit > 0) or not self._paces:
+                return
+            span_s = 2.0 * limit / float(np.median(self._paces))
+            r.run_on_end_ns, r.run_on_to_end = tr.end_ns + int(min(span_s, RUN_ON_TO_END_MAX_S) * 1e9), True
         else:
             wait_ns = int(wait_s * 1e9)
             r.run_on_end_ns = tr.arrival_ns + max(1, -(-(tr.end_ns - tr.arrival_ns) // wait_ns)) * wait_ns
@@ -1625,6 +1642,13 @@ class Ledger:
         """At shutdown: close every interval; open requests and tags are emitted as interrupted. A tag open when no
         sample was ever taken ends at `now_wall_ns` (the caller's wall clock), not at 1970."""
         self._place_run_ons(None)  # what the streams beside them showed is all there will be
+        if self.edges:
+            for r in self.requests.values():
+                if r.run_on_to_end and r.run_on_end_ns is not None and r.run_on_end_ns > self.edges[-1].t_ns:
+                    # Its end placed past the last sample (llama.cpp's run to its max_tokens): costed to there, what the
+                    # daemon measured; left at its estimate it was never done, its work in the streams beside it (the
+                    # last of cut_accuracy's whole answers -97%, those streams up to +122%).
+                    r.run_on_end_ns = max(self.edges[-1].t_ns, r.trace.end_ns)
         if len(self.edges) >= 2:
             self._close(self.edges)
             del self.edges[:-1]
@@ -1756,12 +1780,15 @@ class Ledger:
         end = np.array([ns(server_end_ns(r), d) for r, d in zip(reqs, done)], dtype=np.int64)
         # A prompt counts once its first token is known: it is spread over arrival → first token; or, a request the
         # server had that ended without one, its prompt unsaid, over arrival → end (`_cost_gone`): a stream; a whole
-        # answer cut before it came on a server that aborts it at once (vLLM; llama-server within its 1 s poll), whose
+        # answer cut before it came on a server that aborts it at once (vLLM; llama.cpp with no max_tokens or pace:
+        # `_run_on`), whose
         # prefill ran from its arrival (or its queue exit) until then, what it decoded after, if any, unseen (before, it
         # was not costed: no figure, and its prefill in the streams beside it, +183% on the simulated vLLM); or one the
-        # server runs on after its client left (`_run_on`, SGLang), costed so too: it ran to that run's end.
-        gone_first = [d and gone_unsaid(r) and (r.trace.stream is True or r.run_on_end_ns is not None
-                                                or self.runs_on_after_leave is None)
+        # server runs on after its client left (`_run_on`: SGLang, llama.cpp), costed so too: it ran to that run's end.
+        # (On llama.cpp a whole answer whose end `_run_on` could not place, with no max_tokens or pace, is costed as one
+        # aborted at once, as before its run-on was known: left out, it had no figure at all.)
+        to_abort = self.runs_on_after_leave is None or self.runs_on_after_leave[1] is None
+        gone_first = [d and gone_unsaid(r) and (r.trace.stream is True or r.run_on_end_ns is not None or to_abort)
                       for r, d in zip(reqs, done)]
         prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or (d and told_prompt_tokens(r))
                            or (d and finished_unsaid(r)) else 0.0 for r, d in zip(reqs, done)], dtype=float)

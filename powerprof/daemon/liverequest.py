@@ -45,13 +45,15 @@ class LiveRequest:
     # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
     # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
     unread_beside_j: float = 0.0
-    # Its client left and the server ran it on for nobody until it aborted it (`Ledger._run_on`, SGLang): that run's
-    # estimated end, the tokens placed over it (no client received them) and whose pace they were placed at.
+    # Its client left and the server ran it on for nobody until it aborted it (`Ledger._run_on`: SGLang; llama.cpp,
+    # to its end): that run's estimated end, the tokens placed over it (no client received them) and whose pace they
+    # were placed at.
     run_on_end_ns: int | None = None
     run_on_from_ns: int | None = None  # a stream's run-on, from here, waits to be placed (`Ledger._place_run_ons`)
     run_on_tokens: float = 0.0
     run_on_pace: str | None = None
     run_on_capped: bool = False  # its max_tokens ended that run before the abort
+    run_on_to_end: bool = False  # a server that runs a whole answer on to its end (llama.cpp), not to an abort
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared

@@ -367,15 +367,22 @@ WHOLE_GONE_COSTED = (" (a whole answer, not streamed: the server, which aborts a
 
 
 def _run_on_note(r: LiveRequest) -> str:
-    """What its figure holds of the work the server did for it after its client left, until it aborted it
-    (`Ledger._run_on`: SGLang's delays, scrape.RUNS_ON_AFTER_LEAVE)."""
+    """What its figure holds of the work the server did for it after its client left, until it aborted it or (a whole
+    answer on llama.cpp) until its end (`Ledger._run_on`: scrape.RUNS_ON_AFTER_LEAVE)."""
     tr = r.trace
     s = (r.run_on_end_ns - tr.end_ns) / 1e9
     stream_s, wait_s = RUNS_ON_AFTER_LEAVE["sglang"]
     how = (f"a stream's request {stream_s:g} s after its client left" if tr.stream is True else
            f"a whole answer's request at its next {wait_s:g} s wait from its start")
     said = ("sglang:num_aborted_requests_total and in none of its token counters")
-    if r.run_on_capped:
+    if r.run_on_to_end:  # llama.cpp (scrape.RUNS_ON_AFTER_LEAVE): no abort to wait for, its end
+        why = ("llama-server looks at a whole answer's connection only after a second in which it sent no result to "
+               "any request: beside other requests, or scraped more often, not before its end")
+        lead = (f"the server ran on after its client left until its max_tokens ({tr.extra.get('max_tokens')}) were "
+                f"decoded, about {s:.1f} s ({why})" if r.run_on_capped else
+                f"the server ran on after its client left, about {s:.1f} s at least ({why}; its end placed at twice as "
+                f"long as the server's latest streams' pace decodes its max_tokens in)")
+    elif r.run_on_capped:
         lead = (f"the server ran on after its client left until its max_tokens ({tr.extra.get('max_tokens')}) were "
                 f"decoded, about {s:.1f} s (SGLang aborts {how}: it finished first)")
     else:
@@ -388,8 +395,8 @@ def _run_on_note(r: LiveRequest) -> str:
 
 def _whole_gone(r: LiveRequest) -> bool:
     """A whole answer cut before it came (`gone_unsaid`, not streamed) whose body gave no estimate, or on a server that
-    runs it on (SGLang) to no abort the daemon knows (its connection to the server broke, its client still there): its
-    work unseen, none of it costed. (Else `Ledger._cost_gone` costs its prompt, and `_run_on_gone` a known run-on.)"""
+    runs it on (SGLang, llama.cpp) to no end the daemon knows (its connection to the server broke, its client still
+    there): its work unseen, none of it costed. (Else `Ledger._cost_gone` costs its prompt, and `_run_on_gone` a known run-on.)"""
     return gone_unsaid(r) and r.trace.stream is not True and r.run_on_end_ns is None and r.prompt_est is None
 
 

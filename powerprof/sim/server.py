@@ -156,6 +156,8 @@ class _Client:
     reqs: list = field(default_factory=list)
     streamed: bool = False  # its answer's head went out before its end (a stream)
     next_check_ns: int = 0  # when the flavour's server next looks at the connection (0: every watch tick)
+    looked_ns: int = 0  # llama.cpp: when its HTTP thread last looked (its wait timed out, or a result of its own came)
+    tokens_seen: int = 0  # llama.cpp: the tokens its sequences had generated when it last looked
     t_gone_ns: int = 0  # when the server noticed the connection closed (0: not yet)
 
 
@@ -260,8 +262,10 @@ DEFAULT_CONTEXT_TOKENS = 32768
 # code does (docs/simulator.md, "A client that leaves"), read from their sources. vLLM's API server listens for the
 # disconnect (starlette's listen_for_disconnect, its with_cancellation) and its generate() aborts the request in the
 # engine at once, streamed or not. llama-server's HTTP thread waits for results HTTP_POLLING_SECONDS at a time and
-# checks the connection in between (should_stop: a cancel task, the slot released at its next update_slots); a
-# stream's failed write stops it sooner. SGLang's tokenizer manager waits SGLANG_REQUEST_STATE_WAIT_TIMEOUT at a time
+# checks the connection only when a wait times out (should_stop: a cancel task, the slot released at its next
+# update_slots); its waits share one condition variable that every result sent to any request wakes (a stream's
+# token, an answer's end, a /metrics or /slots answer), each wakeup starting a new 1 s wait, so it looks only after a
+# second without any result (_results_ns); a stream looks after each result of its own too (before the next). SGLang's tokenizer manager waits SGLANG_REQUEST_STATE_WAIT_TIMEOUT at a time
 # for a whole answer and checks request.is_disconnected() only then; a stream is cancelled by starlette at once and
 # its background abort task (create_abort_task) aborts the request 2 s later. Until then the GPU works for nobody.
 LLAMACPP_HTTP_POLL_S = 1.0
@@ -476,6 +480,7 @@ class SimServer:
         self._sg_decode_steps = 0  # SGLang's forward count of decode batches (its decode log every 40)
         self._sg_last_log = time.monotonic()
         self._clients: set[_Client] = set()  # the POSTs whose handlers run (_track_client)
+        self._results_ns = 0  # llama.cpp: when the server last sent any request a result (LLAMACPP_HTTP_POLL_S)
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.truth_cancelled: list[dict] = []  # one per request dropped while running (its client left)
         self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
@@ -913,7 +918,10 @@ class SimServer:
                 if not self._running(c) or c.t_gone_ns:
                     continue
                 poll_s = self._client_poll_s(c.streamed)
-                if poll_s > 0:
+                if self.flavour == "llamacpp":
+                    if not self._llamacpp_looks(c, now, poll_s):
+                        continue
+                elif poll_s > 0:
                     if now < c.next_check_ns:
                         continue
                     # Its polls keep their own rhythm from the request's start (a wait that timed out, again).
@@ -921,6 +929,16 @@ class SimServer:
                     c.next_check_ns = c.t_start_ns + (periods + 1) * int(poll_s * 1e9)
                 if _gone(c.request):
                     self._client_left(c)
+
+    def _llamacpp_looks(self, c: _Client, now: int, poll_s: float) -> bool:
+        """Whether llama-server's HTTP thread for c looks at its connection now: its 1 s wait timed out (no result sent
+        to any request for 1 s since it began waiting or last looked), or (a stream) a result of its own came."""
+        tokens = sum(r.generated for r in c.reqs)
+        own = c.streamed and tokens > c.tokens_seen
+        if not own and now < max(c.t_start_ns, c.looked_ns, self._results_ns) + int(poll_s * 1e9):
+            return False
+        c.looked_ns, c.tokens_seen = now, tokens
+        return True
 
     def _running(self, c: _Client) -> bool:
         """Whether any of c's sequences is still in the engine, not yet dropped (one the server cut is not its
@@ -1284,6 +1302,8 @@ class SimServer:
         req.textless += pieces.count("")
         text = "".join(pieces)
         req.queue.put_nowait(("tokens", (ids, text, req.generated >= limit)))
+        if req.client is not None and req.client.streamed:
+            self._results_ns = t  # a stream's partial result (llama.cpp sends a whole answer's at its end only)
         if req.generated >= limit:
             req.stop_type = "limit" if req.generated >= req.n_predict else "eos"
             self._finish(req)
@@ -1339,6 +1359,7 @@ class SimServer:
         self.truth.append(req.truth_row)
         reported = dict(timings, predicted_n=self._reported(req.generated))  # the truth keeps the true count
         req.queue.put_nowait(("done", reported))
+        self._results_ns = time.monotonic_ns()
 
     def _finish_embedding(self, req: _Req) -> None:
         """An embedding's forward pass is done: it leaves the batch having generated nothing (the pooled hidden
@@ -1368,6 +1389,7 @@ class SimServer:
         }
         self.truth.append(req.truth_row)
         req.queue.put_nowait(("done", {"prompt_n": req.prompt_tokens, "prompt_ms": prompt_ms}))
+        self._results_ns = time.monotonic_ns()
 
     def _delivery(self, resp: web.StreamResponse, mode: str) -> "_Delivery":
         """How this response's bytes reach the client (DELIVERIES), with this server's knobs."""
@@ -1553,6 +1575,7 @@ class SimServer:
         # As llama-server says it: a slot never used has no task; a used one keeps its last `id_task`, and its
         # `next_token[0].n_decoded` is the running request's count, 0 once it ended (the tokens are then in
         # llamacpp:tokens_predicted_total only).
+        self._results_ns = time.monotonic_ns()  # its answer is a METRICS task's result, sent as any other
         by_slot = {r.slot: r for r in self._active}
         out = []
         for i in range(self.n_slots):
@@ -1574,6 +1597,7 @@ class SimServer:
                 self._sglang_log(0, 0)  # its idle self-check logs once the last log is that old (read here, when seen)
             page = generate_latest(_SetOnly(self._registry))
         else:
+            self._results_ns = time.monotonic_ns()  # llama-server's page is a METRICS task's result, sent as any other
             page = generate_latest(self._registry)
         return web.Response(body=self._dipped(page), content_type="text/plain", charset="utf-8")
 
