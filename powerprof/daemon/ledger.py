@@ -580,7 +580,6 @@ class Ledger:
             # placed at its max_tokens (`_place_run_on` stops it there at its batch's pace); the run is held open for
             # twice as long as the server's latest streams' pace decodes them. Without a max_tokens or a pace its end is
             # unknown: costed as one aborted at once (its prompt), its row saying what it decoded is unseen.
-            seqs = max(tr.extra.get("sequences", 1), 1)
             if not (isinstance(limit, int) and limit > 0) or not self._paces:
                 return
             span_s = 2.0 * limit / float(np.median(self._paces))
