@@ -2013,6 +2013,62 @@ def test_lockstep_streams_whose_step_falls_inside_a_scrapes_get_are_not_said_pro
     assert not said, said
 
 
+@pytest.mark.parametrize("traffic,get_ms", [("bursts", 200), ("steady", 10), ("steady", 60)])
+def test_bypass_tokens_a_scrapes_get_may_move_across_its_edge_mark_the_intervals_beside_it(traffic, get_ms):
+    # No proxied request; bypass traffic straight to the server. The scraper's GETs are stamped at their midpoint
+    # (every 0.5 s, the intervals' edges there too), but the server read its counter at each GET's start. A server
+    # stepping in bursts (100 tokens in 60 ms, inside the first half of a 200 ms GET, once a second: a loaded host's
+    # GETs took up to 1 s, median 51 ms, beside 223 tokens in 0.19 s then none) has each burst counted in the window
+    # after the one it ran in: every interval's bypass count off by 100. Before, each said `complete` (the test of a
+    # read placed anywhere in its GET weighed the proxy's tokens inside it, not the bypass traffic's). A steady pace
+    # beside short GETs moves less than a token plus 5% and stays `complete`.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.5 * S), 0.0)
+    counted, times = 0.0, []  # the server's count, and when each bypass token ran
+    hist: list[tuple[int, float]] = [(0, 0.0)]  # (ms, count then)
+    prev, served = int(0.5 * S), 0.0
+    half = get_ms // 2
+    for ms in range(501, 6001):
+        now = ms * S // 1000
+        if traffic == "bursts":
+            ran = 1000 <= ms < 5000 and 420 <= ms % 1000 < 480 and ms % 3 == 0  # 20 steps of 5 tokens
+            n = 5.0 if ran else 0.0
+        else:
+            n = 1.0 if 1000 <= ms < 5000 and ms % 10 == 0 else 0.0  # 100 tokens/s
+        if n:
+            counted += n
+            times += [now] * int(n)
+        hist.append((ms, counted))
+        if ms % 500 == half and ms > 1000:  # a GET from `get_ms` before now, stamped at its middle, read at its start
+            mid, start = now - half * S // 1000, now - get_ms * S // 1000
+            at_read = hist[-1 - get_ms][1]
+            led.add_server_tokens(mid, at_read - served, prev, read_ns=(start, now))
+            prev, served = mid, at_read
+        if ms % 500 == 0:
+            _feed(led, now / S, 100.0 * now / S)
+        if ms % 10 == 0:
+            led.advance(now)
+    led.close_all(int(6.2 * S))
+    ivs = sink.rows["intervals"]
+    tok = np.array(times, dtype=np.int64)
+    off, said = [], []
+    for r in ivs:
+        a = int(round(r["t_start_mono_s"] * S))
+        b = a + int(round(r["duration_s"] * S))
+        true = int(np.searchsorted(tok, b, side="right") - np.searchsorted(tok, a, side="right"))
+        got = r["server_tokens"] or 0.0
+        if r["server_count"] not in ("complete", "unscraped"):  # the last, past the last scrape
+            said.append((r["t_start_mono_s"], r["server_count"]))
+        elif r["server_count"] == "complete" and abs(got - true) > 1.0 + 0.05 * got:
+            off.append((r["t_start_mono_s"], got, true))
+    assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(len(times), abs=1.0)
+    assert not off, off  # before: 8 intervals `complete`, 100 or 0 bypass tokens where 0 or 100 ran
+    if traffic == "steady" and get_ms <= 10:  # 0.5 bypass tokens a half GET: `complete`, as before
+        assert not said, said
+
+
 def test_a_power_limit_changed_while_intervals_are_held_splits_each_with_its_own_settings_costs():
     # The tuner (or a sweep) moves the limit from 300 W to 200 W at 3.5 s while a stream runs whose prompt length
     # comes only at its end, so its intervals are held and close together. Before: all of them were split with the
