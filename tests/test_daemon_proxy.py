@@ -1598,3 +1598,22 @@ def test_a_chunked_body_that_ends_just_after_the_deadline_is_read_whole():
     (t,) = rec.ended
     assert t.model == "late" and t.extra.get("prompt_chars") == 5 and "body_bytes" not in t.extra, t.extra
     assert proxy._inspecting == 0
+
+
+def test_a_stateful_responses_body_is_unsized():
+    # A Responses body with `previous_response_id` (or `conversation`): the server runs the stored conversation plus the
+    # new input, and only the input is in the body. Before: sized at the input alone (a cut turn over 3000 tokens of
+    # history estimated at 15), and learned from, which skewed every Responses estimate (1.794 tokens a character
+    # against 0.25). Now unsized (no estimate, no learning), said on its row.
+    from powerprof.daemon.proxy import inspect_request_body
+
+    def size(doc):
+        extra = {}
+        inspect_request_body(json.dumps(doc).encode(), "", "openai-responses", extra)
+        return extra
+
+    for key, val in (("previous_response_id", "resp_abc"), ("conversation", "conv_1"), ("conversation", {"id": "c"})):
+        got = size({"input": "And the next step?", key: val, "stream": True})
+        assert "prompt_chars" not in got and "prompt_ids" not in got
+        assert got["prompt_unsized"] == f"a `{key}` (the stored conversation is not in the body)"
+    assert size({"input": "hi", "previous_response_id": None}) == {"prompt_chars": 2}

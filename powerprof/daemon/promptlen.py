@@ -39,6 +39,9 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str
             n += k + _tool_call_chars(m.get("tool_calls"))
         return _with_tools(n, why, doc)
     if api == "openai-responses":
+        for key in ("previous_response_id", "conversation"):
+            if doc.get(key):  # the server runs its stored turns before `input`: their length is nowhere here
+                return None, None, f"a `{key}` (the stored conversation is not in the body)"
         inp = doc.get("input")
         n, why = _content_chars(doc.get("instructions"))
         for item in inp if isinstance(inp, list) else [inp]:
