@@ -1212,7 +1212,7 @@ class StreamParser:
             generated, source = s.predicted_total, "timings"
         elif "predicted_n" in t:
             generated, source = t["predicted_n"], "timings"
-        prompt = s.usage_prompt if s.usage_prompt is not None else s.prompt_tokens
+        prompt = self.prompt_tokens  # guarded: a batch some of whose prompts never spoke has no whole length to say
         return StreamSummary(
             api=self.api,
             counted_tokens=s.counted,
