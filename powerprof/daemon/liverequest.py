@@ -45,6 +45,9 @@ class LiveRequest:
     # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
     # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
     unread_beside_j: float = 0.0
+    # What was wrong with those requests' bodies (`unread`: streamed on unread; `sizeless`: read, no size in it): the
+    # fix its row gives is theirs.
+    unread_beside_kinds: set = field(default_factory=set)
     # Its client left and the server ran it on for nobody until it aborted it (`Ledger._run_on`, SGLang): that run's
     # estimated end, the tokens placed over it (no client received them) and whose pace they were placed at.
     run_on_end_ns: int | None = None
