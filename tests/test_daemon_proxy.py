@@ -1617,3 +1617,22 @@ def test_a_stateful_responses_body_is_unsized():
         assert "prompt_chars" not in got and "prompt_ids" not in got
         assert got["prompt_unsized"] == f"a `{key}` (the stored conversation is not in the body)"
     assert size({"input": "hi", "previous_response_id": None}) == {"prompt_chars": 2}
+
+
+def test_a_llamacpp_infill_body_is_sized_from_its_prefix_suffix_and_extra_chunks():
+    # llama.cpp's /infill prompt is input_prefix + input_suffix + input_extra chunks (+ an optional prompt). Before:
+    # unsized, "no `content` (the prompt given otherwise: embeddings, multimodal data)": false, and its prefill uncosted.
+    from powerprof.daemon.proxy import inspect_request_body
+
+    def size(doc):
+        extra = {}
+        inspect_request_body(json.dumps(doc).encode(), "", "llamacpp", extra)
+        return extra
+
+    doc = {"input_prefix": "def f(x):\n", "input_suffix": "\n  return y\n", "stream": True,
+           "input_extra": [{"filename": "a.py", "text": "import os\n"}, {"text": "x = 1"}]}
+    assert size(doc) == {"prompt_chars": 10 + 12 + 4 + 10 + 5}
+    assert size(dict(doc, prompt="  y = x")) == {"prompt_chars": 10 + 12 + 4 + 10 + 5 + 7}
+    assert size({"input_prefix": "ab"}) == {"prompt_chars": 2}
+    assert size({"input_prefix": "ab", "input_extra": [{"text": 3}]})["prompt_unsized"] == (
+        "an `input_extra` chunk of no shape read here")

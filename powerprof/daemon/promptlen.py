@@ -63,6 +63,8 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str
                                     else "an input item of no known shape")
             n += k
         return _with_tools(n, why, doc)
+    if api == "llamacpp" and any(doc.get(k) is not None for k in ("input_prefix", "input_suffix", "input_extra")):
+        return _infill_size(doc)
     if api in ("openai-completions", "llamacpp", "sglang-generate"):
         if api == "sglang-generate":
             field = "text" if doc.get("text") is not None else "input_ids"
@@ -86,6 +88,25 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str
         mixed = isinstance(p, list) and any(_is_id(x) for x in p)
         return None, None, f"a `{field}` of no shape read here ({'ids and text mixed' if mixed else 'its items'})"
     return None, None, f"a body of the {api} API (the proxy reads no prompt size from its bodies)"
+
+
+def _infill_size(doc: dict) -> tuple[int | None, None, str | None]:
+    """llama.cpp's /infill: its prompt is the extra chunks (each its filename and text), the prefix, the suffix and
+    an optional `prompt` after the prefix (server's format_infill), with its fill-in-the-middle tokens (`a`)."""
+    n = 0
+    for f in ("input_prefix", "input_suffix", "prompt"):
+        v = doc.get(f)
+        if isinstance(v, str):
+            n += len(v)
+        elif v is not None:
+            return None, None, f"an `{f}` that is not text"
+    extra = doc.get("input_extra")
+    for chunk in extra if isinstance(extra, list) else ([] if extra is None else [None]):
+        if not (isinstance(chunk, dict) and isinstance(chunk.get("text"), str)
+                and isinstance(chunk.get("filename", ""), str)):
+            return None, None, "an `input_extra` chunk of no shape read here"
+        n += len(chunk["text"]) + len(chunk.get("filename", ""))
+    return n, None, None
 
 
 def _content_chars(c) -> tuple[int, str | None]:
