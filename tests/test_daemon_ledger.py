@@ -1356,6 +1356,50 @@ def test_a_prompt_unread_rows_fix_fits_its_api_and_outcome_and_what_was_wrong_wi
     assert "keep request bodies under 1 MiB" in beside and "read, with no prompt size" not in beside, beside
 
 
+def _image_stream_past_hold(b_end_s):
+    """A text chat (500 tokens, told at 3 s) beside an image chat (body sizeless) whose usage comes at b_end_s; rows."""
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    a, b = _chat(1, 0.05, 2000), _chat(2, 0.05, 0)
+    del b.extra["prompt_chars"]
+    b.extra["prompt_unsized"] = "a content part of type 'image_url'"
+    for tr in (a, b):
+        led.on_start(tr)
+    a.first_ns = b.first_ns = int(1.0 * S)
+    e, t = 0.0, 0.0
+    _feed(led, 0.0, e)
+    while t < b_end_s + 2:
+        t = round(t + 0.5, 3)
+        e += 100.0
+        for tr, stop in ((a, 3.0), (b, b_end_s)):
+            if 1.0 <= t <= stop:
+                led.on_tokens(tr, int((t - 0.01) * S), 5)
+                tr.last_ns = int((t - 0.01) * S)
+            if t == stop:
+                tr.end_ns = int(stop * S)
+                tr.counts = Counts(generated_tokens=int(5 * ((stop - 1.0) / 0.5 + 1)), model=None, stop_reason="length",
+                                   prompt_tokens=500 if tr is a else 3000, token_source="usage")
+                led.on_end(tr)
+        _feed(led, t, e)
+        led.advance(int((t + 0.05) * S))
+    led.advance(int((t + 2) * S))
+    return {r["request_id"]: r["energy_note"] or "" for r in sink.rows["requests"]}, led
+
+
+def test_a_sizeless_stream_told_after_the_prompt_hold_says_its_prefill_went_uncosted():
+    # An image stream that asked for usage and ran past the 30 s hold: its prefill intervals closed costed 0 before
+    # its usage came. Before, its own row said nothing and the one beside it "its prompt's length unsaid" (it came,
+    # later). Now both say so.
+    notes, led = _image_stream_past_hold(20.0)
+    assert PROMPT_UNREAD_FLAG not in notes[1] and PROMPT_UNREAD_FLAG not in notes[2], notes
+    notes, led = _image_stream_past_hold(40.0)
+    own = notes[2][notes[2].index(PROMPT_UNREAD_FLAG):]
+    assert "had not said the prompt's length when the intervals over its prefill closed" in own, own
+    beside = notes[1][notes[1].index(PROMPT_UNREAD_FLAG):]
+    assert "its prompt's length unsaid when those intervals closed" in beside, beside
+    assert led.flagged_requests[PROMPT_UNREAD_FLAG] == 2
+
+
 def test_a_finished_stream_that_showed_no_token_is_costed_its_prompts_estimate():
     # A stream the server finished (outcome ok) with no token shown and no usage (a max_tokens the proxy did not read,
     # the one token in a chunk it took for none) got no prefill work though its prompt's size was known: the simulator's

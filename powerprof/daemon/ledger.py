@@ -1870,6 +1870,8 @@ class Ledger:
         self._unread_spans.extend((int(arrival[i]), int(prefill_end[i]),
                                    "unread" if reqs[i].trace.extra.get("body_bytes") is not None else "sizeless")
                                   for i in np.flatnonzero(unread))
+        for i in np.flatnonzero(unread):
+            reqs[i].prefill_uncosted = True
         unread_iv = np.zeros(t.size - 1, bool)
         unread_kind_iv: dict[str, np.ndarray] = {}  # by what was wrong with the body: the fix the rows beside give
         for a0, a1, kind in self._unread_spans:

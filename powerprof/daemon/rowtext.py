@@ -537,7 +537,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             COUNT_OPEN_FLAG: energy and _count_open_flagged(r),
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
-            PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.unread_beside_j > 0)}
+            PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0)}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -600,17 +600,23 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         else:
             notes.append(f"{said}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
                          f"prompt tokens ({r.prompt_est[1]}){fix}")
-    if prompt_unread(r) and r.gpu_j > 0 and not r.gpu_missing:
+    late = r.prefill_uncosted and not prompt_unread(r)  # its length said after its prefill's intervals closed
+    if (prompt_unread(r) or late) and r.gpu_j > 0 and not r.gpu_missing:
         unsized = r.trace.extra.get("prompt_unsized")
         body = (f"its request body was read but its prompt's size could not be ({unsized}: no characters or token ids "
                 "that count its tokens)" if unsized is not None else
                 f"its request body ({r.trace.extra['body_bytes']} bytes) was not read (over the proxy's inspection "
                 "bound, or past its memory budget for reading bodies)")
         fix = _prompt_length_fix(r)
+        if late:  # it asked, and the usage came at its end: only a length said in every chunk comes in time
+            fix = PROMPT_RUNNING_USAGE_FIX if fix != PROMPT_NO_ASK_FIX else fix
         if unsized is None:
             fix = PROMPT_BODY_FIX if fix == PROMPT_NO_ASK_FIX else f"{PROMPT_BODY_FIX}; or {fix}"
-        notes.append(f"{PROMPT_UNREAD_FLAG}: {body} and the server never said the prompt's length: its prefill is not "
-                     f"costed, so its figure is low and the requests beside it high; fix: {fix}")
+        said = ("the server had not said the prompt's length when the intervals over its prefill closed (held at most "
+                f"{PROMPT_HOLD_S:g} s after its arrival; it said it later)" if late else
+                "the server never said the prompt's length")
+        notes.append(f"{PROMPT_UNREAD_FLAG}: {body} and {said}: its prefill is not costed, so its figure is low and the "
+                     f"requests beside it high; fix: {fix}")
     elif r.unread_beside_j > 0 and r.gpu_j > 0:
         kinds = r.unread_beside_kinds
         why = "; ".join(w for k, w in (("unread", "unread: over its inspection bound, or past its memory budget for "
@@ -623,8 +629,8 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                                                       "client may leave)")) if k in kinds)
         notes.append(f"{PROMPT_UNREAD_FLAG}: {100 * min(r.unread_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
                      f"intervals over the prefill of a request whose body gave the proxy no prompt size ({why}), its "
-                     "prompt's length unsaid: that prefill is not costed, its energy in the shares of the requests live "
-                     f"then, so this figure may be high; fix: {fixes}")
+                     "prompt's length unsaid when those intervals closed: that prefill is not costed, its energy in the "
+                     f"shares of the requests live then, so this figure may be high; fix: {fixes}")
     if is_unseen(r) and not is_passive(r):
         notes.append(_uncounted_note(r))
     if r.run_on_end_ns is not None:
