@@ -87,7 +87,10 @@ def prompt_size(doc: dict, api: str | None, kinds: set | None = None) -> tuple[i
             return len(p), None, None
         if p is None:
             return None, None, f"no `{field}` (the prompt given otherwise: embeddings, multimodal data)"
-        kinds = _item_types(p) if kinds is None and isinstance(p, list) and p else kinds or set()
+        if not (isinstance(p, list) and p):
+            kinds = set()  # an empty list, an object: no shape read
+        elif kinds is None:
+            kinds = _item_types(p)
         # One prompt of ids; or a batch (vLLM, SGLang, llama.cpp: each prompt a request of its own, the usage their
         # sum): summed.
         if kinds == {int}:
@@ -195,10 +198,6 @@ def _item_types(p: list) -> set:
     """The types of a list's items, in one C-level pass (a 1 MiB batch body's 262k prompts: a per-item Python test
     held the proxy's event loop ~0.4 s). A bool is its own type, never an id."""
     return set(map(type, p))
-
-
-def _is_id(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _tool_call_chars(calls) -> int:
