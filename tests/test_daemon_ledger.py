@@ -1338,6 +1338,94 @@ def test_a_prompt_whose_body_was_never_read_is_said_not_costed_and_counted():
     assert led.flagged_requests[PROMPT_UNREAD_FLAG] == 2
 
 
+def _unread_rows(api, stream, outcome, unsized="a content part of type 'image_url'"):
+    """The twin streams' rows, the second's body read and sizeless (`unsized`) or unread (None), its length unsaid."""
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    done, other = _twin_streams(led, 0.05, 0.6, 0.6)
+    other.api, other.stream, other.outcome = api, stream, outcome
+    del other.extra["prompt_chars"]
+    if unsized is None:
+        other.extra["body_bytes"] = 1_130_000
+    else:
+        other.extra["prompt_unsized"] = unsized
+    for tr in (done, other):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    return got[2]["energy_note"], got[1]["energy_note"]
+
+
+def test_a_prompt_unread_rows_fix_fits_its_api_and_outcome_and_what_was_wrong_with_the_body():
+    # Before, every sizeless body's row said "ask for include_usage", whatever its API or outcome (a cut stream, whose
+    # usage comes after its client left; Responses, Messages, /generate, whole answers: no such option), and the rows
+    # beside it "keep request bodies under 1 MiB" though that body had been read.
+    running = '"continuous_usage_stats": true'
+    for api, stream, outcome, want, unwanted in [
+            ("openai-chat", True, "client_disconnected", running, "keep request bodies"),
+            ("openai-completions", True, "ok", '"include_usage": true}', running),
+            ("openai-responses", True, "client_disconnected", "none the client can ask for", "include_usage"),
+            ("openai-responses", True, "ok", "none the client can ask for", "include_usage"),
+            ("anthropic-messages", True, "client_disconnected", "none the client can ask for", "include_usage"),
+            ("sglang-generate", True, "client_disconnected", "none the client can ask for", "include_usage"),
+            ("llamacpp", True, "client_disconnected", "none the client can ask for", "include_usage"),
+            ("openai-chat", False, "ok", "none the client can ask for", "include_usage")]:
+        note, beside = _unread_rows(api, stream, outcome)
+        fix = note[note.index(PROMPT_UNREAD_FLAG):]
+        fix = fix[fix.index("fix:"):]
+        assert want in fix and unwanted not in fix and "1 MiB" not in fix, (api, stream, outcome, fix)
+        assert "1 MiB" not in beside and "read, with no prompt size in it" in beside, beside
+    note, beside = _unread_rows("openai-chat", True, "ok", unsized=None)
+    assert "keep request bodies under 1 MiB" in note.split(PROMPT_UNREAD_FLAG)[1], note
+    assert "keep request bodies under 1 MiB" in beside and "read, with no prompt size" not in beside, beside
+
+
+def _image_stream_past_hold(b_end_s):
+    """A text chat (500 tokens, told at 3 s) beside an image chat (body sizeless) whose usage comes at b_end_s; rows."""
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    a, b = _chat(1, 0.05, 2000), _chat(2, 0.05, 0)
+    del b.extra["prompt_chars"]
+    b.extra["prompt_unsized"] = "a content part of type 'image_url'"
+    for tr in (a, b):
+        led.on_start(tr)
+    a.first_ns = b.first_ns = int(1.0 * S)
+    e, t = 0.0, 0.0
+    _feed(led, 0.0, e)
+    while t < b_end_s + 2:
+        t = round(t + 0.5, 3)
+        e += 100.0
+        for tr, stop in ((a, 3.0), (b, b_end_s)):
+            if 1.0 <= t <= stop:
+                led.on_tokens(tr, int((t - 0.01) * S), 5)
+                tr.last_ns = int((t - 0.01) * S)
+            if t == stop:
+                tr.end_ns = int(stop * S)
+                tr.counts = Counts(generated_tokens=int(5 * ((stop - 1.0) / 0.5 + 1)), model=None, stop_reason="length",
+                                   prompt_tokens=500 if tr is a else 3000, token_source="usage")
+                led.on_end(tr)
+        _feed(led, t, e)
+        led.advance(int((t + 0.05) * S))
+    led.advance(int((t + 2) * S))
+    return {r["request_id"]: r["energy_note"] or "" for r in sink.rows["requests"]}, led
+
+
+def test_a_sizeless_stream_told_after_the_prompt_hold_says_its_prefill_went_uncosted():
+    # An image stream that asked for usage and ran past the 30 s hold: its prefill intervals closed costed 0 before
+    # its usage came. Before, its own row said nothing and the one beside it "its prompt's length unsaid" (it came,
+    # later). Now both say so.
+    notes, led = _image_stream_past_hold(20.0)
+    assert PROMPT_UNREAD_FLAG not in notes[1] and PROMPT_UNREAD_FLAG not in notes[2], notes
+    notes, led = _image_stream_past_hold(40.0)
+    own = notes[2][notes[2].index(PROMPT_UNREAD_FLAG):]
+    assert "had not said the prompt's length when the intervals over its prefill closed" in own, own
+    beside = notes[1][notes[1].index(PROMPT_UNREAD_FLAG):]
+    assert "its prompt's length unsaid when those intervals closed" in beside, beside
+    assert led.flagged_requests[PROMPT_UNREAD_FLAG] == 2
+
+
 def test_a_finished_stream_that_showed_no_token_is_costed_its_prompts_estimate():
     # A stream the server finished (outcome ok) with no token shown and no usage (a max_tokens the proxy did not read,
     # the one token in a chunk it took for none) got no prefill work though its prompt's size was known: the simulator's

@@ -1864,3 +1864,72 @@ def test_a_chunk_read_past_the_deadline_stays_within_the_budget(monkeypatch):
     assert peak <= 64 << 10, peak
     assert all(h.startswith(b"HTTP/1.1 200") for h in heads) and sorted(seen) == sorted(bodies)
     assert proxy._inspecting == 0
+
+
+def test_a_stateful_responses_body_is_unsized():
+    # A Responses body with `previous_response_id` (or `conversation`): the server runs the stored conversation plus the
+    # new input, and only the input is in the body. Before: sized at the input alone (a cut turn over 3000 tokens of
+    # history estimated at 15), and learned from, which skewed every Responses estimate (1.794 tokens a character
+    # against 0.25). Now unsized (no estimate, no learning), said on its row.
+    from powerprof.daemon.proxy import inspect_request_body
+
+    def size(doc):
+        extra = {}
+        inspect_request_body(json.dumps(doc).encode(), "", "openai-responses", extra)
+        return extra
+
+    for key, val in (("previous_response_id", "resp_abc"), ("conversation", "conv_1"), ("conversation", {"id": "c"})):
+        got = size({"input": "And the next step?", key: val, "stream": True})
+        assert "prompt_chars" not in got and "prompt_ids" not in got
+        assert got["prompt_unsized"] == f"a `{key}` (the stored conversation is not in the body)"
+    assert size({"input": "hi", "previous_response_id": None}) == {"prompt_chars": 2}
+
+
+def test_a_llamacpp_infill_body_is_sized_from_its_prefix_suffix_and_extra_chunks():
+    # llama.cpp's /infill prompt is input_prefix + input_suffix + input_extra chunks (+ an optional prompt). Before:
+    # unsized, "no `content` (the prompt given otherwise: embeddings, multimodal data)": false, and its prefill uncosted.
+    from powerprof.daemon.proxy import inspect_request_body
+
+    def size(doc):
+        extra = {}
+        inspect_request_body(json.dumps(doc).encode(), "", "llamacpp", extra)
+        return extra
+
+    doc = {"input_prefix": "def f(x):\n", "input_suffix": "\n  return y\n", "stream": True,
+           "input_extra": [{"filename": "a.py", "text": "import os\n"}, {"text": "x = 1"}]}
+    assert size(doc) == {"prompt_chars": 10 + 12 + 4 + 10 + 5}
+    assert size(dict(doc, prompt="  y = x")) == {"prompt_chars": 10 + 12 + 4 + 10 + 5 + 7}
+    assert size({"input_prefix": "ab"}) == {"prompt_chars": 2}
+    assert size({"input_prefix": "ab", "input_extra": [{"text": 3}]})["prompt_unsized"] == (
+        "an `input_extra` chunk of no shape read here")
+
+
+def test_the_prompt_fields_are_read_alike_for_size_count_and_sequences():
+    # A null `text` leaves SGLang's `input_ids`, a null `prompt` llama.cpp's `content`: prompt_size read them so and
+    # request_sequences did not (a batch of 2 counted as 1 sequence, its steps' tokens divided by 1).
+    from powerprof.daemon.proxy import inspect_request_body
+
+    def size(doc, api):
+        extra = {}
+        inspect_request_body(json.dumps(doc).encode(), "", api, extra)
+        return extra
+
+    assert size({"text": None, "input_ids": [[1, 2], [3]]}, "sglang-generate") == {
+        "prompt_ids": 3, "prompt_count": 2, "sequences": 2}
+    assert size({"prompt": None, "content": ["a", "b"]}, "llamacpp") == {"prompt_chars": 2, "prompt_count": 2,
+                                                                         "sequences": 2}
+
+
+def test_a_big_batch_body_is_read_whole_its_every_prompt_counted_and_sized():
+    # 1 MiB of 262k one-character prompts held the event loop ~457 ms (74 ms before prompt sizes were read: two
+    # prompt_count passes and an all(...) per item); now one pass of C-level type checks. Its time against the JSON
+    # parse is bench/inspect_body.py's (a speed figure is a bench's, not a test's); here, what that pass reads.
+    from powerprof.daemon.proxy import inspect_request_body
+
+    for doc in ({"prompt": ["a"] * 262000}, {"prompt": [[1]] * 174000}):
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        extra = {}
+        inspect_request_body(body, "", "openai-completions", extra)
+        assert extra["prompt_count"] == len(doc["prompt"]), extra.get("prompt_count")
+        sized = extra.get("prompt_chars") or extra.get("prompt_ids")
+        assert sized is not None and "prompt_unsized" not in extra, {k: v for k, v in extra.items() if k != "prompt_ids"}

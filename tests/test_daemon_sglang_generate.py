@@ -166,6 +166,23 @@ def test_a_batch_stream_counts_every_sequence_and_each_prompt_once():
     assert p.count(inc) == 4 and streams.summary_counts(p.finish()).count_problem is None
 
 
+def test_a_cut_batch_stream_whose_prompts_have_not_all_spoken_says_no_prompt_length():
+    # 4 prompts of 510 tokens each, the client gone after prompts 0 and 1 sent events: their 1020 is not the batch's
+    # prompt. Before, the summary said 1020 (truth 2040) as the whole, no problem flagged, and the ledger learned 255
+    # tokens a prompt (truth 510). Now no prompt length: the ledger estimates the batch's from its body, learns nothing.
+    p = streams.new_parser("sglang-generate", choices=1, sequences=4)
+    for step in range(1, 4):
+        for idx in (0, 1):
+            p.count(_events(_ev(idx, [1] * step, 510))[:-len(b"data: [DONE]\n\n")])
+    assert p.prompt_tokens is None
+    c = streams.summary_counts(p.finish())
+    assert c.prompt_tokens is None and c.cached_tokens is None, c
+    # Every prompt said: their sum.
+    p = streams.new_parser("sglang-generate", choices=1, sequences=2)
+    p.count(_events(_ev(0, [1], 510), _ev(1, [1], 400))[:-len(b"data: [DONE]\n\n")])
+    assert streams.summary_counts(p.finish()).prompt_tokens == 910
+
+
 def test_a_whole_batch_answer_is_a_list_in_the_sequences_order():
     L = {"type": "length", "length": 5}
     doc = [_ev(0, [1] * 5, 9, L), _ev(1, [2] * 3, 9, {"type": "stop", "matched": 2}), _ev(2, [3] * 5, 4, L)]

@@ -1373,6 +1373,23 @@ def test_a_list_of_prompts_with_running_counts_says_its_prompt_once_every_prompt
     assert p.prompt_tokens == 10
 
 
+def test_a_llamacpp_batch_cut_before_every_task_ended_says_no_prompt_length():
+    # llama.cpp's /v1/completions of two 500-token prompts: each task sends its usage and timings at its own end. The
+    # client left while task 1 still ran: before, task 0's 500 was the request's prompt (truth 1000), its prefill costed
+    # at half. Now none until every task has said its own.
+    def ev(choice, usage=None):
+        return {**_CMPL, "choices": [choice], **({"usage": usage[0], "timings": usage[1]} if usage else {})}
+    end0 = ({"completion_tokens": 3, "prompt_tokens": 500, "total_tokens": 503},
+            {"prompt_n": 500, "prompt_ms": 50.0, "predicted_n": 3, "predicted_ms": 30.0, "cache_n": 0})
+    for count_only in (True, False):
+        p = StreamParser("openai-completions", count_only=count_only, choices=1, sequences=2)
+        chunks = [ev({"text": "x", "index": i, "finish_reason": None}) for _ in range(3) for i in (0, 1)]
+        chunks.append(ev({"text": "", "index": 0, "finish_reason": "stop"}, end0))
+        data = _compact(*chunks)
+        p.count(data) if count_only else list(p.feed(data))
+        assert p.prompt_tokens is None and p.finish().prompt_tokens is None
+
+
 @pytest.mark.parametrize("count_only", [False, True])
 @pytest.mark.parametrize("continuous", [False, True])
 def test_vllms_chat_echo_chunk_is_no_token(count_only, continuous):

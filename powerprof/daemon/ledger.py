@@ -357,7 +357,7 @@ class Ledger:
         self._gone_spans: list[tuple[int, int]] = []
         # [arrival, first token or end] of requests whose prefill is costed at none, their body unread or sizeless, their prompt
         # unsaid (rowtext.prompt_unread): the intervals whose other requests say PROMPT_UNREAD_FLAG.
-        self._unread_spans: list[tuple[int, int]] = []
+        self._unread_spans: list[tuple[int, int, str]] = []
         # Ends of recently ended streams that said no count (rowtext.counted_low): intervals up to LAG_S after them say
         # their unproxied may hold those streams' tokens (the scrape window that counted them spreads them past the end).
         self._counted_low_ends: deque = deque(maxlen=256)
@@ -1901,10 +1901,17 @@ class Ledger:
         unread = np.array([prompt[i] == 0 and (r.trace.first_ns is not None or d) and not passive[i]
                            and prompt_unread(r) for i, (r, d) in enumerate(zip(reqs, done))], dtype=bool)
         self._unread_spans = [s for s in self._unread_spans if s[1] > t[0]]
-        self._unread_spans.extend((int(arrival[i]), int(prefill_end[i])) for i in np.flatnonzero(unread))
+        self._unread_spans.extend((int(arrival[i]), int(prefill_end[i]),
+                                   "unread" if reqs[i].trace.extra.get("body_bytes") is not None else "sizeless")
+                                  for i in np.flatnonzero(unread))
+        for i in np.flatnonzero(unread):
+            reqs[i].prefill_uncosted = True
         unread_iv = np.zeros(t.size - 1, bool)
-        for a0, a1 in self._unread_spans:
-            unread_iv |= (a0 < t[1:]) & (a1 > t[:-1])
+        unread_kind_iv: dict[str, np.ndarray] = {}  # by what was wrong with the body: the fix the rows beside give
+        for a0, a1, kind in self._unread_spans:
+            over = (a0 < t[1:]) & (a1 > t[:-1])
+            unread_iv |= over
+            unread_kind_iv[kind] = unread_kind_iv.get(kind, False) | over
         energy = np.column_stack([energy, np.where(unread_iv, work_j, 0.0)])
         unread_col = energy.shape[1] - 1
         energy = np.column_stack([energy, np.where(_counter_measured(methods), work_j, 0.0)])
@@ -1971,8 +1978,10 @@ class Ledger:
                         r.cache_beside = max(r.cache_beside, float(cache_iv[k]))
             if not gone[i]:
                 r.gone_beside_j += a.request_energy[i, gone_col]
-            if not unread[i]:
+            if not unread[i] and a.request_energy[i, unread_col] > 0:
                 r.unread_beside_j += a.request_energy[i, unread_col]
+                live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
+                r.unread_beside_kinds.update(k for k, iv in unread_kind_iv.items() if (iv & live).any())
             r.counter_j += a.request_energy[i, counter_col]
             if a.request_energy[i, 9] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])

@@ -45,6 +45,12 @@ class LiveRequest:
     # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
     # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
     unread_beside_j: float = 0.0
+    # What was wrong with those requests' bodies (`unread`: streamed on unread; `sizeless`: read, no size in it): the
+    # fix its row gives is theirs.
+    unread_beside_kinds: set = field(default_factory=set)
+    # Intervals over its own prefill closed with it uncosted (prompt_unread then: a sizeless or unread body, no length
+    # said yet); a length the server says later (past the 30 s hold) does not reopen them, so its row says so too.
+    prefill_uncosted: bool = False
     # Its client left and the server ran it on for nobody until it aborted it (`Ledger._run_on`: SGLang; llama.cpp,
     # to its end): that run's estimated end, the tokens placed over it (no client received them) and whose pace they
     # were placed at.

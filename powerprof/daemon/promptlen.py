@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from itertools import chain
 
 import numpy as np
 
@@ -20,11 +21,23 @@ KEEP = 256  # requests per endpoint the ratio is learned from
 MIN_FIT = 16  # requests before the intercept (template tokens) is fitted rather than the ratio of sums
 
 
-def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str | None]:
+def prompt_shape(doc: dict, api: str | None) -> tuple[int | None, int | None, str | None, int]:
+    """prompt_size's three and prompt_count's one from a single pass over the body's prompt (the proxy's: a 1 MiB batch
+    body's 262k prompts read twice over held its event loop ~0.4 s)."""
+    kinds = None
+    if api in PROMPT_FIELD_APIS:
+        p = prompt_field(doc, api)[1]
+        if isinstance(p, list) and p:
+            kinds = _item_types(p)
+    chars, ids, unsized = prompt_size(doc, api, kinds)
+    return chars, ids, unsized, (len(p) if kinds is not None and int not in kinds else 1)
+
+
+def prompt_size(doc: dict, api: str | None, kinds: set | None = None) -> tuple[int | None, int | None, str | None]:
     """(characters of the prompt's text, token ids given as the prompt, None) from a JSON request body, a batch of
     prompts' summed (`prompt_count` says how many); (None, None, what) where the body does not say its size, `what` the
     part that does not (an image part: its tokens are not its characters; a shape not known), for its row
-    (rowtext.prompt_unread). Only lengths are taken."""
+    (rowtext.prompt_unread). Only lengths are taken; `kinds`: the prompt list's item types where taken already."""
     if api in ("openai-chat", "anthropic-messages"):
         msgs = doc.get("messages")
         if not isinstance(msgs, list):
@@ -39,6 +52,9 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str
             n += k + _tool_call_chars(m.get("tool_calls"))
         return _with_tools(n, why, doc)
     if api == "openai-responses":
+        for key in ("previous_response_id", "conversation"):
+            if doc.get(key):  # the server runs its stored turns before `input`: their length is nowhere here
+                return None, None, f"a `{key}` (the stored conversation is not in the body)"
         inp = doc.get("input")
         n, why = _content_chars(doc.get("instructions"))
         for item in inp if isinstance(inp, list) else [inp]:
@@ -60,29 +76,51 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None, str
                                     else "an input item of no known shape")
             n += k
         return _with_tools(n, why, doc)
-    if api in ("openai-completions", "llamacpp", "sglang-generate"):
-        if api == "sglang-generate":
-            field = "text" if doc.get("text") is not None else "input_ids"
-        else:
-            field = "content" if api == "llamacpp" and doc.get("prompt") is None else "prompt"
-        p = doc.get(field)
+    if api == "llamacpp" and any(doc.get(k) is not None for k in ("input_prefix", "input_suffix", "input_extra")):
+        return _infill_size(doc)
+    if api in PROMPT_FIELD_APIS:
+        field, p = prompt_field(doc, api)
         media = next((k for k in ("image_data", "audio_data", "video_data") if doc.get(k)), None)
         if media is not None:  # SGLang's (and older llama.cpp's) media beside the text: their tokens are not characters
             return None, None, f"`{media}` beside the prompt"
         if isinstance(p, str):
             return len(p), None, None
-        if isinstance(p, list) and p and all(_is_id(x) for x in p):
-            return None, len(p), None
-        # A batch (vLLM, SGLang, llama.cpp: each prompt a request of its own, the usage their sum): summed.
-        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-            return sum(len(x) for x in p), None, None
-        if isinstance(p, list) and p and all(isinstance(x, list) and x and all(_is_id(i) for i in x) for x in p):
-            return None, sum(len(x) for x in p), None
         if p is None:
             return None, None, f"no `{field}` (the prompt given otherwise: embeddings, multimodal data)"
-        mixed = isinstance(p, list) and any(_is_id(x) for x in p)
+        if not (isinstance(p, list) and p):
+            kinds = set()  # an empty list, an object: no shape read
+        elif kinds is None:
+            kinds = _item_types(p)
+        # One prompt of ids; or a batch (vLLM, SGLang, llama.cpp: each prompt a request of its own, the usage their
+        # sum): summed.
+        if kinds == {int}:
+            return None, len(p), None
+        if kinds == {str}:
+            return sum(map(len, p)), None, None
+        if kinds == {list} and min(map(len, p)) > 0 and set(map(type, chain.from_iterable(p))) == {int}:
+            return None, sum(map(len, p)), None
+        mixed = int in kinds
         return None, None, f"a `{field}` of no shape read here ({'ids and text mixed' if mixed else 'its items'})"
     return None, None, f"a body of the {api} API (the proxy reads no prompt size from its bodies)"
+
+
+def _infill_size(doc: dict) -> tuple[int | None, None, str | None]:
+    """llama.cpp's /infill: its prompt is the extra chunks (each its filename and text), the prefix, the suffix and
+    an optional `prompt` after the prefix (server's format_infill), with its fill-in-the-middle tokens (`a`)."""
+    n = 0
+    for f in ("input_prefix", "input_suffix", "prompt"):
+        v = doc.get(f)
+        if isinstance(v, str):
+            n += len(v)
+        elif v is not None:
+            return None, None, f"an `{f}` that is not text"
+    extra = doc.get("input_extra")
+    for chunk in extra if isinstance(extra, list) else ([] if extra is None else [None]):
+        if not (isinstance(chunk, dict) and isinstance(chunk.get("text"), str)
+                and isinstance(chunk.get("filename", ""), str)):
+            return None, None, "an `input_extra` chunk of no shape read here"
+        n += len(chunk["text"]) + len(chunk.get("filename", ""))
+    return n, None, None
 
 
 def _content_chars(c) -> tuple[int, str | None]:
@@ -134,19 +172,32 @@ def _with_tools(n: int, why: str | None, doc: dict) -> tuple[int | None, None, s
 
 def prompt_count(doc: dict, api: str | None) -> int:
     """How many prompts a body's batch holds (a completions prompt list, SGLang's `text` or `input_ids` list): each
-    has its template's own tokens (`a` of the fit); 1 for any other body."""
-    if api in ("openai-completions", "llamacpp", "sglang-generate"):
-        if api == "sglang-generate":
-            p = doc.get("text") if doc.get("text") is not None else doc.get("input_ids")
-        else:
-            p = doc.get("content") if api == "llamacpp" and doc.get("prompt") is None else doc.get("prompt")
-        if isinstance(p, list) and p and not any(_is_id(x) for x in p):
+    has its template's own tokens (`a` of the fit), and runs as a request of its own (proxy.request_sequences); 1 for
+    any other body. A list holding a token id at its top is one prompt (ids, or llama.cpp's ids and text mixed)."""
+    if api in PROMPT_FIELD_APIS:
+        p = prompt_field(doc, api)[1]
+        if isinstance(p, list) and p and int not in _item_types(p):
             return len(p)
     return 1
 
 
-def _is_id(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+PROMPT_FIELD_APIS = ("openai-completions", "llamacpp", "sglang-generate")
+
+
+def prompt_field(doc: dict, api: str) -> tuple[str, object]:
+    """(name, value) of a PROMPT_FIELD_APIS body's prompt, read one way for its size, its count and its sequences:
+    SGLang's `text`, or where null `input_ids`; llama.cpp's `prompt`, or where null `content`; else `prompt`."""
+    if api == "sglang-generate":
+        field = "text" if doc.get("text") is not None else "input_ids"
+    else:
+        field = "content" if api == "llamacpp" and doc.get("prompt") is None else "prompt"
+    return field, doc.get(field)
+
+
+def _item_types(p: list) -> set:
+    """The types of a list's items, in one C-level pass (a 1 MiB batch body's 262k prompts: a per-item Python test
+    held the proxy's event loop ~0.4 s). A bool is its own type, never an id."""
+    return set(map(type, p))
 
 
 def _tool_call_chars(calls) -> int:

@@ -37,7 +37,7 @@ from powerprof.workload.stream import json_from_bytes
 
 from . import streams
 from .forward import Exchange, StaleConnection, UpstreamError, UpstreamPool
-from .promptlen import prompt_count, prompt_size
+from .promptlen import prompt_count, prompt_shape
 
 log = logging.getLogger("powerprof.daemon.proxy")
 
@@ -322,7 +322,7 @@ def request_choices(doc: dict, api: str | None) -> int:
     return n if n is not None and 1 < n <= MAX_SEQUENCES else 1
 
 
-def request_sequences(doc: dict, api: str | None) -> int:
+def request_sequences(doc: dict, api: str | None, prompts: int | None = None) -> int:
     """How many sequences a request runs side by side in the server's batch, each getting a token a step: its `n`
     choices (chat, completions), each of its prompts (a completions prompt list: vLLM, SGLang and llama.cpp run each
     prompt as a request of its own). A list holding a token id at its top is one prompt (ids, or llama.cpp's ids
@@ -331,15 +331,10 @@ def request_sequences(doc: dict, api: str | None) -> int:
     `best_of` is not counted: its extra sequences' tokens never reach the client (vLLM V0 returns `n` of them), so
     they are not in the tokens the ledger divides (`request_best_of` marks such a request)."""
     seqs = request_choices(doc, api)
-    if api in ("openai-completions", "llamacpp"):
-        p = doc.get("prompt", doc.get("content") if api == "llamacpp" else None)
-        if isinstance(p, list) and len(p) > 1 and not any(type(x) is int for x in p):
-            seqs *= len(p)
-    elif api == "sglang-generate":
-        # SGLang's batch: `text` a list of strings, `input_ids` a list of id lists (one list of ids is one prompt).
-        p = doc.get("text", doc.get("input_ids"))
-        if isinstance(p, list) and len(p) > 1 and not any(type(x) is int for x in p) and len(p) * seqs <= MAX_SEQUENCES:
-            seqs *= len(p)
+    k = prompt_count(doc, api) if prompts is None else prompts  # `prompts`: the caller's count of the same body
+    # SGLang's batch over MAX_SEQUENCES is refused: no guess multiplies its steps.
+    if k > 1 and (api != "sglang-generate" or k * seqs <= MAX_SEQUENCES):
+        seqs *= k
     return seqs
 
 
@@ -431,16 +426,16 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
     model = doc.get("model")
     stream = doc.get("stream")
     if extra is not None and api is not None:
-        chars, ids, unsized = prompt_size(doc, api)
+        chars, ids, unsized, prompts = prompt_shape(doc, api)  # one pass: a 1 MiB batch body's 262k prompts
         if chars is not None:
             extra["prompt_chars"] = chars
         if ids is not None:
             extra["prompt_ids"] = ids
         if unsized is not None:
             extra["prompt_unsized"] = unsized  # read, but no size in it: said on its row if the server never says one
-        elif prompt_count(doc, api) > 1:
-            extra["prompt_count"] = prompt_count(doc, api)  # a batch's: each its template's tokens (`promptlen`)
-        seqs = request_sequences(doc, api)
+        if unsized is None and prompts > 1:
+            extra["prompt_count"] = prompts  # a batch's: each its template's tokens (`promptlen`)
+        seqs = request_sequences(doc, api, prompts)
         if seqs > 1:
             extra["sequences"] = seqs
             n = request_choices(doc, api)

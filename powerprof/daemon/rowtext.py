@@ -17,8 +17,8 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SH
                                 NO_COUNTER_SHORT_FLAG)
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
-                                      GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_UNREAD_FIX,
-                                      PROMPT_USAGE_FIX,
+                                      GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_BODY_FIX,
+                                      PROMPT_NO_ASK_FIX, PROMPT_RUNNING_USAGE_FIX, PROMPT_USAGE_FIX,
                                       PROMPT_UNREAD_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_USAGE_ABOVE,
                                       SERVER_COUNT_USAGE_BELOW, bypass_count_fix, bypass_count_may_be)
 
@@ -544,7 +544,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             COUNT_OPEN_FLAG: energy and _count_open_flagged(r),
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
-            PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.unread_beside_j > 0)}
+            PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0)}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -555,6 +555,15 @@ def prompt_unread(r: LiveRequest) -> bool:
     extra = r.trace.extra
     return ((extra.get("body_bytes") is not None or extra.get("prompt_unsized") is not None)
             and told_prompt_tokens(r) is None and r.prompt_est is None)
+
+
+def _prompt_length_fix(r: LiveRequest) -> str:
+    """How its client could have had the server say its prompt's length: the same test as the `no_usage` estimate's
+    (include_usage is an OpenAI chat or completions stream's option), and for one its client left, the usage in every
+    chunk (its final usage would have come after the client had gone)."""
+    if not (r.trace.stream is True and r.trace.api in ("openai-chat", "openai-completions")):
+        return PROMPT_NO_ASK_FIX
+    return PROMPT_RUNNING_USAGE_FIX if r.trace.outcome == "client_disconnected" else PROMPT_USAGE_FIX
 
 
 def _best_of_flagged(r: LiveRequest, best_of_ignored: bool) -> bool:
@@ -598,21 +607,37 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         else:
             notes.append(f"{said}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
                          f"prompt tokens ({r.prompt_est[1]}){fix}")
-    if prompt_unread(r) and r.gpu_j > 0 and not r.gpu_missing:
+    late = r.prefill_uncosted and not prompt_unread(r)  # its length said after its prefill's intervals closed
+    if (prompt_unread(r) or late) and r.gpu_j > 0 and not r.gpu_missing:
         unsized = r.trace.extra.get("prompt_unsized")
         body = (f"its request body was read but its prompt's size could not be ({unsized}: no characters or token ids "
                 "that count its tokens)" if unsized is not None else
                 f"its request body ({r.trace.extra['body_bytes']} bytes) was not read (over the proxy's inspection "
                 "bound, or past its memory budget for reading bodies)")
-        notes.append(f"{PROMPT_UNREAD_FLAG}: {body} and the server never said the prompt's length: its prefill is not "
-                     "costed, so its figure is low and the requests beside it high; fix: "
-                     f"{PROMPT_USAGE_FIX if unsized is not None else PROMPT_UNREAD_FIX}")
+        fix = _prompt_length_fix(r)
+        if late:  # it asked, and the usage came at its end: only a length said in every chunk comes in time
+            fix = PROMPT_RUNNING_USAGE_FIX if fix != PROMPT_NO_ASK_FIX else fix
+        if unsized is None:
+            fix = PROMPT_BODY_FIX if fix == PROMPT_NO_ASK_FIX else f"{PROMPT_BODY_FIX}; or {fix}"
+        said = ("the server had not said the prompt's length when the intervals over its prefill closed (held at most "
+                f"{PROMPT_HOLD_S:g} s after its arrival; it said it later)" if late else
+                "the server never said the prompt's length")
+        notes.append(f"{PROMPT_UNREAD_FLAG}: {body} and {said}: its prefill is not costed, so its figure is low and the "
+                     f"requests beside it high; fix: {fix}")
     elif r.unread_beside_j > 0 and r.gpu_j > 0:
+        kinds = r.unread_beside_kinds
+        why = "; ".join(w for k, w in (("unread", "unread: over its inspection bound, or past its memory budget for "
+                                                  "reading bodies"),
+                                       ("sizeless", "read, with no prompt size in it: an image or audio part, a shape "
+                                                    "not known")) if k in kinds)
+        fixes = "; ".join(f for k, f in (("unread", PROMPT_BODY_FIX),
+                                         ("sizeless", "that request's server saying its prompt's length (an OpenAI "
+                                                      "stream: include_usage, with continuous_usage_stats where its "
+                                                      "client may leave)")) if k in kinds)
         notes.append(f"{PROMPT_UNREAD_FLAG}: {100 * min(r.unread_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
-                     "intervals over the prefill of a request whose body gave the proxy no prompt size (unread: over its "
-                     "inspection bound, or past its memory budget for reading bodies; or read, with an image or audio "
-                     "part or a shape not known), its prompt's length unsaid: that prefill is not costed, its energy in "
-                     f"the shares of the requests live then, so this figure may be high; fix: {PROMPT_UNREAD_FIX}")
+                     f"intervals over the prefill of a request whose body gave the proxy no prompt size ({why}), its "
+                     "prompt's length unsaid when those intervals closed: that prefill is not costed, its energy in the "
+                     f"shares of the requests live then, so this figure may be high; fix: {fixes}")
     if is_unseen(r) and not is_passive(r):
         notes.append(_uncounted_note(r))
     if r.run_on_end_ns is not None:

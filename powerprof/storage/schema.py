@@ -366,9 +366,18 @@ HELD_TAIL_FIX = ("none for the count; for the timing, a max_tokens tool calls do
 # costed, so its figure is low; the requests live over that prefill say it too, their figures high (docs/daemon.md,
 # "Prompts are known"). Its byte count bounds nothing useful: a field or base64 images beside the prompt.
 PROMPT_UNREAD_FLAG = "prompt-unread"
-PROMPT_USAGE_FIX = ("ask for the prompt's length, \"stream_options\": {\"include_usage\": true} (an OpenAI stream; "
-                    "a whole answer's usage says it)")
-PROMPT_UNREAD_FIX = f"{PROMPT_USAGE_FIX}, or keep request bodies under 1 MiB"
+# The fix its own row gives, by what the server could have been asked (rowtext._prompt_length_fix): an OpenAI chat or
+# completions stream that ran to its end, its usage; one its client left, the usage in every chunk (the final usage
+# comes after the client has gone); any other (a whole answer, a native stream, Responses): none to ask for.
+PROMPT_USAGE_FIX = "ask for the prompt's length, \"stream_options\": {\"include_usage\": true}"
+PROMPT_RUNNING_USAGE_FIX = ("ask for the prompt's length in every chunk, \"stream_options\": {\"include_usage\": true, "
+                            "\"continuous_usage_stats\": true} (vLLM, SGLang): the final usage comes after a client "
+                            "that leaves has gone")
+PROMPT_NO_ASK_FIX = ("none the client can ask for (no option of this API's has the server say the prompt's "
+                     "length sooner)")
+PROMPT_BODY_FIX = "keep request bodies under 1 MiB (the proxy's inspection bound)"
+PROMPT_UNREAD_FIX = (f"{PROMPT_BODY_FIX}; for a body read but sizeless, the server saying its prompt's length (an OpenAI "
+                     "stream: include_usage, with continuous_usage_stats where its client may leave)")
 # A request whose prompt's length was said early in its stream and its cached count only at its end, after intervals
 # over its prefill had closed with the whole prompt costed as computed (docs/daemon.md, "Prefix-cache hits are no
 # prefill").

@@ -305,6 +305,9 @@ class StreamParser:
         s = self._s
         if self._sglang_api and len({i // self._choices for i in s.seq_prompt}) < self._prompts:
             return None  # a batch: not every prompt's length said yet
+        if (s.final_usage is None and s.first_choice_of is None and (s.task_usage or s.task_timings)
+                and len(s.task_usage.keys() | s.task_timings.keys()) < self._prompts * self._choices):
+            return None  # llama.cpp's tasks each say theirs at their own end: a stream cut before the last has no sum
         return s.usage_prompt if s.usage_prompt is not None else s.prompt_tokens
 
     @property
@@ -1212,7 +1215,7 @@ class StreamParser:
             generated, source = s.predicted_total, "timings"
         elif "predicted_n" in t:
             generated, source = t["predicted_n"], "timings"
-        prompt = s.usage_prompt if s.usage_prompt is not None else s.prompt_tokens
+        prompt = self.prompt_tokens  # guarded: a batch some of whose prompts never spoke has no whole length to say
         return StreamSummary(
             api=self.api,
             counted_tokens=s.counted,
