@@ -1717,6 +1717,67 @@ def test_a_body_reader_that_raises_fails_open(monkeypatch, fallback_fails):
         assert status == 500 and seen == [] and (t.status, t.outcome) == (500, "proxy_error"), (status, seen, t)
 
 
+def test_a_body_reader_that_raises_after_consuming_a_chunk_answers_500_not_a_cut_body(monkeypatch):
+    """The reader raising after it had taken a chunk from the stream but before the proxy kept it: failing open from
+    there sent the server 2000 of a 3000-byte body, the client a 200 and the row ok with "body not read" (session 57's
+    review, b_identity.py): a corrupted request, silently. Bytes lost cannot be forwarded whole: the server never
+    sees the request, the client gets a 500 and the row says proxy_error, why."""
+    from powerprof.daemon import proxy as proxy_mod
+
+    orig = proxy_mod._BodyReader.read
+    calls = {"n": 0}
+
+    async def lossy(self, *a, **k):
+        chunk = await orig(self, *a, **k)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ValueError("bug after a chunk was read")
+        return chunk
+
+    monkeypatch.setattr(proxy_mod._BodyReader, "read", lossy)
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, body_timeout_s=5, body_min_bytes_per_s=0)
+        r2, px_url = await serve_here(proxy.app())
+        body = b'{"model": "m", "prompt": "' + b"x" * (3000 - 28) + b'"}'
+        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + b"%x\r\n%b\r\n" % (1000, body[:1000]))
+        await w.drain()
+        for part in (body[1000:2000], body[2000:]):
+            await asyncio.sleep(0.05)
+            w.write(b"%x\r\n%b\r\n" % (len(part), part))
+            await w.drain()
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+        head = await asyncio.wait_for(r.read(65536), 10)
+        w.close()
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return head, seen, rec, proxy
+
+    head, seen, rec, proxy = _run(main())
+    (t,) = rec.ended
+    assert head.startswith(b"HTTP/1.1 500"), head[:200]
+    assert seen == [] and (t.status, t.outcome) == (500, "proxy_error"), (seen, t)
+    assert "could not be forwarded whole" in (t.error or ""), t.error
+    assert proxy.proxy_failures == 1 and proxy._inspecting == 0
+
+
 def test_a_body_trickled_in_pieces_within_the_grace_streams_on_soon_after_the_deadline():
     """The grace past the deadline is for a body's end coming apart from its last chunk, not for a body still being
     sent: a client sending a piece every 20 ms (never a 50 ms gap) would keep the inspection read, and the bytes it

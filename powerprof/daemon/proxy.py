@@ -663,6 +663,20 @@ class Proxy:
                 # A bug in the reader: a 500 where the server never saw the request and no row. Fail open: the
                 # bytes read go on as they came, the rest read plainly, the row saying its body was not read.
                 self._proxy_failed(e)
+                if getattr(chunks, "got", got) != got:
+                    # It had taken bytes from the stream that were not kept: failing open sent the server 2000 of a
+                    # 3000-byte body and the client a 200, its row ok. A body with bytes lost is never forwarded.
+                    self._inspecting -= budget[0]
+                    budget[0] = 0
+                    msg = (f"powerprof proxy: the request body could not be forwarded whole (its reader failed after "
+                           f"taking {chunks.got - got} bytes not kept: {error_text(e)[:150]}); not sent upstream")
+                    if trace is not None:
+                        trace.status, trace.outcome = 500, "proxy_error"
+                        _add_error(trace, msg[:300])
+                    resp = web.Response(status=500, content_type="application/json", body=json.dumps(
+                        {"error": {"message": msg, "type": "proxy_error", "code": 500}}).encode())
+                    resp.force_close()  # the rest of its body is not read: the connection cannot carry another
+                    return resp
                 if trace is not None:
                     _add_error(trace, f"request body not read (the proxy's body reader failed: {error_text(e)[:150]}):"
                                       " streamed on, its model and stream not known")
