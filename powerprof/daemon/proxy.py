@@ -566,11 +566,7 @@ class Proxy:
         held = (0 if not request.body_exists else INSPECT_MAX_BYTES if length is None
                 else length if length <= INSPECT_MAX_BYTES else 0)
         if held and self._inspecting + held > INSPECT_BUDGET_BYTES:
-            self.uninspected_bodies += 1
-            if trace is not None:
-                _add_error(trace, f"request body not read whole ({self._inspecting / 2**20:.1f} MiB of other requests' "
-                                  "bodies were held, waiting for their answers to begin): streamed on, its model and "
-                                  "stream not known")
+            self._over_budget(trace)
             held = 0
         self._inspecting += held
         budget = [held]  # given back by _forward once the answer's head is in (its body is never sent again)
@@ -617,8 +613,12 @@ class Proxy:
                 while True:
                     # Each read capped by the bound (one byte past it tells a longer body) and by the budget left: a
                     # chunk read whole past the deadline took 32 clients to 36.88 MiB of 32. Neither left: streams on.
-                    room = min(INSPECT_MAX_BYTES + 1 - got, INSPECT_BUDGET_BYTES - self._inspecting + budget[0] - got)
+                    # That probe byte is allowed past the budget (1 byte a body at most): without it a 1 MiB body whose
+                    # reservation filled the budget exactly could never see its end, and streamed on unread.
+                    room = min(INSPECT_MAX_BYTES + 1 - got, max(INSPECT_BUDGET_BYTES - self._inspecting + budget[0] - got,
+                                                                int(got == INSPECT_MAX_BYTES)))
                     if room <= 0:
+                        self._over_budget(trace)
                         break
                     chunk = await chunks.read(until, room)
                     if chunk is None:
@@ -818,6 +818,14 @@ class Proxy:
             return await self._relay(request, ex, status, reason, up_headers, trace)
         finally:
             self.pool.release(ex)
+
+    def _over_budget(self, trace: RequestTrace | None) -> None:
+        """A body up to INSPECT_MAX_BYTES streamed on, not read whole, for the budget: counted, its row saying so."""
+        self.uninspected_bodies += 1
+        if trace is not None:
+            _add_error(trace, f"request body not read whole ({self._inspecting / 2**20:.1f} MiB of other requests' "
+                              "bodies were held, waiting for their answers to begin): streamed on, its model and "
+                              "stream not known")
 
     def _proxy_failed(self, e: Exception) -> None:
         self.proxy_failures += 1
