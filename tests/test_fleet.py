@@ -1627,11 +1627,25 @@ def test_httpfs_reads_are_bounded_once_it_loads_and_a_stall_is_said_as_such():
     "Invalid Input Error: No magic bytes found at end of file 's3://gpu-timeouts/x.parquet'",
     "HTTP Error: Request returned HTTP 504 for HTTP HEAD to 'http://timed-out.example/x.parquet'",
     "IO Error: No files found that match the pattern s3://timeouts/failed-to-read-connection/x.parquet",
+    # DuckDB's LINE 1 context cuts the SQL's quoted local path short, its quote never closed: the path's "timeouts"
+    # read as a stall (b_duckdb_stall.py, session 57's review), a missing local folder said as a remote that stalled.
+    'IO Error: No files found that match the pattern "/root/s57/h-rev4/gpu-timeouts/requests/*.parquet"\n\n'
+    "LINE 1: SELECT * FROM read_parquet(['/root/s57/h-rev4/gpu-timeouts/requests/*...\n"
+    "                      ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+    "IO Error: Cannot open file '/srv/gpu-timeouts/requests/x.parquet\nsecond line",  # a quote never closed
 ])
 def test_a_timeout_in_the_uri_is_no_stall(why):
     from powerprof.analysis import engine  # noqa: PLC0415
 
     assert engine.http_stall_refusal(why) is None, why
+
+
+def test_a_stall_with_duckdbs_line_context_is_still_a_stall():
+    from powerprof.analysis import engine  # noqa: PLC0415
+
+    why = ("IO Error: Failed to read connection error for HTTP GET to 'http://h/x.parquet'\n\n"
+           "LINE 1: SELECT * FROM read_parquet(['http://h/x.parquet', '/srv/a/...\n            ^^^^")
+    assert engine.http_stall_refusal(why) is not None
 
 
 def test_a_stray_file_behind_a_uri_is_named_with_its_table_folder(tmp_path):

@@ -115,14 +115,16 @@ def _bound_http(con) -> None:
         pass  # a DuckDB that renamed them: its own bound (30 s, 3 retries in 1.x) still ends a stall, later
 
 
-_QUOTED_OR_URI = re.compile(r"'[^']*'|\"[^\"]*\"|\b[a-z][a-z0-9+.-]*://\S*", re.IGNORECASE)
+# A quote never closed runs to the line's end: DuckDB cuts a long quoted path short ("…/gpu-timeouts/requests/*...").
+_QUOTED_OR_URI = re.compile(r"'[^'\n]*(?:'|$)|\"[^\"\n]*(?:\"|$)|\b[a-z][a-z0-9+.-]*://\S*", re.IGNORECASE | re.MULTILINE)
 
 
 def http_stall_refusal(why: str) -> str | None:
     """DuckDB's error `why` when a remote stopped sending (httpfs's read timed out, or the connection broke) said as
     powerprof says it (what timed out, the bound, the fix; `why` kept at the end); None for any other error."""
     # DuckDB quotes the URI in its errors (and a glob's pattern bare): a bucket or folder named "timeouts" is no stall.
-    low = _QUOTED_OR_URI.sub(" ", why).lower()
+    # Its "LINE 1:" context is the query's SQL, not what went wrong: left out.
+    low = _QUOTED_OR_URI.sub(" ", why.split("\nLINE ", 1)[0]).lower()
     if "failed to read connection" not in low and "timed out" not in low and "timeout" not in low:
         return None
     return (f"the remote stopped sending (nothing for {HTTP_TIMEOUT_S:g} s, asked {1 + HTTP_RETRIES} times; or it broke "

@@ -561,11 +561,7 @@ class Proxy:
         held = (0 if not request.body_exists else INSPECT_MAX_BYTES if length is None
                 else length if length <= INSPECT_MAX_BYTES else 0)
         if held and self._inspecting + held > INSPECT_BUDGET_BYTES:
-            self.uninspected_bodies += 1
-            if trace is not None:
-                _add_error(trace, f"request body not read whole ({self._inspecting / 2**20:.1f} MiB of other requests' "
-                                  "bodies were held, waiting for their answers to begin): streamed on, its model and "
-                                  "stream not known")
+            self._over_budget(trace)
             held = 0
         self._inspecting += held
         budget = [held]  # given back by _forward once the answer's head is in (its body is never sent again)
@@ -612,8 +608,12 @@ class Proxy:
                 while True:
                     # Each read capped by the bound (one byte past it tells a longer body) and by the budget left: a
                     # chunk read whole past the deadline took 32 clients to 36.88 MiB of 32. Neither left: streams on.
-                    room = min(INSPECT_MAX_BYTES + 1 - got, INSPECT_BUDGET_BYTES - self._inspecting + budget[0] - got)
+                    # That probe byte is allowed past the budget (1 byte a body at most): without it a 1 MiB body whose
+                    # reservation filled the budget exactly could never see its end, and streamed on unread.
+                    room = min(INSPECT_MAX_BYTES + 1 - got, max(INSPECT_BUDGET_BYTES - self._inspecting + budget[0] - got,
+                                                                int(got == INSPECT_MAX_BYTES)))
                     if room <= 0:
+                        self._over_budget(trace)
                         break
                     chunk = await chunks.read(until, room)
                     if chunk is None:
@@ -658,6 +658,20 @@ class Proxy:
                 # A bug in the reader: a 500 where the server never saw the request and no row. Fail open: the
                 # bytes read go on as they came, the rest read plainly, the row saying its body was not read.
                 self._proxy_failed(e)
+                if getattr(chunks, "got", got) != got:
+                    # It had taken bytes from the stream that were not kept: failing open sent the server 2000 of a
+                    # 3000-byte body and the client a 200, its row ok. A body with bytes lost is never forwarded.
+                    self._inspecting -= budget[0]
+                    budget[0] = 0
+                    msg = (f"powerprof proxy: the request body could not be forwarded whole (its reader failed after "
+                           f"taking {chunks.got - got} bytes not kept: {error_text(e)[:150]}); not sent upstream")
+                    if trace is not None:
+                        trace.status, trace.outcome = 500, "proxy_error"
+                        _add_error(trace, msg[:300])
+                    resp = web.Response(status=500, content_type="application/json", body=json.dumps(
+                        {"error": {"message": msg, "type": "proxy_error", "code": 500}}).encode())
+                    resp.force_close()  # the rest of its body is not read: the connection cannot carry another
+                    return resp
                 if trace is not None:
                     _add_error(trace, f"request body not read (the proxy's body reader failed: {error_text(e)[:150]}):"
                                       " streamed on, its model and stream not known")
@@ -799,6 +813,14 @@ class Proxy:
             return await self._relay(request, ex, status, reason, up_headers, trace)
         finally:
             self.pool.release(ex)
+
+    def _over_budget(self, trace: RequestTrace | None) -> None:
+        """A body up to INSPECT_MAX_BYTES streamed on, not read whole, for the budget: counted, its row saying so."""
+        self.uninspected_bodies += 1
+        if trace is not None:
+            _add_error(trace, f"request body not read whole ({self._inspecting / 2**20:.1f} MiB of other requests' "
+                              "bodies were held, waiting for their answers to begin): streamed on, its model and "
+                              "stream not known")
 
     def _proxy_failed(self, e: Exception) -> None:
         self.proxy_failures += 1
