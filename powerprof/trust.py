@@ -208,6 +208,36 @@ def untrusted_out_dir(path: Path, euid: int | None = None, env: dict | None = No
 MAX_SYMLINKS = 40  # as the kernel's own limit on one lookup
 
 
+def untrusted_out_file(path: Path, euid: int | None = None, env: dict | None = None) -> str | None:
+    """Why root must not write the file `path` names, as given: `untrusted_out_dir` of its folder, and, where it is a
+    symlink, the link's own owner (root's, or the user's who ran sudo) and the folder it points into, link after link.
+    A caller that writes through the links resolves `path` only after this passes: resolved first, only the target's
+    folder was judged, and another user's link on the way (their folder `d` -> a root-only folder) chose the file root
+    wrote."""
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        return None
+    uid = sudo_uid(env)
+    trusted = (0, euid) + (() if uid is None else (uid,))
+    here = Path(path)
+    for _hop in range(MAX_SYMLINKS + 1):
+        why = untrusted_out_dir(here.parent, euid, env)
+        if why:
+            return why
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return f"cannot inspect {here}: {e.strerror or e}"
+        if not stat.S_ISLNK(st.st_mode):
+            return None
+        if st.st_uid not in trusted:
+            return f"{here} is a symlink owned by uid {st.st_uid}"
+        here = Path(os.path.join(here.parent, os.readlink(here)))  # joined, not normalised: `..` as the kernel
+    return f"too many levels of symbolic links resolving {path}"
+
+
 def _trusted_target(path: Path, euid: int, also: tuple[int, ...] = (), groups: PrivateGroups | None = None) -> str:
     """The file `path` names, found component by component: every folder on the way (from /) owned by root or `euid`
     and writable by no one else (a root-owned sticky folder excepted: /tmp, /nix/store), and every symlink on the way,

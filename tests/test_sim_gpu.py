@@ -244,3 +244,41 @@ def test_as_root_a_state_file_in_a_folder_another_user_controls_is_refused(tmp_p
     assert "crashed sweep" not in said and "Traceback" not in said, said
     monkeypatch.setenv("SUDO_UID", "65534")  # the user who ran sudo: their own folder, as for `sweep --out`
     SimNVML("seed-16g")
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="root's refusal: only root can chown a path to uid 65534")
+def test_as_root_a_state_path_through_another_users_symlink_is_refused_before_it_is_resolved(tmp_path):
+    # f7e660d5 resolved POWERPROF_SIM_STATE (realpath) before the trust check, which saw only the target's folder: a
+    # user's symlink on the way (their folder `d` -> a root-only folder) made root replace a 0600 root file there with
+    # JSON, mode 0644. Checked as given first (each folder, each symlink's owner), resolved only after.
+    import os
+
+    from powerprof.sim.nvml import SimStateRefused
+
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    mine.mkdir(mode=0o700)
+    theirs.mkdir()
+    secret = mine / "secret"
+    secret.write_text("root:secret\n")
+    os.chmod(secret, 0o600)
+    os.chown(theirs, 65534, 65534)
+    (theirs / "d").symlink_to(mine)  # their folder's link into root's
+    (theirs / "link").symlink_to(secret)
+    os.lchown(theirs / "d", 65534, 65534)
+    os.lchown(theirs / "link", 65534, 65534)
+    (mine / "their.json").symlink_to(secret)  # their symlink in root's folder (chowned to them)
+    os.lchown(mine / "their.json", 65534, 65534)
+    (mine / "via.json").symlink_to(theirs / "link")  # root's symlink to their symlink
+    for given in (theirs / "d" / "secret", mine / "their.json", mine / "via.json"):
+        with pytest.raises(SimStateRefused) as e:
+            SimNVML("seed-16g", count=1, state_path=given)
+        said = str(e.value)
+        assert said.startswith(f"simulator state file {given}:") and "uid 65534" in said, said
+    assert secret.read_text() == "root:secret\n" and secret.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in mine.iterdir()) == ["secret", "their.json", "via.json"]
+    # Root's own symlink in root's folder is written through, and named as given.
+    (mine / "root.json").symlink_to(mine / "real.json")
+    nvml = SimNVML("seed-16g", count=1, state_path=mine / "root.json")
+    nvml.nvmlInit()
+    nvml.nvmlDeviceSetPowerManagementLimit(nvml.nvmlDeviceGetHandleByIndex(0), 200_000)
+    assert (mine / "root.json").is_symlink() and "power_limit_mw" in (mine / "real.json").read_text()

@@ -186,8 +186,9 @@ def root_lock_dir(scope: str) -> Path:
 
 
 def scope_identity(scope: str) -> str:
-    """What names `scope`'s GPUs for the machine-wide lock: the scope itself, and a simulator's by its state folder's
-    (st_dev, st_ino) and the file's name, so every path to that folder (a bind mount, a symlinked folder) names one GPU.
+    """The second name of `scope`'s GPUs for the machine-wide lock, beside its path (`MachineLock._name`): the scope
+    itself, and a simulator's by its state folder's (st_dev, st_ino) and the file's name, so every path to that folder
+    (a bind mount, a symlinked folder) names one GPU.
     By path, a second root controller reaching the folder through a bind mount got another name and stepped the GPU
     the first held. A folder that cannot be read is named by its path."""
     if not scope.startswith("sim:"):
@@ -224,15 +225,27 @@ class MachineLock:
         self.index = index
         self.root_dir = root_lock_dir(scope)
         self._name()
-        self.warning: str | None = None  # a holder of the name passed over (root only), as said on stderr
-        self._sock: socket.socket | None = None
+        self.warning: str | None = None  # a holder of a name passed over (root only), as said on stderr
+        self._socks: dict[bytes, socket.socket] = {}  # each of `names` held
         self._fd: int | None = None
 
     def _name(self) -> None:
-        """The abstract name and root's lock file, from the scope's identity (`scope_identity`)."""
-        digest = hashlib.sha256(f"{scope_identity(self.scope)}\0{self.uuid}".encode()).hexdigest()[:40]
-        self.name = b"\0powerprof-gpu-" + digest.encode()
-        self.root_path = self.root_dir / f"gpu-{digest}.lock"
+        """The abstract names and root's lock file. Two names, each taken and either held busy: by the scope's path
+        (`name`, the state file's realpath) and by its identity (`scope_identity`, the state folder's inode). By the
+        inode alone (f7e660d5), a folder removed and made again while A held the GPU had a new inode, B another name,
+        and B took the GPU beside A; by the path alone, a bind mount of the folder was another GPU. Root's lock file is
+        named by the identity: a bind mount reaches the same file (a folder made again has lost it: the path's name
+        holds then)."""
+        digests = [hashlib.sha256(f"{key}\0{self.uuid}".encode()).hexdigest()[:40]
+                   for key in dict.fromkeys((self.scope, scope_identity(self.scope)))]
+        self.names = tuple(b"\0powerprof-gpu-" + d.encode() for d in digests)
+        self.name = self.names[0]
+        self.root_path = self.root_dir / f"gpu-{digests[-1]}.lock"
+
+    @property
+    def _sock(self) -> socket.socket | None:
+        """The socket holding `name`, the path's (None: not held)."""
+        return self._socks.get(self.name)
 
     def _gpu(self) -> str:
         return f"GPU {self.index} ({self.uuid})" if self.index is not None else f"GPU {self.uuid}"
@@ -253,7 +266,7 @@ class MachineLock:
     def acquire(self, probe: bool = False) -> None:
         """Take the lock (GpuBusyError where a controller holds it). `probe`: as root, create no folder or file (a dry
         run's question: `holder_now` lets it go at once)."""
-        if self._sock is not None or self._fd is not None:
+        if self._socks or self._fd is not None:
             return
         if self.scope.startswith("sim:") and not probe:
             # The name is the state folder's identity: made first, so every controller names it by the same folder
@@ -266,8 +279,10 @@ class MachineLock:
         if root:
             self._root_flock(probe)
         try:
-            self._bind(root)
+            for name in self.names:
+                self._bind(root, name)
         except BaseException:
+            self._close_socks()
             self._drop_root_flock()
             raise
 
@@ -341,13 +356,16 @@ class MachineLock:
             finally:
                 os.close(fd)
 
-    def _bind(self, root: bool) -> None:
+    def _bind(self, root: bool, name: bytes | None = None) -> None:
+        """Take `name` (default `name`, the path's) into `_socks`, or pass over a holder that is no controller (root,
+        `warning`); GpuBusyError where a controller holds it."""
+        name = self.name if name is None else name
         unanswered = 0
         counted: frozenset[str] | None = None  # the socket a counted full or answered connect reached
         for attempt in range(5):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
             try:
-                s.bind(self.name)
+                s.bind(name)
                 # Its peer credentials answer a connect, accepted or not. Never accepted, each connect that asked stays
                 # queued until the holder exits, and a full queue answers none: with a queue of 1 the holder went
                 # unnamed from the third question on ("another powerprof process", `kill PID`). SOMAXCONN (4096 here,
@@ -358,19 +376,19 @@ class MachineLock:
                 if e.errno != errno.EADDRINUSE:
                     raise
             else:
-                self._sock = s
+                self._socks[name] = s
                 return
             if not root:
-                raise self._busy(*_holder(self.name)) from None
+                raise self._busy(*_holder(name)) from None
             # Root: the processes that hold the socket now, read through /proc. The peer credentials name the one that
             # called listen(), which may have exited leaving a child of its own holding the socket (that PID gone, or
             # another process's by now); they are the answer only where /proc is partial (a sandbox's ProtectProc).
             # Where /proc was read whole and shows every process, a socket no thread holds is no controller's however
             # a connect goes: a parked one answered (queued by the kernel) named its dead listener, and root refused.
-            holders, whole, bound = _holders_from_proc(self.name)
+            holders, whole, bound = _holders_from_proc(name)
             seen_all = whole and _sees_every_process()
             if not holders and not seen_all:
-                pid, uid = _holder(self.name)
+                pid, uid = _holder(name)
                 holders = [(pid, uid, None)] if pid else []
             if not holders:
                 # No process shows it in its descriptors: gone in between, or held by no controller: a name parked in
@@ -381,8 +399,8 @@ class MachineLock:
                 # controller holds its socket open), and only for the one socket the scan found at the name, the same
                 # in every try and still there after the connect: a squatter that let go between the scan and the
                 # connect left it to a real controller, whose queue, filled, answered the same, and root passed it over.
-                answer = _unanswered(self.name)
-                same = len(bound) == 1 and _bound_sockets(self.name) == bound and counted in (None, bound)
+                answer = _unanswered(name)
+                same = len(bound) == 1 and _bound_sockets(name) == bound and counted in (None, bound)
                 if answer == "refused":
                     unanswered += 1
                 elif answer in ("full", "answered") and seen_all and same:
@@ -395,56 +413,67 @@ class MachineLock:
                 # full or answered queue counted, the socket it reached is still the one at the name, read last (a few
                 # ms after the scan's start, not the scan's 0.1 s): without, 1 try in 16 passed over a controller that
                 # bound during this scan (h-rev2 f2b).
-                holders, _whole, bound = _holders_from_proc(self.name)
-                stable = counted is None or bound == counted == _bound_sockets(self.name)
+                holders, _whole, bound = _holders_from_proc(name)
+                stable = counted is None or bound == counted == _bound_sockets(name)
                 if unanswered == 5 and not holders and stable:
-                    self.warning = (
+                    said = (
                         f"{self._gpu()}: its machine-wide lock name is held, but by no process that holds it open "
                         "(every powerprof controller holds its own and listens), so it is no powerprof controller: "
                         "passed over "
                         f"(root's controllers exclude each other through {self.root_dir})")
-                    print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
+                    self._pass_over(said)
                     return
             controlling = [(p, u) for p, u, t in holders if could_control(self.scope, p, u, tid=t)]
             if not holders or controlling:
                 raise self._busy(*(controlling[0] if controlling else (None, None)))
             named = ", ".join(dict.fromkeys(f"process {p} (uid {u})" for p, u, _t in holders))
-            self.warning = (
+            said = (
                 f"{self._gpu()}: its machine-wide lock name is held by {named}, which could not change this GPU's "
                 "power limit (neither root nor CAP_SYS_ADMIN" + (", nor allowed to write the simulator's state" if
                                                                   self.scope.startswith("sim:") else "")
                 + "), so it is no powerprof controller: passed over (root's controllers exclude each other through "
                 f"{self.root_dir}). Held by another user, the name keeps every controller not run as root (a CAP_SYS_ADMIN "
                 f"user's) off this GPU: see `ps -o user,pid,args -p {holders[0][0]}`")
-            print(f"powerprof: warning: {self.warning}", file=sys.stderr, flush=True)
+            self._pass_over(said)
             return
 
+    def _pass_over(self, said: str) -> None:
+        """Keep `said` as `warning` and say it on stderr, once: the same holder of both names is one warning."""
+        if said != self.warning:
+            self.warning = said
+            print(f"powerprof: warning: {said}", file=sys.stderr, flush=True)
+
     def reclaim(self) -> bool:
-        """Root, having passed over a holder of the name (`warning`): bind the name now if it is free, and keep it.
+        """Root, having passed over a holder of a name (`warning`): bind each name it lacks now if free, and keep it.
         Passed over, root never took it: once the squatter left, a controller not run as root (a CAP_SYS_ADMIN user's,
         which has only the name) could take the GPU beside root's. Called at each limit change; never raises. Whether
         the name is held now."""
-        if self._sock is not None:
+        missing = [n for n in self.names if n not in self._socks]
+        if not missing:
             return True
         if self._fd is None:
             return False  # not held at all (released, or never taken)
-        try:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # out of descriptors (EMFILE) too: False, no raise
-        except OSError:
-            return False
-        try:
-            s.bind(self.name)
-            s.listen(socket.SOMAXCONN)
-        except OSError:
-            s.close()
-            return False
-        self._sock = s
+        for name in missing:
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # out of descriptors (EMFILE): False, no raise
+            except OSError:
+                return False
+            try:
+                s.bind(name)
+                s.listen(socket.SOMAXCONN)
+            except OSError:
+                s.close()
+                return False
+            self._socks[name] = s
         return True
 
-    def release(self) -> None:
-        s, self._sock = self._sock, None
-        if s is not None:
+    def _close_socks(self) -> None:
+        socks, self._socks = self._socks, {}
+        for s in socks.values():
             s.close()
+
+    def release(self) -> None:
+        self._close_socks()
         self._drop_root_flock()
 
 

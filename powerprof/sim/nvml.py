@@ -29,7 +29,7 @@ from typing import Callable
 import pynvml
 
 from powerprof.paths import temp_sibling, user_state_home
-from powerprof.trust import PlaceRefused, untrusted_out_dir
+from powerprof.trust import PlaceRefused, untrusted_out_file
 
 from .gpu import SimGpu
 from .profiles import DEFAULT_PROFILE, MAX_SIM_GPUS, GpuProfile, get_profiles
@@ -164,22 +164,27 @@ class _StateFile:
     """Power limits and locked clocks per UUID, JSON, replaced atomically under an flock."""
 
     def __init__(self, path: Path | None):
-        self.path = path
+        self.given = path  # as the user named it: what messages say
         self._mtime_ns = -1
-        # As root, the state file's folder (and the load file's, its lock's and temporaries', the same folder) must be
-        # root's, or of the user who ran sudo, writable by no one else (`untrusted_out_dir`): in another user's folder
-        # they could plant symlinks at the names root writes there.
-        why = path is not None and untrusted_out_dir(path.parent)
+        # As root, the state file as given must be root's to choose: its folder (and the load file's, its lock's and
+        # temporaries', the same folder) root's, or the user's who ran sudo, writable by no one else, and any symlink at
+        # its name or on its way theirs too (`untrusted_out_file`): another user could plant a symlink there to have
+        # root write any file. Only then resolved, once, and written through: a root link stays a link, and a second
+        # controller given the link or its target has the same file, scope and lock. Resolved before this check, only
+        # the target's folder was judged, and another user's link chose the file root wrote (f7e660d5).
+        why = path is not None and untrusted_out_file(path)
         if why:
             raise SimStateRefused(
                 f"simulator state file {path}: refusing to use it as root: {why}; another user could plant symlinks "
                 f"there to have root write any file. Fix: point {STATE_ENV} at a file in a folder of root's own (or of "
                 "the user who ran sudo), writable by no one else, or unset it. Nothing was written")
+        self.path = Path(os.path.realpath(path)) if path is not None else None
 
     def warn(self, why: str) -> None:
         """One warning line naming the file, once a process: a file that is not what the simulator writes was read
         as the defaults without a word (truncated JSON), or stopped every command (a list: a traceback)."""
-        line = f"simulator state file {self.path}: {why}"
+        named = f"{self.given}" + (f" (the file {self.path})" if self.path != self.given else "")
+        line = f"simulator state file {named}: {why}"
         if line not in _SAID:  # per process: `restore --simulate` opens a simulator per record beside the rig's
             _SAID.add(line)
             _log.warning("%s", line)
@@ -326,9 +331,7 @@ class SimNVML:
         self.profile = self.profiles[0]
         if state_path is True:
             state_path = default_state_path()
-        # Resolved once, and written through: a symlink given as the state file was replaced by the first write (a
-        # regular file at its name), and a second controller given the same link had another file, scope and lock.
-        self._state = _StateFile(Path(os.path.realpath(state_path)) if state_path else None)
+        self._state = _StateFile(Path(state_path) if state_path else None)
         self.privileged = (os.environ.get(UNPRIVILEGED_ENV) != "1") if privileged is None else privileged
         self._lock = threading.Lock()
         self._cost_rng = random.Random(0x5EED)

@@ -819,11 +819,40 @@ def test_a_state_file_reached_through_a_bind_mount_is_one_gpu(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     code = ("import sys; from powerprof.control.gpulock import MachineLock; "
-            "print(MachineLock(sys.argv[1], 'GPU-x').name.hex())")
+            "print(MachineLock(sys.argv[1], 'GPU-x').names[-1].hex())")
     r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
                         'mount --bind "$1" "$2" || exit 97; exec "$3" -c "$4" "sim:$2/sim.json"', "sh",
                         str(tmp_path / "a"), str(tmp_path / "b"), sys.executable, code],
                        capture_output=True, text=True, timeout=WAIT_S)
     if r.returncode == 97 or r.stderr.startswith("unshare:"):
         pytest.skip(f"no private bind mount here: {r.stderr.strip()}")
-    assert r.stdout.strip() == MachineLock(f"sim:{tmp_path}/a/sim.json", "GPU-x").name.hex(), r.stderr
+    assert r.stdout.strip() == MachineLock(f"sim:{tmp_path}/a/sim.json", "GPU-x").names[-1].hex(), r.stderr  # the inode's
+
+
+def test_a_state_folder_made_again_while_a_controller_holds_it_is_still_one_gpu(tmp_path):
+    # f7e660d5 named a simulated GPU by its state folder's inode alone: the folder removed and made again (a cleanup;
+    # the holder's next write makes it again) while A held the GPU, B named it by the new inode and took it beside A
+    # (before: refused, naming A). Both names now, the path's and the inode's, either held busy.
+    import shutil  # noqa: PLC0415
+
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+
+    folder = tmp_path / "sim-folder"
+    folder.mkdir(mode=0o700)
+    scope = f"sim:{folder}/sim.json"
+    a = MachineLock(scope, "GPU-remade", 0)
+    a.acquire()
+    try:
+        shutil.rmtree(folder)
+        folder.mkdir(mode=0o700)
+        b = MachineLock(scope, "GPU-remade", 0)
+        with pytest.raises(GpuBusyError):
+            b.acquire()
+        assert b._socks == {} and b._fd is None  # nothing of it kept
+    finally:
+        a.release()
+    b.acquire()  # A gone: both of its names free
+    assert set(b._socks) == set(b.names) and len(b.names) == 2
+    b.release()
+    b.acquire()
+    b.release()
