@@ -3843,3 +3843,59 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
         assert "until its max_tokens (40) were decoded" in note and "llama-server" in note, note
         assert rows[3]["attributed_tokens"] == pytest.approx(40, abs=1), rows[3]
     assert "ran on" not in (rows[4]["energy_note"] or ""), rows[4]["energy_note"]
+
+
+def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_not_read_as_bypass_tokens_when_the_server_counts_it():
+    # llama-server counts a whole answer it ran on to its end after its client left (`_run_on`) like any other: its
+    # tokens in /slots' n_decoded as it decodes them, then in llamacpp:tokens_predicted_total. The ledger placed them
+    # for its energy alone (as SGLang's, which that server counts nowhere), so the scrape windows read them as
+    # bypass tokens that never ran: its 40 tokens booked as `unproxied`, their energy taken from the requests.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.runs_on_after_leave = (None, None)
+
+    def chat(rid, a, stream, **extra):
+        tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat", stream=stream)
+        tr.extra.update(prompt_chars=400, **extra)
+        return tr
+
+    done, nb, whole = chat(1, 0.0, True), chat(2, 0.0, True), chat(3, 0.5, False, max_tokens=40)
+    tick = S // 40  # the batch's step: a token every 25 ms for each sequence
+    done_t = [tick * (k + 1) for k in range(20)]
+    nb_t = [int(0.1 * S) + tick * k for k in range(200)]
+    run_t = [int(0.62 * S) + tick * k for k in range(40)]  # the run-on's decode, as the server did it (for nobody)
+    server = sorted(done_t + nb_t + run_t)
+    for tr in (done, nb, whole):
+        led.on_start(tr)
+    led.add_server_tokens(0, 0.0)  # the baseline
+    e, counted, prev = 0.0, 0, 0
+    for step in range(1, 241):
+        t = step * tick
+        led.on_tokens(done, t, 1) if t in done_t else None
+        led.on_tokens(nb, t, 1) if t in nb_t else None
+        if t == done_t[-1]:
+            done.first_ns, done.last_ns, done.end_ns, done.outcome = done_t[0], done_t[-1], t + 5_000_000, "ok"
+            done.counts = Counts(generated_tokens=20, prompt_tokens=100, model=None, stop_reason="length",
+                                 token_source="usage")
+            led.on_end(done)
+        if t == int(0.6 * S):
+            whole.end_ns, whole.outcome = t, "client_disconnected"
+            led.on_end(whole)
+        if t == nb_t[-1]:
+            nb.first_ns, nb.last_ns, nb.end_ns, nb.outcome = nb_t[0], nb_t[-1], t + 5_000_000, "ok"
+            nb.counts = Counts(generated_tokens=200, prompt_tokens=100, model=None, stop_reason="length",
+                               token_source="usage")
+            led.on_end(nb)
+        if step % 4 == 0:
+            e += 100.0 * 0.1
+            led.add_gpu_sample(t, t, [R(e, 100.0)])
+        if step % 10 == 0:  # scraped every 0.25 s
+            n = sum(1 for x in server if x <= t)
+            led.add_server_tokens(t, float(n - counted), prev)
+            counted, prev = n, t
+        led.advance(t)
+    led.close_all(int(7 * S))
+    rows = {r["request_id"]: r for r in led.emit.rows["requests"]}
+    bypass = sum(r["server_tokens"] or 0 for r in led.emit.rows["intervals"])
+    assert rows[3]["attributed_tokens"] == pytest.approx(40, abs=1), rows[3]
+    assert bypass < 3, (bypass, [(r["kind"], r["server_tokens"]) for r in led.emit.rows["intervals"]])
+    assert not [r for r in led.emit.rows["intervals"] if r["kind"] == "unproxied"]
