@@ -575,7 +575,14 @@ class Ledger:
             return  # it had shown all its max_tokens allow: the server had finished it, nothing ran on (its row said so)
         if tr.stream is True:
             if stream_s is None:
-                return  # it stops within a token of its client's leaving (llama-server looks after each result)
+                # llama-server looks at a stream's connection after each result of its own: it stops within a token of
+                # its client's leaving, but one gone before its first token prefills its prompt whole first. Its run
+                # ends at its estimated first token (its prompt at the rate in use), costed its whole prompt
+                # (`_cost_gone`); bounded by its time in flight, a 12000-token prompt cut 0.1 s in was costed 1000.
+                first = self._prefill_end_est_ns(r) if tr.first_ns is None and gone_unsaid(r) else None
+                if first is not None and first > tr.end_ns:
+                    r.run_on_end_ns, r.run_on_prefill = first, True
+                return
             r.run_on_end_ns = tr.end_ns + int(stream_s * 1e9)
         elif wait_s is None:
             # llama-server runs it on to its end: its wait for the result, woken by every result the server sends (the
@@ -597,6 +604,20 @@ class Ledger:
         # Placed once the streams beside it have shown that run (`_place_run_ons`; the intervals from here held till then).
         r.run_on_from_ns = max([tr.last_ns, *r.ev_t[-1:], *(e.t_ns for e in self.edges[:1])])  # none in a closed interval
 
+    def _prefill_end_est_ns(self, r: LiveRequest) -> int | None:
+        """When its prompt's prefill ends if it ran from its arrival at the rate in use: its prompt the server's count,
+        else its body's estimate (None: neither)."""
+        tr = r.trace
+        prompt = told_prompt_tokens(r)
+        if prompt is None:
+            est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"),
+                                               tr.extra.get("prompt_count", 1))
+            if est is None:
+                return None
+            prompt = est[0]
+        costs = self.learner.costs(self.edges[-1].setting) if self.edges else attr.WorkCosts()
+        return tr.arrival_ns + int(prompt / max(costs.prefill_tok_s, attr.PREFILL_TOK_S_SLOW) * 1e9)
+
     def _list_run_on_to_end(self, r: LiveRequest, n: float) -> None:
         """A whole answer llama-server runs on to its end (`_run_on`) is counted by it as any other: as it decodes (its
         /slots `n_decoded`), then in `llamacpp:tokens_predicted_total`. Its `n` tokens are listed for the scrape
@@ -608,12 +629,8 @@ class Ledger:
         if not self.recon.server_seen or n <= 0:
             return
         tr = r.trace
-        told = told_prompt_tokens(r)
-        est = None if told is not None else self.prompt_lengths.estimate(
-            tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"), tr.extra.get("prompt_count", 1))
-        prompt = told if told is not None else est[0] if est is not None else 0.0
-        costs = self.learner.costs(self.edges[-1].setting) if self.edges else attr.WorkCosts()
-        first = tr.arrival_ns + int(prompt / max(costs.prefill_tok_s, attr.PREFILL_TOK_S_SLOW) * 1e9)
+        first = self._prefill_end_est_ns(r)
+        first = tr.arrival_ns if first is None else first
         span_ns = int(n / (float(np.median(self._paces)) * max(tr.extra.get("sequences", 1), 1)) * 1e9)
         k = max(1, min(SPREAD_EVENTS, int(np.ceil(n))))
         ts = [first + span_ns * (j + 1) // k for j in range(k)]
@@ -2134,7 +2151,9 @@ class Ledger:
         for i in idx:
             a_ns, e_ns = int(arrival[i]), int(end[i])
             beside = placed.beside(i, a_ns, e_ns)
-            room = max((e_ns - a_ns) / 1e9 * costs.prefill_tok_s - beside, 0.0)
+            # One llama.cpp prefilled whole after its client left (`_run_on`) is costed its whole prompt: no bound.
+            room = (float("inf") if reqs[i].run_on_prefill else
+                    max((e_ns - a_ns) / 1e9 * costs.prefill_tok_s - beside, 0.0))
             prompt[i] = self._prompt_work(reqs[i], True, (room, (e_ns - a_ns) / 1e9, beside, costs))
             computed[i] = max(prompt[i] - cached[i], 0.0)
             placed.replace(i, computed[i])
@@ -2151,6 +2170,9 @@ class Ledger:
         for i in np.flatnonzero(gone_first):
             r = reqs[i]
             if r.run_on_end_ns is None:
+                continue
+            if r.run_on_prefill:  # llama.cpp's stream: its prefill to its estimated first token, nothing decoded after
+                first[i] = r.run_on_end_ns
                 continue
             rate = max(costs.prefill_tok_s, attr.PREFILL_TOK_S_SLOW)
             first[i] = int(arrival[i]) + int(computed[i] / rate * 1e9)

@@ -371,6 +371,10 @@ def _run_on_note(r: LiveRequest) -> str:
     answer on llama.cpp) until its end (`Ledger._run_on`: scrape.RUNS_ON_AFTER_LEAVE)."""
     tr = r.trace
     s = (r.run_on_end_ns - tr.end_ns) / 1e9
+    if r.run_on_prefill:  # llama.cpp: a stream gone before its first token
+        return (f"llama-server prefilled its prompt whole after its client left, about {s:.1f} s to its estimated first "
+                "token (it looks at a stream's connection only at a result of its own): its energy includes that "
+                "prefill, which no client received, costed its whole prompt")
     stream_s, wait_s = RUNS_ON_AFTER_LEAVE["sglang"]
     how = (f"a stream's request {stream_s:g} s after its client left" if tr.stream is True else
            f"a whole answer's request at its next {wait_s:g} s wait from its start")
