@@ -592,6 +592,7 @@ class Ledger:
             # unknown: costed as one aborted at once (its prompt), its row saying what it decoded is unseen.
             seqs = max(tr.extra.get("sequences", 1), 1)
             if not (isinstance(limit, int) and limit > 0) or not self._paces:
+                r.run_on_unknown = True  # its row says so (rowtext.WHOLE_GONE_RUN_ON), not an aborting server's words
                 return
             span_s = 2.0 * limit / float(np.median(self._paces))
             r.run_on_end_ns, r.run_on_to_end = tr.end_ns + int(min(span_s, RUN_ON_TO_END_MAX_S) * 1e9), True
