@@ -540,8 +540,8 @@ class Ledger:
                 self.recon.finished.append((int(t), n, max(0, int(t) - trace.arrival_ns)))
             self.recon.note_end(r)
         self._learn_pace(r)
-        # After the count listed for the scrape windows above: SGLang counts none of the run-on, llama.cpp all of it
-        # (listed apart: `_list_run_on_to_end`).
+        # After the count listed for the scrape windows above: SGLang counts none of the run-on. llama.cpp counts all
+        # of a whole answer's run to its end, and it is not listed (docs/daemon.md: read as bypass tokens, a known gap).
         self._run_on(r)
         return added
 
@@ -560,8 +560,8 @@ class Ledger:
         max_tokens: scrape.RUNS_ON_AFTER_LEAVE): it stays in the split
         until then (`run_on_end_ns`, `server_end_ns`), and a stream's decode goes on there at its batch's pace
         (`_place_run_ons`, once the streams beside it have shown that run), placed as token events no scrape window lists
-        (SGLang counts an aborted request's tokens nowhere; llama.cpp's run to its end is listed apart,
-        `_list_run_on_to_end`). Without it that work went to the requests beside it:
+        (SGLang counts an aborted request's tokens nowhere; llama.cpp counts a run to its end, unlisted: a known
+        gap, docs/daemon.md). Without it that work went to the requests beside it:
         on the simulator's SGLang, streams cut after 41 tokens decoded 100-170 more for nobody, and the requests beside
         them were +54% to +251%, the cut ones 29-61% low."""
         tr = r.trace
@@ -590,13 +590,11 @@ class Ledger:
             # placed at its max_tokens (`_place_run_on` stops it there at its batch's pace); the run is held open for
             # twice as long as the server's latest streams' pace decodes them. Without a max_tokens or a pace its end is
             # unknown: costed as one aborted at once (its prompt), its row saying what it decoded is unseen.
-            seqs = max(tr.extra.get("sequences", 1), 1)
             if not (isinstance(limit, int) and limit > 0) or not self._paces:
                 r.run_on_unknown = True  # its row says so (rowtext.WHOLE_GONE_RUN_ON), not an aborting server's words
                 return
             span_s = 2.0 * limit / float(np.median(self._paces))
             r.run_on_end_ns, r.run_on_to_end = tr.end_ns + int(min(span_s, RUN_ON_TO_END_MAX_S) * 1e9), True
-            self._list_run_on_to_end(r, limit * seqs)
         else:
             wait_ns = int(wait_s * 1e9)
             r.run_on_end_ns = tr.arrival_ns + max(1, -(-(tr.end_ns - tr.arrival_ns) // wait_ns)) * wait_ns
@@ -618,25 +616,6 @@ class Ledger:
             prompt = est[0]
         costs = self.learner.costs(self.edges[-1].setting) if self.edges else attr.WorkCosts()
         return tr.arrival_ns + int(prompt / max(costs.prefill_tok_s, attr.PREFILL_TOK_S_SLOW) * 1e9)
-
-    def _list_run_on_to_end(self, r: LiveRequest, n: float) -> None:
-        """A whole answer llama-server runs on to its end (`_run_on`) is counted by it as any other: as it decodes (its
-        /slots `n_decoded`), then in `llamacpp:tokens_predicted_total`. Its `n` tokens are listed for the scrape
-        windows now, before those windows are resolved, where the server decodes them: from its prompt's estimated
-        prefill end at the median of the server's latest streams' paces (its energy is placed at its close at its
-        batch's pace, `_run_on_gone`, no window listing that). Unlisted, every one read as a bypass token in the
-        windows it ran in (40 of a 40-token answer, their energy moved to `unproxied`;
-        tests/test_daemon_ledger.py). SGLang counts none of an aborted request's tokens: none listed there."""
-        if not self.recon.server_seen or n <= 0:
-            return
-        tr = r.trace
-        first = self._prefill_end_est_ns(r)
-        first = tr.arrival_ns if first is None else first
-        span_ns = int(n / (float(np.median(self._paces)) * max(tr.extra.get("sequences", 1), 1)) * 1e9)
-        k = max(1, min(SPREAD_EVENTS, int(np.ceil(n))))
-        ts = [first + span_ns * (j + 1) // k for j in range(k)]
-        self.recon.proxied.extend(zip(ts, [n / k] * k))
-        self.recon.finished.append((ts[-1], n, max(0, ts[-1] - tr.arrival_ns)))
 
     def _place_run_ons(self, known_ns: int | None, force_ns: int | None = None) -> None:
         """Place the run-on of each stream whose client left (`_run_on`) once the proxy has seen the streams beside it
@@ -694,8 +673,8 @@ class Ledger:
 
     def _place_run_on(self, r: LiveRequest, start_ns: int, tok_s: float, whose: str) -> None:
         """Token events at `tok_s` from `start_ns` to its run-on's end, no more than its max_tokens leave, straight into
-        its events (not `_place`: no scrape window may list them here; SGLang counts none of them, and llama.cpp's, which
-        it counts, were listed at its client's leaving, `_list_run_on_to_end`)."""
+        its events (not `_place`: no scrape window lists them; SGLang counts none of them, llama.cpp those of a whole
+        answer's run to its end, read as bypass tokens: docs/daemon.md, a known gap)."""
         seqs = max(r.trace.extra.get("sequences", 1), 1)
         span_ns = r.run_on_end_ns - start_ns
         n = tok_s * span_ns / 1e9
