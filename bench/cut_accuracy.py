@@ -7,8 +7,9 @@ The daemon (1 s intervals) in front of the simulated continuous-batching server 
 of 80 tokens, 0.4 s apart, beside 4 whole answers of 12000-token prompts whose clients leave 0.25 s in (mid-prefill)
 and 4 streams whose clients leave after 40 chunks (41 tokens: mid-decode; SGLang runs both on until its abort,
 docs/daemon.md "A request the server runs on after its client left"). Each class's median |error| of `gpu_energy_j`
-against the simulator's truth and its range are printed, and the cut streams' tokens against the truth's; runs of the
-same code differ by a few points. Nothing is asserted here (tests/test_daemon_cut_streams.py runs a smaller scene).
+against the simulator's truth and its range are printed, and the cut streams' tokens against the truth's; with them the
+bypass tokens the daemon read (none ran) and their `unproxied` joules, and the rows' energy summed against the truth's;
+runs of the same code differ by a few points. Nothing is asserted here (tests/test_daemon_cut_streams.py runs a smaller scene).
 """
 
 from __future__ import annotations
@@ -117,6 +118,13 @@ def run(flavour: str, data: Path) -> dict:
             got.append((t, err, tr.get("generated"), None if r is None else r["attributed_tokens"],
                         None if r is None else r["energy_note"]))
         out[cls] = got
+    # Bypass traffic as the daemon read it (none ran: every request went through the proxy): tokens the server counted
+    # beyond the proxy's, and the energy they took (`unproxied`).
+    ivs = pads.dataset(data / "intervals", partitioning="hive").to_table(
+        columns=["server_tokens", "unproxied_energy_j"]).to_pylist()
+    out["bypass"] = (sum(x["server_tokens"] or 0 for x in ivs), sum(x["unproxied_energy_j"] or 0 for x in ivs),
+                     sum(r["gpu_energy_j"] or 0 for t, r in rows.items() if t in truth),
+                     sum(truth[t]["energy_j"] for t in rows if t in truth))
     return out
 
 
@@ -130,6 +138,9 @@ def main() -> None:
         for k in range(args.runs):
             with tempfile.TemporaryDirectory() as d:
                 res = run(flavour, Path(d) / "data")
+            bypass_tokens, bypass_j, rows_j, truth_j = res.pop("bypass")
+            print(f"{flavour} run {k + 1}: bypass read (none ran) {bypass_tokens:.0f} tokens, {bypass_j:.0f} J unproxied; "
+                  f"the rows' energy {rows_j:.0f} J, the truth's {truth_j:.0f} J")
             for cls, got in res.items():
                 errs = [e for _, e, _, _, _ in got if e is not None]
                 if not got:

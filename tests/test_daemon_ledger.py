@@ -1611,8 +1611,9 @@ def test_gone_prompts_are_costed_as_the_sum_over_every_request_gave(seed):
     rate = float(rng.choice([1_000.0, 16_000.0]))
     want_p, want_c = _cost_gone_direct(gone, arrival, first, end, prompt.copy(), cached, computed.copy(), est, rate)
     got_p, got_c = prompt.copy(), computed.copy()
-    stub = SimpleNamespace(_prompt_work=lambda r, done, room: min(est[r], room[0]))
-    Ledger._cost_gone(stub, list(range(n)), gone.tolist(), arrival, first.astype(np.int64), end, got_p, cached, got_c,
+    stub = SimpleNamespace(_prompt_work=lambda r, done, room: min(est[r.i], room[0]))
+    reqs = [SimpleNamespace(i=i, run_on_prefill=False) for i in range(n)]  # none prefilled whole after it left (llama.cpp)
+    Ledger._cost_gone(stub, reqs, gone.tolist(), arrival, first.astype(np.int64), end, got_p, cached, got_c,
                       attr.WorkCosts(prefill_tok_s=rate))
     # Equal but for float rounding, which the chain of rooms can carry far: the direct sums moved by 0.2 tokens in a
     # scene of 1250 requests where the estimates were moved by one part in 1e15.
@@ -3982,8 +3983,102 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
     note = rows[3]["energy_note"] or ""
     if limit is None:
         assert "the server ran on" not in note and "it ended before its first token" in note, note
+        # llama-server ran it on to an end nothing tells: not the words of a server that aborts it at once (vLLM's).
+        assert "aborts a request whose client left at once" not in note, note
+        assert "llama-server ran it on to an end not known" in note and "not costed" in note, note
         assert rows[3]["prompt_tokens_estimate"] > 0 and rows[3]["gpu_energy_j"] > 0, rows[3]
     else:
         assert "until its max_tokens (40) were decoded" in note and "llama-server" in note, note
         assert rows[3]["attributed_tokens"] == pytest.approx(40, abs=1), rows[3]
     assert "ran on" not in (rows[4]["energy_note"] or ""), rows[4]["energy_note"]
+
+
+@pytest.mark.xfail(strict=True, reason="a known gap (docs/daemon.md): listing them (47667652) made the bypass right and "
+                   "the split wrong, the streams beside the last cut answer +50% to +80% in test_daemon_cut_streams.py")
+def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_not_read_as_bypass_tokens_when_the_server_counts_it():
+    # llama-server counts a whole answer it ran on to its end after its client left (`_run_on`) like any other: its
+    # tokens in /slots' n_decoded as it decodes them, then in llamacpp:tokens_predicted_total. The ledger placed them
+    # for its energy alone (as SGLang's, which that server counts nowhere), so the scrape windows read them as
+    # bypass tokens that never ran: its 40 tokens booked as `unproxied`, their energy taken from the requests.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.runs_on_after_leave = (None, None)
+
+    def chat(rid, a, stream, **extra):
+        tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat", stream=stream)
+        tr.extra.update(prompt_chars=400, **extra)
+        return tr
+
+    done, nb, whole = chat(1, 0.0, True), chat(2, 0.0, True), chat(3, 0.5, False, max_tokens=40)
+    tick = S // 40  # the batch's step: a token every 25 ms for each sequence
+    done_t = [tick * (k + 1) for k in range(20)]
+    nb_t = [int(0.1 * S) + tick * k for k in range(200)]
+    run_t = [int(0.62 * S) + tick * k for k in range(40)]  # the run-on's decode, as the server did it (for nobody)
+    server = sorted(done_t + nb_t + run_t)
+    for tr in (done, nb, whole):
+        led.on_start(tr)
+    led.add_server_tokens(0, 0.0)  # the baseline
+    e, counted, prev = 0.0, 0, 0
+    for step in range(1, 241):
+        t = step * tick
+        led.on_tokens(done, t, 1) if t in done_t else None
+        led.on_tokens(nb, t, 1) if t in nb_t else None
+        if t == done_t[-1]:
+            done.first_ns, done.last_ns, done.end_ns, done.outcome = done_t[0], done_t[-1], t + 5_000_000, "ok"
+            done.counts = Counts(generated_tokens=20, prompt_tokens=100, model=None, stop_reason="length",
+                                 token_source="usage")
+            led.on_end(done)
+        if t == int(0.6 * S):
+            whole.end_ns, whole.outcome = t, "client_disconnected"
+            led.on_end(whole)
+        if t == nb_t[-1]:
+            nb.first_ns, nb.last_ns, nb.end_ns, nb.outcome = nb_t[0], nb_t[-1], t + 5_000_000, "ok"
+            nb.counts = Counts(generated_tokens=200, prompt_tokens=100, model=None, stop_reason="length",
+                               token_source="usage")
+            led.on_end(nb)
+        if step % 4 == 0:
+            e += 100.0 * 0.1
+            led.add_gpu_sample(t, t, [R(e, 100.0)])
+        if step % 10 == 0:  # scraped every 0.25 s
+            n = sum(1 for x in server if x <= t)
+            led.add_server_tokens(t, float(n - counted), prev)
+            counted, prev = n, t
+        led.advance(t)
+    led.close_all(int(7 * S))
+    rows = {r["request_id"]: r for r in led.emit.rows["requests"]}
+    bypass = sum(r["server_tokens"] or 0 for r in led.emit.rows["intervals"])
+    assert rows[3]["attributed_tokens"] == pytest.approx(40, abs=1), rows[3]
+    assert bypass < 3, (bypass, [(r["kind"], r["server_tokens"]) for r in led.emit.rows["intervals"]])
+    assert not [r for r in led.emit.rows["intervals"] if r["kind"] == "unproxied"]
+
+
+def test_a_stream_cut_mid_prefill_on_llamacpp_is_costed_its_whole_prompt_to_its_first_token():
+    # llama-server looks at a stream's connection only at its first result: one whose client left mid-prefill prefills
+    # its prompt whole for nobody (docs/simulator.md, "A client that leaves"). Costed as one cut short, its prompt was
+    # bounded by its 0.1 s in flight (1000 of its 12000 tokens at the default 10 000 tokens/s), the rest of that prefill
+    # in the stream beside it.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.runs_on_after_leave = (None, None)
+    nb = RequestTrace(1, "POST", "/v1/chat/completions", None, 0, 0, api="openai-chat", stream=True)
+    cut = RequestTrace(2, "POST", "/v1/chat/completions", None, int(0.5 * S), 0, api="openai-chat", stream=True)
+    nb.extra.update(prompt_chars=400)
+    cut.extra.update(prompt_chars=48000)  # 12000 tokens at the default 0.25 a character
+    for tr in (nb, cut):
+        led.on_start(tr)
+    for k in range(100):
+        led.on_tokens(nb, int((0.1 + 0.025 * k) * S), 1)
+    cut.end_ns, cut.outcome = int(0.6 * S), "client_disconnected"
+    led.on_end(cut)
+    nb.first_ns, nb.last_ns, nb.end_ns, nb.outcome = int(0.1 * S), int((0.1 + 0.025 * 99) * S), int(2.6 * S), "ok"
+    nb.counts = Counts(generated_tokens=100, prompt_tokens=100, model=None, stop_reason="length", token_source="usage")
+    led.on_end(nb)
+    e = 0.0
+    for k in range(40):
+        e += 100.0 * 0.1
+        led.add_gpu_sample(int(k * 0.1 * S), int(k * 0.1 * S), [R(e, 100.0)])
+    led.advance(int(5 * S))
+    led.close_all(int(6 * S))
+    rows = {r["request_id"]: r for r in led.emit.rows["requests"]}
+    note = rows[2]["energy_note"] or ""
+    assert rows[2]["prompt_tokens_estimate"] == pytest.approx(12000, rel=0.01), (rows[2], note)
+    assert "prefilled its prompt whole after its client left" in note and "llama-server" in note, note
+    assert "ran on" not in (rows[1]["energy_note"] or "")

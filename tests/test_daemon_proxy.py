@@ -1067,6 +1067,21 @@ def test_a_null_max_completion_tokens_beside_max_tokens_keeps_the_limit():
         assert extra.get("max_tokens") == want, doc
 
 
+def test_llamacpps_native_n_predict_is_read_as_its_limit():
+    # llama-server's /completion takes its limit as `n_predict` (else `max_tokens`; -1, its default, none): unread, a
+    # whole answer there whose client left was not run on to its end (Ledger._run_on: no max_tokens to place it at), its
+    # decode in the requests beside it, and a count at its limit was not known whole.
+    import json
+
+    from powerprof.daemon.proxy import inspect_request_body
+    for doc, want in (({"n_predict": 64}, 64), ({"n_predict": 64.0}, 64), ({"max_tokens": 32}, 32),
+                      ({"n_predict": None, "max_tokens": 32}, 32), ({"n_predict": 16, "max_tokens": 32}, 16),
+                      ({"n_predict": -1}, None), ({"n_predict": -1, "max_tokens": 32}, None), ({}, None)):
+        extra: dict = {}
+        inspect_request_body(json.dumps({"prompt": "hi", **doc}).encode(), api="llamacpp", extra=extra)
+        assert extra.get("max_tokens") == want, doc
+
+
 def test_a_chunked_body_is_read_whole_and_inspected_and_one_past_the_bound_has_its_bytes_counted():
     """A chunked request body (what httpx, requests and aiohttp send for a generator) was never inspected: a 7501-token
     prompt's prefill was costed at 0 (its row -63%, the stream beside it +26%, neither said so; session 56's hostile

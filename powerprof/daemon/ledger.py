@@ -540,7 +540,9 @@ class Ledger:
                 self.recon.finished.append((int(t), n, max(0, int(t) - trace.arrival_ns)))
             self.recon.note_end(r)
         self._learn_pace(r)
-        self._run_on(r)  # after the count listed for the scrape windows above: the server counts none of the run-on
+        # After the count listed for the scrape windows above: SGLang counts none of the run-on. llama.cpp counts all
+        # of a whole answer's run to its end, and it is not listed (docs/daemon.md: read as bypass tokens, a known gap).
+        self._run_on(r)
         return added
 
     def _learn_pace(self, r: LiveRequest) -> None:
@@ -558,7 +560,8 @@ class Ledger:
         max_tokens: scrape.RUNS_ON_AFTER_LEAVE): it stays in the split
         until then (`run_on_end_ns`, `server_end_ns`), and a stream's decode goes on there at its batch's pace
         (`_place_run_ons`, once the streams beside it have shown that run), placed as token events no scrape window lists
-        (the server counts an aborted request's tokens nowhere). Without it that work went to the requests beside it:
+        (SGLang counts an aborted request's tokens nowhere; llama.cpp counts a run to its end, unlisted: a known
+        gap, docs/daemon.md). Without it that work went to the requests beside it:
         on the simulator's SGLang, streams cut after 41 tokens decoded 100-170 more for nobody, and the requests beside
         them were +54% to +251%, the cut ones 29-61% low."""
         tr = r.trace
@@ -572,7 +575,14 @@ class Ledger:
             return  # it had shown all its max_tokens allow: the server had finished it, nothing ran on (its row said so)
         if tr.stream is True:
             if stream_s is None:
-                return  # it stops within a token of its client's leaving (llama-server looks after each result)
+                # llama-server looks at a stream's connection after each result of its own: it stops within a token of
+                # its client's leaving, but one gone before its first token prefills its prompt whole first. Its run
+                # ends at its estimated first token (its prompt at the rate in use), costed its whole prompt
+                # (`_cost_gone`); bounded by its time in flight, a 12000-token prompt cut 0.1 s in was costed 1000.
+                first = self._prefill_end_est_ns(r) if tr.first_ns is None and gone_unsaid(r) else None
+                if first is not None and first > tr.end_ns:
+                    r.run_on_end_ns, r.run_on_prefill = first, True
+                return
             r.run_on_end_ns = tr.end_ns + int(stream_s * 1e9)
         elif wait_s is None:
             # llama-server runs it on to its end: its wait for the result, woken by every result the server sends (the
@@ -581,6 +591,7 @@ class Ledger:
             # twice as long as the server's latest streams' pace decodes them. Without a max_tokens or a pace its end is
             # unknown: costed as one aborted at once (its prompt), its row saying what it decoded is unseen.
             if not (isinstance(limit, int) and limit > 0) or not self._paces:
+                r.run_on_unknown = True  # its row says so (rowtext.WHOLE_GONE_RUN_ON), not an aborting server's words
                 return
             span_s = 2.0 * limit / float(np.median(self._paces))
             r.run_on_end_ns, r.run_on_to_end = tr.end_ns + int(min(span_s, RUN_ON_TO_END_MAX_S) * 1e9), True
@@ -591,6 +602,20 @@ class Ledger:
             return  # gone before its first token (or a whole answer, its tokens unseen): `_run_on_gone` at its close
         # Placed once the streams beside it have shown that run (`_place_run_ons`; the intervals from here held till then).
         r.run_on_from_ns = max([tr.last_ns, *r.ev_t[-1:], *(e.t_ns for e in self.edges[:1])])  # none in a closed interval
+
+    def _prefill_end_est_ns(self, r: LiveRequest) -> int | None:
+        """When its prompt's prefill ends if it ran from its arrival at the rate in use: its prompt the server's count,
+        else its body's estimate (None: neither)."""
+        tr = r.trace
+        prompt = told_prompt_tokens(r)
+        if prompt is None:
+            est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"),
+                                               tr.extra.get("prompt_count", 1))
+            if est is None:
+                return None
+            prompt = est[0]
+        costs = self.learner.costs(self.edges[-1].setting) if self.edges else attr.WorkCosts()
+        return tr.arrival_ns + int(prompt / max(costs.prefill_tok_s, attr.PREFILL_TOK_S_SLOW) * 1e9)
 
     def _place_run_ons(self, known_ns: int | None, force_ns: int | None = None) -> None:
         """Place the run-on of each stream whose client left (`_run_on`) once the proxy has seen the streams beside it
@@ -648,7 +673,8 @@ class Ledger:
 
     def _place_run_on(self, r: LiveRequest, start_ns: int, tok_s: float, whose: str) -> None:
         """Token events at `tok_s` from `start_ns` to its run-on's end, no more than its max_tokens leave, straight into
-        its events (not `_place`: no scrape window may list them, the server counting none of them)."""
+        its events (not `_place`: no scrape window lists them; SGLang counts none of them, llama.cpp those of a whole
+        answer's run to its end, read as bypass tokens: docs/daemon.md, a known gap)."""
         seqs = max(r.trace.extra.get("sequences", 1), 1)
         span_ns = r.run_on_end_ns - start_ns
         n = tok_s * span_ns / 1e9
@@ -2114,7 +2140,9 @@ class Ledger:
         for i in idx:
             a_ns, e_ns = int(arrival[i]), int(end[i])
             beside = placed.beside(i, a_ns, e_ns)
-            room = max((e_ns - a_ns) / 1e9 * costs.prefill_tok_s - beside, 0.0)
+            # One llama.cpp prefilled whole after its client left (`_run_on`) is costed its whole prompt: no bound.
+            room = (float("inf") if reqs[i].run_on_prefill else
+                    max((e_ns - a_ns) / 1e9 * costs.prefill_tok_s - beside, 0.0))
             prompt[i] = self._prompt_work(reqs[i], True, (room, (e_ns - a_ns) / 1e9, beside, costs))
             computed[i] = max(prompt[i] - cached[i], 0.0)
             placed.replace(i, computed[i])
@@ -2131,6 +2159,9 @@ class Ledger:
         for i in np.flatnonzero(gone_first):
             r = reqs[i]
             if r.run_on_end_ns is None:
+                continue
+            if r.run_on_prefill:  # llama.cpp's stream: its prefill to its estimated first token, nothing decoded after
+                first[i] = r.run_on_end_ns
                 continue
             rate = max(costs.prefill_tok_s, attr.PREFILL_TOK_S_SLOW)
             first[i] = int(arrival[i]) + int(computed[i] / rate * 1e9)

@@ -60,6 +60,8 @@ class LiveRequest:
     run_on_pace: str | None = None
     run_on_capped: bool = False  # its max_tokens ended that run before the abort
     run_on_to_end: bool = False  # a server that runs a whole answer on to its end (llama.cpp), not to an abort
+    run_on_unknown: bool = False  # a whole answer llama.cpp ran on to an end nothing placed (no max_tokens or pace)
+    run_on_prefill: bool = False  # a stream gone mid-prefill that llama.cpp prefills whole: its run ends at its first token
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared

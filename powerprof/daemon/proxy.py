@@ -441,6 +441,12 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             n = request_choices(doc, api)
             if n > 1:
                 extra["choices"] = n
+        if api == "llamacpp":
+            # llama-server's rule for its native /completion (`n_predict`, else `max_tokens`): -1, its default, is none.
+            # Unread, a whole answer whose client left there was not run on to its end (Ledger._run_on).
+            limit = whole_count(doc.get("n_predict") if doc.get("n_predict") is not None else doc.get("max_tokens"))
+            if limit is not None and 0 < limit <= MAX_COUNT:
+                extra["max_tokens"] = limit  # a count at the limit is whole (arrival.at_limit)
         if api in ("openai-chat", "openai-completions"):
             # vLLM's rule (`max_completion_tokens or max_tokens`): a null or 0 max_completion_tokens leaves max_tokens.
             limit = whole_count(doc.get("max_completion_tokens"))

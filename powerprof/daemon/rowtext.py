@@ -365,12 +365,23 @@ WHOLE_GONE_COSTED = (" (a whole answer, not streamed: the server, which aborts a
                      "prefilled it from its arrival or its queue exit until then; what it decoded after its prefill, if "
                      "it got that far, is unseen, in the shares of the requests beside it)")
 
+# The same on llama.cpp, which runs it on to its end (`Ledger._run_on`), where nothing placed that end (no max_tokens, or
+# no stream's pace yet): its row's words. Before, it said the aborting server's words above (vLLM's), wrong there.
+WHOLE_GONE_RUN_ON = (" (a whole answer, not streamed: llama-server ran it on to an end not known, its request's "
+                     "max_tokens unsaid or no stream's pace seen yet, and its prompt is costed from its arrival or its "
+                     "queue exit; what it decoded after is unseen and not costed here: the server counts those tokens, "
+                     "so they and their energy read as bypass traffic, in unproxied)")
+
 
 def _run_on_note(r: LiveRequest) -> str:
     """What its figure holds of the work the server did for it after its client left, until it aborted it or (a whole
     answer on llama.cpp) until its end (`Ledger._run_on`: scrape.RUNS_ON_AFTER_LEAVE)."""
     tr = r.trace
     s = (r.run_on_end_ns - tr.end_ns) / 1e9
+    if r.run_on_prefill:  # llama.cpp: a stream gone before its first token
+        return (f"llama-server prefilled its prompt whole after its client left, about {s:.1f} s to its estimated first "
+                "token (it looks at a stream's connection only at a result of its own): its energy includes that "
+                "prefill, which no client received, costed its whole prompt")
     stream_s, wait_s = RUNS_ON_AFTER_LEAVE["sglang"]
     how = (f"a stream's request {stream_s:g} s after its client left" if tr.stream is True else
            f"a whole answer's request at its next {wait_s:g} s wait from its start")
@@ -594,7 +605,7 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
             # Responses stream (its usage unasked, in response.completed) has none to ask for.
             said, fix = "the server's answer did not say the prompt's length", ""
         if _whole_gone_costed(r):
-            said += WHOLE_GONE_COSTED
+            said += WHOLE_GONE_RUN_ON if r.run_on_unknown else WHOLE_GONE_COSTED
         if r.prompt_cap is not None:
             est, in_flight_s, rate, source, beside = r.prompt_cap
             rate_said = ("the work model's fitted prefill rate" if source == "fitted" else
