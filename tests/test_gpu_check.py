@@ -242,7 +242,12 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
     cli = r["cli_measure"]
     assert cli["rc"] == 0, cli
     rows = [ln.split() for ln in cli["stdout"].splitlines() if ln.strip().startswith(("1 ", "8 "))]
-    assert [(x[0], x[1]) for x in rows] == [("1", "8"), ("8", "8")] and rows[0][-1] == "counter", cli["stdout"]
+    assert [(x[0], x[1]) for x in rows] == [("1", "8"), ("8", "8")], cli["stdout"]
+    # On the counter; where a loaded host read a window's edges late enough that the counter's reads did not bracket
+    # it, that window fell back to the power read at its edges, which the method column and a note say (a fresh-clone
+    # suite beside helpers, load ~10: "counter,power_integration" with "6 windows' edge reads came over 100 ms after").
+    assert rows[0][-1] == "counter" or (rows[0][-1] == "counter,power_integration"
+                                        and "edge reads came over" in cli["stdout"]), cli["stdout"]
     # At concurrency 8 the CLI's own load generator shares the machine with the simulated server: on
     # a very busy one (load average 65 seen) its streams arrive in bursts and the batch window is
     # not trusted. Then there is no figure, and the output must say why; never a silent gap.
