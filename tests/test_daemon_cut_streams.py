@@ -75,6 +75,50 @@ def test_a_stream_cut_before_its_usage_is_costed_an_estimated_prompt_and_says_so
     assert "costed at an estimate of" in d.output()
 
 
+def test_a_llamacpp_prompt_of_ids_and_text_mixed_cut_before_its_usage_is_costed_its_ids_and_text_estimate(tmp_path):
+    # llama-server takes a prompt mixing token ids and text (one prompt: the ids are its tokens, the text tokenized).
+    # Before: the proxy read no size from it (`prompt-unread`), and a stream cut before its usage had its prefill
+    # uncosted (its row's figure low, the requests beside it high). Now its ids plus its text's estimate, against the
+    # simulator's truth.
+    data = tmp_path / "data"
+    ids = list(range(1000, 1100))
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="llamacpp", decode_tok_s=80.0, draft_n_max=0) as srv:
+        d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
+                       env=sim_env(tmp_path))
+        try:
+            url = d.info["proxy"] + "/v1/completions"
+            for tag, prompt, cut in (("text", " ".join(["word"] * 300), False),
+                                     ("mixed", ids[:60] + [" ".join(["word"] * 200)] + ids[60:], True)):
+                body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                             headers={"Content-Type": "application/json", "X-Sim-Request-Id": tag})
+                r = urllib.request.urlopen(req, timeout=60)
+                if cut:
+                    for _ in range(6):
+                        r.readline()
+                    r.close()  # gone before the usage
+                else:
+                    r.read()
+            for _ in range(60):  # until its intervals have closed (held for the scrape and the prompt)
+                metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+                if 'powerprof_requests_prompt_estimated_total{reason="client_left"} 1.0' in metrics:
+                    break
+                time.sleep(0.5)
+        finally:
+            rc = d.stop()
+        truth = {t["client_id"]: t for t in srv.truth + srv.truth_cancelled if t.get("client_id")}
+    assert rc == 0, d.output()
+    done, cut = read_dataset(data, "requests").sort_values("request_id").to_dict("records")
+    assert cut["outcome"] == "client_disconnected"
+    true_prompt = truth["mixed"]["prompt_tokens"]
+    assert true_prompt == 100 + 200 + 1, truth["mixed"]
+    assert cut["prompt_tokens_estimate"] == pytest.approx(true_prompt, rel=0.02), cut
+    note = cut["energy_note"] or ""
+    assert "the request's 100 prompt token ids and 999 prompt characters" in note, note
+    assert PROMPT_UNREAD_FLAG not in note, note
+
+
 def test_llama_servers_progress_events_are_no_tokens_and_a_cut_native_stream_knows_its_prompt(tmp_path):
     # `return_progress: true` (session 46's walkthrough against the real llama-server): its prompt events (`tokens: [0]`)
     # were counted as tokens (52 for 50; the count then disbelieved and the row's J/token dropped, blaming "a proxy that

@@ -1313,6 +1313,22 @@ def test_a_batch_of_prompts_cut_before_its_usage_is_costed_their_sum_each_with_i
     assert "4000 prompt characters of 2 prompts" in got[2]["energy_note"] and PROMPT_UNREAD_FLAG not in got[2]["energy_note"]
 
 
+def test_a_llamacpp_prompt_of_ids_and_text_mixed_is_its_ids_and_its_texts_estimate():
+    # llama-server takes a prompt mixing token ids and text: the ids are tokens, exactly; the text is estimated as any
+    # text, at this server's learned ratio, and learned from with the ids taken out. Before: unsized, not costed.
+    from powerprof.daemon.promptlen import PromptLengths
+
+    pl = PromptLengths()
+    got = pl.estimate("llamacpp", 400, 30)
+    assert got[0] == pytest.approx(30 + 100) and "30 prompt token ids" in got[1] and "400 prompt characters" in got[1]
+    for k in range(40):  # the server counts 10 + chars / 5 tokens of text, plus the ids
+        chars = 400 + 40 * k
+        pl.learn("llamacpp", chars, 10 + chars / 5 + 25, ids=25)
+    assert pl.estimate("llamacpp", 1000, 60)[0] == pytest.approx(60 + 10 + 200, rel=1e-6)
+    assert pl.estimate("llamacpp", 1000, None)[0] == pytest.approx(210, rel=1e-6)  # the ratio is the text's alone
+    assert pl.estimate("llamacpp", None, 60)[0] == 60.0
+
+
 def test_a_prompt_whose_body_was_never_read_is_said_not_costed_and_counted():
     # A body over the proxy's inspection bound (1 MiB) streams on unread: its prompt's size was unknown and its prefill
     # costed at 0 with nothing said (the simulator: a 7501-token prompt's row -63%, the stream beside it +26%). Its

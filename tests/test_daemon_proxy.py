@@ -558,9 +558,25 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     assert size({"text": ["ab", "c"]}, "sglang-generate") == {"prompt_chars": 3, "prompt_count": 2, "sequences": 2}
     assert size({"input_ids": [[1], [2, 3, 4]]}, "sglang-generate") == {"prompt_ids": 4, "prompt_count": 2, "sequences": 2}
     assert size({"content": ["ab", "c"]}, "llamacpp") == {"prompt_chars": 3, "prompt_count": 2, "sequences": 2}
-    # llama.cpp's ids and text mixed in one prompt, or batches of them: no size read (said on its row).
-    assert size({"prompt": [1, "ab"]}, "llamacpp") == {"prompt_unsized": "a `prompt` of no shape read here (ids and text mixed)"}
-    assert size({"prompt": ["ab", [1]]}, "openai-completions")["prompt_unsized"].startswith("a `prompt` of no shape")
+    # llama.cpp's ids and text mixed (llama-server's tokenize_input_prompts: a list with an id at its top is one prompt
+    # of ids and text; else each item a prompt of text, ids, both mixed, or an object's `prompt_string`): the ids
+    # counted, the text's characters kept for the estimate. Before: unsized, its prefill not costed.
+    assert size({"prompt": [1, "ab", 2]}, "llamacpp") == {"prompt_chars": 2, "prompt_ids": 2}
+    assert size({"prompt": ["ab", [1]]}, "openai-completions") == {
+        "prompt_chars": 2, "prompt_ids": 1, "prompt_count": 2, "sequences": 2}
+    assert size({"content": [[1, "abc"], [5, 6], "de", {"prompt_string": [7, "f"]}]}, "llamacpp") == {
+        "prompt_chars": 6, "prompt_ids": 4, "prompt_count": 4, "sequences": 4}
+    assert size({"prompt": [{"prompt_string": "abc"}, [1, 2]]}, "llamacpp") == {
+        "prompt_chars": 3, "prompt_ids": 2, "prompt_count": 2, "sequences": 2}
+    # What llama-server refuses or cannot be sized stays unsized, said on its row: media, nested lists beside ids,
+    # an item not text, ids or an object, a float or bool among ids; and SGLang takes no such mix.
+    assert size({"prompt": [{"prompt_string": "a", "multimodal_data": ["x"]}, "b"]}, "llamacpp") == {
+        "prompt_unsized": "a `prompt` item's `multimodal_data` (media: its tokens are not characters)", "sequences": 2}
+    for bad in ([1, [2]], [1, "a", 2.5], [1, "a", True], ["a", 3.5], ["a", []], ["a", {"x": 1}], ["a", [1, [2]]]):
+        got = size({"prompt": bad}, "llamacpp")
+        assert set(got) <= {"prompt_unsized", "sequences", "prompt_count"} and "prompt_unsized" in got, (bad, got)
+        assert got["prompt_unsized"].startswith("a `prompt` of no shape read here"), (bad, got)
+    assert size({"input_ids": [1, "a"]}, "sglang-generate")["prompt_unsized"].startswith("a `input_ids` of no shape")
     assert size({"prompt": "x"}, None) == {}
 
     async def main():  # through the proxy: on the trace the recorder gets, and nothing of the text

@@ -727,7 +727,7 @@ class Ledger:
             # The body's prompt once: llama.cpp's figure of n choices is n copies of it (n = 2 taught twice the tokens a character).
             copies = max(trace.extra.get("choices", 1), 1) if c.prompt_each_task else 1
             self.prompt_lengths.learn(trace.api, trace.extra.get("prompt_chars"), c.prompt_tokens / copies,
-                                      trace.extra.get("prompt_count", 1))
+                                      trace.extra.get("prompt_count", 1), trace.extra.get("prompt_ids"))
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
         none_seen = not trace.tokens_seen and not r.ev_n and not r.spent and trace.stream is True

@@ -99,9 +99,39 @@ def prompt_size(doc: dict, api: str | None, kinds: set | None = None) -> tuple[i
             return sum(map(len, p)), None, None
         if kinds == {list} and min(map(len, p)) > 0 and set(map(type, chain.from_iterable(p))) == {int}:
             return None, sum(map(len, p)), None
+        if api in MIXED_APIS and kinds:
+            return _mixed_size(p, field, int in kinds)
         mixed = int in kinds
         return None, None, f"a `{field}` of no shape read here ({'ids and text mixed' if mixed else 'its items'})"
     return None, None, f"a body of the {api} API (the proxy reads no prompt size from its bodies)"
+
+
+MIXED_APIS = ("llamacpp", "openai-completions")  # llama-server's /completion and /v1/completions (vLLM refuses a mix)
+
+
+def _mixed_size(p: list, field: str, one: bool) -> tuple[int | None, int | None, str | None]:
+    """llama-server's prompt lists of more than one kind (its tokenize_input_prompts): a list with a token id at its top
+    (`one`) is one prompt of ids and text mixed; else each item is a prompt: text, ids, ids and text mixed, or an object
+    whose `prompt_string` is one of those (with `multimodal_data`, media: not sized). The ids are their tokens; the
+    text's characters are estimated as any text's (PromptLengths.estimate). Any other item, one llama-server refuses
+    (a float or bool among ids, a list in a list of ids), gives no size."""
+    chars = ids = 0
+    for item in [p] if one else p:
+        if isinstance(item, dict):
+            if "multimodal_data" in item:
+                return None, None, f"a `{field}` item's `multimodal_data` (media: its tokens are not characters)"
+            item = item.get("prompt_string")
+        if isinstance(item, str):
+            chars += len(item)
+            continue
+        if not (isinstance(item, list) and item and _item_types(item) <= {int, str}):
+            return None, None, f"a `{field}` of no shape read here ({'ids and text mixed' if one else 'its items'})"
+        for x in item:
+            if type(x) is str:
+                chars += len(x)
+            else:
+                ids += 1
+    return chars or None, ids or None, None
 
 
 def _infill_size(doc: dict) -> tuple[int | None, None, str | None]:
@@ -219,8 +249,12 @@ class PromptLengths:
         self._fit: dict[str, tuple[int, float, float]] = {}  # api → (learned when fitted, a, b)
         self.keep = keep
 
-    def learn(self, api: str | None, chars: int | None, tokens: float | None, prompts: int = 1) -> None:
-        """A prompt the server counted; a batch of `prompts` as its mean prompt (the fit's `a` is a prompt's)."""
+    def learn(self, api: str | None, chars: int | None, tokens: float | None, prompts: int = 1,
+              ids: int | None = None) -> None:
+        """A prompt the server counted; a batch of `prompts` as its mean prompt (the fit's `a` is a prompt's). `ids`: the
+        token ids given beside its text (llama.cpp's mixed prompts), taken out of the count: the ratio is the text's."""
+        if ids is not None and tokens is not None:
+            tokens -= ids
         if api is None or chars is None or tokens is None or chars <= 0 or tokens <= 0:
             return
         k = float(max(prompts, 1))
@@ -247,11 +281,14 @@ class PromptLengths:
     def estimate(self, api: str | None, chars: int | None, ids: int | None,
                  prompts: int = 1) -> tuple[float, str] | None:
         """(tokens, how) for a prompt the server did not count, a batch's `prompts` summed (each with the template's
-        `a`); None when the body gave no size."""
-        if ids is not None:
+        `a`); None when the body gave no size. Ids and text mixed (llama.cpp): the ids plus the text's estimate."""
+        if ids is not None and chars is None:
             return float(ids), f"the request's {ids} prompt token ids"
         if chars is None or api is None:
             return None
+        if ids is not None:
+            text = self.estimate(api, chars, None, prompts)
+            return ids + text[0], f"the request's {ids} prompt token ids and {text[1]}"
         k = max(prompts, 1)
         of = f" of {k} prompts" if k > 1 else ""
         a, b, n = self._coef(api)
