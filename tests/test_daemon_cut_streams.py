@@ -329,6 +329,102 @@ def test_a_prompt_whose_size_the_body_does_not_say_is_said_not_costed_and_its_ne
     assert daemon.ledger.flagged_requests[PROMPT_UNREAD_FLAG] == 2 + len(beside)
 
 
+def test_a_stateful_responses_turn_is_costed_the_conversation_its_usage_says_and_flagged_only_where_none(tmp_path):
+    # A Responses turn with `previous_response_id` (vLLM, store on): its body holds the new input only; the server
+    # prefills the stored conversation before it and says the whole in usage.input_tokens (response.completed on a
+    # stream). Where the answer carries it, its prefill is costed from it (the ledger's path for any server count);
+    # only a turn whose answer carried none (its stream cut) stays prompt-unread. The simulator ignored the field
+    # before (its truth the new input alone), so no figure here could be judged against a stateful turn's truth.
+    import asyncio
+
+    import aiohttp
+
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.rig import Rig
+
+    nvml = SimNVML("h200-141g", state_path=None)
+    srv = SimServer(nvml, flavour="vllm", n_slots=64, batching="continuous").start()
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
+        "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
+        "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
+    daemon = Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
+
+    async def post(s, url, tag, body):
+        return await s.post(url + "/v1/responses", json=dict(body, model="m", max_output_tokens=80, ignore_eos=True),
+                            headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
+
+    async def turn(s, url, tag, prev, cut=False):
+        body = {"input": "and the next step", "previous_response_id": prev, "stream": cut}
+        r = await post(s, url, tag, body)
+        if cut:  # its client leaves mid-stream, before response.completed and its usage
+            n = 0
+            async for line in r.content:
+                n += line.startswith(b"data:")
+                if n == 20:
+                    break
+            r.close()
+        else:
+            assert r.status == 200, await r.text()
+            await r.read()
+
+    async def main():
+        task = asyncio.create_task(daemon.run())
+        for _ in range(600):
+            if "proxy" in daemon.urls and daemon.ledger is not None:
+                break
+            await asyncio.sleep(0.05)
+        url = daemon.urls["proxy"]
+        async with aiohttp.ClientSession() as s:
+            ids = []
+            for k in range(3):  # the stored first turns: ~3000 words of history each
+                r = await post(s, url, f"first{k}", {"input": " ".join(["word"] * 3000)})
+                ids.append((await r.json())["id"])
+            jobs = []
+            for k in range(10):
+                jobs.append(asyncio.create_task(post(s, url, f"ok{k}", {"input": " ".join(["word"] * 300),
+                                                                         "stream": True})))
+                if k in (3, 6):
+                    jobs.append(asyncio.create_task(turn(s, url, f"turn{k}", ids[k // 3 - 1])))
+                if k == 8:
+                    jobs.append(asyncio.create_task(turn(s, url, "cut8", ids[2], cut=True)))
+                await asyncio.sleep(0.4)
+            for r in await asyncio.gather(*jobs):
+                if r is not None:
+                    await r.read()
+        await asyncio.sleep(3)
+        daemon.stop_event.set()
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.stop()
+    truth = srv.request_truth()
+    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
+            if isinstance(r["tag"], str)}
+    err = {t: (r["gpu_energy_j"] - truth[t]["energy_j"]) / truth[t]["energy_j"] for t, r in rows.items() if t in truth}
+    print({t: round(100 * e, 1) for t, e in sorted(err.items())})
+    own = f"{PROMPT_UNREAD_FLAG}: its request body was read but its prompt's size could not be"
+    for t in ("turn3", "turn6"):
+        assert truth[t]["prompt_tokens"] > 3000, truth[t]  # the stored conversation, prefilled again
+        assert rows[t]["prompt_tokens"] == truth[t]["prompt_tokens"], (rows[t]["prompt_tokens"], truth[t])
+        note = rows[t]["energy_note"] or ""
+        assert own not in note, (t, note)  # (turn6 may run beside cut8's uncosted prefill, and say that)
+        if PROMPT_UNREAD_FLAG not in note:
+            assert abs(err[t]) < 0.25, (t, err[t], note)  # +11% measured (the work model's fixed ratio, no fit yet)
+    assert PROMPT_UNREAD_FLAG not in (rows["turn3"]["energy_note"] or "")
+    note = rows["cut8"]["energy_note"] or ""
+    assert own in note, note
+    assert "previous_response_id" in note, note
+    ok = [t for t in rows if t.startswith("ok")]
+    # The streams sent with the costed turns (not beside cut8) are not told of an unread prefill, nor given its energy.
+    clean = [t for t in ok if PROMPT_UNREAD_FLAG not in (rows[t]["energy_note"] or "")]
+    assert {"ok3", "ok4"} <= set(clean), {t: rows[t]["energy_note"] for t in ok}
+    assert float(np.median([abs(err[t]) for t in clean])) < 0.25, {t: round(err[t], 2) for t in clean}
+
+
 def test_a_whole_answer_cut_mid_prefill_on_vllm_is_costed_its_prompt_not_the_requests_beside_it(tmp_path):
     # vLLM aborts a request at once when its client leaves, so a whole answer cut while its prompt prefilled ran from its
     # arrival (or its queue exit) until then. Its row had no figure, and its prefill's energy went to the streams

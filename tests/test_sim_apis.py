@@ -75,6 +75,33 @@ def test_the_server_says_the_counts_its_engine_generated(server, api, path, body
     assert truth["energy_j"] > 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_turn_after_a_stored_one_runs_the_whole_conversation(server, stream):
+    # vLLM (its serving_responses, store on) prepends a previous_response_id's stored turn, its input and output, to
+    # the new input: the prompt it prefills and says in usage.input_tokens is the whole conversation; an id it never
+    # stored is 404 "Response with id '…' not found.". llama.cpp's converter refuses the field (400). Before: the
+    # simulator ignored it, its prompt the new input alone, so no test could judge a stateful turn's estimate.
+    from powerprof.sim.server import count_prompt_tokens
+
+    first = {"input": "the power of the clock", "instructions": "be brief", "max_output_tokens": 6, "stream": stream}
+    status, raw = _post(server.url + "/v1/responses", first)
+    assert status == 200, raw[:300]
+    done = _events(raw)[-1]["response"] if stream else json.loads(raw)
+    said = done["output"][0]["content"][0]["text"]
+    second = {"input": "and the fan", "previous_response_id": done["id"], "max_output_tokens": 6, "stream": stream}
+    key = f"turn2-{stream}-{len(server.truth)}"
+    status, raw = _post(server.url + "/v1/responses", second, {"X-Sim-Request-Id": key})
+    if server.flavour == "llamacpp":
+        assert status == 400 and b"llama.cpp does not support 'previous_response_id'." in raw, raw[:300]
+        return
+    assert status == 200, raw[:300]
+    whole = count_prompt_tokens("\n".join(["the power of the clock", said, "and the fan"]))
+    assert server.request_truth()[key]["prompt_tokens"] == whole
+    assert _summary("openai-responses", second, raw).prompt_tokens == whole
+    status, raw = _post(server.url + "/v1/responses", dict(second, previous_response_id="resp_nowhere"))
+    assert status == 404 and json.loads(raw)["error"]["message"] == "Response with id 'resp_nowhere' not found."
+
+
 def test_n_choices_are_sequences_decoded_together(server):
     key = f"together-{len(server.truth)}"
     # A prompt of several of vLLM's KV blocks (the cache holds whole ones: a shorter prompt is computed by each choice).

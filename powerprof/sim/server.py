@@ -64,6 +64,7 @@ DELIVERIES = ("stream", "buffered", "stalls", "bursts")
 BURST_BYTES = 4096
 # Dialects answered by their own writers (named events, their own usage): Anthropic's Messages and OpenAI's Responses.
 DIALECTS = ("anthropic-messages", "openai-responses")
+_SIM_TURN = web.RequestKey("sim_turn", list)  # a Responses request's conversation texts, stored once it completes
 _WORD = re.compile(r"\w+|[^\w\s]")
 _VOCAB = (
     "the of and to in is that for it as with on was by be this are from at or an which not have "
@@ -483,6 +484,8 @@ class SimServer:
         self._results_ns = 0  # llama.cpp: when the server last sent any request a result (LLAMACPP_HTTP_POLL_S)
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.truth_cancelled: list[dict] = []  # one per request dropped while running (its client left)
+        self._stored_responses: dict[str, list[str]] = {}  # Responses id → its conversation's texts and output
+        self._turns: dict[int, list[str]] = {}  # a running Responses request's conversation texts, to store
         self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
         self.busy = False
         self._busy_callbacks: list[Callable[[bool], None]] = []
@@ -1813,14 +1816,33 @@ class SimServer:
         return await self._serve(request, "anthropic-messages", "\n".join(p for p in parts if p), body, n)
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI's Responses API (/v1/responses: vLLM, llama.cpp): `input` a string or a list of messages."""
+        """OpenAI's Responses API (/v1/responses: vLLM, llama.cpp): `input` a string or a list of messages. A
+        `previous_response_id` is the stored turn's input and output before this input (vLLM's serving_responses, its
+        store on; not its instructions: this turn's are used), a 404 where none is stored; llama.cpp refuses it (400)."""
         body = await self._body(request)
         inp = body.get("input")
         items = inp if isinstance(inp, list) else [inp]
-        parts = [_text_of(body.get("instructions"))]
-        parts += [_text_of(m.get("content")) if isinstance(m, dict) else _text_of(m) for m in items]
+        turn = [_text_of(m.get("content")) if isinstance(m, dict) else _text_of(m) for m in items]
+        prev = body.get("previous_response_id")
+        if isinstance(prev, str) and prev:
+            if self.flavour == "llamacpp":  # its convert_responses_to_chatcmpl
+                return self._bad_request("llama.cpp does not support 'previous_response_id'.")
+            history = self._stored_responses.get(prev)
+            if history is None:
+                return self._json({"error": {"message": f"Response with id '{prev}' not found.",
+                                             "type": "invalid_request_error", "param": "response_id", "code": 404}}, 404)
+            turn = history + turn
+        if body.get("store", True) is not False and self.flavour != "llamacpp":
+            request[_SIM_TURN] = turn  # kept with its output once it completes (_keep_response)
+        parts = [_text_of(body.get("instructions")), *turn]
         n = body.get("max_output_tokens") or 128
         return await self._serve(request, "openai-responses", "\n".join(p for p in parts if p), body, int(n))
+
+    def _keep_response(self, req: _Req, text: str) -> None:
+        """A completed Responses turn, stored (its conversation and output) for a later `previous_response_id`."""
+        turn = self._turns.pop(req.rid, None)
+        if turn is not None:
+            self._stored_responses[f"resp_sim{req.rid}"] = [*turn, text]
 
     async def _embeddings(self, request: web.Request) -> web.Response:
         """/v1/embeddings: each input one sequence whose forward pass is a prefill of its tokens, with no decode;
@@ -1939,6 +1961,8 @@ class SimServer:
         if n_choices > 1:
             return await self._serve_choices(request, api, prompt, args, n_choices, stream, opts, echo)
         req = self._submit(prompt, *args)
+        if request.get(_SIM_TURN) is not None:
+            self._turns[req.rid] = request[_SIM_TURN]
         req.ctx_cut = n_predict < asked  # llama-server's `truncated` once it stops at the limit
         req.client_id = request.headers.get("X-Sim-Request-Id")
         req.logprobs = api == "openai-chat" and body.get("logprobs") is True
@@ -1955,6 +1979,7 @@ class SimServer:
                 return await self._serve_whole(api, req, echo)
             return await self._serve_stream(request, api, req, fault, opts, echo)
         finally:
+            self._turns.pop(req.rid, None)  # a turn not completed is not stored
             self._cancel_unfinished([req])
 
     def _plan_chat(self, req: _Req, body: dict) -> None:
@@ -2595,6 +2620,7 @@ class SimServer:
                 break
             else:
                 raise web.HTTPServiceUnavailable()
+        self._keep_response(req, text)
         return self._json(dict(self._dialect_whole(api, req, text), simulated=True))
 
     async def _write_dialect(self, resp: web.StreamResponse, request: web.Request, api: str, req: _Req) -> None:
@@ -2679,7 +2705,8 @@ class SimServer:
                 if text or vllm:  # llama-server sends no delta event for a token that adds no text
                     await out.send(event(delta(text)))
                 continue
-            for d in tail(payload):  # "done"
+            self._keep_response(req, text_all)  # "done"
+            for d in tail(payload):
                 await out.send(event(d))
             await resp.write_eof(await out.take())
             return
