@@ -417,7 +417,7 @@ def test_a_stateful_responses_turn_is_costed_the_conversation_its_usage_says_and
     assert PROMPT_UNREAD_FLAG not in (rows["turn3"]["energy_note"] or "")
     note = rows["cut8"]["energy_note"] or ""
     assert own in note, note
-    assert "previous_response_id" in note, note
+    assert "previous_response_id" in note and "fix: send the conversation in the body's `input`" in note, note
     ok = [t for t in rows if t.startswith("ok")]
     # The streams sent with the costed turns (not beside cut8) are not told of an unread prefill, nor given its energy.
     clean = [t for t in ok if PROMPT_UNREAD_FLAG not in (rows[t]["energy_note"] or "")]

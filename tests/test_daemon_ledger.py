@@ -1393,6 +1393,13 @@ def test_a_prompt_unread_rows_fix_fits_its_api_and_outcome_and_what_was_wrong_wi
         fix = fix[fix.index("fix:"):]
         assert want in fix and unwanted not in fix and "1 MiB" not in fix, (api, stream, outcome, fix)
         assert "1 MiB" not in beside and "read, with no prompt size in it" in beside, beside
+    # A stateful Responses turn cut before its usage: its client can send the conversation itself in `input`, which
+    # the proxy sizes (before: "none the client can ask for", untrue for it).
+    for key in ("previous_response_id", "conversation"):
+        note, _ = _unread_rows("openai-responses", True, "client_disconnected",
+                               unsized=f"a `{key}` (the stored conversation is not in the body)")
+        fix = note[note.index("fix:"):]
+        assert "send the conversation in the body's `input`" in fix and "none the client can ask" not in fix, fix
     note, beside = _unread_rows("openai-chat", True, "ok", unsized=None)
     assert "keep request bodies under 1 MiB" in note.split(PROMPT_UNREAD_FLAG)[1], note
     assert "keep request bodies under 1 MiB" in beside and "read, with no prompt size" not in beside, beside

@@ -52,9 +52,9 @@ def prompt_size(doc: dict, api: str | None, kinds: set | None = None) -> tuple[i
             n += k + _tool_call_chars(m.get("tool_calls"))
         return _with_tools(n, why, doc)
     if api == "openai-responses":
-        for key in ("previous_response_id", "conversation"):
+        for key in STATEFUL_FIELDS:
             if doc.get(key):  # the server runs its stored turns before `input`: their length is nowhere here
-                return None, None, f"a `{key}` (the stored conversation is not in the body)"
+                return None, None, stateful_reason(key)
         inp = doc.get("input")
         n, why = _content_chars(doc.get("instructions"))
         for item in inp if isinstance(inp, list) else [inp]:
@@ -132,6 +132,14 @@ def _mixed_size(p: list, field: str, one: bool) -> tuple[int | None, int | None,
             else:
                 ids += 1
     return chars or None, ids or None, None
+
+
+STATEFUL_FIELDS = ("previous_response_id", "conversation")  # a Responses turn whose history the server keeps
+
+
+def stateful_reason(key: str) -> str:
+    """The unsized reason of a stateful Responses turn (rowtext gives its own fix for it)."""
+    return f"a `{key}` (the stored conversation is not in the body)"
 
 
 def _infill_size(doc: dict) -> tuple[int | None, None, str | None]:

@@ -18,13 +18,14 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SH
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
                                       GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_BODY_FIX,
-                                      PROMPT_NO_ASK_FIX, PROMPT_RUNNING_USAGE_FIX, PROMPT_USAGE_FIX,
+                                      PROMPT_NO_ASK_FIX, PROMPT_RUNNING_USAGE_FIX, PROMPT_STATEFUL_FIX, PROMPT_USAGE_FIX,
                                       PROMPT_UNREAD_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_USAGE_ABOVE,
                                       SERVER_COUNT_USAGE_BELOW, bypass_count_fix, bypass_count_may_be)
 
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
                           is_unseen, server_end_ns)
+from .promptlen import STATEFUL_FIELDS, stateful_reason
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
 
@@ -568,10 +569,16 @@ def prompt_unread(r: LiveRequest) -> bool:
             and told_prompt_tokens(r) is None and r.prompt_est is None)
 
 
+STATEFUL_REASONS = frozenset(map(stateful_reason, STATEFUL_FIELDS))
+
+
 def _prompt_length_fix(r: LiveRequest) -> str:
     """How its client could have had the server say its prompt's length: the same test as the `no_usage` estimate's
     (include_usage is an OpenAI chat or completions stream's option), and for one its client left, the usage in every
-    chunk (its final usage would have come after the client had gone)."""
+    chunk (its final usage would have come after the client had gone). A stateful Responses turn: its conversation sent
+    in its body instead (promptlen's unsized reason names the field)."""
+    if r.trace.extra.get("prompt_unsized") in STATEFUL_REASONS:
+        return PROMPT_STATEFUL_FIX
     if not (r.trace.stream is True and r.trace.api in ("openai-chat", "openai-completions")):
         return PROMPT_NO_ASK_FIX
     return PROMPT_RUNNING_USAGE_FIX if r.trace.outcome == "client_disconnected" else PROMPT_USAGE_FIX
@@ -627,7 +634,7 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                 "bound, or past its memory budget for reading bodies)")
         fix = _prompt_length_fix(r)
         if late:  # it asked, and the usage came at its end: only a length said in every chunk comes in time
-            fix = PROMPT_RUNNING_USAGE_FIX if fix != PROMPT_NO_ASK_FIX else fix
+            fix = PROMPT_RUNNING_USAGE_FIX if fix not in (PROMPT_NO_ASK_FIX, PROMPT_STATEFUL_FIX) else fix
         if unsized is None:
             fix = PROMPT_BODY_FIX if fix == PROMPT_NO_ASK_FIX else f"{PROMPT_BODY_FIX}; or {fix}"
         said = ("the server had not said the prompt's length when the intervals over its prefill closed (held at most "

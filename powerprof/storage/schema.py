@@ -375,6 +375,9 @@ PROMPT_RUNNING_USAGE_FIX = ("ask for the prompt's length in every chunk, \"strea
                             "that leaves has gone")
 PROMPT_NO_ASK_FIX = ("none the client can ask for (no option of this API's has the server say the prompt's "
                      "length sooner)")
+# A stateful Responses turn (`previous_response_id`, `conversation`): its history is not in its body, but could be.
+PROMPT_STATEFUL_FIX = ("send the conversation in the body's `input` rather than by `previous_response_id` or "
+                       "`conversation`: the proxy then sizes it")
 PROMPT_BODY_FIX = "keep request bodies under 1 MiB (the proxy's inspection bound)"
 PROMPT_UNREAD_FIX = (f"{PROMPT_BODY_FIX}; for a body read but sizeless, the server saying its prompt's length (an OpenAI "
                      "stream: include_usage, with continuous_usage_stats where its client may leave)")
