@@ -528,8 +528,12 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
         "prompt_unsized": "a content part of no known shape"}
     assert size({"messages": "hi"}, "openai-chat") == {"prompt_unsized": "a `messages` that is not a list"}
     assert size({"text": "a", "image_data": "x.png"}, "sglang-generate") == {"prompt_unsized": "`image_data` beside the prompt"}
-    assert size({"prompt": {"prompt_string": "a", "multimodal_data": ["x"]}}, "llamacpp")["prompt_unsized"].startswith(
-        "a `prompt` of no shape read here")
+    assert size({"prompt": {"prompt_string": "a", "multimodal_data": ["x"]}}, "llamacpp") == {
+        "prompt_unsized": "a `prompt` item's `multimodal_data` (media: its tokens are not characters)"}
+    # llama-server's prompt as one object, its `prompt_string` text or ids and text (before: unsized).
+    assert size({"prompt": {"prompt_string": "abc"}}, "llamacpp") == {"prompt_chars": 3}
+    assert size({"prompt": {"prompt_string": [1, 2, "ab"]}}, "openai-completions") == {"prompt_chars": 2, "prompt_ids": 2}
+    assert size({"prompt": {"text": "abc"}}, "llamacpp")["prompt_unsized"].startswith("a `prompt` of no shape read here")
     # The Responses and Messages APIs' text (their streams say the prompt's length at their end, or at their start):
     # before, no size, a cut Responses stream's prefill costed 0.
     assert size({"input": "hello", "instructions": "be brief"}, "openai-responses") == {"prompt_chars": 13}

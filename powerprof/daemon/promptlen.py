@@ -87,6 +87,8 @@ def prompt_size(doc: dict, api: str | None, kinds: set | None = None) -> tuple[i
             return len(p), None, None
         if p is None:
             return None, None, f"no `{field}` (the prompt given otherwise: embeddings, multimodal data)"
+        if isinstance(p, dict) and api in MIXED_APIS:  # llama-server's one prompt as an object (`prompt_string`)
+            return _mixed_size([p], field, False)
         if not (isinstance(p, list) and p):
             kinds = set()  # an empty list, an object: no shape read
         elif kinds is None:
