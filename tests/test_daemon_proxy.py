@@ -572,11 +572,15 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
         "prompt_chars": 6, "prompt_ids": 4, "prompt_count": 4, "sequences": 4}
     assert size({"prompt": [{"prompt_string": "abc"}, [1, 2]]}, "llamacpp") == {
         "prompt_chars": 3, "prompt_ids": 2, "prompt_count": 2, "sequences": 2}
+    # A float or bool in a list of ids and text is a token to llama-server too (it converts it: measured, b11434's
+    # tokens_evaluated 6 for [5, "a", 2.5] and for [5, "a", true], 5 for [5, "a"]).
+    assert size({"prompt": [5, "a", 2.5, True]}, "llamacpp") == {"prompt_chars": 1, "prompt_ids": 3}
     # What llama-server refuses or cannot be sized stays unsized, said on its row: media, nested lists beside ids,
-    # an item not text, ids or an object, a float or bool among ids; and SGLang takes no such mix.
+    # an item not text, ids or an object, a float among ids with no text, a null; and SGLang takes no such mix.
     assert size({"prompt": [{"prompt_string": "a", "multimodal_data": ["x"]}, "b"]}, "llamacpp") == {
         "prompt_unsized": "a `prompt` item's `multimodal_data` (media: its tokens are not characters)", "sequences": 2}
-    for bad in ([1, [2]], [1, "a", 2.5], [1, "a", True], ["a", 3.5], ["a", []], ["a", {"x": 1}], ["a", [1, [2]]]):
+    for bad in ([1, [2]], [1, 2.5], [1, "a", None], ["a", 3.5], ["a", []], ["a", {"x": 1}], ["a", [1, [2]]],
+                ["a", [1, 2.5]], [1, "a", [6]], ["a", ["b", "c"]]):
         got = size({"prompt": bad}, "llamacpp")
         assert set(got) <= {"prompt_unsized", "sequences", "prompt_count"} and "prompt_unsized" in got, (bad, got)
         assert got["prompt_unsized"].startswith("a `prompt` of no shape read here"), (bad, got)

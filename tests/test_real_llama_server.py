@@ -582,6 +582,50 @@ def test_a_chat_stream_with_logprobs_is_attributed_the_tokens_its_usage_counts(l
     assert not row["tokens_estimated"], what  # scaled to the server's own count
 
 
+def test_the_prompt_shapes_the_proxy_sizes_are_those_llama_server_takes_and_its_ids_are_tokens(llama_server):
+    # The proxy sizes llama.cpp's prompts of ids and text mixed (promptlen._mixed_size) and leaves unsized what the
+    # server refuses; each shape here sent to the server itself: accepted (200) exactly where sized, and its count
+    # (tokens_evaluated) the ids plus its text's own tokens (/tokenize), a BOS where the prompt starts with text.
+    from powerprof.daemon.proxy import inspect_request_body
+
+    def post(path, body):
+        req = urllib.request.Request(llama_server.base_url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def tokens(text, bos=False):
+        return len(post("/tokenize", {"content": text, "add_special": bos})[1]["tokens"])
+
+    t = "the power of the clock"
+    shapes = [[5, 6, 7, t], [t, 5, 6, 7], [[5, 6, t], t], {"prompt_string": [5, t]}, [5, "a", 2.5], [5, "a", True],
+              [5, [6]], [5, 2.5], [5, "a", None], ["a", 2.5], [5, "a", [6]], ["a", ["b", "c"]]]
+    for prompt in shapes:
+        extra = {}
+        inspect_request_body(json.dumps({"prompt": prompt}).encode(), "", "llamacpp", extra)
+        status, answer = post("/completion", {"prompt": prompt, "n_predict": 1})
+        assert (status == 200) == ("prompt_unsized" not in extra), (prompt, status, answer, extra)
+        if status != 200:
+            continue
+        items = [prompt] if isinstance(prompt, dict) or any(type(x) is int for x in prompt) else prompt
+        want = 0
+        for item in items:
+            item = item["prompt_string"] if isinstance(item, dict) else item
+            item = [item] if isinstance(item, str) else item
+            want += sum(tokens(x, bos=k == 0) if isinstance(x, str) else 1 for k, x in enumerate(item))
+        said = sum(a["tokens_evaluated"] for a in (answer if isinstance(answer, list) else [answer]))
+        assert said == want, (prompt, said, want)
+        assert extra.get("prompt_ids", 0) == sum(1 for item in items for x in (
+            item["prompt_string"] if isinstance(item, dict) else item if isinstance(item, list) else [])
+            if not isinstance(x, str)), (prompt, extra)
+    # A Responses turn by reference: refused, as the simulator's llama.cpp flavour refuses it.
+    status, answer = post("/v1/responses", {"input": "hi", "previous_response_id": "resp_x", "max_output_tokens": 1})
+    assert status == 400 and b"llama.cpp does not support 'previous_response_id'." in answer, answer
+
+
 def test_a_whole_answer_of_choices_that_stopped_apart_is_not_given_the_first_ones_count(llama_server, tmp_path):
     # Choice 0 stops at " the" after 2 tokens, choice 1 much later: llama-server's answer says 2 (its first task's).
     body = {"max_tokens": SURFACE_TOKENS, "prompt": ["the power", "watt clock and the energy and the power of the GPU"],

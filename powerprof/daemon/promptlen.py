@@ -115,8 +115,9 @@ def _mixed_size(p: list, field: str, one: bool) -> tuple[int | None, int | None,
     """llama-server's prompt lists of more than one kind (its tokenize_input_prompts): a list with a token id at its top
     (`one`) is one prompt of ids and text mixed; else each item is a prompt: text, ids, ids and text mixed, or an object
     whose `prompt_string` is one of those (with `multimodal_data`, media: not sized). The ids are their tokens; the
-    text's characters are estimated as any text's (PromptLengths.estimate). Any other item, one llama-server refuses
-    (a float or bool among ids, a list in a list of ids), gives no size."""
+    text's characters are estimated as any text's (PromptLengths.estimate); a float or bool in a list of ids and text is
+    an id to it too (converted: measured). Any other item, one llama-server refuses (a float among ids without text, a
+    null, a list in a list of ids, a batch item of text alone), gives no size."""
     chars = ids = 0
     for item in [p] if one else p:
         if isinstance(item, dict):
@@ -126,7 +127,8 @@ def _mixed_size(p: list, field: str, one: bool) -> tuple[int | None, int | None,
         if isinstance(item, str):
             chars += len(item)
             continue
-        if not (isinstance(item, list) and item and _item_types(item) <= {int, str}):
+        kinds = _item_types(item) if isinstance(item, list) and item else set()
+        if not (int in kinds and (kinds <= {int, str} or {int, str} <= kinds <= {int, str, float, bool})):
             return None, None, f"a `{field}` of no shape read here ({'ids and text mixed' if one else 'its items'})"
         for x in item:
             if type(x) is str:
