@@ -1793,6 +1793,63 @@ def test_a_body_reader_that_raises_after_consuming_a_chunk_answers_500_not_a_cut
     assert proxy.proxy_failures == 1 and proxy._inspecting == 0
 
 
+def test_a_content_length_body_whose_read_raises_answers_500_with_a_proxy_error_row(monkeypatch):
+    """A Content-Length body whose read raised anything but a timeout, the client leaving or a framing error (a reader
+    fault) left the proxy's handler by the exception: aiohttp answered its own 500, the row said outcome ok with no
+    error (counted ok on /metrics) and the ledger had none. As the chunked reader's fault after taking bytes: the server
+    never sees the request, the client gets a JSON 500 naming the fault, the connection is closed (its body unread),
+    the row says proxy_error, why and the fix."""
+    import aiohttp.streams
+
+    orig = aiohttp.streams.StreamReader.read
+
+    async def broken(self, n=-1):
+        if n == -1 and not self.is_eof():  # the proxy's whole-body read; the upstream reads with readany
+            raise ValueError("reader bug")
+        return await orig(self, n)
+
+    monkeypatch.setattr(aiohttp.streams.StreamReader, "read", broken)
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, body_timeout_s=5)
+        r2, px_url = await serve_here(proxy.app())
+        body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body[:5]))
+        await w.drain()
+        await asyncio.sleep(0.1)
+        w.write(body[5:])
+        await w.drain()
+        got = await asyncio.wait_for(r.read(), 10)  # read to the close: the connection carries no other request
+        w.close()
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return got, seen, rec, proxy
+
+    got, seen, rec, proxy = _run(main())
+    (t,) = rec.ended
+    assert got.startswith(b"HTTP/1.1 500"), got[:200]
+    doc = json.loads(got.split(b"\r\n\r\n", 1)[1])
+    assert doc["error"]["type"] == "proxy_error" and "ValueError: reader bug" in doc["error"]["message"], doc
+    assert seen == [] and (t.status, t.outcome) == (500, "proxy_error"), (seen, t)
+    assert "not sent upstream" in t.error and "fix:" in t.error, t.error
+    assert proxy.proxy_failures == 1 and proxy._inspecting == 0
+
+
 def _chunked_through(proxy_kwargs, body, between=None, pause_s=0.0, setup=None):
     """A chunked body sent in two raw chunks (`between(proxy)` run in the pause); (status line, what the upstream
     got, the row, the proxy)."""

@@ -78,6 +78,11 @@ DRAIN_S = 2.0
 SERVER_OPTIONS = {"auto_decompress": False}
 
 
+# The fix a row whose request body the proxy failed on (outcome proxy_error) gives: the fault is the proxy's, not the
+# client's nor the server's.
+PROXY_FAULT_FIX = ("fix: a powerprof bug; the client may resend the request; report it with the daemon log's first "
+                   "\"the proxy failed reading a request body\" line and its traceback")
+
 # The `error` of a request whose client left while sending its body: the server never had the whole request, so never
 # ran it (the ledger costs it no prefill and flags no request beside it: `liverequest.gone_unsaid`).
 BODY_LEFT_NOTE = "the client left while sending its request body"
@@ -669,15 +674,9 @@ class Proxy:
                     # 3000-byte body and the client a 200, its row ok. A body with bytes lost is never forwarded.
                     self._inspecting -= budget[0]
                     budget[0] = 0
-                    msg = (f"powerprof proxy: the request body could not be forwarded whole (its reader failed after "
-                           f"taking {chunks.got - got} bytes not kept: {error_text(e)[:150]}); not sent upstream")
-                    if trace is not None:
-                        trace.status, trace.outcome = 500, "proxy_error"
-                        _add_error(trace, msg[:300])
-                    resp = web.Response(status=500, content_type="application/json", body=json.dumps(
-                        {"error": {"message": msg, "type": "proxy_error", "code": 500}}).encode())
-                    resp.force_close()  # the rest of its body is not read: the connection cannot carry another
-                    return resp
+                    return self._body_failed(trace, f"the request body could not be forwarded whole (its reader failed "
+                                                    f"after taking {chunks.got - got} bytes not kept: "
+                                                    f"{error_text(e)[:150]}); not sent upstream")
                 if trace is not None:
                     _add_error(trace, f"request body not read (the proxy's body reader failed: {error_text(e)[:150]}):"
                                       " streamed on, its model and stream not known")
@@ -710,6 +709,13 @@ class Proxy:
                 return self._client_left(trace)
             except HttpProcessingError as e:
                 return self._client_left(trace, _broken_body_note(e))
+            except Exception as e:
+                # A fault reading it (a bug: the client's doings are the cases above): it left the handler by the
+                # exception, aiohttp answered its own 500, the row said ok and the ledger had none. Its bytes are not
+                # whole: never forwarded, as the chunked reader's fault after taking bytes.
+                self._proxy_failed(e)
+                return self._body_failed(trace, f"the request body of {length} bytes could not be read "
+                                                f"({error_text(e)[:150]}); not sent upstream")
             framing = b"Content-Length: %d\r\n" % len(body)
             self._inspect(request, trace, body)
         elif request.body_exists:
@@ -761,12 +767,8 @@ class Proxy:
                 except Exception as e:  # a bug reading the body on: the server has part of it, so it cannot go on
                     self._drop(ex)
                     self._proxy_failed(e)
-                    msg = f"powerprof proxy: reading the request body failed ({error_text(e)[:150]}): upstream closed"
-                    if trace is not None:
-                        trace.status, trace.outcome = 500, "proxy_error"
-                        _add_error(trace, msg[:300])
-                    body = json.dumps({"error": {"message": msg, "type": "proxy_error", "code": 500}}).encode()
-                    return web.Response(status=500, body=body, content_type="application/json")
+                    return self._body_failed(trace, f"reading the request body failed ({error_text(e)[:150]}): "
+                                                    "upstream closed")
                 await ex.write_body(b"0\r\n\r\n")
                 if trace is not None and trace.api is not None and request.headers.get(
                         "Content-Encoding", "").strip().lower() in ("", "identity"):
@@ -833,6 +835,19 @@ class Proxy:
         if self.proxy_failures <= 5 or self.proxy_failures % 1000 == 0:
             log.error("the proxy failed reading a request body (%d so far): %s", self.proxy_failures, error_text(e),
                       exc_info=self.proxy_failures == 1)
+
+    def _body_failed(self, trace: RequestTrace | None, what: str) -> web.Response:
+        """500 for a request body the proxy's own fault left unforwardable (a bug, logged by `_proxy_failed`): the
+        JSON error and the row (outcome proxy_error) say `what` and the fix; the connection is closed, its body's rest
+        unread."""
+        msg = f"powerprof proxy: {what}"
+        if trace is not None:
+            trace.status, trace.outcome = 500, "proxy_error"
+            _add_error(trace, f"{msg[:300]}; {PROXY_FAULT_FIX}")
+        resp = web.Response(status=500, content_type="application/json", body=json.dumps(
+            {"error": {"message": msg, "type": "proxy_error", "code": 500}}).encode())
+        resp.force_close()  # the rest of its body is not read: the connection cannot carry another
+        return resp
 
     def _inspect(self, request: web.Request, trace: RequestTrace | None, body: bytes) -> None:
         """A body read whole: its model, stream flag and prompt size onto the trace (fail-open)."""
