@@ -1850,6 +1850,56 @@ def test_a_content_length_body_whose_read_raises_answers_500_with_a_proxy_error_
     assert proxy.proxy_failures == 1 and proxy._inspecting == 0
 
 
+@pytest.mark.parametrize("case", ["silent", "left", "fault"])
+def test_a_request_ended_before_it_was_forwarded_has_a_row_without_energy(monkeypatch, case):
+    """A request the proxy answered before forwarding it (its body silent past body_timeout_s: 408; its client gone
+    mid-body; the proxy's own fault reading it: 500) was only counted on /metrics: on_start never came, so the ledger
+    had no row. Now its row is written at its end: its outcome, its error saying what happened, that it was not
+    forwarded and the fix; no energy (the server never saw it), the energy_note saying why."""
+    from powerprof.daemon.ledger import Ledger
+    from support import RowSink
+
+    if case == "fault":
+        import aiohttp.streams
+
+        async def broken(self, n=-1):
+            raise ValueError("reader bug")
+
+        monkeypatch.setattr(aiohttp.streams.StreamReader, "read", broken)
+
+    async def main():
+        up, up_url, r1, _, _, _ = await _setup(Rec())
+        sink = RowSink()
+        led = Ledger("d", 0, 1, sink, grace_s=0.1)
+        proxy = Proxy(up_url, recorder=led, body_timeout_s=0.3)
+        r2, px_url = await serve_here(proxy.app())
+        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        await w.drain()
+        if case == "left":
+            await asyncio.sleep(0.1)
+            w.close()
+        else:
+            await asyncio.wait_for(r.read(65536), 10)
+            w.close()
+        for _ in range(100):
+            if sink.rows["requests"]:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return sink
+
+    sink = _run(main())
+    (row,) = sink.rows["requests"]
+    want = {"silent": (408, "client_timeout"), "left": (None, "client_disconnected"), "fault": (500, "proxy_error")}
+    assert (row["status"], row["outcome"]) == want[case], row
+    assert "not forwarded" in row["error"] and "fix:" in row["error"], row["error"]
+    assert row["gpu_energy_j"] is None and row["gpu_j_per_token"] is None and not row["attributed_tokens"], row
+    assert row["energy_note"].startswith("no share: not forwarded"), row["energy_note"]
+    assert "tokens it generated" not in row["error"], row["error"]  # the server never had it: no tail to miss
+
+
 def _chunked_through(proxy_kwargs, body, between=None, pause_s=0.0, setup=None):
     """A chunked body sent in two raw chunks (`between(proxy)` run in the pause); (status line, what the upstream
     got, the row, the proxy)."""

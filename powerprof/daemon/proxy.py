@@ -83,6 +83,12 @@ SERVER_OPTIONS = {"auto_decompress": False}
 PROXY_FAULT_FIX = ("fix: a powerprof bug; the client may resend the request; report it with the daemon log's first "
                    "\"the proxy failed reading a request body\" line and its traceback")
 
+# The key in a RequestTrace's `extra` of a request the proxy answered before forwarding it (a 408 for its body, its
+# client gone mid-body, the proxy's own fault reading it): on_start never came for it, and the ledger writes its row at
+# its end with no energy (the server never saw it). Set at arrival, taken off just before on_start.
+NOT_FORWARDED = "not_forwarded"
+NOT_FORWARDED_NOTE = "not forwarded: the server never saw this request, so it has no energy figure"
+
 # The `error` of a request whose client left while sending its body: the server never had the whole request, so never
 # ran it (the ledger costs it no prefill and flags no request beside it: `liverequest.gone_unsaid`).
 BODY_LEFT_NOTE = "the client left while sending its request body"
@@ -576,11 +582,17 @@ class Proxy:
             held = 0
         self._inspecting += held
         budget = [held]  # given back by _forward once the answer's head is in (its body is never sent again)
+        if trace is not None:
+            trace.extra[NOT_FORWARDED] = True  # until on_start (`_forward`)
         try:
             return await self._forward(request, trace, budget)
         finally:
             self._inspecting -= budget[0]
             self.active -= 1
+            if trace is not None and trace.extra.get(NOT_FORWARDED):
+                if trace.outcome == "ok":  # left by a cancellation (every other way out says its outcome)
+                    trace.outcome = "interrupted" if self.closing else "client_disconnected"
+                _add_error(trace, NOT_FORWARDED_NOTE)
             if trace is not None:
                 trace.end_ns = time.monotonic_ns()
                 wall_offset = trace.arrival_wall_ns - trace.arrival_ns
@@ -725,6 +737,8 @@ class Proxy:
             framing = b"Content-Length: %d\r\n" % length
         else:
             framing = b""
+        if trace is not None:
+            del trace.extra[NOT_FORWARDED]
         self._safe(trace, self.recorder.on_start)
         req_headers = request.headers
         head = request_head(request.method, self.pool.prefix + request.raw_path, self.pool.host_header,
@@ -867,14 +881,23 @@ class Proxy:
         """408; `rule`: "silent" (a pause of body_timeout_s) or "slow" (too few bytes for the time taken)."""
         self.body_timeouts[rule] += 1
         if trace is not None:
-            trace.status, trace.outcome, trace.error = 408, "client_timeout", why
+            trace.status, trace.outcome = 408, "client_timeout"
+            _add_error(trace, f"{why}; fix: the client sends its body with no pause of proxy.body_timeout_s "
+                              f"({self.body_timeout_s:g} s) and at least proxy.body_min_bytes_per_s "
+                              f"({self.body_min_bytes_per_s:g}) on average after that, or raise those")
         return web.Response(status=408, text=f"powerprof proxy: {why}\n")
 
     def _client_left(self, trace: RequestTrace | None, why: str = BODY_LEFT_NOTE) -> web.Response:
         """The client left before its response began: not the upstream's failure."""
         if trace is not None:
-            trace.outcome, trace.error = "client_disconnected", why
-            _note_unseen_tail(trace)
+            trace.outcome = "client_disconnected"
+            if why.startswith(BODY_LEFT_NOTE):
+                # The server never had it whole, so never ran it: no tail of it to miss (`_note_unseen_tail`).
+                _add_error(trace, f"{why}; fix: none here: the client closed its connection mid-body (its own timeout "
+                                  "or a cancel)")
+            else:
+                _add_error(trace, why)
+                _note_unseen_tail(trace)
         return web.Response(status=400)  # nobody reads it
 
     async def _relay(self, request: web.Request, ex: Exchange, status: int, reason: str, up_headers,

@@ -24,7 +24,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
 
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
-                          is_unseen, server_end_ns)
+                          is_unseen, not_forwarded, server_end_ns)
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
 
@@ -419,6 +419,8 @@ def _whole_gone_costed(r: LiveRequest) -> bool:
 
 def _no_energy_reason(r: LiveRequest) -> str:
     """Why a request got no energy: what the work model could not see."""
+    if not_forwarded(r):
+        return "no share: not forwarded (the server never saw it; its error says why), so no GPU work of it"
     if is_unseen(r) and not is_passive(r):
         return "no share: " + _uncounted_note(r)
     if r.trace.end_ns is not None and is_passive(r):
