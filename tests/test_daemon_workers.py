@@ -407,6 +407,24 @@ def test_an_end_without_a_start_is_still_counted():
     assert workers.active == 0
 
 
+def test_the_workers_bodies_streamed_on_uninspected_are_summed_for_metrics():
+    # Each worker's Proxy counts the bodies it streamed on uninspected over the inspection budget; the daemon's /metrics
+    # reads them as of an in-process Proxy (uninspected_bodies), summed over the workers' lives.
+    from powerprof.daemon.workers import UNINSPECTED
+
+    workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=Rec(), proxy_kwargs={},
+                           header_timeout_s=10, idle_timeout_s=10)
+    stats = [0] * len(_STATS)
+    stats[UNINSPECTED] = 3
+    (msg,) = Unframer().feed(frame(([], [], [], [], tuple(stats), [], 0)))
+    workers._replay(workers.workers[0], msg)
+    assert workers.uninspected_bodies == 3
+    rec = ShippingRecorder(8)
+    rec.proxy = type("P", (), {"recorder_failures": 0, "upstream_failures": 0, "body_timeouts": {"silent": 0, "slow": 0},
+                               "upstream_retries": 0, "uninspected_bodies": 5})()
+    assert rec._stats()[UNINSPECTED] == 5
+
+
 @pytest.mark.slow
 def test_a_second_daemon_does_not_join_a_port_the_first_ones_workers_serve(tmp_path):
     import socket
