@@ -1882,6 +1882,7 @@ def test_a_request_ended_before_it_was_forwarded_has_a_row_without_energy(monkey
         else:
             await asyncio.wait_for(r.read(65536), 10)
             w.close()
+            await w.wait_closed()
         for _ in range(100):
             if sink.rows["requests"]:
                 break
