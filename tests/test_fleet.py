@@ -729,6 +729,9 @@ def test_requests_the_proxy_answered_before_forwarding_are_counted_failed_and_ou
     assert r["gpu_j_per_token"] == pytest.approx(truth["jpt"]) and r["generated_tokens"] == truth["tokens"]
     assert r["requests"] == truth["requests"] + 3 and r["failed_requests"] == truth["failed"] + 3
     assert not r["unknown_energy_requests"] and not r["invalid_requests"], r
+    assert r["not_forwarded_requests"] == 3, r  # counted apart, and said by analyze
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
+    assert res.exit_code == 0 and "answered before forwarding them" in res.stderr and "node-0: 3" in res.stderr, res.output
 
 
 def test_the_fleet_total_j_per_token_leaves_out_a_hosts_tokens_without_energy(fleet, tmp_path):
