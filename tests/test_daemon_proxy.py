@@ -340,6 +340,35 @@ def test_a_client_leaving_mid_body_is_a_client_disconnect_not_an_upstream_failur
     assert proxy.upstream_failures == 0
 
 
+def test_a_body_left_mid_way_opens_its_error_with_that_and_keeps_what_was_said_before(monkeypatch):
+    """A client gone mid-body: its `error` opens with BODY_LEFT_NOTE (the ledger reads a body left by it: no prefill
+    cost, no run-on) and keeps what was said of the request before (here: streamed on over the inspection budget).
+    The note used to overwrite the error (the budget's note lost); appended, it no longer opened it."""
+    import powerprof.daemon.proxy as proxy_mod
+
+    monkeypatch.setattr(proxy_mod, "INSPECT_BUDGET_BYTES", 0)
+
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        _r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /echo/x HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
+        await w.drain()
+        await asyncio.sleep(0.2)
+        w.close()
+        for _ in range(250):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    (t,) = _run(main()).ended
+    assert t.outcome == "client_disconnected" and t.error.startswith(proxy_mod.BODY_LEFT_NOTE), t.error
+    assert "request body not read whole" in t.error, t.error
+
+
 def test_bodies_read_whole_are_bounded_together_and_one_past_the_budget_streams_on(monkeypatch):
     """Each body up to 1 MiB is read whole (its model, its stream flag); 400 clients holding back their last bytes took
     the daemon past its MemoryMax (66 -> 642 MB, session 46's hostile review). Past INSPECT_BUDGET_BYTES in all, a body

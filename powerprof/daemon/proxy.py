@@ -738,7 +738,7 @@ class Proxy:
         else:
             framing = b""
         if trace is not None:
-            del trace.extra[NOT_FORWARDED]
+            trace.extra.pop(NOT_FORWARDED, None)
         self._safe(trace, self.recorder.on_start)
         req_headers = request.headers
         head = request_head(request.method, self.pool.prefix + request.raw_path, self.pool.host_header,
@@ -892,9 +892,12 @@ class Proxy:
         if trace is not None:
             trace.outcome = "client_disconnected"
             if why.startswith(BODY_LEFT_NOTE):
-                # The server never had it whole, so never ran it: no tail of it to miss (`_note_unseen_tail`).
-                _add_error(trace, f"{why}; fix: none here: the client closed its connection mid-body (its own timeout "
-                                  "or a cancel)")
+                # The server never had it whole, so never ran it: no tail of it to miss (`_note_unseen_tail`). First in
+                # `error`, before what was said of it already (the ledger reads a body left by its opening words).
+                prior, trace.error = trace.error, (f"{why}; fix: none here: the client closed its connection mid-body "
+                                                   "(its own timeout or a cancel)")
+                if prior:
+                    _add_error(trace, prior)
             else:
                 _add_error(trace, why)
                 _note_unseen_tail(trace)
