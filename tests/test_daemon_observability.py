@@ -196,6 +196,18 @@ def test_requests_flagged_prefix_cache_late_are_counted_on_metrics():
     assert zero.value == 0
 
 
+def test_bodies_streamed_on_uninspected_over_the_budget_are_counted_on_metrics():
+    # The proxy counted request bodies it streamed on uninspected for the inspection budget (uninspected_bodies: their
+    # rows' model and stream unknown, their prompt unread) and /metrics never said it: a budget full for hours showed
+    # only on the rows. Now a counter, at zero too.
+    fams = _exposition(proxy_uninspected_bodies=3)
+    (sample,) = fams["powerprof_proxy_uninspected_bodies"].samples
+    assert sample.value == 3 and sample.name == "powerprof_proxy_uninspected_bodies_total"
+    assert "budget" in fams["powerprof_proxy_uninspected_bodies"].documentation
+    (zero,) = _exposition()["powerprof_proxy_uninspected_bodies"].samples
+    assert zero.value == 0
+
+
 def test_the_power_panel_from_energy_counters_leaves_out_an_instance_with_a_gpu_unread_over_the_range():
     # A rate() over a range overlapping a GPU's unread time reads low whether its series is absent or not (Prometheus
     # extrapolates the increase between the range's first and last samples): before, the panel summed every instance's

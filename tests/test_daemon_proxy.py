@@ -340,6 +340,35 @@ def test_a_client_leaving_mid_body_is_a_client_disconnect_not_an_upstream_failur
     assert proxy.upstream_failures == 0
 
 
+def test_a_body_left_mid_way_opens_its_error_with_that_and_keeps_what_was_said_before(monkeypatch):
+    """A client gone mid-body: its `error` opens with BODY_LEFT_NOTE (the ledger reads a body left by it: no prefill
+    cost, no run-on) and keeps what was said of the request before (here: streamed on over the inspection budget).
+    The note used to overwrite the error (the budget's note lost); appended, it no longer opened it."""
+    import powerprof.daemon.proxy as proxy_mod
+
+    monkeypatch.setattr(proxy_mod, "INSPECT_BUDGET_BYTES", 0)
+
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        _r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /echo/x HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
+        await w.drain()
+        await asyncio.sleep(0.2)
+        w.close()
+        for _ in range(250):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    (t,) = _run(main()).ended
+    assert t.outcome == "client_disconnected" and t.error.startswith(proxy_mod.BODY_LEFT_NOTE), t.error
+    assert "request body not read whole" in t.error, t.error
+
+
 def test_bodies_read_whole_are_bounded_together_and_one_past_the_budget_streams_on(monkeypatch):
     """Each body up to 1 MiB is read whole (its model, its stream flag); 400 clients holding back their last bytes took
     the daemon past its MemoryMax (66 -> 642 MB, session 46's hostile review). Past INSPECT_BUDGET_BYTES in all, a body
@@ -1815,6 +1844,114 @@ def test_a_body_reader_that_raises_after_consuming_a_chunk_answers_500_not_a_cut
     assert seen == [] and (t.status, t.outcome) == (500, "proxy_error"), (seen, t)
     assert "could not be forwarded whole" in (t.error or ""), t.error
     assert proxy.proxy_failures == 1 and proxy._inspecting == 0
+
+
+def test_a_content_length_body_whose_read_raises_answers_500_with_a_proxy_error_row(monkeypatch):
+    """A Content-Length body whose read raised anything but a timeout, the client leaving or a framing error (a reader
+    fault) left the proxy's handler by the exception: aiohttp answered its own 500, the row said outcome ok with no
+    error (counted ok on /metrics) and the ledger had none. As the chunked reader's fault after taking bytes: the server
+    never sees the request, the client gets a JSON 500 naming the fault, the connection is closed (its body unread),
+    the row says proxy_error, why and the fix."""
+    import aiohttp.streams
+
+    orig = aiohttp.streams.StreamReader.read
+
+    async def broken(self, n=-1):
+        if n == -1 and not self.is_eof():  # the proxy's whole-body read; the upstream reads with readany
+            raise ValueError("reader bug")
+        return await orig(self, n)
+
+    monkeypatch.setattr(aiohttp.streams.StreamReader, "read", broken)
+
+    async def main():
+        seen = []
+
+        async def completion(request):
+            seen.append(await request.read())
+            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec, body_timeout_s=5)
+        r2, px_url = await serve_here(proxy.app())
+        body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body[:5]))
+        await w.drain()
+        await asyncio.sleep(0.1)
+        w.write(body[5:])
+        await w.drain()
+        got = await asyncio.wait_for(r.read(), 10)  # read to the close: the connection carries no other request
+        w.close()
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return got, seen, rec, proxy
+
+    got, seen, rec, proxy = _run(main())
+    (t,) = rec.ended
+    assert got.startswith(b"HTTP/1.1 500"), got[:200]
+    doc = json.loads(got.split(b"\r\n\r\n", 1)[1])
+    assert doc["error"]["type"] == "proxy_error" and "ValueError: reader bug" in doc["error"]["message"], doc
+    assert seen == [] and (t.status, t.outcome) == (500, "proxy_error"), (seen, t)
+    assert "not sent upstream" in t.error and "fix:" in t.error, t.error
+    assert proxy.proxy_failures == 1 and proxy._inspecting == 0
+
+
+@pytest.mark.parametrize("case", ["silent", "left", "fault"])
+def test_a_request_ended_before_it_was_forwarded_has_a_row_without_energy(monkeypatch, case):
+    """A request the proxy answered before forwarding it (its body silent past body_timeout_s: 408; its client gone
+    mid-body; the proxy's own fault reading it: 500) was only counted on /metrics: on_start never came, so the ledger
+    had no row. Now its row is written at its end: its outcome, its error saying what happened, that it was not
+    forwarded and the fix; no energy (the server never saw it), the energy_note saying why."""
+    from powerprof.daemon.ledger import Ledger
+    from support import RowSink
+
+    if case == "fault":
+        import aiohttp.streams
+
+        async def broken(self, n=-1):
+            raise ValueError("reader bug")
+
+        monkeypatch.setattr(aiohttp.streams.StreamReader, "read", broken)
+
+    async def main():
+        up, up_url, r1, _, _, _ = await _setup(Rec())
+        sink = RowSink()
+        led = Ledger("d", 0, 1, sink, grace_s=0.1)
+        proxy = Proxy(up_url, recorder=led, body_timeout_s=0.3)
+        r2, px_url = await serve_here(proxy.app())
+        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        await w.drain()
+        if case == "left":
+            await asyncio.sleep(0.1)
+            w.close()
+        else:
+            await asyncio.wait_for(r.read(65536), 10)
+            w.close()
+            await w.wait_closed()
+        for _ in range(100):
+            if sink.rows["requests"]:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return sink
+
+    sink = _run(main())
+    (row,) = sink.rows["requests"]
+    want = {"silent": (408, "client_timeout"), "left": (None, "client_disconnected"), "fault": (500, "proxy_error")}
+    assert (row["status"], row["outcome"]) == want[case], row
+    assert "not forwarded" in row["error"] and "fix:" in row["error"], row["error"]
+    assert row["gpu_energy_j"] is None and row["gpu_j_per_token"] is None and not row["attributed_tokens"], row
+    assert row["energy_note"].startswith("no share: not forwarded"), row["energy_note"]
+    assert "tokens it generated" not in row["error"], row["error"]  # the server never had it: no tail to miss
 
 
 def _chunked_through(proxy_kwargs, body, between=None, pause_s=0.0, setup=None):

@@ -391,10 +391,11 @@ def test_an_end_without_a_start_is_still_counted():
     # A request body that times out ends before its start is recorded; in-process the recorder still
     # counts it (requests_total by outcome). The end record carries the start's fields for that.
     from powerprof.daemon.workers import _end_record
-    from powerprof.daemon.proxy import RequestTrace
+    from powerprof.daemon.proxy import NOT_FORWARDED, RequestTrace
 
     tr = RequestTrace(request_id=7, method="POST", endpoint="/completion", tag="slow", arrival_ns=10, arrival_wall_ns=20)
     tr.end_ns, tr.end_wall_ns, tr.status, tr.outcome = 30, 40, 408, "client_timeout"
+    tr.extra[NOT_FORWARDED] = True  # the ledger writes its row from the end alone (no energy)
     rec = Rec()
     workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=rec, proxy_kwargs={},
                            header_timeout_s=10, idle_timeout_s=10)
@@ -402,7 +403,26 @@ def test_an_end_without_a_start_is_still_counted():
     workers._replay(workers.workers[0], msg)
     (got,) = rec.ended
     assert (got.tag, got.status, got.outcome, got.arrival_ns, got.end_ns) == ("slow", 408, "client_timeout", 10, 30)
+    assert got.extra.get(NOT_FORWARDED) is True
     assert workers.active == 0
+
+
+def test_the_workers_bodies_streamed_on_uninspected_are_summed_for_metrics():
+    # Each worker's Proxy counts the bodies it streamed on uninspected over the inspection budget; the daemon's /metrics
+    # reads them as of an in-process Proxy (uninspected_bodies), summed over the workers' lives.
+    from powerprof.daemon.workers import UNINSPECTED
+
+    workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=Rec(), proxy_kwargs={},
+                           header_timeout_s=10, idle_timeout_s=10)
+    stats = [0] * len(_STATS)
+    stats[UNINSPECTED] = 3
+    (msg,) = Unframer().feed(frame(([], [], [], [], tuple(stats), [], 0)))
+    workers._replay(workers.workers[0], msg)
+    assert workers.uninspected_bodies == 3
+    rec = ShippingRecorder(8)
+    rec.proxy = type("P", (), {"recorder_failures": 0, "upstream_failures": 0, "body_timeouts": {"silent": 0, "slow": 0},
+                               "upstream_retries": 0, "uninspected_bodies": 5})()
+    assert rec._stats()[UNINSPECTED] == 5
 
 
 @pytest.mark.slow

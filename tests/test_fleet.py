@@ -712,6 +712,28 @@ def test_requests_whose_gpu_energy_is_unknown_are_left_out_of_j_per_token_and_sa
     assert "GPU energy is unknown" in res.stderr and "node-0: 10" in res.stderr and "nvidia-smi" in res.stderr, res.stderr
 
 
+def test_requests_the_proxy_answered_before_forwarding_are_counted_failed_and_out_of_the_energy_figures(tmp_path):
+    # The daemon writes a row for a request it answered before forwarding (a 408 for its body, a client gone mid-body, a
+    # proxy_error): no energy, no tokens, its energy_note "no share: not forwarded". The summary counts them among the
+    # failed requests, and its energy and J/token figures are the measured requests' alone.
+    truth = _node(tmp_path / "n", 0)
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("requests", [{"daemon_id": "d0", "request_id": 100 + i, "t_arrival_utc": T0_NS, "outcome": outcome,
+                               "status": status, "generated_tokens": None, "gpu_energy_j": None, "attributed_tokens": 0.0,
+                               "energy_note": "no share: not forwarded (the server never saw it; its error says why), "
+                                              "so no GPU work of it"}
+                              for i, (outcome, status) in enumerate([("client_timeout", 408), ("client_disconnected", None),
+                                                                     ("proxy_error", 500)])])
+    assert store.flush()
+    [r] = fleet_summary([str(tmp_path / "n")]).to_pylist()
+    assert r["gpu_j_per_token"] == pytest.approx(truth["jpt"]) and r["generated_tokens"] == truth["tokens"]
+    assert r["requests"] == truth["requests"] + 3 and r["failed_requests"] == truth["failed"] + 3
+    assert not r["unknown_energy_requests"] and not r["invalid_requests"], r
+    assert r["not_forwarded_requests"] == 3, r  # counted apart, and said by analyze
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
+    assert res.exit_code == 0 and "answered before forwarding them" in res.stderr and "node-0: 3" in res.stderr, res.output
+
+
 def test_the_fleet_total_j_per_token_leaves_out_a_hosts_tokens_without_energy(fleet, tmp_path):
     # A node whose requests all lack their energy shows "-" for its own J/token, but the total line summed its tokens
     # under the other nodes' energy: node-0 (0.500) and such a node read 0.250 for all hosts.

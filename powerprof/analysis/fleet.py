@@ -19,7 +19,7 @@ from powerprof.paths import holds_sweep_run
 from powerprof.profiler import BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
 from powerprof.storage import datafiles
 from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_TRUSTED, SERVER_COUNT_UNREAD,
-                                      SERVER_GPU_UNSAMPLED_FLAG, bypass_count_fix)
+                                      NOT_FORWARDED_NOTE, SERVER_GPU_UNSAMPLED_FLAG, bypass_count_fix)
 
 from .engine import connect, to_arrow
 from .rowkeys import KEYS, WHY, folder_sql, keyless_sql
@@ -581,6 +581,7 @@ WITH r AS (
            count(*) FILTER (WHERE {r_ok} AND {r_sure} AND NOT {r_paired}
                             AND (coalesce(attributed_tokens, 0) > 0 OR coalesce(gpu_energy_j, 0) > 0))
                AS unknown_energy_requests,
+           count(*) FILTER (WHERE coalesce(energy_note, '') LIKE '{NOT_FORWARDED_NOTE}%') AS not_forwarded_requests,
            count(*) FILTER (WHERE {r_ok} AND NOT {r_sure} AND NOT {r_bypass_low} AND NOT spans_bad) AS uncertain_requests,
            count(*) FILTER (WHERE {r_ok} AND {r_bypass_low} AND NOT spans_bad) AS bypass_uncertain_requests,
            count(*) FILTER (WHERE {r_ok} AND spans_bad) AS invalid_interval_requests,
@@ -621,6 +622,7 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        coalesce(conflicting_intervals, 0) AS conflicting_intervals,
        coalesce(uncertain_requests, 0) AS uncertain_requests,
        coalesce(unknown_energy_requests, 0) AS unknown_energy_requests,
+       coalesce(not_forwarded_requests, 0) AS not_forwarded_requests,
        coalesce(invalid_interval_requests, 0) AS invalid_interval_requests,
        coalesce(bypass_uncertain_requests, 0) AS bypass_uncertain_requests,
        coalesce(bypass_uncertain_intervals, 0) AS bypass_uncertain_intervals,
@@ -633,7 +635,7 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        coalesce(gpu_set_unknown_intervals, 0) AS gpu_set_unknown_intervals
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
-""".replace("{r_paired}", "(gpu_energy_j IS NOT NULL AND attributed_tokens IS NOT NULL)").replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND coalesce(energy_note, '') "
+""".replace("{NOT_FORWARDED_NOTE}", NOT_FORWARDED_NOTE).replace("{r_paired}", "(gpu_energy_j IS NOT NULL AND attributed_tokens IS NOT NULL)").replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND coalesce(energy_note, '') "
                          f"NOT LIKE '%{BEFORE_FIRST_READ_FLAG}%' AND coalesce(energy_note, '') NOT LIKE '%{SERVER_GPU_UNSAMPLED_FLAG}%' "
                          "AND NOT {r_bypass_low} AND NOT spans_bad)").replace(
     "{r_bypass_low}", f"(coalesce(energy_note, '') LIKE '%{BYPASS_LOW_FLAG}%')").replace(
@@ -947,6 +949,12 @@ def notes(t: pa.Table) -> list[str]:
         out.append("no request rows: " + ", ".join(no_rq) + ": requests and tokens unknown (`-`), and the `all` "
                    "line's with them. The fix: copy the host's requests/ folder too (a partial sync), or wait for the "
                    "daemon's flush")
+    unsent = [r for r in t.to_pylist() if r.get("not_forwarded_requests")]
+    if unsent:
+        out.append("requests the proxy answered before forwarding them (a 408 for a body too slow, a client gone "
+                   "mid-body, a proxy_error: the server never saw them) are in `requests` and `failed_requests`, in no "
+                   "energy figure: " + "; ".join(f"{r['host']}: {r['not_forwarded_requests']}" for r in unsent)
+                   + "; each row's error says what happened and the fix")
     dup = [r for r in t.to_pylist() if r["duplicate_requests"] or r["duplicate_intervals"]]
     if dup:
         out.append("rows found more than once were counted once (the same daemon_id and request_id, or interval "

@@ -42,7 +42,7 @@ from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
-                          is_unseen, server_end_ns)
+                          is_unseen, not_forwarded, server_end_ns)
 from .promptlen import PromptLengths
 from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
@@ -506,6 +506,11 @@ class Ledger:
         placed: a stream counted one token per chunk whose final `usage` says otherwise."""
         r = self.requests.get(trace.request_id)
         if r is None:
+            r = LiveRequest(trace)
+            if not_forwarded(r):
+                # Answered by the proxy before it forwarded it (no on_start): live at no server, in no interval's split;
+                # its row now. Before, none was written (it was on /metrics alone).
+                self.emit("requests", [self._request_row(r)])
             return 0.0
         added = self._placed_at_end(r)
         if trace.outcome == "client_disconnected" and trace.api is not None \

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .proxy import BODY_LEFT_NOTE, RequestTrace
+from .proxy import BODY_LEFT_NOTE, NOT_FORWARDED, RequestTrace
 
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
 
@@ -153,6 +153,12 @@ def told_prompt_tokens(r: LiveRequest) -> float | None:
         return None  # none of an invalid response's counts are kept, the early one included
     p = r.trace.extra.get("prompt_tokens")  # said early in the stream (continuous usage)
     return float(p) if p is not None else None
+
+
+def not_forwarded(r: LiveRequest) -> bool:
+    """The proxy answered it before forwarding it (proxy.NOT_FORWARDED): the server never saw it, and its row, written at
+    its end, has no energy."""
+    return bool(r.trace.extra.get(NOT_FORWARDED))
 
 
 def is_passive(r: LiveRequest) -> bool:

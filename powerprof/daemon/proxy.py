@@ -78,6 +78,17 @@ DRAIN_S = 2.0
 SERVER_OPTIONS = {"auto_decompress": False}
 
 
+# The fix a row whose request body the proxy failed on (outcome proxy_error) gives: the fault is the proxy's, not the
+# client's nor the server's.
+PROXY_FAULT_FIX = ("fix: a powerprof bug; the client may resend the request; report it with the daemon log's first "
+                   "\"the proxy failed reading a request body\" line and its traceback")
+
+# The key in a RequestTrace's `extra` of a request the proxy answered before forwarding it (a 408 for its body, its
+# client gone mid-body, the proxy's own fault reading it): on_start never came for it, and the ledger writes its row at
+# its end with no energy (the server never saw it). Set at arrival, taken off just before on_start.
+NOT_FORWARDED = "not_forwarded"
+NOT_FORWARDED_NOTE = "not forwarded: the server never saw this request, so it has no energy figure"
+
 # The `error` of a request whose client left while sending its body: the server never had the whole request, so never
 # ran it (the ledger costs it no prefill and flags no request beside it: `liverequest.gone_unsaid`).
 BODY_LEFT_NOTE = "the client left while sending its request body"
@@ -571,11 +582,17 @@ class Proxy:
             held = 0
         self._inspecting += held
         budget = [held]  # given back by _forward once the answer's head is in (its body is never sent again)
+        if trace is not None:
+            trace.extra[NOT_FORWARDED] = True  # until on_start (`_forward`)
         try:
             return await self._forward(request, trace, budget)
         finally:
             self._inspecting -= budget[0]
             self.active -= 1
+            if trace is not None and trace.extra.get(NOT_FORWARDED):
+                if trace.outcome == "ok":  # left by a cancellation (every other way out says its outcome)
+                    trace.outcome = "interrupted" if self.closing else "client_disconnected"
+                _add_error(trace, NOT_FORWARDED_NOTE)
             if trace is not None:
                 trace.end_ns = time.monotonic_ns()
                 wall_offset = trace.arrival_wall_ns - trace.arrival_ns
@@ -669,15 +686,9 @@ class Proxy:
                     # 3000-byte body and the client a 200, its row ok. A body with bytes lost is never forwarded.
                     self._inspecting -= budget[0]
                     budget[0] = 0
-                    msg = (f"powerprof proxy: the request body could not be forwarded whole (its reader failed after "
-                           f"taking {chunks.got - got} bytes not kept: {error_text(e)[:150]}); not sent upstream")
-                    if trace is not None:
-                        trace.status, trace.outcome = 500, "proxy_error"
-                        _add_error(trace, msg[:300])
-                    resp = web.Response(status=500, content_type="application/json", body=json.dumps(
-                        {"error": {"message": msg, "type": "proxy_error", "code": 500}}).encode())
-                    resp.force_close()  # the rest of its body is not read: the connection cannot carry another
-                    return resp
+                    return self._body_failed(trace, f"the request body could not be forwarded whole (its reader failed "
+                                                    f"after taking {chunks.got - got} bytes not kept: "
+                                                    f"{error_text(e)[:150]}); not sent upstream")
                 if trace is not None:
                     _add_error(trace, f"request body not read (the proxy's body reader failed: {error_text(e)[:150]}):"
                                       " streamed on, its model and stream not known")
@@ -710,6 +721,13 @@ class Proxy:
                 return self._client_left(trace)
             except HttpProcessingError as e:
                 return self._client_left(trace, _broken_body_note(e))
+            except Exception as e:
+                # A fault reading it (a bug: the client's doings are the cases above): it left the handler by the
+                # exception, aiohttp answered its own 500, the row said ok and the ledger had none. Its bytes are not
+                # whole: never forwarded, as the chunked reader's fault after taking bytes.
+                self._proxy_failed(e)
+                return self._body_failed(trace, f"the request body of {length} bytes could not be read "
+                                                f"({error_text(e)[:150]}); not sent upstream")
             framing = b"Content-Length: %d\r\n" % len(body)
             self._inspect(request, trace, body)
         elif request.body_exists:
@@ -719,6 +737,8 @@ class Proxy:
             framing = b"Content-Length: %d\r\n" % length
         else:
             framing = b""
+        if trace is not None:
+            trace.extra.pop(NOT_FORWARDED, None)
         self._safe(trace, self.recorder.on_start)
         req_headers = request.headers
         head = request_head(request.method, self.pool.prefix + request.raw_path, self.pool.host_header,
@@ -761,12 +781,8 @@ class Proxy:
                 except Exception as e:  # a bug reading the body on: the server has part of it, so it cannot go on
                     self._drop(ex)
                     self._proxy_failed(e)
-                    msg = f"powerprof proxy: reading the request body failed ({error_text(e)[:150]}): upstream closed"
-                    if trace is not None:
-                        trace.status, trace.outcome = 500, "proxy_error"
-                        _add_error(trace, msg[:300])
-                    body = json.dumps({"error": {"message": msg, "type": "proxy_error", "code": 500}}).encode()
-                    return web.Response(status=500, body=body, content_type="application/json")
+                    return self._body_failed(trace, f"reading the request body failed ({error_text(e)[:150]}): "
+                                                    "upstream closed")
                 await ex.write_body(b"0\r\n\r\n")
                 if trace is not None and trace.api is not None and request.headers.get(
                         "Content-Encoding", "").strip().lower() in ("", "identity"):
@@ -834,6 +850,19 @@ class Proxy:
             log.error("the proxy failed reading a request body (%d so far): %s", self.proxy_failures, error_text(e),
                       exc_info=self.proxy_failures == 1)
 
+    def _body_failed(self, trace: RequestTrace | None, what: str) -> web.Response:
+        """500 for a request body the proxy's own fault left unforwardable (a bug, logged by `_proxy_failed`): the
+        JSON error and the row (outcome proxy_error) say `what` and the fix; the connection is closed, its body's rest
+        unread."""
+        msg = f"powerprof proxy: {what}"
+        if trace is not None:
+            trace.status, trace.outcome = 500, "proxy_error"
+            _add_error(trace, f"{msg[:300]}; {PROXY_FAULT_FIX}")
+        resp = web.Response(status=500, content_type="application/json", body=json.dumps(
+            {"error": {"message": msg, "type": "proxy_error", "code": 500}}).encode())
+        resp.force_close()  # the rest of its body is not read: the connection cannot carry another
+        return resp
+
     def _inspect(self, request: web.Request, trace: RequestTrace | None, body: bytes) -> None:
         """A body read whole: its model, stream flag and prompt size onto the trace (fail-open)."""
         if trace is not None and trace.api is not None:
@@ -852,14 +881,26 @@ class Proxy:
         """408; `rule`: "silent" (a pause of body_timeout_s) or "slow" (too few bytes for the time taken)."""
         self.body_timeouts[rule] += 1
         if trace is not None:
-            trace.status, trace.outcome, trace.error = 408, "client_timeout", why
+            trace.status, trace.outcome = 408, "client_timeout"
+            _add_error(trace, f"{why}; fix: the client sends its body with no pause of proxy.body_timeout_s "
+                              f"({self.body_timeout_s:g} s) and at least proxy.body_min_bytes_per_s "
+                              f"({self.body_min_bytes_per_s:g}) on average after that, or raise those")
         return web.Response(status=408, text=f"powerprof proxy: {why}\n")
 
     def _client_left(self, trace: RequestTrace | None, why: str = BODY_LEFT_NOTE) -> web.Response:
         """The client left before its response began: not the upstream's failure."""
         if trace is not None:
-            trace.outcome, trace.error = "client_disconnected", why
-            _note_unseen_tail(trace)
+            trace.outcome = "client_disconnected"
+            if why.startswith(BODY_LEFT_NOTE):
+                # The server never had it whole, so never ran it: no tail of it to miss (`_note_unseen_tail`). First in
+                # `error`, before what was said of it already (the ledger reads a body left by its opening words).
+                prior, trace.error = trace.error, (f"{why}; fix: none here: the client closed its connection mid-body "
+                                                   "(its own timeout or a cancel)")
+                if prior:
+                    _add_error(trace, prior)
+            else:
+                _add_error(trace, why)
+                _note_unseen_tail(trace)
         return web.Response(status=400)  # nobody reads it
 
     async def _relay(self, request: web.Request, ex: Exchange, status: int, reason: str, up_headers,

@@ -16,7 +16,7 @@ from powerprof.energy import COUNTER_STEP_S
 from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SHARE, NO_COUNTER_SHORT_FIX,
                                 NO_COUNTER_SHORT_FLAG)
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
-                                      CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
+                                      NOT_FORWARDED_NOTE, CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
                                       GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_BODY_FIX,
                                       PROMPT_NO_ASK_FIX, PROMPT_RUNNING_USAGE_FIX, PROMPT_STATEFUL_FIX, PROMPT_USAGE_FIX,
                                       PROMPT_UNREAD_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_USAGE_ABOVE,
@@ -24,7 +24,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
 
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
-                          is_unseen, server_end_ns)
+                          is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_FIELDS, stateful_reason
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
@@ -420,6 +420,8 @@ def _whole_gone_costed(r: LiveRequest) -> bool:
 
 def _no_energy_reason(r: LiveRequest) -> str:
     """Why a request got no energy: what the work model could not see."""
+    if not_forwarded(r):
+        return f"{NOT_FORWARDED_NOTE} (the server never saw it; its error says why), so no GPU work of it"
     if is_unseen(r) and not is_passive(r):
         return "no share: " + _uncounted_note(r)
     if r.trace.end_ns is not None and is_passive(r):

@@ -56,6 +56,7 @@ FRAME_MAX_BYTES = 64 << 20
 HELLO_TIMEOUT_S = 60.0  # a loaded machine takes seconds to start Python and bind
 STOP_TIMEOUT_S = 10.0  # SIGTERM: a worker cuts its requests after 2 s (like the daemon) and sends their records
 LATE = 7  # the index of a worker's loop's lateness in its stats (ShippingRecorder._stats)
+UNINSPECTED = 8  # …and of its Proxy's uninspected_bodies
 BEAT_S = 0.25  # a worker's heartbeat: its live requests and its clock (the ledger's horizon waits for it)
 SILENT_S = 10.0  # a worker silent this long (stopped, wedged) is killed and restarted
 # Ended unread spans kept for the ledger: one a worker life that spoke another shape and then the daemon's again (an
@@ -180,9 +181,9 @@ class ShippingRecorder:
         p = self.proxy
         bad = self.bad_requests.rejected if self.bad_requests is not None else 0
         if p is None:
-            return (0, 0, self.dropped, bad, 0, 0, 0, self.late_us)
+            return (0, 0, self.dropped, bad, 0, 0, 0, self.late_us, 0)
         return (p.recorder_failures, p.upstream_failures, self.dropped, bad, p.body_timeouts["silent"], p.body_timeouts["slow"],
-                p.upstream_retries, self.late_us)
+                p.upstream_retries, self.late_us, p.uninspected_bodies)
 
     def _writable(self) -> bool:
         tr = self.transport
@@ -365,7 +366,7 @@ _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "b
            "bool", "stops", "bool")  # streams.Counts, in its order
 # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent,
 # slow), upstream retries
-_STATS = (_I, _I, _I, _I, _I, _I, _I, _I)  # ShippingRecorder._stats: its counters, then its loop's lateness (µs)
+_STATS = (_I,) * 9  # ShippingRecorder._stats: its counters, its loop's lateness (µs: LATE), its uninspected bodies
 _END_LEN = 18  # an end record's parts: its start, _END_REST, its counts, its extra
 # The link's record shapes, said in each worker's hello: the daemon checks every record's length exactly, so a worker
 # started from code upgraded in place under a running daemon (the counts record grew from 18 to 20 fields) had every
@@ -553,6 +554,11 @@ class ProxyWorkers:
     def body_timeouts(self) -> dict:
         """Request bodies the workers answered 408, by rule."""
         return {rule: sum(w.base[k] + w.stats[k] for w in self.workers) for k, rule in ((4, "silent"), (5, "slow"))}
+
+    @property
+    def uninspected_bodies(self) -> int:
+        """Request bodies the workers streamed on uninspected, over their inspection budget."""
+        return sum(w.base[UNINSPECTED] + w.stats[UNINSPECTED] for w in self.workers)
 
     @property
     def malformed_requests(self) -> int:

@@ -327,6 +327,10 @@ SERVER_COUNT_BELOW = "counter_below"
 # server's counter (off, unread) or with /slots alone its tokens are not (all) in unproxied, so its energy reads as idle.
 SERVER_COUNT_PROXY_UNREAD = "proxy_unread"
 BYPASS_LOW_FLAG = "bypass-uncounted"
+# How a daemon request row's energy_note opens where the proxy answered the request before forwarding it (a 408 for its
+# body, its client gone mid-body, a proxy_error reading it): the server never saw it, so no energy (fleet summary:
+# not_forwarded_requests).
+NOT_FORWARDED_NOTE = "no share: not forwarded"
 # A daemon interval's or request's energy_note while the server also ran on a GPU the daemon does not sample (found by
 # its processes on NVML's process lists, checked at the start, within PLACEMENT_LIST_S of a GPU's list changing, and
 # every PLACEMENT_CHECK_S): that GPU's energy is in no
