@@ -593,6 +593,13 @@ def _third_party_loaded(code: str) -> list[str]:
     return json.loads(r.stdout.splitlines()[-1].replace("'", '"'))
 
 
+def test_importing_the_cli_loads_no_library_but_click():
+    # Every `powerprof` process imports the CLI module first: `--help`, `tag start` (the tests run it as a process),
+    # the daemon. Its commands import what they use; at import the simulator's profile names pulled in
+    # powerprof.sim's SimNVML and with it numpy and pynvml (~0.1 s of CPU a start, docs/benchmarks.md "Start-up").
+    assert _third_party_loaded("import powerprof.cli") == []
+
+
 def test_a_command_exit_loads_no_rich():
     # A command that leaves by sys.exit (the daemon's every stop: `sys.exit(service.main(...))`) went through
     # _json_exit, which imported powerprof.pipes, which imported rich.console for the sweep's console class: ~40
