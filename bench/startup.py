@@ -6,7 +6,8 @@ Each case is started `--runs` times as a fresh process, the trees' starts taken 
 another source tree given by `--baseline`, e.g. a `git archive` of an earlier commit), so a load that comes and goes
 falls on both; each figure is the median of its starts. The commands are the ones the tests start:
 - `help`: `python -m powerprof --help`, to its exit;
-- `tag`: `python -m powerprof.cli tag --help`, to its exit (the tests run `tag start`/`stop` as processes);
+- `tag`: `python -m powerprof.cli tag start x --socket MISSING`, to its exit 1 ("no daemon socket"): a `tag start` as
+  the tests run it, less the one request to the daemon;
 - `daemon`: `python -m powerprof.cli daemon --simulate seed-16g` on ports 0, as `tests/daemon_helpers.py` starts it,
   to its `daemon.json` naming its pid (the launcher's readiness poll, here every 10 ms), then SIGTERM to its exit;
 - `serve`: `python -m powerprof.sim.serve --profile seed-16g`, to its first 200 on /health.
@@ -51,14 +52,14 @@ def _env(tree: Path, scratch: Path) -> dict:
             "POWERPROF_STATE_DIR": str(scratch / "state"), "XDG_STATE_HOME": str(scratch / "xdg")}
 
 
-def _to_exit(cmd: list[str], env: dict) -> dict:
+def _to_exit(cmd: list[str], env: dict, rc: int = 0) -> dict:
     with open(Path(env["POWERPROF_STATE_DIR"]).parent / "out.log", "wb") as log:  # its text is not what is measured
         t0 = time.monotonic()
         p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(p.pid, 0)
     wall = time.monotonic() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
-    assert p.returncode == 0, f"{cmd} exited {p.returncode}"
+    assert p.returncode == rc, f"{cmd} exited {p.returncode}"
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime}
 
 
@@ -67,7 +68,8 @@ def case_help(tree: Path, scratch: Path) -> dict:
 
 
 def case_tag(tree: Path, scratch: Path) -> dict:
-    return _to_exit([sys.executable, "-m", "powerprof.cli", "tag", "--help"], _env(tree, scratch))
+    return _to_exit([sys.executable, "-m", "powerprof.cli", "tag", "start", "x", "--socket", str(scratch / "missing")],
+                    _env(tree, scratch), rc=1)
 
 
 def case_daemon(tree: Path, scratch: Path) -> dict:

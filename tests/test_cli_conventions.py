@@ -607,3 +607,12 @@ def test_a_command_exit_loads_no_rich():
     code = ("import powerprof.cli\ntry:\n    powerprof.cli.main(['daemon', '--config', '/nonexistent/p.toml'])\n"
             "except SystemExit as e:\n    assert e.code == 2, e.code")
     assert "rich" not in _third_party_loaded(code)
+
+
+def test_a_tag_command_loads_no_aiohttp(tmp_path):
+    # `powerprof tag start|stop` is one request on a Unix socket, run as a process by scripts and by the daemon tests.
+    # Its client was aiohttp's: importing aiohttp (which loads the system's CA bundle twice at import) was ~0.4 s of
+    # the command's ~0.55 s of CPU here (bench/startup.py, `tag`).
+    code = ("import powerprof.cli\ntry:\n    powerprof.cli.main(['tag', 'start', 'x', '--socket', "
+            f"{str(tmp_path / 'missing')!r}])\nexcept SystemExit as e:\n    assert e.code == 1, e.code")
+    assert "aiohttp" not in _third_party_loaded(code)
