@@ -1158,8 +1158,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
     from rich.text import Text
 
-    from powerprof.pipes import EXIT_PIPE, QuietPipeConsole
-    from powerprof.progress import RichSweepUI, end_screen, levels_table, result_console
+    from powerprof.pipes import EXIT_PIPE
+    from powerprof.progress import QuietPipeConsole, RichSweepUI, end_screen, levels_table, result_console
     from powerprof.rig import Rig
     from powerprof.sweep import SweepSettings, run_sweep
     from powerprof.workload.client import RequestParams

@@ -15,7 +15,6 @@ import signal
 import sys
 
 import click
-from rich.console import Console
 
 EXIT_PIPE = 128 + signal.SIGPIPE  # 141: what a shell reports for a writer that SIGPIPE ended
 
@@ -68,14 +67,3 @@ def echo(message: str, err: bool = False) -> bool:
 def echo_err(message: str) -> bool:
     return echo(message, err=True)
 
-
-class QuietPipeConsole(Console):
-    """A rich Console that goes quiet when its reader has gone; rich's own raises SystemExit(1)
-    from whatever line was printing (mid-sweep, before the analysis) and silences only stdout."""
-
-    pipe_closed = False
-
-    def on_broken_pipe(self) -> None:
-        self.quiet = True
-        self.pipe_closed = True
-        silence(self.file)

@@ -12,11 +12,24 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from powerprof.pipes import QuietPipeConsole
+from powerprof.pipes import silence
 from powerprof.sweep import UI, LevelVisit, SweepSettings
 from powerprof.terminal_plot import CHOSEN, LINE, POINT, Curves, Panel, Together
 
 BAR_STEPS = 1000  # the bar's total: the fraction of the level done, in thousandths
+
+
+class QuietPipeConsole(Console):
+    """A rich Console that goes quiet when its reader has gone; rich's own raises SystemExit(1)
+    from whatever line was printing (mid-sweep, before the analysis) and silences only stdout. It is here, not in
+    pipes.py, because every command's exit path imports pipes: rich was loaded by each daemon's stop."""
+
+    pipe_closed = False
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        self.pipe_closed = True
+        silence(self.file)
 
 
 def _f(v, spec: str, none: str = "-") -> str:

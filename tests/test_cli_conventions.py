@@ -580,3 +580,39 @@ def test_tag_stop_json_keeps_a_tiny_energy_to_significant_digits(monkeypatch):
     stop = json.loads(run("tag", "stop", "x", "--socket", "/nonexistent", "--json").output)
     assert stop["gpu_energy_j"] == pytest.approx(0.000412346, rel=1e-6) and stop["gpu_energy_j"] != 0.0
     assert stop["unproxied_energy_j"] == 0.0 and stop["duration_s"] == 0.3
+
+
+def _third_party_loaded(code: str) -> list[str]:
+    """The third-party top-level packages a fresh interpreter holds after `code` (in a subprocess: this one has them all)."""
+    import subprocess
+
+    tail = ("\nimport sys\nprint(sorted({m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)"
+            " - {'powerprof', 'click', '_distutils_hack'} - {m for m in sys.modules if m.startswith('_')}))")
+    r = subprocess.run([sys.executable, "-c", code + tail], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout.splitlines()[-1].replace("'", '"'))
+
+
+def test_importing_the_cli_loads_no_library_but_click():
+    # Every `powerprof` process imports the CLI module first: `--help`, `tag start` (the tests run it as a process),
+    # the daemon. Its commands import what they use; at import the simulator's profile names pulled in
+    # powerprof.sim's SimNVML and with it numpy and pynvml (~0.1 s of CPU a start, docs/benchmarks.md "Start-up").
+    assert _third_party_loaded("import powerprof.cli") == []
+
+
+def test_a_command_exit_loads_no_rich():
+    # A command that leaves by sys.exit (the daemon's every stop: `sys.exit(service.main(...))`) went through
+    # _json_exit, which imported powerprof.pipes, which imported rich.console for the sweep's console class: ~40
+    # modules of rich loaded in a stopping daemon, ~40 ms of CPU in each stop.
+    code = ("import powerprof.cli\ntry:\n    powerprof.cli.main(['daemon', '--config', '/nonexistent/p.toml'])\n"
+            "except SystemExit as e:\n    assert e.code == 2, e.code")
+    assert "rich" not in _third_party_loaded(code)
+
+
+def test_a_tag_command_loads_no_aiohttp(tmp_path):
+    # `powerprof tag start|stop` is one request on a Unix socket, run as a process by scripts and by the daemon tests.
+    # Its client was aiohttp's: importing aiohttp (which loads the system's CA bundle twice at import) was ~0.4 s of
+    # the command's ~0.55 s of CPU here (bench/startup.py, `tag`).
+    code = ("import powerprof.cli\ntry:\n    powerprof.cli.main(['tag', 'start', 'x', '--socket', "
+            f"{str(tmp_path / 'missing')!r}])\nexcept SystemExit as e:\n    assert e.code == 1, e.code")
+    assert "aiohttp" not in _third_party_loaded(code)

@@ -102,6 +102,20 @@ def test_tag_list_given_a_path_that_is_not_a_socket_says_so(tmp_path, kind):
     assert r.exit_code == 1 and json.loads(r.stdout)["ok"] is False, r.output
 
 
+def test_tag_on_a_socket_nothing_listens_on_says_a_killed_daemon_may_have_left_it(tmp_path):
+    # The socket file a daemon killed with -9 leaves: connect() is refused. The client's own words for it, whichever
+    # HTTP client sends the request (aiohttp's wrapped the refusal in its own error; the standard library's does not).
+    import socket
+
+    p = tmp_path / "left.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(p))
+    s.close()
+    r = CliRunner().invoke(main, ["tag", "start", "x", "--socket", str(p)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and f"no daemon listens on {p}" in said and "Errno" not in said, said
+
+
 def test_tag_stop_json_prints_figures_rounded_not_a_float_repr(monkeypatch):
     import powerprof.daemon.tagapi as tagapi
 

@@ -7,9 +7,9 @@ on a Unix socket only (file mode 0660: local users in the socket's group), and c
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import grp
+import http.client
 import json
 import logging
 import os
@@ -23,9 +23,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Protocol
-
-import aiohttp
-from aiohttp import web
 
 from powerprof.errtext import error_text
 
@@ -137,6 +134,10 @@ def check_name(name: str) -> str:
 
 def tag_app(tags: TagHandler, peers: PeerPolicy | None = None) -> web.Application:
     """The tag API's routes, each request's peer checked first (`peers`; default: root and this process's uid)."""
+    # Here, not at the top: `powerprof tag` imports this module for its client, which needs no aiohttp (~0.4 s of
+    # CPU a start, most of it the CA bundle aiohttp loads at import).
+    from aiohttp import web  # noqa: PLC0415
+
     peers = PeerPolicy() if peers is None else peers
 
     @web.middleware
@@ -179,18 +180,40 @@ class TagApiError(RuntimeError):
     pass
 
 
-async def _send(socket_path: Path, method: str, path: str) -> dict:
-    conn = aiohttp.UnixConnector(path=str(socket_path))
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=10)) as s:
-        async with s.request(method, "http://powerprof" + path) as r:
-            body = await r.text()
-            try:
-                doc = json.loads(body)
-            except ValueError:
-                doc = {"error": body}
-            if r.status != 200:
-                raise TagApiError(doc.get("error") or f"daemon answered {r.status}")
-            return doc
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over the daemon's Unix socket: one request, one connection."""
+
+    def __init__(self, socket_path: Path, timeout_s: float):
+        super().__init__("powerprof", timeout=timeout_s)
+        self.socket_path = str(socket_path)
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self.socket_path)
+        except BaseException:
+            s.close()
+            raise
+        self.sock = s
+
+
+def _send(socket_path: Path, method: str, path: str, timeout_s: float = 10) -> dict:
+    # The standard library's client, not aiohttp's: a command that sends one request paid for importing aiohttp.
+    conn = _UnixConnection(socket_path, timeout_s)
+    try:
+        conn.request(method, path)
+        r = conn.getresponse()
+        body = r.read().decode("utf-8", errors="replace")
+    finally:
+        conn.close()
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = {"error": body}
+    if r.status != 200:
+        raise TagApiError(doc.get("error") or f"daemon answered {r.status}")
+    return doc
 
 
 def send_tag(socket_path: Path | str, action: str, name: str | None = None) -> dict:
@@ -215,10 +238,9 @@ def send_tag(socket_path: Path | str, action: str, name: str | None = None) -> d
         raise TagApiError(f"{p} is {what}, not a socket: give the daemon's tag socket (its config's [tags] socket; "
                           f"under systemd {SYSTEMD_TAG_SOCKET})")
     try:
-        return asyncio.run(_send(p, method, path))
-    except (aiohttp.ClientConnectionError, OSError) as e:
-        cause = getattr(e, "os_error", e)  # aiohttp's connector error wraps the connect()'s own
-        if getattr(cause, "errno", None) in (errno.ECONNREFUSED, errno.ENOENT):
+        return _send(p, method, path)
+    except (http.client.HTTPException, OSError) as e:
+        if getattr(e, "errno", None) in (errno.ECONNREFUSED, errno.ENOENT):
             # A socket file nothing listens on: one a killed daemon (kill -9) left, or gone since the check above.
             raise TagApiError(f"no daemon listens on {p} (a socket left by a daemon that was killed, kill -9, or "
                               "crashed?): is `powerprof daemon` running (and is this its socket)?") from None
