@@ -22,9 +22,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
 from powerprof.errtext import error_text
+
+if TYPE_CHECKING:  # the annotations' name only: the server imports aiohttp in tag_app
+    from aiohttp import web
 
 # \Z, not $: `$` matches before a final newline, so "ab\n" passed, and the CLI said a tag the daemon opened as "ab".
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}\Z")
