@@ -4016,6 +4016,55 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
     assert "ran on" not in (rows[4]["energy_note"] or ""), rows[4]["energy_note"]
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["no_restart", "restart"])
+def test_a_whole_answer_llamacpp_runs_on_ends_where_the_server_restarts(restart):
+    # A whole answer whose client left is run on by llama-server to its max_tokens (`Ledger._run_on`: here 400 tokens
+    # at the latest streams' 40 tokens/s, held up to 20 s). Restarted 1.5 s later, the process that ran it is gone:
+    # nothing decodes it after the restart's first scrape (`_restart_cut_ns`), and the energy after it is the new
+    # process's (idle here), not a run-on's that never happened.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.runs_on_after_leave = (None, None)
+    led.scraping = True
+
+    def chat(rid, a, stream, **extra):
+        tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat", stream=stream)
+        tr.extra.update(prompt_chars=400, **extra)
+        return tr
+
+    done, whole = chat(1, 0.0, True), chat(2, 0.5, False, max_tokens=400)
+    for tr in (done, whole):
+        led.on_start(tr)
+    for k in range(20):  # a stream done before, at 40 tokens/s: the server's latest pace
+        led.on_tokens(done, int((0.01 + 0.025 * k) * S), 1)
+    done.first_ns, done.last_ns, done.end_ns, done.outcome = int(0.01 * S), int(0.485 * S), int(0.49 * S), "ok"
+    done.counts = Counts(generated_tokens=20, prompt_tokens=100, model=None, stop_reason="length", token_source="usage")
+    led.on_end(done)
+    whole.end_ns, whole.outcome = int(0.6 * S), "client_disconnected"
+    led.on_end(whole)
+    e, prev = 0.0, None
+    for k in range(100):  # 100 W throughout, scraped every 0.1 s; restarted: down from 1.5 s to 2.0 s
+        t = k * 0.1
+        e += 100.0 * 0.1
+        led.add_gpu_sample(int(t * S), int(t * S), [R(e, 100.0)])
+        if restart and 1.5 < t < 2.0 - 1e-9:
+            continue
+        partial = ("server_restart",) if restart and prev is not None and prev < 1.5 + 1e-9 < t else ()
+        led.add_server_tokens(int(t * S), 20.0 if prev is not None and prev < 0.5 <= t else 0.0,
+                              None if prev is None else int(prev * S), partial=partial)
+        prev = t
+        led.advance(int(t * S))
+    led.close_all(int(10 * S))
+    row = next(r for r in led.emit.rows["requests"] if r["request_id"] == 2)
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    if not restart:  # run on to the last sample (9.9 s) at 40 tokens/s: 370-odd tokens
+        assert row["attributed_tokens"] > 300 and "the server ran on after its client left" in note, (row, note)
+    else:  # decoded from its prefill's end to the restart's first scrape at 2.0 s: ~55 tokens
+        assert 30 < row["attributed_tokens"] < 70, row
+        assert row["gpu_energy_j"] <= 150.0 + 1e-6, row  # its 1.5 s to the cut at 100 W: none of the new process's
+        assert "ran on after its client left, about 1.4 s, until it restarted" in note, note
+
+
 @pytest.mark.xfail(strict=True, reason="a known gap (docs/daemon.md): listing them (47667652) made the bypass right and "
                    "the split wrong, the streams beside the last cut answer +50% to +80% in test_daemon_cut_streams.py")
 def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_not_read_as_bypass_tokens_when_the_server_counts_it():

@@ -901,12 +901,18 @@ def test_a_daemon_in_front_of_a_llama_server_restarted_mid_traffic_says_so_in_ro
     # the fix a restart told by the token counter alone was not told here: it read 0 before and after).
     after = intervals[intervals["t_start_utc"] >= intervals.loc[said, "t_end_utc"].max()]
     # The last one too: a clean stop scrapes the server once more (it said `unscraped` before that final scrape).
-    # One row of the direct request may say proxy_lag (high or low, left out of J/token, its count kept): 1 run in 4
-    # to 8 quiet, at 02964ca and since alike (session 52; a window netted against what the restart's new process was
-    # taken to owe, or within LAG_S of the cut stream's last tokens: not examined further). Nothing else.
-    said_after = after["server_count"].value_counts()
-    assert set(said_after.index) <= {"complete", "proxy_lag"} and said_after.get("proxy_lag", 0) <= 1, \
-        after[["server_tokens", "proxy_tokens", "server_count"]]
+    # The direct request's own intervals (and the one beside each end) may say proxy_lag (high or low, left out of
+    # J/token, its count kept): a loaded host's llama-server answers a scrape's GET between decode steps (100-150 ms
+    # GETs seen), and where in it the counter was read moves up to the bypass pace times half the GET between the
+    # intervals either side of its stamp (`CountReconciler._read_unsure`'s bypass term, 8a62fa18), past a token plus
+    # 5% of their count: rightly said (docs/daemon.md, "The GET's span": how often). The `<= 1` bound held here before
+    # failed 7 of 24 loaded runs on that alone (2 to 5 such rows); that term left out, 0 of 10 had any.
+    # Nothing else, and nowhere else.
+    said_after = after["server_count"].to_numpy()
+    table = after[["t_start_utc", "server_tokens", "proxy_tokens", "server_count"]].to_string()
+    assert set(said_after) <= {"complete", "proxy_lag"}, table
+    busy, lag = np.flatnonzero(after["server_tokens"].to_numpy() > 0), np.flatnonzero(said_after == "proxy_lag")
+    assert busy.size and (not lag.size or busy[0] - 1 <= lag[0] and lag[-1] <= busy[-1] + 1), table
     since = intervals[intervals["t_start_utc"] >= intervals.loc[said, "t_start_utc"].min()]
     assert since["server_tokens"].sum() == pytest.approx(100, abs=5), since[["server_tokens", "server_count"]]
     # The only bypass traffic is those 100 tokens: none before the restart either (the proxy's lag is not bypass).

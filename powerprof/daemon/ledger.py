@@ -1539,6 +1539,19 @@ class Ledger:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: a scrape window, its
         arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger)."""
         self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served)
+        if "server_restart" in partial:
+            self._end_run_ons_at_restart()
+
+    def _end_run_ons_at_restart(self) -> None:
+        """A restart ends every run-on of the process that died: nothing ran it on past the first scrape after it
+        (`_restart_cut_ns`). Held to its estimate (llama.cpp's whole answer to its max_tokens, up to
+        RUN_ON_TO_END_MAX_S), a run-on went on in the new process's intervals: a whole answer cut 0.6 s in and the
+        server restarted at 1.5 s was placed 370 tokens and 940 J, 750 J of them the new process's, its row saying it ran
+        on to its end (tests/test_daemon_ledger.py). Placed already (a stream's, `_place_run_ons`), it stays."""
+        for r in self.requests.values():
+            cut = self._restart_cut_ns(r) if r.run_on_end_ns is not None else None
+            if cut is not None and r.run_on_end_ns > cut:
+                r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.end_ns), True
 
     def note_proxy_delay(self, t_ns: int, delay_s: float) -> None:
         """How late the proxy's event loop ran at `t_ns` (`CountReconciler.note_proxy_delay`)."""

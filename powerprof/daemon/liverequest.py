@@ -62,6 +62,7 @@ class LiveRequest:
     run_on_to_end: bool = False  # a server that runs a whole answer on to its end (llama.cpp), not to an abort
     run_on_unknown: bool = False  # a whole answer llama.cpp ran on to an end nothing placed (no max_tokens or pace)
     run_on_prefill: bool = False  # a stream gone mid-prefill that llama.cpp prefills whole: its run ends at its first token
+    run_on_restart: bool = False  # a server restart ended its run-on (`Ledger._end_run_ons_at_restart`)
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared
