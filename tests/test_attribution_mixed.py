@@ -98,7 +98,15 @@ def test_embeddings_get_the_energy_of_their_forward_pass(outcome):
 def test_every_kind_is_near_its_truth_and_every_joule_lands_somewhere(outcome):
     o, s = outcome
     assert abs(s["conservation_err"]) <= 0.001
-    assert s["requests_est_j"] == pytest.approx(s["requests_true_j"], rel=0.05)
+    # With no bypass traffic here, the requests' energy is theirs and that of the unproxied intervals whose count may
+    # be off, which say so (`proxy_lag` on a loaded host: the proxy's lag read as bypass tokens). The requests alone
+    # read -4.5% and -4.6% beside 2 CPU hogs and other jobs (load 6-15 on 2 cores), -9.1% in the test beside them;
+    # with that unproxied energy +0.3% to +1.0% in 5 runs (none in `complete` intervals).
+    complete_j, flagged_j, unsaid = _unproxied_split(o)
+    assert not len(unsaid), unsaid
+    assert complete_j <= 0.02 * s["requests_true_j"], (complete_j, flagged_j, s["requests_true_j"])
+    assert s["requests_est_j"] + flagged_j == pytest.approx(s["requests_true_j"], rel=0.05), (s["requests_est_j"],
+                                                                                               flagged_j)
     for kind in ("chat", "chat_n2", "messages", "responses"):
         m = s["kinds_all"][kind]
         # 800 requests, all: -0.6%, +1.1%, +0.6%, -0.1% (before the sequences fix: -2.6%, +4.1%, -0.5%, -1.1%;
@@ -197,6 +205,10 @@ def test_sglangs_native_generate_is_counted_streamed_whole_and_batched(sglang_ou
     complete_j, flagged_j, unsaid = _unproxied_split(o)
     assert not len(unsaid), unsaid  # unproxied energy in an interval whose count may be off says so
     assert complete_j <= 0.02 * s["requests_true_j"], (complete_j, flagged_j, s["requests_true_j"])
+    # The rest of the requests' energy is in those flagged intervals' unproxied: -3.8%, -3.4%, -6.7% alone, -0.8%,
+    # -0.2%, +0.1% with it (in the runs above).
+    assert s["requests_est_j"] + flagged_j == pytest.approx(s["requests_true_j"], rel=0.03), (s["requests_est_j"],
+                                                                                               flagged_j)
     unjudged = []
     for kind in ("generate", "generate_whole", "generate_batch", "chat"):
         m = s["kinds_all"][kind]
