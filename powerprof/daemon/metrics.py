@@ -144,6 +144,7 @@ class Snapshot:
     server_tokens_partial: tuple = ()  # why that count may be low (scrape.PARTIAL_REASONS keys)
     buffered_rows: int = 0
     dropped_rows: int = 0
+    dropped_not_forwarded_rows: int = 0
     flush_errors: int = 0
     quarantined_rows: int = 0
     buffer_cap_rows: int = 0
@@ -383,7 +384,12 @@ class SnapshotCollector:
                 part.add_metric([why], 1 if why in s.server_tokens_partial else 0)
             yield part
         yield GaugeMetricFamily("powerprof_buffered_rows", "Rows waiting to be written to Parquet", value=s.buffered_rows)
-        yield CounterMetricFamily("powerprof_dropped_rows", "Rows dropped because writes kept failing", value=s.dropped_rows)
+        yield CounterMetricFamily("powerprof_dropped_rows", "Rows dropped from the write buffer past "
+                                  "powerprof_buffer_cap_rows: writes kept failing, or rows came faster than flushed",
+                                  value=s.dropped_rows)
+        yield CounterMetricFamily("powerprof_dropped_not_forwarded_rows", "Rows of requests the proxy answered "
+                                  "without forwarding (no energy) dropped past their quarter of the write buffer; they "
+                                  "never push out a row with energy", value=s.dropped_not_forwarded_rows)
         yield CounterMetricFamily("powerprof_flush_errors", "Failed Parquet writes (disk errors and rows a column "
                                   "cannot hold)", value=s.flush_errors)
         yield CounterMetricFamily("powerprof_quarantined_rows", "Rows that could not be stored, kept as JSON lines in "

@@ -920,6 +920,7 @@ class Daemon:
             server_tokens_partial=tuple(self.scraper.partial) if self.scraper is not None else (),
             buffered_rows=self.store.buffered(),
             dropped_rows=sum(self.store.dropped_rows.values()),
+            dropped_not_forwarded_rows=sum(self.store.dropped_not_forwarded_rows.values()),
             flush_errors=self.store.flush_errors,
             quarantined_rows=sum(self.store.quarantined_rows.values()),
             buffer_cap_rows=self.store.max_buffered_rows,
