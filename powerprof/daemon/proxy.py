@@ -522,6 +522,7 @@ class Proxy:
         self._inspecting = 0  # bytes of request bodies being read whole (INSPECT_BUDGET_BYTES)
         self.uninspected_bodies = 0  # bodies up to INSPECT_MAX_BYTES streamed on uninspected, over that budget
         self.proxy_failures = 0  # the proxy's own faults reading a request body (a bug): streamed on, or a 500 row
+        self.unforwarded = 0  # requests in progress not yet forwarded (NOT_FORWARDED): a worker's heartbeat says them
         self.closing = False
 
     def app(self) -> web.Application:
@@ -591,12 +592,14 @@ class Proxy:
         budget = [held]  # given back by _forward once the answer's head is in (its body is never sent again)
         if trace is not None:
             trace.extra[NOT_FORWARDED] = True  # until on_start (`_forward`)
+            self.unforwarded += 1
         try:
             return await self._forward(request, trace, budget)
         finally:
             self._inspecting -= budget[0]
             self.active -= 1
             if trace is not None and trace.extra.get(NOT_FORWARDED):
+                self.unforwarded -= 1
                 if trace.outcome == "ok":  # left by a cancellation (every other way out says its outcome)
                     trace.outcome = "interrupted" if self.closing else "client_disconnected"
                 _add_error(trace, NOT_FORWARDED_NOTE)
@@ -757,8 +760,8 @@ class Proxy:
             framing = b"Content-Length: %d\r\n" % length
         else:
             framing = b""
-        if trace is not None:
-            trace.extra.pop(NOT_FORWARDED, None)
+        if trace is not None and trace.extra.pop(NOT_FORWARDED, None):
+            self.unforwarded -= 1
         self._safe(trace, self.recorder.on_start)
         req_headers = request.headers
         head = request_head(request.method, self.pool.prefix + request.raw_path, self.pool.host_header,
