@@ -4154,3 +4154,31 @@ def test_a_stream_cut_mid_prefill_on_llamacpp_is_costed_its_whole_prompt_to_its_
     assert rows[2]["prompt_tokens_estimate"] == pytest.approx(12000, rel=0.01), (rows[2], note)
     assert "prefilled its prompt whole after its client left" in note and "llama-server" in note, note
     assert "ran on" not in (rows[1]["energy_note"] or "")
+
+
+def test_a_body_its_client_left_mid_way_takes_no_energy_and_its_time_stays_with_the_others():
+    # A body streamed on to the server, its client gone mid-body: the server never had it whole, so never ran it. Before,
+    # it was live (not passive) and shared intervals with no measurable work by live time: scene.py (2 proxy workers)
+    # gave 12 such requests 4.9 J (truth 0), their energy_note saying their tokens were in unproxied.
+    from powerprof.daemon.proxy import BODY_LEFT_NOTE
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    left = RequestTrace(1, "POST", "/completion", "t", int(0.2 * S), 0, api="llamacpp", stream=True)
+    ok = RequestTrace(2, "POST", "/completion", "t", int(0.3 * S), 0, api="llamacpp", stream=True)
+    for tr in (left, ok):
+        led.on_start(tr)
+    left.outcome, left.end_ns = "client_disconnected", int(1.6 * S)
+    left.error = f"{BODY_LEFT_NOTE}; fix: none here: the client closed its connection mid-body"
+    led.on_end(left)
+    ok.status, ok.end_ns = 200, int(1.8 * S)  # a slow step: nothing measurable, a request that was answered
+    ok.counts = Counts(None, None, None, None, "none")
+    led.on_end(ok)
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(2.5 * S))
+    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert rows[1]["gpu_energy_j"] is None
+    assert rows[1]["energy_note"].startswith("no share: its client left while sending its request body")
+    assert "unproxied" not in rows[1]["energy_note"]
+    assert rows[2]["gpu_energy_j"] == pytest.approx(200.0)

@@ -1846,18 +1846,23 @@ def test_a_body_reader_that_raises_after_consuming_a_chunk_answers_500_not_a_cut
     assert proxy.proxy_failures == 1 and proxy._inspecting == 0
 
 
-def test_a_content_length_body_whose_read_raises_answers_500_with_a_proxy_error_row(monkeypatch):
+@pytest.mark.parametrize("taken", [False, True])
+def test_a_content_length_body_whose_read_raises_streams_on_unless_bytes_were_lost(monkeypatch, taken):
     """A Content-Length body whose read raised anything but a timeout, the client leaving or a framing error (a reader
     fault) left the proxy's handler by the exception: aiohttp answered its own 500, the row said outcome ok with no
-    error (counted ok on /metrics) and the ledger had none. As the chunked reader's fault after taking bytes: the server
-    never sees the request, the client gets a JSON 500 naming the fault, the connection is closed (its body unread),
-    the row says proxy_error, why and the fix."""
+    error (counted ok on /metrics) and the ledger had none. Where the fault took bytes from the stream (`taken`), as the
+    chunked reader's fault after taking bytes: the server never sees the request, the client gets a JSON 500 naming the
+    fault, the connection is closed (its body unread), the row says proxy_error, why and the fix. Where it took none,
+    it streams on uninspected as a chunked body does (failopen.py: before, a 500 and the request lost, every byte
+    still in the stream's buffer)."""
     import aiohttp.streams
 
-    orig = aiohttp.streams.StreamReader.read
+    orig, orig_any = aiohttp.streams.StreamReader.read, aiohttp.streams.StreamReader.readany
 
     async def broken(self, n=-1):
         if n == -1 and not self.is_eof():  # the proxy's whole-body read; the upstream reads with readany
+            if taken:
+                await orig_any(self)  # a block taken, then the fault: it is lost
             raise ValueError("reader bug")
         return await orig(self, n)
 
@@ -1878,7 +1883,8 @@ def test_a_content_length_body_whose_read_raises_answers_500_with_a_proxy_error_
         r2, px_url = await serve_here(proxy.app())
         body = json.dumps({"model": "m", "prompt": "hi"}).encode()
         r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
-        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body[:5]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
+                % (len(body), body[:5]))
         await w.drain()
         await asyncio.sleep(0.1)
         w.write(body[5:])
@@ -1895,6 +1901,13 @@ def test_a_content_length_body_whose_read_raises_answers_500_with_a_proxy_error_
 
     got, seen, rec, proxy = _run(main())
     (t,) = rec.ended
+    if not taken:
+        body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
+        assert seen == [body] and t.outcome == "ok" and t.model is None and t.extra.get("body_bytes") == len(body)
+        assert "request body not read (the proxy's body reader failed: ValueError: reader bug)" in t.error, t.error
+        assert proxy.proxy_failures == 1 and proxy._inspecting == 0
+        return
     assert got.startswith(b"HTTP/1.1 500"), got[:200]
     doc = json.loads(got.split(b"\r\n\r\n", 1)[1])
     assert doc["error"]["type"] == "proxy_error" and "ValueError: reader bug" in doc["error"]["message"], doc
@@ -1915,7 +1928,10 @@ def test_a_request_ended_before_it_was_forwarded_has_a_row_without_energy(monkey
     if case == "fault":
         import aiohttp.streams
 
+        orig_any = aiohttp.streams.StreamReader.readany
+
         async def broken(self, n=-1):
+            await orig_any(self)  # bytes taken, then the fault: not forwardable (one taking none streams on)
             raise ValueError("reader bug")
 
         monkeypatch.setattr(aiohttp.streams.StreamReader, "read", broken)

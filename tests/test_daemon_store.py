@@ -569,3 +569,40 @@ def test_a_journal_naming_a_source_outside_its_partition_deletes_nothing_there(t
     (part / JOURNAL).write_text(json.dumps({"target": "target.parquet", "sources": ["../../../victim", "/etc/hostname"]}))
     s.finish_compactions()
     assert victim.exists()
+
+
+REQ_SCHEMA = pa.schema([("t_utc", pa.timestamp("us", tz="UTC")), ("gpu_energy_j", pa.float64()),
+                        ("energy_note", pa.string()), ("tag", pa.string())])
+
+
+def test_not_forwarded_rows_never_evict_rows_with_energy(tmp_path, caplog):
+    """A flood of clients that send a POST head and leave makes one not-forwarded row each (no energy). Before, they
+    went into the same buffer and the cap dropped the oldest rows whatever their kind: with a cap of 200 and 1000 such
+    clients, 0 of 10 real rows were written (740 J gone), counted as rows dropped because writes kept failing."""
+    from powerprof.storage.schema import NOT_FORWARDED_NOTE
+
+    s = DatasetStore(tmp_path, [Dataset("requests", REQ_SCHEMA, "t_utc")], max_buffered_rows=200)
+    for i in range(10):
+        s.append("requests", [{"t_utc": DAY1 + i, "gpu_energy_j": 74.0, "tag": f"real#{i}"}])
+    for i in range(1000):
+        s.append("requests", [{"t_utc": DAY1 + 100 + i, "energy_note": f"{NOT_FORWARDED_NOTE} (gone)", "tag": "junk"}])
+    share = s.not_forwarded_cap_rows
+    assert 0 < share < 200
+    assert s.buffered() == 10 + share
+    assert s.dropped_rows["requests"] == 0 and s.dropped_not_forwarded_rows["requests"] == 1000 - share
+    with caplog.at_level("WARNING", logger="powerprof.daemon.store"):
+        assert s.flush() is True
+        assert s.flush() is True  # nothing more dropped: nothing more logged
+    said = [r.getMessage() for r in caplog.records if "not forwarded" in r.getMessage()]
+    assert len(said) == 1 and str(1000 - share) in said[0]
+    t = pads.dataset(tmp_path / "requests", format="parquet", partitioning="hive").to_table()
+    tags = t.column("tag").to_pylist()
+    assert sorted(x for x in tags if x != "junk") == sorted(f"real#{i}" for i in range(10))
+    assert sum(x or 0 for x in t.column("gpu_energy_j").to_pylist()) == 740.0
+    assert tags.count("junk") == share and s.buffered() == 0
+    # Real rows past the cap still push out not-forwarded ones first, then the oldest real ones.
+    s.append("requests", [{"t_utc": DAY1, "energy_note": NOT_FORWARDED_NOTE, "tag": "junk"}] * 5)
+    s.append("requests", [{"t_utc": DAY1 + i, "gpu_energy_j": 1.0, "tag": "r"} for i in range(198)])
+    assert s.buffered() == 200 and s.dropped_not_forwarded_rows["requests"] == 1000 - share + 3
+    s.append("requests", [{"t_utc": DAY1 + i, "gpu_energy_j": 1.0, "tag": "r"} for i in range(5)])
+    assert s.buffered() == 200 and s.dropped_rows["requests"] == 3

@@ -421,8 +421,47 @@ def test_the_workers_bodies_streamed_on_uninspected_are_summed_for_metrics():
     assert workers.uninspected_bodies == 3
     rec = ShippingRecorder(8)
     rec.proxy = type("P", (), {"recorder_failures": 0, "upstream_failures": 0, "body_timeouts": {"silent": 0, "slow": 0},
-                               "upstream_retries": 0, "uninspected_bodies": 5})()
+                               "upstream_retries": 0, "uninspected_bodies": 5, "unforwarded": 0})()
     assert rec._stats()[UNINSPECTED] == 5
+
+
+def test_a_dead_workers_requests_not_yet_forwarded_are_counted_and_logged(monkeypatch, caplog):
+    """A worker ships a request only once it forwards it (on_start), so one killed while clients were still sending
+    their bodies lost those requests with no trace (workerdeath.py: 19 of 40 silent clients, no row, no count). Its
+    heartbeat now says how many it holds not yet forwarded (Proxy.unforwarded); its death counts and logs them."""
+    from powerprof.daemon.workers import UNFORWARDED
+
+    async def main():
+        proxy = Proxy("http://127.0.0.1:9", recorder=Rec(), body_timeout_s=5)
+        r2, px_url = await _serve(proxy.app())
+        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
+        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        await w.drain()
+        await asyncio.sleep(0.2)
+        during = proxy.unforwarded
+        w.close()
+        for _ in range(100):
+            if proxy.active == 0:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        return during, proxy.unforwarded
+
+    assert _run(main()) == (1, 0)
+    workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=Rec(), proxy_kwargs={},
+                           header_timeout_s=10, idle_timeout_s=10)
+    monkeypatch.setattr(workers, "_reap", lambda w, deadline: None)
+    w = workers.workers[0]
+    stats = [0] * len(_STATS)
+    stats[UNFORWARDED] = 19
+    (msg,) = Unframer().feed(frame(("beat", 0, [], tuple(stats))))
+    workers._replay(w, msg)
+    w.transport = type("T", (), {"close": lambda self: None})()
+    with caplog.at_level("ERROR", logger="powerprof.daemon.workers"):
+        workers._lost(w)
+    assert workers.lost_unforwarded == 19
+    assert any("19 request(s) it had not forwarded yet" in r.getMessage() for r in caplog.records), caplog.text
+    assert w.base[UNFORWARDED] == 0  # a gauge, not summed over the worker's lives
 
 
 @pytest.mark.slow

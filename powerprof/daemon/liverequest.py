@@ -167,11 +167,19 @@ def is_passive(r: LiveRequest) -> bool:
     request that is neither a POST nor to a generation endpoint (GET /v1/models, /metrics, /health; known from its
     start: SGLang's /generate takes PUT too, and is one), with no token and no prompt length: no GPU work of it was
     seen, so it takes no share by live time (its time is idle). So is one whose server sent its error inside an HTTP 200
-    stream before any token (SGLang answers a streamed chat's too-long prompt so), known at its end: it never ran."""
+    stream before any token (SGLang answers a streamed chat's too-long prompt so), known at its end: it never ran; and
+    one whose client left mid-body (`body_left`), known at its end."""
     tr = r.trace
     return ((tr.status is not None and tr.status >= 400 or (tr.method != "POST" and tr.api is None)
-             or (tr.counts is not None and tr.counts.server_error is not None))
+             or (tr.counts is not None and tr.counts.server_error is not None) or body_left(r))
             and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0 and told_prompt_tokens(r) is None)
+
+
+def body_left(r: LiveRequest) -> bool:
+    """It ended with its client gone mid-body (proxy.BODY_LEFT_NOTE), the body streamed on to the server in part: the
+    server never had it whole, so never ran it. Passive (`is_passive`) with no token: before, it was live and shared
+    intervals with no measurable work by live time (scene.py, 2 proxy workers: 12 such requests 4.9 J, truth 0)."""
+    return r.trace.end_ns is not None and (r.trace.error or "").startswith(BODY_LEFT_NOTE)
 
 
 # The outcomes of a request the server had and may have run for a while after the proxy saw it end: its client left, or

@@ -144,6 +144,7 @@ class Snapshot:
     server_tokens_partial: tuple = ()  # why that count may be low (scrape.PARTIAL_REASONS keys)
     buffered_rows: int = 0
     dropped_rows: int = 0
+    dropped_not_forwarded_rows: int = 0
     flush_errors: int = 0
     quarantined_rows: int = 0
     buffer_cap_rows: int = 0
@@ -157,6 +158,7 @@ class Snapshot:
     proxy_records_dropped: int = 0  # proxy workers' records not shipped (the daemon did not read)
     proxy_body_timeouts: dict = field(default_factory=dict)  # rule (silent, slow) → request bodies answered 408
     proxy_uninspected_bodies: int = 0  # bodies up to 1 MiB streamed on uninspected, over the inspection budget
+    proxy_lost_unforwarded: int = 0  # requests not yet forwarded in a proxy worker that died (no row)
     proxy_malformed_requests: int = 0  # rejected by aiohttp's parser (400), this process's and the workers'
     proxy_worker_restarts: dict = field(default_factory=dict)  # reason → count (proxy.workers > 1)
     proxy_workers_unread: int = 0  # workers serving whose records the daemon cannot read (an upgrade under it)
@@ -383,7 +385,12 @@ class SnapshotCollector:
                 part.add_metric([why], 1 if why in s.server_tokens_partial else 0)
             yield part
         yield GaugeMetricFamily("powerprof_buffered_rows", "Rows waiting to be written to Parquet", value=s.buffered_rows)
-        yield CounterMetricFamily("powerprof_dropped_rows", "Rows dropped because writes kept failing", value=s.dropped_rows)
+        yield CounterMetricFamily("powerprof_dropped_rows", "Rows dropped from the write buffer past "
+                                  "powerprof_buffer_cap_rows: writes kept failing, or rows came faster than flushed",
+                                  value=s.dropped_rows)
+        yield CounterMetricFamily("powerprof_dropped_not_forwarded_rows", "Rows of requests the proxy answered "
+                                  "without forwarding (no energy) dropped past their quarter of the write buffer; they "
+                                  "never push out a row with energy", value=s.dropped_not_forwarded_rows)
         yield CounterMetricFamily("powerprof_flush_errors", "Failed Parquet writes (disk errors and rows a column "
                                   "cannot hold)", value=s.flush_errors)
         yield CounterMetricFamily("powerprof_quarantined_rows", "Rows that could not be stored, kept as JSON lines in "
@@ -412,6 +419,9 @@ class SnapshotCollector:
         yield CounterMetricFamily("powerprof_proxy_uninspected_bodies", "Request bodies up to 1 MiB streamed on "
                                   "uninspected: the inspection budget (32 MiB of bodies read whole at once) was full; "
                                   "their rows' model and stream unknown, their prompt unread", value=s.proxy_uninspected_bodies)
+        yield CounterMetricFamily("powerprof_proxy_lost_unforwarded_requests", "Requests a proxy worker had not "
+                                  "forwarded yet (their bodies still coming) when it died: no row, as of its last "
+                                  "heartbeat", value=s.proxy_lost_unforwarded)
         yield CounterMetricFamily("powerprof_proxy_malformed_requests", "Requests the HTTP parser rejected with 400 "
                                   "(Content-Length with Transfer-Encoding, obs-fold, control characters...), never "
                                   "forwarded: the proxy's, its workers' and /metrics'", value=s.proxy_malformed_requests)

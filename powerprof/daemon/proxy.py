@@ -244,6 +244,13 @@ class _BodyReader:
         return chunk
 
 
+def _taken_bytes(content) -> int | None:
+    """Bytes a request's stream has handed out so far (those fed less those still buffered), or None where aiohttp no
+    longer keeps its buffered count under that name: whether a failed read took any."""
+    size = getattr(content, "_size", None)
+    return content.total_bytes - size if isinstance(size, int) else None
+
+
 class _PlainReader:
     """A streamed body read on after _BodyReader raised what it should not (a bug): a chunk at a time, a silence of
     `timeout_s` a TimeoutError, no rate rule (the less code here, the less to fail again)."""
@@ -515,6 +522,7 @@ class Proxy:
         self._inspecting = 0  # bytes of request bodies being read whole (INSPECT_BUDGET_BYTES)
         self.uninspected_bodies = 0  # bodies up to INSPECT_MAX_BYTES streamed on uninspected, over that budget
         self.proxy_failures = 0  # the proxy's own faults reading a request body (a bug): streamed on, or a 500 row
+        self.unforwarded = 0  # requests in progress not yet forwarded (NOT_FORWARDED): a worker's heartbeat says them
         self.closing = False
 
     def app(self) -> web.Application:
@@ -584,12 +592,14 @@ class Proxy:
         budget = [held]  # given back by _forward once the answer's head is in (its body is never sent again)
         if trace is not None:
             trace.extra[NOT_FORWARDED] = True  # until on_start (`_forward`)
+            self.unforwarded += 1
         try:
             return await self._forward(request, trace, budget)
         finally:
             self._inspecting -= budget[0]
             self.active -= 1
             if trace is not None and trace.extra.get(NOT_FORWARDED):
+                self.unforwarded -= 1
                 if trace.outcome == "ok":  # left by a cancellation (every other way out says its outcome)
                     trace.outcome = "interrupted" if self.closing else "client_disconnected"
                 _add_error(trace, NOT_FORWARDED_NOTE)
@@ -708,6 +718,7 @@ class Proxy:
                 self._inspect(request, trace, body)
                 body = (b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)) if body else b"0\r\n\r\n"
         elif budget[0]:
+            taken0 = _taken_bytes(request.content)
             try:
                 if request.content.is_eof():  # all here already (the usual small POST): no timer, no await
                     body = request.content.read_nowait()
@@ -723,13 +734,25 @@ class Proxy:
                 return self._client_left(trace, _broken_body_note(e))
             except Exception as e:
                 # A fault reading it (a bug: the client's doings are the cases above): it left the handler by the
-                # exception, aiohttp answered its own 500, the row said ok and the ledger had none. Its bytes are not
-                # whole: never forwarded, as the chunked reader's fault after taking bytes.
+                # exception, aiohttp answered its own 500, the row said ok and the ledger had none.
                 self._proxy_failed(e)
-                return self._body_failed(trace, f"the request body of {length} bytes could not be read "
-                                                f"({error_text(e)[:150]}); not sent upstream")
-            framing = b"Content-Length: %d\r\n" % len(body)
-            self._inspect(request, trace, body)
+                taken1 = _taken_bytes(request.content)
+                if taken0 is None or taken1 is None or taken1 != taken0:
+                    # Bytes taken from the stream and not kept (or none can tell): never forwarded, as the chunked
+                    # reader's fault after taking bytes.
+                    return self._body_failed(trace, f"the request body of {length} bytes could not be read "
+                                                    f"({error_text(e)[:150]}); not sent upstream")
+                # Nothing taken: every byte is still in the stream, so it streams on uninspected, as a chunked body's
+                # reader fault does. Before, this body got a 500 and was lost all the same (failopen.py).
+                if trace is not None:
+                    _add_error(trace, f"request body not read (the proxy's body reader failed: {error_text(e)[:150]}):"
+                                      " streamed on, its model and stream not known")
+                chunks = _PlainReader(request.content, self.body_timeout_s)
+                streamed = True
+                framing = b"Transfer-Encoding: chunked\r\n"
+            if not streamed:
+                framing = b"Content-Length: %d\r\n" % len(body)
+                self._inspect(request, trace, body)
         elif request.body_exists:
             streamed = True
             framing = b"Transfer-Encoding: chunked\r\n"
@@ -737,8 +760,8 @@ class Proxy:
             framing = b"Content-Length: %d\r\n" % length
         else:
             framing = b""
-        if trace is not None:
-            trace.extra.pop(NOT_FORWARDED, None)
+        if trace is not None and trace.extra.pop(NOT_FORWARDED, None):
+            self.unforwarded -= 1
         self._safe(trace, self.recorder.on_start)
         req_headers = request.headers
         head = request_head(request.method, self.pool.prefix + request.raw_path, self.pool.host_header,

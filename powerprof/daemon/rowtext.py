@@ -23,7 +23,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       SERVER_COUNT_USAGE_BELOW, bypass_count_fix, bypass_count_may_be)
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
+from .liverequest import (PROMPT_HOLD_S, body_left, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
                           is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_FIELDS, stateful_reason
 from .scrape import RUNS_ON_AFTER_LEAVE
@@ -427,6 +427,9 @@ def _no_energy_reason(r: LiveRequest) -> str:
         return f"{NOT_FORWARDED_NOTE} (the server never saw it; its error says why), so no GPU work of it"
     if is_unseen(r) and not is_passive(r):
         return "no share: " + _uncounted_note(r)
+    if is_passive(r) and body_left(r):
+        return ("no share: its client left while sending its request body, so the server never had it whole and ran "
+                "none of it; its time counts as idle")
     if r.trace.end_ns is not None and is_passive(r):
         c = r.trace.counts
         what = (f"an error answer (HTTP {r.trace.status})" if r.trace.status is not None and r.trace.status >= 400

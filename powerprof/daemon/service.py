@@ -920,6 +920,7 @@ class Daemon:
             server_tokens_partial=tuple(self.scraper.partial) if self.scraper is not None else (),
             buffered_rows=self.store.buffered(),
             dropped_rows=sum(self.store.dropped_rows.values()),
+            dropped_not_forwarded_rows=sum(self.store.dropped_not_forwarded_rows.values()),
             flush_errors=self.store.flush_errors,
             quarantined_rows=sum(self.store.quarantined_rows.values()),
             buffer_cap_rows=self.store.max_buffered_rows,
@@ -937,6 +938,7 @@ class Daemon:
             proxy_records_dropped=getattr(self.proxy, "records_dropped", 0),
             proxy_body_timeouts=dict(getattr(self.proxy, "body_timeouts", {})),
             proxy_uninspected_bodies=getattr(self.proxy, "uninspected_bodies", 0),
+            proxy_lost_unforwarded=getattr(self.proxy, "lost_unforwarded", 0),
             proxy_malformed_requests=(self.bad_requests.rejected if self.bad_requests is not None else 0)
             + getattr(self.proxy, "malformed_requests", 0),
             proxy_worker_restarts=dict(getattr(self.proxy, "restarts", {})),

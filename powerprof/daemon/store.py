@@ -19,7 +19,9 @@ a daemon restarted at once after `kill -9` waits for its old compaction child, w
 stopping, instead of judging a journal whose target that child may still rename into place.
 
 A failed flush (full disk, read-only mount) keeps the rows in memory, up to a bound per dataset
-beyond which the oldest are dropped and counted, and is retried at the next flush. A row that
+beyond which the oldest are dropped and counted, and is retried at the next flush. Rows of requests the
+proxy answered without forwarding them (no energy: schema.NOT_FORWARDED_NOTE) have their own share of that
+bound and go first: a flood of clients that leave mid-request never pushes a row with energy out. A row that
 cannot become a Parquet row (a value its column cannot hold) is not retried forever: it is moved
 to `<root>/_quarantine/<dataset>-*.jsonl`, counted, and the rest of the batch is written. The
 flush thread survives any exception (counted, logged once with its cause) and beats a heartbeat
@@ -49,7 +51,7 @@ from powerprof.daemon.spawn import isolated_argv
 from powerprof.errtext import error_text
 from powerprof.storage import flatparquet
 from powerprof.storage.atomic import atomic_path, fsync_dir
-from powerprof.storage.schema import arrow_schema, columns_of
+from powerprof.storage.schema import NOT_FORWARDED_NOTE, arrow_schema, columns_of
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -65,6 +67,10 @@ QUARANTINE_DIR = "_quarantine"  # "_" prefix: pyarrow and DuckDB dataset globs s
 # Memory one buffered row costs (a dict of ~25 columns), measured with tracemalloc: see buffer_cap_rows.
 ROW_BYTES_EST = 2048
 MAX_BUFFERED_ROWS = 500_000
+# The share of a dataset's bound that rows of requests never forwarded (no energy) may hold: one client sending a POST
+# head and leaving makes one, so a flood of them (1000 between two flushes) fills any bound; before they had no share of
+# their own, and with a bound of 200 they pushed out all 10 rows with energy (740 J) written before them.
+NOT_FORWARDED_SHARE = 0.25
 PART_PREFIX = "part-"
 COMPACT_PREFIX = "compact-"
 # A wall clock further than this ahead of the time since start has been stepped (NTP slews far less).
@@ -77,6 +83,11 @@ def buffer_cap_rows(memory_max_bytes: int | None, n_datasets: int, share: float 
     if not memory_max_bytes:
         return MAX_BUFFERED_ROWS
     return max(100, min(MAX_BUFFERED_ROWS, int(memory_max_bytes * share / (ROW_BYTES_EST * max(1, n_datasets)))))
+
+
+def not_forwarded_row(row: dict) -> bool:
+    """A request row the proxy answered before forwarding it: no energy, nothing a figure needs."""
+    return row.get("gpu_energy_j") is None and str(row.get("energy_note") or "").startswith(NOT_FORWARDED_NOTE)
 
 
 def write_file_atomic(path: Path, table: flatparquet.FlatTable | pa.Table) -> None:
@@ -200,8 +211,11 @@ class DatasetStore:
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()  # one writer of files at a time (flush, compaction, retention)
         self._buf: dict[str, deque] = {d.name: deque() for d in datasets}
+        self._unsent: dict[str, deque] = {d.name: deque() for d in datasets}  # not-forwarded rows (not_forwarded_row)
         self._seq = 0
         self.dropped_rows = {d.name: 0 for d in datasets}
+        self.dropped_not_forwarded_rows = {d.name: 0 for d in datasets}
+        self._dropped_logged = (0, 0)  # both counts as the last flush's log said them
         self.written_rows = {d.name: 0 for d in datasets}
         self.quarantined_rows = {d.name: 0 for d in datasets}
         self.flush_errors = 0
@@ -234,17 +248,28 @@ class DatasetStore:
         if not rows:
             return
         with self._lock:
-            buf = self._buf[name]
-            buf.extend(rows)
-            over = len(buf) - self.max_buffered_rows
+            buf, unsent = self._buf[name], self._unsent[name]
+            for r in rows:
+                (unsent if not_forwarded_row(r) else buf).append(r)
+            # Not-forwarded rows beyond their share, then beyond the bound, go before any row with energy.
+            over = max(len(unsent) - self.not_forwarded_cap_rows, len(buf) + len(unsent) - self.max_buffered_rows)
+            k = min(max(0, over), len(unsent))
+            for _ in range(k):
+                unsent.popleft()
+            self.dropped_not_forwarded_rows[name] += k
+            over = len(buf) + len(unsent) - self.max_buffered_rows
             if over > 0:
                 for _ in range(over):
                     buf.popleft()
                 self.dropped_rows[name] += over
 
+    @property
+    def not_forwarded_cap_rows(self) -> int:
+        return max(1, int(self.max_buffered_rows * NOT_FORWARDED_SHARE))
+
     def buffered(self) -> int:
         with self._lock:
-            return sum(len(b) for b in self._buf.values())
+            return sum(len(b) for b in self._buf.values()) + sum(len(b) for b in self._unsent.values())
 
     # --- flush ------------------------------------------------------------------------------
 
@@ -303,8 +328,11 @@ class DatasetStore:
             root_gone = self._root_gone()  # its own name: `gone` below counts rows the memory bound dropped
             for name, ds in self.datasets.items():
                 with self._lock:
-                    rows = list(self._buf[name])
+                    real = list(self._buf[name])
+                    unsent = list(self._unsent[name])
                     dropped_before = self.dropped_rows[name]
+                    unsent_dropped_before = self.dropped_not_forwarded_rows[name]
+                rows = real + unsent
                 if not rows:
                     continue
                 if root_gone:
@@ -319,6 +347,7 @@ class DatasetStore:
                     done = {id(r) for r in e.written}
                     with self._lock:
                         self._buf[name] = deque(r for r in self._buf[name] if id(r) not in done)
+                        self._unsent[name] = deque(r for r in self._unsent[name] if id(r) not in done)
                         self.written_rows[name] += len(e.written)
                     self._flush_failed(name, e.cause)
                     continue
@@ -335,16 +364,35 @@ class DatasetStore:
                         continue
                 with self._lock:
                     # Drop exactly what was written; rows appended meanwhile stay.
-                    buf = self._buf[name]
                     # Rows dropped for the memory bound meanwhile were taken from the front already.
-                    gone = self.dropped_rows[name] - dropped_before
-                    for _ in range(max(0, min(len(rows) - gone, len(buf)))):
-                        buf.popleft()
+                    for buf, taken, gone in (
+                            (self._buf[name], len(real), self.dropped_rows[name] - dropped_before),
+                            (self._unsent[name], len(unsent),
+                             self.dropped_not_forwarded_rows[name] - unsent_dropped_before)):
+                        for _ in range(max(0, min(taken - gone, len(buf)))):
+                            buf.popleft()
                     self.written_rows[name] += written
+        self._log_dropped()
         if ok and self._failing:
             self._failing = False
             log.warning("writing Parquet works again; buffered rows were written")
         return ok
+
+    def _log_dropped(self) -> None:
+        """Once a flush, rows the bound dropped since the last one said so: before, they were only counted."""
+        now = (sum(self.dropped_rows.values()), sum(self.dropped_not_forwarded_rows.values()))
+        real, unsent = (a - b for a, b in zip(now, self._dropped_logged))
+        self._dropped_logged = now
+        if real > 0 and not self._failing:  # while writes fail, _flush_failed's log says rows past the bound go
+            log.warning("%d row(s) with energy dropped since the last flush: more were waiting than "
+                        "daemon.max_buffered_rows (%d a dataset) holds (writes failing, or rows made faster than "
+                        "flushed); counted in powerprof_dropped_rows_total; fix: free the disk, or raise "
+                        "max_buffered_rows or lower flush_interval_s", real, self.max_buffered_rows)
+        if unsent > 0:
+            log.warning("%d row(s) of requests not forwarded (the proxy answered them before the server saw them: "
+                        "clients that left or stalled mid-request, no energy) dropped since the last flush, over "
+                        "their share of the buffer (%d rows); no row with energy was dropped for them; counted in "
+                        "powerprof_dropped_not_forwarded_rows_total", unsent, self.not_forwarded_cap_rows)
 
     def _write_around_bad_rows(self, ds: Dataset, rows: list[dict], cause: Exception) -> int:
         """Write the rows that convert; quarantine (JSON lines, counted, logged once per cause) those that do not."""

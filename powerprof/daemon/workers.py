@@ -57,6 +57,7 @@ HELLO_TIMEOUT_S = 60.0  # a loaded machine takes seconds to start Python and bin
 STOP_TIMEOUT_S = 10.0  # SIGTERM: a worker cuts its requests after 2 s (like the daemon) and sends their records
 LATE = 7  # the index of a worker's loop's lateness in its stats (ShippingRecorder._stats)
 UNINSPECTED = 8  # …and of its Proxy's uninspected_bodies
+UNFORWARDED = 9  # …and of its requests in progress not yet forwarded (Proxy.unforwarded): never shipped one by one
 BEAT_S = 0.25  # a worker's heartbeat: its live requests and its clock (the ledger's horizon waits for it)
 SILENT_S = 10.0  # a worker silent this long (stopped, wedged) is killed and restarted
 # Ended unread spans kept for the ledger: one a worker life that spoke another shape and then the daemon's again (an
@@ -181,9 +182,9 @@ class ShippingRecorder:
         p = self.proxy
         bad = self.bad_requests.rejected if self.bad_requests is not None else 0
         if p is None:
-            return (0, 0, self.dropped, bad, 0, 0, 0, self.late_us, 0)
+            return (0, 0, self.dropped, bad, 0, 0, 0, self.late_us, 0, 0)
         return (p.recorder_failures, p.upstream_failures, self.dropped, bad, p.body_timeouts["silent"], p.body_timeouts["slow"],
-                p.upstream_retries, self.late_us, p.uninspected_bodies)
+                p.upstream_retries, self.late_us, p.uninspected_bodies, p.unforwarded)
 
     def _writable(self) -> bool:
         tr = self.transport
@@ -366,7 +367,8 @@ _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "b
            "bool", "stops", "bool")  # streams.Counts, in its order
 # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent,
 # slow), upstream retries
-_STATS = (_I,) * 9  # ShippingRecorder._stats: its counters, its loop's lateness (µs: LATE), its uninspected bodies
+_STATS = (_I,) * 10  # ShippingRecorder._stats: its counters, its loop's lateness (µs: LATE), its uninspected bodies, its
+# requests not yet forwarded (UNFORWARDED)
 _END_LEN = 18  # an end record's parts: its start, _END_REST, its counts, its extra
 # The link's record shapes, said in each worker's hello: the daemon checks every record's length exactly, so a worker
 # started from code upgraded in place under a running daemon (the counts record grew from 18 to 20 fields) had every
@@ -520,6 +522,9 @@ class ProxyWorkers:
         self.restarts = {"exited": 0, "silent": 0}
         self.replay_failures = 0
         self.lost_requests = 0  # in flight in a worker that died, or lost with its dropped records
+        # Not yet forwarded in a worker that died, as its last heartbeat said them: no row (the worker shipped nothing
+        # of them), counted and logged here.
+        self.lost_unforwarded = 0
         self.record_bytes = 0  # received from the workers
         self.unread_since_ns: int | None = None  # monotonic: since when a worker serves unread (None: none does)
         # The ended spans of that state, (since, until), monotonic, the latest UNREAD_SPANS_KEPT: the ledger closes
@@ -852,12 +857,19 @@ class ProxyWorkers:
         for k in [k for k in self.marked if k[0] == w.index]:
             del self.marked[k]
         self.lost_requests += len(lost)
-        w.base = tuple(a + b for a, b in zip(w.base, w.stats))
+        unsent = w.stats[UNFORWARDED]  # a gauge, as of its last frame: not summed into base
+        self.lost_unforwarded += unsent
+        w.base = tuple(a + (0 if i == UNFORWARDED else b) for i, (a, b) in enumerate(zip(w.base, w.stats)))
         w.stats = (0,) * len(_STATS)
         w.watermark_ns = None
         if lost:
             log.error("proxy worker %d (pid %s) is gone: %d request(s) in flight in it recorded as interrupted",
                       w.index, pid, len(lost))
+        if unsent:
+            # Before, these went with no trace: the worker ships a request only once it forwards it.
+            log.error("proxy worker %d (pid %s) is gone: %d request(s) it had not forwarded yet (their bodies still "
+                      "coming; the server never saw them) are lost with no row, as of its last heartbeat; counted in "
+                      "powerprof_proxy_lost_unforwarded_requests_total", w.index, pid, unsent)
         self._reap(w, time.monotonic() + STOP_TIMEOUT_S)
 
     def _reap(self, w: _Worker, deadline: float) -> None:
