@@ -2205,6 +2205,9 @@ def test_a_stateful_responses_body_is_unsized():
         got = size({"input": "And the next step?", key: val, "stream": True})
         assert "prompt_chars" not in got and "prompt_ids" not in got
         assert got["prompt_unsized"] == f"a `{key}` (the stored conversation is not in the body)"
+        # The turn it names and its own input's size: the ledger adds that turn's counted length where it saw it.
+        assert (got.get("prev_response_id"), got.get("prompt_new_chars")) == (
+            ("resp_abc", len("And the next step?")) if key == "previous_response_id" else (None, None))
     assert size({"input": "hi", "previous_response_id": None}) == {"prompt_chars": 2}
 
 

@@ -146,6 +146,22 @@ def stateful_reason(key: str) -> str:
     return f"a `{key}` (the stored conversation is not in the body)"
 
 
+STATEFUL_REASONS = frozenset(map(stateful_reason, STATEFUL_FIELDS))
+RESPONSE_ID_MAX = 256  # characters of a previous_response_id kept: a key of Ledger.response_context
+
+
+def stateful_turn(doc: dict, api: str | None) -> tuple[str, int | None] | None:
+    """(its previous_response_id, the characters of the rest of its prompt: its instructions and input, None where not
+    sizeable) of a Responses turn that names its previous turn (and no `conversation`, whose items the proxy never
+    sees); None for any other body. The server prefills the stored turn (its input, instructions and output) before
+    these."""
+    prev = doc.get("previous_response_id") if api == "openai-responses" else None
+    if not isinstance(prev, str) or not prev or doc.get("conversation"):
+        return None
+    chars = prompt_size({k: v for k, v in doc.items() if k != "previous_response_id"}, api)[0]
+    return prev[:RESPONSE_ID_MAX], chars
+
+
 def _infill_size(doc: dict) -> tuple[int | None, None, str | None]:
     """llama.cpp's /infill: its prompt is the extra chunks (each its filename and text), the prefix, the suffix and
     an optional `prompt` after the prefix (server's format_infill), with its fill-in-the-middle tokens (`a`)."""

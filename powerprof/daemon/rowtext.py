@@ -25,7 +25,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
                           is_unseen, not_forwarded, server_end_ns)
-from .promptlen import STATEFUL_FIELDS, stateful_reason
+from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
 
@@ -569,9 +569,6 @@ def prompt_unread(r: LiveRequest) -> bool:
     extra = r.trace.extra
     return ((extra.get("body_bytes") is not None or extra.get("prompt_unsized") is not None)
             and told_prompt_tokens(r) is None and r.prompt_est is None)
-
-
-STATEFUL_REASONS = frozenset(map(stateful_reason, STATEFUL_FIELDS))
 
 
 def _prompt_length_fix(r: LiveRequest) -> str:
