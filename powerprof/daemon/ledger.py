@@ -43,7 +43,7 @@ from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
                           is_unseen, not_forwarded, server_end_ns)
-from .promptlen import PromptLengths
+from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
@@ -1966,8 +1966,7 @@ class Ledger:
         unread = np.array([prompt[i] == 0 and (r.trace.first_ns is not None or d) and not passive[i]
                            and prompt_unread(r) for i, (r, d) in enumerate(zip(reqs, done))], dtype=bool)
         self._unread_spans = [s for s in self._unread_spans if s[1] > t[0]]
-        self._unread_spans.extend((int(arrival[i]), int(prefill_end[i]),
-                                   "unread" if reqs[i].trace.extra.get("body_bytes") is not None else "sizeless")
+        self._unread_spans.extend((int(arrival[i]), int(prefill_end[i]), _unread_kind(reqs[i].trace.extra))
                                   for i in np.flatnonzero(unread))
         for i in np.flatnonzero(unread):
             reqs[i].prefill_uncosted = True
@@ -2898,3 +2897,10 @@ def _cache_unsaid_candidate(r: LiveRequest) -> bool:
         return True
     return (c is None or c.cached_tokens is None) and ((p is not None and p > 1) or r.prompt_est is not None)
 
+
+def _unread_kind(extra: dict) -> str:
+    """What was wrong with an unread prefill's body, for the rows beside it (rowtext's why and fix): unread, a
+    stateful Responses turn's, or read with no size in it."""
+    if extra.get("body_bytes") is not None:
+        return "unread"
+    return "stateful" if extra.get("prompt_unsized") in STATEFUL_REASONS else "sizeless"

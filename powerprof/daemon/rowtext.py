@@ -646,11 +646,14 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         why = "; ".join(w for k, w in (("unread", "unread: over its inspection bound, or past its memory budget for "
                                                   "reading bodies"),
                                        ("sizeless", "read, with no prompt size in it: an image or audio part, a shape "
-                                                    "not known")) if k in kinds)
+                                                    "not known"),
+                                       ("stateful", "a stateful Responses turn, its stored conversation not in its body "
+                                                    "nor its length kept by the proxy")) if k in kinds)
         fixes = "; ".join(f for k, f in (("unread", PROMPT_BODY_FIX),
                                          ("sizeless", "that request's server saying its prompt's length (an OpenAI "
                                                       "stream: include_usage, with continuous_usage_stats where its "
-                                                      "client may leave)")) if k in kinds)
+                                                      "client may leave)"),
+                                         ("stateful", f"that turn's client: {PROMPT_STATEFUL_FIX}")) if k in kinds)
         notes.append(f"{PROMPT_UNREAD_FLAG}: {100 * min(r.unread_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
                      f"intervals over the prefill of a request whose body gave the proxy no prompt size ({why}), its "
                      "prompt's length unsaid when those intervals closed: that prefill is not costed, its energy in the "
