@@ -563,6 +563,10 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     assert size({"prompt": {"prompt_string": "abc"}}, "llamacpp") == {"prompt_chars": 3}
     assert size({"prompt": {"prompt_string": [1, 2, "ab"]}}, "openai-completions") == {"prompt_chars": 2, "prompt_ids": 2}
     assert size({"prompt": {"text": "abc"}}, "llamacpp")["prompt_unsized"].startswith("a `prompt` of no shape read here")
+    # An empty prompt_string is sized 0 as a "" prompt is (before: no size and no reason, silently unflagged).
+    assert size({"prompt": {"prompt_string": ""}}, "llamacpp") == {"prompt_chars": 0}
+    assert size({"prompt": [{"prompt_string": ""}]}, "llamacpp") == {"prompt_chars": 0}
+    assert size({"prompt": ""}, "llamacpp") == {"prompt_chars": 0}
     # The Responses and Messages APIs' text (their streams say the prompt's length at their end, or at their start):
     # before, no size, a cut Responses stream's prefill costed 0.
     assert size({"input": "hello", "instructions": "be brief"}, "openai-responses") == {"prompt_chars": 13}

@@ -135,7 +135,8 @@ def _mixed_size(p: list, field: str, one: bool) -> tuple[int | None, int | None,
                 chars += len(x)
             else:
                 ids += 1
-    return chars or None, ids or None, None
+    # Ids alone: no text to estimate. Text alone, even none (an empty prompt_string): its characters, 0 as a "" prompt.
+    return (None if ids and not chars else chars), ids or None, None
 
 
 STATEFUL_FIELDS = ("previous_response_id", "conversation")  # a Responses turn whose history the server keeps
