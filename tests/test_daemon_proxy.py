@@ -618,6 +618,15 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
         assert set(got) <= {"prompt_unsized", "sequences", "prompt_count"} and "prompt_unsized" in got, (bad, got)
         assert got["prompt_unsized"].startswith("a `prompt` of no shape read here"), (bad, got)
     assert size({"input_ids": [1, "a"]}, "sglang-generate")["prompt_unsized"].startswith("a `input_ids` of no shape")
+    # The first refused item in the batch's order says why (the counting is per kind, not item by item): media on an
+    # object before its own prompt_string is read, a refused prompt before a later object's media.
+    mm = "a `prompt` item's `multimodal_data` (media: its tokens are not characters)"
+    assert size({"prompt": ["a", {"prompt_string": None, "multimodal_data": [1]}, [1, None]]}, "llamacpp")[
+        "prompt_unsized"] == mm
+    assert size({"prompt": ["a", [1, None], {"prompt_string": "b", "multimodal_data": [1]}]}, "llamacpp")[
+        "prompt_unsized"].startswith("a `prompt` of no shape read here")
+    assert size({"prompt": [[1, "ab", 2.5], "cd", {"prompt_string": [True, 3, "e"]}]}, "llamacpp") == {
+        "prompt_chars": 5, "prompt_ids": 4, "prompt_count": 3, "sequences": 3}
     assert size({"prompt": "x"}, None) == {}
 
     async def main():  # through the proxy: on the trace the recorder gets, and nothing of the text
