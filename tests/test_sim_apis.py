@@ -138,6 +138,38 @@ def test_the_responses_store_is_the_process_memory_and_can_be_off():
             srv.stop()
 
 
+def test_a_completions_prompt_of_ids_text_and_objects_is_counted_as_the_flavours_server_counts_it():
+    # llama-server's tokenize_input_prompts: an id (a float or bool converted) one token, a text its words with BOS
+    # where a prompt opens with it, a prompt_string object its prompt, a batch each prompt; a negative id 400. vLLM
+    # refuses a mix or an object (400). Before: " ".join(map(str, prompt)) for both, so {"prompt_string": T} was its
+    # Python repr, a float id 3 tokens, a negative id 2, and vLLM ran what it refuses; the proxy's learned ratio
+    # from such counts read a 401-token prompt as 6816.
+    from powerprof.sim.server import count_prompt_tokens
+
+    t = "the power of the clock and the fan"
+    words = count_prompt_tokens(t) - 1
+    shapes = {"object": ({"prompt_string": t}, 1 + words), "object mixed": ({"prompt_string": [5, 6, t]}, 2 + words),
+              "objects": ([{"prompt_string": t}, {"prompt_string": t}], 2 + 2 * words),
+              "float id": ([5, t, 2.5, True], 3 + words), "text first": ([t, 5], 1 + words + 1),
+              "ids": ([5, 6, 7], 3), "batch": ([t, [5, 6, 7]], 1 + words + 3), "negative id": ([-5, 6, t], None),
+              "media": ({"prompt_string": t, "multimodal_data": ["x"]}, None), "float alone": ([5, 2.5], None)}
+    for flavour in ("llamacpp", "vllm"):
+        with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=2000.0) as srv:
+            for name, (prompt, want) in shapes.items():
+                key = f"{flavour}-{name}"
+                status, raw = _post(srv.url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2},
+                                    {"X-Sim-Request-Id": key})
+                if flavour == "vllm":
+                    if name in ("ids", "batch"):
+                        continue  # vLLM takes ids, and a list of prompts (here run as one sequence)
+                    assert status == 400, (name, raw[:200])
+                elif want is None:
+                    assert status == 400, (name, raw[:200])
+                else:
+                    assert status == 200, (name, raw[:200])
+                    assert srv.request_truth()[key]["prompt_tokens"] == want, (name, srv.request_truth()[key])
+
+
 def test_n_choices_are_sequences_decoded_together(server):
     key = f"together-{len(server.truth)}"
     # A prompt of several of vLLM's KV blocks (the cache holds whole ones: a shorter prompt is computed by each choice).

@@ -1694,12 +1694,53 @@ class SimServer:
             raise web.HTTPBadRequest(text='{"error": {"message": "body must be an object"}}', content_type="application/json")
         return body
 
+    def _completion_prompt(self, prompt) -> str | web.Response:
+        """A completions prompt as the text the simulator runs, or the 400 its server answers. llama.cpp reads it as
+        llama-server's tokenize_input_prompts: a list with a token id at its top is one prompt of ids and text (an id,
+        float or bool one token each, converted; a text its words, the first one's with BOS); else each item a prompt
+        of text, ids and text, or an object's `prompt_string`, their tokens summed (run here as one sequence); a
+        negative id, media, or a shape it refuses: 400. vLLM takes text, ids, or a list of either alone: a mix or an
+        object is 400 (its request's validation). Stood for by as many words (BOS and words: count_prompt_tokens)."""
+        if isinstance(prompt, str):
+            return prompt
+        if self.flavour == "llamacpp":
+            items = [prompt] if isinstance(prompt, dict) or (isinstance(prompt, list) and any(
+                type(x) is int for x in prompt)) else prompt
+            tokens = 0
+            for item in items if isinstance(items, list) else [items]:
+                if isinstance(item, dict):
+                    if "multimodal_data" in item:
+                        return self._bad_request("multimodal is not supported by this server")
+                    item = item.get("prompt_string")
+                if isinstance(item, str):
+                    tokens += count_prompt_tokens(item)
+                    continue
+                kinds = set(map(type, item)) if isinstance(item, list) else set()
+                if not (int in kinds and (kinds <= {int, str} or {int, str} <= kinds <= {int, str, float, bool})):
+                    return self._bad_request('"prompt" must be a string, a list of tokens, or a list of prompts')
+                for k, x in enumerate(item):
+                    if type(x) is str:
+                        tokens += count_prompt_tokens(x) - (k > 0)  # BOS only where the prompt opens with text
+                    elif int(x) < 0:
+                        return self._bad_request("Prompt contains invalid tokens")
+                    else:
+                        tokens += 1
+            return " ".join(["w"] * max(tokens - 1, 0))
+        if isinstance(prompt, list) and prompt and self.flavour == "vllm" and not (
+                all(type(x) is int for x in prompt) or all(type(x) is str for x in prompt)
+                or all(type(x) is list and x and all(type(i) is int for i in x) for x in prompt)):
+            return self._bad_request("prompt: Input should be a valid string, a list of token ids, or a list of either",
+                                     "prompt")
+        if isinstance(prompt, dict) and self.flavour == "vllm":
+            return self._bad_request("prompt: Input should be a valid string", "prompt")
+        return " ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
+
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt = body.get("prompt", "")
-        if isinstance(prompt, list):
-            prompt = " ".join(map(str, prompt))
-        return await self._serve(request, "llamacpp", str(prompt), body, int(body.get("n_predict", 128) or 128))
+        prompt = self._completion_prompt(body.get("prompt", ""))
+        if isinstance(prompt, web.Response):
+            return prompt
+        return await self._serve(request, "llamacpp", prompt, body, int(body.get("n_predict", 128) or 128))
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's native /generate: {"text", "sampling_params": {"max_new_tokens", "ignore_eos", ...}, "stream"}."""
@@ -1785,10 +1826,9 @@ class SimServer:
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt = body.get("prompt", "")
-        if isinstance(prompt, list):
-            prompt = " ".join(map(str, prompt))
-        prompt = str(prompt)
+        prompt = self._completion_prompt(body.get("prompt", ""))
+        if isinstance(prompt, web.Response):
+            return prompt
         n = body.get("max_tokens")
         echo = _NO_ECHO
         if body.get("echo") is True:
