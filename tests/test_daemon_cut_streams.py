@@ -112,7 +112,7 @@ def test_a_llamacpp_prompt_of_ids_and_text_mixed_cut_before_its_usage_is_costed_
     done, cut = read_dataset(data, "requests").sort_values("request_id").to_dict("records")
     assert cut["outcome"] == "client_disconnected"
     true_prompt = truth["mixed"]["prompt_tokens"]
-    assert true_prompt == 100 + 200 + 1, truth["mixed"]
+    assert true_prompt == 100 + 200, truth["mixed"]  # no BOS: llama-server adds none where a prompt opens with an id
     assert cut["prompt_tokens_estimate"] == pytest.approx(true_prompt, rel=0.02), cut
     note = cut["energy_note"] or ""
     assert "the request's 100 prompt token ids and 999 prompt characters" in note, note
