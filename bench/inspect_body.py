@@ -3,7 +3,8 @@
     python bench/inspect_body.py
 
 `inspect_request_body` runs on the proxy's event loop, so its time is time every live stream waits. Bodies of 1 MiB:
-262,000 one-character prompts, 174,000 one-id prompts, SGLang's 262,000 texts. Best of 7 each; the ratio to the parse
+262,000 one-character prompts, 174,000 one-id prompts, SGLang's 262,000 texts; llama.cpp's ids and text mixed
+(one prompt of 524,000 ids and a text, 131,000 [0, "a"] prompts, 40,000 prompt_string objects). Best of 7 each; the ratio to the parse
 is the figure (the parse is the floor: the body must be parsed to be read). Nothing is asserted here
 (tests/test_daemon_proxy.py checks what the inspection reads from such bodies).
 """
@@ -17,7 +18,11 @@ from powerprof.daemon.proxy import inspect_request_body
 
 BODIES = (("262k one-char prompts", {"prompt": ["a"] * 262000}, "openai-completions"),
           ("174k one-id prompts", {"prompt": [[1]] * 174000}, "openai-completions"),
-          ("SGLang 262k texts", {"text": ["a"] * 262000}, "sglang"))
+          ("SGLang 262k texts", {"text": ["a"] * 262000}, "sglang"),
+          # llama.cpp's ids and text mixed (promptlen._mixed_size): one prompt, and a batch of mixed prompts.
+          ("llama.cpp mixed prompt", {"prompt": [0] * 524000 + ["a"]}, "llamacpp"),
+          ("131k [0,\"a\"] prompts", {"prompt": [[0, "a"]] * 131000}, "llamacpp"),
+          ("40k prompt_string objs", {"prompt": [{"prompt_string": [0, "a"]}] * 40000}, "llamacpp"))
 
 
 def main() -> None:

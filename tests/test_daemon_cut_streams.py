@@ -112,7 +112,7 @@ def test_a_llamacpp_prompt_of_ids_and_text_mixed_cut_before_its_usage_is_costed_
     done, cut = read_dataset(data, "requests").sort_values("request_id").to_dict("records")
     assert cut["outcome"] == "client_disconnected"
     true_prompt = truth["mixed"]["prompt_tokens"]
-    assert true_prompt == 100 + 200 + 1, truth["mixed"]
+    assert true_prompt == 100 + 200, truth["mixed"]  # no BOS: llama-server adds none where a prompt opens with an id
     assert cut["prompt_tokens_estimate"] == pytest.approx(true_prompt, rel=0.02), cut
     note = cut["energy_note"] or ""
     assert "the request's 100 prompt token ids and 999 prompt characters" in note, note
@@ -329,12 +329,79 @@ def test_a_prompt_whose_size_the_body_does_not_say_is_said_not_costed_and_its_ne
     assert daemon.ledger.flagged_requests[PROMPT_UNREAD_FLAG] == 2 + len(beside)
 
 
+def test_a_stateful_responses_turn_past_the_prompt_hold_is_costed_its_stored_conversation(tmp_path):
+    # A Responses turn naming a previous_response_id the proxy saw answered: its usage (response.completed) comes only
+    # at its end, past the prompt hold; its prefill is costed at that answer's counted conversation (its input_tokens
+    # + output_tokens) plus its new input's estimate. Before: costed none and flagged prompt-unread though never cut
+    # (the reviewer's 3000-word history, 1000 tokens at 25 tok/s: its energy -5% vs truth, its three neighbours
+    # +9-10%). The hold is 3 s here (30 s in use) so the scene is short.
+    import asyncio
+
+    import aiohttp
+
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.rig import Rig
+
+    nvml = SimNVML("h200-141g", state_path=None)
+    srv = SimServer(nvml, flavour="vllm", n_slots=64, batching="continuous", decode_tok_s=25.0).start()
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
+        "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
+        "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
+    daemon = Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
+
+    async def post(s, url, tag, body, n):
+        return await s.post(url + "/v1/responses", json=dict(body, model="m", max_output_tokens=n, ignore_eos=True),
+                            headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
+
+    async def main():
+        task = asyncio.create_task(daemon.run())
+        for _ in range(600):
+            if "proxy" in daemon.urls and daemon.ledger is not None:
+                break
+            await asyncio.sleep(0.05)
+        daemon.ledger.prompt_hold_ns = int(3e9)
+        url = daemon.urls["proxy"]
+        async with aiohttp.ClientSession() as s:
+            r = await post(s, url, "first", {"input": " ".join(["word"] * 3000)}, 4)
+            rid = (await r.json())["id"]
+            jobs = [asyncio.create_task(post(s, url, f"ok{k}", {"input": " ".join(["word"] * 300), "stream": True},
+                                             120)) for k in range(3)]
+            await asyncio.sleep(0.3)
+            jobs.append(asyncio.create_task(post(s, url, "long", {"input": "next", "previous_response_id": rid,
+                                                                   "stream": True}, 150)))  # 6 s at 25 tok/s
+            for r in await asyncio.gather(*jobs):
+                assert r.status == 200
+                await r.read()
+        await asyncio.sleep(3)
+        daemon.stop_event.set()
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.stop()
+    truth = srv.request_truth()
+    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
+            if isinstance(r["tag"], str)}
+    err = {t: (r["gpu_energy_j"] - truth[t]["energy_j"]) / truth[t]["energy_j"] for t, r in rows.items() if t in truth}
+    print({t: round(100 * e, 1) for t, e in sorted(err.items())})
+    assert rows["long"]["prompt_tokens"] == truth["long"]["prompt_tokens"] > 3000, (rows["long"], truth["long"])
+    for t in ("long", "ok0", "ok1", "ok2"):
+        note = rows[t]["energy_note"] or ""
+        assert PROMPT_UNREAD_FLAG not in note, (t, note)
+        # Measured: long -6% to -7%, the others +2% to +7% (before: long -17%, the others +5% to +17%, flagged).
+        assert abs(err[t]) < 0.12, (t, err[t], note)
+
+
 def test_a_stateful_responses_turn_is_costed_the_conversation_its_usage_says_and_flagged_only_where_none(tmp_path):
     # A Responses turn with `previous_response_id` (vLLM, store on): its body holds the new input only; the server
     # prefills the stored conversation before it and says the whole in usage.input_tokens (response.completed on a
     # stream). Where the answer carries it, its prefill is costed from it (the ledger's path for any server count);
     # only a turn whose answer carried none (its stream cut) stays prompt-unread. The simulator ignored the field
     # before (its truth the new input alone), so no figure here could be judged against a stateful turn's truth.
+    # cut8 names a turn answered past the proxy (no length of it kept): its prefill stays unread.
     import asyncio
 
     import aiohttp
@@ -378,8 +445,8 @@ def test_a_stateful_responses_turn_is_costed_the_conversation_its_usage_says_and
         url = daemon.urls["proxy"]
         async with aiohttp.ClientSession() as s:
             ids = []
-            for k in range(3):  # the stored first turns: ~3000 words of history each
-                r = await post(s, url, f"first{k}", {"input": " ".join(["word"] * 3000)})
+            for k in range(3):  # the stored first turns: ~3000 words of history each; the last not through the proxy
+                r = await post(s, url if k < 2 else srv.url, f"first{k}", {"input": " ".join(["word"] * 3000)})
                 ids.append((await r.json())["id"])
             jobs = []
             for k in range(10):

@@ -1395,11 +1395,15 @@ def test_a_prompt_unread_rows_fix_fits_its_api_and_outcome_and_what_was_wrong_wi
         assert "1 MiB" not in beside and "read, with no prompt size in it" in beside, beside
     # A stateful Responses turn cut before its usage: its client can send the conversation itself in `input`, which
     # the proxy sizes (before: "none the client can ask for", untrue for it).
+    # The rows beside it say so too (before: "an image or audio part ...; fix: include_usage, continuous_usage_stats",
+    # neither a Responses option).
     for key in ("previous_response_id", "conversation"):
-        note, _ = _unread_rows("openai-responses", True, "client_disconnected",
-                               unsized=f"a `{key}` (the stored conversation is not in the body)")
+        note, beside = _unread_rows("openai-responses", True, "client_disconnected",
+                                    unsized=f"a `{key}` (the stored conversation is not in the body)")
         fix = note[note.index("fix:"):]
         assert "send the conversation in the body's `input`" in fix and "none the client can ask" not in fix, fix
+        assert "a stateful Responses turn" in beside and "image" not in beside, beside
+        assert "send the conversation in the body's `input`" in beside and "include_usage" not in beside, beside
     note, beside = _unread_rows("openai-chat", True, "ok", unsized=None)
     assert "keep request bodies under 1 MiB" in note.split(PROMPT_UNREAD_FLAG)[1], note
     assert "keep request bodies under 1 MiB" in beside and "read, with no prompt size" not in beside, beside

@@ -563,6 +563,10 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     assert size({"prompt": {"prompt_string": "abc"}}, "llamacpp") == {"prompt_chars": 3}
     assert size({"prompt": {"prompt_string": [1, 2, "ab"]}}, "openai-completions") == {"prompt_chars": 2, "prompt_ids": 2}
     assert size({"prompt": {"text": "abc"}}, "llamacpp")["prompt_unsized"].startswith("a `prompt` of no shape read here")
+    # An empty prompt_string is sized 0 as a "" prompt is (before: no size and no reason, silently unflagged).
+    assert size({"prompt": {"prompt_string": ""}}, "llamacpp") == {"prompt_chars": 0}
+    assert size({"prompt": [{"prompt_string": ""}]}, "llamacpp") == {"prompt_chars": 0}
+    assert size({"prompt": ""}, "llamacpp") == {"prompt_chars": 0}
     # The Responses and Messages APIs' text (their streams say the prompt's length at their end, or at their start):
     # before, no size, a cut Responses stream's prefill costed 0.
     assert size({"input": "hello", "instructions": "be brief"}, "openai-responses") == {"prompt_chars": 13}
@@ -614,6 +618,15 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
         assert set(got) <= {"prompt_unsized", "sequences", "prompt_count"} and "prompt_unsized" in got, (bad, got)
         assert got["prompt_unsized"].startswith("a `prompt` of no shape read here"), (bad, got)
     assert size({"input_ids": [1, "a"]}, "sglang-generate")["prompt_unsized"].startswith("a `input_ids` of no shape")
+    # The first refused item in the batch's order says why (the counting is per kind, not item by item): media on an
+    # object before its own prompt_string is read, a refused prompt before a later object's media.
+    mm = "a `prompt` item's `multimodal_data` (media: its tokens are not characters)"
+    assert size({"prompt": ["a", {"prompt_string": None, "multimodal_data": [1]}, [1, None]]}, "llamacpp")[
+        "prompt_unsized"] == mm
+    assert size({"prompt": ["a", [1, None], {"prompt_string": "b", "multimodal_data": [1]}]}, "llamacpp")[
+        "prompt_unsized"].startswith("a `prompt` of no shape read here")
+    assert size({"prompt": [[1, "ab", 2.5], "cd", {"prompt_string": [True, 3, "e"]}]}, "llamacpp") == {
+        "prompt_chars": 5, "prompt_ids": 4, "prompt_count": 3, "sequences": 3}
     assert size({"prompt": "x"}, None) == {}
 
     async def main():  # through the proxy: on the trace the recorder gets, and nothing of the text
@@ -2221,6 +2234,9 @@ def test_a_stateful_responses_body_is_unsized():
         got = size({"input": "And the next step?", key: val, "stream": True})
         assert "prompt_chars" not in got and "prompt_ids" not in got
         assert got["prompt_unsized"] == f"a `{key}` (the stored conversation is not in the body)"
+        # The turn it names and its own input's size: the ledger adds that turn's counted length where it saw it.
+        assert (got.get("prev_response_id"), got.get("prompt_new_chars")) == (
+            ("resp_abc", len("And the next step?")) if key == "previous_response_id" else (None, None))
     assert size({"input": "hi", "previous_response_id": None}) == {"prompt_chars": 2}
 
 

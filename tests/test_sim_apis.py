@@ -5,6 +5,7 @@ real (n choices are n sequences in the batch; an embedding is a prefill of its i
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -95,11 +96,78 @@ def test_a_responses_turn_after_a_stored_one_runs_the_whole_conversation(server,
         assert status == 400 and b"llama.cpp does not support 'previous_response_id'." in raw, raw[:300]
         return
     assert status == 200, raw[:300]
-    whole = count_prompt_tokens("\n".join(["the power of the clock", said, "and the fan"]))
+    # The stored turn's instructions are in it too: vLLM stores the turn's messages from its system message on, and
+    # prefills them again (before: left out, 13 tokens where vLLM would give 313 for 300 of instructions).
+    whole = count_prompt_tokens("\n".join(["be brief", "the power of the clock", said, "and the fan"]))
     assert server.request_truth()[key]["prompt_tokens"] == whole
     assert _summary("openai-responses", second, raw).prompt_tokens == whole
     status, raw = _post(server.url + "/v1/responses", dict(second, previous_response_id="resp_nowhere"))
     assert status == 404 and json.loads(raw)["error"]["message"] == "Response with id 'resp_nowhere' not found."
+
+
+def test_the_responses_store_is_the_process_memory_and_can_be_off():
+    # vLLM's store is in its process's memory: a restart empties it (before: the simulator's outlived restart()); and
+    # off (VLLM_ENABLE_RESPONSES_API_STORE unset, vLLM's default) every previous_response_id is 404 (before: no way to
+    # turn it off). This turn's instructions come first, the stored turn's own after them.
+    from powerprof.sim.server import SimServer, count_prompt_tokens
+
+    for store in (True, False):
+        srv = SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", responses_store=store).start()
+        try:
+            first = {"input": "the clock", "instructions": "be brief", "max_output_tokens": 4}
+            status, raw = _post(srv.url + "/v1/responses", first)
+            done = json.loads(raw)
+            second = {"input": "and the fan", "instructions": "be kind", "previous_response_id": done["id"],
+                      "max_output_tokens": 4}
+            status, raw = _post(srv.url + "/v1/responses", second, {"X-Sim-Request-Id": f"second-{store}"})
+            if not store:
+                assert status == 404, raw[:300]
+                continue
+            assert status == 200, raw[:300]
+            said = done["output"][0]["content"][0]["text"]
+            assert srv.request_truth()[f"second-{store}"]["prompt_tokens"] == count_prompt_tokens(
+                "\n".join(["be kind", "be brief", "the clock", said, "and the fan"]))
+            srv.restart(0.05).result(10)
+            for _ in range(100):
+                status, raw = _post(srv.url + "/v1/responses", second)
+                if status != 503:
+                    break
+                time.sleep(0.05)
+            assert status == 404, raw[:300]
+        finally:
+            srv.stop()
+
+
+def test_a_completions_prompt_of_ids_text_and_objects_is_counted_as_the_flavours_server_counts_it():
+    # llama-server's tokenize_input_prompts: an id (a float or bool converted) one token, a text its words with BOS
+    # where a prompt opens with it, a prompt_string object its prompt, a batch each prompt; a negative id 400. vLLM
+    # refuses a mix or an object (400). Before: " ".join(map(str, prompt)) for both, so {"prompt_string": T} was its
+    # Python repr, a float id 3 tokens, a negative id 2, and vLLM ran what it refuses; the proxy's learned ratio
+    # from such counts read a 401-token prompt as 6816.
+    from powerprof.sim.server import count_prompt_tokens
+
+    t = "the power of the clock and the fan"
+    words = count_prompt_tokens(t) - 1
+    shapes = {"object": ({"prompt_string": t}, 1 + words), "object mixed": ({"prompt_string": [5, 6, t]}, 2 + words),
+              "objects": ([{"prompt_string": t}, {"prompt_string": t}], 2 + 2 * words),
+              "float id": ([5, t, 2.5, True], 3 + words), "text first": ([t, 5], 1 + words + 1),
+              "ids": ([5, 6, 7], 3), "batch": ([t, [5, 6, 7]], 1 + words + 3), "negative id": ([-5, 6, t], None),
+              "media": ({"prompt_string": t, "multimodal_data": ["x"]}, None), "float alone": ([5, 2.5], None)}
+    for flavour in ("llamacpp", "vllm"):
+        with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=2000.0) as srv:
+            for name, (prompt, want) in shapes.items():
+                key = f"{flavour}-{name}"
+                status, raw = _post(srv.url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2},
+                                    {"X-Sim-Request-Id": key})
+                if flavour == "vllm":
+                    if name in ("ids", "batch"):
+                        continue  # vLLM takes ids, and a list of prompts (here run as one sequence)
+                    assert status == 400, (name, raw[:200])
+                elif want is None:
+                    assert status == 400, (name, raw[:200])
+                else:
+                    assert status == 200, (name, raw[:200])
+                    assert srv.request_truth()[key]["prompt_tokens"] == want, (name, srv.request_truth()[key])
 
 
 def test_n_choices_are_sequences_decoded_together(server):

@@ -23,7 +23,7 @@ import bisect
 import heapq
 import itertools
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -43,7 +43,7 @@ from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
                           is_unseen, not_forwarded, server_end_ns)
-from .promptlen import PromptLengths
+from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
@@ -75,6 +75,9 @@ RAPL_HOLD_S = 2.0
 # A request that never ends (a stuck stream) is dropped from the accounts after this long.
 MAX_OPEN_S = 6 * 3600
 MAX_OPEN_TAGS = 256
+# Responses answers whose conversation length is kept for a later turn naming them (Ledger.response_context): ~100 bytes
+# each; a chat client continues its latest turns.
+RESPONSE_CONTEXT_KEEP = 4096
 SPREAD_EVENTS = 64  # a non-streamed response's tokens are spread as this many events
 BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of the proxied ones stay out of the fit
 # A stream's piece holding more tokens than its sequences, this long or more after its previous piece, is a burst held
@@ -378,6 +381,11 @@ class Ledger:
         self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
         self._jpt_left_out: dict[str, tuple[int, float]] = {}  # Totals.jpt_left_out
         self.prompt_lengths = PromptLengths()
+        # A Responses answer's id → its conversation's tokens as the server counted them (its prompt and its output):
+        # what a later turn naming it as previous_response_id prefills before its own input. Only answers proxied
+        # here, the latest RESPONSE_CONTEXT_KEEP (an LRU: a turn naming one evicted, or one from before a restart, is
+        # prompt-unread as before).
+        self.response_context: OrderedDict[str, int] = OrderedDict()
         self.prompts_estimated: dict[str, int] = {}  # {why the server never counted it: requests}
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus, gpu_unknown_s=(0.0,) * n_gpus,
                              gpu_unread_now=(False,) * n_gpus)
@@ -608,14 +616,38 @@ class Ledger:
         # Placed once the streams beside it have shown that run (`_place_run_ons`; the intervals from here held till then).
         r.run_on_from_ns = max([tr.last_ns, *r.ev_t[-1:], *(e.t_ns for e in self.edges[:1])])  # none in a closed interval
 
+    def _keep_context(self, response_id: str, tokens: int) -> None:
+        """A Responses answer's conversation length (`response_context`), the least recently used dropped past the cap."""
+        ctx = self.response_context
+        ctx[response_id] = tokens
+        ctx.move_to_end(response_id)
+        while len(ctx) > RESPONSE_CONTEXT_KEEP:
+            ctx.popitem(last=False)
+
+    def _body_estimate(self, tr: RequestTrace) -> tuple[float, str] | None:
+        """(tokens, how) of a prompt from its body (PromptLengths.estimate); for a Responses turn naming a previous
+        one whose answer passed through here, that conversation's counted tokens plus its own input's estimate: the
+        server prefills both. None: no size."""
+        x = tr.extra
+        est = self.prompt_lengths.estimate(tr.api, x.get("prompt_chars"), x.get("prompt_ids"), x.get("prompt_count", 1))
+        prev = x.get("prev_response_id")
+        if est is not None or prev is None or prev not in self.response_context:
+            return est
+        self.response_context.move_to_end(prev)
+        ctx = self.response_context[prev]
+        new = self.prompt_lengths.estimate(tr.api, x.get("prompt_new_chars"), None)
+        if new is None:
+            return None
+        return ctx + new[0], (f"the {ctx} tokens of its previous response's conversation (its prompt and output, as the "
+                              f"server counted them through this proxy) and {new[1]}")
+
     def _prefill_end_est_ns(self, r: LiveRequest) -> int | None:
         """When its prompt's prefill ends if it ran from its arrival at the rate in use: its prompt the server's count,
         else its body's estimate (None: neither)."""
         tr = r.trace
         prompt = told_prompt_tokens(r)
         if prompt is None:
-            est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"),
-                                               tr.extra.get("prompt_count", 1))
+            est = self._body_estimate(tr)
             if est is None:
                 return None
             prompt = est[0]
@@ -733,6 +765,8 @@ class Ledger:
             copies = max(trace.extra.get("choices", 1), 1) if c.prompt_each_task else 1
             self.prompt_lengths.learn(trace.api, trace.extra.get("prompt_chars"), c.prompt_tokens / copies,
                                       trace.extra.get("prompt_count", 1), trace.extra.get("prompt_ids"))
+            if c.response_id is not None and trace.api == "openai-responses" and (trace.status or 200) < 400:
+                self._keep_context(c.response_id, c.prompt_tokens + max(c.generated_tokens, 0))
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
         none_seen = not trace.tokens_seen and not r.ev_n and not r.spent and trace.stream is True
@@ -1945,8 +1979,7 @@ class Ledger:
         unread = np.array([prompt[i] == 0 and (r.trace.first_ns is not None or d) and not passive[i]
                            and prompt_unread(r) for i, (r, d) in enumerate(zip(reqs, done))], dtype=bool)
         self._unread_spans = [s for s in self._unread_spans if s[1] > t[0]]
-        self._unread_spans.extend((int(arrival[i]), int(prefill_end[i]),
-                                   "unread" if reqs[i].trace.extra.get("body_bytes") is not None else "sizeless")
+        self._unread_spans.extend((int(arrival[i]), int(prefill_end[i]), _unread_kind(reqs[i].trace.extra))
                                   for i in np.flatnonzero(unread))
         for i in np.flatnonzero(unread):
             reqs[i].prefill_uncosted = True
@@ -2213,8 +2246,7 @@ class Ledger:
         gone = tr.first_ns is None and done and tr.end_ns is not None and room is not None
         if r.prompt_est is None and (tr.first_ns is not None or gone or (done and finished_unsaid(r))) \
                 and (tr.status is None or tr.status < 400):
-            est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"),
-                                               tr.extra.get("prompt_count", 1))
+            est = self._body_estimate(tr)
             if est is not None and gone and est[0] > room[0]:
                 most, in_flight_s, beside, costs = room
                 r.prompt_cap = (est[0], in_flight_s, costs.prefill_tok_s, costs.source, beside)
@@ -2878,3 +2910,10 @@ def _cache_unsaid_candidate(r: LiveRequest) -> bool:
         return True
     return (c is None or c.cached_tokens is None) and ((p is not None and p > 1) or r.prompt_est is not None)
 
+
+def _unread_kind(extra: dict) -> str:
+    """What was wrong with an unread prefill's body, for the rows beside it (rowtext's why and fix): unread, a
+    stateful Responses turn's, or read with no size in it."""
+    if extra.get("body_bytes") is not None:
+        return "unread"
+    return "stateful" if extra.get("prompt_unsized") in STATEFUL_REASONS else "sizeless"

@@ -37,7 +37,7 @@ from powerprof.workload.stream import json_from_bytes
 
 from . import streams
 from .forward import Exchange, StaleConnection, UpstreamError, UpstreamPool
-from .promptlen import prompt_count, prompt_shape
+from .promptlen import prompt_count, prompt_shape, stateful_turn
 
 log = logging.getLogger("powerprof.daemon.proxy")
 
@@ -453,6 +453,11 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             extra["prompt_unsized"] = unsized  # read, but no size in it: said on its row if the server never says one
         if unsized is None and prompts > 1:
             extra["prompt_count"] = prompts  # a batch's: each its template's tokens (`promptlen`)
+        prev = stateful_turn(doc, api)
+        if prev is not None:  # its stored conversation's length, where this proxy saw it: Ledger.response_context
+            extra["prev_response_id"], new_chars = prev
+            if new_chars is not None:
+                extra["prompt_new_chars"] = new_chars
         seqs = request_sequences(doc, api, prompts)
         if seqs > 1:
             extra["sequences"] = seqs

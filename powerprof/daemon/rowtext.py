@@ -25,7 +25,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, body_left, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
                           is_unseen, not_forwarded, server_end_ns)
-from .promptlen import STATEFUL_FIELDS, stateful_reason
+from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
 
@@ -577,9 +577,6 @@ def prompt_unread(r: LiveRequest) -> bool:
             and told_prompt_tokens(r) is None and r.prompt_est is None)
 
 
-STATEFUL_REASONS = frozenset(map(stateful_reason, STATEFUL_FIELDS))
-
-
 def _prompt_length_fix(r: LiveRequest) -> str:
     """How its client could have had the server say its prompt's length: the same test as the `no_usage` estimate's
     (include_usage is an OpenAI chat or completions stream's option), and for one its client left, the usage in every
@@ -655,11 +652,14 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         why = "; ".join(w for k, w in (("unread", "unread: over its inspection bound, or past its memory budget for "
                                                   "reading bodies"),
                                        ("sizeless", "read, with no prompt size in it: an image or audio part, a shape "
-                                                    "not known")) if k in kinds)
+                                                    "not known"),
+                                       ("stateful", "a stateful Responses turn, its stored conversation not in its body "
+                                                    "nor its length kept by the proxy")) if k in kinds)
         fixes = "; ".join(f for k, f in (("unread", PROMPT_BODY_FIX),
                                          ("sizeless", "that request's server saying its prompt's length (an OpenAI "
                                                       "stream: include_usage, with continuous_usage_stats where its "
-                                                      "client may leave)")) if k in kinds)
+                                                      "client may leave)"),
+                                         ("stateful", f"that turn's client: {PROMPT_STATEFUL_FIX}")) if k in kinds)
         notes.append(f"{PROMPT_UNREAD_FLAG}: {100 * min(r.unread_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
                      f"intervals over the prefill of a request whose body gave the proxy no prompt size ({why}), its "
                      "prompt's length unsaid when those intervals closed: that prefill is not costed, its energy in the "

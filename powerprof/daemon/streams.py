@@ -130,6 +130,8 @@ class Counts:
     # Its count passed its running counts by a tool call the server's parser held, cut by max_tokens
     # (arrival.held_call_at_limit): tokens decoded after its last chunk, which the ledger places from there to the end.
     held_tail: bool = False
+    # The Responses API's answer's `id` (StreamSummary.response_id): a later turn's previous_response_id names it.
+    response_id: str | None = None
 
 
 def summary_counts(summary, streamed: bool = True, held: HeldCall | None = None) -> Counts:
@@ -178,6 +180,7 @@ def summary_counts(summary, streamed: bool = True, held: HeldCall | None = None)
         count_open=summary.count_open,
         choice_stops=summary.choice_stops,
         held_tail=held_tail,
+        response_id=summary.response_id,
     )
 
 

@@ -318,6 +318,7 @@ class SimServer:
         idle_close_s: float | None = IDLE_CLOSE_S,
         close_delay_s: float = 0.0,
         embeddings: bool = False,
+        responses_store: bool = True,
         sglang_warmup: bool = True,
         sglang_idle_log_s: float = SGLANG_IDLE_LOG_S,
         textless_share: float = 0.0,
@@ -363,6 +364,9 @@ class SimServer:
         0.2 s (tests/test_real_vllm.py), as they do here.
         embeddings: serve `/v1/embeddings` (llama-server's `--embeddings`; without it llama.cpp answers 501 and vLLM
         404, as a generation model's server does), each input a prefill of its tokens and no decode.
+        responses_store: vLLM's and SGLang's Responses store (VLLM_ENABLE_RESPONSES_API_STORE=1): a completed turn
+        kept, in the process's memory (a restart empties it), for a later previous_response_id; False (vLLM's own
+        default): nothing kept, every previous_response_id 404. On here: the stateful turns the tests judge.
         sglang_warmup: the SGLang flavour starts as SGLang does by default, its warm-up request counted on /metrics
         (SGLANG_WARMUP; its GPU time is not simulated); False: as with --skip-server-warmup, /metrics shows no token
         counter until the first request finishes. sglang_idle_log_s: how long after its last log an idle SGLang
@@ -445,6 +449,7 @@ class SimServer:
         self.close_delay_s = float(close_delay_s)
         self._answers_per_conn: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transport → answers sent
         self.embeddings = bool(embeddings)
+        self.responses_store = bool(responses_store)
         self.sglang_warmup = bool(sglang_warmup)
         self.sglang_idle_log_s = float(sglang_idle_log_s)
         if not 0.0 <= float(textless_share) < 1.0:
@@ -749,6 +754,7 @@ class SimServer:
             setattr(self, k, v)
         self.loading_s, self._started_ns = loading_s, time.monotonic_ns()
         self._new_metrics()  # a new process: its counters start from zero
+        self._stored_responses.clear()  # vLLM's Responses store is the process's memory
         self._dead = False
         await web.TCPSite(self._runner, self.host, self._port).start()
         if loading_s > 0:
@@ -1688,12 +1694,53 @@ class SimServer:
             raise web.HTTPBadRequest(text='{"error": {"message": "body must be an object"}}', content_type="application/json")
         return body
 
+    def _completion_prompt(self, prompt) -> str | web.Response:
+        """A completions prompt as the text the simulator runs, or the 400 its server answers. llama.cpp reads it as
+        llama-server's tokenize_input_prompts: a list with a token id at its top is one prompt of ids and text (an id,
+        float or bool one token each, converted; a text its words, the first one's with BOS); else each item a prompt
+        of text, ids and text, or an object's `prompt_string`, their tokens summed (run here as one sequence); a
+        negative id, media, or a shape it refuses: 400. vLLM takes text, ids, or a list of either alone: a mix or an
+        object is 400 (its request's validation). Stood for by as many words (BOS and words: count_prompt_tokens)."""
+        if isinstance(prompt, str):
+            return prompt
+        if self.flavour == "llamacpp":
+            items = [prompt] if isinstance(prompt, dict) or (isinstance(prompt, list) and any(
+                type(x) is int for x in prompt)) else prompt
+            tokens = 0
+            for item in items if isinstance(items, list) else [items]:
+                if isinstance(item, dict):
+                    if "multimodal_data" in item:
+                        return self._bad_request("multimodal is not supported by this server")
+                    item = item.get("prompt_string")
+                if isinstance(item, str):
+                    tokens += count_prompt_tokens(item)
+                    continue
+                kinds = set(map(type, item)) if isinstance(item, list) else set()
+                if not (int in kinds and (kinds <= {int, str} or {int, str} <= kinds <= {int, str, float, bool})):
+                    return self._bad_request('"prompt" must be a string, a list of tokens, or a list of prompts')
+                for k, x in enumerate(item):
+                    if type(x) is str:
+                        tokens += count_prompt_tokens(x) - (k > 0)  # BOS only where the prompt opens with text
+                    elif int(x) < 0:
+                        return self._bad_request("Prompt contains invalid tokens")
+                    else:
+                        tokens += 1
+            return " ".join(["w"] * max(tokens - 1, 0))
+        if isinstance(prompt, list) and prompt and self.flavour == "vllm" and not (
+                all(type(x) is int for x in prompt) or all(type(x) is str for x in prompt)
+                or all(type(x) is list and x and all(type(i) is int for i in x) for x in prompt)):
+            return self._bad_request("prompt: Input should be a valid string, a list of token ids, or a list of either",
+                                     "prompt")
+        if isinstance(prompt, dict) and self.flavour == "vllm":
+            return self._bad_request("prompt: Input should be a valid string", "prompt")
+        return " ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
+
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt = body.get("prompt", "")
-        if isinstance(prompt, list):
-            prompt = " ".join(map(str, prompt))
-        return await self._serve(request, "llamacpp", str(prompt), body, int(body.get("n_predict", 128) or 128))
+        prompt = self._completion_prompt(body.get("prompt", ""))
+        if isinstance(prompt, web.Response):
+            return prompt
+        return await self._serve(request, "llamacpp", prompt, body, int(body.get("n_predict", 128) or 128))
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's native /generate: {"text", "sampling_params": {"max_new_tokens", "ignore_eos", ...}, "stream"}."""
@@ -1779,10 +1826,9 @@ class SimServer:
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt = body.get("prompt", "")
-        if isinstance(prompt, list):
-            prompt = " ".join(map(str, prompt))
-        prompt = str(prompt)
+        prompt = self._completion_prompt(body.get("prompt", ""))
+        if isinstance(prompt, web.Response):
+            return prompt
         n = body.get("max_tokens")
         echo = _NO_ECHO
         if body.get("echo") is True:
@@ -1816,25 +1862,28 @@ class SimServer:
         return await self._serve(request, "anthropic-messages", "\n".join(p for p in parts if p), body, n)
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI's Responses API (/v1/responses: vLLM, llama.cpp): `input` a string or a list of messages. A
-        `previous_response_id` is the stored turn's input and output before this input (vLLM's serving_responses, its
-        store on; not its instructions: this turn's are used), a 404 where none is stored; llama.cpp refuses it (400)."""
+        """OpenAI's Responses API (/v1/responses: vLLM, llama.cpp): `input` a string or a list of messages, after a
+        system message of its `instructions`. A `previous_response_id` is the stored turn's messages (its own
+        instructions' system message, its history and input) and output, after this turn's instructions and before its
+        input (vLLM's serving_responses _construct_input_messages, its store on: `responses_store`), a 404 where none
+        is stored; llama.cpp refuses it (400)."""
         body = await self._body(request)
         inp = body.get("input")
         items = inp if isinstance(inp, list) else [inp]
         turn = [_text_of(m.get("content")) if isinstance(m, dict) else _text_of(m) for m in items]
+        turn.insert(0, _text_of(body.get("instructions")))
         prev = body.get("previous_response_id")
         if isinstance(prev, str) and prev:
             if self.flavour == "llamacpp":  # its convert_responses_to_chatcmpl
                 return self._bad_request("llama.cpp does not support 'previous_response_id'.")
-            history = self._stored_responses.get(prev)
+            history = self._stored_responses.get(prev) if self.responses_store else None
             if history is None:
                 return self._json({"error": {"message": f"Response with id '{prev}' not found.",
                                              "type": "invalid_request_error", "param": "response_id", "code": 404}}, 404)
-            turn = history + turn
-        if body.get("store", True) is not False and self.flavour != "llamacpp":
+            turn = [turn[0], *history, *turn[1:]]
+        if body.get("store", True) is not False and self.flavour != "llamacpp" and self.responses_store:
             request[_SIM_TURN] = turn  # kept with its output once it completes (_keep_response)
-        parts = [_text_of(body.get("instructions")), *turn]
+        parts = turn
         n = body.get("max_output_tokens") or 128
         return await self._serve(request, "openai-responses", "\n".join(p for p in parts if p), body, int(n))
 

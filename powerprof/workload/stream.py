@@ -158,6 +158,8 @@ class StreamSummary:
     count_open: bool = False
     # OpenAI: each choice's finish_reason by its index (n > 1, a list of prompts: stop_reason is only the last one's).
     choice_stops: dict = field(default_factory=dict)
+    # The Responses API's answer's `id` (what a later turn names as its previous_response_id); None: not said.
+    response_id: str | None = None
 
     @property
     def running_counts(self) -> bool:
@@ -240,6 +242,7 @@ class _State:
     typed_cached: int | None = None  # Anthropic's cache_read_input_tokens, the Responses API's cached_tokens
     ids_incremental: bool = False  # its output_ids are each event's new ones (--incremental-streaming-output)
     unclosed: set = field(default_factory=set)  # choices whose running counts ended before a closing chunk without one
+    response_id: str | None = None  # the Responses API's answer's `id`
 
 
 _BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, U+FEFF
@@ -906,6 +909,8 @@ class StreamParser:
             resp = obj.get("response")
             if isinstance(resp, dict) and isinstance(resp.get("model"), str):
                 s.model = resp["model"]
+            if isinstance(resp, dict) and isinstance(resp.get("id"), str):
+                s.response_id = resp["id"][:256]  # bounded: a key the ledger keeps (Ledger.response_context)
             if kind.endswith(".delta"):
                 # response.output_text.delta, response.reasoning_text.delta, response.refusal.delta,
                 # response.function_call_arguments.delta, ...: one token a delta (logprobs, where
@@ -1242,6 +1247,7 @@ class StreamParser:
             prompt_each_task=self.prompt_each_task,
             cached_tokens=self._cached_tokens(prompt),
             count_open=bool(s.unclosed) and s.final_usage is None and not s.task_usage,
+            response_id=s.response_id,
         )
 
     def _cached_tokens(self, prompt: int | None) -> int | None:
