@@ -278,3 +278,53 @@ def test_the_daemon_says_a_config_nested_past_pythons_stack_as_a_config_error(tm
     (tmp_path / "c.toml").write_text("a = " + DEEP)
     r = CliRunner().invoke(main, ["daemon", "--config", str(tmp_path / "c.toml"), "--simulate"])
     assert r.exit_code == 2 and "is not valid TOML" in r.output and "Traceback" not in r.output, (r.output, r.exception)
+
+
+def _trickling_daemon(path, where: str, every_s: float, for_s: float):
+    """A peer on a Unix socket that answers a request's head with a status line, then one header line (`where` =
+    "head") or one body byte ("body") every `every_s`, for `for_s` in all, then closes: a hung or hostile daemon."""
+    import socket
+    import threading
+    import time
+
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+
+    def serve():
+        c, _ = srv.accept()
+        with c:
+            data = b""
+            while b"\r\n\r\n" not in data and (d := c.recv(65536)):
+                data += d
+            c.sendall(b"HTTP/1.1 200 OK\r\n" if where == "head" else
+                      b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{")
+            end = time.monotonic() + for_s
+            while time.monotonic() < end:
+                time.sleep(every_s)
+                try:
+                    c.sendall(b"X-A: b\r\n" if where == "head" else b" ")
+                except OSError:
+                    return  # the client gave up: what it should do
+        srv.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("where", ["head", "body"])
+def test_a_daemon_that_trickles_its_answer_is_given_up_on_at_the_timeout_in_all(tmp_path, where):
+    # The timeout bounded each read only: a peer sending a byte every 4 s kept `powerprof tag` waiting for ever
+    # (session 58's hostile review; aiohttp's client had stopped after its 10 s in all). Here 1 s in all, a byte every
+    # 0.2 s, and a peer that would go on for 6 s.
+    import time
+
+    from powerprof.daemon.tagapi import TagApiError, send_tag
+
+    sock = tmp_path / "trickle.sock"
+    _trickling_daemon(sock, where, every_s=0.2, for_s=6)
+    t0 = time.monotonic()
+    with pytest.raises(TagApiError):
+        send_tag(sock, "list", timeout_s=1)
+    assert time.monotonic() - t0 < 3, time.monotonic() - t0

@@ -183,16 +183,49 @@ class TagApiError(RuntimeError):
     pass
 
 
+TAG_TIMEOUT_S = 10.0  # one tag request in all, connect to last byte: read at each call (tests set less)
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose every wait is bounded by one deadline for the whole exchange: settimeout() bounds each recv
+    alone, so a peer sending a byte every few seconds kept the client waiting for ever."""
+
+    deadline_s = float("inf")  # time.monotonic() at which the exchange is given up
+
+    def _arm(self) -> None:
+        left_s = self.deadline_s - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError("timed out")
+        self.settimeout(left_s)
+
+    def connect(self, address) -> None:
+        self._arm()
+        super().connect(address)
+
+    def sendall(self, data, *flags) -> None:
+        self._arm()
+        super().sendall(data, *flags)
+
+    def recv_into(self, buffer, *args) -> int:  # what http.client's reads come through (socket.makefile)
+        self._arm()
+        return super().recv_into(buffer, *args)
+
+    def recv(self, bufsize, *args) -> bytes:
+        self._arm()
+        return super().recv(bufsize, *args)
+
+
 class _UnixConnection(http.client.HTTPConnection):
-    """HTTP/1.1 over the daemon's Unix socket: one request, one connection."""
+    """HTTP/1.1 over the daemon's Unix socket: one request, one connection, `timeout_s` for all of it."""
 
     def __init__(self, socket_path: Path, timeout_s: float):
         super().__init__("powerprof", timeout=timeout_s)
         self.socket_path = str(socket_path)
+        self.deadline_s = time.monotonic() + timeout_s
 
     def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
+        s = _DeadlineSocket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.deadline_s = self.deadline_s
         try:
             s.connect(self.socket_path)
         except BaseException:
@@ -201,7 +234,7 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = s
 
 
-def _send(socket_path: Path, method: str, path: str, timeout_s: float = 10) -> dict:
+def _send(socket_path: Path, method: str, path: str, timeout_s: float) -> dict:
     # The standard library's client, not aiohttp's: a command that sends one request paid for importing aiohttp.
     conn = _UnixConnection(socket_path, timeout_s)
     try:
@@ -219,8 +252,9 @@ def _send(socket_path: Path, method: str, path: str, timeout_s: float = 10) -> d
     return doc
 
 
-def send_tag(socket_path: Path | str, action: str, name: str | None = None) -> dict:
-    """Blocking client: action is start, stop or list."""
+def send_tag(socket_path: Path | str, action: str, name: str | None = None, timeout_s: float | None = None) -> dict:
+    """Blocking client: action is start, stop or list; `timeout_s` (default TAG_TIMEOUT_S) for the whole request."""
+    timeout_s = TAG_TIMEOUT_S if timeout_s is None else timeout_s
     p = Path(socket_path)
     if action == "list":
         path, method = "/tags", "GET"
@@ -241,7 +275,7 @@ def send_tag(socket_path: Path | str, action: str, name: str | None = None) -> d
         raise TagApiError(f"{p} is {what}, not a socket: give the daemon's tag socket (its config's [tags] socket; "
                           f"under systemd {SYSTEMD_TAG_SOCKET})")
     try:
-        return _send(p, method, path)
+        return _send(p, method, path, timeout_s)
     except (http.client.HTTPException, OSError) as e:
         if getattr(e, "errno", None) in (errno.ECONNREFUSED, errno.ENOENT):
             # A socket file nothing listens on: one a killed daemon (kill -9) left, or gone since the check above.
