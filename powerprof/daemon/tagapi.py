@@ -199,8 +199,15 @@ class _DeadlineSocket(socket.socket):
         self.settimeout(left_s)
 
     def connect(self, address) -> None:
-        self._arm()
-        super().connect(address)
+        # A Unix socket's connect() with a timeout set does not wait on a full listen queue: EAGAIN at once. Tried
+        # again until the deadline, so a burst of clients (or a daemon a moment behind) is waited for, and one that
+        # never accepts is said as such (it printed "BlockingIOError: [Errno 11] Resource temporarily unavailable").
+        while True:
+            self._arm()
+            try:
+                return super().connect(address)
+            except BlockingIOError:
+                time.sleep(min(0.05, max(0.0, self.deadline_s - time.monotonic())))
 
     def sendall(self, data, *flags) -> None:
         self._arm()
@@ -241,6 +248,15 @@ def _send(socket_path: Path, method: str, path: str, timeout_s: float) -> dict:
         conn.request(method, path)
         r = conn.getresponse()
         body = r.read().decode("utf-8", errors="replace")
+    except TimeoutError:
+        # "TimeoutError: timed out" said neither what happened nor what to do.
+        fix = ("Fix: see the daemon's log (under systemd `journalctl -u powerprof`) and restart it if it is stuck; "
+               "or give its own tag socket with --socket")
+        if conn.sock is None:
+            raise TagApiError(f"the daemon at {socket_path} did not accept the connection within {timeout_s:g} s "
+                              f"(hung or overloaded?). {fix}") from None
+        raise TagApiError(f"the daemon at {socket_path} accepted but did not answer within {timeout_s:g} s (hung, or "
+                          f"not a powerprof daemon?). {fix}") from None
     finally:
         conn.close()
     try:
