@@ -268,6 +268,41 @@ def _send(socket_path: Path, method: str, path: str, timeout_s: float) -> dict:
     return doc
 
 
+def _who_may(path: Path, group_bits: int) -> str:
+    """Who `path`'s mode lets in (`group_bits`: what its group needs, 0o010 to search a folder, 0o060 to connect to a
+    socket) and the fix, for a caller it refused."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "Fix: run `powerprof tag` with sudo"
+    mode = f"mode {stat.S_IMODE(st.st_mode):04o}"
+    if st.st_mode & group_bits != group_bits:
+        return (f"its {mode} lets in its owner, uid {st.st_uid}, alone. Fix: run `powerprof tag` as that user or "
+                "with sudo")
+    try:
+        group = f"group {grp.getgrgid(st.st_gid).gr_name}"
+    except KeyError:
+        group = f"gid {st.st_gid}"
+    return (f"its {mode} lets in its owner and {group} alone. Fix: run `powerprof tag` as a member of {group} "
+            "(`sudo usermod -aG GROUP $USER`, then log in again), or with sudo")
+
+
+def _unsearchable(p: Path) -> str:
+    """Why `p` could not be looked at: the first folder on its way the caller may not search (the shipped unit's
+    /run/powerprof is mode 2750, group powerprof-tag), who may, and the fix."""
+    folder = p.parent
+    for i in range(1, len(p.parts) + 1):
+        try:
+            os.stat(Path(*p.parts[:i]))
+        except PermissionError:
+            folder = Path(*p.parts[: i - 1]) if i > 1 else Path(".")
+            break
+        except OSError:
+            break
+    return (f"cannot look into {folder} (permission denied), the folder of the tag socket {p}: "
+            f"{_who_may(folder, 0o010)}")
+
+
 def send_tag(socket_path: Path | str, action: str, name: str | None = None, timeout_s: float | None = None) -> dict:
     """Blocking client: action is start, stop or list; `timeout_s` (default TAG_TIMEOUT_S) for the whole request."""
     timeout_s = TAG_TIMEOUT_S if timeout_s is None else timeout_s
@@ -277,12 +312,15 @@ def send_tag(socket_path: Path | str, action: str, name: str | None = None, time
     else:
         check_name(name or "")
         path, method = f"/tags/{name}/{action}", "POST"
-    if not p.exists():
-        raise TagApiError(f"no daemon socket at {p}: is `powerprof daemon` running (and is this its socket)?")
     try:
-        mode = p.stat().st_mode
-    except OSError:
-        mode = None  # gone since, or unreadable: the connect below says which
+        mode = os.stat(p).st_mode
+    except PermissionError:
+        raise TagApiError(_unsearchable(p)) from None
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            raise TagApiError(f"no daemon socket at {p}: is `powerprof daemon` running (and is this its socket)?") \
+                from None
+        mode = None  # unreadable otherwise: the connect below says why
     if mode is not None and not stat.S_ISSOCK(mode):
         # A regular file was told "no daemon listens on it (a socket left by a daemon that was killed?)".
         what = "a regular file" if stat.S_ISREG(mode) else "a folder" if stat.S_ISDIR(mode) else "not a socket"
@@ -293,6 +331,8 @@ def send_tag(socket_path: Path | str, action: str, name: str | None = None, time
     try:
         return _send(p, method, path, timeout_s)
     except (http.client.HTTPException, OSError) as e:
+        if getattr(e, "errno", None) in (errno.EACCES, errno.EPERM):
+            raise TagApiError(f"may not connect to {p} (permission denied): {_who_may(p, 0o060)}") from None
         if getattr(e, "errno", None) in (errno.ECONNREFUSED, errno.ENOENT):
             # A socket file nothing listens on: one a killed daemon (kill -9) left, or gone since the check above.
             raise TagApiError(f"no daemon listens on {p} (a socket left by a daemon that was killed, kill -9, or "
