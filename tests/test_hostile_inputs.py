@@ -328,3 +328,41 @@ def test_a_daemon_that_trickles_its_answer_is_given_up_on_at_the_timeout_in_all(
     with pytest.raises(TagApiError):
         send_tag(sock, "list", timeout_s=1)
     assert time.monotonic() - t0 < 3, time.monotonic() - t0
+
+
+def _answering_daemon(path, raw: bytes):
+    """A peer on a Unix socket that answers one request with `raw`, then closes."""
+    import socket
+    import threading
+
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+
+    def serve():
+        c, _ = srv.accept()
+        with c:
+            data = b""
+            while b"\r\n\r\n" not in data and (d := c.recv(65536)):
+                data += d
+            c.sendall(raw)
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+
+
+@pytest.mark.parametrize("status, body", [(200, b'"x"'), (404, b"[1,2]"), (200, b"[]")])
+def test_a_json_answer_that_is_not_an_object_is_said_not_a_traceback(tmp_path, status, body):
+    # A peer answering JSON that is not an object (a string, a list) gave an AttributeError traceback
+    # ('str' object has no attribute 'get'), before and after the http.client change.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    sock = tmp_path / "odd.sock"
+    _answering_daemon(sock, b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                      % (status, len(body), body))
+    r = CliRunner().invoke(main, ["tag", "list", "--socket", str(sock)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and (r.exception is None or isinstance(r.exception, SystemExit)), repr(r.exception)
+    assert "not a JSON object" in said and "not a powerprof daemon?" in said and "Traceback" not in said, said

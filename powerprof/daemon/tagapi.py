@@ -263,6 +263,11 @@ def _send(socket_path: Path, method: str, path: str, timeout_s: float) -> dict:
         doc = json.loads(body)
     except ValueError:
         doc = {"error": body}
+    if not isinstance(doc, dict):
+        # The daemon answers objects only; another JSON value (a string, a list) was an AttributeError traceback.
+        shown = body if len(body) <= 80 else body[:80] + "…"
+        raise TagApiError(f"the peer at {socket_path} answered HTTP {r.status} with {shown!r}, not a JSON object (not "
+                          "a powerprof daemon?): give the daemon's tag socket (its config's [tags] socket)")
     if r.status != 200:
         raise TagApiError(doc.get("error") or f"daemon answered {r.status}")
     return doc
