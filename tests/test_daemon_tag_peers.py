@@ -255,3 +255,18 @@ def test_a_tag_socket_whose_mode_refuses_the_caller_is_said_with_its_group_and_t
     assert said.startswith("TagApiError: "), said
     assert f"may not connect to {path.name} (permission denied)" in said and _group_text(TAGGERS) in said, said
     assert "Fix:" in said and "sudo" in said and "Errno" not in said, said
+
+
+def test_a_tag_stop_is_given_the_daemons_longest_wait_for_the_window_beside_the_requests_timeout(monkeypatch):
+    # The daemon's stop waits up to 3 sample intervals + 2 s for the window's intervals to close (32 s at the
+    # largest interval_s, 10 s): the client's 10 s in all gave up on a stop the daemon then completed, saying "hung".
+    import powerprof.daemon.tagapi as tagapi
+    from powerprof.daemon.config import INTERVAL_MAX_S
+
+    asked = {}
+    monkeypatch.setattr(tagapi, "_send", lambda p, method, path, timeout_s: asked.update({path: timeout_s}) or {})
+    monkeypatch.setattr(tagapi.os, "stat", lambda p: os.stat_result((0o140660,) + (0,) * 9))  # "a socket"
+    for action in ("start", "stop", "list"):
+        tagapi.send_tag("/x.sock", action, None if action == "list" else "t")
+    assert asked["/tags/t/start"] == asked["/tags"] == tagapi.TAG_TIMEOUT_S
+    assert asked["/tags/t/stop"] == tagapi.TAG_TIMEOUT_S + tagapi.stop_wait_s(INTERVAL_MAX_S) == 10 + 32

@@ -186,6 +186,12 @@ class TagApiError(RuntimeError):
 TAG_TIMEOUT_S = 10.0  # one tag request in all, connect to last byte: read at each call (tests set less)
 
 
+def stop_wait_s(interval_s: float) -> float:
+    """How long the daemon's tag stop waits for the window's intervals to close, at sampling period `interval_s`:
+    a stop's client waits this beside TAG_TIMEOUT_S."""
+    return 3 * interval_s + 2
+
+
 class _DeadlineSocket(socket.socket):
     """A socket whose every wait is bounded by one deadline for the whole exchange: settimeout() bounds each recv
     alone, so a peer sending a byte every few seconds kept the client waiting for ever."""
@@ -310,7 +316,14 @@ def _unsearchable(p: Path) -> str:
 
 def send_tag(socket_path: Path | str, action: str, name: str | None = None, timeout_s: float | None = None) -> dict:
     """Blocking client: action is start, stop or list; `timeout_s` (default TAG_TIMEOUT_S) for the whole request."""
-    timeout_s = TAG_TIMEOUT_S if timeout_s is None else timeout_s
+    if timeout_s is None:
+        timeout_s = TAG_TIMEOUT_S
+        if action == "stop":
+            # The daemon's wait for the window at the largest interval_s: 10 s in all gave up on a stop the daemon
+            # completed (interval_s 3 s and up), said as "did not answer (hung…?)".
+            from powerprof.daemon.config import INTERVAL_MAX_S  # noqa: PLC0415
+
+            timeout_s += stop_wait_s(INTERVAL_MAX_S)
     p = Path(socket_path)
     if action == "list":
         path, method = "/tags", "GET"
