@@ -204,9 +204,10 @@ class _Command(click.Command):
             _json_error(ctx, e, self._asks_json(ctx))
             raise
         except PermissionError as e:
-            from powerprof.sim.nvml import SimStateRefused  # loaded already where it is one
-
-            if not isinstance(e, SimStateRefused):
+            # Asked of the module only where it is loaded (it is, where this is its error): importing it to ask loaded
+            # numpy and pynvml into every other PermissionError's path.
+            nvml = sys.modules.get("powerprof.sim.nvml")
+            if nvml is None or not isinstance(e, nvml.SimStateRefused):
                 raise
             # The simulator's state file refused (as root in another user's folder, a symlink at its lock), whichever
             # command opened the simulator: one line, exit 1, as click's own errors.

@@ -616,3 +616,15 @@ def test_a_tag_command_loads_no_aiohttp(tmp_path):
     code = ("import powerprof.cli\ntry:\n    powerprof.cli.main(['tag', 'start', 'x', '--socket', "
             f"{str(tmp_path / 'missing')!r}])\nexcept SystemExit as e:\n    assert e.code == 1, e.code")
     assert "aiohttp" not in _third_party_loaded(code)
+
+
+def test_a_commands_permission_error_loads_no_simulator():
+    # _Command.invoke asks whether a PermissionError is the simulator's state file refusing: it imported
+    # powerprof.sim.nvml to ask, which since SimNVML is lazy loads numpy and pynvml in every PermissionError's path.
+    code = ("import sys, powerprof.cli, powerprof.daemon.tagapi as t\n"
+            "def refuse(*a, **k):\n    raise PermissionError(13, 'Permission denied', '/x')\n"
+            "t.send_tag = refuse\ntry:\n    powerprof.cli.main(['tag', 'list', '--socket', '/x'])\n"
+            "except PermissionError:\n    pass\nelse:\n    raise AssertionError('not raised')\n"
+            "assert 'powerprof.sim.nvml' not in sys.modules, 'powerprof.sim.nvml loaded'")
+    loaded = _third_party_loaded(code)
+    assert "numpy" not in loaded and "pynvml" not in loaded, loaded

@@ -171,3 +171,50 @@ def test_a_knob_name_starting_with_a_non_ascii_letter_is_refused_in_true_words()
     with pytest.raises(ValueError, match=r"an ASCII letter or _ first"):
         parse_vary(["é=1,2"])
     assert [k.name for k in parse_vary(["draft_n=1,2"])] == ["draft_n"]
+
+
+def test_tag_on_a_daemon_that_accepts_but_never_answers_says_so_with_the_fix(tmp_path, monkeypatch):
+    # A peer that accepted and trickled was said as "cannot reach the daemon at P: TimeoutError: timed out": not what
+    # happened, nor what to do.
+    import powerprof.daemon.tagapi as tagapi
+    from test_hostile_inputs import _trickling_daemon
+
+    monkeypatch.setattr(tagapi, "TAG_TIMEOUT_S", 1.0)
+    p = tmp_path / "hung.sock"
+    _trickling_daemon(p, "head", every_s=0.2, for_s=4)
+    r = CliRunner().invoke(main, ["tag", "list", "--socket", str(p)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1, said
+    assert f"the daemon at {p} accepted but did not answer within 1 s (hung, or not a powerprof daemon?)" in said, said
+    assert "Fix:" in said and "TimeoutError" not in said, said
+
+
+def test_tag_on_a_socket_whose_backlog_is_full_says_the_daemon_did_not_accept(tmp_path, monkeypatch):
+    # A listener that never accepts (a daemon whose loop is stuck): connect() itself waits, on a full backlog.
+    import socket
+
+    import powerprof.daemon.tagapi as tagapi
+
+    monkeypatch.setattr(tagapi, "TAG_TIMEOUT_S", 1.0)
+    p = tmp_path / "stuck.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(p))
+    srv.listen(0)
+    fill = []
+    for _ in range(8):  # fill the backlog (Linux: backlog + 1 connections wait)
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(str(p))
+        except BlockingIOError:
+            c.close()
+            break
+        fill.append(c)
+    try:
+        r = CliRunner().invoke(main, ["tag", "list", "--socket", str(p)])
+    finally:
+        for c in (*fill, srv):
+            c.close()
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1, said
+    assert f"the daemon at {p} did not accept the connection within 1 s" in said and "TimeoutError" not in said, said

@@ -191,3 +191,82 @@ def test_the_running_daemon_refuses_another_uid_on_its_tag_socket_and_logs_who_t
     assert f"tag socket: refused a connection: uid {THEM}" in out, out
     assert f"tag request /tags/mine/start from uid 0 (pid {os.getpid()})" in out, out
     assert "root, uid 0 and members of group" in out, out
+
+
+def _client_as_other(cwd, uid: int, gid: int, socket_path: str) -> str:
+    """What `send_tag(socket_path, "list")` raises or answers in a process of `uid`/`gid` started in `cwd`."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.chdir(cwd)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            out = f"answered {send_tag(socket_path, 'list', timeout_s=5)}"
+        except BaseException as e:  # noqa: BLE001 - the child reports anything and exits
+            out = f"{type(e).__name__}: {e}"
+        finally:
+            os.write(w, out.encode())
+            os._exit(0)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return out.decode()
+
+
+def _group_text(gid: int) -> str:
+    import grp
+
+    try:
+        return f"group {grp.getgrgid(gid).gr_name}"
+    except KeyError:
+        return f"gid {gid}"
+
+
+@AS_ROOT
+def test_a_tag_socket_in_a_folder_the_caller_cannot_search_is_said_with_its_group_and_the_fix(tmp_path):
+    # The shipped unit's /run/powerprof is mode 2750, group powerprof-tag: a user outside that group got a
+    # PermissionError traceback from the client's stat of the socket.
+    outer = _folder(tmp_path)  # 0711: the child may enter it; the folders above it are root's 0700
+    run = outer / "run"
+    run.mkdir()
+    os.chown(run, 0, TAGGERS)
+    os.chmod(run, 0o750)
+    said = _client_as_other(outer, THEM, THEM, "run/powerprof.sock")
+    assert said.startswith("TagApiError: "), said
+    assert "cannot look into run (permission denied)" in said and _group_text(TAGGERS) in said, said
+    assert "Fix:" in said and "sudo" in said and "Traceback" not in said, said
+
+
+@AS_ROOT
+def test_a_tag_socket_whose_mode_refuses_the_caller_is_said_with_its_group_and_the_fix(tmp_path):
+    # A socket file of mode 0660 whose group the caller is not in: connect() is refused (EACCES), printed as
+    # "cannot reach the daemon at P: PermissionError: [Errno 13] Permission denied".
+    folder = _folder(tmp_path)
+    path = folder / "powerprof.sock"
+    with _Server(path, PeerPolicy(own_uid=0, socket_gid=TAGGERS), mode=0o660):
+        os.chown(path, 0, TAGGERS)
+        said = _client_as_other(folder, THEM, THEM, path.name)
+    assert said.startswith("TagApiError: "), said
+    assert f"may not connect to {path.name} (permission denied)" in said and _group_text(TAGGERS) in said, said
+    assert "Fix:" in said and "sudo" in said and "Errno" not in said, said
+
+
+def test_a_tag_stop_is_given_the_daemons_longest_wait_for_the_window_beside_the_requests_timeout(monkeypatch):
+    # The daemon's stop waits up to 3 sample intervals + 2 s for the window's intervals to close (32 s at the
+    # largest interval_s, 10 s): the client's 10 s in all gave up on a stop the daemon then completed, saying "hung".
+    import powerprof.daemon.tagapi as tagapi
+    from powerprof.daemon.config import INTERVAL_MAX_S
+
+    asked = {}
+    monkeypatch.setattr(tagapi, "_send", lambda p, method, path, timeout_s: asked.update({path: timeout_s}) or {})
+    monkeypatch.setattr(tagapi.os, "stat", lambda p: os.stat_result((0o140660,) + (0,) * 9))  # "a socket"
+    for action in ("start", "stop", "list"):
+        tagapi.send_tag("/x.sock", action, None if action == "list" else "t")
+    assert asked["/tags/t/start"] == asked["/tags"] == tagapi.TAG_TIMEOUT_S
+    assert asked["/tags/t/stop"] == tagapi.TAG_TIMEOUT_S + tagapi.stop_wait_s(INTERVAL_MAX_S) == 10 + 32

@@ -278,3 +278,91 @@ def test_the_daemon_says_a_config_nested_past_pythons_stack_as_a_config_error(tm
     (tmp_path / "c.toml").write_text("a = " + DEEP)
     r = CliRunner().invoke(main, ["daemon", "--config", str(tmp_path / "c.toml"), "--simulate"])
     assert r.exit_code == 2 and "is not valid TOML" in r.output and "Traceback" not in r.output, (r.output, r.exception)
+
+
+def _trickling_daemon(path, where: str, every_s: float, for_s: float):
+    """A peer on a Unix socket that answers a request's head with a status line, then one header line (`where` =
+    "head") or one body byte ("body") every `every_s`, for `for_s` in all, then closes: a hung or hostile daemon."""
+    import socket
+    import threading
+    import time
+
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+
+    def serve():
+        c, _ = srv.accept()
+        with c:
+            data = b""
+            while b"\r\n\r\n" not in data and (d := c.recv(65536)):
+                data += d
+            c.sendall(b"HTTP/1.1 200 OK\r\n" if where == "head" else
+                      b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{")
+            end = time.monotonic() + for_s
+            while time.monotonic() < end:
+                time.sleep(every_s)
+                try:
+                    c.sendall(b"X-A: b\r\n" if where == "head" else b" ")
+                except OSError:
+                    return  # the client gave up: what it should do
+        srv.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("where", ["head", "body"])
+def test_a_daemon_that_trickles_its_answer_is_given_up_on_at_the_timeout_in_all(tmp_path, where):
+    # The timeout bounded each read only: a peer sending a byte every 4 s kept `powerprof tag` waiting for ever
+    # (session 58's hostile review; aiohttp's client had stopped after its 10 s in all). Here 1 s in all, a byte every
+    # 0.2 s, and a peer that would go on for 6 s.
+    import time
+
+    from powerprof.daemon.tagapi import TagApiError, send_tag
+
+    sock = tmp_path / "trickle.sock"
+    _trickling_daemon(sock, where, every_s=0.2, for_s=6)
+    t0 = time.monotonic()
+    with pytest.raises(TagApiError):
+        send_tag(sock, "list", timeout_s=1)
+    assert time.monotonic() - t0 < 3, time.monotonic() - t0
+
+
+def _answering_daemon(path, raw: bytes):
+    """A peer on a Unix socket that answers one request with `raw`, then closes."""
+    import socket
+    import threading
+
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+
+    def serve():
+        c, _ = srv.accept()
+        with c:
+            data = b""
+            while b"\r\n\r\n" not in data and (d := c.recv(65536)):
+                data += d
+            c.sendall(raw)
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+
+
+@pytest.mark.parametrize("status, body", [(200, b'"x"'), (404, b"[1,2]"), (200, b"[]")])
+def test_a_json_answer_that_is_not_an_object_is_said_not_a_traceback(tmp_path, status, body):
+    # A peer answering JSON that is not an object (a string, a list) gave an AttributeError traceback
+    # ('str' object has no attribute 'get'), before and after the http.client change.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    sock = tmp_path / "odd.sock"
+    _answering_daemon(sock, b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                      % (status, len(body), body))
+    r = CliRunner().invoke(main, ["tag", "list", "--socket", str(sock)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and (r.exception is None or isinstance(r.exception, SystemExit)), repr(r.exception)
+    assert "not a JSON object" in said and "not a powerprof daemon?" in said and "Traceback" not in said, said

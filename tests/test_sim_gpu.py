@@ -282,3 +282,22 @@ def test_as_root_a_state_path_through_another_users_symlink_is_refused_before_it
     nvml.nvmlInit()
     nvml.nvmlDeviceSetPowerManagementLimit(nvml.nvmlDeviceGetHandleByIndex(0), 200_000)
     assert (mine / "root.json").is_symlink() and "power_limit_mw" in (mine / "real.json").read_text()
+
+
+def test_the_packages_lazy_simnvml_is_cached_listed_and_safe_to_ask_for_without_pynvml():
+    # powerprof.sim's SimNVML is imported on first use (module __getattr__): it was imported again on every access,
+    # missing from dir(), and where pynvml cannot be imported hasattr(powerprof.sim, "SimNVML") raised
+    # ModuleNotFoundError instead of answering False (introspection, mock's autospec, doctest collection).
+    import subprocess
+    import sys
+
+    import powerprof.sim as sim
+
+    assert sim.SimNVML is SimNVML and vars(sim)["SimNVML"] is SimNVML and "SimNVML" in dir(sim)
+    code = ("import sys\nsys.modules['pynvml'] = None\nimport powerprof.sim as s\n"
+            "assert 'SimNVML' in dir(s) and hasattr(s, 'SimNVML') is False\n"
+            "try:\n    s.SimNVML\nexcept AttributeError as e:\n"
+            "    assert isinstance(e.__cause__, ImportError), repr(e.__cause__)\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "needs pynvml" in r.stdout and "pip install" in r.stdout, r.stdout

@@ -206,9 +206,13 @@ class Key:
     item: type | None = None  # a list key's element type: what each comma-separated part of its env text is
 
 
+# daemon.interval_s's largest: `powerprof tag stop` waits for the daemon's stop at this interval (tagapi).
+INTERVAL_MAX_S = 10.0
+
+
 SPEC: dict[str, dict[str, Key]] = {
     "daemon": {
-        "interval_s": Key(float, 1.0, _positive(0.02, 10.0, True), help="sampling period (0.02-10 s)"),
+        "interval_s": Key(float, 1.0, _positive(0.02, INTERVAL_MAX_S, True), help="sampling period (0.02-10 s)"),
         "data_dir": Key(str, "", _path, help="dataset root; default $STATE_DIRECTORY, then the user state folder"),
         "flush_interval_s": Key(float, 30.0, _positive(0.05, 3600), True, "seconds between Parquet flushes"),
         "compact_interval_s": Key(float, 3600.0, _positive(1, 86400 * 7, True), True, "seconds between compactions"),

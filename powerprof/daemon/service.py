@@ -47,7 +47,7 @@ from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, ren
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .scrape import AT_FINISH, IGNORES_BEST_OF, PREFILLS_CHOICES_APART, RUNS_ON_AFTER_LEAVE, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns, new_session
 from .store import COMPACTION_LOCK, Dataset, DatasetStore, Flusher, buffer_cap_rows
-from .tagapi import PeerPolicy, tag_app
+from .tagapi import PeerPolicy, stop_wait_s, tag_app
 from .ticks import Waker, idle_period, sleep_on_grid
 
 log = logging.getLogger("powerprof.daemon")
@@ -814,7 +814,7 @@ class Daemon:
         self.ledger.close_tag(name, t, wall, stop_edge=held[0] if held else None, held=held[1] if held else None)
         self._save_open_tags()
         tag = self.ledger.closed_tags[-1]
-        deadline = time.monotonic() + 3 * self.cfg.get("daemon", "interval_s") + 2
+        deadline = time.monotonic() + stop_wait_s(self.cfg.get("daemon", "interval_s"))
         while tag in self.ledger.closed_tags and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         row = self.ledger.tag_row(tag)

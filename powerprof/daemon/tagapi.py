@@ -183,16 +183,62 @@ class TagApiError(RuntimeError):
     pass
 
 
+TAG_TIMEOUT_S = 10.0  # one tag request in all, connect to last byte: read at each call (tests set less)
+
+
+def stop_wait_s(interval_s: float) -> float:
+    """How long the daemon's tag stop waits for the window's intervals to close, at sampling period `interval_s`:
+    a stop's client waits this beside TAG_TIMEOUT_S."""
+    return 3 * interval_s + 2
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose every wait is bounded by one deadline for the whole exchange: settimeout() bounds each recv
+    alone, so a peer sending a byte every few seconds kept the client waiting for ever."""
+
+    deadline_s = float("inf")  # time.monotonic() at which the exchange is given up
+
+    def _arm(self) -> None:
+        left_s = self.deadline_s - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError("timed out")
+        self.settimeout(left_s)
+
+    def connect(self, address) -> None:
+        # A Unix socket's connect() with a timeout set does not wait on a full listen queue: EAGAIN at once. Tried
+        # again until the deadline, so a burst of clients (or a daemon a moment behind) is waited for, and one that
+        # never accepts is said as such (it printed "BlockingIOError: [Errno 11] Resource temporarily unavailable").
+        while True:
+            self._arm()
+            try:
+                return super().connect(address)
+            except BlockingIOError:
+                time.sleep(min(0.05, max(0.0, self.deadline_s - time.monotonic())))
+
+    def sendall(self, data, *flags) -> None:
+        self._arm()
+        super().sendall(data, *flags)
+
+    def recv_into(self, buffer, *args) -> int:  # what http.client's reads come through (socket.makefile)
+        self._arm()
+        return super().recv_into(buffer, *args)
+
+    def recv(self, bufsize, *args) -> bytes:
+        self._arm()
+        return super().recv(bufsize, *args)
+
+
 class _UnixConnection(http.client.HTTPConnection):
-    """HTTP/1.1 over the daemon's Unix socket: one request, one connection."""
+    """HTTP/1.1 over the daemon's Unix socket: one request, one connection, `timeout_s` for all of it."""
 
     def __init__(self, socket_path: Path, timeout_s: float):
         super().__init__("powerprof", timeout=timeout_s)
         self.socket_path = str(socket_path)
+        self.deadline_s = time.monotonic() + timeout_s
 
     def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
+        s = _DeadlineSocket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.deadline_s = self.deadline_s
         try:
             s.connect(self.socket_path)
         except BaseException:
@@ -201,38 +247,98 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = s
 
 
-def _send(socket_path: Path, method: str, path: str, timeout_s: float = 10) -> dict:
+def _send(socket_path: Path, method: str, path: str, timeout_s: float) -> dict:
     # The standard library's client, not aiohttp's: a command that sends one request paid for importing aiohttp.
     conn = _UnixConnection(socket_path, timeout_s)
     try:
         conn.request(method, path)
         r = conn.getresponse()
         body = r.read().decode("utf-8", errors="replace")
+    except TimeoutError:
+        # "TimeoutError: timed out" said neither what happened nor what to do.
+        fix = ("Fix: see the daemon's log (under systemd `journalctl -u powerprof`) and restart it if it is stuck; "
+               "or give its own tag socket with --socket")
+        if conn.sock is None:
+            raise TagApiError(f"the daemon at {socket_path} did not accept the connection within {timeout_s:g} s "
+                              f"(hung or overloaded?). {fix}") from None
+        raise TagApiError(f"the daemon at {socket_path} accepted but did not answer within {timeout_s:g} s (hung, or "
+                          f"not a powerprof daemon?). {fix}") from None
     finally:
         conn.close()
     try:
         doc = json.loads(body)
     except ValueError:
         doc = {"error": body}
+    if not isinstance(doc, dict):
+        # The daemon answers objects only; another JSON value (a string, a list) was an AttributeError traceback.
+        shown = body if len(body) <= 80 else body[:80] + "…"
+        raise TagApiError(f"the peer at {socket_path} answered HTTP {r.status} with {shown!r}, not a JSON object (not "
+                          "a powerprof daemon?): give the daemon's tag socket (its config's [tags] socket)")
     if r.status != 200:
         raise TagApiError(doc.get("error") or f"daemon answered {r.status}")
     return doc
 
 
-def send_tag(socket_path: Path | str, action: str, name: str | None = None) -> dict:
-    """Blocking client: action is start, stop or list."""
+def _who_may(path: Path, group_bits: int) -> str:
+    """Who `path`'s mode lets in (`group_bits`: what its group needs, 0o010 to search a folder, 0o060 to connect to a
+    socket) and the fix, for a caller it refused."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "Fix: run `powerprof tag` with sudo"
+    mode = f"mode {stat.S_IMODE(st.st_mode):04o}"
+    if st.st_mode & group_bits != group_bits:
+        return (f"its {mode} lets in its owner, uid {st.st_uid}, alone. Fix: run `powerprof tag` as that user or "
+                "with sudo")
+    try:
+        group = f"group {grp.getgrgid(st.st_gid).gr_name}"
+    except KeyError:
+        group = f"gid {st.st_gid}"
+    return (f"its {mode} lets in its owner and {group} alone. Fix: run `powerprof tag` as a member of {group} "
+            "(`sudo usermod -aG GROUP $USER`, then log in again), or with sudo")
+
+
+def _unsearchable(p: Path) -> str:
+    """Why `p` could not be looked at: the first folder on its way the caller may not search (the shipped unit's
+    /run/powerprof is mode 2750, group powerprof-tag), who may, and the fix."""
+    folder = p.parent
+    for i in range(1, len(p.parts) + 1):
+        try:
+            os.stat(Path(*p.parts[:i]))
+        except PermissionError:
+            folder = Path(*p.parts[: i - 1]) if i > 1 else Path(".")
+            break
+        except OSError:
+            break
+    return (f"cannot look into {folder} (permission denied), the folder of the tag socket {p}: "
+            f"{_who_may(folder, 0o010)}")
+
+
+def send_tag(socket_path: Path | str, action: str, name: str | None = None, timeout_s: float | None = None) -> dict:
+    """Blocking client: action is start, stop or list; `timeout_s` (default TAG_TIMEOUT_S) for the whole request."""
+    if timeout_s is None:
+        timeout_s = TAG_TIMEOUT_S
+        if action == "stop":
+            # The daemon's wait for the window at the largest interval_s: 10 s in all gave up on a stop the daemon
+            # completed (interval_s 3 s and up), said as "did not answer (hung…?)".
+            from powerprof.daemon.config import INTERVAL_MAX_S  # noqa: PLC0415
+
+            timeout_s += stop_wait_s(INTERVAL_MAX_S)
     p = Path(socket_path)
     if action == "list":
         path, method = "/tags", "GET"
     else:
         check_name(name or "")
         path, method = f"/tags/{name}/{action}", "POST"
-    if not p.exists():
-        raise TagApiError(f"no daemon socket at {p}: is `powerprof daemon` running (and is this its socket)?")
     try:
-        mode = p.stat().st_mode
-    except OSError:
-        mode = None  # gone since, or unreadable: the connect below says which
+        mode = os.stat(p).st_mode
+    except PermissionError:
+        raise TagApiError(_unsearchable(p)) from None
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            raise TagApiError(f"no daemon socket at {p}: is `powerprof daemon` running (and is this its socket)?") \
+                from None
+        mode = None  # unreadable otherwise: the connect below says why
     if mode is not None and not stat.S_ISSOCK(mode):
         # A regular file was told "no daemon listens on it (a socket left by a daemon that was killed?)".
         what = "a regular file" if stat.S_ISREG(mode) else "a folder" if stat.S_ISDIR(mode) else "not a socket"
@@ -241,8 +347,10 @@ def send_tag(socket_path: Path | str, action: str, name: str | None = None) -> d
         raise TagApiError(f"{p} is {what}, not a socket: give the daemon's tag socket (its config's [tags] socket; "
                           f"under systemd {SYSTEMD_TAG_SOCKET})")
     try:
-        return _send(p, method, path)
+        return _send(p, method, path, timeout_s)
     except (http.client.HTTPException, OSError) as e:
+        if getattr(e, "errno", None) in (errno.EACCES, errno.EPERM):
+            raise TagApiError(f"may not connect to {p} (permission denied): {_who_may(p, 0o060)}") from None
         if getattr(e, "errno", None) in (errno.ECONNREFUSED, errno.ENOENT):
             # A socket file nothing listens on: one a killed daemon (kill -9) left, or gone since the check above.
             raise TagApiError(f"no daemon listens on {p} (a socket left by a daemon that was killed, kill -9, or "
