@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import time
 from datetime import datetime, timezone
@@ -481,6 +482,26 @@ def test_rows_dropped_for_the_memory_bound_during_one_datasets_write_never_stop_
     s.append("others", [{"t_utc": DAY1, "value": 1.0}])
     assert s.flush(), s.last_error
     assert s.written_rows["others"] == 1 and s.last_error is None
+
+
+def test_rows_a_flush_wrote_while_the_bound_pushed_them_out_are_not_counted_or_logged_as_dropped(tmp_path, caplog):
+    # Rows appended while a flush wrote the buffer pushed its oldest rows out past the bound, and those were counted
+    # dropped (and logged as lost since the not-forwarded rows' change) though the flush wrote every one of them:
+    # cap 4, 4 rows written and 2 appended meanwhile read 6 written, 2 "dropped".
+    s = None
+
+    def write_and_meanwhile_overflow(path, table):
+        write_file_atomic(path, table)
+        s.append("things", _rows(2, start=100))
+
+    s = DatasetStore(tmp_path, [Dataset("things", SCHEMA, "t_utc")], max_buffered_rows=4,
+                     write_file=write_and_meanwhile_overflow)
+    s.append("things", _rows(4))
+    with caplog.at_level(logging.WARNING, logger="powerprof"):
+        assert s.flush(), s.last_error
+    assert s.written_rows["things"] == 4 and s.buffered() == 2
+    assert s.dropped_rows["things"] == 0, s.dropped_rows
+    assert not [r for r in caplog.records if "dropped" in r.getMessage()], caplog.text
 
 
 def test_the_compaction_child_never_makes_nor_compacts_a_data_dir_removed_or_replaced_after_the_daemons_check(tmp_path):

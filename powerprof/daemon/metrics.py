@@ -389,8 +389,8 @@ class SnapshotCollector:
                                   "powerprof_buffer_cap_rows: writes kept failing, or rows came faster than flushed",
                                   value=s.dropped_rows)
         yield CounterMetricFamily("powerprof_dropped_not_forwarded_rows", "Rows of requests the proxy answered "
-                                  "without forwarding (no energy) dropped past their quarter of the write buffer; they "
-                                  "never push out a row with energy", value=s.dropped_not_forwarded_rows)
+                                  "without forwarding (no energy) dropped from the write buffer: past their quarter of "
+                                  "it, or first where the buffer is full; they never push out a row with energy", value=s.dropped_not_forwarded_rows)
         yield CounterMetricFamily("powerprof_flush_errors", "Failed Parquet writes (disk errors and rows a column "
                                   "cannot hold)", value=s.flush_errors)
         yield CounterMetricFamily("powerprof_quarantined_rows", "Rows that could not be stored, kept as JSON lines in "

@@ -364,13 +364,16 @@ class DatasetStore:
                         continue
                 with self._lock:
                     # Drop exactly what was written; rows appended meanwhile stay.
-                    # Rows dropped for the memory bound meanwhile were taken from the front already.
-                    for buf, taken, gone in (
-                            (self._buf[name], len(real), self.dropped_rows[name] - dropped_before),
-                            (self._unsent[name], len(unsent),
-                             self.dropped_not_forwarded_rows[name] - unsent_dropped_before)):
+                    # Rows dropped for the memory bound meanwhile were taken from the front already: the front is
+                    # what this write held, so up to `taken` of them were written, not lost, and are not counted so.
+                    gone_real = self.dropped_rows[name] - dropped_before
+                    gone_unsent = self.dropped_not_forwarded_rows[name] - unsent_dropped_before
+                    for buf, taken, gone in ((self._buf[name], len(real), gone_real),
+                                             (self._unsent[name], len(unsent), gone_unsent)):
                         for _ in range(max(0, min(taken - gone, len(buf)))):
                             buf.popleft()
+                    self.dropped_rows[name] -= min(gone_real, len(real))
+                    self.dropped_not_forwarded_rows[name] -= min(gone_unsent, len(unsent))
                     self.written_rows[name] += written
         self._log_dropped()
         if ok and self._failing:
@@ -384,7 +387,7 @@ class DatasetStore:
         real, unsent = (a - b for a, b in zip(now, self._dropped_logged))
         self._dropped_logged = now
         if real > 0 and not self._failing:  # while writes fail, _flush_failed's log says rows past the bound go
-            log.warning("%d row(s) with energy dropped since the last flush: more were waiting than "
+            log.warning("%d row(s) (samples, intervals, requests with energy) dropped since the last flush: more were waiting than "
                         "daemon.max_buffered_rows (%d a dataset) holds (writes failing, or rows made faster than "
                         "flushed); counted in powerprof_dropped_rows_total; fix: free the disk, or raise "
                         "max_buffered_rows or lower flush_interval_s", real, self.max_buffered_rows)
