@@ -1843,6 +1843,12 @@ class Ledger:
         self._cost_gone(reqs, gone_first, arrival, first, end, prompt, cached, computed,
                         self.learner.costs(edges[-1].setting))  # `costs` below: nothing is learned between
         self._run_on_gone(reqs, gone_first, arrival, first, computed, self.learner.costs(edges[-1].setting))
+        for i in np.flatnonzero(gone_first):
+            if reqs[i].run_on_capped:
+                # Its max_tokens, reached at its pace (`_place_run_on`), ended its run before the end it was held to:
+                # its span ends there. Left at the end built above, the whole hold was its own (llama.cpp's whole answer
+                # run on to 400 tokens, held to 20.6 s, ended at 10.5 s: 2010 J for the truth's 1000).
+                last[i], end[i] = reqs[i].run_on_end_ns, server_end_ns(reqs[i])
         rate = max(self.learner.costs(edges[-1].setting).prefill_tok_s, attr.PREFILL_TOK_S_SLOW)
         for i in np.flatnonzero(gone_first):
             if reqs[i].trace.stream is not True and reqs[i].run_on_end_ns is None:
