@@ -337,6 +337,9 @@ class Ledger:
         # (a stream's seconds, a whole answer's wait period) the server runs a request on after its client left, until it
         # aborts it (scrape.RUNS_ON_AFTER_LEAVE; set by the daemon once the server is known), None: it aborts at once.
         self.runs_on_after_leave: tuple[float | None, float | None] | None = None
+        # The starts of the latest restarts' scrape windows: each the old process's last scrape, where its run-ons end
+        # (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
+        self._gone_at: deque = deque(maxlen=64)
         # Recent streams' decode paces (tokens a second a sequence, first token to last): a stream gone before its first
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
         self._paces: deque = deque(maxlen=RUN_ON_PACES)
@@ -1540,16 +1543,25 @@ class Ledger:
         arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger)."""
         self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served)
         if "server_restart" in partial:
+            self._gone_at.append(self.recon.restarts[-1][0])
             self._end_run_ons_at_restart()
 
+    def _run_on_cut_ns(self, r: LiveRequest) -> int | None:
+        """Where the process that ran `r` on was last seen alive: the last scrape before the first restart known since
+        `r` arrived (that restart window's start). It died after, before the first scrape that found it down, a scrape
+        interval later at most; the new process's first scrape (`_restart_cut_ns`) can come a model load later."""
+        return min((a for a in self._gone_at if a >= r.trace.arrival_ns), default=None) if self._gone_at else None
+
     def _end_run_ons_at_restart(self) -> None:
-        """A restart ends every run-on of the process that died: nothing ran it on past the first scrape after it
-        (`_restart_cut_ns`). Held to its estimate (llama.cpp's whole answer to its max_tokens, up to
+        """A restart ends every run-on of the process that died: nothing ran it on past that process's last scrape
+        (`_run_on_cut_ns`). Held to its estimate (llama.cpp's whole answer to its max_tokens, up to
         RUN_ON_TO_END_MAX_S), a run-on went on in the new process's intervals: a whole answer cut 0.6 s in and the
         server restarted at 1.5 s was placed 370 tokens and 940 J, 750 J of them the new process's, its row saying it ran
-        on to its end (tests/test_daemon_ledger.py). Placed already (a stream's, `_place_run_ons`), it stays."""
+        on to its end (tests/test_daemon_ledger.py); cut at the new process's first scrape, a 10 s model load's down
+        time was its own (400 tokens, 1010 J for the truth's 40 and 100). Placed already (a stream's,
+        `_place_run_ons`), it stays."""
         for r in self.requests.values():
-            cut = self._restart_cut_ns(r) if r.run_on_end_ns is not None else None
+            cut = self._run_on_cut_ns(r) if r.run_on_end_ns is not None else None
             if cut is not None and r.run_on_end_ns > cut:
                 r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.end_ns), True
 
