@@ -4142,6 +4142,16 @@ def test_a_run_on_ends_at_the_old_process_last_scrape_not_the_new_one_first():
     assert row["gpu_energy_j"] == pytest.approx(150.0, abs=10.5), row
 
 
+def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():
+    # A grown SGLang multi-process counter read at half for one page passes for a restart (scrape.counter_restarted):
+    # nothing was down, no start time moved (`restart_by_fall`). The stream its server ran on to 3.0 s decoded to
+    # there: 100 tokens, 250 J at 100 W. Cut at that window, 35.6 tokens and 90 J (-64%).
+    row = _sglang_stream_run_on(down=1.45, up=1.5, restart_by_fall=True)
+    assert row["attributed_tokens"] == pytest.approx(100, abs=2), row
+    assert row["gpu_energy_j"] == pytest.approx(250.0, abs=10.5), row
+    assert "until it restarted" not in (row["energy_note"] or ""), row["energy_note"]
+
+
 @pytest.mark.xfail(strict=True, reason="a known gap (docs/daemon.md): listing them (47667652) made the bypass right and "
                    "the split wrong, the streams beside the last cut answer +50% to +80% in test_daemon_cut_streams.py")
 def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_not_read_as_bypass_tokens_when_the_server_counts_it():

@@ -1538,11 +1538,16 @@ class Ledger:
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
-                          read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None) -> None:
+                          read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None,
+                          restart_by_fall: bool = False) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: a scrape window, its
-        arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger)."""
+        arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger).
+        `restart_by_fall`: its server_restart was told by the counter's fall alone (scrape.Scraper.restart_by_fall): a
+        multi-process page's dip may pass for one, so no run-on ends there (an SGLang stream run on to 3.0 s, cut at
+        such a window at 1.5 s, was costed 35.6 tokens and 90 J for the truth's 100 and 250); the window says it as any
+        restart's."""
         self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served)
-        if "server_restart" in partial:
+        if "server_restart" in partial and not restart_by_fall:
             self._gone_at.append(self.recon.restarts[-1][0])
             self._end_run_ons_at_restart()
 
