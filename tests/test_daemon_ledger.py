@@ -4152,6 +4152,16 @@ def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():
     assert "until it restarted" not in (row["energy_note"] or ""), row["energy_note"]
 
 
+def test_a_run_on_that_starts_after_a_known_restart_ends_at_its_client_leaving():
+    # The process serving the whole answer (from 0.5 s) last answered a scrape at 0.6 s, the new one's first scrape at
+    # 0.9 s; its client left at 1.0 s, after the restart was known, so no restart ended its run-on: held to its
+    # max_tokens, 400 tokens and 1010 J (truth: 4 tokens, 10 J). Nothing ran it on after its client left; the proxy saw
+    # it live to then (an upper bound: 50 J).
+    row = _llamacpp_whole_run_on([(0.6, 0.9)], leave=1.0, end_s=5.0)
+    assert row["gpu_energy_j"] <= 50.0 + 1e-6 and row["attributed_tokens"] <= 21, row
+    assert "did not run it on after its client left: the process that had it restarted" in row["energy_note"], row
+
+
 @pytest.mark.xfail(strict=True, reason="a known gap (docs/daemon.md): listing them (47667652) made the bypass right and "
                    "the split wrong, the streams beside the last cut answer +50% to +80% in test_daemon_cut_streams.py")
 def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_not_read_as_bypass_tokens_when_the_server_counts_it():

@@ -551,6 +551,9 @@ class Ledger:
         # After the count listed for the scrape windows above: SGLang counts none of the run-on. llama.cpp counts all
         # of a whole answer's run to its end, and it is not listed (docs/daemon.md: read as bypass tokens, a known gap).
         self._run_on(r)
+        # A restart known already ended it: no later one will (`_end_run_ons_at_restart`). Held to its estimate, a whole
+        # answer whose process died at 0.6 s, its client gone at 1.0 s, was costed 400 tokens and 1010 J for 4 and 10.
+        self._cut_run_on(r)
         return added
 
     def _learn_pace(self, r: LiveRequest) -> None:
@@ -1566,9 +1569,13 @@ class Ledger:
         time was its own (400 tokens, 1010 J for the truth's 40 and 100). Placed already (a stream's,
         `_place_run_ons`), it stays."""
         for r in self.requests.values():
-            cut = self._run_on_cut_ns(r) if r.run_on_end_ns is not None else None
-            if cut is not None and r.run_on_end_ns > cut:
-                r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.end_ns), True
+            self._cut_run_on(r)
+
+    def _cut_run_on(self, r: LiveRequest) -> None:
+        """End `r`'s run-on where the process running it was last seen (`_run_on_cut_ns`), not before its client left."""
+        cut = self._run_on_cut_ns(r) if r.run_on_end_ns is not None else None
+        if cut is not None and r.run_on_end_ns > cut:
+            r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.end_ns), True
 
     def note_proxy_delay(self, t_ns: int, delay_s: float) -> None:
         """How late the proxy's event loop ran at `t_ns` (`CountReconciler.note_proxy_delay`)."""
