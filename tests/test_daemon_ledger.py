@@ -4091,7 +4091,8 @@ def test_a_whole_answer_llamacpp_run_on_capped_at_max_tokens_is_costed_to_there(
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, **restart_kw):
     # SGLang runs a stream on 2 s after its client left (`Ledger._run_on`). A stream at 40 tokens/s from 0.5 s, its client
     # gone at `leave`; the server down over (down, up): its old process last scraped at `down`, the new one's first
-    # scrape stamped `up` (its window says server_restart, with `restart_kw`) and read `late` s after (a long GET).
+    # scrape stamped `up` (its window says server_restart, with `restart_kw`) and read `late` s after (a long GET: the
+    # windows after it wait for it).
     # 100 W throughout, ticks every 0.05 s, scraped every 0.1 s; SGLang counts no aborted request's tokens. Its row.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.3)
     led.runs_on_after_leave = (2.0, 4.0)
@@ -4118,9 +4119,8 @@ def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, **restart_kw):
             restart = prev is not None and prev < down + 1e-9 and up - 1e-9 < t
             pend.append((t + (late if restart else 0.0), t, prev, restart))
             prev = t
-        for item in [p for p in pend if p[0] <= t + 1e-9]:
-            pend.remove(item)
-            _, ts, pv, rs = item
+        while pend and pend[0][0] <= t + 1e-9:  # in order: the scrape loop reads one page at a time
+            _, ts, pv, rs = pend.pop(0)
             led.add_server_tokens(int(ts * S), 0.0, None if pv is None else int(pv * S), at_finish=True,
                                   partial=("server_restart",) if rs else (), **(restart_kw if rs else {}))
         led.advance(int(t * S))
@@ -4160,6 +4160,17 @@ def test_a_run_on_that_starts_after_a_known_restart_ends_at_its_client_leaving()
     row = _llamacpp_whole_run_on([(0.6, 0.9)], leave=1.0, end_s=5.0)
     assert row["gpu_energy_j"] <= 50.0 + 1e-6 and row["attributed_tokens"] <= 21, row
     assert "did not run it on after its client left: the process that had it restarted" in row["energy_note"], row
+
+
+@pytest.mark.parametrize("late", [0.9, 1.2])
+def test_a_stream_run_on_placed_before_the_restart_was_known_is_cut_there_too(late):
+    # The restart's window (the old process last scraped at 2.0 s) reaches the ledger 0.9-1.2 s after its stamp (a
+    # long GET), after the stream's run-on to 3.0 s was placed (`_place_run_ons`): its events past 2.0 s stayed, 100.6
+    # tokens (truth 60), the row saying both "nothing decoded it after" the cut and 81 tokens decoded after its client
+    # left. They are taken out, and its run-on's tokens with them.
+    row = _sglang_stream_run_on(late=late)
+    assert row["attributed_tokens"] == pytest.approx(60, abs=2), row
+    assert "40 tokens decoded" in row["energy_note"], row["energy_note"]
 
 
 @pytest.mark.xfail(strict=True, reason="a known gap (docs/daemon.md): listing them (47667652) made the bypass right and "

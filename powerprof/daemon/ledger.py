@@ -1572,10 +1572,21 @@ class Ledger:
             self._cut_run_on(r)
 
     def _cut_run_on(self, r: LiveRequest) -> None:
-        """End `r`'s run-on where the process running it was last seen (`_run_on_cut_ns`), not before its client left."""
+        """End `r`'s run-on where the process running it was last seen (`_run_on_cut_ns`), not before its client left,
+        and take out what was placed of it after."""
         cut = self._run_on_cut_ns(r) if r.run_on_end_ns is not None else None
-        if cut is not None and r.run_on_end_ns > cut:
-            r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.end_ns), True
+        if cut is None or r.run_on_end_ns <= cut:
+            return
+        r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.end_ns), True
+        if r.run_on_tokens > 0 and r.run_on_from_ns is None and r.ev_t and r.ev_t[-1] > r.run_on_end_ns:
+            # Placed already (a stream's, `_place_run_ons`, before the restart's window came: a long GET): its events
+            # past the cut go, and its run-on's tokens with them. Kept, a stream cut at 2.0 s whose window came 0.9 s
+            # late kept 41 tokens too many (100.6 for 60), its row saying nothing decoded it after the cut and 81
+            # tokens decoded. Those in intervals closed already are spent: counted, past mending.
+            i = bisect.bisect_right(r.ev_t, max(r.run_on_end_ns, r.trace.last_ns or r.run_on_end_ns))
+            gone = float(sum(r.ev_n[i:]))
+            del r.ev_t[i:], r.ev_n[i:]
+            r.run_on_tokens = max(r.run_on_tokens - gone, 0.0)
 
     def note_proxy_delay(self, t_ns: int, delay_s: float) -> None:
         """How late the proxy's event loop ran at `t_ns` (`CountReconciler.note_proxy_delay`)."""
