@@ -621,3 +621,38 @@ def test_a_restarted_counter_passing_its_old_reading_at_its_pace_is_not_marked(m
     got = _run(pages, 5.0, monkeypatch)
     assert not any(w for _, w in got[14:]), got
     assert [d for d, _ in got[2:]] == [500] * 15, got
+
+
+def test_a_restart_told_by_the_fall_alone_is_said_so_to_the_ledger_and_one_found_down_is_not():
+    # The ledger ends the run-ons of a process that died at a restart (`Ledger._end_run_ons_at_restart`), not at one a
+    # multi-process page's dip may have made (`Scraper.restart_by_fall`): a fall to half with the server never found
+    # down is such; one after a scrape found it down, or a page whose start time moved, is a restart.
+    for script, want in (([_sglang(1000), _sglang(400), _sglang(450)], [False, True, False]),
+                         ([_sglang(1000), DOWN, _sglang(400), _sglang(450)], [False, False, False, False])):
+        got: list = []
+
+        class Scripted(Scraper):
+            async def scrape(self):
+                d = await Scraper.scrape(self)
+                got.append(self.restart_by_fall)
+                return d
+
+        pages = list(script)
+
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                sc = Scripted(s, "http://x", "sglang")
+
+                async def _get(path):
+                    step = pages.pop(0)
+                    if step == DOWN:
+                        raise aiohttp.ClientConnectorError(_KEY, ConnectionRefusedError(111, "Connection refused"))
+                    return 200, step
+
+                sc._get = _get
+                for _ in range(len(script)):
+                    await sc.scrape()
+                return sc
+
+        sc = asyncio.run(asyncio.wait_for(go(), 60))
+        assert sc.restarts == 1 and got == want, (script, got)

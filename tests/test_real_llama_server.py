@@ -823,6 +823,10 @@ def _metric(d: DaemonProc, pattern: str) -> float | None:
     return float(got.group(1)) if got else None
 
 
+# The most of the direct request's server tokens (the bypass traffic after the restart) in rows saying proxy_lag.
+LAG_SHARE_MOST = 0.6
+
+
 @pytest.mark.parametrize("proxy_stalled", [False, True])
 def test_a_daemon_in_front_of_a_llama_server_restarted_mid_traffic_says_so_in_rows_log_and_metrics(tmp_path,
                                                                                                    proxy_stalled):
@@ -913,6 +917,12 @@ def test_a_daemon_in_front_of_a_llama_server_restarted_mid_traffic_says_so_in_ro
     assert set(said_after) <= {"complete", "proxy_lag"}, table
     busy, lag = np.flatnonzero(after["server_tokens"].to_numpy() > 0), np.flatnonzero(said_after == "proxy_lag")
     assert busy.size and (not lag.size or busy[0] - 1 <= lag[0] and lag[-1] <= busy[-1] + 1), table
+    # Not all of it: a GET's half moves a few tokens between two intervals, so most of the request's tokens stay in
+    # rows that say `complete`. Bounded by place alone, every one of its intervals flagged passed (a reconciler marking
+    # every interval with bypass tokens proxy_lag).
+    server = after["server_tokens"].to_numpy()
+    lag_share = float(server[lag].sum() / server.sum())
+    assert lag_share <= LAG_SHARE_MOST, table
     since = intervals[intervals["t_start_utc"] >= intervals.loc[said, "t_start_utc"].min()]
     assert since["server_tokens"].sum() == pytest.approx(100, abs=5), since[["server_tokens", "server_count"]]
     # The only bypass traffic is those 100 tokens: none before the restart either (the proxy's lag is not bypass).

@@ -340,6 +340,9 @@ class Ledger:
         # (a stream's seconds, a whole answer's wait period) the server runs a request on after its client left, until it
         # aborts it (scrape.RUNS_ON_AFTER_LEAVE; set by the daemon once the server is known), None: it aborts at once.
         self.runs_on_after_leave: tuple[float | None, float | None] | None = None
+        # The starts of the latest restarts' scrape windows: each the old process's last scrape, where its run-ons end
+        # (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
+        self._gone_at: deque = deque(maxlen=64)
         # Recent streams' decode paces (tokens a second a sequence, first token to last): a stream gone before its first
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
         self._paces: deque = deque(maxlen=RUN_ON_PACES)
@@ -556,6 +559,9 @@ class Ledger:
         # After the count listed for the scrape windows above: SGLang counts none of the run-on. llama.cpp counts all
         # of a whole answer's run to its end, and it is not listed (docs/daemon.md: read as bypass tokens, a known gap).
         self._run_on(r)
+        # A restart known already ended it: no later one will (`_end_run_ons_at_restart`). Held to its estimate, a whole
+        # answer whose process died at 0.6 s, its client gone at 1.0 s, was costed 400 tokens and 1010 J for 4 and 10.
+        self._cut_run_on(r)
         return added
 
     def _learn_pace(self, r: LiveRequest) -> None:
@@ -1569,23 +1575,52 @@ class Ledger:
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
-                          read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None) -> None:
+                          read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None,
+                          restart_by_fall: bool = False) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: a scrape window, its
-        arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger)."""
+        arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger).
+        `restart_by_fall`: its server_restart was told by the counter's fall alone (scrape.Scraper.restart_by_fall): a
+        multi-process page's dip may pass for one, so no run-on ends there (an SGLang stream run on to 3.0 s, cut at
+        such a window at 1.5 s, was costed 35.6 tokens and 90 J for the truth's 100 and 250); the window says it as any
+        restart's."""
         self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served)
-        if "server_restart" in partial:
+        if "server_restart" in partial and not restart_by_fall:
+            self._gone_at.append(self.recon.restarts[-1][0])
             self._end_run_ons_at_restart()
 
+    def _run_on_cut_ns(self, r: LiveRequest) -> int | None:
+        """Where the process that ran `r` on was last seen alive: the last scrape before the first restart known since
+        `r` arrived (that restart window's start). It died after, before the first scrape that found it down, a scrape
+        interval later at most; the new process's first scrape (`_restart_cut_ns`) can come a model load later."""
+        return min((a for a in self._gone_at if a >= r.trace.arrival_ns), default=None) if self._gone_at else None
+
     def _end_run_ons_at_restart(self) -> None:
-        """A restart ends every run-on of the process that died: nothing ran it on past the first scrape after it
-        (`_restart_cut_ns`). Held to its estimate (llama.cpp's whole answer to its max_tokens, up to
+        """A restart ends every run-on of the process that died: nothing ran it on past that process's last scrape
+        (`_run_on_cut_ns`). Held to its estimate (llama.cpp's whole answer to its max_tokens, up to
         RUN_ON_TO_END_MAX_S), a run-on went on in the new process's intervals: a whole answer cut 0.6 s in and the
         server restarted at 1.5 s was placed 370 tokens and 940 J, 750 J of them the new process's, its row saying it ran
-        on to its end (tests/test_daemon_ledger.py). Placed already (a stream's, `_place_run_ons`), it stays."""
+        on to its end (tests/test_daemon_ledger.py); cut at the new process's first scrape, a 10 s model load's down
+        time was its own (400 tokens, 1010 J for the truth's 40 and 100). Placed already (a stream's,
+        `_place_run_ons`), it stays."""
         for r in self.requests.values():
-            cut = self._restart_cut_ns(r) if r.run_on_end_ns is not None else None
-            if cut is not None and r.run_on_end_ns > cut:
-                r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.end_ns), True
+            self._cut_run_on(r)
+
+    def _cut_run_on(self, r: LiveRequest) -> None:
+        """End `r`'s run-on where the process running it was last seen (`_run_on_cut_ns`), not before its client left,
+        and take out what was placed of it after."""
+        cut = self._run_on_cut_ns(r) if r.run_on_end_ns is not None else None
+        if cut is None or r.run_on_end_ns <= cut:
+            return
+        r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.end_ns), True
+        if r.run_on_tokens > 0 and r.run_on_from_ns is None and r.ev_t and r.ev_t[-1] > r.run_on_end_ns:
+            # Placed already (a stream's, `_place_run_ons`, before the restart's window came: a long GET): its events
+            # past the cut go, and its run-on's tokens with them. Kept, a stream cut at 2.0 s whose window came 0.9 s
+            # late kept 41 tokens too many (100.6 for 60), its row saying nothing decoded it after the cut and 81
+            # tokens decoded. Those in intervals closed already are spent: counted, past mending.
+            i = bisect.bisect_right(r.ev_t, max(r.run_on_end_ns, r.trace.last_ns or r.run_on_end_ns))
+            gone = float(sum(r.ev_n[i:]))
+            del r.ev_t[i:], r.ev_n[i:]
+            r.run_on_tokens = max(r.run_on_tokens - gone, 0.0)
 
     def note_proxy_delay(self, t_ns: int, delay_s: float) -> None:
         """How late the proxy's event loop ran at `t_ns` (`CountReconciler.note_proxy_delay`)."""
@@ -1877,6 +1912,12 @@ class Ledger:
         self._cost_gone(reqs, gone_first, arrival, first, end, prompt, cached, computed,
                         self.learner.costs(edges[-1].setting))  # `costs` below: nothing is learned between
         self._run_on_gone(reqs, gone_first, arrival, first, computed, self.learner.costs(edges[-1].setting))
+        for i in np.flatnonzero(gone_first):
+            if reqs[i].run_on_capped:
+                # Its max_tokens, reached at its pace (`_place_run_on`), ended its run before the end it was held to:
+                # its span ends there. Left at the end built above, the whole hold was its own (llama.cpp's whole answer
+                # run on to 400 tokens, held to 20.6 s, ended at 10.5 s: 2010 J for the truth's 1000).
+                last[i], end[i] = reqs[i].run_on_end_ns, server_end_ns(reqs[i])
         rate = max(self.learner.costs(edges[-1].setting).prefill_tok_s, attr.PREFILL_TOK_S_SLOW)
         for i in np.flatnonzero(gone_first):
             if reqs[i].trace.stream is not True and reqs[i].run_on_end_ns is None:

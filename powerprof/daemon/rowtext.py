@@ -387,9 +387,12 @@ def _run_on_note(r: LiveRequest) -> str:
     how = (f"a stream's request {stream_s:g} s after its client left" if tr.stream is True else
            f"a whole answer's request at its next {wait_s:g} s wait from its start")
     said = ("sglang:num_aborted_requests_total and in none of its token counters")
-    if r.run_on_restart:  # `Ledger._end_run_ons_at_restart`: the process running it died
+    if r.run_on_restart and r.run_on_end_ns <= tr.end_ns:  # `Ledger._cut_run_on`: it died before its client left
+        lead = ("the server did not run it on after its client left: the process that had it restarted before (gone "
+                "after its last scrape), and it is live to its client's leaving, an upper bound")
+    elif r.run_on_restart:  # `Ledger._end_run_ons_at_restart`: the process running it died
         lead = (f"the server ran on after its client left, about {s:.1f} s, until it restarted (the process that ran it "
-                "on gone, nothing decoded it after the restart's first scrape)")
+                "on gone, nothing decoded it after its last scrape)")
     elif r.run_on_to_end:  # llama.cpp (scrape.RUNS_ON_AFTER_LEAVE): no abort to wait for, its end
         why = ("llama-server looks at a whole answer's connection only after a second in which it sent no result to "
                "any request: beside other requests, or scraped more often, not before its end")

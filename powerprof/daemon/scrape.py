@@ -296,6 +296,9 @@ class Scraper:
         # The ledger marks the intervals it covers (their `server_count`), never only the process-wide gauge.
         self.window_partial: tuple[str, ...] = ()
         self.restarts = 0  # server restarts seen (a counter gone back, or a new process start time)
+        # The latest scrape's window says server_restart told by the counter's fall alone: no scrape found the server
+        # down, no start time moved (a multi-process page's dip may pass for one): the ledger ends no run-on there.
+        self.restart_by_fall = False
         self._start_s: float | None = None  # the server's process_start_time_seconds at the previous scrape
         self.dips = 0  # pages whose counter went back with no other sign of a restart, not believed (_dip_or_restart)
         self.below = 0  # pages still below the highest reading after a dip, counted as 0 and marked (COUNTER_BELOW)
@@ -552,6 +555,7 @@ class Scraper:
         if self.server == "none":
             return None
         self.window_partial = ()
+        self.restart_by_fall = False
         self.cache_hits = None
         self.served = None
         self._scrape_at = time.monotonic()
@@ -626,6 +630,7 @@ class Scraper:
                     # A second fall while the first is unconfirmed keeps the higher reading: windows below it may
                     # hold the first dip's recovery (200, 400, 200, 300, 150: the 300 → 400 window went unmarked).
                     self._fall_high = (max(prev, self._fall_high or 0.0, self._fall_past or 0.0) if by_fall else None)
+                    self.restart_by_fall = by_fall
                     self._fall_at, self._fall_pages, self._fall_past = time.monotonic(), 0, None
                 elif self._fall_high is not None:
                     self._fall_unconfirmed(prev)
