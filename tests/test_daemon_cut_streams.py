@@ -75,15 +75,17 @@ def _h200_daemon(tmp_path, flavour: str, **srv_kwargs):
     return srv, Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
 
 
-def _run_daemon(srv, daemon, scene, after_s: float) -> None:
-    """Run `daemon`, once its proxy and ledger are up `await scene(proxy_url)`, wait `after_s`, stop it; the server
-    stopped whatever happens."""
+def _run_daemon(srv, daemon, scene, after_s: float, up=None, up_tries: int = 600) -> None:
+    """Run `daemon`; once `up()` (by default: its proxy and ledger are up), or after `up_tries` looks 0.05 s apart,
+    `await scene(proxy_url)`, wait `after_s`, stop it; the server stopped whatever happens."""
     import asyncio
+
+    up = up or (lambda: "proxy" in daemon.urls and daemon.ledger is not None)
 
     async def main():
         task = asyncio.create_task(daemon.run())
-        for _ in range(600):
-            if "proxy" in daemon.urls and daemon.ledger is not None:
+        for _ in range(up_tries):
+            if up():
                 break
             await asyncio.sleep(0.05)
         await scene(daemon.urls["proxy"])
@@ -227,12 +229,7 @@ def _cut_scene(tmp_path, flavour: str, normal_n: int, decode_at: tuple, whole_at
     # The scene's requests are bench/cut_accuracy.py's (the bench measures the docs' figures over it).
     normal, cut_decode, cut_whole = cut_accuracy._normal, cut_accuracy._cut_decode, cut_accuracy._cut_prefill
 
-    async def main():
-        task = asyncio.create_task(daemon.run())
-        for _ in range(400):
-            if "proxy" in daemon.urls:
-                break
-            await asyncio.sleep(0.05)
+    async def scene(url):
         # The scraper has told the server's kind (SGLang's run-on delays with it): a fixed 4 s was short of it on a
         # loaded host (the CI beside other jobs: the first cut request said no run-on, twice).
         for _ in range(600):
@@ -241,7 +238,6 @@ def _cut_scene(tmp_path, flavour: str, normal_n: int, decode_at: tuple, whole_at
                 break
             await asyncio.sleep(0.05)
         assert daemon.scraper.kind == flavour, "the scraper never told the server's kind in 30 s"
-        url = daemon.urls["proxy"]
         async with aiohttp.ClientSession() as s:
             jobs = []
             for k in range(normal_n):
@@ -252,14 +248,9 @@ def _cut_scene(tmp_path, flavour: str, normal_n: int, decode_at: tuple, whole_at
                     jobs.append(asyncio.create_task(cut_whole(s, url, f"cutw{k}")))
                 await asyncio.sleep(0.4)
             await asyncio.gather(*jobs)
-        await asyncio.sleep(6)  # past the last abort
-        daemon.stop_event.set()
-        await task
 
-    try:
-        asyncio.run(main())
-    finally:
-        srv.stop()
+    # 6 s after the scene: past the last abort.
+    _run_daemon(srv, daemon, scene, after_s=6, up=lambda: "proxy" in daemon.urls, up_tries=400)
     truth = {t["client_id"]: t for t in srv.truth if t.get("client_id")}
     truth.update({t["client_id"]: t for t in srv.truth_cancelled if t.get("client_id")})
     rows = _rows_by_tag(tmp_path)
