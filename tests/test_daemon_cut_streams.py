@@ -99,6 +99,14 @@ def _run_daemon(srv, daemon, scene, after_s: float, up=None, up_tries: int = 600
         srv.stop()
 
 
+def _errors_shown(rows: dict, truth: dict) -> dict:
+    """Each row's energy error against the simulator's truth (for the tags the truth has), by tag; printed in percent
+    (a failing test's output shows them all)."""
+    err = {t: (r["gpu_energy_j"] - truth[t]["energy_j"]) / truth[t]["energy_j"] for t, r in rows.items() if t in truth}
+    print({t: round(100 * e, 1) for t, e in sorted(err.items())})
+    return err
+
+
 def _rows_by_tag(tmp_path) -> dict:
     """The daemon's request rows that carry a tag, by tag."""
     return {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
@@ -365,8 +373,7 @@ def test_a_stateful_responses_turn_past_the_prompt_hold_is_costed_its_stored_con
     _run_daemon(srv, daemon, scene, after_s=3)
     truth = srv.request_truth()
     rows = _rows_by_tag(tmp_path)
-    err = {t: (r["gpu_energy_j"] - truth[t]["energy_j"]) / truth[t]["energy_j"] for t, r in rows.items() if t in truth}
-    print({t: round(100 * e, 1) for t, e in sorted(err.items())})
+    err = _errors_shown(rows, truth)
     assert rows["long"]["prompt_tokens"] == truth["long"]["prompt_tokens"] > 3000, (rows["long"], truth["long"])
     for t in ("long", "ok0", "ok1", "ok2"):
         note = rows[t]["energy_note"] or ""
@@ -428,8 +435,7 @@ def test_a_stateful_responses_turn_is_costed_the_conversation_its_usage_says_and
     _run_daemon(srv, daemon, scene, after_s=3)
     truth = srv.request_truth()
     rows = _rows_by_tag(tmp_path)
-    err = {t: (r["gpu_energy_j"] - truth[t]["energy_j"]) / truth[t]["energy_j"] for t, r in rows.items() if t in truth}
-    print({t: round(100 * e, 1) for t, e in sorted(err.items())})
+    err = _errors_shown(rows, truth)
     own = f"{PROMPT_UNREAD_FLAG}: its request body was read but its prompt's size could not be"
     for t in ("turn3", "turn6"):
         assert truth[t]["prompt_tokens"] > 3000, truth[t]  # the stored conversation, prefilled again
