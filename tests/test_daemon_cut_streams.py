@@ -24,6 +24,95 @@ import cut_accuracy  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+def _seed_server(flavour: str) -> SimServer:
+    """A simulated server on a 16 GB card, 80 tok/s, no drafts (its speed fixes where a cut lands)."""
+    return SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=80.0, draft_n_max=0)
+
+
+def _daemon_proc(data, srv, env) -> DaemonProc:
+    """The daemon in its own process in front of `srv`, on short intervals (the rows come within seconds)."""
+    return DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
+                      env=env)
+
+
+def _post(url: str, body: dict, cut: bool, headers: dict | None = None) -> bytes | None:
+    """POST `body` as JSON; `cut`: read 6 lines and leave (before the usage), else the whole answer's bytes."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    r = urllib.request.urlopen(req, timeout=60)
+    if cut:
+        for _ in range(6):
+            r.readline()
+        r.close()
+        return None
+    return r.read()
+
+
+def _metrics_once_a_cut_is_estimated(d) -> str:
+    """/metrics once it counts a cut request's prompt estimated (its intervals closed: held for the scrape and the
+    prompt), or after 30 s (the caller's assertions then say what is missing)."""
+    for _ in range(60):
+        metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+        if 'powerprof_requests_prompt_estimated_total{reason="client_left"} 1.0' in metrics:
+            break
+        time.sleep(0.5)
+    return metrics
+
+
+def _h200_daemon(tmp_path, flavour: str, **srv_kwargs):
+    """A simulated continuous-batching server on an H200 (started) and a daemon in this process in front of it (1 s
+    intervals, not started): (server, daemon)."""
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.rig import Rig
+
+    nvml = SimNVML("h200-141g", state_path=None)
+    srv = SimServer(nvml, flavour=flavour, n_slots=64, batching="continuous", **srv_kwargs).start()
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
+        "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
+        "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
+    return srv, Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
+
+
+def _run_daemon(srv, daemon, scene, after_s: float, up=None, up_tries: int = 600) -> None:
+    """Run `daemon`; once `up()` (by default: its proxy and ledger are up), or after `up_tries` looks 0.05 s apart,
+    `await scene(proxy_url)`, wait `after_s`, stop it; the server stopped whatever happens."""
+    import asyncio
+
+    up = up or (lambda: "proxy" in daemon.urls and daemon.ledger is not None)
+
+    async def main():
+        task = asyncio.create_task(daemon.run())
+        for _ in range(up_tries):
+            if up():
+                break
+            await asyncio.sleep(0.05)
+        await scene(daemon.urls["proxy"])
+        await asyncio.sleep(after_s)
+        daemon.stop_event.set()
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.stop()
+
+
+def _errors_shown(rows: dict, truth: dict) -> dict:
+    """Each row's energy error against the simulator's truth (for the tags the truth has), by tag; printed in percent
+    (a failing test's output shows them all)."""
+    err = {t: (r["gpu_energy_j"] - truth[t]["energy_j"]) / truth[t]["energy_j"] for t, r in rows.items() if t in truth}
+    print({t: round(100 * e, 1) for t, e in sorted(err.items())})
+    return err
+
+
+def _rows_by_tag(tmp_path) -> dict:
+    """The daemon's request rows that carry a tag, by tag."""
+    return {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
+            if isinstance(r["tag"], str)}
+
+
 def _chat(words: int, path: str = "/v1/chat/completions") -> dict:
     if path == "/v1/responses":  # its usage comes in its last event (response.completed), and needs no asking
         return {"input": [{"role": "user", "content": [{"type": "input_text", "text": " ".join(["word"] * words)}]}],
@@ -38,26 +127,15 @@ def _chat(words: int, path: str = "/v1/chat/completions") -> dict:
                                            ("1", "/v1/responses")])
 def test_a_stream_cut_before_its_usage_is_costed_an_estimated_prompt_and_says_so(tmp_path, workers, path):
     data = tmp_path / "data"
-    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=80.0, draft_n_max=0) as srv:
-        d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
-                       env={**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": workers})
+    with _seed_server("vllm") as srv:
+        d = _daemon_proc(data, srv, {**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": workers})
         try:
             url = d.info["proxy"] + path
             for words, cut in ((300, False), (300, True)):
-                req = urllib.request.Request(url, data=json.dumps(_chat(words, path)).encode(), method="POST",
-                                             headers={"Content-Type": "application/json"})
-                r = urllib.request.urlopen(req, timeout=60)
-                if cut:
-                    for _ in range(6):
-                        r.readline()
-                    r.close()  # gone before the usage
-                else:
-                    assert b'"prompt_tokens"' in r.read() or path == "/v1/responses"
-            for _ in range(60):  # until its intervals have closed (held for the scrape and the prompt)
-                metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
-                if 'powerprof_requests_prompt_estimated_total{reason="client_left"} 1.0' in metrics:
-                    break
-                time.sleep(0.5)
+                got = _post(url, _chat(words, path), cut)  # cut: gone before the usage
+                if not cut:
+                    assert b'"prompt_tokens"' in got or path == "/v1/responses"
+            metrics = _metrics_once_a_cut_is_estimated(d)
         finally:
             rc = d.stop()
     assert rc == 0, d.output()
@@ -82,29 +160,16 @@ def test_a_llamacpp_prompt_of_ids_and_text_mixed_cut_before_its_usage_is_costed_
     # simulator's truth.
     data = tmp_path / "data"
     ids = list(range(1000, 1100))
-    with SimServer(SimNVML("seed-16g", state_path=None), flavour="llamacpp", decode_tok_s=80.0, draft_n_max=0) as srv:
-        d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
-                       env=sim_env(tmp_path))
+    with _seed_server("llamacpp") as srv:
+        d = _daemon_proc(data, srv, sim_env(tmp_path))
         try:
             url = d.info["proxy"] + "/v1/completions"
             for tag, prompt, cut in (("text", " ".join(["word"] * 300), False),
                                      ("mixed", ids[:60] + [" ".join(["word"] * 200)] + ids[60:], True)):
                 body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True,
                         "stream_options": {"include_usage": True}}
-                req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                             headers={"Content-Type": "application/json", "X-Sim-Request-Id": tag})
-                r = urllib.request.urlopen(req, timeout=60)
-                if cut:
-                    for _ in range(6):
-                        r.readline()
-                    r.close()  # gone before the usage
-                else:
-                    r.read()
-            for _ in range(60):  # until its intervals have closed (held for the scrape and the prompt)
-                metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
-                if 'powerprof_requests_prompt_estimated_total{reason="client_left"} 1.0' in metrics:
-                    break
-                time.sleep(0.5)
+                _post(url, body, cut, {"X-Sim-Request-Id": tag})  # cut: gone before the usage
+            _metrics_once_a_cut_is_estimated(d)
         finally:
             rc = d.stop()
         truth = {t["client_id"]: t for t in srv.truth + srv.truth_cancelled if t.get("client_id")}
@@ -129,22 +194,14 @@ def test_llama_servers_progress_events_are_no_tokens_and_a_cut_native_stream_kno
     body = {"prompt": prompt, "n_predict": 50, "ignore_eos": True, "stream": True}
     oai = {"prompt": prompt, "max_tokens": 50, "ignore_eos": True, "stream": True, "return_progress": True,
            "stream_options": {"include_usage": True}}
-    with SimServer(SimNVML("seed-16g", state_path=None), flavour="llamacpp", decode_tok_s=80.0, draft_n_max=0) as srv:
-        d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
-                       env=sim_env(tmp_path))
+    with _seed_server("llamacpp") as srv:
+        d = _daemon_proc(data, srv, sim_env(tmp_path))
         try:
             for path, b, cut in (("/completion", dict(body, return_progress=True), False), ("/completion", body, True),
                                  ("/v1/completions", oai, False)):
-                url = d.info["proxy"] + path
-                req = urllib.request.Request(url, data=json.dumps(b).encode(), method="POST",
-                                             headers={"Content-Type": "application/json"})
-                r = urllib.request.urlopen(req, timeout=60)
-                if cut:
-                    for _ in range(6):
-                        r.readline()
-                    r.close()
-                else:
-                    assert b'"prompt_progress"' in r.read()
+                got = _post(d.info["proxy"] + path, b, cut)
+                if not cut:
+                    assert b'"prompt_progress"' in got
             for _ in range(60):
                 rows = read_dataset(data, "requests")
                 if rows is not None and len(rows) == 3:
@@ -175,28 +232,12 @@ def _cut_scene(tmp_path, flavour: str, normal_n: int, decode_at: tuple, whole_at
 
     import aiohttp
 
-    from powerprof.daemon.config import load_config
-    from powerprof.daemon.service import Daemon
-    from powerprof.rig import Rig
-
-    nvml = SimNVML("h200-141g", state_path=None)
     # llama-server's context is split among its slots (4096 each by default): a 12000-token prompt needs more.
-    srv = SimServer(nvml, flavour=flavour, n_slots=64, batching="continuous",
-                    n_ctx=64 * 16384 if flavour == "llamacpp" else None).start()
-    cfg = load_config(None, env={}, overrides={
-        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
-        "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
-        "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
-    daemon = Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
+    srv, daemon = _h200_daemon(tmp_path, flavour, n_ctx=64 * 16384 if flavour == "llamacpp" else None)
     # The scene's requests are bench/cut_accuracy.py's (the bench measures the docs' figures over it).
     normal, cut_decode, cut_whole = cut_accuracy._normal, cut_accuracy._cut_decode, cut_accuracy._cut_prefill
 
-    async def main():
-        task = asyncio.create_task(daemon.run())
-        for _ in range(400):
-            if "proxy" in daemon.urls:
-                break
-            await asyncio.sleep(0.05)
+    async def scene(url):
         # The scraper has told the server's kind (SGLang's run-on delays with it): a fixed 4 s was short of it on a
         # loaded host (the CI beside other jobs: the first cut request said no run-on, twice).
         for _ in range(600):
@@ -205,7 +246,6 @@ def _cut_scene(tmp_path, flavour: str, normal_n: int, decode_at: tuple, whole_at
                 break
             await asyncio.sleep(0.05)
         assert daemon.scraper.kind == flavour, "the scraper never told the server's kind in 30 s"
-        url = daemon.urls["proxy"]
         async with aiohttp.ClientSession() as s:
             jobs = []
             for k in range(normal_n):
@@ -216,18 +256,12 @@ def _cut_scene(tmp_path, flavour: str, normal_n: int, decode_at: tuple, whole_at
                     jobs.append(asyncio.create_task(cut_whole(s, url, f"cutw{k}")))
                 await asyncio.sleep(0.4)
             await asyncio.gather(*jobs)
-        await asyncio.sleep(6)  # past the last abort
-        daemon.stop_event.set()
-        await task
 
-    try:
-        asyncio.run(main())
-    finally:
-        srv.stop()
+    # 6 s after the scene: past the last abort.
+    _run_daemon(srv, daemon, scene, after_s=6, up=lambda: "proxy" in daemon.urls, up_tries=400)
     truth = {t["client_id"]: t for t in srv.truth if t.get("client_id")}
     truth.update({t["client_id"]: t for t in srv.truth_cancelled if t.get("client_id")})
-    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
-            if isinstance(r["tag"], str)}
+    rows = _rows_by_tag(tmp_path)
     return rows, truth, daemon
 
 
@@ -267,17 +301,7 @@ def test_a_prompt_whose_size_the_body_does_not_say_is_said_not_costed_and_its_ne
 
     import aiohttp
 
-    from powerprof.daemon.config import load_config
-    from powerprof.daemon.service import Daemon
-    from powerprof.rig import Rig
-
-    nvml = SimNVML("h200-141g", state_path=None)
-    srv = SimServer(nvml, flavour="vllm", n_slots=64, batching="continuous").start()
-    cfg = load_config(None, env={}, overrides={
-        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
-        "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
-        "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
-    daemon = Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
+    srv, daemon = _h200_daemon(tmp_path, "vllm")
     image = [{"type": "text", "text": "describe this"},
              {"type": "image_url", "image_url": {"url": "data:image/png;base64," + " ".join(["px"] * 3000)}}]
 
@@ -290,13 +314,7 @@ def test_a_prompt_whose_size_the_body_does_not_say_is_said_not_costed_and_its_ne
                           headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag}) as r:
             await r.read()
 
-    async def main():
-        task = asyncio.create_task(daemon.run())
-        for _ in range(600):
-            if "proxy" in daemon.urls and daemon.ledger is not None:
-                break
-            await asyncio.sleep(0.05)
-        url = daemon.urls["proxy"]
+    async def scene(url):
         async with aiohttp.ClientSession() as s:
             jobs = []
             for k in range(10):
@@ -305,17 +323,10 @@ def test_a_prompt_whose_size_the_body_does_not_say_is_said_not_costed_and_its_ne
                     jobs.append(asyncio.create_task(chat(s, url, f"img{k}", image, False)))
                 await asyncio.sleep(0.4)
             await asyncio.gather(*jobs)
-        await asyncio.sleep(3)
-        daemon.stop_event.set()
-        await task
 
-    try:
-        asyncio.run(main())
-    finally:
-        srv.stop()
+    _run_daemon(srv, daemon, scene, after_s=3)
     truth = {t["client_id"]: t for t in srv.truth if t.get("client_id")}
-    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
-            if isinstance(r["tag"], str)}
+    rows = _rows_by_tag(tmp_path)
     err = {t: (r["gpu_energy_j"] - truth[t]["energy_j"]) / truth[t]["energy_j"] for t, r in rows.items()}
     print({t: round(100 * e, 1) for t, e in sorted(err.items())})
     for t in ("img3", "img6"):
@@ -339,30 +350,14 @@ def test_a_stateful_responses_turn_past_the_prompt_hold_is_costed_its_stored_con
 
     import aiohttp
 
-    from powerprof.daemon.config import load_config
-    from powerprof.daemon.service import Daemon
-    from powerprof.rig import Rig
-
-    nvml = SimNVML("h200-141g", state_path=None)
-    srv = SimServer(nvml, flavour="vllm", n_slots=64, batching="continuous", decode_tok_s=25.0).start()
-    cfg = load_config(None, env={}, overrides={
-        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
-        "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
-        "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
-    daemon = Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
+    srv, daemon = _h200_daemon(tmp_path, "vllm", decode_tok_s=25.0)
 
     async def post(s, url, tag, body, n):
         return await s.post(url + "/v1/responses", json=dict(body, model="m", max_output_tokens=n, ignore_eos=True),
                             headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
 
-    async def main():
-        task = asyncio.create_task(daemon.run())
-        for _ in range(600):
-            if "proxy" in daemon.urls and daemon.ledger is not None:
-                break
-            await asyncio.sleep(0.05)
+    async def scene(url):
         daemon.ledger.prompt_hold_ns = int(3e9)
-        url = daemon.urls["proxy"]
         async with aiohttp.ClientSession() as s:
             r = await post(s, url, "first", {"input": " ".join(["word"] * 3000)}, 4)
             rid = (await r.json())["id"]
@@ -374,19 +369,11 @@ def test_a_stateful_responses_turn_past_the_prompt_hold_is_costed_its_stored_con
             for r in await asyncio.gather(*jobs):
                 assert r.status == 200
                 await r.read()
-        await asyncio.sleep(3)
-        daemon.stop_event.set()
-        await task
 
-    try:
-        asyncio.run(main())
-    finally:
-        srv.stop()
+    _run_daemon(srv, daemon, scene, after_s=3)
     truth = srv.request_truth()
-    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
-            if isinstance(r["tag"], str)}
-    err = {t: (r["gpu_energy_j"] - truth[t]["energy_j"]) / truth[t]["energy_j"] for t, r in rows.items() if t in truth}
-    print({t: round(100 * e, 1) for t, e in sorted(err.items())})
+    rows = _rows_by_tag(tmp_path)
+    err = _errors_shown(rows, truth)
     assert rows["long"]["prompt_tokens"] == truth["long"]["prompt_tokens"] > 3000, (rows["long"], truth["long"])
     for t in ("long", "ok0", "ok1", "ok2"):
         note = rows[t]["energy_note"] or ""
@@ -406,17 +393,7 @@ def test_a_stateful_responses_turn_is_costed_the_conversation_its_usage_says_and
 
     import aiohttp
 
-    from powerprof.daemon.config import load_config
-    from powerprof.daemon.service import Daemon
-    from powerprof.rig import Rig
-
-    nvml = SimNVML("h200-141g", state_path=None)
-    srv = SimServer(nvml, flavour="vllm", n_slots=64, batching="continuous").start()
-    cfg = load_config(None, env={}, overrides={
-        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
-        "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
-        "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
-    daemon = Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
+    srv, daemon = _h200_daemon(tmp_path, "vllm")
 
     async def post(s, url, tag, body):
         return await s.post(url + "/v1/responses", json=dict(body, model="m", max_output_tokens=80, ignore_eos=True),
@@ -436,13 +413,7 @@ def test_a_stateful_responses_turn_is_costed_the_conversation_its_usage_says_and
             assert r.status == 200, await r.text()
             await r.read()
 
-    async def main():
-        task = asyncio.create_task(daemon.run())
-        for _ in range(600):
-            if "proxy" in daemon.urls and daemon.ledger is not None:
-                break
-            await asyncio.sleep(0.05)
-        url = daemon.urls["proxy"]
+    async def scene(url):
         async with aiohttp.ClientSession() as s:
             ids = []
             for k in range(3):  # the stored first turns: ~3000 words of history each; the last not through the proxy
@@ -460,19 +431,11 @@ def test_a_stateful_responses_turn_is_costed_the_conversation_its_usage_says_and
             for r in await asyncio.gather(*jobs):
                 if r is not None:
                     await r.read()
-        await asyncio.sleep(3)
-        daemon.stop_event.set()
-        await task
 
-    try:
-        asyncio.run(main())
-    finally:
-        srv.stop()
+    _run_daemon(srv, daemon, scene, after_s=3)
     truth = srv.request_truth()
-    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
-            if isinstance(r["tag"], str)}
-    err = {t: (r["gpu_energy_j"] - truth[t]["energy_j"]) / truth[t]["energy_j"] for t, r in rows.items() if t in truth}
-    print({t: round(100 * e, 1) for t, e in sorted(err.items())})
+    rows = _rows_by_tag(tmp_path)
+    err = _errors_shown(rows, truth)
     own = f"{PROMPT_UNREAD_FLAG}: its request body was read but its prompt's size could not be"
     for t in ("turn3", "turn6"):
         assert truth[t]["prompt_tokens"] > 3000, truth[t]  # the stored conversation, prefilled again

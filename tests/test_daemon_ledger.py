@@ -27,6 +27,13 @@ def _trace(rid, arrival_s, stream=True):
     return RequestTrace(rid, "POST", "/completion", "t", int(arrival_s * S), 0, api="llamacpp", stream=stream)
 
 
+def _answered_without_counts(led, tr, status, end_s):
+    """`tr` ends with `status` at `end_s`, the server having said nothing of its tokens or prompt."""
+    tr.status, tr.end_ns = status, int(end_s * S)
+    tr.counts = Counts(None, None, None, None, "none")
+    led.on_end(tr)
+
+
 def _feed(ledger, t_s, energy_j, power_w=200.0):
     ledger.add_gpu_sample(int(t_s * S), int(t_s * S), [R(energy_j, power_w)])
 
@@ -713,17 +720,11 @@ def test_an_error_answer_with_no_work_takes_no_energy_and_its_time_stays_idle():
     # charged the idle GPU's energy over its life (31 J for one 413 on the simulator) and idle was short.
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    err = RequestTrace(1, "POST", "/completion", "t", int(0.2 * S), 0, api="llamacpp", stream=False)
-    ok = RequestTrace(2, "POST", "/completion", "t", int(2.2 * S), 0, api="llamacpp", stream=True)
+    err, ok = _trace(1, 0.2, stream=False), _trace(2, 2.2)
     for tr in (err, ok):
         led.on_start(tr)
-    err.status, err.end_ns = 413, int(0.9 * S)
-    err.counts = Counts(None, None, None, None, "none")
-    led.on_end(err)
-    ok.status = 200  # a slow step: nothing measurable yet, but a request that was answered
-    ok.end_ns = int(2.8 * S)
-    ok.counts = Counts(None, None, None, None, "none")
-    led.on_end(ok)
+    _answered_without_counts(led, err, 413, 0.9)
+    _answered_without_counts(led, ok, 200, 2.8)  # a slow step: nothing measurable yet, but a request that was answered
     for k in range(4):
         _feed(led, float(k), 100.0 * k)
     led.advance(int(3.5 * S))
@@ -752,9 +753,7 @@ def _alone_with_no_work(trace) -> tuple[dict, dict]:
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     led.on_start(trace)
-    trace.status, trace.end_ns = 200, int(0.9 * S)
-    trace.counts = Counts(None, None, None, None, "none")
-    led.on_end(trace)
+    _answered_without_counts(led, trace, 200, 0.9)
     for k in range(3):
         _feed(led, float(k), 100.0 * k)
     led.advance(int(2.5 * S))
@@ -4276,16 +4275,13 @@ def test_a_body_its_client_left_mid_way_takes_no_energy_and_its_time_stays_with_
 
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    left = RequestTrace(1, "POST", "/completion", "t", int(0.2 * S), 0, api="llamacpp", stream=True)
-    ok = RequestTrace(2, "POST", "/completion", "t", int(0.3 * S), 0, api="llamacpp", stream=True)
+    left, ok = _trace(1, 0.2), _trace(2, 0.3)
     for tr in (left, ok):
         led.on_start(tr)
     left.outcome, left.end_ns = "client_disconnected", int(1.6 * S)
     left.error = f"{BODY_LEFT_NOTE}; fix: none here: the client closed its connection mid-body"
     led.on_end(left)
-    ok.status, ok.end_ns = 200, int(1.8 * S)  # a slow step: nothing measurable, a request that was answered
-    ok.counts = Counts(None, None, None, None, "none")
-    led.on_end(ok)
+    _answered_without_counts(led, ok, 200, 1.8)  # a slow step: nothing measurable, a request that was answered
     for k in range(3):
         _feed(led, float(k), 100.0 * k)
     led.advance(int(2.5 * S))

@@ -73,9 +73,7 @@ class Upstream:
 async def _proxy_for_completion(completion, rec):
     """An upstream answering POST /completion with `completion`, and a proxy in front recording to
     `rec`: (upstream runner, proxy runner, proxy URL)."""
-    app = web.Application()
-    app.router.add_post("/completion", completion)
-    r1, up_url = await serve_here(app)
+    r1, up_url = await _upstream_at(completion)
     r2, px_url = await serve_here(Proxy(up_url, recorder=rec).app())
     return r1, r2, px_url
 
@@ -107,6 +105,44 @@ async def _setup(rec, upstream_url=None):
     proxy = Proxy(upstream_url or up_url, recorder=rec)
     px_runner, px_url = await serve_here(proxy.app())
     return up, up_url, up_runner, proxy, px_url, px_runner
+
+
+async def _upstream_at(completion, **app_kwargs):
+    """An upstream answering POST /completion with `completion`: (its runner, its URL)."""
+    app = web.Application(**app_kwargs)
+    app.router.add_post("/completion", completion)
+    return await serve_here(app)
+
+
+async def _upstream_keeping(seen, **app_kwargs):
+    """An upstream keeping each POST /completion body it gets in `seen`, answering one token: (its runner, its URL)."""
+
+    async def completion(request):
+        seen.append(await request.read())
+        return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+    return await _upstream_at(completion, **app_kwargs)
+
+
+async def _raw_send(url, *steps):
+    """A raw connection to the port of `url` (the proxy), then `steps` in order: bytes are written and drained, a
+    number is a pause of that many seconds (a slow or partial body). Returns (reader, writer), still open."""
+    r, w = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    for step in steps:
+        if isinstance(step, (int, float)):
+            await asyncio.sleep(step)
+        else:
+            w.write(step)
+            await w.drain()
+    return r, w
+
+
+async def _until(done, tries=100, every_s=0.02):
+    """Poll `done()` every `every_s` up to `tries` times (the rows come a moment after the answer); no assertion."""
+    for _ in range(tries):
+        if done():
+            break
+        await asyncio.sleep(every_s)
 
 
 def test_streams_pass_byte_for_byte_and_tokens_are_counted_not_events():
@@ -228,10 +264,7 @@ def test_client_disconnect_cancels_the_upstream_stream():
             r = await s.post(px_url + "/completion", json={"n_predict": 500, "stream": True, "delay": 0.01})
             await r.content.read(100)
             r.close()  # drop the connection mid-stream
-        for _ in range(100):
-            if up.cancelled and rec.ended:
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: up.cancelled and rec.ended, every_s=0.05)
         await r2.cleanup()
         await r1.cleanup()
         return up, rec
@@ -253,10 +286,7 @@ def test_a_client_leaving_after_the_last_event_keeps_the_streams_counts():
             while not (b'"stop":true' in body and body.endswith(b"\n\n")):
                 body += await r.content.readany()
             r.close()
-        for _ in range(100):
-            if rec.ended:
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: rec.ended, every_s=0.05)
         await r2.cleanup()
         await r1.cleanup()
         return rec
@@ -320,17 +350,11 @@ def test_a_client_leaving_mid_body_is_a_client_disconnect_not_an_upstream_failur
     async def main():
         rec = Rec()
         up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
-        port = int(px_url.rsplit(":", 1)[1])
         for length in (100, 2_000_000):  # under and over the inspected size
-            _r, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"POST /echo/x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n0123456789" % length)
-            await w.drain()
-            await asyncio.sleep(0.2)  # the proxy is waiting for the rest
+            _r, w = await _raw_send(px_url, b"POST /echo/x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n0123456789"
+                                    % length, 0.2)  # the proxy is waiting for the rest
             w.close()
-            for _ in range(250):
-                if len(rec.ended) == (1 if length == 100 else 2):
-                    break
-                await asyncio.sleep(0.02)
+            await _until(lambda: len(rec.ended) == (1 if length == 100 else 2), tries=250)
         await r2.cleanup()
         await r1.cleanup()
         return proxy, rec
@@ -351,15 +375,10 @@ def test_a_body_left_mid_way_opens_its_error_with_that_and_keeps_what_was_said_b
     async def main():
         rec = Rec()
         up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
-        _r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
-        w.write(b"POST /echo/x HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
-        await w.drain()
-        await asyncio.sleep(0.2)
+        _r, w = await _raw_send(px_url, b"POST /echo/x HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789",
+                                0.2)
         w.close()
-        for _ in range(250):
-            if rec.ended:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: rec.ended, tries=250)
         await r2.cleanup()
         await r1.cleanup()
         return rec
@@ -387,20 +406,14 @@ def test_bodies_read_whole_are_bounded_together_and_one_past_the_budget_streams_
             _r, w = await asyncio.open_connection("127.0.0.1", port)
             w.write(b"POST /echo/x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n0123456789" % length)
             held.append(w)
-        for _ in range(100):
-            if proxy._inspecting == 2 * length:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: proxy._inspecting == 2 * length)
         assert proxy._inspecting == 2 * length
         async with aiohttp.ClientSession() as s:  # a third would pass the budget: streamed on, answered whole
             async with s.post(px_url + "/echo/y", data=b"\x01" * length) as r:
                 got = json.loads(await r.read())
         for w in held:
             w.close()
-        for _ in range(250):
-            if len(rec.ended) == 3:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: len(rec.ended) == 3, tries=250)
         await r2.cleanup()
         await r1.cleanup()
         return proxy, rec, got
@@ -428,9 +441,7 @@ def test_a_body_read_whole_gives_its_budget_back_once_its_answer_begins():
             await resp.write(b'data: {"content":"","tokens":[],"stop":true,"tokens_predicted":1}\n\n')
             return resp
 
-        app = web.Application()
-        app.router.add_post("/completion", slow)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_at(slow)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec)
         r2, px_url = await serve_here(proxy.app())
@@ -472,10 +483,7 @@ def test_a_client_leaving_before_the_response_head_closes_the_upstream():
         while not sim.truth_cancelled and asyncio.get_running_loop().time() - t0 < 5:
             await asyncio.sleep(0.02)
         waited = asyncio.get_running_loop().time() - t0
-        for _ in range(100):
-            if rec.ended:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: rec.ended)
         await r2.cleanup()
         return proxy, rec, waited
 
@@ -952,10 +960,7 @@ def test_a_client_leaving_mid_stream_is_flagged_with_the_tokens_it_could_not_see
             while not (b'"stop":true' in body and body.endswith(b"\n\n")):
                 body += await r.content.readany()
             r.close()  # after the stream's own end: nothing unseen
-        for _ in range(100):
-            if len(rec.ended) == 2:
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: len(rec.ended) == 2, every_s=0.05)
         await r2.cleanup()
         await r1.cleanup()
         return rec
@@ -1012,10 +1017,7 @@ def test_what_the_server_sends_until_it_notices_a_client_gone_is_counted_for_the
             r = await s.post(px_url + "/completion", json={"stream": True})
             await r.content.read(len(ev) * 3)
             r.close()
-        for _ in range(100):
-            if rec.ended:
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: rec.ended, every_s=0.05)
         await r2.cleanup()
         server.close()
         return rec
@@ -1060,10 +1062,7 @@ def test_a_server_that_ignores_the_end_of_the_proxys_side_is_cut_after_the_drain
             await r.content.read(len(ev) * 3)
             t0 = loop.time()
             r.close()
-        for _ in range(100):
-            if rec.ended and box["cut"]:
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: rec.ended and box["cut"], every_s=0.05)
         took = loop.time() - t0
         await r2.cleanup()
         server.close()
@@ -1162,9 +1161,7 @@ def test_a_chunked_body_is_read_whole_and_inspected_and_one_past_the_bound_has_i
             seen.append((await request.read(), request.headers.get("Transfer-Encoding")))
             return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
 
-        app = web.Application(client_max_size=4 * INSPECT_MAX_BYTES)
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_at(completion, client_max_size=4 * INSPECT_MAX_BYTES)
         rec = Rec()
         r2, px_url = await serve_here(Proxy(up_url, recorder=rec).app())
         small = json.dumps({"model": "m", "prompt": "p" * 30_000, "n_predict": 1, "stream": False}).encode()
@@ -1263,14 +1260,7 @@ def test_a_trickled_chunked_body_gives_its_budget_back_after_body_timeout_s_and_
 
     async def main():
         seen = []
-
-        async def completion(request):
-            seen.append(await request.read())
-            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
-
-        app = web.Application(client_max_size=4 << 20)
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_keeping(seen, client_max_size=4 << 20)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec, body_timeout_s=0.5, body_min_bytes_per_s=100)
         r2, px_url = await serve_here(proxy.app())
@@ -1293,10 +1283,7 @@ def test_a_trickled_chunked_body_gives_its_budget_back_after_body_timeout_s_and_
         await w.drain()
         head = await asyncio.wait_for(_r.read(65536), 10)
         w.close()
-        for _ in range(100):
-            if len(rec.ended) == 2:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: len(rec.ended) == 2)
         await r2.cleanup()
         await r1.cleanup()
         return proxy, rec, seen, body, held, head
@@ -1335,23 +1322,17 @@ def test_a_chunked_body_silent_after_a_late_chunk_gives_its_budget_back_at_body_
             await request.read()
             return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
 
-        app = web.Application(client_max_size=4 << 20)
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_at(completion, client_max_size=4 << 20)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec, body_timeout_s=timeout_s, body_min_bytes_per_s=100)
         r2, px_url = await serve_here(proxy.app())
-        port = int(px_url.rsplit(":", 1)[1])
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
         async def silent_client(late: bool, chunked: bool = True):
-            r, w = await asyncio.open_connection("127.0.0.1", port)
-            if chunked:
-                w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
-            else:
-                w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n{\"a\":")
-            await w.drain()
+            r, w = await _raw_send(
+                px_url, b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n" if chunked
+                else b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n{\"a\":")
             if late:
                 await asyncio.sleep(timeout_s * 0.8)  # one more chunk just before the deadline, then nothing
                 w.write(b"c8\r\n%b\r\n" % (b" " * 200))  # 200 bytes: 2 s more under the 100 bytes/s rate
@@ -1376,10 +1357,7 @@ def test_a_chunked_body_silent_after_a_late_chunk_gives_its_budget_back_at_body_
                 await r.read()
         late = await asyncio.gather(*tasks)
         ends = (await early, await length)
-        for _ in range(100):
-            if len(rec.ended) == n + 3:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: len(rec.ended) == n + 3)
         await r2.cleanup()
         await r1.cleanup()
         return proxy, rec, held, honest, late, ends, len(reached)
@@ -1409,14 +1387,7 @@ def test_a_chunked_body_of_exactly_the_bound_is_read_whole_and_one_byte_more_is_
 
     async def main():
         seen = []
-
-        async def completion(request):
-            seen.append(await request.read())
-            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
-
-        app = web.Application(client_max_size=4 * INSPECT_MAX_BYTES)
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_keeping(seen, client_max_size=4 * INSPECT_MAX_BYTES)
         rec = Rec()
         r2, px_url = await serve_here(Proxy(up_url, recorder=rec).app())
         bodies = []
@@ -1461,9 +1432,7 @@ def test_a_chunked_body_holds_only_its_own_size_of_the_budget_once_read():
             await answer.wait()
             return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
 
-        app = web.Application(client_max_size=4 * INSPECT_MAX_BYTES)
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_at(completion, client_max_size=4 * INSPECT_MAX_BYTES)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec)
         r2, px_url = await serve_here(proxy.app())
@@ -1563,9 +1532,7 @@ def test_a_chunked_bodys_read_prefix_stays_in_the_budget_until_written_upstream(
             seen.append(await request.read())
             return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
 
-        app = web.Application(client_max_size=4 * INSPECT_MAX_BYTES)
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_at(completion, client_max_size=4 * INSPECT_MAX_BYTES)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec, max_connections=1)
         r2, px_url = await serve_here(proxy.app())
@@ -1647,29 +1614,20 @@ def test_a_chunked_body_that_ends_just_after_the_deadline_is_read_whole():
             await request.read()
             return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
 
-        app = web.Application()
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_at(completion)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec, body_timeout_s=0.4, body_min_bytes_per_s=0)
         r2, px_url = await serve_here(proxy.app())
         body = json.dumps({"model": "late", "prompt": "hello", "n_predict": 1}).encode()
-        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
-        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                b"%x\r\n%b\r\n" % (10, body[:10]))
-        await w.drain()
-        await asyncio.sleep(0.25)  # never silent for 0.4 s; the rest 0.1 s after the deadline
-        w.write(b"%x\r\n%b\r\n" % (5, body[10:15]))
-        await w.drain()
-        await asyncio.sleep(0.25)
-        w.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body) - 15, body[15:]))
-        await w.drain()
+        r, w = await _raw_send(px_url, b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                               b"%x\r\n%b\r\n" % (10, body[:10]),
+                               0.25,  # never silent for 0.4 s; the rest 0.1 s after the deadline
+                               b"%x\r\n%b\r\n" % (5, body[10:15]),
+                               0.25,
+                               b"%x\r\n%b\r\n0\r\n\r\n" % (len(body) - 15, body[15:]))
         head = await asyncio.wait_for(r.read(65536), 10)
         w.close()
-        for _ in range(100):
-            if rec.ended:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: rec.ended)
         await r2.cleanup()
         await r1.cleanup()
         return head, rec, proxy
@@ -1689,37 +1647,23 @@ def test_a_chunked_body_whose_end_marker_comes_apart_past_the_deadline_is_read_w
     a gap longer than that streams it on."""
 
     async def main():
-        async def completion(request):
-            seen.append(await request.read())
-            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
-
         seen = []
-        app = web.Application()
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_keeping(seen)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec, body_timeout_s=0.4, body_min_bytes_per_s=0)
         r2, px_url = await serve_here(proxy.app())
         body = json.dumps({"model": "late", "prompt": "hello", "n_predict": 1}).encode()
-        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
-        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                b"%x\r\n%b\r\n" % (10, body[:10]))
-        await w.drain()
-        await asyncio.sleep(0.25)
-        w.write(b"%x\r\n%b\r\n" % (5, body[10:15]))
-        await w.drain()
-        await asyncio.sleep(0.25)  # past the deadline
-        w.write(b"%x\r\n%b\r\n" % (len(body) - 15, body[15:]))
-        await w.drain()
-        await asyncio.sleep(gap_s)
-        w.write(b"0\r\n\r\n")
-        await w.drain()
+        r, w = await _raw_send(px_url, b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                               b"%x\r\n%b\r\n" % (10, body[:10]),
+                               0.25,
+                               b"%x\r\n%b\r\n" % (5, body[10:15]),
+                               0.25,  # past the deadline
+                               b"%x\r\n%b\r\n" % (len(body) - 15, body[15:]),
+                               gap_s,
+                               b"0\r\n\r\n")
         head = await asyncio.wait_for(r.read(65536), 10)
         w.close()
-        for _ in range(100):
-            if rec.ended:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: rec.ended)
         await r2.cleanup()
         await r1.cleanup()
         return head, rec, proxy, seen, body
@@ -1759,14 +1703,7 @@ def test_a_body_reader_that_raises_fails_open(monkeypatch, fallback_fails):
 
     async def main():
         seen = []
-
-        async def completion(request):
-            seen.append(await request.read())
-            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
-
-        app = web.Application()
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_keeping(seen)
         rec = Started()
         proxy = Proxy(up_url, recorder=rec)
         r2, px_url = await serve_here(proxy.app())
@@ -1779,10 +1716,7 @@ def test_a_body_reader_that_raises_fails_open(monkeypatch, fallback_fails):
             async with s.post(px_url + "/completion", data=gen()) as r:
                 status = r.status
                 await r.read()
-        for _ in range(100):
-            if rec.ended:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: rec.ended)
         await r2.cleanup()
         await r1.cleanup()
         return status, seen, body, rec, proxy
@@ -1819,34 +1753,18 @@ def test_a_body_reader_that_raises_after_consuming_a_chunk_answers_500_not_a_cut
 
     async def main():
         seen = []
-
-        async def completion(request):
-            seen.append(await request.read())
-            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
-
-        app = web.Application()
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_keeping(seen)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec, body_timeout_s=5, body_min_bytes_per_s=0)
         r2, px_url = await serve_here(proxy.app())
         body = b'{"model": "m", "prompt": "' + b"x" * (3000 - 28) + b'"}'
-        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
-        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                + b"%x\r\n%b\r\n" % (1000, body[:1000]))
-        await w.drain()
-        for part in (body[1000:2000], body[2000:]):
-            await asyncio.sleep(0.05)
-            w.write(b"%x\r\n%b\r\n" % (len(part), part))
-            await w.drain()
-        w.write(b"0\r\n\r\n")
-        await w.drain()
+        # 0.05 s before each of the other two chunks
+        pieces = [x for part in (body[1000:2000], body[2000:]) for x in (0.05, b"%x\r\n%b\r\n" % (len(part), part))]
+        r, w = await _raw_send(px_url, b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                               + b"%x\r\n%b\r\n" % (1000, body[:1000]), *pieces, b"0\r\n\r\n")
         head = await asyncio.wait_for(r.read(65536), 10)
         w.close()
-        for _ in range(100):
-            if rec.ended:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: rec.ended)
         await r2.cleanup()
         await r1.cleanup()
         return head, seen, rec, proxy
@@ -1883,31 +1801,17 @@ def test_a_content_length_body_whose_read_raises_streams_on_unless_bytes_were_lo
 
     async def main():
         seen = []
-
-        async def completion(request):
-            seen.append(await request.read())
-            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
-
-        app = web.Application()
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_keeping(seen)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec, body_timeout_s=5)
         r2, px_url = await serve_here(proxy.app())
         body = json.dumps({"model": "m", "prompt": "hi"}).encode()
-        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
-        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
-                % (len(body), body[:5]))
-        await w.drain()
-        await asyncio.sleep(0.1)
-        w.write(body[5:])
-        await w.drain()
+        r, w = await _raw_send(
+            px_url, b"POST /completion HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
+            % (len(body), body[:5]), 0.1, body[5:])
         got = await asyncio.wait_for(r.read(), 10)  # read to the close: the connection carries no other request
         w.close()
-        for _ in range(100):
-            if rec.ended:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: rec.ended)
         await r2.cleanup()
         await r1.cleanup()
         return got, seen, rec, proxy
@@ -1955,9 +1859,8 @@ def test_a_request_ended_before_it_was_forwarded_has_a_row_without_energy(monkey
         led = Ledger("d", 0, 1, sink, grace_s=0.1)
         proxy = Proxy(up_url, recorder=led, body_timeout_s=0.3)
         r2, px_url = await serve_here(proxy.app())
-        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
-        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
-        await w.drain()
+        r, w = await _raw_send(px_url,
+                               b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
         if case == "left":
             await asyncio.sleep(0.1)
             w.close()
@@ -1965,10 +1868,7 @@ def test_a_request_ended_before_it_was_forwarded_has_a_row_without_energy(monkey
             await asyncio.wait_for(r.read(65536), 10)
             w.close()
             await w.wait_closed()
-        for _ in range(100):
-            if sink.rows["requests"]:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: sink.rows["requests"])
         await r2.cleanup()
         await r1.cleanup()
         return sink
@@ -1989,24 +1889,15 @@ def _chunked_through(proxy_kwargs, body, between=None, pause_s=0.0, setup=None):
 
     async def main():
         seen = []
-
-        async def completion(request):
-            seen.append(await request.read())
-            return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
-
-        app = web.Application(client_max_size=8 << 20)
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_keeping(seen, client_max_size=8 << 20)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec, **proxy_kwargs)
         if setup:
             setup(proxy)
         r2, px_url = await serve_here(proxy.app())
-        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
         h = len(body) // 2
-        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                + b"%x\r\n%b\r\n" % (h, body[:h]))
-        await w.drain()
+        r, w = await _raw_send(px_url, b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                               + b"%x\r\n%b\r\n" % (h, body[:h]))
         if pause_s:
             await asyncio.sleep(pause_s)
         if between:
@@ -2015,10 +1906,7 @@ def _chunked_through(proxy_kwargs, body, between=None, pause_s=0.0, setup=None):
         await w.drain()
         head = await asyncio.wait_for(r.read(65536), 10)
         w.close()
-        for _ in range(100):
-            if rec.ended:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: rec.ended)
         await r2.cleanup()
         await r1.cleanup()
         return head.split(b"\r\n", 1)[0], seen, rec.ended, proxy
@@ -2084,15 +1972,12 @@ def test_a_body_trickled_in_pieces_within_the_grace_streams_on_soon_after_the_de
             await request.read()
             return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
 
-        app = web.Application()
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_at(completion)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec, body_timeout_s=0.4, body_min_bytes_per_s=0)
         r2, px_url = await serve_here(proxy.app())
-        r, w = await asyncio.open_connection("127.0.0.1", int(px_url.rsplit(":", 1)[1]))
-        w.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
-        await w.drain()
+        r, w = await _raw_send(px_url,
+                               b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
         t0 = time.monotonic()
         while time.monotonic() - t0 < 2.0:  # the deadline at 0.4 s, then pieces every 20 ms for 1.6 s more
             await asyncio.sleep(0.02)
@@ -2132,9 +2017,7 @@ def test_a_body_that_breaks_http_framing_is_the_clients_fault_not_a_proxy_bug(mo
             seen.append(await request.read())
             return web.json_response({"content": "x"})
 
-        app = web.Application()
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_at(completion)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec)
         r2, px_url = await serve_here(proxy.app())
@@ -2145,10 +2028,7 @@ def test_a_body_that_breaks_http_framing_is_the_clients_fault_not_a_proxy_bug(mo
         async with aiohttp.ClientSession() as s:
             async with s.post(px_url + "/completion", data=gen()) as r:
                 await r.read()
-        for _ in range(100):
-            if rec.ended:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: rec.ended)
         await r2.cleanup()
         await r1.cleanup()
         return seen, rec, proxy
@@ -2178,25 +2058,18 @@ def test_a_chunk_read_past_the_deadline_stays_within_the_budget(monkeypatch):
             seen.append(await request.read())
             return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
 
-        app = web.Application(client_max_size=1 << 20)
-        app.router.add_post("/completion", completion)
-        r1, up_url = await serve_here(app)
+        r1, up_url = await _upstream_at(completion, client_max_size=1 << 20)
         proxy = Proxy(up_url, recorder=Rec(), max_connections=1, body_timeout_s=0.4, body_min_bytes_per_s=0)
         r2, px_url = await serve_here(proxy.app())
-        port = int(px_url.rsplit(":", 1)[1])
         bodies = [bytes([65 + i]) * ((16 << 10) - 256 + (20 << 10)) for i in range(4)]
 
         async def client(b):
-            r, w = await asyncio.open_connection("127.0.0.1", port)
             head = b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-            w.write(head + b"%x\r\n%b\r\n" % ((16 << 10) - 512, b[:(16 << 10) - 512]))
-            await w.drain()
-            await asyncio.sleep(0.3)
-            w.write(b"%x\r\n%b\r\n" % (256, b[(16 << 10) - 512:(16 << 10) - 256]))
-            await w.drain()
-            await asyncio.sleep(0.25)  # past the deadline, never silent for 0.4 s
-            w.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(b) - (16 << 10) + 256, b[(16 << 10) - 256:]))
-            await w.drain()
+            r, w = await _raw_send(px_url, head + b"%x\r\n%b\r\n" % ((16 << 10) - 512, b[:(16 << 10) - 512]),
+                                   0.3,
+                                   b"%x\r\n%b\r\n" % (256, b[(16 << 10) - 512:(16 << 10) - 256]),
+                                   0.25,  # past the deadline, never silent for 0.4 s
+                                   b"%x\r\n%b\r\n0\r\n\r\n" % (len(b) - (16 << 10) + 256, b[(16 << 10) - 256:]))
             out = await asyncio.wait_for(r.read(65536), 20)
             w.close()
             return out

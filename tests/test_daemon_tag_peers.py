@@ -20,6 +20,17 @@ THEM = 65534  # nobody
 TAGGERS = 65533  # a gid standing for powerprof-tag
 
 
+def _what_the_child_wrote(pid: int, r: int, w: int) -> bytes:
+    """In the parent after the fork: all the child wrote to the pipe (`r`, `w`) until it exited, the child reaped."""
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return out
+
+
 def _as_other(folder, sock_name: str, uid: int, gid: int, groups=(), request: bytes | None = None) -> tuple[int, dict]:
     """HTTP status and JSON body the tag socket answers a process of `uid` (primary `gid`, supplementary `groups`).
     The child enters the socket's folder as root, then drops to the uid: it connects by the relative name, so the
@@ -47,12 +58,7 @@ def _as_other(folder, sock_name: str, uid: int, gid: int, groups=(), request: by
             os.write(w, f"CHILD FAILED {type(e).__name__}: {e}".encode())
         finally:
             os._exit(0)
-    os.close(w)
-    out = b""
-    while chunk := os.read(r, 65536):
-        out += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
+    out = _what_the_child_wrote(pid, r, w)
     head, _, body = out.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1."), out[:300]
     return int(head.split()[1]), json.loads(body or b"{}")
@@ -210,12 +216,7 @@ def _client_as_other(cwd, uid: int, gid: int, socket_path: str) -> str:
         finally:
             os.write(w, out.encode())
             os._exit(0)
-    os.close(w)
-    out = b""
-    while chunk := os.read(r, 65536):
-        out += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
+    out = _what_the_child_wrote(pid, r, w)
     return out.decode()
 
 

@@ -280,12 +280,11 @@ def test_the_daemon_says_a_config_nested_past_pythons_stack_as_a_config_error(tm
     assert r.exit_code == 2 and "is not valid TOML" in r.output and "Traceback" not in r.output, (r.output, r.exception)
 
 
-def _trickling_daemon(path, where: str, every_s: float, for_s: float):
-    """A peer on a Unix socket that answers a request's head with a status line, then one header line (`where` =
-    "head") or one body byte ("body") every `every_s`, for `for_s` in all, then closes: a hung or hostile daemon."""
+def _one_request_peer(path, answer):
+    """A peer on a Unix socket that reads one request's head, has `answer(connection)` answer it, then closes (the
+    connection and the socket); its thread."""
     import socket
     import threading
-    import time
 
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(path))
@@ -297,20 +296,31 @@ def _trickling_daemon(path, where: str, every_s: float, for_s: float):
             data = b""
             while b"\r\n\r\n" not in data and (d := c.recv(65536)):
                 data += d
-            c.sendall(b"HTTP/1.1 200 OK\r\n" if where == "head" else
-                      b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{")
-            end = time.monotonic() + for_s
-            while time.monotonic() < end:
-                time.sleep(every_s)
-                try:
-                    c.sendall(b"X-A: b\r\n" if where == "head" else b" ")
-                except OSError:
-                    return  # the client gave up: what it should do
+            answer(c)
         srv.close()
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     return t
+
+
+def _trickling_daemon(path, where: str, every_s: float, for_s: float):
+    """A peer on a Unix socket that answers a request's head with a status line, then one header line (`where` =
+    "head") or one body byte ("body") every `every_s`, for `for_s` in all, then closes: a hung or hostile daemon."""
+    import time
+
+    def trickle(c):
+        c.sendall(b"HTTP/1.1 200 OK\r\n" if where == "head" else
+                  b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{")
+        end = time.monotonic() + for_s
+        while time.monotonic() < end:
+            time.sleep(every_s)
+            try:
+                c.sendall(b"X-A: b\r\n" if where == "head" else b" ")
+            except OSError:
+                return  # the client gave up: what it should do
+
+    return _one_request_peer(path, trickle)
 
 
 @pytest.mark.parametrize("where", ["head", "body"])
@@ -332,23 +342,7 @@ def test_a_daemon_that_trickles_its_answer_is_given_up_on_at_the_timeout_in_all(
 
 def _answering_daemon(path, raw: bytes):
     """A peer on a Unix socket that answers one request with `raw`, then closes."""
-    import socket
-    import threading
-
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(path))
-    srv.listen(4)
-
-    def serve():
-        c, _ = srv.accept()
-        with c:
-            data = b""
-            while b"\r\n\r\n" not in data and (d := c.recv(65536)):
-                data += d
-            c.sendall(raw)
-        srv.close()
-
-    threading.Thread(target=serve, daemon=True).start()
+    _one_request_peer(path, lambda c: c.sendall(raw))
 
 
 @pytest.mark.parametrize("status, body", [(200, b'"x"'), (404, b"[1,2]"), (200, b"[]")])
