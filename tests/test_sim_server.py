@@ -375,3 +375,31 @@ def test_llamacpp_looks_at_a_gone_client_only_after_a_second_without_any_result(
     else:  # noticed only once a second went by without a result: after the last read
         assert row["t_abort_ns"] >= t_last_read - 0.3e9, (row, t_last_read)
         assert (row["t_abort_ns"] - t_last_read) / 1e9 <= 1.6, (row, t_last_read)
+
+
+def test_a_look_at_the_clients_costs_what_the_clients_are_not_what_they_times_the_queue_are():
+    # The watch looks at every running request's connection every CLIENT_WATCH_TICK_S (20 ms). It asked of each
+    # client whether its sequences were still in the engine by `r in self._active or r in self._waiting`, and _Req's
+    # dataclass equality built two ~35-field tuples a comparison: a look cost clients x queue comparisons. Behind a
+    # backlog (test_attribution_mixed's 800-request vLLM scene on a loaded host: 665 clients, 719 waiting) one look
+    # took seconds of the server's loop, its steps fell from ~20 a second to one in 5-10 s, the backlog grew on, and
+    # requests of 26 tokens were unanswered after 120-300 s (aiohttp's TimeoutError). 1500 clients queued here.
+    import types
+
+    import numpy as np
+
+    from powerprof.sim.server import _Client, _Req
+
+    s = SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", n_slots=64)
+    open_conn = types.SimpleNamespace(transport=types.SimpleNamespace(is_closing=lambda: False))
+    for i in range(1564):
+        r = _Req(rid=i, prompt_tokens=300, n_predict=60, eos_at=None, cached=0, text_seed=i,
+                 rng=np.random.default_rng(i), queue=None, t_arrive_ns=i)
+        c = _Client(request=open_conn, task=None, t_start_ns=i, reqs=[r], streamed=True)
+        (s._active if i < 64 else s._waiting).append(r)
+        s._clients.add(c)
+    t0 = time.thread_time()
+    s._watch_tick(time.monotonic_ns())
+    cpu_s = time.thread_time() - t0
+    assert not any(c.t_gone_ns for c in s._clients)  # every connection open: nobody given up
+    assert cpu_s < 0.2, f"one look at 1564 clients took {cpu_s:.2f} s of CPU"

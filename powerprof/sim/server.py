@@ -172,7 +172,7 @@ def _gone(request: web.Request) -> bool:
     return tr is None or tr.is_closing()
 
 
-@dataclass
+@dataclass(eq=False)  # one request is itself alone: identity, not a tuple of its ~35 fields a comparison (_watch_tick)
 class _Req:
     rid: int
     prompt_tokens: int
@@ -922,22 +922,28 @@ class SimServer:
                 self._watch_wake.clear()  # no wakeups while nothing runs (an idle server costs no CPU)
                 await self._watch_wake.wait()
             await asyncio.sleep(CLIENT_WATCH_TICK_S)
-            now = time.monotonic_ns()
-            for c in list(self._clients):
-                if not self._running(c) or c.t_gone_ns:
+            self._watch_tick(time.monotonic_ns())
+
+    def _watch_tick(self, now: int) -> None:
+        """One look of _watch_clients at every running request's connection, at monotonic `now` (ns). Linear in the
+        clients and the engine's sequences: a look asking the engine's lists of each client cost clients x queue, and
+        behind a backlog took the loop from the steps that would clear it (docs/simulator.md)."""
+        engine = self._in_engine()
+        for c in list(self._clients):
+            if not self._running(c, engine) or c.t_gone_ns:
+                continue
+            poll_s = self._client_poll_s(c.streamed)
+            if self.flavour == "llamacpp":
+                if not self._llamacpp_looks(c, now, poll_s):
                     continue
-                poll_s = self._client_poll_s(c.streamed)
-                if self.flavour == "llamacpp":
-                    if not self._llamacpp_looks(c, now, poll_s):
-                        continue
-                elif poll_s > 0:
-                    if now < c.next_check_ns:
-                        continue
-                    # Its polls keep their own rhythm from the request's start (a wait that timed out, again).
-                    periods = (now - c.t_start_ns) // int(poll_s * 1e9)
-                    c.next_check_ns = c.t_start_ns + (periods + 1) * int(poll_s * 1e9)
-                if _gone(c.request):
-                    self._client_left(c)
+            elif poll_s > 0:
+                if now < c.next_check_ns:
+                    continue
+                # Its polls keep their own rhythm from the request's start (a wait that timed out, again).
+                periods = (now - c.t_start_ns) // int(poll_s * 1e9)
+                c.next_check_ns = c.t_start_ns + (periods + 1) * int(poll_s * 1e9)
+            if _gone(c.request):
+                self._client_left(c)
 
     def _llamacpp_looks(self, c: _Client, now: int, poll_s: float) -> bool:
         """Whether llama-server's HTTP thread for c looks at its connection now: its 1 s wait timed out (no result sent
@@ -949,10 +955,16 @@ class SimServer:
         c.looked_ns, c.tokens_seen = now, tokens
         return True
 
-    def _running(self, c: _Client) -> bool:
-        """Whether any of c's sequences is still in the engine, not yet dropped (one the server cut is not its
-        client's leaving)."""
-        return any(not r.cancelled and (r in self._active or r in self._waiting) for r in c.reqs)
+    def _in_engine(self) -> set:
+        """The engine's sequences, active and waiting, as a set (membership at once, whatever the queue's length)."""
+        engine = set(self._active)
+        engine.update(self._waiting)
+        return engine
+
+    def _running(self, c: _Client, engine: set) -> bool:
+        """Whether any of c's sequences is still in the engine (`engine`: its active and waiting sequences), not yet
+        dropped (one the server cut is not its client's leaving)."""
+        return any(not r.cancelled and r in engine for r in c.reqs)
 
     def _client_left(self, c: _Client) -> None:
         """The server noticed that c's client left: its handler is cancelled and its sequences aborted, at once or (an
@@ -976,9 +988,9 @@ class SimServer:
 
     def _drop(self, reqs: list, why: str) -> int:
         """Mark the sequences still in the engine to be dropped at its next step; how many were."""
-        n, now = 0, time.monotonic_ns()
+        n, now, engine = 0, time.monotonic_ns(), self._in_engine()
         for r in reqs:
-            if (r in self._active or r in self._waiting) and not r.cancelled:
+            if r in engine and not r.cancelled:
                 r.cancelled, r.abort, r.t_abort_ns = True, why, now
                 n += 1
         if n and self._wake is not None:
@@ -1819,8 +1831,9 @@ class SimServer:
         """A handler ended before its sequences finished: a client gone (as the flavour's server aborts: _client_left)
         or an error (the engine stops them at its next step)."""
         clients = {id(r.client): r.client for r in reqs if r.client is not None}
+        engine = self._in_engine()
         for c in clients.values():
-            if _gone(c.request) and self._running(c):
+            if _gone(c.request) and self._running(c, engine):
                 self._client_left(c)
         self._drop([r for r in reqs if r.client is None or not r.client.t_gone_ns], "server")
 
