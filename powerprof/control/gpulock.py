@@ -427,6 +427,13 @@ class MachineLock:
             if not holders or controlling:
                 raise self._busy(*(controlling[0] if controlling else (None, None)))
             named = ", ".join(dict.fromkeys(f"process {p} (uid {u})" for p, u, _t in holders))
+            # Kept from now on: a descriptor of the squatter's own socket, so the name stays bound while root holds the
+            # GPU. Passed over and not kept, the name came free when the squatter left, and a controller not run as
+            # root (a CAP_SYS_ADMIN user's: the name is all it has) took the GPU beside root's before root's next
+            # change could bind it (`reclaim`).
+            kept = _take_socket(name, holders, bound)
+            if kept is not None:
+                self._socks[name] = kept
             said = (
                 f"{self._gpu()}: its machine-wide lock name is held by {named}, which could not change this GPU's "
                 "power limit (neither root nor CAP_SYS_ADMIN" + (", nor allowed to write the simulator's state" if
@@ -434,6 +441,9 @@ class MachineLock:
                 + "), so it is no powerprof controller: passed over (root's controllers exclude each other through "
                 f"{self.root_dir}). Held by another user, the name keeps every controller not run as root (a CAP_SYS_ADMIN "
                 f"user's) off this GPU: see `ps -o user,pid,args -p {holders[0][0]}`")
+            if kept is None:
+                said += ("; its socket could not be kept (pidfd_getfd), so root binds the name at its next limit "
+                         "change once it is free")
             self._pass_over(said)
             return
 
@@ -614,6 +624,59 @@ def _holders_from_proc(name: bytes,
     return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found], whole, bound
 
 
+_SYS_PIDFD_GETFD = {"x86_64": 438, "aarch64": 438}.get(os.uname().machine)
+_PIDFD_THREAD = os.O_EXCL  # pidfd_open's flag for a thread that is not its group's leader (Linux 6.9)
+
+
+def _take_socket(name: bytes, holders: list[tuple[int, int | None, int]], bound: frozenset[str],
+                 proc: str = "/proc") -> socket.socket | None:
+    """A descriptor of our own for the one socket bound to the abstract `name` (`bound`, as the scan found it), copied
+    out of a holder's descriptor table (pidfd_getfd: root, CAP_SYS_PTRACE), listening; None where it cannot be (no
+    pidfd_getfd here, the holder gone, the socket no longer in its table). Held, the name stays bound whoever else lets
+    go of it."""
+    if _SYS_PIDFD_GETFD is None or len(bound) != 1:
+        return None
+    want = next(iter(bound))
+    for pid, _uid, tid in holders:
+        where = _task(pid, tid)
+        try:
+            fds = os.listdir(f"{proc}/{where}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            if _readlink(f"{proc}/{where}/fd/{fd}") != want:
+                continue
+            try:
+                pidfd = os.pidfd_open(tid, _PIDFD_THREAD if tid != pid else 0)
+            except OSError:
+                continue
+            try:
+                got = _libc_call().syscall(_SYS_PIDFD_GETFD, pidfd, int(fd), 0)  # close-on-exec, as the kernel gives it
+            finally:
+                os.close(pidfd)
+            if got < 0:
+                continue
+            s = socket.socket(fileno=got)
+            try:
+                if f"socket:[{os.fstat(got).st_ino}]" == want and s.getsockname() == name:
+                    with contextlib.suppress(OSError):  # bound only: ours listens now, and a connect names root
+                        s.listen(socket.SOMAXCONN)
+                    return s
+            except OSError:
+                pass
+            s.close()
+    return None
+
+
+def _libc_call():
+    global _libc
+    if _libc is None:
+        import ctypes  # noqa: PLC0415
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
 _SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(os.uname().machine)
 _KCMP_FILES = 2
 _libc = None
@@ -622,14 +685,9 @@ _libc = None
 def _shares_files(pid: int, tid: int) -> bool:
     """Whether thread `tid` shares its leader `pid`'s descriptor table (kcmp KCMP_FILES); False where unknown (no kcmp
     here, or it failed): then the thread's own table is read. A zombie leader has none, so no thread shares it."""
-    global _libc
     if _SYS_KCMP is None:
         return False
-    if _libc is None:
-        import ctypes  # noqa: PLC0415
-
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc.syscall(_SYS_KCMP, pid, tid, _KCMP_FILES, 0, 0) == 0
+    return _libc_call().syscall(_SYS_KCMP, pid, tid, _KCMP_FILES, 0, 0) == 0
 
 
 def _readlink(path: str) -> str | None:
