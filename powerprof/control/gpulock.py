@@ -454,10 +454,11 @@ class MachineLock:
             print(f"powerprof: warning: {said}", file=sys.stderr, flush=True)
 
     def reclaim(self) -> bool:
-        """Root, having passed over a holder of a name (`warning`): bind each name it lacks now if free, and keep it.
-        Passed over, root never took it: once the squatter left, a controller not run as root (a CAP_SYS_ADMIN user's,
-        which has only the name) could take the GPU beside root's. Called at each limit change; never raises. Whether
-        the name is held now."""
+        """Root, having passed over a holder of a name (`warning`) whose socket it could not keep (`_take_socket`): bind
+        each name it lacks now if free, and keep it. Called at each limit change. Whether the name is held now.
+        GpuBusyError where a process that could control the GPU holds it now: a controller not run as root (a
+        CAP_SYS_ADMIN user's, which has only the name) took it between the squatter leaving and this change. Before,
+        False was ignored and root's change went ahead beside it."""
         missing = [n for n in self.names if n not in self._socks]
         if not missing:
             return True
@@ -471,11 +472,30 @@ class MachineLock:
             try:
                 s.bind(name)
                 s.listen(socket.SOMAXCONN)
-            except OSError:
+            except OSError as e:
                 s.close()
+                if e.errno == errno.EADDRINUSE:
+                    self._refuse_a_controller(name)
                 return False
             self._socks[name] = s
         return True
+
+    def _refuse_a_controller(self, name: bytes) -> None:
+        """GpuBusyError where a process that could control the GPU holds `name` now (judged as `_bind` judges)."""
+        holders, whole, _bound = _holders_from_proc(name)
+        if not holders and not (whole and _sees_every_process()):
+            pid, uid = _holder(name)
+            holders = [(pid, uid, None)] if pid else []
+        controlling = [(p, u) for p, u, t in holders if could_control(self.scope, p, u, tid=t)]
+        if not controlling:
+            return  # the squatter still, or no one: bound at a later change
+        pid, uid = controlling[0]
+        raise GpuBusyError(
+            f"{self._gpu()}: process {pid} (uid {uid}), which could change its power limit, took its machine-wide lock "
+            "name after the squatter root passed over let go: two controllers on one GPU. Stopped before changing it "
+            "again (this GPU goes back to its original limit now); that controller may have read this run's level as "
+            f"the original and put that back when it ends: once it has (or `kill {pid}`), check the GPU's limit "
+            "(nvidia-smi -q -d POWER) and set it back (nvidia-smi -pl) if it is left capped", pid)
 
     def _close_socks(self) -> None:
         socks, self._socks = self._socks, {}

@@ -274,8 +274,8 @@ def _squatter(uuid: str, how: str = "listening", every_name: bool = False):
     parked in an SCM_RIGHTS message: a connect finds the queue full, EAGAIN, neither answered nor refused);
     "parked-listening" (listening, its queue not full, its only descriptor parked in an SCM_RIGHTS message a child
     keeps, the process that listened exited: a connect is answered and its peer credentials name a PID that is gone).
-    `every_name`: the simulated GPU's second name (its folder's identity) held too, as "listening" or "bound-only" (a
-    real GPU has one name: "nvml")."""
+    `every_name`: the simulated GPU's second name (its folder's identity) held too, listening where "listening", parked
+    with the first where that is, bound otherwise (a real GPU has one name: "nvml")."""
     from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
     from powerprof.rig import Rig  # noqa: PLC0415
 
@@ -339,8 +339,9 @@ def _squatter(uuid: str, how: str = "listening", every_name: bool = False):
                 s.listen(16)
             if how in ("in-flight", "full-queue", "parked-listening"):
                 a, b = socket.socketpair()
-                socket.send_fds(a, [b"x"], [s.fileno()])
-                s.close()
+                socket.send_fds(a, [b"x"], [s.fileno()] + [e.fileno() for e in extra])
+                for e in [s] + extra:
+                    e.close()
             elif how not in ("bound-only", "zombie-leader"):
                 s.listen(1)
             if how in ("orphaned", "parked-listening") and os.fork() != 0:
@@ -668,6 +669,38 @@ def test_a_squatter_root_passed_over_leaving_lets_no_capsys_admin_controller_in(
     for name in names:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.bind(name)  # let go at the close
+
+
+@needs_root
+@needs_capsh
+def test_root_stops_when_a_controller_took_a_parked_squatters_name_before_its_next_change(originals):
+    # A squatter's socket parked in an SCM_RIGHTS message cannot be kept: once it went, a CAP_SYS_ADMIN controller not
+    # run as root took the name before root's next change, and that change went ahead (reclaim failed silently): two
+    # controllers on one GPU. Root now stops before changing anything again (GpuBusyError naming the holder), and its
+    # close puts the GPU back.
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    names = MachineLock(_scope(), uuid).names
+    ctl = LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope())
+    other = None
+    try:
+        with _squatter(uuid, "in-flight", every_name=True):
+            ctl.open()
+            ctl.set_power_limit_w(220)
+        time.sleep(0.2)  # the parked sockets go with the squatter's last descriptor
+        other = _capsys_admin_binder(names)
+        assert _wait_for_line(other, "").strip() == "TAKEN"
+        with pytest.raises(GpuBusyError) as e:
+            ctl.set_power_limit_w(230)
+        assert e.value.holder_pid == other.pid and "(uid 65534)" in str(e.value)
+        assert sim_state()[0][0] == 220  # not changed again
+    finally:
+        if other is not None:
+            other.kill()
+            other.communicate(timeout=WAIT_S)
+        ctl.close()
+    assert_untouched()
 
 
 def _scope() -> str:
