@@ -700,7 +700,9 @@ def _take_socket(name: bytes, holders: list[tuple[int, int | None, int]], bound:
             if _readlink(f"{proc}/{where}/fd/{fd}") != want:
                 continue
             try:
-                pidfd = os.pidfd_open(tid, _PIDFD_THREAD if tid != pid else 0)
+                # The thread found holding it (its leader may be a zombie, with no table); the process where only the
+                # peer credentials named it (tid None).
+                pidfd = os.pidfd_open(pid, 0) if tid in (None, pid) else os.pidfd_open(tid, _PIDFD_THREAD)
             except OSError:
                 continue
             try:
