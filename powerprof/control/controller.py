@@ -295,7 +295,8 @@ class LimitController:
     # --- internals ---------------------------------------------------------------------------
 
     def _reclaim_names(self) -> None:
-        """Each machine-wide lock name root passed over (a squatter held it): bound now where it is free, and kept."""
+        """Each machine-wide lock name root passed over (a squatter held it): bound now where it is free, and kept;
+        GpuBusyError, before any change, where a controller took it meanwhile (`MachineLock.reclaim`)."""
         for lock in self._locks:
             if isinstance(lock, MachineLock):
                 lock.reclaim()

@@ -294,7 +294,8 @@ class MachineLock:
             try:
                 fd = os.open(self.root_path, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError:
-                return  # no such file: no root controller holds this GPU
+                self._refuse_a_removed_lock()
+                return  # no such file, and none removed from under a holder: no root controller holds this GPU
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except OSError as e:
@@ -345,6 +346,24 @@ class MachineLock:
         except OSError as e:
             raise StateFolderError(state_folder_message(what, self.root_path, e)) from None
         self._fd = fd
+        try:
+            self._refuse_a_removed_lock()
+        except BaseException:
+            self._drop_root_flock()
+            raise
+
+    def _refuse_a_removed_lock(self) -> None:
+        """GpuBusyError where a process that could control the GPU holds open a lock file that was at `root_path` and
+        is removed or moved (its folder cleaned or moved aside while a root controller held its flock): that
+        controller's flock is on a file no one else opens, so the fresh one at the name excluded nothing, and a second
+        root controller passing over the same parked squatter's names (no process holds those: root cannot keep them)
+        stepped the GPU beside it (250 W over the first one's 220 W, in the test). Seen in /proc/<pid>/fd."""
+        path = os.path.realpath(self.root_path)
+        for pid in _removed_file_holders(path):
+            uid = _status(pid).get("Uid", [None, None])[1]
+            uid = int(uid) if uid is not None and uid.isdigit() else None
+            if could_control(self.scope, pid, uid):  # a file anyone may name so counts only where its holder could
+                raise self._busy(pid, uid)
 
     def _drop_root_flock(self) -> None:
         fd, self._fd = self._fd, None
@@ -427,6 +446,13 @@ class MachineLock:
             if not holders or controlling:
                 raise self._busy(*(controlling[0] if controlling else (None, None)))
             named = ", ".join(dict.fromkeys(f"process {p} (uid {u})" for p, u, _t in holders))
+            # Kept from now on: a descriptor of the squatter's own socket, so the name stays bound while root holds the
+            # GPU. Passed over and not kept, the name came free when the squatter left, and a controller not run as
+            # root (a CAP_SYS_ADMIN user's: the name is all it has) took the GPU beside root's before root's next
+            # change could bind it (`reclaim`).
+            kept = _take_socket(name, holders, bound)
+            if kept is not None:
+                self._socks[name] = kept
             said = (
                 f"{self._gpu()}: its machine-wide lock name is held by {named}, which could not change this GPU's "
                 "power limit (neither root nor CAP_SYS_ADMIN" + (", nor allowed to write the simulator's state" if
@@ -434,6 +460,9 @@ class MachineLock:
                 + "), so it is no powerprof controller: passed over (root's controllers exclude each other through "
                 f"{self.root_dir}). Held by another user, the name keeps every controller not run as root (a CAP_SYS_ADMIN "
                 f"user's) off this GPU: see `ps -o user,pid,args -p {holders[0][0]}`")
+            if kept is None:
+                said += ("; its socket could not be kept (pidfd_getfd), so root binds the name at its next limit "
+                         "change once it is free")
             self._pass_over(said)
             return
 
@@ -444,10 +473,11 @@ class MachineLock:
             print(f"powerprof: warning: {said}", file=sys.stderr, flush=True)
 
     def reclaim(self) -> bool:
-        """Root, having passed over a holder of a name (`warning`): bind each name it lacks now if free, and keep it.
-        Passed over, root never took it: once the squatter left, a controller not run as root (a CAP_SYS_ADMIN user's,
-        which has only the name) could take the GPU beside root's. Called at each limit change; never raises. Whether
-        the name is held now."""
+        """Root, having passed over a holder of a name (`warning`) whose socket it could not keep (`_take_socket`): bind
+        each name it lacks now if free, and keep it. Called at each limit change. Whether the name is held now.
+        GpuBusyError where a process that could control the GPU holds it now: a controller not run as root (a
+        CAP_SYS_ADMIN user's, which has only the name) took it between the squatter leaving and this change. Before,
+        False was ignored and root's change went ahead beside it."""
         missing = [n for n in self.names if n not in self._socks]
         if not missing:
             return True
@@ -461,11 +491,30 @@ class MachineLock:
             try:
                 s.bind(name)
                 s.listen(socket.SOMAXCONN)
-            except OSError:
+            except OSError as e:
                 s.close()
+                if e.errno == errno.EADDRINUSE:
+                    self._refuse_a_controller(name)
                 return False
             self._socks[name] = s
         return True
+
+    def _refuse_a_controller(self, name: bytes) -> None:
+        """GpuBusyError where a process that could control the GPU holds `name` now (judged as `_bind` judges)."""
+        holders, whole, _bound = _holders_from_proc(name)
+        if not holders and not (whole and _sees_every_process()):
+            pid, uid = _holder(name)
+            holders = [(pid, uid, None)] if pid else []
+        controlling = [(p, u) for p, u, t in holders if could_control(self.scope, p, u, tid=t)]
+        if not controlling:
+            return  # the squatter still, or no one: bound at a later change
+        pid, uid = controlling[0]
+        raise GpuBusyError(
+            f"{self._gpu()}: process {pid} (uid {uid}), which could change its power limit, took its machine-wide lock "
+            "name after the squatter root passed over let go: two controllers on one GPU. Stopped before changing it "
+            "again (this GPU goes back to its original limit now); that controller may have read this run's level as "
+            f"the original and put that back when it ends: once it has (or `kill {pid}`), check the GPU's limit "
+            "(nvidia-smi -q -d POWER) and set it back (nvidia-smi -pl) if it is left capped", pid)
 
     def _close_socks(self) -> None:
         socks, self._socks = self._socks, {}
@@ -614,6 +663,80 @@ def _holders_from_proc(name: bytes,
     return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found], whole, bound
 
 
+def _removed_file_holders(path: str, proc: str = "/proc") -> list[int]:
+    """The PIDs of the processes holding open a file of `path`'s name that is not at `path`: removed (its
+    /proc/<pid>/fd link reads "<path> (deleted)") or moved with its folder ("<elsewhere>/<name>"; the name is a digest
+    of the GPU's). A thread with a descriptor table of its own is not read (no controller makes one)."""
+    base = "/" + os.path.basename(path)
+    found = []
+    for entry in os.scandir(proc):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"{proc}/{entry.name}/fd")
+        except OSError:
+            continue
+        links = [_readlink(f"{proc}/{entry.name}/fd/{fd}") or "" for fd in fds]
+        if any(link != path and link.removesuffix(" (deleted)").endswith(base) for link in links):
+            found.append(int(entry.name))
+    return found
+
+
+_SYS_PIDFD_GETFD = {"x86_64": 438, "aarch64": 438}.get(os.uname().machine)
+_PIDFD_THREAD = os.O_EXCL  # pidfd_open's flag for a thread that is not its group's leader (Linux 6.9)
+
+
+def _take_socket(name: bytes, holders: list[tuple[int, int | None, int]], bound: frozenset[str],
+                 proc: str = "/proc") -> socket.socket | None:
+    """A descriptor of our own for the one socket bound to the abstract `name` (`bound`, as the scan found it), copied
+    out of a holder's descriptor table (pidfd_getfd: root, CAP_SYS_PTRACE), listening; None where it cannot be (no
+    pidfd_getfd here, the holder gone, the socket no longer in its table). Held, the name stays bound whoever else lets
+    go of it."""
+    if _SYS_PIDFD_GETFD is None or len(bound) != 1:
+        return None
+    want = next(iter(bound))
+    for pid, _uid, tid in holders:
+        where = _task(pid, tid)
+        try:
+            fds = os.listdir(f"{proc}/{where}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            if _readlink(f"{proc}/{where}/fd/{fd}") != want:
+                continue
+            try:
+                # The thread found holding it (its leader may be a zombie, with no table); the process where only the
+                # peer credentials named it (tid None).
+                pidfd = os.pidfd_open(pid, 0) if tid in (None, pid) else os.pidfd_open(tid, _PIDFD_THREAD)
+            except OSError:
+                continue
+            try:
+                got = _libc_call().syscall(_SYS_PIDFD_GETFD, pidfd, int(fd), 0)  # close-on-exec, as the kernel gives it
+            finally:
+                os.close(pidfd)
+            if got < 0:
+                continue
+            s = socket.socket(fileno=got)
+            try:
+                if f"socket:[{os.fstat(got).st_ino}]" == want and s.getsockname() == name:
+                    with contextlib.suppress(OSError):  # bound only: ours listens now, and a connect names root
+                        s.listen(socket.SOMAXCONN)
+                    return s
+            except OSError:
+                pass
+            s.close()
+    return None
+
+
+def _libc_call():
+    global _libc
+    if _libc is None:
+        import ctypes  # noqa: PLC0415
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
 _SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(os.uname().machine)
 _KCMP_FILES = 2
 _libc = None
@@ -622,14 +745,9 @@ _libc = None
 def _shares_files(pid: int, tid: int) -> bool:
     """Whether thread `tid` shares its leader `pid`'s descriptor table (kcmp KCMP_FILES); False where unknown (no kcmp
     here, or it failed): then the thread's own table is read. A zombie leader has none, so no thread shares it."""
-    global _libc
     if _SYS_KCMP is None:
         return False
-    if _libc is None:
-        import ctypes  # noqa: PLC0415
-
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc.syscall(_SYS_KCMP, pid, tid, _KCMP_FILES, 0, 0) == 0
+    return _libc_call().syscall(_SYS_KCMP, pid, tid, _KCMP_FILES, 0, 0) == 0
 
 
 def _readlink(path: str) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -261,7 +262,7 @@ def test_a_dry_run_beside_a_live_controller_says_the_gpu_is_in_use_not_a_leftove
 # name is public (the scope, "nvml" on real hardware, and the GPU's UUID in the daemon's /metrics). It kept root's
 # `restore` from putting a capped GPU back ("controlled by powerprof process N (uid 1001)", exit 1) and refused every sweep.
 @contextlib.contextmanager
-def _squatter(uuid: str, how: str = "listening"):
+def _squatter(uuid: str, how: str = "listening", every_name: bool = False):
     """A process of uid 65534 (nobody: neither root nor CAP_SYS_ADMIN, no write in the simulator's folder) holding GPU
     `uuid`'s machine-wide lock name of this test's simulator, its PID yielded. `how`: "listening"; "bound-only" (no
     connect names it); "orphaned" (the process that listened has exited, a child of it holds the socket: the peer
@@ -272,12 +273,14 @@ def _squatter(uuid: str, how: str = "listening"):
     thread is in no /proc/<pid>; its queue full, as below, so no connect names it); "full-queue" (listening with a backlog of 0, its queue filled, its only descriptor
     parked in an SCM_RIGHTS message: a connect finds the queue full, EAGAIN, neither answered nor refused);
     "parked-listening" (listening, its queue not full, its only descriptor parked in an SCM_RIGHTS message a child
-    keeps, the process that listened exited: a connect is answered and its peer credentials name a PID that is gone)."""
+    keeps, the process that listened exited: a connect is answered and its peer credentials name a PID that is gone).
+    `every_name`: the simulated GPU's second name (its folder's identity) held too, listening where "listening", parked
+    with the first where that is, bound otherwise (a real GPU has one name: "nvml")."""
     from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
     from powerprof.rig import Rig  # noqa: PLC0415
 
     with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2)) as rig:
-        name = MachineLock(rig.machine_scope, uuid).name
+        name, *others = MachineLock(rig.machine_scope, uuid).names
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: drops to nobody, holds the name, never returns into pytest
@@ -293,6 +296,11 @@ def _squatter(uuid: str, how: str = "listening"):
                     os._exit(3)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.bind(name)
+            extra = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in (others if every_name else ())]
+            for e, n in zip(extra, others):
+                e.bind(n)
+                if how == "listening":
+                    e.listen(1)
             if how == "flapping":
                 os.write(w, f"BOUND {os.getpid()}\n".encode())
                 deadline = time.monotonic() + 60
@@ -331,8 +339,9 @@ def _squatter(uuid: str, how: str = "listening"):
                 s.listen(16)
             if how in ("in-flight", "full-queue", "parked-listening"):
                 a, b = socket.socketpair()
-                socket.send_fds(a, [b"x"], [s.fileno()])
-                s.close()
+                socket.send_fds(a, [b"x"], [s.fileno()] + [e.fileno() for e in extra])
+                for e in [s] + extra:
+                    e.close()
             elif how not in ("bound-only", "zombie-leader"):
                 s.listen(1)
             if how in ("orphaned", "parked-listening") and os.fork() != 0:
@@ -584,16 +593,19 @@ def test_restore_json_carries_the_pass_over_warning_in_its_notes(originals):
 def test_root_takes_the_name_once_a_squatter_it_passed_over_lets_go(originals):
     # Root passed over a squatter and never took the name: once the squatter left, a controller not run as root (a
     # CAP_SYS_ADMIN user's, which has only the name) could take the GPU beside root's. Each limit change binds it now.
+    # A squatter's socket in no process's table (parked in an SCM_RIGHTS message) cannot be kept (one a process holds
+    # is: test_a_squatter_root_passed_over_leaving_lets_no_capsys_admin_controller_in).
     from powerprof.control.gpulock import MachineLock, _holder  # noqa: PLC0415
 
     uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
     name = MachineLock(_scope(), uuid).name
     ctl = LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope())
     try:
-        with _squatter(uuid) as squat:
+        with _squatter(uuid, "in-flight"):
             ctl.open()
             ctl.set_power_limit_w(220)
-            assert _holder(name) == (squat, 65534)
+            assert _holder(name) == (None, None)  # bound, no one listening: not root's
+        time.sleep(0.2)  # the parked socket goes with the squatter's last descriptor
         ctl.set_power_limit_w(230)
         assert _holder(name) == (os.getpid(), 0)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, pytest.raises(OSError):
@@ -605,6 +617,122 @@ def test_root_takes_the_name_once_a_squatter_it_passed_over_lets_go(originals):
     assert_untouched()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.bind(name)  # let go at the close
+
+
+def _capsys_admin_binder(names) -> subprocess.Popen:
+    """A process of uid 65534 with CAP_SYS_ADMIN (capsh: a user who may change power limits, not root) taking `names`
+    as a controller not run as root does (`MachineLock.acquire`: bind and listen each name): prints TAKEN or BUSY, then
+    holds what it took until killed."""
+    code = ("import socket,sys,time\nheld=[]\nfor n in sys.argv[1:]:\n s=socket.socket(socket.AF_UNIX)\n"
+            " try:\n  s.bind(bytes.fromhex(n)); s.listen(16); held.append(s)\n"
+            " except OSError:\n  print('BUSY',flush=True); time.sleep(60); sys.exit()\n"
+            "print('TAKEN',flush=True); time.sleep(60)\n")
+    argv = " ".join(n.hex() for n in names)
+    return subprocess.Popen(["capsh", "--caps=cap_sys_admin+eip cap_setuid,cap_setgid,cap_setpcap+ep", "--keep=1",
+                             "--user=nobody", "--addamb=cap_sys_admin", "--", "-c",
+                             f"exec /usr/bin/python3 -c \"$0\" {argv}", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+needs_capsh = pytest.mark.skipif(not (Path("/usr/bin/python3").exists() and shutil.which("capsh")),
+                                 reason="needs capsh and /usr/bin/python3")
+
+
+@needs_root
+@needs_capsh
+@pytest.mark.parametrize("how", ["listening", "bound-only"])
+def test_a_squatter_root_passed_over_leaving_lets_no_capsys_admin_controller_in(originals, how):
+    # Root passed over a squatter; the squatter left before root's next limit change. Before, the name was free then:
+    # a controller not run as root (uid 65534 with CAP_SYS_ADMIN: may change power limits) took it (TAKEN) and ran
+    # beside root, whose next change went ahead. Root now keeps the squatter's socket (pidfd_getfd) from the pass-over
+    # on, so the name is never free while root controls the GPU.
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    names = MachineLock(_scope(), uuid).names
+    ctl = LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope())
+    other = None
+    try:
+        with _squatter(uuid, how, every_name=True):
+            ctl.open()
+            ctl.set_power_limit_w(220)
+        other = _capsys_admin_binder(names)
+        said = _wait_for_line(other, "")
+        assert said.strip() == "BUSY", "a CAP_SYS_ADMIN controller took the GPU beside root's"
+        ctl.set_power_limit_w(230)
+    finally:
+        if other is not None:
+            other.kill()
+            other.communicate(timeout=WAIT_S)
+        ctl.close()
+    assert_untouched()
+    for name in names:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(name)  # let go at the close
+
+
+@needs_root
+@needs_capsh
+def test_root_stops_when_a_controller_took_a_parked_squatters_name_before_its_next_change(originals):
+    # A squatter's socket parked in an SCM_RIGHTS message cannot be kept: once it went, a CAP_SYS_ADMIN controller not
+    # run as root took the name before root's next change, and that change went ahead (reclaim failed silently): two
+    # controllers on one GPU. Root now stops before changing anything again (GpuBusyError naming the holder), and its
+    # close puts the GPU back.
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    names = MachineLock(_scope(), uuid).names
+    ctl = LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope())
+    other = None
+    try:
+        with _squatter(uuid, "in-flight", every_name=True):
+            ctl.open()
+            ctl.set_power_limit_w(220)
+        time.sleep(0.2)  # the parked sockets go with the squatter's last descriptor
+        other = _capsys_admin_binder(names)
+        assert _wait_for_line(other, "").strip() == "TAKEN"
+        with pytest.raises(GpuBusyError) as e:
+            ctl.set_power_limit_w(230)
+        assert e.value.holder_pid == other.pid and "(uid 65534)" in str(e.value)
+        assert sim_state()[0][0] == 220  # not changed again
+    finally:
+        if other is not None:
+            other.kill()
+            other.communicate(timeout=WAIT_S)
+        ctl.close()
+    assert_untouched()
+
+
+@needs_root
+@pytest.mark.parametrize("squat,moved", [(None, False), ("in-flight", False), ("in-flight", True)])
+def test_root_lock_folder_made_again_lets_no_second_root_controller_in(originals, tmp_path, squat, moved):
+    # Root's machine-wide lock file removed with its folder while a root controller held its flock (the folder cleaned):
+    # a second root controller took a fresh file of the same name, the flock no exclusion. The names still were, where
+    # root held them; a parked squatter's (no process holds it: root cannot keep it) left the flock alone.
+    import shutil as _shutil  # noqa: PLC0415
+
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    ctl = LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope())
+    with contextlib.ExitStack() as stack:
+        if squat:
+            stack.enter_context(_squatter(uuid, squat, every_name=True))
+        stack.callback(ctl.close)
+        ctl.open()
+        ctl.set_power_limit_w(220)
+        root_dir = MachineLock(_scope(), uuid).root_dir
+        if moved:  # moved aside, not removed: the first one's file is open under another path
+            os.rename(root_dir, tmp_path / "moved-aside")
+        else:
+            _shutil.rmtree(root_dir)
+        second = subprocess.run(child_cmd("--gpus", "0", "--levels", "250"), capture_output=True, text=True,
+                                timeout=WAIT_S, env=dict(os.environ, POWERPROF_STATE_DIR=str(tmp_path / "other-state")))
+        assert second.returncode == 2, (second.stdout, second.stderr)
+        assert f"powerprof process {os.getpid()} (uid 0)" in second.stderr
+        assert sim_state()[0][0] == 220
+        ctl.set_power_limit_w(230)
+    assert_untouched()
 
 
 def _scope() -> str:

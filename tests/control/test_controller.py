@@ -847,3 +847,19 @@ def test_restore_that_puts_every_gpu_back_but_cannot_remove_the_file_says_both(o
     assert "every GPU is back at its original limit" in line and "could not be removed (Operation not permitted)" in line
     assert "Not restored" not in line, line
     assert_untouched()
+
+
+def test_root_keeps_a_socket_whose_holder_only_its_peer_credentials_named():
+    # Where /proc is partial, the holder comes from the peer credentials, with no thread (tid None): keeping its
+    # socket raised TypeError (pidfd_open(None)) instead of keeping it or leaving it to the next change.
+    import socket  # noqa: PLC0415
+
+    from powerprof.control.gpulock import _bound_sockets, _take_socket  # noqa: PLC0415
+
+    name = b"\0powerprof-test-keep-" + os.urandom(8).hex().encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(name)
+        kept = _take_socket(name, [(os.getpid(), os.getuid(), None)], _bound_sockets(name))
+        assert kept is not None and os.fstat(kept.fileno()).st_ino == os.fstat(s.fileno()).st_ino
+    with kept, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+        c.connect(name)  # still bound, and listening now, through the kept descriptor alone
