@@ -105,6 +105,28 @@ def test_a_responses_turn_after_a_stored_one_runs_the_whole_conversation(server,
     assert status == 404 and json.loads(raw)["error"]["message"] == "Response with id 'resp_nowhere' not found."
 
 
+def test_a_responses_turn_renders_its_own_tools_not_the_stored_turns():
+    # vLLM's Responses path renders each request's `tools` (construct_tool_dicts) into its prompt; a stored turn keeps
+    # its messages, not its tools. Before: the simulator rendered none, so no test saw a stateful turn's tools counted.
+    from powerprof.sim.server import SimServer, count_prompt_tokens
+
+    tools = [{"type": "function", "name": "search", "parameters": {"type": "object"}}]
+    js = "\n" + json.dumps(tools, separators=(",", ":"))
+    srv = SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm").start()
+    try:
+        first = {"input": "the clock", "tools": tools, "max_output_tokens": 4}
+        status, raw = _post(srv.url + "/v1/responses", first, {"X-Sim-Request-Id": "first"})
+        done = json.loads(raw)
+        assert srv.request_truth()["first"]["prompt_tokens"] == count_prompt_tokens("the clock" + js)
+        second = {"input": "and the fan", "previous_response_id": done["id"], "max_output_tokens": 4}
+        status, raw = _post(srv.url + "/v1/responses", second, {"X-Sim-Request-Id": "second"})
+        said = done["output"][0]["content"][0]["text"]
+        assert srv.request_truth()["second"]["prompt_tokens"] == count_prompt_tokens(
+            "\n".join(["the clock", said, "and the fan"]))
+    finally:
+        srv.stop()
+
+
 def test_the_responses_store_is_the_process_memory_and_can_be_off():
     # vLLM's store is in its process's memory: a restart empties it (before: the simulator's outlived restart()); and
     # off (VLLM_ENABLE_RESPONSES_API_STORE unset, vLLM's default) every previous_response_id is 404 (before: no way to

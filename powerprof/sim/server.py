@@ -1883,9 +1883,10 @@ class SimServer:
             turn = [turn[0], *history, *turn[1:]]
         if body.get("store", True) is not False and self.flavour != "llamacpp" and self.responses_store:
             request[_SIM_TURN] = turn  # kept with its output once it completes (_keep_response)
-        parts = turn
+        # The request's tools rendered by the template each turn (vLLM's construct_tool_dicts), never stored with it.
+        prompt = "\n".join(p for p in turn if p) + chatshape.tools_in_prompt(body, self.flavour)
         n = body.get("max_output_tokens") or 128
-        return await self._serve(request, "openai-responses", "\n".join(p for p in parts if p), body, int(n))
+        return await self._serve(request, "openai-responses", prompt, body, int(n))
 
     def _keep_response(self, req: _Req, text: str) -> None:
         """A completed Responses turn, stored (its conversation and output) for a later `previous_response_id`."""
