@@ -400,14 +400,17 @@ CHAIN_TOOLS = [{"type": "function", "name": "search", "description": " ".join(["
 CHAIN_INSTRUCTIONS = " ".join(["rule"] * 400)
 
 
-@pytest.mark.parametrize("extra", [{"tools": CHAIN_TOOLS}], ids=["tools"])
+@pytest.mark.parametrize("extra", [{"tools": CHAIN_TOOLS}, {"instructions": CHAIN_INSTRUCTIONS}],
+                         ids=["tools", "instructions"])
 def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_path, extra):
     # A chain of Responses turns each sending the same `extra`, then a turn naming the last, its stream cut before
     # its usage: its prompt is estimated from the named turn's counted conversation and its own body. vLLM renders each
     # request's own tools (construct_tool_dicts), never the stored turn's: the named turn's tools are not prefilled
     # again. Before: counted twice (the remembered input_tokens held them, the new body's size again), the reviewer's
     # chain +108% on this simulator (which did not render a Responses turn's tools: 1977 est., 951 true) and +52%
-    # against a simulator patched to vLLM's rendering (3050 est., 2011 true).
+    # against a simulator patched to vLLM's rendering (3050 est., 2011 true). Nor are its instructions: vLLM drops
+    # the stored turn's system messages (construct_input_messages, since vllm-project/vllm#37727). Before: remembered
+    # with its input_tokens, +14% against vLLM so patched (3257 est., 2851 true).
     import asyncio
 
     import aiohttp

@@ -639,7 +639,7 @@ class Ledger:
         new = self.prompt_lengths.estimate(tr.api, x.get("prompt_new_chars"), None)
         if new is None:
             return None
-        return ctx + new[0], (f"the {ctx} tokens of its previous response's conversation (its prompt less its tools, and its "
+        return ctx + new[0], (f"the {ctx} tokens of its previous response's conversation (its prompt less its tools and instructions, and its "
                               f"output, as the server counted them through this proxy) and {new[1]}")
 
     def _prefill_end_est_ns(self, r: LiveRequest) -> int | None:
@@ -768,7 +768,7 @@ class Ledger:
                                       trace.extra.get("prompt_count", 1), trace.extra.get("prompt_ids"))
             if c.response_id is not None and trace.api == "openai-responses" and (trace.status or 200) < 400:
                 # Less the part a later turn does not prefill again (promptlen.uncarried_chars: its tools, rendered
-                # anew from that turn's own body), at the learned tokens a character.
+                # anew from that turn's own body, and its instructions), at the learned tokens a character.
                 gone = trace.extra.get("prompt_uncarried_chars", 0) * self.prompt_lengths.per_char(trace.api)
                 self._keep_context(c.response_id, max(round(c.prompt_tokens - gone), 0) + max(c.generated_tokens, 0))
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.

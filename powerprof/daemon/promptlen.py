@@ -225,13 +225,15 @@ def stateful_turn(doc: dict, api: str | None) -> tuple[str, int | None] | None:
 
 def uncarried_chars(doc: dict, api: str | None) -> int | None:
     """Characters of a Responses body's prompt that a later turn naming it (previous_response_id) does not prefill
-    again: its `tools`' JSON (vLLM's construct_tool_dicts renders each request's own tools, none stored with the turn).
-    None: none, or not a Responses body."""
+    again: its `tools`' JSON (vLLM's construct_tool_dicts renders each request's own tools, none stored with the turn)
+    and its `instructions` (vLLM's construct_input_messages drops the stored turn's system messages since
+    vllm-project/vllm#37727). None: none, or not a Responses body."""
     if api != "openai-responses":
         return None
     tools = doc.get("tools")
     n = len(json.dumps(tools, separators=(",", ":"))) if isinstance(tools, list) and tools else 0
-    return n or None
+    k, why = _content_chars(doc.get("instructions"))
+    return (n + (k if why is None else 0)) or None
 
 
 def _infill_size(doc: dict) -> tuple[int | None, None, str | None]:
