@@ -577,7 +577,9 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     assert size({"prompt": ""}, "llamacpp") == {"prompt_chars": 0}
     # The Responses and Messages APIs' text (their streams say the prompt's length at their end, or at their start):
     # before, no size, a cut Responses stream's prefill costed 0.
-    assert size({"input": "hello", "instructions": "be brief"}, "openai-responses") == {"prompt_chars": 13}
+    # Its instructions are the part a later turn naming it does not prefill again (Ledger._keep_context).
+    assert size({"input": "hello", "instructions": "be brief"}, "openai-responses") == {
+        "prompt_chars": 13, "prompt_uncarried_chars": 8}
     items = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
              {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
              {"type": "function_call_output", "call_id": "c", "output": "42"}]

@@ -96,23 +96,47 @@ def test_a_responses_turn_after_a_stored_one_runs_the_whole_conversation(server,
         assert status == 400 and b"llama.cpp does not support 'previous_response_id'." in raw, raw[:300]
         return
     assert status == 200, raw[:300]
-    # The stored turn's instructions are in it too: vLLM stores the turn's messages from its system message on, and
-    # prefills them again (before: left out, 13 tokens where vLLM would give 313 for 300 of instructions).
-    whole = count_prompt_tokens("\n".join(["be brief", "the power of the clock", said, "and the fan"]))
+    # The stored turn's instructions are not: vLLM's construct_input_messages drops a stored turn's system messages
+    # since vllm-project/vllm#37727 (before it, it prefilled them again: `responses_carry_instructions`).
+    whole = count_prompt_tokens("\n".join(["the power of the clock", said, "and the fan"]))
     assert server.request_truth()[key]["prompt_tokens"] == whole
     assert _summary("openai-responses", second, raw).prompt_tokens == whole
     status, raw = _post(server.url + "/v1/responses", dict(second, previous_response_id="resp_nowhere"))
     assert status == 404 and json.loads(raw)["error"]["message"] == "Response with id 'resp_nowhere' not found."
 
 
+def test_a_responses_turn_renders_its_own_tools_not_the_stored_turns():
+    # vLLM's Responses path renders each request's `tools` (construct_tool_dicts) into its prompt; a stored turn keeps
+    # its messages, not its tools. Before: the simulator rendered none, so no test saw a stateful turn's tools counted.
+    from powerprof.sim.server import SimServer, count_prompt_tokens
+
+    tools = [{"type": "function", "name": "search", "parameters": {"type": "object"}}]
+    js = "\n" + json.dumps(tools, separators=(",", ":"))
+    srv = SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm").start()
+    try:
+        first = {"input": "the clock", "tools": tools, "max_output_tokens": 4}
+        status, raw = _post(srv.url + "/v1/responses", first, {"X-Sim-Request-Id": "first"})
+        done = json.loads(raw)
+        assert srv.request_truth()["first"]["prompt_tokens"] == count_prompt_tokens("the clock" + js)
+        second = {"input": "and the fan", "previous_response_id": done["id"], "max_output_tokens": 4}
+        status, raw = _post(srv.url + "/v1/responses", second, {"X-Sim-Request-Id": "second"})
+        said = done["output"][0]["content"][0]["text"]
+        assert srv.request_truth()["second"]["prompt_tokens"] == count_prompt_tokens(
+            "\n".join(["the clock", said, "and the fan"]))
+    finally:
+        srv.stop()
+
+
 def test_the_responses_store_is_the_process_memory_and_can_be_off():
     # vLLM's store is in its process's memory: a restart empties it (before: the simulator's outlived restart()); and
     # off (VLLM_ENABLE_RESPONSES_API_STORE unset, vLLM's default) every previous_response_id is 404 (before: no way to
-    # turn it off). This turn's instructions come first, the stored turn's own after them.
+    # turn it off). This turn's instructions come first; the stored turn's own not at all (vLLM since #37727), or
+    # after them with responses_carry_instructions (vLLM before it).
     from powerprof.sim.server import SimServer, count_prompt_tokens
 
-    for store in (True, False):
-        srv = SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", responses_store=store).start()
+    for store, carry in ((True, False), (True, True), (False, False)):
+        srv = SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", responses_store=store,
+                        responses_carry_instructions=carry).start()
         try:
             first = {"input": "the clock", "instructions": "be brief", "max_output_tokens": 4}
             status, raw = _post(srv.url + "/v1/responses", first)
@@ -126,7 +150,7 @@ def test_the_responses_store_is_the_process_memory_and_can_be_off():
             assert status == 200, raw[:300]
             said = done["output"][0]["content"][0]["text"]
             assert srv.request_truth()[f"second-{store}"]["prompt_tokens"] == count_prompt_tokens(
-                "\n".join(["be kind", "be brief", "the clock", said, "and the fan"]))
+                "\n".join(["be kind", *(["be brief"] if carry else []), "the clock", said, "and the fan"]))
             srv.restart(0.05).result(10)
             for _ in range(100):
                 status, raw = _post(srv.url + "/v1/responses", second)

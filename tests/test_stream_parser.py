@@ -1516,3 +1516,37 @@ def test_a_call_streamed_two_tokens_a_chunk_makes_no_tool_call_jump(count_only, 
         p = StreamParser("openai-chat", count_only=count_only)
         n = p.count(data) if count_only else sum(e.n_tokens for e in p.feed(data))
         assert (n, p.tool_call_jumps) == (total, jumps), (step, n, p.tool_call_jumps)
+
+
+def test_a_responses_answer_says_its_reasoning_tokens_and_the_ledger_keeps_them_out_of_its_conversation():
+    # vLLM's construct_input_messages skips a stored turn's reasoning output ("We skip the reasoning output"): a later
+    # turn naming it prefills its input and its message, not its thinking. The usage says the thinking's tokens
+    # (output_tokens_details.reasoning_tokens). Before: not read, and the ledger remembered 500 + 1100 = 1600 tokens
+    # where vLLM re-prefills 600 (+167%).
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.proxy import RequestTrace
+    from powerprof.daemon.streams import summary_counts
+    from support import RowSink
+
+    usage = {"input_tokens": 500, "output_tokens": 1100, "output_tokens_details": {"reasoning_tokens": 1000},
+             "input_tokens_details": {"cached_tokens": 0}, "total_tokens": 1600}
+    ev = [{"type": "response.created", "response": {"id": "resp_x", "model": "m", "status": "in_progress"}}]
+    ev += [{"type": "response.reasoning_text.delta", "delta": "t", "item_id": "rs_1", "output_index": 0}] * 1000
+    ev += [{"type": "response.output_text.delta", "delta": "w", "item_id": "msg_1", "output_index": 1}] * 100
+    ev.append({"type": "response.completed", "response": {"id": "resp_x", "model": "m", "status": "completed",
+                                                          "usage": usage}})
+    p = StreamParser("openai-responses")
+    p.feed(b"".join(b"event: %s\ndata: %s\n\n" % (e["type"].encode(), json.dumps(e).encode()) for e in ev))
+    whole = {"id": "resp_y", "object": "response", "status": "completed", "model": "m", "usage": usage,
+             "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "w"}]}]}
+    for summary, streamed in ((p.finish(), True), (parse_response("openai-responses", json.dumps(whole).encode())[1],
+                                                   False)):
+        assert summary.reasoning_tokens == 1000
+        c = summary_counts(summary, streamed=streamed)
+        assert c.reasoning_tokens == 1000 and c.prompt_tokens == 500 and c.generated_tokens == 1100
+        led = Ledger("d", 0, 1, RowSink(), grace_s=0.1)
+        tr = RequestTrace(1, "POST", "/v1/responses", None, 0, 0, api="openai-responses", stream=streamed)
+        led.on_start(tr)
+        tr.end_ns, tr.counts, tr.status = int(1e9), c, 200
+        led.on_end(tr)
+        assert led.response_context[c.response_id] == 600, led.response_context

@@ -384,7 +384,8 @@ class Ledger:
         self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
         self._jpt_left_out: dict[str, tuple[int, float]] = {}  # Totals.jpt_left_out
         self.prompt_lengths = PromptLengths()
-        # A Responses answer's id → its conversation's tokens as the server counted them (its prompt and its output):
+        # A Responses answer's id → its conversation's tokens as the server counted them (its prompt and its output,
+        # less the part a later turn does not prefill again: promptlen.uncarried_chars):
         # what a later turn naming it as previous_response_id prefills before its own input. Only answers proxied
         # here, the latest RESPONSE_CONTEXT_KEEP (an LRU: a turn naming one evicted, or one from before a restart, is
         # prompt-unread as before).
@@ -644,8 +645,8 @@ class Ledger:
         new = self.prompt_lengths.estimate(tr.api, x.get("prompt_new_chars"), None)
         if new is None:
             return None
-        return ctx + new[0], (f"the {ctx} tokens of its previous response's conversation (its prompt and output, as the "
-                              f"server counted them through this proxy) and {new[1]}")
+        return ctx + new[0], (f"the {ctx} tokens of its previous response's conversation (its prompt less its tools and instructions, and its "
+                              f"output less its thinking, as the server counted them through this proxy) and {new[1]}")
 
     def _prefill_end_est_ns(self, r: LiveRequest) -> int | None:
         """When its prompt's prefill ends if it ran from its arrival at the rate in use: its prompt the server's count,
@@ -772,7 +773,13 @@ class Ledger:
             self.prompt_lengths.learn(trace.api, trace.extra.get("prompt_chars"), c.prompt_tokens / copies,
                                       trace.extra.get("prompt_count", 1), trace.extra.get("prompt_ids"))
             if c.response_id is not None and trace.api == "openai-responses" and (trace.status or 200) < 400:
-                self._keep_context(c.response_id, c.prompt_tokens + max(c.generated_tokens, 0))
+                # Less the part a later turn does not prefill again (promptlen.uncarried_chars: its tools, rendered
+                # anew from that turn's own body, and its instructions), at the learned tokens a character; and its
+                # thinking's tokens (vLLM's construct_input_messages skips the reasoning output).
+                gone = trace.extra.get("prompt_uncarried_chars", 0) * self.prompt_lengths.per_char(trace.api)
+                out = max(c.generated_tokens or 0, 0)
+                said = out - min(max(c.reasoning_tokens or 0, 0), out)
+                self._keep_context(c.response_id, max(round(c.prompt_tokens - gone), 0) + said)
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
         none_seen = not trace.tokens_seen and not r.ev_n and not r.spent and trace.stream is True

@@ -223,6 +223,19 @@ def stateful_turn(doc: dict, api: str | None) -> tuple[str, int | None] | None:
     return prev[:RESPONSE_ID_MAX], chars
 
 
+def uncarried_chars(doc: dict, api: str | None) -> int | None:
+    """Characters of a Responses body's prompt that a later turn naming it (previous_response_id) does not prefill
+    again: its `tools`' JSON (vLLM's construct_tool_dicts renders each request's own tools, none stored with the turn)
+    and its `instructions` (vLLM's construct_input_messages drops the stored turn's system messages since
+    vllm-project/vllm#37727). None: none, or not a Responses body."""
+    if api != "openai-responses":
+        return None
+    tools = doc.get("tools")
+    n = len(json.dumps(tools, separators=(",", ":"))) if isinstance(tools, list) and tools else 0
+    k, why = _content_chars(doc.get("instructions"))
+    return (n + (k if why is None else 0)) or None
+
+
 def _infill_size(doc: dict) -> tuple[int | None, None, str | None]:
     """llama.cpp's /infill: its prompt is the extra chunks (each its filename and text), the prefix, the suffix and
     an optional `prompt` after the prefix (server's format_infill), with its fill-in-the-middle tokens (`a`)."""
@@ -366,6 +379,10 @@ class PromptLengths:
                 a, b = float(a1), float(b1)
         self._fit[api] = (self.learned[api], a, b)
         return a, b, len(d)
+
+    def per_char(self, api: str) -> float:
+        """Tokens a character of this API's prompts, as learned (no template's tokens: a part of a prompt's)."""
+        return self._coef(api)[1]
 
     def estimate(self, api: str | None, chars: int | None, ids: int | None,
                  prompts: int = 1) -> tuple[float, str] | None:

@@ -132,6 +132,8 @@ class Counts:
     held_tail: bool = False
     # The Responses API's answer's `id` (StreamSummary.response_id): a later turn's previous_response_id names it.
     response_id: str | None = None
+    # Of generated_tokens, its thinking's (StreamSummary.reasoning_tokens): not prefilled again by a later turn.
+    reasoning_tokens: int | None = None
 
 
 def summary_counts(summary, streamed: bool = True, held: HeldCall | None = None) -> Counts:
@@ -181,6 +183,7 @@ def summary_counts(summary, streamed: bool = True, held: HeldCall | None = None)
         choice_stops=summary.choice_stops,
         held_tail=held_tail,
         response_id=summary.response_id,
+        reasoning_tokens=summary.reasoning_tokens,
     )
 
 

@@ -319,6 +319,7 @@ class SimServer:
         close_delay_s: float = 0.0,
         embeddings: bool = False,
         responses_store: bool = True,
+        responses_carry_instructions: bool = False,
         sglang_warmup: bool = True,
         sglang_idle_log_s: float = SGLANG_IDLE_LOG_S,
         textless_share: float = 0.0,
@@ -367,6 +368,9 @@ class SimServer:
         responses_store: vLLM's and SGLang's Responses store (VLLM_ENABLE_RESPONSES_API_STORE=1): a completed turn
         kept, in the process's memory (a restart empties it), for a later previous_response_id; False (vLLM's own
         default): nothing kept, every previous_response_id 404. On here: the stateful turns the tests judge.
+        responses_carry_instructions: a stored turn's `instructions` are prefilled again by a later turn naming it,
+        as vLLM did before vllm-project/vllm#37727 (March 2026); off: dropped, as vLLM's construct_input_messages
+        does since ("instructions should NOT carry over").
         sglang_warmup: the SGLang flavour starts as SGLang does by default, its warm-up request counted on /metrics
         (SGLANG_WARMUP; its GPU time is not simulated); False: as with --skip-server-warmup, /metrics shows no token
         counter until the first request finishes. sglang_idle_log_s: how long after its last log an idle SGLang
@@ -450,6 +454,7 @@ class SimServer:
         self._answers_per_conn: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transport → answers sent
         self.embeddings = bool(embeddings)
         self.responses_store = bool(responses_store)
+        self.responses_carry_instructions = bool(responses_carry_instructions)
         self.sglang_warmup = bool(sglang_warmup)
         self.sglang_idle_log_s = float(sglang_idle_log_s)
         if not 0.0 <= float(textless_share) < 1.0:
@@ -1876,10 +1881,10 @@ class SimServer:
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API (/v1/responses: vLLM, llama.cpp): `input` a string or a list of messages, after a
-        system message of its `instructions`. A `previous_response_id` is the stored turn's messages (its own
-        instructions' system message, its history and input) and output, after this turn's instructions and before its
-        input (vLLM's serving_responses _construct_input_messages, its store on: `responses_store`), a 404 where none
-        is stored; llama.cpp refuses it (400)."""
+        system message of its `instructions`. A `previous_response_id` is the stored turn's messages (its history and
+        input; its own instructions' system message only with `responses_carry_instructions`) and output, after this
+        turn's instructions and before its input (vLLM's responses/utils.py construct_input_messages, its store on:
+        `responses_store`), a 404 where none is stored; llama.cpp refuses it (400)."""
         body = await self._body(request)
         inp = body.get("input")
         items = inp if isinstance(inp, list) else [inp]
@@ -1895,10 +1900,13 @@ class SimServer:
                                              "type": "invalid_request_error", "param": "response_id", "code": 404}}, 404)
             turn = [turn[0], *history, *turn[1:]]
         if body.get("store", True) is not False and self.flavour != "llamacpp" and self.responses_store:
-            request[_SIM_TURN] = turn  # kept with its output once it completes (_keep_response)
-        parts = turn
+            # Kept with its output once it completes (_keep_response); its system message (instructions) dropped
+            # unless they carry (vLLM before #37727).
+            request[_SIM_TURN] = turn if self.responses_carry_instructions else ["", *turn[1:]]
+        # The request's tools rendered by the template each turn (vLLM's construct_tool_dicts), never stored with it.
+        prompt = "\n".join(p for p in turn if p) + chatshape.tools_in_prompt(body, self.flavour)
         n = body.get("max_output_tokens") or 128
-        return await self._serve(request, "openai-responses", "\n".join(p for p in parts if p), body, int(n))
+        return await self._serve(request, "openai-responses", prompt, body, int(n))
 
     def _keep_response(self, req: _Req, text: str) -> None:
         """A completed Responses turn, stored (its conversation and output) for a later `previous_response_id`."""

@@ -160,6 +160,9 @@ class StreamSummary:
     choice_stops: dict = field(default_factory=dict)
     # The Responses API's answer's `id` (what a later turn names as its previous_response_id); None: not said.
     response_id: str | None = None
+    # Of the Responses API's output tokens, its thinking's (usage.output_tokens_details.reasoning_tokens): vLLM does
+    # not prefill them again for a later turn naming it. None: not said.
+    reasoning_tokens: int | None = None
 
     @property
     def running_counts(self) -> bool:
@@ -243,6 +246,7 @@ class _State:
     ids_incremental: bool = False  # its output_ids are each event's new ones (--incremental-streaming-output)
     unclosed: set = field(default_factory=set)  # choices whose running counts ended before a closing chunk without one
     response_id: str | None = None  # the Responses API's answer's `id`
+    usage_reasoning: int | None = None  # its usage.output_tokens_details.reasoning_tokens
 
 
 _BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, U+FEFF
@@ -968,6 +972,10 @@ class StreamParser:
             c = self._count(usage["input_tokens_details"], "cached_tokens")
             if c is not None:
                 self._s.typed_cached = c
+        if self.api == "openai-responses" and isinstance(usage.get("output_tokens_details"), dict):
+            r = self._count(usage["output_tokens_details"], "reasoning_tokens")
+            if r is not None:
+                self._s.usage_reasoning = r
 
     def _anthropic_prompt(self, usage) -> int | None:
         """The whole prompt's length from an Anthropic usage: `input_tokens` is only the part not read from (or
@@ -1248,6 +1256,7 @@ class StreamParser:
             cached_tokens=self._cached_tokens(prompt),
             count_open=bool(s.unclosed) and s.final_usage is None and not s.task_usage,
             response_id=s.response_id,
+            reasoning_tokens=s.usage_reasoning,
         )
 
     def _cached_tokens(self, prompt: int | None) -> int | None:
