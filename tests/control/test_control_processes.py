@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import shutil
@@ -628,14 +629,42 @@ def _capsys_admin_binder(names) -> subprocess.Popen:
             " except OSError:\n  print('BUSY',flush=True); time.sleep(60); sys.exit()\n"
             "print('TAKEN',flush=True); time.sleep(60)\n")
     argv = " ".join(n.hex() for n in names)
-    return subprocess.Popen(["capsh", "--caps=cap_sys_admin+eip cap_setuid,cap_setgid,cap_setpcap+ep", "--keep=1",
-                             "--user=nobody", "--addamb=cap_sys_admin", "--", "-c",
+    return subprocess.Popen([*_CAPSH_ARGV,
                              f"exec /usr/bin/python3 -c \"$0\" {argv}", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
-needs_capsh = pytest.mark.skipif(not (Path("/usr/bin/python3").exists() and shutil.which("capsh")),
-                                 reason="needs capsh and /usr/bin/python3")
+_CAPSH_ARGV = ["capsh", "--caps=cap_sys_admin+eip cap_setuid,cap_setgid,cap_setpcap+ep", "--keep=1", "--user=nobody",
+               "--addamb=cap_sys_admin", "--", "-c"]
+
+
+@functools.lru_cache(maxsize=None)
+def _capsh_unusable() -> str | None:
+    """Why `_capsys_admin_binder` cannot run here (None: it can), probed once a session with its very capsh command:
+    capsh missing, CAP_SYS_ADMIN not in the bounding set (Docker's default), /usr/bin/python3 not runnable by nobody.
+    Checking the files alone, those tests failed ("Unable to set capabilities") instead of skipping."""
+    if not (Path("/usr/bin/python3").exists() and shutil.which("capsh")):
+        return "needs capsh and /usr/bin/python3"
+    try:
+        p = subprocess.run([*_CAPSH_ARGV, "exec /usr/bin/python3 -c \"print('OK')\""], capture_output=True, text=True,
+                           timeout=WAIT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"capsh as nobody with CAP_SYS_ADMIN cannot run here: {e}"
+    if p.stdout.strip() != "OK":
+        return f"capsh as nobody with CAP_SYS_ADMIN cannot run here: {p.stderr.strip() or p.returncode}"
+    return None
+
+
+def needs_capsh(test):
+    """Skip `test` unless capsh can run /usr/bin/python3 as nobody with CAP_SYS_ADMIN (`_capsh_unusable`), probed when
+    the test runs (never at collection: only root's tests need it)."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        why = _capsh_unusable()
+        if why:
+            pytest.skip(why)
+        return test(*args, **kwargs)
+    return run
 
 
 @needs_root
