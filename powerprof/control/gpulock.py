@@ -10,6 +10,7 @@ import hashlib
 import os
 import re
 import socket
+import stat
 import struct
 import sys
 import time
@@ -716,15 +717,26 @@ def _take_socket(name: bytes, holders: list[tuple[int, int | None, int]], bound:
                 os.close(pidfd)
             if got < 0:
                 continue
-            s = socket.socket(fileno=got)
+            # The holder may have swapped that descriptor for another file since the scan: the copy is checked to be
+            # the socket before it is made one. socket.socket(fileno=) of a regular file raised (ENOTSOCK) and leaked
+            # the copy, and root's `restore` failed with the GPU capped. Never raises: None, the copy closed.
+            s = None
             try:
-                if f"socket:[{os.fstat(got).st_ino}]" == want and s.getsockname() == name:
-                    with contextlib.suppress(OSError):  # bound only: ours listens now, and a connect names root
-                        s.listen(socket.SOMAXCONN)
-                    return s
-            except OSError:
+                st = os.fstat(got)
+                if stat.S_ISSOCK(st.st_mode) and f"socket:[{st.st_ino}]" == want:
+                    s, got = socket.socket(fileno=got), -1  # s owns the copy now
+                    if s.getsockname() == name:
+                        with contextlib.suppress(OSError):  # bound only: ours listens now, and a connect names root
+                            s.listen(socket.SOMAXCONN)
+                        s, kept = None, s
+                        return kept
+            except (OSError, ValueError):
                 pass
-            s.close()
+            finally:
+                if s is not None:
+                    s.close()
+                elif got >= 0:
+                    os.close(got)
     return None
 
 
