@@ -726,8 +726,12 @@ def _take_socket(name: bytes, holders: list[tuple[int, int | None, int]], bound:
                 if stat.S_ISSOCK(st.st_mode) and f"socket:[{st.st_ino}]" == want:
                     s, got = socket.socket(fileno=got), -1  # s owns the copy now
                     if s.getsockname() == name:
-                        with contextlib.suppress(OSError):  # bound only: ours listens now, and a connect names root
-                            s.listen(socket.SOMAXCONN)
+                        # Bound only: ours listens now, and a connect names root. Never one already listening:
+                        # listen() sets the peer credentials to the caller's, and every later refusal named root's
+                        # process (finished by then), not the squatter.
+                        with contextlib.suppress(OSError):
+                            if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                                s.listen(socket.SOMAXCONN)
                         s, kept = None, s
                         return kept
             except (OSError, ValueError):

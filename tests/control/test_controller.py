@@ -885,3 +885,29 @@ def test_keeping_a_socket_the_squatter_swapped_for_another_file_never_raises(tmp
         assert gpulock._take_socket(name, [(os.getpid(), os.getuid(), None)], bound) is None
         monkeypatch.undo()
         assert sorted(os.listdir("/proc/self/fd")) == before, "the copied descriptor was leaked"
+
+
+def test_keeping_a_listening_squatters_socket_leaves_its_peer_credentials_its_own():
+    # listen() on a socket already listening sets its peer credentials to the caller's: root keeping a listening
+    # squatter's socket made every later connect name root's own process (finished by then) instead of the squatter
+    # (h-rev7 r2 "listening"). Now only a socket not listening is made to listen.
+    import socket  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from powerprof.control.gpulock import _bound_sockets, _holder, _take_socket  # noqa: PLC0415
+
+    name = b"\0powerprof-test-peercred-" + os.urandom(8).hex().encode()
+    code = ("import socket,sys,time\ns=socket.socket(socket.AF_UNIX)\ns.bind(bytes.fromhex(sys.argv[1]))\ns.listen(8)\n"
+            "print('UP',flush=True)\ntime.sleep(30)\n")
+    child = subprocess.Popen([sys.executable, "-c", code, name.hex()], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "UP"
+        kept = _take_socket(name, [(child.pid, os.getuid(), None)], _bound_sockets(name))
+        if kept is None:
+            pytest.skip("pidfd_getfd of a child is not allowed here")
+        with kept:
+            assert _holder(name)[0] == child.pid
+    finally:
+        child.kill()
+        child.wait()
