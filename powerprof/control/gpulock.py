@@ -354,17 +354,14 @@ class MachineLock:
             raise
 
     def _refuse_a_removed_lock(self) -> None:
-        """GpuBusyError where a process that could control the GPU holds open a lock file that was at `root_path` and
-        is removed or moved (its folder cleaned or moved aside while a root controller held its flock): that
-        controller's flock is on a file no one else opens, so the fresh one at the name excluded nothing, and a second
-        root controller passing over the same parked squatter's names (no process holds those: root cannot keep them)
-        stepped the GPU beside it (250 W over the first one's 220 W, in the test). Seen in /proc/<pid>/fd."""
-        path = os.path.realpath(self.root_path)
-        for pid in _removed_file_holders(path):
-            uid = _status(pid).get("Uid", [None, None])[1]
-            uid = int(uid) if uid is not None and uid.isdigit() else None
-            if could_control(self.scope, pid, uid):  # a file anyone may name so counts only where its holder could
-                raise self._busy(pid, uid)
+        """GpuBusyError where another process holds open a lock file that was at `root_path` and is removed (its folder
+        cleaned, /run or the state folder, while a root controller held its flock): that controller's flock is on a file
+        no one else can open, so the fresh one at the name excluded nothing, and a second root controller passing over
+        the same parked squatter's names (no process holds those: root cannot keep them) stepped the GPU beside it
+        (250 W over the first one's 220 W, in the test). Seen in /proc/<pid>/fd as "<path> (deleted)"."""
+        holders = _removed_file_holders(os.path.realpath(self.root_path))
+        if holders:
+            raise self._busy(holders[0], 0)
 
     def _drop_root_flock(self) -> None:
         fd, self._fd = self._fd, None
@@ -665,10 +662,9 @@ def _holders_from_proc(name: bytes,
 
 
 def _removed_file_holders(path: str, proc: str = "/proc") -> list[int]:
-    """The PIDs of the processes holding open a file of `path`'s name that is not at `path`: removed (its
-    /proc/<pid>/fd link reads "<path> (deleted)") or moved with its folder ("<elsewhere>/<name>"; the name is a digest
-    of the GPU's). A thread with a descriptor table of its own is not read (no controller makes one)."""
-    base = "/" + os.path.basename(path)
+    """The PIDs of the processes holding open a file that was at `path` and has been removed (its /proc/<pid>/fd link
+    reads "<path> (deleted)"); a thread with a descriptor table of its own is not read (no controller makes one)."""
+    want = f"{path} (deleted)"
     found = []
     for entry in os.scandir(proc):
         if not entry.name.isdigit():
@@ -677,8 +673,7 @@ def _removed_file_holders(path: str, proc: str = "/proc") -> list[int]:
             fds = os.listdir(f"{proc}/{entry.name}/fd")
         except OSError:
             continue
-        links = [_readlink(f"{proc}/{entry.name}/fd/{fd}") or "" for fd in fds]
-        if any(link != path and link.removesuffix(" (deleted)").endswith(base) for link in links):
+        if any(_readlink(f"{proc}/{entry.name}/fd/{fd}") == want for fd in fds):
             found.append(int(entry.name))
     return found
 
