@@ -295,8 +295,7 @@ class MachineLock:
             try:
                 fd = os.open(self.root_path, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError:
-                self._refuse_a_removed_lock()
-                return  # no such file, and none removed from under a holder: no root controller holds this GPU
+                return  # no such file: no root controller holds this GPU
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except OSError as e:
@@ -347,21 +346,6 @@ class MachineLock:
         except OSError as e:
             raise StateFolderError(state_folder_message(what, self.root_path, e)) from None
         self._fd = fd
-        try:
-            self._refuse_a_removed_lock()
-        except BaseException:
-            self._drop_root_flock()
-            raise
-
-    def _refuse_a_removed_lock(self) -> None:
-        """GpuBusyError where another process holds open a lock file that was at `root_path` and is removed (its folder
-        cleaned, /run or the state folder, while a root controller held its flock): that controller's flock is on a file
-        no one else can open, so the fresh one at the name excluded nothing, and a second root controller passing over
-        the same parked squatter's names (no process holds those: root cannot keep them) stepped the GPU beside it
-        (250 W over the first one's 220 W, in the test). Seen in /proc/<pid>/fd as "<path> (deleted)"."""
-        holders = _removed_file_holders(os.path.realpath(self.root_path))
-        if holders:
-            raise self._busy(holders[0], 0)
 
     def _drop_root_flock(self) -> None:
         fd, self._fd = self._fd, None
@@ -659,23 +643,6 @@ def _holders_from_proc(name: bytes,
             if any(_readlink(f"{proc}/{where}/fd/{fd}") in inodes for fd in fds):
                 found.append((int(entry.name), _status(where, proc).get("Uid", [None, None])[1], int(tid)))
     return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found], whole, bound
-
-
-def _removed_file_holders(path: str, proc: str = "/proc") -> list[int]:
-    """The PIDs of the processes holding open a file that was at `path` and has been removed (its /proc/<pid>/fd link
-    reads "<path> (deleted)"); a thread with a descriptor table of its own is not read (no controller makes one)."""
-    want = f"{path} (deleted)"
-    found = []
-    for entry in os.scandir(proc):
-        if not entry.name.isdigit():
-            continue
-        try:
-            fds = os.listdir(f"{proc}/{entry.name}/fd")
-        except OSError:
-            continue
-        if any(_readlink(f"{proc}/{entry.name}/fd/{fd}") == want for fd in fds):
-            found.append(int(entry.name))
-    return found
 
 
 _SYS_PIDFD_GETFD = {"x86_64": 438, "aarch64": 438}.get(os.uname().machine)

@@ -732,34 +732,6 @@ def test_root_stops_when_a_controller_took_a_parked_squatters_name_before_its_ne
     assert_untouched()
 
 
-@needs_root
-@pytest.mark.parametrize("squat", [None, "in-flight"])
-def test_root_lock_folder_made_again_lets_no_second_root_controller_in(originals, tmp_path, squat):
-    # Root's machine-wide lock file removed with its folder while a root controller held its flock (the folder cleaned):
-    # a second root controller took a fresh file of the same name, the flock no exclusion. The names still were, where
-    # root held them; a parked squatter's (no process holds it: root cannot keep it) left the flock alone.
-    import shutil as _shutil  # noqa: PLC0415
-
-    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
-
-    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
-    ctl = LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope())
-    with contextlib.ExitStack() as stack:
-        if squat:
-            stack.enter_context(_squatter(uuid, squat, every_name=True))
-        stack.callback(ctl.close)
-        ctl.open()
-        ctl.set_power_limit_w(220)
-        _shutil.rmtree(MachineLock(_scope(), uuid).root_dir)
-        second = subprocess.run(child_cmd("--gpus", "0", "--levels", "250"), capture_output=True, text=True,
-                                timeout=WAIT_S, env=dict(os.environ, POWERPROF_STATE_DIR=str(tmp_path / "other-state")))
-        assert second.returncode == 2, (second.stdout, second.stderr)
-        assert f"powerprof process {os.getpid()} (uid 0)" in second.stderr
-        assert sim_state()[0][0] == 220
-        ctl.set_power_limit_w(230)
-    assert_untouched()
-
-
 def _scope() -> str:
     from powerprof.rig import Rig  # noqa: PLC0415
 
