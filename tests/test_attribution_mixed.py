@@ -60,6 +60,15 @@ def _read_in_time(o, kind: str):
     return r, r[~late]
 
 
+def _sum_err(o, kind, bound, guard):
+    """The kind's summed energy error and its bound: over the rows not read late where they are at least half, `bound`;
+    else over every row, `guard`, a regression's bound only (a host that ran the proxy late on most rows moves their
+    fixed-ratio split far, as they say: all rows -15% to +19% beside CPU hogs, -49% once in CI, -100% with no share)."""
+    every, judged = _read_in_time(o, kind)
+    rows, b = (judged, bound) if len(judged) >= 0.5 * len(every) else (every, guard)
+    return rows["gpu_energy_j"].sum() / rows["true_j"].sum() - 1.0, b, f"{len(rows)} of {len(every)} rows"
+
+
 def _unproxied_split(o):
     """Unproxied energy in intervals whose count is trusted (`complete`), in those whose count may be off
     (schema.bypass_count_low), and the latter's rows that do not say so (BYPASS_LOW_FLAG in energy_note)."""
@@ -87,19 +96,17 @@ def test_embeddings_get_the_energy_of_their_forward_pass(outcome):
     assert not any(n.startswith("uncounted embeddings") for n in s["notes"]), s["notes"]
     rows = o.requests[o.requests["kind"] == "embeddings"]
     assert (rows["prompt_tokens"] > 0).all() and rows["generated_tokens"].isna().all()
-    # Judged where at least 4 in 5 of its rows say nothing of a host that ran the proxy late (READ_LATE), over those:
+    # Judged where at least half its rows say nothing of a host that ran the proxy late (READ_LATE), over those, else
+    # every row against a regression's bound (_sum_err; asking 4 in 5 skipped the kinds on a quiet host too, 18-23% of
+    # chat's rows not read late there, all rows -3.2%, chat_n2 +5.6%):
     # the split the 25% is for is the fixed ratio's (every row of this short trace says so: its fit matures late), which
     # its note says has no bound, and on a loaded host the proxy's lag reads as bypass tokens (`proxy_lag`) and the
     # ratio's split of these prompt-only requests among the late-read streams beside them moves far, the rows saying
     # both. Beside 2 CPU hogs and other jobs (load 6-15 on 2 cores), all 46 rows -15.8% (41 `bypass-uncounted`: -17.7%,
     # 5 not: -4.8%) and +18.9% (all 46 flagged); beside other jobs alone (load ~10) -21.8% and -22.4% (43 and 46
     # flagged); CI saw -49%.
-    every, judged = _read_in_time(o, "embeddings")
-    if len(judged) < 0.8 * len(every):
-        pytest.skip(f"{len(every) - len(judged)} of the {len(every)} embeddings rows say the host ran the proxy late "
-                    f"({', '.join(READ_LATE)}): their fixed-ratio split, without bound, is not judged")
-    err = judged["gpu_energy_j"].sum() / judged["true_j"].sum() - 1.0
-    assert abs(err) < 0.25, (err, len(judged), emb)
+    err, bound, n = _sum_err(o, "embeddings", 0.25, 0.6)
+    assert abs(err) < bound, (err, bound, n, emb)
 
 
 def test_every_kind_is_near_its_truth_and_every_joule_lands_somewhere(outcome):
@@ -114,7 +121,6 @@ def test_every_kind_is_near_its_truth_and_every_joule_lands_somewhere(outcome):
     assert complete_j <= 0.02 * s["requests_true_j"], (complete_j, flagged_j, s["requests_true_j"])
     assert s["requests_est_j"] + flagged_j == pytest.approx(s["requests_true_j"], rel=0.05), (s["requests_est_j"],
                                                                                                flagged_j)
-    unjudged = []
     for kind in ("chat", "chat_n2", "messages", "responses"):
         m = s["kinds_all"][kind]
         assert m["n"] >= 20 and m["no_share"] == 0, (kind, m)
@@ -123,15 +129,8 @@ def test_every_kind_is_near_its_truth_and_every_joule_lands_somewhere(outcome):
         # 800 requests, all: -0.6%, +1.1%, +0.6%, -0.1% (before the sequences fix: -2.6%, +4.1%, -0.5%, -1.1%;
         # before the embeddings fix: +1.5%, +6.8%, +2.9%, +3.5%). Judged as the embeddings are, where the host did
         # not run the proxy late: beside 2 CPU hogs, all rows read late, messages -15.1% once.
-        every, judged = _read_in_time(o, kind)
-        if len(judged) < 0.8 * len(every):
-            unjudged.append(f"{kind}: {len(every) - len(judged)} of {len(every)}")
-            continue
-        err = judged["gpu_energy_j"].sum() / judged["true_j"].sum() - 1.0
-        assert abs(err) < 0.15, (kind, err, len(judged), m)
-    if unjudged:
-        pytest.skip(f"rows that say the host ran the proxy late ({', '.join(READ_LATE)}), their fixed-ratio split "
-                    f"without bound, not judged: {', '.join(unjudged)}")
+        err, bound, n = _sum_err(o, kind, 0.15, 0.3)
+        assert abs(err) < bound, (kind, err, bound, n, m)
 
 
 def test_rows_split_before_the_fit_is_mature_say_so(outcome):
@@ -227,7 +226,6 @@ def test_sglangs_native_generate_is_counted_streamed_whole_and_batched(sglang_ou
     # -0.2%, +0.1% with it (in the runs above).
     assert s["requests_est_j"] + flagged_j == pytest.approx(s["requests_true_j"], rel=0.03), (s["requests_est_j"],
                                                                                                flagged_j)
-    unjudged = []
     for kind in ("generate", "generate_whole", "generate_batch", "chat"):
         m = s["kinds_all"][kind]
         assert m["n"] >= 20 and m["no_share"] == 0, (kind, m)
@@ -236,20 +234,13 @@ def test_sglangs_native_generate_is_counted_streamed_whole_and_batched(sglang_ou
         # Judged as the embeddings are (test_embeddings_get_the_energy_of_their_forward_pass): the rows read late
         # (READ_LATE) and split by the fixed ratio read far off (one run beside CPU hogs: chat's 22 rows not read
         # late of 125 -11.6%), as their notes say they may.
-        every, judged = _read_in_time(o, kind)
-        if len(judged) < 0.8 * len(every):
-            unjudged.append(f"{kind}: {len(every) - len(judged)} of {len(every)}")
-            continue
-        err = judged["gpu_energy_j"].sum() / judged["true_j"].sum() - 1.0
-        assert abs(err) < 0.1, (kind, err, len(judged), m)
+        err, bound, n = _sum_err(o, kind, 0.1, 0.3)
+        assert abs(err) < bound, (kind, err, bound, n, m)
     assert not any(n.startswith("uncounted") for n in s["notes"]), s["notes"]
     for kind in ("generate", "generate_whole", "generate_batch"):
         g = o.requests[(o.requests["kind"] == kind) & o.requests["true_tokens"].notna()]
         assert (g["api"] == "sglang-generate").all() and (g["prompt_tokens"] > 0).all()
         assert (g["generated_tokens"] == g["true_tokens"]).all(), g[["generated_tokens", "true_tokens"]]
-    if unjudged:
-        pytest.skip(f"rows that say the host ran the proxy late ({', '.join(READ_LATE)}), their fixed-ratio split "
-                    f"without bound, not judged: {', '.join(unjudged)}")
 
 
 @pytest.fixture(scope="module")
