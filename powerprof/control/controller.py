@@ -23,7 +23,7 @@ from powerprof.trust import untrusted_place
 from .device import nvml_error_code, read_devices
 from .errors import ControlError, ControlPermissionError, PendingRestoreError, RestoreError, StateFolderError
 from .errors import permission_message, state_folder_message
-from .gpulock import GpuLock, MachineLock
+from .gpulock import GpuLock, MachineLock, refuse_stray_locks
 from .levels import DeviceRange, LevelError, common_power_range, describe_power_range
 from .levels import parse_clock_levels, parse_power_levels
 from .restore import (
@@ -157,6 +157,8 @@ class LimitController:
                     machine = MachineLock(self.machine_scope, d.uuid, d.index)
                     machine.acquire()
                     self._locks.append(machine)
+            # Once for every GPU: a root controller whose lock file was taken out of the lock folder (never `restore`).
+            refuse_stray_locks([lock for lock in self._locks if isinstance(lock, MachineLock)])
             # Read the originals again under the lock: another controller may have been restoring until now.
             self.devices = read_devices(self.nvml, self.indexes)
             self._refuse_if_pending_restore()

@@ -266,7 +266,8 @@ class MachineLock:
 
     def acquire(self, probe: bool = False) -> None:
         """Take the lock (GpuBusyError where a controller holds it). `probe`: as root, create no folder or file (a dry
-        run's question: `holder_now` lets it go at once)."""
+        run's question: `holder_now` lets it go at once). A controller then calls `refuse_stray_locks`; `restore`
+        never does."""
         if self._socks or self._fd is not None:
             return
         if self.scope.startswith("sim:") and not probe:
@@ -506,6 +507,140 @@ class MachineLock:
     def release(self) -> None:
         self._close_socks()
         self._drop_root_flock()
+
+
+_EXCLUSIVE_FLOCK = re.compile(rb"^[0-9]+: FLOCK +[A-Z]+ +WRITE +([0-9]+) +([0-9a-f]+:[0-9a-f]+):([0-9]+) ", re.M)
+
+
+def _exclusive_flocks(proc: str = "/proc") -> list[tuple[int, str, int]] | None:
+    """(pid, device as /proc/locks writes it, inode) of every exclusive flock held (a waiter's line, "N: -> FLOCK", left
+    out), from /proc/locks; None where it cannot be read. Its size is the host's locks, not its open descriptors."""
+    try:
+        with open(f"{proc}/locks", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return [(int(pid), dev.decode(), int(ino)) for pid, dev, ino in _EXCLUSIVE_FLOCK.findall(text)]
+
+
+def _fd_field(where: str, key: str) -> str | None:
+    """A field of /proc/<where> (a descriptor's fdinfo: "mnt_id"), None where unreadable."""
+    try:
+        with open(where) as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k == key:
+                    return v.strip()
+    except OSError:
+        pass
+    return None
+
+
+def _mount_device(pid: int | str, mnt_id: str | None, proc: str = "/proc") -> str | None:
+    """The device ("major:minor") of mount `mnt_id` as process `pid` sees its mounts (its own mount namespace: the
+    tuner unit's sandbox has one), None where unknown."""
+    if mnt_id is None:
+        return None
+    try:
+        with open(f"{proc}/{pid}/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and parts[0] == mnt_id:
+                    return parts[2]
+    except OSError:
+        pass
+    return None
+
+
+def refuse_stray_locks(locks: list[MachineLock]) -> None:
+    """GpuBusyError where another root process holds an exclusive flock on one of these GPUs' root lock files that is no
+    longer the one at its path: the lock folder removed or moved aside (or the file removed) while a root controller
+    ran. That flock then excluded no one: with both names held by a parked squatter (passed over, and no process holds
+    it for root to keep), a second root controller stepped the GPU beside the first (250 W over its 220 W, in the test).
+    A controller calls it once, after taking every GPU's locks (one pass for all its GPUs); `restore` never does:
+    putting a GPU back is never refused by it. Only a file no less privileged user can make or hold counts
+    (`_stray_lock_holders`); a holder seen is looked at twice more, 50 ms apart, and counts only if seen each time (a
+    root controller retrying its open as another let go holds the removed file for a moment)."""
+    ours = {lock.root_path.name: (lock, lock._fd) for lock in locks if lock._fd is not None}
+    if not ours:
+        return
+    fds = {name: fd for name, (_lock, fd) in ours.items()}
+    found = _stray_lock_holders(fds)
+    for _ in range(2):
+        if not found:
+            return
+        time.sleep(0.05)
+        again = _stray_lock_holders(fds)
+        found = {name: held for name, held in again.items() if name in found and held[0] == found[name][0]}
+    if not found:
+        return
+    name, (pid, where) = sorted(found.items())[0]
+    lock = ours[name][0]
+    if pid == os.getpid():
+        raise lock._busy(pid, 0)
+    raise GpuBusyError(
+        f"{lock._gpu()} is already being controlled by powerprof process {pid} (uid 0), whose machine-wide lock file "
+        f"was removed or moved out of {lock.root_dir} while it ran (it holds {where}), so that folder's lock no longer "
+        "excludes it. Two controllers on one GPU would fight over its power limit: wait for it to finish or stop it "
+        f"(kill {pid}); it puts the GPU back when it exits. Don't remove or move {lock.root_dir} while a controller "
+        "runs", pid)
+
+
+def _stray_lock_holders(ours: dict[str, int], proc: str = "/proc") -> dict[str, tuple[int, str]]:
+    """{lock name: (pid, path it holds)} for each of root's lock names in `ours` (gpu-<digest of the GPU>.lock: the
+    descriptor of our file, the one at the lock's path now) that another root process holds an exclusive flock on, on
+    the lock folder's file system, in a file that is not ours: removed ("... (deleted)") or moved aside with its folder.
+    In one pass, and only where it counts: /proc/locks names the processes holding an exclusive flock on that file
+    system (its size is the host's locks, not its descriptors); only a process of root's (its /proc entry root's) is
+    read, its descriptors listed once, and only a descriptor whose link ends in one of the names is looked at further:
+    on our file's own file system (its mount's device, from /proc, never from the file: a stat of another user's FUSE
+    file can hang), then a regular file, root's, mode 0600, its inode flocked by that process. No less privileged user
+    can make such a file, nor get root to hold one for it: a file of that public name held by any user made root's
+    controllers and `restore` refuse before (6253a2d4). Where /proc cannot be read, nothing is found (the gap stays
+    open there, as before)."""
+    mine = {}
+    for name, fd in ours.items():
+        try:
+            mine[name] = os.fstat(fd)
+        except OSError:
+            continue
+    flocks = _exclusive_flocks(proc) if mine else None
+    if not flocks:
+        return {}
+    me, our_inodes = os.getpid(), {st.st_ino for st in mine.values()}
+    devs = {dev for pid, dev, ino in flocks if pid == me and ino in our_inodes}
+    candidates: dict[int, set[int]] = {}
+    for pid, dev, ino in flocks:
+        if pid > 0 and ino not in our_inodes and (not devs or dev in devs):
+            candidates.setdefault(pid, set()).add(ino)
+    if not candidates:
+        return {}
+    our_mounts = {name: _mount_device("self", _fd_field(f"{proc}/self/fdinfo/{ours[name]}", "mnt_id"), proc)
+                  for name in mine}
+    found: dict[str, tuple[int, str]] = {}
+    for pid, inodes in sorted(candidates.items()):
+        try:
+            if os.stat(f"{proc}/{pid}").st_uid != 0:
+                continue  # another user's process: whatever it holds, root gave it nothing of its lock folder's
+            with os.scandir(f"{proc}/{pid}/fd") as entries:
+                links = [(e.name, _readlink(e.path)) for e in entries]
+        except OSError:
+            continue  # gone: it holds nothing now
+        for num, link in links:
+            name = os.path.basename(link.removesuffix(" (deleted)")) if link else None
+            if name not in mine or name in found or our_mounts[name] is None:
+                continue
+            if _mount_device(pid, _fd_field(f"{proc}/{pid}/fdinfo/{num}", "mnt_id"), proc) != our_mounts[name]:
+                continue
+            try:
+                st = os.stat(f"{proc}/{pid}/fd/{num}")
+            except OSError:
+                continue
+            own = mine[name]
+            if (stat.S_ISREG(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o600
+                    and st.st_dev == own.st_dev and st.st_ino in inodes and st.st_ino != own.st_ino):
+                found[name] = (pid, link)
+    return found
 
 
 def _holder(name: bytes) -> tuple[int | None, int | None]:

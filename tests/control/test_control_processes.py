@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import random
@@ -729,6 +730,179 @@ def test_root_stops_when_a_controller_took_a_parked_squatters_name_before_its_ne
             other.kill()
             other.communicate(timeout=WAIT_S)
         ctl.close()
+    assert_untouched()
+
+
+@contextlib.contextmanager
+def _a_held_lock_file(path: Path, mode: int = 0o600, holder: str = "root"):
+    """An exclusive flock on a file at `path` (made with `mode`), held as a controller holds root's lock file: by this
+    process ("root"), or by a child process of uid 65534 ("nobody-owned": the file chowned to it; "inherited": root's
+    file, opened by root, its descriptor kept by a child that drops to uid 65534 and only then takes the flock;
+    "orphaned": root's file flocked by a root child that exits, leaving the flock to a child of its own that dropped to
+    uid 65534: /proc/locks names the exited one). Yields the holder's PID."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    os.fchmod(fd, mode)
+    if holder == "root":
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            yield os.getpid()
+        finally:
+            os.close(fd)
+        return
+    if holder == "nobody-owned":
+        os.fchown(fd, 65534, 65534)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            if holder == "orphaned":
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fork() != 0:
+                    os._exit(0)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(w, f"HELD {os.getpid()}\n".encode())
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.close(fd)
+    held = None
+    try:
+        with os.fdopen(r, "rb") as f:
+            said = f.readline().split()
+        assert said[:1] == [b"HELD"]
+        held = int(said[1])
+        yield held
+    finally:
+        for victim in {pid, held} - {None}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def _take_the_lock_folder_away(root_dir: Path, how: str, aside: Path) -> None:
+    if how == "moved":  # moved aside, not removed: the holder's file is open under another path
+        os.rename(root_dir, aside)
+    else:
+        shutil.rmtree(root_dir)
+
+
+@needs_root
+@pytest.mark.parametrize("squat,how", [(None, "removed"), ("in-flight", "removed"), ("in-flight", "moved")])
+def test_root_lock_folder_taken_away_lets_no_second_root_controller_in(originals, tmp_path, squat, how):
+    # Root's machine-wide lock folder removed or moved aside while a root controller held its flock: a second root
+    # controller took a fresh file of the same name, the flock no exclusion. The names still were, where root held
+    # them; a parked squatter's (no process holds it: root cannot keep it) left the flock alone, and the second stepped
+    # the GPU to 250 W beside the first's 220 W (exit 0).
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    ctl = LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope())
+    with contextlib.ExitStack() as stack:
+        if squat:
+            stack.enter_context(_squatter(uuid, squat, every_name=True))
+        stack.callback(ctl.close)
+        ctl.open()
+        ctl.set_power_limit_w(220)
+        _take_the_lock_folder_away(MachineLock(_scope(), uuid).root_dir, how, tmp_path / "moved-aside")
+        second = subprocess.run(child_cmd("--gpus", "0", "--levels", "250"), capture_output=True, text=True,
+                                timeout=WAIT_S, env=dict(os.environ, POWERPROF_STATE_DIR=str(tmp_path / "other-state")))
+        said = " ".join(second.stderr.split())
+        assert second.returncode == 2, (second.stdout, said)
+        assert f"powerprof process {os.getpid()} (uid 0)" in said, said
+        if squat:  # the new check named it (not the names): with the fix to say
+            assert "removed or moved out of" in said and f"kill {os.getpid()}" in said, said
+        assert sim_state()[0][0] == 220
+        ctl.set_power_limit_w(230)
+    assert_untouched()
+
+
+@needs_root
+@pytest.mark.parametrize("holder,mode", [("nobody-owned", 0o600), ("inherited", 0o600), ("orphaned", 0o600),
+                                         ("root", 0o644), ("root", 0o640)], ids=lambda v: f"{v:o}" if isinstance(v, int) else v)
+@pytest.mark.parametrize("how", ["removed", "moved"])
+def test_a_lock_file_no_root_controller_could_hold_refuses_no_controller(originals, tmp_path, holder, mode, how):
+    # The reverted scan (6253a2d4) counted any process holding a file of the public name gpu-<digest>.lock: any user
+    # made root's controllers and `restore` refuse, and counted a holder that had exited (uid None) as a controller.
+    # Only a file root made mode 0600, flocked by a process of root's, counts now: another user's file, root's file a
+    # process of another uid holds (its locker exited or not), or a file of another mode, never.
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    lock = MachineLock(_scope(), uuid)
+    folder = tmp_path / "elsewhere"
+    folder.mkdir()
+    with _a_held_lock_file(folder / lock.root_path.name, mode, holder):
+        _take_the_lock_folder_away(folder, how, tmp_path / "moved-aside")
+        for _ in range(3):
+            with LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope()) as ctl:
+                ctl.set_power_limit_w(220)
+            assert_untouched()
+
+
+@needs_root
+def test_root_restore_is_never_refused_by_a_lock_file_taken_away(originals, tmp_path):
+    # `restore` must always put a GPU back: the reverted scan made it refuse (3 runs of 12 left the GPU at 200 W). Here a
+    # root process holds the GPU's real lock file moved aside with its folder (the second controller is refused: the
+    # check counts it), a nobody process holds one of its own, and a squatter parks both names: restore puts it back.
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
+    _wait_for_line(p, "STEPPED")
+    p.kill()  # the GPUs left at 200 W, root's restore file recording the originals
+    p.wait(timeout=WAIT_S)
+    assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    lock = MachineLock(_scope(), uuid)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    with contextlib.ExitStack() as stack:
+        lock.root_path.unlink(missing_ok=True)  # the killed controller's, no longer locked
+        stack.enter_context(_a_held_lock_file(lock.root_path))
+        stack.enter_context(_a_held_lock_file(theirs / lock.root_path.name, holder="nobody-owned"))
+        os.rename(lock.root_dir, tmp_path / "moved-aside")
+        (theirs / lock.root_path.name).unlink()
+        stack.enter_context(_squatter(uuid, "in-flight", every_name=True))
+        second = subprocess.run(child_cmd("--gpus", "0", "--levels", "250"), capture_output=True, text=True,
+                                timeout=WAIT_S, env=dict(os.environ, POWERPROF_STATE_DIR=str(tmp_path / "other-state")))
+        assert second.returncode == 2 and f"kill {os.getpid()}" in second.stderr, second.stderr
+        for _ in range(3):
+            r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
+                               capture_output=True, text=True, timeout=WAIT_S)
+            said = " ".join((r.stdout + r.stderr).split())
+            assert r.returncode == 0, said
+            assert_untouched()
+            assert restore_files() == []
+
+
+@needs_root
+def test_a_root_process_holding_many_descriptors_and_no_flock_is_never_read(originals, tmp_path, monkeypatch):
+    # The reverted scan read every descriptor of every process at every root start: 0.37 s at 40k host descriptors,
+    # 3.8 s at 100k with 8 GPUs. /proc/locks names the few processes holding an exclusive flock; no other's
+    # descriptors are listed (here a root process holding 20k, or as many as its hard limit allows).
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    script = ("import os,resource,sys;h=resource.getrlimit(resource.RLIMIT_NOFILE)[1];"
+              "resource.setrlimit(resource.RLIMIT_NOFILE,(h,h));"
+              "fds=[os.open('/proc/self/stat',os.O_RDONLY) for _ in range(min(h,20100)-100)];print('HELD',flush=True);"
+              "sys.stdin.read()")
+    many = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for_line(many, "HELD")
+        listed = []
+        real_scandir = os.scandir
+        monkeypatch.setattr(gpulock.os, "scandir", lambda p=".": listed.append(str(p)) or real_scandir(p))
+        with LimitController(SimNVML("seed-16g", count=2), [0, 1], machine_scope=_scope()) as ctl:
+            ctl.set_power_limit_w(220)
+        assert not [p for p in listed if p.startswith(f"/proc/{many.pid}/")], listed
+    finally:
+        many.kill()
+        many.communicate(timeout=WAIT_S)
     assert_untouched()
 
 
