@@ -268,7 +268,7 @@ def _send(socket_path: Path, method: str, path: str, timeout_s: float) -> dict:
         # "TimeoutError: timed out" said neither what happened nor what to do.
         fix = ("Fix: see the daemon's log (under systemd `journalctl -u powerprof`) and restart it if it is stuck; "
                "or give its own tag socket with --socket")
-        if conn.sock is None:
+        if conn.sock is None and r is None:  # an answer begun is one accepted: `Connection: close` drops conn.sock
             raise TagApiError(f"the daemon at {socket_path} did not accept the connection within {timeout_s:g} s "
                               f"(hung or overloaded?). {fix}") from None
         raise TagApiError(f"the daemon at {socket_path} accepted but did not answer within {timeout_s:g} s (hung, or "
