@@ -161,9 +161,15 @@ class Rig:
             kw: dict = {}
             if self.simulated:
                 kw = self._open_sim_powercap()
-            self._sources = open_sources(
-                self._nvml if not self.simulated else self.nvml, self.gpus, rapl_backend=self.rapl_backend, host=self.host, privileged=self.may_set_limits, **kw
-            )
+            try:
+                self._sources = open_sources(
+                    self._nvml if not self.simulated else self.nvml, self.gpus, rapl_backend=self.rapl_backend, host=self.host, privileged=self.may_set_limits, **kw
+                )
+            except BaseException:
+                # Not opened: the simulated tree goes now, not at a close a refused caller may never make (the
+                # daemon's refused start left its updater thread writing for the rest of the process).
+                self._close_sim_powercap()
+                raise
         return self._sources
 
     def cpu_time_collector(self, url: str | None, launched: list, helpers=None):
@@ -502,6 +508,9 @@ class Rig:
         if self._sources is not None:
             self._sources.close()
             self._sources = None
+        self._close_sim_powercap()
+
+    def _close_sim_powercap(self) -> None:
         if self._powercap is not None:
             self._powercap.close()
             self._powercap = None

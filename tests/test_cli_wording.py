@@ -189,6 +189,32 @@ def test_tag_on_a_daemon_that_accepts_but_never_answers_says_so_with_the_fix(tmp
     assert "Fix:" in said and "TimeoutError" not in said, said
 
 
+def test_tag_on_a_peer_that_trickles_a_closing_answer_says_it_accepted(tmp_path, monkeypatch):
+    # An answer with `Connection: close` has http.client drop the connection's socket once its head is read (the
+    # answer keeps it), so a body that never came whole was said as "did not accept the connection": the wrong fault.
+    import time
+
+    import powerprof.daemon.tagapi as tagapi
+    from test_hostile_inputs import _one_request_peer
+
+    def trickle(c):
+        c.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1000\r\n\r\n{")
+        for _ in range(20):
+            time.sleep(0.2)
+            try:
+                c.sendall(b" ")
+            except OSError:
+                return
+
+    monkeypatch.setattr(tagapi, "TAG_TIMEOUT_S", 1.0)
+    p = tmp_path / "slow.sock"
+    _one_request_peer(p, trickle)
+    r = CliRunner().invoke(main, ["tag", "list", "--socket", str(p)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1, said
+    assert f"the daemon at {p} accepted but did not answer within 1 s" in said, said
+
+
 def test_tag_on_a_socket_whose_backlog_is_full_says_the_daemon_did_not_accept(tmp_path, monkeypatch):
     # A listener that never accepts (a daemon whose loop is stuck): connect() itself waits, on a full backlog.
     import socket

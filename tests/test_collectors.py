@@ -98,6 +98,23 @@ def test_machine_without_gpu_or_rapl_still_gets_host_and_says_why(tmp_path):
     assert "no RAPL zones" in msgs["rapl"]["message"] and "powercap" in msgs["rapl"]["fix"]
 
 
+def test_a_rig_whose_sources_fail_to_open_leaves_no_simulated_powercap_running():
+    # Before: the simulated powercap tree was made and its updater thread started before open_sources, whose
+    # ValueError (a GPU that is not there) left both behind for a caller that never closed the Rig (the daemon's
+    # refused start): the thread kept writing in the test process and died later on another test's patched os.pwrite
+    # (CI: PytestUnhandledThreadExceptionWarning under an unrelated test).
+    import threading
+
+    before = {t for t in threading.enumerate() if t.name.startswith("powerprof-sim-")}
+    rig = Rig("seed-16g", gpus=["GPU-00000000"])
+    with pytest.raises(ValueError):
+        rig.sources
+    assert rig.sim_powercap is None
+    left = [t.name for t in threading.enumerate() if t.name.startswith("powerprof-sim-") and t not in before]
+    assert not left, left
+    rig.close()
+
+
 def test_simulated_unprivileged_machine_lists_each_permission_problem_with_its_fix(monkeypatch):
     monkeypatch.setenv("POWERPROF_SIM_UNPRIVILEGED", "1")
     with Rig("seed-16g") as rig:

@@ -237,8 +237,13 @@ def test_the_daemon_samples_the_gpu_its_uuid_names_and_stops_naming_one_that_is_
             import os
 
             os.close(d._lock_fd)
+    import threading
+
+    before = set(threading.enumerate())
     with pytest.raises(StartupError, match="GPU-00000000.*names no GPU"):
         daemon(["GPU-00000000"])._open()
+    # The refused start leaves no simulated powercap updater behind (it did: the thread outlived the test).
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("powerprof-sim-") and t not in before]
 
 
 @pytest.mark.parametrize(

@@ -208,6 +208,88 @@ def test_bodies_streamed_on_uninspected_over_the_budget_are_counted_on_metrics()
     assert zero.value == 0
 
 
+def test_the_proxys_body_reader_failures_are_counted_on_metrics():
+    # The proxy counted its own faults reading a request body (Proxy.proxy_failures: a bug, each one's body streamed on
+    # unread or answered 500) and /metrics never said it: only the log's first five and every 1000th. Now a counter,
+    # at zero too.
+    fams = _exposition(proxy_body_reader_failures=2)
+    (sample,) = fams["powerprof_proxy_body_reader_failures"].samples
+    assert sample.value == 2 and sample.name == "powerprof_proxy_body_reader_failures_total"
+    assert "bug" in fams["powerprof_proxy_body_reader_failures"].documentation
+    (zero,) = _exposition()["powerprof_proxy_body_reader_failures"].samples
+    assert zero.value == 0
+
+
+def test_a_body_reader_failure_is_read_from_a_running_daemons_metrics(tmp_path, monkeypatch):
+    # End to end: the in-process proxy's reader fails on one request body (a fault injected in aiohttp's stream, as
+    # test_daemon_proxy's reader-bug tests do); the request streams on, and the daemon's /metrics says 1.
+    import asyncio
+    import urllib.request
+
+    import aiohttp
+    import aiohttp.streams
+    from aiohttp import web
+
+    from powerprof.daemon.config import load_config
+    from powerprof.rig import Rig
+    from powerprof.sim.nvml import SimNVML
+
+    orig = aiohttp.streams.StreamReader.read_nowait
+
+    def broken(self, n=-1):  # the proxy's read of a small body already whole; nothing else here calls it
+        raise ValueError("reader bug")
+
+    async def ok(_request):
+        return web.json_response({"content": "hi", "tokens_predicted": 1})
+
+    def scrape(url):
+        text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    async def main():
+        up = web.Application()
+        up.router.add_route("*", "/{tail:.*}", ok)
+        runner = web.AppRunner(up)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        cfg = load_config(None, env={}, overrides={
+            "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.1, "daemon.flush_interval_s": 0.1,
+            "proxy.listen": "127.0.0.1:0", "proxy.upstream": f"http://127.0.0.1:{port}",
+            "metrics.listen": "127.0.0.1:0", "daemon.restore_on_start": False, "scrape.server": "none"})
+        d = service.Daemon(cfg, Rig("a100-40g", nvml=SimNVML("a100-40g", state_path=None)))
+        task = asyncio.create_task(d.run())
+        try:
+            for _ in range(400):
+                if "proxy" in d.urls and "metrics" in d.urls:
+                    break
+                await asyncio.sleep(0.05)
+            before = await asyncio.to_thread(scrape, d.urls["metrics"])
+            monkeypatch.setattr(aiohttp.streams.StreamReader, "read_nowait", broken)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(d.urls["proxy"] + "/completion", json={"prompt": "x", "n_predict": 1}) as r:
+                    status = r.status
+                    await r.read()
+            monkeypatch.setattr(aiohttp.streams.StreamReader, "read_nowait", orig)
+            for _ in range(100):  # the snapshot /metrics serves is taken on the daemon's ticks (interval_s)
+                after = await asyncio.to_thread(scrape, d.urls["metrics"])
+                if after["powerprof_proxy_body_reader_failures"].samples[0].value:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            monkeypatch.setattr(aiohttp.streams.StreamReader, "read_nowait", orig)
+            d.stop_event.set()
+            rc = await task
+            await runner.cleanup()
+        return status, before, after, rc
+
+    status, before, after, rc = asyncio.run(asyncio.wait_for(main(), 120))
+    assert status == 200 and rc == 0
+    assert before["powerprof_proxy_body_reader_failures"].samples[0].value == 0
+    assert after["powerprof_proxy_body_reader_failures"].samples[0].value == 1
+
+
 def test_the_power_panel_from_energy_counters_leaves_out_an_instance_with_a_gpu_unread_over_the_range():
     # A rate() over a range overlapping a GPU's unread time reads low whether its series is absent or not (Prometheus
     # extrapolates the increase between the range's first and last samples): before, the panel summed every instance's

@@ -421,8 +421,26 @@ def test_the_workers_bodies_streamed_on_uninspected_are_summed_for_metrics():
     assert workers.uninspected_bodies == 3
     rec = ShippingRecorder(8)
     rec.proxy = type("P", (), {"recorder_failures": 0, "upstream_failures": 0, "body_timeouts": {"silent": 0, "slow": 0},
-                               "upstream_retries": 0, "uninspected_bodies": 5, "unforwarded": 0})()
+                               "upstream_retries": 0, "uninspected_bodies": 5, "unforwarded": 0, "proxy_failures": 0})()
     assert rec._stats()[UNINSPECTED] == 5
+
+
+def test_the_workers_body_reader_failures_are_summed_for_metrics():
+    # Each worker's Proxy counts its own faults reading a request body (proxy_failures); the daemon's /metrics reads
+    # them as of an in-process Proxy, summed over the workers' lives.
+    from powerprof.daemon.workers import BODY_READER_FAILURES
+
+    workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=Rec(), proxy_kwargs={},
+                           header_timeout_s=10, idle_timeout_s=10)
+    stats = [0] * len(_STATS)
+    stats[BODY_READER_FAILURES] = 2
+    (msg,) = Unframer().feed(frame(([], [], [], [], tuple(stats), [], 0)))
+    workers._replay(workers.workers[0], msg)
+    assert workers.proxy_failures == 2
+    rec = ShippingRecorder(8)
+    rec.proxy = type("P", (), {"recorder_failures": 0, "upstream_failures": 0, "body_timeouts": {"silent": 0, "slow": 0},
+                               "upstream_retries": 0, "uninspected_bodies": 0, "unforwarded": 0, "proxy_failures": 4})()
+    assert rec._stats()[BODY_READER_FAILURES] == 4
 
 
 def test_a_dead_workers_requests_not_yet_forwarded_are_counted_and_logged(monkeypatch, caplog):

@@ -360,3 +360,84 @@ def test_a_json_answer_that_is_not_an_object_is_said_not_a_traceback(tmp_path, s
     said = " ".join(r.output.split())
     assert r.exit_code == 1 and (r.exception is None or isinstance(r.exception, SystemExit)), repr(r.exception)
     assert "not a JSON object" in said and "not a powerprof daemon?" in said and "Traceback" not in said, said
+
+
+def _flooding_daemon(path, length: bool, total_bytes: int):
+    """A peer on a Unix socket that answers 200 with `total_bytes` of body (said in Content-Length where `length`,
+    else read to its close), sent as fast as the client takes it, until the client leaves."""
+
+    def flood(c):
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                  + (b"Content-Length: %d\r\n" % total_bytes if length else b"Connection: close\r\n") + b"\r\n")
+        block = b" " * 65536
+        try:
+            for _ in range(total_bytes // len(block)):
+                c.sendall(block)
+        except OSError:
+            return  # the client gave up: what it should do
+
+    return _one_request_peer(path, flood)
+
+
+@pytest.mark.parametrize("length", [True, False])
+def test_an_answer_over_1_mib_is_refused_at_1_mib_never_read_whole(tmp_path, monkeypatch, length):
+    # Before: the client read an answer of any size whole (r.read()): a peer on the socket sending without end held
+    # `powerprof tag` until its timeout and took the memory of all it sent (335 MiB in 1 s here, 10 s by default),
+    # then said it "did not accept the connection"; one with a 3 MiB Content-Length was read whole and exited 0.
+    import time
+
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+    from powerprof.daemon import tagapi
+
+    monkeypatch.setattr(tagapi, "TAG_TIMEOUT_S", 3.0)
+    sock = tmp_path / "flood.sock"
+    t = _flooding_daemon(sock, length, (3 << 20) if length else (64 << 30))
+    t0 = time.monotonic()
+    r = CliRunner().invoke(main, ["tag", "list", "--socket", str(sock)])
+    took_s = time.monotonic() - t0
+    t.join(10)
+    assert not t.is_alive(), "the client kept the socket open after giving up: the peer still sends"
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and (r.exception is None or isinstance(r.exception, SystemExit)), repr(r.exception)
+    assert "an answer over 1 MiB" in said and str(sock) in said and "not a powerprof daemon?" in said, said[:500]
+    assert len(said) < 1000 and took_s < 2.5, (len(said), took_s)
+
+
+@pytest.mark.parametrize("raw, seen", [
+    (b"SSH-2.0-OpenSSH_9.6\r\n", "'SSH-2.0-OpenSSH_9.6\\r\\n'"),
+    (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", "not an HTTP status line"),
+    (b"HTTP/2.0 200 OK\r\n\r\n", "'HTTP/2.0'"),
+    (b"x" * 70000 + b"\r\n", "a status line over 64 KiB"),
+])
+def test_a_peer_that_does_not_speak_http_is_said_in_plain_words(tmp_path, raw, seen):
+    # Before: http.client's own words, "cannot reach the daemon at …: BadStatusLine: SSH-2.0-OpenSSH_9.6" (and
+    # UnknownProtocol, LineTooLong): neither that the peer is not a powerprof daemon nor what to give instead.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    sock = tmp_path / "other.sock"
+    _answering_daemon(sock, raw)
+    r = CliRunner().invoke(main, ["tag", "list", "--socket", str(sock)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and (r.exception is None or isinstance(r.exception, SystemExit)), repr(r.exception)
+    assert f"the peer at {sock} did not answer as a powerprof daemon" in said and seen in said, said
+    assert "give the daemon's tag socket" in said and "BadStatusLine" not in said and "Traceback" not in said, said
+    assert len(said) < 600, said
+
+
+def test_a_peer_that_closes_without_answering_is_said_in_plain_words(tmp_path):
+    # Before: "cannot reach the daemon at …: RemoteDisconnected: Remote end closed connection without response".
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    sock = tmp_path / "mute.sock"
+    _answering_daemon(sock, b"")
+    r = CliRunner().invoke(main, ["tag", "list", "--socket", str(sock)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and (r.exception is None or isinstance(r.exception, SystemExit)), repr(r.exception)
+    assert f"the peer at {sock} closed the connection without answering" in said, said
+    assert "RemoteDisconnected" not in said, said

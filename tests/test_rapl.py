@@ -257,6 +257,45 @@ def test_background_updates_advance_the_counters_and_stop_cleanly(tmp_path):
     pc.close()
 
 
+def test_a_failing_counter_write_is_counted_and_the_updater_goes_on(tmp_path, monkeypatch):
+    # Before: an OSError from os.pwrite (another test's patched full disk) killed the updater thread with an unhandled
+    # traceback (CI: PytestUnhandledThreadExceptionWarning), and the counters froze for the rest of the run.
+    import errno
+    import threading
+    import time
+
+    import powerprof.sim.powercap as powercap_mod
+
+    unhandled = []
+    monkeypatch.setattr(threading, "excepthook", unhandled.append)
+    real = os.pwrite
+    full = {"on": False}
+
+    def pwrite(fd, data, offset):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(powercap_mod.os, "pwrite", pwrite)
+    pc = SimPowercap(tmp_path / "pc", power_w_fn=lambda: 100.0, update_interval_s=0.002).start()
+    try:
+        full["on"] = True
+        for _ in range(500):
+            if getattr(pc, "write_errors", 0) >= 3 or not pc._thread.is_alive():
+                break
+            time.sleep(0.01)
+        full["on"] = False
+        assert pc._thread.is_alive(), f"the updater died: {unhandled}"
+        assert pc.write_errors >= 3 and "No space left on device" in pc.last_write_error
+        rc = RaplCollector(pc.root)
+        rc.read()
+        time.sleep(0.1)
+        assert _by_zone(rc.read())["package-0"].energy_j > 0, "the counters move again once writes succeed"
+    finally:
+        pc.close()
+    assert not unhandled
+
+
 def test_permission_lost_after_start_is_a_counted_sampler_error(tmp_path):
     clock = FakeClock()
     pc = _tree(tmp_path, clock)

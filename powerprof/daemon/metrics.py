@@ -158,6 +158,7 @@ class Snapshot:
     proxy_records_dropped: int = 0  # proxy workers' records not shipped (the daemon did not read)
     proxy_body_timeouts: dict = field(default_factory=dict)  # rule (silent, slow) → request bodies answered 408
     proxy_uninspected_bodies: int = 0  # bodies up to 1 MiB streamed on uninspected, over the inspection budget
+    proxy_body_reader_failures: int = 0  # Proxy.proxy_failures: its own faults reading a request body (a bug)
     proxy_lost_unforwarded: int = 0  # requests not yet forwarded in a proxy worker that died (no row)
     proxy_malformed_requests: int = 0  # rejected by aiohttp's parser (400), this process's and the workers'
     proxy_worker_restarts: dict = field(default_factory=dict)  # reason → count (proxy.workers > 1)
@@ -419,6 +420,9 @@ class SnapshotCollector:
         yield CounterMetricFamily("powerprof_proxy_uninspected_bodies", "Request bodies up to 1 MiB streamed on "
                                   "uninspected: the inspection budget (32 MiB of bodies read whole at once) was full; "
                                   "their rows' model and stream unknown, their prompt unread", value=s.proxy_uninspected_bodies)
+        yield CounterMetricFamily("powerprof_proxy_body_reader_failures", "Request bodies the proxy's own reader "
+                                  "failed on (a bug: report the daemon log's traceback): streamed on unread, or "
+                                  "answered 500 where bytes were lost; their rows say so", value=s.proxy_body_reader_failures)
         yield CounterMetricFamily("powerprof_proxy_lost_unforwarded_requests", "Requests a proxy worker had not "
                                   "forwarded yet (their bodies still coming) when it died: no row, as of its last "
                                   "heartbeat", value=s.proxy_lost_unforwarded)

@@ -939,6 +939,7 @@ class Daemon:
             proxy_records_dropped=getattr(self.proxy, "records_dropped", 0),
             proxy_body_timeouts=dict(getattr(self.proxy, "body_timeouts", {})),
             proxy_uninspected_bodies=getattr(self.proxy, "uninspected_bodies", 0),
+            proxy_body_reader_failures=getattr(self.proxy, "proxy_failures", 0),
             proxy_lost_unforwarded=getattr(self.proxy, "lost_unforwarded", 0),
             proxy_malformed_requests=(self.bad_requests.rejected if self.bad_requests is not None else 0)
             + getattr(self.proxy, "malformed_requests", 0),

@@ -184,6 +184,11 @@ class TagApiError(RuntimeError):
 
 
 TAG_TIMEOUT_S = 10.0  # one tag request in all, connect to last byte: read at each call (tests set less)
+# The most of an answer's body the client reads: a daemon's largest, the list of 256 open windows (MAX_OPEN_TAGS) of
+# 128-character names, is about 34 KiB. Unbounded, a peer sending without end took 335 MiB a second until the timeout.
+ANSWER_MAX_BYTES = 1 << 20
+# What a refusal of the peer tells the user to give instead.
+_GIVE_SOCKET = "give the daemon's tag socket (its config's [tags] socket)"
 
 
 def stop_wait_s(interval_s: float) -> float:
@@ -250,20 +255,27 @@ class _UnixConnection(http.client.HTTPConnection):
 def _send(socket_path: Path, method: str, path: str, timeout_s: float) -> dict:
     # The standard library's client, not aiohttp's: a command that sends one request paid for importing aiohttp.
     conn = _UnixConnection(socket_path, timeout_s)
+    r = None
     try:
         conn.request(method, path)
         r = conn.getresponse()
-        body = r.read().decode("utf-8", errors="replace")
+        raw = r.read(ANSWER_MAX_BYTES + 1)
+        if len(raw) > ANSWER_MAX_BYTES:
+            raise TagApiError(f"the peer at {socket_path} sent an answer over {ANSWER_MAX_BYTES >> 20} MiB (a powerprof "
+                              f"daemon's is a few KiB), not read further (not a powerprof daemon?): {_GIVE_SOCKET}")
+        body = raw.decode("utf-8", errors="replace")
     except TimeoutError:
         # "TimeoutError: timed out" said neither what happened nor what to do.
         fix = ("Fix: see the daemon's log (under systemd `journalctl -u powerprof`) and restart it if it is stuck; "
                "or give its own tag socket with --socket")
-        if conn.sock is None:
+        if conn.sock is None and r is None:  # an answer begun is one accepted: `Connection: close` drops conn.sock
             raise TagApiError(f"the daemon at {socket_path} did not accept the connection within {timeout_s:g} s "
                               f"(hung or overloaded?). {fix}") from None
         raise TagApiError(f"the daemon at {socket_path} accepted but did not answer within {timeout_s:g} s (hung, or "
                           f"not a powerprof daemon?). {fix}") from None
     finally:
+        if r is not None:  # the answer holds the socket open past conn.close(): a peer still sending kept it
+            r.close()
         conn.close()
     try:
         doc = json.loads(body)
@@ -273,10 +285,24 @@ def _send(socket_path: Path, method: str, path: str, timeout_s: float) -> dict:
         # The daemon answers objects only; another JSON value (a string, a list) was an AttributeError traceback.
         shown = body if len(body) <= 80 else body[:80] + "…"
         raise TagApiError(f"the peer at {socket_path} answered HTTP {r.status} with {shown!r}, not a JSON object (not "
-                          "a powerprof daemon?): give the daemon's tag socket (its config's [tags] socket)")
+                          f"a powerprof daemon?): {_GIVE_SOCKET}")
     if r.status != 200:
         raise TagApiError(doc.get("error") or f"daemon answered {r.status}")
     return doc
+
+
+def _not_http(e: http.client.HTTPException) -> str:
+    """What a peer that did not answer in HTTP/1.x sent, in words (http.client's exception names said nothing)."""
+    if isinstance(e, http.client.BadStatusLine):
+        line = e.line if isinstance(e.line, str) else str(e.line)
+        return f"it sent {line[:60]!r}{'…' if len(line) > 60 else ''}, not an HTTP status line"
+    if isinstance(e, http.client.UnknownProtocol):
+        return f"it spoke {str(e.version)[:60]!r}, not HTTP/1.1"
+    if isinstance(e, http.client.LineTooLong):  # "got more than 65536 bytes when reading status line"
+        return f"it sent a {str(e).rpartition('when reading ')[2] or 'line'} over 64 KiB"
+    if isinstance(e, http.client.IncompleteRead):
+        return f"its answer ended after {len(e.partial)} bytes, {e.expected} more said to come"
+    return error_text(e)[:200]
 
 
 def _who_may(path: Path, group_bits: int) -> str:
@@ -348,7 +374,13 @@ def send_tag(socket_path: Path | str, action: str, name: str | None = None, time
                           f"under systemd {SYSTEMD_TAG_SOCKET})")
     try:
         return _send(p, method, path, timeout_s)
-    except (http.client.HTTPException, OSError) as e:
+    except http.client.RemoteDisconnected:  # before HTTPException and OSError: it is both
+        raise TagApiError(f"the peer at {p} closed the connection without answering (a daemon stopping or crashing, "
+                          f"or not a powerprof daemon?): see the daemon's log, or {_GIVE_SOCKET}") from None
+    except http.client.HTTPException as e:
+        raise TagApiError(f"the peer at {p} did not answer as a powerprof daemon ({_not_http(e)}): {_GIVE_SOCKET}") \
+            from None
+    except OSError as e:
         if getattr(e, "errno", None) in (errno.EACCES, errno.EPERM):
             raise TagApiError(f"may not connect to {p} (permission denied): {_who_may(p, 0o060)}") from None
         if getattr(e, "errno", None) in (errno.ECONNREFUSED, errno.ENOENT):

@@ -58,6 +58,7 @@ STOP_TIMEOUT_S = 10.0  # SIGTERM: a worker cuts its requests after 2 s (like the
 LATE = 7  # the index of a worker's loop's lateness in its stats (ShippingRecorder._stats)
 UNINSPECTED = 8  # …and of its Proxy's uninspected_bodies
 UNFORWARDED = 9  # …and of its requests in progress not yet forwarded (Proxy.unforwarded): never shipped one by one
+BODY_READER_FAILURES = 10  # …and of its Proxy's own faults reading a request body (Proxy.proxy_failures)
 BEAT_S = 0.25  # a worker's heartbeat: its live requests and its clock (the ledger's horizon waits for it)
 SILENT_S = 10.0  # a worker silent this long (stopped, wedged) is killed and restarted
 # Ended unread spans kept for the ledger: one a worker life that spoke another shape and then the daemon's again (an
@@ -182,9 +183,9 @@ class ShippingRecorder:
         p = self.proxy
         bad = self.bad_requests.rejected if self.bad_requests is not None else 0
         if p is None:
-            return (0, 0, self.dropped, bad, 0, 0, 0, self.late_us, 0, 0)
+            return (0, 0, self.dropped, bad, 0, 0, 0, self.late_us, 0, 0, 0)
         return (p.recorder_failures, p.upstream_failures, self.dropped, bad, p.body_timeouts["silent"], p.body_timeouts["slow"],
-                p.upstream_retries, self.late_us, p.uninspected_bodies, p.unforwarded)
+                p.upstream_retries, self.late_us, p.uninspected_bodies, p.unforwarded, p.proxy_failures)
 
     def _writable(self) -> bool:
         tr = self.transport
@@ -367,8 +368,8 @@ _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "b
            "bool", "stops", "bool", _SN, _IN)  # streams.Counts, in its order
 # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent,
 # slow), upstream retries
-_STATS = (_I,) * 10  # ShippingRecorder._stats: its counters, its loop's lateness (µs: LATE), its uninspected bodies, its
-# requests not yet forwarded (UNFORWARDED)
+_STATS = (_I,) * 11  # ShippingRecorder._stats: its counters, its loop's lateness (µs: LATE), its uninspected bodies, its
+# requests not yet forwarded (UNFORWARDED), its body reader's failures (BODY_READER_FAILURES)
 _END_LEN = 18  # an end record's parts: its start, _END_REST, its counts, its extra
 # The link's record shapes, said in each worker's hello: the daemon checks every record's length exactly, so a worker
 # started from code upgraded in place under a running daemon (the counts record grew from 18 to 20 fields) had every
@@ -564,6 +565,11 @@ class ProxyWorkers:
     def uninspected_bodies(self) -> int:
         """Request bodies the workers streamed on uninspected, over their inspection budget."""
         return sum(w.base[UNINSPECTED] + w.stats[UNINSPECTED] for w in self.workers)
+
+    @property
+    def proxy_failures(self) -> int:
+        """The workers' own faults reading a request body (a bug), as an in-process Proxy's proxy_failures."""
+        return sum(w.base[BODY_READER_FAILURES] + w.stats[BODY_READER_FAILURES] for w in self.workers)
 
     @property
     def malformed_requests(self) -> int:
