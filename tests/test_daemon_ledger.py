@@ -4145,6 +4145,28 @@ def test_a_run_on_ends_at_the_old_process_last_scrape_not_the_new_one_first():
     assert row["gpu_energy_j"] == pytest.approx(150.0, abs=10.5), row
 
 
+@pytest.mark.parametrize("server", ["llamacpp", "sglang"])
+def test_a_run_on_cut_by_a_restart_ends_midway_to_the_first_scrape_that_found_the_server_down(server):
+    # The old process last answered a scrape at 1.5 s (2.0 s), died at 1.59 s (2.09 s), and the scrape at 1.6 s (2.1 s)
+    # found nothing listening (`down_ns`, scrape.Scraper.window_down_ns). Truth at 100 W: the whole answer decoded
+    # 0.51 s to 1.59 s at 40 tokens/s, 43.2 tokens and 109 J; the stream 0.51 s to 2.09 s, 63.6 tokens and 159 J. Cut
+    # at the last scrape, the run-on's last 0.09 s was dropped, nothing said: 40 tokens, 100 J (the stream 60, 150 J).
+    # Placed midway (1.55 s; 2.05 s), good to 0.05 s either way, and its row says so.
+    if server == "llamacpp":
+        row, truth_n, truth_j = _llamacpp_whole_run_on([(1.5, 11.5)], down_ns=int(1.6 * S)), 43.2, 109.0
+    else:
+        row, truth_n, truth_j = _sglang_stream_run_on(down_ns=int(2.1 * S)), 63.6, 159.0
+    note = row["energy_note"] or ""
+    assert row["attributed_tokens"] == pytest.approx(truth_n, abs=2.0), row
+    assert row["gpu_energy_j"] == pytest.approx(truth_j, abs=5.0), row  # at the 0.1 s intervals' grain
+    assert "died between its last scrape and the first that found the server down, 0.10 s later: its end placed " \
+           "midway, good to 0.05 s either way" in note, note
+    # None found it down (a restart between two scrapes): its end at the last scrape, said to be a lower bound.
+    row = _llamacpp_whole_run_on([(1.5, 1.6)]) if server == "llamacpp" else _sglang_stream_run_on(up=2.1)
+    assert "a lower bound: no scrape found the server down before the new process's first, 0.10 s later" in \
+           (row["energy_note"] or ""), row["energy_note"]
+
+
 def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():
     # A grown SGLang multi-process counter read at half for one page passes for a restart (scrape.counter_restarted):
     # nothing was down, no start time moved (`restart_by_fall`). The stream its server ran on to 3.0 s decoded to

@@ -391,8 +391,7 @@ def _run_on_note(r: LiveRequest) -> str:
         lead = ("the server did not run it on after its client left: the process that had it restarted before (gone "
                 "after its last scrape), and it is live to its client's leaving, an upper bound")
     elif r.run_on_restart:  # `Ledger._end_run_ons_at_restart`: the process running it died
-        lead = (f"the server ran on after its client left, about {s:.1f} s, until it restarted (the process that ran it "
-                "on gone, nothing decoded it after its last scrape)")
+        lead = f"the server ran on after its client left, about {s:.1f} s, until it restarted ({_death_words(r)})"
     elif r.run_on_to_end:  # llama.cpp (scrape.RUNS_ON_AFTER_LEAVE): no abort to wait for, its end
         why = ("llama-server looks at a whole answer's connection only after a second in which it sent no result to "
                "any request: beside other requests, or scraped more often, not before its end")
@@ -409,6 +408,21 @@ def _run_on_note(r: LiveRequest) -> str:
         return (f"{lead}: its energy includes that work, which no client received, {r.run_on_tokens:.0f} tokens decoded "
                 f"at {r.run_on_pace} pace (an estimate; its attributed tokens count them)")
     return f"{lead}: it is live in that time, its work there unseen (no pace to decode it at)"
+
+
+def _death_words(r: LiveRequest) -> str:
+    """When the process that ran `r` on died in a restart, as its run-on's end was placed (`Ledger._run_on_cut_ns`),
+    and how well that end is known: its energy there is never silently dropped nor silently kept."""
+    a, b, down = r.run_on_death or (None, None, None)
+    if a is None:
+        return "the process that ran it on gone"
+    if down is not None:
+        span = (down - a) / 1e9
+        return (f"the process that ran it on died between its last scrape and the first that found the server down, "
+                f"{span:.2f} s later: its end placed midway, good to {span / 2:.2f} s either way")
+    return (f"the process that ran it on died after its last scrape, where its end is placed, a lower bound: no scrape "
+            f"found the server down before the new process's first, {(b - a) / 1e9:.2f} s later, and the run-on may "
+            "have gone on up to that long")
 
 
 def _whole_gone(r: LiveRequest) -> bool:
