@@ -1612,24 +1612,27 @@ class Ledger:
         return (a if down is None else (a + down) // 2), gone
 
     def _end_run_ons_at_restart(self) -> None:
-        """A restart ends every run-on of the process that died: nothing ran it on past that process's last scrape
-        (`_run_on_cut_ns`). Held to its estimate (llama.cpp's whole answer to its max_tokens, up to
-        RUN_ON_TO_END_MAX_S), a run-on went on in the new process's intervals: a whole answer cut 0.6 s in and the
-        server restarted at 1.5 s was placed 370 tokens and 940 J, 750 J of them the new process's, its row saying it ran
-        on to its end (tests/test_daemon_ledger.py); cut at the new process's first scrape, a 10 s model load's down
-        time was its own (400 tokens, 1010 J for the truth's 40 and 100). Placed already (a stream's,
-        `_place_run_ons`), it stays."""
+        """A restart ends every run-on of the process that died: nothing ran it on past that process's death, placed
+        from its last scrape and the first that found the server down (`_run_on_cut_ns`). Held to its estimate
+        (llama.cpp's whole answer to its max_tokens, up to RUN_ON_TO_END_MAX_S), a run-on went on in the new process's
+        intervals: a whole answer cut 0.6 s in and the server restarted at 1.5 s was placed 370 tokens and 940 J, 750 J
+        of them the new process's, its row saying it ran on to its end (tests/test_daemon_ledger.py); cut at the new
+        process's first scrape, a 10 s model load's down time was its own (400 tokens, 1010 J for the truth's 40 and
+        100). Placed already (a stream's, `_place_run_ons`), its events past the cut go (`_cut_run_on`)."""
         for r in self.requests.values():
             self._cut_run_on(r)
 
     def _cut_run_on(self, r: LiveRequest) -> None:
-        """End `r`'s run-on where the process running it died, as best known (`_run_on_cut_ns`), not before its client
-        left, and take out what was placed of it after."""
+        """End `r`'s run-on where the process running it died, as best known (`_run_on_cut_ns`), and take out what was
+        placed of it after. Died before its client left (a restart known by then, or by the window that came after), its
+        whole span ends there (`server_end_ns`), not at the leaving: nothing served it after. Live to its leaving, a
+        whole answer whose process died at 0.6 s, its client gone at 1.0 s, was costed 19 tokens and 50 J for 4 and 10."""
         gone = self._run_on_cut_ns(r) if r.run_on_end_ns is not None else None
         if gone is None or r.run_on_end_ns <= gone[0]:
             return
         cut, r.run_on_death = gone
-        r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.end_ns), True
+        # Not before a token the proxy saw (a stream's): the process was alive then.
+        r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.last_ns or cut), True
         if r.run_on_tokens > 0 and r.run_on_from_ns is None and r.ev_t and r.ev_t[-1] > r.run_on_end_ns:
             # Placed already (a stream's, `_place_run_ons`, before the restart's window came: a long GET): its events
             # past the cut go, and its run-on's tokens with them. Kept, a stream cut at 2.0 s whose window came 0.9 s

@@ -193,8 +193,11 @@ GONE_OUTCOMES = ("client_disconnected", "upstream_error")
 
 def server_end_ns(r: LiveRequest) -> int | None:
     """When the server stopped working on a request: its end (None: not ended), or where it runs on after its client
-    left, that run's end (`Ledger._run_on`)."""
-    return r.trace.end_ns if r.trace.end_ns is None or r.run_on_end_ns is None else max(r.trace.end_ns, r.run_on_end_ns)
+    left, that run's end (`Ledger._run_on`); one whose process died in a restart, where it died, before its client
+    left too (`Ledger._cut_run_on`)."""
+    if r.trace.end_ns is None or r.run_on_end_ns is None:
+        return r.trace.end_ns
+    return r.run_on_end_ns if r.run_on_restart else max(r.trace.end_ns, r.run_on_end_ns)
 
 
 def gone_unsaid(r: LiveRequest) -> bool:
