@@ -267,6 +267,40 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
         assert r[1] - r[0] >= 0.025e9 and abs((r[0] + r[1]) // 2 - t) <= 1, (t, r)
 
 
+def test_the_daemon_scrape_loop_gives_the_ledger_when_a_scrape_found_the_server_down():
+    """A restart's window says when its first scrape found the server down (Scraper.window_down_ns): the ledger places
+    the dead process's run-ons' end from it (`Ledger._run_on_cut_ns`), so the loop must hand it on with the window."""
+    from powerprof.daemon.service import Daemon
+
+    class FakeScraper:
+        kind, finished, window_partial, cache_hits, served = "sglang", None, ("server_restart",), None, None
+        restart_by_fall = False
+        window_down_ns = 123_456_789
+        vllm_v1 = False
+
+        async def scrape(self):
+            return 10.0
+
+    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
+    ledger.add_cache_hits = lambda since, t, hits: None
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, \
+        restart_by_fall=False, down_ns=None: ledger.spans.append(down_ns)
+    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
+                               scraper=FakeScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
+
+    async def go():
+        me.stop_event = asyncio.Event()
+        task = asyncio.create_task(Daemon._scrape_loop(me))
+        t = time.monotonic()
+        while len(ledger.spans) < 2 and not task.done() and time.monotonic() - t < 30:
+            await asyncio.sleep(0.02)
+        me.stop_event.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())
+    assert ledger.spans and set(ledger.spans) == {123_456_789}, ledger.spans
+
+
 def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
     """The daemon's own loop: slow while nothing moves, fast while the ledger holds proxied requests
     and right after a counter rise. Bounds are counts and lower bounds on gaps (a loaded machine only
