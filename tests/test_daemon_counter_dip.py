@@ -656,3 +656,41 @@ def test_a_restart_told_by_the_fall_alone_is_said_so_to_the_ledger_and_one_found
 
         sc = asyncio.run(asyncio.wait_for(go(), 60))
         assert sc.restarts == 1 and got == want, (script, got)
+
+
+def test_the_window_of_a_restart_says_when_its_first_scrape_found_the_server_down(monkeypatch):
+    # The ledger places a dead process's run-ons' end between its last scrape and the first scrape that found the server
+    # down (`Ledger._run_on_cut_ns`): the believed page after says when that scrape began (Scraper.window_down_ns), the
+    # first of two down, and no window without one says any (a timeout is no death).
+    import types
+
+    from powerprof.daemon import scrape
+
+    clock = [1_000_000_000]
+    monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0] / 1e9,
+                                                              monotonic_ns=lambda: clock[0], time=lambda: clock[0] / 1e9))
+    pages = [_sglang(1000), _sglang(1010), DOWN, DOWN, _sglang(40), _sglang(50), CONNECT_TIMEOUT, _sglang(60)]
+    got = []
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            sc = Scraper(s, "http://x", "sglang")
+
+            async def _get(path):
+                step = pages.pop(0)
+                if step == DOWN:
+                    raise aiohttp.ClientConnectorError(_KEY, ConnectionRefusedError(111, "Connection refused"))
+                if step == CONNECT_TIMEOUT:
+                    raise aiohttp.ClientConnectorError(_KEY, TimeoutError(110, "Connection timed out"))
+                return 200, step
+
+            sc._get = _get
+            for _ in range(8):
+                await sc.scrape()
+                got.append((sc.window_down_ns, sc.window_partial))
+                clock[0] += 250_000_000
+            return sc
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+    assert [d for d, _ in got] == [None, None, None, None, 1_500_000_000, None, None, None], got
+    assert "server_restart" in got[4][1], got

@@ -4145,6 +4145,28 @@ def test_a_run_on_ends_at_the_old_process_last_scrape_not_the_new_one_first():
     assert row["gpu_energy_j"] == pytest.approx(150.0, abs=10.5), row
 
 
+@pytest.mark.parametrize("server", ["llamacpp", "sglang"])
+def test_a_run_on_cut_by_a_restart_ends_midway_to_the_first_scrape_that_found_the_server_down(server):
+    # The old process last answered a scrape at 1.5 s (2.0 s), died at 1.59 s (2.09 s), and the scrape at 1.6 s (2.1 s)
+    # found nothing listening (`down_ns`, scrape.Scraper.window_down_ns). Truth at 100 W: the whole answer decoded
+    # 0.51 s to 1.59 s at 40 tokens/s, 43.2 tokens and 109 J; the stream 0.51 s to 2.09 s, 63.6 tokens and 159 J. Cut
+    # at the last scrape, the run-on's last 0.09 s was dropped, nothing said: 40 tokens, 100 J (the stream 60, 150 J).
+    # Placed midway (1.55 s; 2.05 s), good to 0.05 s either way, and its row says so.
+    if server == "llamacpp":
+        row, truth_n, truth_j = _llamacpp_whole_run_on([(1.5, 11.5)], down_ns=int(1.6 * S)), 43.2, 109.0
+    else:
+        row, truth_n, truth_j = _sglang_stream_run_on(down_ns=int(2.1 * S)), 63.6, 159.0
+    note = row["energy_note"] or ""
+    assert row["attributed_tokens"] == pytest.approx(truth_n, abs=2.0), row
+    assert row["gpu_energy_j"] == pytest.approx(truth_j, abs=5.0), row  # at the 0.1 s intervals' grain
+    assert "died between its last scrape and the first that found the server down, 0.10 s later: its end placed " \
+           "midway, good to 0.05 s either way" in note, note
+    # None found it down (a restart between two scrapes): its end at the last scrape, said to be a lower bound.
+    row = _llamacpp_whole_run_on([(1.5, 1.6)]) if server == "llamacpp" else _sglang_stream_run_on(up=2.1)
+    assert "a lower bound: no scrape found the server down before the new process's first, 0.10 s later" in \
+           (row["energy_note"] or ""), row["energy_note"]
+
+
 def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():
     # A grown SGLang multi-process counter read at half for one page passes for a restart (scrape.counter_restarted):
     # nothing was down, no start time moved (`restart_by_fall`). The stream its server ran on to 3.0 s decoded to
@@ -4155,14 +4177,31 @@ def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():
     assert "until it restarted" not in (row["energy_note"] or ""), row["energy_note"]
 
 
-def test_a_run_on_that_starts_after_a_known_restart_ends_at_its_client_leaving():
-    # The process serving the whole answer (from 0.5 s) last answered a scrape at 0.6 s, the new one's first scrape at
-    # 0.9 s; its client left at 1.0 s, after the restart was known, so no restart ended its run-on: held to its
-    # max_tokens, 400 tokens and 1010 J (truth: 4 tokens, 10 J). Nothing ran it on after its client left; the proxy saw
-    # it live to then (an upper bound: 50 J).
-    row = _llamacpp_whole_run_on([(0.6, 0.9)], leave=1.0, end_s=5.0)
-    assert row["gpu_energy_j"] <= 50.0 + 1e-6 and row["attributed_tokens"] <= 21, row
-    assert "did not run it on after its client left: the process that had it restarted" in row["energy_note"], row
+@pytest.mark.parametrize("down_ns", [None, int(0.7 * S)], ids=["none_found_down", "found_down"])
+def test_a_run_on_that_starts_after_a_known_restart_ends_where_the_process_died(down_ns):
+    # The process serving the whole answer (from 0.5 s) last answered a scrape at 0.6 s (found down at 0.7 s, or by
+    # none), the new one's first scrape at 0.9 s; its client left at 1.0 s, after the restart was known. Held to its
+    # max_tokens, 400 tokens and 1010 J; live to its client's leaving, 18.6 tokens and 50 J (truth at 100 W: decoded to
+    # 0.6 s, 3.6 tokens, 10 J). Nothing served it after the process died: its span ends there (midway to the scrape that
+    # found it down, 0.65 s; at 0.6 s, a lower bound, where none did), its row saying so.
+    row = _llamacpp_whole_run_on([(0.6, 0.9)], leave=1.0, end_s=5.0, down_ns=down_ns)
+    assert row["attributed_tokens"] == pytest.approx(3.6, abs=2.1), row  # good to 0.05 s at 40 tokens/s
+    assert row["gpu_energy_j"] <= 20.0 + 1e-6, row  # to 0.65 s, at the 0.1 s intervals' grain
+    note = row["energy_note"] or ""
+    assert "did not run it on after its client left: the process that had it restarted" in note, note
+    assert "costed to there, not to its client's leaving" in note, note
+    assert ("good to 0.05 s either way" if down_ns else "a lower bound") in note, note
+
+
+def test_a_whole_answer_whose_process_died_as_its_client_left_is_not_costed_past_its_death():
+    # The server last answered a scrape at 0.5 s, as the whole answer arrived; it died at 0.55 s, found down at 0.6 s,
+    # when the client left; the new process's first scrape at 2.0 s. Truth at 100 W: 0.5 s to 0.55 s, 1.6 tokens from
+    # its prefill's end, 5 J, none after its client left. Floored at the leaving (0.6 s, an interval's edge), its last
+    # placed token fell in the interval after: 3.6 tokens, 20 J, its row saying "4 tokens decoded" as work after.
+    row = _llamacpp_whole_run_on([(0.55, 2.0)], leave=0.6, down_ns=int(0.6 * S))
+    assert row["attributed_tokens"] == pytest.approx(1.6, abs=1.0), row
+    assert row["gpu_energy_j"] <= 10.0 + 1e-6, row  # to 0.55 s, at the 0.1 s intervals' grain
+    assert "did not run it on after its client left" in (row["energy_note"] or ""), row["energy_note"]
 
 
 @pytest.mark.parametrize("late", [0.9, 1.2])

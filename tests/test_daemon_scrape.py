@@ -193,6 +193,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
     class FakeScraper:
         kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         restart_by_fall = False  # Scraper.restart_by_fall
+        window_down_ns = None  # Scraper.window_down_ns
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -206,7 +207,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
             raise ValueError("a fault in the check")
 
     ledger.add_cache_hits = add_cache_hits
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False: ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
@@ -235,6 +236,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
     class FakeScraper:
         kind, finished, window_partial, cache_hits, served = "llamacpp", None, (), None, None
         restart_by_fall = False  # Scraper.restart_by_fall
+        window_down_ns = None  # Scraper.window_down_ns
         vllm_v1 = False
 
         async def scrape(self):
@@ -243,7 +245,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
 
     ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
     ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False: \
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None: \
         ledger.spans.append((t, d, read_ns))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
                                scraper=FakeScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
@@ -265,6 +267,40 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
         assert r[1] - r[0] >= 0.025e9 and abs((r[0] + r[1]) // 2 - t) <= 1, (t, r)
 
 
+def test_the_daemon_scrape_loop_gives_the_ledger_when_a_scrape_found_the_server_down():
+    """A restart's window says when its first scrape found the server down (Scraper.window_down_ns): the ledger places
+    the dead process's run-ons' end from it (`Ledger._run_on_cut_ns`), so the loop must hand it on with the window."""
+    from powerprof.daemon.service import Daemon
+
+    class FakeScraper:
+        kind, finished, window_partial, cache_hits, served = "sglang", None, ("server_restart",), None, None
+        restart_by_fall = False
+        window_down_ns = 123_456_789
+        vllm_v1 = False
+
+        async def scrape(self):
+            return 10.0
+
+    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
+    ledger.add_cache_hits = lambda since, t, hits: None
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, \
+        restart_by_fall=False, down_ns=None: ledger.spans.append(down_ns)
+    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
+                               scraper=FakeScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
+
+    async def go():
+        me.stop_event = asyncio.Event()
+        task = asyncio.create_task(Daemon._scrape_loop(me))
+        t = time.monotonic()
+        while len(ledger.spans) < 2 and not task.done() and time.monotonic() - t < 30:
+            await asyncio.sleep(0.02)
+        me.stop_event.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())
+    assert ledger.spans and set(ledger.spans) == {123_456_789}, ledger.spans
+
+
 def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
     """The daemon's own loop: slow while nothing moves, fast while the ledger holds proxied requests
     and right after a counter rise. Bounds are counts and lower bounds on gaps (a loaded machine only
@@ -282,6 +318,7 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
         finished = (1.0, 2.5)  # and the requests finished in it with their summed seconds (e2e latency histogram)
         window_partial = ()  # nothing makes its windows' counts low
         restart_by_fall = False
+        window_down_ns = None
         cache_hits = None  # its prefix-cache counter not known (the ledger is told so with every window)
         served = None  # its page shows no finished-request count (an SGLang's)
 
@@ -290,7 +327,7 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
             return deltas.pop(0) if deltas else 0.0
 
     ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False: ledger.spans.append(
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None: ledger.spans.append(
         (since, t, d, at_finish, finished))
     ledger.add_cache_hits = lambda since, t, hits: None
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
@@ -792,6 +829,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
     class FakeScraper:
         kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         restart_by_fall = False  # Scraper.restart_by_fall
+        window_down_ns = None  # Scraper.window_down_ns
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -806,7 +844,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
         raise ValueError("a fault in the check")
 
     ledger.add_cache_hits = add_cache_hits
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False: ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.01, idle_interval_s=0.01), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
@@ -930,6 +968,7 @@ def test_a_windows_prefix_cache_hits_are_checked_over_every_instant_its_reads_ma
     class SlowScraper:  # reads its counter at once, answered 0.2 s later (a loaded host)
         kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         restart_by_fall = False  # Scraper.restart_by_fall
+        window_down_ns = None  # Scraper.window_down_ns
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -973,6 +1012,7 @@ def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stilln
     class SlowScraper:  # every read answered 0.2 s late (a loaded host), the counter rising 10 a window
         kind, finished, window_partial, cache_hits, served = "llamacpp", None, (), None, None
         restart_by_fall = False  # Scraper.restart_by_fall
+        window_down_ns = None  # Scraper.window_down_ns
 
         async def scrape(self):
             await asyncio.sleep(0.2)
@@ -980,7 +1020,7 @@ def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stilln
 
     ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
     ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False: ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.05, idle_interval_s=2.0),
                                scraper=SlowScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
 

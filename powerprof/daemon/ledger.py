@@ -340,8 +340,9 @@ class Ledger:
         # (a stream's seconds, a whole answer's wait period) the server runs a request on after its client left, until it
         # aborts it (scrape.RUNS_ON_AFTER_LEAVE; set by the daemon once the server is known), None: it aborts at once.
         self.runs_on_after_leave: tuple[float | None, float | None] | None = None
-        # The starts of the latest restarts' scrape windows: each the old process's last scrape, where its run-ons end
-        # (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
+        # The latest restarts' scrape windows, (start, end, first found down): the old process's last scrape, the new
+        # one's first, and the first scrape between that found the server down (None: none did); its run-ons end
+        # between the first and the third (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
         self._gone_at: deque = deque(maxlen=64)
         # Recent streams' decode paces (tokens a second a sequence, first token to last): a stream gone before its first
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
@@ -1583,42 +1584,55 @@ class Ledger:
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
                           read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None,
-                          restart_by_fall: bool = False) -> None:
+                          restart_by_fall: bool = False, down_ns: int | None = None) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: a scrape window, its
         arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger).
         `restart_by_fall`: its server_restart was told by the counter's fall alone (scrape.Scraper.restart_by_fall): a
         multi-process page's dip may pass for one, so no run-on ends there (an SGLang stream run on to 3.0 s, cut at
         such a window at 1.5 s, was costed 35.6 tokens and 90 J for the truth's 100 and 250); the window says it as any
-        restart's."""
+        restart's. `down_ns`: when the first scrape of the window that found the server down began
+        (scrape.Scraper.window_down_ns; None: none did): the old process died before it."""
         self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served)
         if "server_restart" in partial and not restart_by_fall:
-            self._gone_at.append(self.recon.restarts[-1][0])
+            a, b = self.recon.restarts[-1]
+            self._gone_at.append((a, b, down_ns if down_ns is not None and a < down_ns <= b else None))
             self._end_run_ons_at_restart()
 
-    def _run_on_cut_ns(self, r: LiveRequest) -> int | None:
-        """Where the process that ran `r` on was last seen alive: the last scrape before the first restart known since
-        `r` arrived (that restart window's start). It died after, before the first scrape that found it down, a scrape
-        interval later at most; the new process's first scrape (`_restart_cut_ns`) can come a model load later."""
-        return min((a for a in self._gone_at if a >= r.trace.arrival_ns), default=None) if self._gone_at else None
+    def _run_on_cut_ns(self, r: LiveRequest) -> tuple[int, tuple[int, int, int | None]] | None:
+        """Where the process that ran `r` on died, as best known, in the first restart known since `r` arrived: after
+        its last scrape (that restart window's start), before the first scrape that found the server down, where one
+        did: placed midway (good to half a scrape interval either way; at its last scrape, it was up to a whole interval
+        early, the run-on's energy after silently dropped); where none found it down (a restart between two scrapes), at
+        its last scrape, a lower bound (the new process's first scrape, `_restart_cut_ns`, can come a model load later).
+        With that restart's (window start, end, first found down), which its row says (`r.run_on_death`)."""
+        gone = min((g for g in self._gone_at if g[0] >= r.trace.arrival_ns), default=None) if self._gone_at else None
+        if gone is None:
+            return None
+        a, _, down = gone
+        return (a if down is None else (a + down) // 2), gone
 
     def _end_run_ons_at_restart(self) -> None:
-        """A restart ends every run-on of the process that died: nothing ran it on past that process's last scrape
-        (`_run_on_cut_ns`). Held to its estimate (llama.cpp's whole answer to its max_tokens, up to
-        RUN_ON_TO_END_MAX_S), a run-on went on in the new process's intervals: a whole answer cut 0.6 s in and the
-        server restarted at 1.5 s was placed 370 tokens and 940 J, 750 J of them the new process's, its row saying it ran
-        on to its end (tests/test_daemon_ledger.py); cut at the new process's first scrape, a 10 s model load's down
-        time was its own (400 tokens, 1010 J for the truth's 40 and 100). Placed already (a stream's,
-        `_place_run_ons`), it stays."""
+        """A restart ends every run-on of the process that died: nothing ran it on past that process's death, placed
+        from its last scrape and the first that found the server down (`_run_on_cut_ns`). Held to its estimate
+        (llama.cpp's whole answer to its max_tokens, up to RUN_ON_TO_END_MAX_S), a run-on went on in the new process's
+        intervals: a whole answer cut 0.6 s in and the server restarted at 1.5 s was placed 370 tokens and 940 J, 750 J
+        of them the new process's, its row saying it ran on to its end (tests/test_daemon_ledger.py); cut at the new
+        process's first scrape, a 10 s model load's down time was its own (400 tokens, 1010 J for the truth's 40 and
+        100). Placed already (a stream's, `_place_run_ons`), its events past the cut go (`_cut_run_on`)."""
         for r in self.requests.values():
             self._cut_run_on(r)
 
     def _cut_run_on(self, r: LiveRequest) -> None:
-        """End `r`'s run-on where the process running it was last seen (`_run_on_cut_ns`), not before its client left,
-        and take out what was placed of it after."""
-        cut = self._run_on_cut_ns(r) if r.run_on_end_ns is not None else None
-        if cut is None or r.run_on_end_ns <= cut:
+        """End `r`'s run-on where the process running it died, as best known (`_run_on_cut_ns`), and take out what was
+        placed of it after. Died before its client left (a restart known by then, or by the window that came after), its
+        whole span ends there (`server_end_ns`), not at the leaving: nothing served it after. Live to its leaving, a
+        whole answer whose process died at 0.6 s, its client gone at 1.0 s, was costed 19 tokens and 50 J for 4 and 10."""
+        gone = self._run_on_cut_ns(r) if r.run_on_end_ns is not None else None
+        if gone is None or r.run_on_end_ns <= gone[0]:
             return
-        r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.end_ns), True
+        cut, r.run_on_death = gone
+        # Not before a token the proxy saw (a stream's): the process was alive then.
+        r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.last_ns or cut), True
         if r.run_on_tokens > 0 and r.run_on_from_ns is None and r.ev_t and r.ev_t[-1] > r.run_on_end_ns:
             # Placed already (a stream's, `_place_run_ons`, before the restart's window came: a long GET): its events
             # past the cut go, and its run-on's tokens with them. Kept, a stream cut at 2.0 s whose window came 0.9 s

@@ -388,11 +388,15 @@ def _run_on_note(r: LiveRequest) -> str:
            f"a whole answer's request at its next {wait_s:g} s wait from its start")
     said = ("sglang:num_aborted_requests_total and in none of its token counters")
     if r.run_on_restart and r.run_on_end_ns <= tr.end_ns:  # `Ledger._cut_run_on`: it died before its client left
-        lead = ("the server did not run it on after its client left: the process that had it restarted before (gone "
-                "after its last scrape), and it is live to its client's leaving, an upper bound")
+        lead = (f"the server did not run it on after its client left: the process that had it restarted {-s:.2f} s "
+                f"before, and it is costed to there, not to its client's leaving ({_death_words(r)})")
+        if r.run_on_tokens > 0:
+            return (f"{lead}: its energy includes the work done for it until then, which no client received, "
+                    f"{r.run_on_tokens:.0f} tokens decoded at {r.run_on_pace} pace (an estimate; its attributed tokens "
+                    "count them)")
+        return lead
     elif r.run_on_restart:  # `Ledger._end_run_ons_at_restart`: the process running it died
-        lead = (f"the server ran on after its client left, about {s:.1f} s, until it restarted (the process that ran it "
-                "on gone, nothing decoded it after its last scrape)")
+        lead = f"the server ran on after its client left, about {s:.1f} s, until it restarted ({_death_words(r)})"
     elif r.run_on_to_end:  # llama.cpp (scrape.RUNS_ON_AFTER_LEAVE): no abort to wait for, its end
         why = ("llama-server looks at a whole answer's connection only after a second in which it sent no result to "
                "any request: beside other requests, or scraped more often, not before its end")
@@ -409,6 +413,21 @@ def _run_on_note(r: LiveRequest) -> str:
         return (f"{lead}: its energy includes that work, which no client received, {r.run_on_tokens:.0f} tokens decoded "
                 f"at {r.run_on_pace} pace (an estimate; its attributed tokens count them)")
     return f"{lead}: it is live in that time, its work there unseen (no pace to decode it at)"
+
+
+def _death_words(r: LiveRequest) -> str:
+    """When the process that ran `r` on died in a restart, as its run-on's end was placed (`Ledger._run_on_cut_ns`),
+    and how well that end is known: its energy there is never silently dropped nor silently kept."""
+    a, b, down = r.run_on_death or (None, None, None)
+    if a is None:
+        return "the process that had it gone"
+    if down is not None:
+        span = (down - a) / 1e9
+        return (f"the process that had it died between its last scrape and the first that found the server down, "
+                f"{span:.2f} s later: its end placed midway, good to {span / 2:.2f} s either way")
+    return (f"the process that had it died after its last scrape, where its end is placed, a lower bound: no scrape "
+            f"found the server down before the new process's first, {(b - a) / 1e9:.2f} s later, and it may have "
+            "gone on up to that long")
 
 
 def _whole_gone(r: LiveRequest) -> bool:

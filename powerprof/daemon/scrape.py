@@ -305,6 +305,11 @@ class Scraper:
         self._dipped: float | None = None  # the dipped reading of the page before, not believed: the next one tells
         self._young_fall = False  # that dip was a young counter's, of more than YOUNG_DIP_TOKENS (_dip_or_restart)
         self._unreachable = False  # a scrape since the last believed page found the server down (_SERVER_DOWN)
+        # When the first such scrape began (time.monotonic_ns()), and, on the believed page after it, the latest window's
+        # (None: no scrape of the window found the server down): a process gone in a restart died before it, so the
+        # ledger places its run-ons' end between the window's start and it (`Ledger._run_on_cut_ns`).
+        self._down_at_ns: int | None = None
+        self.window_down_ns: int | None = None
         self._believed_at: float | None = None  # time.monotonic() as the last believed page's scrape began
         self._scrape_at = 0.0  # and as this scrape began
         # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
@@ -556,9 +561,11 @@ class Scraper:
             return None
         self.window_partial = ()
         self.restart_by_fall = False
+        self.window_down_ns = None
         self.cache_hits = None
         self.served = None
         self._scrape_at = time.monotonic()
+        scrape_at_ns = int(self._scrape_at * 1e9)  # the daemon's monotonic_ns clock, as its windows' stamps
         try:
             if self.kind is None:
                 self.kind = await self._detect()
@@ -569,6 +576,7 @@ class Scraper:
                 delta = await self._scrape_llamacpp()
                 self._unreachable = False  # a believed page: the next fall is judged afresh
                 self._believed_at = self._scrape_at
+                self.window_down_ns, self._down_at_ns = self._down_at_ns, None
             else:
                 status, text = await self._get("/metrics")
                 if status != 200:
@@ -617,6 +625,7 @@ class Scraper:
                 self._last_total, self._dipped, self._unreachable = total, None, False
                 self._young_fall = False
                 self._believed_at = self._scrape_at
+                self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 if prev is None:
                     self._baseline(total)
                 # A restart of the server zeroes its counter: count from zero again. A new process whose counter has
@@ -646,7 +655,10 @@ class Scraper:
                 self.served = ((done, in_flight, gen[1]) if done is not None and in_flight is not None and gen is not None
                                else None)
         except Exception as e:  # a server's answer never ends the scrape loop: counted and logged
-            self._unreachable |= _server_down(e)
+            down = _server_down(e)
+            self._unreachable |= down
+            if down and self._down_at_ns is None:
+                self._down_at_ns = scrape_at_ns
             self.errors += 1
             self.last_error = error_text(e)
             if self.errors <= 3 or self.errors % 100 == 0:
