@@ -194,6 +194,26 @@ def test_a_completions_prompt_of_ids_text_and_objects_is_counted_as_the_flavours
                     assert srv.request_truth()[key]["prompt_tokens"] == want, (name, srv.request_truth()[key])
 
 
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_a_prompt_of_token_ids_is_those_tokens_and_no_bos(flavour):
+    # vLLM takes a list of ids as the prompt's tokens as they are (renderers/inputs/preprocess.py: prompt_to_seq, then
+    # parse_dec_only_prompt's TokensPrompt(prompt_token_ids=prompt): no tokenizer, no BOS), SGLang likewise
+    # (serving_completions.py: `input_ids`). Before: the simulator ran " ".join(ids) as text, its tokenizer adding a
+    # BOS: usage said 101 for 100 ids, one above the proxy's count of the ids.
+    ids = list(range(1000, 1100))
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=2000.0) as srv:
+        for key, prompt in (("ids", ids), ("one id", [7])):
+            status, raw = _post(srv.url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2},
+                                {"X-Sim-Request-Id": key})
+            assert status == 200, raw[:300]
+            assert json.loads(raw)["usage"]["prompt_tokens"] == len(prompt), raw[:300]
+            assert srv.request_truth()[key]["prompt_tokens"] == len(prompt)
+        # Two id prompts that differ are not one prompt to the prefix cache (their stand-in texts differ too).
+        _post(srv.url + "/v1/completions", {"model": "m", "prompt": [9] * 100, "max_tokens": 2, "cache_prompt": True},
+              {"X-Sim-Request-Id": "other"})
+        assert srv.request_truth()["other"]["cached_tokens"] == 0
+
+
 def test_n_choices_are_sequences_decoded_together(server):
     key = f"together-{len(server.truth)}"
     # A prompt of several of vLLM's KV blocks (the cache holds whole ones: a shorter prompt is computed by each choice).

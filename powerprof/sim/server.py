@@ -129,6 +129,17 @@ def count_prompt_tokens(text: str) -> int:
     return len(_WORD.findall(text)) + 1
 
 
+def _standin(words: list, bos: bool) -> str:
+    """The text the simulator runs for a prompt of these tokens (each a word: an id's `i<id>`, a text's words), with
+    the BOS its tokenizer adds (bos) or without (a prompt of ids, as given): its count_prompt_tokens is theirs, and
+    prompts that differ differ in it (the prefix cache). Without a BOS the first two words are run together as one
+    (one token short of count_prompt_tokens' BOS and words); a lone id is the empty text, one token."""
+    words = ["u%d" % ord(w) if not w[0].isalnum() and w[0] != "_" else w for w in words]
+    if not bos and words:
+        words = ["_".join(words[:2]), *words[2:]] if len(words) > 1 else []
+    return " ".join(words)
+
+
 FAULT_KINDS = ("http_error", "drop", "malformed", "stall", "stream_error")
 # What vLLM 0.32 streams when its EngineCore dies mid-generation (measured: SIGKILL of the engine process), after an
 # HTTP 200 and the tokens before; then `data: [DONE]` and a clean end of the body. (Its API server then exits.)
@@ -1750,6 +1761,10 @@ class SimServer:
                                      "prompt")
         if isinstance(prompt, dict) and self.flavour == "vllm":
             return self._bad_request("prompt: Input should be a valid string", "prompt")
+        if isinstance(prompt, list) and prompt and all(type(x) is int for x in prompt):
+            # vLLM (renderers/inputs/preprocess.py, parse_dec_only_prompt: TokensPrompt(prompt_token_ids=prompt)) and
+            # SGLang (serving_completions.py: `input_ids`) run a list of ids as those tokens, with no BOS added.
+            return _standin([f"i{x}" for x in prompt], bos=False)
         return " ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
