@@ -214,6 +214,21 @@ def test_a_prompt_of_token_ids_is_those_tokens_and_no_bos(flavour):
         assert srv.request_truth()["other"]["cached_tokens"] == 0
 
 
+def test_sglang_refuses_a_completions_prompt_mixing_ids_and_text_as_its_request_validation_does():
+    # SGLang's CompletionRequest.prompt is Union[List[int], List[List[int]], str, List[str]] (entrypoints/openai/
+    # protocol.py): a list mixing text and ids, or an object, fits none, and its RequestValidationError handler answers
+    # 400 (http_server.py, validation_exception_handler). Before: the simulator joined the items as text and ran it.
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", decode_tok_s=2000.0) as srv:
+        for prompt in (["the power", 5], [5, "the power"], [[5, 6], "the power"], [[5, 6], 7], {"prompt_string": "x"}):
+            status, raw = _post(srv.url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2})
+            assert status == 400, (prompt, raw[:300])
+            assert json.loads(raw)["object"] == "error", raw[:300]
+        for prompt in ("the power", [5, 6], ["the power", "the clock"], [[5, 6], [7]]):
+            status, raw = _post(srv.url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2})
+            assert status == 200, (prompt, raw[:300])
+        assert not srv.truth_cancelled
+
+
 def test_n_choices_are_sequences_decoded_together(server):
     key = f"together-{len(server.truth)}"
     # A prompt of several of vLLM's KV blocks (the cache holds whole ones: a shorter prompt is computed by each choice).

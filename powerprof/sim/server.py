@@ -1754,12 +1754,14 @@ class SimServer:
                     else:
                         tokens += 1
             return " ".join(["w"] * max(tokens - 1, 0))
-        if isinstance(prompt, list) and prompt and self.flavour == "vllm" and not (
+        # vLLM's and SGLang's request models (prompt: Union[List[int], List[List[int]], str, List[str]]) refuse any other
+        # shape at validation: 400 (SGLang's http_server turns its RequestValidationError into a 400).
+        if isinstance(prompt, list) and prompt and self.flavour in ("vllm", "sglang") and not (
                 all(type(x) is int for x in prompt) or all(type(x) is str for x in prompt)
                 or all(type(x) is list and x and all(type(i) is int for i in x) for x in prompt)):
             return self._bad_request("prompt: Input should be a valid string, a list of token ids, or a list of either",
                                      "prompt")
-        if isinstance(prompt, dict) and self.flavour == "vllm":
+        if isinstance(prompt, dict) and self.flavour in ("vllm", "sglang"):
             return self._bad_request("prompt: Input should be a valid string", "prompt")
         if isinstance(prompt, list) and prompt and all(type(x) is int for x in prompt):
             # vLLM (renderers/inputs/preprocess.py, parse_dec_only_prompt: TokensPrompt(prompt_token_ids=prompt)) and
