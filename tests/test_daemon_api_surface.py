@@ -365,6 +365,8 @@ def test_a_llamacpp_batch_of_prompts_through_the_daemon_is_counted_and_costed_as
     plan = {  # tag: (path, body)
         "oai-stream": ("/v1/completions", {"prompt": prompts, "max_tokens": 60, "ignore_eos": True, "stream": True,
                                            "stream_options": {"include_usage": True}}),
+        "native-stream": ("/completion", {"prompt": prompts, "n_predict": 60, "ignore_eos": True, "stream": True}),
+        "native": ("/completion", {"prompt": prompts, "n_predict": 60, "ignore_eos": True}),
     }
     data = tmp_path / "data"
     env = sim_env(tmp_path)

@@ -479,6 +479,7 @@ def _server_counts(raw: bytes, stream: bool) -> tuple[int | None, int | None]:
     dialects say a usage at the end."""
     docs = ([json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
             if stream else [json.loads(raw)])
+    docs = [d for doc in docs for d in (doc if isinstance(doc, list) else [doc])]  # a native list's tasks
     gen = prompt = None
     for d in docs:
         if not isinstance(d, dict):
@@ -539,6 +540,9 @@ def test_messages_responses_several_choices_and_prompt_lists_are_counted_as_the_
         "list-stream": ("/v1/completions", {"max_tokens": n, "stream": True, "stream_options": usage, "prompt": prompts}, 2),
         "list": ("/v1/completions", {"max_tokens": n, "prompt": prompts}, 2),
         "cmpl-n2": ("/v1/completions", {"max_tokens": n, "n": 2, "prompt": "the power of the clock"}, 2),
+        # Native /completion of a list: a task per prompt, a list of their results whole, their events by `index`.
+        "native-list-stream": ("/completion", {"n_predict": n, "stream": True, "prompt": prompts}, 2),
+        "native-list": ("/completion", {"n_predict": n, "prompt": prompts}, 2),
     }
     for body in (b for _, b, _ in plan.values()):
         body["temperature"] = 0
