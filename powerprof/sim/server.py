@@ -1783,7 +1783,9 @@ class SimServer:
         return await self._serve(request, "llamacpp", prompt, body, int(body.get("n_predict", 128) or 128))
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        """SGLang's native /generate: {"text", "sampling_params": {"max_new_tokens", "ignore_eos", ...}, "stream"}."""
+        """SGLang's native /generate: {"text" or "input_ids", "sampling_params": {"max_new_tokens", "ignore_eos", ...},
+        "stream"}. `input_ids` (managers/io_struct.py, GenerateReqInput) are the prompt's tokens as given, no BOS
+        added: a list of ids one prompt, a list of such lists a batch."""
         if self.flavour != "sglang":
             raise web.HTTPNotFound()
         body = await self._body(request)
@@ -1791,6 +1793,12 @@ class SimServer:
         sp = sp[0] if isinstance(sp, list) and sp and isinstance(sp[0], dict) else sp
         sp = sp if isinstance(sp, dict) else {}
         text = body.get("text", "")
+        ids = body.get("input_ids")
+        if body.get("text") is None and isinstance(ids, list) and ids:
+            if all(type(x) is int for x in ids):
+                text = _standin([f"i{x}" for x in ids], bos=False)
+            elif all(isinstance(x, list) and x and all(type(i) is int for i in x) for x in ids):
+                text = [_standin([f"i{i}" for i in x], bos=False) for x in ids]
         n = sp.get("max_new_tokens", 128)
         n = int(128 if n is None else n)
         choices = sp.get("n", 1)
