@@ -8,6 +8,7 @@ import json
 import re
 
 import aiohttp
+import pandas as pd
 import pytest
 from aiohttp import web
 
@@ -346,3 +347,61 @@ def test_an_echoed_prompt_on_vllm_is_counted_as_no_generated_tokens_byte_for_byt
     # the usage confirms (before: 5 a choice shown, the usage made up the rest, the count an estimate).
     assert t.tokens_seen == 6 * n
     assert not t.counts.tokens_estimated
+
+
+@pytest.mark.slow
+def test_a_llamacpp_batch_of_prompts_through_the_daemon_is_counted_and_costed_as_its_tasks_ran(tmp_path):
+    # A list of prompts is a task per prompt on llama-server, each prefilled and decoded in its own slot (the simulator
+    # ran them as one sequence until December 2026: half the tokens and one prefill, which the proxy's count of the
+    # answer never matched). Each request's row against the simulator's truth of its sequences summed.
+    import time
+    import urllib.request
+
+    from daemon_helpers import DaemonProc, read_dataset, sim_env
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    prompts = ["the power of the clock " * 40, "watt clock and the energy " * 10]
+    plan = {  # tag: (path, body)
+        "oai-stream": ("/v1/completions", {"prompt": prompts, "max_tokens": 60, "ignore_eos": True, "stream": True,
+                                           "stream_options": {"include_usage": True}}),
+        "native-stream": ("/completion", {"prompt": prompts, "n_predict": 60, "ignore_eos": True, "stream": True}),
+        "native": ("/completion", {"prompt": prompts, "n_predict": 60, "ignore_eos": True}),
+    }
+    data = tmp_path / "data"
+    env = sim_env(tmp_path)
+    nvml = SimNVML("seed-16g", state_path=env["POWERPROF_SIM_STATE"])
+    nvml.publish_load()  # the daemon's simulated GPU follows this server's work (as a launched sim.serve's)
+    with SimServer(nvml, flavour="llamacpp", batching="continuous", n_slots=2, decode_tok_s=200.0,
+                   draft_n_max=0) as srv:
+        d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.25",
+                       env=env)
+        try:
+            for tag, (path, body) in plan.items():
+                req = urllib.request.Request(d.info["proxy"] + path, data=json.dumps(body).encode(), method="POST",
+                                             headers={"Content-Type": "application/json", "X-Sim-Request-Id": tag,
+                                                      "X-Powerprof-Tag": tag})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    assert r.status == 200
+                    r.read()
+                time.sleep(0.5)  # apart, so each row's energy is its own work's
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                rows = read_dataset(data, "requests")
+                if rows is not None and len(rows) >= len(plan):
+                    break
+                time.sleep(0.2)
+        finally:
+            rc = d.stop()
+        truth = srv.request_truth()
+    assert rc == 0, d.output()
+    rows = {r["tag"]: r for r in read_dataset(data, "requests").to_dict("records")}
+    for tag in plan:
+        row, t = rows[tag], truth[tag]
+        what = (tag, row["error"], row["energy_note"], t)
+        assert t["sequences"] == 2 and t["generated"] == 120, what  # a sequence per prompt, each its 60 tokens
+        assert row["outcome"] == "ok" and row["generated_tokens"] == 120, what
+        assert row["attributed_tokens"] == pytest.approx(120), what
+        if tag != "native" or not pd.isna(row["prompt_tokens"]):
+            assert row["prompt_tokens"] == t["prompt_tokens"], what
+        assert row["gpu_energy_j"] == pytest.approx(t["energy_j"], rel=0.25), what

@@ -184,6 +184,31 @@ def test_a_llamacpp_prompt_of_ids_and_text_mixed_cut_before_its_usage_is_costed_
     assert PROMPT_UNREAD_FLAG not in note, note
 
 
+def test_a_vllm_prompt_of_ids_cut_before_its_usage_is_costed_those_ids_as_the_server_counts_them(tmp_path):
+    # vLLM runs a prompt of token ids as those tokens, adding no BOS; the proxy's estimate of a stream cut before its
+    # usage is the ids' count. Before: the simulator ran them as text with a BOS (truth 101 for 100 ids), so the proxy
+    # looked one token short against it where it is right against the real server.
+    data = tmp_path / "data"
+    ids = list(range(1000, 1100))
+    with _seed_server("vllm") as srv:
+        d = _daemon_proc(data, srv, sim_env(tmp_path))
+        try:
+            url = d.info["proxy"] + "/v1/completions"
+            for tag, prompt, cut in (("text", " ".join(["word"] * 300), False), ("ids", ids, True)):
+                body = {"model": "m", "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                _post(url, body, cut, {"X-Sim-Request-Id": tag})
+            _metrics_once_a_cut_is_estimated(d)
+        finally:
+            rc = d.stop()
+        truth = {t["client_id"]: t for t in srv.truth + srv.truth_cancelled if t.get("client_id")}
+    assert rc == 0, d.output()
+    done, cut = read_dataset(data, "requests").sort_values("request_id").to_dict("records")
+    assert cut["outcome"] == "client_disconnected"
+    assert truth["ids"]["prompt_tokens"] == len(ids), truth["ids"]
+    assert cut["prompt_tokens_estimate"] == len(ids), cut
+
+
 def test_llama_servers_progress_events_are_no_tokens_and_a_cut_native_stream_knows_its_prompt(tmp_path):
     # `return_progress: true` (session 46's walkthrough against the real llama-server): its prompt events (`tokens: [0]`)
     # were counted as tokens (52 for 50; the count then disbelieved and the row's J/token dropped, blaming "a proxy that

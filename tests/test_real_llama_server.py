@@ -112,6 +112,55 @@ def test_the_simulator_handles_connections_as_llama_server_does(llama_server, pa
     assert real["kept_after_stream"] is False and "connection" not in real["stream_headers"], real
 
 
+def _batch_shape(base: str, path: str, body: dict) -> dict:
+    """What a client sees of a list of prompts' answer, tokenizer aside: whole, its JSON type and each task's index
+    and count; streamed, its first event, the indexes its events carry, each task's final count, and [DONE]."""
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        raw = r.read().decode()
+    n_key = "tokens_predicted" if path == "/completion" else "completion_tokens"
+    if not body.get("stream"):
+        doc = json.loads(raw)
+        if path == "/completion":
+            return {"type": type(doc).__name__, "tasks": [(d["index"], d[n_key]) for d in doc]}
+        return {"type": "dict", "choices": [c["index"] for c in doc["choices"]], "usage": doc["usage"][n_key]}
+    events = [line[6:] for line in raw.split("\n\n") if line.startswith("data: ")]
+    docs = [json.loads(e) for e in events if e not in ("null", "[DONE]")]
+    if path == "/completion":
+        idx, finals = {d["index"] for d in docs}, sorted((d["index"], d[n_key]) for d in docs if d["stop"])
+    else:
+        idx = {c["index"] for d in docs for c in d["choices"]}
+        finals = sorted((d["choices"][0]["index"], d["usage"][n_key]) for d in docs if "usage" in d)
+    return {"first": events[0] if events[0] == "null" else "event", "indexes": idx, "finals": finals,
+            "done": events[-1] == "[DONE]"}
+
+
+def test_the_simulator_runs_and_answers_a_list_of_prompts_as_llama_server_does(llama_server):
+    # llama-server runs a task per prompt (server-context.cpp, handle_completions_impl), in slots of their own decoding
+    # together; a list of one prompt is one task answered as one object. Before December 2026 the simulator ran a list
+    # as one sequence: one object, one index, one count for all.
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    prompts = ["the power", "watt clock and the energy and the power of the GPU"]
+    cases = [("/completion", {"prompt": prompts, "n_predict": 6}),
+             ("/completion", {"prompt": prompts, "n_predict": 6, "stream": True}),
+             ("/completion", {"prompt": [[5, 6, 7], [8, 9]], "n_predict": 6}),
+             ("/v1/completions", {"prompt": prompts, "max_tokens": 6}),
+             ("/v1/completions", {"prompt": prompts, "max_tokens": 6, "stream": True,
+                                  "stream_options": {"include_usage": True}}),
+             ("/v1/completions", {"prompt": prompts, "max_tokens": 6, "n": 2})]
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=400, n_slots=2) as sim:
+        for path, body in cases:
+            body = dict(body, ignore_eos=True, temperature=0)
+            assert _batch_shape(sim.url, path, body) == _batch_shape(llama_server.base_url, path, body), (path, body)
+        one = dict(prompt=["the power"], n_predict=3)
+        for base in (sim.url, llama_server.base_url):
+            req = urllib.request.Request(base + "/completion", json.dumps(one).encode(), {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                assert isinstance(json.loads(r.read()), dict), base
+
+
 @pytest.mark.parametrize("api", ["llamacpp", "openai-completions", "openai-chat"])
 def test_streams_agree_with_the_servers_own_timings(llama_server, api):
     info = detect(llama_server.base_url, api)
@@ -479,6 +528,7 @@ def _server_counts(raw: bytes, stream: bool) -> tuple[int | None, int | None]:
     dialects say a usage at the end."""
     docs = ([json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
             if stream else [json.loads(raw)])
+    docs = [d for doc in docs for d in (doc if isinstance(doc, list) else [doc])]  # a native list's tasks
     gen = prompt = None
     for d in docs:
         if not isinstance(d, dict):
@@ -539,6 +589,9 @@ def test_messages_responses_several_choices_and_prompt_lists_are_counted_as_the_
         "list-stream": ("/v1/completions", {"max_tokens": n, "stream": True, "stream_options": usage, "prompt": prompts}, 2),
         "list": ("/v1/completions", {"max_tokens": n, "prompt": prompts}, 2),
         "cmpl-n2": ("/v1/completions", {"max_tokens": n, "n": 2, "prompt": "the power of the clock"}, 2),
+        # Native /completion of a list: a task per prompt, a list of their results whole, their events by `index`.
+        "native-list-stream": ("/completion", {"n_predict": n, "stream": True, "prompt": prompts}, 2),
+        "native-list": ("/completion", {"n_predict": n, "prompt": prompts}, 2),
     }
     for body in (b for _, b, _ in plan.values()):
         body["temperature"] = 0

@@ -194,6 +194,114 @@ def test_a_completions_prompt_of_ids_text_and_objects_is_counted_as_the_flavours
                     assert srv.request_truth()[key]["prompt_tokens"] == want, (name, srv.request_truth()[key])
 
 
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_a_prompt_of_token_ids_is_those_tokens_and_no_bos(flavour):
+    # vLLM takes a list of ids as the prompt's tokens as they are (renderers/inputs/preprocess.py: prompt_to_seq, then
+    # parse_dec_only_prompt's TokensPrompt(prompt_token_ids=prompt): no tokenizer, no BOS), SGLang likewise
+    # (serving_completions.py: `input_ids`). Before: the simulator ran " ".join(ids) as text, its tokenizer adding a
+    # BOS: usage said 101 for 100 ids, one above the proxy's count of the ids.
+    ids = list(range(1000, 1100))
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=2000.0) as srv:
+        for key, prompt in (("ids", ids), ("one id", [7])):
+            status, raw = _post(srv.url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2},
+                                {"X-Sim-Request-Id": key})
+            assert status == 200, raw[:300]
+            assert json.loads(raw)["usage"]["prompt_tokens"] == len(prompt), raw[:300]
+            assert srv.request_truth()[key]["prompt_tokens"] == len(prompt)
+        # Two id prompts that differ are not one prompt to the prefix cache (their stand-in texts differ too).
+        _post(srv.url + "/v1/completions", {"model": "m", "prompt": [9] * 100, "max_tokens": 2, "cache_prompt": True},
+              {"X-Sim-Request-Id": "other"})
+        assert srv.request_truth()["other"]["cached_tokens"] == 0
+
+
+def test_sglang_refuses_a_completions_prompt_mixing_ids_and_text_as_its_request_validation_does():
+    # SGLang's CompletionRequest.prompt is Union[List[int], List[List[int]], str, List[str]] (entrypoints/openai/
+    # protocol.py): a list mixing text and ids, or an object, fits none, and its RequestValidationError handler answers
+    # 400 (http_server.py, validation_exception_handler). Before: the simulator joined the items as text and ran it.
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", decode_tok_s=2000.0) as srv:
+        for prompt in (["the power", 5], [5, "the power"], [[5, 6], "the power"], [[5, 6], 7], {"prompt_string": "x"}):
+            status, raw = _post(srv.url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2})
+            assert status == 400, (prompt, raw[:300])
+            assert json.loads(raw)["object"] == "error", raw[:300]
+        for prompt in ("the power", [5, 6], ["the power", "the clock"], [[5, 6], [7]]):
+            status, raw = _post(srv.url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2})
+            assert status == 200, (prompt, raw[:300])
+        assert not srv.truth_cancelled
+
+
+def _batch_rows(srv, key: str) -> list[dict]:
+    """A request's generated sequences in index order (not SGLang's prefills apart of its n > 1 prompts)."""
+    return sorted((t for t in srv.truth if t["client_id"] == key and t["kind"] == "generation"), key=lambda t: t["choice"])
+
+
+@pytest.mark.parametrize("batching", ["serial", "continuous"])
+def test_a_llamacpp_batch_of_prompts_is_a_task_per_prompt_decoded_together_and_answered_as_llama_server_does(batching):
+    # llama-server (tools/server/server-context.cpp, handle_completions_impl) makes a task per tokenized prompt, each
+    # in a slot of its own (the slots decode together: 3 prompts of 300 tokens took 3.7 s where one took 2.3 s on
+    # b11434 with -np 2 on one thread); native /completion answers the list of each task's final result, or streams
+    # each task's events with its `index` after a `data: null`; /v1/completions merges the choices, its usage and
+    # timings the first task's. Before: the simulator ran the prompts as one sequence of their tokens summed (one
+    # prefill, one decode of max_tokens: half the tokens and none of the answer's shapes).
+    prompts = ["the power", "watt clock and the energy and the power of the GPU"]
+    with SimServer(SimNVML("h200-141g", state_path=None), decode_tok_s=200, batching=batching, n_slots=2) as srv:
+        status, raw = _post(srv.url + "/completion", {"prompt": prompts, "n_predict": 30, "ignore_eos": True},
+                            {"X-Sim-Request-Id": "native"})
+        assert status == 200, raw[:300]
+        doc = json.loads(raw)
+        rows = _batch_rows(srv, "native")
+        assert isinstance(doc, list) and [d["index"] for d in doc] == [0, 1], raw[:300]
+        assert [d["tokens_evaluated"] for d in doc] == [t["prompt_tokens"] for t in rows] == [3, 12]
+        assert [d["tokens_predicted"] for d in doc] == [t["generated"] for t in rows] == [30, 30]
+        assert all(d["timings"]["predicted_n"] == 30 for d in doc)
+        # Each prompt prefilled as its own sequence, and the two decoded in the same steps (their token times
+        # interleave): the batch takes about one answer's time, not two.
+        assert all(t["t_prefill_end_ns"] > t["t_prefill_start_ns"] for t in rows)
+        a, b = ([e[0] for e in t["emissions"]] for t in rows)
+        assert a[0] < b[-1] and b[0] < a[-1]
+
+        status, raw = _post(srv.url + "/completion", {"prompt": prompts, "n_predict": 5, "stream": True},
+                            {"X-Sim-Request-Id": "native-stream"})
+        events = [line[6:] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
+        assert events[0] == "null" and b"[DONE]" not in raw, raw[:200]
+        finals = [json.loads(e) for e in events[1:] if json.loads(e)["stop"]]
+        assert sorted(f["index"] for f in finals) == [0, 1] and all("timings" in f for f in finals)
+        assert len(_batch_rows(srv, "native-stream")) == 2
+
+        status, raw = _post(srv.url + "/v1/completions", {"prompt": prompts, "max_tokens": 5, "ignore_eos": True},
+                            {"X-Sim-Request-Id": "oai"})
+        doc = json.loads(raw)
+        rows = _batch_rows(srv, "oai")
+        assert [c["index"] for c in doc["choices"]] == [0, 1]
+        assert doc["usage"]["prompt_tokens"] == rows[0]["prompt_tokens"] and doc["usage"]["completion_tokens"] == 5
+        # A single-prompt list is one task, answered as one object (b11434).
+        status, raw = _post(srv.url + "/completion", {"prompt": ["the power"], "n_predict": 2})
+        assert isinstance(json.loads(raw), dict)
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_a_vllm_or_sglang_batch_of_prompts_is_an_engine_request_per_prompt_and_its_usage_sums_them(flavour):
+    # vLLM (entrypoints/openai/completion/serving.py, _create_completion: a generator per engine input, choice index
+    # output.index + prompt_idx * n; usage: each prompt's tokens once, the choices' tokens summed); SGLang's batch
+    # likewise (one request per prompt, `index`, usage_processor: a prompt once per prompt). Before: one sequence of
+    # the prompts joined as text, so usage said one prompt (one BOS) and one choice.
+    temp = {"temperature": 1.0}
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour=flavour, decode_tok_s=400,
+                   batching="continuous") as srv:
+        for key, prompt, want in (("texts", ["the power", "watt clock and"], [3, 4]), ("ids", [[5, 6, 7], [8, 9]], [3, 2])):
+            for stream in (False, True):
+                cid = f"{key}-{stream}"
+                body = dict(temp, prompt=prompt, max_tokens=4, n=2, ignore_eos=True, stream=stream,
+                            stream_options={"include_usage": True})
+                status, raw = _post(srv.url + "/v1/completions", body, {"X-Sim-Request-Id": cid})
+                assert status == 200, raw[:300]
+                rows = _batch_rows(srv, cid)
+                assert [t["prompt_tokens"] for t in rows] == [want[0], want[0], want[1], want[1]]
+                usage = (_events(raw)[-1] if stream else json.loads(raw))["usage"]
+                assert usage["prompt_tokens"] == sum(want) and usage["completion_tokens"] == 16, usage
+                idx = {c["index"] for ev in (_events(raw) if stream else [json.loads(raw)]) for c in ev["choices"]}
+                assert idx == {0, 1, 2, 3}
+
+
 def test_n_choices_are_sequences_decoded_together(server):
     key = f"together-{len(server.truth)}"
     # A prompt of several of vLLM's KV blocks (the cache holds whole ones: a shorter prompt is computed by each choice).

@@ -106,3 +106,21 @@ def test_generate_events_and_a_finished_request_on_metrics_as_sglangs_source_has
     assert counter_total(text, "sglang:cached_tokens_total") == sum(cached) + hidden["cached_tokens"]
     assert histogram_sum_count(text, "sglang:num_retractions") == (4.0, 0.0)
     assert not unset_means_zero(text.replace("sglang:generation_tokens", "sglang:renamed"), "sglang")
+
+
+def test_generate_takes_input_ids_as_those_tokens_one_prompt_or_a_batch():
+    # SGLang's /generate takes `input_ids` in place of `text` (managers/io_struct.py GenerateReqInput: a list of ids is
+    # one prompt, a list of lists a batch), run as given, no BOS added. Before: the simulator read `text` alone, so an
+    # id prompt ran as the empty text (1 token) where the proxy counted its ids.
+    import json
+
+    with SimServer(flavour="sglang", decode_tok_s=2000.0, draft_n_max=0) as srv:
+        for key, ids, want in (("one", list(range(1000, 1100)), [100]), ("batch", [[5, 6, 7], [8, 9]], [3, 2])):
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
+            req = urllib.request.Request(srv.url + "/generate", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json", "X-Sim-Request-Id": key})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                doc = json.loads(r.read())
+            docs = doc if isinstance(doc, list) else [doc]
+            assert [d["meta_info"]["prompt_tokens"] for d in docs] == want, doc
+            assert srv.request_truth()[key]["prompt_tokens"] == sum(want)

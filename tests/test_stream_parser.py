@@ -798,6 +798,57 @@ def test_llamacpp_several_choices_are_summed_over_its_tasks_own_counts(data, api
         assert c.count_problem is None and c.generated_tokens == generated, c
 
 
+def _lc_native(i, tokens, predicted, evaluated, stop=False):
+    ev = {"index": i, "content": "".join(" w" for _ in tokens), "tokens": tokens, "stop": stop, "id_slot": -1,
+          "tokens_predicted": predicted, "tokens_evaluated": evaluated}
+    if stop:
+        ev.update(content="", tokens=[], id_slot=i, model="tiny.gguf", stop_type="limit",
+                  timings=_lc_timings(predicted, evaluated, 0))
+    return ev
+
+
+# A native /completion of prompt ["the power", "watt clock and the energy and the power of the GPU"], n_predict 3, as
+# b11434 streams it (its two slots interleaved, each task's events with its `index`, each closed by its final event).
+LLAMACPP_NATIVE_LIST = _compact(
+    b"null", _lc_native(1, [288], 1, 70), _lc_native(0, [265], 1, 15), _lc_native(1, [295], 2, 70),
+    _lc_native(0, [259], 2, 15), _lc_native(1, [293], 3, 70), _lc_native(1, [], 3, 70, stop=True),
+    _lc_native(0, [291], 3, 15), _lc_native(0, [], 3, 15, stop=True))
+
+
+@pytest.mark.parametrize("split", [None, 7, "event"])
+def test_a_llamacpp_native_stream_of_several_prompts_sums_its_tasks(split):
+    # llama-server runs a task per prompt of a list (server-context.cpp, handle_completions_impl) and streams each
+    # task's events with its `index`, each task closed by its own final event. Before: the first final event ended the
+    # stream for the parser and the last one's tokens_predicted (3) was taken for the server's count of all 6: the
+    # daemon's row said "the server counted 60 generated tokens but its stream carried 120" and lost its J/token; the
+    # prompt was the first task's alone.
+    from powerprof.daemon.streams import summary_counts
+
+    for count_only in (False, True):
+        p = StreamParser("llamacpp", count_only=count_only, sequences=2)
+        pieces = ([e + b"\n\n" for e in LLAMACPP_NATIVE_LIST.split(b"\n\n") if e] if split == "event"
+                  else [LLAMACPP_NATIVE_LIST] if split is None
+                  else [LLAMACPP_NATIVE_LIST[i : i + split] for i in range(0, len(LLAMACPP_NATIVE_LIST), split)])
+        seen = []
+        for piece in pieces:
+            seen.append(p.count(piece))
+            if len(seen) == 2 and split == "event":
+                assert p.prompt_tokens is None  # one task has said its prompt, not both
+        s = p.finish()
+        assert sum(seen) == s.counted_tokens == s.generated_tokens == 6, (count_only, seen, s)
+        assert s.prompt_tokens == 85 and s.complete and s.error is None and s.token_source == "timings", s
+        c = summary_counts(s)
+        assert c.count_problem is None and c.generated_tokens == 6, c
+
+
+def test_a_whole_llamacpp_native_answer_of_several_prompts_is_its_tasks_summed():
+    # Its whole answer is the list of each task's final result (b11434: "if single request, return single object
+    # instead of array"). Before: "response is not a JSON object", the request failed with no count.
+    tasks = [dict(_lc_native(i, [], 8, ev, stop=True), content=" of that", tokens=[]) for i, ev in ((0, 15), (1, 70))]
+    _, s = parse_response("llamacpp", json.dumps(tasks).encode(), sequences=2)
+    assert (s.error, s.generated_tokens, s.prompt_tokens, s.complete) == (None, 16, 85, True), s
+
+
 def test_anthropic_prompt_length_counts_the_cached_part_too():
     # llama-server's /v1/messages on a prompt it had cached: input_tokens is only the part it prefilled
     # (Anthropic's meaning), the cached part is cache_read_input_tokens. Before: prompt_tokens 1 for 63.

@@ -129,6 +129,17 @@ def count_prompt_tokens(text: str) -> int:
     return len(_WORD.findall(text)) + 1
 
 
+def _standin(words: list, bos: bool) -> str:
+    """The text the simulator runs for a prompt of these tokens (each a word: an id's `i<id>`, a text's words), with
+    the BOS its tokenizer adds (bos) or without (a prompt of ids, as given): its count_prompt_tokens is theirs, and
+    prompts that differ differ in it (the prefix cache). Without a BOS the first two words are run together as one
+    (one token short of count_prompt_tokens' BOS and words); a lone id is the empty text, one token."""
+    words = ["u%d" % ord(w) if not w[0].isalnum() and w[0] != "_" else w for w in words]
+    if not bos and words:
+        words = ["_".join(words[:2]), *words[2:]] if len(words) > 1 else []
+    return " ".join(words)
+
+
 FAULT_KINDS = ("http_error", "drop", "malformed", "stall", "stream_error")
 # What vLLM 0.32 streams when its EngineCore dies mid-generation (measured: SIGKILL of the engine process), after an
 # HTTP 200 and the tokens before; then `data: [DONE]` and a clean end of the body. (Its API server then exits.)
@@ -1711,56 +1722,70 @@ class SimServer:
             raise web.HTTPBadRequest(text='{"error": {"message": "body must be an object"}}', content_type="application/json")
         return body
 
-    def _completion_prompt(self, prompt) -> str | web.Response:
-        """A completions prompt as the text the simulator runs, or the 400 its server answers. llama.cpp reads it as
-        llama-server's tokenize_input_prompts: a list with a token id at its top is one prompt of ids and text (an id,
-        float or bool one token each, converted; a text its words, the first one's with BOS); else each item a prompt
-        of text, ids and text, or an object's `prompt_string`, their tokens summed (run here as one sequence); a
-        negative id, media, or a shape it refuses: 400. vLLM takes text, ids, or a list of either alone: a mix or an
-        object is 400 (its request's validation). Stood for by as many words (BOS and words: count_prompt_tokens)."""
+    def _completion_prompts(self, prompt) -> list[str] | web.Response:
+        """A completions `prompt` as the prompts its server runs, each the text the simulator runs for it (standing for
+        its tokens: _standin), or the 400 its server answers. A list of several is a batch: each prompt its own
+        sequence (llama.cpp a task and slot each, vLLM and SGLang an engine request each).
+        llama.cpp (tools/server's tokenize_input_prompts): a list with a token id at its top is one prompt of ids and
+        text (an id, float or bool one token each, converted; a text its words, with BOS where the prompt opens with
+        it); else each item a prompt of text, ids and text, or an object's `prompt_string`; a negative id, media, or a
+        shape it refuses: 400. vLLM (renderers/inputs/preprocess.py, prompt_to_seq and parse_dec_only_prompt) and
+        SGLang (CompletionRequest.prompt: Union[List[int], List[List[int]], str, List[str]]): a text, a list of ids (one
+        prompt of exactly those tokens, no BOS added), or a list of texts or of id lists (a batch); a mix or an object
+        is 400 (request validation)."""
         if isinstance(prompt, str):
-            return prompt
+            return [prompt]
         if self.flavour == "llamacpp":
             items = [prompt] if isinstance(prompt, dict) or (isinstance(prompt, list) and any(
                 type(x) is int for x in prompt)) else prompt
-            tokens = 0
+            out = []
             for item in items if isinstance(items, list) else [items]:
                 if isinstance(item, dict):
                     if "multimodal_data" in item:
                         return self._bad_request("multimodal is not supported by this server")
                     item = item.get("prompt_string")
                 if isinstance(item, str):
-                    tokens += count_prompt_tokens(item)
+                    out.append(item)
                     continue
                 kinds = set(map(type, item)) if isinstance(item, list) else set()
                 if not (int in kinds and (kinds <= {int, str} or {int, str} <= kinds <= {int, str, float, bool})):
                     return self._bad_request('"prompt" must be a string, a list of tokens, or a list of prompts')
-                for k, x in enumerate(item):
+                words = []
+                for x in item:
                     if type(x) is str:
-                        tokens += count_prompt_tokens(x) - (k > 0)  # BOS only where the prompt opens with text
+                        words += _WORD.findall(x)
                     elif int(x) < 0:
                         return self._bad_request("Prompt contains invalid tokens")
                     else:
-                        tokens += 1
-            return " ".join(["w"] * max(tokens - 1, 0))
-        if isinstance(prompt, list) and prompt and self.flavour == "vllm" and not (
-                all(type(x) is int for x in prompt) or all(type(x) is str for x in prompt)
-                or all(type(x) is list and x and all(type(i) is int for i in x) for x in prompt)):
-            return self._bad_request("prompt: Input should be a valid string, a list of token ids, or a list of either",
-                                     "prompt")
-        if isinstance(prompt, dict) and self.flavour == "vllm":
+                        words.append(f"i{int(x)}")
+                # A BOS only where the prompt opens with text (tokenize_mixed adds special tokens to its first piece).
+                out.append(_standin(words, bos=type(item[0]) is str))
+            return out
+        if isinstance(prompt, dict):
             return self._bad_request("prompt: Input should be a valid string", "prompt")
-        return " ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            return [" ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)]
+        if all(type(x) is int for x in prompt):
+            return [_standin([f"i{x}" for x in prompt], bos=False)]
+        if all(type(x) is str for x in prompt):
+            return list(prompt)
+        if all(type(x) is list and x and all(type(i) is int for i in x) for x in prompt):
+            return [_standin([f"i{i}" for i in x], bos=False) for x in prompt]
+        return self._bad_request("prompt: Input should be a valid string, a list of token ids, or a list of either",
+                                 "prompt")
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt = self._completion_prompt(body.get("prompt", ""))
-        if isinstance(prompt, web.Response):
-            return prompt
+        prompts = self._completion_prompts(body.get("prompt", ""))
+        if isinstance(prompts, web.Response):
+            return prompts
+        prompt = prompts[0] if len(prompts) == 1 else prompts
         return await self._serve(request, "llamacpp", prompt, body, int(body.get("n_predict", 128) or 128))
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        """SGLang's native /generate: {"text", "sampling_params": {"max_new_tokens", "ignore_eos", ...}, "stream"}."""
+        """SGLang's native /generate: {"text" or "input_ids", "sampling_params": {"max_new_tokens", "ignore_eos", ...},
+        "stream"}. `input_ids` (managers/io_struct.py, GenerateReqInput) are the prompt's tokens as given, no BOS
+        added: a list of ids one prompt, a list of such lists a batch."""
         if self.flavour != "sglang":
             raise web.HTTPNotFound()
         body = await self._body(request)
@@ -1768,6 +1793,12 @@ class SimServer:
         sp = sp[0] if isinstance(sp, list) and sp and isinstance(sp[0], dict) else sp
         sp = sp if isinstance(sp, dict) else {}
         text = body.get("text", "")
+        ids = body.get("input_ids")
+        if body.get("text") is None and isinstance(ids, list) and ids:
+            if all(type(x) is int for x in ids):
+                text = _standin([f"i{x}" for x in ids], bos=False)
+            elif all(isinstance(x, list) and x and all(type(i) is int for i in x) for x in ids):
+                text = [_standin([f"i{i}" for i in x], bos=False) for x in ids]
         n = sp.get("max_new_tokens", 128)
         n = int(128 if n is None else n)
         choices = sp.get("n", 1)
@@ -1844,22 +1875,23 @@ class SimServer:
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt = self._completion_prompt(body.get("prompt", ""))
-        if isinstance(prompt, web.Response):
-            return prompt
+        prompts = self._completion_prompts(body.get("prompt", ""))
+        if isinstance(prompts, web.Response):
+            return prompts
         n = body.get("max_tokens")
-        echo = _NO_ECHO
+        echoes = [_NO_ECHO] * len(prompts)
         if body.get("echo") is True:
             if self.flavour == "llamacpp":
                 return self._bad_request("Only no echo is supported")  # llama-server refuses it
             lp = body.get("logprobs")
-            echo = _Echo(prompt, ("<s>", *_WORD.findall(prompt)), n == 0,
-                         type(lp) is int and lp >= 0)
+            echoes = [_Echo(p, ("<s>", *_WORD.findall(p)), n == 0, type(lp) is int and lp >= 0) for p in prompts]
             if n == 0:
                 n = 1  # vLLM: echo without generation runs one token, which it does not send
         elif type(body.get("logprobs")) is int and self.flavour == "vllm":
-            echo = _Echo(None, logprobs=body["logprobs"] >= 0)
-        return await self._serve(request, "openai-completions", prompt, body, int(n or 16), echo)
+            echoes = [_Echo(None, logprobs=body["logprobs"] >= 0)] * len(prompts)
+        if len(prompts) == 1:
+            return await self._serve(request, "openai-completions", prompts[0], body, int(n or 16), echoes[0])
+        return await self._serve(request, "openai-completions", prompts, body, int(n or 16), echoes)
 
     async def _oai_chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -1971,23 +2003,9 @@ class SimServer:
             return self._json({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}, 400)
         return self._json({"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400}, 400)
 
-    async def _serve(self, request: web.Request, api: str, prompt: str, body: dict, n_predict: int,
-                     echo: _Echo = _NO_ECHO):
-        if self._dead:
-            raise web.HTTPServiceUnavailable()
-        loading = self._loading()
-        if loading is not None:
-            return loading
-        fault = self._take_fault()
-        if fault is not None and fault.kind == "http_error":
-            return self._json({"error": {"code": fault.status, "message": "injected failure", "type": "server_error"}}, fault.status)
-        stream = bool(body.get("stream", False))
-        too_long = self._context_refusal(prompt, n_predict, stream if api == "sglang-native" else None)
-        if too_long is not None:
-            return too_long
-        default_cache = api == "llamacpp" or self.prefix_cache
-        asked = n_predict
-        n_prompt = count_prompt_tokens(prompt)
+    def _vllm_context_refusal(self, n_prompt: int, n_predict: int, body: dict) -> web.Response | None:
+        """vLLM's refusal of a prompt its context cannot hold (None: it may run; a max_tokens it leaves no room for is
+        lowered in _serve)."""
         # vLLM 0.32 (measured) refuses a prompt that alone exceeds its context (tokenized to one past it, "at
         # least") or a max_tokens beyond it, and lowers a max_tokens that the prompt leaves no room for: the
         # generation is cut at the context, finish_reason "length" (below, as llama.cpp's), unless min_tokens
@@ -2007,7 +2025,36 @@ class SimServer:
                 and min_tokens > min(n_predict, self.n_ctx - n_prompt)):
             return self._bad_request(f"min_tokens must be less than or equal to "
                                      f"max_tokens={min(n_predict, self.n_ctx - n_prompt)}, got {min_tokens}.")
-        n_predict = max(1, min(n_predict, self._seq_ctx() - n_prompt))
+        return None
+
+    async def _serve(self, request: web.Request, api: str, prompt: str | list, body: dict, n_predict: int,
+                     echo: _Echo | list = _NO_ECHO):
+        """One request's prompt (or a batch: a list of several, each with its echo) run and answered as the flavour's
+        server runs and answers it."""
+        if self._dead:
+            raise web.HTTPServiceUnavailable()
+        loading = self._loading()
+        if loading is not None:
+            return loading
+        fault = self._take_fault()
+        if fault is not None and fault.kind == "http_error":
+            return self._json({"error": {"code": fault.status, "message": "injected failure", "type": "server_error"}}, fault.status)
+        stream = bool(body.get("stream", False))
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        for one in prompts:  # a batch's prompts each checked, as each is its own task or engine request
+            too_long = self._context_refusal(one, n_predict, stream if api == "sglang-native" else None)
+            if too_long is not None:
+                return too_long
+        default_cache = api == "llamacpp" or self.prefix_cache
+        asked = n_predict
+        n_predicts = []
+        for one in prompts:
+            refused = self._vllm_context_refusal(count_prompt_tokens(one), asked, body)
+            if refused is not None:
+                return refused
+            n_predicts.append(max(1, min(asked, self._seq_ctx() - count_prompt_tokens(one))))
+        n_predict = n_predicts[0]
+
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
         if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
             return self._bad_request("Field 'n': must be an integer of at least 1")
@@ -2026,6 +2073,9 @@ class SimServer:
         best_of = self._v0_best_of(api, body, n_choices)
         if isinstance(best_of, web.Response):
             return best_of
+        if len(prompts) > 1:  # a batch: each prompt its own sequences (V0's best_of beside it not modelled)
+            return await self._serve_choices(request, api, prompts, [(k, *args[1:]) for k in n_predicts], n_choices,
+                                             stream, opts, echo, cut=[k < asked for k in n_predicts])
         if best_of > n_choices:
             return await self._serve_best_of(request, api, prompt, args, n_choices, best_of, echo)
         if n_choices > 1:
@@ -2452,25 +2502,37 @@ class SimServer:
             if kind == "dead":
                 raise web.HTTPServiceUnavailable()
 
-    async def _serve_choices(self, request: web.Request, api: str, prompt: str, args: tuple, n: int, stream: bool,
-                             opts: dict, echo: _Echo = _NO_ECHO) -> web.StreamResponse:
-        """`n` choices of one prompt: n sequences in the batch, each prefilling the prompt in its own slot
-        (llama.cpp runs a task per choice); their events share one queue, tagged with the choice."""
+    async def _serve_choices(self, request: web.Request, api: str, prompt: str | list, args: tuple | list, n: int,
+                             stream: bool, opts: dict, echo: _Echo | list = _NO_ECHO,
+                             cut: list | None = None) -> web.StreamResponse:
+        """`n` choices of a prompt, or of each prompt of a batch (`prompt` a list, with an `args` and `echo` each):
+        a sequence per prompt and choice, index = prompt × n + choice, each prefilling its prompt in its own slot
+        (llama.cpp runs a task per prompt and choice: server-context.cpp's handle_completions_impl, a task per
+        tokenized prompt; vLLM an engine request per prompt, its n choices children of it); their events share one
+        queue, tagged with the index. cut: per prompt, whether its max_tokens was lowered to the context."""
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        argss = args if isinstance(args, list) else [args]
         q: asyncio.Queue = asyncio.Queue()
         cid = request.headers.get("X-Sim-Request-Id")
-        await self._prefill_apart([prompt], n, cid)
-        shared = True if self.flavour == "sglang" else None
-        reqs = [self._submit(prompt, *args, choice=i, queue=_Tagged(q, i), shared=shared) for i in range(n)]
+        await self._prefill_apart(prompts, n, cid)
+        reqs = []
+        for k, pr in enumerate(prompts):
+            for j in range(n):
+                # vLLM: a prompt computed once for its choices; SGLang: computed apart first (n > 1); llama.cpp: never.
+                shared = j > 0 if self.flavour == "vllm" else n > 1 and self.flavour == "sglang"
+                reqs.append(self._submit(pr, *argss[k], choice=k * n + j, queue=_Tagged(q, k * n + j), shared=shared))
+                reqs[-1].ctx_cut = bool(cut and cut[k])
         for r in reqs:
             r.client_id = cid
+        echoes = [e for e in (echo if isinstance(echo, list) else [echo]) for _ in range(n)]
         try:
             if not stream:
-                return await self._serve_choices_whole(api, reqs, q, echo)
+                return await self._serve_choices_whole(api, reqs, q, echoes, n)
             resp = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Powerprof-Simulated": "1"})
             try:
                 await resp.prepare(request)
-                await self._write_choices(resp, request, api, reqs, q, opts, echo)
+                await self._write_choices(resp, request, api, reqs, q, opts, echoes, n)
             except ConnectionResetError:
                 pass  # the client left: aborted below as the flavour's server aborts it
             return resp
@@ -2518,7 +2580,11 @@ class SimServer:
                         "total_tokens": kept[0].prompt_tokens + gen}
         return self._json(doc)
 
-    async def _serve_choices_whole(self, api: str, reqs: list, q: asyncio.Queue, echo: _Echo = _NO_ECHO) -> web.Response:
+    async def _serve_choices_whole(self, api: str, reqs: list, q: asyncio.Queue, echo: _Echo | list = _NO_ECHO,
+                                   n: int | None = None) -> web.Response:
+        """A whole answer of several sequences (n choices of each prompt; n None: all choices of one prompt)."""
+        echoes = echo if isinstance(echo, list) else [echo] * len(reqs)
+        n = n or len(reqs)
         texts, timings, left = [""] * len(reqs), [None] * len(reqs), len(reqs)
         ids: list = [[] for _ in reqs]
         while left:
@@ -2530,14 +2596,20 @@ class SimServer:
                 timings[i], left = payload, left - 1
             else:
                 raise web.HTTPServiceUnavailable()
+        if api == "llamacpp":
+            # llama-server's native /completion of several prompts: the list of each task's own final result (its
+            # `index`, counts and timings), in task order (handle_completions_impl: "if single request, return single
+            # object instead of array").
+            return self._json([dict(self._llama_final(r, t), index=r.choice, content=text)
+                               for r, t, text in zip(reqs, timings, texts)])
         chat = api == "openai-chat"
         choices = []
-        for r, text, ids_r in zip(reqs, texts, ids):
+        for r, text, ids_r, e in zip(reqs, texts, ids, echoes):
             c = {"index": r.choice, "finish_reason": "length" if r.stop_type == "limit" else "stop"}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
-                c.update(text=echo.text(True, text), logprobs=echo.logprobs_of(True, ids_r, 0))
+                c.update(text=e.text(True, text), logprobs=e.logprobs_of(True, ids_r, 0))
             choices.append(c)
         obj = {"id": f"sim-{reqs[0].rid}", "object": "chat.completion" if chat else "text_completion", "model": self.model,
                "choices": choices}
@@ -2545,18 +2617,26 @@ class SimServer:
             # llama-server (b11434) answers several choices whole with its first task's usage and timings alone.
             obj.update(usage=self._usage(reqs[0]), timings=timings[0])
         else:
-            gen = sum(self._reported(r.generated) for r in reqs)  # vLLM: the prompt once, the choices' tokens summed
-            obj["usage"] = {"prompt_tokens": reqs[0].prompt_tokens, "completion_tokens": gen,
-                            "total_tokens": reqs[0].prompt_tokens + gen}
+            # vLLM and SGLang: each prompt once (its first choice's), the choices' tokens summed.
+            gen = sum(self._reported(r.generated) for r in reqs)
+            p = sum(r.prompt_tokens for r in reqs[::n])
+            obj["usage"] = {"prompt_tokens": p, "completion_tokens": gen, "total_tokens": p + gen}
         obj["simulated"] = True
         return self._json(obj)
 
     async def _write_choices(self, resp: web.StreamResponse, request: web.Request, api: str, reqs: list,
-                             q: asyncio.Queue, opts: dict, echo: _Echo = _NO_ECHO) -> None:
-        """A stream of several choices, each chunk holding one choice with its `index`, as the servers send them:
-        llama.cpp closes each task's choice with that task's own counts (its `timings`; its `usage` on the closing
-        chunk of /v1/completions, in a chunk of its own on chat); vLLM's continuous usage is each choice's own
-        running count, its final usage the prompt once and the choices' tokens summed."""
+                             q: asyncio.Queue, opts: dict, echo: _Echo | list = _NO_ECHO,
+                             n_choices: int | None = None) -> None:
+        """A stream of several choices (n_choices of each prompt of a batch; None: all of one prompt), each chunk
+        holding one choice with its `index`, as the servers send them: llama.cpp closes each task's choice with that
+        task's own counts (its `timings`; its `usage` on the closing chunk of /v1/completions, in a chunk of its own on
+        chat; native /completion events carry the task's `index`, its last its final result), and opens a stream of
+        several prompts with `data: null` (measured on b11434; not one of n choices of one prompt); vLLM's
+        continuous usage is each choice's own running count, its final usage each prompt once and the choices'
+        tokens summed."""
+        echoes = echo if isinstance(echo, list) else [echo] * len(reqs)
+        per_prompt = n_choices or len(reqs)
+        native = api == "llamacpp"
         chat = api == "openai-chat"
         # SGLang's choices follow vLLM's counts (each choice's running usage; the prompt once, the tokens summed at the
         # end), not its chunk shapes: an approximation (docs/simulator.md).
@@ -2581,6 +2661,12 @@ class SimServer:
         async def content(i: int, text: str, ids: list, finish: str | None = None) -> None:
             first = sent[i] == 0
             sent[i] += len(ids)
+            if native:
+                ev = {"index": i, "content": text, "tokens": ids, "stop": False, "id_slot": -1,
+                      "tokens_predicted": sent[i], "tokens_evaluated": reqs[i].prompt_tokens}
+                await out.send(b"data: " + json.dumps(ev).encode() + b"\n\n")
+                return
+            echo = echoes[i]
             c = {"index": i, "finish_reason": finish}
             if chat and not vllm and not text:
                 return  # llama-server: no chunk for a token that adds no text (as one choice's: _write_stream)
@@ -2597,6 +2683,8 @@ class SimServer:
             await out.send(chunk({"index": i, "delta": {"role": "assistant", "content": "" if vllm else None},
                                   "finish_reason": None}, **running(i)))
 
+        if self.flavour == "llamacpp" and len(reqs) > per_prompt:
+            await out.send(b"data: null\n\n")
         while left:
             try:
                 item = await (asyncio.wait_for(q.get(), self.keepalive_s) if self.keepalive_s else q.get())
@@ -2630,6 +2718,9 @@ class SimServer:
                     await content(i, text, ids)
                 continue
             left -= 1  # "done": this choice's task ended
+            if native:
+                await out.send(b"data: " + json.dumps(dict(self._llama_final(r, payload), index=i)).encode() + b"\n\n")
+                continue
             close = {"index": i, "finish_reason": fr}
             if chat:
                 close["delta"] = {}
@@ -2648,9 +2739,10 @@ class SimServer:
                 await out.send(chunk(close, timings=payload))
         if vllm and opts.get("include_usage"):
             gen = sum(self._reported(r.generated) for r in reqs)
-            p = reqs[0].prompt_tokens
+            p = sum(r.prompt_tokens for r in reqs[::per_prompt])
             await out.send(chunk(None, usage={"prompt_tokens": p, "completion_tokens": gen, "total_tokens": p + gen}))
-        await out.send(b"data: [DONE]\n\n")
+        if not native:  # llama-server's native stream ends with its last task's final event, no [DONE]
+            await out.send(b"data: [DONE]\n\n")
         await resp.write_eof(await out.take())
 
     # --- Anthropic Messages and OpenAI Responses ----------------------------------------------

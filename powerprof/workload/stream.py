@@ -202,7 +202,10 @@ class _State:
     prompt_tokens: int | None = None
     usage_completion: int | None = None
     usage_prompt: int | None = None
-    predicted_total: int | None = None  # llama.cpp tokens_predicted (cumulative)
+    predicted_total: int | None = None  # llama.cpp tokens_predicted (cumulative; a batch's tasks' summed)
+    # llama.cpp native /completion of a list of prompts: a task per prompt, its events marked with its `index`.
+    task_predicted: dict = field(default_factory=dict)  # each task's tokens_predicted at its final event
+    task_evaluated: dict = field(default_factory=dict)  # each task's prompt length (tokens_evaluated)
     timings: dict = field(default_factory=dict)
     stop_reason: str | None = None
     choice_stops: dict = field(default_factory=dict)  # OpenAI: each choice's finish_reason by its index
@@ -568,7 +571,7 @@ class StreamParser:
             n = seg.count(b",") + 1 if seg else 0
             if m is None:
                 return n
-            n = max(n, int(m.group(1)) - self._s.counted)  # the full parse's rule (_llamacpp)
+            n = max(n, int(m.group(1)) - self._choice_count(0))  # the full parse's rule (_llamacpp): task 0's
             if n > 0:
                 self._s.totalled += n
             return n
@@ -772,9 +775,18 @@ class StreamParser:
         content = content if isinstance(content, str) else ""
         tokens = obj.get("tokens")
         predicted = self._count(obj, "tokens_predicted")
-        if obj.get("stop") is not True and s.prompt_tokens is None:
-            # Every token event carries the prompt's length: a stream cut before its end still says it.
-            s.prompt_tokens = self._count(obj, "tokens_evaluated")
+        # A list of prompts runs a task per prompt, each event marked with its task's `index` (server-context.cpp,
+        # handle_completions_impl): counts, prompt lengths and ends are each task's own, the stream's their sums.
+        idx = obj.get("index")
+        idx = idx if type(idx) is int and 0 <= idx < self._prompts else 0
+        ev = self._count(obj, "tokens_evaluated")
+        if ev is not None and idx not in s.task_evaluated:
+            # Every token event carries its prompt's length: a stream cut before its end still says it, once every
+            # task of the batch has said its own.
+            s.task_evaluated[idx] = ev
+            if len(s.task_evaluated) >= self._prompts:
+                s.prompt_tokens = sum(s.task_evaluated.values())
+        done_before = self._choice_count(idx)
         if isinstance(tokens, list):
             n = len(tokens)
             if predicted is not None and obj.get("stop") is not True:
@@ -782,30 +794,37 @@ class StreamParser:
                 # with the next event, whose `tokens` lists only the newest one: its running count
                 # says how many arrived (seen on b11434: tokens [175], tokens_predicted 5 → 8). Not on
                 # the stop event: tokens counted there were never streamed (and a lie would hide).
-                n = max(n, predicted - s.counted)
+                n = max(n, predicted - done_before)
         elif predicted is not None:
             # Older builds send no `tokens`: the cumulative count tells how many this event holds.
-            n = max(0, predicted - s.counted)
+            n = max(0, predicted - done_before)
         else:
             n = 1 if content else 0
         if obj.get("stop") is True:
-            s.complete = True
             st = obj.get("stop_type")
             s.stop_reason = _LLAMACPP_STOP.get(st, st) if isinstance(st, str) else "stop"
             if obj.get("stopped_limit") is True and s.stop_reason is None:
                 s.stop_reason = "length"
             if predicted is not None:
-                s.predicted_total = predicted
-            self._timings(obj.get("timings"))
-            ev = self._count(obj, "tokens_evaluated")
-            if s.prompt_tokens is None and ev is not None:
-                s.prompt_tokens = ev
+                s.task_predicted[idx] = predicted
+                s.predicted_total = sum(s.task_predicted.values())
+            else:
+                s.task_predicted.setdefault(idx, None)
+                s.predicted_total = None
+            s.complete = len(s.task_predicted) >= self._prompts
+            self._timings(obj.get("timings"), idx)
         if n > 0:
             if predicted is not None and self._counted(n):
                 s.totalled += n
+                if idx:
+                    s.other_choices[idx] = s.other_choices.get(idx, 0) + n
                 out.append(TokenEvent(n, content, predicted))
             elif predicted is None:
-                self._add(n, out, content, predicted)
+                if idx and self._counted(n):
+                    s.other_choices[idx] = s.other_choices.get(idx, 0) + n
+                    out.append(TokenEvent(n, content, None))
+                elif not idx:
+                    self._add(n, out, content, predicted)
 
     def _sglang(self, obj: dict, out: list[TokenEvent] | None, index: int | None = None) -> None:
         """One event (or whole answer) of SGLang's /generate: a sequence's tokens are the growth of its running
@@ -1371,6 +1390,25 @@ def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1
                 p._unreadable("response item is not a JSON object")
         n = sum(e.n_tokens for e in out)
         return ([TokenEvent(n, "", p._s.usage_completion)] if n else []), p._summary()
+    if api == "llamacpp" and isinstance(obj, list) and obj:
+        # A list of prompts: the list of each task's final result, in task order (llama-server's handle_completions_impl
+        # answers one object for a single task, a list for several); each read as a whole answer of its own below.
+        for i, o in enumerate(obj):
+            if not isinstance(o, dict):
+                p._unreadable("response item is not a JSON object")
+                continue
+            o = dict(o, stop=True) if "stop" not in o and "content" in o else o
+            o = o if "index" in o else dict(o, index=i)
+            if isinstance(o.get("tokens"), list) is False and o.get("tokens_predicted") is None:
+                pn = _int((o.get("timings") or {}).get("predicted_n")) if isinstance(o.get("timings"), dict) else None
+                if pn is not None:
+                    o = dict(o, tokens_predicted=pn)
+            try:
+                p._handle(o, out)
+            except Exception as e:
+                p._unreadable(f"unexpected response shape: {error_text(e)}")
+        n = sum(e.n_tokens for e in out)
+        return ([TokenEvent(n, "", p._s.predicted_total)] if n else []), p._summary()
     if isinstance(obj, dict):
         if api == "openai-chat" and isinstance(obj.get("choices"), list):
             # Non-streaming chat puts the text under `message`, not `delta`.
