@@ -387,9 +387,11 @@ CHAIN_TOOLS = [{"type": "function", "name": "search", "description": " ".join(["
 CHAIN_INSTRUCTIONS = " ".join(["rule"] * 400)
 
 
-@pytest.mark.parametrize("extra", [{"tools": CHAIN_TOOLS}, {"instructions": CHAIN_INSTRUCTIONS}],
-                         ids=["tools", "instructions"])
-def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_path, extra):
+@pytest.mark.parametrize("extra,think,turn_n", [
+    ({"tools": CHAIN_TOOLS}, 0, 40), ({"instructions": CHAIN_INSTRUCTIONS}, 0, 40),
+    ({"tools": CHAIN_TOOLS[:1], "tool_choice": "required"}, 0, 400), ({}, 350, 400)],
+    ids=["tools", "instructions", "calls", "thinking"])
+def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_path, extra, think, turn_n):
     # A chain of Responses turns each sending the same `extra`, then a turn naming the last, its stream cut before
     # its usage: its prompt is estimated from the named turn's counted conversation and its own body. vLLM renders each
     # request's own tools (construct_tool_dicts), never the stored turn's: the named turn's tools are not prefilled
@@ -397,7 +399,10 @@ def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_
     # chain +108% on this simulator (which did not render a Responses turn's tools: 1977 est., 951 true) and +52%
     # against a simulator patched to vLLM's rendering (3050 est., 2011 true). Nor are its instructions: vLLM drops
     # the stored turn's system messages (construct_input_messages, since vllm-project/vllm#37727). Before: remembered
-    # with its input_tokens, +14% against vLLM so patched (3257 est., 2851 true).
+    # with its input_tokens, +14% against vLLM so patched (3257 est., 2851 true). Nor its output's function calls
+    # (`calls`: each turn a forced call of 400 tokens) nor its thinking (`thinking`: 350 of each turn's 400 tokens):
+    # construct_input_messages adds only the stored output's messages. Before, each call was remembered as context:
+    # +23% (2111 est., 1711 true; now 1711); the thinking left in, +47% (1100 est., 749 true; now 750).
     import asyncio
 
     import aiohttp
@@ -407,7 +412,8 @@ def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_
     from powerprof.rig import Rig
 
     nvml = SimNVML("h200-141g", state_path=None)
-    srv = SimServer(nvml, flavour="vllm", n_slots=64, batching="continuous", decode_tok_s=50.0).start()
+    srv = SimServer(nvml, flavour="vllm", n_slots=64, batching="continuous", decode_tok_s=50.0 * turn_n / 40,
+                    reasoning_tokens=think).start()
     cfg = load_config(None, env={}, overrides={
         "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
         "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
@@ -432,9 +438,10 @@ def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_
             prev = None
             for k in range(2):
                 body = dict(extra, input=" ".join(["word"] * 300), **({"previous_response_id": prev} if prev else {}))
-                r = await post(s, url, f"turn{k}", body, 40)
+                r = await post(s, url, f"turn{k}", body, turn_n)
                 prev = (await r.json())["id"]
-            r = await post(s, url, "cut", dict(extra, input="next " * 50, previous_response_id=prev, stream=True), 200)
+            r = await post(s, url, "cut", dict(extra, input="next " * 50, previous_response_id=prev, stream=True),
+                           200 * turn_n // 40)
             got = 0
             async for _ in r.content:
                 got += 1

@@ -646,7 +646,8 @@ class Ledger:
         if new is None:
             return None
         return ctx + new[0], (f"the {ctx} tokens of its previous response's conversation (its prompt less its tools and instructions, and its "
-                              f"output less its thinking, as the server counted them through this proxy) and {new[1]}")
+                              f"output less its thinking and function calls, as the server counted them through this proxy) "
+                              f"and {new[1]}")
 
     def _prefill_end_est_ns(self, r: LiveRequest) -> int | None:
         """When its prompt's prefill ends if it ran from its arrival at the rate in use: its prompt the server's count,
@@ -775,10 +776,14 @@ class Ledger:
             if c.response_id is not None and trace.api == "openai-responses" and (trace.status or 200) < 400:
                 # Less the part a later turn does not prefill again (promptlen.uncarried_chars: its tools, rendered
                 # anew from that turn's own body, and its instructions), at the learned tokens a character; and its
-                # thinking's tokens (vLLM's construct_input_messages skips the reasoning output).
-                gone = trace.extra.get("prompt_uncarried_chars", 0) * self.prompt_lengths.per_char(trace.api)
+                # thinking's tokens and its function calls (vLLM's construct_input_messages adds only the stored
+                # output's messages): where its output held a call, its messages' text at the learned ratio.
+                per_char = self.prompt_lengths.per_char(trace.api)
+                gone = trace.extra.get("prompt_uncarried_chars", 0) * per_char
                 out = max(c.generated_tokens or 0, 0)
                 said = out - min(max(c.reasoning_tokens or 0, 0), out)
+                if c.carried_chars is not None:
+                    said = min(said, round(c.carried_chars * per_char))
                 self._keep_context(c.response_id, max(round(c.prompt_tokens - gone), 0) + said)
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
