@@ -575,3 +575,67 @@ def test_a_whole_answer_llamacpp_runs_on_after_its_client_left_is_charged_that_w
     ok = [t for t in rows if t.startswith("ok")]
     assert float(np.median([abs(err[t]) for t in ok])) < 0.3, {t: round(err[t], 2) for t in ok}
     assert max(err[t] for t in ok) < 0.8, {t: round(err[t], 2) for t in ok}
+
+
+@pytest.mark.parametrize("flavour", ["sglang", "vllm"])
+def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its_tools(tmp_path, flavour):
+    # A chat's `tools` with tool_choice "none": SGLang's template renders none of them (as vLLM's with
+    # --exclude-tools-when-tool-choice-none), vLLM by default all; the body cannot say which. The ledger learns it
+    # from such a request the server counted (its count nearer the size with or without them) and sizes a cut one
+    # so. Before: its tools always counted, and learned from as prompt characters: on SGLang a cut one estimated at
+    # 949 for a true 301 (+215%; now 301), vLLM 1331 for 1347 (now 1324).
+    import asyncio
+
+    import aiohttp
+
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.rig import Rig
+
+    tools = [{"type": "function", "function": {"name": "search", "description": " ".join(["find"] * 1000),
+                                               "parameters": {"type": "object"}}}]
+    nvml = SimNVML("h200-141g", state_path=None)
+    srv = SimServer(nvml, flavour=flavour, n_slots=64, batching="continuous", decode_tok_s=50.0).start()
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
+        "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
+        "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
+    daemon = Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
+
+    def chat(words, **kw):
+        return dict(kw, model="m", messages=[{"role": "user", "content": " ".join(["word"] * words)}])
+
+    async def main():
+        task = asyncio.create_task(daemon.run())
+        for _ in range(600):
+            if "proxy" in daemon.urls and daemon.ledger is not None:
+                break
+            await asyncio.sleep(0.05)
+        url = daemon.urls["proxy"] + "/v1/chat/completions"
+        async with aiohttp.ClientSession() as s:
+            for k, kw in enumerate([{}, {}, {"tools": tools, "tool_choice": "none"}, {}]):
+                r = await s.post(url, json=chat(200 + 300 * k, max_tokens=4, **kw),
+                                 headers={"X-Sim-Request-Id": f"warm{k}", "X-Powerprof-Tag": f"warm{k}"})
+                await r.read()
+            r = await s.post(url, json=chat(300, max_tokens=400, stream=True, tools=tools, tool_choice="none"),
+                             headers={"X-Sim-Request-Id": "cut", "X-Powerprof-Tag": "cut"})
+            got = 0
+            async for _ in r.content:
+                got += 1
+                if got > 8:
+                    break
+            r.close()
+        await asyncio.sleep(6)
+        daemon.stop_event.set()
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.stop()
+    truth = {**srv.request_truth(), **{c.get("client_id"): c for c in srv.truth_cancelled}}
+    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
+            if isinstance(r["tag"], str)}
+    est, true = rows["cut"]["prompt_tokens_estimate"], truth["cut"]["prompt_tokens"]
+    print(flavour, "estimate", est, "truth", true, rows["cut"]["energy_note"])
+    assert abs(est - true) / true < 0.05, (est, true)
