@@ -577,13 +577,13 @@ def test_a_whole_answer_llamacpp_runs_on_after_its_client_left_is_charged_that_w
     assert max(err[t] for t in ok) < 0.8, {t: round(err[t], 2) for t in ok}
 
 
-@pytest.mark.parametrize("flavour", ["sglang", "vllm"])
+@pytest.mark.parametrize("flavour", ["sglang", "vllm", "vllm-exclude"])
 def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its_tools(tmp_path, flavour):
     # A chat's `tools` with tool_choice "none": SGLang's template renders none of them (as vLLM's with
     # --exclude-tools-when-tool-choice-none), vLLM by default all; the body cannot say which. The ledger learns it
     # from such a request the server counted (its count nearer the size with or without them) and sizes a cut one
     # so. Before: its tools always counted, and learned from as prompt characters: on SGLang a cut one estimated at
-    # 949 for a true 301 (+215%; now 301), vLLM 1331 for 1347 (now 1324).
+    # 949 for a true 301 (+215%; now 301), vLLM with the flag 1324 for 301 (now 301), vLLM 1331 for 1347 (now 1324).
     import asyncio
 
     import aiohttp
@@ -595,7 +595,8 @@ def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its
     tools = [{"type": "function", "function": {"name": "search", "description": " ".join(["find"] * 1000),
                                                "parameters": {"type": "object"}}}]
     nvml = SimNVML("h200-141g", state_path=None)
-    srv = SimServer(nvml, flavour=flavour, n_slots=64, batching="continuous", decode_tok_s=50.0).start()
+    srv = SimServer(nvml, flavour=flavour.split("-")[0], n_slots=64, batching="continuous", decode_tok_s=50.0,
+                    exclude_tools_when_tool_choice_none=flavour.endswith("-exclude")).start()
     cfg = load_config(None, env={}, overrides={
         "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
         "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",

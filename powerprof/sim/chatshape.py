@@ -196,14 +196,14 @@ def wanted_tool(body: dict, flavour: str, tool_parser: bool) -> tuple[str | None
     return None, ""
 
 
-def tools_in_prompt(body: dict, flavour: str) -> str:
+def tools_in_prompt(body: dict, flavour: str, exclude_none: bool = False) -> str:
     """The text a chat template adds to the prompt for the request's `tools` (their schemas, as compact JSON here):
-    vLLM renders them unless tool_choice is "none" and it runs with --exclude-tools-when-tool-choice-none (not
-    modelled: it renders them), SGLang unless tool_choice is "none"; "" on llama.cpp (not modelled)."""
+    vLLM renders them unless tool_choice is "none" and it runs with --exclude-tools-when-tool-choice-none
+    (`exclude_none`), SGLang unless tool_choice is "none"; "" on llama.cpp (not modelled)."""
     tools = body.get("tools")
     if flavour not in ("vllm", "sglang") or not isinstance(tools, list) or not tools:
         return ""
-    if flavour == "sglang" and body.get("tool_choice") == "none":
+    if (flavour == "sglang" or exclude_none) and body.get("tool_choice") == "none":
         return ""
     return "\n" + json.dumps(tools, separators=(",", ":"))
 

@@ -329,6 +329,7 @@ class SimServer:
         reasoning_field: str | None = None,
         tool_call_parser: bool | str = False,
         tool_call_trailing_tokens: int = 3,
+        exclude_tools_when_tool_choice_none: bool = False,
         prefix_cache: bool = False,
         prompt_details: bool = False,
         cold_batch_factor: float = 1.0,
@@ -486,6 +487,9 @@ class SimServer:
         if int(tool_call_trailing_tokens) < 1:
             raise ValueError("tool_call_trailing_tokens must be at least 1 (the end of sentence)")
         self.tool_call_trailing_tokens = int(tool_call_trailing_tokens)
+        # vLLM's `--exclude-tools-when-tool-choice-none`: its chat template renders no `tools` for tool_choice "none"
+        # (its Responses path still renders them: serving.py's _make_request passes construct_tool_dicts no flag).
+        self.exclude_tools_when_tool_choice_none = bool(exclude_tools_when_tool_choice_none)
         # `--api-key`: llama-server answers 401 on everything but its public endpoints (/health, /models, /v1/models:
         # server.cpp's public_endpoints); vLLM guards its /v1 routes only (its /metrics, /health, /version are open);
         # SGLang everything but /health* and /metrics.
@@ -1867,7 +1871,8 @@ class SimServer:
         body = await self._body(request)
         msgs = body.get("messages") or []
         prompt = "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
-        prompt += chatshape.tools_in_prompt(body, self.flavour)  # the template renders the tools' schemas
+        # The template renders the tools' schemas (vLLM none for tool_choice "none" with the flag).
+        prompt += chatshape.tools_in_prompt(body, self.flavour, self.exclude_tools_when_tool_choice_none)
         n = body.get("max_completion_tokens") or body.get("max_tokens") or 128
         return await self._serve(request, "openai-chat", prompt, body, int(n))
 
