@@ -170,6 +170,26 @@ def test_a_responses_answers_thinking_and_function_call_are_items_a_later_turn_d
         srv.stop()
 
 
+def test_a_responses_turns_function_call_and_its_output_in_its_input_are_prefilled():
+    # An agent's next turn sends the call and the tool's result as input items: vLLM's
+    # construct_chat_messages_with_tool_call makes a `function_call` an assistant message's tool_calls (its name and
+    # arguments rendered) and a `function_call_output` a tool message (its `output`). Before: the simulator read
+    # only an item's `content`, so both were prefilled as nothing (the proxy sizes them: its estimate above truth).
+    from powerprof.sim.server import count_prompt_tokens
+
+    srv = SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", decode_tok_s=400).start()
+    try:
+        items = [{"type": "function_call", "call_id": "c1", "name": "search", "arguments": '{"q": "the fan"}'},
+                 {"type": "function_call_output", "call_id": "c1", "output": "the fan spins at the clock"}]
+        status, raw = _post(srv.url + "/v1/responses", {"input": items, "max_output_tokens": 4},
+                            {"X-Sim-Request-Id": "tools"})
+        assert status == 200, raw[:300]
+        assert srv.request_truth()["tools"]["prompt_tokens"] == count_prompt_tokens(
+            "\n".join(["search" + '{"q": "the fan"}', "the fan spins at the clock"]))
+    finally:
+        srv.stop()
+
+
 def test_the_responses_store_is_the_process_memory_and_can_be_off():
     # vLLM's store is in its process's memory: a restart empties it (before: the simulator's outlived restart()); and
     # off (VLLM_ENABLE_RESPONSES_API_STORE unset, vLLM's default) every previous_response_id is 404 (before: no way to

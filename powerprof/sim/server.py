@@ -1895,7 +1895,7 @@ class SimServer:
         body = await self._body(request)
         inp = body.get("input")
         items = inp if isinstance(inp, list) else [inp]
-        turn = [_text_of(m.get("content")) if isinstance(m, dict) else _text_of(m) for m in items]
+        turn = [_input_item_text(m) for m in items]
         turn.insert(0, _text_of(body.get("instructions")))
         prev = body.get("previous_response_id")
         if isinstance(prev, str) and prev:
@@ -3025,6 +3025,20 @@ def _text_of(content) -> str:
     if isinstance(content, list):
         return " ".join(b.get("text", "") for b in content if isinstance(b, dict) and isinstance(b.get("text"), str))
     return ""
+
+
+def _input_item_text(item) -> str:
+    """The prompt text of a Responses input item as vLLM's construct_chat_messages_with_tool_call makes it a message:
+    a message's content; a `function_call`'s name and arguments (an assistant message's tool_calls); a
+    `function_call_output`'s `output` (a tool message); any other item its `content`'s text, as before."""
+    if not isinstance(item, dict):
+        return _text_of(item)
+    kind = item.get("type")
+    if kind == "function_call":
+        return "".join(v for v in (item.get("name"), item.get("arguments")) if isinstance(v, str))
+    if kind == "function_call_output":
+        return _text_of(item.get("output"))
+    return _text_of(item.get("content"))
 
 
 def _embedding(seed: int, dims: int = 8) -> list:
