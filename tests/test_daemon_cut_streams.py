@@ -412,9 +412,11 @@ CHAIN_TOOLS = [{"type": "function", "name": "search", "description": " ".join(["
 CHAIN_INSTRUCTIONS = " ".join(["rule"] * 400)
 
 
-@pytest.mark.parametrize("extra", [{"tools": CHAIN_TOOLS}, {"instructions": CHAIN_INSTRUCTIONS}],
-                         ids=["tools", "instructions"])
-def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_path, extra):
+@pytest.mark.parametrize("extra,think,turn_n", [
+    ({"tools": CHAIN_TOOLS}, 0, 40), ({"instructions": CHAIN_INSTRUCTIONS}, 0, 40),
+    ({"tools": CHAIN_TOOLS[:1], "tool_choice": "required"}, 0, 400), ({}, 350, 400)],
+    ids=["tools", "instructions", "calls", "thinking"])
+def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_path, extra, think, turn_n):
     # A chain of Responses turns each sending the same `extra`, then a turn naming the last, its stream cut before
     # its usage: its prompt is estimated from the named turn's counted conversation and its own body. vLLM renders each
     # request's own tools (construct_tool_dicts), never the stored turn's: the named turn's tools are not prefilled
@@ -422,7 +424,10 @@ def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_
     # chain +108% on this simulator (which did not render a Responses turn's tools: 1977 est., 951 true) and +52%
     # against a simulator patched to vLLM's rendering (3050 est., 2011 true). Nor are its instructions: vLLM drops
     # the stored turn's system messages (construct_input_messages, since vllm-project/vllm#37727). Before: remembered
-    # with its input_tokens, +14% against vLLM so patched (3257 est., 2851 true).
+    # with its input_tokens, +14% against vLLM so patched (3257 est., 2851 true). Nor its output's function calls
+    # (`calls`: each turn a forced call of 400 tokens) nor its thinking (`thinking`: 350 of each turn's 400 tokens):
+    # construct_input_messages adds only the stored output's messages. Before, each call was remembered as context:
+    # +23% (2111 est., 1711 true; now 1711); the thinking left in, +47% (1100 est., 749 true; now 750).
     import asyncio
 
     import aiohttp
@@ -432,7 +437,8 @@ def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_
     from powerprof.rig import Rig
 
     nvml = SimNVML("h200-141g", state_path=None)
-    srv = SimServer(nvml, flavour="vllm", n_slots=64, batching="continuous", decode_tok_s=50.0).start()
+    srv = SimServer(nvml, flavour="vllm", n_slots=64, batching="continuous", decode_tok_s=50.0 * turn_n / 40,
+                    reasoning_tokens=think).start()
     cfg = load_config(None, env={}, overrides={
         "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
         "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
@@ -457,9 +463,10 @@ def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_
             prev = None
             for k in range(2):
                 body = dict(extra, input=" ".join(["word"] * 300), **({"previous_response_id": prev} if prev else {}))
-                r = await post(s, url, f"turn{k}", body, 40)
+                r = await post(s, url, f"turn{k}", body, turn_n)
                 prev = (await r.json())["id"]
-            r = await post(s, url, "cut", dict(extra, input="next " * 50, previous_response_id=prev, stream=True), 200)
+            r = await post(s, url, "cut", dict(extra, input="next " * 50, previous_response_id=prev, stream=True),
+                           200 * turn_n // 40)
             got = 0
             async for _ in r.content:
                 got += 1
@@ -593,3 +600,68 @@ def test_a_whole_answer_llamacpp_runs_on_after_its_client_left_is_charged_that_w
     ok = [t for t in rows if t.startswith("ok")]
     assert float(np.median([abs(err[t]) for t in ok])) < 0.3, {t: round(err[t], 2) for t in ok}
     assert max(err[t] for t in ok) < 0.8, {t: round(err[t], 2) for t in ok}
+
+
+@pytest.mark.parametrize("flavour", ["sglang", "vllm", "vllm-exclude"])
+def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its_tools(tmp_path, flavour):
+    # A chat's `tools` with tool_choice "none": SGLang's template renders none of them (as vLLM's with
+    # --exclude-tools-when-tool-choice-none), vLLM by default all; the body cannot say which. The ledger learns it
+    # from such a request the server counted (its count nearer the size with or without them) and sizes a cut one
+    # so. Before: its tools always counted, and learned from as prompt characters: on SGLang a cut one estimated at
+    # 949 for a true 301 (+215%; now 301), vLLM with the flag 1324 for 301 (now 301), vLLM 1331 for 1347 (now 1324).
+    import asyncio
+
+    import aiohttp
+
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.rig import Rig
+
+    tools = [{"type": "function", "function": {"name": "search", "description": " ".join(["find"] * 1000),
+                                               "parameters": {"type": "object"}}}]
+    nvml = SimNVML("h200-141g", state_path=None)
+    srv = SimServer(nvml, flavour=flavour.split("-")[0], n_slots=64, batching="continuous", decode_tok_s=50.0,
+                    exclude_tools_when_tool_choice_none=flavour.endswith("-exclude")).start()
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
+        "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
+        "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
+    daemon = Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
+
+    def chat(words, **kw):
+        return dict(kw, model="m", messages=[{"role": "user", "content": " ".join(["word"] * words)}])
+
+    async def main():
+        task = asyncio.create_task(daemon.run())
+        for _ in range(600):
+            if "proxy" in daemon.urls and daemon.ledger is not None:
+                break
+            await asyncio.sleep(0.05)
+        url = daemon.urls["proxy"] + "/v1/chat/completions"
+        async with aiohttp.ClientSession() as s:
+            for k, kw in enumerate([{}, {}, {"tools": tools, "tool_choice": "none"}, {}]):
+                r = await s.post(url, json=chat(200 + 300 * k, max_tokens=4, **kw),
+                                 headers={"X-Sim-Request-Id": f"warm{k}", "X-Powerprof-Tag": f"warm{k}"})
+                await r.read()
+            r = await s.post(url, json=chat(300, max_tokens=400, stream=True, tools=tools, tool_choice="none"),
+                             headers={"X-Sim-Request-Id": "cut", "X-Powerprof-Tag": "cut"})
+            got = 0
+            async for _ in r.content:
+                got += 1
+                if got > 8:
+                    break
+            r.close()
+        await asyncio.sleep(6)
+        daemon.stop_event.set()
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.stop()
+    truth = {**srv.request_truth(), **{c.get("client_id"): c for c in srv.truth_cancelled}}
+    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
+            if isinstance(r["tag"], str)}
+    est, true = rows["cut"]["prompt_tokens_estimate"], truth["cut"]["prompt_tokens"]
+    print(flavour, "estimate", est, "truth", true, rows["cut"]["energy_note"])
+    assert abs(est - true) / true < 0.05, (est, true)

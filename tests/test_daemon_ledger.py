@@ -4329,3 +4329,36 @@ def test_a_body_its_client_left_mid_way_takes_no_energy_and_its_time_stays_with_
     assert rows[1]["energy_note"].startswith("no share: its client left while sending its request body")
     assert "unproxied" not in rows[1]["energy_note"]
     assert rows[2]["gpu_energy_j"] == pytest.approx(200.0)
+
+
+def test_tools_sent_with_tool_choice_none_are_sized_as_the_server_showed_it_renders_them():
+    # Whether a server renders `tools` sent with tool_choice "none" is its own (SGLang's chat never; vLLM's chat not
+    # with --exclude-tools-when-tool-choice-none): before any such prompt is counted they are counted and the basis
+    # says so with its fix; once one is, as it showed. Before: always counted (SGLang: 949 est. for a true 301).
+    from powerprof.daemon.promptlen import tools_if_none
+
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * 3000}}]
+    assert tools_if_none({"tools": tools, "tool_choice": "none"}, "openai-chat") == len(
+        '[{"type":"function","function":{"name":"f","description":"' + "d" * 3000 + '"}}]')
+    assert tools_if_none({"tools": tools}, "openai-chat") is None
+    assert tools_if_none({"tools": [], "tool_choice": "none"}, "openai-responses") is None
+    for counted, rendered in ((None, None), (1000 + 250, False), (1000 + 250 + 760, True)):
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        if counted is not None:  # a prompt of 4000 characters and 3040 of tools, counted by the server
+            tr = _chat(1, 0.0, 7040)
+            tr.extra["prompt_tools_none_chars"] = 3040
+            led.on_start(tr)
+            tr.end_ns, tr.status = int(1e9), 200
+            tr.counts = Counts(5, counted, "m", "stop", "usage")
+            led.on_end(tr)
+        assert led.tools_when_none.get("openai-chat") is rendered
+        cut = _chat(2, 2.0, 7040)
+        cut.extra["prompt_tools_none_chars"] = 3040
+        tokens, how = led._body_estimate(cut)
+        if rendered is None:
+            assert tokens == 7040 / 4 and "counted, though a server may render none" in how, how
+            assert 'fix: send no `tools` with tool_choice "none"' in how, how
+        elif rendered is False:
+            assert abs(tokens - 1250) < 1 and "left out: this server rendered none" in how, (tokens, how)
+        else:
+            assert abs(tokens - 2010) < 1 and "tools" not in how, (tokens, how)

@@ -1276,3 +1276,17 @@ def test_after_an_upgrade_retires_every_worker_one_still_serves_the_port_unattri
     assert box["unread"] == 1 and not rec.ended, box  # its request is not attributed (not read), and said
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "not attributed" in said and "restart the daemon" in said, said
+
+
+def test_the_links_counts_shape_has_a_type_for_each_of_counts_fields():
+    # The daemon checks each end record's counts against workers._COUNTS, one type a streams.Counts field: a field
+    # added to Counts without its type there had every worker's end record refused ("malformed end's counts record"),
+    # the worker restarted and its requests `interrupted` (found adding Counts.carried_chars).
+    from dataclasses import astuple, fields
+
+    from powerprof.daemon import workers
+    from powerprof.daemon.streams import Counts
+
+    assert len(workers._COUNTS) == len(fields(Counts))
+    c = Counts(5, 7, "m", "stop", "usage", response_id="resp_1", reasoning_tokens=2, carried_chars=10)
+    workers._check(astuple(c), workers._COUNTS, "end's counts")

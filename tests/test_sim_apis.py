@@ -127,6 +127,69 @@ def test_a_responses_turn_renders_its_own_tools_not_the_stored_turns():
         srv.stop()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("think,forced", [(0, True), (5, False), (5, True)], ids=["call", "thinking", "both"])
+def test_a_responses_answers_thinking_and_function_call_are_items_a_later_turn_does_not_prefill(stream, think, forced):
+    # vLLM's Responses answer from a thinking model (a reasoning parser) holds a `reasoning` item before its message,
+    # its tokens in usage.output_tokens_details.reasoning_tokens; a forced call (tool_choice "required" or named) is a
+    # `function_call` item. A later turn naming it prefills only the stored output's messages (vLLM's
+    # responses/utils.py construct_input_messages: "We skip the reasoning output", and a ResponseFunctionToolCall is
+    # no ResponseOutputMessage). Before: the simulator said reasoning_tokens 0, had no call on /v1/responses, and
+    # stored the whole generated text as the next turn's history.
+    from powerprof.sim.server import count_prompt_tokens
+
+    tools = [{"type": "function", "name": "search", "parameters": {"type": "object"}}]
+    js = "\n" + json.dumps(tools, separators=(",", ":"))
+    srv = SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", decode_tok_s=400,
+                    reasoning_tokens=think).start()
+    try:
+        first = {"input": "the clock", "tools": tools, "max_output_tokens": 12, "ignore_eos": True, "stream": stream,
+                 **({"tool_choice": {"type": "function", "name": "search"}} if forced else {})}
+        status, raw = _post(srv.url + "/v1/responses", first)
+        assert status == 200, raw[:300]
+        done = _events(raw)[-1]["response"] if stream else json.loads(raw)
+        kinds = [item["type"] for item in done["output"]]
+        assert kinds == ["reasoning"] * bool(think) + ["function_call" if forced else "message"], kinds
+        assert done["usage"]["output_tokens"] == 12
+        assert done["usage"]["output_tokens_details"]["reasoning_tokens"] == think
+        s = _summary("openai-responses", first, raw)
+        assert s.reasoning_tokens == think and s.generated_tokens == 12
+        last = done["output"][-1]
+        if forced:
+            assert last["name"] == "search" and len(last["arguments"].split()) == 12 - think - bool(think)
+        if stream:  # each step's thinking and arguments in their own delta events
+            deltas = [e["type"] for e in _events(raw) if e["type"].endswith(".delta")]
+            assert deltas.count("response.reasoning_text.delta") == think, deltas
+        said = "" if forced else last["content"][0]["text"]
+        second = {"input": "and the fan", "previous_response_id": done["id"], "max_output_tokens": 4}
+        status, raw = _post(srv.url + "/v1/responses", second, {"X-Sim-Request-Id": "second"})
+        assert status == 200, raw[:300]
+        assert srv.request_truth()["second"]["prompt_tokens"] == count_prompt_tokens(
+            "\n".join(p for p in ["the clock", said, "and the fan"] if p))
+    finally:
+        srv.stop()
+
+
+def test_a_responses_turns_function_call_and_its_output_in_its_input_are_prefilled():
+    # An agent's next turn sends the call and the tool's result as input items: vLLM's
+    # construct_chat_messages_with_tool_call makes a `function_call` an assistant message's tool_calls (its name and
+    # arguments rendered) and a `function_call_output` a tool message (its `output`). Before: the simulator read
+    # only an item's `content`, so both were prefilled as nothing (the proxy sizes them: its estimate above truth).
+    from powerprof.sim.server import count_prompt_tokens
+
+    srv = SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", decode_tok_s=400).start()
+    try:
+        items = [{"type": "function_call", "call_id": "c1", "name": "search", "arguments": '{"q": "the fan"}'},
+                 {"type": "function_call_output", "call_id": "c1", "output": "the fan spins at the clock"}]
+        status, raw = _post(srv.url + "/v1/responses", {"input": items, "max_output_tokens": 4},
+                            {"X-Sim-Request-Id": "tools"})
+        assert status == 200, raw[:300]
+        assert srv.request_truth()["tools"]["prompt_tokens"] == count_prompt_tokens(
+            "\n".join(["search" + '{"q": "the fan"}', "the fan spins at the clock"]))
+    finally:
+        srv.stop()
+
+
 def test_the_responses_store_is_the_process_memory_and_can_be_off():
     # vLLM's store is in its process's memory: a restart empties it (before: the simulator's outlived restart()); and
     # off (VLLM_ENABLE_RESPONSES_API_STORE unset, vLLM's default) every previous_response_id is 404 (before: no way to

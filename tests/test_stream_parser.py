@@ -1601,3 +1601,40 @@ def test_a_responses_answer_says_its_reasoning_tokens_and_the_ledger_keeps_them_
         tr.end_ns, tr.counts, tr.status = int(1e9), c, 200
         led.on_end(tr)
         assert led.response_context[c.response_id] == 600, led.response_context
+
+
+def test_a_responses_answers_function_call_is_kept_out_of_its_conversation():
+    # vLLM's construct_input_messages (responses/utils.py) adds only the stored output's ResponseOutputMessage items
+    # to a later turn naming it: a function_call output item is never prefilled again. The completed response's
+    # `output` says which items it held; where one is a call, only its messages' text is kept (at the learned tokens a
+    # character: 4 characters a token before any is learned). Before: the ledger remembered 500 + 300 = 800 tokens
+    # where vLLM re-prefills 500 (+60%); with a 40-character message beside the call, 510.
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.proxy import RequestTrace
+    from powerprof.daemon.streams import summary_counts
+    from support import RowSink
+
+    usage = {"input_tokens": 500, "output_tokens": 300, "output_tokens_details": {"reasoning_tokens": 0},
+             "input_tokens_details": {"cached_tokens": 0}, "total_tokens": 800}
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "search", "arguments": "{}" * 100,
+            "status": "completed"}
+    msg = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "w" * 40}]}
+    for output, kept in (([call], 500), ([msg, call], 510), ([msg], 800)):
+        ev = [{"type": "response.created", "response": {"id": "resp_x", "model": "m", "status": "in_progress"}}]
+        ev += [{"type": "response.function_call_arguments.delta", "delta": "a", "item_id": "fc_1"}] * 300
+        ev.append({"type": "response.completed", "response": {"id": "resp_x", "model": "m", "status": "completed",
+                                                              "output": output, "usage": usage}})
+        p = StreamParser("openai-responses")
+        p.feed(b"".join(b"event: %s\ndata: %s\n\n" % (e["type"].encode(), json.dumps(e).encode()) for e in ev))
+        whole = {"id": "resp_y", "object": "response", "status": "completed", "model": "m", "usage": usage,
+                 "output": output}
+        for summary, streamed in ((p.finish(), True),
+                                  (parse_response("openai-responses", json.dumps(whole).encode())[1], False)):
+            assert summary.carried_chars == (None if output == [msg] else (40 if msg in output else 0))
+            c = summary_counts(summary, streamed=streamed)
+            led = Ledger("d", 0, 1, RowSink(), grace_s=0.1)
+            tr = RequestTrace(1, "POST", "/v1/responses", None, 0, 0, api="openai-responses", stream=streamed)
+            led.on_start(tr)
+            tr.end_ns, tr.counts, tr.status = int(1e9), c, 200
+            led.on_end(tr)
+            assert led.response_context[c.response_id] == kept, (output, led.response_context)

@@ -241,6 +241,18 @@ class Totals:
     serving_mask: tuple | None = None
 
 
+
+def _tools_none_words(tools_chars: int, rendered: bool | None) -> str:
+    """What an estimate's basis says of tools sent with tool_choice "none" (Ledger._body_estimate)."""
+    if not tools_chars or rendered:
+        return ""
+    if rendered is False:
+        return (f"; its `tools` ({tools_chars} characters) left out: this server rendered none for tool_choice "
+                f"\"none\" in the prompts it counted")
+    return (f"; its `tools` ({tools_chars} characters) counted, though a server may render none for tool_choice "
+            f"\"none\" (SGLang; vLLM with --exclude-tools-when-tool-choice-none) and none of this server's such prompts "
+            f"was counted yet; fix: send no `tools` with tool_choice \"none\"")
+
 class Ledger:
     def __init__(
         self,
@@ -391,6 +403,10 @@ class Ledger:
         # here, the latest RESPONSE_CONTEXT_KEEP (an LRU: a turn naming one evicted, or one from before a restart, is
         # prompt-unread as before).
         self.response_context: OrderedDict[str, int] = OrderedDict()
+        # Per API, whether this server renders a request's `tools` where its tool_choice is "none" (SGLang's chat does
+        # not, nor vLLM's with --exclude-tools-when-tool-choice-none), as the last such prompt it counted showed
+        # (`_tools_rendered`); absent: none seen yet, its tools counted (vLLM's default).
+        self.tools_when_none: dict[str, bool] = {}
         self.prompts_estimated: dict[str, int] = {}  # {why the server never counted it: requests}
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus, gpu_unknown_s=(0.0,) * n_gpus,
                              gpu_unread_now=(False,) * n_gpus)
@@ -632,22 +648,41 @@ class Ledger:
         while len(ctx) > RESPONSE_CONTEXT_KEEP:
             ctx.popitem(last=False)
 
+    def _tools_rendered(self, api: str, chars: int, tools_chars: int, tokens: float) -> bool:
+        """Whether a prompt the server counted (`tokens`, its body `chars` with `tools_chars` of tools sent with
+        tool_choice "none") had its tools rendered: its count nearer the estimate with them than without, at the
+        ratio learned from the prompts before it; kept as this server's way (`tools_when_none`)."""
+        with_ = self.prompt_lengths.estimate(api, chars, None)
+        without = self.prompt_lengths.estimate(api, max(chars - tools_chars, 0), None)
+        rendered = with_ is None or without is None or abs(tokens - with_[0]) <= abs(tokens - without[0])
+        self.tools_when_none[api] = rendered
+        return rendered
+
     def _body_estimate(self, tr: RequestTrace) -> tuple[float, str] | None:
         """(tokens, how) of a prompt from its body (PromptLengths.estimate); for a Responses turn naming a previous
         one whose answer passed through here, that conversation's counted tokens plus its own input's estimate: the
-        server prefills both. None: no size."""
+        server prefills both. None: no size. Tools sent with tool_choice "none" are left out where this server's
+        counted prompts showed it renders none (`tools_when_none`), counted and said where none showed yet."""
         x = tr.extra
-        est = self.prompt_lengths.estimate(tr.api, x.get("prompt_chars"), x.get("prompt_ids"), x.get("prompt_count", 1))
+        maybe = x.get("prompt_tools_none_chars") or 0
+        rendered = self.tools_when_none.get(tr.api) if maybe else True
+        less = 0 if rendered is not False else maybe
+        chars, new_chars = x.get("prompt_chars"), x.get("prompt_new_chars")
+        est = self.prompt_lengths.estimate(tr.api, None if chars is None else chars - less, x.get("prompt_ids"),
+                                           x.get("prompt_count", 1))
+        est = None if est is None else (est[0], est[1] + _tools_none_words(maybe, rendered))
         prev = x.get("prev_response_id")
         if est is not None or prev is None or prev not in self.response_context:
             return est
         self.response_context.move_to_end(prev)
         ctx = self.response_context[prev]
-        new = self.prompt_lengths.estimate(tr.api, x.get("prompt_new_chars"), None)
+        new = self.prompt_lengths.estimate(tr.api, None if new_chars is None else new_chars - less, None)
         if new is None:
             return None
+        new = (new[0], new[1] + _tools_none_words(maybe, rendered))
         return ctx + new[0], (f"the {ctx} tokens of its previous response's conversation (its prompt less its tools and instructions, and its "
-                              f"output less its thinking, as the server counted them through this proxy) and {new[1]}")
+                              f"output less its thinking and function calls, as the server counted them through this proxy) "
+                              f"and {new[1]}")
 
     def _prefill_end_est_ns(self, r: LiveRequest) -> int | None:
         """When its prompt's prefill ends if it ran from its arrival at the rate in use: its prompt the server's count,
@@ -771,15 +806,24 @@ class Ledger:
         if c is not None and c.prompt_tokens is not None and c.invalid is None and c.count_problem is None:
             # The body's prompt once: llama.cpp's figure of n choices is n copies of it (n = 2 taught twice the tokens a character).
             copies = max(trace.extra.get("choices", 1), 1) if c.prompt_each_task else 1
-            self.prompt_lengths.learn(trace.api, trace.extra.get("prompt_chars"), c.prompt_tokens / copies,
+            chars, maybe = trace.extra.get("prompt_chars"), trace.extra.get("prompt_tools_none_chars") or 0
+            # Tools sent with tool_choice "none": learned from as the server rendered them, or not (before, always
+            # as characters of its prompt: SGLang's ratio fell, 0.144 tokens a character for 0.2).
+            less = maybe if maybe and chars is not None and not self._tools_rendered(
+                trace.api, chars, maybe, c.prompt_tokens / copies) else 0
+            self.prompt_lengths.learn(trace.api, None if chars is None else chars - less, c.prompt_tokens / copies,
                                       trace.extra.get("prompt_count", 1), trace.extra.get("prompt_ids"))
             if c.response_id is not None and trace.api == "openai-responses" and (trace.status or 200) < 400:
                 # Less the part a later turn does not prefill again (promptlen.uncarried_chars: its tools, rendered
                 # anew from that turn's own body, and its instructions), at the learned tokens a character; and its
-                # thinking's tokens (vLLM's construct_input_messages skips the reasoning output).
-                gone = trace.extra.get("prompt_uncarried_chars", 0) * self.prompt_lengths.per_char(trace.api)
+                # thinking's tokens and its function calls (vLLM's construct_input_messages adds only the stored
+                # output's messages): where its output held a call, its messages' text at the learned ratio.
+                per_char = self.prompt_lengths.per_char(trace.api)
+                gone = max(trace.extra.get("prompt_uncarried_chars", 0) - less, 0) * per_char
                 out = max(c.generated_tokens or 0, 0)
                 said = out - min(max(c.reasoning_tokens or 0, 0), out)
+                if c.carried_chars is not None:
+                    said = min(said, round(c.carried_chars * per_char))
                 self._keep_context(c.response_id, max(round(c.prompt_tokens - gone), 0) + said)
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.

@@ -236,6 +236,17 @@ def uncarried_chars(doc: dict, api: str | None) -> int | None:
     return (n + (k if why is None else 0)) or None
 
 
+def tools_if_none(doc: dict, api: str | None) -> int | None:
+    """Characters of a chat's or Responses body's `tools` (in its prompt_size) where its tool_choice is "none": whether
+    the server renders them is its own (SGLang's chat never; vLLM's chat not with --exclude-tools-when-tool-choice-none;
+    vLLM's Responses path: before the flag's parameter came to construct_tool_dicts never, since always, as
+    serving.py's _make_request passes it none), learned by the ledger from such prompts it counted. None: no such."""
+    tools = doc.get("tools")
+    if api not in ("openai-chat", "openai-responses") or doc.get("tool_choice") != "none":
+        return None
+    return len(json.dumps(tools, separators=(",", ":"))) if isinstance(tools, list) and tools else None
+
+
 def _infill_size(doc: dict) -> tuple[int | None, None, str | None]:
     """llama.cpp's /infill: its prompt is the extra chunks (each its filename and text), the prefix, the suffix and
     an optional `prompt` after the prefix (server's format_infill), with its fill-in-the-middle tokens (`a`)."""

@@ -37,7 +37,7 @@ from powerprof.workload.stream import json_from_bytes
 
 from . import streams
 from .forward import Exchange, StaleConnection, UpstreamError, UpstreamPool
-from .promptlen import prompt_count, prompt_shape, stateful_turn, uncarried_chars
+from .promptlen import prompt_count, prompt_shape, stateful_turn, tools_if_none, uncarried_chars
 
 log = logging.getLogger("powerprof.daemon.proxy")
 
@@ -458,6 +458,9 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             extra["prev_response_id"], new_chars = prev
             if new_chars is not None:
                 extra["prompt_new_chars"] = new_chars
+        maybe = tools_if_none(doc, api)
+        if maybe is not None and "prompt_chars" in extra:  # rendered or not as the server's (Ledger.tools_when_none)
+            extra["prompt_tools_none_chars"] = maybe
         gone = uncarried_chars(doc, api)
         if gone is not None:  # not in what a later turn naming this one prefills: Ledger._keep_context leaves it out
             extra["prompt_uncarried_chars"] = gone

@@ -134,6 +134,9 @@ class Counts:
     response_id: str | None = None
     # Of generated_tokens, its thinking's (StreamSummary.reasoning_tokens): not prefilled again by a later turn.
     reasoning_tokens: int | None = None
+    # Of a Responses answer with a function call in its output, its messages' characters (StreamSummary.carried_chars):
+    # all of its output a later turn prefills again.
+    carried_chars: int | None = None
 
 
 def summary_counts(summary, streamed: bool = True, held: HeldCall | None = None) -> Counts:
@@ -184,6 +187,7 @@ def summary_counts(summary, streamed: bool = True, held: HeldCall | None = None)
         held_tail=held_tail,
         response_id=summary.response_id,
         reasoning_tokens=summary.reasoning_tokens,
+        carried_chars=summary.carried_chars,
     )
 
 

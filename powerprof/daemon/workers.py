@@ -365,7 +365,7 @@ _FIRST = (_I, _I, _I, _I, _IN, _BN, _FN, _FN)  # ... its prompt's length and cac
 _TOK = (_I, _I, _I, "float", "float")
 _END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN, _BN)
 _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "bool", _IN, _I, _IN,
-           "bool", "stops", "bool", _SN, _IN)  # streams.Counts, in its order
+           "bool", "stops", "bool", _SN, _IN, _IN)  # streams.Counts, in its order
 # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent,
 # slow), upstream retries
 _STATS = (_I,) * 11  # ShippingRecorder._stats: its counters, its loop's lateness (µs: LATE), its uninspected bodies, its

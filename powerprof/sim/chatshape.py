@@ -196,14 +196,14 @@ def wanted_tool(body: dict, flavour: str, tool_parser: bool) -> tuple[str | None
     return None, ""
 
 
-def tools_in_prompt(body: dict, flavour: str) -> str:
+def tools_in_prompt(body: dict, flavour: str, exclude_none: bool = False) -> str:
     """The text a chat template adds to the prompt for the request's `tools` (their schemas, as compact JSON here):
-    vLLM renders them unless tool_choice is "none" and it runs with --exclude-tools-when-tool-choice-none (not
-    modelled: it renders them), SGLang unless tool_choice is "none"; "" on llama.cpp (not modelled)."""
+    vLLM renders them unless tool_choice is "none" and it runs with --exclude-tools-when-tool-choice-none
+    (`exclude_none`), SGLang unless tool_choice is "none"; "" on llama.cpp (not modelled)."""
     tools = body.get("tools")
     if flavour not in ("vllm", "sglang") or not isinstance(tools, list) or not tools:
         return ""
-    if flavour == "sglang" and body.get("tool_choice") == "none":
+    if (flavour == "sglang" or exclude_none) and body.get("tool_choice") == "none":
         return ""
     return "\n" + json.dumps(tools, separators=(",", ":"))
 
@@ -234,3 +234,57 @@ def chat_echo(body: dict) -> str:
     if isinstance(c, list):
         c = "\n".join(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
     return c if isinstance(c, str) else ""
+
+
+def responses_call(body: dict, flavour: str) -> str | None:
+    """The function a Responses request forces a call of (its flat `tools`, `tool_choice` "required" or
+    {"type": "function", "name": …}), on vLLM (structured output, as its chat's); None: a message. "auto" is not
+    modelled (a message, as a chat's); nor SGLang's Responses calls."""
+    tools = body.get("tools")
+    if flavour != "vllm" or not isinstance(tools, list) or not tools:
+        return None
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str) and tc["name"]:
+        return tc["name"]
+    if tc == "required":
+        name = tools[0].get("name") if isinstance(tools[0], dict) else None
+        return name if isinstance(name, str) and name else "f"
+    return None
+
+
+@dataclass
+class ResponseShape:
+    """One Responses answer's output items, as vLLM's serving_responses makes them: its thinking (a `reasoning` item:
+    `reasoning_tokens`, then one end-of-thinking token whose text neither item holds), then a `message`'s text, or
+    where the request forces one (`call`), a `function_call`'s arguments. `step(pieces)` → (thinking, answer) text of
+    one engine step's tokens."""
+
+    reasoning_tokens: int = 0
+    call: str | None = None
+    pos: int = 0  # tokens stepped so far
+    thinking: str = ""  # the reasoning item's text so far
+    answer: str = ""  # the message's text or the call's arguments so far
+
+    def step(self, pieces: list[str]) -> tuple[str, str]:
+        think, answer = [], []
+        for p in pieces:
+            k = self.pos
+            self.pos += 1
+            if k < self.reasoning_tokens:
+                think.append(p)
+            elif not (self.reasoning_tokens and k == self.reasoning_tokens):
+                answer.append(p)
+        t, a = "".join(think), "".join(answer)
+        self.thinking += t
+        self.answer += a
+        return t, a
+
+    def reasoning_in(self, generated: int) -> int:
+        """Of `generated` tokens, the thinking's (usage.output_tokens_details.reasoning_tokens)."""
+        return min(self.reasoning_tokens, max(generated, 0))
+
+    def carried(self) -> str:
+        """The text a later turn naming this one prefills again: its message's, never its thinking nor a function
+        call (vLLM's responses/utils.py construct_input_messages adds only the stored output's ResponseOutputMessage
+        items; "We skip the reasoning output")."""
+        return "" if self.call is not None else self.answer

@@ -220,7 +220,9 @@ class _Req:
     textless: int = 0  # of its generated tokens, those with no text (SimServer.textless_share)
     logprobs: bool = False  # chat's `logprobs: true` (the llama.cpp flavour lists each chunk's tokens)
     ctx_cut: bool = False  # its n_predict was lowered to what the context leaves after the prompt
-    shape: object = None  # a chat stream's chatshape.ChatShape: thinking, a tool call (None: content alone)
+    # A chat stream's chatshape.ChatShape (thinking, a tool call), a Responses answer's chatshape.ResponseShape
+    # (its reasoning item, a function call); None: content alone.
+    shape: object = None
     echo_text: str = ""  # vLLM's chat `echo`: the last message's content, sent after the role chunk
     client: _Client | None = None  # the HTTP request it serves (None: the server's own, SGLang's warm-up)
     abort: str = ""  # why the engine dropped it before its end: "client_gone", "server" (an error, a fault, a death)
@@ -338,6 +340,7 @@ class SimServer:
         reasoning_field: str | None = None,
         tool_call_parser: bool | str = False,
         tool_call_trailing_tokens: int = 3,
+        exclude_tools_when_tool_choice_none: bool = False,
         prefix_cache: bool = False,
         prompt_details: bool = False,
         cold_batch_factor: float = 1.0,
@@ -495,6 +498,9 @@ class SimServer:
         if int(tool_call_trailing_tokens) < 1:
             raise ValueError("tool_call_trailing_tokens must be at least 1 (the end of sentence)")
         self.tool_call_trailing_tokens = int(tool_call_trailing_tokens)
+        # vLLM's `--exclude-tools-when-tool-choice-none`: its chat template renders no `tools` for tool_choice "none"
+        # (its Responses path still renders them: serving.py's _make_request passes construct_tool_dicts no flag).
+        self.exclude_tools_when_tool_choice_none = bool(exclude_tools_when_tool_choice_none)
         # `--api-key`: llama-server answers 401 on everything but its public endpoints (/health, /models, /v1/models:
         # server.cpp's public_endpoints); vLLM guards its /v1 routes only (its /metrics, /health, /version are open);
         # SGLang everything but /health* and /metrics.
@@ -1897,7 +1903,8 @@ class SimServer:
         body = await self._body(request)
         msgs = body.get("messages") or []
         prompt = "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
-        prompt += chatshape.tools_in_prompt(body, self.flavour)  # the template renders the tools' schemas
+        # The template renders the tools' schemas (vLLM none for tool_choice "none" with the flag).
+        prompt += chatshape.tools_in_prompt(body, self.flavour, self.exclude_tools_when_tool_choice_none)
         n = body.get("max_completion_tokens") or body.get("max_tokens") or 128
         return await self._serve(request, "openai-chat", prompt, body, int(n))
 
@@ -1920,7 +1927,7 @@ class SimServer:
         body = await self._body(request)
         inp = body.get("input")
         items = inp if isinstance(inp, list) else [inp]
-        turn = [_text_of(m.get("content")) if isinstance(m, dict) else _text_of(m) for m in items]
+        turn = [_input_item_text(m) for m in items]
         turn.insert(0, _text_of(body.get("instructions")))
         prev = body.get("previous_response_id")
         if isinstance(prev, str) and prev:
@@ -2088,6 +2095,10 @@ class SimServer:
         req.logprobs = api == "openai-chat" and body.get("logprobs") is True
         if api == "openai-chat":
             self._plan_chat(req, body)
+        elif api == "openai-responses" and self.flavour in ("vllm", "sglang"):
+            think, call = chatshape.thinks(body, self.reasoning_tokens), chatshape.responses_call(body, self.flavour)
+            if think or call:
+                req.shape = chatshape.ResponseShape(think, call)
         if api == "anthropic-messages" and self.flavour == "vllm" and stream:
             opts = {"include_usage": True, "continuous_usage_stats": True}  # vLLM asks its chat stream for both
         if api in ("llamacpp", "openai-completions") and self.flavour == "llamacpp" and body.get("return_progress") is True:
@@ -2755,8 +2766,9 @@ class SimServer:
             return {"input_tokens": p, "output_tokens": n}
         if self.flavour == "llamacpp":
             return {"input_tokens": p, "output_tokens": n, "total_tokens": p + n, "input_tokens_details": {"cached_tokens": c}}
+        think = req.shape.reasoning_in(n) if isinstance(req.shape, chatshape.ResponseShape) else 0
         return {"input_tokens": p, "input_tokens_details": {"cached_tokens": c}, "output_tokens": n,
-                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + n}
+                "output_tokens_details": {"reasoning_tokens": think}, "total_tokens": p + n}
 
     def _dialect_whole(self, api: str, req: _Req, text: str) -> dict:
         if api == "anthropic-messages":
@@ -2765,29 +2777,65 @@ class SimServer:
                     "stop_reason": "max_tokens" if req.stop_type == "limit" else "end_turn", "stop_sequence": None,
                     "usage": self._dialect_usage(api, req)}
         return {"id": f"resp_sim{req.rid}", "object": "response", "created_at": int(time.time()), "status": "completed",
-                "model": self.model, "output": [self._response_item(req, text, "completed")],
+                "model": self.model, "output": self._response_output(req, text),
                 "usage": self._dialect_usage(api, req)}
+
+    def _response_output(self, req: _Req, text: str) -> list[dict]:
+        """A finished Responses answer's output items: its reasoning item (a thinking model's), then its message, or
+        its function call (a forced one), as vLLM's responses/utils.py build_response_output_items orders them."""
+        shape = req.shape if isinstance(req.shape, chatshape.ResponseShape) else None
+        if shape is None:
+            return [self._response_item(req, text, "completed")]
+        out = []
+        if shape.reasoning_tokens:
+            out.append(self._reasoning_item(req, shape.thinking))
+        if shape.answer:  # none where it stopped while thinking
+            out.append(self._response_item(req, shape.answer, "completed") if shape.call is None
+                       else self._call_item(req, shape.answer, "completed"))
+        return out
 
     def _response_item(self, req: _Req, text: str | None, status: str) -> dict:
         content = [] if text is None else [{"type": "output_text", "annotations": [], "logprobs": [], "text": text}]
         return {"type": "message", "id": f"msg_sim{req.rid}", "status": status, "role": "assistant", "content": content}
 
+    def _reasoning_item(self, req: _Req, text: str | None) -> dict:
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": f"rs_sim{req.rid}", "summary": [], "content": content, "status": None}
+
+    def _call_item(self, req: _Req, args: str, status: str) -> dict:
+        name = req.shape.call if isinstance(req.shape, chatshape.ResponseShape) else "f"
+        return {"type": "function_call", "id": f"fc_sim{req.rid}", "call_id": f"call_sim{req.rid}", "name": name,
+                "arguments": args, "status": status}
+
+    def _pieces(self, ids: list, text: str) -> list[str]:
+        """Each token's text of a step whose ids are `ids` (none where the step's text is empty)."""
+        return [_piece(i, self.textless_share) for i in ids] if text else [""] * len(ids)
+
+    def _response_carried(self, req: _Req, text: str) -> str:
+        """What of a Responses answer a later turn naming it prefills again (ResponseShape.carried)."""
+        return req.shape.carried() if isinstance(req.shape, chatshape.ResponseShape) else text
+
     async def _serve_whole_dialect(self, api: str, req: _Req) -> web.Response:
         text = ""
+        shape = req.shape if isinstance(req.shape, chatshape.ResponseShape) else None
         while True:
             kind, payload = await req.queue.get()
             if kind == "tokens":
                 text += payload[1]
+                if shape is not None:
+                    shape.step(self._pieces(payload[0], payload[1]))
             elif kind == "done":
                 break
             else:
                 raise web.HTTPServiceUnavailable()
-        self._keep_response(req, text)
+        self._keep_response(req, self._response_carried(req, text))
         return self._json(dict(self._dialect_whole(api, req, text), simulated=True))
 
     async def _write_dialect(self, resp: web.StreamResponse, request: web.Request, api: str, req: _Req) -> None:
         """A Messages or Responses stream: named events (`event:` and `data:` lines), opened with the first token
         (both servers send nothing before), one delta event per step's tokens, closed by the counts' event."""
+        if api == "openai-responses" and isinstance(req.shape, chatshape.ResponseShape):
+            return await self._write_shaped_response(resp, request, req)
         vllm = self.flavour == "vllm"
         out = self._delivery(resp, self.delivery)
         mid, rid = f"msg_sim{req.rid}", f"resp_sim{req.rid}"
@@ -2869,6 +2917,105 @@ class SimServer:
                 continue
             self._keep_response(req, text_all)  # "done"
             for d in tail(payload):
+                await out.send(event(d))
+            await resp.write_eof(await out.take())
+            return
+
+
+    async def _write_shaped_response(self, resp: web.StreamResponse, request: web.Request, req: _Req) -> None:
+        """A Responses stream with a reasoning item (a thinking model's) or a function call (a forced one), as vLLM's
+        streaming events show them: its reasoning item first (`response.reasoning_text.delta` per step of thinking;
+        the end-of-thinking token in no event), then its message (`response.output_text.delta`) or function call
+        (`response.function_call_arguments.delta`), each item opened (`output_item.added`) and closed
+        (`output_item.done`), then `response.completed` with the whole output and usage."""
+        vllm = self.flavour == "vllm"
+        shape: chatshape.ResponseShape = req.shape
+        out = self._delivery(resp, self.delivery)
+        rid = f"resp_sim{req.rid}"
+        seq, index, open_item = 0, -1, None  # the open item: "reasoning" | "answer" | None
+
+        def event(d: dict) -> bytes:
+            nonlocal seq
+            if vllm:
+                d = {"type": d["type"], "sequence_number": seq, **{k: v for k, v in d.items() if k != "type"}}
+                seq += 1
+            return b"event: " + d["type"].encode() + b"\ndata: " + json.dumps(d).encode() + b"\n\n"
+
+        def item_id() -> str:
+            if open_item == "reasoning":
+                return f"rs_sim{req.rid}"
+            return f"fc_sim{req.rid}" if shape.call is not None else f"msg_sim{req.rid}"
+
+        def open_(which: str) -> list[dict]:
+            nonlocal index, open_item
+            index, open_item = index + 1, which
+            if which == "reasoning":
+                return [{"type": "response.output_item.added", "output_index": index,
+                         "item": self._reasoning_item(req, None) | {"status": "in_progress"}}]
+            if shape.call is not None:
+                return [{"type": "response.output_item.added", "output_index": index,
+                         "item": self._call_item(req, "", "in_progress")}]
+            return [{"type": "response.output_item.added", "output_index": index,
+                     "item": self._response_item(req, None, "in_progress")},
+                    {"type": "response.content_part.added", "output_index": index, "item_id": item_id(),
+                     "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}]
+
+        def close() -> list[dict]:
+            nonlocal open_item
+            at = {"output_index": index, "item_id": item_id()}
+            if open_item == "reasoning":
+                ev = [{"type": "response.reasoning_text.done", **at, "content_index": 0, "text": shape.thinking},
+                      {"type": "response.output_item.done", "output_index": index,
+                       "item": self._reasoning_item(req, shape.thinking)}]
+            elif shape.call is not None:
+                ev = [{"type": "response.function_call_arguments.done", **at, "arguments": shape.answer},
+                      {"type": "response.output_item.done", "output_index": index,
+                       "item": self._call_item(req, shape.answer, "completed")}]
+            else:
+                part = {"type": "output_text", "annotations": [], "logprobs": [], "text": shape.answer}
+                ev = [{"type": "response.output_text.done", **at, "content_index": 0, "text": shape.answer},
+                      {"type": "response.content_part.done", **at, "content_index": 0, "part": part},
+                      {"type": "response.output_item.done", "output_index": index,
+                       "item": self._response_item(req, shape.answer, "completed")}]
+            open_item = None
+            return ev
+
+        started = False
+        text_all = ""
+        while True:
+            kind, payload = await req.queue.get()
+            if kind == "dead":
+                _abort(request)
+                return
+            if kind == "tokens":
+                ids, text, _last = payload
+                evs: list[dict] = []
+                if not started:
+                    r0 = {"id": rid, "object": "response", "status": "in_progress"}
+                    if vllm:
+                        r0.update(created_at=int(time.time()), model=self.model, output=[])
+                    evs += [{"type": "response.created", "response": r0}, {"type": "response.in_progress", "response": r0}]
+                    evs += open_("reasoning" if shape.reasoning_tokens else "answer")
+                    started = True
+                text_all += text
+                think, answer = shape.step(self._pieces(ids, text))
+                if think:
+                    evs.append({"type": "response.reasoning_text.delta", "output_index": index, "item_id": item_id(),
+                                "content_index": 0, "delta": think})
+                if open_item == "reasoning" and shape.pos > shape.reasoning_tokens:  # its end-of-thinking token passed
+                    evs += close() + open_("answer")
+                if answer:
+                    kind_ = "response.function_call_arguments.delta" if shape.call is not None else "response.output_text.delta"
+                    evs.append({"type": kind_, "output_index": index, "item_id": item_id(), "delta": answer}
+                               | ({} if shape.call is not None else {"content_index": 0, "logprobs": []}))
+                for d in evs:
+                    await out.send(event(d))
+                continue
+            self._keep_response(req, self._response_carried(req, text_all))  # "done"
+            evs = close() if open_item is not None else []
+            done = self._dialect_whole("openai-responses", req, text_all)
+            evs.append({"type": "response.completed", "response": done} | ({} if vllm else {"timings": payload}))
+            for d in evs:
                 await out.send(event(d))
             await resp.write_eof(await out.take())
             return
@@ -2970,6 +3117,20 @@ def _text_of(content) -> str:
     if isinstance(content, list):
         return " ".join(b.get("text", "") for b in content if isinstance(b, dict) and isinstance(b.get("text"), str))
     return ""
+
+
+def _input_item_text(item) -> str:
+    """The prompt text of a Responses input item as vLLM's construct_chat_messages_with_tool_call makes it a message:
+    a message's content; a `function_call`'s name and arguments (an assistant message's tool_calls); a
+    `function_call_output`'s `output` (a tool message); any other item its `content`'s text, as before."""
+    if not isinstance(item, dict):
+        return _text_of(item)
+    kind = item.get("type")
+    if kind == "function_call":
+        return "".join(v for v in (item.get("name"), item.get("arguments")) if isinstance(v, str))
+    if kind == "function_call_output":
+        return _text_of(item.get("output"))
+    return _text_of(item.get("content"))
 
 
 def _embedding(seed: int, dims: int = 8) -> list:

@@ -163,6 +163,10 @@ class StreamSummary:
     # Of the Responses API's output tokens, its thinking's (usage.output_tokens_details.reasoning_tokens): vLLM does
     # not prefill them again for a later turn naming it. None: not said.
     reasoning_tokens: int | None = None
+    # Of a Responses answer whose output holds an item other than messages and reasoning (a function call), the
+    # characters of its messages' text: all of it a later turn naming it prefills again (vLLM's construct_input_messages
+    # adds only the stored output's messages). None: its output is messages and reasoning alone, or not said.
+    carried_chars: int | None = None
 
     @property
     def running_counts(self) -> bool:
@@ -250,6 +254,7 @@ class _State:
     unclosed: set = field(default_factory=set)  # choices whose running counts ended before a closing chunk without one
     response_id: str | None = None  # the Responses API's answer's `id`
     usage_reasoning: int | None = None  # its usage.output_tokens_details.reasoning_tokens
+    carried_chars: int | None = None  # StreamSummary.carried_chars
 
 
 _BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, U+FEFF
@@ -953,6 +958,7 @@ class StreamParser:
                     why = det.get("reason") if isinstance(det, dict) else None
                     s.stop_reason = _RESPONSES_INCOMPLETE.get(why, why) if isinstance(why, str) else "incomplete"
                 self._typed_usage(resp.get("usage"), "output_tokens", "input_tokens")
+                s.carried_chars = _responses_carried(resp.get("output"))
             return
         # anthropic-messages
         if kind == "message_start":
@@ -1276,6 +1282,7 @@ class StreamParser:
             count_open=bool(s.unclosed) and s.final_usage is None and not s.task_usage,
             response_id=s.response_id,
             reasoning_tokens=s.usage_reasoning,
+            carried_chars=s.carried_chars,
         )
 
     def _cached_tokens(self, prompt: int | None) -> int | None:
@@ -1360,6 +1367,24 @@ def _one_task_answer(obj: dict, api: str, s: _State, asked_n: int = 1) -> dict:
 def _responses_output_parts(output) -> int:
     """Output items of a whole Responses API answer: at least one token each (its usage gives the count)."""
     return sum(1 for item in output if isinstance(item, dict)) if isinstance(output, list) else 0
+
+
+def _responses_carried(output) -> int | None:
+    """Characters of a Responses answer's messages' text where its output holds an item that is neither a message nor
+    reasoning (a function call: vLLM's responses/utils.py construct_input_messages re-prefills only the stored output's
+    ResponseOutputMessage items); None where it holds none, or no list."""
+    if not isinstance(output, list):
+        return None
+    kinds = [item.get("type") if isinstance(item, dict) else None for item in output]
+    if all(k in ("message", "reasoning") for k in kinds):
+        return None
+    n = 0
+    for item, kind in zip(output, kinds):
+        parts = item.get("content") if kind == "message" else None
+        for part in parts if isinstance(parts, list) else []:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                n += len(part["text"])
+    return n
 
 
 def _looks_whole(value: bytes) -> bool:
