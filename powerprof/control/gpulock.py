@@ -509,50 +509,83 @@ class MachineLock:
         self._drop_root_flock()
 
 
+# How long the stray-lock check may take, all of it (monotonic clock); past it the check is skipped, said on stderr.
+STRAY_CHECK_BUDGET_S = 0.2
+# A controller holds one descriptor of its root lock file (two for a moment, retrying its open): a root process
+# holding more of one name is none of ours (only root makes root processes; a setuid program another user exec'd
+# over descriptors it opened is root's too), and reading each of them was the cost another user chose.
+_MAX_DESCRIPTORS_PER_NAME = 2
+
+
+class _OverBudget(Exception):
+    """The stray-lock check ran past its deadline; the message says where."""
+
+
+def _check_deadline(deadline: float, where: str) -> None:
+    if time.monotonic() > deadline:
+        raise _OverBudget(where)
+
+
 _EXCLUSIVE_FLOCK = re.compile(rb"^[0-9]+: FLOCK +[A-Z]+ +WRITE +([0-9]+) +([0-9a-f]+:[0-9a-f]+):([0-9]+) ", re.M)
 
 
-def _exclusive_flocks(proc: str = "/proc") -> list[tuple[int, str, int]] | None:
+def _exclusive_flocks(deadline: float, proc: str = "/proc") -> list[tuple[int, str, int]] | None:
     """(pid, device as /proc/locks writes it, inode) of every exclusive flock held (a waiter's line, "N: -> FLOCK", left
-    out), from /proc/locks; None where it cannot be read. Its size is the host's locks, not its open descriptors."""
+    out), from /proc/locks; None where it cannot be read; _OverBudget past `deadline`. Read in chunks, the deadline
+    checked before each: the kernel walks its list of locks from the start at every read of ~4 KB, so reading it all
+    costs the square of the host's locks, any user's (2-core test host: 0.19 s at 20k, 0.72 s at 40k, 7.4 s at 100k
+    POSIX locks of one unprivileged user). Only exclusive FLOCK lines are kept."""
     try:
-        with open(f"{proc}/locks", "rb") as f:
-            text = f.read()
+        fd = os.open(f"{proc}/locks", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    return [(int(pid), dev.decode(), int(ino)) for pid, dev, ino in _EXCLUSIVE_FLOCK.findall(text)]
+    found: list[tuple[bytes, bytes, bytes]] = []
+    rest = b""
+    try:
+        while True:
+            _check_deadline(deadline, f"{proc}/locks")
+            chunk = os.read(fd, 1 << 16)
+            text, _, rest = (rest + chunk).rpartition(b"\n") if chunk else (rest, b"", b"")
+            if b"FLOCK" in text:
+                found += _EXCLUSIVE_FLOCK.findall(text)
+            if not chunk:
+                break
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return [(int(pid), dev.decode(), int(ino)) for pid, dev, ino in found]
 
 
-def _fd_field(where: str, key: str) -> str | None:
-    """A field of /proc/<where> (a descriptor's fdinfo: "mnt_id"), None where unreadable."""
+def _fd_fields(where: str) -> dict[str, str]:
+    """A descriptor's fdinfo (/proc/<pid>/fdinfo/<n>) as {key: value} ("mnt_id", "ino"); {} where unreadable."""
+    out = {}
     try:
         with open(where) as f:
             for line in f:
                 k, _, v = line.partition(":")
-                if k == key:
-                    return v.strip()
+                out[k] = v.strip()
     except OSError:
         pass
-    return None
+    return out
 
 
-def _mount_device(pid: int | str, mnt_id: str | None, proc: str = "/proc") -> str | None:
-    """The device ("major:minor") of mount `mnt_id` as process `pid` sees its mounts (its own mount namespace: the
-    tuner unit's sandbox has one), None where unknown."""
-    if mnt_id is None:
-        return None
+def _mount_devices(pid: int | str, proc: str = "/proc") -> dict[str, str]:
+    """{mount id: device "major:minor"} as process `pid` sees its mounts (its own mount namespace: the tuner unit's
+    sandbox has one), read once per process; {} where unreadable."""
+    out = {}
     try:
         with open(f"{proc}/{pid}/mountinfo") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) > 2 and parts[0] == mnt_id:
-                    return parts[2]
+                if len(parts) > 2:
+                    out[parts[0]] = parts[2]
     except OSError:
         pass
-    return None
+    return out
 
 
-def refuse_stray_locks(locks: list[MachineLock]) -> None:
+def refuse_stray_locks(locks: list[MachineLock], proc: str = "/proc") -> str | None:
     """GpuBusyError where another root process holds an exclusive flock on one of these GPUs' root lock files that is no
     longer the one at its path: the lock folder removed or moved aside (or the file removed) while a root controller
     ran. That flock then excluded no one: with both names held by a parked squatter (passed over, and no process holds
@@ -560,20 +593,33 @@ def refuse_stray_locks(locks: list[MachineLock]) -> None:
     A controller calls it once, after taking every GPU's locks (one pass for all its GPUs); `restore` never does:
     putting a GPU back is never refused by it. Only a file no less privileged user can make or hold counts
     (`_stray_lock_holders`); a holder seen is looked at twice more, 50 ms apart, and counts only if seen each time (a
-    root controller retrying its open as another let go holds the removed file for a moment)."""
+    root controller retrying its open as another let go holds the removed file for a moment).
+    Its cost is another user's to choose (their locks, their descriptors in a setuid program), and it runs holding
+    every lock (`restore` refused meanwhile): past STRAY_CHECK_BUDGET_S (the 50 ms waits not counted) it is skipped,
+    fail-open, said on stderr. Returns None (checked, none found) or "skipped: budget (where)"."""
     ours = {lock.root_path.name: (lock, lock._fd) for lock in locks if lock._fd is not None}
     if not ours:
-        return
+        return None
     fds = {name: fd for name, (_lock, fd) in ours.items()}
-    found = _stray_lock_holders(fds)
-    for _ in range(2):
-        if not found:
-            return
-        time.sleep(0.05)
-        again = _stray_lock_holders(fds)
-        found = {name: held for name, held in again.items() if name in found and held[0] == found[name][0]}
+    deadline = time.monotonic() + STRAY_CHECK_BUDGET_S
+    try:
+        found = _stray_lock_holders(fds, deadline, proc)
+        for _ in range(2):
+            if not found:
+                return None
+            time.sleep(0.05)
+            deadline += 0.05  # the wait is the check's rule, not its cost
+            again = _stray_lock_holders(fds, deadline, proc)
+            found = {name: held for name, held in again.items() if name in found and held[0] == found[name][0]}
+    except _OverBudget as e:
+        folder = next(iter(ours.values()))[0].root_dir
+        print(f"powerprof: warning: the check for a controller whose lock file was taken out of {folder} was skipped: "
+              f"over its {STRAY_CHECK_BUDGET_S} s budget reading {e} (another process's many locks or descriptors "
+              "make it slow). A second root controller is not refused by it this time: don't remove or move "
+              f"{folder} while a controller runs", file=sys.stderr, flush=True)
+        return f"skipped: budget ({e})"
     if not found:
-        return
+        return None
     name, (pid, where) = sorted(found.items())[0]
     lock = ours[name][0]
     if pid == os.getpid():
@@ -586,25 +632,27 @@ def refuse_stray_locks(locks: list[MachineLock]) -> None:
         "runs", pid)
 
 
-def _stray_lock_holders(ours: dict[str, int], proc: str = "/proc") -> dict[str, tuple[int, str]]:
+def _stray_lock_holders(ours: dict[str, int], deadline: float, proc: str = "/proc") -> dict[str, tuple[int, str]]:
     """{lock name: (pid, path it holds)} for each of root's lock names in `ours` (gpu-<digest of the GPU>.lock: the
     descriptor of our file, the one at the lock's path now) that another root process holds an exclusive flock on, on
     the lock folder's file system, in a file that is not ours: removed ("... (deleted)") or moved aside with its folder.
     In one pass, and only where it counts: /proc/locks names the processes holding an exclusive flock on that file
     system (its size is the host's locks, not its descriptors); only a process of root's (its /proc entry root's) is
-    read, its descriptors listed once, and only a descriptor whose link ends in one of the names is looked at further:
-    on our file's own file system (its mount's device, from /proc, never from the file: a stat of another user's FUSE
-    file can hang), then a regular file, root's, mode 0600, its inode flocked by that process. No less privileged user
-    can make such a file, nor get root to hold one for it: a file of that public name held by any user made root's
-    controllers and `restore` refuse before (6253a2d4). Where /proc cannot be read, nothing is found (the gap stays
-    open there, as before)."""
+    read, its descriptors listed once, and one holding more than _MAX_DESCRIPTORS_PER_NAME of a name is none of ours.
+    A descriptor whose link ends in one of the names counts where, in this order (cheapest first): its inode (fdinfo
+    `ino:`) is one that process flocked and not ours; its mount's device (fdinfo mnt_id in that process's mountinfo,
+    read once per process) is our file's: never a stat before that, as a stat of another user's FUSE file can hang;
+    then it is a regular file, root's, mode 0600. No less privileged user can make such a file, nor get root to hold
+    one for it: a file of that public name held by any user made root's controllers and `restore` refuse before
+    (6253a2d4). Where /proc cannot be read, nothing is found (the gap stays open there, as before). _OverBudget past
+    `deadline`."""
     mine = {}
     for name, fd in ours.items():
         try:
             mine[name] = os.fstat(fd)
         except OSError:
             continue
-    flocks = _exclusive_flocks(proc) if mine else None
+    flocks = _exclusive_flocks(deadline, proc) if mine else None
     if not flocks:
         return {}
     me, our_inodes = os.getpid(), {st.st_ino for st in mine.values()}
@@ -615,28 +663,49 @@ def _stray_lock_holders(ours: dict[str, int], proc: str = "/proc") -> dict[str, 
             candidates.setdefault(pid, set()).add(ino)
     if not candidates:
         return {}
-    our_mounts = {name: _mount_device("self", _fd_field(f"{proc}/self/fdinfo/{ours[name]}", "mnt_id"), proc)
+    self_mounts = _mount_devices("self", proc)
+    our_mounts = {name: self_mounts.get(_fd_fields(f"{proc}/self/fdinfo/{ours[name]}").get("mnt_id", ""))
                   for name in mine}
     found: dict[str, tuple[int, str]] = {}
     for pid, inodes in sorted(candidates.items()):
+        _check_deadline(deadline, f"{proc}/{pid}")
+        matches: list[tuple[str, str, str]] = []
+        counts: dict[str, int] = {}
         try:
             if os.stat(f"{proc}/{pid}").st_uid != 0:
                 continue  # another user's process: whatever it holds, root gave it nothing of its lock folder's
             with os.scandir(f"{proc}/{pid}/fd") as entries:
-                links = [(e.name, _readlink(e.path)) for e in entries]
+                for i, e in enumerate(entries):
+                    if i % 512 == 511:
+                        _check_deadline(deadline, f"{proc}/{pid}/fd")
+                    link = _readlink(e.path)
+                    name = os.path.basename(link.removesuffix(" (deleted)")) if link else None
+                    if name in mine:
+                        matches.append((e.name, link, name))
+                        counts[name] = counts.get(name, 0) + 1
+                        if counts[name] > _MAX_DESCRIPTORS_PER_NAME:
+                            break  # none of ours: the rest of its descriptors are not read
         except OSError:
             continue  # gone: it holds nothing now
-        for num, link in links:
-            name = os.path.basename(link.removesuffix(" (deleted)")) if link else None
-            if name not in mine or name in found or our_mounts[name] is None:
+        if any(n > _MAX_DESCRIPTORS_PER_NAME for n in counts.values()):
+            continue  # none of ours (_MAX_DESCRIPTORS_PER_NAME)
+        mounts = None
+        for num, link, name in matches:
+            own = mine[name]
+            if name in found or our_mounts[name] is None:
                 continue
-            if _mount_device(pid, _fd_field(f"{proc}/{pid}/fdinfo/{num}", "mnt_id"), proc) != our_mounts[name]:
+            info = _fd_fields(f"{proc}/{pid}/fdinfo/{num}")
+            ino = info.get("ino", "")
+            if ino.isdigit() and (int(ino) not in inodes or int(ino) == own.st_ino):
+                continue  # not the file it flocked (no `ino:` before Linux 5.14: the stat below says)
+            if mounts is None:
+                mounts = _mount_devices(pid, proc)
+            if mounts.get(info.get("mnt_id", "")) != our_mounts[name]:
                 continue
             try:
                 st = os.stat(f"{proc}/{pid}/fd/{num}")
             except OSError:
                 continue
-            own = mine[name]
             if (stat.S_ISREG(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o600
                     and st.st_dev == own.st_dev and st.st_ino in inodes and st.st_ino != own.st_ino):
                 found[name] = (pid, link)

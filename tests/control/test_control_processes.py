@@ -906,6 +906,87 @@ def test_a_root_process_holding_many_descriptors_and_no_flock_is_never_read(orig
     assert_untouched()
 
 
+def _fake_proc(tmp_path: Path, case: str):
+    """A /proc of two processes for `refuse_stray_locks(proc=)`: this one holding our lock file (a real one, flocked),
+    and a root process 4000000 holding a stray file of the same name moved aside (a real file, root's, mode 0600),
+    which counts as a controller's unless `case` changes one thing about it. Yields (our lock, fake /proc)."""
+    from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
+
+    lock = MachineLock(_scope(), SimNVML("seed-16g", count=2).gpus[0].uuid)
+    folder, aside, proc = tmp_path / "locks", tmp_path / "aside", tmp_path / "proc"
+    folder.mkdir()
+    aside.mkdir()
+    ours_fd = os.open(folder / lock.root_path.name, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(ours_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    lock._fd, lock.root_dir, lock.root_path = ours_fd, folder, folder / lock.root_path.name
+    stray = aside / lock.root_path.name
+    stray.write_text("")
+    stray.chmod(0o600)
+    if case == "file not root's":  # a setuid program another user exec'd may hold that user's file of the name
+        os.chown(stray, 65534, 65534)
+    ours_ino, stray_ino = os.fstat(ours_fd).st_ino, stray.stat().st_ino
+    flocked = stray_ino + 7919 if case == "not the inode flocked" else stray_ino  # it flocks another file
+    pid = 4000000
+    (proc / "self" / "fdinfo").mkdir(parents=True)
+    (proc / str(pid) / "fdinfo").mkdir(parents=True)
+    (proc / str(pid) / "fd").mkdir()
+    (proc / "locks").write_text(f"1: FLOCK  ADVISORY  WRITE {os.getpid()} fd:01:{ours_ino} 0 EOF\n"
+                                f"2: FLOCK  ADVISORY  WRITE {pid} fd:01:{flocked} 0 EOF\n")
+    (proc / "self" / "fdinfo" / str(ours_fd)).write_text(f"pos:\t0\nmnt_id:\t30\nino:\t{ours_ino}\n")
+    (proc / "self" / "mountinfo").write_text("30 1 253:1 / / rw - ext4 /dev/vda1 rw\n")
+    their_device = "0:99" if case == "on another file system" else "253:1"  # a tmpfs of the same name, say
+    (proc / str(pid) / "mountinfo").write_text(f"41 1 {their_device} / / rw - ext4 /dev/vda1 rw\n")
+    for n in range(3 if case == "many descriptors of the name" else 1):
+        os.symlink(stray, proc / str(pid) / "fd" / str(5 + n))
+        (proc / str(pid) / "fdinfo" / str(5 + n)).write_text(f"pos:\t0\nmnt_id:\t41\nino:\t{stray_ino}\n")
+    try:
+        yield lock, proc, pid
+    finally:
+        os.close(ours_fd)
+
+
+@needs_root
+@pytest.mark.parametrize("case", ["counts", "file not root's", "on another file system", "not the inode flocked",
+                                  "lets go within 100 ms", "many descriptors of the name"])
+def test_each_check_of_a_stray_lock_file_matters(originals, tmp_path, monkeypatch, case):
+    # Each check of `_stray_lock_holders` alone keeps a file another user chose from counting (the review's mutants
+    # dropping the file's uid, the mount's device, the flocked inode or the three sightings passed every test before):
+    # a root process holding a 0600 file of the name that uid 65534 owns (a setuid program exec'd over it: 3 of 3
+    # false refusals without the uid check), one on another file system, one holding the file unflocked while it
+    # flocks another, one letting go between sightings, one holding many descriptors of the name (a setuid program
+    # over 20k: 6 s with every lock held before). The fake /proc changes one thing each time; "counts" refuses.
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    with contextlib.contextmanager(_fake_proc)(tmp_path, case) as (lock, proc, pid):
+        if case == "lets go within 100 ms":
+            real_sleep = time.sleep
+            monkeypatch.setattr(gpulock.time, "sleep", lambda s: (proc / "locks").write_text(
+                (proc / "locks").read_text().split("\n", 1)[0] + "\n") or real_sleep(s))
+        if case == "counts":
+            with pytest.raises(GpuBusyError, match=f"kill {pid}"):
+                gpulock.refuse_stray_locks([lock], proc=str(proc))
+        else:
+            assert gpulock.refuse_stray_locks([lock], proc=str(proc)) is None
+
+
+@needs_root
+def test_the_stray_lock_check_is_skipped_past_its_budget(originals, tmp_path, monkeypatch, capfd):
+    # Its cost is another user's to choose, and it runs holding every GPU's lock (`restore` refused meanwhile): 20k
+    # descriptors of the name in a setuid program held a root controller's open 6-10 s, 100k POSIX locks made the
+    # /proc/locks read alone 7.4 s. Past its budget (here none at all) it is skipped, said, fail-open: a stray that
+    # counts is not refused then.
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    monkeypatch.setattr(gpulock, "STRAY_CHECK_BUDGET_S", -1.0)
+    with contextlib.contextmanager(_fake_proc)(tmp_path, "counts") as (lock, proc, _pid):
+        assert gpulock.refuse_stray_locks([lock], proc=str(proc)) == f"skipped: budget ({proc}/locks)"
+    assert "was skipped: over its -1.0 s budget" in " ".join(capfd.readouterr().err.split())
+    with LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope()) as ctl:  # a controller goes on
+        ctl.set_power_limit_w(220)
+    assert "was skipped" in capfd.readouterr().err
+    assert_untouched()
+
+
 def _scope() -> str:
     from powerprof.rig import Rig  # noqa: PLC0415
 
