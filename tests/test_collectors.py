@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,6 +115,19 @@ def test_a_rig_whose_sources_fail_to_open_leaves_no_simulated_powercap_running()
     assert not left, left
     rig.close()
 
+
+
+def test_a_given_simulated_gpu_count_is_the_count_and_an_index_past_it_does_not_exist():
+    # Before: Rig took max(gpus) + 1 ahead of sim_gpu_count, so `powerprof daemon --simulate --sim-gpus 2` with
+    # daemon.gpus = [7] built 8 simulated GPUs and measured gpu7 of a host declared as 2 GPUs, silently.
+    rig = Rig("seed-16g", gpus=[7], sim_gpu_count=2)
+    with pytest.raises(ValueError, match=re.escape("GPU index 7 does not exist: this machine has 2 GPU(s) (0-1)")):
+        rig.sources
+    assert len(rig.nvml.gpus) == 2
+    rig.close()
+    # No count given: the indexes make the host (docs/collectors.md: `--simulate --gpus 0,1` simulates two GPUs).
+    with Rig("seed-16g", gpus=[7]) as rig:
+        assert len(rig.nvml.gpus) == 8 and rig.sources.nvml.indexes == [7]
 
 def test_simulated_unprivileged_machine_lists_each_permission_problem_with_its_fix(monkeypatch):
     monkeypatch.setenv("POWERPROF_SIM_UNPRIVILEGED", "1")
