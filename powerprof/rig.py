@@ -161,10 +161,9 @@ class Rig:
     def sources(self) -> Sources:
         """The collectors, opened on first use. ValueError for a GPU index that does not exist."""
         if self._sources is None:
-            kw: dict = {}
-            if self.simulated:
-                kw = self._open_sim_powercap()
             try:
+                # The simulated tree inside the try: one failing half-built (out of space) was left behind.
+                kw = self._open_sim_powercap() if self.simulated else {}
                 self._sources = open_sources(
                     self._nvml if not self.simulated else self.nvml, self.gpus, rapl_backend=self.rapl_backend, host=self.host, privileged=self.may_set_limits, **kw
                 )
