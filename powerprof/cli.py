@@ -242,14 +242,19 @@ class _Command(click.Command):
 _SENDS_REQUESTS = ("measure", "sweep", "replay", "daemon")  # the commands whose requests carry $POWERPROF_API_KEY
 
 
-def _check_sim_gpus(simulate, gpus, what: str, ctx=None) -> None:
+def _check_sim_gpus(simulate, gpus, what: str, ctx=None, count: int | None = None) -> None:
     """A simulated host has at most MAX_SIM_GPUS GPUs: `--simulate --gpus 1000000` built a million of them (4.4 GB, every
-    command that takes both), 20 digits was an OverflowError. A real machine's indexes are checked against its count."""
+    command that takes both), 20 digits was an OverflowError. A real machine's indexes are checked against its count,
+    and so a simulated one's where its `count` was given (the daemon's --sim-gpus)."""
     big = [g for g in gpus or () if isinstance(g, int) and g >= MAX_SIM_GPUS] if simulate else []
     if big:
         shown = str(big[0]) if len(str(big[0])) <= 24 else str(big[0])[:20] + "…"
         raise click.UsageError(f"{what}: GPU index {shown} does not exist: the simulator has at most {MAX_SIM_GPUS} "
                                f"GPUs (indexes 0-{MAX_SIM_GPUS - 1})", ctx)
+    past = [g for g in gpus or () if isinstance(g, int) and g >= count] if simulate and count is not None else []
+    if past:  # the words open_sources says of a real machine's
+        raise click.UsageError(f"{what}: GPU index {past[0]} does not exist: this machine has {count} GPU(s) "
+                               f"(0-{count - 1})", ctx)
 
 
 class _Group(click.Group):
@@ -1464,7 +1469,8 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
 @main.command("daemon")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
 @simulate_option
-@click.option("--sim-gpus", type=_IntRange(1, MAX_SIM_GPUS), default=1, show_default=True, help="Simulated GPU count.")
+@click.option("--sim-gpus", type=_IntRange(1, MAX_SIM_GPUS), default=None,
+              help="Simulated GPU count (default: 1, or up to the highest index in daemon.gpus).")
 @click.option("--listen", help="Proxy address HOST:PORT (proxy.listen).")
 @click.option("--upstream", help="Inference server URL behind the proxy (proxy.upstream).")
 @click.option("--metrics-listen", help="Prometheus /metrics address (metrics.listen).")
@@ -1499,7 +1505,7 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
         click.echo(f"powerprof daemon: {e}", err=True)
         sys.exit(service.EXIT_CONFIG)
     try:
-        _check_sim_gpus(simulate, cfg.get("daemon", "gpus"), f"{cfg.source}: daemon.gpus")
+        _check_sim_gpus(simulate, cfg.get("daemon", "gpus"), f"{cfg.source}: daemon.gpus", count=sim_gpus)
     except click.UsageError as e:
         click.echo(f"powerprof daemon: {e.message}", err=True)
         sys.exit(service.EXIT_CONFIG)

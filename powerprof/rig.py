@@ -66,7 +66,10 @@ class Rig:
         self._controllers: list = []  # every LimitController handed out: whether any changed a GPU (changed_gpus)
         self._launch_notes: list[str] = []  # what launching a server did besides (a server left by a killed powerprof stopped)
         ints = [g for g in gpus or () if isinstance(g, int)]
-        self._sim_gpu_count = max(ints) + 1 if ints else (sim_gpu_count or 1)
+        # A count given is the host (the daemon's --sim-gpus 2: daemon.gpus = [7] then names no GPU of it, said by
+        # open_sources; before, 8 were built and gpu7 measured, silently); none given, the indexes asked for make it
+        # (`--simulate --gpus 0,1`: two GPUs).
+        self._sim_gpu_count = sim_gpu_count if sim_gpu_count is not None else (max(ints) + 1 if ints else 1)
         if sim_profile and "," in sim_profile:
             # A mixed host (one profile per GPU): it has as many GPUs as profiles; --gpus then picks among them.
             self._sim_gpu_count = len(sim_profile.split(","))
@@ -158,10 +161,9 @@ class Rig:
     def sources(self) -> Sources:
         """The collectors, opened on first use. ValueError for a GPU index that does not exist."""
         if self._sources is None:
-            kw: dict = {}
-            if self.simulated:
-                kw = self._open_sim_powercap()
             try:
+                # The simulated tree inside the try: one failing half-built (out of space) was left behind.
+                kw = self._open_sim_powercap() if self.simulated else {}
                 self._sources = open_sources(
                     self._nvml if not self.simulated else self.nvml, self.gpus, rapl_backend=self.rapl_backend, host=self.host, privileged=self.may_set_limits, **kw
                 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,6 +115,48 @@ def test_a_rig_whose_sources_fail_to_open_leaves_no_simulated_powercap_running()
     assert not left, left
     rig.close()
 
+
+
+
+def test_a_simulated_powercap_tree_that_fails_half_built_is_taken_away(tmp_path, monkeypatch):
+    # Rig.sources made the simulated powercap tree outside its try: a tree failing half-way (out of space on its second
+    # symlink) left its folder behind, half built.
+    import errno
+    import threading
+
+    from powerprof.sim.powercap import SIM_POWERCAP_PREFIX
+
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(tmp_path / "state"))
+    real, calls = os.symlink, []
+
+    def symlink(*a, **k):
+        calls.append(a)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(os, "symlink", symlink)
+    before = {t for t in threading.enumerate() if t.name.startswith("powerprof-sim-")}
+    rig = Rig("seed-16g")
+    with pytest.raises(OSError, match="No space left"):
+        rig.sources
+    monkeypatch.setattr(os, "symlink", real)
+    assert len(calls) == 2 and rig._powercap_dir is None
+    assert not list((tmp_path / "state").glob(SIM_POWERCAP_PREFIX + "*"))
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("powerprof-sim-") and t not in before]
+    rig.close()
+
+def test_a_given_simulated_gpu_count_is_the_count_and_an_index_past_it_does_not_exist():
+    # Before: Rig took max(gpus) + 1 ahead of sim_gpu_count, so `powerprof daemon --simulate --sim-gpus 2` with
+    # daemon.gpus = [7] built 8 simulated GPUs and measured gpu7 of a host declared as 2 GPUs, silently.
+    rig = Rig("seed-16g", gpus=[7], sim_gpu_count=2)
+    with pytest.raises(ValueError, match=re.escape("GPU index 7 does not exist: this machine has 2 GPU(s) (0-1)")):
+        rig.sources
+    assert len(rig.nvml.gpus) == 2
+    rig.close()
+    # No count given: the indexes make the host (docs/collectors.md: `--simulate --gpus 0,1` simulates two GPUs).
+    with Rig("seed-16g", gpus=[7]) as rig:
+        assert len(rig.nvml.gpus) == 8 and rig.sources.nvml.indexes == [7]
 
 def test_simulated_unprivileged_machine_lists_each_permission_problem_with_its_fix(monkeypatch):
     monkeypatch.setenv("POWERPROF_SIM_UNPRIVILEGED", "1")

@@ -246,6 +246,63 @@ def test_the_daemon_samples_the_gpu_its_uuid_names_and_stops_naming_one_that_is_
     assert not [t.name for t in threading.enumerate() if t.name.startswith("powerprof-sim-") and t not in before]
 
 
+
+def _sim_left(parent) -> tuple[list, list]:
+    """The simulated powercap updater threads and trees (under `parent`) there are."""
+    import threading
+
+    from powerprof.sim.powercap import SIM_POWERCAP_PREFIX
+
+    return ([t.name for t in threading.enumerate() if t.name.startswith("powerprof-sim-")],
+            sorted(p.name for p in Path(parent).glob(SIM_POWERCAP_PREFIX + "*")))
+
+
+def test_a_daemon_start_refused_by_an_os_error_after_its_sources_says_so_and_leaves_no_simulated_tree(
+        tmp_path, monkeypatch):
+    # Daemon._open closed the rig for ValueError and lock_data_dir's OSError alone: an OSError after rig.sources (here
+    # the datasets' folder out of space) came out as itself, a traceback, with the powerprof-sim-powercap thread
+    # writing on and its folder left.
+    import errno
+
+    from powerprof.daemon import service
+    from powerprof.daemon.service import Daemon, StartupError
+    from powerprof.rig import Rig
+
+    state = tmp_path / "state"
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(state))
+    before = _sim_left(state)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "data"))
+
+    monkeypatch.setattr(service, "DatasetStore", full)
+    cfg = load_config(None, env={}, overrides={"daemon.data_dir": str(tmp_path / "data"), "proxy.listen": "",
+                                               "metrics.listen": "", "daemon.restore_on_start": False})
+    d = Daemon(cfg, Rig("seed-16g"))
+    with pytest.raises(StartupError, match="cannot start: OSError: .Errno 28. No space left on device: .*data"):
+        d._open()
+    if d._lock_fd is not None:
+        os.close(d._lock_fd)
+    assert _sim_left(state) == before
+
+
+def test_a_daemon_whose_state_folder_is_a_file_says_so_without_a_traceback(tmp_path):
+    # Before: exit 1 with a NotADirectoryError traceback from the simulated powercap tree's folder (every other command
+    # said it in a line, through _open_rig_or_exit).
+    import subprocess
+
+    from daemon_helpers import sim_env
+
+    state = tmp_path / "state-file"
+    state.write_text("x")
+    p = subprocess.run([sys.executable, "-m", "powerprof", "daemon", "--simulate", "--data-dir", str(tmp_path / "data"),
+                        "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--tag-socket",
+                        str(tmp_path / "t.sock")], env={**os.environ, **sim_env(tmp_path),
+                                                         "POWERPROF_STATE_DIR": str(state)},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    assert f"state folder {state} is a file, not a folder. Fix:" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
 @pytest.mark.parametrize(
     "listen, said",
     [

@@ -425,18 +425,28 @@ def test_the_workers_bodies_streamed_on_uninspected_are_summed_for_metrics():
     assert rec._stats()[UNINSPECTED] == 5
 
 
-def test_the_workers_body_reader_failures_are_summed_for_metrics():
+def test_the_workers_body_reader_failures_are_summed_for_metrics(monkeypatch):
     # Each worker's Proxy counts its own faults reading a request body (proxy_failures); the daemon's /metrics reads
-    # them as of an in-process Proxy, summed over the workers' lives.
+    # them as of an in-process Proxy, summed over the workers' lives: a worker's death carries its count into its base,
+    # and its next life's first beat (counting from 0 again) adds to it, so the counter never goes back.
     from powerprof.daemon.workers import BODY_READER_FAILURES
 
     workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=Rec(), proxy_kwargs={},
                            header_timeout_s=10, idle_timeout_s=10)
+    monkeypatch.setattr(workers, "_reap", lambda w, deadline: None)
+    w = workers.workers[0]
     stats = [0] * len(_STATS)
     stats[BODY_READER_FAILURES] = 2
     (msg,) = Unframer().feed(frame(([], [], [], [], tuple(stats), [], 0)))
-    workers._replay(workers.workers[0], msg)
+    workers._replay(w, msg)
     assert workers.proxy_failures == 2
+    w.transport = type("T", (), {"close": lambda self: None})()
+    workers._lost(w)
+    assert workers.proxy_failures == 2, "the dead worker's count was lost with it"
+    stats[BODY_READER_FAILURES] = 1
+    (msg,) = Unframer().feed(frame(("beat", 0, [], tuple(stats))))
+    workers._replay(w, msg)
+    assert workers.proxy_failures == 3
     rec = ShippingRecorder(8)
     rec.proxy = type("P", (), {"recorder_failures": 0, "upstream_failures": 0, "body_timeouts": {"silent": 0, "slow": 0},
                                "upstream_retries": 0, "uninspected_bodies": 0, "unforwarded": 0, "proxy_failures": 4})()

@@ -64,6 +64,23 @@ def test_a_daemon_configs_simulated_gpu_index_past_the_cap_is_a_config_error(tmp
     assert "daemon.gpus: GPU index 100000000 does not exist: the simulator has at most" in r.stderr
 
 
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_daemon_configs_gpu_index_past_its_given_sim_gpus_is_an_error(tmp_path, check):
+    # Before: `--simulate --sim-gpus 2` with daemon.gpus = [7] built 8 simulated GPUs and measured gpu7 (the Rig took
+    # max(gpus) + 1 ahead of the count given), exit 0 for --check and a daemon running on a host that is not the one
+    # declared.
+    from powerprof.daemon import service
+
+    cfg = tmp_path / "d.toml"
+    cfg.write_text(f"[daemon]\ngpus = [7]\ndata_dir = '{tmp_path / 'data'}'\n")
+    args = ["daemon", "--config", str(cfg), "--simulate", "--sim-gpus", "2", "--listen", "127.0.0.1:0",
+            "--metrics-listen", "127.0.0.1:0", "--tag-socket", str(tmp_path / "t.sock")]
+    r = CliRunner().invoke(main, args + (["--check"] if check else []))
+    assert r.exit_code == service.EXIT_CONFIG, (r.output, r.stderr, r.exception)
+    assert "daemon.gpus: GPU index 7 does not exist: this machine has 2 GPU(s) (0-1)" in r.stderr, r.stderr
+    assert "Traceback" not in r.output
+
 # --- 2a. trace --seed ------------------------------------------------------------------------------------------------
 
 

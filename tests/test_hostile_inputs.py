@@ -362,6 +362,57 @@ def test_a_json_answer_that_is_not_an_object_is_said_not_a_traceback(tmp_path, s
     assert "not a JSON object" in said and "not a powerprof daemon?" in said and "Traceback" not in said, said
 
 
+_STOP_DOC = (b'{"duration_s": 12.5, "gpu_energy_j": 4321.0, "cpu_energy_j": 100.0, "unproxied_energy_j": 0.0, '
+             b'"proxy_tokens": 1000, "gpu_j_per_token": 4.321, "server_count": "complete", "energy_note": null, '
+             b'"note": null}')
+_LIST_DOC = ('{"open": [%s]}' % ", ".join('"nightly-batch-%03d"' % i for i in range(40))).encode()
+
+
+@pytest.mark.parametrize("command, raw, seen", [
+    (["list", "--json"], b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+     b"Connection: close\r\n\r\n%s" % (len(_LIST_DOC), _LIST_DOC[:300]),
+     f"its answer ended after 300 bytes, {len(_LIST_DOC) - 300} more said to come"),
+    (["stop", "x"], b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+     % (len(_STOP_DOC), _STOP_DOC[:120]), f"its answer ended after 120 bytes, {len(_STOP_DOC) - 120} more said to come"),
+    (["stop", "x"], b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"78\r\n%s\r\n" % _STOP_DOC[:120], "its answer ended after 120 bytes, before its last chunk"),
+])
+def test_a_200_answer_cut_short_is_said_as_cut_never_taken_as_success(tmp_path, command, raw, seen):
+    # Since the 1 MiB bound (e78a9141) the answer was read as r.read(ANSWER_MAX_BYTES + 1), and http.client's bounded
+    # read of a Content-Length answer returns what came without raising IncompleteRead: a peer that sent 200 with
+    # Content-Length 850 and 300 bytes, then closed, made `tag list --json` print {"open": []} and `tag stop` print
+    # "unknown s, GPU unknown J", both exit 0 (before e78a9141: exit 1). A chunked one cut off was said as
+    # "None more said to come".
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    sock = tmp_path / "cut.sock"
+    _answering_daemon(sock, raw)
+    r = CliRunner().invoke(main, ["tag", *command, "--socket", str(sock)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and (r.exception is None or isinstance(r.exception, SystemExit)), (repr(r.exception), said)
+    assert f"the peer at {sock}" in said and seen in said and "None" not in said and "Traceback" not in said, said
+    assert "unknown s" not in said and '"open": []' not in said, said
+
+
+@pytest.mark.parametrize("body", [b"", b"<html>ok</html>", b'{"open": ['])
+def test_a_200_answer_that_is_not_json_is_an_error_never_success(tmp_path, body):
+    # A 200 whose body was not JSON was taken as {"error": body} and returned as the daemon's answer: `tag stop` printed
+    # "unknown s, GPU unknown J" and `tag list` an empty list, exit 0.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    sock = tmp_path / "html.sock"
+    _answering_daemon(sock, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    r = CliRunner().invoke(main, ["tag", "stop", "x", "--socket", str(sock)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and (r.exception is None or isinstance(r.exception, SystemExit)), (repr(r.exception), said)
+    assert f"the peer at {sock} answered HTTP 200" in said and "not JSON" in said, said
+    assert "not a powerprof daemon?" in said and "unknown s" not in said and "Traceback" not in said, said
+
+
 def _flooding_daemon(path, length: bool, total_bytes: int):
     """A peer on a Unix socket that answers 200 with `total_bytes` of body (said in Content-Length where `length`,
     else read to its close), sent as fast as the client takes it, until the client leaves."""

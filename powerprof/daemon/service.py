@@ -1363,6 +1363,19 @@ class Daemon:
     def _open(self) -> Path:
         """Restore what a crashed sweep left, open the collectors, lock the data dir, build the
         store, ledger and sampler. StartupError (with everything closed again) when it cannot."""
+        try:
+            return self._open_parts()
+        except BaseException as e:
+            # Any failure closes the door (the simulated powercap updater and its folder, a simulated server): before,
+            # only ValueError and the lock's OSError did, and an OSError after rig.sources left both, with a traceback.
+            self.rig.close()
+            if isinstance(e, OSError):
+                # A message alone is ours, with its fix (the state folder a file); one with an errno is the system's.
+                raise StartupError("cannot start: " + (str(e) if e.errno is None else error_text(e))) from None
+            raise
+
+    def _open_parts(self) -> Path:
+        """_open's steps, in order; the rig left to _open to close on a failure."""
         cfg = self.cfg
         if cfg.get("daemon", "restore_on_start"):
             restore_pending(self.rig)
@@ -1377,13 +1390,8 @@ class Daemon:
             # Its folders above made only for the default path: one given must have its parent (lock_data_dir).
             self._lock_fd = lock_data_dir(data_dir, parents=not cfg.get("daemon", "data_dir"))
         except OSError as e:
-            self.rig.close()
             raise StartupError(f"cannot use data dir {data_dir}: {e}") from None
-        except StartupError:
-            self.rig.close()
-            raise
         if self.sources.nvml is None:
-            self.rig.close()
             raise StartupError("no GPU to sample: " + "; ".join(p.message for p in self.sources.problems if p.source == "nvml"))
         self.collector = self.sources.nvml
         self.gpu_uuids = {i.index: i.uuid for i in self.collector.infos}

@@ -263,6 +263,10 @@ def _send(socket_path: Path, method: str, path: str, timeout_s: float) -> dict:
         if len(raw) > ANSWER_MAX_BYTES:
             raise TagApiError(f"the peer at {socket_path} sent an answer over {ANSWER_MAX_BYTES >> 20} MiB (a powerprof "
                               f"daemon's is a few KiB), not read further (not a powerprof daemon?): {_GIVE_SOCKET}")
+        if r.length:  # after the bound: an answer over it is still unread
+            # A bounded read of a Content-Length answer returns what came before the peer closed, without raising:
+            # r.length is what was said to come and did not (a cut-off 200 was taken as the daemon's answer, exit 0).
+            raise http.client.IncompleteRead(raw, r.length)
         body = raw.decode("utf-8", errors="replace")
     except TimeoutError:
         # "TimeoutError: timed out" said neither what happened nor what to do.
@@ -277,13 +281,16 @@ def _send(socket_path: Path, method: str, path: str, timeout_s: float) -> dict:
         if r is not None:  # the answer holds the socket open past conn.close(): a peer still sending kept it
             r.close()
         conn.close()
+    shown = body if len(body) <= 80 else body[:80] + "…"
     try:
         doc = json.loads(body)
     except ValueError:
+        if r.status == 200:  # taken as the daemon's answer, it printed "unknown s, GPU unknown J", exit 0
+            raise TagApiError(f"the peer at {socket_path} answered HTTP 200 with {shown!r}, not JSON (not a powerprof "
+                              f"daemon?): {_GIVE_SOCKET}") from None
         doc = {"error": body}
     if not isinstance(doc, dict):
         # The daemon answers objects only; another JSON value (a string, a list) was an AttributeError traceback.
-        shown = body if len(body) <= 80 else body[:80] + "…"
         raise TagApiError(f"the peer at {socket_path} answered HTTP {r.status} with {shown!r}, not a JSON object (not "
                           f"a powerprof daemon?): {_GIVE_SOCKET}")
     if r.status != 200:
@@ -300,9 +307,13 @@ def _not_http(e: http.client.HTTPException) -> str:
         return f"it spoke {str(e.version)[:60]!r}, not HTTP/1.1"
     if isinstance(e, http.client.LineTooLong):  # "got more than 65536 bytes when reading status line"
         return f"it sent a {str(e).rpartition('when reading ')[2] or 'line'} over 64 KiB"
-    if isinstance(e, http.client.IncompleteRead):
-        return f"its answer ended after {len(e.partial)} bytes, {e.expected} more said to come"
     return error_text(e)[:200]
+
+
+def _cut_short(e: http.client.IncompleteRead) -> str:
+    """How far a cut-off answer came (a chunked one says no length: `expected` is None)."""
+    more = "before its last chunk" if e.expected is None else f"{e.expected} more said to come"
+    return f"its answer ended after {len(e.partial)} bytes, {more}"
 
 
 def _who_may(path: Path, group_bits: int) -> str:
@@ -377,6 +388,9 @@ def send_tag(socket_path: Path | str, action: str, name: str | None = None, time
     except http.client.RemoteDisconnected:  # before HTTPException and OSError: it is both
         raise TagApiError(f"the peer at {p} closed the connection without answering (a daemon stopping or crashing, "
                           f"or not a powerprof daemon?): see the daemon's log, or {_GIVE_SOCKET}") from None
+    except http.client.IncompleteRead as e:  # before HTTPException: it is one
+        raise TagApiError(f"the peer at {p} cut its answer short ({_cut_short(e)}: a daemon stopping or crashing, or "
+                          f"not a powerprof daemon?): see the daemon's log, or {_GIVE_SOCKET}") from None
     except http.client.HTTPException as e:
         raise TagApiError(f"the peer at {p} did not answer as a powerprof daemon ({_not_http(e)}): {_GIVE_SOCKET}") \
             from None
