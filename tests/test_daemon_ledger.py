@@ -4019,8 +4019,10 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
     assert "ran on" not in (rows[4]["energy_note"] or ""), rows[4]["energy_note"]
 
 
-def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, **restart_kw):
-    # A whole answer (arrives 0.5 s, max_tokens) whose client leaves at `leave`, run on by llama-server to its
+def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
+                           **restart_kw):
+    # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
+    # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
     # scraped every 0.1 s; the server down over each (down, up): its old process last scraped at `down`, the new one's
     # first scrape at `up` (its window says server_restart, with `restart_kw`). Returns its row.
@@ -4033,8 +4035,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, **re
         tr.extra.update(prompt_chars=400, **extra)
         return tr
 
-    done, whole = chat(1, 0.0, True), chat(2, 0.5, False, max_tokens=max_tokens)
-    for tr in (done, whole):
+    done, whole = chat(1, 0.0, True), chat(2, arrive, False, max_tokens=max_tokens)
+    for tr in (done, whole) if arrive <= 0.5 else (done,):
         led.on_start(tr)
     for k in range(20):  # a stream done before, at 40 tokens/s: the server's latest pace
         led.on_tokens(done, int((0.01 + 0.025 * k) * S), 1)
@@ -4044,8 +4046,10 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, **re
     e, prev, ended = 0.0, None, False
     for k in range(int(round(end_s * 10))):
         t = k * 0.1
+        if arrive > 0.5 and t - 0.1 < arrive <= t:  # arrived since the last tick
+            led.on_start(whole)
         if not ended and t >= leave - 1e-9:
-            whole.end_ns, whole.outcome = int(leave * S), "client_disconnected"
+            whole.end_ns, whole.outcome = int(leave * S), outcome
             led.on_end(whole)
             ended = True
         e += 100.0 * 0.1
@@ -4165,6 +4169,19 @@ def test_a_run_on_cut_by_a_restart_ends_midway_to_the_first_scrape_that_found_th
     row = _llamacpp_whole_run_on([(1.5, 1.6)]) if server == "llamacpp" else _sglang_stream_run_on(up=2.1)
     assert "a lower bound: no scrape found the server down before the new process's first, 0.10 s later" in \
            (row["energy_note"] or ""), row["energy_note"]
+
+
+def test_a_request_that_arrived_after_the_old_process_last_scrape_is_cut_by_its_death():
+    # The old process last answered a scrape at 1.5 s; the whole answer arrived at 1.52 s (the old process took it: the
+    # scrape at 1.6 s found nothing listening), its client left at 1.58 s, the process died at 1.59 s, the new one's
+    # first scrape at 11.5 s (a 10 s model load). Truth at 100 W: 1.52 s to 1.59 s, about 2 tokens, at most 7 J.
+    # Matched only by a restart whose window began after its arrival, none ended its run-on: held to its max_tokens,
+    # 400 tokens and 1001 J, its row saying it ran on to them over the new process's load.
+    row = _llamacpp_whole_run_on([(1.5, 11.5)], arrive=1.52, leave=1.58, down_ns=int(1.6 * S))
+    assert row["attributed_tokens"] <= 3.0, row
+    assert row["gpu_energy_j"] <= 10.0 + 1e-6, row  # the 0.1 s interval it was live in
+    note = row["energy_note"] or ""
+    assert "until its max_tokens" not in note and "the process that had it" in note, note
 
 
 def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():

@@ -1604,12 +1604,22 @@ class Ledger:
         did: placed midway (good to half a scrape interval either way; at its last scrape, it was up to a whole interval
         early, the run-on's energy after silently dropped); where none found it down (a restart between two scrapes), at
         its last scrape, a lower bound (the new process's first scrape, `_restart_cut_ns`, can come a model load later).
-        With that restart's (window start, end, first found down), which its row says (`r.run_on_death`)."""
-        gone = min((g for g in self._gone_at if g[0] >= r.trace.arrival_ns), default=None) if self._gone_at else None
+        A request that arrived after that last scrape but before the first that found the server down was the old
+        process's too (it took it; the scrape after found nothing listening): its death is placed between its arrival and
+        that scrape. Matched only by a restart whose window began after its arrival, a whole answer that arrived at
+        1.52 s (last scrape 1.5 s, found down 1.6 s, the new process up at 11.5 s) was held to its max_tokens, 400 tokens
+        and 1001 J for the truth's 2 and 7 J.
+        With that restart's (window start, end, first found down, the death's lower bound), which its row says
+        (`r.run_on_death`)."""
+        if not self._gone_at:
+            return None
+        arrival = r.trace.arrival_ns
+        gone = min((g for g in self._gone_at if g[0] >= arrival or g[2] is not None and arrival < g[2]), default=None)
         if gone is None:
             return None
-        a, _, down = gone
-        return (a if down is None else (a + down) // 2), gone
+        a, b, down = gone
+        lo = max(a, arrival)  # alive at its last scrape, and when it took the request
+        return (lo if down is None else (lo + down) // 2), (a, b, down, lo)
 
     def _end_run_ons_at_restart(self) -> None:
         """A restart ends every run-on of the process that died: nothing ran it on past that process's death, placed

@@ -63,9 +63,10 @@ class LiveRequest:
     run_on_unknown: bool = False  # a whole answer llama.cpp ran on to an end nothing placed (no max_tokens or pace)
     run_on_prefill: bool = False  # a stream gone mid-prefill that llama.cpp prefills whole: its run ends at its first token
     run_on_restart: bool = False  # a server restart ended its run-on (`Ledger._end_run_ons_at_restart`)
-    # That restart's window (the old process's last scrape, the new one's first) and its first scrape that found the
-    # server down (None: none did), monotonic ns: the span its run-on's end is known within (`Ledger._run_on_cut_ns`).
-    run_on_death: tuple[int, int, int | None] | None = None
+    # That restart's window (the old process's last scrape, the new one's first), its first scrape that found the
+    # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, or this
+    # request's arrival after it), monotonic ns: the span its run-on's end is known within (`Ledger._run_on_cut_ns`).
+    run_on_death: tuple[int, int, int | None, int] | None = None
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared

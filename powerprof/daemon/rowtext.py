@@ -418,15 +418,17 @@ def _run_on_note(r: LiveRequest) -> str:
 def _death_words(r: LiveRequest) -> str:
     """When the process that ran `r` on died in a restart, as its run-on's end was placed (`Ledger._run_on_cut_ns`),
     and how well that end is known: its energy there is never silently dropped nor silently kept."""
-    a, b, down = r.run_on_death or (None, None, None)
+    a, b, down, lo = r.run_on_death or (None, None, None, None)
     if a is None:
         return "the process that had it gone"
+    since = ("its last scrape" if lo == a else
+             f"this request's arrival, {(lo - a) / 1e9:.2f} s after its last scrape (it took the request)")
     if down is not None:
-        span = (down - a) / 1e9
-        return (f"the process that had it died between its last scrape and the first that found the server down, "
+        span = (down - lo) / 1e9
+        return (f"the process that had it died between {since} and the first that found the server down, "
                 f"{span:.2f} s later: its end placed midway, good to {span / 2:.2f} s either way")
-    return (f"the process that had it died after its last scrape, where its end is placed, a lower bound: no scrape "
-            f"found the server down before the new process's first, {(b - a) / 1e9:.2f} s later, and it may have "
+    return (f"the process that had it died after {since}, where its end is placed, a lower bound: no scrape "
+            f"found the server down before the new process's first, {(b - lo) / 1e9:.2f} s later, and it may have "
             "gone on up to that long")
 
 
