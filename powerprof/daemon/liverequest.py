@@ -64,8 +64,9 @@ class LiveRequest:
     run_on_prefill: bool = False  # a stream gone mid-prefill that llama.cpp prefills whole: its run ends at its first token
     run_on_restart: bool = False  # a server restart ended its run-on (`Ledger._end_run_ons_at_restart`)
     # That restart's window (the old process's last scrape, the new one's first), its first scrape that found the
-    # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, or this
-    # request's arrival after it), monotonic ns: the span its run-on's end is known within (`Ledger._run_on_cut_ns`).
+    # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, this
+    # request's arrival or its client's leaving after it), monotonic ns: the span its run-on's end is known within
+    # (`Ledger._run_on_cut_ns`).
     run_on_death: tuple[int, int, int | None, int] | None = None
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
@@ -194,11 +195,9 @@ GONE_OUTCOMES = ("client_disconnected", "upstream_error")
 
 def server_end_ns(r: LiveRequest) -> int | None:
     """When the server stopped working on a request: its end (None: not ended), or where it runs on after its client
-    left, that run's end (`Ledger._run_on`); one whose process died in a restart, where it died, before its client
-    left too (`Ledger._cut_run_on`)."""
-    if r.trace.end_ns is None or r.run_on_end_ns is None:
-        return r.trace.end_ns
-    return r.run_on_end_ns if r.run_on_restart else max(r.trace.end_ns, r.run_on_end_ns)
+    left, that run's end (`Ledger._run_on`; cut where its process died, `Ledger._cut_run_on`, never before the leaving:
+    the proxy saw the connection to it open then)."""
+    return r.trace.end_ns if r.trace.end_ns is None or r.run_on_end_ns is None else max(r.trace.end_ns, r.run_on_end_ns)
 
 
 def gone_unsaid(r: LiveRequest) -> bool:
