@@ -41,8 +41,8 @@ from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
-                          is_unseen, not_forwarded, server_end_ns)
+from .liverequest import (PROMPT_HOLD_S, crashed, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
+                          LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
@@ -586,6 +586,12 @@ class Ledger:
         on the simulator's SGLang, streams cut after 41 tokens decoded 100-170 more for nobody, and the requests beside
         them were +54% to +251%, the cut ones 29-61% low."""
         tr = r.trace
+        if crashed(r) and tr.stream is not True and tr.first_ns is None and tr.end_ns is not None:
+            # A whole answer the server had, then closed its connection with no answer (a crash: its head comes only
+            # when it is done): it ran until then, decoding after its prefill, placed as a run-on's is
+            # (`_run_on_gone`). Before, upstream_unreachable: two on the simulator, 130 tokens and 148 J each, none.
+            r.run_on_end_ns, r.run_on_crash = tr.end_ns, True
+            return
         if (self.runs_on_after_leave is None or tr.outcome != "client_disconnected" or tr.end_ns is None
                 or tr.api is None or is_passive(r) or is_unseen(r) or (tr.error or "").startswith(BODY_LEFT_NOTE)):
             return

@@ -379,6 +379,15 @@ def _run_on_note(r: LiveRequest) -> str:
     answer on llama.cpp) until its end (`Ledger._run_on`: scrape.RUNS_ON_AFTER_LEAVE)."""
     tr = r.trace
     s = (r.run_on_end_ns - tr.end_ns) / 1e9
+    if r.run_on_crash:  # `Ledger._run_on`: a whole answer the server had, its connection closed with no answer
+        s = (r.run_on_end_ns - tr.arrival_ns) / 1e9
+        lead = (f"the server closed its connection with no answer {s:.2f} s after its arrival (a crash: its process "
+                "died, its head would have come only when it was done), and the client got the proxy's 502; it is "
+                "costed as run until then, its prefill and then its decode")
+        if r.run_on_tokens > 0:
+            return (f"{lead}: {r.run_on_tokens:.0f} tokens decoded at {r.run_on_pace} pace (an estimate; its attributed "
+                    "tokens count them), which no client received")
+        return f"{lead}: its decode there unseen (no pace to decode it at)"
     if r.run_on_prefill:  # llama.cpp: a stream gone before its first token
         return (f"llama-server prefilled its prompt whole after its client left, about {s:.1f} s to its estimated first "
                 "token (it looks at a stream's connection only at a result of its own): its energy includes that "
