@@ -665,3 +665,49 @@ def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its
     est, true = rows["cut"]["prompt_tokens_estimate"], truth["cut"]["prompt_tokens"]
     print(flavour, "estimate", est, "truth", true, rows["cut"]["energy_note"])
     assert abs(est - true) / true < 0.05, (est, true)
+
+
+@pytest.mark.parametrize("flavour", ["sglang", "llamacpp"])
+def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash(tmp_path, flavour):
+    # Two whole answers (max_tokens 2000, not streamed) decode for about 1 s when the simulated server's process dies
+    # (srv.restart: its sockets reset), back 0.5 s later. A whole answer's head comes only when it is done, so the
+    # proxy saw the connection close before any answer, as it sees a refused connect: both were upstream_unreachable,
+    # no tokens and no energy (truth about 130 tokens and 148 J each, H200), that energy idle, nothing said on their
+    # rows. The server had them whole: they are upstream_error, costed to the crash, and their rows say so.
+    import asyncio
+
+    import aiohttp
+
+    srv, daemon = _h200_daemon(tmp_path, flavour)
+
+    async def whole(s, url, tag):
+        try:
+            async with await cut_accuracy._post(s, url, tag, {"prompt": cut_accuracy._words(300), "max_tokens": 2000,
+                                                              "stream": False}) as r:
+                await asyncio.wait_for(r.read(), 10.0)
+                return r.status
+        except aiohttp.ClientError as e:
+            return type(e).__name__
+
+    async def scene(url):
+        for _ in range(600):
+            if daemon.ledger is not None and daemon.ledger.runs_on_after_leave is not None:
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            await cut_accuracy._normal(s, url, "warm")  # a stream's pace: the decode's estimate
+            jobs = [asyncio.create_task(whole(s, url, f"w{k}")) for k in range(2)]
+            await asyncio.sleep(1.0)
+            await asyncio.wrap_future(srv.restart(0.5))
+            assert await asyncio.gather(*jobs) == [502, 502]
+
+    _run_daemon(srv, daemon, scene, after_s=4)
+    truth = {t["client_id"]: t for t in srv.truth + srv.truth_cancelled if t.get("client_id")}
+    rows = _rows_by_tag(tmp_path)
+    for t in ("w0", "w1"):
+        row, want = rows[t], truth[t]
+        note = row["energy_note"] or ""
+        print(t, row["outcome"], row["attributed_tokens"], row["gpu_energy_j"], want.get("generated"), want["energy_j"])
+        assert row["outcome"] == "upstream_error" and row["status"] == 502, row
+        assert row["gpu_energy_j"] == pytest.approx(want["energy_j"], rel=0.5), (row["gpu_energy_j"], want, note)
+        assert "closed its connection with no answer" in note, note

@@ -83,6 +83,12 @@ class UpstreamError(Exception):
     """The upstream broke the HTTP exchange (closed early, bad framing, silence past the read timeout)."""
 
 
+class UpstreamClosed(UpstreamError):
+    """The upstream closed the connection after the request went out, before any byte of an answer, and not as a
+    kept-alive close crossing it (StaleConnection): the server had the request and may have run it for as long (a crash,
+    its process killed), unlike a refused connect, which never reached it."""
+
+
 class StaleConnection(UpstreamError):
     """A kept-alive connection the upstream had closed: it ended with no byte of an answer to the request sent
     on it, so the server never began that request (a close that crossed it on the wire)."""
@@ -181,9 +187,14 @@ class Exchange(asyncio.Protocol):
                 self._fail(StaleConnection("the upstream had closed the kept-alive connection"
                                            f"{f' ({exc})' if exc else ''}; no answer began"))
             else:
-                self._fail(UpstreamError(f"upstream closed the connection {waited_s:.1f} s after the request without "
-                                         f"answering{f' ({exc})' if exc else ''}: it had begun it (a crash?), so it "
-                                         "was not sent again"))
+                self._fail(UpstreamClosed(f"upstream closed the connection {waited_s:.1f} s after the request without "
+                                          f"answering{f' ({exc})' if exc else ''}: it had begun it (a crash?), so it "
+                                          "was not sent again"))
+        elif self._mode == "head" and not self.answered:
+            # A fresh connection: no close could cross the request, so the server had it (a streamed body's end
+            # unsent: `write_body` fails first and says so).
+            self._fail(UpstreamClosed(f"upstream closed the connection {time.monotonic() - self._sent_s:.1f} s after "
+                                      f"the request without answering{f' ({exc})' if exc else ''} (a crash?)"))
         elif self._mode not in ("", "end"):
             self._fail(UpstreamError(f"upstream closed the connection mid-response{f': {exc}' if exc else ''}"))
 

@@ -41,8 +41,8 @@ from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
-                          is_unseen, not_forwarded, server_end_ns)
+from .liverequest import (PROMPT_HOLD_S, crashed, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
+                          LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
@@ -602,6 +602,12 @@ class Ledger:
         on the simulator's SGLang, streams cut after 41 tokens decoded 100-170 more for nobody, and the requests beside
         them were +54% to +251%, the cut ones 29-61% low."""
         tr = r.trace
+        if crashed(r) and tr.stream is not True and tr.first_ns is None and tr.end_ns is not None:
+            # A whole answer the server had, then closed its connection with no answer (a crash: its head comes only
+            # when it is done): it ran until then, decoding after its prefill, placed as a run-on's is
+            # (`_run_on_gone`). Before, upstream_unreachable: two on the simulator, 130 tokens and 148 J each, none.
+            r.run_on_end_ns, r.run_on_crash = tr.end_ns, True
+            return
         if (self.runs_on_after_leave is None or tr.outcome != "client_disconnected" or tr.end_ns is None
                 or tr.api is None or is_passive(r) or is_unseen(r) or (tr.error or "").startswith(BODY_LEFT_NOTE)):
             return
@@ -1648,12 +1654,32 @@ class Ledger:
         did: placed midway (good to half a scrape interval either way; at its last scrape, it was up to a whole interval
         early, the run-on's energy after silently dropped); where none found it down (a restart between two scrapes), at
         its last scrape, a lower bound (the new process's first scrape, `_restart_cut_ns`, can come a model load later).
-        With that restart's (window start, end, first found down), which its row says (`r.run_on_death`)."""
-        gone = min((g for g in self._gone_at if g[0] >= r.trace.arrival_ns), default=None) if self._gone_at else None
+        A request that arrived after that last scrape but before the first that found the server down was the old
+        process's too (it took it; the scrape after found nothing listening): its death is placed between its arrival and
+        that scrape. Matched only by a restart whose window began after its arrival, a whole answer that arrived at
+        1.52 s (last scrape 1.5 s, found down 1.6 s, the new process up at 11.5 s) was held to its max_tokens, 400 tokens
+        and 1001 J for the truth's 2 and 7 J.
+        A death closes the proxy's connection to the process, which ends its requests there as upstream_error: a run-on's
+        request (its client left, client_disconnected) had its connection open at its client's leaving, so its process
+        was alive then. A restart whose process was gone by then (found down, or the new one up, before the leaving) was
+        not its process's death (a false one: a 503 or refused scrape, then a multi-process page's dip): taken for it, a
+        whole answer served 0.5 s to its client's leaving at 3.0 s and run on by SGLang was costed to that restart's
+        found-down scrape at 1.55 s, 40.6 tokens and 110 J for the truth's 100 and 250 at least. Its death is placed after
+        the leaving, never before.
+        With that restart's (window start, end, first found down, the death's lower bound), which its row says
+        (`r.run_on_death`)."""
+        if not self._gone_at:
+            return None
+        tr = r.trace
+        arrival, left = tr.arrival_ns, tr.end_ns
+        gone = min((g for g in self._gone_at
+                    if (g[0] >= arrival or g[2] is not None and arrival < g[2])
+                    and (left is None or left <= (g[1] if g[2] is None else g[2]))), default=None)
         if gone is None:
             return None
-        a, _, down = gone
-        return (a if down is None else (a + down) // 2), gone
+        a, b, down = gone
+        lo = max(a, arrival, left or a)  # alive at its last scrape, when it took the request, and at its client's leaving
+        return (lo if down is None else (lo + down) // 2), (a, b, down, lo)
 
     def _end_run_ons_at_restart(self) -> None:
         """A restart ends every run-on of the process that died: nothing ran it on past that process's death, placed
@@ -1667,16 +1693,13 @@ class Ledger:
             self._cut_run_on(r)
 
     def _cut_run_on(self, r: LiveRequest) -> None:
-        """End `r`'s run-on where the process running it died, as best known (`_run_on_cut_ns`), and take out what was
-        placed of it after. Died before its client left (a restart known by then, or by the window that came after), its
-        whole span ends there (`server_end_ns`), not at the leaving: nothing served it after. Live to its leaving, a
-        whole answer whose process died at 0.6 s, its client gone at 1.0 s, was costed 19 tokens and 50 J for 4 and 10."""
+        """End `r`'s run-on where the process running it died, as best known (`_run_on_cut_ns`: not before its client
+        left), and take out what was placed of it after."""
         gone = self._run_on_cut_ns(r) if r.run_on_end_ns is not None else None
         if gone is None or r.run_on_end_ns <= gone[0]:
             return
         cut, r.run_on_death = gone
-        # Not before a token the proxy saw (a stream's): the process was alive then.
-        r.run_on_end_ns, r.run_on_restart = max(cut, r.trace.last_ns or cut), True
+        r.run_on_end_ns, r.run_on_restart = cut, True
         if r.run_on_tokens > 0 and r.run_on_from_ns is None and r.ev_t and r.ev_t[-1] > r.run_on_end_ns:
             # Placed already (a stream's, `_place_run_ons`, before the restart's window came: a long GET): its events
             # past the cut go, and its run-on's tokens with them. Kept, a stream cut at 2.0 s whose window came 0.9 s

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .proxy import BODY_LEFT_NOTE, NOT_FORWARDED, RequestTrace
+from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, NOT_FORWARDED, RequestTrace
 
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
 
@@ -63,9 +63,12 @@ class LiveRequest:
     run_on_unknown: bool = False  # a whole answer llama.cpp ran on to an end nothing placed (no max_tokens or pace)
     run_on_prefill: bool = False  # a stream gone mid-prefill that llama.cpp prefills whole: its run ends at its first token
     run_on_restart: bool = False  # a server restart ended its run-on (`Ledger._end_run_ons_at_restart`)
-    # That restart's window (the old process's last scrape, the new one's first) and its first scrape that found the
-    # server down (None: none did), monotonic ns: the span its run-on's end is known within (`Ledger._run_on_cut_ns`).
-    run_on_death: tuple[int, int, int | None] | None = None
+    run_on_crash: bool = False  # a whole answer whose connection the server closed with no answer: run to there
+    # That restart's window (the old process's last scrape, the new one's first), its first scrape that found the
+    # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, this
+    # request's arrival or its client's leaving after it), monotonic ns: the span its run-on's end is known within
+    # (`Ledger._run_on_cut_ns`).
+    run_on_death: tuple[int, int, int | None, int] | None = None
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared
@@ -175,7 +178,14 @@ def is_passive(r: LiveRequest) -> bool:
     tr = r.trace
     return ((tr.status is not None and tr.status >= 400 or (tr.method != "POST" and tr.api is None)
              or (tr.counts is not None and tr.counts.server_error is not None) or body_left(r))
-            and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0 and told_prompt_tokens(r) is None)
+            and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0 and told_prompt_tokens(r) is None
+            and not crashed(r))
+
+
+def crashed(r: LiveRequest) -> bool:
+    """The server had it whole and then closed its connection with no answer (proxy.CRASHED_NOTE: its process died):
+    it ran it until then, though the client got the proxy's 502."""
+    return r.trace.outcome == "upstream_error" and (r.trace.error or "").startswith(CRASHED_NOTE)
 
 
 def body_left(r: LiveRequest) -> bool:
@@ -193,11 +203,9 @@ GONE_OUTCOMES = ("client_disconnected", "upstream_error")
 
 def server_end_ns(r: LiveRequest) -> int | None:
     """When the server stopped working on a request: its end (None: not ended), or where it runs on after its client
-    left, that run's end (`Ledger._run_on`); one whose process died in a restart, where it died, before its client
-    left too (`Ledger._cut_run_on`)."""
-    if r.trace.end_ns is None or r.run_on_end_ns is None:
-        return r.trace.end_ns
-    return r.run_on_end_ns if r.run_on_restart else max(r.trace.end_ns, r.run_on_end_ns)
+    left, that run's end (`Ledger._run_on`; cut where its process died, `Ledger._cut_run_on`, never before the leaving:
+    the proxy saw the connection to it open then)."""
+    return r.trace.end_ns if r.trace.end_ns is None or r.run_on_end_ns is None else max(r.trace.end_ns, r.run_on_end_ns)
 
 
 def gone_unsaid(r: LiveRequest) -> bool:

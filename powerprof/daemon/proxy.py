@@ -36,7 +36,7 @@ from powerprof.workload.limits import MAX_COUNT
 from powerprof.workload.stream import json_from_bytes
 
 from . import streams
-from .forward import Exchange, StaleConnection, UpstreamError, UpstreamPool
+from .forward import Exchange, StaleConnection, UpstreamClosed, UpstreamError, UpstreamPool
 from .promptlen import prompt_count, prompt_shape, stateful_turn, tools_if_none, uncarried_chars
 
 log = logging.getLogger("powerprof.daemon.proxy")
@@ -92,6 +92,9 @@ NOT_FORWARDED_NOTE = "not forwarded: the server never saw this request, so it ha
 # The `error` of a request whose client left while sending its body: the server never had the whole request, so never
 # ran it (the ledger costs it no prefill and flags no request beside it: `liverequest.gone_unsaid`).
 BODY_LEFT_NOTE = "the client left while sending its request body"
+# The start of the error of a request the server had whole and then closed its connection with no answer (a crash: its
+# process died), its outcome upstream_error: the server ran it until then (liverequest.crashed, Ledger._run_on).
+CRASHED_NOTE = "the server closed its connection with no answer after it had the request (a crash?)"
 
 
 @dataclass
@@ -853,7 +856,12 @@ class Proxy:
             msg = f"powerprof proxy: upstream {self.upstream} {what}: {error_text(e)}"
             if self.upstream_failures <= 5 or self.upstream_failures % 100 == 0:
                 log.error("%s (%d failures so far)", msg, self.upstream_failures)
-            if trace is not None:
+            if trace is not None and isinstance(e, UpstreamClosed):
+                # The server had it, and ran it until then: not unreachable. A whole answer's head comes only when it
+                # is done, so every whole answer in flight at a crash ended here: upstream_unreachable, no energy (two
+                # on the simulator, 130 tokens and 148 J each), that work idle, their rows silent on it.
+                trace.status, trace.outcome, trace.error = 502, "upstream_error", f"{CRASHED_NOTE}: {msg}"[:300]
+            elif trace is not None:
                 trace.status, trace.outcome, trace.error = 502, "upstream_unreachable", msg[:300]
             body = json.dumps({"error": {"message": msg, "type": "bad_gateway", "code": 502}}).encode()
             return web.Response(status=502, body=body, content_type="application/json")

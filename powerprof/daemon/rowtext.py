@@ -379,6 +379,15 @@ def _run_on_note(r: LiveRequest) -> str:
     answer on llama.cpp) until its end (`Ledger._run_on`: scrape.RUNS_ON_AFTER_LEAVE)."""
     tr = r.trace
     s = (r.run_on_end_ns - tr.end_ns) / 1e9
+    if r.run_on_crash:  # `Ledger._run_on`: a whole answer the server had, its connection closed with no answer
+        s = (r.run_on_end_ns - tr.arrival_ns) / 1e9
+        lead = (f"the server closed its connection with no answer {s:.2f} s after its arrival (a crash: its process "
+                "died, its head would have come only when it was done), and the client got the proxy's 502; it is "
+                "costed as run until then, its prefill and then its decode")
+        if r.run_on_tokens > 0:
+            return (f"{lead}: {r.run_on_tokens:.0f} tokens decoded at {r.run_on_pace} pace (an estimate; its attributed "
+                    "tokens count them), which no client received")
+        return f"{lead}: its decode there unseen (no pace to decode it at)"
     if r.run_on_prefill:  # llama.cpp: a stream gone before its first token
         return (f"llama-server prefilled its prompt whole after its client left, about {s:.1f} s to its estimated first "
                 "token (it looks at a stream's connection only at a result of its own): its energy includes that "
@@ -387,14 +396,9 @@ def _run_on_note(r: LiveRequest) -> str:
     how = (f"a stream's request {stream_s:g} s after its client left" if tr.stream is True else
            f"a whole answer's request at its next {wait_s:g} s wait from its start")
     said = ("sglang:num_aborted_requests_total and in none of its token counters")
-    if r.run_on_restart and r.run_on_end_ns <= tr.end_ns:  # `Ledger._cut_run_on`: it died before its client left
-        lead = (f"the server did not run it on after its client left: the process that had it restarted {-s:.2f} s "
-                f"before, and it is costed to there, not to its client's leaving ({_death_words(r)})")
-        if r.run_on_tokens > 0:
-            return (f"{lead}: its energy includes the work done for it until then, which no client received, "
-                    f"{r.run_on_tokens:.0f} tokens decoded at {r.run_on_pace} pace (an estimate; its attributed tokens "
-                    "count them)")
-        return lead
+    if r.run_on_restart and r.run_on_end_ns <= tr.end_ns:  # `Ledger._cut_run_on`: its death placed at the leaving
+        return (f"the server did not run it on after its client left: the process that had it died as its client left "
+                f"or after, and it is costed to its client's leaving ({_death_words(r)})")
     elif r.run_on_restart:  # `Ledger._end_run_ons_at_restart`: the process running it died
         lead = f"the server ran on after its client left, about {s:.1f} s, until it restarted ({_death_words(r)})"
     elif r.run_on_to_end:  # llama.cpp (scrape.RUNS_ON_AFTER_LEAVE): no abort to wait for, its end
@@ -418,15 +422,22 @@ def _run_on_note(r: LiveRequest) -> str:
 def _death_words(r: LiveRequest) -> str:
     """When the process that ran `r` on died in a restart, as its run-on's end was placed (`Ledger._run_on_cut_ns`),
     and how well that end is known: its energy there is never silently dropped nor silently kept."""
-    a, b, down = r.run_on_death or (None, None, None)
+    a, b, down, lo = r.run_on_death or (None, None, None, None)
     if a is None:
         return "the process that had it gone"
+    since = ("its last scrape" if lo == a else
+             f"its client's leaving, {(lo - a) / 1e9:.2f} s after its last scrape (the proxy saw the connection to it "
+             "open then: a death closes it)" if lo == r.trace.end_ns else
+             f"this request's arrival, {(lo - a) / 1e9:.2f} s after its last scrape (it took the request)")
+    if down is not None and down <= lo:
+        return (f"the process that had it was alive at {since} and a scrape begun then found the server down: its end "
+                "placed there")
     if down is not None:
-        span = (down - a) / 1e9
-        return (f"the process that had it died between its last scrape and the first that found the server down, "
+        span = (down - lo) / 1e9
+        return (f"the process that had it died between {since} and the first that found the server down, "
                 f"{span:.2f} s later: its end placed midway, good to {span / 2:.2f} s either way")
-    return (f"the process that had it died after its last scrape, where its end is placed, a lower bound: no scrape "
-            f"found the server down before the new process's first, {(b - a) / 1e9:.2f} s later, and it may have "
+    return (f"the process that had it died after {since}, where its end is placed, a lower bound: no scrape "
+            f"found the server down before the new process's first, {(b - lo) / 1e9:.2f} s later, and it may have "
             "gone on up to that long")
 
 
