@@ -908,6 +908,18 @@ def test_a_whole_llamacpp_native_list_of_more_results_than_tasks_is_invalid_and_
     assert (s.invalid, s.generated_tokens, s.prompt_tokens, s.complete) == (None, 32, 60, True), s
 
 
+def test_a_llamacpp_native_task_ending_with_no_count_leaves_the_sum_unsaid():
+    # Task 0's final event without tokens_predicted, task 1's with it: the sum added None, a TypeError, and the stream
+    # was "unexpected event shape: TypeError".
+    data = _compact(_lc_native(0, [265], 1, 15), _lc_native(1, [288], 1, 15),
+                    {k: v for k, v in _lc_native(0, [], 1, 15, stop=True).items() if k != "tokens_predicted"},
+                    _lc_native(1, [], 1, 15, stop=True))
+    p = StreamParser("llamacpp", sequences=2)
+    p.feed(data)
+    s = p.finish()
+    assert s.unreadable == 0 and s.error is None and s.complete and s.generated_tokens == 2, s
+
+
 def test_anthropic_prompt_length_counts_the_cached_part_too():
     # llama-server's /v1/messages on a prompt it had cached: input_tokens is only the part it prefilled
     # (Anthropic's meaning), the cached part is cache_read_input_tokens. Before: prompt_tokens 1 for 63.

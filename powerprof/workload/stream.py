@@ -821,10 +821,11 @@ class StreamParser:
                 s.stop_reason = "length"
             if predicted is not None:
                 s.task_predicted[idx] = predicted
-                s.predicted_total = sum(s.task_predicted.values())
             else:
                 s.task_predicted.setdefault(idx, None)
-                s.predicted_total = None
+            # The server's count of all only while every task ended has said its own (a None summed was a TypeError).
+            told = s.task_predicted.values()
+            s.predicted_total = None if None in told else sum(told)
             s.complete = len(s.task_predicted) >= tasks
             self._timings(obj.get("timings"), idx)
         if n > 0:
