@@ -2063,6 +2063,10 @@ class SimServer:
         n_predict = n_predicts[0]
 
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
+        if api == "llamacpp":
+            # llama-server's native /completion runs n_cmpl (else n) tasks per prompt, index prompt × n_cmpl + choice
+            # (server-task.cpp params_from_json_cmpl; handle_completions_impl). Before: always one.
+            n_choices = body.get("n_cmpl", body.get("n", 1))
         if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
             return self._bad_request("Field 'n': must be an integer of at least 1")
         temperature = body.get("temperature")
