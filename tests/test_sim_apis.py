@@ -359,6 +359,13 @@ def test_a_llamacpp_native_completion_runs_a_task_per_n_cmpl_choice_as_llama_ser
             assert len(_batch_rows(srv, key + "-s")) == tasks
 
 
+def test_a_llamacpp_empty_prompt_list_is_refused_as_llama_server_refuses_it():
+    # b11434: `"prompt": []` is 400 '"prompt" must not be empty'. Before: 500 (an IndexError in _serve).
+    with SimServer(SimNVML("h200-141g", state_path=None), decode_tok_s=400) as srv:
+        status, raw = _post(srv.url + "/completion", {"prompt": [], "n_predict": 2})
+        assert status == 400 and b'"prompt\\" must not be empty' in raw, (status, raw[:300])
+
+
 @pytest.mark.parametrize("flavour", ["vllm", "sglang"])
 def test_a_vllm_or_sglang_batch_of_prompts_is_an_engine_request_per_prompt_and_its_usage_sums_them(flavour):
     # vLLM (entrypoints/openai/completion/serving.py, _create_completion: a generator per engine input, choice index

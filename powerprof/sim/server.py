@@ -1742,6 +1742,8 @@ class SimServer:
         if isinstance(prompt, str):
             return [prompt]
         if self.flavour == "llamacpp":
+            if isinstance(prompt, list) and not prompt:
+                return self._bad_request('"prompt" must not be empty')  # b11434 (was a 500: no task to index)
             items = [prompt] if isinstance(prompt, dict) or (isinstance(prompt, list) and any(
                 type(x) is int for x in prompt)) else prompt
             out = []
