@@ -366,6 +366,20 @@ def test_a_llamacpp_empty_prompt_list_is_refused_as_llama_server_refuses_it():
         assert status == 400 and b'"prompt\\" must not be empty' in raw, (status, raw[:300])
 
 
+def test_a_llamacpp_prompt_id_out_of_the_vocabulary_is_refused_as_llama_server_refuses_it():
+    # b11434: an id past the model's vocabulary (999999, 10**12) is 400 "Prompt contains invalid tokens", on
+    # /completion and /v1/completions alike. Before: the simulator ran it (200).
+    from powerprof.sim.server import N_VOCAB
+
+    with SimServer(SimNVML("h200-141g", state_path=None), decode_tok_s=400) as srv:
+        for path in ("/completion", "/v1/completions"):
+            for ids in ([1, 2, 999999], [1, 10**12], [[1], [N_VOCAB]]):
+                status, raw = _post(srv.url + path, {"prompt": ids, "n_predict": 2, "max_tokens": 2})
+                assert status == 400 and b"Prompt contains invalid tokens" in raw, (path, ids, status, raw[:300])
+            status, raw = _post(srv.url + path, {"prompt": [1, N_VOCAB - 1], "n_predict": 2, "max_tokens": 2})
+            assert status == 200, (path, raw[:300])
+
+
 @pytest.mark.parametrize("flavour", ["vllm", "sglang"])
 def test_a_vllm_or_sglang_batch_of_prompts_is_an_engine_request_per_prompt_and_its_usage_sums_them(flavour):
     # vLLM (entrypoints/openai/completion/serving.py, _create_completion: a generator per engine input, choice index

@@ -107,6 +107,9 @@ class _Echo:
                 "top_logprobs": [None if lp is None else {t: lp} for t, lp in zip(toks, lps)]}
 
 
+# The simulated model's vocabulary: its token ids are 0 .. N_VOCAB - 1 (a Llama-2-sized one).
+N_VOCAB = 32000
+
 _NO_ECHO = _Echo(None)
 
 
@@ -1340,7 +1343,7 @@ class SimServer:
                     self._m_itl.observe(gap / n)
         req.emissions.append((t, n))
         req.emission_late_ns.append(max(t - self._window_ns[1], 0))
-        ids = [(req.text_seed + 7919 * (start + k)) % 32000 for k in range(n)]
+        ids = [(req.text_seed + 7919 * (start + k)) % N_VOCAB for k in range(n)]
         pieces = [_piece(i, self.textless_share) for i in ids]
         req.textless += pieces.count("")
         text = "".join(pieces)
@@ -1667,7 +1670,7 @@ class SimServer:
             text = str(body.get("prompt", ""))
             special = bool(body.get("add_special_tokens", True))
         n = count_prompt_tokens(text) - (0 if special else 1)
-        ids = [(zlib.crc32(w.encode()) % 32000) for w in _WORD.findall(text)]
+        ids = [(zlib.crc32(w.encode()) % N_VOCAB) for w in _WORD.findall(text)]
         ids = ([1] if special else []) + ids
         assert len(ids) == n
         if self.flavour == "llamacpp":
@@ -1762,7 +1765,7 @@ class SimServer:
                 for x in item:
                     if type(x) is str:
                         words += _WORD.findall(x)
-                    elif int(x) < 0:
+                    elif not 0 <= int(x) < N_VOCAB:  # b11434: a negative id, or one past the vocabulary (was run)
                         return self._bad_request("Prompt contains invalid tokens")
                     else:
                         words.append(f"i{int(x)}")
