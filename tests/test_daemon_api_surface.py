@@ -367,6 +367,10 @@ def test_a_llamacpp_batch_of_prompts_through_the_daemon_is_counted_and_costed_as
                                            "stream_options": {"include_usage": True}}),
         "native-stream": ("/completion", {"prompt": prompts, "n_predict": 60, "ignore_eos": True, "stream": True}),
         "native": ("/completion", {"prompt": prompts, "n_predict": 60, "ignore_eos": True}),
+        # One prompt's n_cmpl (else n) choices: a task each, as a list's prompts (before: the sim ran one).
+        "native-n2-stream": ("/completion", {"prompt": prompts[1], "n_predict": 60, "n": 2, "ignore_eos": True,
+                                             "stream": True}),
+        "native-ncmpl2": ("/completion", {"prompt": prompts[1], "n_predict": 60, "n_cmpl": 2, "ignore_eos": True}),
     }
     data = tmp_path / "data"
     env = sim_env(tmp_path)
@@ -402,6 +406,6 @@ def test_a_llamacpp_batch_of_prompts_through_the_daemon_is_counted_and_costed_as
         assert t["sequences"] == 2 and t["generated"] == 120, what  # a sequence per prompt, each its 60 tokens
         assert row["outcome"] == "ok" and row["generated_tokens"] == 120, what
         assert row["attributed_tokens"] == pytest.approx(120), what
-        if tag != "native" or not pd.isna(row["prompt_tokens"]):
+        if tag not in ("native", "native-ncmpl2") or not pd.isna(row["prompt_tokens"]):
             assert row["prompt_tokens"] == t["prompt_tokens"], what
         assert row["gpu_energy_j"] == pytest.approx(t["energy_j"], rel=0.25), what

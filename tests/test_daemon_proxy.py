@@ -2150,6 +2150,24 @@ def test_the_prompt_fields_are_read_alike_for_size_count_and_sequences():
                                                                          "sequences": 2}
 
 
+def test_a_llamacpp_native_n_cmpl_or_n_is_a_task_per_choice():
+    # llama-server's /completion runs n_cmpl (else n) tasks per prompt (server-task.cpp params_from_json_cmpl;
+    # handle_completions_impl). Unread, n = 2 was one sequence: the row said 24 generated of the server's 48, J/token
+    # doubled, unflagged (real b11434).
+    from powerprof.daemon.proxy import inspect_request_body
+
+    def extra(doc):
+        out = {}
+        inspect_request_body(json.dumps(doc).encode(), "", "llamacpp", out)
+        return {k: out.get(k) for k in ("sequences", "choices")}
+
+    assert extra({"prompt": "a b", "n": 2}) == {"sequences": 2, "choices": 2}
+    assert extra({"prompt": "a b", "n_cmpl": 2}) == {"sequences": 2, "choices": 2}
+    assert extra({"prompt": "a b", "n_cmpl": 3, "n": 2}) == {"sequences": 3, "choices": 3}  # n_cmpl first
+    assert extra({"prompt": ["a b", "c"], "n_cmpl": 2}) == {"sequences": 4, "choices": 2}
+    assert extra({"prompt": "a b", "n": "2"}) == {"sequences": None, "choices": None}  # not an int: its default, 1
+
+
 def test_a_big_batch_body_is_read_whole_its_every_prompt_counted_and_sized():
     # 1 MiB of 262k one-character prompts held the event loop ~457 ms (74 ms before prompt sizes were read: two
     # prompt_count passes and an all(...) per item); now one pass of C-level type checks. Its time against the JSON

@@ -592,6 +592,9 @@ def test_messages_responses_several_choices_and_prompt_lists_are_counted_as_the_
         # Native /completion of a list: a task per prompt, a list of their results whole, their events by `index`.
         "native-list-stream": ("/completion", {"n_predict": n, "stream": True, "prompt": prompts}, 2),
         "native-list": ("/completion", {"n_predict": n, "prompt": prompts}, 2),
+        # Its n_cmpl (else n): a task per choice, as a list of prompts (before: 24 generated of 48, unflagged).
+        "native-n2-stream": ("/completion", {"n_predict": n, "n": 2, "stream": True, "prompt": "the power of the clock"}, 2),
+        "native-ncmpl2": ("/completion", {"n_predict": n, "n_cmpl": 2, "prompt": "the power of the clock"}, 2),
     }
     for body in (b for _, b, _ in plan.values()):
         body["temperature"] = 0

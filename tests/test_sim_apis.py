@@ -341,6 +341,45 @@ def test_a_llamacpp_batch_of_prompts_is_a_task_per_prompt_decoded_together_and_a
         assert isinstance(json.loads(raw), dict)
 
 
+def test_a_llamacpp_native_completion_runs_a_task_per_n_cmpl_choice_as_llama_server_does():
+    # llama-server's /completion runs n_cmpl (else n) tasks per prompt (server-task.cpp params_from_json_cmpl,
+    # handle_completions_impl), index prompt × n_cmpl + choice (captured on b11434). Before: the simulator ran one
+    # task for n = 2, its truth one sequence, so the daemon's half count of a real server could not show here.
+    with SimServer(SimNVML("h200-141g", state_path=None), decode_tok_s=400, n_slots=4) as srv:
+        for key, body in (("n", {"prompt": "the power", "n_predict": 6, "n": 2, "ignore_eos": True}),
+                          ("ncmpl", {"prompt": ["the power", "a b"], "n_predict": 6, "n_cmpl": 2, "ignore_eos": True})):
+            status, raw = _post(srv.url + "/completion", body, {"X-Sim-Request-Id": key})
+            doc = json.loads(raw)
+            tasks = 2 if key == "n" else 4
+            assert status == 200 and isinstance(doc, list) and [d["index"] for d in doc] == list(range(tasks)), raw[:300]
+            assert sum(d["tokens_predicted"] for d in doc) == sum(t["generated"] for t in _batch_rows(srv, key)) == 6 * tasks
+            status, raw = _post(srv.url + "/completion", dict(body, stream=True), {"X-Sim-Request-Id": key + "-s"})
+            finals = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+            assert sorted(f["index"] for f in finals if f["stop"]) == list(range(tasks)), raw[:300]
+            assert len(_batch_rows(srv, key + "-s")) == tasks
+
+
+def test_a_llamacpp_empty_prompt_list_is_refused_as_llama_server_refuses_it():
+    # b11434: `"prompt": []` is 400 '"prompt" must not be empty'. Before: 500 (an IndexError in _serve).
+    with SimServer(SimNVML("h200-141g", state_path=None), decode_tok_s=400) as srv:
+        status, raw = _post(srv.url + "/completion", {"prompt": [], "n_predict": 2})
+        assert status == 400 and b'"prompt\\" must not be empty' in raw, (status, raw[:300])
+
+
+def test_a_llamacpp_prompt_id_out_of_the_vocabulary_is_refused_as_llama_server_refuses_it():
+    # b11434: an id past the model's vocabulary (999999, 10**12) is 400 "Prompt contains invalid tokens", on
+    # /completion and /v1/completions alike. Before: the simulator ran it (200).
+    from powerprof.sim.server import N_VOCAB
+
+    with SimServer(SimNVML("h200-141g", state_path=None), decode_tok_s=400) as srv:
+        for path in ("/completion", "/v1/completions"):
+            for ids in ([1, 2, 999999], [1, 10**12], [[1], [N_VOCAB]]):
+                status, raw = _post(srv.url + path, {"prompt": ids, "n_predict": 2, "max_tokens": 2})
+                assert status == 400 and b"Prompt contains invalid tokens" in raw, (path, ids, status, raw[:300])
+            status, raw = _post(srv.url + path, {"prompt": [1, N_VOCAB - 1], "n_predict": 2, "max_tokens": 2})
+            assert status == 200, (path, raw[:300])
+
+
 @pytest.mark.parametrize("flavour", ["vllm", "sglang"])
 def test_a_vllm_or_sglang_batch_of_prompts_is_an_engine_request_per_prompt_and_its_usage_sums_them(flavour):
     # vLLM (entrypoints/openai/completion/serving.py, _create_completion: a generator per engine input, choice index

@@ -849,6 +849,77 @@ def test_a_whole_llamacpp_native_answer_of_several_prompts_is_its_tasks_summed()
     assert (s.error, s.generated_tokens, s.prompt_tokens, s.complete) == (None, 16, 85, True), s
 
 
+# A native /completion of one prompt with n_cmpl 2 and one of 2 prompts with n_cmpl 2, as b11434 streams them (captured:
+# a task per prompt and choice, index prompt × n_cmpl + choice, each task's prompt length its own).
+LLAMACPP_NATIVE_N2 = _compact(
+    _lc_native(1, [288], 1, 16), _lc_native(0, [265], 1, 16), _lc_native(1, [295], 2, 16), _lc_native(0, [259], 2, 16),
+    _lc_native(1, [], 2, 16, stop=True), _lc_native(0, [], 2, 16, stop=True))
+LLAMACPP_NATIVE_2X2 = _compact(
+    _lc_native(1, [288], 1, 16), _lc_native(0, [265], 1, 16), _lc_native(1, [], 1, 16, stop=True),
+    _lc_native(0, [], 1, 16, stop=True), b"null", _lc_native(3, [288], 1, 9), _lc_native(2, [265], 1, 9),
+    _lc_native(3, [], 1, 9, stop=True), _lc_native(2, [], 1, 9, stop=True))
+
+
+@pytest.mark.parametrize("data,choices,sequences,generated,prompt", [
+    (LLAMACPP_NATIVE_N2, 2, 2, 4, 32), (LLAMACPP_NATIVE_2X2, 2, 4, 4, 50)])
+def test_a_llamacpp_native_stream_of_n_choices_sums_a_task_per_choice(data, choices, sequences, generated, prompt):
+    # Before: index >= prompts folded into task 0: n = 2 said "the server counted 24 but its stream carried 48"; 2
+    # prompts × n_cmpl 2 counted 10 generated and 25 prompt of 20 and 50, complete (real b11434).
+    from powerprof.daemon.streams import summary_counts
+
+    for count_only in (False, True):
+        p = StreamParser("llamacpp", count_only=count_only, choices=choices, sequences=sequences)
+        n = sum(e.n_tokens for e in p.feed(data))
+        s = p.finish()
+        assert (n, s.generated_tokens, s.prompt_tokens, s.complete, s.error) == (generated, generated, prompt, True,
+                                                                                 None), s
+        assert summary_counts(s).count_problem is None
+
+
+def test_a_llamacpp_native_batch_event_of_no_task_is_invalid():
+    # An index out of the request's tasks, or none in a batch, was taken for task 0: an index 2 sent as 7 counted 18
+    # generated of 27, no index at all 9, unflagged (real b11434 capture, 3 prompts).
+    for bad in ({"index": 7}, {"index": None}, {"index": "1"}):
+        events = [dict(_lc_native(i, [288], 1, 15), **(bad if i == 1 else {})) for i in (0, 1)]
+        events += [dict(_lc_native(i, [], 1, 15, stop=True), **(bad if i == 1 else {})) for i in (0, 1)]
+        data = _compact(*[{k: v for k, v in e.items() if v is not None or k != "index"} for e in events])
+        for count_only in (False, True):
+            p = StreamParser("llamacpp", count_only=count_only, sequences=2)
+            p.feed(data)
+            s = p.finish()
+            assert s.invalid is not None and "index" in s.invalid and not s.complete, (bad, s)
+            assert s.error.count("invalid event index") == 1, s.error  # said once, not per event
+    # One task, no index (older builds): task 0, as before.
+    s = parse_response("llamacpp", json.dumps({"content": "a", "tokens_predicted": 1, "stop": True}).encode())[1]
+    assert s.invalid is None and s.generated_tokens == 1
+
+
+def test_a_whole_llamacpp_native_list_of_more_results_than_tasks_is_invalid_and_not_read():
+    # 20,001 results answering 3 prompts said 27 generated, complete, and reading them held the proxy's loop (4.4 s).
+    task = lambda i: dict(_lc_native(i, [], 8, 15, stop=True), content=" of that", tokens=[])  # noqa: E731
+    from powerprof.daemon.streams import summary_counts
+
+    _, s = parse_response("llamacpp", json.dumps([task(0), task(1), task(2)] * 50).encode(), sequences=3)
+    assert s.invalid is not None and "150 results" in s.invalid and summary_counts(s).generated_tokens is None, s
+    _, s = parse_response("llamacpp", json.dumps([task(0), task(0)]).encode(), sequences=2)
+    assert s.invalid is not None and "twice" in s.invalid, s
+    _, s = parse_response("llamacpp", json.dumps([task(0), task(1), task(2), task(3)]).encode(), choices=2,
+                          sequences=4)
+    assert (s.invalid, s.generated_tokens, s.prompt_tokens, s.complete) == (None, 32, 60, True), s
+
+
+def test_a_llamacpp_native_task_ending_with_no_count_leaves_the_sum_unsaid():
+    # Task 0's final event without tokens_predicted, task 1's with it: the sum added None, a TypeError, and the stream
+    # was "unexpected event shape: TypeError".
+    data = _compact(_lc_native(0, [265], 1, 15), _lc_native(1, [288], 1, 15),
+                    {k: v for k, v in _lc_native(0, [], 1, 15, stop=True).items() if k != "tokens_predicted"},
+                    _lc_native(1, [], 1, 15, stop=True))
+    p = StreamParser("llamacpp", sequences=2)
+    p.feed(data)
+    s = p.finish()
+    assert s.unreadable == 0 and s.error is None and s.complete and s.generated_tokens == 2, s
+
+
 def test_anthropic_prompt_length_counts_the_cached_part_too():
     # llama-server's /v1/messages on a prompt it had cached: input_tokens is only the part it prefilled
     # (Anthropic's meaning), the cached part is cache_read_input_tokens. Before: prompt_tokens 1 for 63.

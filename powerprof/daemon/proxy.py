@@ -329,11 +329,27 @@ def lax_bool(v) -> bool | None:
 MAX_SEQUENCES = 4096
 
 
+def _llamacpp_int(v) -> int | None:
+    """A JSON int as llama-server's json_value reads one (nlohmann's get<int>): a number (a float truncated) or a bool;
+    None where absent or of another type (a string: the server logs it and takes its default)."""
+    if type(v) in (int, bool):
+        return int(v)
+    if type(v) is float and abs(v) <= MAX_COUNT:
+        return int(v)
+    return None
+
+
 def request_choices(doc: dict, api: str | None) -> int:
-    """The `n` choices a request asks for each of its prompts (chat, completions; 1 where `n` is not a positive
+    """The `n` choices a request asks for each of its prompts (chat, completions, llama.cpp's native `n_cmpl`; 1 where `n` is not a positive
     whole number, `whole_count`, or is over MAX_SEQUENCES: the server refuses such a request). The ledger needs it apart from the
     sequences: vLLM says a prompt once for its n choices, llama.cpp once per choice."""
     n = whole_count(doc.get("n")) if api in ("openai-chat", "openai-completions") else None
+    if api == "llamacpp":
+        # llama-server's native /completion runs a task per choice too (server-task.cpp params_from_json_cmpl:
+        # `n_cmpl`, else `n`; handle_completions_impl: n_cmpl - 1 child tasks per prompt). Unread, n = 2 counted
+        # half the work, unflagged (real b11434: 24 generated of 48, J/token doubled).
+        n = _llamacpp_int(doc.get("n_cmpl"))
+        n = n if n is not None else _llamacpp_int(doc.get("n"))
     if api == "sglang-generate":
         # SGLang's sampling_params: one dict, or one per prompt, each with the same `n` (its parallel_sample_num).
         sp = doc.get("sampling_params")

@@ -107,6 +107,9 @@ class _Echo:
                 "top_logprobs": [None if lp is None else {t: lp} for t, lp in zip(toks, lps)]}
 
 
+# The simulated model's vocabulary: its token ids are 0 .. N_VOCAB - 1 (a Llama-2-sized one).
+N_VOCAB = 32000
+
 _NO_ECHO = _Echo(None)
 
 
@@ -1340,7 +1343,7 @@ class SimServer:
                     self._m_itl.observe(gap / n)
         req.emissions.append((t, n))
         req.emission_late_ns.append(max(t - self._window_ns[1], 0))
-        ids = [(req.text_seed + 7919 * (start + k)) % 32000 for k in range(n)]
+        ids = [(req.text_seed + 7919 * (start + k)) % N_VOCAB for k in range(n)]
         pieces = [_piece(i, self.textless_share) for i in ids]
         req.textless += pieces.count("")
         text = "".join(pieces)
@@ -1667,7 +1670,7 @@ class SimServer:
             text = str(body.get("prompt", ""))
             special = bool(body.get("add_special_tokens", True))
         n = count_prompt_tokens(text) - (0 if special else 1)
-        ids = [(zlib.crc32(w.encode()) % 32000) for w in _WORD.findall(text)]
+        ids = [(zlib.crc32(w.encode()) % N_VOCAB) for w in _WORD.findall(text)]
         ids = ([1] if special else []) + ids
         assert len(ids) == n
         if self.flavour == "llamacpp":
@@ -1742,6 +1745,8 @@ class SimServer:
         if isinstance(prompt, str):
             return [prompt]
         if self.flavour == "llamacpp":
+            if isinstance(prompt, list) and not prompt:
+                return self._bad_request('"prompt" must not be empty')  # b11434 (was a 500: no task to index)
             items = [prompt] if isinstance(prompt, dict) or (isinstance(prompt, list) and any(
                 type(x) is int for x in prompt)) else prompt
             out = []
@@ -1760,7 +1765,7 @@ class SimServer:
                 for x in item:
                     if type(x) is str:
                         words += _WORD.findall(x)
-                    elif int(x) < 0:
+                    elif not 0 <= int(x) < N_VOCAB:  # b11434: a negative id, or one past the vocabulary (was run)
                         return self._bad_request("Prompt contains invalid tokens")
                     else:
                         words.append(f"i{int(x)}")
@@ -2063,6 +2068,10 @@ class SimServer:
         n_predict = n_predicts[0]
 
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
+        if api == "llamacpp":
+            # llama-server's native /completion runs n_cmpl (else n) tasks per prompt, index prompt × n_cmpl + choice
+            # (server-task.cpp params_from_json_cmpl; handle_completions_impl). Before: always one.
+            n_choices = body.get("n_cmpl", body.get("n", 1))
         if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
             return self._bad_request("Field 'n': must be an integer of at least 1")
         temperature = body.get("temperature")

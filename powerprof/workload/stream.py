@@ -562,8 +562,8 @@ class StreamParser:
             return None
         if self.api == "llamacpp":
             i = v.find(b'"tokens":[')
-            if i < 0 or b'"stop":false' not in v:
-                return None
+            if i < 0 or b'"stop":false' not in v or (self._prompts * self._choices > 1 and b'"index":0' not in v):
+                return None  # a batch's event marked with no index is the full parse's to flag
             # The full parse checks tokens_predicted (a count in range): anything but plain digits
             # in range goes there, so an invalid value is recorded the same way.
             m = _PREDICTED.search(v)
@@ -780,16 +780,25 @@ class StreamParser:
         content = content if isinstance(content, str) else ""
         tokens = obj.get("tokens")
         predicted = self._count(obj, "tokens_predicted")
-        # A list of prompts runs a task per prompt, each event marked with its task's `index` (server-context.cpp,
-        # handle_completions_impl): counts, prompt lengths and ends are each task's own, the stream's their sums.
+        # A list of prompts, or n_cmpl (`n`) choices, runs a task per prompt and choice, each event marked with its
+        # task's `index`, prompt × n_cmpl + choice (server-context.cpp, handle_completions_impl): counts, prompt
+        # lengths and ends are each task's own, the stream's their sums.
+        tasks = self._prompts * self._choices
         idx = obj.get("index")
-        idx = idx if type(idx) is int and 0 <= idx < self._prompts else 0
+        if idx is None and tasks == 1:
+            idx = 0  # older builds mark no index: one task
+        elif type(idx) is not int or not 0 <= idx < tasks:
+            # Not one of the request's tasks: folded into task 0, a batch's count was a fraction of its work, unflagged
+            # (an index 2 sent as 7: 18 generated of 27; no index at all: 9). Its tokens are in no task's count; said once.
+            if s.invalid is None:
+                self._invalid("event index", f"{idx!r} is not one of the request's {tasks} tasks (prompts × n_cmpl)")
+            return
         ev = self._count(obj, "tokens_evaluated")
         if ev is not None and idx not in s.task_evaluated:
             # Every token event carries its prompt's length: a stream cut before its end still says it, once every
             # task of the batch has said its own.
             s.task_evaluated[idx] = ev
-            if len(s.task_evaluated) >= self._prompts:
+            if len(s.task_evaluated) >= tasks:
                 s.prompt_tokens = sum(s.task_evaluated.values())
         done_before = self._choice_count(idx)
         if isinstance(tokens, list):
@@ -812,11 +821,12 @@ class StreamParser:
                 s.stop_reason = "length"
             if predicted is not None:
                 s.task_predicted[idx] = predicted
-                s.predicted_total = sum(s.task_predicted.values())
             else:
                 s.task_predicted.setdefault(idx, None)
-                s.predicted_total = None
-            s.complete = len(s.task_predicted) >= self._prompts
+            # The server's count of all only while every task ended has said its own (a None summed was a TypeError).
+            told = s.task_predicted.values()
+            s.predicted_total = None if None in told else sum(told)
+            s.complete = len(s.task_predicted) >= tasks
             self._timings(obj.get("timings"), idx)
         if n > 0:
             if predicted is not None and self._counted(n):
@@ -1418,12 +1428,25 @@ def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1
     if api == "llamacpp" and isinstance(obj, list) and obj:
         # A list of prompts: the list of each task's final result, in task order (llama-server's handle_completions_impl
         # answers one object for a single task, a list for several); each read as a whole answer of its own below.
+        tasks = p._prompts * p._choices
+        if len(obj) > tasks:
+            # More results than the request's tasks (prompts × n_cmpl): no sum of them is its work, and reading them
+            # all held the proxy's event loop (20,001 items, 42 MB: 4.4 s, "27 generated", complete).
+            p._invalid("response", f"{len(obj)} results for the request's {tasks} tasks (prompts × n_cmpl)")
+            return [], p._summary()
+        seen: set = set()
         for i, o in enumerate(obj):
             if not isinstance(o, dict):
                 p._unreadable("response item is not a JSON object")
                 continue
             o = dict(o, stop=True) if "stop" not in o and "content" in o else o
+            # The list is in task order (its results placed by index): a result marked with none is its place's.
             o = o if "index" in o else dict(o, index=i)
+            if type(o["index"]) is int:  # any other is _llamacpp's to flag
+                if o["index"] in seen:
+                    p._invalid("response", f"task {o['index']} answered twice")
+                    break
+                seen.add(o["index"])
             if isinstance(o.get("tokens"), list) is False and o.get("tokens_predicted") is None:
                 pn = _int((o.get("timings") or {}).get("predicted_n")) if isinstance(o.get("timings"), dict) else None
                 if pn is not None:
