@@ -207,8 +207,7 @@ class CountReconciler:
         self.server_from_ns: int | None = None
         self.server_before = UNREAD  # what the intervals wholly before it say in server_count (add_server_tokens)
         self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
-        # (window end, bypass level, the most and the least lag a delay of the proxy's own can hold there, the end of
-        # the window the level is taken at) of recent windows
+        # (window end, bypass level, the most and the least lag a delay of the proxy's own can hold there) of recent windows
         self._levels: deque = deque()
         # (start, end, bypass tokens) of the windows resolved in the last LAG_S: the bypass traffic's pace lately, taken
         # out of the server's pace where a held burst is placed back over windows not yet resolved
@@ -919,12 +918,6 @@ class CountReconciler:
             recent = [x for x in self._levels if x[0] >= sp.t1_ns - credit_ns]
             ref_least = max([x[3] for x in recent], default=self._ahead[1])
             ref_most = max([x[2] for x in recent], default=self._ahead[0])
-            # The most lag the reference may hold: the bypass tokens before this window are at least each recent level
-            # taken at an edge before it less the most lag there, so the reference holds at most ref - level + that lag
-            # of lag, the least of them. The largest lag any level held alone (a batch's whole step in the measured
-            # delay after one edge in 3 s, nearly always) marked honest windows: 0 bypass tokens exact, 4-9 of ~30 busy
-            # rows of lockstep streams beside a counter read early in its GET (tests/test_daemon_bypass_lag.py).
-            ref_most = min([ref_most] + [ref - x[1] + x[2] for x in recent if x[4] <= sp.t0_ns])
             while self._levels and self._levels[0][0] < sp.t1_ns - credit_ns:
                 self._levels.popleft()
             sp.bypass_tokens = max(0.0, level - ref)
@@ -1170,7 +1163,7 @@ class CountReconciler:
                 self._ref_last = level
             if sp.bypass_tokens > 0 and sp.finished_latency is not None:
                 self._spread_back(sp, pt, dur)
-            self._levels.append((sp.t1_ns, level, float(ahead_n[low]), float(ahead_lo[low]), int(ends[low])))
+            self._levels.append((sp.t1_ns, level, float(ahead_n[low]), float(ahead_lo[low])))
             self._bypassed.append((sp.t0_ns, sp.t1_ns, sp.bypass_tokens))
             while self._bypassed and self._bypassed[0][1] < sp.t1_ns - lag_ns:
                 self._bypassed.popleft()
