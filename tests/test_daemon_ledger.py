@@ -4414,3 +4414,21 @@ def test_whether_tools_sent_with_tool_choice_none_are_rendered_is_judged_only_cl
     cut.extra["prompt_tools_none_chars"] = 10000
     tokens, how = led._body_estimate(cut)
     assert "may or may not" in how, how
+
+
+def test_a_turn_naming_one_whose_tools_sent_with_tool_choice_none_were_undecided_says_so():
+    # A Responses turn's conversation (its counted prompt less its tools) is what a later turn naming it prefills.
+    # Its tools sent with tool_choice "none" were in that count only if the server rendered them: undecided, taking
+    # them out may take out tokens never counted. Before: taken out, the later turn's estimate silent on it.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    tr = RequestTrace(1, "POST", "/v1/responses", None, int(1 * S), 0, api="openai-responses", stream=False)
+    tr.extra.update(prompt_chars=7040, prompt_tools_none_chars=3040, prompt_uncarried_chars=3040)
+    led.on_start(tr)
+    tr.end_ns, tr.status = int(1.5 * S), 200
+    tr.counts = Counts(5, 1000, "m", "stop", "usage", response_id="resp_a")
+    led.on_end(tr)
+    assert led.tools_when_none.get("openai-responses") is None and "resp_a" in led.response_context
+    nxt = RequestTrace(2, "POST", "/v1/responses", None, int(2 * S), 0, api="openai-responses", stream=True)
+    nxt.extra.update(prev_response_id="resp_a", prompt_new_chars=400)
+    tokens, how = led._body_estimate(nxt)
+    assert "may or may not" in how and "resp_a" not in how, how

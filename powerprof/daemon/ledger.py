@@ -415,6 +415,9 @@ class Ledger:
         # judged confirms whatever it first read (vLLM, every chat with the same tools: "not rendered", -85%).
         self.tools_none_tally: dict[str, list[int]] = {}
         self.plain_lengths = PromptLengths()
+        # Of `response_context`, the turns whose tools sent with tool_choice "none" were taken out of their counted
+        # prompt while undecided whether the server rendered them: their tokens, said on a later turn's estimate.
+        self.context_tools_unsure: dict[str, int] = {}
         self.prompts_estimated: dict[str, int] = {}  # {why the server never counted it: requests}
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus, gpu_unknown_s=(0.0,) * n_gpus,
                              gpu_unread_now=(False,) * n_gpus)
@@ -654,7 +657,7 @@ class Ledger:
         ctx[response_id] = tokens
         ctx.move_to_end(response_id)
         while len(ctx) > RESPONSE_CONTEXT_KEEP:
-            ctx.popitem(last=False)
+            self.context_tools_unsure.pop(ctx.popitem(last=False)[0], None)
 
     def _tools_rendered(self, api: str, chars: int, tools_chars: int, tokens: float) -> bool | None:
         """Whether this server renders tools sent with tool_choice "none", from its tally of clear judgments
@@ -703,6 +706,12 @@ class Ledger:
             return None
         alt = self.prompt_lengths.estimate(tr.api, new_chars - maybe, None) if rendered is None else None
         new = (new[0], new[1] + _tools_none_words(maybe, rendered, None if alt is None else ctx + alt[0]))
+        unsure = self.context_tools_unsure.get(prev)
+        if unsure is not None:
+            new = (new[0], new[1] + (f"; its previous turn's `tools` sent with tool_choice \"none\" (about {unsure} tokens) "
+                                     f"were taken out of that conversation, though this server may or may not have "
+                                     f"rendered them (its counted prompts have not shown which): {ctx + unsure + new[0]:.0f}"
+                                     f" if not; fix: send no `tools` with tool_choice \"none\""))
         return ctx + new[0], (f"the {ctx} tokens of its previous response's conversation (its prompt less its tools and instructions, and its "
                               f"output less its thinking and function calls, as the server counted them through this proxy) "
                               f"and {new[1]}")
@@ -832,8 +841,8 @@ class Ledger:
             chars, maybe = trace.extra.get("prompt_chars"), trace.extra.get("prompt_tools_none_chars") or 0
             # Tools sent with tool_choice "none": learned from as the server rendered them, or not (before, always
             # as characters of its prompt: SGLang's ratio fell, 0.144 tokens a character for 0.2).
-            rendered = self._tools_rendered(trace.api, chars, maybe, c.prompt_tokens / copies) \
-                if maybe and chars is not None else True
+            rendered = True if not maybe else self.tools_when_none.get(trace.api) if chars is None else \
+                self._tools_rendered(trace.api, chars, maybe, c.prompt_tokens / copies)  # a stateful turn: not judged
             less = maybe if rendered is False else 0
             if not maybe:
                 self.plain_lengths.learn(trace.api, chars, c.prompt_tokens / copies,
@@ -853,6 +862,10 @@ class Ledger:
                 if c.carried_chars is not None:
                     said = min(said, round(c.carried_chars * per_char))
                 self._keep_context(c.response_id, max(round(c.prompt_tokens - gone), 0) + said)
+                if rendered is None:  # taken out, though they may never have been in its count
+                    self.context_tools_unsure[c.response_id] = round(maybe * per_char)
+                else:
+                    self.context_tools_unsure.pop(c.response_id, None)
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
         none_seen = not trace.tokens_seen and not r.ev_n and not r.spent and trace.stream is True
