@@ -4432,3 +4432,18 @@ def test_a_turn_naming_one_whose_tools_sent_with_tool_choice_none_were_undecided
     nxt.extra.update(prev_response_id="resp_a", prompt_new_chars=400)
     tokens, how = led._body_estimate(nxt)
     assert "may or may not" in how and "resp_a" not in how, how
+
+
+def test_tools_rendered_denser_than_prose_are_judged_rendered():
+    # A tool's JSON schema takes more tokens a character than prose (the simulator's vLLM: about 0.32 for 0.2): a
+    # count past the reading without them by at least half the tools' prose size, and at most twice it beyond,
+    # reads "rendered". Before: only within the spread of the prose reading, so vLLM's Responses turns with 20 tools
+    # (counted 3122, read 2298 with them, 1000 without) were never judged, each estimate left undecided.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    for k in range(3):
+        _counted_chat(led, 1 + k, 4000, 0, 1000)
+    for k in range(3):
+        _counted_chat(led, 10 + k, 7040, 3040, round(1000 + 3040 * 0.4))
+    assert led.tools_when_none.get("openai-chat") is True
+    _counted_chat(led, 20, 7040, 3040, 9000)  # far past both: no judgment
+    assert led.tools_none_tally["openai-chat"] == [3, 0]

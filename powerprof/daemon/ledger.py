@@ -662,15 +662,18 @@ class Ledger:
     def _tools_rendered(self, api: str, chars: int, tools_chars: int, tokens: float) -> bool | None:
         """Whether this server renders tools sent with tool_choice "none", from its tally of clear judgments
         (`tools_when_none`), this counted prompt's (`tokens`, its body `chars` with `tools_chars` such) added: clear
-        where its count lies within the spread of the ratio learned from prompts without such tools of one reading
-        and not the other, the tools' tokens over twice that spread (a dense prompt with tiny tools, 6001 tokens for
+        where its count lies near one reading and not the other, at the ratio learned from prompts without such tools
+        (without: within its spread; with: from half the tools' tokens to twice them, and the spread), the tools'
+        tokens over twice that spread (a dense prompt with tiny tools, 6001 tokens for
         338 characters of tools, flipped the latest-wins verdict). None: undecided."""
         spread = self.plain_lengths.spread(api)
         if spread is not None:
             with_ = self.plain_lengths.estimate(api, chars, None)[0]
             without = self.plain_lengths.estimate(api, max(chars - tools_chars, 0), None)[0]
-            near_with, near_without = abs(tokens - with_) <= spread * with_, abs(tokens - without) <= spread * without
-            if with_ - without > 2.0 * spread * with_ and near_with != near_without:
+            tools = with_ - without  # at the prose ratio: a schema's JSON takes more (the simulator's vLLM 0.32 for 0.2)
+            near_with = without + 0.5 * tools <= tokens <= with_ + tools + spread * with_
+            near_without = abs(tokens - without) <= spread * without
+            if tools > 2.0 * spread * with_ and near_with != near_without:
                 self.tools_none_tally.setdefault(api, [0, 0])[0 if near_with else 1] += 1
         yes, no = self.tools_none_tally.get(api, (0, 0))
         rendered = True if yes >= 3 * no and yes else False if no >= 3 * yes and no else None
