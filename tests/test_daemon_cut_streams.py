@@ -639,7 +639,8 @@ def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its
             await asyncio.sleep(0.05)
         url = daemon.urls["proxy"] + "/v1/chat/completions"
         async with aiohttp.ClientSession() as s:
-            for k, kw in enumerate([{}, {}, {"tools": tools, "tool_choice": "none"}, {}]):
+            # Three prompts with no such tools first: the ratio a tools-"none" prompt is judged against (its spread).
+            for k, kw in enumerate([{}, {}, {}, {"tools": tools, "tool_choice": "none"}, {}]):
                 r = await s.post(url, json=chat(200 + 300 * k, max_tokens=4, **kw),
                                  headers={"X-Sim-Request-Id": f"warm{k}", "X-Powerprof-Tag": f"warm{k}"})
                 await r.read()

@@ -2181,3 +2181,20 @@ def test_a_big_batch_body_is_read_whole_its_every_prompt_counted_and_sized():
         assert extra["prompt_count"] == len(doc["prompt"]), extra.get("prompt_count")
         sized = extra.get("prompt_chars") or extra.get("prompt_ids")
         assert sized is not None and "prompt_unsized" not in extra, {k: v for k, v in extra.items() if k != "prompt_ids"}
+
+
+def test_a_stateful_responses_turn_keeps_apart_its_tools_sent_with_tool_choice_none():
+    # A turn naming an earlier one (previous_response_id) is sized as that turn's counted conversation plus its own
+    # input (prompt_new_chars), its own `tools` in it. Sent with tool_choice "none" they are rendered or not as the
+    # server's (Ledger._body_estimate leaves them out where it renders none). Before: kept apart only where the body
+    # had a prompt_chars, which a stateful turn never has: its tools always counted (simulator's SGLang, a cut turn
+    # with 20 tools: 2461 estimated for a true 1161, +112%, and no word of it).
+    from powerprof.daemon.proxy import inspect_request_body
+
+    tools = [{"type": "function", "name": "f", "description": "d" * 500}]
+    extra = {}
+    inspect_request_body(json.dumps({"input": "next", "previous_response_id": "resp_a", "tools": tools,
+                                     "tool_choice": "none"}).encode(), "", "openai-responses", extra)
+    assert "prompt_chars" not in extra and extra["prev_response_id"] == "resp_a"
+    assert extra["prompt_tools_none_chars"] == len(json.dumps(tools, separators=(",", ":")))
+    assert extra["prompt_new_chars"] >= extra["prompt_tools_none_chars"] + len("next")

@@ -242,16 +242,19 @@ class Totals:
 
 
 
-def _tools_none_words(tools_chars: int, rendered: bool | None) -> str:
-    """What an estimate's basis says of tools sent with tool_choice "none" (Ledger._body_estimate)."""
+def _tools_none_words(tools_chars: int, rendered: bool | None, without: float | None = None) -> str:
+    """What an estimate's basis says of tools sent with tool_choice "none" (Ledger._body_estimate); `without`: the
+    estimate without them, where it is unsure whether this server renders them."""
     if not tools_chars or rendered:
         return ""
     if rendered is False:
         return (f"; its `tools` ({tools_chars} characters) left out: this server rendered none for tool_choice "
                 f"\"none\" in the prompts it counted")
-    return (f"; its `tools` ({tools_chars} characters) counted, though a server may render none for tool_choice "
-            f"\"none\" (SGLang; vLLM with --exclude-tools-when-tool-choice-none) and none of this server's such prompts "
-            f"was counted yet; fix: send no `tools` with tool_choice \"none\"")
+    return (f"; its `tools` ({tools_chars} characters) sent with tool_choice \"none\" counted, though this server may or "
+            f"may not render them (SGLang does not, nor vLLM with --exclude-tools-when-tool-choice-none) and its counted "
+            f"prompts have not shown which (judged only against prompts without such tools, where clear): "
+            f"{'?' if without is None else round(without)} without them; fix: send no `tools` with tool_choice \"none\"")
+
 
 class Ledger:
     def __init__(
@@ -407,6 +410,14 @@ class Ledger:
         # not, nor vLLM's with --exclude-tools-when-tool-choice-none), as the last such prompt it counted showed
         # (`_tools_rendered`); absent: none seen yet, its tools counted (vLLM's default).
         self.tools_when_none: dict[str, bool] = {}
+        # Per API, the clear judgments so far ([rendered, not]); a verdict once one side has three times the other's.
+        # Judged against the ratio of prompts with no such tools alone (`plain_lengths`): one learned from the prompts
+        # judged confirms whatever it first read (vLLM, every chat with the same tools: "not rendered", -85%).
+        self.tools_none_tally: dict[str, list[int]] = {}
+        self.plain_lengths = PromptLengths()
+        # Of `response_context`, the turns whose tools sent with tool_choice "none" were taken out of their counted
+        # prompt while undecided whether the server rendered them: their tokens, said on a later turn's estimate.
+        self.context_tools_unsure: dict[str, int] = {}
         self.prompts_estimated: dict[str, int] = {}  # {why the server never counted it: requests}
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus, gpu_unknown_s=(0.0,) * n_gpus,
                              gpu_unread_now=(False,) * n_gpus)
@@ -652,16 +663,30 @@ class Ledger:
         ctx[response_id] = tokens
         ctx.move_to_end(response_id)
         while len(ctx) > RESPONSE_CONTEXT_KEEP:
-            ctx.popitem(last=False)
+            self.context_tools_unsure.pop(ctx.popitem(last=False)[0], None)
 
-    def _tools_rendered(self, api: str, chars: int, tools_chars: int, tokens: float) -> bool:
-        """Whether a prompt the server counted (`tokens`, its body `chars` with `tools_chars` of tools sent with
-        tool_choice "none") had its tools rendered: its count nearer the estimate with them than without, at the
-        ratio learned from the prompts before it; kept as this server's way (`tools_when_none`)."""
-        with_ = self.prompt_lengths.estimate(api, chars, None)
-        without = self.prompt_lengths.estimate(api, max(chars - tools_chars, 0), None)
-        rendered = with_ is None or without is None or abs(tokens - with_[0]) <= abs(tokens - without[0])
-        self.tools_when_none[api] = rendered
+    def _tools_rendered(self, api: str, chars: int, tools_chars: int, tokens: float) -> bool | None:
+        """Whether this server renders tools sent with tool_choice "none", from its tally of clear judgments
+        (`tools_when_none`), this counted prompt's (`tokens`, its body `chars` with `tools_chars` such) added: clear
+        where its count lies near one reading and not the other, at the ratio learned from prompts without such tools
+        (without: within its spread; with: from half the tools' tokens to twice them, and the spread), the tools'
+        tokens over twice that spread (a dense prompt with tiny tools, 6001 tokens for
+        338 characters of tools, flipped the latest-wins verdict). None: undecided."""
+        spread = self.plain_lengths.spread(api)
+        if spread is not None:
+            with_ = self.plain_lengths.estimate(api, chars, None)[0]
+            without = self.plain_lengths.estimate(api, max(chars - tools_chars, 0), None)[0]
+            tools = with_ - without  # at the prose ratio: a schema's JSON takes more (the simulator's vLLM 0.32 for 0.2)
+            near_with = without + 0.5 * tools <= tokens <= with_ + tools + spread * with_
+            near_without = abs(tokens - without) <= spread * without
+            if tools > 2.0 * spread * with_ and near_with != near_without:
+                self.tools_none_tally.setdefault(api, [0, 0])[0 if near_with else 1] += 1
+        yes, no = self.tools_none_tally.get(api, (0, 0))
+        rendered = True if yes >= 3 * no and yes else False if no >= 3 * yes and no else None
+        if rendered is None:
+            self.tools_when_none.pop(api, None)
+        else:
+            self.tools_when_none[api] = rendered
         return rendered
 
     def _body_estimate(self, tr: RequestTrace) -> tuple[float, str] | None:
@@ -676,7 +701,10 @@ class Ledger:
         chars, new_chars = x.get("prompt_chars"), x.get("prompt_new_chars")
         est = self.prompt_lengths.estimate(tr.api, None if chars is None else chars - less, x.get("prompt_ids"),
                                            x.get("prompt_count", 1))
-        est = None if est is None else (est[0], est[1] + _tools_none_words(maybe, rendered))
+        if est is not None:
+            alt = self.prompt_lengths.estimate(tr.api, chars - maybe, x.get("prompt_ids"), x.get("prompt_count", 1)) \
+                if rendered is None and chars is not None else None
+            est = (est[0], est[1] + _tools_none_words(maybe, rendered, None if alt is None else alt[0]))
         prev = x.get("prev_response_id")
         if est is not None or prev is None or prev not in self.response_context:
             return est
@@ -685,7 +713,14 @@ class Ledger:
         new = self.prompt_lengths.estimate(tr.api, None if new_chars is None else new_chars - less, None)
         if new is None:
             return None
-        new = (new[0], new[1] + _tools_none_words(maybe, rendered))
+        alt = self.prompt_lengths.estimate(tr.api, new_chars - maybe, None) if rendered is None else None
+        new = (new[0], new[1] + _tools_none_words(maybe, rendered, None if alt is None else ctx + alt[0]))
+        unsure = self.context_tools_unsure.get(prev)
+        if unsure is not None:
+            new = (new[0], new[1] + (f"; its previous turn's `tools` sent with tool_choice \"none\" (about {unsure} tokens) "
+                                     f"were taken out of that conversation, though this server may or may not have "
+                                     f"rendered them (its counted prompts have not shown which): {ctx + unsure + new[0]:.0f}"
+                                     f" if not; fix: send no `tools` with tool_choice \"none\""))
         return ctx + new[0], (f"the {ctx} tokens of its previous response's conversation (its prompt less its tools and instructions, and its "
                               f"output less its thinking and function calls, as the server counted them through this proxy) "
                               f"and {new[1]}")
@@ -815,10 +850,15 @@ class Ledger:
             chars, maybe = trace.extra.get("prompt_chars"), trace.extra.get("prompt_tools_none_chars") or 0
             # Tools sent with tool_choice "none": learned from as the server rendered them, or not (before, always
             # as characters of its prompt: SGLang's ratio fell, 0.144 tokens a character for 0.2).
-            less = maybe if maybe and chars is not None and not self._tools_rendered(
-                trace.api, chars, maybe, c.prompt_tokens / copies) else 0
-            self.prompt_lengths.learn(trace.api, None if chars is None else chars - less, c.prompt_tokens / copies,
-                                      trace.extra.get("prompt_count", 1), trace.extra.get("prompt_ids"))
+            rendered = True if not maybe else self.tools_when_none.get(trace.api) if chars is None else \
+                self._tools_rendered(trace.api, chars, maybe, c.prompt_tokens / copies)  # a stateful turn: not judged
+            less = maybe if rendered is False else 0
+            if not maybe:
+                self.plain_lengths.learn(trace.api, chars, c.prompt_tokens / copies,
+                                         trace.extra.get("prompt_count", 1), trace.extra.get("prompt_ids"))
+            if rendered is not None:  # undecided: its size is not known, nor learned from
+                self.prompt_lengths.learn(trace.api, None if chars is None else chars - less, c.prompt_tokens / copies,
+                                          trace.extra.get("prompt_count", 1), trace.extra.get("prompt_ids"))
             if c.response_id is not None and trace.api == "openai-responses" and (trace.status or 200) < 400:
                 # Less the part a later turn does not prefill again (promptlen.uncarried_chars: its tools, rendered
                 # anew from that turn's own body, and its instructions), at the learned tokens a character; and its
@@ -831,6 +871,10 @@ class Ledger:
                 if c.carried_chars is not None:
                     said = min(said, round(c.carried_chars * per_char))
                 self._keep_context(c.response_id, max(round(c.prompt_tokens - gone), 0) + said)
+                if rendered is None:  # taken out, though they may never have been in its count
+                    self.context_tools_unsure[c.response_id] = round(maybe * per_char)
+                else:
+                    self.context_tools_unsure.pop(c.response_id, None)
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
         none_seen = not trace.tokens_seen and not r.ev_n and not r.spent and trace.stream is True

@@ -20,6 +20,8 @@ import numpy as np
 CHARS_PER_TOKEN = 4.0  # until this server has counted some prompts: English text, common BPE tokenizers
 KEEP = 256  # requests per endpoint the ratio is learned from
 MIN_FIT = 16  # requests before the intercept (template tokens) is fitted rather than the ratio of sums
+SPREAD_MIN = 3  # counted prompts before a ratio's spread is known (PromptLengths.spread)
+SPREAD_FLOOR = 0.1  # the least relative spread assumed: a few alike prompts show less than the traffic's
 
 
 def prompt_shape(doc: dict, api: str | None) -> tuple[int | None, int | None, str | None, int]:
@@ -391,6 +393,16 @@ class PromptLengths:
         self._fit[api] = (self.learned[api], a, b)
         return a, b, len(d)
 
+    def spread(self, api: str) -> float | None:
+        """How far this API's counted prompts lie from its fit, relatively (three standard deviations, at least
+        SPREAD_FLOOR); None until SPREAD_MIN were counted."""
+        d = self.seen.get(api)
+        if d is None or len(d) < SPREAD_MIN:
+            return None
+        a, b, _ = self._coef(api)
+        rel = [t / max(a + c * b, 1e-9) - 1.0 for c, t in d]
+        return max(3.0 * float(np.std(rel)), SPREAD_FLOOR)
+
     def per_char(self, api: str) -> float:
         """Tokens a character of this API's prompts, as learned (no template's tokens: a part of a prompt's)."""
         return self._coef(api)[1]
@@ -411,8 +423,8 @@ class PromptLengths:
         a, b, n = self._coef(api)
         if n == 0:
             return max(1.0, chars * b), (f"{chars} prompt characters{of} at {CHARS_PER_TOKEN:g} characters a token (a "
-                                          "default: no request of this endpoint has had its prompt counted by the "
-                                          "server yet)")
+                                          "default: no prompt of this endpoint that the server counted has been "
+                                          "learned from yet)")
         return max(1.0, k * a + chars * b), (f"{chars} prompt characters{of} at {a:.1f} + {b:.3f} tokens a character"
                                               f"{' each' if k > 1 else ''}, as this server counted its last {n} such "
                                               "prompts")

@@ -478,7 +478,8 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             if new_chars is not None:
                 extra["prompt_new_chars"] = new_chars
         maybe = tools_if_none(doc, api)
-        if maybe is not None and "prompt_chars" in extra:  # rendered or not as the server's (Ledger.tools_when_none)
+        # Rendered or not as the server's (Ledger.tools_when_none); a stateful turn's are in its prompt_new_chars.
+        if maybe is not None and ("prompt_chars" in extra or "prompt_new_chars" in extra):
             extra["prompt_tools_none_chars"] = maybe
         gone = uncarried_chars(doc, api)
         if gone is not None:  # not in what a later turn naming this one prefills: Ledger._keep_context leaves it out
