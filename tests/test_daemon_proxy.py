@@ -842,6 +842,55 @@ def test_a_compressed_response_that_inflates_past_the_bound_is_counted_up_to_it_
     assert t.tokens_seen == 2  # the event before the bound was counted
 
 
+def test_a_compressed_whole_answer_is_inflated_no_further_than_its_copy_bound(monkeypatch):
+    # Before: a whole answer's inflation ran on to INFLATE_MAX_BYTES (64 MiB) though only its first 4 MiB (the copy
+    # bound) could be read: a 65 KB gzip body inflated to 64 MiB in one call, 0.59 s holding the event loop (a loaded
+    # 2-core host), all for a row that says "not inspected". Now it stops past the copy bound; the row says the same.
+    import types
+    import zlib
+
+    from powerprof.daemon import proxy as proxy_mod
+
+    bomb = zlib.compress(b'{"content": "' + b"x" * (64 << 20) + b'", "tokens_predicted": 6}', 9)
+    inflated = []
+
+    class Spy:
+        def __init__(self, wbits):
+            self.d = zlib.decompressobj(wbits)
+
+        def decompress(self, data, max_length=0):
+            out = self.d.decompress(data, max_length)
+            inflated.append(len(out))
+            return out
+
+        @property
+        def unconsumed_tail(self):
+            return self.d.unconsumed_tail
+
+    monkeypatch.setattr(proxy_mod, "zlib", types.SimpleNamespace(decompressobj=Spy, error=zlib.error))
+
+    async def completion(request):
+        await request.read()
+        return web.Response(body=bomb, headers={"Content-Encoding": "deflate", "Content-Type": "application/json"})
+
+    async def main():
+        rec = Rec()
+        r1, r2, px_url = await _proxy_for_completion(completion, rec)
+        async with aiohttp.ClientSession(auto_decompress=False) as s:
+            async with s.post(px_url + "/completion", json={"stream": False}) as r:
+                body = await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec, body
+
+    rec, body = _run(main())
+    (t,) = rec.ended
+    assert body == bomb and t.response_bytes == len(bomb)
+    assert "response body over 4 MiB: not inspected, its tokens were not counted" in t.error
+    assert t.counts is None and t.tokens_seen == 0
+    assert 0 < sum(inflated) <= proxy_mod.BODY_COPY_MAX_BYTES + 1, sum(inflated)
+
+
 def test_a_5xx_answer_is_relayed_unchanged_and_recorded_as_an_upstream_error_not_ok():
     # Before: a 503 (or 500) relayed whole was outcome `ok`, error empty, in the rows and in
     # powerprof_requests_total{outcome="ok"}; and a non-streamed request's `stream` was left null.
