@@ -749,7 +749,8 @@ async def _stream_one(url: str, n: int) -> None:
 
 
 def _complete_direct(url: str, n: int) -> None:
-    body = json.dumps({"prompt": "the watt", "n_predict": n, "temperature": 0}).encode()
+    # ignore_eos: a random model may end early; the tests count exactly n.
+    body = json.dumps({"prompt": "the watt", "n_predict": n, "temperature": 0, "ignore_eos": True}).encode()
     urllib.request.urlopen(urllib.request.Request(url + "/completion", data=body, method="POST"), timeout=120).read()
 
 
@@ -880,7 +881,12 @@ def _metric(d: DaemonProc, pattern: str) -> float | None:
 
 
 # The most of the direct request's server tokens (the bypass traffic after the restart) in rows saying proxy_lag.
-LAG_SHARE_MOST = 0.6
+# One long GET (60-220 ms on a loaded host, ~1 ms idle) flags the 2-3 intervals beside its stamp by design: a 100-token
+# request (3-7 intervals) read 0.6-0.97 of its tokens proxy_lag in about 1 loaded run in 8, at 108dd46b and after alike
+# (82 runs, session 59, every flag from `_read_unsure`'s GET-span term), and 400 tokens still 0.66 in 1 of 4 under
+# load 7-10. The bound is what a reconciler flagging every interval with bypass tokens cannot pass (it reads 1.0).
+LAG_SHARE_MOST = 0.85
+DIRECT_TOKENS = 400
 
 
 @pytest.mark.parametrize("proxy_stalled", [False, True])
@@ -946,7 +952,7 @@ def test_a_daemon_in_front_of_a_llama_server_restarted_mid_traffic_says_so_in_ro
             # may hold the proxy's own delay), and begun 0.5 s after the cut, 1 run in 3 had two such rows `proxy_lag`
             # after the restart's window (58 and 0.8 of the 100 tokens; session 52, at 02964ca and after alike).
             time.sleep(LAG_S + 0.5)
-            _complete_direct(la.base_url, 100)
+            _complete_direct(la.base_url, DIRECT_TOKENS)
             time.sleep(3)  # its scrape windows resolved (1 s lookahead) before the daemon stops
         finally:
             rc = d.stop()
@@ -957,7 +963,7 @@ def test_a_daemon_in_front_of_a_llama_server_restarted_mid_traffic_says_so_in_ro
     intervals = read_dataset(tmp_path / "data", "intervals").sort_values("t_start_utc")
     said = intervals["server_count"].str.contains("server_restart", na=False)
     assert said.any(), intervals["server_count"].value_counts()
-    # After the restart's window the count is whole again; from it on, it has the direct request's 100 tokens (before
+    # After the restart's window the count is whole again; from it on, it has the direct request's tokens (before
     # the fix a restart told by the token counter alone was not told here: it read 0 before and after).
     after = intervals[intervals["t_start_utc"] >= intervals.loc[said, "t_end_utc"].max()]
     # The last one too: a clean stop scrapes the server once more (it said `unscraped` before that final scrape).
@@ -973,16 +979,17 @@ def test_a_daemon_in_front_of_a_llama_server_restarted_mid_traffic_says_so_in_ro
     assert set(said_after) <= {"complete", "proxy_lag"}, table
     busy, lag = np.flatnonzero(after["server_tokens"].to_numpy() > 0), np.flatnonzero(said_after == "proxy_lag")
     assert busy.size and (not lag.size or busy[0] - 1 <= lag[0] and lag[-1] <= busy[-1] + 1), table
-    # Not all of it: a GET's half moves a few tokens between two intervals, so most of the request's tokens stay in
-    # rows that say `complete`. Bounded by place alone, every one of its intervals flagged passed (a reconciler marking
+    # Not all of it: a GET's half moves a few tokens between two intervals, so some of the request's tokens stay in
+    # rows that say `complete` (LAG_SHARE_MOST). Bounded by place alone, every one of its intervals flagged passed (a reconciler marking
     # every interval with bypass tokens proxy_lag).
     server = after["server_tokens"].to_numpy()
     lag_share = float(server[lag].sum() / server.sum())
     assert lag_share <= LAG_SHARE_MOST, table
     since = intervals[intervals["t_start_utc"] >= intervals.loc[said, "t_start_utc"].min()]
-    assert since["server_tokens"].sum() == pytest.approx(100, abs=5), since[["server_tokens", "server_count"]]
-    # The only bypass traffic is those 100 tokens: none before the restart either (the proxy's lag is not bypass).
-    assert intervals["server_tokens"].sum() == pytest.approx(100, abs=5), intervals[["server_tokens", "server_count"]]
+    assert since["server_tokens"].sum() == pytest.approx(DIRECT_TOKENS, abs=5), since[["server_tokens", "server_count"]]
+    # The only bypass traffic is those tokens: none before the restart either (the proxy's lag is not bypass).
+    assert intervals["server_tokens"].sum() == pytest.approx(DIRECT_TOKENS, abs=5), intervals[["server_tokens",
+                                                                                              "server_count"]]
 
 
 def test_a_llama_server_without_metrics_marks_every_interval_slots_only_but_not_its_requests(infill_server, tmp_path):
