@@ -242,18 +242,27 @@ class Totals:
 
 
 
-def _tools_none_words(tools_chars: int, rendered: bool | None, without: float | None = None) -> str:
-    """What an estimate's basis says of tools sent with tool_choice "none" (Ledger._body_estimate); `without`: the
-    estimate without them, where it is unsure whether this server renders them."""
-    if not tools_chars or rendered:
+def _tools_none_words(tools_chars: int, rendered: bool | None, other: float | None = None,
+                      tally: tuple[int, int] = (0, 0)) -> str:
+    """What an estimate's basis says of tools sent with tool_choice "none" (Ledger._body_estimate); `other`: the
+    estimate under the other reading (without them where counted, with them where left out), said whatever the verdict:
+    a verdict comes from a tally of single prompts' judgments, which prompts of unusual density can tip (session 59's
+    review: +362% and -87% on verdicts of 3 to 0)."""
+    if not tools_chars:
         return ""
-    if rendered is False:
-        return (f"; its `tools` ({tools_chars} characters) left out: this server rendered none for tool_choice "
-                f"\"none\" in the prompts it counted")
-    return (f"; its `tools` ({tools_chars} characters) sent with tool_choice \"none\" counted, though this server may or "
-            f"may not render them (SGLang does not, nor vLLM with --exclude-tools-when-tool-choice-none) and its counted "
-            f"prompts have not shown which (judged only against prompts without such tools, where clear): "
-            f"{'?' if without is None else round(without)} without them; fix: send no `tools` with tool_choice \"none\"")
+    yes, no = tally
+    alt = "?" if other is None else round(other)
+    fix = "fix: send no `tools` with tool_choice \"none\""
+    if rendered is None:
+        return (f"; its `tools` ({tools_chars} characters) sent with tool_choice \"none\" counted, though this server may "
+                f"or may not render them (SGLang does not, nor vLLM with --exclude-tools-when-tool-choice-none) and its "
+                f"counted prompts have not shown which (judged only against prompts without such tools, where clear): "
+                f"{alt} without them; {fix}")
+    if rendered:
+        return (f"; its `tools` ({tools_chars} characters) sent with tool_choice \"none\" counted: this server rendered "
+                f"them in {yes} of {yes + no} clear judgments of its counted prompts; {alt} without them; {fix}")
+    return (f"; its `tools` ({tools_chars} characters) left out: this server rendered none for tool_choice \"none\" in "
+            f"{no} of {yes + no} clear judgments of its counted prompts; {alt} with them; {fix}")
 
 
 class Ledger:
@@ -698,13 +707,14 @@ class Ledger:
         maybe = x.get("prompt_tools_none_chars") or 0
         rendered = self.tools_when_none.get(tr.api) if maybe else True
         less = 0 if rendered is not False else maybe
+        tally = tuple(self.tools_none_tally.get(tr.api, (0, 0)))
         chars, new_chars = x.get("prompt_chars"), x.get("prompt_new_chars")
         est = self.prompt_lengths.estimate(tr.api, None if chars is None else chars - less, x.get("prompt_ids"),
                                            x.get("prompt_count", 1))
         if est is not None:
-            alt = self.prompt_lengths.estimate(tr.api, chars - maybe, x.get("prompt_ids"), x.get("prompt_count", 1)) \
-                if rendered is None and chars is not None else None
-            est = (est[0], est[1] + _tools_none_words(maybe, rendered, None if alt is None else alt[0]))
+            alt = self.prompt_lengths.estimate(tr.api, chars - (maybe - less), x.get("prompt_ids"),
+                                               x.get("prompt_count", 1)) if maybe and chars is not None else None
+            est = (est[0], est[1] + _tools_none_words(maybe, rendered, None if alt is None else alt[0], tally))
         prev = x.get("prev_response_id")
         if est is not None or prev is None or prev not in self.response_context:
             return est
@@ -713,8 +723,8 @@ class Ledger:
         new = self.prompt_lengths.estimate(tr.api, None if new_chars is None else new_chars - less, None)
         if new is None:
             return None
-        alt = self.prompt_lengths.estimate(tr.api, new_chars - maybe, None) if rendered is None else None
-        new = (new[0], new[1] + _tools_none_words(maybe, rendered, None if alt is None else ctx + alt[0]))
+        alt = self.prompt_lengths.estimate(tr.api, new_chars - (maybe - less), None) if maybe else None
+        new = (new[0], new[1] + _tools_none_words(maybe, rendered, None if alt is None else ctx + alt[0], tally))
         unsure = self.context_tools_unsure.get(prev)
         if unsure is not None:
             new = (new[0], new[1] + (f"; its previous turn's `tools` sent with tool_choice \"none\" (about {unsure} tokens) "
