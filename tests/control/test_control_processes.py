@@ -980,11 +980,32 @@ def test_the_stray_lock_check_is_skipped_past_its_budget(originals, tmp_path, mo
     monkeypatch.setattr(gpulock, "STRAY_CHECK_BUDGET_S", -1.0)
     with contextlib.contextmanager(_fake_proc)(tmp_path, "counts") as (lock, proc, _pid):
         assert gpulock.refuse_stray_locks([lock], proc=str(proc)) == f"skipped: budget ({proc}/locks)"
-    assert "was skipped: over its -1.0 s budget" in " ".join(capfd.readouterr().err.split())
+    assert "was skipped: over its budget (-1.0 s of CPU time, 3.0 s in all)" in " ".join(capfd.readouterr().err.split())
     with LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope()) as ctl:  # a controller goes on
         ctl.set_power_limit_w(220)
     assert "was skipped" in capfd.readouterr().err
     assert_untouched()
+
+
+@needs_root
+@pytest.mark.parametrize("descheduled_s", [0.3, 4.0])
+def test_the_stray_lock_check_counts_its_cpu_time_not_the_time_it_waits_for_a_cpu(originals, tmp_path, monkeypatch,
+                                                                                  descheduled_s):
+    # Its budget was wall time: another user's 30 busy loops beside a setuid `su` over 3,000 descriptors made it skip 5
+    # of 5 times (0.42-0.63 s for work of 0.06-0.1 s), and a second root controller then stepped a GPU whose lock
+    # folder was removed. Descheduled 0.3 s (the clock jumps, no CPU time spent) it still checks and refuses; only past
+    # its wall-time cap (3 s) is it skipped.
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    real_monotonic, calls = time.monotonic, []
+    monkeypatch.setattr(gpulock.time, "monotonic",
+                        lambda: real_monotonic() + (descheduled_s if calls.append(1) or len(calls) > 1 else 0.0))
+    with contextlib.contextmanager(_fake_proc)(tmp_path, "counts") as (lock, proc, pid):
+        if descheduled_s < gpulock.STRAY_CHECK_WALL_CAP_S:
+            with pytest.raises(GpuBusyError, match=f"kill {pid}"):
+                gpulock.refuse_stray_locks([lock], proc=str(proc))
+        else:
+            assert gpulock.refuse_stray_locks([lock], proc=str(proc)) == f"skipped: budget ({proc}/locks)"
 
 
 def _scope() -> str:
