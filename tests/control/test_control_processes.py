@@ -1008,6 +1008,48 @@ def test_the_stray_lock_check_counts_its_cpu_time_not_the_time_it_waits_for_a_cp
             assert gpulock.refuse_stray_locks([lock], proc=str(proc)) == f"skipped: budget ({proc}/locks)"
 
 
+def _clock_past_budget_after(monkeypatch, readlinks: int) -> None:
+    """This thread's CPU clock jumps past any budget once `_readlink` has been called `readlinks` times."""
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    real_readlink, real_thread_time, calls = gpulock._readlink, time.thread_time, []
+    monkeypatch.setattr(gpulock, "_readlink", lambda path: calls.append(1) or real_readlink(path))
+    monkeypatch.setattr(gpulock.time, "thread_time",
+                        lambda: real_thread_time() + (100.0 if len(calls) >= readlinks else 0.0))
+
+
+@needs_root
+def test_the_stray_lock_check_looks_at_its_budget_within_one_process_descriptors(originals, tmp_path, monkeypatch):
+    # A root process (a setuid program another user exec'd) holding ~2,000 descriptors of other names: the budget is
+    # looked at every 64 of them, so running out partway stops there (without that look, a mutant, the whole list was
+    # read and every test passed).
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    with contextlib.contextmanager(_fake_proc)(tmp_path, "counts") as (lock, proc, pid):
+        other = tmp_path / "other"
+        other.write_text("")
+        for n in range(100, 2100):
+            os.symlink(other, proc / str(pid) / "fd" / str(n))
+        _clock_past_budget_after(monkeypatch, 1000)
+        assert gpulock.refuse_stray_locks([lock], proc=str(proc)) == f"skipped: budget ({proc}/{pid}/fd)"
+
+
+@needs_root
+def test_the_stray_lock_check_looks_at_its_budget_before_each_process(originals, tmp_path, monkeypatch):
+    # Several root processes flocking files of the name: the budget is looked at before each one's descriptors are
+    # listed (without that look, a mutant, only the review's dry-run test failed, and for another reason).
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    with contextlib.contextmanager(_fake_proc)(tmp_path, "counts") as (lock, proc, pid):
+        lines = (proc / "locks").read_text()
+        for other in (pid + 1, pid + 2):
+            shutil.copytree(proc / str(pid), proc / str(other), symlinks=True)
+            lines += lines.splitlines(keepends=True)[1].replace(f" {pid} ", f" {other} ")
+        (proc / "locks").write_text(lines)
+        _clock_past_budget_after(monkeypatch, 1)
+        assert gpulock.refuse_stray_locks([lock], proc=str(proc)) == f"skipped: budget ({proc}/{pid + 1})"
+
+
 def _scope() -> str:
     from powerprof.rig import Rig  # noqa: PLC0415
 
