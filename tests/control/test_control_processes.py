@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import json
 import os
 import random
 import shutil
@@ -1006,6 +1007,27 @@ def test_the_stray_lock_check_counts_its_cpu_time_not_the_time_it_waits_for_a_cp
                 gpulock.refuse_stray_locks([lock], proc=str(proc))
         else:
             assert gpulock.refuse_stray_locks([lock], proc=str(proc)) == f"skipped: budget ({proc}/locks)"
+
+
+@needs_root
+def test_a_sweep_whose_stray_lock_check_was_skipped_says_so_in_its_run_json(originals, tmp_path, monkeypatch):
+    # A skip was said on stderr alone, gone with the terminal: the run's data now says its controller's start was not
+    # checked for a controller whose lock file was taken out of the lock folder.
+    from powerprof.control import gpulock  # noqa: PLC0415
+    from powerprof.rig import Rig  # noqa: PLC0415
+    from powerprof.sweep import run_sweep  # noqa: PLC0415
+    from powerprof.workload.client import RequestParams  # noqa: PLC0415
+
+    def sweep(out_dir):
+        with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2)) as rig:
+            outcome = run_sweep(rig, levels_spec="300", out_dir=out_dir, params=RequestParams(max_tokens=16),
+                                idle_s=0.2, interval_s=0.5, min_requests=2, max_requests=2, warmup_requests=0)
+        return json.loads((outcome.run_dir / "run.json").read_text())
+
+    assert sweep(tmp_path / "checked")["stray_lock_check_skipped"] is None
+    monkeypatch.setattr(gpulock, "STRAY_CHECK_BUDGET_S", -1.0)
+    assert sweep(tmp_path / "skipped")["stray_lock_check_skipped"].startswith("skipped: budget (")
+    assert_untouched()
 
 
 def _clock_past_budget_after(monkeypatch, readlinks: int) -> None:
