@@ -625,7 +625,8 @@ def refuse_stray_locks(locks: list[MachineLock], proc: str = "/proc") -> str | N
                 return None
             time.sleep(0.05)
             deadline.wall_s += 0.05  # the wait is the check's rule, not its cost (and no CPU time)
-            again = _stray_lock_holders(fds, deadline, proc)
+            # Only the holders seen can count again: reading every candidate each time tripled another user's cost.
+            again = _stray_lock_holders(fds, deadline, proc, only={pid for pid, _where in found.values()})
             found = {name: held for name, held in again.items() if name in found and held[0] == found[name][0]}
     except _OverBudget as e:
         folder = next(iter(ours.values()))[0].root_dir
@@ -648,7 +649,8 @@ def refuse_stray_locks(locks: list[MachineLock], proc: str = "/proc") -> str | N
         "runs", pid)
 
 
-def _stray_lock_holders(ours: dict[str, int], deadline: _Deadline, proc: str = "/proc") -> dict[str, tuple[int, str]]:
+def _stray_lock_holders(ours: dict[str, int], deadline: _Deadline, proc: str = "/proc",
+                        only: set[int] | None = None) -> dict[str, tuple[int, str]]:
     """{lock name: (pid, path it holds)} for each of root's lock names in `ours` (gpu-<digest of the GPU>.lock: the
     descriptor of our file, the one at the lock's path now) that another root process holds an exclusive flock on, on
     the lock folder's file system, in a file that is not ours: removed ("... (deleted)") or moved aside with its folder.
@@ -661,7 +663,7 @@ def _stray_lock_holders(ours: dict[str, int], deadline: _Deadline, proc: str = "
     then it is a regular file, root's, mode 0600. No less privileged user can make such a file, nor get root to hold
     one for it: a file of that public name held by any user made root's controllers and `restore` refuse before
     (6253a2d4). Where /proc cannot be read, nothing is found (the gap stays open there, as before). _OverBudget past
-    `deadline`."""
+    `deadline`. `only`: the processes looked at (None: every candidate)."""
     mine = {}
     for name, fd in ours.items():
         try:
@@ -675,7 +677,7 @@ def _stray_lock_holders(ours: dict[str, int], deadline: _Deadline, proc: str = "
     devs = {dev for pid, dev, ino in flocks if pid == me and ino in our_inodes}
     candidates: dict[int, set[int]] = {}
     for pid, dev, ino in flocks:
-        if pid > 0 and ino not in our_inodes and (not devs or dev in devs):
+        if pid > 0 and ino not in our_inodes and (not devs or dev in devs) and (only is None or pid in only):
             candidates.setdefault(pid, set()).add(ino)
     if not candidates:
         return {}

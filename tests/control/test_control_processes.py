@@ -1030,6 +1030,28 @@ def test_a_sweep_whose_stray_lock_check_was_skipped_says_so_in_its_run_json(orig
     assert_untouched()
 
 
+@needs_root
+def test_the_stray_lock_check_looks_again_only_at_the_holder_it_saw(originals, tmp_path, monkeypatch):
+    # A stray seen is looked at twice more; each look read every candidate again, so a setuid `su` over 19,000 other
+    # descriptors beside a real stray (the lock folder removed) cost three times its reading and the check skipped:
+    # a second root controller stepped the GPU beside the first. Only the holder seen first can count again.
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    with contextlib.contextmanager(_fake_proc)(tmp_path, "counts") as (lock, proc, pid):
+        other_pid = pid + 1
+        (proc / str(other_pid) / "fd").mkdir(parents=True)
+        (proc / str(other_pid) / "mountinfo").write_text("41 1 253:1 / / rw - ext4 /dev/vda1 rw\n")
+        for n in range(100, 2100):
+            os.symlink(tmp_path / "other", proc / str(other_pid) / "fd" / str(n))
+        lines = (proc / "locks").read_text()
+        (proc / "locks").write_text(lines + f"3: FLOCK  ADVISORY  WRITE {other_pid} fd:01:1234567 0 EOF\n")
+        read, real_readlink = [], gpulock._readlink
+        monkeypatch.setattr(gpulock, "_readlink", lambda path: read.append(path) or real_readlink(path))
+        with pytest.raises(GpuBusyError, match=f"kill {pid}"):
+            gpulock.refuse_stray_locks([lock], proc=str(proc))
+    assert len([p for p in read if p.startswith(f"{proc}/{other_pid}/")]) == 2000
+
+
 def _clock_past_budget_after(monkeypatch, readlinks: int) -> None:
     """This thread's CPU clock jumps past any budget once `_readlink` has been called `readlinks` times."""
     from powerprof.control import gpulock  # noqa: PLC0415
