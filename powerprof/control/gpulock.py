@@ -631,8 +631,9 @@ def refuse_stray_locks(locks: list[MachineLock], proc: str = "/proc") -> str | N
     except _OverBudget as e:
         folder = next(iter(ours.values()))[0].root_dir
         print(f"powerprof: warning: the check for a controller whose lock file was taken out of {folder} was skipped: "
-              f"over its budget ({STRAY_CHECK_BUDGET_S} s of CPU time, {STRAY_CHECK_WALL_CAP_S} s in all) reading {e} (another process's many locks or descriptors "
-              "make it slow). A second root controller is not refused by it this time: don't remove or move "
+              f"over its budget ({STRAY_CHECK_BUDGET_S} s of CPU time, {STRAY_CHECK_WALL_CAP_S} s in all) reading {e} "
+              "(another process's many locks or descriptors, or a loaded CPU, make it slow). A second root controller "
+              "is not refused by it this time: don't remove or move "
               f"{folder} while a controller runs", file=sys.stderr, flush=True)
         return f"skipped: budget ({e})"
     if not found:
