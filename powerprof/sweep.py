@@ -1578,6 +1578,7 @@ def run_sweep(
                 for i in infos
             ],
             "original_limits_w": list(ctl.original_limits_w) if ctl is not None else None,
+            "stray_lock_check_skipped": ctl.stray_lock_check_skipped if ctl is not None else None,
             "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
             "params": {k: v for k, v in params.__dict__.items() if not k.endswith("_timeout_s")},
             "interval_s": interval_s,

@@ -100,6 +100,9 @@ class LimitController:
         self.devices: tuple[DeviceRange, ...] = ()
         self._handles: list = []
         self._locks: list[GpuLock | MachineLock] = []
+        # "skipped: budget (where)" where this open's check for a root controller whose lock file was taken out of the
+        # lock folder ran out of its budget (fail-open: such a controller was not refused); None: checked, or no check.
+        self.stray_lock_check_skipped: str | None = None
         self._record: dict | None = None  # the restore record once written: our "dirty" flag
         # Whether a GPU was ever changed (the record was written), kept after the restore: a command may only say
         # "every GPU is back" where one was changed (it said so after a sweep that never reached a GPU).
@@ -158,7 +161,8 @@ class LimitController:
                     machine.acquire()
                     self._locks.append(machine)
             # Once for every GPU: a root controller whose lock file was taken out of the lock folder (never `restore`).
-            refuse_stray_locks([lock for lock in self._locks if isinstance(lock, MachineLock)])
+            self.stray_lock_check_skipped = refuse_stray_locks(
+                [lock for lock in self._locks if isinstance(lock, MachineLock)])
             # Read the originals again under the lock: another controller may have been restoring until now.
             self.devices = read_devices(self.nvml, self.indexes)
             self._refuse_if_pending_restore()

@@ -509,8 +509,14 @@ class MachineLock:
         self._drop_root_flock()
 
 
-# How long the stray-lock check may take, all of it (monotonic clock); past it the check is skipped, said on stderr.
+# How much of this thread's CPU time the stray-lock check may take, all of it (time.thread_time: CPU load alone, 30
+# busy loops of another user, skipped a wall-time budget 5 of 5 times); past it the check is skipped, said on stderr.
 STRAY_CHECK_BUDGET_S = 0.2
+# The most wall time (monotonic) it may take whatever its CPU time: it runs holding every lock (`restore` refused).
+# Under 30 busy loops the check of a `su` over 3,000 descriptors took 0.02 s of CPU time and 1.0-1.7 s of wall time.
+STRAY_CHECK_WALL_CAP_S = 3.0
+# Descriptors read between two looks at the clocks (every 512 overshot the budget 2-3x under load).
+_DESCRIPTORS_PER_CLOCK_CHECK = 64
 # A controller holds one descriptor of its root lock file (two for a moment, retrying its open): a root process
 # holding more of one name is none of ours (only root makes root processes; a setuid program another user exec'd
 # over descriptors it opened is root's too), and reading each of them was the cost another user chose.
@@ -521,15 +527,24 @@ class _OverBudget(Exception):
     """The stray-lock check ran past its deadline; the message says where."""
 
 
-def _check_deadline(deadline: float, where: str) -> None:
-    if time.monotonic() > deadline:
+class _Deadline:
+    """The stray-lock check's budget: STRAY_CHECK_BUDGET_S of this thread's CPU time and STRAY_CHECK_WALL_CAP_S of wall
+    time (monotonic), from now."""
+
+    def __init__(self):
+        self.cpu_s = time.thread_time() + STRAY_CHECK_BUDGET_S
+        self.wall_s = time.monotonic() + STRAY_CHECK_WALL_CAP_S
+
+
+def _check_deadline(deadline: _Deadline, where: str) -> None:
+    if time.thread_time() > deadline.cpu_s or time.monotonic() > deadline.wall_s:
         raise _OverBudget(where)
 
 
 _EXCLUSIVE_FLOCK = re.compile(rb"^[0-9]+: FLOCK +[A-Z]+ +WRITE +([0-9]+) +([0-9a-f]+:[0-9a-f]+):([0-9]+) ", re.M)
 
 
-def _exclusive_flocks(deadline: float, proc: str = "/proc") -> list[tuple[int, str, int]] | None:
+def _exclusive_flocks(deadline: _Deadline, proc: str = "/proc") -> list[tuple[int, str, int]] | None:
     """(pid, device as /proc/locks writes it, inode) of every exclusive flock held (a waiter's line, "N: -> FLOCK", left
     out), from /proc/locks; None where it cannot be read; _OverBudget past `deadline`. Read in chunks, the deadline
     checked before each: the kernel walks its list of locks from the start at every read of ~4 KB, so reading it all
@@ -595,27 +610,30 @@ def refuse_stray_locks(locks: list[MachineLock], proc: str = "/proc") -> str | N
     (`_stray_lock_holders`); a holder seen is looked at twice more, 50 ms apart, and counts only if seen each time (a
     root controller retrying its open as another let go holds the removed file for a moment).
     Its cost is another user's to choose (their locks, their descriptors in a setuid program), and it runs holding
-    every lock (`restore` refused meanwhile): past STRAY_CHECK_BUDGET_S (the 50 ms waits not counted) it is skipped,
-    fail-open, said on stderr. Returns None (checked, none found) or "skipped: budget (where)"."""
+    every lock (`restore` refused meanwhile): past STRAY_CHECK_BUDGET_S of this thread's CPU time, or
+    STRAY_CHECK_WALL_CAP_S of wall time (the 50 ms waits not counted), it is skipped, fail-open, said on stderr.
+    Returns None (checked, none found) or "skipped: budget (where)"."""
     ours = {lock.root_path.name: (lock, lock._fd) for lock in locks if lock._fd is not None}
     if not ours:
         return None
     fds = {name: fd for name, (_lock, fd) in ours.items()}
-    deadline = time.monotonic() + STRAY_CHECK_BUDGET_S
+    deadline = _Deadline()
     try:
         found = _stray_lock_holders(fds, deadline, proc)
         for _ in range(2):
             if not found:
                 return None
             time.sleep(0.05)
-            deadline += 0.05  # the wait is the check's rule, not its cost
-            again = _stray_lock_holders(fds, deadline, proc)
+            deadline.wall_s += 0.05  # the wait is the check's rule, not its cost (and no CPU time)
+            # Only the holders seen can count again: reading every candidate each time tripled another user's cost.
+            again = _stray_lock_holders(fds, deadline, proc, only={pid for pid, _where in found.values()})
             found = {name: held for name, held in again.items() if name in found and held[0] == found[name][0]}
     except _OverBudget as e:
         folder = next(iter(ours.values()))[0].root_dir
         print(f"powerprof: warning: the check for a controller whose lock file was taken out of {folder} was skipped: "
-              f"over its {STRAY_CHECK_BUDGET_S} s budget reading {e} (another process's many locks or descriptors "
-              "make it slow). A second root controller is not refused by it this time: don't remove or move "
+              f"over its budget ({STRAY_CHECK_BUDGET_S} s of CPU time, {STRAY_CHECK_WALL_CAP_S} s in all) reading {e} "
+              "(another process's many locks or descriptors, or a loaded CPU, make it slow). A second root controller "
+              "is not refused by it this time: don't remove or move "
               f"{folder} while a controller runs", file=sys.stderr, flush=True)
         return f"skipped: budget ({e})"
     if not found:
@@ -632,7 +650,8 @@ def refuse_stray_locks(locks: list[MachineLock], proc: str = "/proc") -> str | N
         "runs", pid)
 
 
-def _stray_lock_holders(ours: dict[str, int], deadline: float, proc: str = "/proc") -> dict[str, tuple[int, str]]:
+def _stray_lock_holders(ours: dict[str, int], deadline: _Deadline, proc: str = "/proc",
+                        only: set[int] | None = None) -> dict[str, tuple[int, str]]:
     """{lock name: (pid, path it holds)} for each of root's lock names in `ours` (gpu-<digest of the GPU>.lock: the
     descriptor of our file, the one at the lock's path now) that another root process holds an exclusive flock on, on
     the lock folder's file system, in a file that is not ours: removed ("... (deleted)") or moved aside with its folder.
@@ -645,7 +664,7 @@ def _stray_lock_holders(ours: dict[str, int], deadline: float, proc: str = "/pro
     then it is a regular file, root's, mode 0600. No less privileged user can make such a file, nor get root to hold
     one for it: a file of that public name held by any user made root's controllers and `restore` refuse before
     (6253a2d4). Where /proc cannot be read, nothing is found (the gap stays open there, as before). _OverBudget past
-    `deadline`."""
+    `deadline`. `only`: the processes looked at (None: every candidate)."""
     mine = {}
     for name, fd in ours.items():
         try:
@@ -659,7 +678,7 @@ def _stray_lock_holders(ours: dict[str, int], deadline: float, proc: str = "/pro
     devs = {dev for pid, dev, ino in flocks if pid == me and ino in our_inodes}
     candidates: dict[int, set[int]] = {}
     for pid, dev, ino in flocks:
-        if pid > 0 and ino not in our_inodes and (not devs or dev in devs):
+        if pid > 0 and ino not in our_inodes and (not devs or dev in devs) and (only is None or pid in only):
             candidates.setdefault(pid, set()).add(ino)
     if not candidates:
         return {}
@@ -676,7 +695,7 @@ def _stray_lock_holders(ours: dict[str, int], deadline: float, proc: str = "/pro
                 continue  # another user's process: whatever it holds, root gave it nothing of its lock folder's
             with os.scandir(f"{proc}/{pid}/fd") as entries:
                 for i, e in enumerate(entries):
-                    if i % 512 == 511:
+                    if i % _DESCRIPTORS_PER_CLOCK_CHECK == _DESCRIPTORS_PER_CLOCK_CHECK - 1:
                         _check_deadline(deadline, f"{proc}/{pid}/fd")
                     link = _readlink(e.path)
                     name = os.path.basename(link.removesuffix(" (deleted)")) if link else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import json
 import os
 import random
 import shutil
@@ -980,11 +981,117 @@ def test_the_stray_lock_check_is_skipped_past_its_budget(originals, tmp_path, mo
     monkeypatch.setattr(gpulock, "STRAY_CHECK_BUDGET_S", -1.0)
     with contextlib.contextmanager(_fake_proc)(tmp_path, "counts") as (lock, proc, _pid):
         assert gpulock.refuse_stray_locks([lock], proc=str(proc)) == f"skipped: budget ({proc}/locks)"
-    assert "was skipped: over its -1.0 s budget" in " ".join(capfd.readouterr().err.split())
+    assert "was skipped: over its budget (-1.0 s of CPU time, 3.0 s in all)" in " ".join(capfd.readouterr().err.split())
     with LimitController(SimNVML("seed-16g", count=2), [0], machine_scope=_scope()) as ctl:  # a controller goes on
         ctl.set_power_limit_w(220)
     assert "was skipped" in capfd.readouterr().err
     assert_untouched()
+
+
+@needs_root
+@pytest.mark.parametrize("descheduled_s", [0.3, 4.0])
+def test_the_stray_lock_check_counts_its_cpu_time_not_the_time_it_waits_for_a_cpu(originals, tmp_path, monkeypatch,
+                                                                                  descheduled_s):
+    # Its budget was wall time: another user's 30 busy loops beside a setuid `su` over 3,000 descriptors made it skip 5
+    # of 5 times (0.42-0.63 s for work of 0.06-0.1 s), and a second root controller then stepped a GPU whose lock
+    # folder was removed. Descheduled 0.3 s (the clock jumps, no CPU time spent) it still checks and refuses; only past
+    # its wall-time cap (3 s) is it skipped.
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    real_monotonic, calls = time.monotonic, []
+    monkeypatch.setattr(gpulock.time, "monotonic",
+                        lambda: real_monotonic() + (descheduled_s if calls.append(1) or len(calls) > 1 else 0.0))
+    with contextlib.contextmanager(_fake_proc)(tmp_path, "counts") as (lock, proc, pid):
+        if descheduled_s < gpulock.STRAY_CHECK_WALL_CAP_S:
+            with pytest.raises(GpuBusyError, match=f"kill {pid}"):
+                gpulock.refuse_stray_locks([lock], proc=str(proc))
+        else:
+            assert gpulock.refuse_stray_locks([lock], proc=str(proc)) == f"skipped: budget ({proc}/locks)"
+
+
+@needs_root
+def test_a_sweep_whose_stray_lock_check_was_skipped_says_so_in_its_run_json(originals, tmp_path, monkeypatch):
+    # A skip was said on stderr alone, gone with the terminal: the run's data now says its controller's start was not
+    # checked for a controller whose lock file was taken out of the lock folder.
+    from powerprof.control import gpulock  # noqa: PLC0415
+    from powerprof.rig import Rig  # noqa: PLC0415
+    from powerprof.sweep import run_sweep  # noqa: PLC0415
+    from powerprof.workload.client import RequestParams  # noqa: PLC0415
+
+    def sweep(out_dir):
+        with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2)) as rig:
+            outcome = run_sweep(rig, levels_spec="300", out_dir=out_dir, params=RequestParams(max_tokens=16),
+                                idle_s=0.2, interval_s=0.5, min_requests=2, max_requests=2, warmup_requests=0)
+        return json.loads((outcome.run_dir / "run.json").read_text())
+
+    assert sweep(tmp_path / "checked")["stray_lock_check_skipped"] is None
+    monkeypatch.setattr(gpulock, "STRAY_CHECK_BUDGET_S", -1.0)
+    assert sweep(tmp_path / "skipped")["stray_lock_check_skipped"].startswith("skipped: budget (")
+    assert_untouched()
+
+
+@needs_root
+def test_the_stray_lock_check_looks_again_only_at_the_holder_it_saw(originals, tmp_path, monkeypatch):
+    # A stray seen is looked at twice more; each look read every candidate again, so a setuid `su` over 19,000 other
+    # descriptors beside a real stray (the lock folder removed) cost three times its reading and the check skipped:
+    # a second root controller stepped the GPU beside the first. Only the holder seen first can count again.
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    with contextlib.contextmanager(_fake_proc)(tmp_path, "counts") as (lock, proc, pid):
+        other_pid = pid + 1
+        (proc / str(other_pid) / "fd").mkdir(parents=True)
+        (proc / str(other_pid) / "mountinfo").write_text("41 1 253:1 / / rw - ext4 /dev/vda1 rw\n")
+        for n in range(100, 2100):
+            os.symlink(tmp_path / "other", proc / str(other_pid) / "fd" / str(n))
+        lines = (proc / "locks").read_text()
+        (proc / "locks").write_text(lines + f"3: FLOCK  ADVISORY  WRITE {other_pid} fd:01:1234567 0 EOF\n")
+        read, real_readlink = [], gpulock._readlink
+        monkeypatch.setattr(gpulock, "_readlink", lambda path: read.append(path) or real_readlink(path))
+        with pytest.raises(GpuBusyError, match=f"kill {pid}"):
+            gpulock.refuse_stray_locks([lock], proc=str(proc))
+    assert len([p for p in read if p.startswith(f"{proc}/{other_pid}/")]) == 2000
+
+
+def _clock_past_budget_after(monkeypatch, readlinks: int) -> None:
+    """This thread's CPU clock jumps past any budget once `_readlink` has been called `readlinks` times."""
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    real_readlink, real_thread_time, calls = gpulock._readlink, time.thread_time, []
+    monkeypatch.setattr(gpulock, "_readlink", lambda path: calls.append(1) or real_readlink(path))
+    monkeypatch.setattr(gpulock.time, "thread_time",
+                        lambda: real_thread_time() + (100.0 if len(calls) >= readlinks else 0.0))
+
+
+@needs_root
+def test_the_stray_lock_check_looks_at_its_budget_within_one_process_descriptors(originals, tmp_path, monkeypatch):
+    # A root process (a setuid program another user exec'd) holding ~2,000 descriptors of other names: the budget is
+    # looked at every 64 of them, so running out partway stops there (without that look, a mutant, the whole list was
+    # read and every test passed).
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    with contextlib.contextmanager(_fake_proc)(tmp_path, "counts") as (lock, proc, pid):
+        other = tmp_path / "other"
+        other.write_text("")
+        for n in range(100, 2100):
+            os.symlink(other, proc / str(pid) / "fd" / str(n))
+        _clock_past_budget_after(monkeypatch, 1000)
+        assert gpulock.refuse_stray_locks([lock], proc=str(proc)) == f"skipped: budget ({proc}/{pid}/fd)"
+
+
+@needs_root
+def test_the_stray_lock_check_looks_at_its_budget_before_each_process(originals, tmp_path, monkeypatch):
+    # Several root processes flocking files of the name: the budget is looked at before each one's descriptors are
+    # listed (without that look, a mutant, only the review's dry-run test failed, and for another reason).
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    with contextlib.contextmanager(_fake_proc)(tmp_path, "counts") as (lock, proc, pid):
+        lines = (proc / "locks").read_text()
+        for other in (pid + 1, pid + 2):
+            shutil.copytree(proc / str(pid), proc / str(other), symlinks=True)
+            lines += lines.splitlines(keepends=True)[1].replace(f" {pid} ", f" {other} ")
+        (proc / "locks").write_text(lines)
+        _clock_past_budget_after(monkeypatch, 1)
+        assert gpulock.refuse_stray_locks([lock], proc=str(proc)) == f"skipped: budget ({proc}/{pid + 1})"
 
 
 def _scope() -> str:
