@@ -4020,7 +4020,7 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
 
 
 def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
-                           runs_on=(None, None), **restart_kw):
+                           runs_on=(None, None), error=None, **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4050,7 +4050,9 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
         if arrive > 0.5 and t - 0.1 < arrive <= t:  # arrived since the last tick
             led.on_start(whole)
         if not ended and t >= leave - 1e-9:
-            whole.end_ns, whole.outcome = int(leave * S), outcome
+            whole.end_ns, whole.outcome, whole.error = int(leave * S), outcome, error
+            if outcome != "client_disconnected":
+                whole.status = 502
             led.on_end(whole)
             ended = True
         e += 100.0 * 0.1
@@ -4170,6 +4172,32 @@ def test_a_run_on_cut_by_a_restart_ends_midway_to_the_first_scrape_that_found_th
     row = _llamacpp_whole_run_on([(1.5, 1.6)]) if server == "llamacpp" else _sglang_stream_run_on(up=2.1)
     assert "a lower bound: no scrape found the server down before the new process's first, 0.10 s later" in \
            (row["energy_note"] or ""), row["energy_note"]
+
+
+def test_a_close_with_no_answer_and_no_death_seen_is_not_costed_as_a_crash():
+    # A router in front of the server refused a whole answer by closing its connection with no byte (the server never
+    # had it: truth 0 J). Taken for a crash on the close alone, such a request was costed as run until then: on the
+    # simulator 78 J over 4 requests of 0 s each on an idle server, their rows saying "its process died". No scrape saw
+    # the server die: it is not costed, and its row says it closed with no answer and may have run.
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    row = _llamacpp_whole_run_on([], arrive=1.0, leave=1.3, end_s=4.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: refused")
+    note = (row["energy_note"] or "") + (row.get("energy_flags") or "")
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert not row["attributed_tokens"] and not row["gpu_energy_j"], row
+    assert "its process died" not in note and "may have run" in note, note
+
+
+def test_a_close_with_no_answer_where_the_server_was_found_down_is_costed_to_the_crash():
+    # The same close, where the scrape after it found the server down (its process died at 1.55 s): costed to the crash,
+    # run from its arrival at 0.5 s to the close (about 1 s at 100 W, the only request live: about 100 J).
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    row = _llamacpp_whole_run_on([(1.5, 2.0)], leave=1.55, end_s=6.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S))
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert 60.0 <= (row["gpu_energy_j"] or 0) <= 130.0, row
+    assert "closed its connection with no answer" in note, note
 
 
 def test_a_request_that_arrived_after_the_old_process_last_scrape_is_cut_by_its_death():

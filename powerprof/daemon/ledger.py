@@ -41,7 +41,7 @@ from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, crashed, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
+from .liverequest import (PROMPT_HOLD_S, closed_unanswered, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
                           LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
@@ -104,6 +104,9 @@ CACHE_KEEP_S = 300.0
 # with none, at its stream's own pace, or at the median pace of this many recent streams of at least RUN_ON_PACE_TOKENS
 # tokens (fewer give too few gaps for a pace).
 RUN_ON_PACES = 32
+# How long after the first scrape that found the server down (or the new process's first) a close with no answer may
+# still be that death's (`Ledger._crash_seen`): the proxy's close and the scrape are seen apart, about a scrape late.
+CRASH_CLOSE_SLACK_S = 1.0
 RUN_ON_PACE_TOKENS = 8
 # A whole answer a server runs on to its end (llama.cpp: `_run_on`) is held open no longer than this past its client's
 # leaving (its intervals wait for that run, bounded by the prompt hold too).
@@ -582,6 +585,20 @@ class Ledger:
         self._cut_run_on(r)
         return added
 
+    def _crash_seen(self, r: LiveRequest) -> bool:
+        """`r`'s close with no answer (liverequest.closed_unanswered) came as its server died: a whole answer to a
+        generation API (a stream's or a GET's close is not one `_run_on` places), closed within a restart's window, from
+        the old process's last scrape to the first that found the server down (or the new one's first, none did), give
+        or take CRASH_CLOSE_SLACK_S. The close alone is no proof: a router in front of the server refusing a request
+        closes so too, and taken for a crash such requests (never run) were costed 78 J over 4 on an idle simulated
+        server, their rows saying their process died."""
+        tr = r.trace
+        if (tr.method != "POST" or tr.api is None or tr.stream is True or tr.first_ns is not None or tr.end_ns is None
+                or r.ev_n or r.spent):
+            return False
+        slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
+        return any(a <= tr.end_ns <= (b if down is None else down) + slack for a, b, down in self._gone_at)
+
     def _learn_pace(self, r: LiveRequest) -> None:
         """Keep a finished stream's decode pace (tokens a second a sequence, first token to last) for `_run_on_gone`."""
         tr = r.trace
@@ -602,11 +619,12 @@ class Ledger:
         on the simulator's SGLang, streams cut after 41 tokens decoded 100-170 more for nobody, and the requests beside
         them were +54% to +251%, the cut ones 29-61% low."""
         tr = r.trace
-        if crashed(r) and tr.stream is not True and tr.first_ns is None and tr.end_ns is not None:
-            # A whole answer the server had, then closed its connection with no answer (a crash: its head comes only
-            # when it is done): it ran until then, decoding after its prefill, placed as a run-on's is
-            # (`_run_on_gone`). Before, upstream_unreachable: two on the simulator, 130 tokens and 148 J each, none.
-            r.run_on_end_ns, r.run_on_crash = tr.end_ns, True
+        if closed_unanswered(r):
+            if not r.crash_seen and self._crash_seen(r):
+                # A whole answer the server had, then closed its connection with no answer as it died (its head comes
+                # only when it is done): it ran until then, decoding after its prefill, placed as a run-on's is
+                # (`_run_on_gone`). Before, upstream_unreachable: two on the simulator, 130 tokens and 148 J each, none.
+                r.crash_seen, r.run_on_end_ns, r.run_on_crash = True, tr.end_ns, True
             return
         if (self.runs_on_after_leave is None or tr.outcome != "client_disconnected" or tr.end_ns is None
                 or tr.api is None or is_passive(r) or is_unseen(r) or (tr.error or "").startswith(BODY_LEFT_NOTE)):
@@ -1646,6 +1664,9 @@ class Ledger:
         if "server_restart" in partial and not restart_by_fall:
             a, b = self.recon.restarts[-1]
             self._gone_at.append((a, b, down_ns if down_ns is not None and a < down_ns <= b else None))
+            for r in self.requests.values():  # closes with no answer this death explains: crashes (`_crash_seen`)
+                if r.trace.end_ns is not None and closed_unanswered(r):
+                    self._run_on(r)
             self._end_run_ons_at_restart()
 
     def _run_on_cut_ns(self, r: LiveRequest) -> tuple[int, tuple[int, int, int | None]] | None:

@@ -23,8 +23,8 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       SERVER_COUNT_USAGE_BELOW, bypass_count_fix, bypass_count_may_be)
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, body_left, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
-                          is_unseen, not_forwarded, server_end_ns)
+from .liverequest import (PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid, gone_unsaid, is_passive,
+                          told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
@@ -463,6 +463,11 @@ def _no_energy_reason(r: LiveRequest) -> str:
     if is_passive(r) and body_left(r):
         return ("no share: its client left while sending its request body, so the server never had it whole and ran "
                 "none of it; its time counts as idle")
+    if r.trace.end_ns is not None and is_passive(r) and closed_unanswered(r):
+        return ("not costed: its upstream closed the connection with no answer, and it may have run (crash?) or been "
+                "refused unrun (a router in front of the server): no scrape saw the server die then, so it is costed "
+                "as not run and its time counts as idle; fix: let the daemon scrape the server (scrape.url) so a "
+                "crash is seen, or read the router's log for it")
     if r.trace.end_ns is not None and is_passive(r):
         c = r.trace.counts
         what = (f"an error answer (HTTP {r.trace.status})" if r.trace.status is not None and r.trace.status >= 400
