@@ -71,6 +71,9 @@ class LiveRequest:
     # request's arrival or its client's leaving after it), monotonic ns: the span its run-on's end is known within
     # (`Ledger._run_on_cut_ns`).
     run_on_death: tuple[int, int, int | None, int] | None = None
+    # A restart's (old process's last scrape, first found-down scrape) that may have ended its run-on, not cut there
+    # for lack of proof that was a death, not a router's 503 (`Ledger._death_proven`): its row says both readings.
+    run_on_unsure: tuple[int, int] | None = None
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared

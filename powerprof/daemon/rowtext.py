@@ -375,6 +375,23 @@ WHOLE_GONE_RUN_ON = (" (a whole answer, not streamed: llama-server ran it on to 
 
 
 def _run_on_note(r: LiveRequest) -> str:
+    """`_run_on_said`, and where a found-down scrape not proven a death may have ended its run-on (`Ledger._death_proven`)
+    both readings: its energy there is never silently kept nor silently dropped."""
+    said = _run_on_said(r)
+    if r.run_on_unsure is None or r.run_on_restart:
+        return said
+    a, down = r.run_on_unsure
+    tr = r.trace
+    return (f"{said}; uncertain: a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after its arrival (after the server's "
+            f"last good scrape) found the server down (an HTTP 502/503, then a restart by its counters), with no "
+            f"refused connection and no proxied request failing then: if that was its process's death, the server ran "
+            f"it at most {(max(down, tr.end_ns or down) - tr.arrival_ns) / 1e9:.2f} s from its arrival and the figure "
+            f"here is high (nearly all of it too much); if not (a router's or a loading page's 503), it ran on as "
+            f"costed here; fix: scrape the server's own port (scrape.url), not through a router, so a death reads as a "
+            f"refused connection")
+
+
+def _run_on_said(r: LiveRequest) -> str:
     """What its figure holds of the work the server did for it after its client left, until it aborted it or (a whole
     answer on llama.cpp) until its end (`Ledger._run_on`: scrape.RUNS_ON_AFTER_LEAVE)."""
     tr = r.trace
