@@ -4233,6 +4233,10 @@ def test_a_false_found_down_scrape_after_the_arrival_does_not_cut_its_run_on(run
     print(row["attributed_tokens"], row["gpu_energy_j"], note)
     assert row["attributed_tokens"] == pytest.approx(want_tokens, rel=0.05), row
     assert "uncertain" in note and "if that was its process's death" in note and "fix:" in note, note
+    # Its client still there after that scrape (1.58 s): its connection was open, so the process was alive; no doubt.
+    later = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=1.52, leave=1.58, end_s=end_s, runs_on=runs_on,
+                                   down_ns=int(1.55 * S))
+    assert "uncertain" not in (later["energy_note"] or ""), later["energy_note"]
     # The same found-down scrape where its connection was refused, or a proxied request's connection to the server was
     # refused then: a death, cut there.
     for proof in ({"down_refused": True}, {"fail_at": 1.6}):

@@ -1711,8 +1711,9 @@ class Ledger:
         tr = r.trace
         arrival, left = tr.arrival_ns, tr.end_ns
         gone = min((g for g in self._gone_at
-                    if (g[0] >= arrival or g[2] is not None and arrival < g[2] and self._death_proven(r, g))
-                    and (left is None or left <= (g[1] if g[2] is None else g[2]))), default=None)
+                    if (left is None or left <= (g[1] if g[2] is None else g[2]))
+                    and (g[0] >= arrival or g[2] is not None and arrival < g[2] and self._death_proven(r, g))),
+                   default=None)
         if gone is None:
             return None
         a, b, down, _ = gone
