@@ -694,3 +694,40 @@ def test_the_window_of_a_restart_says_when_its_first_scrape_found_the_server_dow
     asyncio.run(asyncio.wait_for(go(), 60))
     assert [d for d, _ in got] == [None, None, None, None, 1_500_000_000, None, None, None], got
     assert "server_restart" in got[4][1], got
+
+
+def test_the_window_of_a_restart_says_whether_its_first_down_scrape_was_refused(monkeypatch):
+    # A refused connection (nothing listening) proves a death; a 503 (a router's, a loading page's) does not
+    # (`Ledger._death_proven`): taken for one, a run-on the live server went on with was cut to 0.6 tokens and 2.5 J for
+    # the truth's 160 and 400. The believed page after says which the window's first down scrape was.
+    import types
+
+    from powerprof.daemon import scrape
+
+    clock = [1_000_000_000]
+    monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0] / 1e9,
+                                                              monotonic_ns=lambda: clock[0], time=lambda: clock[0] / 1e9))
+    pages = [_sglang(1000), _sglang(1010), "503", DOWN, _sglang(40), _sglang(50), DOWN, "503", _sglang(10), _sglang(20)]
+    got = []
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            sc = Scraper(s, "http://x", "sglang")
+
+            async def _get(path):
+                step = pages.pop(0)
+                if step == DOWN:
+                    raise aiohttp.ClientConnectorError(_KEY, ConnectionRefusedError(111, "Connection refused"))
+                if step == "503":
+                    return 503, "loading"
+                return 200, step
+
+            sc._get = _get
+            for _ in range(10):
+                await sc.scrape()
+                got.append((sc.window_down_ns, sc.window_down_refused))
+                clock[0] += 250_000_000
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+    assert [r for d, r in got if d is not None] == [False, True], got
+    assert not any(r for d, r in got if d is None), got

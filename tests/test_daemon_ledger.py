@@ -4020,7 +4020,7 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
 
 
 def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
-                           runs_on=(None, None), **restart_kw):
+                           runs_on=(None, None), error=None, fail_at=None, **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4049,8 +4049,15 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
         t = k * 0.1
         if arrive > 0.5 and t - 0.1 < arrive <= t:  # arrived since the last tick
             led.on_start(whole)
+        if fail_at is not None and t - 0.1 < fail_at <= t:  # another request's connection refused: a death's mark
+            failed = chat(3, fail_at, False)
+            led.on_start(failed)
+            failed.end_ns, failed.outcome, failed.status, failed.error = int(fail_at * S), "upstream_unreachable", 502, "x"
+            led.on_end(failed)
         if not ended and t >= leave - 1e-9:
-            whole.end_ns, whole.outcome = int(leave * S), outcome
+            whole.end_ns, whole.outcome, whole.error = int(leave * S), outcome, error
+            if outcome != "client_disconnected":
+                whole.status = 502
             led.on_end(whole)
             ended = True
         e += 100.0 * 0.1
@@ -4172,17 +4179,71 @@ def test_a_run_on_cut_by_a_restart_ends_midway_to_the_first_scrape_that_found_th
            (row["energy_note"] or ""), row["energy_note"]
 
 
+def test_a_close_with_no_answer_and_no_death_seen_is_not_costed_as_a_crash():
+    # A router in front of the server refused a whole answer by closing its connection with no byte (the server never
+    # had it: truth 0 J). Taken for a crash on the close alone, such a request was costed as run until then: on the
+    # simulator 78 J over 4 requests of 0 s each on an idle server, their rows saying "its process died". No scrape saw
+    # the server die: it is not costed, and its row says it closed with no answer and may have run.
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    row = _llamacpp_whole_run_on([], arrive=1.0, leave=1.3, end_s=4.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: refused")
+    note = (row["energy_note"] or "") + (row.get("energy_flags") or "")
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert not row["attributed_tokens"] and not row["gpu_energy_j"], row
+    assert "its process died" not in note and "may have run" in note, note
+
+
+def test_a_close_with_no_answer_where_the_server_was_found_down_is_costed_to_the_crash():
+    # The same close, where the scrape after it found the server down (its process died at 1.55 s): costed to the crash,
+    # run from its arrival at 0.5 s to the close (about 1 s at 100 W, the only request live: about 100 J).
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    row = _llamacpp_whole_run_on([(1.5, 2.0)], leave=1.55, end_s=6.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S))
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert 60.0 <= (row["gpu_energy_j"] or 0) <= 130.0, row
+    assert "closed its connection with no answer" in note, note
+
+
 def test_a_request_that_arrived_after_the_old_process_last_scrape_is_cut_by_its_death():
     # The old process last answered a scrape at 1.5 s; the whole answer arrived at 1.52 s (the old process took it: the
     # scrape at 1.6 s found nothing listening), its client left at 1.58 s, the process died at 1.59 s, the new one's
     # first scrape at 11.5 s (a 10 s model load). Truth at 100 W: 1.52 s to 1.59 s, about 2 tokens, at most 7 J.
     # Matched only by a restart whose window began after its arrival, none ended its run-on: held to its max_tokens,
     # 400 tokens and 1001 J, its row saying it ran on to them over the new process's load.
-    row = _llamacpp_whole_run_on([(1.5, 11.5)], arrive=1.52, leave=1.58, down_ns=int(1.6 * S))
+    # The scrape at 1.6 s found nothing listening (a refused connection): proof of the death (`Ledger._death_proven`).
+    row = _llamacpp_whole_run_on([(1.5, 11.5)], arrive=1.52, leave=1.58, down_ns=int(1.6 * S), down_refused=True)
     assert row["attributed_tokens"] <= 3.0, row
     assert row["gpu_energy_j"] <= 10.0 + 1e-6, row  # the 0.1 s interval it was live in
     note = row["energy_note"] or ""
     assert "until its max_tokens" not in note and "the process that had it" in note, note
+
+
+@pytest.mark.parametrize("runs_on,end_s,want_tokens", [((2.0, 4.0), 12.0, 159.6), ((None, None), 25.0, 400.0)],
+                         ids=["sglang", "llamacpp"])
+def test_a_false_found_down_scrape_after_the_arrival_does_not_cut_its_run_on(runs_on, end_s, want_tokens):
+    # The same whole answer (arrived 1.52 s, after the last good scrape at 1.5 s, its client gone at 1.54 s), but the
+    # scrape at 1.55 s found the server "down" by a 503 (a router's, a loading page's), and a counter's dip then made a
+    # restart window: no refused connection, no proxied request failing. The process lived and ran it on: SGLang to
+    # its 4 s wait (about 160 tokens, 400 J at 100 W), llama.cpp to its max_tokens (400, 1001 J). Taken for a death,
+    # it was cut at 1.55 s: 0.6 tokens and 2.5 J. Not cut, its row says both readings.
+    row = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=1.52, leave=1.54, end_s=end_s, runs_on=runs_on,
+                                 down_ns=int(1.55 * S))
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert row["attributed_tokens"] == pytest.approx(want_tokens, rel=0.05), row
+    assert "uncertain" in note and "if that was its process's death" in note and "fix:" in note, note
+    # Its client still there after that scrape (1.58 s): its connection was open, so the process was alive; no doubt.
+    later = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=1.52, leave=1.58, end_s=end_s, runs_on=runs_on,
+                                   down_ns=int(1.55 * S))
+    assert "uncertain" not in (later["energy_note"] or ""), later["energy_note"]
+    # The same found-down scrape where its connection was refused, or a proxied request's connection to the server was
+    # refused then: a death, cut there.
+    for proof in ({"down_refused": True}, {"fail_at": 1.6}):
+        cut = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=1.52, leave=1.54, end_s=end_s, runs_on=runs_on,
+                                     down_ns=int(1.55 * S), **proof)
+        assert cut["attributed_tokens"] <= 3.0, (proof, cut)
+        assert "uncertain" not in (cut["energy_note"] or ""), cut["energy_note"]
 
 
 def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():

@@ -194,6 +194,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
         kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         restart_by_fall = False  # Scraper.restart_by_fall
         window_down_ns = None  # Scraper.window_down_ns
+        window_down_refused = False  # Scraper.window_down_refused
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -207,7 +208,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
             raise ValueError("a fault in the check")
 
     ledger.add_cache_hits = add_cache_hits
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None: ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
@@ -237,6 +238,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
         kind, finished, window_partial, cache_hits, served = "llamacpp", None, (), None, None
         restart_by_fall = False  # Scraper.restart_by_fall
         window_down_ns = None  # Scraper.window_down_ns
+        window_down_refused = False  # Scraper.window_down_refused
         vllm_v1 = False
 
         async def scrape(self):
@@ -245,7 +247,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
 
     ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
     ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None: \
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False: \
         ledger.spans.append((t, d, read_ns))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
                                scraper=FakeScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
@@ -276,6 +278,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_when_a_scrape_found_the_server_
         kind, finished, window_partial, cache_hits, served = "sglang", None, ("server_restart",), None, None
         restart_by_fall = False
         window_down_ns = 123_456_789
+        window_down_refused = False  # Scraper.window_down_refused
         vllm_v1 = False
 
         async def scrape(self):
@@ -284,7 +287,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_when_a_scrape_found_the_server_
     ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
     ledger.add_cache_hits = lambda since, t, hits: None
     ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, \
-        restart_by_fall=False, down_ns=None: ledger.spans.append(down_ns)
+        restart_by_fall=False, down_ns=None, down_refused=False: ledger.spans.append(down_ns)
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
                                scraper=FakeScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
 
@@ -319,6 +322,7 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
         window_partial = ()  # nothing makes its windows' counts low
         restart_by_fall = False
         window_down_ns = None
+        window_down_refused = False  # Scraper.window_down_refused
         cache_hits = None  # its prefix-cache counter not known (the ledger is told so with every window)
         served = None  # its page shows no finished-request count (an SGLang's)
 
@@ -327,7 +331,7 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
             return deltas.pop(0) if deltas else 0.0
 
     ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None: ledger.spans.append(
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False: ledger.spans.append(
         (since, t, d, at_finish, finished))
     ledger.add_cache_hits = lambda since, t, hits: None
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
@@ -830,6 +834,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
         kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         restart_by_fall = False  # Scraper.restart_by_fall
         window_down_ns = None  # Scraper.window_down_ns
+        window_down_refused = False  # Scraper.window_down_refused
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -844,7 +849,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
         raise ValueError("a fault in the check")
 
     ledger.add_cache_hits = add_cache_hits
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None: ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.01, idle_interval_s=0.01), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
@@ -969,6 +974,7 @@ def test_a_windows_prefix_cache_hits_are_checked_over_every_instant_its_reads_ma
         kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         restart_by_fall = False  # Scraper.restart_by_fall
         window_down_ns = None  # Scraper.window_down_ns
+        window_down_refused = False  # Scraper.window_down_refused
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -1013,6 +1019,7 @@ def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stilln
         kind, finished, window_partial, cache_hits, served = "llamacpp", None, (), None, None
         restart_by_fall = False  # Scraper.restart_by_fall
         window_down_ns = None  # Scraper.window_down_ns
+        window_down_refused = False  # Scraper.window_down_refused
 
         async def scrape(self):
             await asyncio.sleep(0.2)
@@ -1020,7 +1027,7 @@ def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stilln
 
     ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
     ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None: ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False: ledger.spans.append((since, t, d))
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.05, idle_interval_s=2.0),
                                scraper=SlowScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
 

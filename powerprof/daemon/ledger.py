@@ -41,7 +41,7 @@ from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, crashed, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
+from .liverequest import (PROMPT_HOLD_S, closed_unanswered, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
                           LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
@@ -104,6 +104,12 @@ CACHE_KEEP_S = 300.0
 # with none, at its stream's own pace, or at the median pace of this many recent streams of at least RUN_ON_PACE_TOKENS
 # tokens (fewer give too few gaps for a pace).
 RUN_ON_PACES = 32
+# How long after the first scrape that found the server down (or the new process's first) a close with no answer may
+# still be that death's (`Ledger._crash_seen`): the proxy's close and the scrape are seen apart, about a scrape late.
+CRASH_CLOSE_SLACK_S = 1.0
+# The starts of an upstream_error's `error` where the server answered (a 5xx, an error inside its answer): no broken
+# connection, so no sign of a death (`Ledger._death_proven`).
+ANSWERED_ERROR_NOTES = ("the upstream answered HTTP", "the upstream reported an error")
 RUN_ON_PACE_TOKENS = 8
 # A whole answer a server runs on to its end (llama.cpp: `_run_on`) is held open no longer than this past its client's
 # leaving (its intervals wait for that run, bounded by the prompt hold too).
@@ -367,7 +373,12 @@ class Ledger:
         # The latest restarts' scrape windows, (start, end, first found down): the old process's last scrape, the new
         # one's first, and the first scrape between that found the server down (None: none did); its run-ons end
         # between the first and the third (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
+        # A fourth: whether that first found-down scrape's connection was refused (nothing listening: a death), not a
+        # 502/503 a router or a loading page answers.
         self._gone_at: deque = deque(maxlen=64)
+        # When proxied requests' connections to the server broke (refused, closed with no answer, cut mid-answer):
+        # what a death does to the requests in flight, the proof a lone found-down scrape lacks (`_death_proven`).
+        self._conn_fail_ns: deque = deque(maxlen=64)
         # Recent streams' decode paces (tokens a second a sequence, first token to last): a stream gone before its first
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
         self._paces: deque = deque(maxlen=RUN_ON_PACES)
@@ -562,6 +573,12 @@ class Ledger:
                 self.emit("requests", [self._request_row(r)])
             return 0.0
         added = self._placed_at_end(r)
+        if trace.end_ns is not None and (trace.outcome == "upstream_unreachable" or trace.outcome == "upstream_error"
+                                         and not (trace.error or "").startswith(ANSWERED_ERROR_NOTES)):
+            # Its connection to the server broke: a death's mark (`_death_proven`); one may now prove a restart known.
+            self._conn_fail_ns.append(trace.end_ns)
+            if self._gone_at:
+                self._end_run_ons_at_restart()
         if trace.outcome == "client_disconnected" and trace.api is not None \
                 and not (trace.error or "").startswith(BODY_LEFT_NOTE):
             # Counted at its end, not at its row: a row held back (`_late_parked`) is made after its tag's row went out.
@@ -602,6 +619,20 @@ class Ledger:
         self._cut_run_on(r)
         return added
 
+    def _crash_seen(self, r: LiveRequest) -> bool:
+        """`r`'s close with no answer (liverequest.closed_unanswered) came as its server died: a whole answer to a
+        generation API (a stream's or a GET's close is not one `_run_on` places), closed within a restart's window, from
+        the old process's last scrape to the first that found the server down (or the new one's first, none did), give
+        or take CRASH_CLOSE_SLACK_S. The close alone is no proof: a router in front of the server refusing a request
+        closes so too, and taken for a crash such requests (never run) were costed 78 J over 4 on an idle simulated
+        server, their rows saying their process died."""
+        tr = r.trace
+        if (tr.method != "POST" or tr.api is None or tr.stream is True or tr.first_ns is not None or tr.end_ns is None
+                or r.ev_n or r.spent):
+            return False
+        slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
+        return any(a <= tr.end_ns <= (b if down is None else down) + slack for a, b, down, _ in self._gone_at)
+
     def _learn_pace(self, r: LiveRequest) -> None:
         """Keep a finished stream's decode pace (tokens a second a sequence, first token to last) for `_run_on_gone`."""
         tr = r.trace
@@ -622,11 +653,12 @@ class Ledger:
         on the simulator's SGLang, streams cut after 41 tokens decoded 100-170 more for nobody, and the requests beside
         them were +54% to +251%, the cut ones 29-61% low."""
         tr = r.trace
-        if crashed(r) and tr.stream is not True and tr.first_ns is None and tr.end_ns is not None:
-            # A whole answer the server had, then closed its connection with no answer (a crash: its head comes only
-            # when it is done): it ran until then, decoding after its prefill, placed as a run-on's is
-            # (`_run_on_gone`). Before, upstream_unreachable: two on the simulator, 130 tokens and 148 J each, none.
-            r.run_on_end_ns, r.run_on_crash = tr.end_ns, True
+        if closed_unanswered(r):
+            if not r.crash_seen and self._crash_seen(r):
+                # A whole answer the server had, then closed its connection with no answer as it died (its head comes
+                # only when it is done): it ran until then, decoding after its prefill, placed as a run-on's is
+                # (`_run_on_gone`). Before, upstream_unreachable: two on the simulator, 130 tokens and 148 J each, none.
+                r.crash_seen, r.run_on_end_ns, r.run_on_crash = True, tr.end_ns, True
             return
         if (self.runs_on_after_leave is None or tr.outcome != "client_disconnected" or tr.end_ns is None
                 or tr.api is None or is_passive(r) or is_unseen(r) or (tr.error or "").startswith(BODY_LEFT_NOTE)):
@@ -1688,18 +1720,24 @@ class Ledger:
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
                           read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None,
-                          restart_by_fall: bool = False, down_ns: int | None = None) -> None:
+                          restart_by_fall: bool = False, down_ns: int | None = None,
+                          down_refused: bool = False) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: a scrape window, its
         arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger).
         `restart_by_fall`: its server_restart was told by the counter's fall alone (scrape.Scraper.restart_by_fall): a
         multi-process page's dip may pass for one, so no run-on ends there (an SGLang stream run on to 3.0 s, cut at
         such a window at 1.5 s, was costed 35.6 tokens and 90 J for the truth's 100 and 250); the window says it as any
         restart's. `down_ns`: when the first scrape of the window that found the server down began
-        (scrape.Scraper.window_down_ns; None: none did): the old process died before it."""
+        (scrape.Scraper.window_down_ns; None: none did): the old process died before it. `down_refused`: that scrape's
+        connection was refused (scrape.Scraper.window_down_refused): nothing listened, unlike a router's 502/503."""
         self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served)
         if "server_restart" in partial and not restart_by_fall:
             a, b = self.recon.restarts[-1]
-            self._gone_at.append((a, b, down_ns if down_ns is not None and a < down_ns <= b else None))
+            down = down_ns if down_ns is not None and a < down_ns <= b else None
+            self._gone_at.append((a, b, down, down is not None and down_refused))
+            for r in self.requests.values():  # closes with no answer this death explains: crashes (`_crash_seen`)
+                if r.trace.end_ns is not None and closed_unanswered(r):
+                    self._run_on(r)
             self._end_run_ons_at_restart()
 
     def _run_on_cut_ns(self, r: LiveRequest) -> tuple[int, tuple[int, int, int | None]] | None:
@@ -1727,13 +1765,28 @@ class Ledger:
         tr = r.trace
         arrival, left = tr.arrival_ns, tr.end_ns
         gone = min((g for g in self._gone_at
-                    if (g[0] >= arrival or g[2] is not None and arrival < g[2])
-                    and (left is None or left <= (g[1] if g[2] is None else g[2]))), default=None)
+                    if (left is None or left <= (g[1] if g[2] is None else g[2]))
+                    and (g[0] >= arrival or g[2] is not None and arrival < g[2] and self._death_proven(r, g))),
+                   default=None)
         if gone is None:
             return None
-        a, b, down = gone
+        a, b, down, _ = gone
         lo = max(a, arrival, left or a)  # alive at its last scrape, when it took the request, and at its client's leaving
         return (lo if down is None else (lo + down) // 2), (a, b, down, lo)
+
+    def _death_proven(self, r: LiveRequest, g: tuple) -> bool:
+        """Whether restart `g`'s first found-down scrape, which came after `r` arrived past the old process's last
+        scrape, was a death: its connection refused (nothing listening), or a proxied request's connection to the
+        server broke from that last scrape to CRASH_CLOSE_SLACK_S after it. A lone 503 (a router, a loading page),
+        then a counter's dip, passes for a restart too: taken for a death, a whole answer whose client left before it
+        and that the live server ran on was costed 0.6 tokens and 2.5 J for the truth's 160 and 400 (SGLang), 400 and
+        1001 (llama.cpp). Not proven, its run-on is not cut there and its row says both readings (`run_on_unsure`)."""
+        a, _, down, refused = g
+        if refused or any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_fail_ns):
+            r.run_on_unsure = None
+            return True
+        r.run_on_unsure = (a, down)
+        return False
 
     def _end_run_ons_at_restart(self) -> None:
         """A restart ends every run-on of the process that died: nothing ran it on past that process's death, placed

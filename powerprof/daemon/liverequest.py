@@ -64,11 +64,16 @@ class LiveRequest:
     run_on_prefill: bool = False  # a stream gone mid-prefill that llama.cpp prefills whole: its run ends at its first token
     run_on_restart: bool = False  # a server restart ended its run-on (`Ledger._end_run_ons_at_restart`)
     run_on_crash: bool = False  # a whole answer whose connection the server closed with no answer: run to there
+    # Its close with no answer came as its server died (`Ledger._crash_seen`): a crash, not a router refusing it
+    crash_seen: bool = False
     # That restart's window (the old process's last scrape, the new one's first), its first scrape that found the
     # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, this
     # request's arrival or its client's leaving after it), monotonic ns: the span its run-on's end is known within
     # (`Ledger._run_on_cut_ns`).
     run_on_death: tuple[int, int, int | None, int] | None = None
+    # A restart's (old process's last scrape, first found-down scrape) that may have ended its run-on, not cut there
+    # for lack of proof that was a death, not a router's 503 (`Ledger._death_proven`): its row says both readings.
+    run_on_unsure: tuple[int, int] | None = None
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared
@@ -183,8 +188,14 @@ def is_passive(r: LiveRequest) -> bool:
 
 
 def crashed(r: LiveRequest) -> bool:
-    """The server had it whole and then closed its connection with no answer (proxy.CRASHED_NOTE: its process died):
-    it ran it until then, though the client got the proxy's 502."""
+    """The server had it whole and then closed its connection with no answer as its process died (`closed_unanswered`,
+    and the ledger saw that death: `Ledger._crash_seen`): it ran it until then, though the client got the proxy's 502."""
+    return r.crash_seen and closed_unanswered(r)
+
+
+def closed_unanswered(r: LiveRequest) -> bool:
+    """Its connection closed with no byte of an answer after the request went out (proxy.CRASHED_NOTE): a crash, or a
+    router in front of the server refusing it (never run); the close alone cannot tell which."""
     return r.trace.outcome == "upstream_error" and (r.trace.error or "").startswith(CRASHED_NOTE)
 
 

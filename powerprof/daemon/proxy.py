@@ -92,9 +92,10 @@ NOT_FORWARDED_NOTE = "not forwarded: the server never saw this request, so it ha
 # The `error` of a request whose client left while sending its body: the server never had the whole request, so never
 # ran it (the ledger costs it no prefill and flags no request beside it: `liverequest.gone_unsaid`).
 BODY_LEFT_NOTE = "the client left while sending its request body"
-# The start of the error of a request the server had whole and then closed its connection with no answer (a crash: its
-# process died), its outcome upstream_error: the server ran it until then (liverequest.crashed, Ledger._run_on).
-CRASHED_NOTE = "the server closed its connection with no answer after it had the request (a crash?)"
+# The start of the error of a request whose upstream closed its connection with no answer after it went out, its
+# outcome upstream_error: a crash (the server ran it until then) or a router in front of it refusing it (never run); the
+# ledger costs it only where it saw the server die then (liverequest.crashed, Ledger._crash_seen).
+CRASHED_NOTE = "the upstream closed its connection with no answer after the request went out (a crash, or a refusal?)"
 
 
 @dataclass

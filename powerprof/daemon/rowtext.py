@@ -23,8 +23,8 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       SERVER_COUNT_USAGE_BELOW, bypass_count_fix, bypass_count_may_be)
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, body_left, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
-                          is_unseen, not_forwarded, server_end_ns)
+from .liverequest import (PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid, gone_unsaid, is_passive,
+                          told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
@@ -375,6 +375,23 @@ WHOLE_GONE_RUN_ON = (" (a whole answer, not streamed: llama-server ran it on to 
 
 
 def _run_on_note(r: LiveRequest) -> str:
+    """`_run_on_said`, and where a found-down scrape not proven a death may have ended its run-on (`Ledger._death_proven`)
+    both readings: its energy there is never silently kept nor silently dropped."""
+    said = _run_on_said(r)
+    if r.run_on_unsure is None or r.run_on_restart:
+        return said
+    a, down = r.run_on_unsure
+    tr = r.trace
+    return (f"{said}; uncertain: a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after its arrival (after the server's "
+            f"last good scrape) found the server down (an HTTP 502/503, then a restart by its counters), with no "
+            f"refused connection and no proxied request failing then: if that was its process's death, the server ran "
+            f"it at most {(max(down, tr.end_ns or down) - tr.arrival_ns) / 1e9:.2f} s from its arrival and the figure "
+            f"here is high (nearly all of it too much); if not (a router's or a loading page's 503), it ran on as "
+            f"costed here; fix: scrape the server's own port (scrape.url), not through a router, so a death reads as a "
+            f"refused connection")
+
+
+def _run_on_said(r: LiveRequest) -> str:
     """What its figure holds of the work the server did for it after its client left, until it aborted it or (a whole
     answer on llama.cpp) until its end (`Ledger._run_on`: scrape.RUNS_ON_AFTER_LEAVE)."""
     tr = r.trace
@@ -463,6 +480,11 @@ def _no_energy_reason(r: LiveRequest) -> str:
     if is_passive(r) and body_left(r):
         return ("no share: its client left while sending its request body, so the server never had it whole and ran "
                 "none of it; its time counts as idle")
+    if r.trace.end_ns is not None and is_passive(r) and closed_unanswered(r):
+        return ("not costed: its upstream closed the connection with no answer, and it may have run (crash?) or been "
+                "refused unrun (a router in front of the server): no scrape saw the server die then, so it is costed "
+                "as not run and its time counts as idle; fix: let the daemon scrape the server (scrape.url) so a "
+                "crash is seen, or read the router's log for it")
     if r.trace.end_ns is not None and is_passive(r):
         c = r.trace.counts
         what = (f"an error answer (HTTP {r.trace.status})" if r.trace.status is not None and r.trace.status >= 400

@@ -310,6 +310,10 @@ class Scraper:
         # ledger places its run-ons' end between the window's start and it (`Ledger._run_on_cut_ns`).
         self._down_at_ns: int | None = None
         self.window_down_ns: int | None = None
+        # Whether that first scrape's connection was refused (nothing listening: a death), not a 502/503 a router or a
+        # loading page answers: only the first proves a death (`Ledger._death_proven`).
+        self._down_refused = False
+        self.window_down_refused = False
         self._believed_at: float | None = None  # time.monotonic() as the last believed page's scrape began
         self._scrape_at = 0.0  # and as this scrape began
         # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
@@ -561,7 +565,7 @@ class Scraper:
             return None
         self.window_partial = ()
         self.restart_by_fall = False
-        self.window_down_ns = None
+        self.window_down_ns, self.window_down_refused = None, False
         self.cache_hits = None
         self.served = None
         self._scrape_at = time.monotonic()
@@ -577,6 +581,7 @@ class Scraper:
                 self._unreachable = False  # a believed page: the next fall is judged afresh
                 self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
+                self.window_down_refused, self._down_refused = self._down_refused, False
             else:
                 status, text = await self._get("/metrics")
                 if status != 200:
@@ -626,6 +631,7 @@ class Scraper:
                 self._young_fall = False
                 self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
+                self.window_down_refused, self._down_refused = self._down_refused, False
                 if prev is None:
                     self._baseline(total)
                 # A restart of the server zeroes its counter: count from zero again. A new process whose counter has
@@ -658,7 +664,7 @@ class Scraper:
             down = _server_down(e)
             self._unreachable |= down
             if down and self._down_at_ns is None:
-                self._down_at_ns = scrape_at_ns
+                self._down_at_ns, self._down_refused = scrape_at_ns, connection_refused(e)
             self.errors += 1
             self.last_error = error_text(e)
             if self.errors <= 3 or self.errors % 100 == 0:

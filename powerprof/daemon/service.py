@@ -523,6 +523,7 @@ class _HeldWindow(NamedTuple):
     served: tuple[float, float, float] | None
     restart_by_fall: bool = False  # Scraper.restart_by_fall
     down_ns: int | None = None  # Scraper.window_down_ns
+    down_refused: bool = False  # Scraper.window_down_refused
 
 
 class Daemon:
@@ -1108,17 +1109,20 @@ class Daemon:
                         start = burst_start_ns(held.since_ns, held.t_ns, held.delta, delta / max(1, t - held.t_ns))
                         if start > held.since_ns:
                             self.ledger.add_server_tokens(start, 0.0, held.since_ns, at_finish, partial=held.partial,
-                                                          restart_by_fall=held.restart_by_fall, down_ns=held.down_ns)
+                                                          restart_by_fall=held.restart_by_fall, down_ns=held.down_ns,
+                                                          down_refused=held.down_refused)
                         self.ledger.add_server_tokens(held.t_ns, held.delta, start, at_finish, held.finished,
                                                       partial=held.partial, read_ns=held.read_ns, served=held.served,
-                                                      restart_by_fall=held.restart_by_fall, down_ns=held.down_ns)
+                                                      restart_by_fall=held.restart_by_fall, down_ns=held.down_ns,
+                                                      down_refused=held.down_refused)
                         held = None
                     # Why this window's count may be low (a restart, a late first read): its intervals say so.
                     partial = self.scraper.window_partial
                     if delta > 0 and since is not None and still and t - since > 1.5e9 * cadence.fast_s:
                         # a slow window ending a stillness: placed at the next scrape
                         held = _HeldWindow(since, t, delta, self.scraper.finished, partial, (t0, t1), self.scraper.served,
-                                           self.scraper.restart_by_fall, self.scraper.window_down_ns)
+                                           self.scraper.restart_by_fall, self.scraper.window_down_ns,
+                                           self.scraper.window_down_refused)
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
                         # With the GET's span: the counter was read somewhere in it (docs/daemon.md, "A counter read
@@ -1126,7 +1130,8 @@ class Daemon:
                         self.ledger.add_server_tokens(t, delta, since, at_finish, self.scraper.finished, partial=partial,
                                                       read_ns=(t0, t1), served=self.scraper.served,
                                                       restart_by_fall=self.scraper.restart_by_fall,
-                                                      down_ns=self.scraper.window_down_ns)
+                                                      down_ns=self.scraper.window_down_ns,
+                                                      down_refused=self.scraper.window_down_refused)
                     since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
                     read_from = self._scrape_read_from_ns = t0
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
@@ -1140,7 +1145,8 @@ class Daemon:
         if held is not None:
             self.ledger.add_server_tokens(held.t_ns, held.delta, held.since_ns, self.scraper.kind in AT_FINISH,
                                           held.finished, partial=held.partial, read_ns=held.read_ns, served=held.served,
-                                          restart_by_fall=held.restart_by_fall, down_ns=held.down_ns)
+                                          restart_by_fall=held.restart_by_fall, down_ns=held.down_ns,
+                                          down_refused=held.down_refused)
 
     async def _final_scrape(self) -> None:
         """At a clean stop, after the last sample: read the server's counters once more, so the last interval's count
@@ -1166,7 +1172,8 @@ class Daemon:
         self.ledger.add_server_tokens(t, delta, self._scrape_since_ns, self.scraper.kind in AT_FINISH,
                                       self.scraper.finished, partial=self.scraper.window_partial, read_ns=(t0, t1),
                                       served=self.scraper.served, restart_by_fall=self.scraper.restart_by_fall,
-                                      down_ns=self.scraper.window_down_ns)
+                                      down_ns=self.scraper.window_down_ns,
+                                      down_refused=self.scraper.window_down_refused)
 
     # --- reload ------------------------------------------------------------------------------------
 
