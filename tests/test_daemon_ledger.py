@@ -4020,7 +4020,7 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
 
 
 def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
-                           runs_on=(None, None), error=None, fail_at=None, **restart_kw):
+                           runs_on=(None, None), error=None, fail_at=None, fail_closed=False, **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4052,7 +4052,11 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
         if fail_at is not None and t - 0.1 < fail_at <= t:  # another request's connection refused: a death's mark
             failed = chat(3, fail_at, False)
             led.on_start(failed)
-            failed.end_ns, failed.outcome, failed.status, failed.error = int(fail_at * S), "upstream_unreachable", 502, "x"
+            from powerprof.daemon.proxy import CRASHED_NOTE
+
+            failed.end_ns, failed.outcome, failed.status, failed.error = (
+                (int(fail_at * S), "upstream_error", 502, CRASHED_NOTE + " x") if fail_closed  # closed, no answer
+                else (int(fail_at * S), "upstream_unreachable", 502, "x"))
             led.on_end(failed)
         if not ended and t >= leave - 1e-9:
             whole.end_ns, whole.outcome, whole.error = int(leave * S), outcome, error
@@ -4244,6 +4248,12 @@ def test_a_false_found_down_scrape_after_the_arrival_does_not_cut_its_run_on(run
                                      down_ns=int(1.55 * S), **proof)
         assert cut["attributed_tokens"] <= 3.0, (proof, cut)
         assert "uncertain" not in (cut["energy_note"] or ""), cut["energy_note"]
+    # A proxied request closed with no answer then is no proof: a router refusing closes so (beside its 503 on the
+    # metrics page, taken for one the live run-on was cut to 0.6 tokens and 2.5 J, its row sure: session 59's review).
+    closed = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=1.52, leave=1.54, end_s=end_s, runs_on=runs_on,
+                                    down_ns=int(1.55 * S), fail_at=1.56, fail_closed=True)
+    assert closed["attributed_tokens"] == pytest.approx(want_tokens, rel=0.05), closed
+    assert "uncertain" in (closed["energy_note"] or ""), closed["energy_note"]
 
 
 def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():

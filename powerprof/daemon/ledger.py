@@ -574,8 +574,11 @@ class Ledger:
             return 0.0
         added = self._placed_at_end(r)
         if trace.end_ns is not None and (trace.outcome == "upstream_unreachable" or trace.outcome == "upstream_error"
-                                         and not (trace.error or "").startswith(ANSWERED_ERROR_NOTES)):
+                                         and not (trace.error or "").startswith(ANSWERED_ERROR_NOTES)
+                                         and not closed_unanswered(r)):
             # Its connection to the server broke: a death's mark (`_death_proven`); one may now prove a restart known.
+            # Not a close with no answer: a router refusing closes so, and beside a router's 503 on the metrics page
+            # such a close cut a live run-on to 0.6 tokens / 2.5 J of 160 / 400, its row sure (session 59's review).
             self._conn_fail_ns.append(trace.end_ns)
             if self._gone_at:
                 self._end_run_ons_at_restart()
