@@ -75,6 +75,24 @@ def _h200_daemon(tmp_path, flavour: str, **srv_kwargs):
     return srv, Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
 
 
+async def _leave_after(r, chunks: int = 8) -> None:
+    """The client reads `chunks` pieces of streamed response `r`, then leaves (closes it)."""
+    got = 0
+    async for _ in r.content:
+        got += 1
+        if got > chunks:
+            break
+    r.close()
+
+
+def _cut_prompt(srv, tmp_path):
+    """(prompt estimate, true prompt tokens, energy note) of the request tagged "cut", left mid-stream."""
+    truth = {**srv.request_truth(), **{c.get("client_id"): c for c in srv.truth_cancelled}}
+    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
+            if isinstance(r["tag"], str)}
+    return rows["cut"]["prompt_tokens_estimate"], truth["cut"]["prompt_tokens"], rows["cut"]["energy_note"]
+
+
 def _run_daemon(srv, daemon, scene, after_s: float, up=None, up_tries: int = 600) -> None:
     """Run `daemon`; once `up()` (by default: its proxy and ledger are up), or after `up_tries` looks 0.05 s apart,
     `await scene(proxy_url)`, wait `after_s`, stop it; the server stopped whatever happens."""
@@ -467,12 +485,7 @@ def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_
                 prev = (await r.json())["id"]
             r = await post(s, url, "cut", dict(extra, input="next " * 50, previous_response_id=prev, stream=True),
                            200 * turn_n // 40)
-            got = 0
-            async for _ in r.content:
-                got += 1
-                if got > 8:
-                    break
-            r.close()
+            await _leave_after(r)
         await asyncio.sleep(6)
         daemon.stop_event.set()
         await task
@@ -481,10 +494,7 @@ def test_a_cut_stateful_turn_is_estimated_at_what_the_server_prefills_again(tmp_
         asyncio.run(main())
     finally:
         srv.stop()
-    truth = {**srv.request_truth(), **{c.get("client_id"): c for c in srv.truth_cancelled}}
-    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
-            if isinstance(r["tag"], str)}
-    est, true = rows["cut"]["prompt_tokens_estimate"], truth["cut"]["prompt_tokens"]
+    est, true, note = _cut_prompt(srv, tmp_path)
     print("estimate", est, "truth", true)
     assert abs(est - true) / true < 0.05, (est, true)
 
@@ -646,12 +656,7 @@ def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its
                 await r.read()
             r = await s.post(url, json=chat(300, max_tokens=400, stream=True, tools=tools, tool_choice="none"),
                              headers={"X-Sim-Request-Id": "cut", "X-Powerprof-Tag": "cut"})
-            got = 0
-            async for _ in r.content:
-                got += 1
-                if got > 8:
-                    break
-            r.close()
+            await _leave_after(r)
         await asyncio.sleep(6)
         daemon.stop_event.set()
         await task
@@ -660,11 +665,8 @@ def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its
         asyncio.run(main())
     finally:
         srv.stop()
-    truth = {**srv.request_truth(), **{c.get("client_id"): c for c in srv.truth_cancelled}}
-    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")
-            if isinstance(r["tag"], str)}
-    est, true = rows["cut"]["prompt_tokens_estimate"], truth["cut"]["prompt_tokens"]
-    print(flavour, "estimate", est, "truth", true, rows["cut"]["energy_note"])
+    est, true, note = _cut_prompt(srv, tmp_path)
+    print(flavour, "estimate", est, "truth", true, note)
     assert abs(est - true) / true < 0.05, (est, true)
 
 
