@@ -671,6 +671,11 @@ def test_export_matches_a_pandas_reference_over_random_copied_fleets(tmp_path):
     # A request live before the daemon's first GPU read (its start's NVML read failed) has the energy before that read
     # in no interval: its figure is low. Before, the summary summed it in, lowering the host's J/token, unsaid.
     ("before-first-read", "before-first-read: it arrived 0.50 s before ...", 0.1, "start's GPU read failed"),
+    # A row whose figure may be read either way, nothing measured saying which: a run-on a found-down scrape may have
+    # cut (nearly all of it too much if so), tools sent with tool_choice "none" a server may or may not render. Before,
+    # only its note's prose said so, and the summary summed it in (400 J for what may have been 2.5 J).
+    ("uncertain-uncounted", "approximate: ...; uncertain-uncounted: a scrape 0.03 s after ...; fix: scrape the "
+                            "server's own port", 400.0, "the fix its energy_note names"),
 ])
 def test_requests_flagged_uncertain_are_left_out_of_j_per_token_and_said(tmp_path, flag, note, energy_j, fix):
     truth = _node(tmp_path / "n", 0)
@@ -905,7 +910,8 @@ def _hostile_fleet(root: Path) -> Path:
             rq(5, t + 40.1, t + 40.9, energy=None), rq(6, t + 40.1, t + 40.9, note="no-counter-short: 90% ..."),
             rq(7, t + 40.1, t + 40.9, note="approximate: x; bypass-uncounted: late"),
             rq(8, t + 40.1, t + 40.9, energy=0.1, note="before-first-read: 0.5 s"),
-            rq(9, t + 40.1, t + 40.9, energy=200.0)])  # the one more request measured whole: kept
+            rq(9, t + 40.1, t + 40.9, energy=200.0),  # the one more request measured whole: kept
+            rq(10, t + 40.1, t + 40.9, energy=400.0, note="approximate: x; uncertain-uncounted: a scrape 0.03 s")])
         assert store.flush()
     return root
 

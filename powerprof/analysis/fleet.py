@@ -19,7 +19,7 @@ from powerprof.paths import holds_sweep_run
 from powerprof.profiler import BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
 from powerprof.storage import datafiles
 from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_TRUSTED, SERVER_COUNT_UNREAD,
-                                      NOT_FORWARDED_NOTE, SERVER_GPU_UNSAMPLED_FLAG, bypass_count_fix)
+                                      NOT_FORWARDED_NOTE, SERVER_GPU_UNSAMPLED_FLAG, UNSURE_FLAG, bypass_count_fix)
 
 from .engine import connect, to_arrow
 from .rowkeys import KEYS, WHY, folder_sql, keyless_sql
@@ -562,6 +562,8 @@ def _count_unmeasured_sql(col: str = "server_count") -> str:
 # mostly idle intervals (NO_COUNTER_SHORT_FLAG) is left out of J/token, as the daemon's own headline does; so is one live
 # before the daemon's first GPU read (BEFORE_FIRST_READ_FLAG: the energy before it is in no interval); so is one given
 # energy while the server also ran on a GPU the daemon did not sample (SERVER_GPU_UNSAMPLED_FLAG: that GPU's is in none); so is one
+# whose figure may be read either way, nothing measured saying which (UNSURE_FLAG: a run-on a found-down scrape may have
+# cut, a prompt's tools a server may or may not render); so is one
 # given energy of intervals whose server token count may be low (BYPASS_LOW_FLAG: bypass traffic's energy may be in
 # it). A request whose GPU energy is empty (the daemon writes no figure where a GPU gave no reading over it, never 0) or
 # whose token count is (an older writer's) is left out of both sums of J/token, and counted: its tokens under the others'
@@ -637,6 +639,7 @@ FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
 """.replace("{NOT_FORWARDED_NOTE}", NOT_FORWARDED_NOTE).replace("{r_paired}", "(gpu_energy_j IS NOT NULL AND attributed_tokens IS NOT NULL)").replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND coalesce(energy_note, '') "
                          f"NOT LIKE '%{BEFORE_FIRST_READ_FLAG}%' AND coalesce(energy_note, '') NOT LIKE '%{SERVER_GPU_UNSAMPLED_FLAG}%' "
+                         f"AND coalesce(energy_note, '') NOT LIKE '%{UNSURE_FLAG}%' "
                          "AND NOT {r_bypass_low} AND NOT spans_bad)").replace(
     "{r_bypass_low}", f"(coalesce(energy_note, '') LIKE '%{BYPASS_LOW_FLAG}%')").replace(
     "{i_low}", f"(NOT {_count_trusted_sql()} AND NOT {_count_unknown_sql()})").replace(
@@ -979,11 +982,15 @@ def notes(t: pa.Table) -> list[str]:
         out.append(f"requests marked {NO_COUNTER_SHORT_FLAG} (short, on a GPU without an energy counter: their energy "
                    f"rests on the idle power taken out) or {BEFORE_FIRST_READ_FLAG} (live before the daemon's first GPU "
                    f"read: their energy before it was not counted) or {SERVER_GPU_UNSAMPLED_FLAG} (given energy while "
-                   "the server also ran on a GPU the daemon did not sample: that GPU's energy is in none of theirs) were "
+                   "the server also ran on a GPU the daemon did not sample: that GPU's energy is in none of theirs) or "
+                   f"{UNSURE_FLAG} (their figure may be high or low and nothing measured says which: a run-on a scrape "
+                   "that found the server down may have cut, nearly all of it too much if it did; a prompt whose tools "
+                   "sent with tool_choice \"none\" the server may or may not render) were "
                    "left out of J/token: " + "; ".join(
                        f"{r['host']}: {r['uncertain_requests']}" for r in unsure) + f"; the fix: for {NO_COUNTER_SHORT_FLAG}, {NO_COUNTER_SHORT_FIX}; for {BEFORE_FIRST_READ_FLAG}, "
                        "none for those rows (later requests are measured whole): the daemon's log says why its start's "
-                       f"GPU read failed; for {SERVER_GPU_UNSAMPLED_FLAG}, add the GPU the row names to daemon.gpus")
+                       f"GPU read failed; for {SERVER_GPU_UNSAMPLED_FLAG}, add the GPU the row names to daemon.gpus; "
+                       f"for {UNSURE_FLAG}, the fix its energy_note names")
     blind = [r for r in t.to_pylist() if r.get("unknown_energy_requests")]
     if blind:
         out.append("requests whose GPU energy is unknown (gpu_energy_j empty: a GPU gave no energy reading over them, "
