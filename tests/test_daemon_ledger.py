@@ -14,7 +14,7 @@ from powerprof.daemon.ledger import Ledger
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.streams import Counts
 from powerprof.profiler import NO_COUNTER_SHORT_FLAG
-from powerprof.storage.schema import PROMPT_UNREAD_FLAG
+from powerprof.storage.schema import PROMPT_UNREAD_FLAG, UNSURE_FLAG
 from powerprof.sim.powercap import SimPowercap
 from powerprof.daemon.ticks import Waker
 
@@ -4254,6 +4254,24 @@ def test_a_false_found_down_scrape_after_the_arrival_does_not_cut_its_run_on(run
                                     down_ns=int(1.55 * S), fail_at=1.56, fail_closed=True)
     assert closed["attributed_tokens"] == pytest.approx(want_tokens, rel=0.05), closed
     assert "uncertain" in (closed["energy_note"] or ""), closed["energy_note"]
+
+
+@pytest.mark.parametrize("runs_on,end_s", [((2.0, 4.0), 12.0), ((None, None), 25.0)], ids=["sglang", "llamacpp"])
+def test_an_uncertain_run_on_is_marked_to_be_left_out_of_j_per_token(runs_on, end_s):
+    # The run-on a found-down scrape may or may not have cut (the scene above): its figure is either right or nearly all
+    # too much (400 J where a death at 1.55 s gives 2.5 J), and only its note's prose said so, so `analyze` counted it
+    # in J/token. Its energy_note carries UNSURE_FLAG (analyze leaves such rows out); the sure ones beside do not.
+    row = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=1.52, leave=1.54, end_s=end_s, runs_on=runs_on,
+                                 down_ns=int(1.55 * S))
+    note = row["energy_note"] or ""
+    assert f"{UNSURE_FLAG}: a scrape" in note and "if that was its process's death" in note, note
+    assert row["gpu_energy_j"] > 100.0, row  # its best reading stays on the row, marked
+    later = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=1.52, leave=1.58, end_s=end_s, runs_on=runs_on,
+                                   down_ns=int(1.55 * S))
+    assert UNSURE_FLAG not in (later["energy_note"] or ""), later["energy_note"]
+    cut = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=1.52, leave=1.54, end_s=end_s, runs_on=runs_on,
+                                 down_ns=int(1.55 * S), down_refused=True)
+    assert UNSURE_FLAG not in (cut["energy_note"] or ""), cut["energy_note"]
 
 
 def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():

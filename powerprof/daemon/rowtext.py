@@ -20,7 +20,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_BODY_FIX,
                                       PROMPT_NO_ASK_FIX, PROMPT_RUNNING_USAGE_FIX, PROMPT_STATEFUL_FIX, PROMPT_USAGE_FIX,
                                       PROMPT_UNREAD_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_USAGE_ABOVE,
-                                      SERVER_COUNT_USAGE_BELOW, bypass_count_fix, bypass_count_may_be)
+                                      SERVER_COUNT_USAGE_BELOW, UNSURE_FLAG, bypass_count_fix, bypass_count_may_be)
 
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid, gone_unsaid, is_passive,
@@ -376,13 +376,14 @@ WHOLE_GONE_RUN_ON = (" (a whole answer, not streamed: llama-server ran it on to 
 
 def _run_on_note(r: LiveRequest) -> str:
     """`_run_on_said`, and where a found-down scrape not proven a death may have ended its run-on (`Ledger._death_proven`)
-    both readings: its energy there is never silently kept nor silently dropped."""
+    both readings, marked UNSURE_FLAG (`analyze` leaves it out of J/token): its energy there is never silently kept nor
+    silently dropped, nor summed as if sure."""
     said = _run_on_said(r)
     if r.run_on_unsure is None or r.run_on_restart:
         return said
     a, down = r.run_on_unsure
     tr = r.trace
-    return (f"{said}; uncertain: a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after its arrival (after the server's "
+    return (f"{said}; {UNSURE_FLAG}: a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after its arrival (after the server's "
             f"last good scrape) found the server down (an HTTP 502/503, then a restart by its counters), with no "
             f"refused connection and no proxied request failing then: if that was its process's death, the server ran "
             f"it at most {(max(down, tr.end_ns or down) - tr.arrival_ns) / 1e9:.2f} s from its arrival and the figure "
