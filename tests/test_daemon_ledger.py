@@ -1284,6 +1284,31 @@ def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_r
     assert "costed at an estimate of 500 prompt tokens" in caplog.text
 
 
+@pytest.mark.parametrize("verdict", [None, False, True], ids=["undecided", "not_rendered", "rendered"])
+def test_a_cut_stream_whose_tool_choice_none_tools_are_undecided_is_marked_to_be_left_out_of_j_per_token(verdict):
+    # A stream cut before its usage, costed its prompt from its body, 800 of its 2000 characters `tools` sent with
+    # tool_choice "none": while this server's counted prompts have not shown whether it renders them, its prefill may be
+    # costed at 500 tokens or at 300 (its GPU energy high or low by that prefill), and only the note's prose said so:
+    # `analyze` counted it in J/token. Undecided, its energy_note carries UNSURE_FLAG; decided either way, it does not.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    if verdict is not None:
+        led.tools_when_none["openai-chat"] = verdict
+        led.tools_none_tally["openai-chat"] = [3, 0] if verdict else [0, 3]
+    done, cut = _twin_streams(led, 0.05, 0.6, 0.6)
+    cut.extra["prompt_tools_none_chars"] = 800
+    for tr in (done, cut):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    note = got[2]["energy_note"] or ""
+    assert "tool_choice" in note and got[2]["gpu_energy_j"] > 0, note
+    assert (f"{UNSURE_FLAG}: its `tools`" in note) is (verdict is None), note
+    assert UNSURE_FLAG not in (got[1]["energy_note"] or ""), got[1]["energy_note"]
+
+
 def test_a_batch_of_prompts_cut_before_its_usage_is_costed_their_sum_each_with_its_template():
     # A /v1/completions prompt list gave the proxy no size: its prefill was costed at 0 (silently, before the row said
     # prompt-unread). Its prompts' characters are summed, each prompt with the template's own tokens (`a`).
@@ -4551,6 +4576,8 @@ def test_a_turn_naming_one_whose_tools_sent_with_tool_choice_none_were_undecided
     nxt.extra.update(prev_response_id="resp_a", prompt_new_chars=400)
     tokens, how = led._body_estimate(nxt)
     assert "may or may not" in how and "resp_a" not in how, how
+    # Its prompt may be read either way: marked, so `analyze` leaves its row out of J/token.
+    assert f"{UNSURE_FLAG}: its previous turn's `tools`" in how, how
 
 
 def test_tools_rendered_denser_than_prose_are_judged_rendered():
