@@ -1309,6 +1309,39 @@ def test_a_cut_stream_whose_tool_choice_none_tools_are_undecided_is_marked_to_be
     assert UNSURE_FLAG not in (got[1]["energy_note"] or ""), got[1]["energy_note"]
 
 
+def test_analyze_leaves_a_ledger_row_marked_uncertain_out_of_j_per_token_and_says_so(tmp_path):
+    # The ledger's own rows, written as the daemon writes them, through `powerprof analyze`: the cut stream whose
+    # tools sent with tool_choice "none" are undecided (above: 50 J for 10 tokens, its prefill 500 or 300 tokens) is out
+    # of the host's J/token, its twin measured whole is in; stderr says how many, why and where the fix is.
+    from click.testing import CliRunner
+
+    from powerprof.analysis.fleet import fleet_summary
+    from powerprof.cli import main
+    from powerprof.daemon.service import datasets
+    from powerprof.daemon.store import DatasetStore
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    done, cut = _twin_streams(led, 0.05, 0.6, 0.6)
+    cut.extra["prompt_tools_none_chars"] = 800
+    for tr in (done, cut):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    store = DatasetStore(tmp_path / "d", datasets(), host="h")
+    for table in ("requests", "intervals"):
+        store.append(table, sink.rows[table])
+    assert store.flush()
+    [h] = fleet_summary([str(tmp_path / "d")]).to_pylist()
+    assert h["requests"] == 2 and h["uncertain_requests"] == 1, h
+    assert h["attributed_tokens"] == pytest.approx(10.0) and h["gpu_j_per_token"] == pytest.approx(5.0), h
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "d")])
+    said = " ".join(res.stderr.split())
+    assert res.exit_code == 0 and f"{UNSURE_FLAG} (their figure may be high or low" in said and "h: 1" in said, said
+    assert f"for {UNSURE_FLAG}, the fix its energy_note names" in said, said
+
+
 def test_a_batch_of_prompts_cut_before_its_usage_is_costed_their_sum_each_with_its_template():
     # A /v1/completions prompt list gave the proxy no size: its prefill was costed at 0 (silently, before the row said
     # prompt-unread). Its prompts' characters are summed, each prompt with the template's own tokens (`a`).
