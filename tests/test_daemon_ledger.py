@@ -1307,6 +1307,8 @@ def test_a_cut_stream_whose_tool_choice_none_tools_are_undecided_is_marked_to_be
     assert "tool_choice" in note and got[2]["gpu_energy_j"] > 0, note
     assert (f"{UNSURE_FLAG}: its `tools`" in note) is (verdict is None), note
     assert UNSURE_FLAG not in (got[1]["energy_note"] or ""), got[1]["energy_note"]
+    # Counted on /metrics (powerprof_requests_uncertain_uncounted_total) by the decision its words are written by.
+    assert led.flagged_requests.get(UNSURE_FLAG) == (1 if verdict is None else 0), led.flagged_requests
 
 
 def test_analyze_leaves_a_ledger_row_marked_uncertain_out_of_j_per_token_and_says_so(tmp_path):
@@ -4078,14 +4080,17 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
 
 
 def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
-                           runs_on=(None, None), error=None, fail_at=None, fail_closed=False, **restart_kw):
+                           runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
+                           **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
     # scraped every 0.1 s; the server down over each (down, up): its old process last scraped at `down`, the new one's
     # first scrape at `up` (its window says server_restart, with `restart_kw`); `runs_on`: the server's
-    # RUNS_ON_AFTER_LEAVE (SGLang's: to its next 4 s wait from its start). Returns its row.
+    # RUNS_ON_AFTER_LEAVE (SGLang's: to its next 4 s wait from its start); `ledgers`: a list given the ledger. Returns its row.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    if ledgers is not None:
+        ledgers.append(led)
     led.runs_on_after_leave = runs_on
     led.scraping = True
 
@@ -4319,17 +4324,20 @@ def test_an_uncertain_run_on_is_marked_to_be_left_out_of_j_per_token(runs_on, en
     # The run-on a found-down scrape may or may not have cut (the scene above): its figure is either right or nearly all
     # too much (400 J where a death at 1.55 s gives 2.5 J), and only its note's prose said so, so `analyze` counted it
     # in J/token. Its energy_note carries UNSURE_FLAG (analyze leaves such rows out); the sure ones beside do not.
+    leds = []
     row = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=1.52, leave=1.54, end_s=end_s, runs_on=runs_on,
-                                 down_ns=int(1.55 * S))
+                                 down_ns=int(1.55 * S), ledgers=leds)
     note = row["energy_note"] or ""
     assert f"{UNSURE_FLAG}: a scrape" in note and "if that was its process's death" in note, note
+    assert leds[0].flagged_requests.get(UNSURE_FLAG) == 1, leds[0].flagged_requests  # on /metrics too
     assert row["gpu_energy_j"] > 100.0, row  # its best reading stays on the row, marked
     later = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=1.52, leave=1.58, end_s=end_s, runs_on=runs_on,
                                    down_ns=int(1.55 * S))
     assert UNSURE_FLAG not in (later["energy_note"] or ""), later["energy_note"]
     cut = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=1.52, leave=1.54, end_s=end_s, runs_on=runs_on,
-                                 down_ns=int(1.55 * S), down_refused=True)
+                                 down_ns=int(1.55 * S), down_refused=True, ledgers=leds)
     assert UNSURE_FLAG not in (cut["energy_note"] or ""), cut["energy_note"]
+    assert leds[1].flagged_requests.get(UNSURE_FLAG, 0) == 0, leds[1].flagged_requests
 
 
 def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():

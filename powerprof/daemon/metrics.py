@@ -25,7 +25,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG,
                                       COUNT_OPEN_FIX, COUNT_OPEN_FLAG, GONE_PREFILL_FIX, GONE_PREFILL_FLAG,
                                       HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_UNREAD_FIX, PROMPT_UNREAD_FLAG,
-                                      SERVER_COUNT_SLOTS_ONLY)
+                                      SERVER_COUNT_SLOTS_ONLY, UNSURE_FLAG)
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -81,6 +81,11 @@ FLAG_COUNTERS = {
                          "it (an image or audio part, a shape not known), and the server never said the prompt's "
                          "length, their prefill not costed and their figures low; or they ran over such a prefill, "
                          f"their figures high; fix: {PROMPT_UNREAD_FIX}"),
+    UNSURE_FLAG: ("powerprof_requests_uncertain_uncounted", "Requests whose rows' energy_note says "
+                  f"{UNSURE_FLAG}: their figure may be high or low and nothing measured says which (a run-on after "
+                  "their client left that a scrape finding the server down may have cut, nearly all of it too much if "
+                  "it did; a prompt costed from its body with tools sent with tool_choice \"none\" this server may or "
+                  "may not render): analyze leaves them out of J/token; the fix: each row's note names it"),
 }
 OTHER = "other"
 NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet

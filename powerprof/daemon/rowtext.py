@@ -78,7 +78,7 @@ OWN_LATE_FIX = "give the daemon's host CPU to spare (fewer other processes, or m
 # FLAG_COUNTERS), counted from the decision its row's energy_note is written by (_request_flags), never from the note's
 # text, which quotes what clients send (a path).
 COUNTED_FLAGS = (NO_COUNTER_SHORT_FLAG, CACHE_UNSAID_FLAG, CACHE_LATE_FLAG, BEST_OF_FLAG, COUNT_OPEN_FLAG,
-                 HELD_TAIL_FLAG, GONE_PREFILL_FLAG, PROMPT_UNREAD_FLAG)
+                 HELD_TAIL_FLAG, GONE_PREFILL_FLAG, PROMPT_UNREAD_FLAG, UNSURE_FLAG)
 
 
 def tag_server_count(counts: set) -> str | None:
@@ -374,12 +374,24 @@ WHOLE_GONE_RUN_ON = (" (a whole answer, not streamed: llama-server ran it on to 
                      "so they and their energy read as bypass traffic, in unproxied)")
 
 
+def _run_on_unsure(r: LiveRequest) -> bool:
+    """UNSURE_FLAG's run-on: placed, and a found-down scrape not proven a death may have ended it (`_run_on_note`)."""
+    return r.run_on_end_ns is not None and r.run_on_unsure is not None and not r.run_on_restart
+
+
+def _prompt_unsure(r: LiveRequest) -> bool:
+    """UNSURE_FLAG's prompt: costed at its body's estimate (`_approximate_note` says it) whose basis the ledger opened
+    with the flag (`ledger._tools_none_words`: tools sent with tool_choice "none", undecided). That basis is the ledger's
+    own words, numbers and fixed text, never a client's, so the flag in it is its decision."""
+    return r.prompt_est is not None and told_prompt_tokens(r) is None and UNSURE_FLAG in r.prompt_est[1]
+
+
 def _run_on_note(r: LiveRequest) -> str:
     """`_run_on_said`, and where a found-down scrape not proven a death may have ended its run-on (`Ledger._death_proven`)
     both readings, marked UNSURE_FLAG (`analyze` leaves it out of J/token): its energy there is never silently kept nor
     silently dropped, nor summed as if sure."""
     said = _run_on_said(r)
-    if r.run_on_unsure is None or r.run_on_restart:
+    if not _run_on_unsure(r):
         return said
     a, down = r.run_on_unsure
     tr = r.trace
@@ -621,7 +633,8 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             COUNT_OPEN_FLAG: energy and _count_open_flagged(r),
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
-            PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0)}
+            PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
+            UNSURE_FLAG: energy and (_run_on_unsure(r) or _prompt_unsure(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
