@@ -135,6 +135,45 @@ def test_a_second_process_keeping_its_state_elsewhere_is_refused_too(originals, 
         assert ei.value.holder_pid == p.pid
 
 
+_OPENING = ("import sys,time;from powerprof.control.gpulock import GpuLock;from powerprof.paths import state_dir;"
+            "lock=GpuLock(state_dir(),sys.argv[1]);lock.acquire();print('HELD',flush=True);time.sleep(float(sys.argv[2]));"
+            "lock.release()")
+
+
+def test_restore_waits_for_a_lock_held_while_the_restore_files_writer_is_gone(originals):
+    # A controller opening beside a crashed run's restore file holds the GPU's locks for a while (its squatted names'
+    # /proc scans: 1.4-7.6 s), then refuses on that file. `restore` started meanwhile refused ("already being
+    # controlled"), and the GPU stayed capped. The file's writer gone, no holder can be a controller running on it:
+    # `restore` waits for the lock (RESTORE_BUSY_WAIT_S) and puts the GPU back. Its writer alive, it still refuses at once.
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
+    _wait_for_line(p, "STEPPED")
+    p.kill()
+    p.wait(timeout=WAIT_S)
+    assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    opening = subprocess.Popen([sys.executable, "-c", _OPENING, uuid, "1.5"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for_line(opening, "HELD")
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
+                           capture_output=True, text=True, timeout=WAIT_S)
+        said = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode == 0, said
+        assert time.monotonic() - t0 < WAIT_S / 2, said
+    finally:
+        opening.kill()
+        opening.wait(timeout=WAIT_S)
+    assert_untouched()
+    assert restore_files() == []
+    with _holding_both_gpus_at_200():  # its writer alive: refused at once, as before
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
+                           capture_output=True, text=True, timeout=WAIT_S)
+        said = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode != 0 and "already being controlled" in said, said
+        assert time.monotonic() - t0 < 5, said
+
+
 def test_restore_and_force_default_leave_a_gpu_another_state_folders_controller_holds(originals, tmp_path):
     # They took the state folder's lock alone: `restore --force-default` set a GPU a sweep of another state folder held at
     # 200 W to its default under it (session 46's review). And a symlink in a restore file's place named no UUID, so
