@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import sys
+import time
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -447,6 +448,52 @@ def _lock_gpu(locks: list, lock_dir: Path, uuid: str, index, machine_scope: str 
             warnings.append(lock.warning)
 
 
+# How long `restore` waits for a GPU's lock while the restore file's writer is gone (`_writer_gone`): no holder can then
+# be a controller running on that GPU (one opening reads the file under the lock and refuses), so the holder lets go.
+# A controller opening beside squatted lock names held the lock 1.4-7.6 s, and `restore` refused meanwhile.
+RESTORE_BUSY_WAIT_S = 10.0
+_RESTORE_BUSY_RETRY_S = 0.05
+
+
+def _writer_gone(rec: dict) -> bool:
+    """Whether the process that wrote the record has exited: its PID, on this host, is no process now. False where
+    unknown (another host, no PID, a PID in use again: then a busy lock is refused at once, as before)."""
+    pid = rec.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or rec.get("host") != os.uname().nodename:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _lock_gpus(locks: list, rec: dict, lock_dir: Path, machine_scope: str | None, warnings: list[str] | None) -> None:
+    """Every GPU of the record locked (`_lock_gpu`) into `locks`. A lock held (GpuBusyError) while the record's writer
+    is gone is waited for, every lock let go meanwhile, up to RESTORE_BUSY_WAIT_S (monotonic); then, or where the writer
+    may be alive, GpuBusyError."""
+    deadline = None
+    while True:
+        said: list[str] = []
+        try:
+            for uuid, g in rec["gpus"].items():
+                _lock_gpu(locks, lock_dir, uuid, g.get("index"), machine_scope, said)
+        except GpuBusyError:
+            for lock in locks:
+                lock.release()
+            locks.clear()
+            deadline = time.monotonic() + RESTORE_BUSY_WAIT_S if deadline is None else deadline
+            if time.monotonic() >= deadline or not _writer_gone(rec):
+                raise
+            time.sleep(_RESTORE_BUSY_RETRY_S)
+            continue
+        if warnings is not None:
+            warnings.extend(said)
+        return
+
+
 def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w, machine_scope=None,
                       warnings=None) -> FileOutcome:
     early = check_restore_file(path)
@@ -461,8 +508,7 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
     locks: list = []
     nvml = None
     try:
-        for uuid, g in rec["gpus"].items():
-            _lock_gpu(locks, lock_dir, uuid, g.get("index"), machine_scope, warnings)
+        _lock_gpus(locks, rec, lock_dir, machine_scope, warnings)
         nvml = nvml_factory(rec)
         gateway(nvml).init()
         done, problems, found = [], [], []

@@ -135,6 +135,45 @@ def test_a_second_process_keeping_its_state_elsewhere_is_refused_too(originals, 
         assert ei.value.holder_pid == p.pid
 
 
+_OPENING = ("import sys,time;from powerprof.control.gpulock import GpuLock;from powerprof.paths import state_dir;"
+            "lock=GpuLock(state_dir(),sys.argv[1]);lock.acquire();print('HELD',flush=True);time.sleep(float(sys.argv[2]));"
+            "lock.release()")
+
+
+def test_restore_waits_for_a_lock_held_while_the_restore_files_writer_is_gone(originals):
+    # A controller opening beside a crashed run's restore file holds the GPU's locks for a while (its squatted names'
+    # /proc scans: 1.4-7.6 s), then refuses on that file. `restore` started meanwhile refused ("already being
+    # controlled"), and the GPU stayed capped. The file's writer gone, no holder can be a controller running on it:
+    # `restore` waits for the lock (RESTORE_BUSY_WAIT_S) and puts the GPU back. Its writer alive, it still refuses at once.
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
+    _wait_for_line(p, "STEPPED")
+    p.kill()
+    p.wait(timeout=WAIT_S)
+    assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
+    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    opening = subprocess.Popen([sys.executable, "-c", _OPENING, uuid, "1.5"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for_line(opening, "HELD")
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
+                           capture_output=True, text=True, timeout=WAIT_S)
+        said = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode == 0, said
+        assert time.monotonic() - t0 < WAIT_S / 2, said
+    finally:
+        opening.kill()
+        opening.wait(timeout=WAIT_S)
+    assert_untouched()
+    assert restore_files() == []
+    with _holding_both_gpus_at_200():  # its writer alive: refused at once, as before
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
+                           capture_output=True, text=True, timeout=WAIT_S)
+        said = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode != 0 and "already being controlled" in said, said
+        assert time.monotonic() - t0 < 5, said
+
+
 def test_restore_and_force_default_leave_a_gpu_another_state_folders_controller_holds(originals, tmp_path):
     # They took the state folder's lock alone: `restore --force-default` set a GPU a sweep of another state folder held at
     # 200 W to its default under it (session 46's review). And a symlink in a restore file's place named no UUID, so
@@ -543,7 +582,8 @@ def test_a_full_queue_no_process_shows_is_passed_over_only_where_proc_shows_ever
         monkeypatch.setattr(gpulock, "_sees_every_process", lambda: True)
         real = gpulock._holders_from_proc
         monkeypatch.setattr(gpulock, "_holders_from_proc",
-                            lambda name, proc="/proc": (real(name, proc)[0], False, real(name, proc)[2]))
+                            lambda name, proc="/proc", scope=None: (real(name, proc, scope)[0], False,
+                                                                    real(name, proc, scope)[2]))
         with pytest.raises(GpuBusyError):  # a descriptor table it could not read
             lock._bind(root=True)
         monkeypatch.setattr(gpulock, "_holders_from_proc", real)
@@ -901,6 +941,49 @@ def test_a_root_process_holding_many_descriptors_and_no_flock_is_never_read(orig
         with LimitController(SimNVML("seed-16g", count=2), [0, 1], machine_scope=_scope()) as ctl:
             ctl.set_power_limit_w(220)
         assert not [p for p in listed if p.startswith(f"/proc/{many.pid}/")], listed
+    finally:
+        many.kill()
+        many.communicate(timeout=WAIT_S)
+    assert_untouched()
+
+
+_SETUID_LIKE = ("import os,resource,sys;h=resource.getrlimit(resource.RLIMIT_NOFILE)[1];"
+                "resource.setrlimit(resource.RLIMIT_NOFILE,(h,h));"
+                "fds=[os.open('/dev/null',os.O_RDONLY) for _ in range(min(h,19100)-100)];"
+                "os.setresuid(65534,0,0);print('HELD',flush=True);sys.stdin.read()")
+
+
+@needs_root
+@pytest.mark.parametrize("how", ["in-flight", "listening"])
+def test_a_squatted_name_never_reads_the_descriptors_of_a_process_that_could_not_control_the_gpu(originals, monkeypatch,
+                                                                                                 how):
+    # A setuid program another user exec'd over ~19k descriptors of their own (here its stand-in: root's /proc entry,
+    # real uid 65534) is no controller. Root's bind of a squatted name read every descriptor on the host, up to 6 times
+    # per name: a root controller's open took 6-8 s (2.7 s on this host) and `restore` meanwhile refused. Only the
+    # tables of threads that could control the GPU are read whole; another's only where small (FDSize), under a budget.
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    many = subprocess.Popen([sys.executable, "-c", _SETUID_LIKE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for_line(many, "HELD")
+        uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+        with _squatter(uuid, how, every_name=True) as squat, monkeypatch.context() as m:
+            listed = []
+            real_listdir = os.listdir
+            m.setattr(gpulock.os, "listdir", lambda p=".": listed.append(str(p)) or real_listdir(p))
+            lock = gpulock.MachineLock(_scope(), uuid, 0)
+            lock.acquire()
+            try:
+                held = len(lock._socks)
+            finally:
+                lock.release()
+            m.undo()
+            said = lock.warning or ""
+            assert "passed over" in said, said
+            if how == "listening":  # the squatter is still found, named and its socket kept
+                assert f"process {squat} (uid 65534)" in said and held == 2, said
+        assert [p for p in listed if p.endswith("/fd")], listed  # the scan ran
+        assert not [p for p in listed if p.startswith(f"/proc/{many.pid}/") and p.endswith("/fd")], listed
     finally:
         many.kill()
         many.communicate(timeout=WAIT_S)
