@@ -670,13 +670,17 @@ def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its
     assert abs(est - true) / true < 0.05, (est, true)
 
 
-@pytest.mark.parametrize("flavour", ["sglang", "llamacpp"])
-def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash(tmp_path, flavour):
+@pytest.mark.parametrize("flavour,down_s", [("sglang", 0.5), ("llamacpp", 0.5), ("llamacpp", 10.5)],
+                         ids=["sglang", "llamacpp", "llamacpp_reload"])
+def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash(tmp_path, flavour, down_s):
     # Two whole answers (max_tokens 2000, not streamed) decode for about 1 s when the simulated server's process dies
-    # (srv.restart: its sockets reset), back 0.5 s later. A whole answer's head comes only when it is done, so the
+    # (srv.restart: its sockets reset), back `down_s` later. A whole answer's head comes only when it is done, so the
     # proxy saw the connection close before any answer, as it sees a refused connect: both were upstream_unreachable,
     # no tokens and no energy (truth about 130 tokens and 148 J each, H200), that energy idle, nothing said on their
     # rows. The server had them whole: they are upstream_error, costed to the crash, and their rows say so.
+    # Down 10.5 s (a model reload, the usual case), the restart was known only at the new process's first scrape, after
+    # SCRAPE_HOLD_S had written their rows: 0 J each against about 146 J of truth. The scrapes refused meanwhile
+    # (nothing listening) open the crash's window at once (`Ledger.note_down`).
     import asyncio
 
     import aiohttp
@@ -701,7 +705,7 @@ def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash
             await cut_accuracy._normal(s, url, "warm")  # a stream's pace: the decode's estimate
             jobs = [asyncio.create_task(whole(s, url, f"w{k}")) for k in range(2)]
             await asyncio.sleep(1.0)
-            await asyncio.wrap_future(srv.restart(0.5))
+            await asyncio.wrap_future(srv.restart(down_s))
             assert await asyncio.gather(*jobs) == [502, 502]
 
     _run_daemon(srv, daemon, scene, after_s=4)

@@ -376,6 +376,10 @@ class Ledger:
         # A fourth: whether that first found-down scrape's connection was refused (nothing listening: a death), not a
         # 502/503 a router or a loading page answers.
         self._gone_at: deque = deque(maxlen=64)
+        # A death seen before its restart is: (the old process's last scrape, the first scrape since that found the
+        # server down), where a scrape since found nothing listening (`note_down`); None: none open. Ended by the next
+        # scrape window, which lists it in `_gone_at` where it says a restart.
+        self._down_open: tuple[int, int] | None = None
         # When proxied requests' connections to the server broke (refused, closed with no answer, cut mid-answer):
         # what a death does to the requests in flight, the proof a lone found-down scrape lacks (`_death_proven`).
         self._conn_fail_ns: deque = deque(maxlen=64)
@@ -634,6 +638,8 @@ class Ledger:
                 or r.ev_n or r.spent):
             return False
         slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
+        if self._down_open is not None and self._down_open[0] <= tr.end_ns <= self._down_open[1] + slack:
+            return True  # a scrape found nothing listening (`note_down`), before the new process answered
         return any(a <= tr.end_ns <= (b if down is None else down) + slack for a, b, down, _ in self._gone_at)
 
     def _learn_pace(self, r: LiveRequest) -> None:
@@ -1734,6 +1740,7 @@ class Ledger:
         (scrape.Scraper.window_down_ns; None: none did): the old process died before it. `down_refused`: that scrape's
         connection was refused (scrape.Scraper.window_down_refused): nothing listened, unlike a router's 502/503."""
         self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served)
+        self._down_open = None  # a believed page: the window it held is this one's
         if "server_restart" in partial and not restart_by_fall:
             a, b = self.recon.restarts[-1]
             down = down_ns if down_ns is not None and a < down_ns <= b else None
@@ -1742,6 +1749,19 @@ class Ledger:
                 if r.trace.end_ns is not None and closed_unanswered(r):
                     self._run_on(r)
             self._end_run_ons_at_restart()
+
+    def note_down(self, since_ns: int, down_ns: int, refused_ns: int) -> None:
+        """A scrape since the server's last good one (`since_ns`) found nothing listening (refused at `refused_ns`; the
+        first that found it down began at `down_ns`: scrape.Scraper.down_open): its process died, known now. The
+        closes with no answer it explains are crashes at once (`_crash_seen`): known only at the new process's first
+        scrape, a model load later (10 s or more), SCRAPE_HOLD_S had written their rows: two whole answers in flight
+        at a crash, 0 J each against about 146 J of truth. Nothing waits for it: their rows keep their hold."""
+        if self._down_open == (since_ns, down_ns) or not since_ns < down_ns <= refused_ns:
+            return
+        self._down_open = (since_ns, down_ns)
+        for r in self.requests.values():
+            if r.trace.end_ns is not None and closed_unanswered(r):
+                self._run_on(r)
 
     def _run_on_cut_ns(self, r: LiveRequest) -> tuple[int, tuple[int, int, int | None]] | None:
         """Where the process that ran `r` on died, as best known, in the first restart known since `r` arrived: after
