@@ -640,7 +640,11 @@ class Ledger:
         slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
         if self._down_open is not None and self._down_open[0] <= tr.end_ns <= self._down_open[1] + slack:
             return True  # a scrape found nothing listening (`note_down`), before the new process answered
-        return any(a <= tr.end_ns <= (b if down is None else down) + slack for a, b, down, _ in self._gone_at)
+        # Found down, a death must be shown (`_death_shown`): a router answering the metrics page 503, a counter's dip
+        # then, and its own refusal closing the request, was costed as a crash, 84-104 J for a request never run.
+        # None found down, the restart was told by the new process itself (its start time, a lone process's counter).
+        return any(g[0] <= tr.end_ns <= (g[1] if g[2] is None else g[2]) + slack
+                   and (g[2] is None or self._death_shown(g)) for g in self._gone_at)
 
     def _learn_pace(self, r: LiveRequest) -> None:
         """Keep a finished stream's decode pace (tokens a second a sequence, first token to last) for `_run_on_gone`."""
@@ -1804,12 +1808,18 @@ class Ledger:
         then a counter's dip, passes for a restart too: taken for a death, a whole answer whose client left before it
         and that the live server ran on was costed 0.6 tokens and 2.5 J for the truth's 160 and 400 (SGLang), 400 and
         1001 (llama.cpp). Not proven, its run-on is not cut there and its row says both readings (`run_on_unsure`)."""
-        a, _, down, refused = g
-        if refused or any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_fail_ns):
+        if self._death_shown(g):
             r.run_on_unsure = None
             return True
-        r.run_on_unsure = (a, down)
+        r.run_on_unsure = (g[0], g[2])
         return False
+
+    def _death_shown(self, g: tuple) -> bool:
+        """Whether restart `g`'s first found-down scrape was a death: its connection refused (nothing listening), or a
+        proxied request's connection to the server broke from the old process's last scrape to CRASH_CLOSE_SLACK_S
+        after that scrape (a close with no answer is none: `on_end`)."""
+        a, _, down, refused = g
+        return refused or any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_fail_ns)
 
     def _end_run_ons_at_restart(self) -> None:
         """A restart ends every run-on of the process that died: nothing ran it on past that process's death, placed
