@@ -44,7 +44,7 @@ from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, closed_unanswered, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
                           LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
-from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
+from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
                       NO_COUNTER_READ, prompt_unread,
@@ -577,12 +577,15 @@ class Ledger:
                 self.emit("requests", [self._request_row(r)])
             return 0.0
         added = self._placed_at_end(r)
+        error = trace.error or ""
         if trace.end_ns is not None and (trace.outcome == "upstream_unreachable" or trace.outcome == "upstream_error"
-                                         and not (trace.error or "").startswith(ANSWERED_ERROR_NOTES)
-                                         and not closed_unanswered(r)):
+                                         and not error.startswith(ANSWERED_ERROR_NOTES)
+                                         and (not closed_unanswered(r)
+                                              or error.startswith(f"{CRASHED_NOTE}: {RESEND_REFUSED}"))):
             # Its connection to the server broke: a death's mark (`_death_proven`); one may now prove a restart known.
             # Not a close with no answer: a router refusing closes so, and beside a router's 503 on the metrics page
             # such a close cut a live run-on to 0.6 tokens / 2.5 J of 160 / 400, its row sure (session 59's review).
+            # Unless its resend was refused (proxy.RESEND_REFUSED): nothing listened, as a refused connect says.
             self._conn_fail_ns.append(trace.end_ns)
             if self._gone_at:
                 self._end_run_ons_at_restart()
