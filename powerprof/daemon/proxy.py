@@ -871,7 +871,7 @@ class Proxy:
                     # answer reads as a crossing close), which it had. Taken for unreachable, its row got 0 J and its
                     # work went to the requests beside it (305-310 J for 145, 1 run in 3 in the simulator's scene).
                     # Its figure runs to the close: a close that did cross it costs the few ms it took.
-                    raise _ResendRefused(
+                    raise ResendRefused(
                         f"upstream closed the kept-alive connection {stale.waited_s:.2f} s after the request without "
                         f"answering, and sending it again was refused ({error_text(e)}): the server died with it (a "
                         "crash?), or stopped as the request crossed its idle connection's close (then never run)") from e
@@ -895,7 +895,7 @@ class Proxy:
                 # The server had it, and ran it until then: not unreachable. A whole answer's head comes only when it
                 # is done, so every whole answer in flight at a crash ended here: upstream_unreachable, no energy (two
                 # on the simulator, 130 tokens and 148 J each), that work idle, their rows silent on it.
-                said = f"{RESEND_REFUSED}: " if isinstance(e, _ResendRefused) else ""  # first: the cut keeps it
+                said = f"{RESEND_REFUSED}: " if isinstance(e, ResendRefused) else ""  # first: the cut keeps it
                 trace.status, trace.outcome, trace.error = 502, "upstream_error", f"{CRASHED_NOTE}: {said}{msg}"[:300]
             elif trace is not None:
                 trace.status, trace.outcome, trace.error = 502, "upstream_unreachable", msg[:300]
@@ -1177,7 +1177,7 @@ def unreadable_note(counts: streams.Counts) -> str:
             "are not in the proxy's count")
 
 
-class _ResendRefused(UpstreamClosed):
+class ResendRefused(UpstreamClosed):
     """A request sent again after a kept-alive close (forward.StaleConnection) whose new connection was refused."""
 
 
