@@ -726,8 +726,14 @@ def test_the_window_of_a_restart_says_whether_its_first_down_scrape_was_refused(
             for _ in range(10):
                 await sc.scrape()
                 got.append((sc.window_down_ns, sc.window_down_refused))
+                opened.append(sc.down_open())
                 clock[0] += 250_000_000
 
+    opened = []
     asyncio.run(asyncio.wait_for(go(), 60))
     assert [r for d, r in got if d is not None] == [False, True], got
     assert not any(r for d, r in got if d is None), got
+    # Before the believed page, a refused scrape opens the death's window at once (Scraper.down_open, Ledger.note_down):
+    # from the first found-down scrape (the 503's, at 1.5 s) and the first refused (1.75 s); a 503 alone opens none.
+    at = [1_000_000_000 + k * 250_000_000 for k in range(10)]
+    assert opened == [None, None, None, (at[2], at[3]), None, None, (at[6], at[6]), (at[6], at[6]), None, None], opened

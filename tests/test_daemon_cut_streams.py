@@ -670,14 +670,28 @@ def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its
     assert abs(est - true) / true < 0.05, (est, true)
 
 
-@pytest.mark.parametrize("flavour", ["sglang", "llamacpp"])
-def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash(tmp_path, flavour):
+@pytest.mark.parametrize("flavour,down_s,stale_s", [("sglang", 0.5, None), ("llamacpp", 0.5, None),
+                                                    ("llamacpp", 10.5, None), ("sglang", 0.5, 5.0)],
+                         ids=["sglang", "llamacpp", "llamacpp_reload", "sglang_read_as_stale"])
+def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash(tmp_path, monkeypatch, flavour, down_s,
+                                                                                 stale_s):
     # Two whole answers (max_tokens 2000, not streamed) decode for about 1 s when the simulated server's process dies
-    # (srv.restart: its sockets reset), back 0.5 s later. A whole answer's head comes only when it is done, so the
+    # (srv.restart: its sockets reset), back `down_s` later. A whole answer's head comes only when it is done, so the
     # proxy saw the connection close before any answer, as it sees a refused connect: both were upstream_unreachable,
     # no tokens and no energy (truth about 130 tokens and 148 J each, H200), that energy idle, nothing said on their
     # rows. The server had them whole: they are upstream_error, costed to the crash, and their rows say so.
+    # Down 10.5 s (a model reload, the usual case), the restart was known only at the new process's first scrape, after
+    # SCRAPE_HOLD_S had written their rows: 0 J each against about 146 J of truth. The scrapes refused meanwhile
+    # (nothing listening) open the crash's window at once (`Ledger.note_down`).
+    # The answer sent on the warm-up's kept-alive connection, closed 1.0 s in, reads as a close that crossed it when
+    # that is inside forward.STALE_CLOSE_MAX_S (1.0 s: about 1 run in 3; `stale_s` makes it every run): sent again, the
+    # resend refused, it was upstream_unreachable, 0 J, and its work went to the other's row (305-310 J for 145).
     import asyncio
+
+    from powerprof.daemon import forward
+
+    if stale_s is not None:
+        monkeypatch.setattr(forward, "STALE_CLOSE_MAX_S", stale_s)
 
     import aiohttp
 
@@ -701,7 +715,7 @@ def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash
             await cut_accuracy._normal(s, url, "warm")  # a stream's pace: the decode's estimate
             jobs = [asyncio.create_task(whole(s, url, f"w{k}")) for k in range(2)]
             await asyncio.sleep(1.0)
-            await asyncio.wrap_future(srv.restart(0.5))
+            await asyncio.wrap_future(srv.restart(down_s))
             assert await asyncio.gather(*jobs) == [502, 502]
 
     _run_daemon(srv, daemon, scene, after_s=4)
@@ -710,7 +724,8 @@ def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash
     for t in ("w0", "w1"):
         row, want = rows[t], truth[t]
         note = row["energy_note"] or ""
-        print(t, row["outcome"], row["attributed_tokens"], row["gpu_energy_j"], want.get("generated"), want["energy_j"])
+        print(t, row["outcome"], row["attributed_tokens"], row["gpu_energy_j"], want.get("generated"), want["energy_j"],
+              row.get("error"))
         assert row["outcome"] == "upstream_error" and row["status"] == 502, row
         assert row["gpu_energy_j"] == pytest.approx(want["energy_j"], rel=0.5), (row["gpu_energy_j"], want, note)
         assert "closed its connection with no answer" in note, note

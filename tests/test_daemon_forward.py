@@ -780,8 +780,9 @@ class CrashesOnItsSecondRequest:
     `works_s` of generation) and then dies without a byte of answer: a crash mid-request, not a close that crossed
     the request on the wire. Counts each request it received."""
 
-    def __init__(self, works_s: float):
+    def __init__(self, works_s: float, stops_listening: bool = False):
         self.works_s = works_s
+        self.stops_listening = stops_listening  # its process dies: a connect after is refused
         self.received = 0
 
     async def handle(self, reader, writer):
@@ -797,6 +798,8 @@ class CrashesOnItsSecondRequest:
                 n += 1
                 if n == 2:
                     await asyncio.sleep(self.works_s)
+                    if self.stops_listening:
+                        self.server.close()
                     return  # crashed: the connection closes with no answer
                 writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}')
                 await writer.drain()
@@ -808,6 +811,35 @@ class CrashesOnItsSecondRequest:
     async def start(self):
         self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+
+def test_a_request_closed_in_the_stale_bound_whose_resend_is_refused_is_the_server_s_crash(monkeypatch):
+    """A kept-alive connection closed with no answer within STALE_CLOSE_MAX_S of the request reads as a close that
+    crossed it, and the request is sent again. Where that resend is refused (nothing listens), the server died: the
+    close was a crash about 1 s into a whole answer, which the server had. Before, the resend's refusal made it
+    upstream_unreachable (0 J, its row silent), and the work it had done went to the requests beside it (305-310 J
+    for 145 of truth, about 1 run in 3 in the simulator's crash scene). It is a close with no answer now
+    (`proxy.CRASHED_NOTE`), saying the resend was refused, a proof of the death for the ledger."""
+    from powerprof.daemon.proxy import CRASHED_NOTE, RESEND_REFUSED
+
+    async def main():
+        up = CrashesOnItsSecondRequest(works_s=0.2, stops_listening=True)
+        up_url = await up.start()
+        rec, proxy, runner, url = await _proxy(up_url)
+        out = []
+        for _ in range(2):  # one client connection each: the proxy reuses its upstream connection for the second
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
+                    out.append(r.status)
+        await runner.cleanup()
+        up.server.close()
+        return out, up, proxy, rec
+
+    out, up, proxy, rec = _run(main())
+    assert out == [200, 502], out
+    assert up.received == 2
+    tr = rec.ended[1]
+    assert tr.outcome == "upstream_error" and tr.error.startswith(CRASHED_NOTE) and RESEND_REFUSED in tr.error, tr.error
 
 
 def test_a_request_the_upstream_began_and_then_died_on_is_not_sent_again(monkeypatch):

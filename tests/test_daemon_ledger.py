@@ -4260,16 +4260,39 @@ def test_a_close_with_no_answer_and_no_death_seen_is_not_costed_as_a_crash():
     assert "its process died" not in note and "may have run" in note, note
 
 
-def test_a_close_with_no_answer_where_the_server_was_found_down_is_costed_to_the_crash():
-    # The same close, where the scrape after it found the server down (its process died at 1.55 s): costed to the crash,
-    # run from its arrival at 0.5 s to the close (about 1 s at 100 W, the only request live: about 100 J).
-    from powerprof.daemon.proxy import CRASHED_NOTE
+@pytest.mark.parametrize("proof", [{"down_refused": True}, {"fail_at": 1.6}, {"resend": True}],
+                         ids=["refused_scrape", "proxied_refused", "its_resend_refused"])
+def test_a_close_with_no_answer_where_the_server_was_found_down_is_costed_to_the_crash(proof):
+    # The same close, where the scrape after it found nothing listening (its process died at 1.55 s), or a proxied
+    # request's connect was refused then, or its own resend after a close inside forward.STALE_CLOSE_MAX_S was
+    # (proxy.RESEND_REFUSED): costed to the crash, run from its arrival at 0.5 s to the close (about 1 s at 100 W, the
+    # only request live: about 100 J).
+    from powerprof.daemon.proxy import CRASHED_NOTE, RESEND_REFUSED
+    resend = proof.pop("resend", False)
     row = _llamacpp_whole_run_on([(1.5, 2.0)], leave=1.55, end_s=6.0, outcome="upstream_error",
-                                 error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S))
+                                 error=f"{CRASHED_NOTE}: {RESEND_REFUSED + ': ' if resend else ''}closed",
+                                 down_ns=int(1.6 * S), **proof)
     note = row["energy_note"] or ""
     print(row["attributed_tokens"], row["gpu_energy_j"], note)
     assert 60.0 <= (row["gpu_energy_j"] or 0) <= 130.0, row
     assert "closed its connection with no answer" in note, note
+
+
+@pytest.mark.parametrize("fail_closed", [False, True], ids=["alone", "another_closed"])
+def test_a_close_with_no_answer_beside_a_503_and_a_counter_dip_is_not_costed_as_a_crash(fail_closed):
+    # A router in front of the server answers the metrics page 503 (found down, nothing refused), a counter's dip then
+    # makes a restart window, and it holds then closes a request with no answer (it never reached the server: 0 J).
+    # Matched on the found-down scrape alone, it was costed as a crash, 84-104 J (truth 0). A death needs proof as the
+    # run-on cut's (`Ledger._death_proven`): a refused scrape, or a proxied connection broken then; another request
+    # closed with no answer is none (the router closes so too).
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    row = _llamacpp_whole_run_on([(1.5, 2.0)], leave=1.55, end_s=6.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S),
+                                 **({"fail_at": 1.6, "fail_closed": True} if fail_closed else {}))
+    note = (row["energy_note"] or "") + (row.get("energy_flags") or "")
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert not row["attributed_tokens"] and not row["gpu_energy_j"], row
+    assert "its process died" not in note and "may have run" in note, note
 
 
 def test_a_request_that_arrived_after_the_old_process_last_scrape_is_cut_by_its_death():

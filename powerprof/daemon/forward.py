@@ -91,7 +91,12 @@ class UpstreamClosed(UpstreamError):
 
 class StaleConnection(UpstreamError):
     """A kept-alive connection the upstream had closed: it ended with no byte of an answer to the request sent
-    on it, so the server never began that request (a close that crossed it on the wire)."""
+    on it, so the server never began that request (a close that crossed it on the wire). `waited_s`: how long after
+    the request went out it closed."""
+
+    def __init__(self, message: str, waited_s: float = 0.0):
+        super().__init__(message)
+        self.waited_s = waited_s
 
 
 
@@ -185,7 +190,7 @@ class Exchange(asyncio.Protocol):
             waited_s = time.monotonic() - self._sent_s
             if waited_s < STALE_CLOSE_MAX_S:
                 self._fail(StaleConnection("the upstream had closed the kept-alive connection"
-                                           f"{f' ({exc})' if exc else ''}; no answer began"))
+                                           f"{f' ({exc})' if exc else ''}; no answer began", waited_s))
             else:
                 self._fail(UpstreamClosed(f"upstream closed the connection {waited_s:.1f} s after the request without "
                                           f"answering{f' ({exc})' if exc else ''}: it had begun it (a crash?), so it "

@@ -45,7 +45,7 @@ from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, closed_unanswered, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
                           LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
-from .proxy import BODY_LEFT_NOTE, RequestTrace, bounded_text, valid_text
+from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
                       NO_COUNTER_READ, prompt_unread,
@@ -379,6 +379,10 @@ class Ledger:
         # A fourth: whether that first found-down scrape's connection was refused (nothing listening: a death), not a
         # 502/503 a router or a loading page answers.
         self._gone_at: deque = deque(maxlen=64)
+        # A death seen before its restart is: (the old process's last scrape, the first scrape since that found the
+        # server down), where a scrape since found nothing listening (`note_down`); None: none open. Ended by the next
+        # scrape window, which lists it in `_gone_at` where it says a restart.
+        self._down_open: tuple[int, int] | None = None
         # When proxied requests' connections to the server broke (refused, closed with no answer, cut mid-answer):
         # what a death does to the requests in flight, the proof a lone found-down scrape lacks (`_death_proven`).
         self._conn_fail_ns: deque = deque(maxlen=64)
@@ -576,12 +580,15 @@ class Ledger:
                 self.emit("requests", [self._request_row(r)])
             return 0.0
         added = self._placed_at_end(r)
+        error = trace.error or ""
         if trace.end_ns is not None and (trace.outcome == "upstream_unreachable" or trace.outcome == "upstream_error"
-                                         and not (trace.error or "").startswith(ANSWERED_ERROR_NOTES)
-                                         and not closed_unanswered(r)):
+                                         and not error.startswith(ANSWERED_ERROR_NOTES)
+                                         and (not closed_unanswered(r)
+                                              or error.startswith(f"{CRASHED_NOTE}: {RESEND_REFUSED}"))):
             # Its connection to the server broke: a death's mark (`_death_proven`); one may now prove a restart known.
             # Not a close with no answer: a router refusing closes so, and beside a router's 503 on the metrics page
             # such a close cut a live run-on to 0.6 tokens / 2.5 J of 160 / 400, its row sure (session 59's review).
+            # Unless its resend was refused (proxy.RESEND_REFUSED): nothing listened, as a refused connect says.
             self._conn_fail_ns.append(trace.end_ns)
             if self._gone_at:
                 self._end_run_ons_at_restart()
@@ -637,7 +644,13 @@ class Ledger:
                 or r.ev_n or r.spent):
             return False
         slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
-        return any(a <= tr.end_ns <= (b if down is None else down) + slack for a, b, down, _ in self._gone_at)
+        if self._down_open is not None and self._down_open[0] <= tr.end_ns <= self._down_open[1] + slack:
+            return True  # a scrape found nothing listening (`note_down`), before the new process answered
+        # Found down, a death must be shown (`_death_shown`): a router answering the metrics page 503, a counter's dip
+        # then, and its own refusal closing the request, was costed as a crash, 84-104 J for a request never run.
+        # None found down, the restart was told by the new process itself (its start time, a lone process's counter).
+        return any(g[0] <= tr.end_ns <= (g[1] if g[2] is None else g[2]) + slack
+                   and (g[2] is None or self._death_shown(g)) for g in self._gone_at)
 
     def _learn_pace(self, r: LiveRequest) -> None:
         """Keep a finished stream's decode pace (tokens a second a sequence, first token to last) for `_run_on_gone`."""
@@ -1738,6 +1751,7 @@ class Ledger:
         (scrape.Scraper.window_down_ns; None: none did): the old process died before it. `down_refused`: that scrape's
         connection was refused (scrape.Scraper.window_down_refused): nothing listened, unlike a router's 502/503."""
         self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served)
+        self._down_open = None  # a believed page: the window it held is this one's
         if "server_restart" in partial and not restart_by_fall:
             a, b = self.recon.restarts[-1]
             down = down_ns if down_ns is not None and a < down_ns <= b else None
@@ -1746,6 +1760,19 @@ class Ledger:
                 if r.trace.end_ns is not None and closed_unanswered(r):
                     self._run_on(r)
             self._end_run_ons_at_restart()
+
+    def note_down(self, since_ns: int, down_ns: int, refused_ns: int) -> None:
+        """A scrape since the server's last good one (`since_ns`) found nothing listening (refused at `refused_ns`; the
+        first that found it down began at `down_ns`: scrape.Scraper.down_open): its process died, known now. The
+        closes with no answer it explains are crashes at once (`_crash_seen`): known only at the new process's first
+        scrape, a model load later (10 s or more), SCRAPE_HOLD_S had written their rows: two whole answers in flight
+        at a crash, 0 J each against about 146 J of truth. Nothing waits for it: their rows keep their hold."""
+        if self._down_open == (since_ns, down_ns) or not since_ns < down_ns <= refused_ns:
+            return
+        self._down_open = (since_ns, down_ns)
+        for r in self.requests.values():
+            if r.trace.end_ns is not None and closed_unanswered(r):
+                self._run_on(r)
 
     def _run_on_cut_ns(self, r: LiveRequest) -> tuple[int, tuple[int, int, int | None]] | None:
         """Where the process that ran `r` on died, as best known, in the first restart known since `r` arrived: after
@@ -1788,12 +1815,18 @@ class Ledger:
         then a counter's dip, passes for a restart too: taken for a death, a whole answer whose client left before it
         and that the live server ran on was costed 0.6 tokens and 2.5 J for the truth's 160 and 400 (SGLang), 400 and
         1001 (llama.cpp). Not proven, its run-on is not cut there and its row says both readings (`run_on_unsure`)."""
-        a, _, down, refused = g
-        if refused or any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_fail_ns):
+        if self._death_shown(g):
             r.run_on_unsure = None
             return True
-        r.run_on_unsure = (a, down)
+        r.run_on_unsure = (g[0], g[2])
         return False
+
+    def _death_shown(self, g: tuple) -> bool:
+        """Whether restart `g`'s first found-down scrape was a death: its connection refused (nothing listening), or a
+        proxied request's connection to the server broke from the old process's last scrape to CRASH_CLOSE_SLACK_S
+        after that scrape (a close with no answer is none: `on_end`)."""
+        a, _, down, refused = g
+        return refused or any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_fail_ns)
 
     def _end_run_ons_at_restart(self) -> None:
         """A restart ends every run-on of the process that died: nothing ran it on past that process's death, placed

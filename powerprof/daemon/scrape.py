@@ -314,6 +314,9 @@ class Scraper:
         # loading page answers: only the first proves a death (`Ledger._death_proven`).
         self._down_refused = False
         self.window_down_refused = False
+        # When the first scrape since the last believed page whose connection was refused began (None: none was): a
+        # death seen before the new process answers (`down_open`).
+        self._refused_at_ns: int | None = None
         self._believed_at: float | None = None  # time.monotonic() as the last believed page's scrape began
         self._scrape_at = 0.0  # and as this scrape began
         # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
@@ -582,6 +585,7 @@ class Scraper:
                 self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
+                self._refused_at_ns = None
             else:
                 status, text = await self._get("/metrics")
                 if status != 200:
@@ -632,6 +636,7 @@ class Scraper:
                 self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
+                self._refused_at_ns = None
                 if prev is None:
                     self._baseline(total)
                 # A restart of the server zeroes its counter: count from zero again. A new process whose counter has
@@ -665,6 +670,8 @@ class Scraper:
             self._unreachable |= down
             if down and self._down_at_ns is None:
                 self._down_at_ns, self._down_refused = scrape_at_ns, connection_refused(e)
+            if self._refused_at_ns is None and connection_refused(e):
+                self._refused_at_ns = scrape_at_ns
             self.errors += 1
             self.last_error = error_text(e)
             if self.errors <= 3 or self.errors % 100 == 0:
@@ -672,6 +679,15 @@ class Scraper:
             return None
         self.total += delta
         return float(delta)
+
+    def down_open(self) -> tuple[int, int] | None:
+        """(the first scrape that found the server down, the first refused) since the last believed page, as they
+        began (time.monotonic_ns()), where one was refused: nothing listened, a death known before the new process
+        answers (`Ledger.note_down`); None: none was refused (a 502/503 alone, a router's or a loading page's, is
+        no proof)."""
+        if self._refused_at_ns is None or self._down_at_ns is None:
+            return None
+        return self._down_at_ns, self._refused_at_ns
 
     def _finished_since(self, text: str, restart: bool) -> tuple[float, float] | None:
         """The requests finished since the previous scrape and their summed durations, from the server's e2e latency

@@ -1087,6 +1087,11 @@ class Daemon:
                 led.choices_prefilled_apart = self.scraper.kind in PREFILLS_CHOICES_APART
                 led.best_of_ignored = self.scraper.kind in IGNORES_BEST_OF or self.scraper.vllm_v1
                 led.runs_on_after_leave = RUNS_ON_AFTER_LEAVE.get(self.scraper.kind or "")
+                opened = self.scraper.down_open() if delta is None else None
+                if opened is not None and since is not None:
+                    # Nothing listens: a death, known now, not at the new process's first page (a model load later,
+                    # after SCRAPE_HOLD_S wrote the rows of the whole answers it closed unanswered).
+                    led.note_down(since, *opened)
                 if delta is not None:
                     # The prefix-cache hits of the whole window, slow or not: checked against the requests' said counts.
                     # A fault in that check must not end this loop (nothing here is caught): it ended for good, unsaid
