@@ -387,7 +387,7 @@ class MachineLock:
             # another process's by now); they are the answer only where /proc is partial (a sandbox's ProtectProc).
             # Where /proc was read whole and shows every process, a socket no thread holds is no controller's however
             # a connect goes: a parked one answered (queued by the kernel) named its dead listener, and root refused.
-            holders, whole, bound = _holders_from_proc(name, scope=self.scope)
+            holders, whole, bound = _holders_from_proc(name)
             seen_all = whole and _sees_every_process()
             if not holders and not seen_all:
                 pid, uid = _holder(name)
@@ -415,7 +415,7 @@ class MachineLock:
                 # full or answered queue counted, the socket it reached is still the one at the name, read last (a few
                 # ms after the scan's start, not the scan's 0.1 s): without, 1 try in 16 passed over a controller that
                 # bound during this scan (h-rev2 f2b).
-                holders, _whole, bound = _holders_from_proc(name, scope=self.scope)
+                holders, _whole, bound = _holders_from_proc(name)
                 stable = counted is None or bound == counted == _bound_sockets(name)
                 if unanswered == 5 and not holders and stable:
                     said = (
@@ -484,7 +484,7 @@ class MachineLock:
 
     def _refuse_a_controller(self, name: bytes) -> None:
         """GpuBusyError where a process that could control the GPU holds `name` now (judged as `_bind` judges)."""
-        holders, whole, _bound = _holders_from_proc(name, scope=self.scope)
+        holders, whole, _bound = _holders_from_proc(name)
         if not holders and not (whole and _sees_every_process()):
             pid, uid = _holder(name)
             holders = [(pid, uid, None)] if pid else []
@@ -828,47 +828,24 @@ def _bound_sockets(name: bytes, proc: str = "/proc") -> frozenset[str] | None:
     return None if found is None else found[1]
 
 
-# How many descriptors (by the table sizes their threads' status gives, FDSize) one scan of `_holders_from_proc` may read
-# of threads that could not control the GPU, smallest tables first: only to name and keep a squatter, never to decide a
-# refusal. Read whole, a setuid `su` another user exec'd over 19,977 descriptors of its own made root's open of a
-# squatted GPU take 6-8 s (every scan read it, up to 6 per name), `restore` refused meanwhile.
-_OTHERS_DESCRIPTORS_PER_SCAN = 2048
-
-
-def _holders_from_proc(name: bytes, proc: str = "/proc",
-                       scope: str | None = None) -> tuple[list[tuple[int, int | None, int]], bool, frozenset[str]]:
+def _holders_from_proc(name: bytes,
+                       proc: str = "/proc") -> tuple[list[tuple[int, int | None, int]], bool, frozenset[str]]:
     """((pid, uid, tid) of every thread holding a socket bound to the abstract `name`, whether every process's and
-    thread's descriptors that count were read (False: /proc/net/unix or a table unreadable, not just gone), the bound
-    socket(s) this scan looked for (`_bound_sockets`)), through /proc (root reads
+    thread's descriptors were read (False: /proc/net/unix or a table unreadable, not just gone), the bound socket(s)
+    this scan looked for (`_bound_sockets`)), through /proc (root reads
     every process's descriptors): a holder that never listens, or whose queue is full, answers no connect. Every thread's
     descriptors (/proc/<pid>/task/<tid>/fd), judged by that thread's status: a thread whose thread-group leader has
     exited (a zombie: /proc/<pid>/fd lists nothing) or that unshared its descriptor table holds what the leader's list
     lacks. Read from the leader's alone, such a holder went unseen, and with its queue full no connect named it either:
     root's `restore` refused, "another powerprof process", and the GPU stayed capped. A thread sharing its leader's
     table (kcmp says so) is not read again: on a loaded 2-core test host, reading every thread's took 0.4-0.9 s, this
-    0.08-0.13 s, the leaders' alone 0.03-0.08 s.
-    `scope` given: each thread is judged first (`could_control`, from its status), and only the tables of those that
-    could control `scope`'s GPUs are read whole (and count for the second value); those of the others, which can only be
-    passed over, are read smallest first (FDSize) within _OTHERS_DESCRIPTORS_PER_SCAN, to name and keep a squatter. So the
-    cost is not another user's to choose: a setuid program exec'd over their many descriptors is never read."""
+    0.08-0.13 s, the leaders' alone 0.03-0.08 s."""
     sockets = _name_sockets(name, proc)
     if sockets is None:
         return [], False, frozenset()
     inodes, bound = sockets
     found = []
     whole = True
-    others: list[tuple[int, int, int, str | None]] = []  # (FDSize, pid, tid, euid) of threads that could not control
-
-    def holds(pid: int, tid: int) -> bool | None:
-        """Whether thread `tid` holds the socket; None where its table cannot be read (gone, or hidden)."""
-        try:
-            fds = os.listdir(f"{proc}/{pid}/task/{tid}/fd")
-        except OSError as e:
-            nonlocal whole
-            whole &= e.errno in (errno.ENOENT, errno.ESRCH)  # gone; anything else hides it
-            return None
-        return any(_readlink(f"{proc}/{pid}/task/{tid}/fd/{fd}") in inodes for fd in fds)
-
     for entry in os.scandir(proc) if inodes else ():
         if not entry.name.isdigit():
             continue
@@ -877,31 +854,17 @@ def _holders_from_proc(name: bytes, proc: str = "/proc",
         except OSError as e:
             whole &= e.errno in (errno.ENOENT, errno.ESRCH)  # gone; anything else hides it
             continue
-        pid = int(entry.name)
         for tid in sorted(tids, key=lambda t: t != entry.name):  # the leader first: the others mostly share its table
-            if tid != entry.name and _shares_files(pid, int(tid)):
+            if tid != entry.name and _shares_files(int(entry.name), int(tid)):
                 continue
             where = f"{entry.name}/task/{tid}"
-            uid = None
-            if scope is not None:
-                status = _status(where, proc)
-                uid = status.get("Uid", [None, None])[1]
-                if not could_control(scope, pid, int(uid) if uid and uid.isdigit() else None, proc, int(tid), status):
-                    size = status.get("FDSize", [""])[0]
-                    others.append((int(size) if size.isdigit() else 1 << 30, pid, int(tid), uid))
-                    continue
-            if holds(pid, int(tid)):
-                found.append((pid, uid if scope is not None else _status(where, proc).get("Uid", [None, None])[1],
-                              int(tid)))
-    saved = whole  # the others' tables count for nothing but naming and keeping a squatter
-    left = _OTHERS_DESCRIPTORS_PER_SCAN
-    for size, pid, tid, uid in sorted(others):
-        if size > left:
-            break  # the rest are larger still: not read (none of them could control the GPU)
-        left -= size
-        if holds(pid, tid):
-            found.append((pid, uid, tid))
-    whole = saved
+            try:
+                fds = os.listdir(f"{proc}/{where}/fd")
+            except OSError as e:
+                whole &= e.errno in (errno.ENOENT, errno.ESRCH)
+                continue
+            if any(_readlink(f"{proc}/{where}/fd/{fd}") in inodes for fd in fds):
+                found.append((int(entry.name), _status(where, proc).get("Uid", [None, None])[1], int(tid)))
     return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found], whole, bound
 
 
@@ -995,27 +958,24 @@ def _readlink(path: str) -> str | None:
         return None
 
 
-# The lines of /proc/<pid>/status read here: parsing all ~55 of them was half the CPU time of a scan that reads every
-# process's status (`_holders_from_proc`).
-_STATUS_LINE = re.compile(r"^(Uid|Gid|Groups|CapEff|FDSize):(.*)$", re.M)
-
-
 def _status(pid: int | str, proc: str = "/proc") -> dict[str, list[str]]:
-    """Uid, Gid, Groups, CapEff and FDSize of /proc/<pid>/status (or a thread's, "pid/task/tid") as {key: fields}; {}
-    where it cannot be read (the process gone)."""
+    """/proc/<pid>/status (or a thread's, "pid/task/tid") as {key: fields}; {} where it cannot be read (the process
+    gone)."""
+    out: dict[str, list[str]] = {}
     try:
-        with open(f"{proc}/{pid}/status", "rb") as f:
-            text = f.read().decode(errors="replace")
+        with open(f"{proc}/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                out[key] = rest.split()
     except OSError:
         return {}
-    return {key: rest.split() for key, rest in _STATUS_LINE.findall(text)}
+    return out
 
 
 CAP_DAC_OVERRIDE = 1
 
 
-def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/proc", tid: int | None = None,
-                  status: dict[str, list[str]] | None = None) -> bool:
+def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/proc", tid: int | None = None) -> bool:
     """Whether the process `pid` (uid `uid`) could change the limits of `scope`'s GPUs, and so may be a controller whose
     lock root must respect. Changing a power limit on NVIDIA needs root or CAP_SYS_ADMIN (privilege.CAP_SYS_ADMIN in
     its effective set); a simulator's limits, a write in its state file's folder or the file itself (or
@@ -1023,12 +983,11 @@ def could_control(scope: str, pid: int | None, uid: int | None, proc: str = "/pr
     could: a refusal, never a second controller. A process whose real uid is not its effective one is none: a setuid
     program (passwd at its prompt, root in its effective uid) that a squatter exec'd holding the socket; no controller
     runs so (sudo and systemd set both, a script cannot be setuid). `tid`: the thread found holding the socket, judged by
-    its own status (a thread's credentials may differ from its leader's, and a zombie leader's are no one's). `status`:
-    that status, where the caller has just read it."""
+    its own status (a thread's credentials may differ from its leader's, and a zombie leader's are no one's)."""
     if uid is None or pid is None:
         return True
     where = _task(pid, tid)
-    st = _status(where, proc) if status is None else status
+    st = _status(where, proc)
     try:
         cap = int(st["CapEff"][0], 16)
         ruid, euid = int(st["Uid"][0]), int(st["Uid"][1])
