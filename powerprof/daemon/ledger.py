@@ -36,8 +36,7 @@ from powerprof.energy import COUNTER_STEP_S, epoch_broken, interp_at, trailing_a
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, UNSURE_FLAG, bypass_count_low,
-                                      bypass_count_may_be)
+from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_count_low, bypass_count_may_be
 
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
@@ -254,15 +253,16 @@ def _tools_none_words(tools_chars: int, rendered: bool | None, other: float | No
     """What an estimate's basis says of tools sent with tool_choice "none" (Ledger._body_estimate); `other`: the
     estimate under the other reading (without them where counted, with them where left out), said whatever the verdict:
     a verdict comes from a tally of single prompts' judgments, which prompts of unusual density can tip (session 59's
-    review: +362% and -87% on verdicts of 3 to 0). Undecided, the words open with UNSURE_FLAG: its prompt may be read
-    either way, so `analyze` leaves the row that costs it out of J/token."""
+    review: +362% and -87% on verdicts of 3 to 0). Undecided, the words say both readings but carry no UNSURE_FLAG: the
+    row stays in J/token, since its split error is mirrored in the rows sharing its intervals and cancels in the host's
+    sum (leaving it out alone biased the host's figure: 2.1-3.7 points on the simulator's SGLang)."""
     if not tools_chars:
         return ""
     yes, no = tally
     alt = "?" if other is None else round(other)
     fix = "fix: send no `tools` with tool_choice \"none\""
     if rendered is None:
-        return (f"; {UNSURE_FLAG}: its `tools` ({tools_chars} characters) sent with tool_choice \"none\" counted, though "
+        return (f"; its `tools` ({tools_chars} characters) sent with tool_choice \"none\" counted, though "
                 f"this server may or may not render them (SGLang does not, nor vLLM with "
                 f"--exclude-tools-when-tool-choice-none) and its "
                 f"counted prompts have not shown which (judged only against prompts without such tools, where clear): "
@@ -778,7 +778,7 @@ class Ledger:
         new = (new[0], new[1] + _tools_none_words(maybe, rendered, None if alt is None else ctx + alt[0], tally))
         unsure = self.context_tools_unsure.get(prev)
         if unsure is not None:
-            new = (new[0], new[1] + (f"; {UNSURE_FLAG}: its previous turn's `tools` sent with tool_choice \"none\" "
+            new = (new[0], new[1] + (f"; its previous turn's `tools` sent with tool_choice \"none\" "
                                      f"(about {unsure} tokens) were taken out of that conversation, though this server "
                                      f"may or may not have "
                                      f"rendered them (its counted prompts have not shown which): {ctx + unsure + new[0]:.0f}"

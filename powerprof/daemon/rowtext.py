@@ -379,13 +379,6 @@ def _run_on_unsure(r: LiveRequest) -> bool:
     return r.run_on_end_ns is not None and r.run_on_unsure is not None and not r.run_on_restart
 
 
-def _prompt_unsure(r: LiveRequest) -> bool:
-    """UNSURE_FLAG's prompt: costed at its body's estimate (`_approximate_note` says it) whose basis the ledger opened
-    with the flag (`ledger._tools_none_words`: tools sent with tool_choice "none", undecided). That basis is the ledger's
-    own words, numbers and fixed text, never a client's, so the flag in it is its decision."""
-    return r.prompt_est is not None and told_prompt_tokens(r) is None and UNSURE_FLAG in r.prompt_est[1]
-
-
 def _run_on_note(r: LiveRequest) -> str:
     """`_run_on_said`, and where a found-down scrape not proven a death may have ended its run-on (`Ledger._death_proven`)
     both readings, marked UNSURE_FLAG (`analyze` leaves it out of J/token): its energy there is never silently kept nor
@@ -635,7 +628,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
-            UNSURE_FLAG: energy and (_run_on_unsure(r) or _prompt_unsure(r))}
+            UNSURE_FLAG: energy and _run_on_unsure(r)}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 

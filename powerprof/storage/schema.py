@@ -328,9 +328,9 @@ SERVER_COUNT_BELOW = "counter_below"
 SERVER_COUNT_PROXY_UNREAD = "proxy_unread"
 BYPASS_LOW_FLAG = "bypass-uncounted"
 # A daemon request row's energy_note where its figure may be read either way and nothing measured says which: its
-# client gone, a run-on a found-down scrape not proven a death may have cut (nearly all of it too much if so), or its
-# prompt costed from a body whose `tools` sent with tool_choice "none" this server may or may not render. Its
-# gpu_energy_j stays (its best reading, marked); `analyze` leaves it out of J/token (docs/data.md, daemon_requests).
+# client gone, a run-on a found-down scrape not proven a death may have cut (nearly all of it too much if so). Not a
+# prompt whose `tools` sent with tool_choice "none" this server may or may not render: its split error is mirrored in the
+# rows sharing its intervals, so it stays in J/token and only its words say so. Its gpu_energy_j stays (its best reading, marked); `analyze` leaves it out of J/token (docs/data.md, daemon_requests).
 UNSURE_FLAG = "uncertain-uncounted"
 # How a daemon request row's energy_note opens where the proxy answered the request before forwarding it (a 408 for its
 # body, its client gone mid-body, a proxy_error reading it): the server never saw it, so no energy (fleet summary:
