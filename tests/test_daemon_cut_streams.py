@@ -383,6 +383,48 @@ def test_a_prompt_whose_size_the_body_does_not_say_is_said_not_costed_and_its_ne
     assert daemon.ledger.flagged_requests[PROMPT_UNREAD_FLAG] == 2 + len(beside)
 
 
+def test_a_clients_text_naming_a_flag_does_not_leave_its_row_out_of_j_per_token(tmp_path):
+    # The review's scene: a chat whose content part's type is the text "uncertain-uncounted", no usage asked, beside
+    # six 300-word streams (vLLM flavour, H200). Its note quoted the part's type (prompt-unread's reason), so analyze's
+    # LIKE left it out of J/token and counted it uncertain (uncertain_requests 1, 306 tokens of 331), a false reason.
+    import asyncio
+
+    import aiohttp
+
+    from powerprof.analysis.fleet import fleet_summary
+    from powerprof.storage.schema import BYPASS_LOW_FLAG, UNSURE_FLAG
+
+    srv, daemon = _h200_daemon(tmp_path, "vllm", decode_tok_s=50.0)
+
+    async def chat(s, url, tag, content, delay):
+        await asyncio.sleep(delay)
+        so = {} if tag == "crafted" else {"stream_options": {"include_usage": True}}
+        async with s.post(url + "/v1/chat/completions",
+                          json=dict(model="m", messages=[{"role": "user", "content": content}], max_tokens=150,
+                                    stream=True, **so),
+                          headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag}) as r:
+            await r.read()
+
+    async def scene(url):
+        async with aiohttp.ClientSession() as s:
+            jobs = [chat(s, url, f"ok{k}", "word " * 300, 0.3 * k) for k in range(6)]
+            jobs.append(chat(s, url, "crafted", [{"type": "text", "text": "word " * 300},
+                                                 {"type": UNSURE_FLAG, "data": "x"}], 0.5))
+            await asyncio.gather(*jobs)
+
+    _run_daemon(srv, daemon, scene, after_s=6)
+    rows = _rows_by_tag(tmp_path)
+    note = rows["crafted"]["energy_note"] or ""
+    assert PROMPT_UNREAD_FLAG in note and UNSURE_FLAG not in note, note
+    [h] = fleet_summary([str(tmp_path / "data")]).to_pylist()
+    print({k: v for k, v in h.items() if "request" in k or "token" in k or "interval" in k})
+    assert h["requests"] == 7 and h["uncertain_requests"] == 0, h
+    # In J/token with every row its host's count does not leave out (a late first scrape on a loaded machine can flag
+    # them all bypass-uncounted, which is true of them all alike).
+    kept = [r for r in rows.values() if BYPASS_LOW_FLAG not in (r["energy_note"] or "")]
+    assert (h["attributed_tokens"] or 0.0) == pytest.approx(sum(r["attributed_tokens"] for r in kept)), h
+
+
 def test_a_stateful_responses_turn_past_the_prompt_hold_is_costed_its_stored_conversation(tmp_path):
     # A Responses turn naming a previous_response_id the proxy saw answered: its usage (response.completed) comes only
     # at its end, past the prompt hold; its prefill is costed at that answer's counted conversation (its input_tokens

@@ -538,6 +538,47 @@ def test_a_compressed_request_body_is_inspected_on_the_side_and_a_bomb_is_not():
     assert inspect_request_body(doc, "br") == (None, None)  # an encoding not read here: not guessed
 
 
+def _every_flag() -> set[str]:
+    """Every flag constant (a module-level *_FLAG string) in powerprof's modules: the texts analyze's LIKE and a
+    reader look for in an energy_note."""
+    import importlib
+    import pkgutil
+
+    import powerprof
+
+    flags = set()
+    for m in pkgutil.walk_packages(powerprof.__path__, "powerprof."):
+        try:
+            mod = importlib.import_module(m.name)
+        except ImportError:  # an optional dependency absent here: its flags are in the modules that define them
+            continue
+        flags |= {v for k, v in vars(mod).items() if k.endswith("_FLAG") and isinstance(v, str)}
+    return flags
+
+
+def test_text_from_outside_can_put_no_flag_into_a_note():
+    # A client's chat content part {"type": "uncertain-uncounted"} was quoted into its row's energy_note (prompt-unread's
+    # reason), and analyze's LIKE '%uncertain-uncounted%' left the row out of J/token with a false reason; any flag
+    # worked the same (no-counter-short, bypass-uncounted, before-first-read, server-gpu-unsampled, ...). Text from
+    # outside passes through schema.outside_text, which can hold none.
+    from powerprof.daemon.proxy import inspect_request_body
+    from powerprof.storage.schema import outside_text
+
+    flags = _every_flag()
+    assert {"uncertain-uncounted", "no-counter-short", "bypass-uncounted", "before-first-read",
+            "server-gpu-unsampled", "gone-prefill-beside"} <= flags, flags
+    for flag in flags:
+        for text in (flag, f"x {flag} y", flag.upper(), f"{flag}'{flag}", f"/v1/{flag}"):
+            kept = outside_text(text)
+            assert not any(f.lower() in kept.lower() for f in flags), (text, kept)
+        for doc, api in (({"messages": [{"role": "user", "content": [{"type": flag, "data": "x"}]}]}, "openai-chat"),
+                         ({"input": [{"type": flag}]}, "openai-responses")):
+            extra = {}
+            inspect_request_body(json.dumps(doc).encode(), "", api, extra)
+            assert extra["prompt_unsized"] and not any(f in extra["prompt_unsized"] for f in flags), extra
+    assert outside_text("image_url") == "image_url" and len(outside_text("a" * 500)) <= 40
+
+
 def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     # What a prompt the server never counts (a client gone before the usage) is estimated from, per dialect.
     from powerprof.daemon.proxy import inspect_request_body

@@ -36,7 +36,8 @@ from powerprof.energy import COUNTER_STEP_S, epoch_broken, interp_at, trailing_a
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_count_low, bypass_count_may_be
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_count_low, bypass_count_may_be,
+                                      outside_text)
 
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
@@ -2360,7 +2361,8 @@ class Ledger:
             live = (arrival[:, None] < t[None, 1:]) & (end[:, None] > t[None, :-1])
             # By label, in two matrix products: request by request against each unseen one cost live x unseen
             # Python steps an interval (800 live beside embeddings: a third of the daemon's main thread under load).
-            labels = [f"{reqs[j].uncounted} ({reqs[j].trace.method} {reqs[j].trace.endpoint})" for j in unc]
+            labels = [f"{reqs[j].uncounted} ({outside_text(reqs[j].trace.method, 16)} "
+                      f"{outside_text(reqs[j].trace.endpoint, 80)})" for j in unc]
             names, which = np.unique(np.array(labels, dtype=object), return_inverse=True)
             by_label = np.zeros((len(names), len(unc)))
             by_label[which, np.arange(len(unc))] = 1.0

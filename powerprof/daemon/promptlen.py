@@ -17,6 +17,8 @@ from operator import contains, is_
 
 import numpy as np
 
+from powerprof.storage.schema import outside_text
+
 CHARS_PER_TOKEN = 4.0  # until this server has counted some prompts: English text, common BPE tokenizers
 KEEP = 256  # requests per endpoint the ratio is learned from
 MIN_FIT = 16  # requests before the intercept (template tokens) is fitted rather than the ratio of sums
@@ -75,7 +77,7 @@ def prompt_size(doc: dict, api: str | None, kinds: set | None = None) -> tuple[i
             elif kind == "reasoning":
                 k, why = _content_chars(item.get("summary"))
             else:
-                return None, None, (f"an input item of type {kind[:40]!r}" if isinstance(kind, str)
+                return None, None, (f"an input item of type '{outside_text(kind)}'" if isinstance(kind, str)
                                     else "an input item of no known shape")
             n += k
         return _with_tools(n, why, doc)
@@ -298,7 +300,7 @@ def _content_chars(c) -> tuple[int, str | None]:
                 return 0, why
             n += k
         elif isinstance(kind, str):
-            return 0, f"a content part of type {kind[:40]!r}"  # an image or audio part: its tokens are not characters
+            return 0, f"a content part of type '{outside_text(kind)}'"  # an image or audio part: its tokens are not characters
         else:
             return 0, "a content part of no known shape"
     return n, None

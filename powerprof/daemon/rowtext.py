@@ -20,7 +20,8 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_BODY_FIX,
                                       PROMPT_NO_ASK_FIX, PROMPT_RUNNING_USAGE_FIX, PROMPT_STATEFUL_FIX, PROMPT_USAGE_FIX,
                                       PROMPT_UNREAD_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_USAGE_ABOVE,
-                                      SERVER_COUNT_USAGE_BELOW, UNSURE_FLAG, bypass_count_fix, bypass_count_may_be)
+                                      SERVER_COUNT_USAGE_BELOW, UNSURE_FLAG, bypass_count_fix, bypass_count_may_be,
+                                      outside_text)
 
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid, gone_unsaid, is_passive,
@@ -292,7 +293,7 @@ NO_RAPL_NOTE = ("CPU energy not read: no RAPL on this host, or not readable by t
 
 def _uncounted_note(r: LiveRequest) -> str:
     tr = r.trace
-    return (f"not counted: {tr.method} {tr.endpoint} is not a generation API whose tokens the proxy reads "
+    return (f"not counted: {outside_text(tr.method, 16)} {outside_text(tr.endpoint, 80)} is not a generation API whose tokens the proxy reads "
             f"({r.uncounted} work): it takes energy only by its live time where no counted request worked, so its "
             "figure is low, and the requests beside it carry the rest (their energy_note says so)")
 
@@ -498,7 +499,7 @@ def _no_energy_reason(r: LiveRequest) -> str:
         what = (f"an error answer (HTTP {r.trace.status})" if r.trace.status is not None and r.trace.status >= 400
                 else f"an error answer (the server's error inside its HTTP {r.trace.status} response)"
                 if c is not None and c.server_error is not None
-                else f"a {r.trace.method[:16]} request to no generation endpoint")
+                else f"a {outside_text(r.trace.method, 16)} request to no generation endpoint")
         return (f"no share: {what} with no token and no prompt length: no GPU work of it was seen, and its time "
                 "counts as idle")
     if r.prompt_cap is not None and r.prompt_est is not None and r.prompt_est[0] <= 0:

@@ -332,6 +332,17 @@ BYPASS_LOW_FLAG = "bypass-uncounted"
 # prompt whose `tools` sent with tool_choice "none" this server may or may not render: its split error is mirrored in the
 # rows sharing its intervals, so it stays in J/token and only its words say so. Its gpu_energy_j stays (its best reading, marked); `analyze` leaves it out of J/token (docs/data.md, daemon_requests).
 UNSURE_FLAG = "uncertain-uncounted"
+# What of a text from outside (a client's body, a path, a method) an energy_note may quote: analyze finds flags in notes
+# by LIKE '%flag%', so a client's content part typed "uncertain-uncounted", quoted whole, left its row out of J/token with
+# a false reason. Every flag has a character outside these (tests/test_daemon_proxy.py checks each flag constant).
+OUTSIDE_TEXT_KEPT = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_ ./:")
+OUTSIDE_TEXT_MAX_CHARS = 40
+
+
+def outside_text(text: str, max_chars: int = OUTSIDE_TEXT_MAX_CHARS) -> str:
+    """`text` from outside as a note may quote it: its characters in OUTSIDE_TEXT_KEPT only (so no flag can be in
+    it), at most `max_chars` of them."""
+    return "".join(c for c in text[:4 * max_chars] if c in OUTSIDE_TEXT_KEPT)[:max_chars]
 # How a daemon request row's energy_note opens where the proxy answered the request before forwarding it (a 408 for its
 # body, its client gone mid-body, a proxy_error reading it): the server never saw it, so no energy (fleet summary:
 # not_forwarded_requests).
