@@ -672,7 +672,7 @@ def test_export_matches_a_pandas_reference_over_random_copied_fleets(tmp_path):
     # in no interval: its figure is low. Before, the summary summed it in, lowering the host's J/token, unsaid.
     ("before-first-read", "before-first-read: it arrived 0.50 s before ...", 0.1, "start's GPU read failed"),
     # A row whose figure may be read either way, nothing measured saying which: a run-on a found-down scrape may have
-    # cut (nearly all of it too much if so), tools sent with tool_choice "none" a server may or may not render. Before,
+    # cut (nearly all of it too much if so). Before,
     # only its note's prose said so, and the summary summed it in (400 J for what may have been 2.5 J).
     ("uncertain-uncounted", "approximate: ...; uncertain-uncounted: a scrape 0.03 s after ...; fix: scrape the "
                             "server's own port", 400.0, "the fix its energy_note names"),
@@ -690,6 +690,29 @@ def test_requests_flagged_uncertain_are_left_out_of_j_per_token_and_said(tmp_pat
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
     assert res.exit_code == 0 and flag in res.stderr and "node-0: 3" in res.stderr, res.output
     assert fix in res.stderr, res.stderr  # each flag's own fix
+
+
+def test_a_request_marked_uncertain_and_bypass_uncounted_is_counted_once_in_the_bypass_column_and_said(tmp_path):
+    # A row carrying both uncertain-uncounted and bypass-uncounted is counted in bypass_uncertain_requests only; the
+    # docs said uncertain_requests counted it and analyze's stderr said nothing of where it went.
+    truth = _node(tmp_path / "n", 0)
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("requests", [{"daemon_id": "d0", "request_id": 100, "t_arrival_utc": T0_NS, "outcome": "ok",
+                               "generated_tokens": 10, "gpu_energy_j": 400.0, "attributed_tokens": 10.0, "ttft_s": 0.1,
+                               "energy_note": "approximate: x; bypass-uncounted: late; uncertain-uncounted: a scrape"},
+                              {"daemon_id": "d0", "request_id": 101, "t_arrival_utc": T0_NS, "outcome": "ok",
+                               "generated_tokens": 10, "gpu_energy_j": 400.0, "attributed_tokens": 10.0, "ttft_s": 0.1,
+                               "energy_note": "approximate: x; uncertain-uncounted: a scrape"}])
+    assert store.flush()
+    [r] = fleet_summary([str(tmp_path / "n")]).to_pylist()
+    assert r["gpu_j_per_token"] == pytest.approx(truth["jpt"])
+    assert r["uncertain_requests"] == 1 and r["bypass_uncertain_requests"] == 1, r
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
+    said = " ".join(res.stderr.split())
+    assert res.exit_code == 0 and "those also marked bypass-uncounted are counted in its line, not here" in said, said
+    doc = " ".join((ROOT / "docs" / "fleet.md").read_text().split())
+    assert "counts both per host" not in doc
+    assert "a row also marked `bypass-uncounted` is counted in `bypass_uncertain_requests` only" in doc, doc
 
 
 def test_requests_whose_gpu_energy_is_unknown_are_left_out_of_j_per_token_and_said(tmp_path):

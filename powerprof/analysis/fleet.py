@@ -986,7 +986,7 @@ def notes(t: pa.Table) -> list[str]:
                    "the server also ran on a GPU the daemon did not sample: that GPU's energy is in none of theirs) or "
                    f"{UNSURE_FLAG} (their figure may be high or low and nothing measured says which: a run-on a scrape "
                    "that found the server down may have cut, nearly all of it too much if it did) were "
-                   "left out of J/token: " + "; ".join(
+                   f"left out of J/token (those also marked {BYPASS_LOW_FLAG} are counted in its line, not here): " + "; ".join(
                        f"{r['host']}: {r['uncertain_requests']}" for r in unsure) + f"; the fix: for {NO_COUNTER_SHORT_FLAG}, {NO_COUNTER_SHORT_FIX}; for {BEFORE_FIRST_READ_FLAG}, "
                        "none for those rows (later requests are measured whole): the daemon's log says why its start's "
                        f"GPU read failed; for {SERVER_GPU_UNSAMPLED_FLAG}, add the GPU the row names to daemon.gpus; "
