@@ -363,6 +363,7 @@ class MachineLock:
         `warning`); GpuBusyError where a controller holds it."""
         name = self.name if name is None else name
         unanswered = 0
+        large: set[str] = set()  # threads with a table past _LARGE_TABLE_FDS, judged before listed in later tries
         counted: frozenset[str] | None = None  # the socket a counted full or answered connect reached
         for attempt in range(5):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
@@ -387,7 +388,10 @@ class MachineLock:
             # another process's by now); they are the answer only where /proc is partial (a sandbox's ProtectProc).
             # Where /proc was read whole and shows every process, a socket no thread holds is no controller's however
             # a connect goes: a parked one answered (queued by the kernel) named its dead listener, and root refused.
-            holders, whole, bound = _holders_from_proc(name)
+            # Tries 1-5 leave out the large tables of threads that could not control this GPU (their holding is passed
+            # over whatever it is); the last look reads every table whole, so the name's holders are named and a
+            # squatter's socket kept as before.
+            holders, whole, bound = _holders_from_proc(name, scope=self.scope, large=large)
             seen_all = whole and _sees_every_process()
             if not holders and not seen_all:
                 pid, uid = _holder(name)
@@ -415,7 +419,7 @@ class MachineLock:
                 # full or answered queue counted, the socket it reached is still the one at the name, read last (a few
                 # ms after the scan's start, not the scan's 0.1 s): without, 1 try in 16 passed over a controller that
                 # bound during this scan (h-rev2 f2b).
-                holders, _whole, bound = _holders_from_proc(name)
+                holders, _whole, bound = _holders_from_proc(name, scope=None)
                 stable = counted is None or bound == counted == _bound_sockets(name)
                 if unanswered == 5 and not holders and stable:
                     said = (
@@ -828,8 +832,11 @@ def _bound_sockets(name: bytes, proc: str = "/proc") -> frozenset[str] | None:
     return None if found is None else found[1]
 
 
-def _holders_from_proc(name: bytes,
-                       proc: str = "/proc") -> tuple[list[tuple[int, int | None, int]], bool, frozenset[str]]:
+_LARGE_TABLE_FDS = 256  # a descriptor table past this many entries is read only where its thread could control
+
+
+def _holders_from_proc(name: bytes, proc: str = "/proc", scope: str | None = None,
+                       large: set[str] | None = None) -> tuple[list[tuple[int, int | None, int]], bool, frozenset[str]]:
     """((pid, uid, tid) of every thread holding a socket bound to the abstract `name`, whether every process's and
     thread's descriptors were read (False: /proc/net/unix or a table unreadable, not just gone), the bound socket(s)
     this scan looked for (`_bound_sockets`)), through /proc (root reads
@@ -839,7 +846,14 @@ def _holders_from_proc(name: bytes,
     lacks. Read from the leader's alone, such a holder went unseen, and with its queue full no connect named it either:
     root's `restore` refused, "another powerprof process", and the GPU stayed capped. A thread sharing its leader's
     table (kcmp says so) is not read again: on a loaded 2-core test host, reading every thread's took 0.4-0.9 s, this
-    0.08-0.13 s, the leaders' alone 0.03-0.08 s."""
+    0.08-0.13 s, the leaders' alone 0.03-0.08 s.
+    `scope` given: a table of more than _LARGE_TABLE_FDS entries is read only where its thread could control `scope`'s
+    GPUs (`could_control`, its status read then, unknown counting as could); another's is left out, counted as read (it
+    decides no refusal: `_bind`'s last look reads it). Its size is another user's to choose: a setuid `su` over 19,000
+    descriptors was read 6 times per name. Small tables are read whole without a status read, as before: reading
+    every thread's status made 1,000-3,000 idle `sleep`s cost 3.4-7.4 s an acquire (de5ebf73, reverted). `large`:
+    the threads ("pid/task/tid") found with such a table in an earlier scan, added to here; judged before their table is
+    listed (listing 19,000 entries took 30-75 ms), whoever has that entry now."""
     sockets = _name_sockets(name, proc)
     if sockets is None:
         return [], False, frozenset()
@@ -858,14 +872,31 @@ def _holders_from_proc(name: bytes,
             if tid != entry.name and _shares_files(int(entry.name), int(tid)):
                 continue
             where = f"{entry.name}/task/{tid}"
+            if scope is not None and large is not None and where in large and not _may_control(scope, where, proc):
+                continue
             try:
                 fds = os.listdir(f"{proc}/{where}/fd")
             except OSError as e:
                 whole &= e.errno in (errno.ENOENT, errno.ESRCH)
                 continue
+            if scope is not None and len(fds) > _LARGE_TABLE_FDS:
+                if large is not None:
+                    large.add(where)
+                if not _may_control(scope, where, proc):
+                    continue
             if any(_readlink(f"{proc}/{where}/fd/{fd}") in inodes for fd in fds):
                 found.append((int(entry.name), _status(where, proc).get("Uid", [None, None])[1], int(tid)))
     return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found], whole, bound
+
+
+def _may_control(scope: str, where: str, proc: str = "/proc") -> bool:
+    """Whether thread `where` ("pid/task/tid") could control `scope`'s GPUs (`could_control` by its own status); True
+    where unknown (gone, unreadable)."""
+    uid = _status(where, proc).get("Uid", [None, None])[1]
+    if uid is None or not uid.isdigit():
+        return True
+    pid, _, tid = where.partition("/task/")
+    return could_control(scope, int(pid), int(uid), proc, tid=int(tid))
 
 
 _SYS_PIDFD_GETFD = {"x86_64": 438, "aarch64": 438}.get(os.uname().machine)
