@@ -146,6 +146,10 @@ def test_the_simulator_runs_and_answers_a_list_of_prompts_as_llama_server_does(l
     cases = [("/completion", {"prompt": prompts, "n_predict": 6}),
              ("/completion", {"prompt": prompts, "n_predict": 6, "stream": True}),
              ("/completion", {"prompt": [[5, 6, 7], [8, 9]], "n_predict": 6}),
+             # An empty id list: a task of no tokens, ended at once (before: the simulator answered 400).
+             ("/completion", {"prompt": [[], [8, 9]], "n_predict": 6}),
+             ("/completion", {"prompt": [[], [8, 9]], "n_predict": 6, "stream": True}),
+             ("/v1/completions", {"prompt": [[], "the power"], "max_tokens": 6}),
              ("/v1/completions", {"prompt": prompts, "max_tokens": 6}),
              ("/v1/completions", {"prompt": prompts, "max_tokens": 6, "stream": True,
                                   "stream_options": {"include_usage": True}}),

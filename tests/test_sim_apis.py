@@ -292,6 +292,34 @@ def test_sglang_refuses_a_completions_prompt_mixing_ids_and_text_as_its_request_
         assert not srv.truth_cancelled
 
 
+def test_llamacpp_runs_an_empty_id_list_in_a_batch_as_an_empty_task_as_llama_server_does():
+    # llama-server tokenizes each item of a list of prompts apart (tokenize_input_prompts): an empty id list is a task
+    # of no tokens, ended at once with nothing generated (tokens_evaluated 0, stop_type "none", finish_reason "length"),
+    # its final result first in a stream, the `data: null` then coming just before the first token (measured on the
+    # bundled llama-server). Before: the simulator answered such a batch 400, where the real one answers 200.
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=2000.0, n_slots=2) as srv:
+        for prompt, want in (([[], []], [0, 0]), ([[], [5, 6]], [0, 4]), ([[]], [0]), ([[], "the power"], [0, 4])):
+            status, raw = _post(srv.url + "/completion", {"prompt": prompt, "n_predict": 4, "ignore_eos": True})
+            assert status == 200, (prompt, raw[:300])
+            answer = json.loads(raw)
+            tasks = answer if isinstance(answer, list) else [answer]
+            assert isinstance(answer, list) == (len(prompt) > 1), raw[:300]
+            assert [t["tokens_predicted"] for t in sorted(tasks, key=lambda t: t["index"])] == want, raw[:600]
+            empty = [t for t in tasks if t["index"] == 0][0]
+            assert empty["tokens_evaluated"] == 0 and empty["stop_type"] == "none" and empty["content"] == "", empty
+            status, raw = _post(srv.url + "/v1/completions", {"prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+            assert status == 200, (prompt, raw[:300])
+            assert [c["finish_reason"] for c in json.loads(raw)["choices"]] == ["length"] * len(prompt), raw[:300]
+        status, raw = _post(srv.url + "/completion", {"prompt": [[], [5, 6]], "n_predict": 4, "stream": True})
+        assert status == 200, raw[:300]
+        lines = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+        assert json.loads(lines[0])["index"] == 0 and json.loads(lines[0])["stop"] is True, lines[:3]
+        assert lines[1] == b"null" and json.loads(lines[2])["index"] == 1, lines[:3]
+        status, raw = _post(srv.url + "/completion", {"prompt": [[], []], "n_predict": 4, "stream": True})
+        assert status == 200 and b"null" not in raw and len(_events(raw)) == 2, raw[:300]
+        assert not srv.truth_cancelled
+
+
 def _batch_rows(srv, key: str) -> list[dict]:
     """A request's generated sequences in index order (not SGLang's prefills apart of its n > 1 prompts)."""
     return sorted((t for t in srv.truth if t["client_id"] == key and t["kind"] == "generation"), key=lambda t: t["choice"])

@@ -132,6 +132,14 @@ def count_prompt_tokens(text: str) -> int:
     return len(_WORD.findall(text)) + 1
 
 
+class _NoTokens(str):
+    """A prompt of no tokens (llama.cpp's empty id list in a list of prompts): a task that ends at once, nothing
+    prefilled or generated (_submit)."""
+
+
+_NO_TOKENS = _NoTokens("")
+
+
 def _standin(words: list, bos: bool) -> str:
     """The text the simulator runs for a prompt of these tokens (each a word: an id's `i<id>`, a text's words), with
     the BOS its tokenizer adds (bos) or without (a prompt of ids, as given): its count_prompt_tokens is theirs, and
@@ -1555,6 +1563,15 @@ class SimServer:
             embed=embed or hidden,
             hidden=hidden,
         )
+        if isinstance(prompt, _NoTokens):
+            # llama-server gives it a slot and ends it before any prompt processing: no GPU work, no truth row, its
+            # final result at once (stop_type "none", zero timings), so first in a stream.
+            req.prompt_tokens, req.stop_type = 0, "none"
+            busy = {r.slot for r in self._active}
+            req.slot = min((i for i in range(self.n_slots) if i not in busy), default=0)
+            req.queue.put_nowait(("done", {"cache_n": 0, "prompt_n": 0, "prompt_ms": 0.0, "prompt_per_second": 0.0,
+                                           "predicted_n": 0, "predicted_ms": 0.0, "predicted_per_second": 0.0}))
+            return req
         client = _CLIENT.get()
         if client is not None:
             req.client = client
@@ -1757,6 +1774,11 @@ class SimServer:
                     item = item.get("prompt_string")
                 if isinstance(item, str):
                     out.append(item)
+                    continue
+                if isinstance(item, list) and not item:
+                    # llama-server tokenizes each item apart: an empty id list is a task of no tokens, answered 200
+                    # with nothing generated (measured on the bundled build); only the list itself may not be empty.
+                    out.append(_NO_TOKENS)
                     continue
                 kinds = set(map(type, item)) if isinstance(item, list) else set()
                 if not (int in kinds and (kinds <= {int, str} or {int, str} <= kinds <= {int, str, float, bool})):
@@ -2159,7 +2181,7 @@ class SimServer:
             return self._json(obj)
         if api == "sglang-native":
             return self._json(dict(self._sglang_native(req, text_all, ids_all, True), simulated=True))
-        fr = "length" if req.stop_type == "limit" else "stop"
+        fr = "stop" if req.stop_type == "eos" else "length"
         choice = {"index": 0, "finish_reason": fr}
         if api == "openai-chat":
             choice["message"] = {"role": "assistant", "content": text_all}
@@ -2440,7 +2462,7 @@ class SimServer:
                     if n_events == 0 and not group_ids and opts.get("return_progress"):
                         await out.send(progress(req.prompt_tokens))
                     group_ids, group_text = group_ids + ids, group_text + text
-                    fr = "length" if req.stop_type == "limit" else "stop"
+                    fr = "stop" if req.stop_type == "eos" else "length"
                     if last and empty_final:
                         if len(group_ids) > 1:
                             await send_tokens(group_ids[:-1], group_text)
@@ -2472,7 +2494,7 @@ class SimServer:
                     elif api == "sglang-native":
                         await out.send(b"data: [DONE]\n\n")
                     else:
-                        fr = "length" if req.stop_type == "limit" else "stop"
+                        fr = "stop" if req.stop_type == "eos" else "length"
                         if req.shape is not None:
                             # SGLang's held-back tool arguments: no usage on them; a held call that closed: its step's.
                             for d in req.shape.tail(fr):
@@ -2625,7 +2647,7 @@ class SimServer:
         chat = api == "openai-chat"
         choices = []
         for r, text, ids_r, e in zip(reqs, texts, ids, echoes):
-            c = {"index": r.choice, "finish_reason": "length" if r.stop_type == "limit" else "stop"}
+            c = {"index": r.choice, "finish_reason": "stop" if r.stop_type == "eos" else "length"}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
@@ -2703,8 +2725,9 @@ class SimServer:
             await out.send(chunk({"index": i, "delta": {"role": "assistant", "content": "" if vllm else None},
                                   "finish_reason": None}, **running(i)))
 
-        if self.flavour == "llamacpp" and len(reqs) > per_prompt:
-            await out.send(b"data: null\n\n")
+        # llama-server opens a stream of several prompts' tokens with `data: null`, sent just before the first token:
+        # an empty task's final result, ready at once, goes before it (measured on the bundled build).
+        null_due = self.flavour == "llamacpp" and len(reqs) > per_prompt
         while left:
             try:
                 item = await (asyncio.wait_for(q.get(), self.keepalive_s) if self.keepalive_s else q.get())
@@ -2716,9 +2739,12 @@ class SimServer:
                 _abort(request)
                 return
             r = reqs[i]
-            fr = "length" if r.stop_type == "limit" else "stop"
+            fr = "stop" if r.stop_type == "eos" else "length"
             if kind == "tokens":
                 ids, text, last = payload
+                if null_due:
+                    await out.send(b"data: null\n\n")
+                    null_due = False
                 if chat and not started[i]:
                     if vllm:  # vLLM sends every choice's role chunk with its first output
                         for j in range(n):
