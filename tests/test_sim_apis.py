@@ -320,6 +320,20 @@ def test_llamacpp_runs_an_empty_id_list_in_a_batch_as_an_empty_task_as_llama_ser
         assert not srv.truth_cancelled
 
 
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_vllm_and_sglang_have_no_llamacpp_native_completion_route(flavour):
+    # vLLM's api_server and SGLang's http_server route /v1/completions only: llama-server's /completion (and its
+    # /completions alias) is FastAPI's 404 there. Before: both flavours ran it as llama.cpp does (200, its native answer),
+    # so a client or test that used it passed against the simulator and failed against the real server.
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=2000.0) as srv:
+        for path in ("/completion", "/completions"):
+            status, raw = _post(srv.url + path, {"prompt": "the power", "n_predict": 2})
+            assert (status, json.loads(raw)) == (404, {"detail": "Not Found"}), (path, raw[:300])
+        status, raw = _post(srv.url + "/v1/completions", {"model": "m", "prompt": "the power", "max_tokens": 2})
+        assert status == 200, raw[:300]
+        assert not srv.truth_cancelled and len(srv.truth) == 1
+
+
 def _batch_rows(srv, key: str) -> list[dict]:
     """A request's generated sequences in index order (not SGLang's prefills apart of its n > 1 prompts)."""
     return sorted((t for t in srv.truth if t["client_id"] == key and t["kind"] == "generation"), key=lambda t: t["choice"])

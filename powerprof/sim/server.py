@@ -1808,6 +1808,8 @@ class SimServer:
                                  "prompt")
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
+        if self.flavour != "llamacpp":  # llama-server's own route: vLLM and SGLang route /v1/completions only
+            return self._json({"detail": "Not Found"}, 404)  # FastAPI's answer to a route it lacks
         body = await self._body(request)
         prompts = self._completion_prompts(body.get("prompt", ""))
         if isinstance(prompts, web.Response):
