@@ -334,6 +334,53 @@ def test_vllm_and_sglang_have_no_llamacpp_native_completion_route(flavour):
         assert not srv.truth_cancelled and len(srv.truth) == 1
 
 
+def _send(url: str, method: str, data: bytes | None = None) -> tuple[int, str, bytes]:
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read()
+
+
+LLAMA_404 = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
+
+
+@pytest.mark.parametrize("flavour", ["llamacpp", "vllm", "sglang"])
+def test_a_route_method_or_body_the_server_refuses_is_answered_in_its_servers_json(flavour):
+    # llama-server (measured on the bundled build): a route it lacks, or a method its route lacks, is 404 with its JSON
+    # error (`File Not Found`), a body that is not JSON or not an object a 400 invalid_request_error saying nlohmann's
+    # error. vLLM and SGLang are FastAPI apps: {"detail": "Not Found"} (404), {"detail": "Method Not Allowed"} (405),
+    # and a body their request model cannot read is a 400 in their validation error's shape. Before: aiohttp's plain
+    # text "404: Not Found" / "405: Method Not Allowed", and {"error": {"message": "invalid JSON body"}} with no code
+    # or type on every flavour.
+    foreign = {"llamacpp": "/generate", "vllm": "/props", "sglang": "/version"}[flavour]
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=2000.0) as srv:
+        for method, path in (("POST", "/no/such/route"), ("GET", "/no/such/route"),
+                             ("POST" if flavour == "llamacpp" else "GET", foreign)):
+            status, ctype, raw = _send(srv.url + path, method, b"{}" if method == "POST" else None)
+            want = LLAMA_404 if flavour == "llamacpp" else {"detail": "Not Found"}
+            assert (status, json.loads(raw)) == (404, want), (method, path, raw[:200])
+            assert ctype.startswith("application/json"), ctype
+        status, ctype, raw = _send(srv.url + "/v1/completions", "GET")
+        if flavour == "llamacpp":
+            assert (status, json.loads(raw)) == (404, LLAMA_404), raw[:200]
+        else:
+            assert (status, json.loads(raw)) == (405, {"detail": "Method Not Allowed"}), raw[:200]
+        for body in (b"not json", b"[1]"):
+            status, ctype, raw = _send(srv.url + "/v1/completions", "POST", body)
+            err = json.loads(raw)
+            assert status == 400, raw[:200]
+            if flavour == "llamacpp":
+                assert err["error"]["code"] == 400 and err["error"]["type"] == "invalid_request_error", err
+                assert err["error"]["message"].startswith("[json.exception."), err
+            elif flavour == "vllm":
+                assert err["error"]["code"] == 400 and err["error"]["type"] == "BadRequestError", err
+            else:
+                assert err["object"] == "error" and err["code"] == 400 and err["type"] == "BadRequestError", err
+        assert not srv.truth
+
+
 def _batch_rows(srv, key: str) -> list[dict]:
     """A request's generated sequences in index order (not SGLang's prefills apart of its n > 1 prompts)."""
     return sorted((t for t in srv.truth if t["client_id"] == key and t["kind"] == "generation"), key=lambda t: t["choice"])

@@ -132,6 +132,17 @@ def count_prompt_tokens(text: str) -> int:
     return len(_WORD.findall(text)) + 1
 
 
+class _Refused(Exception):
+    """A request refused deep in a handler: its answer, sent as is (SimServer._server_errors)."""
+
+    def __init__(self, response: web.Response):
+        super().__init__(response.status)
+        self.response = response
+
+
+LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
+
+
 class _NoTokens(str):
     """A prompt of no tokens (llama.cpp's empty id list in a list of prompts): a task that ends at once, nothing
     prefilled or generated (_submit)."""
@@ -865,7 +876,7 @@ class SimServer:
         self._wake = asyncio.Event()
         self._watch_wake = asyncio.Event()  # a request's sequences to watch (_watch_clients)
         sglang_http = self.flavour == "sglang" and self.serve_metrics
-        middlewares = ([self._track_client] + ([self._guard_api_key] if self.api_key else [])
+        middlewares = ([self._server_errors, self._track_client] + ([self._guard_api_key] if self.api_key else [])
                        + ([self._sglang_http_metrics] if sglang_http else []))
         app = web.Application(middlewares=middlewares)
         r = app.router
@@ -938,6 +949,24 @@ class SimServer:
         finally:
             self._clients.discard(client)
             _CLIENT.reset(token)
+
+    @web.middleware
+    async def _server_errors(self, request: web.Request, handler):
+        """A route or method the flavour's server lacks, answered in its server's JSON rather than aiohttp's plain text:
+        llama-server (measured on the bundled build) 404 `File Not Found` for both; vLLM and SGLang, FastAPI apps,
+        Starlette's {"detail": "Not Found"} (404) and {"detail": "Method Not Allowed"} (405)."""
+        try:
+            return await handler(request)
+        except _Refused as e:
+            return e.response
+        except web.HTTPMethodNotAllowed as e:
+            if self.flavour == "llamacpp":
+                return self._json(LLAMACPP_NOT_FOUND, 404)
+            return self._json({"detail": "Method Not Allowed"}, 405, headers={"Allow": ", ".join(sorted(e.allowed_methods))})
+        except web.HTTPNotFound as e:
+            if e.text != "404: Not Found":  # a handler's own 404, already in its server's words
+                raise
+            return self._json(LLAMACPP_NOT_FOUND if self.flavour == "llamacpp" else {"detail": "Not Found"}, 404)
 
     def _client_poll_s(self, streamed: bool) -> float:
         """How often the flavour's server looks at a running request's connection (0: it hears of a close at once)."""
@@ -1583,8 +1612,8 @@ class SimServer:
 
     # --- HTTP -------------------------------------------------------------------------------------
 
-    def _json(self, obj, status: int = 200) -> web.Response:
-        return web.json_response(obj, status=status, headers={"X-Powerprof-Simulated": "1"})
+    def _json(self, obj, status: int = 200, headers: dict | None = None) -> web.Response:
+        return web.json_response(obj, status=status, headers={"X-Powerprof-Simulated": "1", **(headers or {})})
 
     def _loading(self) -> web.Response | None:
         """llama-server's answer to every request while it loads its model; None once loaded."""
@@ -1740,12 +1769,17 @@ class SimServer:
                                                 "X-Powerprof-Simulated": "1"})
 
     async def _body(self, request: web.Request) -> dict:
+        # Each server's 400 for a body it cannot read: llama-server's says nlohmann's exception (measured on the bundled
+        # build), vLLM's and SGLang's are their request validation's (the flavour's _bad_request shape).
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
-            raise web.HTTPBadRequest(text='{"error": {"message": "invalid JSON body"}}', content_type="application/json")
+            llama = "[json.exception.parse_error.101] parse error: syntax error while parsing value"
+            raise _Refused(self._bad_request(llama if self.flavour == "llamacpp" else "JSON decode error"))
         if not isinstance(body, dict):
-            raise web.HTTPBadRequest(text='{"error": {"message": "body must be an object"}}', content_type="application/json")
+            llama = f"[json.exception.type_error.304] cannot use at() with {type(body).__name__}"
+            raise _Refused(self._bad_request(llama if self.flavour == "llamacpp" else
+                                             "Input should be a valid dictionary or object to extract fields from"))
         return body
 
     def _completion_prompts(self, prompt) -> list[str] | web.Response:
