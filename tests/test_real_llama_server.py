@@ -1079,3 +1079,16 @@ def test_the_simulators_refusals_of_routes_methods_and_bodies_read_as_llama_serv
                 assert r["message"].split("]")[0] == s["message"].split("]")[0], (real, simulated)
             else:
                 assert real == simulated, (method, path, real, simulated)
+
+
+def test_the_simulators_refusals_of_missing_or_misshapen_fields_are_llama_servers(llama_server):
+    # The cases test_sim_apis holds the llama.cpp flavour to, each sent to llama-server itself: the same status and JSON.
+    from test_sim_apis import LLAMA_REFUSALS
+
+    for path, body, status, message, kind in LLAMA_REFUSALS:
+        req = urllib.request.Request(llama_server.base_url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        got = (e.value.code, json.loads(e.value.read()))
+        assert got == (status, {"error": {"code": status, "message": message, "type": kind}}), (path, body, got)

@@ -381,6 +381,38 @@ def test_a_route_method_or_body_the_server_refuses_is_answered_in_its_servers_js
         assert not srv.truth
 
 
+# What the bundled llama-server answers a request missing a field it requires, or giving it a shape it refuses (measured).
+LLAMA_REFUSALS = [
+    ("/completion", {"n_predict": 2}, 400, "[json.exception.out_of_range.403] key 'prompt' not found", "invalid_request_error"),
+    ("/v1/completions", {"max_tokens": 2}, 400, "[json.exception.out_of_range.403] key 'prompt' not found",
+     "invalid_request_error"),
+    ("/v1/chat/completions", {"max_tokens": 2}, 400, "'messages' is required", "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": 5}, 400, "Expected 'messages' to be an array", "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "All non-assistant messages must contain 'content'",
+     "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant"}]}, 400,
+     "Assistant message must contain either 'content' or 'tool_calls'!", "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 500,
+     'Failed to parse messages: Missing \'role\' in message: {"content":"hi"}', "server_error"),
+    ("/v1/messages", {"max_tokens": 2}, 500, "'messages' is required", "server_error"),
+    ("/v1/responses", {"max_output_tokens": 2}, 400, "'input' is required", "invalid_request_error"),
+    ("/v1/responses", {"input": 5}, 400, "'input' must be a string or array of objects", "invalid_request_error"),
+]
+
+
+def test_llamacpp_refuses_a_request_missing_what_llama_server_requires_as_it_does():
+    # Before: the simulator ran each of these (a prompt of "", a chat of no messages, 200) or answered 500 in aiohttp's
+    # text (`messages` not a list), and refused an Anthropic request without max_tokens that llama-server runs.
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=2000.0) as srv:
+        for path, body, status, message, kind in LLAMA_REFUSALS:
+            got_status, raw = _post(srv.url + path, body)
+            assert (got_status, json.loads(raw)) == (status, {"error": {"code": status, "message": message,
+                                                                        "type": kind}}), (path, body, raw[:300])
+        assert not srv.truth
+        status, raw = _post(srv.url + "/v1/messages", {"messages": [{"role": "user", "content": "the power"}]})
+        assert status == 200, raw[:300]
+
+
 def _batch_rows(srv, key: str) -> list[dict]:
     """A request's generated sequences in index order (not SGLang's prefills apart of its n > 1 prompts)."""
     return sorted((t for t in srv.truth if t["client_id"] == key and t["kind"] == "generation"), key=lambda t: t["choice"])

@@ -1782,6 +1782,45 @@ class SimServer:
                                              "Input should be a valid dictionary or object to extract fields from"))
         return body
 
+    def _llama_refusal(self, api: str, body: dict) -> web.Response | None:
+        """llama-server's answer to a request missing a field it requires or giving one a shape it refuses (measured on
+        the bundled build: its JSON reads and its chat parser's checks); None where it runs it, or not llama.cpp."""
+        if self.flavour != "llamacpp":
+            return None
+
+        def refuse(message: str, status: int = 400) -> web.Response:
+            kind = "invalid_request_error" if status == 400 else "server_error"
+            return self._json({"error": {"code": status, "message": message, "type": kind}}, status)
+
+        if api in ("llamacpp", "openai-completions") and "prompt" not in body:
+            return refuse("[json.exception.out_of_range.403] key 'prompt' not found")
+        if api == "anthropic-messages" and "messages" not in body:
+            return refuse("'messages' is required", 500)
+        if api == "openai-responses":
+            if "input" not in body:
+                return refuse("'input' is required")
+            if not isinstance(body["input"], (str, list)):
+                return refuse("'input' must be a string or array of objects")
+        if api != "openai-chat":
+            return None
+        if "messages" not in body:
+            return refuse("'messages' is required")
+        msgs = body["messages"]
+        if not isinstance(msgs, list):
+            return refuse("Expected 'messages' to be an array")
+        for m in msgs:
+            if not isinstance(m, dict):
+                continue
+            if "role" not in m:
+                return refuse("Failed to parse messages: Missing 'role' in message: "
+                              + json.dumps(m, separators=(",", ":")), 500)
+            if m["role"] == "assistant":
+                if "content" not in m and "tool_calls" not in m:
+                    return refuse("Assistant message must contain either 'content' or 'tool_calls'!")
+            elif "content" not in m:
+                return refuse("All non-assistant messages must contain 'content'")
+        return None
+
     def _completion_prompts(self, prompt) -> list[str] | web.Response:
         """A completions `prompt` as the prompts its server runs, each the text the simulator runs for it (standing for
         its tokens: _standin), or the 400 its server answers. A list of several is a batch: each prompt its own
@@ -1845,7 +1884,7 @@ class SimServer:
         if self.flavour != "llamacpp":  # llama-server's own route: vLLM and SGLang route /v1/completions only
             return self._json({"detail": "Not Found"}, 404)  # FastAPI's answer to a route it lacks
         body = await self._body(request)
-        prompts = self._completion_prompts(body.get("prompt", ""))
+        prompts = self._llama_refusal("llamacpp", body) or self._completion_prompts(body.get("prompt", ""))
         if isinstance(prompts, web.Response):
             return prompts
         prompt = prompts[0] if len(prompts) == 1 else prompts
@@ -1944,7 +1983,7 @@ class SimServer:
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompts = self._completion_prompts(body.get("prompt", ""))
+        prompts = self._llama_refusal("openai-completions", body) or self._completion_prompts(body.get("prompt", ""))
         if isinstance(prompts, web.Response):
             return prompts
         n = body.get("max_tokens")
@@ -1964,6 +2003,9 @@ class SimServer:
 
     async def _oai_chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
+        refused = self._llama_refusal("openai-chat", body)
+        if refused is not None:
+            return refused
         msgs = body.get("messages") or []
         prompt = "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
         # The template renders the tools' schemas (vLLM none for tool_choice "none" with the flag).
@@ -1974,9 +2016,15 @@ class SimServer:
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API (llama.cpp and vLLM serve it at /v1/messages): a chat in other clothes."""
         body = await self._body(request)
+        refused = self._llama_refusal("anthropic-messages", body)
+        if refused is not None:
+            return refused
+        msgs = body.get("messages")
         parts = [_text_of(body.get("system"))]
-        parts += [_text_of(m.get("content")) for m in body.get("messages") or [] if isinstance(m, dict)]
+        parts += [_text_of(m.get("content")) for m in (msgs if isinstance(msgs, list) else []) if isinstance(m, dict)]
         n = body.get("max_tokens")
+        if n is None and self.flavour == "llamacpp":
+            n = 128  # llama-server runs it without max_tokens (measured), as the chat route's default here
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             return self._bad_request("max_tokens: a positive integer is required")
         return await self._serve(request, "anthropic-messages", "\n".join(p for p in parts if p), body, n)
@@ -1988,6 +2036,9 @@ class SimServer:
         turn's instructions and before its input (vLLM's responses/utils.py construct_input_messages, its store on:
         `responses_store`), a 404 where none is stored; llama.cpp refuses it (400)."""
         body = await self._body(request)
+        refused = self._llama_refusal("openai-responses", body)
+        if refused is not None:
+            return refused
         inp = body.get("input")
         items = inp if isinstance(inp, list) else [inp]
         turn = [_input_item_text(m) for m in items]
