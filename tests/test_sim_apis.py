@@ -397,6 +397,19 @@ LLAMA_REFUSALS = [
     ("/v1/messages", {"max_tokens": 2}, 500, "'messages' is required", "server_error"),
     ("/v1/responses", {"max_output_tokens": 2}, 400, "'input' is required", "invalid_request_error"),
     ("/v1/responses", {"input": 5}, 400, "'input' must be a string or array of objects", "invalid_request_error"),
+    # A field of the wrong JSON type, or out of its range (before: the simulator's int() raised, aiohttp's 500 text; or
+    # it ran the request).
+    ("/completion", {"prompt": "a", "n_predict": "x"}, 400,
+     "Field 'n_predict': [json.exception.type_error.302] type must be number, but is string", "invalid_request_error"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": -5}, 400,
+     "Field 'max_tokens': Value must be between -1 <= value <= 2147483647, but got -5", "invalid_request_error"),
+    ("/v1/completions", {"prompt": "a", "n": "x"}, 400,
+     "Field 'n': [json.exception.type_error.302] type must be number, but is string", "invalid_request_error"),
+    ("/v1/completions", {"prompt": "a", "stream": 1}, 400,
+     "Field 'stream': [json.exception.type_error.302] type must be boolean, but is number", "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": "x"}, 400,
+     "Field 'max_completion_tokens': [json.exception.type_error.302] type must be number, but is string",
+     "invalid_request_error"),
 ]
 
 

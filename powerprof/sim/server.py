@@ -140,6 +140,7 @@ class _Refused(Exception):
         self.response = response
 
 
+_JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
 
 
@@ -1801,6 +1802,17 @@ class SimServer:
                 return refuse("'input' is required")
             if not isinstance(body["input"], (str, list)):
                 return refuse("'input' must be a string or array of objects")
+        # Its params_from_json reads each field as a typed JSON value (null taken as absent), then checks its range.
+        for name in ("n_predict", "max_tokens", "max_completion_tokens", "n", "stream"):
+            v = body.get(name)
+            if v is None:
+                continue
+            want = "boolean" if name == "stream" else "number"
+            got = _JSON_TYPES.get(type(v), "object")
+            if got != want:
+                return refuse(f"Field '{name}': [json.exception.type_error.302] type must be {want}, but is {got}")
+            if name not in ("n", "stream") and not -1 <= int(v) <= 2**31 - 1:
+                return refuse(f"Field '{name}': Value must be between -1 <= value <= 2147483647, but got {int(v)}")
         if api != "openai-chat":
             return None
         if "messages" not in body:
