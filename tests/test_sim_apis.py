@@ -410,13 +410,17 @@ LLAMA_REFUSALS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": "x"}, 400,
      "Field 'max_completion_tokens': [json.exception.type_error.302] type must be number, but is string",
      "invalid_request_error"),
+    # n below 1: the range its slots allow (2 here and in test_real_llama_server's server; before: a message of the
+    # simulator's own).
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "Field 'n': Value must be between 1 <= value <= 2, but got 0",
+     "invalid_request_error"),
 ]
 
 
 def test_llamacpp_refuses_a_request_missing_what_llama_server_requires_as_it_does():
     # Before: the simulator ran each of these (a prompt of "", a chat of no messages, 200) or answered 500 in aiohttp's
     # text (`messages` not a list), and refused an Anthropic request without max_tokens that llama-server runs.
-    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=2000.0) as srv:
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=2000.0, n_slots=2) as srv:
         for path, body, status, message, kind in LLAMA_REFUSALS:
             got_status, raw = _post(srv.url + path, body)
             assert (got_status, json.loads(raw)) == (status, {"error": {"code": status, "message": message,

@@ -2194,6 +2194,8 @@ class SimServer:
             # (server-task.cpp params_from_json_cmpl; handle_completions_impl). Before: always one.
             n_choices = body.get("n_cmpl", body.get("n", 1))
         if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
+            if self.flavour == "llamacpp" and isinstance(n_choices, int):  # its one range check, 0 as 3 of 2 slots
+                return self._bad_request(f"Field 'n': Value must be between 1 <= value <= {self.n_slots}, but got {n_choices}")
             return self._bad_request("Field 'n': must be an integer of at least 1")
         temperature = body.get("temperature")
         if (self.flavour == "vllm" and n_choices > 1 and isinstance(temperature, (int, float))
