@@ -410,6 +410,11 @@ LLAMA_REFUSALS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": "x"}, 400,
      "Field 'max_completion_tokens': [json.exception.type_error.302] type must be number, but is string",
      "invalid_request_error"),
+    # /tokenize's content neither text nor a list (before: its Python text tokenized, 200).
+    ("/tokenize", {"content": 5}, 400, "[json.exception.type_error.302] type must be string, but is number",
+     "invalid_request_error"),
+    ("/tokenize", {"content": None}, 400, "[json.exception.type_error.302] type must be string, but is null",
+     "invalid_request_error"),
     # n below 1: the range its slots allow (2 here and in test_real_llama_server's server; before: a message of the
     # simulator's own).
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "Field 'n': Value must be between 1 <= value <= 2, but got 0",

@@ -1711,7 +1711,11 @@ class SimServer:
         """llama.cpp `/tokenize` ({"content"} → {"tokens"}) or vLLM's ({"prompt"} → {"tokens", "count"})."""
         body = await self._body(request)
         if self.flavour == "llamacpp":
-            text = str(body.get("content", ""))
+            content = body.get("content", "")
+            if not isinstance(content, (str, list)):  # its json_value read: 400 naming the JSON type (measured)
+                got = "null" if content is None else _JSON_TYPES.get(type(content), "object")
+                return self._bad_request(f"[json.exception.type_error.302] type must be string, but is {got}")
+            text = str(content)
             special = bool(body.get("add_special", False))
         else:
             text = str(body.get("prompt", ""))
