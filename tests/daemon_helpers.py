@@ -94,9 +94,13 @@ def sim_env(tmp_path: Path) -> dict:
 
 
 def open_long_stream(proxy_url: str):
-    """A streamed 5000-token completion through the proxy, already flowing: a request in flight to stop the daemon under."""
-    body = json.dumps({"prompt": "long", "n_predict": 5000, "ignore_eos": True, "stream": True}).encode()
-    r = urllib.request.urlopen(urllib.request.Request(proxy_url + "/completion", data=body, method="POST"), timeout=30)
+    """A streamed 5000-token completion through the proxy, already flowing: a request in flight to stop the daemon under.
+    On /v1/completions, which every flavour serves (the daemon's own simulated server is vLLM's, which has no
+    /completion), each chunk saying the running count (vLLM's continuous usage), as native /completion's chunks did."""
+    body = json.dumps({"prompt": "long", "max_tokens": 5000, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
+    r = urllib.request.urlopen(urllib.request.Request(proxy_url + "/v1/completions", data=body, method="POST"),
+                               timeout=30)
     r.read1(200)
     return r
 

@@ -25,10 +25,10 @@ SLACK_S = 0.6
 
 
 def _traffic(url: str, stop: threading.Event) -> None:
-    body = b'{"prompt":"hello","n_predict":30,"stream":true}'
+    body = b'{"prompt":"hello","max_tokens":30,"stream":true}'
     while not stop.is_set():
-        try:
-            req = urllib.request.Request(url + "/completion", data=body, method="POST")
+        try:  # /v1/completions: the daemon's simulated server is vLLM's, which has no /completion
+            req = urllib.request.Request(url + "/v1/completions", data=body, method="POST")
             urllib.request.urlopen(req, timeout=5).read()
         except (OSError, http.client.HTTPException):
             return  # the daemon died under us: that is the test

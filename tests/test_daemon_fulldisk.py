@@ -38,7 +38,8 @@ def test_enospc_is_logged_rows_wait_in_memory_and_traffic_flows(tmp_path, caplog
         statuses = []
         async with aiohttp.ClientSession() as s:
             for i in range(6):
-                async with s.post(d.urls["proxy"] + "/completion", json={"prompt": "x", "n_predict": 5, "stream": i % 2 == 0}) as r:
+                # /v1/completions: the rig's simulated server is vLLM's, which has no /completion.
+                async with s.post(d.urls["proxy"] + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": i % 2 == 0}) as r:
                     statuses.append(r.status)
                     await r.read()
         await asyncio.sleep(0.5)

@@ -318,7 +318,8 @@ async def _long_streams(url: str, n: int, tokens: int) -> list:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def one(i):
             try:
-                async with s.post(url + "/completion", json={"prompt": "p" * 20, "n_predict": tokens, "stream": True},
+                # /v1/completions: the daemon's simulated server is vLLM's, which has no /completion.
+                async with s.post(url + "/v1/completions", json={"prompt": "p" * 20, "max_tokens": tokens, "stream": True},
                                   headers={"X-Powerprof-Tag": f"k{i}"}) as r:
                     await r.read()
                     return "ok"
@@ -863,8 +864,8 @@ def test_the_port_is_never_free_while_workers_restart_and_a_waiting_client_is_se
         box = {}
 
         def client():
-            body = json.dumps({"prompt": "my secret prompt", "n_predict": 3}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body, method="POST")
+            body = json.dumps({"prompt": "my secret prompt", "max_tokens": 3}).encode()  # the simulated server is vLLM's
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST")
             with urllib.request.urlopen(req, timeout=60) as r:
                 box["status"] = r.status
 

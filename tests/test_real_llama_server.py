@@ -146,6 +146,10 @@ def test_the_simulator_runs_and_answers_a_list_of_prompts_as_llama_server_does(l
     cases = [("/completion", {"prompt": prompts, "n_predict": 6}),
              ("/completion", {"prompt": prompts, "n_predict": 6, "stream": True}),
              ("/completion", {"prompt": [[5, 6, 7], [8, 9]], "n_predict": 6}),
+             # An empty id list: a task of no tokens, ended at once (before: the simulator answered 400).
+             ("/completion", {"prompt": [[], [8, 9]], "n_predict": 6}),
+             ("/completion", {"prompt": [[], [8, 9]], "n_predict": 6, "stream": True}),
+             ("/v1/completions", {"prompt": [[], "the power"], "max_tokens": 6}),
              ("/v1/completions", {"prompt": prompts, "max_tokens": 6}),
              ("/v1/completions", {"prompt": prompts, "max_tokens": 6, "stream": True,
                                   "stream_options": {"include_usage": True}}),
@@ -1045,3 +1049,46 @@ def test_the_simulator_refuses_and_cuts_at_the_slots_context_as_llama_server_doe
             code, d = post(base, {"prompt": "the power", "n_predict": 5000, "ignore_eos": True})
             assert code == 200 and d["tokens_evaluated"] + d["tokens_predicted"] == ctx, (base, d)
             assert d["truncated"] is True and d["stop_type"] == "limit", (base, d)
+
+
+def test_the_simulators_refusals_of_routes_methods_and_bodies_read_as_llama_servers_do(llama_server):
+    # A route or method llama-server lacks is its 404 JSON; a body that is not JSON or not an object its 400
+    # invalid_request_error naming nlohmann's exception (the position in the message aside). Before: the simulator
+    # answered aiohttp's plain text (404, 405) and an error with no code or type.
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    def send(base, method, path, data):
+        req = urllib.request.Request(base + path, data, {"Content-Type": "application/json"}, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    cases = [("POST", "/no/such/route", b"{}"), ("GET", "/no/such/route", None), ("POST", "/generate", b"{}"),
+             ("GET", "/completion", None), ("GET", "/v1/completions", None), ("POST", "/completion", b"not json"),
+             ("POST", "/v1/completions", b"[1]")]
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=400, n_slots=2) as sim:
+        for method, path, data in cases:
+            (rs, real), (ss, simulated) = (send(b, method, path, data) for b in (llama_server.base_url, sim.url))
+            assert rs == ss, (method, path, real, simulated)
+            if rs == 400:
+                r, s = real["error"], simulated["error"]
+                assert (r["code"], r["type"]) == (s["code"], s["type"]), (real, simulated)
+                assert r["message"].split("]")[0] == s["message"].split("]")[0], (real, simulated)
+            else:
+                assert real == simulated, (method, path, real, simulated)
+
+
+def test_the_simulators_refusals_of_missing_or_misshapen_fields_are_llama_servers(llama_server):
+    # The cases test_sim_apis holds the llama.cpp flavour to, each sent to llama-server itself: the same status and JSON.
+    from test_sim_apis import LLAMA_REFUSALS
+
+    for path, body, status, message, kind in LLAMA_REFUSALS:
+        req = urllib.request.Request(llama_server.base_url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        got = (e.value.code, json.loads(e.value.read()))
+        assert got == (status, {"error": {"code": status, "message": message, "type": kind}}), (path, body, got)

@@ -292,6 +292,149 @@ def test_sglang_refuses_a_completions_prompt_mixing_ids_and_text_as_its_request_
         assert not srv.truth_cancelled
 
 
+def test_llamacpp_runs_an_empty_id_list_in_a_batch_as_an_empty_task_as_llama_server_does():
+    # llama-server tokenizes each item of a list of prompts apart (tokenize_input_prompts): an empty id list is a task
+    # of no tokens, ended at once with nothing generated (tokens_evaluated 0, stop_type "none", finish_reason "length"),
+    # its final result first in a stream, the `data: null` then coming just before the first token (measured on the
+    # bundled llama-server). Before: the simulator answered such a batch 400, where the real one answers 200.
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=2000.0, n_slots=2) as srv:
+        for prompt, want in (([[], []], [0, 0]), ([[], [5, 6]], [0, 4]), ([[]], [0]), ([[], "the power"], [0, 4])):
+            status, raw = _post(srv.url + "/completion", {"prompt": prompt, "n_predict": 4, "ignore_eos": True})
+            assert status == 200, (prompt, raw[:300])
+            answer = json.loads(raw)
+            tasks = answer if isinstance(answer, list) else [answer]
+            assert isinstance(answer, list) == (len(prompt) > 1), raw[:300]
+            assert [t["tokens_predicted"] for t in sorted(tasks, key=lambda t: t["index"])] == want, raw[:600]
+            empty = [t for t in tasks if t["index"] == 0][0]
+            assert empty["tokens_evaluated"] == 0 and empty["stop_type"] == "none" and empty["content"] == "", empty
+            status, raw = _post(srv.url + "/v1/completions", {"prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+            assert status == 200, (prompt, raw[:300])
+            assert [c["finish_reason"] for c in json.loads(raw)["choices"]] == ["length"] * len(prompt), raw[:300]
+        status, raw = _post(srv.url + "/completion", {"prompt": [[], [5, 6]], "n_predict": 4, "stream": True})
+        assert status == 200, raw[:300]
+        lines = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+        assert json.loads(lines[0])["index"] == 0 and json.loads(lines[0])["stop"] is True, lines[:3]
+        assert lines[1] == b"null" and json.loads(lines[2])["index"] == 1, lines[:3]
+        status, raw = _post(srv.url + "/completion", {"prompt": [[], []], "n_predict": 4, "stream": True})
+        assert status == 200 and b"null" not in raw and len(_events(raw)) == 2, raw[:300]
+        assert not srv.truth_cancelled
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_vllm_and_sglang_have_no_llamacpp_native_completion_route(flavour):
+    # vLLM's api_server and SGLang's http_server route /v1/completions only: llama-server's /completion (and its
+    # /completions alias) is FastAPI's 404 there. Before: both flavours ran it as llama.cpp does (200, its native answer),
+    # so a client or test that used it passed against the simulator and failed against the real server.
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=2000.0) as srv:
+        for path in ("/completion", "/completions"):
+            status, raw = _post(srv.url + path, {"prompt": "the power", "n_predict": 2})
+            assert (status, json.loads(raw)) == (404, {"detail": "Not Found"}), (path, raw[:300])
+        status, raw = _post(srv.url + "/v1/completions", {"model": "m", "prompt": "the power", "max_tokens": 2})
+        assert status == 200, raw[:300]
+        assert not srv.truth_cancelled and len(srv.truth) == 1
+
+
+def _send(url: str, method: str, data: bytes | None = None) -> tuple[int, str, bytes]:
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read()
+
+
+LLAMA_404 = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
+
+
+@pytest.mark.parametrize("flavour", ["llamacpp", "vllm", "sglang"])
+def test_a_route_method_or_body_the_server_refuses_is_answered_in_its_servers_json(flavour):
+    # llama-server (measured on the bundled build): a route it lacks, or a method its route lacks, is 404 with its JSON
+    # error (`File Not Found`), a body that is not JSON or not an object a 400 invalid_request_error saying nlohmann's
+    # error. vLLM and SGLang are FastAPI apps: {"detail": "Not Found"} (404), {"detail": "Method Not Allowed"} (405),
+    # and a body their request model cannot read is a 400 in their validation error's shape. Before: aiohttp's plain
+    # text "404: Not Found" / "405: Method Not Allowed", and {"error": {"message": "invalid JSON body"}} with no code
+    # or type on every flavour.
+    foreign = {"llamacpp": "/generate", "vllm": "/props", "sglang": "/version"}[flavour]
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=2000.0) as srv:
+        for method, path in (("POST", "/no/such/route"), ("GET", "/no/such/route"),
+                             ("POST" if flavour == "llamacpp" else "GET", foreign)):
+            status, ctype, raw = _send(srv.url + path, method, b"{}" if method == "POST" else None)
+            want = LLAMA_404 if flavour == "llamacpp" else {"detail": "Not Found"}
+            assert (status, json.loads(raw)) == (404, want), (method, path, raw[:200])
+            assert ctype.startswith("application/json"), ctype
+        status, ctype, raw = _send(srv.url + "/v1/completions", "GET")
+        if flavour == "llamacpp":
+            assert (status, json.loads(raw)) == (404, LLAMA_404), raw[:200]
+        else:
+            assert (status, json.loads(raw)) == (405, {"detail": "Method Not Allowed"}), raw[:200]
+        for body in (b"not json", b"[1]"):
+            status, ctype, raw = _send(srv.url + "/v1/completions", "POST", body)
+            err = json.loads(raw)
+            assert status == 400, raw[:200]
+            if flavour == "llamacpp":
+                assert err["error"]["code"] == 400 and err["error"]["type"] == "invalid_request_error", err
+                assert err["error"]["message"].startswith("[json.exception."), err
+            elif flavour == "vllm":
+                assert err["error"]["code"] == 400 and err["error"]["type"] == "BadRequestError", err
+            else:
+                assert err["object"] == "error" and err["code"] == 400 and err["type"] == "BadRequestError", err
+        assert not srv.truth
+
+
+# What the bundled llama-server answers a request missing a field it requires, or giving it a shape it refuses (measured).
+LLAMA_REFUSALS = [
+    ("/completion", {"n_predict": 2}, 400, "[json.exception.out_of_range.403] key 'prompt' not found", "invalid_request_error"),
+    ("/v1/completions", {"max_tokens": 2}, 400, "[json.exception.out_of_range.403] key 'prompt' not found",
+     "invalid_request_error"),
+    ("/v1/chat/completions", {"max_tokens": 2}, 400, "'messages' is required", "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": 5}, 400, "Expected 'messages' to be an array", "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "All non-assistant messages must contain 'content'",
+     "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant"}]}, 400,
+     "Assistant message must contain either 'content' or 'tool_calls'!", "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 500,
+     'Failed to parse messages: Missing \'role\' in message: {"content":"hi"}', "server_error"),
+    ("/v1/messages", {"max_tokens": 2}, 500, "'messages' is required", "server_error"),
+    ("/v1/responses", {"max_output_tokens": 2}, 400, "'input' is required", "invalid_request_error"),
+    ("/v1/responses", {"input": 5}, 400, "'input' must be a string or array of objects", "invalid_request_error"),
+    # A field of the wrong JSON type, or out of its range (before: the simulator's int() raised, aiohttp's 500 text; or
+    # it ran the request).
+    ("/completion", {"prompt": "a", "n_predict": "x"}, 400,
+     "Field 'n_predict': [json.exception.type_error.302] type must be number, but is string", "invalid_request_error"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": -5}, 400,
+     "Field 'max_tokens': Value must be between -1 <= value <= 2147483647, but got -5", "invalid_request_error"),
+    ("/v1/completions", {"prompt": "a", "n": "x"}, 400,
+     "Field 'n': [json.exception.type_error.302] type must be number, but is string", "invalid_request_error"),
+    ("/v1/completions", {"prompt": "a", "stream": 1}, 400,
+     "Field 'stream': [json.exception.type_error.302] type must be boolean, but is number", "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": "x"}, 400,
+     "Field 'max_completion_tokens': [json.exception.type_error.302] type must be number, but is string",
+     "invalid_request_error"),
+    # /tokenize's content neither text nor a list (before: its Python text tokenized, 200).
+    ("/tokenize", {"content": 5}, 400, "[json.exception.type_error.302] type must be string, but is number",
+     "invalid_request_error"),
+    ("/tokenize", {"content": None}, 400, "[json.exception.type_error.302] type must be string, but is null",
+     "invalid_request_error"),
+    # n below 1: the range its slots allow (2 here and in test_real_llama_server's server; before: a message of the
+    # simulator's own).
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "Field 'n': Value must be between 1 <= value <= 2, but got 0",
+     "invalid_request_error"),
+]
+
+
+def test_llamacpp_refuses_a_request_missing_what_llama_server_requires_as_it_does():
+    # Before: the simulator ran each of these (a prompt of "", a chat of no messages, 200) or answered 500 in aiohttp's
+    # text (`messages` not a list), and refused an Anthropic request without max_tokens that llama-server runs.
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=2000.0, n_slots=2) as srv:
+        for path, body, status, message, kind in LLAMA_REFUSALS:
+            got_status, raw = _post(srv.url + path, body)
+            assert (got_status, json.loads(raw)) == (status, {"error": {"code": status, "message": message,
+                                                                        "type": kind}}), (path, body, raw[:300])
+        assert not srv.truth
+        status, raw = _post(srv.url + "/v1/messages", {"messages": [{"role": "user", "content": "the power"}]})
+        assert status == 200, raw[:300]
+
+
 def _batch_rows(srv, key: str) -> list[dict]:
     """A request's generated sequences in index order (not SGLang's prefills apart of its n > 1 prompts)."""
     return sorted((t for t in srv.truth if t["client_id"] == key and t["kind"] == "generation"), key=lambda t: t["choice"])

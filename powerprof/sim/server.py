@@ -132,6 +132,26 @@ def count_prompt_tokens(text: str) -> int:
     return len(_WORD.findall(text)) + 1
 
 
+class _Refused(Exception):
+    """A request refused deep in a handler: its answer, sent as is (SimServer._server_errors)."""
+
+    def __init__(self, response: web.Response):
+        super().__init__(response.status)
+        self.response = response
+
+
+_JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
+LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
+
+
+class _NoTokens(str):
+    """A prompt of no tokens (llama.cpp's empty id list in a list of prompts): a task that ends at once, nothing
+    prefilled or generated (_submit)."""
+
+
+_NO_TOKENS = _NoTokens("")
+
+
 def _standin(words: list, bos: bool) -> str:
     """The text the simulator runs for a prompt of these tokens (each a word: an id's `i<id>`, a text's words), with
     the BOS its tokenizer adds (bos) or without (a prompt of ids, as given): its count_prompt_tokens is theirs, and
@@ -857,7 +877,7 @@ class SimServer:
         self._wake = asyncio.Event()
         self._watch_wake = asyncio.Event()  # a request's sequences to watch (_watch_clients)
         sglang_http = self.flavour == "sglang" and self.serve_metrics
-        middlewares = ([self._track_client] + ([self._guard_api_key] if self.api_key else [])
+        middlewares = ([self._server_errors, self._track_client] + ([self._guard_api_key] if self.api_key else [])
                        + ([self._sglang_http_metrics] if sglang_http else []))
         app = web.Application(middlewares=middlewares)
         r = app.router
@@ -930,6 +950,24 @@ class SimServer:
         finally:
             self._clients.discard(client)
             _CLIENT.reset(token)
+
+    @web.middleware
+    async def _server_errors(self, request: web.Request, handler):
+        """A route or method the flavour's server lacks, answered in its server's JSON rather than aiohttp's plain text:
+        llama-server (measured on the bundled build) 404 `File Not Found` for both; vLLM and SGLang, FastAPI apps,
+        Starlette's {"detail": "Not Found"} (404) and {"detail": "Method Not Allowed"} (405)."""
+        try:
+            return await handler(request)
+        except _Refused as e:
+            return e.response
+        except web.HTTPMethodNotAllowed as e:
+            if self.flavour == "llamacpp":
+                return self._json(LLAMACPP_NOT_FOUND, 404)
+            return self._json({"detail": "Method Not Allowed"}, 405, headers={"Allow": ", ".join(sorted(e.allowed_methods))})
+        except web.HTTPNotFound as e:
+            if e.text != "404: Not Found":  # a handler's own 404, already in its server's words
+                raise
+            return self._json(LLAMACPP_NOT_FOUND if self.flavour == "llamacpp" else {"detail": "Not Found"}, 404)
 
     def _client_poll_s(self, streamed: bool) -> float:
         """How often the flavour's server looks at a running request's connection (0: it hears of a close at once)."""
@@ -1555,6 +1593,15 @@ class SimServer:
             embed=embed or hidden,
             hidden=hidden,
         )
+        if isinstance(prompt, _NoTokens):
+            # llama-server gives it a slot and ends it before any prompt processing: no GPU work, no truth row, its
+            # final result at once (stop_type "none", zero timings), so first in a stream.
+            req.prompt_tokens, req.stop_type = 0, "none"
+            busy = {r.slot for r in self._active}
+            req.slot = min((i for i in range(self.n_slots) if i not in busy), default=0)
+            req.queue.put_nowait(("done", {"cache_n": 0, "prompt_n": 0, "prompt_ms": 0.0, "prompt_per_second": 0.0,
+                                           "predicted_n": 0, "predicted_ms": 0.0, "predicted_per_second": 0.0}))
+            return req
         client = _CLIENT.get()
         if client is not None:
             req.client = client
@@ -1566,8 +1613,8 @@ class SimServer:
 
     # --- HTTP -------------------------------------------------------------------------------------
 
-    def _json(self, obj, status: int = 200) -> web.Response:
-        return web.json_response(obj, status=status, headers={"X-Powerprof-Simulated": "1"})
+    def _json(self, obj, status: int = 200, headers: dict | None = None) -> web.Response:
+        return web.json_response(obj, status=status, headers={"X-Powerprof-Simulated": "1", **(headers or {})})
 
     def _loading(self) -> web.Response | None:
         """llama-server's answer to every request while it loads its model; None once loaded."""
@@ -1664,7 +1711,11 @@ class SimServer:
         """llama.cpp `/tokenize` ({"content"} → {"tokens"}) or vLLM's ({"prompt"} → {"tokens", "count"})."""
         body = await self._body(request)
         if self.flavour == "llamacpp":
-            text = str(body.get("content", ""))
+            content = body.get("content", "")
+            if not isinstance(content, (str, list)):  # its json_value read: 400 naming the JSON type (measured)
+                got = "null" if content is None else _JSON_TYPES.get(type(content), "object")
+                return self._bad_request(f"[json.exception.type_error.302] type must be string, but is {got}")
+            text = str(content)
             special = bool(body.get("add_special", False))
         else:
             text = str(body.get("prompt", ""))
@@ -1723,13 +1774,68 @@ class SimServer:
                                                 "X-Powerprof-Simulated": "1"})
 
     async def _body(self, request: web.Request) -> dict:
+        # Each server's 400 for a body it cannot read: llama-server's says nlohmann's exception (measured on the bundled
+        # build), vLLM's and SGLang's are their request validation's (the flavour's _bad_request shape).
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
-            raise web.HTTPBadRequest(text='{"error": {"message": "invalid JSON body"}}', content_type="application/json")
+            llama = "[json.exception.parse_error.101] parse error: syntax error while parsing value"
+            raise _Refused(self._bad_request(llama if self.flavour == "llamacpp" else "JSON decode error"))
         if not isinstance(body, dict):
-            raise web.HTTPBadRequest(text='{"error": {"message": "body must be an object"}}', content_type="application/json")
+            llama = f"[json.exception.type_error.304] cannot use at() with {type(body).__name__}"
+            raise _Refused(self._bad_request(llama if self.flavour == "llamacpp" else
+                                             "Input should be a valid dictionary or object to extract fields from"))
         return body
+
+    def _llama_refusal(self, api: str, body: dict) -> web.Response | None:
+        """llama-server's answer to a request missing a field it requires or giving one a shape it refuses (measured on
+        the bundled build: its JSON reads and its chat parser's checks); None where it runs it, or not llama.cpp."""
+        if self.flavour != "llamacpp":
+            return None
+
+        def refuse(message: str, status: int = 400) -> web.Response:
+            kind = "invalid_request_error" if status == 400 else "server_error"
+            return self._json({"error": {"code": status, "message": message, "type": kind}}, status)
+
+        if api in ("llamacpp", "openai-completions") and "prompt" not in body:
+            return refuse("[json.exception.out_of_range.403] key 'prompt' not found")
+        if api == "anthropic-messages" and "messages" not in body:
+            return refuse("'messages' is required", 500)
+        if api == "openai-responses":
+            if "input" not in body:
+                return refuse("'input' is required")
+            if not isinstance(body["input"], (str, list)):
+                return refuse("'input' must be a string or array of objects")
+        # Its params_from_json reads each field as a typed JSON value (null taken as absent), then checks its range.
+        for name in ("n_predict", "max_tokens", "max_completion_tokens", "n", "stream"):
+            v = body.get(name)
+            if v is None:
+                continue
+            want = "boolean" if name == "stream" else "number"
+            got = _JSON_TYPES.get(type(v), "object")
+            if got != want:
+                return refuse(f"Field '{name}': [json.exception.type_error.302] type must be {want}, but is {got}")
+            if name not in ("n", "stream") and not -1 <= int(v) <= 2**31 - 1:
+                return refuse(f"Field '{name}': Value must be between -1 <= value <= 2147483647, but got {int(v)}")
+        if api != "openai-chat":
+            return None
+        if "messages" not in body:
+            return refuse("'messages' is required")
+        msgs = body["messages"]
+        if not isinstance(msgs, list):
+            return refuse("Expected 'messages' to be an array")
+        for m in msgs:
+            if not isinstance(m, dict):
+                continue
+            if "role" not in m:
+                return refuse("Failed to parse messages: Missing 'role' in message: "
+                              + json.dumps(m, separators=(",", ":")), 500)
+            if m["role"] == "assistant":
+                if "content" not in m and "tool_calls" not in m:
+                    return refuse("Assistant message must contain either 'content' or 'tool_calls'!")
+            elif "content" not in m:
+                return refuse("All non-assistant messages must contain 'content'")
+        return None
 
     def _completion_prompts(self, prompt) -> list[str] | web.Response:
         """A completions `prompt` as the prompts its server runs, each the text the simulator runs for it (standing for
@@ -1757,6 +1863,11 @@ class SimServer:
                     item = item.get("prompt_string")
                 if isinstance(item, str):
                     out.append(item)
+                    continue
+                if isinstance(item, list) and not item:
+                    # llama-server tokenizes each item apart: an empty id list is a task of no tokens, answered 200
+                    # with nothing generated (measured on the bundled build); only the list itself may not be empty.
+                    out.append(_NO_TOKENS)
                     continue
                 kinds = set(map(type, item)) if isinstance(item, list) else set()
                 if not (int in kinds and (kinds <= {int, str} or {int, str} <= kinds <= {int, str, float, bool})):
@@ -1786,8 +1897,10 @@ class SimServer:
                                  "prompt")
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
+        if self.flavour != "llamacpp":  # llama-server's own route: vLLM and SGLang route /v1/completions only
+            return self._json({"detail": "Not Found"}, 404)  # FastAPI's answer to a route it lacks
         body = await self._body(request)
-        prompts = self._completion_prompts(body.get("prompt", ""))
+        prompts = self._llama_refusal("llamacpp", body) or self._completion_prompts(body.get("prompt", ""))
         if isinstance(prompts, web.Response):
             return prompts
         prompt = prompts[0] if len(prompts) == 1 else prompts
@@ -1886,7 +1999,7 @@ class SimServer:
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompts = self._completion_prompts(body.get("prompt", ""))
+        prompts = self._llama_refusal("openai-completions", body) or self._completion_prompts(body.get("prompt", ""))
         if isinstance(prompts, web.Response):
             return prompts
         n = body.get("max_tokens")
@@ -1906,6 +2019,9 @@ class SimServer:
 
     async def _oai_chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
+        refused = self._llama_refusal("openai-chat", body)
+        if refused is not None:
+            return refused
         msgs = body.get("messages") or []
         prompt = "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
         # The template renders the tools' schemas (vLLM none for tool_choice "none" with the flag).
@@ -1916,9 +2032,15 @@ class SimServer:
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API (llama.cpp and vLLM serve it at /v1/messages): a chat in other clothes."""
         body = await self._body(request)
+        refused = self._llama_refusal("anthropic-messages", body)
+        if refused is not None:
+            return refused
+        msgs = body.get("messages")
         parts = [_text_of(body.get("system"))]
-        parts += [_text_of(m.get("content")) for m in body.get("messages") or [] if isinstance(m, dict)]
+        parts += [_text_of(m.get("content")) for m in (msgs if isinstance(msgs, list) else []) if isinstance(m, dict)]
         n = body.get("max_tokens")
+        if n is None and self.flavour == "llamacpp":
+            n = 128  # llama-server runs it without max_tokens (measured), as the chat route's default here
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             return self._bad_request("max_tokens: a positive integer is required")
         return await self._serve(request, "anthropic-messages", "\n".join(p for p in parts if p), body, n)
@@ -1930,6 +2052,9 @@ class SimServer:
         turn's instructions and before its input (vLLM's responses/utils.py construct_input_messages, its store on:
         `responses_store`), a 404 where none is stored; llama.cpp refuses it (400)."""
         body = await self._body(request)
+        refused = self._llama_refusal("openai-responses", body)
+        if refused is not None:
+            return refused
         inp = body.get("input")
         items = inp if isinstance(inp, list) else [inp]
         turn = [_input_item_text(m) for m in items]
@@ -2073,6 +2198,8 @@ class SimServer:
             # (server-task.cpp params_from_json_cmpl; handle_completions_impl). Before: always one.
             n_choices = body.get("n_cmpl", body.get("n", 1))
         if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
+            if self.flavour == "llamacpp" and isinstance(n_choices, int):  # its one range check, 0 as 3 of 2 slots
+                return self._bad_request(f"Field 'n': Value must be between 1 <= value <= {self.n_slots}, but got {n_choices}")
             return self._bad_request("Field 'n': must be an integer of at least 1")
         temperature = body.get("temperature")
         if (self.flavour == "vllm" and n_choices > 1 and isinstance(temperature, (int, float))
@@ -2159,7 +2286,7 @@ class SimServer:
             return self._json(obj)
         if api == "sglang-native":
             return self._json(dict(self._sglang_native(req, text_all, ids_all, True), simulated=True))
-        fr = "length" if req.stop_type == "limit" else "stop"
+        fr = "stop" if req.stop_type == "eos" else "length"
         choice = {"index": 0, "finish_reason": fr}
         if api == "openai-chat":
             choice["message"] = {"role": "assistant", "content": text_all}
@@ -2440,7 +2567,7 @@ class SimServer:
                     if n_events == 0 and not group_ids and opts.get("return_progress"):
                         await out.send(progress(req.prompt_tokens))
                     group_ids, group_text = group_ids + ids, group_text + text
-                    fr = "length" if req.stop_type == "limit" else "stop"
+                    fr = "stop" if req.stop_type == "eos" else "length"
                     if last and empty_final:
                         if len(group_ids) > 1:
                             await send_tokens(group_ids[:-1], group_text)
@@ -2472,7 +2599,7 @@ class SimServer:
                     elif api == "sglang-native":
                         await out.send(b"data: [DONE]\n\n")
                     else:
-                        fr = "length" if req.stop_type == "limit" else "stop"
+                        fr = "stop" if req.stop_type == "eos" else "length"
                         if req.shape is not None:
                             # SGLang's held-back tool arguments: no usage on them; a held call that closed: its step's.
                             for d in req.shape.tail(fr):
@@ -2625,7 +2752,7 @@ class SimServer:
         chat = api == "openai-chat"
         choices = []
         for r, text, ids_r, e in zip(reqs, texts, ids, echoes):
-            c = {"index": r.choice, "finish_reason": "length" if r.stop_type == "limit" else "stop"}
+            c = {"index": r.choice, "finish_reason": "stop" if r.stop_type == "eos" else "length"}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
@@ -2703,8 +2830,9 @@ class SimServer:
             await out.send(chunk({"index": i, "delta": {"role": "assistant", "content": "" if vllm else None},
                                   "finish_reason": None}, **running(i)))
 
-        if self.flavour == "llamacpp" and len(reqs) > per_prompt:
-            await out.send(b"data: null\n\n")
+        # llama-server opens a stream of several prompts' tokens with `data: null`, sent just before the first token:
+        # an empty task's final result, ready at once, goes before it (measured on the bundled build).
+        null_due = self.flavour == "llamacpp" and len(reqs) > per_prompt
         while left:
             try:
                 item = await (asyncio.wait_for(q.get(), self.keepalive_s) if self.keepalive_s else q.get())
@@ -2716,9 +2844,12 @@ class SimServer:
                 _abort(request)
                 return
             r = reqs[i]
-            fr = "length" if r.stop_type == "limit" else "stop"
+            fr = "stop" if r.stop_type == "eos" else "length"
             if kind == "tokens":
                 ids, text, last = payload
+                if null_due:
+                    await out.send(b"data: null\n\n")
+                    null_due = False
                 if chat and not started[i]:
                     if vllm:  # vLLM sends every choice's role chunk with its first output
                         for j in range(n):
