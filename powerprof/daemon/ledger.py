@@ -646,11 +646,15 @@ class Ledger:
         slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
         if self._down_open is not None and self._down_open[0] <= tr.end_ns <= self._down_open[1] + slack:
             return True  # a scrape found nothing listening (`note_down`), before the new process answered
-        # Found down, a death must be shown (`_death_shown`): a router answering the metrics page 503, a counter's dip
-        # then, and its own refusal closing the request, was costed as a crash, 84-104 J for a request never run.
-        # None found down, the restart was told by the new process itself (its start time, a lone process's counter).
+        # Found down, a request sent before the old process's last scrape, which it answered alive, was in flight at a
+        # live server: its close with no answer there is that server's death (a router refuses only what arrives after
+        # the death). Needing more, llama-server's reload (503 "Loading model" on /metrics, nothing refused) left such a
+        # request not costed. Sent after it, a death must be shown (`_death_shown`): a router answering the metrics
+        # page 503, a counter's dip then, and its own refusal closing the request, was costed as a crash, 84-104 J for
+        # a request never run. None found down, the restart was told by the new process itself (its start time, a
+        # lone process's counter).
         return any(g[0] <= tr.end_ns <= (g[1] if g[2] is None else g[2]) + slack
-                   and (g[2] is None or self._death_shown(g)) for g in self._gone_at)
+                   and (g[2] is None or tr.arrival_ns < g[0] or self._death_shown(g)) for g in self._gone_at)
 
     def _learn_pace(self, r: LiveRequest) -> None:
         """Keep a finished stream's decode pace (tokens a second a sequence, first token to last) for `_run_on_gone`."""
