@@ -4285,7 +4285,7 @@ def test_a_close_with_no_answer_where_the_server_was_found_down_is_costed_to_the
     assert "closed its connection with no answer" in note, note
 
 
-@pytest.mark.parametrize("reload_s", [None], ids=["restart"])
+@pytest.mark.parametrize("reload_s", [None, 13.0], ids=["restart", "reload_open"])
 def test_a_close_with_no_answer_in_flight_at_a_503_found_down_restart_is_costed_to_the_crash(reload_s):
     # llama-server binds its port at once when it restarts and answers every endpoint, /metrics too, 503 "Loading
     # model" while it loads: a scrape finds it down by a 503, nothing refused. A whole answer that arrived at 0.5 s,
@@ -4304,8 +4304,8 @@ def test_a_close_with_no_answer_in_flight_at_a_503_found_down_restart_is_costed_
     assert "closed its connection with no answer" in note, note
 
 
-@pytest.mark.parametrize("fail_closed,reload_s", [(False, None), (True, None)],
-                         ids=["alone", "another_closed"])
+@pytest.mark.parametrize("fail_closed,reload_s", [(False, None), (True, None), (False, 13.0)],
+                         ids=["alone", "another_closed", "reload_open"])
 def test_a_close_with_no_answer_beside_a_503_and_a_counter_dip_is_not_costed_as_a_crash(fail_closed, reload_s):
     # A router in front of the server answers the metrics page 503 (found down, nothing refused), a counter's dip then
     # makes a restart window, and it holds then closes a request with no answer (it never reached the server: 0 J).
