@@ -733,7 +733,51 @@ def test_the_window_of_a_restart_says_whether_its_first_down_scrape_was_refused(
     asyncio.run(asyncio.wait_for(go(), 60))
     assert [r for d, r in got if d is not None] == [False, True], got
     assert not any(r for d, r in got if d is None), got
-    # Before the believed page, a refused scrape opens the death's window at once (Scraper.down_open, Ledger.note_down):
-    # from the first found-down scrape (the 503's, at 1.5 s) and the first refused (1.75 s); a 503 alone opens none.
+    # Before the believed page, a found-down scrape opens the death's window at once (Scraper.down_open, Ledger.note_down):
+    # from the first found-down scrape (the 503's, at 1.5 s) and the first refused (1.75 s; None until one was). A 503
+    # alone opens one too (llama-server answers 503 "Loading model" as it reloads, nothing refused): the ledger costs
+    # in it only the requests sent before the last good scrape.
     at = [1_000_000_000 + k * 250_000_000 for k in range(10)]
-    assert opened == [None, None, None, (at[2], at[3]), None, None, (at[6], at[6]), (at[6], at[6]), None, None], opened
+    assert opened == [None, None, (at[2], None), (at[2], at[3]), None, None, (at[6], at[6]), (at[6], at[6]), None,
+                      None], opened
+
+
+def test_a_reloading_llamacpp_answering_503_loading_model_is_found_down(monkeypatch):
+    # llama-server binds its port at once as it restarts and answers /metrics and /slots 503 "Loading model" while it
+    # loads (tools/server/server.cpp). Both unread, the scrape said "answers neither /metrics (start it with
+    # --metrics) nor /slots", a ValueError, not down: no window opened, and the whole answers the dead process closed
+    # were written 0 J each (about 220 J of truth) before the new process's first page. Found down by the 503 now,
+    # from that scrape (Scraper.down_open: nothing refused), and the new process's page closes a restart window.
+    import types
+
+    from powerprof.daemon import scrape
+
+    clock = [1_000_000_000]
+    monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0] / 1e9,
+                                                              monotonic_ns=lambda: clock[0], time=lambda: clock[0] / 1e9))
+    loading = '{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+    page = "# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total {}\n"
+    steps = [page.format(100), page.format(120), loading, loading, page.format(5)]
+    got = []
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            sc = Scraper(s, "http://x", "llamacpp")
+
+            async def _get(path):
+                if path == "/slots":
+                    return (503, loading) if steps[0] == loading else (501, "no slots")
+                step = steps[0]
+                return (503, step) if step == loading else (200, step)
+
+            sc._get = _get
+            for _ in range(5):
+                await sc.scrape()
+                got.append((sc.down_open(), sc.window_down_ns, "server_restart" in sc.window_partial))
+                steps.pop(0)
+                clock[0] += 250_000_000
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+    at = [1_000_000_000 + k * 250_000_000 for k in range(5)]
+    assert [g[0] for g in got] == [None, None, (at[2], None), (at[2], None), None], got
+    assert got[4][1:] == (at[2], True), got

@@ -712,11 +712,12 @@ def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its
     assert abs(est - true) / true < 0.05, (est, true)
 
 
-@pytest.mark.parametrize("flavour,down_s,stale_s", [("sglang", 0.5, None), ("llamacpp", 0.5, None),
-                                                    ("llamacpp", 10.5, None), ("sglang", 0.5, 5.0)],
-                         ids=["sglang", "llamacpp", "llamacpp_reload", "sglang_read_as_stale"])
+@pytest.mark.parametrize("flavour,down_s,stale_s,loading_s", [("sglang", 0.5, None, 0.0), ("llamacpp", 0.5, None, 0.0),
+                                                              ("llamacpp", 10.5, None, 0.0), ("sglang", 0.5, 5.0, 0.0),
+                                                              ("llamacpp", 0.05, None, 10.5)],
+                         ids=["sglang", "llamacpp", "llamacpp_reload", "sglang_read_as_stale", "llamacpp_reload_503"])
 def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash(tmp_path, monkeypatch, flavour, down_s,
-                                                                                 stale_s):
+                                                                                 stale_s, loading_s):
     # Two whole answers (max_tokens 2000, not streamed) decode for about 1 s when the simulated server's process dies
     # (srv.restart: its sockets reset), back `down_s` later. A whole answer's head comes only when it is done, so the
     # proxy saw the connection close before any answer, as it sees a refused connect: both were upstream_unreachable,
@@ -728,6 +729,10 @@ def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash
     # The answer sent on the warm-up's kept-alive connection, closed 1.0 s in, reads as a close that crossed it when
     # that is inside forward.STALE_CLOSE_MAX_S (1.0 s: about 1 run in 3; `stale_s` makes it every run): sent again, the
     # resend refused, it was upstream_unreachable, 0 J, and its work went to the other's row (305-310 J for 145).
+    # llama-server binds its port at once as it restarts and answers 503 "Loading model" while it loads (`loading_s`):
+    # its scrapes found it down by a 503, nothing refused, and no death was shown: 0 J each against about 146 J of
+    # truth. Sent before the old process's last good scrape, they were in flight at a live server: costed. The crash
+    # comes 1.5 s in there, past STALE_CLOSE_MAX_S (a resend would meet the loading 503: a gap the report says).
     import asyncio
 
     from powerprof.daemon import forward
@@ -756,8 +761,8 @@ def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash
         async with aiohttp.ClientSession() as s:
             await cut_accuracy._normal(s, url, "warm")  # a stream's pace: the decode's estimate
             jobs = [asyncio.create_task(whole(s, url, f"w{k}")) for k in range(2)]
-            await asyncio.sleep(1.0)
-            await asyncio.wrap_future(srv.restart(down_s))
+            await asyncio.sleep(1.5 if loading_s else 1.0)
+            await asyncio.wrap_future(srv.restart(down_s, loading_s=loading_s))
             assert await asyncio.gather(*jobs) == [502, 502]
 
     _run_daemon(srv, daemon, scene, after_s=4)

@@ -4125,13 +4125,16 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
 
 def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
                            runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
-                           **restart_kw):
+                           opened=None, **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
     # scraped every 0.1 s; the server down over each (down, up): its old process last scraped at `down`, the new one's
     # first scrape at `up` (its window says server_restart, with `restart_kw`); `runs_on`: the server's
-    # RUNS_ON_AFTER_LEAVE (SGLang's: to its next 4 s wait from its start); `ledgers`: a list given the ledger. Returns its row.
+    # RUNS_ON_AFTER_LEAVE (SGLang's: to its next 4 s wait from its start); `ledgers`: a list given the ledger; `opened`:
+    # (the first scrape that found it down, the first refused or None: a 503's alone), told to the ledger at each tick
+    # from then while down, as the daemon's loop tells it (`Ledger.note_down`), its rows let go at their hold meanwhile
+    # (SCRAPE_HOLD_S). Returns its row.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     if ledgers is not None:
         ledgers.append(led)
@@ -4174,6 +4177,10 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
         e += 100.0 * 0.1
         led.add_gpu_sample(int(t * S), int(t * S), [R(e, 100.0)])
         if any(d + 1e-9 < t < u - 1e-9 for d, u in downs):
+            if opened is not None and t >= opened[0] - 1e-9 and prev is not None:
+                led.note_down(int(prev * S), int(opened[0] * S), None if opened[1] is None else int(opened[1] * S))
+            if opened is not None:
+                led.advance(int(t * S))  # the daemon's loop goes on while the server is down: rows leave at their hold
             continue
         restart = prev is not None and any(prev < d + 1e-9 and u - 1e-9 < t for d, u in downs)
         led.add_server_tokens(int(t * S), 20.0 if prev is not None and prev < 0.5 <= t else 0.0,
@@ -4322,16 +4329,40 @@ def test_a_close_with_no_answer_where_the_server_was_found_down_is_costed_to_the
     assert "closed its connection with no answer" in note, note
 
 
-@pytest.mark.parametrize("fail_closed", [False, True], ids=["alone", "another_closed"])
-def test_a_close_with_no_answer_beside_a_503_and_a_counter_dip_is_not_costed_as_a_crash(fail_closed):
+@pytest.mark.parametrize("reload_s", [None, 13.0], ids=["restart", "reload_open"])
+def test_a_close_with_no_answer_in_flight_at_a_503_found_down_restart_is_costed_to_the_crash(reload_s):
+    # llama-server binds its port at once when it restarts and answers every endpoint, /metrics too, 503 "Loading
+    # model" while it loads: a scrape finds it down by a 503, nothing refused. A whole answer that arrived at 0.5 s,
+    # before the old process's last good scrape at 1.5 s (alive after it was sent), closed with no answer at 1.55 s: in
+    # flight at a live server and closed by its death. Needing a refused scrape or a broken connection, it was not costed
+    # (0 J, truth about 100 J here); down 10 s or more (`reload_s`: the new process's first page at 13 s), the 503's
+    # open window (`Ledger.note_down`) must cost it before SCRAPE_HOLD_S writes its row.
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    up = 2.0 if reload_s is None else reload_s
+    row = _llamacpp_whole_run_on([(1.5, up)], leave=1.55, end_s=up + 10.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S),
+                                 opened=None if reload_s is None else (1.6, None))
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert 60.0 <= (row["gpu_energy_j"] or 0) <= 130.0, row
+    assert "closed its connection with no answer" in note, note
+
+
+@pytest.mark.parametrize("fail_closed,reload_s", [(False, None), (True, None), (False, 13.0)],
+                         ids=["alone", "another_closed", "reload_open"])
+def test_a_close_with_no_answer_beside_a_503_and_a_counter_dip_is_not_costed_as_a_crash(fail_closed, reload_s):
     # A router in front of the server answers the metrics page 503 (found down, nothing refused), a counter's dip then
     # makes a restart window, and it holds then closes a request with no answer (it never reached the server: 0 J).
-    # Matched on the found-down scrape alone, it was costed as a crash, 84-104 J (truth 0). A death needs proof as the
-    # run-on cut's (`Ledger._death_proven`): a refused scrape, or a proxied connection broken then; another request
-    # closed with no answer is none (the router closes so too).
+    # Matched on the found-down scrape alone, it was costed as a crash, 84-104 J (truth 0). A router refuses only what
+    # arrives after the death (here at 1.52 s, after the last good scrape at 1.5 s): such a close needs proof of a death
+    # as the run-on cut's (`Ledger._death_proven`): a refused scrape, or a proxied connection broken then; another
+    # request closed with no answer is none (the router closes so too). Nor does the 503's open window cost it
+    # (`reload_s`: down until 13 s, told to the ledger at once). Its row says both readings.
     from powerprof.daemon.proxy import CRASHED_NOTE
-    row = _llamacpp_whole_run_on([(1.5, 2.0)], leave=1.55, end_s=6.0, outcome="upstream_error",
+    up = 2.0 if reload_s is None else reload_s
+    row = _llamacpp_whole_run_on([(1.5, up)], arrive=1.52, leave=1.55, end_s=up + 10.0, outcome="upstream_error",
                                  error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S),
+                                 opened=None if reload_s is None else (1.6, None),
                                  **({"fail_at": 1.6, "fail_closed": True} if fail_closed else {}))
     note = (row["energy_note"] or "") + (row.get("energy_flags") or "")
     print(row["attributed_tokens"], row["gpu_energy_j"], note)

@@ -403,3 +403,38 @@ def test_a_look_at_the_clients_costs_what_the_clients_are_not_what_they_times_th
     cpu_s = time.thread_time() - t0
     assert not any(c.t_gone_ns for c in s._clients)  # every connection open: nobody given up
     assert cpu_s < 0.2, f"one look at 1564 clients took {cpu_s:.2f} s of CPU"
+
+
+def test_llamacpp_loading_answers_every_route_but_its_models_list_503():
+    # llama-server binds its port at once when it (re)starts and, while it loads its model, its server-state middleware
+    # answers every route 503 {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}} but the
+    # models list (tools/server/server.cpp). The simulator's /metrics answered 200 with the new process's page while
+    # loading: a daemon found a reloading llama-server up at once, never down by a 503 as the real one is.
+    srv = SimServer(SimNVML("h200-141g", state_path=None), flavour="llamacpp").start()
+    try:
+        srv.restart(0.05, loading_s=5.0)  # done once loaded: not waited for
+
+        async def statuses():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as s:
+                for _ in range(40):  # until it listens again, loading (a connect while it is down may hang)
+                    try:
+                        async with s.get(srv.url + "/v1/models") as r:
+                            break
+                    except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
+                        await asyncio.sleep(0.05)
+                got = {}
+                for path in ("/metrics", "/props", "/slots", "/health", "/v1/models"):
+                    async with s.get(srv.url + path) as r:
+                        got[path] = (r.status, await r.text())
+                async with s.post(srv.url + "/tokenize", json={"content": "the clock"}) as r:
+                    got["/tokenize"] = (r.status, await r.text())
+                return got
+
+        got = asyncio.run(statuses())
+        for path, (status, text) in got.items():
+            if path == "/v1/models":
+                assert status == 200, (path, status, text)
+            else:
+                assert status == 503 and "Loading model" in text, (path, status, text)
+    finally:
+        srv.stop()

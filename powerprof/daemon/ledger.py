@@ -383,9 +383,9 @@ class Ledger:
         # 502/503 a router or a loading page answers.
         self._gone_at: deque = deque(maxlen=64)
         # A death seen before its restart is: (the old process's last scrape, the first scrape since that found the
-        # server down), where a scrape since found nothing listening (`note_down`); None: none open. Ended by the next
-        # scrape window, which lists it in `_gone_at` where it says a restart.
-        self._down_open: tuple[int, int] | None = None
+        # server down, whether a scrape since found nothing listening) (`note_down`); None: none open. Ended by the
+        # next scrape window, which lists it in `_gone_at` where it says a restart.
+        self._down_open: tuple[int, int, bool] | None = None
         # When proxied requests' connections to the server broke (refused, closed with no answer, cut mid-answer):
         # what a death does to the requests in flight, the proof a lone found-down scrape lacks (`_death_proven`).
         self._conn_fail_ns: deque = deque(maxlen=64)
@@ -650,13 +650,22 @@ class Ledger:
                 or r.ev_n or r.spent):
             return False
         slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
-        if self._down_open is not None and self._down_open[0] <= tr.end_ns <= self._down_open[1] + slack:
-            return True  # a scrape found nothing listening (`note_down`), before the new process answered
-        # Found down, a death must be shown (`_death_shown`): a router answering the metrics page 503, a counter's dip
-        # then, and its own refusal closing the request, was costed as a crash, 84-104 J for a request never run.
-        # None found down, the restart was told by the new process itself (its start time, a lone process's counter).
+        # A scrape found the server down (`note_down`), before the new process answered: nothing listening proves the
+        # death; a 502/503 alone (a router's, a reloading llama-server's "Loading model") only for a request sent
+        # before the old process's last scrape (below). Without the 503's, two whole answers in flight at a
+        # llama-server reload of 10.5 s were 0 J each against about 220 J of truth (their rows written first).
+        o = self._down_open
+        if o is not None and o[0] <= tr.end_ns <= o[1] + slack and (o[2] or tr.arrival_ns < o[0]):
+            return True
+        # Found down, a request sent before the old process's last scrape, which it answered alive, was in flight at a
+        # live server: its close with no answer there is that server's death (a router refuses only what arrives after
+        # the death). Needing more, llama-server's reload (503 "Loading model" on /metrics, nothing refused) left such a
+        # request not costed. Sent after it, a death must be shown (`_death_shown`): a router answering the metrics
+        # page 503, a counter's dip then, and its own refusal closing the request, was costed as a crash, 84-104 J for
+        # a request never run. None found down, the restart was told by the new process itself (its start time, a
+        # lone process's counter).
         return any(g[0] <= tr.end_ns <= (g[1] if g[2] is None else g[2]) + slack
-                   and (g[2] is None or self._death_shown(g)) for g in self._gone_at)
+                   and (g[2] is None or tr.arrival_ns < g[0] or self._death_shown(g)) for g in self._gone_at)
 
     def _learn_pace(self, r: LiveRequest) -> None:
         """Keep a finished stream's decode pace (tokens a second a sequence, first token to last) for `_run_on_gone`."""
@@ -1790,15 +1799,18 @@ class Ledger:
                     self._run_on(r)
             self._end_run_ons_at_restart()
 
-    def note_down(self, since_ns: int, down_ns: int, refused_ns: int) -> None:
-        """A scrape since the server's last good one (`since_ns`) found nothing listening (refused at `refused_ns`; the
-        first that found it down began at `down_ns`: scrape.Scraper.down_open): its process died, known now. The
-        closes with no answer it explains are crashes at once (`_crash_seen`): known only at the new process's first
-        scrape, a model load later (10 s or more), SCRAPE_HOLD_S had written their rows: two whole answers in flight
-        at a crash, 0 J each against about 146 J of truth. Nothing waits for it: their rows keep their hold."""
-        if self._down_open == (since_ns, down_ns) or not since_ns < down_ns <= refused_ns:
+    def note_down(self, since_ns: int, down_ns: int, refused_ns: int | None) -> None:
+        """A scrape since the server's last good one (`since_ns`) found it down (the first began at `down_ns`), one
+        found nothing listening (refused at `refused_ns`; None: only a 502/503 answered, a router's or a loading
+        llama-server's: scrape.Scraper.down_open): its process died, known now. The closes with no answer it explains
+        are crashes at once (`_crash_seen`; a 503 alone explains only those of requests sent before `since_ns`): known
+        only at the new process's first scrape, a model load later (10 s or more), SCRAPE_HOLD_S had written their
+        rows: two whole answers in flight at a crash, 0 J each against about 146 J of truth. Nothing waits for it:
+        their rows keep their hold."""
+        opened = (since_ns, down_ns, refused_ns is not None)
+        if self._down_open == opened or not since_ns < down_ns <= (down_ns if refused_ns is None else refused_ns):
             return
-        self._down_open = (since_ns, down_ns)
+        self._down_open = opened
         for r in self.requests.values():
             if r.trace.end_ns is not None and closed_unanswered(r):
                 self._run_on(r)

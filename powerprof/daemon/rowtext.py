@@ -512,8 +512,9 @@ def _no_energy_reason(r: LiveRequest) -> str:
     if r.trace.end_ns is not None and is_passive(r) and closed_unanswered(r):
         return ("not costed: its upstream closed the connection with no answer, and it may have run (crash?) or been "
                 "refused unrun (a router in front of the server): no restart its scrapes confirmed by its row's time "
-                "covered its close with proof of a death (a refused scrape, or a proxied connection broken then; a "
-                "502/503 on the metrics page may be the router's or a loading page's), so it is costed "
+                "covered its close with proof of a death (sent before the server's last good scrape, a refused "
+                "scrape, or a proxied connection broken then; a 502/503 on the metrics page may be the router's or a "
+                "loading page's), so it is costed "
                 "as not run and its time counts as idle; fix: let the daemon scrape the server (scrape.url) so a "
                 "crash is seen, or read the router's log for it")
     if r.trace.end_ns is not None and is_passive(r):

@@ -680,12 +680,13 @@ class Scraper:
         self.total += delta
         return float(delta)
 
-    def down_open(self) -> tuple[int, int] | None:
+    def down_open(self) -> tuple[int, int | None] | None:
         """(the first scrape that found the server down, the first refused) since the last believed page, as they
-        began (time.monotonic_ns()), where one was refused: nothing listened, a death known before the new process
-        answers (`Ledger.note_down`); None: none was refused (a 502/503 alone, a router's or a loading page's, is
-        no proof)."""
-        if self._refused_at_ns is None or self._down_at_ns is None:
+        began (time.monotonic_ns()): a death known before the new process answers (`Ledger.note_down`). The second is
+        None where none was refused: a 502/503 alone, a router's or a reloading llama-server's (it binds its port at
+        once and answers 503 "Loading model" until loaded), proves only the death of requests sent before the last
+        good page. None: no scrape since found it down."""
+        if self._down_at_ns is None:
             return None
         return self._down_at_ns, self._refused_at_ns
 
@@ -740,11 +741,16 @@ class Scraper:
     async def _scrape_llamacpp(self) -> float:
         # The counter first: a request that ends between the two reads is then missing from
         # both for one scrape (caught up at the next) rather than counted twice.
-        status, page = await self._get("/metrics")
-        finished = counter_total(page, LLAMACPP_COUNTER) if status == 200 else None
+        metrics_status, page = await self._get("/metrics")
+        finished = counter_total(page, LLAMACPP_COUNTER) if metrics_status == 200 else None
         status, text = await self._get("/slots")
         slots = slot_progress(slots_json(text)) if status == 200 else None
         if finished is None and slots is None:
+            if metrics_status in (502, 503):
+                # A reloading llama-server binds its port at once and answers every route 503 "Loading model": down,
+                # as a gateway's 502/503 says (`_server_down`). Read as a server without --metrics, a reload's scrapes
+                # found it up, and the whole answers its death closed were not costed (0 J for about 146 J).
+                raise _MetricsStatus(metrics_status)
             raise ValueError("llama-server answers neither /metrics (start it with --metrics) nor /slots")
         if finished is None:
             self.window_partial = (SERVER_COUNT_SLOTS_ONLY,)

@@ -1089,8 +1089,9 @@ class Daemon:
                 led.runs_on_after_leave = RUNS_ON_AFTER_LEAVE.get(self.scraper.kind or "")
                 opened = self.scraper.down_open() if delta is None else None
                 if opened is not None and since is not None:
-                    # Nothing listens: a death, known now, not at the new process's first page (a model load later,
-                    # after SCRAPE_HOLD_S wrote the rows of the whole answers it closed unanswered).
+                    # Found down (nothing listening, or a 502/503: a reloading llama-server's): a death, known now,
+                    # not at the new process's first page (a model load later, after SCRAPE_HOLD_S wrote the rows of
+                    # the whole answers it closed unanswered). A 503 alone costs only those sent before `since`.
                     led.note_down(since, *opened)
                 if delta is not None:
                     # The prefix-cache hits of the whole window, slow or not: checked against the requests' said counts.

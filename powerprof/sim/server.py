@@ -1622,6 +1622,12 @@ class SimServer:
             return self._json({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}, 503)
         return None
 
+    def _llamacpp_loading(self) -> web.Response | None:
+        """llama-server's 503 while it loads on the routes of it the others' loading leaves open: its server-state
+        middleware runs before routing and lets only its models list through (/models, /v1/models), so /metrics too
+        answers 503 "Loading model" (its port bound at once), not the new process's page at 200."""
+        return self._loading() if self.flavour == "llamacpp" else None
+
     async def _health(self, request: web.Request) -> web.Response:
         if self.flavour == "sglang":  # SGLang's /health: 200 with an empty body
             return self._loading() or web.Response(status=200, headers={"X-Powerprof-Simulated": "1"})
@@ -1648,6 +1654,8 @@ class SimServer:
     async def _props(self, request: web.Request) -> web.Response:
         if self.flavour != "llamacpp":
             raise web.HTTPNotFound()
+        if (loading := self._llamacpp_loading()) is not None:
+            return loading
         return self._json(
             {
                 "build_info": "simulated (powerprof)",
@@ -1662,6 +1670,8 @@ class SimServer:
     async def _slots(self, request: web.Request) -> web.Response:
         if self.flavour != "llamacpp":
             raise web.HTTPNotFound()
+        if (loading := self._llamacpp_loading()) is not None:
+            return loading
         if not self.serve_slots:
             return self._json({"error": {"code": 501, "message": "This server does not support slots endpoint.",
                                          "type": "not_supported_error"}}, 501)
@@ -1684,6 +1694,8 @@ class SimServer:
             if self.flavour == "sglang":  # no --enable-metrics: no such route; FastAPI's 404
                 return self._json({"detail": "Not Found"}, 404)
             raise web.HTTPNotFound()
+        if (loading := self._llamacpp_loading()) is not None:
+            return loading
         if self.flavour == "sglang":
             if (not self._active and not self._waiting
                     and time.monotonic() - self._sg_last_log > self.sglang_idle_log_s):
@@ -1709,6 +1721,8 @@ class SimServer:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         """llama.cpp `/tokenize` ({"content"} → {"tokens"}) or vLLM's ({"prompt"} → {"tokens", "count"})."""
+        if (loading := self._llamacpp_loading()) is not None:
+            return loading
         body = await self._body(request)
         if self.flavour == "llamacpp":
             content = body.get("content", "")
