@@ -3896,22 +3896,6 @@ def test_a_run_on_ends_where_the_servers_latest_answers_end_by_themselves_not_al
     assert rows[20]["gpu_energy_j"] == pytest.approx(300.0 * (0.31 + 0.5) / 5, rel=0.15), rows[20]
 
 
-def test_a_llamacpp_run_on_placed_to_its_answers_own_end_says_so_not_at_least_its_held_end():
-    # llama-server runs a whole answer whose client left on to its end: placed at its answer's own end (the latest
-    # streams'), its row said "about 0.5 s at least (…; its end placed at twice as long as … its max_tokens in)".
-    from powerprof.daemon.liverequest import LiveRequest
-    from powerprof.daemon.rowtext import _run_on_said
-    tr = RequestTrace(3, "POST", "/v1/chat/completions", None, 0, 0, api="openai-chat", stream=False)
-    tr.extra["max_tokens"], tr.end_ns, tr.outcome = 400, int(0.6 * S), "client_disconnected"
-    r = LiveRequest(tr)
-    r.run_on_end_ns, r.run_on_to_end, r.run_on_own = int(1.1 * S), True, 10
-    r.run_on_tokens, r.run_on_bound, r.run_on_pace = 20.0, 400.0, "its batch's"
-    said = _run_on_said(r)
-    assert "at least" not in said and "twice as long" not in said, said
-    assert "ran on after its client left to its answer's own end, about 0.5 s" in said, said
-    assert "from 0 to 400 tokens" in said, said
-
-
 def test_a_run_on_placed_to_the_abort_says_that_is_the_most_it_ran_on():
     # Too few of the server's latest streams ran past its tokens to place its answer's own end: to the abort, a bound.
     rows = _sglang_batch_slows_after_cut()

@@ -431,8 +431,6 @@ def _run_on_said(r: LiveRequest) -> str:
                "any request: beside other requests, or scraped more often, not before its end")
         lead = (f"the server ran on after its client left until its max_tokens ({tr.extra.get('max_tokens')}) were "
                 f"decoded, about {s:.1f} s ({why})" if r.run_on_capped else
-                f"the server ran on after its client left to its answer's own end, about {s:.1f} s as estimated below "
-                f"({why})" if r.run_on_own else
                 f"the server ran on after its client left, about {s:.1f} s at least ({why}; its end placed at twice as "
                 f"long as the server's latest streams' pace decodes its max_tokens in)")
     elif r.run_on_own:
