@@ -3875,35 +3875,6 @@ def test_a_stream_sglang_runs_on_decodes_at_its_batchs_pace_not_its_own():
     assert rows[9]["gpu_energy_j"] == pytest.approx(300.0 * (1.1 / 5 + 2.02 / 6), rel=0.1), rows[9]
 
 
-def test_a_run_on_ends_where_the_servers_latest_answers_end_by_themselves_not_always_at_the_abort():
-    # The review (scene3.py, the simulated SGLang, continuous batching): 4 streams whose clients left after 9 tokens,
-    # beside 24 whose answers end by themselves (EOS) after 16-63 tokens, were placed 72-89 run-on tokens each, to the
-    # abort 2 s on at their batch's pace, where the simulator's (a model's) answers ended by themselves 8-45 tokens on:
-    # one row 232 J for the truth's 72.5, the 24 beside them -9% to -12%, unflagged. Here 10 answers ended by themselves
-    # after 20, 22, ..., 38 tokens (mean 29); a stream cut after 9 ends about 20 tokens on, as they did, not at the abort
-    # 80 tokens on at 40 tokens/s (before: 89 tokens).
-    steps = lambda t0, n: [t0 + 0.025 * i for i in range(n)]  # a token a step a sequence, 40 tokens/s
-    done = [(k, 0.0, steps(0.1, 18 + 2 * k), 0.1 + 0.025 * (17 + 2 * k) + 0.001, False, 400) for k in range(1, 11)]
-    beside = [(k, 0.0, steps(0.1, 197), 5.0, False, 400) for k in range(11, 15)]
-    cut = (20, 1.0, steps(1.1, 9), 1.31, True, 400)
-    rows = _sglang_scene([*done, *beside, cut], stop_s=7.0, own_stops=set(range(1, 11)))
-    assert rows[20]["attributed_tokens"] == pytest.approx(9 + 20, rel=0.05), rows[20]
-    note = rows[20]["energy_note"]
-    assert "to its answer's own end, which no one saw" in note and "latest 10 streams" in note, note
-    assert "from 0 to 80 tokens" in note and "may be high or low" in note, note
-    # Its energy: 300 W split among the 5 streams from its arrival at 1.0 s to its estimated end 0.5 s after its
-    # leaving (before: to its abort at 3.31 s, 2 s of it, 4x the run-on's).
-    assert rows[20]["gpu_energy_j"] == pytest.approx(300.0 * (0.31 + 0.5) / 5, rel=0.15), rows[20]
-
-
-def test_a_run_on_placed_to_the_abort_says_that_is_the_most_it_ran_on():
-    # Too few of the server's latest streams ran past its tokens to place its answer's own end: to the abort, a bound.
-    rows = _sglang_batch_slows_after_cut()
-    note = rows[9]["energy_note"]
-    assert "that is the most it ran on: its answer may have ended by itself before" in note, note
-    assert "the shares of the requests beside it then low" in note, note
-
-
 def test_a_request_sglang_ran_on_for_seconds_is_no_counter_short_request():
     # Its client there 0.15 s, but its figure holds the 2 s the server ran it on (the split's intervals over 2.15 s):
     # before, its row said "counter-short: live 0.15 s, under 0.5 s … good to about a refresh of the GPU's power at
@@ -3912,12 +3883,11 @@ def test_a_request_sglang_ran_on_for_seconds_is_no_counter_short_request():
     assert "counter-short" not in rows[10]["energy_note"], rows[10]["energy_note"]
 
 
-def _sglang_scene(streams, stop_s: float = 6.0, told: bool = False, own_stops: set = frozenset()) -> dict:
+def _sglang_scene(streams, stop_s: float = 6.0, told: bool = False) -> dict:
     """Streams (request id, arrival s, its chunks' times, its end s, whether its client left then, max_tokens) on a GPU
     at 300 W sampled every 0.1 s, the ledger told SGLang's run-on delays and advancing as the daemon's does, shut down
     (close_all) at stop_s: nothing after it happens. `told`: each stream says its prompt's length at its start
-    (continuous usage). `own_stops`: the request ids whose answers ended by themselves (stop_reason "stop"; the others
-    "length"). The rows by request id."""
+    (continuous usage). The rows by request id."""
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.runs_on_after_leave = (2.0, 4.0)
     events = []
@@ -3951,8 +3921,7 @@ def _sglang_scene(streams, stop_s: float = 6.0, told: bool = False, own_stops: s
             tr.end_ns, tr.outcome = int(t * S), "client_disconnected" if left else "ok"
             if not left:
                 tr.counts = Counts(generated_tokens=int(tr.tokens_seen), prompt_tokens=100, model=None,
-                                   stop_reason="stop" if tr.request_id in own_stops else "length",
-                                   token_source="usage")
+                                   stop_reason="length", token_source="usage")
             led.on_end(tr)
     to(stop_s)
     led.close_all(int(stop_s * S))

@@ -42,8 +42,8 @@ from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, RUN_ON_ENDS_MIN, closed_unanswered, finished_unsaid, gone_unsaid, is_passive,
-                          told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
+from .liverequest import (PROMPT_HOLD_S, closed_unanswered, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
+                          LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
@@ -112,8 +112,6 @@ CRASH_CLOSE_SLACK_S = 1.0
 # connection, so no sign of a death (`Ledger._death_proven`).
 ANSWERED_ERROR_NOTES = ("the upstream answered HTTP", "the upstream reported an error")
 RUN_ON_PACE_TOKENS = 8
-# The stop reasons of an answer that ended by itself (the model's end, a tool call), not at its max_tokens ("length").
-OWN_STOPS = ("stop", "tool_calls")
 # A whole answer a server runs on to its end (llama.cpp: `_run_on`) is held open no longer than this past its client's
 # leaving (its intervals wait for that run, bounded by the prompt hold too).
 RUN_ON_TO_END_MAX_S = 30.0
@@ -392,9 +390,6 @@ class Ledger:
         # Recent streams' decode paces (tokens a second a sequence, first token to last): a stream gone before its first
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
         self._paces: deque = deque(maxlen=RUN_ON_PACES)
-        # Recent streams' lengths (tokens a sequence) and whether each ended by itself (OWN_STOPS) or at its max_tokens:
-        # where a run-on ends before its abort (`_own_end_tokens`).
-        self._ends: deque = deque(maxlen=RUN_ON_PACES)
         self._setting: tuple = ()  # the GPUs' power limits at the latest full sample
         self._power_w: np.ndarray | None = None  # the GPUs' power at the latest full sample
         self.scraping = False  # the daemon scrapes the server's counters (set by it): no count yet is `unread`, not `off`
@@ -675,22 +670,6 @@ class Ledger:
         if (tr.outcome == "ok" and tr.stream is True and tr.first_ns is not None and tr.last_ns is not None
                 and n >= RUN_ON_PACE_TOKENS and tr.last_ns > tr.first_ns):
             self._paces.append((n - 1) / ((tr.last_ns - tr.first_ns) / 1e9))
-        c = tr.counts
-        if tr.outcome == "ok" and tr.stream is True and c is not None and n > 0 and (
-                c.stop_reason in OWN_STOPS or c.stop_reason == "length"):
-            self._ends.append((n, c.stop_reason in OWN_STOPS))
-
-    def _own_end_tokens(self, shown: float, to_abort: float) -> tuple[float, int] | None:
-        """The tokens (a sequence) a request that had shown `shown` decodes after, where its answer may end by itself
-        before the `to_abort` its pace decodes to its abort: the mean over the server's latest streams that ran past
-        `shown` of what each decoded after it (to its own stop; one cut at its max_tokens counted to the abort), and how
-        many; None where fewer than RUN_ON_ENDS_MIN ran past it (placed to the abort, a bound). Placed to the abort,
-        streams cut after 5 tokens beside answers that end by themselves after 16-63 ran on 68-90 tokens for the
-        simulated SGLang's 11-51 (one row 228 J for 73, the 24 beside them -9.7% in J/token); now 33-35."""
-        past = [(n, own) for n, own in self._ends if n > shown]
-        if len(past) < RUN_ON_ENDS_MIN:
-            return None
-        return float(np.mean([min(n - shown, to_abort) if own else to_abort for n, own in past])), len(past)
 
     def _run_on(self, r: LiveRequest) -> None:
         """A request whose client left that the server runs on for nobody until it aborts it (SGLang: 2 s after a
@@ -896,26 +875,19 @@ class Ledger:
         # Capped where its max_tokens leave fewer than its pace decodes to the abort: not where the span, rounded back
         # from the tokens to the nanosecond, comes 1 ns short (half such runs said "until its max_tokens were decoded").
         capped = False
-        shown = r.spent + float(sum(r.ev_n)) + r.late
         if isinstance(limit, (int, float)) and limit > 0:
-            left = max(float(limit) * seqs - shown, 0.0)
+            left = max(float(limit) * seqs - (r.spent + float(sum(r.ev_n)) + r.late), 0.0)
             capped, n = left < n, min(n, left)
         if span_ns <= 0 or n <= 0:
             return
-        own = None if r.run_on_crash else self._own_end_tokens(shown / seqs, n / seqs)
-        r.run_on_bound = n  # what its pace decodes to the abort (or its max_tokens): the most it ran on
-        if own is not None and own[0] * seqs < n:
-            n, r.run_on_own = own[0] * seqs, own[1]
         k = max(1, min(SPREAD_EVENTS, int(np.ceil(n))))
-        if capped or r.run_on_own:  # at its pace: a max_tokens reached, or its answer's own end, stops it before its abort
+        if capped:  # at its pace: a max_tokens reached stops it before the abort
             span_ns = min(span_ns, int(n / tok_s * 1e9))
         r.ev_t.extend(int(start_ns + span_ns * (j + 1) / k) for j in range(k))
         r.ev_n.extend([n / k] * k)
         r.run_on_tokens, r.run_on_pace = n, whose
-        if capped and not r.run_on_own:  # its max_tokens, reached at its pace, ended it before the abort: no longer live
+        if capped:  # its max_tokens, reached at its pace, ended it before the abort: live no longer
             r.run_on_end_ns, r.run_on_capped = max(start_ns + span_ns, r.trace.end_ns), True
-        elif r.run_on_own:  # its answer's own end, as the mean of the latest streams': live no longer (an estimate)
-            r.run_on_end_ns = max(start_ns + span_ns, r.trace.end_ns)
 
     def tokens_at_first(self, request_id: int, generated: float) -> float | None:
         """The tokens (in `generated`'s count) its stream had shown at its first piece, for a time per output token over

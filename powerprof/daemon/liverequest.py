@@ -14,11 +14,6 @@ from dataclasses import dataclass, field
 from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, NOT_FORWARDED, RequestTrace
 
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
-# A run-on ends at its abort, its max_tokens or its answer's own end (a stop), which no one sees: placed at the mean of
-# what the server's latest streams that ran past the tokens it had showed decoded after them, each to its own stop (one
-# cut at its max_tokens, or that ran past the abort, counted to the abort), where at least this many did; else to the
-# abort, its row saying that bound (`Ledger._own_end_tokens`, rowtext).
-RUN_ON_ENDS_MIN = 8
 
 
 @dataclass
@@ -64,8 +59,6 @@ class LiveRequest:
     run_on_tokens: float = 0.0
     run_on_pace: str | None = None
     run_on_capped: bool = False  # its max_tokens ended that run before the abort
-    run_on_bound: float = 0.0  # the tokens its pace decodes to the abort (or its max_tokens): the most it ran on
-    run_on_own: int = 0  # placed to its answer's own end, from this many latest streams' (`Ledger._own_end_tokens`)
     run_on_to_end: bool = False  # a server that runs a whole answer on to its end (llama.cpp), not to an abort
     run_on_unknown: bool = False  # a whole answer llama.cpp ran on to an end nothing placed (no max_tokens or pace)
     run_on_prefill: bool = False  # a stream gone mid-prefill that llama.cpp prefills whole: its run ends at its first token

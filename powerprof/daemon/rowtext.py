@@ -24,8 +24,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       outside_text)
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, RUN_ON_ENDS_MIN, body_left, closed_unanswered, finished_unsaid, gone_unsaid,
-                          is_passive,
+from .liverequest import (PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid, gone_unsaid, is_passive,
                           told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
@@ -433,9 +432,6 @@ def _run_on_said(r: LiveRequest) -> str:
                 f"decoded, about {s:.1f} s ({why})" if r.run_on_capped else
                 f"the server ran on after its client left, about {s:.1f} s at least ({why}; its end placed at twice as "
                 f"long as the server's latest streams' pace decodes its max_tokens in)")
-    elif r.run_on_own:
-        lead = (f"the server ran on after its client left to its answer's own end, about {s:.1f} s as estimated below, "
-                f"unless SGLang aborted it first (it aborts {how}, counting it in {said})")
     elif r.run_on_capped:
         lead = (f"the server ran on after its client left until its max_tokens ({tr.extra.get('max_tokens')}) were "
                 f"decoded, about {s:.1f} s (SGLang aborts {how}: it finished first)")
@@ -443,24 +439,8 @@ def _run_on_said(r: LiveRequest) -> str:
         lead = f"the server ran on about {s:.1f} s after its client left (SGLang aborts {how}, counting it in {said})"
     if r.run_on_tokens > 0:
         return (f"{lead}: its energy includes that work, which no client received, {r.run_on_tokens:.0f} tokens decoded "
-                f"at {r.run_on_pace} pace (an estimate; its attributed tokens count them){_run_on_end_words(r)}")
+                f"at {r.run_on_pace} pace (an estimate; its attributed tokens count them)")
     return f"{lead}: it is live in that time, its work there unseen (no pace to decode it at)"
-
-
-def _run_on_end_words(r: LiveRequest) -> str:
-    """Where its run-on's answer ended by itself, unseen (`Ledger._own_end_tokens`): the estimate's basis and bounds,
-    and that the requests beside it then carry its error the other way."""
-    if r.run_on_own:
-        return (f", to its answer's own end, which no one saw: the mean of what the server's latest {r.run_on_own} "
-                f"streams that ran past the tokens it had showed decoded after them; it decoded from 0 to "
-                f"{r.run_on_bound:.0f} tokens after its client left (to its end at the first, to its abort or max_tokens "
-                "at the last), so its figure may be high or low, and the shares of the requests beside it then the other "
-                "way")
-    if r.run_on_tokens >= r.run_on_bound - 0.5 and not r.run_on_capped and not r.run_on_crash:
-        return (f"; that is the most it ran on: its answer may have ended by itself before, unseen (fewer than "
-                f"{RUN_ON_ENDS_MIN} of the server's latest streams ran past the tokens it had showed, too few to place "
-                "that end), so its figure may be high, and the shares of the requests beside it then low")
-    return ""
 
 
 def _death_words(r: LiveRequest) -> str:
