@@ -304,7 +304,7 @@ def test_a_dry_run_beside_a_live_controller_says_the_gpu_is_in_use_not_a_leftove
 # name is public (the scope, "nvml" on real hardware, and the GPU's UUID in the daemon's /metrics). It kept root's
 # `restore` from putting a capped GPU back ("controlled by powerprof process N (uid 1001)", exit 1) and refused every sweep.
 @contextlib.contextmanager
-def _squatter(uuid: str, how: str = "listening", every_name: bool = False):
+def _squatter(uuid: str, how: str = "listening", every_name: bool = False, extra_fds: int = 0):
     """A process of uid 65534 (nobody: neither root nor CAP_SYS_ADMIN, no write in the simulator's folder) holding GPU
     `uuid`'s machine-wide lock name of this test's simulator, its PID yielded. `how`: "listening"; "bound-only" (no
     connect names it); "orphaned" (the process that listened has exited, a child of it holds the socket: the peer
@@ -317,7 +317,8 @@ def _squatter(uuid: str, how: str = "listening", every_name: bool = False):
     "parked-listening" (listening, its queue not full, its only descriptor parked in an SCM_RIGHTS message a child
     keeps, the process that listened exited: a connect is answered and its peer credentials name a PID that is gone).
     `every_name`: the simulated GPU's second name (its folder's identity) held too, listening where "listening", parked
-    with the first where that is, bound otherwise (a real GPU has one name: "nvml")."""
+    with the first where that is, bound otherwise (a real GPU has one name: "nvml"). `extra_fds`: that many more
+    descriptors (a pipe's end, dup'd) in the squatter's own table."""
     from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
     from powerprof.rig import Rig  # noqa: PLC0415
 
@@ -336,6 +337,9 @@ def _squatter(uuid: str, how: str = "listening", every_name: bool = False):
 
                 if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:  # CLONE_NEWUSER
                     os._exit(3)
+            if extra_fds:
+                _pr, pw = os.pipe()
+                padding = [os.dup(pw) for _ in range(extra_fds)]  # noqa: F841 (held open until the child exits)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.bind(name)
             extra = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in (others if every_name else ())]
@@ -966,6 +970,57 @@ def test_a_squatted_names_large_table_of_a_process_that_could_not_control_is_rea
     finally:
         many.kill()
         many.wait()
+
+
+@needs_root
+def test_a_listening_squatter_with_a_large_table_is_named_on_the_first_try_beside_a_large_bystander(originals,
+                                                                                                   monkeypatch):
+    # 9d081750 left out, on root's tries, every table past _LARGE_TABLE_FDS of a thread that could not control the GPU:
+    # the squatter's own too, so a listening squatter of 300+ descriptors went unnamed until the last look, after all 5
+    # tries (h-rev4: a root open of 2 GPUs beside 200 processes of 256 descriptors 0.9-1.5 s before it, 6.9-7.1 s
+    # after). The table of the process the name's peer credentials name is read whole on every try: named and kept on
+    # the first, one scan a name; a large bystander that could not control is still left out.
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    r, w = os.pipe()
+    bystander = os.fork()
+    if bystander == 0:  # uid 65534 with 1,000 descriptors: no controller, its table past _LARGE_TABLE_FDS
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            padding = [os.dup(w) for _ in range(1000)]  # noqa: F841
+            os.write(w, b"ok")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    try:
+        os.close(w)
+        assert os.read(r, 2) == b"ok"
+        os.close(r)
+        uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+        with _squatter(uuid, "listening", every_name=True, extra_fds=300) as squat, monkeypatch.context() as m:
+            assert len(os.listdir(f"/proc/{squat}/fd")) > 300
+            scans, read = [], []
+            real_scan, real_readlink = gpulock._holders_from_proc, gpulock._readlink
+            m.setattr(gpulock, "_holders_from_proc", lambda *a, **k: scans.append(1) or real_scan(*a, **k))
+            mine = f"/proc/{bystander}/"
+            m.setattr(gpulock, "_readlink", lambda p: (p.startswith(mine) and read.append(1)) or real_readlink(p))
+            lock = gpulock.MachineLock(_scope(), uuid, 0)
+            lock.acquire()
+            try:
+                held = len(lock._socks)
+            finally:
+                lock.release()
+            m.undo()
+            said = lock.warning or ""
+            assert f"process {squat} (uid 65534)" in said and held == 2, said
+            assert len(scans) == 2, scans  # one a name: named on the first try (was 6 a name, 12)
+            assert read == [], len(read)  # the bystander's table still left out
+    finally:
+        os.kill(bystander, signal.SIGKILL)
+        os.waitpid(bystander, 0)
 
 
 @needs_root
