@@ -3604,7 +3604,7 @@ def test_a_request_row_is_counted_by_its_flags_decided_not_by_words_a_client_put
     notes = [r["energy_note"] or "" for r in sink.rows["requests"]]
     # The client's path is quoted (its row's note and its neighbours'), through schema.outside_text: never a flag in it
     # (before, "count-open: " was in both notes, a flag analyze or a reader could take for the daemon's).
-    assert any("/v1/x/countopen: y" in n for n in notes) and not any(COUNT_OPEN_FLAG in n for n in notes), notes
+    assert any("/v1/x/count?open: y" in n for n in notes) and not any(COUNT_OPEN_FLAG in n for n in notes), notes
     assert led.totals.flagged_requests[COUNT_OPEN_FLAG] == 0
 
 

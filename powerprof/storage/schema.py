@@ -340,9 +340,10 @@ OUTSIDE_TEXT_MAX_CHARS = 40
 
 
 def outside_text(text: str, max_chars: int = OUTSIDE_TEXT_MAX_CHARS) -> str:
-    """`text` from outside as a note may quote it: its characters in OUTSIDE_TEXT_KEPT only (so no flag can be in
-    it), at most `max_chars` of them."""
-    return "".join(c for c in text[:4 * max_chars] if c in OUTSIDE_TEXT_KEPT)[:max_chars]
+    """`text` from outside as a note may quote it: each character not in OUTSIDE_TEXT_KEPT shown as `?`, so no flag
+    (each holds a `-`: tests/test_daemon_proxy.py tries every one) can be in it, at most `max_chars` of them. Dropped
+    instead, `/v1/my-model` read `/v1/mymodel`, and `/v1/x-y` and `/v1/xy` were one name in a neighbour's note."""
+    return "".join(c if c in OUTSIDE_TEXT_KEPT else "?" for c in text[:max_chars])
 # How a daemon request row's energy_note opens where the proxy answered the request before forwarding it (a 408 for its
 # body, its client gone mid-body, a proxy_error reading it): the server never saw it, so no energy (fleet summary:
 # not_forwarded_requests).
