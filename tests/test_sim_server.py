@@ -486,3 +486,44 @@ def test_llamacpp_runs_an_absent_or_minus_one_length_until_the_slots_context_is_
         with urllib.request.urlopen(req, timeout=60) as r:
             d = _json.loads(r.read())
         assert d["stop_type"] == "eos" and 1 < d["tokens_predicted"] < 100, d
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_vllm_and_sglang_refuse_a_length_that_is_no_integer_as_their_request_validation_does(flavour):
+    # Their request models read max_tokens / max_completion_tokens as Optional[int] (pydantic's lax mode: "5", 5.0 and
+    # true are integers) and FastAPI's RequestValidationError is their handler's 400: {"error": {...}} on vLLM, flat
+    # {"object": "error", ...} on SGLang, type "Bad Request", the message pydantic's error list. Before: int() raised in
+    # the simulator, aiohttp's plain-text 500; 5.5 ran as 5.
+    import json as _json
+    import urllib.error
+    import urllib.request
+
+    def post(url, path, body):
+        req = urllib.request.Request(url + path, _json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, _json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    chat = {"messages": [{"role": "user", "content": "the power"}]}
+    bad = [("/v1/completions", {"prompt": "the power"}, "max_tokens", "abc", "int_parsing",
+            "Input should be a valid integer, unable to parse string as an integer"),
+           ("/v1/completions", {"prompt": "the power"}, "max_tokens", 5.5, "int_from_float",
+            "Input should be a valid integer, got a number with a fractional part"),
+           ("/v1/chat/completions", chat, "max_tokens", [3], "int_type", "Input should be a valid integer"),
+           ("/v1/chat/completions", chat, "max_completion_tokens", "x", "int_parsing",
+            "Input should be a valid integer, unable to parse string as an integer")]
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=20000) as s:
+        for path, body, name, value, kind, msg in bad:
+            code, doc = post(s.url, path, dict(body, **{name: value}))
+            assert code == 400, (path, name, value, code, doc)
+            doc = _json.loads(doc)
+            err = doc["error"] if flavour == "vllm" else doc
+            want = str([{"type": kind, "loc": ("body", name), "msg": msg, "input": value}])
+            assert (err["message"], err["type"], err["param"], err["code"]) == (want, "Bad Request", None, 400), doc
+            if flavour == "sglang":
+                assert err["object"] == "error", doc
+        for value in ("5", 5.0, " 5 "):  # pydantic's lax integers: run as 5
+            code, doc = post(s.url, "/v1/completions", {"prompt": "the power", "max_tokens": value, "ignore_eos": True})
+            assert code == 200 and doc["usage"]["completion_tokens"] == 5, (value, code, doc)

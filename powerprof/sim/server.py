@@ -140,6 +140,8 @@ class _Refused(Exception):
         self.response = response
 
 
+# pydantic's lax reading of a text as an integer: digits, signed, blanks around, a fraction of zeros only.
+_INT_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")
 _JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
 
@@ -1804,6 +1806,36 @@ class SimServer:
                                              "Input should be a valid dictionary or object to extract fields from"))
         return body
 
+    def _validation_refusal(self, body: dict, *fields: str) -> web.Response | None:
+        """vLLM's and SGLang's request models read these length fields as Optional[int] in pydantic's lax mode: an
+        integer, true/false, a float with no fraction or a text of one is taken (written back into `body` as the int),
+        anything else is a RequestValidationError, which both servers' handlers answer 400 with type "Bad Request" and
+        FastAPI's error list as the message (vLLM's api_server and SGLang's http_server validation_exception_handler:
+        vLLM nested in "error", SGLang flat; not measured here, so the message's wording may differ by FastAPI's
+        version). None where every field is an integer or absent, or on llama.cpp (_llama_refusal)."""
+        if self.flavour == "llamacpp":
+            return None
+        errors = []
+        for name in fields:
+            v = body.get(name)
+            if v is None or type(v) in (int, bool):
+                continue
+            if isinstance(v, float) and v.is_integer():
+                body[name] = int(v)
+                continue
+            if isinstance(v, str) and _INT_TEXT.fullmatch(v):
+                body[name] = int(v.strip().split(".")[0])
+                continue
+            kind, msg = (("int_from_float", "Input should be a valid integer, got a number with a fractional part")
+                         if isinstance(v, float) else
+                         ("int_parsing", "Input should be a valid integer, unable to parse string as an integer")
+                         if isinstance(v, str) else ("int_type", "Input should be a valid integer"))
+            errors.append({"type": kind, "loc": ("body", name), "msg": msg, "input": v})
+        if not errors:
+            return None
+        err = {"message": str(errors), "type": "Bad Request", "param": None, "code": 400}
+        return self._json({"error": err} if self.flavour == "vllm" else {"object": "error", **err}, 400)
+
     def _llama_refusal(self, api: str, body: dict) -> web.Response | None:
         """llama-server's answer to a request missing a field it requires or giving one a shape it refuses (measured on
         the bundled build: its JSON reads and its chat parser's checks); None where it runs it, or not llama.cpp."""
@@ -2028,7 +2060,8 @@ class SimServer:
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompts = self._llama_refusal("openai-completions", body) or self._completion_prompts(body.get("prompt", ""))
+        prompts = (self._validation_refusal(body, "max_tokens") or self._llama_refusal("openai-completions", body)
+                   or self._completion_prompts(body.get("prompt", "")))
         if isinstance(prompts, web.Response):
             return prompts
         n = body.get("max_tokens")
@@ -2049,7 +2082,8 @@ class SimServer:
 
     async def _oai_chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        refused = self._llama_refusal("openai-chat", body)
+        refused = (self._validation_refusal(body, "max_tokens", "max_completion_tokens")
+                   or self._llama_refusal("openai-chat", body))
         if refused is not None:
             return refused
         msgs = body.get("messages") or []
