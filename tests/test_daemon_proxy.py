@@ -663,7 +663,7 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     # an item not text, ids or an object, a float among ids with no text, a null; and SGLang takes no such mix.
     assert size({"prompt": [{"prompt_string": "a", "multimodal_data": ["x"]}, "b"]}, "llamacpp") == {
         "prompt_unsized": "a `prompt` item's `multimodal_data` (media: its tokens are not characters)", "sequences": 2}
-    for bad in ([1, [2]], [1, 2.5], [1, "a", None], ["a", 3.5], ["a", []], ["a", {"x": 1}], ["a", [1, [2]]],
+    for bad in ([1, [2]], [1, 2.5], [1, "a", None], ["a", 3.5], ["a", {"x": 1}], ["a", [1, [2]]],
                 ["a", [1, 2.5]], [1, "a", [6]], ["a", ["b", "c"]]):
         got = size({"prompt": bad}, "llamacpp")
         assert set(got) <= {"prompt_unsized", "sequences", "prompt_count"} and "prompt_unsized" in got, (bad, got)
@@ -2288,3 +2288,38 @@ def test_a_stateful_responses_turn_keeps_apart_its_tools_sent_with_tool_choice_n
     assert "prompt_chars" not in extra and extra["prev_response_id"] == "resp_a"
     assert extra["prompt_tools_none_chars"] == len(json.dumps(tools, separators=(",", ":")))
     assert extra["prompt_new_chars"] >= extra["prompt_tools_none_chars"] + len("next")
+
+
+def test_an_empty_id_list_in_a_llamacpp_prompt_list_is_a_task_of_no_tokens_not_a_sequence_or_an_unsized_prompt():
+    # llama-server runs an empty id list in a list of prompts as a task of no tokens, ended at once (no prefill, no
+    # decode: measured on the bundled build; the simulator does the same and writes no truth row for it), and a whole
+    # answer's usage is its first task's alone. Before: [[], [5, 6, 7]] was unsized (its prefill "prompt-unread") and
+    # two sequences; a whole /v1/completions answer's first (empty) task's usage, 0, scaled to both choices made the
+    # row "no share: no tokens" for 24 tokens decoded (its energy left to whoever was beside it), and [[5, 6, 7], []]
+    # was counted 48 for 24.
+    from powerprof.daemon.proxy import inspect_request_body
+    from powerprof.daemon.streams import body_counts
+
+    def size(doc, api="llamacpp"):
+        extra = {}
+        inspect_request_body(json.dumps(doc).encode(), "", api, extra)
+        return {k: v for k, v in extra.items() if k.startswith("prompt") or k in ("sequences", "empty_tasks")}
+
+    assert size({"prompt": [[], [5, 6, 7]]}) == {"prompt_ids": 3, "empty_tasks": 1}
+    assert size({"prompt": ["a", []]}) == {"prompt_chars": 1, "empty_tasks": 1}  # b11434 runs it (was taken refused)
+    assert size({"prompt": [[5, 6, 7], [], "ab"]}) == {"prompt_ids": 3, "prompt_chars": 2, "prompt_count": 2,
+                                                      "sequences": 2, "empty_tasks": 1}
+    assert size({"prompt": [[], [1], [2, 3]]}, "openai-completions") == {"prompt_ids": 3, "prompt_count": 2,
+                                                                        "sequences": 2, "empty_tasks": 1}
+
+    def answer(first: int, second: int) -> bytes:
+        usage = {"completion_tokens": first, "prompt_tokens": 3 if first else 0, "total_tokens": first + (3 if first else 0)}
+        timings = {"cache_n": 0, "prompt_n": usage["prompt_tokens"], "predicted_n": first}
+        return json.dumps({"choices": [{"text": "x" * first, "index": 0, "finish_reason": "length"},
+                                       {"text": "y" * second, "index": 1, "finish_reason": "length"}],
+                           "object": "text_completion", "usage": usage, "timings": timings}).encode()
+
+    c = body_counts("openai-completions", answer(24, 0), 1, 2, tasks_run=1)  # [[5, 6, 7], []]: the first task's count is all
+    assert c.generated_tokens == 24 and c.count_problem is None, c
+    c = body_counts("openai-completions", answer(0, 24), 1, 2, tasks_run=1)  # [[], [5, 6, 7]]: the other's count unknown, said so
+    assert c.count_problem is not None and c.prompt_tokens is None, c  # not the empty task's 0

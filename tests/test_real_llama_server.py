@@ -1092,3 +1092,17 @@ def test_the_simulators_refusals_of_missing_or_misshapen_fields_are_llama_server
             urllib.request.urlopen(req, timeout=60)
         got = (e.value.code, json.loads(e.value.read()))
         assert got == (status, {"error": {"code": status, "message": message, "type": kind}}), (path, body, got)
+
+
+def test_an_absent_or_minus_one_length_runs_until_the_slots_context_is_full_as_the_simulator_runs_it(llama_server):
+    # The cases test_sim_server holds the llama.cpp flavour to, sent to llama-server itself: every route runs until the
+    # slot's context is full (ignore_eos), and 0 runs one token. Before December 2026 the simulator ran 1 token for -1
+    # and 128 (16 on /v1/completions) when the length was absent.
+    from test_sim_server import LENGTH_CASES, _length_answer
+
+    ctx = json.loads(urllib.request.urlopen(llama_server.base_url + "/props", timeout=10).read())[
+        "default_generation_settings"]["n_ctx"]
+    for path, extra in LENGTH_CASES:
+        n_prompt, n_gen, at_limit = _length_answer(llama_server.base_url, path, extra)
+        assert n_prompt + n_gen == ctx and at_limit, (path, extra, n_prompt, n_gen)
+    assert _length_answer(llama_server.base_url, "/completion", {"n_predict": 0})[1:] == (1, False)

@@ -438,3 +438,92 @@ def test_llamacpp_loading_answers_every_route_but_its_models_list_503():
                 assert status == 503 and "Loading model" in text, (path, status, text)
     finally:
         srv.stop()
+
+
+# llama-server's length when n_predict / max_tokens is absent, null or -1 (every route: params_from_json_cmpl's default
+# is the server's --n-predict, -1) is "until end-of-sequence or the slot's context is full"; 0 runs one token. Measured
+# on the bundled build at a 512-token slot: 15 prompt + 497 generated, truncated, stop_type "limit", on /completion,
+# /v1/completions, chat, /v1/messages and /v1/responses alike. Before: the simulator ran 1 token for -1 and 128 (16 on
+# /v1/completions) when absent.
+LENGTH_CASES = [("/completion", {}), ("/completion", {"n_predict": -1}), ("/completion", {"n_predict": None}),
+                ("/v1/completions", {}), ("/v1/completions", {"max_tokens": -1}),
+                ("/v1/chat/completions", {}), ("/v1/chat/completions", {"max_tokens": -1}),
+                ("/v1/chat/completions", {"max_completion_tokens": -1}), ("/v1/messages", {"max_tokens": -1}),
+                ("/v1/messages", {}), ("/v1/responses", {"max_output_tokens": -1}), ("/v1/responses", {})]
+
+
+def _length_answer(url: str, path: str, extra: dict) -> tuple:
+    """(prompt tokens, generated tokens, stopped at the limit) of one whole llama.cpp answer."""
+    import json as _json
+    import urllib.request
+
+    body = {"prompt": "the power"} if path in ("/completion", "/v1/completions") else \
+        {"input": "the power"} if path == "/v1/responses" else {"messages": [{"role": "user", "content": "the power"}]}
+    req = urllib.request.Request(url + path, _json.dumps(dict(body, ignore_eos=True, **extra)).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        d = _json.loads(r.read())
+    if path == "/completion":
+        return d["tokens_evaluated"], d["tokens_predicted"], d["stop_type"] == "limit" and d["truncated"]
+    u = d["usage"]
+    if path == "/v1/messages":
+        return u["input_tokens"] + u.get("cache_read_input_tokens", 0), u["output_tokens"], d["stop_reason"] == "max_tokens"
+    if path == "/v1/responses":
+        return u["input_tokens"], u["output_tokens"], d["status"] == "completed"
+    return u["prompt_tokens"], u["completion_tokens"], d["choices"][0]["finish_reason"] == "length"
+
+
+def test_llamacpp_runs_an_absent_or_minus_one_length_until_the_slots_context_is_full():
+    with SimServer(SimNVML("seed-16g", state_path=None), n_slots=2, n_ctx=512, decode_tok_s=20000) as s:
+        for path, extra in LENGTH_CASES:
+            n_prompt, n_gen, at_limit = _length_answer(s.url, path, extra)
+            assert n_prompt + n_gen == 256 and at_limit, (path, extra, n_prompt, n_gen)
+        assert _length_answer(s.url, "/completion", {"n_predict": 0})[1:] == (1, False)  # one token, not cut
+        # Without ignore_eos it ends at its EOS, well inside the context.
+        import json as _json
+        import urllib.request
+        req = urllib.request.Request(s.url + "/completion", _json.dumps({"prompt": "the power"}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            d = _json.loads(r.read())
+        assert d["stop_type"] == "eos" and 1 < d["tokens_predicted"] < 100, d
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_vllm_and_sglang_refuse_a_length_that_is_no_integer_as_their_request_validation_does(flavour):
+    # Their request models read max_tokens / max_completion_tokens as Optional[int] (pydantic's lax mode: "5", 5.0 and
+    # true are integers) and FastAPI's RequestValidationError is their handler's 400: {"error": {...}} on vLLM, flat
+    # {"object": "error", ...} on SGLang, type "Bad Request", the message pydantic's error list. Before: int() raised in
+    # the simulator, aiohttp's plain-text 500; 5.5 ran as 5.
+    import json as _json
+    import urllib.error
+    import urllib.request
+
+    def post(url, path, body):
+        req = urllib.request.Request(url + path, _json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, _json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    chat = {"messages": [{"role": "user", "content": "the power"}]}
+    bad = [("/v1/completions", {"prompt": "the power"}, "max_tokens", "abc", "int_parsing",
+            "Input should be a valid integer, unable to parse string as an integer"),
+           ("/v1/completions", {"prompt": "the power"}, "max_tokens", 5.5, "int_from_float",
+            "Input should be a valid integer, got a number with a fractional part"),
+           ("/v1/chat/completions", chat, "max_tokens", [3], "int_type", "Input should be a valid integer"),
+           ("/v1/chat/completions", chat, "max_completion_tokens", "x", "int_parsing",
+            "Input should be a valid integer, unable to parse string as an integer")]
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=20000) as s:
+        for path, body, name, value, kind, msg in bad:
+            code, doc = post(s.url, path, dict(body, **{name: value}))
+            assert code == 400, (path, name, value, code, doc)
+            doc = _json.loads(doc)
+            err = doc["error"] if flavour == "vllm" else doc
+            want = str([{"type": kind, "loc": ("body", name), "msg": msg, "input": value}])
+            assert (err["message"], err["type"], err["param"], err["code"]) == (want, "Bad Request", None, 400), doc
+            if flavour == "sglang":
+                assert err["object"] == "error", doc
+        for value in ("5", 5.0, " 5 "):  # pydantic's lax integers: run as 5
+            code, doc = post(s.url, "/v1/completions", {"prompt": "the power", "max_tokens": value, "ignore_eos": True})
+            assert code == 200 and doc["usage"]["completion_tokens"] == 5, (value, code, doc)

@@ -35,7 +35,9 @@ def prompt_shape(doc: dict, api: str | None) -> tuple[int | None, int | None, st
         if isinstance(p, list) and p:
             kinds = _item_types(p)
     chars, ids, unsized = prompt_size(doc, api, kinds)
-    return chars, ids, unsized, (len(p) if kinds is not None and int not in kinds else 1)
+    # An empty id list in a batch is no prompt run (prompt_count).
+    return chars, ids, unsized, (len(p) - (p.count([]) if list in kinds else 0)
+                                 if kinds is not None and int not in kinds else 1)
 
 
 def prompt_size(doc: dict, api: str | None, kinds: set | None = None) -> tuple[int | None, int | None, str | None]:
@@ -173,10 +175,11 @@ _TYPE_CODE = {int: "i", str: "s", float: "f", bool: "f"}  # else "x": a type lla
 
 def _first_refused(lists: list, types: list, n_str: int) -> int | None:
     """The index of the first list prompt llama-server refuses (None: none), `types` their items' flattened: one takes
-    an id in it, and only ids and text, or ids, text and floats or bools (converted)."""
+    an id in it, and only ids and text, or ids, text and floats or bools (converted); an empty one is a task of no
+    tokens (measured on b11434: answered 200, nothing prefilled or generated)."""
     if len(lists) == 1:
         n_int, n_fb = types.count(int), types.count(float) + types.count(bool)
-        ok = n_int > 0 and n_int + n_str + n_fb == len(types) and (n_fb == 0 or n_str > 0)
+        ok = not types or (n_int > 0 and n_int + n_str + n_fb == len(types) and (n_fb == 0 or n_str > 0))
         return None if ok else 0
     codes = np.frombuffer("".join(map(_TYPE_CODE.get, types, repeat("x"))).encode("ascii"), np.uint8)
     ends = np.cumsum(np.fromiter(map(len, lists), np.int64, len(lists)))
@@ -186,7 +189,7 @@ def _first_refused(lists: list, types: list, n_str: int) -> int | None:
         cs = np.concatenate(([0], np.cumsum(codes == ord(code), dtype=np.int64)))
         return cs[ends] - cs[starts]
 
-    ok = (per_item("i") > 0) & (per_item("x") == 0) & ((per_item("f") == 0) | (per_item("s") > 0))
+    ok = (ends == starts) | ((per_item("i") > 0) & (per_item("x") == 0) & ((per_item("f") == 0) | (per_item("s") > 0)))
     return None if ok.all() else int(np.argmin(ok))
 
 
@@ -320,12 +323,24 @@ def _with_tools(n: int, why: str | None, doc: dict) -> tuple[int | None, None, s
 def prompt_count(doc: dict, api: str | None) -> int:
     """How many prompts a body's batch holds (a completions prompt list, SGLang's `text` or `input_ids` list): each
     has its template's own tokens (`a` of the fit), and runs as a request of its own (proxy.request_sequences); 1 for
-    any other body. A list holding a token id at its top is one prompt (ids, or llama.cpp's ids and text mixed)."""
+    any other body. A list holding a token id at its top is one prompt (ids, or llama.cpp's ids and text mixed). An
+    empty id list in a batch is not counted: llama-server ends its task at once, nothing prefilled or decoded (vLLM
+    and SGLang refuse it)."""
     if api in PROMPT_FIELD_APIS:
         p = prompt_field(doc, api)[1]
-        if isinstance(p, list) and p and int not in _item_types(p):
-            return len(p)
+        if isinstance(p, list) and p and int not in (kinds := _item_types(p)):
+            return len(p) - (p.count([]) if list in kinds else 0)
     return 1
+
+
+def empty_prompts(doc: dict, api: str | None) -> int:
+    """The empty id lists in a completions batch: llama-server's tasks of no tokens, each answered (a result, an index)
+    but ended at once, nothing prefilled or decoded (measured on b11434); 0 for any other body (vLLM and SGLang refuse
+    them)."""
+    if api not in MIXED_APIS:
+        return 0
+    p = prompt_field(doc, api)[1]
+    return p.count([]) if isinstance(p, list) and p and int not in _item_types(p) else 0
 
 
 PROMPT_FIELD_APIS = ("openai-completions", "llamacpp", "sglang-generate")

@@ -38,7 +38,7 @@ from powerprof.workload.stream import json_from_bytes
 
 from . import streams
 from .forward import Exchange, StaleConnection, UpstreamClosed, UpstreamError, UpstreamPool
-from .promptlen import prompt_count, prompt_shape, stateful_turn, tools_if_none, uncarried_chars
+from .promptlen import empty_prompts, prompt_count, prompt_shape, stateful_turn, tools_if_none, uncarried_chars
 
 log = logging.getLogger("powerprof.daemon.proxy")
 
@@ -491,6 +491,11 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
         if gone is not None:  # not in what a later turn naming this one prefills: Ledger._keep_context leaves it out
             extra["prompt_uncarried_chars"] = gone
         seqs = request_sequences(doc, api, prompts)
+        empty = empty_prompts(doc, api)
+        if empty:
+            # Answered as tasks (their results and indexes: the parser's `sequences` counts them) but not run: never in
+            # `sequences`, the ledger's sequences in the batch (before: [[], [1, 2]] was two, unsized).
+            extra["empty_tasks"] = empty * request_choices(doc, api)
         if seqs > 1:
             extra["sequences"] = seqs
             n = request_choices(doc, api)
@@ -1020,7 +1025,8 @@ class Proxy:
                     if is_sse:
                         sink.parser = streams.new_parser(trace.api, echo=trace.extra.get("echo", False),
                                                          choices=trace.extra.get("choices", 1),
-                                                         sequences=trace.extra.get("sequences", 1),
+                                                         sequences=trace.extra.get("sequences", 1)
+                                                         + trace.extra.get("empty_tasks", 0),
                                                          echo_chars=trace.extra.get("echo_chars", 0),
                                                          max_tokens=trace.extra.get("max_tokens"))
                         trace.stream = True
@@ -1147,7 +1153,9 @@ class Proxy:
 
     def _body_done(self, trace: RequestTrace, body: bytes) -> None:
         """A non-streamed generation: its tokens are spread over its decode time (see docs)."""
-        counts = streams.body_counts(trace.api, body, trace.extra.get("choices", 1), trace.extra.get("sequences", 1))
+        seqs = trace.extra.get("sequences", 1)
+        counts = streams.body_counts(trace.api, body, trace.extra.get("choices", 1),
+                                     seqs + trace.extra.get("empty_tasks", 0), tasks_run=seqs)
         trace.counts = counts
         n = counts.generated_tokens or 0
         if counts.listed_tokens is not None:

@@ -158,7 +158,7 @@ def summary_counts(summary, streamed: bool = True, held: HeldCall | None = None)
                      and held_call_at_limit(held, summary.choice_stops, gen, summary.counted_tokens))
         problem = count_problem(summary.counted_tokens, gen, summary.running_counts, held_tail)
         held_tail = held_tail and problem is None
-    elif summary.first_choice_of is not None and gen:
+    elif summary.first_choice_of is not None and gen is not None:  # 0: its first task an empty one
         problem = first_choice_only(summary.first_choice_of, gen)
     elif summary.api == "sglang-generate" and summary.running_counts:
         # A whole SGLang answer lists its tokens (output_ids): its count is checked against them as a stream's is.
@@ -202,7 +202,9 @@ def new_parser(api: str, echo: bool = False, choices: int = 1, sequences: int = 
                         max_tokens=max_tokens)
 
 
-def body_counts(api: str, body: bytes, choices: int = 1, sequences: int = 1) -> Counts:
-    """Counts from a non-streamed JSON response (usage, llama.cpp timings, SGLang's meta_info)."""
-    _events, summary = parse_response(api, body, choices, sequences)
+def body_counts(api: str, body: bytes, choices: int = 1, sequences: int = 1, tasks_run: int | None = None) -> Counts:
+    """Counts from a non-streamed JSON response (usage, llama.cpp timings, SGLang's meta_info); `sequences`: the
+    request's tasks, `tasks_run`: of them those that run, where fewer (llama.cpp's empty id lists in a list of prompts:
+    stream._one_task_answer)."""
+    _events, summary = parse_response(api, body, choices, sequences, tasks_run)
     return summary_counts(summary, streamed=False)

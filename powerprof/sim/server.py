@@ -140,6 +140,8 @@ class _Refused(Exception):
         self.response = response
 
 
+# pydantic's lax reading of a text as an integer: digits, signed, blanks around, a fraction of zeros only.
+_INT_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")
 _JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
 
@@ -294,6 +296,9 @@ SGLANG_WARMUP_E2E_S = 0.05
 # simulator enforced one; llama-server's own default is the model's training context), vLLM's max_model_len and
 # SGLang's context_length (each the model's max_position_embeddings by default: a 32K model's).
 LLAMACPP_CTX_PER_SLOT = 4096
+# llama-server's length -1 (its default on every route: params_from_json_cmpl falls back to --n-predict, -1): run until
+# end-of-sequence or the slot's context is full. Asked as this, _serve cuts it at the context, saying `truncated`.
+UNTIL_CONTEXT = 2**31 - 1
 DEFAULT_CONTEXT_TOKENS = 32768
 # A client that leaves (its connection closed) while its request runs: each server aborts the request as its own
 # code does (docs/simulator.md, "A client that leaves"), read from their sources. vLLM's API server listens for the
@@ -1801,6 +1806,36 @@ class SimServer:
                                              "Input should be a valid dictionary or object to extract fields from"))
         return body
 
+    def _validation_refusal(self, body: dict, *fields: str) -> web.Response | None:
+        """vLLM's and SGLang's request models read these length fields as Optional[int] in pydantic's lax mode: an
+        integer, true/false, a float with no fraction or a text of one is taken (written back into `body` as the int),
+        anything else is a RequestValidationError, which both servers' handlers answer 400 with type "Bad Request" and
+        FastAPI's error list as the message (vLLM's api_server and SGLang's http_server validation_exception_handler:
+        vLLM nested in "error", SGLang flat; not measured here, so the message's wording may differ by FastAPI's
+        version). None where every field is an integer or absent, or on llama.cpp (_llama_refusal)."""
+        if self.flavour == "llamacpp":
+            return None
+        errors = []
+        for name in fields:
+            v = body.get(name)
+            if v is None or type(v) in (int, bool):
+                continue
+            if isinstance(v, float) and v.is_integer():
+                body[name] = int(v)
+                continue
+            if isinstance(v, str) and _INT_TEXT.fullmatch(v):
+                body[name] = int(v.strip().split(".")[0])
+                continue
+            kind, msg = (("int_from_float", "Input should be a valid integer, got a number with a fractional part")
+                         if isinstance(v, float) else
+                         ("int_parsing", "Input should be a valid integer, unable to parse string as an integer")
+                         if isinstance(v, str) else ("int_type", "Input should be a valid integer"))
+            errors.append({"type": kind, "loc": ("body", name), "msg": msg, "input": v})
+        if not errors:
+            return None
+        err = {"message": str(errors), "type": "Bad Request", "param": None, "code": 400}
+        return self._json({"error": err} if self.flavour == "vllm" else {"object": "error", **err}, 400)
+
     def _llama_refusal(self, api: str, body: dict) -> web.Response | None:
         """llama-server's answer to a request missing a field it requires or giving one a shape it refuses (measured on
         the bundled build: its JSON reads and its chat parser's checks); None where it runs it, or not llama.cpp."""
@@ -1918,7 +1953,19 @@ class SimServer:
         if isinstance(prompts, web.Response):
             return prompts
         prompt = prompts[0] if len(prompts) == 1 else prompts
-        return await self._serve(request, "llamacpp", prompt, body, int(body.get("n_predict", 128) or 128))
+        return await self._serve(request, "llamacpp", prompt, body, self._llama_length(body))
+
+    @staticmethod
+    def _llama_length(body: dict, *fields: str) -> int:
+        """llama-server's n_predict: the first of n_predict, max_completion_tokens, max_tokens (then the route's own
+        fields) given, null taken as absent; none given or -1 is UNTIL_CONTEXT (measured on the bundled build: 497
+        tokens after a 15-token prompt in a 512-token slot, `truncated`, on every route); 0 runs one token, as it does.
+        Its type and range are checked before (_llama_refusal)."""
+        for name in ("n_predict", "max_completion_tokens", "max_tokens", *fields):
+            if body.get(name) is not None:
+                n = int(body[name])
+                return UNTIL_CONTEXT if n == -1 else n
+        return UNTIL_CONTEXT
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's native /generate: {"text" or "input_ids", "sampling_params": {"max_new_tokens", "ignore_eos", ...},
@@ -2013,7 +2060,8 @@ class SimServer:
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompts = self._llama_refusal("openai-completions", body) or self._completion_prompts(body.get("prompt", ""))
+        prompts = (self._validation_refusal(body, "max_tokens") or self._llama_refusal("openai-completions", body)
+                   or self._completion_prompts(body.get("prompt", "")))
         if isinstance(prompts, web.Response):
             return prompts
         n = body.get("max_tokens")
@@ -2027,19 +2075,23 @@ class SimServer:
                 n = 1  # vLLM: echo without generation runs one token, which it does not send
         elif type(body.get("logprobs")) is int and self.flavour == "vllm":
             echoes = [_Echo(None, logprobs=body["logprobs"] >= 0)] * len(prompts)
+        n = self._llama_length(body) if self.flavour == "llamacpp" else int(n or 16)
         if len(prompts) == 1:
-            return await self._serve(request, "openai-completions", prompts[0], body, int(n or 16), echoes[0])
-        return await self._serve(request, "openai-completions", prompts, body, int(n or 16), echoes)
+            return await self._serve(request, "openai-completions", prompts[0], body, n, echoes[0])
+        return await self._serve(request, "openai-completions", prompts, body, n, echoes)
 
     async def _oai_chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        refused = self._llama_refusal("openai-chat", body)
+        refused = (self._validation_refusal(body, "max_tokens", "max_completion_tokens")
+                   or self._llama_refusal("openai-chat", body))
         if refused is not None:
             return refused
         msgs = body.get("messages") or []
         prompt = "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
         # The template renders the tools' schemas (vLLM none for tool_choice "none" with the flag).
         prompt += chatshape.tools_in_prompt(body, self.flavour, self.exclude_tools_when_tool_choice_none)
+        if self.flavour == "llamacpp":
+            return await self._serve(request, "openai-chat", prompt, body, self._llama_length(body))
         n = body.get("max_completion_tokens") or body.get("max_tokens") or 128
         return await self._serve(request, "openai-chat", prompt, body, int(n))
 
@@ -2052,9 +2104,10 @@ class SimServer:
         msgs = body.get("messages")
         parts = [_text_of(body.get("system"))]
         parts += [_text_of(m.get("content")) for m in (msgs if isinstance(msgs, list) else []) if isinstance(m, dict)]
+        if self.flavour == "llamacpp":  # it runs one without max_tokens, or with -1, until EOS or the context (measured)
+            return await self._serve(request, "anthropic-messages", "\n".join(p for p in parts if p), body,
+                                     self._llama_length(body))
         n = body.get("max_tokens")
-        if n is None and self.flavour == "llamacpp":
-            n = 128  # llama-server runs it without max_tokens (measured), as the chat route's default here
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             return self._bad_request("max_tokens: a positive integer is required")
         return await self._serve(request, "anthropic-messages", "\n".join(p for p in parts if p), body, n)
@@ -2088,8 +2141,9 @@ class SimServer:
             request[_SIM_TURN] = turn if self.responses_carry_instructions else ["", *turn[1:]]
         # The request's tools rendered by the template each turn (vLLM's construct_tool_dicts), never stored with it.
         prompt = "\n".join(p for p in turn if p) + chatshape.tools_in_prompt(body, self.flavour)
-        n = body.get("max_output_tokens") or 128
-        return await self._serve(request, "openai-responses", prompt, body, int(n))
+        n = self._llama_length(body, "max_output_tokens") if self.flavour == "llamacpp" else \
+            int(body.get("max_output_tokens") or 128)
+        return await self._serve(request, "openai-responses", prompt, body, n)
 
     def _keep_response(self, req: _Req, text: str) -> None:
         """A completed Responses turn, stored (its conversation and output) for a later `previous_response_id`."""

@@ -1348,14 +1348,17 @@ def _merged_timings(tasks) -> dict:
     return out
 
 
-def _one_task_answer(obj: dict, api: str, s: _State, asked_n: int = 1) -> dict:
+def _one_task_answer(obj: dict, api: str, s: _State, asked_n: int = 1, tasks_run: int | None = None) -> dict:
     """A whole OpenAI-style answer as llama.cpp writes one of several choices (one task each): its `usage` and
     `timings` are its first task's alone (b11434: completion_tokens 2 for choices of 2 and 3 tokens). Where every
     choice stopped at the length limit, each generated as many as the first: the counts are scaled to all of them
     (the prompt too where the choices share one prompt: chat's, or a completion whose request's `n`, `asked_n`, is
     all of them; a completions answer may be a list of prompts, whose other lengths are unknown: no prompt length
     then). Else the others' counts are unknown: `first_choice_of` says
-    so. Any other answer is returned as it is."""
+    so. `tasks_run`: of its choices, those whose task ran, where the request says fewer (llama.cpp's empty id lists in
+    a list of prompts: tasks of no tokens, ended at once with finish_reason "length", measured): the counts are
+    scaled to those alone, and where the first task is such an empty one (its count 0), the others' are unknown.
+    Any other answer is returned as it is."""
     choices = obj.get("choices")
     usage = obj.get("usage")
     if not (isinstance(choices, list) and isinstance(usage, dict) and isinstance(obj.get("timings"), dict)):
@@ -1366,7 +1369,15 @@ def _one_task_answer(obj: dict, api: str, s: _State, asked_n: int = 1) -> dict:
     if any(c.get("finish_reason") != "length" for c in choices if isinstance(c, dict)):
         s.first_choice_of = k
         return obj
-    scaled = {key: v * k if key in ("completion_tokens", "prompt_tokens", "total_tokens") and _int(v) is not None
+    runs = tasks_run if tasks_run is not None and 0 < tasks_run < k else k
+    if runs < k and not _int(usage.get("completion_tokens")):
+        # A task that runs generates at least one token (0 asked: one): the first was empty, its usage and timings
+        # (all 0) not the answer's, its prompt_tokens 0 where the others prefilled theirs.
+        s.first_choice_of = k
+        return dict(obj, usage={key: v for key, v in usage.items() if key != "prompt_tokens"}, timings=None)
+    if runs == 1:
+        return obj  # the one task that ran is the first: its counts are the answer's
+    scaled = {key: v * runs if key in ("completion_tokens", "prompt_tokens", "total_tokens") and _int(v) is not None
               and not isinstance(v, bool) else v for key, v in usage.items()}
     if api != "openai-chat" and asked_n != k:
         scaled.pop("prompt_tokens", None)
@@ -1402,10 +1413,10 @@ def _looks_whole(value: bytes) -> bool:
     return (v[:1] == b"{" and v[-1:] == b"}") or (v[:1] == b"[" and v[-1:] == b"]")
 
 
-def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1
+def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1, tasks_run: int | None = None
                    ) -> tuple[list[TokenEvent], StreamSummary]:
     """A non-streaming JSON response: all its tokens as one event, and the summary. `choices`, `sequences`: as
-    StreamParser's (SGLang's /generate)."""
+    StreamParser's (SGLang's /generate); `tasks_run`: as _one_task_answer's."""
     p = StreamParser(api, choices=choices, sequences=sequences)
     try:
         obj = json_from_bytes(body)
@@ -1462,7 +1473,7 @@ def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1
             # Non-streaming chat puts the text under `message`, not `delta`.
             obj = dict(obj, choices=[{**c, "delta": c.get("message") or {}} for c in obj["choices"] if isinstance(c, dict)])
         if api.startswith("openai"):
-            obj = _one_task_answer(obj, api, p._s, choices if sequences == choices else 1)
+            obj = _one_task_answer(obj, api, p._s, choices if sequences == choices else 1, tasks_run)
         if api == "openai-responses" and obj.get("object") == "response":
             # A whole response is the body of a streamed `response.completed` (or incomplete, failed).
             status = obj.get("status")
