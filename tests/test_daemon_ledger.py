@@ -4346,6 +4346,11 @@ def test_a_close_with_no_answer_in_flight_at_a_503_found_down_restart_is_costed_
     print(row["attributed_tokens"], row["gpu_energy_j"], note)
     assert 60.0 <= (row["gpu_energy_j"] or 0) <= 130.0, row
     assert "closed its connection with no answer" in note, note
+    # No death shown (no refused scrape, no broken proxied connection): a queuing router in front (llama-swap holding
+    # it while it swaps models, a new process after) refuses a request it held, never run, the same way. Worded a sure
+    # crash, it read 55 J / 22 tokens for a truth of 0 in review. Both readings, flagged: left out of J/token.
+    assert UNSURE_FLAG in note and "refusing it unrun" in note and "its process died" not in note, note
+    assert "scrape the server's own port (scrape.url)" in note, note
 
 
 def test_a_503_window_with_no_restart_after_costs_nothing():

@@ -642,17 +642,19 @@ class Ledger:
         self._cut_run_on(r)
         return added
 
-    def _crash_seen(self, r: LiveRequest) -> bool:
-        """`r`'s close with no answer (liverequest.closed_unanswered) came as its server died: a whole answer to a
-        generation API (a stream's or a GET's close is not one `_run_on` places), closed within a restart's window, from
-        the old process's last scrape to the first that found the server down (or the new one's first, none did), give
-        or take CRASH_CLOSE_SLACK_S. The close alone is no proof: a router in front of the server refusing a request
-        closes so too, and taken for a crash such requests (never run) were costed 78 J over 4 on an idle simulated
-        server, their rows saying their process died."""
+    def _crash_seen(self, r: LiveRequest) -> bool | None:
+        """Whether `r`'s close with no answer (liverequest.closed_unanswered) came as its server died: a whole answer to
+        a generation API (a stream's or a GET's close is not one `_run_on` places), closed within a restart's window,
+        from the old process's last scrape to the first that found the server down (or the new one's first, none did),
+        give or take CRASH_CLOSE_SLACK_S. True: a death shown; False: matched only by its arrival before the old
+        process's last scrape (a queuing router's refusal reads the same: `LiveRequest.crash_unsure`); None: not seen.
+        The close alone is no proof: a router in front of the server refusing a request closes so too, and taken for a
+        crash such requests (never run) were costed 78 J over 4 on an idle simulated server, their rows saying their
+        process died."""
         tr = r.trace
         if (tr.method != "POST" or tr.api is None or tr.stream is True or tr.first_ns is not None or tr.end_ns is None
                 or r.ev_n or r.spent):
-            return False
+            return None
         slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
         # A scrape found the server down (`note_down`), before the new process answered: nothing listening proves the
         # death. A reloading llama-server's 503 "Loading model" alone proves none until a page confirms the restart
@@ -661,15 +663,17 @@ class Ledger:
         o = self._down_open
         if o is not None and o[0] <= tr.end_ns <= o[1] + slack and o[2]:
             return True
-        # Found down, a request sent before the old process's last scrape, which it answered alive, was in flight at a
-        # live server: its close with no answer there is that server's death (a router refuses only what arrives after
-        # the death). Needing more, llama-server's reload (503 "Loading model" on /metrics, nothing refused) left such a
-        # request not costed. Sent after it, a death must be shown (`_death_shown`): a router answering the metrics
-        # page 503, a counter's dip then, and its own refusal closing the request, was costed as a crash, 84-104 J for
-        # a request never run. None found down, the restart was told by the new process itself (its start time, a
-        # lone process's counter).
-        return any(g[0] <= tr.end_ns <= (g[1] if g[2] is None else g[2]) + slack
-                   and (g[2] is None or tr.arrival_ns < g[0] or self._death_shown(g)) for g in self._gone_at)
+        # Found down, a death must be shown (`_death_shown`): a router answering the metrics page 503, a counter's dip
+        # then, and its own refusal closing the request, was costed as a crash, 84-104 J for a request never run. None
+        # found down, the restart was told by the new process itself (its start time, a lone process's counter).
+        within = [g for g in self._gone_at if g[0] <= tr.end_ns <= (g[1] if g[2] is None else g[2]) + slack]
+        if any(g[2] is None or self._death_shown(g) for g in within):
+            return True
+        # Without it, a request sent before the old process's last scrape was most likely in flight at a live server
+        # and closed by its death (needing the proof, llama-server's reload, 503 "Loading model" and nothing refused,
+        # left such a request 0 J for about 100 J). But a queuing router (llama-swap, holding it while it swaps
+        # models) refuses one it held as unrun (truth 0 J; a sure crash read 55 J): costed, unsure (`crash_unsure`).
+        return False if any(tr.arrival_ns < g[0] for g in within) else None
 
     def _learn_pace(self, r: LiveRequest) -> None:
         """Keep a finished stream's decode pace (tokens a second a sequence, first token to last) for `_run_on_gone`."""
@@ -708,11 +712,14 @@ class Ledger:
         them were +54% to +251%, the cut ones 29-61% low."""
         tr = r.trace
         if closed_unanswered(r):
-            if not r.crash_seen and self._crash_seen(r):
+            seen = self._crash_seen(r) if not r.crash_seen or r.crash_unsure else None
+            if seen is not None and not r.crash_seen:
                 # A whole answer the server had, then closed its connection with no answer as it died (its head comes
                 # only when it is done): it ran until then, decoding after its prefill, placed as a run-on's is
                 # (`_run_on_gone`). Before, upstream_unreachable: two on the simulator, 130 tokens and 148 J each, none.
                 r.crash_seen, r.run_on_end_ns, r.run_on_crash = True, tr.end_ns, True
+            if seen is not None:
+                r.crash_unsure = not seen  # a proof come later makes it sure
             return
         if (self.runs_on_after_leave is None or tr.outcome != "client_disconnected" or tr.end_ns is None
                 or tr.api is None or is_passive(r) or is_unseen(r) or (tr.error or "").startswith(BODY_LEFT_NOTE)):
