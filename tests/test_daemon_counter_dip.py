@@ -774,13 +774,19 @@ def test_a_reloading_llamacpp_answering_503_loading_model_is_found_down(monkeypa
             for _ in range(5):
                 await sc.scrape()
                 got.append((sc.down_open(), sc.window_down_ns, "server_restart" in sc.window_partial))
+                errors.append(sc.last_error)
                 steps.pop(0)
                 clock[0] += 250_000_000
 
+    errors = []
     asyncio.run(asyncio.wait_for(go(), 60))
     at = [1_000_000_000 + k * 250_000_000 for k in range(5)]
     assert [g[0] for g in got] == [None, None, (at[2], None), (at[2], None), None], got
     assert got[4][1:] == (at[2], True), got
+    # Its last_error in plain words users read (status, log): before, the private class name, "_MetricsStatus: /metrics
+    # answered 503", and not what the 503 was.
+    assert errors[2] == ('MetricsStatus: GET http://x/metrics answered 503 "Loading model": llama-server is loading '
+                         'its model (a restart, most likely); scrapes go on until it answers'), errors
 
 
 @pytest.mark.parametrize("kind", ["llamacpp", "vllm"])
@@ -822,5 +828,7 @@ def test_a_503_blip_that_is_not_llamacpp_loading_opens_no_crash_window(monkeypat
 
     asyncio.run(asyncio.wait_for(go(), 60))
     assert [g[0] for g in got] == [None] * 6, got
+    assert got[2][2].startswith("MetricsStatus: GET http://x/metrics answered 503" if kind == "vllm" else
+                                "ValueError: GET http://x/metrics answered 503 (not llama-server's"), got
     if kind == "llamacpp":
         assert all("counter_below" not in g[1] for g in got), got

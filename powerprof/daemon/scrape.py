@@ -237,15 +237,19 @@ def _server_down(e: BaseException) -> bool:
     port (a refused connection: servercount.connection_refused), or a gateway's or a loading server's 502/503. A
     timeout (busy), a bad page, or a connection that failed otherwise (a host name that did not resolve, a connect
     that timed out) does not: that scrape could not read the server, and says so (last_error)."""
-    return connection_refused(e) or (isinstance(e, _MetricsStatus) and e.status in (502, 503))
+    return connection_refused(e) or (isinstance(e, MetricsStatus) and e.status in (502, 503))
 
 
-class _MetricsStatus(ValueError):
-    """/metrics answered other than 200. `loading`: llama-server's own 503 "Loading model" (LLAMACPP_LOADING), a new
-    process loading its model: the one 503 that opens a death's window at once (`Scraper.down_open`)."""
+class MetricsStatus(ValueError):
+    """/metrics answered other than 200 (`url`: that page). `loading`: llama-server's own 503 "Loading model"
+    (LLAMACPP_LOADING), a new process loading its model: the one 503 that opens a death's window at once
+    (`Scraper.down_open`). Public, its name in plain words: it heads the scrape's last_error users read (status, log),
+    where the private name read "_MetricsStatus: /metrics answered 503"."""
 
-    def __init__(self, status: int, loading: bool = False):
-        super().__init__(f"/metrics answered {status}")
+    def __init__(self, status: int, url: str, loading: bool = False):
+        super().__init__(f"GET {url} answered {status}" + (
+            ' "Loading model": llama-server is loading its model (a restart, most likely); scrapes go on until it '
+            "answers" if loading else ""))
         self.status = status
         self.loading = loading
 
@@ -325,7 +329,7 @@ class Scraper:
         # When the first scrape since the last believed page whose connection was refused began (None: none was): a
         # death seen before the new process answers (`down_open`).
         self._refused_at_ns: int | None = None
-        # And the first that llama-server answered 503 "Loading model" (`_MetricsStatus.loading`): a new process, none
+        # And the first that llama-server answered 503 "Loading model" (`MetricsStatus.loading`): a new process, none
         # refused. Any other 502/503 opens no window: a router's blip, no restart after, then cost a request it held
         # and closed unanswered (never run) 119 J, and the live request beside it 1099 J for 1177 of truth.
         self._loading_at_ns: int | None = None
@@ -603,7 +607,7 @@ class Scraper:
             else:
                 status, text = await self._get("/metrics")
                 if status != 200:
-                    raise _MetricsStatus(status)
+                    raise MetricsStatus(status, self.base + "/metrics")
                 total = counter_total(text, COUNTERS[self.kind])
                 if total is None and unset_means_zero(text, self.kind):
                     total = 0.0  # not yet set: no request has finished (module docstring)
@@ -686,7 +690,7 @@ class Scraper:
                 self._down_at_ns, self._down_refused = scrape_at_ns, connection_refused(e)
             if self._refused_at_ns is None and connection_refused(e):
                 self._refused_at_ns = scrape_at_ns
-            if self._loading_at_ns is None and isinstance(e, _MetricsStatus) and e.loading:
+            if self._loading_at_ns is None and isinstance(e, MetricsStatus) and e.loading:
                 self._loading_at_ns = scrape_at_ns
             self.errors += 1
             self.last_error = error_text(e)
@@ -767,7 +771,7 @@ class Scraper:
                 # A reloading llama-server binds its port at once and answers every route 503 "Loading model": down.
                 # Read as a server without --metrics, a reload's scrapes found it up, and the whole answers its death
                 # closed were not costed (0 J for about 146 J).
-                raise _MetricsStatus(metrics_status, loading=True)
+                raise MetricsStatus(metrics_status, self.base + "/metrics", loading=True)
             if metrics_status in (502, 503):
                 # Not llama-server's loading page: a router's, a rate limit's or an auth proxy's blip in front of a
                 # live server. Read as down, a blip's window was marked counter_below with a restart warning.
