@@ -4327,6 +4327,11 @@ def test_a_close_with_no_answer_where_the_server_was_found_down_is_costed_to_the
     print(row["attributed_tokens"], row["gpu_energy_j"], note)
     assert 60.0 <= (row["gpu_energy_j"] or 0) <= 130.0, row
     assert "closed its connection with no answer" in note, note
+    if resend:
+        # A stale kept-alive connection's close, its resend refused: the server died, but maybe before it read the
+        # request (never run). Worded "a crash: its process died", the row said one reading where the proxy's error
+        # says both.
+        assert "its process died" not in note and "may never have run" in note and RESEND_REFUSED in note, note
 
 
 @pytest.mark.parametrize("reload_s", [None, 13.0], ids=["restart", "reload_open"])
