@@ -734,11 +734,11 @@ def test_the_window_of_a_restart_says_whether_its_first_down_scrape_was_refused(
     assert [r for d, r in got if d is not None] == [False, True], got
     assert not any(r for d, r in got if d is None), got
     # Before the believed page, a found-down scrape opens the death's window at once (Scraper.down_open, Ledger.note_down):
-    # from the first found-down scrape (the 503's, at 1.5 s) and the first refused (1.75 s; None until one was). A 503
-    # alone opens one too (llama-server answers 503 "Loading model" as it reloads, nothing refused): the ledger costs
-    # in it only the requests sent before the last good scrape.
+    # from the first found-down scrape (the 503's, at 1.5 s) and the first refused (1.75 s). A 503 alone opens none
+    # but llama-server's "Loading model" (below): a router's 503 blip, no restart after, opened one and a request the
+    # router held and closed unanswered (never run) was costed 119 J.
     at = [1_000_000_000 + k * 250_000_000 for k in range(10)]
-    assert opened == [None, None, (at[2], None), (at[2], at[3]), None, None, (at[6], at[6]), (at[6], at[6]), None,
+    assert opened == [None, None, None, (at[2], at[3]), None, None, (at[6], at[6]), (at[6], at[6]), None,
                       None], opened
 
 
@@ -774,10 +774,61 @@ def test_a_reloading_llamacpp_answering_503_loading_model_is_found_down(monkeypa
             for _ in range(5):
                 await sc.scrape()
                 got.append((sc.down_open(), sc.window_down_ns, "server_restart" in sc.window_partial))
+                errors.append(sc.last_error)
                 steps.pop(0)
                 clock[0] += 250_000_000
 
+    errors = []
     asyncio.run(asyncio.wait_for(go(), 60))
     at = [1_000_000_000 + k * 250_000_000 for k in range(5)]
     assert [g[0] for g in got] == [None, None, (at[2], None), (at[2], None), None], got
     assert got[4][1:] == (at[2], True), got
+    # Its last_error in plain words users read (status, log): before, the private class name, "_MetricsStatus: /metrics
+    # answered 503", and not what the 503 was.
+    assert errors[2] == ('MetricsStatus: GET http://x/metrics answered 503 "Loading model": llama-server is loading '
+                         'its model (a restart, most likely); scrapes go on until it answers'), errors
+
+
+@pytest.mark.parametrize("kind", ["llamacpp", "vllm"])
+def test_a_503_blip_that_is_not_llamacpp_loading_opens_no_crash_window(monkeypatch, kind):
+    # A router, nginx's limit_req or an auth proxy answers /metrics (and /slots) 503 for a scrape or two in front of a
+    # live server, with no restart after. Read as found down, it opened a crash's window at once (Scraper.down_open),
+    # for vLLM too, and a request the router held and closed unanswered was costed 119 J (truth 0); on llama.cpp the
+    # window back was marked counter_below with a restart warning. Only llama-server's own 503 "Loading model" opens
+    # one; llama.cpp's blip is no sign of down at all.
+    import types
+
+    from powerprof.daemon import scrape
+
+    clock = [1_000_000_000]
+    monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0] / 1e9,
+                                                              monotonic_ns=lambda: clock[0], time=lambda: clock[0] / 1e9))
+    blip = "<html><body><h1>503 Service Temporarily Unavailable</h1></body></html>"
+    page = ("# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total {}\n" if kind == "llamacpp"
+            else "# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total {}\n")
+    steps = [page.format(100), page.format(120), blip, blip, page.format(140), page.format(160)]
+    got = []
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            sc = Scraper(s, "http://x", kind)
+
+            async def _get(path):
+                step = steps[0]
+                if path == "/slots":
+                    return (503, blip) if step == blip else (501, "no slots")
+                return (503, step) if step == blip else (200, step)
+
+            sc._get = _get
+            for _ in range(6):
+                await sc.scrape()
+                got.append((sc.down_open(), sc.window_partial, sc.last_error))
+                steps.pop(0)
+                clock[0] += 250_000_000
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+    assert [g[0] for g in got] == [None] * 6, got
+    assert got[2][2].startswith("MetricsStatus: GET http://x/metrics answered 503" if kind == "vllm" else
+                                "ValueError: GET http://x/metrics answered 503 (not llama-server's"), got
+    if kind == "llamacpp":
+        assert all("counter_below" not in g[1] for g in got), got

@@ -731,8 +731,9 @@ def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash
     # resend refused, it was upstream_unreachable, 0 J, and its work went to the other's row (305-310 J for 145).
     # llama-server binds its port at once as it restarts and answers 503 "Loading model" while it loads (`loading_s`):
     # its scrapes found it down by a 503, nothing refused, and no death was shown: 0 J each against about 146 J of
-    # truth. Sent before the old process's last good scrape, they were in flight at a live server: costed. The crash
-    # comes 1.5 s in there, past STALE_CLOSE_MAX_S (a resend would meet the loading 503: a gap the report says).
+    # truth. Sent before the old process's last good scrape, they were in flight at a live server: costed, marked
+    # uncertain-uncounted (a queuing router refusing a request it held reads the same). The crash comes 1.5 s in there,
+    # past STALE_CLOSE_MAX_S (a resend would meet the loading 503: a gap the report says).
     import asyncio
 
     from powerprof.daemon import forward
@@ -776,3 +777,109 @@ def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash
         assert row["outcome"] == "upstream_error" and row["status"] == 502, row
         assert row["gpu_energy_j"] == pytest.approx(want["energy_j"], rel=0.5), (row["gpu_energy_j"], want, note)
         assert "closed its connection with no answer" in note, note
+
+
+def test_a_router_503_blip_and_a_held_request_it_closes_unanswered_cost_no_crash(tmp_path):
+    # The simulated llama.cpp (H200) stays up throughout behind a small router that the daemon proxies to and scrapes
+    # (proxy.upstream = the router). The router holds one whole answer ("queued", never sent to the server) and closes
+    # its connection with no answer, while it answers /metrics and /slots 503 with an empty body for 0.7 s (a rate
+    # limit, its own backend check); no restart. The 503 read as a death's window: "queued" was costed 119 J / 118
+    # tokens (truth 0, its row saying its process died) and the live whole answer beside it 1099 J for 1177 J of truth.
+    import asyncio
+    import threading
+
+    import aiohttp
+
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.rig import Rig
+
+    nvml = SimNVML("h200-141g", state_path=None)
+    srv = SimServer(nvml, flavour="llamacpp", n_slots=64, batching="continuous").start()
+    sim_host, sim_port = srv.url.split("//")[1].split(":")
+    state: dict = {"blip": False, "close_queued": None}
+    rloop, ready, rport = asyncio.new_event_loop(), threading.Event(), [0]
+
+    async def handle(reader, writer):
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            path = lines[0].split(" ")[1]
+            hdr = {ln.split(":", 1)[0].strip().lower(): ln.split(":", 1)[1].strip() for ln in lines[1:] if ":" in ln}
+            body = await reader.readexactly(int(hdr.get("content-length", "0")))
+            if state["blip"] and path.split("?")[0] in ("/metrics", "/slots"):
+                writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                await writer.drain()
+                writer.close()
+                return
+            if hdr.get("x-sim-request-id") == "queued":
+                ev = asyncio.Event()
+                state["close_queued"] = ev
+                await ev.wait()
+                writer.transport.abort()  # closed with no answer: never sent on
+                return
+            out = [ln for ln in lines[1:] if ln and not ln.lower().startswith("connection:")]
+            up_r, up_w = await asyncio.open_connection(sim_host, int(sim_port))
+            up_w.write(("\r\n".join([lines[0]] + out + ["Connection: close", "", ""])).encode("latin-1") + body)
+            await up_w.drain()
+            while b := await up_r.read(65536):
+                writer.write(b)
+                await writer.drain()
+            writer.close()
+        except Exception:  # a client gone: nothing to answer
+            writer.close()
+
+    def router():
+        asyncio.set_event_loop(rloop)
+        server = rloop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+        rport[0] = server.sockets[0].getsockname()[1]
+        ready.set()
+        rloop.run_forever()
+
+    threading.Thread(target=router, daemon=True).start()
+    ready.wait(10)
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 5.0,
+        "proxy.listen": "127.0.0.1:0", "proxy.upstream": f"http://127.0.0.1:{rport[0]}", "metrics.listen": "",
+        "scrape.server": "llamacpp", "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
+    daemon = Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
+
+    async def whole(s, url, tag):
+        try:
+            async with await cut_accuracy._post(s, url, tag, {"prompt": cut_accuracy._words(300), "max_tokens": 600,
+                                                              "stream": False}) as r:
+                await asyncio.wait_for(r.read(), 30.0)
+        except aiohttp.ClientError:
+            pass
+
+    async def scene(url):
+        for _ in range(600):
+            if daemon.ledger is not None and daemon.ledger.runs_on_after_leave is not None:
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            await cut_accuracy._normal(s, url, "warm")
+            live = asyncio.create_task(whole(s, url, "live"))
+            await asyncio.sleep(0.3)
+            queued = asyncio.create_task(whole(s, url, "queued"))
+            await asyncio.sleep(0.7)  # a good scrape after it arrived
+            state["blip"] = True
+            await asyncio.sleep(0.1)
+            rloop.call_soon_threadsafe(state["close_queued"].set)
+            await asyncio.sleep(0.6)
+            state["blip"] = False
+            await asyncio.gather(live, queued)
+
+    try:
+        _run_daemon(srv, daemon, scene, after_s=6)
+    finally:
+        rloop.call_soon_threadsafe(rloop.stop)
+    truth = {t["client_id"]: t for t in srv.truth + srv.truth_cancelled if t.get("client_id")}
+    rows = _rows_by_tag(tmp_path)
+    assert "queued" not in truth  # the server never had it
+    q, live = rows["queued"], rows["live"]
+    print("queued", q["attributed_tokens"], q["gpu_energy_j"], "live", live["gpu_energy_j"], truth["live"]["energy_j"])
+    assert q["status"] == 502 and not q["gpu_energy_j"] > 0 and not q["attributed_tokens"], q  # NaN: not costed
+    assert "its process died" not in (q["energy_note"] or ""), q["energy_note"]
+    # after: 1201-1220 J (+2% to +4%); before: 1074-1099 J (-7% to -9%)
+    assert live["gpu_energy_j"] == pytest.approx(truth["live"]["energy_j"], rel=0.06), (live, truth["live"])

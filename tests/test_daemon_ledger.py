@@ -4078,7 +4078,7 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
 
 def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
                            runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
-                           opened=None, **restart_kw):
+                           opened=None, same_process=False, **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4087,7 +4087,7 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # RUNS_ON_AFTER_LEAVE (SGLang's: to its next 4 s wait from its start); `ledgers`: a list given the ledger; `opened`:
     # (the first scrape that found it down, the first refused or None: a 503's alone), told to the ledger at each tick
     # from then while down, as the daemon's loop tells it (`Ledger.note_down`), its rows let go at their hold meanwhile
-    # (SCRAPE_HOLD_S). Returns its row.
+    # (SCRAPE_HOLD_S); `same_process`: the page after the outage says no restart (a router's blip). Returns its row.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     if ledgers is not None:
         ledgers.append(led)
@@ -4135,7 +4135,7 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
             if opened is not None:
                 led.advance(int(t * S))  # the daemon's loop goes on while the server is down: rows leave at their hold
             continue
-        restart = prev is not None and any(prev < d + 1e-9 and u - 1e-9 < t for d, u in downs)
+        restart = not same_process and prev is not None and any(prev < d + 1e-9 and u - 1e-9 < t for d, u in downs)
         led.add_server_tokens(int(t * S), 20.0 if prev is not None and prev < 0.5 <= t else 0.0,
                               None if prev is None else int(prev * S),
                               partial=("server_restart",) if restart else (), **(restart_kw if restart else {}))
@@ -4280,6 +4280,11 @@ def test_a_close_with_no_answer_where_the_server_was_found_down_is_costed_to_the
     print(row["attributed_tokens"], row["gpu_energy_j"], note)
     assert 60.0 <= (row["gpu_energy_j"] or 0) <= 130.0, row
     assert "closed its connection with no answer" in note, note
+    if resend:
+        # A stale kept-alive connection's close, its resend refused: the server died, but maybe before it read the
+        # request (never run). Worded "a crash: its process died", the row said one reading where the proxy's error
+        # says both.
+        assert "its process died" not in note and "may never have run" in note and RESEND_REFUSED in note, note
 
 
 @pytest.mark.parametrize("reload_s", [None, 13.0], ids=["restart", "reload_open"])
@@ -4299,6 +4304,25 @@ def test_a_close_with_no_answer_in_flight_at_a_503_found_down_restart_is_costed_
     print(row["attributed_tokens"], row["gpu_energy_j"], note)
     assert 60.0 <= (row["gpu_energy_j"] or 0) <= 130.0, row
     assert "closed its connection with no answer" in note, note
+    # No death shown (no refused scrape, no broken proxied connection): a queuing router in front (llama-swap holding
+    # it while it swaps models, a new process after) refuses a request it held, never run, the same way. Worded a sure
+    # crash, it read 55 J / 22 tokens for a truth of 0 in review. Both readings, flagged: left out of J/token.
+    assert UNSURE_FLAG in note and "refusing it unrun" in note and "its process died" not in note, note
+    assert "scrape the server's own port (scrape.url)" in note, note
+
+
+def test_a_503_window_with_no_restart_after_costs_nothing():
+    # A router (nginx limit_req, an auth proxy) answers the metrics page 503 from 1.6 s to 13 s, no restart after: the
+    # same process back. A whole answer it held from 0.5 s and closed with no answer at 1.55 s never ran (truth 0 J).
+    # The window a 503 alone opened (`Ledger.note_down`, none refused) costed it at once as a crash: 119 J in review,
+    # about 105 J here. It costs nothing until a page confirms a restart; none does: 0 J, its row saying both readings.
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    row = _llamacpp_whole_run_on([(1.5, 13.0)], leave=1.55, end_s=23.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: closed", opened=(1.6, None), same_process=True)
+    note = (row["energy_note"] or "") + (row.get("energy_flags") or "")
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert not row["attributed_tokens"] and not row["gpu_energy_j"], row
+    assert "its process died" not in note and "may have run" in note, note
 
 
 @pytest.mark.parametrize("fail_closed,reload_s", [(False, None), (True, None), (False, 13.0)],

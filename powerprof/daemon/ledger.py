@@ -108,6 +108,10 @@ RUN_ON_PACES = 32
 # How long after the first scrape that found the server down (or the new process's first) a close with no answer may
 # still be that death's (`Ledger._crash_seen`): the proxy's close and the scrape are seen apart, about a scrape late.
 CRASH_CLOSE_SLACK_S = 1.0
+# How long a close with no answer's row waits, at most, for a page to confirm the restart that a llama-server's 503
+# "Loading model" alone suggests (`Ledger._down_hold`): a model's load, a minute or two at most; past it, written as
+# not run (costed 0 J, its row saying both readings), never a guess.
+DOWN_HOLD_MAX_S = 120.0
 # The starts of an upstream_error's `error` where the server answered (a 5xx, an error inside its answer): no broken
 # connection, so no sign of a death (`Ledger._death_proven`).
 ANSWERED_ERROR_NOTES = ("the upstream answered HTTP", "the upstream reported an error")
@@ -633,34 +637,38 @@ class Ledger:
         self._cut_run_on(r)
         return added
 
-    def _crash_seen(self, r: LiveRequest) -> bool:
-        """`r`'s close with no answer (liverequest.closed_unanswered) came as its server died: a whole answer to a
-        generation API (a stream's or a GET's close is not one `_run_on` places), closed within a restart's window, from
-        the old process's last scrape to the first that found the server down (or the new one's first, none did), give
-        or take CRASH_CLOSE_SLACK_S. The close alone is no proof: a router in front of the server refusing a request
-        closes so too, and taken for a crash such requests (never run) were costed 78 J over 4 on an idle simulated
-        server, their rows saying their process died."""
+    def _crash_seen(self, r: LiveRequest) -> bool | None:
+        """Whether `r`'s close with no answer (liverequest.closed_unanswered) came as its server died: a whole answer to
+        a generation API (a stream's or a GET's close is not one `_run_on` places), closed within a restart's window,
+        from the old process's last scrape to the first that found the server down (or the new one's first, none did),
+        give or take CRASH_CLOSE_SLACK_S. True: a death shown; False: matched only by its arrival before the old
+        process's last scrape (a queuing router's refusal reads the same: `LiveRequest.crash_unsure`); None: not seen.
+        The close alone is no proof: a router in front of the server refusing a request closes so too, and taken for a
+        crash such requests (never run) were costed 78 J over 4 on an idle simulated server, their rows saying their
+        process died."""
         tr = r.trace
         if (tr.method != "POST" or tr.api is None or tr.stream is True or tr.first_ns is not None or tr.end_ns is None
                 or r.ev_n or r.spent):
-            return False
+            return None
         slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
         # A scrape found the server down (`note_down`), before the new process answered: nothing listening proves the
-        # death; a 502/503 alone (a router's, a reloading llama-server's "Loading model") only for a request sent
-        # before the old process's last scrape (below). Without the 503's, two whole answers in flight at a
-        # llama-server reload of 10.5 s were 0 J each against about 220 J of truth (their rows written first).
+        # death. A reloading llama-server's 503 "Loading model" alone proves none until a page confirms the restart
+        # (the `_gone_at` rule below; its rows are held for it meanwhile: `_down_hold`): costed at once, a router's
+        # 503 blip with no restart after cost a request it held and closed unanswered (never run) 119 J.
         o = self._down_open
-        if o is not None and o[0] <= tr.end_ns <= o[1] + slack and (o[2] or tr.arrival_ns < o[0]):
+        if o is not None and o[0] <= tr.end_ns <= o[1] + slack and o[2]:
             return True
-        # Found down, a request sent before the old process's last scrape, which it answered alive, was in flight at a
-        # live server: its close with no answer there is that server's death (a router refuses only what arrives after
-        # the death). Needing more, llama-server's reload (503 "Loading model" on /metrics, nothing refused) left such a
-        # request not costed. Sent after it, a death must be shown (`_death_shown`): a router answering the metrics
-        # page 503, a counter's dip then, and its own refusal closing the request, was costed as a crash, 84-104 J for
-        # a request never run. None found down, the restart was told by the new process itself (its start time, a
-        # lone process's counter).
-        return any(g[0] <= tr.end_ns <= (g[1] if g[2] is None else g[2]) + slack
-                   and (g[2] is None or tr.arrival_ns < g[0] or self._death_shown(g)) for g in self._gone_at)
+        # Found down, a death must be shown (`_death_shown`): a router answering the metrics page 503, a counter's dip
+        # then, and its own refusal closing the request, was costed as a crash, 84-104 J for a request never run. None
+        # found down, the restart was told by the new process itself (its start time, a lone process's counter).
+        within = [g for g in self._gone_at if g[0] <= tr.end_ns <= (g[1] if g[2] is None else g[2]) + slack]
+        if any(g[2] is None or self._death_shown(g) for g in within):
+            return True
+        # Without it, a request sent before the old process's last scrape was most likely in flight at a live server
+        # and closed by its death (needing the proof, llama-server's reload, 503 "Loading model" and nothing refused,
+        # left such a request 0 J for about 100 J). But a queuing router (llama-swap, holding it while it swaps
+        # models) refuses one it held as unrun (truth 0 J; a sure crash read 55 J): costed, unsure (`crash_unsure`).
+        return False if any(tr.arrival_ns < g[0] for g in within) else None
 
     def _learn_pace(self, r: LiveRequest) -> None:
         """Keep a finished stream's decode pace (tokens a second a sequence, first token to last) for `_run_on_gone`."""
@@ -683,11 +691,14 @@ class Ledger:
         them were +54% to +251%, the cut ones 29-61% low."""
         tr = r.trace
         if closed_unanswered(r):
-            if not r.crash_seen and self._crash_seen(r):
+            seen = self._crash_seen(r) if not r.crash_seen or r.crash_unsure else None
+            if seen is not None and not r.crash_seen:
                 # A whole answer the server had, then closed its connection with no answer as it died (its head comes
                 # only when it is done): it ran until then, decoding after its prefill, placed as a run-on's is
                 # (`_run_on_gone`). Before, upstream_unreachable: two on the simulator, 130 tokens and 148 J each, none.
                 r.crash_seen, r.run_on_end_ns, r.run_on_crash = True, tr.end_ns, True
+            if seen is not None:
+                r.crash_unsure = not seen  # a proof come later makes it sure
             return
         if (self.runs_on_after_leave is None or tr.outcome != "client_disconnected" or tr.end_ns is None
                 or tr.api is None or is_passive(r) or is_unseen(r) or (tr.error or "").startswith(BODY_LEFT_NOTE)):
@@ -1773,19 +1784,38 @@ class Ledger:
 
     def note_down(self, since_ns: int, down_ns: int, refused_ns: int | None) -> None:
         """A scrape since the server's last good one (`since_ns`) found it down (the first began at `down_ns`), one
-        found nothing listening (refused at `refused_ns`; None: only a 502/503 answered, a router's or a loading
-        llama-server's: scrape.Scraper.down_open): its process died, known now. The closes with no answer it explains
-        are crashes at once (`_crash_seen`; a 503 alone explains only those of requests sent before `since_ns`): known
-        only at the new process's first scrape, a model load later (10 s or more), SCRAPE_HOLD_S had written their
-        rows: two whole answers in flight at a crash, 0 J each against about 146 J of truth. Nothing waits for it:
-        their rows keep their hold."""
+        found nothing listening (refused at `refused_ns`): its process died, known now. The closes with no answer it
+        explains are crashes at once (`_crash_seen`): known only at the new process's first scrape, a model load later
+        (10 s or more), SCRAPE_HOLD_S had written their rows: two whole answers in flight at a crash, 0 J each against
+        about 146 J of truth. None refused (`refused_ns` None: llama-server's 503 "Loading model" alone,
+        scrape.Scraper.down_open) costs nothing yet: the rows of the closes it may explain are held until a page
+        confirms the restart or the same process comes back (the window dropped), at most DOWN_HOLD_MAX_S
+        (`_down_hold`)."""
         opened = (since_ns, down_ns, refused_ns is not None)
         if self._down_open == opened or not since_ns < down_ns <= (down_ns if refused_ns is None else refused_ns):
             return
         self._down_open = opened
+        if refused_ns is None:
+            return  # costs nothing until a page confirms the restart; its closes' rows wait for it (`_down_hold`)
         for r in self.requests.values():
             if r.trace.end_ns is not None and closed_unanswered(r):
                 self._run_on(r)
+
+    def _down_hold(self, horizon: int, now_ns: int) -> int:
+        """`horizon`, held at the arrival of each close with no answer that a window opened by a 503 "Loading model"
+        alone (`note_down`, none refused) may explain, sent before the old process's last good scrape: costed only if a
+        page confirms the restart (`_crash_seen`), a model load later (10 s or more, past SCRAPE_HOLD_S), its row waits
+        for that page, at most DOWN_HOLD_MAX_S; then written as not run, saying so."""
+        o = self._down_open
+        if o is None or o[2]:
+            return horizon
+        slack = int(CRASH_CLOSE_SLACK_S * 1e9)
+        waiting = [r.trace.arrival_ns for r in self.requests.values()
+                   if r.trace.end_ns is not None and not r.crash_seen and closed_unanswered(r)
+                   and r.trace.arrival_ns < o[0] <= r.trace.end_ns <= o[1] + slack]
+        if not waiting:
+            return horizon
+        return min(horizon, max(min(waiting), now_ns - int(DOWN_HOLD_MAX_S * 1e9)))
 
     def _run_on_cut_ns(self, r: LiveRequest) -> tuple[int, tuple[int, int, int | None]] | None:
         """Where the process that ran `r` on died, as best known, in the first restart known since `r` arrived: after
@@ -1981,6 +2011,7 @@ class Ledger:
             pending = [r.run_on_from_ns for r in self.requests.values() if r.run_on_from_ns is not None]
             if pending:
                 horizon = min(horizon, min(pending))
+        horizon = self._down_hold(horizon, now_ns)
         n = 0
         while n + 1 < len(self.edges) and self.edges[n + 1].t_ns <= horizon:
             n += 1

@@ -66,6 +66,10 @@ class LiveRequest:
     run_on_crash: bool = False  # a whole answer whose connection the server closed with no answer: run to there
     # Its close with no answer came as its server died (`Ledger._crash_seen`): a crash, not a router refusing it
     crash_seen: bool = False
+    # Seen only as sent before the old process's last good scrape, a scrape then finding it down by a 503 and a page
+    # after saying a restart, with no death shown (`Ledger._crash_seen`): a queuing router's refusal (llama-swap holding
+    # it while it swaps models) reads the same, so its row says both readings, flagged UNSURE_FLAG.
+    crash_unsure: bool = False
     # That restart's window (the old process's last scrape, the new one's first), its first scrape that found the
     # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, this
     # request's arrival or its client's leaving after it), monotonic ns: the span its run-on's end is known within

@@ -26,6 +26,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid, gone_unsaid, is_passive,
                           told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
+from .proxy import RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
@@ -376,7 +377,11 @@ WHOLE_GONE_RUN_ON = (" (a whole answer, not streamed: llama-server ran it on to 
 
 
 def _run_on_unsure(r: LiveRequest) -> bool:
-    """UNSURE_FLAG's run-on: placed, and a found-down scrape not proven a death may have ended it (`_run_on_note`)."""
+    """UNSURE_FLAG's run-on: placed, and a found-down scrape not proven a death may have ended it (`_run_on_note`); or
+    a close with no answer costed as a crash with no death shown (`LiveRequest.crash_unsure`): a queuing router's
+    refusal of a request it held (0 J, its energy the neighbours') reads the same."""
+    if r.run_on_crash:
+        return r.crash_unsure
     return r.run_on_end_ns is not None and r.run_on_unsure is not None and not r.run_on_restart
 
 
@@ -387,6 +392,13 @@ def _run_on_note(r: LiveRequest) -> str:
     said = _run_on_said(r)
     if not _run_on_unsure(r):
         return said
+    if r.run_on_crash:
+        return (f"{said}; {UNSURE_FLAG}: sent before the server's last good scrape, then a scrape found it down by an "
+                "HTTP 503 and a page after said a restart, with no refused connection and no proxied request failing "
+                "then: if it was in flight at that crash, the figure here is right; if a router in front of the server "
+                "(llama-swap swapping models) held it and refused it unrun, it is 0 J and its energy belongs to the "
+                "requests beside it; fix: scrape the server's own port (scrape.url), not through a router, so a death "
+                "reads as a refused connection")
     a, down = r.run_on_unsure
     tr = r.trace
     return (f"{said}; {UNSURE_FLAG}: a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after its arrival (after the server's "
@@ -405,9 +417,17 @@ def _run_on_said(r: LiveRequest) -> str:
     s = (r.run_on_end_ns - tr.end_ns) / 1e9
     if r.run_on_crash:  # `Ledger._run_on`: a whole answer the server had, its connection closed with no answer
         s = (r.run_on_end_ns - tr.arrival_ns) / 1e9
-        lead = (f"the server closed its connection with no answer {s:.2f} s after its arrival (a crash: its process "
-                "died, its head would have come only when it was done), and the client got the proxy's 502; it is "
-                "costed as run until then, its prefill and then its decode")
+        how = ("a crash: its process died, its head would have come only when it was done" if not r.crash_unsure else
+               "a crash in flight, its head to come only when it was done, or a router in front of the server holding "
+               "it and refusing it unrun")
+        if RESEND_REFUSED in (tr.error or "") and not r.crash_unsure:
+            # proxy.ResendRefused: a kept-alive connection closed as it went out, and its resend was refused. The
+            # server died, but the close may have come before it read the request: the proxy's error says both.
+            how = (f"a kept-alive connection's close, and {RESEND_REFUSED}: the server died, with it in flight or "
+                   "before it read it, so it ran until then or may never have run; the figure here is the first "
+                   "reading, at most its time from arrival to the close")
+        lead = (f"the server closed its connection with no answer {s:.2f} s after its arrival ({how}), and the client "
+                "got the proxy's 502; it is costed as run until then, its prefill and then its decode")
         if r.run_on_tokens > 0:
             return (f"{lead}: {r.run_on_tokens:.0f} tokens decoded at {r.run_on_pace} pace (an estimate; its attributed "
                     "tokens count them), which no client received")

@@ -237,15 +237,27 @@ def _server_down(e: BaseException) -> bool:
     port (a refused connection: servercount.connection_refused), or a gateway's or a loading server's 502/503. A
     timeout (busy), a bad page, or a connection that failed otherwise (a host name that did not resolve, a connect
     that timed out) does not: that scrape could not read the server, and says so (last_error)."""
-    return connection_refused(e) or (isinstance(e, _MetricsStatus) and e.status in (502, 503))
+    return connection_refused(e) or (isinstance(e, MetricsStatus) and e.status in (502, 503))
 
 
-class _MetricsStatus(ValueError):
-    """/metrics answered other than 200."""
+class MetricsStatus(ValueError):
+    """/metrics answered other than 200 (`url`: that page). `loading`: llama-server's own 503 "Loading model"
+    (LLAMACPP_LOADING), a new process loading its model: the one 503 that opens a death's window at once
+    (`Scraper.down_open`). Public, its name in plain words: it heads the scrape's last_error users read (status, log),
+    where the private name read "_MetricsStatus: /metrics answered 503"."""
 
-    def __init__(self, status: int):
-        super().__init__(f"/metrics answered {status}")
+    def __init__(self, status: int, url: str, loading: bool = False):
+        super().__init__(f"GET {url} answered {status}" + (
+            ' "Loading model": llama-server is loading its model (a restart, most likely); scrapes go on until it '
+            "answers" if loading else ""))
         self.status = status
+        self.loading = loading
+
+
+# The body llama-server answers every route with while it loads its model (tools/server/server.cpp, its port bound at
+# once): {"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}. A 503 without it is a router's,
+# a rate limit's or an auth proxy's blip in front of a live server.
+LLAMACPP_LOADING = '"Loading model"'
 
 
 def new_session() -> aiohttp.ClientSession:
@@ -317,6 +329,10 @@ class Scraper:
         # When the first scrape since the last believed page whose connection was refused began (None: none was): a
         # death seen before the new process answers (`down_open`).
         self._refused_at_ns: int | None = None
+        # And the first that llama-server answered 503 "Loading model" (`MetricsStatus.loading`): a new process, none
+        # refused. Any other 502/503 opens no window: a router's blip, no restart after, then cost a request it held
+        # and closed unanswered (never run) 119 J, and the live request beside it 1099 J for 1177 of truth.
+        self._loading_at_ns: int | None = None
         self._believed_at: float | None = None  # time.monotonic() as the last believed page's scrape began
         self._scrape_at = 0.0  # and as this scrape began
         # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
@@ -529,6 +545,8 @@ class Scraper:
                         + ("refuses the one in $" + API_KEY_ENV if api_key_given() else "none was given")
                         + f"; set {API_KEY_ENV} in the daemon's environment (systemd: `systemctl edit powerprof`, "
                         "Environment= or EnvironmentFile=); until then bypass traffic is not counted")
+                if r.status in (502, 503):  # its body tells a loading llama-server's from a gateway's (LLAMACPP_LOADING)
+                    return r.status, (await read_capped(r, 4096)).decode("utf-8", "replace")
                 if r.status != 200:
                     return r.status, ""
                 return r.status, (await read_capped(r, MAX_METRICS_BYTES)).decode("utf-8", "replace")
@@ -585,11 +603,11 @@ class Scraper:
                 self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
-                self._refused_at_ns = None
+                self._refused_at_ns = self._loading_at_ns = None
             else:
                 status, text = await self._get("/metrics")
                 if status != 200:
-                    raise _MetricsStatus(status)
+                    raise MetricsStatus(status, self.base + "/metrics")
                 total = counter_total(text, COUNTERS[self.kind])
                 if total is None and unset_means_zero(text, self.kind):
                     total = 0.0  # not yet set: no request has finished (module docstring)
@@ -636,7 +654,7 @@ class Scraper:
                 self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
-                self._refused_at_ns = None
+                self._refused_at_ns = self._loading_at_ns = None
                 if prev is None:
                     self._baseline(total)
                 # A restart of the server zeroes its counter: count from zero again. A new process whose counter has
@@ -672,6 +690,8 @@ class Scraper:
                 self._down_at_ns, self._down_refused = scrape_at_ns, connection_refused(e)
             if self._refused_at_ns is None and connection_refused(e):
                 self._refused_at_ns = scrape_at_ns
+            if self._loading_at_ns is None and isinstance(e, MetricsStatus) and e.loading:
+                self._loading_at_ns = scrape_at_ns
             self.errors += 1
             self.last_error = error_text(e)
             if self.errors <= 3 or self.errors % 100 == 0:
@@ -683,10 +703,11 @@ class Scraper:
     def down_open(self) -> tuple[int, int | None] | None:
         """(the first scrape that found the server down, the first refused) since the last believed page, as they
         began (time.monotonic_ns()): a death known before the new process answers (`Ledger.note_down`). The second is
-        None where none was refused: a 502/503 alone, a router's or a reloading llama-server's (it binds its port at
-        once and answers 503 "Loading model" until loaded), proves only the death of requests sent before the last
-        good page. None: no scrape since found it down."""
-        if self._down_at_ns is None:
+        None where none was refused but llama-server answered 503 "Loading model" (it binds its port at once as it
+        reloads): a restart likely, not yet confirmed (the ledger costs nothing on it until a page says one). None: no
+        scrape since was refused or answered so (a 502/503 of any other kind or body, a router's, a rate limit's, an
+        auth proxy's, is no sign of a death)."""
+        if self._down_at_ns is None or (self._refused_at_ns is None and self._loading_at_ns is None):
             return None
         return self._down_at_ns, self._refused_at_ns
 
@@ -746,11 +767,17 @@ class Scraper:
         status, text = await self._get("/slots")
         slots = slot_progress(slots_json(text)) if status == 200 else None
         if finished is None and slots is None:
+            if metrics_status == 503 and LLAMACPP_LOADING in page:
+                # A reloading llama-server binds its port at once and answers every route 503 "Loading model": down.
+                # Read as a server without --metrics, a reload's scrapes found it up, and the whole answers its death
+                # closed were not costed (0 J for about 146 J).
+                raise MetricsStatus(metrics_status, self.base + "/metrics", loading=True)
             if metrics_status in (502, 503):
-                # A reloading llama-server binds its port at once and answers every route 503 "Loading model": down,
-                # as a gateway's 502/503 says (`_server_down`). Read as a server without --metrics, a reload's scrapes
-                # found it up, and the whole answers its death closed were not costed (0 J for about 146 J).
-                raise _MetricsStatus(metrics_status)
+                # Not llama-server's loading page: a router's, a rate limit's or an auth proxy's blip in front of a
+                # live server. Read as down, a blip's window was marked counter_below with a restart warning.
+                raise ValueError(f"GET {self.base}/metrics answered {metrics_status} (not llama-server's own "
+                                 "\"Loading model\": a proxy or router in front of it, most likely); this scrape is "
+                                 "skipped and retried")
             raise ValueError("llama-server answers neither /metrics (start it with --metrics) nor /slots")
         if finished is None:
             self.window_partial = (SERVER_COUNT_SLOTS_ONLY,)
