@@ -743,8 +743,12 @@ class CountReconciler:
         # up there is nothing to correct, and holding every window while some such stream is live
         # (nearly always, on a busy server) kept the work model's fit from maturing (a 240-request
         # trace: 200 requests in its warm-up instead of 160).
+        # A whole answer its server died with is live here until its decode is placed at its interval's close
+        # (`Ledger._run_on_gone`, listed there): resolved at its end, its windows kept the server's count of it (llama.cpp's
+        # /slots) as bypass tokens, 235 of two such answers' 296.
         live = [r for r in self.requests.values()
-                if r.trace.end_ns is None and r.trace.api is not None and not self.server_at_finish]
+                if (r.trace.end_ns is None or r.run_on_crash and r.run_on_pace is None) and r.trace.api is not None
+                and not self.server_at_finish]
         # A stream none of whose tokens has come yet may be held back on its way (a buffering proxy) and come in one
         # burst at its end, spread back over its run then (`_spread_burst`): its windows wait as a non-streamed
         # answer's do, bounded by the prompt hold. Normally that is only until its first token, after its prefill.
