@@ -775,8 +775,19 @@ def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash
         print(t, row["outcome"], row["attributed_tokens"], row["gpu_energy_j"], want.get("generated"), want["energy_j"],
               row.get("error"))
         assert row["outcome"] == "upstream_error" and row["status"] == 502, row
-        assert row["gpu_energy_j"] == pytest.approx(want["energy_j"], rel=0.5), (row["gpu_energy_j"], want, note)
+        assert row["gpu_energy_j"] == pytest.approx(want["energy_j"], rel=0.25), (row["gpu_energy_j"], want, note)
         assert "closed its connection with no answer" in note, note
+    # The decode placed to the close is listed for the scrape windows where the server counts tokens as they come
+    # (llama.cpp's /slots): unlisted, it read as bypass tokens, about 158 J in `unproxied` (the rows -31% to -57%).
+    # Not checked on SGLang: its new process's first window counts 2 tokens no request shows, and the down intervals'
+    # idle power, about 100 J, reads as `unproxied` (not from these rows; a gap not yet found). After a 503 reload the
+    # crash is known only at the first 503 scrape, after the close: a window resolved between them kept 0-69 J of the
+    # decode as bypass tokens, till the windows waited for that scrape.
+    iv = read_dataset(tmp_path / "data", "intervals")
+    unproxied_j = float(iv["unproxied_energy_j"].fillna(0).sum())
+    print("unproxied", unproxied_j)
+    if flavour == "llamacpp":
+        assert unproxied_j < 0.1 * (truth["w0"]["energy_j"] + truth["w1"]["energy_j"]), unproxied_j
 
 
 def test_a_router_503_blip_and_a_held_request_it_closes_unanswered_cost_no_crash(tmp_path):

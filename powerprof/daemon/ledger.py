@@ -894,8 +894,16 @@ class Ledger:
         k = max(1, min(SPREAD_EVENTS, int(np.ceil(n))))
         if capped:  # at its pace: a max_tokens reached stops it before the abort
             span_ns = min(span_ns, int(n / tok_s * 1e9))
-        r.ev_t.extend(int(start_ns + span_ns * (j + 1) / k) for j in range(k))
+        ts = [int(start_ns + span_ns * (j + 1) / k) for j in range(k)]
+        r.ev_t.extend(ts)
         r.ev_n.extend([n / k] * k)
+        if r.run_on_crash and self.recon.server_seen and not self.recon.server_at_finish:
+            # A whole answer its server died with: a server counting tokens as they come (llama.cpp's /slots, vLLM's
+            # counter) had counted its decode up to its last scrape (the rest lost with the old process, as any
+            # proxied token's there): listed, not read as bypass tokens. Unlisted, two such answers on the simulated
+            # llama.cpp were 96-103 J each for 146-148 J of truth, 235 of their tokens read as bypass (158 J unproxied).
+            # SGLang counts a request at its end, which never came: listed, its tokens would hide bypass traffic.
+            self.recon.proxied.extend(zip(ts, [n / k] * k))
         r.run_on_tokens, r.run_on_pace = n, whose
         if capped:  # its max_tokens, reached at its pace, ended it before the abort: live no longer
             r.run_on_end_ns, r.run_on_capped = max(start_ns + span_ns, r.trace.end_ns), True
@@ -2556,6 +2564,8 @@ class Ledger:
                     self._place_run_on(r, int(first[i]), float(np.median(self._paces)) * seqs,
                                        f"the median of the server's latest {len(self._paces)} streams'")
                 r.run_on_pace = r.run_on_pace or "none"  # placed once, whichever close costs it
+            if r.run_on_crash:  # its scrape windows wait for this pass (`recon.resolve_spans`), even one closed in prefill
+                r.run_on_pace = r.run_on_pace or "none"
 
     def _prompt_work(self, r: LiveRequest, done: bool, room: tuple | None = None) -> float:
         """The prompt tokens a request's prefill is costed at: the server's count, else (it ended without

@@ -30,7 +30,7 @@ from powerprof.storage.schema import (SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLA
                                       SERVER_COUNT_UNREAD, SERVER_COUNT_BELOW, bypass_count_fix)
 
 from . import attribution as attr
-from .liverequest import LiveRequest, is_passive, told_prompt_tokens
+from .liverequest import LiveRequest, closed_unanswered, is_passive, told_prompt_tokens
 
 # The ledger's logger: these lines were the ledger's before the reconciliation was its own module, and a log filter
 # (or a test's caplog) that names the ledger still sees them.
@@ -743,8 +743,18 @@ class CountReconciler:
         # up there is nothing to correct, and holding every window while some such stream is live
         # (nearly always, on a busy server) kept the work model's fit from maturing (a 240-request
         # trace: 200 requests in its warm-up instead of 160).
+        # A whole answer its server died with is live here until its decode is placed at its interval's close
+        # (`Ledger._run_on_gone`, listed there): resolved at its end, its windows kept the server's count of it (llama.cpp's
+        # /slots) as bypass tokens, 235 of two such answers' 296.
+        # So too one closed with no answer since the latest good scrape: a crash seen only at the next scrape (a
+        # reloading llama-server's 503, `Ledger.note_down`) would find its windows resolved (0-69 J of two such answers'
+        # decode in `unproxied`); a good scrape after its close says the server lived (a router's refusal): none waits.
+        last_ns = self.server_spans[-1].t1_ns if self.server_spans else None
         live = [r for r in self.requests.values()
-                if r.trace.end_ns is None and r.trace.api is not None and not self.server_at_finish]
+                if (r.trace.end_ns is None or r.run_on_crash and r.run_on_pace is None
+                    or (r.trace.stream is not True and not r.crash_seen and last_ns is not None
+                        and r.trace.end_ns >= last_ns and closed_unanswered(r)))
+                and r.trace.api is not None and not self.server_at_finish]
         # A stream none of whose tokens has come yet may be held back on its way (a buffering proxy) and come in one
         # burst at its end, spread back over its run then (`_spread_burst`): its windows wait as a non-streamed
         # answer's do, bounded by the prompt hold. Normally that is only until its first token, after its prefill.
