@@ -14,7 +14,6 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from powerprof.paths import ROOT_STATE_DIR
@@ -364,7 +363,8 @@ class MachineLock:
         `warning`); GpuBusyError where a controller holds it."""
         name = self.name if name is None else name
         unanswered = 0
-        large: set[str] = set()  # threads with a table past _LARGE_TABLE_FDS, judged before listed in later tries
+        large: dict[str, int] = {}  # threads with a table past _LARGE_TABLE_FDS (its size), judged before listed later
+        read_whole: set[str] = set()  # those of them whose table a try has read whole since (`_holders_among`)
         counted: frozenset[str] | None = None  # the socket a counted full or answered connect reached
         for attempt in range(5):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
@@ -390,12 +390,18 @@ class MachineLock:
             # Where /proc was read whole and shows every process, a socket no thread holds is no controller's however
             # a connect goes: a parked one answered (queued by the kernel) named its dead listener, and root refused.
             # Tries 1-5 leave out the large tables of threads that could not control this GPU (their holding is passed
-            # over whatever it is), but not the table of the process the peer credentials name: a listening squatter
-            # of 300 descriptors is named and its socket kept on the first try, not after 5 tries and the last look
-            # (h-rev4: a root open of 2 GPUs beside 200 processes of 256 descriptors 0.9-1.5 s -> 6.9-7.1 s). The
+            # over whatever it is). Where a try's scan names no holder, the tables it left out are read whole on that
+            # same try, each once a bind, smallest first, until one holds the name: a squatter over 256 descriptors
+            # (listening, parked, its listener exited or its queue full) is named and its socket kept on the first try,
+            # not after 5 tries and the last look (h-rev4: a root open of 2 GPUs beside 200 processes of 256
+            # descriptors 0.9-1.5 s -> 6.9-7.1 s). Not through the peer credentials: they are the squatter's to choose
+            # (a forked child holding, a full queue), and root's connects queue on a real controller's socket. The
             # last look reads every table whole, so the name's holders are named and a squatter's socket kept.
-            holders, whole, bound = _holders_from_proc(name, scope=self.scope, large=large,
-                                                       peer=lambda: _holder(name, wait_s=0.0)[0])
+            holders, whole, bound = _holders_from_proc(name, scope=self.scope, large=large)
+            left_out = sorted(set(large) - read_whole, key=large.__getitem__)
+            if not holders and left_out:
+                holders = _holders_among(name, left_out, bound)
+                read_whole.update(left_out)
             seen_all = whole and _sees_every_process()
             if not holders and not seen_all:
                 pid, uid = _holder(name)
@@ -739,12 +745,11 @@ def _stray_lock_holders(ours: dict[str, int], deadline: _Deadline, proc: str = "
     return found
 
 
-def _holder(name: bytes, wait_s: float = 1.0) -> tuple[int | None, int | None]:
-    """(pid, uid) of the process listening on `name`, from SO_PEERCRED; (None, None) where it cannot be read. `wait_s`
-    0: a full queue answers at once (EAGAIN), not after a wait."""
+def _holder(name: bytes) -> tuple[int | None, int | None]:
+    """(pid, uid) of the process listening on `name`, from SO_PEERCRED; (None, None) where it cannot be read."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
-            c.settimeout(wait_s)
+            c.settimeout(1.0)
             c.connect(name)
             pid, uid, _gid = struct.unpack("3i", c.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
             return (pid or None), uid
@@ -840,8 +845,7 @@ def _bound_sockets(name: bytes, proc: str = "/proc") -> frozenset[str] | None:
 _LARGE_TABLE_FDS = 256  # a descriptor table past this many entries is read only where its thread could control
 
 
-def _holders_from_proc(name: bytes, proc: str = "/proc", scope: str | None = None, large: set[str] | None = None,
-                       peer: Callable[[], int | None] | None = None,
+def _holders_from_proc(name: bytes, proc: str = "/proc", scope: str | None = None, large: dict[str, int] | None = None,
                        ) -> tuple[list[tuple[int, int | None, int]], bool, frozenset[str]]:
     """((pid, uid, tid) of every thread holding a socket bound to the abstract `name`, whether every process's and
     thread's descriptors were read (False: /proc/net/unix or a table unreadable, not just gone), the bound socket(s)
@@ -855,26 +859,16 @@ def _holders_from_proc(name: bytes, proc: str = "/proc", scope: str | None = Non
     0.08-0.13 s, the leaders' alone 0.03-0.08 s.
     `scope` given: a table of more than _LARGE_TABLE_FDS entries is read only where its thread could control `scope`'s
     GPUs (`could_control`, its status read then, unknown counting as could); another's is left out, counted as read (it
-    decides no refusal: `_bind`'s last look reads it). Its size is another user's to choose: a setuid `su` over 19,000
-    descriptors was read 6 times per name. Small tables are read whole without a status read, as before: reading
-    every thread's status made 1,000-3,000 idle `sleep`s cost 3.4-7.4 s an acquire (de5ebf73, reverted). `large`:
-    the threads ("pid/task/tid") whose such table an earlier scan left out, added to here; judged before their table is
-    listed (listing 19,000 entries took 30-75 ms), whoever has that entry now. `peer`: the PID the name's peer
-    credentials name (asked once a scan, only where a large table would be left out): that process's tables are read
-    whole whatever their size and never added to `large`, so a listening squatter is named in the first scan."""
+    decides no refusal: `_bind` reads it on a try that names no holder, and its last look). Its size is another user's
+    to choose: a setuid `su` over 19,000 descriptors was read 6 times per name. Small tables are read whole without a
+    status read, as before: reading every thread's status made 1,000-3,000 idle `sleep`s cost 3.4-7.4 s an acquire
+    (de5ebf73, reverted). `large`: the threads ("pid/task/tid") whose such table a scan left out, each with its table's
+    size, added to here; judged before their table is listed (listing 19,000 entries took 30-75 ms), whoever has that
+    entry now."""
     sockets = _name_sockets(name, proc)
     if sockets is None:
         return [], False, frozenset()
     inodes, bound = sockets
-    asked: list[int | None] = []  # the peer's PID, asked once a scan
-
-    def is_peer(pid: int) -> bool:
-        if peer is None:
-            return False
-        if not asked:
-            asked.append(peer())
-        return asked[0] == pid
-
     found = []
     whole = True
     for entry in os.scandir(proc) if inodes else ():
@@ -889,22 +883,42 @@ def _holders_from_proc(name: bytes, proc: str = "/proc", scope: str | None = Non
             if tid != entry.name and _shares_files(int(entry.name), int(tid)):
                 continue
             where = f"{entry.name}/task/{tid}"
-            if (scope is not None and large is not None and where in large and not _may_control(scope, where, proc)
-                    and not is_peer(int(entry.name))):
+            if scope is not None and large is not None and where in large and not _may_control(scope, where, proc):
                 continue
             try:
                 fds = os.listdir(f"{proc}/{where}/fd")
             except OSError as e:
                 whole &= e.errno in (errno.ENOENT, errno.ESRCH)
                 continue
-            if (scope is not None and len(fds) > _LARGE_TABLE_FDS and not _may_control(scope, where, proc)
-                    and not is_peer(int(entry.name))):  # the name's listener by its peer credentials is read whole
+            if scope is not None and len(fds) > _LARGE_TABLE_FDS and not _may_control(scope, where, proc):
                 if large is not None:
-                    large.add(where)
+                    large[where] = len(fds)
                 continue
             if any(_readlink(f"{proc}/{where}/fd/{fd}") in inodes for fd in fds):
                 found.append((int(entry.name), _status(where, proc).get("Uid", [None, None])[1], int(tid)))
     return [(p, int(u) if u is not None and u.isdigit() else None, t) for p, u, t in found], whole, bound
+
+
+def _holders_among(name: bytes, threads: list[str], bound: frozenset[str],
+                    proc: str = "/proc") -> list[tuple[int, int | None, int]]:
+    """[(pid, uid, tid)] of the first of `threads` ("pid/task/tid", in order) whose table, read whole, holds a socket of
+    the abstract `name`, or []; [] too where the name's bound socket is no longer `bound` (the scan's). Each of
+    `threads` could not control the GPU (a large table `_holders_from_proc` left out), so one such holder is enough to
+    pass the name over and keep its socket; the tables after it are not read (another user's size to choose)."""
+    sockets = _name_sockets(name, proc)
+    if sockets is None or sockets[1] != bound:
+        return []
+    inodes = sockets[0]
+    for where in threads:
+        try:
+            fds = os.listdir(f"{proc}/{where}/fd")
+        except OSError:
+            continue  # gone or unreadable: the last look reads it again
+        if any(_readlink(f"{proc}/{where}/fd/{fd}") in inodes for fd in fds):
+            uid = _status(where, proc).get("Uid", [None, None])[1]
+            pid, _task, tid = where.split("/")
+            return [(int(pid), int(uid) if uid is not None and uid.isdigit() else None, int(tid))]
+    return []
 
 
 def _may_control(scope: str, where: str, proc: str = "/proc") -> bool:
