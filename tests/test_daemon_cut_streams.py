@@ -712,6 +712,16 @@ def test_a_cut_chat_whose_tool_choice_is_none_is_sized_as_its_server_renders_its
     assert abs(est - true) / true < 0.05, (est, true)
 
 
+async def _server_known(daemon) -> None:
+    """Wait (30 s at most) till the daemon's ledger knows how its server runs a request on after its client left."""
+    import asyncio
+
+    for _ in range(600):
+        if daemon.ledger is not None and daemon.ledger.runs_on_after_leave is not None:
+            return
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.parametrize("flavour,down_s,stale_s,loading_s", [("sglang", 0.5, None, 0.0), ("llamacpp", 0.5, None, 0.0),
                                                               ("llamacpp", 10.5, None, 0.0), ("sglang", 0.5, 5.0, 0.0),
                                                               ("llamacpp", 0.05, None, 10.5)],
@@ -755,10 +765,7 @@ def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash
             return type(e).__name__
 
     async def scene(url):
-        for _ in range(600):
-            if daemon.ledger is not None and daemon.ledger.runs_on_after_leave is not None:
-                break
-            await asyncio.sleep(0.05)
+        await _server_known(daemon)
         async with aiohttp.ClientSession() as s:
             await cut_accuracy._normal(s, url, "warm")  # a stream's pace: the decode's estimate
             jobs = [asyncio.create_task(whole(s, url, f"w{k}")) for k in range(2)]
@@ -864,10 +871,7 @@ def test_a_router_503_blip_and_a_held_request_it_closes_unanswered_cost_no_crash
             pass
 
     async def scene(url):
-        for _ in range(600):
-            if daemon.ledger is not None and daemon.ledger.runs_on_after_leave is not None:
-                break
-            await asyncio.sleep(0.05)
+        await _server_known(daemon)
         async with aiohttp.ClientSession() as s:
             await cut_accuracy._normal(s, url, "warm")
             live = asyncio.create_task(whole(s, url, "live"))

@@ -813,6 +813,21 @@ class CrashesOnItsSecondRequest:
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
 
+async def _two_requests(up):
+    """Two requests through the proxy to `up`, one client connection each (the proxy reuses its upstream connection for
+    the second): their statuses, the upstream, the proxy and its recorder."""
+    up_url = await up.start()
+    rec, proxy, runner, url = await _proxy(up_url)
+    out = []
+    for _ in range(2):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
+                out.append(r.status)
+    await runner.cleanup()
+    up.server.close()
+    return out, up, proxy, rec
+
+
 def test_a_request_closed_in_the_stale_bound_whose_resend_is_refused_is_the_server_s_crash(monkeypatch):
     """A kept-alive connection closed with no answer within STALE_CLOSE_MAX_S of the request reads as a close that
     crossed it, and the request is sent again. Where that resend is refused (nothing listens), the server died: the
@@ -822,20 +837,7 @@ def test_a_request_closed_in_the_stale_bound_whose_resend_is_refused_is_the_serv
     (`proxy.CRASHED_NOTE`), saying the resend was refused, a proof of the death for the ledger."""
     from powerprof.daemon.proxy import CRASHED_NOTE, RESEND_REFUSED
 
-    async def main():
-        up = CrashesOnItsSecondRequest(works_s=0.2, stops_listening=True)
-        up_url = await up.start()
-        rec, proxy, runner, url = await _proxy(up_url)
-        out = []
-        for _ in range(2):  # one client connection each: the proxy reuses its upstream connection for the second
-            async with aiohttp.ClientSession() as s:
-                async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
-                    out.append(r.status)
-        await runner.cleanup()
-        up.server.close()
-        return out, up, proxy, rec
-
-    out, up, proxy, rec = _run(main())
+    out, up, proxy, rec = _run(_two_requests(CrashesOnItsSecondRequest(works_s=0.2, stops_listening=True)))
     assert out == [200, 502], out
     assert up.received == 2
     tr = rec.ended[1]
@@ -850,20 +852,7 @@ def test_a_request_the_upstream_began_and_then_died_on_is_not_sent_again(monkeyp
 
     monkeypatch.setattr(forward, "STALE_CLOSE_MAX_S", 0.3, raising=False)  # the bound, small: a short test
 
-    async def main():
-        up = CrashesOnItsSecondRequest(works_s=1.0)
-        up_url = await up.start()
-        rec, proxy, runner, url = await _proxy(up_url)
-        out = []
-        for _ in range(2):  # one client connection each: the proxy reuses its upstream connection for the second
-            async with aiohttp.ClientSession() as s:
-                async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
-                    out.append(r.status)
-        await runner.cleanup()
-        up.server.close()
-        return out, up, proxy, rec
-
-    out, up, proxy, rec = _run(main())
+    out, up, proxy, rec = _run(_two_requests(CrashesOnItsSecondRequest(works_s=1.0)))
     assert out == [200, 502], out
     assert up.received == 2  # the second request reached the server once
     assert proxy.upstream_retries == 0

@@ -1284,13 +1284,9 @@ def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_r
     assert "costed at an estimate of 500 prompt tokens" in caplog.text
 
 
-@pytest.mark.parametrize("verdict", [None, False, True], ids=["undecided", "not_rendered", "rendered"])
-def test_a_cut_stream_whose_tool_choice_none_tools_are_undecided_is_said_and_kept_in_j_per_token(verdict):
-    # A stream cut before its usage, costed its prompt from its body, 800 of its 2000 characters `tools` sent with
-    # tool_choice "none": while this server's counted prompts have not shown whether it renders them, its prefill may be
-    # costed at 500 tokens or at 300, and its row says so with both. It is NOT marked UNSURE_FLAG (left out): its split
-    # error is mirrored in the rows sharing its intervals, which stay in, so leaving it out biased the host's J/token
-    # (on the simulator's SGLang the tools' share of its error 2.1-3.7 points); kept in, the host's sum is unbiased.
+def _tools_none_twins(verdict: bool | None) -> tuple[Ledger, Sink]:
+    """Two twin streams, the second cut, its 800 characters of `tools` sent with tool_choice "none", this server's
+    verdict on rendering them `verdict` (None: undecided), costed: the ledger and its rows."""
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     if verdict is not None:
@@ -1303,6 +1299,17 @@ def test_a_cut_stream_whose_tool_choice_none_tools_are_undecided_is_said_and_kep
     _feed(led, 0.0, 0.0)
     _feed(led, 1.0, 100.0)
     led.advance(int(1.5 * S))
+    return led, sink
+
+
+@pytest.mark.parametrize("verdict", [None, False, True], ids=["undecided", "not_rendered", "rendered"])
+def test_a_cut_stream_whose_tool_choice_none_tools_are_undecided_is_said_and_kept_in_j_per_token(verdict):
+    # A stream cut before its usage, costed its prompt from its body, 800 of its 2000 characters `tools` sent with
+    # tool_choice "none": while this server's counted prompts have not shown whether it renders them, its prefill may be
+    # costed at 500 tokens or at 300, and its row says so with both. It is NOT marked UNSURE_FLAG (left out): its split
+    # error is mirrored in the rows sharing its intervals, which stay in, so leaving it out biased the host's J/token
+    # (on the simulator's SGLang the tools' share of its error 2.1-3.7 points); kept in, the host's sum is unbiased.
+    led, sink = _tools_none_twins(verdict)
     got = {r["request_id"]: r for r in sink.rows["requests"]}
     note = got[2]["energy_note"] or ""
     assert "tool_choice" in note and got[2]["gpu_energy_j"] > 0, note
@@ -1321,15 +1328,7 @@ def test_analyze_keeps_a_ledger_row_whose_tools_are_undecided_in_j_per_token(tmp
     from powerprof.daemon.service import datasets
     from powerprof.daemon.store import DatasetStore
 
-    sink = Sink()
-    led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    done, cut = _twin_streams(led, 0.05, 0.6, 0.6)
-    cut.extra["prompt_tools_none_chars"] = 800
-    for tr in (done, cut):
-        led.on_end(tr)
-    _feed(led, 0.0, 0.0)
-    _feed(led, 1.0, 100.0)
-    led.advance(int(1.5 * S))
+    _, sink = _tools_none_twins(None)
     store = DatasetStore(tmp_path / "d", datasets(), host="h")
     for table in ("requests", "intervals"):
         store.append(table, sink.rows[table])

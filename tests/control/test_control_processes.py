@@ -975,6 +975,26 @@ def test_a_squatted_names_large_table_of_a_process_that_could_not_control_is_rea
         many.wait()
 
 
+def _acquire_beside(m, uuid: str, squat: int) -> list:
+    """Root's acquire of GPU `uuid`'s lock, squatter `squat` (uid 65534) on both its names, gpulock's scans counted
+    through `m` (a monkeypatch context, undone here with the caller's own spies): named and both names kept, asserted;
+    the scans."""
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    scans, real_scan = [], gpulock._holders_from_proc
+    m.setattr(gpulock, "_holders_from_proc", lambda *a, **k: scans.append(1) or real_scan(*a, **k))
+    lock = gpulock.MachineLock(_scope(), uuid, 0)
+    lock.acquire()
+    try:
+        held = len(lock._socks)
+    finally:
+        lock.release()
+    m.undo()
+    said = lock.warning or ""
+    assert f"process {squat} (uid 65534)" in said and held == 2, said
+    return scans
+
+
 @needs_root
 def test_a_listening_squatter_with_a_large_table_is_named_on_the_first_try_beside_a_large_bystander(originals,
                                                                                                    monkeypatch):
@@ -1005,20 +1025,10 @@ def test_a_listening_squatter_with_a_large_table_is_named_on_the_first_try_besid
         uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
         with _squatter(uuid, "listening", every_name=True, extra_fds=300) as squat, monkeypatch.context() as m:
             assert len(os.listdir(f"/proc/{squat}/fd")) > 300
-            scans, read = [], []
-            real_scan, real_readlink = gpulock._holders_from_proc, gpulock._readlink
-            m.setattr(gpulock, "_holders_from_proc", lambda *a, **k: scans.append(1) or real_scan(*a, **k))
+            read, real_readlink = [], gpulock._readlink
             mine = f"/proc/{bystander}/"
             m.setattr(gpulock, "_readlink", lambda p: (p.startswith(mine) and read.append(1)) or real_readlink(p))
-            lock = gpulock.MachineLock(_scope(), uuid, 0)
-            lock.acquire()
-            try:
-                held = len(lock._socks)
-            finally:
-                lock.release()
-            m.undo()
-            said = lock.warning or ""
-            assert f"process {squat} (uid 65534)" in said and held == 2, said
+            scans = _acquire_beside(m, uuid, squat)
             assert len(scans) == 2, scans  # one a name: named on the first try (was 6 a name, 12)
             assert read == [], len(read)  # the bystander's table still left out
     finally:
@@ -1041,19 +1051,9 @@ def test_a_squatter_with_a_large_table_the_peer_credentials_do_not_name_is_named
     uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
     with _squatter(uuid, how, every_name=True, extra_fds=300) as squat, monkeypatch.context() as m:
         assert len(os.listdir(f"/proc/{squat}/fd")) > 300
-        scans, asked = [], []
-        real_scan, real_holder = gpulock._holders_from_proc, gpulock._holder
-        m.setattr(gpulock, "_holders_from_proc", lambda *a, **k: scans.append(1) or real_scan(*a, **k))
+        asked, real_holder = [], gpulock._holder
         m.setattr(gpulock, "_holder", lambda *a, **k: asked.append(1) or real_holder(*a, **k))
-        lock = gpulock.MachineLock(_scope(), uuid, 0)
-        lock.acquire()
-        try:
-            held = len(lock._socks)
-        finally:
-            lock.release()
-        m.undo()
-        said = lock.warning or ""
-        assert f"process {squat} (uid 65534)" in said and held == 2, said
+        scans = _acquire_beside(m, uuid, squat)
         assert len(scans) == 2, scans  # one a name (was 6 a name, 12)
         assert asked == [], asked  # no connect: the peer credentials are the squatter's to choose
 
