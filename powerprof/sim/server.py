@@ -1856,8 +1856,13 @@ class SimServer:
             if not isinstance(body["input"], (str, list)):
                 return refuse("'input' must be a string or array of objects")
         # Its params_from_json reads each field as a typed JSON value (null taken as absent), then checks its range.
-        for name in ("n_predict", "max_tokens", "max_completion_tokens", "n", "stream"):
-            v = body.get(name)
+        # A Responses request is converted to a chat one first, its max_output_tokens becoming max_tokens, the name its
+        # refusal says (measured).
+        fields = [("n_predict",) * 2, ("max_tokens",) * 2, ("max_completion_tokens",) * 2, ("n",) * 2, ("stream",) * 2]
+        if api == "openai-responses":
+            fields.append(("max_output_tokens", "max_tokens"))
+        for key, name in fields:
+            v = body.get(key)
             if v is None:
                 continue
             want = "boolean" if name == "stream" else "number"
