@@ -413,6 +413,9 @@ LLAMA_REFUSALS = [
     # Responses' max_output_tokens, read as chat's max_tokens after its conversion (before: aiohttp's 500 text).
     ("/v1/responses", {"input": "a", "max_output_tokens": "x"}, 400,
      "Field 'max_tokens': [json.exception.type_error.302] type must be number, but is string", "invalid_request_error"),
+    # A chat message's content neither text nor a list (before: run as its Python text, 200 and a truth row).
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}], "max_tokens": 2}, 400,
+     "Expected 'content' to be a string or an array", "invalid_request_error"),
     # /tokenize's content neither text nor a list (before: its Python text tokenized, 200).
     ("/tokenize", {"content": 5}, 400, "[json.exception.type_error.302] type must be string, but is number",
      "invalid_request_error"),

@@ -1889,6 +1889,8 @@ class SimServer:
                     return refuse("Assistant message must contain either 'content' or 'tool_calls'!")
             elif "content" not in m:
                 return refuse("All non-assistant messages must contain 'content'")
+            if m.get("content") is not None and not isinstance(m["content"], (str, list)):
+                return refuse("Expected 'content' to be a string or an array")  # measured on the bundled build
         return None
 
     def _completion_prompts(self, prompt) -> list[str] | web.Response:
