@@ -1094,6 +1094,14 @@ def test_the_simulators_refusals_of_missing_or_misshapen_fields_are_llama_server
         assert got == (status, {"error": {"code": status, "message": message, "type": kind}}), (path, body, got)
 
 
+def test_a_boolean_or_float_length_or_n_runs_on_llama_server_as_the_simulator_runs_it(llama_server):
+    # The cases test_sim_server holds the llama.cpp flavour to, sent to llama-server itself.
+    from test_sim_server import LLAMA_LAX_NUMBERS, _lax_answer
+
+    for path, body, n_choices, n_tokens in LLAMA_LAX_NUMBERS:
+        assert _lax_answer(llama_server.base_url, path, body) == (200, n_choices, n_tokens), (path, body)
+
+
 def test_an_absent_or_minus_one_length_runs_until_the_slots_context_is_full_as_the_simulator_runs_it(llama_server):
     # The cases test_sim_server holds the llama.cpp flavour to, sent to llama-server itself: every route runs until the
     # slot's context is full (ignore_eos), and 0 runs one token. Before December 2026 the simulator ran 1 token for -1

@@ -488,6 +488,41 @@ def test_llamacpp_runs_an_absent_or_minus_one_length_until_the_slots_context_is_
         assert d["stop_type"] == "eos" and 1 < d["tokens_predicted"] < 100, d
 
 
+# Numbers llama-server takes as nlohmann converts them (a boolean or a float read as an integer, a float cut toward
+# zero): (route, body, choices answered, tokens each choice generates; None: not asserted).
+LLAMA_LAX_NUMBERS = [("/completion", {"prompt": "a", "n_predict": True}, 1, 1),
+                     ("/v1/completions", {"prompt": "a", "max_tokens": 2.7}, 1, 2),
+                     ("/v1/completions", {"prompt": "a", "n": 2.0, "max_tokens": 2}, 2, None),
+                     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": True,
+                                               "max_tokens": 2}, 1, 2)]
+
+
+def _lax_answer(url: str, path: str, body: dict) -> tuple:
+    """(HTTP status, choices answered, tokens the first generated) of one whole llama.cpp answer, ignore_eos."""
+    import json as _json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + path, _json.dumps(dict(body, ignore_eos=True)).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            d = _json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), None
+    if path == "/completion":
+        return 200, 1, d["tokens_predicted"]
+    return 200, len(d["choices"]), d["usage"]["completion_tokens"] if len(d["choices"]) == 1 else None
+
+
+def test_llamacpp_runs_a_boolean_or_float_length_or_n_as_llama_server_converts_it():
+    # Before: refused 400 ("type must be number, but is boolean"; "Field 'n': must be an integer of at least 1"), where
+    # the bundled llama-server runs them (test_real_llama_server holds the same cases to it).
+    with SimServer(SimNVML("seed-16g", state_path=None), n_slots=2, decode_tok_s=20000) as s:
+        for path, body, n_choices, n_tokens in LLAMA_LAX_NUMBERS:
+            assert _lax_answer(s.url, path, body) == (200, n_choices, n_tokens), (path, body)
+
+
 @pytest.mark.parametrize("flavour", ["vllm", "sglang"])
 def test_vllm_and_sglang_refuse_a_length_that_is_no_integer_as_their_request_validation_does(flavour):
     # Their request models read max_tokens / max_completion_tokens as Optional[int] (pydantic's lax mode: "5", 5.0 and

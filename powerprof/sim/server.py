@@ -1866,7 +1866,8 @@ class SimServer:
             if v is None:
                 continue
             want = "boolean" if name == "stream" else "number"
-            got = _JSON_TYPES.get(type(v), "object")
+            # nlohmann reads a boolean as a number (true 1) where it wants one, not a number as a boolean (measured).
+            got = "number" if want == "number" and type(v) is bool else _JSON_TYPES.get(type(v), "object")
             if got != want:
                 return refuse(f"Field '{name}': [json.exception.type_error.302] type must be {want}, but is {got}")
             if name not in ("n", "stream") and not -1 <= int(v) <= 2**31 - 1:
@@ -2272,6 +2273,8 @@ class SimServer:
             # llama-server's native /completion runs n_cmpl (else n) tasks per prompt, index prompt × n_cmpl + choice
             # (server-task.cpp params_from_json_cmpl; handle_completions_impl). Before: always one.
             n_choices = body.get("n_cmpl", body.get("n", 1))
+        if self.flavour == "llamacpp" and isinstance(n_choices, (bool, float)):
+            n_choices = int(n_choices)  # nlohmann's number read: true 1, 2.0 (or 2.5) 2, as llama-server runs them
         if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
             if self.flavour == "llamacpp" and isinstance(n_choices, int):  # its one range check, 0 as 3 of 2 slots
                 return self._bad_request(f"Field 'n': Value must be between 1 <= value <= {self.n_slots}, but got {n_choices}")
