@@ -488,6 +488,41 @@ def test_llamacpp_runs_an_absent_or_minus_one_length_until_the_slots_context_is_
         assert d["stop_type"] == "eos" and 1 < d["tokens_predicted"] < 100, d
 
 
+def test_vllm_refuses_a_length_below_one_as_its_sampling_params_do():
+    # vLLM's SamplingParams._verify_args: max_tokens below 1 is a VLLMValidationError, 400 BadRequestError naming the
+    # parameter (the shape of its measured context refusals). Before: -1 ran 1 token, 0 ran as absent (16 or 128).
+    # Completions' echo with 0 still runs (one token, not sent).
+    import json as _json
+    import urllib.error
+    import urllib.request
+
+    def post(url, path, body):
+        req = urllib.request.Request(url + path, _json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, _json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, _json.loads(e.read())
+
+    chat = {"messages": [{"role": "user", "content": "the power"}]}
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=20000) as s:
+        for path, body, name, value in [("/v1/completions", {"prompt": "the power"}, "max_tokens", -1),
+                                        ("/v1/completions", {"prompt": "the power"}, "max_tokens", 0),
+                                        ("/v1/chat/completions", chat, "max_tokens", -1),
+                                        ("/v1/chat/completions", chat, "max_tokens", 0),
+                                        ("/v1/responses", {"input": "the power"}, "max_output_tokens", -1)]:
+            code, doc = post(s.url, path, dict(body, **{name: value}))
+            assert (code, doc) == (400, {"error": {
+                "message": f"max_tokens must be at least 1, got {value}. (parameter=max_tokens, value={value})",
+                "type": "BadRequestError", "param": "max_tokens", "code": 400}}), (path, name, value)
+        assert not s.truth
+        code, doc = post(s.url, "/v1/completions", {"prompt": "the power", "max_tokens": 0, "echo": True})
+        assert code == 200, doc
+        # Chat reads `max_completion_tokens or max_tokens`: a max_completion_tokens of 0 falls back and runs.
+        code, doc = post(s.url, "/v1/chat/completions", dict(chat, max_completion_tokens=0, max_tokens=3, ignore_eos=True))
+        assert code == 200 and doc["usage"]["completion_tokens"] == 3, doc
+
+
 # Numbers llama-server takes as nlohmann converts them (a boolean or a float read as an integer, a float cut toward
 # zero): (route, body, choices answered, tokens each choice generates; None: not asserted).
 LLAMA_LAX_NUMBERS = [("/completion", {"prompt": "a", "n_predict": True}, 1, 1),
@@ -548,6 +583,9 @@ def test_vllm_and_sglang_refuse_a_length_that_is_no_integer_as_their_request_val
             "Input should be a valid integer, got a number with a fractional part"),
            ("/v1/chat/completions", chat, "max_tokens", [3], "int_type", "Input should be a valid integer"),
            ("/v1/chat/completions", chat, "max_completion_tokens", "x", "int_parsing",
+            "Input should be a valid integer, unable to parse string as an integer"),
+           # Responses' max_output_tokens, Optional[int] in both servers' ResponsesRequest (before: aiohttp's 500).
+           ("/v1/responses", {"input": "the power"}, "max_output_tokens", "x", "int_parsing",
             "Input should be a valid integer, unable to parse string as an integer")]
     with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=20000) as s:
         for path, body, name, value, kind, msg in bad:

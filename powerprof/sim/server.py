@@ -1836,6 +1836,15 @@ class SimServer:
         err = {"message": str(errors), "type": "Bad Request", "param": None, "code": 400}
         return self._json({"error": err} if self.flavour == "vllm" else {"object": "error", **err}, 400)
 
+    def _vllm_length_refusal(self, n: int | None) -> web.Response | None:
+        """vLLM's SamplingParams._verify_args refuse a max_tokens below 1 (VLLMValidationError naming the parameter,
+        400 BadRequestError as its context refusals); None where it may run, or not vLLM."""
+        if self.flavour != "vllm" or n is None or int(n) >= 1:
+            return None
+        n = int(n)  # pydantic's lax integer: false is 0
+        return self._bad_request(f"max_tokens must be at least 1, got {n}. (parameter=max_tokens, value={n})",
+                                 "max_tokens")
+
     def _llama_refusal(self, api: str, body: dict) -> web.Response | None:
         """llama-server's answer to a request missing a field it requires or giving one a shape it refuses (measured on
         the bundled build: its JSON reads and its chat parser's checks); None where it runs it, or not llama.cpp."""
@@ -2083,6 +2092,9 @@ class SimServer:
                 n = 1  # vLLM: echo without generation runs one token, which it does not send
         elif type(body.get("logprobs")) is int and self.flavour == "vllm":
             echoes = [_Echo(None, logprobs=body["logprobs"] >= 0)] * len(prompts)
+        refused = self._vllm_length_refusal(n)
+        if refused is not None:
+            return refused
         n = self._llama_length(body) if self.flavour == "llamacpp" else int(n or 16)
         if len(prompts) == 1:
             return await self._serve(request, "openai-completions", prompts[0], body, n, echoes[0])
@@ -2100,8 +2112,11 @@ class SimServer:
         prompt += chatshape.tools_in_prompt(body, self.flavour, self.exclude_tools_when_tool_choice_none)
         if self.flavour == "llamacpp":
             return await self._serve(request, "openai-chat", prompt, body, self._llama_length(body))
-        n = body.get("max_completion_tokens") or body.get("max_tokens") or 128
-        return await self._serve(request, "openai-chat", prompt, body, int(n))
+        n = body.get("max_completion_tokens") or body.get("max_tokens")  # vLLM's own `or`: a 0 falls back
+        refused = self._vllm_length_refusal(n)
+        if refused is not None:
+            return refused
+        return await self._serve(request, "openai-chat", prompt, body, int(n or 128))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API (llama.cpp and vLLM serve it at /v1/messages): a chat in other clothes."""
@@ -2127,7 +2142,8 @@ class SimServer:
         turn's instructions and before its input (vLLM's responses/utils.py construct_input_messages, its store on:
         `responses_store`), a 404 where none is stored; llama.cpp refuses it (400)."""
         body = await self._body(request)
-        refused = self._llama_refusal("openai-responses", body)
+        refused = (self._validation_refusal(body, "max_output_tokens") or self._llama_refusal("openai-responses", body)
+                   or self._vllm_length_refusal(body.get("max_output_tokens")))
         if refused is not None:
             return refused
         inp = body.get("input")
