@@ -488,21 +488,29 @@ def test_llamacpp_runs_an_absent_or_minus_one_length_until_the_slots_context_is_
         assert d["stop_type"] == "eos" and 1 < d["tokens_predicted"] < 100, d
 
 
+def _post_json(url: str, path: str, body: dict) -> tuple[int, dict | str]:
+    """POST `body` as JSON: the status, and the answer parsed (200) or its text (an error)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 def test_vllm_refuses_a_length_below_one_as_its_sampling_params_do():
     # vLLM's SamplingParams._verify_args: max_tokens below 1 is a VLLMValidationError, 400 BadRequestError naming the
     # parameter (the shape of its measured context refusals). Before: -1 ran 1 token, 0 ran as absent (16 or 128).
     # Completions' echo with 0 still runs (one token, not sent).
     import json as _json
-    import urllib.error
-    import urllib.request
 
     def post(url, path, body):
-        req = urllib.request.Request(url + path, _json.dumps(body).encode(), {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, _json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, _json.loads(e.read())
+        code, doc = _post_json(url, path, body)
+        return code, doc if code == 200 else _json.loads(doc)
 
     chat = {"messages": [{"role": "user", "content": "the power"}]}
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=20000) as s:
@@ -565,16 +573,8 @@ def test_vllm_and_sglang_refuse_a_length_that_is_no_integer_as_their_request_val
     # {"object": "error", ...} on SGLang, type "Bad Request", the message pydantic's error list. Before: int() raised in
     # the simulator, aiohttp's plain-text 500; 5.5 ran as 5.
     import json as _json
-    import urllib.error
-    import urllib.request
 
-    def post(url, path, body):
-        req = urllib.request.Request(url + path, _json.dumps(body).encode(), {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, _json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
+    post = _post_json
 
     chat = {"messages": [{"role": "user", "content": "the power"}]}
     bad = [("/v1/completions", {"prompt": "the power"}, "max_tokens", "abc", "int_parsing",
