@@ -203,6 +203,20 @@ def test_the_kill_switch_pins_the_reference_and_the_original_limit_comes_back(tm
     assert not (tmp_path / "killed").exists()
 
 
+def test_a_skipped_stray_lock_check_is_in_the_start_row_not_only_on_stderr(tmp_path):
+    # The sweep keeps a skipped check in run.json; the tuner said it on stderr alone, gone with the journal's rotation.
+    nvml = SimNVML("seed-16g", state_path=None)
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
+        ctl.stray_lock_check_skipped = "skipped: budget (/proc/4242/fd)"  # what refuse_stray_locks returns past budget
+        runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                            clock=Clock(), gpu_uuids=[nvml.gpus[0].uuid])
+        runner.start()
+        runner.stop_row()
+    first = runner.tuner.decisions[0]
+    assert first.action == "start" and "skipped: budget (/proc/4242/fd)" in first.reason, first
+    assert "lock folder" in first.reason
+
+
 def test_dry_run_judges_only_the_limit_the_gpu_has_and_never_claims_a_level(tmp_path):
     nvml = SimNVML("seed-16g", state_path=None)
     nvml.gpus[0].set_limit_w(250)  # the operator's limit: what every dry-run window really measures

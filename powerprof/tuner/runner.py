@@ -255,6 +255,11 @@ class TuneRunner:
         if cfg.reference != cfg.levels[-1]:
             why += (f"; WARNING: the reference {self._fmt(cfg.reference)} is not the highest level "
                     f"({self._fmt(cfg.levels[-1])}): back-offs, faults and the kill switch go to it")
+        skipped = getattr(self.ctl, "stray_lock_check_skipped", None) if self.ctl is not None else None
+        if skipped:
+            # stderr alone scrolls away under systemd; the dataset is what an operator reads back later.
+            why += (f"; WARNING: the check for a second root controller whose lock file was taken out of the lock "
+                    f"folder was {skipped}: don't remove or move the lock folder while a controller runs")
         d = self.tuner.note(self.clock(), "start", why)
         if not cfg.dry_run and self.ctl is not None and cfg.knob == "power" and self.ctl.original_limits_w:
             # From where the GPUs were, as the stop row goes back there: "start 250→250" hid a move from 300 W.
