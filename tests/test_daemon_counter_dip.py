@@ -623,6 +623,49 @@ def test_a_restarted_counter_passing_its_old_reading_at_its_pace_is_not_marked(m
     assert [d for d, _ in got[2:]] == [500] * 15, got
 
 
+def _answer(step, path):
+    """A scripted step's answer to a GET: DOWN a refused connection, CONNECT_TIMEOUT a timed-out connect, "503" a
+    loading page's 503, else the page itself."""
+    if step == DOWN:
+        raise aiohttp.ClientConnectorError(_KEY, ConnectionRefusedError(111, "Connection refused"))
+    if step == CONNECT_TIMEOUT:
+        raise aiohttp.ClientConnectorError(_KEY, TimeoutError(110, "Connection timed out"))
+    if step == "503":
+        return 503, "loading"
+    return 200, step
+
+
+def _scrape_steps(kind: str, steps: list, record, answer=_answer, monkeypatch=None) -> Scraper:
+    """A Scraper of `kind` scraping once a step of `steps`, each GET of that scrape answered `answer(step, path)`;
+    `record(sc)` after each scrape. With `monkeypatch`, the scraper's clock starts at 1 s and moves 0.25 s a scrape (in
+    whole nanoseconds), else it is the real one. Returns the Scraper."""
+    if monkeypatch is not None:
+        import types
+
+        from powerprof.daemon import scrape
+
+        clock = [1_000_000_000]
+        monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0] / 1e9,
+                                                                  monotonic_ns=lambda: clock[0],
+                                                                  time=lambda: clock[0] / 1e9))
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            sc = Scraper(s, "http://x", kind)
+            for step in steps:
+                async def _get(path, step=step):
+                    return answer(step, path)
+
+                sc._get = _get
+                await sc.scrape()
+                record(sc)
+                if monkeypatch is not None:
+                    clock[0] += 250_000_000
+            return sc
+
+    return asyncio.run(asyncio.wait_for(go(), 60))
+
+
 def test_a_restart_told_by_the_fall_alone_is_said_so_to_the_ledger_and_one_found_down_is_not():
     # The ledger ends the run-ons of a process that died at a restart (`Ledger._end_run_ons_at_restart`), not at one a
     # multi-process page's dip may have made (`Scraper.restart_by_fall`): a fall to half with the server never found
@@ -630,31 +673,7 @@ def test_a_restart_told_by_the_fall_alone_is_said_so_to_the_ledger_and_one_found
     for script, want in (([_sglang(1000), _sglang(400), _sglang(450)], [False, True, False]),
                          ([_sglang(1000), DOWN, _sglang(400), _sglang(450)], [False, False, False, False])):
         got: list = []
-
-        class Scripted(Scraper):
-            async def scrape(self):
-                d = await Scraper.scrape(self)
-                got.append(self.restart_by_fall)
-                return d
-
-        pages = list(script)
-
-        async def go():
-            async with aiohttp.ClientSession() as s:
-                sc = Scripted(s, "http://x", "sglang")
-
-                async def _get(path):
-                    step = pages.pop(0)
-                    if step == DOWN:
-                        raise aiohttp.ClientConnectorError(_KEY, ConnectionRefusedError(111, "Connection refused"))
-                    return 200, step
-
-                sc._get = _get
-                for _ in range(len(script)):
-                    await sc.scrape()
-                return sc
-
-        sc = asyncio.run(asyncio.wait_for(go(), 60))
+        sc = _scrape_steps("sglang", script, lambda sc: got.append(sc.restart_by_fall))
         assert sc.restarts == 1 and got == want, (script, got)
 
 
@@ -662,36 +681,10 @@ def test_the_window_of_a_restart_says_when_its_first_scrape_found_the_server_dow
     # The ledger places a dead process's run-ons' end between its last scrape and the first scrape that found the server
     # down (`Ledger._run_on_cut_ns`): the believed page after says when that scrape began (Scraper.window_down_ns), the
     # first of two down, and no window without one says any (a timeout is no death).
-    import types
-
-    from powerprof.daemon import scrape
-
-    clock = [1_000_000_000]
-    monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0] / 1e9,
-                                                              monotonic_ns=lambda: clock[0], time=lambda: clock[0] / 1e9))
     pages = [_sglang(1000), _sglang(1010), DOWN, DOWN, _sglang(40), _sglang(50), CONNECT_TIMEOUT, _sglang(60)]
     got = []
-
-    async def go():
-        async with aiohttp.ClientSession() as s:
-            sc = Scraper(s, "http://x", "sglang")
-
-            async def _get(path):
-                step = pages.pop(0)
-                if step == DOWN:
-                    raise aiohttp.ClientConnectorError(_KEY, ConnectionRefusedError(111, "Connection refused"))
-                if step == CONNECT_TIMEOUT:
-                    raise aiohttp.ClientConnectorError(_KEY, TimeoutError(110, "Connection timed out"))
-                return 200, step
-
-            sc._get = _get
-            for _ in range(8):
-                await sc.scrape()
-                got.append((sc.window_down_ns, sc.window_partial))
-                clock[0] += 250_000_000
-            return sc
-
-    asyncio.run(asyncio.wait_for(go(), 60))
+    _scrape_steps("sglang", pages, lambda sc: got.append((sc.window_down_ns, sc.window_partial)),
+                  monkeypatch=monkeypatch)
     assert [d for d, _ in got] == [None, None, None, None, 1_500_000_000, None, None, None], got
     assert "server_restart" in got[4][1], got
 
@@ -700,37 +693,15 @@ def test_the_window_of_a_restart_says_whether_its_first_down_scrape_was_refused(
     # A refused connection (nothing listening) proves a death; a 503 (a router's, a loading page's) does not
     # (`Ledger._death_proven`): taken for one, a run-on the live server went on with was cut to 0.6 tokens and 2.5 J for
     # the truth's 160 and 400. The believed page after says which the window's first down scrape was.
-    import types
-
-    from powerprof.daemon import scrape
-
-    clock = [1_000_000_000]
-    monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0] / 1e9,
-                                                              monotonic_ns=lambda: clock[0], time=lambda: clock[0] / 1e9))
     pages = [_sglang(1000), _sglang(1010), "503", DOWN, _sglang(40), _sglang(50), DOWN, "503", _sglang(10), _sglang(20)]
     got = []
-
-    async def go():
-        async with aiohttp.ClientSession() as s:
-            sc = Scraper(s, "http://x", "sglang")
-
-            async def _get(path):
-                step = pages.pop(0)
-                if step == DOWN:
-                    raise aiohttp.ClientConnectorError(_KEY, ConnectionRefusedError(111, "Connection refused"))
-                if step == "503":
-                    return 503, "loading"
-                return 200, step
-
-            sc._get = _get
-            for _ in range(10):
-                await sc.scrape()
-                got.append((sc.window_down_ns, sc.window_down_refused))
-                opened.append(sc.down_open())
-                clock[0] += 250_000_000
-
     opened = []
-    asyncio.run(asyncio.wait_for(go(), 60))
+
+    def record(sc):
+        got.append((sc.window_down_ns, sc.window_down_refused))
+        opened.append(sc.down_open())
+
+    _scrape_steps("sglang", pages, record, monkeypatch=monkeypatch)
     assert [r for d, r in got if d is not None] == [False, True], got
     assert not any(r for d, r in got if d is None), got
     # Before the believed page, a found-down scrape opens the death's window at once (Scraper.down_open, Ledger.note_down):
@@ -748,38 +719,22 @@ def test_a_reloading_llamacpp_answering_503_loading_model_is_found_down(monkeypa
     # --metrics) nor /slots", a ValueError, not down: no window opened, and the whole answers the dead process closed
     # were written 0 J each (about 220 J of truth) before the new process's first page. Found down by the 503 now,
     # from that scrape (Scraper.down_open: nothing refused), and the new process's page closes a restart window.
-    import types
-
-    from powerprof.daemon import scrape
-
-    clock = [1_000_000_000]
-    monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0] / 1e9,
-                                                              monotonic_ns=lambda: clock[0], time=lambda: clock[0] / 1e9))
     loading = '{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
     page = "# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total {}\n"
     steps = [page.format(100), page.format(120), loading, loading, page.format(5)]
     got = []
-
-    async def go():
-        async with aiohttp.ClientSession() as s:
-            sc = Scraper(s, "http://x", "llamacpp")
-
-            async def _get(path):
-                if path == "/slots":
-                    return (503, loading) if steps[0] == loading else (501, "no slots")
-                step = steps[0]
-                return (503, step) if step == loading else (200, step)
-
-            sc._get = _get
-            for _ in range(5):
-                await sc.scrape()
-                got.append((sc.down_open(), sc.window_down_ns, "server_restart" in sc.window_partial))
-                errors.append(sc.last_error)
-                steps.pop(0)
-                clock[0] += 250_000_000
-
     errors = []
-    asyncio.run(asyncio.wait_for(go(), 60))
+
+    def answer(step, path):
+        if path == "/slots":
+            return (503, loading) if step == loading else (501, "no slots")
+        return (503, step) if step == loading else (200, step)
+
+    def record(sc):
+        got.append((sc.down_open(), sc.window_down_ns, "server_restart" in sc.window_partial))
+        errors.append(sc.last_error)
+
+    _scrape_steps("llamacpp", steps, record, answer, monkeypatch)
     at = [1_000_000_000 + k * 250_000_000 for k in range(5)]
     assert [g[0] for g in got] == [None, None, (at[2], None), (at[2], None), None], got
     assert got[4][1:] == (at[2], True), got
@@ -796,37 +751,19 @@ def test_a_503_blip_that_is_not_llamacpp_loading_opens_no_crash_window(monkeypat
     # for vLLM too, and a request the router held and closed unanswered was costed 119 J (truth 0); on llama.cpp the
     # window back was marked counter_below with a restart warning. Only llama-server's own 503 "Loading model" opens
     # one; llama.cpp's blip is no sign of down at all.
-    import types
-
-    from powerprof.daemon import scrape
-
-    clock = [1_000_000_000]
-    monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0] / 1e9,
-                                                              monotonic_ns=lambda: clock[0], time=lambda: clock[0] / 1e9))
     blip = "<html><body><h1>503 Service Temporarily Unavailable</h1></body></html>"
     page = ("# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total {}\n" if kind == "llamacpp"
             else "# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total {}\n")
     steps = [page.format(100), page.format(120), blip, blip, page.format(140), page.format(160)]
     got = []
 
-    async def go():
-        async with aiohttp.ClientSession() as s:
-            sc = Scraper(s, "http://x", kind)
+    def answer(step, path):
+        if path == "/slots":
+            return (503, blip) if step == blip else (501, "no slots")
+        return (503, step) if step == blip else (200, step)
 
-            async def _get(path):
-                step = steps[0]
-                if path == "/slots":
-                    return (503, blip) if step == blip else (501, "no slots")
-                return (503, step) if step == blip else (200, step)
-
-            sc._get = _get
-            for _ in range(6):
-                await sc.scrape()
-                got.append((sc.down_open(), sc.window_partial, sc.last_error))
-                steps.pop(0)
-                clock[0] += 250_000_000
-
-    asyncio.run(asyncio.wait_for(go(), 60))
+    _scrape_steps(kind, steps, lambda sc: got.append((sc.down_open(), sc.window_partial, sc.last_error)), answer,
+                  monkeypatch)
     assert [g[0] for g in got] == [None] * 6, got
     assert got[2][2].startswith("MetricsStatus: GET http://x/metrics answered 503" if kind == "vllm" else
                                 "ValueError: GET http://x/metrics answered 503 (not llama-server's"), got

@@ -1240,6 +1240,15 @@ def _twin_streams(led, step_s, done_end_s, cut_end_s):
     return done, cut
 
 
+def _end_and_cost(led, *traces) -> None:
+    """`traces` ended on `led`, then one interval of 100 J over [0, 1 s] closed around them (the ledger at 1.5 s)."""
+    for tr in traces:
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+
+
 @pytest.mark.parametrize("stream, api, fix", [(True, "openai-chat", True), (False, "openai-chat", False),
                                               (True, "llamacpp", False), (True, "openai-responses", False)])
 def test_a_prompt_never_said_is_said_with_the_fix_only_where_there_is_one(stream, api, fix):
@@ -1250,11 +1259,7 @@ def test_a_prompt_never_said_is_said_with_the_fix_only_where_there_is_one(stream
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     done, quiet = _twin_streams(led, 0.05, 0.6, 0.6)
     quiet.outcome, quiet.stream, quiet.api = "ok", stream, api
-    for tr in (done, quiet):
-        led.on_end(tr)
-    _feed(led, 0.0, 0.0)
-    _feed(led, 1.0, 100.0)
-    led.advance(int(1.5 * S))
+    _end_and_cost(led, done, quiet)
     note = {r["request_id"]: r for r in sink.rows["requests"]}[2]["energy_note"]
     assert ("the stream carried no usage" in note and "include_usage" in note) is fix, note
     assert fix or note.startswith("approximate: the server's answer did not say the prompt's length"), note
@@ -1268,11 +1273,7 @@ def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_r
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     done, cut = _twin_streams(led, 0.05, 0.6, 0.6)
     with caplog.at_level(logging.WARNING, logger="powerprof.daemon.ledger"):
-        for tr in (done, cut):
-            led.on_end(tr)
-        _feed(led, 0.0, 0.0)
-        _feed(led, 1.0, 100.0)
-        led.advance(int(1.5 * S))
+        _end_and_cost(led, done, cut)
     got = {r["request_id"]: r for r in sink.rows["requests"]}
     assert got[2]["gpu_energy_j"] == pytest.approx(got[1]["gpu_energy_j"]) == pytest.approx(50.0)
     assert got[2]["prompt_tokens"] is None and got[2]["prompt_tokens_estimate"] == pytest.approx(500.0)
@@ -1294,11 +1295,7 @@ def _tools_none_twins(verdict: bool | None) -> tuple[Ledger, Sink]:
         led.tools_none_tally["openai-chat"] = [3, 0] if verdict else [0, 3]
     done, cut = _twin_streams(led, 0.05, 0.6, 0.6)
     cut.extra["prompt_tools_none_chars"] = 800
-    for tr in (done, cut):
-        led.on_end(tr)
-    _feed(led, 0.0, 0.0)
-    _feed(led, 1.0, 100.0)
-    led.advance(int(1.5 * S))
+    _end_and_cost(led, done, cut)
     return led, sink
 
 
@@ -1356,11 +1353,7 @@ def test_a_batch_of_prompts_cut_before_its_usage_is_costed_their_sum_each_with_i
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     done, cut = _twin_streams(led, 0.05, 0.6, 0.6)
     cut.extra.update(prompt_chars=4000, prompt_count=2)
-    for tr in (done, cut):
-        led.on_end(tr)
-    _feed(led, 0.0, 0.0)
-    _feed(led, 1.0, 100.0)
-    led.advance(int(1.5 * S))
+    _end_and_cost(led, done, cut)
     got = {r["request_id"]: r for r in sink.rows["requests"]}
     assert got[2]["prompt_tokens_estimate"] == pytest.approx(1000.0), got[2]
     assert "4000 prompt characters of 2 prompts" in got[2]["energy_note"] and PROMPT_UNREAD_FLAG not in got[2]["energy_note"]
@@ -1392,11 +1385,7 @@ def test_a_prompt_whose_body_was_never_read_is_said_not_costed_and_counted():
     unread.outcome = "ok"
     del unread.extra["prompt_chars"]
     unread.extra["body_bytes"] = 1_130_000
-    for tr in (done, unread):
-        led.on_end(tr)
-    _feed(led, 0.0, 0.0)
-    _feed(led, 1.0, 100.0)
-    led.advance(int(1.5 * S))
+    _end_and_cost(led, done, unread)
     got = {r["request_id"]: r for r in sink.rows["requests"]}
     assert got[2]["prompt_tokens_estimate"] is None
     note = got[2]["energy_note"]
@@ -1418,11 +1407,7 @@ def _unread_rows(api, stream, outcome, unsized="a content part of type 'image_ur
         other.extra["body_bytes"] = 1_130_000
     else:
         other.extra["prompt_unsized"] = unsized
-    for tr in (done, other):
-        led.on_end(tr)
-    _feed(led, 0.0, 0.0)
-    _feed(led, 1.0, 100.0)
-    led.advance(int(1.5 * S))
+    _end_and_cost(led, done, other)
     got = {r["request_id"]: r for r in sink.rows["requests"]}
     return got[2]["energy_note"], got[1]["energy_note"]
 
@@ -1522,11 +1507,7 @@ def test_a_finished_stream_that_showed_no_token_is_costed_its_prompts_estimate()
     quiet.end_ns, quiet.status, quiet.outcome = int(0.6 * S), 200, "ok"
     quiet.counts = Counts(generated_tokens=None, prompt_tokens=None, model=None, stop_reason="length",
                           token_source="counted", tokens_estimated=True, complete=True)
-    for tr in (done, quiet):
-        led.on_end(tr)
-    _feed(led, 0.0, 0.0)
-    _feed(led, 1.0, 100.0)
-    led.advance(int(1.5 * S))
+    _end_and_cost(led, done, quiet)
     got = {r["request_id"]: r for r in sink.rows["requests"]}
     assert got[2]["prompt_tokens_estimate"] == pytest.approx(500.0)
     assert got[2]["gpu_energy_j"] > 0.2 * got[1]["gpu_energy_j"], (got[1]["gpu_energy_j"], got[2]["gpu_energy_j"])
@@ -1637,11 +1618,7 @@ def test_prompts_gone_before_their_first_token_share_what_their_time_in_flight_c
     done.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length", token_source="usage")
     for tr in (first, second):
         tr.end_ns, tr.outcome = int(0.3 * S), "client_disconnected"
-    for tr in (done, first, second):
-        led.on_end(tr)
-    _feed(led, 0.0, 0.0)
-    _feed(led, 1.0, 100.0)
-    led.advance(int(1.5 * S))
+    _end_and_cost(led, done, first, second)
     got = {r["request_id"]: r for r in sink.rows["requests"]}
     assert got[2]["prompt_tokens_estimate"] == pytest.approx(2000.0)
     assert got[3]["prompt_tokens_estimate"] == pytest.approx(0.0, abs=1.0)

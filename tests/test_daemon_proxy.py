@@ -853,6 +853,26 @@ def test_a_compressed_response_passes_unchanged_and_is_counted_from_a_copy_infla
     assert br.tokens_seen == 0 and "Content-Encoding 'br' is not inspected" in br.error
 
 
+def _deflated_through_proxy(body: bytes, content_type: str, stream: bool) -> tuple[Rec, bytes]:
+    """POST /completion (`stream` asked) through a proxy to an upstream answering `body` as deflate-encoded
+    `content_type`: the proxy's recorder and the body the client read, still compressed."""
+    async def completion(request):
+        await request.read()
+        return web.Response(body=body, headers={"Content-Encoding": "deflate", "Content-Type": content_type})
+
+    async def main():
+        rec = Rec()
+        r1, r2, px_url = await _proxy_for_completion(completion, rec)
+        async with aiohttp.ClientSession(auto_decompress=False) as s:
+            async with s.post(px_url + "/completion", json={"stream": stream}) as r:
+                got = await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec, got
+
+    return _run(main())
+
+
 def test_a_compressed_response_that_inflates_past_the_bound_is_counted_up_to_it_and_says_so(monkeypatch):
     import zlib
 
@@ -862,21 +882,7 @@ def test_a_compressed_response_that_inflates_past_the_bound_is_counted_up_to_it_
     head = b'data: {"content":"w","tokens":[1,2],"stop":false}\n\n'
     bomb = zlib.compress(head + b": " + b"x" * (4 << 20) + b"\n\n", 9)  # ~4 KiB that inflate to 4 MiB
 
-    async def completion(request):
-        await request.read()
-        return web.Response(body=bomb, headers={"Content-Encoding": "deflate", "Content-Type": "text/event-stream"})
-
-    async def main():
-        rec = Rec()
-        r1, r2, px_url = await _proxy_for_completion(completion, rec)
-        async with aiohttp.ClientSession(auto_decompress=False) as s:
-            async with s.post(px_url + "/completion", json={"stream": True}) as r:
-                body = await r.read()
-        await r2.cleanup()
-        await r1.cleanup()
-        return rec, body
-
-    rec, body = _run(main())
+    rec, body = _deflated_through_proxy(bomb, "text/event-stream", stream=True)
     (t,) = rec.ended
     assert body == bomb and t.response_bytes == len(bomb)
     assert "inflates beyond 1 MiB: tokens after that were not counted" in t.error
@@ -910,21 +916,7 @@ def test_a_compressed_whole_answer_is_inflated_no_further_than_its_copy_bound(mo
 
     monkeypatch.setattr(proxy_mod, "zlib", types.SimpleNamespace(decompressobj=Spy, error=zlib.error))
 
-    async def completion(request):
-        await request.read()
-        return web.Response(body=bomb, headers={"Content-Encoding": "deflate", "Content-Type": "application/json"})
-
-    async def main():
-        rec = Rec()
-        r1, r2, px_url = await _proxy_for_completion(completion, rec)
-        async with aiohttp.ClientSession(auto_decompress=False) as s:
-            async with s.post(px_url + "/completion", json={"stream": False}) as r:
-                body = await r.read()
-        await r2.cleanup()
-        await r1.cleanup()
-        return rec, body
-
-    rec, body = _run(main())
+    rec, body = _deflated_through_proxy(bomb, "application/json", stream=False)
     (t,) = rec.ended
     assert body == bomb and t.response_bytes == len(bomb)
     assert "response body over 4 MiB: not inspected, its tokens were not counted" in t.error

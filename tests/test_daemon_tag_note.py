@@ -148,6 +148,46 @@ def test_a_tag_cut_by_the_daemons_shutdown_says_so():
     assert "shutdown" in note and "powerprof tag stop" in note and "fix:" in note, note
 
 
+def test_a_tag_named_as_a_flag_is_quoted_as_given_and_moves_no_figure_of_analyze(tmp_path):
+    # A tag's name is the client's (the tag socket's: 1-128 of [A-Za-z0-9_.:@/-], so every flag analyze LIKE-matches is
+    # one), and a window closed at shutdown quotes it in its note's fix. Quoted as given, not through
+    # schema.outside_text: `powerprof tag stop NAME` runs as written, and no figure of analyze reads a tag row's note
+    # (its tag table judges a window by server_count and its figures; requests' and intervals' notes never hold a tag's
+    # name). Tried: the same window under each such flag's name reads the same as under "job", and the hosts' alike.
+    from powerprof.analysis import fleet
+    from powerprof.daemon.service import datasets
+    from powerprof.daemon.store import DatasetStore
+    from powerprof.daemon.tagapi import check_name
+
+    flags = sorted({v for k, v in vars(fleet).items() if k.endswith("_FLAG") and isinstance(v, str)})
+    assert {"uncertain-uncounted", "bypass-uncounted", "no-counter-short", "before-first-read"} <= set(flags), flags
+
+    def analysed(names):
+        sink = Sink()
+        led = Ledger("d", 0, 1, sink, grace_s=0.3)
+        for name in names:
+            led.open_tag(check_name(name), 0, 0)
+        for k in range(3):
+            _gpu(led, k, 300.0 * k)
+        _request(led, 0.2, 1.8)
+        led.close_all(int(2.0 * S))
+        out = tmp_path / str(len(names))
+        store = DatasetStore(out, datasets(), host="h")
+        for table in ("requests", "intervals", "tags"):
+            store.append(table, sink.rows[table])
+        assert store.flush()
+        tags = {r.pop("name"): r for r in fleet.tag_summary([str(out)]).to_pylist()}
+        return fleet.fleet_summary([str(out)]).to_pylist(), tags, {r["name"]: r["energy_note"] for r in sink.rows["tags"]}
+
+    hosts, tags, _ = analysed(["job"])
+    flagged_hosts, flagged_tags, notes = analysed(["job", *flags])
+    assert tags["job"]["counted_windows"] == 1 and tags["job"]["gpu_energy_j"] > 0, tags
+    assert flagged_hosts == hosts, (flagged_hosts, hosts)
+    for flag in flags:
+        assert f"fix: powerprof tag stop {flag} before" in notes[flag], notes[flag]
+        assert flagged_tags[flag] == tags["job"], (flag, flagged_tags[flag], tags["job"])
+
+
 def test_a_tag_read_without_an_energy_counter_says_so():
     # A GPU with no counter (Pascal: instant power only): the window's energy is integrated from power readings.
     sink = Sink()

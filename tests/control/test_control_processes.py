@@ -140,17 +140,23 @@ _OPENING = ("import sys,time;from powerprof.control.gpulock import GpuLock;from 
             "lock.release()")
 
 
-def test_restore_waits_for_a_lock_held_while_the_restore_files_writer_is_gone(originals):
-    # A controller opening beside a crashed run's restore file holds the GPU's locks for a while (its squatted names'
-    # /proc scans: 1.4-7.6 s), then refuses on that file. `restore` started meanwhile refused ("already being
-    # controlled"), and the GPU stayed capped. The file's writer gone, no holder can be a controller running on it:
-    # `restore` waits for the lock (RESTORE_BUSY_WAIT_S) and puts the GPU back. Its writer alive, it still refuses at once.
+def _killed_at_200_w() -> str:
+    """A sweep child killed mid-run: both GPUs left at 200 W, root's restore file recording the originals (asserted).
+    GPU 0's uuid."""
     p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
     _wait_for_line(p, "STEPPED")
     p.kill()
     p.wait(timeout=WAIT_S)
     assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
-    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    return SimNVML("seed-16g", count=2).gpus[0].uuid
+
+
+def test_restore_waits_for_a_lock_held_while_the_restore_files_writer_is_gone(originals):
+    # A controller opening beside a crashed run's restore file holds the GPU's locks for a while (its squatted names'
+    # /proc scans: 1.4-7.6 s), then refuses on that file. `restore` started meanwhile refused ("already being
+    # controlled"), and the GPU stayed capped. The file's writer gone, no holder can be a controller running on it:
+    # `restore` waits for the lock (RESTORE_BUSY_WAIT_S) and puts the GPU back. Its writer alive, it still refuses at once.
+    uuid = _killed_at_200_w()
     opening = subprocess.Popen([sys.executable, "-c", _OPENING, uuid, "1.5"], stdout=subprocess.PIPE, text=True)
     try:
         assert _wait_for_line(opening, "HELD")
@@ -421,12 +427,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a holder of another u
 @needs_root
 @pytest.mark.parametrize("how", ["listening", "bound-only", "orphaned", "userns", "zombie-leader"])
 def test_root_restores_a_gpu_whose_machine_wide_name_another_user_squats(originals, how):
-    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
-    _wait_for_line(p, "STEPPED")
-    p.kill()  # the GPUs left at 200 W, root's restore file recording the originals
-    p.wait(timeout=WAIT_S)
-    assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
-    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    uuid = _killed_at_200_w()
     with _squatter(uuid, how) as squat:
         r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
                            capture_output=True, text=True, timeout=WAIT_S)
@@ -451,12 +452,7 @@ def test_root_restores_a_gpu_whose_machine_wide_name_is_held_by_no_listening_pro
     # controller holds its socket open, so one no thread in /proc holds, /proc showing root every process, is none's.
     # Parked listening, its queue not full, its listener exited: the connect was answered, the peer credentials named
     # the dead listener, and root refused ("kill N", N gone; exit 1), the GPU left capped.
-    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
-    _wait_for_line(p, "STEPPED")
-    p.kill()
-    p.wait(timeout=WAIT_S)
-    assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
-    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    uuid = _killed_at_200_w()
     with _squatter(uuid, how):
         r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g"],
                            capture_output=True, text=True, timeout=WAIT_S)
@@ -897,12 +893,7 @@ def test_root_restore_is_never_refused_by_a_lock_file_taken_away(originals, tmp_
     # check counts it), a nobody process holds one of its own, and a squatter parks both names: restore puts it back.
     from powerprof.control.gpulock import MachineLock  # noqa: PLC0415
 
-    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
-    _wait_for_line(p, "STEPPED")
-    p.kill()  # the GPUs left at 200 W, root's restore file recording the originals
-    p.wait(timeout=WAIT_S)
-    assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
-    uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+    uuid = _killed_at_200_w()
     lock = MachineLock(_scope(), uuid)
     theirs = tmp_path / "theirs"
     theirs.mkdir()
@@ -931,6 +922,21 @@ _SETUID_LIKE = ("import os,resource,sys;h=resource.getrlimit(resource.RLIMIT_NOF
                 "os.setresuid(65534,0,0);print('HELD',len(os.listdir('/proc/self/fd')),flush=True);sys.stdin.read()")
 
 
+def _acquire_once(m, uuid: str) -> tuple[str, int]:
+    """Root's acquire and release of GPU `uuid`'s lock, then `m` (a monkeypatch context holding the caller's spies)
+    undone: the lock's warning ("" where none) and how many of its names it held."""
+    from powerprof.control import gpulock  # noqa: PLC0415
+
+    lock = gpulock.MachineLock(_scope(), uuid, 0)
+    lock.acquire()
+    try:
+        held = len(lock._socks)
+    finally:
+        lock.release()
+    m.undo()
+    return lock.warning or "", held
+
+
 @needs_root
 @pytest.mark.parametrize("how", ["in-flight", "listening"])
 def test_a_squatted_names_large_table_of_a_process_that_could_not_control_is_read_once_per_name(originals, monkeypatch,
@@ -955,14 +961,7 @@ def test_a_squatted_names_large_table_of_a_process_that_could_not_control_is_rea
             mine = f"/proc/{many.pid}/"
             m.setattr(gpulock.os, "readlink",
                       lambda p, *a, **k: (str(p).startswith(mine) and read.append(1)) or real_readlink(p, *a, **k))
-            lock = gpulock.MachineLock(_scope(), uuid, 0)
-            lock.acquire()
-            try:
-                held = len(lock._socks)
-            finally:
-                lock.release()
-            m.undo()
-            said = lock.warning or ""
+            said, held = _acquire_once(m, uuid)
             assert "passed over" in said, said
             if how == "listening":  # the squatter is still found, named and its socket kept
                 assert f"process {squat} (uid 65534)" in said and held == 2, said
@@ -983,14 +982,7 @@ def _acquire_beside(m, uuid: str, squat: int) -> list:
 
     scans, real_scan = [], gpulock._holders_from_proc
     m.setattr(gpulock, "_holders_from_proc", lambda *a, **k: scans.append(1) or real_scan(*a, **k))
-    lock = gpulock.MachineLock(_scope(), uuid, 0)
-    lock.acquire()
-    try:
-        held = len(lock._socks)
-    finally:
-        lock.release()
-    m.undo()
-    said = lock.warning or ""
+    said, held = _acquire_once(m, uuid)
     assert f"process {squat} (uid 65534)" in said and held == 2, said
     return scans
 
