@@ -769,3 +769,163 @@ def test_a_503_blip_that_is_not_llamacpp_loading_opens_no_crash_window(monkeypat
                                 "ValueError: GET http://x/metrics answered 503 (not llama-server's"), got
     if kind == "llamacpp":
         assert all("counter_below" not in g[1] for g in got), got
+
+
+# --- a gateway's 502/503 in front of a vLLM or SGLang: a failed scrape, not a down, for the counter's logic ----------
+
+
+def _vllm_full(tokens: float, finished: int) -> str:
+    return (_vllm_multiprocess(tokens) + "# TYPE vllm:request_success_total counter\n"
+            f'vllm:request_success_total{{model_name="m",finished_reason="length"}} {finished}\n')
+
+
+def _page(kind: str, tokens: float, finished: int) -> str:
+    return _sglang_full(tokens, 0, finished, 2.0 * finished) if kind == "sglang" else _vllm_full(tokens, finished)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+@pytest.mark.parametrize("blips", [1, 2])
+def test_a_gateways_503_blip_before_a_counter_that_went_on_leaves_its_window_whole(kind, blips, monkeypatch):
+    # A router or nginx answers /metrics 503 for a scrape or two in front of a live SGLang (or a vLLM with several
+    # API servers: no start time), which went on counting (1000 → 1040, 10 → 11 requests finished). Before, the 503
+    # read as the server found down and the window back was marked counter_below (a restart warning, its rows out of
+    # J/token) though nothing restarted and the counter never dipped; the 503 is a failed scrape, the window whole.
+    # Scrapes 1 s apart: 1040 is a count a new process could have reached since the page before
+    # (FASTEST_SERVER_TOKENS_PER_S).
+    script = [_page(kind, 1000, 10)] + ["503"] * blips + [_page(kind, 1040, 11), _page(kind, 1080, 12)]
+    deltas, sc = _scrapes(kind, script, period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas == [0] + [None] * blips + [40, 40], deltas
+    assert sc.partial == {} and sc.restarts == 0 and sc.below == 0 and sc.errors == blips, (sc.partial, sc.below)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_a_restart_behind_a_gateways_503_is_still_told(kind, monkeypatch):
+    # A router answering 503 while the server behind it restarts (scrapes 1 s apart: a new process could have counted
+    # 1040 tokens from 0 since the page before, FASTEST_SERVER_TOKENS_PER_S). The counter fallen (above half of it,
+    # where a fall with no sign is held as a dip): a restart at once, the new process's counted from 0, as before.
+    deltas, sc = _scrapes(kind, [_page(kind, 1000, 10), "503", "503", _page(kind, 600, 6), _page(kind, 640, 7)],
+                          period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas == [0, None, None, 600, 40] and sc.restarts == 1 and "server_restart" in sc.partial, deltas
+    assert sc.dips == 0
+    # Its new process past the old reading by its first page, its finished requests below the old process's (a new
+    # process counts them from 0): another process, its window said as after a refusal (counter_below).
+    deltas, sc = _scrapes(kind, [_page(kind, 1000, 10), "503", _page(kind, 1040, 4), _page(kind, 1080, 5)],
+                          period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas == [0, None, 40, 40] and "counter_below" in sc.partial and sc.window_partial == (), deltas
+    # A page with no finished-request count to tell by: said, as before.
+    deltas, sc = _scrapes("sglang", [_sglang(1000), "503", _sglang(1040), _sglang(1080)],
+                          period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas == [0, None, 40, 40] and "counter_below" in sc.partial, deltas
+    # Nothing listening (a refusal) is a death whatever the marks say: said.
+    deltas, sc = _scrapes(kind, [_page(kind, 1000, 10), DOWN, _page(kind, 1040, 11), _page(kind, 1080, 12)],
+                          period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas == [0, None, 40, 40] and "counter_below" in sc.partial, deltas
+
+
+def blip_run(tmp_path, restart: bool) -> dict:
+    """A daemon in front of a simulated SGLang (continuous batching), scraping it through a router stub that forwards
+    /metrics and answers 503 (nginx's page) for two scrapes 1.5 s into 4 s of 2 proxied lanes of 32-token streams, and
+    whenever the server behind it refuses (`restart`: the server restarts then, down 0.4 s, behind the router's 503s).
+    Returns the rows' marks and what was left out of J/token."""
+    import time
+
+    from aiohttp import web
+    from daemon_helpers import read_dataset
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.rig import Rig
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    nvml = SimNVML("a100-40g", state_path=None)
+    srv = SimServer(nvml, flavour="sglang", n_slots=8, batching="continuous", decode_tok_s=200.0, draft_n_max=0).start()
+    nginx = "<html><body><h1>503 Service Temporarily Unavailable</h1></body></html>"
+    router = {"blips": 0, "answered_503": 0}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async def forward(request):
+                if router["blips"] > 0:
+                    router["blips"] -= 1
+                    router["answered_503"] += 1
+                    return web.Response(status=503, text=nginx, content_type="text/html")
+                try:
+                    async with s.get(srv.url + request.path) as r:
+                        return web.Response(status=r.status, body=await r.read(), content_type="text/plain")
+                except aiohttp.ClientConnectionError:  # the server behind it down: the router's 503
+                    router["answered_503"] += 1
+                    return web.Response(status=503, text=nginx, content_type="text/html")
+
+            app = web.Application()
+            app.router.add_get("/{tail:.*}", forward)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            port = runner.addresses[0][1]
+            cfg = load_config(None, env={}, overrides={
+                "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.25, "daemon.flush_interval_s": 0.5,
+                "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
+                "scrape.url": f"http://127.0.0.1:{port}", "daemon.restore_on_start": False,
+                "tags.socket": str(tmp_path / "pp.sock"), "scrape.server": "sglang"})
+            daemon = Daemon(cfg, Rig("a100-40g", nvml=nvml, host=False))
+            task = asyncio.create_task(daemon.run())
+            while "proxy" not in daemon.urls:
+                assert not task.done(), "the daemon ended before it listened"
+                await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+
+            async def lane():
+                body = {"model": "m", "prompt": "x " * 20, "max_tokens": 32, "ignore_eos": True, "stream": True}
+                while time.monotonic() - t0 < 4.0:
+                    try:
+                        async with s.post(daemon.urls["proxy"] + "/v1/completions", json=body) as r:
+                            await r.read()
+                    except aiohttp.ClientError:
+                        pass  # a stream the restart cut
+                    await asyncio.sleep(0.1)
+
+            async def events():
+                await asyncio.sleep(1.5)
+                if restart:
+                    await asyncio.wrap_future(srv.restart(0.4))
+                else:
+                    router["blips"] = 2
+
+            await asyncio.gather(lane(), lane(), events())
+            await asyncio.sleep(1.0)
+            daemon.stop_event.set()
+            await task
+            await runner.cleanup()
+            return daemon
+
+    try:
+        daemon = asyncio.run(asyncio.wait_for(go(), 120))
+    finally:
+        srv.stop()
+    rows = read_dataset(tmp_path / "data", "intervals").to_dict("records")
+    marks = [r["server_count"] or "" for r in rows]
+    return {
+        "answered_503": router["answered_503"],
+        "rows": len(rows),
+        "rows_complete": sum(m == "complete" for m in marks),
+        "rows_counter_below": sum("counter_below" in m for m in marks),
+        "rows_server_restart": sum("server_restart" in m for m in marks),
+        "restarts_told": daemon.scraper.restarts,
+        "jpt_left_out": dict(daemon.ledger.totals.jpt_left_out),
+    }
+
+
+def test_a_simulated_sglang_behind_a_routers_503_blip_keeps_its_windows_whole(tmp_path):
+    """Before: the router's two 503s read as the server found down, and the first window back said counter_below (its
+    intervals out of J/token) though the server never restarted and its counter never dipped. Now whole."""
+    got = blip_run(tmp_path, restart=False)
+    assert got["answered_503"] == 2, got
+    assert got["rows_counter_below"] == 0 and got["rows_server_restart"] == 0 and got["restarts_told"] == 0, got
+    assert not any("counter_below" in k or "restart" in k for k in got["jpt_left_out"]), got
+
+
+def test_a_simulated_sglang_restarting_behind_a_routers_503_is_still_told(tmp_path):
+    # The router answers 503 while the server behind it is down (no scrape refused): its new counter fell, a restart.
+    got = blip_run(tmp_path, restart=True)
+    assert got["answered_503"] >= 1, got
+    assert got["restarts_told"] == 1 and got["rows_server_restart"] >= 1, got

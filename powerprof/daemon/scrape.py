@@ -138,7 +138,9 @@ PARTIAL_REASONS = {
                    "or, that reading "
                    f"{YOUNG_COUNTER_TOKENS} tokens or fewer, fell by more than {YOUNG_DIP_TOKENS} and was back at it by "
                    "the next scrape, and no scrape found the server down, or the counter was at or past that reading "
-                   "at the first page after a scrape found the server down (no process start time on the page; not "
+                   "at the first page after a scrape found the server down, or answered 502/503 (a gateway's) and the "
+                   "page's finished requests went back or are not on it, or that reading was "
+                   f"{YOUNG_COUNTER_TOKENS} tokens or fewer (no process start time on the page; not "
                    "where it and the finished-request histogram, or llama.cpp's decode calls, had not moved, nor where "
                    "it was higher than a new process could have counted since the page before the outage): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
@@ -233,11 +235,18 @@ def burst_start_ns(since_ns: int, t_ns: int, delta: float, next_rate_per_ns: flo
 
 
 def _server_down(e: BaseException) -> bool:
-    """Whether a failed scrape says the server is down (a restart's sign, _dip_or_restart): nothing listening on its
-    port (a refused connection: servercount.connection_refused), or a gateway's or a loading server's 502/503. A
-    timeout (busy), a bad page, or a connection that failed otherwise (a host name that did not resolve, a connect
-    that timed out) does not: that scrape could not read the server, and says so (last_error)."""
+    """Whether a failed scrape may say the server is down (where a restart's window begins, `window_down_ns`): nothing
+    listening on its port (a refused connection: servercount.connection_refused), or a gateway's or a loading server's
+    502/503. A timeout (busy), a bad page, or a connection that failed otherwise (a host name that did not resolve, a
+    connect that timed out) does not: that scrape could not read the server, and says so (last_error)."""
     return connection_refused(e) or (isinstance(e, MetricsStatus) and e.status in (502, 503))
+
+
+def _found_down(e: BaseException) -> bool:
+    """Whether a failed scrape proves the server down for the counter's logic (`Scraper._unreachable`): a refused
+    connection or llama-server's own 503 "Loading model". Any other 502/503 (`_server_down` only) is a gateway's answer
+    in front of it (`Scraper._blipped`): a failed scrape, the server behind it live or restarting, nothing told."""
+    return connection_refused(e) or (isinstance(e, MetricsStatus) and e.loading)
 
 
 class MetricsStatus(ValueError):
@@ -316,7 +325,14 @@ class Scraper:
         self.below = 0  # pages still below the highest reading after a dip, counted as 0 and marked (COUNTER_BELOW)
         self._dipped: float | None = None  # the dipped reading of the page before, not believed: the next one tells
         self._young_fall = False  # that dip was a young counter's, of more than YOUNG_DIP_TOKENS (_dip_or_restart)
-        self._unreachable = False  # a scrape since the last believed page found the server down (_SERVER_DOWN)
+        self._unreachable = False  # a scrape since the last believed page found the server down (_found_down)
+        # One answered 502/503 not llama-server's "Loading model" (a router's, nginx's, a rate limit's): a failed scrape,
+        # no down. A fall after it is still a restart at once (a router answers so while the server behind it restarts);
+        # a counter at or past its reading after it is the same process, whole, unless the page's finished requests
+        # say another or the counter is young (`_blip_back`). Read as down, every such window was marked counter_below.
+        self._blipped = False
+        # The last believed page's finished-request marks (`_finished_marks`): the same process's never go back.
+        self._marks: tuple[float, ...] | None = None
         # When the first such scrape began (time.monotonic_ns()), and, on the believed page after it, the latest window's
         # (None: no scrape of the window found the server down): a process gone in a restart died before it, so the
         # ledger places its run-ons' end between the window's start and it (`Ledger._run_on_cut_ns`).
@@ -389,7 +405,7 @@ class Scraper:
         counted as one window's tokens and that window marked server_restart (docs/daemon.md, A counter that dips). A
         restart is told by what a dip does not do: the counter fell to half or less (a new process counts from 0; not
         while the highest reading is YOUNG_COUNTER_TOKENS or fewer, which a dip of a request's tokens takes there), a
-        scrape since the last believed page found the server down (nothing listening, or a 502/503), or a young
+        scrape since the last believed page found the server down (`_found_down`) or answered 502/503, or a young
         counter's fall of more than YOUNG_DIP_TOKENS still below `prev` at the next page (a dip is back by then: the
         new process's count, counted from 0). A fall still there at the next page, none of those, may be either: that
         page's window counts nothing and is marked (COUNTER_BELOW, `_below`), and tokens count again from `prev` once
@@ -399,6 +415,12 @@ class Scraper:
             return f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}"
         if self._unreachable:
             return (f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} after a scrape found the server down")
+        if self._blipped:
+            # A gateway's 502/503 is no proof of a death, but a fall behind it is how a restart behind a router reads:
+            # judged a restart at once, as before, not held as a dip (a restart whose new process passed half the old
+            # reading and then the old reading by the next page would go unsaid).
+            return (f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} after a scrape answered 502/503 (a "
+                    "gateway in front of the server, which may have restarted behind it)")
         if self._dipped is not None and self._young_fall:
             # A young counter's fall of more than a few tokens, still below the reading before it at the next page:
             # a dip adds nothing, so its next page reads at least that reading (plus any tokens since); below it, the
@@ -501,6 +523,38 @@ class Scraper:
         self._said_below(f"is at {total:g} after a scrape found the server down, at or past {prev:g}, its reading "
                          "before: the same process back, or a restart whose new process reached the old reading")
 
+    def _finished_marks(self, text: str) -> tuple[float, ...] | None:
+        """This page's counts of finished requests: vLLM's vllm:request_success_total, SGLang's finished-request
+        histogram (FINISHED_LATENCY: count and summed seconds). One process's only rise; a new process's count from 0.
+        None where the page says none of them."""
+        marks: list[float] = []
+        try:
+            done = requests_and_in_flight(text)[0]
+            name = FINISHED_LATENCY.get(self.kind or "")
+            hist = histogram_sum_count(text, name) if name is not None else None
+        except ValueError:
+            return None
+        if done is not None:
+            marks.append(done)
+        if hist is not None:
+            marks.extend(hist)
+        return tuple(marks) or None
+
+    def _blip_back(self, prev: float, total: float, marks: tuple[float, ...] | None) -> None:
+        """After a gateway's 502/503 (no scrape found the server down), the counter at `total`, at or past its reading
+        `prev`: the same process back, whole, unless the page may be another process's. Said (COUNTER_BELOW) where its
+        finished-request marks went below the last believed page's (a new process counts them from 0; a multi-process
+        page's lag may too: the count is kept either way); judged as after a down (`_down_back`) where either page has
+        none (nothing to tell by) or `prev` is YOUNG_COUNTER_TOKENS or fewer (a new process passes that with a request,
+        and its marks with it). A restart behind the gateway whose new process passed the old reading and every mark by
+        its first page is not told (docs/daemon.md, A server restart)."""
+        if prev <= YOUNG_COUNTER_TOKENS or marks is None or self._marks is None or len(marks) != len(self._marks):
+            self._down_back(prev, total)
+        elif any(now < before for now, before in zip(marks, self._marks)):
+            self._said_below(f"is at {total:g} after a scrape answered 502/503, at or past {prev:g}, its reading before, "
+                             "with fewer requests finished: a restart behind a gateway whose new process reached the "
+                             "old reading, or a multi-process page's lag")
+
     def _same_finished(self, text: str) -> bool:
         """Whether this page's finished-request histogram (FINISHED_LATENCY: count and summed seconds) reads as the last
         believed page's did: the same process, idle since (a restart's new process has its own requests' seconds). False
@@ -599,7 +653,7 @@ class Scraper:
                 log.info("scraping %s token counters at %s", self.kind, self.base)
             if self.kind == "llamacpp":
                 delta = await self._scrape_llamacpp()
-                self._unreachable = False  # a believed page: the next fall is judged afresh
+                self._unreachable = self._blipped = False  # a believed page: the next fall is judged afresh
                 self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
@@ -617,12 +671,13 @@ class Scraper:
                         "the counter; its tokens cannot be counted)" if self.kind == "sglang" else ""))
                 had_start = self._start_s is not None
                 new_process = self._new_process(text)
+                marks = self._finished_marks(text)
                 prev = self._last_total
                 same_start = had_start and self._start_s is not None
                 by_fall = False  # a restart judged from the fall alone (below)
                 if prev is not None and total < prev and new_process is None and not same_start:
                     # No start time to tell (SGLang's page, a vLLM with several API servers): a dip or a restart.
-                    unreachable = self._unreachable
+                    unreachable = self._unreachable or self._blipped  # a fall after either: not by the fall alone
                     new_process = self._dip_or_restart(prev, total)
                     by_fall = new_process is not None and not unreachable
                     if new_process is None and COUNTER_BELOW in self.window_partial:
@@ -646,10 +701,14 @@ class Scraper:
                                      f"again from {prev:g}")
                 if self._young_fall and self._dipped is not None and prev is not None and total >= prev:
                     self._young_back(prev, self._dipped, total)
-                elif (self._unreachable and prev is not None and total >= prev and new_process is None and not same_start
-                      and not (total == prev and self._same_finished(text))):
-                    self._down_back(prev, total)
-                self._last_total, self._dipped, self._unreachable = total, None, False
+                elif ((self._unreachable or self._blipped) and prev is not None and total >= prev and new_process is None
+                      and not same_start and not (total == prev and self._same_finished(text))):
+                    if self._unreachable:
+                        self._down_back(prev, total)
+                    else:
+                        self._blip_back(prev, total, marks)
+                self._last_total, self._dipped, self._unreachable, self._blipped = total, None, False, False
+                self._marks = marks
                 self._young_fall = False
                 self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
@@ -685,7 +744,8 @@ class Scraper:
                                else None)
         except Exception as e:  # a server's answer never ends the scrape loop: counted and logged
             down = _server_down(e)
-            self._unreachable |= down
+            self._unreachable |= _found_down(e)
+            self._blipped |= down and not _found_down(e)
             if down and self._down_at_ns is None:
                 self._down_at_ns, self._down_refused = scrape_at_ns, connection_refused(e)
             if self._refused_at_ns is None and connection_refused(e):
