@@ -26,7 +26,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid, gone_unsaid, is_passive,
                           told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
-from .proxy import RESEND_REFUSED
+from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
@@ -420,10 +420,12 @@ def _run_on_said(r: LiveRequest) -> str:
         how = ("a crash: its process died, its head would have come only when it was done" if not r.crash_unsure else
                "a crash in flight, its head to come only when it was done, or a router in front of the server holding "
                "it and refusing it unrun")
-        if RESEND_REFUSED in (tr.error or "") and not r.crash_unsure:
-            # proxy.ResendRefused: a kept-alive connection closed as it went out, and its resend was refused. The
-            # server died, but the close may have come before it read the request: the proxy's error says both.
-            how = (f"a kept-alive connection's close, and {RESEND_REFUSED}: the server died, with it in flight or "
+        resend = next((w for w in (RESEND_REFUSED, RESEND_LOADING) if w in (tr.error or "")), None)
+        if resend is not None and not r.crash_unsure:
+            # proxy.ResendRefused (ResendLoading): a kept-alive connection closed as it went out, and its resend was
+            # refused (met a new llama-server's loading page). The server died, but the close may have come before
+            # it read the request: the proxy's error says both.
+            how = (f"a kept-alive connection's close, and {resend}: the server died, with it in flight or "
                    "before it read it, so it ran until then or may never have run; the figure here is the first "
                    "reading, at most its time from arrival to the close")
         lead = (f"the server closed its connection with no answer {s:.2f} s after its arrival ({how}), and the client "
