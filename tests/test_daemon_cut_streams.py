@@ -724,8 +724,10 @@ async def _server_known(daemon) -> None:
 
 @pytest.mark.parametrize("flavour,down_s,stale_s,loading_s", [("sglang", 0.5, None, 0.0), ("llamacpp", 0.5, None, 0.0),
                                                               ("llamacpp", 10.5, None, 0.0), ("sglang", 0.5, 5.0, 0.0),
-                                                              ("llamacpp", 0.05, None, 10.5)],
-                         ids=["sglang", "llamacpp", "llamacpp_reload", "sglang_read_as_stale", "llamacpp_reload_503"])
+                                                              ("llamacpp", 0.05, None, 10.5),
+                                                              ("llamacpp", 0.05, 5.0, 10.5)],
+                         ids=["sglang", "llamacpp", "llamacpp_reload", "sglang_read_as_stale", "llamacpp_reload_503",
+                              "llamacpp_reload_503_read_as_stale"])
 def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash(tmp_path, monkeypatch, flavour, down_s,
                                                                                  stale_s, loading_s):
     # Two whole answers (max_tokens 2000, not streamed) decode for about 1 s when the simulated server's process dies
@@ -743,13 +745,26 @@ def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash
     # its scrapes found it down by a 503, nothing refused, and no death was shown: 0 J each against about 146 J of
     # truth. Sent before the old process's last good scrape, they were in flight at a live server: costed, marked
     # uncertain-uncounted (a queuing router refusing a request it held reads the same). The crash comes 1.5 s in there,
-    # past STALE_CLOSE_MAX_S (a resend would meet the loading 503: a gap the report says).
+    # past STALE_CLOSE_MAX_S; read as a crossing close (`stale_s`), the resend met the loading 503, which was relayed
+    # as the request's answer (the client got 503, the row an error answer at 0 J): now the server down
+    # (proxy.RESEND_LOADING), costed as the other.
     import asyncio
 
     from powerprof.daemon import forward
 
     if stale_s is not None:
         monkeypatch.setattr(forward, "STALE_CLOSE_MAX_S", stale_s)
+    if stale_s is not None and loading_s:
+        # The resend's connect 0.2 s late (a loaded proxy host), after the new process bound its port: it meets the
+        # loading page. On time it is refused (down 0.05 s).
+        acquire = forward.UpstreamPool.acquire
+
+        async def late(self, fresh=False):
+            if fresh:
+                await asyncio.sleep(0.2)
+            return await acquire(self, fresh)
+
+        monkeypatch.setattr(forward.UpstreamPool, "acquire", late)
 
     import aiohttp
 
@@ -768,6 +783,11 @@ def test_whole_answers_in_flight_when_the_server_crashes_are_costed_to_the_crash
         await _server_known(daemon)
         async with aiohttp.ClientSession() as s:
             await cut_accuracy._normal(s, url, "warm")  # a stream's pace: the decode's estimate
+            if stale_s is not None and flavour == "llamacpp":
+                # llama-server closes a connection after a stream: a whole answer leaves one kept alive for w0 to take.
+                async with await cut_accuracy._post(s, url, "kept", {"prompt": cut_accuracy._words(20), "max_tokens": 4,
+                                                                     "stream": False}) as r:
+                    await r.read()
             jobs = [asyncio.create_task(whole(s, url, f"w{k}")) for k in range(2)]
             await asyncio.sleep(1.5 if loading_s else 1.0)
             await asyncio.wrap_future(srv.restart(down_s, loading_s=loading_s))

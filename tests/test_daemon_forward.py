@@ -780,9 +780,13 @@ class CrashesOnItsSecondRequest:
     `works_s` of generation) and then dies without a byte of answer: a crash mid-request, not a close that crossed
     the request on the wire. Counts each request it received."""
 
-    def __init__(self, works_s: float, stops_listening: bool = False):
+    LOADING = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+
+    def __init__(self, works_s: float, stops_listening: bool = False, reloads: bool = False):
         self.works_s = works_s
         self.stops_listening = stops_listening  # its process dies: a connect after is refused
+        self.reloads = reloads  # a new llama-server binds the port at once: a connect after meets its loading page
+        self.crashed = False
         self.received = 0
 
     async def handle(self, reader, writer):
@@ -796,7 +800,13 @@ class CrashesOnItsSecondRequest:
                     await reader.readexactly(length)
                 self.received += 1
                 n += 1
+                if self.crashed and self.reloads:
+                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n%b" % (len(self.LOADING), self.LOADING))
+                    await writer.drain()
+                    continue
                 if n == 2:
+                    self.crashed = True
                     await asyncio.sleep(self.works_s)
                     if self.stops_listening:
                         self.server.close()
@@ -842,6 +852,22 @@ def test_a_request_closed_in_the_stale_bound_whose_resend_is_refused_is_the_serv
     assert up.received == 2
     tr = rec.ended[1]
     assert tr.outcome == "upstream_error" and tr.error.startswith(CRASHED_NOTE) and RESEND_REFUSED in tr.error, tr.error
+
+
+def test_a_resend_that_meets_llama_server_s_loading_page_is_the_server_s_crash():
+    """The same close, but the server restarts at once (llama-server binds its port before it loads its model) and its
+    resend is answered 503 "Loading model", as llama-server answers every route while it loads. Before, that 503 was
+    relayed as the request's answer (outcome ok, no share: an error answer, never run), though the close was the old
+    process's death with the request in flight, or before it read it. It reads as the server down, as the scraper reads
+    that page (`scrape.LLAMACPP_LOADING`): a close with no answer, its error saying what the resend met."""
+    from powerprof.daemon.proxy import CRASHED_NOTE, RESEND_LOADING
+
+    out, up, proxy, rec = _run(_two_requests(CrashesOnItsSecondRequest(works_s=0.2, reloads=True)))
+    tr = rec.ended[1]
+    print(out, tr.outcome, tr.status, tr.error)
+    assert out == [200, 502], out
+    assert up.received == 3 and proxy.upstream_retries == 1  # sent again once, met the loading page
+    assert tr.outcome == "upstream_error" and tr.error.startswith(f"{CRASHED_NOTE}: {RESEND_LOADING}"), tr.error
 
 
 def test_a_request_the_upstream_began_and_then_died_on_is_not_sent_again(monkeypatch):

@@ -4261,6 +4261,9 @@ def test_a_close_with_no_answer_where_the_server_was_found_down_is_costed_to_the
         # request (never run). Worded "a crash: its process died", the row said one reading where the proxy's error
         # says both.
         assert "its process died" not in note and "may never have run" in note and RESEND_REFUSED in note, note
+        # Kept in J/token, unmarked: ran, the figure is the crash's; never run, high by its time to the close alone (a
+        # crossing's milliseconds), an excess the requests beside it lack, which leaving it out would not undo.
+        assert UNSURE_FLAG not in note, note
 
 
 @pytest.mark.parametrize("reload_s", [None, 13.0], ids=["restart", "reload_open"])
@@ -4299,6 +4302,49 @@ def test_a_503_window_with_no_restart_after_costs_nothing():
     print(row["attributed_tokens"], row["gpu_energy_j"], note)
     assert not row["attributed_tokens"] and not row["gpu_energy_j"], row
     assert "its process died" not in note and "may have run" in note, note
+
+
+def test_a_close_held_for_a_loading_page_past_down_hold_max_s_is_written_and_said(monkeypatch):
+    # A whole answer in flight from 0.5 s closes with no answer at 1.55 s; llama-server's 503 "Loading model" from 1.6 s
+    # alone opens the window (`Ledger.note_down`, none refused), so its row waits for a page confirming the restart
+    # (`Ledger._down_hold`), at most DOWN_HOLD_MAX_S: cut to 15 s here (past SCRAPE_HOLD_S, as the 120 s is), the page
+    # at 40 s comes too late. What a user relies on: the row is written once the cap passes, while the server is still
+    # down (not lost, nor held to the stop), and its 0 J is said and flagged: low if that was a crash (it ran until its
+    # close), right if not.
+    import powerprof.daemon.ledger as ledger_mod
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
+    written_s = []  # the daemon loop's time its row went out at
+
+    class Watch(list):  # given the helper's ledger: notes the `advance` its row leaves at
+        def append(self, led):
+            super().append(led)
+            advance, emit, now = led.advance, led.emit, [0]
+
+            def timed(now_ns, *a, **kw):
+                now[0] = now_ns
+                return advance(now_ns, *a, **kw)
+
+            def watched(name, rows):
+                if name == "requests" and any(r["request_id"] == 2 for r in rows):
+                    written_s.append(now[0] / S)
+                emit(name, rows)
+
+            watched.rows = emit.rows
+            led.advance, led.emit = timed, watched
+
+    ledgers = Watch()
+    row = _llamacpp_whole_run_on([(1.5, 40.0)], leave=1.55, end_s=50.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: closed", opened=(1.6, None), ledgers=ledgers)
+    note = row["energy_note"] or ""
+    print(written_s, row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert written_s and 15.5 <= written_s[0] <= 17.0, written_s  # the cap after its close, the server still down
+    assert not row["gpu_energy_j"] and "not costed" in note, note
+    # Said: why 0 J, both readings, the wait and its fix (before: the words of a close no scrape saw at all).
+    assert "its row waited 15 s for a scrape to confirm the restart" in note and '503 "Loading model"' in note, note
+    assert "may never have run" in note and "fix:" in note, note
+    # Flagged: counted apart (analyze's uncertain_requests, the daemon's /metrics counter).
+    assert UNSURE_FLAG in note and ledgers[0].flagged_requests[UNSURE_FLAG] == 1, note
 
 
 @pytest.mark.parametrize("fail_closed,reload_s", [(False, None), (True, None), (False, 13.0)],

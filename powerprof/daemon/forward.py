@@ -460,6 +460,23 @@ class Exchange(asyncio.Protocol):
         early, self._early = self._early, []
         return early[0] if len(early) == 1 else b"".join(early)
 
+    async def peek_body(self, max_bytes: int, timeout_s: float) -> bytes | None:
+        """A small whole body (its Content-Length up to `max_bytes`), read before attach() and left there to be relayed;
+        None where it is larger, framed otherwise, or not whole within `timeout_s`."""
+        try:
+            n = int(self.headers.get("Content-Length", "")) if self.headers is not None else -1
+        except ValueError:
+            return None
+        if self.chunked or not 0 <= n <= max_bytes or self.done is None:
+            return None
+        if n == 0:
+            return b""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.done), timeout_s)
+        except Exception:  # cut or slow: not read here (the relay meets it)
+            return None
+        return b"".join(self._early)
+
     def attach(self, on_body) -> None:
         """From now on every read of the body goes to on_body(bytes), in the socket callback."""
         early, self._early = self._early, []

@@ -1818,12 +1818,16 @@ class Ledger:
         if o is None or o[2]:
             return horizon
         slack = int(CRASH_CLOSE_SLACK_S * 1e9)
-        waiting = [r.trace.arrival_ns for r in self.requests.values()
+        cap = now_ns - int(DOWN_HOLD_MAX_S * 1e9)
+        waiting = [r for r in self.requests.values()
                    if r.trace.end_ns is not None and not r.crash_seen and closed_unanswered(r)
                    and r.trace.arrival_ns < o[0] <= r.trace.end_ns <= o[1] + slack]
+        for r in waiting:
+            if r.trace.arrival_ns <= cap:  # let go with no page come: its row says it waited, and why it is 0 J
+                r.down_hold_over = (o[1], DOWN_HOLD_MAX_S)
         if not waiting:
             return horizon
-        return min(horizon, max(min(waiting), now_ns - int(DOWN_HOLD_MAX_S * 1e9)))
+        return min(horizon, max(min(r.trace.arrival_ns for r in waiting), cap))
 
     def _run_on_cut_ns(self, r: LiveRequest) -> tuple[int, tuple[int, int, int | None]] | None:
         """Where the process that ran `r` on died, as best known, in the first restart known since `r` arrived: after

@@ -70,6 +70,10 @@ class LiveRequest:
     # after saying a restart, with no death shown (`Ledger._crash_seen`): a queuing router's refusal (llama-swap holding
     # it while it swaps models) reads the same, so its row says both readings, flagged UNSURE_FLAG.
     crash_unsure: bool = False
+    # Its close with no answer's row held for a page confirming the restart a 503 "Loading model" alone suggested, let go
+    # at DOWN_HOLD_MAX_S with none come (`Ledger._down_hold`): (that window's first found-down scrape, monotonic ns; the
+    # cap, s). Its row, costed as not run, says so.
+    down_hold_over: tuple[int, float] | None = None
     # That restart's window (the old process's last scrape, the new one's first), its first scrape that found the
     # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, this
     # request's arrival or its client's leaving after it), monotonic ns: the span its run-on's end is known within

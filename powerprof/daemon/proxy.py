@@ -38,6 +38,7 @@ from powerprof.workload.stream import json_from_bytes
 
 from . import streams
 from .forward import Exchange, StaleConnection, UpstreamClosed, UpstreamError, UpstreamPool
+from .scrape import LLAMACPP_LOADING
 from .promptlen import empty_prompts, prompt_count, prompt_shape, stateful_turn, tools_if_none, uncarried_chars
 
 log = logging.getLogger("powerprof.daemon.proxy")
@@ -100,6 +101,12 @@ BODY_LEFT_NOTE = "the client left while sending its request body"
 # connection, which was refused: nothing listened, so the close was the server dying with it, not a close that crossed
 # it (a refused connect, a proof of the death for the ledger: `Ledger._death_shown`).
 RESEND_REFUSED = "sending it again was refused"
+# Or the resend was answered by llama-server's loading page (503 "Loading model", scrape.LLAMACPP_LOADING): a new
+# process bound the port, so the close was the old one's end; read as the server down, as the scraper reads that page
+# (no proof of a death alone: the ledger's restart rules decide its cost). Relayed, it was the request's answer: 0 J.
+RESEND_LOADING = "sending it again met llama-server's loading page"
+# The largest 503 body read for that page on a resend (llama-server's is 77 bytes); a larger one is relayed unread.
+LOADING_BODY_MAX = 4096
 CRASHED_NOTE = "the upstream closed its connection with no answer after the request went out (a crash, or a refusal?)"
 
 
@@ -646,7 +653,8 @@ class Proxy:
                     trace.outcome = "interrupted" if self.closing else "client_disconnected"
                 _add_error(trace, NOT_FORWARDED_NOTE)
             if trace is not None:
-                trace.end_ns = time.monotonic_ns()
+                if trace.end_ns is None:  # set already where its run ended before the proxy's answer (a resend's close)
+                    trace.end_ns = time.monotonic_ns()
                 wall_offset = trace.arrival_wall_ns - trace.arrival_ns
                 trace.end_wall_ns = trace.end_ns + wall_offset
                 if trace.last_ns is not None and trace.last_wall_ns is None:
@@ -864,6 +872,7 @@ class Proxy:
                     raise  # a body streamed through is gone: it cannot be sent again
                 # The server never began this request (no byte of an answer on a connection it had closed):
                 # sent once more, on a new connection, as browsers do (Chromium resends on a reused socket).
+                closed_ns = time.monotonic_ns()
                 self._drop(ex)
                 ex = None
                 self.upstream_retries += 1
@@ -879,10 +888,20 @@ class Proxy:
                     raise ResendRefused(
                         f"upstream closed the kept-alive connection {stale.waited_s:.2f} s after the request without "
                         f"answering, and sending it again was refused ({error_text(e)}): the server died with it (a "
-                        "crash?), or stopped as the request crossed its idle connection's close (then never run)") from e
+                        "crash?), or stopped as the request crossed its idle connection's close (then never run)",
+                        closed_ns=closed_ns) from e
                 ex.start(request.method, head)
                 ex.on_tick = lambda: _check_waiting_client(request, ex)
                 status, reason, up_headers = await ex.response_head
+                if status == 503 and LLAMACPP_LOADING.encode() in (await ex.peek_body(LOADING_BODY_MAX, 1.0) or b""):
+                    # A new llama-server loading its model: the close was the old process's end, with the request
+                    # in flight or before it read it. Relayed, the 503 was its answer (no share, 0 J), the work the
+                    # old process did for it the neighbours'.
+                    raise ResendLoading(
+                        f"upstream closed the kept-alive connection {stale.waited_s:.2f} s after the request without "
+                        f"answering, and {RESEND_LOADING} (HTTP 503 {LLAMACPP_LOADING}): the server restarted, with it "
+                        "in flight (a crash?) or as the request crossed its idle connection's close (then never run)",
+                        closed_ns=closed_ns)
         except _ClientLeft as e:
             self._drop(ex)
             return self._client_left(trace, str(e))
@@ -900,8 +919,13 @@ class Proxy:
                 # The server had it, and ran it until then: not unreachable. A whole answer's head comes only when it
                 # is done, so every whole answer in flight at a crash ended here: upstream_unreachable, no energy (two
                 # on the simulator, 130 tokens and 148 J each), that work idle, their rows silent on it.
-                said = f"{RESEND_REFUSED}: " if isinstance(e, ResendRefused) else ""  # first: the cut keeps it
+                said = (f"{RESEND_LOADING}: " if isinstance(e, ResendLoading)  # first: the cut keeps it
+                        else f"{RESEND_REFUSED}: " if isinstance(e, ResendRefused) else "")
                 trace.status, trace.outcome, trace.error = 502, "upstream_error", f"{CRASHED_NOTE}: {said}{msg}"[:300]
+                if isinstance(e, ResendRefused):  # ResendLoading too
+                    # Its run at the server ended at the close: costed to there, not to the resend's answer (a
+                    # loading page 0.2 s later put the new process's load in its figure, 473 J for 221).
+                    trace.end_ns = e.closed_ns
             elif trace is not None:
                 trace.status, trace.outcome, trace.error = 502, "upstream_unreachable", msg[:300]
             body = json.dumps({"error": {"message": msg, "type": "bad_gateway", "code": 502}}).encode()
@@ -1186,7 +1210,16 @@ def unreadable_note(counts: streams.Counts) -> str:
 
 
 class ResendRefused(UpstreamClosed):
-    """A request sent again after a kept-alive close (forward.StaleConnection) whose new connection was refused."""
+    """A request sent again after a kept-alive close (forward.StaleConnection) whose new connection was refused.
+    `closed_ns`: when that close was seen (monotonic), where the request's run at the server ended."""
+
+    def __init__(self, message: str, closed_ns: int):
+        super().__init__(message)
+        self.closed_ns = closed_ns
+
+
+class ResendLoading(ResendRefused):
+    """A request sent again after a kept-alive close whose resend met llama-server's loading page (RESEND_LOADING)."""
 
 
 def _refused(e: OSError) -> bool:

@@ -26,7 +26,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid, gone_unsaid, is_passive,
                           told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
-from .proxy import RESEND_REFUSED
+from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .workmodel import MIN_BUSY, MIN_R2
@@ -420,10 +420,12 @@ def _run_on_said(r: LiveRequest) -> str:
         how = ("a crash: its process died, its head would have come only when it was done" if not r.crash_unsure else
                "a crash in flight, its head to come only when it was done, or a router in front of the server holding "
                "it and refusing it unrun")
-        if RESEND_REFUSED in (tr.error or "") and not r.crash_unsure:
-            # proxy.ResendRefused: a kept-alive connection closed as it went out, and its resend was refused. The
-            # server died, but the close may have come before it read the request: the proxy's error says both.
-            how = (f"a kept-alive connection's close, and {RESEND_REFUSED}: the server died, with it in flight or "
+        resend = next((w for w in (RESEND_REFUSED, RESEND_LOADING) if w in (tr.error or "")), None)
+        if resend is not None and not r.crash_unsure:
+            # proxy.ResendRefused (ResendLoading): a kept-alive connection closed as it went out, and its resend was
+            # refused (met a new llama-server's loading page). The server died, but the close may have come before
+            # it read the request: the proxy's error says both.
+            how = (f"a kept-alive connection's close, and {resend}: the server died, with it in flight or "
                    "before it read it, so it ran until then or may never have run; the figure here is the first "
                    "reading, at most its time from arrival to the close")
         lead = (f"the server closed its connection with no answer {s:.2f} s after its arrival ({how}), and the client "
@@ -498,6 +500,13 @@ def _whole_gone_costed(r: LiveRequest) -> bool:
     return gone_unsaid(r) and r.trace.stream is not True and r.run_on_end_ns is None and r.prompt_est is not None
 
 
+def _held_over(r: LiveRequest) -> bool:
+    """UNSURE_FLAG's close with no answer written at 0 J after its row waited DOWN_HOLD_MAX_S for a page confirming the
+    restart a 503 "Loading model" suggested (`Ledger._down_hold`): low if it was a crash (it ran until its close), right
+    if not, nothing measured saying which."""
+    return r.trace.end_ns is not None and is_passive(r) and closed_unanswered(r) and r.down_hold_over is not None
+
+
 def _no_energy_reason(r: LiveRequest) -> str:
     """Why a request got no energy: what the work model could not see."""
     if not_forwarded(r):
@@ -507,6 +516,16 @@ def _no_energy_reason(r: LiveRequest) -> str:
     if is_passive(r) and body_left(r):
         return ("no share: its client left while sending its request body, so the server never had it whole and ran "
                 "none of it; its time counts as idle")
+    if _held_over(r):
+        down, cap_s = r.down_hold_over
+        tr = r.trace
+        return (f"{UNSURE_FLAG}: not costed: its upstream closed the connection with no answer "
+                f"{(tr.end_ns - tr.arrival_ns) / 1e9:.2f} s after its arrival, and a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after it found the server down "
+                "by llama-server's 503 \"Loading model\" alone (nothing refused): a restart with it in flight (a crash, "
+                "then it ran until its close and that energy is in the requests beside it or idle here) or a page "
+                f"that is no restart (then it may never have run); its row waited {cap_s:g} s for a scrape to confirm "
+                "the restart, none did by then, so it is costed as not run; fix: let the daemon scrape the server's "
+                "own port (scrape.url) so a death reads as a refused connection, or read the server's log for a restart")
     if r.trace.end_ns is not None and is_passive(r) and closed_unanswered(r):
         return ("not costed: its upstream closed the connection with no answer, and it may have run (crash?) or been "
                 "refused unrun (a router in front of the server): no restart its scrapes confirmed by its row's time "
@@ -650,7 +669,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
-            UNSURE_FLAG: energy and _run_on_unsure(r)}
+            UNSURE_FLAG: energy and _run_on_unsure(r) or _held_over(r)}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
