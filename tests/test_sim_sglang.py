@@ -124,3 +124,76 @@ def test_generate_takes_input_ids_as_those_tokens_one_prompt_or_a_batch():
             docs = doc if isinstance(doc, list) else [doc]
             assert [d["meta_info"]["prompt_tokens"] for d in docs] == want, doc
             assert srv.request_truth()[key]["prompt_tokens"] == sum(want)
+
+
+def _send(url: str, method: str, path: str, data: bytes, content_type: str | None = "application/json") -> tuple:
+    """(HTTP status, the answer's JSON) of one request, its body and content type as given (None: no such header;
+    http.client, as urllib would add a form type of its own)."""
+    import http.client
+    import json
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        conn.request(method, path, data, {"Content-Type": content_type} if content_type else {})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_generate_takes_put_as_sglangs_route_does():
+    # http_server.py routes /generate with methods ["POST", "PUT"] (@app.api_route): a PUT runs as a POST does.
+    # Before: the simulator routed POST alone and answered a PUT 405 {"detail": "Method Not Allowed"}, so a client
+    # using PUT passed nowhere here and ran on the real server. The other flavours have no /generate: 404 for any method.
+    import json
+
+    body = json.dumps({"text": "the watt", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}).encode()
+    with SimServer(flavour="sglang", decode_tok_s=2000.0, draft_n_max=0) as srv:
+        code, doc = _send(srv.url, "PUT", "/generate", body)
+        truth = srv.truth
+        page = _metrics(srv.url)
+    assert code == 200 and doc["meta_info"]["completion_tokens"] == 3, (code, doc)
+    assert [t["generated"] for t in truth if t["kind"] != "hidden_prefill"] == [3]
+    assert 'sglang:http_responses_total{endpoint="/generate",method="PUT",status_code="200"} 1.0' in page
+    for flavour, want in (("llamacpp", {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}),
+                          ("vllm", {"detail": "Not Found"})):
+        with SimServer(flavour=flavour, decode_tok_s=2000.0) as srv:
+            assert _send(srv.url, "PUT", "/generate", body) == (404, want), flavour
+
+
+def test_openai_routes_refuse_a_body_not_sent_as_json_as_sglangs_dependency_does():
+    # http_server.py: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/responses and /tokenize depend on
+    # validate_json_request, which refuses any media type but application/json (none included) with a
+    # RequestValidationError, answered 400 (flat; nested under "error" on /v1/responses). /generate has no such check:
+    # FastAPI leaves a body of a non-JSON type as bytes, which its GenerateReqInput refuses (400), and reads one with no
+    # type as JSON. Before: the simulator read every body as JSON whatever its type, and ran them all.
+    import json
+
+    unsupported = "Unsupported Media Type: Only 'application/json' is allowed"
+    chat = {"messages": [{"role": "user", "content": "the watt"}], "max_tokens": 2}
+    cases = [("/v1/completions", {"prompt": "the watt", "max_tokens": 2}, "text/plain"),
+             ("/v1/completions", {"prompt": "the watt", "max_tokens": 2}, None),
+             ("/v1/chat/completions", chat, "application/x-www-form-urlencoded"),
+             ("/tokenize", {"prompt": "the watt"}, "text/plain")]
+    with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=2000.0, draft_n_max=0) as srv:
+        for path, body, ctype in cases:
+            code, doc = _send(srv.url, "POST", path, json.dumps(body).encode(), ctype)
+            assert code == 400 and doc["object"] == "error" and unsupported in doc["message"], (path, ctype, doc)
+            assert (doc["type"], doc["param"], doc["code"]) == ("Bad Request", None, 400), doc
+        code, doc = _send(srv.url, "POST", "/v1/responses", json.dumps({"input": "hi"}).encode(), "text/plain")
+        assert code == 400 and unsupported in doc["error"]["message"] and doc["error"]["code"] == 400, doc
+        # Not JSON at all, and typed so: the type is refused first (the body is never parsed).
+        code, doc = _send(srv.url, "POST", "/v1/completions", b"prompt=the+watt", "text/plain")
+        assert code == 400 and unsupported in doc["message"], doc
+        gen = json.dumps({"text": "the watt", "sampling_params": {"max_new_tokens": 2}}).encode()
+        code, doc = _send(srv.url, "POST", "/generate", gen, "text/plain")
+        assert code == 400 and doc["object"] == "error" and "GenerateReqInput" in doc["message"], doc
+        assert not srv.truth  # none of them ran
+        for path, body, ctype in (("/v1/completions", {"prompt": "the watt", "max_tokens": 2},
+                                   "Application/JSON; charset=utf-8"), ("/generate", json.loads(gen), None),
+                                  ("/generate", json.loads(gen), "application/vnd.api+json")):
+            code, doc = _send(srv.url, "POST", path, json.dumps(body).encode(), ctype)
+            assert code == 200, (path, ctype, doc)
+

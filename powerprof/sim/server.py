@@ -144,6 +144,8 @@ class _Refused(Exception):
 _INT_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")
 _JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
+# SGLang's routes that refuse a body not sent as application/json (http_server.py: validate_json_request).
+SGLANG_JSON_ONLY = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize")
 
 
 class _NoTokens(str):
@@ -901,6 +903,7 @@ class SimServer:
         r.add_post("/v1/responses", self._responses)
         r.add_post("/v1/embeddings", self._embeddings)
         r.add_post("/generate", self._generate)
+        r.add_put("/generate", self._generate)  # SGLang's route takes PUT too (http_server.py, methods POST and PUT)
         for path in ("/get_model_info", "/model_info"):
             r.add_get(path, self._model_info)
         for path in ("/get_server_info", "/server_info"):
@@ -944,7 +947,7 @@ class SimServer:
         """Each POST's connection watched while its handler runs (_watch_clients): the sequences it submits are tied to
         it, so that they are aborted once the server notices that their client left. aiohttp itself runs a handler on
         for a client gone (its handler_cancellation is off by default since 3.9), and so would every request here."""
-        if request.method != "POST":
+        if request.method not in ("POST", "PUT"):  # SGLang's /generate takes PUT as POST
             return await handler(request)
         now = time.monotonic_ns()
         client = _Client(request, asyncio.current_task(), now, next_check_ns=now + int(self._client_poll_s(False) * 1e9))
@@ -1795,6 +1798,8 @@ class SimServer:
     async def _body(self, request: web.Request) -> dict:
         # Each server's 400 for a body it cannot read: llama-server's says nlohmann's exception (measured on the bundled
         # build), vLLM's and SGLang's are their request validation's (the flavour's _bad_request shape).
+        if self.flavour == "sglang" and (refused := await self._sglang_media_refusal(request)) is not None:
+            raise _Refused(refused)
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
@@ -1805,6 +1810,32 @@ class SimServer:
             raise _Refused(self._bad_request(llama if self.flavour == "llamacpp" else
                                              "Input should be a valid dictionary or object to extract fields from"))
         return body
+
+    async def _sglang_media_refusal(self, request: web.Request) -> web.Response | None:
+        """SGLang's 400 for a body not sent as JSON (read in http_server.py, not measured); None where it reads it.
+        Its OpenAI routes' validate_json_request dependency refuses any media type but application/json (no header
+        included) before the body is read: a RequestValidationError raised with its errors by keyword, so its handler's
+        message f"{str(exc)} {exc.errors()}" opens with a space (a FastAPI whose RequestValidationError has a __str__
+        words it otherwise), flat as its other 400s, nested under "error" on /v1/responses. /generate has no such
+        check: FastAPI leaves a body whose type is given and not JSON as bytes, which GenerateReqInput (a dataclass)
+        refuses, 400 with pydantic's error list; one with no type it reads as JSON (FastAPI 0.132 and later, with
+        their strict_content_type, refuse that too: not modelled)."""
+        content_type = request.headers.get("Content-Type", "").lower()
+        if request.path in SGLANG_JSON_ONLY:
+            if content_type.split(";", 1)[0] == "application/json":
+                return None
+            errors = [{"loc": ["header", "content-type"],
+                       "msg": "Unsupported Media Type: Only 'application/json' is allowed", "type": "value_error"}]
+            err = {"message": f" {errors}", "type": "Bad Request", "param": None, "code": 400}
+            return self._json({"error": err} if request.path == "/v1/responses" else {"object": "error", **err}, 400)
+        media = content_type.split(";", 1)[0].strip()
+        main, _, sub = media.partition("/")
+        if request.path != "/generate" or not media or main == "application" and (sub == "json" or sub.endswith("+json")):
+            return None
+        errors = [{"type": "dataclass_type", "loc": ("body",),
+                   "msg": "Input should be a dictionary or an instance of GenerateReqInput",
+                   "input": await request.read(), "ctx": {"class_name": "GenerateReqInput"}}]
+        return self._validation_errors(errors)
 
     def _validation_refusal(self, body: dict, *fields: str) -> web.Response | None:
         """vLLM's and SGLang's request models read these length fields as Optional[int] in pydantic's lax mode: an
@@ -1831,8 +1862,10 @@ class SimServer:
                          ("int_parsing", "Input should be a valid integer, unable to parse string as an integer")
                          if isinstance(v, str) else ("int_type", "Input should be a valid integer"))
             errors.append({"type": kind, "loc": ("body", name), "msg": msg, "input": v})
-        if not errors:
-            return None
+        return self._validation_errors(errors) if errors else None
+
+    def _validation_errors(self, errors: list) -> web.Response:
+        """The 400 vLLM's and SGLang's handlers give FastAPI's RequestValidationError: its error list as the message."""
         err = {"message": str(errors), "type": "Bad Request", "param": None, "code": 400}
         return self._json({"error": err} if self.flavour == "vllm" else {"object": "error", **err}, 400)
 
