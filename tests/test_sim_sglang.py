@@ -197,3 +197,76 @@ def test_openai_routes_refuse_a_body_not_sent_as_json_as_sglangs_dependency_does
             code, doc = _send(srv.url, "POST", path, json.dumps(body).encode(), ctype)
             assert code == 200, (path, ctype, doc)
 
+
+def test_a_length_below_one_refused_as_sglangs_request_models_and_sampling_params_do():
+    # /v1/completions: CompletionRequest's `max_tokens: int = 16` (not Optional: null is int_type) with its
+    # validate_max_tokens_positive, a validation error (400, pydantic's list as the message). Chat reads
+    # `max_completion_tokens or max_tokens` (a 0 falls back) and its SamplingParams.verify refuses a negative, 400
+    # BadRequestError. Before: completions ran 0 as absent (16 tokens), -1 and chat's -1 one token, null 16.
+    import json
+
+    with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=2000.0, draft_n_max=0) as srv:
+        for given, kind, msg in ((0, "value_error", "Value error, max_tokens must be positive"),
+                                 (-1, "value_error", "Value error, max_tokens must be positive"),
+                                 ("0", "value_error", "Value error, max_tokens must be positive"),
+                                 (None, "int_type", "Input should be a valid integer")):
+            for extra in ({}, {"echo": True}, {"stream": True}):
+                body = dict({"prompt": "the watt", "max_tokens": given}, **extra)
+                code, doc = _send(srv.url, "POST", "/v1/completions", json.dumps(body).encode())
+                err = {"type": kind, "loc": ("body", "max_tokens"), "msg": msg, "input": given}
+                if kind == "value_error":
+                    err["ctx"] = {"error": ValueError("max_tokens must be positive")}
+                assert (code, doc) == (400, {"object": "error", "message": str([err]), "type": "Bad Request",
+                                             "param": None, "code": 400}), (body, code, doc)
+        chat = {"messages": [{"role": "user", "content": "the watt"}]}
+        for extra, n in (({"max_tokens": -1}, -1), ({"max_completion_tokens": -2, "max_tokens": 3}, -2),
+                         ({"max_completion_tokens": 0, "max_tokens": -1, "stream": True}, -1)):
+            code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(dict(chat, **extra)).encode())
+            assert (code, doc) == (400, {"object": "error", "message": f"max_new_tokens must be at least 0, got {n}.",
+                                         "type": "BadRequestError", "param": None, "code": 400}), (extra, doc)
+        assert not srv.truth
+        body = dict(chat, max_completion_tokens=0, max_tokens=3, ignore_eos=True)
+        code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(body).encode())
+        assert code == 200 and doc["usage"]["completion_tokens"] == 3, doc
+
+
+def test_generate_reads_max_new_tokens_as_sglangs_unvalidated_sampling_params_do():
+    # /generate's sampling_params is a plain dict: null runs to the context (its scheduler's `1 << 30`, capped there),
+    # a float until the count reaches it, a negative is SamplingParams.verify's ValueError (400 whole, an error event in
+    # a 200 stream), and a text raises a TypeError nothing catches: Starlette's plain 500, or a stream's 200 head and
+    # then a closed connection. Before: null ran 128 tokens, "5" 5, 5.5 5, and -1 one token.
+    import http.client
+    import json
+
+    def gen(srv, sp, stream=False):
+        body = {"text": "the watt", "sampling_params": dict(sp, ignore_eos=True), "stream": stream}
+        u = srv.url.split("//")[1]
+        conn = http.client.HTTPConnection(u.split(":")[0], int(u.split(":")[1]), timeout=30)
+        try:
+            conn.request("POST", "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            try:
+                return r.status, r.read().decode()
+            except http.client.IncompleteRead as e:
+                return r.status, ("cut", e.partial.decode())
+        finally:
+            conn.close()
+
+    with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=64, decode_tok_s=5000.0, draft_n_max=0) as srv:
+        code, text = gen(srv, {"max_new_tokens": None})
+        meta = json.loads(text)["meta_info"]
+        assert code == 200 and meta["prompt_tokens"] + meta["completion_tokens"] == 64, meta
+        assert meta["finish_reason"]["type"] == "length", meta
+        for given, want in ((5.5, 6), (True, 1), (3, 3)):
+            code, text = gen(srv, {"max_new_tokens": given})
+            assert code == 200 and json.loads(text)["meta_info"]["completion_tokens"] == want, (given, text)
+        n_ran = len(srv.truth)
+        assert gen(srv, {"max_new_tokens": -1}) == (400, json.dumps(
+            {"error": {"message": "max_new_tokens must be at least 0, got -1."}}))
+        code, text = gen(srv, {"max_new_tokens": -1}, stream=True)
+        assert code == 200 and text == ('data: {"error": {"message": "max_new_tokens must be at least 0, got -1."}}'
+                                        '\n\ndata: [DONE]\n\n'), text
+        assert gen(srv, {"max_new_tokens": "5"}) == (500, "Internal Server Error")
+        code, text = gen(srv, {"max_new_tokens": "5"}, stream=True)
+        assert code == 200 and text in (("cut", ""), ""), text  # the head, then the connection closed: no event
+        assert len(srv.truth) == n_ran  # none of the refused ran

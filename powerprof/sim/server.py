@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextvars
 import json
+import math
 import os
 import re
 import signal
@@ -138,6 +139,11 @@ class _Refused(Exception):
     def __init__(self, response: web.Response):
         super().__init__(response.status)
         self.response = response
+
+
+class _StreamBroken(Exception):
+    """A handler's failure once its answer's head went out: aiohttp can send no other answer and closes the connection,
+    as uvicorn does for an ASGI app that raises mid-stream."""
 
 
 # pydantic's lax reading of a text as an integer: digits, signed, blanks around, a fraction of zeros only.
@@ -1774,7 +1780,7 @@ class SimServer:
             return None
         if n >= ctx:
             msg = f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
-        elif n + n_predict > ctx:
+        elif n_predict != UNTIL_CONTEXT and n + n_predict > ctx:  # no limit (null) is not checked
             msg = (f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
                    f"a total of {n + n_predict} tokens: {n} tokens from the input messages and {n_predict} tokens for "
                    f"the completion. Please reduce the number of tokens in the input messages or the completion to "
@@ -1868,6 +1874,24 @@ class SimServer:
         """The 400 vLLM's and SGLang's handlers give FastAPI's RequestValidationError: its error list as the message."""
         err = {"message": str(errors), "type": "Bad Request", "param": None, "code": 400}
         return self._json({"error": err} if self.flavour == "vllm" else {"object": "error", **err}, 400)
+
+    def _sglang_completions_length_refusal(self, body: dict, given) -> web.Response | None:
+        """SGLang's CompletionRequest reads `max_tokens: int = 16`, not Optional (null is int_type), and its
+        validate_max_tokens_positive refuses one below 1 ("max_tokens must be positive", a pydantic value_error: 400
+        as its other validation errors; read in sgl-project/sglang protocol.py @ 004c82e0, not measured; a version
+        without that validator would run 0 and refuse a negative as its sampling params do, as chat does). `given` is
+        the value as sent (_validation_refusal has written its integer into `body`). None where it runs, or not SGLang."""
+        if self.flavour != "sglang" or "max_tokens" not in body:
+            return None
+        n = body["max_tokens"]
+        if n is None:
+            return self._validation_errors([{"type": "int_type", "loc": ("body", "max_tokens"),
+                                             "msg": "Input should be a valid integer", "input": None}])
+        if int(n) > 0:
+            return None
+        return self._validation_errors([{"type": "value_error", "loc": ("body", "max_tokens"),
+                                         "msg": "Value error, max_tokens must be positive", "input": given,
+                                         "ctx": {"error": ValueError("max_tokens must be positive")}}])
 
     def _vllm_length_refusal(self, n: int | None) -> web.Response | None:
         """vLLM's SamplingParams._verify_args refuse a max_tokens below 1 (VLLMValidationError naming the parameter,
@@ -2034,14 +2058,37 @@ class SimServer:
                 text = _standin([f"i{x}" for x in ids], bos=False)
             elif all(isinstance(x, list) and x and all(type(i) is int for i in x) for x in ids):
                 text = [_standin([f"i{i}" for i in x], bos=False) for x in ids]
-        n = sp.get("max_new_tokens", 128)
-        n = int(128 if n is None else n)
+        n = await self._sglang_new_tokens(request, sp, bool(body.get("stream")))
+        if isinstance(n, web.StreamResponse):
+            return n
         choices = sp.get("n", 1)
         if isinstance(text, list) or (type(choices) is int and choices > 1):
             prompts = [str(t) for t in text] if isinstance(text, list) else [str(text)]
             return await self._serve_sglang_batch(request, body, sp, prompts, max(int(choices), 1), n)
         args = dict(body, ignore_eos=bool(sp.get("ignore_eos", False)))
         return await self._serve(request, "sglang-native", str(text), args, n)
+
+    async def _sglang_new_tokens(self, request: web.Request, sp: dict, stream: bool) -> int | web.StreamResponse:
+        """/generate's `max_new_tokens` as SGLang takes it (read in its tokenizer_manager.py and sampling_params.py, not
+        measured): `sampling_params` is a plain dict, never validated by a request model. Absent, 128 (SamplingParams'
+        default); null, no limit (its scheduler runs it to the context: UNTIL_CONTEXT); a number as Python compares
+        it: true 1, a float until the count reaches it (5.5 runs 6); below 0 SamplingParams.verify's ValueError
+        (_sglang_refusal). Anything else (a text, even "5", a list) raises a TypeError in _validate_one_request's
+        `max_new_tokens + input_token_num`, which nothing catches: Starlette's plain 500 "Internal Server Error"; a
+        stream has sent its 200 head by then, and the connection is closed with no event. Before: the simulator ran
+        null as 128, "5" as 5, 5.5 as 5 and -1 as 1 token, and any other text was aiohttp's 500."""
+        n = sp.get("max_new_tokens", 128)
+        if n is None:
+            return UNTIL_CONTEXT
+        if isinstance(n, (int, float)):
+            if n < 0:
+                return self._sglang_refusal(f"max_new_tokens must be at least 0, got {n}.", stream)
+            return math.ceil(n)
+        if not stream:
+            return web.Response(status=500, text="Internal Server Error")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Powerprof-Simulated": "1"})
+        await resp.prepare(request)
+        raise _StreamBroken("the TypeError SGLang raises once its stream has begun")  # aiohttp closes the connection
 
     async def _serve_sglang_batch(self, request: web.Request, body: dict, sp: dict, prompts: list, n_choices: int,
                                   n_predict: int) -> web.StreamResponse:
@@ -2110,8 +2157,9 @@ class SimServer:
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompts = (self._validation_refusal(body, "max_tokens") or self._llama_refusal("openai-completions", body)
-                   or self._completion_prompts(body.get("prompt", "")))
+        given = body.get("max_tokens")
+        prompts = (self._validation_refusal(body, "max_tokens") or self._sglang_completions_length_refusal(body, given)
+                   or self._llama_refusal("openai-completions", body) or self._completion_prompts(body.get("prompt", "")))
         if isinstance(prompts, web.Response):
             return prompts
         n = body.get("max_tokens")
@@ -2145,10 +2193,14 @@ class SimServer:
         prompt += chatshape.tools_in_prompt(body, self.flavour, self.exclude_tools_when_tool_choice_none)
         if self.flavour == "llamacpp":
             return await self._serve(request, "openai-chat", prompt, body, self._llama_length(body))
-        n = body.get("max_completion_tokens") or body.get("max_tokens")  # vLLM's own `or`: a 0 falls back
+        n = body.get("max_completion_tokens") or body.get("max_tokens")  # vLLM's and SGLang's own `or`: a 0 falls back
         refused = self._vllm_length_refusal(n)
         if refused is not None:
             return refused
+        if self.flavour == "sglang" and n is not None and int(n) < 0:
+            # Its SamplingParams.verify (sampling_params.py), a ValueError its tokenizer manager raises as a too-long
+            # prompt's: 400, nothing run. Before: -1 ran 1 token.
+            return self._sglang_refusal(f"max_new_tokens must be at least 0, got {int(n)}.", None)
         return await self._serve(request, "openai-chat", prompt, body, int(n or 128))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
