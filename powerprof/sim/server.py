@@ -150,6 +150,8 @@ class _StreamBroken(Exception):
 _INT_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")
 _JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
+# The llama.cpp routes whose params_from_json_cmpl reads n_cmpl (else n) as the choices to run (measured).
+LLAMA_N_CMPL_APIS = ("llamacpp", "openai-completions", "openai-chat")
 # SGLang's routes that refuse a body not sent as application/json (http_server.py: validate_json_request).
 SGLANG_JSON_ONLY = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize")
 
@@ -1743,8 +1745,10 @@ class SimServer:
             if not isinstance(content, (str, list)):  # its json_value read: 400 naming the JSON type (measured)
                 got = "null" if content is None else _JSON_TYPES.get(type(content), "object")
                 return self._bad_request(f"[json.exception.type_error.302] type must be string, but is {got}")
-            text = str(content)
             special = bool(body.get("add_special", False))
+            if isinstance(content, list):
+                return self._llama_tokenize_mixed(content, special)
+            text = content
         else:
             text = str(body.get("prompt", ""))
             special = bool(body.get("add_special_tokens", True))
@@ -1755,6 +1759,23 @@ class SimServer:
         if self.flavour == "llamacpp":
             return self._json({"tokens": ids})
         return self._json({"count": n, "max_model_len": self.n_ctx, "tokens": ids})
+
+    def _llama_tokenize_mixed(self, content: list, special: bool) -> web.Response:
+        """llama-server's /tokenize of a list (its tokenize_mixed; measured on the bundled build): a number is that
+        token id as given (a float or a boolean converted, never checked against the vocabulary: -1 and 99999 come
+        back), a text its tokens, the BOS only where the list opens with a text and add_special asks for it; any other
+        item is 400 `[json.exception.type_error.302] type must be number, but is null` (array, object). Before: the
+        list's Python text was tokenized (`[1, 2, 3]` seven tokens, a null or nested list taken)."""
+        ids = [1] if special and content and isinstance(content[0], str) else []
+        for item in content:
+            if isinstance(item, str):
+                ids += [zlib.crc32(w.encode()) % N_VOCAB for w in _WORD.findall(item)]
+            elif isinstance(item, (int, float)):
+                ids.append(int(item))
+            else:
+                got = "null" if item is None else _JSON_TYPES.get(type(item), "object")
+                return self._bad_request(f"[json.exception.type_error.302] type must be number, but is {got}")
+        return self._json({"tokens": ids})
 
     def _seq_ctx(self) -> int:
         """The context one sequence may fill: llama.cpp's slot (n_ctx split among the slots: -np given, its KV cache
@@ -1925,6 +1946,8 @@ class SimServer:
         # A Responses request is converted to a chat one first, its max_output_tokens becoming max_tokens, the name its
         # refusal says (measured).
         fields = [("n_predict",) * 2, ("max_tokens",) * 2, ("max_completion_tokens",) * 2, ("n",) * 2, ("stream",) * 2]
+        if api in LLAMA_N_CMPL_APIS:
+            fields.insert(3, ("n_cmpl",) * 2)
         if api == "openai-responses":
             fields.append(("max_output_tokens", "max_tokens"))
         for key, name in fields:
@@ -1936,7 +1959,7 @@ class SimServer:
             got = "number" if want == "number" and type(v) is bool else _JSON_TYPES.get(type(v), "object")
             if got != want:
                 return refuse(f"Field '{name}': [json.exception.type_error.302] type must be {want}, but is {got}")
-            if name not in ("n", "stream") and not -1 <= int(v) <= 2**31 - 1:
+            if name not in ("n", "n_cmpl", "stream") and not -1 <= int(v) <= 2**31 - 1:
                 return refuse(f"Field '{name}': Value must be between -1 <= value <= 2147483647, but got {int(v)}")
         if api != "openai-chat":
             return None
@@ -2370,15 +2393,20 @@ class SimServer:
         n_predict = n_predicts[0]
 
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
-        if api == "llamacpp":
-            # llama-server's native /completion runs n_cmpl (else n) tasks per prompt, index prompt × n_cmpl + choice
-            # (server-task.cpp params_from_json_cmpl; handle_completions_impl). Before: always one.
-            n_choices = body.get("n_cmpl", body.get("n", 1))
+        n_name = "n"
+        if self.flavour == "llamacpp" and api in LLAMA_N_CMPL_APIS:
+            # llama-server runs n_cmpl tasks per prompt, else n (its alias), null taken as absent, on /completion,
+            # /v1/completions and chat alike, index prompt × n + choice (server-task.cpp params_from_json_cmpl;
+            # handle_completions_impl; measured on the bundled build: n_cmpl 2 two choices on each, n_cmpl 1 beside n 2
+            # one). Before: /completion alone read n_cmpl, and a null n_cmpl or n was refused.
+            n_name = "n_cmpl" if body.get("n_cmpl") is not None else "n"
+            n_choices = 1 if body.get(n_name) is None else body[n_name]
         if self.flavour == "llamacpp" and isinstance(n_choices, (bool, float)):
             n_choices = int(n_choices)  # nlohmann's number read: true 1, 2.0 (or 2.5) 2, as llama-server runs them
         if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
             if self.flavour == "llamacpp" and isinstance(n_choices, int):  # its one range check, 0 as 3 of 2 slots
-                return self._bad_request(f"Field 'n': Value must be between 1 <= value <= {self.n_slots}, but got {n_choices}")
+                return self._bad_request(f"Field '{n_name}': Value must be between 1 <= value <= {self.n_slots}, "
+                                         f"but got {n_choices}")
             return self._bad_request("Field 'n': must be an integer of at least 1")
         temperature = body.get("temperature")
         if (self.flavour == "vllm" and n_choices > 1 and isinstance(temperature, (int, float))
@@ -2388,7 +2416,8 @@ class SimServer:
             return self._bad_request(f"n must be 1 when using greedy sampling, got {n_choices}.")
         if self.flavour == "llamacpp" and n_choices > self.n_slots:
             # llama-server runs a task per choice, each in a slot of its own (checked against b11434).
-            return self._bad_request(f"Field 'n': Value must be between 1 <= value <= {self.n_slots}, but got {n_choices}")
+            return self._bad_request(f"Field '{n_name}': Value must be between 1 <= value <= {self.n_slots}, "
+                                     f"but got {n_choices}")
         args = (n_predict, bool(body.get("ignore_eos", False)), bool(body.get("cache_prompt", default_cache)),
                 int(body.get("seed", 0) or 0))
         opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
