@@ -270,3 +270,20 @@ def test_generate_reads_max_new_tokens_as_sglangs_unvalidated_sampling_params_do
         code, text = gen(srv, {"max_new_tokens": "5"}, stream=True)
         assert code == 200 and text in (("cut", ""), ""), text  # the head, then the connection closed: no event
         assert len(srv.truth) == n_ran  # none of the refused ran
+
+
+def test_a_chat_without_a_length_runs_to_the_context_as_sglangs_scheduler_runs_it():
+    # serving_chat passes `max_completion_tokens or max_tokens` as max_new_tokens: neither given (or 0) is None, which
+    # the tokenizer manager does not check against the context and the scheduler runs to it (`1 << 30`, capped at the
+    # context less the prompt). Before: 128 tokens, and at a 64-token context refused 400 (prompt + 128 too long).
+    import json
+
+    chat = {"messages": [{"role": "user", "content": "the watt"}], "ignore_eos": True}
+    with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=64, decode_tok_s=5000.0, draft_n_max=0) as srv:
+        for extra in ({}, {"max_tokens": 0}, {"max_completion_tokens": 0, "max_tokens": None}):
+            code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(dict(chat, **extra)).encode())
+            assert code == 200, (extra, doc)
+            u = doc["usage"]
+            assert u["prompt_tokens"] + u["completion_tokens"] == 64 and doc["choices"][0]["finish_reason"] == "length"
+        code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(dict(chat, max_tokens=5)).encode())
+        assert code == 200 and doc["usage"]["completion_tokens"] == 5, doc

@@ -2224,6 +2224,11 @@ class SimServer:
             # Its SamplingParams.verify (sampling_params.py), a ValueError its tokenizer manager raises as a too-long
             # prompt's: 400, nothing run. Before: -1 ran 1 token.
             return self._sglang_refusal(f"max_new_tokens must be at least 0, got {int(n)}.", None)
+        if self.flavour == "sglang" and not n:
+            # Neither given (or 0): max_new_tokens None, which its scheduler runs to the context (`1 << 30`, capped at
+            # the context less the prompt), unchecked against it. Before: 128 tokens, and refused where prompt + 128
+            # passed the context.
+            return await self._serve(request, "openai-chat", prompt, body, UNTIL_CONTEXT)
         return await self._serve(request, "openai-chat", prompt, body, int(n or 128))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
