@@ -2257,6 +2257,10 @@ class SimServer:
         body = await self._body(request)
         refused = (self._validation_refusal(body, "max_output_tokens") or self._llama_refusal("openai-responses", body)
                    or self._vllm_length_refusal(body.get("max_output_tokens")))
+        if refused is not None and self.flavour == "sglang":
+            # SGLang's route takes a dict and builds its ResponsesRequest in the handler (http_server.py @ 0025436e):
+            # pydantic's error is no RequestValidationError, and no handler catches it: Starlette's plain-text 500.
+            return web.Response(status=500, text="Internal Server Error")
         if refused is not None:
             return refused
         inp = body.get("input")
