@@ -4054,7 +4054,8 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
 
 def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
                            runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
-                           opened=None, same_process=False, **restart_kw):
+                           opened=None, same_process=False, whole_as=("POST", "/v1/chat/completions", "openai-chat"),
+                           **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4063,19 +4064,20 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # RUNS_ON_AFTER_LEAVE (SGLang's: to its next 4 s wait from its start); `ledgers`: a list given the ledger; `opened`:
     # (the first scrape that found it down, the first refused or None: a 503's alone), told to the ledger at each tick
     # from then while down, as the daemon's loop tells it (`Ledger.note_down`), its rows let go at their hold meanwhile
-    # (SCRAPE_HOLD_S); `same_process`: the page after the outage says no restart (a router's blip). Returns its row.
+    # (SCRAPE_HOLD_S); `same_process`: the page after the outage says no restart (a router's blip); `whole_as`: the
+    # whole answer's method, path and API. Returns its row.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     if ledgers is not None:
         ledgers.append(led)
     led.runs_on_after_leave = runs_on
     led.scraping = True
 
-    def chat(rid, a, stream, **extra):
-        tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat", stream=stream)
+    def chat(rid, a, stream, how=("POST", "/v1/chat/completions", "openai-chat"), **extra):
+        tr = RequestTrace(rid, how[0], how[1], None, int(a * S), 0, api=how[2], stream=stream)
         tr.extra.update(prompt_chars=400, **extra)
         return tr
 
-    done, whole = chat(1, 0.0, True), chat(2, arrive, False, max_tokens=max_tokens)
+    done, whole = chat(1, 0.0, True), chat(2, arrive, False, whole_as, max_tokens=max_tokens)
     for tr in (done, whole) if arrive <= 0.5 else (done,):
         led.on_start(tr)
     for k in range(20):  # a stream done before, at 40 tokens/s: the server's latest pace
@@ -4264,6 +4266,21 @@ def test_a_close_with_no_answer_where_the_server_was_found_down_is_costed_to_the
         # Kept in J/token, unmarked: ran, the figure is the crash's; never run, high by its time to the close alone (a
         # crossing's milliseconds), an excess the requests beside it lack, which leaving it out would not undo.
         assert UNSURE_FLAG not in note, note
+
+
+def test_a_put_to_sglangs_generate_closed_with_no_answer_where_the_server_was_found_down_is_costed_to_the_crash():
+    # SGLang's /generate takes PUT as POST (http_server.py): such a whole answer closed by its server's death ran as a
+    # POST's does. Before: `_crash_seen` took POSTs alone, and the PUT's row had no energy (0 J where the POST's, the
+    # same trace, is about 100 J).
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    kw = dict(leave=1.55, end_s=6.0, outcome="upstream_error", error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S),
+              down_refused=True)
+    post = _llamacpp_whole_run_on([(1.5, 2.0)], whole_as=("POST", "/generate", "sglang-generate"), **kw)
+    put = _llamacpp_whole_run_on([(1.5, 2.0)], whole_as=("PUT", "/generate", "sglang-generate"), **kw)
+    print(post["gpu_energy_j"], put["gpu_energy_j"], put["energy_note"])
+    assert 60.0 <= (post["gpu_energy_j"] or 0) <= 130.0, post
+    assert put["gpu_energy_j"] == pytest.approx(post["gpu_energy_j"]), put
+    assert "closed its connection with no answer" in (put["energy_note"] or ""), put
 
 
 @pytest.mark.parametrize("reload_s", [None, 13.0], ids=["restart", "reload_open"])

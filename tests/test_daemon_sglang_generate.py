@@ -33,9 +33,9 @@ class Rec:
         self.ended.append(trace)
 
 
-def _through_proxy(upstream: str, bodies: list[dict], direct: bool = True):
-    """Each body POSTed to /generate through a proxy in front of `upstream` (and, `direct`, straight to it too):
-    (recorder, [(proxied bytes, direct bytes)])."""
+def _through_proxy(upstream: str, bodies: list[dict], direct: bool = True, method: str = "POST"):
+    """Each body sent (POST, or `method`) to /generate through a proxy in front of `upstream` (and, `direct`, straight
+    to it too): (recorder, [(proxied bytes, direct bytes)]); a connection the server closed mid-answer, (status, None)."""
     async def main():
         rec = Rec()
         runner, px = await serve_here(Proxy(upstream, recorder=rec).app())
@@ -44,8 +44,12 @@ def _through_proxy(upstream: str, bodies: list[dict], direct: bool = True):
             for i, body in enumerate(bodies):
                 pair = []
                 for base in ((px, upstream) if direct else (px,)):
-                    async with s.post(base + "/generate", json=body, headers={"X-Sim-Request-Id": f"{i}"}) as r:
-                        pair.append((r.status, await r.read()))
+                    async with s.request(method, base + "/generate", json=body,
+                                         headers={"X-Sim-Request-Id": f"{i}"}) as r:
+                        try:
+                            pair.append((r.status, await r.read()))
+                        except aiohttp.ClientPayloadError:
+                            pair.append((r.status, None))
                 got.append(pair)
         await runner.cleanup()
         return rec, got
@@ -92,6 +96,27 @@ def test_generate_streamed_and_whole_is_counted_as_the_server_generated_it():
     assert (w.api, w.stream, w.outcome) == ("sglang-generate", False, "ok")
     assert w.tokens_seen == t_w["generated"] == 37 and w.extra.get("spread")
     assert w.counts.generated_tokens == 37 and w.counts.prompt_tokens == t_w["prompt_tokens"]
+
+
+def test_a_put_is_counted_as_a_post_and_a_refused_length_is_no_token():
+    # SGLang routes /generate for PUT too (the simulator before answered 405): counted as a POST is. Its refusals of a
+    # length (docs/simulator.md): -1 a 400 whole, an error event in a 200 stream; a text a 500 whole, and a stream's 200
+    # head then its connection closed. None ran: each is read with no token, an error where the answer says one.
+    body = {"text": "tell me about power limits", "sampling_params": {"max_new_tokens": 9, "ignore_eos": True}}
+    bad = [{"text": "x", "sampling_params": {"max_new_tokens": v}, "stream": st} for v in (-1, "5") for st in (False, True)]
+    with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=400.0, draft_n_max=0) as srv:
+        put, got = _through_proxy(srv.url, [dict(body, stream=True), body], direct=False, method="PUT")
+        refused, answers = _through_proxy(srv.url, bad, direct=False)
+        truth = [t for t in srv.truth if t.get("client_id") is not None]
+    assert [g[0][0] for g in got] == [200, 200]
+    assert [(t.method, t.api, t.outcome, t.tokens_seen, t.counts.generated_tokens) for t in put.ended] == \
+        [("PUT", "sglang-generate", "ok", 9, 9)] * 2
+    assert [t["generated"] for t in truth] == [9, 9]  # the refused ran nothing
+    assert [a[0][0] for a in answers] == [400, 200, 500, 200] and answers[3][0][1] is None
+    assert [t.status for t in refused.ended] == [400, 200, 500, 200]
+    assert all(t.tokens_seen == 0 for t in refused.ended)
+    assert [t.outcome for t in refused.ended[1:]] == ["upstream_error"] * 3
+    assert "max_new_tokens must be at least 0, got -1." in refused.ended[1].error
 
 
 @pytest.mark.parametrize("factor,kind", [(0.8, "stream_above_count"), (1.25, "running_count_short")])

@@ -1114,3 +1114,15 @@ def test_an_absent_or_minus_one_length_runs_until_the_slots_context_is_full_as_t
         n_prompt, n_gen, at_limit = _length_answer(llama_server.base_url, path, extra)
         assert n_prompt + n_gen == ctx and at_limit, (path, extra, n_prompt, n_gen)
     assert _length_answer(llama_server.base_url, "/completion", {"n_predict": 0})[1:] == (1, False)
+
+
+def test_n_cmpl_and_a_tokenized_list_read_on_llama_server_as_the_simulator_reads_them(llama_server):
+    # The cases test_sim_server holds the llama.cpp flavour to, sent to llama-server itself (-np 2).
+    from test_sim_server import LLAMA_N_CMPL, LLAMA_TOKENIZE_LISTS, n_cmpl_answer, tokenize_list_answer
+
+    for path, extra, status, want in LLAMA_N_CMPL:
+        assert n_cmpl_answer(llama_server.base_url, path, extra) == (status, want), (path, extra)
+    for content, special, status, want in LLAMA_TOKENIZE_LISTS:
+        if want is None:
+            want = (isinstance(content[0], str), True, True)
+        assert tokenize_list_answer(llama_server.base_url, content, special) == (status, want), (content, special)

@@ -590,6 +590,12 @@ def test_vllm_and_sglang_refuse_a_length_that_is_no_integer_as_their_request_val
     with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, decode_tok_s=20000) as s:
         for path, body, name, value, kind, msg in bad:
             code, doc = post(s.url, path, dict(body, **{name: value}))
+            if flavour == "sglang" and path == "/v1/responses":
+                # SGLang's route takes a dict and builds its ResponsesRequest inside the handler (http_server.py): the
+                # pydantic error is no RequestValidationError, and nothing catches it: Starlette's plain 500. Before:
+                # the simulator answered it 400 as the other routes' validation errors.
+                assert (code, doc) == (500, "Internal Server Error"), doc
+                continue
             assert code == 400, (path, name, value, code, doc)
             doc = _json.loads(doc)
             err = doc["error"] if flavour == "vllm" else doc
@@ -600,3 +606,73 @@ def test_vllm_and_sglang_refuse_a_length_that_is_no_integer_as_their_request_val
         for value in ("5", 5.0, " 5 "):  # pydantic's lax integers: run as 5
             code, doc = post(s.url, "/v1/completions", {"prompt": "the power", "max_tokens": value, "ignore_eos": True})
             assert code == 200 and doc["usage"]["completion_tokens"] == 5, (value, code, doc)
+
+
+# llama-server's n_cmpl (measured on the bundled build, -np 2): read on /completion, /v1/completions and chat alike,
+# over `n` (its alias), null taken as absent, its refusals naming the field: (route, body, status, choices or message).
+_TYPE_302 = "[json.exception.type_error.302] type must be number, but is"
+LLAMA_N_CMPL = [("/completion", {"n_cmpl": "2"}, 400, f"Field 'n_cmpl': {_TYPE_302} string"),
+                ("/completion", {"n_cmpl": [2]}, 400, f"Field 'n_cmpl': {_TYPE_302} array"),
+                ("/completion", {"n_cmpl": 0}, 400, "Field 'n_cmpl': Value must be between 1 <= value <= 2, but got 0"),
+                ("/completion", {"n_cmpl": 3}, 400, "Field 'n_cmpl': Value must be between 1 <= value <= 2, but got 3"),
+                ("/completion", {"n_cmpl": None}, 200, 1),
+                ("/completion", {"n_cmpl": None, "n": 2}, 200, 2),
+                ("/v1/completions", {"n_cmpl": 2}, 200, 2),
+                ("/v1/completions", {"n_cmpl": "x"}, 400, f"Field 'n_cmpl': {_TYPE_302} string"),
+                ("/v1/chat/completions", {"n_cmpl": 2}, 200, 2),
+                ("/v1/chat/completions", {"n_cmpl": 3}, 400,
+                 "Field 'n_cmpl': Value must be between 1 <= value <= 2, but got 3"),
+                ("/v1/chat/completions", {"n": 2, "n_cmpl": 1}, 200, 1)]
+
+
+def n_cmpl_answer(url: str, path: str, extra: dict) -> tuple:
+    """(HTTP status, the choices answered or the error's message) of one whole llama.cpp answer of 2 tokens."""
+    import json as _json
+
+    base = ({"messages": [{"role": "user", "content": "the power"}]} if "chat" in path else {"prompt": "the power"})
+    code, doc = _post_json(url, path, dict(base, n_predict=2, max_tokens=2, **extra))
+    if code != 200:
+        return code, _json.loads(doc)["error"]["message"]
+    return code, len(doc) if isinstance(doc, list) else len(doc.get("choices", [doc]))
+
+
+def test_llamacpp_reads_n_cmpl_on_every_completion_route_as_llama_server_does():
+    # Before: /completion alone read n_cmpl (/v1/completions and chat ran n_cmpl 2 as one choice, refused nothing), a
+    # null n_cmpl was refused 400 "Field 'n': must be an integer of at least 1", and every refusal named `n`.
+    with SimServer(SimNVML("seed-16g", state_path=None), n_slots=2, decode_tok_s=20000) as s:
+        for path, extra, status, want in LLAMA_N_CMPL:
+            assert n_cmpl_answer(s.url, path, extra) == (status, want), (path, extra)
+
+
+# llama-server's /tokenize of a list (its tokenize_mixed, measured): (content, add_special, status, tokens or message;
+# None: a text's tokens, asserted apart).
+LLAMA_TOKENIZE_LISTS = [([1, 2, 3], False, 200, [1, 2, 3]), ([1.5, 2], False, 200, [1, 2]), ([True], False, 200, [1]),
+                        ([-1, 99999], False, 200, [-1, 99999]), ([], True, 200, []),
+                        ([None], False, 400, f"{_TYPE_302} null"), ([[1, 2]], False, 400, f"{_TYPE_302} array"),
+                        ([{"a": 1}], False, 400, f"{_TYPE_302} object"),
+                        ([5, "the"], True, 200, None), (["the", "power"], True, 200, None)]
+
+
+def tokenize_list_answer(url: str, content: list, special: bool) -> tuple:
+    """(HTTP status, tokens or the error's message) of llama.cpp's /tokenize; for a list holding text, whether its
+    tokens open with the BOS (id 1) and with the list's first id (None where it opens with text)."""
+    import json as _json
+
+    code, doc = _post_json(url, "/tokenize", {"content": content, "add_special": special})
+    if code != 200:
+        return code, _json.loads(doc)["error"]["message"]
+    if not any(isinstance(x, str) for x in content):
+        return code, doc["tokens"]
+    first = content[0] if not isinstance(content[0], str) else None
+    return code, (doc["tokens"][0] == 1, first is None or doc["tokens"][0] == first, len(doc["tokens"]) > 1)
+
+
+def test_llamacpp_tokenizes_a_list_as_llama_servers_tokenize_mixed_does():
+    # Before: the list's Python text was tokenized ([1, 2, 3] seven tokens with brackets and commas; a null or a nested
+    # list taken as text, 200).
+    with SimServer(SimNVML("seed-16g", state_path=None), n_slots=2, decode_tok_s=20000) as s:
+        for content, special, status, want in LLAMA_TOKENIZE_LISTS:
+            got = tokenize_list_answer(s.url, content, special)
+            if want is None:  # a BOS only where the list opens with text; an id first is that id
+                want = (isinstance(content[0], str), True, True)
+            assert got == (status, want), (content, special, got)

@@ -124,3 +124,166 @@ def test_generate_takes_input_ids_as_those_tokens_one_prompt_or_a_batch():
             docs = doc if isinstance(doc, list) else [doc]
             assert [d["meta_info"]["prompt_tokens"] for d in docs] == want, doc
             assert srv.request_truth()[key]["prompt_tokens"] == sum(want)
+
+
+def _send(url: str, method: str, path: str, data: bytes, content_type: str | None = "application/json") -> tuple:
+    """(HTTP status, the answer's JSON) of one request, its body and content type as given (None: no such header;
+    http.client, as urllib would add a form type of its own)."""
+    import http.client
+    import json
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        conn.request(method, path, data, {"Content-Type": content_type} if content_type else {})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_generate_takes_put_as_sglangs_route_does():
+    # http_server.py routes /generate with methods ["POST", "PUT"] (@app.api_route): a PUT runs as a POST does.
+    # Before: the simulator routed POST alone and answered a PUT 405 {"detail": "Method Not Allowed"}, so a client
+    # using PUT passed nowhere here and ran on the real server. The other flavours have no /generate: 404 for any method.
+    import json
+
+    body = json.dumps({"text": "the watt", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}).encode()
+    with SimServer(flavour="sglang", decode_tok_s=2000.0, draft_n_max=0) as srv:
+        code, doc = _send(srv.url, "PUT", "/generate", body)
+        truth = srv.truth
+        page = _metrics(srv.url)
+    assert code == 200 and doc["meta_info"]["completion_tokens"] == 3, (code, doc)
+    assert [t["generated"] for t in truth if t["kind"] != "hidden_prefill"] == [3]
+    assert 'sglang:http_responses_total{endpoint="/generate",method="PUT",status_code="200"} 1.0' in page
+    for flavour, want in (("llamacpp", {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}),
+                          ("vllm", {"detail": "Not Found"})):
+        with SimServer(flavour=flavour, decode_tok_s=2000.0) as srv:
+            assert _send(srv.url, "PUT", "/generate", body) == (404, want), flavour
+
+
+def test_openai_routes_refuse_a_body_not_sent_as_json_as_sglangs_dependency_does():
+    # http_server.py: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/responses and /tokenize depend on
+    # validate_json_request, which refuses any media type but application/json (none included) with a
+    # RequestValidationError, answered 400 (flat; nested under "error" on /v1/responses). /generate has no such check:
+    # FastAPI leaves a body of a non-JSON type as bytes, which its GenerateReqInput refuses (400), and reads one with no
+    # type as JSON. Before: the simulator read every body as JSON whatever its type, and ran them all.
+    import json
+
+    unsupported = "Unsupported Media Type: Only 'application/json' is allowed"
+    chat = {"messages": [{"role": "user", "content": "the watt"}], "max_tokens": 2}
+    cases = [("/v1/completions", {"prompt": "the watt", "max_tokens": 2}, "text/plain"),
+             ("/v1/completions", {"prompt": "the watt", "max_tokens": 2}, None),
+             ("/v1/chat/completions", chat, "application/x-www-form-urlencoded"),
+             ("/tokenize", {"prompt": "the watt"}, "text/plain")]
+    with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=2000.0, draft_n_max=0) as srv:
+        for path, body, ctype in cases:
+            code, doc = _send(srv.url, "POST", path, json.dumps(body).encode(), ctype)
+            assert code == 400 and doc["object"] == "error" and unsupported in doc["message"], (path, ctype, doc)
+            assert (doc["type"], doc["param"], doc["code"]) == ("Bad Request", None, 400), doc
+        code, doc = _send(srv.url, "POST", "/v1/responses", json.dumps({"input": "hi"}).encode(), "text/plain")
+        assert code == 400 and unsupported in doc["error"]["message"] and doc["error"]["code"] == 400, doc
+        # Not JSON at all, and typed so: the type is refused first (the body is never parsed).
+        code, doc = _send(srv.url, "POST", "/v1/completions", b"prompt=the+watt", "text/plain")
+        assert code == 400 and unsupported in doc["message"], doc
+        gen = json.dumps({"text": "the watt", "sampling_params": {"max_new_tokens": 2}}).encode()
+        code, doc = _send(srv.url, "POST", "/generate", gen, "text/plain")
+        assert code == 400 and doc["object"] == "error" and "GenerateReqInput" in doc["message"], doc
+        assert not srv.truth  # none of them ran
+        for path, body, ctype in (("/v1/completions", {"prompt": "the watt", "max_tokens": 2},
+                                   "Application/JSON; charset=utf-8"), ("/generate", json.loads(gen), None),
+                                  ("/generate", json.loads(gen), "application/vnd.api+json")):
+            code, doc = _send(srv.url, "POST", path, json.dumps(body).encode(), ctype)
+            assert code == 200, (path, ctype, doc)
+
+
+def test_a_length_below_one_refused_as_sglangs_request_models_and_sampling_params_do():
+    # /v1/completions: CompletionRequest's `max_tokens: int = 16` (not Optional: null is int_type) with its
+    # validate_max_tokens_positive, a validation error (400, pydantic's list as the message). Chat reads
+    # `max_completion_tokens or max_tokens` (a 0 falls back) and its SamplingParams.verify refuses a negative, 400
+    # BadRequestError. Before: completions ran 0 as absent (16 tokens), -1 and chat's -1 one token, null 16.
+    import json
+
+    with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=2000.0, draft_n_max=0) as srv:
+        for given, kind, msg in ((0, "value_error", "Value error, max_tokens must be positive"),
+                                 (-1, "value_error", "Value error, max_tokens must be positive"),
+                                 ("0", "value_error", "Value error, max_tokens must be positive"),
+                                 (None, "int_type", "Input should be a valid integer")):
+            for extra in ({}, {"echo": True}, {"stream": True}):
+                body = dict({"prompt": "the watt", "max_tokens": given}, **extra)
+                code, doc = _send(srv.url, "POST", "/v1/completions", json.dumps(body).encode())
+                err = {"type": kind, "loc": ("body", "max_tokens"), "msg": msg, "input": given}
+                if kind == "value_error":
+                    err["ctx"] = {"error": ValueError("max_tokens must be positive")}
+                assert (code, doc) == (400, {"object": "error", "message": str([err]), "type": "Bad Request",
+                                             "param": None, "code": 400}), (body, code, doc)
+        chat = {"messages": [{"role": "user", "content": "the watt"}]}
+        for extra, n in (({"max_tokens": -1}, -1), ({"max_completion_tokens": -2, "max_tokens": 3}, -2),
+                         ({"max_completion_tokens": 0, "max_tokens": -1, "stream": True}, -1)):
+            code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(dict(chat, **extra)).encode())
+            assert (code, doc) == (400, {"object": "error", "message": f"max_new_tokens must be at least 0, got {n}.",
+                                         "type": "BadRequestError", "param": None, "code": 400}), (extra, doc)
+        assert not srv.truth
+        body = dict(chat, max_completion_tokens=0, max_tokens=3, ignore_eos=True)
+        code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(body).encode())
+        assert code == 200 and doc["usage"]["completion_tokens"] == 3, doc
+
+
+def test_generate_reads_max_new_tokens_as_sglangs_unvalidated_sampling_params_do():
+    # /generate's sampling_params is a plain dict: null runs to the context (its scheduler's `1 << 30`, capped there),
+    # a float until the count reaches it, a negative is SamplingParams.verify's ValueError (400 whole, an error event in
+    # a 200 stream), and a text raises a TypeError nothing catches: Starlette's plain 500, or a stream's 200 head and
+    # then a closed connection. Before: null ran 128 tokens, "5" 5, 5.5 5, and -1 one token.
+    import http.client
+    import json
+
+    def gen(srv, sp, stream=False):
+        body = {"text": "the watt", "sampling_params": dict(sp, ignore_eos=True), "stream": stream}
+        u = srv.url.split("//")[1]
+        conn = http.client.HTTPConnection(u.split(":")[0], int(u.split(":")[1]), timeout=30)
+        try:
+            conn.request("POST", "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            try:
+                return r.status, r.read().decode()
+            except http.client.IncompleteRead as e:
+                return r.status, ("cut", e.partial.decode())
+        finally:
+            conn.close()
+
+    with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=64, decode_tok_s=5000.0, draft_n_max=0) as srv:
+        code, text = gen(srv, {"max_new_tokens": None})
+        meta = json.loads(text)["meta_info"]
+        assert code == 200 and meta["prompt_tokens"] + meta["completion_tokens"] == 64, meta
+        assert meta["finish_reason"]["type"] == "length", meta
+        for given, want in ((5.5, 6), (True, 1), (3, 3)):
+            code, text = gen(srv, {"max_new_tokens": given})
+            assert code == 200 and json.loads(text)["meta_info"]["completion_tokens"] == want, (given, text)
+        n_ran = len(srv.truth)
+        assert gen(srv, {"max_new_tokens": -1}) == (400, json.dumps(
+            {"error": {"message": "max_new_tokens must be at least 0, got -1."}}))
+        code, text = gen(srv, {"max_new_tokens": -1}, stream=True)
+        assert code == 200 and text == ('data: {"error": {"message": "max_new_tokens must be at least 0, got -1."}}'
+                                        '\n\ndata: [DONE]\n\n'), text
+        assert gen(srv, {"max_new_tokens": "5"}) == (500, "Internal Server Error")
+        code, text = gen(srv, {"max_new_tokens": "5"}, stream=True)
+        assert code == 200 and text in (("cut", ""), ""), text  # the head, then the connection closed: no event
+        assert len(srv.truth) == n_ran  # none of the refused ran
+
+
+def test_a_chat_without_a_length_runs_to_the_context_as_sglangs_scheduler_runs_it():
+    # serving_chat passes `max_completion_tokens or max_tokens` as max_new_tokens: neither given (or 0) is None, which
+    # the tokenizer manager does not check against the context and the scheduler runs to it (`1 << 30`, capped at the
+    # context less the prompt). Before: 128 tokens, and at a 64-token context refused 400 (prompt + 128 too long).
+    import json
+
+    chat = {"messages": [{"role": "user", "content": "the watt"}], "ignore_eos": True}
+    with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=64, decode_tok_s=5000.0, draft_n_max=0) as srv:
+        for extra in ({}, {"max_tokens": 0}, {"max_completion_tokens": 0, "max_tokens": None}):
+            code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(dict(chat, **extra)).encode())
+            assert code == 200, (extra, doc)
+            u = doc["usage"]
+            assert u["prompt_tokens"] + u["completion_tokens"] == 64 and doc["choices"][0]["finish_reason"] == "length"
+        code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(dict(chat, max_tokens=5)).encode())
+        assert code == 200 and doc["usage"]["completion_tokens"] == 5, doc

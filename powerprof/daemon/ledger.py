@@ -647,8 +647,8 @@ class Ledger:
         crash such requests (never run) were costed 78 J over 4 on an idle simulated server, their rows saying their
         process died."""
         tr = r.trace
-        if (tr.method != "POST" or tr.api is None or tr.stream is True or tr.first_ns is not None or tr.end_ns is None
-                or r.ev_n or r.spent):
+        if (tr.method not in ("POST", "PUT") or tr.api is None or tr.stream is True or tr.first_ns is not None  # PUT:
+                or tr.end_ns is None or r.ev_n or r.spent):  # SGLang's /generate takes it as a POST
             return None
         slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
         # A scrape found the server down (`note_down`), before the new process answered: nothing listening proves the

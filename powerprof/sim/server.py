@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextvars
 import json
+import math
 import os
 import re
 import signal
@@ -140,10 +141,19 @@ class _Refused(Exception):
         self.response = response
 
 
+class _StreamBroken(Exception):
+    """A handler's failure once its answer's head went out: aiohttp can send no other answer and closes the connection,
+    as uvicorn does for an ASGI app that raises mid-stream."""
+
+
 # pydantic's lax reading of a text as an integer: digits, signed, blanks around, a fraction of zeros only.
 _INT_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")
 _JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
+# The llama.cpp routes whose params_from_json_cmpl reads n_cmpl (else n) as the choices to run (measured).
+LLAMA_N_CMPL_APIS = ("llamacpp", "openai-completions", "openai-chat")
+# SGLang's routes that refuse a body not sent as application/json (http_server.py: validate_json_request).
+SGLANG_JSON_ONLY = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize")
 
 
 class _NoTokens(str):
@@ -901,6 +911,7 @@ class SimServer:
         r.add_post("/v1/responses", self._responses)
         r.add_post("/v1/embeddings", self._embeddings)
         r.add_post("/generate", self._generate)
+        r.add_put("/generate", self._generate)  # SGLang's route takes PUT too (http_server.py, methods POST and PUT)
         for path in ("/get_model_info", "/model_info"):
             r.add_get(path, self._model_info)
         for path in ("/get_server_info", "/server_info"):
@@ -944,7 +955,7 @@ class SimServer:
         """Each POST's connection watched while its handler runs (_watch_clients): the sequences it submits are tied to
         it, so that they are aborted once the server notices that their client left. aiohttp itself runs a handler on
         for a client gone (its handler_cancellation is off by default since 3.9), and so would every request here."""
-        if request.method != "POST":
+        if request.method not in ("POST", "PUT"):  # SGLang's /generate takes PUT as POST
             return await handler(request)
         now = time.monotonic_ns()
         client = _Client(request, asyncio.current_task(), now, next_check_ns=now + int(self._client_poll_s(False) * 1e9))
@@ -1734,8 +1745,10 @@ class SimServer:
             if not isinstance(content, (str, list)):  # its json_value read: 400 naming the JSON type (measured)
                 got = "null" if content is None else _JSON_TYPES.get(type(content), "object")
                 return self._bad_request(f"[json.exception.type_error.302] type must be string, but is {got}")
-            text = str(content)
             special = bool(body.get("add_special", False))
+            if isinstance(content, list):
+                return self._llama_tokenize_mixed(content, special)
+            text = content
         else:
             text = str(body.get("prompt", ""))
             special = bool(body.get("add_special_tokens", True))
@@ -1746,6 +1759,23 @@ class SimServer:
         if self.flavour == "llamacpp":
             return self._json({"tokens": ids})
         return self._json({"count": n, "max_model_len": self.n_ctx, "tokens": ids})
+
+    def _llama_tokenize_mixed(self, content: list, special: bool) -> web.Response:
+        """llama-server's /tokenize of a list (its tokenize_mixed; measured on the bundled build): a number is that
+        token id as given (a float or a boolean converted, never checked against the vocabulary: -1 and 99999 come
+        back), a text its tokens, the BOS only where the list opens with a text and add_special asks for it; any other
+        item is 400 `[json.exception.type_error.302] type must be number, but is null` (array, object). Before: the
+        list's Python text was tokenized (`[1, 2, 3]` seven tokens, a null or nested list taken)."""
+        ids = [1] if special and content and isinstance(content[0], str) else []
+        for item in content:
+            if isinstance(item, str):
+                ids += [zlib.crc32(w.encode()) % N_VOCAB for w in _WORD.findall(item)]
+            elif isinstance(item, (int, float)):
+                ids.append(int(item))
+            else:
+                got = "null" if item is None else _JSON_TYPES.get(type(item), "object")
+                return self._bad_request(f"[json.exception.type_error.302] type must be number, but is {got}")
+        return self._json({"tokens": ids})
 
     def _seq_ctx(self) -> int:
         """The context one sequence may fill: llama.cpp's slot (n_ctx split among the slots: -np given, its KV cache
@@ -1771,7 +1801,7 @@ class SimServer:
             return None
         if n >= ctx:
             msg = f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
-        elif n + n_predict > ctx:
+        elif n_predict != UNTIL_CONTEXT and n + n_predict > ctx:  # no limit (null) is not checked
             msg = (f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
                    f"a total of {n + n_predict} tokens: {n} tokens from the input messages and {n_predict} tokens for "
                    f"the completion. Please reduce the number of tokens in the input messages or the completion to "
@@ -1795,6 +1825,8 @@ class SimServer:
     async def _body(self, request: web.Request) -> dict:
         # Each server's 400 for a body it cannot read: llama-server's says nlohmann's exception (measured on the bundled
         # build), vLLM's and SGLang's are their request validation's (the flavour's _bad_request shape).
+        if self.flavour == "sglang" and (refused := await self._sglang_media_refusal(request)) is not None:
+            raise _Refused(refused)
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
@@ -1805,6 +1837,32 @@ class SimServer:
             raise _Refused(self._bad_request(llama if self.flavour == "llamacpp" else
                                              "Input should be a valid dictionary or object to extract fields from"))
         return body
+
+    async def _sglang_media_refusal(self, request: web.Request) -> web.Response | None:
+        """SGLang's 400 for a body not sent as JSON (read in http_server.py, not measured); None where it reads it.
+        Its OpenAI routes' validate_json_request dependency refuses any media type but application/json (no header
+        included) before the body is read: a RequestValidationError raised with its errors by keyword, so its handler's
+        message f"{str(exc)} {exc.errors()}" opens with a space (a FastAPI whose RequestValidationError has a __str__
+        words it otherwise), flat as its other 400s, nested under "error" on /v1/responses. /generate has no such
+        check: FastAPI leaves a body whose type is given and not JSON as bytes, which GenerateReqInput (a dataclass)
+        refuses, 400 with pydantic's error list; one with no type it reads as JSON (FastAPI 0.132 and later, with
+        their strict_content_type, refuse that too: not modelled)."""
+        content_type = request.headers.get("Content-Type", "").lower()
+        if request.path in SGLANG_JSON_ONLY:
+            if content_type.split(";", 1)[0] == "application/json":
+                return None
+            errors = [{"loc": ["header", "content-type"],
+                       "msg": "Unsupported Media Type: Only 'application/json' is allowed", "type": "value_error"}]
+            err = {"message": f" {errors}", "type": "Bad Request", "param": None, "code": 400}
+            return self._json({"error": err} if request.path == "/v1/responses" else {"object": "error", **err}, 400)
+        media = content_type.split(";", 1)[0].strip()
+        main, _, sub = media.partition("/")
+        if request.path != "/generate" or not media or main == "application" and (sub == "json" or sub.endswith("+json")):
+            return None
+        errors = [{"type": "dataclass_type", "loc": ("body",),
+                   "msg": "Input should be a dictionary or an instance of GenerateReqInput",
+                   "input": await request.read(), "ctx": {"class_name": "GenerateReqInput"}}]
+        return self._validation_errors(errors)
 
     def _validation_refusal(self, body: dict, *fields: str) -> web.Response | None:
         """vLLM's and SGLang's request models read these length fields as Optional[int] in pydantic's lax mode: an
@@ -1831,10 +1889,30 @@ class SimServer:
                          ("int_parsing", "Input should be a valid integer, unable to parse string as an integer")
                          if isinstance(v, str) else ("int_type", "Input should be a valid integer"))
             errors.append({"type": kind, "loc": ("body", name), "msg": msg, "input": v})
-        if not errors:
-            return None
+        return self._validation_errors(errors) if errors else None
+
+    def _validation_errors(self, errors: list) -> web.Response:
+        """The 400 vLLM's and SGLang's handlers give FastAPI's RequestValidationError: its error list as the message."""
         err = {"message": str(errors), "type": "Bad Request", "param": None, "code": 400}
         return self._json({"error": err} if self.flavour == "vllm" else {"object": "error", **err}, 400)
+
+    def _sglang_completions_length_refusal(self, body: dict, given) -> web.Response | None:
+        """SGLang's CompletionRequest reads `max_tokens: int = 16`, not Optional (null is int_type), and its
+        validate_max_tokens_positive refuses one below 1 ("max_tokens must be positive", a pydantic value_error: 400
+        as its other validation errors; read in sgl-project/sglang protocol.py @ 004c82e0, not measured; a version
+        without that validator would run 0 and refuse a negative as its sampling params do, as chat does). `given` is
+        the value as sent (_validation_refusal has written its integer into `body`). None where it runs, or not SGLang."""
+        if self.flavour != "sglang" or "max_tokens" not in body:
+            return None
+        n = body["max_tokens"]
+        if n is None:
+            return self._validation_errors([{"type": "int_type", "loc": ("body", "max_tokens"),
+                                             "msg": "Input should be a valid integer", "input": None}])
+        if int(n) > 0:
+            return None
+        return self._validation_errors([{"type": "value_error", "loc": ("body", "max_tokens"),
+                                         "msg": "Value error, max_tokens must be positive", "input": given,
+                                         "ctx": {"error": ValueError("max_tokens must be positive")}}])
 
     def _vllm_length_refusal(self, n: int | None) -> web.Response | None:
         """vLLM's SamplingParams._verify_args refuse a max_tokens below 1 (VLLMValidationError naming the parameter,
@@ -1868,6 +1946,8 @@ class SimServer:
         # A Responses request is converted to a chat one first, its max_output_tokens becoming max_tokens, the name its
         # refusal says (measured).
         fields = [("n_predict",) * 2, ("max_tokens",) * 2, ("max_completion_tokens",) * 2, ("n",) * 2, ("stream",) * 2]
+        if api in LLAMA_N_CMPL_APIS:
+            fields.insert(3, ("n_cmpl",) * 2)
         if api == "openai-responses":
             fields.append(("max_output_tokens", "max_tokens"))
         for key, name in fields:
@@ -1879,7 +1959,7 @@ class SimServer:
             got = "number" if want == "number" and type(v) is bool else _JSON_TYPES.get(type(v), "object")
             if got != want:
                 return refuse(f"Field '{name}': [json.exception.type_error.302] type must be {want}, but is {got}")
-            if name not in ("n", "stream") and not -1 <= int(v) <= 2**31 - 1:
+            if name not in ("n", "n_cmpl", "stream") and not -1 <= int(v) <= 2**31 - 1:
                 return refuse(f"Field '{name}': Value must be between -1 <= value <= 2147483647, but got {int(v)}")
         if api != "openai-chat":
             return None
@@ -2001,14 +2081,37 @@ class SimServer:
                 text = _standin([f"i{x}" for x in ids], bos=False)
             elif all(isinstance(x, list) and x and all(type(i) is int for i in x) for x in ids):
                 text = [_standin([f"i{i}" for i in x], bos=False) for x in ids]
-        n = sp.get("max_new_tokens", 128)
-        n = int(128 if n is None else n)
+        n = await self._sglang_new_tokens(request, sp, bool(body.get("stream")))
+        if isinstance(n, web.StreamResponse):
+            return n
         choices = sp.get("n", 1)
         if isinstance(text, list) or (type(choices) is int and choices > 1):
             prompts = [str(t) for t in text] if isinstance(text, list) else [str(text)]
             return await self._serve_sglang_batch(request, body, sp, prompts, max(int(choices), 1), n)
         args = dict(body, ignore_eos=bool(sp.get("ignore_eos", False)))
         return await self._serve(request, "sglang-native", str(text), args, n)
+
+    async def _sglang_new_tokens(self, request: web.Request, sp: dict, stream: bool) -> int | web.StreamResponse:
+        """/generate's `max_new_tokens` as SGLang takes it (read in its tokenizer_manager.py and sampling_params.py, not
+        measured): `sampling_params` is a plain dict, never validated by a request model. Absent, 128 (SamplingParams'
+        default); null, no limit (its scheduler runs it to the context: UNTIL_CONTEXT); a number as Python compares
+        it: true 1, a float until the count reaches it (5.5 runs 6); below 0 SamplingParams.verify's ValueError
+        (_sglang_refusal). Anything else (a text, even "5", a list) raises a TypeError in _validate_one_request's
+        `max_new_tokens + input_token_num`, which nothing catches: Starlette's plain 500 "Internal Server Error"; a
+        stream has sent its 200 head by then, and the connection is closed with no event. Before: the simulator ran
+        null as 128, "5" as 5, 5.5 as 5 and -1 as 1 token, and any other text was aiohttp's 500."""
+        n = sp.get("max_new_tokens", 128)
+        if n is None:
+            return UNTIL_CONTEXT
+        if isinstance(n, (int, float)):
+            if n < 0:
+                return self._sglang_refusal(f"max_new_tokens must be at least 0, got {n}.", stream)
+            return math.ceil(n)
+        if not stream:
+            return web.Response(status=500, text="Internal Server Error")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Powerprof-Simulated": "1"})
+        await resp.prepare(request)
+        raise _StreamBroken("the TypeError SGLang raises once its stream has begun")  # aiohttp closes the connection
 
     async def _serve_sglang_batch(self, request: web.Request, body: dict, sp: dict, prompts: list, n_choices: int,
                                   n_predict: int) -> web.StreamResponse:
@@ -2077,8 +2180,9 @@ class SimServer:
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompts = (self._validation_refusal(body, "max_tokens") or self._llama_refusal("openai-completions", body)
-                   or self._completion_prompts(body.get("prompt", "")))
+        given = body.get("max_tokens")
+        prompts = (self._validation_refusal(body, "max_tokens") or self._sglang_completions_length_refusal(body, given)
+                   or self._llama_refusal("openai-completions", body) or self._completion_prompts(body.get("prompt", "")))
         if isinstance(prompts, web.Response):
             return prompts
         n = body.get("max_tokens")
@@ -2112,10 +2216,19 @@ class SimServer:
         prompt += chatshape.tools_in_prompt(body, self.flavour, self.exclude_tools_when_tool_choice_none)
         if self.flavour == "llamacpp":
             return await self._serve(request, "openai-chat", prompt, body, self._llama_length(body))
-        n = body.get("max_completion_tokens") or body.get("max_tokens")  # vLLM's own `or`: a 0 falls back
+        n = body.get("max_completion_tokens") or body.get("max_tokens")  # vLLM's and SGLang's own `or`: a 0 falls back
         refused = self._vllm_length_refusal(n)
         if refused is not None:
             return refused
+        if self.flavour == "sglang" and n is not None and int(n) < 0:
+            # Its SamplingParams.verify (sampling_params.py), a ValueError its tokenizer manager raises as a too-long
+            # prompt's: 400, nothing run. Before: -1 ran 1 token.
+            return self._sglang_refusal(f"max_new_tokens must be at least 0, got {int(n)}.", None)
+        if self.flavour == "sglang" and not n:
+            # Neither given (or 0): max_new_tokens None, which its scheduler runs to the context (`1 << 30`, capped at
+            # the context less the prompt), unchecked against it. Before: 128 tokens, and refused where prompt + 128
+            # passed the context.
+            return await self._serve(request, "openai-chat", prompt, body, UNTIL_CONTEXT)
         return await self._serve(request, "openai-chat", prompt, body, int(n or 128))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
@@ -2144,6 +2257,10 @@ class SimServer:
         body = await self._body(request)
         refused = (self._validation_refusal(body, "max_output_tokens") or self._llama_refusal("openai-responses", body)
                    or self._vllm_length_refusal(body.get("max_output_tokens")))
+        if refused is not None and self.flavour == "sglang":
+            # SGLang's route takes a dict and builds its ResponsesRequest in the handler (http_server.py @ 0025436e):
+            # pydantic's error is no RequestValidationError, and no handler catches it: Starlette's plain-text 500.
+            return web.Response(status=500, text="Internal Server Error")
         if refused is not None:
             return refused
         inp = body.get("input")
@@ -2285,15 +2402,20 @@ class SimServer:
         n_predict = n_predicts[0]
 
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
-        if api == "llamacpp":
-            # llama-server's native /completion runs n_cmpl (else n) tasks per prompt, index prompt × n_cmpl + choice
-            # (server-task.cpp params_from_json_cmpl; handle_completions_impl). Before: always one.
-            n_choices = body.get("n_cmpl", body.get("n", 1))
+        n_name = "n"
+        if self.flavour == "llamacpp" and api in LLAMA_N_CMPL_APIS:
+            # llama-server runs n_cmpl tasks per prompt, else n (its alias), null taken as absent, on /completion,
+            # /v1/completions and chat alike, index prompt × n + choice (server-task.cpp params_from_json_cmpl;
+            # handle_completions_impl; measured on the bundled build: n_cmpl 2 two choices on each, n_cmpl 1 beside n 2
+            # one). Before: /completion alone read n_cmpl, and a null n_cmpl or n was refused.
+            n_name = "n_cmpl" if body.get("n_cmpl") is not None else "n"
+            n_choices = 1 if body.get(n_name) is None else body[n_name]
         if self.flavour == "llamacpp" and isinstance(n_choices, (bool, float)):
             n_choices = int(n_choices)  # nlohmann's number read: true 1, 2.0 (or 2.5) 2, as llama-server runs them
         if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
             if self.flavour == "llamacpp" and isinstance(n_choices, int):  # its one range check, 0 as 3 of 2 slots
-                return self._bad_request(f"Field 'n': Value must be between 1 <= value <= {self.n_slots}, but got {n_choices}")
+                return self._bad_request(f"Field '{n_name}': Value must be between 1 <= value <= {self.n_slots}, "
+                                         f"but got {n_choices}")
             return self._bad_request("Field 'n': must be an integer of at least 1")
         temperature = body.get("temperature")
         if (self.flavour == "vllm" and n_choices > 1 and isinstance(temperature, (int, float))
@@ -2303,7 +2425,8 @@ class SimServer:
             return self._bad_request(f"n must be 1 when using greedy sampling, got {n_choices}.")
         if self.flavour == "llamacpp" and n_choices > self.n_slots:
             # llama-server runs a task per choice, each in a slot of its own (checked against b11434).
-            return self._bad_request(f"Field 'n': Value must be between 1 <= value <= {self.n_slots}, but got {n_choices}")
+            return self._bad_request(f"Field '{n_name}': Value must be between 1 <= value <= {self.n_slots}, "
+                                     f"but got {n_choices}")
         args = (n_predict, bool(body.get("ignore_eos", False)), bool(body.get("cache_prompt", default_cache)),
                 int(body.get("seed", 0) or 0))
         opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
