@@ -886,11 +886,22 @@ class Ledger:
         # Capped where its max_tokens leave fewer than its pace decodes to the abort: not where the span, rounded back
         # from the tokens to the nanosecond, comes 1 ns short (half such runs said "until its max_tokens were decoded").
         capped = False
+        shown = r.spent + float(sum(r.ev_n)) + r.late
         if isinstance(limit, (int, float)) and limit > 0:
-            left = max(float(limit) * seqs - (r.spent + float(sum(r.ev_n)) + r.late), 0.0)
+            left = max(float(limit) * seqs - shown, 0.0)
             capped, n = left < n, min(n, left)
         if span_ns <= 0 or n <= 0:
             return
+        if not r.run_on_to_end and not r.run_on_crash:
+            # SGLang's abort (or its max_tokens) is the most it ran on: an answer that can end by itself (its end of
+            # text, a stop) may have ended sooner, unseen (SGLang then counts it whole at its end; the proxy sees none
+            # of it). Placed to the abort, 4 streams cut after 5 tokens beside 24 that ended by themselves after 16-63
+            # were placed 62-65 run-on tokens for the simulator's 36-50, unflagged; placed at the latest streams' mean,
+            # a stream that could not end (ignore_eos, min_tokens) was -33% to -49%. Its own body says which: still
+            # placed at the most, its row says both readings, flagged uncertain (rowtext), where its body lets it end.
+            least = max(float(r.trace.extra.get("min_tokens", 0)) * seqs - shown, 0.0)
+            if not r.trace.extra.get("eos_ignored") and least < n:
+                r.run_on_may_end = least
         k = max(1, min(SPREAD_EVENTS, int(np.ceil(n))))
         if capped:  # at its pace: a max_tokens reached stops it before the abort
             span_ns = min(span_ns, int(n / tok_s * 1e9))
