@@ -389,6 +389,12 @@ def test_an_sglang_run_on_whose_answer_may_end_by_itself_is_uncertain_one_sent_w
     assert long["attributed_tokens"] == pytest.approx(truth["long"]["generated"], rel=0.2), (truth["long"], long)
     [h] = fleet_summary([str(tmp_path / "data")]).to_pylist()
     assert h["uncertain_requests"] == 1, h
+    # The ended run-on, counted by SGLang at its end, listed at its placed end: no bypass tokens read (none ran; before,
+    # its tokens read as bypass, their energy taken from the requests beside it, which the run-on had taken too).
+    import pyarrow.dataset as pads
+
+    ivs = pads.dataset(tmp_path / "data" / "intervals", partitioning="hive").to_table(columns=["server_tokens"])
+    assert sum(x or 0 for x in ivs.column("server_tokens").to_pylist()) < 5, ivs.to_pylist()
 
 
 def test_a_prompt_whose_size_the_body_does_not_say_is_said_not_costed_and_its_neighbours_say_so(tmp_path):
