@@ -334,6 +334,69 @@ def test_a_request_sglang_runs_on_after_its_client_left_is_charged_that_work_not
     assert float(np.median([abs(err[t]) for t in ok])) < 0.3, {t: round(err[t], 2) for t in ok}
 
 
+def test_an_sglang_run_on_whose_answer_may_end_by_itself_is_uncertain_one_sent_with_ignore_eos_is_not(tmp_path):
+    # SGLang runs a cut stream on to its abort 2 s later unless its answer ends by itself first (the simulator's end of
+    # text, 16-63 tokens in, as a model's), unseen. Placed to the abort either way, the first was costed +100% to +300%
+    # on the simulated SGLang, unflagged. Its body says which it is: without ignore_eos its row is uncertain-uncounted
+    # (analyze leaves it out of J/token); with it (a long task, run on to the abort) sure, and close to the truth.
+    import asyncio
+
+    import aiohttp
+
+    from powerprof.analysis.fleet import fleet_summary
+    from powerprof.storage.schema import UNSURE_FLAG
+
+    srv, daemon = _h200_daemon(tmp_path, "sglang", decode_tok_s=40.0)
+
+    async def post(s, url, tag, body):
+        return await s.post(url + "/v1/completions", json={"model": "m", "stream": True, **body},
+                            headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
+
+    async def normal(s, url, k):
+        async with await post(s, url, f"ok{k}", {"prompt": f"w{k} " * 300, "max_tokens": 80,
+                                                 "stream_options": {"include_usage": True}}) as r:
+            await r.read()
+
+    async def cut(s, url, tag, **body):
+        r = await post(s, url, tag, {"prompt": f"{tag} " * 300, "max_tokens": 2000, **body})
+        n = 0
+        async for line in r.content:
+            n += line.startswith(b"data:")
+            if n == 5:
+                break
+        r.close()
+
+    async def scene(url):
+        for _ in range(600):
+            if daemon.scraper.kind and daemon.ledger.runs_on_after_leave is not None:
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            jobs = [asyncio.create_task(normal(s, url, k)) for k in range(3)]
+            jobs += [asyncio.create_task(cut(s, url, "eos")), asyncio.create_task(cut(s, url, "long", ignore_eos=True))]
+            await asyncio.sleep(0.4)
+            jobs += [asyncio.create_task(normal(s, url, k)) for k in range(3, 6)]
+            await asyncio.gather(*jobs)
+
+    _run_daemon(srv, daemon, scene, after_s=5, up=lambda: "proxy" in daemon.urls, up_tries=400)
+    truth = {t["client_id"]: t for t in [*srv.truth, *srv.truth_cancelled] if t.get("client_id")}
+    rows = _rows_by_tag(tmp_path)
+    eos, long = rows["eos"], rows["long"]
+    note = eos["energy_note"] or ""
+    assert UNSURE_FLAG in note and "may have ended by itself" in note, note
+    assert truth["eos"]["generated"] < eos["attributed_tokens"], (truth["eos"], eos)  # ended first: placed high
+    assert UNSURE_FLAG not in (long["energy_note"] or ""), long["energy_note"]
+    assert long["attributed_tokens"] == pytest.approx(truth["long"]["generated"], rel=0.2), (truth["long"], long)
+    [h] = fleet_summary([str(tmp_path / "data")]).to_pylist()
+    assert h["uncertain_requests"] == 1, h
+    # The ended run-on, counted by SGLang at its end, listed at its placed end: no bypass tokens read (none ran; before,
+    # its tokens read as bypass, their energy taken from the requests beside it, which the run-on had taken too).
+    import pyarrow.dataset as pads
+
+    ivs = pads.dataset(tmp_path / "data" / "intervals", partitioning="hive").to_table(columns=["server_tokens"])
+    assert sum(x or 0 for x in ivs.column("server_tokens").to_pylist()) < 5, ivs.to_pylist()
+
+
 def test_a_prompt_whose_size_the_body_does_not_say_is_said_not_costed_and_its_neighbours_say_so(tmp_path):
     # A chat whose content holds an image part (its tokens are not its characters), no usage asked: the proxy read its
     # body but took no size from it, so its prefill was costed at 0 with nothing on its row (vLLM flavour, H200, 10

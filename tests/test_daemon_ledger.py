@@ -3859,17 +3859,48 @@ def test_a_request_sglang_ran_on_for_seconds_is_no_counter_short_request():
     assert "counter-short" not in rows[10]["energy_note"], rows[10]["energy_note"]
 
 
-def _sglang_scene(streams, stop_s: float = 6.0, told: bool = False) -> dict:
+def test_a_run_on_that_may_have_ended_by_itself_is_flagged_uncertain_one_that_cannot_is_not():
+    # SGLang runs a cut stream on to its abort 2 s on, or its max_tokens, or its answer's own end (its end of text),
+    # which no one sees. The simulator's scene (24 streams ending by themselves after 16-63 tokens beside 4 cut after
+    # 5): the cut rows placed 68-90 run-on tokens for the truth's 11-56 (one 228 J for 73), unflagged. Its body says
+    # whether it could end first: without ignore_eos (nor min_tokens reaching the abort) its row is uncertain-uncounted
+    # (analyze leaves it out of J/token), both readings said; with ignore_eos, or min_tokens past the abort, it is sure,
+    # its figure the same (the review's fault: a stream that could not end placed at others' mean, -33% to -49%).
+    steps = lambda t0, n: [t0 + 0.025 * i for i in range(n)]  # a token a step a sequence, 40 tokens/s
+    beside = [(k, 0.0, steps(0.1, 197), 5.0, False, 400) for k in range(1, 5)]
+    cut = (9, 1.0, steps(1.1, 9), 1.31, True, 400)
+    got = {}
+    for name, extra in (("plain", {}), ("ignore_eos", {"eos_ignored": True}), ("min_tokens", {"min_tokens": 200}),
+                        ("short min_tokens", {"min_tokens": 40})):
+        led_rows, led = _sglang_scene([*beside, cut], stop_s=7.0, extra={9: extra}, ledger=True)
+        got[name] = (led_rows[9], led.flagged_requests.get(UNSURE_FLAG, 0))
+    row, flagged = got["plain"]
+    note = row["energy_note"]
+    # 2 s at 40 tokens/s: 80 tokens placed beside its 9, the most it ran on.
+    assert row["attributed_tokens"] == pytest.approx(9 + 80, rel=0.05), row
+    assert UNSURE_FLAG in note and "may have ended by itself" in note and "from 0 to 80 tokens" in note, note
+    assert flagged == 1
+    for name in ("ignore_eos", "min_tokens"):
+        sure, flagged = got[name]
+        assert UNSURE_FLAG not in sure["energy_note"] and flagged == 0, (name, sure["energy_note"])
+        assert sure["gpu_energy_j"] == pytest.approx(row["gpu_energy_j"]), name
+        assert sure["attributed_tokens"] == pytest.approx(row["attributed_tokens"]), name
+    short, flagged = got["short min_tokens"]
+    assert "from 31 (its min_tokens' rest) to 80 tokens" in short["energy_note"] and flagged == 1, short["energy_note"]
+
+
+def _sglang_scene(streams, stop_s: float = 6.0, told: bool = False, extra: dict | None = None, ledger: bool = False):
     """Streams (request id, arrival s, its chunks' times, its end s, whether its client left then, max_tokens) on a GPU
     at 300 W sampled every 0.1 s, the ledger told SGLang's run-on delays and advancing as the daemon's does, shut down
     (close_all) at stop_s: nothing after it happens. `told`: each stream says its prompt's length at its start
-    (continuous usage). The rows by request id."""
+    (continuous usage); `extra`: more of a request's body as the proxy read it, by request id. The rows by request id
+    (and the ledger, where `ledger`)."""
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.runs_on_after_leave = (2.0, 4.0)
     events = []
     for rid, a, ts, end, left, limit in streams:
         tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat", stream=True)
-        tr.extra.update(prompt_chars=400, max_tokens=limit)
+        tr.extra.update(prompt_chars=400, max_tokens=limit, **(extra or {}).get(rid, {}))
         if told:
             tr.extra["prompt_tokens"] = 100
         events += [(a, 0, tr, left), *((t, 1, tr, left) for t in ts), (end, 2, tr, left)]
@@ -3901,7 +3932,8 @@ def _sglang_scene(streams, stop_s: float = 6.0, told: bool = False) -> dict:
             led.on_end(tr)
     to(stop_s)
     led.close_all(int(stop_s * S))
-    return {r["request_id"]: r for r in led.emit.rows["requests"]}
+    rows = {r["request_id"]: r for r in led.emit.rows["requests"]}
+    return (rows, led) if ledger else rows
 
 
 _STEPS_40 = [0.1 + 0.025 * i for i in range(41)]  # a token a step a sequence, 40 tokens/s, to 1.1 s
@@ -4077,7 +4109,9 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
         tr.extra.update(prompt_chars=400, **extra)
         return tr
 
-    done, whole = chat(1, 0.0, True), chat(2, arrive, False, whole_as, max_tokens=max_tokens)
+    # Sent with ignore_eos: its answer cannot end by itself before its abort or max_tokens, so its run-on there is sure
+    # (without, its row says uncertain-uncounted: `Ledger._place_run_on`).
+    done, whole = chat(1, 0.0, True), chat(2, arrive, False, whole_as, max_tokens=max_tokens, eos_ignored=True)
     for tr in (done, whole) if arrive <= 0.5 else (done,):
         led.on_start(tr)
     for k in range(20):  # a stream done before, at 40 tokens/s: the server's latest pace

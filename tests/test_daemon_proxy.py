@@ -1216,6 +1216,28 @@ def test_a_null_max_completion_tokens_beside_max_tokens_keeps_the_limit():
         assert extra.get("max_tokens") == want, doc
 
 
+def test_a_body_that_rules_out_its_answers_own_end_is_read_as_sglang_reads_it():
+    # Ledger._place_run_on: a run-on to SGLang's abort is sure only where its answer cannot end by itself first
+    # (ignore_eos with no stop; min_tokens), else its row is uncertain-uncounted. Unread, every run-on was placed to
+    # the abort as sure (the simulated SGLang's answers ending by themselves: cut rows +100% to +200%, unflagged).
+    from powerprof.daemon.proxy import inspect_request_body
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for api, doc, want in (("openai-chat", {}, (None, None)),
+                           ("openai-chat", {"ignore_eos": True}, (True, None)),
+                           ("openai-chat", {"ignore_eos": "true", "min_tokens": 20}, (True, 20)),
+                           ("openai-chat", {"ignore_eos": True, "stop": ["\n"]}, (None, None)),  # a stop still ends it
+                           ("openai-chat", {"ignore_eos": True, "stop_token_ids": [2]}, (None, None)),
+                           ("openai-completions", {"ignore_eos": False, "min_tokens": 0}, (None, None)),
+                           ("sglang-generate", {"sampling_params": {"ignore_eos": True, "min_new_tokens": 8}},
+                            (True, 8)),
+                           ("sglang-generate", {"sampling_params": {"ignore_eos": "true"}}, (None, None)),
+                           ("sglang-generate", {"ignore_eos": True}, (None, None))):  # not its sampling_params
+        extra: dict = {}
+        body = json.dumps({**(chat if api == "openai-chat" else {"text": "hi"}), **doc}).encode()
+        inspect_request_body(body, api=api, extra=extra)
+        assert (extra.get("eos_ignored"), extra.get("min_tokens")) == want, (api, doc, extra)
+
+
 def test_llamacpps_native_n_predict_is_read_as_its_limit():
     # llama-server's /completion takes its limit as `n_predict` (else `max_tokens`; -1, its default, none): unread, a
     # whole answer there whose client left was not run on to its end (Ledger._run_on: no max_tokens to place it at), its

@@ -563,7 +563,8 @@ def _count_unmeasured_sql(col: str = "server_count") -> str:
 # before the daemon's first GPU read (BEFORE_FIRST_READ_FLAG: the energy before it is in no interval); so is one given
 # energy while the server also ran on a GPU the daemon did not sample (SERVER_GPU_UNSAMPLED_FLAG: that GPU's is in none); so is one
 # whose figure may be read either way, nothing measured saying which (UNSURE_FLAG: a run-on a found-down scrape may have
-# cut; not a prompt's tools a server may or may not render: that row's error is mirrored in the rows sharing its
+# cut, or one placed to SGLang's abort whose answer may have ended by itself sooner; not a prompt's tools a server may
+# or may not render: that row's error is mirrored in the rows sharing its
 # intervals, so it stays in and the host's sum is unbiased); so is one
 # given energy of intervals whose server token count may be low (BYPASS_LOW_FLAG: bypass traffic's energy may be in
 # it). A request whose GPU energy is empty (the daemon writes no figure where a GPU gave no reading over it, never 0) or
@@ -985,7 +986,8 @@ def notes(t: pa.Table) -> list[str]:
                    f"read: their energy before it was not counted) or {SERVER_GPU_UNSAMPLED_FLAG} (given energy while "
                    "the server also ran on a GPU the daemon did not sample: that GPU's energy is in none of theirs) or "
                    f"{UNSURE_FLAG} (their figure may be high or low and nothing measured says which: a run-on a scrape "
-                   "that found the server down may have cut, nearly all of it too much if it did) were "
+                   "that found the server down may have cut, nearly all of it too much if it did; or one placed to "
+                   "SGLang's abort whose answer may have ended by itself sooner, its figure then high) were "
                    f"left out of J/token (those also marked {BYPASS_LOW_FLAG} are counted in its line, not here): " + "; ".join(
                        f"{r['host']}: {r['uncertain_requests']}" for r in unsure) + f"; the fix: for {NO_COUNTER_SHORT_FLAG}, {NO_COUNTER_SHORT_FIX}; for {BEFORE_FIRST_READ_FLAG}, "
                        "none for those rows (later requests are measured whole): the daemon's log says why its start's "

@@ -59,6 +59,9 @@ class LiveRequest:
     run_on_tokens: float = 0.0
     run_on_pace: str | None = None
     run_on_capped: bool = False  # its max_tokens ended that run before the abort
+    # Its answer may have ended by itself (its end of text) before that run's placed end, unseen: the fewest tokens it
+    # then ran on (its min_tokens' rest, else 0); None where its body rules that out (`Ledger._place_run_on`).
+    run_on_may_end: float | None = None
     run_on_to_end: bool = False  # a server that runs a whole answer on to its end (llama.cpp), not to an abort
     run_on_unknown: bool = False  # a whole answer llama.cpp ran on to an end nothing placed (no max_tokens or pace)
     run_on_prefill: bool = False  # a stream gone mid-prefill that llama.cpp prefills whole: its run ends at its first token

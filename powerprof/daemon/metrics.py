@@ -84,7 +84,8 @@ FLAG_COUNTERS = {
     UNSURE_FLAG: ("powerprof_requests_uncertain_uncounted", "Requests whose rows' energy_note says "
                   f"{UNSURE_FLAG}: their figure may be high or low and nothing measured says which (a run-on after "
                   "their client left that a scrape finding the server down may have cut, nearly all of it too much if "
-                  "it did): analyze leaves them out of J/token; the fix: each row's note names it"),
+                  "it did; one placed to SGLang's abort whose answer may have ended by itself sooner): analyze leaves "
+                  "them out of J/token; the fix: each row's note names it"),
 }
 OTHER = "other"
 NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet

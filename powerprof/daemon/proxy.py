@@ -388,6 +388,24 @@ def request_sequences(doc: dict, api: str | None, prompts: int | None = None) ->
     return seqs
 
 
+def own_end_terms(doc: dict, api: str | None) -> tuple[bool, int | None]:
+    """(whether its answer cannot end by itself before its length limit, its minimum tokens) as SGLang reads its body:
+    `ignore_eos` true with no stop string, stop token or stop regex (those still end it), and `min_tokens` (its native
+    /generate's sampling_params `min_new_tokens`), during which no end of text ends it. A run-on past its client's
+    leaving ends at the abort only where its answer cannot end by itself first (`Ledger._place_run_on`)."""
+    sp = doc
+    if api == "sglang-generate":
+        sp = doc.get("sampling_params")
+        sp = sp[0] if isinstance(sp, list) and sp else sp
+        if not isinstance(sp, dict):
+            return False, None
+    stops = any(sp.get(k) not in (None, "", [], {}) for k in ("stop", "stop_token_ids", "stop_regex"))
+    least = whole_count(sp.get("min_new_tokens" if api == "sglang-generate" else "min_tokens"))
+    # pydantic's lax boolean on its OpenAI endpoints; a plain dict's value on /generate (True alone taken: never guessed).
+    ignored = sp.get("ignore_eos") is True if api == "sglang-generate" else lax_bool(sp.get("ignore_eos")) is True
+    return ignored and not stops, least if least is not None and least > 0 else None
+
+
 def request_best_of(doc: dict, api: str | None) -> int | None:
     """The sequences a request asks the server to run for each prompt where more than the `n` it returns (vLLM V0's
     `best_of`; V1 refuses it, llama.cpp and SGLang take none): their extra tokens never reach the proxy; None
@@ -526,6 +544,11 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             # nothing there is held, and a count past the running counts must not be believed as a held call.
             if api == "openai-chat" and isinstance(tools, list) and tools and doc.get("tool_choice") != "none":
                 extra["tools"] = True  # its tool-call parser may hold tokens in no chunk (arrival.held_call_at_limit)
+        eos_ignored, least = own_end_terms(doc, api)
+        if eos_ignored:
+            extra["eos_ignored"] = True  # its run-on after its client left cannot end by itself (Ledger._place_run_on)
+        if least is not None:
+            extra["min_tokens"] = least
         best_of = request_best_of(doc, api)
         if best_of is not None:
             extra["best_of"] = best_of  # its row says its energy leaves out the sequences not returned

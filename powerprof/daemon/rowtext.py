@@ -379,10 +379,18 @@ WHOLE_GONE_RUN_ON = (" (a whole answer, not streamed: llama-server ran it on to 
 def _run_on_unsure(r: LiveRequest) -> bool:
     """UNSURE_FLAG's run-on: placed, and a found-down scrape not proven a death may have ended it (`_run_on_note`); or
     a close with no answer costed as a crash with no death shown (`LiveRequest.crash_unsure`): a queuing router's
-    refusal of a request it held (0 J, its energy the neighbours') reads the same."""
+    refusal of a request it held (0 J, its energy the neighbours') reads the same; or placed to SGLang's abort where its
+    answer may have ended by itself sooner, unseen (`_may_have_ended`)."""
     if r.run_on_crash:
         return r.crash_unsure
-    return r.run_on_end_ns is not None and r.run_on_unsure is not None and not r.run_on_restart
+    return r.run_on_end_ns is not None and (r.run_on_unsure is not None and not r.run_on_restart or _may_have_ended(r))
+
+
+def _may_have_ended(r: LiveRequest) -> bool:
+    """Its run-on, placed to SGLang's abort (or its max_tokens), may have ended sooner by its answer's own end, unseen
+    (`LiveRequest.run_on_may_end`): its body did not rule that out (ignore_eos, min_tokens)."""
+    return (r.run_on_may_end is not None and r.run_on_tokens > r.run_on_may_end
+            and not (r.run_on_restart and r.run_on_end_ns <= r.trace.end_ns))
 
 
 def _run_on_note(r: LiveRequest) -> str:
@@ -392,6 +400,15 @@ def _run_on_note(r: LiveRequest) -> str:
     said = _run_on_said(r)
     if not _run_on_unsure(r):
         return said
+    if _may_have_ended(r):
+        least = (f"{r.run_on_may_end:.0f} (its min_tokens' rest)" if r.run_on_may_end > 0 else "0")
+        said = (f"{said}; {UNSURE_FLAG}: its answer may have ended by itself (its end of text or a stop) before that, "
+                f"unseen by the proxy (its body set no ignore_eos, or a stop, and its min_tokens do not reach so far): "
+                f"it ran on from {least} to {r.run_on_tokens:.0f} tokens after its client left, placed at the most, so "
+                "its figure may be high and the shares of the requests beside it then low; fix: none for J/token, "
+                "which leaves it out; a client that stays to its answer's end is costed as any")
+        if r.run_on_unsure is None or r.run_on_restart:
+            return said
     if r.run_on_crash:
         return (f"{said}; {UNSURE_FLAG}: sent before the server's last good scrape, then a scrape found it down by an "
                 "HTTP 503 and a page after said a restart, with no refused connection and no proxied request failing "
