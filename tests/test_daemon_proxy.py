@@ -2279,7 +2279,8 @@ def test_n_cmpl_on_an_openai_route_is_settled_by_the_choices_the_answer_shows():
     # A stream cut after its first choice ended (the second queued for a slot): either may have run.
     assert settle({"n_cmpl": 2}, [0], False) == (None, {})
     assert settle({"n_cmpl": 2}, [], True) == (None, {})
-    assert settle({"sequences": 2, "choices": 2, "n_cmpl": 1}, [0], True) == (True, {})
+    # Its sequences and choices set even where 1: a worker's end record updates the daemon's copy of its start's.
+    assert settle({"sequences": 2, "choices": 2, "n_cmpl": 1}, [0], True) == (True, {"sequences": 1, "choices": 1})
     assert settle({"sequences": 2, "choices": 2, "n_cmpl": 1}, [0, 1], True) == (False, {"sequences": 2, "choices": 2})
     assert settle({"sequences": 2, "choices": 2, "n_cmpl": 1}, [0], False) == (None, {"sequences": 2, "choices": 2})
     # Two prompts, n_cmpl 3: six tasks, index prompt x 3 + choice; an empty prompt's tasks are not run.

@@ -397,11 +397,10 @@ def settle_n_cmpl(extra: dict, choice_stops: dict, whole: bool) -> bool | None:
     live, empty = max(extra.get("sequences", 1), 1) // n, extra.get("empty_tasks", 0) // n  # prompts run, and empty
     shown = max((i for i in choice_stops if type(i) is int), default=-1) + 1
     if shown > (live + empty) * n or (whole and shown == (live + empty) * v):
-        for key, value in (("sequences", live * v), ("choices", v if live * v > 1 else 1), ("empty_tasks", empty * v)):
-            if value > (0 if key == "empty_tasks" else 1):
-                extra[key] = value
-            else:
-                extra.pop(key, None)
+        # Set even where 1: a worker's end record updates the daemon's copy, which holds its start's (n's) figures.
+        extra["sequences"], extra["choices"] = live * v, v if live * v > 1 else 1
+        if empty:
+            extra["empty_tasks"] = empty * v
         return True
     if shown > (live + empty) * v or (whole and shown == (live + empty) * n):
         return False
