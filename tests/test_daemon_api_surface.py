@@ -411,11 +411,18 @@ def test_a_llamacpp_batch_of_prompts_through_the_daemon_is_counted_and_costed_as
         assert row["gpu_energy_j"] == pytest.approx(t["energy_j"], rel=0.25), what
 
 
-@pytest.mark.xfail(strict=True, reason="a known gap (docs/daemon.md, the proxy's Known limits): the proxy reads "
-                   "n_cmpl on llama.cpp's native /completion only, where llama-server runs it on the OpenAI routes too")
-def test_llamacpps_n_cmpl_on_its_openai_routes_is_counted_as_the_choices_it_runs():
-    # Measured on the bundled llama-server, and so on the simulator: n_cmpl 2 is two choices on /v1/completions and
-    # chat. A whole answer says its first task's usage alone: read as one choice, 5 generated of 10, 4 prompt of 8.
+N_CMPL_CHAT = [{"role": "user", "content": "the power of"}]
+N_CMPL_CASES = {  # tag: (path, body beyond max_tokens 5, n_cmpl 2, ignore_eos)
+    "completions": ("/v1/completions", {"prompt": "the power of"}),
+    "chat": ("/v1/chat/completions", {"messages": N_CMPL_CHAT}),
+    "completions-stream": ("/v1/completions", {"prompt": "the power of", "stream": True}),
+    "chat-stream": ("/v1/chat/completions", {"messages": N_CMPL_CHAT, "stream": True}),
+    "chat-stream-usage": ("/v1/chat/completions", {"messages": N_CMPL_CHAT, "stream": True,
+                                                   "stream_options": {"include_usage": True}}),
+}
+
+
+def _n_cmpl_through_proxy(flavour: str):
     from proxy_helpers import serve_here
     from powerprof.sim.nvml import SimNVML
     from powerprof.sim.server import SimServer
@@ -424,14 +431,70 @@ def test_llamacpps_n_cmpl_on_its_openai_routes_is_counted_as_the_choices_it_runs
         rec = Rec()
         runner, px = await serve_here(Proxy(up, recorder=rec).app())
         async with aiohttp.ClientSession() as s:
-            body = {"prompt": "the power of", "max_tokens": 5, "n_cmpl": 2, "ignore_eos": True}
-            async with s.post(px + "/v1/completions", json=body, headers={"X-Sim-Request-Id": "a"}) as r:
-                await r.read()
+            for tag, (path, extra) in N_CMPL_CASES.items():
+                body = {"max_tokens": 5, "n_cmpl": 2, "ignore_eos": True, **extra}
+                async with s.post(px + path, json=body, headers={"X-Sim-Request-Id": tag}) as r:
+                    assert r.status == 200
+                    await r.read()
         await runner.cleanup()
         return rec
 
-    with SimServer(SimNVML("seed-16g", state_path=None), n_slots=2, decode_tok_s=2000) as srv:
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, n_slots=2, decode_tok_s=2000) as srv:
         rec = asyncio.run(main(srv.url))
-        truth = srv.request_truth()["a"]
-    (t,) = rec.ended
-    assert (t.counts.generated_tokens, t.counts.prompt_tokens) == (truth["generated"], truth["prompt_tokens"]), t.counts
+        truth = srv.request_truth()
+    return dict(zip(N_CMPL_CASES, rec.ended)), truth
+
+
+def test_llamacpps_n_cmpl_on_its_openai_routes_is_counted_as_the_choices_it_runs():
+    # Measured on the bundled llama-server, and so on the simulator: n_cmpl 2 is two choices on /v1/completions and
+    # chat. A whole answer says its first task's usage alone: read as one choice (the proxy read n_cmpl on /completion
+    # only), 5 generated of 10, 4 prompt of 8, unflagged; a stream's counts were right but its row one sequence of 2,
+    # its early prompt 4 of 8. Now the answer's choices settle which reading the server ran (proxy.settle_n_cmpl).
+    rows, truth = _n_cmpl_through_proxy("llamacpp")
+    for tag, t in rows.items():
+        what = (tag, t.counts, t.extra, t.error)
+        assert truth[tag]["sequences"] == 2 and t.outcome == "ok" and t.error is None, what
+        assert (t.counts.generated_tokens, t.counts.prompt_tokens) == (truth[tag]["generated"],
+                                                                       truth[tag]["prompt_tokens"]) == (10, 8), what
+        assert (t.extra.get("sequences"), t.extra.get("choices")) == (2, 2) and "n_cmpl" not in t.extra, what
+        assert t.extra.get("prompt_tokens") in (None, 8), what
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_n_cmpl_is_one_choice_on_servers_that_ignore_it(flavour):
+    # vLLM and SGLang take no n_cmpl (an unknown field): one choice, counted as one, not doubled by llama.cpp's reading.
+    rows, truth = _n_cmpl_through_proxy(flavour)
+    for tag, t in rows.items():
+        what = (tag, t.counts, t.extra, t.error)
+        assert truth[tag]["sequences"] == 1 and t.outcome == "ok" and t.error is None, what
+        assert t.counts.choice_stops.keys() == {0}, what
+        assert t.extra.get("sequences", 1) == 1 and "choices" not in t.extra and "n_cmpl" not in t.extra, what
+        if t.counts.prompt_tokens is not None:  # said where the server sends usage (a whole answer, include_usage)
+            assert (t.counts.generated_tokens, t.counts.prompt_tokens) == (truth[tag]["generated"],
+                                                                           truth[tag]["prompt_tokens"]) == (5, 4), what
+
+
+def test_a_stream_cut_before_it_showed_which_n_cmpl_ran_says_so():
+    # A stream of one choice that ended without [DONE] (its second task still queued for a slot on llama-server, or a
+    # server that ignored n_cmpl): which ran is unknown. Taken at its `n`, and its row says so (before: silent).
+    cut = (b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
+           b'data: {"choices":[{"index":0,"text":"b","finish_reason":"length"}]}\n\n')
+    from proxy_helpers import serve_here
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", _sse(cut))
+        up_runner, up = await serve_here(app)
+        rec = Rec()
+        runner, px = await serve_here(Proxy(up, recorder=rec).app())
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": "a", "max_tokens": 2, "n_cmpl": 2, "stream": True}
+            async with s.post(px + "/v1/completions", json=body) as r:
+                await r.read()
+        await runner.cleanup()
+        await up_runner.cleanup()
+        return rec
+
+    (t,) = asyncio.run(main()).ended
+    assert t.counts.generated_tokens == 2 and t.extra.get("sequences", 1) == 1 and "n_cmpl" not in t.extra
+    assert "it asked n_cmpl 2 beside n 1" in (t.error or ""), t.error

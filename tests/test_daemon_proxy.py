@@ -2272,6 +2272,45 @@ def test_a_llamacpp_native_n_cmpl_or_n_is_a_task_per_choice():
     assert extra({"prompt": "a b", "n": "2"}) == {"sequences": None, "choices": None}  # not an int: its default, 1
 
 
+def test_n_cmpl_on_an_openai_route_is_settled_by_the_choices_the_answer_shows():
+    # llama-server runs n_cmpl (over n) on /v1/completions and chat, vLLM and SGLang ignore it: the request holds both
+    # readings, the answer says which ran, and one cut before it showed either is said, never guessed (before: n_cmpl
+    # unread there, a whole answer of 2 x 5 tokens read 5 generated of 10, unflagged).
+    from powerprof.daemon.proxy import inspect_request_body, settle_n_cmpl
+
+    def extra(doc, api="openai-completions"):
+        out = {}
+        inspect_request_body(json.dumps(doc).encode(), "", api, out)
+        return {k: out[k] for k in ("sequences", "choices", "n_cmpl", "empty_tasks") if k in out}
+
+    assert extra({"prompt": "a b", "n_cmpl": 2}) == {"n_cmpl": 2}
+    assert extra({"messages": [{"role": "user", "content": "a"}], "n_cmpl": 2}, "openai-chat") == {"n_cmpl": 2}
+    assert extra({"prompt": "a b", "n": 2, "n_cmpl": 1}) == {"sequences": 2, "choices": 2, "n_cmpl": 1}
+    assert extra({"prompt": ["a", "b"], "n_cmpl": 3}) == {"sequences": 2, "n_cmpl": 3}
+    assert extra({"prompt": "a b", "n_cmpl": 2, "n": 2}) == {"sequences": 2, "choices": 2}  # both readings alike
+    assert extra({"prompt": "a b", "n_cmpl": "2"}) == {}  # llama-server refuses it (400), the others ignore it
+    assert extra({"prompt": "a b", "n_cmpl": None}) == {}
+
+    def settle(ex, shown, whole):
+        ex = dict(ex)
+        return settle_n_cmpl(ex, {i: "length" for i in shown}, whole), ex
+
+    assert settle({"n_cmpl": 2}, [0, 1], True) == (True, {"sequences": 2, "choices": 2})  # llama-server's
+    assert settle({"n_cmpl": 2}, [0], True) == (False, {})  # vLLM's, SGLang's: one choice
+    assert settle({"n_cmpl": 2}, [0, 1], False) == (True, {"sequences": 2, "choices": 2})  # a cut stream showed it
+    # A stream cut after its first choice ended (the second queued for a slot): either may have run.
+    assert settle({"n_cmpl": 2}, [0], False) == (None, {})
+    assert settle({"n_cmpl": 2}, [], True) == (None, {})
+    # Its sequences and choices set even where 1: a worker's end record updates the daemon's copy of its start's.
+    assert settle({"sequences": 2, "choices": 2, "n_cmpl": 1}, [0], True) == (True, {"sequences": 1, "choices": 1})
+    assert settle({"sequences": 2, "choices": 2, "n_cmpl": 1}, [0, 1], True) == (False, {"sequences": 2, "choices": 2})
+    assert settle({"sequences": 2, "choices": 2, "n_cmpl": 1}, [0], False) == (None, {"sequences": 2, "choices": 2})
+    # Two prompts, n_cmpl 3: six tasks, index prompt x 3 + choice; an empty prompt's tasks are not run.
+    assert settle({"sequences": 2, "n_cmpl": 3}, range(6), True) == (True, {"sequences": 6, "choices": 3})
+    assert settle({"empty_tasks": 1, "n_cmpl": 2}, range(4), True) == (True, {"sequences": 2, "choices": 2,
+                                                                             "empty_tasks": 2})
+
+
 def test_a_big_batch_body_is_read_whole_its_every_prompt_counted_and_sized():
     # 1 MiB of 262k one-character prompts held the event loop ~457 ms (74 ms before prompt sizes were read: two
     # prompt_count passes and an all(...) per item); now one pass of C-level type checks. Its time against the JSON

@@ -195,6 +195,37 @@ def test_replayed_records_equal_what_the_proxy_recorded_with_tokens_coalesced(ur
     assert workers.active == 0
 
 
+def test_a_settled_n_cmpl_reaches_the_daemons_copy_of_a_workers_request():
+    # llama-server ran n_cmpl over n (proxy.settle_n_cmpl, at the answer's end): the daemon's copy of the request held
+    # its start's sequences (n's), and an end record that left out a 1 kept them (before: n 2, n_cmpl 1 still 2).
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    replayed = Rec()
+    workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=replayed, proxy_kwargs={},
+                           header_timeout_s=10, idle_timeout_s=10)
+    shipper = ShippingRecorder(0)
+    shipper.transport = _Wire(lambda m: workers._replay(workers.workers[0], m))
+
+    async def main(up_url):
+        proxy = WorkerProxy(up_url, recorder=shipper)
+        shipper.proxy, shipper.active = proxy, lambda: proxy.active
+        runner, px = await _serve(proxy.app())
+        async with aiohttp.ClientSession() as s:
+            for tag, extra in (("one", {"n": 2, "n_cmpl": 1}), ("two", {"n_cmpl": 2})):
+                body = {"prompt": "the power of", "max_tokens": 5, "ignore_eos": True, **extra}
+                async with s.post(px + "/v1/completions", json=body, headers={"X-Powerprof-Tag": tag}) as r:
+                    await r.read()
+        shipper.flush()
+        await runner.cleanup()
+
+    with SimServer(SimNVML("seed-16g", state_path=None), n_slots=2, decode_tok_s=2000) as srv:
+        _run(main(srv.url))
+    by_tag = {t.tag: t for t in replayed.ended}
+    assert by_tag["one"].extra.get("sequences", 1) == 1 and by_tag["one"].counts.generated_tokens == 5
+    assert by_tag["two"].extra.get("sequences", 1) == 2 and by_tag["two"].counts.generated_tokens == 10
+
+
 def test_a_daemon_that_stops_reading_costs_records_not_client_bytes():
     class Stuck(_Wire):
         def get_write_buffer_size(self):

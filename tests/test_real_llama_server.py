@@ -599,6 +599,11 @@ def test_messages_responses_several_choices_and_prompt_lists_are_counted_as_the_
         # Its n_cmpl (else n): a task per choice, as a list of prompts (before: 24 generated of 48, unflagged).
         "native-n2-stream": ("/completion", {"n_predict": n, "n": 2, "stream": True, "prompt": "the power of the clock"}, 2),
         "native-ncmpl2": ("/completion", {"n_predict": n, "n_cmpl": 2, "prompt": "the power of the clock"}, 2),
+        # n_cmpl on the OpenAI routes too: settled by the choices the answer shows (before: whole answers 24 of 48).
+        "chat-ncmpl2": ("/v1/chat/completions", {"max_tokens": n, "n_cmpl": 2, "messages": msgs}, 2),
+        "chat-ncmpl2-stream": ("/v1/chat/completions", {"max_tokens": n, "n_cmpl": 2, "stream": True,
+                                                        "stream_options": usage, "messages": msgs}, 2),
+        "cmpl-ncmpl2": ("/v1/completions", {"max_tokens": n, "n_cmpl": 2, "prompt": "the power of the clock"}, 2),
     }
     for body in (b for _, b, _ in plan.values()):
         body["temperature"] = 0
@@ -609,12 +614,13 @@ def test_messages_responses_several_choices_and_prompt_lists_are_counted_as_the_
         what = (tag, row["error"], gen, prompt)
         assert row["outcome"] == "ok" and pd.isna(row["error"]), what
         # The server's own count, summed over its tasks where it runs one per choice; every choice ran to its limit.
-        assert gen == n * choices or tag in ("chat-n2", "list", "cmpl-n2"), what  # a whole answer of several says its first's
+        # A whole answer of several says its first's.
+        assert gen == n * choices or tag in ("chat-n2", "list", "cmpl-n2", "chat-ncmpl2", "cmpl-ncmpl2"), what
         assert row["generated_tokens"] == n * choices, what
         assert row["attributed_tokens"] == pytest.approx(n * choices), what
         if tag == "list":
             assert pd.isna(row["prompt_tokens"]), what  # the other prompt's length is not in the answer
-        elif tag in ("chat-n2", "cmpl-n2"):
+        elif tag in ("chat-n2", "cmpl-n2", "chat-ncmpl2", "cmpl-ncmpl2"):
             # Each task its own slot, as the streamed answer says (one prompt's `n: 2` too: it was left unsaid).
             assert row["prompt_tokens"] == 2 * prompt, what
         else:

@@ -372,6 +372,48 @@ def request_choices(doc: dict, api: str | None) -> int:
     return n if n is not None and 1 < n <= MAX_SEQUENCES else 1
 
 
+def llamacpp_choices(doc: dict, api: str | None) -> int | None:
+    """The choices llama-server runs for each prompt of an OpenAI-route request whose `n_cmpl` says other than the `n`
+    vLLM and SGLang run (they ignore `n_cmpl`; llama-server reads it over `n` on every completion route: server-task.cpp
+    params_from_json_cmpl, measured on b11434); None where both run the same, or llama-server refuses it (not a number:
+    400). Which server ran which is settled by the answer (`settle_n_cmpl`): the proxy does not know its upstream."""
+    if api not in ("openai-chat", "openai-completions") or doc.get("n_cmpl") is None:
+        return None
+    v = _llamacpp_int(doc["n_cmpl"])
+    return v if v is not None and 1 <= v <= MAX_SEQUENCES and v != request_choices(doc, api) else None
+
+
+def settle_n_cmpl(extra: dict, choice_stops: dict, whole: bool) -> bool | None:
+    """Which of a request's two readings of its choices the server ran (`llamacpp_choices`' `n_cmpl`, in `extra`, beside
+    the `n` in its `choices`), by the choices its answer showed (`choice_stops`: each finished one's index; `whole`: the
+    answer ended as its server ends one, a whole body or a stream's `[DONE]`). True: more than `n` a prompt shown, or a
+    whole answer of `n_cmpl` a prompt: llama-server's, and `extra`'s sequences, choices and empty tasks are made its.
+    False: the other way round (vLLM, SGLang): `extra` kept. None: an answer cut before it showed either (kept as `n`,
+    the caller says so). `n_cmpl` is taken out of `extra` whatever the answer."""
+    v = extra.pop("n_cmpl", None)
+    if v is None:
+        return False
+    n = max(extra.get("choices", 1), 1)
+    live, empty = max(extra.get("sequences", 1), 1) // n, extra.get("empty_tasks", 0) // n  # prompts run, and empty
+    shown = max((i for i in choice_stops if type(i) is int), default=-1) + 1
+    if shown > (live + empty) * n or (whole and shown == (live + empty) * v):
+        # Set even where 1: a worker's end record updates the daemon's copy, which holds its start's (n's) figures.
+        extra["sequences"], extra["choices"] = live * v, v if live * v > 1 else 1
+        if empty:
+            extra["empty_tasks"] = empty * v
+        return True
+    if shown > (live + empty) * v or (whole and shown == (live + empty) * n):
+        return False
+    return None
+
+
+def n_cmpl_unsettled_note(v: int, n: int) -> str:
+    """The row's words for an answer cut before it showed whether its server ran `n_cmpl` (`settle_n_cmpl`: None)."""
+    return (f"it asked n_cmpl {v} beside n {n}: llama-server runs {v} choices a prompt, vLLM and SGLang {n}, and its "
+            f"answer ended before it showed which; its sequences are taken as {n}, so its figures may be off by that "
+            "ratio; fix: send llama-server's choices as `n` alone")
+
+
 def request_sequences(doc: dict, api: str | None, prompts: int | None = None) -> int:
     """How many sequences a request runs side by side in the server's batch, each getting a token a step: its `n`
     choices (chat, completions), each of its prompts (a completions prompt list: vLLM, SGLang and llama.cpp run each
@@ -549,6 +591,9 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             extra["eos_ignored"] = True  # its run-on after its client left cannot end by itself (Ledger._place_run_on)
         if least is not None:
             extra["min_tokens"] = least
+        ncmpl = llamacpp_choices(doc, api)
+        if ncmpl is not None:
+            extra["n_cmpl"] = ncmpl  # which the server ran, this or `choices`, its answer shows (settle_n_cmpl)
         best_of = request_best_of(doc, api)
         if best_of is not None:
             extra["best_of"] = best_of  # its row says its energy leaves out the sequences not returned
@@ -1137,7 +1182,7 @@ class Proxy:
         if trace is not None and trace.recorder_error is None:
             try:
                 if sink.parser is not None:
-                    trace.counts = streams.summary_counts(sink.parser.finish(), held=_held_call(trace, sink.upstream_end_ns))
+                    trace.counts = _stream_counts(trace, sink)
                     _held_end(trace, sink)
                     if self.closing and not trace.counts.complete:
                         trace.outcome = "interrupted"  # our shutdown closed the upstream mid-stream
@@ -1187,7 +1232,7 @@ class Proxy:
         if sink.parser is None or trace.recorder_error is not None:
             return
         try:
-            trace.counts = streams.summary_counts(sink.parser.finish(), held=_held_call(trace, sink.upstream_end_ns))
+            trace.counts = _stream_counts(trace, sink)
             _held_end(trace, sink)
         except Exception as e:
             trace.recorder_error = f"summary: {error_text(e)}"[:300]
@@ -1200,9 +1245,15 @@ class Proxy:
 
     def _body_done(self, trace: RequestTrace, body: bytes) -> None:
         """A non-streamed generation: its tokens are spread over its decode time (see docs)."""
-        seqs = trace.extra.get("sequences", 1)
-        counts = streams.body_counts(trace.api, body, trace.extra.get("choices", 1),
-                                     seqs + trace.extra.get("empty_tasks", 0), tasks_run=seqs)
+        counts = _body_counts(trace, body)
+        if "n_cmpl" in trace.extra:
+            n = trace.extra.get("choices", 1)
+            v = trace.extra["n_cmpl"]
+            ran = settle_n_cmpl(trace.extra, counts.choice_stops, True)
+            if ran:  # read again as the tasks llama-server ran (a whole answer's usage is its first task's)
+                counts = _body_counts(trace, body)
+            elif ran is None:
+                _add_error(trace, n_cmpl_unsettled_note(v, n))
         trace.counts = counts
         n = counts.generated_tokens or 0
         if counts.listed_tokens is not None:
@@ -1218,6 +1269,22 @@ class Proxy:
         trace.last_ns, trace.last_wall_ns = now, wall
         trace.tokens_seen = n
         trace.extra["spread"] = True  # the recorder spreads the n tokens over [first, last]
+
+
+def _body_counts(trace: RequestTrace, body: bytes) -> streams.Counts:
+    seqs = trace.extra.get("sequences", 1)
+    return streams.body_counts(trace.api, body, trace.extra.get("choices", 1),
+                               seqs + trace.extra.get("empty_tasks", 0), tasks_run=seqs)
+
+
+def _stream_counts(trace: RequestTrace, sink) -> streams.Counts:
+    """A stream's counts at its end, its `n_cmpl` settled first (its sequences are what the counts are judged by)."""
+    summary = sink.parser.finish()
+    if "n_cmpl" in trace.extra:
+        n, v = trace.extra.get("choices", 1), trace.extra["n_cmpl"]
+        if settle_n_cmpl(trace.extra, summary.choice_stops, summary.done) is None:
+            _add_error(trace, n_cmpl_unsettled_note(v, n))
+    return streams.summary_counts(summary, held=_held_call(trace, sink.upstream_end_ns))
 
 
 CUT_BY_UPSTREAM_NOTE = ("the upstream ended the response before its stream said it was done (no stop event, "
@@ -1400,7 +1467,9 @@ class _ClientSink:
             if not self._prompt_known:
                 p = parser.prompt_tokens  # early, from continuous usage: the ledger need not wait for the end
                 # Not one llama.cpp task's of several (each says its own as it ends): the request's is their sum, at its end.
-                if p is not None and (not parser.prompt_each_task or trace.extra.get("sequences", 1) == 1):
+                # Nor where the tasks are not known yet (`n_cmpl`: 2 tasks read as one said its 4 tokens of 8 early).
+                if p is not None and (not parser.prompt_each_task
+                                      or (trace.extra.get("sequences", 1) == 1 and "n_cmpl" not in trace.extra)):
                     trace.extra.setdefault("prompt_tokens", p)
                     k = parser.cached_tokens  # said with it (SGLang, details in continuous usage): its prefill's part
                     if k is not None:
