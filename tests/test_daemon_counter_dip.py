@@ -675,6 +675,15 @@ def test_a_restart_told_by_the_fall_alone_is_said_so_to_the_ledger_and_one_found
         got: list = []
         sc = _scrape_steps("sglang", script, lambda sc: got.append(sc.restart_by_fall))
         assert sc.restarts == 1 and got == want, (script, got)
+    # After a gateway's 503 a fall with a finished count gone back (10 → 6) is a restart whose window a scrape found
+    # down (window_down_ns): the ledger is told as before a9b9bfd2 (it cuts a run-on there only with a death's proof),
+    # while the window after says fall_unconfirmed (a multi-process page's lag reads so too).
+    got, marks = [], []
+    gateway = lambda step, path: (503, "<h1>503 Service Temporarily Unavailable</h1>") if step == "gw" else _answer(step, path)
+    sc = _scrape_steps("sglang", [_page("sglang", 1000, 10), "gw", _page("sglang", 600, 6), _page("sglang", 640, 7)],
+                       lambda sc: (got.append(sc.restart_by_fall), marks.append(sc.window_partial)), answer=gateway)
+    assert sc.restarts == 1 and got == [False] * 4, got
+    assert marks[2] == ("server_restart",) and marks[3] == ("fall_unconfirmed",), marks
 
 
 def test_the_window_of_a_restart_says_when_its_first_scrape_found_the_server_down(monkeypatch):

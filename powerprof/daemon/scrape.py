@@ -423,8 +423,9 @@ class Scraper:
         restart is told by what a dip does not do: the counter fell to half or less (a new process counts from 0; not
         while the highest reading is YOUNG_COUNTER_TOKENS or fewer, which a dip of a request's tokens takes there), a
         scrape since the last believed page found the server down (`_found_down`), or answered 502/503 and a count on
-        the page `text` went back or none is there to compare (`_went_back`; told so, the restart is by the fall alone,
-        `restart_by_fall`; none went back: a dip, held as any), or a young
+        the page `text` went back or none is there to compare (`_went_back`; told so, the windows after say
+        fall_unconfirmed as after a restart by the fall alone,
+        `_fall_high`; none went back: a dip, held as any), or a young
         counter's fall of more than YOUNG_DIP_TOKENS still below `prev` at the next page (a dip is back by then: the
         new process's count, counted from 0). A fall still there at the next page, none of those, may be either: that
         page's window counts nothing and is marked (COUNTER_BELOW, `_below`), and tokens count again from `prev` once
@@ -756,7 +757,10 @@ class Scraper:
                     # A second fall while the first is unconfirmed keeps the higher reading: windows below it may
                     # hold the first dip's recovery (200, 400, 200, 300, 150: the 300 → 400 window went unmarked).
                     self._fall_high = (max(prev, self._fall_high or 0.0, self._fall_past or 0.0) if by_fall else None)
-                    self.restart_by_fall = by_fall
+                    # After a gateway's 502/503 the windows after say fall_unconfirmed, but the ledger is told of a
+                    # restart whose window a scrape found down (window_down_ns), as before: it cuts a run-on there only
+                    # with a death's proof (`Ledger._death_proven`; docs/daemon.md, a lone 502/503 then a dip).
+                    self.restart_by_fall = by_fall and not was_out
                     self._fall_at, self._fall_pages, self._fall_past = time.monotonic(), 0, None
                 elif self._fall_high is not None:
                     self._fall_unconfirmed(prev)
