@@ -48,7 +48,7 @@ from .ticks import IDLE_PERIOD_S
 from powerprof.workload.servercount import (  # noqa: F401
     COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, YOUNG_COUNTER_TOKENS, YOUNG_DIP_TOKENS, connection_refused,
     counter_restarted, counter_total, histogram_sum_count, llamacpp_generated, prefix_cache_reading, requests_and_in_flight,
-    slot_progress, slots_json, unset_means_zero)
+    series_values, slot_progress, slots_json, unset_means_zero)
 
 log = logging.getLogger("powerprof.daemon.scrape")
 
@@ -81,8 +81,23 @@ SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its c
 # More tokens a second than any one server's page counts (one H200 at high batch makes tens of thousands; a node of
 # eight, a few hundred thousand): a counter back at or past its reading after the server was found down, higher than
 # this times the seconds since the last believed page's GET began, cannot be a new process's count from zero, so it is
-# the same process back (a gateway's 503 in front of a server that ran on), its window whole (Scraper._down_back).
+# the same process back (after a refused scrape, or a gateway's 503 before any rate was seen), its window whole
+# (Scraper._down_back).
 FASTEST_SERVER_TOKENS_PER_S = 1_000_000.0
+# After a gateway's 502/503 (no scrape found the server down), a counter back at or past its reading is the same process,
+# whole, only where a new process could not have reached it: beyond this many times the server's own highest token rate
+# over a whole window (`Scraper._peak_tok_s`) times the seconds since the last believed page's GET began, and no count
+# on the page below the last believed page's (BLIP_MARKS, per label set and bucket). Else said as after a down
+# (`Scraper._blip_back`). A restart behind a gateway's readiness lag (3 s) passed the old reading and every finished
+# count: whole, it hid 37% of the bypass tokens, J/token ~18% high, unflagged (docs/daemon.md, "A server restart").
+BLIP_RATE_MARGIN = 4.0
+# The counts compared page to page after such a 502/503, each per label set (and bucket): the token counter, and what
+# a server raises as a request finishes (SGLang's observe_one_finished_request; vLLM's request stats). Summed, a new
+# process serving another mix passed (tenant A 10 -> 0, tenant B 0 -> 12).
+BLIP_MARKS = {"sglang": ("sglang:generation_tokens_total", "sglang:prompt_tokens_total", "sglang:num_requests_total",
+                         "sglang:e2e_request_latency_seconds"),
+              "vllm": ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
+                       "vllm:e2e_request_latency_seconds")}
 
 
 def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object, int]]) -> int:
@@ -138,9 +153,9 @@ PARTIAL_REASONS = {
                    "or, that reading "
                    f"{YOUNG_COUNTER_TOKENS} tokens or fewer, fell by more than {YOUNG_DIP_TOKENS} and was back at it by "
                    "the next scrape, and no scrape found the server down, or the counter was at or past that reading "
-                   "at the first page after a scrape found the server down, or answered 502/503 (a gateway's) and the "
-                   "page's finished requests went back or are not on it, or that reading was "
-                   f"{YOUNG_COUNTER_TOKENS} tokens or fewer (no process start time on the page; not "
+                   "at the first page after a scrape found the server down, or answered 502/503 (a gateway's) and a "
+                   "count on the page went back or the counter was within what a new process could have counted at "
+                   f"{BLIP_RATE_MARGIN:g} times the server's highest rate (no process start time on the page; not "
                    "where it and the finished-request histogram, or llama.cpp's decode calls, had not moved, nor where "
                    "it was higher than a new process could have counted since the page before the outage): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
@@ -327,12 +342,14 @@ class Scraper:
         self._young_fall = False  # that dip was a young counter's, of more than YOUNG_DIP_TOKENS (_dip_or_restart)
         self._unreachable = False  # a scrape since the last believed page found the server down (_found_down)
         # One answered 502/503 not llama-server's "Loading model" (a router's, nginx's, a rate limit's): a failed scrape,
-        # no down. A fall after it is still a restart at once (a router answers so while the server behind it restarts);
-        # a counter at or past its reading after it is the same process, whole, unless the page's finished requests
-        # say another or the counter is young (`_blip_back`). Read as down, every such window was marked counter_below.
+        # no down. A fall after it is a restart unless no count on the page went back (`_dip_or_restart`); a counter at
+        # or past its reading after it is the same process, whole, only beyond what a new process could have counted
+        # (`_blip_back`). Read as down, every such window was marked counter_below.
         self._blipped = False
-        # The last believed page's finished-request marks (`_finished_marks`): the same process's never go back.
-        self._marks: tuple[float, ...] | None = None
+        self._believed_page: str | None = None  # the last believed page, whose counts a page after a 502/503 is held to
+        # The highest tokens a second the counter rose by over a whole window between believed pages (BLIP_RATE_MARGIN);
+        # 0: none known yet.
+        self._peak_tok_s = 0.0
         # When the first such scrape began (time.monotonic_ns()), and, on the believed page after it, the latest window's
         # (None: no scrape of the window found the server down): a process gone in a restart died before it, so the
         # ledger places its run-ons' end between the window's start and it (`Ledger._run_on_cut_ns`).
@@ -396,7 +413,7 @@ class Scraper:
             return f"its process start time moved {now - prev:.1f} s (process_start_time_seconds)"
         return None
 
-    def _dip_or_restart(self, prev: float, total: float) -> str | None:
+    def _dip_or_restart(self, prev: float, total: float, text: str = "") -> str | None:
         """The counter went back from `prev` (the highest believed reading) to `total` on a page that has no start time:
         why it is a restart, or None for a dip not believed (this scrape is skipped, or counted as 0 and marked: below).
 
@@ -405,7 +422,10 @@ class Scraper:
         counted as one window's tokens and that window marked server_restart (docs/daemon.md, A counter that dips). A
         restart is told by what a dip does not do: the counter fell to half or less (a new process counts from 0; not
         while the highest reading is YOUNG_COUNTER_TOKENS or fewer, which a dip of a request's tokens takes there), a
-        scrape since the last believed page found the server down (`_found_down`) or answered 502/503, or a young
+        scrape since the last believed page found the server down (`_found_down`), or answered 502/503 and a count on
+        the page `text` went back or none is there to compare (`_went_back`; told so, the windows after say
+        fall_unconfirmed as after a restart by the fall alone,
+        `_fall_high`; none went back: a dip, held as any), or a young
         counter's fall of more than YOUNG_DIP_TOKENS still below `prev` at the next page (a dip is back by then: the
         new process's count, counted from 0). A fall still there at the next page, none of those, may be either: that
         page's window counts nothing and is marked (COUNTER_BELOW, `_below`), and tokens count again from `prev` once
@@ -415,12 +435,14 @@ class Scraper:
             return f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}"
         if self._unreachable:
             return (f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} after a scrape found the server down")
-        if self._blipped:
-            # A gateway's 502/503 is no proof of a death, but a fall behind it is how a restart behind a router reads:
-            # judged a restart at once, as before, not held as a dip (a restart whose new process passed half the old
-            # reading and then the old reading by the next page would go unsaid).
+        if self._blipped and (went := self._went_back(text, tokens=False)) is not None:
+            # A gateway's 502/503 is no proof of a death, but a fall behind it with a finished count gone back is how a
+            # restart behind a router reads: a restart at once, told by the fall (a multi-process page's lag reads so
+            # too), so the windows after it say fall_unconfirmed. With every count at or past the last believed page's
+            # it is a dip: taken for a proven restart, 100000, 503, 99990, 100050 counted 99990 phantom tokens, and
+            # the dip's 10 again unsaid in the window after.
             return (f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} after a scrape answered 502/503 (a "
-                    "gateway in front of the server, which may have restarted behind it)")
+                    f"gateway in front of the server, which may have restarted behind it), and {went}")
         if self._dipped is not None and self._young_fall:
             # A young counter's fall of more than a few tokens, still below the reading before it at the next page:
             # a dip adds nothing, so its next page reads at least that reading (plus any tokens since); below it, the
@@ -523,37 +545,45 @@ class Scraper:
         self._said_below(f"is at {total:g} after a scrape found the server down, at or past {prev:g}, its reading "
                          "before: the same process back, or a restart whose new process reached the old reading")
 
-    def _finished_marks(self, text: str) -> tuple[float, ...] | None:
-        """This page's counts of finished requests: vLLM's vllm:request_success_total, SGLang's finished-request
-        histogram (FINISHED_LATENCY: count and summed seconds). One process's only rise; a new process's count from 0.
-        None where the page says none of them."""
-        marks: list[float] = []
+    def _went_back(self, text: str, tokens: bool) -> str | None:
+        """Which count on this page reads below the last believed page's (BLIP_MARKS, each per label set and bucket,
+        the token counter's only with `tokens`; one absent now reads 0): a new process counts each from 0, where one
+        process's only rise. None where none did; a reason too where the pages cannot be read or the page before has
+        none of them (nothing to tell by)."""
+        if self._believed_page is None:
+            return "no page before it to compare"
         try:
-            done = requests_and_in_flight(text)[0]
-            name = FINISHED_LATENCY.get(self.kind or "")
-            hist = histogram_sum_count(text, name) if name is not None else None
-        except ValueError:
-            return None
-        if done is not None:
-            marks.append(done)
-        if hist is not None:
-            marks.extend(hist)
-        return tuple(marks) or None
+            names = [n for n in BLIP_MARKS.get(self.kind or "", ()) if tokens or n != COUNTERS.get(self.kind or "")]
+            before, now = series_values(self._believed_page, names), series_values(text, names)
+        except ValueError as e:
+            return f"its counts could not be read ({e})"
+        if not before:
+            return "no count on the page before it to compare"
+        for key, was in before.items():
+            if now.get(key, 0.0) < was:
+                return f"{key[0]}{dict(key[1])} went back from {was:g} to {now.get(key, 0.0):g}"
+        return None
 
-    def _blip_back(self, prev: float, total: float, marks: tuple[float, ...] | None) -> None:
+    def _blip_back(self, prev: float, total: float, text: str) -> None:
         """After a gateway's 502/503 (no scrape found the server down), the counter at `total`, at or past its reading
-        `prev`: the same process back, whole, unless the page may be another process's. Said (COUNTER_BELOW) where its
-        finished-request marks went below the last believed page's (a new process counts them from 0; a multi-process
-        page's lag may too: the count is kept either way); judged as after a down (`_down_back`) where either page has
-        none (nothing to tell by) or `prev` is YOUNG_COUNTER_TOKENS or fewer (a new process passes that with a request,
-        and its marks with it). A restart behind the gateway whose new process passed the old reading and every mark by
-        its first page is not told (docs/daemon.md, A server restart)."""
-        if prev <= YOUNG_COUNTER_TOKENS or marks is None or self._marks is None or len(marks) != len(self._marks):
+        `prev`: the same process back, whole, only where no count on the page went below the last believed page's
+        (`_went_back`) and `total` is beyond what a new process could have counted since that page's GET began at
+        BLIP_RATE_MARGIN times the server's own highest rate (`_peak_tok_s`). Else said (COUNTER_BELOW), the count kept:
+        SGLang raises its token counter and finished counts in one call, so a new process with the same mix passes
+        both together, and only the time bound tells it. With no rate known, judged as after a down (`_down_back`)."""
+        if self._peak_tok_s <= 0 or self._believed_at is None:
             self._down_back(prev, total)
-        elif any(now < before for now, before in zip(marks, self._marks)):
-            self._said_below(f"is at {total:g} after a scrape answered 502/503, at or past {prev:g}, its reading before, "
-                             "with fewer requests finished: a restart behind a gateway whose new process reached the "
-                             "old reading, or a multi-process page's lag")
+            return
+        reach = BLIP_RATE_MARGIN * self._peak_tok_s * (time.monotonic() - self._believed_at)
+        went = self._went_back(text, tokens=True)
+        if went is None and total > reach:
+            return
+        self._said_below(f"is at {total:g} after a scrape answered 502/503, at or past {prev:g}, its reading before, "
+                         + (f"but {went}" if went is not None else
+                            f"within the {reach:.0f} a new process could have counted since ({BLIP_RATE_MARGIN:g} x "
+                            f"{self._peak_tok_s:.0f} tokens/s, its highest)")
+                         + ": a restart behind a gateway whose new process reached the old reading, or the same "
+                         "process back")
 
     def _same_finished(self, text: str) -> bool:
         """Whether this page's finished-request histogram (FINISHED_LATENCY: count and summed seconds) reads as the last
@@ -671,14 +701,13 @@ class Scraper:
                         "the counter; its tokens cannot be counted)" if self.kind == "sglang" else ""))
                 had_start = self._start_s is not None
                 new_process = self._new_process(text)
-                marks = self._finished_marks(text)
                 prev = self._last_total
                 same_start = had_start and self._start_s is not None
                 by_fall = False  # a restart judged from the fall alone (below)
                 if prev is not None and total < prev and new_process is None and not same_start:
                     # No start time to tell (SGLang's page, a vLLM with several API servers): a dip or a restart.
-                    unreachable = self._unreachable or self._blipped  # a fall after either: not by the fall alone
-                    new_process = self._dip_or_restart(prev, total)
+                    unreachable = self._unreachable  # a fall after it: not by the fall alone (a 502/503: by the fall)
+                    new_process = self._dip_or_restart(prev, total, text)
                     by_fall = new_process is not None and not unreachable
                     if new_process is None and COUNTER_BELOW in self.window_partial:
                         # Its window closes, with nothing counted and marked; the latency and cache-hit counters of a
@@ -706,9 +735,10 @@ class Scraper:
                     if self._unreachable:
                         self._down_back(prev, total)
                     else:
-                        self._blip_back(prev, total, marks)
+                        self._blip_back(prev, total, text)
+                was_believed_at, was_out = self._believed_at, self._unreachable or self._blipped
                 self._last_total, self._dipped, self._unreachable, self._blipped = total, None, False, False
-                self._marks = marks
+                self._believed_page = text
                 self._young_fall = False
                 self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
@@ -727,13 +757,19 @@ class Scraper:
                     # A second fall while the first is unconfirmed keeps the higher reading: windows below it may
                     # hold the first dip's recovery (200, 400, 200, 300, 150: the 300 → 400 window went unmarked).
                     self._fall_high = (max(prev, self._fall_high or 0.0, self._fall_past or 0.0) if by_fall else None)
-                    self.restart_by_fall = by_fall
+                    # After a gateway's 502/503 the windows after say fall_unconfirmed, but the ledger is told of a
+                    # restart whose window a scrape found down (window_down_ns), as before: it cuts a run-on there only
+                    # with a death's proof (`Ledger._death_proven`; docs/daemon.md, a lone 502/503 then a dip).
+                    self.restart_by_fall = by_fall and not was_out
                     self._fall_at, self._fall_pages, self._fall_past = time.monotonic(), 0, None
                 elif self._fall_high is not None:
                     self._fall_unconfirmed(prev)
                 elif self._fall_past is not None and prev is not None:
                     self._past_fall(prev, total)
                 delta = 0.0 if prev is None else (total if restart else total - prev)
+                if not restart and not was_out and not self.window_partial and was_believed_at is not None and delta > 0:
+                    # A whole window of one process: its rate (a window across a failed scrape or a restart is not).
+                    self._peak_tok_s = max(self._peak_tok_s, delta / max(self._scrape_at - was_believed_at, 0.05))
                 self.finished = self._finished_since(text, prev is None or restart)
                 self.cache_hits = self._cache_hits_since(text, prev is None or restart)
                 done, _, in_flight, _ = requests_and_in_flight(text)

@@ -267,6 +267,23 @@ def histogram_sum_count(text: str, name: str) -> tuple[float, float] | None:
     return count, total
 
 
+def series_values(text: str, names) -> dict[tuple[str, tuple], float]:
+    """Every sample of the counters and histograms `names` on the page, by (sample name, its labels sorted): a counter's
+    `_total` per label set, a histogram's `_bucket` (per `le`), `_count` and `_sum` per label set (no `_created`: a
+    stamp, not a count). One process's only rise, each apart; a new process counts each from 0 (or has it not at all)."""
+    out: dict[tuple[str, tuple], float] = {}
+    for name in names:
+        base = name[: -len("_total")] if name.endswith("_total") else name
+        for fam in text_string_to_metric_families(_lines_naming(text, base)):
+            if fam.name not in (base, name):
+                continue
+            for s in fam.samples:
+                if s.name.endswith("_created"):
+                    continue
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
 def unset_means_zero(text: str, kind: str | None) -> bool:
     """Whether a /metrics page (answered 200) without `kind`'s token counter says the server has counted nothing yet
     (0), not that it does not show it (unknown). Only SGLang's own page qualifies: its multiprocess collector shows
