@@ -252,6 +252,7 @@ class _Req:
     choice: int = 0  # which of its request's sequences it is (n > 1 choices, a list of embedding inputs)
     embed: bool = False  # an embedding: a prefill of its input and no decode (no token generated)
     hidden: bool = False  # SGLang's prefill of an n > 1 prompt in a request of its own, before the n (`_prefill_apart`)
+    prefill_only: bool = False  # SGLang's max_new_tokens 0 asked by a client: its prompt prefilled, no token generated
     textless: int = 0  # of its generated tokens, those with no text (SimServer.textless_share)
     logprobs: bool = False  # chat's `logprobs: true` (the llama.cpp flavour lists each chunk's tokens)
     ctx_cut: bool = False  # its n_predict was lowered to what the context leaves after the prompt
@@ -1467,7 +1468,7 @@ class SimServer:
         if req in self._active:
             self._active.remove(req)
         prompt_ms = (req.t_prefill_end_ns - req.t_prefill_start_ns) / 1e6
-        if req.hidden:  # SGLang's tokenizer manager observes it as it does any request that finished
+        if req.hidden or req.prefill_only:  # SGLang's tokenizer manager observes it as any request that finished
             self._sglang_finished(req.prompt_tokens, 0, (time.monotonic_ns() - req.t_arrive_ns) / 1e9, req.cached)
         req.truth_row = {
             "rid": req.rid,
@@ -1485,7 +1486,8 @@ class SimServer:
             "prefill_energy_j": req.true_prefill_j if self.batching == "continuous" else None,
             "client_id": req.client_id,
             "choice": req.choice,
-            "kind": "hidden_prefill" if req.hidden else "embeddings",
+            "kind": "hidden_prefill" if req.hidden else "generation" if req.prefill_only else "embeddings",
+            "textless": 0,
         }
         self.truth.append(req.truth_row)
         req.queue.put_nowait(("done", {"prompt_n": req.prompt_tokens, "prompt_ms": prompt_ms}))
@@ -1606,8 +1608,9 @@ class SimServer:
             queue=queue if queue is not None else asyncio.Queue(),
             t_arrive_ns=time.monotonic_ns(),
             choice=choice,
-            embed=embed or hidden,
+            embed=embed or hidden or n_predict == 0,  # 0: SGLang's prefill-only request (Req.is_prefill_only)
             hidden=hidden,
+            prefill_only=n_predict == 0 and not hidden,
         )
         if isinstance(prompt, _NoTokens):
             # llama-server gives it a slot and ends it before any prompt processing: no GPU work, no truth row, its
@@ -2224,11 +2227,14 @@ class SimServer:
             # Its SamplingParams.verify (sampling_params.py), a ValueError its tokenizer manager raises as a too-long
             # prompt's: 400, nothing run. Before: -1 ran 1 token.
             return self._sglang_refusal(f"max_new_tokens must be at least 0, got {int(n)}.", None)
-        if self.flavour == "sglang" and not n:
-            # Neither given (or 0): max_new_tokens None, which its scheduler runs to the context (`1 << 30`, capped at
-            # the context less the prompt), unchecked against it. Before: 128 tokens, and refused where prompt + 128
-            # passed the context.
+        if self.flavour == "sglang" and n is None:
+            # Neither given (a 0 max_completion_tokens falls back to an absent max_tokens): max_new_tokens None, which its
+            # scheduler runs to the context (`1 << 30`, capped in _serve), unchecked against it. Before: 128 tokens, and
+            # refused where prompt + 128 passed the context. A 0 (`None or 0`) stays 0: prefill only, no token (until
+            # December 2026 run to the context: 32765 tokens at its default context).
             return await self._serve(request, "openai-chat", prompt, body, UNTIL_CONTEXT)
+        if self.flavour == "sglang":
+            return await self._serve(request, "openai-chat", prompt, body, int(n))
         return await self._serve(request, "openai-chat", prompt, body, int(n or 128))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
@@ -2398,7 +2404,12 @@ class SimServer:
             refused = self._vllm_context_refusal(count_prompt_tokens(one), asked, body)
             if refused is not None:
                 return refused
-            n_predicts.append(max(1, min(asked, self._seq_ctx() - count_prompt_tokens(one))))
+            room = self._seq_ctx() - count_prompt_tokens(one)
+            if self.flavour == "sglang":
+                # Its scheduler caps every run at max_req_len - prompt - 1, max_req_len the context less 1: prompt +
+                # completion at most the context less 2 (before: the whole context). 0 stays 0: prefill only.
+                room -= 2
+            n_predicts.append(max(0 if asked == 0 and self.flavour == "sglang" else 1, min(asked, room)))
         n_predict = n_predicts[0]
 
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
@@ -2814,6 +2825,8 @@ class SimServer:
                     if api == "llamacpp":
                         await out.send(b"data: " + json.dumps(self._llama_final(req, timings)).encode() + b"\n\n")
                     elif api == "sglang-native":
+                        if not closed:  # prefill only (max_new_tokens 0): its one output, finished with no token
+                            await send_tokens([], "", finish="length")
                         await out.send(b"data: [DONE]\n\n")
                     else:
                         fr = "stop" if req.stop_type == "eos" else "length"
