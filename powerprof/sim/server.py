@@ -150,8 +150,9 @@ class _StreamBroken(Exception):
 _INT_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")
 _JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
-# The llama.cpp routes whose params_from_json_cmpl reads n_cmpl (else n) as the choices to run (measured).
-LLAMA_N_CMPL_APIS = ("llamacpp", "openai-completions", "openai-chat")
+# The llama.cpp routes whose params_from_json_cmpl reads n_cmpl (else n) as the choices to run (measured; Responses
+# too, converted to a chat first: a whole answer of each task's own Response, `_serve_response_tasks`).
+LLAMA_N_CMPL_APIS = ("llamacpp", "openai-completions", "openai-chat", "openai-responses")
 # SGLang's routes that refuse a body not sent as application/json (http_server.py: validate_json_request).
 SGLANG_JSON_ONLY = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize")
 
@@ -2449,6 +2450,8 @@ class SimServer:
                                              stream, opts, echo, cut=[k < asked for k in n_predicts])
         if best_of > n_choices:
             return await self._serve_best_of(request, api, prompt, args, n_choices, best_of, echo)
+        if n_choices > 1 and api == "openai-responses":
+            return await self._serve_response_tasks(request, prompt, args, n_choices, stream)
         if n_choices > 1:
             return await self._serve_choices(request, api, prompt, args, n_choices, stream, opts, echo)
         req = self._submit(prompt, *args)
@@ -3185,7 +3188,36 @@ class SimServer:
         """What of a Responses answer a later turn naming it prefills again (ResponseShape.carried)."""
         return req.shape.carried() if isinstance(req.shape, chatshape.ResponseShape) else text
 
+    async def _serve_response_tasks(self, request: web.Request, prompt: str, args: tuple, n: int,
+                                    stream: bool) -> web.StreamResponse:
+        """llama-server's Responses request of n_cmpl (or n) > 1: a task per choice, each in its own slot, answered as
+        its own Response: whole, a JSON array of them; streamed, each task's events as they come, interleaved, each
+        from its response.created to its response.completed (measured on the bundled build). Before: one task ran."""
+        cid = request.headers.get("X-Sim-Request-Id")
+        reqs = [self._submit(prompt, *args, choice=j) for j in range(n)]
+        for r in reqs:
+            r.client_id = cid
+        try:
+            if not stream:
+                return self._json([await self._whole_dialect_doc("openai-responses", r) for r in reqs])
+            resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Powerprof-Simulated": "1"})
+            try:
+                await resp.prepare(request)
+                await asyncio.gather(*(self._write_dialect(resp, request, "openai-responses", r, eof=False)
+                                       for r in reqs))
+                await resp.write_eof()
+            except ConnectionResetError:
+                pass  # the client left: aborted below as llama-server aborts its tasks
+            return resp
+        finally:
+            self._cancel_unfinished(reqs)
+
     async def _serve_whole_dialect(self, api: str, req: _Req) -> web.Response:
+        return self._json(dict(await self._whole_dialect_doc(api, req), simulated=True))
+
+    async def _whole_dialect_doc(self, api: str, req: _Req) -> dict:
+        """A whole Messages or Responses answer's object, once `req` is done."""
         text = ""
         shape = req.shape if isinstance(req.shape, chatshape.ResponseShape) else None
         while True:
@@ -3199,9 +3231,10 @@ class SimServer:
             else:
                 raise web.HTTPServiceUnavailable()
         self._keep_response(req, self._response_carried(req, text))
-        return self._json(dict(self._dialect_whole(api, req, text), simulated=True))
+        return self._dialect_whole(api, req, text)
 
-    async def _write_dialect(self, resp: web.StreamResponse, request: web.Request, api: str, req: _Req) -> None:
+    async def _write_dialect(self, resp: web.StreamResponse, request: web.Request, api: str, req: _Req,
+                             eof: bool = True) -> None:
         """A Messages or Responses stream: named events (`event:` and `data:` lines), opened with the first token
         (both servers send nothing before), one delta event per step's tokens, closed by the counts' event."""
         if api == "openai-responses" and isinstance(req.shape, chatshape.ResponseShape):
@@ -3288,6 +3321,9 @@ class SimServer:
             self._keep_response(req, text_all)  # "done"
             for d in tail(payload):
                 await out.send(event(d))
+            if not eof:  # one of several tasks' streams in one body (`_serve_response_tasks`): the body goes on
+                await resp.write(await out.take())
+                return
             await resp.write_eof(await out.take())
             return
 
