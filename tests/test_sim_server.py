@@ -623,6 +623,10 @@ LLAMA_N_CMPL = [("/completion", {"n_cmpl": "2"}, 400, f"Field 'n_cmpl': {_TYPE_3
                 ("/v1/chat/completions", {"n_cmpl": 3}, 400,
                  "Field 'n_cmpl': Value must be between 1 <= value <= 2, but got 3"),
                 ("/v1/chat/completions", {"n": 2, "n_cmpl": 1}, 200, 1),
+                # n is not read where n_cmpl is (before: refused 400 naming n); read where n_cmpl is null.
+                ("/v1/chat/completions", {"n_cmpl": 1, "n": "x"}, 200, 1),
+                ("/completion", {"n_cmpl": 2, "n": "x"}, 200, 2),
+                ("/completion", {"n_cmpl": None, "n": "x"}, 400, f"Field 'n': {_TYPE_302} string"),
                 # Responses, converted to a chat: a task per choice, a whole answer an array of their Responses.
                 ("/v1/responses", {"n_cmpl": 2}, 200, 2), ("/v1/responses", {"n": 2}, 200, 2),
                 ("/v1/responses", {"n_cmpl": 3}, 400, "Field 'n_cmpl': Value must be between 1 <= value <= 2, but got 3")]
@@ -678,7 +682,13 @@ LLAMA_TOKENIZE_LISTS = [([1, 2, 3], False, 200, [1, 2, 3]), ([1.5, 2], False, 20
                         ([-1, 99999], False, 200, [-1, 99999]), ([], True, 200, []),
                         ([None], False, 400, f"{_TYPE_302} null"), ([[1, 2]], False, 400, f"{_TYPE_302} array"),
                         ([{"a": 1}], False, 400, f"{_TYPE_302} object"),
-                        ([5, "the"], True, 200, None), (["the", "power"], True, 200, None)]
+                        ([5, "the"], True, 200, None), (["the", "power"], True, 200, None),
+                        # An id outside int32 wrapped, a float there INT32_MIN (before: returned as given).
+                        ([4294967297, 2147483648, 1e10, -1e10, -4294967297, -2147483649, 3e9, 2.5], False, 200,
+                         [1, -2**31, -2**31, -2**31, -1, 2**31 - 1, -2**31, 2]),
+                        # A non-boolean add_special is ignored: no BOS (before: "yes" and 1 taken as true).
+                        (["the", "power"], "yes", 200, (False, True, True)),
+                        (["the", "power"], 1, 200, (False, True, True))]
 
 
 def tokenize_list_answer(url: str, content: list, special: bool) -> tuple:

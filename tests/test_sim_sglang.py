@@ -273,6 +273,13 @@ def test_generate_reads_max_new_tokens_as_sglangs_unvalidated_sampling_params_do
         code, text = gen(srv, {"max_new_tokens": "5"}, stream=True)
         assert code == 200 and text in (("cut", ""), ""), text  # the head, then the connection closed: no event
         assert len(srv.truth) == n_ran  # none of the refused ran
+        # Infinity fails its context check; NaN passes every comparison and runs (before: both aiohttp's 500, the
+        # simulator's math.ceil raising).
+        code, text = gen(srv, {"max_new_tokens": float("inf")})
+        assert code == 400 and "You requested a total of inf tokens" in text, text
+        code, text = gen(srv, {"max_new_tokens": float("nan")})
+        meta = json.loads(text)["meta_info"]
+        assert code == 200 and meta["prompt_tokens"] + meta["completion_tokens"] == 62, meta
 
 
 def test_a_length_of_0_is_a_prefill_only_request_as_sglang_runs_it():

@@ -1749,7 +1749,7 @@ class SimServer:
             if not isinstance(content, (str, list)):  # its json_value read: 400 naming the JSON type (measured)
                 got = "null" if content is None else _JSON_TYPES.get(type(content), "object")
                 return self._bad_request(f"[json.exception.type_error.302] type must be string, but is {got}")
-            special = bool(body.get("add_special", False))
+            special = body.get("add_special") is True  # a non-boolean (1, "yes") is ignored: false (measured)
             if isinstance(content, list):
                 return self._llama_tokenize_mixed(content, special)
             text = content
@@ -1767,15 +1767,18 @@ class SimServer:
     def _llama_tokenize_mixed(self, content: list, special: bool) -> web.Response:
         """llama-server's /tokenize of a list (its tokenize_mixed; measured on the bundled build): a number is that
         token id as given (a float or a boolean converted, never checked against the vocabulary: -1 and 99999 come
-        back), a text its tokens, the BOS only where the list opens with a text and add_special asks for it; any other
+        back; one outside int32 wrapped, a float there INT32_MIN), a text its tokens, the BOS only where the list opens
+        with a text and add_special asks for it; any other
         item is 400 `[json.exception.type_error.302] type must be number, but is null` (array, object). Before: the
         list's Python text was tokenized (`[1, 2, 3]` seven tokens, a null or nested list taken)."""
         ids = [1] if special and content and isinstance(content[0], str) else []
         for item in content:
             if isinstance(item, str):
                 ids += [zlib.crc32(w.encode()) % N_VOCAB for w in _WORD.findall(item)]
-            elif isinstance(item, (int, float)):
-                ids.append(int(item))
+            elif isinstance(item, int):  # its llama_token (int32_t) cast: wrapped, 4294967297 is 1 (measured)
+                ids.append((int(item) + 2**31) % 2**32 - 2**31)
+            elif isinstance(item, float):  # x86's float-to-int32 conversion: out of range is INT32_MIN (measured)
+                ids.append(int(item) if math.isfinite(item) and -2**31 <= item < 2**31 else -2**31)
             else:
                 got = "null" if item is None else _JSON_TYPES.get(type(item), "object")
                 return self._bad_request(f"[json.exception.type_error.302] type must be number, but is {got}")
@@ -1956,8 +1959,8 @@ class SimServer:
             fields.append(("max_output_tokens", "max_tokens"))
         for key, name in fields:
             v = body.get(key)
-            if v is None:
-                continue
+            if v is None or key == "n" and body.get("n_cmpl") is not None and api in LLAMA_N_CMPL_APIS:
+                continue  # n is read only where n_cmpl is not: `n_cmpl: 1` beside `n: "x"` runs (measured)
             want = "boolean" if name == "stream" else "number"
             # nlohmann reads a boolean as a number (true 1) where it wants one, not a number as a boolean (measured).
             got = "number" if want == "number" and type(v) is bool else _JSON_TYPES.get(type(v), "object")
@@ -2110,7 +2113,9 @@ class SimServer:
         if isinstance(n, (int, float)):
             if n < 0:
                 return self._sglang_refusal(f"max_new_tokens must be at least 0, got {n}.", stream)
-            return math.ceil(n)
+            if math.isnan(n):  # every comparison false: past the context check, and its scheduler's min keeps NaN
+                return UNTIL_CONTEXT
+            return n if math.isinf(n) else math.ceil(n)  # inf: the context check refuses it (_context_refusal)
         if not stream:
             return web.Response(status=500, text="Internal Server Error")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Powerprof-Simulated": "1"})
