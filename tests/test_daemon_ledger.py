@@ -4317,6 +4317,19 @@ def test_a_put_to_sglangs_generate_closed_with_no_answer_where_the_server_was_fo
     assert "closed its connection with no answer" in (put["energy_note"] or ""), put
 
 
+@pytest.mark.parametrize("how", [("PUT", "/v1/chat/completions", "openai-chat"), ("PUT", "/completion", "llamacpp"),
+                                 ("PUT", "/v1/completions", "openai-completions")], ids=["chat", "llamacpp", "completions"])
+def test_a_put_to_a_path_other_than_sglangs_generate_closed_at_a_crash_is_not_costed_to_it(how):
+    # Only SGLang's /generate takes PUT: llama-server answers it 404 on every route, the vLLM and SGLang flavours' other
+    # generation routes 405, so such a request never ran. Before: `_crash_seen` took a PUT on any generation API, and
+    # each was costed 110 J (truth 0) as run until the crash closed it.
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    row = _llamacpp_whole_run_on([(1.5, 2.0)], whole_as=how, leave=1.55, end_s=6.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S), down_refused=True)
+    print(row["gpu_energy_j"], row["energy_note"])
+    assert not row["gpu_energy_j"], row
+
+
 @pytest.mark.parametrize("reload_s", [None, 13.0], ids=["restart", "reload_open"])
 def test_a_close_with_no_answer_in_flight_at_a_503_found_down_restart_is_costed_to_the_crash(reload_s):
     # llama-server binds its port at once when it restarts and answers every endpoint, /metrics too, 503 "Loading

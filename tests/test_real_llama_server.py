@@ -1124,10 +1124,12 @@ def test_an_absent_or_minus_one_length_runs_until_the_slots_context_is_full_as_t
 
 def test_n_cmpl_and_a_tokenized_list_read_on_llama_server_as_the_simulator_reads_them(llama_server):
     # The cases test_sim_server holds the llama.cpp flavour to, sent to llama-server itself (-np 2).
-    from test_sim_server import LLAMA_N_CMPL, LLAMA_TOKENIZE_LISTS, n_cmpl_answer, tokenize_list_answer
+    from test_sim_server import (LLAMA_N_CMPL, LLAMA_TOKENIZE_LISTS, n_cmpl_answer, responses_tasks_stream,
+                                 tokenize_list_answer)
 
     for path, extra, status, want in LLAMA_N_CMPL:
         assert n_cmpl_answer(llama_server.base_url, path, extra) == (status, want), (path, extra)
+    assert responses_tasks_stream(llama_server.base_url, 2) == [2, 2]
     for content, special, status, want in LLAMA_TOKENIZE_LISTS:
         if want is None:
             want = (isinstance(content[0], str), True, True)

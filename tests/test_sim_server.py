@@ -622,26 +622,58 @@ LLAMA_N_CMPL = [("/completion", {"n_cmpl": "2"}, 400, f"Field 'n_cmpl': {_TYPE_3
                 ("/v1/chat/completions", {"n_cmpl": 2}, 200, 2),
                 ("/v1/chat/completions", {"n_cmpl": 3}, 400,
                  "Field 'n_cmpl': Value must be between 1 <= value <= 2, but got 3"),
-                ("/v1/chat/completions", {"n": 2, "n_cmpl": 1}, 200, 1)]
+                ("/v1/chat/completions", {"n": 2, "n_cmpl": 1}, 200, 1),
+                # n is not read where n_cmpl is (before: refused 400 naming n); read where n_cmpl is null.
+                ("/v1/chat/completions", {"n_cmpl": 1, "n": "x"}, 200, 1),
+                ("/completion", {"n_cmpl": 2, "n": "x"}, 200, 2),
+                ("/completion", {"n_cmpl": None, "n": "x"}, 400, f"Field 'n': {_TYPE_302} string"),
+                # Responses, converted to a chat: a task per choice, a whole answer an array of their Responses.
+                ("/v1/responses", {"n_cmpl": 2}, 200, 2), ("/v1/responses", {"n": 2}, 200, 2),
+                ("/v1/responses", {"n_cmpl": 3}, 400, "Field 'n_cmpl': Value must be between 1 <= value <= 2, but got 3")]
 
 
 def n_cmpl_answer(url: str, path: str, extra: dict) -> tuple:
     """(HTTP status, the choices answered or the error's message) of one whole llama.cpp answer of 2 tokens."""
     import json as _json
 
-    base = ({"messages": [{"role": "user", "content": "the power"}]} if "chat" in path else {"prompt": "the power"})
-    code, doc = _post_json(url, path, dict(base, n_predict=2, max_tokens=2, **extra))
+    if path == "/v1/responses":
+        base = {"input": "the power", "max_output_tokens": 2}
+    else:
+        base = ({"messages": [{"role": "user", "content": "the power"}]} if "chat" in path else {"prompt": "the power"})
+        base.update(n_predict=2, max_tokens=2)
+    code, doc = _post_json(url, path, dict(base, **extra))
     if code != 200:
         return code, _json.loads(doc)["error"]["message"]
     return code, len(doc) if isinstance(doc, list) else len(doc.get("choices", [doc]))
 
 
+def responses_tasks_stream(url: str, n: int) -> list:
+    """A streamed llama.cpp Responses request of n_cmpl n (2 tokens each): each response.completed event's output tokens,
+    one per distinct response id (its own response.created before it)."""
+    import json as _json
+    import urllib.request
+
+    req = urllib.request.Request(url + "/v1/responses", _json.dumps(
+        {"input": "the power", "max_output_tokens": 2, "n_cmpl": n, "stream": True}).encode(),
+        {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = [_json.loads(e.split("data: ", 1)[1]) for e in r.read().decode().split("\n\n") if "data: " in e]
+    created = [e["response"]["id"] for e in events if e["type"] == "response.created"]
+    done = {e["response"]["id"]: e["response"]["usage"]["output_tokens"] for e in events
+            if e["type"] == "response.completed"}
+    assert sorted(created) == sorted(done), (created, done)
+    return list(done.values())
+
+
 def test_llamacpp_reads_n_cmpl_on_every_completion_route_as_llama_server_does():
     # Before: /completion alone read n_cmpl (/v1/completions and chat ran n_cmpl 2 as one choice, refused nothing), a
-    # null n_cmpl was refused 400 "Field 'n': must be an integer of at least 1", and every refusal named `n`.
+    # null n_cmpl was refused 400 "Field 'n': must be an integer of at least 1", and every refusal named `n`. Then
+    # /v1/responses ran n_cmpl (or n) 2 as one task, answered one Response (llama-server: 2 tasks, an array of 2).
     with SimServer(SimNVML("seed-16g", state_path=None), n_slots=2, decode_tok_s=20000) as s:
         for path, extra, status, want in LLAMA_N_CMPL:
             assert n_cmpl_answer(s.url, path, extra) == (status, want), (path, extra)
+        assert responses_tasks_stream(s.url, 2) == [2, 2]  # each task's own Response, streamed interleaved
+        assert sum(t["generated"] for t in s.truth[-2:]) == 4, s.truth[-2:]
 
 
 # llama-server's /tokenize of a list (its tokenize_mixed, measured): (content, add_special, status, tokens or message;
@@ -650,7 +682,13 @@ LLAMA_TOKENIZE_LISTS = [([1, 2, 3], False, 200, [1, 2, 3]), ([1.5, 2], False, 20
                         ([-1, 99999], False, 200, [-1, 99999]), ([], True, 200, []),
                         ([None], False, 400, f"{_TYPE_302} null"), ([[1, 2]], False, 400, f"{_TYPE_302} array"),
                         ([{"a": 1}], False, 400, f"{_TYPE_302} object"),
-                        ([5, "the"], True, 200, None), (["the", "power"], True, 200, None)]
+                        ([5, "the"], True, 200, None), (["the", "power"], True, 200, None),
+                        # An id outside int32 wrapped, a float there INT32_MIN (before: returned as given).
+                        ([4294967297, 2147483648, 1e10, -1e10, -4294967297, -2147483649, 3e9, 2.5], False, 200,
+                         [1, -2**31, -2**31, -2**31, -1, 2**31 - 1, -2**31, 2]),
+                        # A non-boolean add_special is ignored: no BOS (before: "yes" and 1 taken as true).
+                        (["the", "power"], "yes", 200, (False, True, True)),
+                        (["the", "power"], 1, 200, (False, True, True))]
 
 
 def tokenize_list_answer(url: str, content: list, special: bool) -> tuple:

@@ -255,8 +255,11 @@ def test_generate_reads_max_new_tokens_as_sglangs_unvalidated_sampling_params_do
     with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=64, decode_tok_s=5000.0, draft_n_max=0) as srv:
         code, text = gen(srv, {"max_new_tokens": None})
         meta = json.loads(text)["meta_info"]
-        assert code == 200 and meta["prompt_tokens"] + meta["completion_tokens"] == 64, meta
+        # Its scheduler caps a run at max_req_len - prompt - 1, max_req_len the context less 1 (before: 64).
+        assert code == 200 and meta["prompt_tokens"] + meta["completion_tokens"] == 62, meta
         assert meta["finish_reason"]["type"] == "length", meta
+        code, text = gen(srv, {"max_new_tokens": 61})  # within the context, so not refused: capped alike
+        assert code == 200 and json.loads(text)["meta_info"]["completion_tokens"] == 59, text
         for given, want in ((5.5, 6), (True, 1), (3, 3)):
             code, text = gen(srv, {"max_new_tokens": given})
             assert code == 200 and json.loads(text)["meta_info"]["completion_tokens"] == want, (given, text)
@@ -270,20 +273,52 @@ def test_generate_reads_max_new_tokens_as_sglangs_unvalidated_sampling_params_do
         code, text = gen(srv, {"max_new_tokens": "5"}, stream=True)
         assert code == 200 and text in (("cut", ""), ""), text  # the head, then the connection closed: no event
         assert len(srv.truth) == n_ran  # none of the refused ran
+        # Infinity fails its context check; NaN passes every comparison and runs (before: both aiohttp's 500, the
+        # simulator's math.ceil raising).
+        code, text = gen(srv, {"max_new_tokens": float("inf")})
+        assert code == 400 and "You requested a total of inf tokens" in text, text
+        code, text = gen(srv, {"max_new_tokens": float("nan")})
+        meta = json.loads(text)["meta_info"]
+        assert code == 200 and meta["prompt_tokens"] + meta["completion_tokens"] == 62, meta
+
+
+def test_a_length_of_0_is_a_prefill_only_request_as_sglang_runs_it():
+    # max_new_tokens 0 (chat's `None or 0`, `0 or 0`; /generate's own) is SGLang's prefill-only request
+    # (Req.is_prefill_only): its prompt prefilled, no token. Before: chat ran it to the context (32765 tokens at the
+    # default context), /generate ran 1 token.
+    import json
+
+    chat = {"messages": [{"role": "user", "content": "the watt"}], "ignore_eos": True}
+    with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=200000.0, draft_n_max=0) as srv:
+        for extra in ({"max_tokens": 0}, {"max_completion_tokens": 0, "max_tokens": 0}):
+            code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(dict(chat, **extra)).encode())
+            assert code == 200 and doc["usage"]["completion_tokens"] == 0, (extra, doc)
+            assert doc["choices"][0]["message"]["content"] == "" and doc["choices"][0]["finish_reason"] == "length"
+        gen = {"text": "the watt", "sampling_params": {"max_new_tokens": 0}}
+        code, doc = _send(srv.url, "POST", "/generate", json.dumps(gen).encode())
+        assert code == 200 and doc["meta_info"]["completion_tokens"] == 0 and doc["output_ids"] == [], doc
+        with urllib.request.urlopen(urllib.request.Request(srv.url + "/generate", json.dumps(dict(gen, stream=True))
+                                    .encode(), {"Content-Type": "application/json"}), timeout=30) as r:
+            events = [e for e in r.read().decode().split("\n\n") if e]
+        assert len(events) == 2 and events[1] == "data: [DONE]", events  # its one output, finished, then [DONE]
+        assert json.loads(events[0][6:])["meta_info"]["finish_reason"] == {"type": "length", "length": 0}, events
+        rows = list(srv.truth)
+        assert [t["generated"] for t in rows] == [0] * 4 and all(t["prompt_tokens"] > 0 for t in rows), rows
 
 
 def test_a_chat_without_a_length_runs_to_the_context_as_sglangs_scheduler_runs_it():
-    # serving_chat passes `max_completion_tokens or max_tokens` as max_new_tokens: neither given (or 0) is None, which
-    # the tokenizer manager does not check against the context and the scheduler runs to it (`1 << 30`, capped at the
-    # context less the prompt). Before: 128 tokens, and at a 64-token context refused 400 (prompt + 128 too long).
+    # serving_chat passes `max_completion_tokens or max_tokens` as max_new_tokens: neither given (a 0
+    # max_completion_tokens falls back) is None, which the tokenizer manager does not check against the context and the
+    # scheduler runs to it (`1 << 30`, capped at max_req_len - prompt - 1, max_req_len the context less 1). Before: 128
+    # tokens, and at a 64-token context refused 400 (prompt + 128 too long); then the whole context (64, not 62).
     import json
 
     chat = {"messages": [{"role": "user", "content": "the watt"}], "ignore_eos": True}
     with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=64, decode_tok_s=5000.0, draft_n_max=0) as srv:
-        for extra in ({}, {"max_tokens": 0}, {"max_completion_tokens": 0, "max_tokens": None}):
+        for extra in ({}, {"max_completion_tokens": 0, "max_tokens": None}, {"max_completion_tokens": 0}):
             code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(dict(chat, **extra)).encode())
             assert code == 200, (extra, doc)
             u = doc["usage"]
-            assert u["prompt_tokens"] + u["completion_tokens"] == 64 and doc["choices"][0]["finish_reason"] == "length"
+            assert u["prompt_tokens"] + u["completion_tokens"] == 62 and doc["choices"][0]["finish_reason"] == "length"
         code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(dict(chat, max_tokens=5)).encode())
         assert code == 200 and doc["usage"]["completion_tokens"] == 5, doc

@@ -647,8 +647,10 @@ class Ledger:
         crash such requests (never run) were costed 78 J over 4 on an idle simulated server, their rows saying their
         process died."""
         tr = r.trace
-        if (tr.method not in ("POST", "PUT") or tr.api is None or tr.stream is True or tr.first_ns is not None  # PUT:
-                or tr.end_ns is None or r.ev_n or r.spent):  # SGLang's /generate takes it as a POST
+        # PUT: SGLang's /generate alone takes it, as a POST; every other route refuses it unrun (llama-server 404, the
+        # vLLM and SGLang flavours 405): taken on any generation API, a PUT to a chat path was costed 110 J (truth 0).
+        if (not (tr.method == "POST" or (tr.method == "PUT" and tr.api == "sglang-generate")) or tr.api is None
+                or tr.stream is True or tr.first_ns is not None or tr.end_ns is None or r.ev_n or r.spent):
             return None
         slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
         # A scrape found the server down (`note_down`), before the new process answered: nothing listening proves the

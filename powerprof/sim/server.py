@@ -150,8 +150,9 @@ class _StreamBroken(Exception):
 _INT_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")
 _JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
-# The llama.cpp routes whose params_from_json_cmpl reads n_cmpl (else n) as the choices to run (measured).
-LLAMA_N_CMPL_APIS = ("llamacpp", "openai-completions", "openai-chat")
+# The llama.cpp routes whose params_from_json_cmpl reads n_cmpl (else n) as the choices to run (measured; Responses
+# too, converted to a chat first: a whole answer of each task's own Response, `_serve_response_tasks`).
+LLAMA_N_CMPL_APIS = ("llamacpp", "openai-completions", "openai-chat", "openai-responses")
 # SGLang's routes that refuse a body not sent as application/json (http_server.py: validate_json_request).
 SGLANG_JSON_ONLY = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize")
 
@@ -252,6 +253,7 @@ class _Req:
     choice: int = 0  # which of its request's sequences it is (n > 1 choices, a list of embedding inputs)
     embed: bool = False  # an embedding: a prefill of its input and no decode (no token generated)
     hidden: bool = False  # SGLang's prefill of an n > 1 prompt in a request of its own, before the n (`_prefill_apart`)
+    prefill_only: bool = False  # SGLang's max_new_tokens 0 asked by a client: its prompt prefilled, no token generated
     textless: int = 0  # of its generated tokens, those with no text (SimServer.textless_share)
     logprobs: bool = False  # chat's `logprobs: true` (the llama.cpp flavour lists each chunk's tokens)
     ctx_cut: bool = False  # its n_predict was lowered to what the context leaves after the prompt
@@ -1467,7 +1469,7 @@ class SimServer:
         if req in self._active:
             self._active.remove(req)
         prompt_ms = (req.t_prefill_end_ns - req.t_prefill_start_ns) / 1e6
-        if req.hidden:  # SGLang's tokenizer manager observes it as it does any request that finished
+        if req.hidden or req.prefill_only:  # SGLang's tokenizer manager observes it as any request that finished
             self._sglang_finished(req.prompt_tokens, 0, (time.monotonic_ns() - req.t_arrive_ns) / 1e9, req.cached)
         req.truth_row = {
             "rid": req.rid,
@@ -1485,7 +1487,8 @@ class SimServer:
             "prefill_energy_j": req.true_prefill_j if self.batching == "continuous" else None,
             "client_id": req.client_id,
             "choice": req.choice,
-            "kind": "hidden_prefill" if req.hidden else "embeddings",
+            "kind": "hidden_prefill" if req.hidden else "generation" if req.prefill_only else "embeddings",
+            "textless": 0,
         }
         self.truth.append(req.truth_row)
         req.queue.put_nowait(("done", {"prompt_n": req.prompt_tokens, "prompt_ms": prompt_ms}))
@@ -1606,8 +1609,9 @@ class SimServer:
             queue=queue if queue is not None else asyncio.Queue(),
             t_arrive_ns=time.monotonic_ns(),
             choice=choice,
-            embed=embed or hidden,
+            embed=embed or hidden or n_predict == 0,  # 0: SGLang's prefill-only request (Req.is_prefill_only)
             hidden=hidden,
+            prefill_only=n_predict == 0 and not hidden,
         )
         if isinstance(prompt, _NoTokens):
             # llama-server gives it a slot and ends it before any prompt processing: no GPU work, no truth row, its
@@ -1745,7 +1749,7 @@ class SimServer:
             if not isinstance(content, (str, list)):  # its json_value read: 400 naming the JSON type (measured)
                 got = "null" if content is None else _JSON_TYPES.get(type(content), "object")
                 return self._bad_request(f"[json.exception.type_error.302] type must be string, but is {got}")
-            special = bool(body.get("add_special", False))
+            special = body.get("add_special") is True  # a non-boolean (1, "yes") is ignored: false (measured)
             if isinstance(content, list):
                 return self._llama_tokenize_mixed(content, special)
             text = content
@@ -1763,15 +1767,18 @@ class SimServer:
     def _llama_tokenize_mixed(self, content: list, special: bool) -> web.Response:
         """llama-server's /tokenize of a list (its tokenize_mixed; measured on the bundled build): a number is that
         token id as given (a float or a boolean converted, never checked against the vocabulary: -1 and 99999 come
-        back), a text its tokens, the BOS only where the list opens with a text and add_special asks for it; any other
+        back; one outside int32 wrapped, a float there INT32_MIN), a text its tokens, the BOS only where the list opens
+        with a text and add_special asks for it; any other
         item is 400 `[json.exception.type_error.302] type must be number, but is null` (array, object). Before: the
         list's Python text was tokenized (`[1, 2, 3]` seven tokens, a null or nested list taken)."""
         ids = [1] if special and content and isinstance(content[0], str) else []
         for item in content:
             if isinstance(item, str):
                 ids += [zlib.crc32(w.encode()) % N_VOCAB for w in _WORD.findall(item)]
-            elif isinstance(item, (int, float)):
-                ids.append(int(item))
+            elif isinstance(item, int):  # its llama_token (int32_t) cast: wrapped, 4294967297 is 1 (measured)
+                ids.append((int(item) + 2**31) % 2**32 - 2**31)
+            elif isinstance(item, float):  # x86's float-to-int32 conversion: out of range is INT32_MIN (measured)
+                ids.append(int(item) if math.isfinite(item) and -2**31 <= item < 2**31 else -2**31)
             else:
                 got = "null" if item is None else _JSON_TYPES.get(type(item), "object")
                 return self._bad_request(f"[json.exception.type_error.302] type must be number, but is {got}")
@@ -1952,8 +1959,8 @@ class SimServer:
             fields.append(("max_output_tokens", "max_tokens"))
         for key, name in fields:
             v = body.get(key)
-            if v is None:
-                continue
+            if v is None or key == "n" and body.get("n_cmpl") is not None and api in LLAMA_N_CMPL_APIS:
+                continue  # n is read only where n_cmpl is not: `n_cmpl: 1` beside `n: "x"` runs (measured)
             want = "boolean" if name == "stream" else "number"
             # nlohmann reads a boolean as a number (true 1) where it wants one, not a number as a boolean (measured).
             got = "number" if want == "number" and type(v) is bool else _JSON_TYPES.get(type(v), "object")
@@ -2106,7 +2113,9 @@ class SimServer:
         if isinstance(n, (int, float)):
             if n < 0:
                 return self._sglang_refusal(f"max_new_tokens must be at least 0, got {n}.", stream)
-            return math.ceil(n)
+            if math.isnan(n):  # every comparison false: past the context check, and its scheduler's min keeps NaN
+                return UNTIL_CONTEXT
+            return n if math.isinf(n) else math.ceil(n)  # inf: the context check refuses it (_context_refusal)
         if not stream:
             return web.Response(status=500, text="Internal Server Error")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Powerprof-Simulated": "1"})
@@ -2224,11 +2233,14 @@ class SimServer:
             # Its SamplingParams.verify (sampling_params.py), a ValueError its tokenizer manager raises as a too-long
             # prompt's: 400, nothing run. Before: -1 ran 1 token.
             return self._sglang_refusal(f"max_new_tokens must be at least 0, got {int(n)}.", None)
-        if self.flavour == "sglang" and not n:
-            # Neither given (or 0): max_new_tokens None, which its scheduler runs to the context (`1 << 30`, capped at
-            # the context less the prompt), unchecked against it. Before: 128 tokens, and refused where prompt + 128
-            # passed the context.
+        if self.flavour == "sglang" and n is None:
+            # Neither given (a 0 max_completion_tokens falls back to an absent max_tokens): max_new_tokens None, which its
+            # scheduler runs to the context (`1 << 30`, capped in _serve), unchecked against it. Before: 128 tokens, and
+            # refused where prompt + 128 passed the context. A 0 (`None or 0`) stays 0: prefill only, no token (until
+            # December 2026 run to the context: 32765 tokens at its default context).
             return await self._serve(request, "openai-chat", prompt, body, UNTIL_CONTEXT)
+        if self.flavour == "sglang":
+            return await self._serve(request, "openai-chat", prompt, body, int(n))
         return await self._serve(request, "openai-chat", prompt, body, int(n or 128))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
@@ -2398,7 +2410,12 @@ class SimServer:
             refused = self._vllm_context_refusal(count_prompt_tokens(one), asked, body)
             if refused is not None:
                 return refused
-            n_predicts.append(max(1, min(asked, self._seq_ctx() - count_prompt_tokens(one))))
+            room = self._seq_ctx() - count_prompt_tokens(one)
+            if self.flavour == "sglang":
+                # Its scheduler caps every run at max_req_len - prompt - 1, max_req_len the context less 1: prompt +
+                # completion at most the context less 2 (before: the whole context). 0 stays 0: prefill only.
+                room -= 2
+            n_predicts.append(max(0 if asked == 0 and self.flavour == "sglang" else 1, min(asked, room)))
         n_predict = n_predicts[0]
 
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
@@ -2438,6 +2455,8 @@ class SimServer:
                                              stream, opts, echo, cut=[k < asked for k in n_predicts])
         if best_of > n_choices:
             return await self._serve_best_of(request, api, prompt, args, n_choices, best_of, echo)
+        if n_choices > 1 and api == "openai-responses":
+            return await self._serve_response_tasks(request, prompt, args, n_choices, stream)
         if n_choices > 1:
             return await self._serve_choices(request, api, prompt, args, n_choices, stream, opts, echo)
         req = self._submit(prompt, *args)
@@ -2814,6 +2833,8 @@ class SimServer:
                     if api == "llamacpp":
                         await out.send(b"data: " + json.dumps(self._llama_final(req, timings)).encode() + b"\n\n")
                     elif api == "sglang-native":
+                        if not closed:  # prefill only (max_new_tokens 0): its one output, finished with no token
+                            await send_tokens([], "", finish="length")
                         await out.send(b"data: [DONE]\n\n")
                     else:
                         fr = "stop" if req.stop_type == "eos" else "length"
@@ -3172,7 +3193,36 @@ class SimServer:
         """What of a Responses answer a later turn naming it prefills again (ResponseShape.carried)."""
         return req.shape.carried() if isinstance(req.shape, chatshape.ResponseShape) else text
 
+    async def _serve_response_tasks(self, request: web.Request, prompt: str, args: tuple, n: int,
+                                    stream: bool) -> web.StreamResponse:
+        """llama-server's Responses request of n_cmpl (or n) > 1: a task per choice, each in its own slot, answered as
+        its own Response: whole, a JSON array of them; streamed, each task's events as they come, interleaved, each
+        from its response.created to its response.completed (measured on the bundled build). Before: one task ran."""
+        cid = request.headers.get("X-Sim-Request-Id")
+        reqs = [self._submit(prompt, *args, choice=j) for j in range(n)]
+        for r in reqs:
+            r.client_id = cid
+        try:
+            if not stream:
+                return self._json([await self._whole_dialect_doc("openai-responses", r) for r in reqs])
+            resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Powerprof-Simulated": "1"})
+            try:
+                await resp.prepare(request)
+                await asyncio.gather(*(self._write_dialect(resp, request, "openai-responses", r, eof=False)
+                                       for r in reqs))
+                await resp.write_eof()
+            except ConnectionResetError:
+                pass  # the client left: aborted below as llama-server aborts its tasks
+            return resp
+        finally:
+            self._cancel_unfinished(reqs)
+
     async def _serve_whole_dialect(self, api: str, req: _Req) -> web.Response:
+        return self._json(dict(await self._whole_dialect_doc(api, req), simulated=True))
+
+    async def _whole_dialect_doc(self, api: str, req: _Req) -> dict:
+        """A whole Messages or Responses answer's object, once `req` is done."""
         text = ""
         shape = req.shape if isinstance(req.shape, chatshape.ResponseShape) else None
         while True:
@@ -3186,9 +3236,10 @@ class SimServer:
             else:
                 raise web.HTTPServiceUnavailable()
         self._keep_response(req, self._response_carried(req, text))
-        return self._json(dict(self._dialect_whole(api, req, text), simulated=True))
+        return self._dialect_whole(api, req, text)
 
-    async def _write_dialect(self, resp: web.StreamResponse, request: web.Request, api: str, req: _Req) -> None:
+    async def _write_dialect(self, resp: web.StreamResponse, request: web.Request, api: str, req: _Req,
+                             eof: bool = True) -> None:
         """A Messages or Responses stream: named events (`event:` and `data:` lines), opened with the first token
         (both servers send nothing before), one delta event per step's tokens, closed by the counts' event."""
         if api == "openai-responses" and isinstance(req.shape, chatshape.ResponseShape):
@@ -3275,6 +3326,9 @@ class SimServer:
             self._keep_response(req, text_all)  # "done"
             for d in tail(payload):
                 await out.send(event(d))
+            if not eof:  # one of several tasks' streams in one body (`_serve_response_tasks`): the body goes on
+                await resp.write(await out.take())
+                return
             await resp.write_eof(await out.take())
             return
 
