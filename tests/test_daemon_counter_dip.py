@@ -980,6 +980,9 @@ def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | Non
                     router["503_until"] = time.monotonic() + lag_s
                 if restart_at_s is not None:
                     await asyncio.sleep(restart_at_s)
+                    # The gateway's own health check sees the server go (not a scrape that must land in its 0.3 s down:
+                    # on a loaded host none did, and the scene had no 503 at all).
+                    router["503_until"] = time.monotonic() + 0.3 + lag_s
                     await asyncio.wrap_future(srv.restart(0.3))
 
             lanes = [lane(daemon.urls["proxy"], "prox") for _ in range(2)]
