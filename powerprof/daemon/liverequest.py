@@ -197,7 +197,8 @@ def is_passive(r: LiveRequest) -> bool:
 
 def crashed(r: LiveRequest) -> bool:
     """The server had it whole and then closed its connection with no answer as its process died (`closed_unanswered`,
-    and the ledger saw that death: `Ledger._crash_seen`): it ran it until then, though the client got the proxy's 502."""
+    and the ledger saw that death: `Ledger._crash_seen`): it ran it until then, though the client got the proxy's 502
+    (a resend's loading page: proxy.RESEND_LOADING)."""
     return r.crash_seen and closed_unanswered(r)
 
 

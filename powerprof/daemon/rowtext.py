@@ -428,8 +428,9 @@ def _run_on_said(r: LiveRequest) -> str:
             how = (f"a kept-alive connection's close, and {resend}: the server died, with it in flight or "
                    "before it read it, so it ran until then or may never have run; the figure here is the first "
                    "reading, at most its time from arrival to the close")
+        got = ("the new server's loading page (503)" if resend == RESEND_LOADING else "the proxy's 502")
         lead = (f"the server closed its connection with no answer {s:.2f} s after its arrival ({how}), and the client "
-                "got the proxy's 502; it is costed as run until then, its prefill and then its decode")
+                f"got {got}; it is costed as run until then, its prefill and then its decode")
         if r.run_on_tokens > 0:
             return (f"{lead}: {r.run_on_tokens:.0f} tokens decoded at {r.run_on_pace} pace (an estimate; its attributed "
                     "tokens count them), which no client received")
