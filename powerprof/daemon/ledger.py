@@ -43,7 +43,7 @@ from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, closed_unanswered, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
-                          LiveRequest, is_unseen, not_forwarded, server_end_ns)
+                          LiveRequest, is_unseen, not_forwarded, resend_queued, server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
@@ -412,6 +412,9 @@ class Ledger:
         # [arrival, first token or end] of requests whose prefill is costed at none, their body unread or sizeless, their prompt
         # unsaid (rowtext.prompt_unread): the intervals whose other requests say PROMPT_UNREAD_FLAG.
         self._unread_spans: list[tuple[int, int, str]] = []
+        # [arrival, close] of crash-costed closes that may have queued unrun (liverequest.resend_queued): the intervals
+        # whose other requests say UNSURE_FLAG (their share there may be low by that request's figure).
+        self._queued_spans: list[tuple[int, int]] = []
         # Ends of recently ended streams that said no count (rowtext.counted_low): intervals up to LAG_S after them say
         # their unproxied may hold those streams' tokens (the scrape window that counted them spreads them past the end).
         self._counted_low_ends: deque = deque(maxlen=256)
@@ -2306,6 +2309,17 @@ class Ledger:
             gone_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
         gone_col = energy.shape[1] - 1
+        # A crash-costed close that may have queued unrun behind full slots (`resend_queued`): costed as run, its figure
+        # may be the requests' beside it (a queued whole answer on the simulator's llama.cpp: 73-78 J for 0, its
+        # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does.
+        queued = np.array([d and resend_queued(r) for r, d in zip(reqs, done)], dtype=bool)
+        self._queued_spans = [s for s in self._queued_spans if s[1] > t[0]]
+        self._queued_spans.extend((int(arrival[i]), int(end[i])) for i in np.flatnonzero(queued))
+        queued_iv = np.zeros(t.size - 1, bool)
+        for a0, a1 in self._queued_spans:
+            queued_iv |= (a0 < t[1:]) & (a1 > t[:-1])
+        energy = np.column_stack([energy, np.where(queued_iv, work_j, 0.0)])
+        queued_col = energy.shape[1] - 1
         # Requests whose prefill went uncosted, their body unread or sizeless and their prompt unsaid: the requests live over that
         # prefill hold its energy, and say so (PROMPT_UNREAD_FLAG; c11 on the simulator: +25%, silent before).
         unread = np.array([prompt[i] == 0 and (r.trace.first_ns is not None or d) and not passive[i]
@@ -2387,6 +2401,8 @@ class Ledger:
                         r.cache_beside = max(r.cache_beside, float(cache_iv[k]))
             if not gone[i]:
                 r.gone_beside_j += a.request_energy[i, gone_col]
+            if not queued[i]:
+                r.queued_beside_j += a.request_energy[i, queued_col]
             if not unread[i] and a.request_energy[i, unread_col] > 0:
                 r.unread_beside_j += a.request_energy[i, unread_col]
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])

@@ -24,8 +24,9 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       outside_text)
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid, gone_unsaid, is_passive,
-                          told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
+from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid,
+                          gone_unsaid, is_passive, resend_queued, told_prompt_tokens, LiveRequest, is_unseen,
+                          not_forwarded, server_end_ns)
 from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
@@ -670,7 +671,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
-            UNSURE_FLAG: energy and _run_on_unsure(r) or _held_over(r)}
+            UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or r.queued_beside_j > 0) or _held_over(r)}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -774,6 +775,20 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         notes.append(_uncounted_note(r))
     if r.run_on_end_ns is not None:
         notes.append(_run_on_note(r))
+    if resend_queued(r) and r.gpu_j > 0:
+        tr = r.trace
+        notes.append(f"{UNSURE_FLAG}: its close came {(tr.end_ns - tr.arrival_ns) / 1e9:.2f} s after its arrival, longer "
+                     f"than a close crossing a request on the wire takes (up to {CROSSING_CLOSE_MAX_S * 1e3:.0f} ms), "
+                     "and its resend found the server dead: the server may have read it and held it queued behind full "
+                     "slots, never running it (then 0 J and no tokens, this figure the requests' beside it, theirs low "
+                     "by it), or run it until its close as costed here; nothing measured says which, so it and the "
+                     "requests beside it are left out of J/token; fix: none at the proxy (the server's log says whether "
+                     "it had started it)")
+    if r.queued_beside_j > 0 and r.gpu_j > 0:
+        notes.append(f"{UNSURE_FLAG}: {100 * min(r.queued_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
+                     "intervals over a request closed by a crash that may have waited queued unrun (its row says so), "
+                     "costed as run there: this request's share there may be low by that figure; fix: none at the "
+                     "proxy (the server's log says whether that request had started)")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
