@@ -4326,8 +4326,10 @@ def test_a_close_held_for_a_loading_page_past_down_hold_max_s_is_written_and_sai
     # alone opens the window (`Ledger.note_down`, none refused), so its row waits for a page confirming the restart
     # (`Ledger._down_hold`), at most DOWN_HOLD_MAX_S: cut to 15 s here (past SCRAPE_HOLD_S, as the 120 s is), the page
     # at 40 s comes too late. What a user relies on: the row is written once the cap passes, while the server is still
-    # down (not lost, nor held to the stop), and its 0 J is said and flagged: low if that was a crash (it ran until its
-    # close), right if not.
+    # down (not lost, nor held to the stop), costed as the crash it most likely was (sent before the old process's last
+    # good scrape), said and flagged: right if that was a crash, high if the page was no restart. Before, it was
+    # written at 0 J (flagged), its run's energy in the requests' beside it, unflagged (the review's scene: 4 streams
+    # cut beside it +10.3%).
     import powerprof.daemon.ledger as ledger_mod
     from powerprof.daemon.proxy import CRASHED_NOTE
     monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
@@ -4356,12 +4358,29 @@ def test_a_close_held_for_a_loading_page_past_down_hold_max_s_is_written_and_sai
     note = row["energy_note"] or ""
     print(written_s, row["attributed_tokens"], row["gpu_energy_j"], note)
     assert written_s and 15.5 <= written_s[0] <= 17.0, written_s  # the cap after its close, the server still down
-    assert not row["gpu_energy_j"] and "not costed" in note, note
-    # Said: why 0 J, both readings, the wait and its fix (before: the words of a close no scrape saw at all).
+    assert 95.0 <= row["gpu_energy_j"] <= 115.0, row  # run 0.5 s to 1.55 s alone at 100 W: about 105 J
+    # Said: both readings, the wait and its fix (before: the words of a close no scrape saw at all).
     assert "its row waited 15 s for a scrape to confirm the restart" in note and '503 "Loading model"' in note, note
-    assert "may never have run" in note and "fix:" in note, note
+    assert "may never have run" in note and "costed as the crash it most likely was" in note and "fix:" in note, note
     # Flagged: counted apart (analyze's uncertain_requests, the daemon's /metrics counter).
     assert UNSURE_FLAG in note and ledgers[0].flagged_requests[UNSURE_FLAG] == 1, note
+
+
+def test_a_close_in_a_loading_page_s_window_with_a_proxied_connection_broken_then_is_costed_at_once(monkeypatch):
+    # The same close (a whole answer in flight from 0.5 s, closed with no answer at 1.55 s, llama-server's 503 "Loading
+    # model" alone from 1.6 s, the confirming page at 40 s past the cap, cut to 15 s), but another request's connection
+    # broke at 1.55 s too: a death shown (`_death_shown`), as the page's restart would be. Before, the window ignored it
+    # with no scrape refused: held to the cap and written at 0 J (flagged), its run the requests' beside it. Now costed
+    # at once as a crash (about 105 J: 0.5 s to 1.55 s alone at 100 W), sure, written long before the cap.
+    import powerprof.daemon.ledger as ledger_mod
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
+    row = _llamacpp_whole_run_on([(1.5, 40.0)], leave=1.55, end_s=50.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: closed", opened=(1.6, None), fail_at=1.55)
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert 95.0 <= (row["gpu_energy_j"] or 0) <= 115.0, row
+    assert "a crash: its process died" in note and UNSURE_FLAG not in note and "waited" not in note, note
 
 
 @pytest.mark.parametrize("fail_closed,reload_s", [(False, None), (True, None), (False, 13.0)],

@@ -600,6 +600,8 @@ class Ledger:
             self._conn_fail_ns.append(trace.end_ns)
             if self._gone_at:
                 self._end_run_ons_at_restart()
+            if self._down_open is not None:  # a 503's window open: that death shown, its held closes are crashes
+                self._crashes_known()
         if trace.outcome == "client_disconnected" and trace.api is not None \
                 and not (trace.error or "").startswith(BODY_LEFT_NOTE):
             # Counted at its end, not at its row: a row held back (`_late_parked`) is made after its tag's row went out.
@@ -658,8 +660,10 @@ class Ledger:
         # death. A reloading llama-server's 503 "Loading model" alone proves none until a page confirms the restart
         # (the `_gone_at` rule below; its rows are held for it meanwhile: `_down_hold`): costed at once, a router's
         # 503 blip with no restart after cost a request it held and closed unanswered (never run) 119 J.
+        # So does a proxied connection broken in that window (`_death_shown`: streams cut by the crash beside it), 503
+        # or not: held for a page that came after DOWN_HOLD_MAX_S, the row was 0 J and the cut streams +10% unmarked.
         o = self._down_open
-        if o is not None and o[0] <= tr.end_ns <= o[1] + slack and o[2]:
+        if o is not None and o[0] <= tr.end_ns <= o[1] + slack and (o[2] or self._death_shown((o[0], o[1], o[1], False))):
             return True
         # Found down, a death must be shown (`_death_shown`): a router answering the metrics page 503, a counter's dip
         # then, and its own refusal closing the request, was costed as a crash, 84-104 J for a request never run. None
@@ -1806,8 +1810,12 @@ class Ledger:
         if self._down_open == opened or not since_ns < down_ns <= (down_ns if refused_ns is None else refused_ns):
             return
         self._down_open = opened
-        if refused_ns is None:
+        if refused_ns is None and not self._death_shown((since_ns, down_ns, down_ns, False)):
             return  # costs nothing until a page confirms the restart; its closes' rows wait for it (`_down_hold`)
+        self._crashes_known()
+
+    def _crashes_known(self) -> None:
+        """A death shown now: the closes with no answer it explains are crashes (`_crash_seen`), costed at once."""
         for r in self.requests.values():
             if r.trace.end_ns is not None and closed_unanswered(r):
                 self._run_on(r)
@@ -1826,8 +1834,13 @@ class Ledger:
                    if r.trace.end_ns is not None and not r.crash_seen and closed_unanswered(r)
                    and r.trace.arrival_ns < o[0] <= r.trace.end_ns <= o[1] + slack]
         for r in waiting:
-            if r.trace.arrival_ns <= cap:  # let go with no page come: its row says it waited, and why it is 0 J
+            if r.trace.arrival_ns <= cap:
+                # Let go with no page come: costed as the crash it most likely was (in flight before the old process's
+                # last good scrape), marked uncertain-uncounted, its row saying it waited. Written at 0 J, the energy
+                # of its run was the requests' beside it, unmarked (streams cut beside it +10%).
                 r.down_hold_over = (o[1], DOWN_HOLD_MAX_S)
+                r.crash_seen, r.run_on_end_ns, r.run_on_crash, r.crash_unsure = True, r.trace.end_ns, True, True
+        waiting = [r for r in waiting if not r.crash_seen]
         if not waiting:
             return horizon
         return min(horizon, max(min(r.trace.arrival_ns for r in waiting), cap))

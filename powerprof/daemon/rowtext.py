@@ -393,6 +393,16 @@ def _run_on_note(r: LiveRequest) -> str:
     said = _run_on_said(r)
     if not _run_on_unsure(r):
         return said
+    if r.run_on_crash and r.down_hold_over is not None:
+        (down, cap_s), tr = r.down_hold_over, r.trace
+        return (f"{said}; {UNSURE_FLAG}: sent before the server's last good scrape, then a scrape "
+                f"{(down - tr.arrival_ns) / 1e9:.2f} s after its arrival found the server down by llama-server's 503 "
+                "\"Loading model\" alone (nothing refused, no proxied connection broken then): a restart with it in "
+                "flight (a crash: the figure here is right) or a page that is no restart (a router's: it may never "
+                f"have run, 0 J, its energy the requests' beside it); its row waited {cap_s:g} s for a scrape to "
+                "confirm the restart and none did, so it is costed as the crash it most likely was; fix: let the "
+                "daemon scrape the server's own port (scrape.url) so a death reads as a refused connection, or read "
+                "the server's log for a restart")
     if r.run_on_crash:
         return (f"{said}; {UNSURE_FLAG}: sent before the server's last good scrape, then a scrape found it down by an "
                 "HTTP 503 and a page after said a restart, with no refused connection and no proxied request failing "
@@ -502,13 +512,6 @@ def _whole_gone_costed(r: LiveRequest) -> bool:
     return gone_unsaid(r) and r.trace.stream is not True and r.run_on_end_ns is None and r.prompt_est is not None
 
 
-def _held_over(r: LiveRequest) -> bool:
-    """UNSURE_FLAG's close with no answer written at 0 J after its row waited DOWN_HOLD_MAX_S for a page confirming the
-    restart a 503 "Loading model" suggested (`Ledger._down_hold`): low if it was a crash (it ran until its close), right
-    if not, nothing measured saying which."""
-    return r.trace.end_ns is not None and is_passive(r) and closed_unanswered(r) and r.down_hold_over is not None
-
-
 def _no_energy_reason(r: LiveRequest) -> str:
     """Why a request got no energy: what the work model could not see."""
     if not_forwarded(r):
@@ -518,16 +521,6 @@ def _no_energy_reason(r: LiveRequest) -> str:
     if is_passive(r) and body_left(r):
         return ("no share: its client left while sending its request body, so the server never had it whole and ran "
                 "none of it; its time counts as idle")
-    if _held_over(r):
-        down, cap_s = r.down_hold_over
-        tr = r.trace
-        return (f"{UNSURE_FLAG}: not costed: its upstream closed the connection with no answer "
-                f"{(tr.end_ns - tr.arrival_ns) / 1e9:.2f} s after its arrival, and a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after it found the server down "
-                "by llama-server's 503 \"Loading model\" alone (nothing refused): a restart with it in flight (a crash, "
-                "then it ran until its close and that energy is in the requests beside it or idle here) or a page "
-                f"that is no restart (then it may never have run); its row waited {cap_s:g} s for a scrape to confirm "
-                "the restart, none did by then, so it is costed as not run; fix: let the daemon scrape the server's "
-                "own port (scrape.url) so a death reads as a refused connection, or read the server's log for a restart")
     if r.trace.end_ns is not None and is_passive(r) and closed_unanswered(r):
         return ("not costed: its upstream closed the connection with no answer, and it may have run (crash?) or been "
                 "refused unrun (a router in front of the server): no restart its scrapes confirmed by its row's time "
@@ -671,7 +664,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
-            UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or r.queued_beside_j > 0) or _held_over(r)}
+            UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or r.queued_beside_j > 0)}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
