@@ -4870,3 +4870,20 @@ def test_a_close_whose_resend_was_refused_long_after_its_arrival_may_have_queued
     for r in early:  # ended before it arrived: sure, and right (0.9 s at 300 W among 6 alike streams: 45 J each)
         assert UNSURE_FLAG not in (r["energy_note"] or "") and r["gpu_energy_j"] == pytest.approx(45.0, rel=0.01), r
     assert sorted(r["request_id"] for r in sure) == [20, 21]  # J/token: theirs alone, 45 J for 35 tokens each
+
+
+def test_a_close_whose_resend_met_llama_server_s_loading_page_after_the_last_good_scrape_is_costed_unsure():
+    # A whole answer sent at 1.52 s, after the old process's last good scrape (1.5 s), its kept-alive connection closed
+    # with no answer at 1.67 s, and its resend met llama-server's 503 "Loading model" (proxy.RESEND_LOADING); the
+    # scrapes see that 503 alone from 1.6 s, the new process's page at 12 s. Neither the close nor a scrape proves the
+    # death, and sent after the last good scrape it was not costed: null J, unmarked (on the simulator 0 J for 25 J /
+    # 16 tokens of truth, the review's test_sim_loading_late). The proxy's own sighting of a new process loading is
+    # the scraper's 503 evidence: costed as the crash, unsure (uncertain-uncounted), as one sent before that scrape.
+    from powerprof.daemon.proxy import CRASHED_NOTE, RESEND_LOADING
+    row = _llamacpp_whole_run_on([(1.5, 12.0)], arrive=1.52, leave=1.67, end_s=20.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: {RESEND_LOADING}: closed", opened=(1.6, None))
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert 10.0 <= (row["gpu_energy_j"] or 0) <= 20.0, row  # 0.15 s alone at 100 W
+    assert UNSURE_FLAG in note and "closed its connection with no answer" in note, note
+    assert f"{UNSURE_FLAG}: {RESEND_LOADING} (a new process" in note and "sent before" not in note, note

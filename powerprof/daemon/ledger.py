@@ -45,7 +45,7 @@ from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, closed_unanswered, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
                           LiveRequest, is_unseen, not_forwarded, resend_queued, server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
-from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
+from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
                       NO_COUNTER_READ, prompt_unread,
@@ -675,7 +675,14 @@ class Ledger:
         # and closed by its death (needing the proof, llama-server's reload, 503 "Loading model" and nothing refused,
         # left such a request 0 J for about 100 J). But a queuing router (llama-swap, holding it while it swaps
         # models) refuses one it held as unrun (truth 0 J; a sure crash read 55 J): costed, unsure (`crash_unsure`).
-        return False if any(tr.arrival_ns < g[0] for g in within) else None
+        if any(tr.arrival_ns < g[0] for g in within):
+            r.crash_by_page = False
+            return False
+        # Its resend met llama-server's loading page (proxy.RESEND_LOADING): the proxy itself saw a new process where
+        # the one that had it was, as a scrape's 503 would say (no proof alone: a router's page may quote the words).
+        # Sent after the last good scrape, it was not costed, unmarked: 0 J for 25 J of truth on the simulator.
+        r.crash_by_page = f"{CRASHED_NOTE}: {RESEND_LOADING}" in (tr.error or "")
+        return False if r.crash_by_page else None
 
     def _learn_pace(self, r: LiveRequest) -> None:
         """Keep a finished stream's decode pace (tokens a second a sequence, first token to last) for `_run_on_gone`."""

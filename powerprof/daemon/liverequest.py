@@ -74,6 +74,9 @@ class LiveRequest:
     # after saying a restart, with no death shown (`Ledger._crash_seen`): a queuing router's refusal (llama-swap holding
     # it while it swaps models) reads the same, so its row says both readings, flagged UNSURE_FLAG.
     crash_unsure: bool = False
+    # That unsure crash seen by its resend's meeting llama-server's loading page alone (proxy.RESEND_LOADING), not by
+    # its sending before the old process's last good scrape (`Ledger._crash_seen`): its row says which.
+    crash_by_page: bool = False
     # Its close with no answer's row held for a page confirming the restart a 503 "Loading model" alone suggested, let go
     # at DOWN_HOLD_MAX_S with none come (`Ledger._down_hold`): (that window's first found-down scrape, monotonic ns; the
     # cap, s). Its row, costed as not run, says so.

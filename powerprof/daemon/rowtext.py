@@ -403,6 +403,13 @@ def _run_on_note(r: LiveRequest) -> str:
                 "confirm the restart and none did, so it is costed as the crash it most likely was; fix: let the "
                 "daemon scrape the server's own port (scrape.url) so a death reads as a refused connection, or read "
                 "the server's log for a restart")
+    if r.run_on_crash and r.crash_by_page:
+        return (f"{said}; {UNSURE_FLAG}: {RESEND_LOADING} (a new process where the one that had it was), with no "
+                "refused connection and no proxied request failing then: if it was in flight at that process's death, "
+                "the figure here is right; if a router in front of the server (llama-swap swapping models, its page "
+                "quoting those words) held it and refused it unrun, it is 0 J and its energy belongs to the requests "
+                "beside it; fix: scrape the server's own port (scrape.url), not through a router, so a death reads as "
+                "a refused connection")
     if r.run_on_crash:
         return (f"{said}; {UNSURE_FLAG}: sent before the server's last good scrape, then a scrape found it down by an "
                 "HTTP 503 and a page after said a restart, with no refused connection and no proxied request failing "
@@ -772,7 +779,7 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         tr = r.trace
         notes.append(f"{UNSURE_FLAG}: its close came {(tr.end_ns - tr.arrival_ns) / 1e9:.2f} s after its arrival, longer "
                      f"than a close crossing a request on the wire takes (up to {CROSSING_CLOSE_MAX_S * 1e3:.0f} ms), "
-                     "and its resend found the server dead: the server may have read it and held it queued behind full "
+                     "and its resend was refused or met a new process's loading page: the server may have read it and held it queued behind full "
                      "slots, never running it (then 0 J and no tokens, this figure the requests' beside it, theirs low "
                      "by it), or run it until its close as costed here; nothing measured says which, so it and the "
                      "requests beside it are left out of J/token; fix: none at the proxy (the server's log says whether "
