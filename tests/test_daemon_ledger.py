@@ -4887,3 +4887,16 @@ def test_a_close_whose_resend_met_llama_server_s_loading_page_after_the_last_goo
     assert 10.0 <= (row["gpu_energy_j"] or 0) <= 20.0, row  # 0.15 s alone at 100 W
     assert UNSURE_FLAG in note and "closed its connection with no answer" in note, note
     assert f"{UNSURE_FLAG}: {RESEND_LOADING} (a new process" in note and "sent before" not in note, note
+
+
+def test_a_crash_costed_close_that_took_no_share_says_so_not_the_generic_words():
+    # A whole answer closed by the crash 20 ms after its arrival, its resend refused (`_queued_close_scene`, no stream
+    # ended before): costed as a crash, the split placed none of its work in those 20 ms (0 J, as a crossing should
+    # be). Its note was the generic "no share: no tokens and no prompt length (the response did not say it)", silent on
+    # the close and the crash; it says them now.
+    row = _queued_close_scene(1.93, early=0)[2]
+    note = row["energy_note"] or ""
+    print(row["gpu_energy_j"], note)
+    assert not row["gpu_energy_j"] and "no tokens and no prompt length" not in note, note
+    assert note.startswith("no share: the server closed its connection with no answer 0.02 s after its arrival"), note
+    assert "the split placed none of its work in those 0.02 s" in note and UNSURE_FLAG not in note, note

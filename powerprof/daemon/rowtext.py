@@ -24,7 +24,7 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       outside_text)
 
 from . import attribution as attr
-from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid,
+from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, body_left, closed_unanswered, crashed, finished_unsaid,
                           gone_unsaid, is_passive, resend_queued, told_prompt_tokens, LiveRequest, is_unseen,
                           not_forwarded, server_end_ns)
 from .proxy import RESEND_LOADING, RESEND_REFUSED
@@ -528,6 +528,12 @@ def _no_energy_reason(r: LiveRequest) -> str:
     if is_passive(r) and body_left(r):
         return ("no share: its client left while sending its request body, so the server never had it whole and ran "
                 "none of it; its time counts as idle")
+    if crashed(r):
+        # Costed as a crash, yet no share came of it: the generic "no tokens and no prompt length" said nothing of that.
+        s = (r.trace.end_ns - r.trace.arrival_ns) / 1e9
+        return (f"no share: {_run_on_note(r)}; the split placed none of its work in those {s:.2f} s (a close that "
+                "crossed it costs nothing, as it should; if it ran, that time's energy is in the shares of the "
+                "requests beside it)")
     if r.trace.end_ns is not None and is_passive(r) and closed_unanswered(r):
         return ("not costed: its upstream closed the connection with no answer, and it may have run (crash?) or been "
                 "refused unrun (a router in front of the server): no restart its scrapes confirmed by its row's time "
