@@ -4900,3 +4900,21 @@ def test_a_crash_costed_close_that_took_no_share_says_so_not_the_generic_words()
     assert not row["gpu_energy_j"] and "no tokens and no prompt length" not in note, note
     assert note.startswith("no share: the server closed its connection with no answer 0.02 s after its arrival"), note
     assert "the split placed none of its work in those 0.02 s" in note and UNSURE_FLAG not in note, note
+
+
+def test_a_crash_s_run_on_placed_in_intervals_already_closed_is_counted_late_and_said(monkeypatch):
+    # A whole answer in flight from 0.5 s closed by a crash at 20.0 s (the review's test_rep_hold long_run): its decode,
+    # 780 tokens at the latest stream's 40 tokens/s, is placed at its close, but its first intervals had closed under
+    # the holds' caps while it ran. Those placed before them were dropped unsaid: its note said "780 tokens decoded
+    # (its attributed tokens count them)" for 390 attributed. They are counted late now, and said.
+    import powerprof.daemon.ledger as ledger_mod
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
+    row = _llamacpp_whole_run_on([(19.9, 30.0)], arrive=0.5, leave=20.0, end_s=45.0, max_tokens=4000,
+                                 outcome="upstream_error", error=f"{CRASHED_NOTE}: closed", opened=(20.0, None))
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], row["error"], note)
+    assert "780 tokens decoded" in note and "its attributed tokens count them" not in note, note
+    late = float(note.split("pace (an estimate; ")[1].split(" of them fell in intervals closed")[0])
+    assert 300 <= late <= 480 and row["attributed_tokens"] + late == pytest.approx(780, abs=15), (late, row)
+    assert "token(s) arrived after their interval had closed and were not attributed" in row["error"], row  # `_with_late`

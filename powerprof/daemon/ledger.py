@@ -909,8 +909,18 @@ class Ledger:
         if capped:  # at its pace: a max_tokens reached stops it before the abort
             span_ns = min(span_ns, int(n / tok_s * 1e9))
         ts = [int(start_ns + span_ns * (j + 1) / k) for j in range(k)]
+        floor = self.edges[0].t_ns if self.edges else None
+        if floor is not None and ts[0] < floor:
+            # Before an interval already closed (a whole answer crashed 19.5 s in, its first intervals closed under
+            # the holds' caps): not placeable, counted late as on_tokens counts them. Dropped before, its row said 780
+            # tokens "counted" in its attributed 390.
+            lost = n / k * sum(t < floor for t in ts)
+            r.late += lost
+            self.late_tokens += lost
+            r.run_on_late += lost
+            ts = [t for t in ts if t >= floor]
         r.ev_t.extend(ts)
-        r.ev_n.extend([n / k] * k)
+        r.ev_n.extend([n / k] * len(ts))
         if r.run_on_crash and self.recon.server_seen and not self.recon.server_at_finish:
             # A whole answer its server died with: a server counting tokens as they come (llama.cpp's /slots, vLLM's
             # counter) had counted its decode up to its last scrape (the rest lost with the old process, as any

@@ -61,6 +61,7 @@ class LiveRequest:
     run_on_end_ns: int | None = None
     run_on_from_ns: int | None = None  # a stream's run-on, from here, waits to be placed (`Ledger._place_run_ons`)
     run_on_tokens: float = 0.0
+    run_on_late: float = 0.0  # of those, placed before an interval already closed: late, not in its attributed tokens
     run_on_pace: str | None = None
     run_on_capped: bool = False  # its max_tokens ended that run before the abort
     run_on_to_end: bool = False  # a server that runs a whole answer on to its end (llama.cpp), not to an abort

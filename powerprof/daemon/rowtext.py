@@ -386,6 +386,15 @@ def _run_on_unsure(r: LiveRequest) -> bool:
     return r.run_on_end_ns is not None and r.run_on_unsure is not None and not r.run_on_restart
 
 
+def _run_on_counted(r: LiveRequest) -> str:
+    """Whether its attributed tokens count its run-on's decode: not those placed before an interval already closed
+    (`LiveRequest.run_on_late`), whose energy its figure holds all the same, so its J/token reads high by them."""
+    if r.run_on_late < 0.5:
+        return "its attributed tokens count them"
+    return (f"{r.run_on_late:.0f} of them fell in intervals closed before its end came, held no longer, and are not in "
+            "its attributed tokens, though its energy there is in its figure: its J/token reads high by them")
+
+
 def _run_on_note(r: LiveRequest) -> str:
     """`_run_on_said`, and where a found-down scrape not proven a death may have ended its run-on (`Ledger._death_proven`)
     both readings, marked UNSURE_FLAG (`analyze` leaves it out of J/token): its energy there is never silently kept nor
@@ -450,8 +459,8 @@ def _run_on_said(r: LiveRequest) -> str:
         lead = (f"the server closed its connection with no answer {s:.2f} s after its arrival ({how}), and the client "
                 f"got {got}; it is costed as run until then, its prefill and then its decode")
         if r.run_on_tokens > 0:
-            return (f"{lead}: {r.run_on_tokens:.0f} tokens decoded at {r.run_on_pace} pace (an estimate; its attributed "
-                    "tokens count them), which no client received")
+            return (f"{lead}: {r.run_on_tokens:.0f} tokens decoded at {r.run_on_pace} pace (an estimate; "
+                    f"{_run_on_counted(r)}), which no client received")
         return f"{lead}: its decode there unseen (no pace to decode it at)"
     if r.run_on_prefill:  # llama.cpp: a stream gone before its first token
         return (f"llama-server prefilled its prompt whole after its client left, about {s:.1f} s to its estimated first "
@@ -480,7 +489,7 @@ def _run_on_said(r: LiveRequest) -> str:
         lead = f"the server ran on about {s:.1f} s after its client left (SGLang aborts {how}, counting it in {said})"
     if r.run_on_tokens > 0:
         return (f"{lead}: its energy includes that work, which no client received, {r.run_on_tokens:.0f} tokens decoded "
-                f"at {r.run_on_pace} pace (an estimate; its attributed tokens count them)")
+                f"at {r.run_on_pace} pace (an estimate; {_run_on_counted(r)})")
     return f"{lead}: it is live in that time, its work there unseen (no pace to decode it at)"
 
 
