@@ -802,6 +802,7 @@ class CrashesOnItsSecondRequest:
                 n += 1
                 if self.crashed and self.reloads:
                     writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                 b"Access-Control-Allow-Origin: *\r\nRetry-After: 5\r\n"
                                  b"Content-Length: %d\r\n\r\n%b" % (len(self.LOADING), self.LOADING))
                     await writer.drain()
                     continue
@@ -823,16 +824,16 @@ class CrashesOnItsSecondRequest:
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
 
-async def _two_requests(up):
+async def _two_requests(up, whole: bool = False):
     """Two requests through the proxy to `up`, one client connection each (the proxy reuses its upstream connection for
-    the second): their statuses, the upstream, the proxy and its recorder."""
+    the second): their statuses (`whole`: status, headers and body), the upstream, the proxy and its recorder."""
     up_url = await up.start()
     rec, proxy, runner, url = await _proxy(up_url)
     out = []
     for _ in range(2):
         async with aiohttp.ClientSession() as s:
             async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
-                out.append(r.status)
+                out.append((r.status, r.headers.copy(), await r.read()) if whole else r.status)
     await runner.cleanup()
     up.server.close()
     return out, up, proxy, rec
@@ -859,15 +860,22 @@ def test_a_resend_that_meets_llama_server_s_loading_page_is_the_server_s_crash()
     resend is answered 503 "Loading model", as llama-server answers every route while it loads. Before, that 503 was
     relayed as the request's answer (outcome ok, no share: an error answer, never run), though the close was the old
     process's death with the request in flight, or before it read it. It reads as the server down, as the scraper reads
-    that page (`scrape.LLAMACPP_LOADING`): a close with no answer, its error saying what the resend met."""
+    that page (`scrape.LLAMACPP_LOADING`): a close with no answer, its error saying what the resend met, costed to the
+    close. The client gets the server's own page, byte for byte: status 503, its Retry-After and CORS headers, its body
+    (before this, the proxy's 502 replaced it: a client retrying on a 503's Retry-After gave up)."""
     from powerprof.daemon.proxy import CRASHED_NOTE, RESEND_LOADING
 
-    out, up, proxy, rec = _run(_two_requests(CrashesOnItsSecondRequest(works_s=0.2, reloads=True)))
+    out, up, proxy, rec = _run(_two_requests(CrashesOnItsSecondRequest(works_s=0.2, reloads=True), whole=True))
     tr = rec.ended[1]
+    status, headers, body = out[1]
     print(out, tr.outcome, tr.status, tr.error)
-    assert out == [200, 502], out
+    assert out[0][0] == 200 and status == 503, out
+    assert body == CrashesOnItsSecondRequest.LOADING, body
+    assert headers.get("Retry-After") == "5" and headers.get("Access-Control-Allow-Origin") == "*", headers
+    assert headers.get("Content-Type") == "application/json" and headers.get("Content-Length") == str(len(body)), headers
     assert up.received == 3 and proxy.upstream_retries == 1  # sent again once, met the loading page
     assert tr.outcome == "upstream_error" and tr.error.startswith(f"{CRASHED_NOTE}: {RESEND_LOADING}"), tr.error
+    assert tr.status == 503 and tr.end_ns < tr.arrival_ns + 1_000_000_000  # costed to the close, not the page
 
 
 def test_a_request_the_upstream_began_and_then_died_on_is_not_sent_again(monkeypatch):

@@ -4297,9 +4297,9 @@ def test_a_close_with_no_answer_where_the_server_was_found_down_is_costed_to_the
         # request (never run). Worded "a crash: its process died", the row said one reading where the proxy's error
         # says both.
         assert "its process died" not in note and "may never have run" in note and RESEND_REFUSED in note, note
-        # Kept in J/token, unmarked: ran, the figure is the crash's; never run, high by its time to the close alone (a
-        # crossing's milliseconds), an excess the requests beside it lack, which leaving it out would not undo.
-        assert UNSURE_FLAG not in note, note
+        # 1.05 s after its arrival, longer than a crossing takes: it may have queued unrun behind full slots, its
+        # figure the neighbours' (unmarked before, kept in J/token): marked uncertain-uncounted.
+        assert UNSURE_FLAG in note and "queued behind full slots" in note, note
 
 
 def test_a_put_to_sglangs_generate_closed_with_no_answer_where_the_server_was_found_down_is_costed_to_the_crash():
@@ -4373,8 +4373,10 @@ def test_a_close_held_for_a_loading_page_past_down_hold_max_s_is_written_and_sai
     # alone opens the window (`Ledger.note_down`, none refused), so its row waits for a page confirming the restart
     # (`Ledger._down_hold`), at most DOWN_HOLD_MAX_S: cut to 15 s here (past SCRAPE_HOLD_S, as the 120 s is), the page
     # at 40 s comes too late. What a user relies on: the row is written once the cap passes, while the server is still
-    # down (not lost, nor held to the stop), and its 0 J is said and flagged: low if that was a crash (it ran until its
-    # close), right if not.
+    # down (not lost, nor held to the stop), costed as the crash it most likely was (sent before the old process's last
+    # good scrape), said and flagged: right if that was a crash, high if the page was no restart. Before, it was
+    # written at 0 J (flagged), its run's energy in the requests' beside it, unflagged (the review's scene: 4 streams
+    # cut beside it +10.3%).
     import powerprof.daemon.ledger as ledger_mod
     from powerprof.daemon.proxy import CRASHED_NOTE
     monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
@@ -4403,12 +4405,29 @@ def test_a_close_held_for_a_loading_page_past_down_hold_max_s_is_written_and_sai
     note = row["energy_note"] or ""
     print(written_s, row["attributed_tokens"], row["gpu_energy_j"], note)
     assert written_s and 15.5 <= written_s[0] <= 17.0, written_s  # the cap after its close, the server still down
-    assert not row["gpu_energy_j"] and "not costed" in note, note
-    # Said: why 0 J, both readings, the wait and its fix (before: the words of a close no scrape saw at all).
+    assert 95.0 <= row["gpu_energy_j"] <= 115.0, row  # run 0.5 s to 1.55 s alone at 100 W: about 105 J
+    # Said: both readings, the wait and its fix (before: the words of a close no scrape saw at all).
     assert "its row waited 15 s for a scrape to confirm the restart" in note and '503 "Loading model"' in note, note
-    assert "may never have run" in note and "fix:" in note, note
+    assert "may never have run" in note and "costed as the crash it most likely was" in note and "fix:" in note, note
     # Flagged: counted apart (analyze's uncertain_requests, the daemon's /metrics counter).
     assert UNSURE_FLAG in note and ledgers[0].flagged_requests[UNSURE_FLAG] == 1, note
+
+
+def test_a_close_in_a_loading_page_s_window_with_a_proxied_connection_broken_then_is_costed_at_once(monkeypatch):
+    # The same close (a whole answer in flight from 0.5 s, closed with no answer at 1.55 s, llama-server's 503 "Loading
+    # model" alone from 1.6 s, the confirming page at 40 s past the cap, cut to 15 s), but another request's connection
+    # broke at 1.55 s too: a death shown (`_death_shown`), as the page's restart would be. Before, the window ignored it
+    # with no scrape refused: held to the cap and written at 0 J (flagged), its run the requests' beside it. Now costed
+    # at once as a crash (about 105 J: 0.5 s to 1.55 s alone at 100 W), sure, written long before the cap.
+    import powerprof.daemon.ledger as ledger_mod
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
+    row = _llamacpp_whole_run_on([(1.5, 40.0)], leave=1.55, end_s=50.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: closed", opened=(1.6, None), fail_at=1.55)
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert 95.0 <= (row["gpu_energy_j"] or 0) <= 115.0, row
+    assert "a crash: its process died" in note and UNSURE_FLAG not in note and "waited" not in note, note
 
 
 @pytest.mark.parametrize("fail_closed,reload_s", [(False, None), (True, None), (False, 13.0)],
@@ -4796,3 +4815,153 @@ def test_tools_rendered_denser_than_prose_are_judged_rendered():
     assert led.tools_when_none.get("openai-chat") is True
     _counted_chat(led, 20, 7040, 3040, 9000)  # far past both: no judgment
     assert led.tools_none_tally["openai-chat"] == [3, 0]
+
+
+def _queued_close_scene(arrive: float, crash: float = 1.95, k_streams: int = 4, early: int = 2, early_end: float = 0.9):
+    """A whole answer sent at `arrive` and closed by a crash at `crash`, its resend refused (proxy.RESEND_REFUSED), beside
+    `k_streams` streams cut by that crash and `early` streams ended whole at `early_end`: all streams from 0 s at 40
+    tokens/s, 300 W while any decodes, 60 W after. The old process's last good scrape at the last 0.1 s tick before the
+    crash, the scrape 50 ms after it refused. Truth if the whole answer queued behind full slots (never run): 0 J, each
+    interval's energy the live streams' alike. Its rows by id (2: the whole answer,
+    10..: the cut streams, 20..: the early ones)."""
+    from powerprof.daemon.proxy import CRASHED_NOTE, RESEND_REFUSED
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.runs_on_after_leave = (None, None)
+    led.scraping = True
+
+    def chat(rid, a, stream, **extra):
+        tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat", stream=stream)
+        tr.extra.update(**extra)
+        return tr
+
+    cut = [chat(10 + i, 0.0, True, prompt_chars=400) for i in range(k_streams)]
+    done = [chat(20 + i, 0.0, True, prompt_chars=400) for i in range(early)]
+    whole = chat(2, arrive, False, prompt_chars=16000, max_tokens=500)
+    toks = {tr.request_id: 0 for tr in cut + done}
+
+    def end(tr, t, outcome, error=None):
+        tr.end_ns, tr.outcome, tr.error = int(t * S), outcome, error
+        tr.counts = Counts(generated_tokens=toks[tr.request_id], prompt_tokens=100, model=None, stop_reason=None,
+                           token_source="chunks")
+        led.on_end(tr)
+
+    for tr in cut + done:
+        led.on_start(tr)
+    e, prev, dt = 0.0, None, 0.1
+    for k in range(120):
+        t = k * dt
+        for tr in cut + done:
+            stop = early_end if tr in done else crash
+            for j in range(4):
+                ts = t - dt + (j + 1) * 0.025
+                if 0 < ts <= min(stop, t + 1e-12) and tr.end_ns is None:
+                    tr.first_ns = tr.first_ns or int(ts * S)
+                    tr.last_ns = int(ts * S)
+                    led.on_tokens(tr, int(ts * S), 1)
+                    toks[tr.request_id] += 1
+        for tr in done:
+            if tr.end_ns is None and t >= early_end - 1e-9:
+                end(tr, early_end, "ok")
+        if whole.request_id not in led.requests and whole.end_ns is None and t >= arrive - 1e-9:
+            led.on_start(whole)
+        if whole.end_ns is None and t >= crash - 1e-9:
+            whole.end_ns, whole.outcome, whole.status = int(crash * S), "upstream_error", 502
+            whole.error = f"{CRASHED_NOTE}: {RESEND_REFUSED}: upstream closed the kept-alive connection"
+            led.on_end(whole)
+            for tr in cut:
+                end(tr, crash, "upstream_error", "upstream cut")
+        w = 300.0 if t <= crash else 60.0
+        e += w * dt
+        led.add_gpu_sample(int(t * S), int(t * S), [R(e, w)])
+        down, up = crash - 0.02, crash + 0.5
+        if down < t < up:
+            if t >= crash + 0.05 - 1e-9 and prev is not None:  # the daemon's loop: a refused scrape found it down
+                led.note_down(int(prev * S), int((crash + 0.05) * S), int((crash + 0.05) * S))
+            led.advance(int(t * S))
+            continue
+        restart = prev is not None and prev < down < up <= t + 1e-9
+        served = 4 * (k_streams + (early if t <= early_end + dt else 0)) if t <= crash + dt else 0.0
+        led.add_server_tokens(int(t * S), served if prev is not None else 0.0, None if prev is None else int(prev * S),
+                              partial=("server_restart",) if restart else (),
+                              **({"down_ns": int((crash + 0.05) * S), "down_refused": True} if restart else {}))
+        prev = t
+        led.advance(int(t * S))
+    led.close_all(int(12.0 * S))
+    return {r["request_id"]: r for r in led.emit.rows["requests"]}
+
+
+@pytest.mark.parametrize("arrive", [1.93, 1.85, 1.45, 0.96])
+def test_a_close_whose_resend_was_refused_long_after_its_arrival_may_have_queued_and_is_flagged_with_its_neighbours(
+        arrive):
+    # A request the server read but held queued behind full slots, closed by the crash up to forward.STALE_CLOSE_MAX_S
+    # later: its resend refused, it was costed as run from its arrival to the close, unflagged, its figure taken from the
+    # requests beside it (the review's ledger scene, 4 streams at 300 W: 3.0 / 27.0 / 56.5 J and 4 / 20 / 40 invented
+    # tokens for a close 0.10 / 0.50 / 0.99 s after its arrival, the host's J/token -1.3 / -6.0 / -11.3% of the
+    # never-run truth; on the simulator's llama.cpp 73-78 J for 0, its neighbours -18..-24%). Longer than a crossing
+    # close takes (liverequest.CROSSING_CLOSE_MAX_S) it is flagged uncertain-uncounted, and so are the requests live
+    # beside it: out of J/token, what is left is right. A close 20 ms in is a crossing's: costed (0 J here), unflagged.
+    rows = _queued_close_scene(arrive)
+    whole, cut, early = rows[2], [rows[10 + i] for i in range(4)], [rows[20 + i] for i in range(2)]
+    note = whole["energy_note"] or ""
+    print(arrive, whole["gpu_energy_j"], whole["attributed_tokens"], note)
+    for r in cut + early:
+        print(r["request_id"], r["gpu_energy_j"], r["attributed_tokens"], (r["energy_note"] or "")[:200])
+    sure = [r for r in rows.values() if UNSURE_FLAG not in (r["energy_note"] or "")]
+    if 1.95 - arrive <= 0.05:
+        assert UNSURE_FLAG not in note and whole["gpu_energy_j"] < 1.0, whole
+        assert all(UNSURE_FLAG not in (r["energy_note"] or "") for r in cut + early)
+        return
+    assert whole["gpu_energy_j"] > 0 and UNSURE_FLAG in note and "queued behind full slots" in note, note
+    for r in cut:  # live over its span
+        assert UNSURE_FLAG in (r["energy_note"] or "") and "may have waited queued unrun" in r["energy_note"], r
+    for r in early:  # ended before it arrived: sure, and right (0.9 s at 300 W among 6 alike streams: 45 J each)
+        assert UNSURE_FLAG not in (r["energy_note"] or "") and r["gpu_energy_j"] == pytest.approx(45.0, rel=0.01), r
+    assert sorted(r["request_id"] for r in sure) == [20, 21]  # J/token: theirs alone, 45 J for 35 tokens each
+
+
+def test_a_close_whose_resend_met_llama_server_s_loading_page_after_the_last_good_scrape_is_costed_unsure():
+    # A whole answer sent at 1.52 s, after the old process's last good scrape (1.5 s), its kept-alive connection closed
+    # with no answer at 1.67 s, and its resend met llama-server's 503 "Loading model" (proxy.RESEND_LOADING); the
+    # scrapes see that 503 alone from 1.6 s, the new process's page at 12 s. Neither the close nor a scrape proves the
+    # death, and sent after the last good scrape it was not costed: null J, unmarked (on the simulator 0 J for 25 J /
+    # 16 tokens of truth, the review's test_sim_loading_late). The proxy's own sighting of a new process loading is
+    # the scraper's 503 evidence: costed as the crash, unsure (uncertain-uncounted), as one sent before that scrape.
+    from powerprof.daemon.proxy import CRASHED_NOTE, RESEND_LOADING
+    row = _llamacpp_whole_run_on([(1.5, 12.0)], arrive=1.52, leave=1.67, end_s=20.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: {RESEND_LOADING}: closed", opened=(1.6, None))
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert 10.0 <= (row["gpu_energy_j"] or 0) <= 20.0, row  # 0.15 s alone at 100 W
+    assert UNSURE_FLAG in note and "closed its connection with no answer" in note, note
+    assert f"{UNSURE_FLAG}: {RESEND_LOADING} (a new process" in note and "sent before" not in note, note
+
+
+def test_a_crash_costed_close_that_took_no_share_says_so_not_the_generic_words():
+    # A whole answer closed by the crash 20 ms after its arrival, its resend refused (`_queued_close_scene`, no stream
+    # ended before): costed as a crash, the split placed none of its work in those 20 ms (0 J, as a crossing should
+    # be). Its note was the generic "no share: no tokens and no prompt length (the response did not say it)", silent on
+    # the close and the crash; it says them now.
+    row = _queued_close_scene(1.93, early=0)[2]
+    note = row["energy_note"] or ""
+    print(row["gpu_energy_j"], note)
+    assert not row["gpu_energy_j"] and "no tokens and no prompt length" not in note, note
+    assert note.startswith("no share: the server closed its connection with no answer 0.02 s after its arrival"), note
+    assert "the split placed none of its work in those 0.02 s" in note and UNSURE_FLAG not in note, note
+
+
+def test_a_crash_s_run_on_placed_in_intervals_already_closed_is_counted_late_and_said(monkeypatch):
+    # A whole answer in flight from 0.5 s closed by a crash at 20.0 s (the review's test_rep_hold long_run): its decode,
+    # 780 tokens at the latest stream's 40 tokens/s, is placed at its close, but its first intervals had closed under
+    # the holds' caps while it ran. Those placed before them were dropped unsaid: its note said "780 tokens decoded
+    # (its attributed tokens count them)" for 390 attributed. They are counted late now, and said.
+    import powerprof.daemon.ledger as ledger_mod
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
+    row = _llamacpp_whole_run_on([(19.9, 30.0)], arrive=0.5, leave=20.0, end_s=45.0, max_tokens=4000,
+                                 outcome="upstream_error", error=f"{CRASHED_NOTE}: closed", opened=(20.0, None))
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], row["error"], note)
+    assert "780 tokens decoded" in note and "its attributed tokens count them" not in note, note
+    late = float(note.split("pace (an estimate; ")[1].split(" of them fell in intervals closed")[0])
+    assert 300 <= late <= 480 and row["attributed_tokens"] + late == pytest.approx(780, abs=15), (late, row)
+    assert "token(s) arrived after their interval had closed and were not attributed" in row["error"], row  # `_with_late`

@@ -43,9 +43,9 @@ from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
 from .liverequest import (PROMPT_HOLD_S, closed_unanswered, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
-                          LiveRequest, is_unseen, not_forwarded, server_end_ns)
+                          LiveRequest, is_unseen, not_forwarded, resend_queued, server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
-from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
+from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
                       NO_COUNTER_READ, prompt_unread,
@@ -412,6 +412,9 @@ class Ledger:
         # [arrival, first token or end] of requests whose prefill is costed at none, their body unread or sizeless, their prompt
         # unsaid (rowtext.prompt_unread): the intervals whose other requests say PROMPT_UNREAD_FLAG.
         self._unread_spans: list[tuple[int, int, str]] = []
+        # [arrival, close] of crash-costed closes that may have queued unrun (liverequest.resend_queued): the intervals
+        # whose other requests say UNSURE_FLAG (their share there may be low by that request's figure).
+        self._queued_spans: list[tuple[int, int]] = []
         # Ends of recently ended streams that said no count (rowtext.counted_low): intervals up to LAG_S after them say
         # their unproxied may hold those streams' tokens (the scrape window that counted them spreads them past the end).
         self._counted_low_ends: deque = deque(maxlen=256)
@@ -597,6 +600,8 @@ class Ledger:
             self._conn_fail_ns.append(trace.end_ns)
             if self._gone_at:
                 self._end_run_ons_at_restart()
+            if self._down_open is not None:  # a 503's window open: that death shown, its held closes are crashes
+                self._crashes_known()
         if trace.outcome == "client_disconnected" and trace.api is not None \
                 and not (trace.error or "").startswith(BODY_LEFT_NOTE):
             # Counted at its end, not at its row: a row held back (`_late_parked`) is made after its tag's row went out.
@@ -657,8 +662,10 @@ class Ledger:
         # death. A reloading llama-server's 503 "Loading model" alone proves none until a page confirms the restart
         # (the `_gone_at` rule below; its rows are held for it meanwhile: `_down_hold`): costed at once, a router's
         # 503 blip with no restart after cost a request it held and closed unanswered (never run) 119 J.
+        # So does a proxied connection broken in that window (`_death_shown`: streams cut by the crash beside it), 503
+        # or not: held for a page that came after DOWN_HOLD_MAX_S, the row was 0 J and the cut streams +10% unmarked.
         o = self._down_open
-        if o is not None and o[0] <= tr.end_ns <= o[1] + slack and o[2]:
+        if o is not None and o[0] <= tr.end_ns <= o[1] + slack and (o[2] or self._death_shown((o[0], o[1], o[1], False))):
             return True
         # Found down, a death must be shown (`_death_shown`): a router answering the metrics page 503, a counter's dip
         # then, and its own refusal closing the request, was costed as a crash, 84-104 J for a request never run. None
@@ -670,7 +677,14 @@ class Ledger:
         # and closed by its death (needing the proof, llama-server's reload, 503 "Loading model" and nothing refused,
         # left such a request 0 J for about 100 J). But a queuing router (llama-swap, holding it while it swaps
         # models) refuses one it held as unrun (truth 0 J; a sure crash read 55 J): costed, unsure (`crash_unsure`).
-        return False if any(tr.arrival_ns < g[0] for g in within) else None
+        if any(tr.arrival_ns < g[0] for g in within):
+            r.crash_by_page = False
+            return False
+        # Its resend met llama-server's loading page (proxy.RESEND_LOADING): the proxy itself saw a new process where
+        # the one that had it was, as a scrape's 503 would say (no proof alone: a router's page may quote the words).
+        # Sent after the last good scrape, it was not costed, unmarked: 0 J for 25 J of truth on the simulator.
+        r.crash_by_page = f"{CRASHED_NOTE}: {RESEND_LOADING}" in (tr.error or "")
+        return False if r.crash_by_page else None
 
     def _learn_pace(self, r: LiveRequest) -> None:
         """Keep a finished stream's decode pace (tokens a second a sequence, first token to last) for `_run_on_gone`."""
@@ -908,8 +922,18 @@ class Ledger:
         if capped:  # at its pace: a max_tokens reached stops it before the abort
             span_ns = min(span_ns, int(n / tok_s * 1e9))
         ts = [int(start_ns + span_ns * (j + 1) / k) for j in range(k)]
+        floor = self.edges[0].t_ns if self.edges else None
+        if floor is not None and ts[0] < floor:
+            # Before an interval already closed (a whole answer crashed 19.5 s in, its first intervals closed under
+            # the holds' caps): not placeable, counted late as on_tokens counts them. Dropped before, its row said 780
+            # tokens "counted" in its attributed 390.
+            lost = n / k * sum(t < floor for t in ts)
+            r.late += lost
+            self.late_tokens += lost
+            r.run_on_late += lost
+            ts = [t for t in ts if t >= floor]
         r.ev_t.extend(ts)
-        r.ev_n.extend([n / k] * k)
+        r.ev_n.extend([n / k] * len(ts))
         if r.run_on_crash and self.recon.server_seen and not self.recon.server_at_finish:
             # A whole answer its server died with: a server counting tokens as they come (llama.cpp's /slots, vLLM's
             # counter) had counted its decode up to its last scrape (the rest lost with the old process, as any
@@ -1822,8 +1846,12 @@ class Ledger:
         if self._down_open == opened or not since_ns < down_ns <= (down_ns if refused_ns is None else refused_ns):
             return
         self._down_open = opened
-        if refused_ns is None:
+        if refused_ns is None and not self._death_shown((since_ns, down_ns, down_ns, False)):
             return  # costs nothing until a page confirms the restart; its closes' rows wait for it (`_down_hold`)
+        self._crashes_known()
+
+    def _crashes_known(self) -> None:
+        """A death shown now: the closes with no answer it explains are crashes (`_crash_seen`), costed at once."""
         for r in self.requests.values():
             if r.trace.end_ns is not None and closed_unanswered(r):
                 self._run_on(r)
@@ -1842,8 +1870,13 @@ class Ledger:
                    if r.trace.end_ns is not None and not r.crash_seen and closed_unanswered(r)
                    and r.trace.arrival_ns < o[0] <= r.trace.end_ns <= o[1] + slack]
         for r in waiting:
-            if r.trace.arrival_ns <= cap:  # let go with no page come: its row says it waited, and why it is 0 J
+            if r.trace.arrival_ns <= cap:
+                # Let go with no page come: costed as the crash it most likely was (in flight before the old process's
+                # last good scrape), marked uncertain-uncounted, its row saying it waited. Written at 0 J, the energy
+                # of its run was the requests' beside it, unmarked (streams cut beside it +10%).
                 r.down_hold_over = (o[1], DOWN_HOLD_MAX_S)
+                r.crash_seen, r.run_on_end_ns, r.run_on_crash, r.crash_unsure = True, r.trace.end_ns, True, True
+        waiting = [r for r in waiting if not r.crash_seen]
         if not waiting:
             return horizon
         return min(horizon, max(min(r.trace.arrival_ns for r in waiting), cap))
@@ -2325,6 +2358,17 @@ class Ledger:
             gone_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
         gone_col = energy.shape[1] - 1
+        # A crash-costed close that may have queued unrun behind full slots (`resend_queued`): costed as run, its figure
+        # may be the requests' beside it (a queued whole answer on the simulator's llama.cpp: 73-78 J for 0, its
+        # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does.
+        queued = np.array([d and resend_queued(r) for r, d in zip(reqs, done)], dtype=bool)
+        self._queued_spans = [s for s in self._queued_spans if s[1] > t[0]]
+        self._queued_spans.extend((int(arrival[i]), int(end[i])) for i in np.flatnonzero(queued))
+        queued_iv = np.zeros(t.size - 1, bool)
+        for a0, a1 in self._queued_spans:
+            queued_iv |= (a0 < t[1:]) & (a1 > t[:-1])
+        energy = np.column_stack([energy, np.where(queued_iv, work_j, 0.0)])
+        queued_col = energy.shape[1] - 1
         # Requests whose prefill went uncosted, their body unread or sizeless and their prompt unsaid: the requests live over that
         # prefill hold its energy, and say so (PROMPT_UNREAD_FLAG; c11 on the simulator: +25%, silent before).
         unread = np.array([prompt[i] == 0 and (r.trace.first_ns is not None or d) and not passive[i]
@@ -2406,6 +2450,8 @@ class Ledger:
                         r.cache_beside = max(r.cache_beside, float(cache_iv[k]))
             if not gone[i]:
                 r.gone_beside_j += a.request_energy[i, gone_col]
+            if not queued[i]:
+                r.queued_beside_j += a.request_energy[i, queued_col]
             if not unread[i] and a.request_energy[i, unread_col] > 0:
                 r.unread_beside_j += a.request_energy[i, unread_col]
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])

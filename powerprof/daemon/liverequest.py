@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, NOT_FORWARDED, RequestTrace
+from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, NOT_FORWARDED, RESEND_LOADING, RESEND_REFUSED, RequestTrace
 
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
+# The longest a kept-alive connection's close crossing a request on the wire takes from its arrival (milliseconds; the
+# proxy resends within forward.STALE_CLOSE_MAX_S, 1 s). A close later than this whose resend found the server dead
+# (`resend_queued`) may be a request the server had read but queued behind full slots, never run.
+CROSSING_CLOSE_MAX_S = 0.05
 
 
 @dataclass
@@ -57,6 +61,7 @@ class LiveRequest:
     run_on_end_ns: int | None = None
     run_on_from_ns: int | None = None  # a stream's run-on, from here, waits to be placed (`Ledger._place_run_ons`)
     run_on_tokens: float = 0.0
+    run_on_late: float = 0.0  # of those, placed before an interval already closed: late, not in its attributed tokens
     run_on_pace: str | None = None
     run_on_capped: bool = False  # its max_tokens ended that run before the abort
     # Its answer may have ended by itself (its end of text) before that run's placed end, unseen: the fewest tokens it
@@ -73,10 +78,16 @@ class LiveRequest:
     # after saying a restart, with no death shown (`Ledger._crash_seen`): a queuing router's refusal (llama-swap holding
     # it while it swaps models) reads the same, so its row says both readings, flagged UNSURE_FLAG.
     crash_unsure: bool = False
+    # That unsure crash seen by its resend's meeting llama-server's loading page alone (proxy.RESEND_LOADING), not by
+    # its sending before the old process's last good scrape (`Ledger._crash_seen`): its row says which.
+    crash_by_page: bool = False
     # Its close with no answer's row held for a page confirming the restart a 503 "Loading model" alone suggested, let go
     # at DOWN_HOLD_MAX_S with none come (`Ledger._down_hold`): (that window's first found-down scrape, monotonic ns; the
     # cap, s). Its row, costed as not run, says so.
     down_hold_over: tuple[int, float] | None = None
+    # Its GPU joules from intervals over a crash-costed close that may have queued unrun (`resend_queued`): that
+    # request's figure may hold energy that is this one's (UNSURE_FLAG).
+    queued_beside_j: float = 0.0
     # That restart's window (the old process's last scrape, the new one's first), its first scrape that found the
     # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, this
     # request's arrival or its client's leaving after it), monotonic ns: the span its run-on's end is known within
@@ -200,7 +211,8 @@ def is_passive(r: LiveRequest) -> bool:
 
 def crashed(r: LiveRequest) -> bool:
     """The server had it whole and then closed its connection with no answer as its process died (`closed_unanswered`,
-    and the ledger saw that death: `Ledger._crash_seen`): it ran it until then, though the client got the proxy's 502."""
+    and the ledger saw that death: `Ledger._crash_seen`): it ran it until then, though the client got the proxy's 502
+    (a resend's loading page: proxy.RESEND_LOADING)."""
     return r.crash_seen and closed_unanswered(r)
 
 
@@ -208,6 +220,17 @@ def closed_unanswered(r: LiveRequest) -> bool:
     """Its connection closed with no byte of an answer after the request went out (proxy.CRASHED_NOTE): a crash, or a
     router in front of the server refusing it (never run); the close alone cannot tell which."""
     return r.trace.outcome == "upstream_error" and (r.trace.error or "").startswith(CRASHED_NOTE)
+
+
+def resend_queued(r: LiveRequest) -> bool:
+    """Costed as run until its close by a crash (`run_on_crash`), a close whose resend found the server dead
+    (proxy.RESEND_REFUSED, RESEND_LOADING) more than CROSSING_CLOSE_MAX_S after its arrival: the server may have read it
+    and queued it behind full slots, never running it (then 0 J, its figure the requests' beside it), or run it as
+    costed; nothing measured says which (UNSURE_FLAG, on it and on the requests beside it)."""
+    tr = r.trace
+    return (r.run_on_crash and closed_unanswered(r) and tr.end_ns is not None
+            and tr.end_ns - tr.arrival_ns > CROSSING_CLOSE_MAX_S * 1e9
+            and any(f"{CRASHED_NOTE}: {w}" in (tr.error or "") for w in (RESEND_REFUSED, RESEND_LOADING)))
 
 
 def body_left(r: LiveRequest) -> bool:

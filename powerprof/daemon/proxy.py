@@ -961,15 +961,16 @@ class Proxy:
                 ex.start(request.method, head)
                 ex.on_tick = lambda: _check_waiting_client(request, ex)
                 status, reason, up_headers = await ex.response_head
-                if status == 503 and LLAMACPP_LOADING.encode() in (await ex.peek_body(LOADING_BODY_MAX, 1.0) or b""):
+                page = await ex.peek_body(LOADING_BODY_MAX, 1.0) if status == 503 else None
+                if page is not None and LLAMACPP_LOADING.encode() in page:
                     # A new llama-server loading its model: the close was the old process's end, with the request
-                    # in flight or before it read it. Relayed, the 503 was its answer (no share, 0 J), the work the
-                    # old process did for it the neighbours'.
+                    # in flight or before it read it. Accounted as its answer, the 503 was no share (0 J), the work
+                    # the old process did for it the neighbours'. The client still gets the page itself.
                     raise ResendLoading(
                         f"upstream closed the kept-alive connection {stale.waited_s:.2f} s after the request without "
                         f"answering, and {RESEND_LOADING} (HTTP 503 {LLAMACPP_LOADING}): the server restarted, with it "
                         "in flight (a crash?) or as the request crossed its idle connection's close (then never run)",
-                        closed_ns=closed_ns)
+                        closed_ns=closed_ns, page=(status, reason, up_headers, page))
         except _ClientLeft as e:
             self._drop(ex)
             return self._client_left(trace, str(e))
@@ -996,6 +997,14 @@ class Proxy:
                     trace.end_ns = e.closed_ns
             elif trace is not None:
                 trace.status, trace.outcome, trace.error = 502, "upstream_unreachable", msg[:300]
+            if isinstance(e, ResendLoading):
+                # The server's own answer, read whole already: the client gets its bytes (status, Retry-After, its
+                # CORS headers, body), not the proxy's 502 (a client that retries on a 503's Retry-After does so).
+                status, reason, up_headers, page = e.page
+                if trace is not None:
+                    trace.status = status
+                return web.Response(status=status, reason=reason, body=page,
+                                    headers=forward_headers(up_headers, _CONTENT_LENGTH))
             body = json.dumps({"error": {"message": msg, "type": "bad_gateway", "code": 502}}).encode()
             return web.Response(status=502, body=body, content_type="application/json")
         except BaseException:
@@ -1309,7 +1318,12 @@ class ResendRefused(UpstreamClosed):
 
 
 class ResendLoading(ResendRefused):
-    """A request sent again after a kept-alive close whose resend met llama-server's loading page (RESEND_LOADING)."""
+    """A request sent again after a kept-alive close whose resend met llama-server's loading page (RESEND_LOADING).
+    `page`: that answer, read whole (status, reason, headers, body), relayed to the client as it came."""
+
+    def __init__(self, message: str, closed_ns: int, page: tuple):
+        super().__init__(message, closed_ns)
+        self.page = page
 
 
 def _refused(e: OSError) -> bool:

@@ -24,8 +24,9 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       outside_text)
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, body_left, closed_unanswered, finished_unsaid, gone_unsaid, is_passive,
-                          told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
+from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, body_left, closed_unanswered, crashed, finished_unsaid,
+                          gone_unsaid, is_passive, resend_queued, told_prompt_tokens, LiveRequest, is_unseen,
+                          not_forwarded, server_end_ns)
 from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
@@ -393,6 +394,15 @@ def _may_have_ended(r: LiveRequest) -> bool:
             and not (r.run_on_restart and r.run_on_end_ns <= r.trace.end_ns))
 
 
+def _run_on_counted(r: LiveRequest) -> str:
+    """Whether its attributed tokens count its run-on's decode: not those placed before an interval already closed
+    (`LiveRequest.run_on_late`), whose energy its figure holds all the same, so its J/token reads high by them."""
+    if r.run_on_late < 0.5:
+        return "its attributed tokens count them"
+    return (f"{r.run_on_late:.0f} of them fell in intervals closed before its end came, held no longer, and are not in "
+            "its attributed tokens, though its energy there is in its figure: its J/token reads high by them")
+
+
 def _run_on_note(r: LiveRequest) -> str:
     """`_run_on_said`, and where a found-down scrape not proven a death may have ended its run-on (`Ledger._death_proven`)
     both readings, marked UNSURE_FLAG (`analyze` leaves it out of J/token): its energy there is never silently kept nor
@@ -409,6 +419,23 @@ def _run_on_note(r: LiveRequest) -> str:
                 "which leaves it out; a client that stays to its answer's end is costed as any")
         if r.run_on_unsure is None or r.run_on_restart:
             return said
+    if r.run_on_crash and r.down_hold_over is not None:
+        (down, cap_s), tr = r.down_hold_over, r.trace
+        return (f"{said}; {UNSURE_FLAG}: sent before the server's last good scrape, then a scrape "
+                f"{(down - tr.arrival_ns) / 1e9:.2f} s after its arrival found the server down by llama-server's 503 "
+                "\"Loading model\" alone (nothing refused, no proxied connection broken then): a restart with it in "
+                "flight (a crash: the figure here is right) or a page that is no restart (a router's: it may never "
+                f"have run, 0 J, its energy the requests' beside it); its row waited {cap_s:g} s for a scrape to "
+                "confirm the restart and none did, so it is costed as the crash it most likely was; fix: let the "
+                "daemon scrape the server's own port (scrape.url) so a death reads as a refused connection, or read "
+                "the server's log for a restart")
+    if r.run_on_crash and r.crash_by_page:
+        return (f"{said}; {UNSURE_FLAG}: {RESEND_LOADING} (a new process where the one that had it was), with no "
+                "refused connection and no proxied request failing then: if it was in flight at that process's death, "
+                "the figure here is right; if a router in front of the server (llama-swap swapping models, its page "
+                "quoting those words) held it and refused it unrun, it is 0 J and its energy belongs to the requests "
+                "beside it; fix: scrape the server's own port (scrape.url), not through a router, so a death reads as "
+                "a refused connection")
     if r.run_on_crash:
         return (f"{said}; {UNSURE_FLAG}: sent before the server's last good scrape, then a scrape found it down by an "
                 "HTTP 503 and a page after said a restart, with no refused connection and no proxied request failing "
@@ -445,11 +472,12 @@ def _run_on_said(r: LiveRequest) -> str:
             how = (f"a kept-alive connection's close, and {resend}: the server died, with it in flight or "
                    "before it read it, so it ran until then or may never have run; the figure here is the first "
                    "reading, at most its time from arrival to the close")
+        got = ("the new server's loading page (503)" if resend == RESEND_LOADING else "the proxy's 502")
         lead = (f"the server closed its connection with no answer {s:.2f} s after its arrival ({how}), and the client "
-                "got the proxy's 502; it is costed as run until then, its prefill and then its decode")
+                f"got {got}; it is costed as run until then, its prefill and then its decode")
         if r.run_on_tokens > 0:
-            return (f"{lead}: {r.run_on_tokens:.0f} tokens decoded at {r.run_on_pace} pace (an estimate; its attributed "
-                    "tokens count them), which no client received")
+            return (f"{lead}: {r.run_on_tokens:.0f} tokens decoded at {r.run_on_pace} pace (an estimate; "
+                    f"{_run_on_counted(r)}), which no client received")
         return f"{lead}: its decode there unseen (no pace to decode it at)"
     if r.run_on_prefill:  # llama.cpp: a stream gone before its first token
         return (f"llama-server prefilled its prompt whole after its client left, about {s:.1f} s to its estimated first "
@@ -478,7 +506,7 @@ def _run_on_said(r: LiveRequest) -> str:
         lead = f"the server ran on about {s:.1f} s after its client left (SGLang aborts {how}, counting it in {said})"
     if r.run_on_tokens > 0:
         return (f"{lead}: its energy includes that work, which no client received, {r.run_on_tokens:.0f} tokens decoded "
-                f"at {r.run_on_pace} pace (an estimate; its attributed tokens count them)")
+                f"at {r.run_on_pace} pace (an estimate; {_run_on_counted(r)})")
     return f"{lead}: it is live in that time, its work there unseen (no pace to decode it at)"
 
 
@@ -517,13 +545,6 @@ def _whole_gone_costed(r: LiveRequest) -> bool:
     return gone_unsaid(r) and r.trace.stream is not True and r.run_on_end_ns is None and r.prompt_est is not None
 
 
-def _held_over(r: LiveRequest) -> bool:
-    """UNSURE_FLAG's close with no answer written at 0 J after its row waited DOWN_HOLD_MAX_S for a page confirming the
-    restart a 503 "Loading model" suggested (`Ledger._down_hold`): low if it was a crash (it ran until its close), right
-    if not, nothing measured saying which."""
-    return r.trace.end_ns is not None and is_passive(r) and closed_unanswered(r) and r.down_hold_over is not None
-
-
 def _no_energy_reason(r: LiveRequest) -> str:
     """Why a request got no energy: what the work model could not see."""
     if not_forwarded(r):
@@ -533,16 +554,12 @@ def _no_energy_reason(r: LiveRequest) -> str:
     if is_passive(r) and body_left(r):
         return ("no share: its client left while sending its request body, so the server never had it whole and ran "
                 "none of it; its time counts as idle")
-    if _held_over(r):
-        down, cap_s = r.down_hold_over
-        tr = r.trace
-        return (f"{UNSURE_FLAG}: not costed: its upstream closed the connection with no answer "
-                f"{(tr.end_ns - tr.arrival_ns) / 1e9:.2f} s after its arrival, and a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after it found the server down "
-                "by llama-server's 503 \"Loading model\" alone (nothing refused): a restart with it in flight (a crash, "
-                "then it ran until its close and that energy is in the requests beside it or idle here) or a page "
-                f"that is no restart (then it may never have run); its row waited {cap_s:g} s for a scrape to confirm "
-                "the restart, none did by then, so it is costed as not run; fix: let the daemon scrape the server's "
-                "own port (scrape.url) so a death reads as a refused connection, or read the server's log for a restart")
+    if crashed(r):
+        # Costed as a crash, yet no share came of it: the generic "no tokens and no prompt length" said nothing of that.
+        s = (r.trace.end_ns - r.trace.arrival_ns) / 1e9
+        return (f"no share: {_run_on_note(r)}; the split placed none of its work in those {s:.2f} s (a close that "
+                "crossed it costs nothing, as it should; if it ran, that time's energy is in the shares of the "
+                "requests beside it)")
     if r.trace.end_ns is not None and is_passive(r) and closed_unanswered(r):
         return ("not costed: its upstream closed the connection with no answer, and it may have run (crash?) or been "
                 "refused unrun (a router in front of the server): no restart its scrapes confirmed by its row's time "
@@ -686,7 +703,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
-            UNSURE_FLAG: energy and _run_on_unsure(r) or _held_over(r)}
+            UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or r.queued_beside_j > 0)}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -790,6 +807,20 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         notes.append(_uncounted_note(r))
     if r.run_on_end_ns is not None:
         notes.append(_run_on_note(r))
+    if resend_queued(r) and r.gpu_j > 0:
+        tr = r.trace
+        notes.append(f"{UNSURE_FLAG}: its close came {(tr.end_ns - tr.arrival_ns) / 1e9:.2f} s after its arrival, longer "
+                     f"than a close crossing a request on the wire takes (up to {CROSSING_CLOSE_MAX_S * 1e3:.0f} ms), "
+                     "and its resend was refused or met a new process's loading page: the server may have read it and held it queued behind full "
+                     "slots, never running it (then 0 J and no tokens, this figure the requests' beside it, theirs low "
+                     "by it), or run it until its close as costed here; nothing measured says which, so it and the "
+                     "requests beside it are left out of J/token; fix: none at the proxy (the server's log says whether "
+                     "it had started it)")
+    if r.queued_beside_j > 0 and r.gpu_j > 0:
+        notes.append(f"{UNSURE_FLAG}: {100 * min(r.queued_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
+                     "intervals over a request closed by a crash that may have waited queued unrun (its row says so), "
+                     "costed as run there: this request's share there may be low by that figure; fix: none at the "
+                     "proxy (the server's log says whether that request had started)")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):

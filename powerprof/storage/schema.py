@@ -329,7 +329,9 @@ SERVER_COUNT_PROXY_UNREAD = "proxy_unread"
 BYPASS_LOW_FLAG = "bypass-uncounted"
 # A daemon request row's energy_note where its figure may be read either way and nothing measured says which: its
 # client gone, a run-on a found-down scrape not proven a death may have cut (nearly all of it too much if so), or a
-# close with no answer costed as a crash with no death shown (a queuing router refusing it unrun reads the same). Not a
+# close with no answer costed as a crash with no death shown (a queuing router refusing it unrun reads the same), or
+# one whose resend found the server dead long after its arrival (queued unrun behind full slots reads the same) and the
+# requests live beside it (their share low by its figure if so). Not a
 # prompt whose `tools` sent with tool_choice "none" this server may or may not render: its split error is mirrored in the
 # rows sharing its intervals, so it stays in J/token and only its words say so. Its gpu_energy_j stays (its best reading, marked); `analyze` leaves it out of J/token (docs/data.md, daemon_requests).
 UNSURE_FLAG = "uncertain-uncounted"
