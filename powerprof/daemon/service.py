@@ -1731,6 +1731,7 @@ class Daemon:
                 max_connections=cfg.get("proxy", "max_connections"),
                 body_timeout_s=cfg.get("proxy", "body_timeout_s"),
                 body_min_bytes_per_s=cfg.get("proxy", "body_min_bytes_per_s"),
+                loop_id=uuid.uuid4().hex[:16],  # one for all workers: a request round them comes back to one of its own
             )
             if cfg.get("proxy", "workers") > 1:
                 self.urls["proxy"] = await self._serve_workers(upstream, listen, proxy_kwargs)
