@@ -205,6 +205,16 @@ def test_a_null_warmup_or_status_is_refused_as_a_missing_column_is(tmp_path, col
     _refused(run, f"have no {column} value (null)", said)
 
 
+def test_windows_of_a_second_run_id_in_a_runs_file_are_refused(tmp_path):
+    # Every window stored again under another run_id in the one file passed the stored-twice check (its key holds
+    # run_id): n doubled at every level and each CI was too narrow, unflagged.
+    run = _run(tmp_path)
+    t = pq.read_table(run / "windows.parquet")
+    copy = t.set_column(t.column_names.index("run_id"), "run_id", pa.array(["other"] * t.num_rows, pa.string()))
+    pq.write_table(pa.concat_tables([t, copy]), run / "windows.parquet")
+    _refused(run, f"{t.num_rows} of {2 * t.num_rows} windows have run_id 'other'", "a run folder holds one run")
+
+
 def test_a_level_whose_every_reading_is_idle_has_no_clock_figure_and_says_why(tmp_path):
     # The level's clock figures are its busy readings' (engine.BUSY_SQL: an idle reading shows the clock's floor). Where
     # every reading inside 220 W's windows was idle (GpuIdle: a stalled server, a GPU another tool held), its SM and
