@@ -189,6 +189,20 @@ def test_an_analysis_whose_write_fails_leaves_the_old_outputs_whole_and_no_tempo
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+
+@pytest.mark.parametrize("command", [["analyze"], ["export", "--format", "csv"]])
+@pytest.mark.parametrize("links", [1, 2])
+def test_a_source_that_is_a_loop_of_symlinks_is_said_not_a_traceback(tmp_path, monkeypatch, command, links):
+    # "RuntimeError: Symlink loop from ..." out of Path.resolve() (fleet.expand_sources, export.expand), exit 1.
+    monkeypatch.chdir(tmp_path)
+    names = [f"loop{i}" for i in range(links)]
+    for i, name in enumerate(names):
+        (tmp_path / name).symlink_to(names[(i + 1) % links])
+    r = CliRunner().invoke(main, [*command, "loop0"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "loop0: a loop of symlinks" in r.output and "Traceback" not in r.output, r.output
+
+
 # --- 4. the tag header -------------------------------------------------------------------------------------------------
 
 
