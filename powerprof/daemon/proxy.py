@@ -562,6 +562,11 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
     return (model if isinstance(model, str) else None), lax_bool(stream)
 
 
+def via_name(loop_id: str) -> str:
+    """The name a daemon's proxy says in its Via line (and its scraper in its own): `powerprof-<loop_id>`."""
+    return f"powerprof-{loop_id}"
+
+
 class Proxy:
     """The aiohttp application. `Proxy(upstream_url, recorder).app()`; the upstream pool opens on startup."""
 
@@ -580,7 +585,7 @@ class Proxy:
         self.upstream = upstream.rstrip("/")
         # Said in a Via line on every request sent upstream; a request that comes back with it went round (an upstream
         # that reaches the proxy itself: its own name, a port forward) and is answered 508, never sent again.
-        self.via_name = f"powerprof-{loop_id or secrets.token_hex(8)}"
+        self.via_name = via_name(loop_id or secrets.token_hex(8))
         self.loops_refused = 0
         self.recorder = recorder or NullRecorder()
         self.tag_header = tag_header
