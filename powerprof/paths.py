@@ -117,6 +117,19 @@ def path_problem(path) -> str | None:
     return None
 
 
+def resolve_problem(path) -> str | None:
+    """Why `path` cannot be resolved to the file it names (a loop of symlinks), with the fix; None where it can.
+    Path.resolve() raises RuntimeError for a loop (an OSError from Python 3.13): a traceback in analyze and export,
+    whose sources are resolved to count a folder named twice once."""
+    try:
+        Path(path).resolve()
+    except RuntimeError:
+        return "a loop of symlinks (it leads back to itself); give the folder it should name"
+    except OSError as e:
+        return f"{e.strerror or e}; give another path"
+    return None
+
+
 def not_a_regular_file(path) -> str | None:
     """What `path` is where it exists and is not a regular file ("a FIFO", "a character device", "a symlink"...): a
     name no output writer may replace, --force or not (`--force` on /dev/null made it a 302-byte file). Judged by

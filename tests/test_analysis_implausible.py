@@ -181,6 +181,40 @@ def test_a_windows_file_without_warmup_or_status_says_the_column_is_missing(tmp_
     assert not (run / "analysis").exists()
 
 
+def _refused(run, *said):
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert f"{run / 'windows.parquet'}" in text and all(s in text for s in said), text
+    assert "Traceback" not in r.output and not (run / "analysis").exists()
+
+
+def test_a_windows_file_without_energy_method_is_refused_not_a_traceback(tmp_path):
+    # The level's method was a NaN: "TypeError: sequence item 0: expected str instance, float found" (stats.py).
+    run = _run(tmp_path)
+    pq.write_table(pq.read_table(run / "windows.parquet").drop_columns(["energy_method"]), run / "windows.parquet")
+    _refused(run, "no energy_method column")
+
+
+@pytest.mark.parametrize("column,said", [("warmup", "are warm-up"), ("status", "are failed")])
+def test_a_null_warmup_or_status_is_refused_as_a_missing_column_is(tmp_path, column, said):
+    # A null warmup read as false, a null status as ok: the warm-up windows were counted, unflagged (a level's
+    # n 8 -> 10 and its J/token moved).
+    run = _run(tmp_path)
+    _edit(run / "windows.parquet", lambda i, r: dict(r, **{column: None}) if i % 3 == 0 else r)
+    _refused(run, f"have no {column} value (null)", said)
+
+
+def test_windows_of_a_second_run_id_in_a_runs_file_are_refused(tmp_path):
+    # Every window stored again under another run_id in the one file passed the stored-twice check (its key holds
+    # run_id): n doubled at every level and each CI was too narrow, unflagged.
+    run = _run(tmp_path)
+    t = pq.read_table(run / "windows.parquet")
+    copy = t.set_column(t.column_names.index("run_id"), "run_id", pa.array(["other"] * t.num_rows, pa.string()))
+    pq.write_table(pa.concat_tables([t, copy]), run / "windows.parquet")
+    _refused(run, f"{t.num_rows} of {2 * t.num_rows} windows have run_id 'other'", "a run folder holds one run")
+
+
 def test_a_level_whose_every_reading_is_idle_has_no_clock_figure_and_says_why(tmp_path):
     # The level's clock figures are its busy readings' (engine.BUSY_SQL: an idle reading shows the clock's floor). Where
     # every reading inside 220 W's windows was idle (GpuIdle: a stalled server, a GPU another tool held), its SM and

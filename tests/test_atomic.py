@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from powerprof import privilege
-from powerprof.storage.atomic import atomic_path, atomic_write_bytes
+from powerprof.storage import atomic
+from powerprof.storage.atomic import atomic_group, atomic_path, atomic_write_bytes
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -56,6 +57,47 @@ def test_a_fifo_or_device_is_never_replaced_by_the_file(tmp_path):
         after = os.lstat(tmp_path / name)
         assert (after.st_mode, after.st_rdev, after.st_ino) == (before.st_mode, before.st_rdev, before.st_ino)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def _group_of_three(out, new=b"new"):
+    with atomic_group() as stage:
+        for name in ("analysis.parquet", "report.md", "report.html"):
+            stage(out / name).write_bytes(new)
+
+
+def test_a_group_whose_rename_fails_part_way_puts_the_renamed_files_back(tmp_path, monkeypatch):
+    # report.md was replaced, report.html's rename failed (EIO): the folder held a new report beside the old
+    # analysis.json, and the temporaries stayed. Now every file is the old one, and nothing else is there.
+    import errno
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    _group_of_three(out, b"old")
+    real = os.replace
+
+    def fail_on_html(src, dst):
+        if str(dst).endswith("report.html"):
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", fail_on_html)
+    with pytest.raises(OSError):
+        _group_of_three(out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {
+        "analysis.parquet": b"old", "report.md": b"old", "report.html": b"old"}
+
+
+def test_a_group_with_a_folder_where_a_file_goes_renames_nothing(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    _group_of_three(out, b"old")
+    (out / "report.html").unlink()
+    (out / "report.html").mkdir()
+    with pytest.raises(IsADirectoryError):
+        _group_of_three(out)
+    assert sorted(p.name for p in out.iterdir()) == ["analysis.parquet", "report.html", "report.md"]
+    assert (out / "analysis.parquet").read_bytes() == b"old" and (out / "report.md").read_bytes() == b"old"
 
 
 @pytest.mark.parametrize("capeff, expected", [("0000000000200000", True), ("00000000001fffff", False), ("garbage", False)])

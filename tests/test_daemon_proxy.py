@@ -239,6 +239,79 @@ def test_an_upstream_answering_no_http_is_said_to_break_the_exchange_not_unreach
     assert "unreachable" not in body["error"]["message"], body
 
 
+def test_an_upstream_that_is_the_proxy_itself_is_answered_508_once_not_forwarded_round():
+    # Its upstream its own address (a name --check cannot know, a port forward): each request was sent back to the
+    # proxy, round and round until sockets ran out: one curl hung 10 s and 1090 rows were recorded for it.
+    import socket
+
+    async def main():
+        rec = Rec()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        proxy = Proxy(f"http://localhost:{port}", recorder=rec, connect_timeout_s=2)
+        runner = web.AppRunner(proxy.app())
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}/completion", json={"n_predict": 4},
+                              timeout=aiohttp.ClientTimeout(total=10)) as r:
+                status, body = r.status, await r.json()
+        await _until(lambda: rec.ended)
+        await runner.cleanup()
+        return status, body, rec, proxy
+
+    status, body, rec, proxy = _run(main())
+    assert status == 508 and "loop detected" in body["error"]["message"], body
+    assert len(rec.ended) == 1 and rec.ended[0].status == 508, [(t.request_id, t.status) for t in rec.ended]
+    assert proxy.loops_refused == 1
+
+
+def test_the_daemons_scrape_through_its_own_proxy_is_answered_508_and_not_recorded():
+    # Its scrape URL (the upstream's) reaching the proxy: every /metrics and /slots poll was a row, 58 in 30 s beside
+    # one client request. The scrape session says the daemon's Via name, so the proxy answers it 508 at once.
+    from powerprof.daemon.proxy import via_name
+    from powerprof.daemon.scrape import new_session
+
+    async def main():
+        rec = Rec()
+        proxy = Proxy("http://127.0.0.1:9", recorder=rec, loop_id="d1")
+        runner, url = await serve_here(proxy.app())
+        async with new_session(via_name("d1")) as s, s.get(url + "/metrics") as r:
+            status = r.status
+        async with new_session(via_name("other")) as s, s.get(url + "/metrics") as r:
+            other = r.status
+        await runner.cleanup()
+        return status, other, rec
+
+    status, other, rec = _run(main())
+    assert status == 508 and other == 502
+    assert [t.endpoint for t in rec.ended] == ["/metrics"]  # the other daemon's scrape only
+
+
+def test_a_via_line_from_another_proxy_is_passed_on_with_this_ones_added():
+    vias = []
+
+    async def completion(request):
+        vias.append(request.headers.getall("Via", []))
+        return web.json_response({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 3})
+
+    async def main():
+        up_runner, up_url = await _upstream_at(completion)
+        proxy = Proxy(up_url, recorder=Rec())
+        px_runner, px_url = await serve_here(proxy.app())
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px_url + "/completion", json={}, headers={"Via": "1.1 edge-lb"}) as r:
+                status = r.status
+        await px_runner.cleanup()
+        await up_runner.cleanup()
+        return status, proxy
+
+    status, proxy = _run(main())
+    assert status == 200 and proxy.loops_refused == 0
+    assert vias == [["1.1 edge-lb", f"1.1 {proxy.via_name}"]], vias
+
+
 def test_unreachable_upstream_answers_502_and_the_proxy_keeps_serving():
     async def main():
         rec = Rec()

@@ -161,6 +161,48 @@ def test_a_report_that_fails_removes_the_analysis_folder_it_made(tmp_path, monke
     assert not (run / "analysis").exists()
 
 
+
+def test_an_analysis_whose_write_fails_leaves_the_old_outputs_whole_and_no_temporary(tmp_path, monkeypatch):
+    # A rename failing part-way (EIO on report.html) left the new report.md and analysis.parquet beside the old
+    # analysis.json, and the temporaries: one folder gave two recommendations. Now the old outputs stay, all of them.
+    import errno
+    import os
+
+    import powerprof.storage.atomic as atomic
+
+    run = _sweep_run(tmp_path)
+    out = tmp_path / "an"
+    args = ["analyze", str(run), "--bootstrap", "100", "--format", "md,html", "--out", str(out)]
+    assert CliRunner().invoke(main, args + ["--max-slowdown", "0"]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"analysis.json", "analysis.parquet", "report.md", "report.html"} <= set(before)
+    real = os.replace
+
+    def eio_on_html(src, dst):
+        if str(dst).endswith("report.html"):
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", eio_on_html)
+    r = CliRunner().invoke(main, args + ["--max-slowdown", "99%"])
+    assert r.exit_code == 1 and "cannot write the analysis" in r.output, r.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+
+@pytest.mark.parametrize("command", [["analyze"], ["export", "--format", "csv"]])
+@pytest.mark.parametrize("links", [1, 2])
+def test_a_source_that_is_a_loop_of_symlinks_is_said_not_a_traceback(tmp_path, monkeypatch, command, links):
+    # "RuntimeError: Symlink loop from ..." out of Path.resolve() (fleet.expand_sources, export.expand), exit 1.
+    monkeypatch.chdir(tmp_path)
+    names = [f"loop{i}" for i in range(links)]
+    for i, name in enumerate(names):
+        (tmp_path / name).symlink_to(names[(i + 1) % links])
+    r = CliRunner().invoke(main, [*command, "loop0"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "loop0: a loop of symlinks" in r.output and "Traceback" not in r.output, r.output
+
+
 # --- 4. the tag header -------------------------------------------------------------------------------------------------
 
 

@@ -153,6 +153,8 @@ def expand(srcs) -> list[str]:
     """Sources as given: one or several paths, local globs (expanded, sorted) and URIs."""
     import glob
 
+    from powerprof.paths import resolve_problem  # noqa: PLC0415
+
     out: list[str] = []
     for s in [srcs] if isinstance(srcs, (str, os.PathLike)) else list(srcs):
         s = str(s)
@@ -168,6 +170,8 @@ def expand(srcs) -> list[str]:
     # A source named twice (a glob and a path) would export its rows twice.
     unique: dict[str, str] = {}
     for s in out:
+        if not is_uri(s) and (why := resolve_problem(s)) is not None:
+            raise ExportError(f"{s}: {why}")
         unique.setdefault(s if is_uri(s) else str(Path(s).resolve()), s)
     return list(unique.values())
 

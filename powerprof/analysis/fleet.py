@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from powerprof.paths import holds_sweep_run
+from powerprof.paths import holds_sweep_run, resolve_problem
 from powerprof.profiler import BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
 from powerprof.storage import datafiles
 from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_TRUSTED, SERVER_COUNT_UNREAD,
@@ -80,6 +80,8 @@ def expand_sources(sources) -> list[str]:
                 raise FleetError(f"{s}: no such run directory or daemon data folder")
             out.append(s)
     for s in out:
+        if not is_uri(s) and (why := resolve_problem(s)) is not None:
+            raise FleetError(f"{s}: {why}")
         if (why := run_and_dataset(s)) is not None:
             raise FleetError(why)
     # A source named twice (a glob and a path, a trailing slash) would count its rows twice.

@@ -436,15 +436,13 @@ def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
         # The rule export reads a table by (storage/datafiles.py): warmup as text died here with ArrowTypeError.
         if why := datafiles.type_refusal("windows", [(r.path / "windows.parquet", t.schema)]):
             raise AnalysisError(why)
-        # Which windows count rests on these two: read as missing, every window was warm-up (or failed), and the
-        # error blamed that instead of the file.
-        lacking = [c for c in ("warmup", "status") if c not in t.column_names]
-        if lacking and t.num_rows:
-            raise AnalysisError(f"{r.path / 'windows.parquet'}: no {' and no '.join(lacking)} column, so which windows "
-                                "are warm-up or failed cannot be told; powerprof writes both in every window row (another "
-                                "tool's file or an edited one): restore the columns, or the file from the run, and rerun")
+        if why := _untold_windows(t):
+            raise AnalysisError(f"{r.path / 'windows.parquet'}: {why}; powerprof writes warmup, status and energy_method "
+                                "in every window row (another tool's file or an edited one): restore them, or the file "
+                                "from the run, and rerun")
         if "run_id" not in t.column_names or t.column("run_id").null_count == t.num_rows:
             t = _set_column(t, "run_id", pa.array([r.run_id] * t.num_rows, pa.string()))
+        _refuse_other_runs(r, t)
         _refuse_unlevelled(r.path / "windows.parquet", t)
         t, n = _once_each(t)
         if n and twice is not None:
@@ -456,6 +454,45 @@ def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
     if missing:
         raise AnalysisError(f"windows.parquet lacks the columns {sorted(missing)}: not a powerprof sweep run")
     return out
+
+
+def _untold_windows(t: pa.Table) -> str | None:
+    """Why which windows count, or how their energy was measured, cannot be told from `t`; None where it can.
+    Which windows count rests on warmup and status: read as missing, every window was warm-up (or failed), and the
+    error blamed that instead of the file; a null one was read as measured (warmup false, status ok), 2 warm-up windows
+    a level counted unflagged (180 W: n 8 → 10, 2.4790 → 2.4848 J/token). Without energy_method the level's method
+    was a NaN, and the analysis died on it with a traceback."""
+    if not t.num_rows:
+        return None
+    lacking = [c for c in ("warmup", "status") if c not in t.column_names]
+    if lacking:
+        return (f"no {' and no '.join(lacking)} column, so which windows are warm-up or failed cannot be told")
+    nulls = [(c, t.column(c).null_count) for c in ("warmup", "status") if t.column(c).null_count]
+    if nulls:
+        return " and ".join(f"{n} of {t.num_rows} rows have no {c} value (null), so whether those windows are "
+                            f"{'warm-up' if c == 'warmup' else 'failed'} cannot be told" for c, n in nulls)
+    if "energy_method" not in t.column_names:
+        return ("no energy_method column, so how each window's energy was measured (an energy counter, power "
+                "integration, or none) cannot be told, nor the flags that rest on it")
+    return None
+
+
+def _refuse_other_runs(r: RunInfo, t: pa.Table) -> None:
+    """AnalysisError for window rows of another run than the folder's (its run.json's run_id): a folder holds one run.
+    One windows.parquet holding every window twice, the copy under a second run_id, escaped the check for a window
+    stored twice (the key holds run_id): n 8 → 16 a level, its CI half as wide (300 W: 3.174-3.429 → 3.249-3.345)."""
+    rid = r.meta.get("run_id")
+    if rid in (None, "") or not t.num_rows:
+        return
+    ids = t.column("run_id")
+    other = pc.and_(pc.is_valid(ids), pc.not_equal(ids, str(rid)).fill_null(True))
+    n = pc.sum(other).as_py() or 0
+    if n:
+        first = ids.filter(other)[0].as_py()
+        raise AnalysisError(f"{r.path / 'windows.parquet'}: {n} of {t.num_rows} windows have run_id {first!r}, not this "
+                            f"run's ({str(rid)!r}, from its {r.meta_from or 'run.json'}): a run folder holds one run (a windows.parquet joined "
+                            "with another run's or its own copy, an edited file); counted, they would pass as this run's "
+                            "windows, a window twice. Restore the file from the run, or give each run its own folder")
 
 
 def _refuse_unlevelled(path, t: pa.Table) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -489,6 +490,13 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
         errors.append(f"config keys proxy.listen = {proxy_l!r} and metrics.listen = {metrics_l!r}"
                       f"{came_from('proxy.listen', 'metrics.listen')} name the same address: the second bind fails at "
                       "start; give them different ports (or sockets)")
+    upstream = values["proxy"]["upstream"]
+    if isinstance(proxy_l, str) and isinstance(upstream, str) and _upstream_is_listen(upstream, proxy_l):
+        # It passed --check; then each request was forwarded to the proxy itself, round and round: one curl hung 10 s
+        # and the dataset held 1090 request rows for it.
+        errors.append(f"config key proxy.upstream = {upstream!r} is the proxy's own listen address, proxy.listen = "
+                      f"{proxy_l!r}{came_from('proxy.upstream', 'proxy.listen')}: every request would be sent back to "
+                      "the proxy, round and round; give the inference server's URL (its own port)")
     if (d := values["daemon"]["data_dir"]) and isinstance(d, str) and (why := _not_a_folder(Path(d))):
         errors.append(f"config key daemon.data_dir = {d!r}{came_from('daemon.data_dir')} is not a folder: {why}; "
                       "give a folder, or a path where one can be made")
@@ -543,6 +551,49 @@ def _same_address(a: str, b: str) -> bool:
             return False
 
     return not (is_ip(ha) and is_ip(hb))
+
+
+def _upstream_is_listen(upstream: str, listen: str) -> bool:
+    """Whether a connection to the upstream URL would reach the proxy listening on `listen` (HOST:PORT), judged by the
+    text alone (no DNS: a SIGHUP reload must not block): the same port, and a host that reaches the listening one.
+    Connecting to 0.0.0.0 or :: reaches the loopback address of its family; `localhost` (and *.localhost) may be either
+    loopback; a wildcard listen address takes every local one (0.0.0.0: IPv4's, `::`: both, dual-stack on Linux),
+    this machine's own name too. Another name, or another loopback address (127.0.0.2), is another host."""
+    if not upstream or not listen or listen.startswith("unix:"):
+        return False
+    try:
+        u = urlsplit(upstream)
+        port = u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return False
+    l_host, _, l_port = listen.rpartition(":")
+    if not l_port.isdigit() or int(l_port) != port:
+        return False
+
+    def reached(host: str) -> set[str]:
+        """The addresses (or the name) a connection to `host` may reach."""
+        host = host.strip("[]").lower().rstrip(".")
+        if host == "localhost" or host.endswith(".localhost"):
+            return {"127.0.0.1", "::1"}
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return {host}
+        return {"127.0.0.1" if ip.version == 4 else "::1"} if ip.is_unspecified else {ip.compressed}
+
+    to, own = reached(u.hostname or ""), socket.gethostname().lower()
+    l_host = l_host.strip("[]").lower().rstrip(".")
+    if l_host in ("0.0.0.0", "::"):
+        v4 = {a for a in to if ":" not in a and _loopback_ip(a)}
+        return bool(v4 or own in to or (l_host == "::" and "::1" in to))
+    return bool(to & reached(l_host))
+
+
+def _loopback_ip(text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text).is_loopback
+    except ValueError:
+        return False
 
 
 def _not_a_folder(d: Path) -> str | None:

@@ -22,6 +22,7 @@ import errno
 import json
 import logging
 import re
+import secrets
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -606,6 +607,11 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
     return (model if isinstance(model, str) else None), lax_bool(stream)
 
 
+def via_name(loop_id: str) -> str:
+    """The name a daemon's proxy says in its Via line (and its scraper in its own): `powerprof-<loop_id>`."""
+    return f"powerprof-{loop_id}"
+
+
 class Proxy:
     """The aiohttp application. `Proxy(upstream_url, recorder).app()`; the upstream pool opens on startup."""
 
@@ -619,8 +625,13 @@ class Proxy:
         max_connections: int = 1024,
         body_timeout_s: float = 60.0,
         body_min_bytes_per_s: float = 1024.0,  # as proxy.body_min_bytes_per_s
+        loop_id: str | None = None,  # the daemon's, shared by its proxy workers; default: this proxy's own
     ):
         self.upstream = upstream.rstrip("/")
+        # Said in a Via line on every request sent upstream; a request that comes back with it went round (an upstream
+        # that reaches the proxy itself: its own name, a port forward) and is answered 508, never sent again.
+        self.via_name = via_name(loop_id or secrets.token_hex(8))
+        self.loops_refused = 0
         self.recorder = recorder or NullRecorder()
         self.tag_header = tag_header
         self.read_timeout_s = read_timeout_s
@@ -651,7 +662,7 @@ class Proxy:
         return app
 
     async def _open(self, _app) -> None:
-        # Bytes pass unchanged (no decompression, no added headers); compressed bodies are simply not parsed.
+        # Bytes pass unchanged (no decompression, no added headers but Via); compressed bodies are simply not parsed.
         self.pool = UpstreamPool(self.upstream, self.connect_timeout_s, self.read_timeout_s, self.max_connections)
 
     async def _closing(self, _app) -> None:
@@ -680,6 +691,8 @@ class Proxy:
     # --- the handler -------------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if self._came_round(request):
+            return self._loop_refused()
         self._next_id += 1
         trace = None
         try:
@@ -733,6 +746,20 @@ class Proxy:
                 if trace.counts is not None and trace.counts.unreadable:
                     _add_error(trace, unreadable_note(trace.counts))
                 self._safe(trace, self.recorder.on_end)
+
+    def _came_round(self, request: web.Request) -> bool:
+        return any(self.via_name in v.replace(",", " ").split() for v in request.headers.getall("Via", ()))
+
+    def _loop_refused(self) -> web.Response:
+        """508 for a request this proxy sent itself: no row (the request it came from has one, with this answer)."""
+        self.loops_refused += 1
+        if self.loops_refused <= 5 or self.loops_refused % 1000 == 0:
+            log.error("a request came back round to the proxy (%d so far): proxy.upstream %s reaches the proxy itself; "
+                      "set it to the inference server's URL", self.loops_refused, self.upstream)
+        body = json.dumps({"error": {"message": f"powerprof proxy: loop detected: the upstream {self.upstream} is this "
+                                                "proxy; set proxy.upstream to the inference server's URL",
+                                     "type": "loop_detected", "code": 508}}).encode()
+        return web.Response(status=508, body=body, content_type="application/json")
 
     async def _forward(self, request: web.Request, trace: RequestTrace | None, budget: list[int]) -> web.StreamResponse:
         """`budget[0]`: the bytes of INSPECT_BUDGET_BYTES the caller reserved for reading the body whole (0: streamed
@@ -883,7 +910,7 @@ class Proxy:
         self._safe(trace, self.recorder.on_start)
         req_headers = request.headers
         head = request_head(request.method, self.pool.prefix + request.raw_path, self.pool.host_header,
-                            request.raw_headers, framing,
+                            request.raw_headers, b"Via: 1.1 %s\r\n" % self.via_name.encode() + framing,
                             req_headers.getall("Connection") if "Connection" in req_headers else ())
         ex = None
         try:

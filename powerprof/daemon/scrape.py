@@ -284,10 +284,12 @@ class MetricsStatus(ValueError):
 LLAMACPP_LOADING = '"Loading model"'
 
 
-def new_session() -> aiohttp.ClientSession:
+def new_session(via: str | None = None) -> aiohttp.ClientSession:
     """The daemon's scrape session: idle connections are not reused after IDLE_REUSE_S, so a server's idle close (5 s)
-    never crosses a scrape when `scrape.idle_interval_s` is near it (aiohttp's default keeps them 15 s)."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_REUSE_S), headers=auth_headers())
+    never crosses a scrape when `scrape.idle_interval_s` is near it (aiohttp's default keeps them 15 s). `via`: the
+    daemon's proxy's Via name, so that a scrape whose URL reaches that proxy is answered 508 there, not recorded."""
+    headers = {**auth_headers(), **({"Via": f"1.1 {via}"} if via else {})}
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_REUSE_S), headers=headers)
 
 
 class Scraper:

@@ -44,7 +44,7 @@ from .inflight import InFlight
 from .latency import RequestLatency
 from .ledger import RAPL_HOLD_S, Ledger
 from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
-from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
+from .proxy import SERVER_OPTIONS, Proxy, RequestTrace, via_name
 from .scrape import AT_FINISH, IGNORES_BEST_OF, PREFILLS_CHOICES_APART, RUNS_ON_AFTER_LEAVE, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns, new_session
 from .store import COMPACTION_LOCK, Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import PeerPolicy, stop_wait_s, tag_app
@@ -540,6 +540,7 @@ class Daemon:
         default upstream; the daemon never branches on whether they are real, it only says so (its log, every row's
         `simulated`, powerprof_build_info)."""
         self.cfg = cfg
+        self.loop_id = uuid.uuid4().hex[:16]  # the proxy's Via name's, one for all its workers and the scraper
         self.host = cfg.host()  # every Parquet row and powerprof_build_info carry it
         self.simulated = rig is not None and rig.simulated  # so does powerprof_build_info{simulated}
         self.rig = rig
@@ -1313,7 +1314,7 @@ class Daemon:
             # What it made is taken back only under its own lock: refused it, the folder is another daemon's.
             self._release_lock(made if self._lock_fd is not None else None)
             raise
-        session = new_session()
+        session = new_session(via_name(self.loop_id))
         self.guard = ConnectionGuard(self.cfg.get("proxy", "header_timeout_s"), self.cfg.get("proxy", "idle_timeout_s"))
         self.bad_requests = quiet_bad_requests()  # this process's listeners' malformed requests (main() installs it too)
         try:
@@ -1731,6 +1732,7 @@ class Daemon:
                 max_connections=cfg.get("proxy", "max_connections"),
                 body_timeout_s=cfg.get("proxy", "body_timeout_s"),
                 body_min_bytes_per_s=cfg.get("proxy", "body_min_bytes_per_s"),
+                loop_id=self.loop_id,  # one for all workers: a request round them comes back to one of its own
             )
             if cfg.get("proxy", "workers") > 1:
                 self.urls["proxy"] = await self._serve_workers(upstream, listen, proxy_kwargs)

@@ -108,7 +108,8 @@ def atomic_group() -> Iterator[Callable[[str | os.PathLike], Path]]:
 
     Every file is written to its temporary first; only when all are written (and fsynced) are they
     renamed into place, one quick pass with SIGINT/SIGTERM/SIGHUP held (the exit is raised after it).
-    On an exception before that, every temporary is removed and every file is left as it was."""
+    On an exception before that, or a rename that fails (`_replace_all` puts back those done), every temporary is
+    removed and every file is left as it was."""
     staged: list[tuple[Path, Path]] = []
 
     def stage(path: str | os.PathLike) -> Path:
@@ -128,9 +129,63 @@ def atomic_group() -> Iterator[Callable[[str | os.PathLike], Path]]:
                 pass
         raise
     with termination.exits_held() as got:
-        for tmp, path in staged:
-            os.replace(tmp, path)
+        _replace_all(staged)
         for folder in dict.fromkeys(path.parent for _, path in staged):
             fsync_dir(folder)
     if got:
         raise termination.exit_for(got[0])
+
+
+def _replace_all(staged: list[tuple[Path, Path]]) -> None:
+    """Rename every temporary over its file, or none: a rename that fails part-way (a folder or FIFO where a file
+    goes, EIO, EPERM) puts back the files already replaced, from hard links kept of the old ones, so the group never
+    leaves new files beside old ones (a report saying one limit beside an analysis.json saying another).
+    The temporaries and links are removed either way."""
+    kept: dict[Path, tuple[bool, Path | None]] = {}  # a file renamed → (it existed before, a link to its old content)
+    try:
+        for _, path in staged:  # what no rename can replace is refused before any is done
+            _refuse_special(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        for tmp, path in staged:
+            existed = os.path.lexists(path)
+            old = _old_link(path) if existed else None
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                _unlink_quietly(old)
+                raise
+            kept[path] = (existed, old)
+    except BaseException:
+        for path, (existed, old) in reversed(kept.items()):
+            try:
+                if old is not None:
+                    os.replace(old, path)
+                elif not existed:
+                    path.unlink()
+            except OSError:
+                pass
+        for tmp, _ in staged:
+            _unlink_quietly(tmp)
+        raise
+    for _, old in kept.values():
+        _unlink_quietly(old)
+
+
+def _old_link(path: Path) -> Path | None:
+    """A hard link to `path`'s present content under a temporary name; None on a file system without hard links
+    (that one file cannot be put back: the checks before the renames are all it has)."""
+    link = temp_sibling(path)
+    try:
+        os.link(path, link, follow_symlinks=False)
+    except OSError:
+        return None
+    return link
+
+
+def _unlink_quietly(path: Path | None) -> None:
+    if path is not None:
+        try:
+            path.unlink()
+        except OSError:
+            pass
