@@ -915,12 +915,6 @@ class Ledger:
             # llama.cpp were 96-103 J each for 146-148 J of truth, 235 of their tokens read as bypass (158 J unproxied).
             # SGLang counts a request at its end, which never came: listed, its tokens would hide bypass traffic.
             self.recon.proxied.extend(zip(ts, [n / k] * k))
-        if r.run_on_may_end is not None and self.recon.server_seen and self.recon.server_at_finish:
-            # An answer that ended by itself before the abort SGLang counts whole at its end: unlisted, its run-on read as
-            # bypass tokens besides being placed here (the scene above: 162 bypass tokens, 325-355 J unproxied, the 24
-            # beside them mean -12% and -13%; now 0 and 19 tokens, 0 and 49 J, -0.8% and -3.6%). Listed at its placed end; one SGLang aborted (counted nowhere)
-            # then lowers the gap as its shown tokens do (on_end: bypass traffic then hidden up to them for CREDIT_S).
-            self.recon.finished.append((ts[-1], n, max(0, ts[-1] - r.trace.arrival_ns)))
         r.run_on_tokens, r.run_on_pace = n, whose
         if capped:  # its max_tokens, reached at its pace, ended it before the abort: live no longer
             r.run_on_end_ns, r.run_on_capped = max(start_ns + span_ns, r.trace.end_ns), True
