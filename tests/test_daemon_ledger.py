@@ -4568,15 +4568,18 @@ def test_a_run_on_listed_as_its_max_tokens_end_is_taken_back_where_a_restart_cam
             self.taken.append(x)
             super().remove(x)
 
-    def run(**kw):
+    def run(terms=(("eos_ignored", True),), **kw):
         books = Books()
-        row = _sglang_stream_run_on(extra={"max_tokens": 60, "eos_ignored": True},
+        row = _sglang_stream_run_on(extra={"max_tokens": 60, **dict(terms)},
                                     probe=lambda led: setattr(led.recon, "finished", books), **kw)
         return row, [round(x[1]) for x in books.added if x[0] > 1.2 * S], [round(x[1]) for x in books.taken]
 
-    # Not restarted: listed at its max_tokens' end (2.0 s), its 40 run-on tokens, kept.
+    # Not restarted: listed at its max_tokens' end (2.0 s), its 40 run-on tokens, kept; so with a min_tokens reaching
+    # there; not where its answer may have ended by itself (counted then at an end unseen, or aborted: nowhere).
     row, added, taken = run(down=30.0, up=31.0)
     assert row["attributed_tokens"] == pytest.approx(60, abs=1) and (added, taken) == ([40], []), (row, added, taken)
+    assert run((("min_tokens", 60),), down=30.0, up=31.0)[1:] == ([40], [])
+    assert run((), down=30.0, up=31.0)[1:] == ([], [])
     row, added, taken = run(late=1.0, down=1.5)
     assert row["attributed_tokens"] == pytest.approx(40, abs=2), row  # 20 shown, 20 run on to the death at 1.5 s
     assert (added, taken) == ([40], [40]), (added, taken)

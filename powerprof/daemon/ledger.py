@@ -921,7 +921,8 @@ class Ledger:
             # llama.cpp were 96-103 J each for 146-148 J of truth, 235 of their tokens read as bypass (158 J unproxied).
             # SGLang counts a request at its end, which never came: listed, its tokens would hide bypass traffic.
             self.recon.proxied.extend(zip(ts, [n / k] * k))
-        if capped and n <= RUN_ON_CAPPED_SURE_SHARE * to_abort and r.run_on_may_end is None and not r.run_on_to_end \
+        sure = r.run_on_may_end is None and (r.trace.extra.get("eos_ignored") or r.trace.extra.get("min_tokens"))
+        if capped and sure and n <= RUN_ON_CAPPED_SURE_SHARE * to_abort and not r.run_on_to_end \
                 and not r.run_on_crash and self.recon.server_seen and self.recon.server_at_finish:
             # Its max_tokens reached well before the abort: SGLang finished it (a length finish) and counted it whole
             # there. Unlisted, its run-on read as bypass tokens besides being placed here (review's scene, 4 streams
