@@ -389,12 +389,149 @@ def test_an_sglang_run_on_whose_answer_may_end_by_itself_is_uncertain_one_sent_w
     assert long["attributed_tokens"] == pytest.approx(truth["long"]["generated"], rel=0.2), (truth["long"], long)
     [h] = fleet_summary([str(tmp_path / "data")]).to_pylist()
     assert h["uncertain_requests"] == 1, h
-    # The ended run-on, counted by SGLang at its end, listed at its placed end: no bypass tokens read (none ran; before,
-    # its tokens read as bypass, their energy taken from the requests beside it, which the run-on had taken too).
-    import pyarrow.dataset as pads
 
-    ivs = pads.dataset(tmp_path / "data" / "intervals", partitioning="hive").to_table(columns=["server_tokens"])
-    assert sum(x or 0 for x in ivs.column("server_tokens").to_pylist()) < 5, ivs.to_pylist()
+
+def test_bypass_traffic_beside_sglang_run_ons_it_aborted_is_read(tmp_path):
+    # A cut stream whose answer may end by itself (here ignore_eos with a stop the simulator never meets: run on to
+    # SGLang's abort, counted nowhere) is flagged uncertain-uncounted, and its placed run-on is not listed for the scrape
+    # windows: listed (reverted 16f65a29, the review's F1), it lowered the gap as SGLang's count never did, and bypass
+    # traffic beside it was hidden in rows saying `complete` (the review's scene: 274 of 480 bypass tokens read, the
+    # requests beside them +15% to +20%, none flagged). Unlisted, one that ended by itself reads as bypass tokens
+    # (docs/daemon.md: a known gap, high, never hidden).
+    import asyncio
+
+    import aiohttp
+
+    from powerprof.storage.schema import UNSURE_FLAG
+
+    srv, daemon = _h200_daemon(tmp_path, "sglang", decode_tok_s=40.0)
+
+    async def post(s, url, tag, body):
+        return await s.post(url + "/v1/completions", json={"model": "m", "stream": True, **body},
+                            headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
+
+    async def normal(s, url, k):
+        async with await post(s, url, f"ok{k}", {"prompt": f"w{k} " * 300, "max_tokens": 80,
+                                                 "stream_options": {"include_usage": True}}) as r:
+            await r.read()
+
+    async def bypass(s, k):  # straight to the server, not through the proxy
+        async with s.post(srv.url + "/v1/completions", json={"model": "m", "prompt": f"b{k} " * 100,
+                                                             "max_tokens": 40, "ignore_eos": True},
+                          headers={"X-Sim-Request-Id": f"byp{k}"}) as r:
+            await r.read()
+
+    async def cut(s, url, tag):
+        r = await post(s, url, tag, {"prompt": f"{tag} " * 300, "max_tokens": 2000, "ignore_eos": True,
+                                     "stop": ["NEVER-MET"]})
+        n = 0
+        async for line in r.content:
+            n += line.startswith(b"data:")
+            if n == 5:
+                break
+        r.close()
+
+    async def scene(url):
+        for _ in range(600):
+            if daemon.scraper.kind and daemon.ledger.runs_on_after_leave is not None:
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            jobs, nb = [], 0
+            for k in range(12):
+                jobs.append(asyncio.create_task(normal(s, url, k)))
+                if k % 4 == 1:
+                    jobs.append(asyncio.create_task(cut(s, url, f"cut{k}")))
+                if k % 4 == 3:  # 0.8 s after the cut left: inside its run-on and CREDIT_S after it
+                    jobs += [asyncio.create_task(bypass(s, nb + j)) for j in range(3)]
+                    nb += 3
+                await asyncio.sleep(0.4)
+            await asyncio.gather(*jobs)
+
+    _run_daemon(srv, daemon, scene, after_s=6, up=lambda: "proxy" in daemon.urls, up_tries=400)
+    truth = {t["client_id"]: t for t in [*srv.truth, *srv.truth_cancelled] if t.get("client_id")}
+    rows = _rows_by_tag(tmp_path)
+    ivs = read_dataset(tmp_path / "data", "intervals").to_dict("records")
+    byp_tokens = sum(t["generated"] for c, t in truth.items() if c.startswith("byp"))
+    byp_j = sum(t["energy_j"] for c, t in truth.items() if c.startswith("byp"))
+    read_tokens = sum(x.get("server_tokens") or 0 for x in ivs)
+    read_j = sum(x.get("unproxied_energy_j") or 0 for x in ivs)
+    assert byp_tokens == 360
+    for t in ("cut1", "cut5", "cut9"):
+        assert UNSURE_FLAG in (rows[t]["energy_note"] or ""), rows[t]["energy_note"]
+    flagged = [t for t, r in rows.items() if t.startswith("ok") and "bypass-uncounted" in (r["energy_note"] or "")]
+    # Read whole (as the shown tokens of a cut stream, never counted by SGLang, may hide: 3 x 5), or the rows flagged.
+    assert read_tokens >= 0.9 * byp_tokens or len(flagged) >= 6, (read_tokens, byp_tokens, flagged)
+    assert read_j >= 0.85 * byp_j or len(flagged) >= 6, (read_j, byp_j, flagged)
+    err = _errors_shown({t: r for t, r in rows.items() if t.startswith("ok") and t not in flagged}, truth)
+    assert abs(float(np.mean(list(err.values())))) < 0.08, err
+
+
+@pytest.mark.parametrize("bypass", [False, True])
+def test_an_sglang_run_on_its_max_tokens_end_is_listed_as_counted_not_read_as_bypass(tmp_path, bypass):
+    # A cut stream whose answer cannot end by itself (ignore_eos) and whose max_tokens end its run-on well before the
+    # abort: SGLang finishes it (a length finish) and counts it whole. Unlisted, its run-on read as bypass tokens
+    # besides being placed on its row (the review's F3: 142 bypass tokens where none ran, the requests beside -11%);
+    # listed as SGLang's length finish, its windows waiting for its placing. Beside bypass traffic, that is still read.
+    import asyncio
+
+    import aiohttp
+
+    srv, daemon = _h200_daemon(tmp_path, "sglang", decode_tok_s=40.0)
+
+    async def post(s, url, tag, body):
+        return await s.post(url + "/v1/completions", json={"model": "m", "stream": True, **body},
+                            headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
+
+    async def normal(s, url, k):
+        async with await post(s, url, f"ok{k}", {"prompt": f"w{k} " * 300, "max_tokens": 80,
+                                                 "stream_options": {"include_usage": True}}) as r:
+            await r.read()
+
+    async def by(s, k):  # straight to the server, not through the proxy
+        async with s.post(srv.url + "/v1/completions", json={"model": "m", "prompt": f"b{k} " * 100,
+                                                             "max_tokens": 40, "ignore_eos": True},
+                          headers={"X-Sim-Request-Id": f"byp{k}"}) as r:
+            await r.read()
+
+    async def cut(s, url, tag):
+        r = await post(s, url, tag, {"prompt": f"{tag} " * 300, "max_tokens": 40, "ignore_eos": True})
+        n = 0
+        async for line in r.content:
+            n += line.startswith(b"data:")
+            if n == 5:
+                break
+        r.close()
+
+    async def scene(url):
+        for _ in range(600):
+            if daemon.scraper.kind and daemon.ledger.runs_on_after_leave is not None:
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            jobs, nb = [], 0
+            for k in range(12):
+                jobs.append(asyncio.create_task(normal(s, url, k)))
+                if k % 4 == 1:
+                    jobs.append(asyncio.create_task(cut(s, url, f"cut{k}")))
+                if bypass and k % 4 == 3:
+                    jobs += [asyncio.create_task(by(s, nb + j)) for j in range(3)]
+                    nb += 3
+                await asyncio.sleep(0.4)
+            await asyncio.gather(*jobs)
+
+    _run_daemon(srv, daemon, scene, after_s=6, up=lambda: "proxy" in daemon.urls, up_tries=400)
+    truth = {t["client_id"]: t for t in [*srv.truth, *srv.truth_cancelled] if t.get("client_id")}
+    rows = _rows_by_tag(tmp_path)
+    ivs = read_dataset(tmp_path / "data", "intervals").to_dict("records")
+    byp_tokens = sum(t["generated"] for c, t in truth.items() if c.startswith("byp"))
+    read_tokens = sum(x.get("server_tokens") or 0 for x in ivs)
+    for t in ("cut1", "cut5", "cut9"):
+        assert truth[t]["generated"] == 40 and rows[t]["attributed_tokens"] == pytest.approx(40), (truth[t], rows[t])
+    flagged = [t for t, r in rows.items() if "bypass-uncounted" in (r["energy_note"] or "")]
+    assert not flagged, flagged
+    # At most the few a read's timing moves (3 cut streams' 35 run-on tokens each read so before: ~105).
+    assert abs(read_tokens - byp_tokens) <= 20, (read_tokens, byp_tokens)
 
 
 def test_a_prompt_whose_size_the_body_does_not_say_is_said_not_costed_and_its_neighbours_say_so(tmp_path):

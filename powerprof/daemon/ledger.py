@@ -116,6 +116,10 @@ DOWN_HOLD_MAX_S = 120.0
 # connection, so no sign of a death (`Ledger._death_proven`).
 ANSWERED_ERROR_NOTES = ("the upstream answered HTTP", "the upstream reported an error")
 RUN_ON_PACE_TOKENS = 8
+# A sure run-on (its answer cannot end by itself) is listed as SGLang's length finish only where its max_tokens end it
+# at no more than this share of what its pace runs to the abort: its pace may read high (within 4% on the simulator,
+# `_place_run_ons`), and one aborted instead is counted nowhere, its listing then hiding bypass traffic.
+RUN_ON_CAPPED_SURE_SHARE = 0.8
 # A whole answer a server runs on to its end (llama.cpp: `_run_on`) is held open no longer than this past its client's
 # leaving (its intervals wait for that run, bounded by the prompt hold too).
 RUN_ON_TO_END_MAX_S = 30.0
@@ -634,7 +638,7 @@ class Ledger:
                 self.recon.finished.append((int(t), n, max(0, int(t) - trace.arrival_ns)))
             self.recon.note_end(r)
         self._learn_pace(r)
-        # After the count listed for the scrape windows above: SGLang counts none of the run-on. llama.cpp counts all
+        # After the count listed for the scrape windows above: SGLang counts none of an aborted run-on. llama.cpp counts all
         # of a whole answer's run to its end, and it is not listed (docs/daemon.md: read as bypass tokens, a known gap).
         self._run_on(r)
         # A restart known already ended it: no later one will (`_end_run_ons_at_restart`). Held to its estimate, a whole
@@ -893,8 +897,9 @@ class Ledger:
 
     def _place_run_on(self, r: LiveRequest, start_ns: int, tok_s: float, whose: str) -> None:
         """Token events at `tok_s` from `start_ns` to its run-on's end, no more than its max_tokens leave, straight into
-        its events (not `_place`: no scrape window lists them; SGLang counts none of them, llama.cpp those of a whole
-        answer's run to its end, read as bypass tokens: docs/daemon.md, a known gap)."""
+        its events (not `_place`: no scrape window lists them, but SGLang's sure run to its max_tokens, a length finish
+        it counts; SGLang counts none of an aborted one, llama.cpp those of a whole answer's run to its end, read as
+        bypass tokens: docs/daemon.md, a known gap)."""
         seqs = max(r.trace.extra.get("sequences", 1), 1)
         span_ns = r.run_on_end_ns - start_ns
         n = tok_s * span_ns / 1e9
@@ -906,6 +911,7 @@ class Ledger:
         if isinstance(limit, (int, float)) and limit > 0:
             left = max(float(limit) * seqs - shown, 0.0)
             capped, n = left < n, min(n, left)
+        to_abort = tok_s * span_ns / 1e9
         if span_ns <= 0 or n <= 0:
             return
         if not r.run_on_to_end and not r.run_on_crash:
@@ -941,12 +947,16 @@ class Ledger:
             # llama.cpp were 96-103 J each for 146-148 J of truth, 235 of their tokens read as bypass (158 J unproxied).
             # SGLang counts a request at its end, which never came: listed, its tokens would hide bypass traffic.
             self.recon.proxied.extend(zip(ts, [n / k] * k))
-        if r.run_on_may_end is not None and self.recon.server_seen and self.recon.server_at_finish:
-            # An answer that ended by itself before the abort SGLang counts whole at its end: unlisted, its run-on read as
-            # bypass tokens besides being placed here (the scene above: 162 bypass tokens, 325-355 J unproxied, the 24
-            # beside them mean -12% and -13%; now 0 and 19 tokens, 0 and 49 J, -0.8% and -3.6%). Listed at its placed end; one SGLang aborted (counted nowhere)
-            # then lowers the gap as its shown tokens do (on_end: bypass traffic then hidden up to them for CREDIT_S).
-            self.recon.finished.append((ts[-1], n, max(0, ts[-1] - r.trace.arrival_ns)))
+        sure = r.run_on_may_end is None and (r.trace.extra.get("eos_ignored") or r.trace.extra.get("min_tokens"))
+        if capped and sure and n <= RUN_ON_CAPPED_SURE_SHARE * to_abort and not r.run_on_to_end \
+                and not r.run_on_crash and self.recon.server_seen and self.recon.server_at_finish:
+            # Its max_tokens reached well before the abort: SGLang finished it (a length finish) and counted it whole
+            # there. Unlisted, its run-on read as bypass tokens besides being placed here (review's scene, 4 streams
+            # cut after 5 chunks with ignore_eos and max_tokens 40 beside 16: 142 bypass tokens read where none ran,
+            # 315-319 J unproxied, the 16 -11%). Not one that may have ended by itself, nor one near its abort: aborted,
+            # SGLang counts it nowhere, and listed it would hide bypass traffic (16f65a29, reverted).
+            r.run_on_listed = (ts[-1], n, max(0, ts[-1] - r.trace.arrival_ns))
+            self.recon.finished.append(r.run_on_listed)
         r.run_on_tokens, r.run_on_pace = n, whose
         if capped:  # its max_tokens, reached at its pace, ended it before the abort: live no longer
             r.run_on_end_ns, r.run_on_capped = max(start_ns + span_ns, r.trace.end_ns), True
@@ -1963,6 +1973,14 @@ class Ledger:
             gone = float(sum(r.ev_n[i:]))
             del r.ev_t[i:], r.ev_n[i:]
             r.run_on_tokens = max(r.run_on_tokens - gone, 0.0)
+        if r.run_on_listed is not None and r.run_on_listed[0] > cut:
+            # Listed as its length finish, which its death came before: SGLang never counted it. Taken back where no
+            # window has taken it yet (those resolved already are past mending).
+            try:
+                self.recon.finished.remove(r.run_on_listed)
+            except ValueError:
+                pass
+            r.run_on_listed = None
 
     def note_proxy_delay(self, t_ns: int, delay_s: float) -> None:
         """How late the proxy's event loop ran at `t_ns` (`CountReconciler.note_proxy_delay`)."""

@@ -64,6 +64,9 @@ class LiveRequest:
     run_on_late: float = 0.0  # of those, placed before an interval already closed: late, not in its attributed tokens
     run_on_pace: str | None = None
     run_on_capped: bool = False  # its max_tokens ended that run before the abort
+    # Its run-on's (t_ns, tokens, duration_ns) listed for the scrape windows where SGLang counted it (a length finish,
+    # `Ledger._place_run_on`); taken back where a restart cut it first (`Ledger._cut_run_on`).
+    run_on_listed: tuple | None = None
     # Its answer may have ended by itself (its end of text) before that run's placed end, unseen: the fewest tokens it
     # then ran on (its min_tokens' rest, else 0); None where its body rules that out (`Ledger._place_run_on`).
     run_on_may_end: float | None = None

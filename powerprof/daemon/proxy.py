@@ -431,22 +431,57 @@ def request_sequences(doc: dict, api: str | None, prompts: int | None = None) ->
     return seqs
 
 
-def own_end_terms(doc: dict, api: str | None) -> tuple[bool, int | None]:
-    """(whether its answer cannot end by itself before its length limit, its minimum tokens) as SGLang reads its body:
-    `ignore_eos` true with no stop string, stop token or stop regex (those still end it), and `min_tokens` (its native
-    /generate's sampling_params `min_new_tokens`), during which no end of text ends it. A run-on past its client's
-    leaving ends at the abort only where its answer cannot end by itself first (`Ledger._place_run_on`)."""
-    sp = doc
+# SGLang's grammar keys (its OpenAI routes' body and /generate's sampling_params): a grammar ends an answer when it is
+# met, whatever ignore_eos (Req.check_finished checks grammar.is_terminated() first; min_new_tokens' penalizer blocks
+# only EOS and stop token ids).
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def _grammar_set(sp: dict, api: str | None) -> bool:
+    """Whether SGLang runs this body's answer under a grammar: a grammar key, a response_format other than text
+    (json_schema, json_object, structural_tag), or tools its tool_choice requires (required, or a named function:
+    SGLang constrains the call to their schema)."""
+    if any(sp.get(k) not in (None, "", [], {}) for k in GRAMMAR_KEYS):
+        return True
     if api == "sglang-generate":
-        sp = doc.get("sampling_params")
-        sp = sp[0] if isinstance(sp, list) and sp else sp
-        if not isinstance(sp, dict):
-            return False, None
-    stops = any(sp.get(k) not in (None, "", [], {}) for k in ("stop", "stop_token_ids", "stop_regex"))
+        return False
+    rf = sp.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
+        return True
+    choice = sp.get("tool_choice")
+    return bool(sp.get("tools")) and (choice == "required" or isinstance(choice, dict))
+
+
+def _own_end_terms_one(sp: dict, api: str | None) -> tuple[bool, int | None]:
+    """own_end_terms for one set of sampling terms (an OpenAI body, or one of /generate's sampling_params)."""
+    stops = any(sp.get(k) not in (None, "", [], {}) for k in ("stop", "stop_regex"))
+    grammar = _grammar_set(sp, api)
     least = whole_count(sp.get("min_new_tokens" if api == "sglang-generate" else "min_tokens"))
     # pydantic's lax boolean on its OpenAI endpoints; a plain dict's value on /generate (True alone taken: never guessed).
     ignored = sp.get("ignore_eos") is True if api == "sglang-generate" else lax_bool(sp.get("ignore_eos")) is True
-    return ignored and not stops, least if least is not None and least > 0 else None
+    # stop_token_ids SGLang ignores under ignore_eos, but taken as an end anyway (an over-flag at most); min_tokens
+    # blocks EOS and stop token ids alone: a stop string, a stop regex or a grammar still ends it inside them.
+    sure = ignored and not (stops or grammar or sp.get("stop_token_ids") not in (None, "", [], {}))
+    least = least if least is not None and least > 0 and not (stops or grammar) else None
+    return sure, least
+
+
+def own_end_terms(doc: dict, api: str | None) -> tuple[bool, int | None]:
+    """(whether its answer cannot end by itself before its length limit, its minimum tokens) as SGLang reads its body:
+    `ignore_eos` true with no stop string, stop token, stop regex or grammar (those still end it), and `min_tokens` (its
+    native /generate's sampling_params `min_new_tokens`) where no stop string, stop regex or grammar can end it inside
+    them. /generate's list of sampling_params (one a prompt): sure only where every one is, its least min_tokens. Its
+    Responses and Anthropic routes take neither field (SGLang's ResponsesRequest has none): never sure. A run-on past its
+    client's leaving ends at the abort only where its answer cannot end by itself first (`Ledger._place_run_on`)."""
+    if api in ("openai-responses", "anthropic-messages"):
+        return False, None
+    sp = doc.get("sampling_params") if api == "sglang-generate" else doc
+    sps = sp if isinstance(sp, list) and api == "sglang-generate" else [sp]
+    if not sps or not all(isinstance(x, dict) for x in sps):
+        return False, None
+    terms = [_own_end_terms_one(x, api) for x in sps]
+    leasts = [t[1] for t in terms]
+    return all(t[0] for t in terms), min(leasts) if None not in leasts else None
 
 
 def request_best_of(doc: dict, api: str | None) -> int | None:

@@ -778,6 +778,16 @@ class CountReconciler:
                       default=None)
         if held_ns is not None:
             pending_ns = held_ns if pending_ns is None else min(pending_ns, held_ns)
+        # A sure run-on (SGLang's, whose answer cannot end by itself: ignore_eos, min_tokens) that its max_tokens may end
+        # before the abort is listed in `finished` as SGLang's length finish once placed (`Ledger._place_run_on`), after
+        # its run: its windows wait from its client's leave, or its count read there as bypass tokens first (34 of its 34
+        # in a window resolved 1.4 s after its finish, before its placing), and the listing then lowered a later one.
+        if self.server_at_finish:
+            capped_ns = min((r.run_on_from_ns for r in self.requests.values() if r.run_on_from_ns is not None
+                             and r.trace.extra.get("max_tokens")
+                             and (r.trace.extra.get("eos_ignored") or r.trace.extra.get("min_tokens"))), default=None)
+            if capped_ns is not None:
+                pending_ns = capped_ns if pending_ns is None else min(pending_ns, capped_ns)
         counting_ns = min((r.trace.arrival_ns for r in live
                            if r.trace.stream is True and r.trace.api.startswith("openai") and told_prompt_tokens(r) is None
                            and r.trace.arrival_ns >= upto_ns - self.prompt_hold_ns), default=None)

@@ -415,8 +415,9 @@ def _run_on_note(r: LiveRequest) -> str:
         said = (f"{said}; {UNSURE_FLAG}: its answer may have ended by itself (its end of text or a stop) before that, "
                 f"unseen by the proxy (its body set no ignore_eos, or a stop, and its min_tokens do not reach so far): "
                 f"it ran on from {least} to {r.run_on_tokens:.0f} tokens after its client left, placed at the most, so "
-                "its figure may be high and the shares of the requests beside it then low; fix: none for J/token, "
-                "which leaves it out; a client that stays to its answer's end is costed as any")
+                "its figure may be high (SGLang then counts its tokens at its end, read as bypass tokens) and the "
+                "shares of the requests beside it then low; fix: none for J/token, which leaves it out; a client that "
+                "stays to its answer's end is costed as any")
         if r.run_on_unsure is None or r.run_on_restart:
             return said
     if r.run_on_crash and r.down_hold_over is not None:
