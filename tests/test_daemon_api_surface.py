@@ -498,3 +498,99 @@ def test_a_stream_cut_before_it_showed_which_n_cmpl_ran_says_so():
     (t,) = asyncio.run(main()).ended
     assert t.counts.generated_tokens == 2 and t.extra.get("sequences", 1) == 1 and "n_cmpl" not in t.extra
     assert "it asked n_cmpl 2 beside n 1" in (t.error or ""), t.error
+
+
+def test_a_whole_n_cmpl_answer_its_upstream_broke_is_kept_unsettled_for_its_row():
+    # A whole answer cut by its upstream (half a body, then the connection closed): nothing showed which reading ran.
+    # Before, `n_cmpl` was left in the request unread and its row silent; now kept as n, unsettled (its row's
+    # energy_note flags UNSURE_FLAG: rowtext._n_cmpl_unsure) and its error says so.
+    from proxy_helpers import serve_here
+
+    async def broken(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 4000
+        await resp.prepare(request)
+        await resp.write(b'{"choices":[{"index":0,"text":"a')
+        request.transport.close()
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", broken)
+        up_runner, up = await serve_here(app)
+        rec = Rec()
+        runner, px = await serve_here(Proxy(up, recorder=rec).app())
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": "a", "max_tokens": 2, "n_cmpl": 2}
+            with pytest.raises(aiohttp.ClientError):
+                async with s.post(px + "/v1/completions", json=body) as r:
+                    await r.read()
+        await runner.cleanup()
+        await up_runner.cleanup()
+        return rec
+
+    (t,) = asyncio.run(main()).ended
+    assert t.outcome == "upstream_error" and "n_cmpl" not in t.extra, (t.outcome, t.extra, t.error)
+    assert t.extra.get("n_cmpl_unsettled") == 2 and t.extra.get("sequences", 1) == 1, t.extra
+    assert "it asked n_cmpl 2 beside n 1" in (t.error or "") and "a whole one" in t.error, t.error
+
+
+def test_a_whole_n_cmpl_answer_its_client_left_is_flagged_with_both_readings(tmp_path):
+    # The review's scene (sim_whole_gone): a whole /v1/completions of n_cmpl 2 x 100 tokens (ignore_eos) whose client
+    # leaves 0.5 s in; llama-server runs both choices to their end. Nothing settled which reading ran: before, its row
+    # said 300 tokens and 702 J of the 600 tokens and 2312 J the server spent (at 300 tokens), n_cmpl unsaid and in
+    # J/token. Now costed as n (one sequence) and flagged UNSURE_FLAG, its note saying both readings.
+    import socket
+    import time
+    import urllib.request
+
+    from daemon_helpers import DaemonProc, read_dataset, sim_env
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+    from powerprof.storage.schema import UNSURE_FLAG
+
+    data = tmp_path / "data"
+    env = sim_env(tmp_path)
+    nvml = SimNVML("seed-16g", state_path=env["POWERPROF_SIM_STATE"])
+    nvml.publish_load()
+    with SimServer(nvml, flavour="llamacpp", batching="continuous", n_slots=4, decode_tok_s=100.0,
+                   draft_n_max=0) as srv:
+        d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.25",
+                       env=env)
+        try:
+            for i in range(3):  # plain streams first, so the daemon knows the server's pace (to place the run-on)
+                body = {"prompt": "warm up the clock", "max_tokens": 20, "ignore_eos": True, "stream": True}
+                req = urllib.request.Request(d.info["proxy"] + "/v1/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json", "X-Powerprof-Tag": f"w{i}"})
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    r.read()
+            body = json.dumps({"prompt": "watt clock and the energy " * 10, "max_tokens": 100, "ignore_eos": True,
+                               "n_cmpl": 2}).encode()
+            host, port = d.info["proxy"].split("//")[1].rsplit(":", 1)
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"X-Sim-Request-Id: A\r\nX-Powerprof-Tag: A\r\nContent-Length: %d\r\n\r\n" % len(body)
+                          + body)
+                time.sleep(0.5)
+            deadline = time.monotonic() + 60
+            rows = None
+            while time.monotonic() < deadline:
+                rows = read_dataset(data, "requests")
+                if rows is not None and (rows["tag"] == "A").any():
+                    break
+                time.sleep(0.2)
+            time.sleep(1.0)  # the server finishes its run-on
+            truth = srv.request_truth()
+        finally:
+            d.stop()
+    row = rows[rows["tag"] == "A"].iloc[0]
+    what = (row["error"], row["energy_note"], truth.get("A"))
+    assert truth["A"]["sequences"] == 2 and truth["A"]["generated"] == 200, what
+    assert row["outcome"] == "client_disconnected" and "it asked n_cmpl 2 beside n 1" in row["error"], what
+    note = row["energy_note"]
+    assert f"{UNSURE_FLAG}: it asked n_cmpl 2 beside n 1" in note, what
+    assert "its run-on after its client left 100 tokens (under n_cmpl, 200)" in note, what
+    assert "if llama-server ran it, 2 sequence(s) ran and its figure is low by about 2x" in note, what
+    # The figure itself is n's reading, about half the server's (flagged, so J/token leaves it out)
+    assert row["attributed_tokens"] == pytest.approx(100) and row["gpu_energy_j"] < 0.8 * truth["A"]["energy_j"], what
