@@ -422,7 +422,7 @@ N_CMPL_CASES = {  # tag: (path, body beyond max_tokens 5, n_cmpl 2, ignore_eos)
 }
 
 
-def _n_cmpl_through_proxy(flavour: str):
+def _n_cmpl_through_proxy(flavour: str, cases: dict = N_CMPL_CASES):
     from proxy_helpers import serve_here
     from powerprof.sim.nvml import SimNVML
     from powerprof.sim.server import SimServer
@@ -431,7 +431,7 @@ def _n_cmpl_through_proxy(flavour: str):
         rec = Rec()
         runner, px = await serve_here(Proxy(up, recorder=rec).app())
         async with aiohttp.ClientSession() as s:
-            for tag, (path, extra) in N_CMPL_CASES.items():
+            for tag, (path, extra) in cases.items():
                 body = {"max_tokens": 5, "n_cmpl": 2, "ignore_eos": True, **extra}
                 async with s.post(px + path, json=body, headers={"X-Sim-Request-Id": tag}) as r:
                     assert r.status == 200
@@ -442,7 +442,7 @@ def _n_cmpl_through_proxy(flavour: str):
     with SimServer(SimNVML("seed-16g", state_path=None), flavour=flavour, n_slots=2, decode_tok_s=2000) as srv:
         rec = asyncio.run(main(srv.url))
         truth = srv.request_truth()
-    return dict(zip(N_CMPL_CASES, rec.ended)), truth
+    return dict(zip(cases, rec.ended)), truth
 
 
 def test_llamacpps_n_cmpl_on_its_openai_routes_is_counted_as_the_choices_it_runs():
@@ -458,6 +458,23 @@ def test_llamacpps_n_cmpl_on_its_openai_routes_is_counted_as_the_choices_it_runs
                                                                        truth[tag]["prompt_tokens"]) == (10, 8), what
         assert (t.extra.get("sequences"), t.extra.get("choices")) == (2, 2) and "n_cmpl" not in t.extra, what
         assert t.extra.get("prompt_tokens") in (None, 8), what
+
+
+def test_a_llamacpp_stream_of_n_above_n_cmpl_keeps_its_prompts_length():
+    # n 2 beside n_cmpl 1: llama-server runs one task a prompt, each saying its prompt's length at its end. The
+    # stream's parser, made for n's 2 a prompt, waited for a second that never came: prompt_tokens None after the
+    # settle (and the row's note blamed a stream with no usage). Now the settled stream is summed again as its tasks.
+    cases = {"chat-n2": ("/v1/chat/completions", {"messages": N_CMPL_CHAT, "n": 2, "n_cmpl": 1, "stream": True,
+                                                  "stream_options": {"include_usage": True}}),
+             "list-n2": ("/v1/completions", {"prompt": ["the power of", "a watt"], "n": 2, "n_cmpl": 1,
+                                             "stream": True})}
+    rows, truth = _n_cmpl_through_proxy("llamacpp", cases)
+    for tag, t in rows.items():
+        what = (tag, t.counts, t.extra, t.error, truth[tag])
+        assert t.outcome == "ok" and t.error is None, what
+        assert t.extra.get("sequences", 1) == truth[tag]["sequences"] and t.extra.get("choices") == 1, what
+        assert (t.counts.generated_tokens, t.counts.prompt_tokens) == (truth[tag]["generated"],
+                                                                       truth[tag]["prompt_tokens"]), what
 
 
 @pytest.mark.parametrize("flavour", ["vllm", "sglang"])

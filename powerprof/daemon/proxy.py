@@ -1299,7 +1299,11 @@ def _stream_counts(trace: RequestTrace, sink) -> streams.Counts:
     summary = sink.parser.finish()
     if "n_cmpl" in trace.extra:
         n, v = trace.extra.get("choices", 1), trace.extra["n_cmpl"]
-        if settle_n_cmpl(trace.extra, summary.choice_stops, summary.done) is None:
+        ran = settle_n_cmpl(trace.extra, summary.choice_stops, summary.done)
+        if ran:  # read again as the tasks llama-server ran: finish() waited for n's (n 2, n_cmpl 1: its prompt unsaid)
+            summary = sink.parser.retask(trace.extra.get("choices", 1),
+                                         trace.extra.get("sequences", 1) + trace.extra.get("empty_tasks", 0))
+        elif ran is None:
             n_cmpl_unsettled(trace, v, n)
     return streams.summary_counts(summary, held=_held_call(trace, sink.upstream_end_ns))
 

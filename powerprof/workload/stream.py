@@ -504,6 +504,15 @@ class StreamParser:
             self._pending, self._pending_bytes = [], 0
         return self._summary()
 
+    def retask(self, choices: int, sequences: int) -> StreamSummary:
+        """The finished stream's summary again, read as `choices` a prompt of `sequences` in all (as the constructor's):
+        a caller that learnt from the stream which its server ran (the daemon's `n_cmpl`) sums each prompt's length
+        over the tasks that ran, not those it first expected (2 for `n: 2` where llama-server ran `n_cmpl: 1`'s one,
+        its prompt's length said by it unsummed)."""
+        self._choices = max(int(choices), 1)
+        self._prompts = max(int(sequences), 1) // self._choices
+        return self._summary()
+
     # --- payloads ------------------------------------------------------------------------------
 
     def _handle(self, obj: dict, out: list[TokenEvent]) -> None:
