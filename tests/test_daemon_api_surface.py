@@ -477,6 +477,34 @@ def test_a_llamacpp_stream_of_n_above_n_cmpl_keeps_its_prompts_length():
                                                                        truth[tag]["prompt_tokens"]), what
 
 
+N_CMPL_RESPONSES = {"responses": ("/v1/responses", {"input": "the power of", "max_output_tokens": 5}),
+                    "responses-stream": ("/v1/responses", {"input": "the power of", "max_output_tokens": 5,
+                                                           "stream": True})}
+
+
+def test_llamacpps_n_cmpl_on_v1_responses_is_counted_as_the_responses_it_runs():
+    # llama-server runs n_cmpl (else n) tasks on /v1/responses too, each answered as its own Response: whole, a JSON
+    # array of them; streamed, their events interleaved (measured on the bundled build). Before: the whole answer read
+    # "response is not a JSON object", no tokens; the stream's count "contradicted" (its last Response's usage alone).
+    rows, truth = _n_cmpl_through_proxy("llamacpp", N_CMPL_RESPONSES)
+    for tag, t in rows.items():
+        what = (tag, t.counts, t.extra, t.error, truth[tag])
+        assert truth[tag]["sequences"] == 2 and t.outcome == "ok" and t.error is None, what
+        assert (t.counts.generated_tokens, t.counts.prompt_tokens) == (truth[tag]["generated"],
+                                                                       truth[tag]["prompt_tokens"]), what
+        assert t.counts.generated_tokens == 10 and t.counts.choice_stops.keys() == {0, 1}, what
+        assert (t.extra.get("sequences"), t.extra.get("choices")) == (2, 2) and "n_cmpl" not in t.extra, what
+
+
+def test_n_cmpl_on_v1_responses_is_one_response_on_vllm():
+    rows, truth = _n_cmpl_through_proxy("vllm", N_CMPL_RESPONSES)
+    for tag, t in rows.items():
+        what = (tag, t.counts, t.extra, t.error, truth[tag])
+        assert truth[tag]["sequences"] == 1 and t.outcome == "ok" and t.error is None, what
+        assert t.counts.generated_tokens == truth[tag]["generated"] == 5, what
+        assert t.extra.get("sequences", 1) == 1 and "n_cmpl" not in t.extra, what
+
+
 @pytest.mark.parametrize("flavour", ["vllm", "sglang"])
 def test_n_cmpl_is_one_choice_on_servers_that_ignore_it(flavour):
     # vLLM and SGLang take no n_cmpl (an unknown field): one choice, counted as one, not doubled by llama.cpp's reading.

@@ -376,10 +376,13 @@ def llamacpp_choices(doc: dict, api: str | None) -> int | None:
     """The choices llama-server runs for each prompt of an OpenAI-route request whose `n_cmpl` says other than the `n`
     vLLM and SGLang run (they ignore `n_cmpl`; llama-server reads it over `n` on every completion route: server-task.cpp
     params_from_json_cmpl, measured on b11434); None where both run the same, or llama-server refuses it (not a number:
-    400). Which server ran which is settled by the answer (`settle_n_cmpl`): the proxy does not know its upstream."""
-    if api not in ("openai-chat", "openai-completions") or doc.get("n_cmpl") is None:
+    400). Which server ran which is settled by the answer (`settle_n_cmpl`): the proxy does not know its upstream.
+    /v1/responses too (llama-server converts it to a chat): `n_cmpl`, else `n`, each task its own Response (the others
+    have no `n` there: one); /v1/messages reads neither (measured)."""
+    key = "n_cmpl" if doc.get("n_cmpl") is not None or api != "openai-responses" else "n"
+    if api not in ("openai-chat", "openai-completions", "openai-responses") or doc.get(key) is None:
         return None
-    v = _llamacpp_int(doc["n_cmpl"])
+    v = _llamacpp_int(doc[key])
     return v if v is not None and 1 <= v <= MAX_SEQUENCES and v != request_choices(doc, api) else None
 
 
@@ -1299,7 +1302,9 @@ def _stream_counts(trace: RequestTrace, sink) -> streams.Counts:
     summary = sink.parser.finish()
     if "n_cmpl" in trace.extra:
         n, v = trace.extra.get("choices", 1), trace.extra["n_cmpl"]
-        ran = settle_n_cmpl(trace.extra, summary.choice_stops, summary.done)
+        # A Responses stream has no [DONE]: whole where every Response it opened completed (`StreamParser._typed`).
+        whole = summary.done or (trace.api == "openai-responses" and summary.complete)
+        ran = settle_n_cmpl(trace.extra, summary.choice_stops, whole)
         if ran:  # read again as the tasks llama-server ran: finish() waited for n's (n 2, n_cmpl 1: its prompt unsaid)
             summary = sink.parser.retask(trace.extra.get("choices", 1),
                                          trace.extra.get("sequences", 1) + trace.extra.get("empty_tasks", 0))
