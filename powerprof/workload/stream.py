@@ -1559,6 +1559,8 @@ def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1, 
                 p._unreadable(f"unexpected response shape: {error_text(e)}")
         n = sum(e.n_tokens for e in out)
         u = p._s.usage_completion
+        if u is not None:
+            p._s.counted = u  # the usages are the server's count, as a single Response's (below)
         return ([TokenEvent(u if u is not None else n, "", u)] if n or u else []), p._summary()
     else:
         p._unreadable("response is not a JSON object")
