@@ -814,7 +814,15 @@ def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
         assert seqs({"messages": [], "n": bad}, "openai-chat") == 1, bad
     for two in ("2", "2.0", " 2"):  # vLLM's pydantic (lax) takes each as 2
         assert seqs({"messages": [], "n": two}, "openai-chat") == 2, two
-    assert seqs({"input": "x", "n": 4}, "openai-responses") == 1  # no `n` in the Responses API
+    # No `n` in OpenAI's Responses API (vLLM, SGLang: one), but llama-server runs n_cmpl, else n, there: kept beside it
+    # as llama.cpp's reading, settled by the answer (proxy.settle_n_cmpl; before, "no n in the Responses API" here).
+    assert seqs({"input": "x", "n": 4}, "openai-responses") == 1
+    llama = {}
+    inspect_request_body(json.dumps({"input": "x", "n": 4}).encode(), "", "openai-responses", llama)
+    assert llama.get("n_cmpl") == 4
+    llama = {}
+    inspect_request_body(json.dumps({"input": "x", "n": 4, "n_cmpl": 2}).encode(), "", "openai-responses", llama)
+    assert llama.get("n_cmpl") == 2  # n_cmpl over n, as on its other routes
     assert seqs({"messages": [], "n": 2}, None) == 1
 
     # Its choices apart (vLLM says a prompt once for its n choices, llama.cpp once a choice: the ledger divides it so).
@@ -2399,6 +2407,11 @@ def test_n_cmpl_on_an_openai_route_is_settled_by_the_choices_the_answer_shows():
     assert extra({"prompt": "a b", "n_cmpl": 2, "n": 2}) == {"sequences": 2, "choices": 2}  # both readings alike
     assert extra({"prompt": "a b", "n_cmpl": "2"}) == {}  # llama-server refuses it (400), the others ignore it
     assert extra({"prompt": "a b", "n_cmpl": None}) == {}
+    # /v1/responses: llama-server reads n_cmpl, else n (a Response per task), the others neither; /v1/messages neither.
+    assert extra({"input": "a", "n_cmpl": 2}, "openai-responses") == {"n_cmpl": 2}
+    assert extra({"input": "a", "n": 3}, "openai-responses") == {"n_cmpl": 3}
+    assert extra({"input": "a", "n": 3, "n_cmpl": 1}, "openai-responses") == {}
+    assert extra({"messages": [], "max_tokens": 2, "n_cmpl": 2}, "anthropic-messages") == {}
 
     def settle(ex, shown, whole):
         ex = dict(ex)

@@ -549,8 +549,9 @@ def _server_counts(raw: bytes, stream: bool) -> tuple[int | None, int | None]:
         elif d.get("type") == "message" and not stream:
             gen, u = d["usage"]["output_tokens"], d["usage"]
             prompt = u["input_tokens"] + u.get("cache_read_input_tokens", 0)
-        elif d.get("object") == "response" and not stream:
-            gen, prompt = d["usage"]["output_tokens"], d["usage"]["input_tokens"]
+        elif d.get("object") == "response" and not stream:  # n_cmpl's: an array of them, each its task's usage
+            gen = (gen or 0) + d["usage"]["output_tokens"]
+            prompt = (prompt or 0) + d["usage"]["input_tokens"]
     return gen, prompt
 
 
@@ -604,6 +605,13 @@ def test_messages_responses_several_choices_and_prompt_lists_are_counted_as_the_
         "chat-ncmpl2-stream": ("/v1/chat/completions", {"max_tokens": n, "n_cmpl": 2, "stream": True,
                                                         "stream_options": usage, "messages": msgs}, 2),
         "cmpl-ncmpl2": ("/v1/completions", {"max_tokens": n, "n_cmpl": 2, "prompt": "the power of the clock"}, 2),
+        # n above n_cmpl: n_cmpl's one task ran; its prompt's length kept after the settle (before: none).
+        "chat-n2-ncmpl1-stream": ("/v1/chat/completions", {"max_tokens": n, "n": 2, "n_cmpl": 1, "stream": True,
+                                                           "stream_options": usage, "messages": msgs}, 1),
+        # And on /v1/responses: a Response per task, whole an array of them (before: no tokens, "not a JSON object").
+        "responses-ncmpl2": ("/v1/responses", {"model": "m", "max_output_tokens": n, "n_cmpl": 2, "input": "the watt"}, 2),
+        "responses-ncmpl2-stream": ("/v1/responses", {"model": "m", "max_output_tokens": n, "n_cmpl": 2,
+                                                      "stream": True, "input": "the watt"}, 2),
     }
     for body in (b for _, b, _ in plan.values()):
         body["temperature"] = 0

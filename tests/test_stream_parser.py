@@ -672,6 +672,31 @@ def test_typed_event_apis_errors_and_cut_streams():
     assert s.complete and s.stop_reason == "length" and s.generated_tokens == 7
 
 
+def test_a_responses_stream_of_several_tasks_sums_their_usages_and_ends_with_the_last():
+    # llama-server's n_cmpl (else n) on /v1/responses: a Response per task, their events interleaved, each to its own
+    # response.completed. Before: the last one's usage alone (3 of 6), and complete at the first one's end.
+    def created(i):
+        return {"type": "response.created", "response": {"id": f"resp_{i}", "object": "response", "status": "in_progress"}}
+
+    def delta(text):
+        return {"type": "response.output_text.delta", "delta": text}
+
+    def completed(i):
+        return {"type": "response.completed", "response": {
+            "id": f"resp_{i}", "object": "response", "status": "completed", "model": "m", "output": [],
+            "usage": {"input_tokens": 54, "output_tokens": 3, "input_tokens_details": {"cached_tokens": 50}}}}
+
+    head = _typed_sse(created(0), delta("a"), created(1), delta("b"), delta("c"), delta("d"), completed(0))
+    p = StreamParser("openai-responses")
+    p.feed(head)
+    assert not p.finish().complete  # the second Response is still open
+    p = StreamParser("openai-responses", choices=2, sequences=2)
+    p.feed(head + _typed_sse(delta("e"), delta("f"), completed(1)))
+    s = p.finish()
+    assert s.complete and s.choice_stops == {0: "stop", 1: "stop"}
+    assert (s.generated_tokens, s.prompt_tokens, s.cached_tokens) == (6, 108, 100) and s.prompt_each_task
+
+
 def test_typed_event_apis_whole_bodies_take_the_usage():
     from powerprof.daemon.streams import body_counts
 

@@ -989,7 +989,8 @@ def notes(t: pa.Table) -> list[str]:
                    "the server also ran on a GPU the daemon did not sample: that GPU's energy is in none of theirs) or "
                    f"{UNSURE_FLAG} (their figure may be high or low and nothing measured says which: a run-on a scrape "
                    "that found the server down may have cut, nearly all of it too much if it did; or one placed to "
-                   "SGLang's abort whose answer may have ended by itself sooner, its figure then high) were "
+                   "SGLang's abort whose answer may have ended by itself sooner, its figure then high; or a whole answer of "
+                   "n_cmpl beside n that never showed which its server ran, costed at n) were "
                    f"left out of J/token (those also marked {BYPASS_LOW_FLAG} are counted in its line, not here): " + "; ".join(
                        f"{r['host']}: {r['uncertain_requests']}" for r in unsure) + f"; the fix: for {NO_COUNTER_SHORT_FLAG}, {NO_COUNTER_SHORT_FIX}; for {BEFORE_FIRST_READ_FLAG}, "
                        "none for those rows (later requests are measured whole): the daemon's log says why its start's "

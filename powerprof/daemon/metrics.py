@@ -84,7 +84,8 @@ FLAG_COUNTERS = {
     UNSURE_FLAG: ("powerprof_requests_uncertain_uncounted", "Requests whose rows' energy_note says "
                   f"{UNSURE_FLAG}: their figure may be high or low and nothing measured says which (a run-on after "
                   "their client left that a scrape finding the server down may have cut, nearly all of it too much if "
-                  "it did; one placed to SGLang's abort whose answer may have ended by itself sooner): analyze leaves "
+                  "it did; one placed to SGLang's abort whose answer may have ended by itself sooner; a whole answer of "
+                  "n_cmpl beside n that never showed which its server ran): analyze leaves "
                   "them out of J/token; the fix: each row's note names it"),
 }
 OTHER = "other"

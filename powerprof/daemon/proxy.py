@@ -377,10 +377,13 @@ def llamacpp_choices(doc: dict, api: str | None) -> int | None:
     """The choices llama-server runs for each prompt of an OpenAI-route request whose `n_cmpl` says other than the `n`
     vLLM and SGLang run (they ignore `n_cmpl`; llama-server reads it over `n` on every completion route: server-task.cpp
     params_from_json_cmpl, measured on b11434); None where both run the same, or llama-server refuses it (not a number:
-    400). Which server ran which is settled by the answer (`settle_n_cmpl`): the proxy does not know its upstream."""
-    if api not in ("openai-chat", "openai-completions") or doc.get("n_cmpl") is None:
+    400). Which server ran which is settled by the answer (`settle_n_cmpl`): the proxy does not know its upstream.
+    /v1/responses too (llama-server converts it to a chat): `n_cmpl`, else `n`, each task its own Response (the others
+    have no `n` there: one); /v1/messages reads neither (measured)."""
+    key = "n_cmpl" if doc.get("n_cmpl") is not None or api != "openai-responses" else "n"
+    if api not in ("openai-chat", "openai-completions", "openai-responses") or doc.get(key) is None:
         return None
-    v = _llamacpp_int(doc["n_cmpl"])
+    v = _llamacpp_int(doc[key])
     return v if v is not None and 1 <= v <= MAX_SEQUENCES and v != request_choices(doc, api) else None
 
 
@@ -408,11 +411,22 @@ def settle_n_cmpl(extra: dict, choice_stops: dict, whole: bool) -> bool | None:
     return None
 
 
-def n_cmpl_unsettled_note(v: int, n: int) -> str:
-    """The row's words for an answer cut before it showed whether its server ran `n_cmpl` (`settle_n_cmpl`: None)."""
-    return (f"it asked n_cmpl {v} beside n {n}: llama-server runs {v} choices a prompt, vLLM and SGLang {n}, and its "
-            f"answer ended before it showed which; its sequences are taken as {n}, so its figures may be off by that "
-            "ratio; fix: send llama-server's choices as `n` alone")
+def n_cmpl_unsettled(trace: RequestTrace, v: int, n: int) -> None:
+    """An answer that ended before it showed whether its server ran `n_cmpl` (`settle_n_cmpl`: None, or never settled:
+    a whole answer its client left, an upstream failure): kept as `n`, `n_cmpl` kept beside it as unsettled for its row
+    (rowtext: a whole answer's tokens are unseen, its figure rests on its sequences: UNSURE_FLAG with both readings)."""
+    trace.extra["n_cmpl_unsettled"] = v
+    if trace.stream is True:
+        # Its tokens are counted as shown, whichever ran: a stream cut 120 chunks in beside a long one read 397.7 J at
+        # n 1 where the same at a known n 2 read 392.7 J (simulator). Not flagged; claiming "off by that ratio" was false.
+        said = ("its stream ended before it showed which: its tokens are those its stream showed, whichever ran, and "
+                f"only its place in the batch (the split of each step's energy with the requests beside it) is taken "
+                f"at {n} sequence(s) a prompt")
+    else:
+        said = (f"its answer, a whole one, ended before it showed which: taken as {n} sequence(s) a prompt (its "
+                "energy_note says both readings)")
+    _add_error(trace, f"it asked n_cmpl {v} beside n {n}: llama-server runs {v} choices a prompt, vLLM and SGLang {n}, "
+                      f"and {said}; fix: send llama-server's choices as `n` alone")
 
 
 def request_sequences(doc: dict, api: str | None, prompts: int | None = None) -> int:
@@ -768,6 +782,12 @@ class Proxy:
                 if trace.outcome == "ok":  # left by a cancellation (every other way out says its outcome)
                     trace.outcome = "interrupted" if self.closing else "client_disconnected"
                 _add_error(trace, NOT_FORWARDED_NOTE)
+            if trace is not None and "n_cmpl" in trace.extra and not trace.extra.get(NOT_FORWARDED) and (
+                    trace.outcome in ("client_disconnected", "interrupted", "upstream_error")
+                    or (trace.outcome == "ok" and (trace.status or 0) < 400)):
+                # Forwarded, and its answer never settled it (a whole answer its client left, an upstream failure):
+                # before, silent, costed as `n` (a whole /v1/completions of n_cmpl 2 its client left: 300 of 600 tokens).
+                n_cmpl_unsettled(trace, trace.extra.pop("n_cmpl"), trace.extra.get("choices", 1))
             if trace is not None:
                 if trace.end_ns is None:  # set already where its run ended before the proxy's answer (a resend's close)
                     trace.end_ns = time.monotonic_ns()
@@ -1324,7 +1344,7 @@ class Proxy:
             if ran:  # read again as the tasks llama-server ran (a whole answer's usage is its first task's)
                 counts = _body_counts(trace, body)
             elif ran is None:
-                _add_error(trace, n_cmpl_unsettled_note(v, n))
+                n_cmpl_unsettled(trace, v, n)
         trace.counts = counts
         n = counts.generated_tokens or 0
         if counts.listed_tokens is not None:
@@ -1353,8 +1373,14 @@ def _stream_counts(trace: RequestTrace, sink) -> streams.Counts:
     summary = sink.parser.finish()
     if "n_cmpl" in trace.extra:
         n, v = trace.extra.get("choices", 1), trace.extra["n_cmpl"]
-        if settle_n_cmpl(trace.extra, summary.choice_stops, summary.done) is None:
-            _add_error(trace, n_cmpl_unsettled_note(v, n))
+        # A Responses stream has no [DONE]: whole where every Response it opened completed (`StreamParser._typed`).
+        whole = summary.done or (trace.api == "openai-responses" and summary.complete)
+        ran = settle_n_cmpl(trace.extra, summary.choice_stops, whole)
+        if ran:  # read again as the tasks llama-server ran: finish() waited for n's (n 2, n_cmpl 1: its prompt unsaid)
+            summary = sink.parser.retask(trace.extra.get("choices", 1),
+                                         trace.extra.get("sequences", 1) + trace.extra.get("empty_tasks", 0))
+        elif ran is None:
+            n_cmpl_unsettled(trace, v, n)
     return streams.summary_counts(summary, held=_held_call(trace, sink.upstream_end_ns))
 
 

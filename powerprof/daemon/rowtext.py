@@ -546,6 +546,28 @@ def _whole_gone_costed(r: LiveRequest) -> bool:
     return gone_unsaid(r) and r.trace.stream is not True and r.run_on_end_ns is None and r.prompt_est is not None
 
 
+def _n_cmpl_unsure(r: LiveRequest) -> bool:
+    """UNSURE_FLAG's whole answer whose `n_cmpl` never settled (`proxy.n_cmpl_unsettled`: its client left, or its upstream
+    failed, before its body came): its tokens unseen, its run costed at `n`'s sequences, llama-server's `n_cmpl` the
+    other reading. A stream's tokens are those it showed: not flagged (its error says what is `n`'s)."""
+    return r.trace.extra.get("n_cmpl_unsettled") is not None and r.trace.stream is not True
+
+
+def _n_cmpl_note(r: LiveRequest) -> str:
+    """`_n_cmpl_unsure`'s words: both readings of its sequences, and of its run-on's tokens where one was costed."""
+    extra = r.trace.extra
+    v, n = extra["n_cmpl_unsettled"], max(extra.get("choices", 1), 1)
+    seqs = max(extra.get("sequences", 1), 1)
+    other = seqs // n * v
+    run_on = (f", its run-on after its client left {r.run_on_tokens:.0f} tokens (under n_cmpl, "
+              f"{r.run_on_tokens * other / seqs:.0f})" if r.run_on_tokens > 0 else "")
+    return (f"{UNSURE_FLAG}: it asked n_cmpl {v} beside n {n}, and its answer (a whole one) ended ({r.trace.outcome}) "
+            f"before it showed which its server ran: llama-server runs {v} choices a prompt, vLLM and SGLang {n}; it is "
+            f"costed at n's reading, {seqs} sequence(s){run_on}; if llama-server ran it, {other} sequence(s) ran and "
+            f"its figure is {'low' if other > seqs else 'high'} by about {other / seqs:.3g}x in what it decoded (the "
+            f"requests beside it the other way); fix: send llama-server's choices as `n` alone")
+
+
 def _no_energy_reason(r: LiveRequest) -> str:
     """Why a request got no energy: what the work model could not see."""
     if not_forwarded(r):
@@ -704,7 +726,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
-            UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or r.queued_beside_j > 0)}
+            UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or r.queued_beside_j > 0 or _n_cmpl_unsure(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -826,6 +848,8 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
         notes.append(_best_of_note(r.trace.extra))
+    if _n_cmpl_unsure(r):
+        notes.append(_n_cmpl_note(r))
     c = r.trace.counts
     if _count_open_flagged(r):
         notes.append(f"{COUNT_OPEN_FLAG}: its count ({c.generated_tokens} tokens) is the server's running count as of "

@@ -230,6 +230,11 @@ class _State:
     n_bare: int = 0  # chunks without choices that carried usage or timings (keys "#1", "#2", ...)
     first_choice_of: int | None = None  # a whole answer's count is its first choice's alone, of this many
     scaled_tasks: bool = False  # a whole llama.cpp answer's first task's usage scaled to its choices (_one_task_answer)
+    # Responses: each Response's id in the order first seen (its task index) and those not yet ended. llama-server runs
+    # n_cmpl (else n) tasks on /v1/responses, each its own Response: streamed interleaved, whole a JSON array of them.
+    resp_index: dict = field(default_factory=dict)
+    resp_open: set = field(default_factory=set)
+    resp_usage: dict = field(default_factory=dict)  # task index: its usage object, as said at its end
     # Chunks that carried a tool call and a running count past the stream's usual step (more than twice `max_step`,
     # and more than 2): the server's tool-call parser held those tokens' text (SGLang's deepseekv3 sends a call whole
     # once it closes), no hop between.
@@ -502,6 +507,15 @@ class StreamParser:
         if self._pending:
             self._dispatch(b"\n".join(self._pending), out)
             self._pending, self._pending_bytes = [], 0
+        return self._summary()
+
+    def retask(self, choices: int, sequences: int) -> StreamSummary:
+        """The finished stream's summary again, read as `choices` a prompt of `sequences` in all (as the constructor's):
+        a caller that learnt from the stream which its server ran (the daemon's `n_cmpl`) sums each prompt's length
+        over the tasks that ran, not those it first expected (2 for `n: 2` where llama-server ran `n_cmpl: 1`'s one,
+        its prompt's length said by it unsummed)."""
+        self._choices = max(int(choices), 1)
+        self._prompts = max(int(sequences), 1) // self._choices
         return self._summary()
 
     # --- payloads ------------------------------------------------------------------------------
@@ -949,6 +963,9 @@ class StreamParser:
                 s.model = resp["model"]
             if isinstance(resp, dict) and isinstance(resp.get("id"), str):
                 s.response_id = resp["id"][:256]  # bounded: a key the ledger keeps (Ledger.response_context)
+                if s.response_id not in s.resp_index and len(s.resp_index) < _MAX_RESPONSES:
+                    s.resp_index[s.response_id] = len(s.resp_index)
+                    s.resp_open.add(s.response_id)
             if kind.endswith(".delta"):
                 # response.output_text.delta, response.reasoning_text.delta, response.refusal.delta,
                 # response.function_call_arguments.delta, ...: one token a delta (logprobs, where
@@ -967,7 +984,19 @@ class StreamParser:
                     det = resp.get("incomplete_details")
                     why = det.get("reason") if isinstance(det, dict) else None
                     s.stop_reason = _RESPONSES_INCOMPLETE.get(why, why) if isinstance(why, str) else "incomplete"
-                self._typed_usage(resp.get("usage"), "output_tokens", "input_tokens")
+                rid = resp.get("id") if isinstance(resp.get("id"), str) else None
+                if rid is None and len(s.resp_open) == 1:
+                    rid = next(iter(s.resp_open))  # an end that names none: the one Response open
+                task = s.resp_index.get(rid, 0)
+                s.resp_open.discard(rid)
+                s.choice_stops[task] = s.stop_reason
+                if isinstance(resp.get("usage"), dict):
+                    s.resp_usage[task] = resp["usage"]
+                if len(s.resp_index) > 1:
+                    self._responses_tasks()
+                else:
+                    self._typed_usage(resp.get("usage"), "output_tokens", "input_tokens")
+                s.complete = not s.resp_open  # several Responses: each its own end
                 s.carried_chars = _responses_carried(resp.get("output"))
             return
         # anthropic-messages
@@ -993,6 +1022,19 @@ class StreamParser:
             self._typed_usage(obj.get("usage"), "output_tokens", "input_tokens")
         elif kind == "message_stop":
             s.complete = True
+
+    def _responses_tasks(self) -> None:
+        """Several Responses in one answer (llama-server's n_cmpl or n tasks on /v1/responses): each task's usage said
+        at its end, its counts and prompt summed as llama.cpp's chat tasks' are (each prefills in its own slot)."""
+        s = self._s
+        for task, usage in s.resp_usage.items():
+            s.task_usage[task] = (self._count(usage, "output_tokens"), self._count(usage, "input_tokens"))
+            det = usage.get("input_tokens_details")
+            c = self._count(det, "cached_tokens") if isinstance(det, dict) else None
+            if c is not None:
+                s.usage_cached[task] = c
+        s.typed_cached = None  # a task's alone: the sum is _cached_tokens' (task_usage)
+        self._merge_usage()
 
     def _typed_usage(self, usage, out_key: str, in_key: str) -> None:
         if not isinstance(usage, dict):
@@ -1475,15 +1517,7 @@ def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1, 
         if api.startswith("openai"):
             obj = _one_task_answer(obj, api, p._s, choices if sequences == choices else 1, tasks_run)
         if api == "openai-responses" and obj.get("object") == "response":
-            # A whole response is the body of a streamed `response.completed` (or incomplete, failed).
-            status = obj.get("status")
-            kind = {"completed": "response.completed", "incomplete": "response.incomplete",
-                    "failed": "response.failed"}.get(status if isinstance(status, str) else "", "response.in_progress")
-            n = _responses_output_parts(obj.get("output"))
-            p._s.counted, p._s.n_events, p._s.guessed = n, 1 if n else 0, n
-            if n:
-                out.append(TokenEvent(n, "", None))
-            obj = {"type": kind, "response": obj}
+            obj = _whole_response(p, obj, out)
         elif api == "anthropic-messages" and obj.get("type") == "message":
             content = obj.get("content")
             n = sum(1 for b in content if isinstance(b, dict)) if isinstance(content, list) else 0
@@ -1508,6 +1542,45 @@ def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1, 
         if out and p._s.usage_completion is not None and out[0].n_tokens != p._s.usage_completion:
             out = [TokenEvent(p._s.usage_completion, out[0].text, p._s.usage_completion)]
             p._s.counted = p._s.usage_completion
+    elif api == "openai-responses" and isinstance(obj, list) and obj:
+        # llama-server's n_cmpl (else n) tasks on /v1/responses: a JSON array of each task's whole Response (measured
+        # on b11434). Before: "response is not a JSON object", no tokens. Each read as its own, their counts summed.
+        if len(obj) > _MAX_RESPONSES:
+            p._invalid("response", f"{len(obj)} Responses in one answer")
+            return [], p._summary()
+        for i, o in enumerate(obj):
+            if not isinstance(o, dict) or o.get("object") != "response":
+                p._unreadable("response item is not a Response object")
+                continue
+            o = o if isinstance(o.get("id"), str) else dict(o, id=f"#{i}")  # each its own task
+            try:
+                p._handle(_whole_response(p, o, out), out)
+            except Exception as e:
+                p._unreadable(f"unexpected response shape: {error_text(e)}")
+        n = sum(e.n_tokens for e in out)
+        u = p._s.usage_completion
+        if u is not None:
+            p._s.counted = u  # the usages are the server's count, as a single Response's (below)
+        return ([TokenEvent(u if u is not None else n, "", u)] if n or u else []), p._summary()
     else:
         p._unreadable("response is not a JSON object")
     return out, p._summary()
+
+
+# More Responses than any server answers for one request (llama-server's n_cmpl: at most its slots): read no further.
+_MAX_RESPONSES = 4096
+
+
+def _whole_response(p: StreamParser, obj: dict, out: list[TokenEvent]) -> dict:
+    """A whole Response (the body of a streamed `response.completed`, or incomplete, failed): its output parts counted
+    (added to those before it: an array of several), and the event its usage and end are read from."""
+    status = obj.get("status")
+    kind = {"completed": "response.completed", "incomplete": "response.incomplete",
+            "failed": "response.failed"}.get(status if isinstance(status, str) else "", "response.in_progress")
+    n = _responses_output_parts(obj.get("output"))
+    p._s.counted += n
+    p._s.guessed += n
+    p._s.n_events += 1 if n else 0
+    if n:
+        out.append(TokenEvent(n, "", None))
+    return {"type": kind, "response": obj}
