@@ -836,6 +836,36 @@ def test_a_vllm_restarted_behind_a_503_with_as_many_requests_finished_is_said(mo
     assert deltas == [0, 100, None, 30, 100] and "counter_below" in sc.partial and sc.below == 1, (deltas, sc.partial)
 
 
+def test_a_retry_herd_on_a_new_process_behind_a_503_rising_past_the_servers_pace_is_said(monkeypatch):
+    # The second review's scripted repros. A vLLM with several API servers (no start time), 200 tokens a second at light
+    # load; restarted behind three 503s, its clients' retry herd ran the new one at 1000 a second: 3500 tokens by the
+    # page back, past the old reading and the reach (4 x 200 x 4 s = 3200). Truth: 3500 the new process's. Before
+    # counted 2900 of them unsaid; its rise, 2900 in 4 s, is over 1.25 x 200 x 4 s = 1000: said, 2900 kept.
+    script = [_vllm_full(200, 2), _vllm_full(400, 4), _vllm_full(600, 6), "503", "503", "503",
+              _vllm_full(3500, 35), _vllm_full(4500, 45)]
+    seen: list = []
+    deltas, sc = _scrapes("vllm", script, seen, period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas == [0, 200, 200, None, None, None, 2900, 1000] and sc.below == 1, (deltas, sc.partial)
+    assert "counter_below" in sc.partial and sc.restarts == 0, sc.partial
+    # SGLang (at finish): one 100-token request a second (peak 100/s), a herd of 64 on the new process by the page
+    # back: 6400 past the reach (4 x 100 x 4 s). Before counted 6100 of 6400 unsaid; its rise is over 1.25 x 100 x 4 s.
+    script = [_sglang_full(0, 0, 0, 0.0), _sglang_full(100, 0, 1, 2.0), _sglang_full(200, 0, 2, 4.0),
+              _sglang_full(300, 0, 3, 6.0), "503", "503", "503",
+              _sglang_full(6400, 0, 64, 128.0), _sglang_full(12800, 0, 128, 256.0)]
+    deltas, sc = _scrapes("sglang", script, period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas == [0, 100, 100, 100, None, None, None, 6100, 6400] and sc.below == 1, (deltas, sc.partial)
+
+
+def test_a_finished_count_read_nan_after_a_503_is_said(monkeypatch):
+    # A NaN compares as neither below nor above: vllm:request_success_total NaN after a 503 passed as "not gone back",
+    # the window whole. Not comparable, it is read as gone back: said, the count kept.
+    nan_page = _vllm_multiprocess(101000) + ('# TYPE vllm:request_success_total counter\n'
+                                            'vllm:request_success_total{model_name="m",finished_reason="length"} NaN\n')
+    deltas, sc = _scrapes("vllm", [_vllm_full(99000, 990), _vllm_full(100000, 1000), "503", nan_page,
+                                   _vllm_full(102000, 1020)], period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas == [0, 1000, None, 1000, 1000] and sc.below == 1 and "counter_below" in sc.partial, (deltas, sc.partial)
+
+
 def _vllm_reasons(tokens: float, stop: int, length: int) -> str:
     return (_vllm_multiprocess(tokens) + "# TYPE vllm:request_success_total counter\n"
             f'vllm:request_success_total{{model_name="m",finished_reason="stop"}} {stop}\n'
