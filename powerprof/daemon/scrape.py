@@ -276,10 +276,10 @@ class MetricsStatus(ValueError):
     (`Scraper.down_open`). Public, its name in plain words: it heads the scrape's last_error users read (status, log),
     where the private name read "_MetricsStatus: /metrics answered 503"."""
 
-    def __init__(self, status: int, url: str, loading: bool = False):
+    def __init__(self, status: int, url: str, loading: bool = False, note: str = ""):
         super().__init__(f"GET {url} answered {status}" + (
             ' "Loading model": llama-server is loading its model (a restart, most likely); scrapes go on until it '
-            "answers" if loading else ""))
+            "answers" if loading else note))
         self.status = status
         self.loading = loading
 
@@ -356,6 +356,8 @@ class Scraper:
         # The highest tokens a second the counter rose by over a whole window between believed pages (BLIP_RATE_MARGIN);
         # 0: none known yet.
         self._peak_tok_s = 0.0
+        # llama.cpp's: its decode calls' highest rate a second over a whole window, beside its tokens' (_llama_blip_back).
+        self._peak_steps_s = 0.0
         # When the first such scrape began (time.monotonic_ns()), and, on the believed page after it, the latest window's
         # (None: no scrape of the window found the server down): a process gone in a restart died before it, so the
         # ledger places its run-ons' end between the window's start and it (`Ledger._run_on_cut_ns`).
@@ -893,10 +895,13 @@ class Scraper:
                 raise MetricsStatus(metrics_status, self.base + "/metrics", loading=True)
             if metrics_status in (502, 503):
                 # Not llama-server's loading page: a router's, a rate limit's or an auth proxy's blip in front of a
-                # live server. Read as down, a blip's window was marked counter_below with a restart warning.
-                raise ValueError(f"GET {self.base}/metrics answered {metrics_status} (not llama-server's own "
-                                 "\"Loading model\": a proxy or router in front of it, most likely); this scrape is "
-                                 "skipped and retried")
+                # live server, or of one restarting behind it. Read as down, a blip's window was marked counter_below
+                # with a restart warning; read as a plain failed scrape, a restart behind a gateway's readiness lag
+                # passed unsaid (bypass 1153 of 1728 counted, proxied J/token +52%). A blip (`_blipped`): the page back
+                # is held to the server's pace (`_llama_blip_back`).
+                raise MetricsStatus(metrics_status, self.base + "/metrics", note=(
+                    " (not llama-server's own \"Loading model\": a proxy or router in front of it, most likely); this "
+                    "scrape is skipped and retried"))
             raise ValueError("llama-server answers neither /metrics (start it with --metrics) nor /slots")
         if finished is None:
             self.window_partial = (SERVER_COUNT_SLOTS_ONLY,)
@@ -937,6 +942,10 @@ class Scraper:
             # page (a young server; two bypass requests at once take fewer decode calls than tokens), or the same
             # process back; its page has no start time to tell (`_down_back`). Not moved at all, it is the same.
             self._down_back(self._finished, finished)
+        elif self._blipped and self._finished is not None and self._high is not None and not (
+                finished == self._finished and steps is not None and steps == prev_steps):
+            self._llama_blip_back(total, prev_steps, steps)
+        was_out = self._unreachable or self._blipped
         self._finished = finished
         if self._high is None:
             self._high = total  # the first scrape is the baseline
@@ -946,4 +955,29 @@ class Scraper:
         # fewer tokens than already reported (a Prometheus counter does not go down).
         delta = max(0.0, total - self._high)
         self._high = max(self._high, total)
+        if not was_out and not self.window_partial and self._believed_at is not None:
+            # A whole window of one process: its paces (`_llama_blip_back`), as `_peak_tok_s` on the other servers.
+            dt = max(self._scrape_at - self._believed_at, 0.05)
+            self._peak_tok_s = max(self._peak_tok_s, delta / dt)
+            if steps is not None and prev_steps is not None:
+                self._peak_steps_s = max(self._peak_steps_s, (steps - prev_steps) / dt)
         return delta
+
+    def _llama_blip_back(self, total: float, prev_steps: float | None, steps: float | None) -> None:
+        """After a gateway's 502/503 (`_blipped`) llama-server's page is back with neither counter fallen and something
+        moved: the same process, whole, only where its tokens (finished plus decoding now, `total`, against the highest
+        reading) and its decode calls (where the page has them) are each beyond a new process's reach and risen within
+        the server's own pace (`_beyond_reach`, `_peak_tok_s` and `_peak_steps_s`). Else said (COUNTER_BELOW), the count
+        kept. With no pace known yet, judged as after a down (`_down_back`)."""
+        has_steps = steps is not None and prev_steps is not None
+        if self._peak_tok_s <= 0 or self._believed_at is None or (has_steps and self._peak_steps_s <= 0):
+            self._down_back(self._high, total)
+            return
+        since_s = time.monotonic() - self._believed_at
+        why = self._beyond_reach("tokens", self._high, total, self._peak_tok_s, since_s)
+        if why is None and has_steps:
+            why = self._beyond_reach(LLAMACPP_STEPS, prev_steps, steps, self._peak_steps_s, since_s)
+        if why is not None:
+            self._said_below(f"is back after a scrape answered 502/503 at {total:g} tokens (finished and decoding), at "
+                             f"or past {self._high:g}, but {why}: a restart behind a gateway whose new process passed "
+                             "the old reading, or the same process back")
