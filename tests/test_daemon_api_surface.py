@@ -519,28 +519,37 @@ def test_n_cmpl_is_one_choice_on_servers_that_ignore_it(flavour):
                                                                            truth[tag]["prompt_tokens"]) == (5, 4), what
 
 
+def _ended_through_proxy(upstream_handler, body: dict):
+    """`body` POSTed to /v1/completions through a Proxy in front of an app answering with `upstream_handler`: the
+    proxy's ended traces, and whether the client's read raised aiohttp.ClientError (an exchange the upstream broke)."""
+    from proxy_helpers import serve_here
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", upstream_handler)
+        up_runner, up = await serve_here(app)
+        rec, raised = Rec(), False
+        runner, px = await serve_here(Proxy(up, recorder=rec).app())
+        async with aiohttp.ClientSession() as s:
+            try:
+                async with s.post(px + "/v1/completions", json=body) as r:
+                    await r.read()
+            except aiohttp.ClientError:
+                raised = True
+        await runner.cleanup()
+        await up_runner.cleanup()
+        return rec.ended, raised
+
+    return asyncio.run(main())
+
+
 def test_a_stream_cut_before_it_showed_which_n_cmpl_ran_says_so():
     # A stream of one choice that ended without [DONE] (its second task still queued for a slot on llama-server, or a
     # server that ignored n_cmpl): which ran is unknown. Taken at its `n`, and its row says so (before: silent).
     cut = (b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
            b'data: {"choices":[{"index":0,"text":"b","finish_reason":"length"}]}\n\n')
-    from proxy_helpers import serve_here
-
-    async def main():
-        app = web.Application()
-        app.router.add_post("/v1/completions", _sse(cut))
-        up_runner, up = await serve_here(app)
-        rec = Rec()
-        runner, px = await serve_here(Proxy(up, recorder=rec).app())
-        async with aiohttp.ClientSession() as s:
-            body = {"prompt": "a", "max_tokens": 2, "n_cmpl": 2, "stream": True}
-            async with s.post(px + "/v1/completions", json=body) as r:
-                await r.read()
-        await runner.cleanup()
-        await up_runner.cleanup()
-        return rec
-
-    (t,) = asyncio.run(main()).ended
+    (t,), raised = _ended_through_proxy(_sse(cut), {"prompt": "a", "max_tokens": 2, "n_cmpl": 2, "stream": True})
+    assert not raised
     assert t.counts.generated_tokens == 2 and t.extra.get("sequences", 1) == 1 and "n_cmpl" not in t.extra
     assert "it asked n_cmpl 2 beside n 1" in (t.error or ""), t.error
     # Its tokens are those shown: only its place in the batch is n's (before: "its figures may be off by that ratio",
@@ -552,8 +561,6 @@ def test_a_whole_n_cmpl_answer_its_upstream_broke_is_kept_unsettled_for_its_row(
     # A whole answer cut by its upstream (half a body, then the connection closed): nothing showed which reading ran.
     # Before, `n_cmpl` was left in the request unread and its row silent; now kept as n, unsettled (its row's
     # energy_note flags UNSURE_FLAG: rowtext._n_cmpl_unsure) and its error says so.
-    from proxy_helpers import serve_here
-
     async def broken(request):
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -563,22 +570,8 @@ def test_a_whole_n_cmpl_answer_its_upstream_broke_is_kept_unsettled_for_its_row(
         request.transport.close()
         return resp
 
-    async def main():
-        app = web.Application()
-        app.router.add_post("/v1/completions", broken)
-        up_runner, up = await serve_here(app)
-        rec = Rec()
-        runner, px = await serve_here(Proxy(up, recorder=rec).app())
-        async with aiohttp.ClientSession() as s:
-            body = {"prompt": "a", "max_tokens": 2, "n_cmpl": 2}
-            with pytest.raises(aiohttp.ClientError):
-                async with s.post(px + "/v1/completions", json=body) as r:
-                    await r.read()
-        await runner.cleanup()
-        await up_runner.cleanup()
-        return rec
-
-    (t,) = asyncio.run(main()).ended
+    (t,), raised = _ended_through_proxy(broken, {"prompt": "a", "max_tokens": 2, "n_cmpl": 2})
+    assert raised  # the client saw the exchange broken
     assert t.outcome == "upstream_error" and "n_cmpl" not in t.extra, (t.outcome, t.extra, t.error)
     assert t.extra.get("n_cmpl_unsettled") == 2 and t.extra.get("sequences", 1) == 1, t.extra
     assert "it asked n_cmpl 2 beside n 1" in (t.error or "") and "a whole one" in t.error, t.error

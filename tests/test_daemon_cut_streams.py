@@ -334,6 +334,27 @@ def test_a_request_sglang_runs_on_after_its_client_left_is_charged_that_work_not
     assert float(np.median([abs(err[t]) for t in ok])) < 0.3, {t: round(err[t], 2) for t in ok}
 
 
+async def _tagged_stream(s, url, tag, body):
+    """A streamed /v1/completions through `url`, `tag` both its simulator truth id and its row's tag."""
+    return await s.post(url + "/v1/completions", json={"model": "m", "stream": True, **body},
+                        headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
+
+
+async def _stream_read_whole(s, url, k):
+    """`ok{k}`: 80 tokens streamed with usage, its client there to the end (an honest neighbour)."""
+    async with await _tagged_stream(s, url, f"ok{k}", {"prompt": f"w{k} " * 300, "max_tokens": 80,
+                                                       "stream_options": {"include_usage": True}}) as r:
+        await r.read()
+
+
+async def _bypass_completion(s, server_url, k):
+    """`byp{k}`: 40 tokens straight to the server, not through the proxy (bypass traffic)."""
+    async with s.post(server_url + "/v1/completions", json={"model": "m", "prompt": f"b{k} " * 100,
+                                                             "max_tokens": 40, "ignore_eos": True},
+                      headers={"X-Sim-Request-Id": f"byp{k}"}) as r:
+        await r.read()
+
+
 def test_an_sglang_run_on_whose_answer_may_end_by_itself_is_uncertain_one_sent_with_ignore_eos_is_not(tmp_path):
     # SGLang runs a cut stream on to its abort 2 s later unless its answer ends by itself first (the simulator's end of
     # text, 16-63 tokens in, as a model's), unseen. Placed to the abort either way, the first was costed +100% to +300%
@@ -348,14 +369,7 @@ def test_an_sglang_run_on_whose_answer_may_end_by_itself_is_uncertain_one_sent_w
 
     srv, daemon = _h200_daemon(tmp_path, "sglang", decode_tok_s=40.0)
 
-    async def post(s, url, tag, body):
-        return await s.post(url + "/v1/completions", json={"model": "m", "stream": True, **body},
-                            headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
-
-    async def normal(s, url, k):
-        async with await post(s, url, f"ok{k}", {"prompt": f"w{k} " * 300, "max_tokens": 80,
-                                                 "stream_options": {"include_usage": True}}) as r:
-            await r.read()
+    post, normal = _tagged_stream, _stream_read_whole
 
     async def cut(s, url, tag, **body):
         r = await post(s, url, tag, {"prompt": f"{tag} " * 300, "max_tokens": 2000, **body})
@@ -406,20 +420,10 @@ def test_bypass_traffic_beside_sglang_run_ons_it_aborted_is_read(tmp_path):
 
     srv, daemon = _h200_daemon(tmp_path, "sglang", decode_tok_s=40.0)
 
-    async def post(s, url, tag, body):
-        return await s.post(url + "/v1/completions", json={"model": "m", "stream": True, **body},
-                            headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
+    post, normal = _tagged_stream, _stream_read_whole
 
-    async def normal(s, url, k):
-        async with await post(s, url, f"ok{k}", {"prompt": f"w{k} " * 300, "max_tokens": 80,
-                                                 "stream_options": {"include_usage": True}}) as r:
-            await r.read()
-
-    async def bypass(s, k):  # straight to the server, not through the proxy
-        async with s.post(srv.url + "/v1/completions", json={"model": "m", "prompt": f"b{k} " * 100,
-                                                             "max_tokens": 40, "ignore_eos": True},
-                          headers={"X-Sim-Request-Id": f"byp{k}"}) as r:
-            await r.read()
+    async def bypass(s, k):
+        await _bypass_completion(s, srv.url, k)
 
     async def cut(s, url, tag):
         r = await post(s, url, tag, {"prompt": f"{tag} " * 300, "max_tokens": 2000, "ignore_eos": True,
@@ -479,20 +483,10 @@ def test_an_sglang_run_on_its_max_tokens_end_is_listed_as_counted_not_read_as_by
 
     srv, daemon = _h200_daemon(tmp_path, "sglang", decode_tok_s=40.0)
 
-    async def post(s, url, tag, body):
-        return await s.post(url + "/v1/completions", json={"model": "m", "stream": True, **body},
-                            headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
+    post, normal = _tagged_stream, _stream_read_whole
 
-    async def normal(s, url, k):
-        async with await post(s, url, f"ok{k}", {"prompt": f"w{k} " * 300, "max_tokens": 80,
-                                                 "stream_options": {"include_usage": True}}) as r:
-            await r.read()
-
-    async def by(s, k):  # straight to the server, not through the proxy
-        async with s.post(srv.url + "/v1/completions", json={"model": "m", "prompt": f"b{k} " * 100,
-                                                             "max_tokens": 40, "ignore_eos": True},
-                          headers={"X-Sim-Request-Id": f"byp{k}"}) as r:
-            await r.read()
+    async def by(s, k):
+        await _bypass_completion(s, srv.url, k)
 
     async def cut(s, url, tag):
         r = await post(s, url, tag, {"prompt": f"{tag} " * 300, "max_tokens": 40, "ignore_eos": True})
