@@ -334,6 +334,26 @@ def test_a_request_sglang_runs_on_after_its_client_left_is_charged_that_work_not
     assert float(np.median([abs(err[t]) for t in ok])) < 0.3, {t: round(err[t], 2) for t in ok}
 
 
+async def _leave_after_events(r, events: int) -> None:
+    """Its client leaves the stream `r` after `events` data events (`_leave_after` counts lines)."""
+    n = 0
+    async for line in r.content:
+        n += line.startswith(b"data:")
+        if n == events:
+            break
+    r.close()
+
+
+async def _until_run_ons_known(daemon) -> None:
+    """Until the daemon knows its server's kind and run-on rule (its first scrapes), at most 30 s."""
+    import asyncio
+
+    for _ in range(600):
+        if daemon.scraper.kind and daemon.ledger.runs_on_after_leave is not None:
+            return
+        await asyncio.sleep(0.05)
+
+
 async def _tagged_stream(s, url, tag, body):
     """A streamed /v1/completions through `url`, `tag` both its simulator truth id and its row's tag."""
     return await s.post(url + "/v1/completions", json={"model": "m", "stream": True, **body},
@@ -373,18 +393,10 @@ def test_an_sglang_run_on_whose_answer_may_end_by_itself_is_uncertain_one_sent_w
 
     async def cut(s, url, tag, **body):
         r = await post(s, url, tag, {"prompt": f"{tag} " * 300, "max_tokens": 2000, **body})
-        n = 0
-        async for line in r.content:
-            n += line.startswith(b"data:")
-            if n == 5:
-                break
-        r.close()
+        await _leave_after_events(r, 5)
 
     async def scene(url):
-        for _ in range(600):
-            if daemon.scraper.kind and daemon.ledger.runs_on_after_leave is not None:
-                break
-            await asyncio.sleep(0.05)
+        await _until_run_ons_known(daemon)
         async with aiohttp.ClientSession() as s:
             jobs = [asyncio.create_task(normal(s, url, k)) for k in range(3)]
             jobs += [asyncio.create_task(cut(s, url, "eos")), asyncio.create_task(cut(s, url, "long", ignore_eos=True))]
@@ -428,18 +440,10 @@ def test_bypass_traffic_beside_sglang_run_ons_it_aborted_is_read(tmp_path):
     async def cut(s, url, tag):
         r = await post(s, url, tag, {"prompt": f"{tag} " * 300, "max_tokens": 2000, "ignore_eos": True,
                                      "stop": ["NEVER-MET"]})
-        n = 0
-        async for line in r.content:
-            n += line.startswith(b"data:")
-            if n == 5:
-                break
-        r.close()
+        await _leave_after_events(r, 5)
 
     async def scene(url):
-        for _ in range(600):
-            if daemon.scraper.kind and daemon.ledger.runs_on_after_leave is not None:
-                break
-            await asyncio.sleep(0.05)
+        await _until_run_ons_known(daemon)
         async with aiohttp.ClientSession() as s:
             jobs, nb = [], 0
             for k in range(12):
@@ -490,18 +494,10 @@ def test_an_sglang_run_on_its_max_tokens_end_is_listed_as_counted_not_read_as_by
 
     async def cut(s, url, tag):
         r = await post(s, url, tag, {"prompt": f"{tag} " * 300, "max_tokens": 40, "ignore_eos": True})
-        n = 0
-        async for line in r.content:
-            n += line.startswith(b"data:")
-            if n == 5:
-                break
-        r.close()
+        await _leave_after_events(r, 5)
 
     async def scene(url):
-        for _ in range(600):
-            if daemon.scraper.kind and daemon.ledger.runs_on_after_leave is not None:
-                break
-            await asyncio.sleep(0.05)
+        await _until_run_ons_known(daemon)
         async with aiohttp.ClientSession() as s:
             jobs, nb = [], 0
             for k in range(12):
