@@ -126,6 +126,25 @@ def test_sglang_generate_refuses_a_batch_one_of_whose_prompts_does_not_fit():
     assert code == 400 and "The input (71 tokens) is longer" in json.loads(raw)["error"]["message"]
 
 
+@pytest.mark.parametrize("max_new_tokens", [None, 60])
+@pytest.mark.parametrize("batch", [{"text": ["x x x", "x x x"]}, {"text": "x x x", "n": 2}])
+def test_sglang_generate_caps_each_sequence_of_a_batch_as_its_scheduler_caps_every_request(batch, max_new_tokens):
+    # SGLang's scheduler caps every request (init_req_max_new_tokens): prompt + completion at most the context less 2,
+    # a batch's each sequence as a single one. Before: a list of texts or n 2 skipped the cap: null ran 2^31-1 tokens
+    # (no answer in 8 s at 2000 tok/s, a 64-token context), 60 ran 60 each (sum 64, not 62).
+    sp = {"max_new_tokens": max_new_tokens, "ignore_eos": True}
+    if "n" in batch:
+        sp["n"] = batch["n"]
+    body = {"text": batch["text"], "sampling_params": sp}
+    with SimServer(flavour="sglang", n_ctx=64, sglang_warmup=False, **FAST) as srv:
+        req = urllib.request.Request(srv.url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            docs = json.loads(r.read())
+    sums = [d["meta_info"]["prompt_tokens"] + d["meta_info"]["completion_tokens"] for d in docs]
+    assert sums == [62, 62], docs
+
+
 # --- powerprof's client ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flavour", ["llamacpp", "vllm", "sglang"])

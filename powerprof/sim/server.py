@@ -1789,6 +1789,16 @@ class SimServer:
         not unified, as b11434 says `n_ctx_slot = 256` at -c 512 -np 2), vLLM's and SGLang's whole context."""
         return self.n_ctx // self.n_slots if self.flavour == "llamacpp" else self.n_ctx
 
+    def _capped(self, prompt: str, asked: int) -> int:
+        """The tokens a sequence of this prompt runs at most, `asked` capped where the context ends (every path, a
+        batch's each sequence too: before, SGLang's batch /generate ran a null to UNTIL_CONTEXT and never ended)."""
+        room = self._seq_ctx() - count_prompt_tokens(prompt)
+        if self.flavour == "sglang":
+            # Its scheduler caps every run at max_req_len - prompt - 1, max_req_len the context less 1: prompt +
+            # completion at most the context less 2 (before: the whole context). 0 stays 0: prefill only.
+            room -= 2
+        return max(0 if asked == 0 and self.flavour == "sglang" else 1, min(asked, room))
+
     def _context_refusal(self, prompt: str, n_predict: int, stream: bool) -> web.StreamResponse | None:
         """A request the context cannot hold, refused as the flavour's server does; None when it may run (a llama.cpp
         or vLLM generation that reaches the context is cut there, in _serve).
@@ -2137,10 +2147,10 @@ class SimServer:
             if too_long is not None:
                 return too_long
         q: asyncio.Queue = asyncio.Queue()
-        args = (n_predict, bool(sp.get("ignore_eos", False)), False, int(body.get("seed", 0) or 0))
+        args = (bool(sp.get("ignore_eos", False)), False, int(body.get("seed", 0) or 0))
         cid = request.headers.get("X-Sim-Request-Id")
         await self._prefill_apart(prompts, n_choices, cid)
-        reqs = [self._submit(pr, *args, choice=j, queue=_Tagged(q, i * n_choices + j), shared=n_choices > 1 or None)
+        reqs = [self._submit(pr, self._capped(pr, n_predict), *args, choice=j, queue=_Tagged(q, i * n_choices + j), shared=n_choices > 1 or None)
                 for i, pr in enumerate(prompts) for j in range(n_choices)]
         for r in reqs:
             r.client_id = cid
@@ -2410,12 +2420,7 @@ class SimServer:
             refused = self._vllm_context_refusal(count_prompt_tokens(one), asked, body)
             if refused is not None:
                 return refused
-            room = self._seq_ctx() - count_prompt_tokens(one)
-            if self.flavour == "sglang":
-                # Its scheduler caps every run at max_req_len - prompt - 1, max_req_len the context less 1: prompt +
-                # completion at most the context less 2 (before: the whole context). 0 stays 0: prefill only.
-                room -= 2
-            n_predicts.append(max(0 if asked == 0 and self.flavour == "sglang" else 1, min(asked, room)))
+            n_predicts.append(self._capped(one, asked))
         n_predict = n_predicts[0]
 
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
