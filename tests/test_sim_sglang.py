@@ -8,6 +8,7 @@ import time
 import urllib.request
 
 import pyarrow.parquet as pq
+import pytest
 
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
@@ -304,6 +305,26 @@ def test_a_length_of_0_is_a_prefill_only_request_as_sglang_runs_it():
         assert json.loads(events[0][6:])["meta_info"]["finish_reason"] == {"type": "length", "length": 0}, events
         rows = list(srv.truth)
         assert [t["generated"] for t in rows] == [0] * 4 and all(t["prompt_tokens"] > 0 for t in rows), rows
+
+
+@pytest.mark.parametrize("batch", [{"text": ["the watt", "a joule"]}, {"text": "the watt", "n": 2}], ids=["list", "n2"])
+def test_a_streamed_batch_of_length_0_sends_each_index_finished_as_sglang_does(batch):
+    # SGLang streams each index's finished output (no token, prompt_tokens said), then [DONE]. Before: the batch loop
+    # wrote only on token payloads, and the stream was `data: [DONE]` alone.
+    import json
+
+    sp = {"max_new_tokens": 0, **({"n": batch["n"]} if "n" in batch else {})}
+    body = {"text": batch["text"], "sampling_params": sp, "stream": True}
+    with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=200000.0, draft_n_max=0) as srv:
+        with urllib.request.urlopen(urllib.request.Request(srv.url + "/generate", json.dumps(body).encode(),
+                                    {"Content-Type": "application/json"}), timeout=30) as r:
+            events = [e for e in r.read().decode().split("\n\n") if e]
+    assert len(events) == 3 and events[-1] == "data: [DONE]", events
+    docs = sorted((json.loads(e[6:]) for e in events[:2]), key=lambda d: d["index"])
+    assert [d["index"] for d in docs] == [0, 1], docs
+    for d in docs:
+        assert d["output_ids"] == [] and d["meta_info"]["finish_reason"] == {"type": "length", "length": 0}, d
+        assert d["meta_info"]["prompt_tokens"] > 0 and d["meta_info"]["completion_tokens"] == 0, d
 
 
 def test_a_chat_without_a_length_runs_to_the_context_as_sglangs_scheduler_runs_it():

@@ -2154,7 +2154,7 @@ class SimServer:
                 for i, pr in enumerate(prompts) for j in range(n_choices)]
         for r in reqs:
             r.client_id = cid
-        texts, ids = [""] * len(reqs), [[] for _ in reqs]
+        texts, ids, sent = [""] * len(reqs), [[] for _ in reqs], [False] * len(reqs)
         resp = None
         try:
             if body.get("stream"):
@@ -2171,10 +2171,16 @@ class SimServer:
                     return resp
                 if kind == "done":
                     left -= 1
+                    if resp is not None and not sent[i]:
+                        # Prefill only (max_new_tokens 0): its one output, finished with no token, as SGLang sends each
+                        # index's (before: none, the stream only `[DONE]`).
+                        ev = dict(self._sglang_native(reqs[i], "", [], True), index=i)
+                        await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
                     continue
                 texts[i] += payload[1]
                 ids[i] += payload[0]
                 if resp is not None:
+                    sent[i] = True
                     ev = dict(self._sglang_native(reqs[i], texts[i], ids[i], payload[2]), index=i)
                     await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
             if resp is None:
