@@ -327,6 +327,25 @@ def test_a_streamed_batch_of_length_0_sends_each_index_finished_as_sglang_does(b
         assert d["meta_info"]["prompt_tokens"] > 0 and d["meta_info"]["completion_tokens"] == 0, d
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_chat_stream_of_length_0_sends_each_index_its_role_chunk_as_sglang_does(n):
+    # serving_chat's _generate_chat_stream sends each index's {"role": "assistant", "content": ""} (is_firsts) with its
+    # first output, a length 0's finished one too, then its finish chunk. Before: the finish chunk alone (n 1: role
+    # null; n 2: delta {}).
+    import json
+
+    body = {"messages": [{"role": "user", "content": "the watt"}], "max_tokens": 0, "n": n, "stream": True}
+    with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=200000.0, draft_n_max=0) as srv:
+        with urllib.request.urlopen(urllib.request.Request(srv.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                    {"Content-Type": "application/json"}), timeout=30) as r:
+            events = [e[6:] for e in r.read().decode().split("\n\n") if e.startswith("data: {")]
+    choices = [c for e in events for c in json.loads(e)["choices"]]
+    for i in range(n):
+        mine = [c for c in choices if c["index"] == i]
+        assert [c["delta"].get("role") for c in mine] == ["assistant", None], choices
+        assert mine[0]["delta"]["content"] == "" and mine[-1]["finish_reason"] == "length", choices
+
+
 def test_a_chat_without_a_length_runs_to_the_context_as_sglangs_scheduler_runs_it():
     # serving_chat passes `max_completion_tokens or max_tokens` as max_new_tokens: neither given (a 0
     # max_completion_tokens falls back) is None, which the tokenizer manager does not check against the context and the

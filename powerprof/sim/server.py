@@ -2855,6 +2855,9 @@ class SimServer:
                                 await out.send(oai_chunk({"index": 0, "finish_reason": None, "delta": d},
                                                          **(running() if req.shape.hold_call else {})))
                             fr = req.shape.finish_reason(fr)
+                        if chat and sglang and n_events == 0:  # length 0: its role chunk all the same (is_firsts)
+                            await out.send(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                      "finish_reason": None}))
                         if not closed:
                             last = {"index": 0, "finish_reason": fr}
                             if chat:
@@ -3118,6 +3121,11 @@ class SimServer:
                     await content(i, text, ids)
                 continue
             left -= 1  # "done": this choice's task ended
+            if chat and not started[i] and self.flavour == "sglang":
+                # Its length 0 (prefill only): SGLang's role chunk goes out for each index all the same (serving_chat's
+                # is_firsts), before its finish chunk (before: the finish chunk alone).
+                await role(i)
+                started[i] = True
             if native:
                 await out.send(b"data: " + json.dumps(dict(self._llama_final(r, payload), index=i)).encode() + b"\n\n")
                 continue
