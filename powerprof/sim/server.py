@@ -1823,6 +1823,12 @@ class SimServer:
                    f"a total of {n + n_predict} tokens: {n} tokens from the input messages and {n_predict} tokens for "
                    f"the completion. Please reduce the number of tokens in the input messages or the completion to "
                    f"fit within the limit.")
+        elif n >= ctx - 6:
+            # Its scheduler's validate_input_length (managers/utils.py, read not measured): a prompt of at least
+            # max_req_input_len (max_req_len - 5, the context less 6) is aborted with a 400 status, raised as a ValueError
+            # whole. Before: run, and the one-token floor passed the cap (prompt 62 of 64 ran 1 token, sum 63).
+            msg = (f"Input length ({n} tokens) exceeds the maximum allowed length ({ctx - 6} tokens). Use a shorter "
+                   f"input or enable --allow-auto-truncate.")
         else:
             return None
         return self._sglang_refusal(msg, stream)
