@@ -2129,7 +2129,9 @@ class SimServer:
         if isinstance(n, (int, float)):
             if n < 0:
                 return self._sglang_refusal(f"max_new_tokens must be at least 0, got {n}.", stream)
-            if math.isnan(n):  # every comparison false: past the context check, and its scheduler's min keeps NaN
+            if math.isnan(n):
+                # Every comparison false: past the context check, and its scheduler's min keeps NaN, so SGLang has no
+                # length stop (its end of text ends it); here the context's cap ends it (docs/simulator.md says so).
                 return UNTIL_CONTEXT
             return n if math.isinf(n) else math.ceil(n)  # inf: the context check refuses it (_context_refusal)
         if not stream:
