@@ -4087,7 +4087,7 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
 def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
                            runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
                            opened=None, same_process=False, whole_as=("POST", "/v1/chat/completions", "openai-chat"),
-                           **restart_kw):
+                           serves_generate=True, **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4097,8 +4097,10 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # (the first scrape that found it down, the first refused or None: a 503's alone), told to the ledger at each tick
     # from then while down, as the daemon's loop tells it (`Ledger.note_down`), its rows let go at their hold meanwhile
     # (SCRAPE_HOLD_S); `same_process`: the page after the outage says no restart (a router's blip); `whole_as`: the
-    # whole answer's method, path and API. Returns its row.
+    # whole answer's method, path and API; `serves_generate`: the ledger's (the server's kind as the daemon sets it).
+    # Returns its row.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.serves_generate = serves_generate
     if ledgers is not None:
         ledgers.append(led)
     led.runs_on_after_leave = runs_on
@@ -4331,6 +4333,24 @@ def test_a_put_to_a_path_other_than_sglangs_generate_closed_at_a_crash_is_not_co
                                  error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S), down_refused=True)
     print(row["gpu_energy_j"], row["energy_note"])
     assert not row["gpu_energy_j"], row
+
+
+@pytest.mark.parametrize("method", ["PUT", "POST"])
+def test_generate_closed_at_a_crash_is_costed_by_the_servers_kind_not_its_path_alone(method):
+    # Only SGLang runs /generate: llama-server (and vLLM) answer it 404 to every method, so such a request closed at
+    # the crash never ran. Before: costed by its path alone, PUT and POST /generate on llama-server 110 J each (truth
+    # 0). A server whose kind is not known (serves_generate None): costed as SGLang's, flagged with why.
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    kw = dict(whole_as=(method, "/generate", "sglang-generate"), leave=1.55, end_s=6.0, outcome="upstream_error",
+              error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S), down_refused=True)
+    llama = _llamacpp_whole_run_on([(1.5, 2.0)], serves_generate=False, **kw)
+    sglang = _llamacpp_whole_run_on([(1.5, 2.0)], **kw)
+    unknown = _llamacpp_whole_run_on([(1.5, 2.0)], serves_generate=None, **kw)
+    print(llama["gpu_energy_j"], sglang["gpu_energy_j"], unknown["gpu_energy_j"], unknown["energy_note"])
+    assert not llama["gpu_energy_j"], llama
+    assert 60.0 <= (sglang["gpu_energy_j"] or 0) <= 130.0 and UNSURE_FLAG not in (sglang["energy_note"] or ""), sglang
+    assert unknown["gpu_energy_j"] == pytest.approx(sglang["gpu_energy_j"]), unknown
+    assert UNSURE_FLAG in unknown["energy_note"] and "whose kind the daemon does not know" in unknown["energy_note"]
 
 
 @pytest.mark.parametrize("reload_s", [None, 13.0], ids=["restart", "reload_open"])

@@ -237,3 +237,24 @@ def test_the_sequences_of_a_generate_request_are_read_from_its_body():
 def test_the_parser_knows_the_generate_dialect_and_the_path_maps_to_it():
     assert streams.api_for_path("/generate") == "sglang-generate"
     StreamParser("sglang-generate")
+
+
+@pytest.mark.parametrize("flavour,serves", [("llamacpp", False), ("sglang", True)])
+def test_the_daemon_tells_its_ledger_whether_the_server_runs_generate(tmp_path, flavour, serves):
+    # Only SGLang runs /generate (llama-server and vLLM answer it 404): the ledger costs a /generate closed at a crash
+    # by the scraper's kind (`Ledger.serves_generate`), unknown until it is detected. Before: never told, it costed
+    # a PUT or POST /generate on llama-server 110 J (truth 0).
+    from test_daemon_cut_streams import _h200_daemon, _run_daemon
+
+    srv, daemon = _h200_daemon(tmp_path, flavour)
+    seen = []
+
+    async def scene(url):
+        for _ in range(200):
+            if daemon.scraper.kind and daemon.ledger.serves_generate is not None:
+                break
+            await asyncio.sleep(0.05)
+        seen.append((daemon.scraper.kind, daemon.ledger.serves_generate))
+
+    _run_daemon(srv, daemon, scene, after_s=0.1)
+    assert seen == [(flavour, serves)], seen

@@ -126,6 +126,40 @@ def test_sglang_generate_refuses_a_batch_one_of_whose_prompts_does_not_fit():
     assert code == 400 and "The input (71 tokens) is longer" in json.loads(raw)["error"]["message"]
 
 
+@pytest.mark.parametrize("max_new_tokens", [None, 60])
+@pytest.mark.parametrize("batch", [{"text": ["x x x", "x x x"]}, {"text": "x x x", "n": 2}])
+def test_sglang_generate_caps_each_sequence_of_a_batch_as_its_scheduler_caps_every_request(batch, max_new_tokens):
+    # SGLang's scheduler caps every request (init_req_max_new_tokens): prompt + completion at most the context less 2,
+    # a batch's each sequence as a single one. Before: a list of texts or n 2 skipped the cap: null ran 2^31-1 tokens
+    # (no answer in 8 s at 2000 tok/s, a 64-token context), 60 ran 60 each (sum 64, not 62).
+    sp = {"max_new_tokens": max_new_tokens, "ignore_eos": True}
+    if "n" in batch:
+        sp["n"] = batch["n"]
+    body = {"text": batch["text"], "sampling_params": sp}
+    with SimServer(flavour="sglang", n_ctx=64, sglang_warmup=False, **FAST) as srv:
+        req = urllib.request.Request(srv.url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            docs = json.loads(r.read())
+    sums = [d["meta_info"]["prompt_tokens"] + d["meta_info"]["completion_tokens"] for d in docs]
+    assert sums == [62, 62], docs
+
+
+@pytest.mark.parametrize("prompt_tokens,max_new_tokens", [(58, None), (62, None), (63, None), (62, 0), (61, 2)])
+def test_sglang_refuses_a_prompt_of_the_context_less_6_or_more_as_its_scheduler_does(prompt_tokens, max_new_tokens):
+    # validate_input_length: a prompt of at least max_req_input_len (the context less 6) is aborted, 400 whole. Before:
+    # run, and the one-token floor passed the cap (62 or 63 with null ran 1 token: prompt + completion 63 or 64, not 62).
+    text = " ".join(["w"] * (prompt_tokens - 1))  # the BOS and one token a word
+    with SimServer(flavour="sglang", n_ctx=64, sglang_warmup=False, **FAST) as srv:
+        code, raw = _post(srv.url + "/generate", {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}})
+        fits = _post(srv.url + "/generate", {"text": " ".join(["w"] * 56), "sampling_params": {"max_new_tokens": None}})
+    assert code == 400, raw
+    assert json.loads(raw)["error"]["message"] == (f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed "
+                                                   "length (58 tokens). Use a shorter input or enable --allow-auto-truncate.")
+    meta = json.loads(fits[1])["meta_info"]  # 57 tokens still run, capped at the context less 2
+    assert fits[0] == 200 and meta["prompt_tokens"] + meta["completion_tokens"] == 62, fits
+
+
 # --- powerprof's client ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flavour", ["llamacpp", "vllm", "sglang"])

@@ -8,6 +8,7 @@ import time
 import urllib.request
 
 import pyarrow.parquet as pq
+import pytest
 
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
@@ -304,6 +305,45 @@ def test_a_length_of_0_is_a_prefill_only_request_as_sglang_runs_it():
         assert json.loads(events[0][6:])["meta_info"]["finish_reason"] == {"type": "length", "length": 0}, events
         rows = list(srv.truth)
         assert [t["generated"] for t in rows] == [0] * 4 and all(t["prompt_tokens"] > 0 for t in rows), rows
+
+
+@pytest.mark.parametrize("batch", [{"text": ["the watt", "a joule"]}, {"text": "the watt", "n": 2}], ids=["list", "n2"])
+def test_a_streamed_batch_of_length_0_sends_each_index_finished_as_sglang_does(batch):
+    # SGLang streams each index's finished output (no token, prompt_tokens said), then [DONE]. Before: the batch loop
+    # wrote only on token payloads, and the stream was `data: [DONE]` alone.
+    import json
+
+    sp = {"max_new_tokens": 0, **({"n": batch["n"]} if "n" in batch else {})}
+    body = {"text": batch["text"], "sampling_params": sp, "stream": True}
+    with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=200000.0, draft_n_max=0) as srv:
+        with urllib.request.urlopen(urllib.request.Request(srv.url + "/generate", json.dumps(body).encode(),
+                                    {"Content-Type": "application/json"}), timeout=30) as r:
+            events = [e for e in r.read().decode().split("\n\n") if e]
+    assert len(events) == 3 and events[-1] == "data: [DONE]", events
+    docs = sorted((json.loads(e[6:]) for e in events[:2]), key=lambda d: d["index"])
+    assert [d["index"] for d in docs] == [0, 1], docs
+    for d in docs:
+        assert d["output_ids"] == [] and d["meta_info"]["finish_reason"] == {"type": "length", "length": 0}, d
+        assert d["meta_info"]["prompt_tokens"] > 0 and d["meta_info"]["completion_tokens"] == 0, d
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_chat_stream_of_length_0_sends_each_index_its_role_chunk_as_sglang_does(n):
+    # serving_chat's _generate_chat_stream sends each index's {"role": "assistant", "content": ""} (is_firsts) with its
+    # first output, a length 0's finished one too, then its finish chunk. Before: the finish chunk alone (n 1: role
+    # null; n 2: delta {}).
+    import json
+
+    body = {"messages": [{"role": "user", "content": "the watt"}], "max_tokens": 0, "n": n, "stream": True}
+    with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=200000.0, draft_n_max=0) as srv:
+        with urllib.request.urlopen(urllib.request.Request(srv.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                    {"Content-Type": "application/json"}), timeout=30) as r:
+            events = [e[6:] for e in r.read().decode().split("\n\n") if e.startswith("data: {")]
+    choices = [c for e in events for c in json.loads(e)["choices"]]
+    for i in range(n):
+        mine = [c for c in choices if c["index"] == i]
+        assert [c["delta"].get("role") for c in mine] == ["assistant", None], choices
+        assert mine[0]["delta"]["content"] == "" and mine[-1]["finish_reason"] == "length", choices
 
 
 def test_a_chat_without_a_length_runs_to_the_context_as_sglangs_scheduler_runs_it():

@@ -378,6 +378,9 @@ class Ledger:
         # the GPU edges (both updated in place, never rebound) and the holds they are bounded by.
         self.recon = CountReconciler(t0_ns, self.requests, self.edges, self.max_hold_ns, self.prompt_hold_ns)
         self.choices_prefilled_apart = False  # the server prefills an n > 1 prompt apart (scrape.PREFILLS_CHOICES_APART)
+        # Whether the server runs /generate (SGLang's native route): False for one known not to (llama-server and vLLM
+        # answer it 404, never run), None while its kind is not known (set by the daemon from scrape.Scraper.kind).
+        self.serves_generate: bool | None = None
         self.best_of_ignored = False  # the server takes no best_of (scrape.IGNORES_BEST_OF): no BEST_OF_FLAG
         # (a stream's seconds, a whole answer's wait period) the server runs a request on after its client left, until it
         # aborts it (scrape.RUNS_ON_AFTER_LEAVE; set by the daemon once the server is known), None: it aborts at once.
@@ -656,11 +659,12 @@ class Ledger:
         crash such requests (never run) were costed 78 J over 4 on an idle simulated server, their rows saying their
         process died."""
         tr = r.trace
-        # PUT: SGLang's /generate alone takes it, as a POST; every other route refuses it unrun (llama-server 404, the
-        # vLLM and SGLang flavours 405): taken on any generation API, a PUT to a chat path was costed 110 J (truth 0).
-        if (not (tr.method == "POST" or (tr.method == "PUT" and tr.api == "sglang-generate")) or tr.api is None
+        if (self._never_run(tr) or tr.api is None
                 or tr.stream is True or tr.first_ns is not None or tr.end_ns is None or r.ev_n or r.spent):
             return None
+        # /generate to a server whose kind is not known: only SGLang runs it, so a death shown is no proof it ran (another
+        # server refused it unrun, 0 J): costed, unsure, its row saying why (`LiveRequest.crash_route_unsure`).
+        r.crash_route_unsure = tr.api == "sglang-generate" and self.serves_generate is None
         slack = int(CRASH_CLOSE_SLACK_S * 1e9)  # before the last scrape the process was alive after: not its death
         # A scrape found the server down (`note_down`), before the new process answered: nothing listening proves the
         # death. A reloading llama-server's 503 "Loading model" alone proves none until a page confirms the restart
@@ -670,13 +674,13 @@ class Ledger:
         # or not: held for a page that came after DOWN_HOLD_MAX_S, the row was 0 J and the cut streams +10% unmarked.
         o = self._down_open
         if o is not None and o[0] <= tr.end_ns <= o[1] + slack and (o[2] or self._death_shown((o[0], o[1], o[1], False))):
-            return True
+            return not r.crash_route_unsure
         # Found down, a death must be shown (`_death_shown`): a router answering the metrics page 503, a counter's dip
         # then, and its own refusal closing the request, was costed as a crash, 84-104 J for a request never run. None
         # found down, the restart was told by the new process itself (its start time, a lone process's counter).
         within = [g for g in self._gone_at if g[0] <= tr.end_ns <= (g[1] if g[2] is None else g[2]) + slack]
         if any(g[2] is None or self._death_shown(g) for g in within):
-            return True
+            return not r.crash_route_unsure
         # Without it, a request sent before the old process's last scrape was most likely in flight at a live server
         # and closed by its death (needing the proof, llama-server's reload, 503 "Loading model" and nothing refused,
         # left such a request 0 J for about 100 J). But a queuing router (llama-swap, holding it while it swaps
@@ -689,6 +693,16 @@ class Ledger:
         # Sent after the last good scrape, it was not costed, unmarked: 0 J for 25 J of truth on the simulator.
         r.crash_by_page = f"{CRASHED_NOTE}: {RESEND_LOADING}" in (tr.error or "")
         return False if r.crash_by_page else None
+
+    def _never_run(self, tr) -> bool:
+        """Whether the server refuses `tr`'s method and route unrun, so a close with no answer at its death cost nothing.
+        PUT: SGLang's /generate alone takes it, as a POST; every other route refuses it (llama-server 404, the vLLM and
+        SGLang flavours 405): taken on any generation API, a PUT to a chat path was costed 110 J (truth 0). /generate on
+        a server known not to run it (`serves_generate` False): costed by its path alone, a PUT or POST /generate to
+        llama-server was 110 J (truth 0: it answers 404)."""
+        if tr.api == "sglang-generate" and self.serves_generate is False:
+            return True
+        return not (tr.method == "POST" or (tr.method == "PUT" and tr.api == "sglang-generate"))
 
     def _learn_pace(self, r: LiveRequest) -> None:
         """Keep a finished stream's decode pace (tokens a second a sequence, first token to last) for `_run_on_gone`."""
@@ -1878,7 +1892,7 @@ class Ledger:
         cap = now_ns - int(DOWN_HOLD_MAX_S * 1e9)
         waiting = [r for r in self.requests.values()
                    if r.trace.end_ns is not None and not r.crash_seen and closed_unanswered(r)
-                   and r.trace.arrival_ns < o[0] <= r.trace.end_ns <= o[1] + slack]
+                   and not self._never_run(r.trace) and r.trace.arrival_ns < o[0] <= r.trace.end_ns <= o[1] + slack]
         for r in waiting:
             if r.trace.arrival_ns <= cap:
                 # Let go with no page come: costed as the crash it most likely was (in flight before the old process's

@@ -84,6 +84,9 @@ class LiveRequest:
     # That unsure crash seen by its resend's meeting llama-server's loading page alone (proxy.RESEND_LOADING), not by
     # its sending before the old process's last good scrape (`Ledger._crash_seen`): its row says which.
     crash_by_page: bool = False
+    # That crash unsure because it was a /generate to a server whose kind is not known (`Ledger._crash_seen`): SGLang
+    # runs it, llama-server and vLLM refuse it unrun (404).
+    crash_route_unsure: bool = False
     # Its close with no answer's row held for a page confirming the restart a 503 "Loading model" alone suggested, let go
     # at DOWN_HOLD_MAX_S with none come (`Ledger._down_hold`): (that window's first found-down scrape, monotonic ns; the
     # cap, s). Its row, costed as not run, says so.

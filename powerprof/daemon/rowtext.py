@@ -420,6 +420,10 @@ def _run_on_note(r: LiveRequest) -> str:
                 "stays to its answer's end is costed as any")
         if r.run_on_unsure is None or r.run_on_restart:
             return said
+    if r.run_on_crash and r.crash_route_unsure:
+        return (f"{said}; {UNSURE_FLAG}: a /generate to a server whose kind the daemon does not know: SGLang runs it "
+                "(the figure here is right), llama-server and vLLM refuse it unrun (404: 0 J, its energy the requests' "
+                "beside it); fix: let the daemon know the server (scrape.server, or a /metrics page it can read)")
     if r.run_on_crash and r.down_hold_over is not None:
         (down, cap_s), tr = r.down_hold_over, r.trace
         return (f"{said}; {UNSURE_FLAG}: sent before the server's last good scrape, then a scrape "

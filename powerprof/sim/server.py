@@ -1789,6 +1789,16 @@ class SimServer:
         not unified, as b11434 says `n_ctx_slot = 256` at -c 512 -np 2), vLLM's and SGLang's whole context."""
         return self.n_ctx // self.n_slots if self.flavour == "llamacpp" else self.n_ctx
 
+    def _capped(self, prompt: str, asked: int) -> int:
+        """The tokens a sequence of this prompt runs at most, `asked` capped where the context ends (every path, a
+        batch's each sequence too: before, SGLang's batch /generate ran a null to UNTIL_CONTEXT and never ended)."""
+        room = self._seq_ctx() - count_prompt_tokens(prompt)
+        if self.flavour == "sglang":
+            # Its scheduler caps every run at max_req_len - prompt - 1, max_req_len the context less 1: prompt +
+            # completion at most the context less 2 (before: the whole context). 0 stays 0: prefill only.
+            room -= 2
+        return max(0 if asked == 0 and self.flavour == "sglang" else 1, min(asked, room))
+
     def _context_refusal(self, prompt: str, n_predict: int, stream: bool) -> web.StreamResponse | None:
         """A request the context cannot hold, refused as the flavour's server does; None when it may run (a llama.cpp
         or vLLM generation that reaches the context is cut there, in _serve).
@@ -1813,6 +1823,12 @@ class SimServer:
                    f"a total of {n + n_predict} tokens: {n} tokens from the input messages and {n_predict} tokens for "
                    f"the completion. Please reduce the number of tokens in the input messages or the completion to "
                    f"fit within the limit.")
+        elif n >= ctx - 6:
+            # Its scheduler's validate_input_length (managers/utils.py, read not measured): a prompt of at least
+            # max_req_input_len (max_req_len - 5, the context less 6) is aborted with a 400 status, raised as a ValueError
+            # whole. Before: run, and the one-token floor passed the cap (prompt 62 of 64 ran 1 token, sum 63).
+            msg = (f"Input length ({n} tokens) exceeds the maximum allowed length ({ctx - 6} tokens). Use a shorter "
+                   f"input or enable --allow-auto-truncate.")
         else:
             return None
         return self._sglang_refusal(msg, stream)
@@ -2113,7 +2129,9 @@ class SimServer:
         if isinstance(n, (int, float)):
             if n < 0:
                 return self._sglang_refusal(f"max_new_tokens must be at least 0, got {n}.", stream)
-            if math.isnan(n):  # every comparison false: past the context check, and its scheduler's min keeps NaN
+            if math.isnan(n):
+                # Every comparison false: past the context check, and its scheduler's min keeps NaN, so SGLang has no
+                # length stop (its end of text ends it); here the context's cap ends it (docs/simulator.md says so).
                 return UNTIL_CONTEXT
             return n if math.isinf(n) else math.ceil(n)  # inf: the context check refuses it (_context_refusal)
         if not stream:
@@ -2137,14 +2155,14 @@ class SimServer:
             if too_long is not None:
                 return too_long
         q: asyncio.Queue = asyncio.Queue()
-        args = (n_predict, bool(sp.get("ignore_eos", False)), False, int(body.get("seed", 0) or 0))
+        args = (bool(sp.get("ignore_eos", False)), False, int(body.get("seed", 0) or 0))
         cid = request.headers.get("X-Sim-Request-Id")
         await self._prefill_apart(prompts, n_choices, cid)
-        reqs = [self._submit(pr, *args, choice=j, queue=_Tagged(q, i * n_choices + j), shared=n_choices > 1 or None)
+        reqs = [self._submit(pr, self._capped(pr, n_predict), *args, choice=j, queue=_Tagged(q, i * n_choices + j), shared=n_choices > 1 or None)
                 for i, pr in enumerate(prompts) for j in range(n_choices)]
         for r in reqs:
             r.client_id = cid
-        texts, ids = [""] * len(reqs), [[] for _ in reqs]
+        texts, ids, sent = [""] * len(reqs), [[] for _ in reqs], [False] * len(reqs)
         resp = None
         try:
             if body.get("stream"):
@@ -2161,10 +2179,16 @@ class SimServer:
                     return resp
                 if kind == "done":
                     left -= 1
+                    if resp is not None and not sent[i]:
+                        # Prefill only (max_new_tokens 0): its one output, finished with no token, as SGLang sends each
+                        # index's (before: none, the stream only `[DONE]`).
+                        ev = dict(self._sglang_native(reqs[i], "", [], True), index=i)
+                        await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
                     continue
                 texts[i] += payload[1]
                 ids[i] += payload[0]
                 if resp is not None:
+                    sent[i] = True
                     ev = dict(self._sglang_native(reqs[i], texts[i], ids[i], payload[2]), index=i)
                     await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
             if resp is None:
@@ -2410,12 +2434,7 @@ class SimServer:
             refused = self._vllm_context_refusal(count_prompt_tokens(one), asked, body)
             if refused is not None:
                 return refused
-            room = self._seq_ctx() - count_prompt_tokens(one)
-            if self.flavour == "sglang":
-                # Its scheduler caps every run at max_req_len - prompt - 1, max_req_len the context less 1: prompt +
-                # completion at most the context less 2 (before: the whole context). 0 stays 0: prefill only.
-                room -= 2
-            n_predicts.append(max(0 if asked == 0 and self.flavour == "sglang" else 1, min(asked, room)))
+            n_predicts.append(self._capped(one, asked))
         n_predict = n_predicts[0]
 
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
@@ -2844,6 +2863,9 @@ class SimServer:
                                 await out.send(oai_chunk({"index": 0, "finish_reason": None, "delta": d},
                                                          **(running() if req.shape.hold_call else {})))
                             fr = req.shape.finish_reason(fr)
+                        if chat and sglang and n_events == 0:  # length 0: its role chunk all the same (is_firsts)
+                            await out.send(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                      "finish_reason": None}))
                         if not closed:
                             last = {"index": 0, "finish_reason": fr}
                             if chat:
@@ -3107,6 +3129,11 @@ class SimServer:
                     await content(i, text, ids)
                 continue
             left -= 1  # "done": this choice's task ended
+            if chat and not started[i] and self.flavour == "sglang":
+                # Its length 0 (prefill only): SGLang's role chunk goes out for each index all the same (serving_chat's
+                # is_firsts), before its finish chunk (before: the finish chunk alone).
+                await role(i)
+                started[i] = True
             if native:
                 await out.send(b"data: " + json.dumps(dict(self._llama_final(r, payload), index=i)).encode() + b"\n\n")
                 continue
