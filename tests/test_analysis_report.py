@@ -1096,3 +1096,17 @@ def test_analyze_into_a_daemons_dataset_folder_is_refused(tmp_path):
         assert "give another folder with --out" in flat and "Traceback" not in r.output, r.output
         assert sorted(str(p) for p in out.rglob("*")) == before
         assert ("move the daemon's data out of the run" in flat) == (out == run / "analysis"), r.output
+
+
+def test_a_reanalysis_removes_the_earlier_outputs_it_does_not_write(tmp_path):
+    # `analyze --format html` into a folder of an earlier md+html analysis left its report.md beside the new
+    # analysis.json and report.html: "Recommended limit: 300 W" there, 180 W in them, both exits 0.
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=1)
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--max-slowdown", "0"])
+    assert r.exit_code == 0 and (out / "report.md").exists(), r.output
+    r = CliRunner().invoke(main, ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--format", "html",
+                                  "--max-slowdown", "99%"])
+    assert r.exit_code == 0, r.output
+    assert not (out / "report.md").exists() and (out / "report.html").exists()
+    assert not [f for f in out.iterdir() if f.name.endswith(".tmp")]

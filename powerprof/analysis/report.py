@@ -13,6 +13,7 @@ import html
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -162,8 +163,7 @@ def check_out(out: Path, runs) -> None:
     _refuse_a_run_folder(out, runs)
     if not out.is_dir():
         return
-    taken = sorted(f.name for f in out.iterdir() if f.name in OUTPUT_NAMES or (
-        f.suffix == ".png" and any(f.stem == s or f.stem.startswith(s + "_") for s in PLOT_STEMS)))
+    taken = sorted(f.name for f in _output_files(out))
     if not taken:
         return
     try:
@@ -178,6 +178,12 @@ def check_out(out: Path, runs) -> None:
             else f"files that are no powerprof analysis ({', '.join(taken[:4])}{', …' if len(taken) > 4 else ''})")
     raise AnalysisOutTaken(f"{out} holds {what}, which this analysis of {', '.join(now)} would replace; give another "
                            "folder with --out, or remove it first")
+
+
+def _output_files(out: Path) -> list[Path]:
+    """The files in `out` of an analysis' names (OUTPUT_NAMES, the plots)."""
+    return [f for f in out.iterdir() if f.name in OUTPUT_NAMES or (
+        f.suffix == ".png" and any(f.stem == s or f.stem.startswith(s + "_") for s in PLOT_STEMS))]
 
 
 def _refuse_a_run_folder(out: Path, runs) -> None:
@@ -287,7 +293,13 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
     # the old report and analysis.json (the export's summary sheet reads its recommendation).
     try:
         with atomic_group() as stage:
-            return _write_outputs(result, out, formats, plots, stage)
+            files = _write_outputs(result, out, formats, plots, stage)
+            # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
+            # series) goes with it: beside the new analysis.json it gave the old recommendation.
+            for f in _output_files(out):
+                if f not in stage.paths() and not stat.S_ISDIR(f.lstat().st_mode):
+                    stage.remove(f)
+            return files
     except BaseException:
         if made:  # the folder this made, left empty by the group's undoing: nothing of a failed report stays
             with contextlib.suppress(OSError):
