@@ -15,6 +15,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -87,6 +88,56 @@ def analyze_run(
     if (why := out_dir_refusal(out, "analysis folder")) is not None:
         raise AnalysisError(why)
     check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
+    with _out_locked(out):
+        check_out(out, runs)  # again, locked: another analyze into this folder may have written it meanwhile
+        return _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary)
+
+
+def _cannot_write(out: Path, e: OSError) -> AnalysisError:
+    return AnalysisError(f"cannot write the analysis to {out}: {e.strerror or e}"
+                         + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else ""))
+
+
+@contextlib.contextmanager
+def _out_locked(out: Path) -> Iterator[None]:
+    """Hold an exclusive flock on the folder `out` (made here where missing) from check_out to the last rename: two
+    analyses into one folder mixed their files (one's report.md beside the other's analysis.json). The second is
+    refused (AnalysisOutTaken), nothing written; a folder this made is removed again if the analysis fails. A file
+    system that has no flock (ENOLCK: some network ones) is written unlocked."""
+    import fcntl  # noqa: PLC0415
+
+    try:
+        out.mkdir(parents=True)
+        made = True
+    except FileExistsError:
+        made = False
+    except OSError as e:  # --out where no folder can be made (read-only, /proc)
+        raise _cannot_write(out, e) from None
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise _cannot_write(out, e) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise AnalysisOutTaken(f"another analyze is writing to {out} now: two at once would mix their files; wait "
+                                   "for it to end, or give another folder with --out") from None
+        except OSError:
+            pass
+        try:
+            yield
+        except BaseException:
+            if made:  # left empty by the group's undoing: nothing of a failed analysis stays
+                with contextlib.suppress(OSError):
+                    out.rmdir()
+            raise
+    finally:
+        os.close(fd)
+
+
+def _analyze_into(out: Path, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots,
+                  primary) -> AnalysisResult:
     twice: dict = {}
     windows = read_windows(runs, twice)
     knob_result, where = _configurations(runs, max_slowdown, windows)
@@ -134,9 +185,8 @@ def analyze_run(
     result.notes += run_notes(runs, result.warnings, result.notes)
     try:
         write_outputs(result, out, formats, plots)
-    except OSError as e:  # --out where no folder can be made or written (read-only, /proc, full disk)
-        raise AnalysisError(f"cannot write the analysis to {out}: {e.strerror or e}"
-                            + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else "")) from None
+    except OSError as e:  # --out that cannot be written (read-only, full disk)
+        raise _cannot_write(out, e) from None
     return result
 
 

@@ -14,7 +14,7 @@ import os
 import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from powerprof import termination
 from powerprof.paths import temp_sibling
