@@ -13,6 +13,7 @@ import html
 import json
 import os
 import re
+import secrets
 import stat
 from pathlib import Path
 from typing import Iterator
@@ -342,6 +343,7 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
     # All or none: an interruption while the report renders must not leave new plots and tables beside
     # the old report and analysis.json (the export's summary sheet reads its recommendation).
     try:
+        result.analysis_id = secrets.token_hex(8)
         with atomic_group() as stage:
             files = _write_outputs(result, out, formats, plots, stage)
             # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
@@ -388,10 +390,11 @@ def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stag
     write_table(stage(out / "analysis.parquet"), result.table, meta)
     files["analysis.parquet"] = str(out / "analysis.parquet")
     if "md" in formats:
-        stage(out / "report.md").write_bytes(render_markdown(result, images, out).encode())
+        stage(out / "report.md").write_bytes((render_markdown(result, images, out) + _id_stamp(result)).encode())
         files["report.md"] = str(out / "report.md")
     if "html" in formats:
-        stage(out / "report.html").write_bytes(render_html(result, {k: drawn[v] for k, v in images.items()}).encode())
+        stage(out / "report.html").write_bytes((render_html(result, {k: drawn[v] for k, v in images.items()})
+                                                + _id_stamp(result)).encode())
         files["report.html"] = str(out / "report.html")
     files["analysis.json"] = str(out / "analysis.json")
     result.files = files
@@ -402,6 +405,43 @@ def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stag
 def result_json(result: AnalysisResult) -> str:
     """analysis.json's text, which `analyze --json` prints too."""
     return json.dumps(result.to_dict(), indent=2, default=_json_default)
+
+
+ID_STAMP = re.compile(r"<!-- powerprof analysis_id: ([0-9a-f]+) -->")
+
+
+def _id_stamp(result: AnalysisResult) -> str:
+    """The reports' last line, unseen where rendered: the analysis id that analysis.json and analysis.parquet say."""
+    return f"\n<!-- powerprof analysis_id: {result.analysis_id} -->\n"
+
+
+def outputs_disagree(folder: Path) -> str | None:
+    """Why the analysis outputs in `folder` are not of one write (their analysis ids differ: an analyze killed between
+    its renames, SIGKILL or a power cut, left some new beside some old); None where they agree or none is there.
+    Outputs of before the ids (none says one) agree."""
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    ids: dict[str, str | None] = {}
+    for name in OUTPUT_NAMES:
+        f = folder / name
+        if not f.is_file():
+            continue
+        try:
+            if name == "analysis.json":
+                ids[name] = json.loads(f.read_text()).get("analysis_id")
+            elif name == "analysis.parquet":
+                meta = pq.read_schema(f).metadata or {}
+                ids[name] = json.loads(meta.get(b"powerprof_analysis", b"{}")).get("analysis_id")
+            else:
+                m = ID_STAMP.search(f.read_text(errors="replace")[-200:])
+                ids[name] = m.group(1) if m else None
+        except (OSError, ValueError, AttributeError):
+            ids[name] = None
+    if len(set(ids.values())) <= 1:
+        return None
+    return (f"{folder} holds the outputs of more than one analysis (their analysis ids differ: "
+            + ", ".join(f"{n} {i or 'none'}" for n, i in ids.items())
+            + "; an analyze stopped between its renames); run `powerprof analyze` again to write them anew")
 
 
 def _staged_png(stage, drawn: dict, path: Path, draw) -> Path:
