@@ -1165,3 +1165,25 @@ def test_a_damaged_parquet_file_is_named_once_with_the_fix(tmp_path, cut):
         assert "restore it, or move it out of the folder, and run again" in flat and "Traceback" not in r.output, r.output
         assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
         f.write_bytes(data)
+
+
+def test_export_refuses_an_analysis_folder_whose_outputs_are_of_two_analyses(tmp_path):
+    # An analyze killed (SIGKILL) between its renames left new files beside old ones: export read both answers, the
+    # summary sheet's recommendation from analysis.json, the rows from analysis.parquet, nothing said.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "0"])
+    assert r.exit_code == 0, r.output
+    old_json = (run / "analysis" / "analysis.json").read_bytes()
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "99%"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx", "--out", str(tmp_path / "ok.xlsx")])
+    assert r.exit_code == 0, r.output
+    (run / "analysis" / "analysis.json").write_bytes(old_json)  # renamed last: the kill came just before it
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx", "--out", str(tmp_path / "mixed.xlsx")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and "more than one analysis" in said and "powerprof analyze" in said, r.output
+    assert not (tmp_path / "mixed.xlsx").exists()
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx", "--out", str(tmp_path / "again.xlsx")])
+    assert r.exit_code == 0, r.output

@@ -1096,3 +1096,52 @@ def test_analyze_into_a_daemons_dataset_folder_is_refused(tmp_path):
         assert "give another folder with --out" in flat and "Traceback" not in r.output, r.output
         assert sorted(str(p) for p in out.rglob("*")) == before
         assert ("move the daemon's data out of the run" in flat) == (out == run / "analysis"), r.output
+
+
+def test_a_reanalysis_removes_the_earlier_outputs_it_does_not_write(tmp_path):
+    # `analyze --format html` into a folder of an earlier md+html analysis left its report.md beside the new
+    # analysis.json and report.html: "Recommended limit: 300 W" there, 180 W in them, both exits 0.
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=1)
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--max-slowdown", "0"])
+    assert r.exit_code == 0 and (out / "report.md").exists(), r.output
+    r = CliRunner().invoke(main, ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--format", "html",
+                                  "--max-slowdown", "99%"])
+    assert r.exit_code == 0, r.output
+    assert not (out / "report.md").exists() and (out / "report.html").exists()
+    assert not [f for f in out.iterdir() if f.name.endswith(".tmp")]
+
+
+def test_two_analyses_into_one_folder_at_once_never_mix_their_files(tmp_path, monkeypatch):
+    # Two analyze runs into one --out (no lock): one's report.md and analysis.parquet beside the other's
+    # analysis.json and report.html, every exit 0. Now the second is refused while the first writes, nothing mixed.
+    import threading
+
+    from powerprof.analysis import report
+    from powerprof.analysis.report import AnalysisOutTaken
+
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=1)
+    out = tmp_path / "o"
+    writing, go_on = threading.Event(), threading.Event()
+    real = report._write_outputs
+
+    def slow(*args):
+        if threading.current_thread() is not threading.main_thread():
+            writing.set()
+            go_on.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(report, "_write_outputs", slow)
+    first: list = []
+    t = threading.Thread(target=lambda: first.append(analyze_run([a], out, max_slowdown=0, n_boot=100)))
+    t.start()
+    assert writing.wait(60)
+    with pytest.raises(AnalysisOutTaken, match="another analyze is writing to"):
+        analyze_run([a], out, max_slowdown=0.99, n_boot=100)
+    go_on.set()
+    t.join(60)
+    limit = first[0].recommendation.level_value
+    assert json.loads((out / "analysis.json").read_text())["recommendation"]["level_value"] == limit
+    assert f"Recommended limit: {limit:g} W" in (out / "report.md").read_text()
+    # Once it has ended, the next is written.
+    assert analyze_run([a], out, max_slowdown=0.99, n_boot=100).files

@@ -113,3 +113,34 @@ def test_root_needs_no_capability_and_a_missing_status_file_means_no(tmp_path, m
     assert privilege.has_admin_privilege(str(tmp_path / "absent")) is True
     monkeypatch.setattr(privilege.os, "geteuid", lambda: 1000)
     assert privilege.has_admin_privilege(str(tmp_path / "absent")) is False
+
+
+def test_a_group_removes_the_files_given_with_its_renames_and_puts_them_back_on_a_failure(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    _group_of_three(out, b"old")
+    with atomic_group() as stage:
+        stage(out / "report.html").write_bytes(b"new")
+        stage.remove(out / "report.md")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {"analysis.parquet": b"old", "report.html": b"new"}
+    (out / "report.md").write_bytes(b"old")
+    real = os.replace
+
+    def fail_on_parquet(src, dst):
+        if str(dst).endswith("analysis.parquet") and str(src).endswith(".tmp"):
+            raise OSError(errno.EPERM, "Operation not permitted")
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", fail_on_parquet)
+    with pytest.raises(OSError) as e:
+        with atomic_group() as stage:
+            stage(out / "report.html").write_bytes(b"newer")
+            stage(out / "analysis.parquet").write_bytes(b"newer")
+            stage.remove(out / "report.md")
+    # The error named the temporary, gone by then; now the file whose rename failed.
+    assert e.value.filename == str(out / "analysis.parquet")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {
+        "analysis.parquet": b"old", "report.html": b"new", "report.md": b"old"}

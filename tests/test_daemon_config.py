@@ -526,6 +526,20 @@ def test_an_upstream_on_another_address_or_port_passes(listen, upstream):
     load_config(None, env={}, overrides={"proxy.listen": listen, "proxy.upstream": upstream})
 
 
+@pytest.mark.parametrize("scrape_url,refused", [
+    ("http://127.0.0.1:28301", True), ("http://localhost:28301/", True), ("http://127.0.0.1:8080", False), ("", False),
+])
+def test_a_scrape_url_that_is_the_proxys_own_listen_address_fails_the_check(scrape_url, refused):
+    # It passed `daemon --check`; then every scrape was answered 508 by the proxy and the log blamed proxy.upstream.
+    overrides = {"proxy.listen": "127.0.0.1:28301", "proxy.upstream": "http://127.0.0.1:8080", "scrape.url": scrape_url}
+    if not refused:
+        load_config(None, env={}, overrides=overrides)
+        return
+    with pytest.raises(ConfigError, match="scrape.url = .* is the proxy's own listen address") as e:
+        load_config(None, env={}, overrides=overrides)
+    assert "proxy.upstream =" not in str(e.value)
+
+
 def test_the_config_check_loads_no_pyarrow_and_tag_is_not_refused_for_the_data_dir(tmp_path):
     # The data-dir check (a folder holding a sweep's run) imported storage.runs, so pyarrow (~45 MiB) rode into every
     # daemon start, in a unit capped at MemoryMax=512M (tests/test_daemon_e2e.py's footprint check failed). And

@@ -267,25 +267,27 @@ def test_an_upstream_that_is_the_proxy_itself_is_answered_508_once_not_forwarded
     assert proxy.loops_refused == 1
 
 
-def test_the_daemons_scrape_through_its_own_proxy_is_answered_508_and_not_recorded():
+def test_the_daemons_scrape_through_its_own_proxy_is_answered_508_and_not_recorded(caplog):
     # Its scrape URL (the upstream's) reaching the proxy: every /metrics and /slots poll was a row, 58 in 30 s beside
     # one client request. The scrape session says the daemon's Via name, so the proxy answers it 508 at once.
-    from powerprof.daemon.proxy import via_name
+    # Its 508 blamed proxy.upstream (log and body); the scrape's Via line says `(scrape)`, so they name scrape.url.
+    from powerprof.daemon.proxy import scrape_via_name
     from powerprof.daemon.scrape import new_session
 
     async def main():
         rec = Rec()
         proxy = Proxy("http://127.0.0.1:9", recorder=rec, loop_id="d1")
         runner, url = await serve_here(proxy.app())
-        async with new_session(via_name("d1")) as s, s.get(url + "/metrics") as r:
-            status = r.status
-        async with new_session(via_name("other")) as s, s.get(url + "/metrics") as r:
+        async with new_session(scrape_via_name("d1")) as s, s.get(url + "/metrics") as r:
+            status, said = r.status, (await r.json())["error"]["message"]
+        async with new_session(scrape_via_name("other")) as s, s.get(url + "/metrics") as r:
             other = r.status
         await runner.cleanup()
-        return status, other, rec
+        return status, said, other, rec
 
-    status, other, rec = _run(main())
+    status, said, other, rec = _run(main())
     assert status == 508 and other == 502
+    assert "set scrape.url" in said and "set scrape.url" in caplog.text and "set proxy.upstream" not in said
     assert [t.endpoint for t in rec.ended] == ["/metrics"]  # the other daemon's scrape only
 
 

@@ -72,6 +72,8 @@ class AnalysisResult:
     params: PolicyParams
     timelines: list[Timeline] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
+    # One id for every output of one write (report.write_outputs): export refuses a folder whose outputs disagree.
+    analysis_id: str | None = None
     knobs: object | None = None  # knobs.KnobResult of a configuration sweep
     # What happened during the runs that changes no figure (server_notes): said beside them, never a warning.
     notes: list[str] = field(default_factory=list)
@@ -153,6 +155,7 @@ class AnalysisResult:
             "notes": list(self.notes),
             "server_restarts": list(self.server_restarts),
             "files": self.files,
+            "analysis_id": self.analysis_id,
             "configurations": self.knobs.to_dict() if self.knobs is not None else None,
         }
 

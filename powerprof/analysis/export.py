@@ -300,6 +300,10 @@ def find_sources(src) -> list[Source]:
         raise ExportError(why)
     out = [Source(f.stem, open_dataset(f)) for f in sorted(p.glob("*.parquet")) if datafiles.is_data_name(f.name)]
     if (p / "analysis" / "analysis.parquet").exists():
+        from .report import outputs_disagree  # noqa: PLC0415
+
+        if (why := outputs_disagree(p / "analysis")) is not None:
+            raise ExportError(why)
         out.append(Source("analysis", open_dataset(p / "analysis" / "analysis.parquet")))
     subs = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
     if not out and subs and all(d.name.startswith("date=") for d in subs):

@@ -13,7 +13,10 @@ import html
 import json
 import os
 import re
+import secrets
+import stat
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -86,6 +89,56 @@ def analyze_run(
     if (why := out_dir_refusal(out, "analysis folder")) is not None:
         raise AnalysisError(why)
     check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
+    with _out_locked(out):
+        check_out(out, runs)  # again, locked: another analyze into this folder may have written it meanwhile
+        return _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary)
+
+
+def _cannot_write(out: Path, e: OSError) -> AnalysisError:
+    return AnalysisError(f"cannot write the analysis to {out}: {e.strerror or e}"
+                         + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else ""))
+
+
+@contextlib.contextmanager
+def _out_locked(out: Path) -> Iterator[None]:
+    """Hold an exclusive flock on the folder `out` (made here where missing) from check_out to the last rename: two
+    analyses into one folder mixed their files (one's report.md beside the other's analysis.json). The second is
+    refused (AnalysisOutTaken), nothing written; a folder this made is removed again if the analysis fails. A file
+    system that has no flock (ENOLCK: some network ones) is written unlocked."""
+    import fcntl  # noqa: PLC0415
+
+    try:
+        out.mkdir(parents=True)
+        made = True
+    except FileExistsError:
+        made = False
+    except OSError as e:  # --out where no folder can be made (read-only, /proc)
+        raise _cannot_write(out, e) from None
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise _cannot_write(out, e) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise AnalysisOutTaken(f"another analyze is writing to {out} now: two at once would mix their files; wait "
+                                   "for it to end, or give another folder with --out") from None
+        except OSError:
+            pass
+        try:
+            yield
+        except BaseException:
+            if made:  # left empty by the group's undoing: nothing of a failed analysis stays
+                with contextlib.suppress(OSError):
+                    out.rmdir()
+            raise
+    finally:
+        os.close(fd)
+
+
+def _analyze_into(out: Path, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots,
+                  primary) -> AnalysisResult:
     twice: dict = {}
     windows = read_windows(runs, twice)
     knob_result, where = _configurations(runs, max_slowdown, windows)
@@ -133,9 +186,8 @@ def analyze_run(
     result.notes += run_notes(runs, result.warnings, result.notes)
     try:
         write_outputs(result, out, formats, plots)
-    except OSError as e:  # --out where no folder can be made or written (read-only, /proc, full disk)
-        raise AnalysisError(f"cannot write the analysis to {out}: {e.strerror or e}"
-                            + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else "")) from None
+    except OSError as e:  # --out that cannot be written (read-only, full disk)
+        raise _cannot_write(out, e) from None
     return result
 
 
@@ -162,8 +214,7 @@ def check_out(out: Path, runs) -> None:
     _refuse_a_run_folder(out, runs)
     if not out.is_dir():
         return
-    taken = sorted(f.name for f in out.iterdir() if f.name in OUTPUT_NAMES or (
-        f.suffix == ".png" and any(f.stem == s or f.stem.startswith(s + "_") for s in PLOT_STEMS)))
+    taken = sorted(f.name for f in _output_files(out))
     if not taken:
         return
     try:
@@ -178,6 +229,12 @@ def check_out(out: Path, runs) -> None:
             else f"files that are no powerprof analysis ({', '.join(taken[:4])}{', …' if len(taken) > 4 else ''})")
     raise AnalysisOutTaken(f"{out} holds {what}, which this analysis of {', '.join(now)} would replace; give another "
                            "folder with --out, or remove it first")
+
+
+def _output_files(out: Path) -> list[Path]:
+    """The files in `out` of an analysis' names (OUTPUT_NAMES, the plots)."""
+    return [f for f in out.iterdir() if f.name in OUTPUT_NAMES or (
+        f.suffix == ".png" and any(f.stem == s or f.stem.startswith(s + "_") for s in PLOT_STEMS))]
 
 
 def _refuse_a_run_folder(out: Path, runs) -> None:
@@ -286,8 +343,15 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
     # All or none: an interruption while the report renders must not leave new plots and tables beside
     # the old report and analysis.json (the export's summary sheet reads its recommendation).
     try:
+        result.analysis_id = secrets.token_hex(8)
         with atomic_group() as stage:
-            return _write_outputs(result, out, formats, plots, stage)
+            files = _write_outputs(result, out, formats, plots, stage)
+            # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
+            # series) goes with it: beside the new analysis.json it gave the old recommendation.
+            for f in _output_files(out):
+                if f not in stage.paths() and not stat.S_ISDIR(f.lstat().st_mode):
+                    stage.remove(f)
+            return files
     except BaseException:
         if made:  # the folder this made, left empty by the group's undoing: nothing of a failed report stays
             with contextlib.suppress(OSError):
@@ -326,10 +390,11 @@ def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stag
     write_table(stage(out / "analysis.parquet"), result.table, meta)
     files["analysis.parquet"] = str(out / "analysis.parquet")
     if "md" in formats:
-        stage(out / "report.md").write_bytes(render_markdown(result, images, out).encode())
+        stage(out / "report.md").write_bytes((render_markdown(result, images, out) + _id_stamp(result)).encode())
         files["report.md"] = str(out / "report.md")
     if "html" in formats:
-        stage(out / "report.html").write_bytes(render_html(result, {k: drawn[v] for k, v in images.items()}).encode())
+        stage(out / "report.html").write_bytes((render_html(result, {k: drawn[v] for k, v in images.items()})
+                                                + _id_stamp(result)).encode())
         files["report.html"] = str(out / "report.html")
     files["analysis.json"] = str(out / "analysis.json")
     result.files = files
@@ -340,6 +405,43 @@ def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stag
 def result_json(result: AnalysisResult) -> str:
     """analysis.json's text, which `analyze --json` prints too."""
     return json.dumps(result.to_dict(), indent=2, default=_json_default)
+
+
+ID_STAMP = re.compile(r"<!-- powerprof analysis_id: ([0-9a-f]+) -->")
+
+
+def _id_stamp(result: AnalysisResult) -> str:
+    """The reports' last line, unseen where rendered: the analysis id that analysis.json and analysis.parquet say."""
+    return f"\n<!-- powerprof analysis_id: {result.analysis_id} -->\n"
+
+
+def outputs_disagree(folder: Path) -> str | None:
+    """Why the analysis outputs in `folder` are not of one write (their analysis ids differ: an analyze killed between
+    its renames, SIGKILL or a power cut, left some new beside some old); None where they agree or none is there.
+    Outputs of before the ids (none says one) agree."""
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    ids: dict[str, str | None] = {}
+    for name in OUTPUT_NAMES:
+        f = folder / name
+        if not f.is_file():
+            continue
+        try:
+            if name == "analysis.json":
+                ids[name] = json.loads(f.read_text()).get("analysis_id")
+            elif name == "analysis.parquet":
+                meta = pq.read_schema(f).metadata or {}
+                ids[name] = json.loads(meta.get(b"powerprof_analysis", b"{}")).get("analysis_id")
+            else:
+                m = ID_STAMP.search(f.read_text(errors="replace")[-200:])
+                ids[name] = m.group(1) if m else None
+        except (OSError, ValueError, AttributeError):
+            ids[name] = None
+    if len(set(ids.values())) <= 1:
+        return None
+    return (f"{folder} holds the outputs of more than one analysis (their analysis ids differ: "
+            + ", ".join(f"{n} {i or 'none'}" for n, i in ids.items())
+            + "; an analyze stopped between its renames); run `powerprof analyze` again to write them anew")
 
 
 def _staged_png(stage, drawn: dict, path: Path, draw) -> Path:

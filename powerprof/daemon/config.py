@@ -497,6 +497,13 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
         errors.append(f"config key proxy.upstream = {upstream!r} is the proxy's own listen address, proxy.listen = "
                       f"{proxy_l!r}{came_from('proxy.upstream', 'proxy.listen')}: every request would be sent back to "
                       "the proxy, round and round; give the inference server's URL (its own port)")
+    scrape_url = values["scrape"]["url"]
+    if isinstance(proxy_l, str) and isinstance(scrape_url, str) and _upstream_is_listen(scrape_url, proxy_l):
+        # It passed --check; then every scrape was answered 508 by the proxy, the figures flagged.
+        errors.append(f"config key scrape.url = {scrape_url!r} is the proxy's own listen address, proxy.listen = "
+                      f"{proxy_l!r}{came_from('scrape.url', 'proxy.listen')}: every scrape would reach the proxy and be "
+                      "refused (508), no token counted; give the inference server's URL, or leave scrape.url unset "
+                      "(proxy.upstream's)")
     if (d := values["daemon"]["data_dir"]) and isinstance(d, str) and (why := _not_a_folder(Path(d))):
         errors.append(f"config key daemon.data_dir = {d!r}{came_from('daemon.data_dir')} is not a folder: {why}; "
                       "give a folder, or a path where one can be made")

@@ -661,6 +661,16 @@ def via_name(loop_id: str) -> str:
     return f"powerprof-{loop_id}"
 
 
+# The comment the daemon's scrapes add to their Via line (`1.1 powerprof-<id> (scrape)`): a scrape that comes round is
+# scrape.url's doing (or proxy.upstream's, where scrape.url is unset), and the 508's log says so.
+SCRAPE_VIA_COMMENT = "(scrape)"
+
+
+def scrape_via_name(loop_id: str) -> str:
+    """What the daemon's scrape session says after `1.1` in its Via line."""
+    return f"{via_name(loop_id)} {SCRAPE_VIA_COMMENT}"
+
+
 class Proxy:
     """The aiohttp application. `Proxy(upstream_url, recorder).app()`; the upstream pool opens on startup."""
 
@@ -741,7 +751,7 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if self._came_round(request):
-            return self._loop_refused()
+            return self._loop_refused(self._a_scrape(request))
         self._next_id += 1
         trace = None
         try:
@@ -805,14 +815,22 @@ class Proxy:
     def _came_round(self, request: web.Request) -> bool:
         return any(self.via_name in v.replace(",", " ").split() for v in request.headers.getall("Via", ()))
 
-    def _loop_refused(self) -> web.Response:
-        """508 for a request this proxy sent itself: no row (the request it came from has one, with this answer)."""
+    def _a_scrape(self, request: web.Request) -> bool:
+        """Whether the Via entry of this daemon's that came back is its scraper's (SCRAPE_VIA_COMMENT)."""
+        return any(entry.split()[1:3] == [self.via_name, SCRAPE_VIA_COMMENT]
+                   for v in request.headers.getall("Via", ()) for entry in v.split(","))
+
+    def _loop_refused(self, scrape: bool = False) -> web.Response:
+        """508 for a request this proxy sent itself: no row (the request it came from has one, with this answer).
+        `scrape`: the daemon's own scrape came round; its URL is the one to fix, not proxy.upstream."""
         self.loops_refused += 1
+        key, fix = (("scrape.url", "the daemon's scrape URL (scrape.url, proxy.upstream's where unset)") if scrape
+                    else ("proxy.upstream", f"proxy.upstream {self.upstream}"))
         if self.loops_refused <= 5 or self.loops_refused % 1000 == 0:
-            log.error("a request came back round to the proxy (%d so far): proxy.upstream %s reaches the proxy itself; "
-                      "set it to the inference server's URL", self.loops_refused, self.upstream)
-        body = json.dumps({"error": {"message": f"powerprof proxy: loop detected: the upstream {self.upstream} is this "
-                                                "proxy; set proxy.upstream to the inference server's URL",
+            log.error("a %s came back round to the proxy (%d so far): %s reaches the proxy itself; set %s to the "
+                      "inference server's URL", "scrape" if scrape else "request", self.loops_refused, fix, key)
+        body = json.dumps({"error": {"message": f"powerprof proxy: loop detected: {fix} reaches this proxy; set "
+                                                f"{key} to the inference server's URL",
                                      "type": "loop_detected", "code": 508}}).encode()
         return web.Response(status=508, body=body, content_type="application/json")
 

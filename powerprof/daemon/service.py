@@ -44,7 +44,7 @@ from .inflight import InFlight
 from .latency import RequestLatency
 from .ledger import RAPL_HOLD_S, Ledger
 from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
-from .proxy import SERVER_OPTIONS, Proxy, RequestTrace, via_name
+from .proxy import SERVER_OPTIONS, Proxy, RequestTrace, scrape_via_name
 from .scrape import AT_FINISH, IGNORES_BEST_OF, PREFILLS_CHOICES_APART, RUNS_ON_AFTER_LEAVE, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns, new_session
 from .store import COMPACTION_LOCK, Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import PeerPolicy, stop_wait_s, tag_app
@@ -1315,7 +1315,7 @@ class Daemon:
             # What it made is taken back only under its own lock: refused it, the folder is another daemon's.
             self._release_lock(made if self._lock_fd is not None else None)
             raise
-        session = new_session(via_name(self.loop_id))
+        session = new_session(scrape_via_name(self.loop_id))
         self.guard = ConnectionGuard(self.cfg.get("proxy", "header_timeout_s"), self.cfg.get("proxy", "idle_timeout_s"))
         self.bad_requests = quiet_bad_requests()  # this process's listeners' malformed requests (main() installs it too)
         try:

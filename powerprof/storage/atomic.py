@@ -14,7 +14,7 @@ import os
 import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from powerprof import termination
 from powerprof.paths import temp_sibling
@@ -102,56 +102,76 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+class _Group:
+    """What `atomic_group` yields: `stage(path) -> temporary path`, and `remove(path)`, done with the renames."""
+
+    def __init__(self) -> None:
+        self.staged: list[tuple[Path | None, Path]] = []  # (temporary, file); no temporary: the file is removed
+
+    def __call__(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        self.staged.append((temp_sibling(path), path))
+        return self.staged[-1][0]
+
+    def remove(self, path: str | os.PathLike) -> None:
+        self.staged.append((None, Path(path)))
+
+    def paths(self) -> set[Path]:
+        return {path for tmp, path in self.staged if tmp is not None}
+
+
 @contextmanager
-def atomic_group() -> Iterator[Callable[[str | os.PathLike], Path]]:
-    """Yield `stage(path) -> temporary path` for several files that must change together.
+def atomic_group() -> Iterator[_Group]:
+    """Yield `stage(path) -> temporary path` for several files that must change together; `stage.remove(path)` takes
+    a file out of the group's folder with them (an old output this one does not replace).
 
     Every file is written to its temporary first; only when all are written (and fsynced) are they
     renamed into place, one quick pass with SIGINT/SIGTERM/SIGHUP held (the exit is raised after it).
     On an exception before that, or a rename that fails (`_replace_all` puts back those done), every temporary is
     removed and every file is left as it was."""
-    staged: list[tuple[Path, Path]] = []
-
-    def stage(path: str | os.PathLike) -> Path:
-        path = Path(path)
-        staged.append((temp_sibling(path), path))
-        return staged[-1][0]
-
+    group = _Group()
     try:
-        yield stage
-        for tmp, _ in staged:
-            _fsync_file(tmp)
+        yield group
+        for tmp, _ in group.staged:
+            if tmp is not None:
+                _fsync_file(tmp)
     except BaseException:
-        for tmp, _ in staged:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
+        for tmp, _ in group.staged:
+            _unlink_quietly(tmp)
         raise
     with termination.exits_held() as got:
-        _replace_all(staged)
-        for folder in dict.fromkeys(path.parent for _, path in staged):
+        _replace_all(group.staged)
+        for folder in dict.fromkeys(path.parent for _, path in group.staged):
             fsync_dir(folder)
     if got:
         raise termination.exit_for(got[0])
 
 
-def _replace_all(staged: list[tuple[Path, Path]]) -> None:
+def _replace_all(staged: list[tuple[Path | None, Path]]) -> None:
     """Rename every temporary over its file, or none: a rename that fails part-way (a folder or FIFO where a file
     goes, EIO, EPERM) puts back the files already replaced, from hard links kept of the old ones, so the group never
     leaves new files beside old ones (a report saying one limit beside an analysis.json saying another).
-    The temporaries and links are removed either way."""
+    Removals come after every rename, put back the same way. The error names the file, not its temporary
+    (gone by then). The temporaries and links are removed either way."""
     kept: dict[Path, tuple[bool, Path | None]] = {}  # a file renamed → (it existed before, a link to its old content)
     try:
         for _, path in staged:  # what no rename can replace is refused before any is done
             _refuse_special(path)
             if os.path.isdir(path) and not os.path.islink(path):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        for tmp, path in staged:
+        for tmp, path in sorted(staged, key=lambda s: s[0] is None):
             existed = os.path.lexists(path)
+            if tmp is None and not existed:
+                continue
             old = _old_link(path) if existed else None
             try:
-                os.replace(tmp, path)
+                if tmp is None:
+                    os.unlink(path)
+                else:
+                    os.replace(tmp, path)
+            except OSError as e:
+                _unlink_quietly(old)
+                raise OSError(e.errno, e.strerror, str(path)) from None
             except BaseException:
                 _unlink_quietly(old)
                 raise
