@@ -158,6 +158,10 @@ def test_sglang_refuses_a_prompt_of_the_context_less_6_or_more_as_its_scheduler_
                                                    "length (58 tokens). Use a shorter input or enable --allow-auto-truncate.")
     meta = json.loads(fits[1])["meta_info"]  # 57 tokens still run, capped at the context less 2
     assert fits[0] == 200 and meta["prompt_tokens"] + meta["completion_tokens"] == 62, fits
+    # powerprof's client reads it as the context refusing (CONTEXT_FIX, not retried): none of the other words is in it.
+    from powerprof.workload.client import names_context  # noqa: PLC0415
+
+    assert names_context(json.loads(raw)["error"]["message"])
 
 
 # --- powerprof's client ----------------------------------------------------------------------------------------------

@@ -404,8 +404,9 @@ def _positive_int(v) -> int | None:
 CONTEXT_FIX = ("fix: use shorter prompts or a lower --max-tokens, or start the server with a longer context "
                "(llama-server -c, vLLM --max-model-len, SGLang --context-length)")
 # The words each server's refusal uses: llama.cpp "exceeds the available context size", vLLM "maximum context length"
-# and "max_model_len", SGLang "context length" (docs/simulator.md, "Context window").
-_CONTEXT_WORDS = re.compile(r"context size|context length|max_model_len")
+# and "max_model_len", SGLang "context length" and its scheduler's "exceeds the maximum allowed length" (a prompt of
+# the context less 6 or more: docs/simulator.md, "Context window").
+_CONTEXT_WORDS = re.compile(r"context size|context length|max_model_len|maximum allowed length")
 
 
 def names_context(error: str | None) -> bool:
