@@ -6,7 +6,9 @@ import io
 from datetime import datetime, timezone
 import itertools
 import json
+import os
 import re
+import stat
 
 import duckdb
 import numpy as np
@@ -1110,6 +1112,28 @@ def test_a_reanalysis_removes_the_earlier_outputs_it_does_not_write(tmp_path):
     assert r.exit_code == 0, r.output
     assert not (out / "report.md").exists() and (out / "report.html").exists()
     assert not [f for f in out.iterdir() if f.name.endswith(".tmp")]
+
+
+def test_a_reanalysis_keeps_the_files_no_analysis_of_it_wrote(tmp_path):
+    # It removed by name alone: a copy j_per_token_before.png, a person's tok_s_notes.png, a symlink
+    # power_clock_link.png, and a person's own report.md beside an html-only analysis were all unlinked, exit 0.
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=1)
+    out = tmp_path / "o"
+    args = ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--format", "html"]
+    r = CliRunner().invoke(main, [*args, "--max-slowdown", "0"])
+    assert r.exit_code == 0 and not (out / "report.md").exists(), r.output
+    mine = {"j_per_token_before.png": (out / "j_per_token.png").read_bytes(), "tok_s_notes.png": b"user notes",
+            "report.md": b"# My own write-up: we picked 250 W\n"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    (tmp_path / "target").write_text("kept")
+    (out / "power_clock_link.png").symlink_to(tmp_path / "target")
+    os.mkfifo(out / "tok_s_pipe.png")  # refused before: "exists and is not a regular file", exit 1
+    r = CliRunner().invoke(main, [*args, "--max-slowdown", "99%"])
+    assert r.exit_code == 0, r.output
+    assert stat.S_ISFIFO((out / "tok_s_pipe.png").lstat().st_mode)
+    assert {name: (out / name).read_bytes() for name in mine} == mine
+    assert (out / "power_clock_link.png").is_symlink() and (tmp_path / "target").read_text() == "kept"
 
 
 def test_two_analyses_into_one_folder_at_once_never_mix_their_files(tmp_path, monkeypatch):

@@ -237,6 +237,30 @@ def _output_files(out: Path) -> list[Path]:
         f.suffix == ".png" and any(f.stem == s or f.stem.startswith(s + "_") for s in PLOT_STEMS))]
 
 
+def _earlier_outputs(out: Path) -> list[Path]:
+    """The files in `out` that powerprof can prove an earlier analysis wrote: the plain files that its analysis.json's
+    `files` lists, and a report.md/report.html stamped with its analysis_id. Removing by name alone deleted a
+    person's report.md, a copy j_per_token_before.png and a symlink of a plot's name."""
+    try:
+        earlier = json.loads((out / "analysis.json").read_text())
+        listed, earlier_id = earlier.get("files") or {}, earlier.get("analysis_id")
+        names = {Path(str(v)).name for v in listed.values()} if isinstance(listed, dict) else set()
+    except (OSError, ValueError, AttributeError):
+        names, earlier_id = set(), None
+    found = []
+    for f in _output_files(out):
+        try:
+            if not stat.S_ISREG(f.lstat().st_mode):
+                continue
+            ours = f.name in names or (
+                earlier_id and f.name in ("report.md", "report.html") and _stamp_of(f) == earlier_id)
+            if ours:
+                found.append(f)
+        except OSError:
+            continue
+    return found
+
+
 def _refuse_a_run_folder(out: Path, runs) -> None:
     """AnalysisOutTaken where `out` is a run directory (paths.holds_sweep_run), or the `analysis` folder of a run that is
     not among `runs`: `analyze a --out b` wrote a's report among run b's tables without a word, and in b/analysis
@@ -348,8 +372,8 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
             files = _write_outputs(result, out, formats, plots, stage)
             # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
             # series) goes with it: beside the new analysis.json it gave the old recommendation.
-            for f in _output_files(out):
-                if f not in stage.paths() and not stat.S_ISDIR(f.lstat().st_mode):
+            for f in _earlier_outputs(out):
+                if f not in stage.paths():
                     stage.remove(f)
             return files
     except BaseException:
@@ -415,6 +439,14 @@ def _id_stamp(result: AnalysisResult) -> str:
     return f"\n<!-- powerprof analysis_id: {result.analysis_id} -->\n"
 
 
+def _stamp_of(report: Path) -> str | None:
+    """The analysis_id stamped in a report's last line; None where there is none (a person's file, an edited one)."""
+    with open(report, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 200))
+        m = ID_STAMP.search(f.read().decode(errors="replace"))
+    return m.group(1) if m else None
+
+
 def outputs_disagree(folder: Path) -> str | None:
     """Why the analysis outputs in `folder` are not of one write (their analysis ids differ: an analyze killed between
     its renames, SIGKILL or a power cut, left some new beside some old); None where they agree or none is there.
@@ -433,8 +465,7 @@ def outputs_disagree(folder: Path) -> str | None:
                 meta = pq.read_schema(f).metadata or {}
                 ids[name] = json.loads(meta.get(b"powerprof_analysis", b"{}")).get("analysis_id")
             else:
-                m = ID_STAMP.search(f.read_text(errors="replace")[-200:])
-                ids[name] = m.group(1) if m else None
+                ids[name] = _stamp_of(f)
         except (OSError, ValueError, AttributeError):
             ids[name] = None
     if len(set(ids.values())) <= 1:
