@@ -447,14 +447,12 @@ def _stamp_of(report: Path) -> str | None:
     return m.group(1) if m else None
 
 
-def outputs_disagree(folder: Path) -> str | None:
-    """Why the analysis outputs in `folder` are not of one write (their analysis ids differ: an analyze killed between
-    its renames, SIGKILL or a power cut, left some new beside some old); None where they agree or none is there.
-    Outputs of before the ids (none says one) agree."""
+def _ids(folder: Path, names) -> dict[str, str | None]:
+    """The analysis_id each of `names` in `folder` says (None: none said, or unreadable); a name not there is left out."""
     import pyarrow.parquet as pq  # noqa: PLC0415
 
     ids: dict[str, str | None] = {}
-    for name in OUTPUT_NAMES:
+    for name in names:
         f = folder / name
         if not f.is_file():
             continue
@@ -468,11 +466,31 @@ def outputs_disagree(folder: Path) -> str | None:
                 ids[name] = _stamp_of(f)
         except (OSError, ValueError, AttributeError):
             ids[name] = None
+    return ids
+
+
+def outputs_disagree(folder: Path) -> str | None:
+    """Why the analysis tables in `folder` that export reads (analysis.json, analysis.parquet) are not of one write
+    (their analysis ids differ: an analyze killed between its renames, SIGKILL or a power cut, left one new beside
+    one old); None where they agree or one is missing. Outputs of before the ids (neither says one) agree.
+    The reports, which export never reads, are no cause (`reports_disagree`): refusing for them, with "run analyze
+    again" as the fix, had a person's notes in report.md overwritten."""
+    ids = _ids(folder, ("analysis.json", "analysis.parquet"))
     if len(set(ids.values())) <= 1:
         return None
     return (f"{folder} holds the outputs of more than one analysis (their analysis ids differ: "
             + ", ".join(f"{n} {i or 'none'}" for n, i in ids.items())
             + "; an analyze stopped between its renames); run `powerprof analyze` again to write them anew")
+
+
+def reports_disagree(folder: Path) -> list[str]:
+    """A note for each report in `folder` stamped with another analysis' id than analysis.json's: its recommendation
+    may not be the exported one. A report with no stamp (edited, a person's own, of before the ids) says nothing."""
+    ids = _ids(folder, ("analysis.json", "report.md", "report.html"))
+    now = ids.pop("analysis.json", None)
+    return [f"{folder / n} is of another analysis (analysis_id {i}) than {folder / 'analysis.json'} ({now}): its "
+            "recommendation may not be the exported one; `powerprof analyze` again writes it anew (replacing it)"
+            for n, i in ids.items() if now and i and i != now]
 
 
 def _staged_png(stage, drawn: dict, path: Path, draw) -> Path:
