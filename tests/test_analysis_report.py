@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from datetime import datetime, timezone
+import errno
 import itertools
 import json
 import os
@@ -1169,3 +1170,22 @@ def test_two_analyses_into_one_folder_at_once_never_mix_their_files(tmp_path, mo
     assert f"Recommended limit: {limit:g} W" in (out / "report.md").read_text()
     # Once it has ended, the next is written.
     assert analyze_run([a], out, max_slowdown=0.99, n_boot=100).files
+
+
+@pytest.mark.parametrize("code, noted", [(errno.ENOLCK, False), (errno.EIO, True)])
+def test_an_out_that_cannot_be_locked_is_written_with_a_note_unless_it_has_no_flock(tmp_path, monkeypatch, code, noted):
+    # Every OSError of the flock was swallowed unsaid: written unlocked, where a second analyze could mix its files.
+    # A file system with no flock (ENOLCK) is written unlocked as before, without a word each time.
+    import fcntl
+
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=1)
+    out = tmp_path / "o"
+
+    def flock(fd, op):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    r = CliRunner().invoke(main, ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--format", "md"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and (out / "report.md").exists(), r.output
+    assert (f"note: {out} could not be locked ({os.strerror(code)}), so it was written unlocked" in said) == noted, said

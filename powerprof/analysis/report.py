@@ -89,9 +89,11 @@ def analyze_run(
     if (why := out_dir_refusal(out, "analysis folder")) is not None:
         raise AnalysisError(why)
     check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
-    with _out_locked(out):
+    with _out_locked(out) as said:
         check_out(out, runs)  # again, locked: another analyze into this folder may have written it meanwhile
-        return _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary)
+        result = _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary)
+    result.write_notes += said
+    return result
 
 
 def _cannot_write(out: Path, e: OSError) -> AnalysisError:
@@ -100,11 +102,13 @@ def _cannot_write(out: Path, e: OSError) -> AnalysisError:
 
 
 @contextlib.contextmanager
-def _out_locked(out: Path) -> Iterator[None]:
+def _out_locked(out: Path) -> Iterator[list[str]]:
     """Hold an exclusive flock on the folder `out` (made here where missing) from check_out to the last rename: two
     analyses into one folder mixed their files (one's report.md beside the other's analysis.json). The second is
     refused (AnalysisOutTaken), nothing written; a folder this made is removed again if the analysis fails. A file
-    system that has no flock (ENOLCK: some network ones) is written unlocked."""
+    system that has no flock (ENOLCK: some network ones; EOPNOTSUPP) is written unlocked; another failure of the flock
+    is written unlocked too, with a note in the list yielded: it was swallowed unsaid."""
+    import errno  # noqa: PLC0415
     import fcntl  # noqa: PLC0415
 
     try:
@@ -118,16 +122,19 @@ def _out_locked(out: Path) -> Iterator[None]:
         fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
         raise _cannot_write(out, e) from None
+    said: list[str] = []
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise AnalysisOutTaken(f"another analyze is writing to {out} now: two at once would mix their files; wait "
                                    "for it to end, or give another folder with --out") from None
-        except OSError:
-            pass
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+                said.append(f"{out} could not be locked ({e.strerror or e}), so it was written unlocked: another "
+                            "analyze into it at the same time would have mixed their files")
         try:
-            yield
+            yield said
         except BaseException:
             if made:  # left empty by the group's undoing: nothing of a failed analysis stays
                 with contextlib.suppress(OSError):
