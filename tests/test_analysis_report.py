@@ -1189,3 +1189,27 @@ def test_an_out_that_cannot_be_locked_is_written_with_a_note_unless_it_has_no_fl
     said = " ".join(r.output.split())
     assert r.exit_code == 0 and (out / "report.md").exists(), r.output
     assert (f"note: {out} could not be locked ({os.strerror(code)}), so it was written unlocked" in said) == noted, said
+
+
+def test_a_reanalysis_removes_the_temporaries_of_an_analyze_that_died_and_keeps_the_rest(tmp_path):
+    # An analyze SIGKILLed between its renames left nine `.NAME.PID.HEX.tmp` (one a hard link to the old
+    # analysis.parquet), which no later analyze removed. Now the next one removes those of a dead pid, under its lock.
+    import subprocess
+    import sys
+
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=1)
+    out = tmp_path / "o"
+    args = ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--format", "md"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = [out / f".report.md.{dead.pid}.0123abcd.tmp", out / f".j_per_token.png.{dead.pid}.89abcdef.tmp"]
+    os.link(out / "analysis.parquet", out / f".analysis.parquet.{dead.pid}.00ff00ff.tmp")
+    gone.append(out / f".analysis.parquet.{dead.pid}.00ff00ff.tmp")
+    kept = [out / f".report.md.{os.getppid()}.0123abcd.tmp", out / f".notes.{dead.pid}.0123abcd.tmp",
+            out / f".report.md.{dead.pid}.tmp"]  # a live pid's; no output's name; not a temporary's form
+    for f in gone[:2] + kept:
+        f.write_text("x")
+    r = CliRunner().invoke(main, [*args, "--max-slowdown", "99%"])
+    assert r.exit_code == 0, r.output
+    assert [f.name for f in gone if f.exists()] == [] and all(f.exists() for f in kept)

@@ -268,6 +268,30 @@ def _earlier_outputs(out: Path) -> list[Path]:
     return found
 
 
+_TEMPORARY = re.compile(r"\.(?P<name>[^/]+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
+
+
+def _remove_dead_temporaries(out: Path) -> None:
+    """Remove the temporaries (paths.temp_sibling's `.NAME.PID.HEX.tmp`, NAME an output's) of an analyze that died
+    (SIGKILL between its renames: nine stayed, one a hard link to the old analysis.parquet). Called under the flock,
+    so no analyze of this machine is writing here; a live pid's is kept (a pid reused counts as alive)."""
+    for f in out.iterdir():
+        m = _TEMPORARY.fullmatch(f.name)
+        if m is None or not (m["name"] in OUTPUT_NAMES or (m["name"].endswith(".png") and any(
+                m["name"][:-4] == s or m["name"].startswith(s + "_") for s in PLOT_STEMS))):
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except (OSError, OverflowError):  # EPERM: another user's live process
+            continue
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(f.lstat().st_mode):
+                f.unlink()
+
+
 def _refuse_a_run_folder(out: Path, runs) -> None:
     """AnalysisOutTaken where `out` is a run directory (paths.holds_sweep_run), or the `analysis` folder of a run that is
     not among `runs`: `analyze a --out b` wrote a's report among run b's tables without a word, and in b/analysis
@@ -382,7 +406,8 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
             for f in _earlier_outputs(out):
                 if f not in stage.paths():
                     stage.remove(f)
-            return files
+        _remove_dead_temporaries(out)
+        return files
     except BaseException:
         if made:  # the folder this made, left empty by the group's undoing: nothing of a failed report stays
             with contextlib.suppress(OSError):
