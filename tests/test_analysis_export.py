@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 from datetime import datetime, timedelta, timezone
+import json
 
 import pandas as pd
 import pyarrow as pa
@@ -1210,3 +1211,25 @@ def test_export_reads_a_folder_whose_reports_a_person_edited_and_names_a_report_
     said = " ".join(r.output.split())
     assert r.exit_code == 0 and (tmp_path / "b.xlsx").exists(), r.output
     assert f"note: {html} is of another analysis" in said and str(md) not in said, r.output
+
+
+def test_export_names_a_plot_left_of_another_analysis(tmp_path):
+    # The plots carried no id: an analyze SIGKILLed just after its plots' renames left new plots (180 W) beside the
+    # old report.md, analysis.json and analysis.parquet (300 W); export exit 0, nothing said.
+    from powerprof.analysis.report import _png_comment
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    out = run / "analysis"
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "0", "--format", "md"])
+    assert r.exit_code == 0, r.output
+    old = {n: (out / n).read_bytes() for n in ("analysis.json", "analysis.parquet", "report.md")}
+    assert _png_comment((out / "j_per_token.png").read_bytes()) == json.loads(old["analysis.json"])["analysis_id"]
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "99%", "--format", "md"])
+    assert r.exit_code == 0, r.output
+    for n, data in old.items():  # renamed after the plots: the kill came before them
+        (out / n).write_bytes(data)
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx", "--out", str(tmp_path / "a.xlsx")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    assert f"note: {out / 'j_per_token.png'} is of another analysis" in said, r.output
+    assert "report.md is of another" not in said, r.output

@@ -15,6 +15,8 @@ import os
 import re
 import secrets
 import stat
+import struct
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -441,6 +443,8 @@ def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stag
             images[key] = _staged_png(stage, drawn, out / f"{key}.png", lambda p: P.plot_timeline(
                 tl, p, level_unit=unit, idle_power_w=meta.get("idle_gpu_power_w"),
                 idle_by_device_w=meta.get("idle_gpu_power_w_by_gpu")))
+    for tmp in drawn.values():  # the id in each plot too: a kill after the plots' renames left new ones unsaid
+        tmp.write_bytes(_png_with_comment(tmp.read_bytes(), result.analysis_id))
     files.update({k: str(v) for k, v in images.items()})
     meta = {"powerprof_analysis": json.dumps(result.to_dict(), default=_json_default)}
     write_table(stage(out / "analysis.parquet"), result.table, meta)
@@ -494,6 +498,8 @@ def _ids(folder: Path, names) -> dict[str, str | None]:
             elif name == "analysis.parquet":
                 meta = pq.read_schema(f).metadata or {}
                 ids[name] = json.loads(meta.get(b"powerprof_analysis", b"{}")).get("analysis_id")
+            elif name.endswith(".png"):
+                ids[name] = _png_comment(f.read_bytes())
             else:
                 ids[name] = _stamp_of(f)
         except (OSError, ValueError, AttributeError):
@@ -505,7 +511,7 @@ def outputs_disagree(folder: Path) -> str | None:
     """Why the analysis tables in `folder` that export reads (analysis.json, analysis.parquet) are not of one write
     (their analysis ids differ: an analyze killed between its renames, SIGKILL or a power cut, left one new beside
     one old); None where they agree or one is missing. Outputs of before the ids (neither says one) agree.
-    The reports, which export never reads, are no cause (`reports_disagree`): refusing for them, with "run analyze
+    The reports, which export never reads, are no cause (`unread_outputs_disagree`): refusing for them, with "run analyze
     again" as the fix, had a person's notes in report.md overwritten."""
     ids = _ids(folder, ("analysis.json", "analysis.parquet"))
     if len(set(ids.values())) <= 1:
@@ -515,14 +521,41 @@ def outputs_disagree(folder: Path) -> str | None:
             + "; an analyze stopped between its renames); run `powerprof analyze` again to write them anew")
 
 
-def reports_disagree(folder: Path) -> list[str]:
-    """A note for each report in `folder` stamped with another analysis' id than analysis.json's: its recommendation
-    may not be the exported one. A report with no stamp (edited, a person's own, of before the ids) says nothing."""
-    ids = _ids(folder, ("analysis.json", "report.md", "report.html"))
+def unread_outputs_disagree(folder: Path) -> list[str]:
+    """A note for each report in `folder`, and each plot its analysis.json lists, stamped with another analysis' id
+    than analysis.json's: what it shows may not be what is exported. One with no stamp (an edited report, a person's
+    own, of before the ids) says nothing."""
+    try:
+        listed = json.loads((folder / "analysis.json").read_text()).get("files") or {}
+        plots = sorted({Path(str(v)).name for v in listed.values()} if isinstance(listed, dict) else set())
+    except (OSError, ValueError, AttributeError):
+        plots = []
+    ids = _ids(folder, ("analysis.json", "report.md", "report.html", *(n for n in plots if n.endswith(".png"))))
     now = ids.pop("analysis.json", None)
-    return [f"{folder / n} is of another analysis (analysis_id {i}) than {folder / 'analysis.json'} ({now}): its "
-            "recommendation may not be the exported one; `powerprof analyze` again writes it anew (replacing it)"
+    return [f"{folder / n} is of another analysis (analysis_id {i}) than {folder / 'analysis.json'} ({now}): what "
+            "it shows may not be what is exported; `powerprof analyze` again writes it anew (replacing it)"
             for n, i in ids.items() if now and i and i != now]
+
+
+def _png_with_comment(png: bytes, text: str) -> bytes:
+    """`png` with a tEXt chunk `Comment` = text before its IEND (the PNG spec's place for free text)."""
+    body = b"Comment\0" + text.encode("latin-1")
+    chunk = struct.pack(">I", len(body)) + b"tEXt" + body + struct.pack(">I", zlib.crc32(b"tEXt" + body))
+    end = png.rindex(b"IEND") - 4
+    return png[:end] + chunk + png[end:]
+
+
+def _png_comment(png: bytes) -> str | None:
+    """A PNG's tEXt `Comment` (the analysis_id _png_with_comment put there); None where it has none."""
+    at = 8
+    while at + 8 <= len(png):
+        size, kind = struct.unpack(">I4s", png[at:at + 8])
+        if kind == b"tEXt" and png[at + 8:at + 16] == b"Comment\0":
+            return png[at + 16:at + 8 + size].decode("latin-1")
+        if kind == b"IEND":
+            break
+        at += 12 + size
+    return None
 
 
 def _staged_png(stage, drawn: dict, path: Path, draw) -> Path:
