@@ -1042,6 +1042,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
     except KeyboardInterrupt:
         # click's bare "Aborted!" (exit 1) read like a failure of the analysis itself.
         _stop_exit("interrupted: the analysis did not finish (the runs are untouched); run it again for the report", 130)
+    for n in result.write_notes:  # on stderr: `--json`'s stdout is the analysis alone
+        click.echo(f"note: {n}", err=True)
     if as_json:
         from powerprof.analysis.report import result_json
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 from datetime import datetime, timedelta, timezone
+import json
 
 import pandas as pd
 import pyarrow as pa
@@ -1187,3 +1188,48 @@ def test_export_refuses_an_analysis_folder_whose_outputs_are_of_two_analyses(tmp
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx", "--out", str(tmp_path / "again.xlsx")])
     assert r.exit_code == 0, r.output
+
+
+def test_export_reads_a_folder_whose_reports_a_person_edited_and_names_a_report_of_another_analysis(tmp_path):
+    # It compared the reports' ids too (export never reads them) and took a missing stamp for another id: notes
+    # appended to report.md -> exit 1 "report.md none ... run `powerprof analyze` again", whose rewrite lost the notes.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "0"])
+    assert r.exit_code == 0, r.output
+    md, html = run / "analysis" / "report.md", run / "analysis" / "report.html"
+    old_html = html.read_bytes()
+    with md.open("a") as f:
+        f.write("\n## My notes\n" + "We chose 250 W after discussing with the team. " * 6 + "\n")
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx", "--out", str(tmp_path / "a.xlsx")])
+    assert r.exit_code == 0 and "note:" not in r.output, r.output
+    assert "My notes" in md.read_text()
+    # A report left of another analysis (renamed before a kill): exported, and the report named in a note.
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "99%", "--format", "md"])
+    assert r.exit_code == 0, r.output
+    html.write_bytes(old_html)
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx", "--out", str(tmp_path / "b.xlsx")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and (tmp_path / "b.xlsx").exists(), r.output
+    assert f"note: {html} is of another analysis" in said and str(md) not in said, r.output
+
+
+def test_export_names_a_plot_left_of_another_analysis(tmp_path):
+    # The plots carried no id: an analyze SIGKILLed just after its plots' renames left new plots (180 W) beside the
+    # old report.md, analysis.json and analysis.parquet (300 W); export exit 0, nothing said.
+    from powerprof.analysis.report import _png_comment
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    out = run / "analysis"
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "0", "--format", "md"])
+    assert r.exit_code == 0, r.output
+    old = {n: (out / n).read_bytes() for n in ("analysis.json", "analysis.parquet", "report.md")}
+    assert _png_comment((out / "j_per_token.png").read_bytes()) == json.loads(old["analysis.json"])["analysis_id"]
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "99%", "--format", "md"])
+    assert r.exit_code == 0, r.output
+    for n, data in old.items():  # renamed after the plots: the kill came before them
+        (out / n).write_bytes(data)
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx", "--out", str(tmp_path / "a.xlsx")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    assert f"note: {out / 'j_per_token.png'} is of another analysis" in said, r.output
+    assert "report.md is of another" not in said, r.output

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import io
 from datetime import datetime, timezone
+import errno
 import itertools
 import json
+import os
 import re
+import stat
 
 import duckdb
 import numpy as np
@@ -1112,6 +1115,28 @@ def test_a_reanalysis_removes_the_earlier_outputs_it_does_not_write(tmp_path):
     assert not [f for f in out.iterdir() if f.name.endswith(".tmp")]
 
 
+def test_a_reanalysis_keeps_the_files_no_analysis_of_it_wrote(tmp_path):
+    # It removed by name alone: a copy j_per_token_before.png, a person's tok_s_notes.png, a symlink
+    # power_clock_link.png, and a person's own report.md beside an html-only analysis were all unlinked, exit 0.
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=1)
+    out = tmp_path / "o"
+    args = ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--format", "html"]
+    r = CliRunner().invoke(main, [*args, "--max-slowdown", "0"])
+    assert r.exit_code == 0 and not (out / "report.md").exists(), r.output
+    mine = {"j_per_token_before.png": (out / "j_per_token.png").read_bytes(), "tok_s_notes.png": b"user notes",
+            "report.md": b"# My own write-up: we picked 250 W\n"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    (tmp_path / "target").write_text("kept")
+    (out / "power_clock_link.png").symlink_to(tmp_path / "target")
+    os.mkfifo(out / "tok_s_pipe.png")  # refused before: "exists and is not a regular file", exit 1
+    r = CliRunner().invoke(main, [*args, "--max-slowdown", "99%"])
+    assert r.exit_code == 0, r.output
+    assert stat.S_ISFIFO((out / "tok_s_pipe.png").lstat().st_mode)
+    assert {name: (out / name).read_bytes() for name in mine} == mine
+    assert (out / "power_clock_link.png").is_symlink() and (tmp_path / "target").read_text() == "kept"
+
+
 def test_two_analyses_into_one_folder_at_once_never_mix_their_files(tmp_path, monkeypatch):
     # Two analyze runs into one --out (no lock): one's report.md and analysis.parquet beside the other's
     # analysis.json and report.html, every exit 0. Now the second is refused while the first writes, nothing mixed.
@@ -1145,3 +1170,46 @@ def test_two_analyses_into_one_folder_at_once_never_mix_their_files(tmp_path, mo
     assert f"Recommended limit: {limit:g} W" in (out / "report.md").read_text()
     # Once it has ended, the next is written.
     assert analyze_run([a], out, max_slowdown=0.99, n_boot=100).files
+
+
+@pytest.mark.parametrize("code, noted", [(errno.ENOLCK, False), (errno.EIO, True)])
+def test_an_out_that_cannot_be_locked_is_written_with_a_note_unless_it_has_no_flock(tmp_path, monkeypatch, code, noted):
+    # Every OSError of the flock was swallowed unsaid: written unlocked, where a second analyze could mix its files.
+    # A file system with no flock (ENOLCK) is written unlocked as before, without a word each time.
+    import fcntl
+
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=1)
+    out = tmp_path / "o"
+
+    def flock(fd, op):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    r = CliRunner().invoke(main, ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--format", "md"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and (out / "report.md").exists(), r.output
+    assert (f"note: {out} could not be locked ({os.strerror(code)}), so it was written unlocked" in said) == noted, said
+
+
+def test_a_reanalysis_removes_the_temporaries_of_an_analyze_that_died_and_keeps_the_rest(tmp_path):
+    # An analyze SIGKILLed between its renames left nine `.NAME.PID.HEX.tmp` (one a hard link to the old
+    # analysis.parquet), which no later analyze removed. Now the next one removes those of a dead pid, under its lock.
+    import subprocess
+    import sys
+
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=1)
+    out = tmp_path / "o"
+    args = ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--format", "md"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = [out / f".report.md.{dead.pid}.0123abcd.tmp", out / f".j_per_token.png.{dead.pid}.89abcdef.tmp"]
+    os.link(out / "analysis.parquet", out / f".analysis.parquet.{dead.pid}.00ff00ff.tmp")
+    gone.append(out / f".analysis.parquet.{dead.pid}.00ff00ff.tmp")
+    kept = [out / f".report.md.{os.getppid()}.0123abcd.tmp", out / f".notes.{dead.pid}.0123abcd.tmp",
+            out / f".report.md.{dead.pid}.tmp"]  # a live pid's; no output's name; not a temporary's form
+    for f in gone[:2] + kept:
+        f.write_text("x")
+    r = CliRunner().invoke(main, [*args, "--max-slowdown", "99%"])
+    assert r.exit_code == 0, r.output
+    assert [f.name for f in gone if f.exists()] == [] and all(f.exists() for f in kept)

@@ -78,6 +78,8 @@ class AnalysisResult:
     # What happened during the runs that changes no figure (server_notes): said beside them, never a warning.
     notes: list[str] = field(default_factory=list)
     server_restarts: list[dict] = field(default_factory=list)  # run.json server_restarts, each with its run_id
+    # What writing the outputs met that is no fact of the runs (an --out that could not be locked): printed, not stored.
+    write_notes: list[str] = field(default_factory=list)
 
     @property
     def has_levels(self) -> bool:

@@ -578,6 +578,10 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         raise ExportError(why)
     sources = union_sources(_without_copied_runs(srcs, groups, notes))
     if notes is not None:
+        from .report import unread_outputs_disagree  # noqa: PLC0415
+
+        notes.extend(n for s in srcs if not is_uri(s) and (Path(s) / "analysis" / "analysis.parquet").is_file()
+                     for n in unread_outputs_disagree(Path(s) / "analysis"))
         # Its tables are there (Ctrl-C in the first level flushes them) but hold no finished level.
         notes.extend(f"{m}: its tables hold only what was measured before it stopped"
                      for m in (no_finished_level(s, None) for s in srcs if not is_uri(s) and Path(s).is_dir()) if m)

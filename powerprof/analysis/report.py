@@ -15,6 +15,8 @@ import os
 import re
 import secrets
 import stat
+import struct
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -89,9 +91,11 @@ def analyze_run(
     if (why := out_dir_refusal(out, "analysis folder")) is not None:
         raise AnalysisError(why)
     check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
-    with _out_locked(out):
+    with _out_locked(out) as said:
         check_out(out, runs)  # again, locked: another analyze into this folder may have written it meanwhile
-        return _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary)
+        result = _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary)
+    result.write_notes += said
+    return result
 
 
 def _cannot_write(out: Path, e: OSError) -> AnalysisError:
@@ -100,11 +104,13 @@ def _cannot_write(out: Path, e: OSError) -> AnalysisError:
 
 
 @contextlib.contextmanager
-def _out_locked(out: Path) -> Iterator[None]:
+def _out_locked(out: Path) -> Iterator[list[str]]:
     """Hold an exclusive flock on the folder `out` (made here where missing) from check_out to the last rename: two
     analyses into one folder mixed their files (one's report.md beside the other's analysis.json). The second is
     refused (AnalysisOutTaken), nothing written; a folder this made is removed again if the analysis fails. A file
-    system that has no flock (ENOLCK: some network ones) is written unlocked."""
+    system that has no flock (ENOLCK: some network ones; EOPNOTSUPP) is written unlocked; another failure of the flock
+    is written unlocked too, with a note in the list yielded: it was swallowed unsaid."""
+    import errno  # noqa: PLC0415
     import fcntl  # noqa: PLC0415
 
     try:
@@ -118,16 +124,19 @@ def _out_locked(out: Path) -> Iterator[None]:
         fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
         raise _cannot_write(out, e) from None
+    said: list[str] = []
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise AnalysisOutTaken(f"another analyze is writing to {out} now: two at once would mix their files; wait "
                                    "for it to end, or give another folder with --out") from None
-        except OSError:
-            pass
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+                said.append(f"{out} could not be locked ({e.strerror or e}), so it was written unlocked: another "
+                            "analyze into it at the same time would have mixed their files")
         try:
-            yield
+            yield said
         except BaseException:
             if made:  # left empty by the group's undoing: nothing of a failed analysis stays
                 with contextlib.suppress(OSError):
@@ -235,6 +244,54 @@ def _output_files(out: Path) -> list[Path]:
     """The files in `out` of an analysis' names (OUTPUT_NAMES, the plots)."""
     return [f for f in out.iterdir() if f.name in OUTPUT_NAMES or (
         f.suffix == ".png" and any(f.stem == s or f.stem.startswith(s + "_") for s in PLOT_STEMS))]
+
+
+def _earlier_outputs(out: Path) -> list[Path]:
+    """The files in `out` that powerprof can prove an earlier analysis wrote: the plain files that its analysis.json's
+    `files` lists, and a report.md/report.html stamped with its analysis_id. Removing by name alone deleted a
+    person's report.md, a copy j_per_token_before.png and a symlink of a plot's name."""
+    try:
+        earlier = json.loads((out / "analysis.json").read_text())
+        listed, earlier_id = earlier.get("files") or {}, earlier.get("analysis_id")
+        names = {Path(str(v)).name for v in listed.values()} if isinstance(listed, dict) else set()
+    except (OSError, ValueError, AttributeError):
+        names, earlier_id = set(), None
+    found = []
+    for f in _output_files(out):
+        try:
+            if not stat.S_ISREG(f.lstat().st_mode):
+                continue
+            ours = f.name in names or (
+                earlier_id and f.name in ("report.md", "report.html") and _stamp_of(f) == earlier_id)
+            if ours:
+                found.append(f)
+        except OSError:
+            continue
+    return found
+
+
+_TEMPORARY = re.compile(r"\.(?P<name>[^/]+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
+
+
+def _remove_dead_temporaries(out: Path) -> None:
+    """Remove the temporaries (paths.temp_sibling's `.NAME.PID.HEX.tmp`, NAME an output's) of an analyze that died
+    (SIGKILL between its renames: nine stayed, one a hard link to the old analysis.parquet). Called under the flock,
+    so no analyze of this machine is writing here; a live pid's is kept (a pid reused counts as alive)."""
+    for f in out.iterdir():
+        m = _TEMPORARY.fullmatch(f.name)
+        if m is None or not (m["name"] in OUTPUT_NAMES or (m["name"].endswith(".png") and any(
+                m["name"][:-4] == s or m["name"].startswith(s + "_") for s in PLOT_STEMS))):
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except (OSError, OverflowError):  # EPERM: another user's live process
+            continue
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(f.lstat().st_mode):
+                f.unlink()
 
 
 def _refuse_a_run_folder(out: Path, runs) -> None:
@@ -348,10 +405,11 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
             files = _write_outputs(result, out, formats, plots, stage)
             # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
             # series) goes with it: beside the new analysis.json it gave the old recommendation.
-            for f in _output_files(out):
-                if f not in stage.paths() and not stat.S_ISDIR(f.lstat().st_mode):
+            for f in _earlier_outputs(out):
+                if f not in stage.paths():
                     stage.remove(f)
-            return files
+        _remove_dead_temporaries(out)
+        return files
     except BaseException:
         if made:  # the folder this made, left empty by the group's undoing: nothing of a failed report stays
             with contextlib.suppress(OSError):
@@ -385,6 +443,8 @@ def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stag
             images[key] = _staged_png(stage, drawn, out / f"{key}.png", lambda p: P.plot_timeline(
                 tl, p, level_unit=unit, idle_power_w=meta.get("idle_gpu_power_w"),
                 idle_by_device_w=meta.get("idle_gpu_power_w_by_gpu")))
+    for tmp in drawn.values():  # the id in each plot too: a kill after the plots' renames left new ones unsaid
+        tmp.write_bytes(_png_with_comment(tmp.read_bytes(), result.analysis_id))
     files.update({k: str(v) for k, v in images.items()})
     meta = {"powerprof_analysis": json.dumps(result.to_dict(), default=_json_default)}
     write_table(stage(out / "analysis.parquet"), result.table, meta)
@@ -415,14 +475,20 @@ def _id_stamp(result: AnalysisResult) -> str:
     return f"\n<!-- powerprof analysis_id: {result.analysis_id} -->\n"
 
 
-def outputs_disagree(folder: Path) -> str | None:
-    """Why the analysis outputs in `folder` are not of one write (their analysis ids differ: an analyze killed between
-    its renames, SIGKILL or a power cut, left some new beside some old); None where they agree or none is there.
-    Outputs of before the ids (none says one) agree."""
+def _stamp_of(report: Path) -> str | None:
+    """The analysis_id stamped in a report's last line; None where there is none (a person's file, an edited one)."""
+    with open(report, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 200))
+        m = ID_STAMP.search(f.read().decode(errors="replace"))
+    return m.group(1) if m else None
+
+
+def _ids(folder: Path, names) -> dict[str, str | None]:
+    """The analysis_id each of `names` in `folder` says (None: none said, or unreadable); a name not there is left out."""
     import pyarrow.parquet as pq  # noqa: PLC0415
 
     ids: dict[str, str | None] = {}
-    for name in OUTPUT_NAMES:
+    for name in names:
         f = folder / name
         if not f.is_file():
             continue
@@ -432,16 +498,64 @@ def outputs_disagree(folder: Path) -> str | None:
             elif name == "analysis.parquet":
                 meta = pq.read_schema(f).metadata or {}
                 ids[name] = json.loads(meta.get(b"powerprof_analysis", b"{}")).get("analysis_id")
+            elif name.endswith(".png"):
+                ids[name] = _png_comment(f.read_bytes())
             else:
-                m = ID_STAMP.search(f.read_text(errors="replace")[-200:])
-                ids[name] = m.group(1) if m else None
+                ids[name] = _stamp_of(f)
         except (OSError, ValueError, AttributeError):
             ids[name] = None
+    return ids
+
+
+def outputs_disagree(folder: Path) -> str | None:
+    """Why the analysis tables in `folder` that export reads (analysis.json, analysis.parquet) are not of one write
+    (their analysis ids differ: an analyze killed between its renames, SIGKILL or a power cut, left one new beside
+    one old); None where they agree or one is missing. Outputs of before the ids (neither says one) agree.
+    The reports, which export never reads, are no cause (`unread_outputs_disagree`): refusing for them, with "run analyze
+    again" as the fix, had a person's notes in report.md overwritten."""
+    ids = _ids(folder, ("analysis.json", "analysis.parquet"))
     if len(set(ids.values())) <= 1:
         return None
     return (f"{folder} holds the outputs of more than one analysis (their analysis ids differ: "
             + ", ".join(f"{n} {i or 'none'}" for n, i in ids.items())
             + "; an analyze stopped between its renames); run `powerprof analyze` again to write them anew")
+
+
+def unread_outputs_disagree(folder: Path) -> list[str]:
+    """A note for each report in `folder`, and each plot its analysis.json lists, stamped with another analysis' id
+    than analysis.json's: what it shows may not be what is exported. One with no stamp (an edited report, a person's
+    own, of before the ids) says nothing."""
+    try:
+        listed = json.loads((folder / "analysis.json").read_text()).get("files") or {}
+        plots = sorted({Path(str(v)).name for v in listed.values()} if isinstance(listed, dict) else set())
+    except (OSError, ValueError, AttributeError):
+        plots = []
+    ids = _ids(folder, ("analysis.json", "report.md", "report.html", *(n for n in plots if n.endswith(".png"))))
+    now = ids.pop("analysis.json", None)
+    return [f"{folder / n} is of another analysis (analysis_id {i}) than {folder / 'analysis.json'} ({now}): what "
+            "it shows may not be what is exported; `powerprof analyze` again writes it anew (replacing it)"
+            for n, i in ids.items() if now and i and i != now]
+
+
+def _png_with_comment(png: bytes, text: str) -> bytes:
+    """`png` with a tEXt chunk `Comment` = text before its IEND (the PNG spec's place for free text)."""
+    body = b"Comment\0" + text.encode("latin-1")
+    chunk = struct.pack(">I", len(body)) + b"tEXt" + body + struct.pack(">I", zlib.crc32(b"tEXt" + body))
+    end = png.rindex(b"IEND") - 4
+    return png[:end] + chunk + png[end:]
+
+
+def _png_comment(png: bytes) -> str | None:
+    """A PNG's tEXt `Comment` (the analysis_id _png_with_comment put there); None where it has none."""
+    at = 8
+    while at + 8 <= len(png):
+        size, kind = struct.unpack(">I4s", png[at:at + 8])
+        if kind == b"tEXt" and png[at + 8:at + 16] == b"Comment\0":
+            return png[at + 16:at + 8 + size].decode("latin-1")
+        if kind == b"IEND":
+            break
+        at += 12 + size
+    return None
 
 
 def _staged_png(stage, drawn: dict, path: Path, draw) -> Path:
