@@ -376,3 +376,20 @@ def lagging_daemon(monkeypatch, lag_s: float) -> None:
                 deliver(self, s)
 
     monkeypatch.setattr(Daemon, "_on_sample", on_sample)
+
+
+def eio_on_replace_to(monkeypatch, suffix: str) -> None:
+    """Every os.replace by powerprof.storage.atomic onto a path ending in `suffix` fails with EIO (a disk's error part
+    way through a group's renames); the others go through."""
+    import errno  # noqa: PLC0415
+
+    import powerprof.storage.atomic as atomic  # noqa: PLC0415
+
+    real = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith(suffix):
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)

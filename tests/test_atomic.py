@@ -68,20 +68,12 @@ def _group_of_three(out, new=b"new"):
 def test_a_group_whose_rename_fails_part_way_puts_the_renamed_files_back(tmp_path, monkeypatch):
     # report.md was replaced, report.html's rename failed (EIO): the folder held a new report beside the old
     # analysis.json, and the temporaries stayed. Now every file is the old one, and nothing else is there.
-    import errno
-    import os
+    from support import eio_on_replace_to
 
     out = tmp_path / "out"
     out.mkdir()
     _group_of_three(out, b"old")
-    real = os.replace
-
-    def fail_on_html(src, dst):
-        if str(dst).endswith("report.html"):
-            raise OSError(errno.EIO, "Input/output error", str(dst))
-        return real(src, dst)
-
-    monkeypatch.setattr(atomic.os, "replace", fail_on_html)
+    eio_on_replace_to(monkeypatch, "report.html")
     with pytest.raises(OSError):
         _group_of_three(out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == {

@@ -165,10 +165,7 @@ def test_a_report_that_fails_removes_the_analysis_folder_it_made(tmp_path, monke
 def test_an_analysis_whose_write_fails_leaves_the_old_outputs_whole_and_no_temporary(tmp_path, monkeypatch):
     # A rename failing part-way (EIO on report.html) left the new report.md and analysis.parquet beside the old
     # analysis.json, and the temporaries: one folder gave two recommendations. Now the old outputs stay, all of them.
-    import errno
-    import os
-
-    import powerprof.storage.atomic as atomic
+    from support import eio_on_replace_to
 
     run = _sweep_run(tmp_path)
     out = tmp_path / "an"
@@ -176,14 +173,7 @@ def test_an_analysis_whose_write_fails_leaves_the_old_outputs_whole_and_no_tempo
     assert CliRunner().invoke(main, args + ["--max-slowdown", "0"]).exit_code == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert {"analysis.json", "analysis.parquet", "report.md", "report.html"} <= set(before)
-    real = os.replace
-
-    def eio_on_html(src, dst):
-        if str(dst).endswith("report.html"):
-            raise OSError(errno.EIO, "Input/output error", str(dst))
-        return real(src, dst)
-
-    monkeypatch.setattr(atomic.os, "replace", eio_on_html)
+    eio_on_replace_to(monkeypatch, "report.html")
     r = CliRunner().invoke(main, args + ["--max-slowdown", "99%"])
     assert r.exit_code == 1 and "cannot write the analysis" in r.output, r.output
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
