@@ -4637,6 +4637,26 @@ def test_a_run_on_listed_as_its_max_tokens_end_is_taken_back_where_a_restart_cam
     assert (added, taken) == ([40], [40]), (added, taken)
 
 
+def test_a_sure_capped_run_on_placed_wholly_before_a_closed_interval_is_counted_late_not_a_crash():
+    # A whole SGLang answer (ignore_eos, max_tokens 40) whose run-on, capped at its max_tokens, falls wholly before the
+    # first interval still open (its early intervals closed under the holds' caps): every placed event was dropped as
+    # late, and its listing as SGLang's length finish then read `ts[-1]` of an empty list: IndexError in the split.
+    from powerprof.daemon.ledger import _Edge
+    from powerprof.daemon.liverequest import LiveRequest
+
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.recon.server_seen, led.recon.server_at_finish = True, True
+    led.edges.append(_Edge(t_ns=int(10 * S), wall_ns=int(10 * S), counter_j=np.array([0.0]), power_w=np.array([0.0])))
+    tr = RequestTrace(1, "POST", "/generate", None, 0, 0, api="sglang-generate", stream=False)
+    tr.extra.update(eos_ignored=True, max_tokens=40)
+    tr.end_ns = int(1.0 * S)
+    r = LiveRequest(tr)
+    r.run_on_end_ns = int(3.0 * S)  # SGLang's abort, past its max_tokens' end at 40 tokens/s (2.0 s)
+    led._place_run_on(r, int(1.0 * S), 40.0, "a test's")
+    assert r.run_on_tokens == pytest.approx(40) and r.run_on_late == pytest.approx(40), (r.run_on_tokens, r.run_on_late)
+    assert r.ev_t == [] and r.run_on_listed is None  # nothing placed: counted late, and not listed
+
+
 @pytest.mark.xfail(strict=True, reason="a known gap (docs/daemon.md): listing them (47667652) made the bypass right and "
                    "the split wrong, the streams beside the last cut answer +50% to +80% in test_daemon_cut_streams.py")
 def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_not_read_as_bypass_tokens_when_the_server_counts_it():

@@ -962,13 +962,14 @@ class Ledger:
             # SGLang counts a request at its end, which never came: listed, its tokens would hide bypass traffic.
             self.recon.proxied.extend(zip(ts, [n / k] * k))
         sure = r.run_on_may_end is None and (r.trace.extra.get("eos_ignored") or r.trace.extra.get("min_tokens"))
-        if capped and sure and n <= RUN_ON_CAPPED_SURE_SHARE * to_abort and not r.run_on_to_end \
+        if ts and capped and sure and n <= RUN_ON_CAPPED_SURE_SHARE * to_abort and not r.run_on_to_end \
                 and not r.run_on_crash and self.recon.server_seen and self.recon.server_at_finish:
             # Its max_tokens reached well before the abort: SGLang finished it (a length finish) and counted it whole
             # there. Unlisted, its run-on read as bypass tokens besides being placed here (review's scene, 4 streams
             # cut after 5 chunks with ignore_eos and max_tokens 40 beside 16: 142 bypass tokens read where none ran,
             # 315-319 J unproxied, the 16 -11%). Not one that may have ended by itself, nor one near its abort: aborted,
-            # SGLang counts it nowhere, and listed it would hide bypass traffic (16f65a29, reverted).
+            # SGLang counts it nowhere, and listed it would hide bypass traffic (16f65a29, reverted). Not one placed
+            # wholly before an interval already closed (counted late above): nothing left to list it at (IndexError).
             r.run_on_listed = (ts[-1], n, max(0, ts[-1] - r.trace.arrival_ns))
             self.recon.finished.append(r.run_on_listed)
         r.run_on_tokens, r.run_on_pace = n, whose
