@@ -697,6 +697,19 @@ def test_a_responses_stream_of_several_tasks_sums_their_usages_and_ends_with_the
     assert (s.generated_tokens, s.prompt_tokens, s.cached_tokens) == (6, 108, 100) and s.prompt_each_task
 
 
+def test_a_responses_stream_whose_ids_pass_the_index_bound_still_ends():
+    # Each Response's id is indexed cut to 256 characters; its end looked it up whole: never found, the stream read as
+    # cut by its upstream and its stop given to task 0.
+    rid = "r" * 300
+    events = [{"type": "response.created", "response": {"id": rid + "0", "status": "in_progress"}},
+              {"type": "response.output_text.delta", "delta": "a"},
+              {"type": "response.completed", "response": {"id": rid + "0", "status": "completed", "model": "m",
+                                                          "output": [], "usage": {"input_tokens": 5, "output_tokens": 1}}}]
+    p = StreamParser("openai-responses")
+    p.feed(_typed_sse(*events))
+    s = p.finish()
+    assert s.complete and s.choice_stops == {0: "stop"}, (s.complete, s.choice_stops)
+
 def test_typed_event_apis_whole_bodies_take_the_usage():
     from powerprof.daemon.streams import body_counts
 

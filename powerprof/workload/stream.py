@@ -984,7 +984,7 @@ class StreamParser:
                     det = resp.get("incomplete_details")
                     why = det.get("reason") if isinstance(det, dict) else None
                     s.stop_reason = _RESPONSES_INCOMPLETE.get(why, why) if isinstance(why, str) else "incomplete"
-                rid = resp.get("id") if isinstance(resp.get("id"), str) else None
+                rid = resp["id"][:256] if isinstance(resp.get("id"), str) else None  # as indexed above
                 if rid is None and len(s.resp_open) == 1:
                     rid = next(iter(s.resp_open))  # an end that names none: the one Response open
                 task = s.resp_index.get(rid, 0)
