@@ -4188,13 +4188,14 @@ def test_a_whole_answer_llamacpp_run_on_capped_at_max_tokens_is_costed_to_there(
     assert row["gpu_energy_j"] == pytest.approx(100.0, abs=10.5), row  # to the 0.1 s interval its end falls in
 
 
-def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, **restart_kw):
+def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):
     # SGLang runs a stream on 2 s after its client left (`Ledger._run_on`). A stream at 40 tokens/s from 0.5 s, its client
     # gone at `leave`; the server down over (down, up): its old process last scraped at `down`, the new one's first
     # scrape stamped `up` (its window says server_restart, with `restart_kw`) and read `late` s after (a long GET: the
     # windows after it wait for it).
     # 100 W throughout, ticks every 0.05 s, scraped every 0.1 s; SGLang counts no aborted request's tokens. Its row.
-    # `extra`: its body's terms over max_tokens 1000; `probe`: called with the ledger once made.
+    # `extra`: its body's terms over max_tokens 1000; `probe`: called with the ledger once made; `counted`: (scrape s,
+    # tokens) SGLang counted there (an answer that ended by itself, counted at its end).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.3)
     led.runs_on_after_leave = (2.0, 4.0)
     led.scraping = True
@@ -4224,7 +4225,8 @@ def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, pro
             prev = t
         while pend and pend[0][0] <= t + 1e-9:  # in order: the scrape loop reads one page at a time
             _, ts, pv, rs = pend.pop(0)
-            led.add_server_tokens(int(ts * S), 0.0, None if pv is None else int(pv * S), at_finish=True,
+            n = counted[1] if counted is not None and abs(ts - counted[0]) < 1e-9 else 0.0
+            led.add_server_tokens(int(ts * S), n, None if pv is None else int(pv * S), at_finish=True,
                                   partial=("server_restart",) if rs else (), **(restart_kw if rs else {}))
         led.advance(int(t * S))
     led.close_all(int(20 * S))
@@ -4635,6 +4637,29 @@ def test_a_run_on_listed_as_its_max_tokens_end_is_taken_back_where_a_restart_cam
     row, added, taken = run(late=1.0, down=1.5)
     assert row["attributed_tokens"] == pytest.approx(40, abs=2), row  # 20 shown, 20 run on to the death at 1.5 s
     assert (added, taken) == ([40], [40]), (added, taken)
+
+
+def test_the_intervals_over_a_run_on_that_may_have_ended_by_itself_say_their_bypass_count_may_hold_it():
+    # A stream cut at 1.0 s whose answer may end by itself (no ignore_eos) ran on until SGLang's abort at 3.0 s, or
+    # ended first, unseen, and SGLang counted its tokens then (here 24 at the 1.6 s scrape): read as bypass tokens, and
+    # the intervals there said `complete` (the simulator's scene: the 24 streams beside 4 such -12% to -17%, silent).
+    # Their windows now say run_on_may_end (two-way, out of J/token, the requests there flagged), aborted or not (nothing
+    # tells); with ignore_eos (sure: placed, not counted at an unseen end) none does. Nothing is listed or taken off:
+    # its tokens still read as bypass tokens (listing them hid real bypass traffic where SGLang aborted: 16f65a29).
+    got = {}
+    for name, extra, counted in (("ended", {}, (1.6, 24.0)), ("aborted", {}, None),
+                                 ("ignore_eos", {"eos_ignored": True}, None)):
+        box = []
+        row = _sglang_stream_run_on(down=30.0, up=31.0, extra=extra, counted=counted, probe=box.append)
+        got[name] = (row, box[0].emit.rows["intervals"])
+    row, ivs = got["ended"]
+    marked = [x for x in ivs if "run_on_may_end" in x["server_count"]]
+    assert UNSURE_FLAG in row["energy_note"] and "run_on_may_end" in row["energy_note"], row["energy_note"]
+    assert sum(x["server_tokens"] or 0.0 for x in marked) == pytest.approx(24.0), ivs  # still read, said
+    assert all(x["server_count"] == "complete" for x in ivs if 4.5 <= x["t_start_mono_s"] < 15), ivs  # past its windows
+    assert any("run_on_may_end" in x["server_count"] for x in got["aborted"][1])
+    assert not any("run_on_may_end" in x["server_count"] for x in got["ignore_eos"][1])
+    assert UNSURE_FLAG not in (got["ignore_eos"][0]["energy_note"] or "")
 
 
 def test_a_sure_capped_run_on_placed_wholly_before_a_closed_interval_is_counted_late_not_a_crash():

@@ -767,6 +767,10 @@ class Ledger:
         else:
             wait_ns = int(wait_s * 1e9)
             r.run_on_end_ns = tr.arrival_ns + max(1, -(-(tr.end_ns - tr.arrival_ns) // wait_ns)) * wait_ns
+        if not r.run_on_to_end and not tr.extra.get("eos_ignored"):
+            # SGLang's: it may end by itself before the abort, counted then (read as bypass tokens), unseen. Its windows
+            # say so from now (intervals before its placing may close with them), till placed sure (`_place_run_on`).
+            self.recon.run_ons_may_end[tr.request_id] = (int(tr.end_ns), int(r.run_on_end_ns))
         if tr.stream is not True or tr.first_ns is None or tr.last_ns is None:
             return  # gone before its first token (or a whole answer, its tokens unseen): `_run_on_gone` at its close
         # Placed once the streams beside it have shown that run (`_place_run_ons`; the intervals from here held till then).
@@ -975,6 +979,11 @@ class Ledger:
         r.run_on_tokens, r.run_on_pace = n, whose
         if capped:  # its max_tokens, reached at its pace, ended it before the abort: live no longer
             r.run_on_end_ns, r.run_on_capped = max(start_ns + span_ns, r.trace.end_ns), True
+        rid = r.trace.request_id
+        if r.run_on_may_end is None:
+            self.recon.run_ons_may_end.pop(rid, None)  # its body rules an end by itself out (`_run_on`)
+        elif rid in self.recon.run_ons_may_end:
+            self.recon.run_ons_may_end[rid] = (self.recon.run_ons_may_end[rid][0], int(r.run_on_end_ns))
 
     def tokens_at_first(self, request_id: int, generated: float) -> float | None:
         """The tokens (in `generated`'s count) its stream had shown at its first piece, for a time per output token over

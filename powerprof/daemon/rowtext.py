@@ -198,7 +198,8 @@ def _bypass_low_note(r: LiveRequest) -> str | None:
     if bypass_count_may_be(",".join(why)) != "may be low":  # proxy_lag, server_restart: a count that may be high too
         return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
                 f"server token count may be low or high ({', '.join(why)}: their server_count): bypass traffic there "
-                f"may be missing from unproxied, or the proxy's own lag (or a restarted counter's) taken for it, so "
+                f"may be missing from unproxied, or tokens not its taken for it (the proxy's own lag, a restarted "
+                f"counter's, a run-on's that may have ended by itself, unseen), so "
                 f"this request's energy may hold bypass traffic's or have lost its own; "
                 f"fix: {bypass_count_fix(','.join(why))}")
     return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "

@@ -294,7 +294,7 @@ DAEMON_REQUESTS_COLUMNS = [
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
 # read over it, the scraper having no answer yet (unread: its bypass traffic unknown); the daemon scrapes no server
 # (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, counter_below,
-# slots_only, unscraped, misplaced, proxy_unread, usage_beyond_chunks, usage_above_counter, usage_below_counter), or may be low or high (proxy_lag, server_restart, fall_unconfirmed: BYPASS_COUNT_TWO_WAY). Null (files written before the column): unknown, never complete. A request given energy of
+# slots_only, unscraped, misplaced, proxy_unread, usage_beyond_chunks, usage_above_counter, usage_below_counter), or may be low or high (proxy_lag, server_restart, fall_unconfirmed, run_on_may_end: BYPASS_COUNT_TWO_WAY). Null (files written before the column): unknown, never complete. A request given energy of
 # an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
@@ -326,6 +326,11 @@ SERVER_COUNT_BELOW = "counter_below"
 # daemon/workers.py) where the server's count is not complete: that worker's traffic is in no row, and without the
 # server's counter (off, unread) or with /slots alone its tokens are not (all) in unproxied, so its energy reads as idle.
 SERVER_COUNT_PROXY_UNREAD = "proxy_unread"
+# A scrape window from the leave of an SGLang run-on's client to its placed end whose answer may have ended by itself
+# before its abort (`LiveRequest.run_on_may_end`): SGLang then counted its tokens at that end, unseen by the proxy, and
+# they read as bypass tokens there; aborted, it counted none. Which, nothing tells: its bypass count may be high (one of
+# BYPASS_COUNT_TWO_WAY), and the requests given energy there low.
+SERVER_COUNT_RUN_ON_MAY_END = "run_on_may_end"
 BYPASS_LOW_FLAG = "bypass-uncounted"
 # A daemon request row's energy_note where its figure may be read either way and nothing measured says which: its
 # client gone, a run-on a found-down scrape not proven a death may have cut (nearly all of it too much if so), or a
@@ -442,8 +447,9 @@ def bypass_count_low(server_count: str | None) -> bool:
 
 # The reasons whose count may be high as well as low: the proxy's own lag (proxy_lag), and a restart, where the old
 # process's last count is lost (low) and the new one's first reads may owe the proxy's tokens in a way nothing tells
-# from that loss (high, where a dip's recovery reads as bypass: docs/daemon.md, Which rows may be low).
-BYPASS_COUNT_TWO_WAY = (SERVER_COUNT_PROXY_LAG, "server_restart", "fall_unconfirmed")
+# from that loss (high, where a dip's recovery reads as bypass: docs/daemon.md, Which rows may be low); and a run-on that
+# may have ended by itself (high only, said with the two-way words: no note says "may be high" alone).
+BYPASS_COUNT_TWO_WAY = (SERVER_COUNT_PROXY_LAG, "server_restart", "fall_unconfirmed", SERVER_COUNT_RUN_ON_MAY_END)
 
 
 def bypass_count_may_be(server_count: str | None) -> str:
@@ -489,6 +495,12 @@ BYPASS_COUNT_FIX = {
                               "no request but the proxy's ran, so the counter's surplus is theirs (not in unproxied): "
                               "check the server's version and report it upstream; the rows' generated_tokens are its "
                               "usage's (low), their J/token is left empty",
+    SERVER_COUNT_RUN_ON_MAY_END: "their count may be high: a request whose client left an SGLang stream (or whole "
+                                 "answer) ran on until SGLang's abort unless its answer ended by itself first, unseen, "
+                                 "SGLang then counting its tokens at that end (read as bypass tokens here, the requests "
+                                 "beside it low); none for the figures kept, they are left out of J/token; clients that "
+                                 "stay to their answers' end, or send ignore_eos (or a min_tokens) where the answer is "
+                                 "to run to max_tokens",
     SERVER_COUNT_PROXY_LAG: "their count may be high or low: the proxy's own delay behind the server (a loaded host) "
                             "may read as bypass tokens where its streams begin, or hide some where they end, and a "
                             "proxy that went silent (its workers stopped) may leave a live stream's tokens read as "
