@@ -4436,6 +4436,50 @@ def test_a_close_held_for_a_loading_page_past_down_hold_max_s_is_written_and_sai
     assert UNSURE_FLAG in note and ledgers[0].flagged_requests[UNSURE_FLAG] == 1, note
 
 
+@pytest.mark.parametrize("page_s", [33.0, 60.0], ids=["page_within_cap", "page_past_cap"])
+def test_a_long_close_held_for_a_loading_page_waits_from_its_death_not_its_arrival(monkeypatch, page_s):
+    # A whole answer decoding from 0.5 s (max_tokens 2000, 40 tokens/s) closes with no answer at 19.95 s, past
+    # DOWN_HOLD_MAX_S (cut to 15 s) after its arrival; llama-server's 503 "Loading model" alone from 20.0 s opens the
+    # window (`Ledger.note_down`). Its row waits for the confirming page at most the cap from that first found-down
+    # scrape (20.0 s + 15 s). Before, the cap was counted from its arrival: let go at once at 20.0 s, its row written
+    # at 30.0 s (SCRAPE_HOLD_S after its close) flagged unsure and saying it had waited 15 s, though the page at 33 s
+    # confirmed the restart (a sure crash, unflagged); with no page, written at 30.0 s, not at the cap.
+    import powerprof.daemon.ledger as ledger_mod
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
+    written_s = []
+
+    class Watch(list):  # given the helper's ledger: notes the `advance` its row leaves at
+        def append(self, led):
+            super().append(led)
+            advance, emit, now = led.advance, led.emit, [0]
+
+            def timed(now_ns, *a, **kw):
+                now[0] = now_ns
+                return advance(now_ns, *a, **kw)
+
+            def watched(name, rows):
+                if name == "requests" and any(r["request_id"] == 2 for r in rows):
+                    written_s.append(now[0] / S)
+                emit(name, rows)
+
+            watched.rows = emit.rows
+            led.advance, led.emit = timed, watched
+
+    row = _llamacpp_whole_run_on([(19.9, page_s)], leave=19.95, max_tokens=2000, end_s=page_s + 10.0,
+                                 outcome="upstream_error", error=f"{CRASHED_NOTE}: closed", opened=(20.0, None),
+                                 ledgers=Watch())
+    note = row["energy_note"] or ""
+    print(page_s, written_s, row["attributed_tokens"], row["gpu_energy_j"], note)
+    if page_s < 35.0:  # the page within the cap: a sure crash, written once it came
+        assert written_s and page_s <= written_s[0] <= page_s + 2.0, written_s
+        assert UNSURE_FLAG not in note and "waited" not in note, note
+    else:  # none within it: let go at the cap after the window opened, while the server is still down
+        assert written_s and 35.0 <= written_s[0] <= 36.5, written_s
+        assert UNSURE_FLAG in note and "its row waited 15 s" in note, note
+    assert 1850.0 <= (row["gpu_energy_j"] or 0) <= 2050.0, row  # run 0.5 s to 19.95 s alone at 100 W: about 1945 J
+
+
 def test_a_close_in_a_loading_page_s_window_with_a_proxied_connection_broken_then_is_costed_at_once(monkeypatch):
     # The same close (a whole answer in flight from 0.5 s, closed with no answer at 1.55 s, llama-server's 503 "Loading
     # model" alone from 1.6 s, the confirming page at 40 s past the cap, cut to 15 s), but another request's connection
@@ -5031,13 +5075,22 @@ def test_a_crash_costed_close_that_took_no_share_says_so_not_the_generic_words()
 def test_a_crash_s_run_on_placed_in_intervals_already_closed_is_counted_late_and_said(monkeypatch):
     # A whole answer in flight from 0.5 s closed by a crash at 20.0 s (the review's test_rep_hold long_run): its decode,
     # 780 tokens at the latest stream's 40 tokens/s, is placed at its close, but its first intervals had closed under
-    # the holds' caps while it ran. Those placed before them were dropped unsaid: its note said "780 tokens decoded
-    # (its attributed tokens count them)" for 390 attributed. They are counted late now, and said.
+    # the holds' caps while it ran (a whole answer's and its prompt's, max_hold_s and prompt_hold_s, cut to 10 s here
+    # as the 120 s and 30 s ones are, the answer longer).
+    # Those placed before them were dropped unsaid: its note said "780 tokens decoded (its attributed tokens count
+    # them)" for 390 attributed. They are counted late now, and said.
     import powerprof.daemon.ledger as ledger_mod
     from powerprof.daemon.proxy import CRASHED_NOTE
     monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
+
+    class Short(list):  # given the helper's ledger: its holds cut to 10 s
+        def append(self, led):
+            led.max_hold_ns = led.prompt_hold_ns = int(10 * S)
+            super().append(led)
+
     row = _llamacpp_whole_run_on([(19.9, 30.0)], arrive=0.5, leave=20.0, end_s=45.0, max_tokens=4000,
-                                 outcome="upstream_error", error=f"{CRASHED_NOTE}: closed", opened=(20.0, None))
+                                 outcome="upstream_error", error=f"{CRASHED_NOTE}: closed", opened=(20.0, None),
+                                 ledgers=Short())
     note = row["energy_note"] or ""
     print(row["attributed_tokens"], row["gpu_energy_j"], row["error"], note)
     assert "780 tokens decoded" in note and "its attributed tokens count them" not in note, note

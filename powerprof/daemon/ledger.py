@@ -109,8 +109,8 @@ RUN_ON_PACES = 32
 # still be that death's (`Ledger._crash_seen`): the proxy's close and the scrape are seen apart, about a scrape late.
 CRASH_CLOSE_SLACK_S = 1.0
 # How long a close with no answer's row waits, at most, for a page to confirm the restart that a llama-server's 503
-# "Loading model" alone suggests (`Ledger._down_hold`): a model's load, a minute or two at most; past it, written as
-# not run (costed 0 J, its row saying both readings), never a guess.
+# "Loading model" alone suggests (`Ledger._down_hold`), from the later of its close and the first found-down scrape: a
+# model's load, a minute or two at most; past it, costed as the crash it most likely was, flagged, saying both readings.
 DOWN_HOLD_MAX_S = 120.0
 # The starts of an upstream_error's `error` where the server answered (a 5xx, an error inside its answer): no broken
 # connection, so no sign of a death (`Ledger._death_proven`).
@@ -1885,7 +1885,10 @@ class Ledger:
         """`horizon`, held at the arrival of each close with no answer that a window opened by a 503 "Loading model"
         alone (`note_down`, none refused) may explain, sent before the old process's last good scrape: costed only if a
         page confirms the restart (`_crash_seen`), a model load later (10 s or more, past SCRAPE_HOLD_S), its row waits
-        for that page, at most DOWN_HOLD_MAX_S; then written as not run, saying so."""
+        for that page, at most DOWN_HOLD_MAX_S from the later of its close and that window's first found-down scrape;
+        then written as the crash it most likely was, flagged, saying so. Counted from its arrival, a whole answer
+        closed 19.45 s in was let go at once (the cap cut to 15 s), its row flagged and saying it had waited, though
+        the page 13 s after the close confirmed the restart."""
         o = self._down_open
         if o is None or o[2]:
             return horizon
@@ -1895,7 +1898,7 @@ class Ledger:
                    if r.trace.end_ns is not None and not r.crash_seen and closed_unanswered(r)
                    and not self._never_run(r.trace) and r.trace.arrival_ns < o[0] <= r.trace.end_ns <= o[1] + slack]
         for r in waiting:
-            if r.trace.arrival_ns <= cap:
+            if max(o[1], r.trace.end_ns) <= cap:
                 # Let go with no page come: costed as the crash it most likely was (in flight before the old process's
                 # last good scrape), marked uncertain-uncounted, its row saying it waited. Written at 0 J, the energy
                 # of its run was the requests' beside it, unmarked (streams cut beside it +10%).
@@ -1904,7 +1907,7 @@ class Ledger:
         waiting = [r for r in waiting if not r.crash_seen]
         if not waiting:
             return horizon
-        return min(horizon, max(min(r.trace.arrival_ns for r in waiting), cap))
+        return min(horizon, min(r.trace.arrival_ns for r in waiting))  # bounded: each waits at most the cap
 
     def _run_on_cut_ns(self, r: LiveRequest) -> tuple[int, tuple[int, int, int | None]] | None:
         """Where the process that ran `r` on died, as best known, in the first restart known since `r` arrived: after
