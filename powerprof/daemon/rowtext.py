@@ -25,8 +25,8 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
 
 from . import attribution as attr
 from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, body_left, closed_unanswered, crashed, finished_unsaid,
-                          gone_unsaid, is_passive, resend_queued, told_prompt_tokens, LiveRequest, is_unseen,
-                          not_forwarded, server_end_ns)
+                          gone_unsaid, is_passive, resend_crossed, resend_queued, told_prompt_tokens, LiveRequest,
+                          is_unseen, not_forwarded, server_end_ns)
 from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
@@ -730,7 +730,8 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
-            UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or r.queued_beside_j > 0 or _n_cmpl_unsure(r))}
+            UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or r.queued_beside_j > 0
+                                      or _n_cmpl_unsure(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -843,6 +844,16 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "by it), or run it until its close as costed here; nothing measured says which, so it and the "
                      "requests beside it are left out of J/token; fix: none at the proxy (the server's log says whether "
                      "it had started it)")
+    if resend_crossed(r) and r.gpu_j > 0:
+        tr = r.trace
+        notes.append(f"{UNSURE_FLAG}: its close came {(tr.end_ns - tr.arrival_ns) * 1e-6:.0f} ms after its arrival, "
+                     "within the time a close crossing a request on the wire takes "
+                     f"({CROSSING_CLOSE_MAX_S * 1e3:.0f} ms), "
+                     "and its resend was refused or met a new process's loading page: the server never began it, or "
+                     "read it and held it queued behind full slots (0 J and no tokens either way, this figure the "
+                     "requests' beside it), or ran it those milliseconds as costed here; the daemon does not read "
+                     "whether the server's slots were full at its arrival, so it is left out of J/token; fix: none at "
+                     "the proxy (the server's log says whether it had started it)")
     if r.queued_beside_j > 0 and r.gpu_j > 0:
         notes.append(f"{UNSURE_FLAG}: {100 * min(r.queued_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
                      "intervals over a request closed by a crash that may have waited queued unrun (its row says so), "
