@@ -5081,7 +5081,8 @@ def test_a_crash_s_run_on_placed_in_intervals_already_closed_is_counted_late_and
     # the holds' caps while it ran (a whole answer's and its prompt's, max_hold_s and prompt_hold_s, cut to 10 s here
     # as the 120 s and 30 s ones are, the answer longer).
     # Those placed before them were dropped unsaid: its note said "780 tokens decoded (its attributed tokens count
-    # them)" for 390 attributed. They are counted late now, and said.
+    # them)" for 390 attributed. They are counted late now, and said. Its last event, at its close on an interval's
+    # edge, fell in the interval after its end and was lost, unsaid: 768 of 780 attributed and late together; now 780.
     import powerprof.daemon.ledger as ledger_mod
     from powerprof.daemon.proxy import CRASHED_NOTE
     monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
@@ -5098,5 +5099,5 @@ def test_a_crash_s_run_on_placed_in_intervals_already_closed_is_counted_late_and
     print(row["attributed_tokens"], row["gpu_energy_j"], row["error"], note)
     assert "780 tokens decoded" in note and "its attributed tokens count them" not in note, note
     late = float(note.split("pace (an estimate; ")[1].split(" of them fell in intervals closed")[0])
-    assert 300 <= late <= 480 and row["attributed_tokens"] + late == pytest.approx(780, abs=15), (late, row)
+    assert 300 <= late <= 480 and row["attributed_tokens"] + late == pytest.approx(780, abs=0.5), (late, row)
     assert "token(s) arrived after their interval had closed and were not attributed" in row["error"], row  # `_with_late`
