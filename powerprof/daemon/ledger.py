@@ -713,6 +713,14 @@ class Ledger:
                 and n >= RUN_ON_PACE_TOKENS and tr.last_ns > tr.first_ns):
             self._paces.append((n - 1) / ((tr.last_ns - tr.first_ns) / 1e9))
 
+    @staticmethod
+    def _cost_as_crash(r: LiveRequest, sure: bool) -> None:
+        """A whole answer the server had, then closed its connection with no answer as it died (its head comes only
+        when it is done): it ran until then, decoding after its prefill, placed as a run-on's is (`_run_on_gone`);
+        `sure` False: its row says both readings (`crash_unsure`). Before, upstream_unreachable: two on the simulator,
+        130 tokens and 148 J each, none."""
+        r.crash_seen, r.run_on_end_ns, r.run_on_crash, r.crash_unsure = True, r.trace.end_ns, True, not sure
+
     def _run_on(self, r: LiveRequest) -> None:
         """A request whose client left that the server runs on for nobody until it aborts it (SGLang: 2 s after a
         stream's client left, a whole answer at its next 4 s wait; llama.cpp: a whole answer to its end, taken as its
@@ -727,11 +735,8 @@ class Ledger:
         if closed_unanswered(r):
             seen = self._crash_seen(r) if not r.crash_seen or r.crash_unsure else None
             if seen is not None and not r.crash_seen:
-                # A whole answer the server had, then closed its connection with no answer as it died (its head comes
-                # only when it is done): it ran until then, decoding after its prefill, placed as a run-on's is
-                # (`_run_on_gone`). Before, upstream_unreachable: two on the simulator, 130 tokens and 148 J each, none.
-                r.crash_seen, r.run_on_end_ns, r.run_on_crash = True, tr.end_ns, True
-            if seen is not None:
+                self._cost_as_crash(r, seen)
+            elif seen is not None:
                 r.crash_unsure = not seen  # a proof come later makes it sure
             return
         if (self.runs_on_after_leave is None or tr.outcome != "client_disconnected" or tr.end_ns is None
@@ -916,7 +921,7 @@ class Ledger:
         bypass tokens: docs/daemon.md, a known gap)."""
         seqs = max(r.trace.extra.get("sequences", 1), 1)
         span_ns = r.run_on_end_ns - start_ns
-        n = tok_s * span_ns / 1e9
+        n = to_abort = tok_s * span_ns / 1e9
         limit = r.trace.extra.get("max_tokens")
         # Capped where its max_tokens leave fewer than its pace decodes to the abort: not where the span, rounded back
         # from the tokens to the nanosecond, comes 1 ns short (half such runs said "until its max_tokens were decoded").
@@ -925,7 +930,6 @@ class Ledger:
         if isinstance(limit, (int, float)) and limit > 0:
             left = max(float(limit) * seqs - shown, 0.0)
             capped, n = left < n, min(n, left)
-        to_abort = tok_s * span_ns / 1e9
         if span_ns <= 0 or n <= 0:
             return
         if not r.run_on_to_end and not r.run_on_crash:
@@ -1906,7 +1910,7 @@ class Ledger:
                 # last good scrape), marked uncertain-uncounted, its row saying it waited. Written at 0 J, the energy
                 # of its run was the requests' beside it, unmarked (streams cut beside it +10%).
                 r.down_hold_over = (o[1], DOWN_HOLD_MAX_S)
-                r.crash_seen, r.run_on_end_ns, r.run_on_crash, r.crash_unsure = True, r.trace.end_ns, True, True
+                self._cost_as_crash(r, False)
         waiting = [r for r in waiting if not r.crash_seen]
         if not waiting:
             return horizon
