@@ -2403,7 +2403,8 @@ class Ledger:
         gone_col = energy.shape[1] - 1
         # A crash-costed close that may have queued unrun behind full slots (`resend_queued`): costed as run, its figure
         # may be the requests' beside it (a queued whole answer on the simulator's llama.cpp: 73-78 J for 0, its
-        # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does.
+        # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does, where that may be a material share of their
+        # figure (rowtext.QUEUED_BESIDE_MIN_SHARE).
         queued = np.array([d and resend_queued(r) for r, d in zip(reqs, done)], dtype=bool)
         self._queued_spans = [s for s in self._queued_spans if s[1] > t[0]]
         self._queued_spans.extend((int(arrival[i]), int(end[i])) for i in np.flatnonzero(queued))
@@ -2453,6 +2454,13 @@ class Ledger:
         if costs.source == "fixed" and a.ratio_split.any():
             fixed_j, fixed_lo_j, fixed_hi_j = (m[:, a.ratio_split] @ work_j[a.ratio_split]
                                                for m in (a.share, a.share_lo, a.share_hi))
+        # Each other request's shortfall where the queued closes never ran: their shares given out among the rest as
+        # the split gives out any interval's, in proportion (`queued_short_j`: flagged from a share of its figure on).
+        queued_short_j = np.zeros(len(reqs))
+        if queued.any() and a.share is not None:
+            sq = np.minimum(a.share[queued].sum(axis=0), 1.0)
+            lift = np.divide(sq, 1.0 - sq, out=np.zeros_like(sq), where=sq < 1.0)
+            queued_short_j = a.share @ (np.nan_to_num(work_j) * lift)
         fit = self.learner.add(setting, a.features, per_gpu, usable)
         if self.learner.serving is not None and not np.array_equal(self.learner.serving, serving):
             idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(self.learner.serving) if not on)
@@ -2495,6 +2503,7 @@ class Ledger:
                 r.gone_beside_j += a.request_energy[i, gone_col]
             if not queued[i]:
                 r.queued_beside_j += a.request_energy[i, queued_col]
+                r.queued_short_j += float(queued_short_j[i])
             if not unread[i] and a.request_energy[i, unread_col] > 0:
                 r.unread_beside_j += a.request_energy[i, unread_col]
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])

@@ -94,6 +94,9 @@ class LiveRequest:
     # Its GPU joules from intervals over a crash-costed close that may have queued unrun (`resend_queued`): that
     # request's figure may hold energy that is this one's (UNSURE_FLAG).
     queued_beside_j: float = 0.0
+    # Of it, what its share there would grow by were that request never run (its share given out to the rest in
+    # proportion): how low this request's figure may be.
+    queued_short_j: float = 0.0
     # That restart's window (the old process's last scrape, the new one's first), its first scrape that found the
     # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, this
     # request's arrival or its client's leaving after it), monotonic ns: the span its run-on's end is known within
