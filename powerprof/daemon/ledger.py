@@ -109,8 +109,8 @@ RUN_ON_PACES = 32
 # still be that death's (`Ledger._crash_seen`): the proxy's close and the scrape are seen apart, about a scrape late.
 CRASH_CLOSE_SLACK_S = 1.0
 # How long a close with no answer's row waits, at most, for a page to confirm the restart that a llama-server's 503
-# "Loading model" alone suggests (`Ledger._down_hold`): a model's load, a minute or two at most; past it, written as
-# not run (costed 0 J, its row saying both readings), never a guess.
+# "Loading model" alone suggests (`Ledger._down_hold`), from the later of its close and the first found-down scrape: a
+# model's load, a minute or two at most; past it, costed as the crash it most likely was, flagged, saying both readings.
 DOWN_HOLD_MAX_S = 120.0
 # The starts of an upstream_error's `error` where the server answered (a 5xx, an error inside its answer): no broken
 # connection, so no sign of a death (`Ledger._death_proven`).
@@ -713,6 +713,14 @@ class Ledger:
                 and n >= RUN_ON_PACE_TOKENS and tr.last_ns > tr.first_ns):
             self._paces.append((n - 1) / ((tr.last_ns - tr.first_ns) / 1e9))
 
+    @staticmethod
+    def _cost_as_crash(r: LiveRequest, sure: bool) -> None:
+        """A whole answer the server had, then closed its connection with no answer as it died (its head comes only
+        when it is done): it ran until then, decoding after its prefill, placed as a run-on's is (`_run_on_gone`);
+        `sure` False: its row says both readings (`crash_unsure`). Before, upstream_unreachable: two on the simulator,
+        130 tokens and 148 J each, none."""
+        r.crash_seen, r.run_on_end_ns, r.run_on_crash, r.crash_unsure = True, r.trace.end_ns, True, not sure
+
     def _run_on(self, r: LiveRequest) -> None:
         """A request whose client left that the server runs on for nobody until it aborts it (SGLang: 2 s after a
         stream's client left, a whole answer at its next 4 s wait; llama.cpp: a whole answer to its end, taken as its
@@ -727,11 +735,8 @@ class Ledger:
         if closed_unanswered(r):
             seen = self._crash_seen(r) if not r.crash_seen or r.crash_unsure else None
             if seen is not None and not r.crash_seen:
-                # A whole answer the server had, then closed its connection with no answer as it died (its head comes
-                # only when it is done): it ran until then, decoding after its prefill, placed as a run-on's is
-                # (`_run_on_gone`). Before, upstream_unreachable: two on the simulator, 130 tokens and 148 J each, none.
-                r.crash_seen, r.run_on_end_ns, r.run_on_crash = True, tr.end_ns, True
-            if seen is not None:
+                self._cost_as_crash(r, seen)
+            elif seen is not None:
                 r.crash_unsure = not seen  # a proof come later makes it sure
             return
         if (self.runs_on_after_leave is None or tr.outcome != "client_disconnected" or tr.end_ns is None
@@ -920,7 +925,7 @@ class Ledger:
         bypass tokens: docs/daemon.md, a known gap)."""
         seqs = max(r.trace.extra.get("sequences", 1), 1)
         span_ns = r.run_on_end_ns - start_ns
-        n = tok_s * span_ns / 1e9
+        n = to_abort = tok_s * span_ns / 1e9
         limit = r.trace.extra.get("max_tokens")
         # Capped where its max_tokens leave fewer than its pace decodes to the abort: not where the span, rounded back
         # from the tokens to the nanosecond, comes 1 ns short (half such runs said "until its max_tokens were decoded").
@@ -929,7 +934,6 @@ class Ledger:
         if isinstance(limit, (int, float)) and limit > 0:
             left = max(float(limit) * seqs - shown, 0.0)
             capped, n = left < n, min(n, left)
-        to_abort = tok_s * span_ns / 1e9
         if span_ns <= 0 or n <= 0:
             return
         if not r.run_on_to_end and not r.run_on_crash:
@@ -945,7 +949,10 @@ class Ledger:
         k = max(1, min(SPREAD_EVENTS, int(np.ceil(n))))
         if capped:  # at its pace: a max_tokens reached stops it before the abort
             span_ns = min(span_ns, int(n / tok_s * 1e9))
-        ts = [int(start_ns + span_ns * (j + 1) / k) for j in range(k)]
+        # Each event 1 ns before the end of its share of the run: the last one at the run's end fell in the interval
+        # after it, where the close holding its end (on that close's last edge: a crash's close, the stop's last sample)
+        # has none, lost unsaid: a crash's decode placed to 20.0 s counted 768 of its 780 tokens (attributed and late).
+        ts = [max(int(start_ns + span_ns * (j + 1) / k) - 1, start_ns) for j in range(k)]
         floor = self.edges[0].t_ns if self.edges else None
         if floor is not None and ts[0] < floor:
             # Before an interval already closed (a whole answer crashed 19.5 s in, its first intervals closed under
@@ -1894,7 +1901,10 @@ class Ledger:
         """`horizon`, held at the arrival of each close with no answer that a window opened by a 503 "Loading model"
         alone (`note_down`, none refused) may explain, sent before the old process's last good scrape: costed only if a
         page confirms the restart (`_crash_seen`), a model load later (10 s or more, past SCRAPE_HOLD_S), its row waits
-        for that page, at most DOWN_HOLD_MAX_S; then written as not run, saying so."""
+        for that page, at most DOWN_HOLD_MAX_S from the later of its close and that window's first found-down scrape;
+        then written as the crash it most likely was, flagged, saying so. Counted from its arrival, a whole answer
+        closed 19.45 s in was let go at once (the cap cut to 15 s), its row flagged and saying it had waited, though
+        the page 13 s after the close confirmed the restart."""
         o = self._down_open
         if o is None or o[2]:
             return horizon
@@ -1904,16 +1914,16 @@ class Ledger:
                    if r.trace.end_ns is not None and not r.crash_seen and closed_unanswered(r)
                    and not self._never_run(r.trace) and r.trace.arrival_ns < o[0] <= r.trace.end_ns <= o[1] + slack]
         for r in waiting:
-            if r.trace.arrival_ns <= cap:
+            if max(o[1], r.trace.end_ns) <= cap:
                 # Let go with no page come: costed as the crash it most likely was (in flight before the old process's
                 # last good scrape), marked uncertain-uncounted, its row saying it waited. Written at 0 J, the energy
                 # of its run was the requests' beside it, unmarked (streams cut beside it +10%).
                 r.down_hold_over = (o[1], DOWN_HOLD_MAX_S)
-                r.crash_seen, r.run_on_end_ns, r.run_on_crash, r.crash_unsure = True, r.trace.end_ns, True, True
+                self._cost_as_crash(r, False)
         waiting = [r for r in waiting if not r.crash_seen]
         if not waiting:
             return horizon
-        return min(horizon, max(min(r.trace.arrival_ns for r in waiting), cap))
+        return min(horizon, min(r.trace.arrival_ns for r in waiting))  # bounded: each waits at most the cap
 
     def _run_on_cut_ns(self, r: LiveRequest) -> tuple[int, tuple[int, int, int | None]] | None:
         """Where the process that ran `r` on died, as best known, in the first restart known since `r` arrived: after
@@ -2402,7 +2412,8 @@ class Ledger:
         gone_col = energy.shape[1] - 1
         # A crash-costed close that may have queued unrun behind full slots (`resend_queued`): costed as run, its figure
         # may be the requests' beside it (a queued whole answer on the simulator's llama.cpp: 73-78 J for 0, its
-        # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does.
+        # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does, where that may be a material share of their
+        # figure (rowtext.QUEUED_BESIDE_MIN_SHARE).
         queued = np.array([d and resend_queued(r) for r, d in zip(reqs, done)], dtype=bool)
         self._queued_spans = [s for s in self._queued_spans if s[1] > t[0]]
         self._queued_spans.extend((int(arrival[i]), int(end[i])) for i in np.flatnonzero(queued))
@@ -2452,6 +2463,13 @@ class Ledger:
         if costs.source == "fixed" and a.ratio_split.any():
             fixed_j, fixed_lo_j, fixed_hi_j = (m[:, a.ratio_split] @ work_j[a.ratio_split]
                                                for m in (a.share, a.share_lo, a.share_hi))
+        # Each other request's shortfall where the queued closes never ran: their shares given out among the rest as
+        # the split gives out any interval's, in proportion (`queued_short_j`: flagged from a share of its figure on).
+        queued_short_j = np.zeros(len(reqs))
+        if queued.any() and a.share is not None:
+            sq = np.minimum(a.share[queued].sum(axis=0), 1.0)
+            lift = np.divide(sq, 1.0 - sq, out=np.zeros_like(sq), where=sq < 1.0)
+            queued_short_j = a.share @ (np.nan_to_num(work_j) * lift)
         fit = self.learner.add(setting, a.features, per_gpu, usable)
         if self.learner.serving is not None and not np.array_equal(self.learner.serving, serving):
             idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(self.learner.serving) if not on)
@@ -2494,6 +2512,7 @@ class Ledger:
                 r.gone_beside_j += a.request_energy[i, gone_col]
             if not queued[i]:
                 r.queued_beside_j += a.request_energy[i, queued_col]
+                r.queued_short_j += float(queued_short_j[i])
             if not unread[i] and a.request_energy[i, unread_col] > 0:
                 r.unread_beside_j += a.request_energy[i, unread_col]
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])

@@ -94,6 +94,9 @@ class LiveRequest:
     # Its GPU joules from intervals over a crash-costed close that may have queued unrun (`resend_queued`): that
     # request's figure may hold energy that is this one's (UNSURE_FLAG).
     queued_beside_j: float = 0.0
+    # Of it, what its share there would grow by were that request never run (its share given out to the rest in
+    # proportion): how low this request's figure may be.
+    queued_short_j: float = 0.0
     # That restart's window (the old process's last scrape, the new one's first), its first scrape that found the
     # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, this
     # request's arrival or its client's leaving after it), monotonic ns: the span its run-on's end is known within
@@ -228,15 +231,27 @@ def closed_unanswered(r: LiveRequest) -> bool:
     return r.trace.outcome == "upstream_error" and (r.trace.error or "").startswith(CRASHED_NOTE)
 
 
-def resend_queued(r: LiveRequest) -> bool:
+def _resend_dead(r: LiveRequest) -> bool:
     """Costed as run until its close by a crash (`run_on_crash`), a close whose resend found the server dead
-    (proxy.RESEND_REFUSED, RESEND_LOADING) more than CROSSING_CLOSE_MAX_S after its arrival: the server may have read it
-    and queued it behind full slots, never running it (then 0 J, its figure the requests' beside it), or run it as
-    costed; nothing measured says which (UNSURE_FLAG, on it and on the requests beside it)."""
+    (proxy.RESEND_REFUSED, RESEND_LOADING)."""
     tr = r.trace
     return (r.run_on_crash and closed_unanswered(r) and tr.end_ns is not None
-            and tr.end_ns - tr.arrival_ns > CROSSING_CLOSE_MAX_S * 1e9
             and any(f"{CRASHED_NOTE}: {w}" in (tr.error or "") for w in (RESEND_REFUSED, RESEND_LOADING)))
+
+
+def resend_queued(r: LiveRequest) -> bool:
+    """`_resend_dead`, more than CROSSING_CLOSE_MAX_S after its arrival: the server may have read it and queued it
+    behind full slots, never running it (then 0 J, its figure the requests' beside it), or run it as costed; nothing
+    measured says which (UNSURE_FLAG, on it and on the requests beside it)."""
+    return _resend_dead(r) and r.trace.end_ns - r.trace.arrival_ns > CROSSING_CLOSE_MAX_S * 1e9
+
+
+def resend_crossed(r: LiveRequest) -> bool:
+    """`_resend_dead`, within CROSSING_CLOSE_MAX_S of its arrival: a close crossing it on the wire (never begun) or one
+    queued behind full slots (never run), 0 J either way, or run those milliseconds as costed; whether the slots were
+    full at its arrival is not read, so its own row says UNSURE_FLAG where costed any energy (not its neighbours': their
+    shares are low by that figure at most, a few tenths of a percent)."""
+    return _resend_dead(r) and r.trace.end_ns - r.trace.arrival_ns <= CROSSING_CLOSE_MAX_S * 1e9
 
 
 def body_left(r: LiveRequest) -> bool:

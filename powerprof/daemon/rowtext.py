@@ -25,8 +25,8 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
 
 from . import attribution as attr
 from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, body_left, closed_unanswered, crashed, finished_unsaid,
-                          gone_unsaid, is_passive, resend_queued, told_prompt_tokens, LiveRequest, is_unseen,
-                          not_forwarded, server_end_ns)
+                          gone_unsaid, is_passive, resend_crossed, resend_queued, told_prompt_tokens, LiveRequest,
+                          is_unseen, not_forwarded, server_end_ns)
 from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
@@ -52,6 +52,10 @@ GONE_ABORT_SLACK_S = 1.0
 # is over the prompt token's cost and the prefill rate alone, and its words say so: read as the row's uncertainty, short
 # answers beside long streams decoding lay outside it, all high (+37% where it said -1% to +0%), by the context cost
 # the ratio leaves out, which nothing here bounds.
+# A request live beside a crash-costed close that may have queued unrun (`resend_queued`) is flagged where its figure may
+# be low by this share of it or more (`LiveRequest.queued_short_j`): flagged on any overlap, 4 streams beside a close
+# 0.10 s after its arrival were left out of J/token for 0.6% each.
+QUEUED_BESIDE_MIN_SHARE = 0.01
 FIXED_RATIO_MIN_SHARE = 0.05
 FIXED_RATIO_LEAD = "{pct}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
 # Given none there (not a joule: a share under 0.5% reads "under 1%"): only the range's slow rate places its prompt
@@ -731,8 +735,14 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
-            UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or r.queued_beside_j > 0 or _n_cmpl_unsure(r))}
+            UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
+                                      or _n_cmpl_unsure(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
+
+
+def _queued_beside(r: LiveRequest) -> bool:
+    """UNSURE_FLAG beside a close that may have queued unrun: its figure may be low by QUEUED_BESIDE_MIN_SHARE or more."""
+    return r.queued_beside_j > 0 and r.queued_short_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
 
 
 def prompt_unread(r: LiveRequest) -> bool:
@@ -844,11 +854,22 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "by it), or run it until its close as costed here; nothing measured says which, so it and the "
                      "requests beside it are left out of J/token; fix: none at the proxy (the server's log says whether "
                      "it had started it)")
-    if r.queued_beside_j > 0 and r.gpu_j > 0:
+    if resend_crossed(r) and r.gpu_j > 0:
+        tr = r.trace
+        notes.append(f"{UNSURE_FLAG}: its close came {(tr.end_ns - tr.arrival_ns) * 1e-6:.0f} ms after its arrival, "
+                     "within the time a close crossing a request on the wire takes "
+                     f"({CROSSING_CLOSE_MAX_S * 1e3:.0f} ms), "
+                     "and its resend was refused or met a new process's loading page: the server never began it, or "
+                     "read it and held it queued behind full slots (0 J and no tokens either way, this figure the "
+                     "requests' beside it), or ran it those milliseconds as costed here; the daemon does not read "
+                     "whether the server's slots were full at its arrival, so it is left out of J/token; fix: none at "
+                     "the proxy (the server's log says whether it had started it)")
+    if _queued_beside(r) and r.gpu_j > 0:
         notes.append(f"{UNSURE_FLAG}: {100 * min(r.queued_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
                      "intervals over a request closed by a crash that may have waited queued unrun (its row says so), "
-                     "costed as run there: this request's share there may be low by that figure; fix: none at the "
-                     "proxy (the server's log says whether that request had started)")
+                     f"costed as run there: this request's share there may be low by that figure, up to "
+                     f"{r.queued_short_j:.1f} J ({100 * r.queued_short_j / r.gpu_j:.1f}% of this figure); fix: none at "
+                     "the proxy (the server's log says whether that request had started)")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):

@@ -255,7 +255,7 @@ class TuneRunner:
         if cfg.reference != cfg.levels[-1]:
             why += (f"; WARNING: the reference {self._fmt(cfg.reference)} is not the highest level "
                     f"({self._fmt(cfg.levels[-1])}): back-offs, faults and the kill switch go to it")
-        skipped = getattr(self.ctl, "stray_lock_check_skipped", None) if self.ctl is not None else None
+        skipped = self.ctl.stray_lock_check_skipped if self.ctl is not None else None
         if skipped:
             # stderr alone scrolls away under systemd; the dataset is what an operator reads back later.
             why += (f"; WARNING: the check for a second root controller whose lock file was taken out of the lock "
