@@ -180,6 +180,38 @@ def test_an_analysis_whose_write_fails_leaves_the_old_outputs_whole_and_no_tempo
 
 
 
+def test_an_analysis_whose_write_and_put_back_both_fail_says_the_folder_is_mixed(tmp_path, monkeypatch):
+    # report.html's rename failed and putting the old report.md back failed too: "cannot write the analysis to OUT:
+    # Input/output error (OUT/report.html)", and the new report.md stayed beside the old analysis.json unsaid.
+    import errno
+    import os
+
+    import powerprof.storage.atomic as atomic
+
+    run = _sweep_run(tmp_path)
+    out = tmp_path / "an"
+    args = ["analyze", str(run), "--bootstrap", "100", "--format", "md,html", "--out", str(out)]
+    assert CliRunner().invoke(main, args + ["--max-slowdown", "0"]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real, into = os.replace, []
+
+    def replace(src, dst):
+        into.append(os.path.basename(dst))
+        if into[-1] == "report.html" or into[-1] == "report.md" and into.count("report.md") == 2:
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    r = CliRunner().invoke(main, args + ["--max-slowdown", "99%"])
+    assert r.exit_code == 1 and "cannot write the analysis" in r.output, r.output
+    said = " ".join(r.output.split())
+    assert f"{out} is now MIXED" in said and f"new: {out / 'report.md'}" in said and "Fix:" in said, r.output
+    after = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")}
+    assert set(after) == set(before) and after["report.md"] != before["report.md"]  # nothing else deleted
+    assert all(after[n] == before[n] for n in after if n != "report.md")
+
+
+
 @pytest.mark.parametrize("command", [["analyze"], ["export", "--format", "csv"]])
 @pytest.mark.parametrize("links", [1, 2])
 def test_a_source_that_is_a_loop_of_symlinks_is_said_not_a_traceback(tmp_path, monkeypatch, command, links):
