@@ -161,6 +161,24 @@ def test_a_report_that_fails_removes_the_analysis_folder_it_made(tmp_path, monke
     assert not (run / "analysis").exists()
 
 
+@pytest.mark.parametrize("where", ["analysis", "rename"])
+def test_a_failed_analysis_into_a_new_out_leaves_no_folder(tmp_path, monkeypatch, where):
+    # Behaviour kept when write_outputs' own made/rmdir went (dead: _out_locked had made the folder already, and takes
+    # it back): a failure in the analysis, or at a rename, leaves no empty --out behind.
+    import powerprof.analysis.report as report
+    from support import eio_on_replace_to
+
+    run = _sweep_run(tmp_path)
+    if where == "analysis":
+        monkeypatch.setattr(report, "analyze", lambda *a, **k: (_ for _ in ()).throw(ValueError("no fit")))
+    else:
+        eio_on_replace_to(monkeypatch, "report.md")
+    out = tmp_path / "new"
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--format", "md", "--out", str(out)])
+    assert r.exit_code == 1 and ("no fit" if where == "analysis" else "cannot write") in r.output, r.output
+    assert not out.exists()
+
+
 
 def test_an_analysis_whose_write_fails_leaves_the_old_outputs_whole_and_no_temporary(tmp_path, monkeypatch):
     # A rename failing part-way (EIO on report.html) left the new report.md and analysis.parquet beside the old

@@ -393,32 +393,24 @@ def _has_levels(windows) -> bool:
 
 
 def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: bool = True) -> dict[str, str]:
-    from . import plots as P  # noqa: PLC0415  (matplotlib is slow to import; only here)
-
-    made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    # `out` is made, and taken back where the analysis fails, by _out_locked: not made again here, where a folder
+    # removed meanwhile would be one no lock holds.
     # All or none: an interruption while the report renders must not leave new plots and tables beside
     # the old report and analysis.json (the export's summary sheet reads its recommendation).
-    try:
-        result.analysis_id = secrets.token_hex(8)
-        with atomic_group() as stage:
-            files = _write_outputs(result, out, formats, plots, stage)
-            # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
-            # series) goes with it: beside the new analysis.json it gave the old recommendation.
-            for f in _earlier_outputs(out):
-                if f not in stage.paths():
-                    stage.remove(f)
-        _remove_dead_temporaries(out)
-        return files
-    except BaseException:
-        if made:  # the folder this made, left empty by the group's undoing: nothing of a failed report stays
-            with contextlib.suppress(OSError):
-                out.rmdir()
-        raise
+    result.analysis_id = secrets.token_hex(8)
+    with atomic_group() as stage:
+        files = _write_outputs(result, out, formats, plots, stage)
+        # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
+        # series) goes with it: beside the new analysis.json it gave the old recommendation.
+        for f in _earlier_outputs(out):
+            if f not in stage.paths():
+                stage.remove(f)
+    _remove_dead_temporaries(out)
+    return files
 
 
 def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stage) -> dict[str, str]:
-    from . import plots as P  # noqa: PLC0415
+    from . import plots as P  # noqa: PLC0415  (matplotlib is slow to import; only here)
 
     files: dict[str, str] = {}
     images: dict[str, Path] = {}  # final names, for the links
