@@ -633,7 +633,7 @@ def test_a_single_file_export_into_a_folder_that_does_not_exist_says_so(run, tmp
     r = CliRunner().invoke(main, ["export", str(src), "--format", fmt, "--out", str(out)])
     assert r.exit_code == 1, r.output
     said = " ".join(r.output.split())
-    assert f"the folder {out.parent} does not exist" in said and "Traceback" not in r.output, said
+    assert f"its parent folder {out.parent} does not exist" in said and "Traceback" not in r.output, said
     assert not (tmp_path / "no").exists()
 
 

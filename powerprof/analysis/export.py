@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from powerprof.storage import datafiles
 from powerprof.storage.atomic import atomic_path
 from powerprof.trust import out_dir_refusal
-from powerprof.storage.runs import no_finished_level
+from powerprof.storage.runs import missing_parent, no_finished_level
 
 from .rowkeys import TUNER_KEY, WHY, folder_sql, ident, is_tuner_decisions, key_of, keyless_sql, why_of
 
@@ -646,10 +646,14 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                           f"({', '.join(s.name for s in sources)}): give a folder, or give one table as the source "
                           f"(a run's {sources[0].name}.parquet, a daemon dataset's {sources[0].name}/ folder): --columns "
                           "picks columns, and any table that has one of them is written")
+    # A file's folder, or a folder's parent, that does not exist is never made (storage.runs.missing_parent, every
+    # command's rule): a file's failed at the end naming a temporary ("Failed to open local file '.windows.parquet.1234.tmp'").
+    if (why := missing_parent(out)) is not None:
+        raise ExportError(why)
     if (fmt == "xlsx" or single) and not out.parent.is_dir():
-        # It failed at the end naming a temporary file ("Failed to open local file '.windows.parquet.1234.tmp'").
-        what = "is a file, not a folder" if out.parent.exists() else "does not exist"
-        raise ExportError(f"--out {out}: the folder {out.parent} {what}; create it first, or give a file in a folder "
+        from powerprof.paths import what_is  # noqa: PLC0415
+
+        raise ExportError(f"--out {out}: {out.parent} is {what_is(out.parent)}, not a folder; give a file in a folder "
                           "that exists")
     # As root, the folder written in root's or the sudo user's (trust.py): not another user's, nor reached through
     # their symlink, which would have root write the tables wherever it points.
@@ -701,7 +705,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             raise ExportError(f"--out {out} is a file: give a folder (one .{fmt} file per table), "
                               f"or a name ending in .{fmt} for a single table")
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            out.mkdir(exist_ok=True)  # its parent checked above (missing_parent)
         except OSError as e:
             raise ExportError(f"cannot create the folder {out}: {_why(e)}") from None
     written = []

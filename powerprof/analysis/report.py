@@ -24,7 +24,7 @@ import numpy as np
 
 from powerprof import __version__
 from powerprof.storage.atomic import atomic_group
-from powerprof.storage.runs import no_finished_level, write_table
+from powerprof.storage.runs import missing_parent, no_finished_level, write_table
 from powerprof.trust import out_dir_refusal
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
@@ -91,6 +91,8 @@ def analyze_run(
     if (why := out_dir_refusal(out, "analysis folder")) is not None:
         raise AnalysisError(why)
     check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
+    if (why := missing_parent(out)) is not None:  # after check_out's own refusals; the default's parent is the run
+        raise AnalysisError(why)
     with _out_locked(out) as said:
         check_out(out, runs)  # again, locked: another analyze into this folder may have written it meanwhile
         result = _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary)
@@ -105,7 +107,7 @@ def _cannot_write(out: Path, e: OSError) -> AnalysisError:
 
 @contextlib.contextmanager
 def _out_locked(out: Path) -> Iterator[list[str]]:
-    """Hold an exclusive flock on the folder `out` (made here where missing) from check_out to the last rename: two
+    """Hold an exclusive flock on the folder `out` (made here where missing, not its parent) from check_out to the last rename: two
     analyses into one folder mixed their files (one's report.md beside the other's analysis.json). The second is
     refused (AnalysisOutTaken), nothing written; a folder this made is removed again if the analysis fails. A file
     system that has no flock (ENOLCK: some network ones; EOPNOTSUPP) is written unlocked; another failure of the flock
@@ -114,7 +116,7 @@ def _out_locked(out: Path) -> Iterator[list[str]]:
     import fcntl  # noqa: PLC0415
 
     try:
-        out.mkdir(parents=True)
+        out.mkdir()  # its parent checked (missing_parent): one removed since is an error here, not made again
         made = True
     except FileExistsError:
         made = False
