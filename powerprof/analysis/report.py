@@ -275,10 +275,12 @@ def _earlier_outputs(out: Path) -> list[Path]:
 _TEMPORARY = re.compile(r"\.(?P<name>[^/]+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
 
 
-def _remove_dead_temporaries(out: Path) -> None:
-    """Remove the temporaries (paths.temp_sibling's `.NAME.PID.HEX.tmp`, NAME an output's) of an analyze that died
-    (SIGKILL between its renames: nine stayed, one a hard link to the old analysis.parquet). Called under the flock,
-    so no analyze of this machine is writing here; a live pid's is kept (a pid reused counts as alive)."""
+def _remove_dead_temporaries(out: Path) -> list[Path]:
+    """Remove the temporaries (paths.temp_sibling's `.NAME.PID.HEX.tmp`, NAME an output's, a plain file of this euid)
+    of an analyze that died (SIGKILL between its renames: nine stayed, one a hard link to the old analysis.parquet);
+    returns those removed, for the note that says so. Called under the flock, so no analyze of this machine is writing
+    here; a live pid's is kept (a pid reused counts as alive), and so is another user's file of that form (not ours)."""
+    gone = []
     for f in out.iterdir():
         m = _TEMPORARY.fullmatch(f.name)
         if m is None or not (m["name"] in OUTPUT_NAMES or (m["name"].endswith(".png") and any(
@@ -292,8 +294,11 @@ def _remove_dead_temporaries(out: Path) -> None:
         except (OSError, OverflowError):  # EPERM: another user's live process
             continue
         with contextlib.suppress(OSError):
-            if stat.S_ISREG(f.lstat().st_mode):
+            st = f.lstat()
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
                 f.unlink()
+                gone.append(f)
+    return gone
 
 
 def _refuse_a_run_folder(out: Path, runs) -> None:
@@ -407,7 +412,10 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
         for f in _earlier_outputs(out):
             if f not in stage.paths():
                 stage.remove(f)
-    _remove_dead_temporaries(out)
+    if gone := _remove_dead_temporaries(out):
+        result.write_notes.append(
+            f"removed {len(gone)} temporary file{'s' if len(gone) > 1 else ''} that an analyze stopped part-way left in "
+            f"{out} ({', '.join(sorted(f.name for f in gone))})")
     return files
 
 
