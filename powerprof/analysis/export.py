@@ -278,6 +278,15 @@ def _uri_sources(uri: str) -> list[Source]:
         raise ExportError(f"{uri}: cannot open ({e})") from None
 
 
+def analysis_folders(p: Path) -> list[Path]:
+    """The folders of an analysis' outputs whose analysis.parquet an export of `p` reads: a run's analysis/, an
+    `analyze --out` folder given itself, the folder of an analysis.parquet given alone. Their ids are checked
+    (report.outputs_disagree, unread_outputs_disagree) wherever they are: only RUN/analysis was."""
+    if p.is_file():
+        return [p.parent] if p.name == "analysis.parquet" else []
+    return [d for d in (p, p / "analysis") if (d / "analysis.parquet").is_file()] if p.is_dir() else []
+
+
 def find_sources(src) -> list[Source]:
     """Tables of a run directory (top-level *.parquet, plus analysis/analysis.parquet), of a daemon
     dataset (one hive-partitioned dataset per sub-folder), of a single Parquet file, or of a URI."""
@@ -290,6 +299,11 @@ def find_sources(src) -> list[Source]:
         raise ExportError(f"{p}: {why}")
     if not p.exists():
         raise ExportError(f"{p}: no such file or directory")
+    from .report import outputs_disagree  # noqa: PLC0415
+
+    for folder in analysis_folders(p):
+        if (why := outputs_disagree(folder)) is not None:
+            raise ExportError(why)
     if p.is_file():
         if p.suffix != ".parquet":
             raise ExportError(f"{p}: not a Parquet file; give a run directory, a dataset folder or a .parquet file")
@@ -300,10 +314,6 @@ def find_sources(src) -> list[Source]:
         raise ExportError(why)
     out = [Source(f.stem, open_dataset(f)) for f in sorted(p.glob("*.parquet")) if datafiles.is_data_name(f.name)]
     if (p / "analysis" / "analysis.parquet").exists():
-        from .report import outputs_disagree  # noqa: PLC0415
-
-        if (why := outputs_disagree(p / "analysis")) is not None:
-            raise ExportError(why)
         out.append(Source("analysis", open_dataset(p / "analysis" / "analysis.parquet")))
     subs = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
     if not out and subs and all(d.name.startswith("date=") for d in subs):
@@ -580,8 +590,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     if notes is not None:
         from .report import unread_outputs_disagree  # noqa: PLC0415
 
-        notes.extend(n for s in srcs if not is_uri(s) and (Path(s) / "analysis" / "analysis.parquet").is_file()
-                     for n in unread_outputs_disagree(Path(s) / "analysis"))
+        notes.extend(n for s in srcs if not is_uri(s) for d in analysis_folders(Path(s))
+                     for n in unread_outputs_disagree(d))
         # Its tables are there (Ctrl-C in the first level flushes them) but hold no finished level.
         notes.extend(f"{m}: its tables hold only what was measured before it stopped"
                      for m in (no_finished_level(s, None) for s in srcs if not is_uri(s) and Path(s).is_dir()) if m)
