@@ -657,7 +657,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                           f"(a run's {sources[0].name}.parquet, a daemon dataset's {sources[0].name}/ folder): --columns "
                           "picks columns, and any table that has one of them is written")
     # A file's folder, or a folder's parent, that does not exist is never made (storage.runs.missing_parent, every
-    # command's rule): a file's failed at the end naming a temporary ("Failed to open local file '.windows.parquet.1234.tmp'").
+    # command's rule): a file's failed at the end naming a temporary ("Failed to open local file '.w.parquet.1.tmp'").
     if (why := missing_parent(out)) is not None:
         raise ExportError(why)
     if (fmt == "xlsx" or single) and not out.parent.is_dir():

@@ -107,9 +107,10 @@ def _cannot_write(out: Path, e: OSError) -> AnalysisError:
 
 @contextlib.contextmanager
 def _out_locked(out: Path) -> Iterator[list[str]]:
-    """Hold an exclusive flock on the folder `out` (made here where missing, not its parent) from check_out to the last rename: two
-    analyses into one folder mixed their files (one's report.md beside the other's analysis.json). The second is
-    refused (AnalysisOutTaken), nothing written; a folder this made is removed again if the analysis fails. A file
+    """Hold an exclusive flock on the folder `out` (made here where missing, not its parent) from check_out to the
+    last rename: two analyses into one folder mixed their files (one's report.md beside the other's analysis.json).
+    The second is refused (AnalysisOutTaken), nothing written; a folder this made is removed again if the analysis
+    fails (write_outputs relies on this: it makes and removes no folder). A file
     system that has no flock (ENOLCK: some network ones; EOPNOTSUPP) is written unlocked; another failure of the flock
     is written unlocked too, with a note in the list yielded: it was swallowed unsaid."""
     import errno  # noqa: PLC0415

@@ -152,13 +152,14 @@ class GroupMixed(OSError):
     `new`, `old`, `missing`: the group's files as they are now (missing: removed, not put back); the message names each,
     and the fix. An old content that could not be put back stays in its link (named), not deleted."""
 
-    def __init__(self, cause: OSError, new: list[Path], old: list[Path], missing: list[Path], kept: dict[Path, Path]):
+    def __init__(self, cause: OSError, new: list[Path], old: list[Path], missing: list[Path],
+                 kept: dict[Path, Path]):
         self.new, self.old, self.missing, self.kept = new, old, missing, kept
         said = "; ".join(f"{what}: {', '.join(map(str, paths))}" for what, paths in
                          (("new", new), ("old", old), ("missing", missing)) if paths)
         where = ", ".join(str(p) for p in dict.fromkeys(p.parent for p in new + old + missing))
-        text = (f"{cause.filename}: {cause.strerror or cause}, and putting the files already replaced back failed too, so {where} is "
-                f"now MIXED, the files of two writes side by side ({said})"
+        text = (f"{cause.filename}: {cause.strerror or cause}, and putting the files already replaced back failed too, "
+                f"so {where} is now MIXED, the files of two writes side by side ({said})"
                 + "".join(f"; the old {path.name} is kept as {link}" for path, link in kept.items())
                 + ". Fix: remove the cause of the failure, then write them all again (run the command again); until "
                   "then do not read these files as one")
