@@ -989,6 +989,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             said = list(dict.fromkeys(said))  # a note both tables carry (samples unreadable) said once
             if out_dir is not None:
                 from powerprof.paths import holds_dataset_tables, holds_sweep_run
+                from powerprof.storage.runs import missing_parent
                 from powerprof.trust import out_dir_refusal
 
                 if (why := out_dir_refusal(Path(out_dir), "folder")) is not None:  # as root: root's or the sudo user's
@@ -1009,6 +1010,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                                            "folder with --out")
                 if (why := fleet.out_taken(Path(out_dir))) is not None:  # a person's file of the summary's name
                     raise AnalysisOutTaken(why)
+                if (why := missing_parent(out_dir)) is not None:
+                    raise fleet.FleetError(why)
                 fleet.write_out(Path(out_dir), table, tags)
             if as_json:
                 # One object: the hosts, the tags and the notes that say what was left out of their figures.

@@ -633,7 +633,7 @@ def test_a_single_file_export_into_a_folder_that_does_not_exist_says_so(run, tmp
     r = CliRunner().invoke(main, ["export", str(src), "--format", fmt, "--out", str(out)])
     assert r.exit_code == 1, r.output
     said = " ".join(r.output.split())
-    assert f"the folder {out.parent} does not exist" in said and "Traceback" not in r.output, said
+    assert f"its parent folder {out.parent} does not exist" in said and "Traceback" not in r.output, said
     assert not (tmp_path / "no").exists()
 
 
@@ -1188,6 +1188,28 @@ def test_export_refuses_an_analysis_folder_whose_outputs_are_of_two_analyses(tmp
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx", "--out", str(tmp_path / "again.xlsx")])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("src", ["folder", "file"])
+def test_export_of_an_analysis_out_folder_or_its_parquet_checks_the_ids_too(tmp_path, src):
+    # Only RUN/analysis was checked: the same mixed outputs in an `analyze --out` folder, exported as that folder or
+    # as its analysis.parquet, went out with no word, the rows of one analysis beside analysis.json's of another.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    out = tmp_path / "an"
+    args = ["analyze", str(run), "--bootstrap", "100", "--format", "md,html", "--out", str(out)]
+    assert CliRunner().invoke(main, [*args, "--max-slowdown", "0"]).exit_code == 0
+    old = {n: (out / n).read_bytes() for n in ("analysis.json", "report.html")}
+    assert CliRunner().invoke(main, [*args, "--max-slowdown", "99%"]).exit_code == 0
+    what = out if src == "folder" else out / "analysis.parquet"
+    (out / "report.html").write_bytes(old["report.html"])
+    r = CliRunner().invoke(main, ["export", str(what), "--format", "csv", "--out", str(tmp_path / "ok")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and f"note: {out / 'report.html'} is of another analysis" in said, r.output
+    (out / "analysis.json").write_bytes(old["analysis.json"])  # renamed last: the kill came just before it
+    r = CliRunner().invoke(main, ["export", str(what), "--format", "csv", "--out", str(tmp_path / "mixed")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and f"{out} holds the outputs of more than one analysis" in said, r.output
+    assert not (tmp_path / "mixed").exists()
 
 
 def test_export_reads_a_folder_whose_reports_a_person_edited_and_names_a_report_of_another_analysis(tmp_path):

@@ -46,6 +46,7 @@ def _gpus(n, name):
 
 def _refused_then_forced(runs, tmp_path, what: str):
     """The pool is refused naming `what`, nothing written; --force pools it with a forced-pool warning naming it."""
+    tmp_path.mkdir(exist_ok=True)  # --out's parent: never made by analyze (storage.runs.missing_parent)
     with pytest.raises(AnalysisError, match=what) as e:
         analyze_run(runs, tmp_path / "refused", n_boot=200, plots=False)
     assert "--force" in str(e.value) and not (tmp_path / "refused").exists()

@@ -1191,6 +1191,30 @@ def test_an_out_that_cannot_be_locked_is_written_with_a_note_unless_it_has_no_fl
     assert (f"note: {out} could not be locked ({os.strerror(code)}), so it was written unlocked" in said) == noted, said
 
 
+def test_a_reanalysis_says_which_dead_temporaries_it_removed_and_keeps_another_users(tmp_path):
+    # The removal was unsaid, and went by name and pid alone: a file of another user in the temporaries' form was
+    # removed too. Now only this uid's go, and a note on stderr names them.
+    import subprocess
+    import sys
+
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=1)
+    out = tmp_path / "o"
+    args = ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--format", "md"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    ours, theirs = out / f".report.md.{dead.pid}.0123abcd.tmp", out / f".report.html.{dead.pid}.0123abcd.tmp"
+    ours.write_text("x")
+    if os.geteuid() == 0:  # another user's file can only be made as root
+        theirs.write_text("x")
+        os.chown(theirs, 54321, 54321)
+    r = CliRunner().invoke(main, [*args, "--max-slowdown", "99%"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and not ours.exists(), r.output
+    assert f"note: removed 1 temporary file that an analyze stopped part-way left in {out} ({ours.name})" in said, said
+    assert theirs.exists() == (os.geteuid() == 0) and theirs.name not in said
+
+
 def test_a_reanalysis_removes_the_temporaries_of_an_analyze_that_died_and_keeps_the_rest(tmp_path):
     # An analyze SIGKILLed between its renames left nine `.NAME.PID.HEX.tmp` (one a hard link to the old
     # analysis.parquet), which no later analyze removed. Now the next one removes those of a dead pid, under its lock.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from powerprof import privilege
@@ -136,3 +138,66 @@ def test_a_group_removes_the_files_given_with_its_renames_and_puts_them_back_on_
     assert e.value.filename == str(out / "analysis.parquet")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == {
         "analysis.parquet": b"old", "report.html": b"new", "report.md": b"old"}
+
+
+def test_a_group_whose_put_back_fails_too_says_the_folder_is_mixed_file_by_file(tmp_path, monkeypatch):
+    # report.html's rename failed (EIO) and putting the old report.md back failed as well: the error said only
+    # "report.html: Input/output error", and the folder held a new report.md beside the old analysis.parquet unsaid.
+    import errno
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    _group_of_three(out, b"old")
+    real, into = os.replace, []
+
+    def replace(src, dst):
+        into.append(Path(dst).name)
+        if Path(dst).name == "report.html" or into[-1] == "report.md" and into.count("report.md") == 2:  # its put-back
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    with pytest.raises(atomic.GroupMixed) as e:
+        _group_of_three(out)
+    assert (e.value.new, e.value.old, e.value.missing) == ([out / "report.md"], [out / "analysis.parquet",
+                                                                                 out / "report.html"], [])
+    said = str(e.value)
+    assert "MIXED" in said and f"new: {out / 'report.md'}" in said and "old: " in said and "report.html" in said, said
+    assert "Fix:" in said, said
+    # Nothing else deleted: the new report.md stays, the old ones are whole, and report.md's old content is kept.
+    files = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")}
+    assert files == {"analysis.parquet": b"old", "report.md": b"new", "report.html": b"old"}
+    kept = [p for p in out.iterdir() if p.name.startswith(".")]
+    assert [p.read_bytes() for p in kept] == [b"old"] and str(kept[0]) in said, said
+
+
+def test_a_group_whose_removal_cannot_be_put_back_says_the_file_is_missing(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    _group_of_three(out, b"old")
+    real_replace, real_unlink = os.replace, os.unlink
+
+    def unlink(path, *a, **k):
+        if Path(path).name == "report.html":
+            raise OSError(errno.EPERM, "Operation not permitted", str(path))
+        return real_unlink(path, *a, **k)
+
+    def replace(src, dst):
+        if Path(dst).name == "report.md":
+            raise OSError(errno.EIO, "Input/output error", str(dst))  # the put-back of the removed report.md
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "unlink", unlink)
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    with pytest.raises(atomic.GroupMixed) as e:
+        with atomic_group() as stage:
+            stage(out / "analysis.parquet").write_bytes(b"new")
+            stage.remove(out / "report.md")
+            stage.remove(out / "report.html")
+    assert (e.value.new, e.value.missing) == ([], [out / "report.md"]), str(e.value)
+    assert e.value.old == [out / "analysis.parquet", out / "report.html"], str(e.value)
+    assert f"missing: {out / 'report.md'}" in str(e.value)

@@ -570,6 +570,22 @@ def test_an_out_whose_parent_is_missing_is_refused_and_nothing_is_made(cmd, tmp_
     assert not (tmp_path / "typo").exists()
 
 
+@pytest.mark.parametrize("cmd", [["analyze", "--bootstrap", "100", "--format", "md"], ["export", "--format", "csv"]])
+def test_analyze_and_export_refuse_an_out_whose_parent_is_missing_as_sweep_does(cmd, tmp_path):
+    # analyze and a folder export made the whole tree (`mkdir -p`) where sweep, measure, tune and the daemon refuse it;
+    # one rule now, the same words: the folder (or file) --out names is made, never a missing folder above it (a
+    # single-file export's: test_analysis_export; a fleet analyze's: test_fleet).
+    from synthetic_runs import make_run, seed_truth
+
+    src = make_run(tmp_path / "run", seed_truth(), levels=(180, 300), n_requests=6)
+    out = tmp_path / "typo" / "dir" / "out"
+    r = CliRunner().invoke(main, [cmd[0], str(src), *cmd[1:], "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    said = " ".join(r.output.split())
+    assert f"its parent folder {out.parent} does not exist" in said and f"mkdir -p {out.parent}" in said, r.output
+    assert not (tmp_path / "typo").exists()
+
+
 def test_tag_stop_json_keeps_a_tiny_energy_to_significant_digits(monkeypatch):
     # Before: round(v, 3) printed a tag's 0.0004 J as 0.0, a 0 posing as a measurement.
     import powerprof.daemon.tagapi as tagapi

@@ -283,6 +283,7 @@ def test_output_below_a_folder_holding_a_requests_folder_of_no_tables_is_not_ref
     sweep_run = make_run(home / "runs" / "r1", seed_truth(), levels=(220, 300), n_requests=4)
     r = run("analyze", str(sweep_run))
     assert r.exit_code == 0 and (sweep_run / "analysis" / "analysis.parquet").is_file(), r.output
+    (home / "exports").mkdir()  # --out's parent: never made by export (storage.runs.missing_parent)
     r = run("export", str(sweep_run), "--format", "parquet", "--out", str(home / "exports" / "r1"))
     assert r.exit_code == 0, r.output
     r = run("sweep", "--limits", "180,220", "--dry-run", "--simulate", "--out", str(home / "runs" / "r2"))

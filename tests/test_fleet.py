@@ -80,6 +80,15 @@ def test_analyze_cli_takes_a_glob_of_node_datasets(fleet, tmp_path):
     _check(pq.read_table(tmp_path / "fleet.parquet").to_pylist(), truth)
 
 
+def test_a_fleet_out_whose_parent_is_missing_is_refused_as_a_sweeps(fleet, tmp_path):
+    # fleet.write_out made the whole tree (`mkdir -p`) of a mistyped --out; sweep, analyze and export refuse it.
+    base, _ = fleet
+    out = tmp_path / "typo" / "out"
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-0"), "--out", str(out)])
+    assert res.exit_code == 1 and f"mkdir -p {out.parent}" in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "typo").exists()
+
+
 def test_a_simulated_hosts_figures_are_marked_and_said_beside_real_ones(fleet, tmp_path):
     # A daemon --simulate's folder synced beside real nodes' was summed as a real host, unmarked (session 46's
     # walkthrough): its row says (sim), a note says so, and that the all line adds it to real figures.

@@ -161,6 +161,24 @@ def test_a_report_that_fails_removes_the_analysis_folder_it_made(tmp_path, monke
     assert not (run / "analysis").exists()
 
 
+@pytest.mark.parametrize("where", ["analysis", "rename"])
+def test_a_failed_analysis_into_a_new_out_leaves_no_folder(tmp_path, monkeypatch, where):
+    # Behaviour kept when write_outputs' own made/rmdir went (dead: _out_locked had made the folder already, and takes
+    # it back): a failure in the analysis, or at a rename, leaves no empty --out behind.
+    import powerprof.analysis.report as report
+    from support import eio_on_replace_to
+
+    run = _sweep_run(tmp_path)
+    if where == "analysis":
+        monkeypatch.setattr(report, "analyze", lambda *a, **k: (_ for _ in ()).throw(ValueError("no fit")))
+    else:
+        eio_on_replace_to(monkeypatch, "report.md")
+    out = tmp_path / "new"
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--format", "md", "--out", str(out)])
+    assert r.exit_code == 1 and ("no fit" if where == "analysis" else "cannot write") in r.output, r.output
+    assert not out.exists()
+
+
 
 def test_an_analysis_whose_write_fails_leaves_the_old_outputs_whole_and_no_temporary(tmp_path, monkeypatch):
     # A rename failing part-way (EIO on report.html) left the new report.md and analysis.parquet beside the old
@@ -177,6 +195,38 @@ def test_an_analysis_whose_write_fails_leaves_the_old_outputs_whole_and_no_tempo
     r = CliRunner().invoke(main, args + ["--max-slowdown", "99%"])
     assert r.exit_code == 1 and "cannot write the analysis" in r.output, r.output
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+
+def test_an_analysis_whose_write_and_put_back_both_fail_says_the_folder_is_mixed(tmp_path, monkeypatch):
+    # report.html's rename failed and putting the old report.md back failed too: "cannot write the analysis to OUT:
+    # Input/output error (OUT/report.html)", and the new report.md stayed beside the old analysis.json unsaid.
+    import errno
+    import os
+
+    import powerprof.storage.atomic as atomic
+
+    run = _sweep_run(tmp_path)
+    out = tmp_path / "an"
+    args = ["analyze", str(run), "--bootstrap", "100", "--format", "md,html", "--out", str(out)]
+    assert CliRunner().invoke(main, args + ["--max-slowdown", "0"]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real, into = os.replace, []
+
+    def replace(src, dst):
+        into.append(os.path.basename(dst))
+        if into[-1] == "report.html" or into[-1] == "report.md" and into.count("report.md") == 2:
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    r = CliRunner().invoke(main, args + ["--max-slowdown", "99%"])
+    assert r.exit_code == 1 and "cannot write the analysis" in r.output, r.output
+    said = " ".join(r.output.split())
+    assert f"{out} is now MIXED" in said and f"new: {out / 'report.md'}" in said and "Fix:" in said, r.output
+    after = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")}
+    assert set(after) == set(before) and after["report.md"] != before["report.md"]  # nothing else deleted
+    assert all(after[n] == before[n] for n in after if n != "report.md")
 
 
 

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from powerprof.storage import datafiles
 from powerprof.storage.atomic import atomic_path
 from powerprof.trust import out_dir_refusal
-from powerprof.storage.runs import no_finished_level
+from powerprof.storage.runs import missing_parent, no_finished_level
 
 from .rowkeys import TUNER_KEY, WHY, folder_sql, ident, is_tuner_decisions, key_of, keyless_sql, why_of
 
@@ -278,6 +278,15 @@ def _uri_sources(uri: str) -> list[Source]:
         raise ExportError(f"{uri}: cannot open ({e})") from None
 
 
+def analysis_folders(p: Path) -> list[Path]:
+    """The folders of an analysis' outputs whose analysis.parquet an export of `p` reads: a run's analysis/, an
+    `analyze --out` folder given itself, the folder of an analysis.parquet given alone. Their ids are checked
+    (report.outputs_disagree, unread_outputs_disagree) wherever they are: only RUN/analysis was."""
+    if p.is_file():
+        return [p.parent] if p.name == "analysis.parquet" else []
+    return [d for d in (p, p / "analysis") if (d / "analysis.parquet").is_file()] if p.is_dir() else []
+
+
 def find_sources(src) -> list[Source]:
     """Tables of a run directory (top-level *.parquet, plus analysis/analysis.parquet), of a daemon
     dataset (one hive-partitioned dataset per sub-folder), of a single Parquet file, or of a URI."""
@@ -290,6 +299,11 @@ def find_sources(src) -> list[Source]:
         raise ExportError(f"{p}: {why}")
     if not p.exists():
         raise ExportError(f"{p}: no such file or directory")
+    from .report import outputs_disagree  # noqa: PLC0415
+
+    for folder in analysis_folders(p):
+        if (why := outputs_disagree(folder)) is not None:
+            raise ExportError(why)
     if p.is_file():
         if p.suffix != ".parquet":
             raise ExportError(f"{p}: not a Parquet file; give a run directory, a dataset folder or a .parquet file")
@@ -300,10 +314,6 @@ def find_sources(src) -> list[Source]:
         raise ExportError(why)
     out = [Source(f.stem, open_dataset(f)) for f in sorted(p.glob("*.parquet")) if datafiles.is_data_name(f.name)]
     if (p / "analysis" / "analysis.parquet").exists():
-        from .report import outputs_disagree  # noqa: PLC0415
-
-        if (why := outputs_disagree(p / "analysis")) is not None:
-            raise ExportError(why)
         out.append(Source("analysis", open_dataset(p / "analysis" / "analysis.parquet")))
     subs = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
     if not out and subs and all(d.name.startswith("date=") for d in subs):
@@ -580,8 +590,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     if notes is not None:
         from .report import unread_outputs_disagree  # noqa: PLC0415
 
-        notes.extend(n for s in srcs if not is_uri(s) and (Path(s) / "analysis" / "analysis.parquet").is_file()
-                     for n in unread_outputs_disagree(Path(s) / "analysis"))
+        notes.extend(n for s in srcs if not is_uri(s) for d in analysis_folders(Path(s))
+                     for n in unread_outputs_disagree(d))
         # Its tables are there (Ctrl-C in the first level flushes them) but hold no finished level.
         notes.extend(f"{m}: its tables hold only what was measured before it stopped"
                      for m in (no_finished_level(s, None) for s in srcs if not is_uri(s) and Path(s).is_dir()) if m)
@@ -646,10 +656,14 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                           f"({', '.join(s.name for s in sources)}): give a folder, or give one table as the source "
                           f"(a run's {sources[0].name}.parquet, a daemon dataset's {sources[0].name}/ folder): --columns "
                           "picks columns, and any table that has one of them is written")
+    # A file's folder, or a folder's parent, that does not exist is never made (storage.runs.missing_parent, every
+    # command's rule): a file's failed at the end naming a temporary ("Failed to open local file '.w.parquet.1.tmp'").
+    if (why := missing_parent(out)) is not None:
+        raise ExportError(why)
     if (fmt == "xlsx" or single) and not out.parent.is_dir():
-        # It failed at the end naming a temporary file ("Failed to open local file '.windows.parquet.1234.tmp'").
-        what = "is a file, not a folder" if out.parent.exists() else "does not exist"
-        raise ExportError(f"--out {out}: the folder {out.parent} {what}; create it first, or give a file in a folder "
+        from powerprof.paths import what_is  # noqa: PLC0415
+
+        raise ExportError(f"--out {out}: {out.parent} is {what_is(out.parent)}, not a folder; give a file in a folder "
                           "that exists")
     # As root, the folder written in root's or the sudo user's (trust.py): not another user's, nor reached through
     # their symlink, which would have root write the tables wherever it points.
@@ -701,7 +715,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             raise ExportError(f"--out {out} is a file: give a folder (one .{fmt} file per table), "
                               f"or a name ending in .{fmt} for a single table")
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            out.mkdir(exist_ok=True)  # its parent checked above (missing_parent)
         except OSError as e:
             raise ExportError(f"cannot create the folder {out}: {_why(e)}") from None
     written = []

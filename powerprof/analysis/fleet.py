@@ -180,7 +180,7 @@ def write_out(out: Path, table: pa.Table, tags: pa.Table) -> None:
     over one with them left the other's tags beside the new summary)."""
     from powerprof.storage.runs import atomic_write_table  # noqa: PLC0415
 
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)  # its parent checked by the caller (storage.runs.missing_parent): never made here
     (out / "fleet_tags.parquet").unlink(missing_ok=True)
     atomic_write_table(out / "fleet.parquet", table)
     if tags.num_rows:

@@ -24,7 +24,7 @@ import numpy as np
 
 from powerprof import __version__
 from powerprof.storage.atomic import atomic_group
-from powerprof.storage.runs import no_finished_level, write_table
+from powerprof.storage.runs import missing_parent, no_finished_level, write_table
 from powerprof.trust import out_dir_refusal
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
@@ -91,6 +91,8 @@ def analyze_run(
     if (why := out_dir_refusal(out, "analysis folder")) is not None:
         raise AnalysisError(why)
     check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
+    if (why := missing_parent(out)) is not None:  # after check_out's own refusals; the default's parent is the run
+        raise AnalysisError(why)
     with _out_locked(out) as said:
         check_out(out, runs)  # again, locked: another analyze into this folder may have written it meanwhile
         result = _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary)
@@ -105,16 +107,17 @@ def _cannot_write(out: Path, e: OSError) -> AnalysisError:
 
 @contextlib.contextmanager
 def _out_locked(out: Path) -> Iterator[list[str]]:
-    """Hold an exclusive flock on the folder `out` (made here where missing) from check_out to the last rename: two
-    analyses into one folder mixed their files (one's report.md beside the other's analysis.json). The second is
-    refused (AnalysisOutTaken), nothing written; a folder this made is removed again if the analysis fails. A file
+    """Hold an exclusive flock on the folder `out` (made here where missing, not its parent) from check_out to the
+    last rename: two analyses into one folder mixed their files (one's report.md beside the other's analysis.json).
+    The second is refused (AnalysisOutTaken), nothing written; a folder this made is removed again if the analysis
+    fails (write_outputs relies on this: it makes and removes no folder). A file
     system that has no flock (ENOLCK: some network ones; EOPNOTSUPP) is written unlocked; another failure of the flock
     is written unlocked too, with a note in the list yielded: it was swallowed unsaid."""
     import errno  # noqa: PLC0415
     import fcntl  # noqa: PLC0415
 
     try:
-        out.mkdir(parents=True)
+        out.mkdir()  # its parent checked (missing_parent): one removed since is an error here, not made again
         made = True
     except FileExistsError:
         made = False
@@ -273,10 +276,12 @@ def _earlier_outputs(out: Path) -> list[Path]:
 _TEMPORARY = re.compile(r"\.(?P<name>[^/]+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
 
 
-def _remove_dead_temporaries(out: Path) -> None:
-    """Remove the temporaries (paths.temp_sibling's `.NAME.PID.HEX.tmp`, NAME an output's) of an analyze that died
-    (SIGKILL between its renames: nine stayed, one a hard link to the old analysis.parquet). Called under the flock,
-    so no analyze of this machine is writing here; a live pid's is kept (a pid reused counts as alive)."""
+def _remove_dead_temporaries(out: Path) -> list[Path]:
+    """Remove the temporaries (paths.temp_sibling's `.NAME.PID.HEX.tmp`, NAME an output's, a plain file of this euid)
+    of an analyze that died (SIGKILL between its renames: nine stayed, one a hard link to the old analysis.parquet);
+    returns those removed, for the note that says so. Called under the flock, so no analyze of this machine is writing
+    here; a live pid's is kept (a pid reused counts as alive), and so is another user's file of that form (not ours)."""
+    gone = []
     for f in out.iterdir():
         m = _TEMPORARY.fullmatch(f.name)
         if m is None or not (m["name"] in OUTPUT_NAMES or (m["name"].endswith(".png") and any(
@@ -290,8 +295,11 @@ def _remove_dead_temporaries(out: Path) -> None:
         except (OSError, OverflowError):  # EPERM: another user's live process
             continue
         with contextlib.suppress(OSError):
-            if stat.S_ISREG(f.lstat().st_mode):
+            st = f.lstat()
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
                 f.unlink()
+                gone.append(f)
+    return gone
 
 
 def _refuse_a_run_folder(out: Path, runs) -> None:
@@ -393,32 +401,27 @@ def _has_levels(windows) -> bool:
 
 
 def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: bool = True) -> dict[str, str]:
-    from . import plots as P  # noqa: PLC0415  (matplotlib is slow to import; only here)
-
-    made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    # `out` is made, and taken back where the analysis fails, by _out_locked: not made again here, where a folder
+    # removed meanwhile would be one no lock holds.
     # All or none: an interruption while the report renders must not leave new plots and tables beside
     # the old report and analysis.json (the export's summary sheet reads its recommendation).
-    try:
-        result.analysis_id = secrets.token_hex(8)
-        with atomic_group() as stage:
-            files = _write_outputs(result, out, formats, plots, stage)
-            # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
-            # series) goes with it: beside the new analysis.json it gave the old recommendation.
-            for f in _earlier_outputs(out):
-                if f not in stage.paths():
-                    stage.remove(f)
-        _remove_dead_temporaries(out)
-        return files
-    except BaseException:
-        if made:  # the folder this made, left empty by the group's undoing: nothing of a failed report stays
-            with contextlib.suppress(OSError):
-                out.rmdir()
-        raise
+    result.analysis_id = secrets.token_hex(8)
+    with atomic_group() as stage:
+        files = _write_outputs(result, out, formats, plots, stage)
+        # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
+        # series) goes with it: beside the new analysis.json it gave the old recommendation.
+        for f in _earlier_outputs(out):
+            if f not in stage.paths():
+                stage.remove(f)
+    if gone := _remove_dead_temporaries(out):
+        result.write_notes.append(
+            f"removed {len(gone)} temporary file{'s' if len(gone) > 1 else ''} that an analyze stopped part-way left in "
+            f"{out} ({', '.join(sorted(f.name for f in gone))})")
+    return files
 
 
 def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stage) -> dict[str, str]:
-    from . import plots as P  # noqa: PLC0415
+    from . import plots as P  # noqa: PLC0415  (matplotlib is slow to import; only here)
 
     files: dict[str, str] = {}
     images: dict[str, Path] = {}  # final names, for the links

@@ -147,12 +147,35 @@ def atomic_group() -> Iterator[_Group]:
         raise termination.exit_for(got[0])
 
 
+class GroupMixed(OSError):
+    """A group's rename failed part-way and a file could not be put back as well: its folder holds files of two writes.
+    `new`, `old`, `missing`: the group's files as they are now (missing: removed, not put back); the message names each,
+    and the fix. An old content that could not be put back stays in its link (named), not deleted."""
+
+    def __init__(self, cause: OSError, new: list[Path], old: list[Path], missing: list[Path],
+                 kept: dict[Path, Path]):
+        self.new, self.old, self.missing, self.kept = new, old, missing, kept
+        said = "; ".join(f"{what}: {', '.join(map(str, paths))}" for what, paths in
+                         (("new", new), ("old", old), ("missing", missing)) if paths)
+        where = ", ".join(str(p) for p in dict.fromkeys(p.parent for p in new + old + missing))
+        text = (f"{cause.filename}: {cause.strerror or cause}, and putting the files already replaced back failed too, "
+                f"so {where} is now MIXED, the files of two writes side by side ({said})"
+                + "".join(f"; the old {path.name} is kept as {link}" for path, link in kept.items())
+                + ". Fix: remove the cause of the failure, then write them all again (run the command again); until "
+                  "then do not read these files as one")
+        super().__init__(cause.errno, text)  # the failed file is in the text: a caller appending .filename said it twice
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
 def _replace_all(staged: list[tuple[Path | None, Path]]) -> None:
     """Rename every temporary over its file, or none: a rename that fails part-way (a folder or FIFO where a file
     goes, EIO, EPERM) puts back the files already replaced, from hard links kept of the old ones, so the group never
     leaves new files beside old ones (a report saying one limit beside an analysis.json saying another).
     Removals come after every rename, put back the same way. The error names the file, not its temporary
-    (gone by then). The temporaries and links are removed either way."""
+    (gone by then). The temporaries and links are removed either way, save the link of an old file that could not be
+    put back: then (or where a replaced file had no link: no hard links there) GroupMixed names every file's state."""
     kept: dict[Path, tuple[bool, Path | None]] = {}  # a file renamed → (it existed before, a link to its old content)
     try:
         for _, path in staged:  # what no rename can replace is refused before any is done
@@ -176,20 +199,41 @@ def _replace_all(staged: list[tuple[Path | None, Path]]) -> None:
                 _unlink_quietly(old)
                 raise
             kept[path] = (existed, old)
-    except BaseException:
-        for path, (existed, old) in reversed(kept.items()):
-            try:
-                if old is not None:
-                    os.replace(old, path)
-                elif not existed:
-                    path.unlink()
-            except OSError:
-                pass
+    except BaseException as e:
+        stuck = _put_back(kept)
         for tmp, _ in staged:
             _unlink_quietly(tmp)
+        if stuck and isinstance(e, OSError):
+            raise _mixed(e, staged, kept, stuck) from None
         raise
     for _, old in kept.values():
         _unlink_quietly(old)
+
+
+def _put_back(kept: dict[Path, tuple[bool, Path | None]]) -> list[Path]:
+    """Undo the renames and removals in `kept`, last first; returns the files that could not be put back (a failed
+    replace or unlink, or a file replaced that had no link of its old content), whose links are left in place."""
+    stuck = []
+    for path, (existed, old) in reversed(kept.items()):
+        try:
+            if old is not None:
+                os.replace(old, path)
+            elif not existed:
+                path.unlink()
+            else:
+                stuck.append(path)  # replaced with no link kept (no hard links here): its old content is gone
+        except OSError:
+            stuck.append(path)
+    return stuck
+
+
+def _mixed(cause: OSError, staged, kept: dict[Path, tuple[bool, Path | None]], stuck: list[Path]) -> GroupMixed:
+    removed = {path for tmp, path in staged if tmp is None}
+    new = sorted(p for p in stuck if p not in removed)
+    missing = sorted(p for p in stuck if p in removed)
+    old = sorted({path for _, path in staged if path not in stuck and os.path.lexists(path)})
+    links = {p: kept[p][1] for p in sorted(stuck) if kept[p][1] is not None}
+    return GroupMixed(cause, new, old, missing, links)
 
 
 def _old_link(path: Path) -> Path | None:

@@ -131,10 +131,16 @@ def given_out_problem(out: Path, flag: str = "--out", default: bool = False) -> 
         # sweep` the same, in RUN/runs/<stamp>.
         return (f"{said} is inside the powerprof run {above}: a run there is copied, moved and removed with that "
                 f"run, and taken for part of it; give a folder outside it with {flag} (beside it: {above.parent})")
-    if default:
-        return None
+    return None if default else missing_parent(out, flag)
+
+
+def missing_parent(out, flag: str = "--out") -> str | None:
+    """Why the output `out` the user named (a folder or a file) is not made: its parent folder does not exist. Every
+    command's --out makes the folder (or file) it names, never the folders above it (`mkdir -p` of a mistyped path
+    made a tree of folders, from / as root). None where `out` or its parent exists (a parent that is a file: the
+    write's own error says it)."""
     parent = Path(os.path.join(os.getcwd(), out)).parent
-    if os.path.lexists(out) or os.path.lexists(parent):  # a parent that is a file: the mkdir's own error says it
+    if os.path.lexists(out) or os.path.lexists(parent):
         return None
     return (f"{flag} {out}: its parent folder {parent} does not exist; not making a tree of folders from a path that may "
             f"be mistyped. Fix: correct the path, or make that folder first (mkdir -p {parent})")
