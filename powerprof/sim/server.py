@@ -155,6 +155,9 @@ LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_
 LLAMA_N_CMPL_APIS = ("llamacpp", "openai-completions", "openai-chat", "openai-responses")
 # SGLang's routes that refuse a body not sent as application/json (http_server.py: validate_json_request).
 SGLANG_JSON_ONLY = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize")
+# vLLM's routes with its validate_json_request dependency (each router's `dependencies=[Depends(...)]`: chat_completion,
+# completion, responses, anthropic's /v1/messages, pooling's /v1/embeddings, tokenize).
+VLLM_JSON_ONLY = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/messages", "/tokenize")
 
 
 class _NoTokens(str):
@@ -1850,6 +1853,8 @@ class SimServer:
         # build), vLLM's and SGLang's are their request validation's (the flavour's _bad_request shape).
         if self.flavour == "sglang" and (refused := await self._sglang_media_refusal(request)) is not None:
             raise _Refused(refused)
+        if self.flavour == "vllm" and (refused := self._vllm_media_refusal(request)) is not None:
+            raise _Refused(refused)
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
@@ -1886,6 +1891,19 @@ class SimServer:
                    "msg": "Input should be a dictionary or an instance of GenerateReqInput",
                    "input": await request.read(), "ctx": {"class_name": "GenerateReqInput"}}]
         return self._validation_errors(errors)
+
+    def _vllm_media_refusal(self, request: web.Request) -> web.Response | None:
+        """vLLM's 400 for a body not sent as JSON (read in its entrypoints' validate_json_request and api_server's
+        validation_exception_handler, not measured); None where it reads it. The dependency refuses any media type
+        but application/json, no Content-Type included, before the body is read: a RequestValidationError raised with
+        a one-text error list by keyword, so the handler's f"{str(exc)} {exc.errors()}" opens with a space, nested
+        under "error" as vLLM's other 400s. Before: the simulator read any body as JSON whatever its type (a
+        text/plain chat ran)."""
+        media = request.headers.get("Content-Type", "").lower().split(";", 1)[0]
+        if request.path not in VLLM_JSON_ONLY or media == "application/json":
+            return None
+        errors = ["Unsupported Media Type: Only 'application/json' is allowed"]
+        return self._json({"error": {"message": f" {errors}", "type": "Bad Request", "param": None, "code": 400}}, 400)
 
     def _validation_refusal(self, body: dict, *fields: str) -> web.Response | None:
         """vLLM's and SGLang's request models read these length fields as Optional[int] in pydantic's lax mode: an
