@@ -1925,7 +1925,11 @@ class SimServer:
             if isinstance(v, str) and _INT_TEXT.fullmatch(v):
                 body[name] = int(v.strip().split(".")[0])
                 continue
-            kind, msg = (("int_from_float", "Input should be a valid integer, got a number with a fractional part")
+            # A NaN or an infinity (Python's JSON reads NaN and Infinity) is no integer either, in pydantic-core's own
+            # words (before: said to have a fractional part).
+            kind, msg = (("finite_number", "Input should be a finite number")
+                         if isinstance(v, float) and not math.isfinite(v) else
+                         ("int_from_float", "Input should be a valid integer, got a number with a fractional part")
                          if isinstance(v, float) else
                          ("int_parsing", "Input should be a valid integer, unable to parse string as an integer")
                          if isinstance(v, str) else ("int_type", "Input should be a valid integer"))
