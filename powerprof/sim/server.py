@@ -2340,9 +2340,24 @@ class SimServer:
             request[_SIM_TURN] = turn if self.responses_carry_instructions else ["", *turn[1:]]
         # The request's tools rendered by the template each turn (vLLM's construct_tool_dicts), never stored with it.
         prompt = "\n".join(p for p in turn if p) + chatshape.tools_in_prompt(body, self.flavour)
-        n = self._llama_length(body, "max_output_tokens") if self.flavour == "llamacpp" else \
-            int(body.get("max_output_tokens") or 128)
+        if self.flavour == "llamacpp":
+            n = self._llama_length(body, "max_output_tokens")
+        elif self.flavour == "sglang":
+            n = self._sglang_response_length(prompt, body.get("max_output_tokens"))
+            if n < 0:  # its SamplingParams.verify, raised where the handler reads the generation: 400, nothing run
+                return self._sglang_refusal(f"max_new_tokens must be at least 0, got {n}.", None)
+        else:
+            n = int(body.get("max_output_tokens") or 128)
         return await self._serve(request, "openai-responses", prompt, body, n)
+
+    def _sglang_response_length(self, prompt: str, asked) -> int:
+        """SGLang's max_new_tokens for /v1/responses (serving_responses.py create_responses, protocol.py
+        ResponsesRequest.to_sampling_params, read not measured): a default of the room the prompt leaves in the context
+        but at least 512, max_output_tokens (`is not None`: 0 counts) lowered to it, then 2 less "to avoid exceeding
+        the context": max_output_tokens 5 generates 3; none given at a 64-token context asks 510, which its tokenizer
+        manager refuses as too long. Before: max_output_tokens as given (2 more than SGLang), a missing or 0 one 128."""
+        default = max(self.n_ctx - count_prompt_tokens(prompt), 512)
+        return (default if asked is None else min(int(asked), default)) - 2
 
     def _keep_response(self, req: _Req, text: str) -> None:
         """A completed Responses turn, stored (its conversation and output) for a later `previous_response_id`."""
