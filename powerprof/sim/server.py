@@ -390,6 +390,7 @@ class SimServer:
         cold_batch_steps: int = 16,
         api_key: str | None = None,
         gpu_indexes: list[int] | None = None,
+        generation_max_tokens: int | None = None,
     ):
         """gpu_indexes: the simulated GPUs the server runs on (its process on their lists, their energy and speed
         its work's), as CUDA_VISIBLE_DEVICES chooses a real server's; default every one.
@@ -420,6 +421,8 @@ class SimServer:
         vllm-project/vllm#29928 (#22545): it refreshed them only at an engine step, and none came until a new request.
         Off by default: vLLM 0.32 takes one more step once the aborts reach its engine and the gauges read 0 within
         0.2 s (tests/test_real_vllm.py), as they do here.
+        generation_max_tokens: the vLLM flavour's model's generation_config max_new_tokens, its max_tokens for a chat
+        that gives none where the context leaves more room (None: the room alone, as a model without one).
         embeddings: serve `/v1/embeddings` (llama-server's `--embeddings`; without it llama.cpp answers 501 and vLLM
         404, as a generation model's server does), each input a prefill of its tokens and no decode.
         responses_store: vLLM's and SGLang's Responses store (VLLM_ENABLE_RESPONSES_API_STORE=1): a completed turn
@@ -544,6 +547,7 @@ class SimServer:
         # vLLM's `--exclude-tools-when-tool-choice-none`: its chat template renders no `tools` for tool_choice "none"
         # (its Responses path still renders them: serving.py's _make_request passes construct_tool_dicts no flag).
         self.exclude_tools_when_tool_choice_none = bool(exclude_tools_when_tool_choice_none)
+        self.generation_max_tokens = generation_max_tokens
         # `--api-key`: llama-server answers 401 on everything but its public endpoints (/health, /models, /v1/models:
         # server.cpp's public_endpoints); vLLM guards its /v1 routes only (its /metrics, /health, /version are open);
         # SGLang everything but /health* and /metrics.
@@ -1959,6 +1963,16 @@ class SimServer:
                                          "msg": "Value error, max_tokens must be positive", "input": given,
                                          "ctx": {"error": ValueError("max_tokens must be positive")}}])
 
+    def _vllm_default_length(self, prompt: str) -> int:
+        """vLLM's max_tokens for a chat that gives none (entrypoints/utils.py get_max_tokens): the room the prompt leaves
+        in max_model_len, capped by the model's generation_config max_new_tokens where it has one
+        (`generation_max_tokens`). A prompt that fills the context leaves 0, which its SamplingParams refuse; a longer
+        one is refused in _serve. Before: 128 tokens, and a 400 (128 > max_model_len) at a context under 128."""
+        room = self.n_ctx - count_prompt_tokens(prompt)
+        if room < 0:
+            return 1  # the prompt alone does not fit: _vllm_context_refusal says so in vLLM's words
+        return room if self.generation_max_tokens is None else min(room, self.generation_max_tokens)
+
     def _vllm_length_refusal(self, n: int | None) -> web.Response | None:
         """vLLM's SamplingParams._verify_args refuse a max_tokens below 1 (VLLMValidationError naming the parameter,
         400 BadRequestError as its context refusals); None where it may run, or not vLLM."""
@@ -2272,6 +2286,8 @@ class SimServer:
         if self.flavour == "llamacpp":
             return await self._serve(request, "openai-chat", prompt, body, self._llama_length(body))
         n = body.get("max_completion_tokens") or body.get("max_tokens")  # vLLM's and SGLang's own `or`: a 0 falls back
+        if self.flavour == "vllm" and n is None:
+            n = self._vllm_default_length(prompt)
         refused = self._vllm_length_refusal(n)
         if refused is not None:
             return refused
@@ -2287,7 +2303,7 @@ class SimServer:
             return await self._serve(request, "openai-chat", prompt, body, UNTIL_CONTEXT)
         if self.flavour == "sglang":
             return await self._serve(request, "openai-chat", prompt, body, int(n))
-        return await self._serve(request, "openai-chat", prompt, body, int(n or 128))
+        return await self._serve(request, "openai-chat", prompt, body, int(n))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API (llama.cpp and vLLM serve it at /v1/messages): a chat in other clothes."""
