@@ -99,6 +99,18 @@ def test_vllm_runs_a_chat_without_a_length_to_the_end_of_its_context_as_get_max_
     assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 20, raw
 
 
+def test_vllm_runs_a_responses_request_without_max_output_tokens_to_the_end_of_its_context():
+    # vLLM's serving_responses: default_max_tokens = max_model_len - prompt, taken by ResponsesRequest.to_sampling_params
+    # when max_output_tokens is None (no generation_config cap there). Before: 128, a 400 at a 64-token context.
+    with SimServer(flavour="vllm", n_ctx=64, generation_max_tokens=20, **FAST) as srv:
+        code, raw = _post(srv.url + "/v1/responses", {"input": "the watt", "ignore_eos": True})
+        assert code == 200, raw
+        u = json.loads(raw)["usage"]
+        assert (u["input_tokens"], u["output_tokens"]) == (3, 61), u
+        code, raw = _post(srv.url + "/v1/responses", {"input": "w " * 63})  # fills the context: max_tokens 0
+    assert code == 400 and "max_tokens must be at least 1, got 0." in json.loads(raw)["error"]["message"], raw
+
+
 # --- SGLang ----------------------------------------------------------------------------------------------------------
 
 def test_sglang_reports_its_context_length_and_refuses_what_does_not_fit_as_its_tokenizer_manager_does():

@@ -2362,8 +2362,16 @@ class SimServer:
             n = self._sglang_response_length(prompt, body.get("max_output_tokens"))
             if n < 0:  # its SamplingParams.verify, raised where the handler reads the generation: 400, nothing run
                 return self._sglang_refusal(f"max_new_tokens must be at least 0, got {n}.", None)
+        elif body.get("max_output_tokens") is not None:
+            n = int(body["max_output_tokens"])
         else:
-            n = int(body.get("max_output_tokens") or 128)
+            # vLLM's serving_responses: default_max_tokens = max_model_len - prompt, which ResponsesRequest's
+            # to_sampling_params takes when max_output_tokens is None (no generation_config cap there, unlike chat).
+            # Before: 128.
+            room = self.n_ctx - count_prompt_tokens(prompt)
+            if room == 0:  # a prompt that fills the context: its SamplingParams refuse max_tokens 0
+                return self._vllm_length_refusal(0)
+            n = max(room, 1)  # a longer prompt: _serve refuses it in vLLM's words
         return await self._serve(request, "openai-responses", prompt, body, n)
 
     def _sglang_response_length(self, prompt: str, asked) -> int:
