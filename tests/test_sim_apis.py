@@ -381,6 +381,40 @@ def test_a_route_method_or_body_the_server_refuses_is_answered_in_its_servers_js
         assert not srv.truth
 
 
+def test_vllm_refuses_a_body_not_sent_as_json_as_its_validate_json_request_does():
+    # vLLM's routers (chat_completion, completion, responses, anthropic, pooling, tokenize) depend on
+    # validate_json_request, which refuses any media type but application/json, none included, with a
+    # RequestValidationError(errors=[text]); api_server's handler answers 400, nested under "error", its message
+    # f"{str(exc)} {exc.errors()}" (a keyword-built error's str is empty). Before: the simulator read every body as
+    # JSON whatever its type and ran it.
+    import http.client
+    import urllib.parse
+
+    def send(path: str, body: bytes, ctype: str | None) -> tuple[int, dict]:
+        u = urllib.parse.urlsplit(srv.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        try:
+            conn.request("POST", path, body, {"Content-Type": ctype} if ctype else {})
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            conn.close()
+
+    want = {"error": {"message": ' ["Unsupported Media Type: Only \'application/json\' is allowed"]',
+                      "type": "Bad Request", "param": None, "code": 400}}
+    cases = [("/v1/chat/completions", CHAT, None), ("/v1/chat/completions", CHAT, "text/plain"),
+             ("/v1/completions", {"prompt": "the watt", "max_tokens": 2}, "application/x-www-form-urlencoded"),
+             ("/v1/responses", {"input": "the watt", "max_output_tokens": 2}, "text/plain"),
+             ("/v1/messages", dict(CHAT), "text/plain"), ("/tokenize", {"prompt": "the watt"}, None)]
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=2000.0) as srv:
+        for path, body, ctype in cases:
+            assert send(path, json.dumps(body).encode(), ctype) == (400, want), (path, ctype)
+        assert not srv.truth  # none ran
+        for ctype in ("application/json", "Application/JSON; charset=utf-8"):
+            code, doc = send("/v1/chat/completions", json.dumps(CHAT).encode(), ctype)
+            assert code == 200 and doc["usage"]["completion_tokens"] == 6, (ctype, doc)
+
+
 # What the bundled llama-server answers a request missing a field it requires, or giving it a shape it refuses (measured).
 LLAMA_REFUSALS = [
     ("/completion", {"n_predict": 2}, 400, "[json.exception.out_of_range.403] key 'prompt' not found", "invalid_request_error"),

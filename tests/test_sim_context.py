@@ -78,6 +78,39 @@ def test_vllm_lists_max_model_len_and_refuses_a_max_tokens_beyond_it_by_default(
     assert code == 400 and "max_tokens=5000000 cannot be greater than max_model_len=32768" in raw.decode()
 
 
+def test_vllm_runs_a_chat_without_a_length_to_the_end_of_its_context_as_get_max_tokens_does():
+    # vLLM's chat serving passes max_completion_tokens (else max_tokens) to entrypoints/utils.py get_max_tokens, which
+    # with neither takes min(max_model_len - prompt, the generation_config's max_tokens where the model has one). Before:
+    # 128 tokens, and at a 64-token context a 400 (max_tokens=128 > max_model_len=64).
+    chat = {"messages": [{"role": "user", "content": "the watt"}], "ignore_eos": True}
+    with SimServer(flavour="vllm", n_ctx=64, **FAST) as srv:
+        code, raw = _post(srv.url + "/v1/chat/completions", chat)
+        assert code == 200, raw
+        doc = json.loads(raw)
+        u = doc["usage"]
+        assert (u["prompt_tokens"], u["completion_tokens"]) == (3, 61) and doc["choices"][0]["finish_reason"] == "length"
+        code, raw = _post(srv.url + "/v1/chat/completions", dict(chat, max_tokens=5))
+        assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 5, raw
+        # A prompt that fills the context leaves 0, which its SamplingParams refuse.
+        code, raw = _post(srv.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "w " * 63}]})
+        assert code == 400 and "max_tokens must be at least 1, got 0." in json.loads(raw)["error"]["message"], raw
+    with SimServer(flavour="vllm", n_ctx=4096, generation_max_tokens=20, **FAST) as srv:
+        code, raw = _post(srv.url + "/v1/chat/completions", chat)  # generation_config's max_new_tokens caps it
+    assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 20, raw
+
+
+def test_vllm_runs_a_responses_request_without_max_output_tokens_to_the_end_of_its_context():
+    # vLLM's serving_responses: default_max_tokens = max_model_len - prompt, taken by ResponsesRequest.to_sampling_params
+    # when max_output_tokens is None (no generation_config cap there). Before: 128, a 400 at a 64-token context.
+    with SimServer(flavour="vllm", n_ctx=64, generation_max_tokens=20, **FAST) as srv:
+        code, raw = _post(srv.url + "/v1/responses", {"input": "the watt", "ignore_eos": True})
+        assert code == 200, raw
+        u = json.loads(raw)["usage"]
+        assert (u["input_tokens"], u["output_tokens"]) == (3, 61), u
+        code, raw = _post(srv.url + "/v1/responses", {"input": "w " * 63})  # fills the context: max_tokens 0
+    assert code == 400 and "max_tokens must be at least 1, got 0." in json.loads(raw)["error"]["message"], raw
+
+
 # --- SGLang ----------------------------------------------------------------------------------------------------------
 
 def test_sglang_reports_its_context_length_and_refuses_what_does_not_fit_as_its_tokenizer_manager_does():

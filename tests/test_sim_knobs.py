@@ -66,7 +66,8 @@ def test_tokenize_endpoints_count_like_the_prompt_counter():
     nvml = SimNVML("a100-40g", state_path=None)
     for flavour, body, key in (("llamacpp", {"content": "one two, three"}, "tokens"), ("vllm", {"prompt": "one two, three"}, "count")):
         with SimServer(nvml, flavour=flavour, decode_tok_s=400) as s:
-            req = urllib.request.Request(s.url + "/tokenize", json.dumps(body).encode())
+            # Sent as JSON, as vLLM's /tokenize requires (its validate_json_request: urllib's form type is a 400).
+            req = urllib.request.Request(s.url + "/tokenize", json.dumps(body).encode(), {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=10) as r:
                 out = json.loads(r.read())
             n = len(out[key]) if key == "tokens" else out[key]

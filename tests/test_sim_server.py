@@ -582,6 +582,13 @@ def test_vllm_and_sglang_refuse_a_length_that_is_no_integer_as_their_request_val
            ("/v1/completions", {"prompt": "the power"}, "max_tokens", 5.5, "int_from_float",
             "Input should be a valid integer, got a number with a fractional part"),
            ("/v1/chat/completions", chat, "max_tokens", [3], "int_type", "Input should be a valid integer"),
+           # NaN and Infinity (Python's JSON writes and reads them): pydantic-core's finite_number, as pydantic 2.13
+           # says for an Optional[int] (before: int_from_float, "a fractional part").
+           ("/v1/chat/completions", chat, "max_tokens", float("nan"), "finite_number", "Input should be a finite number"),
+           ("/v1/completions", {"prompt": "the power"}, "max_tokens", float("inf"), "finite_number",
+            "Input should be a finite number"),
+           ("/v1/chat/completions", chat, "max_completion_tokens", float("-inf"), "finite_number",
+            "Input should be a finite number"),
            ("/v1/chat/completions", chat, "max_completion_tokens", "x", "int_parsing",
             "Input should be a valid integer, unable to parse string as an integer"),
            # Responses' max_output_tokens, Optional[int] in both servers' ResponsesRequest (before: aiohttp's 500).

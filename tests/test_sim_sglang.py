@@ -362,3 +362,27 @@ def test_a_chat_without_a_length_runs_to_the_context_as_sglangs_scheduler_runs_i
             assert u["prompt_tokens"] + u["completion_tokens"] == 62 and doc["choices"][0]["finish_reason"] == "length"
         code, doc = _send(srv.url, "POST", "/v1/chat/completions", json.dumps(dict(chat, max_tokens=5)).encode())
         assert code == 200 and doc["usage"]["completion_tokens"] == 5, doc
+
+
+def test_responses_generates_two_fewer_than_asked_as_sglangs_responses_request_does():
+    # serving_responses.py create_responses: default_max_tokens = max(context - prompt, 512); protocol.py
+    # ResponsesRequest.to_sampling_params: max_output_tokens (`is not None`) lowered to it, then 2 less ("avoid exceed
+    # the context length"). Before: max_output_tokens as given (5 generated 5), and 0 or none ran 128.
+    import json
+
+    def ask(srv, **extra):
+        return _send(srv.url, "POST", "/v1/responses", json.dumps(dict({"input": "the watt", "ignore_eos": True},
+                                                                        **extra)).encode())
+
+    with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=4096, decode_tok_s=20000.0, draft_n_max=0) as srv:
+        for asked, generated in ((5, 3), (3, 1)):
+            code, doc = ask(srv, max_output_tokens=asked)
+            assert code == 200 and doc["usage"]["output_tokens"] == generated, (asked, doc)
+        code, doc = ask(srv)  # none: the context's room less 2, the scheduler's own cap
+        assert code == 200 and doc["usage"]["input_tokens"] + doc["usage"]["output_tokens"] == 4094, doc
+        for asked in (0, 1):  # -2 and -1: SamplingParams.verify's ValueError, 400
+            code, doc = ask(srv, max_output_tokens=asked)
+            assert (code, doc["message"]) == (400, f"max_new_tokens must be at least 0, got {asked - 2}."), doc
+    with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=64, decode_tok_s=20000.0, draft_n_max=0) as srv:
+        code, doc = ask(srv)  # the default's floor of 512 (510 asked) does not fit a 64-token context
+    assert code == 400 and "You requested a total of 513 tokens" in doc["message"], doc

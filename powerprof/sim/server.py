@@ -155,6 +155,9 @@ LLAMACPP_NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_
 LLAMA_N_CMPL_APIS = ("llamacpp", "openai-completions", "openai-chat", "openai-responses")
 # SGLang's routes that refuse a body not sent as application/json (http_server.py: validate_json_request).
 SGLANG_JSON_ONLY = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize")
+# vLLM's routes with its validate_json_request dependency (each router's `dependencies=[Depends(...)]`: chat_completion,
+# completion, responses, anthropic's /v1/messages, pooling's /v1/embeddings, tokenize).
+VLLM_JSON_ONLY = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/messages", "/tokenize")
 
 
 class _NoTokens(str):
@@ -387,6 +390,7 @@ class SimServer:
         cold_batch_steps: int = 16,
         api_key: str | None = None,
         gpu_indexes: list[int] | None = None,
+        generation_max_tokens: int | None = None,
     ):
         """gpu_indexes: the simulated GPUs the server runs on (its process on their lists, their energy and speed
         its work's), as CUDA_VISIBLE_DEVICES chooses a real server's; default every one.
@@ -417,6 +421,8 @@ class SimServer:
         vllm-project/vllm#29928 (#22545): it refreshed them only at an engine step, and none came until a new request.
         Off by default: vLLM 0.32 takes one more step once the aborts reach its engine and the gauges read 0 within
         0.2 s (tests/test_real_vllm.py), as they do here.
+        generation_max_tokens: the vLLM flavour's model's generation_config max_new_tokens, its max_tokens for a chat
+        that gives none where the context leaves more room (None: the room alone, as a model without one).
         embeddings: serve `/v1/embeddings` (llama-server's `--embeddings`; without it llama.cpp answers 501 and vLLM
         404, as a generation model's server does), each input a prefill of its tokens and no decode.
         responses_store: vLLM's and SGLang's Responses store (VLLM_ENABLE_RESPONSES_API_STORE=1): a completed turn
@@ -541,6 +547,7 @@ class SimServer:
         # vLLM's `--exclude-tools-when-tool-choice-none`: its chat template renders no `tools` for tool_choice "none"
         # (its Responses path still renders them: serving.py's _make_request passes construct_tool_dicts no flag).
         self.exclude_tools_when_tool_choice_none = bool(exclude_tools_when_tool_choice_none)
+        self.generation_max_tokens = generation_max_tokens
         # `--api-key`: llama-server answers 401 on everything but its public endpoints (/health, /models, /v1/models:
         # server.cpp's public_endpoints); vLLM guards its /v1 routes only (its /metrics, /health, /version are open);
         # SGLang everything but /health* and /metrics.
@@ -1850,6 +1857,8 @@ class SimServer:
         # build), vLLM's and SGLang's are their request validation's (the flavour's _bad_request shape).
         if self.flavour == "sglang" and (refused := await self._sglang_media_refusal(request)) is not None:
             raise _Refused(refused)
+        if self.flavour == "vllm" and (refused := self._vllm_media_refusal(request)) is not None:
+            raise _Refused(refused)
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
@@ -1887,6 +1896,19 @@ class SimServer:
                    "input": await request.read(), "ctx": {"class_name": "GenerateReqInput"}}]
         return self._validation_errors(errors)
 
+    def _vllm_media_refusal(self, request: web.Request) -> web.Response | None:
+        """vLLM's 400 for a body not sent as JSON (read in its entrypoints' validate_json_request and api_server's
+        validation_exception_handler, not measured); None where it reads it. The dependency refuses any media type
+        but application/json, no Content-Type included, before the body is read: a RequestValidationError raised with
+        a one-text error list by keyword, so the handler's f"{str(exc)} {exc.errors()}" opens with a space, nested
+        under "error" as vLLM's other 400s. Before: the simulator read any body as JSON whatever its type (a
+        text/plain chat ran)."""
+        media = request.headers.get("Content-Type", "").lower().split(";", 1)[0]
+        if request.path not in VLLM_JSON_ONLY or media == "application/json":
+            return None
+        errors = ["Unsupported Media Type: Only 'application/json' is allowed"]
+        return self._json({"error": {"message": f" {errors}", "type": "Bad Request", "param": None, "code": 400}}, 400)
+
     def _validation_refusal(self, body: dict, *fields: str) -> web.Response | None:
         """vLLM's and SGLang's request models read these length fields as Optional[int] in pydantic's lax mode: an
         integer, true/false, a float with no fraction or a text of one is taken (written back into `body` as the int),
@@ -1907,7 +1929,11 @@ class SimServer:
             if isinstance(v, str) and _INT_TEXT.fullmatch(v):
                 body[name] = int(v.strip().split(".")[0])
                 continue
-            kind, msg = (("int_from_float", "Input should be a valid integer, got a number with a fractional part")
+            # A NaN or an infinity (Python's JSON reads NaN and Infinity) is no integer either, in pydantic-core's own
+            # words (before: said to have a fractional part).
+            kind, msg = (("finite_number", "Input should be a finite number")
+                         if isinstance(v, float) and not math.isfinite(v) else
+                         ("int_from_float", "Input should be a valid integer, got a number with a fractional part")
                          if isinstance(v, float) else
                          ("int_parsing", "Input should be a valid integer, unable to parse string as an integer")
                          if isinstance(v, str) else ("int_type", "Input should be a valid integer"))
@@ -1936,6 +1962,16 @@ class SimServer:
         return self._validation_errors([{"type": "value_error", "loc": ("body", "max_tokens"),
                                          "msg": "Value error, max_tokens must be positive", "input": given,
                                          "ctx": {"error": ValueError("max_tokens must be positive")}}])
+
+    def _vllm_default_length(self, prompt: str) -> int:
+        """vLLM's max_tokens for a chat that gives none (entrypoints/utils.py get_max_tokens): the room the prompt leaves
+        in max_model_len, capped by the model's generation_config max_new_tokens where it has one
+        (`generation_max_tokens`). A prompt that fills the context leaves 0, which its SamplingParams refuse; a longer
+        one is refused in _serve. Before: 128 tokens, and a 400 (128 > max_model_len) at a context under 128."""
+        room = self.n_ctx - count_prompt_tokens(prompt)
+        if room < 0:
+            return 1  # the prompt alone does not fit: _vllm_context_refusal says so in vLLM's words
+        return room if self.generation_max_tokens is None else min(room, self.generation_max_tokens)
 
     def _vllm_length_refusal(self, n: int | None) -> web.Response | None:
         """vLLM's SamplingParams._verify_args refuse a max_tokens below 1 (VLLMValidationError naming the parameter,
@@ -2250,6 +2286,8 @@ class SimServer:
         if self.flavour == "llamacpp":
             return await self._serve(request, "openai-chat", prompt, body, self._llama_length(body))
         n = body.get("max_completion_tokens") or body.get("max_tokens")  # vLLM's and SGLang's own `or`: a 0 falls back
+        if self.flavour == "vllm" and n is None:
+            n = self._vllm_default_length(prompt)
         refused = self._vllm_length_refusal(n)
         if refused is not None:
             return refused
@@ -2265,7 +2303,7 @@ class SimServer:
             return await self._serve(request, "openai-chat", prompt, body, UNTIL_CONTEXT)
         if self.flavour == "sglang":
             return await self._serve(request, "openai-chat", prompt, body, int(n))
-        return await self._serve(request, "openai-chat", prompt, body, int(n or 128))
+        return await self._serve(request, "openai-chat", prompt, body, int(n))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API (llama.cpp and vLLM serve it at /v1/messages): a chat in other clothes."""
@@ -2318,9 +2356,32 @@ class SimServer:
             request[_SIM_TURN] = turn if self.responses_carry_instructions else ["", *turn[1:]]
         # The request's tools rendered by the template each turn (vLLM's construct_tool_dicts), never stored with it.
         prompt = "\n".join(p for p in turn if p) + chatshape.tools_in_prompt(body, self.flavour)
-        n = self._llama_length(body, "max_output_tokens") if self.flavour == "llamacpp" else \
-            int(body.get("max_output_tokens") or 128)
+        if self.flavour == "llamacpp":
+            n = self._llama_length(body, "max_output_tokens")
+        elif self.flavour == "sglang":
+            n = self._sglang_response_length(prompt, body.get("max_output_tokens"))
+            if n < 0:  # its SamplingParams.verify, raised where the handler reads the generation: 400, nothing run
+                return self._sglang_refusal(f"max_new_tokens must be at least 0, got {n}.", None)
+        elif body.get("max_output_tokens") is not None:
+            n = int(body["max_output_tokens"])
+        else:
+            # vLLM's serving_responses: default_max_tokens = max_model_len - prompt, which ResponsesRequest's
+            # to_sampling_params takes when max_output_tokens is None (no generation_config cap there, unlike chat).
+            # Before: 128.
+            room = self.n_ctx - count_prompt_tokens(prompt)
+            if room == 0:  # a prompt that fills the context: its SamplingParams refuse max_tokens 0
+                return self._vllm_length_refusal(0)
+            n = max(room, 1)  # a longer prompt: _serve refuses it in vLLM's words
         return await self._serve(request, "openai-responses", prompt, body, n)
+
+    def _sglang_response_length(self, prompt: str, asked) -> int:
+        """SGLang's max_new_tokens for /v1/responses (serving_responses.py create_responses, protocol.py
+        ResponsesRequest.to_sampling_params, read not measured): a default of the room the prompt leaves in the context
+        but at least 512, max_output_tokens (`is not None`: 0 counts) lowered to it, then 2 less "to avoid exceeding
+        the context": max_output_tokens 5 generates 3; none given at a 64-token context asks 510, which its tokenizer
+        manager refuses as too long. Before: max_output_tokens as given (2 more than SGLang), a missing or 0 one 128."""
+        default = max(self.n_ctx - count_prompt_tokens(prompt), 512)
+        return (default if asked is None else min(int(asked), default)) - 2
 
     def _keep_response(self, req: _Req, text: str) -> None:
         """A completed Responses turn, stored (its conversation and output) for a later `previous_response_id`."""
