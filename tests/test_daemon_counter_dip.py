@@ -868,6 +868,32 @@ def test_a_young_sglang_restarted_behind_a_503_past_its_reading_and_finished_cou
     assert deltas == [0, 65, 65, None, 10, 32] and "counter_below" in sc.partial and sc.below == 1, (deltas, sc.partial)
 
 
+def _sglang_buckets(tokens: float, finished: int, seconds: float, buckets: dict) -> str:
+    # _sglang_full with the latency histogram's finite buckets (`buckets`: le -> cumulative count).
+    lat = "sglang:e2e_request_latency_seconds"
+    rows = "".join(f'{lat}_bucket{{le="{le}",model_name="m"}} {n}\n' for le, n in buckets.items())
+    return _sglang_full(tokens, 0, finished, seconds).replace(f"# TYPE {lat} histogram\n", f"# TYPE {lat} histogram\n" + rows)
+
+
+@pytest.mark.parametrize("pages", [
+    # Requests of 5 s each (mean 5 s): a page back 2 s after the last believed one holds requests no process younger
+    # than that could have timed.
+    [_sglang_full(0, 0, 0, 0.0), _sglang_full(65, 0, 1, 5.0), _sglang_full(130, 0, 2, 10.0), "503",
+     _sglang_full(162, 0, 3, 15.0), _sglang_full(194, 0, 4, 20.0)],
+    # Mostly short requests (mean 1.3 s), one of them in the bucket above 4 s.
+    [_sglang_buckets(0, 0, 0.0, {"1": 0, "4": 0}), _sglang_buckets(65, 3, 1.5, {"1": 3, "4": 3}),
+     _sglang_buckets(130, 6, 7.8, {"1": 5, "4": 5}), "503", _sglang_buckets(162, 7, 8.3, {"1": 6, "4": 6}),
+     _sglang_buckets(194, 8, 8.8, {"1": 7, "4": 7})],
+])
+def test_a_young_sglang_back_from_a_503_with_a_request_longer_than_the_outage_is_whole(pages, monkeypatch):
+    # A young server (130 tokens at 65 a second): its page back after a gateway's 503 is within the 4 x 65 x 2 s a new
+    # process could have counted, so the pace bounds alone said it (counter_below, its rows out of J/token). But it
+    # holds a request that lasted longer than the 2 s since the last believed page (plus 1 s slack): timed by the server
+    # from its receipt, it ran on a process older than that page, the same one. Whole, exact.
+    deltas, sc = _scrapes("sglang", list(pages), period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas == [0, 65, 65, None, 32, 32] and sc.partial == {} and sc.below == 0, (deltas, sc.partial)
+
+
 def test_a_vllm_restarted_behind_a_503_with_as_many_requests_finished_is_said(monkeypatch):
     # A vLLM with several API servers (no start time): the old process 300 tokens in 3 requests at 100 tokens a second,
     # the new one behind a 503 330 tokens in 3 (an equal finished count is no "went back"). Truth: 330 the new
@@ -979,11 +1005,12 @@ def test_a_restart_behind_a_gateways_503_is_still_told(kind, monkeypatch):
 
 
 def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | None = None, lag_s: float = 0.0,
-             run_s: float = 4.0, bypass_lanes: int = 0, flavour: str = "sglang") -> dict:
+             run_s: float = 4.0, bypass_lanes: int = 0, flavour: str = "sglang", long_lanes: int = 0) -> dict:
     """A daemon in front of a simulated SGLang (continuous batching), scraping it through a router stub that forwards
     /metrics and answers 503 (nginx's page) from `blip_at_s` for `lag_s` (a blip, nothing restarts), and while the
     server behind it refuses and for `lag_s` after (a readiness probe's lag: the server restarts at `restart_at_s`,
-    down 0.3 s). 2 proxied lanes and `bypass_lanes` straight to the server of 32-token streams for `run_s`; `flavour`
+    down 0.3 s). 2 proxied lanes and `bypass_lanes` straight to the server of 32-token streams for `run_s`, and
+    `long_lanes` more of 512-token streams (about 2.6 s each); `flavour`
     the server simulated (and scraped as). Returns
     the rows' marks, what was left out of J/token, and the bypass tokens counted (server_tokens) and run (the truth)."""
     import time
@@ -1034,8 +1061,8 @@ def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | Non
             t0 = time.monotonic()
             sent = [0]
 
-            async def lane(base, tag):
-                body = {"model": "m", "prompt": "x " * 20, "max_tokens": 32, "ignore_eos": True, "stream": True}
+            async def lane(base, tag, max_tokens=32):
+                body = {"model": "m", "prompt": "x " * 20, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
                 while time.monotonic() - t0 < run_s:
                     sent[0] += 1
                     try:
@@ -1059,6 +1086,7 @@ def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | Non
 
             lanes = [lane(daemon.urls["proxy"], "prox") for _ in range(2)]
             lanes += [lane(srv.url, "byp") for _ in range(bypass_lanes)]
+            lanes += [lane(srv.url, "byp", 512) for _ in range(long_lanes)]
             await asyncio.gather(*lanes, events())
             await asyncio.sleep(1.0)
             daemon.stop_event.set()
@@ -1098,6 +1126,22 @@ def test_a_simulated_sglang_behind_a_routers_503_blip_keeps_its_windows_whole(tm
     assert got["rows_counter_below"] == 0 and got["rows_server_restart"] == 0 and got["restarts_told"] == 0, got
     assert not any("counter_below" in k or "restart" in k for k in got["jpt_left_out"]), got
     assert abs(got["bypass_counted"] - got["bypass_run"]) <= 1 + 0.05 * got["bypass_run"], got
+
+
+def test_a_young_simulated_sglang_behind_a_routers_503_blip_with_long_requests_keeps_its_windows_whole(tmp_path):
+    got = blip_run(tmp_path, blip_at_s=5.0, lag_s=0.8, run_s=7.5, bypass_lanes=6, long_lanes=1)
+    print(got)
+    assert got["answered_503"] >= 1, got
+    assert got["rows_counter_below"] == 0 and got["rows_server_restart"] == 0 and got["restarts_told"] == 0, got
+    assert abs(got["bypass_counted"] - got["bypass_run"]) <= 1 + 0.05 * got["bypass_run"], got
+
+
+def test_a_simulated_sglang_with_long_requests_restarted_behind_a_gateways_readiness_lag_is_still_said(tmp_path):
+    got = blip_run(tmp_path, restart_at_s=5.0, lag_s=3.0, run_s=9.5, bypass_lanes=6, long_lanes=1)
+    print(got)
+    assert got["answered_503"] >= 2, got
+    assert got["bypass_counted"] <= got["bypass_run"] * 1.05 + 1, got
+    assert got["rows_counter_below"] + got["rows_server_restart"] > 0 and got["jpt_left_out"], got
 
 
 def test_a_simulated_sglang_restarting_behind_a_routers_503_is_still_told(tmp_path):
