@@ -815,6 +815,24 @@ def test_a_llamacpp_page_back_after_a_gateways_503_is_held_to_the_servers_pace(s
     assert ("counter_below" in sc.partial) == said and sc.below == int(said), (sc.partial, sc.below)
 
 
+def test_a_gateways_503_on_metrics_with_slots_answered_is_a_failed_scrape_not_a_server_without_metrics(monkeypatch):
+    # A gateway answers /metrics 503 for a scrape while /slots goes through: read as a llama-server without --metrics,
+    # its window said slots_only (and the process-wide reason: "start llama-server with --metrics", of a server started
+    # with it), and at the second such blip counted the slots' progress (20 decoded), which the page back counted again
+    # from the highest reading: 100 counted for 80, 20 phantom bypass tokens. A 502/503 on /metrics is a failed scrape
+    # (a blip, held to the server's pace when it is back), never "no metrics": exact.
+    import json
+
+    def busy(task):
+        return json.dumps([{"id": 0, "id_task": task, "is_processing": True, "next_token": [{"n_decoded": 20}]}])
+
+    script = (_llama_pages([(9960, 9960), (10000, 10000)]) + ["503", busy(7)] + _llama_pages([(10040, 10040)])
+              + ["503", busy(8)] + _llama_pages([(10080, 10080)]))
+    deltas, sc = _scrapes("llamacpp", script, n=6, period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas == [0, 40, None, 40, None, 40] and sc.errors == 2, (deltas, sc.partial)
+    assert "slots_only" not in sc.partial and sc.partial == {}, sc.partial
+
+
 def test_a_llamacpp_fall_after_a_gateways_503_is_still_a_restart(monkeypatch):
     deltas, sc = _scrapes("llamacpp", _llama_pages([(9960, 9960), (10000, 10000), "gw", (30, 30), (70, 70)]), n=5,
                           period_s=1.0, monkeypatch=monkeypatch)

@@ -914,7 +914,10 @@ class Scraper:
         finished = counter_total(page, LLAMACPP_COUNTER) if metrics_status == 200 else None
         status, text = await self._get("/slots")
         slots = slot_progress(slots_json(text)) if status == 200 else None
-        if finished is None and slots is None:
+        # A 502/503 on /metrics fails the scrape even where /slots answered (a gateway's blip on one route): read as a
+        # llama-server without --metrics, its window said slots_only and counted the slots' progress, which the page
+        # back counted again from the highest reading (20 phantom tokens of 80). Without --metrics it answers 501, not 5xx.
+        if finished is None and (slots is None or metrics_status in (502, 503)):
             if metrics_status == 503 and LLAMACPP_LOADING in page:
                 # A reloading llama-server binds its port at once and answers every route 503 "Loading model": down.
                 # Read as a server without --metrics, a reload's scrapes found it up, and the whole answers its death
