@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 from powerprof.errtext import error_text
@@ -387,6 +388,12 @@ class Scraper:
         # and closed unanswered (never run) 119 J, and the live request beside it 1099 J for 1177 of truth.
         self._loading_at_ns: int | None = None
         self._believed_at: float | None = None  # time.monotonic() as the last believed page's scrape began
+        # And as its answer was read (ns): a refusal the proxy met after it found the server down since that page.
+        self._believed_end_ns: int | None = None
+        # The times the daemon's proxy's connects to this same server were refused since the last call
+        # (`Proxy.take_refusals`; None: no proxy, or it forwards elsewhere): proof of a death as this scraper's own
+        # refused scrape is (`_proxy_refused`).
+        self.refusals: Callable[[], list[int]] | None = None
         self._scrape_at = 0.0  # and as this scrape began
         # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
         # moved): until a window starts at or above it, the fall may have been a dip (one process's share of a
@@ -727,6 +734,8 @@ class Scraper:
         self.served = None
         self._scrape_at = time.monotonic()
         scrape_at_ns = int(self._scrape_at * 1e9)  # the daemon's monotonic_ns clock, as its windows' stamps
+        if self.refusals is not None:
+            self._proxy_refused(self.refusals(), scrape_at_ns)
         try:
             if self.kind is None:
                 self.kind = await self._detect()
@@ -736,7 +745,7 @@ class Scraper:
             if self.kind == "llamacpp":
                 delta = await self._scrape_llamacpp()
                 self._unreachable = self._blipped = False  # a believed page: the next fall is judged afresh
-                self._believed_at = self._scrape_at
+                self._believed_at, self._believed_end_ns = self._scrape_at, int(time.monotonic() * 1e9)
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
                 self._refused_at_ns = self._loading_at_ns = None
@@ -792,7 +801,7 @@ class Scraper:
                 self._last_total, self._dipped, self._unreachable, self._blipped = total, None, False, False
                 self._believed_page = text
                 self._young_fall = False
-                self._believed_at = self._scrape_at
+                self._believed_at, self._believed_end_ns = self._scrape_at, int(time.monotonic() * 1e9)
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
                 self._refused_at_ns = self._loading_at_ns = None
@@ -847,6 +856,25 @@ class Scraper:
             return None
         self.total += delta
         return float(delta)
+
+    def _proxy_refused(self, times: list[int], scrape_at_ns: int) -> None:
+        """The proxy's connects to this server refused at `times` (ns): those after the last believed page's answer
+        was read and before this scrape began found the server down, as a refused scrape does (`_found_down`): its
+        next page is judged after a death (a fall a restart, a page at or past the old reading said: `_down_back`), and
+        the ledger's death window opens at the first. A scrape that missed a short outage left a restart whose new
+        process passed the old reading unsaid, where the proxy's own requests had been refused. Those before that
+        answer, or during it, say nothing of this page (the page may be the old process's or the new one's)."""
+        after = [t for t in times if self._believed_end_ns is not None and self._believed_end_ns < t < scrape_at_ns]
+        if not after:
+            return
+        first = min(after)
+        self._unreachable = True
+        if self._down_at_ns is None or first < self._down_at_ns:
+            self._down_at_ns, self._down_refused = first, True
+        if self._refused_at_ns is None or first < self._refused_at_ns:
+            self._refused_at_ns = first
+        log.info("the proxy's connects to %s were refused %d time(s) since its last page: the server was down "
+                 "(its next page is judged so)", self.base, len(after))
 
     def down_open(self) -> tuple[int, int | None] | None:
         """(the first scrape that found the server down, the first refused) since the last believed page, as they
