@@ -162,7 +162,8 @@ PARTIAL_REASONS = {
                       "it say fall_unconfirmed; a restart whose new counter "
                       "has passed the old reading by the first scrape after it, on a server without "
                       "process_start_time_seconds, cannot be told from traffic: said as counter_below where a scrape "
-                      "found the server down, not said where none did)",
+                      "(or the daemon's proxy, forwarding to the same address) found the server down, not said where "
+                      "none did)",
     COUNTER_BELOW: "the server's token counter stayed below its highest reading at consecutive scrapes, above half of it "
                    f"(or that reading {YOUNG_COUNTER_TOKENS} tokens or fewer and the fall {YOUNG_DIP_TOKENS} or fewer), "
                    "or, that reading "
