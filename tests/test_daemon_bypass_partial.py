@@ -839,6 +839,43 @@ def test_a_restart_nothing_can_tell_is_the_documented_limit():
     assert "server_restart" not in sc.partial
 
 
+def test_a_restart_the_proxys_refused_connects_saw_is_said_where_no_scrape_found_it_down():
+    """The limit's scene (100, 150, a restart no scrape saw, 400) where the daemon's proxy forwards to the same server
+    and its connects were refused between the second and third pages: that is the server found down, as a refused
+    scrape is. Before, the proxy's refusals were not the scraper's: 250 counted in a window said whole; now the count
+    kept (no token made up) and said (counter_below), the window's death proven (refused). A refusal before the last
+    believed page's answer was read says nothing of the page after it."""
+    import time
+
+    sg = "# TYPE sglang:generation_tokens_total counter\nsglang:generation_tokens_total{{model_name=\"m\"}} {}\n"
+    box: list = []
+
+    def take():
+        out = list(box)
+        box.clear()
+        return out
+
+    async def go(early):
+        sc = _Page("sglang", [sg.format(100), sg.format(150), sg.format(400), sg.format(450)])
+        sc.refusals = take
+        out = []
+        for i in range(4):
+            if i == 1 and early:
+                box.append(int(time.monotonic() * 1e9))  # before the second page: taken at its scrape, said there
+            out.append((await sc.scrape(), sc.window_partial, sc.window_down_refused))
+            if i == 1 and not early:
+                await asyncio.sleep(0.002)
+                box.append(int(time.monotonic() * 1e9))  # after the second page's answer, before the third's GET
+                await asyncio.sleep(0.002)
+        return out, sc
+
+    got, sc = asyncio.run(go(early=False))
+    assert got == [(0.0, (), False), (50.0, (), False), (250.0, ("counter_below",), True), (50.0, (), False)], got
+    assert "counter_below" in sc.partial and sc.restarts == 0
+    got, sc = asyncio.run(go(early=True))
+    assert got[2] == (250.0, (), False) and got[1] == (50.0, ("counter_below",), True), got
+
+
 # --- analyze: uncertain intervals and requests are counted apart, never folded in silently ---------------------------
 
 T0_NS = 1_768_478_400 * 10**9

@@ -331,6 +331,32 @@ def test_unreachable_upstream_answers_502_and_the_proxy_keeps_serving():
     assert [t.outcome for t in rec.ended] == ["upstream_unreachable"] * 3
 
 
+def test_the_proxys_refused_connects_are_kept_for_the_scraper_and_only_refusals():
+    # Nothing listening on the upstream's port: each refused connect is kept, when it was, for the scraper of the same
+    # server (Scraper.refusals), taken once. Before, the proxy knew (502, upstream_unreachable) and the scraper did not.
+    import time
+
+    from powerprof.daemon.service import same_origin
+
+    async def main():
+        proxy = Proxy("http://127.0.0.1:9", recorder=Rec(), connect_timeout_s=2)  # port 9 (discard): closed
+        runner, url = await serve_here(proxy.app())
+        t0 = time.monotonic_ns()
+        async with aiohttp.ClientSession() as s:
+            for _ in range(2):
+                async with s.post(url + "/completion", json={"stream": True}) as r:
+                    await r.read()
+        t1 = time.monotonic_ns()
+        await runner.cleanup()
+        return proxy.take_refusals(), proxy.take_refusals(), t0, t1
+
+    got, again, t0, t1 = _run(main())
+    assert len(got) == 2 and all(t0 <= t <= t1 for t in got) and again == [], (got, again)
+    assert same_origin("http://127.0.0.1:8000", "http://127.0.0.1:8000/") and same_origin("http://Host", "http://host:80")
+    assert not same_origin("http://127.0.0.1:8000", "http://127.0.0.1:8001")
+    assert not same_origin("http://127.0.0.1:8000", "https://127.0.0.1:8000")
+
+
 def test_client_disconnect_cancels_the_upstream_stream():
     async def main():
         rec = Rec()

@@ -109,6 +109,9 @@ RESEND_LOADING = "sending it again met llama-server's loading page"
 # The largest 503 body read for that page on a resend (llama-server's is 77 bytes); a larger one is relayed unread.
 LOADING_BODY_MAX = 4096
 CRASHED_NOTE = "the upstream closed its connection with no answer after the request went out (a crash, or a refusal?)"
+# Refused connects kept between two scrapes (a retry herd against a dead server refuses thousands): the first and the
+# latest ones are what the scraper reads (`Proxy.take_refusals`).
+REFUSALS_KEPT = 64
 
 
 @dataclass
@@ -703,6 +706,9 @@ class Proxy:
         self._next_id = 0
         self.recorder_failures = 0
         self.upstream_failures = 0
+        # When (time.monotonic_ns()) connects to the upstream were refused since the last `take_refusals`: nothing
+        # listening, the server down; the scraper of the same server takes them as its own refused scrape's proof.
+        self._refused_ns: list[int] = []
         self.upstream_retries = 0  # requests sent again: their kept-alive connection had been closed (StaleConnection)
         self.upstream_excess = 0  # responses that sent bytes past their Content-Length (dropped, logged)
         self.active = 0
@@ -711,6 +717,19 @@ class Proxy:
         self.proxy_failures = 0  # the proxy's own faults reading a request body (a bug): streamed on, or a 500 row
         self.unforwarded = 0  # requests in progress not yet forwarded (NOT_FORWARDED): a worker's heartbeat says them
         self.closing = False
+
+    def _note_refused(self, t_ns: int) -> None:
+        """A connect to the upstream was refused at `t_ns`; kept until taken (the oldest let go past REFUSALS_KEPT:
+        only the first after a scrape's page and the latest matter)."""
+        self._refused_ns.append(t_ns)
+        if len(self._refused_ns) > REFUSALS_KEPT:
+            del self._refused_ns[1:-REFUSALS_KEPT // 2]
+
+    def take_refusals(self) -> list[int]:
+        """The times of the refused connects since the last call (time.monotonic_ns(), oldest first), then forgotten:
+        the daemon hands them to the scraper of the same server (`Scraper.refusals`)."""
+        out, self._refused_ns = self._refused_ns, []
+        return out
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 40, middlewares=[origin_form_only])
@@ -1078,6 +1097,9 @@ class Proxy:
             if ex is not None:
                 self._drop(ex)
             self.upstream_failures += 1
+            if (isinstance(e, ResendRefused) and not isinstance(e, ResendLoading)) or (
+                    isinstance(e, OSError) and _refused(e)):
+                self._note_refused(time.monotonic_ns())
             # Reached but answering no HTTP (a bad status line, a head over 64 KiB) is not "unreachable": said apart.
             what = "broke the HTTP exchange" if isinstance(e, UpstreamError) and not isinstance(e, StaleConnection) \
                 else "unreachable"

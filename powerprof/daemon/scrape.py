@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 from powerprof.errtext import error_text
@@ -47,7 +48,8 @@ from .ticks import IDLE_PERIOD_S
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
     COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, YOUNG_COUNTER_TOKENS, YOUNG_DIP_TOKENS, connection_refused,
-    counter_restarted, counter_total, histogram_sum_count, llamacpp_generated, prefix_cache_reading, requests_and_in_flight,
+    counter_restarted, counter_total, histogram_sum_count, llamacpp_generated, longest_observed_s, prefix_cache_reading,
+    requests_and_in_flight,
     series_values, slot_progress, slots_json, unset_means_zero)
 
 log = logging.getLogger("powerprof.daemon.scrape")
@@ -104,6 +106,14 @@ BLIP_MARKS = {"sglang": ("sglang:generation_tokens_total", "sglang:prompt_tokens
               "vllm": ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
                        "vllm:e2e_request_latency_seconds")}
 
+# Each server's end-to-end latency histogram, timed by the server from its own receipt of each request (SGLang's
+# time_stats, vLLM's arrival_time): a page holding a request that lasted longer than the seconds since the last believed
+# page's GET began, plus BLIP_AGE_SLACK_S, is of a process older than that page, so the same process, back after a
+# gateway's 502/503 whole, however young (`Scraper._outlived`). A new process cannot have timed a request longer than
+# its own life. The slack covers the server's wall clock against the daemon's monotonic one (a step of the clock).
+AGE_HISTOGRAMS = {"sglang": "sglang:e2e_request_latency_seconds", "vllm": "vllm:e2e_request_latency_seconds"}
+BLIP_AGE_SLACK_S = 1.0
+
 
 def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object, int]]) -> int:
     """Tokens decoded between two /slots snapshots. A slot whose task changed restarted from 0;
@@ -152,7 +162,8 @@ PARTIAL_REASONS = {
                       "it say fall_unconfirmed; a restart whose new counter "
                       "has passed the old reading by the first scrape after it, on a server without "
                       "process_start_time_seconds, cannot be told from traffic: said as counter_below where a scrape "
-                      "found the server down, not said where none did)",
+                      "(or the daemon's proxy, forwarding to the same address) found the server down, not said where "
+                      "none did)",
     COUNTER_BELOW: "the server's token counter stayed below its highest reading at consecutive scrapes, above half of it "
                    f"(or that reading {YOUNG_COUNTER_TOKENS} tokens or fewer and the fall {YOUNG_DIP_TOKENS} or fewer), "
                    "or, that reading "
@@ -163,7 +174,8 @@ PARTIAL_REASONS = {
                    f"{BLIP_RATE_MARGIN:g} times the server's highest rate or had risen faster than {BLIP_RISE_MARGIN:g} "
                    "times that rate since (no process start time on the page; not "
                    "where it and the finished-request histogram, or llama.cpp's decode calls, had not moved, nor where "
-                   "it was higher than a new process could have counted since the page before the outage): dips "
+                   "it was higher than a new process could have counted since the page before the outage, or held a request "
+                   "longer than a new process could have lived since then): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
                    "the count is exact, a server back from a 503 with its counter whole, or a restart whose new process "
                    "had counted more than half the old one's tokens by its first page (or whose old one had counted "
@@ -377,6 +389,12 @@ class Scraper:
         # and closed unanswered (never run) 119 J, and the live request beside it 1099 J for 1177 of truth.
         self._loading_at_ns: int | None = None
         self._believed_at: float | None = None  # time.monotonic() as the last believed page's scrape began
+        # And as its answer was read (ns): a refusal the proxy met after it found the server down since that page.
+        self._believed_end_ns: int | None = None
+        # The times the daemon's proxy's connects to this same server were refused since the last call
+        # (`Proxy.take_refusals`; None: no proxy, or it forwards elsewhere): proof of a death as this scraper's own
+        # refused scrape is (`_proxy_refused`).
+        self.refusals: Callable[[], list[int]] | None = None
         self._scrape_at = 0.0  # and as this scrape began
         # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
         # moved): until a window starts at or above it, the fall may have been a dip (one process's share of a
@@ -597,12 +615,15 @@ class Scraper:
         (`_went_back`) and the server's own pace (`_peak_tok_s`) says so (`_beyond_reach`: `total` beyond a new
         process's reach, its rise within the pace). Else said (COUNTER_BELOW), the count kept: SGLang raises its token
         counter and finished counts in one call, so a new process with the same mix passes both together, and only the
-        time bounds tell it. With no rate known, judged as after a down (`_down_back`)."""
+        time bounds tell it. With no rate known, judged as after a down (`_down_back`). A page holding a request longer
+        than a new process could have lived (`_outlived`) is the same process whatever its age: whole."""
+        went = self._went_back(text, tokens=True)
+        if went is None and self._outlived(text):
+            return
         if self._peak_tok_s <= 0 or self._believed_at is None:
             self._down_back(prev, total)
             return
         since_s = time.monotonic() - self._believed_at
-        went = self._went_back(text, tokens=True)
         paced = None if went is not None else self._beyond_reach(COUNTERS[self.kind], prev, total, self._peak_tok_s,
                                                                  since_s)
         if went is None and paced is None:
@@ -611,6 +632,18 @@ class Scraper:
                          + (f"but {went}" if went is not None else paced)
                          + ": a restart behind a gateway whose new process reached the old reading, or the same "
                          "process back")
+
+    def _outlived(self, text: str) -> bool:
+        """Whether this page holds a request that lasted longer than a new process could have lived: its end-to-end
+        latency histogram (AGE_HISTOGRAMS; `longest_observed_s`: a bucket above the bound with requests in it, or a mean
+        past it) past the seconds since the last believed page's GET began plus BLIP_AGE_SLACK_S. A process gone in a
+        restart was gone by then; its successor started after. Proof of the same process where the time bounds of
+        `_beyond_reach` have none (a young server: a blip 1.5 s into a run was said, its rows out of J/token)."""
+        name = AGE_HISTOGRAMS.get(self.kind or "")
+        if name is None or self._believed_at is None:
+            return False
+        longest = longest_observed_s(text, name)
+        return longest is not None and longest > time.monotonic() - self._believed_at + BLIP_AGE_SLACK_S
 
     def _same_finished(self, text: str) -> bool:
         """Whether this page's finished-request histogram (FINISHED_LATENCY: count and summed seconds) reads as the last
@@ -702,6 +735,8 @@ class Scraper:
         self.served = None
         self._scrape_at = time.monotonic()
         scrape_at_ns = int(self._scrape_at * 1e9)  # the daemon's monotonic_ns clock, as its windows' stamps
+        if self.refusals is not None:
+            self._proxy_refused(self.refusals(), scrape_at_ns)
         try:
             if self.kind is None:
                 self.kind = await self._detect()
@@ -711,7 +746,7 @@ class Scraper:
             if self.kind == "llamacpp":
                 delta = await self._scrape_llamacpp()
                 self._unreachable = self._blipped = False  # a believed page: the next fall is judged afresh
-                self._believed_at = self._scrape_at
+                self._believed_at, self._believed_end_ns = self._scrape_at, int(time.monotonic() * 1e9)
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
                 self._refused_at_ns = self._loading_at_ns = None
@@ -767,7 +802,7 @@ class Scraper:
                 self._last_total, self._dipped, self._unreachable, self._blipped = total, None, False, False
                 self._believed_page = text
                 self._young_fall = False
-                self._believed_at = self._scrape_at
+                self._believed_at, self._believed_end_ns = self._scrape_at, int(time.monotonic() * 1e9)
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
                 self._refused_at_ns = self._loading_at_ns = None
@@ -822,6 +857,25 @@ class Scraper:
             return None
         self.total += delta
         return float(delta)
+
+    def _proxy_refused(self, times: list[int], scrape_at_ns: int) -> None:
+        """The proxy's connects to this server refused at `times` (ns): those after the last believed page's answer
+        was read and before this scrape began found the server down, as a refused scrape does (`_found_down`): its
+        next page is judged after a death (a fall a restart, a page at or past the old reading said: `_down_back`), and
+        the ledger's death window opens at the first. A scrape that missed a short outage left a restart whose new
+        process passed the old reading unsaid, where the proxy's own requests had been refused. Those before that
+        answer, or during it, say nothing of this page (the page may be the old process's or the new one's)."""
+        after = [t for t in times if self._believed_end_ns is not None and self._believed_end_ns < t < scrape_at_ns]
+        if not after:
+            return
+        first = min(after)
+        self._unreachable = True
+        if self._down_at_ns is None or first < self._down_at_ns:
+            self._down_at_ns, self._down_refused = first, True
+        if self._refused_at_ns is None or first < self._refused_at_ns:
+            self._refused_at_ns = first
+        log.info("the proxy's connects to %s were refused %d time(s) since its last page: the server was down "
+                 "(its next page is judged so)", self.base, len(after))
 
     def down_open(self) -> tuple[int, int | None] | None:
         """(the first scrape that found the server down, the first refused) since the last believed page, as they
@@ -889,7 +943,10 @@ class Scraper:
         finished = counter_total(page, LLAMACPP_COUNTER) if metrics_status == 200 else None
         status, text = await self._get("/slots")
         slots = slot_progress(slots_json(text)) if status == 200 else None
-        if finished is None and slots is None:
+        # A 502/503 on /metrics fails the scrape even where /slots answered (a gateway's blip on one route): read as a
+        # llama-server without --metrics, its window said slots_only and counted the slots' progress, which the page
+        # back counted again from the highest reading (20 phantom tokens of 80). Without --metrics it answers 501, not 5xx.
+        if finished is None and (slots is None or metrics_status in (502, 503)):
             if metrics_status == 503 and LLAMACPP_LOADING in page:
                 # A reloading llama-server binds its port at once and answers every route 503 "Loading model": down.
                 # Read as a server without --metrics, a reload's scrapes found it up, and the whole answers its death

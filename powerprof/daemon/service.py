@@ -220,6 +220,18 @@ def raise_open_files_limit(want: int = OPEN_FILES_WANTED) -> int:
     return soft
 
 
+def same_origin(a: str, b: str) -> bool:
+    """Whether two URLs reach the same listener (scheme, host name, port): the proxy's refused connects to its upstream
+    prove the scraped server down only where it is the scraped one (not a gateway in front of it, or another)."""
+    try:
+        ua, ub = urlsplit(a), urlsplit(b)
+        pa = ua.port or (443 if ua.scheme == "https" else 80)
+        pb = ub.port or (443 if ub.scheme == "https" else 80)
+    except ValueError:
+        return False
+    return (ua.scheme.lower(), (ua.hostname or "").lower(), pa) == (ub.scheme.lower(), (ub.hostname or "").lower(), pb)
+
+
 def _split_listen(v: str) -> tuple[str, int]:
     host, _, port = v.rpartition(":")
     return host.strip("[]"), int(port)
@@ -1739,6 +1751,9 @@ class Daemon:
                 self.urls["proxy"] = await self._serve_workers(upstream, listen, proxy_kwargs)
             else:
                 self.proxy = Proxy(upstream, recorder=self, **proxy_kwargs)
+                if self.scraper is not None and same_origin(upstream, scrape_url):
+                    # Its refused connects are the scraped server's death, as a refused scrape (Scraper._proxy_refused).
+                    self.scraper.refusals = self.proxy.take_refusals
                 self.urls["proxy"] = await self._serve(self.proxy.app(), listen, "proxy", SERVER_OPTIONS)
         elif listen:
             log.warning("proxy disabled: no proxy.upstream configured")
