@@ -99,8 +99,9 @@ def open_long_stream(proxy_url: str):
     /completion), each chunk saying the running count (vLLM's continuous usage), as native /completion's chunks did."""
     body = json.dumps({"prompt": "long", "max_tokens": 5000, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
-    r = urllib.request.urlopen(urllib.request.Request(proxy_url + "/v1/completions", data=body, method="POST"),
-                               timeout=30)
+    req = urllib.request.Request(proxy_url + "/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})  # vLLM refuses urllib's form type
+    r = urllib.request.urlopen(req, timeout=30)
     r.read1(200)
     return r
 

@@ -6,6 +6,7 @@ import http.client
 import random
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -24,12 +25,23 @@ TRIALS = 20
 SLACK_S = 0.6
 
 
-def _traffic(url: str, stop: threading.Event) -> None:
+def _traffic(url: str, stop: threading.Event, served: list, refused: list) -> None:
+    """Streamed completions until the kill -9, each one begun counted in `served`. An error answer is the daemon
+    alive and refusing, not its death: noted in `refused` for the test to fail on. Before, it returned as a death,
+    and with vLLM's 400 to urllib's form type every trial killed an idle daemon, green."""
     body = b'{"prompt":"hello","max_tokens":30,"stream":true}'
     while not stop.is_set():
-        try:  # /v1/completions: the daemon's simulated server is vLLM's, which has no /completion
-            req = urllib.request.Request(url + "/v1/completions", data=body, method="POST")
-            urllib.request.urlopen(req, timeout=5).read()
+        # /v1/completions as JSON: the daemon's simulated server is vLLM's, which has no /completion and refuses
+        # any other media type
+        req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                served.append(r.status)  # a stream begun: the kill may land in it
+                r.read()
+        except urllib.error.HTTPError as e:
+            refused.append(f"{e.code} {e.read()[:200]!r}")
+            return
         except (OSError, http.client.HTTPException):
             return  # the daemon died under us: that is the test
 
@@ -46,13 +58,15 @@ def test_kill_9_at_random_times_loses_at_most_one_flush_interval(tmp_path):
         d = DaemonProc(data, "--config", str(cfg), "--simulate", env=env)
         ready_wall_ns = time.time_ns()  # it samples from here on at the latest
         stop = threading.Event()
-        th = threading.Thread(target=_traffic, args=(d.info["proxy"], stop), daemon=True)
+        served, refused = [], []
+        th = threading.Thread(target=_traffic, args=(d.info["proxy"], stop, served, refused), daemon=True)
         th.start()
         time.sleep(rng.uniform(0.25, 1.0))
         kill_wall_ns = time.time_ns()
         d.kill9()
         stop.set()
         th.join(10)
+        assert not refused and served, f"trial {trial}: the daemon killed idle: {len(served)} served, refused {refused}"
         for f in Path(data).rglob("*.parquet"):
             if not f.name.startswith("."):
                 pq.read_table(f)  # raises if any file is torn

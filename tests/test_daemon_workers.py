@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import subprocess
 import sys
@@ -546,14 +547,21 @@ def test_a_second_daemon_does_not_join_a_port_the_first_ones_workers_serve(tmp_p
 def test_sigterm_mid_stream_drains_the_workers_and_records_the_request_as_interrupted(tmp_path):
     d = DaemonProc(tmp_path / "data", "--simulate", "--flush-interval", "5",
                    env={**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": "2"})
-    procs = _workers(d.proc.pid)
-    stream = open_long_stream(d.info["proxy"])  # held open while the daemon stops
-    t0 = time.monotonic()
-    rc = d.stop()
-    stream.close()
-    assert rc == 0 and time.monotonic() - t0 < 15, d.output()
-    _gone, alive = psutil.wait_procs(procs, timeout=5)
-    assert not alive
+    procs = []
+    try:
+        procs = _workers(d.proc.pid)
+        stream = open_long_stream(d.info["proxy"])  # held open while the daemon stops
+        t0 = time.monotonic()
+        rc = d.stop()
+        stream.close()
+        assert rc == 0 and time.monotonic() - t0 < 15, d.output()
+        _gone, alive = psutil.wait_procs(procs, timeout=5)
+        assert not alive
+    finally:  # a failure above leaves no daemon nor worker running
+        d.stop()
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
     reqs = read_dataset(tmp_path / "data", "requests")  # the worker's last records reached the ledger
     assert list(reqs["outcome"]) == ["interrupted"] and reqs["generated_tokens"].iloc[0] > 0
     assert reqs["error"].isna().all()  # cut by the stop, not by a worker's death
@@ -896,7 +904,8 @@ def test_the_port_is_never_free_while_workers_restart_and_a_waiting_client_is_se
 
         def client():
             body = json.dumps({"prompt": "my secret prompt", "max_tokens": 3}).encode()  # the simulated server is vLLM's
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST")
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as r:
                 box["status"] = r.status
 
