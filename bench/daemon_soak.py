@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -43,13 +44,39 @@ from _daemon import wait_for_daemon_info  # bench/ is on sys.path when a bench r
 HERE = Path(__file__).resolve().parent
 
 
-def traffic(url: str, rps: float, stop: threading.Event) -> None:
-    body = json.dumps({"prompt": "soak", "n_predict": 32, "stream": True}).encode()
-    while not stop.wait(1.0 / rps):
-        try:
-            urllib.request.urlopen(urllib.request.Request(url + "/completion", data=body, method="POST"), timeout=30).read()
-        except OSError:
-            pass
+class Traffic:
+    """`rps` streamed completions a second through the proxy, counted: `served` (a 200 read to its end), `failed`
+    and the last failure. On /v1/completions as JSON: the daemon's simulated server is vLLM's, which has no
+    /completion (before, --rps sent /completion, all answered 404, and the soak ran with no generation, unsaid)."""
+
+    def __init__(self, url: str, rps: float, stop: threading.Event) -> None:
+        self.url, self.rps, self.stop = url, rps, stop
+        self.served = self.failed = 0
+        self.last_error = ""
+
+    def run(self) -> None:
+        body = json.dumps({"prompt": "soak", "max_tokens": 32, "stream": True}).encode()
+        while not self.stop.wait(1.0 / self.rps):
+            req = urllib.request.Request(self.url + "/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    r.read()
+                self.served += 1
+            except urllib.error.HTTPError as e:
+                self.failed += 1
+                self.last_error = f"HTTP {e.code} {e.read()[:200]!r}"
+            except OSError as e:
+                self.failed += 1
+                self.last_error = repr(e)
+
+    def check(self, label: str) -> str:
+        """Its counts; exits the soak when no request was served, so a soak without traffic is never reported as one."""
+        if self.served == 0:
+            raise SystemExit(f"{label}: --rps {self.rps}: no request served through the proxy ({self.failed} failed; "
+                             f"last: {self.last_error or 'none sent'})")
+        return f"{label}: {self.served} requests served, {self.failed} failed" + (
+            f" (last: {self.last_error})" if self.failed else "")
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
@@ -182,16 +209,20 @@ def main() -> None:
         trees.insert(0, ("before", base))
     soaks = [Soaked(label, tree, a) for label, tree in trees]
     stop = threading.Event()
+    traffic: dict[str, Traffic] = {}
     try:
         for s in soaks:
             info = s.started()
             if a.rps > 0:
-                threading.Thread(target=traffic, args=(info["proxy"], a.rps, stop), daemon=True).start()
+                traffic[s.label] = Traffic(info["proxy"], a.rps, stop)
+                threading.Thread(target=traffic[s.label].run, daemon=True).start()
         print(f"{len(soaks)} daemon(s) ({', '.join(f'{s.label} pid {s.proc.pid} from {s.tree}' for s in soaks)}): "
               f"{a.gpus} simulated GPUs every {a.interval} s, {a.rps} req/s, {a.minutes} min")
         print("    tree minute  cpu_%_all  own_%  sim_nvml_%  own_with_nvml  sim_threads_%  nvml/s  rss_MiB  anon_MiB"
               "  file_MiB  pss_MiB  uss_MiB")
         time.sleep(3.0)  # past start-up's tail (the first samples and scrape): the span is the idle daemon's
+        for label, t in traffic.items():
+            print(t.check(label), flush=True)  # requests flow, or the soak stops here
         for s in soaks:
             s.start_span()
         t0 = time.monotonic()
@@ -207,6 +238,8 @@ def main() -> None:
         for s in soaks:
             for line in s.summary():
                 print(line)
+        for label, t in traffic.items():
+            print(t.check(label))
         if len(soaks) == 2:
             fb = [s.figures(s.first, s.last)["own"] for s in soaks]
             print(f"after/before own over the run: {fb[1] / fb[0]:.2f}" if fb[0] > 0 else "")
