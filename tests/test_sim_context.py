@@ -99,16 +99,28 @@ def test_vllm_runs_a_chat_without_a_length_to_the_end_of_its_context_as_get_max_
     assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 20, raw
 
 
-def test_vllm_runs_a_responses_request_without_max_output_tokens_to_the_end_of_its_context():
-    # vLLM's serving_responses: default_max_tokens = max_model_len - prompt, taken by ResponsesRequest.to_sampling_params
-    # when max_output_tokens is None (no generation_config cap there). Before: 128, a 400 at a 64-token context.
-    with SimServer(flavour="vllm", n_ctx=64, generation_max_tokens=20, **FAST) as srv:
+def test_vllm_sizes_a_responses_request_as_get_max_tokens_does():
+    # vLLM's responses/serving.py: get_max_tokens(max_model_len, max_output_tokens, prompt, ...) as a chat's, then
+    # to_sampling_params' min(max_output_tokens, it). Before: none given ran the room uncapped (61 here, 4093 at a
+    # 4096 context where vLLM runs 20), one over the context was a 400, and a context-filling prompt was the
+    # "max_tokens must be at least 1, got 0." refusal, not _validate_generator_input's.
+    with SimServer(flavour="vllm", n_ctx=64, **FAST) as srv:
         code, raw = _post(srv.url + "/v1/responses", {"input": "the watt", "ignore_eos": True})
         assert code == 200, raw
         u = json.loads(raw)["usage"]
         assert (u["input_tokens"], u["output_tokens"]) == (3, 61), u
-        code, raw = _post(srv.url + "/v1/responses", {"input": "w " * 63})  # fills the context: max_tokens 0
-    assert code == 400 and "max_tokens must be at least 1, got 0." in json.loads(raw)["error"]["message"], raw
+        over = {"input": "the watt", "max_output_tokens": 100, "ignore_eos": True}
+        code, raw = _post(srv.url + "/v1/responses", over)
+        assert code == 200 and json.loads(raw)["usage"]["output_tokens"] == 61, raw  # lowered to the room
+        code, raw = _post(srv.url + "/v1/responses", {"input": "w " * 63})  # 64 tokens: fills the context
+    assert code == 400 and json.loads(raw) == {"error": {
+        "message": "The engine prompt length 64 exceeds the max_model_len 64. Please reduce prompt.",
+        "type": "invalid_request_error", "param": "input", "code": 400}}, raw
+    with SimServer(flavour="vllm", n_ctx=4096, generation_max_tokens=20, **FAST) as srv:
+        code, raw = _post(srv.url + "/v1/responses", {"input": "the watt", "ignore_eos": True})
+        assert code == 200 and json.loads(raw)["usage"]["output_tokens"] == 20, raw  # generation_config's cap
+        code, raw = _post(srv.url + "/v1/responses", {"input": "the watt", "max_output_tokens": 30, "ignore_eos": True})
+    assert code == 200 and json.loads(raw)["usage"]["output_tokens"] == 30, raw  # a given one is not capped by it
 
 
 # --- SGLang ----------------------------------------------------------------------------------------------------------

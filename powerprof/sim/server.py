@@ -2362,17 +2362,24 @@ class SimServer:
             n = self._sglang_response_length(prompt, body.get("max_output_tokens"))
             if n < 0:  # its SamplingParams.verify, raised where the handler reads the generation: 400, nothing run
                 return self._sglang_refusal(f"max_new_tokens must be at least 0, got {n}.", None)
-        elif body.get("max_output_tokens") is not None:
-            n = int(body["max_output_tokens"])
         else:
-            # vLLM's serving_responses: default_max_tokens = max_model_len - prompt, which ResponsesRequest's
-            # to_sampling_params takes when max_output_tokens is None (no generation_config cap there, unlike chat).
-            # Before: 128.
-            room = self.n_ctx - count_prompt_tokens(prompt)
-            if room == 0:  # a prompt that fills the context: its SamplingParams refuse max_tokens 0
-                return self._vllm_length_refusal(0)
-            n = max(room, 1)  # a longer prompt: _serve refuses it in vLLM's words
+            n_prompt = count_prompt_tokens(prompt)
+            if n_prompt == self.n_ctx:  # longer: refused in _serve as a chat's is (the same renderer)
+                return self._json({"error": {
+                    "message": f"The engine prompt length {n_prompt} exceeds the max_model_len {self.n_ctx}. Please "
+                               "reduce prompt.", "type": "invalid_request_error", "param": "input", "code": 400}}, 400)
+            n = self._vllm_response_length(prompt, body.get("max_output_tokens"))
         return await self._serve(request, "openai-responses", prompt, body, n)
+
+    def _vllm_response_length(self, prompt: str, asked) -> int:
+        """vLLM's max_tokens for /v1/responses (responses/serving.py and serve/utils/api_utils.py get_max_tokens, read
+        not measured): without max_output_tokens a chat's default (the room the prompt leaves, capped by
+        generation_config's max_new_tokens); with one, it lowered to the room, not refused as a chat's max_tokens beyond
+        the context is. Before: the room uncapped (20 -> 4093 at generation_max_tokens=20), and a max_output_tokens
+        over max_model_len a 400."""
+        if asked is None:
+            return self._vllm_default_length(prompt)
+        return min(int(asked), max(self.n_ctx - count_prompt_tokens(prompt), 1))  # a longer prompt: _serve refuses it
 
     def _sglang_response_length(self, prompt: str, asked) -> int:
         """SGLang's max_new_tokens for /v1/responses (serving_responses.py create_responses, protocol.py
