@@ -526,8 +526,14 @@ def test_vllm_refuses_a_length_below_one_as_its_sampling_params_do():
         assert not s.truth
         code, doc = post(s.url, "/v1/completions", {"prompt": "the power", "max_tokens": 0, "echo": True})
         assert code == 200, doc
-        # Chat reads `max_completion_tokens or max_tokens`: a max_completion_tokens of 0 falls back and runs.
-        code, doc = post(s.url, "/v1/chat/completions", dict(chat, max_completion_tokens=0, max_tokens=3, ignore_eos=True))
+        # Chat takes max_completion_tokens where it is not None: a 0 is refused, not passed over for max_tokens (before:
+        # the simulator's `or` ran max_tokens' 3 tokens).
+        both = dict(chat, max_tokens=3, ignore_eos=True)
+        code, doc = post(s.url, "/v1/chat/completions", dict(both, max_completion_tokens=0))
+        assert code == 400 and doc["error"]["message"].startswith("max_tokens must be at least 1, got 0."), doc
+        code, doc = post(s.url, "/v1/chat/completions", dict(both, max_completion_tokens=2))
+        assert code == 200 and doc["usage"]["completion_tokens"] == 2, doc
+        code, doc = post(s.url, "/v1/chat/completions", dict(both, max_completion_tokens=None))
         assert code == 200 and doc["usage"]["completion_tokens"] == 3, doc
 
 

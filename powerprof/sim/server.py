@@ -2285,7 +2285,14 @@ class SimServer:
         prompt += chatshape.tools_in_prompt(body, self.flavour, self.exclude_tools_when_tool_choice_none)
         if self.flavour == "llamacpp":
             return await self._serve(request, "openai-chat", prompt, body, self._llama_length(body))
-        n = body.get("max_completion_tokens") or body.get("max_tokens")  # vLLM's and SGLang's own `or`: a 0 falls back
+        n = body.get("max_completion_tokens")
+        if self.flavour == "vllm":
+            # vLLM's chat serving (chat_completion/serving.py, read not measured) takes max_completion_tokens where it
+            # is not None, so a 0 is refused below; older releases' to_sampling_params read `max_completion_tokens or
+            # max_tokens` (the release that changed it not pinned). Until 7 December 2026 the simulator's `or` ran a 0.
+            n = n if n is not None else body.get("max_tokens")
+        else:
+            n = n or body.get("max_tokens")  # SGLang's own `or`: a 0 falls back
         if self.flavour == "vllm" and n is None:
             n = self._vllm_default_length(prompt)
         refused = self._vllm_length_refusal(n)
