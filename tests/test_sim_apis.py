@@ -400,15 +400,19 @@ def test_vllm_refuses_a_body_not_sent_as_json_as_its_validate_json_request_does(
         finally:
             conn.close()
 
-    want = {"error": {"message": ' ["Unsupported Media Type: Only \'application/json\' is allowed"]',
-                      "type": "Bad Request", "param": None, "code": 400}}
+    # The message's prefix is str(exc): empty (the leading space) where FastAPI's ValidationException has no __str__,
+    # the errors rendered where it has one; its end, the error list, is the same in both.
+    tail = '["Unsupported Media Type: Only \'application/json\' is allowed"]'
     cases = [("/v1/chat/completions", CHAT, None), ("/v1/chat/completions", CHAT, "text/plain"),
              ("/v1/completions", {"prompt": "the watt", "max_tokens": 2}, "application/x-www-form-urlencoded"),
              ("/v1/responses", {"input": "the watt", "max_output_tokens": 2}, "text/plain"),
              ("/v1/messages", dict(CHAT), "text/plain"), ("/tokenize", {"prompt": "the watt"}, None)]
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=2000.0) as srv:
         for path, body, ctype in cases:
-            assert send(path, json.dumps(body).encode(), ctype) == (400, want), (path, ctype)
+            code, doc = send(path, json.dumps(body).encode(), ctype)
+            err = doc["error"]
+            assert code == 400 and err["message"].endswith(tail), (path, ctype, doc)
+            assert (err["type"], err["param"], err["code"]) == ("Bad Request", None, 400), (path, ctype, doc)
         assert not srv.truth  # none ran
         for ctype in ("application/json", "Application/JSON; charset=utf-8"):
             code, doc = send("/v1/chat/completions", json.dumps(CHAT).encode(), ctype)
