@@ -371,18 +371,48 @@ def test_responses_generates_two_fewer_than_asked_as_sglangs_responses_request_d
     import json
 
     def ask(srv, **extra):
-        return _send(srv.url, "POST", "/v1/responses", json.dumps(dict({"input": "the watt", "ignore_eos": True},
-                                                                        **extra)).encode())
+        return _send(srv.url, "POST", "/v1/responses", json.dumps(dict({"input": "the watt"}, **extra)).encode())
 
     with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=4096, decode_tok_s=20000.0, draft_n_max=0) as srv:
-        for asked, generated in ((5, 3), (3, 1)):
+        for asked, generated in ((5, 3), (3, 1)):  # below the simulated model's first end-of-sequence (16 or more)
             code, doc = ask(srv, max_output_tokens=asked)
             assert code == 200 and doc["usage"]["output_tokens"] == generated, (asked, doc)
-        code, doc = ask(srv)  # none: the context's room less 2, the scheduler's own cap
+        # None: the context's room less 2. ignore_eos is the simulator's own here (SGLang's ResponsesRequest has no such
+        # field: its model's end-of-sequence would end this answer first), to see the length asked.
+        code, doc = ask(srv, ignore_eos=True)
         assert code == 200 and doc["usage"]["input_tokens"] + doc["usage"]["output_tokens"] == 4094, doc
         for asked in (0, 1):  # -2 and -1: SamplingParams.verify's ValueError, 400
             code, doc = ask(srv, max_output_tokens=asked)
             assert (code, doc["message"]) == (400, f"max_new_tokens must be at least 0, got {asked - 2}."), doc
+        assert len(srv.truth) == 3
     with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=64, decode_tok_s=20000.0, draft_n_max=0) as srv:
         code, doc = ask(srv)  # the default's floor of 512 (510 asked) does not fit a 64-token context
     assert code == 400 and "You requested a total of 513 tokens" in doc["message"], doc
+
+
+def test_a_streamed_responses_request_sglang_refuses_is_a_200_stream_that_breaks():
+    # serving_responses.py responses_stream_generator sends response.created and response.in_progress before it reads
+    # the generation, whose ValueError (max_new_tokens -2 or -1: max_output_tokens 0 or 1) nothing there catches:
+    # a 200 event stream that breaks with no end. Before: the unstreamed 400.
+    import http.client
+    import json
+    import urllib.parse
+
+    with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=4096, decode_tok_s=20000.0, draft_n_max=0) as srv:
+        u = urllib.parse.urlsplit(srv.url)
+        for asked in (0, 1):
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+            try:
+                conn.request("POST", "/v1/responses", json.dumps({"input": "the watt", "max_output_tokens": asked,
+                                                                  "stream": True}).encode(),
+                             {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                assert r.status == 200 and r.getheader("Content-Type").startswith("text/event-stream"), asked
+                with pytest.raises(http.client.IncompleteRead) as e:  # chunked, and no last chunk comes
+                    r.read()
+            finally:
+                conn.close()
+            events = [json.loads(line[6:])["type"] for line in e.value.partial.decode().splitlines()
+                      if line.startswith("data: ")]
+            assert events == ["response.created", "response.in_progress"], (asked, e.value.partial)
+        assert not srv.truth  # nothing ran

@@ -2367,6 +2367,8 @@ class SimServer:
             n = self._llama_length(body, "max_output_tokens")
         elif self.flavour == "sglang":
             n = self._sglang_response_length(prompt, body.get("max_output_tokens"))
+            if n < 0 and body.get("stream"):
+                return await self._sglang_broken_response_stream(request)
             if n < 0:  # its SamplingParams.verify, raised where the handler reads the generation: 400, nothing run
                 return self._sglang_refusal(f"max_new_tokens must be at least 0, got {n}.", None)
         else:
@@ -2387,6 +2389,20 @@ class SimServer:
         if asked is None:
             return self._vllm_default_length(prompt)
         return min(int(asked), max(self.n_ctx - count_prompt_tokens(prompt), 1))  # a longer prompt: _serve refuses it
+
+    async def _sglang_broken_response_stream(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's streamed /v1/responses whose max_new_tokens SamplingParams.verify refuses (max_output_tokens 0 or
+        1): responses_stream_generator sends response.created and response.in_progress before it reads the
+        generation, whose ValueError nothing there catches, so the 200 event stream breaks with no end (read in
+        serving_responses.py, not measured). Nothing runs. Before: the unstreamed 400."""
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        r0 = {"id": f"resp_sim-x{time.monotonic_ns()}", "object": "response", "status": "in_progress"}
+        for kind in ("response.created", "response.in_progress"):
+            d = {"type": kind, "response": r0}
+            await resp.write(b"event: " + kind.encode() + b"\ndata: " + json.dumps(d).encode() + b"\n\n")
+        _abort(request)
+        return resp
 
     def _sglang_response_length(self, prompt: str, asked) -> int:
         """SGLang's max_new_tokens for /v1/responses (serving_responses.py create_responses, protocol.py
