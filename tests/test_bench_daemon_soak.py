@@ -48,6 +48,11 @@ def test_a_soak_with_no_request_served_stops_and_says_why():
         port = s.getsockname()[1]  # closed: nothing listens there
     t = daemon_soak.Traffic(f"http://127.0.0.1:{port}", 20.0, threading.Event())
     _run(t, lambda: t.failed >= 2)
-    with pytest.raises(SystemExit, match=r"after: --rps 20.0: no request served through the proxy \(\d+ failed; last: "
-                                         r".*Connection refused"):
-        t.check("after")
+    for early in (True, False):
+        with pytest.raises(SystemExit, match=r"after: --rps 20.0: no request served through the proxy \(\d+ failed; "
+                                             r"last: .*Connection refused"):
+            t.check("after", early=early)
+    idle = daemon_soak.Traffic("http://127.0.0.1:9", 20.0, threading.Event())  # none sent yet
+    assert idle.check("after", early=True) == "after: 0 requests served, 0 failed"
+    with pytest.raises(SystemExit, match="none sent"):
+        idle.check("after")
