@@ -4482,6 +4482,35 @@ def test_a_long_close_held_for_a_loading_page_waits_from_its_death_not_its_arriv
     assert 1850.0 <= (row["gpu_energy_j"] or 0) <= 2050.0, row  # run 0.5 s to 19.95 s alone at 100 W: about 1945 J
 
 
+@pytest.mark.parametrize("end", ["window_dropped", "shutdown"])
+def test_a_long_close_written_as_not_run_with_a_share_from_intervals_closed_under_it_is_flagged_partial(end):
+    # A whole answer decoding from 0.5 s closes with no answer at 20.0 s; llama-server's 503 "Loading model" alone
+    # from 20.0 s opens the window, so its row waits for a page. The ledger's holds (max_hold_s, prompt_hold_s: 120 s
+    # and 30 s, cut to 10 s here as a run past them does) closed its first intervals while it was in flight, giving it
+    # a share by live time. No page confirms a restart: the same process is back at 25 s (the window dropped), or the
+    # daemon stops at 30 s with the server still down. Written as not run, it kept that share: in review 2940 J of a
+    # 150 s run's 14950 J, unflagged and with no note, counted in J/token (0 tokens). Partial either way (high if it
+    # never ran, low if it ran to its close): flagged, said.
+    from powerprof.daemon.proxy import CRASHED_NOTE
+
+    class Short(list):  # given the helper's ledger: its holds cut to 10 s
+        def append(self, led):
+            led.max_hold_ns = led.prompt_hold_ns = int(10 * S)
+            super().append(led)
+
+    ledgers = Short()
+    downs, end_s = ([(19.9, 25.0)], 35.0) if end == "window_dropped" else ([(19.9, 1000.0)], 30.0)
+    row = _llamacpp_whole_run_on(downs, leave=20.0, max_tokens=2000, end_s=end_s, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: closed", opened=(20.0, None), same_process=True,
+                                 ledgers=ledgers)
+    note = row["energy_note"] or ""
+    print(row["attributed_tokens"], row["gpu_energy_j"], note)
+    assert not row["attributed_tokens"], row
+    assert row["gpu_energy_j"] and 500.0 <= row["gpu_energy_j"] <= 1200.0, row  # its first ~9.5 s at 100 W, alone
+    assert UNSURE_FLAG in note and "partial" in note and "fix:" in note, note
+    assert ledgers[0].flagged_requests[UNSURE_FLAG] == 1, note  # counted apart: left out of J/token
+
+
 def test_a_close_in_a_loading_page_s_window_with_a_proxied_connection_broken_then_is_costed_at_once(monkeypatch):
     # The same close (a whole answer in flight from 0.5 s, closed with no answer at 1.55 s, llama-server's 503 "Loading
     # model" alone from 1.6 s, the confirming page at 40 s past the cap, cut to 15 s), but another request's connection

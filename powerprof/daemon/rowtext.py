@@ -736,8 +736,16 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
-                                      or _n_cmpl_unsure(r))}
+                                      or _n_cmpl_unsure(r) or _closed_partial(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
+
+
+def _closed_partial(r: LiveRequest) -> bool:
+    """UNSURE_FLAG: a close with no answer written as not run (`is_passive`: no death shown at it, costed from then as
+    idle) that kept a share by live time of the intervals closed while it was in flight, past the ledger's holds (a
+    whole answer's, max_hold_s from its arrival): its figure is part of a run, or of none. Unflagged, a whole answer
+    closed 149.5 s in read 2940 J for 0 tokens (crash-costed, 14950 J) with no note, in J/token."""
+    return r.gpu_j > 0 and r.trace.end_ns is not None and closed_unanswered(r) and is_passive(r)
 
 
 def _queued_beside(r: LiveRequest) -> bool:
@@ -864,6 +872,16 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "requests' beside it), or ran it those milliseconds as costed here; the daemon does not read "
                      "whether the server's slots were full at its arrival, so it is left out of J/token; fix: none at "
                      "the proxy (the server's log says whether it had started it)")
+    if _closed_partial(r):
+        s = (r.trace.end_ns - r.trace.arrival_ns) / 1e9
+        notes.append(f"{UNSURE_FLAG}: its upstream closed the connection with no answer {s:.2f} s after its arrival, "
+                     "and no restart its scrapes confirmed covered that close with proof of a death, so it is costed as "
+                     "not run from there (it may have run, a crash, or been refused unrun by a router in front of the "
+                     "server); this figure is partial: its share by live time of the intervals that closed while it was "
+                     "still in flight, past the ledger's hold on a whole answer's intervals (max_hold_s from its "
+                     "arrival), none of the rest: low if it ran to its close, high if it never ran (the requests "
+                     "beside it then low by it); left out of J/token; fix: let the daemon scrape the server (scrape.url) "
+                     "so a crash is seen, or read the router's log for it")
     if _queued_beside(r) and r.gpu_j > 0:
         notes.append(f"{UNSURE_FLAG}: {100 * min(r.queued_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
                      "intervals over a request closed by a crash that may have waited queued unrun (its row says so), "
