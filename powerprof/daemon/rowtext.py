@@ -52,9 +52,10 @@ GONE_ABORT_SLACK_S = 1.0
 # is over the prompt token's cost and the prefill rate alone, and its words say so: read as the row's uncertainty, short
 # answers beside long streams decoding lay outside it, all high (+37% where it said -1% to +0%), by the context cost
 # the ratio leaves out, which nothing here bounds.
-# A request live beside a crash-costed close that may have queued unrun (`resend_queued`) is flagged where its figure may
-# be low by this share of it or more (`LiveRequest.queued_short_j`): flagged on any overlap, 4 streams beside a close
-# 0.10 s after its arrival were left out of J/token for 0.6% each.
+# A request live beside a crash-costed close that may have queued unrun (`resend_queued`) is flagged where its figure
+# would be higher by this share of it or more had that close never run (`LiveRequest.queued_short_j`, the split re-run
+# without it): flagged on any overlap, 4 streams beside a close 0.10 s after its arrival were left out of J/token for
+# 0.9% each.
 QUEUED_BESIDE_MIN_SHARE = 0.01
 FIXED_RATIO_MIN_SHARE = 0.05
 FIXED_RATIO_LEAD = "{pct}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
@@ -749,8 +750,9 @@ def _closed_partial(r: LiveRequest) -> bool:
 
 
 def _queued_beside(r: LiveRequest) -> bool:
-    """UNSURE_FLAG beside a close that may have queued unrun: its figure may be low by QUEUED_BESIDE_MIN_SHARE or more."""
-    return r.queued_beside_j > 0 and r.queued_short_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+    """UNSURE_FLAG beside a close that may have queued unrun: its figure is low by QUEUED_BESIDE_MIN_SHARE or more if
+    that close never ran."""
+    return r.queued_short_j > 0 and r.queued_short_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
 
 
 def prompt_unread(r: LiveRequest) -> bool:
@@ -883,11 +885,12 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "beside it then low by it); left out of J/token; fix: let the daemon scrape the server (scrape.url) "
                      "so a crash is seen, or read the router's log for it")
     if _queued_beside(r) and r.gpu_j > 0:
-        notes.append(f"{UNSURE_FLAG}: {100 * min(r.queued_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
-                     "intervals over a request closed by a crash that may have waited queued unrun (its row says so), "
-                     f"costed as run there: this request's share there may be low by that figure, up to "
-                     f"{r.queued_short_j:.1f} J ({100 * r.queued_short_j / r.gpu_j:.1f}% of this figure); fix: none at "
-                     "the proxy (the server's log says whether that request had started)")
+        notes.append(f"{UNSURE_FLAG}: it was live beside a request closed by a crash that may have waited queued "
+                     "unrun (its row says so), costed as run: had it never run, this figure would be "
+                     f"{r.queued_short_j:.1f} J ({100 * r.queued_short_j / r.gpu_j:.1f}%) higher, the same split re-run "
+                     f"without it ({100 * min(r.queued_beside_j / r.gpu_j, 1.0):.0f}% of this figure is from the "
+                     "intervals over that request); fix: none at the proxy (the server's log says whether that request "
+                     "had started)")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
