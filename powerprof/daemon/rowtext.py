@@ -743,8 +743,8 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
 
 def _closed_partial(r: LiveRequest) -> bool:
     """UNSURE_FLAG: a close with no answer written as not run (`is_passive`: no death shown at it, costed from then as
-    idle) that kept a share by live time of the intervals closed while it was in flight, past the ledger's holds (a
-    whole answer's, max_hold_s from its arrival): its figure is part of a run, or of none. Unflagged, a whole answer
+    idle) that kept a share by live time of the intervals closed while it was in flight, past the ledger's holds
+    (max_hold_s, prompt_hold_s, from its arrival): its figure is part of a run, or of none. Unflagged, a whole answer
     closed 149.5 s in read 2940 J for 0 tokens (crash-costed, 14950 J) with no note, in J/token."""
     return r.gpu_j > 0 and r.trace.end_ns is not None and closed_unanswered(r) and is_passive(r)
 
@@ -880,10 +880,10 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "and no restart its scrapes confirmed covered that close with proof of a death, so it is costed as "
                      "not run from there (it may have run, a crash, or been refused unrun by a router in front of the "
                      "server); this figure is partial: its share by live time of the intervals that closed while it was "
-                     "still in flight, past the ledger's hold on a whole answer's intervals (max_hold_s from its "
-                     "arrival), none of the rest: low if it ran to its close, high if it never ran (the requests "
-                     "beside it then low by it); left out of J/token; fix: let the daemon scrape the server (scrape.url) "
-                     "so a crash is seen, or read the router's log for it")
+                     "still in flight, past the ledger's holds on a live request's intervals (max_hold_s, a prompt's "
+                     "prompt_hold_s, from its arrival), none of the rest: low if it ran to its close, high if it never "
+                     "ran (the requests beside it then low by it); left out of J/token; fix: let the daemon scrape the "
+                     "server (scrape.url) so a crash is seen, or read the router's log for it")
     if _queued_beside(r) and r.gpu_j > 0:
         notes.append(f"{UNSURE_FLAG}: it was live beside a request closed by a crash that may have waited queued "
                      "unrun (its row says so), costed as run: had it never run, this figure would be "
