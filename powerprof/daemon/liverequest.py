@@ -92,10 +92,10 @@ class LiveRequest:
     # cap, s). Its row, costed as not run, says so.
     down_hold_over: tuple[int, float] | None = None
     # Its GPU joules from intervals over a crash-costed close that may have queued unrun (`resend_queued`): that
-    # request's figure may hold energy that is this one's (UNSURE_FLAG).
+    # request's figure may hold energy that is this one's (its note says this share; UNSURE_FLAG by queued_short_j).
     queued_beside_j: float = 0.0
-    # Of it, what its share there would grow by were that request never run (its share given out to the rest in
-    # proportion): how low this request's figure may be.
+    # What its GPU joules would gain were that request never run (the same split re-run without it: `Ledger`'s close):
+    # how low this request's figure is in that reading.
     queued_short_j: float = 0.0
     # That restart's window (the old process's last scrape, the new one's first), its first scrape that found the
     # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, this

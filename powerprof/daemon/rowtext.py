@@ -52,9 +52,10 @@ GONE_ABORT_SLACK_S = 1.0
 # is over the prompt token's cost and the prefill rate alone, and its words say so: read as the row's uncertainty, short
 # answers beside long streams decoding lay outside it, all high (+37% where it said -1% to +0%), by the context cost
 # the ratio leaves out, which nothing here bounds.
-# A request live beside a crash-costed close that may have queued unrun (`resend_queued`) is flagged where its figure may
-# be low by this share of it or more (`LiveRequest.queued_short_j`): flagged on any overlap, 4 streams beside a close
-# 0.10 s after its arrival were left out of J/token for 0.6% each.
+# A request live beside a crash-costed close that may have queued unrun (`resend_queued`) is flagged where its figure
+# would be higher by this share of it or more had that close never run (`LiveRequest.queued_short_j`, the split re-run
+# without it): flagged on any overlap, 4 streams beside a close 0.10 s after its arrival were left out of J/token for
+# 0.9% each.
 QUEUED_BESIDE_MIN_SHARE = 0.01
 FIXED_RATIO_MIN_SHARE = 0.05
 FIXED_RATIO_LEAD = "{pct}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
@@ -736,13 +737,22 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
-                                      or _n_cmpl_unsure(r))}
+                                      or _n_cmpl_unsure(r) or _closed_partial(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
+def _closed_partial(r: LiveRequest) -> bool:
+    """UNSURE_FLAG: a close with no answer written as not run (`is_passive`: no death shown at it, costed from then as
+    idle) that kept a share by live time of the intervals closed while it was in flight, past the ledger's holds
+    (max_hold_s, prompt_hold_s, from its arrival): its figure is part of a run, or of none. Unflagged, a whole answer
+    closed 149.5 s in read 2940 J for 0 tokens (crash-costed, 14950 J) with no note, in J/token."""
+    return r.gpu_j > 0 and r.trace.end_ns is not None and closed_unanswered(r) and is_passive(r)
+
+
 def _queued_beside(r: LiveRequest) -> bool:
-    """UNSURE_FLAG beside a close that may have queued unrun: its figure may be low by QUEUED_BESIDE_MIN_SHARE or more."""
-    return r.queued_beside_j > 0 and r.queued_short_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+    """UNSURE_FLAG beside a close that may have queued unrun: its figure is low by QUEUED_BESIDE_MIN_SHARE or more if
+    that close never ran."""
+    return r.queued_short_j > 0 and r.queued_short_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
 
 
 def prompt_unread(r: LiveRequest) -> bool:
@@ -864,12 +874,23 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "requests' beside it), or ran it those milliseconds as costed here; the daemon does not read "
                      "whether the server's slots were full at its arrival, so it is left out of J/token; fix: none at "
                      "the proxy (the server's log says whether it had started it)")
+    if _closed_partial(r):
+        s = (r.trace.end_ns - r.trace.arrival_ns) / 1e9
+        notes.append(f"{UNSURE_FLAG}: its upstream closed the connection with no answer {s:.2f} s after its arrival, "
+                     "and no restart its scrapes confirmed covered that close with proof of a death, so it is costed as "
+                     "not run from there (it may have run, a crash, or been refused unrun by a router in front of the "
+                     "server); this figure is partial: its share by live time of the intervals that closed while it was "
+                     "still in flight, past the ledger's holds on a live request's intervals (max_hold_s, a prompt's "
+                     "prompt_hold_s, from its arrival), none of the rest: low if it ran to its close, high if it never "
+                     "ran (the requests beside it then low by it); left out of J/token; fix: let the daemon scrape the "
+                     "server (scrape.url) so a crash is seen, or read the router's log for it")
     if _queued_beside(r) and r.gpu_j > 0:
-        notes.append(f"{UNSURE_FLAG}: {100 * min(r.queued_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
-                     "intervals over a request closed by a crash that may have waited queued unrun (its row says so), "
-                     f"costed as run there: this request's share there may be low by that figure, up to "
-                     f"{r.queued_short_j:.1f} J ({100 * r.queued_short_j / r.gpu_j:.1f}% of this figure); fix: none at "
-                     "the proxy (the server's log says whether that request had started)")
+        notes.append(f"{UNSURE_FLAG}: it was live beside a request closed by a crash that may have waited queued "
+                     "unrun (its row says so), costed as run: had it never run, this figure would be "
+                     f"{r.queued_short_j:.1f} J ({100 * r.queued_short_j / r.gpu_j:.1f}%) higher, the same split re-run "
+                     f"without it ({100 * min(r.queued_beside_j / r.gpu_j, 1.0):.0f}% of this figure is from the "
+                     "intervals over that request); fix: none at the proxy (the server's log says whether that request "
+                     "had started)")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
