@@ -886,30 +886,27 @@ def test_a_young_sglang_restarted_behind_a_503_past_its_reading_and_finished_cou
     assert deltas == [0, 65, 65, None, 10, 32] and "counter_below" in sc.partial and sc.below == 1, (deltas, sc.partial)
 
 
-def _sglang_buckets(tokens: float, finished: int, seconds: float, buckets: dict) -> str:
-    # _sglang_full with the latency histogram's finite buckets (`buckets`: le -> cumulative count).
-    lat = "sglang:e2e_request_latency_seconds"
-    rows = "".join(f'{lat}_bucket{{le="{le}",model_name="m"}} {n}\n' for le, n in buckets.items())
-    return _sglang_full(tokens, 0, finished, seconds).replace(f"# TYPE {lat} histogram\n", f"# TYPE {lat} histogram\n" + rows)
-
-
-@pytest.mark.parametrize("pages", [
-    # Requests of 5 s each (mean 5 s): a page back 2 s after the last believed one holds requests no process younger
-    # than that could have timed.
-    [_sglang_full(0, 0, 0, 0.0), _sglang_full(65, 0, 1, 5.0), _sglang_full(130, 0, 2, 10.0), "503",
-     _sglang_full(162, 0, 3, 15.0), _sglang_full(194, 0, 4, 20.0)],
-    # Mostly short requests (mean 1.3 s), one of them in the bucket above 4 s.
-    [_sglang_buckets(0, 0, 0.0, {"1": 0, "4": 0}), _sglang_buckets(65, 3, 1.5, {"1": 3, "4": 3}),
-     _sglang_buckets(130, 6, 7.8, {"1": 5, "4": 5}), "503", _sglang_buckets(162, 7, 8.3, {"1": 6, "4": 6}),
-     _sglang_buckets(194, 8, 8.8, {"1": 7, "4": 7})],
+@pytest.mark.parametrize("pages, counted", [
+    # A gateway failing over after one 503 from replica A to an older, busier replica B (6 s a request): B's 19000
+    # since A's reading are not A's window. 941923a0's age proof (a request on the page longer than the 2 s since the
+    # last believed page) skipped the rise bound too and counted them whole, unsaid.
+    ([_sglang_full(0, 0, 0, 0.0), _sglang_full(500, 0, 5, 10.0), _sglang_full(1000, 0, 10, 20.0), "503",
+      _sglang_full(20000, 0, 200, 1200.0)], 19000),
+    # A young server restarted behind the 503: its new process ran one /generate whose client set received_time (SGLang's
+    # GenerateReqInput takes it from the body and times the request from it: 1.7e9 s). The proof read it as the old
+    # process and counted 32 of the new one's 162, unsaid.
+    ([_sglang_full(0, 0, 0, 0.0), _sglang_full(65, 0, 1, 1.0), _sglang_full(130, 0, 2, 2.0), "503",
+      _sglang_full(162, 0, 3, 1.7e9)], 32),
+    # The same young server back whole with requests of 5 s: nothing on the page proves it the same process (the
+    # request ages above can be a client's or another replica's), so it is said, an over-flag (its rows out of J/token).
+    ([_sglang_full(0, 0, 0, 0.0), _sglang_full(65, 0, 1, 5.0), _sglang_full(130, 0, 2, 10.0), "503",
+      _sglang_full(162, 0, 3, 15.0)], 32),
 ])
-def test_a_young_sglang_back_from_a_503_with_a_request_longer_than_the_outage_is_whole(pages, monkeypatch):
-    # A young server (130 tokens at 65 a second): its page back after a gateway's 503 is within the 4 x 65 x 2 s a new
-    # process could have counted, so the pace bounds alone said it (counter_below, its rows out of J/token). But it
-    # holds a request that lasted longer than the 2 s since the last believed page (plus 1 s slack): timed by the server
-    # from its receipt, it ran on a process older than that page, the same one. Whole, exact.
+def test_a_young_sglang_back_from_a_503_is_said_whatever_its_requests_ages(pages, counted, monkeypatch):
+    # Within 4 x its peak x the seconds since the last believed page: the pace bounds cannot tell it, so it is said
+    # (counter_below), the count kept; no request age on the page makes it whole.
     deltas, sc = _scrapes("sglang", list(pages), period_s=1.0, monkeypatch=monkeypatch)
-    assert deltas == [0, 65, 65, None, 32, 32] and sc.partial == {} and sc.below == 0, (deltas, sc.partial)
+    assert deltas[3:] == [None, counted] and "counter_below" in sc.partial and sc.below == 1, (deltas, sc.partial)
 
 
 def test_a_vllm_restarted_behind_a_503_with_as_many_requests_finished_is_said(monkeypatch):
@@ -1146,14 +1143,6 @@ def test_a_simulated_sglang_behind_a_routers_503_blip_keeps_its_windows_whole(tm
     assert got["answered_503"] >= 1, got
     assert got["rows_counter_below"] == 0 and got["rows_server_restart"] == 0 and got["restarts_told"] == 0, got
     assert not any("counter_below" in k or "restart" in k for k in got["jpt_left_out"]), got
-    assert abs(got["bypass_counted"] - got["bypass_run"]) <= 1 + 0.05 * got["bypass_run"], got
-
-
-def test_a_young_simulated_sglang_behind_a_routers_503_blip_with_long_requests_keeps_its_windows_whole(tmp_path):
-    got = blip_run(tmp_path, blip_at_s=5.0, lag_s=0.8, run_s=7.5, bypass_lanes=6, long_lanes=1)
-    print(got)
-    assert got["answered_503"] >= 1, got
-    assert got["rows_counter_below"] == 0 and got["rows_server_restart"] == 0 and got["restarts_told"] == 0, got
     assert abs(got["bypass_counted"] - got["bypass_run"]) <= 1 + 0.05 * got["bypass_run"], got
 
 

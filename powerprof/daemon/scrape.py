@@ -48,8 +48,7 @@ from .ticks import IDLE_PERIOD_S
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
     COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, YOUNG_COUNTER_TOKENS, YOUNG_DIP_TOKENS, connection_refused,
-    counter_restarted, counter_total, histogram_sum_count, llamacpp_generated, longest_observed_s, prefix_cache_reading,
-    requests_and_in_flight,
+    counter_restarted, counter_total, histogram_sum_count, llamacpp_generated, prefix_cache_reading, requests_and_in_flight,
     series_values, slot_progress, slots_json, unset_means_zero)
 
 log = logging.getLogger("powerprof.daemon.scrape")
@@ -105,14 +104,6 @@ BLIP_MARKS = {"sglang": ("sglang:generation_tokens_total", "sglang:prompt_tokens
                          "sglang:e2e_request_latency_seconds"),
               "vllm": ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
                        "vllm:e2e_request_latency_seconds")}
-
-# Each server's end-to-end latency histogram, timed by the server from its own receipt of each request (SGLang's
-# time_stats, vLLM's arrival_time): a page holding a request that lasted longer than the seconds since the last believed
-# page's GET began, plus BLIP_AGE_SLACK_S, is of a process older than that page, so the same process, back after a
-# gateway's 502/503 whole, however young (`Scraper._outlived`). A new process cannot have timed a request longer than
-# its own life. The slack covers the server's wall clock against the daemon's monotonic one (a step of the clock).
-AGE_HISTOGRAMS = {"sglang": "sglang:e2e_request_latency_seconds", "vllm": "vllm:e2e_request_latency_seconds"}
-BLIP_AGE_SLACK_S = 1.0
 
 
 def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object, int]]) -> int:
@@ -174,8 +165,7 @@ PARTIAL_REASONS = {
                    f"{BLIP_RATE_MARGIN:g} times the server's highest rate or had risen faster than {BLIP_RISE_MARGIN:g} "
                    "times that rate since (no process start time on the page; not "
                    "where it and the finished-request histogram, or llama.cpp's decode calls, had not moved, nor where "
-                   "it was higher than a new process could have counted since the page before the outage, or held a request "
-                   "longer than a new process could have lived since then): dips "
+                   "it was higher than a new process could have counted since the page before the outage): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
                    "the count is exact, a server back from a 503 with its counter whole, or a restart whose new process "
                    "had counted more than half the old one's tokens by its first page (or whose old one had counted "
@@ -615,15 +605,12 @@ class Scraper:
         (`_went_back`) and the server's own pace (`_peak_tok_s`) says so (`_beyond_reach`: `total` beyond a new
         process's reach, its rise within the pace). Else said (COUNTER_BELOW), the count kept: SGLang raises its token
         counter and finished counts in one call, so a new process with the same mix passes both together, and only the
-        time bounds tell it. With no rate known, judged as after a down (`_down_back`). A page holding a request longer
-        than a new process could have lived (`_outlived`) is the same process whatever its age: whole."""
-        went = self._went_back(text, tokens=True)
-        if went is None and self._outlived(text):
-            return
+        time bounds tell it. With no rate known, judged as after a down (`_down_back`)."""
         if self._peak_tok_s <= 0 or self._believed_at is None:
             self._down_back(prev, total)
             return
         since_s = time.monotonic() - self._believed_at
+        went = self._went_back(text, tokens=True)
         paced = None if went is not None else self._beyond_reach(COUNTERS[self.kind], prev, total, self._peak_tok_s,
                                                                  since_s)
         if went is None and paced is None:
@@ -632,18 +619,6 @@ class Scraper:
                          + (f"but {went}" if went is not None else paced)
                          + ": a restart behind a gateway whose new process reached the old reading, or the same "
                          "process back")
-
-    def _outlived(self, text: str) -> bool:
-        """Whether this page holds a request that lasted longer than a new process could have lived: its end-to-end
-        latency histogram (AGE_HISTOGRAMS; `longest_observed_s`: a bucket above the bound with requests in it, or a mean
-        past it) past the seconds since the last believed page's GET began plus BLIP_AGE_SLACK_S. A process gone in a
-        restart was gone by then; its successor started after. Proof of the same process where the time bounds of
-        `_beyond_reach` have none (a young server: a blip 1.5 s into a run was said, its rows out of J/token)."""
-        name = AGE_HISTOGRAMS.get(self.kind or "")
-        if name is None or self._believed_at is None:
-            return False
-        longest = longest_observed_s(text, name)
-        return longest is not None and longest > time.monotonic() - self._believed_at + BLIP_AGE_SLACK_S
 
     def _same_finished(self, text: str) -> bool:
         """Whether this page's finished-request histogram (FINISHED_LATENCY: count and summed seconds) reads as the last
