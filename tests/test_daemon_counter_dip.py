@@ -909,6 +909,43 @@ def test_a_young_sglang_back_from_a_503_is_said_whatever_its_requests_ages(pages
     assert deltas[3:] == [None, counted] and "counter_below" in sc.partial and sc.below == 1, (deltas, sc.partial)
 
 
+@pytest.mark.parametrize("offset_s", [0.03, 0.06])
+def test_a_proxy_refusal_while_the_last_pages_get_was_in_flight_finds_the_server_down(offset_s, monkeypatch):
+    # 100, 150, a restart no scrape saw, 400 (1 s scrapes, each GET 50 ms), the daemon's proxy forwarding to the same
+    # server refused `offset_s` after the 150 page's GET began: during it (the server answered that GET, then closed its
+    # listener: uvicorn's graceful shutdown does so first), or after its answer. Either way the death lies after that
+    # GET began, in the next window: its page at or past the old reading is said (counter_below), the 250 kept. Before,
+    # only refusals after the answer counted: the one during the GET was dropped, 250 whole, unsaid.
+    import types
+
+    from powerprof.daemon import scrape
+
+    clock = [1000.0]
+    monkeypatch.setattr(scrape, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0]))
+    pages, box = [_sglang(100), _sglang(150), _sglang(400)], []
+
+    class Timed(Scraper):
+        async def _get(self, path):
+            clock[0] += 0.05
+            return 200, pages.pop(0)
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            sc = Timed(s, "http://x", "sglang")
+            sc.refusals = lambda: [box.pop() for _ in range(len(box))]
+            out = []
+            for i in range(3):
+                start = clock[0]
+                out.append((await sc.scrape(), sc.window_partial, sc.window_down_refused))
+                if i == 1:
+                    box.append(int((start + offset_s) * 1e9))
+                clock[0] = start + 1.0
+            return out, sc
+
+    got, sc = asyncio.run(go())
+    assert got == [(0.0, (), False), (50.0, (), False), (250.0, ("counter_below",), True)], got
+
+
 def test_a_vllm_restarted_behind_a_503_with_as_many_requests_finished_is_said(monkeypatch):
     # A vLLM with several API servers (no start time): the old process 300 tokens in 3 requests at 100 tokens a second,
     # the new one behind a 503 330 tokens in 3 (an equal finished count is no "went back"). Truth: 330 the new

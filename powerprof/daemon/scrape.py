@@ -379,8 +379,6 @@ class Scraper:
         # and closed unanswered (never run) 119 J, and the live request beside it 1099 J for 1177 of truth.
         self._loading_at_ns: int | None = None
         self._believed_at: float | None = None  # time.monotonic() as the last believed page's scrape began
-        # And as its answer was read (ns): a refusal the proxy met after it found the server down since that page.
-        self._believed_end_ns: int | None = None
         # The times the daemon's proxy's connects to this same server were refused since the last call
         # (`Proxy.take_refusals`; None: no proxy, or it forwards elsewhere): proof of a death as this scraper's own
         # refused scrape is (`_proxy_refused`).
@@ -721,7 +719,7 @@ class Scraper:
             if self.kind == "llamacpp":
                 delta = await self._scrape_llamacpp()
                 self._unreachable = self._blipped = False  # a believed page: the next fall is judged afresh
-                self._believed_at, self._believed_end_ns = self._scrape_at, int(time.monotonic() * 1e9)
+                self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
                 self._refused_at_ns = self._loading_at_ns = None
@@ -777,7 +775,7 @@ class Scraper:
                 self._last_total, self._dipped, self._unreachable, self._blipped = total, None, False, False
                 self._believed_page = text
                 self._young_fall = False
-                self._believed_at, self._believed_end_ns = self._scrape_at, int(time.monotonic() * 1e9)
+                self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
                 self._refused_at_ns = self._loading_at_ns = None
@@ -834,13 +832,16 @@ class Scraper:
         return float(delta)
 
     def _proxy_refused(self, times: list[int], scrape_at_ns: int) -> None:
-        """The proxy's connects to this server refused at `times` (ns): those after the last believed page's answer
-        was read and before this scrape began found the server down, as a refused scrape does (`_found_down`): its
-        next page is judged after a death (a fall a restart, a page at or past the old reading said: `_down_back`), and
-        the ledger's death window opens at the first. A scrape that missed a short outage left a restart whose new
-        process passed the old reading unsaid, where the proxy's own requests had been refused. Those before that
-        answer, or during it, say nothing of this page (the page may be the old process's or the new one's)."""
-        after = [t for t in times if self._believed_end_ns is not None and self._believed_end_ns < t < scrape_at_ns]
+        """The proxy's connects to this server refused at `times` (ns): those from the last believed page's GET on
+        and before this scrape began found the server down, as a refused scrape does (`_found_down`): its next page is
+        judged after a death (a fall a restart, a page at or past the old reading said: `_down_back`), and the ledger's
+        death window opens at the first. A scrape that missed a short outage left a restart whose new process passed
+        the old reading unsaid, where the proxy's own requests had been refused. One while that GET was in flight may
+        have come after the server answered it (uvicorn's graceful shutdown closes its listener first, then finishes
+        what it holds): counted, the death in the next window; dropped, 100, 150, restart, 400 read 250 whole, unsaid.
+        Where it came before (the page the new process's), the next page is said though whole: an over-flag."""
+        start_ns = None if self._believed_at is None else int(self._believed_at * 1e9)
+        after = [t for t in times if start_ns is not None and start_ns <= t < scrape_at_ns]
         if not after:
             return
         first = min(after)
