@@ -166,17 +166,21 @@ def test_a_counter_past_its_reading_after_the_server_was_found_down_says_it_may_
 
 
 @pytest.mark.parametrize("down", [DOWN, "503"])
-def test_a_counter_back_at_exactly_its_reading_after_the_server_was_found_down_is_said_unless_nothing_finished(down):
+def test_a_counter_back_at_exactly_its_reading_after_the_server_was_found_down_is_said_unless_nothing_moved_behind_a_503(
+        down):
     # The review's case: the old SGLang at 34 tokens (its warm-up's 2 and one 32-token request), restarted, the new one
     # at 34 by its first page (its warm-up's 2 and one 32-token bypass request): 32 ran, none counted, nothing said.
     # Its finished-request histogram tells the new process (its own requests' seconds) from the same one idle since.
     deltas, sc = _scrapes("sglang", [_sglang_full(34, 0, 2, 0.35), down, _sglang_full(34, 0, 2, 0.41),
                                      _sglang_full(34, 0, 2, 0.41)])
     assert deltas == [0, None, 0, 0] and "counter_below" in sc.partial, (deltas, sc.partial)
-    # The same process back, idle: its histogram as it was; nothing ran, nothing said.
+    # Its histogram as it was: behind a gateway's 503 the same process back idle, nothing said. Found down (refused:
+    # nothing listened), a new process of the same counts as likely (the simulator's restart between 2 s scrapes: its
+    # warm-up's 2 and nothing finished, read as idle, 2687 of 3072 bypass tokens counted, every row complete): said.
     deltas, sc = _scrapes("sglang", [_sglang_full(34, 0, 2, 0.35), down, _sglang_full(34, 0, 2, 0.35),
                                      _sglang_full(44, 0, 3, 0.5)])
-    assert deltas == [0, None, 0, 10] and sc.partial == {}, (deltas, sc.partial)
+    assert deltas == [0, None, 0, 10], deltas
+    assert (sc.partial == {}) if down == "503" else ("counter_below" in sc.partial and sc.below == 1), sc.partial
 
 
 def _llama_page(tokens: float, steps: float) -> str:
@@ -187,7 +191,8 @@ def _llama_page(tokens: float, steps: float) -> str:
 def test_a_llama_server_back_past_its_reading_after_it_was_found_down_says_it_may_be_low():
     # The review's llama.cpp case: 40 tokens in 40 decode calls, a refused scrape, then 50 in 50: a new process that
     # passed both counters (two bypass requests at once take fewer calls than tokens) counted 10 of its 50, unsaid.
-    # Back with neither counter moved, it is the same process: nothing said.
+    # Back with neither counter moved after a refused scrape: a death all the same (a new process of the same counts, or
+    # the old one idle): said, the count kept.
     import json
 
     def pages(script):
@@ -203,7 +208,7 @@ def test_a_llama_server_back_past_its_reading_after_it_was_found_down_says_it_ma
     assert deltas == [0, None, 10, 10] and sc.errors == 1, deltas
     assert "counter_below" in sc.partial and sc.restarts == 0, (deltas, sc.partial)
     deltas, sc = _scrapes("llamacpp", pages([(40, 40), DOWN, (40, 40), (50, 50)]), n=4)
-    assert deltas == [0, None, 0, 10] and sc.partial == {} and sc.restarts == 0, (deltas, sc.partial)
+    assert deltas == [0, None, 0, 10] and "counter_below" in sc.partial and sc.restarts == 0, (deltas, sc.partial)
 
 
 @pytest.mark.parametrize("down", [DOWN, "503"])
@@ -1198,8 +1203,10 @@ def test_a_restart_between_scrapes_that_the_proxys_refused_connects_saw_is_said(
     (Scraper._proxy_refused): 28 of 70 rows counter_below, 17 intervals out of J/token, 2536 of 3136, none made up."""
     got = blip_run(tmp_path, restart_at_s=1.0, run_s=6.0, bypass_lanes=6, direct=True, scrape_s=2.0)
     assert got["bypass_counted"] <= got["bypass_run"] * 1.05 + 1, got  # nothing made up
-    if got["bypass_counted"] < 0.95 * got["bypass_run"]:  # tokens hidden (the usual case): the windows say so
-        assert got["rows_counter_below"] + got["rows_server_restart"] > 0 and got["jpt_left_out"], got
+    # A restart loses the old process's tokens since the last page: said every run (asked only where more than 5% of
+    # the bypass tokens went missing, it hid the run whose first page back read the new process's warm-up count, 2,
+    # as the old one idle: 2687 of 3072 counted, 80 of 80 rows complete).
+    assert got["rows_counter_below"] + got["rows_server_restart"] > 0 and got["jpt_left_out"], got
 
 
 def test_a_simulated_sglang_restarting_behind_a_routers_503_is_still_told(tmp_path):

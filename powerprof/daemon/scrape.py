@@ -164,7 +164,7 @@ PARTIAL_REASONS = {
                    "count on the page went back or the counter was within what a new process could have counted at "
                    f"{BLIP_RATE_MARGIN:g} times the server's highest rate or had risen faster than {BLIP_RISE_MARGIN:g} "
                    "times that rate since (no process start time on the page; not "
-                   "where it and the finished-request histogram, or llama.cpp's decode calls, had not moved, nor where "
+                   "where, after a 502/503, it and the finished-request histogram, or llama.cpp's decode calls, had not moved, nor where "
                    "it was higher than a new process could have counted since the page before the outage): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
                    "the count is exact, a server back from a 503 with its counter whole, or a restart whose new process "
@@ -766,7 +766,13 @@ class Scraper:
                 if self._young_fall and self._dipped is not None and prev is not None and total >= prev:
                     self._young_back(prev, self._dipped, total)
                 elif ((self._unreachable or self._blipped) and prev is not None and total >= prev and new_process is None
-                      and not same_start and not (total == prev and self._same_finished(text))):
+                      and not same_start and not (self._blipped and not self._unreachable and total == prev
+                                                  and self._same_finished(text))):
+                    # Nothing moved is the same process idle only behind a gateway's 502/503: found down (nothing
+                    # listening, or loading), a new process of the old one's counts (its warm-up's 2, nothing finished
+                    # yet) read so, the old one's tokens since the last page lost unseen (the simulator's restart
+                    # between 2 s scrapes: 2687 of 3072 bypass tokens, every row complete). An idle server restarted is
+                    # said too: an over-flag of a window with nothing to count.
                     if self._unreachable:
                         self._down_back(prev, total)
                     else:
@@ -971,11 +977,11 @@ class Scraper:
         elif prev_steps is not None and steps is not None and steps < prev_steps:
             self._high = 0.0
             self._restarted(f"{LLAMACPP_STEPS} went back from {prev_steps:g} to {steps:g}")
-        elif self._unreachable and self._finished is not None and not (
-                finished == self._finished and steps is not None and steps == prev_steps):
+        elif self._unreachable and self._finished is not None:
             # Found down, and back with neither counter fallen: a restart whose new process passed both by its first
             # page (a young server; two bypass requests at once take fewer decode calls than tokens), or the same
-            # process back; its page has no start time to tell (`_down_back`). Not moved at all, it is the same.
+            # process back; its page has no start time to tell (`_down_back`). Not moved at all is no proof of the
+            # same process either (a death: nothing listened, or it was loading), as on the other servers' pages.
             self._down_back(self._finished, finished)
         elif self._blipped and self._finished is not None and self._high is not None and not (
                 finished == self._finished and steps is not None and steps == prev_steps):
