@@ -357,6 +357,29 @@ def test_the_proxys_refused_connects_are_kept_for_the_scraper_and_only_refusals(
     assert not same_origin("http://127.0.0.1:8000", "https://127.0.0.1:8000")
 
 
+def test_a_herd_of_refusals_keeps_the_first_ones_the_scraper_may_count_from():
+    # One refusal before the last believed page's GET began (the scraper leaves it out), then a retry herd of 100 from
+    # 10.10 s: the proxy trims past REFUSALS_KEPT. Keeping only the very first, it dropped the herd's first 68 and the
+    # death window opened at 10.74 s; the first ones kept, it opens at the herd's first, 10.10 s.
+    import types
+
+    from powerprof.daemon.proxy import REFUSALS_KEPT
+    from powerprof.daemon.scrape import Scraper
+
+    s_ns = 1_000_000_000
+    p = types.SimpleNamespace(_refused_ns=[])
+    Proxy._note_refused(p, int(10.03 * s_ns))
+    herd = [int((10.10 + 0.01 * i) * s_ns) for i in range(100)]
+    for t in herd:
+        Proxy._note_refused(p, t)
+    taken = Proxy.take_refusals(p)
+    assert len(taken) <= REFUSALS_KEPT and taken[-1] == herd[-1] and taken == sorted(taken), taken
+    sc = types.SimpleNamespace(_believed_at=10.05, _down_at_ns=None, _refused_at_ns=None, _unreachable=False,
+                               _down_refused=False, base="http://x")
+    Scraper._proxy_refused(sc, taken, 12 * s_ns)
+    assert sc._down_at_ns == herd[0] and sc._refused_at_ns == herd[0] and sc._unreachable, sc
+
+
 def test_client_disconnect_cancels_the_upstream_stream():
     async def main():
         rec = Rec()

@@ -109,8 +109,9 @@ RESEND_LOADING = "sending it again met llama-server's loading page"
 # The largest 503 body read for that page on a resend (llama-server's is 77 bytes); a larger one is relayed unread.
 LOADING_BODY_MAX = 4096
 CRASHED_NOTE = "the upstream closed its connection with no answer after the request went out (a crash, or a refusal?)"
-# Refused connects kept between two scrapes (a retry herd against a dead server refuses thousands): the first and the
-# latest ones are what the scraper reads (`Proxy.take_refusals`).
+# Refused connects kept between two scrapes (a retry herd against a dead server refuses thousands): the first half and
+# the latest half are kept (`Proxy.take_refusals`). The scraper opens a death window at the first it counts, which need
+# not be the very first (`Scraper._proxy_refused` leaves out those before the last believed page's GET).
 REFUSALS_KEPT = 64
 
 
@@ -719,11 +720,12 @@ class Proxy:
         self.closing = False
 
     def _note_refused(self, t_ns: int) -> None:
-        """A connect to the upstream was refused at `t_ns`; kept until taken (the oldest let go past REFUSALS_KEPT:
-        only the first after a scrape's page and the latest matter)."""
+        """A connect to the upstream was refused at `t_ns`; kept until taken (past REFUSALS_KEPT, those between the
+        first half and the latest half are let go: keeping only the very first, one the scraper left out took the
+        herd's first with it)."""
         self._refused_ns.append(t_ns)
         if len(self._refused_ns) > REFUSALS_KEPT:
-            del self._refused_ns[1:-REFUSALS_KEPT // 2]
+            del self._refused_ns[REFUSALS_KEPT // 2:-(REFUSALS_KEPT // 2)]
 
     def take_refusals(self) -> list[int]:
         """The times of the refused connects since the last call (time.monotonic_ns(), oldest first), then forgotten:

@@ -48,8 +48,7 @@ from .ticks import IDLE_PERIOD_S
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
     COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, YOUNG_COUNTER_TOKENS, YOUNG_DIP_TOKENS, connection_refused,
-    counter_restarted, counter_total, histogram_sum_count, llamacpp_generated, longest_observed_s, prefix_cache_reading,
-    requests_and_in_flight,
+    counter_restarted, counter_total, histogram_sum_count, llamacpp_generated, prefix_cache_reading, requests_and_in_flight,
     series_values, slot_progress, slots_json, unset_means_zero)
 
 log = logging.getLogger("powerprof.daemon.scrape")
@@ -105,14 +104,6 @@ BLIP_MARKS = {"sglang": ("sglang:generation_tokens_total", "sglang:prompt_tokens
                          "sglang:e2e_request_latency_seconds"),
               "vllm": ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
                        "vllm:e2e_request_latency_seconds")}
-
-# Each server's end-to-end latency histogram, timed by the server from its own receipt of each request (SGLang's
-# time_stats, vLLM's arrival_time): a page holding a request that lasted longer than the seconds since the last believed
-# page's GET began, plus BLIP_AGE_SLACK_S, is of a process older than that page, so the same process, back after a
-# gateway's 502/503 whole, however young (`Scraper._outlived`). A new process cannot have timed a request longer than
-# its own life. The slack covers the server's wall clock against the daemon's monotonic one (a step of the clock).
-AGE_HISTOGRAMS = {"sglang": "sglang:e2e_request_latency_seconds", "vllm": "vllm:e2e_request_latency_seconds"}
-BLIP_AGE_SLACK_S = 1.0
 
 
 def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object, int]]) -> int:
@@ -173,9 +164,8 @@ PARTIAL_REASONS = {
                    "count on the page went back or the counter was within what a new process could have counted at "
                    f"{BLIP_RATE_MARGIN:g} times the server's highest rate or had risen faster than {BLIP_RISE_MARGIN:g} "
                    "times that rate since (no process start time on the page; not "
-                   "where it and the finished-request histogram, or llama.cpp's decode calls, had not moved, nor where "
-                   "it was higher than a new process could have counted since the page before the outage, or held a request "
-                   "longer than a new process could have lived since then): dips "
+                   "where, after a 502/503, it and the finished-request histogram, or llama.cpp's decode calls, had not moved, nor where "
+                   "it was higher than a new process could have counted since the page before the outage): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
                    "the count is exact, a server back from a 503 with its counter whole, or a restart whose new process "
                    "had counted more than half the old one's tokens by its first page (or whose old one had counted "
@@ -389,8 +379,6 @@ class Scraper:
         # and closed unanswered (never run) 119 J, and the live request beside it 1099 J for 1177 of truth.
         self._loading_at_ns: int | None = None
         self._believed_at: float | None = None  # time.monotonic() as the last believed page's scrape began
-        # And as its answer was read (ns): a refusal the proxy met after it found the server down since that page.
-        self._believed_end_ns: int | None = None
         # The times the daemon's proxy's connects to this same server were refused since the last call
         # (`Proxy.take_refusals`; None: no proxy, or it forwards elsewhere): proof of a death as this scraper's own
         # refused scrape is (`_proxy_refused`).
@@ -615,15 +603,12 @@ class Scraper:
         (`_went_back`) and the server's own pace (`_peak_tok_s`) says so (`_beyond_reach`: `total` beyond a new
         process's reach, its rise within the pace). Else said (COUNTER_BELOW), the count kept: SGLang raises its token
         counter and finished counts in one call, so a new process with the same mix passes both together, and only the
-        time bounds tell it. With no rate known, judged as after a down (`_down_back`). A page holding a request longer
-        than a new process could have lived (`_outlived`) is the same process whatever its age: whole."""
-        went = self._went_back(text, tokens=True)
-        if went is None and self._outlived(text):
-            return
+        time bounds tell it. With no rate known, judged as after a down (`_down_back`)."""
         if self._peak_tok_s <= 0 or self._believed_at is None:
             self._down_back(prev, total)
             return
         since_s = time.monotonic() - self._believed_at
+        went = self._went_back(text, tokens=True)
         paced = None if went is not None else self._beyond_reach(COUNTERS[self.kind], prev, total, self._peak_tok_s,
                                                                  since_s)
         if went is None and paced is None:
@@ -632,18 +617,6 @@ class Scraper:
                          + (f"but {went}" if went is not None else paced)
                          + ": a restart behind a gateway whose new process reached the old reading, or the same "
                          "process back")
-
-    def _outlived(self, text: str) -> bool:
-        """Whether this page holds a request that lasted longer than a new process could have lived: its end-to-end
-        latency histogram (AGE_HISTOGRAMS; `longest_observed_s`: a bucket above the bound with requests in it, or a mean
-        past it) past the seconds since the last believed page's GET began plus BLIP_AGE_SLACK_S. A process gone in a
-        restart was gone by then; its successor started after. Proof of the same process where the time bounds of
-        `_beyond_reach` have none (a young server: a blip 1.5 s into a run was said, its rows out of J/token)."""
-        name = AGE_HISTOGRAMS.get(self.kind or "")
-        if name is None or self._believed_at is None:
-            return False
-        longest = longest_observed_s(text, name)
-        return longest is not None and longest > time.monotonic() - self._believed_at + BLIP_AGE_SLACK_S
 
     def _same_finished(self, text: str) -> bool:
         """Whether this page's finished-request histogram (FINISHED_LATENCY: count and summed seconds) reads as the last
@@ -746,7 +719,7 @@ class Scraper:
             if self.kind == "llamacpp":
                 delta = await self._scrape_llamacpp()
                 self._unreachable = self._blipped = False  # a believed page: the next fall is judged afresh
-                self._believed_at, self._believed_end_ns = self._scrape_at, int(time.monotonic() * 1e9)
+                self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
                 self._refused_at_ns = self._loading_at_ns = None
@@ -793,7 +766,13 @@ class Scraper:
                 if self._young_fall and self._dipped is not None and prev is not None and total >= prev:
                     self._young_back(prev, self._dipped, total)
                 elif ((self._unreachable or self._blipped) and prev is not None and total >= prev and new_process is None
-                      and not same_start and not (total == prev and self._same_finished(text))):
+                      and not same_start and not (self._blipped and not self._unreachable and total == prev
+                                                  and self._same_finished(text))):
+                    # Nothing moved is the same process idle only behind a gateway's 502/503: found down (nothing
+                    # listening, or loading), a new process of the old one's counts (its warm-up's 2, nothing finished
+                    # yet) read so, the old one's tokens since the last page lost unseen (the simulator's restart
+                    # between 2 s scrapes: 2687 of 3072 bypass tokens, every row complete). An idle server restarted is
+                    # said too: an over-flag of a window with nothing to count.
                     if self._unreachable:
                         self._down_back(prev, total)
                     else:
@@ -802,7 +781,7 @@ class Scraper:
                 self._last_total, self._dipped, self._unreachable, self._blipped = total, None, False, False
                 self._believed_page = text
                 self._young_fall = False
-                self._believed_at, self._believed_end_ns = self._scrape_at, int(time.monotonic() * 1e9)
+                self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
                 self._refused_at_ns = self._loading_at_ns = None
@@ -859,13 +838,16 @@ class Scraper:
         return float(delta)
 
     def _proxy_refused(self, times: list[int], scrape_at_ns: int) -> None:
-        """The proxy's connects to this server refused at `times` (ns): those after the last believed page's answer
-        was read and before this scrape began found the server down, as a refused scrape does (`_found_down`): its
-        next page is judged after a death (a fall a restart, a page at or past the old reading said: `_down_back`), and
-        the ledger's death window opens at the first. A scrape that missed a short outage left a restart whose new
-        process passed the old reading unsaid, where the proxy's own requests had been refused. Those before that
-        answer, or during it, say nothing of this page (the page may be the old process's or the new one's)."""
-        after = [t for t in times if self._believed_end_ns is not None and self._believed_end_ns < t < scrape_at_ns]
+        """The proxy's connects to this server refused at `times` (ns): those from the last believed page's GET on
+        and before this scrape began found the server down, as a refused scrape does (`_found_down`): its next page is
+        judged after a death (a fall a restart, a page at or past the old reading said: `_down_back`), and the ledger's
+        death window opens at the first. A scrape that missed a short outage left a restart whose new process passed
+        the old reading unsaid, where the proxy's own requests had been refused. One while that GET was in flight may
+        have come after the server answered it (uvicorn's graceful shutdown closes its listener first, then finishes
+        what it holds): counted, the death in the next window; dropped, 100, 150, restart, 400 read 250 whole, unsaid.
+        Where it came before (the page the new process's), the next page is said though whole: an over-flag."""
+        start_ns = None if self._believed_at is None else int(self._believed_at * 1e9)
+        after = [t for t in times if start_ns is not None and start_ns <= t < scrape_at_ns]
         if not after:
             return
         first = min(after)
@@ -995,11 +977,11 @@ class Scraper:
         elif prev_steps is not None and steps is not None and steps < prev_steps:
             self._high = 0.0
             self._restarted(f"{LLAMACPP_STEPS} went back from {prev_steps:g} to {steps:g}")
-        elif self._unreachable and self._finished is not None and not (
-                finished == self._finished and steps is not None and steps == prev_steps):
+        elif self._unreachable and self._finished is not None:
             # Found down, and back with neither counter fallen: a restart whose new process passed both by its first
             # page (a young server; two bypass requests at once take fewer decode calls than tokens), or the same
-            # process back; its page has no start time to tell (`_down_back`). Not moved at all, it is the same.
+            # process back; its page has no start time to tell (`_down_back`). Not moved at all is no proof of the
+            # same process either (a death: nothing listened, or it was loading), as on the other servers' pages.
             self._down_back(self._finished, finished)
         elif self._blipped and self._finished is not None and self._high is not None and not (
                 finished == self._finished and steps is not None and steps == prev_steps):

@@ -284,45 +284,6 @@ def series_values(text: str, names) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def longest_observed_s(text: str, name: str) -> float | None:
-    """A lower bound on the longest single observation of the histogram `name` on the page (seconds, for a latency),
-    over its label sets: the largest finite `le` whose cumulative count is below the label set's `+Inf` count (some
-    observation lies above it), or its `_sum` over its `_count` (the longest is at least the mean). None where the page
-    says neither (absent, no observation, unreadable)."""
-    per: dict[tuple, dict[str, float]] = {}
-    below: dict[tuple, list[tuple[float, float]]] = {}
-    try:
-        fams = list(text_string_to_metric_families(_lines_naming(text, name)))
-    except ValueError:
-        return None
-    for fam in fams:
-        if fam.name != name:
-            continue
-        for s in fam.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
-            if s.name == name + "_bucket":
-                try:
-                    le = float(s.labels.get("le", "nan"))
-                except ValueError:
-                    continue
-                if le == float("inf"):
-                    per.setdefault(labels, {})["inf"] = s.value
-                else:
-                    below.setdefault(labels, []).append((le, s.value))
-            elif s.name in (name + "_count", name + "_sum"):
-                per.setdefault(labels, {})[s.name[len(name) + 1:]] = s.value
-    best: float | None = None
-    for labels, v in per.items():
-        count, total, inf = v.get("count"), v.get("sum"), v.get("inf", v.get("count"))
-        found = [total / count] if count is not None and total is not None and count > 0 else []
-        if inf is not None:
-            found += [le for le, n in below.get(labels, ()) if n < inf]
-        found = [x for x in found if x == x and x != float("inf")]  # NaN or inf: says nothing
-        if found:
-            best = max(found) if best is None else max(best, *found)
-    return best
-
-
 def unset_means_zero(text: str, kind: str | None) -> bool:
     """Whether a /metrics page (answered 200) without `kind`'s token counter says the server has counted nothing yet
     (0), not that it does not show it (unknown). Only SGLang's own page qualifies: its multiprocess collector shows
