@@ -1184,7 +1184,9 @@ def test_the_requests_beside_an_sglang_run_on_that_may_end_by_itself_are_flagged
     assert marked, [x.get("server_count") for x in ivs]
     # Real bypass traffic is still read (not listed away): at least what ran, less the few a read's timing moves.
     assert read_tokens >= byp_tokens - 20, (read_tokens, byp_tokens)
-    # No row is silently low: those live in a run-on's windows are flagged, with the reason; the streams after them not.
-    assert all(err[t] > -0.10 for t in ok if t not in flagged), {t: err[t] for t in ok if t not in flagged}
+    # No row is silently off: those live in a run-on's windows are flagged, with the reason; the streams after them not,
+    # and they are right both ways (the stream after the last cut took a 0.93 s idle interval's energy while the idle
+    # power was still unmeasured: +34% to +42%, unflagged, which the lower bound alone let pass).
+    assert all(-0.10 < err[t] < 0.20 for t in ok if t not in flagged), {t: err[t] for t in ok if t not in flagged}
     assert all("run_on_may_end" in notes[t] for t in flagged)
     assert not any("run_on_may_end" in notes[f"ok{30 + k}"] for k in range(4)), notes
