@@ -5169,3 +5169,18 @@ def test_a_request_before_the_idle_power_is_measured_takes_no_idle_seconds_of_it
     [row] = sink.rows["requests"]
     assert row["gpu_energy_j"] == pytest.approx(151.0, abs=1.0), (row, sink.rows["intervals"])
 
+
+
+def test_a_min_tokens_run_on_within_its_pace_error_of_the_abort_may_still_end_by_itself():
+    # 20 tokens shown, its client gone at 1.0 s, run on 2 s at its 40 tokens/s: 81 placed to SGLang's abort. A min_tokens
+    # leaving 85 more was taken as sure (85 > 81: it cannot end by itself before the abort), yet a pace 5% above the
+    # estimate decodes them and lets it end first, unseen, counted by SGLang then. Within RUN_ON_MAY_END_PACE_MARGIN
+    # (25%) of the placed run it is now unsure (flagged, saying why); one leaving 110 (over 81 x 1.25) stays sure.
+    from powerprof.daemon.liverequest import RUN_ON_MAY_END_PACE_MARGIN
+
+    assert RUN_ON_MAY_END_PACE_MARGIN == 0.25
+    near = _sglang_stream_run_on(down=30.0, up=31.0, extra={"min_tokens": 105})
+    far = _sglang_stream_run_on(down=30.0, up=31.0, extra={"min_tokens": 130})
+    assert UNSURE_FLAG in (near["energy_note"] or ""), near["energy_note"]
+    assert "its min_tokens' rest (85) is within 25% above that" in near["energy_note"], near["energy_note"]
+    assert UNSURE_FLAG not in (far["energy_note"] or ""), far["energy_note"]
