@@ -469,13 +469,20 @@ def test_bypass_traffic_beside_sglang_run_ons_it_aborted_is_read(tmp_path):
     assert byp_tokens == 360
     for t in ("cut1", "cut5", "cut9"):
         assert UNSURE_FLAG in (rows[t]["energy_note"] or ""), rows[t]["energy_note"]
-    flagged = [t for t, r in rows.items() if t.startswith("ok") and "bypass-uncounted" in (r["energy_note"] or "")]
-    # Read whole (as the shown tokens of a cut stream, never counted by SGLang, may hide: 3 x 5), or the rows flagged.
-    assert read_tokens >= 0.9 * byp_tokens or len(flagged) >= 6, (read_tokens, byp_tokens, flagged)
-    assert read_j >= 0.85 * byp_j or len(flagged) >= 6, (read_j, byp_j, flagged)
-    err = _errors_shown({t: r for t, r in rows.items() if t.startswith("ok") and t not in flagged}, truth)
-    # The rows live in those run-ons' windows are flagged (run_on_may_end: their count may hold a run-on's tokens):
-    # here all of them, a cut every 1.6 s.
+    notes = {t: r["energy_note"] if isinstance(r["energy_note"], str) else "" for t, r in rows.items()}
+    flagged = [t for t in rows if t.startswith("ok") and "bypass-uncounted" in notes[t]]
+    ok_err = _errors_shown({t: r for t, r in rows.items() if t.startswith("ok")}, truth)
+    print("bypass", byp_tokens, round(byp_j, 1), "J; read", round(read_tokens, 1), round(read_j, 1), "J; flagged",
+          len(flagged), "; ok mean", round(100 * float(np.mean(list(ok_err.values()))), 1))
+    # Read whole (as the shown tokens of a cut stream, never counted by SGLang, may hide: 3 x 5), whether or not the
+    # rows beside are flagged: the flag says their count may be high, never that real bypass traffic may be hidden
+    # (before 9d8382c8's flag, `or len(flagged) >= 6` let a hidden bypass pass once every row was flagged).
+    assert read_tokens >= 0.9 * byp_tokens, (read_tokens, byp_tokens, flagged)
+    assert read_j >= 0.85 * byp_j, (read_j, byp_j, flagged)
+    # The rows live in those run-ons' windows are flagged (run_on_may_end: their count may hold a run-on's tokens,
+    # here all of them, a cut every 1.6 s), with that reason; any left unflagged are right.
+    assert all("run_on_may_end" in notes[t] for t in flagged), {t: notes[t] for t in flagged}
+    err = {t: e for t, e in ok_err.items() if t not in flagged}
     assert not err or abs(float(np.mean(list(err.values())))) < 0.08, err
 
 
@@ -1177,7 +1184,9 @@ def test_the_requests_beside_an_sglang_run_on_that_may_end_by_itself_are_flagged
     assert marked, [x.get("server_count") for x in ivs]
     # Real bypass traffic is still read (not listed away): at least what ran, less the few a read's timing moves.
     assert read_tokens >= byp_tokens - 20, (read_tokens, byp_tokens)
-    # No row is silently low: those live in a run-on's windows are flagged, with the reason; the streams after them not.
-    assert all(err[t] > -0.10 for t in ok if t not in flagged), {t: err[t] for t in ok if t not in flagged}
+    # No row is silently off: those live in a run-on's windows are flagged, with the reason; the streams after them not,
+    # and they are right both ways (the stream after the last cut took a 0.93 s idle interval's energy while the idle
+    # power was still unmeasured: +34% to +42%, unflagged, which the lower bound alone let pass).
+    assert all(-0.10 < err[t] < 0.20 for t in ok if t not in flagged), {t: err[t] for t in ok if t not in flagged}
     assert all("run_on_may_end" in notes[t] for t in flagged)
     assert not any("run_on_may_end" in notes[f"ok{30 + k}"] for k in range(4)), notes

@@ -42,8 +42,9 @@ from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, closed_unanswered, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens,
-                          LiveRequest, is_unseen, not_forwarded, resend_queued, server_end_ns)
+from .liverequest import (PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN, closed_unanswered, finished_unsaid, gone_unsaid,
+                          is_passive, told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, resend_queued,
+                          server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
@@ -929,7 +930,7 @@ class Ledger:
         limit = r.trace.extra.get("max_tokens")
         # Capped where its max_tokens leave fewer than its pace decodes to the abort: not where the span, rounded back
         # from the tokens to the nanosecond, comes 1 ns short (half such runs said "until its max_tokens were decoded").
-        capped = False
+        capped, left = False, np.inf
         shown = r.spent + float(sum(r.ev_n)) + r.late
         if isinstance(limit, (int, float)) and limit > 0:
             left = max(float(limit) * seqs - shown, 0.0)
@@ -943,8 +944,11 @@ class Ledger:
             # were placed 62-65 run-on tokens for the simulator's 36-50, unflagged; placed at the latest streams' mean,
             # a stream that could not end (ignore_eos, min_tokens) was -33% to -49%. Its own body says which: still
             # placed at the most, its row says both readings, flagged uncertain (rowtext), where its body lets it end.
+            # Its min_tokens rule that out only past what a pace RUN_ON_MAY_END_PACE_MARGIN above the estimate decodes
+            # to the abort, or at its max_tokens (then a length finish, not its own end): a margin on the pace alone.
             least = max(float(r.trace.extra.get("min_tokens", 0)) * seqs - shown, 0.0)
-            if not r.trace.extra.get("eos_ignored") and least < n:
+            reach = min(to_abort * (1.0 + RUN_ON_MAY_END_PACE_MARGIN), left)
+            if not r.trace.extra.get("eos_ignored") and least < reach:
                 r.run_on_may_end = least
         k = max(1, min(SPREAD_EVENTS, int(np.ceil(n))))
         if capped:  # at its pace: a max_tokens reached stops it before the abort

@@ -18,6 +18,10 @@ PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's pr
 # proxy resends within forward.STALE_CLOSE_MAX_S, 1 s). A close later than this whose resend found the server dead
 # (`resend_queued`) may be a request the server had read but queued behind full slots, never run.
 CROSSING_CLOSE_MAX_S = 0.05
+# A run-on's min_tokens rule out an end by itself before SGLang's abort only where they leave more than this much over
+# what its pace (an estimate, `Ledger._place_run_ons`) decodes to that abort: a real pace a few % above the estimate
+# decodes them in time, the answer then free to end, unseen (`LiveRequest.run_on_may_end`).
+RUN_ON_MAY_END_PACE_MARGIN = 0.25
 
 
 @dataclass

@@ -24,9 +24,9 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       outside_text)
 
 from . import attribution as attr
-from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, body_left, closed_unanswered, crashed, finished_unsaid,
-                          gone_unsaid, is_passive, resend_crossed, resend_queued, told_prompt_tokens, LiveRequest,
-                          is_unseen, not_forwarded, server_end_ns)
+from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN, body_left,
+                          closed_unanswered, crashed, finished_unsaid, gone_unsaid, is_passive, resend_crossed,
+                          resend_queued, told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
@@ -395,8 +395,9 @@ def _run_on_unsure(r: LiveRequest) -> bool:
 
 def _may_have_ended(r: LiveRequest) -> bool:
     """Its run-on, placed to SGLang's abort (or its max_tokens), may have ended sooner by its answer's own end, unseen
-    (`LiveRequest.run_on_may_end`): its body did not rule that out (ignore_eos, min_tokens)."""
-    return (r.run_on_may_end is not None and r.run_on_tokens > r.run_on_may_end
+    (`LiveRequest.run_on_may_end`): its body did not rule that out (ignore_eos, min_tokens), by the margin on its pace
+    `Ledger._place_run_on` takes (a restart's cut may leave too few tokens since)."""
+    return (r.run_on_may_end is not None and r.run_on_tokens * (1.0 + RUN_ON_MAY_END_PACE_MARGIN) > r.run_on_may_end
             and not (r.run_on_restart and r.run_on_end_ns <= r.trace.end_ns))
 
 
@@ -418,9 +419,14 @@ def _run_on_note(r: LiveRequest) -> str:
         return said
     if _may_have_ended(r):
         least = (f"{r.run_on_may_end:.0f} (its min_tokens' rest)" if r.run_on_may_end > 0 else "0")
+        ran = f"it ran on from {least} to {r.run_on_tokens:.0f} tokens after its client left, placed at the most"
+        if r.run_on_may_end >= r.run_on_tokens:  # within the margin on its pace: a faster one reaches them
+            ran = (f"it ran on {r.run_on_tokens:.0f} tokens after its client left at its estimated pace, placed to the "
+                   f"abort, and its min_tokens' rest ({r.run_on_may_end:.0f}) is within "
+                   f"{RUN_ON_MAY_END_PACE_MARGIN:.0%} above that: a real pace that much faster decodes them in time")
         said = (f"{said}; {UNSURE_FLAG}: its answer may have ended by itself (its end of text or a stop) before that, "
                 f"unseen by the proxy (its body set no ignore_eos, or a stop, and its min_tokens do not reach so far): "
-                f"it ran on from {least} to {r.run_on_tokens:.0f} tokens after its client left, placed at the most, so "
+                f"{ran}, so "
                 "its figure may be high (SGLang then counts its tokens at its end, read as bypass tokens) and the "
                 "shares of the requests beside it then low; fix: none for J/token, which leaves it out; a client that "
                 "stays to its answer's end is costed as any")

@@ -216,10 +216,10 @@ class CostLearner:
                     idle.append((n0 + k + 1, y / f[0]))
             self._idle_sorted.setdefault(setting, [])[:] = sorted(w for _, w in idle)
 
-    def _idle_median(self, setting) -> float | None:
-        """Median power of the window's idle intervals (measured), None with fewer than MIN_IDLE."""
+    def _idle_median(self, setting, least: int = MIN_IDLE) -> float | None:
+        """Median power of the window's idle intervals (measured), None with fewer than `least`."""
         srt = self._idle_sorted.get(setting)
-        if not srt or len(srt) < MIN_IDLE:
+        if not srt or len(srt) < least:
             return None
         # np.median's own figure: the middle value, or the mean of the middle two ((a + b) / 2, as its mean of two).
         mid = len(srt) // 2
@@ -248,7 +248,11 @@ class CostLearner:
 
     def costs(self, setting) -> WorkCosts:
         fit = self.fits.get(setting)
+        # Until MIN_IDLE idle intervals are seen, the median of those seen (from one on) splits the busy intervals: with
+        # none, a request arriving 5.5 ms before a 0.93 s interval's end took all its idle energy (+34% to +42% on the
+        # simulated SGLang, unflagged); now within a few % (docs/daemon.md, Attribution: idle).
         idle = self.idle_w(setting)
+        idle = self._idle_median(setting, least=1) if idle is None else idle
         if fit is None or not fit.mature:
             return WorkCosts(idle_w=idle)
         _, step, dec, pre, ctx = fit.coef

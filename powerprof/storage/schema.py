@@ -508,9 +508,14 @@ BYPASS_COUNT_FIX = {
 }
 # Whatever the reason, a count short of whole costs something only where requests bypass the proxy. Where none do, a
 # count that may be low (a restart) still leaves the rows out, as nothing in them can tell; the daemon told that no
-# server is to be scraped writes `off`, trusted, and the figures are then exact.
-BYPASS_NONE_FIX = ("where every request goes through the proxy, set scrape.server = none: there is then no bypass "
-                   "traffic to count, and the rows (server_count off) stay in J/token")
+# server is to be scraped writes `off`, trusted, and its bypass count is then exact (none ran). Not its every figure:
+# scraping nothing, it knows no server kind, so no run-on after a client's leave (SGLang's, llama.cpp's) is placed, the
+# cut rows low and those beside them high, unflagged (docs/daemon.md, "A request the server runs on after its client
+# left"); so the fix says so, and is not offered for `run_on_may_end`, which only a cut SGLang request causes.
+BYPASS_NONE_FIX = ("where every request goes through the proxy and no client leaves mid-answer (SGLang and llama.cpp "
+                   "run such a request on, which only a scraped server's kind lets the daemon place), set "
+                   "scrape.server = none: there is then no bypass traffic to count, and the rows (server_count off) "
+                   "stay in J/token")
 BYPASS_PROXY_FIX = "or send every request through the proxy"
 
 
@@ -521,6 +526,8 @@ def bypass_count_fix(server_count: str | None) -> str:
     fixes = [BYPASS_COUNT_FIX[w] for w in why if w in BYPASS_COUNT_FIX]
     if not server_count:
         fixes = ["none for these rows (written before server_count); a newer daemon writes it"]
+    if SERVER_COUNT_RUN_ON_MAY_END in why:
+        return "; ".join(fixes)  # set scrape.server = none would hide the cut streams' run-ons, not fix the count
     return "; ".join(fixes + [BYPASS_NONE_FIX if bypass_count_low(server_count) else BYPASS_PROXY_FIX])
 
 
