@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from powerprof.storage import datafiles
 from powerprof.storage.atomic import atomic_path
 from powerprof.trust import out_dir_refusal
-from powerprof.storage.runs import missing_parent, no_finished_level
+from powerprof.storage.runs import cwd_gone, missing_parent, no_finished_level
 
 from .rowkeys import TUNER_KEY, WHY, folder_sql, ident, is_tuner_decisions, key_of, keyless_sql, why_of
 
@@ -632,6 +632,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
 
     if (why := path_problem(out)) is not None:  # "File name too long" was an OSError traceback from out.exists()
         raise ExportError(f"--out {out}: {why}")
+    if (why := cwd_gone(out)) is not None:  # before out.resolve() below: a FileNotFoundError traceback
+        raise ExportError(why)
     single = fmt != "xlsx" and len(sources) == 1 and out.suffix == f".{fmt}"
     # Whatever --force says: a FIFO, a device, a socket, a folder or a symlink (a looping one too) where a file goes
     # would be replaced by the file (`--out x.csv --force` made a device a regular file).

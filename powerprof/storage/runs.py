@@ -134,12 +134,27 @@ def given_out_problem(out: Path, flag: str = "--out", default: bool = False) -> 
     return None if default else missing_parent(out, flag)
 
 
+def cwd_gone(out, flag: str = "--out") -> str | None:
+    """Why a relative `out` names no place: the current folder was removed (os.getcwd() fails); None otherwise."""
+    if os.path.isabs(out):
+        return None
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return (f"{flag} {out}: the current folder no longer exists (removed), so a relative path names no folder. "
+                "Fix: cd to one that does, or give an absolute path")
+    return None
+
+
 def missing_parent(out, flag: str = "--out") -> str | None:
     """Why the output `out` the user named (a folder or a file) is not made: its parent folder does not exist. Every
     command's --out makes the folder (or file) it names, never the folders above it (`mkdir -p` of a mistyped path
     made a tree of folders, from / as root). None where `out` or its parent exists (a parent that is a file: the
     write's own error says it)."""
-    parent = Path(os.path.join(os.getcwd(), out)).parent
+    if (why := cwd_gone(out, flag)) is not None:
+        return why
+    # No os.getcwd() for an absolute --out: it is written from a removed current folder too (it was a traceback).
+    parent = Path(out if os.path.isabs(out) else os.path.join(os.getcwd(), out)).parent
     if os.path.lexists(out) or os.path.lexists(parent):
         return None
     return (f"{flag} {out}: its parent folder {parent} does not exist; not making a tree of folders from a path that may "
