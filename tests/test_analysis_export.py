@@ -310,7 +310,7 @@ def _no_traceback(r):
 
 @pytest.mark.parametrize("fmt,out,msg", [
     ("csv", "afile", "is a file"),  # an existing file where the tables' folder should go
-    ("csv", "afile/sub", "cannot create the folder"),  # a folder that cannot be made (under a file)
+    ("csv", "afile/sub", "afile' is a file, not a folder"),  # a folder that cannot be made (under a file)
     ("parquet", "two.parquet", "names one .parquet file"),  # several tables: a folder named two.parquet was made
     ("xlsx", "afile/book.xlsx", "is a file, not a folder"),  # it said the write failed, "Not a directory"
     # A workbook written as book.csv (Excel 2007+ bytes under a CSV name), or over a folder's name.
