@@ -1012,7 +1012,11 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                     raise AnalysisOutTaken(why)
                 if (why := missing_parent(out_dir)) is not None:
                     raise fleet.FleetError(why)
-                fleet.write_out(Path(out_dir), table, tags)
+                try:
+                    fleet.write_out(Path(out_dir), table, tags)
+                except OSError as e:  # a full disk, a read-only folder: a traceback before
+                    raise fleet.FleetError(f"cannot write the fleet summary to {out_dir}: {e.strerror or e}"
+                                           + (f" ({e.filename})" if e.filename else "")) from None
             if as_json:
                 # One object: the hosts, the tags and the notes that say what was left out of their figures.
                 click.echo(_json_text({"hosts": table.to_pylist(), "tags": tags.to_pylist(),

@@ -180,7 +180,11 @@ def untrusted_place(path: Path, euid: int | None = None, also: tuple[int, ...] =
     there is checked before it is created. A symlink there is judged by its owner as one on the way (`link` and
     `link/new` alike). `path` is joined to the working folder, never normalised: `a/link/../b` goes through `link`
     (the kernel's `..` is the link target's parent; abspath's would be `a`'s)."""
-    there = Path(os.path.join(os.getcwd(), path))
+    try:  # no os.getcwd() for an absolute path: one is written from a removed current folder too (a traceback)
+        there = Path(path if os.path.isabs(path) else os.path.join(os.getcwd(), path))
+    except FileNotFoundError:
+        return (f"cannot inspect {path}: the current folder no longer exists (removed); cd to one that does, or give "
+                "an absolute path")
     while not os.path.lexists(there) and there != there.parent:
         if there.name == "..":  # `x/..` missing: x is no folder, and `x/..`'s parent as text is not its parent
             return f"cannot inspect {path}: {there} does not exist"
@@ -245,7 +249,8 @@ def _trusted_target(path: Path, euid: int, also: tuple[int, ...] = (), groups: P
     folder's, checked like the others). So a symlink into a read-only root-owned store (NixOS's /etc) is followed,
     and nothing another user could have written or replaced is. PermissionError with the reason otherwise."""
     who = "root" if euid == 0 else f"uid {euid}"
-    todo = list(reversed(Path(os.path.join(os.getcwd(), path)).parts[1:]))  # joined, not normalised: `..` as the kernel
+    joined = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)  # no getcwd() for an absolute path
+    todo = list(reversed(Path(joined).parts[1:]))  # joined, not normalised: `..` as the kernel
     cur, hops = "/", 0
     why = _folder_reason(Path("/"), os.stat("/"), euid, sticky_ok=True, also=also, groups=groups)
     if why:

@@ -310,7 +310,7 @@ def _no_traceback(r):
 
 @pytest.mark.parametrize("fmt,out,msg", [
     ("csv", "afile", "is a file"),  # an existing file where the tables' folder should go
-    ("csv", "afile/sub", "cannot create the folder"),  # a folder that cannot be made (under a file)
+    ("csv", "afile/sub", "afile' is a file, not a folder"),  # a folder that cannot be made (under a file)
     ("parquet", "two.parquet", "names one .parquet file"),  # several tables: a folder named two.parquet was made
     ("xlsx", "afile/book.xlsx", "is a file, not a folder"),  # it said the write failed, "Not a directory"
     # A workbook written as book.csv (Excel 2007+ bytes under a CSV name), or over a folder's name.
@@ -1190,17 +1190,20 @@ def test_export_refuses_an_analysis_folder_whose_outputs_are_of_two_analyses(tmp
     assert r.exit_code == 0, r.output
 
 
-@pytest.mark.parametrize("src", ["folder", "file"])
+@pytest.mark.parametrize("src", ["folder", "file", "link", "file-uri", "folder-uri"])
 def test_export_of_an_analysis_out_folder_or_its_parquet_checks_the_ids_too(tmp_path, src):
     # Only RUN/analysis was checked: the same mixed outputs in an `analyze --out` folder, exported as that folder or
     # as its analysis.parquet, went out with no word, the rows of one analysis beside analysis.json's of another.
+    # So did a symlink to it of another name (matched by name only) and its file:// URIs (never checked): exit 0.
     run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
     out = tmp_path / "an"
     args = ["analyze", str(run), "--bootstrap", "100", "--format", "md,html", "--out", str(out)]
     assert CliRunner().invoke(main, [*args, "--max-slowdown", "0"]).exit_code == 0
     old = {n: (out / n).read_bytes() for n in ("analysis.json", "report.html")}
     assert CliRunner().invoke(main, [*args, "--max-slowdown", "99%"]).exit_code == 0
-    what = out if src == "folder" else out / "analysis.parquet"
+    (tmp_path / "ual.parquet").symlink_to(out / "analysis.parquet")
+    what = {"folder": str(out), "file": str(out / "analysis.parquet"), "link": str(tmp_path / "ual.parquet"),
+            "file-uri": f"file://{out}/analysis.parquet", "folder-uri": f"file://{out}"}[src]
     (out / "report.html").write_bytes(old["report.html"])
     r = CliRunner().invoke(main, ["export", str(what), "--format", "csv", "--out", str(tmp_path / "ok")])
     said = " ".join(r.output.split())
@@ -1209,6 +1212,23 @@ def test_export_of_an_analysis_out_folder_or_its_parquet_checks_the_ids_too(tmp_
     r = CliRunner().invoke(main, ["export", str(what), "--format", "csv", "--out", str(tmp_path / "mixed")])
     said = " ".join(r.output.split())
     assert r.exit_code == 1 and f"{out} holds the outputs of more than one analysis" in said, r.output
+    assert not (tmp_path / "mixed").exists()
+
+
+def test_export_of_a_runs_file_uri_checks_its_analysis_and_says_only_it_goes_out(tmp_path):
+    # `export file:///RUN` with RUN/analysis of two analyses went out mixed (exit 0), and wrote analysis.csv alone:
+    # read as a dataset folder, its windows, samples and levels were left out without a word.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "0"]).exit_code == 0
+    old_json = (run / "analysis" / "analysis.json").read_bytes()
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "99%"]).exit_code == 0
+    r = CliRunner().invoke(main, ["export", f"file://{run}", "--format", "csv", "--out", str(tmp_path / "ok")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and f"file://{run} is read as a dataset folder" in said and f"give its path {run}" in said, said
+    (run / "analysis" / "analysis.json").write_bytes(old_json)
+    r = CliRunner().invoke(main, ["export", f"file://{run}", "--format", "csv", "--out", str(tmp_path / "mixed")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and "holds the outputs of more than one analysis" in said, said
     assert not (tmp_path / "mixed").exists()
 
 

@@ -166,6 +166,9 @@ def test_forced_pool_of_different_gpus_warns_naming_them(tmp_path):
     ana = json.loads((out / "analysis.json").read_text())
     assert ana["warnings"][0]["kind"] == "forced-pool" and all(n in ana["warnings"][0]["message"] for n in names)
     assert "forced-pool" in (out / "report.md").read_text() and "forced-pool" in (out / "report.html").read_text()
+    # Both runs' id is synthetic-0: one power_clock plot was drawn twice, b's timeline missing. Now one each, in order.
+    assert sorted(f.name for f in out.glob("power_clock*")) == ["power_clock_synthetic-0_1.png",
+                                                                "power_clock_synthetic-0_2.png"]
     # --json: the JSON keeps it, and stderr says it to the person.
     r = CliRunner().invoke(main, ["analyze", str(a), str(b), "--force", "--json", "--out",
                                   str(out), "--bootstrap", "200"])
@@ -1237,3 +1240,22 @@ def test_a_reanalysis_removes_the_temporaries_of_an_analyze_that_died_and_keeps_
     r = CliRunner().invoke(main, [*args, "--max-slowdown", "99%"])
     assert r.exit_code == 0, r.output
     assert [f.name for f in gone if f.exists()] == [] and all(f.exists() for f in kept)
+
+
+def test_two_runs_whose_ids_make_one_file_name_get_a_timeline_plot_each(tmp_path):
+    # Run ids 'r.1' and 'r-1' both made power_clock_r-1.png: one plot, r.1's timeline missing unsaid, and every
+    # re-analysis left a hard-linked temporary that the next one called a part-way analyze's. Now each gets its own
+    # name (a short hash of its run id), the report links both and says why, and a re-analysis leaves no temporary.
+    a = make_run(tmp_path / "ra", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=3, run_id="r.1")
+    b = make_run(tmp_path / "rb", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=4, run_id="r-1")
+    out = tmp_path / "out"
+    for _ in range(2):
+        res = analyze_run([a, b], out, n_boot=100)
+        assert res.write_notes == []
+        clocks = sorted(f.name for f in out.iterdir() if f.name.startswith("power_clock"))
+        assert len(clocks) == 2 and not [f for f in out.iterdir() if f.name.startswith(".")]
+        md = (out / "report.md").read_text()
+        assert all(f"]({c})" in md for c in clocks)
+        assert sum("power_clock" in v for v in res.files.values()) == 2
+        note = next(n for n in res.notes if "one file name" in n)
+        assert all(c in note for c in clocks) and "r.1" in note and "r-1" in note

@@ -201,3 +201,21 @@ def test_a_group_whose_removal_cannot_be_put_back_says_the_file_is_missing(tmp_p
     assert (e.value.new, e.value.missing) == ([], [out / "report.md"]), str(e.value)
     assert e.value.old == [out / "analysis.parquet", out / "report.html"], str(e.value)
     assert f"missing: {out / 'report.md'}" in str(e.value)
+
+
+def test_a_group_refuses_a_path_staged_twice(tmp_path):
+    # report._staged_png staged power_clock_r-1.png twice for runs 'r.1' and 'r-1': the group renamed both, the first
+    # version's put-back link and a hard-linked temporary stayed, and a failed later rename put back new1, not the
+    # old file. A path staged twice is a caller's bug: refused at once, nothing replaced, no temporary left.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "p.png").write_bytes(b"old")
+    with pytest.raises(ValueError, match="staged twice"):
+        with atomic_group() as stage:
+            stage(out / "p.png").write_bytes(b"new1")
+            stage(out / "p.png").write_bytes(b"new2")
+    with pytest.raises(ValueError, match="staged twice"):
+        with atomic_group() as stage:
+            stage(out / "p.png").write_bytes(b"new1")
+            stage.remove(out / "p.png")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {"p.png": b"old"}

@@ -644,3 +644,22 @@ def test_a_commands_permission_error_loads_no_simulator():
             "assert 'powerprof.sim.nvml' not in sys.modules, 'powerprof.sim.nvml loaded'")
     loaded = _third_party_loaded(code)
     assert "numpy" not in loaded and "pynvml" not in loaded, loaded
+
+
+@pytest.mark.parametrize("cmd", [["analyze", "--bootstrap", "100", "--format", "md"], ["export", "--format", "csv"]])
+def test_analyze_and_export_write_an_absolute_out_from_a_removed_current_folder(cmd, tmp_path, monkeypatch):
+    # missing_parent asked os.getcwd() for every --out: with the current folder removed, an absolute --out (which needs
+    # none) ended in a FileNotFoundError traceback (exit 1, nothing written). Now it is written; a relative one,
+    # which names no folder any more, is refused saying why.
+    from synthetic_runs import make_run, seed_truth
+
+    src = make_run(tmp_path / "run", seed_truth(), levels=(180, 300), n_requests=6)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    r = CliRunner().invoke(main, [cmd[0], str(src), *cmd[1:], "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0 and (tmp_path / "out").is_dir(), r.output + repr(r.exception)
+    r = CliRunner().invoke(main, [cmd[0], str(src), *cmd[1:], "--out", "rel"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and "the current folder no longer exists" in said and "Traceback" not in said, said

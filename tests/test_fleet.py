@@ -89,6 +89,42 @@ def test_a_fleet_out_whose_parent_is_missing_is_refused_as_a_sweeps(fleet, tmp_p
     assert not (tmp_path / "typo").exists()
 
 
+@pytest.mark.parametrize("under", ["afile", "dangling"])
+def test_a_fleet_out_under_a_file_or_a_dangling_link_is_refused_naming_it(fleet, tmp_path, under, monkeypatch):
+    # fleet analyze --out afile/F or dang/F (dang -> a missing folder) ended in a NotADirectoryError or
+    # FileNotFoundError traceback from write_out (exit 1): missing_parent let a parent that exists as no folder through.
+    # As a user who is not root (the as-root check, which refuses the dangling link itself, off).
+    import powerprof.trust
+
+    monkeypatch.setattr(powerprof.trust, "untrusted_out_dir", lambda *a, **k: None)
+    base, _ = fleet
+    (tmp_path / "afile").write_text("keep")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone" / "deeper")
+    for cmd in (["analyze", str(base / "node-0")], ["analyze", str(base / "node-0"), "--json"]):
+        res = CliRunner().invoke(main, [*cmd, "--out", str(tmp_path / under / "F")])
+        said = " ".join(res.output.split())
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (said, res.exception)
+        assert f"'{tmp_path / under}' is a" in said and "not a folder" in said and "Fix:" in said, said
+    assert (tmp_path / "afile").read_text() == "keep" and not (tmp_path / "gone").exists()
+
+
+def test_a_fleet_out_that_cannot_be_written_says_why_without_a_traceback(fleet, tmp_path, monkeypatch):
+    # write_out's OSError (a full disk, a read-only folder) was uncaught: a traceback, exit 1.
+    import errno
+
+    from powerprof.storage import runs as storage_runs
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "F" / "fleet.parquet"))
+
+    monkeypatch.setattr(storage_runs, "atomic_write_table", full)
+    base, _ = fleet
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-0"), "--out", str(tmp_path / "F")])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (said, res.exception)
+    assert "cannot write the fleet summary" in said and "No space left on device" in said, said
+
+
 def test_a_simulated_hosts_figures_are_marked_and_said_beside_real_ones(fleet, tmp_path):
     # A daemon --simulate's folder synced beside real nodes' was summed as a real host, unmarked (session 46's
     # walkthrough): its row says (sim), a note says so, and that the all line adds it to real figures.

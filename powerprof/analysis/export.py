@@ -40,7 +40,8 @@ import pyarrow.parquet as pq
 from powerprof.storage import datafiles
 from powerprof.storage.atomic import atomic_path
 from powerprof.trust import out_dir_refusal
-from powerprof.storage.runs import missing_parent, no_finished_level
+from powerprof.paths import RUN_JSON
+from powerprof.storage.runs import cwd_gone, missing_parent, no_finished_level
 
 from .rowkeys import TUNER_KEY, WHY, folder_sql, ident, is_tuner_decisions, key_of, keyless_sql, why_of
 
@@ -280,17 +281,58 @@ def _uri_sources(uri: str) -> list[Source]:
 
 def analysis_folders(p: Path) -> list[Path]:
     """The folders of an analysis' outputs whose analysis.parquet an export of `p` reads: a run's analysis/, an
-    `analyze --out` folder given itself, the folder of an analysis.parquet given alone. Their ids are checked
+    `analyze --out` folder given itself, the folder of an analysis.parquet given alone, or through a symlink of another
+    name (its target's folder: matched by the link's name alone, it went out mixed). Their ids are checked
     (report.outputs_disagree, unread_outputs_disagree) wherever they are: only RUN/analysis was."""
     if p.is_file():
-        return [p.parent] if p.name == "analysis.parquet" else []
+        return list(dict.fromkeys(q.parent for q in (p, p.resolve()) if q.name == "analysis.parquet"))
     return [d for d in (p, p / "analysis") if (d / "analysis.parquet").is_file()] if p.is_dir() else []
+
+
+def local_path(src) -> Path | None:
+    """The local path a source names: itself, or a file:// URI's path; None for a remote URI (s3://, gs://, …)."""
+    if not is_uri(src):
+        return Path(src)
+    from urllib.parse import unquote, urlsplit  # noqa: PLC0415
+
+    parts = urlsplit(str(src))
+    return Path(unquote(parts.path)) if parts.scheme == "file" and parts.netloc in ("", "localhost") else None
+
+
+def analysis_folders_of(src) -> list[Path]:
+    """`analysis_folders` of a local source or a file:// URI (never checked before: a mixed analysis went out, exit
+    0); none for a remote URI, whose analysis.json is not read, nor for a path that cannot be inspected (its read
+    says why)."""
+    p = local_path(src)
+    try:
+        return analysis_folders(p) if p is not None else []
+    except OSError:
+        return []
+
+
+def _run_read_as_dataset(src) -> str | None:
+    """The note for a file:// URI of a run folder: read as a dataset folder, only its sub-folders' tables
+    (analysis/) go out, the run's own tables (windows, samples, levels) left out without a word."""
+    p = local_path(src)
+    if not is_uri(src) or p is None or not os.path.isfile(p / RUN_JSON):
+        return None
+    return (f"{src} is read as a dataset folder: only the tables in its sub-folders (its analysis) are exported, not "
+            f"the run's windows, samples and levels; give its path {p} (no file://) for those")
+
+
+def _refuse_mixed(folder: Path) -> None:
+    from .report import outputs_disagree  # noqa: PLC0415
+
+    if (why := outputs_disagree(folder)) is not None:
+        raise ExportError(why)
 
 
 def find_sources(src) -> list[Source]:
     """Tables of a run directory (top-level *.parquet, plus analysis/analysis.parquet), of a daemon
     dataset (one hive-partitioned dataset per sub-folder), of a single Parquet file, or of a URI."""
     if is_uri(src):
+        for folder in analysis_folders_of(src):  # a file:// URI's
+            _refuse_mixed(folder)
         return _uri_sources(str(src))
     p = Path(src)
     from powerprof.paths import path_problem  # noqa: PLC0415
@@ -299,11 +341,8 @@ def find_sources(src) -> list[Source]:
         raise ExportError(f"{p}: {why}")
     if not p.exists():
         raise ExportError(f"{p}: no such file or directory")
-    from .report import outputs_disagree  # noqa: PLC0415
-
     for folder in analysis_folders(p):
-        if (why := outputs_disagree(folder)) is not None:
-            raise ExportError(why)
+        _refuse_mixed(folder)
     if p.is_file():
         if p.suffix != ".parquet":
             raise ExportError(f"{p}: not a Parquet file; give a run directory, a dataset folder or a .parquet file")
@@ -590,8 +629,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     if notes is not None:
         from .report import unread_outputs_disagree  # noqa: PLC0415
 
-        notes.extend(n for s in srcs if not is_uri(s) for d in analysis_folders(Path(s))
-                     for n in unread_outputs_disagree(d))
+        notes.extend(n for s in srcs for d in analysis_folders_of(s) for n in unread_outputs_disagree(d))
+        notes.extend(n for n in map(_run_read_as_dataset, srcs) if n)
         # Its tables are there (Ctrl-C in the first level flushes them) but hold no finished level.
         notes.extend(f"{m}: its tables hold only what was measured before it stopped"
                      for m in (no_finished_level(s, None) for s in srcs if not is_uri(s) and Path(s).is_dir()) if m)
@@ -632,6 +671,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
 
     if (why := path_problem(out)) is not None:  # "File name too long" was an OSError traceback from out.exists()
         raise ExportError(f"--out {out}: {why}")
+    if (why := cwd_gone(out)) is not None:  # before out.resolve() below: a FileNotFoundError traceback
+        raise ExportError(why)
     single = fmt != "xlsx" and len(sources) == 1 and out.suffix == f".{fmt}"
     # Whatever --force says: a FIFO, a device, a socket, a folder or a symlink (a looping one too) where a file goes
     # would be replaced by the file (`--out x.csv --force` made a device a regular file).

@@ -7,6 +7,7 @@ written to a temporary name and renamed, so a failed analysis leaves the previou
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import base64
 import html
@@ -439,8 +440,10 @@ def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stag
                 for ctx in result.knobs.by_context:
                     key = "config_heatmap" + ("" if ctx is None else f"_ctx{ctx}")
                     images[key] = _staged_png(stage, drawn, out / f"{key}.png", lambda p: P.plot_knob_heatmap(result.knobs, *axes, p, ctx))
-        for tl in result.timelines:
-            key = "power_clock" if len(result.timelines) == 1 else f"power_clock_{_safe(tl.run_id)}"
+        ids = [tl.run_id for tl in result.timelines]
+        if note := _same_name_note(ids, _timeline_keys(ids)):
+            result.notes.append(note)
+        for tl, key in zip(result.timelines, _timeline_keys(ids)):
             meta = next((r.meta for r in result.runs if r.run_id == tl.run_id), {})
             unit = "MHz" if (meta.get("settings") or {}).get("level_kind") == "sm_clock" else "W"
             images[key] = _staged_png(stage, drawn, out / f"{key}.png", lambda p: P.plot_timeline(
@@ -569,6 +572,34 @@ def _staged_png(stage, drawn: dict, path: Path, draw) -> Path:
 
 def _safe(s: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in s)
+
+
+def _timeline_keys(run_ids: list[str]) -> list[str]:
+    """Each timeline's power_clock plot name, in order: `power_clock` alone, else `power_clock_<safe id>`; where two
+    ids make one safe name ('r.1', 'r-1') each adds a short hash of its raw id, whatever the runs' order, and one id
+    given by several runs (pooled with --force) adds their place among them (_1, _2 in the order given). One plot was
+    drawn twice, the other run's timeline missing unsaid."""
+    if len(run_ids) == 1:
+        return ["power_clock"]
+    safe = [_safe(r) for r in run_ids]
+    keys = []
+    for i, (r, s) in enumerate(zip(run_ids, safe)):
+        key = f"power_clock_{s}"
+        if len({x for x, y in zip(run_ids, safe) if y == s}) > 1:
+            key += f"_{hashlib.sha256(r.encode()).hexdigest()[:8]}"
+        if run_ids.count(r) > 1:
+            key += f"_{run_ids[:i].count(r) + 1}"
+        keys.append(key)
+    return keys
+
+
+def _same_name_note(run_ids: list[str], keys: list[str]) -> str | None:
+    """The report's note naming the plots that `_timeline_keys` gave more than the run id, with their runs."""
+    named = [(k, r) for r, k in zip(run_ids, keys) if k not in ("power_clock", f"power_clock_{_safe(r)}")]
+    if not named:
+        return None
+    return ("runs whose ids make one file name get power_clock plots named with a short hash of the id, or (one id "
+            "given by several runs) their place in the order given: " + ", ".join(f"{k}.png (run {r})" for k, r in named))
 
 
 def _json_default(x):

@@ -109,12 +109,20 @@ class _Group:
         self.staged: list[tuple[Path | None, Path]] = []  # (temporary, file); no temporary: the file is removed
 
     def __call__(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
+        path = self._once(path)
         self.staged.append((temp_sibling(path), path))
         return self.staged[-1][0]
 
     def remove(self, path: str | os.PathLike) -> None:
-        self.staged.append((None, Path(path)))
+        self.staged.append((None, self._once(path)))
+
+    def _once(self, path: str | os.PathLike) -> Path:
+        """ValueError for a file the group already holds: a caller's bug (two plots of one name). Taken, the second
+        version won unsaid and a failed rename put back the first, not the old file, its link left behind."""
+        path = Path(path)
+        if any(p == path for _, p in self.staged):
+            raise ValueError(f"{path} staged twice in one atomic_group (a bug: two outputs of one name)")
+        return path
 
     def paths(self) -> set[Path]:
         return {path for tmp, path in self.staged if tmp is not None}

@@ -16,7 +16,7 @@ from powerprof.errtext import error_text
 from .atomic import atomic_path, atomic_write_bytes
 from .schema import TABLES, rows_to_table
 
-from powerprof.paths import RUN_JSON
+from powerprof.paths import RUN_JSON, file_in_the_way, what_is
 
 
 def atomic_write_table(path: Path, table: pa.Table, metadata: dict | None = None) -> None:
@@ -134,13 +134,34 @@ def given_out_problem(out: Path, flag: str = "--out", default: bool = False) -> 
     return None if default else missing_parent(out, flag)
 
 
+def cwd_gone(out, flag: str = "--out") -> str | None:
+    """Why a relative `out` names no place: the current folder was removed (os.getcwd() fails); None otherwise."""
+    if os.path.isabs(out):
+        return None
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return (f"{flag} {out}: the current folder no longer exists (removed), so a relative path names no folder. "
+                "Fix: cd to one that does, or give an absolute path")
+    return None
+
+
 def missing_parent(out, flag: str = "--out") -> str | None:
     """Why the output `out` the user named (a folder or a file) is not made: its parent folder does not exist. Every
     command's --out makes the folder (or file) it names, never the folders above it (`mkdir -p` of a mistyped path
-    made a tree of folders, from / as root). None where `out` or its parent exists (a parent that is a file: the
-    write's own error says it)."""
-    parent = Path(os.path.join(os.getcwd(), out)).parent
-    if os.path.lexists(out) or os.path.lexists(parent):
+    made a tree of folders, from / as root). None where `out` or its parent folder exists. A parent, or the folder
+    above it, that exists as no folder (a file, a link to nothing) is refused naming it: a fleet analyze's write ended
+    in a NotADirectoryError or FileNotFoundError traceback, analyze's error said "No such file or directory"."""
+    if (why := cwd_gone(out, flag)) is not None:
+        return why
+    # No os.getcwd() for an absolute --out: it is written from a removed current folder too (it was a traceback).
+    parent = Path(out if os.path.isabs(out) else os.path.join(os.getcwd(), out)).parent
+    if os.path.lexists(out):
+        return None
+    if (q := file_in_the_way(parent)) is not None:
+        return (f"{flag} {out}: {str(q)!r} is {what_is(q)}, not a folder, so nothing can be made under it. Fix: give "
+                "a path under a folder, or move it aside")
+    if os.path.lexists(parent):
         return None
     return (f"{flag} {out}: its parent folder {parent} does not exist; not making a tree of folders from a path that may "
             f"be mistyped. Fix: correct the path, or make that folder first (mkdir -p {parent})")
