@@ -5148,6 +5148,34 @@ def test_a_slow_stream_beside_a_close_that_may_have_queued_is_flagged_where_it_w
     assert 0.01 * a["gpu_energy_j"] <= said <= rows[2]["gpu_energy_j"] + 1e-6, (said, rows[2])  # at most its whole
 
 
+@pytest.mark.parametrize("arrive,early_end", [(1.0, 0.9), (1.0, 6.0), (2.0, 8.0)])
+def test_a_stream_beside_a_queued_close_held_past_the_holds_says_its_gain_is_a_lower_bound(monkeypatch, arrive,
+                                                                                          early_end):
+    # The slow-stream scene with the ledger's holds cut to 3 s (a 120 s run's shape): intervals closed under the whole
+    # answer before its close were split with it live, as run, and the split re-run covers only the close's own step.
+    # The re-review read the slow stream's note "235.5 J higher" for 1175.5 J of truth (47%): now it says "at least"
+    # and why, and is flagged wherever it was live beside it in those earlier intervals.
+    import powerprof.daemon.ledger as ledger_mod
+
+    class Cut(Ledger):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.max_hold_ns = self.prompt_hold_ns = int(3 * S)
+
+    monkeypatch.setitem(globals(), "Ledger", Cut)
+    monkeypatch.setattr(ledger_mod, "SCRAPE_HOLD_S", 3.0)
+    kw = dict(crash=9.95, k_streams=1, early=1, gap=0.5, early_end=early_end)
+    rows, truth = _queued_close_scene(arrive, **kw), _queued_close_scene(arrive, with_whole=False, **kw)
+    a, a0 = rows[10], truth[10]
+    note = a["energy_note"] or ""
+    print(a["gpu_energy_j"], a0["gpu_energy_j"], note)
+    assert UNSURE_FLAG in (rows[2]["energy_note"] or ""), rows[2]
+    assert a0["gpu_energy_j"] - a["gpu_energy_j"] > 0.2 * a0["gpu_energy_j"], (a, a0)  # the scene: low by 40% or more
+    assert UNSURE_FLAG in note and "had it never run, this figure would be at least " in note, note
+    assert "a lower bound: the re-run covers only the intervals closed with its close" in note, note
+    assert float(note.split("would be at least ")[1].split(" J")[0]) > 0, note
+
+
 def test_a_close_whose_resend_met_llama_server_s_loading_page_after_the_last_good_scrape_is_costed_unsure():
     # A whole answer sent at 1.52 s, after the old process's last good scrape (1.5 s), its kept-alive connection closed
     # with no answer at 1.67 s, and its resend met llama-server's 503 "Loading model" (proxy.RESEND_LOADING); the

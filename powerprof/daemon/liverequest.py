@@ -101,6 +101,15 @@ class LiveRequest:
     # What its GPU joules would gain were that request never run (the same split re-run without it: `Ledger`'s close):
     # how low this request's figure is in that reading.
     queued_short_j: float = 0.0
+    # That gain is a lower bound: such a request was live beside it in intervals closed in an earlier step, while it was
+    # still in flight past the ledger's holds (max_hold_s), which the re-run does not cover (its note says "at least").
+    queued_short_lower: bool = False
+    # The first interval edge of the step whose re-run left it out (a queued close's; monotonic ns): the intervals before
+    # were split with it live, as run.
+    queued_rerun_from_ns: int | None = None
+    # The daemon scraped the server when it closed (`Ledger.scraping`): a close with no answer its scrapes saw no restart
+    # cover is no crash they missed, and "scrape the server" is no fix for it (rowtext's notes).
+    closed_scraped: bool = False
     # That restart's window (the old process's last scrape, the new one's first), its first scrape that found the
     # server down (None: none did) and the latest instant the old process is known alive at (its last scrape, this
     # request's arrival or its client's leaving after it), monotonic ns: the span its run-on's end is known within

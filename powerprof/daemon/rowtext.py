@@ -757,8 +757,9 @@ def _closed_partial(r: LiveRequest) -> bool:
 
 def _queued_beside(r: LiveRequest) -> bool:
     """UNSURE_FLAG beside a close that may have queued unrun: its figure is low by QUEUED_BESIDE_MIN_SHARE or more if
-    that close never ran."""
-    return r.queued_short_j > 0 and r.queued_short_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+    that close never ran, or by an unknown amount (`queued_short_lower`: live beside it in intervals closed in an
+    earlier step, which the re-run does not cover)."""
+    return r.queued_short_lower or (r.queued_short_j > 0 and r.queued_short_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j)
 
 
 def prompt_unread(r: LiveRequest) -> bool:
@@ -893,10 +894,14 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
     if _queued_beside(r) and r.gpu_j > 0:
         notes.append(f"{UNSURE_FLAG}: it was live beside a request closed by a crash that may have waited queued "
                      "unrun (its row says so), costed as run: had it never run, this figure would be "
+                     f"{'at least ' if r.queued_short_lower else ''}"
                      f"{r.queued_short_j:.1f} J ({100 * r.queued_short_j / r.gpu_j:.1f}%) higher, the same split re-run "
                      f"without it ({100 * min(r.queued_beside_j / r.gpu_j, 1.0):.0f}% of this figure is from the "
-                     "intervals over that request); fix: none at the proxy (the server's log says whether that request "
-                     "had started)")
+                     "intervals over that request"
+                     + ("; a lower bound: the re-run covers only the intervals closed with its close, not those closed "
+                        "earlier while it was still in flight past the ledger's holds on a live request's intervals "
+                        "(max_hold_s, prompt_hold_s), split with it live as run" if r.queued_short_lower else "")
+                     + "); fix: none at the proxy (the server's log says whether that request had started)")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
