@@ -4509,6 +4509,10 @@ def test_a_long_close_written_as_not_run_with_a_share_from_intervals_closed_unde
     assert row["gpu_energy_j"] and 500.0 <= row["gpu_energy_j"] <= 1200.0, row  # its first ~9.5 s at 100 W, alone
     assert UNSURE_FLAG in note and "partial" in note and "fix:" in note, note
     assert ledgers[0].flagged_requests[UNSURE_FLAG] == 1, note  # counted apart: left out of J/token
+    # The daemon scraped the server all along and saw no restart cover the close: "let the daemon scrape the server"
+    # (said before) was no fix; only the server's or router's log says whether it ran.
+    assert "let the daemon scrape" not in note, note
+    assert "fix: none at the proxy: the daemon scrapes the server and saw no restart cover that close" in note, note
 
 
 def test_a_close_in_a_loading_page_s_window_with_a_proxied_connection_broken_then_is_costed_at_once(monkeypatch):

@@ -596,6 +596,7 @@ class Ledger:
                 self.emit("requests", [self._request_row(r)])
             return 0.0
         added = self._placed_at_end(r)
+        r.closed_scraped = self.scraping
         error = trace.error or ""
         if trace.end_ns is not None and (trace.outcome == "upstream_unreachable" or trace.outcome == "upstream_error"
                                          and not error.startswith(ANSWERED_ERROR_NOTES)

@@ -605,8 +605,7 @@ def _no_energy_reason(r: LiveRequest) -> str:
                 "covered its close with proof of a death (sent before the server's last good scrape, a refused "
                 "scrape, or a proxied connection broken then; a 502/503 on the metrics page may be the router's or a "
                 "loading page's), so it is costed "
-                "as not run and its time counts as idle; fix: let the daemon scrape the server (scrape.url) so a "
-                "crash is seen, or read the router's log for it")
+                f"as not run and its time counts as idle; fix: {_unproven_close_fix(r)}")
     if r.trace.end_ns is not None and is_passive(r):
         c = r.trace.counts
         what = (f"an error answer (HTTP {r.trace.status})" if r.trace.status is not None and r.trace.status >= 400
@@ -745,6 +744,17 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
                                       or _n_cmpl_unsure(r) or _closed_partial(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
+
+
+def _unproven_close_fix(r: LiveRequest) -> str:
+    """The fix for a close with no answer no death was shown at: with the daemon scraping the server already
+    (`closed_scraped`), its scrapes saw no restart cover it (the same process came back, or the server was still down
+    at the daemon's stop), so "let the daemon scrape" was no fix; only the server's or router's log says."""
+    if r.closed_scraped:
+        return ("none at the proxy: the daemon scrapes the server and saw no restart cover that close (the same "
+                "process came back, or it was still down when the daemon stopped); the server's or router's log says "
+                "whether it ran")
+    return "let the daemon scrape the server (scrape.url) so a crash is seen, or read the router's log for it"
 
 
 def _closed_partial(r: LiveRequest) -> bool:
@@ -889,8 +899,7 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "server); this figure is partial: its share by live time of the intervals that closed while it was "
                      "still in flight, past the ledger's holds on a live request's intervals (max_hold_s, a prompt's "
                      "prompt_hold_s, from its arrival), none of the rest: low if it ran to its close, high if it never "
-                     "ran (the requests beside it then low by it); left out of J/token; fix: let the daemon scrape the "
-                     "server (scrape.url) so a crash is seen, or read the router's log for it")
+                     f"ran (the requests beside it then low by it); left out of J/token; fix: {_unproven_close_fix(r)}")
     if _queued_beside(r) and r.gpu_j > 0:
         notes.append(f"{UNSURE_FLAG}: it was live beside a request closed by a crash that may have waited queued "
                      "unrun (its row says so), costed as run: had it never run, this figure would be "
