@@ -578,17 +578,29 @@ def _timeline_keys(run_ids: list[str]) -> list[str]:
     """Each timeline's power_clock plot name, in order: `power_clock` alone, else `power_clock_<safe id>`; where two
     ids make one safe name ('r.1', 'r-1') each adds a short hash of its raw id, whatever the runs' order, and one id
     given by several runs (pooled with --force) adds their place among them (_1, _2 in the order given). One plot was
-    drawn twice, the other run's timeline missing unsaid."""
+    drawn twice, the other run's timeline missing unsaid. Those names can still meet another run's (runs a, a, a_1
+    both gave power_clock_a_1; staged twice, analyze ended in a traceback): a name an earlier run's plot took gets the
+    first counter (_2, _3) that no run's name is, so each run keeps its plot and the same order gives the same names."""
     if len(run_ids) == 1:
         return ["power_clock"]
     safe = [_safe(r) for r in run_ids]
-    keys = []
+    wanted = []
     for i, (r, s) in enumerate(zip(run_ids, safe)):
         key = f"power_clock_{s}"
         if len({x for x, y in zip(run_ids, safe) if y == s}) > 1:
             key += f"_{hashlib.sha256(r.encode()).hexdigest()[:8]}"
         if run_ids.count(r) > 1:
             key += f"_{run_ids[:i].count(r) + 1}"
+        wanted.append(key)
+    taken = set(wanted)
+    keys: list[str] = []
+    for key in wanted:
+        if key in keys:
+            n = 2
+            while f"{key}_{n}" in taken:
+                n += 1
+            key = f"{key}_{n}"
+            taken.add(key)
         keys.append(key)
     return keys
 
@@ -599,7 +611,7 @@ def _same_name_note(run_ids: list[str], keys: list[str]) -> str | None:
     if not named:
         return None
     return ("runs whose ids make one file name get power_clock plots named with a short hash of the id, or (one id "
-            "given by several runs) their place in the order given: " + ", ".join(f"{k}.png (run {r})" for k, r in named))
+            "given by several runs) their place in the order given, and a name an earlier run's plot took a counter: " + ", ".join(f"{k}.png (run {r})" for k, r in named))
 
 
 def _json_default(x):
