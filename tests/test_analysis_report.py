@@ -537,6 +537,29 @@ def test_report_power_clock_gets_the_runs_idle_power(tmp_path, monkeypatch):
     assert seen == {"level_unit": "W", "idle_power_w": 31.0, "idle_by_device_w": {"gpu0": 31.0}}
 
 
+def test_forced_runs_of_one_id_each_get_their_own_idle_power_on_their_plot(tmp_path, monkeypatch):
+    # Two runs of one id pooled with --force: each timeline's run.json was found by run id, so the second run's
+    # plot drew the first run's idle baseline (31 W twice). Now each its own (31 W, then 47 W).
+    runs = []
+    for i, idle_w in enumerate((31.0, 47.0)):
+        run = make_run(tmp_path / f"r{i}", seed_truth(), levels=(220, 300), n_requests=5, seed=20 + i, run_id="a")
+        meta = json.loads((run / "run.json").read_text())
+        meta["idle_gpu_power_w"] = idle_w
+        meta["idle_gpu_power_w_by_gpu"] = {"gpu0": idle_w}
+        (run / "run.json").write_text(json.dumps(meta))
+        runs.append(run)
+    seen = []
+    real = plots.plot_timeline
+
+    def spy(tl, path, **kw):
+        seen.append((kw["idle_power_w"], kw["idle_by_device_w"]))
+        return real(tl, path, **kw)
+
+    monkeypatch.setattr(plots, "plot_timeline", spy)
+    analyze_run(runs, tmp_path / "out", force=True, n_boot=100, formats=("md",))
+    assert seen == [(31.0, {"gpu0": 31.0}), (47.0, {"gpu0": 47.0})]  # in the runs' order, as their plots' _1, _2
+
+
 def test_html_report_shows_plots_full_width_and_the_footnotes(seed_result):
     run, res = seed_result
     html = (run / "analysis" / "report.html").read_text()

@@ -444,7 +444,8 @@ def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stag
         if note := _same_name_note(ids, _timeline_keys(ids)):
             result.notes.append(note)
         for tl, key in zip(result.timelines, _timeline_keys(ids)):
-            meta = next((r.meta for r in result.runs if r.run_id == tl.run_id), {})
+            # By directory, not run id: two runs of one id (--force) each drew the first one's idle power and unit.
+            meta = next((r.meta for r in result.runs if r.path == tl.path), {})
             unit = "MHz" if (meta.get("settings") or {}).get("level_kind") == "sm_clock" else "W"
             images[key] = _staged_png(stage, drawn, out / f"{key}.png", lambda p: P.plot_timeline(
                 tl, p, level_unit=unit, idle_power_w=meta.get("idle_gpu_power_w"),
