@@ -22,7 +22,7 @@ from PIL import Image
 
 from powerprof.analysis import plots
 from powerprof.analysis.loading import AnalysisError, read_run_info
-from powerprof.analysis.report import analyze_run, console_summary
+from powerprof.analysis.report import _same_name_note, _timeline_keys, analyze_run, console_summary
 from synthetic_runs import Truth, bowl_truth, make_run, seed_truth
 from support import stopped_before_first_level
 from powerprof.cli import main
@@ -535,6 +535,29 @@ def test_report_power_clock_gets_the_runs_idle_power(tmp_path, monkeypatch):
     monkeypatch.setattr(plots, "plot_timeline", spy)
     analyze_run([run], n_boot=200, formats=("md",))
     assert seen == {"level_unit": "W", "idle_power_w": 31.0, "idle_by_device_w": {"gpu0": 31.0}}
+
+
+def test_forced_runs_of_one_id_each_get_their_own_idle_power_on_their_plot(tmp_path, monkeypatch):
+    # Two runs of one id pooled with --force: each timeline's run.json was found by run id, so the second run's
+    # plot drew the first run's idle baseline (31 W twice). Now each its own (31 W, then 47 W).
+    runs = []
+    for i, idle_w in enumerate((31.0, 47.0)):
+        run = make_run(tmp_path / f"r{i}", seed_truth(), levels=(220, 300), n_requests=5, seed=20 + i, run_id="a")
+        meta = json.loads((run / "run.json").read_text())
+        meta["idle_gpu_power_w"] = idle_w
+        meta["idle_gpu_power_w_by_gpu"] = {"gpu0": idle_w}
+        (run / "run.json").write_text(json.dumps(meta))
+        runs.append(run)
+    seen = []
+    real = plots.plot_timeline
+
+    def spy(tl, path, **kw):
+        seen.append((kw["idle_power_w"], kw["idle_by_device_w"]))
+        return real(tl, path, **kw)
+
+    monkeypatch.setattr(plots, "plot_timeline", spy)
+    analyze_run(runs, tmp_path / "out", force=True, n_boot=100, formats=("md",))
+    assert seen == [(31.0, {"gpu0": 31.0}), (47.0, {"gpu0": 47.0})]  # in the runs' order, as their plots' _1, _2
 
 
 def test_html_report_shows_plots_full_width_and_the_footnotes(seed_result):
@@ -1259,3 +1282,42 @@ def test_two_runs_whose_ids_make_one_file_name_get_a_timeline_plot_each(tmp_path
         assert sum("power_clock" in v for v in res.files.values()) == 2
         note = next(n for n in res.notes if "one file name" in n)
         assert all(c in note for c in clocks) and "r.1" in note and "r-1" in note
+
+
+R1_HASH = "5cda8694"  # sha256("r.1")[:8], the hash _timeline_keys adds to run r.1's plot name
+
+
+@pytest.mark.parametrize("ids", [["a", "a", "a_1"], ["r.1", "r-1", f"r-1_{R1_HASH}"], ["a_1", "a", "a"],
+                                 ["a", "a", "a_1", "a_1_2"]])
+def test_timeline_keys_are_one_name_each_whatever_the_run_ids(ids):
+    # ['a', 'a', 'a_1'] gave power_clock_a_1 twice (a's place beside run a_1's own id), and ['r.1', 'r-1',
+    # 'r-1_5cda8694'] power_clock_r-1_5cda8694 twice (r.1's hash beside a run of that id): the second plot's
+    # staging raised a ValueError, a traceback and nothing written. Now a name taken gets a counter, the same each time.
+    keys = _timeline_keys(ids)
+    assert len(set(keys)) == len(keys) == len(ids) and keys == _timeline_keys(list(ids))
+    assert all(k.startswith("power_clock_") for k in keys)
+    note = _same_name_note(ids, keys)
+    assert all(f"{k}.png (run {r})" in note for r, k in zip(ids, keys) if k != f"power_clock_{r.replace('.', '-')}")
+
+
+def test_timeline_keys_keep_the_names_they_gave_without_a_clash():
+    assert _timeline_keys(["x"]) == ["power_clock"]
+    assert _timeline_keys(["a", "b"]) == ["power_clock_a", "power_clock_b"]
+    assert _timeline_keys(["s", "s"]) == ["power_clock_s_1", "power_clock_s_2"]
+    assert _timeline_keys(["r.1", "r-1"])[0] == f"power_clock_r-1_{R1_HASH}"
+    assert _timeline_keys(["a", "a", "a_1"]) == ["power_clock_a_1", "power_clock_a_2", "power_clock_a_1_2"]
+    assert _timeline_keys(["a", "a", "a_1", "a_1_2"])[2:] == ["power_clock_a_1_3", "power_clock_a_1_2"]
+
+
+def test_analyze_of_runs_whose_ids_clash_with_a_plot_name_writes_a_plot_each(tmp_path):
+    # `analyze --force` of runs a, a (two runs, one id) and a_1: a traceback (ValueError from the staging of
+    # power_clock_a_1.png twice) and nothing written. Now exit 0, three timelines, each linked and named in the notes.
+    runs = [make_run(tmp_path / f"r{i}", seed_truth(), levels=(220, 300), n_requests=5, seed=10 + i, run_id=rid)
+            for i, rid in enumerate(["a", "a", "a_1"])]
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["analyze", *map(str, runs), "--force", "--out", str(out), "--bootstrap", "100"])
+    assert r.exit_code == 0, r.output
+    clocks = sorted(f.name for f in out.glob("power_clock*"))
+    assert clocks == ["power_clock_a_1.png", "power_clock_a_1_2.png", "power_clock_a_2.png"]
+    md = (out / "report.md").read_text()
+    assert all(f"]({c})" in md for c in clocks) and "power_clock_a_1_2.png (run a_1)" in md

@@ -584,6 +584,9 @@ class Timeline:
     power_w: np.ndarray  # (devices, bins), NaN where a bin has no sample
     sm_clock_mhz: np.ndarray
     level_value: np.ndarray  # (bins,) the level the bin belongs to (last seen), NaN outside levels
+    # The run's directory, which finds its run.json: one per run (analyze takes each once), where run_id may be two
+    # runs' (pooled with --force). None only for a timeline made by hand (plots.plot_timeline alone).
+    path: Path | None = None
 
 
 def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIMELINE_BINS,
@@ -631,6 +634,7 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
         power_w=tb["power_w"],
         sm_clock_mhz=tb["sm_clock_mhz"],
         level_value=tb["level_value"],
+        path=run.path,
     )
     return sums, tl
 

@@ -444,7 +444,8 @@ def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stag
         if note := _same_name_note(ids, _timeline_keys(ids)):
             result.notes.append(note)
         for tl, key in zip(result.timelines, _timeline_keys(ids)):
-            meta = next((r.meta for r in result.runs if r.run_id == tl.run_id), {})
+            # By directory, not run id: two runs of one id (--force) each drew the first one's idle power and unit.
+            meta = next((r.meta for r in result.runs if r.path == tl.path), {})
             unit = "MHz" if (meta.get("settings") or {}).get("level_kind") == "sm_clock" else "W"
             images[key] = _staged_png(stage, drawn, out / f"{key}.png", lambda p: P.plot_timeline(
                 tl, p, level_unit=unit, idle_power_w=meta.get("idle_gpu_power_w"),
@@ -578,17 +579,29 @@ def _timeline_keys(run_ids: list[str]) -> list[str]:
     """Each timeline's power_clock plot name, in order: `power_clock` alone, else `power_clock_<safe id>`; where two
     ids make one safe name ('r.1', 'r-1') each adds a short hash of its raw id, whatever the runs' order, and one id
     given by several runs (pooled with --force) adds their place among them (_1, _2 in the order given). One plot was
-    drawn twice, the other run's timeline missing unsaid."""
+    drawn twice, the other run's timeline missing unsaid. Those names can still meet another run's (runs a, a, a_1
+    both gave power_clock_a_1; staged twice, analyze ended in a traceback): a name an earlier run's plot took gets the
+    first counter (_2, _3) that no run's name is, so each run keeps its plot and the same order gives the same names."""
     if len(run_ids) == 1:
         return ["power_clock"]
     safe = [_safe(r) for r in run_ids]
-    keys = []
+    wanted = []
     for i, (r, s) in enumerate(zip(run_ids, safe)):
         key = f"power_clock_{s}"
         if len({x for x, y in zip(run_ids, safe) if y == s}) > 1:
             key += f"_{hashlib.sha256(r.encode()).hexdigest()[:8]}"
         if run_ids.count(r) > 1:
             key += f"_{run_ids[:i].count(r) + 1}"
+        wanted.append(key)
+    taken = set(wanted)
+    keys: list[str] = []
+    for key in wanted:
+        if key in keys:
+            n = 2
+            while f"{key}_{n}" in taken:
+                n += 1
+            key = f"{key}_{n}"
+            taken.add(key)
         keys.append(key)
     return keys
 
@@ -599,7 +612,7 @@ def _same_name_note(run_ids: list[str], keys: list[str]) -> str | None:
     if not named:
         return None
     return ("runs whose ids make one file name get power_clock plots named with a short hash of the id, or (one id "
-            "given by several runs) their place in the order given: " + ", ".join(f"{k}.png (run {r})" for k, r in named))
+            "given by several runs) their place in the order given, and a name an earlier run's plot took a counter: " + ", ".join(f"{k}.png (run {r})" for k, r in named))
 
 
 def _json_default(x):
