@@ -4087,7 +4087,7 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
 def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
                            runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
                            opened=None, same_process=False, whole_as=("POST", "/v1/chat/completions", "openai-chat"),
-                           serves_generate=True, **restart_kw):
+                           serves_generate=True, back_as=("server_restart",), **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4097,7 +4097,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # (the first scrape that found it down, the first refused or None: a 503's alone), told to the ledger at each tick
     # from then while down, as the daemon's loop tells it (`Ledger.note_down`), its rows let go at their hold meanwhile
     # (SCRAPE_HOLD_S); `same_process`: the page after the outage says no restart (a router's blip); `whole_as`: the
-    # whole answer's method, path and API; `serves_generate`: the ledger's (the server's kind as the daemon sets it).
+    # whole answer's method, path and API; `serves_generate`: the ledger's (the server's kind as the daemon sets it);
+    # `back_as`: what the page after the outage says (counter_below: a page at or past the old reading, `_down_back`).
     # Returns its row.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.serves_generate = serves_generate
@@ -4152,7 +4153,7 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
         restart = not same_process and prev is not None and any(prev < d + 1e-9 and u - 1e-9 < t for d, u in downs)
         led.add_server_tokens(int(t * S), 20.0 if prev is not None and prev < 0.5 <= t else 0.0,
                               None if prev is None else int(prev * S),
-                              partial=("server_restart",) if restart else (), **(restart_kw if restart else {}))
+                              partial=back_as if restart else (), **(restart_kw if restart else {}))
         prev = t
         led.advance(int(t * S))
     led.close_all(int(end_s * S))
@@ -4322,6 +4323,26 @@ def test_a_put_to_sglangs_generate_closed_with_no_answer_where_the_server_was_fo
     assert 60.0 <= (post["gpu_energy_j"] or 0) <= 130.0, post
     assert put["gpu_energy_j"] == pytest.approx(post["gpu_energy_j"]), put
     assert "closed its connection with no answer" in (put["energy_note"] or ""), put
+
+
+@pytest.mark.parametrize("back_as", [("server_restart",), ("counter_below",)], ids=["restart", "counter_below"])
+def test_a_death_refused_connects_proved_is_one_though_the_page_back_says_no_restart(back_as):
+    # The daemon's proxy's connects refused at 1.56 s (`Scraper._proxy_refused`), then a page at or past the old reading:
+    # the window says counter_below (`Scraper._down_back`), not server_restart, with its refused down_ns. Nothing
+    # listened: a death all the same. Before, only server_restart recorded one: a whole answer (from 0.5 s, 100 W)
+    # closed with no answer at 1.55 s was written not costed (None J, 0 tokens; told as a restart 110 J, 42 tokens), its
+    # energy the neighbours' in rows unflagged; a run-on of the old process went on past its death (400 tokens,
+    # 1010 J for 41 and 110 told as a restart).
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    kw = dict(back_as=back_as, down_ns=int(1.56 * S), down_refused=True)
+    row = _llamacpp_whole_run_on([(1.5, 1.6)], leave=1.55, end_s=6.0, outcome="upstream_error",
+                                 error=f"{CRASHED_NOTE}: closed", **kw)
+    print(row["attributed_tokens"], row["gpu_energy_j"], row["energy_note"])
+    assert 60.0 <= (row["gpu_energy_j"] or 0) <= 130.0, row
+    assert "its process died" in (row["energy_note"] or ""), row
+    run_on = _llamacpp_whole_run_on([(1.5, 1.6)], **kw)  # its client left at 0.6 s; llama-server runs it on
+    print(run_on["attributed_tokens"], run_on["gpu_energy_j"], run_on["energy_note"])
+    assert run_on["gpu_energy_j"] == pytest.approx(100.0, abs=10.5), run_on  # to the death, none after
 
 
 @pytest.mark.parametrize("how", [("PUT", "/v1/chat/completions", "openai-chat"), ("PUT", "/completion", "llamacpp"),

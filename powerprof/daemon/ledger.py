@@ -1867,11 +1867,18 @@ class Ledger:
         such a window at 1.5 s, was costed 35.6 tokens and 90 J for the truth's 100 and 250); the window says it as any
         restart's. `down_ns`: when the first scrape of the window that found the server down began
         (scrape.Scraper.window_down_ns; None: none did): the old process died before it. `down_refused`: that scrape's
-        connection was refused (scrape.Scraper.window_down_refused): nothing listened, unlike a router's 502/503."""
+        connection was refused (scrape.Scraper.window_down_refused): nothing listened, unlike a router's 502/503.
+        Refused in a window the page does not say restarted (COUNTER_BELOW: `Scraper._down_back`, the proxy's refused
+        connects among them, `Scraper._proxy_refused`), it is a death all the same: a restart from the window's start
+        to its end. Before, only server_restart recorded one: a whole answer the proxy's refusals saw die was written
+        not costed (0 J for about 100 J), its energy with the requests beside it, their rows unflagged."""
         self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served)
         self._down_open = None  # a believed page: the window it held is this one's
-        if "server_restart" in partial and not restart_by_fall:
-            a, b = self.recon.restarts[-1]
+        restart = "server_restart" in partial and not restart_by_fall
+        died = (not restart and down_refused and since_ns is not None and down_ns is not None
+                and since_ns < down_ns <= t_ns)
+        if restart or died:
+            a, b = self.recon.restarts[-1] if restart else (since_ns, t_ns)
             down = down_ns if down_ns is not None and a < down_ns <= b else None
             self._gone_at.append((a, b, down, down is not None and down_refused))
             for r in self.requests.values():  # closes with no answer this death explains: crashes (`_crash_seen`)

@@ -110,8 +110,9 @@ RESEND_LOADING = "sending it again met llama-server's loading page"
 LOADING_BODY_MAX = 4096
 CRASHED_NOTE = "the upstream closed its connection with no answer after the request went out (a crash, or a refusal?)"
 # Refused connects kept between two scrapes (a retry herd against a dead server refuses thousands): the first half and
-# the latest half are kept (`Proxy.take_refusals`). The scraper opens a death window at the first it counts, which need
-# not be the very first (`Scraper._proxy_refused` leaves out those before the last believed page's GET).
+# the latest half are kept (`Proxy.take_refusals`). The scraper finds the server down at the first it counts (the
+# window's refused down the ledger records as a death), which need not be the very first (`Scraper._proxy_refused`
+# leaves out those before the last believed page's GET).
 REFUSALS_KEPT = 64
 
 

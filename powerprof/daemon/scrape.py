@@ -840,8 +840,9 @@ class Scraper:
     def _proxy_refused(self, times: list[int], scrape_at_ns: int) -> None:
         """The proxy's connects to this server refused at `times` (ns): those from the last believed page's GET on
         and before this scrape began found the server down, as a refused scrape does (`_found_down`): its next page is
-        judged after a death (a fall a restart, a page at or past the old reading said: `_down_back`), and the ledger's
-        death window opens at the first. A scrape that missed a short outage left a restart whose new process passed
+        judged after a death (a fall a restart, a page at or past the old reading said: `_down_back`), and the first is
+        the window's refused down (`window_down_ns`, `window_down_refused`): the ledger records the death at that page
+        whatever it says (`Ledger.add_server_tokens`), or sooner where a scrape before it fails (`down_open`). A scrape that missed a short outage left a restart whose new process passed
         the old reading unsaid, where the proxy's own requests had been refused. One while that GET was in flight may
         have come after the server answered it (uvicorn's graceful shutdown closes its listener first, then finishes
         what it holds): counted, the death in the next window; dropped, 100, 150, restart, 400 read 250 whole, unsaid.
