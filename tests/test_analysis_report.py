@@ -1217,9 +1217,8 @@ def test_an_out_that_cannot_be_locked_is_written_with_a_note_unless_it_has_no_fl
     assert (f"note: {out} could not be locked ({os.strerror(code)}), so it was written unlocked" in said) == noted, said
 
 
-def test_a_reanalysis_says_which_dead_temporaries_it_removed_and_keeps_another_users(tmp_path):
-    # The removal was unsaid, and went by name and pid alone: a file of another user in the temporaries' form was
-    # removed too. Now only this uid's go, and a note on stderr names them.
+def _analyzed_beside_a_dead_pid(tmp_path):
+    """An analyze --out folder written once, its arguments, and a process that has exited (its pid free to name)."""
     import subprocess
     import sys
 
@@ -1229,6 +1228,13 @@ def test_a_reanalysis_says_which_dead_temporaries_it_removed_and_keeps_another_u
     assert CliRunner().invoke(main, args).exit_code == 0
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    return out, args, dead
+
+
+def test_a_reanalysis_says_which_dead_temporaries_it_removed_and_keeps_another_users(tmp_path):
+    # The removal was unsaid, and went by name and pid alone: a file of another user in the temporaries' form was
+    # removed too. Now only this uid's go, and a note on stderr names them.
+    out, args, dead = _analyzed_beside_a_dead_pid(tmp_path)
     ours, theirs = out / f".report.md.{dead.pid}.0123abcd.tmp", out / f".report.html.{dead.pid}.0123abcd.tmp"
     ours.write_text("x")
     if os.geteuid() == 0:  # another user's file can only be made as root
@@ -1244,15 +1250,7 @@ def test_a_reanalysis_says_which_dead_temporaries_it_removed_and_keeps_another_u
 def test_a_reanalysis_removes_the_temporaries_of_an_analyze_that_died_and_keeps_the_rest(tmp_path):
     # An analyze SIGKILLed between its renames left nine `.NAME.PID.HEX.tmp` (one a hard link to the old
     # analysis.parquet), which no later analyze removed. Now the next one removes those of a dead pid, under its lock.
-    import subprocess
-    import sys
-
-    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=6, seed=1)
-    out = tmp_path / "o"
-    args = ["analyze", str(a), "--bootstrap", "100", "--out", str(out), "--format", "md"]
-    assert CliRunner().invoke(main, args).exit_code == 0
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    out, args, dead = _analyzed_beside_a_dead_pid(tmp_path)
     gone = [out / f".report.md.{dead.pid}.0123abcd.tmp", out / f".j_per_token.png.{dead.pid}.89abcdef.tmp"]
     os.link(out / "analysis.parquet", out / f".analysis.parquet.{dead.pid}.00ff00ff.tmp")
     gone.append(out / f".analysis.parquet.{dead.pid}.00ff00ff.tmp")

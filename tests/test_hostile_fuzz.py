@@ -179,17 +179,21 @@ def test_a_failed_analysis_into_a_new_out_leaves_no_folder(tmp_path, monkeypatch
     assert not out.exists()
 
 
+def _analyzed_md_html(tmp_path):
+    """A sweep run analysed once into an md+html --out folder: the folder, the arguments, and its files' bytes."""
+    run = _sweep_run(tmp_path)
+    out = tmp_path / "an"
+    args = ["analyze", str(run), "--bootstrap", "100", "--format", "md,html", "--out", str(out)]
+    assert CliRunner().invoke(main, args + ["--max-slowdown", "0"]).exit_code == 0
+    return out, args, {p.name: p.read_bytes() for p in out.iterdir()}
+
 
 def test_an_analysis_whose_write_fails_leaves_the_old_outputs_whole_and_no_temporary(tmp_path, monkeypatch):
     # A rename failing part-way (EIO on report.html) left the new report.md and analysis.parquet beside the old
     # analysis.json, and the temporaries: one folder gave two recommendations. Now the old outputs stay, all of them.
     from support import eio_on_replace_to
 
-    run = _sweep_run(tmp_path)
-    out = tmp_path / "an"
-    args = ["analyze", str(run), "--bootstrap", "100", "--format", "md,html", "--out", str(out)]
-    assert CliRunner().invoke(main, args + ["--max-slowdown", "0"]).exit_code == 0
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    out, args, before = _analyzed_md_html(tmp_path)
     assert {"analysis.json", "analysis.parquet", "report.md", "report.html"} <= set(before)
     eio_on_replace_to(monkeypatch, "report.html")
     r = CliRunner().invoke(main, args + ["--max-slowdown", "99%"])
@@ -206,11 +210,7 @@ def test_an_analysis_whose_write_and_put_back_both_fail_says_the_folder_is_mixed
 
     import powerprof.storage.atomic as atomic
 
-    run = _sweep_run(tmp_path)
-    out = tmp_path / "an"
-    args = ["analyze", str(run), "--bootstrap", "100", "--format", "md,html", "--out", str(out)]
-    assert CliRunner().invoke(main, args + ["--max-slowdown", "0"]).exit_code == 0
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    out, args, before = _analyzed_md_html(tmp_path)
     real, into = os.replace, []
 
     def replace(src, dst):
