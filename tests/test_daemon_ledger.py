@@ -5302,3 +5302,34 @@ def test_a_min_tokens_run_on_within_its_pace_error_of_the_abort_may_still_end_by
     assert UNSURE_FLAG in (near["energy_note"] or ""), near["energy_note"]
     assert "its min_tokens' rest (85) is within 25% above that" in near["energy_note"], near["energy_note"]
     assert UNSURE_FLAG not in (far["energy_note"] or ""), far["energy_note"]
+
+
+@pytest.mark.parametrize("short_j", [0.0, 10.0])
+def test_an_idle_interval_shorter_than_the_counter_s_refresh_teaches_no_early_idle_power(short_j):
+    # A counter refreshed every 100 ms reads an idle interval of a few ms as 0 J or a whole refresh (here 0 W or 1000 W
+    # for 100 W): the daemon's first interval is often that short. Before, the median of the idle intervals seen from
+    # one on (fewer than MIN_IDLE) took it in: with the 1 s one (100 W), 50 W or 550 W, and the request below 50 J too
+    # many or none of its 0.01 s in [1.01, 2]. Now only idle intervals at least EARLY_IDLE_MIN_S (0.3 s) long teach it early.
+    # 100 W idle; the request live 1.99-2.5 s at 300 W: its truth 1 J + 150 J.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _feed(led, 0.0, 0.0, 100.0)
+    _feed(led, 1.0, 100.0, 100.0)
+    _feed(led, 1.01, 100.0 + short_j, 100.0)
+    led.advance(int(1.2 * S))
+    tr = _trace(1, 1.99)
+    led.on_start(tr)
+    _feed(led, 2.0, 199.0, 100.0)
+    tr.first_ns = tr.last_ns = int(2.1 * S)
+    led.on_tokens(tr, int(2.1 * S), 1)
+    for k in range(1, 10):
+        tr.last_ns = int((2.1 + 0.04 * k) * S)
+        led.on_tokens(tr, tr.last_ns, 1)
+    tr.end_ns = int(2.5 * S)
+    tr.counts = Counts(generated_tokens=10, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    _feed(led, 3.0, 399.0, 100.0)  # 300 W over 2-2.5 s, 100 W after
+    led.advance(int(3.2 * S))
+    led.close_all(int(4 * S))
+    [row] = sink.rows["requests"]
+    assert row["gpu_energy_j"] == pytest.approx(151.0, abs=1.5), (row, sink.rows["intervals"])

@@ -34,6 +34,11 @@ WINDOW = 900  # intervals: 15 minutes at 1 Hz
 MIN_BUSY = 30  # busy intervals in the window before the fit is used
 MIN_R2 = 0.9  # over the window's busy intervals
 MIN_IDLE = 5  # idle intervals before their median power is the idle power
+# Until then the median of those seen is, but only of intervals this long: a counter refreshed every 100 ms (H200)
+# reads an idle interval of a few ms as 0 J or a whole refresh (0 W or 300-1000 W for 78 W), and the daemon's first
+# interval is often that short. Three refreshes bound one refresh's error to a third of the interval (0.34-0.41 s ones
+# read 62-84 W on the simulated H200); 0.5 s left the simulated SGLang's first streams with none (+78% to +95%).
+EARLY_IDLE_MIN_S = 0.3
 REFIT_EVERY = 10  # intervals added between fits
 MIN_BUSY_GPU = 5  # busy intervals before a GPU's part in the work is judged
 # A GPU whose median busy-interval power rises above its idle median by less than this share of the
@@ -170,7 +175,7 @@ class CostLearner:
                 self._n[setting] = n = self._n.get(setting, 0) + 1
                 # Kept as they come, so the idle median costs no pass over the whole window per interval.
                 if f[0] > 0 and not f[1:].any():
-                    idle.append((n, float(e) / f[0]))
+                    idle.append((n, float(e) / f[0], float(f[0])))
                     insort(srt, idle[-1][1])
         while idle and idle[0][0] <= self._n.get(setting, 0) - self.window:
             del srt[bisect_left(srt, idle.popleft()[1])]  # left the window
@@ -213,17 +218,22 @@ class CostLearner:
             n0 = self._n.get(setting, 0) - len(ys)
             for k, (f, y) in enumerate(zip(self._x[setting], ys)):
                 if f[0] > 0 and not f[1:].any():
-                    idle.append((n0 + k + 1, y / f[0]))
-            self._idle_sorted.setdefault(setting, [])[:] = sorted(w for _, w in idle)
+                    idle.append((n0 + k + 1, y / f[0], float(f[0])))
+            self._idle_sorted.setdefault(setting, [])[:] = sorted(w for _, w, _ in idle)
 
-    def _idle_median(self, setting, least: int = MIN_IDLE) -> float | None:
-        """Median power of the window's idle intervals (measured), None with fewer than `least`."""
+    def _idle_median(self, setting) -> float | None:
+        """Median power of the window's idle intervals (measured), None with fewer than MIN_IDLE."""
         srt = self._idle_sorted.get(setting)
-        if not srt or len(srt) < least:
+        if not srt or len(srt) < MIN_IDLE:
             return None
         # np.median's own figure: the middle value, or the mean of the middle two ((a + b) / 2, as its mean of two).
         mid = len(srt) // 2
         return float(srt[mid] if len(srt) % 2 else (srt[mid - 1] + srt[mid]) / 2)
+
+    def _early_idle_w(self, setting) -> float | None:
+        """Before MIN_IDLE idle intervals: the median power of those at least EARLY_IDLE_MIN_S long, None with none."""
+        w = [p for _, p, d in self._idle.get(setting, ()) if d >= EARLY_IDLE_MIN_S]
+        return float(np.median(w)) if w else None
 
     def idle_w(self, setting) -> float | None:
         measured = self._idle_median(setting)
@@ -248,11 +258,11 @@ class CostLearner:
 
     def costs(self, setting) -> WorkCosts:
         fit = self.fits.get(setting)
-        # Until MIN_IDLE idle intervals are seen, the median of those seen (from one on) splits the busy intervals: with
-        # none, a request arriving 5.5 ms before a 0.93 s interval's end took all its idle energy (+34% to +42% on the
-        # simulated SGLang, unflagged); now within a few % (docs/daemon.md, Attribution: idle).
+        # Until MIN_IDLE idle intervals are seen, the median of those seen at least EARLY_IDLE_MIN_S long splits the busy
+        # intervals: with none, a request arriving 5.5 ms before a 0.93 s interval's end took all its idle energy (+34%
+        # to +42% on the simulated SGLang, unflagged); with a few-ms one counted, -72% to +175% (docs/daemon.md, idle).
         idle = self.idle_w(setting)
-        idle = self._idle_median(setting, least=1) if idle is None else idle
+        idle = self._early_idle_w(setting) if idle is None else idle
         if fit is None or not fit.mature:
             return WorkCosts(idle_w=idle)
         _, step, dec, pre, ctx = fit.coef
