@@ -610,12 +610,16 @@ def test_measure_bad_input_is_a_clear_error(tmp_path):
 
 
 def test_measure_refuses_an_out_it_cannot_create_before_measuring(tmp_path):
-    # It measured every request, then died on the folder with a NotADirectoryError traceback: the result lost.
+    # It measured every request, then died on the folder with a NotADirectoryError traceback: the result lost. Now
+    # the parent that is a file is refused before anything runs, as a usage error (exit 2, as measure's missing parent),
+    # naming the file and the fix (storage.runs.missing_parent, one rule for every command's --out).
     (tmp_path / "afile").write_text("")
     r = CliRunner().invoke(main, ["measure", "--simulate", "--requests", "1", "--max-tokens", "8",
                                   "--out", str(tmp_path / "afile" / "run")])
-    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
-    assert "cannot create the output directory" in r.output and "server:" not in r.output
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "is a file, not a folder" in said and "Fix:" in said and "server:" not in said, said
+    assert (tmp_path / "afile").read_text() == ""
 
 
 def test_measure_at_a_concurrency_runs_whole_batches(tmp_path):
