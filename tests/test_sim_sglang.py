@@ -12,7 +12,7 @@ import pytest
 
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
-from powerprof.sim.server import SimServer
+from powerprof.sim.server import SimServer, count_prompt_tokens
 from powerprof.workload.client import RequestParams, detect_server, new_session
 from powerprof.workload.load import Prompt
 from powerprof.workload.servercount import counter_total, histogram_sum_count, unset_means_zero
@@ -377,17 +377,36 @@ def test_responses_generates_two_fewer_than_asked_as_sglangs_responses_request_d
         for asked, generated in ((5, 3), (3, 1)):  # below the simulated model's first end-of-sequence (16 or more)
             code, doc = ask(srv, max_output_tokens=asked)
             assert code == 200 and doc["usage"]["output_tokens"] == generated, (asked, doc)
-        # None: the context's room less 2. ignore_eos is the simulator's own here (SGLang's ResponsesRequest has no such
-        # field: its model's end-of-sequence would end this answer first), to see the length asked.
-        code, doc = ask(srv, ignore_eos=True)
-        assert code == 200 and doc["usage"]["input_tokens"] + doc["usage"]["output_tokens"] == 4094, doc
+        # None: the context's room less 2 (asked, not seen: the model's end of sequence ends the answer first, and
+        # SGLang's Responses take no ignore_eos).
+        assert srv._sglang_response_length("the watt", None) == 4094 - count_prompt_tokens("the watt")
         for asked in (0, 1):  # -2 and -1: SamplingParams.verify's ValueError, 400
             code, doc = ask(srv, max_output_tokens=asked)
             assert (code, doc["message"]) == (400, f"max_new_tokens must be at least 0, got {asked - 2}."), doc
-        assert len(srv.truth) == 3
+        assert len(srv.truth) == 2  # the two that ran; the refused ran nothing
     with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=64, decode_tok_s=20000.0, draft_n_max=0) as srv:
         code, doc = ask(srv)  # the default's floor of 512 (510 asked) does not fit a 64-token context
     assert code == 400 and "You requested a total of 513 tokens" in doc["message"], doc
+
+
+def test_responses_ignore_eos_is_dropped_as_sglangs_responses_request_has_no_such_field():
+    # protocol.py @ 004c82e0: ResponsesRequest has no ignore_eos (pydantic drops an unknown field) and its
+    # to_sampling_params sets none, so the answer ends at the model's end of sequence. vLLM's ResponsesRequest has the
+    # field and passes it to its SamplingParams. Before: SGLang's flavour honoured it (98 tokens where 100 were asked).
+    import json
+
+    def ask(srv, **extra):
+        body = dict({"input": "the watt", "max_output_tokens": 100}, **extra)
+        return _send(srv.url, "POST", "/v1/responses", json.dumps(body).encode())
+
+    with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=4096, decode_tok_s=20000.0, draft_n_max=0) as srv:
+        code, plain = ask(srv)
+        code2, asked = ask(srv, ignore_eos=True)
+    assert code == code2 == 200, (plain, asked)
+    assert asked["usage"]["output_tokens"] == plain["usage"]["output_tokens"] < 98, (plain, asked)
+    with SimServer(flavour="vllm", n_ctx=4096, decode_tok_s=20000.0, draft_n_max=0) as srv:
+        code, doc = ask(srv, ignore_eos=True)
+    assert code == 200 and doc["usage"]["output_tokens"] == 100, doc
 
 
 def test_a_streamed_responses_request_sglang_refuses_is_a_200_stream_that_breaks():

@@ -2366,6 +2366,10 @@ class SimServer:
         if self.flavour == "llamacpp":
             n = self._llama_length(body, "max_output_tokens")
         elif self.flavour == "sglang":
+            # Its ResponsesRequest has no ignore_eos field (pydantic drops it) and its to_sampling_params sets none, so
+            # the model's end of sequence ends the answer whatever the body says (protocol.py @ 004c82e0, read not
+            # measured; vLLM's ResponsesRequest has the field and passes it on). Before: honoured, as on chat.
+            body = {k: v for k, v in body.items() if k != "ignore_eos"}
             n = self._sglang_response_length(prompt, body.get("max_output_tokens"))
             if n < 0 and body.get("stream"):
                 return await self._sglang_broken_response_stream(request)
