@@ -105,6 +105,31 @@ def test_a_responses_turn_after_a_stored_one_runs_the_whole_conversation(server,
     assert status == 404 and json.loads(raw)["error"]["message"] == "Response with id 'resp_nowhere' not found."
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_vllm_responses_answer_cut_at_its_length_is_incomplete_as_vllms_serving_says(stream):
+    # vLLM's responses/serving.py @ 4d89a999 responses_full_generator: "incomplete" where the output's finish_reason
+    # is "length" (max_output_tokens, or the context's end), with ResponsesResponse.from_request's incomplete_details
+    # {"reason": "max_output_tokens"}; "completed" and null otherwise. A stream's response.completed event carries the
+    # same object (the event's type stays response.completed). Before: "completed" always, no incomplete_details.
+    def final(srv, body):
+        status, raw = _post(srv.url + "/v1/responses", dict(body, stream=stream))
+        assert status == 200, raw
+        if not stream:
+            return json.loads(raw)
+        done = [e for e in _events(raw) if e["type"] == "response.completed"]
+        assert len(done) == 1, raw
+        return done[0]["response"]
+
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", n_ctx=64, decode_tok_s=4000) as srv:
+        for body in ({"input": "the power of the clock", "max_output_tokens": 6},  # cut at its max_output_tokens
+                     {"input": "the power", "ignore_eos": True}):  # cut where the context ends
+            doc = final(srv, body)
+            assert (doc["status"], doc["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"}), doc
+        doc = final(srv, {"input": "the power of the clock", "max_output_tokens": 60})  # its end of sequence first
+        assert doc["usage"]["output_tokens"] < 60, doc
+        assert (doc["status"], doc["incomplete_details"]) == ("completed", None), doc
+
+
 def test_a_responses_turn_renders_its_own_tools_not_the_stored_turns():
     # vLLM's Responses path renders each request's `tools` (construct_tool_dicts) into its prompt; a stored turn keeps
     # its messages, not its tools. Before: the simulator rendered none, so no test saw a stateful turn's tools counted.

@@ -3276,9 +3276,17 @@ class SimServer:
                     "content": [{"type": "text", "text": text}], "model": self.model,
                     "stop_reason": "max_tokens" if req.stop_type == "limit" else "end_turn", "stop_sequence": None,
                     "usage": self._dialect_usage(api, req)}
-        return {"id": f"resp_sim{req.rid}", "object": "response", "created_at": int(time.time()), "status": "completed",
-                "model": self.model, "output": self._response_output(req, text),
-                "usage": self._dialect_usage(api, req)}
+        doc = {"id": f"resp_sim{req.rid}", "object": "response", "created_at": int(time.time()), "status": "completed",
+               "model": self.model, "output": self._response_output(req, text), "usage": self._dialect_usage(api, req)}
+        if self.flavour == "vllm":
+            # Its responses_full_generator (responses/serving.py @ 4d89a999; the stream's response.completed carries
+            # the same object) sets "incomplete" where the output's finish_reason is "length" (max_output_tokens or
+            # the context's end), and ResponsesResponse.from_request gives it incomplete_details
+            # {"reason": "max_output_tokens"}, null otherwise; read not measured. Before: "completed" always.
+            cut = req.stop_type == "limit"
+            doc.update(status="incomplete" if cut else "completed",
+                       incomplete_details={"reason": "max_output_tokens"} if cut else None)
+        return doc
 
     def _response_output(self, req: _Req, text: str) -> list[dict]:
         """A finished Responses answer's output items: its reasoning item (a thinking model's), then its message, or
