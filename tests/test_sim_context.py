@@ -209,6 +209,38 @@ def test_sglang_refuses_a_prompt_of_the_context_less_6_or_more_as_its_scheduler_
     assert names_context(json.loads(raw)["error"]["message"])
 
 
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions", "/v1/completions"])
+def test_a_streamed_sglang_request_its_scheduler_aborts_is_a_200_stream_as_sglang_streams_it(path):
+    # A prompt in [context - 6, context) passes the tokenizer manager; the scheduler aborts it (set_finish_with_abort:
+    # FINISH_ABORT 400 BadRequestError). Streamed, the tokenizer manager's _handle_abort_finish_reason returns that
+    # finished output instead of raising: /generate streams it (finish_reason abort with the message), then [DONE];
+    # serving_chat.py @ 002897c2 (and serving_completions.py) send create_streaming_error_response(message,
+    # "BAD_REQUEST", 400) as the one event of a 200 (the kick-start makes only a ValueError a 400), then [DONE].
+    # Before: /generate sent a refusal's {"error": {"message"}} event, chat and completions a 400.
+    text = " ".join(["w"] * 61)  # 62 tokens with the BOS, of a 64-token context
+    msg = "Input length (62 tokens) exceeds the maximum allowed length (58 tokens). Use a shorter input or enable " \
+          "--allow-auto-truncate."
+    body = {"text": text, "sampling_params": {"max_new_tokens": 1}} if path == "/generate" else \
+        {"prompt": text, "max_tokens": 1} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    with SimServer(flavour="sglang", n_ctx=64, sglang_warmup=False, **FAST) as srv:
+        code, raw = _post(srv.url + path, dict(body, stream=True))
+        whole = _post(srv.url + path, body)
+        ran = list(srv.truth)
+    events = [ln[len(b"data: "):] for ln in raw.splitlines() if ln.startswith(b"data: ")]
+    assert code == 200 and len(events) == 2 and events[-1] == b"[DONE]", raw
+    ev = json.loads(events[0])
+    if path == "/generate":
+        assert ev["meta_info"]["finish_reason"] == {"type": "abort", "message": msg, "status_code": 400,
+                                                    "err_type": "BadRequestError"}, ev
+        assert ev["output_ids"] == [] and ev["meta_info"]["completion_tokens"] == 0, ev
+    else:
+        assert ev == {"error": {"object": "error", "message": msg, "type": "BAD_REQUEST", "param": None,
+                                "code": 400}}, ev
+    assert whole[0] == 400 and msg in whole[1].decode(), whole  # whole: still raised as a ValueError
+    assert not ran
+
+
 # --- powerprof's client ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flavour", ["llamacpp", "vllm", "sglang"])

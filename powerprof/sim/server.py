@@ -1806,13 +1806,16 @@ class SimServer:
             room -= 2
         return max(0 if asked == 0 and self.flavour == "sglang" else 1, min(asked, room))
 
-    def _context_refusal(self, prompt: str, n_predict: int, stream: bool) -> web.StreamResponse | None:
+    def _context_refusal(self, prompt: str, n_predict: int, stream: bool | None,
+                         openai_stream: bool = False) -> web.StreamResponse | None:
         """A request the context cannot hold, refused as the flavour's server does; None when it may run (a llama.cpp
         or vLLM generation that reaches the context is cut there, in _serve).
         llama.cpp (b11434, measured): a prompt of at least the slot's context, 400 exceed_context_size_error.
         SGLang (tokenizer_manager._validate_one_request): a prompt of at least context_length, or prompt +
         max_new_tokens beyond it, a ValueError: 400 on its OpenAI routes and a whole /generate, an error event inside
-        a 200 on a streamed /generate (http_server.generate_request). vLLM's refusals are in _serve."""
+        a 200 on a streamed /generate (http_server.generate_request). One its scheduler aborts (_sglang_band) is
+        answered as _sglang_band_abort says (`openai_stream`: a streamed chat or completions request). vLLM's refusals
+        are in _serve."""
         n = count_prompt_tokens(prompt)
         ctx = self._seq_ctx()
         if self.flavour == "llamacpp":
@@ -1830,15 +1833,46 @@ class SimServer:
                    f"a total of {n + n_predict} tokens: {n} tokens from the input messages and {n_predict} tokens for "
                    f"the completion. Please reduce the number of tokens in the input messages or the completion to "
                    f"fit within the limit.")
-        elif n >= ctx - 6:
-            # Its scheduler's validate_input_length (managers/utils.py, read not measured): a prompt of at least
-            # max_req_input_len (max_req_len - 5, the context less 6) is aborted with a 400 status, raised as a ValueError
-            # whole. Before: run, and the one-token floor passed the cap (prompt 62 of 64 ran 1 token, sum 63).
-            msg = (f"Input length ({n} tokens) exceeds the maximum allowed length ({ctx - 6} tokens). Use a shorter "
-                   f"input or enable --allow-auto-truncate.")
+        elif (band := self._sglang_band(prompt)) is not None:
+            return self._sglang_band_abort(band, stream, openai_stream)
         else:
             return None
         return self._sglang_refusal(msg, stream)
+
+    def _sglang_band(self, prompt: str) -> str | None:
+        """The message of SGLang's scheduler abort for a prompt its tokenizer manager let through: validate_input_length
+        (managers/utils.py, read not measured) aborts one of at least max_req_input_len (max_req_len - 5, the context
+        less 6) with a 400 status; None for a shorter one. Before: run, and the one-token floor passed the cap (prompt
+        62 of 64 ran 1 token, sum 63)."""
+        n, ctx = count_prompt_tokens(prompt), self._seq_ctx()
+        if self.flavour != "sglang" or n < ctx - 6:
+            return None
+        return (f"Input length ({n} tokens) exceeds the maximum allowed length ({ctx - 6} tokens). Use a shorter "
+                f"input or enable --allow-auto-truncate.")
+
+    def _sglang_band_abort(self, msg: str, stream: bool | None, openai_stream: bool) -> web.StreamResponse:
+        """SGLang's answer to its scheduler's abort (set_finish_with_abort: FINISH_ABORT, status 400, BadRequestError;
+        read, not measured). Whole: its tokenizer manager's _handle_abort_finish_reason raises it as a ValueError, so
+        the refusal of _sglang_refusal. Streamed it returns the finished output instead (the request sent on as one
+        token, origin_input_ids [0]): /generate streams that output, finish_reason {"type": "abort", "message",
+        "status_code": 400, "err_type"}, then [DONE]; a chat or completions stream (serving_chat.py @ 002897c2 and
+        serving_completions.py: _generate_*_stream's abort branch, after _handle_streaming_request's kick-start, which
+        only a ValueError turns into a 400) is a 200 whose one event is create_streaming_error_response(message,
+        "BAD_REQUEST", 400), then [DONE]. Before: a 400 (OpenAI) or the error event of a refusal (/generate)."""
+        if openai_stream:
+            err = {"object": "error", "message": msg, "type": "BAD_REQUEST", "param": None, "code": 400}
+            ev = {"error": err}
+        elif stream:
+            fr = {"type": "abort", "message": msg, "status_code": 400, "err_type": "BadRequestError"}
+            mi = {"id": f"sim{time.monotonic_ns():032x}", "finish_reason": fr, "prompt_tokens": 1,
+                  "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": 0,
+                  "cached_tokens": 0, "e2e_latency": 0.0}
+            ev = {"text": "", "output_ids": [], "index": 0, "meta_info": mi}
+        else:
+            return self._sglang_refusal(msg, stream)
+        body = b"data: " + json.dumps(ev).encode() + b"\n\ndata: [DONE]\n\n"
+        return web.Response(body=body, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                "X-Powerprof-Simulated": "1"})
 
     def _sglang_refusal(self, msg: str, stream: bool | None) -> web.StreamResponse:
         """SGLang's answer to a ValueError: stream None on its OpenAI routes (400, ErrorResponse); on /generate, 400
@@ -2519,7 +2553,8 @@ class SimServer:
         stream = bool(body.get("stream", False))
         prompts = prompt if isinstance(prompt, list) else [prompt]
         for one in prompts:  # a batch's prompts each checked, as each is its own task or engine request
-            too_long = self._context_refusal(one, n_predict, stream if api == "sglang-native" else None)
+            too_long = self._context_refusal(one, n_predict, stream if api == "sglang-native" else None,
+                                             stream and api in ("openai-chat", "openai-completions"))
             if too_long is not None:
                 return too_long
         default_cache = api == "llamacpp" or self.prefix_cache
