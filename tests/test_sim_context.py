@@ -4,6 +4,7 @@ run asks more than it holds: a clear error with the fix, before anything starts 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -239,6 +240,31 @@ def test_a_streamed_sglang_request_its_scheduler_aborts_is_a_200_stream_as_sglan
                                 "code": 400}}, ev
     assert whole[0] == 400 and msg in whole[1].decode(), whole  # whole: still raised as a ValueError
     assert not ran
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_a_whole_sglang_batch_with_a_prompt_its_scheduler_aborts_answers_400_and_runs_the_others_for_nobody(path):
+    # tokenizer_manager.py @ 001067ff: every prompt passes _validate_one_request and is sent; _collect_batch_responses
+    # gathers the first outputs and the aborted one's raises (_handle_abort_finish_reason, not streamed), so the client
+    # has the 400 at once, while nothing aborts the others: they decode to their cap, the GPU working for nobody.
+    # Before: the whole batch refused unrun (no truth row), so the energy a real server spends here was never seen.
+    band = " ".join(["w"] * 61)  # 62 tokens with the BOS, of a 64-token context
+    msg = "Input length (62 tokens) exceeds the maximum allowed length (58 tokens)."
+    body = {"text": ["the power of the clock", band], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}} \
+        if path == "/generate" else {"prompt": ["the power of the clock", band], "max_tokens": 2, "ignore_eos": True}
+    with SimServer(flavour="sglang", n_ctx=64, sglang_warmup=False, **FAST) as srv:
+        req = urllib.request.Request(srv.url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", "X-Sim-Request-Id": "batch1"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        raw = e.value.read()
+        deadline = time.monotonic() + 5
+        while not srv.truth and time.monotonic() < deadline:
+            time.sleep(0.02)
+        rows = list(srv.truth)
+    assert e.value.code == 400 and msg in raw.decode(), raw
+    assert [(t["prompt_tokens"], t["generated"], t["client_id"]) for t in rows] == [(6, 2, "batch1")], rows
+    assert rows[0]["energy_j"] is None or rows[0]["energy_j"] >= 0, rows
 
 
 # --- powerprof's client ----------------------------------------------------------------------------------------------

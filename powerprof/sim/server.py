@@ -1807,15 +1807,15 @@ class SimServer:
         return max(0 if asked == 0 and self.flavour == "sglang" else 1, min(asked, room))
 
     def _context_refusal(self, prompt: str, n_predict: int, stream: bool | None,
-                         openai_stream: bool = False) -> web.StreamResponse | None:
+                         openai_stream: bool = False, band: bool = True) -> web.StreamResponse | None:
         """A request the context cannot hold, refused as the flavour's server does; None when it may run (a llama.cpp
         or vLLM generation that reaches the context is cut there, in _serve).
         llama.cpp (b11434, measured): a prompt of at least the slot's context, 400 exceed_context_size_error.
         SGLang (tokenizer_manager._validate_one_request): a prompt of at least context_length, or prompt +
         max_new_tokens beyond it, a ValueError: 400 on its OpenAI routes and a whole /generate, an error event inside
         a 200 on a streamed /generate (http_server.generate_request). One its scheduler aborts (_sglang_band) is
-        answered as _sglang_band_abort says (`openai_stream`: a streamed chat or completions request). vLLM's refusals
-        are in _serve."""
+        answered as _sglang_band_abort says (`openai_stream`: a streamed chat or completions request), unless `band` is
+        False (a batch's: _sglang_batch_abort). vLLM's refusals are in _serve."""
         n = count_prompt_tokens(prompt)
         ctx = self._seq_ctx()
         if self.flavour == "llamacpp":
@@ -1833,8 +1833,8 @@ class SimServer:
                    f"a total of {n + n_predict} tokens: {n} tokens from the input messages and {n_predict} tokens for "
                    f"the completion. Please reduce the number of tokens in the input messages or the completion to "
                    f"fit within the limit.")
-        elif (band := self._sglang_band(prompt)) is not None:
-            return self._sglang_band_abort(band, stream, openai_stream)
+        elif band and (aborted := self._sglang_band(prompt)) is not None:
+            return self._sglang_band_abort(aborted, stream, openai_stream)
         else:
             return None
         return self._sglang_refusal(msg, stream)
@@ -1873,6 +1873,23 @@ class SimServer:
         body = b"data: " + json.dumps(ev).encode() + b"\n\ndata: [DONE]\n\n"
         return web.Response(body=body, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                 "X-Powerprof-Simulated": "1"})
+
+    def _sglang_batch_abort(self, prompts: list, n_predict: int, args: tuple, client_id: str | None,
+                            native: bool) -> web.StreamResponse | None:
+        """A whole batch (n 1 each) one of whose prompts SGLang's scheduler aborts (_sglang_band), the tokenizer manager
+        having let every prompt through: its _collect_batch_responses gathers the sequences' first outputs, the aborted
+        one's raises (tokenizer_manager.py @ 001067ff, _handle_abort_finish_reason), so the client is answered that
+        400 at once, while nothing aborts the others: they run to their cap for nobody (their truth rows the client's,
+        their answers unread). Read, not measured. `args`: each sequence's (ignore_eos, cache_prompt, seed). None where
+        no prompt is in the band. Before: the whole batch refused unrun."""
+        aborted = [msg for pr in prompts if (msg := self._sglang_band(pr)) is not None]
+        if not aborted:
+            return None
+        nobody: asyncio.Queue = asyncio.Queue()  # never read: the client has its 400
+        for pr in prompts:
+            if self._sglang_band(pr) is None:
+                self._submit(pr, self._capped(pr, n_predict), *args, queue=nobody).client_id = client_id
+        return self._sglang_refusal(aborted[0], False if native else None)
 
     def _sglang_refusal(self, msg: str, stream: bool | None) -> web.StreamResponse:
         """SGLang's answer to a ValueError: stream None on its OpenAI routes (400, ErrorResponse); on /generate, 400
@@ -2220,13 +2237,16 @@ class SimServer:
         loading = self._loading()
         if loading is not None:
             return loading
+        whole = not body.get("stream") and n_choices == 1 and len(prompts) > 1
         for pr in prompts:  # its tokenizer manager validates each before any runs: one too long refuses the batch
-            too_long = self._context_refusal(pr, n_predict, bool(body.get("stream")))
+            too_long = self._context_refusal(pr, n_predict, bool(body.get("stream")), band=not whole)
             if too_long is not None:
                 return too_long
         q: asyncio.Queue = asyncio.Queue()
         args = (bool(sp.get("ignore_eos", False)), False, int(body.get("seed", 0) or 0))
         cid = request.headers.get("X-Sim-Request-Id")
+        if whole and (aborted := self._sglang_batch_abort(prompts, n_predict, args, cid, True)) is not None:
+            return aborted
         await self._prefill_apart(prompts, n_choices, cid)
         reqs = [self._submit(pr, self._capped(pr, n_predict), *args, choice=j, queue=_Tagged(q, i * n_choices + j), shared=n_choices > 1 or None)
                 for i, pr in enumerate(prompts) for j in range(n_choices)]
@@ -2552,11 +2572,18 @@ class SimServer:
             return self._json({"error": {"code": fault.status, "message": "injected failure", "type": "server_error"}}, fault.status)
         stream = bool(body.get("stream", False))
         prompts = prompt if isinstance(prompt, list) else [prompt]
+        whole = self.flavour == "sglang" and len(prompts) > 1 and not stream and body.get("n", 1) == 1
         for one in prompts:  # a batch's prompts each checked, as each is its own task or engine request
             too_long = self._context_refusal(one, n_predict, stream if api == "sglang-native" else None,
-                                             stream and api in ("openai-chat", "openai-completions"))
+                                             stream and api in ("openai-chat", "openai-completions"), band=not whole)
             if too_long is not None:
                 return too_long
+        if whole:
+            args = (bool(body.get("ignore_eos", False)), self.prefix_cache, int(body.get("seed", 0) or 0))
+            aborted = self._sglang_batch_abort(prompts, n_predict, args, request.headers.get("X-Sim-Request-Id"),
+                                               api == "sglang-native")
+            if aborted is not None:
+                return aborted
         default_cache = api == "llamacpp" or self.prefix_cache
         asked = n_predict
         n_predicts = []
