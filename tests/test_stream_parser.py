@@ -670,6 +670,16 @@ def test_typed_event_apis_errors_and_cut_streams():
     p.feed(RESPONSES_STREAM.split(b"event: response.completed")[0] + incomplete)
     s = p.finish()
     assert s.complete and s.stop_reason == "length" and s.generated_tokens == 7
+    # vLLM's stream closes a Response cut at its length with response.completed, the object inside "incomplete"
+    # (responses/serving.py @ 4d89a999 responses_stream_generator ends with responses_full_generator's object). Before:
+    # read as stopped ("stop") where the same answer whole was read as "length".
+    vllm_cut = _typed_sse({"type": "response.completed", "sequence_number": 9, "response": {
+        "id": "resp_1", "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+        "usage": {"input_tokens": 3, "output_tokens": 7}}})
+    p = StreamParser("openai-responses")
+    p.feed(RESPONSES_STREAM.split(b"event: response.completed")[0] + vllm_cut)
+    s = p.finish()
+    assert s.complete and s.stop_reason == "length" and s.generated_tokens == 7
 
 
 def test_a_responses_stream_of_several_tasks_sums_their_usages_and_ends_with_the_last():

@@ -978,7 +978,9 @@ class StreamParser:
                     self._add(n, out, v if isinstance(v, str) else "", None)
             elif kind in ("response.completed", "response.incomplete") and isinstance(resp, dict):
                 s.complete = True
-                if kind == "response.completed":
+                if kind == "response.completed" and resp.get("status") != "incomplete":
+                    # vLLM's stream ends a Response cut at its length with response.completed all the same, its
+                    # status "incomplete" (responses/serving.py @ 4d89a999: the whole answer's object), read below.
                     s.stop_reason = "stop"
                 else:
                     det = resp.get("incomplete_details")
