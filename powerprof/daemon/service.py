@@ -1751,10 +1751,11 @@ class Daemon:
                 self.urls["proxy"] = await self._serve_workers(upstream, listen, proxy_kwargs)
             else:
                 self.proxy = Proxy(upstream, recorder=self, **proxy_kwargs)
-                if self.scraper is not None and same_origin(upstream, scrape_url):
-                    # Its refused connects are the scraped server's death, as a refused scrape (Scraper._proxy_refused).
-                    self.scraper.refusals = self.proxy.take_refusals
                 self.urls["proxy"] = await self._serve(self.proxy.app(), listen, "proxy", SERVER_OPTIONS)
+            if self.scraper is not None and same_origin(upstream, scrape_url):
+                # Its refused connects (its workers' too) are the scraped server's death, as a refused scrape
+                # (Scraper._proxy_refused).
+                self.scraper.refusals = self.proxy.take_refusals
         elif listen:
             log.warning("proxy disabled: no proxy.upstream configured")
         if cfg.get("metrics", "listen"):
