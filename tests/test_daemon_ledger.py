@@ -4753,8 +4753,9 @@ def test_the_intervals_over_a_run_on_that_may_have_ended_by_itself_say_their_byp
     row, ivs = got["ended"]
     marked = [x for x in ivs if "run_on_may_end" in x["server_count"]]
     assert UNSURE_FLAG in row["energy_note"] and "run_on_may_end" in row["energy_note"], row["energy_note"]
-    # Its fix offers no scrape.server = none: that scrapes no server kind, so no SGLang run-on is placed or flagged (the
-    # simulator's scene: 0 of 24 rows flagged, +9% mean, +36% worst, the cut rows -50% to -70%; before, it was offered).
+    # Its fix offers no scrape.server = none: that scrapes no server kind, so no SGLang run-on is placed (the simulator's
+    # scene: 0 of 24 rows flagged, +9% mean, +36% worst, the cut rows -50% to -70%; before, it was offered; now those
+    # rows say uncertain-uncounted, test_daemon_cut_streams.py).
     assert "scrape.server = none" not in row["energy_note"] and "ignore_eos" in row["energy_note"], row["energy_note"]
     assert sum(x["server_tokens"] or 0.0 for x in marked) == pytest.approx(24.0), ivs  # still read, said
     assert all(x["server_count"] == "complete" for x in ivs if 4.5 <= x["t_start_mono_s"] < 15), ivs  # past its windows
