@@ -958,6 +958,7 @@ class Ledger:
         bypass tokens: docs/daemon.md, a known gap)."""
         seqs = max(r.trace.extra.get("sequences", 1), 1)
         span_ns = r.run_on_end_ns - start_ns
+        abort_ns = r.run_on_end_ns  # the latest it ran to, whatever its real pace (a cap below is at the estimated one)
         n = to_abort = tok_s * span_ns / 1e9
         limit = r.trace.extra.get("max_tokens")
         # Capped where its max_tokens leave fewer than its pace decodes to the abort: not where the span, rounded back
@@ -1026,7 +1027,10 @@ class Ledger:
         if r.run_on_may_end is None:
             self.recon.run_ons_may_end.pop(rid, None)  # its body rules an end by itself out (`_run_on`)
         elif rid in self.recon.run_ons_may_end:
-            self.recon.run_ons_may_end[rid] = (self.recon.run_ons_may_end[rid][0], int(r.run_on_end_ns))
+            # To the abort, not to its max_tokens' end at the estimated pace: a slower real pace ends it there later (a
+            # length finish, counted then, unlisted: it may have ended sooner), up to the abort. Marked to the capped
+            # end, a finish 1.45 s after it read as 30 bypass tokens in windows saying complete.
+            self.recon.run_ons_may_end[rid] = (self.recon.run_ons_may_end[rid][0], int(abort_ns))
 
     def tokens_at_first(self, request_id: int, generated: float) -> float | None:
         """The tokens (in `generated`'s count) its stream had shown at its first piece, for a time per output token over
