@@ -847,6 +847,47 @@ def test_a_badly_typed_record_is_refused_whole_and_the_ledger_goes_on():
     assert len(rows["requests"]) == 1 and len(rows["intervals"]) == 2 and closed == [1]
 
 
+def test_the_workers_refused_connects_cross_the_link_bounded_and_are_taken_once():
+    # The scraper finds the server down by the proxy's refused connects (Scraper._proxy_refused); with workers they
+    # stayed in the workers' processes. Shipped with their flushes, merged across workers in time order, bounded as
+    # one in-process proxy keeps them (the first and latest halves of proxy.REFUSALS_KEPT), taken once.
+    from powerprof.daemon.proxy import REFUSALS_KEPT
+    from powerprof.daemon.workers import _WorkerLink, check_message
+
+    workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=_ToLedger(_ledger()[0]), proxy_kwargs={},
+                           header_timeout_s=10, idle_timeout_s=10)
+    for w in workers.workers:
+        w.transport = SimpleNamespace(close=lambda: None)
+    a, b = (_WorkerLink(workers, w) for w in workers.workers)
+    a.data_received(frame(([], [], [], [], ZERO, [], T, [T + 1, T + 5])))
+    b.data_received(frame(([], [], [], [], ZERO, [], T, [T + 3])))
+    assert workers.replay_failures == 0 and workers.take_refusals() == [T + 1, T + 3, T + 5]
+    assert workers.take_refusals() == []
+    herd = [T + k for k in range(REFUSALS_KEPT)]
+    a.data_received(frame(([], [], [], [], ZERO, [], T, herd)))
+    b.data_received(frame(([], [], [], [], ZERO, [], T, [t + REFUSALS_KEPT for t in herd])))
+    kept = workers.take_refusals()
+    half = REFUSALS_KEPT // 2
+    assert kept == herd[:half] + [t + REFUSALS_KEPT for t in herd[-half:]], kept
+    with pytest.raises(ValueError, match="refusals"):
+        check_message(([], [], [], [], ZERO, [], T, herd + [T]))
+    with pytest.raises(ValueError, match="refusals"):
+        check_message(([], [], [], [], ZERO, [], T, ["soon"]))
+
+    # The worker's side: its proxy's refusals go with its next flush, once, and alone are a reason to send one.
+    sent = []
+    ship = ShippingRecorder(4)
+    ship.transport = SimpleNamespace(is_closing=lambda: False, get_write_buffer_size=lambda: 0, write=sent.append)
+    ship.proxy = SimpleNamespace(_refused_ns=[T + 7], recorder_failures=0, upstream_failures=1,
+                                 body_timeouts={"silent": 0, "slow": 0}, upstream_retries=0, uninspected_bodies=0,
+                                 unforwarded=0, proxy_failures=0)
+    ship.proxy.take_refusals = lambda: [ship.proxy._refused_ns.pop()]
+    ship.flush()
+    ship.flush()
+    msgs = Unframer().feed(b"".join(sent))
+    assert len(msgs) == 1 and msgs[0][7] == [T + 7], msgs
+
+
 def test_restarts_back_off_exponentially_and_reset_after_a_stable_minute(caplog):
     import gc
 
