@@ -382,7 +382,8 @@ _FLUSH_LEN = 8
 # started from code upgraded in place under a running daemon (the counts record grew from 18 to 20 fields) had every
 # record refused as an "unreadable frame", restarted, refused, for ever. A hello of another shape is said once and
 # that worker is not restarted (ProxyWorkers._upgraded).
-LINK_SHAPE = hashlib.sha256(repr((_START, _FIRST, _TOK, _END_REST, _COUNTS, _STATS, _END_LEN, _FLUSH_LEN)).encode()).hexdigest()[:16]
+LINK_SHAPE = hashlib.sha256(repr((_START, _FIRST, _TOK, _END_REST, _COUNTS, _STATS, _END_LEN,
+                                  _FLUSH_LEN)).encode()).hexdigest()[:16]
 
 
 def _ok(v, kind: str) -> bool:
