@@ -1063,14 +1063,14 @@ def test_a_restart_behind_a_gateways_503_is_still_told(kind, monkeypatch):
 
 def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | None = None, lag_s: float = 0.0,
              run_s: float = 4.0, bypass_lanes: int = 0, flavour: str = "sglang", long_lanes: int = 0,
-             direct: bool = False, scrape_s: float = 0.25) -> dict:
+             direct: bool = False, scrape_s: float = 0.25, workers: int = 1) -> dict:
     """A daemon in front of a simulated SGLang (continuous batching), scraping it through a router stub that forwards
     /metrics and answers 503 (nginx's page) from `blip_at_s` for `lag_s` (a blip, nothing restarts), and while the
     server behind it refuses and for `lag_s` after (a readiness probe's lag: the server restarts at `restart_at_s`,
     down 0.3 s). 2 proxied lanes and `bypass_lanes` straight to the server of 32-token streams for `run_s`, and
     `long_lanes` more of 512-token streams (about 4.5 s each); `direct`: scraped straight, not through the stub, every
     `scrape_s`; `flavour`
-    the server simulated (and scraped as). Returns
+    the server simulated (and scraped as); `workers`: proxy.workers. Returns
     the rows' marks, what was left out of J/token, and the bypass tokens counted (server_tokens) and run (the truth)."""
     import time
 
@@ -1111,7 +1111,7 @@ def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | Non
                 "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.25, "daemon.flush_interval_s": 0.5,
                 "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
                 "scrape.url": srv.url if direct else f"http://127.0.0.1:{port}", "daemon.restore_on_start": False,
-                "scrape.interval_s": scrape_s,
+                "scrape.interval_s": scrape_s, "proxy.workers": workers,
                 "tags.socket": str(tmp_path / "pp.sock"), "scrape.server": flavour})
             daemon = Daemon(cfg, Rig("a100-40g", nvml=nvml, host=False))
             task = asyncio.create_task(daemon.run())
@@ -1206,6 +1206,14 @@ def test_a_restart_between_scrapes_that_the_proxys_refused_connects_saw_is_said(
     # A restart loses the old process's tokens since the last page: said every run (asked only where more than 5% of
     # the bypass tokens went missing, it hid the run whose first page back read the new process's warm-up count, 2,
     # as the old one idle: 2687 of 3072 counted, 80 of 80 rows complete).
+    assert got["rows_counter_below"] + got["rows_server_restart"] > 0 and got["jpt_left_out"], got
+
+
+def test_a_restart_between_scrapes_that_proxy_workers_refused_connects_saw_is_said(tmp_path):
+    """As above with proxy.workers = 2: the workers' refused connects ride in their records (workers.ShippingRecorder)
+    and find the server down as the in-process proxy's do."""
+    got = blip_run(tmp_path, restart_at_s=1.0, run_s=6.0, bypass_lanes=6, direct=True, scrape_s=2.0, workers=2)
+    assert got["bypass_counted"] <= got["bypass_run"] * 1.05 + 1, got  # nothing made up
     assert got["rows_counter_below"] + got["rows_server_restart"] > 0 and got["jpt_left_out"], got
 
 

@@ -4753,14 +4753,30 @@ def test_the_intervals_over_a_run_on_that_may_have_ended_by_itself_say_their_byp
     row, ivs = got["ended"]
     marked = [x for x in ivs if "run_on_may_end" in x["server_count"]]
     assert UNSURE_FLAG in row["energy_note"] and "run_on_may_end" in row["energy_note"], row["energy_note"]
-    # Its fix offers no scrape.server = none: that scrapes no server kind, so no SGLang run-on is placed or flagged (the
-    # simulator's scene: 0 of 24 rows flagged, +9% mean, +36% worst, the cut rows -50% to -70%; before, it was offered).
+    # Its fix offers no scrape.server = none: that scrapes no server kind, so no SGLang run-on is placed (the
+    # simulator's scene: 0 of 24 rows flagged, +9% mean, +36% worst, the cut rows -50% to -70%; before, it was
+    # offered; now those rows say uncertain-uncounted, test_daemon_cut_streams.py).
     assert "scrape.server = none" not in row["energy_note"] and "ignore_eos" in row["energy_note"], row["energy_note"]
     assert sum(x["server_tokens"] or 0.0 for x in marked) == pytest.approx(24.0), ivs  # still read, said
     assert all(x["server_count"] == "complete" for x in ivs if 4.5 <= x["t_start_mono_s"] < 15), ivs  # past its windows
     assert any("run_on_may_end" in x["server_count"] for x in got["aborted"][1])
     assert not any("run_on_may_end" in x["server_count"] for x in got["ignore_eos"][1])
     assert UNSURE_FLAG not in (got["ignore_eos"][0]["energy_note"] or "")
+
+
+def test_the_windows_over_a_run_on_capped_at_its_max_tokens_that_may_end_by_itself_reach_its_abort():
+    # Cut at 1.0 s after 20 tokens at 40 tokens/s, max_tokens 30: placed to its max_tokens at that pace, 1.25 s. Its
+    # answer free to end, it may stop sooner, or finish its 10 at a real pace slower than the estimate (its batch
+    # grown), SGLang counting its 30 at that length finish: here 6 tokens/s, at 2.7 s, before the abort at 3.0 s.
+    # Marked only to the capped end (and a second after), those 30 read as bypass tokens in a window saying
+    # `complete`; now marked to the abort.
+    box = []
+    row = _sglang_stream_run_on(down=30.0, up=31.0, extra={"max_tokens": 30}, counted=(2.7, 30.0), probe=box.append)
+    ivs = box[0].emit.rows["intervals"]
+    assert UNSURE_FLAG in row["energy_note"] and "run_on_may_end" in row["energy_note"], row["energy_note"]
+    held = [x for x in ivs if (x["server_tokens"] or 0.0) > 1.0]
+    assert held and all("run_on_may_end" in x["server_count"] for x in held), [
+        (x["t_start_mono_s"], x["server_tokens"], x["server_count"]) for x in held]
 
 
 def test_a_sure_capped_run_on_placed_wholly_before_a_closed_interval_is_counted_late_not_a_crash():

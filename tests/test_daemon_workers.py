@@ -432,7 +432,7 @@ def test_an_end_without_a_start_is_still_counted():
     rec = Rec()
     workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=rec, proxy_kwargs={},
                            header_timeout_s=10, idle_timeout_s=10)
-    (msg,) = Unframer().feed(frame(([], [], [], [_end_record(tr)], ZERO, [], 0)))
+    (msg,) = Unframer().feed(frame(([], [], [], [_end_record(tr)], ZERO, [], 0, [])))
     workers._replay(workers.workers[0], msg)
     (got,) = rec.ended
     assert (got.tag, got.status, got.outcome, got.arrival_ns, got.end_ns) == ("slow", 408, "client_timeout", 10, 30)
@@ -449,7 +449,7 @@ def test_the_workers_bodies_streamed_on_uninspected_are_summed_for_metrics():
                            header_timeout_s=10, idle_timeout_s=10)
     stats = [0] * len(_STATS)
     stats[UNINSPECTED] = 3
-    (msg,) = Unframer().feed(frame(([], [], [], [], tuple(stats), [], 0)))
+    (msg,) = Unframer().feed(frame(([], [], [], [], tuple(stats), [], 0, [])))
     workers._replay(workers.workers[0], msg)
     assert workers.uninspected_bodies == 3
     rec = ShippingRecorder(8)
@@ -470,7 +470,7 @@ def test_the_workers_body_reader_failures_are_summed_for_metrics(monkeypatch):
     w = workers.workers[0]
     stats = [0] * len(_STATS)
     stats[BODY_READER_FAILURES] = 2
-    (msg,) = Unframer().feed(frame(([], [], [], [], tuple(stats), [], 0)))
+    (msg,) = Unframer().feed(frame(([], [], [], [], tuple(stats), [], 0, [])))
     workers._replay(w, msg)
     assert workers.proxy_failures == 2
     w.transport = type("T", (), {"close": lambda self: None})()
@@ -834,17 +834,58 @@ def test_a_badly_typed_record_is_refused_whole_and_the_ledger_goes_on():
     link = _WorkerLink(workers, w)
     bad = _trace(1, T + S // 10)
     bad.arrival_ns = "soon"
-    link.data_received(frame(([_start_record(bad)], [], [], [], ZERO, [], T)))
+    link.data_received(frame(([_start_record(bad)], [], [], [], ZERO, [], T, [])))
     assert closed and workers.replay_failures == 1 and workers.active == 0  # the worker's failure path
     good = _trace(2, T + S // 10)
     good.end_ns = good.end_wall_ns = T + S // 2
     w.transport = SimpleNamespace(close=lambda: closed.append(2))
     link = _WorkerLink(workers, w)
-    link.data_received(frame(([_start_record(good)], [], [], [_end_record(good)], ZERO, [], T)))
+    link.data_received(frame(([_start_record(good)], [], [], [_end_record(good)], ZERO, [], T, [])))
     for k in range(3):
         _edge(led, k)
     led.advance(T + 60 * S)
     assert len(rows["requests"]) == 1 and len(rows["intervals"]) == 2 and closed == [1]
+
+
+def test_the_workers_refused_connects_cross_the_link_bounded_and_are_taken_once():
+    # The scraper finds the server down by the proxy's refused connects (Scraper._proxy_refused); with workers they
+    # stayed in the workers' processes. Shipped with their flushes, merged across workers in time order, bounded as
+    # one in-process proxy keeps them (the first and latest halves of proxy.REFUSALS_KEPT), taken once.
+    from powerprof.daemon.proxy import REFUSALS_KEPT
+    from powerprof.daemon.workers import _WorkerLink, check_message
+
+    workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=_ToLedger(_ledger()[0]), proxy_kwargs={},
+                           header_timeout_s=10, idle_timeout_s=10)
+    for w in workers.workers:
+        w.transport = SimpleNamespace(close=lambda: None)
+    a, b = (_WorkerLink(workers, w) for w in workers.workers)
+    a.data_received(frame(([], [], [], [], ZERO, [], T, [T + 1, T + 5])))
+    b.data_received(frame(([], [], [], [], ZERO, [], T, [T + 3])))
+    assert workers.replay_failures == 0 and workers.take_refusals() == [T + 1, T + 3, T + 5]
+    assert workers.take_refusals() == []
+    herd = [T + k for k in range(REFUSALS_KEPT)]
+    a.data_received(frame(([], [], [], [], ZERO, [], T, herd)))
+    b.data_received(frame(([], [], [], [], ZERO, [], T, [t + REFUSALS_KEPT for t in herd])))
+    kept = workers.take_refusals()
+    half = REFUSALS_KEPT // 2
+    assert kept == herd[:half] + [t + REFUSALS_KEPT for t in herd[-half:]], kept
+    with pytest.raises(ValueError, match="refusals"):
+        check_message(([], [], [], [], ZERO, [], T, herd + [T]))
+    with pytest.raises(ValueError, match="refusals"):
+        check_message(([], [], [], [], ZERO, [], T, ["soon"]))
+
+    # The worker's side: its proxy's refusals go with its next flush, once, and alone are a reason to send one.
+    sent = []
+    ship = ShippingRecorder(4)
+    ship.transport = SimpleNamespace(is_closing=lambda: False, get_write_buffer_size=lambda: 0, write=sent.append)
+    ship.proxy = SimpleNamespace(_refused_ns=[T + 7], recorder_failures=0, upstream_failures=1,
+                                 body_timeouts={"silent": 0, "slow": 0}, upstream_retries=0, uninspected_bodies=0,
+                                 unforwarded=0, proxy_failures=0)
+    ship.proxy.take_refusals = lambda: [ship.proxy._refused_ns.pop()]
+    ship.flush()
+    ship.flush()
+    msgs = Unframer().feed(b"".join(sent))
+    assert len(msgs) == 1 and msgs[0][7] == [T + 7], msgs
 
 
 def test_restarts_back_off_exponentially_and_reset_after_a_stable_minute(caplog):
@@ -1074,12 +1115,12 @@ def test_a_contradicted_counts_kind_crosses_the_link_and_an_unknown_kind_is_refu
     tr.counts = streams.Counts(50, 5, None, "stop", "timings", count_problem="the server counted 50 generated "
                                "tokens but ...", count_problem_kind=RUNNING_COUNT_SHORT)
     end = _end_record(tr)
-    check_message(([], [], [], [end], ZERO, [], T))
+    check_message(([], [], [], [end], ZERO, [], T, []))
     assert streams.Counts(*end[16]).count_problem_kind == RUNNING_COUNT_SHORT
     for kind, problem in (("made_up", "x"), (None, "x"), (RUNNING_COUNT_SHORT, None)):
         tr.counts = dataclasses.replace(tr.counts, count_problem=problem, count_problem_kind=kind)
         with pytest.raises(ValueError, match="counts"):
-            check_message(([], [], [], [_end_record(tr)], ZERO, [], T))
+            check_message(([], [], [], [_end_record(tr)], ZERO, [], T, []))
 
 
 def test_a_requests_choices_cross_the_link_with_its_start_and_its_prompts_shape_with_its_counts():
@@ -1101,9 +1142,9 @@ def test_a_requests_choices_cross_the_link_with_its_start_and_its_prompts_shape_
     tr.end_ns = tr.end_wall_ns = T + S // 2
     tr.counts = Counts(generated_tokens=8, prompt_tokens=20, model=None, stop_reason=None, token_source="usage",
                        prompt_each_task=True)
-    link.data_received(frame(([_start_record(tr)], [], [], [], ZERO, [], T)))
+    link.data_received(frame(([_start_record(tr)], [], [], [], ZERO, [], T, [])))
     assert starts == [{"sequences": 4, "choices": 2}] and workers.replay_failures == 0
-    link.data_received(frame(([], [], [], [_end_record(tr)], ZERO, [], T)))
+    link.data_received(frame(([], [], [], [_end_record(tr)], ZERO, [], T, [])))
     assert workers.replay_failures == 0 and ends[0].prompt_each_task is True
 
 
@@ -1152,7 +1193,7 @@ def test_a_count_that_stops_short_and_a_best_of_cross_the_link_with_the_end():
     tr.end_ns = tr.end_wall_ns = T + S // 2
     tr.counts = Counts(generated_tokens=27, prompt_tokens=20, model=None, stop_reason="stop", token_source="usage",
                        count_open=True)
-    link.data_received(frame(([_start_record(tr)], [], [], [_end_record(tr)], ZERO, [], T)))
+    link.data_received(frame(([_start_record(tr)], [], [], [_end_record(tr)], ZERO, [], T, [])))
     assert workers.replay_failures == 0
     (counts, extra), = ends
     assert counts.count_open is True and extra["best_of"] == 3 and extra["max_tokens"] == 48
@@ -1176,10 +1217,10 @@ def test_a_requests_max_tokens_reaches_the_daemon_with_its_start_before_its_firs
     tr = _trace(1, T)
     tr.extra["max_tokens"] = 1
     first = (1, T + S // 10, T + S // 10, 1, 200, True, None, None)
-    link.data_received(frame(([_start_record(tr)], [first], [], [], ZERO, [], T)))
+    link.data_received(frame(([_start_record(tr)], [first], [], [], ZERO, [], T, [])))
     untold = _trace(2, T)  # a request that set no max_tokens
     link.data_received(frame(([_start_record(untold)], [(2, T + S // 5, T + S // 5, 1, 200, True, None, None)], [], [],
-                              ZERO, [], T)))
+                              ZERO, [], T, [])))
     assert workers.replay_failures == 0
     assert seen == [(1, 1), (None, 1)]
 
@@ -1211,7 +1252,7 @@ def test_a_worker_speaking_another_record_shape_is_said_once_and_not_restarted(c
         assert w.workers[0].said_hello and not w.workers[0].retired
         for _ in range(2):  # said once, however often
             _WorkerLink(w, w.workers[1]).data_received(frame(("hello", 101, "another-shape"))
-                                                       + frame(([], [], [], [], ZERO, [], T)))
+                                                       + frame(([], [], [], [], ZERO, [], T, [])))
         assert w.workers[1].retired and killed == [1, 1] and w.replay_failures == 0
         assert w.sockets[1].fileno() == -1 and w.sockets[0].fileno() != -1  # its share goes to worker 0
         w.workers[1].proc = SimpleNamespace(poll=lambda: -9, pid=101)

@@ -48,6 +48,7 @@ from .liverequest import (PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN, closed_unan
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
+from .scrape import RUNS_ON_AFTER_LEAVE
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
                       NO_COUNTER_READ, prompt_unread,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
@@ -386,6 +387,13 @@ class Ledger:
         # (a stream's seconds, a whole answer's wait period) the server runs a request on after its client left, until it
         # aborts it (scrape.RUNS_ON_AFTER_LEAVE; set by the daemon once the server is known), None: it aborts at once.
         self.runs_on_after_leave: tuple[float | None, float | None] | None = None
+        # The daemon scrapes no server (scrape.server = none, set by the daemon): its kind unknown, whether it ran a
+        # request on after its client left (SGLang to its abort, llama.cpp a whole answer to its end) is not known, so
+        # no run-on is placed; the cut row and the requests beside it until such a run-on must have ended say
+        # UNSURE_FLAG (`_unplaced`), where before they said nothing: the cut rows low, those beside them high.
+        self.run_ons_unknown = False
+        # [leave, latest end of a run-on there] of such requests: the intervals whose requests say so.
+        self._unplaced_spans: list[tuple[int, int]] = []
         # The latest restarts' scrape windows, (start, end, first found down): the old process's last scrape, the new
         # one's first, and the first scrape between that found the server down (None: none did); its run-ons end
         # between the first and the third (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
@@ -741,14 +749,18 @@ class Ledger:
             elif seen is not None:
                 r.crash_unsure = not seen  # a proof come later makes it sure
             return
-        if (self.runs_on_after_leave is None or tr.outcome != "client_disconnected" or tr.end_ns is None
+        if (tr.outcome != "client_disconnected" or tr.end_ns is None
                 or tr.api is None or is_passive(r) or is_unseen(r) or (tr.error or "").startswith(BODY_LEFT_NOTE)):
             return
-        stream_s, wait_s = self.runs_on_after_leave
         limit = tr.extra.get("max_tokens")
         if (tr.stream is True and isinstance(limit, int) and limit > 0
                 and r.spent + float(sum(r.ev_n)) + r.late >= limit * max(tr.extra.get("sequences", 1), 1)):
             return  # it had shown all its max_tokens allow: the server had finished it, nothing ran on (its row said so)
+        if self.runs_on_after_leave is None:
+            if self.run_ons_unknown:
+                self._unplaced(r, limit)
+            return
+        stream_s, wait_s = self.runs_on_after_leave
         if tr.stream is True:
             if stream_s is None:
                 # llama-server looks at a stream's connection after each result of its own: it stops within a token of
@@ -782,6 +794,25 @@ class Ledger:
             return  # gone before its first token (or a whole answer, its tokens unseen): `_run_on_gone` at its close
         # Placed once the streams beside it have shown that run (`_place_run_ons`; the intervals from here held till then).
         r.run_on_from_ns = max([tr.last_ns, *r.ev_t[-1:], *(e.t_ns for e in self.edges[:1])])  # none in a closed interval
+
+    def _unplaced(self, r: LiveRequest, limit) -> None:
+        """A request whose client left a server of unknown kind (`run_ons_unknown`): it may have run on for nobody, its
+        work then in the shares of the requests beside it. The intervals from its leave to the latest end any server
+        that runs on gives it (SGLang: a stream 2 s after, a whole answer at its next 4 s wait; llama.cpp: a whole
+        answer to its max_tokens at twice the time the latest streams' pace takes, as `_run_on` holds it, else
+        RUN_ON_TO_END_MAX_S), plus GONE_ABORT_SLACK_S, mark their requests (`LiveRequest.unplaced_beside_j`)."""
+        if r.run_on_unplaced:
+            return
+        tr = r.trace
+        stream_s, wait_s = RUNS_ON_AFTER_LEAVE["sglang"]
+        if tr.stream is True:
+            span_s = stream_s
+        elif isinstance(limit, int) and limit > 0 and self._paces:
+            span_s = min(max(2.0 * limit / float(np.median(self._paces)), wait_s), RUN_ON_TO_END_MAX_S)
+        else:
+            span_s = RUN_ON_TO_END_MAX_S
+        r.run_on_unplaced = True
+        self._unplaced_spans.append((int(tr.end_ns), int(tr.end_ns + (span_s + GONE_ABORT_SLACK_S) * 1e9)))
 
     def _keep_context(self, response_id: str, tokens: int) -> None:
         """A Responses answer's conversation length (`response_context`), the least recently used dropped past the cap."""
@@ -927,6 +958,7 @@ class Ledger:
         bypass tokens: docs/daemon.md, a known gap)."""
         seqs = max(r.trace.extra.get("sequences", 1), 1)
         span_ns = r.run_on_end_ns - start_ns
+        abort_ns = r.run_on_end_ns  # the latest it ran to, whatever its real pace (a cap below is at the estimated one)
         n = to_abort = tok_s * span_ns / 1e9
         limit = r.trace.extra.get("max_tokens")
         # Capped where its max_tokens leave fewer than its pace decodes to the abort: not where the span, rounded back
@@ -995,7 +1027,10 @@ class Ledger:
         if r.run_on_may_end is None:
             self.recon.run_ons_may_end.pop(rid, None)  # its body rules an end by itself out (`_run_on`)
         elif rid in self.recon.run_ons_may_end:
-            self.recon.run_ons_may_end[rid] = (self.recon.run_ons_may_end[rid][0], int(r.run_on_end_ns))
+            # To the abort, not to its max_tokens' end at the estimated pace: a slower real pace ends it there later (a
+            # length finish, counted then, unlisted: it may have ended sooner), up to the abort. Marked to the capped
+            # end, a finish 1.45 s after it read as 30 bypass tokens in windows saying complete.
+            self.recon.run_ons_may_end[rid] = (self.recon.run_ons_may_end[rid][0], int(abort_ns))
 
     def tokens_at_first(self, request_id: int, generated: float) -> float | None:
         """The tokens (in `generated`'s count) its stream had shown at its first piece, for a time per output token over
@@ -2422,6 +2457,13 @@ class Ledger:
             gone_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
         gone_col = energy.shape[1] - 1
+        # After a client's leave from a server of unknown kind (`_unplaced`): a run-on may hold part of that work.
+        self._unplaced_spans = [s for s in self._unplaced_spans if s[1] > t[0]]
+        unplaced_iv = np.zeros(t.size - 1, bool)
+        for a0, a1 in self._unplaced_spans:
+            unplaced_iv |= (a0 < t[1:]) & (a1 > t[:-1])
+        energy = np.column_stack([energy, np.where(unplaced_iv, work_j, 0.0)])
+        unplaced_col = energy.shape[1] - 1
         # A crash-costed close that may have queued unrun behind full slots (`resend_queued`): costed as run, its figure
         # may be the requests' beside it (a queued whole answer on the simulator's llama.cpp: 73-78 J for 0, its
         # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does, where that may be a material share of their
@@ -2539,6 +2581,7 @@ class Ledger:
                         r.cache_beside = max(r.cache_beside, float(cache_iv[k]))
             if not gone[i]:
                 r.gone_beside_j += a.request_energy[i, gone_col]
+            r.unplaced_beside_j += a.request_energy[i, unplaced_col]
             if not queued[i]:
                 r.queued_beside_j += a.request_energy[i, queued_col]
                 r.queued_short_j += float(queued_short_j[i])

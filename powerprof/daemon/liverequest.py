@@ -50,6 +50,11 @@ class LiveRequest:
     # Its GPU joules from intervals a request that ended before its first token, its prompt unsaid, was live in
     # (GONE_PREFILL_FLAG): that prompt's prefill, costed at an estimate or not at all, may have run longer or shorter.
     gone_beside_j: float = 0.0
+    # Its client left a server of unknown kind (scrape.server = none) that may have run it on for nobody, unplaced
+    # (`Ledger._unplaced`): its figure may be low; and its GPU joules from intervals after such a leave, where that
+    # run-on's work may be in its share (UNSURE_FLAG both).
+    run_on_unplaced: bool = False
+    unplaced_beside_j: float = 0.0
     # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
     # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
     unread_beside_j: float = 0.0

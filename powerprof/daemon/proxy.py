@@ -116,6 +116,12 @@ CRASHED_NOTE = "the upstream closed its connection with no answer after the requ
 REFUSALS_KEPT = 64
 
 
+def bound_refusals(times: list[int]) -> None:
+    """Refused connects' times (oldest first) cut in place to REFUSALS_KEPT: the first half and the latest half."""
+    if len(times) > REFUSALS_KEPT:
+        del times[REFUSALS_KEPT // 2:-(REFUSALS_KEPT // 2)]
+
+
 @dataclass
 class RequestTrace:
     """What the proxy learns about one request. Monotonic ns for arithmetic, wall ns for storage: the
@@ -725,8 +731,7 @@ class Proxy:
         first half and the latest half are let go: keeping only the very first, one the scraper left out took the
         herd's first with it)."""
         self._refused_ns.append(t_ns)
-        if len(self._refused_ns) > REFUSALS_KEPT:
-            del self._refused_ns[REFUSALS_KEPT // 2:-(REFUSALS_KEPT // 2)]
+        bound_refusals(self._refused_ns)
 
     def take_refusals(self) -> list[int]:
         """The times of the refused connects since the last call (time.monotonic_ns(), oldest first), then forgotten:

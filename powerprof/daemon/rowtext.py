@@ -742,7 +742,8 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
-                                      or _n_cmpl_unsure(r) or _closed_partial(r))}
+                                      or _n_cmpl_unsure(r) or _closed_partial(r) or r.run_on_unplaced
+                                      or _unplaced_beside(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -770,6 +771,18 @@ def _queued_beside(r: LiveRequest) -> bool:
     that close never ran, or by an unknown amount (`queued_short_lower`: live beside it in intervals closed in an
     earlier step, which the re-run does not cover)."""
     return r.queued_short_lower or (r.queued_short_j > 0 and r.queued_short_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j)
+
+
+def _unplaced_beside(r: LiveRequest) -> bool:
+    """UNSURE_FLAG after a client's leave from a server whose kind the daemon does not know (`Ledger._unplaced`): at
+    least QUEUED_BESIDE_MIN_SHARE of its figure is from intervals where a run-on for nobody may have been, in its share
+    (its figure high by at most that)."""
+    return r.unplaced_beside_j > 0 and r.unplaced_beside_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+
+
+# The fix for a run-on the daemon could not place, its server's kind unknown (`Ledger._unplaced`).
+UNPLACED_FIX = ("set scrape.server (auto, or the server's kind) so the daemon scrapes the server and knows whether it "
+                "runs a request on after its client left (SGLang, llama.cpp), and places that run")
 
 
 def prompt_unread(r: LiveRequest) -> bool:
@@ -911,6 +924,17 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                         "earlier while it was still in flight past the ledger's holds on a live request's intervals "
                         "(max_hold_s, prompt_hold_s), split with it live as run" if r.queued_short_lower else "")
                      + "); fix: none at the proxy (the server's log says whether that request had started)")
+    if r.run_on_unplaced and r.gpu_j > 0:
+        notes.append(f"{UNSURE_FLAG}: its client left, and the daemon scrapes no server (scrape.server = none), so it "
+                     "does not know whether the server ran it on for nobody (SGLang until its abort, up to "
+                     f"{RUNS_ON_AFTER_LEAVE['sglang'][1]:g} s; llama.cpp a whole answer to its end) or aborted it "
+                     "(vLLM): no run-on is placed, its figure may be low and those of the requests beside it high; "
+                     f"left out of J/token; fix: {UNPLACED_FIX}")
+    if _unplaced_beside(r):
+        notes.append(f"{UNSURE_FLAG}: {100 * min(r.unplaced_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
+                     "intervals after a client left a request the server may have run on for nobody, unplaced (the "
+                     "daemon scrapes no server, scrape.server = none, so it knows no server kind): that work may be in "
+                     f"its share, its figure high by up to that; left out of J/token; fix: {UNPLACED_FIX}")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):

@@ -1706,6 +1706,8 @@ class Daemon:
             # Before the proxy listens: a request it took during this read (up to BASELINE_WAIT_S on a slow server)
             # would have its tokens taken into the baseline, a count low with nothing to say it (10 of 150).
             await self._scrape_baseline(f"the upstream does not answer: {down}" if down and scrape_url == upstream else None)
+        else:
+            self.ledger.run_ons_unknown = True  # no server kind known: a cut request's run-on is flagged, not placed
         # RAPL read once before the proxy listens and the sampler starts: the first interval starts at NVML's first
         # read (just below), and a request from the first moment lands in it. Before, RAPL's own thread could read after NVML's:
         # that interval had no CPU energy, nor the request in it (1 loaded full test run in 3). Given to the ledger
@@ -1751,10 +1753,11 @@ class Daemon:
                 self.urls["proxy"] = await self._serve_workers(upstream, listen, proxy_kwargs)
             else:
                 self.proxy = Proxy(upstream, recorder=self, **proxy_kwargs)
-                if self.scraper is not None and same_origin(upstream, scrape_url):
-                    # Its refused connects are the scraped server's death, as a refused scrape (Scraper._proxy_refused).
-                    self.scraper.refusals = self.proxy.take_refusals
                 self.urls["proxy"] = await self._serve(self.proxy.app(), listen, "proxy", SERVER_OPTIONS)
+            if self.scraper is not None and same_origin(upstream, scrape_url):
+                # Its refused connects (its workers' too) are the scraped server's death, as a refused scrape
+                # (Scraper._proxy_refused).
+                self.scraper.refusals = self.proxy.take_refusals
         elif listen:
             log.warning("proxy disabled: no proxy.upstream configured")
         if cfg.get("metrics", "listen"):

@@ -44,7 +44,7 @@ from powerprof.errtext import error_text
 
 from . import streams
 from .guard import quiet_bad_requests
-from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
+from .proxy import REFUSALS_KEPT, SERVER_OPTIONS, Proxy, RequestTrace, bound_refusals
 from .spawn import isolated_argv
 
 log = logging.getLogger("powerprof.daemon.workers")
@@ -193,7 +193,8 @@ class ShippingRecorder:
 
     def flush(self) -> None:
         self._handle, self._urgent = None, False
-        if not (self._starts or self._firsts or self._tokens or self._ends or self._marks):
+        refused = self.proxy is not None and bool(self.proxy._refused_ns)
+        if not (self._starts or self._firsts or self._tokens or self._ends or self._marks or refused):
             return
         toks = []
         for rid, (t, n, tr) in self._tokens.items():
@@ -208,7 +209,10 @@ class ShippingRecorder:
             self._bound_held()
             return
         now = time.monotonic_ns()
-        msg = (self._starts, self._firsts, toks, self._ends, self._stats(), list(self._marks.items()), now)
+        # Its proxy's refused connects (at most REFUSALS_KEPT, Proxy.take_refusals) go with the end they came with: the
+        # daemon's scraper finds the server down by them (`ProxyWorkers.take_refusals`); kept while it does not read.
+        refusals = self.proxy.take_refusals() if refused else []
+        msg = (self._starts, self._firsts, toks, self._ends, self._stats(), list(self._marks.items()), now, refusals)
         self._starts, self._firsts, self._ends, self._marks = [], [], [], {}
         self.transport.write(frame(msg))
         self.sent_ns = now
@@ -371,11 +375,15 @@ _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "b
 _STATS = (_I,) * 11  # ShippingRecorder._stats: its counters, its loop's lateness (µs: LATE), its uninspected bodies, its
 # requests not yet forwarded (UNFORWARDED), its body reader's failures (BODY_READER_FAILURES)
 _END_LEN = 18  # an end record's parts: its start, _END_REST, its counts, its extra
+# A flush's parts: starts, first tokens, tokens, ends, stats, dropped-token marks, watermark, refused connects' times
+# (8 since the refusals were shipped; 7 before, a worker of that code another LINK_SHAPE).
+_FLUSH_LEN = 8
 # The link's record shapes, said in each worker's hello: the daemon checks every record's length exactly, so a worker
 # started from code upgraded in place under a running daemon (the counts record grew from 18 to 20 fields) had every
 # record refused as an "unreadable frame", restarted, refused, for ever. A hello of another shape is said once and
 # that worker is not restarted (ProxyWorkers._upgraded).
-LINK_SHAPE = hashlib.sha256(repr((_START, _FIRST, _TOK, _END_REST, _COUNTS, _STATS, _END_LEN)).encode()).hexdigest()[:16]
+LINK_SHAPE = hashlib.sha256(repr((_START, _FIRST, _TOK, _END_REST, _COUNTS, _STATS, _END_LEN,
+                                  _FLUSH_LEN)).encode()).hexdigest()[:16]
 
 
 def _ok(v, kind: str) -> bool:
@@ -410,12 +418,14 @@ def check_message(msg) -> None:
         if len(msg) != 4 or type(msg[2]) is not list or not all(type(r) is int for r in msg[2]):
             raise ValueError(f"malformed beat {msg!r:.200}")
         return _check(msg[3], _STATS, "stats")
-    if len(msg) != 7:
+    if len(msg) != _FLUSH_LEN:
         raise ValueError(f"malformed message of {len(msg)} parts")
-    starts, firsts, toks, ends, stats, marks, watermark = msg
-    for part in (starts, firsts, toks, ends, marks):
+    starts, firsts, toks, ends, stats, marks, watermark, refusals = msg
+    for part in (starts, firsts, toks, ends, marks, refusals):
         if type(part) is not list:
             raise ValueError(f"malformed message part {part!r:.200}")
+    if len(refusals) > REFUSALS_KEPT or not all(type(t) is int for t in refusals):
+        raise ValueError(f"malformed refusals {refusals!r:.200}")
     for r in starts:
         _check(r, _START, "start")
     for r in firsts:
@@ -532,8 +542,17 @@ class ProxyWorkers:
         # intervals after the state ends (a new life speaks the daemon's shape first), and those that held unread
         # traffic still say proxy_unread by them (ledger.proxy_unread_spans).
         self.unread_spans: deque = deque(maxlen=UNREAD_SPANS_KEPT)
+        # The workers' refused connects to the upstream (time.monotonic_ns(), one clock for all processes) since the
+        # last `take_refusals`, as `Proxy._refused_ns`.
+        self._refused_ns: list[int] = []
 
     # what the daemon reads, as of an in-process Proxy
+    def take_refusals(self) -> list[int]:
+        """As `Proxy.take_refusals`, for all workers: those their records brought (a flush, FLUSH_S at most after the
+        refusal on a worker not late; one still in a worker is the next scrape's)."""
+        out, self._refused_ns = self._refused_ns, []
+        return out
+
     @property
     def active(self) -> int:
         return len(self.mirrors)
@@ -748,8 +767,12 @@ class ProxyWorkers:
                 note(time.monotonic_ns(), max(max(x.stats[LATE] / 1e6, now - x.heard_s - BEAT_S if x.said_hello else 0.0)
                                               for x in self.workers if x.proc is not None))
             return
-        starts, firsts, toks, ends, stats, marks, watermark = msg
+        starts, firsts, toks, ends, stats, marks, watermark, refusals = msg
         w.stats = tuple(stats)
+        if refusals:
+            # All workers' together, as one in-process proxy keeps them (a worker's come in order; across workers not).
+            self._refused_ns = sorted(self._refused_ns + refusals)
+            bound_refusals(self._refused_ns)
         rec, mirrors = self.recorder, self.mirrors
         for rid, method, endpoint, tag, arr, arr_wall, api, model, stream, seqs, choices, limit in starts:
             tr = RequestTrace(request_id=next(self._ids), method=method, endpoint=endpoint, tag=tag, arrival_ns=arr,

@@ -510,7 +510,7 @@ BYPASS_COUNT_FIX = {
 # count that may be low (a restart) still leaves the rows out, as nothing in them can tell; the daemon told that no
 # server is to be scraped writes `off`, trusted, and its bypass count is then exact (none ran). Not its every figure:
 # scraping nothing, it knows no server kind, so no run-on after a client's leave (SGLang's, llama.cpp's) is placed, the
-# cut rows low and those beside them high, unflagged (docs/daemon.md, "A request the server runs on after its client
+# cut rows and those beside them flagged UNSURE_FLAG (docs/daemon.md, "A request the server runs on after its client
 # left"); so the fix says so, and is not offered for `run_on_may_end`, which only a cut SGLang request causes.
 BYPASS_NONE_FIX = ("where every request goes through the proxy and no client leaves mid-answer (SGLang and llama.cpp "
                    "run such a request on, which only a scraped server's kind lets the daemon place), set "
