@@ -492,6 +492,51 @@ def test_bypass_traffic_beside_sglang_run_ons_it_aborted_is_read(tmp_path):
     assert abs(float(np.mean(list(err.values())))) < 0.08, err
 
 
+def test_an_sglang_batch_answered_400_puts_the_prompts_it_runs_for_nobody_in_unproxied_and_its_row_says_so(tmp_path):
+    # SGLang answers a whole /generate batch 400 for one prompt its scheduler aborts (in the context's last 6 tokens)
+    # and runs the others to their cap for nobody (tokenizer_manager.py @ 001067ff _collect_batch_responses). The
+    # daemon charges that work to no row: the server's counter reads it as bypass tokens, in unproxied, beside honest
+    # streams. Before, the 400's row said "no GPU work of it was seen", untrue (docs/daemon.md, known limits).
+    import asyncio
+
+    import aiohttp
+
+    srv, daemon = _h200_daemon(tmp_path, "sglang", decode_tok_s=100.0, n_ctx=256)
+    band = " ".join(["w"] * 253)  # 254 tokens with the BOS, of a 256-token context: the other runs to its end
+
+    async def batch(s, url):
+        async with s.post(url + "/generate", json={"text": ["the power of the clock", band], "sampling_params": {
+                "max_new_tokens": None, "ignore_eos": True}},
+                headers={"X-Sim-Request-Id": "batch", "X-Powerprof-Tag": "batch"}) as r:
+            assert r.status == 400, await r.text()
+
+    async def ok(s, url, k):
+        async with await _tagged_stream(s, url, f"ok{k}", {"prompt": f"w{k} " * 50, "max_tokens": 100,
+                                                           "ignore_eos": True,
+                                                           "stream_options": {"include_usage": True}}) as r:
+            await r.read()
+
+    async def scene(url):
+        async with aiohttp.ClientSession() as s:
+            await batch(s, url)
+            await asyncio.gather(*[ok(s, url, k) for k in range(3)])
+
+    _run_daemon(srv, daemon, scene, after_s=4, up=lambda: "proxy" in daemon.urls, up_tries=400)
+    truth = {t["client_id"]: t for t in srv.truth if t.get("client_id")}
+    rows = _rows_by_tag(tmp_path)
+    ivs = read_dataset(tmp_path / "data", "intervals").to_dict("records")
+    read_j = sum(x.get("unproxied_energy_j") or 0 for x in ivs)
+    print("batch truth", truth["batch"]["generated"], round(truth["batch"]["energy_j"], 1), "J; unproxied",
+          round(read_j, 1), "J")
+    assert truth["batch"]["generated"] >= 240 and truth["batch"]["energy_j"] > 0, truth["batch"]
+    assert rows["batch"]["status"] == 400 and not rows["batch"]["gpu_energy_j"] > 0, rows["batch"]
+    assert "SGLang runs a batch's other prompts" in rows["batch"]["energy_note"], rows["batch"]["energy_note"]
+    assert read_j == pytest.approx(truth["batch"]["energy_j"], rel=0.2), read_j
+    err = _errors_shown({t: r for t, r in rows.items() if t.startswith("ok")}, truth)
+    if float(np.mean(list(err.values()))) > 0.1:  # without the batch: +2% each
+        pytest.xfail(f"the streams beside the batch read high, unflagged: {err} (docs/daemon.md, known limits)")
+
+
 @pytest.mark.parametrize("bypass", [False, True])
 def test_an_sglang_run_on_its_max_tokens_end_is_listed_as_counted_not_read_as_bypass(tmp_path, bypass):
     # A cut stream whose answer cannot end by itself (ignore_eos) and whose max_tokens end its run-on well before the

@@ -12,7 +12,7 @@ import pytest
 
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
-from powerprof.sim.server import SimServer, count_prompt_tokens
+from powerprof.sim.server import SimServer
 from powerprof.workload.client import RequestParams, detect_server, new_session
 from powerprof.workload.load import Prompt
 from powerprof.workload.servercount import counter_total, histogram_sum_count, unset_means_zero
@@ -377,13 +377,17 @@ def test_responses_generates_two_fewer_than_asked_as_sglangs_responses_request_d
         for asked, generated in ((5, 3), (3, 1)):  # below the simulated model's first end-of-sequence (16 or more)
             code, doc = ask(srv, max_output_tokens=asked)
             assert code == 200 and doc["usage"]["output_tokens"] == generated, (asked, doc)
-        # None: the context's room less 2 (asked, not seen: the model's end of sequence ends the answer first, and
-        # SGLang's Responses take no ignore_eos).
-        assert srv._sglang_response_length("the watt", None) == 4094 - count_prompt_tokens("the watt")
+        # None: the context's room less 2, which the model's end of sequence (16-63 tokens in) always ends first, as
+        # SGLang's Responses take no ignore_eos: seen through the server as an answer run to its end, as one asked far
+        # more (its floor of 512 is seen below, refused at a 64-token context).
+        code, doc = ask(srv)
+        code_far, doc_far = ask(srv, max_output_tokens=3000)
+        assert (code, doc["status"]) == (code_far, doc_far["status"]) == (200, "completed"), (doc, doc_far)
+        assert 16 <= doc["usage"]["output_tokens"] == doc_far["usage"]["output_tokens"] < 64, (doc, doc_far)
         for asked in (0, 1):  # -2 and -1: SamplingParams.verify's ValueError, 400
             code, doc = ask(srv, max_output_tokens=asked)
             assert (code, doc["message"]) == (400, f"max_new_tokens must be at least 0, got {asked - 2}."), doc
-        assert len(srv.truth) == 2  # the two that ran; the refused ran nothing
+        assert len(srv.truth) == 4  # the four that ran; the refused ran nothing
     with SimServer(flavour="sglang", sglang_warmup=False, n_ctx=64, decode_tok_s=20000.0, draft_n_max=0) as srv:
         code, doc = ask(srv)  # the default's floor of 512 (510 asked) does not fit a 64-token context
     assert code == 400 and "You requested a total of 513 tokens" in doc["message"], doc

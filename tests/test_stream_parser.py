@@ -670,16 +670,32 @@ def test_typed_event_apis_errors_and_cut_streams():
     p.feed(RESPONSES_STREAM.split(b"event: response.completed")[0] + incomplete)
     s = p.finish()
     assert s.complete and s.stop_reason == "length" and s.generated_tokens == 7
-    # vLLM's stream closes a Response cut at its length with response.completed, the object inside "incomplete"
-    # (responses/serving.py @ 4d89a999 responses_stream_generator ends with responses_full_generator's object). Before:
-    # read as stopped ("stop") where the same answer whole was read as "length".
-    vllm_cut = _typed_sse({"type": "response.completed", "sequence_number": 9, "response": {
-        "id": "resp_1", "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
-        "usage": {"input_tokens": 3, "output_tokens": 7}}})
+
+
+@pytest.mark.parametrize("status, details, complete, stop, error", [
+    ("completed", None, True, "stop", None),
+    ("incomplete", {"reason": "max_output_tokens"}, True, "length", None),
+    ("failed", None, False, None, "server error: response.failed"),
+    ("cancelled", None, False, None, None),
+    ("in_progress", None, False, None, None),
+    ("queued", None, False, None, None),
+])
+def test_a_responses_stream_ends_as_its_objects_status_says_as_the_same_object_whole(status, details, complete, stop,
+                                                                                     error):
+    """vLLM's stream closes every Response with response.completed, the object inside its whole answer's
+    (responses/serving.py @ 4d89a999 responses_stream_generator), whatever its status: cut at its length
+    "incomplete", aborted on its harmony path "cancelled". Before: streamed, failed and cancelled were read as a clean
+    stop (complete, 'stop', no error) where the same object whole was failed / not complete."""
+    resp = {"id": "resp_1", "object": "response", "status": status, "incomplete_details": details, "model": "m",
+            "output": [{"type": "message", "content": [{"type": "output_text", "text": "a b c"}]}],
+            "usage": {"input_tokens": 3, "output_tokens": 7}}
     p = StreamParser("openai-responses")
-    p.feed(RESPONSES_STREAM.split(b"event: response.completed")[0] + vllm_cut)
-    s = p.finish()
-    assert s.complete and s.stop_reason == "length" and s.generated_tokens == 7
+    p.feed(RESPONSES_STREAM.split(b"event: response.completed")[0]
+           + _typed_sse({"type": "response.completed", "sequence_number": 9, "response": resp}))
+    streamed = p.finish()
+    _, whole = parse_response("openai-responses", json.dumps(resp).encode())
+    for s in (streamed, whole):
+        assert (s.complete, s.stop_reason, s.error) == (complete, stop, error), s
 
 
 def test_a_responses_stream_of_several_tasks_sums_their_usages_and_ends_with_the_last():

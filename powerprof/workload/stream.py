@@ -948,6 +948,12 @@ class StreamParser:
         if not isinstance(kind, str):
             self._server_error(obj)
             return
+        if self.api == "openai-responses" and kind in ("response.completed", "response.incomplete") \
+                and isinstance(obj.get("response"), dict) and isinstance(obj["response"].get("status"), str):
+            # vLLM's stream ends every Response with response.completed, whatever its status (responses/serving.py @
+            # 4d89a999 responses_stream_generator; its harmony path says cancelled on abort): the status says how it
+            # ended, read as a whole Response's is.
+            kind = _responses_end_kind(obj["response"]["status"])
         if kind == "error" or kind == "response.failed" or kind == "response.error":
             # Anthropic: {"type":"error","error":{...}}; Responses: {"type":"error","message":...} or
             # response.failed with response.error.
@@ -978,9 +984,7 @@ class StreamParser:
                     self._add(n, out, v if isinstance(v, str) else "", None)
             elif kind in ("response.completed", "response.incomplete") and isinstance(resp, dict):
                 s.complete = True
-                if kind == "response.completed" and resp.get("status") != "incomplete":
-                    # vLLM's stream ends a Response cut at its length with response.completed all the same, its
-                    # status "incomplete" (responses/serving.py @ 4d89a999: the whole answer's object), read below.
+                if kind == "response.completed":
                     s.stop_reason = "stop"
                 else:
                     det = resp.get("incomplete_details")
@@ -1577,8 +1581,7 @@ def _whole_response(p: StreamParser, obj: dict, out: list[TokenEvent]) -> dict:
     """A whole Response (the body of a streamed `response.completed`, or incomplete, failed): its output parts counted
     (added to those before it: an array of several), and the event its usage and end are read from."""
     status = obj.get("status")
-    kind = {"completed": "response.completed", "incomplete": "response.incomplete",
-            "failed": "response.failed"}.get(status if isinstance(status, str) else "", "response.in_progress")
+    kind = _responses_end_kind(status if isinstance(status, str) else "")
     n = _responses_output_parts(obj.get("output"))
     p._s.counted += n
     p._s.guessed += n
@@ -1586,3 +1589,10 @@ def _whole_response(p: StreamParser, obj: dict, out: list[TokenEvent]) -> dict:
     if n:
         out.append(TokenEvent(n, "", None))
     return {"type": kind, "response": obj}
+
+
+def _responses_end_kind(status: str) -> str:
+    """The event a Response's status ends it as: completed, incomplete (its reason read from incomplete_details),
+    failed (a server error); any other (cancelled, in_progress, queued) not an end, so the answer is not complete."""
+    return {"completed": "response.completed", "incomplete": "response.incomplete",
+            "failed": "response.failed"}.get(status, "response.in_progress")
