@@ -4345,6 +4345,23 @@ def test_a_death_refused_connects_proved_is_one_though_the_page_back_says_no_res
     assert run_on["gpu_energy_j"] == pytest.approx(100.0, abs=10.5), run_on  # to the death, none after
 
 
+@pytest.mark.parametrize("back_as", [("server_restart",), ("counter_below",)], ids=["restart", "counter_below"])
+def test_a_run_on_ended_by_a_death_only_refusals_proved_says_it_died_not_that_it_restarted(back_as):
+    # The scene above's run-on (its client gone at 0.6 s, llama-server running it on), its process's death proved by a
+    # refused connect at 1.56 s. Where the page back says no restart (counter_below: the proxy's refusals alone proved
+    # the death), its row said "... until it restarted (...)", a restart nothing saw; it says the process died, by the
+    # refused connection, and no page saying a restart. Told as a restart, it still says so.
+    note = _llamacpp_whole_run_on([(1.5, 1.6)], back_as=back_as, down_ns=int(1.56 * S),
+                                  down_refused=True)["energy_note"] or ""
+    print(note)
+    if back_as == ("server_restart",):
+        assert "ran on after its client left, about 0.9 s, until it restarted (" in note, note
+        return
+    assert "until it restarted" not in note, note
+    assert ("ran on after its client left, about 0.9 s, until its process died (a connection to the server refused "
+            "0.06 s after its last scrape, and no page after it said a restart: ") in note, note
+
+
 @pytest.mark.parametrize("how", [("PUT", "/v1/chat/completions", "openai-chat"), ("PUT", "/completion", "llamacpp"),
                                  ("PUT", "/v1/completions", "openai-completions")], ids=["chat", "llamacpp", "completions"])
 def test_a_put_to_a_path_other_than_sglangs_generate_closed_at_a_crash_is_not_costed_to_it(how):

@@ -392,6 +392,9 @@ class Ledger:
         # A fourth: whether that first found-down scrape's connection was refused (nothing listening: a death), not a
         # 502/503 a router or a loading page answers.
         self._gone_at: deque = deque(maxlen=64)
+        # Of those, the (start, end, first found down) of deaths no page said a restart of (`add_server_tokens`: a
+        # refused connect, then a page that says none): a run-on's row says its process died, not that it restarted.
+        self._died_unrestarted: deque = deque(maxlen=64)
         # A death seen before its restart is: (the old process's last scrape, the first scrape since that found the
         # server down, whether a scrape since found nothing listening) (`note_down`); None: none open. Ended by the
         # next scrape window, which lists it in `_gone_at` where it says a restart.
@@ -1881,6 +1884,8 @@ class Ledger:
             a, b = self.recon.restarts[-1] if restart else (since_ns, t_ns)
             down = down_ns if down_ns is not None and a < down_ns <= b else None
             self._gone_at.append((a, b, down, down is not None and down_refused))
+            if died:
+                self._died_unrestarted.append((a, b, down))
             for r in self.requests.values():  # closes with no answer this death explains: crashes (`_crash_seen`)
                 if r.trace.end_ns is not None and closed_unanswered(r):
                     self._run_on(r)
@@ -2010,6 +2015,7 @@ class Ledger:
             return
         cut, r.run_on_death = gone
         r.run_on_end_ns, r.run_on_restart = cut, True
+        r.run_on_unrestarted = r.run_on_death[:3] in self._died_unrestarted
         if r.run_on_tokens > 0 and r.run_on_from_ns is None and r.ev_t and r.ev_t[-1] > r.run_on_end_ns:
             # Placed already (a stream's, `_place_run_ons`, before the restart's window came: a long GET): its events
             # past the cut go, and its run-on's tokens with them. Kept, a stream cut at 2.0 s whose window came 0.9 s

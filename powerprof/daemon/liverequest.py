@@ -78,6 +78,8 @@ class LiveRequest:
     run_on_unknown: bool = False  # a whole answer llama.cpp ran on to an end nothing placed (no max_tokens or pace)
     run_on_prefill: bool = False  # a stream gone mid-prefill that llama.cpp prefills whole: its run ends at its first token
     run_on_restart: bool = False  # a server restart ended its run-on (`Ledger._end_run_ons_at_restart`)
+    # That death was proved by a refused connection alone, no page after saying a restart (`Ledger.add_server_tokens`)
+    run_on_unrestarted: bool = False
     run_on_crash: bool = False  # a whole answer whose connection the server closed with no answer: run to there
     # Its close with no answer came as its server died (`Ledger._crash_seen`): a crash, not a router refusing it
     crash_seen: bool = False

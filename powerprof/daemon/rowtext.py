@@ -507,6 +507,13 @@ def _run_on_said(r: LiveRequest) -> str:
     if r.run_on_restart and r.run_on_end_ns <= tr.end_ns:  # `Ledger._cut_run_on`: its death placed at the leaving
         return (f"the server did not run it on after its client left: the process that had it died as its client left "
                 f"or after, and it is costed to its client's leaving ({_death_words(r)})")
+    elif r.run_on_restart and r.run_on_unrestarted and r.run_on_death[2] is not None:
+        # `Ledger.add_server_tokens`: a refused connect proved the death, and no page after said a restart (the proxy's
+        # refusals, then counter_below): "until it restarted" told of a restart nothing saw.
+        a, _, down, _ = r.run_on_death
+        lead = (f"the server ran on after its client left, about {s:.1f} s, until its process died (a connection to "
+                f"the server refused {(down - a) / 1e9:.2f} s after its last scrape, and no page after it said a "
+                f"restart: {_death_words(r)})")
     elif r.run_on_restart:  # `Ledger._end_run_ons_at_restart`: the process running it died
         lead = f"the server ran on after its client left, about {s:.1f} s, until it restarted ({_death_words(r)})"
     elif r.run_on_to_end:  # llama.cpp (scrape.RUNS_ON_AFTER_LEAVE): no abort to wait for, its end
