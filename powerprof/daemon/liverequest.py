@@ -17,9 +17,10 @@ PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's pr
 # How long an ended request's row waits, at most, past its end for the close of a request beside it with no byte of an
 # answer yet whose intervals closed under it past the ledger's holds (`Ledger._unpark`, `LiveRequest.open_beside`): the
 # proxy's read_timeout_s by default (a whole answer silent longer is cut by then); and how many such rows wait at once,
-# the oldest let go first. Let go before that close, the row says what it may be low by (`open_unresolved`).
+# the oldest let go first (a parked request holds about 6.5 KB: 2000, about 13 MB). Let go before that close, the row
+# says what it may be low by (`open_unresolved`).
 OPEN_BESIDE_WAIT_S = 600.0
-OPEN_BESIDE_PARKED_MAX = 20000
+OPEN_BESIDE_PARKED_MAX = 2000
 # The longest a kept-alive connection's close crossing a request on the wire takes from its arrival (milliseconds; the
 # proxy resends within forward.STALE_CLOSE_MAX_S, 1 s). A close later than this whose resend found the server dead
 # (`resend_queued`) may be a request the server had read but queued behind full slots, never run.
