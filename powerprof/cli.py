@@ -868,8 +868,10 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
 
-    from powerprof.paths import missing_folder, output_file_refusal
+    from powerprof.paths import cwd_gone, cwd_joined, missing_folder, output_file_refusal
 
+    if (why := cwd_gone(out_path, "OUT.jsonl")) is not None:  # said as no folder, or os.getcwd()'s traceback
+        raise click.UsageError(why)
     out = Path(out_path)
     parent = out.parent if str(out.parent) else Path(".")
     # lstat, not exists(): a looping symlink was replaced without --force; a FIFO or device is refused even with it.
@@ -880,8 +882,7 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
     from powerprof.trust import out_dir_refusal
 
     # As root, the folder too, as monitor --output's: through another user's symlinked folder root wrote anywhere.
-    # Joined, not normalised: `link/../f` is checked through `link`, as the kernel will write it.
-    if (why := out_dir_refusal(Path(os.path.join(os.getcwd(), out_path)).parent, "folder", "OUT.jsonl")) is not None:
+    if (why := out_dir_refusal(cwd_joined(out_path).parent, "folder", "OUT.jsonl")) is not None:
         raise click.BadParameter(why, param_hint="OUT.jsonl")
     from powerprof.workload.trace import COMMON_CONTEXT_TOKENS, MAX_SPAN_S
 
@@ -978,7 +979,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
     s3://, gs://, https:// URIs) get the per-host fleet summary instead (docs/fleet.md)."""
     from powerprof.analysis import fleet
     from powerprof.analysis.loading import AnalysisError
-    from powerprof.analysis.report import AnalysisOutTaken, analyze_run, console_summary
+    from powerprof.analysis.report import AnalysisOutRefused, AnalysisOutTaken, analyze_run, console_summary
 
     try:
         sources = fleet.expand_sources(run_dirs)
@@ -989,9 +990,11 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             said = list(dict.fromkeys(said))  # a note both tables carry (samples unreadable) said once
             if out_dir is not None:
                 from powerprof.paths import holds_dataset_tables, holds_sweep_run
-                from powerprof.storage.runs import missing_parent
+                from powerprof.storage.runs import cwd_gone, missing_parent
                 from powerprof.trust import out_dir_refusal
 
+                if (why := cwd_gone(out_dir)) is not None:  # said first, not as root's "cannot inspect"
+                    raise AnalysisOutRefused(why)
                 if (why := out_dir_refusal(Path(out_dir), "folder")) is not None:  # as root: root's or the sudo user's
                     raise fleet.FleetError(why)
                 if holds_sweep_run(out_dir):  # export of the run would show fleet.parquet as one of its tables
@@ -1011,7 +1014,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                 if (why := fleet.out_taken(Path(out_dir))) is not None:  # a person's file of the summary's name
                     raise AnalysisOutTaken(why)
                 if (why := missing_parent(out_dir)) is not None:
-                    raise fleet.FleetError(why)
+                    raise AnalysisOutRefused(why)
                 try:
                     fleet.write_out(Path(out_dir), table, tags)
                 except OSError as e:  # a full disk, a read-only folder: a traceback before
@@ -1044,6 +1047,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                              force=force, n_boot=n_boot)
     except AnalysisOutTaken as e:  # said as an output file that exists (export --out, monitor --output)
         raise click.BadParameter(str(e), param_hint="--out") from None
+    except AnalysisOutRefused as e:  # a usage error, as every command's --out that names no place (missing_parent)
+        raise click.UsageError(str(e)) from None
     except (AnalysisError, fleet.FleetError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
@@ -1349,7 +1354,7 @@ def _sweep_exits(dry_run: bool = False, clocks: bool = False):
     from powerprof import termination
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
-    from powerprof.sweep import SweepError
+    from powerprof.sweep import OutRefused, SweepError
     from powerprof.workload.client import ServerUnreachable
     from powerprof.workload.launcher import LaunchError
 
@@ -1364,6 +1369,8 @@ def _sweep_exits(dry_run: bool = False, clocks: bool = False):
         if type(e).__module__.startswith("pyarrow"):  # ArrowInvalid is a ValueError, but not the user's mistake
             raise click.ClickException(f"writing the run failed: {e}") from None
         raise click.UsageError(str(e)) from None
+    except OutRefused as e:  # before anything started: a usage error, said as every command's --out (missing_parent)
+        raise click.UsageError(str(e) if dry_run else f"{e}\n{back()}") from None
     except (SweepError, ServerUnreachable, LaunchError) as e:
         # These reach here after the controller put every GPU back (a failed restore raises a ControlError in their
         # place); a stopped sweep said nothing of the GPU, and the user was left to wonder whether it was capped.
@@ -1534,7 +1541,11 @@ def tag_group() -> None:
 
 def _tag_socket(socket, config_path):
     from powerprof.daemon import config as dconfig
+    from powerprof.paths import cwd_gone
 
+    for flag, path in (("--socket", socket), ("--config", config_path)):
+        if path and (why := cwd_gone(path, flag)) is not None:  # said as "no daemon socket at", or no config file
+            raise click.UsageError(why)
     if socket:
         return socket
     try:

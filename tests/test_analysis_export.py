@@ -325,6 +325,8 @@ def test_cli_export_to_a_path_it_cannot_use_says_why(run, tmp_path, fmt, out, ms
     r = CliRunner().invoke(main, ["export", str(run), "--format", fmt, "--out", str(tmp_path / out)])
     if out == "adir":  # refused as every name that is not a regular file is (exit 2, as a name that exists)
         assert r.exit_code == 2 and "not a regular file" in r.output and "Traceback" not in r.output, r.output
+    elif out.startswith("afile/"):  # under a file: missing_parent's refusal, a usage error as every command's
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     else:
         _no_traceback(r)
     assert msg in r.output
@@ -631,7 +633,7 @@ def test_a_single_file_export_into_a_folder_that_does_not_exist_says_so(run, tmp
     out = tmp_path / "no" / "such" / f"windows.{fmt}"
     src = run if fmt == "xlsx" else run / "windows.parquet"
     r = CliRunner().invoke(main, ["export", str(src), "--format", fmt, "--out", str(out)])
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output  # a usage error, as every command's missing parent
     said = " ".join(r.output.split())
     assert f"its parent folder {out.parent} does not exist" in said and "Traceback" not in r.output, said
     assert not (tmp_path / "no").exists()

@@ -580,7 +580,7 @@ def test_analyze_and_export_refuse_an_out_whose_parent_is_missing_as_sweep_does(
     src = make_run(tmp_path / "run", seed_truth(), levels=(180, 300), n_requests=6)
     out = tmp_path / "typo" / "dir" / "out"
     r = CliRunner().invoke(main, [cmd[0], str(src), *cmd[1:], "--out", str(out)])
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output  # a usage error, as measure's (it was 1)
     said = " ".join(r.output.split())
     assert f"its parent folder {out.parent} does not exist" in said and f"mkdir -p {out.parent}" in said, r.output
     assert not (tmp_path / "typo").exists()
@@ -662,4 +662,4 @@ def test_analyze_and_export_write_an_absolute_out_from_a_removed_current_folder(
     assert r.exit_code == 0 and (tmp_path / "out").is_dir(), r.output + repr(r.exception)
     r = CliRunner().invoke(main, [cmd[0], str(src), *cmd[1:], "--out", "rel"])
     said = " ".join(r.output.split())
-    assert r.exit_code == 1 and "the current folder no longer exists" in said and "Traceback" not in said, said
+    assert r.exit_code == 2 and "the current folder no longer exists" in said and "Traceback" not in said, said

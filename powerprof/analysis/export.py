@@ -79,7 +79,8 @@ class ExportError(ValueError):
 class ExportUsageError(ExportError):
     """An option value that cannot be used (time zone, time, columns, format): a usage error, exit 2.
 
-    An --out path it cannot use stays an ExportError (exit 1), like a failed write."""
+    An --out that names no place (its parent folder missing, a relative one from a removed current folder) is one too,
+    as every command's (storage.runs.missing_parent); another --out it cannot use stays an ExportError (exit 1)."""
 
 
 class ExportOutExists(ExportUsageError):
@@ -666,13 +667,16 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         src_path = Path(str(srcs[0]))  # several sources: the summary's run details come from the first
         default_stem = "export"
     out_given = out
+    if out is None and cwd_gone(".") is not None:  # Path.cwd() below: a FileNotFoundError traceback
+        raise ExportUsageError("no --out given, and its default is in the current folder: the current folder no longer "
+                               "exists (removed). Fix: cd to one that does, or give an absolute --out")
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
     from powerprof.paths import not_a_regular_file, path_problem  # noqa: PLC0415
 
     if (why := path_problem(out)) is not None:  # "File name too long" was an OSError traceback from out.exists()
         raise ExportError(f"--out {out}: {why}")
     if (why := cwd_gone(out)) is not None:  # before out.resolve() below: a FileNotFoundError traceback
-        raise ExportError(why)
+        raise ExportUsageError(why)
     single = fmt != "xlsx" and len(sources) == 1 and out.suffix == f".{fmt}"
     # Whatever --force says: a FIFO, a device, a socket, a folder or a symlink (a looping one too) where a file goes
     # would be replaced by the file (`--out x.csv --force` made a device a regular file).
@@ -700,7 +704,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     # A file's folder, or a folder's parent, that does not exist is never made (storage.runs.missing_parent, every
     # command's rule): a file's failed at the end naming a temporary ("Failed to open local file '.w.parquet.1.tmp'").
     if (why := missing_parent(out)) is not None:
-        raise ExportError(why)
+        raise ExportUsageError(why)
     if (fmt == "xlsx" or single) and not out.parent.is_dir():
         from powerprof.paths import what_is  # noqa: PLC0415
 

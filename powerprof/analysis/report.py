@@ -25,7 +25,7 @@ import numpy as np
 
 from powerprof import __version__
 from powerprof.storage.atomic import atomic_group
-from powerprof.storage.runs import missing_parent, no_finished_level, write_table
+from powerprof.storage.runs import cwd_gone, missing_parent, no_finished_level, write_table
 from powerprof.trust import out_dir_refusal
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
@@ -87,13 +87,15 @@ def analyze_run(
                                 "windows would count twice and every confidence interval be too narrow; give it once")
         seen[key] = r.path
     out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
+    if (why := cwd_gone(out)) is not None:  # before the checks' resolve() and abspath: a traceback, or said as root's
+        raise AnalysisOutRefused(why)
     # As root (`sudo powerprof analyze`), the folder and every one on its way root's or the sudo user's: another
     # user's symlink at --out (or at RUN/analysis in their run) would have root write the report wherever it points.
     if (why := out_dir_refusal(out, "analysis folder")) is not None:
         raise AnalysisError(why)
     check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
     if (why := missing_parent(out)) is not None:  # after check_out's own refusals; the default's parent is the run
-        raise AnalysisError(why)
+        raise AnalysisOutRefused(why)
     with _out_locked(out) as said:
         check_out(out, runs)  # again, locked: another analyze into this folder may have written it meanwhile
         result = _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary)
@@ -202,6 +204,11 @@ def _analyze_into(out: Path, runs, run_dirs, forced, params, max_slowdown, forma
     except OSError as e:  # --out that cannot be written (read-only, full disk)
         raise _cannot_write(out, e) from None
     return result
+
+
+class AnalysisOutRefused(AnalysisError):
+    """--out names no place a folder can be made (its parent folder missing, a relative one from a removed current
+    folder): a usage error, exit 2, as every command's (storage.runs.missing_parent); nothing read or made."""
 
 
 class AnalysisOutTaken(AnalysisError):
