@@ -281,15 +281,13 @@ def _earlier_outputs(out: Path) -> list[Path]:
     return found
 
 
-_TEMPORARY = re.compile(r"\.(?P<name>[^/]+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
+_TEMPORARY = re.compile(r"\.(?P<name>[^/]+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.(?P<kind>tmp|old)")
 
 
-def _remove_dead_temporaries(out: Path) -> list[Path]:
-    """Remove the temporaries (paths.temp_sibling's `.NAME.PID.HEX.tmp`, NAME an output's, a plain file of this euid)
-    of an analyze that died (SIGKILL between its renames: nine stayed, one a hard link to the old analysis.parquet);
-    returns those removed, for the note that says so. Called under the flock, so no analyze of this machine is writing
-    here; a live pid's is kept (a pid reused counts as alive), and so is another user's file of that form (not ours)."""
-    gone = []
+def _dead_leftovers(out: Path) -> Iterator[tuple[Path, os.stat_result, bool]]:
+    """(file, its lstat, whether it is a kept old copy) for each plain file in `out` of paths.temp_sibling's form
+    (`.NAME.PID.HEX.tmp`, or atomic's `.old` link of an old content), NAME an output's, whose pid is no live process
+    (a pid reused counts as alive; EPERM: another user's live process)."""
     for f in out.iterdir():
         m = _TEMPORARY.fullmatch(f.name)
         if m is None or not (m["name"] in OUTPUT_NAMES or (m["name"].endswith(".png") and any(
@@ -300,14 +298,36 @@ def _remove_dead_temporaries(out: Path) -> list[Path]:
             continue
         except ProcessLookupError:
             pass
-        except (OSError, OverflowError):  # EPERM: another user's live process
+        except (OSError, OverflowError):
             continue
-        with contextlib.suppress(OSError):
+        try:
             st = f.lstat()
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            yield f, st, m["kind"] == "old"
+
+
+def _remove_dead_temporaries(out: Path) -> list[Path]:
+    """Remove the temporaries of an analyze that died (SIGKILL between its renames: nine stayed, one a hard link to the
+    old analysis.parquet), plain files of this euid (another user's file of that form is not ours); returns those
+    removed, for the note that says so. Called under the flock, so no analyze of this machine is writing here. A kept
+    old copy (`.old`) goes only where it is still a second name of its file (its rename never came); one whose file was
+    replaced is the only copy of the old content: `_kept_old_copies`, never removed."""
+    gone = []
+    for f, st, old in _dead_leftovers(out):
+        if st.st_uid == os.geteuid() and (not old or st.st_nlink > 1):
+            with contextlib.suppress(OSError):
                 f.unlink()
                 gone.append(f)
     return gone
+
+
+def _kept_old_copies(out: Path) -> list[Path]:
+    """The old contents a write that failed part-way left in `out` (atomic.GroupMixed: the rename of one output and the
+    put-back of another failed, the folder MIXED), each the only copy of an output's old content: the next analyze
+    removed them as a dead analyze's temporaries. Kept until the user removes them; each analyze names them."""
+    return sorted(f for f, st, old in _dead_leftovers(out) if old and st.st_nlink == 1)
 
 
 def _refuse_a_run_folder(out: Path, runs) -> None:
@@ -425,6 +445,14 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
         result.write_notes.append(
             f"removed {len(gone)} temporary file{'s' if len(gone) > 1 else ''} that an analyze stopped part-way left in "
             f"{out} ({', '.join(sorted(f.name for f in gone))})")
+    if kept := _kept_old_copies(out):
+        # Warned, not refused: writing every output again is the fix GroupMixed gave, and it leaves these alone.
+        result.write_notes.append(
+            f"{out} holds the old content of {', '.join(_TEMPORARY.fullmatch(f.name)['name'] for f in kept)}, kept as "
+            f"{', '.join(f.name for f in kept)} by an earlier write that failed part-way and left the folder MIXED; "
+            "this analysis replaced every output together, so the folder is one analysis again, and the kept copies "
+            "are left as they are (the only copies of the earlier analysis' files): look at them, then remove them "
+            "when you no longer need them")
     return files
 
 

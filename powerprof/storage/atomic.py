@@ -4,7 +4,9 @@ A reader, or the file system after a crash, sees the old file or the new one, wh
 `atomic_group` replaces several files that belong together (an analysis' report, tables and plots) so
 that an interruption while they are made leaves every one of the old ones.
 Temporaries are dot-prefixed and end in `.tmp`, so `*.parquet`/`restore-*.json` globs and
-hive-partition readers (pyarrow, DuckDB, Spark) skip them.
+hive-partition readers (pyarrow, DuckDB, Spark) skip them. The link a group keeps of a file's old content while it
+renames is dot-prefixed too and ends in `.old` (KEPT_SUFFIX): one left behind (a put-back that failed, GroupMixed; a
+kill between the renames) can be the only copy of that old content, which no cleanup of temporaries may take.
 """
 
 from __future__ import annotations
@@ -244,10 +246,14 @@ def _mixed(cause: OSError, staged, kept: dict[Path, tuple[bool, Path | None]], s
     return GroupMixed(cause, new, old, missing, links)
 
 
+KEPT_SUFFIX = ".old"
+
+
 def _old_link(path: Path) -> Path | None:
-    """A hard link to `path`'s present content under a temporary name; None on a file system without hard links
-    (that one file cannot be put back: the checks before the renames are all it has)."""
-    link = temp_sibling(path)
+    """A hard link to `path`'s present content, `.NAME.PID.HEX.old` (not a `.tmp`: a temporaries' cleanup removed the
+    one a GroupMixed kept, the user's only old copy); None on a file system without hard links (that one file cannot
+    be put back: the checks before the renames are all it has)."""
+    link = temp_sibling(path).with_suffix(KEPT_SUFFIX)
     try:
         os.link(path, link, follow_symlinks=False)
     except OSError:
