@@ -308,26 +308,32 @@ def _dead_leftovers(out: Path) -> Iterator[tuple[Path, os.stat_result, bool]]:
             yield f, st, m["kind"] == "old"
 
 
-def _remove_dead_temporaries(out: Path) -> list[Path]:
+def _second_names(out: Path) -> set[Path]:
+    """The dead `.old` links in `out` that are still a second name of their file (a kill came before its rename): no
+    old content of their own. Asked before the renames, after which each would be its file's only old copy."""
+    return {f for f, st, old in _dead_leftovers(out) if old and st.st_nlink > 1}
+
+
+def _remove_dead_temporaries(out: Path, second_names: set[Path]) -> list[Path]:
     """Remove the temporaries of an analyze that died (SIGKILL between its renames: nine stayed, one a hard link to the
     old analysis.parquet), plain files of this euid (another user's file of that form is not ours); returns those
     removed, for the note that says so. Called under the flock, so no analyze of this machine is writing here. A kept
-    old copy (`.old`) goes only where it is still a second name of its file (its rename never came); one whose file was
-    replaced is the only copy of the old content: `_kept_old_copies`, never removed."""
+    old link (`.old`) goes only among `second_names` (`_second_names`); one whose file was replaced before this write is
+    the only copy of the old content: `_kept_old_copies`, never removed."""
     gone = []
     for f, st, old in _dead_leftovers(out):
-        if st.st_uid == os.geteuid() and (not old or st.st_nlink > 1):
+        if st.st_uid == os.geteuid() and (not old or f in second_names):
             with contextlib.suppress(OSError):
                 f.unlink()
                 gone.append(f)
     return gone
 
 
-def _kept_old_copies(out: Path) -> list[Path]:
+def _kept_old_copies(out: Path, second_names: set[Path]) -> list[Path]:
     """The old contents a write that failed part-way left in `out` (atomic.GroupMixed: the rename of one output and the
     put-back of another failed, the folder MIXED), each the only copy of an output's old content: the next analyze
     removed them as a dead analyze's temporaries. Kept until the user removes them; each analyze names them."""
-    return sorted(f for f, st, old in _dead_leftovers(out) if old and st.st_nlink == 1)
+    return sorted(f for f, st, old in _dead_leftovers(out) if old and f not in second_names)
 
 
 def _refuse_a_run_folder(out: Path, runs) -> None:
@@ -434,6 +440,7 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
     # All or none: an interruption while the report renders must not leave new plots and tables beside
     # the old report and analysis.json (the export's summary sheet reads its recommendation).
     result.analysis_id = secrets.token_hex(8)
+    second_names = _second_names(out)
     with atomic_group() as stage:
         files = _write_outputs(result, out, formats, plots, stage)
         # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
@@ -441,11 +448,11 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
         for f in _earlier_outputs(out):
             if f not in stage.paths():
                 stage.remove(f)
-    if gone := _remove_dead_temporaries(out):
+    if gone := _remove_dead_temporaries(out, second_names):
         result.write_notes.append(
             f"removed {len(gone)} temporary file{'s' if len(gone) > 1 else ''} that an analyze stopped part-way left in "
             f"{out} ({', '.join(sorted(f.name for f in gone))})")
-    if kept := _kept_old_copies(out):
+    if kept := _kept_old_copies(out, second_names):
         # Warned, not refused: writing every output again is the fix GroupMixed gave, and it leaves these alone.
         result.write_notes.append(
             f"{out} holds the old content of {', '.join(_TEMPORARY.fullmatch(f.name)['name'] for f in kept)}, kept as "
