@@ -185,14 +185,17 @@ def _replace_all(staged: list[tuple[Path | None, Path]]) -> None:
     leaves new files beside old ones (a report saying one limit beside an analysis.json saying another).
     Removals come after every rename, put back the same way. The error names the file, not its temporary
     (gone by then). The temporaries and links are removed either way, save the link of an old file that could not be
-    put back: then (or where a replaced file had no link: no hard links there) GroupMixed names every file's state."""
+    put back: then (or where a replaced file had no link: no hard links there) GroupMixed names every file's state, whatever
+    the failure was (an exception other than OSError is its cause)."""
     kept: dict[Path, tuple[bool, Path | None]] = {}  # a file renamed → (it existed before, a link to its old content)
+    at: Path | None = None  # the file being renamed or removed
     try:
         for _, path in staged:  # what no rename can replace is refused before any is done
             _refuse_special(path)
             if os.path.isdir(path) and not os.path.islink(path):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         for tmp, path in sorted(staged, key=lambda s: s[0] is None):
+            at = path
             existed = os.path.lexists(path)
             if tmp is None and not existed:
                 continue
@@ -215,6 +218,9 @@ def _replace_all(staged: list[tuple[Path | None, Path]]) -> None:
             _unlink_quietly(tmp)
         if stuck and isinstance(e, OSError):
             raise _mixed(e, staged, kept, stuck) from None
+        if stuck and isinstance(e, Exception):  # any other failure leaves the folder as mixed: said the same way (it
+            # was raised alone, the files put back and those not unsaid)
+            raise _mixed(OSError(None, f"{type(e).__name__}: {e}", str(at)), staged, kept, stuck) from e
         raise
     for _, old in kept.values():
         _unlink_quietly(old)
