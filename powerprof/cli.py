@@ -868,17 +868,17 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
 
-    from powerprof.paths import cwd_gone, cwd_joined, missing_folder, output_file_refusal
+    from powerprof.paths import cwd_joined, output_file_refusal
+    from powerprof.storage.runs import missing_parent
 
-    if (why := cwd_gone(out_path, "OUT.jsonl")) is not None:  # said as no folder, or os.getcwd()'s traceback
+    # A relative one from a removed current folder (os.getcwd()'s traceback), or a missing folder ("folder 'x' does not
+    # exist", exit 2): in every command's words (missing_parent).
+    if (why := missing_parent(out_path, "OUT.jsonl")) is not None:
         raise click.UsageError(why)
     out = Path(out_path)
-    parent = out.parent if str(out.parent) else Path(".")
     # lstat, not exists(): a looping symlink was replaced without --force; a FIFO or device is refused even with it.
     if (why := output_file_refusal(out_path, force, "a trace of yours?")) is not None:
         raise click.BadParameter(why, param_hint="OUT.jsonl")
-    if not parent.is_dir():
-        raise click.BadParameter(missing_folder(parent), param_hint="OUT.jsonl")
     from powerprof.trust import out_dir_refusal
 
     # As root, the folder too, as monitor --output's: through another user's symlinked folder root wrote anywhere.

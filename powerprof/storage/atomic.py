@@ -185,8 +185,8 @@ def _replace_all(staged: list[tuple[Path | None, Path]]) -> None:
     leaves new files beside old ones (a report saying one limit beside an analysis.json saying another).
     Removals come after every rename, put back the same way. The error names the file, not its temporary
     (gone by then). The temporaries and links are removed either way, save the link of an old file that could not be
-    put back: then (or where a replaced file had no link: no hard links there) GroupMixed names every file's state, whatever
-    the failure was (an exception other than OSError is its cause)."""
+    put back: then (or where a replaced file had no link: no hard links there) GroupMixed names every file's state,
+    whatever the failure was (an exception other than OSError is its cause)."""
     kept: dict[Path, tuple[bool, Path | None]] = {}  # a file renamed → (it existed before, a link to its old content)
     at: Path | None = None  # the file being renamed or removed
     try:
