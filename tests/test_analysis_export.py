@@ -1234,6 +1234,31 @@ def test_export_of_a_runs_file_uri_checks_its_analysis_and_says_only_it_goes_out
     assert not (tmp_path / "mixed").exists()
 
 
+@pytest.mark.parametrize("what", ["run", "folder", "file"])
+def test_export_of_a_remote_uri_checks_its_analysis_through_the_stores_filesystem(tmp_path, monkeypatch, what):
+    # Behind s3://, gs:// … the analysis.json was not read: a mixed analysis went out (exit 0), said only as a limit in
+    # docs/analysis.md. Now its ids are read through the filesystem the export reads the tables with (here a
+    # SubTreeFileSystem over tmp_path standing for the bucket), and the mix is refused as a local one is.
+    import pyarrow.fs as pafs
+
+    import powerprof.analysis.export as ex
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "0"]).exit_code == 0
+    old_json = (run / "analysis" / "analysis.json").read_bytes()
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "99%"]).exit_code == 0
+    bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    monkeypatch.setattr(ex, "_open_uri", lambda uri: (bucket, uri.removeprefix("s3://")))
+    uri = {"run": "s3://run", "folder": "s3://run/analysis", "file": "s3://run/analysis/analysis.parquet"}[what]
+    r = CliRunner().invoke(main, ["export", uri, "--format", "csv", "--out", str(tmp_path / "ok")])
+    assert r.exit_code == 0 and (tmp_path / "ok").exists(), r.output
+    (run / "analysis" / "analysis.json").write_bytes(old_json)  # renamed last: the kill came just before it
+    r = CliRunner().invoke(main, ["export", uri, "--format", "csv", "--out", str(tmp_path / "mixed")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and "s3://run/analysis holds the outputs of more than one analysis" in said, said
+    assert not (tmp_path / "mixed").exists()
+
+
 def test_export_reads_a_folder_whose_reports_a_person_edited_and_names_a_report_of_another_analysis(tmp_path):
     # It compared the reports' ids too (export never reads them) and took a missing stamp for another id: notes
     # appended to report.md -> exit 1 "report.md none ... run `powerprof analyze` again", whose rewrite lost the notes.

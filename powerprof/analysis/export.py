@@ -302,8 +302,8 @@ def local_path(src) -> Path | None:
 
 def analysis_folders_of(src) -> list[Path]:
     """`analysis_folders` of a local source or a file:// URI (never checked before: a mixed analysis went out, exit
-    0); none for a remote URI, whose analysis.json is not read, nor for a path that cannot be inspected (its read
-    says why)."""
+    0); none for a remote URI (`_remote_analysis_folders`, through its filesystem), nor for a path that cannot be
+    inspected (its read says why)."""
     p = local_path(src)
     try:
         return analysis_folders(p) if p is not None else []
@@ -321,11 +321,40 @@ def _run_read_as_dataset(src) -> str | None:
             f"the run's windows, samples and levels; give its path {p} (no file://) for those")
 
 
-def _refuse_mixed(folder: Path) -> None:
+def _refuse_mixed(folder: Path | str, fs=None, shown: str | None = None) -> None:
     from .report import outputs_disagree  # noqa: PLC0415
 
-    if (why := outputs_disagree(folder)) is not None:
+    if (why := outputs_disagree(folder, fs, shown)) is not None:
         raise ExportError(why)
+
+
+def _remote_analysis_folders(fs, path: str) -> list[str]:
+    """`analysis_folders` behind a remote URI (s3://, gs://, …), its filesystem's paths: the folder of an
+    analysis.parquet given alone, or the folder given and its analysis/ where each holds one. A symlink's target is
+    not asked for there (object stores have none)."""
+    import pyarrow.fs as pafs  # noqa: PLC0415
+
+    path = path.rstrip("/")
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        return [path.rsplit("/", 1)[0]] if info.base_name == "analysis.parquet" and "/" in path else []
+    if info.type != pafs.FileType.Directory:
+        return []
+    return [d for d in (path, f"{path}/analysis") if fs.get_file_info(f"{d}/analysis.parquet").is_file]
+
+
+def _refuse_mixed_remote(uri: str) -> None:
+    """ExportError where an analysis behind a remote URI is mixed (`outputs_disagree` through its filesystem): it
+    went out unchecked, said only as a limit. A store that cannot be reached is said by the read after."""
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    try:
+        fs, path = _open_uri(uri)
+        folders = _remote_analysis_folders(fs, path)
+    except (pa.ArrowException, OSError, ValueError):
+        return
+    for folder in folders:
+        _refuse_mixed(folder, fs, f"{urlsplit(uri).scheme}://{folder}")
 
 
 def find_sources(src) -> list[Source]:
@@ -334,6 +363,8 @@ def find_sources(src) -> list[Source]:
     if is_uri(src):
         for folder in analysis_folders_of(src):  # a file:// URI's
             _refuse_mixed(folder)
+        if local_path(src) is None:
+            _refuse_mixed_remote(str(src))
         return _uri_sources(str(src))
     p = Path(src)
     from powerprof.paths import path_problem  # noqa: PLC0415

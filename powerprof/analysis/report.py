@@ -532,40 +532,51 @@ def _stamp_of(report: Path) -> str | None:
     return m.group(1) if m else None
 
 
-def _ids(folder: Path, names) -> dict[str, str | None]:
-    """The analysis_id each of `names` in `folder` says (None: none said, or unreadable); a name not there is left out."""
+def _ids(folder: Path | str, names, fs=None) -> dict[str, str | None]:
+    """The analysis_id each of `names` in `folder` says (None: none said, or unreadable); a name not there is left out.
+    `fs`: a pyarrow filesystem `folder` (its path there) is read through (a remote URI's), for the two tables alone."""
+    import pyarrow as pa  # noqa: PLC0415
     import pyarrow.parquet as pq  # noqa: PLC0415
 
     ids: dict[str, str | None] = {}
     for name in names:
-        f = folder / name
-        if not f.is_file():
+        f = folder / name if fs is None else f"{str(folder).rstrip('/')}/{name}"
+        try:
+            if not (f.is_file() if fs is None else fs.get_file_info(f).is_file):
+                continue
+        except (OSError, pa.ArrowException):  # a store that cannot be reached: its read says why
             continue
         try:
             if name == "analysis.json":
-                ids[name] = json.loads(f.read_text()).get("analysis_id")
+                if fs is None:
+                    text = f.read_text()
+                else:
+                    with fs.open_input_stream(f) as stream:
+                        text = stream.read().decode()
+                ids[name] = json.loads(text).get("analysis_id")
             elif name == "analysis.parquet":
-                meta = pq.read_schema(f).metadata or {}
+                meta = pq.read_schema(f, filesystem=fs).metadata or {}
                 ids[name] = json.loads(meta.get(b"powerprof_analysis", b"{}")).get("analysis_id")
             elif name.endswith(".png"):
                 ids[name] = _png_comment(f.read_bytes())
             else:
                 ids[name] = _stamp_of(f)
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, pa.ArrowException):
             ids[name] = None
     return ids
 
 
-def outputs_disagree(folder: Path) -> str | None:
+def outputs_disagree(folder: Path | str, fs=None, shown: str | None = None) -> str | None:
     """Why the analysis tables in `folder` that export reads (analysis.json, analysis.parquet) are not of one write
     (their analysis ids differ: an analyze killed between its renames, SIGKILL or a power cut, left one new beside
     one old); None where they agree or one is missing. Outputs of before the ids (neither says one) agree.
     The reports, which export never reads, are no cause (`unread_outputs_disagree`): refusing for them, with "run analyze
-    again" as the fix, had a person's notes in report.md overwritten."""
-    ids = _ids(folder, ("analysis.json", "analysis.parquet"))
+    again" as the fix, had a person's notes in report.md overwritten. `fs`: read through it (a remote URI's), the
+    folder `shown` by its URI."""
+    ids = _ids(folder, ("analysis.json", "analysis.parquet"), fs)
     if len(set(ids.values())) <= 1:
         return None
-    return (f"{folder} holds the outputs of more than one analysis (their analysis ids differ: "
+    return (f"{shown or folder} holds the outputs of more than one analysis (their analysis ids differ: "
             + ", ".join(f"{n} {i or 'none'}" for n, i in ids.items())
             + "; an analyze stopped between its renames); run `powerprof analyze` again to write them anew")
 
