@@ -160,6 +160,26 @@ def _json_error(ctx: click.Context, e: click.ClickException, asked: bool) -> Non
         click.echo(_json_text({"ok": False, "error": e.format_message(), "exit_code": e.exit_code}))
 
 
+_PATH_ARGUMENTS = ("run_dirs", "src")  # paths typed as plain strings (globs, URIs among them)
+
+
+def _check_relative_paths(command: click.Command, ctx: click.Context) -> None:
+    """A usage error (exit 2, the fix named) for a relative path given where the current folder was removed: it names
+    no place there, and was a FileNotFoundError traceback, or said as a file that does not exist ("no such run
+    directory", "cannot read trace"). Every click.Path option and argument, and the sources; URIs pass."""
+    from powerprof.paths import cwd_gone  # noqa: PLC0415
+
+    for p in command.params:
+        if not (isinstance(p.type, click.Path) or p.name in _PATH_ARGUMENTS):
+            continue
+        given = ctx.params.get(p.name)
+        for v in given if isinstance(given, (tuple, list)) else (given,):
+            if isinstance(v, (str, os.PathLike)) and "://" not in str(v):
+                flag = p.opts[-1] if isinstance(p, click.Option) else p.human_readable_name
+                if (why := cwd_gone(v, flag)) is not None:
+                    raise click.UsageError(why, ctx)
+
+
 class _Command(click.Command):
     """A command whose "unexpected extra argument" says the likely cause: a list given with spaces (`--limits 180 220`,
     `--limits 220 W`) left click's bare "Got unexpected extra argument (220)". With --json, its errors (usage or
@@ -185,6 +205,7 @@ class _Command(click.Command):
             raise
         try:
             _check_sim_gpus(ctx.params.get("simulate"), ctx.params.get("gpus"), "--gpus", ctx)
+            _check_relative_paths(self, ctx)
             if self.name in _SENDS_REQUESTS:
                 from powerprof.workload.auth import ApiKeyError, api_key
 

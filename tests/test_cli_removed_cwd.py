@@ -81,6 +81,11 @@ RELATIVE = {
     "daemon --config": lambda run: ["daemon", "--simulate", "--check", "--config", "rel.toml"],
     "tag --socket": lambda run: ["tag", "list", "--socket", "rel.sock"],
     "tag --config": lambda run: ["tag", "list", "--config", "rel.toml"],
+    # Inputs too (each click.Path and source, cli._check_relative_paths): said as a path that does not exist.
+    "analyze, a relative run": lambda run: ["analyze", "run", "--out", run.parent / "a"],  # "no such run directory"
+    "export, a relative source": lambda run: ["export", "run", "--format", "csv", "--out", run.parent / "e"],
+    "replay": lambda run: ["replay", "t.jsonl", "--simulate"],  # "cannot read trace t.jsonl: No such file"
+    "sweep --prompts": lambda run: ["sweep", "--simulate", "--limits", "300", "--prompts", "p.txt", "--dry-run"],
 }
 
 
