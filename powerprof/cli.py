@@ -160,6 +160,26 @@ def _json_error(ctx: click.Context, e: click.ClickException, asked: bool) -> Non
         click.echo(_json_text({"ok": False, "error": e.format_message(), "exit_code": e.exit_code}))
 
 
+_PATH_ARGUMENTS = ("run_dirs", "src")  # paths typed as plain strings (globs, URIs among them)
+
+
+def _check_relative_paths(command: click.Command, ctx: click.Context) -> None:
+    """A usage error (exit 2, the fix named) for a relative path given where the current folder was removed: it names
+    no place there, and was a FileNotFoundError traceback, or said as a file that does not exist ("no such run
+    directory", "cannot read trace"). Every click.Path option and argument, and the sources; URIs pass."""
+    from powerprof.paths import cwd_gone  # noqa: PLC0415
+
+    for p in command.params:
+        if not (isinstance(p.type, click.Path) or p.name in _PATH_ARGUMENTS):
+            continue
+        given = ctx.params.get(p.name)
+        for v in given if isinstance(given, (tuple, list)) else (given,):
+            if isinstance(v, (str, os.PathLike)) and "://" not in str(v):
+                flag = p.opts[-1] if isinstance(p, click.Option) else p.human_readable_name
+                if (why := cwd_gone(v, flag)) is not None:
+                    raise click.UsageError(why, ctx)
+
+
 class _Command(click.Command):
     """A command whose "unexpected extra argument" says the likely cause: a list given with spaces (`--limits 180 220`,
     `--limits 220 W`) left click's bare "Got unexpected extra argument (220)". With --json, its errors (usage or
@@ -185,6 +205,7 @@ class _Command(click.Command):
             raise
         try:
             _check_sim_gpus(ctx.params.get("simulate"), ctx.params.get("gpus"), "--gpus", ctx)
+            _check_relative_paths(self, ctx)
             if self.name in _SENDS_REQUESTS:
                 from powerprof.workload.auth import ApiKeyError, api_key
 
@@ -868,20 +889,21 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
 
-    from powerprof.paths import missing_folder, output_file_refusal
+    from powerprof.paths import cwd_joined, output_file_refusal
+    from powerprof.storage.runs import missing_parent
 
+    # A relative one from a removed current folder (os.getcwd()'s traceback), or a missing folder ("folder 'x' does not
+    # exist", exit 2): in every command's words (missing_parent).
+    if (why := missing_parent(out_path, "OUT.jsonl")) is not None:
+        raise click.UsageError(why)
     out = Path(out_path)
-    parent = out.parent if str(out.parent) else Path(".")
     # lstat, not exists(): a looping symlink was replaced without --force; a FIFO or device is refused even with it.
     if (why := output_file_refusal(out_path, force, "a trace of yours?")) is not None:
         raise click.BadParameter(why, param_hint="OUT.jsonl")
-    if not parent.is_dir():
-        raise click.BadParameter(missing_folder(parent), param_hint="OUT.jsonl")
     from powerprof.trust import out_dir_refusal
 
     # As root, the folder too, as monitor --output's: through another user's symlinked folder root wrote anywhere.
-    # Joined, not normalised: `link/../f` is checked through `link`, as the kernel will write it.
-    if (why := out_dir_refusal(Path(os.path.join(os.getcwd(), out_path)).parent, "folder", "OUT.jsonl")) is not None:
+    if (why := out_dir_refusal(cwd_joined(out_path).parent, "folder", "OUT.jsonl")) is not None:
         raise click.BadParameter(why, param_hint="OUT.jsonl")
     from powerprof.workload.trace import COMMON_CONTEXT_TOKENS, MAX_SPAN_S
 
@@ -978,7 +1000,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
     s3://, gs://, https:// URIs) get the per-host fleet summary instead (docs/fleet.md)."""
     from powerprof.analysis import fleet
     from powerprof.analysis.loading import AnalysisError
-    from powerprof.analysis.report import AnalysisOutTaken, analyze_run, console_summary
+    from powerprof.analysis.report import AnalysisOutRefused, AnalysisOutTaken, analyze_run, console_summary
 
     try:
         sources = fleet.expand_sources(run_dirs)
@@ -989,9 +1011,11 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             said = list(dict.fromkeys(said))  # a note both tables carry (samples unreadable) said once
             if out_dir is not None:
                 from powerprof.paths import holds_dataset_tables, holds_sweep_run
-                from powerprof.storage.runs import missing_parent
+                from powerprof.storage.runs import cwd_gone, missing_parent
                 from powerprof.trust import out_dir_refusal
 
+                if (why := cwd_gone(out_dir)) is not None:  # said first, not as root's "cannot inspect"
+                    raise AnalysisOutRefused(why)
                 if (why := out_dir_refusal(Path(out_dir), "folder")) is not None:  # as root: root's or the sudo user's
                     raise fleet.FleetError(why)
                 if holds_sweep_run(out_dir):  # export of the run would show fleet.parquet as one of its tables
@@ -1011,7 +1035,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                 if (why := fleet.out_taken(Path(out_dir))) is not None:  # a person's file of the summary's name
                     raise AnalysisOutTaken(why)
                 if (why := missing_parent(out_dir)) is not None:
-                    raise fleet.FleetError(why)
+                    raise AnalysisOutRefused(why)
                 try:
                     fleet.write_out(Path(out_dir), table, tags)
                 except OSError as e:  # a full disk, a read-only folder: a traceback before
@@ -1044,6 +1068,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                              force=force, n_boot=n_boot)
     except AnalysisOutTaken as e:  # said as an output file that exists (export --out, monitor --output)
         raise click.BadParameter(str(e), param_hint="--out") from None
+    except AnalysisOutRefused as e:  # a usage error, as every command's --out that names no place (missing_parent)
+        raise click.UsageError(str(e)) from None
     except (AnalysisError, fleet.FleetError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
@@ -1349,7 +1375,7 @@ def _sweep_exits(dry_run: bool = False, clocks: bool = False):
     from powerprof import termination
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
-    from powerprof.sweep import SweepError
+    from powerprof.sweep import OutRefused, SweepError
     from powerprof.workload.client import ServerUnreachable
     from powerprof.workload.launcher import LaunchError
 
@@ -1364,6 +1390,8 @@ def _sweep_exits(dry_run: bool = False, clocks: bool = False):
         if type(e).__module__.startswith("pyarrow"):  # ArrowInvalid is a ValueError, but not the user's mistake
             raise click.ClickException(f"writing the run failed: {e}") from None
         raise click.UsageError(str(e)) from None
+    except OutRefused as e:  # before anything started: a usage error, said as every command's --out (missing_parent)
+        raise click.UsageError(str(e) if dry_run else f"{e}\n{back()}") from None
     except (SweepError, ServerUnreachable, LaunchError) as e:
         # These reach here after the controller put every GPU back (a failed restore raises a ControlError in their
         # place); a stopped sweep said nothing of the GPU, and the user was left to wonder whether it was capped.
@@ -1534,7 +1562,11 @@ def tag_group() -> None:
 
 def _tag_socket(socket, config_path):
     from powerprof.daemon import config as dconfig
+    from powerprof.paths import cwd_gone
 
+    for flag, path in (("--socket", socket), ("--config", config_path)):
+        if path and (why := cwd_gone(path, flag)) is not None:  # said as "no daemon socket at", or no config file
+            raise click.UsageError(why)
     if socket:
         return socket
     try:

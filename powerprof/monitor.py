@@ -351,10 +351,16 @@ class MonitorError(Exception):
 def check_output(output: str, force: bool) -> None:
     """`--output FILE` refused before anything opens (OptionRefused): a file of an earlier run without --force, a
     FIFO or a device, a folder root may not write in, or the parts a killed monitor of that name left."""
-    from powerprof.paths import output_file_refusal
+    from powerprof.paths import cwd_joined, output_file_refusal
     from powerprof.storage.samples import check_output_path, parts_dir_for
     from powerprof.trust import out_dir_refusal
 
+    from powerprof.storage.runs import missing_parent
+
+    # A relative FILE from a removed current folder (said as "folder '.' is not writable"), or a missing folder: in
+    # every command's words (storage.runs.missing_parent, exit 2).
+    if (why := missing_parent(output, "--output")) is not None:
+        raise MonitorUsageError(why)
     # The write at the end replaced an earlier run's samples without a word; --force, a FIFO or a device.
     if (why := output_file_refusal(output, force, "samples of an earlier run?")) is not None:
         raise OptionRefused(why, "--output")
@@ -362,8 +368,7 @@ def check_output(output: str, force: bool) -> None:
         check_output_path(output)
     except ValueError as e:
         raise OptionRefused(str(e), "--output") from None
-    # Joined, not normalised (never abspath): `link/../f` is checked through `link`, as the kernel will write it.
-    why = out_dir_refusal(Path(os.path.join(os.getcwd(), output)).parent, "folder", "--output FILE")
+    why = out_dir_refusal(cwd_joined(output).parent, "folder", "--output FILE")
     if why:  # as root (sudo for RAPL): FILE.parts/, its parts and FILE are made there by names known in advance
         raise OptionRefused(why, "--output")
     parts = parts_dir_for(output)
@@ -468,10 +473,14 @@ def recover_output(output: str, force: bool) -> None:
     """`monitor --recover FILE`: the parts of a killed `monitor --output FILE` as FILE, then the parts removed.
     Raises OptionRefused for a FILE or folder it will not write, MonitorError for a recovery that failed."""
     from powerprof import pipes
-    from powerprof.paths import output_file_refusal
+    from powerprof.paths import cwd_joined, output_file_refusal
     from powerprof.storage.samples import RecoverError, check_output_path, parts_dir_for, recover_parts
     from powerprof.trust import out_dir_refusal
 
+    from powerprof.storage.runs import missing_parent
+
+    if (why := missing_parent(output, "--recover")) is not None:  # as --output's
+        raise MonitorUsageError(why)
     # A FIFO, a device or a symlink at FILE is refused even with --force (the rename would replace it by a file).
     if (why := output_file_refusal(output, True, "")) is not None:
         raise OptionRefused(why, "--recover")
@@ -481,7 +490,7 @@ def recover_output(output: str, force: bool) -> None:
         raise OptionRefused(str(e), "--recover") from None
     parts = parts_dir_for(output)
     # FILE's folder as --output checks it (a folder root writes FILE in: not root's sticky /tmp), then the parts.
-    why = (out_dir_refusal(Path(os.path.join(os.getcwd(), output)).parent, "folder", "--recover FILE")
+    why = (out_dir_refusal(cwd_joined(output).parent, "folder", "--recover FILE")
            or out_dir_refusal(parts, "the parts folder", "--recover FILE"))
     if why:  # as root: the lock, FILE and the parts' removal are names another user could point elsewhere
         raise OptionRefused(why, "--recover")

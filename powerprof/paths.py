@@ -25,6 +25,27 @@ def temp_sibling(path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
+def cwd_gone(path, flag: str = "--out") -> str | None:
+    """Why a relative `path` names no place: the current folder was removed (os.getcwd() fails), with the fix; None
+    for an absolute path or where the current folder is there. Asked first by every command that takes a path: the
+    os.getcwd() of a join, abspath or resolve() ended in a FileNotFoundError traceback."""
+    if os.path.isabs(path):
+        return None
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return (f"{flag} {path}: the current folder no longer exists (removed), so a relative path names no place. "
+                "Fix: cd to one that does, or give an absolute path")
+    return None
+
+
+def cwd_joined(path) -> Path:
+    """`path` joined to the current folder, not normalised (`link/../f` goes through `link`, as the kernel writes it),
+    with no os.getcwd() for an absolute path: one is written from a removed current folder too. A relative one there
+    raises FileNotFoundError: `cwd_gone` says it first."""
+    return Path(path if os.path.isabs(path) else os.path.join(os.getcwd(), path))
+
+
 def user_state_home(env: dict | None = None) -> Path:
     """$XDG_STATE_HOME, else ~/.local/state (the XDG base-directory default)."""
     env = os.environ if env is None else env

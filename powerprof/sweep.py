@@ -171,6 +171,14 @@ class PlacementStop(SweepError):
     exit_code = 2
 
 
+class OutRefused(SweepError):
+    """--out names no place a run folder can be made (its parent folder missing, a relative one from a removed current
+    folder, inside a daemon's dataset or another run: storage.runs.given_out_problem): a usage error, exit 2, as every command's (storage.runs.missing_parent);
+    nothing started, nothing changed."""
+
+    exit_code = 2
+
+
 class RunWriteError(SweepError):
     """The run's files could not be written (a full disk): the whole run stops, a grid's next configuration too."""
 
@@ -1495,7 +1503,7 @@ def run_sweep(
         if (why := path_problem(run_dir)) is not None:  # it said "[Errno 36] File name too long", from exists()
             raise SweepError(f"--out {run_dir}: {why}")
         if (why := given_out_problem(run_dir, default=not out_dir)) is not None:
-            raise SweepError(why)
+            raise OutRefused(why)
         # A default name taken (another run started in the same second) is no error: the next free one is claimed.
         if out_dir and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise SweepError(f"run directory {run_dir} already exists and is not empty; choose another --out")

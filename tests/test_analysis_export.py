@@ -325,6 +325,8 @@ def test_cli_export_to_a_path_it_cannot_use_says_why(run, tmp_path, fmt, out, ms
     r = CliRunner().invoke(main, ["export", str(run), "--format", fmt, "--out", str(tmp_path / out)])
     if out == "adir":  # refused as every name that is not a regular file is (exit 2, as a name that exists)
         assert r.exit_code == 2 and "not a regular file" in r.output and "Traceback" not in r.output, r.output
+    elif out.startswith("afile/"):  # under a file: missing_parent's refusal, a usage error as every command's
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     else:
         _no_traceback(r)
     assert msg in r.output
@@ -631,7 +633,7 @@ def test_a_single_file_export_into_a_folder_that_does_not_exist_says_so(run, tmp
     out = tmp_path / "no" / "such" / f"windows.{fmt}"
     src = run if fmt == "xlsx" else run / "windows.parquet"
     r = CliRunner().invoke(main, ["export", str(src), "--format", fmt, "--out", str(out)])
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output  # a usage error, as every command's missing parent
     said = " ".join(r.output.split())
     assert f"its parent folder {out.parent} does not exist" in said and "Traceback" not in r.output, said
     assert not (tmp_path / "no").exists()
@@ -1229,6 +1231,31 @@ def test_export_of_a_runs_file_uri_checks_its_analysis_and_says_only_it_goes_out
     r = CliRunner().invoke(main, ["export", f"file://{run}", "--format", "csv", "--out", str(tmp_path / "mixed")])
     said = " ".join(r.output.split())
     assert r.exit_code == 1 and "holds the outputs of more than one analysis" in said, said
+    assert not (tmp_path / "mixed").exists()
+
+
+@pytest.mark.parametrize("what", ["run", "folder", "file"])
+def test_export_of_a_remote_uri_checks_its_analysis_through_the_stores_filesystem(tmp_path, monkeypatch, what):
+    # Behind s3://, gs:// … the analysis.json was not read: a mixed analysis went out (exit 0), said only as a limit in
+    # docs/analysis.md. Now its ids are read through the filesystem the export reads the tables with (here a
+    # SubTreeFileSystem over tmp_path standing for the bucket), and the mix is refused as a local one is.
+    import pyarrow.fs as pafs
+
+    import powerprof.analysis.export as ex
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "0"]).exit_code == 0
+    old_json = (run / "analysis" / "analysis.json").read_bytes()
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "99%"]).exit_code == 0
+    bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    monkeypatch.setattr(ex, "_open_uri", lambda uri: (bucket, uri.removeprefix("s3://")))
+    uri = {"run": "s3://run", "folder": "s3://run/analysis", "file": "s3://run/analysis/analysis.parquet"}[what]
+    r = CliRunner().invoke(main, ["export", uri, "--format", "csv", "--out", str(tmp_path / "ok")])
+    assert r.exit_code == 0 and (tmp_path / "ok").exists(), r.output
+    (run / "analysis" / "analysis.json").write_bytes(old_json)  # renamed last: the kill came just before it
+    r = CliRunner().invoke(main, ["export", uri, "--format", "csv", "--out", str(tmp_path / "mixed")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and "s3://run/analysis holds the outputs of more than one analysis" in said, said
     assert not (tmp_path / "mixed").exists()
 
 

@@ -172,6 +172,36 @@ def test_a_group_whose_put_back_fails_too_says_the_folder_is_mixed_file_by_file(
     assert [p.read_bytes() for p in kept] == [b"old"] and str(kept[0]) in said, said
 
 
+def test_a_group_whose_rename_fails_with_no_oserror_and_whose_put_back_fails_says_the_folder_is_mixed(tmp_path,
+                                                                                                         monkeypatch):
+    # A rename failing with another exception (MemoryError here) while a put-back failed too raised that exception
+    # alone: the new report.md beside the old files, and its kept old content, unsaid.
+    import errno
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    _group_of_three(out, b"old")
+    real, into = os.replace, []
+
+    def replace(src, dst):
+        into.append(Path(dst).name)
+        if Path(dst).name == "report.html":
+            raise MemoryError("no memory for the rename")
+        if into[-1] == "report.md" and into.count("report.md") == 2:  # its put-back
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    with pytest.raises(atomic.GroupMixed) as e:
+        _group_of_three(out)
+    said = str(e.value)
+    assert e.value.new == [out / "report.md"] and "MIXED" in said and "MemoryError" in said, said
+    assert f"{out / 'report.html'}: MemoryError: no memory for the rename" in said, said
+    assert isinstance(e.value.__cause__, MemoryError)
+    assert [p.read_bytes() for p in out.iterdir() if p.name.startswith(".")] == [b"old"]
+
+
 def test_a_group_whose_removal_cannot_be_put_back_says_the_file_is_missing(tmp_path, monkeypatch):
     import errno
     import os

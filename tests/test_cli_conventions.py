@@ -559,30 +559,41 @@ def test_an_uncertain_choice_gives_its_levels_with_their_unit():
     assert "1600 MHz in 67%" in m.message and "between 1200 MHz and 1600 MHz" in m.message, m.message
 
 
-@pytest.mark.parametrize("cmd", [["sweep", "--limits", "300"], ["sweep", "--limits", "300", "--dry-run"],
-                                 ["measure", "--requests", "2"]])
-def test_an_out_whose_parent_is_missing_is_refused_and_nothing_is_made(cmd, tmp_path):
-    # `sweep --out /nonexistent/dir/out` (as root) made the whole tree and ran (session 46's walkthrough): a typo in a
-    # path the user gave makes no folders, as the daemon's --data-dir and tune's --out refuse it.
-    out = tmp_path / "typo" / "dir" / "out"
-    r = run(*cmd, "--simulate", "--out", str(out))
-    assert r.exit_code != 0 and "its parent folder" in r.output and f"mkdir -p {out.parent}" in r.output, r.output
-    assert not (tmp_path / "typo").exists()
+# Every command that makes the file or folder it is given, with the flag its message names and the name made in OUT's
+# place (RUN: a sweep run's folder). One rule: exit 2 (a usage error), the same words, nothing made.
+_MAKERS = {
+    "analyze": (["analyze", "RUN", "--bootstrap", "100", "--format", "md", "--out", "OUT"], "--out", "OUT"),
+    "export, a folder": (["export", "RUN", "--format", "csv", "--out", "OUT"], "--out", "OUT"),
+    "export, one file": (["export", "RUN/windows.parquet", "--format", "csv", "--out", "OUT.csv"], "--out", "OUT.csv"),
+    "sweep": (["sweep", "--simulate", "--limits", "300", "--out", "OUT"], "--out", "OUT"),
+    "sweep --dry-run": (["sweep", "--simulate", "--limits", "300", "--dry-run", "--out", "OUT"], "--out", "OUT"),
+    "measure": (["measure", "--simulate", "--requests", "2", "--out", "OUT"], "--out", "OUT"),
+    "tune": (["tune", "--simulate", "--dry-run", "--duration", "1", "--daemon-metrics", "http://127.0.0.1:1/metrics",
+              "--tpot-p95-ms", "100", "--levels", "200,300W", "--out", "OUT"], "--out", "OUT"),
+    "trace": (["trace", "OUT.jsonl", "--requests", "3"], "OUT.jsonl", "OUT.jsonl"),
+    "monitor --output": (["monitor", "--simulate", "--duration", "0.5", "--output", "OUT.parquet"], "--output",
+                         "OUT.parquet"),
+    "monitor --recover": (["monitor", "--recover", "OUT.parquet"], "--recover", "OUT.parquet"),
+}
 
 
-@pytest.mark.parametrize("cmd", [["analyze", "--bootstrap", "100", "--format", "md"], ["export", "--format", "csv"]])
-def test_analyze_and_export_refuse_an_out_whose_parent_is_missing_as_sweep_does(cmd, tmp_path):
-    # analyze and a folder export made the whole tree (`mkdir -p`) where sweep, measure, tune and the daemon refuse it;
-    # one rule now, the same words: the folder (or file) --out names is made, never a missing folder above it (a
-    # single-file export's: test_analysis_export; a fleet analyze's: test_fleet).
+@pytest.mark.parametrize("case", sorted(_MAKERS))
+def test_an_output_whose_parent_is_missing_is_one_usage_error_in_every_command(case, tmp_path):
+    # `sweep --out /nonexistent/dir/out` (as root) made the whole tree and ran (session 46's walkthrough); then each
+    # command refused it its own way: exit 1 (analyze, export, sweep), 2 (measure, tune, trace, monitor), and "folder
+    # 'x' does not exist" (trace, monitor) or tune's own words. Now one rule (storage.runs.missing_parent): exit 2,
+    # "FLAG PATH: its parent folder P does not exist ... (mkdir -p P)", nothing made (a fleet analyze's: test_fleet).
     from synthetic_runs import make_run, seed_truth
 
     src = make_run(tmp_path / "run", seed_truth(), levels=(180, 300), n_requests=6)
-    out = tmp_path / "typo" / "dir" / "out"
-    r = CliRunner().invoke(main, [cmd[0], str(src), *cmd[1:], "--out", str(out)])
-    assert r.exit_code == 1, r.output
+    args, flag, name = _MAKERS[case]
+    out = tmp_path / "typo" / "dir" / name
+    given = [str(out) if a == name else a.replace("RUN", str(src)) for a in args]
+    r = CliRunner().invoke(main, given)
     said = " ".join(r.output.split())
-    assert f"its parent folder {out.parent} does not exist" in said and f"mkdir -p {out.parent}" in said, r.output
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (said, r.exception)
+    assert f"{flag} {out}: its parent folder {out.parent} does not exist" in said, said
+    assert f"mkdir -p {out.parent})" in said and "Traceback" not in said, said
     assert not (tmp_path / "typo").exists()
 
 
@@ -662,4 +673,4 @@ def test_analyze_and_export_write_an_absolute_out_from_a_removed_current_folder(
     assert r.exit_code == 0 and (tmp_path / "out").is_dir(), r.output + repr(r.exception)
     r = CliRunner().invoke(main, [cmd[0], str(src), *cmd[1:], "--out", "rel"])
     said = " ".join(r.output.split())
-    assert r.exit_code == 1 and "the current folder no longer exists" in said and "Traceback" not in said, said
+    assert r.exit_code == 2 and "the current folder no longer exists" in said and "Traceback" not in said, said

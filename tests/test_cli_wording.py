@@ -42,7 +42,8 @@ def test_an_output_inside_a_file_says_it_is_a_file_not_a_missing_folder(tmp_path
         assert flag in said and f"'{f}' is a file, not a folder" in said and "does not exist" not in said, said
     assert f.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "state"]  # conftest's
     r = CliRunner().invoke(main, ["trace", str(tmp_path / "nope" / "x.jsonl")])
-    assert r.exit_code == 2 and f"folder '{tmp_path / 'nope'}' does not exist" in " ".join(r.output.split()), r.output
+    said = " ".join(r.output.split())  # in every command's words (storage.runs.missing_parent)
+    assert r.exit_code == 2 and f"its parent folder {tmp_path / 'nope'} does not exist" in said, r.output
 
 
 def test_a_state_folder_that_is_a_file_is_said_with_the_fix(tmp_path, monkeypatch):

@@ -85,7 +85,7 @@ def test_a_fleet_out_whose_parent_is_missing_is_refused_as_a_sweeps(fleet, tmp_p
     base, _ = fleet
     out = tmp_path / "typo" / "out"
     res = CliRunner().invoke(main, ["analyze", str(base / "node-0"), "--out", str(out)])
-    assert res.exit_code == 1 and f"mkdir -p {out.parent}" in " ".join(res.output.split()), res.output
+    assert res.exit_code == 2 and f"mkdir -p {out.parent}" in " ".join(res.output.split()), res.output
     assert not (tmp_path / "typo").exists()
 
 
@@ -103,7 +103,7 @@ def test_a_fleet_out_under_a_file_or_a_dangling_link_is_refused_naming_it(fleet,
     for cmd in (["analyze", str(base / "node-0")], ["analyze", str(base / "node-0"), "--json"]):
         res = CliRunner().invoke(main, [*cmd, "--out", str(tmp_path / under / "F")])
         said = " ".join(res.output.split())
-        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (said, res.exception)
+        assert res.exit_code == 2 and isinstance(res.exception, SystemExit), (said, res.exception)
         assert f"'{tmp_path / under}' is a" in said and "not a folder" in said and "Fix:" in said, said
     assert (tmp_path / "afile").read_text() == "keep" and not (tmp_path / "gone").exists()
 

@@ -79,7 +79,8 @@ class ExportError(ValueError):
 class ExportUsageError(ExportError):
     """An option value that cannot be used (time zone, time, columns, format): a usage error, exit 2.
 
-    An --out path it cannot use stays an ExportError (exit 1), like a failed write."""
+    An --out that names no place (its parent folder missing, a relative one from a removed current folder) is one too,
+    as every command's (storage.runs.missing_parent); another --out it cannot use stays an ExportError (exit 1)."""
 
 
 class ExportOutExists(ExportUsageError):
@@ -301,8 +302,8 @@ def local_path(src) -> Path | None:
 
 def analysis_folders_of(src) -> list[Path]:
     """`analysis_folders` of a local source or a file:// URI (never checked before: a mixed analysis went out, exit
-    0); none for a remote URI, whose analysis.json is not read, nor for a path that cannot be inspected (its read
-    says why)."""
+    0); none for a remote URI (`_remote_analysis_folders`, through its filesystem), nor for a path that cannot be
+    inspected (its read says why)."""
     p = local_path(src)
     try:
         return analysis_folders(p) if p is not None else []
@@ -320,11 +321,40 @@ def _run_read_as_dataset(src) -> str | None:
             f"the run's windows, samples and levels; give its path {p} (no file://) for those")
 
 
-def _refuse_mixed(folder: Path) -> None:
+def _refuse_mixed(folder: Path | str, fs=None, shown: str | None = None) -> None:
     from .report import outputs_disagree  # noqa: PLC0415
 
-    if (why := outputs_disagree(folder)) is not None:
+    if (why := outputs_disagree(folder, fs, shown)) is not None:
         raise ExportError(why)
+
+
+def _remote_analysis_folders(fs, path: str) -> list[str]:
+    """`analysis_folders` behind a remote URI (s3://, gs://, …), its filesystem's paths: the folder of an
+    analysis.parquet given alone, or the folder given and its analysis/ where each holds one. A symlink's target is
+    not asked for there (object stores have none)."""
+    import pyarrow.fs as pafs  # noqa: PLC0415
+
+    path = path.rstrip("/")
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        return [path.rsplit("/", 1)[0]] if info.base_name == "analysis.parquet" and "/" in path else []
+    if info.type != pafs.FileType.Directory:
+        return []
+    return [d for d in (path, f"{path}/analysis") if fs.get_file_info(f"{d}/analysis.parquet").is_file]
+
+
+def _refuse_mixed_remote(uri: str) -> None:
+    """ExportError where an analysis behind a remote URI is mixed (`outputs_disagree` through its filesystem): it
+    went out unchecked, said only as a limit. A store that cannot be reached is said by the read after."""
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    try:
+        fs, path = _open_uri(uri)
+        folders = _remote_analysis_folders(fs, path)
+    except (pa.ArrowException, OSError, ValueError):
+        return
+    for folder in folders:
+        _refuse_mixed(folder, fs, f"{urlsplit(uri).scheme}://{folder}")
 
 
 def find_sources(src) -> list[Source]:
@@ -333,6 +363,8 @@ def find_sources(src) -> list[Source]:
     if is_uri(src):
         for folder in analysis_folders_of(src):  # a file:// URI's
             _refuse_mixed(folder)
+        if local_path(src) is None:
+            _refuse_mixed_remote(str(src))
         return _uri_sources(str(src))
     p = Path(src)
     from powerprof.paths import path_problem  # noqa: PLC0415
@@ -666,13 +698,16 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         src_path = Path(str(srcs[0]))  # several sources: the summary's run details come from the first
         default_stem = "export"
     out_given = out
+    if out is None and cwd_gone(".") is not None:  # Path.cwd() below: a FileNotFoundError traceback
+        raise ExportUsageError("no --out given, and its default is in the current folder: the current folder no longer "
+                               "exists (removed). Fix: cd to one that does, or give an absolute --out")
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
     from powerprof.paths import not_a_regular_file, path_problem  # noqa: PLC0415
 
     if (why := path_problem(out)) is not None:  # "File name too long" was an OSError traceback from out.exists()
         raise ExportError(f"--out {out}: {why}")
     if (why := cwd_gone(out)) is not None:  # before out.resolve() below: a FileNotFoundError traceback
-        raise ExportError(why)
+        raise ExportUsageError(why)
     single = fmt != "xlsx" and len(sources) == 1 and out.suffix == f".{fmt}"
     # Whatever --force says: a FIFO, a device, a socket, a folder or a symlink (a looping one too) where a file goes
     # would be replaced by the file (`--out x.csv --force` made a device a regular file).
@@ -700,7 +735,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     # A file's folder, or a folder's parent, that does not exist is never made (storage.runs.missing_parent, every
     # command's rule): a file's failed at the end naming a temporary ("Failed to open local file '.w.parquet.1.tmp'").
     if (why := missing_parent(out)) is not None:
-        raise ExportError(why)
+        raise ExportUsageError(why)
     if (fmt == "xlsx" or single) and not out.parent.is_dir():
         from powerprof.paths import what_is  # noqa: PLC0415
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from powerprof import __version__
 from powerprof.storage.atomic import atomic_group
-from powerprof.storage.runs import missing_parent, no_finished_level, write_table
+from powerprof.storage.runs import cwd_gone, missing_parent, no_finished_level, write_table
 from powerprof.trust import out_dir_refusal
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
@@ -87,13 +87,15 @@ def analyze_run(
                                 "windows would count twice and every confidence interval be too narrow; give it once")
         seen[key] = r.path
     out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
+    if (why := cwd_gone(out)) is not None:  # before the checks' resolve() and abspath: a traceback, or said as root's
+        raise AnalysisOutRefused(why)
     # As root (`sudo powerprof analyze`), the folder and every one on its way root's or the sudo user's: another
     # user's symlink at --out (or at RUN/analysis in their run) would have root write the report wherever it points.
     if (why := out_dir_refusal(out, "analysis folder")) is not None:
         raise AnalysisError(why)
     check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
     if (why := missing_parent(out)) is not None:  # after check_out's own refusals; the default's parent is the run
-        raise AnalysisError(why)
+        raise AnalysisOutRefused(why)
     with _out_locked(out) as said:
         check_out(out, runs)  # again, locked: another analyze into this folder may have written it meanwhile
         result = _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary)
@@ -204,6 +206,11 @@ def _analyze_into(out: Path, runs, run_dirs, forced, params, max_slowdown, forma
     return result
 
 
+class AnalysisOutRefused(AnalysisError):
+    """--out names no place a folder can be made (its parent folder missing, a relative one from a removed current
+    folder): a usage error, exit 2, as every command's (storage.runs.missing_parent); nothing read or made."""
+
+
 class AnalysisOutTaken(AnalysisError):
     """The output folder holds an analysis of other runs, or files of the analysis' names that are no
     analysis: refused (exit 2, as an output file that exists), nothing replaced."""
@@ -274,15 +281,13 @@ def _earlier_outputs(out: Path) -> list[Path]:
     return found
 
 
-_TEMPORARY = re.compile(r"\.(?P<name>[^/]+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
+_TEMPORARY = re.compile(r"\.(?P<name>[^/]+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.(?P<kind>tmp|old)")
 
 
-def _remove_dead_temporaries(out: Path) -> list[Path]:
-    """Remove the temporaries (paths.temp_sibling's `.NAME.PID.HEX.tmp`, NAME an output's, a plain file of this euid)
-    of an analyze that died (SIGKILL between its renames: nine stayed, one a hard link to the old analysis.parquet);
-    returns those removed, for the note that says so. Called under the flock, so no analyze of this machine is writing
-    here; a live pid's is kept (a pid reused counts as alive), and so is another user's file of that form (not ours)."""
-    gone = []
+def _dead_leftovers(out: Path) -> Iterator[tuple[Path, os.stat_result, bool]]:
+    """(file, its lstat, whether it is a kept old copy) for each plain file in `out` of paths.temp_sibling's form
+    (`.NAME.PID.HEX.tmp`, or atomic's `.old` link of an old content), NAME an output's, whose pid is no live process
+    (a pid reused counts as alive; EPERM: another user's live process)."""
     for f in out.iterdir():
         m = _TEMPORARY.fullmatch(f.name)
         if m is None or not (m["name"] in OUTPUT_NAMES or (m["name"].endswith(".png") and any(
@@ -293,14 +298,42 @@ def _remove_dead_temporaries(out: Path) -> list[Path]:
             continue
         except ProcessLookupError:
             pass
-        except (OSError, OverflowError):  # EPERM: another user's live process
+        except (OSError, OverflowError):
             continue
-        with contextlib.suppress(OSError):
+        try:
             st = f.lstat()
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            yield f, st, m["kind"] == "old"
+
+
+def _second_names(out: Path) -> set[Path]:
+    """The dead `.old` links in `out` that are still a second name of their file (a kill came before its rename): no
+    old content of their own. Asked before the renames, after which each would be its file's only old copy."""
+    return {f for f, st, old in _dead_leftovers(out) if old and st.st_nlink > 1}
+
+
+def _remove_dead_temporaries(out: Path, second_names: set[Path]) -> list[Path]:
+    """Remove the temporaries of an analyze that died (SIGKILL between its renames: nine stayed, one a hard link to the
+    old analysis.parquet), plain files of this euid (another user's file of that form is not ours); returns those
+    removed, for the note that says so. Called under the flock, so no analyze of this machine is writing here. A kept
+    old link (`.old`) goes only among `second_names` (`_second_names`); one whose file was replaced before this write is
+    the only copy of the old content: `_kept_old_copies`, never removed."""
+    gone = []
+    for f, st, old in _dead_leftovers(out):
+        if st.st_uid == os.geteuid() and (not old or f in second_names):
+            with contextlib.suppress(OSError):
                 f.unlink()
                 gone.append(f)
     return gone
+
+
+def _kept_old_copies(out: Path, second_names: set[Path]) -> list[Path]:
+    """The old contents a write that failed part-way left in `out` (atomic.GroupMixed: the rename of one output and the
+    put-back of another failed, the folder MIXED), each the only copy of an output's old content: the next analyze
+    removed them as a dead analyze's temporaries. Kept until the user removes them; each analyze names them."""
+    return sorted(f for f, st, old in _dead_leftovers(out) if old and f not in second_names)
 
 
 def _refuse_a_run_folder(out: Path, runs) -> None:
@@ -407,6 +440,7 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
     # All or none: an interruption while the report renders must not leave new plots and tables beside
     # the old report and analysis.json (the export's summary sheet reads its recommendation).
     result.analysis_id = secrets.token_hex(8)
+    second_names = _second_names(out)
     with atomic_group() as stage:
         files = _write_outputs(result, out, formats, plots, stage)
         # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
@@ -414,10 +448,18 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
         for f in _earlier_outputs(out):
             if f not in stage.paths():
                 stage.remove(f)
-    if gone := _remove_dead_temporaries(out):
+    if gone := _remove_dead_temporaries(out, second_names):
         result.write_notes.append(
             f"removed {len(gone)} temporary file{'s' if len(gone) > 1 else ''} that an analyze stopped part-way left in "
             f"{out} ({', '.join(sorted(f.name for f in gone))})")
+    if kept := _kept_old_copies(out, second_names):
+        # Warned, not refused: writing every output again is the fix GroupMixed gave, and it leaves these alone.
+        result.write_notes.append(
+            f"{out} holds the old content of {', '.join(_TEMPORARY.fullmatch(f.name)['name'] for f in kept)}, kept as "
+            f"{', '.join(f.name for f in kept)} by an earlier write that failed part-way and left the folder MIXED; "
+            "this analysis replaced every output together, so the folder is one analysis again, and the kept copies "
+            "are left as they are (the only copies of the earlier analysis' files): look at them, then remove them "
+            "when you no longer need them")
     return files
 
 
@@ -490,40 +532,51 @@ def _stamp_of(report: Path) -> str | None:
     return m.group(1) if m else None
 
 
-def _ids(folder: Path, names) -> dict[str, str | None]:
-    """The analysis_id each of `names` in `folder` says (None: none said, or unreadable); a name not there is left out."""
+def _ids(folder: Path | str, names, fs=None) -> dict[str, str | None]:
+    """The analysis_id each of `names` in `folder` says (None: none said, or unreadable); a name not there is left out.
+    `fs`: a pyarrow filesystem `folder` (its path there) is read through (a remote URI's), for the two tables alone."""
+    import pyarrow as pa  # noqa: PLC0415
     import pyarrow.parquet as pq  # noqa: PLC0415
 
     ids: dict[str, str | None] = {}
     for name in names:
-        f = folder / name
-        if not f.is_file():
+        f = folder / name if fs is None else f"{str(folder).rstrip('/')}/{name}"
+        try:
+            if not (f.is_file() if fs is None else fs.get_file_info(f).is_file):
+                continue
+        except (OSError, pa.ArrowException):  # a store that cannot be reached: its read says why
             continue
         try:
             if name == "analysis.json":
-                ids[name] = json.loads(f.read_text()).get("analysis_id")
+                if fs is None:
+                    text = f.read_text()
+                else:
+                    with fs.open_input_stream(f) as stream:
+                        text = stream.read().decode()
+                ids[name] = json.loads(text).get("analysis_id")
             elif name == "analysis.parquet":
-                meta = pq.read_schema(f).metadata or {}
+                meta = pq.read_schema(f, filesystem=fs).metadata or {}
                 ids[name] = json.loads(meta.get(b"powerprof_analysis", b"{}")).get("analysis_id")
             elif name.endswith(".png"):
                 ids[name] = _png_comment(f.read_bytes())
             else:
                 ids[name] = _stamp_of(f)
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, pa.ArrowException):
             ids[name] = None
     return ids
 
 
-def outputs_disagree(folder: Path) -> str | None:
+def outputs_disagree(folder: Path | str, fs=None, shown: str | None = None) -> str | None:
     """Why the analysis tables in `folder` that export reads (analysis.json, analysis.parquet) are not of one write
     (their analysis ids differ: an analyze killed between its renames, SIGKILL or a power cut, left one new beside
     one old); None where they agree or one is missing. Outputs of before the ids (neither says one) agree.
     The reports, which export never reads, are no cause (`unread_outputs_disagree`): refusing for them, with "run analyze
-    again" as the fix, had a person's notes in report.md overwritten."""
-    ids = _ids(folder, ("analysis.json", "analysis.parquet"))
+    again" as the fix, had a person's notes in report.md overwritten. `fs`: read through it (a remote URI's), the
+    folder `shown` by its URI."""
+    ids = _ids(folder, ("analysis.json", "analysis.parquet"), fs)
     if len(set(ids.values())) <= 1:
         return None
-    return (f"{folder} holds the outputs of more than one analysis (their analysis ids differ: "
+    return (f"{shown or folder} holds the outputs of more than one analysis (their analysis ids differ: "
             + ", ".join(f"{n} {i or 'none'}" for n, i in ids.items())
             + "; an analyze stopped between its renames); run `powerprof analyze` again to write them anew")
 

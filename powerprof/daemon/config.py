@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from powerprof.paths import RUN_MARKS, STATE_DIR_ENV, holds_sweep_run, is_powerprof_run, user_state_home
+from powerprof.paths import RUN_MARKS, STATE_DIR_ENV, cwd_gone, holds_sweep_run, is_powerprof_run, user_state_home
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -425,7 +425,7 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
                 text = p.read_text()
             raw = tomllib.loads(text)
         except FileNotFoundError:
-            raise ConfigError(f"config file {p} does not exist") from None
+            raise ConfigError(cwd_gone(p, "config file") or f"config file {p} does not exist") from None
         except PermissionError as e:
             if os.geteuid() == 0 and e.filename is None:  # read_trusted's refusal: the reason is its message
                 raise ConfigError(f"not using config file {p} as root: {e}") from None
@@ -504,7 +504,18 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
                       f"{proxy_l!r}{came_from('scrape.url', 'proxy.listen')}: every scrape would reach the proxy and be "
                       "refused (508), no token counted; give the inference server's URL, or leave scrape.url unset "
                       "(proxy.upstream's)")
-    if (d := values["daemon"]["data_dir"]) and isinstance(d, str) and (why := _not_a_folder(Path(d))):
+    # A relative path from a removed current folder names no place: every abspath and join of it (the run check below,
+    # the lock, the bind) was a FileNotFoundError traceback or "No such file or directory". An absolute one needs none.
+    placed = {"daemon.data_dir": values["daemon"]["data_dir"], "tags.socket": values["tags"]["socket"],
+              **{k: v for k in ("proxy.listen", "metrics.listen") if str(v := values[k.split(".")[0]]["listen"])
+                 .startswith("unix:")}}
+    gone = [k for k, v in placed.items() if isinstance(v, str) and v and cwd_gone(v.removeprefix("unix:")) is not None]
+    for key in gone:
+        errors.append(f"config key {key} = {placed[key]!r}{came_from(key)}: the current folder no longer exists "
+                      "(removed), so a relative path names no place. Fix: cd to one that does, or give an absolute path")
+    if "daemon.data_dir" in gone:
+        pass
+    elif (d := values["daemon"]["data_dir"]) and isinstance(d, str) and (why := _not_a_folder(Path(d))):
         errors.append(f"config key daemon.data_dir = {d!r}{came_from('daemon.data_dir')} is not a folder: {why}; "
                       "give a folder, or a path where one can be made")
     elif data_dir_checked and (why := _holds_a_run(there := Config(values, "").data_dir())) is not None:

@@ -33,6 +33,7 @@ from aiohttp import web
 from powerprof.collectors.rapl import RaplError
 from powerprof.collectors.sampler import Sample, Sampler
 from powerprof.errtext import error_text
+from powerprof.paths import cwd_joined
 from powerprof.storage.atomic import atomic_path
 from powerprof.storage.samples import sample_rows
 from powerprof.storage.schema import gpu_uuids_value
@@ -396,7 +397,7 @@ def remove_bound_socket(bound: BoundSocket) -> None:
 
 def _shared_folder_to_make_it_in(data_dir: Path) -> Path | None:
     """The root-owned sticky folder others can write (/tmp) that a data dir not yet made would be made in, or None."""
-    there = Path(os.path.join(os.getcwd(), data_dir))
+    there = cwd_joined(data_dir)
     if os.path.lexists(there):
         return None
     while not os.path.lexists(there) and there != there.parent:
@@ -420,7 +421,7 @@ def lock_data_dir(data_dir: Path, euid: int | None = None, parents: bool = False
 
     why = untrusted_place(data_dir, euid)
     if not why:
-        parent = Path(os.path.join(os.getcwd(), data_dir)).parent
+        parent = cwd_joined(data_dir).parent
         outer = next((p for p in (parent, *parent.parents) if os.path.lexists(p / ".daemon.lock")), None)
         if outer is not None:
             # `--data-dir dd1/requests` was taken: every file it wrote then read as dd1's (analyze: 684 requests where
@@ -442,7 +443,7 @@ def lock_data_dir(data_dir: Path, euid: int | None = None, parents: bool = False
     if why:
         shared = _shared_folder_to_make_it_in(data_dir)
         if shared is not None:
-            there = Path(os.path.join(os.getcwd(), data_dir))
+            there = cwd_joined(data_dir)
             made = [p for p in (there, *there.parents) if p.parent == shared or shared in p.parents]
             made.reverse()  # the first folder root would make in `shared`, then those below it
             # The data dir is not there yet and would be made in /tmp (anyone may add names there): "chmod go-w it

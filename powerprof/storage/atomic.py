@@ -4,7 +4,9 @@ A reader, or the file system after a crash, sees the old file or the new one, wh
 `atomic_group` replaces several files that belong together (an analysis' report, tables and plots) so
 that an interruption while they are made leaves every one of the old ones.
 Temporaries are dot-prefixed and end in `.tmp`, so `*.parquet`/`restore-*.json` globs and
-hive-partition readers (pyarrow, DuckDB, Spark) skip them.
+hive-partition readers (pyarrow, DuckDB, Spark) skip them. The link a group keeps of a file's old content while it
+renames is dot-prefixed too and ends in `.old` (KEPT_SUFFIX): one left behind (a put-back that failed, GroupMixed; a
+kill between the renames) can be the only copy of that old content, which no cleanup of temporaries may take.
 """
 
 from __future__ import annotations
@@ -183,14 +185,17 @@ def _replace_all(staged: list[tuple[Path | None, Path]]) -> None:
     leaves new files beside old ones (a report saying one limit beside an analysis.json saying another).
     Removals come after every rename, put back the same way. The error names the file, not its temporary
     (gone by then). The temporaries and links are removed either way, save the link of an old file that could not be
-    put back: then (or where a replaced file had no link: no hard links there) GroupMixed names every file's state."""
+    put back: then (or where a replaced file had no link: no hard links there) GroupMixed names every file's state,
+    whatever the failure was (an exception other than OSError is its cause)."""
     kept: dict[Path, tuple[bool, Path | None]] = {}  # a file renamed → (it existed before, a link to its old content)
+    at: Path | None = None  # the file being renamed or removed
     try:
         for _, path in staged:  # what no rename can replace is refused before any is done
             _refuse_special(path)
             if os.path.isdir(path) and not os.path.islink(path):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         for tmp, path in sorted(staged, key=lambda s: s[0] is None):
+            at = path
             existed = os.path.lexists(path)
             if tmp is None and not existed:
                 continue
@@ -213,6 +218,9 @@ def _replace_all(staged: list[tuple[Path | None, Path]]) -> None:
             _unlink_quietly(tmp)
         if stuck and isinstance(e, OSError):
             raise _mixed(e, staged, kept, stuck) from None
+        if stuck and isinstance(e, Exception):  # any other failure leaves the folder as mixed: said the same way (it
+            # was raised alone, the files put back and those not unsaid)
+            raise _mixed(OSError(None, f"{type(e).__name__}: {e}", str(at)), staged, kept, stuck) from e
         raise
     for _, old in kept.values():
         _unlink_quietly(old)
@@ -244,10 +252,14 @@ def _mixed(cause: OSError, staged, kept: dict[Path, tuple[bool, Path | None]], s
     return GroupMixed(cause, new, old, missing, links)
 
 
+KEPT_SUFFIX = ".old"
+
+
 def _old_link(path: Path) -> Path | None:
-    """A hard link to `path`'s present content under a temporary name; None on a file system without hard links
-    (that one file cannot be put back: the checks before the renames are all it has)."""
-    link = temp_sibling(path)
+    """A hard link to `path`'s present content, `.NAME.PID.HEX.old` (not a `.tmp`: a temporaries' cleanup removed the
+    one a GroupMixed kept, the user's only old copy); None on a file system without hard links (that one file cannot
+    be put back: the checks before the renames are all it has)."""
+    link = temp_sibling(path).with_suffix(KEPT_SUFFIX)
     try:
         os.link(path, link, follow_symlinks=False)
     except OSError:

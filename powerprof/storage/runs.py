@@ -16,7 +16,7 @@ from powerprof.errtext import error_text
 from .atomic import atomic_path, atomic_write_bytes
 from .schema import TABLES, rows_to_table
 
-from powerprof.paths import RUN_JSON, file_in_the_way, what_is
+from powerprof.paths import RUN_JSON, cwd_gone, cwd_joined, file_in_the_way, what_is
 
 
 def atomic_write_table(path: Path, table: pa.Table, metadata: dict | None = None) -> None:
@@ -121,6 +121,8 @@ def given_out_problem(out: Path, flag: str = "--out", default: bool = False) -> 
     from powerprof.paths import daemon_dataset_above, run_folder_above  # noqa: PLC0415
 
     said = f"the default run folder {out}" if default else f"{flag} {out}"
+    if (why := cwd_gone(out, "the default run folder" if default else flag)) is not None:  # before abspath's getcwd()
+        return why.replace("an absolute path", f"an absolute {flag}") if default else why
     if (above := daemon_dataset_above(out)) is not None:
         # `sweep --out NODE/requests/r1`: the run's tables were read by `analyze NODE` as request rows, unsaid.
         return (f"{said} is inside the daemon dataset {above}: the run's tables there would be read as its rows, "
@@ -134,18 +136,6 @@ def given_out_problem(out: Path, flag: str = "--out", default: bool = False) -> 
     return None if default else missing_parent(out, flag)
 
 
-def cwd_gone(out, flag: str = "--out") -> str | None:
-    """Why a relative `out` names no place: the current folder was removed (os.getcwd() fails); None otherwise."""
-    if os.path.isabs(out):
-        return None
-    try:
-        os.getcwd()
-    except FileNotFoundError:
-        return (f"{flag} {out}: the current folder no longer exists (removed), so a relative path names no folder. "
-                "Fix: cd to one that does, or give an absolute path")
-    return None
-
-
 def missing_parent(out, flag: str = "--out") -> str | None:
     """Why the output `out` the user named (a folder or a file) is not made: its parent folder does not exist. Every
     command's --out makes the folder (or file) it names, never the folders above it (`mkdir -p` of a mistyped path
@@ -154,8 +144,7 @@ def missing_parent(out, flag: str = "--out") -> str | None:
     in a NotADirectoryError or FileNotFoundError traceback, analyze's error said "No such file or directory"."""
     if (why := cwd_gone(out, flag)) is not None:
         return why
-    # No os.getcwd() for an absolute --out: it is written from a removed current folder too (it was a traceback).
-    parent = Path(out if os.path.isabs(out) else os.path.join(os.getcwd(), out)).parent
+    parent = cwd_joined(out).parent
     if os.path.lexists(out):
         return None
     if (q := file_in_the_way(parent)) is not None:

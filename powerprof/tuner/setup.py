@@ -158,11 +158,13 @@ def check_out_dir(path: Path, euid: int | None = None, parents: bool = False) ->
     write in (each is checked again before each write: runner.DecisionLog). `parents`: the folders above it may be
     made too (the default path); a given --out is made only where its parent exists, as the daemon's data dir: a
     mistyped `--out /nonexistent/dir` made that tree, under / as root, where monitor, trace and export refuse it."""
+    from powerprof.storage.runs import cwd_gone, missing_parent  # noqa: PLC0415
+
+    if (why := cwd_gone(path)) is not None:  # said first, not as root's "cannot inspect"
+        raise TunerConfigError(why)
     check_root_folder(path, "--out", euid)
-    parent = Path(path).absolute().parent
-    if not parents and not Path(path).exists() and not parent.is_dir():
-        raise TunerConfigError(f"--out {path}: its parent folder {parent} does not exist; not making a tree of folders "
-                               f"from a path that may be mistyped: make it first (mkdir -p {parent}) or give another --out")
+    if not parents and (why := missing_parent(path)) is not None:  # in every command's words (exit 2)
+        raise TunerConfigError(why)
     try:
         make_dirs(Path(path))
         with tempfile.TemporaryFile(dir=path):
