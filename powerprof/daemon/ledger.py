@@ -42,9 +42,9 @@ from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import (OPEN_BESIDE_PARKED_MAX, OPEN_BESIDE_WAIT_S, PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN,
-                          closed_unanswered, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
-                          is_unseen, not_forwarded, resend_queued, server_end_ns)
+from .liverequest import (PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN, closed_unanswered, finished_unsaid, gone_unsaid,
+                          is_passive, told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, resend_queued,
+                          server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
@@ -56,7 +56,7 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
                       _no_counter_short_note, _counter_short_note, _no_energy_reason, _parser_held, _request_flags,
                       _secs, _unsaid_reason, _usage_above_note, _usage_below_note, _with_late, _counted_low_interval_note, client_held,
-                      counted_low, may_not_have_run, tag_server_count, tokens_unknown)
+                      counted_low, tag_server_count, tokens_unknown)
 from . import tagedge
 from .streams import uncounted_kind
 from .tagedge import TAG_UNHELD_FIX, TAG_UNHELD_FLAG
@@ -361,10 +361,6 @@ class Ledger:
         # smaller one's figure) and its `late_wait` kept every id it was ever beside. And the ended requests whose
         # rows wait for such a request to end (at most prompt_hold_s past their own end): [request, its end].
         self._late_waiters: dict[int, list] = {}
-        # {request id: the requests beside it (`LiveRequest.open_beside`)} of those with no byte of an answer yet whose
-        # intervals closed under them past the ledger's holds: told at its row whether it may never have run
-        # (`_settle_open`).
-        self._open_waiters: dict[int, list] = {}
         self._late_parked: list[list] = []
         # Interval rows in order, [row, t0, t1, the wait on the requests whose end may say its unsaid hits (a `_waits`
         # number, 0: none), its close], each waiting (at most prompt_hold_s past its close) for those to end before its
@@ -2551,7 +2547,6 @@ class Ledger:
             if rq.queued_rerun_from_ns is None:
                 rq.queued_rerun_from_ns = int(t[0])
             queued_lower |= np.maximum(arrival, arrival[q]) < np.minimum(end, rq.queued_rerun_from_ns)
-        self._note_open_beside(reqs, done, arrival, end, t, a, work_j)
         fit = self.learner.add(setting, a.features, per_gpu, usable)
         if self.learner.serving is not None and not np.array_equal(self.learner.serving, serving):
             idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(self.learner.serving) if not on)
@@ -2678,76 +2673,19 @@ class Ledger:
     def _unpark(self, now_ns: int | None) -> list[dict]:
         """The rows of ended requests (in `_late_parked`) that need wait no longer for a request beside them to say its
         cached count (`LiveRequest.late_wait`): none of those is still live, or they waited prompt_hold_s past their own end
-        (then its row says it could not wait: `late_unresolved`), or `now_ns` None (shutdown: every one); nor for the
-        close of a request beside it with no answer yet (`LiveRequest.open_beside`), or they waited OPEN_BESIDE_WAIT_S
-        (then its row says what it may be low by: `open_unresolved`)."""
+        (then its row says it could not wait: `late_unresolved`), or `now_ns` None (shutdown: every one)."""
         rows, keep = [], []
-        for r, _ in self._late_parked:
-            for qid in [q for q in r.open_beside if q in self.requests and self.requests[q].trace.first_ns is not None]:
-                del r.open_beside[qid]  # its answer began: no close with no answer to wait for (a prompt held long)
-        # Bounded: past OPEN_BESIDE_PARKED_MAX rows waiting for a close beside them (`open_beside`), the oldest go.
-        over = sum(1 for r, _ in self._late_parked if r.open_beside) - OPEN_BESIDE_PARKED_MAX
-        # Those waiting for such a close last: its own row, parked here too, may settle them in this pass.
-        for item in sorted(self._late_parked, key=lambda it: bool(it[0].open_beside)):
+        for item in self._late_parked:
             r, end_ns = item
             live = [q for q in r.late_wait if q in self.requests]
-            opened = bool(r.open_beside) and (over := over - 1) < 0
-            if now_ns is not None and ((live or self._cache_still_waiting(r.cache_wait))
-                                       and now_ns - end_ns < self.prompt_hold_ns
-                                       or opened and now_ns - end_ns < int(OPEN_BESIDE_WAIT_S * 1e9)):
+            if ((live or self._cache_still_waiting(r.cache_wait)) and now_ns is not None
+                    and now_ns - end_ns < self.prompt_hold_ns):
                 keep.append(item)
                 continue
             r.late_unresolved = bool(live)
-            if r.open_beside:  # let go before that close: what it may be low by, said (`open_unresolved`)
-                r.open_unresolved = True
-                r.open_short_j += sum(v[0] for v in r.open_beside.values())
-                r.open_beside_j += sum(v[1] for v in r.open_beside.values())
-                r.open_beside.clear()
             rows.append(self._request_row(r))
         self._late_parked = keep
         return rows
-
-    def _note_open_beside(self, reqs: list, done: list, arrival: np.ndarray, end: np.ndarray, t: np.ndarray,
-                          a: attr.Attribution, work_j: np.ndarray) -> None:
-        """Requests with no byte of an answer yet whose intervals close now under them, past the ledger's holds (a whole
-        answer in flight past max_hold_s, a prompt past prompt_hold_s): these intervals are split with each live, as
-        run, and nothing revisits them. One may yet close with no answer and be written as not run or as queued unrun
-        (`rowtext.may_not_have_run`): then each request live beside it here is low by up to its share of the intervals
-        both were live in. Each such request keeps that share (`LiveRequest.open_beside`) and its row waits for that
-        close (`_unpark`, `_settle_open`). Unrevisited, a slow stream ended at 6 s beside a whole answer in flight
-        1.0-9.95 s (holds cut to 3 s) read 675 J for 885 J had it never run (-23.7%), unflagged, in J/token."""
-        if a.share is None:
-            return
-        open_q = [i for i, (r, d) in enumerate(zip(reqs, done))
-                  if not d and r.trace.end_ns is None and r.trace.api is not None and r.trace.first_ns is None]
-        if not open_q:
-            return
-        live = (arrival[:, None] < t[None, 1:]) & (end[:, None] > t[None, :-1])
-        for q in open_q:
-            both = (live & live[q]).astype(float)
-            took = both @ (a.share[q] * work_j)  # its share of each interval both were live in
-            own = (a.share * both) @ work_j
-            qid = reqs[q].trace.request_id
-            for i in np.flatnonzero(took > 0):
-                if i == q:
-                    continue
-                r = reqs[i]
-                if qid not in r.open_beside:
-                    r.open_beside[qid] = [0.0, 0.0]
-                    self._open_waiters.setdefault(qid, []).append(r)
-                r.open_beside[qid][0] += float(took[i])
-                r.open_beside[qid][1] += float(own[i])
-
-    def _settle_open(self, q: LiveRequest) -> None:
-        """`q`'s row is made: tell the requests live beside it in intervals closed under it while it had no answer yet
-        (`_note_open_beside`) whether it may never have run (`rowtext.may_not_have_run`: its figure then theirs, up to
-        its share of those intervals, `LiveRequest.open_short_j`), and they wait for it no more."""
-        never = may_not_have_run(q)
-        for w in self._open_waiters.pop(q.trace.request_id, ()):
-            took, own = w.open_beside.pop(q.trace.request_id, (0.0, 0.0))
-            if never:
-                w.open_short_j += took
-                w.open_beside_j += own
 
     def _settle_late(self, r: LiveRequest) -> None:
         """How many of its prompt tokens its end said were cached beyond those its prefill was placed with
@@ -3263,7 +3201,6 @@ class Ledger:
         if _cache_unsaid_candidate(r):
             r.cache_unsaid = max(self._cache_unsaid(*self._hit_span(r)), r.cache_unsaid_early)
         self._settle_late(r)
-        self._settle_open(r)
         row = self._request_fields(r)
         for flag in _request_flags(r, self.best_of_ignored):
             self.flagged_requests[flag] += 1

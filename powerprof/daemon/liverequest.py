@@ -14,13 +14,6 @@ from dataclasses import dataclass, field
 from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, NOT_FORWARDED, RESEND_LOADING, RESEND_REFUSED, RequestTrace
 
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
-# How long an ended request's row waits, at most, past its end for the close of a request beside it with no byte of an
-# answer yet whose intervals closed under it past the ledger's holds (`Ledger._unpark`, `LiveRequest.open_beside`): the
-# proxy's read_timeout_s by default (a whole answer silent longer is cut by then); and how many such rows wait at once,
-# the oldest let go first (a parked request holds about 6.5 KB: 2000, about 13 MB). Let go before that close, the row
-# says what it may be low by (`open_unresolved`).
-OPEN_BESIDE_WAIT_S = 600.0
-OPEN_BESIDE_PARKED_MAX = 2000
 # The longest a kept-alive connection's close crossing a request on the wire takes from its arrival (milliseconds; the
 # proxy resends within forward.STALE_CLOSE_MAX_S, 1 s). A close later than this whose resend found the server dead
 # (`resend_queued`) may be a request the server had read but queued behind full slots, never run.
@@ -121,16 +114,6 @@ class LiveRequest:
     # The first interval edge of the step whose re-run left it out (a queued close's; monotonic ns): the intervals before
     # were split with it live, as run.
     queued_rerun_from_ns: int | None = None
-    # {request id: [its GPU joules, this one's]} over the intervals both were live in of each request with no byte of an
-    # answer yet whose intervals closed under it past the ledger's holds (`Ledger._note_open_beside`): had it never run,
-    # this one's figure would be higher by up to the first. Its row waits for that request's close (`Ledger._unpark`).
-    open_beside: dict = field(default_factory=dict)
-    # Of those, the ones that closed with no answer and may never have run (`rowtext.may_not_have_run`), summed: how low
-    # this figure may be by (`open_short_j`, a bound) and how much of it is from those intervals (`open_beside_j`).
-    open_short_j: float = 0.0
-    open_beside_j: float = 0.0
-    # Its row could wait no longer (OPEN_BESIDE_WAIT_S) for such a request's close: summed there as if it may.
-    open_unresolved: bool = False
     # The daemon scraped the server when it closed (`Ledger.scraping`): a close with no answer its scrapes saw no restart
     # cover is no crash they missed, and "scrape the server" is no fix for it (rowtext's notes).
     closed_scraped: bool = False

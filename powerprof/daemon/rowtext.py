@@ -24,10 +24,9 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       outside_text)
 
 from . import attribution as attr
-from .liverequest import (CROSSING_CLOSE_MAX_S, OPEN_BESIDE_WAIT_S, PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN,
-                          body_left, closed_unanswered, crashed, finished_unsaid, gone_unsaid, is_passive,
-                          resend_crossed, resend_queued, told_prompt_tokens, LiveRequest, is_unseen, not_forwarded,
-                          server_end_ns)
+from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN, body_left,
+                          closed_unanswered, crashed, finished_unsaid, gone_unsaid, is_passive, resend_crossed,
+                          resend_queued, told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
@@ -759,7 +758,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
                                       or _n_cmpl_unsure(r) or _closed_partial(r) or r.run_on_unplaced
-                                      or _unplaced_beside(r) or _open_beside(r))}
+                                      or _unplaced_beside(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -780,21 +779,6 @@ def _closed_partial(r: LiveRequest) -> bool:
     (max_hold_s, prompt_hold_s, from its arrival): its figure is part of a run, or of none. Unflagged, a whole answer
     closed 149.5 s in read 2940 J for 0 tokens (crash-costed, 14950 J) with no note, in J/token."""
     return r.gpu_j > 0 and r.trace.end_ns is not None and closed_unanswered(r) and is_passive(r)
-
-
-def may_not_have_run(r: LiveRequest) -> bool:
-    """A close with no answer whose row says it may never have run, costed as run (`resend_queued`) or written as not
-    run keeping a share of the intervals closed while it was in flight (`_closed_partial`): the requests live beside it
-    in those intervals are low by up to its share there if it never ran (`LiveRequest.open_short_j`)."""
-    return resend_queued(r) or _closed_partial(r)
-
-
-def _open_beside(r: LiveRequest) -> bool:
-    """UNSURE_FLAG beside such a close (`may_not_have_run`), or beside a request with no answer yet its row could wait
-    no longer for (`open_unresolved`), in intervals closed while that request was in flight past the ledger's holds:
-    split with it live, as run, never revisited; its figure is low by up to QUEUED_BESIDE_MIN_SHARE or more had that
-    request never run."""
-    return r.open_short_j > 0 and r.open_short_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
 
 
 def _queued_beside(r: LiveRequest) -> bool:
@@ -966,17 +950,6 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "intervals after a client left a request the server may have run on for nobody, unplaced (the "
                      "daemon scrapes no server, scrape.server = none, so it knows no server kind): that work may be in "
                      f"its share, its figure high by up to that; left out of J/token; fix: {UNPLACED_FIX}")
-    if _open_beside(r) and r.gpu_j > 0:
-        which = (f"a request beside it still had no answer {OPEN_BESIDE_WAIT_S:.0f} s after this one ended, its row "
-                 "held no longer (it may yet close with no answer, never run)" if r.open_unresolved else
-                 "a request beside it closed with no answer and may never have run (its row says so)")
-        notes.append(f"{UNSURE_FLAG}: {which}; the intervals closed while that request was still in flight, past "
-                     "the ledger's holds on a live request's intervals (max_hold_s, prompt_hold_s), were split with it "
-                     f"live as run: had it never run, this figure would be up to {r.open_short_j:.1f} J "
-                     f"({100 * r.open_short_j / r.gpu_j:.1f}%) higher there, that request's share of the intervals "
-                     f"both were live in ({100 * min(r.open_beside_j / r.gpu_j, 1.0):.0f}% of this figure is from "
-                     "them); "
-                     "fix: none at the proxy (the server's or router's log says whether that request ran)")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
