@@ -5234,6 +5234,70 @@ def test_a_stream_beside_a_queued_close_held_past_the_holds_says_its_gain_is_a_l
     assert float(note.split("would be at least ")[1].split(" J")[0]) > 0, note
 
 
+def test_rows_beside_two_whole_answers_answered_together_past_the_holds_are_written_at_their_ends(monkeypatch):
+    # Holds cut to 3 s: two whole answers in flight from 1.0 / 1.5 s, both answered whole at 7.0 s (as one close ends
+    # them all), beside slow streams (a token every 0.5 s) ended at 5.0 and 11.5 s. Under crash6's row-holding (reverted) each whole answer waited
+    # for the other's row, and every row beside them with them: all four written only at close_all, the answered one
+    # marked uncertain-uncounted "up to 142.5 J". Each row comes by its end here, none marked.
+    import powerprof.daemon.ledger as ledger_mod
+
+    monkeypatch.setattr(ledger_mod, "SCRAPE_HOLD_S", 3.0)
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.max_hold_ns = led.prompt_hold_ns = int(3 * S)
+    led.runs_on_after_leave = (None, None)
+    led.scraping = True
+
+    def chat(rid, a, stream, **extra):
+        tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat", stream=stream)
+        tr.extra.update(**extra)
+        return tr
+
+    streams = {10: (chat(10, 0.0, True, prompt_chars=400), 11.5), 11: (chat(11, 0.0, True, prompt_chars=400), 5.0)}
+    wholes = {1: (chat(1, 1.0, False, prompt_chars=16000, max_tokens=500), 1.0),
+              2: (chat(2, 1.5, False, prompt_chars=16000, max_tokens=500), 1.5)}
+    toks, written, e, prev, dt = {10: 0, 11: 0}, {}, 0.0, None, 0.1
+    for tr, _ in streams.values():
+        led.on_start(tr)
+    for k in range(150):
+        t, served = k * dt, 0.0
+        for rid, (tr, b) in streams.items():
+            if tr.end_ns is not None:
+                continue
+            for j in range(toks[rid] + 1, int((min(b, t) + 1e-9) // 0.5) + 1):  # a token every 0.5 s
+                tr.first_ns = tr.first_ns or int(j * 0.5 * S)
+                tr.last_ns = int(j * 0.5 * S)
+                led.on_tokens(tr, int(j * 0.5 * S), 1)
+                toks[rid] += 1
+                served += 1
+            if t >= b - 1e-9:
+                tr.end_ns, tr.outcome = int(b * S), "ok"
+                tr.counts = Counts(generated_tokens=toks[rid], prompt_tokens=100, model=None, stop_reason="stop",
+                                   token_source="usage")
+                led.on_end(tr)
+        for rid, (tr, a) in wholes.items():
+            if tr.request_id not in led.requests and tr.end_ns is None and t >= a - 1e-9:
+                led.on_start(tr)
+            if tr.end_ns is None and t >= 7.0 - 1e-9:
+                tr.first_ns = tr.last_ns = tr.end_ns = int(7.0 * S)
+                tr.outcome, tr.status = "ok", 200
+                tr.counts = Counts(generated_tokens=200, prompt_tokens=4000, model=None, stop_reason="stop",
+                                   token_source="usage")
+                led.on_end(tr)
+                served += 200
+        w = 60.0 + 60.0 * (sum(t <= b for _, b in streams.values()) + sum(a <= t <= 7.0 for _, a in wholes.values()))
+        e += w * dt
+        led.add_gpu_sample(int(t * S), int(t * S), [R(e, w)])
+        led.add_server_tokens(int(t * S), served if prev is not None else 0.0, None if prev is None else int(prev * S))
+        prev = t
+        led.advance(int(t * S))
+        for row in led.emit.rows["requests"]:
+            written.setdefault(row["request_id"], (t, row))
+    print({rid: (round(t, 1), row["energy_note"]) for rid, (t, row) in written.items()})
+    assert sorted(written) == [1, 2, 10, 11], written  # all by 15 s, none waiting for a close_all
+    assert all(written[rid][0] <= end + 3.5 for rid, end in ((1, 7.0), (2, 7.0), (10, 11.5), (11, 7.0))), written
+    assert not any(UNSURE_FLAG in (row["energy_note"] or "") for _, row in written.values()), written
+
+
 def test_a_close_whose_resend_met_llama_server_s_loading_page_after_the_last_good_scrape_is_costed_unsure():
     # A whole answer sent at 1.52 s, after the old process's last good scrape (1.5 s), its kept-alive connection closed
     # with no answer at 1.67 s, and its resend met llama-server's 503 "Loading model" (proxy.RESEND_LOADING); the
