@@ -321,10 +321,10 @@ def _run_read_as_dataset(src) -> str | None:
             f"the run's windows, samples and levels; give its path {p} (no file://) for those")
 
 
-def _refuse_mixed(folder: Path | str, fs=None, shown: str | None = None) -> None:
+def _refuse_mixed(folder: Path | str, fs=None, shown: str | None = None, notes: list[str] | None = None) -> None:
     from .report import outputs_disagree  # noqa: PLC0415
 
-    if (why := outputs_disagree(folder, fs, shown)) is not None:
+    if (why := outputs_disagree(folder, fs, shown, notes)) is not None:
         raise ExportError(why)
 
 
@@ -343,7 +343,7 @@ def _remote_analysis_folders(fs, path: str) -> list[str]:
     return [d for d in (path, f"{path}/analysis") if fs.get_file_info(f"{d}/analysis.parquet").is_file]
 
 
-def _refuse_mixed_remote(uri: str) -> None:
+def _refuse_mixed_remote(uri: str, notes: list[str] | None = None) -> None:
     """ExportError where an analysis behind a remote URI is mixed (`outputs_disagree` through its filesystem): it
     went out unchecked, said only as a limit. A store that cannot be reached is said by the read after."""
     from urllib.parse import urlsplit  # noqa: PLC0415
@@ -354,17 +354,18 @@ def _refuse_mixed_remote(uri: str) -> None:
     except (pa.ArrowException, OSError, ValueError):
         return
     for folder in folders:
-        _refuse_mixed(folder, fs, f"{urlsplit(uri).scheme}://{folder}")
+        _refuse_mixed(folder, fs, f"{urlsplit(uri).scheme}://{folder}", notes)
 
 
-def find_sources(src) -> list[Source]:
+def find_sources(src, notes: list[str] | None = None) -> list[Source]:
     """Tables of a run directory (top-level *.parquet, plus analysis/analysis.parquet), of a daemon
-    dataset (one hive-partitioned dataset per sub-folder), of a single Parquet file, or of a URI."""
+    dataset (one hive-partitioned dataset per sub-folder), of a single Parquet file, or of a URI. `notes` receives
+    an analysis table whose id could not be read (its mix unchecked)."""
     if is_uri(src):
         for folder in analysis_folders_of(src):  # a file:// URI's
-            _refuse_mixed(folder)
+            _refuse_mixed(folder, notes=notes)
         if local_path(src) is None:
-            _refuse_mixed_remote(str(src))
+            _refuse_mixed_remote(str(src), notes)
         return _uri_sources(str(src))
     p = Path(src)
     from powerprof.paths import path_problem  # noqa: PLC0415
@@ -374,7 +375,7 @@ def find_sources(src) -> list[Source]:
     if not p.exists():
         raise ExportError(f"{p}: no such file or directory")
     for folder in analysis_folders(p):
-        _refuse_mixed(folder)
+        _refuse_mixed(folder, notes=notes)
     if p.is_file():
         if p.suffix != ".parquet":
             raise ExportError(f"{p}: not a Parquet file; give a run directory, a dataset folder or a .parquet file")
@@ -654,7 +655,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     if t_from and t_to and t_from >= t_to:
         raise ExportUsageError(f"--from ({time_from}) must be before --to ({time_to})")
     srcs = expand(src)
-    groups = [find_sources(s) for s in srcs]
+    groups = [find_sources(s, notes) for s in srcs]
     if (why := _dataset_beside_run(srcs, groups)) is not None:
         raise ExportError(why)
     sources = union_sources(_without_copied_runs(srcs, groups, notes))

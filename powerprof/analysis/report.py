@@ -532,9 +532,10 @@ def _stamp_of(report: Path) -> str | None:
     return m.group(1) if m else None
 
 
-def _ids(folder: Path | str, names, fs=None) -> dict[str, str | None]:
-    """The analysis_id each of `names` in `folder` says (None: none said, or unreadable); a name not there is left out.
-    `fs`: a pyarrow filesystem `folder` (its path there) is read through (a remote URI's), for the two tables alone."""
+def _ids(folder: Path | str, names, fs=None, unread: dict[str, str] | None = None) -> dict[str, str | None]:
+    """The analysis_id each of `names` in `folder` says (None: none said); a name not there is left out, and so is one
+    that cannot be read, its error put in `unread` where given. `fs`: a pyarrow filesystem `folder` (its path there) is
+    read through (a remote URI's), for the two tables alone."""
     import pyarrow as pa  # noqa: PLC0415
     import pyarrow.parquet as pq  # noqa: PLC0415
 
@@ -553,30 +554,41 @@ def _ids(folder: Path | str, names, fs=None) -> dict[str, str | None]:
                 else:
                     with fs.open_input_stream(f) as stream:
                         text = stream.read().decode()
-                ids[name] = json.loads(text).get("analysis_id")
+                doc = json.loads(text)
+                ids[name] = doc.get("analysis_id") if isinstance(doc, dict) else None
             elif name == "analysis.parquet":
                 meta = pq.read_schema(f, filesystem=fs).metadata or {}
-                ids[name] = json.loads(meta.get(b"powerprof_analysis", b"{}")).get("analysis_id")
+                doc = json.loads(meta.get(b"powerprof_analysis", b"{}"))
+                ids[name] = doc.get("analysis_id") if isinstance(doc, dict) else None
             elif name.endswith(".png"):
                 ids[name] = _png_comment(f.read_bytes())
             else:
                 ids[name] = _stamp_of(f)
-        except (OSError, ValueError, AttributeError, pa.ArrowException):
-            ids[name] = None
+        except (OSError, ValueError, pa.ArrowException) as e:
+            # Not an id of None: a read that failed (S3's AccessDenied on analysis.json alone) was counted as one, and
+            # a good export refused as "more than one analysis (analysis.json none, ...)".
+            if unread is not None:
+                unread[name] = str(e)
     return ids
 
 
-def outputs_disagree(folder: Path | str, fs=None, shown: str | None = None) -> str | None:
+def outputs_disagree(folder: Path | str, fs=None, shown: str | None = None,
+                     notes: list[str] | None = None) -> str | None:
     """Why the analysis tables in `folder` that export reads (analysis.json, analysis.parquet) are not of one write
     (their analysis ids differ: an analyze killed between its renames, SIGKILL or a power cut, left one new beside
     one old); None where they agree or one is missing. Outputs of before the ids (neither says one) agree.
     The reports, which export never reads, are no cause (`unread_outputs_disagree`): refusing for them, with "run analyze
     again" as the fix, had a person's notes in report.md overwritten. `fs`: read through it (a remote URI's), the
-    folder `shown` by its URI."""
-    ids = _ids(folder, ("analysis.json", "analysis.parquet"), fs)
+    folder `shown` by its URI. One that cannot be read is compared with nothing: a note in `notes` names it and why."""
+    unread: dict[str, str] = {}
+    ids = _ids(folder, ("analysis.json", "analysis.parquet"), fs, unread)
+    shown = shown or str(folder)
+    if notes is not None:
+        notes.extend(f"{shown.rstrip('/')}/{n} could not be read ({e}), so whether it and the other analysis table "
+                     "there are of one analysis was not checked" for n, e in unread.items())
     if len(set(ids.values())) <= 1:
         return None
-    return (f"{shown or folder} holds the outputs of more than one analysis (their analysis ids differ: "
+    return (f"{shown} holds the outputs of more than one analysis (their analysis ids differ: "
             + ", ".join(f"{n} {i or 'none'}" for n, i in ids.items())
             + "; an analyze stopped between its renames); run `powerprof analyze` again to write them anew")
 
