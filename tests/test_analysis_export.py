@@ -1319,6 +1319,18 @@ def test_a_remote_analysis_whose_analysis_json_cannot_be_read_is_exported_with_a
             "Access Denied), so whether it and the other analysis table there are of one analysis was not checked") in said
 
 
+def test_a_remote_export_opens_the_stores_filesystem_once(tmp_path, monkeypatch):
+    # The mix check and the tables' read each called _open_uri: a dead store's wait (GCS_RETRY_LIMIT_S) came twice.
+    import pyarrow.fs as pafs
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"]).exit_code == 0
+    bucket, opened = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem()), []
+    monkeypatch.setattr(ex, "_open_uri", lambda uri: (opened.append(uri), (bucket, uri.removeprefix("s3://")))[1])
+    r = CliRunner().invoke(main, ["export", "s3://run", "--format", "csv", "--out", str(tmp_path / "ok")])
+    assert r.exit_code == 0 and opened == ["s3://run"], (opened, r.output)
+
+
 def test_export_reads_a_folder_whose_reports_a_person_edited_and_names_a_report_of_another_analysis(tmp_path):
     # It compared the reports' ids too (export never reads them) and took a missing stamp for another id: notes
     # appended to report.md -> exit 1 "report.md none ... run `powerprof analyze` again", whose rewrite lost the notes.
