@@ -1259,6 +1259,78 @@ def test_export_of_a_remote_uri_checks_its_analysis_through_the_stores_filesyste
     assert not (tmp_path / "mixed").exists()
 
 
+def _denying_bucket(root):
+    """A bucket over `root` whose GET of any analysis.json fails as S3's AccessDenied does (an OSError)."""
+    import pyarrow.fs as pafs
+
+    class Denying(pafs.FileSystemHandler):
+        def __init__(self):
+            self.fs = pafs.SubTreeFileSystem(str(root), pafs.LocalFileSystem())
+
+        def __eq__(self, o):
+            return self is o
+
+        def __ne__(self, o):
+            return self is not o
+
+        def get_type_name(self):
+            return "denying"
+
+        def normalize_path(self, p):
+            return p
+
+        def get_file_info(self, paths):
+            return self.fs.get_file_info(paths)
+
+        def get_file_info_selector(self, sel):
+            return self.fs.get_file_info(sel)
+
+        def open_input_stream(self, p):
+            if p.endswith("analysis.json"):
+                raise OSError("AWS Error ACCESS_DENIED during GetObject operation: Access Denied")
+            return self.fs.open_input_stream(p)
+
+        def open_input_file(self, p):
+            return self.fs.open_input_file(p)
+
+        def _read_only(self, *a, **k):
+            raise NotImplementedError
+
+        create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = delete_file = move = copy_file = \
+            open_output_stream = open_append_stream = _read_only
+
+    return pafs.PyFileSystem(Denying())
+
+
+@pytest.mark.parametrize("what", ["run", "file"])
+def test_a_remote_analysis_whose_analysis_json_cannot_be_read_is_exported_with_a_note(tmp_path, monkeypatch, what):
+    # 3b790d21 took a failed read of analysis.json for "no id": a good export behind credentials that may not GET it
+    # was refused, exit 1 "holds the outputs of more than one analysis (analysis.json none, ...)". Now the unread one is
+    # compared with nothing, and a note names it and its error.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"]).exit_code == 0
+    bucket = _denying_bucket(tmp_path)
+    monkeypatch.setattr(ex, "_open_uri", lambda uri: (bucket, uri.removeprefix("s3://")))
+    uri = {"run": "s3://run", "file": "s3://run/analysis/analysis.parquet"}[what]
+    r = CliRunner().invoke(main, ["export", uri, "--format", "csv", "--out", str(tmp_path / "ok")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and (tmp_path / "ok").exists(), said
+    assert ("s3://run/analysis/analysis.json could not be read (AWS Error ACCESS_DENIED during GetObject operation: "
+            "Access Denied), so whether it and the other analysis table there are of one analysis was not checked") in said
+
+
+def test_a_remote_export_opens_the_stores_filesystem_once(tmp_path, monkeypatch):
+    # The mix check and the tables' read each called _open_uri: a dead store's wait (GCS_RETRY_LIMIT_S) came twice.
+    import pyarrow.fs as pafs
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"]).exit_code == 0
+    bucket, opened = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem()), []
+    monkeypatch.setattr(ex, "_open_uri", lambda uri: (opened.append(uri), (bucket, uri.removeprefix("s3://")))[1])
+    r = CliRunner().invoke(main, ["export", "s3://run", "--format", "csv", "--out", str(tmp_path / "ok")])
+    assert r.exit_code == 0 and opened == ["s3://run"], (opened, r.output)
+
+
 def test_export_reads_a_folder_whose_reports_a_person_edited_and_names_a_report_of_another_analysis(tmp_path):
     # It compared the reports' ids too (export never reads them) and took a missing stamp for another id: notes
     # appended to report.md -> exit 1 "report.md none ... run `powerprof analyze` again", whose rewrite lost the notes.

@@ -303,3 +303,14 @@ def test_files_the_docs_name_exist(page):
     named = re.findall(rf"`((?:{areas})/(?:[\w.-]+/)*[\w.-]+\.(?:py|sh)|systemd/[\w.-]+)`", page.read_text())
     for rel in named:
         assert (ROOT / rel).exists() or (ROOT / "powerprof" / rel).exists(), f"{page.name} names {rel}, which is not there"
+
+
+def test_sweep_md_does_not_give_the_daemons_missing_parent_refusal_the_usage_error_exit():
+    # sweep.md said an --out with no parent is refused "(exit 2 ...) as the daemon's --data-dir is": the daemon's is a
+    # start-up error, exit 1 (test_an_explicit_data_dir_whose_parent_is_missing_is_refused_and_nothing_is_made).
+    daemon = " ".join((DOCS / "daemon.md").read_text().split())
+    assert "`--data-dir /nonexistent/dir/x` stops the daemon (exit 1, nothing made)" in daemon
+    sweep = " ".join((DOCS / "sweep.md").read_text().split())
+    said = sweep[sweep.index("as the daemon's `--data-dir` is"):][:120]
+    assert said.startswith("as the daemon's `--data-dir` is (there a start-up error that stops the daemon, not a usage "
+                           "error"), said

@@ -252,17 +252,18 @@ def _uri_join(uri: str, name: str) -> str:
     return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + name))
 
 
-def _uri_sources(uri: str) -> list[Source]:
+def _uri_sources(uri: str, opened=None) -> list[Source]:
     """A daemon dataset folder, one of its tables, or one Parquet file behind a URI (s3://, gs://,
     abfs://, hdfs://, file://), through pyarrow.fs.
 
     Any failure to reach the store, from opening to listing the tables' files, is an ExportError naming the URI:
     an unreachable store raises OSError (S3), or pyarrow's plain ArrowException (Azure's credential chain), either
-    of which was a traceback."""
+    of which was a traceback. `opened`: the (filesystem, path) `_open_uri` gave already (opened once: a dead store's
+    wait, about 20 s on GCS, came twice)."""
     import pyarrow.fs as pafs
 
     try:
-        fs, path = _open_uri(uri)
+        fs, path = opened or _open_uri(uri)
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise ExportError(f"{uri}: no such file or folder")
@@ -321,10 +322,10 @@ def _run_read_as_dataset(src) -> str | None:
             f"the run's windows, samples and levels; give its path {p} (no file://) for those")
 
 
-def _refuse_mixed(folder: Path | str, fs=None, shown: str | None = None) -> None:
+def _refuse_mixed(folder: Path | str, fs=None, shown: str | None = None, notes: list[str] | None = None) -> None:
     from .report import outputs_disagree  # noqa: PLC0415
 
-    if (why := outputs_disagree(folder, fs, shown)) is not None:
+    if (why := outputs_disagree(folder, fs, shown, notes)) is not None:
         raise ExportError(why)
 
 
@@ -343,29 +344,35 @@ def _remote_analysis_folders(fs, path: str) -> list[str]:
     return [d for d in (path, f"{path}/analysis") if fs.get_file_info(f"{d}/analysis.parquet").is_file]
 
 
-def _refuse_mixed_remote(uri: str) -> None:
-    """ExportError where an analysis behind a remote URI is mixed (`outputs_disagree` through its filesystem): it
-    went out unchecked, said only as a limit. A store that cannot be reached is said by the read after."""
+def _refuse_mixed_remote(uri: str, fs, path: str, notes: list[str] | None = None) -> None:
+    """ExportError where an analysis behind a remote URI (`_open_uri`'s fs and path) is mixed (`outputs_disagree`
+    through its filesystem): it went out unchecked, said only as a limit. A store that cannot be reached is said by the
+    read after."""
     from urllib.parse import urlsplit  # noqa: PLC0415
 
     try:
-        fs, path = _open_uri(uri)
         folders = _remote_analysis_folders(fs, path)
     except (pa.ArrowException, OSError, ValueError):
         return
     for folder in folders:
-        _refuse_mixed(folder, fs, f"{urlsplit(uri).scheme}://{folder}")
+        _refuse_mixed(folder, fs, f"{urlsplit(uri).scheme}://{folder}", notes)
 
 
-def find_sources(src) -> list[Source]:
+def find_sources(src, notes: list[str] | None = None) -> list[Source]:
     """Tables of a run directory (top-level *.parquet, plus analysis/analysis.parquet), of a daemon
-    dataset (one hive-partitioned dataset per sub-folder), of a single Parquet file, or of a URI."""
+    dataset (one hive-partitioned dataset per sub-folder), of a single Parquet file, or of a URI. `notes` receives
+    an analysis table whose id could not be read (its mix unchecked)."""
     if is_uri(src):
         for folder in analysis_folders_of(src):  # a file:// URI's
-            _refuse_mixed(folder)
-        if local_path(src) is None:
-            _refuse_mixed_remote(str(src))
-        return _uri_sources(str(src))
+            _refuse_mixed(folder, notes=notes)
+        if local_path(src) is not None:
+            return _uri_sources(str(src))
+        try:
+            opened = _open_uri(str(src))
+        except (pa.ArrowException, OSError) as e:  # as _uri_sources says it
+            raise ExportError(f"{src}: cannot open ({e})") from None
+        _refuse_mixed_remote(str(src), *opened, notes)
+        return _uri_sources(str(src), opened)
     p = Path(src)
     from powerprof.paths import path_problem  # noqa: PLC0415
 
@@ -374,7 +381,7 @@ def find_sources(src) -> list[Source]:
     if not p.exists():
         raise ExportError(f"{p}: no such file or directory")
     for folder in analysis_folders(p):
-        _refuse_mixed(folder)
+        _refuse_mixed(folder, notes=notes)
     if p.is_file():
         if p.suffix != ".parquet":
             raise ExportError(f"{p}: not a Parquet file; give a run directory, a dataset folder or a .parquet file")
@@ -654,7 +661,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     if t_from and t_to and t_from >= t_to:
         raise ExportUsageError(f"--from ({time_from}) must be before --to ({time_to})")
     srcs = expand(src)
-    groups = [find_sources(s) for s in srcs]
+    groups = [find_sources(s, notes) for s in srcs]
     if (why := _dataset_beside_run(srcs, groups)) is not None:
         raise ExportError(why)
     sources = union_sources(_without_copied_runs(srcs, groups, notes))

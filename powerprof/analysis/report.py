@@ -96,9 +96,10 @@ def analyze_run(
     check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
     if (why := missing_parent(out)) is not None:  # after check_out's own refusals; the default's parent is the run
         raise AnalysisOutRefused(why)
-    with _out_locked(out) as said:
+    with _out_locked(out) as (said, locked):
         check_out(out, runs)  # again, locked: another analyze into this folder may have written it meanwhile
-        result = _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary)
+        result = _analyze_into(out, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots, primary,
+                               locked)
     result.write_notes += said
     return result
 
@@ -109,13 +110,14 @@ def _cannot_write(out: Path, e: OSError) -> AnalysisError:
 
 
 @contextlib.contextmanager
-def _out_locked(out: Path) -> Iterator[list[str]]:
+def _out_locked(out: Path) -> Iterator[tuple[list[str], bool]]:
     """Hold an exclusive flock on the folder `out` (made here where missing, not its parent) from check_out to the
     last rename: two analyses into one folder mixed their files (one's report.md beside the other's analysis.json).
     The second is refused (AnalysisOutTaken), nothing written; a folder this made is removed again if the analysis
     fails (write_outputs relies on this: it makes and removes no folder). A file
     system that has no flock (ENOLCK: some network ones; EOPNOTSUPP) is written unlocked; another failure of the flock
-    is written unlocked too, with a note in the list yielded: it was swallowed unsaid."""
+    is written unlocked too, with a note in the list yielded: it was swallowed unsaid. Yields (that list, whether the
+    flock is held)."""
     import errno  # noqa: PLC0415
     import fcntl  # noqa: PLC0415
 
@@ -131,9 +133,11 @@ def _out_locked(out: Path) -> Iterator[list[str]]:
     except OSError as e:
         raise _cannot_write(out, e) from None
     said: list[str] = []
+    locked = False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
         except BlockingIOError:
             raise AnalysisOutTaken(f"another analyze is writing to {out} now: two at once would mix their files; wait "
                                    "for it to end, or give another folder with --out") from None
@@ -142,7 +146,7 @@ def _out_locked(out: Path) -> Iterator[list[str]]:
                 said.append(f"{out} could not be locked ({e.strerror or e}), so it was written unlocked: another "
                             "analyze into it at the same time would have mixed their files")
         try:
-            yield said
+            yield said, locked
         except BaseException:
             if made:  # left empty by the group's undoing: nothing of a failed analysis stays
                 with contextlib.suppress(OSError):
@@ -153,7 +157,7 @@ def _out_locked(out: Path) -> Iterator[list[str]]:
 
 
 def _analyze_into(out: Path, runs, run_dirs, forced, params, max_slowdown, formats, n_boot, seed, plots,
-                  primary) -> AnalysisResult:
+                  primary, locked: bool) -> AnalysisResult:
     twice: dict = {}
     windows = read_windows(runs, twice)
     knob_result, where = _configurations(runs, max_slowdown, windows)
@@ -200,7 +204,7 @@ def _analyze_into(out: Path, runs, run_dirs, forced, params, max_slowdown, forma
     result.notes, result.server_restarts = server_notes(runs)
     result.notes += run_notes(runs, result.warnings, result.notes)
     try:
-        write_outputs(result, out, formats, plots)
+        write_outputs(result, out, formats, plots, locked)
     except OSError as e:  # --out that cannot be written (read-only, full disk)
         raise _cannot_write(out, e) from None
     return result
@@ -284,18 +288,21 @@ def _earlier_outputs(out: Path) -> list[Path]:
 _TEMPORARY = re.compile(r"\.(?P<name>[^/]+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.(?P<kind>tmp|old)")
 
 
-def _dead_leftovers(out: Path) -> Iterator[tuple[Path, os.stat_result, bool]]:
+def _dead_leftovers(out: Path, locked: bool) -> Iterator[tuple[Path, os.stat_result, bool]]:
     """(file, its lstat, whether it is a kept old copy) for each plain file in `out` of paths.temp_sibling's form
     (`.NAME.PID.HEX.tmp`, or atomic's `.old` link of an old content), NAME an output's, whose pid is no live process
-    (a pid reused counts as alive; EPERM: another user's live process)."""
+    (a pid reused counts as alive; EPERM: another user's live process). An `.old` one goes by no pid where `locked`
+    (this analyze holds the folder's flock, so no live analyze owns one), nor by this process's own pid (its atomic
+    groups have ended): a kept old copy of a pid reused, or of a write that failed in this process, went unnamed."""
     for f in out.iterdir():
         m = _TEMPORARY.fullmatch(f.name)
         if m is None or not (m["name"] in OUTPUT_NAMES or (m["name"].endswith(".png") and any(
                 m["name"][:-4] == s or m["name"].startswith(s + "_") for s in PLOT_STEMS))):
             continue
         try:
-            os.kill(int(m["pid"]), 0)
-            continue
+            if not (m["kind"] == "old" and (locked or int(m["pid"]) == os.getpid())):
+                os.kill(int(m["pid"]), 0)
+                continue
         except ProcessLookupError:
             pass
         except (OSError, OverflowError):
@@ -308,20 +315,20 @@ def _dead_leftovers(out: Path) -> Iterator[tuple[Path, os.stat_result, bool]]:
             yield f, st, m["kind"] == "old"
 
 
-def _second_names(out: Path) -> set[Path]:
+def _second_names(out: Path, locked: bool) -> set[Path]:
     """The dead `.old` links in `out` that are still a second name of their file (a kill came before its rename): no
     old content of their own. Asked before the renames, after which each would be its file's only old copy."""
-    return {f for f, st, old in _dead_leftovers(out) if old and st.st_nlink > 1}
+    return {f for f, st, old in _dead_leftovers(out, locked) if old and st.st_nlink > 1}
 
 
-def _remove_dead_temporaries(out: Path, second_names: set[Path]) -> list[Path]:
+def _remove_dead_temporaries(out: Path, second_names: set[Path], locked: bool) -> list[Path]:
     """Remove the temporaries of an analyze that died (SIGKILL between its renames: nine stayed, one a hard link to the
     old analysis.parquet), plain files of this euid (another user's file of that form is not ours); returns those
     removed, for the note that says so. Called under the flock, so no analyze of this machine is writing here. A kept
     old link (`.old`) goes only among `second_names` (`_second_names`); one whose file was replaced before this write is
     the only copy of the old content: `_kept_old_copies`, never removed."""
     gone = []
-    for f, st, old in _dead_leftovers(out):
+    for f, st, old in _dead_leftovers(out, locked):
         if st.st_uid == os.geteuid() and (not old or f in second_names):
             with contextlib.suppress(OSError):
                 f.unlink()
@@ -329,11 +336,13 @@ def _remove_dead_temporaries(out: Path, second_names: set[Path]) -> list[Path]:
     return gone
 
 
-def _kept_old_copies(out: Path, second_names: set[Path]) -> list[Path]:
-    """The old contents a write that failed part-way left in `out` (atomic.GroupMixed: the rename of one output and the
-    put-back of another failed, the folder MIXED), each the only copy of an output's old content: the next analyze
-    removed them as a dead analyze's temporaries. Kept until the user removes them; each analyze names them."""
-    return sorted(f for f, st, old in _dead_leftovers(out) if old and f not in second_names)
+def _kept_old_copies(out: Path, second_names: set[Path], locked: bool) -> list[Path]:
+    """The old contents a write that failed part-way (atomic.GroupMixed: the rename of one output and the put-back of
+    another failed) or was killed after its renames left in `out`, each the only copy of an earlier content of an
+    output: the next analyze removed them as a dead analyze's temporaries. Kept until the user removes them; each
+    analyze names those of this euid (another user's file of that form is none of ours, as in the removal)."""
+    return sorted(f for f, st, old in _dead_leftovers(out, locked)
+                  if old and f not in second_names and st.st_uid == os.geteuid())
 
 
 def _refuse_a_run_folder(out: Path, runs) -> None:
@@ -434,13 +443,14 @@ def _has_levels(windows) -> bool:
     return bool(kinds & {"power_limit", "sm_clock"})
 
 
-def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: bool = True) -> dict[str, str]:
+def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: bool = True,
+                  locked: bool = False) -> dict[str, str]:
     # `out` is made, and taken back where the analysis fails, by _out_locked: not made again here, where a folder
-    # removed meanwhile would be one no lock holds.
+    # removed meanwhile would be one no lock holds. `locked`: _out_locked holds its flock (_dead_leftovers).
     # All or none: an interruption while the report renders must not leave new plots and tables beside
     # the old report and analysis.json (the export's summary sheet reads its recommendation).
     result.analysis_id = secrets.token_hex(8)
-    second_names = _second_names(out)
+    second_names = _second_names(out, locked)
     with atomic_group() as stage:
         files = _write_outputs(result, out, formats, plots, stage)
         # An earlier analysis' report.md or plot that this one does not write (--format html, --no-plots, other
@@ -448,18 +458,18 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
         for f in _earlier_outputs(out):
             if f not in stage.paths():
                 stage.remove(f)
-    if gone := _remove_dead_temporaries(out, second_names):
+    if gone := _remove_dead_temporaries(out, second_names, locked):
         result.write_notes.append(
             f"removed {len(gone)} temporary file{'s' if len(gone) > 1 else ''} that an analyze stopped part-way left in "
             f"{out} ({', '.join(sorted(f.name for f in gone))})")
-    if kept := _kept_old_copies(out, second_names):
-        # Warned, not refused: writing every output again is the fix GroupMixed gave, and it leaves these alone.
+    if kept := _kept_old_copies(out, second_names, locked):
+        # Warned, not refused: writing every output again is the fix GroupMixed gave, and it leaves these alone. Not
+        # "left the folder MIXED": a kill after every rename leaves them in a folder of one analysis (the ids say).
         result.write_notes.append(
-            f"{out} holds the old content of {', '.join(_TEMPORARY.fullmatch(f.name)['name'] for f in kept)}, kept as "
-            f"{', '.join(f.name for f in kept)} by an earlier write that failed part-way and left the folder MIXED; "
-            "this analysis replaced every output together, so the folder is one analysis again, and the kept copies "
-            "are left as they are (the only copies of the earlier analysis' files): look at them, then remove them "
-            "when you no longer need them")
+            f"{out} holds an earlier content of {', '.join(_TEMPORARY.fullmatch(f.name)['name'] for f in kept)}, kept "
+            f"as {', '.join(f.name for f in kept)} by an earlier write that failed or was killed part-way; this "
+            "analysis replaced every output together, and the kept copies are left as they are (the only copies of "
+            "that content): look at them, then remove them when you no longer need them")
     return files
 
 
@@ -532,9 +542,10 @@ def _stamp_of(report: Path) -> str | None:
     return m.group(1) if m else None
 
 
-def _ids(folder: Path | str, names, fs=None) -> dict[str, str | None]:
-    """The analysis_id each of `names` in `folder` says (None: none said, or unreadable); a name not there is left out.
-    `fs`: a pyarrow filesystem `folder` (its path there) is read through (a remote URI's), for the two tables alone."""
+def _ids(folder: Path | str, names, fs=None, unread: dict[str, str] | None = None) -> dict[str, str | None]:
+    """The analysis_id each of `names` in `folder` says (None: none said); a name not there is left out, and so is one
+    that cannot be read, its error put in `unread` where given. `fs`: a pyarrow filesystem `folder` (its path there) is
+    read through (a remote URI's), for the two tables alone."""
     import pyarrow as pa  # noqa: PLC0415
     import pyarrow.parquet as pq  # noqa: PLC0415
 
@@ -553,30 +564,41 @@ def _ids(folder: Path | str, names, fs=None) -> dict[str, str | None]:
                 else:
                     with fs.open_input_stream(f) as stream:
                         text = stream.read().decode()
-                ids[name] = json.loads(text).get("analysis_id")
+                doc = json.loads(text)
+                ids[name] = doc.get("analysis_id") if isinstance(doc, dict) else None
             elif name == "analysis.parquet":
                 meta = pq.read_schema(f, filesystem=fs).metadata or {}
-                ids[name] = json.loads(meta.get(b"powerprof_analysis", b"{}")).get("analysis_id")
+                doc = json.loads(meta.get(b"powerprof_analysis", b"{}"))
+                ids[name] = doc.get("analysis_id") if isinstance(doc, dict) else None
             elif name.endswith(".png"):
                 ids[name] = _png_comment(f.read_bytes())
             else:
                 ids[name] = _stamp_of(f)
-        except (OSError, ValueError, AttributeError, pa.ArrowException):
-            ids[name] = None
+        except (OSError, ValueError, pa.ArrowException) as e:
+            # Not an id of None: a read that failed (S3's AccessDenied on analysis.json alone) was counted as one, and
+            # a good export refused as "more than one analysis (analysis.json none, ...)".
+            if unread is not None:
+                unread[name] = str(e)
     return ids
 
 
-def outputs_disagree(folder: Path | str, fs=None, shown: str | None = None) -> str | None:
+def outputs_disagree(folder: Path | str, fs=None, shown: str | None = None,
+                     notes: list[str] | None = None) -> str | None:
     """Why the analysis tables in `folder` that export reads (analysis.json, analysis.parquet) are not of one write
     (their analysis ids differ: an analyze killed between its renames, SIGKILL or a power cut, left one new beside
     one old); None where they agree or one is missing. Outputs of before the ids (neither says one) agree.
     The reports, which export never reads, are no cause (`unread_outputs_disagree`): refusing for them, with "run analyze
     again" as the fix, had a person's notes in report.md overwritten. `fs`: read through it (a remote URI's), the
-    folder `shown` by its URI."""
-    ids = _ids(folder, ("analysis.json", "analysis.parquet"), fs)
+    folder `shown` by its URI. One that cannot be read is compared with nothing: a note in `notes` names it and why."""
+    unread: dict[str, str] = {}
+    ids = _ids(folder, ("analysis.json", "analysis.parquet"), fs, unread)
+    shown = shown or str(folder)
+    if notes is not None:
+        notes.extend(f"{shown.rstrip('/')}/{n} could not be read ({e}), so whether it and the other analysis table "
+                     "there are of one analysis was not checked" for n, e in unread.items())
     if len(set(ids.values())) <= 1:
         return None
-    return (f"{shown or folder} holds the outputs of more than one analysis (their analysis ids differ: "
+    return (f"{shown} holds the outputs of more than one analysis (their analysis ids differ: "
             + ", ".join(f"{n} {i or 'none'}" for n, i in ids.items())
             + "; an analyze stopped between its renames); run `powerprof analyze` again to write them anew")
 
