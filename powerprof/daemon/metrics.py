@@ -360,7 +360,7 @@ class SnapshotCollector:
                                     "whose server token count may be low (or high: proxy_lag, server_restart) or was not "
                                     "read (bypass-uncounted: bypass traffic's energy may be in the requests', or theirs "
                                     "in unproxied; the rule analyze leaves such requests out "
-                                    f"by) and intervals after a client's leave from a server whose kind the daemon does "
+                                    "by) and intervals after a client's leave from a server whose kind the daemon does "
                                     f"not know, scraping none ({UNSURE_FLAG}: a run-on for nobody may be in the "
                                     "requests' share; fix: set scrape.server); powerprof_joules_per_token_left_out_* "
                                     "count them; absent when none is left",
