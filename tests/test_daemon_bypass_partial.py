@@ -965,16 +965,21 @@ def test_the_gauge_and_its_left_out_counters_are_on_metrics():
     from powerprof.daemon.metrics import Snapshot, SnapshotCollector
 
     class _H:
-        snapshot = Snapshot(joules_per_token=0.5, jpt_left_out={"bypass-uncounted": (3, 480.0)})
+        snapshot = Snapshot(joules_per_token=0.5, jpt_left_out={"bypass-uncounted": (3, 480.0),
+                                                                "uncertain-uncounted": (2, 160.0)})
 
     fams = {f.name: f for f in SnapshotCollector(_H()).collect()}
     got = {(f.name, s.labels.get("reason")): s.value for n in ("intervals", "tokens")
            for f in [fams[f"powerprof_joules_per_token_left_out_{n}"]] for s in f.samples}
+    # uncertain-uncounted: after a client's leave under scrape.server = none (Ledger._unplaced); before, not shown.
     assert got == {("powerprof_joules_per_token_left_out_intervals", "bypass-uncounted"): 3,
                    ("powerprof_joules_per_token_left_out_intervals", "no-counter-short"): 0,
+                   ("powerprof_joules_per_token_left_out_intervals", "uncertain-uncounted"): 2,
                    ("powerprof_joules_per_token_left_out_tokens", "bypass-uncounted"): 480.0,
-                   ("powerprof_joules_per_token_left_out_tokens", "no-counter-short"): 0}, got
-    assert "bypass-uncounted" in fams["powerprof_joules_per_token"].documentation
+                   ("powerprof_joules_per_token_left_out_tokens", "no-counter-short"): 0,
+                   ("powerprof_joules_per_token_left_out_tokens", "uncertain-uncounted"): 160.0}, got
+    doc = fams["powerprof_joules_per_token"].documentation
+    assert "bypass-uncounted" in doc and "uncertain-uncounted" in doc, doc
 
 
 def test_tag_rows_say_how_far_the_server_count_covers_their_intervals():

@@ -1291,6 +1291,63 @@ def test_a_cut_stream_beside_streams_with_no_server_scraped_flags_them_naming_sc
     assert "cut" in said, notes["cut"]
     # Those live after the leave: each one's share there may hold the run-on's work (+10% or more before, unflagged).
     left = rows["cut"]["t_end_utc"]
-    beside = {t for t in rows if t.startswith("ok") and not t.startswith("ok3") and rows[t]["t_end_utc"] > left}
+    beside = {t for t in rows
+              if t.startswith("ok") and t not in ("ok30", "ok31", "ok32") and rows[t]["t_end_utc"] > left}
     assert beside and beside <= said, (beside, said, {t: round(err[t], 2) for t in beside})
     assert not any(f"ok3{k}" in said for k in range(3)), said
+    # The live J/token gauge leaves those intervals out, said by reason (before: kept, 2.567 for the truth's 2.154, none
+    # left out).
+    n_iv, n_tok = daemon.ledger.totals.jpt_left_out.get(UNSURE_FLAG, (0, 0.0))
+    assert n_iv > 0 and n_tok > 0, daemon.ledger.totals.jpt_left_out
+
+
+def test_a_whole_answer_cut_with_no_server_scraped_flags_those_beside_it_to_its_end_or_a_quiet_second(tmp_path):
+    # scrape.server = none beside the simulated llama.cpp: a whole answer (max_tokens 2000 at 40 tok/s) cut 1.5 s in
+    # runs on for nobody while a stream a second keeps llama-server's 1 s wait for a result from timing out. Before, its
+    # span was capped at RUN_ON_TO_END_MAX_S + 1 s: the rows ending 34-56 s after the leave +64..+144%, unflagged. Now
+    # every row beside it is flagged to its max_tokens' end at half the pace, or to the first quiet second (its wait
+    # times out there, llama-server cancels it): the streams after 4 quiet seconds are not.
+    import asyncio
+    import time
+
+    import aiohttp
+
+    from powerprof.storage.schema import UNSURE_FLAG
+
+    srv, daemon = _h200_daemon(tmp_path, "llamacpp", overrides={"scrape.server": "none"}, decode_tok_s=40.0)
+    left = {}
+
+    async def cut(s, url):
+        try:
+            await asyncio.wait_for(s.post(url + "/v1/completions", json={
+                "model": "m", "prompt": "cut " * 300, "max_tokens": 2000, "ignore_eos": True},
+                headers={"X-Sim-Request-Id": "cut", "X-Powerprof-Tag": "cut"}), 1.5)
+        except asyncio.TimeoutError:
+            pass
+        left["t"] = time.monotonic()
+
+    async def scene(url):
+        async with aiohttp.ClientSession() as s:
+            await asyncio.gather(*[_stream_read_whole(s, url, k) for k in range(3)])  # the pace
+            await cut(s, url)
+            jobs = []
+            for k in range(36):  # a stream a second: no quiet second, the run-on goes on past 31 s
+                jobs.append(asyncio.create_task(_stream_read_whole(s, url, 100 + k)))
+                await asyncio.sleep(1.0)
+            await asyncio.gather(*jobs)
+            await asyncio.sleep(4.0)  # quiet: llama-server's wait times out and it cancels the run-on
+            await asyncio.gather(*[_stream_read_whole(s, url, 200 + k) for k in range(3)])
+
+    _run_daemon(srv, daemon, scene, after_s=4)
+    truth = {t["client_id"]: t for t in [*srv.truth, *srv.truth_cancelled] if t.get("client_id")}
+    rows = _rows_by_tag(tmp_path)
+    notes = {t: r["energy_note"] if isinstance(r["energy_note"], str) else "" for t, r in rows.items()}
+    err = _errors_shown({t: r for t, r in rows.items() if t.startswith("ok")}, truth)
+    said = {t for t, n in notes.items() if UNSURE_FLAG in n and "scrape.server" in n}
+    beside = [f"ok{100 + k}" for k in range(36)]
+    after = {t: (rows[t]["t_end_utc"] - rows["cut"]["t_end_utc"]).total_seconds() for t in beside}
+    print({t: (round(after.get(t, 0), 1), round(err[t], 2), t in said) for t in sorted(err)})
+    assert 1000 < truth["cut"]["generated"] < 2000, truth["cut"]  # ran on past 31 s for nobody, cancelled at the quiet
+    assert "cut" in said and max(after.values()) > 33, (notes["cut"], after)
+    assert set(after) <= said, sorted(set(after) - said)  # before: those ending past 31 s unflagged
+    assert not any(f"ok{200 + k}" in said for k in range(3)), said

@@ -36,8 +36,8 @@ from powerprof.energy import COUNTER_STEP_S, epoch_broken, interp_at, trailing_a
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, bypass_count_low, bypass_count_may_be,
-                                      outside_text)
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, UNSURE_FLAG, bypass_count_low,
+                                      bypass_count_may_be, outside_text)
 
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
@@ -48,7 +48,7 @@ from .liverequest import (PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN, closed_unan
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
-from .scrape import RUNS_ON_AFTER_LEAVE
+from .scrape import LLAMACPP_WAIT_S, RUNS_ON_AFTER_LEAVE
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
                       NO_COUNTER_READ, prompt_unread,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
@@ -392,8 +392,13 @@ class Ledger:
         # no run-on is placed; the cut row and the requests beside it until such a run-on must have ended say
         # UNSURE_FLAG (`_unplaced`), where before they said nothing: the cut rows low, those beside them high.
         self.run_ons_unknown = False
-        # [leave, latest end of a run-on there] of such requests: the intervals whose requests say so.
-        self._unplaced_spans: list[tuple[int, int]] = []
+        # [leave, latest end of a run-on there, the latest proxied result since the leave while llama.cpp's end is
+        # still to be judged by a quiet second (`_unplaced_quiet`), else None] of such requests: the intervals whose
+        # requests say so.
+        self._unplaced_spans: list[list] = []
+        # The stamps of proxied results (token events, ends) while run_ons_unknown: those a span above may still need
+        # (after its latest result, or within the hold of a request whose leave is yet to come: `_unplaced_quiet`).
+        self._results_ns: list[int] = []
         # The latest restarts' scrape windows, (start, end, first found down): the old process's last scrape, the new
         # one's first, and the first scrape between that found the server down (None: none did); its run-ons end
         # between the first and the third (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
@@ -483,6 +488,8 @@ class Ledger:
             trace, uncounted=uncounted_kind(trace.method, trace.endpoint) if trace.api is None else None)
 
     def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
+        if self.run_ons_unknown:
+            self._results_ns.append(int(t_ns))  # a result llama-server sent: its waits restart (`_unplaced_quiet`)
         r = self.requests.get(trace.request_id)
         if r is not None:
             r.pieces += 1
@@ -598,6 +605,8 @@ class Ledger:
     def on_end(self, trace: RequestTrace) -> float:
         """The request ended. Returns the tokens its end added to (or took from) what on_tokens had
         placed: a stream counted one token per chunk whose final `usage` says otherwise."""
+        if self.run_ons_unknown and trace.end_ns is not None:
+            self._results_ns.append(int(trace.end_ns))  # its answer's end: a result too (`_unplaced_quiet`)
         r = self.requests.get(trace.request_id)
         if r is None:
             r = LiveRequest(trace)
@@ -801,21 +810,53 @@ class Ledger:
     def _unplaced(self, r: LiveRequest, limit) -> None:
         """A request whose client left a server of unknown kind (`run_ons_unknown`): it may have run on for nobody, its
         work then in the shares of the requests beside it. The intervals from its leave to the latest end any server
-        that runs on gives it (SGLang: a stream 2 s after, a whole answer at its next 4 s wait; llama.cpp: a whole
-        answer to its max_tokens at twice the time the latest streams' pace takes, as `_run_on` holds it, else
-        RUN_ON_TO_END_MAX_S), plus GONE_ABORT_SLACK_S, mark their requests (`LiveRequest.unplaced_beside_j`)."""
+        that runs on gives it, plus GONE_ABORT_SLACK_S, mark their requests (`LiveRequest.unplaced_beside_j`): SGLang a
+        stream 2 s after, a whole answer at its next 4 s wait; llama.cpp a whole answer to its end, bounded by its
+        max_tokens at half the latest streams' pace (uncapped: this holds nothing, it only marks) and by the first
+        quiet second after the leave, where its wait for a result times out and it cancels it (`_unplaced_quiet`).
+        Before, the span was capped at RUN_ON_TO_END_MAX_S: a whole answer run on 50 s beside a stream a second left
+        the rows 34-56 s after its leave +64..+144%, unflagged."""
         if r.run_on_unplaced:
             return
         tr = r.trace
         stream_s, wait_s = RUNS_ON_AFTER_LEAVE["sglang"]
-        if tr.stream is True:
-            span_s = stream_s
-        elif isinstance(limit, int) and limit > 0 and self._paces:
-            span_s = min(max(2.0 * limit / float(np.median(self._paces)), wait_s), RUN_ON_TO_END_MAX_S)
-        else:
-            span_s = RUN_ON_TO_END_MAX_S
         r.run_on_unplaced = True
-        self._unplaced_spans.append((int(tr.end_ns), int(tr.end_ns + (span_s + GONE_ABORT_SLACK_S) * 1e9)))
+        slack_ns, end_ns = int(GONE_ABORT_SLACK_S * 1e9), int(tr.end_ns)
+        if tr.stream is True:
+            self._unplaced_spans.append([end_ns, end_ns + int(stream_s * 1e9) + slack_ns, None])
+            return
+        latest = int(attr.NEVER)  # no max_tokens (to the context's end, unknown here) or no pace: till a quiet second
+        if isinstance(limit, int) and limit > 0 and self._paces:
+            span_s = max(2.0 * limit / float(np.median(self._paces)), wait_s)
+            latest = end_ns + int(span_s * 1e9) + slack_ns
+        self._unplaced_spans.append([end_ns, latest, end_ns])
+
+    def _unplaced_quiet(self, t_end: int) -> None:
+        """The unplaced spans of whole answers (`_unplaced`) end where llama.cpp's run-on must have: llama-server looks
+        at the connection only when its wait for a result times out, after LLAMACPP_WAIT_S with no result sent to any
+        request (scrape.LLAMACPP_WAIT_S), then cancels it, stopped at its next step (GONE_ABORT_SLACK_S). A quiet
+        stretch is judged from the proxied results' stamps up to `t_end` (the latest closed edge): LLAMACPP_WAIT_S +
+        reconcile.LAG_S (a stamp may be that late) or more with none; the span then ends LLAMACPP_WAIT_S +
+        GONE_ABORT_SLACK_S after that stretch's start, not before SGLang's wait ends. Results the proxy does not see (bypass
+        traffic, a /metrics poll of the server) keep llama.cpp's wait going: docs/daemon.md says so."""
+        waiting = [s for s in self._unplaced_spans if s[2] is not None]
+        # Kept from the latest a waiting span has judged, and for a leave told later (a proxy worker's record) over the
+        # hold the intervals wait for a live request: the results after it, before the leave was told, restart waits.
+        keep = min([t_end - self.max_hold_ns, *(s[2] for s in waiting)])
+        self._results_ns = sorted(x for x in self._results_ns if x > keep)
+        seen = [x for x in self._results_ns if x <= t_end]
+        quiet_ns = int((LLAMACPP_WAIT_S + LAG_S) * 1e9)
+        after_ns = int((LLAMACPP_WAIT_S + GONE_ABORT_SLACK_S) * 1e9)
+        least_ns = int((RUNS_ON_AFTER_LEAVE["sglang"][1] + GONE_ABORT_SLACK_S) * 1e9)
+        for s in waiting:
+            last = s[2]
+            for x in [*(x for x in seen if x > last), None]:
+                if (t_end if x is None else x) - last >= quiet_ns:
+                    s[1], s[2] = max(s[0] + least_ns, min(s[1], last + after_ns)), None
+                    break
+                last = last if x is None else max(last, x)
+            else:
+                s[2] = last
 
     def _keep_context(self, response_id: str, tokens: int) -> None:
         """A Responses answer's conversation length (`response_context`), the least recently used dropped past the cap."""
@@ -2464,9 +2505,10 @@ class Ledger:
         energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
         gone_col = energy.shape[1] - 1
         # After a client's leave from a server of unknown kind (`_unplaced`): a run-on may hold part of that work.
+        self._unplaced_quiet(int(t[-1]))
         self._unplaced_spans = [s for s in self._unplaced_spans if s[1] > t[0]]
         unplaced_iv = np.zeros(t.size - 1, bool)
-        for a0, a1 in self._unplaced_spans:
+        for a0, a1, _ in self._unplaced_spans:
             unplaced_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(unplaced_iv, work_j, 0.0)])
         unplaced_col = energy.shape[1] - 1
@@ -2653,7 +2695,7 @@ class Ledger:
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
-                      aside_j=aside)
+                      aside_j=aside, unplaced_iv=unplaced_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted)
         ended = [r for r, d in zip(reqs, done) if d]
@@ -2832,7 +2874,7 @@ class Ledger:
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
                  host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None,
-                 work_j=None, serving=None, idle_missing=None, unjudged=False, aside_j=None) -> None:
+                 work_j=None, serving=None, idle_missing=None, unjudged=False, aside_j=None, unplaced_iv=None) -> None:
         # aside_j: the energy of the GPUs serving none of the work per interval (their read ones', all of it idle);
         # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all);
         # idle_missing: intervals where a GPU serving none of the work gave no reading: the requests' energy and every
@@ -2871,11 +2913,14 @@ class Ledger:
         for k in range(t.size - 1):
             # J/token over intervals whose energy is known, is not mostly idle power taken out (NO_COUNTER_SHORT_FLAG)
             # and whose bypass count is not low (BYPASS_LOW_FLAG: bypass traffic's energy may be in the requests'; the
-            # rule `analyze` leaves such requests out by). What is left out is counted by reason, never silently.
+            # rule `analyze` leaves such requests out by), nor after a client's leave from a server of unknown kind
+            # (`_unplaced`: a run-on for nobody may be in the requests' share, UNSURE_FLAG on their rows; before, kept:
+            # +19% on the simulator's SGLang). What is left out is counted by reason, never silently.
             if a.tokens[k] <= 0 or np.isnan(work_j[k]):
                 continue
             why = (NO_COUNTER_SHORT_FLAG if short_iv is not None and short_iv[k]
-                   else BYPASS_LOW_FLAG if low_iv is not None and low_iv[k] else None)
+                   else BYPASS_LOW_FLAG if low_iv is not None and low_iv[k]
+                   else UNSURE_FLAG if unplaced_iv is not None and unplaced_iv[k] else None)
             if why is None:
                 self._recent.append((int(t[k + 1]), float(a.dest[k, attr.TO_REQUESTS, 0]), float(a.tokens[k])))
             else:

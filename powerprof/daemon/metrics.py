@@ -360,18 +360,22 @@ class SnapshotCollector:
                                     "whose server token count may be low (or high: proxy_lag, server_restart) or was not "
                                     "read (bypass-uncounted: bypass traffic's energy may be in the requests', or theirs "
                                     "in unproxied; the rule analyze leaves such requests out "
-                                    "by); powerprof_joules_per_token_left_out_* count them; absent when none is left",
+                                    "by) and intervals after a client's leave from a server whose kind the daemon does "
+                                    f"not know, scraping none ({UNSURE_FLAG}: a run-on for nobody may be in the "
+                                    "requests' share; fix: set scrape.server); powerprof_joules_per_token_left_out_* "
+                                    "count them; absent when none is left",
                                     value=s.joules_per_token)
         lo_iv = CounterMetricFamily("powerprof_joules_per_token_left_out_intervals", "Intervals with tokens left out of "
                                     "powerprof_joules_per_token since start, by reason: no-counter-short (no energy "
                                     "counter, mostly idle: fix: " + NO_COUNTER_SHORT_FIX + "), bypass-uncounted (their "
                                     "server_count says the bypass count may be low (or high: proxy_lag, server_restart) or "
                                     "unread: "
-                                    "the interval rows say why)", labels=["reason"])
+                                    f"the interval rows say why), {UNSURE_FLAG} (after a client's leave, the server's "
+                                    "kind unknown: scrape.server = none; the request rows say so)", labels=["reason"])
         lo_tok = CounterMetricFamily("powerprof_joules_per_token_left_out_tokens", "Proxied tokens of the intervals "
                                      "left out of powerprof_joules_per_token since start, by reason (as "
                                      "powerprof_joules_per_token_left_out_intervals_total)", labels=["reason"])
-        for flag in (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG):
+        for flag in (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG, UNSURE_FLAG):
             n_iv, n_tok = s.jpt_left_out.get(flag, (0, 0.0))
             lo_iv.add_metric([flag], n_iv)
             lo_tok.add_metric([flag], n_tok)
