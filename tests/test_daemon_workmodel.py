@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from powerprof.daemon import attribution as A
-from powerprof.daemon.workmodel import MIN_BUSY, CostLearner, fit_costs
+from powerprof.daemon.workmodel import IDLE_MIN_S, MIN_BUSY, MIN_IDLE, CostLearner, fit_costs
 
 TRUE = np.array([60.0, 0.8, 0.3, 0.02, 0.05])  # W idle, J/step, J/token, J/prompt token, J/token/ktoken
 
@@ -94,14 +94,45 @@ def test_the_idle_power_kept_as_intervals_come_is_the_median_over_the_window():
             n = int(rng.integers(1, 6))
             x = np.zeros((n, 5))
             x[:, 0] = rng.uniform(0.5, 1.5, n)
+            short = rng.random(n) < 0.3  # sub-refresh idle intervals: 0 J or one 100 ms refresh (7 J)
+            x[short, 0] = rng.uniform(0.002, 0.03, short.sum())
             busy = rng.random(n) < 0.5
             x[busy, 2] = rng.integers(1, 50, busy.sum())
             e = x[:, 0] * rng.uniform(60, 80, n) + x[:, 2] * 0.3
+            e[short & ~busy] = rng.choice([0.0, 7.0], (short & ~busy).sum())
             learner.add(setting, x, e, rng.random(n) < 0.9)
             xs, ys = np.array(learner._x[setting]), np.array(learner._y[setting])
-            idle = (xs[:, 1:] == 0).all(axis=1) & (xs[:, 0] > 0)
+            idle = (xs[:, 1:] == 0).all(axis=1) & (xs[:, 0] >= IDLE_MIN_S) & (ys > 0)
             want = float(np.median(ys[idle] / xs[idle, 0])) if idle.sum() >= 5 else None
             assert learner._idle_median(setting) == want
+
+
+def test_sub_refresh_idle_intervals_among_five_real_ones_teach_no_idle_power():
+    # A counter refreshed every 100 ms reads an idle interval of a few ms as 0 J or one whole refresh (7.8 J: 780 W for a
+    # true 78 W). From MIN_IDLE idle intervals on, the median took every one in: 8 such at 0 J beside 5 real ones read
+    # 0 W, and every busy interval's idle part went to its requests. Only those at least IDLE_MIN_S long with energy
+    # teach it (median of the real 5: 78 W); the sorted list holds them alone.
+    learner = CostLearner()
+    dur = np.array([1.0, 0.01, 0.004, 0.02, 1.0, 0.01, 0.01, 0.02, 1.0, 0.03, 0.01, 1.0, 0.005, 0.01, 1.0])
+    e = np.where(dur >= 1.0, 78.0 * dur, 0.0)
+    e[[3, 13]] = 7.8  # one refresh each, 390 W and 780 W
+    x = np.zeros((dur.size, 5))
+    x[:, 0] = dur
+    assert (dur >= 1.0).sum() == MIN_IDLE
+    learner.add("s", x, e, np.ones(dur.size, bool))
+    assert learner.costs("s").idle_w == pytest.approx(78.0)  # 0 W before
+    assert learner._idle_median("s") == pytest.approx(78.0)
+
+
+def test_the_early_idle_power_waits_for_an_interval_long_enough():
+    # Before any idle interval at least IDLE_MIN_S long, the idle power is unknown (None), not a sub-refresh reading.
+    learner = CostLearner()
+    x = np.zeros((3, 5))
+    x[:, 0] = [0.01, 0.02, 0.29]
+    learner.add("s", x, np.array([0.0, 7.8, 22.6]), np.ones(3, bool))
+    assert learner.costs("s").idle_w is None
+    learner.add("s", np.array([[0.4, 0, 0, 0, 0]]), np.array([31.2]), np.ones(1, bool))
+    assert learner.costs("s").idle_w == pytest.approx(78.0)
 
 
 def test_a_gpu_that_draws_the_same_busy_or_idle_is_left_out_of_the_costs_and_the_idle_power():
