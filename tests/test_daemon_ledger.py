@@ -5293,7 +5293,8 @@ def test_sub_refresh_idle_intervals_among_real_ones_teach_no_idle_power():
     # From MIN_IDLE (5) idle intervals on, the median took every idle interval in, sub-refresh ones too: on a counter
     # refreshed every 100 ms (here at k + 0.05 s, 100 W idle) 14 of 10-20 ms read 0 J and 2 one whole refresh (500 W)
     # beside 7 real ones (0.94-1 s): the median read 0 W and the request below took the idle energy of both intervals it
-    # was live in (300 J for the truth's 151; 151.5 J now). Only idle intervals at least IDLE_MIN_S long with energy teach it.
+    # was live in (300 J for the truth's 151; 153 J now: each run of idle intervals, summed to IDLE_MIN_S, teaches one
+    # reading, good to a refresh at its ends).
     def counter_j(t):  # 100 W, 300 W over [8, 8.5], as read: the value of the last refresh
         r = np.floor((t - 0.05) / 0.1) * 0.1 + 0.05
         return 100.0 * r + 200.0 * min(max(r - 8.0, 0.0), 0.5)
@@ -5321,7 +5322,7 @@ def test_sub_refresh_idle_intervals_among_real_ones_teach_no_idle_power():
     led.advance(int(9.2 * S))
     led.close_all(int(10 * S))
     [row] = sink.rows["requests"]
-    assert row["gpu_energy_j"] == pytest.approx(151.0, abs=1.5), (row, sink.rows["intervals"])
+    assert row["gpu_energy_j"] == pytest.approx(151.0, abs=3.0), (row, sink.rows["intervals"])
 
 
 def test_a_min_tokens_run_on_within_its_pace_error_of_the_abort_may_still_end_by_itself():
