@@ -5386,6 +5386,42 @@ def test_a_request_before_the_idle_power_is_measured_takes_no_idle_seconds_of_it
 
 
 
+def test_sub_refresh_idle_intervals_among_real_ones_teach_no_idle_power():
+    # From MIN_IDLE (5) idle intervals on, the median took every idle interval in, sub-refresh ones too: on a counter
+    # refreshed every 100 ms (here at k + 0.05 s, 100 W idle) 14 of 10-20 ms read 0 J and 2 one whole refresh (500 W)
+    # beside 7 real ones (0.94-1 s): the median read 0 W and the request below took the idle energy of both intervals it
+    # was live in (300 J for the truth's 151; 153 J now: each run of idle intervals, summed to IDLE_MIN_S, teaches one
+    # reading, good to a refresh at its ends).
+    def counter_j(t):  # 100 W, 300 W over [8, 8.5], as read: the value of the last refresh
+        r = np.floor((t - 0.05) / 0.1) * 0.1 + 0.05
+        return 100.0 * r + 200.0 * min(max(r - 8.0, 0.0), 0.5)
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    times = [0.0]
+    for k in range(1, 8):
+        times += [k, k + 0.01, k + 0.02] + ([k + 0.04, k + 0.06] if k in (2, 5) else [])
+    for t in times:
+        _feed(led, t, counter_j(t), 100.0)
+        led.advance(int((t + 0.001) * S))
+    tr = _trace(1, 7.99)
+    led.on_start(tr)
+    _feed(led, 8.0, counter_j(8.0), 100.0)
+    tr.first_ns = tr.last_ns = int(8.1 * S)
+    led.on_tokens(tr, int(8.1 * S), 1)
+    for k in range(1, 10):
+        tr.last_ns = int((8.1 + 0.04 * k) * S)
+        led.on_tokens(tr, tr.last_ns, 1)
+    tr.end_ns = int(8.5 * S)
+    tr.counts = Counts(generated_tokens=10, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    _feed(led, 9.0, counter_j(9.0), 100.0)
+    led.advance(int(9.2 * S))
+    led.close_all(int(10 * S))
+    [row] = sink.rows["requests"]
+    assert row["gpu_energy_j"] == pytest.approx(151.0, abs=3.0), (row, sink.rows["intervals"])
+
+
 def test_a_min_tokens_run_on_within_its_pace_error_of_the_abort_may_still_end_by_itself():
     # 20 tokens shown, its client gone at 1.0 s, run on 2 s at its 40 tokens/s: 81 placed to SGLang's abort. A min_tokens
     # leaving 85 more was taken as sure (85 > 81: it cannot end by itself before the abort), yet a pace 5% above the
@@ -5406,7 +5442,7 @@ def test_an_idle_interval_shorter_than_the_counter_s_refresh_teaches_no_early_id
     # A counter refreshed every 100 ms reads an idle interval of a few ms as 0 J or a whole refresh (here 0 W or 1000 W
     # for 100 W): the daemon's first interval is often that short. Before, the median of the idle intervals seen from
     # one on (fewer than MIN_IDLE) took it in: with the 1 s one (100 W), 50 W or 550 W, and the request below 50 J too
-    # many or none of its 0.01 s in [1.01, 2]. Now only idle intervals at least EARLY_IDLE_MIN_S (0.3 s) long teach it early.
+    # many or none of its 0.01 s in [1.01, 2]. Now only idle intervals at least IDLE_MIN_S (0.3 s) long teach it early.
     # 100 W idle; the request live 1.99-2.5 s at 300 W: its truth 1 J + 150 J.
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)

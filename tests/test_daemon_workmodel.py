@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from powerprof.daemon import attribution as A
-from powerprof.daemon.workmodel import MIN_BUSY, CostLearner, fit_costs
+from powerprof.daemon.workmodel import IDLE_MIN_S, MIN_BUSY, MIN_IDLE, CostLearner, fit_costs
 
 TRUE = np.array([60.0, 0.8, 0.3, 0.02, 0.05])  # W idle, J/step, J/token, J/prompt token, J/token/ktoken
 
@@ -86,22 +86,82 @@ def test_unusable_intervals_stay_out_of_the_fit():
 
 def test_the_idle_power_kept_as_intervals_come_is_the_median_over_the_window():
     # The idle median is kept incrementally (no pass over 900 intervals per close): it must equal the
-    # median of the idle intervals still in the window, through evictions and several settings.
+    # median of the idle runs still in the window (summed to IDLE_MIN_S, sub-refresh intervals among them), through
+    # evictions and several settings.
     rng = np.random.default_rng(3)
     learner = CostLearner(window=50)
+    runs, counted, run = {(300.0,): [], (250.0,): []}, {(300.0,): 0, (250.0,): 0}, None
     for k in range(40):
         for setting in ((300.0,), (250.0,)):
             n = int(rng.integers(1, 6))
             x = np.zeros((n, 5))
             x[:, 0] = rng.uniform(0.5, 1.5, n)
+            short = rng.random(n) < 0.3  # sub-refresh idle intervals: 0 J or one 100 ms refresh (7 J)
+            x[short, 0] = rng.uniform(0.002, 0.03, short.sum())
             busy = rng.random(n) < 0.5
             x[busy, 2] = rng.integers(1, 50, busy.sum())
             e = x[:, 0] * rng.uniform(60, 80, n) + x[:, 2] * 0.3
-            learner.add(setting, x, e, rng.random(n) < 0.9)
-            xs, ys = np.array(learner._x[setting]), np.array(learner._y[setting])
-            idle = (xs[:, 1:] == 0).all(axis=1) & (xs[:, 0] > 0)
-            want = float(np.median(ys[idle] / xs[idle, 0])) if idle.sum() >= 5 else None
+            e[short & ~busy] = rng.choice([0.0, 7.0], (short & ~busy).sum())
+            ok = rng.random(n) < 0.9
+            learner.add(setting, x, e, ok)
+            for d, j, work, good in zip(x[:, 0], e, x[:, 1:].any(axis=1), ok):  # the runs, summed as they come
+                counted[setting] += int(good)
+                if not good or work:
+                    run = None
+                    continue
+                run = (run or (counted[setting], 0.0, 0.0))
+                run = (run[0], run[1] + j, run[2] + d)
+                if run[2] >= IDLE_MIN_S:
+                    if run[1] > 0:
+                        runs[setting].append((counted[setting], run[1] / run[2]))
+                    run = None
+            run = None  # the other setting's intervals come next
+            kept = [w for k, w in runs[setting] if k > counted[setting] - 50]
+            want = float(np.median(kept)) if len(kept) >= 5 else None
             assert learner._idle_median(setting) == want
+
+
+def _quantised_j(dur_s, power_w=78.0, refresh_s=0.1, phase_s=0.05):
+    """Each interval's energy as a counter refreshed every `refresh_s` reads it: the difference of its last refreshes."""
+    t = np.concatenate([[0.0], np.cumsum(dur_s)])
+    return np.diff(power_w * (np.floor((t - phase_s) / refresh_s) * refresh_s + phase_s))
+
+
+def test_sub_refresh_idle_intervals_among_five_real_ones_teach_no_idle_power():
+    # A counter refreshed every 100 ms reads an idle interval of a few ms as 0 J or one whole refresh (7.8 J: 780 W for a
+    # true 78 W). From MIN_IDLE idle intervals on, the median took every one in: 8 such beside 5 real ones, separated by
+    # busy intervals (a request's edges cut them so), read 0 W, and every busy interval's idle part went to its
+    # requests. Each run of idle intervals is summed to IDLE_MIN_S before it teaches: those alone teach nothing.
+    learner = CostLearner()
+    dur = np.array([1.0, 0.01, 0.004, 0.02, 1.0, 0.01, 0.01, 0.02, 1.0, 0.03, 0.01, 1.0, 0.005, 0.01, 1.0])
+    e = _quantised_j(dur)
+    assert (dur >= 1.0).sum() == MIN_IDLE and (e[dur < 1.0] == 0).sum() >= 7 and (e[dur < 1.0] > 0).any()
+    for d, j in zip(dur, e):
+        x = np.zeros((2, 5))
+        x[:, 0] = [d, 0.5]
+        x[1, 2] = 20.0  # a busy interval after each: the runs are the idle intervals one by one
+        learner.add("s", x, np.array([j, 80.0]), np.ones(2, bool))
+    assert learner.costs("s").idle_w == pytest.approx(78.0)  # 0 W before
+    assert learner._idle_median("s") == pytest.approx(78.0)
+
+
+def test_consecutive_short_idle_intervals_are_summed_into_one_reading():
+    # A daemon sampling every 0.25 s (or 0.02 s: daemon.interval_s) has no idle interval IDLE_MIN_S long: its
+    # consecutive idle intervals are summed until they are, their counter's missed refreshes in the next ones.
+    learner = CostLearner()
+    dur = np.full(40, 0.02)
+    e = _quantised_j(dur)
+    assert (e == 0).sum() >= 30
+    learner.add("s", np.column_stack([dur, np.zeros((40, 4))]), e, np.ones(40, bool))
+    assert learner.costs("s").idle_w == pytest.approx(78.0, rel=0.34)  # each run 0.3 s: within a refresh of 78 W
+    x = np.zeros((3, 5))
+    x[:, 0] = [0.01, 0.02, 0.29]  # short, each ended by a busy interval: a run of none
+    learner2 = CostLearner()
+    for d, j in zip(x[:, 0], [0.0, 7.8, 23.4]):
+        learner2.add("s", np.array([[d, 0, 0, 0, 0], [0.5, 5, 20, 0, 0]]), np.array([j, 80.0]), np.ones(2, bool))
+    assert learner2.costs("s").idle_w is None
+    learner2.add("s", np.array([[0.4, 0, 0, 0, 0]]), np.array([31.2]), np.ones(1, bool))
+    assert learner2.costs("s").idle_w == pytest.approx(78.0)
 
 
 def test_a_gpu_that_draws_the_same_busy_or_idle_is_left_out_of_the_costs_and_the_idle_power():

@@ -610,6 +610,9 @@ def interval_energy_j(counter_j: np.ndarray, t_ns: np.ndarray, power_w: np.ndarr
     t = np.asarray(t_ns, dtype=np.int64)
     p = np.asarray(power_w, dtype=float)
     dc = np.diff(c)
+    # 0 J over a positive duration stays exact here, unlike `energy._stale_if_flat`'s window: the next interval holds the
+    # refresh it missed, so the split keeps the counter's total; the idle power is learned from runs of such intervals
+    # summed, never from one alone (`workmodel.IDLE_MIN_S`).
     exact = ~np.isnan(dc) & (dc >= 0)
     if same_epoch is not None:
         exact &= np.asarray(same_epoch, dtype=bool)

@@ -10,11 +10,12 @@ non-negative least squares (exact, by its active sets: see `_nnls`) over a rolli
 intervals that have an exact counter and little bypass traffic, separately for each setting of the
 sampled GPUs (their power limits: a cap changes what a token costs). The fit is used once it is
 mature (enough busy intervals, R² high enough); until then `attribution.WorkCosts()` (the
-documented fixed ratio) splits the intervals. Idle power is the median of the window's idle
-intervals (measured, not fitted) where there are some, and the fit's intercept is held at it;
-without idle intervals the intercept is fitted too. How fast prompts are prefilled (where their
-work is placed: just before their first token) follows from the fit: the power the GPUs draw
-above idle when busy (the window's median) over the fitted energy of a prompt token.
+documented fixed ratio) splits the intervals. Idle power is the median of the window's runs of
+idle intervals, each summed to at least IDLE_MIN_S (measured, not fitted) where there are some,
+and the fit's intercept is held at it; without them the intercept is fitted too. How fast prompts
+are prefilled (where their work is placed: just before their first token) follows from the fit:
+the power the GPUs draw above idle when busy (the window's median) over the fitted energy of a
+prompt token.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ FEATURES = ("duration_s", "steps", "decode_tokens", "prefill_tokens", "ctx_ktoke
 WINDOW = 900  # intervals: 15 minutes at 1 Hz
 MIN_BUSY = 30  # busy intervals in the window before the fit is used
 MIN_R2 = 0.9  # over the window's busy intervals
-MIN_IDLE = 5  # idle intervals before their median power is the idle power
-# Until then the median of those seen is, but only of intervals this long: a counter refreshed every 100 ms (H200)
-# reads an idle interval of a few ms as 0 J or a whole refresh (0 W or 300-1000 W for 78 W), and the daemon's first
-# interval is often that short. Three refreshes bound one refresh's error to a third of the interval (0.34-0.41 s ones
-# read 62-84 W on the simulated H200); 0.5 s left the simulated SGLang's first streams with none (+78% to +95%).
-EARLY_IDLE_MIN_S = 0.3
+MIN_IDLE = 5  # idle runs (below) before their median power is the idle power (until then the median of those seen is)
+# The idle power is learned from runs of consecutive idle intervals, summed until they are this long (each run one
+# reading; a busy or unusable interval ends a run, its part dropped), early or late: a counter refreshed every 100 ms
+# (H200) reads an idle interval of a few ms as 0 J or a whole refresh (0 W or 300-1000 W for 78 W), and the daemon's
+# first interval, or one cut by a request's edge, is often that short; summed, the refresh one missed is in the next
+# (the differences add up to the run's). Three refreshes bound one refresh's error to a third of the run (0.34-0.41 s
+# intervals read 62-84 W on the simulated H200); 0.5 s left the simulated SGLang's first streams with none (+78% to
+# +95%). A run that read 0 J is a counter read stale (energy._stale_if_flat: a GPU never draws nothing): it teaches none.
+IDLE_MIN_S = 0.3
 REFIT_EVERY = 10  # intervals added between fits
 MIN_BUSY_GPU = 5  # busy intervals before a GPU's part in the work is judged
 # A GPU whose median busy-interval power rises above its idle median by less than this share of the
@@ -136,7 +140,9 @@ class CostLearner:
         self._y: dict = {}
         self._since: dict = {}
         self._n: dict = {}  # intervals ever added per setting (the window holds the last `window`)
-        self._idle: dict = {}  # (its number, its power) of each idle interval in the window
+        self._idle: dict = {}  # (its last interval's number, its power, its first's) of each run that teaches it
+        # The run of consecutive idle intervals being summed: (setting, its first's number, J, s, J per GPU), or None.
+        self._spell: tuple | None = None
         # The same powers kept sorted: the median is read off the middle, where np.median over the window sorted it
         # all at every close (half a millisecond of the idle daemon's ~3 ms close, cold, on the development VM).
         self._idle_sorted: dict = {}
@@ -162,21 +168,31 @@ class CostLearner:
         added = 0
         for f, g, ok in zip(np.asarray(features, dtype=float), eg, usable):
             e = float(g[mask].sum())
-            if ok and np.all(np.isfinite(g)) and np.all(np.isfinite(f)):
-                xs.append(f)
-                ys.append(e)
-                yg.append(g)
-                if f[0] > 0 and eg.shape[1] > 1:
-                    if not f[1:].any():
-                        self._g_idle.append(g / f[0])
-                    elif f[2] > 0 or f[3] > 0:
-                        self._g_busy.append(g / f[0])
-                added += 1
-                self._n[setting] = n = self._n.get(setting, 0) + 1
+            if not (ok and np.all(np.isfinite(g)) and np.all(np.isfinite(f))):
+                self._spell = None  # a gap in the run of idle intervals
+                continue
+            xs.append(f)
+            ys.append(e)
+            yg.append(g)
+            if f[0] > 0 and eg.shape[1] > 1 and (f[2] > 0 or f[3] > 0):
+                self._g_busy.append(g / f[0])
+            added += 1
+            self._n[setting] = n = self._n.get(setting, 0) + 1
+            if f[1:].any():
+                self._spell = None
+            elif f[0] > 0:
                 # Kept as they come, so the idle median costs no pass over the whole window per interval.
-                if f[0] > 0 and not f[1:].any():
-                    idle.append((n, float(e) / f[0], float(f[0])))
-                    insort(srt, idle[-1][1])
+                first, spell_j, spell_s, spell_g = (self._spell[1:] if self._spell is not None and
+                                                    self._spell[0] == setting else (n, 0.0, 0.0, 0.0))
+                spell_j, spell_s, spell_g = spell_j + e, spell_s + float(f[0]), spell_g + g
+                self._spell = (setting, first, spell_j, spell_s, spell_g)
+                if spell_s >= IDLE_MIN_S:
+                    self._spell = None
+                    if spell_j > 0:
+                        idle.append((n, spell_j / spell_s, first))
+                        insort(srt, idle[-1][1])
+                        if eg.shape[1] > 1:
+                            self._g_idle.append(spell_g / spell_s)
         while idle and idle[0][0] <= self._n.get(setting, 0) - self.window:
             del srt[bisect_left(srt, idle.popleft()[1])]  # left the window
         if added and eg.shape[1] > 1:
@@ -213,27 +229,30 @@ class CostLearner:
             ys = self._y[setting]
             ys.clear()
             ys.extend(float(g[serving].sum()) if g.size == serving.size else float(g.sum()) for g in yg)
-            idle = self._idle[setting]
-            idle.clear()
+            # Each run of idle intervals that taught the idle power, re-summed over the working GPUs.
             n0 = self._n.get(setting, 0) - len(ys)
-            for k, (f, y) in enumerate(zip(self._x[setting], ys)):
-                if f[0] > 0 and not f[1:].any():
-                    idle.append((n0 + k + 1, y / f[0], float(f[0])))
+            x0 = [f[0] for f in self._x[setting]]
+            y = list(ys)
+            idle = self._idle[setting]
+            kept = [(n, sum(y[first - n0 - 1:n - n0]) / sum(x0[first - n0 - 1:n - n0]), first)
+                    for n, _, first in idle if first > n0]
+            idle.clear()
+            idle.extend(k for k in kept if k[1] > 0)
             self._idle_sorted.setdefault(setting, [])[:] = sorted(w for _, w, _ in idle)
+        self._spell = None
 
-    def _idle_median(self, setting) -> float | None:
-        """Median power of the window's idle intervals (measured), None with fewer than MIN_IDLE."""
+    def _idle_median(self, setting, least: int = MIN_IDLE) -> float | None:
+        """Median power of the window's idle runs (IDLE_MIN_S), None with fewer than `least`."""
         srt = self._idle_sorted.get(setting)
-        if not srt or len(srt) < MIN_IDLE:
+        if not srt or len(srt) < least:
             return None
         # np.median's own figure: the middle value, or the mean of the middle two ((a + b) / 2, as its mean of two).
         mid = len(srt) // 2
         return float(srt[mid] if len(srt) % 2 else (srt[mid - 1] + srt[mid]) / 2)
 
     def _early_idle_w(self, setting) -> float | None:
-        """Before MIN_IDLE idle intervals: the median power of those at least EARLY_IDLE_MIN_S long, None with none."""
-        w = [p for _, p, d in self._idle.get(setting, ()) if d >= EARLY_IDLE_MIN_S]
-        return float(np.median(w)) if w else None
+        """Before MIN_IDLE idle intervals: the median power of those seen, None with none."""
+        return self._idle_median(setting, least=1)
 
     def idle_w(self, setting) -> float | None:
         measured = self._idle_median(setting)
@@ -258,7 +277,7 @@ class CostLearner:
 
     def costs(self, setting) -> WorkCosts:
         fit = self.fits.get(setting)
-        # Until MIN_IDLE idle intervals are seen, the median of those seen at least EARLY_IDLE_MIN_S long splits the busy
+        # Until MIN_IDLE idle runs are seen, the median of those seen (each at least IDLE_MIN_S long) splits the busy
         # intervals: with none, a request arriving 5.5 ms before a 0.93 s interval's end took all its idle energy (+34%
         # to +42% on the simulated SGLang, unflagged); with a few-ms one counted, -72% to +175% (docs/daemon.md, idle).
         idle = self.idle_w(setting)
