@@ -28,6 +28,7 @@ from powerprof.storage.schema import (SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLA
                                       SERVER_COUNT_USAGE_ABOVE, SERVER_COUNT_USAGE_BELOW, SERVER_COUNT_USAGE_BEYOND,
                                       SERVER_COUNT_PROXY_LAG, SERVER_COUNT_PROXY_UNREAD, SERVER_COUNT_SLOTS_ONLY,
                                       SERVER_COUNT_UNREAD, SERVER_COUNT_BELOW, SERVER_COUNT_RUN_ON_MAY_END,
+                                      SERVER_COUNT_BATCH_RUN_ON,
                                       bypass_count_fix)
 
 from . import attribution as attr
@@ -201,6 +202,10 @@ class CountReconciler:
         # (`Ledger._run_on`, dropped where placed sure: `Ledger._place_run_on`): the windows over them say
         # SERVER_COUNT_RUN_ON_MAY_END (`bypass_over`).
         self.run_ons_may_end: dict[int, tuple[int, int]] = {}
+        # {request id: (its arrival, the latest its prompts may run to)} of batches SGLang may have answered with an
+        # error while running their other prompts for nobody (`Ledger._batch_run_on`): the windows over them say
+        # SERVER_COUNT_BATCH_RUN_ON (`bypass_over`).
+        self.batch_run_ons: dict[int, tuple[int, int]] = {}
         self.server_at_finish = False  # the server's counter moves when a request finishes, not as tokens come
         # (scrape end, mean end-to-end seconds) of the at-finish windows in which requests finished, FINISH_HOLD_S back:
         # a request ending later is likely as long, and its windows' bypass tokens go back that far (`_spread_back`).
@@ -571,11 +576,13 @@ class CountReconciler:
         # one SGLang aborted hid real bypass traffic: 16f65a29, reverted): its windows say so, and the requests given
         # their energy are flagged. Unsaid, the 24 streams beside 4 such were -12% to -17%, saying `complete`.
         lag_ns = int(LAG_S * 1e9)
-        ends = [(a - lag_ns, b + lag_ns) for a, b in self.run_ons_may_end.values()]
-        for x in self.server_spans if ends else ():
-            if x.t1_ns > t[0] and x.t0_ns < t[-1] and any(a < x.t1_ns and b > x.t0_ns for a, b in ends):
-                for k in np.flatnonzero((x.t1_ns > t[:-1]) & (x.t0_ns < t[1:])):
-                    why[k].add(SERVER_COUNT_RUN_ON_MAY_END)
+        _mark_windows_over(t, why, self.server_spans, self.run_ons_may_end.values(), lag_ns, lag_ns,
+                           SERVER_COUNT_RUN_ON_MAY_END)
+        # A batch answered with an error whose other prompts SGLang ran for nobody: its counter counts them at their
+        # end, and those counted past the intervals closed by then are spread back only to the first open one
+        # (`_spread_back`), their energy before it the requests' beside them (`Ledger._batch_run_on`). From its arrival
+        # on, the proxy's own time: the server ran none of it before.
+        _mark_windows_over(t, why, self.server_spans, self.batch_run_ons.values(), 0, lag_ns, SERVER_COUNT_BATCH_RUN_ON)
         for k, (unsure, tol) in enumerate(self._read_unsure(t)):
             # Not over llama-server's /slots alone: answered from its task queue between decode steps (a GET a step
             # long or more), a count already said approximate (`slots_only`) and kept in J/token by design
@@ -606,6 +613,8 @@ class CountReconciler:
         reach_ns = min(keep_from, self.server_upto_ns)  # the next window starts at the latest scrape
         for rid in [rid for rid, (_, b) in self.run_ons_may_end.items() if b + lag_ns <= reach_ns]:
             del self.run_ons_may_end[rid]  # no window left to reach it
+        for rid in [rid for rid, (_, b) in self.batch_run_ons.items() if b + lag_ns <= reach_ns]:
+            del self.batch_run_ons[rid]
         while self.chunk_spreads and self.chunk_spreads[0][1] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
             self.chunk_spreads.popleft()
         for q in (self.proxied, self.finished, self.slack):
@@ -1795,6 +1804,17 @@ def _read_early_most(pt: np.ndarray, cum: np.ndarray, s_ns: int, t_ns: int, lag_
     a = cum[hi] - cum[np.searchsorted(pt, t_ns - e, side="right")]
     b = cum[np.searchsorted(pt, s_ns, side="right")] - cum[np.searchsorted(pt, s_ns - e, side="right")]
     return max(0.0, float((b - a).max() if held else (a - b).max()))
+
+
+def _mark_windows_over(t: np.ndarray, why: list[set], windows, spans, before_ns: int, after_ns: int,
+                       reason: str) -> None:
+    """Adds `reason` to `why` of each interval (edges `t`) that a scrape window of `windows` overlapping one of `spans`
+    ((start, end) ns; widened by `before_ns` and `after_ns`) covers."""
+    ends = [(a - before_ns, b + after_ns) for a, b in spans]
+    for x in windows if ends else ():
+        if x.t1_ns > t[0] and x.t0_ns < t[-1] and any(a < x.t1_ns and b > x.t0_ns for a, b in ends):
+            for k in np.flatnonzero((x.t1_ns > t[:-1]) & (x.t0_ns < t[1:])):
+                why[k].add(reason)
 
 
 def _quiet(x: _ScrapeWindow) -> bool:

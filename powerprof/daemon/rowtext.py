@@ -203,7 +203,8 @@ def _bypass_low_note(r: LiveRequest) -> str | None:
     if bypass_count_may_be(",".join(why)) != "may be low":  # proxy_lag, server_restart: a count that may be high too
         return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
                 f"server token count may be low or high ({', '.join(why)}: their server_count): bypass traffic there "
-                f"may be missing from unproxied, or tokens not its taken for it (the proxy's own lag, a restarted "
+                f"may be missing from unproxied (a batch run on for nobody, counted late), or tokens not its taken "
+                f"for it (the proxy's own lag, a restarted "
                 f"counter's, a run-on's that may have ended by itself, unseen), so "
                 f"this request's energy may hold bypass traffic's or have lost its own; "
                 f"fix: {bypass_count_fix(','.join(why))}")
@@ -626,7 +627,8 @@ def _no_energy_reason(r: LiveRequest) -> str:
             return (f"no share: {what} to a batch of {seqs} sequences, with no token and no prompt length: no GPU "
                     "work of it was seen here, yet SGLang runs a batch's other prompts to their cap for nobody after "
                     "one prompt's 400: that work, where the server's token counter saw it, is in the intervals' "
-                    "unproxied_energy_j, not in this row")
+                    "unproxied_energy_j, not in this row, placed late: the intervals over its run say batch_run_on "
+                    "(SGLang or a server of kind unknown), and the requests beside it are flagged")
         return (f"no share: {what} with no token and no prompt length: no GPU work of it was seen, and its time "
                 "counts as idle")
     if r.prompt_cap is not None and r.prompt_est is not None and r.prompt_est[0] <= 0:

@@ -294,7 +294,7 @@ DAEMON_REQUESTS_COLUMNS = [
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
 # read over it, the scraper having no answer yet (unread: its bypass traffic unknown); the daemon scrapes no server
 # (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, counter_below,
-# slots_only, unscraped, misplaced, proxy_unread, usage_beyond_chunks, usage_above_counter, usage_below_counter), or may be low or high (proxy_lag, server_restart, fall_unconfirmed, run_on_may_end: BYPASS_COUNT_TWO_WAY). Null (files written before the column): unknown, never complete. A request given energy of
+# slots_only, unscraped, misplaced, proxy_unread, usage_beyond_chunks, usage_above_counter, usage_below_counter), or may be low or high (proxy_lag, server_restart, fall_unconfirmed, run_on_may_end, batch_run_on: BYPASS_COUNT_TWO_WAY). Null (files written before the column): unknown, never complete. A request given energy of
 # an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
@@ -331,6 +331,12 @@ SERVER_COUNT_PROXY_UNREAD = "proxy_unread"
 # they read as bypass tokens there; aborted, it counted none. Which, nothing tells: its bypass count may be high (one of
 # BYPASS_COUNT_TWO_WAY), and the requests given energy there low.
 SERVER_COUNT_RUN_ON_MAY_END = "run_on_may_end"
+# A scrape window from the arrival of a batch (several sequences) an SGLang (or a server of kind unknown yet) answered
+# with an error to the latest its other prompts may run to (`Ledger._batch_run_on`): SGLang answers 400 for one prompt
+# its scheduler aborts and runs the others to their cap for nobody, counting them at their end; the daemon spreads
+# those tokens back only over the intervals still open then, so the energy of the batch's run before them went to the
+# requests beside it (high) and later windows' bypass count may be high: one of BYPASS_COUNT_TWO_WAY.
+SERVER_COUNT_BATCH_RUN_ON = "batch_run_on"
 BYPASS_LOW_FLAG = "bypass-uncounted"
 # A daemon request row's energy_note where its figure may be read either way and nothing measured says which: its
 # client gone, a run-on a found-down scrape not proven a death may have cut (nearly all of it too much if so), or a
@@ -448,8 +454,10 @@ def bypass_count_low(server_count: str | None) -> bool:
 # The reasons whose count may be high as well as low: the proxy's own lag (proxy_lag), and a restart, where the old
 # process's last count is lost (low) and the new one's first reads may owe the proxy's tokens in a way nothing tells
 # from that loss (high, where a dip's recovery reads as bypass: docs/daemon.md, Which rows may be low); and a run-on that
-# may have ended by itself (high only, said with the two-way words: no note says "may be high" alone).
-BYPASS_COUNT_TWO_WAY = (SERVER_COUNT_PROXY_LAG, "server_restart", "fall_unconfirmed", SERVER_COUNT_RUN_ON_MAY_END)
+# may have ended by itself (high only, said with the two-way words: no note says "may be high" alone); and a batch run
+# for nobody after its error answer (its tokens placed late: high where they land, the requests before them high).
+BYPASS_COUNT_TWO_WAY = (SERVER_COUNT_PROXY_LAG, "server_restart", "fall_unconfirmed", SERVER_COUNT_RUN_ON_MAY_END,
+                        SERVER_COUNT_BATCH_RUN_ON)
 
 
 def bypass_count_may_be(server_count: str | None) -> str:
@@ -501,6 +509,11 @@ BYPASS_COUNT_FIX = {
                                  "beside it low); none for the figures kept, they are left out of J/token; clients that "
                                  "stay to their answers' end, or send ignore_eos (or a min_tokens) where the answer is "
                                  "to run to max_tokens",
+    SERVER_COUNT_BATCH_RUN_ON: "their count may be high or low: a batch (several prompts) answered with an error ran "
+                               "on for nobody (SGLang answers 400 for one prompt in the context's last 6 tokens and "
+                               "runs the others to their cap), counted at its end and placed late, the requests beside "
+                               "it high; none for the figures kept, they are left out of J/token; send each prompt as "
+                               "a request of its own, or keep prompts out of the context's last tokens",
     SERVER_COUNT_PROXY_LAG: "their count may be high or low: the proxy's own delay behind the server (a loaded host) "
                             "may read as bypass tokens where its streams begin, or hide some where they end, and a "
                             "proxy that went silent (its workers stopped) may leave a live stream's tokens read as "
@@ -511,7 +524,8 @@ BYPASS_COUNT_FIX = {
 # server is to be scraped writes `off`, trusted, and its bypass count is then exact (none ran). Not its every figure:
 # scraping nothing, it knows no server kind, so no run-on after a client's leave (SGLang's, llama.cpp's) is placed, the
 # cut rows and those beside them flagged UNSURE_FLAG (docs/daemon.md, "A request the server runs on after its client
-# left"); so the fix says so, and is not offered for `run_on_may_end`, which only a cut SGLang request causes.
+# left"); so the fix says so, and is not offered for `run_on_may_end` nor `batch_run_on`, which only SGLang's run-ons
+# cause.
 BYPASS_NONE_FIX = ("where every request goes through the proxy and no client leaves mid-answer (SGLang and llama.cpp "
                    "run such a request on, which only a scraped server's kind lets the daemon place), set "
                    "scrape.server = none: there is then no bypass traffic to count, and the rows (server_count off) "
@@ -526,8 +540,8 @@ def bypass_count_fix(server_count: str | None) -> str:
     fixes = [BYPASS_COUNT_FIX[w] for w in why if w in BYPASS_COUNT_FIX]
     if not server_count:
         fixes = ["none for these rows (written before server_count); a newer daemon writes it"]
-    if SERVER_COUNT_RUN_ON_MAY_END in why:
-        return "; ".join(fixes)  # set scrape.server = none would hide the cut streams' run-ons, not fix the count
+    if {SERVER_COUNT_RUN_ON_MAY_END, SERVER_COUNT_BATCH_RUN_ON} & set(why):
+        return "; ".join(fixes)  # set scrape.server = none would hide those runs' work in the rows, not fix the count
     return "; ".join(fixes + [BYPASS_NONE_FIX if bypass_count_low(server_count) else BYPASS_PROXY_FIX])
 
 
