@@ -1950,6 +1950,55 @@ def test_a_tag_counts_a_request_gone_before_its_first_token_whose_row_was_held_b
     assert sorted(r["request_id"] for r in led.emit.rows["requests"]) == [1, 2]
 
 
+def test_a_tag_says_a_count_less_streams_surplus_whose_row_was_held_back():
+    # A stream carrying no counts (one token a chunk, the server counting two a chunk) ended at 0.6 s beside a request
+    # whose prompt was said early and its cached count not yet: its row waits for that count (`_late_parked`), past
+    # its tag window's row. Counted at its row, the window's note never said why its unproxied held 10.4 J ("carried
+    # no token counts ... gpu_j_per_token is high by it"): the tag row read as bypass traffic with every request
+    # proxied. It is told at its end's close now.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.open_tag("win", 0, 0)
+    nb, low = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
+    nb.extra["prompt_tokens"] = 500  # said early (continuous usage), its cached count not yet
+    for tr in (nb, low):
+        led.on_start(tr)
+    nb_t = [0.1 + 0.05 * k for k in range(60)]
+    for t in nb_t:
+        led.on_tokens(nb, int(t * S), 1)
+    nb.first_ns, nb.last_ns = int(0.1 * S), int(nb_t[-1] * S)
+    low_t = nb_t[:10]
+    for t in low_t:
+        low.tokens_seen += 1
+        led.on_tokens(low, int(t * S), 1)
+    low.first_ns, low.last_ns, low.end_ns, low.outcome = int(0.1 * S), int(low_t[-1] * S), int(0.6 * S), "ok"
+    low.counts = Counts(generated_tokens=10, prompt_tokens=None, model=None, stop_reason=None, token_source="counted",
+                        tokens_estimated=True)
+    led.on_end(low)
+    led.add_server_tokens(0, 0.0)
+    _feed(led, 0.0, 0.0)
+    for k in range(1, 9):  # scraped every 0.25 s: nb's tokens and two for each of low's chunks
+        t0, t1 = (k - 1) / 4, k / 4
+        led.add_server_tokens(int(t1 * S), float(sum(t0 < t <= t1 for t in nb_t) + 2 * sum(t0 < t <= t1 for t in low_t)),
+                              int(t0 * S))
+        _feed(led, t1, 50.0 * t1)
+        led.advance(int(t1 * S))
+    led.close_tag("win", S, S)
+    led.advance(int(2.0 * S))
+    assert [r["request_id"] for r in led.emit.rows.get("requests", [])] == []  # its row held back
+    (tag,) = led.emit.rows["tags"]
+    note = tag["energy_note"] or ""
+    print(tag["unproxied_energy_j"], note)
+    assert tag["unproxied_energy_j"] > 0 and "1 request(s) in this window carried no token counts" in note, note
+    nb.end_ns = int(3.2 * S)
+    nb.counts = Counts(generated_tokens=60, prompt_tokens=500, model=None, stop_reason="length", token_source="usage")
+    led.on_end(nb)
+    _feed(led, 4.0, 200.0)
+    led.advance(int(4.5 * S))
+    led.close_all(int(5 * S))
+    assert sorted(r["request_id"] for r in led.emit.rows["requests"]) == [1, 2]
+    assert led.chunk_counted_low == 1  # told once, at its end's close, not again at its row
+
+
 def test_the_gone_prefill_flag_is_per_sampling_interval_as_the_split_is():
     # A request that ended (0.3 s) before the gone one arrived (0.6 s) in the same 1 s interval took its share of that
     # interval, the gone prompt's estimate in it: it says so (docs/daemon.md, "Prompts are known": per interval, not per

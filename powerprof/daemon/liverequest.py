@@ -41,6 +41,7 @@ class LiveRequest:
     spent: float = 0.0  # tokens of events already closed (the context of later ones)
     late: float = 0.0  # tokens that came after their interval had closed: not attributed, flagged on the row
     to_server: bool = False  # its chunk counts were scaled to the server's final count (usage)
+    low_told: bool = False  # its tag windows were told its count-less surplus (`Ledger._tags_counted_low`)
     server_ahead: float = 0.0  # tokens the server counted beyond the proxy's in intervals it was live in
     prompt_est: tuple | None = None  # (tokens, how) its prompt was costed at where the server never counted it
     # Ended before its first token: (the body's estimate, its seconds in flight, the prefill rate, the rate's source, the
