@@ -1950,6 +1950,55 @@ def test_a_tag_counts_a_request_gone_before_its_first_token_whose_row_was_held_b
     assert sorted(r["request_id"] for r in led.emit.rows["requests"]) == [1, 2]
 
 
+def test_a_tag_says_a_count_less_streams_surplus_whose_row_was_held_back():
+    # A stream carrying no counts (one token a chunk, the server counting two a chunk) ended at 0.6 s beside a request
+    # whose prompt was said early and its cached count not yet: its row waits for that count (`_late_parked`), past
+    # its tag window's row. Counted at its row, the window's note never said why its unproxied held 10.4 J ("carried
+    # no token counts ... gpu_j_per_token is high by it"): the tag row read as bypass traffic with every request
+    # proxied. It is told at its end's close now.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.open_tag("win", 0, 0)
+    nb, low = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
+    nb.extra["prompt_tokens"] = 500  # said early (continuous usage), its cached count not yet
+    for tr in (nb, low):
+        led.on_start(tr)
+    nb_t = [0.1 + 0.05 * k for k in range(60)]
+    for t in nb_t:
+        led.on_tokens(nb, int(t * S), 1)
+    nb.first_ns, nb.last_ns = int(0.1 * S), int(nb_t[-1] * S)
+    low_t = nb_t[:10]
+    for t in low_t:
+        low.tokens_seen += 1
+        led.on_tokens(low, int(t * S), 1)
+    low.first_ns, low.last_ns, low.end_ns, low.outcome = int(0.1 * S), int(low_t[-1] * S), int(0.6 * S), "ok"
+    low.counts = Counts(generated_tokens=10, prompt_tokens=None, model=None, stop_reason=None, token_source="counted",
+                        tokens_estimated=True)
+    led.on_end(low)
+    led.add_server_tokens(0, 0.0)
+    _feed(led, 0.0, 0.0)
+    for k in range(1, 9):  # scraped every 0.25 s: nb's tokens and two for each of low's chunks
+        t0, t1 = (k - 1) / 4, k / 4
+        led.add_server_tokens(int(t1 * S), float(sum(t0 < t <= t1 for t in nb_t) + 2 * sum(t0 < t <= t1 for t in low_t)),
+                              int(t0 * S))
+        _feed(led, t1, 50.0 * t1)
+        led.advance(int(t1 * S))
+    led.close_tag("win", S, S)
+    led.advance(int(2.0 * S))
+    assert [r["request_id"] for r in led.emit.rows.get("requests", [])] == []  # its row held back
+    (tag,) = led.emit.rows["tags"]
+    note = tag["energy_note"] or ""
+    print(tag["unproxied_energy_j"], note)
+    assert tag["unproxied_energy_j"] > 0 and "1 request(s) in this window carried no token counts" in note, note
+    nb.end_ns = int(3.2 * S)
+    nb.counts = Counts(generated_tokens=60, prompt_tokens=500, model=None, stop_reason="length", token_source="usage")
+    led.on_end(nb)
+    _feed(led, 4.0, 200.0)
+    led.advance(int(4.5 * S))
+    led.close_all(int(5 * S))
+    assert sorted(r["request_id"] for r in led.emit.rows["requests"]) == [1, 2]
+    assert led.chunk_counted_low == 1  # told once, at its end's close, not again at its row
+
+
 def test_the_gone_prefill_flag_is_per_sampling_interval_as_the_split_is():
     # A request that ended (0.3 s) before the gone one arrived (0.6 s) in the same 1 s interval took its share of that
     # interval, the gone prompt's estimate in it: it says so (docs/daemon.md, "Prompts are known": per interval, not per
@@ -4087,7 +4136,8 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
 def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
                            runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
                            opened=None, same_process=False, whole_as=("POST", "/v1/chat/completions", "openai-chat"),
-                           serves_generate=True, back_as=("server_restart",), **restart_kw):
+                           serves_generate=True, back_as=("server_restart",), beside=None, with_whole=True,
+                           **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4098,8 +4148,10 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # from then while down, as the daemon's loop tells it (`Ledger.note_down`), its rows let go at their hold meanwhile
     # (SCRAPE_HOLD_S); `same_process`: the page after the outage says no restart (a router's blip); `whole_as`: the
     # whole answer's method, path and API; `serves_generate`: the ledger's (the server's kind as the daemon sets it);
-    # `back_as`: what the page after the outage says (counter_below: a page at or past the old reading, `_down_back`).
-    # Returns its row.
+    # `back_as`: what the page after the outage says (counter_below: a page at or past the old reading, `_down_back`);
+    # `beside`: (from, to) s of a stream (id 5) at 40 tokens/s ended whole at `to`, counted by the server too;
+    # `with_whole` False: no whole answer sent (the truth of a scene where it was never run).
+    # Returns its row (with `beside`, every row by id).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.serves_generate = serves_generate
     if ledgers is not None:
@@ -4115,8 +4167,10 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # Sent with ignore_eos: its answer cannot end by itself before its abort or max_tokens, so its run-on there is sure
     # (without, its row says uncertain-uncounted: `Ledger._place_run_on`).
     done, whole = chat(1, 0.0, True), chat(2, arrive, False, whole_as, max_tokens=max_tokens, eos_ignored=True)
-    for tr in (done, whole) if arrive <= 0.5 else (done,):
+    for tr in (done, whole) if arrive <= 0.5 and with_whole else (done,):
         led.on_start(tr)
+    near = None if beside is None else chat(5, beside[0], True)
+    near_n = unscraped_near = 0
     for k in range(20):  # a stream done before, at 40 tokens/s: the server's latest pace
         led.on_tokens(done, int((0.01 + 0.025 * k) * S), 1)
     done.first_ns, done.last_ns, done.end_ns, done.outcome = int(0.01 * S), int(0.485 * S), int(0.49 * S), "ok"
@@ -4125,8 +4179,23 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     e, prev, ended = 0.0, None, False
     for k in range(int(round(end_s * 10))):
         t = k * 0.1
-        if arrive > 0.5 and t - 0.1 < arrive <= t:  # arrived since the last tick
+        if arrive > 0.5 and t - 0.1 < arrive <= t and with_whole:  # arrived since the last tick
             led.on_start(whole)
+        if near is not None and near.end_ns is None and t >= beside[0] - 1e-9:
+            if near.request_id not in led.requests:
+                led.on_start(near)
+            for j in range(4):
+                ts = t - 0.1 + (j + 1) * 0.025
+                if beside[0] < ts <= beside[1] + 1e-9:
+                    near.first_ns, near.last_ns = near.first_ns or int(ts * S), int(ts * S)
+                    led.on_tokens(near, int(ts * S), 1)
+                    near_n += 1
+                    unscraped_near += 1
+            if t >= beside[1] - 1e-9:
+                near.end_ns, near.outcome = int(beside[1] * S), "ok"
+                near.counts = Counts(generated_tokens=near_n, prompt_tokens=100, model=None, stop_reason=None,
+                                     token_source="chunks")
+                led.on_end(near)
         if fail_at is not None and t - 0.1 < fail_at <= t:  # another request's connection refused: a death's mark
             failed = chat(3, fail_at, False)
             led.on_start(failed)
@@ -4136,7 +4205,7 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
                 (int(fail_at * S), "upstream_error", 502, CRASHED_NOTE + " x") if fail_closed  # closed, no answer
                 else (int(fail_at * S), "upstream_unreachable", 502, "x"))
             led.on_end(failed)
-        if not ended and t >= leave - 1e-9:
+        if not ended and t >= leave - 1e-9 and with_whole:
             whole.end_ns, whole.outcome, whole.error = int(leave * S), outcome, error
             if outcome != "client_disconnected":
                 whole.status = 502
@@ -4151,12 +4220,16 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
                 led.advance(int(t * S))  # the daemon's loop goes on while the server is down: rows leave at their hold
             continue
         restart = not same_process and prev is not None and any(prev < d + 1e-9 and u - 1e-9 < t for d, u in downs)
-        led.add_server_tokens(int(t * S), 20.0 if prev is not None and prev < 0.5 <= t else 0.0,
+        led.add_server_tokens(int(t * S), 20.0 + unscraped_near if prev is not None and prev < 0.5 <= t
+                              else float(unscraped_near if prev is not None else 0),
                               None if prev is None else int(prev * S),
                               partial=back_as if restart else (), **(restart_kw if restart else {}))
+        unscraped_near = 0
         prev = t
         led.advance(int(t * S))
     led.close_all(int(end_s * S))
+    if beside is not None:
+        return {r["request_id"]: r for r in led.emit.rows["requests"]}
     return next(r for r in led.emit.rows["requests"] if r["request_id"] == 2)
 
 
@@ -4415,6 +4488,32 @@ def test_a_close_with_no_answer_in_flight_at_a_503_found_down_restart_is_costed_
     # crash, it read 55 J / 22 tokens for a truth of 0 in review. Both readings, flagged: left out of J/token.
     assert UNSURE_FLAG in note and "refusing it unrun" in note and "its process died" not in note, note
     assert "scrape the server's own port (scrape.url)" in note, note
+
+
+@pytest.mark.parametrize("beside", [(0.5, 1.5), (0.8, 1.55), (1.0, 3.0)], ids=["ended_before", "ended_at", "live_on"])
+def test_the_requests_beside_an_unsure_crash_are_flagged_with_their_gain_had_it_never_run(beside):
+    # A whole answer in flight 0.5-1.55 s closed with no answer, a 503 finding the server down, no death shown: costed as
+    # the crash it most likely was, unsure (`crash_unsure`: a queuing router refusing a request it held, never run,
+    # reads the same). A stream (40 tokens/s) live beside it over `beside`: its share there is low by that request's
+    # figure if it never ran. Before, only the close's own row was flagged; the stream's read 54.7 / 42.4 / 92.1 J for
+    # 100 / 80 / 109.1 J against the same scene with no such request (-45 / -47 / -16%), unflagged, in J/token. Now it
+    # says what the split re-run without the close gives it (55.3 / 37.6 / 27.0 J) and is flagged, as beside a close
+    # that may have queued unrun (`queued_short_j`); beside a crash a refused scrape proved, it is not.
+    from powerprof.daemon.proxy import CRASHED_NOTE
+    kw = dict(leave=1.55, end_s=12.0, outcome="upstream_error", error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S),
+              beside=beside)
+    rows = _llamacpp_whole_run_on([(1.5, 2.0)], **kw)
+    truth = _llamacpp_whole_run_on([(1.5, 2.0)], with_whole=False, **kw)
+    sure = _llamacpp_whole_run_on([(1.5, 2.0)], down_refused=True, **kw)
+    near, near0, note = rows[5], truth[5], rows[5]["energy_note"] or ""
+    print(rows[2]["gpu_energy_j"], near["gpu_energy_j"], near0["gpu_energy_j"], note[:600])
+    assert UNSURE_FLAG in (rows[2]["energy_note"] or "") and "refusing it unrun" in rows[2]["energy_note"], rows[2]
+    assert near0["gpu_energy_j"] - near["gpu_energy_j"] >= 0.1 * near0["gpu_energy_j"], (near, near0)  # the scene
+    assert UNSURE_FLAG in note and "refused unrun by a queuing router" in note, note
+    said = float(note.split("had it never run, this figure would be ")[1].split(" J")[0])
+    assert near0["gpu_energy_j"] - near["gpu_energy_j"] - 0.5 <= said <= rows[2]["gpu_energy_j"] + 1e-6, (said, near0)
+    assert UNSURE_FLAG not in (sure[5]["energy_note"] or ""), sure[5]  # a death shown: a sure crash, sure neighbours
+    assert sure[5]["gpu_energy_j"] == pytest.approx(near["gpu_energy_j"]), sure[5]
 
 
 def test_a_503_window_with_no_restart_after_costs_nothing():

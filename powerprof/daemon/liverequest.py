@@ -41,6 +41,7 @@ class LiveRequest:
     spent: float = 0.0  # tokens of events already closed (the context of later ones)
     late: float = 0.0  # tokens that came after their interval had closed: not attributed, flagged on the row
     to_server: bool = False  # its chunk counts were scaled to the server's final count (usage)
+    low_told: bool = False  # its tag windows were told its count-less surplus (`Ledger._tags_counted_low`)
     server_ahead: float = 0.0  # tokens the server counted beyond the proxy's in intervals it was live in
     prompt_est: tuple | None = None  # (tokens, how) its prompt was costed at where the server never counted it
     # Ended before its first token: (the body's estimate, its seconds in flight, the prefill rate, the rate's source, the
@@ -102,8 +103,9 @@ class LiveRequest:
     # at DOWN_HOLD_MAX_S with none come (`Ledger._down_hold`): (that window's first found-down scrape, monotonic ns; the
     # cap, s). Its row, costed as not run, says so.
     down_hold_over: tuple[int, float] | None = None
-    # Its GPU joules from intervals over a crash-costed close that may have queued unrun (`resend_queued`): that
-    # request's figure may hold energy that is this one's (its note says this share; UNSURE_FLAG by queued_short_j).
+    # Its GPU joules from intervals over a crash-costed close that may never have run (`resend_queued`,
+    # `crash_unsure_costed`): that request's figure may hold energy that is this one's (its note says this share;
+    # UNSURE_FLAG by queued_short_j).
     queued_beside_j: float = 0.0
     # What its GPU joules would gain were that request never run (the same split re-run without it: `Ledger`'s close):
     # how low this request's figure is in that reading.
@@ -264,6 +266,13 @@ def resend_queued(r: LiveRequest) -> bool:
     behind full slots, never running it (then 0 J, its figure the requests' beside it), or run it as costed; nothing
     measured says which (UNSURE_FLAG, on it and on the requests beside it)."""
     return _resend_dead(r) and r.trace.end_ns - r.trace.arrival_ns > CROSSING_CLOSE_MAX_S * 1e9
+
+
+def crash_unsure_costed(r: LiveRequest) -> bool:
+    """Costed as run until its close with no answer by a crash no death was shown at (`crash_unsure`): a queuing
+    router's refusal of a request it held reads the same, never run (then 0 J, its figure the requests' beside it);
+    nothing measured says which (UNSURE_FLAG, on it and, as for `resend_queued`, on the requests beside it)."""
+    return r.run_on_crash and r.crash_unsure and closed_unanswered(r)
 
 
 def resend_crossed(r: LiveRequest) -> bool:

@@ -52,10 +52,10 @@ GONE_ABORT_SLACK_S = 1.0
 # is over the prompt token's cost and the prefill rate alone, and its words say so: read as the row's uncertainty, short
 # answers beside long streams decoding lay outside it, all high (+37% where it said -1% to +0%), by the context cost
 # the ratio leaves out, which nothing here bounds.
-# A request live beside a crash-costed close that may have queued unrun (`resend_queued`) is flagged where its figure
-# would be higher by this share of it or more had that close never run (`LiveRequest.queued_short_j`, the split re-run
-# without it): flagged on any overlap, 4 streams beside a close 0.10 s after its arrival were left out of J/token for
-# 0.9% each.
+# A request live beside a crash-costed close that may never have run (`resend_queued`: queued unrun;
+# `crash_unsure_costed`: a queuing router's refusal) is flagged where its figure would be higher by this share of it or
+# more had that close never run (`LiveRequest.queued_short_j`, the split re-run without it): flagged on any overlap,
+# 4 streams beside a close 0.10 s after its arrival were left out of J/token for 0.9% each.
 QUEUED_BESIDE_MIN_SHARE = 0.01
 FIXED_RATIO_MIN_SHARE = 0.05
 FIXED_RATIO_LEAD = "{pct}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
@@ -784,9 +784,10 @@ def _closed_partial(r: LiveRequest) -> bool:
 
 
 def _queued_beside(r: LiveRequest) -> bool:
-    """UNSURE_FLAG beside a close that may have queued unrun: its figure is low by QUEUED_BESIDE_MIN_SHARE or more if
-    that close never ran, or by an unknown amount (`queued_short_lower`: live beside it in intervals closed in an
-    earlier step, which the re-run does not cover)."""
+    """UNSURE_FLAG beside a close that may have queued unrun, or been a router's refusal (`resend_queued`,
+    `crash_unsure_costed`): its figure is low by QUEUED_BESIDE_MIN_SHARE or more if that close never ran, or by an
+    unknown amount (`queued_short_lower`: live beside it in intervals closed in an earlier step, which the re-run does
+    not cover)."""
     return r.queued_short_lower or (r.queued_short_j > 0 and r.queued_short_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j)
 
 
@@ -932,7 +933,8 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      f"ran (the requests beside it then low by it); left out of J/token; fix: {_unproven_close_fix(r)}")
     if _queued_beside(r) and r.gpu_j > 0:
         notes.append(f"{UNSURE_FLAG}: it was live beside a request closed by a crash that may have waited queued "
-                     "unrun (its row says so), costed as run: had it never run, this figure would be "
+                     "unrun, or been refused unrun by a queuing router in front of the server (its row says which), "
+                     "costed as run: had it never run, this figure would be "
                      f"{'at least ' if r.queued_short_lower else ''}"
                      f"{r.queued_short_j:.1f} J ({100 * r.queued_short_j / r.gpu_j:.1f}%) higher, the same split re-run "
                      f"without it ({100 * min(r.queued_beside_j / r.gpu_j, 1.0):.0f}% of this figure is from the "
@@ -940,7 +942,8 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      + ("; a lower bound: the re-run covers only the intervals closed with its close, not those closed "
                         "earlier while it was still in flight past the ledger's holds on a live request's intervals "
                         "(max_hold_s, prompt_hold_s), split with it live as run" if r.queued_short_lower else "")
-                     + "); fix: none at the proxy (the server's log says whether that request had started)")
+                     + "); fix: none at the proxy (the server's or router's log says whether that request had "
+                       "started)")
     if r.run_on_unplaced and r.gpu_j > 0:
         notes.append(f"{UNSURE_FLAG}: its client left, and the daemon scrapes no server (scrape.server = none), so it "
                      "does not know whether the server ran it on for nobody (SGLang until its abort, up to "
