@@ -76,10 +76,6 @@ IGNORES_BEST_OF = ("sglang", "llamacpp")
 # run-on), a whole answer runs on to its end (None: until its max_tokens are decoded). The ledger keeps such a request
 # in the split until then (`Ledger._run_on`): that work is its, not the requests' beside it.
 RUNS_ON_AFTER_LEAVE: dict[str, tuple[float | None, float | None]] = {"sglang": (2.0, 4.0), "llamacpp": (None, None)}
-# llama-server's HTTP_POLLING_SECONDS: its wait for a result, restarted by every result sent to any waiting request
-# (server-queue.cpp: `condition_results.wait_for` in a loop, `notify_all` in `send`), times out only after this long
-# with none sent, and then cancels a request whose client left (`Ledger._unplaced_quiet`).
-LLAMACPP_WAIT_S = 1.0
 START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
 LLAMACPP_STEPS = "llamacpp:n_decode_total"  # llama-server's decode calls: every step, a restart's tell (_scrape_llamacpp)
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
