@@ -1730,6 +1730,36 @@ def test_a_tag_over_a_request_gone_before_its_first_token_says_so_and_blames_no_
     assert "speculative" not in note and "include_usage" not in note, note
 
 
+def test_a_tag_over_a_whole_answer_cut_with_no_server_scraped_says_it_was_cut_and_may_have_run_on():
+    # scrape.server = none: a whole answer whose client left may run on for nobody, unplaced (Ledger._unplaced). The
+    # tag's cut note needed unproxied energy or a stream gone before its first token: over such an answer it said
+    # nothing of it (the review of scrapefix6).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.run_ons_unknown = True
+    led.open_tag("win", 0, 0)
+    done, cut = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
+    cut.stream = False
+    cut.extra["max_tokens"] = 400
+    for tr in (done, cut):
+        led.on_start(tr)
+    for k in range(10):
+        led.on_tokens(done, int((0.1 + 0.05 * k) * S), 1)
+    done.first_ns, done.last_ns, done.end_ns = int(0.1 * S), int(0.55 * S), int(0.6 * S)
+    done.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
+                         token_source="usage")
+    cut.end_ns, cut.outcome = int(0.3 * S), "client_disconnected"
+    for tr in (done, cut):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.close_tag("win", S, S)
+    led.advance(int(1.5 * S))
+    note = sink.rows["tags"][0]["energy_note"] or ""
+    assert "1 request(s) in this window were cut by their clients, 1 of them whole answers" in note, note
+    assert "scrape.server" in note, note
+
+
 def _streamed(rid, arrival_s, first_s, end_s, n=10, prompt=500):
     """A chat stream of 2000 characters whose server counted its prompt (`prompt` tokens): `n` tokens from `first_s`,
     ended at `end_s`. Returns (trace, token events, prompt)."""

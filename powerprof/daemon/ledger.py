@@ -50,7 +50,7 @@ from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED,
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
-                      NO_COUNTER_READ, prompt_unread,
+                      NO_COUNTER_READ, UNPLACED_FIX, prompt_unread,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
@@ -203,6 +203,9 @@ class _Tag:
     # with their prompt's length unsaid (Ledger.on_end): the server's work for them after they left is unseen.
     cut: int = 0
     gone_first: int = 0
+    # Of those, whole answers cut under scrape.server = none (`Ledger._unplaced`): their run-on unplaced, maybe in no
+    # figure's unproxied_energy_j (the tag's cut note said nothing of them before).
+    cut_unplaced: int = 0
     closed_by: str = "stop"
     host_cpu_s: float = 0.0  # the host's busy CPU time over its intervals whose share is known
     server_counts: set = field(default_factory=set)  # its intervals' server_count values (tag_server_count)
@@ -626,9 +629,11 @@ class Ledger:
                 and not (trace.error or "").startswith(BODY_LEFT_NOTE):
             # Counted at its end, not at its row: a row held back (`_late_parked`) is made after its tag's row went out.
             gone = gone_unsaid(r) and trace.stream is True
+            unplaced = self.run_ons_unknown and trace.stream is not True
             for tg in self._tags_over(trace):
                 tg.cut += 1
                 tg.gone_first += gone
+                tg.cut_unplaced += unplaced
         r.prefilled_apart = r.prefilled_apart or self._prefilled_apart(r)  # an end before any close placed it
         self._cache_met(r)
         self._release(r)  # its end may have said its count: no wait counts it any more
@@ -3117,10 +3122,13 @@ class Ledger:
                          "surplus's energy is in unproxied_energy_j as if bypass traffic ran, and gpu_j_per_token is "
                          "high by it; fix: clients send \"stream_options\": {\"include_usage\": true}, or start vLLM "
                          "with --enable-force-include-usage")
-        if tg.cut and (tg.unproxied_j > 0 or tg.gone_first):
+        if tg.cut and (tg.unproxied_j > 0 or tg.gone_first or tg.cut_unplaced):
             gone = (f", {tg.gone_first} before their first token (each prefill costed at an estimate from its body, "
                     "bounded by its time in flight, that may be high or low: the requests beside say "
                     f"{GONE_PREFILL_FLAG})") if tg.gone_first else ""
+            gone += (f", {tg.cut_unplaced} of them whole answers a server may run on to their end for nobody, unplaced "
+                     f"(scrape.server = none: no server kind known; their rows and those beside say {UNSURE_FLAG}; "
+                     f"fix: {UNPLACED_FIX})") if tg.cut_unplaced else ""
             notes.append(f"{tg.cut} request(s) in this window were cut by their clients{gone}: what the server still ran "
                          "for them after they left (a prefill it finished, tokens it counted and never sent) is in "
                          "unproxied_energy_j as if bypass traffic ran, or in the shares of the requests beside them; "
