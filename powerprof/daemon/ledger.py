@@ -809,21 +809,24 @@ class Ledger:
         answers a whole /generate or /v1/completions batch 400 for one prompt its scheduler aborts (in the context's
         last 6 tokens) and runs the others to their cap for nobody (tokenizer_manager.py @ 001067ff
         `_collect_batch_responses`), counting them at their end. Its windows, from its arrival to the latest those
-        prompts may run to (twice its max_tokens at the server's latest streams' pace; with none, or no pace,
-        RUN_ON_TO_END_MAX_S), say so (SERVER_COUNT_BATCH_RUN_ON): the requests given energy there are flagged.
-        Unsaid, the count's tokens spread back only over the intervals still open at its end (`recon._spread_back`),
-        and three streams beside such a batch read +19% to +24%, unflagged."""
+        prompts may run to (twice its max_tokens, /generate's max_new_tokens, at the server's latest streams' pace,
+        uncapped: this holds nothing, it only marks; with none, or no pace, unbounded), say so
+        (SERVER_COUNT_BATCH_RUN_ON): the requests given energy there are flagged. Unsaid, the count's tokens spread
+        back only over the intervals still open at its end (`recon._spread_back`), and three streams beside such a
+        batch read +19% to +24%, unflagged; capped at RUN_ON_TO_END_MAX_S, the windows of a batch run on past it were
+        not marked."""
         tr = r.trace
         seqs = tr.extra.get("sequences", 1)
         if (self.serves_generate is False or tr.status is None or tr.status < 400 or tr.api is None
                 or not isinstance(seqs, int) or seqs < 2 or tr.end_ns is None):
             return
         limit = tr.extra.get("max_tokens")
-        span_s = RUN_ON_TO_END_MAX_S
+        latest = int(attr.NEVER)  # no max_tokens (to the context's end, unknown here) or no pace: no end known
         if isinstance(limit, int) and limit > 0 and self._paces:
-            span_s = min(2.0 * limit / float(np.median(self._paces)), RUN_ON_TO_END_MAX_S)
-        self.recon.batch_run_ons[tr.request_id] = (int(tr.arrival_ns), max(int(tr.end_ns),
-                                                                          tr.arrival_ns + int(span_s * 1e9)))
+            latest = int(tr.arrival_ns) + int(2.0 * limit / float(np.median(self._paces)) * 1e9)
+        latest, spans = max(int(tr.end_ns), latest), self.recon.batch_run_ons
+        if not any(a0 <= tr.arrival_ns and latest <= a1 for a0, a1 in spans.values()):  # one unbounded span, not many
+            spans[tr.request_id] = (int(tr.arrival_ns), latest)
 
     def _unplaced(self, r: LiveRequest, limit) -> None:
         """A request whose client left a server of unknown kind (`run_ons_unknown`): it may have run on for nobody, its
