@@ -1730,6 +1730,70 @@ def test_a_tag_over_a_request_gone_before_its_first_token_says_so_and_blames_no_
     assert "speculative" not in note and "include_usage" not in note, note
 
 
+def test_a_tag_over_a_whole_answer_cut_with_no_server_scraped_says_it_was_cut_and_may_have_run_on():
+    # scrape.server = none: a whole answer whose client left may run on for nobody, unplaced (Ledger._unplaced). The
+    # tag's cut note needed unproxied energy or a stream gone before its first token: over such an answer it said
+    # nothing of it (the review of scrapefix6).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.run_ons_unknown = True
+    led.open_tag("win", 0, 0)
+    done, cut = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
+    cut.stream = False
+    cut.extra["max_tokens"] = 400
+    for tr in (done, cut):
+        led.on_start(tr)
+    for k in range(10):
+        led.on_tokens(done, int((0.1 + 0.05 * k) * S), 1)
+    done.first_ns, done.last_ns, done.end_ns = int(0.1 * S), int(0.55 * S), int(0.6 * S)
+    done.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
+                         token_source="usage")
+    cut.end_ns, cut.outcome = int(0.3 * S), "client_disconnected"
+    for tr in (done, cut):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.close_tag("win", S, S)
+    led.advance(int(1.5 * S))
+    note = sink.rows["tags"][0]["energy_note"] or ""
+    assert "1 request(s) in this window were cut by their clients, 1 of them whole answers" in note, note
+    assert "scrape.server" in note, note
+
+
+@pytest.mark.parametrize("max_tokens", [2000, None])
+def test_an_sglang_batch_answered_400_marks_its_windows_past_30_s_to_its_cap_or_unbounded(max_tokens):
+    # A batch SGLang answers 400 runs its other prompts on to their cap (Ledger._batch_run_on). Its span was capped at
+    # RUN_ON_TO_END_MAX_S, 30 s: max_tokens 2000 at 40 tok/s (100 s of run) or none (to the context's end) left the
+    # windows 30 s on unmarked, the requests there unflagged. Now to twice its cap at the pace, or unbounded.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led._paces.append(40.0)
+    batch = RequestTrace(1, "POST", "/generate", None, int(0.5 * S), 0, api="sglang-generate", stream=False)
+    batch.extra["sequences"] = 2
+    if max_tokens:
+        batch.extra["max_tokens"] = max_tokens
+    led.on_start(batch)
+    batch.end_ns, batch.status, batch.outcome = int(0.6 * S), 400, "error"
+    led.on_end(batch)
+    late = _chat(2, 40.1, 2000)
+    for k in range(42):
+        _feed(led, float(k), 100.0 * k)
+        if k:
+            led.add_server_tokens(int(k * S), 10.0 if k > 40 else 0.0, int((k - 1) * S))
+        if k == 40:
+            led.on_start(late)
+            for j in range(10):
+                led.on_tokens(late, int((40.2 + 0.05 * j) * S), 1)
+            late.first_ns, late.last_ns, late.end_ns = int(40.2 * S), int(40.65 * S), int(40.7 * S)
+            late.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
+                                 token_source="usage")
+            led.on_end(late)
+        led.advance(int((k + 0.2) * S))
+    ivs = [r for r in sink.rows.get("intervals", []) if r["t_start_mono_s"] >= 30.0]
+    assert ivs and all("batch_run_on" in (r["server_count"] or "") for r in ivs), [
+        (r["t_start_mono_s"], r["server_count"]) for r in ivs]
+
+
 def _streamed(rid, arrival_s, first_s, end_s, n=10, prompt=500):
     """A chat stream of 2000 characters whose server counted its prompt (`prompt` tokens): `n` tokens from `first_s`,
     ended at `end_s`. Returns (trace, token events, prompt)."""

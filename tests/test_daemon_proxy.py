@@ -1421,6 +1421,20 @@ def test_llamacpps_native_n_predict_is_read_as_its_limit():
         assert extra.get("max_tokens") == want, doc
 
 
+def test_sglangs_generate_max_new_tokens_is_read_as_its_limit():
+    # SGLang's /generate takes its limit in sampling_params (one for all, or one a prompt): unread, a batch it answered
+    # 400 while running its other prompts on was marked to no known end (Ledger._batch_run_on).
+    import json
+
+    from powerprof.daemon.proxy import inspect_request_body
+    for sp, want in (({"max_new_tokens": 64}, 64), ([{"max_new_tokens": 8}, {"max_new_tokens": 64.0}], 64),
+                     ([{"max_new_tokens": 8}, {}], None), ({"max_new_tokens": None}, None), ({}, None), (None, None)):
+        extra: dict = {}
+        inspect_request_body(json.dumps({"text": ["a", "b"], "sampling_params": sp}).encode(), api="sglang-generate",
+                             extra=extra)
+        assert extra.get("max_tokens") == want, sp
+
+
 def test_a_chunked_body_is_read_whole_and_inspected_and_one_past_the_bound_has_its_bytes_counted():
     """A chunked request body (what httpx, requests and aiohttp send for a generator) was never inspected: a 7501-token
     prompt's prefill was costed at 0 (its row -63%, the stream beside it +26%, neither said so; session 56's hostile

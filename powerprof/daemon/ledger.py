@@ -48,9 +48,9 @@ from .liverequest import (PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN, closed_unan
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
-from .scrape import LLAMACPP_WAIT_S, RUNS_ON_AFTER_LEAVE
+from .scrape import RUNS_ON_AFTER_LEAVE
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
-                      NO_COUNTER_READ, prompt_unread,
+                      NO_COUNTER_READ, UNPLACED_FIX, prompt_unread,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
@@ -203,6 +203,9 @@ class _Tag:
     # with their prompt's length unsaid (Ledger.on_end): the server's work for them after they left is unseen.
     cut: int = 0
     gone_first: int = 0
+    # Of those, whole answers cut under scrape.server = none (`Ledger._unplaced`): their run-on unplaced, maybe in no
+    # figure's unproxied_energy_j (the tag's cut note said nothing of them before).
+    cut_unplaced: int = 0
     closed_by: str = "stop"
     host_cpu_s: float = 0.0  # the host's busy CPU time over its intervals whose share is known
     server_counts: set = field(default_factory=set)  # its intervals' server_count values (tag_server_count)
@@ -392,13 +395,8 @@ class Ledger:
         # no run-on is placed; the cut row and the requests beside it until such a run-on must have ended say
         # UNSURE_FLAG (`_unplaced`), where before they said nothing: the cut rows low, those beside them high.
         self.run_ons_unknown = False
-        # [leave, latest end of a run-on there, the latest proxied result since the leave while llama.cpp's end is
-        # still to be judged by a quiet second (`_unplaced_quiet`), else None] of such requests: the intervals whose
-        # requests say so.
-        self._unplaced_spans: list[list] = []
-        # The stamps of proxied results (token events, ends) while run_ons_unknown: those a span above may still need
-        # (after its latest result, or within the hold of a request whose leave is yet to come: `_unplaced_quiet`).
-        self._results_ns: list[int] = []
+        # (leave, latest end of a run-on there) of such requests: the intervals whose requests say so.
+        self._unplaced_spans: list[tuple[int, int]] = []
         # The latest restarts' scrape windows, (start, end, first found down): the old process's last scrape, the new
         # one's first, and the first scrape between that found the server down (None: none did); its run-ons end
         # between the first and the third (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
@@ -488,8 +486,6 @@ class Ledger:
             trace, uncounted=uncounted_kind(trace.method, trace.endpoint) if trace.api is None else None)
 
     def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
-        if self.run_ons_unknown:
-            self._results_ns.append(int(t_ns))  # a result llama-server sent: its waits restart (`_unplaced_quiet`)
         r = self.requests.get(trace.request_id)
         if r is not None:
             r.pieces += 1
@@ -605,8 +601,6 @@ class Ledger:
     def on_end(self, trace: RequestTrace) -> float:
         """The request ended. Returns the tokens its end added to (or took from) what on_tokens had
         placed: a stream counted one token per chunk whose final `usage` says otherwise."""
-        if self.run_ons_unknown and trace.end_ns is not None:
-            self._results_ns.append(int(trace.end_ns))  # its answer's end: a result too (`_unplaced_quiet`)
         r = self.requests.get(trace.request_id)
         if r is None:
             r = LiveRequest(trace)
@@ -635,9 +629,11 @@ class Ledger:
                 and not (trace.error or "").startswith(BODY_LEFT_NOTE):
             # Counted at its end, not at its row: a row held back (`_late_parked`) is made after its tag's row went out.
             gone = gone_unsaid(r) and trace.stream is True
+            unplaced = self.run_ons_unknown and trace.stream is not True
             for tg in self._tags_over(trace):
                 tg.cut += 1
                 tg.gone_first += gone
+                tg.cut_unplaced += unplaced
         r.prefilled_apart = r.prefilled_apart or self._prefilled_apart(r)  # an end before any close placed it
         self._cache_met(r)
         self._release(r)  # its end may have said its count: no wait counts it any more
@@ -813,31 +809,37 @@ class Ledger:
         answers a whole /generate or /v1/completions batch 400 for one prompt its scheduler aborts (in the context's
         last 6 tokens) and runs the others to their cap for nobody (tokenizer_manager.py @ 001067ff
         `_collect_batch_responses`), counting them at their end. Its windows, from its arrival to the latest those
-        prompts may run to (twice its max_tokens at the server's latest streams' pace; with none, or no pace,
-        RUN_ON_TO_END_MAX_S), say so (SERVER_COUNT_BATCH_RUN_ON): the requests given energy there are flagged.
-        Unsaid, the count's tokens spread back only over the intervals still open at its end (`recon._spread_back`),
-        and three streams beside such a batch read +19% to +24%, unflagged."""
+        prompts may run to (twice its max_tokens, /generate's max_new_tokens, at the server's latest streams' pace,
+        uncapped: this holds nothing, it only marks; with none, or no pace, unbounded), say so
+        (SERVER_COUNT_BATCH_RUN_ON): the requests given energy there are flagged. Unsaid, the count's tokens spread
+        back only over the intervals still open at its end (`recon._spread_back`), and three streams beside such a
+        batch read +19% to +24%, unflagged; capped at RUN_ON_TO_END_MAX_S, the windows of a batch run on past it were
+        not marked."""
         tr = r.trace
         seqs = tr.extra.get("sequences", 1)
         if (self.serves_generate is False or tr.status is None or tr.status < 400 or tr.api is None
                 or not isinstance(seqs, int) or seqs < 2 or tr.end_ns is None):
             return
         limit = tr.extra.get("max_tokens")
-        span_s = RUN_ON_TO_END_MAX_S
+        latest = int(attr.NEVER)  # no max_tokens (to the context's end, unknown here) or no pace: no end known
         if isinstance(limit, int) and limit > 0 and self._paces:
-            span_s = min(2.0 * limit / float(np.median(self._paces)), RUN_ON_TO_END_MAX_S)
-        self.recon.batch_run_ons[tr.request_id] = (int(tr.arrival_ns), max(int(tr.end_ns),
-                                                                          tr.arrival_ns + int(span_s * 1e9)))
+            latest = int(tr.arrival_ns) + int(2.0 * limit / float(np.median(self._paces)) * 1e9)
+        latest, spans = max(int(tr.end_ns), latest), self.recon.batch_run_ons
+        if not any(a0 <= tr.arrival_ns and latest <= a1 for a0, a1 in spans.values()):  # one unbounded span, not many
+            spans[tr.request_id] = (int(tr.arrival_ns), latest)
 
     def _unplaced(self, r: LiveRequest, limit) -> None:
         """A request whose client left a server of unknown kind (`run_ons_unknown`): it may have run on for nobody, its
         work then in the shares of the requests beside it. The intervals from its leave to the latest end any server
         that runs on gives it, plus GONE_ABORT_SLACK_S, mark their requests (`LiveRequest.unplaced_beside_j`): SGLang a
-        stream 2 s after, a whole answer at its next 4 s wait; llama.cpp a whole answer to its end, bounded by its
-        max_tokens at half the latest streams' pace (uncapped: this holds nothing, it only marks) and by the first
-        quiet second after the leave, where its wait for a result times out and it cancels it (`_unplaced_quiet`).
-        Before, the span was capped at RUN_ON_TO_END_MAX_S: a whole answer run on 50 s beside a stream a second left
-        the rows 34-56 s after its leave +64..+144%, unflagged."""
+        stream 2 s after, a whole answer at its next 4 s wait; a whole answer may run on to its end (llama-server
+        before the fix of ggml-org/llama.cpp#9273 and in the #24496 regression, ik_llama.cpp before its #1134, other
+        servers), bounded by its max_tokens at half the latest streams' pace (uncapped: this holds nothing, it only
+        marks), and with no max_tokens or no pace unbounded. Recent llama-server builds cancel it at the first quiet
+        second (server-queue.cpp `recv_with_timeout`), but with the kind and build unknown that end is not taken:
+        taken, the old llama.cpp scene (tests/test_daemon_cut_streams.py) left the rows 5-11 s after the leave
+        +29..+70%, unflagged. Before, the span was capped at RUN_ON_TO_END_MAX_S: a whole answer run on 50 s beside a
+        stream a second left the rows 34-56 s after its leave +64..+144%, unflagged."""
         if r.run_on_unplaced:
             return
         tr = r.trace
@@ -845,40 +847,14 @@ class Ledger:
         r.run_on_unplaced = True
         slack_ns, end_ns = int(GONE_ABORT_SLACK_S * 1e9), int(tr.end_ns)
         if tr.stream is True:
-            self._unplaced_spans.append([end_ns, end_ns + int(stream_s * 1e9) + slack_ns, None])
-            return
-        latest = int(attr.NEVER)  # no max_tokens (to the context's end, unknown here) or no pace: till a quiet second
-        if isinstance(limit, int) and limit > 0 and self._paces:
-            span_s = max(2.0 * limit / float(np.median(self._paces)), wait_s)
-            latest = end_ns + int(span_s * 1e9) + slack_ns
-        self._unplaced_spans.append([end_ns, latest, end_ns])
-
-    def _unplaced_quiet(self, t_end: int) -> None:
-        """The unplaced spans of whole answers (`_unplaced`) end where llama.cpp's run-on must have: llama-server looks
-        at the connection only when its wait for a result times out, after LLAMACPP_WAIT_S with no result sent to any
-        request (scrape.LLAMACPP_WAIT_S), then cancels it, stopped at its next step (GONE_ABORT_SLACK_S). A quiet
-        stretch is judged from the proxied results' stamps up to `t_end` (the latest closed edge): LLAMACPP_WAIT_S +
-        reconcile.LAG_S (a stamp may be that late) or more with none; the span then ends LLAMACPP_WAIT_S +
-        GONE_ABORT_SLACK_S after that stretch's start, not before SGLang's wait ends. Results the proxy does not see (bypass
-        traffic, a /metrics poll of the server) keep llama.cpp's wait going: docs/daemon.md says so."""
-        waiting = [s for s in self._unplaced_spans if s[2] is not None]
-        # Kept from the latest a waiting span has judged, and for a leave told later (a proxy worker's record) over the
-        # hold the intervals wait for a live request: the results after it, before the leave was told, restart waits.
-        keep = min([t_end - self.max_hold_ns, *(s[2] for s in waiting)])
-        self._results_ns = sorted(x for x in self._results_ns if x > keep)
-        seen = [x for x in self._results_ns if x <= t_end]
-        quiet_ns = int((LLAMACPP_WAIT_S + LAG_S) * 1e9)
-        after_ns = int((LLAMACPP_WAIT_S + GONE_ABORT_SLACK_S) * 1e9)
-        least_ns = int((RUNS_ON_AFTER_LEAVE["sglang"][1] + GONE_ABORT_SLACK_S) * 1e9)
-        for s in waiting:
-            last = s[2]
-            for x in [*(x for x in seen if x > last), None]:
-                if (t_end if x is None else x) - last >= quiet_ns:
-                    s[1], s[2] = max(s[0] + least_ns, min(s[1], last + after_ns)), None
-                    break
-                last = last if x is None else max(last, x)
-            else:
-                s[2] = last
+            latest = end_ns + int(stream_s * 1e9) + slack_ns
+        else:
+            latest = int(attr.NEVER)  # no max_tokens (to the context's end, unknown here) or no pace: no end known
+            if isinstance(limit, int) and limit > 0 and self._paces:
+                span_s = max(2.0 * limit / float(np.median(self._paces)), wait_s)
+                latest = end_ns + int(span_s * 1e9) + slack_ns
+        if not any(a0 <= end_ns and latest <= a1 for a0, a1 in self._unplaced_spans):  # one unbounded span, not many
+            self._unplaced_spans.append((end_ns, latest))
 
     def _keep_context(self, response_id: str, tokens: int) -> None:
         """A Responses answer's conversation length (`response_context`), the least recently used dropped past the cap."""
@@ -2527,10 +2503,9 @@ class Ledger:
         energy = np.column_stack([energy, np.where(gone_iv, work_j, 0.0)])
         gone_col = energy.shape[1] - 1
         # After a client's leave from a server of unknown kind (`_unplaced`): a run-on may hold part of that work.
-        self._unplaced_quiet(int(t[-1]))
         self._unplaced_spans = [s for s in self._unplaced_spans if s[1] > t[0]]
         unplaced_iv = np.zeros(t.size - 1, bool)
-        for a0, a1, _ in self._unplaced_spans:
+        for a0, a1 in self._unplaced_spans:
             unplaced_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(unplaced_iv, work_j, 0.0)])
         unplaced_col = energy.shape[1] - 1
@@ -3153,10 +3128,13 @@ class Ledger:
                          "surplus's energy is in unproxied_energy_j as if bypass traffic ran, and gpu_j_per_token is "
                          "high by it; fix: clients send \"stream_options\": {\"include_usage\": true}, or start vLLM "
                          "with --enable-force-include-usage")
-        if tg.cut and (tg.unproxied_j > 0 or tg.gone_first):
+        if tg.cut and (tg.unproxied_j > 0 or tg.gone_first or tg.cut_unplaced):
             gone = (f", {tg.gone_first} before their first token (each prefill costed at an estimate from its body, "
                     "bounded by its time in flight, that may be high or low: the requests beside say "
                     f"{GONE_PREFILL_FLAG})") if tg.gone_first else ""
+            gone += (f", {tg.cut_unplaced} of them whole answers a server may run on to their end for nobody, unplaced "
+                     f"(scrape.server = none: no server kind known; their rows and those beside say {UNSURE_FLAG}; "
+                     f"fix: {UNPLACED_FIX})") if tg.cut_unplaced else ""
             notes.append(f"{tg.cut} request(s) in this window were cut by their clients{gone}: what the server still ran "
                          "for them after they left (a prefill it finished, tokens it counted and never sent) is in "
                          "unproxied_energy_j as if bypass traffic ran, or in the shares of the requests beside them; "

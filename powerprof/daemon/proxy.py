@@ -635,6 +635,15 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             limit = whole_count(doc.get("n_predict") if doc.get("n_predict") is not None else doc.get("max_tokens"))
             if limit is not None and 0 < limit <= MAX_COUNT:
                 extra["max_tokens"] = limit  # a count at the limit is whole (arrival.at_limit)
+        if api == "sglang-generate":
+            # SGLang's sampling_params max_new_tokens, one for all or one a prompt: their most, where each says one
+            # (none: SGLang's default, or to the context's end; not guessed). Unread, a batch it answered 400 while
+            # running the rest on was marked to no end (Ledger._batch_run_on).
+            sp = doc.get("sampling_params")
+            limits = [whole_count(x.get("max_new_tokens")) if isinstance(x, dict) else None
+                      for x in (sp if isinstance(sp, list) else [sp])]
+            if limits and None not in limits and 0 < max(limits) <= MAX_COUNT:
+                extra["max_tokens"] = max(limits)  # a count at the limit is whole (arrival.at_limit)
         if api in ("openai-chat", "openai-completions"):
             # vLLM's rule (`max_completion_tokens or max_tokens`): a null or 0 max_completion_tokens leaves max_tokens.
             limit = whole_count(doc.get("max_completion_tokens"))

@@ -69,17 +69,14 @@ IGNORES_BEST_OF = ("sglang", "llamacpp")
 # `abort_request`; 1 s in releases before 0.4) and a whole answer's at its state's next 4 s wait (`_wait_one_response`:
 # `asyncio.wait_for(state.event.wait(), timeout=SGLANG_REQUEST_STATE_WAIT_TIMEOUT)`, 4, then `is_disconnected()`),
 # counting it in sglang:num_aborted_requests_total, not in its token counters. vLLM aborts at once
-# (rowtext.GONE_ABORT_SLACK_S covers its step in flight). llama-server looks at a request's connection only when its
-# 1 s wait for a result times out, a wait every result sent to any request (a stream's token, a /metrics answer:
-# the daemon's own scrapes) starts again (server-queue.cpp, `server_response::recv_with_timeout`; docs/simulator.md,
-# "A client that leaves"), and a stream after each result of its own: a stream stops within a token (None: no
-# run-on), a whole answer runs on to its end (None: until its max_tokens are decoded). The ledger keeps such a request
-# in the split until then (`Ledger._run_on`): that work is its, not the requests' beside it.
+# (rowtext.GONE_ABORT_SLACK_S covers its step in flight). Recent llama-server builds look at a request's connection
+# only when its 1 s wait for a result times out, a wait every result sent to any request (a stream's token, a /metrics
+# answer: the daemon's own scrapes) starts again (server-queue.cpp, `server_response::recv_with_timeout`;
+# docs/simulator.md, "A client that leaves"); older ones (before the fix of ggml-org/llama.cpp#9273, the #24496
+# regression) never look at a whole answer's; and a stream after each result of its own: a stream stops within a
+# token (None: no run-on), a whole answer runs on to its end (None: until its max_tokens are decoded). The ledger
+# keeps such a request in the split until then (`Ledger._run_on`): that work is its, not the requests' beside it.
 RUNS_ON_AFTER_LEAVE: dict[str, tuple[float | None, float | None]] = {"sglang": (2.0, 4.0), "llamacpp": (None, None)}
-# llama-server's HTTP_POLLING_SECONDS: its wait for a result, restarted by every result sent to any waiting request
-# (server-queue.cpp: `condition_results.wait_for` in a loop, `notify_all` in `send`), times out only after this long
-# with none sent, and then cancels a request whose client left (`Ledger._unplaced_quiet`).
-LLAMACPP_WAIT_S = 1.0
 START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
 LLAMACPP_STEPS = "llamacpp:n_decode_total"  # llama-server's decode calls: every step, a restart's tell (_scrape_llamacpp)
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
