@@ -5466,3 +5466,51 @@ def test_an_idle_interval_shorter_than_the_counter_s_refresh_teaches_no_early_id
     led.close_all(int(4 * S))
     [row] = sink.rows["requests"]
     assert row["gpu_energy_j"] == pytest.approx(151.0, abs=1.5), (row, sink.rows["intervals"])
+
+
+def _batch_answered(led, rid, status, extra, end_s=0.5):
+    """A /v1/completions request with `extra` (the proxy's reading of its body) answered `status` at `end_s`."""
+    tr = RequestTrace(rid, "POST", "/v1/completions", "t", int(0.2 * S), 0, api="openai-completions", stream=False)
+    tr.extra.update(extra)
+    led.on_start(tr)
+    _answered_without_counts(led, tr, status, end_s)
+
+
+def test_only_a_400_to_two_prompts_that_sglangs_band_abort_can_leave_running_is_recorded_as_a_batch_run_on():
+    # SGLang's scheduler aborts a prompt in the context's last 6 tokens; one with prompt + max_tokens past the context
+    # is refused with its whole batch, unrun (docs/simulator.md). Before: every error to 2+ sequences was recorded (a
+    # 2-prompt batch refused for n 0: 30 s of windows marked; n 2 of one prompt: all 4 streams flagged), and under
+    # scrape.server = none every one stayed (200 entries after 45 s, never pruned).
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    _batch_answered(led, 1, 400, {"sequences": 2})  # no server page read: no window to mark
+    assert led.recon.batch_run_ons == {}
+    led.recon.server_seen = True
+    _batch_answered(led, 2, 500, {"sequences": 2})  # no band abort
+    _batch_answered(led, 3, 429, {"sequences": 2})
+    _batch_answered(led, 4, 400, {"sequences": 2, "choices": 2})  # n 2 of one prompt
+    _batch_answered(led, 5, 400, {"sequences": 2, "max_tokens": 7})  # a band prompt + 7 passes the context: refused
+    assert led.recon.batch_run_ons == {}
+    _batch_answered(led, 6, 400, {"sequences": 2, "max_tokens": 6})
+    _batch_answered(led, 7, 400, {"sequences": 4, "choices": 2})  # two prompts, n 2
+    _batch_answered(led, 8, 400, {"sequences": 3})
+    assert sorted(led.recon.batch_run_ons) == [6, 7, 8]
+    led.serves_generate = False  # known not SGLang: dropped at the next close
+    led.recon.server_seen = False  # no window read here (none fed): bypass_over does not run
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(2.5 * S))
+    assert led.recon.batch_run_ons == {}
+
+
+def test_a_batch_run_on_is_pruned_by_time_with_no_scrape_window_read():
+    # Pruned before only inside bypass_over, by the windows it reads: with none read, every entry stayed.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.recon.server_seen = True
+    _batch_answered(led, 1, 400, {"sequences": 2})  # unknown kind: may be SGLang
+    assert list(led.recon.batch_run_ons) == [1]
+    led.recon.server_seen = False  # as no window read: bypass_over does not run
+    for k in range(45):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(44.5 * S))
+    assert led.recon.batch_run_ons == {}
+
