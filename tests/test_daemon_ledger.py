@@ -5514,3 +5514,20 @@ def test_a_batch_run_on_is_pruned_by_time_with_no_scrape_window_read():
     led.advance(int(44.5 * S))
     assert led.recon.batch_run_ons == {}
 
+
+def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them():
+    # Before: said from its status and sequences alone, so a vLLM batch refused for max_tokens 0 said its windows were
+    # marked batch_run_on (none were) and blamed SGLang.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.serves_generate = False  # vLLM or llama.cpp: nothing recorded
+    _batch_answered(led, 1, 400, {"sequences": 2})
+    led.serves_generate, led.recon.server_seen = None, True
+    _batch_answered(led, 2, 400, {"sequences": 2})  # kind unknown yet: recorded
+    led.recon.server_seen = False  # no window read here (none fed): bypass_over does not run
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(2.5 * S))
+    notes = {r["request_id"]: r["energy_note"] for r in sink.rows["requests"]}
+    assert "batch_run_on" not in notes[1] and "SGLang" not in notes[1] and "no GPU work" in notes[1], notes[1]
+    assert "batch_run_on" in notes[2] and "SGLang runs a batch's other prompts" in notes[2], notes[2]

@@ -836,6 +836,7 @@ class Ledger:
         span_s = RUN_ON_TO_END_MAX_S
         if isinstance(limit, int) and limit > 0 and self._paces:
             span_s = min(2.0 * limit / float(np.median(self._paces)), RUN_ON_TO_END_MAX_S)
+        r.batch_run_on = True  # its row says so (`rowtext._no_energy_reason`)
         self.recon.batch_run_ons[tr.request_id] = (int(tr.arrival_ns), max(int(tr.end_ns),
                                                                           tr.arrival_ns + int(span_s * 1e9)))
 
