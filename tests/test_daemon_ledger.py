@@ -1760,11 +1760,12 @@ def test_a_tag_over_a_whole_answer_cut_with_no_server_scraped_says_it_was_cut_an
     assert "scrape.server" in note, note
 
 
-@pytest.mark.parametrize("max_tokens", [2000, None])
-def test_an_sglang_batch_answered_400_marks_its_windows_past_30_s_to_its_cap_or_unbounded(max_tokens):
-    # A batch SGLang answers 400 runs its other prompts on to their cap (Ledger._batch_run_on). Its span was capped at
-    # RUN_ON_TO_END_MAX_S, 30 s: max_tokens 2000 at 40 tok/s (100 s of run) or none (to the context's end) left the
-    # windows 30 s on unmarked, the requests there unflagged. Now to twice its cap at the pace, or unbounded.
+def test_an_sglang_batch_answered_400_with_no_limit_marks_its_windows_past_30_s_unbounded():
+    # A batch SGLang answers 400 runs its other prompts on to their cap (Ledger._batch_run_on): with no max_tokens, to
+    # the context's end, unknown here. Its span was capped at RUN_ON_TO_END_MAX_S, 30 s, leaving the windows 30 s on
+    # unmarked, the requests there unflagged. Now unbounded. (A known limit above SGLANG_BAND_TOKENS is refused unrun
+    # with its whole batch: not recorded, test_only_a_400_to_two_prompts_...)
+    max_tokens = None
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     led._paces.append(40.0)
@@ -1774,7 +1775,9 @@ def test_an_sglang_batch_answered_400_marks_its_windows_past_30_s_to_its_cap_or_
         batch.extra["max_tokens"] = max_tokens
     led.on_start(batch)
     batch.end_ns, batch.status, batch.outcome = int(0.6 * S), 400, "error"
+    led.recon.server_seen = True  # a server page read (recorded only then); the scrapes below read it again
     led.on_end(batch)
+    led.recon.server_seen = False
     late = _chat(2, 40.1, 2000)
     for k in range(42):
         _feed(led, float(k), 100.0 * k)
@@ -5629,3 +5632,70 @@ def test_an_idle_interval_shorter_than_the_counter_s_refresh_teaches_no_early_id
     led.close_all(int(4 * S))
     [row] = sink.rows["requests"]
     assert row["gpu_energy_j"] == pytest.approx(151.0, abs=1.5), (row, sink.rows["intervals"])
+
+
+def _batch_answered(led, rid, status, extra, end_s=0.5):
+    """A /v1/completions request with `extra` (the proxy's reading of its body) answered `status` at `end_s`."""
+    tr = RequestTrace(rid, "POST", "/v1/completions", "t", int(0.2 * S), 0, api="openai-completions", stream=False)
+    tr.extra.update(extra)
+    led.on_start(tr)
+    _answered_without_counts(led, tr, status, end_s)
+
+
+def test_only_a_400_to_two_prompts_that_sglangs_band_abort_can_leave_running_is_recorded_as_a_batch_run_on():
+    # SGLang's scheduler aborts a prompt in the context's last 6 tokens; one with prompt + max_tokens past the context
+    # is refused with its whole batch, unrun (docs/simulator.md). Before: every error to 2+ sequences was recorded (a
+    # 2-prompt batch refused for n 0: 30 s of windows marked; n 2 of one prompt: all 4 streams flagged), and under
+    # scrape.server = none every one stayed (200 entries after 45 s, never pruned).
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    _batch_answered(led, 1, 400, {"sequences": 2})  # no server page read: no window to mark
+    assert led.recon.batch_run_ons == {}
+    led.recon.server_seen = True
+    _batch_answered(led, 2, 500, {"sequences": 2})  # no band abort
+    _batch_answered(led, 3, 429, {"sequences": 2})
+    _batch_answered(led, 4, 400, {"sequences": 2, "choices": 2})  # n 2 of one prompt
+    _batch_answered(led, 5, 400, {"sequences": 2, "max_tokens": 7})  # a band prompt + 7 passes the context: refused
+    assert led.recon.batch_run_ons == {}
+    led._paces.append(40.0)  # a pace: a known limit's span ends
+    _batch_answered(led, 6, 400, {"sequences": 2, "max_tokens": 6})
+    _batch_answered(led, 7, 400, {"sequences": 4, "choices": 2})  # two prompts, n 2: no limit, no end
+    _batch_answered(led, 8, 400, {"sequences": 3})  # inside 7's unbounded span: one span, not many
+    assert sorted(led.recon.batch_run_ons) == [6, 7]
+    led.serves_generate = False  # known not SGLang: dropped at the next close
+    led.recon.server_seen = False  # no window read here (none fed): bypass_over does not run
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(2.5 * S))
+    assert led.recon.batch_run_ons == {}
+
+
+def test_a_batch_run_on_is_pruned_by_time_with_no_scrape_window_read():
+    # Pruned before only inside bypass_over, by the windows it reads: with none read, every entry stayed.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.recon.server_seen = True
+    led._paces.append(40.0)  # its span ends: twice 6 tokens at 40 tok/s past its arrival
+    _batch_answered(led, 1, 400, {"sequences": 2, "max_tokens": 6})  # unknown kind: may be SGLang
+    assert list(led.recon.batch_run_ons) == [1]
+    led.recon.server_seen = False  # as no window read: bypass_over does not run
+    for k in range(45):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(44.5 * S))
+    assert led.recon.batch_run_ons == {}
+
+
+def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them():
+    # Before: said from its status and sequences alone, so a vLLM batch refused for max_tokens 0 said its windows were
+    # marked batch_run_on (none were) and blamed SGLang.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.serves_generate = False  # vLLM or llama.cpp: nothing recorded
+    _batch_answered(led, 1, 400, {"sequences": 2})
+    led.serves_generate, led.recon.server_seen = None, True
+    _batch_answered(led, 2, 400, {"sequences": 2})  # kind unknown yet: recorded
+    led.recon.server_seen = False  # no window read here (none fed): bypass_over does not run
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(2.5 * S))
+    notes = {r["request_id"]: r["energy_note"] for r in sink.rows["requests"]}
+    assert "batch_run_on" not in notes[1] and "SGLang" not in notes[1] and "no GPU work" in notes[1], notes[1]
+    assert "batch_run_on" in notes[2] and "SGLang runs a batch's other prompts" in notes[2], notes[2]

@@ -125,6 +125,10 @@ RUN_ON_CAPPED_SURE_SHARE = 0.8
 # A whole answer a server runs on to its end (llama.cpp: `_run_on`) is held open no longer than this past its client's
 # leaving (its intervals wait for that run, bounded by the prompt hold too).
 RUN_ON_TO_END_MAX_S = 30.0
+# The most tokens a batch SGLang's scheduler aborts one prompt of may ask: that abort takes a prompt in the context's last
+# 6 tokens, and its tokenizer manager refuses a batch whole, unrun, where any prompt + max_new_tokens passes the context
+# (docs/simulator.md). A larger known limit leaves no batch running for nobody behind its 400 (`_batch_run_on`).
+SGLANG_BAND_TOKENS = 6
 # Intervals a request keeps to judge once the requests whose end may say their hits have ended (`LiveRequest.cache_unsure`);
 # beyond, judged at their close as before (a stream live for hours over 1 s intervals).
 CACHE_UNSURE_MAX = 256
@@ -805,7 +809,7 @@ class Ledger:
         r.run_on_from_ns = max([tr.last_ns, *r.ev_t[-1:], *(e.t_ns for e in self.edges[:1])])  # none in a closed interval
 
     def _batch_run_on(self, r: LiveRequest) -> None:
-        """A batch (several sequences) answered with an error by SGLang, or by a server of kind unknown yet: SGLang
+        """A batch (two or more prompts) answered 400 by SGLang, or by a server of kind unknown yet: SGLang
         answers a whole /generate or /v1/completions batch 400 for one prompt its scheduler aborts (in the context's
         last 6 tokens) and runs the others to their cap for nobody (tokenizer_manager.py @ 001067ff
         `_collect_batch_responses`), counting them at their end. Its windows, from its arrival to the latest those
@@ -816,14 +820,21 @@ class Ledger:
         batch read +19% to +24%, unflagged; capped at RUN_ON_TO_END_MAX_S, the windows of a batch run on past it were
         not marked."""
         tr = r.trace
-        seqs = tr.extra.get("sequences", 1)
-        if (self.serves_generate is False or tr.status is None or tr.status < 400 or tr.api is None
-                or not isinstance(seqs, int) or seqs < 2 or tr.end_ns is None):
-            return
+        seqs, copies = tr.extra.get("sequences", 1), max(tr.extra.get("choices", 1), 1)
         limit = tr.extra.get("max_tokens")
+        # Only what that abort can be: an exact 400 (a 5xx, 429 or the proxy's own 502 is no band abort), to 2+ prompts
+        # (n copies of one prompt are aborted together), from a server whose page is read (no scrape window to mark
+        # otherwise: under scrape.server = none `_unplaced` owns run-ons; recorded, an entry a 400 and never pruned), and
+        # not where its known limit rules the abort out (SGLANG_BAND_TOKENS). Before: any error to n 2, or a batch
+        # refused unrun, marked up to 31 s (a flood of them every window).
+        if (self.serves_generate is False or not self.recon.server_seen or tr.status != 400 or tr.api is None
+                or not isinstance(seqs, int) or seqs // copies < 2 or tr.end_ns is None
+                or (isinstance(limit, int) and limit > SGLANG_BAND_TOKENS)):
+            return
         latest = int(attr.NEVER)  # no max_tokens (to the context's end, unknown here) or no pace: no end known
         if isinstance(limit, int) and limit > 0 and self._paces:
             latest = int(tr.arrival_ns) + int(2.0 * limit / float(np.median(self._paces)) * 1e9)
+        r.batch_run_on = True  # its row says so (`rowtext._no_energy_reason`)
         latest, spans = max(int(tr.end_ns), latest), self.recon.batch_run_ons
         if not any(a0 <= tr.arrival_ns and latest <= a1 for a0, a1 in spans.values()):  # one unbounded span, not many
             spans[tr.request_id] = (int(tr.arrival_ns), latest)
@@ -2440,6 +2451,12 @@ class Ledger:
         ev_t_a, ev_r_a, ev_n_a = np.array(ev_t, dtype=np.int64), np.array(ev_r, dtype=np.int64), np.array(ev_n, dtype=float)
         if self.recon.server_seen:
             excess, bypass_spans, why_low = self.recon.bypass_over(t)
+        # Dropped once the server is known not SGLang, and by time whether or not a window was read: an entry past the
+        # scrape hold reaches no interval still open (`bypass_over` prunes only by the windows it reads).
+        gone_ns = int(t[-1]) - int((SCRAPE_HOLD_S + LAG_S) * 1e9)
+        for rid in [rid for rid, (_, b) in self.recon.batch_run_ons.items()
+                    if b <= gone_ns or self.serves_generate is False]:
+            del self.recon.batch_run_ons[rid]
         server_count = self.recon.server_count(t, why_low, self.scraping, self.proxy_unread_since_ns,
                                                self.proxy_unread_spans)
         # Intervals whose bypass count may be low (or high: schema.BYPASS_COUNT_TWO_WAY): their requests may carry bypass

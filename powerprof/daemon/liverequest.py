@@ -87,6 +87,9 @@ class LiveRequest:
     # That death was proved by a refused connection alone, no page after saying a restart (`Ledger.add_server_tokens`)
     run_on_unrestarted: bool = False
     run_on_crash: bool = False  # a whole answer whose connection the server closed with no answer: run to there
+    # A batch answered 400 whose other prompts SGLang may run for nobody: its windows say batch_run_on
+    # (`Ledger._batch_run_on`)
+    batch_run_on: bool = False
     # Its close with no answer came as its server died (`Ledger._crash_seen`): a crash, not a router refusing it
     crash_seen: bool = False
     # Seen only as sent before the old process's last good scrape, a scrape then finding it down by a 503 and a page

@@ -202,8 +202,8 @@ class CountReconciler:
         # (`Ledger._run_on`, dropped where placed sure: `Ledger._place_run_on`): the windows over them say
         # SERVER_COUNT_RUN_ON_MAY_END (`bypass_over`).
         self.run_ons_may_end: dict[int, tuple[int, int]] = {}
-        # {request id: (its arrival, the latest its prompts may run to)} of batches SGLang may have answered with an
-        # error while running their other prompts for nobody (`Ledger._batch_run_on`): the windows over them say
+        # {request id: (its arrival, the latest its prompts may run to)} of batches SGLang may have answered 400
+        # while running their other prompts for nobody (`Ledger._batch_run_on`): the windows over them say
         # SERVER_COUNT_BATCH_RUN_ON (`bypass_over`).
         self.batch_run_ons: dict[int, tuple[int, int]] = {}
         self.server_at_finish = False  # the server's counter moves when a request finishes, not as tokens come

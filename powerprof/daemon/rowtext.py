@@ -621,9 +621,11 @@ def _no_energy_reason(r: LiveRequest) -> str:
                 if c is not None and c.server_error is not None
                 else f"a {outside_text(r.trace.method, 16)} request to no generation endpoint")
         seqs = r.trace.extra.get("sequences", 1)
-        if r.trace.status is not None and r.trace.status >= 400 and isinstance(seqs, int) and seqs > 1:
+        if r.batch_run_on:
             # SGLang answers a batch 400 for one prompt its scheduler aborts and runs the others to their cap
-            # (tokenizer_manager.py @ 001067ff _collect_batch_responses): "no GPU work" would be untrue there.
+            # (tokenizer_manager.py @ 001067ff _collect_batch_responses): "no GPU work" would be untrue there. Said
+            # from the ledger's record (before: from the status and sequences alone, on vLLM or llama.cpp too, where
+            # no window was marked).
             return (f"no share: {what} to a batch of {seqs} sequences, with no token and no prompt length: no GPU "
                     "work of it was seen here, yet SGLang runs a batch's other prompts to their cap for nobody after "
                     "one prompt's 400: that work, where the server's token counter saw it, is in the intervals' "

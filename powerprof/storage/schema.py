@@ -331,8 +331,8 @@ SERVER_COUNT_PROXY_UNREAD = "proxy_unread"
 # they read as bypass tokens there; aborted, it counted none. Which, nothing tells: its bypass count may be high (one of
 # BYPASS_COUNT_TWO_WAY), and the requests given energy there low.
 SERVER_COUNT_RUN_ON_MAY_END = "run_on_may_end"
-# A scrape window from the arrival of a batch (several sequences) an SGLang (or a server of kind unknown yet) answered
-# with an error to the latest its other prompts may run to (`Ledger._batch_run_on`): SGLang answers 400 for one prompt
+# A scrape window from the arrival of a batch (two or more prompts) an SGLang (or a server of kind unknown yet) answered
+# 400 to the latest its other prompts may run to (`Ledger._batch_run_on`): SGLang answers 400 for one prompt
 # its scheduler aborts and runs the others to their cap for nobody, counting them at their end; the daemon spreads
 # those tokens back only over the intervals still open then, so the energy of the batch's run before them went to the
 # requests beside it (high) and later windows' bypass count may be high: one of BYPASS_COUNT_TWO_WAY.
@@ -509,7 +509,7 @@ BYPASS_COUNT_FIX = {
                                  "beside it low); none for the figures kept, they are left out of J/token; clients that "
                                  "stay to their answers' end, or send ignore_eos (or a min_tokens) where the answer is "
                                  "to run to max_tokens",
-    SERVER_COUNT_BATCH_RUN_ON: "their count may be high or low: a batch (several prompts) answered with an error ran "
+    SERVER_COUNT_BATCH_RUN_ON: "their count may be high or low: a batch (several prompts) answered 400 may have run "
                                "on for nobody (SGLang answers 400 for one prompt in the context's last 6 tokens and "
                                "runs the others to their cap), counted at its end and placed late, the requests beside "
                                "it high; none for the figures kept, they are left out of J/token; send each prompt as "
