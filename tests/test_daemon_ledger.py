@@ -2014,23 +2014,26 @@ def test_a_tag_counts_a_request_gone_before_its_first_token_whose_row_was_held_b
     assert sorted(r["request_id"] for r in led.emit.rows["requests"]) == [1, 2]
 
 
-def test_a_tag_says_a_count_less_streams_surplus_whose_row_was_held_back():
+@pytest.mark.parametrize("held", [True, False], ids=["row_held_past_the_tag", "row_out_the_tag_open"])
+def test_a_tag_says_a_count_less_streams_surplus_whose_row_was_held_back(held):
     # A stream carrying no counts (one token a chunk, the server counting two a chunk) ended at 0.6 s beside a request
     # whose prompt was said early and its cached count not yet: its row waits for that count (`_late_parked`), past
     # its tag window's row. Counted at its row, the window's note never said why its unproxied held 10.4 J ("carried
     # no token counts ... gpu_j_per_token is high by it"): the tag row read as bypass traffic with every request
-    # proxied. It is told at its end's close now.
+    # proxied. It is told at its end's close now. `held` False: no such request, its row written at that close with
+    # the tag still open: told there once, not again at its row (`LiveRequest.low_told`; without it, "2 request(s)").
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.open_tag("win", 0, 0)
     nb, low = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
     nb.extra["prompt_tokens"] = 500  # said early (continuous usage), its cached count not yet
-    for tr in (nb, low):
+    for tr in (nb, low) if held else (low,):
         led.on_start(tr)
-    nb_t = [0.1 + 0.05 * k for k in range(60)]
+    nb_t = [0.1 + 0.05 * k for k in range(60)] if held else []
     for t in nb_t:
         led.on_tokens(nb, int(t * S), 1)
-    nb.first_ns, nb.last_ns = int(0.1 * S), int(nb_t[-1] * S)
-    low_t = nb_t[:10]
+    if held:
+        nb.first_ns, nb.last_ns = int(0.1 * S), int(nb_t[-1] * S)
+    low_t = [0.1 + 0.05 * k for k in range(10)]
     for t in low_t:
         low.tokens_seen += 1
         led.on_tokens(low, int(t * S), 1)
@@ -2046,13 +2049,22 @@ def test_a_tag_says_a_count_less_streams_surplus_whose_row_was_held_back():
                               int(t0 * S))
         _feed(led, t1, 50.0 * t1)
         led.advance(int(t1 * S))
-    led.close_tag("win", S, S)
-    led.advance(int(2.0 * S))
-    assert [r["request_id"] for r in led.emit.rows.get("requests", [])] == []  # its row held back
+    if not held:
+        assert [r["request_id"] for r in led.emit.rows.get("requests", [])] == [2]  # its row out, the tag open
+        led.close_tag("win", int(2.5 * S), int(2.5 * S))
+        _feed(led, 3.0, 150.0)
+        led.advance(int(3.0 * S))
+        led.close_all(int(3.5 * S))
+    else:
+        led.close_tag("win", S, S)
+        led.advance(int(2.0 * S))
+        assert [r["request_id"] for r in led.emit.rows.get("requests", [])] == []  # its row held back
     (tag,) = led.emit.rows["tags"]
     note = tag["energy_note"] or ""
     print(tag["unproxied_energy_j"], note)
     assert tag["unproxied_energy_j"] > 0 and "1 request(s) in this window carried no token counts" in note, note
+    if not held:
+        return
     nb.end_ns = int(3.2 * S)
     nb.counts = Counts(generated_tokens=60, prompt_tokens=500, model=None, stop_reason="length", token_source="usage")
     led.on_end(nb)
@@ -2060,7 +2072,6 @@ def test_a_tag_says_a_count_less_streams_surplus_whose_row_was_held_back():
     led.advance(int(4.5 * S))
     led.close_all(int(5 * S))
     assert sorted(r["request_id"] for r in led.emit.rows["requests"]) == [1, 2]
-    assert led.chunk_counted_low == 1  # told once, at its end's close, not again at its row
 
 
 def test_the_gone_prefill_flag_is_per_sampling_interval_as_the_split_is():
