@@ -5497,6 +5497,26 @@ def test_a_close_whose_resend_met_llama_server_s_loading_page_after_the_last_goo
     assert f"{UNSURE_FLAG}: {RESEND_LOADING} (a new process" in note and "sent before" not in note, note
 
 
+def test_a_crossing_close_whose_resend_met_the_loading_page_marks_its_neighbours_as_an_unsure_crash():
+    # A whole answer closed with no answer 20 ms after its arrival (1.62 s), a 0.2 s stream beside it (1.55-1.75 s):
+    # a crossing's time. Its resend refused, its row alone is marked (`resend_crossed`); its resend met llama-server's
+    # loading page, it is costed as an unsure crash (`crash_by_page`) and, like any, marks the requests beside it
+    # (`crash_unsure_costed`): the stream read 18.3 J for 20.0 J without it (-8.3%) either way (docs/daemon.md says
+    # both; until December 2026 it said "its own row alone" for both).
+    from powerprof.daemon.proxy import CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED
+    notes = {}
+    for how, opened in ((RESEND_LOADING, (1.6, None)), (RESEND_REFUSED, (1.6, 1.6))):
+        kw = dict(arrive=1.62, leave=1.64, end_s=20.0, outcome="upstream_error", error=f"{CRASHED_NOTE}: {how}: closed",
+                  beside=(1.55, 1.75), opened=opened)
+        rows = _llamacpp_whole_run_on([(1.5, 12.0)], **kw)
+        truth = _llamacpp_whole_run_on([(1.5, 12.0)], with_whole=False, **kw)
+        print(how, rows[2]["gpu_energy_j"], rows[5]["gpu_energy_j"], truth[5]["gpu_energy_j"])
+        assert rows[5]["gpu_energy_j"] == pytest.approx(0.917 * truth[5]["gpu_energy_j"], abs=0.1), (rows[5], truth[5])
+        notes[how] = rows[5]["energy_note"] or ""
+    assert UNSURE_FLAG in notes[RESEND_LOADING] and "may have waited queued" in notes[RESEND_LOADING], notes
+    assert UNSURE_FLAG not in notes[RESEND_REFUSED], notes
+
+
 def test_a_crash_costed_close_that_took_no_share_says_so_not_the_generic_words():
     # A whole answer closed by the crash 20 ms after its arrival, its resend refused (`_queued_close_scene`, no stream
     # ended before): costed as a crash, the split placed none of its work in those 20 ms (0 J, as a crossing should
