@@ -2531,7 +2531,8 @@ class Ledger:
         # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does, where that may be a material share of their
         # figure (rowtext.QUEUED_BESIDE_MIN_SHARE). So may a crash-costed close no death was shown at (`crash_unsure`),
         # a queuing router's refusal of a request it held, never run, reading the same: a stream beside such a close,
-        # ended before it, read 54.7 J for 100 J of truth (-45%) unflagged, in J/token.
+        # ended before it, read 50.6 J for 100 J of truth (-49%), its note silent on it (out of J/token only as
+        # bypass-uncounted, its intervals reaching the restart).
         queued = np.array([d and (resend_queued(r) or crash_unsure_costed(r)) for r, d in zip(reqs, done)], dtype=bool)
         self._queued_spans = [s for s in self._queued_spans if s[1] > t[0]]
         self._queued_spans.extend((int(arrival[i]), int(end[i])) for i in np.flatnonzero(queued))

@@ -282,7 +282,8 @@ def resend_crossed(r: LiveRequest) -> bool:
     """`_resend_dead`, within CROSSING_CLOSE_MAX_S of its arrival: a close crossing it on the wire (never begun) or one
     queued behind full slots (never run), 0 J either way, or run those milliseconds as costed; whether the slots were
     full at its arrival is not read, so its own row says UNSURE_FLAG where costed any energy (not its neighbours': their
-    shares are low by that figure at most, a few tenths of a percent)."""
+    shares are low by that figure at most, a few tenths of a percent beside long streams; unless its resend met the
+    loading page, `crash_unsure_costed`: an unsure crash marks them whatever its time)."""
     return _resend_dead(r) and r.trace.end_ns - r.trace.arrival_ns <= CROSSING_CLOSE_MAX_S * 1e9
 
 
