@@ -190,6 +190,20 @@ def test_steady_traffic_with_short_idle_gaps_keeps_the_idle_power_learned_at_sta
     assert c.source == "fitted" and c.decode_j == pytest.approx(TRUE[2], rel=0.05)
 
 
+def test_an_unused_gpu_is_judged_in_steady_traffic_with_short_idle_gaps():
+    # The review's judge_steady.py: 2 GPUs, the server on GPU 0, the daemon started into steady traffic (gaps 0.1-0.25
+    # s, no run ever): GPU 1 was never judged (serving None: its 60 W counted as the requests'). The per-GPU idle
+    # readings come from each idle interval again, a stale 0 J one left out.
+    rng = np.random.default_rng(0)
+    learner = CostLearner()
+    for _ in range(200):
+        g = rng.uniform(0.1, 0.25)
+        x = np.array([[0.5, 30, 75, 0, 0], [g, 0, 0, 0, 0]])
+        e = np.array([[400 * 0.5, 60 * 0.5], [78 * g * rng.choice([0.0, 1.0, 2.0]), 60 * g]])
+        learner.add("s", x, e, np.ones(2, bool))
+    assert learner.serving is not None and learner.serving.tolist() == [True, False]  # None before
+
+
 def test_a_gpu_that_draws_the_same_busy_or_idle_is_left_out_of_the_costs_and_the_idle_power():
     # Per-GPU energies: GPU 0 runs the work (TRUE costs), GPU 1 draws 50 W whatever happens (no server
     # on it). The fit and the idle power are GPU 0's alone, the window re-summed once that is seen.

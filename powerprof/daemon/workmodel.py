@@ -178,8 +178,14 @@ class CostLearner:
             xs.append(f)
             ys.append(e)
             yg.append(g)
-            if f[0] > 0 and eg.shape[1] > 1 and (f[2] > 0 or f[3] > 0):
-                self._g_busy.append(g / f[0])
+            if f[0] > 0 and eg.shape[1] > 1:
+                if f[2] > 0 or f[3] > 0:
+                    self._g_busy.append(g / f[0])
+                elif not f[1:].any() and np.all(g > 0):
+                    # Each idle interval, short or not (steady traffic makes no run: none was judged), its medians
+                    # bearing a refresh more or less; a stale 0 J read is left out (an unused GPU's idle draw would
+                    # read as a rise).
+                    self._g_idle.append(g / f[0])
             added += 1
             self._n[setting] = n = self._n.get(setting, 0) + 1
             if f[1:].any():
@@ -195,8 +201,6 @@ class CostLearner:
                     if spell_j > 0:
                         idle.append((n, spell_j / spell_s, first, spell_g / spell_s))
                         insort(srt, idle[-1][1])
-                        if eg.shape[1] > 1:
-                            self._g_idle.append(spell_g / spell_s)
         while len(idle) > MIN_IDLE and idle[0][0] <= self._n.get(setting, 0) - self.window:
             del srt[bisect_left(srt, idle.popleft()[1])]  # left the window
         if added and eg.shape[1] > 1:
