@@ -11,8 +11,8 @@ intervals that have an exact counter and little bypass traffic, separately for e
 sampled GPUs (their power limits: a cap changes what a token costs). The fit is used once it is
 mature (enough busy intervals, R² high enough); until then `attribution.WorkCosts()` (the
 documented fixed ratio) splits the intervals. Idle power is the median of the window's runs of
-idle intervals, each summed to at least IDLE_MIN_S (measured, not fitted) where there are some,
-and the fit's intercept is held at it; without them the intercept is fitted too. How fast prompts
+idle intervals, each summed to at least IDLE_MIN_S (measured, not fitted), the last MIN_IDLE kept past
+the window until new runs replace them, where there are some, and the fit's intercept is held at it; without them the intercept is fitted too. How fast prompts
 are prefilled (where their work is placed: just before their first token) follows from the fit:
 the power the GPUs draw above idle when busy (the window's median) over the fitted energy of a
 prompt token.
@@ -35,6 +35,9 @@ WINDOW = 900  # intervals: 15 minutes at 1 Hz
 MIN_BUSY = 30  # busy intervals in the window before the fit is used
 MIN_R2 = 0.9  # over the window's busy intervals
 MIN_IDLE = 5  # idle runs (below) before their median power is the idle power (until then the median of those seen is)
+# The last MIN_IDLE runs stay past the window until new runs replace them: steady traffic with idle gaps of 0.1-0.25 s
+# makes no run, and with none left the busy intervals' idle time went to their requests (+21% median, unflagged, on
+# the simulated vLLM). A GPU's idle draw at a fixed setting does not change with traffic.
 # The idle power is learned from runs of consecutive idle intervals, summed until they are this long (each run one
 # reading; a busy or unusable interval ends a run, its part dropped), early or late: a counter refreshed every 100 ms
 # (H200) reads an idle interval of a few ms as 0 J or a whole refresh (0 W or 300-1000 W for 78 W), and the daemon's
@@ -140,7 +143,8 @@ class CostLearner:
         self._y: dict = {}
         self._since: dict = {}
         self._n: dict = {}  # intervals ever added per setting (the window holds the last `window`)
-        self._idle: dict = {}  # (its last interval's number, its power, its first's) of each run that teaches it
+        # (its last interval's number, its power, its first's, its power per GPU) of each run that teaches it
+        self._idle: dict = {}
         # The run of consecutive idle intervals being summed: (setting, its first's number, J, s, J per GPU), or None.
         self._spell: tuple | None = None
         # The same powers kept sorted: the median is read off the middle, where np.median over the window sorted it
@@ -174,8 +178,14 @@ class CostLearner:
             xs.append(f)
             ys.append(e)
             yg.append(g)
-            if f[0] > 0 and eg.shape[1] > 1 and (f[2] > 0 or f[3] > 0):
-                self._g_busy.append(g / f[0])
+            if f[0] > 0 and eg.shape[1] > 1:
+                if f[2] > 0 or f[3] > 0:
+                    self._g_busy.append(g / f[0])
+                elif not f[1:].any() and np.all(g > 0):
+                    # Each idle interval, short or not (steady traffic makes no run: none was judged), its medians
+                    # bearing a refresh more or less; a stale 0 J read is left out (an unused GPU's idle draw would
+                    # read as a rise).
+                    self._g_idle.append(g / f[0])
             added += 1
             self._n[setting] = n = self._n.get(setting, 0) + 1
             if f[1:].any():
@@ -189,11 +199,9 @@ class CostLearner:
                 if spell_s >= IDLE_MIN_S:
                     self._spell = None
                     if spell_j > 0:
-                        idle.append((n, spell_j / spell_s, first))
+                        idle.append((n, spell_j / spell_s, first, spell_g / spell_s))
                         insort(srt, idle[-1][1])
-                        if eg.shape[1] > 1:
-                            self._g_idle.append(spell_g / spell_s)
-        while idle and idle[0][0] <= self._n.get(setting, 0) - self.window:
+        while len(idle) > MIN_IDLE and idle[0][0] <= self._n.get(setting, 0) - self.window:
             del srt[bisect_left(srt, idle.popleft()[1])]  # left the window
         if added and eg.shape[1] > 1:
             self._judge_gpus()  # at every close, not every fit: a busy interval split over an idle GPU is wrong
@@ -229,20 +237,18 @@ class CostLearner:
             ys = self._y[setting]
             ys.clear()
             ys.extend(float(g[serving].sum()) if g.size == serving.size else float(g.sum()) for g in yg)
-            # Each run of idle intervals that taught the idle power, re-summed over the working GPUs.
-            n0 = self._n.get(setting, 0) - len(ys)
-            x0 = [f[0] for f in self._x[setting]]
-            y = list(ys)
+            # Each run of idle intervals that taught the idle power, re-summed over the working GPUs (kept ones
+            # past the window too: each holds its power per GPU).
             idle = self._idle[setting]
-            kept = [(n, sum(y[first - n0 - 1:n - n0]) / sum(x0[first - n0 - 1:n - n0]), first)
-                    for n, _, first in idle if first > n0]
+            kept = [(n, float(gw[serving].sum()) if gw.size == serving.size else float(gw.sum()), first, gw)
+                    for n, _, first, gw in idle]
             idle.clear()
             idle.extend(k for k in kept if k[1] > 0)
-            self._idle_sorted.setdefault(setting, [])[:] = sorted(w for _, w, _ in idle)
+            self._idle_sorted.setdefault(setting, [])[:] = sorted(k[1] for k in idle)
         self._spell = None
 
     def _idle_median(self, setting, least: int = MIN_IDLE) -> float | None:
-        """Median power of the window's idle runs (IDLE_MIN_S), None with fewer than `least`."""
+        """Median power of the window's idle runs (IDLE_MIN_S) and the last MIN_IDLE, None with fewer than `least`."""
         srt = self._idle_sorted.get(setting)
         if not srt or len(srt) < least:
             return None
