@@ -1260,8 +1260,8 @@ def test_the_requests_beside_an_sglang_run_on_that_may_end_by_itself_are_flagged
     late = [f"ok{30 + k}" for k in range(4)]
     late_est, late_true = sum(ok[t]["gpu_energy_j"] for t in late), sum(truth[t]["energy_j"] for t in late)
     # The first stream after the quiet spell took that spell's idle energy where the idle median from MIN_IDLE on took
-    # sub-refresh idle intervals in (0 W readings): ok30 +38% in about one run in three, unflagged; only idle intervals
-    # at least workmodel.IDLE_MIN_S long with energy teach it now.
+    # sub-refresh idle intervals in (0 W readings): ok30 +38% in about one run in three, unflagged; only runs of idle
+    # intervals summed to workmodel.IDLE_MIN_S, with energy, teach it now.
     assert not off, off
     assert late_est == pytest.approx(late_true, rel=0.10), (late_est, late_true)
 

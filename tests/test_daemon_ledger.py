@@ -1761,18 +1761,16 @@ def test_a_tag_over_a_whole_answer_cut_with_no_server_scraped_says_it_was_cut_an
 
 
 def test_an_sglang_batch_answered_400_with_no_limit_marks_its_windows_past_30_s_unbounded():
-    # A batch SGLang answers 400 runs its other prompts on to their cap (Ledger._batch_run_on): with no max_tokens, to
+    # A batch SGLang answers 400 runs its other prompts on to their cap (Ledger._batch_run_on): with a null limit, to
     # the context's end, unknown here. Its span was capped at RUN_ON_TO_END_MAX_S, 30 s, leaving the windows 30 s on
-    # unmarked, the requests there unflagged. Now unbounded. (A known limit above SGLANG_BAND_TOKENS is refused unrun
-    # with its whole batch: not recorded, test_only_a_400_to_two_prompts_...)
-    max_tokens = None
+    # unmarked, the requests there unflagged. Now unbounded. (A known limit above SGLANG_BAND_TOKENS, or none sent,
+    # SGLang's default, is refused unrun with its whole batch: not recorded, test_only_a_400_to_two_prompts_...)
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     led._paces.append(40.0)
     batch = RequestTrace(1, "POST", "/generate", None, int(0.5 * S), 0, api="sglang-generate", stream=False)
     batch.extra["sequences"] = 2
-    if max_tokens:
-        batch.extra["max_tokens"] = max_tokens
+    batch.extra["max_tokens_null"] = True  # sampling_params {"max_new_tokens": null}: to the context's end
     led.on_start(batch)
     batch.end_ns, batch.status, batch.outcome = int(0.6 * S), 400, "error"
     led.recon.server_seen = True  # a server page read (recorded only then); the scrapes below read it again
@@ -5647,7 +5645,7 @@ def test_an_idle_interval_shorter_than_the_counter_s_refresh_teaches_no_early_id
     # A counter refreshed every 100 ms reads an idle interval of a few ms as 0 J or a whole refresh (here 0 W or 1000 W
     # for 100 W): the daemon's first interval is often that short. Before, the median of the idle intervals seen from
     # one on (fewer than MIN_IDLE) took it in: with the 1 s one (100 W), 50 W or 550 W, and the request below 50 J too
-    # many or none of its 0.01 s in [1.01, 2]. Now only idle intervals at least IDLE_MIN_S (0.3 s) long teach it early.
+    # many or none of its 0.01 s in [1.01, 2]. Now only runs of idle intervals summed to IDLE_MIN_S (0.3 s) teach it early.
     # 100 W idle; the request live 1.99-2.5 s at 300 W: its truth 1 J + 150 J.
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
@@ -5696,9 +5694,11 @@ def test_only_a_400_to_two_prompts_that_sglangs_band_abort_can_leave_running_is_
     _batch_answered(led, 5, 400, {"sequences": 2, "max_tokens": 7})  # a band prompt + 7 passes the context: refused
     assert led.recon.batch_run_ons == {}
     led._paces.append(40.0)  # a pace: a known limit's span ends
+    _batch_answered(led, 9, 400, {"sequences": 3})  # no limit sent: SGLang's default (16) passes the band, unrun
+    assert led.recon.batch_run_ons == {}
     _batch_answered(led, 6, 400, {"sequences": 2, "max_tokens": 6})
-    _batch_answered(led, 7, 400, {"sequences": 4, "choices": 2})  # two prompts, n 2: no limit, no end
-    _batch_answered(led, 8, 400, {"sequences": 3})  # inside 7's unbounded span: one span, not many
+    _batch_answered(led, 7, 400, {"sequences": 4, "choices": 2, "max_tokens_null": True})  # two prompts, n 2: no end
+    _batch_answered(led, 8, 400, {"sequences": 3, "max_tokens_null": True})  # inside 7's unbounded span: one, not many
     assert sorted(led.recon.batch_run_ons) == [6, 7]
     led.serves_generate = False  # known not SGLang: dropped at the next close
     led.recon.server_seen = False  # no window read here (none fed): bypass_over does not run
@@ -5728,9 +5728,9 @@ def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them(
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     led.serves_generate = False  # vLLM or llama.cpp: nothing recorded
-    _batch_answered(led, 1, 400, {"sequences": 2})
+    _batch_answered(led, 1, 400, {"sequences": 2, "max_tokens": 6})
     led.serves_generate, led.recon.server_seen = None, True
-    _batch_answered(led, 2, 400, {"sequences": 2})  # kind unknown yet: recorded
+    _batch_answered(led, 2, 400, {"sequences": 2, "max_tokens": 6})  # kind unknown yet: recorded
     led.recon.server_seen = False  # no window read here (none fed): bypass_over does not run
     for k in range(3):
         _feed(led, float(k), 100.0 * k)

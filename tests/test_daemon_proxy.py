@@ -1427,12 +1427,17 @@ def test_sglangs_generate_max_new_tokens_is_read_as_its_limit():
     import json
 
     from powerprof.daemon.proxy import inspect_request_body
-    for sp, want in (({"max_new_tokens": 64}, 64), ([{"max_new_tokens": 8}, {"max_new_tokens": 64.0}], 64),
-                     ([{"max_new_tokens": 8}, {}], None), ({"max_new_tokens": None}, None), ({}, None), (None, None)):
+    # An explicit null runs to the context's end (max_tokens_null); a key left out is SGLang's default, 128.
+    for sp, want, null in (({"max_new_tokens": 64}, 64, False),
+                           ([{"max_new_tokens": 8}, {"max_new_tokens": 64.0}], 64, False),
+                           ([{"max_new_tokens": 8}, {}], None, False), ({"max_new_tokens": None}, None, True),
+                           ([{"max_new_tokens": 8}, {"max_new_tokens": None}], None, True), ({}, None, False),
+                           (None, None, False)):
         extra: dict = {}
         inspect_request_body(json.dumps({"text": ["a", "b"], "sampling_params": sp}).encode(), api="sglang-generate",
                              extra=extra)
         assert extra.get("max_tokens") == want, sp
+        assert bool(extra.get("max_tokens_null")) is null, sp
 
 
 def test_a_chunked_body_is_read_whole_and_inspected_and_one_past_the_bound_has_its_bytes_counted():

@@ -831,9 +831,14 @@ class Ledger:
                 or not isinstance(seqs, int) or seqs // copies < 2 or tr.end_ns is None
                 or (isinstance(limit, int) and limit > SGLANG_BAND_TOKENS)):
             return
-        latest = int(attr.NEVER)  # no max_tokens (to the context's end, unknown here) or no pace: no end known
+        if not isinstance(limit, int) and not tr.extra.get("max_tokens_null"):
+            # No limit sent: SGLang's default passes the band (/v1/completions' max_tokens 16, protocol.py @ 004c82e0
+            # CompletionRequest; /generate's max_new_tokens 128, SamplingParams), so the batch was refused whole,
+            # unrun; a null /v1/completions max_tokens is a validation 400, unrun. Only /generate's explicit null runs on.
+            return
+        latest = int(attr.NEVER)  # an explicit null (to the context's end, unknown here) or no pace: no end known
         if isinstance(limit, int) and limit > 0 and self._paces:
-            latest = int(tr.arrival_ns) + int(2.0 * limit / float(np.median(self._paces)) * 1e9)
+            latest = min(int(tr.arrival_ns) + int(2.0 * limit / float(np.median(self._paces)) * 1e9), int(attr.NEVER))
         r.batch_run_on = True  # its row says so (`rowtext._no_energy_reason`)
         latest, spans = max(int(tr.end_ns), latest), self.recon.batch_run_ons
         if not any(a0 <= tr.arrival_ns and latest <= a1 for a0, a1 in spans.values()):  # one unbounded span, not many
@@ -863,7 +868,7 @@ class Ledger:
             latest = int(attr.NEVER)  # no max_tokens (to the context's end, unknown here) or no pace: no end known
             if isinstance(limit, int) and limit > 0 and self._paces:
                 span_s = max(2.0 * limit / float(np.median(self._paces)), wait_s)
-                latest = end_ns + int(span_s * 1e9) + slack_ns
+                latest = min(end_ns + int(span_s * 1e9) + slack_ns, int(attr.NEVER))
         if not any(a0 <= end_ns and latest <= a1 for a0, a1 in self._unplaced_spans):  # one unbounded span, not many
             self._unplaced_spans.append((end_ns, latest))
 

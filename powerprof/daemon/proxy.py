@@ -637,13 +637,16 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
                 extra["max_tokens"] = limit  # a count at the limit is whole (arrival.at_limit)
         if api == "sglang-generate":
             # SGLang's sampling_params max_new_tokens, one for all or one a prompt: their most, where each says one
-            # (none: SGLang's default, or to the context's end; not guessed). Unread, a batch it answered 400 while
+            # (none: SGLang's default, 128, or to the context's end where null; not guessed as a count). Unread, a batch it answered 400 while
             # running the rest on was marked to no end (Ledger._batch_run_on).
             sp = doc.get("sampling_params")
-            limits = [whole_count(x.get("max_new_tokens")) if isinstance(x, dict) else None
-                      for x in (sp if isinstance(sp, list) else [sp])]
+            sps = sp if isinstance(sp, list) else [sp]
+            limits = [whole_count(x.get("max_new_tokens")) if isinstance(x, dict) else None for x in sps]
             if limits and None not in limits and 0 < max(limits) <= MAX_COUNT:
                 extra["max_tokens"] = max(limits)  # a count at the limit is whole (arrival.at_limit)
+            # An explicit null runs to the context's end; a key left out is SGLang's default (SamplingParams, 128).
+            if any(isinstance(x, dict) and "max_new_tokens" in x and x["max_new_tokens"] is None for x in sps):
+                extra["max_tokens_null"] = True
         if api in ("openai-chat", "openai-completions"):
             # vLLM's rule (`max_completion_tokens or max_tokens`): a null or 0 max_completion_tokens leaves max_tokens.
             limit = whole_count(doc.get("max_completion_tokens"))
