@@ -4338,6 +4338,27 @@ def test_a_whole_answer_llamacpp_run_on_capped_at_max_tokens_is_costed_to_there(
     assert row["gpu_energy_j"] == pytest.approx(100.0, abs=10.5), row  # to the 0.1 s interval its end falls in
 
 
+@pytest.mark.parametrize("beside,downs,flagged", [((33.0, 38.0), [], True), ((10.0, 15.0), [], False),
+                                                  ((33.0, 38.0), [(1.5, 2.0)], False)],
+                         ids=["past_the_cap", "within_it", "restarted_before"])
+def test_a_whole_answer_llamacpp_runs_on_past_the_cap_flags_the_requests_beside_its_rest(beside, downs, flagged):
+    # max_tokens 2000 at 40 tokens/s: held, as ever, only to RUN_ON_TO_END_MAX_S (30 s) after its leave at 0.6 s; its
+    # estimated end is 2 x 2000 / 40 = 100 s on, its rest placed nowhere. Before, a stream 33-38 s in was given all of
+    # those intervals (500 J for 199 tokens here), unflagged and in the gauge (the simulated llama.cpp's such rows
+    # read -5% to +29%, docs/daemon.md). Now flagged with its own fix, left out of the gauge. A stream within the 30 s,
+    # or past it where a restart ended the run first, is not.
+    ledgers = []
+    rows = _llamacpp_whole_run_on(downs, max_tokens=2000, end_s=45.0, beside=beside, ledgers=ledgers)
+    note = rows[5]["energy_note"] or ""
+    said = "its run-on is placed only to 30 s after that leave" in note
+    assert said == flagged, note
+    assert (UNSURE_FLAG in note) == flagged, note
+    if flagged:
+        assert "max_tokens" in note and "scrape.server" not in note, note
+    left = ledgers[0].totals.jpt_left_out.get(UNSURE_FLAG, (0, 0.0))
+    assert (left[0] > 0) == flagged, ledgers[0].totals.jpt_left_out
+
+
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):
     # SGLang runs a stream on 2 s after its client left (`Ledger._run_on`). A stream at 40 tokens/s from 0.5 s, its client
     # gone at `leave`; the server down over (down, up): its old process last scraped at `down`, the new one's first

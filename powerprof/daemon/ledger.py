@@ -42,9 +42,9 @@ from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, UNSURE
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
 from . import attribution as attr
-from .liverequest import (PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN, closed_unanswered, crash_unsure_costed,
-                          finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest, is_unseen,
-                          not_forwarded, resend_queued, server_end_ns)
+from .liverequest import (PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN, RUN_ON_TO_END_MAX_S, closed_unanswered,
+                          crash_unsure_costed, finished_unsaid, gone_unsaid, is_passive, told_prompt_tokens, LiveRequest,
+                          is_unseen, not_forwarded, resend_queued, server_end_ns)
 from .promptlen import STATEFUL_REASONS, PromptLengths
 from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED, RequestTrace, bounded_text, valid_text
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
@@ -122,9 +122,6 @@ RUN_ON_PACE_TOKENS = 8
 # at no more than this share of what its pace runs to the abort: its pace may read high (within 4% on the simulator,
 # `_place_run_ons`), and one aborted instead is counted nowhere, its listing then hiding bypass traffic.
 RUN_ON_CAPPED_SURE_SHARE = 0.8
-# A whole answer a server runs on to its end (llama.cpp: `_run_on`) is held open no longer than this past its client's
-# leaving (its intervals wait for that run, bounded by the prompt hold too).
-RUN_ON_TO_END_MAX_S = 30.0
 # The most tokens a batch SGLang's scheduler aborts one prompt of may ask: that abort takes a prompt in the context's last
 # 6 tokens, and its tokenizer manager refuses a batch whole, unrun, where any prompt + max_new_tokens passes the context
 # (docs/simulator.md). A larger known limit leaves no batch running for nobody behind its 400 (`_batch_run_on`).
@@ -401,6 +398,10 @@ class Ledger:
         self.run_ons_unknown = False
         # (leave, latest end of a run-on there) of such requests: the intervals whose requests say so.
         self._unplaced_spans: list[tuple[int, int]] = []
+        # (end of its placing, latest end) of llama.cpp whole answers run on past RUN_ON_TO_END_MAX_S (`_run_on`): the
+        # rest of that run is placed nowhere, so the intervals there say so on their requests' rows (`capped_beside_j`).
+        # By request id: a restart that ends such a run sooner (`_cut_run_on`) takes its span out.
+        self._capped_spans: dict[int, tuple[int, int]] = {}
         # The latest restarts' scrape windows, (start, end, first found down): the old process's last scrape, the new
         # one's first, and the first scrape between that found the server down (None: none did); its run-ons end
         # between the first and the third (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
@@ -796,6 +797,12 @@ class Ledger:
                 return
             span_s = 2.0 * limit / float(np.median(self._paces))
             r.run_on_end_ns, r.run_on_to_end = tr.end_ns + int(min(span_s, RUN_ON_TO_END_MAX_S) * 1e9), True
+            if span_s > RUN_ON_TO_END_MAX_S:
+                # Its rest, past the held 30 s, is placed nowhere: its work is in the shares of the requests beside it
+                # to its estimated end, plus GONE_ABORT_SLACK_S (the span only marks, holding nothing). Unmarked, the
+                # simulated llama.cpp's 2000-token answer at 40 tok/s left the rows 32-56 s after the leave -5..+29%.
+                latest = min(int(tr.end_ns) + int((span_s + GONE_ABORT_SLACK_S) * 1e9), int(attr.NEVER))
+                self._capped_spans[tr.request_id] = (int(r.run_on_end_ns), latest)
         else:
             wait_ns = int(wait_s * 1e9)
             r.run_on_end_ns = tr.arrival_ns + max(1, -(-(tr.end_ns - tr.arrival_ns) // wait_ns)) * wait_ns
@@ -2105,6 +2112,7 @@ class Ledger:
             return
         cut, r.run_on_death = gone
         r.run_on_end_ns, r.run_on_restart = cut, True
+        self._capped_spans.pop(r.trace.request_id, None)  # its process died before the capped span: nothing ran there
         r.run_on_unrestarted = r.run_on_death[:3] in self._died_unrestarted
         if r.run_on_tokens > 0 and r.run_on_from_ns is None and r.ev_t and r.ev_t[-1] > r.run_on_end_ns:
             # Placed already (a stream's, `_place_run_ons`, before the restart's window came: a long GET): its events
@@ -2531,6 +2539,13 @@ class Ledger:
             unplaced_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(unplaced_iv, work_j, 0.0)])
         unplaced_col = energy.shape[1] - 1
+        # After a llama.cpp whole answer's run-on placed only to RUN_ON_TO_END_MAX_S (`_run_on`): its rest may be there.
+        self._capped_spans = {k: s for k, s in self._capped_spans.items() if s[1] > t[0]}
+        capped_iv = np.zeros(t.size - 1, bool)
+        for a0, a1 in self._capped_spans.values():
+            capped_iv |= (a0 < t[1:]) & (a1 > t[:-1])
+        energy = np.column_stack([energy, np.where(capped_iv, work_j, 0.0)])
+        capped_col = energy.shape[1] - 1
         # A crash-costed close that may have queued unrun behind full slots (`resend_queued`): costed as run, its figure
         # may be the requests' beside it (a queued whole answer on the simulator's llama.cpp: 73-78 J for 0, its
         # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does, where that may be a material share of their
@@ -2652,6 +2667,7 @@ class Ledger:
             if not gone[i]:
                 r.gone_beside_j += a.request_energy[i, gone_col]
             r.unplaced_beside_j += a.request_energy[i, unplaced_col]
+            r.capped_beside_j += a.request_energy[i, capped_col]
             if not queued[i]:
                 r.queued_beside_j += a.request_energy[i, queued_col]
                 r.queued_short_j += float(queued_short_j[i])
@@ -2717,7 +2733,7 @@ class Ledger:
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
-                      aside_j=aside, unplaced_iv=unplaced_iv)
+                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted)
         ended = [r for r, d in zip(reqs, done) if d]
@@ -2938,7 +2954,8 @@ class Ledger:
             # and whose bypass count is not low (BYPASS_LOW_FLAG: bypass traffic's energy may be in the requests'; the
             # rule `analyze` leaves such requests out by), nor after a client's leave from a server of unknown kind
             # (`_unplaced`: a run-on for nobody may be in the requests' share, UNSURE_FLAG on their rows; before, kept:
-            # +19% on the simulator's SGLang). What is left out is counted by reason, never silently.
+            # +19% on the simulator's SGLang), nor past the 30 s a llama.cpp whole answer's run-on is placed to (`_run_on`:
+            # its rest there too). What is left out is counted by reason, never silently.
             if a.tokens[k] <= 0 or np.isnan(work_j[k]):
                 continue
             why = (NO_COUNTER_SHORT_FLAG if short_iv is not None and short_iv[k]

@@ -22,6 +22,10 @@ CROSSING_CLOSE_MAX_S = 0.05
 # what its pace (an estimate, `Ledger._place_run_ons`) decodes to that abort: a real pace a few % above the estimate
 # decodes them in time, the answer then free to end, unseen (`LiveRequest.run_on_may_end`).
 RUN_ON_MAY_END_PACE_MARGIN = 0.25
+# A whole answer a server runs on to its end (llama.cpp: `Ledger._run_on`) is held open no longer than this past its
+# client's leaving (its intervals wait for that run, bounded by the prompt hold too); past it, its rest is placed nowhere
+# and the requests beside it say so (`capped_beside_j`).
+RUN_ON_TO_END_MAX_S = 30.0
 
 
 @dataclass
@@ -56,6 +60,9 @@ class LiveRequest:
     # run-on's work may be in its share (UNSURE_FLAG both).
     run_on_unplaced: bool = False
     unplaced_beside_j: float = 0.0
+    # Its GPU joules from intervals past the RUN_ON_TO_END_MAX_S a llama.cpp whole answer's run-on was placed to, before
+    # that run's estimated end (`Ledger._run_on`): its rest, placed nowhere, may be in this share (UNSURE_FLAG).
+    capped_beside_j: float = 0.0
     # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
     # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
     unread_beside_j: float = 0.0

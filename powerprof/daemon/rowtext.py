@@ -24,8 +24,8 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       outside_text)
 
 from . import attribution as attr
-from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN, body_left,
-                          closed_unanswered, crashed, finished_unsaid, gone_unsaid, is_passive, resend_crossed,
+from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, RUN_ON_MAY_END_PACE_MARGIN, RUN_ON_TO_END_MAX_S,
+                          body_left, closed_unanswered, crashed, finished_unsaid, gone_unsaid, is_passive, resend_crossed,
                           resend_queued, told_prompt_tokens, LiveRequest, is_unseen, not_forwarded, server_end_ns)
 from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
@@ -762,7 +762,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
                                       or _n_cmpl_unsure(r) or _closed_partial(r) or r.run_on_unplaced
-                                      or _unplaced_beside(r))}
+                                      or _unplaced_beside(r) or _capped_beside(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -798,6 +798,20 @@ def _unplaced_beside(r: LiveRequest) -> bool:
     least QUEUED_BESIDE_MIN_SHARE of its figure is from intervals where a run-on for nobody may have been, in its share
     (its figure high by at most that)."""
     return r.unplaced_beside_j > 0 and r.unplaced_beside_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+
+
+def _capped_beside(r: LiveRequest) -> bool:
+    """UNSURE_FLAG past the RUN_ON_TO_END_MAX_S a llama.cpp whole answer's run-on was placed to, before its estimated
+    end (`Ledger._run_on`): at least QUEUED_BESIDE_MIN_SHARE of its figure is from intervals where that run's rest, placed
+    nowhere, may be in its share."""
+    return r.capped_beside_j > 0 and r.capped_beside_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+
+
+# The fix for a whole answer llama.cpp ran on past the span its run-on is placed in (`Ledger._run_on`): a max_tokens
+# small enough that its run ends within it (twice as long as the server's pace decodes it), or no whole answer to leave.
+CAPPED_RUN_ON_FIX = (f"send whole answers a max_tokens the server decodes within {RUN_ON_TO_END_MAX_S / 2:g} s (their "
+                     "run after a client left is then placed whole), stream long answers (llama-server stops a stream "
+                     "within a token of its client's leaving), or give clients a timeout longer than their answers take")
 
 
 # The fix for a run-on the daemon could not place, its server's kind unknown (`Ledger._unplaced`).
@@ -957,6 +971,12 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "intervals after a client left a request the server may have run on for nobody, unplaced (the "
                      "daemon scrapes no server, scrape.server = none, so it knows no server kind): that work may be in "
                      f"its share, its figure high by up to that; left out of J/token; fix: {UNPLACED_FIX}")
+    if _capped_beside(r):
+        notes.append(f"{UNSURE_FLAG}: {100 * min(r.capped_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
+                     "intervals where a whole answer llama.cpp runs on to its end after its client left may still have "
+                     f"run: its run-on is placed only to {RUN_ON_TO_END_MAX_S:g} s after that leave (its intervals held "
+                     "no longer), and its rest, to its max_tokens, may be in this row's share, its figure high by up to "
+                     f"that; left out of J/token; fix: {CAPPED_RUN_ON_FIX}")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
