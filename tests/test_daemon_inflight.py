@@ -263,9 +263,9 @@ def test_a_worker_request_whose_recording_broke_leaves_the_count():
                            header_timeout_s=10, idle_timeout_s=10)
     w = workers.workers[0]
     tr = _trace(7, 1 * S)
-    workers._replay(w, ([_start_record(tr)], [], [], [], (0,) * len(_STATS), [], 1 * S))
+    workers._replay(w, ([_start_record(tr)], [], [], [], (0,) * len(_STATS), [], 1 * S, []))
     assert d.inflight.state(2 * S).in_flight == 1
     tr.end_ns, tr.end_wall_ns, tr.status, tr.recorder_error = 3 * S, 3 * S, 200, "parser: ValueError: parser bug"
-    workers._replay(w, ([], [], [], [_end_record(tr)], (1,) + (0,) * (len(_STATS) - 1), [], 3 * S))
+    workers._replay(w, ([], [], [], [_end_record(tr)], (1,) + (0,) * (len(_STATS) - 1), [], 3 * S, []))
     q = d.inflight.state(4 * S)
     assert (q.in_flight, q.awaiting_first) == (0, 0) and q.in_flight_s == pytest.approx(2)
