@@ -5580,6 +5580,27 @@ def test_a_crash_s_run_on_placed_in_intervals_already_closed_is_counted_late_and
     assert "token(s) arrived after their interval had closed and were not attributed" in row["error"], row  # `_with_late`
 
 
+def _a_300_w_request_after_idle(led, sink, t0_s, e_at_t0_j, e_after_j):
+    """A request live t0-0.01..t0+0.5 s, 10 tokens from t0+0.1 s, the counter at e_at_t0_j at t0 and e_after_j a second
+    later (300 W over [t0, t0+0.5], 100 W after: its truth 1 J + 150 J); closed, its row."""
+    tr = _trace(1, t0_s - 0.01)
+    led.on_start(tr)
+    _feed(led, t0_s, e_at_t0_j, 100.0)
+    tr.first_ns = tr.last_ns = int((t0_s + 0.1) * S)
+    led.on_tokens(tr, tr.first_ns, 1)
+    for k in range(1, 10):
+        tr.last_ns = int((t0_s + 0.1 + 0.04 * k) * S)
+        led.on_tokens(tr, tr.last_ns, 1)
+    tr.end_ns = int((t0_s + 0.5) * S)
+    tr.counts = Counts(generated_tokens=10, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    _feed(led, t0_s + 1.0, e_after_j, 100.0)
+    led.advance(int((t0_s + 1.2) * S))
+    led.close_all(int((t0_s + 2) * S))
+    [row] = sink.rows["requests"]
+    return row
+
+
 def test_a_request_before_the_idle_power_is_measured_takes_no_idle_seconds_of_its_intervals():
     # The idle power is measured from MIN_IDLE (5) idle intervals; before, with fewer, it was unknown and no part of a
     # busy interval was idle: a request that arrived 10 ms before an interval's end took all of that interval's idle
@@ -5591,21 +5612,7 @@ def test_a_request_before_the_idle_power_is_measured_takes_no_idle_seconds_of_it
     for k in range(4):  # 3 idle intervals: fewer than MIN_IDLE
         _feed(led, float(k), 100.0 * k, 100.0)
         led.advance(int((k + 0.2) * S))
-    tr = _trace(1, 3.99)
-    led.on_start(tr)
-    _feed(led, 4.0, 400.0, 100.0)
-    tr.first_ns = tr.last_ns = int(4.1 * S)
-    led.on_tokens(tr, int(4.1 * S), 1)
-    for k in range(1, 10):
-        tr.last_ns = int((4.1 + 0.04 * k) * S)
-        led.on_tokens(tr, tr.last_ns, 1)
-    tr.end_ns = int(4.5 * S)
-    tr.counts = Counts(generated_tokens=10, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
-    led.on_end(tr)
-    _feed(led, 5.0, 600.0, 100.0)  # 300 W over 4-4.5 s, 100 W after
-    led.advance(int(5.2 * S))
-    led.close_all(int(6 * S))
-    [row] = sink.rows["requests"]
+    row = _a_300_w_request_after_idle(led, sink, 4.0, 400.0, 600.0)
     assert row["gpu_energy_j"] == pytest.approx(151.0, abs=1.0), (row, sink.rows["intervals"])
 
 
@@ -5628,21 +5635,7 @@ def test_sub_refresh_idle_intervals_among_real_ones_teach_no_idle_power():
     for t in times:
         _feed(led, t, counter_j(t), 100.0)
         led.advance(int((t + 0.001) * S))
-    tr = _trace(1, 7.99)
-    led.on_start(tr)
-    _feed(led, 8.0, counter_j(8.0), 100.0)
-    tr.first_ns = tr.last_ns = int(8.1 * S)
-    led.on_tokens(tr, int(8.1 * S), 1)
-    for k in range(1, 10):
-        tr.last_ns = int((8.1 + 0.04 * k) * S)
-        led.on_tokens(tr, tr.last_ns, 1)
-    tr.end_ns = int(8.5 * S)
-    tr.counts = Counts(generated_tokens=10, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
-    led.on_end(tr)
-    _feed(led, 9.0, counter_j(9.0), 100.0)
-    led.advance(int(9.2 * S))
-    led.close_all(int(10 * S))
-    [row] = sink.rows["requests"]
+    row = _a_300_w_request_after_idle(led, sink, 8.0, counter_j(8.0), counter_j(9.0))
     assert row["gpu_energy_j"] == pytest.approx(151.0, abs=3.0), (row, sink.rows["intervals"])
 
 
@@ -5674,21 +5667,7 @@ def test_an_idle_interval_shorter_than_the_counter_s_refresh_teaches_no_early_id
     _feed(led, 1.0, 100.0, 100.0)
     _feed(led, 1.01, 100.0 + short_j, 100.0)
     led.advance(int(1.2 * S))
-    tr = _trace(1, 1.99)
-    led.on_start(tr)
-    _feed(led, 2.0, 199.0, 100.0)
-    tr.first_ns = tr.last_ns = int(2.1 * S)
-    led.on_tokens(tr, int(2.1 * S), 1)
-    for k in range(1, 10):
-        tr.last_ns = int((2.1 + 0.04 * k) * S)
-        led.on_tokens(tr, tr.last_ns, 1)
-    tr.end_ns = int(2.5 * S)
-    tr.counts = Counts(generated_tokens=10, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
-    led.on_end(tr)
-    _feed(led, 3.0, 399.0, 100.0)  # 300 W over 2-2.5 s, 100 W after
-    led.advance(int(3.2 * S))
-    led.close_all(int(4 * S))
-    [row] = sink.rows["requests"]
+    row = _a_300_w_request_after_idle(led, sink, 2.0, 199.0, 399.0)
     assert row["gpu_energy_j"] == pytest.approx(151.0, abs=1.5), (row, sink.rows["intervals"])
 
 
