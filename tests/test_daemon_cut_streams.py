@@ -551,6 +551,57 @@ def test_an_sglang_batch_answered_400_puts_the_prompts_it_runs_for_nobody_in_unp
     assert marked and all("batch_run_on" in x["server_count"] for x in ivs if (x.get("proxy_tokens") or 0) > 0), marked
 
 
+def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_beside_naming_scrape_server(tmp_path):
+    # scrape.server = none: no scrape window to mark, so before the batch SGLang answers 400 while running its other
+    # prompt for nobody (an explicit null max_new_tokens: to the context's end) left its work in the shares of the
+    # streams beside it, unflagged. Now the rows live while that run may go on say uncertain-uncounted with the fix
+    # (scrape.server); the span is bounded (the context at most the band prompt + 6 tokens, at half the streams' pace):
+    # the streams sent after it are not flagged.
+    import asyncio
+
+    import aiohttp
+
+    from powerprof.storage.schema import UNSURE_FLAG
+
+    srv, daemon = _h200_daemon(tmp_path, "sglang", overrides={"scrape.server": "none"}, decode_tok_s=100.0, n_ctx=256)
+    band = " ".join(["w"] * 253)  # 254 tokens with the BOS, of a 256-token context: the other runs to its end
+
+    async def ok(s, url, k):
+        async with await _tagged_stream(s, url, f"ok{k}", {"prompt": f"w{k} " * 50, "max_tokens": 100,
+                                                           "ignore_eos": True,
+                                                           "stream_options": {"include_usage": True}}) as r:
+            await r.read()
+
+    async def scene(url):
+        async with aiohttp.ClientSession() as s:
+            await asyncio.gather(*[ok(s, url, 10 + k) for k in range(3)])  # a pace learned first
+            await asyncio.sleep(1.5)  # in intervals of their own, apart from the batch's
+            async with s.post(url + "/generate", json={"text": ["the power of the clock", band], "sampling_params": {
+                    "max_new_tokens": None, "ignore_eos": True}},
+                    headers={"X-Sim-Request-Id": "batch", "X-Powerprof-Tag": "batch"}) as r:
+                assert r.status == 400, await r.text()
+            await asyncio.gather(*[ok(s, url, k) for k in range(3)])
+            # Past the bound: twice the context at most (the prompts' 527 characters a token each, 2 BOS, + 6) at the
+            # streams' pace (86 tok/s), 12.4 s from its arrival, and a second.
+            await asyncio.sleep(14.0)
+            await asyncio.gather(*[ok(s, url, 20 + k) for k in range(3)])
+
+    _run_daemon(srv, daemon, scene, after_s=4, up=lambda: "proxy" in daemon.urls, up_tries=400)
+    truth = {t["client_id"]: t for t in srv.truth if t.get("client_id")}
+    rows = _rows_by_tag(tmp_path)
+    assert daemon.scraper is None and truth["batch"]["generated"] >= 240, truth["batch"]  # it ran for nobody
+    err = _errors_shown({t: r for t, r in rows.items() if t.startswith("ok")}, truth)
+    notes = {t: r["energy_note"] if isinstance(r["energy_note"], str) else "" for t, r in rows.items()}
+    print({t: notes[t][:200] for t in sorted(notes)})
+    said = {t for t, n in notes.items() if UNSURE_FLAG in n and "scrape.server" in n and "batch" in n}
+    # Read high (+19% or more), so flagged, out of J/token: before, unflagged.
+    assert {"ok0", "ok1", "ok2"} <= said, ({t: round(err[t], 2) for t in err}, said)
+    assert not said & {"ok10", "ok11", "ok12", "ok20", "ok21", "ok22"}, said
+    assert rows["batch"]["status"] == 400 and "scrape.server" in notes["batch"], notes["batch"]
+    n_iv, n_tok = daemon.ledger.totals.jpt_left_out.get(UNSURE_FLAG, (0, 0.0))
+    assert n_iv > 0 and n_tok > 0, daemon.ledger.totals.jpt_left_out
+
+
 @pytest.mark.parametrize("bypass", [False, True])
 def test_an_sglang_run_on_its_max_tokens_end_is_listed_as_counted_not_read_as_bypass(tmp_path, bypass):
     # A cut stream whose answer cannot end by itself (ignore_eos) and whose max_tokens end its run-on well before the

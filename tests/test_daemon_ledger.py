@@ -5722,6 +5722,27 @@ def test_a_batch_run_on_is_pruned_by_time_with_no_scrape_window_read():
     assert led.recon.batch_run_ons == {}
 
 
+def test_a_batch_400_with_no_server_scraped_marks_a_bounded_span_and_many_merge_into_one():
+    # scrape.server = none: before, nothing was recorded (no scrape window), the batch's work in the rows beside it
+    # unflagged. Now a span from its arrival to twice its limit at the streams' pace, a null's limit the context at most
+    # (its prompts' size + 6), and a second; no pace yet: 5 tok/s. Many 400s overlapping cost one span.
+    from powerprof.daemon import attribution as attr
+    from powerprof.daemon.ledger import BATCH_PACE_FLOOR_TOK_S, batch_context_bound
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    _batch_answered(led, 1, 400, {"sequences": 2, "max_tokens": 6})  # no pace yet: the floor
+    assert led._batch_spans == [(int(0.2 * S), int((0.2 + 12 / BATCH_PACE_FLOOR_TOK_S + 1.0) * S))]
+    assert led.recon.batch_run_ons == {}  # no scrape window to mark
+    led._paces.append(40.0)
+    null = {"sequences": 2, "max_tokens_null": True, "prompt_chars": 100, "prompt_count": 2}
+    assert batch_context_bound(null) == 108
+    for rid in range(2, 40):
+        _batch_answered(led, rid, 400, null)
+    assert led._batch_spans == [(int(0.2 * S), int((0.2 + 2 * 108 / 40.0 + 1.0) * S))]  # bounded, one span
+    _batch_answered(led, 50, 400, {"sequences": 2, "max_tokens_null": True})  # its prompts' size unread: no end
+    assert led._batch_spans[-1][1] >= int(attr.NEVER)
+
+
 def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them():
     # Before: said from its status and sequences alone, so a vLLM batch refused for max_tokens 0 said its windows were
     # marked batch_run_on (none were) and blamed SGLang.

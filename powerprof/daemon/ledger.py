@@ -126,6 +126,10 @@ RUN_ON_CAPPED_SURE_SHARE = 0.8
 # 6 tokens, and its tokenizer manager refuses a batch whole, unrun, where any prompt + max_new_tokens passes the context
 # (docs/simulator.md). A larger known limit leaves no batch running for nobody behind its 400 (`_batch_run_on`).
 SGLANG_BAND_TOKENS = 6
+# The slowest pace a batch's other prompts are taken to decode at where no stream has shown the server's yet
+# (`_batch_end_ns`): a sequence a GPU decodes slower than this in a batch is rare; the span only marks, so a pace read low
+# flags more rows, never fewer.
+BATCH_PACE_FLOOR_TOK_S = 5.0
 # Intervals a request keeps to judge once the requests whose end may say their hits have ended (`LiveRequest.cache_unsure`);
 # beyond, judged at their close as before (a stream live for hours over 1 s intervals).
 CACHE_UNSURE_MAX = 256
@@ -289,6 +293,25 @@ def _tools_none_words(tools_chars: int, rendered: bool | None, other: float | No
             f"{no} of {yes + no} clear judgments of its counted prompts; {alt} with them; {fix}")
 
 
+
+def batch_context_bound(extra: dict) -> int | None:
+    """The most tokens an explicit-null batch SGLang answered 400 may run a prompt to: its context's end, and the context
+    is at most the aborted prompt's length + SGLANG_BAND_TOKENS (that abort takes a prompt in its last 6 tokens), so at
+    most its prompts' size summed: their token ids, a token a character of their text (and a BOS each), + 6. None:
+    their size unread."""
+    chars, ids = extra.get("prompt_chars"), extra.get("prompt_ids")
+    if chars is None and ids is None:
+        return None
+    return int(chars or 0) + int(ids or 0) + int(extra.get("prompt_count", 1)) + SGLANG_BAND_TOKENS
+
+
+def merged_span(spans: list[tuple[int, int]], a0: int, a1: int) -> list[tuple[int, int]]:
+    """`spans` (disjoint) with [a0, a1] added, those it overlaps merged into one: many such marks cost one span each
+    only where apart."""
+    keep = [s for s in spans if s[1] < a0 or s[0] > a1]
+    over = [s for s in spans if not (s[1] < a0 or s[0] > a1)]
+    return sorted(keep + [(min([a0, *(s[0] for s in over)]), max([a1, *(s[1] for s in over)]))])
+
 class Ledger:
     def __init__(
         self,
@@ -398,6 +421,9 @@ class Ledger:
         self.run_ons_unknown = False
         # (leave, latest end of a run-on there) of such requests: the intervals whose requests say so.
         self._unplaced_spans: list[tuple[int, int]] = []
+        # (arrival, latest end) of batches answered 400 that SGLang may have run on (`_batch_run_on`) where no scrape
+        # window is there to mark: the intervals whose requests say so (`batch_beside_j`); disjoint, merged.
+        self._batch_spans: list[tuple[int, int]] = []
         # (end of its placing, latest end) of llama.cpp whole answers run on past RUN_ON_TO_END_MAX_S (`_run_on`): the
         # rest of that run is placed nowhere, so the intervals there say so on their requests' rows (`capped_beside_j`).
         # By request id: a restart that ends such a run sooner (`_cut_run_on`) takes its span out.
@@ -825,23 +851,34 @@ class Ledger:
         (SERVER_COUNT_BATCH_RUN_ON): the requests given energy there are flagged. Unsaid, the count's tokens spread
         back only over the intervals still open at its end (`recon._spread_back`), and three streams beside such a
         batch read +19% to +24%, unflagged; capped at RUN_ON_TO_END_MAX_S, the windows of a batch run on past it were
-        not marked."""
+        not marked. With no server scraped (scrape.server = none) the requests beside it say so instead, to a bounded
+        end (`_batch_end_ns`)."""
         tr = r.trace
         seqs, copies = tr.extra.get("sequences", 1), max(tr.extra.get("choices", 1), 1)
         limit = tr.extra.get("max_tokens")
         # Only what that abort can be: an exact 400 (a 5xx, 429 or the proxy's own 502 is no band abort), to 2+ prompts
-        # (n copies of one prompt are aborted together), from a server whose page is read (no scrape window to mark
-        # otherwise: under scrape.server = none `_unplaced` owns run-ons; recorded, an entry a 400 and never pruned), and
+        # (n copies of one prompt are aborted together), from a server whose page is read or none scraped (below; a
+        # server scraped whose page is not read yet leaves no window to mark: an entry a 400 never pruned), and
         # not where its known limit rules the abort out (SGLANG_BAND_TOKENS). Before: any error to n 2, or a batch
         # refused unrun, marked up to 31 s (a flood of them every window).
-        if (self.serves_generate is False or not self.recon.server_seen or tr.status != 400 or tr.api is None
-                or not isinstance(seqs, int) or seqs // copies < 2 or tr.end_ns is None
+        unplaced = self.run_ons_unknown and not self.recon.server_seen
+        if (self.serves_generate is False or not (self.recon.server_seen or unplaced) or tr.status != 400
+                or tr.api is None or not isinstance(seqs, int) or seqs // copies < 2 or tr.end_ns is None
                 or (isinstance(limit, int) and limit > SGLANG_BAND_TOKENS)):
             return
         if not isinstance(limit, int) and not tr.extra.get("max_tokens_null"):
             # No limit sent: SGLang's default passes the band (/v1/completions' max_tokens 16, protocol.py @ 004c82e0
             # CompletionRequest; /generate's max_new_tokens 128, SamplingParams), so the batch was refused whole,
             # unrun; a null /v1/completions max_tokens is a validation 400, unrun. Only /generate's explicit null runs on.
+            return
+        if unplaced:
+            # scrape.server = none: no scrape window to mark, no counter to see the work; its share goes to the
+            # requests live beside it, which say so (`batch_beside_j`, UNSURE_FLAG naming scrape.server) from its
+            # arrival to its bounded end (`_batch_end_ns`) and a GONE_ABORT_SLACK_S. Unsaid, the simulated SGLang's
+            # null batch (248 tokens for nobody) left three streams beside it +39%, unflagged.
+            r.batch_unplaced = True  # its row says so (`rowtext._no_energy_reason`)
+            end_ns = self._batch_end_ns(tr) + int(GONE_ABORT_SLACK_S * 1e9)
+            self._batch_spans = merged_span(self._batch_spans, int(tr.arrival_ns), min(end_ns, int(attr.NEVER)))
             return
         latest = int(attr.NEVER)  # an explicit null (to the context's end, unknown here) or no pace: no end known
         if isinstance(limit, int) and limit > 0 and self._paces:
@@ -850,6 +887,18 @@ class Ledger:
         latest, spans = max(int(tr.end_ns), latest), self.recon.batch_run_ons
         if not any(a0 <= tr.arrival_ns and latest <= a1 for a0, a1 in spans.values()):  # one unbounded span, not many
             spans[tr.request_id] = (int(tr.arrival_ns), latest)
+
+    def _batch_end_ns(self, tr: RequestTrace) -> int:
+        """The latest a batch SGLang answered 400 may run its other prompts to (`_batch_run_on`): twice its max_tokens
+        (an explicit null: to the context's end, `batch_context_bound`) at the server's latest streams' pace, else at
+        BATCH_PACE_FLOOR_TOK_S, from its arrival; attr.NEVER where its prompts' size is unread."""
+        limit = tr.extra.get("max_tokens")
+        if not isinstance(limit, int):
+            limit = batch_context_bound(tr.extra)
+            if limit is None:
+                return int(attr.NEVER)
+        pace = float(np.median(self._paces)) if self._paces else BATCH_PACE_FLOOR_TOK_S
+        return min(int(tr.arrival_ns) + int(2.0 * limit / pace * 1e9), int(attr.NEVER))
 
     def _unplaced(self, r: LiveRequest, limit) -> None:
         """A request whose client left a server of unknown kind (`run_ons_unknown`): it may have run on for nobody, its
@@ -2539,6 +2588,13 @@ class Ledger:
             unplaced_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(unplaced_iv, work_j, 0.0)])
         unplaced_col = energy.shape[1] - 1
+        # Over a batch answered 400 whose other prompts SGLang may run for nobody, no server scraped (`_batch_run_on`).
+        self._batch_spans = [s for s in self._batch_spans if s[1] > t[0]]
+        batch_iv = np.zeros(t.size - 1, bool)
+        for a0, a1 in self._batch_spans:
+            batch_iv |= (a0 < t[1:]) & (a1 > t[:-1])
+        energy = np.column_stack([energy, np.where(batch_iv, work_j, 0.0)])
+        batch_col = energy.shape[1] - 1
         # After a llama.cpp whole answer's run-on placed only to RUN_ON_TO_END_MAX_S (`_run_on`): its rest may be there.
         self._capped_spans = {k: s for k, s in self._capped_spans.items() if s[1] > t[0]}
         capped_iv = np.zeros(t.size - 1, bool)
@@ -2668,6 +2724,7 @@ class Ledger:
                 r.gone_beside_j += a.request_energy[i, gone_col]
             r.unplaced_beside_j += a.request_energy[i, unplaced_col]
             r.capped_beside_j += a.request_energy[i, capped_col]
+            r.batch_beside_j += a.request_energy[i, batch_col]
             if not queued[i]:
                 r.queued_beside_j += a.request_energy[i, queued_col]
                 r.queued_short_j += float(queued_short_j[i])
@@ -2733,7 +2790,7 @@ class Ledger:
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
-                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv)
+                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted)
         ended = [r for r, d in zip(reqs, done) if d]
@@ -2955,7 +3012,8 @@ class Ledger:
             # rule `analyze` leaves such requests out by), nor after a client's leave from a server of unknown kind
             # (`_unplaced`: a run-on for nobody may be in the requests' share, UNSURE_FLAG on their rows; before, kept:
             # +19% on the simulator's SGLang), nor past the 30 s a llama.cpp whole answer's run-on is placed to (`_run_on`:
-            # its rest there too). What is left out is counted by reason, never silently.
+            # its rest there too), nor over a batch answered 400 SGLang may run on, no server scraped (`_batch_run_on`).
+            # What is left out is counted by reason, never silently.
             if a.tokens[k] <= 0 or np.isnan(work_j[k]):
                 continue
             why = (NO_COUNTER_SHORT_FLAG if short_iv is not None and short_iv[k]

@@ -63,6 +63,9 @@ class LiveRequest:
     # Its GPU joules from intervals past the RUN_ON_TO_END_MAX_S a llama.cpp whole answer's run-on was placed to, before
     # that run's estimated end (`Ledger._run_on`): its rest, placed nowhere, may be in this share (UNSURE_FLAG).
     capped_beside_j: float = 0.0
+    # Its GPU joules from intervals over a batch answered 400 that SGLang may have run on for nobody with no server
+    # scraped (`Ledger._batch_run_on`, scrape.server = none): that work, counted nowhere, may be in this share (UNSURE_FLAG).
+    batch_beside_j: float = 0.0
     # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
     # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
     unread_beside_j: float = 0.0
@@ -97,6 +100,8 @@ class LiveRequest:
     # A batch answered 400 whose other prompts SGLang may run for nobody: its windows say batch_run_on
     # (`Ledger._batch_run_on`)
     batch_run_on: bool = False
+    # Such a batch with no server scraped: no window marked, the requests beside it flagged (`batch_beside_j`)
+    batch_unplaced: bool = False
     # Its close with no answer came as its server died (`Ledger._crash_seen`): a crash, not a router refusing it
     crash_seen: bool = False
     # Seen only as sent before the old process's last good scrape, a scrape then finding it down by a 503 and a page

@@ -621,6 +621,12 @@ def _no_energy_reason(r: LiveRequest) -> str:
                 if c is not None and c.server_error is not None
                 else f"a {outside_text(r.trace.method, 16)} request to no generation endpoint")
         seqs = r.trace.extra.get("sequences", 1)
+        if r.batch_unplaced:
+            return (f"no share: {what} to a batch of {seqs} sequences, with no token and no prompt length: SGLang "
+                    "answers a batch 400 for one prompt in the context's last 6 tokens and runs its other prompts to "
+                    "their cap for nobody; the daemon scrapes no server (scrape.server = none), so that work, if it ran, "
+                    "is in no row nor counter here but in the shares of the requests beside it, which are flagged "
+                    f"{UNSURE_FLAG}; fix: {UNPLACED_FIX}")
         if r.batch_run_on:
             # SGLang answers a batch 400 for one prompt its scheduler aborts and runs the others to their cap
             # (tokenizer_manager.py @ 001067ff _collect_batch_responses): "no GPU work" would be untrue there. Said
@@ -762,7 +768,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
                                       or _n_cmpl_unsure(r) or _closed_partial(r) or r.run_on_unplaced
-                                      or _unplaced_beside(r) or _capped_beside(r))}
+                                      or _unplaced_beside(r) or _capped_beside(r) or _batch_beside(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -798,6 +804,12 @@ def _unplaced_beside(r: LiveRequest) -> bool:
     least QUEUED_BESIDE_MIN_SHARE of its figure is from intervals where a run-on for nobody may have been, in its share
     (its figure high by at most that)."""
     return r.unplaced_beside_j > 0 and r.unplaced_beside_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+
+
+def _batch_beside(r: LiveRequest) -> bool:
+    """UNSURE_FLAG over a batch answered 400 that SGLang may have run on for nobody, no server scraped
+    (`Ledger._batch_run_on`): at least QUEUED_BESIDE_MIN_SHARE of its figure is from intervals where that work may be."""
+    return r.batch_beside_j > 0 and r.batch_beside_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
 
 
 def _capped_beside(r: LiveRequest) -> bool:
@@ -971,6 +983,13 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "intervals after a client left a request the server may have run on for nobody, unplaced (the "
                      "daemon scrapes no server, scrape.server = none, so it knows no server kind): that work may be in "
                      f"its share, its figure high by up to that; left out of J/token; fix: {UNPLACED_FIX}")
+    if _batch_beside(r):
+        notes.append(f"{UNSURE_FLAG}: {100 * min(r.batch_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
+                     "intervals after a batch of prompts was answered 400, which SGLang does for one prompt in the "
+                     "context's last 6 tokens while running the others to their cap for nobody; the daemon scrapes no "
+                     "server (scrape.server = none), so it neither knows the server's kind nor sees that work in a "
+                     "token counter: it may be in this row's share, its figure high by up to that; left out of "
+                     f"J/token; fix: {UNPLACED_FIX}")
     if _capped_beside(r):
         notes.append(f"{UNSURE_FLAG}: {100 * min(r.capped_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
                      "intervals where a whole answer llama.cpp runs on to its end after its client left may still have "
