@@ -1762,7 +1762,8 @@ def test_a_tag_over_a_whole_answer_cut_with_no_server_scraped_says_it_was_cut_an
 
 def test_an_sglang_batch_answered_400_with_no_limit_marks_its_windows_past_30_s_unbounded():
     # A batch SGLang answers 400 runs its other prompts on to their cap (Ledger._batch_run_on): with a null limit, to
-    # the context's end, unknown here. Its span was capped at RUN_ON_TO_END_MAX_S, 30 s, leaving the windows 30 s on
+    # the context's end, unknown here (its prompts' size unread: no bound, `batch_context_bound`). Its span was capped
+    # at RUN_ON_TO_END_MAX_S, 30 s, leaving the windows 30 s on
     # unmarked, the requests there unflagged. Now unbounded. (A known limit above SGLANG_BAND_TOKENS, or none sent,
     # SGLang's default, is refused unrun with its whole batch: not recorded, test_only_a_400_to_two_prompts_...)
     sink = Sink()
@@ -1793,6 +1794,38 @@ def test_an_sglang_batch_answered_400_with_no_limit_marks_its_windows_past_30_s_
     ivs = [r for r in sink.rows.get("intervals", []) if r["t_start_mono_s"] >= 30.0]
     assert ivs and all("batch_run_on" in (r["server_count"] or "") for r in ivs), [
         (r["t_start_mono_s"], r["server_count"]) for r in ivs]
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_an_sglang_batch_answered_400_with_a_null_limit_marks_its_windows_to_the_end_its_prompts_bound(paced):
+    # SGLang runs a null max_new_tokens to the context's end (scheduler.py: min(1 << 30, max_req_len - input - 1)), and
+    # the aborted prompt is in the context's last 6 tokens: the context is at most the batch's prompts summed + 6 (600
+    # characters a token each, 2 BOS: 608 tokens). Before: marked to no end, every window after it until a restart; now
+    # to twice that at the streams' pace (40 tok/s: 30.4 s), or with none yet at BATCH_PACE_FLOOR_TOK_S (5 tok/s).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    if paced:
+        led._paces.append(40.0)
+    batch = RequestTrace(1, "POST", "/generate", None, int(0.5 * S), 0, api="sglang-generate", stream=False)
+    batch.extra.update(sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2)
+    led.on_start(batch)
+    batch.end_ns, batch.status, batch.outcome = int(0.6 * S), 400, "error"
+    led.recon.server_seen = True  # a server page read (recorded only then)
+    led.on_end(batch)
+    end_s = 0.5 + 2 * 608 / (40.0 if paced else 5.0)
+    assert led.recon.batch_run_ons == {1: (int(0.5 * S), int(end_s * S))}, led.recon.batch_run_ons
+    if not paced:
+        return
+    led.recon.server_seen = False
+    for k in range(42):
+        _feed(led, float(k), 100.0 * k)
+        if k:
+            led.add_server_tokens(int(k * S), 0.0, int((k - 1) * S))
+        led.advance(int((k + 0.2) * S))
+    ivs = sink.rows.get("intervals", [])
+    marked = [r["t_start_mono_s"] for r in ivs if "batch_run_on" in (r["server_count"] or "")]
+    assert marked and min(marked) < 1.0 and max(marked) < end_s + 2.0, marked
+    assert any(r["t_start_mono_s"] >= end_s + 2.0 for r in ivs), ivs
 
 
 def _streamed(rid, arrival_s, first_s, end_s, n=10, prompt=500):

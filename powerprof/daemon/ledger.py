@@ -846,8 +846,7 @@ class Ledger:
         answers a whole /generate or /v1/completions batch 400 for one prompt its scheduler aborts (in the context's
         last 6 tokens) and runs the others to their cap for nobody (tokenizer_manager.py @ 001067ff
         `_collect_batch_responses`), counting them at their end. Its windows, from its arrival to the latest those
-        prompts may run to (twice its max_tokens, /generate's max_new_tokens, at the server's latest streams' pace,
-        uncapped: this holds nothing, it only marks; with none, or no pace, unbounded), say so
+        prompts may run to (`_batch_end_ns`, uncapped: this holds nothing, it only marks), say so
         (SERVER_COUNT_BATCH_RUN_ON): the requests given energy there are flagged. Unsaid, the count's tokens spread
         back only over the intervals still open at its end (`recon._spread_back`), and three streams beside such a
         batch read +19% to +24%, unflagged; capped at RUN_ON_TO_END_MAX_S, the windows of a batch run on past it were
@@ -880,9 +879,8 @@ class Ledger:
             end_ns = self._batch_end_ns(tr) + int(GONE_ABORT_SLACK_S * 1e9)
             self._batch_spans = merged_span(self._batch_spans, int(tr.arrival_ns), min(end_ns, int(attr.NEVER)))
             return
-        latest = int(attr.NEVER)  # an explicit null (to the context's end, unknown here) or no pace: no end known
-        if isinstance(limit, int) and limit > 0 and self._paces:
-            latest = min(int(tr.arrival_ns) + int(2.0 * limit / float(np.median(self._paces)) * 1e9), int(attr.NEVER))
+        # Bounded as under none (before: an explicit null or no pace marked every window until a restart).
+        latest = self._batch_end_ns(tr)
         r.batch_run_on = True  # its row says so (`rowtext._no_energy_reason`)
         latest, spans = max(int(tr.end_ns), latest), self.recon.batch_run_ons
         if not any(a0 <= tr.arrival_ns and latest <= a1 for a0, a1 in spans.values()):  # one unbounded span, not many
@@ -890,7 +888,8 @@ class Ledger:
 
     def _batch_end_ns(self, tr: RequestTrace) -> int:
         """The latest a batch SGLang answered 400 may run its other prompts to (`_batch_run_on`): twice its max_tokens
-        (an explicit null: to the context's end, `batch_context_bound`) at the server's latest streams' pace, else at
+        (an explicit null: to the context's end, its scheduler's min(1 << 30, max_req_len - prompt - 1), scheduler.py
+        `init_req_max_new_tokens`; at most `batch_context_bound`) at the server's latest streams' pace, else at
         BATCH_PACE_FLOOR_TOK_S, from its arrival; attr.NEVER where its prompts' size is unread."""
         limit = tr.extra.get("max_tokens")
         if not isinstance(limit, int):
