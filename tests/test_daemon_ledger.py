@@ -5792,3 +5792,7 @@ def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them(
     notes = {r["request_id"]: r["energy_note"] for r in sink.rows["requests"]}
     assert "batch_run_on" not in notes[1] and "SGLang" not in notes[1] and "no GPU work" in notes[1], notes[1]
     assert "batch_run_on" in notes[2] and "SGLang runs a batch's other prompts" in notes[2], notes[2]
+    # It names what it set off and that it is charged none of it (before: only that the work is in unproxied), and the
+    # fix its client has: a limit above 6, so SGLang refuses such a batch whole, unrun.
+    assert "cause (1 other sequence(s), up to 6 tokens each, for at most" in notes[2], notes[2]
+    assert "charged none of it" in notes[2] and "max_new_tokens (max_tokens) above 6" in notes[2], notes[2]

@@ -870,17 +870,22 @@ class Ledger:
             # CompletionRequest; /generate's max_new_tokens 128, SamplingParams), so the batch was refused whole,
             # unrun; a null /v1/completions max_tokens is a validation 400, unrun. Only /generate's explicit null runs on.
             return
+        # Its row names what it set off (`rowtext._batch_cause`): not charged to it, the run unproven.
+        end_ns = self._batch_end_ns(tr)
+        tokens = limit if isinstance(limit, int) else batch_context_bound(tr.extra)
+        r.batch_bound = (seqs - copies, tokens,
+                         (end_ns - int(tr.arrival_ns)) / 1e9 if end_ns < int(attr.NEVER) else None)
         if unplaced:
             # scrape.server = none: no scrape window to mark, no counter to see the work; its share goes to the
             # requests live beside it, which say so (`batch_beside_j`, UNSURE_FLAG naming scrape.server) from its
             # arrival to its bounded end (`_batch_end_ns`) and a GONE_ABORT_SLACK_S. Unsaid, the simulated SGLang's
             # null batch (248 tokens for nobody) left three streams beside it +39%, unflagged.
             r.batch_unplaced = True  # its row says so (`rowtext._no_energy_reason`)
-            end_ns = self._batch_end_ns(tr) + int(GONE_ABORT_SLACK_S * 1e9)
-            self._batch_spans = merged_span(self._batch_spans, int(tr.arrival_ns), min(end_ns, int(attr.NEVER)))
+            self._batch_spans = merged_span(self._batch_spans, int(tr.arrival_ns),
+                                            min(end_ns + int(GONE_ABORT_SLACK_S * 1e9), int(attr.NEVER)))
             return
         # Bounded as under none (before: an explicit null or no pace marked every window until a restart).
-        latest = self._batch_end_ns(tr)
+        latest = end_ns
         r.batch_run_on = True  # its row says so (`rowtext._no_energy_reason`)
         latest, spans = max(int(tr.end_ns), latest), self.recon.batch_run_ons
         if not any(a0 <= tr.arrival_ns and latest <= a1 for a0, a1 in spans.values()):  # one unbounded span, not many

@@ -102,6 +102,9 @@ class LiveRequest:
     batch_run_on: bool = False
     # Such a batch with no server scraped: no window marked, the requests beside it flagged (`batch_beside_j`)
     batch_unplaced: bool = False
+    # Such a batch's run its row names (it is the cause): (sequences that may run on, tokens each at most, seconds from
+    # its arrival at most, None: no end known)
+    batch_bound: tuple[int, int | None, float | None] | None = None
     # Its close with no answer came as its server died (`Ledger._crash_seen`): a crash, not a router refusing it
     crash_seen: bool = False
     # Seen only as sent before the old process's last good scrape, a scrape then finding it down by a 503 and a page

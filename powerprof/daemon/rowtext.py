@@ -592,6 +592,25 @@ def _n_cmpl_note(r: LiveRequest) -> str:
             f"requests beside it the other way); fix: send llama-server's choices as `n` alone")
 
 
+# The fix for a batch SGLang answers 400 while running its other prompts for nobody (`Ledger._batch_run_on`): a limit
+# its tokenizer manager checks (prompt + max_new_tokens past the context refuses the batch whole, unrun), or no prompt
+# in the context's last 6 tokens.
+BATCH_400_FIX = ("send batches a max_new_tokens (max_tokens) above 6, so that SGLang refuses one holding a prompt near the "
+                 "context's end whole, unrun, or prompts that leave more than 6 tokens of the context")
+
+
+def _batch_cause(r: LiveRequest) -> str:
+    """What a batch answered 400 set off, as its row says it (`LiveRequest.batch_bound`), and why it is not charged
+    there: its client caused that work, but the 400 alone does not show it ran."""
+    n, tokens, span_s = r.batch_bound or (1, None, None)
+    up_to = f"up to {tokens} tokens each" if tokens is not None else "tokens to the context's end"
+    until = f", for at most {span_s:.1f} s from its arrival" if span_s is not None else ""
+    return (f"this request is that work's cause ({n} other sequence(s), {up_to}{until}), yet it is charged none of it: "
+            "a 400 alone does not show the other prompts ran (SGLang refuses a batch whole, unrun, for a bad parameter "
+            "too, and another server does), nor for how long, so a charge could bill work never done; its empty figure "
+            "means that, not no work")
+
+
 def _no_energy_reason(r: LiveRequest) -> str:
     """Why a request got no energy: what the work model could not see."""
     if not_forwarded(r):
@@ -626,7 +645,7 @@ def _no_energy_reason(r: LiveRequest) -> str:
                     "answers a batch 400 for one prompt in the context's last 6 tokens and runs its other prompts to "
                     "their cap for nobody; the daemon scrapes no server (scrape.server = none), so that work, if it ran, "
                     "is in no row nor counter here but in the shares of the requests beside it, which are flagged "
-                    f"{UNSURE_FLAG}; fix: {UNPLACED_FIX}")
+                    f"{UNSURE_FLAG}; {_batch_cause(r)}; fix: {UNPLACED_FIX}; or {BATCH_400_FIX}")
         if r.batch_run_on:
             # SGLang answers a batch 400 for one prompt its scheduler aborts and runs the others to their cap
             # (tokenizer_manager.py @ 001067ff _collect_batch_responses): "no GPU work" would be untrue there. Said
@@ -636,7 +655,8 @@ def _no_energy_reason(r: LiveRequest) -> str:
                     "work of it was seen here, yet SGLang runs a batch's other prompts to their cap for nobody after "
                     "one prompt's 400: that work, where the server's token counter saw it, is in the intervals' "
                     "unproxied_energy_j, not in this row, placed late: the intervals over its run say batch_run_on "
-                    "(SGLang or a server of kind unknown), and the requests beside it are flagged")
+                    f"(SGLang or a server of kind unknown), and the requests beside it are flagged; {_batch_cause(r)}; "
+                    f"fix: {BATCH_400_FIX}")
         return (f"no share: {what} with no token and no prompt length: no GPU work of it was seen, and its time "
                 "counts as idle")
     if r.prompt_cap is not None and r.prompt_est is not None and r.prompt_est[0] <= 0:
