@@ -603,6 +603,57 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
     assert n_iv > 0 and n_tok > 0, daemon.ledger.totals.jpt_left_out
 
 
+@pytest.mark.parametrize("server", ["sglang", "none"])
+def test_a_streamed_sglang_completions_batch_with_a_band_prompt_flags_the_rows_beside_its_run(tmp_path, server):
+    # Streamed, SGLang answers a /v1/completions batch holding a prompt in the context's last 6 tokens with a 200
+    # whose one event is that abort's error, then [DONE], and aborts the other prompts 2 s after (its response's
+    # background task: tokenizer_manager.py create_abort_task), uncounted: their prefill and decode go to the streams
+    # beside it. Before: neither modelled nor marked. Now its windows say batch_run_on (scraped) or the rows live
+    # there say uncertain-uncounted naming scrape.server (none), as for a whole batch.
+    import asyncio
+
+    import aiohttp
+
+    from powerprof.storage.schema import UNSURE_FLAG
+
+    srv, daemon = _h200_daemon(tmp_path, "sglang", overrides={"scrape.server": server}, decode_tok_s=100.0,
+                               n_ctx=256)
+    band = " ".join(["w"] * 249)  # 250 tokens with the BOS, of a 256-token context: + 6 fits, in the band
+    others = [" ".join([f"p{k}"] * 200) for k in range(8)]
+
+    async def ok(s, url, k):
+        async with await _tagged_stream(s, url, f"ok{k}", {"prompt": f"w{k} " * 50, "max_tokens": 100,
+                                                           "ignore_eos": True,
+                                                           "stream_options": {"include_usage": True}}) as r:
+            await r.read()
+
+    async def scene(url):
+        async with aiohttp.ClientSession() as s:
+            await asyncio.gather(*[ok(s, url, 10 + k) for k in range(3)])  # a pace learned first
+            await asyncio.sleep(1.5)
+            async with await _tagged_stream(s, url, "batch", {"prompt": [*others, band], "max_tokens": 6,
+                                                              "ignore_eos": True}) as r:
+                assert r.status == 200 and b"maximum allowed length" in await r.read()
+            await asyncio.gather(*[ok(s, url, k) for k in range(3)])
+            await asyncio.sleep(4.0)  # past the abort 2 s after its end, and a second
+            await asyncio.gather(*[ok(s, url, 20 + k) for k in range(3)])
+
+    _run_daemon(srv, daemon, scene, after_s=4, up=lambda: "proxy" in daemon.urls, up_tries=400)
+    truth = {t["client_id"]: t for t in [*srv.truth, *srv.truth_cancelled] if t.get("client_id")}
+    rows = _rows_by_tag(tmp_path)
+    err = _errors_shown({t: r for t, r in rows.items() if t.startswith("ok")}, truth)
+    notes = {t: r["energy_note"] if isinstance(r["energy_note"], str) else "" for t, r in rows.items()}
+    batch_j = sum(t["energy_j"] for t in [*srv.truth, *srv.truth_cancelled] if t.get("client_id") == "batch")
+    print("batch truth", round(batch_j, 1), "J;", {t: notes[t][:160] for t in sorted(notes)})
+    assert batch_j > 0
+    word = "batch_run_on" if server == "sglang" else "scrape.server"
+    flag = BYPASS_LOW_FLAG if server == "sglang" else UNSURE_FLAG
+    said = {t for t, n in notes.items() if t.startswith("ok") and flag in n and word in n}
+    assert {"ok0", "ok1", "ok2"} <= said, ({t: round(err[t], 3) for t in err}, said)
+    assert not said & {"ok20", "ok21", "ok22"}, said
+    assert "cause (8 other sequence(s), up to 6 tokens each" in notes["batch"], notes["batch"]
+
+
 @pytest.mark.parametrize("bypass", [False, True])
 def test_an_sglang_run_on_its_max_tokens_end_is_listed_as_counted_not_read_as_bypass(tmp_path, bypass):
     # A cut stream whose answer cannot end by itself (ignore_eos) and whose max_tokens end its run-on well before the

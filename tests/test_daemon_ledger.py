@@ -5776,6 +5776,45 @@ def test_a_batch_400_with_no_server_scraped_marks_a_bounded_span_and_many_merge_
     assert led._batch_spans[-1][1] >= int(attr.NEVER)
 
 
+@pytest.mark.parametrize("scraped", [True, False])
+def test_a_streamed_completions_batch_sglang_aborts_one_prompt_of_is_marked_to_its_abort_task(scraped):
+    # Streamed, SGLang answers such a batch 200 with one error event (its scheduler's abort message), then [DONE], and
+    # aborts the other prompts 2 s after the stream's end (tokenizer_manager.py create_abort_task). Before: a 200, not
+    # recorded: its run unmarked, scraped or not. Now marked to that abort (or its limit at the pace, if sooner).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.recon.server_seen, led.run_ons_unknown = scraped, not scraped
+    led._paces.append(2.0)  # 6 tokens: twice at 2 tok/s, 6 s, past the abort
+    tr = RequestTrace(1, "POST", "/v1/completions", "t", int(0.2 * S), 0, api="openai-completions", stream=True)
+    tr.extra.update(sequences=2, max_tokens=6, prompt_chars=120)
+    led.on_start(tr)
+    tr.status, tr.end_ns = 200, int(0.3 * S)
+    tr.counts = Counts(None, None, None, None, "none", server_error=(
+        "Input length (58 tokens) exceeds the maximum allowed length (58 tokens). Use a shorter input or enable "
+        "--allow-auto-truncate."))
+    led.on_end(tr)
+    span = (int(0.2 * S), int(2.3 * S))
+    if scraped:
+        assert led.recon.batch_run_ons == {1: span}, led.recon.batch_run_ons
+    else:
+        assert led._batch_spans == [(span[0], span[1] + S)], led._batch_spans
+    # Another in-band error, or a 200 to a whole request, is no such abort.
+    tr2 = RequestTrace(2, "POST", "/v1/completions", "t", int(0.2 * S), 0, api="openai-completions", stream=True)
+    tr2.extra.update(sequences=2, max_tokens=6)
+    led.on_start(tr2)
+    tr2.status, tr2.end_ns = 200, int(0.3 * S)
+    tr2.counts = Counts(None, None, None, None, "none", server_error="out of memory")
+    led.on_end(tr2)
+    assert len(led.recon.batch_run_ons) + len(led._batch_spans) == 1
+    led.recon.server_seen = False  # no window read here (none fed): bypass_over does not run
+    for k in range(4):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(3.5 * S))
+    notes = {r["request_id"]: r["energy_note"] for r in sink.rows["requests"]}
+    assert "cause (1 other sequence(s), up to 6 tokens each, for at most 2.1 s" in notes[1], notes[1]
+    assert "cause" not in notes[2], notes[2]
+
+
 def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them():
     # Before: said from its status and sequences alone, so a vLLM batch refused for max_tokens 0 said its windows were
     # marked batch_run_on (none were) and blamed SGLang.

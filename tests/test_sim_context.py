@@ -20,8 +20,9 @@ from powerprof.workload.load import LoadAborted, Prompt, run_load
 FAST = {"decode_tok_s": 2000.0, "prefill_tok_s": 1e5}
 
 
-def _post(url: str, body: dict) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, r.read()
@@ -268,6 +269,35 @@ def test_a_whole_sglang_batch_with_a_prompt_its_scheduler_aborts_answers_400_and
     # can hold the daemon's figures against it (tests/test_daemon_cut_streams.py). Before: `is None or >= 0`, serial
     # batching's None passing.
     assert rows[0]["energy_j"] > 0, rows
+
+
+def test_a_streamed_sglang_completions_batch_with_a_band_prompt_streams_the_error_and_runs_the_others_2_s():
+    # serving_completions.py @ 004c82e0 _generate_completion_stream: the aborted prompt's output (returned, streamed)
+    # is sent as one error event and the loop breaks, then [DONE]; its StreamingResponse's background task
+    # (tokenizer_manager.py create_abort_task) aborts every prompt of the batch 2 s after the response ends: the
+    # others decode that long for nobody, aborted (SGLang's counter counts none of them). Before: a 200 with the error
+    # event and nothing run.
+    band = " ".join(["w"] * 57)  # 58 tokens with the BOS, of a 64-token context: in the band, + 6 fits
+    msg = "Input length (58 tokens) exceeds the maximum allowed length (58 tokens)."
+    body = {"prompt": ["the power of the clock", band], "max_tokens": 6, "ignore_eos": True, "stream": True}
+    with SimServer(flavour="sglang", n_ctx=64, sglang_warmup=False, batching="continuous", decode_tok_s=2.0,
+                   draft_n_max=0) as srv:
+        t0 = time.monotonic()
+        code, raw = _post(srv.url + "/v1/completions", body, {"X-Sim-Request-Id": "batch1"})
+        answered_s = time.monotonic() - t0
+        deadline = time.monotonic() + 6
+        while not srv.truth_cancelled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ended_s = time.monotonic() - t0
+        rows = list(srv.truth_cancelled)
+        assert not srv.truth, srv.truth
+    events = [ln[len(b"data: "):] for ln in raw.splitlines() if ln.startswith(b"data: ")]
+    assert code == 200 and len(events) == 2 and events[-1] == b"[DONE]", raw
+    assert msg in json.loads(events[0])["error"]["message"], events
+    assert answered_s < 0.5, answered_s
+    assert [(t["prompt_tokens"], t["client_id"]) for t in rows] == [(6, "batch1")], rows
+    # Aborted at 2 s, short of its 6 tokens at 2 tok/s.
+    assert 1.8 < ended_s < 2.9 and 1 <= rows[0]["generated"] < 6 and rows[0]["energy_j"] > 0, (ended_s, rows)
 
 
 # --- powerprof's client ----------------------------------------------------------------------------------------------

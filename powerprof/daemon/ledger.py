@@ -126,6 +126,9 @@ RUN_ON_CAPPED_SURE_SHARE = 0.8
 # 6 tokens, and its tokenizer manager refuses a batch whole, unrun, where any prompt + max_new_tokens passes the context
 # (docs/simulator.md). A larger known limit leaves no batch running for nobody behind its 400 (`_batch_run_on`).
 SGLANG_BAND_TOKENS = 6
+# The words of that abort's message (managers/utils.py `validate_input_length`): a streamed /v1/completions batch is
+# answered 200, the message in its one error event (`_batch_run_on`).
+SGLANG_BAND_ABORT_WORDS = "exceeds the maximum allowed length"
 # The slowest pace a batch's other prompts are taken to decode at where no stream has shown the server's yet
 # (`_batch_end_ns`): a sequence a GPU decodes slower than this in a batch is rare; the span only marks, so a pace read low
 # flags more rows, never fewer.
@@ -861,7 +864,14 @@ class Ledger:
         # not where its known limit rules the abort out (SGLANG_BAND_TOKENS). Before: any error to n 2, or a batch
         # refused unrun, marked up to 31 s (a flood of them every window).
         unplaced = self.run_ons_unknown and not self.recon.server_seen
-        if (self.serves_generate is False or not (self.recon.server_seen or unplaced) or tr.status != 400
+        # Streamed, a /v1/completions batch is a 200 whose one event is that abort's error, then [DONE]
+        # (serving_completions.py @ 004c82e0 `_generate_completion_stream`); its response's background task aborts
+        # every prompt SGLang's stream wait (RUNS_ON_AFTER_LEAVE) after its end. Before: not marked, its run unflagged.
+        c = tr.counts
+        streamed = (tr.status == 200 and tr.stream is True and tr.api == "openai-completions" and c is not None
+                    and c.server_error is not None and SGLANG_BAND_ABORT_WORDS in c.server_error)
+        if (self.serves_generate is False or not (self.recon.server_seen or unplaced)
+                or not (tr.status == 400 or streamed)
                 or tr.api is None or not isinstance(seqs, int) or seqs // copies < 2 or tr.end_ns is None
                 or (isinstance(limit, int) and limit > SGLANG_BAND_TOKENS)):
             return
@@ -872,6 +882,8 @@ class Ledger:
             return
         # Its row names what it set off (`rowtext._batch_cause`): not charged to it, the run unproven.
         end_ns = self._batch_end_ns(tr)
+        if streamed:
+            end_ns = min(end_ns, int(tr.end_ns) + int(RUNS_ON_AFTER_LEAVE["sglang"][0] * 1e9))
         tokens = limit if isinstance(limit, int) else batch_context_bound(tr.extra)
         r.batch_bound = (seqs - copies, tokens,
                          (end_ns - int(tr.arrival_ns)) / 1e9 if end_ns < int(attr.NEVER) else None)

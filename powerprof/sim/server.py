@@ -1875,20 +1875,34 @@ class SimServer:
                                                 "X-Powerprof-Simulated": "1"})
 
     def _sglang_batch_abort(self, prompts: list, n_predict: int, args: tuple, client_id: str | None,
-                            native: bool) -> web.StreamResponse | None:
+                            native: bool, streamed: bool = False) -> web.StreamResponse | None:
         """A whole batch (n 1 each) one of whose prompts SGLang's scheduler aborts (_sglang_band), the tokenizer manager
         having let every prompt through: its _collect_batch_responses gathers the sequences' first outputs, the aborted
         one's raises (tokenizer_manager.py @ 001067ff, _handle_abort_finish_reason), so the client is answered that
         400 at once, while nothing aborts the others: they run to their cap for nobody (their truth rows the client's,
         their answers unread). Read, not measured. `args`: each sequence's (ignore_eos, cache_prompt, seed). None where
-        no prompt is in the band. Before: the whole batch refused unrun."""
+        no prompt is in the band. Before: the whole batch refused unrun.
+        `streamed` (a /v1/completions stream): the aborted output is returned, not raised, and its stream's abort branch
+        (serving_completions.py @ 004c82e0 `_generate_completion_stream`) sends the error event and breaks, then
+        [DONE] (_sglang_band_abort); its StreamingResponse's background task (tokenizer_manager.py
+        `create_abort_task`) aborts every prompt of the batch SGLANG_STREAM_ABORT_AFTER_S after the response ends, so
+        the others run that long for nobody, aborted, uncounted. Before: the other prompts were not run."""
         aborted = [msg for pr in prompts if (msg := self._sglang_band(pr)) is not None]
         if not aborted:
             return None
         nobody: asyncio.Queue = asyncio.Queue()  # never read: the client has its 400
+        others = []
         for pr in prompts:
             if self._sglang_band(pr) is None:
-                self._submit(pr, self._capped(pr, n_predict), *args, queue=nobody).client_id = client_id
+                others.append(self._submit(pr, self._capped(pr, n_predict), *args, queue=nobody))
+                others[-1].client_id = client_id
+        if streamed:
+            def abort_task() -> None:
+                n = self._drop(others, "client_gone")
+                if n:
+                    self._m_aborted.labels(model_name=self.model).inc(n)
+            self._loop.call_later(SGLANG_STREAM_ABORT_AFTER_S, abort_task)
+            return self._sglang_band_abort(aborted[0], True, True)
         return self._sglang_refusal(aborted[0], False if native else None)
 
     def _sglang_refusal(self, msg: str, stream: bool | None) -> web.StreamResponse:
@@ -2573,15 +2587,20 @@ class SimServer:
         stream = bool(body.get("stream", False))
         prompts = prompt if isinstance(prompt, list) else [prompt]
         whole = self.flavour == "sglang" and len(prompts) > 1 and not stream and body.get("n", 1) == 1
+        # A streamed /v1/completions batch: its band prompt's abort is an error event, the others run on until the
+        # response's abort task (_sglang_batch_abort); a streamed /generate batch takes _serve_sglang_batch.
+        streamed = (self.flavour == "sglang" and len(prompts) > 1 and stream and body.get("n", 1) == 1
+                    and api == "openai-completions")
         for one in prompts:  # a batch's prompts each checked, as each is its own task or engine request
             too_long = self._context_refusal(one, n_predict, stream if api == "sglang-native" else None,
-                                             stream and api in ("openai-chat", "openai-completions"), band=not whole)
+                                             stream and api in ("openai-chat", "openai-completions"),
+                                             band=not (whole or streamed))
             if too_long is not None:
                 return too_long
-        if whole:
+        if whole or streamed:
             args = (bool(body.get("ignore_eos", False)), self.prefix_cache, int(body.get("seed", 0) or 0))
             aborted = self._sglang_batch_abort(prompts, n_predict, args, request.headers.get("X-Sim-Request-Id"),
-                                               api == "sglang-native")
+                                               api == "sglang-native", streamed)
             if aborted is not None:
                 return aborted
         default_cache = api == "llamacpp" or self.prefix_cache
