@@ -599,6 +599,7 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
     assert not said & {"ok10", "ok11", "ok12", "ok20", "ok21", "ok22"}, said
     assert rows["batch"]["status"] == 400 and "scrape.server" in notes["batch"], notes["batch"]
     assert "cause (1 other sequence(s), up to 535 tokens each" in notes["batch"], notes["batch"]  # its client's
+    assert UNSURE_FLAG not in notes["batch"], notes["batch"]  # no figure to leave out: not counted as flagged
     n_iv, n_tok = daemon.ledger.totals.jpt_left_out.get(UNSURE_FLAG, (0, 0.0))
     assert n_iv > 0 and n_tok > 0, daemon.ledger.totals.jpt_left_out
 

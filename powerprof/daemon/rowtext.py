@@ -645,7 +645,8 @@ def _no_energy_reason(r: LiveRequest) -> str:
                     "answers a batch 400 for one prompt in the context's last 6 tokens and runs its other prompts to "
                     "their cap for nobody; the daemon scrapes no server (scrape.server = none), so that work, if it ran, "
                     "is in no row nor counter here but in the shares of the requests beside it, which are flagged "
-                    f"{UNSURE_FLAG}; {_batch_cause(r)}; fix: {UNPLACED_FIX}; or {BATCH_400_FIX}")
+                    f"(this row is not: it has no figure to leave out); {_batch_cause(r)}; fix: {UNPLACED_FIX}; or "
+                    f"{BATCH_400_FIX}")
         if r.batch_run_on:
             # SGLang answers a batch 400 for one prompt its scheduler aborts and runs the others to their cap
             # (tokenizer_manager.py @ 001067ff _collect_batch_responses): "no GPU work" would be untrue there. Said
