@@ -80,7 +80,9 @@ IGNORES_BEST_OF = ("sglang", "llamacpp")
 RUNS_ON_AFTER_LEAVE: dict[str, tuple[float | None, float | None]] = {"sglang": (2.0, 4.0), "llamacpp": (None, None)}
 START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
 LLAMACPP_STEPS = "llamacpp:n_decode_total"  # llama-server's decode calls: every step, a restart's tell (_scrape_llamacpp)
-REFUSALS_POLL_S = 0.002  # how often a scrape looks whether the proxy workers' records have come (`_take_refusals`)
+# How often a scrape looks whether the proxy workers' records have come (`_take_refusals`): each look is a wake-up of
+# the daemon's loop (docs/daemon.md, Footprint); at 2 ms an idle worker (its clock said only at its heartbeat) cost 20 a scrape.
+REFUSALS_POLL_S = 0.01
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
 # More tokens a second than any one server's page counts (one H200 at high batch makes tens of thousands; a node of
 # eight, a few hundred thousand): a counter back at or past its reading after the server was found down, higher than
