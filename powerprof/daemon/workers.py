@@ -251,7 +251,9 @@ class ShippingRecorder:
         live = list(self.live)
         if self._ends:
             live += [e[0][0] for e in self._ends]
-        held = self._starts or self._firsts or self._ends
+        # Refusals a full link kept back hold the clock too: the scraper waits for it to pass a scrape's start before it
+        # takes the workers' refusals (Scraper._take_refusals), and stopped waiting without them.
+        held = self._starts or self._firsts or self._ends or (self.proxy is not None and self.proxy._refused_ns)
         if not held:
             self.sent_ns = time.monotonic_ns()
         # Written even when the daemon does not read (a few bytes): its clock, not its records, is the
