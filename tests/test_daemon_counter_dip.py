@@ -951,6 +951,51 @@ def test_a_proxy_refusal_while_the_last_pages_get_was_in_flight_finds_the_server
     assert got == [(0.0, (), False), (50.0, (), False), (250.0, ("counter_below",), True)], got
 
 
+def test_a_proxy_workers_refusal_flushed_after_the_scrape_began_finds_the_server_down():
+    # 100, 150, a restart no scrape saw, 400, proxy.workers = 2: a worker's connect refused 10 ms before the third
+    # scrape began reaches the daemon in its flush FLUSH_S (20 ms) after the refusal, 10 ms into that scrape; the other
+    # worker is idle (its clock last said at its heartbeat). Before, the scraper took the refusals as it began, found
+    # none, and the next scrape dropped this one as older than its window: 250 whole, unsaid. Now it waits after its page
+    # for the workers' records up to its start (ProxyWorkers.refusals_through, bounded by REFUSALS_LATE_S): said.
+    import time
+    from types import SimpleNamespace
+
+    from powerprof.daemon.workers import _STATS, FLUSH_S, ProxyWorkers, _WorkerLink, frame
+
+    zero = (0,) * len(_STATS)
+    pages = [_sglang(100), _sglang(150), _sglang(400)]
+
+    class Paged(Scraper):
+        async def _get(self, path):
+            return 200, pages.pop(0)
+
+    async def go():
+        workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=None, proxy_kwargs={},
+                               header_timeout_s=10, idle_timeout_s=10)
+        for w in workers.workers:
+            w.transport = SimpleNamespace(close=lambda: None)
+        busy, idle = (_WorkerLink(workers, w) for w in workers.workers)
+        idle.data_received(frame(([], [], [], [], zero, [], time.monotonic_ns(), [])))
+        async with aiohttp.ClientSession() as s:
+            sc = Paged(s, "http://x", "sglang")
+            sc.refusals = workers.take_refusals
+            sc.refusals_through = workers.refusals_through
+            sc.refusals_late_s = workers.refusals_late_s
+            out = [(await sc.scrape(), sc.window_partial, sc.window_down_refused) for _ in range(2)]
+            refused = time.monotonic_ns()
+
+            def flush():
+                busy.data_received(frame(([], [], [], [], zero, [], time.monotonic_ns(), [refused])))
+
+            asyncio.get_running_loop().call_later(FLUSH_S, flush)
+            await asyncio.sleep(0.01)
+            out.append((await sc.scrape(), sc.window_partial, sc.window_down_refused))
+            return out
+
+    got = asyncio.run(go())
+    assert got == [(0.0, (), False), (50.0, (), False), (250.0, ("counter_below",), True)], got
+
+
 def test_a_vllm_restarted_behind_a_503_with_as_many_requests_finished_is_said(monkeypatch):
     # A vLLM with several API servers (no start time): the old process 300 tokens in 3 requests at 100 tokens a second,
     # the new one behind a 503 330 tokens in 3 (an equal finished count is no "went back"). Truth: 330 the new

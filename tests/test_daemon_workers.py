@@ -888,6 +888,27 @@ def test_the_workers_refused_connects_cross_the_link_bounded_and_are_taken_once(
     assert len(msgs) == 1 and msgs[0][7] == [T + 7], msgs
 
 
+def test_a_heartbeat_claims_no_clock_past_refusals_its_full_link_held_back():
+    # The scraper waits for every worker's clock (its frames' watermark) to pass a scrape's start before it takes their
+    # refusals (Scraper._take_refusals). A worker whose link to the daemon is full keeps its refusals (flush sends
+    # nothing); its heartbeat went out all the same with the time now as its clock, so the scraper stopped waiting and
+    # judged the page without them. Now a held refusal holds the clock back, as a held start or end does.
+    from powerprof.daemon.workers import SEND_BUFFER_MAX_BYTES
+
+    sent = []
+    ship = ShippingRecorder(4)
+    ship.transport = SimpleNamespace(is_closing=lambda: False, get_write_buffer_size=lambda: SEND_BUFFER_MAX_BYTES + 1,
+                                     write=sent.append)
+    ship.proxy = SimpleNamespace(_refused_ns=[T + 7], recorder_failures=0, upstream_failures=1,
+                                 body_timeouts={"silent": 0, "slow": 0}, upstream_retries=0, uninspected_bodies=0,
+                                 unforwarded=0, proxy_failures=0)
+    ship.proxy.take_refusals = lambda: [ship.proxy._refused_ns.pop()]
+    ship.sent_ns = T
+    ship.beat()
+    msgs = Unframer().feed(b"".join(sent))
+    assert [m[0] for m in msgs] == ["beat"] and msgs[0][1] == T and ship.proxy._refused_ns == [T + 7], msgs
+
+
 def test_restarts_back_off_exponentially_and_reset_after_a_stable_minute(caplog):
     import gc
 

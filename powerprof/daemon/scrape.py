@@ -34,6 +34,7 @@ decoded: servercount.slots_json) fails that scrape with the reason.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -79,6 +80,9 @@ IGNORES_BEST_OF = ("sglang", "llamacpp")
 RUNS_ON_AFTER_LEAVE: dict[str, tuple[float | None, float | None]] = {"sglang": (2.0, 4.0), "llamacpp": (None, None)}
 START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
 LLAMACPP_STEPS = "llamacpp:n_decode_total"  # llama-server's decode calls: every step, a restart's tell (_scrape_llamacpp)
+# How often a scrape looks whether the proxy workers' records have come (`_take_refusals`): each look is a wake-up of
+# the daemon's loop (docs/daemon.md, Footprint); at 2 ms an idle worker (its clock said only at its heartbeat) cost 20 a scrape.
+REFUSALS_POLL_S = 0.01
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
 # More tokens a second than any one server's page counts (one H200 at high batch makes tens of thousands; a node of
 # eight, a few hundred thousand): a counter back at or past its reading after the server was found down, higher than
@@ -384,6 +388,13 @@ class Scraper:
         # (`Proxy.take_refusals`; None: no proxy, or it forwards elsewhere): proof of a death as this scraper's own
         # refused scrape is (`_proxy_refused`).
         self.refusals: Callable[[], list[int]] | None = None
+        # Proxy workers ship theirs in a flush after them (workers.FLUSH_S): the time their records have all come up to
+        # (`ProxyWorkers.refusals_through`; None: the proxy is this process's, its refusals here at once), waited for
+        # after the page up to `refusals_late_s` past the scrape's start (`_take_refusals`).
+        self.refusals_through: Callable[[], int | None] | None = None
+        self.refusals_late_s = 0.0
+        self._refusals_taken = False  # this scrape's are taken (once a scrape)
+        self._refusals_later: list[int] = []  # taken, but from this scrape's start on: the next window's
         self._scrape_at = 0.0  # and as this scrape began
         # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
         # moved): until a window starts at or above it, the fall may have been a dip (one process's share of a
@@ -709,12 +720,12 @@ class Scraper:
         self.served = None
         self._scrape_at = time.monotonic()
         scrape_at_ns = int(self._scrape_at * 1e9)  # the daemon's monotonic_ns clock, as its windows' stamps
-        if self.refusals is not None:
-            self._proxy_refused(self.refusals(), scrape_at_ns)
+        self._refusals_taken = False
         try:
             if self.kind is None:
                 self.kind = await self._detect()
                 if self.kind is None:
+                    await self._take_refusals(scrape_at_ns, wait=False)
                     return None
                 log.info("scraping %s token counters at %s", self.kind, self.base)
             if self.kind == "llamacpp":
@@ -726,6 +737,7 @@ class Scraper:
                 self._refused_at_ns = self._loading_at_ns = None
             else:
                 status, text = await self._get("/metrics")
+                await self._take_refusals(scrape_at_ns)
                 if status != 200:
                     raise MetricsStatus(status, self.base + "/metrics")
                 total = counter_total(text, COUNTERS[self.kind])
@@ -821,6 +833,7 @@ class Scraper:
                 self.served = ((done, in_flight, gen[1]) if done is not None and in_flight is not None and gen is not None
                                else None)
         except Exception as e:  # a server's answer never ends the scrape loop: counted and logged
+            await self._take_refusals(scrape_at_ns, wait=False)  # a GET that failed: its window goes on, none judged
             down = _server_down(e)
             self._unreachable |= _found_down(e)
             self._blipped |= down and not _found_down(e)
@@ -837,6 +850,27 @@ class Scraper:
             return None
         self.total += delta
         return float(delta)
+
+    async def _take_refusals(self, scrape_at_ns: int, wait: bool = True) -> None:
+        """The proxy's refusals since the last take, judged against this scrape's window (`_proxy_refused`): once a
+        scrape, after its page came and before it is judged. Proxy workers ship theirs in a flush up to FLUSH_S after
+        them: `wait`ed for until every worker's records have come up to the scrape's start (`refusals_through`), at most
+        `refusals_late_s` past it. Taken as the scrape began, one within a flush of it came to the next scrape, older than
+        its window: dropped, and a restart whose new process answered the page passed unsaid (100, 150, a restart, 400
+        read 250 whole). Those from the scrape's start on are the next window's, as one during its GET ever was."""
+        if self._refusals_taken or self.refusals is None:
+            return
+        self._refusals_taken = True
+        if wait and self.refusals_through is not None:
+            until_s = scrape_at_ns / 1e9 + self.refusals_late_s
+            while time.monotonic() < until_s:
+                through = self.refusals_through()
+                if through is None or through >= scrape_at_ns:
+                    break
+                await asyncio.sleep(REFUSALS_POLL_S)
+        times = self._refusals_later + self.refusals()
+        self._refusals_later = [t for t in times if t >= scrape_at_ns]
+        self._proxy_refused([t for t in times if t < scrape_at_ns], scrape_at_ns)
 
     def _proxy_refused(self, times: list[int], scrape_at_ns: int) -> None:
         """The proxy's connects to this server refused at `times` (ns): those from the last believed page's GET on
@@ -926,6 +960,7 @@ class Scraper:
         metrics_status, page = await self._get("/metrics")
         finished = counter_total(page, LLAMACPP_COUNTER) if metrics_status == 200 else None
         status, text = await self._get("/slots")
+        await self._take_refusals(int(self._scrape_at * 1e9))
         slots = slot_progress(slots_json(text)) if status == 200 else None
         # A 502/503 on /metrics fails the scrape even where /slots answered (a gateway's blip on one route): read as a
         # llama-server without --metrics, its window said slots_only and counted the slots' progress, which the page

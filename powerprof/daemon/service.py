@@ -1759,6 +1759,9 @@ class Daemon:
                 # Its refused connects (its workers' too) are the scraped server's death, as a refused scrape
                 # (Scraper._proxy_refused).
                 self.scraper.refusals = self.proxy.take_refusals
+                # The workers' come a flush late: waited for after the page (Scraper._take_refusals).
+                self.scraper.refusals_through = getattr(self.proxy, "refusals_through", None)
+                self.scraper.refusals_late_s = getattr(self.proxy, "refusals_late_s", 0.0)
         elif listen:
             log.warning("proxy disabled: no proxy.upstream configured")
         if cfg.get("metrics", "listen"):

@@ -50,6 +50,9 @@ from .spawn import isolated_argv
 log = logging.getLogger("powerprof.daemon.workers")
 
 FLUSH_S = 0.02  # tokens of one request are coalesced over at most this long (their placement's resolution)
+# A refused connect reaches the daemon in a flush at most FLUSH_S after it, and that frame's read: the scraper waits up
+# to this long past a scrape's start for the workers' refusals before it judges its page (`Scraper._take_refusals`).
+REFUSALS_LATE_S = 2 * FLUSH_S
 SEND_BUFFER_MAX_BYTES = 8 << 20  # a daemon that stops reading: beyond this, token records are dropped (marked)
 HELD_MAX_RECORDS = 200_000  # starts, first tokens and ends held for a daemon that does not read, at most
 FRAME_MAX_BYTES = 64 << 20
@@ -248,7 +251,9 @@ class ShippingRecorder:
         live = list(self.live)
         if self._ends:
             live += [e[0][0] for e in self._ends]
-        held = self._starts or self._firsts or self._ends
+        # Refusals a full link kept back hold the clock too: the scraper waits for it to pass a scrape's start before it
+        # takes the workers' refusals (Scraper._take_refusals), and stopped waiting without them.
+        held = self._starts or self._firsts or self._ends or (self.proxy is not None and self.proxy._refused_ns)
         if not held:
             self.sent_ns = time.monotonic_ns()
         # Written even when the daemon does not read (a few bytes): its clock, not its records, is the
@@ -547,9 +552,16 @@ class ProxyWorkers:
         self._refused_ns: list[int] = []
 
     # what the daemon reads, as of an in-process Proxy
+    refusals_late_s = REFUSALS_LATE_S
+
+    def refusals_through(self) -> int | None:
+        """Every worker's refusals before this (time.monotonic_ns()) have come (`watermark_ns`): the scraper waits for
+        it to pass a scrape's start, up to REFUSALS_LATE_S (`Scraper._take_refusals`)."""
+        return self.watermark_ns
+
     def take_refusals(self) -> list[int]:
         """As `Proxy.take_refusals`, for all workers: those their records brought (a flush, FLUSH_S at most after the
-        refusal on a worker not late; one still in a worker is the next scrape's)."""
+        refusal on a worker not late; the scraper waits for them, `refusals_through`)."""
         out, self._refused_ns = self._refused_ns, []
         return out
 
