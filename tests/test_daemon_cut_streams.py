@@ -698,10 +698,21 @@ def test_an_sglang_run_on_its_max_tokens_end_is_listed_as_counted_not_read_as_by
     read_tokens = sum(x.get("server_tokens") or 0 for x in ivs)
     for t in ("cut1", "cut5", "cut9"):
         assert truth[t]["generated"] == 40 and rows[t]["attributed_tokens"] == pytest.approx(40), (truth[t], rows[t])
-    flagged = [t for t, r in rows.items() if "bypass-uncounted" in (r["energy_note"] or "")]
-    assert not flagged, flagged
     # At most the few a read's timing moves (3 cut streams' 35 run-on tokens each read so before: ~105).
     assert abs(read_tokens - byp_tokens) <= 20, (read_tokens, byp_tokens)
+    # No window says a run-on's count (batch_run_on, run_on_may_end) may be in it, nor a row is flagged for one. A
+    # loaded host may run the proxy late behind the server (streams reaching it in bursts up to 1 s apart): the windows
+    # whose count the bursts' pace contradicts say proxy_lag, and the rows over them bypass-uncounted, rightly (beside
+    # two CPU hogs 2 of 15 runs, beside another test's loop too 7 of 10: 3-11 such windows of 27, 366-367 tokens read
+    # of 360, every flagged row for proxy_lag alone, some row's stream seen in bursts).
+    notes = {t: r["energy_note"] or "" for t, r in rows.items()}
+    flagged = {t: n for t, n in notes.items() if "bypass-uncounted" in n}
+    lagged = [x for x in ivs if "proxy_lag" in (x.get("server_count") or "")]
+    marks = [x.get("server_count") for x in ivs]
+    assert not any("batch_run_on" in (m or "") or "run_on_may_end" in (m or "") for m in marks), marks
+    assert not flagged or (lagged and any("reached the proxy in" in n for n in notes.values())), flagged
+    lag_alone = "(proxy_lag: their server_count)"
+    assert all(n.count("bypass-uncounted:") == 1 and lag_alone in n for n in flagged.values()), flagged
 
 
 def test_a_prompt_whose_size_the_body_does_not_say_is_said_not_costed_and_its_neighbours_say_so(tmp_path):

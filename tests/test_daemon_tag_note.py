@@ -322,7 +322,7 @@ def test_a_tag_says_when_its_unproxied_energy_is_count_less_streams_surplus(tmp_
     assert "request(s) in this window carried no token counts" in (out["energy_note"] or ""), out
 
 
-def test_a_tag_window_shorter_than_the_h200_counters_refresh_is_measured_not_zero(tmp_path):
+def test_a_tag_window_shorter_than_the_h200_counters_refresh_is_measured_not_zero(tmp_path, monkeypatch):
     # An H200's energy counter refreshes every 100 ms: a window's edges read at its start and stop calls held one
     # refresh's value or two. Jobs of one 2-token stream (~45 ms) each in its own window read 0.000 J and 0 J/token in 3
     # of 8 windows, method counter, no note; 30-token jobs (~250 ms) 15-32% low (a hostile review against the
@@ -348,15 +348,34 @@ def test_a_tag_window_shorter_than_the_h200_counters_refresh_is_measured_not_zer
         "daemon.restore_on_start": False, "tags.socket": str(tmp_path / "pp.sock")})
     daemon = Daemon(cfg, Rig("h200-141g", nvml=nvml, host=False))
     gpu = nvml.gpus[0]
-    got, edges = [], []
+    got, edges, instants = [], [], []
     held_edge = daemon._edge
 
     async def edge(label):  # the truth at the window's own instants: its start edge, its stop call
         t, wall, stop, held = await held_edge(label)
         edges.append(gpu.recent_energy_at_j(t - int(stop.held_s * 1e9) if stop is not None else t))
+        instants.append((t, stop.held_s if stop is not None else 0.0))  # a stop's: its held edge, its hold after the call
         return t, wall, stop, held
 
     daemon._edge = edge
+    # Each counter refresh an edge's poll saw is dated between the reads around it (tagedge.wait_refresh): the energy
+    # the GPU drew between the simulator's refresh (its counter on a grid of energy_counter_update_s) and that date is
+    # what the date being off moves the window's figure by, at the power there.
+    from powerprof.daemon import tagedge
+
+    grid_ns = int(gpu.profile.energy_counter_update_s * 1e9)
+    misdated_j, polled = [], tagedge.wait_refresh
+
+    def wait_refresh(*args, **kwargs):
+        out = polled(*args, **kwargs)
+        for r in out[0] if out is not None else ():
+            base = r.at_ns // grid_ns * grid_ns  # the grid instant whose energy the new value is
+            true_ns = min((base + j * grid_ns for j in (-1, 0, 1)),
+                          key=lambda t: abs(gpu.recent_energy_at_j(t) - r.value_j))
+            misdated_j.append(abs(gpu.recent_energy_at_j(r.at_ns) - gpu.recent_energy_at_j(true_ns)))
+        return out
+
+    monkeypatch.setattr(tagedge, "wait_refresh", wait_refresh)
 
     async def go():
         task = asyncio.create_task(daemon.run())
@@ -367,13 +386,15 @@ def test_a_tag_window_shorter_than_the_h200_counters_refresh_is_measured_not_zer
         async with aiohttp.ClientSession() as s:
             for k in range(6):
                 n = 2 if k % 3 else 30
+                misdated_j.clear()
                 await daemon.tag_start(f"job{k}")
                 body = {"messages": [{"role": "user", "content": prompt_text(300, 40000 + k)}], "max_tokens": n,
                         "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
                 async with s.post(daemon.urls["proxy"] + "/v1/chat/completions", json=body) as r:
                     await r.read()
                 ans = await daemon.tag_stop(f"job{k}")
-                got.append((k, n, edges[-1] - edges[-2], ans))
+                (t0, _), (t1, held_s) = instants[-2:]
+                got.append((k, n, edges[-1] - edges[-2], ans, (t1 - t0) / 1e9, held_s, sum(misdated_j)))
                 await asyncio.sleep(0.13 + 0.03 * k)  # the next window at another phase of the refresh
         daemon.stop_event.set()
         await task
@@ -382,13 +403,23 @@ def test_a_tag_window_shorter_than_the_h200_counters_refresh_is_measured_not_zer
         asyncio.run(asyncio.wait_for(go(), 120))
     finally:
         srv.stop()
-    for k, n, true_j, ans in got:
-        what = (k, n, round(true_j, 2), ans)
+    for k, n, true_j, ans, to_held_s, held_s, misdated in got:
+        what = (k, n, round(true_j, 2), ans, to_held_s, held_s, round(misdated, 2))
         assert ans["gpu_energy_j"] is not None and ans["gpu_j_per_token"] is not None, what
         # A held edge's counter is a poll's few ms stale and the stop's trim placed at the power after it: ~1-2 J on a
-        # loaded 2-core host; before, -100% (0 J) to -35% on the 2-token jobs and -15..-32% on the 30-token ones.
-        assert abs(ans["gpu_energy_j"] - true_j) < max(0.25 * true_j, 3.0), what
-        assert ans["duration_s"] < (0.2 if n == 2 else 0.6), what  # to the stop call, not to its held edge
+        # 2-core host polling every few ms; before, -100% (0 J) to -35% on the 2-token jobs and -15..-32% on the
+        # 30-token ones. A starved poll (beside CPU hogs: reads 10-100 ms apart, a read's own instant ms off) dates a
+        # refresh up to 25 ms off, ~120 W there: the start edge's value moves by its refresh's misdating, the stop's by
+        # its first refresh's, and each trim's power by its two refreshes' (over a span up to a refresh long): at
+        # most twice the four refreshes' misdated energy, the bound where that is over 25% or 3 J (a loaded CI once:
+        # 3.24 J off a 12.4 J window). Measured beside CPU hogs and other tests, 90 windows of 15 runs: |error| at most
+        # 1.63 times the misdated energy; 4 windows (3 runs) over 25% or 3 J: -8.1 J of 28.6 J misdated 8.1 J, -6.2 J
+        # of 17.4 J misdated 6.5 J (docs/daemon.md).
+        assert abs(ans["gpu_energy_j"] - true_j) < max(0.25 * true_j, 3.0, 2 * misdated), what
+        # To the stop call, not to its held edge (a poll to a refresh after it): the start edge to the held stop edge,
+        # less its hold. Not a fixed bound (it was < 0.2 s for a 2-token job, ~45 ms quiet): a loaded host stretches
+        # the job, and the window with it (0.20-0.30 s in 3 of 16 runs beside two CPU hogs).
+        assert held_s > 0 and ans["duration_s"] == pytest.approx(to_held_s - held_s, abs=1e-6), what
 
 
 def test_a_short_tag_whose_edges_could_not_be_held_has_no_gpu_figure_not_zero():
