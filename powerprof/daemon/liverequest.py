@@ -63,6 +63,10 @@ class LiveRequest:
     # Its GPU joules from intervals past the RUN_ON_TO_END_MAX_S a llama.cpp whole answer's run-on was placed to, before
     # that run's estimated end (`Ledger._run_on`): its rest, placed nowhere, may be in this share (UNSURE_FLAG).
     capped_beside_j: float = 0.0
+    # Its GPU joules from intervals over a llama.cpp whole answer's run-on after its client left, whose tokens the server
+    # counts and no proxied request lists (`Ledger._counted_spans`): read as bypass, their energy in unproxied, out of
+    # this share, more or less than that run used (UNSURE_FLAG).
+    counted_beside_j: float = 0.0
     # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
     # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
     unread_beside_j: float = 0.0
