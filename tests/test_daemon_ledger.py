@@ -4239,14 +4239,15 @@ def test_a_whole_answer_llamacpp_runs_on_to_its_end_is_costed_its_max_tokens_at_
     else:
         assert "until its max_tokens (40) were decoded" in note and "llama-server" in note, note
         assert rows[3]["attributed_tokens"] == pytest.approx(40, abs=1), rows[3]
-    assert "ran on" not in (rows[4]["energy_note"] or ""), rows[4]["energy_note"]
+    # Its own run-on: none (beside the unknown one, its note may say that one's: `Ledger._counted_spans`).
+    assert "the server ran on" not in (rows[4]["energy_note"] or ""), rows[4]["energy_note"]
 
 
 def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arrive=0.5, outcome="client_disconnected",
                            runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
                            opened=None, same_process=False, whole_as=("POST", "/v1/chat/completions", "openai-chat"),
                            serves_generate=True, back_as=("server_restart",), beside=None, with_whole=True,
-                           **restart_kw):
+                           counted_run=None, **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4259,7 +4260,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # whole answer's method, path and API; `serves_generate`: the ledger's (the server's kind as the daemon sets it);
     # `back_as`: what the page after the outage says (counter_below: a page at or past the old reading, `_down_back`);
     # `beside`: (from, to) s of a stream (id 5) at 40 tokens/s ended whole at `to`, counted by the server too;
-    # `with_whole` False: no whole answer sent (the truth of a scene where it was never run).
+    # `with_whole` False: no whole answer sent (the truth of a scene where it was never run); `counted_run`: (from, to) s
+    # the server counted the whole answer's run-on's tokens, 40 a second (/slots' n_decoded as it decodes them).
     # Returns its row (with `beside`, every row by id).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.serves_generate = serves_generate
@@ -4275,7 +4277,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
 
     # Sent with ignore_eos: its answer cannot end by itself before its abort or max_tokens, so its run-on there is sure
     # (without, its row says uncertain-uncounted: `Ledger._place_run_on`).
-    done, whole = chat(1, 0.0, True), chat(2, arrive, False, whole_as, max_tokens=max_tokens, eos_ignored=True)
+    limit = {} if max_tokens is None else {"max_tokens": max_tokens}
+    done, whole = chat(1, 0.0, True), chat(2, arrive, False, whole_as, eos_ignored=True, **limit)
     for tr in (done, whole) if arrive <= 0.5 and with_whole else (done,):
         led.on_start(tr)
     near = None if beside is None else chat(5, beside[0], True)
@@ -4329,6 +4332,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
                 led.advance(int(t * S))  # the daemon's loop goes on while the server is down: rows leave at their hold
             continue
         restart = not same_process and prev is not None and any(prev < d + 1e-9 and u - 1e-9 < t for d, u in downs)
+        if counted_run is not None and prev is not None:
+            unscraped_near += 40.0 * max(0.0, min(t, counted_run[1]) - max(prev, counted_run[0]))
         led.add_server_tokens(int(t * S), 20.0 + unscraped_near if prev is not None and prev < 0.5 <= t
                               else float(unscraped_near if prev is not None else 0),
                               None if prev is None else int(prev * S),
@@ -4371,23 +4376,48 @@ def test_a_whole_answer_llamacpp_run_on_capped_at_max_tokens_is_costed_to_there(
     assert row["gpu_energy_j"] == pytest.approx(100.0, abs=10.5), row  # to the 0.1 s interval its end falls in
 
 
-@pytest.mark.parametrize("beside,downs,flagged", [((33.0, 38.0), [], True), ((10.0, 15.0), [], False),
-                                                  ((33.0, 38.0), [(1.5, 2.0)], False)],
+@pytest.mark.parametrize("beside,downs,flagged,counted", [((33.0, 38.0), [], True, False),
+                                                          ((10.0, 15.0), [], False, True),
+                                                          ((33.0, 38.0), [(1.5, 2.0)], False, False)],
                          ids=["past_the_cap", "within_it", "restarted_before"])
-def test_a_whole_answer_llamacpp_runs_on_past_the_cap_flags_the_requests_beside_its_rest(beside, downs, flagged):
+def test_a_whole_answer_llamacpp_runs_on_past_the_cap_flags_the_requests_beside_its_rest(beside, downs, flagged,
+                                                                                          counted):
     # max_tokens 2000 at 40 tokens/s: held, as ever, only to RUN_ON_TO_END_MAX_S (30 s) after its leave at 0.6 s; its
     # estimated end is 2 x 2000 / 40 = 100 s on, its rest placed nowhere. Before, a stream 33-38 s in was given all of
     # those intervals (500 J for 199 tokens here), unflagged and in the gauge (the simulated llama.cpp's such rows
     # read -5% to +29%, docs/daemon.md). Now flagged with its own fix, left out of the gauge. A stream within the 30 s,
-    # or past it where a restart ended the run first, is not.
+    # or past it where a restart ended the run first, is not by that note. One within the 30 s says the run's tokens,
+    # counted by the server, read as bypass (`Ledger._counted_spans`; before, unflagged: the simulated llama.cpp's such
+    # rows read -40%..+4%, docs/daemon.md); past a restart that ended the run, neither.
     ledgers = []
     rows = _llamacpp_whole_run_on(downs, max_tokens=2000, end_s=45.0, beside=beside, ledgers=ledgers)
     note = rows[5]["energy_note"] or ""
     said = "its run-on is placed only to 30 s after that leave" in note
     assert said == flagged, note
-    assert (UNSURE_FLAG in note) == flagged, note
+    assert ("the server counts that run's tokens" in note) == counted, note
+    assert (UNSURE_FLAG in note) == (flagged or counted), note
     if flagged:
         assert "max_tokens" in note and "scrape.server" not in note, note
+    left = ledgers[0].totals.jpt_left_out.get(UNSURE_FLAG, (0, 0.0))
+    assert (left[0] > 0) == (flagged or counted or bool(downs)), ledgers[0].totals.jpt_left_out  # restarted: 0.6-1.5 s
+
+
+@pytest.mark.parametrize("beside,flagged", [((5.0, 10.0), True), ((14.0, 18.0), False)],
+                         ids=["while_counted", "after_the_count_stood_still"])
+def test_a_whole_answer_llamacpp_runs_on_with_no_max_tokens_flags_the_requests_beside_it_till_the_count_stands(
+        beside, flagged):
+    # No max_tokens sent: llama-server runs it on to an end not known (its context's), nothing placed, costed as aborted
+    # at its leave (0.6 s). The server counts its tokens, 40 a second, until 12 s, then nothing. Before, a stream 5-10 s
+    # beside that run was given all of those intervals (500 J for its 200 tokens, the run's work in it or in unproxied),
+    # unflagged and in the gauge. Now flagged until the first scrape window that counted nothing (12.0 s + 1 s); a
+    # stream after it is not.
+    ledgers = []
+    rows = _llamacpp_whole_run_on([], max_tokens=None, end_s=25.0, beside=beside, ledgers=ledgers,
+                                  counted_run=(0.6, 12.0))
+    note = rows[5]["energy_note"] or ""
+    assert ("the server counts that run's tokens" in note) == flagged, note
+    assert (UNSURE_FLAG in note) == flagged, note
+    assert "llama-server ran it on to an end not known" in (rows[2]["energy_note"] or ""), rows[2]["energy_note"]
     left = ledgers[0].totals.jpt_left_out.get(UNSURE_FLAG, (0, 0.0))
     assert (left[0] > 0) == flagged, ledgers[0].totals.jpt_left_out
 

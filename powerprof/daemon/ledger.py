@@ -122,6 +122,9 @@ RUN_ON_PACE_TOKENS = 8
 # at no more than this share of what its pace runs to the abort: its pace may read high (within 4% on the simulator,
 # `_place_run_ons`), and one aborted instead is counted nowhere, its listing then hiding bypass traffic.
 RUN_ON_CAPPED_SURE_SHARE = 0.8
+# How long the server's token count must stand still before a llama.cpp whole answer run on with no end known is taken
+# as ended (`Ledger._counted_spans`): a run-on decodes every step, and llama-server's own quiet for a connection is 1 s.
+COUNT_STILL_S = 1.0
 # The most tokens a batch SGLang's scheduler aborts one prompt of may ask: that abort takes a prompt in the context's last
 # 6 tokens, and its tokenizer manager refuses a batch whole, unrun, where any prompt + max_new_tokens passes the context
 # (docs/simulator.md). A larger known limit leaves no batch running for nobody behind its 400 (`_batch_run_on`).
@@ -431,6 +434,15 @@ class Ledger:
         # rest of that run is placed nowhere, so the intervals there say so on their requests' rows (`capped_beside_j`).
         # By request id: a restart that ends such a run sooner (`_cut_run_on`) takes its span out.
         self._capped_spans: dict[int, tuple[int, int]] = {}
+        # (its leave, latest end) of llama.cpp whole answers run on after their client left (`_run_on`): llama-server
+        # counts that run's tokens, which no proxied request lists, so the scrape windows read them as bypass and move
+        # their energy into unproxied, out of the shares of the requests beside it, so the intervals there say so on
+        # their rows (`counted_beside_j`). By request id; with no end known (no max_tokens or no pace: nothing placed)
+        # its end is the first scrape window after it that counted nothing (`add_server_tokens`), not before
+        # `_counted_from` (its leave, or its prompt's estimated prefill end: a prefill counts no token).
+        self._counted_spans: dict[int, tuple[int, int]] = {}
+        self._counted_from: dict[int, int] = {}
+        self._count_still_from: int | None = None  # the start of the scrape windows since that counted no token
         # The latest restarts' scrape windows, (start, end, first found down): the old process's last scrape, the new
         # one's first, and the first scrape between that found the server down (None: none did); its run-ons end
         # between the first and the third (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
@@ -823,9 +835,21 @@ class Ledger:
             # unknown: costed as one aborted at once (its prompt), its row saying what it decoded is unseen.
             if not (isinstance(limit, int) and limit > 0) or not self._paces:
                 r.run_on_unknown = True  # its row says so (rowtext.WHOLE_GONE_RUN_ON), not an aborting server's words
+                # Nothing placed, it runs on unseen: the requests beside it are marked until the server's count stands
+                # still (`add_server_tokens`). Before, unmarked, as if it had been aborted at its leave.
+                guard = max(int(tr.end_ns), self._prefill_end_est_ns(r) or 0)
+                rid = next((k for k, (_, a1) in self._counted_spans.items() if a1 >= int(attr.NEVER)), tr.request_id)
+                a0 = self._counted_spans.get(rid, (int(tr.end_ns),))[0]  # one unbounded span, not one a leave
+                self._counted_spans[rid] = (min(a0, int(tr.end_ns)), int(attr.NEVER))
+                self._counted_from[rid] = max(self._counted_from.get(rid, 0), guard)
                 return
             span_s = 2.0 * limit / float(np.median(self._paces))
             r.run_on_end_ns, r.run_on_to_end = tr.end_ns + int(min(span_s, RUN_ON_TO_END_MAX_S) * 1e9), True
+            # Placed on its row, but the tokens the server counts of it are listed for no scrape window: read as bypass,
+            # their energy in unproxied (docs/daemon.md, a known gap). The simulated llama.cpp (a 2000-token answer at
+            # 34 tok/s) had 3410 J of 8760 unproxied in its first 30 s, the rows there -40%..+4%, unflagged.
+            if self.scraping:
+                self._counted_spans[tr.request_id] = (int(tr.end_ns), int(r.run_on_end_ns))
             if span_s > RUN_ON_TO_END_MAX_S:
                 # Its rest, past the held 30 s, is placed nowhere: its work is in the shares of the requests beside it
                 # to its estimated end, plus GONE_ABORT_SLACK_S (the span only marks, holding nothing). Unmarked, the
@@ -2052,6 +2076,20 @@ class Ledger:
                 if r.trace.end_ns is not None and closed_unanswered(r):
                     self._run_on(r)
             self._end_run_ons_at_restart()
+            for rid, (a0, a1) in self._counted_spans.items():  # an unplaced run's process died in this window
+                if a1 >= int(attr.NEVER):
+                    self._counted_spans[rid] = (a0, max(a0, int(t_ns)))
+        if delta > 0 or since_ns is None or restart or died:
+            self._count_still_from = None
+        else:
+            # The count stood still from `_count_still_from`: nothing decoded, so a run-on with no end known had ended by
+            # then (its last step within GONE_ABORT_SLACK_S), unless it was still prefilling its prompt. Still over
+            # COUNT_STILL_S at least: one short window's zero may be a long step's (a prompt's prefill chunk beside it).
+            still = self._count_still_from = since_ns if self._count_still_from is None else self._count_still_from
+            if t_ns - still >= COUNT_STILL_S * 1e9:
+                for rid, (a0, a1) in self._counted_spans.items():
+                    if a1 >= int(attr.NEVER) and still >= self._counted_from.get(rid, a0):
+                        self._counted_spans[rid] = (a0, int(still) + int(GONE_ABORT_SLACK_S * 1e9))
 
     def note_down(self, since_ns: int, down_ns: int, refused_ns: int | None) -> None:
         """A scrape since the server's last good one (`since_ns`) found it down (the first began at `down_ns`), one
@@ -2178,6 +2216,8 @@ class Ledger:
         cut, r.run_on_death = gone
         r.run_on_end_ns, r.run_on_restart = cut, True
         self._capped_spans.pop(r.trace.request_id, None)  # its process died before the capped span: nothing ran there
+        if r.trace.request_id in self._counted_spans:
+            self._counted_spans[r.trace.request_id] = (self._counted_spans[r.trace.request_id][0], cut)
         r.run_on_unrestarted = r.run_on_death[:3] in self._died_unrestarted
         if r.run_on_tokens > 0 and r.run_on_from_ns is None and r.ev_t and r.ev_t[-1] > r.run_on_end_ns:
             # Placed already (a stream's, `_place_run_ons`, before the restart's window came: a long GET): its events
@@ -2618,6 +2658,14 @@ class Ledger:
             capped_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(capped_iv, work_j, 0.0)])
         capped_col = energy.shape[1] - 1
+        # Over a llama.cpp whole answer's run-on, whose tokens the server counts (`_run_on`): read as bypass there.
+        self._counted_spans = {k: s for k, s in self._counted_spans.items() if s[1] > t[0]}
+        self._counted_from = {k: v for k, v in self._counted_from.items() if k in self._counted_spans}
+        counted_iv = np.zeros(t.size - 1, bool)
+        for a0, a1 in self._counted_spans.values():
+            counted_iv |= (a0 < t[1:]) & (a1 > t[:-1])
+        energy = np.column_stack([energy, np.where(counted_iv, work_j, 0.0)])
+        counted_col = energy.shape[1] - 1
         # A crash-costed close that may have queued unrun behind full slots (`resend_queued`): costed as run, its figure
         # may be the requests' beside it (a queued whole answer on the simulator's llama.cpp: 73-78 J for 0, its
         # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does, where that may be a material share of their
@@ -2741,6 +2789,8 @@ class Ledger:
             r.unplaced_beside_j += a.request_energy[i, unplaced_col]
             r.capped_beside_j += a.request_energy[i, capped_col]
             r.batch_beside_j += a.request_energy[i, batch_col]
+            if not r.run_on_to_end and not r.run_on_unknown:  # the run-on's own row says its own reading
+                r.counted_beside_j += a.request_energy[i, counted_col]
             if not queued[i]:
                 r.queued_beside_j += a.request_energy[i, queued_col]
                 r.queued_short_j += float(queued_short_j[i])
@@ -2806,7 +2856,7 @@ class Ledger:
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
-                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv)
+                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted)
         ended = [r for r, d in zip(reqs, done) if d]

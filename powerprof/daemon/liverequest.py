@@ -66,6 +66,10 @@ class LiveRequest:
     # Its GPU joules from intervals over a batch answered 400 that SGLang may have run on for nobody with no server
     # scraped (`Ledger._batch_run_on`, scrape.server = none): that work, counted nowhere, may be in this share (UNSURE_FLAG).
     batch_beside_j: float = 0.0
+    # Its GPU joules from intervals over a llama.cpp whole answer's run-on after its client left, whose tokens the server
+    # counts and no proxied request lists (`Ledger._counted_spans`): read as bypass, their energy in unproxied, out of
+    # this share, more or less than that run used (UNSURE_FLAG).
+    counted_beside_j: float = 0.0
     # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
     # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
     unread_beside_j: float = 0.0

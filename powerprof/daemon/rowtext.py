@@ -789,7 +789,8 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
                                       or _n_cmpl_unsure(r) or _closed_partial(r) or r.run_on_unplaced
-                                      or _unplaced_beside(r) or _capped_beside(r) or _batch_beside(r))}
+                                      or _unplaced_beside(r) or _capped_beside(r) or _batch_beside(r)
+                                      or _counted_beside(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -840,11 +841,20 @@ def _capped_beside(r: LiveRequest) -> bool:
     return r.capped_beside_j > 0 and r.capped_beside_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
 
 
+def _counted_beside(r: LiveRequest) -> bool:
+    """UNSURE_FLAG over a llama.cpp whole answer's run-on after its client left (`Ledger._counted_spans`): at least
+    QUEUED_BESIDE_MIN_SHARE of its figure is from intervals where the server counted that run's tokens, read as bypass."""
+    return r.counted_beside_j > 0 and r.counted_beside_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+
+
 # The fix for a whole answer llama.cpp ran on past the span its run-on is placed in (`Ledger._run_on`): a max_tokens
 # small enough that its run ends within it (twice as long as the server's pace decodes it), or no whole answer to leave.
 CAPPED_RUN_ON_FIX = (f"send whole answers a max_tokens the server decodes within {RUN_ON_TO_END_MAX_S / 2:g} s (their "
                      "run after a client left is then placed whole), stream long answers (llama-server stops a stream "
                      "within a token of its client's leaving), or give clients a timeout longer than their answers take")
+# The fix for the rows beside any whole answer llama.cpp ran on (`_counted_beside`): no whole answer left mid-way.
+COUNTED_RUN_ON_FIX = ("stream long answers (llama-server stops a stream within a token of its client's leaving), or give "
+                      "clients a timeout longer than their answers take")
 
 
 # The fix for a run-on the daemon could not place, its server's kind unknown (`Ledger._unplaced`).
@@ -1017,6 +1027,15 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      f"run: its run-on is placed only to {RUN_ON_TO_END_MAX_S:g} s after that leave (its intervals held "
                      "no longer), and its rest, to its max_tokens, may be in this row's share, its figure high by up to "
                      f"that; left out of J/token; fix: {CAPPED_RUN_ON_FIX}")
+    if _counted_beside(r):
+        notes.append(f"{UNSURE_FLAG}: {100 * min(r.counted_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
+                     "intervals where llama.cpp ran on a whole answer after its client left (placed on that answer's "
+                     "row to its max_tokens at the latest streams' pace, or with no max_tokens or pace placed nowhere, "
+                     "to when the server's count next stood still for a second): the server counts that run's tokens, "
+                     "which no proxied request lists, so where its count is read they read as bypass traffic and "
+                     "unproxied takes their energy out of these shares, more or less than that run used, and where "
+                     "not, unplaced, that run's work is in these shares: its figure may be low or high; left out of "
+                     f"J/token; fix: {COUNTED_RUN_ON_FIX}")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
