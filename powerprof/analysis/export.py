@@ -709,16 +709,18 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         raise ExportUsageError("no --out given, and its default is in the current folder: the current folder no longer "
                                "exists (removed). Fix: cd to one that does, or give an absolute --out")
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
-    from powerprof.paths import not_a_regular_file, path_problem  # noqa: PLC0415
+    from powerprof.paths import not_a_regular_file, path_problem, temp_name_problem  # noqa: PLC0415
 
     if (why := path_problem(out)) is not None:  # "File name too long" was an OSError traceback from out.exists()
-        raise ExportError(f"--out {out}: {why}")
+        raise ExportUsageError(f"--out {out}: {why}")  # a usage error, exit 2 (it was 1)
     if (why := cwd_gone(out)) is not None:  # before out.resolve() below: a FileNotFoundError traceback
         raise ExportUsageError(why)
     single = fmt != "xlsx" and len(sources) == 1 and out.suffix == f".{fmt}"
     # Whatever --force says: a FIFO, a device, a socket, a folder or a symlink (a looping one too) where a file goes
     # would be replaced by the file (`--out x.csv --force` made a device a regular file).
     targets = [out] if fmt == "xlsx" or single else [out / f"{s.name}.{fmt}" for s in sources]
+    if (fmt == "xlsx" or single) and (why := temp_name_problem(out)) is not None:  # it failed at the write, exit 1
+        raise ExportUsageError(f"--out {out}: {why}")
     # In a folder export, the folder's own name too: a looping symlink there was a RuntimeError traceback.
     for t in targets + ([out] if not (fmt == "xlsx" or single) and not os.path.isdir(out) else []):
         if (what := not_a_regular_file(t)) is not None:

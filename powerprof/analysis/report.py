@@ -234,7 +234,7 @@ def check_out(out: Path, runs) -> None:
     from powerprof.paths import path_problem  # noqa: PLC0415
 
     if (why := path_problem(out)) is not None:  # an OSError traceback from is_dir() ("File name too long")
-        raise AnalysisError(f"--out {out}: {why}")
+        raise AnalysisOutRefused(f"--out {out}: {why}")  # a usage error, exit 2 (it was 1)
     _refuse_a_run_folder(out, runs)
     if not out.is_dir():
         return
