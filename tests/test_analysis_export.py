@@ -1354,6 +1354,33 @@ def test_export_reads_a_folder_whose_reports_a_person_edited_and_names_a_report_
     assert f"note: {html} is of another analysis" in said and str(md) not in said, r.output
 
 
+@pytest.mark.parametrize("what", ["run", "file"])
+def test_a_remote_export_names_a_report_and_a_plot_left_of_another_analysis(tmp_path, monkeypatch, what):
+    # Behind s3://, gs:// … the reports and plots were not looked at: a report.html and a plot left of another analysis
+    # (a kill between the renames) went out with no note, where a local run's named each. Now read through the store's
+    # filesystem (here a SubTreeFileSystem over tmp_path standing for the bucket), and named by their URI.
+    import pyarrow.fs as pafs
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    out = run / "analysis"
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "0"])
+    assert r.exit_code == 0, r.output
+    old = {n: (out / n).read_bytes() for n in ("report.html", "j_per_token.png")}
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "99%"])
+    assert r.exit_code == 0, r.output
+    for n, data in old.items():
+        (out / n).write_bytes(data)
+    bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    monkeypatch.setattr(ex, "_open_uri", lambda uri: (bucket, uri.removeprefix("s3://")))
+    uri = {"run": "s3://run", "file": "s3://run/analysis/analysis.parquet"}[what]
+    r = CliRunner().invoke(main, ["export", uri, "--format", "csv", "--out", str(tmp_path / "ok")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and (tmp_path / "ok").exists(), said
+    assert "note: s3://run/analysis/report.html is of another analysis" in said, said
+    assert "note: s3://run/analysis/j_per_token.png is of another analysis" in said, said
+    assert "report.md is of another" not in said, said
+
+
 def test_export_names_a_plot_left_of_another_analysis(tmp_path):
     # The plots carried no id: an analyze SIGKILLed just after its plots' renames left new plots (180 W) beside the
     # old report.md, analysis.json and analysis.parquet (300 W); export exit 0, nothing said.

@@ -350,12 +350,16 @@ def _refuse_mixed_remote(uri: str, fs, path: str, notes: list[str] | None = None
     read after."""
     from urllib.parse import urlsplit  # noqa: PLC0415
 
+    from .report import unread_outputs_disagree  # noqa: PLC0415
+
     try:
         folders = _remote_analysis_folders(fs, path)
     except (pa.ArrowException, OSError, ValueError):
         return
     for folder in folders:
         _refuse_mixed(folder, fs, f"{urlsplit(uri).scheme}://{folder}", notes)
+        if notes is not None:  # its reports and plots, as a local folder's (export() asks those): they got no note
+            notes.extend(unread_outputs_disagree(folder, fs, f"{urlsplit(uri).scheme}://{folder}"))
 
 
 def find_sources(src, notes: list[str] | None = None) -> list[Source]:
