@@ -1381,6 +1381,30 @@ def test_a_remote_export_names_a_report_and_a_plot_left_of_another_analysis(tmp_
     assert "report.md is of another" not in said, said
 
 
+@pytest.mark.parametrize("scheme", ["s3", "file"])
+def test_an_xlsx_of_a_uri_says_where_it_came_from_and_what_its_summary_left_out(tmp_path, monkeypatch, scheme):
+    # The summary sheet said "exported from" a local path made of the URI (`<cwd>/s3:/run`, `<cwd>/file:/…/run`) and
+    # showed no recommendation, unsaid. Now a file:// URI's run is read as its folder, and a remote one's row says
+    # that its analysis.json and run.json were not read, and why.
+    import openpyxl
+    import pyarrow.fs as pafs
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"]).exit_code == 0
+    if scheme == "s3":  # a bucket over tmp_path; file:// is pyarrow's own local filesystem
+        bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+        monkeypatch.setattr(ex, "_open_uri", lambda uri: (bucket, uri.removeprefix("s3://")))
+    uri = "s3://run" if scheme == "s3" else f"file://{run}"
+    r = CliRunner().invoke(main, ["export", uri, "--format", "xlsx", "--out", str(tmp_path / "a.xlsx")])
+    assert r.exit_code == 0, r.output
+    rows = {row[0].value: row[1].value for row in openpyxl.load_workbook(tmp_path / "a.xlsx")["summary"].iter_rows()}
+    if scheme == "s3":
+        assert rows["exported from"] == "s3://run", rows
+        assert rows["recommendation and run details"].startswith("not read: s3://run is a remote URI"), rows
+    else:
+        assert rows["exported from"] == str(run.resolve()) and rows["recommended power limit (W)"] is not None, rows
+
+
 def test_export_names_a_plot_left_of_another_analysis(tmp_path):
     # The plots carried no id: an analyze SIGKILLed just after its plots' renames left new plots (180 W) beside the
     # old report.md, analysis.json and analysis.parquet (300 W); export exit 0, nothing said.

@@ -706,7 +706,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         src_path = Path(srcs[0])
         default_stem = src_path.stem if src_path.is_file() else src_path.resolve().name
     else:
-        src_path = Path(str(srcs[0]))  # several sources: the summary's run details come from the first
+        src_path = srcs[0]  # several sources: the summary's run details come from the first (a URI kept whole)
         default_stem = "export"
     out_given = out
     if out is None and cwd_gone(".") is not None:  # Path.cwd() below: a FileNotFoundError traceback
@@ -1309,19 +1309,27 @@ def _write_parquet(scan: ds.Scanner, path: Path, tz: str) -> None:
             writer.close()
 
 
-def summary_rows(src: Path, tz: str, time_from: str | None, time_to: str | None) -> list[tuple[str, object]]:
+def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str | None) -> list[tuple[str, object]]:
     """(item, value) rows for the xlsx summary sheet: the recommendation (from analysis/analysis.json)
-    and the run's details (run.json), when the source is a run directory; always what was exported."""
+    and the run's details (run.json), when the source is a run directory (a file:// URI's too); always what was
+    exported. A remote URI's (s3://, gs://) are not read: a row says so (the sheet said "exported from" a local path
+    made of the URI, `<cwd>/s3:/run`, and nothing of the recommendation it left out)."""
     from powerprof import __version__  # noqa: PLC0415
 
+    local = local_path(str(src))
     rows: list[tuple[str, object]] = [
-        ("exported from", str(src.resolve())),
+        ("exported from", str(src) if local is None else str(local.resolve())),
         ("exported at (UTC)", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")),
         ("local time zone", tz),
         ("rows from", time_from or "(all)"),
         ("rows to", time_to or "(all)"),
         ("powerprof", __version__),
     ]
+    if local is None:
+        return [("recommendation and run details", f"not read: {src} is a remote URI, and this sheet reads a run's "
+                 "analysis.json and run.json from a local folder only; export a local copy (or its file:// URI) for "
+                 "them")] + rows
+    src = local
     analysis = _read_json(src / "analysis" / "analysis.json") if src.is_dir() else None
     rec = (analysis or {}).get("recommendation")
     head: list[tuple[str, object]] = []
