@@ -1010,12 +1010,14 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             said = [n for n in (fleet.empty_note(sources), fleet.stray_note(sources)) if n] + fleet.notes(table) + fleet.tag_notes(tags)
             said = list(dict.fromkeys(said))  # a note both tables carry (samples unreadable) said once
             if out_dir is not None:
-                from powerprof.paths import holds_dataset_tables, holds_sweep_run
+                from powerprof.paths import holds_dataset_tables, holds_sweep_run, path_problem
                 from powerprof.storage.runs import cwd_gone, missing_parent
                 from powerprof.trust import out_dir_refusal
 
                 if (why := cwd_gone(out_dir)) is not None:  # said first, not as root's "cannot inspect"
                     raise AnalysisOutRefused(why)
+                if (why := path_problem(out_dir)) is not None:  # an OSError traceback from out_taken's exists()
+                    raise AnalysisOutRefused(f"--out {out_dir}: {why}")
                 if (why := out_dir_refusal(Path(out_dir), "folder")) is not None:  # as root: root's or the sudo user's
                     raise fleet.FleetError(why)
                 if holds_sweep_run(out_dir):  # export of the run would show fleet.parquet as one of its tables
@@ -1562,11 +1564,17 @@ def tag_group() -> None:
 
 def _tag_socket(socket, config_path):
     from powerprof.daemon import config as dconfig
-    from powerprof.paths import cwd_gone
+    from powerprof.paths import cwd_gone, cwd_joined
 
     for flag, path in (("--socket", socket), ("--config", config_path)):
         if path and (why := cwd_gone(path, flag)) is not None:  # said as "no daemon socket at", or no config file
             raise click.UsageError(why)
+    if socket and len(os.fsencode(cwd_joined(socket))) > dconfig.UNIX_PATH_MAX_BYTES:
+        # The daemon's own check (tags.socket): no socket can be there. It was "cannot reach the daemon at …: OSError:
+        # AF_UNIX path too long", exit 1, as if no daemon ran.
+        raise click.UsageError(f"--socket {socket}: the path is {len(os.fsencode(cwd_joined(socket)))} bytes, more than "
+                               f"the {dconfig.UNIX_PATH_MAX_BYTES} a unix socket's path may have, so no daemon's socket "
+                               "can be there; give the daemon's tags.socket")
     if socket:
         return socket
     try:

@@ -138,6 +138,24 @@ def path_problem(path) -> str | None:
     return None
 
 
+def temp_name_problem(path) -> str | None:
+    """Why a file cannot be written at `path` by an atomic replace: its temporary's name (`temp_sibling`, ~22 bytes
+    longer) is past what the file system takes in one name (NAME_MAX, 255 on most), with the fix; None where it fits.
+    A name that fits alone passed every check and failed at the write, after the work ("File name too long")."""
+    # The pid's digits vary (up to 7, pid_max 4194304): the longest it may be, so the fix holds for every run.
+    name = os.fsencode(temp_sibling(path).name) + b"0" * max(0, 7 - len(str(os.getpid())))
+    parent = cwd_joined(path).parent if cwd_gone(path) is None else None
+    try:
+        most = os.pathconf(parent, "PC_NAME_MAX") if parent is not None and os.path.isdir(parent) else 255
+    except (OSError, ValueError):
+        most = 255
+    if len(name) <= most:
+        return None
+    keep = most - (len(name) - len(os.fsencode(Path(path).name)))
+    return (f"File name too long: it is written first under a temporary name {len(name) - len(os.fsencode(Path(path).name))} "
+            f"bytes longer, and the file system takes {most} bytes in a name; give a name of at most {keep} bytes")
+
+
 def resolve_problem(path) -> str | None:
     """Why `path` cannot be resolved to the file it names (a loop of symlinks), with the fix; None where it can.
     Path.resolve() raises RuntimeError for a loop (an OSError from Python 3.13): a traceback in analyze and export,
@@ -187,7 +205,7 @@ def output_file_refusal(path, force: bool, kept: str, option: str = "") -> str |
     exists (`kept`: what it may be, e.g. "a trace of yours?"). A symlink counts as existing however it ends."""
     if not str(path).strip():  # Path('') is '.': `trace ''` was a traceback ("PosixPath('.') has an empty name")
         return f"{str(path)!r} names no file: give the name of the file to write"
-    if (why := path_problem(path)) is not None:
+    if (why := path_problem(path) or temp_name_problem(path)) is not None:
         return f"{path}: {why}"
     if (what := not_a_regular_file(path)) is not None:
         return (f"{path} exists and is {what}, not a regular file: nothing written (--force replaces only a regular "

@@ -1501,7 +1501,7 @@ def run_sweep(
         from powerprof.paths import path_problem
 
         if (why := path_problem(run_dir)) is not None:  # it said "[Errno 36] File name too long", from exists()
-            raise SweepError(f"--out {run_dir}: {why}")
+            raise OutRefused(f"--out {run_dir}: {why}")  # a usage error, exit 2 (it was 1)
         if (why := given_out_problem(run_dir, default=not out_dir)) is not None:
             raise OutRefused(why)
         # A default name taken (another run started in the same second) is no error: the next free one is claimed.

@@ -1354,6 +1354,57 @@ def test_export_reads_a_folder_whose_reports_a_person_edited_and_names_a_report_
     assert f"note: {html} is of another analysis" in said and str(md) not in said, r.output
 
 
+@pytest.mark.parametrize("what", ["run", "file"])
+def test_a_remote_export_names_a_report_and_a_plot_left_of_another_analysis(tmp_path, monkeypatch, what):
+    # Behind s3://, gs:// … the reports and plots were not looked at: a report.html and a plot left of another analysis
+    # (a kill between the renames) went out with no note, where a local run's named each. Now read through the store's
+    # filesystem (here a SubTreeFileSystem over tmp_path standing for the bucket), and named by their URI.
+    import pyarrow.fs as pafs
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    out = run / "analysis"
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "0"])
+    assert r.exit_code == 0, r.output
+    old = {n: (out / n).read_bytes() for n in ("report.html", "j_per_token.png")}
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "99%"])
+    assert r.exit_code == 0, r.output
+    for n, data in old.items():
+        (out / n).write_bytes(data)
+    bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    monkeypatch.setattr(ex, "_open_uri", lambda uri: (bucket, uri.removeprefix("s3://")))
+    uri = {"run": "s3://run", "file": "s3://run/analysis/analysis.parquet"}[what]
+    r = CliRunner().invoke(main, ["export", uri, "--format", "csv", "--out", str(tmp_path / "ok")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and (tmp_path / "ok").exists(), said
+    assert "note: s3://run/analysis/report.html is of another analysis" in said, said
+    assert "note: s3://run/analysis/j_per_token.png is of another analysis" in said, said
+    assert "report.md is of another" not in said, said
+
+
+@pytest.mark.parametrize("scheme", ["s3", "file"])
+def test_an_xlsx_of_a_uri_says_where_it_came_from_and_what_its_summary_left_out(tmp_path, monkeypatch, scheme):
+    # The summary sheet said "exported from" a local path made of the URI (`<cwd>/s3:/run`, `<cwd>/file:/…/run`) and
+    # showed no recommendation, unsaid. Now a file:// URI's run is read as its folder, and a remote one's row says
+    # that its analysis.json and run.json were not read, and why.
+    import openpyxl
+    import pyarrow.fs as pafs
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"]).exit_code == 0
+    if scheme == "s3":  # a bucket over tmp_path; file:// is pyarrow's own local filesystem
+        bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+        monkeypatch.setattr(ex, "_open_uri", lambda uri: (bucket, uri.removeprefix("s3://")))
+    uri = "s3://run" if scheme == "s3" else f"file://{run}"
+    r = CliRunner().invoke(main, ["export", uri, "--format", "xlsx", "--out", str(tmp_path / "a.xlsx")])
+    assert r.exit_code == 0, r.output
+    rows = {row[0].value: row[1].value for row in openpyxl.load_workbook(tmp_path / "a.xlsx")["summary"].iter_rows()}
+    if scheme == "s3":
+        assert rows["exported from"] == "s3://run", rows
+        assert rows["recommendation and run details"].startswith("not read: s3://run is a remote URI"), rows
+    else:
+        assert rows["exported from"] == str(run.resolve()) and rows["recommended power limit (W)"] is not None, rows
+
+
 def test_export_names_a_plot_left_of_another_analysis(tmp_path):
     # The plots carried no id: an analyze SIGKILLed just after its plots' renames left new plots (180 W) beside the
     # old report.md, analysis.json and analysis.parquet (300 W); export exit 0, nothing said.

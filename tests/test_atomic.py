@@ -140,9 +140,9 @@ def test_a_group_removes_the_files_given_with_its_renames_and_puts_them_back_on_
         "analysis.parquet": b"old", "report.html": b"new", "report.md": b"old"}
 
 
-def test_a_group_whose_put_back_fails_too_says_the_folder_is_mixed_file_by_file(tmp_path, monkeypatch):
-    # report.html's rename failed (EIO) and putting the old report.md back failed as well: the error said only
-    # "report.html: Input/output error", and the folder held a new report.md beside the old analysis.parquet unsaid.
+def _mixed_by_a_failed_put_back(tmp_path, monkeypatch, rename_error: BaseException):
+    """(the folder, the GroupMixed raised) of a group of three over an old one whose report.html rename raised
+    `rename_error` and whose put-back of the old report.md failed (EIO) too."""
     import errno
     import os
 
@@ -153,13 +153,25 @@ def test_a_group_whose_put_back_fails_too_says_the_folder_is_mixed_file_by_file(
 
     def replace(src, dst):
         into.append(Path(dst).name)
-        if Path(dst).name == "report.html" or into[-1] == "report.md" and into.count("report.md") == 2:  # its put-back
+        if Path(dst).name == "report.html":
+            raise rename_error
+        if into[-1] == "report.md" and into.count("report.md") == 2:  # its put-back
             raise OSError(errno.EIO, "Input/output error", str(dst))
         return real(src, dst)
 
     monkeypatch.setattr(atomic.os, "replace", replace)
     with pytest.raises(atomic.GroupMixed) as e:
         _group_of_three(out)
+    return out, e
+
+
+def test_a_group_whose_put_back_fails_too_says_the_folder_is_mixed_file_by_file(tmp_path, monkeypatch):
+    # report.html's rename failed (EIO) and putting the old report.md back failed as well: the error said only
+    # "report.html: Input/output error", and the folder held a new report.md beside the old analysis.parquet unsaid.
+    import errno
+
+    out, e = _mixed_by_a_failed_put_back(tmp_path, monkeypatch, OSError(errno.EIO, "Input/output error",
+                                                                          str(tmp_path / "out" / "report.html")))
     assert (e.value.new, e.value.old, e.value.missing) == ([out / "report.md"], [out / "analysis.parquet",
                                                                                  out / "report.html"], [])
     said = str(e.value)
@@ -176,25 +188,7 @@ def test_a_group_whose_rename_fails_with_no_oserror_and_whose_put_back_fails_say
                                                                                                          monkeypatch):
     # A rename failing with another exception (MemoryError here) while a put-back failed too raised that exception
     # alone: the new report.md beside the old files, and its kept old content, unsaid.
-    import errno
-    import os
-
-    out = tmp_path / "out"
-    out.mkdir()
-    _group_of_three(out, b"old")
-    real, into = os.replace, []
-
-    def replace(src, dst):
-        into.append(Path(dst).name)
-        if Path(dst).name == "report.html":
-            raise MemoryError("no memory for the rename")
-        if into[-1] == "report.md" and into.count("report.md") == 2:  # its put-back
-            raise OSError(errno.EIO, "Input/output error", str(dst))
-        return real(src, dst)
-
-    monkeypatch.setattr(atomic.os, "replace", replace)
-    with pytest.raises(atomic.GroupMixed) as e:
-        _group_of_three(out)
+    out, e = _mixed_by_a_failed_put_back(tmp_path, monkeypatch, MemoryError("no memory for the rename"))
     said = str(e.value)
     assert e.value.new == [out / "report.md"] and "MIXED" in said and "MemoryError" in said, said
     assert f"{out / 'report.html'}: MemoryError: no memory for the rename" in said, said

@@ -110,6 +110,28 @@ def test_daemon_check_names_the_flags_as_typed(tmp_path):
     assert "--data_dir" not in r.output and "--flush_interval" not in r.output
 
 
+def test_daemon_check_refuses_a_data_dir_it_could_not_make_or_write(tmp_path, monkeypatch):
+    # Before: each of these said "config OK" (exit 0); the daemon then stopped at start (a missing parent) or at its
+    # first write. Now exit 2 at --check, naming why and the fix, and nothing made.
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() == 0:  # root writes through any mode bits: this user is denied that folder as another would be
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p) == str(ro) else real(p, mode, **kw))
+    cases = [(tmp_path / "no" / "such" / "x", f"its parent folder {tmp_path / 'no' / 'such'} does not exist"),
+             (tmp_path / ("n" * 300), "File name too long; give a shorter name"),
+             (ro / "x", f"{ro}, where the data dir would be made, is not writable by"),
+             (ro, "the data dir is not writable by")]
+    for data_dir, said in cases:
+        r = run("daemon", "--check", "--data-dir", str(data_dir))
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 2 and said in flat and "config OK" not in flat, (data_dir, r.output)
+    assert not (tmp_path / "no").exists() and not list(ro.iterdir())
+
+
 def test_devices_json_uses_run_json_key_names():
     info = json.loads(run("devices", "--simulate", "--json").output)
     (g,) = info["gpus"]

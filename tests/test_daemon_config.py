@@ -405,7 +405,8 @@ def test_a_data_dir_that_cannot_be_a_folder_fails_the_check(tmp_path, make):
     r = CliRunner().invoke(main, ["daemon", "--check", "--config", str(p)])
     assert r.exit_code != 0 and "is not a folder: " in r.output and "config OK" not in r.output, r.output
     assert f.read_text() == "not a folder"
-    load_config(None, env={}, overrides={"daemon.data_dir": str(tmp_path / "new" / "dir")})  # made at start: fine
+    (tmp_path / "new").mkdir()  # a given data dir's parent must be there (missing_parent_text); the dir is made at start
+    load_config(None, env={}, overrides={"daemon.data_dir": str(tmp_path / "new" / "dir")})
 
 
 @pytest.mark.parametrize("mark", ["run.json", "windows.parquet"])
@@ -470,6 +471,7 @@ def test_a_data_dir_below_another_tools_run_json_is_not_refused(tmp_path, monkey
     (home / "run.json").write_text('{"name": "my-ci-job"}')
     monkeypatch.setenv("STATE_DIRECTORY", str(home / "analysis" / "powerprof"))
     load_config(None, env={})
+    (home / ".local" / "state" / "powerprof").mkdir(parents=True)  # a given data dir's parent must be there
     load_config(None, env={}, overrides={"daemon.data_dir": str(home / ".local" / "state" / "powerprof" / "daemon")})
 
 

@@ -344,7 +344,7 @@ def test_an_explicit_data_dir_whose_parent_is_missing_is_refused_and_nothing_is_
         r = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", *how,
                             "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
                            capture_output=True, text=True, timeout=120, env=env)
-        assert r.returncode == 1, r.stderr
+        assert r.returncode == 2, r.stderr  # a usage error, refused by the config's check as --check refuses it (was 1)
         assert f"{missing / 'dir'} does not exist" in r.stderr and f"mkdir -p {missing / 'dir'}" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not missing.exists(), r.stderr
 

@@ -305,12 +305,12 @@ def test_files_the_docs_name_exist(page):
         assert (ROOT / rel).exists() or (ROOT / "powerprof" / rel).exists(), f"{page.name} names {rel}, which is not there"
 
 
-def test_sweep_md_does_not_give_the_daemons_missing_parent_refusal_the_usage_error_exit():
-    # sweep.md said an --out with no parent is refused "(exit 2 ...) as the daemon's --data-dir is": the daemon's is a
-    # start-up error, exit 1 (test_an_explicit_data_dir_whose_parent_is_missing_is_refused_and_nothing_is_made).
+def test_sweep_md_gives_the_daemons_missing_parent_refusal_the_exit_daemon_md_gives():
+    # sweep.md said an --out with no parent is refused "(exit 2 ...) as the daemon's --data-dir is", when the daemon's
+    # was a start-up error, exit 1. Now the config's check refuses it, at --check and at start, exit 2
+    # (test_an_explicit_data_dir_whose_parent_is_missing_is_refused_and_nothing_is_made): both pages say so.
     daemon = " ".join((DOCS / "daemon.md").read_text().split())
-    assert "`--data-dir /nonexistent/dir/x` stops the daemon (exit 1, nothing made)" in daemon
+    assert "`--data-dir /nonexistent/dir/x` is refused at `--check` and at start (exit 2, nothing made)" in daemon
     sweep = " ".join((DOCS / "sweep.md").read_text().split())
     said = sweep[sweep.index("as the daemon's `--data-dir` is"):][:120]
-    assert said.startswith("as the daemon's `--data-dir` is (there a start-up error that stops the daemon, not a usage "
-                           "error"), said
+    assert said.startswith("as the daemon's `--data-dir` is (at its `--check` too"), said

@@ -128,8 +128,46 @@ def test_a_path_whose_name_is_too_long_is_said_not_a_traceback(tmp_path, cmd):
     long = str(tmp_path / ("x" * 300))
     args = [a.replace("LONG", long).replace("SRC", str(src)) for a in cmd]
     r = CliRunner().invoke(main, args)
-    assert r.exit_code in (1, 2) and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    # A usage error, exit 2 (export's --out was 1, a run error).
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
     assert "File name too long" in r.output and "give a shorter name" in r.output, r.output
+
+
+@pytest.mark.parametrize("cmd", [["export", "SRC", "--format", "csv", "--out", "LONG.csv"],
+                                 ["export", "SRC", "--format", "xlsx", "--out", "LONG.xlsx"],
+                                 ["trace", "LONG.jsonl"],
+                                 ["monitor", "--simulate", "--duration", "1", "--output", "LONG.csv"]])
+def test_a_file_whose_temporary_name_would_be_too_long_is_refused_before_the_work(tmp_path, cmd, monkeypatch):
+    # A 240-byte name fits (255), its temporary `.NAME.PID.RANDOM.tmp` does not: export said "export to … failed,
+    # nothing written: File name too long", exit 1, after reading every table; now exit 2 before, with the longest name.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    src = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"power_w": [1.0]}), src)
+    (out := tmp_path / "out").mkdir()
+    args = [a.replace("LONG", str(out / ("x" * 236))).replace("SRC", str(src)) for a in cmd]
+    r = CliRunner().invoke(main, args)
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "File name too long: it is written first under a temporary name 22 bytes longer" in flat, flat
+    assert "give a name of at most 233 bytes" in flat and not list(out.iterdir()), flat
+
+
+def test_tag_with_a_socket_path_too_long_for_a_socket_is_a_usage_error(tmp_path):
+    # It said "cannot reach the daemon at …: OSError: AF_UNIX path too long", exit 1, as if no daemon ran.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    r = CliRunner().invoke(main, ["tag", "start", "x", "--socket", str(tmp_path / ("s" * 120))])
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 2 and "more than the 107 a unix socket's path may have" in flat, flat
+    assert "OSError" not in flat, flat
 
 
 def test_a_sweep_out_whose_name_is_too_long_says_the_fix_and_changes_nothing(tmp_path, monkeypatch):
@@ -142,14 +180,15 @@ def test_a_sweep_out_whose_name_is_too_long_says_the_fix_and_changes_nothing(tmp
     r = subprocess.run([sys.executable, "-m", "powerprof.cli", "sweep", "--simulate", "--limits", "200,300",
                         "--idle-s", "0", "--out", str(tmp_path / ("x" * 300))], capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr  # a usage error (it was 1)
     assert "File name too long; give a shorter name" in r.stderr and "no GPU setting was changed" in r.stderr, r.stderr
     assert "[Errno" not in r.stderr
 
 
 @pytest.mark.parametrize("cmd", [["measure", "--simulate", "--requests", "2", "--out", "LONG"],
                                  ["monitor", "--simulate", "--duration", "1", "--output", "LONG.parquet"],
-                                 ["analyze", "RUN", "--out", "LONG"]])
+                                 ["analyze", "RUN", "--out", "LONG"],
+                                 ["analyze", "DATASET", "--out", "LONG"]])
 def test_other_outputs_whose_name_is_too_long_say_the_fix(tmp_path, monkeypatch, cmd):
     # Each was an OSError traceback ("File name too long") from Path.exists() or is_dir().
     import subprocess
@@ -160,10 +199,18 @@ def test_other_outputs_whose_name_is_too_long_say_the_fix(tmp_path, monkeypatch,
     monkeypatch.setenv("POWERPROF_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
     run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=6) if "RUN" in cmd else None
+    if "DATASET" in cmd:  # a daemon's data folder: analyze's fleet summary, its own --out check (missing_parent)
+        from powerprof.daemon.service import datasets
+        from powerprof.daemon.store import DatasetStore
+
+        store = DatasetStore(tmp_path / "dd", datasets(), host="node-1")
+        store.append("requests", [{"daemon_id": "d1", "request_id": 1, "t_arrival_utc": 1_768_478_400 * 10**9,
+                                   "t_end_utc": 1_768_478_401 * 10**9, "outcome": "ok", "generated_tokens": 10}])
+        assert store.flush()
     long = str(tmp_path / ("x" * 300))
-    args = [a.replace("LONG", long).replace("RUN", str(run)) for a in cmd]
+    args = [a.replace("LONG", long).replace("RUN", str(run)).replace("DATASET", str(tmp_path / "dd")) for a in cmd]
     r = subprocess.run([sys.executable, "-m", "powerprof.cli", *args], capture_output=True, text=True, timeout=120)
-    assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr  # a usage error (measure's, analyze's were 1)
     assert "File name too long; give a shorter name" in r.stderr, r.stderr
 
 

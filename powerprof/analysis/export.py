@@ -350,12 +350,16 @@ def _refuse_mixed_remote(uri: str, fs, path: str, notes: list[str] | None = None
     read after."""
     from urllib.parse import urlsplit  # noqa: PLC0415
 
+    from .report import unread_outputs_disagree  # noqa: PLC0415
+
     try:
         folders = _remote_analysis_folders(fs, path)
     except (pa.ArrowException, OSError, ValueError):
         return
     for folder in folders:
         _refuse_mixed(folder, fs, f"{urlsplit(uri).scheme}://{folder}", notes)
+        if notes is not None:  # its reports and plots, as a local folder's (export() asks those): they got no note
+            notes.extend(unread_outputs_disagree(folder, fs, f"{urlsplit(uri).scheme}://{folder}"))
 
 
 def find_sources(src, notes: list[str] | None = None) -> list[Source]:
@@ -702,23 +706,25 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         src_path = Path(srcs[0])
         default_stem = src_path.stem if src_path.is_file() else src_path.resolve().name
     else:
-        src_path = Path(str(srcs[0]))  # several sources: the summary's run details come from the first
+        src_path = srcs[0]  # several sources: the summary's run details come from the first (a URI kept whole)
         default_stem = "export"
     out_given = out
     if out is None and cwd_gone(".") is not None:  # Path.cwd() below: a FileNotFoundError traceback
         raise ExportUsageError("no --out given, and its default is in the current folder: the current folder no longer "
                                "exists (removed). Fix: cd to one that does, or give an absolute --out")
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
-    from powerprof.paths import not_a_regular_file, path_problem  # noqa: PLC0415
+    from powerprof.paths import not_a_regular_file, path_problem, temp_name_problem  # noqa: PLC0415
 
     if (why := path_problem(out)) is not None:  # "File name too long" was an OSError traceback from out.exists()
-        raise ExportError(f"--out {out}: {why}")
+        raise ExportUsageError(f"--out {out}: {why}")  # a usage error, exit 2 (it was 1)
     if (why := cwd_gone(out)) is not None:  # before out.resolve() below: a FileNotFoundError traceback
         raise ExportUsageError(why)
     single = fmt != "xlsx" and len(sources) == 1 and out.suffix == f".{fmt}"
     # Whatever --force says: a FIFO, a device, a socket, a folder or a symlink (a looping one too) where a file goes
     # would be replaced by the file (`--out x.csv --force` made a device a regular file).
     targets = [out] if fmt == "xlsx" or single else [out / f"{s.name}.{fmt}" for s in sources]
+    if (fmt == "xlsx" or single) and (why := temp_name_problem(out)) is not None:  # it failed at the write, exit 1
+        raise ExportUsageError(f"--out {out}: {why}")
     # In a folder export, the folder's own name too: a looping symlink there was a RuntimeError traceback.
     for t in targets + ([out] if not (fmt == "xlsx" or single) and not os.path.isdir(out) else []):
         if (what := not_a_regular_file(t)) is not None:
@@ -1303,19 +1309,27 @@ def _write_parquet(scan: ds.Scanner, path: Path, tz: str) -> None:
             writer.close()
 
 
-def summary_rows(src: Path, tz: str, time_from: str | None, time_to: str | None) -> list[tuple[str, object]]:
+def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str | None) -> list[tuple[str, object]]:
     """(item, value) rows for the xlsx summary sheet: the recommendation (from analysis/analysis.json)
-    and the run's details (run.json), when the source is a run directory; always what was exported."""
+    and the run's details (run.json), when the source is a run directory (a file:// URI's too); always what was
+    exported. A remote URI's (s3://, gs://) are not read: a row says so (the sheet said "exported from" a local path
+    made of the URI, `<cwd>/s3:/run`, and nothing of the recommendation it left out)."""
     from powerprof import __version__  # noqa: PLC0415
 
+    local = local_path(str(src))
     rows: list[tuple[str, object]] = [
-        ("exported from", str(src.resolve())),
+        ("exported from", str(src) if local is None else str(local.resolve())),
         ("exported at (UTC)", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")),
         ("local time zone", tz),
         ("rows from", time_from or "(all)"),
         ("rows to", time_to or "(all)"),
         ("powerprof", __version__),
     ]
+    if local is None:
+        return [("recommendation and run details", f"not read: {src} is a remote URI, and this sheet reads a run's "
+                 "analysis.json and run.json from a local folder only; export a local copy (or its file:// URI) for "
+                 "them")] + rows
+    src = local
     analysis = _read_json(src / "analysis" / "analysis.json") if src.is_dir() else None
     rec = (analysis or {}).get("recommendation")
     head: list[tuple[str, object]] = []

@@ -234,7 +234,7 @@ def check_out(out: Path, runs) -> None:
     from powerprof.paths import path_problem  # noqa: PLC0415
 
     if (why := path_problem(out)) is not None:  # an OSError traceback from is_dir() ("File name too long")
-        raise AnalysisError(f"--out {out}: {why}")
+        raise AnalysisOutRefused(f"--out {out}: {why}")  # a usage error, exit 2 (it was 1)
     _refuse_a_run_folder(out, runs)
     if not out.is_dir():
         return
@@ -534,18 +534,25 @@ def _id_stamp(result: AnalysisResult) -> str:
     return f"\n<!-- powerprof analysis_id: {result.analysis_id} -->\n"
 
 
-def _stamp_of(report: Path) -> str | None:
-    """The analysis_id stamped in a report's last line; None where there is none (a person's file, an edited one)."""
-    with open(report, "rb") as f:
-        f.seek(max(0, os.fstat(f.fileno()).st_size - 200))
-        m = ID_STAMP.search(f.read().decode(errors="replace"))
+def _stamp_of(report: Path | str, fs=None) -> str | None:
+    """The analysis_id stamped in a report's last line; None where there is none (a person's file, an edited one).
+    `fs`: a pyarrow filesystem `report` (its path there) is read through, its last 200 bytes alone."""
+    if fs is None:
+        with open(report, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 200))
+            tail = f.read()
+    else:
+        with fs.open_input_file(report) as f:
+            f.seek(max(0, f.size() - 200))
+            tail = f.read()
+    m = ID_STAMP.search(tail.decode(errors="replace"))
     return m.group(1) if m else None
 
 
 def _ids(folder: Path | str, names, fs=None, unread: dict[str, str] | None = None) -> dict[str, str | None]:
     """The analysis_id each of `names` in `folder` says (None: none said); a name not there is left out, and so is one
     that cannot be read, its error put in `unread` where given. `fs`: a pyarrow filesystem `folder` (its path there) is
-    read through (a remote URI's), for the two tables alone."""
+    read through (a remote URI's)."""
     import pyarrow as pa  # noqa: PLC0415
     import pyarrow.parquet as pq  # noqa: PLC0415
 
@@ -571,9 +578,13 @@ def _ids(folder: Path | str, names, fs=None, unread: dict[str, str] | None = Non
                 doc = json.loads(meta.get(b"powerprof_analysis", b"{}"))
                 ids[name] = doc.get("analysis_id") if isinstance(doc, dict) else None
             elif name.endswith(".png"):
-                ids[name] = _png_comment(f.read_bytes())
+                if fs is None:
+                    ids[name] = _png_comment(f.read_bytes())
+                else:
+                    with fs.open_input_stream(f) as stream:
+                        ids[name] = _png_comment(stream.read())
             else:
-                ids[name] = _stamp_of(f)
+                ids[name] = _stamp_of(f, fs)
         except (OSError, ValueError, pa.ArrowException) as e:
             # Not an id of None: a read that failed (S3's AccessDenied on analysis.json alone) was counted as one, and
             # a good export refused as "more than one analysis (analysis.json none, ...)".
@@ -603,18 +614,29 @@ def outputs_disagree(folder: Path | str, fs=None, shown: str | None = None,
             + "; an analyze stopped between its renames); run `powerprof analyze` again to write them anew")
 
 
-def unread_outputs_disagree(folder: Path) -> list[str]:
+def unread_outputs_disagree(folder: Path | str, fs=None, shown: str | None = None) -> list[str]:
     """A note for each report in `folder`, and each plot its analysis.json lists, stamped with another analysis' id
     than analysis.json's: what it shows may not be what is exported. One with no stamp (an edited report, a person's
-    own, of before the ids) says nothing."""
+    own, of before the ids) says nothing. `fs`: read through it (a remote URI's: s3://, gs://, which got no note), the
+    folder `shown` by its URI."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    def at(name: str) -> str:
+        return f"{str(shown or folder).rstrip('/')}/{name}"
+
     try:
-        listed = json.loads((folder / "analysis.json").read_text()).get("files") or {}
+        if fs is None:
+            text = (Path(folder) / "analysis.json").read_text()
+        else:
+            with fs.open_input_stream(f"{str(folder).rstrip('/')}/analysis.json") as stream:
+                text = stream.read().decode()
+        listed = json.loads(text).get("files") or {}
         plots = sorted({Path(str(v)).name for v in listed.values()} if isinstance(listed, dict) else set())
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, pa.ArrowException):
         plots = []
-    ids = _ids(folder, ("analysis.json", "report.md", "report.html", *(n for n in plots if n.endswith(".png"))))
+    ids = _ids(folder, ("analysis.json", "report.md", "report.html", *(n for n in plots if n.endswith(".png"))), fs)
     now = ids.pop("analysis.json", None)
-    return [f"{folder / n} is of another analysis (analysis_id {i}) than {folder / 'analysis.json'} ({now}): what "
+    return [f"{at(n)} is of another analysis (analysis_id {i}) than {at('analysis.json')} ({now}): what "
             "it shows may not be what is exported; `powerprof analyze` again writes it anew (replacing it)"
             for n, i in ids.items() if now and i and i != now]
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from powerprof.paths import RUN_MARKS, STATE_DIR_ENV, cwd_gone, holds_sweep_run, is_powerprof_run, user_state_home
+from powerprof.paths import (RUN_MARKS, STATE_DIR_ENV, cwd_gone, cwd_joined, holds_sweep_run, is_powerprof_run, path_problem,
+                             user_state_home)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -521,6 +522,9 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
     elif data_dir_checked and (why := _holds_a_run(there := Config(values, "").data_dir())) is not None:
         said = f"config key daemon.data_dir = {d!r}{came_from('daemon.data_dir')}" if d else f"the default data dir {there}"
         errors.append(f"{said} {why}")
+    elif data_dir_checked and (why := _cannot_make_or_write(there, given=bool(d))) is not None:
+        said = f"config key daemon.data_dir = {d!r}{came_from('daemon.data_dir')}" if d else f"the default data dir {there}"
+        errors.append(f"{said}: {why}")
     if values["proxy"]["workers"] > 1 and str(values["proxy"]["listen"]).startswith("unix:"):
         errors.append("config key proxy.workers > 1 needs a TCP proxy.listen (host:port); a unix: socket is "
                       "served by the daemon itself (proxy.workers = 1)" + came_from("proxy.workers", "proxy.listen"))
@@ -623,6 +627,41 @@ def _not_a_folder(d: Path) -> str | None:
     if os.path.isdir(there):
         return None
     return "it exists and is no folder" if there == d else f"{there} exists and is no folder"
+
+
+def missing_parent_text(data_dir: Path) -> str:
+    """Why a data dir given (not the default) is not made: its parent folder is missing. Said at --check and at start."""
+    parent = cwd_joined(data_dir).parent
+    return (f"its parent folder {parent} does not exist; not making a tree of folders from a path that may be mistyped "
+            f"(daemon.data_dir, --data-dir). Fix: correct the path, or make that folder first (mkdir -p {parent}); the "
+            "daemon makes the data dir in it (mode 0700)")
+
+
+def _cannot_make_or_write(d: Path, given: bool) -> str | None:
+    """Why this user could not make the data dir `d`, or write in it, found without writing anything: a name too long
+    for the file system, a given one's missing parent (the default one's folders above are made), the folder (or the
+    nearest one above that exists, where it is made) not writable. Each passed --check ("config OK"); the daemon then
+    stopped at start or at its first write. None where it can. Judged for the user running the check (the daemon's
+    user where it is run as that user: `sudo -u powerprof powerprof daemon --check`)."""
+    if (why := path_problem(d)) is not None:
+        return why
+    there = cwd_joined(d)
+    if not os.path.lexists(there):
+        if given and not os.path.isdir(there.parent):
+            return missing_parent_text(d)
+        while not os.path.lexists(there) and there != there.parent:
+            there = there.parent
+    if os.access(there, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        return None
+    import pwd  # noqa: PLC0415
+
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        user = f"uid {os.geteuid()}"
+    made = "the data dir" if there == cwd_joined(d) else f"{there}, where the data dir would be made,"
+    return (f"{made} is not writable by {user} (the user running this); the daemon could not write its datasets. Fix: "
+            f"give a folder this user may write, or run the daemon as one who may (chown or chmod it)")
 
 
 UNIX_PATH_MAX_BYTES = 107  # Linux's sun_path is 108 bytes, its last the NUL

@@ -39,7 +39,7 @@ from powerprof.storage.samples import sample_rows
 from powerprof.storage.schema import gpu_uuids_value
 
 from . import opentags, sdnotify, streams, tagedge
-from .config import Config, ConfigError, is_loopback, listen_host, load_config
+from .config import Config, ConfigError, is_loopback, listen_host, load_config, missing_parent_text
 from .guard import ConnectionGuard, quiet_bad_requests
 from .inflight import InFlight
 from .latency import RequestLatency
@@ -432,10 +432,7 @@ def lock_data_dir(data_dir: Path, euid: int | None = None, parents: bool = False
         if parents:
             parent.mkdir(parents=True, exist_ok=True)
         elif not os.path.lexists(data_dir) and not parent.is_dir():
-            raise StartupError(
-                f"data dir {data_dir}: its parent folder {parent} does not exist; not making a tree of folders from "
-                f"a path that may be mistyped (daemon.data_dir, --data-dir). Fix: correct the path, or make that "
-                f"folder first (mkdir -p {parent}); the daemon makes the data dir in it (mode 0700)")
+            raise StartupError(f"data dir {data_dir}: {missing_parent_text(data_dir)}")  # --check says it first
         data_dir.mkdir(mode=0o700, exist_ok=True)
         # And the folders in it (datasets, their days' partitions): `chown root:` of the data dir alone left another
         # user's `requests/` in it, where they could link a partition to any folder (rows written there, files deleted).

@@ -16,7 +16,7 @@ from powerprof.errtext import error_text
 from .atomic import atomic_path, atomic_write_bytes
 from .schema import TABLES, rows_to_table
 
-from powerprof.paths import RUN_JSON, cwd_gone, cwd_joined, file_in_the_way, what_is
+from powerprof.paths import RUN_JSON, cwd_gone, cwd_joined, file_in_the_way, path_problem, what_is
 
 
 def atomic_write_table(path: Path, table: pa.Table, metadata: dict | None = None) -> None:
@@ -144,6 +144,8 @@ def missing_parent(out, flag: str = "--out") -> str | None:
     in a NotADirectoryError or FileNotFoundError traceback, analyze's error said "No such file or directory"."""
     if (why := cwd_gone(out, flag)) is not None:
         return why
+    if (why := path_problem(out)) is not None:  # lexists() below says False for it: then the write's traceback
+        return f"{flag} {out}: {why}"
     parent = cwd_joined(out).parent
     if os.path.lexists(out):
         return None
