@@ -38,6 +38,15 @@ def _feed(ledger, t_s, energy_j, power_w=200.0):
     ledger.add_gpu_sample(int(t_s * S), int(t_s * S), [R(energy_j, power_w)])
 
 
+def _idle_measured(led, power_w=20.0):
+    """The GPUs' idle power measured before a scene whose first read is at 0 s and 0 J: 0.5 s idle at `power_w` up to
+    it, closed. Without, its busy intervals' time no request was live in went to their requests, and their rows say
+    uncertain-uncounted (rowtext._idle_unmeasured: the first moments after the daemon's start)."""
+    _feed(led, -0.5, -0.5 * power_w, power_w)
+    _feed(led, 0.0, 0.0, power_w)
+    led.advance(led.grace_ns)
+
+
 
 def _deliver(led, tr, parser, t, ev) -> int:
     """One SSE event reaching the proxy at `t`: its tokens counted as the proxy does and given to the ledger."""
@@ -55,8 +64,10 @@ def test_requests_are_emitted_with_their_energy_once_their_intervals_close():
     a, b = _trace(1, 0.1), _trace(2, 0.2)
     for tr in (a, b):
         led.on_start(tr)
-    _feed(led, 0.0, 1000.0)
-    _feed(led, 1.0, 1100.0)  # prefill of both inside [0, 1)
+    # From a's arrival, and b's end on the last read, their intervals hold no time with nothing live: no idle power is
+    # measured yet, so such time would be theirs, their rows uncertain-uncounted (rowtext._idle_unmeasured).
+    _feed(led, 0.1, 1000.0)
+    _feed(led, 1.0, 1100.0)  # prefill of both inside [0.1, 1)
     for k in range(10):  # decode in [1, 2): a gets 3 tokens per b's 1
         t = int((1.0 + 0.09 * k) * S)
         led.on_tokens(a, t, 3)
@@ -65,7 +76,7 @@ def test_requests_are_emitted_with_their_energy_once_their_intervals_close():
     a.last_ns = b.last_ns = int(1.81 * S)
     led.advance(int(1.95 * S))
     assert sink.rows["intervals"] == []  # held: their prompt lengths are not known yet
-    a.end_ns = b.end_ns = int(1.9 * S)
+    a.end_ns = b.end_ns = int(2.0 * S)
     a.counts = Counts(generated_tokens=30, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
     b.counts = Counts(generated_tokens=10, prompt_tokens=300, model=None, stop_reason=None, token_source="usage")
     led.on_end(a)
@@ -77,7 +88,7 @@ def test_requests_are_emitted_with_their_energy_once_their_intervals_close():
     kinds = [r["kind"] for r in sink.rows["intervals"]]
     assert kinds == ["prefill", "decode"]
     got = {r["request_id"]: r for r in sink.rows["requests"]}
-    # [0,1): prefill of 100 and 300 prompt tokens (the fixed ratio); [1,2): 29:9 decoded tokens (each
+    # [0.1,1): prefill of 100 and 300 prompt tokens (the fixed ratio); [1,2): 29:9 decoded tokens (each
     # one's first token came out of its prefill: attributed, but not decode work).
     a_j, b_j = 25.0 + 200.0 * 29 / 38, 75.0 + 200.0 * 9 / 38
     assert got[1]["gpu_energy_j"] == pytest.approx(a_j) and got[2]["gpu_energy_j"] == pytest.approx(b_j)
@@ -861,7 +872,7 @@ def test_an_interval_one_gpu_has_no_energy_for_is_unknown_not_the_other_gpus_alo
     # Two GPUs at 100 W each; GPU 1 falls off the bus after 1 s (every reading None from then on).
     sink = Sink()
     led = Ledger("d", 0, 2, sink, grace_s=0.1)
-    a = _trace(1, 0.1)
+    a = _trace(1, 0.0)  # live from the first read: no idle power is measured yet (rowtext._idle_unmeasured)
     led.on_start(a)
     led.open_tag("run", 0, 0)
     for k in range(4):
@@ -1290,6 +1301,7 @@ def _tools_none_twins(verdict: bool | None) -> tuple[Ledger, Sink]:
     verdict on rendering them `verdict` (None: undecided), costed: the ledger and its rows."""
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _idle_measured(led)  # 20 W: of the interval's 100 J, 9 J idle (0-0.05 s, 0.6-1 s), 91 J the two streams'
     if verdict is not None:
         led.tools_when_none["openai-chat"] = verdict
         led.tools_none_tally["openai-chat"] = [3, 0] if verdict else [0, 3]
@@ -1332,7 +1344,7 @@ def test_analyze_keeps_a_ledger_row_whose_tools_are_undecided_in_j_per_token(tmp
     assert store.flush()
     [h] = fleet_summary([str(tmp_path / "d")]).to_pylist()
     assert h["requests"] == 2 and h["uncertain_requests"] == 0, h
-    assert h["attributed_tokens"] == pytest.approx(20.0) and h["gpu_j_per_token"] == pytest.approx(5.0), h
+    assert h["attributed_tokens"] == pytest.approx(20.0) and h["gpu_j_per_token"] == pytest.approx(4.55), h
 
 
 def test_a_batch_of_prompts_cut_before_its_usage_is_costed_their_sum_each_with_its_template():
@@ -3330,6 +3342,7 @@ def test_a_request_without_cpu_energy_says_why_once_rapl_reads_stop():
 def test_without_rapl_an_empty_cpu_energy_needs_no_note():
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _idle_measured(led)  # else its note says its intervals' idle time is in it (idle not yet measured)
     _one_request(led, 1.1, 1.9)
     for k in range(4):
         _feed(led, k, 300.0 * k)
@@ -3411,6 +3424,7 @@ def test_a_request_that_arrived_before_the_first_gpu_read_says_its_energy_before
     assert note.startswith("before-first-read:") and "0.50 s" in note and "not counted" in note and "fix:" in note, note
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _idle_measured(led)  # else its note says its intervals' idle time is in it (idle not yet measured)
     _feed(led, 0, 0.0)
     _one_request(led, 0.5, 1.9)
     for k in range(1, 4):
@@ -3645,6 +3659,7 @@ def test_requests_flagged_best_of_unseen_and_count_open_are_counted_as_their_row
 
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _idle_measured(led)  # else all three are uncertain-uncounted too (idle not yet measured), which is not counted here
     bo, op, plain = _trace(1, 0.1), _trace(2, 0.1), _trace(3, 0.1)
     bo.extra.update(best_of=3, choices=1)
     for tr in (bo, op, plain):
@@ -4247,7 +4262,7 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
                            runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
                            opened=None, same_process=False, whole_as=("POST", "/v1/chat/completions", "openai-chat"),
                            serves_generate=True, back_as=("server_restart",), beside=None, with_whole=True,
-                           counted_run=None, **restart_kw):
+                           counted_run=None, idle_first=False, **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4261,9 +4276,12 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # `back_as`: what the page after the outage says (counter_below: a page at or past the old reading, `_down_back`);
     # `beside`: (from, to) s of a stream (id 5) at 40 tokens/s ended whole at `to`, counted by the server too;
     # `with_whole` False: no whole answer sent (the truth of a scene where it was never run); `counted_run`: (from, to) s
-    # the server counted the whole answer's run-on's tokens, 40 a second (/slots' n_decoded as it decodes them).
+    # the server counted the whole answer's run-on's tokens, 40 a second (/slots' n_decoded as it decodes them); `idle_first`: its 100 W
+    # measured idle first (`_idle_measured`), its busy intervals' time no request was live in idle, not theirs.
     # Returns its row (with `beside`, every row by id).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    if idle_first:
+        _idle_measured(led, 100.0)
     led.serves_generate = serves_generate
     if ledgers is not None:
         ledgers.append(led)
@@ -4615,7 +4633,7 @@ def test_generate_closed_at_a_crash_is_costed_by_the_servers_kind_not_its_path_a
     # 0). A server whose kind is not known (serves_generate None): costed as SGLang's, flagged with why.
     from powerprof.daemon.proxy import CRASHED_NOTE
     kw = dict(whole_as=(method, "/generate", "sglang-generate"), leave=1.55, end_s=6.0, outcome="upstream_error",
-              error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S), down_refused=True)
+              error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S), down_refused=True, idle_first=True)
     llama = _llamacpp_whole_run_on([(1.5, 2.0)], serves_generate=False, **kw)
     sglang = _llamacpp_whole_run_on([(1.5, 2.0)], **kw)
     unknown = _llamacpp_whole_run_on([(1.5, 2.0)], serves_generate=None, **kw)
@@ -4650,24 +4668,24 @@ def test_a_close_with_no_answer_in_flight_at_a_503_found_down_restart_is_costed_
     assert "scrape the server's own port (scrape.url)" in note, note
 
 
-@pytest.mark.parametrize("beside, idle_unlearned_j", [((0.5, 1.45), 0.0), ((0.8, 1.55), 5.0), ((1.0, 2.95), 0.0)],
-                         ids=["ended_before", "ended_at", "live_on"])
-def test_the_requests_beside_an_unsure_crash_are_flagged_with_their_gain_had_it_never_run(beside, idle_unlearned_j):
+@pytest.mark.parametrize("beside", [(0.5, 1.45), (0.8, 1.55), (1.0, 2.95)], ids=["ended_before", "ended_at", "live_on"])
+def test_the_requests_beside_an_unsure_crash_are_flagged_with_their_gain_had_it_never_run(beside):
     # A whole answer in flight 0.5-1.55 s closed with no answer, a 503 finding the server down, no death shown: costed as
     # the crash it most likely was, unsure (`crash_unsure`: a queuing router refusing a request it held, never run,
     # reads the same). A stream (40 tokens/s) live beside it over `beside`: its share there is low by that request's
     # figure if it never ran. Before, only the close's own row was flagged; the stream's read 50.6 / 42.4 / 82.1 J for
-    # 100 / 75 / 109.1 J against the same scene with no such request (-49 / -43 / -25%), its note silent on the close
-    # (out of J/token all the same, for another reason: bypass-uncounted over the restart). Now it says what the split
-    # re-run without the close gives it (49.4 / 37.6 / 27.0 J) and is flagged, as beside a close that may have queued
-    # unrun (`queued_short_j`); beside a crash a refused scrape proved, it is not. The re-run's gain is the truth's, but
-    # `idle_unlearned_j`: where the stream ended inside the close's last interval (1.5-1.6 s), the truth learned idle
-    # power from 0.5-0.8 s, idle only with no close, and gives that interval's idle half to idle; the re-run splits with
-    # the costs learned (none), the stream alone there taking it whole. (Ends on a tick, 1.5 / 3.0 s, read 10 J more:
-    # a request alone in an interval it touches at its end's instant takes it whole, the truth's row gone by then.)
+    # 100 / 75 / 109.1 J against the same scene with no such request (-49 / -43 / -25%, no idle measured), its note
+    # silent on the close (out of J/token all the same, for another reason: bypass-uncounted over the restart). Now it
+    # says what the split re-run without the close gives it and is flagged, as beside a close that may have queued
+    # unrun (`queued_short_j`); beside a crash a refused scrape proved, it is not. The re-run's gain is the truth's
+    # (44.4 / 35.6 / 27.0 J), the idle power measured first in all three scenes (`idle_first`). Without, the stream
+    # ended inside the close's last interval (1.5-1.6 s) said 5 J more: the truth learned the idle power from 0.5-0.8 s,
+    # idle only with no close, the re-run none; each row is now flagged for that too (rowtext._idle_unmeasured).
+    # (Ends on a tick, 1.5 / 3.0 s, read 10 J more: a request alone in an interval it touches at its end's instant
+    # takes it whole, the truth's row gone by then.)
     from powerprof.daemon.proxy import CRASHED_NOTE
     kw = dict(leave=1.55, end_s=12.0, outcome="upstream_error", error=f"{CRASHED_NOTE}: closed", down_ns=int(1.6 * S),
-              beside=beside)
+              beside=beside, idle_first=True)
     rows = _llamacpp_whole_run_on([(1.5, 2.0)], **kw)
     truth = _llamacpp_whole_run_on([(1.5, 2.0)], with_whole=False, **kw)
     sure = _llamacpp_whole_run_on([(1.5, 2.0)], down_refused=True, **kw)
@@ -4679,7 +4697,7 @@ def test_the_requests_beside_an_unsure_crash_are_flagged_with_their_gain_had_it_
     assert BYPASS_LOW_FLAG in note, note  # out of J/token before too: its intervals reach the restart (1.5-1.6 s)
     said = float(note.split("had it never run, this figure would be ")[1].split(" J")[0])
     gain = near0["gpu_energy_j"] - near["gpu_energy_j"]
-    assert said == pytest.approx(gain + idle_unlearned_j, abs=0.2), (said, gain, near0)
+    assert said == pytest.approx(gain, abs=0.2), (said, gain, near0)
     assert UNSURE_FLAG not in (sure[5]["energy_note"] or ""), sure[5]  # a death shown: a sure crash, sure neighbours
     assert sure[5]["gpu_energy_j"] == pytest.approx(near["gpu_energy_j"]), sure[5]
 
@@ -4830,7 +4848,7 @@ def test_a_close_in_a_loading_page_s_window_with_a_proxied_connection_broken_the
     from powerprof.daemon.proxy import CRASHED_NOTE
     monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
     row = _llamacpp_whole_run_on([(1.5, 40.0)], leave=1.55, end_s=50.0, outcome="upstream_error",
-                                 error=f"{CRASHED_NOTE}: closed", opened=(1.6, None), fail_at=1.55)
+                                 error=f"{CRASHED_NOTE}: closed", opened=(1.6, None), fail_at=1.55, idle_first=True)
     note = row["energy_note"] or ""
     print(row["attributed_tokens"], row["gpu_energy_j"], note)
     assert 95.0 <= (row["gpu_energy_j"] or 0) <= 115.0, row
@@ -5733,6 +5751,50 @@ def test_an_idle_interval_shorter_than_the_counter_s_refresh_teaches_no_early_id
     row = _a_300_w_request_after_idle(led, sink, 2.0, 199.0, 399.0)
     assert row["gpu_energy_j"] == pytest.approx(151.0, abs=1.5), (row, sink.rows["intervals"])
 
+
+
+@pytest.mark.parametrize("t0", [0.05, 0.2, 0.5])
+def test_a_request_before_any_idle_run_closed_is_flagged_with_its_bound_not_silently_high(t0):
+    # The ledger's first read at 0 s, the request live t0-0.01..t0+0.5 s at 300 W, 100 W idle: no run of idle intervals
+    # IDLE_MIN_S long had closed, so no idle power was known and its intervals' idle time went to it. Before: 205 J,
+    # 220 J, 250 J for the truth's 151 J (+36%, +46%, +66%), unflagged, in J/token. Now flagged uncertain, its note
+    # bounding the idle energy in it at its intervals' mean power (at least the true excess); its intervals are left out
+    # of the live J/token gauge too.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _feed(led, 0.0, 0.0, 100.0)
+    row = _a_300_w_request_after_idle(led, sink, t0, 100.0 * t0, 100.0 * t0 + 200.0)
+    note = row["energy_note"] or ""
+    assert row["gpu_energy_j"] > 151.0 * 1.3 and UNSURE_FLAG in note, (row["gpu_energy_j"], note)
+    bound_j = float(note.split("up to ")[1].split(" J")[0])
+    assert bound_j >= row["gpu_energy_j"] - 151.0, (bound_j, note)
+    assert "before the daemon had measured the GPUs' idle power" in note, note
+    assert led.flagged_requests.get(UNSURE_FLAG, 0) == 1, led.flagged_requests  # counted apart, out of J/token
+    assert led.totals.jpt_left_out.get(UNSURE_FLAG, (0, 0))[0] >= 1, led.totals.jpt_left_out  # and out of the gauge
+
+
+def test_a_request_that_fills_its_intervals_before_any_idle_run_is_not_flagged():
+    # The same start, the request live from the ledger's first read to the next (0-1 s, 300 W, its only interval): no
+    # idle time in its intervals, nothing in its figure that an idle power would take out; its row stays counted
+    # (300 J, exact).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = _trace(1, 0.0)
+    led.on_start(tr)
+    _feed(led, 0.0, 0.0, 300.0)
+    tr.first_ns = int(0.1 * S)
+    for k in range(10):
+        tr.last_ns = int((0.1 + 0.09 * k) * S)
+        led.on_tokens(tr, tr.last_ns, 1)
+    tr.end_ns = int(1.0 * S)
+    tr.counts = Counts(generated_tokens=10, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    _feed(led, 1.0, 300.0, 300.0)
+    led.close_all(int(2 * S))
+    [row] = sink.rows["requests"]
+    assert row["gpu_energy_j"] == pytest.approx(300.0, abs=1.0), row
+    assert UNSURE_FLAG not in (row["energy_note"] or ""), row["energy_note"]
+    assert UNSURE_FLAG not in led.totals.jpt_left_out, led.totals.jpt_left_out
 
 def _batch_answered(led, rid, status, extra, end_s=0.5):
     """A /v1/completions request with `extra` (the proxy's reading of its body) answered `status` at `end_s`."""

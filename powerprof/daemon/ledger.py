@@ -50,10 +50,11 @@ from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED,
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
-                      NO_COUNTER_READ, UNPLACED_FIX, prompt_unread,
+                      NO_COUNTER_READ, QUEUED_BESIDE_MIN_SHARE, UNPLACED_FIX, prompt_unread,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
-                      _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _interval_cache_note, _joined,
+                      _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_note,
+                      _interval_cache_note, _joined,
                       _no_counter_short_note, _counter_short_note, _no_energy_reason, _parser_held, _request_flags,
                       _secs, _unsaid_reason, _usage_above_note, _usage_below_note, _with_late, _counted_low_interval_note, client_held,
                       counted_low, tag_server_count, tokens_unknown)
@@ -2602,6 +2603,15 @@ class Ledger:
                           for m in methods])
         short_iv = (np.array([m != METHOD_COUNTER for m in methods], dtype=bool) & (busy > 0)
                     & (busy < share * dur))
+        # Busy intervals split before any idle power was measured (no run of idle intervals workmodel.IDLE_MIN_S long
+        # closed yet at this power limit: the first moments after the daemon's start or a limit's change): the time no
+        # request was live there went to the requests, not to idle. At the interval's mean power (idle draws no more), a
+        # bound on what their figures hold too much (rowtext._idle_unmeasured); the live J/token leaves out the
+        # intervals where it reaches QUEUED_BESIDE_MIN_SHARE of their energy, as their rows are left out.
+        gap_s = np.clip(dur - busy, 0.0, None) if costs.idle_w is None else np.zeros(dur.size)
+        unmeasured_j = np.where((busy > 0) & (gap_s > 0), np.nan_to_num(work_j) * gap_s / np.where(dur > 0, dur, 1.0),
+                                0.0)
+        unmeasured_iv = (unmeasured_j > 0) & (unmeasured_j >= QUEUED_BESIDE_MIN_SHARE * np.nan_to_num(work_j))
         # Intervals with prefill in them (a prompt is placed over arrival → first token, or → end for one gone before its
         # first token, as attribution places it) over which the server reused cached prompt tokens no answer said: their
         # requests' split is approximate (CACHE_UNSAID_FLAG).
@@ -2700,6 +2710,8 @@ class Ledger:
         unread_col = energy.shape[1] - 1
         energy = np.column_stack([energy, np.where(_counter_measured(methods), work_j, 0.0)])
         counter_col = energy.shape[1] - 1
+        energy = np.column_stack([energy, unmeasured_j])
+        unmeasured_col = energy.shape[1] - 1
         ev_c_a, ev_w_a = np.array(ev_c, dtype=float), np.array(ev_w, dtype=float)
         seqs_a = np.array([r.trace.extra.get("sequences", 1) for r in reqs], dtype=float)
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
@@ -2800,6 +2812,7 @@ class Ledger:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                 r.unread_beside_kinds.update(k for k, iv in unread_kind_iv.items() if (iv & live).any())
             r.counter_j += a.request_energy[i, counter_col]
+            r.idle_unmeasured_j += a.request_energy[i, unmeasured_col]
             if a.request_energy[i, 9] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                 others = {reqs[j].trace.request_id for k in np.flatnonzero(live) for j in pend_iv[k] if j != i}
@@ -2856,7 +2869,7 @@ class Ledger:
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
-                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv)
+                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | unmeasured_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted)
         ended = [r for r, d in zip(reqs, done) if d]
@@ -3078,8 +3091,9 @@ class Ledger:
             # rule `analyze` leaves such requests out by), nor after a client's leave from a server of unknown kind
             # (`_unplaced`: a run-on for nobody may be in the requests' share, UNSURE_FLAG on their rows; before, kept:
             # +19% on the simulator's SGLang), nor past the 30 s a llama.cpp whole answer's run-on is placed to (`_run_on`:
-            # its rest there too), nor over a batch answered 400 SGLang may run on, no server scraped (`_batch_run_on`).
-            # What is left out is counted by reason, never silently.
+            # its rest there too), nor over a batch answered 400 SGLang may run on, no server scraped (`_batch_run_on`),
+            # nor split before the idle power was measured with idle time in them (`unmeasured_iv`). What is left out is
+            # counted by reason, never silently.
             if a.tokens[k] <= 0 or np.isnan(work_j[k]):
                 continue
             why = (NO_COUNTER_SHORT_FLAG if short_iv is not None and short_iv[k]
@@ -3527,7 +3541,8 @@ class Ledger:
                                    else _no_energy_reason(r), CPU_MISSING_NOTE if cpu_unknown else None,
                                    _no_counter_short_note(r), _counter_short_note(r), _bypass_low_note(r),
                                    _busy_host_note(other_pct),
-                                   _before_first_note(r), self.unsampled_note if r.gpu_j > 0 else None),
+                                   _before_first_note(r), self.unsampled_note if r.gpu_j > 0 else None,
+                                   _idle_unmeasured_note(r)),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and told_prompt_tokens(r) is None else None,
             "cached_prompt_tokens": c.cached_tokens if c is not None and c.invalid is None else None,
             "attributed_tokens": r.tokens,

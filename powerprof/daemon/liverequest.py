@@ -229,6 +229,9 @@ class LiveRequest:
     pieces: int = 0
     closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
     before_first_s: float = 0.0  # seconds it was live before the ledger's first GPU read: their energy is in no interval
+    # Of its GPU joules, its share of the time no request was live in intervals split before any idle power was measured
+    # (at their mean power: a bound on the idle energy it holds, rowtext._idle_unmeasured).
+    idle_unmeasured_j: float = 0.0
 
 
 def told_prompt_tokens(r: LiveRequest) -> float | None:

@@ -30,7 +30,7 @@ from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, RUN_ON_MAY_END_PA
 from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
-from .workmodel import MIN_BUSY, MIN_R2
+from .workmodel import IDLE_MIN_S, MIN_BUSY, MIN_R2
 
 # What an interval row's `server_count` says where the server's count is whole (storage/schema.py states them).
 COUNT_COMPLETE = SERVER_COUNT_COMPLETE
@@ -55,7 +55,9 @@ GONE_ABORT_SLACK_S = 1.0
 # A request live beside a crash-costed close that may never have run (`resend_queued`: queued unrun;
 # `crash_unsure_costed`: a queuing router's refusal) is flagged where its figure would be higher by this share of it or
 # more had that close never run (`LiveRequest.queued_short_j`, the split re-run without it): flagged on any overlap,
-# 4 streams beside a close 0.10 s after its arrival were left out of J/token for 0.9% each.
+# 4 streams beside a close 0.10 s after its arrival were left out of J/token for 0.9% each. The other "high by up to"
+# flags start at the same share: beside an unplaced or capped run-on, and idle time split before any idle power was
+# measured (`_idle_unmeasured`).
 QUEUED_BESIDE_MIN_SHARE = 0.01
 FIXED_RATIO_MIN_SHARE = 0.05
 FIXED_RATIO_LEAD = "{pct}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
@@ -790,7 +792,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
                                       or _n_cmpl_unsure(r) or _closed_partial(r) or r.run_on_unplaced
                                       or _unplaced_beside(r) or _capped_beside(r) or _batch_beside(r)
-                                      or _counted_beside(r))}
+                                      or _counted_beside(r) or _idle_unmeasured(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -803,6 +805,29 @@ def _unproven_close_fix(r: LiveRequest) -> str:
                 "process came back, or it was still down when the daemon stopped); the server's or router's log says "
                 "whether it ran")
     return "let the daemon scrape the server (scrape.url) so a crash is seen, or read the router's log for it"
+
+
+def _idle_unmeasured(r: LiveRequest) -> bool:
+    """UNSURE_FLAG: at least QUEUED_BESIDE_MIN_SHARE of its figure may be idle energy (`idle_unmeasured_j`, a bound at
+    those intervals' mean power): it was live in busy intervals split before the GPUs' idle power at their power limit
+    was measured (no run of idle intervals workmodel.IDLE_MIN_S long had closed: the first moments after the daemon's
+    start or a limit's change), where the time no request was live went to the requests, not to idle. Unflagged, a
+    request 0.05-0.5 s after the ledger's first read read +36% to +66% (100 W idle, 300 W live); the third of three
+    streams 0.1 s apart sent at the daemon's start, +16% (the simulated vLLM, H200)."""
+    return r.gpu_j > 0 and not r.gpu_missing and r.idle_unmeasured_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+
+
+def _idle_unmeasured_note(r: LiveRequest) -> str | None:
+    """Its own part of energy_note (after the others, which keep their place) where `_idle_unmeasured`."""
+    if not _idle_unmeasured(r):
+        return None
+    return (f"{UNSURE_FLAG}: up to {r.idle_unmeasured_j:.1f} J ({100 * min(r.idle_unmeasured_j / r.gpu_j, 1.0):.0f}%) "
+            "of its figure may be idle energy: it was live in intervals split before the daemon had measured the GPUs' "
+            f"idle power at their power limit (no run of idle intervals {IDLE_MIN_S:g} s long had closed yet: the "
+            "first moments after the daemon's start or a limit's change), so the time no request was live there went "
+            "to the requests live in them, not to idle; high by up to that (those intervals' mean power over that "
+            f"time); left out of J/token; fix: none for this row; requests sent once the GPUs have been idle "
+            f"{IDLE_MIN_S:g} s at that limit are split with it")
 
 
 def _closed_partial(r: LiveRequest) -> bool:
