@@ -523,3 +523,33 @@ def test_a_tag_window_whose_edge_reads_came_late_says_how_far_its_energy_may_be_
     else:
         assert abs(gpu_j - true_j) < 0.01 * true_j and misdated_j < 1.0, (gpu_j, true_j, misdated_j)
         assert "edges-late" not in note, note
+
+
+def test_a_tag_window_whose_refreshes_dates_could_span_a_refresh_says_its_energy_is_unbounded_not_a_number():
+    # Driver calls stalled inside the reads (a loaded host) date a start edge's two refreshes, 100 ms apart, to within
+    # 50 and 60 ms: the power over them is unbounded. A 1 ms floor on their span said "up to 316 J" of a 14 J window
+    # (seen beside other tests), a number no bound supports. Now: off by any amount, and why.
+    from powerprof.daemon import tagedge
+
+    r1, r2 = tagedge.Refresh(0, 20.0, 50_000_000), tagedge.Refresh(100_000_000, 40.0, 60_000_000)
+    from powerprof.collectors.nvml import CounterRead
+
+    edge = CounterRead([40.0])
+    edge.t_mono_ns = (110_000_000,)
+    (bound_j,) = tagedge.start_misdated_j([r1], [r2], (110_000_000, 0, edge))
+    assert bound_j == float("inf")
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _gpu(led, 0, 0.0, 200.0)
+    led.add_gpu_edge(int(0.11 * S), int(0.11 * S), [22.0])
+    led.open_tag("job", int(0.11 * S), int(0.11 * S), held=True,
+                 start_edge=tagedge.StopEdge((0.0,), 0.0, (bound_j,), 60.0))
+    _request(led, 0.12, 0.3, n=2)
+    led.add_gpu_edge(int(0.31 * S), int(0.31 * S), [62.0])
+    led.close_tag("job", int(0.31 * S), int(0.31 * S), stop_edge=tagedge.StopEdge((0.0,), 0.0, (0.1,), 1.0), held=True)
+    for k in range(1, 4):
+        _gpu(led, k, 200.0 * k, 200.0)
+    led.advance(int(6 * S))
+    (row,) = sink.rows["tags"]
+    assert "edges-late" in row["energy_note"] and "may be off by any amount" in row["energy_note"], row
+    assert "inf" not in row["energy_note"], row["energy_note"]

@@ -23,6 +23,7 @@ import bisect
 import heapq
 import itertools
 import logging
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -3290,11 +3291,12 @@ class Ledger:
         misdated_j = sum(j for g, j in enumerate(tg.misdated_j) if g not in tg.excluded)
         if (row["gpu_energy_j"] is not None and tg.t1_ns is not None
                 and misdated_j > max(tagedge.MISDATED_MAX_SHARE * row["gpu_energy_j"], tagedge.MISDATED_MAX_J)):
+            by = (f"may be off by up to {misdated_j:.3g} J (the GPUs' power there times that)" if math.isfinite(misdated_j)
+                  else "may be off by any amount (those errors could span a whole refresh: the power there is unbounded)")
             notes.append(f"{tagedge.TAG_LATE_FLAG}: the daemon's counter reads at this window's edges came far apart "
                          "(a loaded host kept its polls waiting), so the counter refreshes its edges hold are dated "
-                         f"only to within {tg.off_ms:.0f} ms: gpu_energy_j and "
-                         f"gpu_j_per_token may be off by up to {misdated_j:.3g} J (the GPUs' power there times that), "
-                         f"over {100 * tagedge.MISDATED_MAX_SHARE:.0f}% of it and {tagedge.MISDATED_MAX_J:g} J; "
+                         f"only to within {tg.off_ms:.0f} ms: gpu_energy_j and gpu_j_per_token {by}, over "
+                         f"{100 * tagedge.MISDATED_MAX_SHARE:.0f}% of it and {tagedge.MISDATED_MAX_J:g} J; "
                          f"fix: {tagedge.TAG_LATE_FIX}")
         if tg.intervals == 0 and tg.t1_ns is not None:
             notes.append("no interval inside: the GPU reads at this window's start and stop failed and it is shorter "

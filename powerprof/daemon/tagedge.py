@@ -22,6 +22,7 @@ hogs), the date is that far off and the edge's energy by the power there times i
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -124,9 +125,12 @@ def stop_trim_j(stop_ns, before_j, first: list[Refresh], second: list[Refresh], 
 def _misdated_j(r1: Refresh, r2: Refresh, off_ns: int, lever_ns: int) -> float:
     """J: how far a counter value placed `lever_ns` from a refresh dated to within `off_ns` (`r1` or `r2`), at the
     power over `r1` → `r2`, may be off: the power there times that date's error, and the power's own error (its
-    span off by both dates, at most) over the lever. The GPU's power taken as steady over them."""
+    span off by both dates, at most) over the lever. The GPU's power taken as steady over them; infinite where the
+    dates' errors could span the whole refresh (no bound on that power)."""
     span_ns = r2.at_ns - r1.at_ns
-    most_w = max(r2.value_j - r1.value_j, 0.0) / (max(span_ns - r1.off_ns - r2.off_ns, 1_000_000) / 1e9)
+    if span_ns - r1.off_ns - r2.off_ns <= 0:
+        return math.inf
+    most_w = max(r2.value_j - r1.value_j, 0.0) / ((span_ns - r1.off_ns - r2.off_ns) / 1e9)
     power_w = max(r2.value_j - r1.value_j, 0.0) / (span_ns / 1e9)
     return (most_w * off_ns + (most_w - power_w) * max(lever_ns, 0)) / 1e9
 
