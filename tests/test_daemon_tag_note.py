@@ -409,13 +409,11 @@ def test_a_tag_window_shorter_than_the_h200_counters_refresh_is_measured_not_zer
         # A held edge's counter is a poll's few ms stale and the stop's trim placed at the power after it: ~1-2 J on a
         # 2-core host polling every few ms; before, -100% (0 J) to -35% on the 2-token jobs and -15..-32% on the
         # 30-token ones. A starved poll (beside CPU hogs: reads 10-100 ms apart, a read's own instant ms off) dates a
-        # refresh up to 25 ms off, ~120 W there: the start edge's value moves by its refresh's misdating, the stop's by
-        # its first refresh's, and each trim's power by its two refreshes' (over a span up to a refresh long): at
-        # most twice the four refreshes' misdated energy, the bound where that is over 25% or 3 J (a loaded CI once:
-        # 3.24 J off a 12.4 J window). Measured beside CPU hogs and other tests, 90 windows of 15 runs: |error| at most
-        # 1.63 times the misdated energy; 4 windows (3 runs) over 25% or 3 J: -8.1 J of 28.6 J misdated 8.1 J, -6.2 J
-        # of 17.4 J misdated 6.5 J (docs/daemon.md).
-        assert abs(ans["gpu_energy_j"] - true_j) < max(0.25 * true_j, 3.0, 2 * misdated), what
+        # refresh up to 25 ms off, ~120 W there, and the window moves by the power there times that: 4 of 90 windows
+        # over 25% or 3 J beside CPU hogs (-8.1 J of 28.6 J, -6.2 J of 17.4 J), unflagged. The row now bounds that from
+        # its reads' dates and says edges-late where the bound is over 25% and 3 J (docs/daemon.md).
+        late = "edges-late" in (ans["energy_note"] or "")
+        assert late or abs(ans["gpu_energy_j"] - true_j) < max(0.25 * true_j, 3.0), what
         # To the stop call, not to its held edge (a poll to a refresh after it): the start edge to the held stop edge,
         # less its hold. Not a fixed bound (it was < 0.2 s for a 2-token job, ~45 ms quiet): a loaded host stretches
         # the job, and the window with it (0.20-0.30 s in 3 of 16 runs beside two CPU hogs).
@@ -439,3 +437,119 @@ def test_a_short_tag_whose_edges_could_not_be_held_has_no_gpu_figure_not_zero():
     assert row["gpu_energy_j"] is None and row["gpu_j_per_token"] is None and row["energy_method"] == "none", row
     assert row["energy_note"].startswith("edges-unheld: shorter than the energy counter's refresh"), row["energy_note"]
     assert "fix:" in row["energy_note"]
+
+
+def _scripted_edges(start_reads_s, stop_call_s, stop_reads_s, power_w=200.0, grid_s=0.1):
+    """A tag window's held edges through tagedge's own polling, on a counter refreshing every `grid_s` at a steady
+    `power_w`, read at the scripted instants (s: a start call at the first of `start_reads_s`, a stop call at
+    `stop_call_s`); (its GPU energy as the daemon figures it, the truth from the start edge's read to the stop call,
+    the start and stop edges as tagedge.StopEdge)."""
+    import math
+
+    from powerprof.collectors.nvml import CounterRead
+    from powerprof.daemon import tagedge
+
+    now = [0]
+    script = []
+
+    def read():
+        t = now[0]
+        got = CounterRead([power_w * grid_s * math.floor(t / S / grid_s + 1e-9)])
+        got.t_mono_ns, got.t_half_ns = (t,), (0,)
+        return t, t, got
+
+    def sleep(_s):
+        now[0] = script.pop(0)
+
+    def held(reads_s):
+        script[:] = [int(t * S) for t in reads_s[1:]]
+        now[0] = int(reads_s[0] * S)
+        return read()
+
+    first = held(start_reads_s)
+    r1 = tagedge.wait_refresh(read, tuple(first[2]), first[2].t_mono_ns, lambda: now[0], sleep)
+    r2 = tagedge.wait_refresh(read, tuple(f.value_j for f in r1[0]), tagedge.still_at(r1[1], r1[0]), lambda: now[0],
+                              sleep)
+    start = tagedge.StopEdge(tagedge.start_trim_j(r1[0], r2[0], r2[1]), 0.0,
+                             tagedge.start_misdated_j(r1[0], r2[0], r2[1]), tagedge.off_ms(r1[0], r2[0]))
+    t_start = r2[1][0]
+    call = held([stop_call_s] + list(stop_reads_s))
+    s1 = tagedge.wait_refresh(read, tuple(call[2]), call[2].t_mono_ns, lambda: now[0], sleep)
+    s2 = tagedge.wait_refresh(read, tuple(f.value_j for f in s1[0]), tagedge.still_at(s1[1], s1[0]), lambda: now[0],
+                              sleep)
+    at0 = call[2].t_mono_ns
+    stop = tagedge.StopEdge(tagedge.stop_trim_j(at0, tuple(call[2]), s1[0], s2[0], tuple(s1[1][2])),
+                            (s1[1][0] - at0[0]) / S, tagedge.stop_misdated_j(at0, tuple(call[2]), s1[0], s2[0]),
+                            tagedge.off_ms(s1[0], s2[0]))
+    gpu_j = s1[1][2][0] - r2[1][2][0] - start.trim_j[0] - stop.trim_j[0]
+    return gpu_j, power_w * (stop_call_s - t_start / S), start, stop, (t_start, s1[1][0])
+
+
+def _polls(t0_s, t1_s, every_s=0.002):
+    return [round(t0_s + k * every_s, 6) for k in range(int(round((t1_s - t0_s) / every_s)) + 1)]
+
+
+@pytest.mark.parametrize("starved", [False, True])
+def test_a_tag_window_whose_edge_reads_came_late_says_how_far_its_energy_may_be_off(starved):
+    # Beside CPU hogs the daemon's counter polls came 10-100 ms apart, so the refresh an edge holds was dated up to
+    # 25 ms off: 2-token windows on a simulated H200 read -8.1 J of 28.6 J and -6.2 J of 17.4 J, unflagged. Here a
+    # 40 ms window at 200 W (8 J): the read before the start edge's second refresh (at 0.2 s) comes at 0.197 s and
+    # the next only at 0.249 s, so that refresh is dated 0.223 s and the start trim's power is off with it. Before:
+    # 13.6 J for 8 J (+70%), no note; now the row says edges-late, with how far off it may be. Polled every 2 ms
+    # (quiet), the same window is within 1% and says nothing.
+    start_reads = _polls(0.005, 0.197) + (_polls(0.249, 0.4) if starved else _polls(0.199, 0.4))
+    gpu_j, true_j, start, stop, (t0_ns, t1_ns) = _scripted_edges(start_reads, 0.289 if starved else 0.239,
+                                                                 _polls(0.291, 0.5))
+    misdated_j = sum(start.misdated_j) + sum(stop.misdated_j)
+    assert abs(gpu_j - true_j) <= misdated_j + 1e-9, (gpu_j, true_j, misdated_j)  # the bound holds
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _gpu(led, 0, 0.0, 200.0)
+    led.add_gpu_edge(t0_ns, t0_ns, [200.0 * t0_ns / S])  # the edges as the daemon's: counters-only reads
+    led.open_tag("job", t0_ns, t0_ns, held=True, start_edge=start)
+    _request(led, t0_ns / S + 0.001, t1_ns / S - stop.held_s - 0.001, n=2)
+    led.add_gpu_edge(t1_ns, t1_ns, [200.0 * t1_ns / S])
+    led.close_tag("job", t1_ns, t1_ns, stop_edge=stop, held=True)
+    for k in range(1, 4):
+        _gpu(led, k, 200.0 * k, 200.0)
+    led.advance(int(6 * S))
+    (row,) = sink.rows["tags"]
+    note = row["energy_note"] or ""
+    if starved:
+        assert abs(gpu_j - true_j) > max(0.25 * true_j, 3.0), (gpu_j, true_j)  # off beyond the tags' tolerance
+        assert note.startswith("edges-late: the daemon's counter reads at this window's edges came far apart"), row
+        assert "dated only to within 26 ms" in note and "may be off by up to" in note and "fix:" in note, note
+        assert row["gpu_energy_j"] is not None  # kept, and said
+    else:
+        assert abs(gpu_j - true_j) < 0.01 * true_j and misdated_j < 1.0, (gpu_j, true_j, misdated_j)
+        assert "edges-late" not in note, note
+
+
+def test_a_tag_window_whose_refreshes_dates_could_span_a_refresh_says_its_energy_is_unbounded_not_a_number():
+    # Driver calls stalled inside the reads (a loaded host) date a start edge's two refreshes, 100 ms apart, to within
+    # 50 and 60 ms: the power over them is unbounded. A 1 ms floor on their span said "up to 316 J" of a 14 J window
+    # (seen beside other tests), a number no bound supports. Now: off by any amount, and why.
+    from powerprof.daemon import tagedge
+
+    r1, r2 = tagedge.Refresh(0, 20.0, 50_000_000), tagedge.Refresh(100_000_000, 40.0, 60_000_000)
+    from powerprof.collectors.nvml import CounterRead
+
+    edge = CounterRead([40.0])
+    edge.t_mono_ns = (110_000_000,)
+    (bound_j,) = tagedge.start_misdated_j([r1], [r2], (110_000_000, 0, edge))
+    assert bound_j == float("inf")
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _gpu(led, 0, 0.0, 200.0)
+    led.add_gpu_edge(int(0.11 * S), int(0.11 * S), [22.0])
+    led.open_tag("job", int(0.11 * S), int(0.11 * S), held=True,
+                 start_edge=tagedge.StopEdge((0.0,), 0.0, (bound_j,), 60.0))
+    _request(led, 0.12, 0.3, n=2)
+    led.add_gpu_edge(int(0.31 * S), int(0.31 * S), [62.0])
+    led.close_tag("job", int(0.31 * S), int(0.31 * S), stop_edge=tagedge.StopEdge((0.0,), 0.0, (0.1,), 1.0), held=True)
+    for k in range(1, 4):
+        _gpu(led, k, 200.0 * k, 200.0)
+    led.advance(int(6 * S))
+    (row,) = sink.rows["tags"]
+    assert "edges-late" in row["energy_note"] and "may be off by any amount" in row["energy_note"], row
+    assert "inf" not in row["energy_note"], row["energy_note"]

@@ -95,10 +95,13 @@ REOPENED_NOTE = ("GPU {i} answers again (reopened by its UUID {uuid} after a res
 
 class CounterRead(tuple):
     """The energy counters (J) of one `read_energy_j`, with each GPU's energy epoch and the instant each was read
-    (monotonic ns, the collector's clock: the middle of that GPU's own driver call, as `energy_t_mono_ns`)."""
+    (monotonic ns, the collector's clock: the middle of that GPU's own driver call, as `energy_t_mono_ns`), and half
+    that call's length (ns: the driver took its value within that of the instant; a loaded host's stall inside the
+    call makes it ms)."""
 
     epochs: tuple = ()
     t_mono_ns: tuple = ()
+    t_half_ns: tuple = ()
 
 
 READING_FIELDS = tuple(f.name for f in fields(GpuReading))
@@ -267,11 +270,12 @@ class NvmlCollector:
         for edges taken between the ticks; None unless every GPU has one and answered."""
         if not all(i.supports["energy_counter"] for i in self.infos):
             return None
-        out, at = [], []
+        out, at, half = [], [], []
         for k, h in enumerate(self.handles):
             e0_ns = self._clock_ns()
             mj, code = self.gw.attempt("nvmlDeviceGetTotalEnergyConsumption", h)
-            at.append(e0_ns + (self._clock_ns() - e0_ns) // 2)
+            half.append((self._clock_ns() - e0_ns) // 2)
+            at.append(e0_ns + half[-1])
             if code is not None and code in self._gone_codes():
                 self.lost.setdefault(self.indexes[k], self._gone_note(k, code))
             e_j, why = self._counter(k, mj) if mj is not None else (None, None)
@@ -284,6 +288,7 @@ class NvmlCollector:
         got = CounterRead(out)
         got.epochs = tuple(self._epoch)
         got.t_mono_ns = tuple(at)
+        got.t_half_ns = tuple(half)
         return got
 
     def _counter(self, k: int, mj) -> tuple[float | None, str | None]:

@@ -23,6 +23,7 @@ import bisect
 import heapq
 import itertools
 import logging
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -231,6 +232,10 @@ class _Tag:
     stop_trim_j: tuple = ()  # per GPU: the energy drawn between its stop call and its held stop edge, not its own
     start_trim_j: tuple = ()  # per GPU: what its held start edge's counter values hold of before the edge
     held_s: float = 0.0  # how long its stop edge was held after the stop call
+    # Per GPU, J: how far its held edges' energy may be off where their refreshes were dated between reads a loaded
+    # host spaced out (tagedge.start_misdated_j, stop_misdated_j), and the largest such date error (ms).
+    misdated_j: tuple = ()
+    off_ms: float = 0.0
 
 
 @dataclass
@@ -2254,6 +2259,7 @@ class Ledger:
         self.tags[name] = _Tag(name, t_ns, wall_ns, held=held)
         if start_edge is not None and len(start_edge.trim_j) == self.n_gpus:
             self.tags[name].start_trim_j = tuple(start_edge.trim_j)
+            _add_misdated(self.tags[name], start_edge)
 
     def close_tag(self, name: str, t_ns: int, wall_ns: int, closed_by: str = "stop", stop_edge=None,
                   held: bool | None = None) -> None:
@@ -2267,6 +2273,7 @@ class Ledger:
             tag.held = held if tag.held is None else tag.held and held
         if stop_edge is not None and len(stop_edge.trim_j) == self.n_gpus:
             tag.stop_trim_j, tag.held_s = tuple(stop_edge.trim_j), stop_edge.held_s
+            _add_misdated(tag, stop_edge)
         self.closed_tags.append(tag)
 
     def open_tag_names(self) -> list[str]:
@@ -3295,6 +3302,16 @@ class Ledger:
                          "this window's start or stop, so its edges were read at the calls, each up to one refresh "
                          "stale (100 ms on an H200): gpu_energy_j is good to about a refresh of the GPUs' power at each "
                          f"edge, not to a percentage; fix: {TAG_UNHELD_FIX}")
+        misdated_j = sum(j for g, j in enumerate(tg.misdated_j) if g not in tg.excluded)
+        if (row["gpu_energy_j"] is not None and tg.t1_ns is not None
+                and misdated_j > max(tagedge.MISDATED_MAX_SHARE * row["gpu_energy_j"], tagedge.MISDATED_MAX_J)):
+            by = (f"may be off by up to {misdated_j:.3g} J (the GPUs' power there times that)" if math.isfinite(misdated_j)
+                  else "may be off by any amount (those errors could span a whole refresh: the power there is unbounded)")
+            notes.append(f"{tagedge.TAG_LATE_FLAG}: the daemon's counter reads at this window's edges came far apart "
+                         "(a loaded host kept its polls waiting), so the counter refreshes its edges hold are dated "
+                         f"only to within {tg.off_ms:.0f} ms: gpu_energy_j and gpu_j_per_token {by}, over "
+                         f"{100 * tagedge.MISDATED_MAX_SHARE:.0f}% of it and {tagedge.MISDATED_MAX_J:g} J; "
+                         f"fix: {tagedge.TAG_LATE_FIX}")
         if tg.intervals == 0 and tg.t1_ns is not None:
             notes.append("no interval inside: the GPU reads at this window's start and stop failed and it is shorter "
                          "than half a sampling interval, so no energy was measured over it: gpu_energy_j, "
@@ -3598,6 +3615,14 @@ def _tag_trim_j(tg: _Tag) -> list[float]:
     n = max(len(tg.start_trim_j), len(tg.stop_trim_j))
     return [(tg.start_trim_j[g] if g < len(tg.start_trim_j) else 0.0)
             + (tg.stop_trim_j[g] if g < len(tg.stop_trim_j) else 0.0) for g in range(n)]
+
+
+def _add_misdated(tg: _Tag, edge) -> None:
+    """A held edge's misdating bound (tagedge.StopEdge.misdated_j) added to its window's."""
+    if len(edge.misdated_j) == len(edge.trim_j):
+        had = tg.misdated_j or (0.0,) * len(edge.misdated_j)
+        tg.misdated_j = tuple(a + b for a, b in zip(had, edge.misdated_j))
+        tg.off_ms = max(tg.off_ms, edge.off_ms)
 
 
 def _unresolved_tag(tg: _Tag) -> bool:

@@ -779,7 +779,9 @@ class Daemon:
                                   self.sampler.clock.monotonic_ns)
         if r2 is None:
             return None
-        return first, r2[1], r2[0], tagedge.StopEdge(tagedge.start_trim_j(r1[0], r2[0], r2[1]), 0.0)
+        return first, r2[1], r2[0], tagedge.StopEdge(tagedge.start_trim_j(r1[0], r2[0], r2[1]), 0.0,
+                                                     tagedge.start_misdated_j(r1[0], r2[0], r2[1]),
+                                                     tagedge.off_ms(r1[0], r2[0]))
 
     def _stop_trim(self, first: tuple, edge: tuple, fresh: list) -> tagedge.StopEdge:
         """What a held stop edge's window gives back: the energy drawn between the stop call (`first` read) and the
@@ -790,7 +792,8 @@ class Daemon:
                                   self.sampler.clock.monotonic_ns)
         if r2 is None:  # stalled since: the measured part alone (what came after the first refresh)
             r2 = (fresh, None)
-        return tagedge.StopEdge(tagedge.stop_trim_j(at0, tuple(first[2]), fresh, r2[0], tuple(edge[2])), held_s)
+        return tagedge.StopEdge(tagedge.stop_trim_j(at0, tuple(first[2]), fresh, r2[0], tuple(edge[2])), held_s,
+                                tagedge.stop_misdated_j(at0, tuple(first[2]), fresh, r2[0]), tagedge.off_ms(fresh, r2[0]))
 
     def _recover_lost_tags(self, data_dir: Path) -> None:
         """Windows a daemon that did not stop cleanly left open (opentags.py): a row each, and said; before, a kill -9

@@ -13,10 +13,16 @@ move after the call (docs/daemon.md, "Tag windows and the counter's refresh"):
   between the stop call and that read's counter values is taken out of the window's energy (`StopEdge.trim_j`), at
   the power each counter shows over its next refresh (the GPU after the client's work: the instant the refresh came
   is known to within a poll, the power after it only from the next one).
+
+Each refresh is dated between the reads around it: where a loaded host spaced those reads out (10-100 ms beside CPU
+hogs), the date is that far off and the edge's energy by the power there times it (`start_misdated_j`,
+`stop_misdated_j`): a window where that may exceed `MISDATED_MAX_SHARE` of its energy and `MISDATED_MAX_J` says so
+(`TAG_LATE_FLAG`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -33,10 +39,13 @@ HOLD_MAX_S = 0.3
 @dataclass
 class Refresh:
     """One GPU's counter refresh seen by polling: the new value (J) and when it came (monotonic ns, the middle of the
-    last read still showing the old value and the first showing the new one)."""
+    last read still showing the old value and the first showing the new one), and how far off that date may be (ns:
+    the refresh came between the start of the one read's driver call and the end of the other's; 1-2 ms at
+    `POLL_S`, tens of ms where a loaded host starved the poll)."""
 
     at_ns: int
     value_j: float
+    off_ns: int = 0
 
 
 def wait_refresh(read: Callable, values_j, after_ns, clock_ns: Callable[[], int] = time.monotonic_ns,
@@ -47,7 +56,7 @@ def wait_refresh(read: Callable, values_j, after_ns, clock_ns: Callable[[], int]
     value and the instant it came, and the read that saw the last of them (the edge: every counter in it fresh).
     None where a read failed or some counter did not move within `hold_max_s`."""
     n = len(values_j)
-    last_ns = list(after_ns)
+    last_ns, last_lo = list(after_ns), list(after_ns)  # the last read still old: its instant, its call's start
     got: list[Refresh | None] = [None] * n
     deadline = clock_ns() + int(hold_max_s * 1e9)
     while clock_ns() < deadline:
@@ -57,13 +66,15 @@ def wait_refresh(read: Callable, values_j, after_ns, clock_ns: Callable[[], int]
         if r is None or len(r) != n:
             return None
         at = r.t_mono_ns if len(getattr(r, "t_mono_ns", ())) == n else (whole[0],) * n
+        half = r.t_half_ns if len(getattr(r, "t_half_ns", ())) == n else (0,) * n
         for k in range(n):
             if got[k] is not None:
                 continue
             if r[k] != values_j[k]:
-                got[k] = Refresh((last_ns[k] + at[k]) // 2, float(r[k]))
+                mid = (last_ns[k] + at[k]) // 2
+                got[k] = Refresh(mid, float(r[k]), max(mid - last_lo[k], at[k] + half[k] - mid))
             else:
-                last_ns[k] = at[k]
+                last_ns[k], last_lo[k] = at[k], at[k] - half[k]
         if all(g is not None for g in got):
             return got, whole  # type: ignore[return-value]
     return None
@@ -72,11 +83,14 @@ def wait_refresh(read: Callable, values_j, after_ns, clock_ns: Callable[[], int]
 @dataclass
 class StopEdge:
     """What a held edge takes out of its window: per GPU, the energy (J) its counter values hold from outside the
-    window (a start's: before its read; a stop's: between the stop call and its read), and how long a stop's edge
-    was held after the call (s)."""
+    window (a start's: before its read; a stop's: between the stop call and its read), how long a stop's edge was
+    held after the call (s), and how far the edge's energy may be off where its refreshes were dated late reads
+    apart (`start_misdated_j`, `stop_misdated_j`)."""
 
     trim_j: tuple
     held_s: float
+    misdated_j: tuple = ()  # per GPU, J: how far its refreshes' dates being off (Refresh.off_ns) may move the edge
+    off_ms: float = 0.0  # the largest of those (ms)
 
 
 def start_trim_j(first: list[Refresh], second: list[Refresh], edge: tuple) -> tuple:
@@ -106,6 +120,59 @@ def stop_trim_j(stop_ns, before_j, first: list[Refresh], second: list[Refresh], 
         at_stop = min(max(at_stop, e0), r1.value_j)
         out.append(max(float(e_edge) - at_stop, 0.0))
     return tuple(out)
+
+
+def _misdated_j(r1: Refresh, r2: Refresh, off_ns: int, lever_ns: int) -> float:
+    """J: how far a counter value placed `lever_ns` from a refresh dated to within `off_ns` (`r1` or `r2`), at the
+    power over `r1` → `r2`, may be off: the power there times that date's error, and the power's own error (its
+    span off by both dates, at most) over the lever. The GPU's power taken as steady over them; infinite where the
+    dates' errors could span the whole refresh (no bound on that power)."""
+    span_ns = r2.at_ns - r1.at_ns
+    if span_ns - r1.off_ns - r2.off_ns <= 0:
+        return math.inf
+    most_w = max(r2.value_j - r1.value_j, 0.0) / ((span_ns - r1.off_ns - r2.off_ns) / 1e9)
+    power_w = max(r2.value_j - r1.value_j, 0.0) / (span_ns / 1e9)
+    return (most_w * off_ns + (most_w - power_w) * max(lever_ns, 0)) / 1e9
+
+
+def start_misdated_j(first: list[Refresh], second: list[Refresh], edge: tuple) -> tuple:
+    """Per GPU, J: how far the held start edge's energy (the counter's value at its refresh `second`, plus
+    `start_trim_j`'s power up to the edge's read) may be off where its refreshes are dated only to within their
+    `off_ns`. 0 where `start_trim_j` takes nothing out."""
+    out = []
+    for r1, r2, e, at in zip(first, second, edge[2], edge[2].t_mono_ns):
+        ok = e == r2.value_j and r2.at_ns > r1.at_ns
+        out.append(_misdated_j(r1, r2, r2.off_ns, at - r2.at_ns) if ok else 0.0)
+    return tuple(out)
+
+
+def stop_misdated_j(stop_ns, before_j, first: list[Refresh], second: list[Refresh]) -> tuple:
+    """Per GPU, J: how far `stop_trim_j`'s counter value at the stop call (placed back from the first refresh after
+    the call at the power over the next) may be off where those refreshes are dated only to within their `off_ns`;
+    at most what came between the value read at the call and that refresh (the value is kept between them). 0 where
+    the counter stalled after the first refresh (no power over the next one: nothing placed back)."""
+    out = []
+    for t_stop, e0, r1, r2 in zip(stop_ns, before_j, first, second):
+        ok = r2.at_ns > r1.at_ns
+        out.append(min(_misdated_j(r1, r2, r1.off_ns, r1.at_ns - t_stop), max(r1.value_j - float(e0), 0.0))
+                   if ok else 0.0)
+    return tuple(out)
+
+
+def off_ms(*refreshes: list[Refresh]) -> float:
+    """The largest date error of these refreshes (ms)."""
+    return max((r.off_ns for rs in refreshes for r in rs), default=0) / 1e6
+
+
+# A tag row's energy_note where its held edges' refreshes were dated too loosely for its figure (ledger._tag_note):
+# where what that may move it by is over this share of its GPU energy and over MISDATED_MAX_J. The tolerance the
+# tag windows' energy is held to against the simulator's truth (tests/test_daemon_tag_note.py).
+MISDATED_MAX_SHARE = 0.25
+MISDATED_MAX_J = 3.0
+TAG_LATE_FLAG = "edges-late"
+TAG_LATE_FIX = ("CPU to spare for the daemon (other processes kept its counter polls waiting: a less loaded host, or "
+                "the daemon at a higher priority), or a longer window (the error is joules at each edge, not a "
+                "percentage of the window)")
 
 
 # A tag row's energy_note where its edges could not be held past a refresh (ledger._tag_note).
