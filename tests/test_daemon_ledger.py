@@ -5779,8 +5779,8 @@ def test_only_a_400_to_two_prompts_that_sglangs_band_abort_can_leave_running_is_
     assert led.recon.batch_run_ons == {}
     _batch_answered(led, 6, 400, {"sequences": 2, "max_tokens": 6})
     _batch_answered(led, 7, 400, {"sequences": 4, "choices": 2, "max_tokens_null": True})  # two prompts, n 2: no end
-    _batch_answered(led, 8, 400, {"sequences": 3, "max_tokens_null": True})  # inside the others' span: one, not many
-    assert len(led.recon.batch_run_ons) == 1, led.recon.batch_run_ons
+    _batch_answered(led, 8, 400, {"sequences": 3, "max_tokens_null": True})  # overlapping: merged, one, not many
+    assert list(led.recon.batch_run_ons) == [8], led.recon.batch_run_ons
     led.serves_generate = False  # known not SGLang: dropped at the next close
     led.recon.server_seen = False  # no window read here (none fed): bypass_over does not run
     for k in range(3):
@@ -5959,3 +5959,30 @@ def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():
     print("span s", (a1 - a0) / 1e9)
     assert (a1 - a0) / 1e9 >= 13.35 + 1.0, led._batch_spans
 
+
+def test_a_restart_ends_a_batch_400s_span_at_its_window():
+    # The process that ran the batch's other prompts died in the restart: none ran past its window. Before: marked on
+    # to its bound (31.6 s here), the new process's rows flagged for nothing.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.recon.server_seen = True
+    led._paces.append(40.0)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2)
+    assert list(led.recon.batch_run_ons.values())[0][1] > int(30 * S), led.recon.batch_run_ons
+    led.add_server_tokens(int(1.0 * S), 0.0, None)
+    led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), partial=("server_restart",))
+    a, b = led.recon.restarts[-1]
+    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), b)], (led.recon.batch_run_ons, (a, b))
+
+
+def test_overlapping_batch_400s_scraped_merge_into_one_span():
+    # Scraped, each band-abort 400 added its own entry unless one span held it whole, and the windows' check over them is
+    # linear in the entries: the review's repro_d2 (20,000 null 400s, a span each overlapping the last) took 3.6, 10.4,
+    # 22 and 29.6 s of ledger CPU a block of 5,000. Overlapping spans are merged into one now, as under none.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.recon.server_seen = True
+    led._paces.append(40.0)
+    for k in range(50):
+        _band_generate(led, 1 + k, 0.5 + 0.1 * k, 0.55 + 0.1 * k, sequences=2, max_tokens_null=True, prompt_chars=600,
+                       prompt_count=2)
+    (a0, a1), = led.recon.batch_run_ons.values()
+    assert a0 == int(0.5 * S) and a1 > int(5.4 * S + 30 * S), led.recon.batch_run_ons
