@@ -1776,7 +1776,7 @@ def test_an_sglang_batch_answered_400_with_no_limit_marks_its_windows_past_30_s_
     # A batch SGLang answers 400 runs its other prompts on to their cap (Ledger._batch_run_on): with a null limit, to
     # the context's end, unknown here (its prompts' size unread: no bound, `batch_context_bound`). Its span was capped
     # at RUN_ON_TO_END_MAX_S, 30 s, leaving the windows 30 s on
-    # unmarked, the requests there unflagged. Now unbounded. (A known limit above SGLANG_BAND_TOKENS, or none sent,
+    # unmarked, the requests there unflagged. Now to BATCH_SPAN_MAX_S (600 s), its row saying so. (A known limit above SGLANG_BAND_TOKENS, or none sent,
     # SGLang's default, is refused unrun with its whole batch: not recorded, test_only_a_400_to_two_prompts_...)
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
@@ -1784,6 +1784,7 @@ def test_an_sglang_batch_answered_400_with_no_limit_marks_its_windows_past_30_s_
     batch = RequestTrace(1, "POST", "/generate", None, int(0.5 * S), 0, api="sglang-generate", stream=False)
     batch.extra["sequences"] = 2
     batch.extra["max_tokens_null"] = True  # sampling_params {"max_new_tokens": null}: to the context's end
+    batch.extra["error_message"] = BAND_MSG
     led.on_start(batch)
     batch.end_ns, batch.status, batch.outcome = int(0.6 * S), 400, "error"
     led.recon.server_seen = True  # a server page read (recorded only then); the scrapes below read it again
@@ -1813,19 +1814,21 @@ def test_an_sglang_batch_answered_400_with_a_null_limit_marks_its_windows_to_the
     # SGLang runs a null max_new_tokens to the context's end (scheduler.py: min(1 << 30, max_req_len - input - 1)), and
     # the aborted prompt is in the context's last 6 tokens: the context is at most the batch's prompts summed + 6 (600
     # characters a token each, 2 BOS: 608 tokens). Before: marked to no end, every window after it until a restart; now
-    # to twice that at the streams' pace (40 tok/s: 30.4 s), or with none yet at BATCH_PACE_FLOOR_TOK_S (5 tok/s).
+    # to its prompts' prefill at BATCH_PREFILL_FLOOR_TOK_S (1.2 s) and that many tokens at the streams' pace shared by
+    # its 2 sequences (20 tok/s: 30.4 s), or with none yet at BATCH_PACE_FLOOR_TOK_S (5 tok/s) so shared.
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     if paced:
         led._paces.append(40.0)
     batch = RequestTrace(1, "POST", "/generate", None, int(0.5 * S), 0, api="sglang-generate", stream=False)
-    batch.extra.update(sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2)
+    batch.extra.update(sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2, error_message=BAND_MSG)
     led.on_start(batch)
     batch.end_ns, batch.status, batch.outcome = int(0.6 * S), 400, "error"
     led.recon.server_seen = True  # a server page read (recorded only then)
     led.on_end(batch)
-    end_s = 0.5 + 2 * 608 / (40.0 if paced else 5.0)
-    assert led.recon.batch_run_ons == {1: (int(0.5 * S), int(end_s * S))}, led.recon.batch_run_ons
+    end_s = 0.5 + 608 / 500.0 + 608 / ((40.0 if paced else 5.0) / 2)
+    (a0, a1), = led.recon.batch_run_ons.values()
+    assert a0 == int(0.5 * S) and a1 == pytest.approx(end_s * S, abs=1e3), led.recon.batch_run_ons
     if not paced:
         return
     led.recon.server_seen = False
@@ -5796,10 +5799,20 @@ def test_a_request_that_fills_its_intervals_before_any_idle_run_is_not_flagged()
     assert UNSURE_FLAG not in (row["energy_note"] or ""), row["energy_note"]
     assert UNSURE_FLAG not in led.totals.jpt_left_out, led.totals.jpt_left_out
 
-def _batch_answered(led, rid, status, extra, end_s=0.5):
-    """A /v1/completions request with `extra` (the proxy's reading of its body) answered `status` at `end_s`."""
+
+# SGLang's scheduler abort of a prompt in the context's last 6 tokens (managers/utils.py validate_input_length), as the
+# proxy reads it from a 400's body (proxy.error_message).
+BAND_MSG = ("Input length (58 tokens) exceeds the maximum allowed length (58 tokens). Use a shorter input or enable "
+            "--allow-auto-truncate.")
+
+
+def _batch_answered(led, rid, status, extra, end_s=0.5, msg=BAND_MSG):
+    """A /v1/completions request with `extra` (the proxy's reading of its body) answered `status` at `end_s`, its body's
+    message `msg`."""
     tr = RequestTrace(rid, "POST", "/v1/completions", "t", int(0.2 * S), 0, api="openai-completions", stream=False)
     tr.extra.update(extra)
+    if msg is not None:
+        tr.extra["error_message"] = msg
     led.on_start(tr)
     _answered_without_counts(led, tr, status, end_s)
 
@@ -5817,14 +5830,20 @@ def test_only_a_400_to_two_prompts_that_sglangs_band_abort_can_leave_running_is_
     _batch_answered(led, 3, 429, {"sequences": 2})
     _batch_answered(led, 4, 400, {"sequences": 2, "choices": 2})  # n 2 of one prompt
     _batch_answered(led, 5, 400, {"sequences": 2, "max_tokens": 7})  # a band prompt + 7 passes the context: refused
+    # Only SGLang's band abort's message: before, any 400 was taken (a batch SGLang refused unrun marked 233 s, a vLLM
+    # or llama.cpp bad-parameter 400 under none 3 s each).
+    _batch_answered(led, 10, 400, {"sequences": 2, "max_tokens_null": True}, msg="The input (2501 tokens) is longer "
+                    "than the model's context length (2048 tokens).")
+    _batch_answered(led, 11, 400, {"sequences": 2, "max_tokens": 5}, msg="temperature must be non-negative")
+    _batch_answered(led, 12, 400, {"sequences": 2, "max_tokens": 5}, msg=None)  # its body's message unread
     assert led.recon.batch_run_ons == {}
     led._paces.append(40.0)  # a pace: a known limit's span ends
     _batch_answered(led, 9, 400, {"sequences": 3})  # no limit sent: SGLang's default (16) passes the band, unrun
     assert led.recon.batch_run_ons == {}
     _batch_answered(led, 6, 400, {"sequences": 2, "max_tokens": 6})
     _batch_answered(led, 7, 400, {"sequences": 4, "choices": 2, "max_tokens_null": True})  # two prompts, n 2: no end
-    _batch_answered(led, 8, 400, {"sequences": 3, "max_tokens_null": True})  # inside 7's unbounded span: one, not many
-    assert sorted(led.recon.batch_run_ons) == [6, 7]
+    _batch_answered(led, 8, 400, {"sequences": 3, "max_tokens_null": True})  # overlapping: merged, one, not many
+    assert list(led.recon.batch_run_ons) == [8], led.recon.batch_run_ons
     led.serves_generate = False  # known not SGLang: dropped at the next close
     led.recon.server_seen = False  # no window read here (none fed): bypass_over does not run
     for k in range(3):
@@ -5838,7 +5857,7 @@ def test_a_batch_run_on_is_pruned_by_time_with_no_scrape_window_read():
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.recon.server_seen = True
     led._paces.append(40.0)  # its span ends: twice 6 tokens at 40 tok/s past its arrival
-    _batch_answered(led, 1, 400, {"sequences": 2, "max_tokens": 6})  # unknown kind: may be SGLang
+    _batch_answered(led, 1, 400, {"sequences": 2, "max_tokens": 6, "prompt_chars": 40, "prompt_count": 2})  # unknown kind
     assert list(led.recon.batch_run_ons) == [1]
     led.recon.server_seen = False  # as no window read: bypass_over does not run
     for k in range(45):
@@ -5849,34 +5868,62 @@ def test_a_batch_run_on_is_pruned_by_time_with_no_scrape_window_read():
 
 def test_a_batch_400_with_no_server_scraped_marks_a_bounded_span_and_many_merge_into_one():
     # scrape.server = none: before, nothing was recorded (no scrape window), the batch's work in the rows beside it
-    # unflagged. Now a span from its arrival to twice its limit at the streams' pace, a null's limit the context at most
-    # (its prompts' size + 6), and a second; no pace yet: 5 tok/s. Many 400s overlapping cost one span.
-    from powerprof.daemon import attribution as attr
-    from powerprof.daemon.ledger import BATCH_PACE_FLOOR_TOK_S, batch_context_bound
+    # unflagged. Now a span from its arrival over its prompts' prefill (their size at BATCH_PREFILL_FLOOR_TOK_S) and its
+    # limit at the streams' pace shared by its sequences, a null's limit the context at most (its prompts' size + 6),
+    # and a second; no pace yet: 5 tok/s so shared; at most BATCH_SPAN_MAX_S. Many 400s overlapping cost one span.
+    from powerprof.daemon.ledger import (BATCH_PACE_FLOOR_TOK_S, BATCH_PREFILL_FLOOR_TOK_S, BATCH_SPAN_MAX_S,
+                                         batch_context_bound)
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.run_ons_unknown = True
-    _batch_answered(led, 1, 400, {"sequences": 2, "max_tokens": 6})  # no pace yet: the floor
-    assert led._batch_spans == [(int(0.2 * S), int((0.2 + 12 / BATCH_PACE_FLOOR_TOK_S + 1.0) * S))]
+    _batch_answered(led, 1, 400, {"sequences": 2, "max_tokens": 6, "prompt_chars": 40, "prompt_count": 2})  # no pace
+    span_s = 48 / BATCH_PREFILL_FLOOR_TOK_S + 6 / (BATCH_PACE_FLOOR_TOK_S / 2)
+    (a0, a1), = led._batch_spans
+    assert a0 == int(0.2 * S) and a1 == pytest.approx((0.2 + span_s + 1.0) * S, abs=1e3), led._batch_spans
     assert led.recon.batch_run_ons == {}  # no scrape window to mark
     led._paces.append(40.0)
     null = {"sequences": 2, "max_tokens_null": True, "prompt_chars": 100, "prompt_count": 2}
     assert batch_context_bound(null) == 108
     for rid in range(2, 40):
         _batch_answered(led, rid, 400, null)
-    assert led._batch_spans == [(int(0.2 * S), int((0.2 + 2 * 108 / 40.0 + 1.0) * S))]  # bounded, one span
-    _batch_answered(led, 50, 400, {"sequences": 2, "max_tokens_null": True})  # its prompts' size unread: no end
-    assert led._batch_spans[-1][1] >= int(attr.NEVER)
+    (a0, a1), = led._batch_spans  # bounded, one span
+    assert a1 == pytest.approx((0.2 + 108 / BATCH_PREFILL_FLOOR_TOK_S + 108 / 20.0 + 1.0) * S, abs=1e3), a1
+    _batch_answered(led, 50, 400, {"sequences": 2, "max_tokens_null": True})  # its prompts' size unread: no end...
+    assert led._batch_spans == [(int(0.2 * S), int((0.2 + BATCH_SPAN_MAX_S + 1.0) * S))]  # ...but the cap's
+
+
+def test_a_cheap_null_batch_400_marks_at_most_the_span_cap_and_its_row_says_the_cut():
+    # The review's repro_a_abuse: a /generate batch of 2 prompts totalling 100,000 characters, null max_new_tokens,
+    # under scrape.server = none (answered in 10 ms). Before: marked 40,004 s with no pace, 5,001 s at 40 tok/s (a 1 MB
+    # body 4.6 days): one 400 blanked J/token for hours. Now at most BATCH_SPAN_MAX_S (600 s), its row saying where.
+    from powerprof.daemon.ledger import BATCH_SPAN_MAX_S
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.run_ons_unknown = True
+    led._paces.append(40.0)
+    tr = RequestTrace(1, "POST", "/generate", None, int(0.2 * S), 0, api="sglang-generate", stream=False)
+    tr.extra.update(sequences=2, max_tokens_null=True, prompt_chars=100_000, prompt_count=2, error_message=BAND_MSG)
+    led.on_start(tr)
+    _answered_without_counts(led, tr, 400, 0.21)
+    (a0, a1), = led._batch_spans
+    print("span s", (a1 - a0) / 1e9)
+    assert (a1 - a0) / 1e9 == pytest.approx(BATCH_SPAN_MAX_S + 1.0), led._batch_spans
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(2.5 * S))
+    note = {r["request_id"]: r["energy_note"] for r in sink.rows["requests"]}[1]
+    assert "marked 600 s from its arrival at most: its bound ran longer" in note, note
 
 
 @pytest.mark.parametrize("scraped", [True, False])
 def test_a_streamed_completions_batch_sglang_aborts_one_prompt_of_is_marked_to_its_abort_task(scraped):
     # Streamed, SGLang answers such a batch 200 with one error event (its scheduler's abort message), then [DONE], and
     # aborts the other prompts 2 s after the stream's end (tokenizer_manager.py create_abort_task). Before: a 200, not
-    # recorded: its run unmarked, scraped or not. Now marked to that abort (or its limit at the pace, if sooner).
+    # recorded: its run unmarked, scraped or not. Now marked to that abort. Its span was the sooner of that abort and
+    # its limit at the pace: 0.14 s on the simulator while the others' prefill ran to 2.03 s; now that abort outright.
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     led.recon.server_seen, led.run_ons_unknown = scraped, not scraped
-    led._paces.append(2.0)  # 6 tokens: twice at 2 tok/s, 6 s, past the abort
+    led._paces.append(200.0)  # 6 tokens at 200 tok/s: 0.03 s, long before the abort
     tr = RequestTrace(1, "POST", "/v1/completions", "t", int(0.2 * S), 0, api="openai-completions", stream=True)
     tr.extra.update(sequences=2, max_tokens=6, prompt_chars=120)
     led.on_start(tr)
@@ -5913,9 +5960,10 @@ def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them(
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     led.serves_generate = False  # vLLM or llama.cpp: nothing recorded
-    _batch_answered(led, 1, 400, {"sequences": 2, "max_tokens": 6})
+    sized = {"sequences": 2, "max_tokens": 6, "prompt_chars": 40, "prompt_count": 2}
+    _batch_answered(led, 1, 400, sized)
     led.serves_generate, led.recon.server_seen = None, True
-    _batch_answered(led, 2, 400, {"sequences": 2, "max_tokens": 6})  # kind unknown yet: recorded
+    _batch_answered(led, 2, 400, sized)  # kind unknown yet: recorded
     led.recon.server_seen = False  # no window read here (none fed): bypass_over does not run
     for k in range(3):
         _feed(led, float(k), 100.0 * k)
@@ -5927,3 +5975,77 @@ def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them(
     # fix its client has: a limit above 6, so SGLang refuses such a batch whole, unrun.
     assert "cause (1 other sequence(s), up to 6 tokens each, for at most" in notes[2], notes[2]
     assert "charged none of it" in notes[2] and "max_new_tokens (max_tokens) above 6" in notes[2], notes[2]
+
+
+def _band_generate(led, rid, arrival_s, end_s, **extra):
+    """A /generate batch SGLang answered its band abort's 400 at `end_s`, `extra` the proxy's reading of its body."""
+    tr = RequestTrace(rid, "POST", "/generate", None, int(arrival_s * S), 0, api="sglang-generate", stream=False)
+    tr.extra.update(error_message=BAND_MSG, **extra)
+    led.on_start(tr)
+    _answered_without_counts(led, tr, 400, end_s)
+    return tr
+
+
+def test_a_batch_400s_span_holds_its_prompts_prefill_at_the_streams_rate():
+    # The review's test_repro_c_prefill: 24 prompts of 1,500 tokens (6,000 characters) and a band prompt, max_new_tokens
+    # 6: SGLang prefills every other prompt first, the last prefill ending 2.25 s after the batch's arrival (808 J for
+    # nobody). Before: its span was twice 6 tokens at the pace, 0.14 s (and a second): streams at 2.1 s +19..+222%,
+    # unflagged. Now its prompts' size (a token a character) at the rate its streams' time to first token showed.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    tr, ev, p = _streamed(1, 0.0, 0.1, 0.6, n=40, prompt=1600)  # 1,600 tokens to its first in 0.1 s: 16,000 tok/s
+    led.on_start(tr)
+    for t, n in ev:
+        led.on_tokens(tr, t, n)
+    tr.first_ns, tr.last_ns, tr.end_ns = ev[0][0], ev[-1][0], ev[-1][0] + int(0.05 * S)
+    tr.counts = Counts(generated_tokens=len(ev), prompt_tokens=p, model=None, stop_reason="length", token_source="usage")
+    led.on_end(tr)
+    assert list(led._prefill_rates) == [pytest.approx(16000.0)], led._prefill_rates
+    _band_generate(led, 2, 1.0, 1.05, sequences=25, max_tokens=6, prompt_chars=24 * 6000 + 40, prompt_count=25)
+    (a0, a1), = led._batch_spans
+    print("span s", (a1 - a0) / 1e9)
+    assert (a1 - a0) / 1e9 >= 2.25 + 1.0, led._batch_spans  # the truth's last prefill, and the slack
+
+
+def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():
+    # The review's test_repro_c4_pace_big: a pace learned light (86 tok/s), then 30 streams live and a null batch of 30
+    # short id prompts and a band prompt (253 ids): its others ran 251 tokens each at ~19 tok/s a sequence, to 13.35 s
+    # from its arrival. Before: twice its bound at 86 tok/s, to 9.83 s: streams at 11.1 s +561%, unflagged. Now the
+    # pace is shared by its sequences and those live (the server's aggregate rate does not fall as they join).
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    led._paces.append(86.0)
+    for k in range(30):
+        led.on_start(_chat(10 + k, 0.5, 400))
+    _band_generate(led, 2, 1.0, 1.05, sequences=31, max_tokens_null=True, prompt_ids=30 * 3 + 253, prompt_count=31)
+    (a0, a1), = led._batch_spans
+    print("span s", (a1 - a0) / 1e9)
+    assert (a1 - a0) / 1e9 >= 13.35 + 1.0, led._batch_spans
+
+
+def test_a_restart_ends_a_batch_400s_span_at_its_window():
+    # The process that ran the batch's other prompts died in the restart: none ran past its window. Before: marked on
+    # to its bound (31.6 s here), the new process's rows flagged for nothing.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.recon.server_seen = True
+    led._paces.append(40.0)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2)
+    assert list(led.recon.batch_run_ons.values())[0][1] > int(30 * S), led.recon.batch_run_ons
+    led.add_server_tokens(int(1.0 * S), 0.0, None)
+    led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), partial=("server_restart",))
+    a, b = led.recon.restarts[-1]
+    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), b)], (led.recon.batch_run_ons, (a, b))
+
+
+def test_overlapping_batch_400s_scraped_merge_into_one_span():
+    # Scraped, each band-abort 400 added its own entry unless one span held it whole, and the windows' check over them is
+    # linear in the entries: the review's repro_d2 (20,000 null 400s, a span each overlapping the last) took 3.6, 10.4,
+    # 22 and 29.6 s of ledger CPU a block of 5,000. Overlapping spans are merged into one now, as under none.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.recon.server_seen = True
+    led._paces.append(40.0)
+    for k in range(50):
+        _band_generate(led, 1 + k, 0.5 + 0.1 * k, 0.55 + 0.1 * k, sequences=2, max_tokens_null=True, prompt_chars=600,
+                       prompt_count=2)
+    (a0, a1), = led.recon.batch_run_ons.values()
+    assert a0 == int(0.5 * S) and a1 > int(5.4 * S + 30 * S), led.recon.batch_run_ons

@@ -2568,3 +2568,35 @@ def test_an_empty_id_list_in_a_llamacpp_prompt_list_is_a_task_of_no_tokens_not_a
     assert c.generated_tokens == 24 and c.count_problem is None, c
     c = body_counts("openai-completions", answer(0, 24), 1, 2, tasks_run=1)  # [[], [5, 6, 7]]: the other's count unknown, said so
     assert c.count_problem is not None and c.prompt_tokens is None, c  # not the empty task's 0
+
+
+def test_a_400s_message_is_read_bounded_for_the_ledgers_band_abort_match(monkeypatch):
+    # SGLang's band abort may leave a batch running for nobody; a validation 400 ran nothing (Ledger._batch_run_on tells
+    # them by the message). Before, a 400's body was not read: its message None, every 400 to a batch taken for one.
+    from powerprof.daemon import proxy as proxy_mod
+
+    msg = ("Input length (58 tokens) exceeds the maximum allowed length (58 tokens). Use a shorter input or enable "
+           "--allow-auto-truncate.")
+    bodies = [{"error": {"message": msg}}, {"object": "error", "message": msg, "type": "BadRequestError", "code": 400},
+              {"error": "plain"}, ["no", "object"], {"error": {"message": "x" * 400}}]
+    assert [proxy_mod.error_message(json.dumps(b).encode()) for b in bodies] == [msg, msg, "plain", None, "x" * 300]
+    assert proxy_mod.error_message(b'{"error": {"message": "cut') is None
+    monkeypatch.setattr(proxy_mod, "ERROR_BODY_MAX_BYTES", 1000)
+
+    async def completion(request):
+        doc = await request.json()
+        return web.json_response({"error": {"message": msg}, "pad": "p" * doc["pad"]}, status=400)
+
+    async def main():
+        rec = Rec()
+        r1, r2, px_url = await _proxy_for_completion(completion, rec)
+        async with aiohttp.ClientSession() as s:
+            for pad in (10, 2000):  # the second past the bound: its message unread, not a cut body read
+                async with s.post(px_url + "/completion", json={"pad": pad}) as r:
+                    assert r.status == 400 and (await r.json())["error"]["message"] == msg
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    rec = _run(main())
+    assert [t.extra.get("error_message") for t in rec.ended] == [msg, None], [t.extra for t in rec.ended]

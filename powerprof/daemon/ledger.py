@@ -134,10 +134,19 @@ SGLANG_BAND_TOKENS = 6
 # The words of that abort's message (managers/utils.py `validate_input_length`): a streamed /v1/completions batch is
 # answered 200, the message in its one error event (`_batch_run_on`).
 SGLANG_BAND_ABORT_WORDS = "exceeds the maximum allowed length"
-# The slowest pace a batch's other prompts are taken to decode at where no stream has shown the server's yet
-# (`_batch_end_ns`): a sequence a GPU decodes slower than this in a batch is rare; the span only marks, so a pace read low
-# flags more rows, never fewer.
+# The server's aggregate decode rate (tokens a second, all its sequences together) taken where no stream has shown its
+# pace yet (`_batch_end_ns`): each sequence then decodes at this shared by the sequences live.
 BATCH_PACE_FLOOR_TOK_S = 5.0
+# The rate a batch's prompts are taken to prefill at (tokens a second) where no stream has shown the server's yet:
+# SGLang prefills every prompt of the batch before it decodes them (the simulated H200 prefilled 24 prompts of 1,500
+# tokens in 2.25 s, 16,000 tokens/s); a GPU serving an LLM prefills slower than this rarely.
+BATCH_PREFILL_FLOOR_TOK_S = 500.0
+# The fewest uncached prompt tokens a stream's time to first token teaches that rate from: a shorter prompt's time is
+# mostly the server's step and queueing, not its prefill.
+BATCH_PREFILL_LEARN_MIN = 64
+# The longest a batch's span marks (`_batch_end_ns`): a span runs to bounds that err long (a null's context, floor
+# rates), and one band abort must not blank J/token for hours; its row says where its span was cut so.
+BATCH_SPAN_MAX_S = 600.0
 # Intervals a request keeps to judge once the requests whose end may say their hits have ended (`LiveRequest.cache_unsure`);
 # beyond, judged at their close as before (a stream live for hours over 1 s intervals).
 CACHE_UNSURE_MAX = 256
@@ -468,6 +477,11 @@ class Ledger:
         # Recent streams' decode paces (tokens a second a sequence, first token to last): a stream gone before its first
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
         self._paces: deque = deque(maxlen=RUN_ON_PACES)
+        # Finished streams' prompt tokens over their time to first token (a low reading of the server's prefill rate:
+        # that time holds their queueing too), for a batch's prefill (`_batch_end_ns`).
+        self._prefill_rates: deque = deque(maxlen=RUN_ON_PACES)
+        # Sequences of the requests started and not ended, by request id: those a batch's pace is shared by.
+        self._live_seqs: dict[int, int] = {}
         self._setting: tuple = ()  # the GPUs' power limits at the latest full sample
         self._power_w: np.ndarray | None = None  # the GPUs' power at the latest full sample
         self.scraping = False  # the daemon scrapes the server's counters (set by it): no count yet is `unread`, not `off`
@@ -536,6 +550,8 @@ class Ledger:
     def on_start(self, trace: RequestTrace) -> None:
         self.requests[trace.request_id] = LiveRequest(
             trace, uncounted=uncounted_kind(trace.method, trace.endpoint) if trace.api is None else None)
+        seqs = trace.extra.get("sequences", 1)
+        self._live_seqs[trace.request_id] = max(seqs, 1) if isinstance(seqs, int) else 1
 
     def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
         r = self.requests.get(trace.request_id)
@@ -653,6 +669,7 @@ class Ledger:
     def on_end(self, trace: RequestTrace) -> float:
         """The request ended. Returns the tokens its end added to (or took from) what on_tokens had
         placed: a stream counted one token per chunk whose final `usage` says otherwise."""
+        self._live_seqs.pop(trace.request_id, None)
         r = self.requests.get(trace.request_id)
         if r is None:
             r = LiveRequest(trace)
@@ -783,6 +800,11 @@ class Ledger:
         if (tr.outcome == "ok" and tr.stream is True and tr.first_ns is not None and tr.last_ns is not None
                 and n >= RUN_ON_PACE_TOKENS and tr.last_ns > tr.first_ns):
             self._paces.append((n - 1) / ((tr.last_ns - tr.first_ns) / 1e9))
+        c = tr.counts
+        p = c.prompt_tokens if c is not None and c.prompt_tokens is not None else tr.extra.get("prompt_tokens")
+        if (tr.outcome == "ok" and tr.stream is True and tr.first_ns is not None and tr.first_ns > tr.arrival_ns
+                and isinstance(p, (int, float)) and p - (tr.extra.get("cached_tokens") or 0) >= BATCH_PREFILL_LEARN_MIN):
+            self._prefill_rates.append((p - (tr.extra.get("cached_tokens") or 0)) / ((tr.first_ns - tr.arrival_ns) / 1e9))
 
     @staticmethod
     def _cost_as_crash(r: LiveRequest, sure: bool) -> None:
@@ -878,8 +900,8 @@ class Ledger:
         """A batch (two or more prompts) answered 400 by SGLang, or by a server of kind unknown yet: SGLang
         answers a whole /generate or /v1/completions batch 400 for one prompt its scheduler aborts (in the context's
         last 6 tokens) and runs the others to their cap for nobody (tokenizer_manager.py @ 001067ff
-        `_collect_batch_responses`), counting them at their end. Its windows, from its arrival to the latest those
-        prompts may run to (`_batch_end_ns`, uncapped: this holds nothing, it only marks), say so
+        `_collect_batch_responses`), counting them at their end. Its windows, from its arrival to the end those
+        prompts are taken to run within (`_batch_end_ns`, at most BATCH_SPAN_MAX_S, its row saying so), say so
         (SERVER_COUNT_BATCH_RUN_ON): the requests given energy there are flagged. Unsaid, the count's tokens spread
         back only over the intervals still open at its end (`recon._spread_back`), and three streams beside such a
         batch read +19% to +24%, unflagged; capped at RUN_ON_TO_END_MAX_S, the windows of a batch run on past it were
@@ -900,8 +922,12 @@ class Ledger:
         c = tr.counts
         streamed = (tr.status == 200 and tr.stream is True and tr.api == "openai-completions" and c is not None
                     and c.server_error is not None and SGLANG_BAND_ABORT_WORDS in c.server_error)
+        # Whole, only a 400 whose message is that abort's (the proxy reads it, `proxy.error_message`): a validation
+        # 400 (a prompt past the context, a bad parameter, vLLM's or llama.cpp's) ran nothing. Before: any 400, a
+        # batch SGLang refused unrun marked 233 s, a vLLM bad-parameter 400 under none 3 s each.
+        band = tr.status == 400 and SGLANG_BAND_ABORT_WORDS in (tr.extra.get("error_message") or "")
         if (self.serves_generate is False or not (self.recon.server_seen or unplaced)
-                or not (tr.status == 400 or streamed)
+                or not (band or streamed)
                 or tr.api is None or not isinstance(seqs, int) or seqs // copies < 2 or tr.end_ns is None
                 or (isinstance(limit, int) and limit > SGLANG_BAND_TOKENS)):
             return
@@ -911,12 +937,16 @@ class Ledger:
             # unrun; a null /v1/completions max_tokens is a validation 400, unrun. Only /generate's explicit null runs on.
             return
         # Its row names what it set off (`rowtext._batch_cause`): not charged to it, the run unproven.
-        end_ns = self._batch_end_ns(tr)
+        end_ns = self._batch_end_ns(tr, seqs)
         if streamed:
-            end_ns = min(end_ns, int(tr.end_ns) + int(RUNS_ON_AFTER_LEAVE["sglang"][0] * 1e9))
+            # Its abort task ends every prompt then, whatever their prefill and pace: that end outright (before: the
+            # sooner of it and the decode bound, 0.14 s, while the others' prefill ran to 2.03 s).
+            end_ns = int(tr.end_ns) + int(RUNS_ON_AFTER_LEAVE["sglang"][0] * 1e9)
+        cap_ns = int(tr.arrival_ns) + int(BATCH_SPAN_MAX_S * 1e9)
+        r.batch_capped = end_ns > cap_ns
+        end_ns = min(end_ns, cap_ns)
         tokens = limit if isinstance(limit, int) else batch_context_bound(tr.extra)
-        r.batch_bound = (seqs - copies, tokens,
-                         (end_ns - int(tr.arrival_ns)) / 1e9 if end_ns < int(attr.NEVER) else None)
+        r.batch_bound = (seqs - copies, tokens, (end_ns - int(tr.arrival_ns)) / 1e9)
         if unplaced:
             # scrape.server = none: no scrape window to mark, no counter to see the work; its share goes to the
             # requests live beside it, which say so (`batch_beside_j`, UNSURE_FLAG naming scrape.server) from its
@@ -930,21 +960,38 @@ class Ledger:
         latest = end_ns
         r.batch_run_on = True  # its row says so (`rowtext._no_energy_reason`)
         latest, spans = max(int(tr.end_ns), latest), self.recon.batch_run_ons
-        if not any(a0 <= tr.arrival_ns and latest <= a1 for a0, a1 in spans.values()):  # one unbounded span, not many
-            spans[tr.request_id] = (int(tr.arrival_ns), latest)
+        # Overlapping spans merged into one, as under none: before, an entry each, and the windows' check over them
+        # went quadratic (5,000 400s a block: 3.6, 10.4, 22, 29.6 s of ledger CPU).
+        over = [k for k, (a0, a1) in spans.items() if not (a1 < tr.arrival_ns or a0 > latest)]
+        a0 = min([int(tr.arrival_ns), *(spans[k][0] for k in over)])
+        a1 = max([latest, *(spans[k][1] for k in over)])
+        for k in over:
+            del spans[k]
+        spans[tr.request_id] = (a0, a1)
 
-    def _batch_end_ns(self, tr: RequestTrace) -> int:
-        """The latest a batch SGLang answered 400 may run its other prompts to (`_batch_run_on`): twice its max_tokens
-        (an explicit null: to the context's end, its scheduler's min(1 << 30, max_req_len - prompt - 1), scheduler.py
-        `init_req_max_new_tokens`; at most `batch_context_bound`) at the server's latest streams' pace, else at
-        BATCH_PACE_FLOOR_TOK_S, from its arrival; attr.NEVER where its prompts' size is unread."""
+    def _batch_end_ns(self, tr: RequestTrace, seqs: int) -> int:
+        """The end a batch SGLang answered 400 is taken to run its other prompts within (`_batch_run_on`; not a proof),
+        from its arrival: its
+        prompts' prefill (their size, `batch_context_bound`, at the median of the latest streams' prompt tokens over
+        their time to first token, else BATCH_PREFILL_FLOOR_TOK_S), then its max_tokens (an
+        explicit null: to the context's end, its scheduler's min(1 << 30, max_req_len - prompt - 1), scheduler.py
+        `init_req_max_new_tokens`; at most `batch_context_bound`) at a pace taken as a bound under load: the server's
+        latest streams' pace (else BATCH_PACE_FLOOR_TOK_S) shared by the batch's sequences and every sequence live now.
+        A stream's pace, learned with m sequences live, is at most the server's aggregate rate then, and that rate does
+        not fall as sequences join, so each of n decodes at least at pace / n. Before: twice the limit at the learned
+        pace alone, no prefill: a null batch beside 30 streams was marked to 9.8 s and ran to 13.4 s, 24 prompts of
+        1,500 tokens prefilled to 2.25 s behind a span of 0.14 s. attr.NEVER where its prompts' size is unread."""
+        size = batch_context_bound(tr.extra)
         limit = tr.extra.get("max_tokens")
         if not isinstance(limit, int):
-            limit = batch_context_bound(tr.extra)
-            if limit is None:
-                return int(attr.NEVER)
-        pace = float(np.median(self._paces)) if self._paces else BATCH_PACE_FLOOR_TOK_S
-        return min(int(tr.arrival_ns) + int(2.0 * limit / pace * 1e9), int(attr.NEVER))
+            limit = size
+        if size is None or limit is None:
+            return int(attr.NEVER)
+        live = sum(self._live_seqs.values())  # this batch ended: not among them
+        pace = (float(np.median(self._paces)) if self._paces else BATCH_PACE_FLOOR_TOK_S) / max(seqs + live, 1)
+        rate = float(np.median(self._prefill_rates)) if self._prefill_rates else BATCH_PREFILL_FLOOR_TOK_S
+        span_s = size / rate + limit / pace
+        return min(int(tr.arrival_ns) + int(span_s * 1e9), int(attr.NEVER))
 
     def _unplaced(self, r: LiveRequest, limit) -> None:
         """A request whose client left a server of unknown kind (`run_ons_unknown`): it may have run on for nobody, its
@@ -2212,6 +2259,14 @@ class Ledger:
         100). Placed already (a stream's, `_place_run_ons`), its events past the cut go (`_cut_run_on`)."""
         for r in self.requests.values():
             self._cut_run_on(r)
+        # A batch SGLang answered 400 ran its other prompts in the process that died: none past its restart's window
+        # (before: marked on to its bound, the new process's rows flagged for nothing).
+        def cut(a0: int, a1: int) -> int:
+            return min([a1, *(b for a, b in self.recon.restarts if a >= a0 and b >= a0)])
+        spans = self.recon.batch_run_ons
+        for k, (a0, a1) in list(spans.items()):
+            spans[k] = (a0, cut(a0, a1))
+        self._batch_spans = [(a0, cut(a0, a1)) for a0, a1 in self._batch_spans]
 
     def _cut_run_on(self, r: LiveRequest) -> None:
         """End `r`'s run-on where the process running it died, as best known (`_run_on_cut_ns`: not before its client

@@ -109,6 +109,8 @@ class LiveRequest:
     # Such a batch's run its row names (it is the cause): (sequences that may run on, tokens each at most, seconds from
     # its arrival at most, None: no end known)
     batch_bound: tuple[int, int | None, float | None] | None = None
+    # That span was cut at ledger.BATCH_SPAN_MAX_S: its run may go on past it, the rows there unflagged
+    batch_capped: bool = False
     # Its close with no answer came as its server died (`Ledger._crash_seen`): a crash, not a router refusing it
     crash_seen: bool = False
     # Seen only as sent before the old process's last good scrape, a scrape then finding it down by a 503 and a page

@@ -68,6 +68,11 @@ BODY_COPY_MAX_BYTES = 4 << 20
 # A gzip/deflate response is inflated on the side for its counts (the client gets the bytes as sent), at
 # most this much in all: a longer one is counted up to there, and its row says so.
 INFLATE_MAX_BYTES = 64 << 20
+# A 400's body is kept up to this size for its message (`error_message`): the ledger tells SGLang's band abort, which
+# may leave a batch running for nobody, from a refusal that ran nothing by it (Ledger._batch_run_on); a longer body's
+# message is not read.
+ERROR_BODY_MAX_BYTES = 16 << 10
+ERROR_MESSAGE_MAX_CHARS = 300
 TAG_MAX_CHARS = 128
 # A request's or response's `model` (and a response's stop reason) kept in its row: a client picks the request's, up to the
 # 1 MiB body, and a row of that size, buffered per request, could exhaust the daemon's memory within one flush interval.
@@ -1283,6 +1288,9 @@ class Proxy:
                     self.recorder_failures += 1
             elif trace.api is not None and status >= 400:
                 trace.stream = "text/event-stream" in ctype  # what the error answer was, not what was asked
+                if (status == 400 and not trace.stream
+                        and up_headers.get("Content-Encoding", "").strip().lower() in ("", "identity")):
+                    sink.error_copy = bytearray()
         try:
             writer = await resp.prepare(request)
             early = ex.take_early()
@@ -1349,6 +1357,10 @@ class Proxy:
                     self._body_done(trace, bytes(sink.body_copy))
                 elif sink.usage_scan is not None and sink.usage_scan.prompt_tokens is not None:
                     trace.extra["prompt_tokens"] = sink.usage_scan.prompt_tokens
+                elif sink.error_copy is not None:
+                    msg = error_message(bytes(sink.error_copy))
+                    if msg is not None:
+                        trace.extra["error_message"] = msg
             except Exception as e:
                 trace.recorder_error = f"summary: {error_text(e)}"[:300]
                 self.recorder_failures += 1
@@ -1420,6 +1432,24 @@ class Proxy:
         trace.last_ns, trace.last_wall_ns = now, wall
         trace.tokens_seen = n
         trace.extra["spread"] = True  # the recorder spreads the n tokens over [first, last]
+
+
+def error_message(body: bytes) -> str | None:
+    """An error answer's message, at most ERROR_MESSAGE_MAX_CHARS: its top-level `error` (a string, or an object's
+    `message`), or a flat `{"object": "error", "message"}` (SGLang's and older vLLM's OpenAI routes); None where the
+    body is no such JSON (or was cut at ERROR_BODY_MAX_BYTES)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    err = doc.get("error")
+    if isinstance(err, dict):
+        err = err.get("message")
+    elif err is None and doc.get("object") == "error":
+        err = doc.get("message")
+    return err[:ERROR_MESSAGE_MAX_CHARS] if isinstance(err, str) else None
 
 
 def _body_counts(trace: RequestTrace, body: bytes) -> streams.Counts:
@@ -1549,6 +1579,7 @@ class _ClientSink:
         self.body_copy: bytearray | None = None
         self.usage_scan: streams.PromptTokensScan | None = None  # an embeddings answer's prompt length
         self.copy_overflow = False  # a whole body past BODY_COPY_MAX_BYTES: its copy dropped, not inspected
+        self.error_copy: bytearray | None = None  # a 400's body, up to ERROR_BODY_MAX_BYTES (`error_message`)
         self.transport = None
         self.writer = None
         self.chunked = False
@@ -1617,6 +1648,11 @@ class _ClientSink:
                         self.body_copy, self.copy_overflow = None, True
                 elif self.usage_scan is not None:
                     self.usage_scan.feed(piece)
+                elif self.error_copy is not None:
+                    if len(self.error_copy) + len(piece) <= ERROR_BODY_MAX_BYTES:
+                        self.error_copy += piece
+                    else:  # past the bound: its message unread, not a cut body read as whole
+                        self.error_copy = None
                 return
             if trace.recorder_error is not None:
                 return

@@ -202,7 +202,7 @@ class CountReconciler:
         # (`Ledger._run_on`, dropped where placed sure: `Ledger._place_run_on`): the windows over them say
         # SERVER_COUNT_RUN_ON_MAY_END (`bypass_over`).
         self.run_ons_may_end: dict[int, tuple[int, int]] = {}
-        # {request id: (its arrival, the latest its prompts may run to)} of batches SGLang may have answered 400
+        # {request id: (its arrival, the end its prompts' run is taken to stay within)} of batches SGLang may have answered 400
         # while running their other prompts for nobody (`Ledger._batch_run_on`): the windows over them say
         # SERVER_COUNT_BATCH_RUN_ON (`bypass_over`).
         self.batch_run_ons: dict[int, tuple[int, int]] = {}

@@ -607,9 +607,13 @@ def _batch_cause(r: LiveRequest) -> str:
     n, tokens, span_s = r.batch_bound or (1, None, None)
     up_to = f"up to {tokens} tokens each" if tokens is not None else "tokens to the context's end"
     until = f", for at most {span_s:.1f} s from its arrival" if span_s is not None else ""
+    if r.batch_capped:
+        # ledger.BATCH_SPAN_MAX_S (imports point down: said, not imported)
+        until = (f", marked {span_s:.0f} s from its arrival at most: its bound ran longer, and the rows beside its "
+                 "run past that are not flagged")
     return (f"this request is that work's cause ({n} other sequence(s), {up_to}{until}), yet it is charged none of it: "
-            "a 400 alone does not show the other prompts ran (SGLang refuses a batch whole, unrun, for a bad parameter "
-            "too, and another server does), nor for how long, so a charge could bill work never done; its empty figure "
+            "its abort's message shows they were let through, not how far they ran (their end unseen, a restart may "
+            "have cut them), so a charge could bill work never done; its empty figure "
             "means that, not no work")
 
 

@@ -332,7 +332,8 @@ SERVER_COUNT_PROXY_UNREAD = "proxy_unread"
 # BYPASS_COUNT_TWO_WAY), and the requests given energy there low.
 SERVER_COUNT_RUN_ON_MAY_END = "run_on_may_end"
 # A scrape window from the arrival of a batch (two or more prompts) an SGLang (or a server of kind unknown yet) answered
-# 400 to the latest its other prompts may run to (`Ledger._batch_run_on`): SGLang answers 400 for one prompt
+# 400 with its band abort's message to an end its other prompts' run is taken to stay within (`Ledger._batch_end_ns`,
+# `Ledger._batch_run_on`): SGLang answers 400 for one prompt
 # its scheduler aborts and runs the others to their cap for nobody, counting them at their end; the daemon spreads
 # those tokens back only over the intervals still open then, so the energy of the batch's run before them went to the
 # requests beside it (high) and later windows' bypass count may be high: one of BYPASS_COUNT_TWO_WAY.
