@@ -1757,7 +1757,7 @@ class Daemon:
                 # (Scraper._proxy_refused).
                 self.scraper.refusals = self.proxy.take_refusals
                 # The workers' come a flush late: waited for after the page (Scraper._take_refusals).
-                self.scraper.refusals_through = getattr(self.proxy, "refusals_through", None)
+                self.scraper.refusals_wait = getattr(self.proxy, "wait_refusals", None)
                 self.scraper.refusals_late_s = getattr(self.proxy, "refusals_late_s", 0.0)
         elif listen:
             log.warning("proxy disabled: no proxy.upstream configured")
