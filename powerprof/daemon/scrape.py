@@ -392,6 +392,11 @@ class Scraper:
         self._refusals_taken = False  # this scrape's are taken (once a scrape)
         self._refusals_later: list[int] = []  # taken, but from this scrape's start on: the next window's
         self._scrape_at = 0.0  # and as this scrape began
+        # The span (monotonic_ns) of the GET(s) that read this scrape's counter (/metrics; llama.cpp's /metrics and
+        # /slots), None until they came: the window's stamp and `read_ns` (Daemon._scrape_loop). Not the scrape's own:
+        # it holds the wait for the proxy workers' refusals after them (`_take_refusals`, up to 40 ms), and a window
+        # stamped in it ended up to that late, its proxied tokens read as more than the server counted (over-flagged).
+        self.read_ns: tuple[int, int] | None = None
         # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
         # moved): until a window starts at or above it, the fall may have been a dip (one process's share of a
         # multi-process page lagging for more than a page), whose recovery the windows after it count again as new
@@ -717,6 +722,7 @@ class Scraper:
         self._scrape_at = time.monotonic()
         scrape_at_ns = int(self._scrape_at * 1e9)  # the daemon's monotonic_ns clock, as its windows' stamps
         self._refusals_taken = False
+        self.read_ns = None
         try:
             if self.kind is None:
                 self.kind = await self._detect()
@@ -732,7 +738,9 @@ class Scraper:
                 self.window_down_refused, self._down_refused = self._down_refused, False
                 self._refused_at_ns = self._loading_at_ns = None
             else:
+                read_at_ns = int(time.monotonic() * 1e9)
                 status, text = await self._get("/metrics")
+                self.read_ns = (read_at_ns, int(time.monotonic() * 1e9))
                 await self._take_refusals(scrape_at_ns)
                 if status != 200:
                     raise MetricsStatus(status, self.base + "/metrics")
@@ -950,9 +958,11 @@ class Scraper:
     async def _scrape_llamacpp(self) -> float:
         # The counter first: a request that ends between the two reads is then missing from
         # both for one scrape (caught up at the next) rather than counted twice.
+        read_at_ns = int(time.monotonic() * 1e9)
         metrics_status, page = await self._get("/metrics")
         finished = counter_total(page, LLAMACPP_COUNTER) if metrics_status == 200 else None
         status, text = await self._get("/slots")
+        self.read_ns = (read_at_ns, int(time.monotonic() * 1e9))
         await self._take_refusals(int(self._scrape_at * 1e9))
         slots = slot_progress(slots_json(text)) if status == 200 else None
         # A 502/503 on /metrics fails the scrape even where /slots answered (a gateway's blip on one route): read as a
