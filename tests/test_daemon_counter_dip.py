@@ -956,7 +956,7 @@ def test_a_proxy_workers_refusal_flushed_after_the_scrape_began_finds_the_server
     # scrape began reaches the daemon in its flush FLUSH_S (20 ms) after the refusal, 10 ms into that scrape; the other
     # worker is idle (its clock last said at its heartbeat). Before, the scraper took the refusals as it began, found
     # none, and the next scrape dropped this one as older than its window: 250 whole, unsaid. Now it waits after its page
-    # for the workers' records up to its start (ProxyWorkers.refusals_through, bounded by REFUSALS_LATE_S): said.
+    # for the workers' records up to its start (ProxyWorkers.wait_refusals, bounded by REFUSALS_LATE_S): said.
     import time
     from types import SimpleNamespace
 
@@ -979,7 +979,7 @@ def test_a_proxy_workers_refusal_flushed_after_the_scrape_began_finds_the_server
         async with aiohttp.ClientSession() as s:
             sc = Paged(s, "http://x", "sglang")
             sc.refusals = workers.take_refusals
-            sc.refusals_through = workers.refusals_through
+            sc.refusals_wait = workers.wait_refusals
             sc.refusals_late_s = workers.refusals_late_s
             out = [(await sc.scrape(), sc.window_partial, sc.window_down_refused) for _ in range(2)]
             refused = time.monotonic_ns()

@@ -269,6 +269,69 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
         assert r[1] - r[0] >= 0.025e9 and abs((r[0] + r[1]) // 2 - t) <= 1, (t, r)
 
 
+def test_the_daemon_scrape_loop_stamps_the_counters_read_not_the_wait_for_the_proxy_workers_refusals():
+    """proxy.workers = 2, one idle (its clock said only at its heartbeat): each scrape waits after its page for the
+    workers' refusals, up to REFUSALS_LATE_S (40 ms) past its start (Scraper._take_refusals). The window's stamp and
+    `read_ns` are the GET's (Scraper.read_ns), not the scrape's: stamped around the whole scrape, they held the wait,
+    the window's end placed ~20 ms past the read, and the proxied tokens inside read as more than the server counted
+    (rows over-flagged, left out of J/token)."""
+    import aiohttp
+
+    from powerprof.daemon.service import Daemon
+    from powerprof.daemon.workers import _STATS, ProxyWorkers, _WorkerLink, frame
+
+    gets, waits = [], []
+
+    class Paged(Scraper):
+        served = 0
+
+        async def _get(self, path):
+            t0 = time.monotonic_ns()
+            await asyncio.sleep(0.002)
+            Paged.served += 10
+            gets.append((t0, time.monotonic_ns()))
+            return 200, (f'# TYPE sglang:generation_tokens_total counter\n'
+                         f'sglang:generation_tokens_total{{model_name="m"}} {Paged.served}\n')
+
+    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
+    ledger.add_cache_hits = lambda since, t, hits: None
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, \
+        restart_by_fall=False, down_ns=None, down_refused=False: ledger.spans.append((t, d, read_ns))
+
+    async def go():
+        workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=None, proxy_kwargs={},
+                               header_timeout_s=10, idle_timeout_s=10)
+        for w in workers.workers:
+            w.transport = types.SimpleNamespace(close=lambda: None)
+            _WorkerLink(workers, w).data_received(frame(([], [], [], [], (0,) * len(_STATS), [], time.monotonic_ns(), [])))
+
+        async def wait(at_ns, timeout_s):  # the real wait, timed
+            t = time.monotonic_ns()
+            await workers.wait_refusals(at_ns, timeout_s)
+            waits.append((t, time.monotonic_ns()))
+
+        async with aiohttp.ClientSession() as s:
+            sc = Paged(s, "http://x", "sglang")
+            sc.refusals, sc.refusals_wait, sc.refusals_late_s = workers.take_refusals, wait, workers.refusals_late_s
+            me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), scraper=sc, ledger=ledger,
+                                       cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), stop_event=asyncio.Event(),
+                                       _scrape_since_ns=None)
+            task = asyncio.create_task(Daemon._scrape_loop(me))
+            t = time.monotonic()
+            while len(ledger.spans) < 4 and not task.done() and time.monotonic() - t < 30:
+                await asyncio.sleep(0.02)
+            me.stop_event.set()
+            await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())
+    assert len(ledger.spans) >= 4, ledger.spans
+    for (t, d, r), get, waited in zip(ledger.spans, gets, waits):
+        # each scrape waited (no worker's clock passed its start): the wait is long, the read short, after it
+        assert waited[1] - waited[0] >= 0.01e9, (get, waited)
+        assert r is not None and r[0] <= get[0] and get[1] <= r[1] <= waited[0], (r, get, waited)
+        assert t == (r[0] + r[1]) // 2, (t, r)
+
+
 def test_the_daemon_scrape_loop_gives_the_ledger_when_a_scrape_found_the_server_down():
     """A restart's window says when its first scrape found the server down (Scraper.window_down_ns): the ledger places
     the dead process's run-ons' end from it (`Ledger._run_on_cut_ns`), so the loop must hand it on with the window."""

@@ -909,6 +909,48 @@ def test_a_heartbeat_claims_no_clock_past_refusals_its_full_link_held_back():
     assert [m[0] for m in msgs] == ["beat"] and msgs[0][1] == T and ship.proxy._refused_ns == [T + 7], msgs
 
 
+def test_the_wait_for_the_workers_refusals_wakes_on_their_records_not_a_poll():
+    # A scrape waits for every worker's clock to pass its start (ProxyWorkers.wait_refusals, Scraper._take_refusals),
+    # woken by the records that move a clock, not by a poll (every 10 ms: 4 wake-ups of the daemon's loop a scrape): a
+    # beat short of the start waits on, the last clock past it ends the wait then, a worker lost frees the others', and
+    # nothing coming ends it at its bound.
+    from powerprof.daemon.workers import _WorkerLink
+
+    zero = (0,) * len(_STATS)
+
+    async def go():
+        workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=None, proxy_kwargs={},
+                               header_timeout_s=10, idle_timeout_s=10)
+        for w in workers.workers:
+            w.transport = SimpleNamespace(close=lambda: None)
+        links = [_WorkerLink(workers, w) for w in workers.workers]
+
+        def send(k, beat=False, wm_ns=None):
+            wm_ns = time.monotonic_ns() if wm_ns is None else wm_ns
+            links[k].data_received(frame(("beat", wm_ns, [], zero) if beat else ([], [], [], [], zero, [], wm_ns, [])))
+
+        async def timed(timeout_s, *later):
+            at = time.monotonic_ns()
+            for delay_s, call in later:
+                loop.call_later(delay_s, call)
+            t = time.monotonic()
+            await workers.wait_refusals(at, timeout_s)
+            return time.monotonic() - t
+
+        loop = asyncio.get_running_loop()
+        send(0), send(1)
+        bound = await timed(0.05)
+        both = await timed(5.0, (0.01, lambda: send(0, beat=True, wm_ns=1)), (0.02, lambda: send(0)),
+                           (0.04, lambda: send(1, beat=True)))
+        lost = await timed(5.0, (0.02, lambda: send(0)), (0.04, lambda: workers._lost(workers.workers[1])))
+        return bound, both, lost, workers.watermark_ns
+
+    bound, both, lost, mark = asyncio.run(go())
+    assert 0.045 <= bound < 1.0, bound
+    assert 0.035 <= both < 1.0 and 0.035 <= lost < 1.0, (both, lost)  # not the 5 s bound
+    assert mark is not None  # the worker left up still holds a clock
+
+
 def test_restarts_back_off_exponentially_and_reset_after_a_stable_minute(caplog):
     import gc
 

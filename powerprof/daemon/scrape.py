@@ -34,11 +34,10 @@ decoded: servercount.slots_json) fails that scrape with the reason.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from powerprof.errtext import error_text
@@ -80,9 +79,6 @@ IGNORES_BEST_OF = ("sglang", "llamacpp")
 RUNS_ON_AFTER_LEAVE: dict[str, tuple[float | None, float | None]] = {"sglang": (2.0, 4.0), "llamacpp": (None, None)}
 START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
 LLAMACPP_STEPS = "llamacpp:n_decode_total"  # llama-server's decode calls: every step, a restart's tell (_scrape_llamacpp)
-# How often a scrape looks whether the proxy workers' records have come (`_take_refusals`): each look is a wake-up of
-# the daemon's loop (docs/daemon.md, Footprint); at 2 ms an idle worker (its clock said only at its heartbeat) cost 20 a scrape.
-REFUSALS_POLL_S = 0.01
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
 # More tokens a second than any one server's page counts (one H200 at high batch makes tens of thousands; a node of
 # eight, a few hundred thousand): a counter back at or past its reading after the server was found down, higher than
@@ -388,14 +384,19 @@ class Scraper:
         # (`Proxy.take_refusals`; None: no proxy, or it forwards elsewhere): proof of a death as this scraper's own
         # refused scrape is (`_proxy_refused`).
         self.refusals: Callable[[], list[int]] | None = None
-        # Proxy workers ship theirs in a flush after them (workers.FLUSH_S): the time their records have all come up to
-        # (`ProxyWorkers.refusals_through`; None: the proxy is this process's, its refusals here at once), waited for
-        # after the page up to `refusals_late_s` past the scrape's start (`_take_refusals`).
-        self.refusals_through: Callable[[], int | None] | None = None
+        # Proxy workers ship theirs in a flush after them (workers.FLUSH_S): waited for until their records have all
+        # come up to the scrape's start (`ProxyWorkers.wait_refusals`; None: the proxy is this process's, its refusals
+        # here at once), after the page, up to `refusals_late_s` past that start (`_take_refusals`).
+        self.refusals_wait: Callable[[int, float], Awaitable[None]] | None = None
         self.refusals_late_s = 0.0
         self._refusals_taken = False  # this scrape's are taken (once a scrape)
         self._refusals_later: list[int] = []  # taken, but from this scrape's start on: the next window's
         self._scrape_at = 0.0  # and as this scrape began
+        # The span (monotonic_ns) of the GET(s) that read this scrape's counter (/metrics; llama.cpp's /metrics and
+        # /slots), None until they came: the window's stamp and `read_ns` (Daemon._scrape_loop). Not the scrape's own:
+        # it holds the wait for the proxy workers' refusals after them (`_take_refusals`, up to 40 ms), and a window
+        # stamped in it ended up to that late, its proxied tokens read as more than the server counted (over-flagged).
+        self.read_ns: tuple[int, int] | None = None
         # The highest reading before a restart judged from a fall alone (no scrape found the server down, no start time
         # moved): until a window starts at or above it, the fall may have been a dip (one process's share of a
         # multi-process page lagging for more than a page), whose recovery the windows after it count again as new
@@ -721,6 +722,7 @@ class Scraper:
         self._scrape_at = time.monotonic()
         scrape_at_ns = int(self._scrape_at * 1e9)  # the daemon's monotonic_ns clock, as its windows' stamps
         self._refusals_taken = False
+        self.read_ns = None
         try:
             if self.kind is None:
                 self.kind = await self._detect()
@@ -736,7 +738,9 @@ class Scraper:
                 self.window_down_refused, self._down_refused = self._down_refused, False
                 self._refused_at_ns = self._loading_at_ns = None
             else:
+                read_at_ns = int(time.monotonic() * 1e9)
                 status, text = await self._get("/metrics")
+                self.read_ns = (read_at_ns, int(time.monotonic() * 1e9))
                 await self._take_refusals(scrape_at_ns)
                 if status != 200:
                     raise MetricsStatus(status, self.base + "/metrics")
@@ -854,20 +858,17 @@ class Scraper:
     async def _take_refusals(self, scrape_at_ns: int, wait: bool = True) -> None:
         """The proxy's refusals since the last take, judged against this scrape's window (`_proxy_refused`): once a
         scrape, after its page came and before it is judged. Proxy workers ship theirs in a flush up to FLUSH_S after
-        them: `wait`ed for until every worker's records have come up to the scrape's start (`refusals_through`), at most
+        them: `wait`ed for until every worker's records have come up to the scrape's start (`refusals_wait`), at most
         `refusals_late_s` past it. Taken as the scrape began, one within a flush of it came to the next scrape, older than
         its window: dropped, and a restart whose new process answered the page passed unsaid (100, 150, a restart, 400
         read 250 whole). Those from the scrape's start on are the next window's, as one during its GET ever was."""
         if self._refusals_taken or self.refusals is None:
             return
         self._refusals_taken = True
-        if wait and self.refusals_through is not None:
-            until_s = scrape_at_ns / 1e9 + self.refusals_late_s
-            while time.monotonic() < until_s:
-                through = self.refusals_through()
-                if through is None or through >= scrape_at_ns:
-                    break
-                await asyncio.sleep(REFUSALS_POLL_S)
+        if wait and self.refusals_wait is not None:
+            left_s = scrape_at_ns / 1e9 + self.refusals_late_s - time.monotonic()
+            if left_s > 0:
+                await self.refusals_wait(scrape_at_ns, left_s)
         times = self._refusals_later + self.refusals()
         self._refusals_later = [t for t in times if t >= scrape_at_ns]
         self._proxy_refused([t for t in times if t < scrape_at_ns], scrape_at_ns)
@@ -957,9 +958,11 @@ class Scraper:
     async def _scrape_llamacpp(self) -> float:
         # The counter first: a request that ends between the two reads is then missing from
         # both for one scrape (caught up at the next) rather than counted twice.
+        read_at_ns = int(time.monotonic() * 1e9)
         metrics_status, page = await self._get("/metrics")
         finished = counter_total(page, LLAMACPP_COUNTER) if metrics_status == 200 else None
         status, text = await self._get("/slots")
+        self.read_ns = (read_at_ns, int(time.monotonic() * 1e9))
         await self._take_refusals(int(self._scrape_at * 1e9))
         slots = slot_progress(slots_json(text)) if status == 200 else None
         # A 502/503 on /metrics fails the scrape even where /slots answered (a gateway's blip on one route): read as a

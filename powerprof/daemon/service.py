@@ -59,6 +59,15 @@ def _busy(ledger) -> bool:
     return bool(ledger.requests or ledger.tags or ledger.closed_tags)
 
 
+def _read_span(scraper, scrape_at_ns: int) -> tuple[int, int]:
+    """Where a scrape that began at `scrape_at_ns` read the counter (monotonic_ns): its GETs' span (`Scraper.read_ns`),
+    not the scrape's own, which holds the wait for the proxy workers' refusals after them (up to 40 ms; with an idle
+    worker nearly always): stamped in it, a window ended up to that late. A scraper that says none (a test's stand-in):
+    the scrape's."""
+    span = getattr(scraper, "read_ns", None)
+    return span if span is not None else (scrape_at_ns, time.monotonic_ns())
+
+
 # A request's end edge is read this long after the end: the energy counter lags by up to its
 # refresh period (10-100 ms on current drivers).
 END_EDGE_DELAY_S = 0.1
@@ -1063,7 +1072,8 @@ class Daemon:
             except asyncio.TimeoutError:
                 why = f"no whole answer within {BASELINE_WAIT_S:g} s"
         if self.scraper.has_baseline():
-            self._scrape_since_ns = (t0 + time.monotonic_ns()) // 2
+            t0, t1 = _read_span(self.scraper, t0)
+            self._scrape_since_ns = (t0 + t1) // 2
             self._scrape_read_from_ns = t0
         else:
             # Why, with the URL: "no answer in time, or no counters" left a refused connection and a server
@@ -1094,7 +1104,7 @@ class Daemon:
                 still = cadence.period_s(time.monotonic()) > cadence.fast_s
                 t0 = time.monotonic_ns()
                 delta = await self.scraper.scrape()
-                t1 = time.monotonic_ns()
+                t0, t1 = _read_span(self.scraper, t0)
                 t = (t0 + t1) // 2  # the counter was read somewhere in the request
                 cadence.scraped(time.monotonic(), delta)
                 at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
@@ -1185,7 +1195,7 @@ class Daemon:
         if delta is None:
             log.info("the server's counters could not be read at shutdown (%s): the last interval says unscraped", why)
             return
-        t1 = time.monotonic_ns()
+        t0, t1 = _read_span(self.scraper, t0)
         t = (t0 + t1) // 2
         since = self._scrape_since_ns
         self.ledger.add_cache_hits(None if since is None else min(since, self._scrape_read_from_ns or since), t1,
@@ -1760,7 +1770,7 @@ class Daemon:
                 # (Scraper._proxy_refused).
                 self.scraper.refusals = self.proxy.take_refusals
                 # The workers' come a flush late: waited for after the page (Scraper._take_refusals).
-                self.scraper.refusals_through = getattr(self.proxy, "refusals_through", None)
+                self.scraper.refusals_wait = getattr(self.proxy, "wait_refusals", None)
                 self.scraper.refusals_late_s = getattr(self.proxy, "refusals_late_s", 0.0)
         elif listen:
             log.warning("proxy disabled: no proxy.upstream configured")

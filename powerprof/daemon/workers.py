@@ -550,18 +550,40 @@ class ProxyWorkers:
         # The workers' refused connects to the upstream (time.monotonic_ns(), one clock for all processes) since the
         # last `take_refusals`, as `Proxy._refused_ns`.
         self._refused_ns: list[int] = []
+        # While a scrape waits (`wait_refusals`, its own loop's): set as a worker's clock may have moved (a frame or
+        # beat replayed, a worker lost).
+        self._clock_moved: asyncio.Event | None = None
 
     # what the daemon reads, as of an in-process Proxy
     refusals_late_s = REFUSALS_LATE_S
 
-    def refusals_through(self) -> int | None:
-        """Every worker's refusals before this (time.monotonic_ns()) have come (`watermark_ns`): the scraper waits for
-        it to pass a scrape's start, up to REFUSALS_LATE_S (`Scraper._take_refusals`)."""
-        return self.watermark_ns
+    async def wait_refusals(self, at_ns: int, timeout_s: float) -> None:
+        """Until every worker's refusals before `at_ns` (time.monotonic_ns()) have come (`watermark_ns`; no worker up:
+        at once), at most `timeout_s` (the scraper's: up to REFUSALS_LATE_S past a scrape's start,
+        `Scraper._take_refusals`). Woken by the records that may move a worker's clock, not polled: a poll every 10 ms
+        woke the daemon's loop 4 times a scrape while an idle worker (its clock said only at its heartbeat) held it."""
+        until_s = time.monotonic() + timeout_s
+        moved = self._clock_moved = asyncio.Event()
+        try:
+            while (through := self.watermark_ns) is not None and through < at_ns:
+                left_s = until_s - time.monotonic()
+                if left_s <= 0:
+                    return
+                moved.clear()  # one loop: no record is replayed between the look above and this wait
+                try:
+                    await asyncio.wait_for(moved.wait(), left_s)
+                except asyncio.TimeoutError:
+                    return
+        finally:
+            self._clock_moved = None
+
+    def _note_clock_moved(self) -> None:
+        if self._clock_moved is not None:
+            self._clock_moved.set()
 
     def take_refusals(self) -> list[int]:
         """As `Proxy.take_refusals`, for all workers: those their records brought (a flush, FLUSH_S at most after the
-        refusal on a worker not late; the scraper waits for them, `refusals_through`)."""
+        refusal on a worker not late; the scraper waits for them, `wait_refusals`)."""
         out, self._refused_ns = self._refused_ns, []
         return out
 
@@ -767,6 +789,7 @@ class ProxyWorkers:
             return
         if msg[0] == "beat":
             _beat, w.watermark_ns, live, stats = msg
+            self._note_clock_moved()
             w.stats = tuple(stats)
             self._reconcile(w, set(live))
             note = getattr(self.recorder, "note_proxy_delay", None)
@@ -849,6 +872,7 @@ class ProxyWorkers:
                 tr.recorder_error = err  # as in-process: a request whose recording broke gets no on_end
             self._call(rec.on_end, tr)
         w.watermark_ns = watermark
+        self._note_clock_moved()
 
     def _reconcile(self, w: _Worker, live: set) -> None:
         """A heartbeat lists the worker's requests in flight: one we still hold open that it does not
@@ -885,6 +909,7 @@ class ProxyWorkers:
         if w.transport is not None:
             w.transport.close()
             w.transport = None
+            self._note_clock_moved()  # its clock no longer holds the others' (`watermark_ns`)
         now, wall = time.monotonic_ns(), time.time_ns()
         lost = [k for k in self.mirrors if k[0] == w.index]
         pid = w.proc.pid if w.proc is not None else "?"
