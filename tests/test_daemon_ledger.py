@@ -4451,6 +4451,18 @@ def test_a_whole_answer_llamacpp_runs_on_with_no_max_tokens_flags_the_requests_b
     assert (left[0] > 0) == flagged, ledgers[0].totals.jpt_left_out
 
 
+def test_a_whole_answer_llamacpp_run_on_that_stopped_before_its_prefill_guard_ends_after_a_still_second_past_it():
+    # No max_tokens, counted 0.6-1.6 s (llama-server cancelling at its first quiet second), its prompt's prefill
+    # estimated to end at 3 s: the count stands still from 1.6 s, before that guard. Its span ends a still second past
+    # the guard (4 s), so a stream 20-25 s, after 18 s of silence, is not flagged. Before, a stillness begun before the
+    # guard was never taken: the span stayed open through the silence and that stream was flagged.
+    ledgers = []
+    rows = _llamacpp_whole_run_on([], max_tokens=None, end_s=30.0, beside=(20.0, 25.0), ledgers=ledgers,
+                                  counted_run=(0.6, 1.6), guard_s=3.0)
+    note = rows[5]["energy_note"] or ""
+    assert "the server counts that run's tokens" not in note and UNSURE_FLAG not in note, note
+
+
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):
     # SGLang runs a stream on 2 s after its client left (`Ledger._run_on`). A stream at 40 tokens/s from 0.5 s, its client
     # gone at `leave`; the server down over (down, up): its old process last scraped at `down`, the new one's first

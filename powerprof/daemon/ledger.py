@@ -2091,11 +2091,13 @@ class Ledger:
             # The count stood still from `_count_still_from`: nothing decoded, so a run-on with no end known had ended by
             # then (its last step within GONE_ABORT_SLACK_S), unless it was still prefilling its prompt. Still over
             # COUNT_STILL_S at least: one short window's zero may be a long step's (a prompt's prefill chunk beside it).
+            # Timed from its prefill's estimated end where the stillness began before it: a run that stopped before
+            # then (llama-server cancels at its first quiet second) left its span open through an 18 s silence.
             still = self._count_still_from = since_ns if self._count_still_from is None else self._count_still_from
-            if t_ns - still >= COUNT_STILL_S * 1e9:
-                for rid, (a0, a1) in self._counted_spans.items():
-                    if a1 >= int(attr.NEVER) and still >= self._counted_from.get(rid, a0):
-                        self._counted_spans[rid] = (a0, int(still) + int(GONE_ABORT_SLACK_S * 1e9))
+            for rid, (a0, a1) in self._counted_spans.items():
+                f = max(int(still), self._counted_from.get(rid, a0))
+                if a1 >= int(attr.NEVER) and t_ns - f >= COUNT_STILL_S * 1e9:
+                    self._counted_spans[rid] = (a0, f + int(GONE_ABORT_SLACK_S * 1e9))
 
     def note_down(self, since_ns: int, down_ns: int, refused_ns: int | None) -> None:
         """A scrape since the server's last good one (`since_ns`) found it down (the first began at `down_ns`), one
