@@ -4265,7 +4265,7 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
                            runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
                            opened=None, same_process=False, whole_as=("POST", "/v1/chat/completions", "openai-chat"),
                            serves_generate=True, back_as=("server_restart",), beside=None, with_whole=True,
-                           counted_run=None, idle_first=False, **restart_kw):
+                           counted_run=None, idle_first=False, each_step=True, guard_s=None, **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4281,8 +4281,13 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # `with_whole` False: no whole answer sent (the truth of a scene where it was never run); `counted_run`: (from, to) s
     # the server counted the whole answer's run-on's tokens, 40 a second (/slots' n_decoded as it decodes them); `idle_first`: its 100 W
     # measured idle first (`_idle_measured`), its busy intervals' time no request was live in idle, not theirs.
+    # `each_step` False: the server's counter alone (`--metrics --no-slots`), each request's tokens counted at its end;
+    # `guard_s`: the whole answer's prompt's estimated prefill end (`Ledger._prefill_end_est_ns`), s.
     # Returns its row (with `beside`, every row by id).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.count_each_step = each_step
+    if guard_s is not None:
+        led._prefill_end_est_ns = lambda r: int(guard_s * S)
     if idle_first:
         _idle_measured(led, 100.0)
     led.serves_generate = serves_generate
@@ -4323,8 +4328,9 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
                     near.first_ns, near.last_ns = near.first_ns or int(ts * S), int(ts * S)
                     led.on_tokens(near, int(ts * S), 1)
                     near_n += 1
-                    unscraped_near += 1
+                    unscraped_near += 1 if each_step else 0
             if t >= beside[1] - 1e-9:
+                unscraped_near += 0 if each_step else near_n  # the counter alone: counted at its end
                 near.end_ns, near.outcome = int(beside[1] * S), "ok"
                 near.counts = Counts(generated_tokens=near_n, prompt_tokens=100, model=None, stop_reason=None,
                                      token_source="chunks")
@@ -4353,8 +4359,10 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
                 led.advance(int(t * S))  # the daemon's loop goes on while the server is down: rows leave at their hold
             continue
         restart = not same_process and prev is not None and any(prev < d + 1e-9 and u - 1e-9 < t for d, u in downs)
-        if counted_run is not None and prev is not None:
+        if counted_run is not None and prev is not None and each_step:
             unscraped_near += 40.0 * max(0.0, min(t, counted_run[1]) - max(prev, counted_run[0]))
+        elif counted_run is not None and prev is not None and prev < counted_run[1] <= t + 1e-9:
+            unscraped_near += 40.0 * (counted_run[1] - counted_run[0])  # the counter alone: counted at its end
         led.add_server_tokens(int(t * S), 20.0 + unscraped_near if prev is not None and prev < 0.5 <= t
                               else float(unscraped_near if prev is not None else 0),
                               None if prev is None else int(prev * S),
@@ -4423,24 +4431,39 @@ def test_a_whole_answer_llamacpp_runs_on_past_the_cap_flags_the_requests_beside_
     assert (left[0] > 0) == (flagged or counted or bool(downs)), ledgers[0].totals.jpt_left_out  # restarted: 0.6-1.5 s
 
 
-@pytest.mark.parametrize("beside,flagged", [((5.0, 10.0), True), ((14.0, 18.0), False)],
-                         ids=["while_counted", "after_the_count_stood_still"])
+@pytest.mark.parametrize("beside,flagged,each_step", [((5.0, 10.0), True, True), ((14.0, 18.0), False, True),
+                                                       ((5.0, 10.0), True, False), ((14.0, 18.0), True, False)],
+                         ids=["while_counted", "after_the_count_stood_still", "no_slots_while_run", "no_slots_after"])
 def test_a_whole_answer_llamacpp_runs_on_with_no_max_tokens_flags_the_requests_beside_it_till_the_count_stands(
-        beside, flagged):
+        beside, flagged, each_step):
     # No max_tokens sent: llama-server runs it on to an end not known (its context's), nothing placed, costed as aborted
     # at its leave (0.6 s). The server counts its tokens, 40 a second, until 12 s, then nothing. Before, a stream 5-10 s
     # beside that run was given all of those intervals (500 J for its 200 tokens, the run's work in it or in unproxied),
     # unflagged and in the gauge. Now flagged until the first scrape window that counted nothing (12.0 s + 1 s); a
-    # stream after it is not.
+    # stream after it is not. With the server's counter alone (`--metrics --no-slots`, `each_step` False) the count
+    # stands still between request ends while the run decodes, so no stillness ends it: every stream after its leave is
+    # flagged. Before, the span ended at 2.6 s (the count still from 0.6 s): the 5-10 s stream beside the run, unflagged.
     ledgers = []
     rows = _llamacpp_whole_run_on([], max_tokens=None, end_s=25.0, beside=beside, ledgers=ledgers,
-                                  counted_run=(0.6, 12.0))
+                                  counted_run=(0.6, 12.0), each_step=each_step)
     note = rows[5]["energy_note"] or ""
     assert ("the server counts that run's tokens" in note) == flagged, note
     assert (UNSURE_FLAG in note) == flagged, note
     assert "llama-server ran it on to an end not known" in (rows[2]["energy_note"] or ""), rows[2]["energy_note"]
     left = ledgers[0].totals.jpt_left_out.get(UNSURE_FLAG, (0, 0.0))
     assert (left[0] > 0) == flagged, ledgers[0].totals.jpt_left_out
+
+
+def test_a_whole_answer_llamacpp_run_on_that_stopped_before_its_prefill_guard_ends_after_a_still_second_past_it():
+    # No max_tokens, counted 0.6-1.6 s (llama-server cancelling at its first quiet second), its prompt's prefill
+    # estimated to end at 3 s: the count stands still from 1.6 s, before that guard. Its span ends a still second past
+    # the guard (4 s), so a stream 20-25 s, after 18 s of silence, is not flagged. Before, a stillness begun before the
+    # guard was never taken: the span stayed open through the silence and that stream was flagged.
+    ledgers = []
+    rows = _llamacpp_whole_run_on([], max_tokens=None, end_s=30.0, beside=(20.0, 25.0), ledgers=ledgers,
+                                  counted_run=(0.6, 1.6), guard_s=3.0)
+    note = rows[5]["energy_note"] or ""
+    assert "the server counts that run's tokens" not in note and UNSURE_FLAG not in note, note
 
 
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):

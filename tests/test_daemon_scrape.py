@@ -193,6 +193,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
     class FakeScraper:
         kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         restart_by_fall = False  # Scraper.restart_by_fall
+        window_each_step = False  # Scraper.window_each_step
         window_down_ns = None  # Scraper.window_down_ns
         window_down_refused = False  # Scraper.window_down_refused
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
@@ -237,6 +238,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
     class FakeScraper:
         kind, finished, window_partial, cache_hits, served = "llamacpp", None, (), None, None
         restart_by_fall = False  # Scraper.restart_by_fall
+        window_each_step = False  # Scraper.window_each_step
         window_down_ns = None  # Scraper.window_down_ns
         window_down_refused = False  # Scraper.window_down_refused
         vllm_v1 = False
@@ -340,6 +342,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_when_a_scrape_found_the_server_
     class FakeScraper:
         kind, finished, window_partial, cache_hits, served = "sglang", None, ("server_restart",), None, None
         restart_by_fall = False
+        window_each_step = False  # Scraper.window_each_step
         window_down_ns = 123_456_789
         window_down_refused = False  # Scraper.window_down_refused
         vllm_v1 = False
@@ -384,6 +387,7 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
         finished = (1.0, 2.5)  # and the requests finished in it with their summed seconds (e2e latency histogram)
         window_partial = ()  # nothing makes its windows' counts low
         restart_by_fall = False
+        window_each_step = False  # Scraper.window_each_step
         window_down_ns = None
         window_down_refused = False  # Scraper.window_down_refused
         cache_hits = None  # its prefix-cache counter not known (the ledger is told so with every window)
@@ -896,6 +900,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
     class FakeScraper:
         kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         restart_by_fall = False  # Scraper.restart_by_fall
+        window_each_step = False  # Scraper.window_each_step
         window_down_ns = None  # Scraper.window_down_ns
         window_down_refused = False  # Scraper.window_down_refused
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
@@ -1036,6 +1041,7 @@ def test_a_windows_prefix_cache_hits_are_checked_over_every_instant_its_reads_ma
     class SlowScraper:  # reads its counter at once, answered 0.2 s later (a loaded host)
         kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
         restart_by_fall = False  # Scraper.restart_by_fall
+        window_each_step = False  # Scraper.window_each_step
         window_down_ns = None  # Scraper.window_down_ns
         window_down_refused = False  # Scraper.window_down_refused
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
@@ -1081,6 +1087,7 @@ def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stilln
     class SlowScraper:  # every read answered 0.2 s late (a loaded host), the counter rising 10 a window
         kind, finished, window_partial, cache_hits, served = "llamacpp", None, (), None, None
         restart_by_fall = False  # Scraper.restart_by_fall
+        window_each_step = False  # Scraper.window_each_step
         window_down_ns = None  # Scraper.window_down_ns
         window_down_refused = False  # Scraper.window_down_refused
 
@@ -1150,3 +1157,26 @@ def test_the_scraper_reads_vllms_finished_and_running_requests_beside_its_token_
     assert _run(sc, 1) == [40.0] and sc.served == (3.0, 2.0, 30.0)
     assert _run(sc, 1) == [20.0] and sc.served is None  # no vllm:request_generation_tokens histogram
     assert _run(sc, 1) == [20.0] and sc.served is None  # an older vLLM's page: no finished-request counter
+
+
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "no_slots"])
+def test_a_llamacpp_scrape_says_whether_its_count_moves_every_step(slots):
+    """Only a scrape that read /slots' progress has a count that moves every decode step (`Scraper.window_each_step`,
+    the ledger's `count_each_step`): a still one then says nothing decoded. With `--no-slots` the counter alone moves
+    only as a request ends, so a run-on still decoding read as ended (the simulated llama.cpp's rows 8 and 11 s after
+    the leave +135%/+133%, unflagged)."""
+    import aiohttp
+
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    async def go(srv):
+        async with aiohttp.ClientSession() as s:
+            sc = Scraper(s, srv.url, "llamacpp")
+            await sc.scrape()
+            await sc.scrape()
+            return sc.window_each_step
+
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=100.0, draft_n_max=0) as srv:
+        srv.serve_slots = slots
+        assert asyncio.run(go(srv)) is slots

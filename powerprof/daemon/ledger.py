@@ -458,6 +458,11 @@ class Ledger:
         self._counted_spans: dict[int, tuple[int, int]] = {}
         self._counted_from: dict[int, int] = {}
         self._count_still_from: int | None = None  # the start of the scrape windows since that counted no token
+        # The latest scrape window's count moves every decode step (llama-server's /slots progress read in it: set by the
+        # daemon's scrape loop, scrape.Scraper.window_each_step): only then does a still count say nothing decoded. The
+        # counter alone (`--metrics --no-slots`) moves only as a request ends: the simulated llama.cpp's run-on went on
+        # 15.3 s after its leave while the count stood still between finishes, the rows there +133%, unflagged.
+        self.count_each_step = False
         # The latest restarts' scrape windows, (start, end, first found down): the old process's last scrape, the new
         # one's first, and the first scrape between that found the server down (None: none did); its run-ons end
         # between the first and the third (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
@@ -2132,17 +2137,19 @@ class Ledger:
             for rid, (a0, a1) in self._counted_spans.items():  # an unplaced run's process died in this window
                 if a1 >= int(attr.NEVER):
                     self._counted_spans[rid] = (a0, max(a0, int(t_ns)))
-        if delta > 0 or since_ns is None or restart or died:
-            self._count_still_from = None
+        if delta > 0 or since_ns is None or restart or died or not self.count_each_step:
+            self._count_still_from = None  # a count that moves only as requests end says nothing of a run-on's steps
         else:
             # The count stood still from `_count_still_from`: nothing decoded, so a run-on with no end known had ended by
             # then (its last step within GONE_ABORT_SLACK_S), unless it was still prefilling its prompt. Still over
             # COUNT_STILL_S at least: one short window's zero may be a long step's (a prompt's prefill chunk beside it).
+            # Timed from its prefill's estimated end where the stillness began before it: a run that stopped before
+            # then (llama-server cancels at its first quiet second) left its span open through an 18 s silence.
             still = self._count_still_from = since_ns if self._count_still_from is None else self._count_still_from
-            if t_ns - still >= COUNT_STILL_S * 1e9:
-                for rid, (a0, a1) in self._counted_spans.items():
-                    if a1 >= int(attr.NEVER) and still >= self._counted_from.get(rid, a0):
-                        self._counted_spans[rid] = (a0, int(still) + int(GONE_ABORT_SLACK_S * 1e9))
+            for rid, (a0, a1) in self._counted_spans.items():
+                f = max(int(still), self._counted_from.get(rid, a0))
+                if a1 >= int(attr.NEVER) and t_ns - f >= COUNT_STILL_S * 1e9:
+                    self._counted_spans[rid] = (a0, f + int(GONE_ABORT_SLACK_S * 1e9))
 
     def note_down(self, since_ns: int, down_ns: int, refused_ns: int | None) -> None:
         """A scrape since the server's last good one (`since_ns`) found it down (the first began at `down_ns`), one

@@ -342,6 +342,9 @@ class Scraper:
         # Why the latest scrape's window (since the previous one) may be low: PARTIAL_REASONS keys, () when it is whole.
         # The ledger marks the intervals it covers (their `server_count`), never only the process-wide gauge.
         self.window_partial: tuple[str, ...] = ()
+        # The latest scrape's count moves every decode step (llama-server's /slots progress read in it): a still count
+        # then says nothing decoded (`Ledger.count_each_step`); its counter alone moves only as a request ends.
+        self.window_each_step = False
         self.restarts = 0  # server restarts seen (a counter gone back, or a new process start time)
         # The latest scrape's window says server_restart told by the counter's fall alone: no scrape found the server
         # down, no start time moved (a multi-process page's dip may pass for one): the ledger ends no run-on there.
@@ -715,6 +718,7 @@ class Scraper:
         if self.server == "none":
             return None
         self.window_partial = ()
+        self.window_each_step = False
         self.restart_by_fall = False
         self.window_down_ns, self.window_down_refused = None, False
         self.cache_hits = None
@@ -965,6 +969,7 @@ class Scraper:
         self.read_ns = (read_at_ns, int(time.monotonic() * 1e9))
         await self._take_refusals(int(self._scrape_at * 1e9))
         slots = slot_progress(slots_json(text)) if status == 200 else None
+        self.window_each_step = slots is not None
         # A 502/503 on /metrics fails the scrape even where /slots answered (a gateway's blip on one route): read as a
         # llama-server without --metrics, its window said slots_only and counted the slots' progress, which the page
         # back counted again from the highest reading (20 phantom tokens of 80). Without --metrics it answers 501, not 5xx.

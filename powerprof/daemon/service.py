@@ -1109,6 +1109,7 @@ class Daemon:
                 cadence.scraped(time.monotonic(), delta)
                 at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
                 led.choices_prefilled_apart = self.scraper.kind in PREFILLS_CHOICES_APART
+                led.count_each_step = self.scraper.window_each_step
                 led.serves_generate = None if self.scraper.kind in (None, "none") else self.scraper.kind == "sglang"
                 led.best_of_ignored = self.scraper.kind in IGNORES_BEST_OF or self.scraper.vllm_v1
                 led.runs_on_after_leave = RUNS_ON_AFTER_LEAVE.get(self.scraper.kind or "")
