@@ -5796,6 +5796,40 @@ def test_a_request_that_fills_its_intervals_before_any_idle_run_is_not_flagged()
     assert UNSURE_FLAG not in (row["energy_note"] or ""), row["energy_note"]
     assert UNSURE_FLAG not in led.totals.jpt_left_out, led.totals.jpt_left_out
 
+def test_a_request_just_after_a_limit_change_is_split_with_the_idle_power_measured_at_the_limit_before():
+    # 100 W idle at a 300 W limit 0-3 s (runs measured there), the limit 250 W from the read at 3 s, the request live
+    # 3.49-4.0 s at 300 W (its truth 1 J + 150 J) before any idle run closed at 250 W. Before: no idle power at the new
+    # limit, the 0.5 s no request was live in [3.5, 4.5] went to it: 250 J, flagged uncertain-uncounted, out of J/token
+    # (under steady traffic every row until the new limit's fit matured: ~31 s). A limit does not move an idle draw far
+    # below it (workmodel.CostLearner._other_limit_idle_w): 151 J, unflagged.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+
+    def feed(t_s, energy_j, limit_w):
+        led.add_gpu_sample(int(t_s * S), int(t_s * S), [R(energy_j, 100.0, power_limit_w=limit_w)])
+
+    for k in range(4):
+        feed(float(k), 100.0 * k, 300.0 if k < 3 else 250.0)
+    tr = _trace(1, 3.49)
+    led.on_start(tr)
+    feed(3.5, 350.0, 250.0)
+    tr.first_ns = tr.last_ns = int(3.6 * S)
+    led.on_tokens(tr, tr.first_ns, 1)
+    for k in range(1, 10):
+        tr.last_ns = int((3.6 + 0.04 * k) * S)
+        led.on_tokens(tr, tr.last_ns, 1)
+    tr.end_ns = int(4.0 * S)
+    tr.counts = Counts(generated_tokens=10, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    feed(4.5, 550.0, 250.0)
+    led.advance(int(4.7 * S))
+    led.close_all(int(5.5 * S))
+    [row] = sink.rows["requests"]
+    assert row["gpu_energy_j"] == pytest.approx(151.0, abs=1.5), row
+    assert UNSURE_FLAG not in (row["energy_note"] or ""), row["energy_note"]
+    assert UNSURE_FLAG not in led.totals.jpt_left_out, led.totals.jpt_left_out
+
+
 def _batch_answered(led, rid, status, extra, end_s=0.5):
     """A /v1/completions request with `extra` (the proxy's reading of its body) answered `status` at `end_s`."""
     tr = RequestTrace(rid, "POST", "/v1/completions", "t", int(0.2 * S), 0, api="openai-completions", stream=False)

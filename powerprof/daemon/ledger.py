@@ -2604,8 +2604,8 @@ class Ledger:
         short_iv = (np.array([m != METHOD_COUNTER for m in methods], dtype=bool) & (busy > 0)
                     & (busy < share * dur))
         # Busy intervals split before any idle power was measured (no run of idle intervals workmodel.IDLE_MIN_S long
-        # closed yet at this power limit: the first moments after the daemon's start or a limit's change): the time no
-        # request was live there went to the requests, not to idle. At the interval's mean power (idle draws no more), a
+        # closed yet at this power limit: the first moments after the daemon's start, or after a change to a limit at
+        # or below the idle draw last measured): the time no request was live there went to the requests, not to idle. At the interval's mean power (idle draws no more), a
         # bound on what their figures hold too much (rowtext._idle_unmeasured); the live J/token leaves out the
         # intervals where it reaches QUEUED_BESIDE_MIN_SHARE of their energy, as their rows are left out.
         gap_s = np.clip(dur - busy, 0.0, None) if costs.idle_w is None else np.zeros(dur.size)

@@ -811,7 +811,7 @@ def _idle_unmeasured(r: LiveRequest) -> bool:
     """UNSURE_FLAG: at least QUEUED_BESIDE_MIN_SHARE of its figure may be idle energy (`idle_unmeasured_j`, a bound at
     those intervals' mean power): it was live in busy intervals split before the GPUs' idle power at their power limit
     was measured (no run of idle intervals workmodel.IDLE_MIN_S long had closed: the first moments after the daemon's
-    start or a limit's change), where the time no request was live went to the requests, not to idle. Unflagged, a
+    start, or after a change to a limit at or below the idle draw last measured), where the time no request was live went to the requests, not to idle. Unflagged, a
     request 0.05-0.5 s after the ledger's first read read +36% to +66% (100 W idle, 300 W live); the third of three
     streams 0.1 s apart sent at the daemon's start, +16% (the simulated vLLM, H200)."""
     return r.gpu_j > 0 and not r.gpu_missing and r.idle_unmeasured_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
@@ -824,10 +824,11 @@ def _idle_unmeasured_note(r: LiveRequest) -> str | None:
     return (f"{UNSURE_FLAG}: up to {r.idle_unmeasured_j:.1f} J ({100 * min(r.idle_unmeasured_j / r.gpu_j, 1.0):.0f}%) "
             "of its figure may be idle energy: it was live in intervals split before the daemon had measured the GPUs' "
             f"idle power at their power limit (no run of idle intervals {IDLE_MIN_S:g} s long had closed yet: the "
-            "first moments after the daemon's start or a limit's change), so the time no request was live there went "
-            "to the requests live in them, not to idle; high by up to that (those intervals' mean power over that "
-            f"time); left out of J/token; fix: none for this row; requests sent once the GPUs have been idle "
-            f"{IDLE_MIN_S:g} s at that limit are split with it")
+            "first moments after the daemon's start, or after a change to a limit at or below the idle draw last "
+            "measured), so the time no request was live there went to the requests live in them, not to idle; high by "
+            "up to that (those intervals' mean power over that time); left out of J/token; fix: none for this row; "
+            f"requests once the GPUs have been idle {IDLE_MIN_S:g} s at that limit, or once the work model's fit "
+            f"there has matured ({MIN_BUSY} busy intervals), are split with it")
 
 
 def _closed_partial(r: LiveRequest) -> bool:
