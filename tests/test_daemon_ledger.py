@@ -5773,6 +5773,42 @@ def test_a_request_before_any_idle_run_closed_is_flagged_with_its_bound_not_sile
     assert led.totals.jpt_left_out.get(UNSURE_FLAG, (0, 0))[0] >= 1, led.totals.jpt_left_out  # and out of the gauge
 
 
+def test_a_request_before_any_idle_run_closed_bounds_its_cpu_energy_too():
+    # The same scene, t0 0.5 s, RAPL flat at 50 W: its cpu_energy_j follows its share of the GPU's, so it took the idle
+    # time's too: 75 J for 38 J with the idle power measured first (+97%). Before, its note bounded the GPU figure
+    # alone. Now it says cpu_energy_j is high by up to the same intervals' same fraction (49.5 J >= 37 J).
+    from powerprof.collectors.rapl import RaplReading
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, rapl=True)
+    for k in range(-1, 5):
+        led.add_rapl_sample(int(k * S), [RaplReading("package-0", "package", 0, 50.0 * (k + 1), None)])
+    _feed(led, 0.0, 0.0, 100.0)
+    row = _a_300_w_request_after_idle(led, sink, 0.5, 50.0, 250.0)
+    note = row["energy_note"] or ""
+    assert row["cpu_energy_j"] == pytest.approx(75.0, abs=0.5), row
+    assert "its cpu_energy_j, split by the same shares, high by up to" in note, note
+    bound_j = float(note.split("cpu_energy_j, split by the same shares, high by up to ")[1].split(" J")[0])
+    assert row["cpu_energy_j"] - 38.0 <= bound_j <= row["cpu_energy_j"], (bound_j, note)
+
+
+def test_an_interval_split_before_any_idle_run_closed_says_its_requests_energy_may_be_high_with_the_bound():
+    # The same scene, t0 0.5 s: its intervals [0, 0.5] and [0.5, 1.5] gave 50 J + 200 J to the request and 0 J to idle
+    # for the truth's 1 J + 150 J and 49 J + 50 J. Before, their energy_note said nothing of it. Now each says
+    # requests_energy_j may be high and idle_energy_j low by up to its idle time at its mean power (49 J, 100 J).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _feed(led, 0.0, 0.0, 100.0)
+    _a_300_w_request_after_idle(led, sink, 0.5, 50.0, 250.0)
+    busy = [r for r in sink.rows["intervals"] if r["kind"] != "idle"]
+    assert [round(r["idle_energy_j"]) for r in busy] == [0, 0], busy
+    for r, truth_idle_j in zip(busy, (49.0, 50.0)):
+        note = r["energy_note"] or ""
+        assert f"{UNSURE_FLAG}: requests_energy_j may be high and idle_energy_j low by up to" in note, note
+        bound_j = float(note.split("low by up to ")[1].split(" J")[0])
+        assert truth_idle_j <= bound_j <= r["gpu_energy_j"], (bound_j, note)
+
+
 def test_a_request_that_fills_its_intervals_before_any_idle_run_is_not_flagged():
     # The same start, the request live from the ledger's first read to the next (0-1 s, 300 W, its only interval): no
     # idle time in its intervals, nothing in its figure that an idle power would take out; its row stays counted
@@ -5795,6 +5831,8 @@ def test_a_request_that_fills_its_intervals_before_any_idle_run_is_not_flagged()
     assert row["gpu_energy_j"] == pytest.approx(300.0, abs=1.0), row
     assert UNSURE_FLAG not in (row["energy_note"] or ""), row["energy_note"]
     assert UNSURE_FLAG not in led.totals.jpt_left_out, led.totals.jpt_left_out
+    assert all(UNSURE_FLAG not in (iv["energy_note"] or "") for iv in sink.rows["intervals"]), sink.rows["intervals"]
+
 
 def test_a_request_just_after_a_limit_change_is_split_with_the_idle_power_measured_at_the_limit_before():
     # 100 W idle at a 300 W limit 0-3 s (runs measured there), the limit 250 W from the read at 3 s, the request live
