@@ -2606,9 +2606,10 @@ class Ledger:
                     & (busy < share * dur))
         # Busy intervals split before any idle power was measured (no run of idle intervals workmodel.IDLE_MIN_S long
         # closed yet at this power limit: the first moments after the daemon's start, or after a change to a limit at
-        # or below the idle draw last measured): the time no request was live there went to the requests, not to idle. At the interval's mean power (idle draws no more), a
-        # bound on what their figures hold too much (rowtext._idle_unmeasured); the live J/token leaves out the
-        # intervals where it reaches QUEUED_BESIDE_MIN_SHARE of their energy, as their rows are left out.
+        # or below the idle draw last measured): the time no request was live there went to the requests, not to idle.
+        # At the interval's mean power (idle draws no more), a bound on what their figures hold too much
+        # (rowtext._idle_unmeasured); the live J/token leaves out the intervals where it reaches
+        # QUEUED_BESIDE_MIN_SHARE of their energy, as their rows are left out.
         gap_s = np.clip(dur - busy, 0.0, None) if costs.idle_w is None else np.zeros(dur.size)
         unmeasured_j = np.where((busy > 0) & (gap_s > 0), np.nan_to_num(work_j) * gap_s / np.where(dur > 0, dur, 1.0),
                                 0.0)

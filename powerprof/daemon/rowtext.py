@@ -811,9 +811,10 @@ def _idle_unmeasured(r: LiveRequest) -> bool:
     """UNSURE_FLAG: at least QUEUED_BESIDE_MIN_SHARE of its figure may be idle energy (`idle_unmeasured_j`, a bound at
     those intervals' mean power): it was live in busy intervals split before the GPUs' idle power at their power limit
     was measured (no run of idle intervals workmodel.IDLE_MIN_S long had closed: the first moments after the daemon's
-    start, or after a change to a limit at or below the idle draw last measured), where the time no request was live went to the requests, not to idle. Unflagged, a
-    request 0.05-0.5 s after the ledger's first read read +36% to +66% (100 W idle, 300 W live); the third of three
-    streams 0.1 s apart sent at the daemon's start, +16% (the simulated vLLM, H200)."""
+    start, or after a change to a limit at or below the idle draw last measured), where the time no request was live
+    went to the requests, not to idle. Unflagged, a request 0.05-0.5 s after the ledger's first read read +36% to +66%
+    (100 W idle, 300 W live); the third of three streams 0.1 s apart sent at the daemon's start, +16% (the simulated
+    vLLM, H200)."""
     return r.gpu_j > 0 and not r.gpu_missing and r.idle_unmeasured_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
 
 
