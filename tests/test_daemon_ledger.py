@@ -5799,6 +5799,42 @@ def test_a_request_before_any_idle_run_closed_is_flagged_with_its_bound_not_sile
     assert led.totals.jpt_left_out.get(UNSURE_FLAG, (0, 0))[0] >= 1, led.totals.jpt_left_out  # and out of the gauge
 
 
+def test_a_request_before_any_idle_run_closed_bounds_its_cpu_energy_too():
+    # The same scene, t0 0.5 s, RAPL flat at 50 W: its cpu_energy_j follows its share of the GPU's, so it took the idle
+    # time's too: 75 J for 38 J with the idle power measured first (+97%). Before, its note bounded the GPU figure
+    # alone. Now it says cpu_energy_j is high by up to the same intervals' same fraction (49.5 J >= 37 J).
+    from powerprof.collectors.rapl import RaplReading
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, rapl=True)
+    for k in range(-1, 5):
+        led.add_rapl_sample(int(k * S), [RaplReading("package-0", "package", 0, 50.0 * (k + 1), None)])
+    _feed(led, 0.0, 0.0, 100.0)
+    row = _a_300_w_request_after_idle(led, sink, 0.5, 50.0, 250.0)
+    note = row["energy_note"] or ""
+    assert row["cpu_energy_j"] == pytest.approx(75.0, abs=0.5), row
+    assert "its cpu_energy_j, split by the same shares, high by up to" in note, note
+    bound_j = float(note.split("cpu_energy_j, split by the same shares, high by up to ")[1].split(" J")[0])
+    assert row["cpu_energy_j"] - 38.0 <= bound_j <= row["cpu_energy_j"], (bound_j, note)
+
+
+def test_an_interval_split_before_any_idle_run_closed_says_its_requests_energy_may_be_high_with_the_bound():
+    # The same scene, t0 0.5 s: its intervals [0, 0.5] and [0.5, 1.5] gave 50 J + 200 J to the request and 0 J to idle
+    # for the truth's 1 J + 150 J and 49 J + 50 J. Before, their energy_note said nothing of it. Now each says
+    # requests_energy_j may be high and idle_energy_j low by up to its idle time at its mean power (49 J, 100 J).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _feed(led, 0.0, 0.0, 100.0)
+    _a_300_w_request_after_idle(led, sink, 0.5, 50.0, 250.0)
+    busy = [r for r in sink.rows["intervals"] if r["kind"] != "idle"]
+    assert [round(r["idle_energy_j"]) for r in busy] == [0, 0], busy
+    for r, truth_idle_j in zip(busy, (49.0, 50.0)):
+        note = r["energy_note"] or ""
+        assert f"{UNSURE_FLAG}: requests_energy_j may be high and idle_energy_j low by up to" in note, note
+        bound_j = float(note.split("low by up to ")[1].split(" J")[0])
+        assert truth_idle_j <= bound_j <= r["gpu_energy_j"], (bound_j, note)
+
+
 def test_a_request_that_fills_its_intervals_before_any_idle_run_is_not_flagged():
     # The same start, the request live from the ledger's first read to the next (0-1 s, 300 W, its only interval): no
     # idle time in its intervals, nothing in its figure that an idle power would take out; its row stays counted
@@ -5821,6 +5857,42 @@ def test_a_request_that_fills_its_intervals_before_any_idle_run_is_not_flagged()
     assert row["gpu_energy_j"] == pytest.approx(300.0, abs=1.0), row
     assert UNSURE_FLAG not in (row["energy_note"] or ""), row["energy_note"]
     assert UNSURE_FLAG not in led.totals.jpt_left_out, led.totals.jpt_left_out
+    assert all(UNSURE_FLAG not in (iv["energy_note"] or "") for iv in sink.rows["intervals"]), sink.rows["intervals"]
+
+
+def test_a_request_just_after_a_limit_change_is_split_with_the_idle_power_measured_at_the_limit_before():
+    # 100 W idle at a 300 W limit 0-3 s (runs measured there), the limit 250 W from the read at 3 s, the request live
+    # 3.49-4.0 s at 300 W (its truth 1 J + 150 J) before any idle run closed at 250 W. Before: no idle power at the new
+    # limit, the 0.5 s no request was live in [3.5, 4.5] went to it: 250 J, flagged uncertain-uncounted, out of J/token
+    # (under steady traffic every row until the new limit's fit matured: ~31 s). A limit does not move an idle draw far
+    # below it (workmodel.CostLearner._other_limit_idle_w): 151 J, unflagged.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+
+    def feed(t_s, energy_j, limit_w):
+        led.add_gpu_sample(int(t_s * S), int(t_s * S), [R(energy_j, 100.0, power_limit_w=limit_w)])
+
+    for k in range(4):
+        feed(float(k), 100.0 * k, 300.0 if k < 3 else 250.0)
+    tr = _trace(1, 3.49)
+    led.on_start(tr)
+    feed(3.5, 350.0, 250.0)
+    tr.first_ns = tr.last_ns = int(3.6 * S)
+    led.on_tokens(tr, tr.first_ns, 1)
+    for k in range(1, 10):
+        tr.last_ns = int((3.6 + 0.04 * k) * S)
+        led.on_tokens(tr, tr.last_ns, 1)
+    tr.end_ns = int(4.0 * S)
+    tr.counts = Counts(generated_tokens=10, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    feed(4.5, 550.0, 250.0)
+    led.advance(int(4.7 * S))
+    led.close_all(int(5.5 * S))
+    [row] = sink.rows["requests"]
+    assert row["gpu_energy_j"] == pytest.approx(151.0, abs=1.5), row
+    assert UNSURE_FLAG not in (row["energy_note"] or ""), row["energy_note"]
+    assert UNSURE_FLAG not in led.totals.jpt_left_out, led.totals.jpt_left_out
+
 
 
 # SGLang's scheduler abort of a prompt in the context's last 6 tokens (managers/utils.py validate_input_length), as the

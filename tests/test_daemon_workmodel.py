@@ -233,3 +233,20 @@ def test_gpus_that_work_together_all_take_part():
     learner.add((300.0, 300.0), x, per_gpu, np.ones(len(x), bool))
     assert learner.serving.tolist() == [True, True]
     assert learner.costs((300.0, 300.0)).idle_w == pytest.approx(60.0, rel=0.01)
+
+
+def test_after_a_limit_change_the_idle_power_measured_at_the_last_limit_stands_where_it_is_below_the_new():
+    # A limit caps power; an idle GPU draws below it, so its idle draw is the same at the next limit. Before, the idle
+    # power was None at a new limit until a run of idle intervals closed there or its fit matured (steady traffic: ~31 s
+    # of rows flagged uncertain-uncounted, out of J/token). Not where a GPU's idle draw there reaches the new limit,
+    # a limit is unread, or the GPUs are others (another count).
+    learner = CostLearner()
+    idle = np.zeros((MIN_IDLE, 5))
+    idle[:, 0] = 1.0
+    learner.add((300.0,), idle, idle[:, 0] * 100.0, np.ones(MIN_IDLE, bool))
+    learner.add((200.0,), idle[:2], idle[:2, 0] * 102.0, np.ones(2, bool))  # the latest limit's runs are the ones used
+    assert learner.costs((250.0,)).idle_w == pytest.approx(102.0)  # None before
+    assert learner.costs((300.0,)).idle_w == pytest.approx(100.0)  # a limit's own measure first
+    assert learner.costs((102.0,)).idle_w is None  # the idle draw not below this limit
+    assert learner.costs((None,)).idle_w is None
+    assert learner.costs((250.0, 250.0)).idle_w is None

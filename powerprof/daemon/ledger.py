@@ -54,7 +54,8 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       NO_COUNTER_READ, QUEUED_BESIDE_MIN_SHARE, UNPLACED_FIX, prompt_unread,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
-                      _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_note,
+                      _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_interval_note,
+                      _idle_unmeasured_note,
                       _interval_cache_note, _joined,
                       _no_counter_short_note, _counter_short_note, _no_energy_reason, _parser_held, _request_flags,
                       _secs, _unsaid_reason, _usage_above_note, _usage_below_note, _with_late, _counted_low_interval_note, client_held,
@@ -2673,10 +2674,11 @@ class Ledger:
         short_iv = (np.array([m != METHOD_COUNTER for m in methods], dtype=bool) & (busy > 0)
                     & (busy < share * dur))
         # Busy intervals split before any idle power was measured (no run of idle intervals workmodel.IDLE_MIN_S long
-        # closed yet at this power limit: the first moments after the daemon's start or a limit's change): the time no
-        # request was live there went to the requests, not to idle. At the interval's mean power (idle draws no more), a
-        # bound on what their figures hold too much (rowtext._idle_unmeasured); the live J/token leaves out the
-        # intervals where it reaches QUEUED_BESIDE_MIN_SHARE of their energy, as their rows are left out.
+        # closed yet at this power limit: the first moments after the daemon's start, or after a change to a limit at
+        # or below the idle draw last measured): the time no request was live there went to the requests, not to idle.
+        # At the interval's mean power (idle draws no more), a bound on what their figures hold too much
+        # (rowtext._idle_unmeasured); the live J/token leaves out the intervals where it reaches
+        # QUEUED_BESIDE_MIN_SHARE of their energy, as their rows are left out.
         gap_s = np.clip(dur - busy, 0.0, None) if costs.idle_w is None else np.zeros(dur.size)
         unmeasured_j = np.where((busy > 0) & (gap_s > 0), np.nan_to_num(work_j) * gap_s / np.where(dur > 0, dur, 1.0),
                                 0.0)
@@ -2779,8 +2781,10 @@ class Ledger:
         unread_col = energy.shape[1] - 1
         energy = np.column_stack([energy, np.where(_counter_measured(methods), work_j, 0.0)])
         counter_col = energy.shape[1] - 1
-        energy = np.column_stack([energy, unmeasured_j])
-        unmeasured_col = energy.shape[1] - 1
+        # Its CPU side: each request's CPU joules follow its share of the interval's GPU joules, so the same fraction of
+        # the interval's CPU energy bounds what its cpu_energy_j holds too much.
+        energy = np.column_stack([energy, unmeasured_j, cpu0 * unmeasured_j / np.where(work_j > 0, work_j, np.inf)])
+        unmeasured_col = energy.shape[1] - 2
         ev_c_a, ev_w_a = np.array(ev_c, dtype=float), np.array(ev_w, dtype=float)
         seqs_a = np.array([r.trace.extra.get("sequences", 1) for r in reqs], dtype=float)
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
@@ -2882,6 +2886,7 @@ class Ledger:
                 r.unread_beside_kinds.update(k for k, iv in unread_kind_iv.items() if (iv & live).any())
             r.counter_j += a.request_energy[i, counter_col]
             r.idle_unmeasured_j += a.request_energy[i, unmeasured_col]
+            r.idle_unmeasured_cpu_j += a.request_energy[i, unmeasured_col + 1]
             if a.request_energy[i, 9] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                 others = {reqs[j].trace.request_id for k in np.flatnonzero(live) for j in pend_iv[k] if j != i}
@@ -2940,7 +2945,8 @@ class Ledger:
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
                       aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | unmeasured_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
-                            unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted)
+                            unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted,
+                            unmeasured_j=np.where(unmeasured_iv, unmeasured_j, 0.0))
         ended = [r for r, d in zip(reqs, done) if d]
         for r in ended:
             del self.requests[r.trace.request_id]
@@ -3433,7 +3439,7 @@ class Ledger:
 
     def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None,
                        server_count=None, short_iv=None, cache_iv=None, unsure=None, per_gpu=None,
-                       serving=None, idle_missing=None, low_counted=None) -> None:
+                       serving=None, idle_missing=None, low_counted=None, unmeasured_j=None) -> None:
         rows = []
         unsaid = cache_iv if cache_iv is not None else np.zeros(t.size - 1)
         for k in range(t.size - 1):
@@ -3472,7 +3478,9 @@ class Ledger:
                                            _counter_flat_note(gpu[k:k + 1] if per_gpu is None else per_gpu[k])
                                            if methods[k] != METHOD_NONE and dur > 0 else None, self.unsampled_note,
                                            _counted_low_interval_note(int(low_counted[k]), float(server[k]))
-                                           if low_counted is not None and low_counted[k] else None),
+                                           if low_counted is not None and low_counted[k] else None,
+                                           _idle_unmeasured_interval_note(float(unmeasured_j[k]), float(gpu[k]))
+                                           if unmeasured_j is not None else None),
                 }
             )
         unsure = unsure or {}
@@ -3621,7 +3629,7 @@ class Ledger:
                                    _no_counter_short_note(r), _counter_short_note(r), _bypass_low_note(r),
                                    _busy_host_note(other_pct),
                                    _before_first_note(r), self.unsampled_note if r.gpu_j > 0 else None,
-                                   _idle_unmeasured_note(r)),
+                                   _idle_unmeasured_note(r, cpu_j)),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and told_prompt_tokens(r) is None else None,
             "cached_prompt_tokens": c.cached_tokens if c is not None and c.invalid is None else None,
             "attributed_tokens": r.tokens,

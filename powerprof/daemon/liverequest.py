@@ -234,6 +234,7 @@ class LiveRequest:
     # Of its GPU joules, its share of the time no request was live in intervals split before any idle power was measured
     # (at their mean power: a bound on the idle energy it holds, rowtext._idle_unmeasured).
     idle_unmeasured_j: float = 0.0
+    idle_unmeasured_cpu_j: float = 0.0  # and of its CPU joules, the same intervals' same fraction (a bound as well)
 
 
 def told_prompt_tokens(r: LiveRequest) -> float | None:

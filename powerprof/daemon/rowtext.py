@@ -815,23 +815,46 @@ def _idle_unmeasured(r: LiveRequest) -> bool:
     """UNSURE_FLAG: at least QUEUED_BESIDE_MIN_SHARE of its figure may be idle energy (`idle_unmeasured_j`, a bound at
     those intervals' mean power): it was live in busy intervals split before the GPUs' idle power at their power limit
     was measured (no run of idle intervals workmodel.IDLE_MIN_S long had closed: the first moments after the daemon's
-    start or a limit's change), where the time no request was live went to the requests, not to idle. Unflagged, a
-    request 0.05-0.5 s after the ledger's first read read +36% to +66% (100 W idle, 300 W live); the third of three
-    streams 0.1 s apart sent at the daemon's start, +16% (the simulated vLLM, H200)."""
+    start, or after a change to a limit at or below the idle draw last measured), where the time no request was live
+    went to the requests, not to idle. Unflagged, a request 0.05-0.5 s after the ledger's first read read +36% to +66%
+    (100 W idle, 300 W live); the third of three streams 0.1 s apart sent at the daemon's start, +16% (the simulated
+    vLLM, H200)."""
     return r.gpu_j > 0 and not r.gpu_missing and r.idle_unmeasured_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
 
 
-def _idle_unmeasured_note(r: LiveRequest) -> str | None:
-    """Its own part of energy_note (after the others, which keep their place) where `_idle_unmeasured`."""
+def _idle_unmeasured_note(r: LiveRequest, cpu_j: float | None = None) -> str | None:
+    """Its own part of energy_note (after the others, which keep their place) where `_idle_unmeasured`; `cpu_j`, its
+    cpu_energy_j where it has one: high over the same intervals (before, unsaid: 75 J for 38 J, +97%, RAPL flat 50 W)."""
     if not _idle_unmeasured(r):
         return None
+    cpu = (f"; its cpu_energy_j, split by the same shares, high by up to {r.idle_unmeasured_cpu_j:.1f} J "
+           f"({100 * min(r.idle_unmeasured_cpu_j / cpu_j, 1.0):.0f}%) the same way"
+           if cpu_j is not None and cpu_j > 0 and r.idle_unmeasured_cpu_j > 0 else "")
     return (f"{UNSURE_FLAG}: up to {r.idle_unmeasured_j:.1f} J ({100 * min(r.idle_unmeasured_j / r.gpu_j, 1.0):.0f}%) "
             "of its figure may be idle energy: it was live in intervals split before the daemon had measured the GPUs' "
             f"idle power at their power limit (no run of idle intervals {IDLE_MIN_S:g} s long had closed yet: the "
-            "first moments after the daemon's start or a limit's change), so the time no request was live there went "
-            "to the requests live in them, not to idle; high by up to that (those intervals' mean power over that "
-            f"time); left out of J/token; fix: none for this row; requests sent once the GPUs have been idle "
-            f"{IDLE_MIN_S:g} s at that limit are split with it")
+            "first moments after the daemon's start, or after a change to a limit at or below the idle draw last "
+            "measured), so the time no request was live there went to the requests live in them, not to idle; high by "
+            f"up to that (those intervals' mean power over that time){cpu}; left out of J/token; fix: none for this "
+            "row; "
+            f"requests once the GPUs have been idle {IDLE_MIN_S:g} s at that limit, or once the work model's fit "
+            f"there has matured ({MIN_BUSY} busy intervals), are split with it")
+
+
+def _idle_unmeasured_interval_note(bound_j: float, gpu_j: float) -> str | None:
+    """An interval row's part where its busy time no request was live in went to its requests, no idle power measured
+    yet (`_idle_unmeasured`'s cause; `bound_j`: that time at its mean power, given where 1% or more of its GPU energy).
+    Before, silent: requests_energy_j held it, idle_energy_j 0 J (a request 0.5 s after the first read, 100 W idle: 50 J
+    and 200 J to requests, 0 J idle, for 1 J + 150 J and 49 J + 50 J)."""
+    if not bound_j > 0:
+        return None
+    share = f" ({100 * min(bound_j / gpu_j, 1.0):.0f}%)" if gpu_j > 0 else ""
+    return (f"{UNSURE_FLAG}: requests_energy_j may be high and idle_energy_j low by up to {bound_j:.1f} J{share}: split "
+            "before the daemon had measured the GPUs' idle power at their power limit (no run of idle intervals "
+            f"{IDLE_MIN_S:g} s long had closed yet: the first moments after the daemon's start, or after a change to a "
+            "limit at or below the idle draw last measured), so the time no request was live in it went to the "
+            "requests live in it, not to idle (the bound: that time at its mean power); its requests' rows say so "
+            "and are left out of J/token; fix: none for this row")
 
 
 def _closed_partial(r: LiveRequest) -> bool:

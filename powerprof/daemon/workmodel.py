@@ -150,6 +150,8 @@ class CostLearner:
         # The same powers kept sorted: the median is read off the middle, where np.median over the window sorted it
         # all at every close (half a millisecond of the idle daemon's ~3 ms close, cold, on the development VM).
         self._idle_sorted: dict = {}
+        self._idle_runs = 0  # runs that taught an idle power, all settings
+        self._idle_latest: dict = {}  # per setting: the number (of `_idle_runs`) of its latest run
         self._yg: dict = {}  # per setting: each interval's energy per GPU (the window's rows)
         self._g_idle: deque = deque(maxlen=window)  # per-GPU power of idle intervals, all settings
         self._g_busy: deque = deque(maxlen=window)  # and of busy ones
@@ -201,6 +203,8 @@ class CostLearner:
                     if spell_j > 0:
                         idle.append((n, spell_j / spell_s, first, spell_g / spell_s))
                         insort(srt, idle[-1][1])
+                        self._idle_runs += 1
+                        self._idle_latest[setting] = self._idle_runs
         while len(idle) > MIN_IDLE and idle[0][0] <= self._n.get(setting, 0) - self.window:
             del srt[bisect_left(srt, idle.popleft()[1])]  # left the window
         if added and eg.shape[1] > 1:
@@ -260,6 +264,31 @@ class CostLearner:
         """Before MIN_IDLE idle intervals: the median power of those seen, None with none."""
         return self._idle_median(setting, least=1)
 
+    def _other_limit_idle_w(self, setting) -> float | None:
+        """The idle power last measured at another setting of the same GPUs, where each GPU's idle draw there is below
+        its limit in `setting` (None where none is, or a limit is unread).
+
+        A limit caps power; an idle GPU draws below it, so the limit does not change its idle draw (checked here: each
+        GPU's idle draw there below its limit now), and setting it leaves clocks and persistence as they were. A setting
+        is power limits alone: a clock lock, which may raise the idle draw, never started a new one. Before, after a
+        limit's change the busy intervals' time with no request live went to the requests until a run of idle
+        intervals closed at the new limit or the fit there matured: under steady traffic (idle gaps 0.1-0.25 s, never
+        a run) every row for ~31 s flagged `uncertain-uncounted`, out of J/token (docs/daemon.md, Attribution, idle)."""
+        try:
+            limit_w = np.array(setting, dtype=float)  # an unread limit (None) reads NaN
+        except (TypeError, ValueError):
+            return None
+        if limit_w.ndim != 1 or not np.all(np.isfinite(limit_w)):
+            return None
+        others = [s for s in self._idle_latest if s != setting and len(s) == len(setting) and self._idle.get(s)]
+        if not others:
+            return None
+        latest = max(others, key=lambda s: self._idle_latest[s])
+        per_gpu_w = np.median(np.array([gw for *_, gw in self._idle[latest]]), axis=0)
+        if per_gpu_w.shape != limit_w.shape or not np.all(per_gpu_w < limit_w):
+            return None
+        return self._early_idle_w(latest)
+
     def idle_w(self, setting) -> float | None:
         measured = self._idle_median(setting)
         if measured is not None:
@@ -288,6 +317,7 @@ class CostLearner:
         # to +42% on the simulated SGLang, unflagged); with a few-ms one counted, -72% to +175% (docs/daemon.md, idle).
         idle = self.idle_w(setting)
         idle = self._early_idle_w(setting) if idle is None else idle
+        idle = self._other_limit_idle_w(setting) if idle is None else idle
         if fit is None or not fit.mature:
             return WorkCosts(idle_w=idle)
         _, step, dec, pre, ctx = fit.coef
