@@ -126,6 +126,8 @@ def test_a_llamacpp_answer_that_ended_between_the_counter_and_slots_reads_says_w
         for _ in range(5):
             n = len(sc.gets)
             out.append((await sc.scrape(), sc.window_read_missed, len(sc.gets) - n))
+            # The count's stamp ends before the counter's second read (the daemon's GET span for it).
+            assert (sc.window_read_end_ns is not None) == (out[-1][2] == 3)
         return out
 
     assert asyncio.run(go()) == [(0.0, 0.0, 2), (40.0, 0.0, 2), (0.0, 120.0, 3), (80.0, 0.0, 2), (30.0, 0.0, 3)]
@@ -237,6 +239,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
         window_down_ns = None  # Scraper.window_down_ns
         window_down_refused = False  # Scraper.window_down_refused
         window_read_missed = 0.0  # Scraper.window_read_missed
+        window_read_end_ns = None  # Scraper.window_read_end_ns
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -282,6 +285,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
         window_down_ns = None  # Scraper.window_down_ns
         window_down_refused = False  # Scraper.window_down_refused
         window_read_missed = 0.0  # Scraper.window_read_missed
+        window_read_end_ns = None  # Scraper.window_read_end_ns
         vllm_v1 = False
 
         async def scrape(self):
@@ -323,6 +327,7 @@ def test_the_daemon_scrape_loop_gives_the_ledger_when_a_scrape_found_the_server_
         window_down_ns = 123_456_789
         window_down_refused = False  # Scraper.window_down_refused
         window_read_missed = 0.0  # Scraper.window_read_missed
+        window_read_end_ns = None  # Scraper.window_read_end_ns
         vllm_v1 = False
 
         async def scrape(self):
@@ -368,6 +373,7 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
         window_down_ns = None
         window_down_refused = False  # Scraper.window_down_refused
         window_read_missed = 0.0  # Scraper.window_read_missed
+        window_read_end_ns = None  # Scraper.window_read_end_ns
         cache_hits = None  # its prefix-cache counter not known (the ledger is told so with every window)
         served = None  # its page shows no finished-request count (an SGLang's)
 
@@ -881,6 +887,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
         window_down_ns = None  # Scraper.window_down_ns
         window_down_refused = False  # Scraper.window_down_refused
         window_read_missed = 0.0  # Scraper.window_read_missed
+        window_read_end_ns = None  # Scraper.window_read_end_ns
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -1022,6 +1029,7 @@ def test_a_windows_prefix_cache_hits_are_checked_over_every_instant_its_reads_ma
         window_down_ns = None  # Scraper.window_down_ns
         window_down_refused = False  # Scraper.window_down_refused
         window_read_missed = 0.0  # Scraper.window_read_missed
+        window_read_end_ns = None  # Scraper.window_read_end_ns
         vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
         async def scrape(self):
@@ -1068,6 +1076,7 @@ def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stilln
         window_down_ns = None  # Scraper.window_down_ns
         window_down_refused = False  # Scraper.window_down_refused
         window_read_missed = 0.0  # Scraper.window_read_missed
+        window_read_end_ns = None  # Scraper.window_read_end_ns
 
         async def scrape(self):
             await asyncio.sleep(0.2)

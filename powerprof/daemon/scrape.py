@@ -333,6 +333,8 @@ class Scraper:
         # Tokens this scrape's count may lack: llama.cpp answers that ended between its counter's read and /slots'
         # (`_scrape_llamacpp`); 0 elsewhere.
         self.window_read_missed = 0.0
+        # When this scrape's count was read (monotonic ns) where the counter was read again after it; None: at its end.
+        self.window_read_end_ns: int | None = None
         self._finished: float | None = None  # llama.cpp's counter at the previous scrape
         self._high: float | None = None  # the highest llama.cpp total reported so far
         self._steps: float | None = None  # llama.cpp's decode calls (LLAMACPP_STEPS) at the previous scrape
@@ -731,6 +733,7 @@ class Scraper:
             return None
         self.window_partial = ()
         self.window_read_missed = 0.0
+        self.window_read_end_ns = None
         self.restart_by_fall = False
         self.window_down_ns, self.window_down_refused = None, False
         self.cache_hits = None
@@ -1018,6 +1021,7 @@ class Scraper:
             # its stamp"). Unread, beside two CPU hogs and another test a mid-run interval said `complete` with 219
             # bypass tokens where 189 ran. Only where /slots changed otherwise than by decoding on: a still server's
             # scrape stays two GETs. Unreadable, its ended slots' last counts are the least it may lack.
+            self.window_read_end_ns = time.monotonic_ns()  # the count's reads end here, its stamp with them
             try:
                 status2, page2 = await self._get("/metrics")
                 again = counter_total(page2, LLAMACPP_COUNTER) if status2 == 200 else None

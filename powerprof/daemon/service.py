@@ -1092,7 +1092,8 @@ class Daemon:
                 still = cadence.period_s(time.monotonic()) > cadence.fast_s
                 t0 = time.monotonic_ns()
                 delta = await self.scraper.scrape()
-                t1 = time.monotonic_ns()
+                # The counter read again after the count's reads (Scraper.window_read_missed) is not the count's GET.
+                t1 = self.scraper.window_read_end_ns or time.monotonic_ns()
                 t = (t0 + t1) // 2  # the counter was read somewhere in the request
                 cadence.scraped(time.monotonic(), delta)
                 at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
@@ -1184,7 +1185,7 @@ class Daemon:
         if delta is None:
             log.info("the server's counters could not be read at shutdown (%s): the last interval says unscraped", why)
             return
-        t1 = time.monotonic_ns()
+        t1 = self.scraper.window_read_end_ns or time.monotonic_ns()
         t = (t0 + t1) // 2
         since = self._scrape_since_ns
         self.ledger.add_cache_hits(None if since is None else min(since, self._scrape_read_from_ns or since), t1,
