@@ -2107,7 +2107,7 @@ class Ledger:
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
                           read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None,
                           restart_by_fall: bool = False, down_ns: int | None = None,
-                          down_refused: bool = False) -> None:
+                          down_refused: bool = False, read_missed: float = 0.0) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: a scrape window, its
         arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger).
         `restart_by_fall`: its server_restart was told by the counter's fall alone (scrape.Scraper.restart_by_fall): a
@@ -2120,7 +2120,7 @@ class Ledger:
         connects among them, `Scraper._proxy_refused`), it is a death all the same: a restart from the window's start
         to its end. Before, only server_restart recorded one: a whole answer the proxy's refusals saw die was written
         not costed (0 J for about 100 J), its energy with the requests beside it, their rows unflagged."""
-        self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served)
+        self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served, read_missed)
         self._down_open = None  # a believed page: the window it held is this one's
         restart = "server_restart" in partial and not restart_by_fall
         died = (not restart and down_refused and since_ns is not None and down_ns is not None

@@ -124,6 +124,9 @@ class _ScrapeWindow:
     # on the page read at its end
     # (scrape.Scraper.served: vLLM's); None where not told (`_judge_usage_below`).
     served: tuple[float, ...] | None = None
+    # Tokens the count read at its end may lack: answers that ended between the reads making it (llama.cpp's counter and
+    # /slots: scrape.Scraper.window_read_missed), counted in the window after; `_read_unsure` weighs them at that edge.
+    read_missed: float = 0.0
 
 
 @dataclass(slots=True)
@@ -275,6 +278,7 @@ class CountReconciler:
         self._spent_quiet: dict[int, bool] = {}  # the latest spent window's end: it booked no bypass (`_quiet_edges`)
         # and its (bypass tokens, length in ns): the pace beside the next intervals' first edge (`_bypass_beside`)
         self._spent_bypass: dict[int, tuple[float, int]] = {}
+        self._spent_missed: dict[int, float] = {}  # and what its count's read may have missed (`read_missed`)
         # The end of the latest resolved scrape window: tokens placed at or before it are in no window's count any more
         # (`Ledger._chunks_to_server_count` keeps its chunks there as they were counted).
         self.resolved_to_ns: int | None = None
@@ -293,7 +297,8 @@ class CountReconciler:
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
-                          read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None) -> None:
+                          read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None,
+                          read_missed: float = 0.0) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: spread
         evenly over that time, so bypass tokens land in the intervals where they were generated.
         `at_finish`: the server counts a request's tokens when it finishes (SGLang; scrape.AT_FINISH).
@@ -305,7 +310,9 @@ class CountReconciler:
         `read_ns`: the (start, end) of the GET that read the counter (`t_ns` is its midpoint): the server read it
         somewhere in there, so the proxy's tokens inside it may or may not be in this count (`resolve_spans`).
         `served`: the server's (requests finished since its start, requests running and queued, finished requests'
-        generated tokens) on the page read at `t_ns` (scrape.Scraper.served); None where not told (`_judge_usage_below`)."""
+        generated tokens) on the page read at `t_ns` (scrape.Scraper.served); None where not told (`_judge_usage_below`).
+        `read_missed`: the most this count may lack for answers that ended between its reads (scrape.Scraper.
+        window_read_missed): counted in the next window (`_read_unsure`)."""
         if not self.server_seen:
             # The proxy's token events are listed for the scrape windows (`proxied`, `finished`) only once a server
             # is read. Its first window starts at the baseline read, before the daemon's ready, and its first pass can
@@ -333,7 +340,8 @@ class CountReconciler:
             t0_ns=int(t0), t1_ns=int(t_ns), server_tokens=float(delta), finished_latency=fin, partial=tuple(partial),
             restarted="server_restart" in partial, read_span_ns=read,
             finished_requests=int(finished[0]) if at_finish and finished is not None else None,
-            served=tuple(float(v) for v in served) if served is not None else None))
+            served=tuple(float(v) for v in served) if served is not None else None,
+            read_missed=max(0.0, float(read_missed))))
         if "server_restart" in partial:
             self.restarts.append((int(t0), int(t_ns)))
 
@@ -604,6 +612,7 @@ class CountReconciler:
             self._spent_quiet = {int(spent[-1].t1_ns): _quiet(spent[-1])}
             b = spent[-1].bypass_tokens
             self._spent_bypass = {int(spent[-1].t1_ns): (max(0.0, b or 0.0), int(spent[-1].t1_ns - spent[-1].t0_ns))}
+            self._spent_missed = {int(spent[-1].t1_ns): spent[-1].read_missed}
         self.server_spans = [x for x in self.server_spans if x.t1_ns > t[-1]]
         st = self._stretch
         if st.spans:  # spent: booked as they stand, out of `_judge_usage_below`'s reach
@@ -636,10 +645,11 @@ class CountReconciler:
         its share of the windows changes (its own ends) move its count, by that change of share times those tokens.
         The bypass traffic's tokens inside the GET move the same way: taken at the pace of the two windows beside the
         edge together (`_bypass_beside`: a read's place moves tokens between them, not out of both), over each half of
-        the GET, at most what they booked. Not weighed, a server stepping in bursts beside GETs of a loaded host (223
-        bypass tokens in 0.19 s then none; GETs up to 1 s, median 51 ms) had bursts counted a window early or late:
-        intervals off by up to 84 tokens said `complete` (166 for 97 beside a 0.34 s GET; tests/test_daemon_ledger.py,
-        every interval off by 100 beside 200 ms GETs read at their start)."""
+        the GET, at most what they booked. An answer that ended between the reads making a count (`read_missed`) is
+        missing at its edge as a read early's tokens are. Not weighed, a server stepping in bursts beside GETs of a
+        loaded host (223 bypass tokens in 0.19 s then none; GETs up to 1 s, median 51 ms) had bursts counted a window
+        early or late: intervals off by up to 84 tokens said `complete` (166 for 97 beside a 0.34 s GET;
+        tests/test_daemon_ledger.py, every interval off by 100 beside 200 ms GETs read at their start)."""
         out = [(0.0, 0.0)] * (t.size - 1)
         spans = [x for x in self.server_spans if x.read_unsure is not None and x.t1_ns > t[0] and x.t0_ns < t[-1]
                  and x.t1_ns > x.t0_ns]
@@ -648,6 +658,8 @@ class CountReconciler:
         sp = np.array([(x.t0_ns, x.t1_ns) for x in spans], dtype=np.int64)
         share = attr.span_overlap_s(t, sp[:, 0], sp[:, 1]) / ((sp[:, 1] - sp[:, 0]) / 1e9)[:, None]  # (windows, K)
         quiet = self._quiet_edges()
+        missed = {e: n for e, n in [*self._spent_missed.items(), *((x.t1_ns, x.read_missed) for x in self.server_spans)]
+                  if n > 0}
         paces: dict[int, tuple[float, int]] = {}
         for k in range(t.size - 1):
             coef: dict[int, float] = {}
@@ -670,6 +682,10 @@ class CountReconciler:
                 n, ns = paces[e]
                 if n > 0 and ns > 0:
                     reads[e] = (reads[e][0] + min(n, n * early_ns / ns), reads[e][1] + min(n, n * late_ns / ns))
+            for e in reads.keys() & missed.keys():
+                # Answers that ended between the reads making its count (`read_missed`): missing there, counted in
+                # the window after, as a read early misses its tokens.
+                reads[e] = (reads[e][0] + missed[e], reads[e][1])
             for e in quiet & reads.keys():
                 reads[e] = (0.0, 0.0)  # it moved no bypass token (`_quiet_edges`)
             # A read early at an edge lowers the window before it and raises the one after, by the tokens it missed.

@@ -120,6 +120,17 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
     return d
 
 
+def slot_ended(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object, int]]) -> bool:
+    """Whether a request may have ended on a slot between two /slots snapshots: any slot other than idle in both or the
+    same task decoding on (a task changed, a count fell or reset to 0 at its end). A task started on an idle slot counts
+    too (its slot's last one may have ended since): a needless look costs a GET, a missed one a whole answer's count."""
+    for sid in prev.keys() | now.keys():
+        old, new = prev.get(sid, (None, 0)), now.get(sid, (None, 0))
+        if new != old and not (new[0] == old[0] and new[1] >= old[1]):
+            return True
+    return False
+
+
 # A counter below its highest reading at two pages or more, above half of it, the server never found down: two dips in a
 # row or a restart, not told apart (Scraper._dip_or_restart); counted from the highest reading, the windows marked. Also
 # a young counter's dip back at its reading (_young_back) and a counter at or past it after the server was found down
@@ -313,6 +324,11 @@ class Scraper:
         self.kind: str | None = None if server == "auto" else server
         self._last_total: float | None = None
         self._slots: dict | None = None
+        # llama.cpp's /slots at the previous scrape, read beside its counter: an end between tells (`slot_ended`)
+        self._seen_slots: dict | None = None
+        # Tokens this scrape's count may lack: llama.cpp answers that ended between its counter's read and /slots'
+        # (`_scrape_llamacpp`); 0 elsewhere.
+        self.window_read_missed = 0.0
         self._finished: float | None = None  # llama.cpp's counter at the previous scrape
         self._high: float | None = None  # the highest llama.cpp total reported so far
         self._steps: float | None = None  # llama.cpp's decode calls (LLAMACPP_STEPS) at the previous scrape
@@ -719,6 +735,7 @@ class Scraper:
             return None
         self.window_partial = ()
         self.window_each_step = False
+        self.window_read_missed = 0.0
         self.restart_by_fall = False
         self.window_down_ns, self.window_down_refused = None, False
         self.cache_hits = None
@@ -1000,6 +1017,24 @@ class Scraper:
             self._slots = slots
             return float(delta)
         total = llamacpp_generated(finished, slots or {})
+        prev_slots, self._seen_slots = self._seen_slots, slots
+        if slots is not None and prev_slots is not None and slot_ended(prev_slots, slots):
+            # An answer that ended after the counter's read and before /slots' is in neither: its tokens, all made
+            # before, counted a scrape late (the whole answer across a window's edge). Nothing on the pages tells which
+            # ended when, so the counter is read again: its rise since is the most this count lacks, and the ledger
+            # marks an interval that may have moved further than its bound (docs/daemon.md, "A counter read before
+            # its stamp"). Unread, beside two CPU hogs and another test a mid-run interval said `complete` with 219
+            # bypass tokens where 189 ran. Only where /slots changed otherwise than by decoding on: a still server's
+            # scrape stays two GETs. Unreadable, its ended slots' last counts are the least it may lack.
+            # The count's reads ended at `read_ns` (set above, before this GET): its stamp with them.
+            try:
+                status2, page2 = await self._get("/metrics")
+                again = counter_total(page2, LLAMACPP_COUNTER) if status2 == 200 else None
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                again = None
+            self.window_read_missed = max(0.0, again - finished) if again is not None else float(sum(
+                n for sid, (task, n) in prev_slots.items() if slots.get(sid, (None, 0))[0] != task or
+                slots.get(sid, (None, 0))[1] < n))
         # Its decode calls (llama-server's page since 2024): they move every step, where the token counter moves only as a
         # request ends, so a restart while the first requests decode (the token counter still 0, the old slots' tokens in
         # _high) is told by them; by the token counter alone it was not, and the new process's tokens were not counted

@@ -543,6 +543,7 @@ class _HeldWindow(NamedTuple):
     restart_by_fall: bool = False  # Scraper.restart_by_fall
     down_ns: int | None = None  # Scraper.window_down_ns
     down_refused: bool = False  # Scraper.window_down_refused
+    read_missed: float = 0.0  # Scraper.window_read_missed
 
 
 class Daemon:
@@ -1146,7 +1147,7 @@ class Daemon:
                         self.ledger.add_server_tokens(held.t_ns, held.delta, start, at_finish, held.finished,
                                                       partial=held.partial, read_ns=held.read_ns, served=held.served,
                                                       restart_by_fall=held.restart_by_fall, down_ns=held.down_ns,
-                                                      down_refused=held.down_refused)
+                                                      down_refused=held.down_refused, read_missed=held.read_missed)
                         held = None
                     # Why this window's count may be low (a restart, a late first read): its intervals say so.
                     partial = self.scraper.window_partial
@@ -1154,7 +1155,7 @@ class Daemon:
                         # a slow window ending a stillness: placed at the next scrape
                         held = _HeldWindow(since, t, delta, self.scraper.finished, partial, (t0, t1), self.scraper.served,
                                            self.scraper.restart_by_fall, self.scraper.window_down_ns,
-                                           self.scraper.window_down_refused)
+                                           self.scraper.window_down_refused, self.scraper.window_read_missed)
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
                         # With the GET's span: the counter was read somewhere in it (docs/daemon.md, "A counter read
@@ -1163,7 +1164,8 @@ class Daemon:
                                                       read_ns=(t0, t1), served=self.scraper.served,
                                                       restart_by_fall=self.scraper.restart_by_fall,
                                                       down_ns=self.scraper.window_down_ns,
-                                                      down_refused=self.scraper.window_down_refused)
+                                                      down_refused=self.scraper.window_down_refused,
+                                                      read_missed=self.scraper.window_read_missed)
                     since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
                     read_from = self._scrape_read_from_ns = t0
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
@@ -1178,7 +1180,7 @@ class Daemon:
             self.ledger.add_server_tokens(held.t_ns, held.delta, held.since_ns, self.scraper.kind in AT_FINISH,
                                           held.finished, partial=held.partial, read_ns=held.read_ns, served=held.served,
                                           restart_by_fall=held.restart_by_fall, down_ns=held.down_ns,
-                                          down_refused=held.down_refused)
+                                          down_refused=held.down_refused, read_missed=held.read_missed)
 
     async def _final_scrape(self) -> None:
         """At a clean stop, after the last sample: read the server's counters once more, so the last interval's count
@@ -1205,7 +1207,8 @@ class Daemon:
                                       self.scraper.finished, partial=self.scraper.window_partial, read_ns=(t0, t1),
                                       served=self.scraper.served, restart_by_fall=self.scraper.restart_by_fall,
                                       down_ns=self.scraper.window_down_ns,
-                                      down_refused=self.scraper.window_down_refused)
+                                      down_refused=self.scraper.window_down_refused,
+                                                      read_missed=self.scraper.window_read_missed)
 
     # --- reload ------------------------------------------------------------------------------------
 
