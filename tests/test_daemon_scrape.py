@@ -346,7 +346,7 @@ def test_the_daemon_scrape_loop_stamps_the_counters_read_not_the_wait_for_the_pr
     ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
     ledger.add_cache_hits = lambda since, t, hits: None
     ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, \
-        restart_by_fall=False, down_ns=None, down_refused=False: ledger.spans.append((t, d, read_ns))
+        restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0: ledger.spans.append((t, d, read_ns))
 
     async def go():
         workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=None, proxy_kwargs={},
