@@ -6118,6 +6118,26 @@ def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():
     assert (a1 - a0) / 1e9 >= 13.35 + 1.0, led._batch_spans
 
 
+def test_an_expired_requests_sequences_leave_the_live_count_a_batch_400s_pace_is_shared_by():
+    # The review's F3: a request whose on_end never came (a recorder error) is expired at MAX_OPEN_S, but its sequences
+    # stayed in the live count for good: 50 such 8-sequence requests, and every later 2-prompt max_tokens-6 batch was
+    # marked 62.52 s instead of 2.52 s. Now they leave with it.
+    from powerprof.daemon.ledger import MAX_OPEN_S
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    led._paces.append(40.0)
+    for k in range(50):
+        tr = RequestTrace(100 + k, "POST", "/generate", None, int(0.2 * S), 0, api="sglang-generate", stream=False)
+        tr.extra.update(sequences=8)
+        led.on_start(tr)
+    led._expire(int(0.2 * S) + int((MAX_OPEN_S + 1) * S))
+    assert led.requests == {} and led._live_seqs == {}, len(led._live_seqs)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens=6, prompt_chars=40, prompt_count=2)
+    (a0, a1), = led._batch_spans
+    print("span s", (a1 - a0) / 1e9)
+    assert (a1 - a0) / 1e9 < 3.0, led._batch_spans
+
+
 def test_a_restart_ends_a_batch_400s_span_at_its_window():
     # The process that ran the batch's other prompts died in the restart: none ran past its window. Before: marked on
     # to its bound (31.6 s here), the new process's rows flagged for nothing.

@@ -3290,6 +3290,7 @@ class Ledger:
         old = [rid for rid, r in self.requests.items() if now_ns - r.trace.arrival_ns > MAX_OPEN_S * 1e9]
         for rid in old:
             r = self.requests.pop(rid)
+            self._live_seqs.pop(rid, None)  # its on_end never came: left, every later batch's span took its sequences
             self._release(r)
             r.trace.outcome = "expired"
             self.emit("requests", [self._request_row(r)])
