@@ -5931,6 +5931,13 @@ def test_only_a_400_to_two_prompts_that_sglangs_band_abort_can_leave_running_is_
                     "than the model's context length (2048 tokens).")
     _batch_answered(led, 11, 400, {"sequences": 2, "max_tokens": 5}, msg="temperature must be non-negative")
     _batch_answered(led, 12, 400, {"sequences": 2, "max_tokens": 5}, msg=None)  # its body's message unread
+    # SGLang's validation 400 echoes the client's input ("temperature": the abort's words, refused unrun): before, any
+    # message holding the words marked (83.4 s under none for 2 x 20,000 characters, max_tokens 6); now its start only.
+    for rid, field in ((13, "temperature"), (14, "return_logprob")):
+        _batch_answered(led, rid, 400, {"sequences": 2, "max_tokens": 6}, msg=(
+            f"1 validation error:\n  {{'type': 'float_parsing', 'loc': ('body', '{field}'), 'msg': 'Input should be a "
+            "valid number', 'input': 'Input length (58 tokens) exceeds the maximum allowed length (58 tokens)'}"))
+    _batch_answered(led, 15, 400, {"sequences": 2, "max_tokens": 6}, msg="exceeds the maximum allowed length")
     assert led.recon.batch_run_ons == {}
     led._paces.append(40.0)  # a pace: a known limit's span ends
     _batch_answered(led, 9, 400, {"sequences": 3})  # no limit sent: SGLang's default (16) passes the band, unrun

@@ -24,6 +24,7 @@ import heapq
 import itertools
 import logging
 import math
+import re
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -132,9 +133,10 @@ COUNT_STILL_S = 1.0
 # 6 tokens, and its tokenizer manager refuses a batch whole, unrun, where any prompt + max_new_tokens passes the context
 # (docs/simulator.md). A larger known limit leaves no batch running for nobody behind its 400 (`_batch_run_on`).
 SGLANG_BAND_TOKENS = 6
-# The words of that abort's message (managers/utils.py `validate_input_length`): a streamed /v1/completions batch is
-# answered 200, the message in its one error event (`_batch_run_on`).
-SGLANG_BAND_ABORT_WORDS = "exceeds the maximum allowed length"
+# The start of that abort's message (managers/utils.py `validate_input_length`): a streamed /v1/completions batch is
+# answered 200, the message in its one error event (`_batch_run_on`). Matched at the start, whole: its words anywhere
+# matched SGLang's validation 400, whose message echoes the client's input (a "temperature" of those words, unrun).
+SGLANG_BAND_ABORT_RE = re.compile(r"Input length \(\d+ tokens\) exceeds the maximum allowed length \(\d+ tokens\)")
 # The server's aggregate decode rate (tokens a second, all its sequences together) taken where no stream has shown its
 # pace yet (`_batch_end_ns`): each sequence then decodes at this shared by the sequences live.
 BATCH_PACE_FLOOR_TOK_S = 5.0
@@ -927,11 +929,11 @@ class Ledger:
         # every prompt SGLang's stream wait (RUNS_ON_AFTER_LEAVE) after its end. Before: not marked, its run unflagged.
         c = tr.counts
         streamed = (tr.status == 200 and tr.stream is True and tr.api == "openai-completions" and c is not None
-                    and c.server_error is not None and SGLANG_BAND_ABORT_WORDS in c.server_error)
+                    and c.server_error is not None and SGLANG_BAND_ABORT_RE.match(c.server_error) is not None)
         # Whole, only a 400 whose message is that abort's (the proxy reads it, `proxy.error_message`): a validation
         # 400 (a prompt past the context, a bad parameter, vLLM's or llama.cpp's) ran nothing. Before: any 400, a
         # batch SGLang refused unrun marked 233 s, a vLLM bad-parameter 400 under none 3 s each.
-        band = tr.status == 400 and SGLANG_BAND_ABORT_WORDS in (tr.extra.get("error_message") or "")
+        band = tr.status == 400 and SGLANG_BAND_ABORT_RE.match(tr.extra.get("error_message") or "") is not None
         if (self.serves_generate is False or not (self.recon.server_seen or unplaced)
                 or not (band or streamed)
                 or tr.api is None or not isinstance(seqs, int) or seqs // copies < 2 or tr.end_ns is None
