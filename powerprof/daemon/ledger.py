@@ -485,8 +485,8 @@ class Ledger:
         # Recent streams' decode paces (tokens a second a sequence, first token to last): a stream gone before its first
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
         self._paces: deque = deque(maxlen=RUN_ON_PACES)
-        # Finished streams' prompt tokens over their time to first token (a low reading of the server's prefill rate:
-        # that time holds their queueing too), for a batch's prefill (`_batch_end_ns`).
+        # Finished single-sequence streams' uncached prompt tokens over their time to first token, where a cached count
+        # was said (`prefill_rate_shown`), for a batch's prefill (`_batch_end_ns`, the lowest taken).
         self._prefill_rates: deque = deque(maxlen=RUN_ON_PACES)
         # Sequences of the requests started and not ended, by request id: those a batch's pace is shared by.
         self._live_seqs: dict[int, int] = {}
@@ -808,11 +808,9 @@ class Ledger:
         if (tr.outcome == "ok" and tr.stream is True and tr.first_ns is not None and tr.last_ns is not None
                 and n >= RUN_ON_PACE_TOKENS and tr.last_ns > tr.first_ns):
             self._paces.append((n - 1) / ((tr.last_ns - tr.first_ns) / 1e9))
-        c = tr.counts
-        p = c.prompt_tokens if c is not None and c.prompt_tokens is not None else tr.extra.get("prompt_tokens")
-        if (tr.outcome == "ok" and tr.stream is True and tr.first_ns is not None and tr.first_ns > tr.arrival_ns
-                and isinstance(p, (int, float)) and p - (tr.extra.get("cached_tokens") or 0) >= BATCH_PREFILL_LEARN_MIN):
-            self._prefill_rates.append((p - (tr.extra.get("cached_tokens") or 0)) / ((tr.first_ns - tr.arrival_ns) / 1e9))
+        rate = prefill_rate_shown(tr)
+        if rate is not None:
+            self._prefill_rates.append(rate)
 
     @staticmethod
     def _cost_as_crash(r: LiveRequest, sure: bool) -> None:
@@ -980,8 +978,8 @@ class Ledger:
     def _batch_end_ns(self, tr: RequestTrace, seqs: int) -> int:
         """The end a batch SGLang answered 400 is taken to run its other prompts within (`_batch_run_on`; not a proof),
         from its arrival: its
-        prompts' prefill (their size, `batch_context_bound`, at the median of the latest streams' prompt tokens over
-        their time to first token, else BATCH_PREFILL_FLOOR_TOK_S), then its max_tokens (an
+        prompts' prefill (their size, `batch_context_bound`, at the lowest rate the latest streams' time to first token
+        showed, `prefill_rate_shown`, else BATCH_PREFILL_FLOOR_TOK_S), then its max_tokens (an
         explicit null: to the context's end, its scheduler's min(1 << 30, max_req_len - prompt - 1), scheduler.py
         `init_req_max_new_tokens`; at most `batch_context_bound`) at a pace taken as a bound under load: the server's
         latest streams' pace (else BATCH_PACE_FLOOR_TOK_S) shared by the batch's sequences and every sequence live now.
@@ -997,7 +995,7 @@ class Ledger:
             return int(attr.NEVER)
         live = sum(self._live_seqs.values())  # this batch ended: not among them
         pace = (float(np.median(self._paces)) if self._paces else BATCH_PACE_FLOOR_TOK_S) / max(seqs + live, 1)
-        rate = float(np.median(self._prefill_rates)) if self._prefill_rates else BATCH_PREFILL_FLOOR_TOK_S
+        rate = min(self._prefill_rates) if self._prefill_rates else BATCH_PREFILL_FLOOR_TOK_S  # the lowest: a bound
         span_s = size / rate + limit / pace
         return min(int(tr.arrival_ns) + int(span_s * 1e9), int(attr.NEVER))
 
@@ -3731,6 +3729,25 @@ def _prompt_sequences(r: LiveRequest) -> int:
     if c is not None and c.prompt_tokens is not None and c.prompt_each_task:
         return seqs
     return max(seqs // max(r.trace.extra.get("choices", 1), 1), 1)
+
+
+def prefill_rate_shown(tr: RequestTrace) -> float | None:
+    """The prefill rate (tokens a second) a finished stream's time to first token shows, a bound that errs low, for a
+    batch 400's span (`Ledger._batch_end_ns`); None where it shows none. Only a single sequence's (a batch's or n > 1's
+    first token comes after its first prompt's prefill, not all of them: 8 prompts at 0.07 s read 114,286 tok/s, truth
+    16,000) whose server said a cached count, early or at its end, the larger taken off its prompt: a cache hit's tiny
+    time read over its whole prompt taught 10x and more (200,000 tok/s beside 16,000), and a server that says no cached
+    count (SGLang's default) may have hit its cache all the same. Its time holds its queueing too: it errs low."""
+    c = tr.counts
+    if (tr.outcome != "ok" or tr.stream is not True or tr.first_ns is None or tr.first_ns <= tr.arrival_ns
+            or tr.extra.get("sequences", 1) != 1 or (c is not None and c.invalid)):
+        return None
+    p = c.prompt_tokens if c is not None and c.prompt_tokens is not None else tr.extra.get("prompt_tokens")
+    said = [k for k in (tr.extra.get("cached_tokens"), c.cached_tokens if c is not None else None)
+            if isinstance(k, (int, float))]
+    if not isinstance(p, (int, float)) or not said or p - max(said) < BATCH_PREFILL_LEARN_MIN:
+        return None
+    return (p - max(said)) / ((tr.first_ns - tr.arrival_ns) / 1e9)
 
 
 def _cached_tokens(r: LiveRequest) -> float:
