@@ -6100,8 +6100,8 @@ def test_a_batch_400s_span_holds_its_prompts_prefill_at_the_streams_rate():
     for t, n in ev:
         led.on_tokens(tr, t, n)
     tr.first_ns, tr.last_ns, tr.end_ns = ev[0][0], ev[-1][0], ev[-1][0] + int(0.05 * S)
-    tr.counts = Counts(generated_tokens=len(ev), prompt_tokens=p, model=None, stop_reason="length", token_source="usage",
-                       cached_tokens=0)  # its server said its cache's part: none (`prefill_rate_shown`)
+    tr.counts = Counts(generated_tokens=len(ev), prompt_tokens=p, model=None, stop_reason="length",
+                       token_source="usage", cached_tokens=0)  # its server said its cache's part: none
     led.on_end(tr)
     assert list(led._prefill_rates) == [pytest.approx(16000.0)], led._prefill_rates
     _band_generate(led, 2, 1.0, 1.05, sequences=25, max_tokens=6, prompt_chars=24 * 6000 + 40, prompt_count=25)
