@@ -5980,6 +5980,13 @@ def test_only_a_400_to_two_prompts_that_sglangs_band_abort_can_leave_running_is_
                     "than the model's context length (2048 tokens).")
     _batch_answered(led, 11, 400, {"sequences": 2, "max_tokens": 5}, msg="temperature must be non-negative")
     _batch_answered(led, 12, 400, {"sequences": 2, "max_tokens": 5}, msg=None)  # its body's message unread
+    # SGLang's validation 400 echoes the client's input ("temperature": the abort's words, refused unrun): before, any
+    # message holding the words marked (83.4 s under none for 2 x 20,000 characters, max_tokens 6); now its start only.
+    for rid, field in ((13, "temperature"), (14, "return_logprob")):
+        _batch_answered(led, rid, 400, {"sequences": 2, "max_tokens": 6}, msg=(
+            f"1 validation error:\n  {{'type': 'float_parsing', 'loc': ('body', '{field}'), 'msg': 'Input should be a "
+            "valid number', 'input': 'Input length (58 tokens) exceeds the maximum allowed length (58 tokens)'}"))
+    _batch_answered(led, 15, 400, {"sequences": 2, "max_tokens": 6}, msg="exceeds the maximum allowed length")
     assert led.recon.batch_run_ons == {}
     led._paces.append(40.0)  # a pace: a known limit's span ends
     _batch_answered(led, 9, 400, {"sequences": 3})  # no limit sent: SGLang's default (16) passes the band, unrun
@@ -6142,13 +6149,69 @@ def test_a_batch_400s_span_holds_its_prompts_prefill_at_the_streams_rate():
     for t, n in ev:
         led.on_tokens(tr, t, n)
     tr.first_ns, tr.last_ns, tr.end_ns = ev[0][0], ev[-1][0], ev[-1][0] + int(0.05 * S)
-    tr.counts = Counts(generated_tokens=len(ev), prompt_tokens=p, model=None, stop_reason="length", token_source="usage")
+    tr.counts = Counts(generated_tokens=len(ev), prompt_tokens=p, model=None, stop_reason="length",
+                       token_source="usage", cached_tokens=0)  # its server said its cache's part: none
     led.on_end(tr)
     assert list(led._prefill_rates) == [pytest.approx(16000.0)], led._prefill_rates
     _band_generate(led, 2, 1.0, 1.05, sequences=25, max_tokens=6, prompt_chars=24 * 6000 + 40, prompt_count=25)
     (a0, a1), = led._batch_spans
     print("span s", (a1 - a0) / 1e9)
-    assert (a1 - a0) / 1e9 >= 2.25 + 1.0, led._batch_spans  # the truth's last prefill, and the slack
+    # The truth's last prefill, and the slack; at most its prompts' characters (a token each) at the rate learned, the
+    # decode at the pace shared, and the slack (the floor's rate alone: 288 s).
+    assert 2.25 + 1.0 <= (a1 - a0) / 1e9 < 144040 / 16000.0 + 3.0, led._batch_spans
+
+
+def _prefill_stream(led, rid, ttft_s, prompt, early=None, final=None, seqs=1):
+    """A finished stream of `prompt` tokens, its first token `ttft_s` after its arrival, its cached count said early
+    (`extra`) and/or in its final usage."""
+    tr, ev, p = _streamed(rid, 0.0, ttft_s, 0.6, n=40, prompt=prompt)
+    if early is not None:
+        tr.extra["cached_tokens"] = early
+    if seqs > 1:
+        tr.extra["sequences"] = seqs
+    led.on_start(tr)
+    for t, n in ev:
+        led.on_tokens(tr, t, n)
+    tr.first_ns, tr.last_ns, tr.end_ns = ev[0][0], ev[-1][0], ev[-1][0] + int(0.05 * S)
+    tr.counts = Counts(generated_tokens=seqs * len(ev), prompt_tokens=p, model=None, stop_reason="length",
+                       token_source="usage", cached_tokens=final)
+
+
+def test_a_batch_400s_prefill_rate_is_learned_low_never_from_a_cache_hit_or_a_batch():
+    # The review's repro_c_cache_rate: a stream of 4,000 prompt tokens, 3,990 cached, first token at 20 ms. Before: its
+    # cached count said only in its final usage was not taken off (200,000 tok/s learned, a 2-prompt 62,763-id batch's
+    # span 1.48 s beside a 1.9 s true prefill at 16,000 tok/s); a server saying no cached count (SGLang's default)
+    # taught the same; an 8-prompt stream's first token read all 8,000 tokens (114,286 tok/s); the median was taken.
+    # Now only a single sequence whose server said a cached count teaches, that count taken off, and the lowest rate.
+    from powerprof.daemon.ledger import BATCH_PREFILL_FLOOR_TOK_S
+    for early, final in ((None, 3990), (3990, None), (3990, 3990), (None, None)):
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        _prefill_stream(led, 1, 0.02, 4000, early=early, final=final)
+        led.on_end(led.requests[1].trace)
+        assert list(led._prefill_rates) == [], (early, final, led._prefill_rates)  # 10 tokens: under the least taught
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    _prefill_stream(led, 1, 0.07, 8000, final=0, seqs=8)  # a batch: its first prompt's prefill alone
+    led.on_end(led.requests[1].trace)
+    _prefill_stream(led, 2, 0.02, 4000)  # no cached count said: may be a hit
+    led.on_end(led.requests[2].trace)
+    assert list(led._prefill_rates) == [], led._prefill_rates
+    _band_generate(led, 3, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2)
+    (a0, a1), = led._batch_spans
+    print("span s, floor", (a1 - a0) / 1e9)
+    assert (a1 - a0) / 1e9 >= 62763 / BATCH_PREFILL_FLOOR_TOK_S, led._batch_spans
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    for rid, (ttft, prompt, early, final) in enumerate(((0.25, 4000, None, 0), (0.02, 4000, 10, 3990),
+                                                        (0.1, 4000, 2000, None), (0.2, 4000, 0, 0)), 1):
+        _prefill_stream(led, rid, ttft, prompt, early=early, final=final)  # 16,000, -, 20,000, 20,000 tok/s
+        led.on_end(led.requests[rid].trace)
+    assert sorted(led._prefill_rates) == [pytest.approx(16000.0), pytest.approx(20000.0), pytest.approx(20000.0)], \
+        led._prefill_rates
+    _band_generate(led, 9, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2)
+    (a0, a1), = led._batch_spans
+    print("span s, learned", (a1 - a0) / 1e9)
+    assert 62763 / 16000.0 + 1.0 <= (a1 - a0) / 1e9 < 62763 / 16000.0 + 1.5, led._batch_spans  # the lowest rate
 
 
 def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():
@@ -6165,6 +6228,26 @@ def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():
     (a0, a1), = led._batch_spans
     print("span s", (a1 - a0) / 1e9)
     assert (a1 - a0) / 1e9 >= 13.35 + 1.0, led._batch_spans
+
+
+def test_an_expired_requests_sequences_leave_the_live_count_a_batch_400s_pace_is_shared_by():
+    # The review's F3: a request whose on_end never came (a recorder error) is expired at MAX_OPEN_S, but its sequences
+    # stayed in the live count for good: 50 such 8-sequence requests, and every later 2-prompt max_tokens-6 batch was
+    # marked 62.52 s instead of 2.52 s. Now they leave with it.
+    from powerprof.daemon.ledger import MAX_OPEN_S
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    led._paces.append(40.0)
+    for k in range(50):
+        tr = RequestTrace(100 + k, "POST", "/generate", None, int(0.2 * S), 0, api="sglang-generate", stream=False)
+        tr.extra.update(sequences=8)
+        led.on_start(tr)
+    led._expire(int(0.2 * S) + int((MAX_OPEN_S + 1) * S))
+    assert led.requests == {} and led._live_seqs == {}, len(led._live_seqs)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens=6, prompt_chars=40, prompt_count=2)
+    (a0, a1), = led._batch_spans
+    print("span s", (a1 - a0) / 1e9)
+    assert (a1 - a0) / 1e9 < 3.0, led._batch_spans
 
 
 def test_a_restart_ends_a_batch_400s_span_at_its_window():

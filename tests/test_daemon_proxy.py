@@ -2600,3 +2600,31 @@ def test_a_400s_message_is_read_bounded_for_the_ledgers_band_abort_match(monkeyp
 
     rec = _run(main())
     assert [t.extra.get("error_message") for t in rec.ended] == [msg, None], [t.extra for t in rec.ended]
+
+
+def test_a_deeply_nested_400_body_ends_its_request_with_no_message():
+    # json.loads raises RecursionError, not ValueError, on a body nested 8,000 deep (16,000 bytes, under
+    # ERROR_BODY_MAX_BYTES). Before, it escaped error_message: the trace's recorder_error set, on_end never called, the
+    # request open in the ledger until it expired.
+    from powerprof.daemon import proxy as proxy_mod
+
+    deep = b"[" * 8000 + b"]" * 8000
+    assert proxy_mod.error_message(deep) is None
+
+    async def completion(request):
+        await request.read()
+        return web.Response(body=deep, status=400, content_type="application/json")
+
+    async def main():
+        rec = Rec()
+        r1, r2, px_url = await _proxy_for_completion(completion, rec)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px_url + "/completion", json={"prompt": "x"}) as r:
+                assert r.status == 400 and await r.read() == deep
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    rec = _run(main())
+    assert len(rec.ended) == 1 and rec.ended[0].recorder_error is None, rec.ended
+    assert rec.ended[0].extra.get("error_message") is None

@@ -24,6 +24,7 @@ import heapq
 import itertools
 import logging
 import math
+import re
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -132,9 +133,10 @@ COUNT_STILL_S = 1.0
 # 6 tokens, and its tokenizer manager refuses a batch whole, unrun, where any prompt + max_new_tokens passes the context
 # (docs/simulator.md). A larger known limit leaves no batch running for nobody behind its 400 (`_batch_run_on`).
 SGLANG_BAND_TOKENS = 6
-# The words of that abort's message (managers/utils.py `validate_input_length`): a streamed /v1/completions batch is
-# answered 200, the message in its one error event (`_batch_run_on`).
-SGLANG_BAND_ABORT_WORDS = "exceeds the maximum allowed length"
+# The start of that abort's message (managers/utils.py `validate_input_length`): a streamed /v1/completions batch is
+# answered 200, the message in its one error event (`_batch_run_on`). Matched at the start, whole: its words anywhere
+# matched SGLang's validation 400, whose message echoes the client's input (a "temperature" of those words, unrun).
+SGLANG_BAND_ABORT_RE = re.compile(r"Input length \(\d+ tokens\) exceeds the maximum allowed length \(\d+ tokens\)")
 # The server's aggregate decode rate (tokens a second, all its sequences together) taken where no stream has shown its
 # pace yet (`_batch_end_ns`): each sequence then decodes at this shared by the sequences live.
 BATCH_PACE_FLOOR_TOK_S = 5.0
@@ -483,8 +485,8 @@ class Ledger:
         # Recent streams' decode paces (tokens a second a sequence, first token to last): a stream gone before its first
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
         self._paces: deque = deque(maxlen=RUN_ON_PACES)
-        # Finished streams' prompt tokens over their time to first token (a low reading of the server's prefill rate:
-        # that time holds their queueing too), for a batch's prefill (`_batch_end_ns`).
+        # Finished single-sequence streams' uncached prompt tokens over their time to first token, where a cached count
+        # was said (`prefill_rate_shown`), for a batch's prefill (`_batch_end_ns`, the lowest taken).
         self._prefill_rates: deque = deque(maxlen=RUN_ON_PACES)
         # Sequences of the requests started and not ended, by request id: those a batch's pace is shared by.
         self._live_seqs: dict[int, int] = {}
@@ -806,11 +808,9 @@ class Ledger:
         if (tr.outcome == "ok" and tr.stream is True and tr.first_ns is not None and tr.last_ns is not None
                 and n >= RUN_ON_PACE_TOKENS and tr.last_ns > tr.first_ns):
             self._paces.append((n - 1) / ((tr.last_ns - tr.first_ns) / 1e9))
-        c = tr.counts
-        p = c.prompt_tokens if c is not None and c.prompt_tokens is not None else tr.extra.get("prompt_tokens")
-        if (tr.outcome == "ok" and tr.stream is True and tr.first_ns is not None and tr.first_ns > tr.arrival_ns
-                and isinstance(p, (int, float)) and p - (tr.extra.get("cached_tokens") or 0) >= BATCH_PREFILL_LEARN_MIN):
-            self._prefill_rates.append((p - (tr.extra.get("cached_tokens") or 0)) / ((tr.first_ns - tr.arrival_ns) / 1e9))
+        rate = prefill_rate_shown(tr)
+        if rate is not None:
+            self._prefill_rates.append(rate)
 
     @staticmethod
     def _cost_as_crash(r: LiveRequest, sure: bool) -> None:
@@ -927,11 +927,11 @@ class Ledger:
         # every prompt SGLang's stream wait (RUNS_ON_AFTER_LEAVE) after its end. Before: not marked, its run unflagged.
         c = tr.counts
         streamed = (tr.status == 200 and tr.stream is True and tr.api == "openai-completions" and c is not None
-                    and c.server_error is not None and SGLANG_BAND_ABORT_WORDS in c.server_error)
+                    and c.server_error is not None and SGLANG_BAND_ABORT_RE.match(c.server_error) is not None)
         # Whole, only a 400 whose message is that abort's (the proxy reads it, `proxy.error_message`): a validation
         # 400 (a prompt past the context, a bad parameter, vLLM's or llama.cpp's) ran nothing. Before: any 400, a
         # batch SGLang refused unrun marked 233 s, a vLLM bad-parameter 400 under none 3 s each.
-        band = tr.status == 400 and SGLANG_BAND_ABORT_WORDS in (tr.extra.get("error_message") or "")
+        band = tr.status == 400 and SGLANG_BAND_ABORT_RE.match(tr.extra.get("error_message") or "") is not None
         if (self.serves_generate is False or not (self.recon.server_seen or unplaced)
                 or not (band or streamed)
                 or tr.api is None or not isinstance(seqs, int) or seqs // copies < 2 or tr.end_ns is None
@@ -978,8 +978,8 @@ class Ledger:
     def _batch_end_ns(self, tr: RequestTrace, seqs: int) -> int:
         """The end a batch SGLang answered 400 is taken to run its other prompts within (`_batch_run_on`; not a proof),
         from its arrival: its
-        prompts' prefill (their size, `batch_context_bound`, at the median of the latest streams' prompt tokens over
-        their time to first token, else BATCH_PREFILL_FLOOR_TOK_S), then its max_tokens (an
+        prompts' prefill (their size, `batch_context_bound`, at the lowest rate the latest streams' time to first token
+        showed, `prefill_rate_shown`, else BATCH_PREFILL_FLOOR_TOK_S), then its max_tokens (an
         explicit null: to the context's end, its scheduler's min(1 << 30, max_req_len - prompt - 1), scheduler.py
         `init_req_max_new_tokens`; at most `batch_context_bound`) at a pace taken as a bound under load: the server's
         latest streams' pace (else BATCH_PACE_FLOOR_TOK_S) shared by the batch's sequences and every sequence live now.
@@ -995,7 +995,7 @@ class Ledger:
             return int(attr.NEVER)
         live = sum(self._live_seqs.values())  # this batch ended: not among them
         pace = (float(np.median(self._paces)) if self._paces else BATCH_PACE_FLOOR_TOK_S) / max(seqs + live, 1)
-        rate = float(np.median(self._prefill_rates)) if self._prefill_rates else BATCH_PREFILL_FLOOR_TOK_S
+        rate = min(self._prefill_rates) if self._prefill_rates else BATCH_PREFILL_FLOOR_TOK_S  # the lowest: a bound
         span_s = size / rate + limit / pace
         return min(int(tr.arrival_ns) + int(span_s * 1e9), int(attr.NEVER))
 
@@ -3290,6 +3290,7 @@ class Ledger:
         old = [rid for rid, r in self.requests.items() if now_ns - r.trace.arrival_ns > MAX_OPEN_S * 1e9]
         for rid in old:
             r = self.requests.pop(rid)
+            self._live_seqs.pop(rid, None)  # its on_end never came: left, every later batch's span took its sequences
             self._release(r)
             r.trace.outcome = "expired"
             self.emit("requests", [self._request_row(r)])
@@ -3728,6 +3729,25 @@ def _prompt_sequences(r: LiveRequest) -> int:
     if c is not None and c.prompt_tokens is not None and c.prompt_each_task:
         return seqs
     return max(seqs // max(r.trace.extra.get("choices", 1), 1), 1)
+
+
+def prefill_rate_shown(tr: RequestTrace) -> float | None:
+    """The prefill rate (tokens a second) a finished stream's time to first token shows, a bound that errs low, for a
+    batch 400's span (`Ledger._batch_end_ns`); None where it shows none. Only a single sequence's (a batch's or n > 1's
+    first token comes after its first prompt's prefill, not all of them: 8 prompts at 0.07 s read 114,286 tok/s, truth
+    16,000) whose server said a cached count, early or at its end, the larger taken off its prompt: a cache hit's tiny
+    time read over its whole prompt taught 10x and more (200,000 tok/s beside 16,000), and a server that says no cached
+    count (SGLang's default) may have hit its cache all the same. Its time holds its queueing too: it errs low."""
+    c = tr.counts
+    if (tr.outcome != "ok" or tr.stream is not True or tr.first_ns is None or tr.first_ns <= tr.arrival_ns
+            or tr.extra.get("sequences", 1) != 1 or (c is not None and c.invalid)):
+        return None
+    p = c.prompt_tokens if c is not None and c.prompt_tokens is not None else tr.extra.get("prompt_tokens")
+    said = [k for k in (tr.extra.get("cached_tokens"), c.cached_tokens if c is not None else None)
+            if isinstance(k, (int, float))]
+    if not isinstance(p, (int, float)) or not said or p - max(said) < BATCH_PREFILL_LEARN_MIN:
+        return None
+    return (p - max(said)) / ((tr.first_ns - tr.arrival_ns) / 1e9)
 
 
 def _cached_tokens(r: LiveRequest) -> float:

@@ -1440,7 +1440,7 @@ def error_message(body: bytes) -> str | None:
     body is no such JSON (or was cut at ERROR_BODY_MAX_BYTES)."""
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested deeper than the parser's stack: a 400 of 16,000 bytes held 8,000
         return None
     if not isinstance(doc, dict):
         return None
