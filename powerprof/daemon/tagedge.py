@@ -49,14 +49,17 @@ class Refresh:
 
 
 def wait_refresh(read: Callable, values_j, after_ns, clock_ns: Callable[[], int] = time.monotonic_ns,
-                 sleep: Callable[[float], None] = time.sleep, hold_max_s: float = HOLD_MAX_S
-                 ) -> tuple[list[Refresh], tuple] | None:
+                 sleep: Callable[[float], None] = time.sleep, hold_max_s: float = HOLD_MAX_S,
+                 after_lo_ns=None) -> tuple[list[Refresh], tuple] | None:
     """Poll `read()` ((monotonic ns, wall ns, a `collectors.nvml.CounterRead` or None), as `Sampler.read_with` gives)
     until every GPU's counter differs from `values_j` (per GPU, J, last read at `after_ns`): each GPU's first new
     value and the instant it came, and the read that saw the last of them (the edge: every counter in it fresh).
+    `after_lo_ns`: per GPU, the start of that last read's driver call (`call_start`, `still_from`; a refresh may have
+    come right after it, a loaded host's stall inside the call makes it tens of ms before `after_ns`).
     None where a read failed or some counter did not move within `hold_max_s`."""
     n = len(values_j)
-    last_ns, last_lo = list(after_ns), list(after_ns)  # the last read still old: its instant, its call's start
+    # the last read still old: its instant, its call's start
+    last_ns, last_lo = list(after_ns), list(after_ns if after_lo_ns is None else after_lo_ns)
     got: list[Refresh | None] = [None] * n
     deadline = clock_ns() + int(hold_max_s * 1e9)
     while clock_ns() < deadline:
@@ -185,3 +188,15 @@ def still_at(edge: tuple, fresh: list[Refresh]) -> list[int]:
     """Per GPU, the last instant its counter was seen at its refresh `fresh`: the edge's read where it still shows that
     value (the next refresh came after it), else the refresh itself."""
     return [t if e == f.value_j else f.at_ns for t, e, f in zip(edge[2].t_mono_ns, edge[2], fresh)]
+
+
+def call_start(counters) -> list[int]:
+    """Per GPU, the start of a `CounterRead`'s driver call (monotonic ns): its instant less half the call's length."""
+    half = counters.t_half_ns if len(getattr(counters, "t_half_ns", ())) == len(counters) else (0,) * len(counters)
+    return [t - h for t, h in zip(counters.t_mono_ns, half)]
+
+
+def still_from(edge: tuple, fresh: list[Refresh]) -> list[int]:
+    """`still_at`'s read, as its driver call's start (`wait_refresh`'s `after_lo_ns`): the edge's call where it still
+    shows `fresh`, else the earliest the refresh `fresh` may have come (the counter moved again after it)."""
+    return [lo if e == f.value_j else f.at_ns - f.off_ns for lo, e, f in zip(call_start(edge[2]), edge[2], fresh)]
