@@ -69,3 +69,17 @@ def test_a_stop_calls_read_that_stalled_inside_the_driver_call_dates_the_refresh
     assert abs(err_j) <= bound_j, (err_j, bound_j)
     # 10 J window (0.065 s to the call at 0.115 s): over 25% of what it reports, so edges-late says it
     assert bound_j > max(tagedge.MISDATED_MAX_SHARE * (10.0 + err_j), tagedge.MISDATED_MAX_J), (err_j, bound_j)
+
+
+def _s3():
+    """S3: one refresh (200 W) 81 ms after the stop call at 0.020 s, then none within the hold (a stalled counter)."""
+    return _stop(_Counters([[0.001, 0.101]], [200.0], 0.018))
+
+
+def test_a_stop_edge_whose_counter_stalled_after_its_first_refresh_is_bounded_by_what_that_refresh_may_hold():
+    # S3: _stop_trim keeps the first refresh's value (no power over a next one to place the call back); its bound
+    # was 0, so a 40 ms window (8.05 J) read 24.20 J unflagged. The call's value lies between the read at the call and
+    # that refresh: that range bounds it.
+    err_j, bound_j = _s3()
+    assert err_j > 10.0 and abs(err_j) <= bound_j, (err_j, bound_j)
+    assert bound_j > max(tagedge.MISDATED_MAX_SHARE * (8.0 + err_j), tagedge.MISDATED_MAX_J), (err_j, bound_j)

@@ -152,13 +152,12 @@ def start_misdated_j(first: list[Refresh], second: list[Refresh], edge: tuple) -
 def stop_misdated_j(stop_ns, before_j, first: list[Refresh], second: list[Refresh]) -> tuple:
     """Per GPU, J: how far `stop_trim_j`'s counter value at the stop call (placed back from the first refresh after
     the call at the power over the next) may be off where those refreshes are dated only to within their `off_ns`;
-    at most what came between the value read at the call and that refresh (the value is kept between them). 0 where
-    the counter stalled after the first refresh (no power over the next one: nothing placed back)."""
+    at most what came between the value read at the call and that refresh (the value is kept between them), and all of
+    that where the counter stalled after the first refresh (no power over the next one: the refresh's value kept)."""
     out = []
     for t_stop, e0, r1, r2 in zip(stop_ns, before_j, first, second):
-        ok = r2.at_ns > r1.at_ns
-        out.append(min(_misdated_j(r1, r2, r1.off_ns, r1.at_ns - t_stop), max(r1.value_j - float(e0), 0.0))
-                   if ok else 0.0)
+        misdated_j = _misdated_j(r1, r2, r1.off_ns, r1.at_ns - t_stop) if r2.at_ns > r1.at_ns else math.inf
+        out.append(min(misdated_j, max(r1.value_j - float(e0), 0.0)))
     return tuple(out)
 
 
