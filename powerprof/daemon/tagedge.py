@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from powerprof.storage.schema import TAG_LATE_FLAG, TAG_UNHELD_FLAG  # noqa: F401 (the ledger's notes say them)
+
 # Between counter reads while waiting for a refresh: a refresh is dated to within this (half of it, at the midpoint
 # of the reads around it). A real H200's read costs ~2.6 ms of CPU (docs/hardware.md): this is at most a few
 # hundred reads a window's edge, and tags are opened by hand or by a benchmark's harness, not per request.
@@ -171,14 +173,12 @@ def off_ms(*refreshes: list[Refresh]) -> float:
 # tag windows' energy is held to against the simulator's truth (tests/test_daemon_tag_note.py).
 MISDATED_MAX_SHARE = 0.25
 MISDATED_MAX_J = 3.0
-TAG_LATE_FLAG = "edges-late"
 TAG_LATE_FIX = ("CPU to spare for the daemon (other processes kept its counter polls waiting: a less loaded host, or "
                 "the daemon at a higher priority), or a longer window (the error is joules at each edge, not a "
                 "percentage of the window)")
 
 
 # A tag row's energy_note where its edges could not be held past a refresh (ledger._tag_note).
-TAG_UNHELD_FLAG = "edges-unheld"
 TAG_UNHELD_FIX = ("a window of at least a second (a counter one refresh stale at each edge is then a few percent), "
                   "and the log's NVML errors (a stalled counter)")
 
