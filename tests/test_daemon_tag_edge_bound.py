@@ -83,3 +83,42 @@ def test_a_stop_edge_whose_counter_stalled_after_its_first_refresh_is_bounded_by
     err_j, bound_j = _s3()
     assert err_j > 10.0 and abs(err_j) <= bound_j, (err_j, bound_j)
     assert bound_j > max(tagedge.MISDATED_MAX_SHARE * (8.0 + err_j), tagedge.MISDATED_MAX_J), (err_j, bound_j)
+
+
+def _start(c: _Counters):
+    """A held start edge: (the window's energy error from its start value after the trim, J; its bound, J)."""
+    held = Daemon._hold_edge(c.daemon(), False)
+    assert held is not None
+    edge = held[3]
+    at = held[1][2].t_mono_ns
+    start_j = [float(v) + t for v, t in zip(held[1][2], edge.trim_j)]
+    return sum(c.energy_j(g, a / S) for g, a in enumerate(at)) - sum(start_j), sum(edge.misdated_j)
+
+
+class _StallOnce(_Counters):
+    """The read after `at_s` waits `stall_s` first (a host stall)."""
+
+    def __init__(self, *a, at_s, stall_s, **k):
+        super().__init__(*a, **k)
+        self.at_s, self.stall_s = at_s, stall_s
+
+    def read(self):
+        if self.at_s is not None and self.t_s > self.at_s:
+            self.at_s, self.t_s = None, self.t_s + self.stall_s
+        return super().read()
+
+
+def _s2():
+    """S2: GPU A 400 W, B 60 W, both refreshing every 100 ms (A at 0.016 + 0.1k, B at 0.015 + 0.1k); the start call at
+    0.0155; a 20 ms host stall before B's second refresh is seen, A refreshing again (0.216) inside it."""
+    return _start(_StallOnce([[0.016 + 0.1 * k for k in range(10)], [0.015 + 0.1 * k for k in range(10)]],
+                             [400.0, 60.0], 0.0135, at_s=0.2135, stall_s=0.0195))
+
+
+def test_a_start_edge_on_a_gpu_whose_counter_refreshed_again_before_the_edge_is_bounded():
+    # S2: the edge's read shows A's refresh after its second one, so A gets no trim, and its bound was 0: the energy A
+    # drew between that refresh and the read (~8 J at 400 W) went into a 60 ms window (27.6 J) unsaid, bound 0.76 J.
+    # Now A's part is bounded by its power times the time from the last read still at its second refresh to the edge.
+    err_j, bound_j = _s2()
+    assert err_j > 5.0 and abs(err_j) <= bound_j, (err_j, bound_j)
+    assert bound_j > max(tagedge.MISDATED_MAX_SHARE * (27.6 + err_j), tagedge.MISDATED_MAX_J), (err_j, bound_j)

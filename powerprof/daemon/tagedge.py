@@ -48,6 +48,8 @@ class Refresh:
     at_ns: int
     value_j: float
     off_ns: int = 0
+    # the start of the driver call of the last read `wait_refresh` saw still at this value (a next refresh came after)
+    seen_lo_ns: int = 0
 
 
 def wait_refresh(read: Callable, values_j, after_ns, clock_ns: Callable[[], int] = time.monotonic_ns,
@@ -74,10 +76,12 @@ def wait_refresh(read: Callable, values_j, after_ns, clock_ns: Callable[[], int]
         half = r.t_half_ns if len(getattr(r, "t_half_ns", ())) == n else (0,) * n
         for k in range(n):
             if got[k] is not None:
+                if r[k] == got[k].value_j:
+                    got[k].seen_lo_ns = at[k] - half[k]
                 continue
             if r[k] != values_j[k]:
                 mid = (last_ns[k] + at[k]) // 2
-                got[k] = Refresh(mid, float(r[k]), max(mid - last_lo[k], at[k] + half[k] - mid))
+                got[k] = Refresh(mid, float(r[k]), max(mid - last_lo[k], at[k] + half[k] - mid), at[k] - half[k])
             else:
                 last_ns[k], last_lo[k] = at[k], at[k] - half[k]
         if all(g is not None for g in got):
@@ -132,22 +136,37 @@ def _misdated_j(r1: Refresh, r2: Refresh, off_ns: int, lever_ns: int) -> float:
     power over `r1` → `r2`, may be off: the power there times that date's error, and the power's own error (its
     span off by both dates, at most) over the lever. The GPU's power taken as steady over them; infinite where the
     dates' errors could span the whole refresh (no bound on that power)."""
-    span_ns = r2.at_ns - r1.at_ns
-    if span_ns - r1.off_ns - r2.off_ns <= 0:
+    most_w = _most_w(r1, r2)
+    if math.isinf(most_w):
         return math.inf
-    most_w = max(r2.value_j - r1.value_j, 0.0) / ((span_ns - r1.off_ns - r2.off_ns) / 1e9)
-    power_w = max(r2.value_j - r1.value_j, 0.0) / (span_ns / 1e9)
+    power_w = max(r2.value_j - r1.value_j, 0.0) / ((r2.at_ns - r1.at_ns) / 1e9)
     return (most_w * off_ns + (most_w - power_w) * max(lever_ns, 0)) / 1e9
+
+
+def _most_w(r1: Refresh, r2: Refresh) -> float:
+    """W: the most the power over `r1` → `r2` may be, their span short by both dates' errors; infinite where those
+    could span it whole."""
+    span_ns = r2.at_ns - r1.at_ns - r1.off_ns - r2.off_ns
+    return max(r2.value_j - r1.value_j, 0.0) / (span_ns / 1e9) if span_ns > 0 else math.inf
 
 
 def start_misdated_j(first: list[Refresh], second: list[Refresh], edge: tuple) -> tuple:
     """Per GPU, J: how far the held start edge's energy (the counter's value at its refresh `second`, plus
     `start_trim_j`'s power up to the edge's read) may be off where its refreshes are dated only to within their
-    `off_ns`. 0 where `start_trim_j` takes nothing out."""
+    `off_ns`. Where the counter moved again before the edge's read (several GPUs at other phases: `start_trim_j` takes
+    nothing out), the edge's value is a later refresh's and misses what came between it and the read: at most the
+    power over `first` → `second` (at its most) from the last read still at `second` (its call's start) to the edge's
+    call's end."""
     out = []
-    for r1, r2, e, at in zip(first, second, edge[2], edge[2].t_mono_ns):
-        ok = e == r2.value_j and r2.at_ns > r1.at_ns
-        out.append(_misdated_j(r1, r2, r2.off_ns, at - r2.at_ns) if ok else 0.0)
+    half = edge[2].t_half_ns if len(getattr(edge[2], "t_half_ns", ())) == len(edge[2]) else (0,) * len(edge[2])
+    for r1, r2, e, at, h in zip(first, second, edge[2], edge[2].t_mono_ns, half):
+        if r2.at_ns <= r1.at_ns:
+            out.append(0.0)
+        elif e == r2.value_j:
+            out.append(_misdated_j(r1, r2, r2.off_ns, at - r2.at_ns))
+        else:
+            most_w = _most_w(r1, r2)
+            out.append(most_w * max(at + h - r2.seen_lo_ns, 0) / 1e9 if not math.isinf(most_w) else math.inf)
     return tuple(out)
 
 
