@@ -188,7 +188,7 @@ def off_ms(*refreshes: list[Refresh]) -> float:
 
 
 # A tag row's energy_note where its held edges' refreshes were dated too loosely for its figure (ledger._tag_note):
-# where what that may move it by is over this share of its GPU energy and over MISDATED_MAX_J. The tolerance the
+# where what that may move it by is over this share of the least its GPU energy may be and over MISDATED_MAX_J. The tolerance the
 # tag windows' energy is held to against the simulator's truth (tests/test_daemon_tag_note.py).
 MISDATED_MAX_SHARE = 0.25
 MISDATED_MAX_J = 3.0
