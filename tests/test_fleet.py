@@ -972,9 +972,16 @@ def test_tag_windows_whose_edges_may_be_off_are_left_out_of_their_tag_and_said(t
                               (10, 200.0, None),
                               (20, 600.0, "edges-late: ... gpu_energy_j and gpu_j_per_token may be off by any amount"),
                               (30, 900.0, "estimated from power readings; edges-unheld: a GPU's energy counter did not "
-                                          "move within 0.3 s"))])
+                                          "move within 0.3 s"))]
+                 # a tag named like a flag, said in its closed-at-shutdown note's fix: counted, its name not read
+                 + [{"daemon_id": "d0", "name": "x; edges-late: y", "t_start_utc": T0_NS + 40 * 10**9,
+                     "t_end_utc": T0_NS + 45 * 10**9, "duration_s": 5.0, "gpu_energy_j": 300.0,
+                     "unproxied_energy_j": 0.0, "proxy_tokens": 100.0, "server_count": "complete",
+                     "energy_note": "closed at shutdown: the daemon stopped ...; fix: powerprof tag stop x; edges-late: "
+                                    "y before stopping the daemon"}])
     assert store.flush()
-    [t] = tag_summary([str(tmp_path / "n")]).to_pylist()
+    t, named = tag_summary([str(tmp_path / "n")]).to_pylist()
+    assert named["counted_windows"] == 1 and named["edges_uncertain_windows"] == 0, named
     assert t["windows"] == 3 and t["counted_windows"] == 1 and t["edges_uncertain_windows"] == 2, t
     assert t["gpu_j_per_token"] == pytest.approx(2.0) and t["edges_uncertain_gpu_energy_j"] == pytest.approx(1500.0)
     said = " ".join(" ".join(tag_notes(tag_summary([str(tmp_path / "n")]))).split())

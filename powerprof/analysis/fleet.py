@@ -741,7 +741,8 @@ def fleet_summary(sources) -> pa.Table:
 # one whose figures cannot be (NaN, infinite, negative). A counted window whose bypass traffic was not measured, or
 # measured in part (`off`, `slots_only`: trusted, schema.SERVER_COUNT_TRUSTED), stays in, counted apart to be said.
 # A window otherwise counted whose energy_note says its edges may move its energy past the tolerance (edges-late) or
-# could not be held (edges-unheld) is left out too and counted apart (edges_uncertain_windows, their energy).
+# could not be held (edges-unheld) is left out too and counted apart (edges_uncertain_windows, their energy): each
+# note starts with its flag; the last, closed at shutdown's, names the tag as given (any text), so it is not read.
 TAGS_SQL = """
 SELECT host, name,
        count(*) AS windows,
@@ -776,8 +777,8 @@ SELECT host, name,
 FROM {tags} GROUP BY host, name ORDER BY host, name
 """.replace("NOT ({ok})", "NOT ({sane})").replace("{ok} AND spans_bad", "{sane} AND spans_bad").replace(
     "{counted}", "{ok} AND {energy} AND {trusted} AND {edges_sure}").replace(
-    "{edges_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{TAG_LATE_FLAG}:%' AND coalesce(energy_note, '') "
-                    f"NOT LIKE '%{TAG_UNHELD_FLAG}:%')").replace(
+    "{edges_sure}", "NOT regexp_matches(split_part(coalesce(energy_note, ''), 'closed at shutdown: ', 1), "
+                    f"'(^|; )({TAG_LATE_FLAG}|{TAG_UNHELD_FLAG}): ')").replace(
     "{unmeasured}", f"(server_count <> '{SERVER_COUNT_COMPLETE}')").replace(
     "{trusted}", f"({_count_trusted_sql()} AND unproxied_energy_j IS NOT NULL)").replace(
     "{unknown}", f"({_count_unknown_sql()} OR unproxied_energy_j IS NULL)").replace(
