@@ -553,3 +553,24 @@ def test_a_tag_window_whose_refreshes_dates_could_span_a_refresh_says_its_energy
     (row,) = sink.rows["tags"]
     assert "edges-late" in row["energy_note"] and "may be off by any amount" in row["energy_note"], row
     assert "inf" not in row["energy_note"], row["energy_note"]
+
+
+def test_a_tag_windows_edges_late_share_is_of_the_least_it_may_hold_not_of_its_own_figure():
+    # A 40 J window whose edges may be 9 J off may truly hold 31 J: 9 J is 29% of that. Held to 25% of its own 40 J
+    # (10 J) it said nothing: an over-read figure widened its own allowance.
+    from powerprof.daemon import tagedge
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _gpu(led, 0, 0.0, 200.0)
+    led.add_gpu_edge(int(0.11 * S), int(0.11 * S), [22.0])
+    led.open_tag("job", int(0.11 * S), int(0.11 * S), held=True, start_edge=tagedge.StopEdge((0.0,), 0.0, (9.0,), 20.0))
+    _request(led, 0.12, 0.3, n=2)
+    led.add_gpu_edge(int(0.31 * S), int(0.31 * S), [62.0])
+    led.close_tag("job", int(0.31 * S), int(0.31 * S), stop_edge=tagedge.StopEdge((0.0,), 0.0, (0.0,), 1.0), held=True)
+    for k in range(1, 4):
+        _gpu(led, k, 200.0 * k, 200.0)
+    led.advance(int(6 * S))
+    (row,) = sink.rows["tags"]
+    assert row["gpu_energy_j"] == pytest.approx(40.0), row
+    assert "edges-late" in (row["energy_note"] or "") and "up to 9 J" in row["energy_note"], row

@@ -958,6 +958,36 @@ def test_tag_windows_over_an_interval_left_out_are_left_out_of_their_tag_and_sai
     assert "node-0 exp: 1 of 2" in said and "interval left out" in said, said
 
 
+def test_tag_windows_whose_edges_may_be_off_are_left_out_of_their_tag_and_said(tmp_path):
+    # A window whose row says edges-late (its edges' energy may be off past the tolerance, here by any amount) or
+    # edges-unheld was counted in its tag's figures with nothing said: one clean 2.0 J/token window beside an
+    # edges-late one read 2 of 2 counted, 4.0 J/token, no note (the hostile review's repro_analyze.py).
+    _node(tmp_path / "n", 0)
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("tags", [{"daemon_id": "d0", "name": "exp", "t_start_utc": T0_NS + a * 10**9,
+                           "t_end_utc": T0_NS + (a + 5) * 10**9, "duration_s": 5.0, "gpu_energy_j": e,
+                           "unproxied_energy_j": 0.0, "proxy_tokens": 100.0, "server_count": "complete",
+                           "energy_note": note}
+                          for a, e, note in (
+                              (10, 200.0, None),
+                              (20, 600.0, "edges-late: ... gpu_energy_j and gpu_j_per_token may be off by any amount"),
+                              (30, 900.0, "estimated from power readings; edges-unheld: a GPU's energy counter did not "
+                                          "move within 0.3 s"))]
+                 # a tag named like a flag, said in its closed-at-shutdown note's fix: counted, its name not read
+                 + [{"daemon_id": "d0", "name": "x; edges-late: y", "t_start_utc": T0_NS + 40 * 10**9,
+                     "t_end_utc": T0_NS + 45 * 10**9, "duration_s": 5.0, "gpu_energy_j": 300.0,
+                     "unproxied_energy_j": 0.0, "proxy_tokens": 100.0, "server_count": "complete",
+                     "energy_note": "closed at shutdown: the daemon stopped ...; fix: powerprof tag stop x; edges-late: "
+                                    "y before stopping the daemon"}])
+    assert store.flush()
+    t, named = tag_summary([str(tmp_path / "n")]).to_pylist()
+    assert named["counted_windows"] == 1 and named["edges_uncertain_windows"] == 0, named
+    assert t["windows"] == 3 and t["counted_windows"] == 1 and t["edges_uncertain_windows"] == 2, t
+    assert t["gpu_j_per_token"] == pytest.approx(2.0) and t["edges_uncertain_gpu_energy_j"] == pytest.approx(1500.0)
+    said = " ".join(" ".join(tag_notes(tag_summary([str(tmp_path / "n")]))).split())
+    assert "node-0 exp: 2 of 3, 1500.0 J" in said and "edges-late" in said and "edges-unheld" in said, said
+
+
 def _hostile_fleet(root: Path) -> Path:
     """8 nodes; node-2 and node-5 hold a row each rule of `powerprof fleet` leaves out of a figure."""
     for k in range(NODES):

@@ -19,7 +19,8 @@ from powerprof.paths import holds_sweep_run, resolve_problem
 from powerprof.profiler import BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
 from powerprof.storage import datafiles
 from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_TRUSTED, SERVER_COUNT_UNREAD,
-                                      NOT_FORWARDED_NOTE, SERVER_GPU_UNSAMPLED_FLAG, UNSURE_FLAG, bypass_count_fix)
+                                      NOT_FORWARDED_NOTE, SERVER_GPU_UNSAMPLED_FLAG, TAG_LATE_FLAG, TAG_UNHELD_FLAG,
+                                      UNSURE_FLAG, bypass_count_fix)
 
 from .engine import connect, to_arrow
 from .rowkeys import KEYS, WHY, folder_sql, keyless_sql
@@ -236,7 +237,8 @@ COLUMNS = {
                   "t_end_utc": "TIMESTAMPTZ", "server_count": "VARCHAR", "simulated": "BOOLEAN", "gpu_uuids": "VARCHAR"},
     "tags": {"host": "VARCHAR", "simulated": "BOOLEAN", "daemon_id": "VARCHAR", "name": "VARCHAR", "t_start_utc": "TIMESTAMPTZ",
              "t_end_utc": "TIMESTAMPTZ", "duration_s": "DOUBLE", "gpu_energy_j": "DOUBLE", "proxy_tokens": "DOUBLE",
-             "server_count": "VARCHAR", "unproxied_energy_j": "DOUBLE", "gpu_uuids": "VARCHAR"},
+             "server_count": "VARCHAR", "unproxied_energy_j": "DOUBLE", "gpu_uuids": "VARCHAR",
+             "energy_note": "VARCHAR"},
 }
 
 
@@ -738,6 +740,9 @@ def fleet_summary(sources) -> pa.Table:
 # server_count or unproxied_energy_j: null, never taken as 0), one with no GPU energy (a GPU unread inside it), and
 # one whose figures cannot be (NaN, infinite, negative). A counted window whose bypass traffic was not measured, or
 # measured in part (`off`, `slots_only`: trusted, schema.SERVER_COUNT_TRUSTED), stays in, counted apart to be said.
+# A window otherwise counted whose energy_note says its edges may move its energy past the tolerance (edges-late) or
+# could not be held (edges-unheld) is left out too and counted apart (edges_uncertain_windows, their energy): each
+# note starts with its flag; the last, closed at shutdown's, names the tag as given (any text), so it is not read.
 TAGS_SQL = """
 SELECT host, name,
        count(*) AS windows,
@@ -755,6 +760,9 @@ SELECT host, name,
            AS bypass_uncertain_gpu_energy_j,
        string_agg(DISTINCT server_count, ',') FILTER (WHERE {ok} AND {energy} AND NOT {trusted} AND NOT {unknown})
            AS bypass_uncertain_reasons,
+       count(*) FILTER (WHERE {ok} AND {energy} AND {trusted} AND NOT {edges_sure}) AS edges_uncertain_windows,
+       sum(gpu_energy_j) FILTER (WHERE {ok} AND {energy} AND {trusted} AND NOT {edges_sure})
+           AS edges_uncertain_gpu_energy_j,
        count(*) FILTER (WHERE {ok} AND {energy} AND {unknown}) AS bypass_unknown_windows,
        count(*) FILTER (WHERE {counted} AND {unmeasured}) AS bypass_unmeasured_windows,
        sum(gpu_energy_j) FILTER (WHERE {counted} AND {unmeasured}) AS bypass_unmeasured_gpu_energy_j,
@@ -768,7 +776,9 @@ SELECT host, name,
        CAST(sum(conflicts) AS BIGINT) AS conflicting_windows
 FROM {tags} GROUP BY host, name ORDER BY host, name
 """.replace("NOT ({ok})", "NOT ({sane})").replace("{ok} AND spans_bad", "{sane} AND spans_bad").replace(
-    "{counted}", "{ok} AND {energy} AND {trusted}").replace(
+    "{counted}", "{ok} AND {energy} AND {trusted} AND {edges_sure}").replace(
+    "{edges_sure}", "NOT regexp_matches(split_part(coalesce(energy_note, ''), 'closed at shutdown: ', 1), "
+                    f"'(^|; )({TAG_LATE_FLAG}|{TAG_UNHELD_FLAG}): ')").replace(
     "{unmeasured}", f"(server_count <> '{SERVER_COUNT_COMPLETE}')").replace(
     "{trusted}", f"({_count_trusted_sql()} AND unproxied_energy_j IS NOT NULL)").replace(
     "{unknown}", f"({_count_unknown_sql()} OR unproxied_energy_j IS NULL)").replace(
@@ -852,6 +862,16 @@ def tag_notes(t: pa.Table) -> list[str]:
                    "how much bypass traffic the count missed nothing says (none, where every request went through the "
                    "proxy); the fix: " + bypass_count_fix(",".join(r["bypass_uncertain_reasons"] or "" for r in low))
                    + " (docs/daemon.md, Which rows may be low)")
+    late = [r for r in rows if r["edges_uncertain_windows"]]
+    if late:
+        out.append(f"tag windows whose edges may move their energy past the tolerance ({TAG_LATE_FLAG}: the daemon's "
+                   "counter reads at an edge came far apart on a loaded host) or could not be held past a counter "
+                   f"refresh ({TAG_UNHELD_FLAG}: each edge up to a refresh stale) were left out of their tag's energy, "
+                   "tokens and J/token: " + "; ".join(
+                       f"{r['host']} {r['name']}: {r['edges_uncertain_windows']} of {r['windows']}, "
+                       f"{r['edges_uncertain_gpu_energy_j'] or 0.0:.1f} J" for r in late)
+                   + "; each window's energy_note says which, by how much and the fix (CPU to spare for the daemon, a "
+                   "longer window; docs/daemon.md, Tag windows and the counter's refresh)")
     unknown = [r for r in rows if r["bypass_unknown_windows"]]
     if unknown:
         out.append("tag windows whose bypass traffic is unknown (server_count unread: the server's count not read yet; "

@@ -3372,8 +3372,10 @@ class Ledger:
                          "stale (100 ms on an H200): gpu_energy_j is good to about a refresh of the GPUs' power at each "
                          f"edge, not to a percentage; fix: {TAG_UNHELD_FIX}")
         misdated_j = sum(j for g, j in enumerate(tg.misdated_j) if g not in tg.excluded)
+        # against the least the window may truly hold: an over-read figure would widen its own allowance
         if (row["gpu_energy_j"] is not None and tg.t1_ns is not None
-                and misdated_j > max(tagedge.MISDATED_MAX_SHARE * row["gpu_energy_j"], tagedge.MISDATED_MAX_J)):
+                and misdated_j > max(tagedge.MISDATED_MAX_SHARE * max(row["gpu_energy_j"] - misdated_j, 0.0),
+                                     tagedge.MISDATED_MAX_J)):
             by = (f"may be off by up to {misdated_j:.3g} J (the GPUs' power there times that)" if math.isfinite(misdated_j)
                   else "may be off by any amount (those errors could span a whole refresh: the power there is unbounded)")
             notes.append(f"{tagedge.TAG_LATE_FLAG}: the daemon's counter reads at this window's edges came far apart "

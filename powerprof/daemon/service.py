@@ -782,11 +782,12 @@ class Daemon:
         at0 = getattr(first[2], "t_mono_ns", ())
         if first[2] is None or len(at0) != len(first[2]):
             return None
-        r1 = tagedge.wait_refresh(self._read_counters, tuple(first[2]), at0, self.sampler.clock.monotonic_ns)
+        r1 = tagedge.wait_refresh(self._read_counters, tuple(first[2]), at0, self.sampler.clock.monotonic_ns,
+                                  after_lo_ns=tagedge.call_start(first[2]))
         if r1 is None or stop:
             return None if r1 is None else (first, r1[1], r1[0], None)
         r2 = tagedge.wait_refresh(self._read_counters, tuple(f.value_j for f in r1[0]), tagedge.still_at(r1[1], r1[0]),
-                                  self.sampler.clock.monotonic_ns)
+                                  self.sampler.clock.monotonic_ns, after_lo_ns=tagedge.still_from(r1[1], r1[0]))
         if r2 is None:
             return None
         return first, r2[1], r2[0], tagedge.StopEdge(tagedge.start_trim_j(r1[0], r2[0], r2[1]), 0.0,
@@ -799,7 +800,7 @@ class Daemon:
         at0 = first[2].t_mono_ns
         held_s = max(edge[0] - min(at0), 0) / 1e9
         r2 = tagedge.wait_refresh(self._read_counters, tuple(f.value_j for f in fresh), tagedge.still_at(edge, fresh),
-                                  self.sampler.clock.monotonic_ns)
+                                  self.sampler.clock.monotonic_ns, after_lo_ns=tagedge.still_from(edge, fresh))
         if r2 is None:  # stalled since: the measured part alone (what came after the first refresh)
             r2 = (fresh, None)
         return tagedge.StopEdge(tagedge.stop_trim_j(at0, tuple(first[2]), fresh, r2[0], tuple(edge[2])), held_s,

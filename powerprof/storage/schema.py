@@ -339,6 +339,11 @@ SERVER_COUNT_RUN_ON_MAY_END = "run_on_may_end"
 # requests beside it (high) and later windows' bypass count may be high: one of BYPASS_COUNT_TWO_WAY.
 SERVER_COUNT_BATCH_RUN_ON = "batch_run_on"
 BYPASS_LOW_FLAG = "bypass-uncounted"
+# A daemon tag row's energy_note where its held edges may move its energy past the tolerance (daemon/tagedge.py:
+# edges-late, their refreshes dated between reads a loaded host spaced out) or could not be held past a refresh
+# (edges-unheld): `analyze` leaves such a window out of its tag's figures and counts it apart (analysis/fleet.py).
+TAG_LATE_FLAG = "edges-late"
+TAG_UNHELD_FLAG = "edges-unheld"
 # A daemon request row's energy_note where its figure may be read either way and nothing measured says which: its
 # client gone, a run-on a found-down scrape not proven a death may have cut (nearly all of it too much if so), or a
 # close with no answer costed as a crash with no death shown (a queuing router refusing it unrun reads the same), or
