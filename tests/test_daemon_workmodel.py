@@ -235,6 +235,35 @@ def test_gpus_that_work_together_all_take_part():
     assert learner.costs((300.0, 300.0)).idle_w == pytest.approx(60.0, rel=0.01)
 
 
+def test_with_no_idle_interval_the_gpus_serving_are_judged_by_how_their_busy_power_follows_the_work():
+    # No idle interval at all (steady traffic, intervals not cut at the gaps): the busy intervals' work rates vary
+    # (TRUE costs, 0.5-1 of each 1 s interval live). GPU 0 and GPU 1 serve together (TP: half each, 2% counter noise);
+    # GPU 2 draws 60 W ± 3 W serving nothing; GPU 3 runs load of its own (40-250 W, unrelated to the work).
+    # Before: never judged (serving None), all four GPUs' energy the requests'.
+    rng = np.random.default_rng(7)
+    learner = CostLearner()
+    for _ in range(MIN_BUSY):
+        live = rng.uniform(0.5, 1.0)
+        steps = int(40 * live)
+        x = np.array([[1.0, steps, steps * 8, 0, steps * 8 * 0.5]])
+        y = float(x[0] @ TRUE) + 200.0 * live
+        g = [y / 2 * rng.normal(1, 0.02), y / 2 * rng.normal(1, 0.02), rng.normal(60, 3), rng.uniform(40, 250)]
+        learner.add("s", x, np.array([g]), np.ones(1, bool))
+    assert len(learner._g_idle) == 0
+    # GPU 3's own load is taken for serving or not by chance (docs/daemon.md says so); GPUs 0-2 are not in doubt.
+    assert learner.serving is not None and learner.serving[:3].tolist() == [True, True, False]
+
+
+def test_a_load_too_even_to_follow_judges_no_gpu_from_busy_intervals_alone():
+    from powerprof.daemon.workmodel import busy_rise_w
+
+    rng = np.random.default_rng(8)
+    rates = np.full((MIN_BUSY, 4), [30.0, 240.0, 0.0, 120.0])  # every interval the same work
+    power_w = np.column_stack([rng.normal(350, 5, MIN_BUSY), rng.normal(60, 3, MIN_BUSY)])
+    assert busy_rise_w(power_w, rates) is None  # the noise explains nothing: no GPU is judged serving none
+    assert busy_rise_w(power_w[:MIN_BUSY - 1], rates[:MIN_BUSY - 1]) is None
+
+
 def test_after_a_limit_change_the_idle_power_measured_at_the_last_limit_stands_where_it_is_below_the_new():
     # A limit caps power; an idle GPU draws below it, so its idle draw is the same at the next limit. Before, the idle
     # power was None at a new limit until a run of idle intervals closed there or its fit matured (steady traffic: ~31 s
