@@ -372,6 +372,13 @@ async def _tagged_stream(s, url, tag, body):
                         headers={"X-Sim-Request-Id": tag, "X-Powerprof-Tag": tag})
 
 
+async def _ok_100(s, url, k):
+    """A tagged stream `ok{k}` of 100 tokens (ignore_eos, usage asked) over a 50-word prompt, read to its end."""
+    async with await _tagged_stream(s, url, f"ok{k}", {"prompt": f"w{k} " * 50, "max_tokens": 100, "ignore_eos": True,
+                                                       "stream_options": {"include_usage": True}}) as r:
+        await r.read()
+
+
 async def _stream_read_whole(s, url, k):
     """`ok{k}`: 80 tokens streamed with usage, its client there to the end (an honest neighbour)."""
     async with await _tagged_stream(s, url, f"ok{k}", {"prompt": f"w{k} " * 300, "max_tokens": 80,
@@ -528,17 +535,11 @@ def test_an_sglang_batch_answered_400_puts_the_prompts_it_runs_for_nobody_in_unp
                 headers={"X-Sim-Request-Id": "batch", "X-Powerprof-Tag": "batch"}) as r:
             assert r.status == 400, await r.text()
 
-    async def ok(s, url, k):
-        async with await _tagged_stream(s, url, f"ok{k}", {"prompt": f"w{k} " * 50, "max_tokens": 100,
-                                                           "ignore_eos": True,
-                                                           "stream_options": {"include_usage": True}}) as r:
-            await r.read()
-
     async def scene(url):
         async with aiohttp.ClientSession() as s:
             if with_batch:
                 await batch(s, url)
-            await asyncio.gather(*[ok(s, url, k) for k in range(3)])
+            await asyncio.gather(*[_ok_100(s, url, k) for k in range(3)])
 
     _run_daemon(srv, daemon, scene, after_s=4, up=lambda: "proxy" in daemon.urls, up_tries=400)
     truth = {t["client_id"]: t for t in srv.truth if t.get("client_id")}
@@ -579,25 +580,19 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
     srv, daemon = _h200_daemon(tmp_path, "sglang", overrides={"scrape.server": "none"}, decode_tok_s=100.0, n_ctx=256)
     band = " ".join(["w"] * 253)  # 254 tokens with the BOS, of a 256-token context: the other runs to its end
 
-    async def ok(s, url, k):
-        async with await _tagged_stream(s, url, f"ok{k}", {"prompt": f"w{k} " * 50, "max_tokens": 100,
-                                                           "ignore_eos": True,
-                                                           "stream_options": {"include_usage": True}}) as r:
-            await r.read()
-
     async def scene(url):
         async with aiohttp.ClientSession() as s:
-            await asyncio.gather(*[ok(s, url, 10 + k) for k in range(3)])  # a pace learned first
+            await asyncio.gather(*[_ok_100(s, url, 10 + k) for k in range(3)])  # a pace learned first
             await asyncio.sleep(1.5)  # in intervals of their own, apart from the batch's
             async with s.post(url + "/generate", json={"text": ["the power of the clock", band], "sampling_params": {
                     "max_new_tokens": None, "ignore_eos": True}},
                     headers={"X-Sim-Request-Id": "batch", "X-Powerprof-Tag": "batch"}) as r:
                 assert r.status == 400, await r.text()
-            await asyncio.gather(*[ok(s, url, k) for k in range(3)])
+            await asyncio.gather(*[_ok_100(s, url, k) for k in range(3)])
             # Past the bound: twice the context at most (the prompts' 527 characters a token each, 2 BOS, + 6) at the
             # streams' pace (86 tok/s), 12.4 s from its arrival, and a second.
             await asyncio.sleep(14.0)
-            await asyncio.gather(*[ok(s, url, 20 + k) for k in range(3)])
+            await asyncio.gather(*[_ok_100(s, url, 20 + k) for k in range(3)])
 
     _run_daemon(srv, daemon, scene, after_s=4, up=lambda: "proxy" in daemon.urls, up_tries=400)
     truth = {t["client_id"]: t for t in srv.truth if t.get("client_id")}
@@ -635,22 +630,16 @@ def test_a_streamed_sglang_completions_batch_with_a_band_prompt_flags_the_rows_b
     band = " ".join(["w"] * 249)  # 250 tokens with the BOS, of a 256-token context: + 6 fits, in the band
     others = [" ".join([f"p{k}"] * 200) for k in range(8)]
 
-    async def ok(s, url, k):
-        async with await _tagged_stream(s, url, f"ok{k}", {"prompt": f"w{k} " * 50, "max_tokens": 100,
-                                                           "ignore_eos": True,
-                                                           "stream_options": {"include_usage": True}}) as r:
-            await r.read()
-
     async def scene(url):
         async with aiohttp.ClientSession() as s:
-            await asyncio.gather(*[ok(s, url, 10 + k) for k in range(3)])  # a pace learned first
+            await asyncio.gather(*[_ok_100(s, url, 10 + k) for k in range(3)])  # a pace learned first
             await asyncio.sleep(1.5)
             async with await _tagged_stream(s, url, "batch", {"prompt": [*others, band], "max_tokens": 6,
                                                               "ignore_eos": True}) as r:
                 assert r.status == 200 and b"maximum allowed length" in await r.read()
-            await asyncio.gather(*[ok(s, url, k) for k in range(3)])
+            await asyncio.gather(*[_ok_100(s, url, k) for k in range(3)])
             await asyncio.sleep(4.0)  # past the abort 2 s after its end, and a second
-            await asyncio.gather(*[ok(s, url, 20 + k) for k in range(3)])
+            await asyncio.gather(*[_ok_100(s, url, 20 + k) for k in range(3)])
 
     _run_daemon(srv, daemon, scene, after_s=4, up=lambda: "proxy" in daemon.urls, up_tries=400)
     truth = {t["client_id"]: t for t in [*srv.truth, *srv.truth_cancelled] if t.get("client_id")}

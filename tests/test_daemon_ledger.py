@@ -2384,6 +2384,24 @@ def test_lockstep_streams_whose_step_falls_inside_a_scrapes_get_are_not_said_pro
     assert not said, said
 
 
+def _bypass_counts_judged(ivs, times):
+    """Of interval rows scored against the true bypass token times (monotonic ns): those marked `complete` whose
+    server_tokens is off by over 1 token + 5% (start, got, true), and those marked otherwise (start, server_count), the
+    last (past the last scrape, `unscraped`) left out."""
+    tok = np.array(times, dtype=np.int64)
+    off, said = [], []
+    for r in ivs:
+        a = int(round(r["t_start_mono_s"] * S))
+        b = a + int(round(r["duration_s"] * S))
+        true = int(np.searchsorted(tok, b, side="right") - np.searchsorted(tok, a, side="right"))
+        got = r["server_tokens"] or 0.0
+        if r["server_count"] not in ("complete", "unscraped"):
+            said.append((r["t_start_mono_s"], r["server_count"]))
+        elif r["server_count"] == "complete" and abs(got - true) > 1.0 + 0.05 * got:
+            off.append((r["t_start_mono_s"], got, true))
+    return off, said
+
+
 @pytest.mark.parametrize("traffic,get_ms", [("bursts", 200), ("steady", 10), ("steady", 60)])
 def test_bypass_tokens_a_scrapes_get_may_move_across_its_edge_mark_the_intervals_beside_it(traffic, get_ms):
     # No proxied request; bypass traffic straight to the server. The scraper's GETs are stamped at their midpoint
@@ -2423,17 +2441,7 @@ def test_bypass_tokens_a_scrapes_get_may_move_across_its_edge_mark_the_intervals
             led.advance(now)
     led.close_all(int(6.2 * S))
     ivs = sink.rows["intervals"]
-    tok = np.array(times, dtype=np.int64)
-    off, said = [], []
-    for r in ivs:
-        a = int(round(r["t_start_mono_s"] * S))
-        b = a + int(round(r["duration_s"] * S))
-        true = int(np.searchsorted(tok, b, side="right") - np.searchsorted(tok, a, side="right"))
-        got = r["server_tokens"] or 0.0
-        if r["server_count"] not in ("complete", "unscraped"):  # the last, past the last scrape
-            said.append((r["t_start_mono_s"], r["server_count"]))
-        elif r["server_count"] == "complete" and abs(got - true) > 1.0 + 0.05 * got:
-            off.append((r["t_start_mono_s"], got, true))
+    off, said = _bypass_counts_judged(ivs, times)
     assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(len(times), abs=1.0)
     assert not off, off  # before: 8 intervals `complete`, 100 or 0 bypass tokens where 0 or 100 ran
     if traffic == "steady" and get_ms <= 10:  # 0.5 bypass tokens a half GET: `complete`, as before
@@ -2470,17 +2478,7 @@ def test_an_answer_counted_a_scrape_late_for_ending_between_the_reads_marks_the_
             led.advance(now)
     led.close_all(int(6.2 * S))
     ivs = sink.rows["intervals"]
-    tok = np.array(times, dtype=np.int64)
-    off, said = [], []
-    for r in ivs:
-        a = int(round(r["t_start_mono_s"] * S))
-        b = a + int(round(r["duration_s"] * S))
-        true = int(np.searchsorted(tok, b, side="right") - np.searchsorted(tok, a, side="right"))
-        got = r["server_tokens"] or 0.0
-        if r["server_count"] not in ("complete", "unscraped"):  # the last, past the last scrape
-            said.append((r["t_start_mono_s"], r["server_count"]))
-        elif r["server_count"] == "complete" and abs(got - true) > 1.0 + 0.05 * got:
-            off.append((r["t_start_mono_s"], got, true))
+    off, said = _bypass_counts_judged(ivs, times)
     assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(served, abs=1.0)  # all the scrapes read
     assert not off, off
     if missed:  # the two intervals beside the edge say proxy_lag (a count that may be high or low), no others
