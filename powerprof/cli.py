@@ -1564,15 +1564,16 @@ def tag_group() -> None:
 
 def _tag_socket(socket, config_path):
     from powerprof.daemon import config as dconfig
-    from powerprof.paths import cwd_gone, cwd_joined
+    from powerprof.paths import cwd_gone
 
     for flag, path in (("--socket", socket), ("--config", config_path)):
         if path and (why := cwd_gone(path, flag)) is not None:  # said as "no daemon socket at", or no config file
             raise click.UsageError(why)
-    if socket and len(os.fsencode(cwd_joined(socket))) > dconfig.UNIX_PATH_MAX_BYTES:
+    if socket and len(os.fsencode(socket)) > dconfig.UNIX_PATH_MAX_BYTES:
         # The daemon's own check (tags.socket): no socket can be there. It was "cannot reach the daemon at …: OSError:
-        # AF_UNIX path too long", exit 1, as if no daemon ran.
-        raise click.UsageError(f"--socket {socket}: the path is {len(os.fsencode(cwd_joined(socket)))} bytes, more than "
+        # AF_UNIX path too long", exit 1, as if no daemon ran. The path as given, as connect() and the daemon's config
+        # check take it: a short relative name in a deep folder reaches its socket (measured absolute, it was refused).
+        raise click.UsageError(f"--socket {socket}: the path is {len(os.fsencode(socket))} bytes, more than "
                                f"the {dconfig.UNIX_PATH_MAX_BYTES} a unix socket's path may have, so no daemon's socket "
                                "can be there; give the daemon's tags.socket")
     if socket:

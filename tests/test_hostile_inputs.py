@@ -539,3 +539,20 @@ def test_a_peer_that_closes_without_answering_is_said_in_plain_words(tmp_path):
     assert r.exit_code == 1 and (r.exception is None or isinstance(r.exception, SystemExit)), repr(r.exception)
     assert f"the peer at {sock} closed the connection without answering" in said, said
     assert "RemoteDisconnected" not in said, said
+
+
+def test_tag_with_a_short_relative_socket_in_a_deep_folder_is_not_refused_for_its_length(tmp_path, monkeypatch):
+    # connect() takes the path as given (the kernel resolves it from the current folder): `--socket t.sock` from a folder
+    # whose absolute path is past 107 bytes reaches a daemon listening there. Measured absolute, it was refused (exit 2,
+    # "no daemon's socket can be there") beside a daemon that was.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.chdir(deep)
+    r = CliRunner().invoke(main, ["tag", "start", "x", "--socket", "t.sock"])
+    flat = " ".join(r.output.split())
+    assert "a unix socket's path may have" not in flat, flat
+    assert "t.sock" in flat, flat  # no daemon there: said so, naming the socket
