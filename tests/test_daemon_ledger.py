@@ -4565,6 +4565,49 @@ def test_a_whole_answer_llamacpp_run_on_that_stopped_before_its_prefill_guard_en
     assert "the server counts that run's tokens" not in note and UNSURE_FLAG not in note, note
 
 
+def _llamacpp_unknown_span_under_traffic(slots_at):
+    # A llama.cpp whole answer left at 1.0 s, no max_tokens: its counted span has no known end (`Ledger._run_on`). 300 s
+    # of 0.1 s scrape windows, 5 tokens each (other traffic: the count never still); `slots_at(t)`: the /slots read
+    # then, {slot id: (task id, busy)} (`Ledger.window_slots`). The span's (start, end) in s, None for no end.
+    from powerprof.daemon import attribution as attr
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.count_each_step, led.runs_on_after_leave, led.scraping = True, (None, None), True
+    tr = RequestTrace(2, "POST", "/v1/chat/completions", None, int(0.5 * S), 0, api="openai-chat", stream=False)
+    tr.extra.update(prompt_chars=400)
+    led.on_start(tr)
+    tr.end_ns, tr.outcome = int(1.0 * S), "client_disconnected"
+    led.on_end(tr)
+    since = int(0.9 * S)
+    for k in range(1, 3001):
+        t = int((0.9 + 0.1 * k) * S)
+        led.window_slots = (t - int(0.01 * S), t + int(0.01 * S), slots_at(t / S))
+        led.add_server_tokens(t, 5.0, since)
+        since = t
+    (a0, a1), = led._counted_spans.values()
+    return a0 / S, None if a1 >= int(attr.NEVER) else a1 / S
+
+
+def test_a_llamacpp_run_on_with_no_known_end_closes_when_its_slot_moves_on_under_steady_traffic():
+    # Its slot 0 runs task 7 to 20 s, then task 8 (another request); slot 1 idle, the count moving in every window. The
+    # span ends at the first /slots read showing task 7 gone (20.01 s) plus GONE_ABORT_SLACK_S. Before, it never ended
+    # (only a still count closed it): every interval after the leave left out of J/token, every row beside flagged.
+    span = _llamacpp_unknown_span_under_traffic(lambda t: {0: (7 if t < 20.0 - 1e-9 else 8, True), 1: (3, False)})
+    assert span[1] is not None and 20.9 < span[1] < 21.2, span
+    # Gone idle instead of to another task: the same.
+    span = _llamacpp_unknown_span_under_traffic(lambda t: {0: (7, t < 20.0 - 1e-9), 1: (3, False)})
+    assert span[1] is not None and 20.9 < span[1] < 21.2, span
+
+
+@pytest.mark.parametrize("slots", [lambda t: {0: (7, True), 1: (3, False)},
+                                   lambda t: {0: (7 if t < 20.0 - 1e-9 else 8, True), 1: (int(t * 10), True)}],
+                         ids=["its_task_goes_on", "every_slot_busy"])
+def test_a_llamacpp_run_on_with_no_known_end_stays_open_while_its_slot_may_run_it(slots):
+    # Task 7 decoding on through the 300 s: the span stays open. Every slot busy at every read after the leave (slot 1's
+    # task changing at each): the run may have queued behind them, unseen on any slot, so no read notes its slots and
+    # today's rule (a still count) stays.
+    assert _llamacpp_unknown_span_under_traffic(slots)[1] is None
+
+
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):
     # SGLang runs a stream on 2 s after its client left (`Ledger._run_on`). A stream at 40 tokens/s from 0.5 s, its client
     # gone at `leave`; the server down over (down, up): its old process last scraped at `down`, the new one's first

@@ -10,7 +10,8 @@ import types
 import pytest
 
 from powerprof.daemon.scrape import (
-    Cadence, Scraper, burst_start_ns, counter_total, histogram_sum_count, llamacpp_generated, slot_progress, slots_delta)
+    Cadence, Scraper, burst_start_ns, counter_total, histogram_sum_count, llamacpp_generated, slot_progress, slot_tasks,
+    slots_delta)
 from powerprof.daemon.ticks import Waker
 
 VLLM = """# HELP vllm:generation_tokens_total Number of generation tokens processed.
@@ -1233,3 +1234,31 @@ def test_a_llamacpp_scrape_says_whether_its_count_moves_every_step(slots):
     with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=100.0, draft_n_max=0) as srv:
         srv.serve_slots = slots
         assert asyncio.run(go(srv)) is slots
+
+
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "no_slots"])
+def test_a_llamacpp_scrape_hands_its_slots_tasks_to_the_ledger(slots):
+    """The latest scrape's /slots as {slot id: (task id, busy)} (`Scraper.window_slots`, the ledger's `window_slots`):
+    a run-on's span with no known end closes once its slot moved on. None without /slots: the ledger keeps the still
+    count's rule."""
+    import aiohttp
+
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    async def go(srv):
+        async with aiohttp.ClientSession() as s:
+            sc = Scraper(s, srv.url, "llamacpp")
+            await sc.scrape()
+            await sc.scrape()
+            return sc.window_slots
+
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=100.0, draft_n_max=0) as srv:
+        srv.serve_slots = slots
+        seen = asyncio.run(go(srv))
+    if slots:
+        assert seen and all(busy is False for _, busy in seen.values()), seen  # nothing sent: every slot idle
+    else:
+        assert seen is None
+    assert slot_tasks([{"id": 0, "id_task": 7, "is_processing": True}, {"id": 1, "id_task": 3, "is_processing": False},
+                       {"id": "x"}]) == {0: (7, True), 1: (3, False)}

@@ -457,7 +457,8 @@ class Ledger:
         # their energy into unproxied, out of the shares of the requests beside it, so the intervals there say so on
         # their rows (`counted_beside_j`). By request id; with no end known (no max_tokens or no pace: nothing placed)
         # its end is the first scrape window after it that counted nothing (`add_server_tokens`), not before
-        # `_counted_from` (its leave, or its prompt's estimated prefill end: a prefill counts no token).
+        # `_counted_from` (its leave, or its prompt's estimated prefill end: a prefill counts no token), or the first
+        # /slots read where its slots have moved on (`_end_counted_by_slots`).
         self._counted_spans: dict[int, tuple[int, int]] = {}
         self._counted_from: dict[int, int] = {}
         self._count_still_from: int | None = None  # the start of the scrape windows since that counted no token
@@ -466,6 +467,15 @@ class Ledger:
         # counter alone (`--metrics --no-slots`) moves only as a request ends: the simulated llama.cpp's run-on went on
         # 15.3 s after its leave while the count stood still between finishes, the rows there +133%, unflagged.
         self.count_each_step = False
+        # The latest scrape's llama.cpp /slots, (read start, read end, {slot id: (task id, busy)}), set by the daemon's
+        # scrape loop (scrape.Scraper.window_slots); None where /slots was not read. A run-on's span with no known end
+        # closes once every slot busy at the first such read after its leave has moved on (`_end_counted_by_slots`): a
+        # busy server's count moves in every window, so a still count alone never closed it.
+        self.window_slots: tuple[int, int, dict[int, tuple[object, bool]]] | None = None
+        # By counted span: (its latest leave, to note from at the first /slots read begun after it, or None once noted;
+        # the (slot id, task id) pairs busy there), and the slots seen idle at the latest read handled.
+        self._counted_watch: dict[int, tuple[int | None, frozenset]] = {}
+        self._slots_handled: tuple[int, frozenset] | None = None
         # The latest restarts' scrape windows, (start, end, first found down): the old process's last scrape, the new
         # one's first, and the first scrape between that found the server down (None: none did); its run-ons end
         # between the first and the third (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
@@ -876,6 +886,8 @@ class Ledger:
                 a0 = self._counted_spans.get(rid, (int(tr.end_ns),))[0]  # one unbounded span, not one a leave
                 self._counted_spans[rid] = (min(a0, int(tr.end_ns)), int(attr.NEVER))
                 self._counted_from[rid] = max(self._counted_from.get(rid, 0), guard)
+                # Its slots are noted afresh after this leave, beside those of the runs already in the span.
+                self._counted_watch[rid] = (int(tr.end_ns), self._counted_watch.get(rid, (None, frozenset()))[1])
                 return
             span_s = 2.0 * limit / float(np.median(self._paces))
             r.run_on_end_ns, r.run_on_to_end = tr.end_ns + int(min(span_s, RUN_ON_TO_END_MAX_S) * 1e9), True
@@ -2151,6 +2163,35 @@ class Ledger:
                 f = max(int(still), self._counted_from.get(rid, a0))
                 if a1 >= int(attr.NEVER) and t_ns - f >= COUNT_STILL_S * 1e9:
                     self._counted_spans[rid] = (a0, f + int(GONE_ABORT_SLACK_S * 1e9))
+        self._end_counted_by_slots()
+
+    def _end_counted_by_slots(self) -> None:
+        """End the counted spans with no known end whose runs' slots have moved on, by the latest /slots read
+        (`window_slots`). Noted at the first read begun after the latest leave where a slot sat idle at that read and
+        the one before (a run queued behind full slots would have taken it): the (slot, task) pairs busy there hold
+        every run still decoding. Ended at the first read where each of them changed task or went idle, its last step
+        before the read's end, plus GONE_ABORT_SLACK_S. Before, only a still count closed it: under steady traffic,
+        never."""
+        if self.window_slots is None:
+            return
+        r0, r1, slots = self.window_slots
+        if self._slots_handled is not None and self._slots_handled[0] == r1:
+            return  # one read, handed with two windows (a held one's)
+        idle = frozenset(sid for sid, (_, busy) in slots.items() if not busy)
+        idle_before = self._slots_handled[1] if self._slots_handled is not None else frozenset()
+        self._slots_handled = (r1, frozenset((sid, slots[sid][0]) for sid in idle))
+        idle_kept = any((sid, slots[sid][0]) in idle_before for sid in idle)
+        for rid, (after, watched) in list(self._counted_watch.items()):
+            a0, a1 = self._counted_spans.get(rid, (0, 0))
+            if a1 < int(attr.NEVER):
+                continue
+            if after is not None:
+                if r0 < after or not idle_kept:
+                    continue
+                after, watched = None, watched | {(sid, task) for sid, (task, busy) in slots.items() if busy}
+                self._counted_watch[rid] = (after, watched)
+            if all(not slots.get(sid, (None, False))[1] or slots[sid][0] != task for sid, task in watched):
+                self._counted_spans[rid] = (a0, max(a0, r1 + int(GONE_ABORT_SLACK_S * 1e9)))
 
     def note_down(self, since_ns: int, down_ns: int, refused_ns: int | None) -> None:
         """A scrape since the server's last good one (`since_ns`) found it down (the first began at `down_ns`), one
@@ -2742,6 +2783,7 @@ class Ledger:
         # Over a llama.cpp whole answer's run-on, whose tokens the server counts (`_run_on`): read as bypass there.
         self._counted_spans = {k: s for k, s in self._counted_spans.items() if s[1] > t[0]}
         self._counted_from = {k: v for k, v in self._counted_from.items() if k in self._counted_spans}
+        self._counted_watch = {k: v for k, v in self._counted_watch.items() if k in self._counted_spans}
         counted_iv = np.zeros(t.size - 1, bool)
         for a0, a1 in self._counted_spans.values():
             counted_iv |= (a0 < t[1:]) & (a1 > t[:-1])

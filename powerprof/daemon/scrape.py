@@ -120,6 +120,16 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
     return d
 
 
+def slot_tasks(slots) -> dict[int, tuple[object, bool]]:
+    """{slot id: (task id, busy)} from llama.cpp's /slots JSON; a slot that does not say whether it is busy is
+    read as busy, as `slot_progress` reads it."""
+    out = {}
+    for s in slots if isinstance(slots, list) else ():
+        if isinstance(s, dict) and isinstance(s.get("id"), int):
+            out[s["id"]] = (s.get("id_task", s.get("task_id")), bool(s.get("is_processing", s.get("state", 1) != 0)))
+    return out
+
+
 def slot_ended(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object, int]]) -> bool:
     """Whether a request may have ended on a slot between two /slots snapshots: any slot other than idle in both or the
     same task decoding on (a task changed, a count fell or reset to 0 at its end). A task started on an idle slot counts
@@ -361,6 +371,10 @@ class Scraper:
         # The latest scrape's count moves every decode step (llama-server's /slots progress read in it): a still count
         # then says nothing decoded (`Ledger.count_each_step`); its counter alone moves only as a request ends.
         self.window_each_step = False
+        # The latest scrape's /slots as {slot id: (task id, busy)} (`slot_tasks`); None where it was not read. The
+        # ledger ends a run-on with no known end when the slots busy after its leave have all moved on
+        # (`Ledger.window_slots`).
+        self.window_slots: dict[int, tuple[object, bool]] | None = None
         self.restarts = 0  # server restarts seen (a counter gone back, or a new process start time)
         # The latest scrape's window says server_restart told by the counter's fall alone: no scrape found the server
         # down, no start time moved (a multi-process page's dip may pass for one): the ledger ends no run-on there.
@@ -735,6 +749,7 @@ class Scraper:
             return None
         self.window_partial = ()
         self.window_each_step = False
+        self.window_slots = None
         self.window_read_missed = 0.0
         self.restart_by_fall = False
         self.window_down_ns, self.window_down_refused = None, False
@@ -985,8 +1000,10 @@ class Scraper:
         status, text = await self._get("/slots")
         self.read_ns = (read_at_ns, int(time.monotonic() * 1e9))
         await self._take_refusals(int(self._scrape_at * 1e9))
-        slots = slot_progress(slots_json(text)) if status == 200 else None
+        slots_page = slots_json(text) if status == 200 else None
+        slots = slot_progress(slots_page) if status == 200 else None
         self.window_each_step = slots is not None
+        self.window_slots = slot_tasks(slots_page) if slots is not None else None
         # A 502/503 on /metrics fails the scrape even where /slots answered (a gateway's blip on one route): read as a
         # llama-server without --metrics, its window said slots_only and counted the slots' progress, which the page
         # back counted again from the highest reading (20 phantom tokens of 80). Without --metrics it answers 501, not 5xx.

@@ -1112,6 +1112,9 @@ class Daemon:
                 at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
                 led.choices_prefilled_apart = self.scraper.kind in PREFILLS_CHOICES_APART
                 led.count_each_step = self.scraper.window_each_step
+                # Its /slots with the span they were read in: a run-on's span with no known end closes by them.
+                seen = getattr(self.scraper, "window_slots", None)
+                led.window_slots = None if seen is None else (t0, t1, seen)
                 led.serves_generate = None if self.scraper.kind in (None, "none") else self.scraper.kind == "sglang"
                 led.best_of_ignored = self.scraper.kind in IGNORES_BEST_OF or self.scraper.vllm_v1
                 led.runs_on_after_leave = RUNS_ON_AFTER_LEAVE.get(self.scraper.kind or "")
