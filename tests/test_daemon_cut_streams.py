@@ -581,6 +581,7 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
     band = " ".join(["w"] * 253)  # 254 tokens with the BOS, of a 256-token context: the other runs to its end
 
     async def scene(url):
+        await _until_idle_measured(daemon)  # else the first streams are uncertain for that alone (start-up idle flag)
         async with aiohttp.ClientSession() as s:
             await asyncio.gather(*[_ok_100(s, url, 10 + k) for k in range(3)])  # a pace learned first
             await asyncio.sleep(1.5)  # in intervals of their own, apart from the batch's
@@ -631,6 +632,7 @@ def test_a_streamed_sglang_completions_batch_with_a_band_prompt_flags_the_rows_b
     others = [" ".join([f"p{k}"] * 200) for k in range(8)]
 
     async def scene(url):
+        await _until_idle_measured(daemon)  # else the first streams are uncertain for that alone (start-up idle flag)
         async with aiohttp.ClientSession() as s:
             await asyncio.gather(*[_ok_100(s, url, 10 + k) for k in range(3)])  # a pace learned first
             await asyncio.sleep(1.5)
