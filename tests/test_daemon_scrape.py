@@ -1213,12 +1213,8 @@ def test_the_scraper_reads_vllms_finished_and_running_requests_beside_its_token_
     assert _run(sc, 1) == [20.0] and sc.served is None  # an older vLLM's page: no finished-request counter
 
 
-@pytest.mark.parametrize("slots", [True, False], ids=["slots", "no_slots"])
-def test_a_llamacpp_scrape_says_whether_its_count_moves_every_step(slots):
-    """Only a scrape that read /slots' progress has a count that moves every decode step (`Scraper.window_each_step`,
-    the ledger's `count_each_step`): a still one then says nothing decoded. With `--no-slots` the counter alone moves
-    only as a request ends, so a run-on still decoding read as ended (the simulated llama.cpp's rows 8 and 11 s after
-    the leave +135%/+133%, unflagged)."""
+def _llamacpp_scraped_twice(slots: bool):
+    """A Scraper after two scrapes of the simulated llama-server, /slots served or not."""
     import aiohttp
 
     from powerprof.sim.nvml import SimNVML
@@ -1229,11 +1225,20 @@ def test_a_llamacpp_scrape_says_whether_its_count_moves_every_step(slots):
             sc = Scraper(s, srv.url, "llamacpp")
             await sc.scrape()
             await sc.scrape()
-            return sc.window_each_step
+            return sc
 
     with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=100.0, draft_n_max=0) as srv:
         srv.serve_slots = slots
-        assert asyncio.run(go(srv)) is slots
+        return asyncio.run(go(srv))
+
+
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "no_slots"])
+def test_a_llamacpp_scrape_says_whether_its_count_moves_every_step(slots):
+    """Only a scrape that read /slots' progress has a count that moves every decode step (`Scraper.window_each_step`,
+    the ledger's `count_each_step`): a still one then says nothing decoded. With `--no-slots` the counter alone moves
+    only as a request ends, so a run-on still decoding read as ended (the simulated llama.cpp's rows 8 and 11 s after
+    the leave +135%/+133%, unflagged)."""
+    assert _llamacpp_scraped_twice(slots).window_each_step is slots
 
 
 @pytest.mark.parametrize("slots", [True, False], ids=["slots", "no_slots"])
@@ -1241,21 +1246,7 @@ def test_a_llamacpp_scrape_hands_its_slots_tasks_to_the_ledger(slots):
     """The latest scrape's /slots as {slot id: (task id, busy)} (`Scraper.window_slots`, the ledger's `window_slots`):
     a run-on's span with no known end closes once its slot moved on. None without /slots: the ledger keeps the still
     count's rule."""
-    import aiohttp
-
-    from powerprof.sim.nvml import SimNVML
-    from powerprof.sim.server import SimServer
-
-    async def go(srv):
-        async with aiohttp.ClientSession() as s:
-            sc = Scraper(s, srv.url, "llamacpp")
-            await sc.scrape()
-            await sc.scrape()
-            return sc.window_slots
-
-    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=100.0, draft_n_max=0) as srv:
-        srv.serve_slots = slots
-        seen = asyncio.run(go(srv))
+    seen = _llamacpp_scraped_twice(slots).window_slots
     if slots:
         assert seen and all(busy is False for _, busy in seen.values()), seen  # nothing sent: every slot idle
     else:
