@@ -235,6 +235,10 @@ class LiveRequest:
     # (at their mean power: a bound on the idle energy it holds, rowtext._idle_unmeasured).
     idle_unmeasured_j: float = 0.0
     idle_unmeasured_cpu_j: float = 0.0  # and of its CPU joules, the same intervals' same fraction (a bound as well)
+    # Of its GPU joules, its share of the energy of every sampled GPU but the one drawing least, in intervals split before
+    # the daemon judged which of several GPUs serve the work (a bound on another GPU's idle draw it holds,
+    # rowtext._gpus_undecided).
+    gpus_undecided_j: float = 0.0
 
 
 def told_prompt_tokens(r: LiveRequest) -> float | None:

@@ -30,7 +30,7 @@ from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, RUN_ON_MAY_END_PA
 from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
-from .workmodel import IDLE_MIN_S, MIN_BUSY, MIN_R2
+from .workmodel import IDLE_MIN_S, MIN_BUSY, MIN_BUSY_GPU, MIN_IDLE, MIN_R2
 
 # What an interval row's `server_count` says where the server's count is whole (storage/schema.py states them).
 COUNT_COMPLETE = SERVER_COUNT_COMPLETE
@@ -796,7 +796,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
                                       or _n_cmpl_unsure(r) or _closed_partial(r) or r.run_on_unplaced
                                       or _unplaced_beside(r) or _capped_beside(r) or _batch_beside(r)
-                                      or _counted_beside(r) or _idle_unmeasured(r))}
+                                      or _counted_beside(r) or _idle_unmeasured(r) or _gpus_undecided(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -839,6 +839,43 @@ def _idle_unmeasured_note(r: LiveRequest, cpu_j: float | None = None) -> str | N
             "row; "
             f"requests once the GPUs have been idle {IDLE_MIN_S:g} s at that limit, or once the work model's fit "
             f"there has matured ({MIN_BUSY} busy intervals), are split with it")
+
+
+def _gpus_undecided(r: LiveRequest) -> bool:
+    """UNSURE_FLAG: at least QUEUED_BESIDE_MIN_SHARE of its figure may be the draw of a GPU serving none of the proxied
+    work (`gpus_undecided_j`, its share of every GPU's energy but the one drawing least): it was live in busy intervals
+    split before the daemon judged which of several sampled GPUs serve the work, where every GPU's energy went to the
+    work. Unflagged, two GPUs, one drawing 60 W serving nothing beside one at 100-300 W (a Ledger scene, the idle
+    power measured first): +20% median (+14% to +24%) until it was judged."""
+    return r.gpu_j > 0 and not r.gpu_missing and r.gpus_undecided_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+
+
+_UNDECIDED_WHY = ("split before the daemon had judged which of the sampled GPUs serve the proxied work (judged once "
+                  f"{MIN_IDLE} idle and {MIN_BUSY_GPU} busy intervals are in, or from {MIN_BUSY} busy intervals alone "
+                  "where the work explains their power), so every sampled GPU's energy went to the work, a GPU serving "
+                  "none of it included")
+_UNDECIDED_FIX = ("fix: none for this row; set daemon.gpus to the GPUs the server runs on, or let the daemon judge "
+                  "them: rows split after that are the serving GPUs' alone")
+
+
+def _gpus_undecided_note(r: LiveRequest) -> str | None:
+    """Its own part of energy_note where `_gpus_undecided`."""
+    if not _gpus_undecided(r):
+        return None
+    return (f"{UNSURE_FLAG}: up to {r.gpus_undecided_j:.1f} J ({100 * min(r.gpus_undecided_j / r.gpu_j, 1.0):.0f}%) "
+            f"of its figure may be the draw of a GPU serving none of its work: it was {_UNDECIDED_WHY} (the bound: its "
+            f"share of every GPU's energy but the one drawing least); left out of J/token; {_UNDECIDED_FIX}")
+
+
+def _gpus_undecided_interval_note(bound_j: float, gpu_j: float) -> str | None:
+    """An interval row's part where its energy went to the work before the daemon judged which GPUs serve (`bound_j`:
+    every GPU's energy but the one drawing least, given where 1% or more of its GPU energy)."""
+    if not bound_j > 0:
+        return None
+    share = f" ({100 * min(bound_j / gpu_j, 1.0):.0f}%)" if gpu_j > 0 else ""
+    return (f"{UNSURE_FLAG}: requests_energy_j may be high and idle_energy_j low by up to {bound_j:.1f} J{share}: "
+            f"{_UNDECIDED_WHY} (the bound: every GPU's energy but the one drawing least); its requests' rows say so "
+            f"and are left out of J/token; {_UNDECIDED_FIX}")
 
 
 def _idle_unmeasured_interval_note(bound_j: float, gpu_j: float) -> str | None:
