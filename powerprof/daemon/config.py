@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from powerprof.paths import (RUN_MARKS, STATE_DIR_ENV, cwd_gone, cwd_joined, holds_sweep_run, is_powerprof_run, path_problem,
-                             user_state_home)
+from powerprof.paths import (OUTPUT_DEPTH_BYTES, RUN_MARKS, STATE_DIR_ENV, cwd_gone, cwd_joined, holds_sweep_run,
+                             is_powerprof_run, path_max_problem, path_problem, user_state_home)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -643,7 +643,7 @@ def _cannot_make_or_write(d: Path, given: bool) -> str | None:
     nearest one above that exists, where it is made) not writable. Each passed --check ("config OK"); the daemon then
     stopped at start or at its first write. None where it can. Judged for the user running the check (the daemon's
     user where it is run as that user: `sudo -u powerprof powerprof daemon --check`)."""
-    if (why := path_problem(d)) is not None:
+    if (why := path_problem(d) or path_max_problem(d, OUTPUT_DEPTH_BYTES)) is not None:
         return why
     there = cwd_joined(d)
     if not os.path.lexists(there):
