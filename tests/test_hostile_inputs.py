@@ -213,6 +213,28 @@ def test_an_output_path_past_path_max_is_refused_before_the_work(tmp_path, monke
     assert "give a shorter name" not in flat and not os.listdir(deep), flat[-600:]
 
 
+def test_the_room_kept_below_an_output_holds_the_daemons_deepest_file(tmp_path):
+    # paths.OUTPUT_DEPTH_BYTES is what a folder output keeps below it for PATH_MAX: the daemon's files are the deepest
+    # (`intervals/date=…/part-<utc>-<pid>-<seq>.parquet`, written under a temporary name ~22 bytes longer).
+    import os
+
+    from powerprof.daemon.service import datasets
+    from powerprof.daemon.store import DatasetStore
+    from powerprof.paths import OUTPUT_DEPTH_BYTES, temp_sibling
+
+    store = DatasetStore(tmp_path / "dd", datasets(), host="node-1")
+    for name in ("requests", "intervals"):
+        store.append(name, [{"daemon_id": "d1", "t_start_utc": 1_768_478_400 * 10**9, "t_arrival_utc": 1_768_478_400
+                             * 10**9, "t_end_utc": 1_768_478_401 * 10**9, "outcome": "ok", "generated_tokens": 10}])
+    assert store.flush()
+    deepest = max((os.path.relpath(os.path.join(d, f), tmp_path / "dd") for d, _, fs in os.walk(tmp_path / "dd")
+                   for f in fs), key=len)
+    assert deepest.startswith("intervals/date="), deepest
+    pid_room = 2 * (7 - len(str(os.getpid())))  # the longest a pid may be (pid_max 4194304), in both names
+    written = os.path.join(os.path.dirname(deepest), temp_sibling(deepest).name)
+    assert len(os.fsencode(written)) + pid_room <= OUTPUT_DEPTH_BYTES - 20, written  # and room for a longer name
+
+
 def test_tag_with_a_socket_path_too_long_for_a_socket_is_a_usage_error(tmp_path):
     # It said "cannot reach the daemon at …: OSError: AF_UNIX path too long", exit 1, as if no daemon ran.
     from click.testing import CliRunner
