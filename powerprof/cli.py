@@ -1550,6 +1550,8 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
         sys.exit(service.EXIT_CONFIG)
     if check:
         click.echo(f"config OK ({cfg.source})")
+        if (note := dconfig.check_user_note()) is not None:
+            click.echo(note, err=True)
         return
     from powerprof.rig import Rig
 

@@ -124,8 +124,9 @@ def legacy_state_dirs(env: dict | None = None, euid: int | None = None) -> list[
 
 
 def path_problem(path) -> str | None:
-    """Why `path` cannot name a file at all (a name longer than the file system takes, a loop of symlinks), with the
-    fix; None where it can (whether or not it exists). Path.exists() raises for these: an OSError traceback."""
+    """Why `path` cannot name a file at all (a name longer than the file system takes, a path longer than the kernel
+    takes, a loop of symlinks), with the fix; None where it can (whether or not it exists). Path.exists() raises for
+    these: an OSError traceback."""
     try:
         os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -133,14 +134,45 @@ def path_problem(path) -> str | None:
     except OSError as e:
         import errno  # noqa: PLC0415
 
+        if e.errno == errno.ENAMETOOLONG and (why := path_max_problem(path, 0)) is not None:
+            return why  # every name in it fits: "give a shorter name" named no name too long
         fix = "give a shorter name" if e.errno == errno.ENAMETOOLONG else "give another path"
         return f"{e.strerror or e}; {fix}"
     return None
 
 
+# Linux's PATH_MAX: the most bytes the kernel takes in one path, its last the NUL (ENAMETOOLONG beyond).
+PATH_MAX_BYTES = 4096
+# Room kept after an output's path for what is written at it: the deepest any command writes below the folder it is
+# given is a daemon's `intervals/date=YYYY-MM-DD/part-<utc>-<pid>-<seq>.parquet` under its temporary name (~100 bytes).
+OUTPUT_DEPTH_BYTES = 128
+
+
+def path_max_problem(path, below: int) -> str | None:
+    """Why an output cannot be written at `path`: its absolute path, with the `below` bytes written beyond it (a file's
+    temporary name, a folder's files), is past what the kernel takes in one path (PATH_MAX, 4096 bytes with the NUL),
+    with the fix; None where it fits. Such a path inside a deep existing folder passed every check and failed at the
+    write, after the work ("File name too long"). Judged on the absolute path: each command writes through it."""
+    if cwd_gone(path) is not None:
+        return None
+    full = cwd_joined(path)
+    there = next((q for q in (full, *full.parents) if os.path.isdir(q)), None)
+    try:
+        most = os.pathconf(there, "PC_PATH_MAX") if there is not None else PATH_MAX_BYTES
+    except (OSError, ValueError):
+        most = PATH_MAX_BYTES
+    size = len(os.fsencode(full))
+    if size + below < most:
+        return None
+    added = f", and what is written there may add {below}" if below else ""
+    return (f"path too long: {size} bytes from /{added}; the kernel takes {most - 1} bytes in a path (PATH_MAX). "
+            f"Fix: give a path of at most {max(0, most - 1 - below)} bytes from / (a folder nearer /, or shorter names)")
+
+
 def temp_name_problem(path) -> str | None:
     """Why a file cannot be written at `path` by an atomic replace: its temporary's name (`temp_sibling`, ~22 bytes
-    longer) is past what the file system takes in one name (NAME_MAX, 255 on most), with the fix; None where it fits.
+    longer) is past what the file system takes in one name (NAME_MAX, 255 on most), or its path past PATH_MAX
+    (`path_max_problem`), with the fix; None where it fits.
     A name that fits alone passed every check and failed at the write, after the work ("File name too long")."""
     # The pid's digits vary (up to 7, pid_max 4194304): the longest it may be, so the fix holds for every run.
     name = os.fsencode(temp_sibling(path).name) + b"0" * max(0, 7 - len(str(os.getpid())))
@@ -150,7 +182,7 @@ def temp_name_problem(path) -> str | None:
     except (OSError, ValueError):
         most = 255
     if len(name) <= most:
-        return None
+        return path_max_problem(path, len(name) - len(os.fsencode(Path(path).name)))
     keep = most - (len(name) - len(os.fsencode(Path(path).name)))
     return (f"File name too long: it is written first under a temporary name {len(name) - len(os.fsencode(Path(path).name))} "
             f"bytes longer, and the file system takes {most} bytes in a name; give a name of at most {keep} bytes")

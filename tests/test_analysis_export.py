@@ -1381,28 +1381,35 @@ def test_a_remote_export_names_a_report_and_a_plot_left_of_another_analysis(tmp_
     assert "report.md is of another" not in said, said
 
 
-@pytest.mark.parametrize("scheme", ["s3", "file"])
-def test_an_xlsx_of_a_uri_says_where_it_came_from_and_what_its_summary_left_out(tmp_path, monkeypatch, scheme):
+@pytest.mark.parametrize("scheme", ["s3", "file", "s3-denied"])
+def test_an_xlsx_of_a_uri_says_where_it_came_from_and_reads_its_summary(tmp_path, monkeypatch, scheme):
     # The summary sheet said "exported from" a local path made of the URI (`<cwd>/s3:/run`, `<cwd>/file:/…/run`) and
-    # showed no recommendation, unsaid. Now a file:// URI's run is read as its folder, and a remote one's row says
-    # that its analysis.json and run.json were not read, and why.
+    # showed no recommendation, unsaid. A file:// URI's run is read as its folder; a remote one's analysis.json and
+    # run.json were not read at all (a row said so: no recommendation, no run details); now they are read through the
+    # store's filesystem, as complete as a local run's, and one that cannot be read is said in a row.
     import openpyxl
     import pyarrow.fs as pafs
 
     run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
     assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"]).exit_code == 0
-    if scheme == "s3":  # a bucket over tmp_path; file:// is pyarrow's own local filesystem
+    if scheme.startswith("s3"):  # a bucket over tmp_path; file:// is pyarrow's own local filesystem
         bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+        if scheme == "s3-denied":  # only for the sheet: the mix check's read of analysis.json is the bucket's
+            monkeypatch.setattr(ex, "_remote_analysis_folders", lambda fs, path: [])
+            bucket = _denying_bucket(tmp_path)
         monkeypatch.setattr(ex, "_open_uri", lambda uri: (bucket, uri.removeprefix("s3://")))
-    uri = "s3://run" if scheme == "s3" else f"file://{run}"
+    uri = f"file://{run}" if scheme == "file" else "s3://run"
     r = CliRunner().invoke(main, ["export", uri, "--format", "xlsx", "--out", str(tmp_path / "a.xlsx")])
     assert r.exit_code == 0, r.output
     rows = {row[0].value: row[1].value for row in openpyxl.load_workbook(tmp_path / "a.xlsx")["summary"].iter_rows()}
-    if scheme == "s3":
-        assert rows["exported from"] == "s3://run", rows
-        assert rows["recommendation and run details"].startswith("not read: s3://run is a remote URI"), rows
+    assert rows["exported from"] == (str(run.resolve()) if scheme == "file" else "s3://run"), rows
+    assert rows["run_id"] == json.loads((run / "run.json").read_text())["run_id"], rows
+    if scheme == "s3-denied":
+        assert rows["analysis.json"].startswith("not read: s3://run/analysis/analysis.json could not be read ("), rows
+        assert "ACCESS_DENIED" in rows["analysis.json"] and "recommended power limit (W)" not in rows, rows
     else:
-        assert rows["exported from"] == str(run.resolve()) and rows["recommended power limit (W)"] is not None, rows
+        assert rows["recommended power limit (W)"] is not None and "analysis.json" not in rows, rows
+        assert "recommendation and run details" not in rows, rows
 
 
 def test_export_names_a_plot_left_of_another_analysis(tmp_path):

@@ -132,6 +132,22 @@ def test_daemon_check_refuses_a_data_dir_it_could_not_make_or_write(tmp_path, mo
     assert not (tmp_path / "no").exists() and not list(ro.iterdir())
 
 
+@pytest.mark.parametrize("euid", [0, 1000])
+def test_daemon_check_as_root_says_its_writability_is_roots(tmp_path, monkeypatch, euid):
+    # As root, --check judged the data dir writable by root's os.access, who writes through any mode: "config OK" and
+    # nothing else, while the unit runs the daemon as User=powerprof, who may not write there (it failed at start).
+    # Now a note says whose writability it was and how to check as the daemon's user; none for another user.
+    from powerprof.daemon import config as dconfig
+
+    monkeypatch.setattr(dconfig.os, "geteuid", lambda: euid)
+    monkeypatch.setattr(dconfig.os, "access", lambda *a, **k: True)  # the writability judged: not what is tested
+    r = run("daemon", "--check", "--data-dir", str(tmp_path / "dd"))
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 0 and "config OK" in flat, flat
+    note = "judged for root, who may write in any folder; where the daemon runs as another user (the systemd unit's"
+    assert (note in flat and "sudo -u powerprof powerprof daemon --check" in flat) == (euid == 0), flat
+
+
 def test_devices_json_uses_run_json_key_names():
     info = json.loads(run("devices", "--simulate", "--json").output)
     (g,) = info["gpus"]

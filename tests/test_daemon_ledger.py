@@ -2439,6 +2439,22 @@ def _bypass_counts_judged(ivs, times):
     return off, said
 
 
+def _bypass_tick(led, ms: int, now: int) -> None:
+    """A bypass scene's daemon loop at `ms` (monotonic `now`): the GPU's energy fed each 0.5 s (100 W), the ledger
+    advanced each 10 ms."""
+    if ms % 500 == 0:
+        _feed(led, now / S, 100.0 * now / S)
+    if ms % 10 == 0:
+        led.advance(now)
+
+
+def _bypass_closed_and_judged(led, sink, times):
+    """A bypass scene's end: every interval closed at 6.2 s; its interval rows, and `_bypass_counts_judged` of them."""
+    led.close_all(int(6.2 * S))
+    ivs = sink.rows["intervals"]
+    return (ivs, *_bypass_counts_judged(ivs, times))
+
+
 @pytest.mark.parametrize("traffic,get_ms", [("bursts", 200), ("steady", 10), ("steady", 60)])
 def test_bypass_tokens_a_scrapes_get_may_move_across_its_edge_mark_the_intervals_beside_it(traffic, get_ms):
     # No proxied request; bypass traffic straight to the server. The scraper's GETs are stamped at their midpoint
@@ -2472,13 +2488,8 @@ def test_bypass_tokens_a_scrapes_get_may_move_across_its_edge_mark_the_intervals
             at_read = hist[-1 - get_ms][1]
             led.add_server_tokens(mid, at_read - served, prev, read_ns=(start, now))
             prev, served = mid, at_read
-        if ms % 500 == 0:
-            _feed(led, now / S, 100.0 * now / S)
-        if ms % 10 == 0:
-            led.advance(now)
-    led.close_all(int(6.2 * S))
-    ivs = sink.rows["intervals"]
-    off, said = _bypass_counts_judged(ivs, times)
+        _bypass_tick(led, ms, now)
+    ivs, off, said = _bypass_closed_and_judged(led, sink, times)
     assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(len(times), abs=1.0)
     assert not off, off  # before: 8 intervals `complete`, 100 or 0 bypass tokens where 0 or 100 ran
     if traffic == "steady" and get_ms <= 10:  # 0.5 bypass tokens a half GET: `complete`, as before
@@ -2509,13 +2520,8 @@ def test_an_answer_counted_a_scrape_late_for_ending_between_the_reads_marks_the_
             led.add_server_tokens(mid, max(0.0, at_read - served), prev, read_ns=(now - 4 * S // 1000, now),
                                   read_missed=missed if ms == 3254 else 0.0)
             prev, served = mid, max(served, at_read)
-        if ms % 500 == 0:
-            _feed(led, now / S, 100.0 * now / S)
-        if ms % 10 == 0:
-            led.advance(now)
-    led.close_all(int(6.2 * S))
-    ivs = sink.rows["intervals"]
-    off, said = _bypass_counts_judged(ivs, times)
+        _bypass_tick(led, ms, now)
+    ivs, off, said = _bypass_closed_and_judged(led, sink, times)
     assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(served, abs=1.0)  # all the scrapes read
     assert not off, off
     if missed:  # the two intervals beside the edge say proxy_lag (a count that may be high or low), no others
@@ -4921,6 +4927,31 @@ def test_a_503_window_with_no_restart_after_costs_nothing():
     assert "its process died" not in note and "may have run" in note, note
 
 
+class _RowWriteTimes(list):
+    """Given as the llama.cpp run-on helper's `ledgers`: each ledger's `advance` noted, and the daemon loop's time (s)
+    request 2's row went out at appended to `written_s`."""
+
+    def __init__(self, written_s: list):
+        super().__init__()
+        self.written_s = written_s
+
+    def append(self, led):
+        super().append(led)
+        advance, emit, now = led.advance, led.emit, [0]
+
+        def timed(now_ns, *a, **kw):
+            now[0] = now_ns
+            return advance(now_ns, *a, **kw)
+
+        def watched(name, rows):
+            if name == "requests" and any(r["request_id"] == 2 for r in rows):
+                self.written_s.append(now[0] / S)
+            emit(name, rows)
+
+        watched.rows = emit.rows
+        led.advance, led.emit = timed, watched
+
+
 def test_a_close_held_for_a_loading_page_past_down_hold_max_s_is_written_and_said(monkeypatch):
     # A whole answer in flight from 0.5 s closes with no answer at 1.55 s; llama-server's 503 "Loading model" from 1.6 s
     # alone opens the window (`Ledger.note_down`, none refused), so its row waits for a page confirming the restart
@@ -4935,24 +4966,7 @@ def test_a_close_held_for_a_loading_page_past_down_hold_max_s_is_written_and_sai
     monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
     written_s = []  # the daemon loop's time its row went out at
 
-    class Watch(list):  # given the helper's ledger: notes the `advance` its row leaves at
-        def append(self, led):
-            super().append(led)
-            advance, emit, now = led.advance, led.emit, [0]
-
-            def timed(now_ns, *a, **kw):
-                now[0] = now_ns
-                return advance(now_ns, *a, **kw)
-
-            def watched(name, rows):
-                if name == "requests" and any(r["request_id"] == 2 for r in rows):
-                    written_s.append(now[0] / S)
-                emit(name, rows)
-
-            watched.rows = emit.rows
-            led.advance, led.emit = timed, watched
-
-    ledgers = Watch()
+    ledgers = _RowWriteTimes(written_s)
     row = _llamacpp_whole_run_on([(1.5, 40.0)], leave=1.55, end_s=50.0, outcome="upstream_error",
                                  error=f"{CRASHED_NOTE}: closed", opened=(1.6, None), ledgers=ledgers)
     note = row["energy_note"] or ""
@@ -4979,26 +4993,9 @@ def test_a_long_close_held_for_a_loading_page_waits_from_its_death_not_its_arriv
     monkeypatch.setattr(ledger_mod, "DOWN_HOLD_MAX_S", 15.0)
     written_s = []
 
-    class Watch(list):  # given the helper's ledger: notes the `advance` its row leaves at
-        def append(self, led):
-            super().append(led)
-            advance, emit, now = led.advance, led.emit, [0]
-
-            def timed(now_ns, *a, **kw):
-                now[0] = now_ns
-                return advance(now_ns, *a, **kw)
-
-            def watched(name, rows):
-                if name == "requests" and any(r["request_id"] == 2 for r in rows):
-                    written_s.append(now[0] / S)
-                emit(name, rows)
-
-            watched.rows = emit.rows
-            led.advance, led.emit = timed, watched
-
     row = _llamacpp_whole_run_on([(19.9, page_s)], leave=19.95, max_tokens=2000, end_s=page_s + 10.0,
                                  outcome="upstream_error", error=f"{CRASHED_NOTE}: closed", opened=(20.0, None),
-                                 ledgers=Watch())
+                                 ledgers=_RowWriteTimes(written_s))
     note = row["energy_note"] or ""
     print(page_s, written_s, row["attributed_tokens"], row["gpu_energy_j"], note)
     if page_s < 35.0:  # the page within the cap: a sure crash, written once it came

@@ -230,26 +230,75 @@ class _Cfg:
         return self.keys[key]
 
 
+class _FakeScraper:
+    """What Daemon._scrape_loop reads of a Scraper, its windows plain (no restart, partial count or missed read); a
+    class attribute or `scrape` overridden by a test's subclass says what it tests."""
+    kind, finished, window_partial, cache_hits, served = "vllm", None, (), None, None
+    restart_by_fall = False  # Scraper.restart_by_fall
+    window_each_step = False  # Scraper.window_each_step
+    window_down_ns = None  # Scraper.window_down_ns
+    window_down_refused = False  # Scraper.window_down_refused
+    window_read_missed = 0.0  # Scraper.window_read_missed
+    vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
+
+    async def scrape(self):
+        return 10.0
+
+
+def _window_ledger(keep=lambda w: (w.since, w.t, w.d), busy: bool = True, **fields):
+    """A ledger the scrape loop hands its windows to: `spans` gets keep(w) of each (w: add_server_tokens' arguments by
+    name), no prefix-cache check; `busy`: a proxied request live (the loop scrapes fast)."""
+    ledger = types.SimpleNamespace(requests={1: object()} if busy else {}, tags={}, closed_tags=[], spans=[], **fields)
+    ledger.add_cache_hits = lambda since, t, hits: None
+
+    def add_server_tokens(t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None,
+                          restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0):
+        ledger.spans.append(keep(types.SimpleNamespace(
+            t=t, d=d, since=since, at_finish=at_finish, finished=finished, partial=partial, read_ns=read_ns,
+            served=served, restart_by_fall=restart_by_fall, down_ns=down_ns, down_refused=down_refused,
+            read_missed=read_missed)))
+
+    ledger.add_server_tokens = add_server_tokens
+    return ledger
+
+
+def _scrape_loop_me(scraper, ledger, interval_s: float = 0.02, idle_interval_s: float = 0.02):
+    """The daemon as Daemon._scrape_loop reads it (`self`), over `scraper` and `ledger`."""
+    return types.SimpleNamespace(waker=Waker(), config_waker=Waker(), scraper=scraper, ledger=ledger,
+                                 cfg=_Cfg(interval_s=interval_s, idle_interval_s=idle_interval_s), stop_event=None,
+                                 _scrape_since_ns=None)
+
+
+def _run_scrape_loop(scraper, ledger, done, interval_s: float = 0.02, idle_interval_s: float = 0.02,
+                     poll_s: float = 0.02) -> None:
+    """Daemon._scrape_loop over `scraper` and `ledger` until done() (30 s at most), then stopped: an exception that
+    ended the loop is raised here."""
+    from powerprof.daemon.service import Daemon
+
+    me = _scrape_loop_me(scraper, ledger, interval_s, idle_interval_s)
+
+    async def go():
+        me.stop_event = asyncio.Event()
+        task = asyncio.create_task(Daemon._scrape_loop(me))
+        t = time.monotonic()
+        while not done() and not task.done() and time.monotonic() - t < 30:
+            await asyncio.sleep(poll_s)
+        me.stop_event.set()
+        await asyncio.wait_for(task, 5)  # raises the loop's own exception, if it died of one
+
+    asyncio.run(go())
+
+
 def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
     """The window's hits are checked (ledger.add_cache_hits) before its tokens are placed, in the scrape loop, which
     catches nothing of the ledger's: one exception there ended the loop for good, unsaid until shutdown ("task failed
     at shutdown"), and every interval after it closed `unscraped`. The check is let go for that window, logged, and the
     tokens are still counted."""
-    from powerprof.daemon.service import Daemon
 
-    class FakeScraper:
-        kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
-        restart_by_fall = False  # Scraper.restart_by_fall
-        window_each_step = False  # Scraper.window_each_step
-        window_down_ns = None  # Scraper.window_down_ns
-        window_down_refused = False  # Scraper.window_down_refused
-        window_read_missed = 0.0  # Scraper.window_read_missed
-        vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
+    class FakeScraper(_FakeScraper):
+        cache_hits = 5.0
 
-        async def scrape(self):
-            return 10.0
-
-    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[], checks=0)
+    ledger = _window_ledger(checks=0)
 
     def add_cache_hits(since, t, hits):
         ledger.checks += 1
@@ -257,22 +306,9 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
             raise ValueError("a fault in the check")
 
     ledger.add_cache_hits = add_cache_hits
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0: ledger.spans.append((since, t, d))
-    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), scraper=FakeScraper(), ledger=ledger,
-                               stop_event=None, _scrape_since_ns=None)
-
-    async def go():
-        me.stop_event = asyncio.Event()
-        task = asyncio.create_task(Daemon._scrape_loop(me))
-        t = time.monotonic()
-        # Until five checks (the first window has none): on a loaded host a late scrape is a held slow window, placed
-        # as two spans (its still part and its burst), so the spans alone reached five after four checks.
-        while ledger.checks < 5 and not task.done() and time.monotonic() - t < 30:
-            await asyncio.sleep(0.02)
-        me.stop_event.set()
-        await asyncio.wait_for(task, 5)  # raises the loop's own exception, if it died of one
-
-    asyncio.run(go())
+    # Until five checks (the first window has none): on a loaded host a late scrape is a held slow window, placed
+    # as two spans (its still part and its burst), so the spans alone reached five after four checks.
+    _run_scrape_loop(FakeScraper(), ledger, lambda: ledger.checks >= 5)
     assert len(ledger.spans) >= 5 and ledger.checks >= 5
     assert all(a[1] == b[0] for a, b in zip(ledger.spans[1:], ledger.spans[2:]))  # each window where the last ended
 
@@ -281,38 +317,15 @@ def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
     """The server reads its counter anywhere in the GET, and the window's end is stamped at the GET's midpoint: the
     ledger is given the GET's start and end with each window (`read_ns`), so the proxy's tokens inside it can be
     judged (docs/daemon.md, "A counter read before its stamp"). Before, it had the midpoint alone."""
-    from powerprof.daemon.service import Daemon
-
-    class FakeScraper:
-        kind, finished, window_partial, cache_hits, served = "llamacpp", None, (), None, None
-        restart_by_fall = False  # Scraper.restart_by_fall
-        window_each_step = False  # Scraper.window_each_step
-        window_down_ns = None  # Scraper.window_down_ns
-        window_down_refused = False  # Scraper.window_down_refused
-        window_read_missed = 0.0  # Scraper.window_read_missed
-        vllm_v1 = False
+    class FakeScraper(_FakeScraper):
+        kind = "llamacpp"
 
         async def scrape(self):
             await asyncio.sleep(0.03)  # a GET that takes 30 ms (longer on a loaded host)
             return 10.0
 
-    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
-    ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0: \
-        ledger.spans.append((t, d, read_ns))
-    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
-                               scraper=FakeScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
-
-    async def go():
-        me.stop_event = asyncio.Event()
-        task = asyncio.create_task(Daemon._scrape_loop(me))
-        t = time.monotonic()
-        while len(ledger.spans) < 4 and not task.done() and time.monotonic() - t < 30:
-            await asyncio.sleep(0.02)
-        me.stop_event.set()
-        await asyncio.wait_for(task, 5)
-
-    asyncio.run(go())
+    ledger = _window_ledger(keep=lambda w: (w.t, w.d, w.read_ns))
+    _run_scrape_loop(FakeScraper(), ledger, lambda: len(ledger.spans) >= 4)
     read = [(t, r) for t, d, r in ledger.spans if d > 0]  # (a held slow window's split point, 0 tokens, is no read)
     assert len(read) >= 3, ledger.spans
     for t, r in read:
@@ -344,10 +357,7 @@ def test_the_daemon_scrape_loop_stamps_the_counters_read_not_the_wait_for_the_pr
             return 200, (f'# TYPE sglang:generation_tokens_total counter\n'
                          f'sglang:generation_tokens_total{{model_name="m"}} {Paged.served}\n')
 
-    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
-    ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, \
-        restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0: ledger.spans.append((t, d, read_ns))
+    ledger = _window_ledger(keep=lambda w: (w.t, w.d, w.read_ns))
 
     async def go():
         workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=None, proxy_kwargs={},
@@ -364,9 +374,8 @@ def test_the_daemon_scrape_loop_stamps_the_counters_read_not_the_wait_for_the_pr
         async with aiohttp.ClientSession() as s:
             sc = Paged(s, "http://x", "sglang")
             sc.refusals, sc.refusals_wait, sc.refusals_late_s = workers.take_refusals, wait, workers.refusals_late_s
-            me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), scraper=sc, ledger=ledger,
-                                       cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), stop_event=asyncio.Event(),
-                                       _scrape_since_ns=None)
+            me = _scrape_loop_me(sc, ledger)
+            me.stop_event = asyncio.Event()
             task = asyncio.create_task(Daemon._scrape_loop(me))
             t = time.monotonic()
             while len(ledger.spans) < 4 and not task.done() and time.monotonic() - t < 30:
@@ -386,37 +395,12 @@ def test_the_daemon_scrape_loop_stamps_the_counters_read_not_the_wait_for_the_pr
 def test_the_daemon_scrape_loop_gives_the_ledger_when_a_scrape_found_the_server_down():
     """A restart's window says when its first scrape found the server down (Scraper.window_down_ns): the ledger places
     the dead process's run-ons' end from it (`Ledger._run_on_cut_ns`), so the loop must hand it on with the window."""
-    from powerprof.daemon.service import Daemon
-
-    class FakeScraper:
-        kind, finished, window_partial, cache_hits, served = "sglang", None, ("server_restart",), None, None
-        restart_by_fall = False
-        window_each_step = False  # Scraper.window_each_step
+    class FakeScraper(_FakeScraper):
+        kind, window_partial = "sglang", ("server_restart",)
         window_down_ns = 123_456_789
-        window_down_refused = False  # Scraper.window_down_refused
-        window_read_missed = 0.0  # Scraper.window_read_missed
-        vllm_v1 = False
 
-        async def scrape(self):
-            return 10.0
-
-    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
-    ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, \
-        restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0: ledger.spans.append(down_ns)
-    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
-                               scraper=FakeScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
-
-    async def go():
-        me.stop_event = asyncio.Event()
-        task = asyncio.create_task(Daemon._scrape_loop(me))
-        t = time.monotonic()
-        while len(ledger.spans) < 2 and not task.done() and time.monotonic() - t < 30:
-            await asyncio.sleep(0.02)
-        me.stop_event.set()
-        await asyncio.wait_for(task, 5)
-
-    asyncio.run(go())
+    ledger = _window_ledger(keep=lambda w: w.down_ns)
+    _run_scrape_loop(FakeScraper(), ledger, lambda: len(ledger.spans) >= 2)
     assert ledger.spans and set(ledger.spans) == {123_456_789}, ledger.spans
 
 
@@ -432,28 +416,18 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
     calls: list[float] = []
     deltas: list[float] = []  # scripted counter rises, taken one per scrape
 
-    class FakeScraper:
+    class FakeScraper(_FakeScraper):
         kind = "sglang"  # a counter that moves at request end: the ledger is told so with every window
         finished = (1.0, 2.5)  # and the requests finished in it with their summed seconds (e2e latency histogram)
-        window_partial = ()  # nothing makes its windows' counts low
-        restart_by_fall = False
-        window_each_step = False  # Scraper.window_each_step
-        window_down_ns = None
-        window_down_refused = False  # Scraper.window_down_refused
-        window_read_missed = 0.0  # Scraper.window_read_missed
-        cache_hits = None  # its prefix-cache counter not known (the ledger is told so with every window)
-        served = None  # its page shows no finished-request count (an SGLang's)
+        # nothing makes its windows' counts low; its prefix-cache counter not known (the ledger is told so with every
+        # window); its page shows no finished-request count (an SGLang's)
 
         async def scrape(self):
             calls.append(time.monotonic())
             return deltas.pop(0) if deltas else 0.0
 
-    ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0: ledger.spans.append(
-        (since, t, d, at_finish, finished))
-    ledger.add_cache_hits = lambda since, t, hits: None
-    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
-                               ledger=ledger, stop_event=None, _scrape_since_ns=None)
+    ledger = _window_ledger(keep=lambda w: (w.since, w.t, w.d, w.at_finish, w.finished), busy=False)
+    me = _scrape_loop_me(FakeScraper(), ledger, fast_s, idle_s)
 
     async def until(pred, limit_s):
         t = time.monotonic()
@@ -946,21 +920,10 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
     daemon ran): the first three, then every hundredth, as the loop's other repeated faults."""
     import logging
 
-    from powerprof.daemon.service import Daemon
+    class FakeScraper(_FakeScraper):
+        cache_hits = 5.0
 
-    class FakeScraper:
-        kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
-        restart_by_fall = False  # Scraper.restart_by_fall
-        window_each_step = False  # Scraper.window_each_step
-        window_down_ns = None  # Scraper.window_down_ns
-        window_down_refused = False  # Scraper.window_down_refused
-        window_read_missed = 0.0  # Scraper.window_read_missed
-        vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
-
-        async def scrape(self):
-            return 10.0
-
-    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
+    ledger = _window_ledger()
 
     faults = []
 
@@ -969,21 +932,8 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
         raise ValueError("a fault in the check")
 
     ledger.add_cache_hits = add_cache_hits
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0: ledger.spans.append((since, t, d))
-    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.01, idle_interval_s=0.01), scraper=FakeScraper(), ledger=ledger,
-                               stop_event=None, _scrape_since_ns=None)
-
-    async def go():
-        me.stop_event = asyncio.Event()
-        task = asyncio.create_task(Daemon._scrape_loop(me))
-        t = time.monotonic()
-        while len(ledger.spans) < 12 and not task.done() and time.monotonic() - t < 30:
-            await asyncio.sleep(0.01)
-        me.stop_event.set()
-        await asyncio.wait_for(task, 5)
-
     with caplog.at_level(logging.WARNING, logger="powerprof.daemon"):
-        asyncio.run(go())
+        _run_scrape_loop(FakeScraper(), ledger, lambda: len(ledger.spans) >= 12, 0.01, 0.01, poll_s=0.01)
     said = [r for r in caplog.records if "prefix-cache hits failed" in r.getMessage()]
     # 3, and one more per hundred (a starved checker may see the loop run on past 100)
     assert len(ledger.spans) >= 12 and len(said) == 3 + len(faults) // 100, [r.getMessage() for r in said]
@@ -1086,40 +1036,20 @@ def test_a_windows_prefix_cache_hits_are_checked_over_every_instant_its_reads_ma
     counted in the next window, which begins after its span, and it was matched to none: flagged prefix-cache-unsaid
     though its answer said it (vLLM with --enable-prompt-tokens-details, a loaded full suite). Now a window's hits are
     checked from the previous scrape's start to this one's end: every instant between the two reads."""
-    from powerprof.daemon.service import Daemon
-
     reads: list[int] = []
 
-    class SlowScraper:  # reads its counter at once, answered 0.2 s later (a loaded host)
-        kind, finished, window_partial, cache_hits, served = "vllm", None, (), 5.0, None
-        restart_by_fall = False  # Scraper.restart_by_fall
-        window_each_step = False  # Scraper.window_each_step
-        window_down_ns = None  # Scraper.window_down_ns
-        window_down_refused = False  # Scraper.window_down_refused
-        window_read_missed = 0.0  # Scraper.window_read_missed
-        vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
+    class SlowScraper(_FakeScraper):  # reads its counter at once, answered 0.2 s later (a loaded host)
+        cache_hits = 5.0
 
         async def scrape(self):
             reads.append(time.monotonic_ns())
             await asyncio.sleep(0.2)
             return 1.0
 
-    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], hit_windows=[])
+    ledger = _window_ledger(hit_windows=[])
     ledger.add_cache_hits = lambda since, t, hits: ledger.hit_windows.append((since, t))
     ledger.add_server_tokens = lambda *a, **k: None
-    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02),
-                               scraper=SlowScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
-
-    async def go():
-        me.stop_event = asyncio.Event()
-        task = asyncio.create_task(Daemon._scrape_loop(me))
-        t = time.monotonic()
-        while len(ledger.hit_windows) < 4 and not task.done() and time.monotonic() - t < 30:
-            await asyncio.sleep(0.02)
-        me.stop_event.set()
-        await asyncio.wait_for(task, 5)
-
-    asyncio.run(go())
+    _run_scrape_loop(SlowScraper(), ledger, lambda: len(ledger.hit_windows) >= 4)
     windows = [w for w in ledger.hit_windows if w[0] is not None]
     assert len(windows) >= 3, ledger.hit_windows
     for since, t in windows:
@@ -1135,36 +1065,15 @@ def test_a_slow_scrape_while_requests_run_is_one_window_not_a_burst_after_stilln
     read as 45 more than the server counted, and the rise back booked 33 bypass tokens where none ran (133 counted since
     the restart for the 100 sent, the rows saying only `server_restart`: "may be low"; also 128.9, and the CI's 110).
     A window scraped at the fast period (requests live, or the counter moving) is spread over its time as any other."""
-    from powerprof.daemon.service import Daemon
-
-    class SlowScraper:  # every read answered 0.2 s late (a loaded host), the counter rising 10 a window
-        kind, finished, window_partial, cache_hits, served = "llamacpp", None, (), None, None
-        restart_by_fall = False  # Scraper.restart_by_fall
-        window_each_step = False  # Scraper.window_each_step
-        window_down_ns = None  # Scraper.window_down_ns
-        window_down_refused = False  # Scraper.window_down_refused
-        window_read_missed = 0.0  # Scraper.window_read_missed
+    class SlowScraper(_FakeScraper):  # every read answered 0.2 s late (a loaded host), the counter rising 10 a window
+        kind = "llamacpp"
 
         async def scrape(self):
             await asyncio.sleep(0.2)
             return 10.0
 
-    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
-    ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0: ledger.spans.append((since, t, d))
-    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.05, idle_interval_s=2.0),
-                               scraper=SlowScraper(), ledger=ledger, stop_event=None, _scrape_since_ns=None)
-
-    async def go():
-        me.stop_event = asyncio.Event()
-        task = asyncio.create_task(Daemon._scrape_loop(me))
-        t = time.monotonic()
-        while len(ledger.spans) < 5 and not task.done() and time.monotonic() - t < 30:
-            await asyncio.sleep(0.02)
-        me.stop_event.set()
-        await asyncio.wait_for(task, 5)
-
-    asyncio.run(go())
+    ledger = _window_ledger()
+    _run_scrape_loop(SlowScraper(), ledger, lambda: len(ledger.spans) >= 5, 0.05, 2.0)
     windows = [w for w in ledger.spans if w[0] is not None]
     assert len(windows) >= 4, ledger.spans
     # Each window whole: its 10 tokens over its whole time, none split into a still part and a burst.

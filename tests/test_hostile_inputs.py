@@ -158,6 +158,83 @@ def test_a_file_whose_temporary_name_would_be_too_long_is_refused_before_the_wor
     assert "give a name of at most 233 bytes" in flat and not list(out.iterdir()), flat
 
 
+def _deep_folder(base, size: int):
+    """An existing folder below `base` whose absolute path is `size` bytes, made a step at a time (no path given to
+    the kernel is longer than one name)."""
+    import os
+
+    parts, total = [], len(os.fsencode(str(base)))
+    while size - total > 1:
+        parts.append("d" * min(200, size - total - 1))
+        total += 1 + len(parts[-1])
+    fd = os.open(base, os.O_RDONLY)
+    for name in parts:
+        os.mkdir(name, dir_fd=fd)
+        fd, old = os.open(name, os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    os.close(fd)
+    return os.path.join(str(base), *parts)
+
+
+@pytest.mark.parametrize("cmd", [["export", "SRC", "--format", "xlsx", "--out", "DEEP.xlsx"],
+                                 ["export", "SRC", "--format", "csv", "--out", "DEEP"],
+                                 ["trace", "DEEP.jsonl"],
+                                 ["monitor", "--simulate", "--duration", "1", "--output", "DEEP.csv"],
+                                 ["daemon", "--check", "--data-dir", "DEEP"],
+                                 ["sweep", "--simulate", "--limits", "200,300", "--idle-s", "0", "--out", "DEEP"],
+                                 ["analyze", "RUN", "--out", "DEEP"],
+                                 ["export", "SRC", "--format", "xlsx", "--out", "PAST.xlsx"]])
+def test_an_output_path_past_path_max_is_refused_before_the_work(tmp_path, monkeypatch, cmd):
+    # Each name fits (40 bytes), the whole path does not: in a folder 4040 bytes deep, what is written there (the
+    # file's temporary name, a folder's files) passes Linux's PATH_MAX (4096 with the NUL). export xlsx said "export
+    # to … failed, nothing written: File name too long", exit 1, after reading every table; a path already past it
+    # said "give a shorter name" of no name too long. Now each is a usage error before anything is made.
+    import os
+
+    from click.testing import CliRunner
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from powerprof.cli import main
+    from synthetic_runs import make_run, seed_truth
+
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    src = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"power_w": [1.0]}), src)
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=6) if "RUN" in cmd else None
+    deep = _deep_folder(tmp_path / "deep", 4040) if (tmp_path / "deep").mkdir() is None else None
+    args = [a.replace("DEEP", os.path.join(deep, "x" * 40)).replace("PAST", os.path.join(deep, "x" * 80))
+            .replace("SRC", str(src)).replace("RUN", str(run)) for a in cmd]
+    r = CliRunner().invoke(main, args)
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.exit_code, flat[-600:])
+    assert "path too long" in flat and "the kernel takes 4095 bytes in a path (PATH_MAX)" in flat, flat[-600:]
+    assert "give a shorter name" not in flat and not os.listdir(deep), flat[-600:]
+
+
+def test_the_room_kept_below_an_output_holds_the_daemons_deepest_file(tmp_path):
+    # paths.OUTPUT_DEPTH_BYTES is what a folder output keeps below it for PATH_MAX: the daemon's files are the deepest
+    # (`intervals/date=…/part-<utc>-<pid>-<seq>.parquet`, written under a temporary name ~22 bytes longer).
+    import os
+
+    from powerprof.daemon.service import datasets
+    from powerprof.daemon.store import DatasetStore
+    from powerprof.paths import OUTPUT_DEPTH_BYTES, temp_sibling
+
+    store = DatasetStore(tmp_path / "dd", datasets(), host="node-1")
+    for name in ("requests", "intervals"):
+        store.append(name, [{"daemon_id": "d1", "t_start_utc": 1_768_478_400 * 10**9, "t_arrival_utc": 1_768_478_400
+                             * 10**9, "t_end_utc": 1_768_478_401 * 10**9, "outcome": "ok", "generated_tokens": 10}])
+    assert store.flush()
+    deepest = max((os.path.relpath(os.path.join(d, f), tmp_path / "dd") for d, _, fs in os.walk(tmp_path / "dd")
+                   for f in fs), key=len)
+    assert deepest.startswith("intervals/date="), deepest
+    pid_room = 2 * (7 - len(str(os.getpid())))  # the longest a pid may be (pid_max 4194304), in both names
+    written = os.path.join(os.path.dirname(deepest), temp_sibling(deepest).name)
+    assert len(os.fsencode(written)) + pid_room <= OUTPUT_DEPTH_BYTES - 20, written  # and room for a longer name
+
+
 def test_tag_with_a_socket_path_too_long_for_a_socket_is_a_usage_error(tmp_path):
     # It said "cannot reach the daemon at …: OSError: AF_UNIX path too long", exit 1, as if no daemon ran.
     from click.testing import CliRunner

@@ -1312,8 +1312,9 @@ def _write_parquet(scan: ds.Scanner, path: Path, tz: str) -> None:
 def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str | None) -> list[tuple[str, object]]:
     """(item, value) rows for the xlsx summary sheet: the recommendation (from analysis/analysis.json)
     and the run's details (run.json), when the source is a run directory (a file:// URI's too); always what was
-    exported. A remote URI's (s3://, gs://) are not read: a row says so (the sheet said "exported from" a local path
-    made of the URI, `<cwd>/s3:/run`, and nothing of the recommendation it left out)."""
+    exported. A remote URI's (s3://, gs://) are read through its filesystem, as its tables are (they were not read: the
+    sheet said "exported from" a local path made of the URI, `<cwd>/s3:/run`, and no recommendation); one that is there
+    but cannot be read is said in a row."""
     from powerprof import __version__  # noqa: PLC0415
 
     local = local_path(str(src))
@@ -1325,12 +1326,13 @@ def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str |
         ("rows to", time_to or "(all)"),
         ("powerprof", __version__),
     ]
+    unread: list[tuple[str, object]] = []
     if local is None:
-        return [("recommendation and run details", f"not read: {src} is a remote URI, and this sheet reads a run's "
-                 "analysis.json and run.json from a local folder only; export a local copy (or its file:// URI) for "
-                 "them")] + rows
-    src = local
-    analysis = _read_json(src / "analysis" / "analysis.json") if src.is_dir() else None
+        read = _remote_json_reader(str(src), unread)
+    else:
+        def read(*names: str) -> dict | None:
+            return _read_json(local.joinpath(*names)) if local.is_dir() else None
+    analysis = read("analysis", "analysis.json")
     rec = (analysis or {}).get("recommendation")
     head: list[tuple[str, object]] = []
     pooled = [str(r.get("run_id")) for r in (analysis or {}).get("runs") or [] if isinstance(r, dict)]
@@ -1366,11 +1368,39 @@ def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str |
                 + f" ({x.get('why')})" for x in left)))
     if analysis:
         head += [("warning", f"{w.get('kind')}: {w.get('message')}") for w in analysis.get("warnings", [])]
-    rows = head + rows
-    run = _read_json(src / "run.json") if src.is_dir() else None
+    run = read("run.json")
+    rows = unread + head + rows
     if run:
         rows += [(k, v) for k, v in _flatten(run) if k not in ("levels_done",)]
     return rows
+
+
+def _remote_json_reader(uri: str, unread: list[tuple[str, object]]):
+    """A reader of a run's JSON files behind a remote URI (`read("run.json")`), through the filesystem its tables are
+    read with: None where the URI names no folder or the file is not there (no run, as for a local folder); a file
+    there that cannot be read (access denied, the store gone) is None too, and a row for `unread` says so."""
+    import pyarrow.fs as pafs  # noqa: PLC0415
+
+    try:
+        fs, path = _open_uri(uri)
+        folder = fs.get_file_info(path).type == pafs.FileType.Directory
+    except (pa.ArrowException, OSError) as e:
+        unread.append(("recommendation and run details", f"not read: {uri} could not be opened ({e})"))
+        folder = False
+
+    def read(*names: str) -> dict | None:
+        if not folder:
+            return None
+        where = "/".join([path.rstrip("/"), *names])
+        try:
+            if fs.get_file_info(where).type != pafs.FileType.File:
+                return None
+            with fs.open_input_stream(where) as f:
+                return json.loads(f.read())
+        except (pa.ArrowException, OSError, ValueError, RecursionError) as e:
+            unread.append((names[-1], f"not read: {_uri_join(uri, '/'.join(names))} could not be read ({e})"))
+            return None
+    return read
 
 
 def _read_json(path: Path) -> dict | None:

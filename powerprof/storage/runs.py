@@ -16,7 +16,8 @@ from powerprof.errtext import error_text
 from .atomic import atomic_path, atomic_write_bytes
 from .schema import TABLES, rows_to_table
 
-from powerprof.paths import RUN_JSON, cwd_gone, cwd_joined, file_in_the_way, path_problem, what_is
+from powerprof.paths import (OUTPUT_DEPTH_BYTES, RUN_JSON, cwd_gone, cwd_joined, file_in_the_way, path_max_problem,
+                             path_problem, what_is)
 
 
 def atomic_write_table(path: Path, table: pa.Table, metadata: dict | None = None) -> None:
@@ -123,6 +124,8 @@ def given_out_problem(out: Path, flag: str = "--out", default: bool = False) -> 
     said = f"the default run folder {out}" if default else f"{flag} {out}"
     if (why := cwd_gone(out, "the default run folder" if default else flag)) is not None:  # before abspath's getcwd()
         return why.replace("an absolute path", f"an absolute {flag}") if default else why
+    if default and (why := path_max_problem(out, OUTPUT_DEPTH_BYTES)) is not None:  # `runs/<stamp>` in a deep folder
+        return f"{said}: {why}; or give --out"
     if (above := daemon_dataset_above(out)) is not None:
         # `sweep --out NODE/requests/r1`: the run's tables were read by `analyze NODE` as request rows, unsaid.
         return (f"{said} is inside the daemon dataset {above}: the run's tables there would be read as its rows, "
@@ -144,7 +147,7 @@ def missing_parent(out, flag: str = "--out") -> str | None:
     in a NotADirectoryError or FileNotFoundError traceback, analyze's error said "No such file or directory"."""
     if (why := cwd_gone(out, flag)) is not None:
         return why
-    if (why := path_problem(out)) is not None:  # lexists() below says False for it: then the write's traceback
+    if (why := path_problem(out) or path_max_problem(out, OUTPUT_DEPTH_BYTES)) is not None:  # else the write's failure
         return f"{flag} {out}: {why}"
     parent = cwd_joined(out).parent
     if os.path.lexists(out):
