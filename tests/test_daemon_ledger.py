@@ -4553,6 +4553,32 @@ def test_a_whole_answer_llamacpp_runs_on_with_no_max_tokens_flags_the_requests_b
     assert (left[0] > 0) == flagged, ledgers[0].totals.jpt_left_out
 
 
+@pytest.mark.parametrize("max_tokens,each_step,flagged", [(None, False, True), (400, False, True), (400, True, True),
+                                                        (None, True, False)],
+                         ids=["no_slots", "no_slots_placed", "placed", "counted_each_step"])
+def test_a_whole_answer_llamacpp_run_whose_client_left_flags_the_streams_beside_it_before_the_leave(
+        max_tokens, each_step, flagged):
+    # A whole answer from 0.5 s, its client gone at 5.0 s, the server counting its run 0.5-12 s (or to its 400
+    # max_tokens at 10.5 s); a stream beside it 3.0-4.9 s, ended before the leave, sharing the GPU with it (truth 95 J).
+    # The server counts the run's tokens before the leave too, listed by no proxied request. With the counter alone
+    # (`--metrics --no-slots`) they are counted at the run's end: unplaced (no max_tokens) that work was in the stream's
+    # share, 200 J (+111%), placed on the run's row 122 J (+29%); counted each step beside its placing, read as bypass
+    # too: 69 J (-27%). Before, none said uncertain-uncounted (the span began at the leave; here only this harness's
+    # proxy_lag left them out): on the simulated llama.cpp (/slots read, max_tokens 1500) the six streams before such a
+    # leave read -27% to -33% with only gone-prefill-beside, kept in J/token. Now flagged, out of J/token. Counted
+    # each step and unplaced, the bypass is read as it came: 95 J, not flagged (the simulator's: +2% to +4%).
+    ledgers = []
+    end = 12.0 if max_tokens is None else 10.5
+    rows = _llamacpp_whole_run_on([], max_tokens=max_tokens, end_s=25.0, leave=5.0, beside=(3.0, 4.9),
+                                  ledgers=ledgers, counted_run=(0.5, end), each_step=each_step)
+    note = rows[5]["energy_note"] or ""
+    print(rows[5]["gpu_energy_j"], note)
+    assert ("the server counts that run's tokens" in note) == flagged, note
+    assert (UNSURE_FLAG in note) == flagged, note
+    if not flagged:
+        assert rows[5]["gpu_energy_j"] == pytest.approx(95.0, rel=0.05), rows[5]
+
+
 def test_a_whole_answer_llamacpp_run_on_that_stopped_before_its_prefill_guard_ends_after_a_still_second_past_it():
     # No max_tokens, counted 0.6-1.6 s (llama-server cancelling at its first quiet second), its prompt's prefill
     # estimated to end at 3 s: the count stands still from 1.6 s, before that guard. Its span ends a still second past

@@ -883,8 +883,11 @@ class Ledger:
                 # still (`add_server_tokens`). Before, unmarked, as if it had been aborted at its leave.
                 guard = max(int(tr.end_ns), self._prefill_end_est_ns(r) or 0)
                 rid = next((k for k, (_, a1) in self._counted_spans.items() if a1 >= int(attr.NEVER)), tr.request_id)
-                a0 = self._counted_spans.get(rid, (int(tr.end_ns),))[0]  # one unbounded span, not one a leave
-                self._counted_spans[rid] = (min(a0, int(tr.end_ns)), int(attr.NEVER))
+                # From its leave where the count moves each step (its tokens before read as bypass as they came, the
+                # shares beside them fair); with the counter alone, from its arrival (`_counted_start_ns`).
+                start = int(tr.end_ns) if self.count_each_step else self._counted_start_ns(r)
+                a0 = self._counted_spans.get(rid, (start,))[0]  # one unbounded span, not one a leave
+                self._counted_spans[rid] = (min(a0, start), int(attr.NEVER))
                 self._counted_from[rid] = max(self._counted_from.get(rid, 0), guard)
                 # Its slots are noted afresh after this leave, beside those of the runs already in the span.
                 self._counted_watch[rid] = (int(tr.end_ns), self._counted_watch.get(rid, (None, frozenset()))[1])
@@ -895,7 +898,7 @@ class Ledger:
             # their energy in unproxied (docs/daemon.md, a known gap). The simulated llama.cpp (a 2000-token answer at
             # 34 tok/s) had 3410 J of 8760 unproxied in its first 30 s, the rows there -40%..+4%, unflagged.
             if self.scraping:
-                self._counted_spans[tr.request_id] = (int(tr.end_ns), int(r.run_on_end_ns))
+                self._counted_spans[tr.request_id] = (self._counted_start_ns(r), int(r.run_on_end_ns))
             if span_s > RUN_ON_TO_END_MAX_S:
                 # Its rest, past the held 30 s, is placed nowhere: its work is in the shares of the requests beside it
                 # to its estimated end, plus GONE_ABORT_SLACK_S (the span only marks, holding nothing). Unmarked, the
@@ -913,6 +916,14 @@ class Ledger:
             return  # gone before its first token (or a whole answer, its tokens unseen): `_run_on_gone` at its close
         # Placed once the streams beside it have shown that run (`_place_run_ons`; the intervals from here held till then).
         r.run_on_from_ns = max([tr.last_ns, *r.ev_t[-1:], *(e.t_ns for e in self.edges[:1])])  # none in a closed interval
+
+    def _counted_start_ns(self, r: LiveRequest) -> int:
+        """Where a llama.cpp whole answer's counted span (`_counted_spans`) starts: its arrival. Its tokens before the
+        leave are counted by the server and listed by no proxied request too: placed on its row from its prefill's end
+        (`_run_on_gone`), they read as bypass beside that placing where the count moves each step (a stream beside its
+        run before the leave -24% to -27%, unflagged); with the counter alone (`--metrics --no-slots`) they are counted
+        at the run's end, and unplaced their work was in the shares beside them (+100% to +111%, unflagged)."""
+        return int(r.trace.arrival_ns)
 
     def _batch_run_on(self, r: LiveRequest) -> None:
         """A batch (two or more prompts) answered 400 by SGLang, or by a server of kind unknown yet: SGLang
