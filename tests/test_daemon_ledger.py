@@ -4364,7 +4364,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
                            runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
                            opened=None, same_process=False, whole_as=("POST", "/v1/chat/completions", "openai-chat"),
                            serves_generate=True, back_as=("server_restart",), beside=None, with_whole=True,
-                           counted_run=None, idle_first=False, each_step=True, guard_s=None, **restart_kw):
+                           counted_run=None, idle_first=False, each_step=True, guard_s=None, slots_at=None,
+                           **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4381,7 +4382,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # the server counted the whole answer's run-on's tokens, 40 a second (/slots' n_decoded as it decodes them); `idle_first`: its 100 W
     # measured idle first (`_idle_measured`), its busy intervals' time no request was live in idle, not theirs.
     # `each_step` False: the server's counter alone (`--metrics --no-slots`), each request's tokens counted at its end;
-    # `guard_s`: the whole answer's prompt's estimated prefill end (`Ledger._prefill_end_est_ns`), s.
+    # `guard_s`: the whole answer's prompt's estimated prefill end (`Ledger._prefill_end_est_ns`), s. `slots_at(t)`: the
+    # /slots read with each scrape at t s, {slot id: (task id, busy)} (`Ledger.window_slots`).
     # Returns its row (with `beside`, every row by id).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.count_each_step = each_step
@@ -4462,6 +4464,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
             unscraped_near += 40.0 * max(0.0, min(t, counted_run[1]) - max(prev, counted_run[0]))
         elif counted_run is not None and prev is not None and prev < counted_run[1] <= t + 1e-9:
             unscraped_near += 40.0 * (counted_run[1] - counted_run[0])  # the counter alone: counted at its end
+        if slots_at is not None:
+            led.window_slots = (int((t - 0.01) * S), int((t + 0.01) * S), slots_at(t))
         led.add_server_tokens(int(t * S), 20.0 + unscraped_near if prev is not None and prev < 0.5 <= t
                               else float(unscraped_near if prev is not None else 0),
                               None if prev is None else int(prev * S),
@@ -4577,6 +4581,22 @@ def test_a_whole_answer_llamacpp_run_whose_client_left_flags_the_streams_beside_
     assert (UNSURE_FLAG in note) == flagged, note
     if not flagged:
         assert rows[5]["gpu_energy_j"] == pytest.approx(95.0, rel=0.05), rows[5]
+
+
+@pytest.mark.parametrize("beside,flagged", [((12.0, 18.0), False), ((5.0, 9.0), True)],
+                         ids=["past_its_placed_end", "beside_its_placed_tokens"])
+def test_a_placed_llamacpp_run_on_that_slots_show_ended_early_ends_its_span_past_its_placed_tokens(beside, flagged):
+    # max_tokens 400 at 40 tokens/s: placed 0.51-10.5 s, its span held to 20.6 s (twice its estimate). llama-server
+    # cancelled it at 3.0 s (its slot 0's task 7 idle from then; slot 1 idle throughout). A stream 12-18 s, past its
+    # placed tokens and its slot's end, shares with nothing of it: before, flagged all the same (an over-flag); now not.
+    # One 5-9 s, beside its placed tokens (they take a share its cancelled run never used): flagged still.
+    ledgers = []
+    rows = _llamacpp_whole_run_on([], max_tokens=400, end_s=25.0, beside=beside, ledgers=ledgers,
+                                  counted_run=(0.6, 3.0), slots_at=lambda t: {0: (7, t < 3.0 - 1e-9), 1: (3, False)})
+    note = rows[5]["energy_note"] or ""
+    assert ("the server counts that run's tokens" in note) == flagged, note
+    assert (UNSURE_FLAG in note) == flagged, note
+    assert rows[2]["attributed_tokens"] == pytest.approx(400, abs=1), rows[2]  # placed as before
 
 
 def test_a_whole_answer_llamacpp_run_on_that_stopped_before_its_prefill_guard_ends_after_a_still_second_past_it():
