@@ -4407,7 +4407,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
                            runs_on=(None, None), error=None, fail_at=None, fail_closed=False, ledgers=None,
                            opened=None, same_process=False, whole_as=("POST", "/v1/chat/completions", "openai-chat"),
                            serves_generate=True, back_as=("server_restart",), beside=None, with_whole=True,
-                           counted_run=None, idle_first=False, each_step=True, guard_s=None, **restart_kw):
+                           counted_run=None, idle_first=False, each_step=True, guard_s=None, slots_at=None,
+                           **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4424,7 +4425,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # the server counted the whole answer's run-on's tokens, 40 a second (/slots' n_decoded as it decodes them); `idle_first`: its 100 W
     # measured idle first (`_idle_measured`), its busy intervals' time no request was live in idle, not theirs.
     # `each_step` False: the server's counter alone (`--metrics --no-slots`), each request's tokens counted at its end;
-    # `guard_s`: the whole answer's prompt's estimated prefill end (`Ledger._prefill_end_est_ns`), s.
+    # `guard_s`: the whole answer's prompt's estimated prefill end (`Ledger._prefill_end_est_ns`), s. `slots_at(t)`: the
+    # /slots read with each scrape at t s, {slot id: (task id, busy)} (`Ledger.window_slots`).
     # Returns its row (with `beside`, every row by id).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.count_each_step = each_step
@@ -4505,6 +4507,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
             unscraped_near += 40.0 * max(0.0, min(t, counted_run[1]) - max(prev, counted_run[0]))
         elif counted_run is not None and prev is not None and prev < counted_run[1] <= t + 1e-9:
             unscraped_near += 40.0 * (counted_run[1] - counted_run[0])  # the counter alone: counted at its end
+        if slots_at is not None:
+            led.window_slots = (int((t - 0.01) * S), int((t + 0.01) * S), slots_at(t))
         led.add_server_tokens(int(t * S), 20.0 + unscraped_near if prev is not None and prev < 0.5 <= t
                               else float(unscraped_near if prev is not None else 0),
                               None if prev is None else int(prev * S),
@@ -4596,6 +4600,48 @@ def test_a_whole_answer_llamacpp_runs_on_with_no_max_tokens_flags_the_requests_b
     assert (left[0] > 0) == flagged, ledgers[0].totals.jpt_left_out
 
 
+@pytest.mark.parametrize("max_tokens,each_step,flagged", [(None, False, True), (400, False, True), (400, True, True),
+                                                        (None, True, False)],
+                         ids=["no_slots", "no_slots_placed", "placed", "counted_each_step"])
+def test_a_whole_answer_llamacpp_run_whose_client_left_flags_the_streams_beside_it_before_the_leave(
+        max_tokens, each_step, flagged):
+    # A whole answer from 0.5 s, its client gone at 5.0 s, the server counting its run 0.5-12 s (or to its 400
+    # max_tokens at 10.5 s); a stream beside it 3.0-4.9 s, ended before the leave, sharing the GPU with it (truth 95 J).
+    # The server counts the run's tokens before the leave too, listed by no proxied request. With the counter alone
+    # (`--metrics --no-slots`) they are counted at the run's end: unplaced (no max_tokens) that work was in the stream's
+    # share, 200 J (+111%), placed on the run's row 122 J (+29%); counted each step beside its placing, read as bypass
+    # too: 69 J (-27%). Before, none said uncertain-uncounted (the span began at the leave; here only this harness's
+    # proxy_lag left them out): on the simulated llama.cpp (/slots read, max_tokens 1500) the six streams before such a
+    # leave read -27% to -33% with only gone-prefill-beside, kept in J/token. Now flagged, out of J/token. Counted
+    # each step and unplaced, the bypass is read as it came: 95 J, not flagged (the simulator's: +2% to +4%).
+    ledgers = []
+    end = 12.0 if max_tokens is None else 10.5
+    rows = _llamacpp_whole_run_on([], max_tokens=max_tokens, end_s=25.0, leave=5.0, beside=(3.0, 4.9),
+                                  ledgers=ledgers, counted_run=(0.5, end), each_step=each_step)
+    note = rows[5]["energy_note"] or ""
+    print(rows[5]["gpu_energy_j"], note)
+    assert ("the server counts that run's tokens" in note) == flagged, note
+    assert (UNSURE_FLAG in note) == flagged, note
+    if not flagged:
+        assert rows[5]["gpu_energy_j"] == pytest.approx(95.0, rel=0.05), rows[5]
+
+
+@pytest.mark.parametrize("beside,flagged", [((12.0, 18.0), False), ((5.0, 9.0), True)],
+                         ids=["past_its_placed_end", "beside_its_placed_tokens"])
+def test_a_placed_llamacpp_run_on_that_slots_show_ended_early_ends_its_span_past_its_placed_tokens(beside, flagged):
+    # max_tokens 400 at 40 tokens/s: placed 0.51-10.5 s, its span held to 20.6 s (twice its estimate). llama-server
+    # cancelled it at 3.0 s (its slot 0's task 7 idle from then; slot 1 idle throughout). A stream 12-18 s, past its
+    # placed tokens and its slot's end, shares with nothing of it: before, flagged all the same (an over-flag); now not.
+    # One 5-9 s, beside its placed tokens (they take a share its cancelled run never used): flagged still.
+    ledgers = []
+    rows = _llamacpp_whole_run_on([], max_tokens=400, end_s=25.0, beside=beside, ledgers=ledgers,
+                                  counted_run=(0.6, 3.0), slots_at=lambda t: {0: (7, t < 3.0 - 1e-9), 1: (3, False)})
+    note = rows[5]["energy_note"] or ""
+    assert ("the server counts that run's tokens" in note) == flagged, note
+    assert (UNSURE_FLAG in note) == flagged, note
+    assert rows[2]["attributed_tokens"] == pytest.approx(400, abs=1), rows[2]  # placed as before
+
+
 def test_a_whole_answer_llamacpp_run_on_that_stopped_before_its_prefill_guard_ends_after_a_still_second_past_it():
     # No max_tokens, counted 0.6-1.6 s (llama-server cancelling at its first quiet second), its prompt's prefill
     # estimated to end at 3 s: the count stands still from 1.6 s, before that guard. Its span ends a still second past
@@ -4639,6 +4685,19 @@ def test_a_llamacpp_run_on_with_no_known_end_closes_when_its_slot_moves_on_under
     # Gone idle instead of to another task: the same.
     span = _llamacpp_unknown_span_under_traffic(lambda t: {0: (7, t < 20.0 - 1e-9), 1: (3, False)})
     assert span[1] is not None and 20.9 < span[1] < 21.2, span
+
+
+def test_a_llamacpp_run_on_queued_behind_full_slots_that_takes_a_slot_freed_at_two_reads_keeps_its_span_open():
+    # Slot 1's task 5 (another request) ends at 1.95 s; the reads at 2.0 and 2.1 s both show slot 1 idle, and only
+    # then does the run, queued behind the full slots, take it (task 9, 2.15-30 s). Slot 0 runs task 7 to 10 s, then
+    # task 8 on. Noted at the 2.1 s read (a slot idle at two reads: no run queued, taken to hold), the span watched task
+    # 7 alone: before, it ended at 11.0 s while task 9 ran on to 30 s, the rows beside its 19 s more unflagged. The
+    # slots idle at the noting read are looked at once more, a task they took by then watched too: it ends at 31 s.
+    def slots(t):
+        return {0: (7 if t < 10.0 - 1e-9 else 8, True),
+                1: (5, True) if t < 1.95 else (5, False) if t < 2.15 else (9, t < 30.0 - 1e-9)}
+    span = _llamacpp_unknown_span_under_traffic(slots)
+    assert span[1] is not None and 30.9 < span[1] < 31.2, span
 
 
 @pytest.mark.parametrize("slots", [lambda t: {0: (7, True), 1: (3, False)},

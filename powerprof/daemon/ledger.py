@@ -469,13 +469,20 @@ class Ledger:
         self.count_each_step = False
         # The latest scrape's llama.cpp /slots, (read start, read end, {slot id: (task id, busy)}), set by the daemon's
         # scrape loop (scrape.Scraper.window_slots); None where /slots was not read. A run-on's span with no known end
-        # closes once every slot busy at the first such read after its leave has moved on (`_end_counted_by_slots`): a
-        # busy server's count moves in every window, so a still count alone never closed it.
+        # closes once every slot busy at the first such read after its leave (and any task a slot idle there held by the
+        # next read) has moved on (`_end_counted_by_slots`): a busy server's count moves in every window, so a still
+        # count alone never closed it.
         self.window_slots: tuple[int, int, dict[int, tuple[object, bool]]] | None = None
         # By counted span: (its latest leave, to note from at the first /slots read begun after it, or None once noted;
-        # the (slot id, task id) pairs busy there), and the slots seen idle at the latest read handled.
-        self._counted_watch: dict[int, tuple[int | None, frozenset]] = {}
+        # the (slot id, task id) pairs busy there; the slot ids idle there, looked at once more at the next read, or
+        # None once looked at), and the slots seen idle at the latest read handled.
+        self._counted_watch: dict[int, tuple[int | None, frozenset, frozenset | None]] = {}
         self._slots_handled: tuple[int, frozenset] | None = None
+        # By placed counted span (a run-on placed to its max_tokens): where /slots showed its run had ended (that
+        # read's end plus GONE_ABORT_SLACK_S), and where its placed tokens end; the span ends at the later of the two,
+        # if sooner than the end it was held to (`_cut_placed_span`).
+        self._placed_slots_end: dict[int, int] = {}
+        self._placed_end: dict[int, int] = {}
         # The latest restarts' scrape windows, (start, end, first found down): the old process's last scrape, the new
         # one's first, and the first scrape between that found the server down (None: none did); its run-ons end
         # between the first and the third (`_run_on_cut_ns`); as many as `recon.restarts` keeps.
@@ -883,11 +890,15 @@ class Ledger:
                 # still (`add_server_tokens`). Before, unmarked, as if it had been aborted at its leave.
                 guard = max(int(tr.end_ns), self._prefill_end_est_ns(r) or 0)
                 rid = next((k for k, (_, a1) in self._counted_spans.items() if a1 >= int(attr.NEVER)), tr.request_id)
-                a0 = self._counted_spans.get(rid, (int(tr.end_ns),))[0]  # one unbounded span, not one a leave
-                self._counted_spans[rid] = (min(a0, int(tr.end_ns)), int(attr.NEVER))
+                # From its leave where the count moves each step (its tokens before read as bypass as they came, the
+                # shares beside them fair); with the counter alone, from its arrival (`_counted_start_ns`).
+                start = int(tr.end_ns) if self.count_each_step else self._counted_start_ns(r)
+                a0 = self._counted_spans.get(rid, (start,))[0]  # one unbounded span, not one a leave
+                self._counted_spans[rid] = (min(a0, start), int(attr.NEVER))
                 self._counted_from[rid] = max(self._counted_from.get(rid, 0), guard)
                 # Its slots are noted afresh after this leave, beside those of the runs already in the span.
-                self._counted_watch[rid] = (int(tr.end_ns), self._counted_watch.get(rid, (None, frozenset()))[1])
+                self._counted_watch[rid] = (int(tr.end_ns), self._counted_watch.get(rid, (None, frozenset()))[1],
+                                            None)
                 return
             span_s = 2.0 * limit / float(np.median(self._paces))
             r.run_on_end_ns, r.run_on_to_end = tr.end_ns + int(min(span_s, RUN_ON_TO_END_MAX_S) * 1e9), True
@@ -895,7 +906,11 @@ class Ledger:
             # their energy in unproxied (docs/daemon.md, a known gap). The simulated llama.cpp (a 2000-token answer at
             # 34 tok/s) had 3410 J of 8760 unproxied in its first 30 s, the rows there -40%..+4%, unflagged.
             if self.scraping:
-                self._counted_spans[tr.request_id] = (int(tr.end_ns), int(r.run_on_end_ns))
+                self._counted_spans[tr.request_id] = (self._counted_start_ns(r), int(r.run_on_end_ns))
+                # Watched by its slots as a run with no known end is (`_end_counted_by_slots`): a run llama-server
+                # cancelled early (at its first quiet second) or ended sooner than held ends its span sooner.
+                self._counted_watch[tr.request_id] = (int(tr.end_ns), frozenset(), None)
+                self._placed_slots_end[tr.request_id] = int(attr.NEVER)
             if span_s > RUN_ON_TO_END_MAX_S:
                 # Its rest, past the held 30 s, is placed nowhere: its work is in the shares of the requests beside it
                 # to its estimated end, plus GONE_ABORT_SLACK_S (the span only marks, holding nothing). Unmarked, the
@@ -913,6 +928,14 @@ class Ledger:
             return  # gone before its first token (or a whole answer, its tokens unseen): `_run_on_gone` at its close
         # Placed once the streams beside it have shown that run (`_place_run_ons`; the intervals from here held till then).
         r.run_on_from_ns = max([tr.last_ns, *r.ev_t[-1:], *(e.t_ns for e in self.edges[:1])])  # none in a closed interval
+
+    def _counted_start_ns(self, r: LiveRequest) -> int:
+        """Where a llama.cpp whole answer's counted span (`_counted_spans`) starts: its arrival. Its tokens before the
+        leave are counted by the server and listed by no proxied request too: placed on its row from its prefill's end
+        (`_run_on_gone`), they read as bypass beside that placing where the count moves each step (a stream beside its
+        run before the leave -24% to -27%, unflagged); with the counter alone (`--metrics --no-slots`) they are counted
+        at the run's end, and unplaced their work was in the shares beside them (+100% to +111%, unflagged)."""
+        return int(r.trace.arrival_ns)
 
     def _batch_run_on(self, r: LiveRequest) -> None:
         """A batch (two or more prompts) answered 400 by SGLang, or by a server of kind unknown yet: SGLang
@@ -1249,6 +1272,9 @@ class Ledger:
         if capped:  # its max_tokens, reached at its pace, ended it before the abort: live no longer
             r.run_on_end_ns, r.run_on_capped = max(start_ns + span_ns, r.trace.end_ns), True
         rid = r.trace.request_id
+        if rid in self._placed_slots_end:  # its placed tokens' end (the last event 1 ns before it)
+            self._placed_end[rid] = int(r.run_on_end_ns) if capped else int(abort_ns)
+            self._cut_placed_span(rid)
         if r.run_on_may_end is None:
             self.recon.run_ons_may_end.pop(rid, None)  # its body rules an end by itself out (`_run_on`)
         elif rid in self.recon.run_ons_may_end:
@@ -2167,11 +2193,14 @@ class Ledger:
 
     def _end_counted_by_slots(self) -> None:
         """End the counted spans with no known end whose runs' slots have moved on, by the latest /slots read
-        (`window_slots`). Noted at the first read begun after the latest leave where a slot sat idle at that read and
-        the one before (a run queued behind full slots would have taken it): the (slot, task) pairs busy there hold
-        every run still decoding. Ended at the first read where each of them changed task or went idle, its last step
-        before the read's end, plus GONE_ABORT_SLACK_S. Before, only a still count closed it: under steady traffic,
-        never."""
+        (`window_slots`); a placed one's at the later of that and its placed tokens' end (`_cut_placed_span`). Noted at
+        the first read begun after the latest leave where a slot sat idle at that read and the one before (a run queued
+        behind full slots would have taken it): the (slot, task) pairs busy there hold every run still decoding, with
+        the task any slot idle there holds at the next read (a run queued behind full slots may take a slot freed just
+        as two reads showed it idle: before, its span ended with the other slots' tasks, 19 s of its run unflagged in a
+        ledger scene). Ended at the first read after the noting one where each of them changed task or went idle, its
+        last step before the read's end, plus GONE_ABORT_SLACK_S. Before, only a still count closed it: under steady
+        traffic, never."""
         if self.window_slots is None:
             return
         r0, r1, slots = self.window_slots
@@ -2181,17 +2210,38 @@ class Ledger:
         idle_before = self._slots_handled[1] if self._slots_handled is not None else frozenset()
         self._slots_handled = (r1, frozenset((sid, slots[sid][0]) for sid in idle))
         idle_kept = any((sid, slots[sid][0]) in idle_before for sid in idle)
-        for rid, (after, watched) in list(self._counted_watch.items()):
+        for rid, (after, watched, idle_then) in list(self._counted_watch.items()):
             a0, a1 = self._counted_spans.get(rid, (0, 0))
-            if a1 < int(attr.NEVER):
+            placed = self._placed_slots_end.get(rid)
+            if (a1 < int(attr.NEVER)) if placed is None else placed < int(attr.NEVER):
                 continue
             if after is not None:
                 if r0 < after or not idle_kept:
                     continue
-                after, watched = None, watched | {(sid, task) for sid, (task, busy) in slots.items() if busy}
-                self._counted_watch[rid] = (after, watched)
+                watched = watched | {(sid, task) for sid, (task, busy) in slots.items() if busy}
+                self._counted_watch[rid] = (None, watched, idle)
+                continue
+            if idle_then is not None:
+                watched = watched | {(sid, slots[sid][0]) for sid in idle_then if slots.get(sid, (None, False))[1]}
+                self._counted_watch[rid] = (None, watched, None)
             if all(not slots.get(sid, (None, False))[1] or slots[sid][0] != task for sid, task in watched):
-                self._counted_spans[rid] = (a0, max(a0, r1 + int(GONE_ABORT_SLACK_S * 1e9)))
+                if placed is not None:
+                    self._placed_slots_end[rid] = r1 + int(GONE_ABORT_SLACK_S * 1e9)
+                    self._cut_placed_span(rid)
+                else:
+                    self._counted_spans[rid] = (a0, max(a0, r1 + int(GONE_ABORT_SLACK_S * 1e9)))
+
+    def _cut_placed_span(self, rid: int) -> None:
+        """End a placed run-on's counted span (`_run_on`) at the later of where /slots showed its run had ended and
+        where its placed tokens end, once both are known, where sooner than the end it was held to: past both, no
+        token of it is placed or counted, the shares there whole. Not before its placed tokens' end: they take their
+        share of the intervals up to there, the rows beside low by them where the run ended sooner (cancelled at
+        llama-server's first quiet second), so those stay marked. Before, marked to its held end, twice its estimate:
+        a run cancelled 3 s in, placed to 10.5 s, marked its neighbours to 20.6 s."""
+        a0, a1 = self._counted_spans.get(rid, (0, 0))
+        end = max(self._placed_slots_end.get(rid, int(attr.NEVER)), self._placed_end.get(rid, int(attr.NEVER)))
+        if rid in self._counted_spans and end < a1:
+            self._counted_spans[rid] = (a0, max(a0, end))
 
     def note_down(self, since_ns: int, down_ns: int, refused_ns: int | None) -> None:
         """A scrape since the server's last good one (`since_ns`) found it down (the first began at `down_ns`), one
@@ -2792,6 +2842,8 @@ class Ledger:
         self._counted_spans = {k: s for k, s in self._counted_spans.items() if s[1] > t[0]}
         self._counted_from = {k: v for k, v in self._counted_from.items() if k in self._counted_spans}
         self._counted_watch = {k: v for k, v in self._counted_watch.items() if k in self._counted_spans}
+        self._placed_slots_end = {k: v for k, v in self._placed_slots_end.items() if k in self._counted_spans}
+        self._placed_end = {k: v for k, v in self._placed_end.items() if k in self._counted_spans}
         counted_iv = np.zeros(t.size - 1, bool)
         for a0, a1 in self._counted_spans.values():
             counted_iv |= (a0 < t[1:]) & (a1 > t[:-1])

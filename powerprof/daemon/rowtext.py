@@ -931,7 +931,7 @@ def _capped_beside(r: LiveRequest) -> bool:
 
 
 def _counted_beside(r: LiveRequest) -> bool:
-    """UNSURE_FLAG over a llama.cpp whole answer's run-on after its client left (`Ledger._counted_spans`): at least
+    """UNSURE_FLAG over a llama.cpp whole answer's run whose client left (`Ledger._counted_spans`): at least
     QUEUED_BESIDE_MIN_SHARE of its figure is from intervals where the server counted that run's tokens, read as bypass."""
     return r.counted_beside_j > 0 and r.counted_beside_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
 
@@ -1118,13 +1118,14 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      f"that; left out of J/token; fix: {CAPPED_RUN_ON_FIX}")
     if _counted_beside(r):
         notes.append(f"{UNSURE_FLAG}: {100 * min(r.counted_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
-                     "intervals where llama.cpp ran on a whole answer after its client left (placed on that answer's "
-                     "row to its max_tokens at the latest streams' pace, or with no max_tokens or pace placed nowhere, "
-                     "to when the server's count next stood still for a second): the server counts that run's tokens, "
-                     "which no proxied request lists, so where its count is read they read as bypass traffic and "
-                     "unproxied takes their energy out of these shares, more or less than that run used, and where "
-                     "not, unplaced, that run's work is in these shares: its figure may be low or high; left out of "
-                     f"J/token; fix: {COUNTED_RUN_ON_FIX}")
+                     "intervals where llama.cpp ran a whole answer whose client left (from its arrival where its "
+                     "tokens before the leave were placed on its row or are counted only at its end, else from the "
+                     "leave; placed on that answer's row to its max_tokens at the latest streams' pace, or with no "
+                     "max_tokens or pace placed nowhere, to when the server's count next stood still for a second): "
+                     "the server counts that run's tokens, which no proxied request lists, so where its count is read "
+                     "they read as bypass traffic and unproxied takes their energy out of these shares, more or less "
+                     "than that run used, and where not, unplaced, that run's work is in these shares: its figure may "
+                     f"be low or high; left out of J/token; fix: {COUNTED_RUN_ON_FIX}")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
