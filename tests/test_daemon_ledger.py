@@ -6357,6 +6357,27 @@ def test_a_restart_ends_a_batch_400s_span_at_its_window():
     assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), b)], (led.recon.batch_run_ons, (a, b))
 
 
+def test_a_death_the_page_says_no_restart_of_ends_a_batch_400s_span_a_counters_fall_does_not():
+    # A refused scrape, then a page that says no restart: a death all the same (`_gone_at`), its batch's prompts died
+    # with it. Before: only recon.restarts cut a span, so it stayed marked to its bound (31.6 s); and a restart told by
+    # a counter's fall alone (a multi-process page's dip) cut it, at 6 s, where the batch ran on to the real one at 21 s.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.recon.server_seen = True
+    led._paces.append(40.0)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2)
+    led.add_server_tokens(int(1.0 * S), 0.0, None)
+    led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), down_ns=int(5.5 * S), down_refused=True)
+    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), int(6.0 * S))], led.recon.batch_run_ons
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.recon.server_seen = True
+    led._paces.append(40.0)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2)
+    led.add_server_tokens(int(1.0 * S), 0.0, None)
+    led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), partial=("server_restart",), restart_by_fall=True)
+    led.add_server_tokens(int(21.0 * S), 0.0, int(20.0 * S), partial=("server_restart",))
+    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), int(21.0 * S))], led.recon.batch_run_ons
+
+
 def test_overlapping_batch_400s_scraped_merge_into_one_span():
     # Scraped, each band-abort 400 added its own entry unless one span held it whole, and the windows' check over them is
     # linear in the entries: the review's repro_d2 (20,000 null 400s, a span each overlapping the last) took 3.6, 10.4,

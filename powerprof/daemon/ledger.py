@@ -2308,10 +2308,13 @@ class Ledger:
         100). Placed already (a stream's, `_place_run_ons`), its events past the cut go (`_cut_run_on`)."""
         for r in self.requests.values():
             self._cut_run_on(r)
-        # A batch SGLang answered 400 ran its other prompts in the process that died: none past its restart's window
-        # (before: marked on to its bound, the new process's rows flagged for nothing).
+        # A batch SGLang answered 400 ran its other prompts in the process that died: none past its death's window, a
+        # restart's or a refused death's the page said no restart of (`_gone_at`; before: marked on to its bound, the
+        # new process's rows flagged for nothing). Not a restart told by a counter's fall alone (a multi-process page's
+        # dip, in recon.restarts): read from recon.restarts, a death unsaid by the page left a span marked to its bound
+        # (31.6 s for a 6 s window), and a dip's false restart cut a span the batch ran past, its rows unflagged.
         def cut(a0: int, a1: int) -> int:
-            return min([a1, *(b for a, b in self.recon.restarts if a >= a0 and b >= a0)])
+            return min([a1, *(g[1] for g in self._gone_at if g[0] >= a0)])
         spans = self.recon.batch_run_ons
         for k, (a0, a1) in list(spans.items()):
             spans[k] = (a0, cut(a0, a1))
