@@ -6343,6 +6343,30 @@ def test_an_expired_requests_sequences_leave_the_live_count_a_batch_400s_pace_is
     assert (a1 - a0) / 1e9 < 3.0, led._batch_spans
 
 
+def test_a_request_whose_recording_broke_leaves_the_live_count_at_its_end():
+    # A request whose recording broke gets no on_end (proxy.Proxy._safe, the workers' replay alike), yet the split
+    # retires it by its trace's end, out of reach of its expiry: its sequences stayed in the live count for good, and a
+    # later batch's pace was shared by them. 50 such 8-sequence requests: a 2-prompt max_tokens-6 batch marked 61.4 s
+    # instead of 1.4 s.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    _idle_measured(led)
+    led._paces.append(40.0)
+    for k in range(50):
+        tr = RequestTrace(100 + k, "POST", "/generate", None, int(0.2 * S), 0, api="sglang-generate", stream=False)
+        tr.extra.update(sequences=8)
+        led.on_start(tr)
+        tr.status, tr.end_ns, tr.outcome, tr.recorder_error = 200, int(0.5 * S), "ok", "parser: broken"  # no on_end
+    for k in range(1, 21):
+        _feed(led, 0.1 * k, 20.0 * k)
+    led.advance(int(2.0 * S) + led.grace_ns)
+    assert led.requests == {} and led._live_seqs == {}, sum(led._live_seqs.values())
+    _band_generate(led, 1, 2.5, 2.6, sequences=2, max_tokens=6, prompt_chars=40, prompt_count=2)
+    (a0, a1), = led._batch_spans
+    print("span s", (a1 - a0) / 1e9)
+    assert (a1 - a0) / 1e9 < 3.0, led._batch_spans
+
+
 def test_a_restart_ends_a_batch_400s_span_at_its_window():
     # The process that ran the batch's other prompts died in the restart: none ran past its window. Before: marked on
     # to its bound (31.6 s here), the new process's rows flagged for nothing.

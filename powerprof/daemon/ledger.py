@@ -2995,6 +2995,11 @@ class Ledger:
         ended = [r for r, d in zip(reqs, done) if d]
         for r in ended:
             del self.requests[r.trace.request_id]
+            # Its sequences leave the live count a batch's pace is shared by (`_batch_end_ns`) here too: a request whose
+            # recording broke gets no on_end (`proxy.Proxy._safe`, the workers' replay alike), yet ends here by its
+            # trace's end. Before, its sequences stayed for good (its expiry never saw it): 50 such 8-sequence requests
+            # and a 2-prompt max_tokens-6 batch was marked 61.4 s instead of 1.4 s.
+            self._live_seqs.pop(r.trace.request_id, None)
             self._release(r)
             self._settle_late(r)  # before any row: a request beside it ending in this close reads its late count
             self._tags_counted_low(r)  # its server_ahead is whole now; its row may be parked past its tag's
