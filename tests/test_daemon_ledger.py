@@ -6245,7 +6245,7 @@ def test_a_batch_400s_span_holds_its_prompts_prefill_at_the_streams_rate():
     tr.counts = Counts(generated_tokens=len(ev), prompt_tokens=p, model=None, stop_reason="length",
                        token_source="usage", cached_tokens=0)  # its server said its cache's part: none
     led.on_end(tr)
-    assert list(led._prefill_rates) == [pytest.approx(16000.0)], led._prefill_rates
+    assert [r for r, _ in led._prefill_rates] == [pytest.approx(16000.0)], led._prefill_rates
     _band_generate(led, 2, 1.0, 1.05, sequences=25, max_tokens=6, prompt_chars=24 * 6000 + 40, prompt_count=25)
     (a0, a1), = led._batch_spans
     print("span s", (a1 - a0) / 1e9)
@@ -6299,12 +6299,36 @@ def test_a_batch_400s_prefill_rate_is_learned_low_never_from_a_cache_hit_or_a_ba
                                                         (0.1, 4000, 2000, None), (0.2, 4000, 0, 0)), 1):
         _prefill_stream(led, rid, ttft, prompt, early=early, final=final)  # 16,000, -, 20,000, 20,000 tok/s
         led.on_end(led.requests[rid].trace)
-    assert sorted(led._prefill_rates) == [pytest.approx(16000.0), pytest.approx(20000.0), pytest.approx(20000.0)], \
+    assert sorted(r for r, _ in led._prefill_rates) == [pytest.approx(16000.0), pytest.approx(20000.0), pytest.approx(20000.0)], \
         led._prefill_rates
     _band_generate(led, 9, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2)
     (a0, a1), = led._batch_spans
     print("span s, learned", (a1 - a0) / 1e9)
     assert 62763 / 16000.0 + 1.0 <= (a1 - a0) / 1e9 < 62763 / 16000.0 + 1.5, led._batch_spans  # the lowest rate
+
+
+def test_a_batch_400s_prefill_rate_learned_on_short_prompts_is_taken_at_its_long_prompts_length():
+    # A rate learned on 500-token prompts (20,000 tok/s) was used whole for a batch of two 30,000-id prompts in a
+    # 32,768-token context. Prefill slows with its context (attention): at Llama-3-8B's 1.9e-5 a context token and
+    # attention at half the weights' matmul efficiency (3.8e-5), those 60,000 tokens take 60,000 (1 + 3.8e-5 * 30,000)
+    # / (20,000 (1 + 3.8e-5 * 500)) = 6.3 s, then 6 tokens, where the span was 5.88 s with its slack (the simulator
+    # prefills at one rate whatever the context, shorter prompts teaching a lower rate, so it cannot show this). Now each
+    # rate is taken at the batch's longest prompt (at most its size and the context the abort's message says): 26.8 s.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    _prefill_stream(led, 1, 0.025, 500, final=0)  # 500 tokens to its first in 25 ms: 20,000 tok/s
+    led.on_end(led.requests[1].trace)
+    assert [r for r, _ in led._prefill_rates] == [pytest.approx(20000.0)], led._prefill_rates
+    msg = ("Input length (32765 tokens) exceeds the maximum allowed length (32768 tokens). Use a shorter input or "
+           "enable --allow-auto-truncate.")
+    tr = RequestTrace(2, "POST", "/generate", None, int(1.0 * S), 0, api="sglang-generate", stream=False)
+    tr.extra.update(error_message=msg, sequences=3, max_tokens=6, prompt_ids=2 * 30000 + 32765, prompt_count=3)
+    led.on_start(tr)
+    _answered_without_counts(led, tr, 400, 1.05)
+    (a0, a1), = led._batch_spans
+    truth_s = 60000 * (1 + 3.8e-5 * 30000) / (20000 * (1 + 3.8e-5 * 500))
+    print("span s", (a1 - a0) / 1e9, "prefill truth s", truth_s)
+    assert (a1 - a0) / 1e9 >= truth_s + 1.0, led._batch_spans
 
 
 def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():

@@ -136,7 +136,7 @@ SGLANG_BAND_TOKENS = 6
 # The start of that abort's message (managers/utils.py `validate_input_length`): a streamed /v1/completions batch is
 # answered 200, the message in its one error event (`_batch_run_on`). Matched at the start, whole: its words anywhere
 # matched SGLang's validation 400, whose message echoes the client's input (a "temperature" of those words, unrun).
-SGLANG_BAND_ABORT_RE = re.compile(r"Input length \(\d+ tokens\) exceeds the maximum allowed length \(\d+ tokens\)")
+SGLANG_BAND_ABORT_RE = re.compile(r"Input length \((\d+) tokens\) exceeds the maximum allowed length \((\d+) tokens\)")
 # The server's aggregate decode rate (tokens a second, all its sequences together) taken where no stream has shown its
 # pace yet (`_batch_end_ns`): each sequence then decodes at this shared by the sequences live.
 BATCH_PACE_FLOOR_TOK_S = 5.0
@@ -147,6 +147,13 @@ BATCH_PREFILL_FLOOR_TOK_S = 500.0
 # The fewest uncached prompt tokens a stream's time to first token teaches that rate from: a shorter prompt's time is
 # mostly the server's step and queueing, not its prefill.
 BATCH_PREFILL_LEARN_MIN = 64
+# How much a prefill's cost a token grows by, a share of its cost at no context, for each token of context it attends
+# over (`_batch_end_ns`): a rate learned on a stream of L0 tokens is taken at L0's context for a batch whose prompts may
+# be L long, as rate * (1 + k L0) / (1 + k L), never raised. Attention's FLOPs a token over its weights' are about
+# (attention width * layers) / parameters for a causal prompt (its mean context L / 2, two matmuls): 1.9e-5 for Llama-3-8B,
+# 3.3e-5 for Llama-3.2-1B, 1.3e-4 for Qwen3-0.6B, and attention runs below the weights' matmul efficiency; so a bound
+# that errs long. Without it a rate learned on short prompts was used whole for a batch of 30,000-token ones.
+BATCH_PREFILL_CTX_SHARE = 1.5e-4
 # The longest a batch's span marks (`_batch_end_ns`): a span runs to bounds that err long (a null's context, floor
 # rates), and one band abort must not blank J/token for hours; its row says where its span was cut so.
 BATCH_SPAN_MAX_S = 600.0
@@ -496,7 +503,8 @@ class Ledger:
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
         self._paces: deque = deque(maxlen=RUN_ON_PACES)
         # Finished single-sequence streams' uncached prompt tokens over their time to first token, where a cached count
-        # was said (`prefill_rate_shown`), for a batch's prefill (`_batch_end_ns`, the lowest taken).
+        # was said, and their whole prompt (the context its prefill attended over) (`prefill_rate_shown`), for a batch's
+        # prefill (`_batch_end_ns`, the lowest taken, each at the batch prompts' length).
         self._prefill_rates: deque = deque(maxlen=RUN_ON_PACES)
         # Sequences of the requests started and not ended, by request id: those a batch's pace is shared by.
         self._live_seqs: dict[int, int] = {}
@@ -818,9 +826,9 @@ class Ledger:
         if (tr.outcome == "ok" and tr.stream is True and tr.first_ns is not None and tr.last_ns is not None
                 and n >= RUN_ON_PACE_TOKENS and tr.last_ns > tr.first_ns):
             self._paces.append((n - 1) / ((tr.last_ns - tr.first_ns) / 1e9))
-        rate = prefill_rate_shown(tr)
-        if rate is not None:
-            self._prefill_rates.append(rate)
+        shown = prefill_rate_shown(tr)
+        if shown is not None:
+            self._prefill_rates.append(shown)
 
     @staticmethod
     def _cost_as_crash(r: LiveRequest, sure: bool) -> None:
@@ -991,7 +999,8 @@ class Ledger:
         """The end a batch SGLang answered 400 is taken to run its other prompts within (`_batch_run_on`; not a proof),
         from its arrival: its
         prompts' prefill (their size, `batch_context_bound`, at the lowest rate the latest streams' time to first token
-        showed, `prefill_rate_shown`, else BATCH_PREFILL_FLOOR_TOK_S), then its max_tokens (an
+        showed, `prefill_rate_shown`, each taken at the length its prompts may have, BATCH_PREFILL_CTX_SHARE, else
+        BATCH_PREFILL_FLOOR_TOK_S), then its max_tokens (an
         explicit null: to the context's end, its scheduler's min(1 << 30, max_req_len - prompt - 1), scheduler.py
         `init_req_max_new_tokens`; at most `batch_context_bound`) at a pace taken as a bound under load: the server's
         latest streams' pace (else BATCH_PACE_FLOOR_TOK_S) shared by the batch's sequences and every sequence live now.
@@ -1007,7 +1016,12 @@ class Ledger:
             return int(attr.NEVER)
         live = sum(self._live_seqs.values())  # this batch ended: not among them
         pace = (float(np.median(self._paces)) if self._paces else BATCH_PACE_FLOOR_TOK_S) / max(seqs + live, 1)
-        rate = min(self._prefill_rates) if self._prefill_rates else BATCH_PREFILL_FLOOR_TOK_S  # the lowest: a bound
+        # A prompt of the batch is at most its size and the context (the abort's "maximum allowed length"): each rate
+        # learned taken at that length (BATCH_PREFILL_CTX_SHARE), the lowest a bound.
+        m = SGLANG_BAND_ABORT_RE.match(tr.extra.get("error_message") or "")
+        longest = min(size, int(m.group(2))) if m is not None else size
+        rate = min((r * min(1.0, (1 + BATCH_PREFILL_CTX_SHARE * ctx) / (1 + BATCH_PREFILL_CTX_SHARE * longest))
+                    for r, ctx in self._prefill_rates), default=BATCH_PREFILL_FLOOR_TOK_S)
         span_s = size / rate + limit / pace
         return min(int(tr.arrival_ns) + int(span_s * 1e9), int(attr.NEVER))
 
@@ -3783,9 +3797,10 @@ def _prompt_sequences(r: LiveRequest) -> int:
     return max(seqs // max(r.trace.extra.get("choices", 1), 1), 1)
 
 
-def prefill_rate_shown(tr: RequestTrace) -> float | None:
-    """The prefill rate (tokens a second) a finished stream's time to first token shows, a bound that errs low, for a
-    batch 400's span (`Ledger._batch_end_ns`); None where it shows none. Only a single sequence's (a batch's or n > 1's
+def prefill_rate_shown(tr: RequestTrace) -> tuple[float, float] | None:
+    """The prefill rate (tokens a second) a finished stream's time to first token shows, a bound that errs low, and its
+    whole prompt (the context that prefill attended over), for a batch 400's span (`Ledger._batch_end_ns`); None where
+    it shows none. Only a single sequence's (a batch's or n > 1's
     first token comes after its first prompt's prefill, not all of them: 8 prompts at 0.07 s read 114,286 tok/s, truth
     16,000) whose server said a cached count, early or at its end, the larger taken off its prompt: a cache hit's tiny
     time read over its whole prompt taught 10x and more (200,000 tok/s beside 16,000), and a server that says no cached
@@ -3799,7 +3814,7 @@ def prefill_rate_shown(tr: RequestTrace) -> float | None:
             if isinstance(k, (int, float))]
     if not isinstance(p, (int, float)) or not said or p - max(said) < BATCH_PREFILL_LEARN_MIN:
         return None
-    return (p - max(said)) / ((tr.first_ns - tr.arrival_ns) / 1e9)
+    return (p - max(said)) / ((tr.first_ns - tr.arrival_ns) / 1e9), float(p)
 
 
 def _cached_tokens(r: LiveRequest) -> float:
