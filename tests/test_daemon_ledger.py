@@ -1873,7 +1873,7 @@ def test_an_sglang_batch_answered_400_with_a_null_limit_marks_its_windows_to_the
     if paced:
         led._paces.append(40.0)
     batch = RequestTrace(1, "POST", "/generate", None, int(0.5 * S), 0, api="sglang-generate", stream=False)
-    batch.extra.update(sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2, error_message=BAND_MSG)
+    batch.extra.update(sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2, error_message=BAND_MSG_128K)
     led.on_start(batch)
     batch.end_ns, batch.status, batch.outcome = int(0.6 * S), 400, "error"
     led.recon.server_seen = True  # a server page read (recorded only then)
@@ -6041,6 +6041,10 @@ def test_a_request_just_after_a_limit_change_is_split_with_the_idle_power_measur
 # proxy reads it from a 400's body (proxy.error_message).
 BAND_MSG = ("Input length (58 tokens) exceeds the maximum allowed length (58 tokens). Use a shorter input or enable "
             "--allow-auto-truncate.")
+# The same abort in a 131,072-token context: a null batch's run bounded by its prompts' size, not by the context
+# (`ledger.batch_context`).
+BAND_MSG_128K = ("Input length (131066 tokens) exceeds the maximum allowed length (131066 tokens). Use a shorter input "
+                 "or enable --allow-auto-truncate.")
 
 
 def _batch_answered(led, rid, status, extra, end_s=0.5, msg=BAND_MSG):
@@ -6128,10 +6132,11 @@ def test_a_batch_400_with_no_server_scraped_marks_a_bounded_span_and_many_merge_
     null = {"sequences": 2, "max_tokens_null": True, "prompt_chars": 100, "prompt_count": 2}
     assert batch_context_bound(null) == 108
     for rid in range(2, 40):
-        _batch_answered(led, rid, 400, null)
+        _batch_answered(led, rid, 400, null, msg=BAND_MSG_128K)
     (a0, a1), = led._batch_spans  # bounded, one span
     assert a1 == pytest.approx((0.2 + 108 / BATCH_PREFILL_FLOOR_TOK_S + 108 / 20.0 + 1.0) * S, abs=1e3), a1
-    _batch_answered(led, 50, 400, {"sequences": 2, "max_tokens_null": True})  # its prompts' size unread: no end...
+    _batch_answered(led, 50, 400, {"sequences": 2, "max_tokens_null": True},
+                    msg=BAND_MSG_128K)  # its prompts' size unread: no end...
     assert led._batch_spans == [(int(0.2 * S), int((0.2 + BATCH_SPAN_MAX_S + 1.0) * S))]  # ...but the cap's
 
 
@@ -6145,7 +6150,8 @@ def test_a_cheap_null_batch_400_marks_at_most_the_span_cap_and_its_row_says_the_
     led.run_ons_unknown = True
     led._paces.append(40.0)
     tr = RequestTrace(1, "POST", "/generate", None, int(0.2 * S), 0, api="sglang-generate", stream=False)
-    tr.extra.update(sequences=2, max_tokens_null=True, prompt_chars=100_000, prompt_count=2, error_message=BAND_MSG)
+    tr.extra.update(sequences=2, max_tokens_null=True, prompt_chars=100_000, prompt_count=2,
+                    error_message=BAND_MSG_128K)
     led.on_start(tr)
     _answered_without_counts(led, tr, 400, 0.21)
     (a0, a1), = led._batch_spans
@@ -6224,7 +6230,7 @@ def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them(
 def _band_generate(led, rid, arrival_s, end_s, **extra):
     """A /generate batch SGLang answered its band abort's 400 at `end_s`, `extra` the proxy's reading of its body."""
     tr = RequestTrace(rid, "POST", "/generate", None, int(arrival_s * S), 0, api="sglang-generate", stream=False)
-    tr.extra.update(error_message=BAND_MSG, **extra)
+    tr.extra.update({"error_message": BAND_MSG, **extra})
     led.on_start(tr)
     _answered_without_counts(led, tr, 400, end_s)
     return tr
@@ -6331,6 +6337,28 @@ def test_a_batch_400s_prefill_rate_learned_on_short_prompts_is_taken_at_its_long
     assert (a1 - a0) / 1e9 >= truth_s + 1.0, led._batch_spans
 
 
+def test_a_null_batch_400s_run_is_bounded_by_the_context_its_abort_says():
+    # A null batch runs its prompts to the context's end, and the abort's message says the context (its "maximum allowed
+    # length" + 6): a 4,096-token context, two 400-character prompts beside a 16,000-character band one. Before: bounded
+    # by their characters summed (16,809 tokens), at 40 tok/s shared by 3 its span ran past BATCH_SPAN_MAX_S and was cut
+    # there, its row saying the rows beside its run past 600 s are not flagged. Now 4,096 tokens: under the cap.
+    from powerprof.daemon.ledger import BATCH_SPAN_MAX_S
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    led._paces.append(40.0)
+    msg = ("Input length (4090 tokens) exceeds the maximum allowed length (4090 tokens). Use a shorter input or enable "
+           "--allow-auto-truncate.")
+    tr = RequestTrace(1, "POST", "/generate", None, int(1.0 * S), 0, api="sglang-generate", stream=False)
+    tr.extra.update(error_message=msg, sequences=3, max_tokens_null=True, prompt_chars=16000 + 2 * 400, prompt_count=3)
+    led.on_start(tr)
+    _answered_without_counts(led, tr, 400, 1.05)
+    (a0, a1), = led._batch_spans
+    print("span s", (a1 - a0) / 1e9, led.requests[1].batch_bound)
+    assert not led.requests[1].batch_capped and led.requests[1].batch_bound[1] == 4096, led.requests[1].batch_bound
+    # Its others' run: at most 4,096 tokens at 40 tok/s shared by the 3 sequences.
+    assert 4096 / (40.0 / 3) <= (a1 - a0) / 1e9 < BATCH_SPAN_MAX_S, led._batch_spans
+
+
 def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():
     # The review's test_repro_c4_pace_big: a pace learned light (86 tok/s), then 30 streams live and a null batch of 30
     # short id prompts and a band prompt (253 ids): its others ran 251 tokens each at ~19 tok/s a sequence, to 13.35 s
@@ -6397,7 +6425,8 @@ def test_a_restart_ends_a_batch_400s_span_at_its_window():
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.recon.server_seen = True
     led._paces.append(40.0)
-    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600,
+                   prompt_count=2)
     assert list(led.recon.batch_run_ons.values())[0][1] > int(30 * S), led.recon.batch_run_ons
     led.add_server_tokens(int(1.0 * S), 0.0, None)
     led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), partial=("server_restart",))
@@ -6412,14 +6441,16 @@ def test_a_death_the_page_says_no_restart_of_ends_a_batch_400s_span_a_counters_f
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.recon.server_seen = True
     led._paces.append(40.0)
-    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600,
+                   prompt_count=2)
     led.add_server_tokens(int(1.0 * S), 0.0, None)
     led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), down_ns=int(5.5 * S), down_refused=True)
     assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), int(6.0 * S))], led.recon.batch_run_ons
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.recon.server_seen = True
     led._paces.append(40.0)
-    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600,
+                   prompt_count=2)
     led.add_server_tokens(int(1.0 * S), 0.0, None)
     led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), partial=("server_restart",), restart_by_fall=True)
     led.add_server_tokens(int(21.0 * S), 0.0, int(20.0 * S), partial=("server_restart",))
@@ -6434,7 +6465,8 @@ def test_overlapping_batch_400s_scraped_merge_into_one_span():
     led.recon.server_seen = True
     led._paces.append(40.0)
     for k in range(50):
-        _band_generate(led, 1 + k, 0.5 + 0.1 * k, 0.55 + 0.1 * k, sequences=2, max_tokens_null=True, prompt_chars=600,
+        _band_generate(led, 1 + k, 0.5 + 0.1 * k, 0.55 + 0.1 * k, sequences=2, max_tokens_null=True,
+                       error_message=BAND_MSG_128K, prompt_chars=600,
                        prompt_count=2)
     (a0, a1), = led.recon.batch_run_ons.values()
     assert a0 == int(0.5 * S) and a1 > int(5.4 * S + 30 * S), led.recon.batch_run_ons

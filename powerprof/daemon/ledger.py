@@ -336,6 +336,17 @@ def batch_context_bound(extra: dict) -> int | None:
     return int(chars or 0) + int(ids or 0) + int(extra.get("prompt_count", 1)) + SGLANG_BAND_TOKENS
 
 
+def batch_context(extra: dict, message: str | None) -> int | None:
+    """The most tokens a prompt of a batch SGLang answered 400 may have and an explicit null may run it to: the context,
+    its abort's `message` saying it less SGLANG_BAND_TOKENS ("the maximum allowed length (C - 6 tokens)",
+    managers/utils.py `validate_input_length`), at most `batch_context_bound`. Before, that sum alone: a token a
+    character, a null batch of a 16,000-character band prompt and two of 400 in a 4,096 context was bounded 16,809
+    tokens, marked to its cap (600 s), its rows past that unflagged; now 4,096, 341 s."""
+    size = batch_context_bound(extra)
+    m = SGLANG_BAND_ABORT_RE.match(message or "")
+    return size if size is None or m is None else min(size, int(m.group(2)) + SGLANG_BAND_TOKENS)
+
+
 def merged_span(spans: list[tuple[int, int]], a0: int, a1: int) -> list[tuple[int, int]]:
     """`spans` (disjoint) with [a0, a1] added, those it overlaps merged into one: many such marks cost one span each
     only where apart."""
@@ -971,7 +982,8 @@ class Ledger:
         cap_ns = int(tr.arrival_ns) + int(BATCH_SPAN_MAX_S * 1e9)
         r.batch_capped = end_ns > cap_ns
         end_ns = min(end_ns, cap_ns)
-        tokens = limit if isinstance(limit, int) else batch_context_bound(tr.extra)
+        tokens = limit if isinstance(limit, int) else batch_context(tr.extra, c.server_error if streamed else
+                                                                     tr.extra.get("error_message"))
         r.batch_bound = (seqs - copies, tokens, (end_ns - int(tr.arrival_ns)) / 1e9)
         if unplaced:
             # scrape.server = none: no scrape window to mark, no counter to see the work; its share goes to the
@@ -1002,25 +1014,23 @@ class Ledger:
         showed, `prefill_rate_shown`, each taken at the length its prompts may have, BATCH_PREFILL_CTX_SHARE, else
         BATCH_PREFILL_FLOOR_TOK_S), then its max_tokens (an
         explicit null: to the context's end, its scheduler's min(1 << 30, max_req_len - prompt - 1), scheduler.py
-        `init_req_max_new_tokens`; at most `batch_context_bound`) at a pace taken as a bound under load: the server's
+        `init_req_max_new_tokens`; at most `batch_context`) at a pace taken as a bound under load: the server's
         latest streams' pace (else BATCH_PACE_FLOOR_TOK_S) shared by the batch's sequences and every sequence live now.
         A stream's pace, learned with m sequences live, is at most the server's aggregate rate then, and that rate does
         not fall as sequences join, so each of n decodes at least at pace / n. Before: twice the limit at the learned
         pace alone, no prefill: a null batch beside 30 streams was marked to 9.8 s and ran to 13.4 s, 24 prompts of
         1,500 tokens prefilled to 2.25 s behind a span of 0.14 s. attr.NEVER where its prompts' size is unread."""
-        size = batch_context_bound(tr.extra)
+        size, context = batch_context_bound(tr.extra), batch_context(tr.extra, tr.extra.get("error_message"))
         limit = tr.extra.get("max_tokens")
         if not isinstance(limit, int):
-            limit = size
+            limit = context
         if size is None or limit is None:
             return int(attr.NEVER)
         live = sum(self._live_seqs.values())  # this batch ended: not among them
         pace = (float(np.median(self._paces)) if self._paces else BATCH_PACE_FLOOR_TOK_S) / max(seqs + live, 1)
-        # A prompt of the batch is at most its size and the context (the abort's "maximum allowed length"): each rate
-        # learned taken at that length (BATCH_PREFILL_CTX_SHARE), the lowest a bound.
-        m = SGLANG_BAND_ABORT_RE.match(tr.extra.get("error_message") or "")
-        longest = min(size, int(m.group(2))) if m is not None else size
-        rate = min((r * min(1.0, (1 + BATCH_PREFILL_CTX_SHARE * ctx) / (1 + BATCH_PREFILL_CTX_SHARE * longest))
+        # A prompt of the batch is at most its size and the context (`batch_context`): each rate learned taken at that
+        # length (BATCH_PREFILL_CTX_SHARE), the lowest a bound.
+        rate = min((r * min(1.0, (1 + BATCH_PREFILL_CTX_SHARE * ctx) / (1 + BATCH_PREFILL_CTX_SHARE * context))
                     for r, ctx in self._prefill_rates), default=BATCH_PREFILL_FLOOR_TOK_S)
         span_s = size / rate + limit / pace
         return min(int(tr.arrival_ns) + int(span_s * 1e9), int(attr.NEVER))
