@@ -6305,8 +6305,8 @@ def test_a_batch_400s_prefill_rate_is_learned_low_never_from_a_cache_hit_or_a_ba
                                                         (0.1, 4000, 2000, None), (0.2, 4000, 0, 0)), 1):
         _prefill_stream(led, rid, ttft, prompt, early=early, final=final)  # 16,000, -, 20,000, 20,000 tok/s
         led.on_end(led.requests[rid].trace)
-    assert sorted(r for r, _ in led._prefill_rates) == [pytest.approx(16000.0), pytest.approx(20000.0), pytest.approx(20000.0)], \
-        led._prefill_rates
+    assert sorted(r for r, _ in led._prefill_rates) == [pytest.approx(16000.0), pytest.approx(20000.0),
+                                                         pytest.approx(20000.0)], led._prefill_rates
     _band_generate(led, 9, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2)
     (a0, a1), = led._batch_spans
     print("span s, learned", (a1 - a0) / 1e9)
@@ -6317,9 +6317,10 @@ def test_a_batch_400s_prefill_rate_learned_on_short_prompts_is_taken_at_its_long
     # A rate learned on 500-token prompts (20,000 tok/s) was used whole for a batch of two 30,000-id prompts in a
     # 32,768-token context. Prefill slows with its context (attention): at Llama-3-8B's 1.9e-5 a context token and
     # attention at half the weights' matmul efficiency (3.8e-5), those 60,000 tokens take 60,000 (1 + 3.8e-5 * 30,000)
-    # / (20,000 (1 + 3.8e-5 * 500)) = 6.3 s, then 6 tokens, where the span was 5.88 s with its slack (the simulator
-    # prefills at one rate whatever the context, shorter prompts teaching a lower rate, so it cannot show this). Now each
-    # rate is taken at the batch's longest prompt (at most its size and the context the abort's message says): 26.8 s.
+    # / (20,000 (1 + 3.8e-5 * 500)) = 6.3 s, then 6 tokens, where the span was 5.88 s with its slack (the
+    # simulator prefills at one rate whatever the context, shorter prompts teaching a lower rate, so it cannot show
+    # this). Now each rate is taken at the batch's longest prompt (at most its size and the context the abort's
+    # message says): 26.8 s.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.run_ons_unknown = True
     _prefill_stream(led, 1, 0.025, 500, final=0)  # 500 tokens to its first in 25 ms: 20,000 tok/s
@@ -6437,7 +6438,8 @@ def test_a_restart_ends_a_batch_400s_span_at_its_window():
 def test_a_death_the_page_says_no_restart_of_ends_a_batch_400s_span_a_counters_fall_does_not():
     # A refused scrape, then a page that says no restart: a death all the same (`_gone_at`), its batch's prompts died
     # with it. Before: only recon.restarts cut a span, so it stayed marked to its bound (31.6 s); and a restart told by
-    # a counter's fall alone (a multi-process page's dip) cut it, at 6 s, where the batch ran on to the real one at 21 s.
+    # a counter's fall alone (a multi-process page's dip) cut it, at 6 s, where the batch ran on to the real one at
+    # 21 s.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.recon.server_seen = True
     led._paces.append(40.0)
