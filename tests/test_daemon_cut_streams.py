@@ -569,8 +569,8 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
     # scrape.server = none: no scrape window to mark, so before the batch SGLang answers 400 while running its other
     # prompt for nobody (an explicit null max_new_tokens: to the context's end) left its work in the shares of the
     # streams beside it, unflagged. Now the rows live while that run may go on say uncertain-uncounted with the fix
-    # (scrape.server); the span is bounded (the context at most the band prompt + 6 tokens, at half the streams' pace):
-    # the streams sent after it are not flagged.
+    # (scrape.server); the span is bounded (the context, its abort's message's "maximum allowed length" + 6 tokens, at
+    # half the streams' pace): the streams sent after it are not flagged.
     import asyncio
 
     import aiohttp
@@ -590,8 +590,8 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
                     headers={"X-Sim-Request-Id": "batch", "X-Powerprof-Tag": "batch"}) as r:
                 assert r.status == 400, await r.text()
             await asyncio.gather(*[_ok_100(s, url, k) for k in range(3)])
-            # Past the bound: twice the context at most (the prompts' 527 characters a token each, 2 BOS, + 6) at the
-            # streams' pace (86 tok/s), 12.4 s from its arrival, and a second.
+            # Past the bound: the 256-token context at the streams' pace shared by its 2 sequences, 7.1 s from its
+            # arrival (before, its prompts' 527 characters a token each, 2 BOS, + 6: 535 tokens, 12.4 s), and a second.
             await asyncio.sleep(14.0)
             await asyncio.gather(*[_ok_100(s, url, 20 + k) for k in range(3)])
 
@@ -607,7 +607,7 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
     assert {"ok0", "ok1", "ok2"} <= said, ({t: round(err[t], 2) for t in err}, said)
     assert not said & {"ok10", "ok11", "ok12", "ok20", "ok21", "ok22"}, said
     assert rows["batch"]["status"] == 400 and "scrape.server" in notes["batch"], notes["batch"]
-    assert "cause (1 other sequence(s), up to 535 tokens each" in notes["batch"], notes["batch"]  # its client's
+    assert "cause (1 other sequence(s), up to 256 tokens each" in notes["batch"], notes["batch"]  # its client's
     assert UNSURE_FLAG not in notes["batch"], notes["batch"]  # no figure to leave out: not counted as flagged
     n_iv, n_tok = daemon.ledger.totals.jpt_left_out.get(UNSURE_FLAG, (0, 0.0))
     assert n_iv > 0 and n_tok > 0, daemon.ledger.totals.jpt_left_out

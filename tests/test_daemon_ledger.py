@@ -1910,7 +1910,7 @@ def test_an_sglang_batch_answered_400_with_a_null_limit_marks_its_windows_to_the
     if paced:
         led._paces.append(40.0)
     batch = RequestTrace(1, "POST", "/generate", None, int(0.5 * S), 0, api="sglang-generate", stream=False)
-    batch.extra.update(sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2, error_message=BAND_MSG)
+    batch.extra.update(sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2, error_message=BAND_MSG_128K)
     led.on_start(batch)
     batch.end_ns, batch.status, batch.outcome = int(0.6 * S), 400, "error"
     led.recon.server_seen = True  # a server page read (recorded only then)
@@ -6134,6 +6134,10 @@ def test_a_request_just_after_a_limit_change_is_split_with_the_idle_power_measur
 # proxy reads it from a 400's body (proxy.error_message).
 BAND_MSG = ("Input length (58 tokens) exceeds the maximum allowed length (58 tokens). Use a shorter input or enable "
             "--allow-auto-truncate.")
+# The same abort in a 131,072-token context: a null batch's run bounded by its prompts' size, not by the context
+# (`ledger.batch_context`).
+BAND_MSG_128K = ("Input length (131066 tokens) exceeds the maximum allowed length (131066 tokens). Use a shorter input "
+                 "or enable --allow-auto-truncate.")
 
 
 def _batch_answered(led, rid, status, extra, end_s=0.5, msg=BAND_MSG):
@@ -6221,10 +6225,11 @@ def test_a_batch_400_with_no_server_scraped_marks_a_bounded_span_and_many_merge_
     null = {"sequences": 2, "max_tokens_null": True, "prompt_chars": 100, "prompt_count": 2}
     assert batch_context_bound(null) == 108
     for rid in range(2, 40):
-        _batch_answered(led, rid, 400, null)
+        _batch_answered(led, rid, 400, null, msg=BAND_MSG_128K)
     (a0, a1), = led._batch_spans  # bounded, one span
     assert a1 == pytest.approx((0.2 + 108 / BATCH_PREFILL_FLOOR_TOK_S + 108 / 20.0 + 1.0) * S, abs=1e3), a1
-    _batch_answered(led, 50, 400, {"sequences": 2, "max_tokens_null": True})  # its prompts' size unread: no end...
+    _batch_answered(led, 50, 400, {"sequences": 2, "max_tokens_null": True},
+                    msg=BAND_MSG_128K)  # its prompts' size unread: no end...
     assert led._batch_spans == [(int(0.2 * S), int((0.2 + BATCH_SPAN_MAX_S + 1.0) * S))]  # ...but the cap's
 
 
@@ -6238,7 +6243,8 @@ def test_a_cheap_null_batch_400_marks_at_most_the_span_cap_and_its_row_says_the_
     led.run_ons_unknown = True
     led._paces.append(40.0)
     tr = RequestTrace(1, "POST", "/generate", None, int(0.2 * S), 0, api="sglang-generate", stream=False)
-    tr.extra.update(sequences=2, max_tokens_null=True, prompt_chars=100_000, prompt_count=2, error_message=BAND_MSG)
+    tr.extra.update(sequences=2, max_tokens_null=True, prompt_chars=100_000, prompt_count=2,
+                    error_message=BAND_MSG_128K)
     led.on_start(tr)
     _answered_without_counts(led, tr, 400, 0.21)
     (a0, a1), = led._batch_spans
@@ -6317,7 +6323,7 @@ def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them(
 def _band_generate(led, rid, arrival_s, end_s, **extra):
     """A /generate batch SGLang answered its band abort's 400 at `end_s`, `extra` the proxy's reading of its body."""
     tr = RequestTrace(rid, "POST", "/generate", None, int(arrival_s * S), 0, api="sglang-generate", stream=False)
-    tr.extra.update(error_message=BAND_MSG, **extra)
+    tr.extra.update({"error_message": BAND_MSG, **extra})
     led.on_start(tr)
     _answered_without_counts(led, tr, 400, end_s)
     return tr
@@ -6338,7 +6344,7 @@ def test_a_batch_400s_span_holds_its_prompts_prefill_at_the_streams_rate():
     tr.counts = Counts(generated_tokens=len(ev), prompt_tokens=p, model=None, stop_reason="length",
                        token_source="usage", cached_tokens=0)  # its server said its cache's part: none
     led.on_end(tr)
-    assert list(led._prefill_rates) == [pytest.approx(16000.0)], led._prefill_rates
+    assert [r for r, _ in led._prefill_rates] == [pytest.approx(16000.0)], led._prefill_rates
     _band_generate(led, 2, 1.0, 1.05, sequences=25, max_tokens=6, prompt_chars=24 * 6000 + 40, prompt_count=25)
     (a0, a1), = led._batch_spans
     print("span s", (a1 - a0) / 1e9)
@@ -6392,12 +6398,59 @@ def test_a_batch_400s_prefill_rate_is_learned_low_never_from_a_cache_hit_or_a_ba
                                                         (0.1, 4000, 2000, None), (0.2, 4000, 0, 0)), 1):
         _prefill_stream(led, rid, ttft, prompt, early=early, final=final)  # 16,000, -, 20,000, 20,000 tok/s
         led.on_end(led.requests[rid].trace)
-    assert sorted(led._prefill_rates) == [pytest.approx(16000.0), pytest.approx(20000.0), pytest.approx(20000.0)], \
-        led._prefill_rates
+    assert sorted(r for r, _ in led._prefill_rates) == [pytest.approx(16000.0), pytest.approx(20000.0),
+                                                         pytest.approx(20000.0)], led._prefill_rates
     _band_generate(led, 9, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2)
     (a0, a1), = led._batch_spans
     print("span s, learned", (a1 - a0) / 1e9)
     assert 62763 / 16000.0 + 1.0 <= (a1 - a0) / 1e9 < 62763 / 16000.0 + 1.5, led._batch_spans  # the lowest rate
+
+
+def test_a_batch_400s_prefill_rate_learned_on_short_prompts_is_taken_at_its_long_prompts_length():
+    # A rate learned on 500-token prompts (20,000 tok/s) was used whole for a batch of two 30,000-id prompts in a
+    # 32,768-token context. Prefill slows with its context (attention): at Llama-3-8B's 1.9e-5 a context token and
+    # attention at half the weights' matmul efficiency (3.8e-5), those 60,000 tokens take 60,000 (1 + 3.8e-5 * 30,000)
+    # / (20,000 (1 + 3.8e-5 * 500)) = 6.3 s, then 6 tokens, where the span was 5.88 s with its slack (the
+    # simulator prefills at one rate whatever the context, shorter prompts teaching a lower rate, so it cannot show
+    # this). Now each rate is taken at the batch's longest prompt (at most its size and the context the abort's
+    # message says): 26.8 s.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    _prefill_stream(led, 1, 0.025, 500, final=0)  # 500 tokens to its first in 25 ms: 20,000 tok/s
+    led.on_end(led.requests[1].trace)
+    assert [r for r, _ in led._prefill_rates] == [pytest.approx(20000.0)], led._prefill_rates
+    msg = ("Input length (32765 tokens) exceeds the maximum allowed length (32768 tokens). Use a shorter input or "
+           "enable --allow-auto-truncate.")
+    tr = RequestTrace(2, "POST", "/generate", None, int(1.0 * S), 0, api="sglang-generate", stream=False)
+    tr.extra.update(error_message=msg, sequences=3, max_tokens=6, prompt_ids=2 * 30000 + 32765, prompt_count=3)
+    led.on_start(tr)
+    _answered_without_counts(led, tr, 400, 1.05)
+    (a0, a1), = led._batch_spans
+    truth_s = 60000 * (1 + 3.8e-5 * 30000) / (20000 * (1 + 3.8e-5 * 500))
+    print("span s", (a1 - a0) / 1e9, "prefill truth s", truth_s)
+    assert (a1 - a0) / 1e9 >= truth_s + 1.0, led._batch_spans
+
+
+def test_a_null_batch_400s_run_is_bounded_by_the_context_its_abort_says():
+    # A null batch runs its prompts to the context's end, and the abort's message says the context (its "maximum allowed
+    # length" + 6): a 4,096-token context, two 400-character prompts beside a 16,000-character band one. Before: bounded
+    # by their characters summed (16,809 tokens), at 40 tok/s shared by 3 its span ran past BATCH_SPAN_MAX_S and was cut
+    # there, its row saying the rows beside its run past 600 s are not flagged. Now 4,096 tokens: under the cap.
+    from powerprof.daemon.ledger import BATCH_SPAN_MAX_S
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    led._paces.append(40.0)
+    msg = ("Input length (4090 tokens) exceeds the maximum allowed length (4090 tokens). Use a shorter input or enable "
+           "--allow-auto-truncate.")
+    tr = RequestTrace(1, "POST", "/generate", None, int(1.0 * S), 0, api="sglang-generate", stream=False)
+    tr.extra.update(error_message=msg, sequences=3, max_tokens_null=True, prompt_chars=16000 + 2 * 400, prompt_count=3)
+    led.on_start(tr)
+    _answered_without_counts(led, tr, 400, 1.05)
+    (a0, a1), = led._batch_spans
+    print("span s", (a1 - a0) / 1e9, led.requests[1].batch_bound)
+    assert not led.requests[1].batch_capped and led.requests[1].batch_bound[1] == 4096, led.requests[1].batch_bound
+    # Its others' run: at most 4,096 tokens at 40 tok/s shared by the 3 sequences.
+    assert 4096 / (40.0 / 3) <= (a1 - a0) / 1e9 < BATCH_SPAN_MAX_S, led._batch_spans
 
 
 def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():
@@ -6436,18 +6489,67 @@ def test_an_expired_requests_sequences_leave_the_live_count_a_batch_400s_pace_is
     assert (a1 - a0) / 1e9 < 3.0, led._batch_spans
 
 
+def test_a_request_whose_recording_broke_leaves_the_live_count_at_its_end():
+    # A request whose recording broke gets no on_end (proxy.Proxy._safe, the workers' replay alike), yet the split
+    # retires it by its trace's end, out of reach of its expiry: its sequences stayed in the live count for good, and a
+    # later batch's pace was shared by them. 50 such 8-sequence requests: a 2-prompt max_tokens-6 batch marked 61.4 s
+    # instead of 1.4 s.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    _idle_measured(led)
+    led._paces.append(40.0)
+    for k in range(50):
+        tr = RequestTrace(100 + k, "POST", "/generate", None, int(0.2 * S), 0, api="sglang-generate", stream=False)
+        tr.extra.update(sequences=8)
+        led.on_start(tr)
+        tr.status, tr.end_ns, tr.outcome, tr.recorder_error = 200, int(0.5 * S), "ok", "parser: broken"  # no on_end
+    for k in range(1, 21):
+        _feed(led, 0.1 * k, 20.0 * k)
+    led.advance(int(2.0 * S) + led.grace_ns)
+    assert led.requests == {} and led._live_seqs == {}, sum(led._live_seqs.values())
+    _band_generate(led, 1, 2.5, 2.6, sequences=2, max_tokens=6, prompt_chars=40, prompt_count=2)
+    (a0, a1), = led._batch_spans
+    print("span s", (a1 - a0) / 1e9)
+    assert (a1 - a0) / 1e9 < 3.0, led._batch_spans
+
+
 def test_a_restart_ends_a_batch_400s_span_at_its_window():
     # The process that ran the batch's other prompts died in the restart: none ran past its window. Before: marked on
     # to its bound (31.6 s here), the new process's rows flagged for nothing.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.recon.server_seen = True
     led._paces.append(40.0)
-    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, prompt_chars=600, prompt_count=2)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600,
+                   prompt_count=2)
     assert list(led.recon.batch_run_ons.values())[0][1] > int(30 * S), led.recon.batch_run_ons
     led.add_server_tokens(int(1.0 * S), 0.0, None)
     led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), partial=("server_restart",))
     a, b = led.recon.restarts[-1]
     assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), b)], (led.recon.batch_run_ons, (a, b))
+
+
+def test_a_death_the_page_says_no_restart_of_ends_a_batch_400s_span_a_counters_fall_does_not():
+    # A refused scrape, then a page that says no restart: a death all the same (`_gone_at`), its batch's prompts died
+    # with it. Before: only recon.restarts cut a span, so it stayed marked to its bound (31.6 s); and a restart told by
+    # a counter's fall alone (a multi-process page's dip) cut it, at 6 s, where the batch ran on to the real one at
+    # 21 s.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.recon.server_seen = True
+    led._paces.append(40.0)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600,
+                   prompt_count=2)
+    led.add_server_tokens(int(1.0 * S), 0.0, None)
+    led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), down_ns=int(5.5 * S), down_refused=True)
+    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), int(6.0 * S))], led.recon.batch_run_ons
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.recon.server_seen = True
+    led._paces.append(40.0)
+    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600,
+                   prompt_count=2)
+    led.add_server_tokens(int(1.0 * S), 0.0, None)
+    led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), partial=("server_restart",), restart_by_fall=True)
+    led.add_server_tokens(int(21.0 * S), 0.0, int(20.0 * S), partial=("server_restart",))
+    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), int(21.0 * S))], led.recon.batch_run_ons
 
 
 def test_overlapping_batch_400s_scraped_merge_into_one_span():
@@ -6458,7 +6560,8 @@ def test_overlapping_batch_400s_scraped_merge_into_one_span():
     led.recon.server_seen = True
     led._paces.append(40.0)
     for k in range(50):
-        _band_generate(led, 1 + k, 0.5 + 0.1 * k, 0.55 + 0.1 * k, sequences=2, max_tokens_null=True, prompt_chars=600,
+        _band_generate(led, 1 + k, 0.5 + 0.1 * k, 0.55 + 0.1 * k, sequences=2, max_tokens_null=True,
+                       error_message=BAND_MSG_128K, prompt_chars=600,
                        prompt_count=2)
     (a0, a1), = led.recon.batch_run_ons.values()
     assert a0 == int(0.5 * S) and a1 > int(5.4 * S + 30 * S), led.recon.batch_run_ons

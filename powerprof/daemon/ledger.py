@@ -136,7 +136,7 @@ SGLANG_BAND_TOKENS = 6
 # The start of that abort's message (managers/utils.py `validate_input_length`): a streamed /v1/completions batch is
 # answered 200, the message in its one error event (`_batch_run_on`). Matched at the start, whole: its words anywhere
 # matched SGLang's validation 400, whose message echoes the client's input (a "temperature" of those words, unrun).
-SGLANG_BAND_ABORT_RE = re.compile(r"Input length \(\d+ tokens\) exceeds the maximum allowed length \(\d+ tokens\)")
+SGLANG_BAND_ABORT_RE = re.compile(r"Input length \((\d+) tokens\) exceeds the maximum allowed length \((\d+) tokens\)")
 # The server's aggregate decode rate (tokens a second, all its sequences together) taken where no stream has shown its
 # pace yet (`_batch_end_ns`): each sequence then decodes at this shared by the sequences live.
 BATCH_PACE_FLOOR_TOK_S = 5.0
@@ -147,6 +147,14 @@ BATCH_PREFILL_FLOOR_TOK_S = 500.0
 # The fewest uncached prompt tokens a stream's time to first token teaches that rate from: a shorter prompt's time is
 # mostly the server's step and queueing, not its prefill.
 BATCH_PREFILL_LEARN_MIN = 64
+# How much a prefill's cost a token grows by, a share of its cost at no context, for each token of context it attends
+# over (`_batch_end_ns`): a rate learned on a stream of L0 tokens is taken at L0's context for a batch whose prompts may
+# be L long, as rate * (1 + k L0) / (1 + k L), never raised. Attention's FLOPs a token over its weights' are about
+# (attention width * layers) / parameters a context token for a causal prompt (its mean context L / 2, two matmuls):
+# 1.9e-5 for Llama-3-8B, 3.3e-5 for Llama-3.2-1B, 1.3e-4 for Qwen3-0.6B, and attention runs below the weights' matmul
+# efficiency; so a bound that errs long. Without it a rate learned on short prompts was used whole for a batch of
+# 30,000-token ones.
+BATCH_PREFILL_CTX_SHARE = 1.5e-4
 # The longest a batch's span marks (`_batch_end_ns`): a span runs to bounds that err long (a null's context, floor
 # rates), and one band abort must not blank J/token for hours; its row says where its span was cut so.
 BATCH_SPAN_MAX_S = 600.0
@@ -329,6 +337,17 @@ def batch_context_bound(extra: dict) -> int | None:
     return int(chars or 0) + int(ids or 0) + int(extra.get("prompt_count", 1)) + SGLANG_BAND_TOKENS
 
 
+def batch_context(extra: dict, message: str | None) -> int | None:
+    """The most tokens a prompt of a batch SGLang answered 400 may have and an explicit null may run it to: the context,
+    its abort's `message` saying it less SGLANG_BAND_TOKENS ("the maximum allowed length (C - 6 tokens)",
+    managers/utils.py `validate_input_length`), at most `batch_context_bound`. Before, that sum alone: a token a
+    character, a null batch of a 16,000-character band prompt and two of 400 in a 4,096 context was bounded 16,809
+    tokens, marked to its cap (600 s), its rows past that unflagged; now 4,096, 341 s."""
+    size = batch_context_bound(extra)
+    m = SGLANG_BAND_ABORT_RE.match(message or "")
+    return size if size is None or m is None else min(size, int(m.group(2)) + SGLANG_BAND_TOKENS)
+
+
 def merged_span(spans: list[tuple[int, int]], a0: int, a1: int) -> list[tuple[int, int]]:
     """`spans` (disjoint) with [a0, a1] added, those it overlaps merged into one: many such marks cost one span each
     only where apart."""
@@ -503,7 +522,8 @@ class Ledger:
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
         self._paces: deque = deque(maxlen=RUN_ON_PACES)
         # Finished single-sequence streams' uncached prompt tokens over their time to first token, where a cached count
-        # was said (`prefill_rate_shown`), for a batch's prefill (`_batch_end_ns`, the lowest taken).
+        # was said, and their whole prompt (the context its prefill attended over) (`prefill_rate_shown`), for a batch's
+        # prefill (`_batch_end_ns`, the lowest taken, each at the batch prompts' length).
         self._prefill_rates: deque = deque(maxlen=RUN_ON_PACES)
         # Sequences of the requests started and not ended, by request id: those a batch's pace is shared by.
         self._live_seqs: dict[int, int] = {}
@@ -825,9 +845,9 @@ class Ledger:
         if (tr.outcome == "ok" and tr.stream is True and tr.first_ns is not None and tr.last_ns is not None
                 and n >= RUN_ON_PACE_TOKENS and tr.last_ns > tr.first_ns):
             self._paces.append((n - 1) / ((tr.last_ns - tr.first_ns) / 1e9))
-        rate = prefill_rate_shown(tr)
-        if rate is not None:
-            self._prefill_rates.append(rate)
+        shown = prefill_rate_shown(tr)
+        if shown is not None:
+            self._prefill_rates.append(shown)
 
     @staticmethod
     def _cost_as_crash(r: LiveRequest, sure: bool) -> None:
@@ -986,7 +1006,8 @@ class Ledger:
         cap_ns = int(tr.arrival_ns) + int(BATCH_SPAN_MAX_S * 1e9)
         r.batch_capped = end_ns > cap_ns
         end_ns = min(end_ns, cap_ns)
-        tokens = limit if isinstance(limit, int) else batch_context_bound(tr.extra)
+        tokens = limit if isinstance(limit, int) else batch_context(tr.extra, c.server_error if streamed else
+                                                                     tr.extra.get("error_message"))
         r.batch_bound = (seqs - copies, tokens, (end_ns - int(tr.arrival_ns)) / 1e9)
         if unplaced:
             # scrape.server = none: no scrape window to mark, no counter to see the work; its share goes to the
@@ -1014,23 +1035,27 @@ class Ledger:
         """The end a batch SGLang answered 400 is taken to run its other prompts within (`_batch_run_on`; not a proof),
         from its arrival: its
         prompts' prefill (their size, `batch_context_bound`, at the lowest rate the latest streams' time to first token
-        showed, `prefill_rate_shown`, else BATCH_PREFILL_FLOOR_TOK_S), then its max_tokens (an
+        showed, `prefill_rate_shown`, each taken at the length its prompts may have, BATCH_PREFILL_CTX_SHARE, else
+        BATCH_PREFILL_FLOOR_TOK_S), then its max_tokens (an
         explicit null: to the context's end, its scheduler's min(1 << 30, max_req_len - prompt - 1), scheduler.py
-        `init_req_max_new_tokens`; at most `batch_context_bound`) at a pace taken as a bound under load: the server's
+        `init_req_max_new_tokens`; at most `batch_context`) at a pace taken as a bound under load: the server's
         latest streams' pace (else BATCH_PACE_FLOOR_TOK_S) shared by the batch's sequences and every sequence live now.
         A stream's pace, learned with m sequences live, is at most the server's aggregate rate then, and that rate does
         not fall as sequences join, so each of n decodes at least at pace / n. Before: twice the limit at the learned
         pace alone, no prefill: a null batch beside 30 streams was marked to 9.8 s and ran to 13.4 s, 24 prompts of
         1,500 tokens prefilled to 2.25 s behind a span of 0.14 s. attr.NEVER where its prompts' size is unread."""
-        size = batch_context_bound(tr.extra)
+        size, context = batch_context_bound(tr.extra), batch_context(tr.extra, tr.extra.get("error_message"))
         limit = tr.extra.get("max_tokens")
         if not isinstance(limit, int):
-            limit = size
+            limit = context
         if size is None or limit is None:
             return int(attr.NEVER)
         live = sum(self._live_seqs.values())  # this batch ended: not among them
         pace = (float(np.median(self._paces)) if self._paces else BATCH_PACE_FLOOR_TOK_S) / max(seqs + live, 1)
-        rate = min(self._prefill_rates) if self._prefill_rates else BATCH_PREFILL_FLOOR_TOK_S  # the lowest: a bound
+        # A prompt of the batch is at most its size and the context (`batch_context`): each rate learned taken at that
+        # length (BATCH_PREFILL_CTX_SHARE), the lowest a bound.
+        rate = min((r * min(1.0, (1 + BATCH_PREFILL_CTX_SHARE * ctx) / (1 + BATCH_PREFILL_CTX_SHARE * context))
+                    for r, ctx in self._prefill_rates), default=BATCH_PREFILL_FLOOR_TOK_S)
         span_s = size / rate + limit / pace
         return min(int(tr.arrival_ns) + int(span_s * 1e9), int(attr.NEVER))
 
@@ -2358,10 +2383,13 @@ class Ledger:
         100). Placed already (a stream's, `_place_run_ons`), its events past the cut go (`_cut_run_on`)."""
         for r in self.requests.values():
             self._cut_run_on(r)
-        # A batch SGLang answered 400 ran its other prompts in the process that died: none past its restart's window
-        # (before: marked on to its bound, the new process's rows flagged for nothing).
+        # A batch SGLang answered 400 ran its other prompts in the process that died: none past its death's window, a
+        # restart's or a refused death's the page said no restart of (`_gone_at`; before: marked on to its bound, the
+        # new process's rows flagged for nothing). Not a restart told by a counter's fall alone (a multi-process page's
+        # dip, in recon.restarts): read from recon.restarts, a death unsaid by the page left a span marked to its bound
+        # (31.6 s for a 6 s window), and a dip's false restart cut a span the batch ran past, its rows unflagged.
         def cut(a0: int, a1: int) -> int:
-            return min([a1, *(b for a, b in self.recon.restarts if a >= a0 and b >= a0)])
+            return min([a1, *(g[1] for g in self._gone_at if g[0] >= a0)])
         spans = self.recon.batch_run_ons
         for k, (a0, a1) in list(spans.items()):
             spans[k] = (a0, cut(a0, a1))
@@ -3057,6 +3085,11 @@ class Ledger:
         ended = [r for r, d in zip(reqs, done) if d]
         for r in ended:
             del self.requests[r.trace.request_id]
+            # Its sequences leave the live count a batch's pace is shared by (`_batch_end_ns`) here too: a request whose
+            # recording broke gets no on_end (`proxy.Proxy._safe`, the workers' replay alike), yet ends here by its
+            # trace's end. Before, its sequences stayed for good (its expiry never saw it): 50 such 8-sequence requests
+            # and a 2-prompt max_tokens-6 batch was marked 61.4 s instead of 1.4 s.
+            self._live_seqs.pop(r.trace.request_id, None)
             self._release(r)
             self._settle_late(r)  # before any row: a request beside it ending in this close reads its late count
             self._tags_counted_low(r)  # its server_ahead is whole now; its row may be parked past its tag's
@@ -3851,9 +3884,10 @@ def _prompt_sequences(r: LiveRequest) -> int:
     return max(seqs // max(r.trace.extra.get("choices", 1), 1), 1)
 
 
-def prefill_rate_shown(tr: RequestTrace) -> float | None:
-    """The prefill rate (tokens a second) a finished stream's time to first token shows, a bound that errs low, for a
-    batch 400's span (`Ledger._batch_end_ns`); None where it shows none. Only a single sequence's (a batch's or n > 1's
+def prefill_rate_shown(tr: RequestTrace) -> tuple[float, float] | None:
+    """The prefill rate (tokens a second) a finished stream's time to first token shows, a bound that errs low, and its
+    whole prompt (the context that prefill attended over), for a batch 400's span (`Ledger._batch_end_ns`); None where
+    it shows none. Only a single sequence's (a batch's or n > 1's
     first token comes after its first prompt's prefill, not all of them: 8 prompts at 0.07 s read 114,286 tok/s, truth
     16,000) whose server said a cached count, early or at its end, the larger taken off its prompt: a cache hit's tiny
     time read over its whole prompt taught 10x and more (200,000 tok/s beside 16,000), and a server that says no cached
@@ -3867,7 +3901,7 @@ def prefill_rate_shown(tr: RequestTrace) -> float | None:
             if isinstance(k, (int, float))]
     if not isinstance(p, (int, float)) or not said or p - max(said) < BATCH_PREFILL_LEARN_MIN:
         return None
-    return (p - max(said)) / ((tr.first_ns - tr.arrival_ns) / 1e9)
+    return (p - max(said)) / ((tr.first_ns - tr.arrival_ns) / 1e9), float(p)
 
 
 def _cached_tokens(r: LiveRequest) -> float:
