@@ -141,6 +141,38 @@ def test_a_llamacpp_answer_that_ended_between_the_counter_and_slots_reads_says_w
     assert _run(failing, 3) == [0.0, 40.0, 0.0] and failing.window_read_missed == 40.0
 
 
+
+def test_a_llamacpp_counters_second_read_comes_before_the_wait_for_the_proxy_workers_refusals():
+    # proxy.workers > 1: each scrape waits for the workers' refusals (ProxyWorkers.wait_refusals, up to 40 ms past its
+    # start). Waited for before the counter's second read, that read's rise held the answers that ended in the wait,
+    # which /slots had shown (the count lacks none of them), and the ledger said proxy_lag for them needlessly: here
+    # 160 where 120 may be missing. Now the second read comes first, then the wait.
+    sc = _Replay([
+        (0, _slot(1, 0, busy=False)),  # baseline
+        (0, _slot(1, 40)),  # request 1 decoding: nothing ended
+        (0, _slot(1, 0, busy=False), 120),  # it ended between the counter's read and /slots': 120 may be missing
+    ])
+    waited = []
+    get = sc._get
+
+    async def counted_get(path):
+        if path == "/metrics" and not sc._slots_read:
+            waited.clear()  # a scrape's first read: the wait is this scrape's from here on
+        status, page = await get(path)
+        if waited and path == "/metrics" and sc._slots_read:  # an answer of 40 tokens ended in the wait
+            page = page.replace(" 120\n", " 160\n")
+        return status, page
+
+    async def wait(at_ns, timeout_s):
+        waited.append(len(sc.gets))
+        sc.gets.append("wait")
+
+    sc._get = counted_get
+    sc.refusals, sc.refusals_wait, sc.refusals_late_s = (lambda: []), wait, 60.0
+    assert _run(sc, 3) == [0.0, 40.0, 0.0]
+    assert sc.gets[-4:] == ["/metrics", "/slots", "/metrics", "wait"], sc.gets
+    assert sc.window_read_missed == 120.0
+
 def test_llamacpp_restart_counts_from_zero_and_slots_only_still_works():
     sc = _Replay([(900, _slot(1, 0, False)), (950, _slot(1, 0, False)), (20, _slot(1, 5))])
     assert _run(sc, 3) == [0.0, 50.0, 25.0]  # after a restart: everything since it

@@ -999,11 +999,33 @@ class Scraper:
         finished = counter_total(page, LLAMACPP_COUNTER) if metrics_status == 200 else None
         status, text = await self._get("/slots")
         self.read_ns = (read_at_ns, int(time.monotonic() * 1e9))
-        await self._take_refusals(int(self._scrape_at * 1e9))
         slots_page = slots_json(text) if status == 200 else None
         slots = slot_progress(slots_page) if status == 200 else None
         self.window_each_step = slots is not None
         self.window_slots = slot_tasks(slots_page) if slots is not None else None
+        if finished is not None:
+            prev_slots, self._seen_slots = self._seen_slots, slots
+            if slots is not None and prev_slots is not None and slot_ended(prev_slots, slots):
+                # An answer that ended after the counter's read and before /slots' is in neither: its tokens, all
+                # made before, counted a scrape late (the whole answer across a window's edge). Nothing on the pages
+                # tells which ended when, so the counter is read again: its rise since is the most this count lacks,
+                # and the ledger marks an interval that may have moved further than its bound (docs/daemon.md, "A
+                # counter read before its stamp"). Unread, beside two CPU hogs and another test a mid-run interval said
+                # `complete` with 219 bypass tokens where 189 ran. Only where /slots changed otherwise than by decoding
+                # on: a still server's scrape stays two GETs. Unreadable, its ended slots' last counts are the least it
+                # may lack. The count's reads ended at `read_ns` (set above, before this GET): its stamp with them.
+                try:
+                    status2, page2 = await self._get("/metrics")
+                    again = counter_total(page2, LLAMACPP_COUNTER) if status2 == 200 else None
+                except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                    again = None
+                self.window_read_missed = max(0.0, again - finished) if again is not None else float(sum(
+                    n for sid, (task, n) in prev_slots.items() if slots.get(sid, (None, 0))[0] != task or
+                    slots.get(sid, (None, 0))[1] < n))
+        # The proxy workers' refusals after the counter's reads, its second one's too: waited for before it (up to
+        # 40 ms past the scrape's start), that read's rise held the answers that ended in the wait, which the count does
+        # not lack (/slots had them), and intervals said proxy_lag for them needlessly.
+        await self._take_refusals(int(self._scrape_at * 1e9))
         # A 502/503 on /metrics fails the scrape even where /slots answered (a gateway's blip on one route): read as a
         # llama-server without --metrics, its window said slots_only and counted the slots' progress, which the page
         # back counted again from the highest reading (20 phantom tokens of 80). Without --metrics it answers 501, not 5xx.
@@ -1034,24 +1056,6 @@ class Scraper:
             self._slots = slots
             return float(delta)
         total = llamacpp_generated(finished, slots or {})
-        prev_slots, self._seen_slots = self._seen_slots, slots
-        if slots is not None and prev_slots is not None and slot_ended(prev_slots, slots):
-            # An answer that ended after the counter's read and before /slots' is in neither: its tokens, all made
-            # before, counted a scrape late (the whole answer across a window's edge). Nothing on the pages tells which
-            # ended when, so the counter is read again: its rise since is the most this count lacks, and the ledger
-            # marks an interval that may have moved further than its bound (docs/daemon.md, "A counter read before
-            # its stamp"). Unread, beside two CPU hogs and another test a mid-run interval said `complete` with 219
-            # bypass tokens where 189 ran. Only where /slots changed otherwise than by decoding on: a still server's
-            # scrape stays two GETs. Unreadable, its ended slots' last counts are the least it may lack.
-            # The count's reads ended at `read_ns` (set above, before this GET): its stamp with them.
-            try:
-                status2, page2 = await self._get("/metrics")
-                again = counter_total(page2, LLAMACPP_COUNTER) if status2 == 200 else None
-            except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-                again = None
-            self.window_read_missed = max(0.0, again - finished) if again is not None else float(sum(
-                n for sid, (task, n) in prev_slots.items() if slots.get(sid, (None, 0))[0] != task or
-                slots.get(sid, (None, 0))[1] < n))
         # Its decode calls (llama-server's page since 2024): they move every step, where the token counter moves only as a
         # request ends, so a restart while the first requests decode (the token counter still 0, the old slots' tokens in
         # _high) is told by them; by the token counter alone it was not, and the new process's tokens were not counted
