@@ -4640,6 +4640,8 @@ def test_a_placed_llamacpp_run_on_that_slots_show_ended_early_ends_its_span_past
     assert ("the server counts that run's tokens" in note) == flagged, note
     assert (UNSURE_FLAG in note) == flagged, note
     assert rows[2]["attributed_tokens"] == pytest.approx(400, abs=1), rows[2]  # placed as before
+    if not flagged:  # whole again: its share alone (truth 600 J for 6 s at 100 W over idle)
+        assert rows[5]["gpu_energy_j"] == pytest.approx(600.0, rel=0.05), rows[5]
 
 
 def test_a_whole_answer_llamacpp_run_on_that_stopped_before_its_prefill_guard_ends_after_a_still_second_past_it():
@@ -4685,19 +4687,6 @@ def test_a_llamacpp_run_on_with_no_known_end_closes_when_its_slot_moves_on_under
     # Gone idle instead of to another task: the same.
     span = _llamacpp_unknown_span_under_traffic(lambda t: {0: (7, t < 20.0 - 1e-9), 1: (3, False)})
     assert span[1] is not None and 20.9 < span[1] < 21.2, span
-
-
-def test_a_llamacpp_run_on_queued_behind_full_slots_that_takes_a_slot_freed_at_two_reads_keeps_its_span_open():
-    # Slot 1's task 5 (another request) ends at 1.95 s; the reads at 2.0 and 2.1 s both show slot 1 idle, and only
-    # then does the run, queued behind the full slots, take it (task 9, 2.15-30 s). Slot 0 runs task 7 to 10 s, then
-    # task 8 on. Noted at the 2.1 s read (a slot idle at two reads: no run queued, taken to hold), the span watched task
-    # 7 alone: before, it ended at 11.0 s while task 9 ran on to 30 s, the rows beside its 19 s more unflagged. The
-    # slots idle at the noting read are looked at once more, a task they took by then watched too: it ends at 31 s.
-    def slots(t):
-        return {0: (7 if t < 10.0 - 1e-9 else 8, True),
-                1: (5, True) if t < 1.95 else (5, False) if t < 2.15 else (9, t < 30.0 - 1e-9)}
-    span = _llamacpp_unknown_span_under_traffic(slots)
-    assert span[1] is not None and 30.9 < span[1] < 31.2, span
 
 
 @pytest.mark.parametrize("slots", [lambda t: {0: (7, True), 1: (3, False)},

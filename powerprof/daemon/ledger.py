@@ -488,14 +488,12 @@ class Ledger:
         self.count_each_step = False
         # The latest scrape's llama.cpp /slots, (read start, read end, {slot id: (task id, busy)}), set by the daemon's
         # scrape loop (scrape.Scraper.window_slots); None where /slots was not read. A run-on's span with no known end
-        # closes once every slot busy at the first such read after its leave (and any task a slot idle there held by the
-        # next read) has moved on (`_end_counted_by_slots`): a busy server's count moves in every window, so a still
-        # count alone never closed it.
+        # closes once every slot busy at the first such read after its leave has moved on (`_end_counted_by_slots`): a
+        # busy server's count moves in every window, so a still count alone never closed it.
         self.window_slots: tuple[int, int, dict[int, tuple[object, bool]]] | None = None
         # By counted span: (its latest leave, to note from at the first /slots read begun after it, or None once noted;
-        # the (slot id, task id) pairs busy there; the slot ids idle there, looked at once more at the next read, or
-        # None once looked at), and the slots seen idle at the latest read handled.
-        self._counted_watch: dict[int, tuple[int | None, frozenset, frozenset | None]] = {}
+        # the (slot id, task id) pairs busy there), and the slots seen idle at the latest read handled.
+        self._counted_watch: dict[int, tuple[int | None, frozenset]] = {}
         self._slots_handled: tuple[int, frozenset] | None = None
         # By placed counted span (a run-on placed to its max_tokens): where /slots showed its run had ended (that
         # read's end plus GONE_ABORT_SLACK_S), and where its placed tokens end; the span ends at the later of the two,
@@ -917,8 +915,7 @@ class Ledger:
                 self._counted_spans[rid] = (min(a0, start), int(attr.NEVER))
                 self._counted_from[rid] = max(self._counted_from.get(rid, 0), guard)
                 # Its slots are noted afresh after this leave, beside those of the runs already in the span.
-                self._counted_watch[rid] = (int(tr.end_ns), self._counted_watch.get(rid, (None, frozenset()))[1],
-                                            None)
+                self._counted_watch[rid] = (int(tr.end_ns), self._counted_watch.get(rid, (None, frozenset()))[1])
                 return
             span_s = 2.0 * limit / float(np.median(self._paces))
             r.run_on_end_ns, r.run_on_to_end = tr.end_ns + int(min(span_s, RUN_ON_TO_END_MAX_S) * 1e9), True
@@ -929,7 +926,7 @@ class Ledger:
                 self._counted_spans[tr.request_id] = (self._counted_start_ns(r), int(r.run_on_end_ns))
                 # Watched by its slots as a run with no known end is (`_end_counted_by_slots`): a run llama-server
                 # cancelled early (at its first quiet second) or ended sooner than held ends its span sooner.
-                self._counted_watch[tr.request_id] = (int(tr.end_ns), frozenset(), None)
+                self._counted_watch[tr.request_id] = (int(tr.end_ns), frozenset())
                 self._placed_slots_end[tr.request_id] = int(attr.NEVER)
             if span_s > RUN_ON_TO_END_MAX_S:
                 # Its rest, past the held 30 s, is placed nowhere: its work is in the shares of the requests beside it
@@ -2220,12 +2217,10 @@ class Ledger:
         """End the counted spans with no known end whose runs' slots have moved on, by the latest /slots read
         (`window_slots`); a placed one's at the later of that and its placed tokens' end (`_cut_placed_span`). Noted at
         the first read begun after the latest leave where a slot sat idle at that read and the one before (a run queued
-        behind full slots would have taken it): the (slot, task) pairs busy there hold every run still decoding, with
-        the task any slot idle there holds at the next read (a run queued behind full slots may take a slot freed just
-        as two reads showed it idle: before, its span ended with the other slots' tasks, 19 s of its run unflagged in a
-        ledger scene). Ended at the first read after the noting one where each of them changed task or went idle, its
-        last step before the read's end, plus GONE_ABORT_SLACK_S. Before, only a still count closed it: under steady
-        traffic, never."""
+        behind full slots would have taken it: llama-server hands a deferred task the slot freed at once,
+        `pop_deferred_task`): the (slot, task) pairs busy there hold every run still decoding. Ended at the first read
+        where each of them changed task or went idle, its last step before the read's end, plus GONE_ABORT_SLACK_S.
+        Before, only a still count closed it: under steady traffic, never."""
         if self.window_slots is None:
             return
         r0, r1, slots = self.window_slots
@@ -2235,7 +2230,7 @@ class Ledger:
         idle_before = self._slots_handled[1] if self._slots_handled is not None else frozenset()
         self._slots_handled = (r1, frozenset((sid, slots[sid][0]) for sid in idle))
         idle_kept = any((sid, slots[sid][0]) in idle_before for sid in idle)
-        for rid, (after, watched, idle_then) in list(self._counted_watch.items()):
+        for rid, (after, watched) in list(self._counted_watch.items()):
             a0, a1 = self._counted_spans.get(rid, (0, 0))
             placed = self._placed_slots_end.get(rid)
             if (a1 < int(attr.NEVER)) if placed is None else placed < int(attr.NEVER):
@@ -2243,12 +2238,8 @@ class Ledger:
             if after is not None:
                 if r0 < after or not idle_kept:
                     continue
-                watched = watched | {(sid, task) for sid, (task, busy) in slots.items() if busy}
-                self._counted_watch[rid] = (None, watched, idle)
-                continue
-            if idle_then is not None:
-                watched = watched | {(sid, slots[sid][0]) for sid in idle_then if slots.get(sid, (None, False))[1]}
-                self._counted_watch[rid] = (None, watched, None)
+                after, watched = None, watched | {(sid, task) for sid, (task, busy) in slots.items() if busy}
+                self._counted_watch[rid] = (after, watched)
             if all(not slots.get(sid, (None, False))[1] or slots[sid][0] != task for sid, task in watched):
                 if placed is not None:
                     self._placed_slots_end[rid] = r1 + int(GONE_ABORT_SLACK_S * 1e9)
