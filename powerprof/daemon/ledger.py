@@ -366,6 +366,9 @@ class Ledger:
         # Set by the daemon while the server also runs on a GPU it does not sample (SERVER_GPU_UNSAMPLED_FLAG, with
         # which and the fix): every interval and request row closed meanwhile says it in its energy_note.
         self.unsampled_note: str | None = None
+        # Which sampled GPUs serve, as the daemon was told (`tell_serving`), and whence, waiting for the next close: set
+        # from the placement check's thread, taken up on the ledger's.
+        self._told_serving: tuple[np.ndarray, str] | None = None
         self.emit = emit
         self.grace_ns = int(grace_s * 1e9)
         self.max_hold_ns = int(max_hold_s * 1e9)
@@ -569,6 +572,14 @@ class Ledger:
         self.prompts_estimated: dict[str, int] = {}  # {why the server never counted it: requests}
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus, gpu_unknown_s=(0.0,) * n_gpus,
                              gpu_unread_now=(False,) * n_gpus)
+
+    def tell_serving(self, serving, source: str) -> None:
+        """The sampled GPUs (by position) the server runs on, as the daemon found them (`source`, in words: its
+        processes on NVML's process lists, or a set daemon.gpus): taken by the work model at the next close, until
+        it judges them from the GPUs' power (workmodel.CostLearner.tell_serving). Any thread."""
+        mask = np.asarray(serving, dtype=bool)
+        if mask.size == self.n_gpus and mask.any():
+            self._told_serving = (mask, source)
 
     # --- recorder interface (called by the proxy) ------------------------------------------
 
@@ -2630,6 +2641,9 @@ class Ledger:
         gpu0 = np.nan_to_num(gpu)
         # GPUs that do none of the proxied work (no server on them): their energy is idle, whole; the
         # requests, bypass traffic and the idle part of busy time split the others' (the work model's).
+        if (told := self._told_serving) is not None:
+            self._told_serving = None
+            self.learner.tell_serving(told[0])
         serving = self.learner.serving
         unjudged = serving is None  # which GPUs serve not judged yet: every sampled GPU's energy is the work's
         if serving is not None and serving.size == self.n_gpus and not serving.all():
