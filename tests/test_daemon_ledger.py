@@ -1095,6 +1095,19 @@ def test_rows_split_with_the_serving_gpus_told_are_not_flagged(gpu1_serves):
     assert UNSURE_FLAG not in led.totals.jpt_left_out
 
 
+@pytest.mark.parametrize("gpu1_serves", [False, True])
+def test_the_line_naming_the_serving_gpus_is_said_once_per_change(gpu1_serves, caplog):
+    # Once judged all serving, the line came at every close (compared with the local mask the all-serving branch sets
+    # to None): 15 times in 20 s on the review's daemon. Now once, as where one GPU serves none of the work.
+    import logging
+
+    caplog.set_level(logging.INFO, logger="powerprof.daemon.ledger")
+    _steady_traffic_on_two_gpus(gpu1_serves, lead_s=3.0)
+    runs_on = [r.getMessage() for r in caplog.records if "the proxied work runs on" in r.getMessage()]
+    assert len(runs_on) == 1, runs_on
+    assert ("every sampled GPU takes part" in runs_on[0]) == gpu1_serves and "(judged from their power)" in runs_on[0]
+
+
 def _server_on_gpu0_gpu1_idle(lose_gpu1_at=None, early_tag=False, gpu_names=None):
     """GPU 0 serves (70 W idle, 400 W busy), GPU 1 draws 70 W throughout; a tag over the last 20 of 40 requests.
     `lose_gpu1_at`: from that request on GPU 1 (judged not serving) gives no energy reading."""

@@ -295,6 +295,9 @@ def test_a_daemon_on_every_gpu_of_a_two_gpu_server_knows_they_serve_and_flags_no
     reqs = read_dataset(tmp_path / "data", "requests")
     assert len(reqs) == 10
     assert not reqs["energy_note"].fillna("").str.contains("GPU serving none of its work").any(), reqs["energy_note"]
+    # Said once, whence (before, again at every close once all GPUs served: 15 times in 20 s).
+    runs_on = [line for line in out.splitlines() if "the proxied work runs on" in line]
+    assert len(runs_on) == 1 and "every sampled GPU takes part (the server's processes" in runs_on[0], runs_on
 
 
 def test_the_daemon_names_the_gpus_that_serve_by_nvml_index_and_uuid(caplog):

@@ -369,6 +369,8 @@ class Ledger:
         # Which sampled GPUs serve, as the daemon was told (`tell_serving`), and whence, waiting for the next close: set
         # from the placement check's thread, taken up on the ledger's.
         self._told_serving: tuple[np.ndarray, str] | None = None
+        self._serving_source = "told"  # the latest told mask's source, in words (the log names it)
+        self._serving_said: np.ndarray | None = None  # the serving mask the log last named (None: none named)
         self.emit = emit
         self.grace_ns = int(grace_s * 1e9)
         self.max_hold_ns = int(max_hold_s * 1e9)
@@ -2644,6 +2646,7 @@ class Ledger:
         if (told := self._told_serving) is not None:
             self._told_serving = None
             self.learner.tell_serving(told[0])
+            self._serving_source = told[1]
         serving = self.learner.serving
         unjudged = serving is None  # which GPUs serve not judged yet: every sampled GPU's energy is the work's
         if serving is not None and serving.size == self.n_gpus and not serving.all():
@@ -2950,12 +2953,20 @@ class Ledger:
                 rq.queued_rerun_from_ns = int(t[0])
             queued_lower |= np.maximum(arrival, arrival[q]) < np.minimum(end, rq.queued_rerun_from_ns)
         fit = self.learner.add(setting, a.features, per_gpu, usable)
-        if self.learner.serving is not None and not np.array_equal(self.learner.serving, serving):
-            idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(self.learner.serving) if not on)
-            log.info("the proxied work runs on sampled GPU(s) %s; %s",
-                     ", ".join(self.gpu_names[g] for g, on in enumerate(self.learner.serving) if on) or "none",
-                     f"GPU(s) {idle_gpus} draw no more when it runs than when idle: their energy counts as idle, not the "
-                     "requests' (daemon.gpus can leave them out)" if idle_gpus else "every sampled GPU takes part")
+        # Said where the mask changes from the one last said (compared with the local `serving`, which the all-serving
+        # branch sets to None, the all-serving line came at every close: 15 times in 20 s).
+        now_serving = self.learner.serving
+        if now_serving is not None and (self._serving_said is None or not np.array_equal(now_serving, self._serving_said)):
+            self._serving_said = now_serving.copy()
+            by_power = self.learner.serving_from == "judged"
+            idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if not on)
+            log.info("the proxied work runs on sampled GPU(s) %s; %s (%s)",
+                     ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if on) or "none",
+                     (f"GPU(s) {idle_gpus} " + ("draw no more when it runs than when idle" if by_power else
+                                                "hold none of the server's processes")
+                      + ": their energy counts as idle, not the requests' (daemon.gpus can leave them out)")
+                     if idle_gpus else "every sampled GPU takes part",
+                     "judged from their power" if by_power else self._serving_source)
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):
