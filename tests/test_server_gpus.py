@@ -298,6 +298,7 @@ def test_a_daemon_on_every_gpu_of_a_two_gpu_server_knows_they_serve_and_flags_no
     # Said once, whence (before, again at every close once all GPUs served: 15 times in 20 s).
     runs_on = [line for line in out.splitlines() if "the proxied work runs on" in line]
     assert len(runs_on) == 1 and "every sampled GPU takes part (the server's processes" in runs_on[0], runs_on
+    assert "serve the proxied work is not known" not in out
 
 
 def test_the_daemon_names_the_gpus_that_serve_by_nvml_index_and_uuid(caplog):

@@ -855,8 +855,12 @@ _UNDECIDED_WHY = ("split before the daemon knew which of the sampled GPUs serve 
                   f"{MIN_IDLE} idle and {MIN_BUSY_GPU} busy intervals are in, or from {MIN_BUSY} busy intervals alone "
                   "where the work explains their power), so every sampled GPU's energy went to the work, a GPU serving "
                   "none of it included")
-# The fix that works for later rows: either tells the ledger which GPUs serve at once (service._check_placement,
-# Daemon's setup); a load too even never lets the power judge.
+# Why it may never be known, for the log (ledger._say_undecided), and the fix: both work at once (the placement check
+# tells the ledger, service._check_placement); a load too even never lets the power judge.
+UNDECIDED_CAUSE = ("the server's processes are on no sampled GPU's process list the daemon can read (a remote upstream, "
+                   "another pid namespace, a server not started yet), daemon.gpus is not set, and the GPUs' power has "
+                   f"not yet told ({MIN_IDLE} idle and {MIN_BUSY_GPU} busy intervals, or {MIN_BUSY} busy ones whose "
+                   "work explains the power: never under a load too even)")
 UNDECIDED_FIX = ("fix: run the daemon on the server's host where it can see the server's processes (its pid namespace), "
                  "or set daemon.gpus to exactly the GPUs the server runs on (each then taken as serving) and restart "
                  "the daemon")

@@ -917,7 +917,7 @@ class Daemon:
                     up=0.0 if info.index in self.collector.lost else 1.0,
                     energy_unknown_s=tot.gpu_unknown_s[k] if k < len(tot.gpu_unknown_s) else 0.0,
                     energy_unread=bool(tot.gpu_unread_now[k]) if k < len(tot.gpu_unread_now) else False,
-                    serving=True if tot.serving_mask is None else
+                    serving=None if tot.serving_undecided else True if tot.serving_mask is None else
                     bool(tot.serving_mask[k]) if k < len(tot.serving_mask) else None,
                 )
             )

@@ -59,6 +59,9 @@ SERVING_SHARE = 0.1
 # work explains at least this share of the variance of the GPU it moves most (too even a load judges nothing).
 # Before, two GPUs, one serving nothing, steady traffic: never judged, every row +18.8% median, unflagged.
 MIN_R2_SERVING = 0.5
+# The reason the live J/token's left-out counters give an interval split before which of several GPUs serve was known
+# (the requests' rows say UNSURE_FLAG: rowtext._gpus_undecided).
+GPUS_UNDECIDED_REASON = "gpus-undecided"
 
 
 def busy_rise_w(power_w: np.ndarray, rates: np.ndarray, least: int = MIN_BUSY,
