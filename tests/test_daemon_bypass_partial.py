@@ -975,9 +975,11 @@ def test_the_gauge_and_its_left_out_counters_are_on_metrics():
     assert got == {("powerprof_joules_per_token_left_out_intervals", "bypass-uncounted"): 3,
                    ("powerprof_joules_per_token_left_out_intervals", "no-counter-short"): 0,
                    ("powerprof_joules_per_token_left_out_intervals", "uncertain-uncounted"): 2,
+                   ("powerprof_joules_per_token_left_out_intervals", "gpus-undecided"): 0,
                    ("powerprof_joules_per_token_left_out_tokens", "bypass-uncounted"): 480.0,
                    ("powerprof_joules_per_token_left_out_tokens", "no-counter-short"): 0,
-                   ("powerprof_joules_per_token_left_out_tokens", "uncertain-uncounted"): 160.0}, got
+                   ("powerprof_joules_per_token_left_out_tokens", "uncertain-uncounted"): 160.0,
+                   ("powerprof_joules_per_token_left_out_tokens", "gpus-undecided"): 0}, got
     doc = fams["powerprof_joules_per_token"].documentation
     assert "bypass-uncounted" in doc and "uncertain-uncounted" in doc, doc
 

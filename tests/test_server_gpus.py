@@ -268,6 +268,39 @@ def test_daemon_sampling_every_gpu_of_the_server_marks_nothing(tmp_path):
     assert not intervals["energy_note"].fillna("").str.contains("server-gpu-unsampled").any()
 
 
+def test_a_daemon_on_every_gpu_of_a_two_gpu_server_knows_they_serve_and_flags_no_row_for_it(tmp_path):
+    import urllib.request
+
+    from daemon_helpers import DaemonProc, read_dataset, sim_env
+
+    # A tensor-parallel server on GPUs 0 and 1, daemon.gpus = [0, 1]. Before, nothing told the ledger which GPUs serve
+    # (daemon.gpus chose only those sampled): until the GPUs' power judged them each row was flagged, the fix its note
+    # named (daemon.gpus) the one already set: 20 of 44 rows in 20 s (4 of 43 on a quieter host). Now the placement
+    # check's finding (the server's processes on both) is taken from the first interval.
+    cfg = tmp_path / "daemon.toml"
+    cfg.write_text("[daemon]\ngpus = [0, 1]\n")
+    d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "seed-16g", "--sim-gpus", "2",
+                   "--interval", "0.25", "--flush-interval", "0.5",
+                   env={**sim_env(tmp_path), "POWERPROF_SIM_SERVER_GPUS": "0,1"})
+    try:
+        for _ in range(10):
+            body = json.dumps({"prompt": "hello", "max_tokens": 48}).encode()
+            req = urllib.request.Request(d.info["proxy"] + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            urllib.request.urlopen(req, timeout=60).read()
+    finally:
+        rc = d.stop()
+    out = d.output()
+    assert rc == 0, out[-3000:]
+    reqs = read_dataset(tmp_path / "data", "requests")
+    assert len(reqs) == 10
+    assert not reqs["energy_note"].fillna("").str.contains("GPU serving none of its work").any(), reqs["energy_note"]
+    # Said once, whence (before, again at every close once all GPUs served: 15 times in 20 s).
+    runs_on = [line for line in out.splitlines() if "the proxied work runs on" in line]
+    assert len(runs_on) == 1 and "every sampled GPU takes part (the server's processes" in runs_on[0], runs_on
+    assert "serve the proxied work is not known" not in out
+
+
 def test_the_daemon_names_the_gpus_that_serve_by_nvml_index_and_uuid(caplog):
     import logging
 
@@ -363,8 +396,9 @@ def _daemon_sampling_gpu1_of_a_server_on_two():
     for i in (0, 1):
         sim.add_process(i, 4242, 8 << 30, lambda: 1.0)
     answer = [({4242}, None)]
-    d = SimpleNamespace(_server_procs=lambda: answer[0], collector=SimpleNamespace(nvml=sim),
-                        gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=SimpleNamespace(unsampled_note=None),
+    d = SimpleNamespace(_server_procs=lambda: answer[0], collector=SimpleNamespace(nvml=sim, infos=[sim.gpus[1]]),
+                        gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(),
+                        ledger=SimpleNamespace(unsampled_note=None, tell_serving=lambda *a: None),
                         _idle_said=False, _helper_said=False)
     return sim, answer, d
 
@@ -397,12 +431,43 @@ def test_the_daemon_does_not_flag_rows_for_a_helper_context(caplog):
 
     caplog.set_level(logging.INFO)
     sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
-    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None), collector=SimpleNamespace(nvml=sim),
-                        gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(), ledger=SimpleNamespace(unsampled_note=None),
+    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
+                        collector=SimpleNamespace(nvml=sim, infos=[sim.gpus[1]]), gpu_uuids={1: sim.gpus[1].uuid},
+                        _unsampled=(), ledger=SimpleNamespace(unsampled_note=None, tell_serving=lambda *a: None),
                         _idle_said=False, _helper_said=False)
     Daemon._check_placement(d)
     assert d._unsampled == () and d.ledger.unsampled_note is None
     assert any("a helper context of 300 MiB on GPU 0" in r.getMessage() for r in caplog.records)
+
+
+def test_the_daemon_tells_its_ledger_the_sampled_gpus_the_servers_processes_hold(monkeypatch):
+    from types import SimpleNamespace
+
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.service import Daemon
+    from support import LedgerReading as R, RowSink as Sink
+
+    # Sampling GPUs 0 and 1, the server's engine on GPU 1, a helper context on GPU 0: GPU 1 alone serves, from the
+    # first interval on, no judgement from power awaited (before: every GPU's energy the work's until then, each row
+    # flagged). A GPU whose process list NVML cannot give tells nothing.
+    sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
+    led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
+    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
+                        collector=SimpleNamespace(nvml=sim, infos=sim.gpus[:2]),
+                        gpu_uuids={i: sim.gpus[i].uuid for i in (0, 1)}, _unsampled=(), ledger=led,
+                        _idle_said=False, _helper_said=False)
+    Daemon._check_placement(d)
+    for x in range(3):
+        led.add_gpu_sample(x * 10**9, x * 10**9, [R(60.0 * x, 60.0), R(300.0 * x, 300.0)])
+        led.advance(x * 10**9)
+    assert led.learner.serving.tolist() == [False, True] and led.totals.serving_mask == (False, True)
+    from powerprof.collectors import nvml as nvml_mod
+
+    real = nvml_mod.gpu_processes
+    monkeypatch.setattr(nvml_mod, "gpu_processes", lambda nv, h: None if h.index == 0 else real(nv, h))
+    d.ledger, d._helpers_seen = Ledger("d", 0, 2, Sink(), grace_s=0.1), {}
+    Daemon._check_placement(d)
+    assert d.ledger._told_serving is None
 
 
 def test_simulate_with_gpus_puts_the_simulated_server_on_the_selected_gpus(tmp_path):
@@ -951,7 +1016,8 @@ def _stand_in_daemon(sim, server_procs, sink=None):
         def __getattr__(self, name):
             return getattr(service.Daemon, name).__get__(self)
 
-    d = D(_server_procs=server_procs, collector=SimpleNamespace(nvml=sim), gpu_uuids={1: sim.gpus[1].uuid},
+    d = D(_server_procs=server_procs, collector=SimpleNamespace(nvml=sim, infos=[sim.gpus[1]]),
+          gpu_uuids={1: sim.gpus[1].uuid},
           _unsampled=(), ledger=Ledger("d", 0, 1, Sink() if sink is None else sink, grace_s=0.1), _idle_said=False,
           _helper_said=False, config_waker=Waker())
     service.Daemon._check_placement(d)

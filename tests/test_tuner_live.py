@@ -1609,6 +1609,9 @@ def test_a_serving_change_names_the_gpus_that_joined_and_left_or_says_it_cannot(
     assert "changed back within it" in serving_change(a, at(3, dict(a.serving_gpus)))
     assert "names no GPUs" in serving_change(at(1, None), at(2, None))
     assert serving_change(a, at(1, dict(a.serving_gpus))) is None
+    # The gauge left out while the daemon does not know which of several GPUs serve (every GPU's energy the work's):
+    # the GPUs the other end names were all in the figure.
+    assert "changes_total; left: gpu1 (GPU-b))" in serving_change(at(0, {}), a), serving_change(at(0, {}), a)
 
 
 def test_a_dry_runs_verdict_is_of_the_level_the_gpus_have_never_pooled_with_the_one_before(tmp_path):

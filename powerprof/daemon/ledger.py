@@ -56,7 +56,8 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_interval_note,
-                      _idle_unmeasured_note, _gpus_undecided_interval_note, _gpus_undecided_note,
+                      _idle_unmeasured_note, _gpus_undecided_interval_note, _gpus_undecided_note, UNDECIDED_CAUSE,
+                      UNDECIDED_FIX,
                       _interval_cache_note, _joined,
                       _no_counter_short_note, _counter_short_note, _no_energy_reason, _parser_held, _request_flags,
                       _secs, _unsaid_reason, _usage_above_note, _usage_below_note, _with_late, _counted_low_interval_note, client_held,
@@ -64,7 +65,7 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
 from . import tagedge
 from .streams import uncounted_kind
 from .tagedge import TAG_UNHELD_FIX, TAG_UNHELD_FLAG
-from .workmodel import FEATURES, CostLearner
+from .workmodel import FEATURES, GPUS_UNDECIDED_REASON, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
 
@@ -78,6 +79,9 @@ FIRST_READ_SLACK_NS = SAME_DELIVERY_NS
 # How long an interval waits past its grace for a RAPL read at or past its end (the daemon passes a few sampling
 # periods): RAPL's thread may tick just before NVML's, and the covering read is then a period later.
 RAPL_HOLD_S = 2.0
+# s: while busy intervals are split before which of several GPUs serve is known, the log says so again this often (the
+# first at once): once would scroll away under a load too even ever to judge.
+UNDECIDED_SAY_S = 600.0
 
 # A request that never ends (a stuck stream) is dropped from the accounts after this long.
 MAX_OPEN_S = 6 * 3600
@@ -296,6 +300,9 @@ class Totals:
     # Per sampled GPU (by position), whether its energy is the work's in the latest intervals accounted: None while
     # every GPU's is (which serve not judged yet, or all of them serve). Named on /metrics, so a change is told by GPU.
     serving_mask: tuple | None = None
+    # The latest intervals accounted were split before the daemon knew which of several sampled GPUs serve (every GPU's
+    # energy the work's): serving_mask's None then says nothing of which serve (/metrics leaves powerprof_gpu_serving out).
+    serving_undecided: bool = False
 
 
 
@@ -385,6 +392,13 @@ class Ledger:
         # Set by the daemon while the server also runs on a GPU it does not sample (SERVER_GPU_UNSAMPLED_FLAG, with
         # which and the fix): every interval and request row closed meanwhile says it in its energy_note.
         self.unsampled_note: str | None = None
+        # Which sampled GPUs serve, as the daemon was told (`tell_serving`), and whence, waiting for the next close: set
+        # from the placement check's thread, taken up on the ledger's.
+        self._told_serving: tuple[np.ndarray, str] | None = None
+        self._serving_source = "told"  # the latest told mask's source, in words (the log names it)
+        self._serving_said: np.ndarray | None = None  # the serving mask the log last named (None: none named)
+        self._undecided_said_ns: int | None = None  # when the log last said which GPUs serve is not known (t's clock)
+        self._undecided_intervals = 0  # busy intervals split so since start
         self.emit = emit
         self.grace_ns = int(grace_s * 1e9)
         self.max_hold_ns = int(max_hold_s * 1e9)
@@ -587,6 +601,31 @@ class Ledger:
         self.prompts_estimated: dict[str, int] = {}  # {why the server never counted it: requests}
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus, gpu_unknown_s=(0.0,) * n_gpus,
                              gpu_unread_now=(False,) * n_gpus)
+
+    def _say_undecided(self, t: np.ndarray, undecided_iv: np.ndarray) -> None:
+        """The log's word that which GPUs serve is not known, where busy intervals were split so (`undecided_iv`):
+        at the first, then every UNDECIDED_SAY_S (on the intervals' clock) while they go on. Before, nothing outside
+        the rows said it: under a load too even to judge, J/token blank for good and the log silent."""
+        n = int(np.count_nonzero(undecided_iv))
+        if not n:
+            return
+        self._undecided_intervals += n
+        if self._undecided_said_ns is not None and int(t[-1]) - self._undecided_said_ns < UNDECIDED_SAY_S * 1e9:
+            return
+        self._undecided_said_ns = int(t[-1])
+        log.warning("which of the %d sampled GPUs serve the proxied work is not known: %s; %d busy interval(s) since "
+                    "start were split with every sampled GPU's energy the work's, their requests' rows say %s and are "
+                    "left out of J/token (powerprof_joules_per_token_left_out_intervals_total{reason=\"%s\"}); %s",
+                    self.n_gpus, UNDECIDED_CAUSE, self._undecided_intervals, UNSURE_FLAG, GPUS_UNDECIDED_REASON,
+                    UNDECIDED_FIX)
+
+    def tell_serving(self, serving, source: str) -> None:
+        """The sampled GPUs (by position) the server runs on, as the daemon found them (`source`, in words: its
+        processes on NVML's process lists, or a set daemon.gpus): taken by the work model at the next close, until
+        it judges them from the GPUs' power (workmodel.CostLearner.tell_serving). Any thread."""
+        mask = np.asarray(serving, dtype=bool)
+        if mask.size == self.n_gpus and mask.any():
+            self._told_serving = (mask, source)
 
     # --- recorder interface (called by the proxy) ------------------------------------------
 
@@ -2649,6 +2688,10 @@ class Ledger:
         gpu0 = np.nan_to_num(gpu)
         # GPUs that do none of the proxied work (no server on them): their energy is idle, whole; the
         # requests, bypass traffic and the idle part of busy time split the others' (the work model's).
+        if (told := self._told_serving) is not None:
+            self._told_serving = None
+            self.learner.tell_serving(told[0])
+            self._serving_source = told[1]
         serving = self.learner.serving
         unjudged = serving is None  # which GPUs serve not judged yet: every sampled GPU's energy is the work's
         if serving is not None and serving.size == self.n_gpus and not serving.all():
@@ -2955,12 +2998,20 @@ class Ledger:
                 rq.queued_rerun_from_ns = int(t[0])
             queued_lower |= np.maximum(arrival, arrival[q]) < np.minimum(end, rq.queued_rerun_from_ns)
         fit = self.learner.add(setting, a.features, per_gpu, usable)
-        if self.learner.serving is not None and not np.array_equal(self.learner.serving, serving):
-            idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(self.learner.serving) if not on)
-            log.info("the proxied work runs on sampled GPU(s) %s; %s",
-                     ", ".join(self.gpu_names[g] for g, on in enumerate(self.learner.serving) if on) or "none",
-                     f"GPU(s) {idle_gpus} draw no more when it runs than when idle: their energy counts as idle, not the "
-                     "requests' (daemon.gpus can leave them out)" if idle_gpus else "every sampled GPU takes part")
+        # Said where the mask changes from the one last said (compared with the local `serving`, which the all-serving
+        # branch sets to None, the all-serving line came at every close: 15 times in 20 s).
+        now_serving = self.learner.serving
+        if now_serving is not None and (self._serving_said is None or not np.array_equal(now_serving, self._serving_said)):
+            self._serving_said = now_serving.copy()
+            by_power = self.learner.serving_from == "judged"
+            idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if not on)
+            log.info("the proxied work runs on sampled GPU(s) %s; %s (%s)",
+                     ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if on) or "none",
+                     (f"GPU(s) {idle_gpus} " + ("draw no more when it runs than when idle" if by_power else
+                                                "hold none of the server's processes")
+                      + ": their energy counts as idle, not the requests' (daemon.gpus can leave them out)")
+                     if idle_gpus else "every sampled GPU takes part",
+                     "judged from their power" if by_power else self._serving_source)
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):
@@ -3067,8 +3118,9 @@ class Ledger:
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
-                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | unmeasured_iv
-                      | undecided_iv)
+                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | unmeasured_iv,
+                      undecided_iv=undecided_iv)
+        self._say_undecided(t, undecided_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted,
                             unmeasured_j=np.where(unmeasured_iv, unmeasured_j, 0.0),
@@ -3255,7 +3307,8 @@ class Ledger:
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
                  host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None,
-                 work_j=None, serving=None, idle_missing=None, unjudged=False, aside_j=None, unplaced_iv=None) -> None:
+                 work_j=None, serving=None, idle_missing=None, unjudged=False, aside_j=None, unplaced_iv=None,
+                 undecided_iv=None) -> None:
         # aside_j: the energy of the GPUs serving none of the work per interval (their read ones', all of it idle);
         # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all);
         # idle_missing: intervals where a GPU serving none of the work gave no reading: the requests' energy and every
@@ -3304,7 +3357,8 @@ class Ledger:
                 continue
             why = (NO_COUNTER_SHORT_FLAG if short_iv is not None and short_iv[k]
                    else BYPASS_LOW_FLAG if low_iv is not None and low_iv[k]
-                   else UNSURE_FLAG if unplaced_iv is not None and unplaced_iv[k] else None)
+                   else UNSURE_FLAG if unplaced_iv is not None and unplaced_iv[k]
+                   else GPUS_UNDECIDED_REASON if undecided_iv is not None and undecided_iv[k] else None)
             if why is None:
                 self._recent.append((int(t[k + 1]), float(a.dest[k, attr.TO_REQUESTS, 0]), float(a.tokens[k])))
             else:
@@ -3339,6 +3393,7 @@ class Ledger:
             idle_not_serving_j=self._not_serving_total,
             serving_changes=self._serving_changes,
             serving_mask=None if self._accounted_serving is None else tuple(bool(x) for x in self._accounted_serving),
+            serving_undecided=bool(unjudged and self.n_gpus > 1),
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:

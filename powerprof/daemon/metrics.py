@@ -31,6 +31,7 @@ from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
 from .scrape import PARTIAL_REASONS
 from .streams import UNCOUNTED_KINDS
+from .workmodel import GPUS_UNDECIDED_REASON
 
 LATENCY_DOCS = {
     "ttft_seconds": "Proxied requests' time to first token (arrival at the proxy to first token)",
@@ -237,10 +238,11 @@ class SnapshotCollector:
             u.add_metric([str(x.index), x.uuid, x.name], x.energy_unknown_s)
         yield u
         sv = GaugeMetricFamily("powerprof_gpu_serving", "1 while this GPU's energy is the serving GPUs' (the proxied "
-                               "work's, the tuner's; every GPU's before the daemon judges which serve), 0 while it "
-                               "serves none of the work (its energy all idle, in "
+                               "work's, the tuner's), 0 while it serves none of the work (its energy all idle, in "
                                "powerprof_gpu_idle_energy_not_serving_joules_total): which GPUs each "
-                               "powerprof_gpu_serving_changes_total moved", labels=labels)
+                               "powerprof_gpu_serving_changes_total moved; absent while the daemon does not know "
+                               f"which of several GPUs serve (every GPU's energy the work's, reason {GPUS_UNDECIDED_REASON} "
+                               "below)", labels=labels)
         for x in s.gpus:
             if x.serving is not None:
                 sv.add_metric([str(x.index), x.uuid, x.name], 1.0 if x.serving else 0.0)
@@ -371,11 +373,13 @@ class SnapshotCollector:
                                     "server_count says the bypass count may be low (or high: proxy_lag, server_restart) or "
                                     "unread: "
                                     f"the interval rows say why), {UNSURE_FLAG} (after a client's leave, the server's "
-                                    "kind unknown: scrape.server = none; the request rows say so)", labels=["reason"])
+                                    "kind unknown: scrape.server = none; the request rows say so), "
+                                    f"{GPUS_UNDECIDED_REASON} (split before the daemon knew which of several GPUs serve: "
+                                    "every GPU's energy the work's; the log says why and the fix)", labels=["reason"])
         lo_tok = CounterMetricFamily("powerprof_joules_per_token_left_out_tokens", "Proxied tokens of the intervals "
                                      "left out of powerprof_joules_per_token since start, by reason (as "
                                      "powerprof_joules_per_token_left_out_intervals_total)", labels=["reason"])
-        for flag in (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG, UNSURE_FLAG):
+        for flag in (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG, UNSURE_FLAG, GPUS_UNDECIDED_REASON):
             n_iv, n_tok = s.jpt_left_out.get(flag, (0, 0.0))
             lo_iv.add_metric([flag], n_iv)
             lo_tok.add_metric([flag], n_tok)

@@ -850,12 +850,21 @@ def _gpus_undecided(r: LiveRequest) -> bool:
     return r.gpu_j > 0 and not r.gpu_missing and r.gpus_undecided_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
 
 
-_UNDECIDED_WHY = ("split before the daemon had judged which of the sampled GPUs serve the proxied work (judged once "
+_UNDECIDED_WHY = ("split before the daemon knew which of the sampled GPUs serve the proxied work (the GPUs the "
+                  "server's processes hold on NVML's process lists, else a set daemon.gpus, else judged once "
                   f"{MIN_IDLE} idle and {MIN_BUSY_GPU} busy intervals are in, or from {MIN_BUSY} busy intervals alone "
                   "where the work explains their power), so every sampled GPU's energy went to the work, a GPU serving "
                   "none of it included")
-_UNDECIDED_FIX = ("fix: none for this row; set daemon.gpus to the GPUs the server runs on, or let the daemon judge "
-                  "them: rows split after that are the serving GPUs' alone")
+# Why it may never be known, for the log (ledger._say_undecided), and the fix: both work at once (the placement check
+# tells the ledger, service._check_placement); a load too even never lets the power judge.
+UNDECIDED_CAUSE = ("the server's processes are on no sampled GPU's process list the daemon can read (a remote upstream, "
+                   "another pid namespace, a server not started yet), daemon.gpus is not set, and the GPUs' power has "
+                   f"not yet told ({MIN_IDLE} idle and {MIN_BUSY_GPU} busy intervals, or {MIN_BUSY} busy ones whose "
+                   "work explains the power: never under a load too even)")
+UNDECIDED_FIX = ("fix: run the daemon on the server's host where it can see the server's processes (its pid namespace), "
+                 "or set daemon.gpus to exactly the GPUs the server runs on (each then taken as serving) and restart "
+                 "the daemon")
+_UNDECIDED_FIX = "fix: none for this row; for later ones, " + UNDECIDED_FIX.removeprefix("fix: ")
 
 
 def _gpus_undecided_note(r: LiveRequest) -> str | None:

@@ -917,7 +917,7 @@ class Daemon:
                     up=0.0 if info.index in self.collector.lost else 1.0,
                     energy_unknown_s=tot.gpu_unknown_s[k] if k < len(tot.gpu_unknown_s) else 0.0,
                     energy_unread=bool(tot.gpu_unread_now[k]) if k < len(tot.gpu_unread_now) else False,
-                    serving=True if tot.serving_mask is None else
+                    serving=None if tot.serving_undecided else True if tot.serving_mask is None else
                     bool(tot.serving_mask[k]) if k < len(tot.serving_mask) else None,
                 )
             )
@@ -1487,6 +1487,11 @@ class Daemon:
         self._helper_unsampled = False  # the last check judged a context on an unsampled GPU a helper
         self._helpers_seen: dict = {}  # the last check's helpers (index → (UUID, bytes))
         self._unread_helper_checks: dict = {}  # index → checks in a row a helper's samples could not be read
+        if cfg.get("daemon", "gpus") and len(self.collector.infos) > 1:
+            # Named, the GPUs sampled are taken as the server's until its processes are seen (the placement check, just
+            # below and at each change) or the GPUs' power judges them: where neither can tell (a remote upstream,
+            # another pid namespace, a load too even), every row was flagged until then (docs/daemon.md, "One engine").
+            self.ledger.tell_serving([True] * len(self.collector.infos), "daemon.gpus, taken as the server's GPUs")
         self._check_placement()
         return data_dir
 
@@ -1567,6 +1572,13 @@ class Daemon:
                 p.helpers[i] = (before[i][0], p.sizes.get(i) or before[i][1])
         self._unread_helper_checks = {i: n for i, n in unread.items() if n < UNREAD_HELPER_CHECKS}
         self._helpers_seen = dict(p.helpers)
+        # The ledger is told which sampled GPUs serve: those the server's processes hold more than a helper context on,
+        # where every sampled GPU's list was read (one NVML cannot give may hold the server too). Before, until the GPUs'
+        # power judged them (never under a load too even) each row of a multi-GPU host was flagged: a 2-GPU
+        # tensor-parallel server, daemon.gpus = [0, 1], 20 of 44 rows (simulator).
+        if not any(i.index in p.unlisted for i in self.collector.infos):
+            self.ledger.tell_serving([i.index in p.server for i in self.collector.infos],
+                                     "the server's processes on NVML's process lists")
         # The unsampled helpers' pids, sizes and this check's start: what the light look between checks compares, and
         # where the next check's samples begin.
         self._helper_look = ({i: (p.pids.get(i, frozenset()), p.sizes.get(i))

@@ -59,6 +59,9 @@ SERVING_SHARE = 0.1
 # work explains at least this share of the variance of the GPU it moves most (too even a load judges nothing).
 # Before, two GPUs, one serving nothing, steady traffic: never judged, every row +18.8% median, unflagged.
 MIN_R2_SERVING = 0.5
+# The reason the live J/token's left-out counters give an interval split before which of several GPUs serve was known
+# (the requests' rows say UNSURE_FLAG: rowtext._gpus_undecided).
+GPUS_UNDECIDED_REASON = "gpus-undecided"
 
 
 def busy_rise_w(power_w: np.ndarray, rates: np.ndarray, least: int = MIN_BUSY,
@@ -186,6 +189,9 @@ class CostLearner:
         self._g_busy_n = 0  # busy intervals ever added to _g_busy
         self._g_busy_judged = 0  # _g_busy_n at the last judgement from busy intervals alone
         self.serving: np.ndarray | None = None  # (G,) the GPUs doing the proxied work; None: not known yet (all)
+        # Where `serving` came from: None (not known), "told" (`tell_serving`: from outside, until judged) or "judged"
+        # (from the GPUs' power, `_judge_gpus`).
+        self.serving_from: str | None = None
         self.fits: dict = {}
 
     def add(self, setting, features: np.ndarray, energy_j: np.ndarray, usable: np.ndarray) -> Fit | None:
@@ -276,6 +282,22 @@ class CostLearner:
         if top <= 0:
             return
         serving = rise >= SERVING_SHARE * top
+        self.serving_from = "judged"
+        self._set_serving(serving)
+
+    def tell_serving(self, serving: np.ndarray) -> None:
+        """The GPUs doing the proxied work as told from outside (the daemon's placement check: the GPUs the server's
+        processes hold, from NVML's process lists; or a set daemon.gpus), taken until the GPUs' power judges them
+        (`_judge_gpus`), which stands from then on. Before, nothing told: until that judgement every sampled GPU's energy
+        was the work's (each row flagged), never under a load too even to judge."""
+        serving = np.asarray(serving, dtype=bool)
+        if self.serving_from == "judged" or not serving.any():
+            return
+        self.serving_from = "told"
+        self._set_serving(serving)
+
+    def _set_serving(self, serving: np.ndarray) -> None:
+        """`serving` from now on, the windows' energies re-summed over it."""
         if self.serving is not None and np.array_equal(serving, self.serving):
             return
         self.serving = serving

@@ -79,7 +79,8 @@ class DaemonCounters:
     # each moves a GPU's idle energy into or out of energy_j, so a window in which it rose straddles two bases.
     serving_changes: float | None = None
     # Per GPU, named as the daemon's notes name it ('gpu1 (GPU-…)': NVML index and UUID), whether its energy is in
-    # energy_j (powerprof_gpu_serving; None: a daemon older than the gauge): which GPUs a serving change moved.
+    # energy_j (powerprof_gpu_serving; None: a daemon older than the gauge; empty: it names none, not knowing which of
+    # several GPUs serve, every GPU's energy in energy_j): which GPUs a serving change moved.
     serving_gpus: dict | None = None
 
 
@@ -289,6 +290,9 @@ def _serving_moved(a: dict | None, b: dict | None) -> str:
     as '; joined: …; left: …'; what the scrapes cannot show said instead."""
     if a is None or b is None:
         return "; the daemon names no GPUs (older than powerprof_gpu_serving)"
+    # The gauge without samples: the daemon did not know which of several GPUs serve, every GPU's energy the work's
+    # (docs/daemon.md, metrics): the GPUs the other end names, each in the figure.
+    a, b = (a or {g: True for g in b}), (b or {g: True for g in a})
     joined = sorted(g for g, on in b.items() if on and not a.get(g, False))
     left = sorted(g for g, on in a.items() if on and not b.get(g, False))
     if not joined and not left:
