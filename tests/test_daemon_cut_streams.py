@@ -366,6 +366,18 @@ async def _until_idle_measured(daemon) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _batch_span_end_ns(daemon) -> int:
+    """The end (monotonic ns) of the span over which the daemon flags the rows beside a batch answered 400 under
+    scrape.server = none (`Ledger._batch_spans`), once its ledger has taken the batch (up to 5 s)."""
+    import asyncio
+
+    for _ in range(100):
+        if daemon.ledger._batch_spans:
+            return max(a1 for _, a1 in daemon.ledger._batch_spans)
+        await asyncio.sleep(0.05)
+    raise AssertionError("the ledger took no span for the batch answered 400")
+
+
 async def _tagged_stream(s, url, tag, body):
     """A streamed /v1/completions through `url`, `tag` both its simulator truth id and its row's tag."""
     return await s.post(url + "/v1/completions", json={"model": "m", "stream": True, **body},
@@ -589,10 +601,17 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
                     "max_new_tokens": None, "ignore_eos": True}},
                     headers={"X-Sim-Request-Id": "batch", "X-Powerprof-Tag": "batch"}) as r:
                 assert r.status == 400, await r.text()
+            span_end_ns = await _batch_span_end_ns(daemon)
             await asyncio.gather(*[_ok_100(s, url, k) for k in range(3)])
-            # Past the bound: the 256-token context at the streams' pace shared by its 2 sequences, 7.1 s from its
-            # arrival (before, its prompts' 527 characters a token each, 2 BOS, + 6: 535 tokens, 12.4 s), and a second.
-            await asyncio.sleep(14.0)
+            # Past the bound: the 256-token context at the streams' pace shared by its 2 sequences (7.1 s from its
+            # arrival quiet; before batch7's context bound, its prompts' 527 characters a token each, 2 BOS, + 6: 535
+            # tokens, 12.4 s). The pace is the one the daemon learned, lower on a loaded host (the bound errs long
+            # there, rightly): a fixed 14 s wait sent ok20 inside it, flagged. So they go once an interval has closed
+            # past the span's end, and at most 40 s on.
+            deadline = time.monotonic() + 40
+            while daemon.ledger.edges[-1].t_ns < span_end_ns:
+                assert time.monotonic() < deadline, (span_end_ns / 1e9, time.monotonic())  # a span left unbounded
+                await asyncio.sleep(0.1)
             await asyncio.gather(*[_ok_100(s, url, 20 + k) for k in range(3)])
 
     _run_daemon(srv, daemon, scene, after_s=4, up=lambda: "proxy" in daemon.urls, up_tries=400)
