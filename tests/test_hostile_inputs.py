@@ -382,13 +382,24 @@ def _deep_prompts_file(tmp_path):
         load_prompts(tmp_path / "p.jsonl")
 
 
+def _deep_analysis_json(tmp_path):
+    from powerprof.analysis.report import outputs_disagree, unread_outputs_disagree
+
+    (tmp_path / "analysis.json").write_text(DEEP)
+    notes: list[str] = []
+    assert outputs_disagree(tmp_path, notes=notes) is None and unread_outputs_disagree(tmp_path) == []
+    assert notes == [f"{tmp_path}/analysis.json could not be read (not valid JSON (nested deeper than Python's parser "
+                     "goes)), so whether it and the other analysis table there are of one analysis was not checked"]
+
+
 @pytest.mark.parametrize("reader", [_deep_restore_file, _deep_run_json, _deep_run_json_no_level, _deep_daemon_config,
                                     _deep_tuner_table, _deep_run_json_above_out, _deep_sim_state_file,
-                                    _deep_prompts_file])
+                                    _deep_prompts_file, _deep_analysis_json])
 def test_a_file_nested_past_pythons_stack_is_said_damaged_not_a_traceback(tmp_path, reader, caplog):
     # The readers caught ValueError only: 200,000 `[` was a RecursionError traceback (`restore`, `devices`, `sweep` on
     # such a restore file; `analyze` on such a run.json; the daemon exited 1, not its config error's 2; `sweep` and
-    # `measure` on such a run.json in a folder above --out, on such a simulator state file or --prompts file).
+    # `measure` on such a run.json in a folder above --out, on such a simulator state file or --prompts file; `export`
+    # of a run, local or remote, on such an analysis.json: report._ids, its mix check).
     import inspect
 
     reader(tmp_path, caplog) if "caplog" in inspect.signature(reader).parameters else reader(tmp_path)
