@@ -213,6 +213,63 @@ def test_an_output_path_past_path_max_is_refused_before_the_work(tmp_path, monke
     assert "give a shorter name" not in flat and not os.listdir(deep), flat[-600:]
 
 
+def _cli_in(tmp_path, monkeypatch, cmd, cwd):
+    """`cmd` run in `cwd` (SRC: a one-column Parquet file), its exit code and flattened output."""
+    from click.testing import CliRunner
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from powerprof.cli import main
+
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    src = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"power_w": [1.0]}), src)
+    monkeypatch.chdir(cwd)
+    r = CliRunner().invoke(main, [a.replace("SRC", str(src)) for a in cmd])
+    return r.exit_code, " ".join(r.output.split())
+
+
+@pytest.mark.parametrize("cmd,made", [(["export", "SRC", "--format", "xlsx", "--out", "x.xlsx"], "x.xlsx"),
+                                      (["export", "SRC", "--format", "csv", "--out", "c"], "c"),
+                                      (["trace", "t.jsonl"], "t.jsonl"),
+                                      (["monitor", "--simulate", "--duration", "1", "--output", "m.csv"], "m.csv"),
+                                      (["daemon", "--check", "--data-dir", "dd"], None)])
+def test_a_relative_output_in_a_deep_current_folder_is_judged_as_written(tmp_path, monkeypatch, cmd, made):
+    # path_max_problem judged the absolute path (os.getcwd() + the path), but these commands write through the relative
+    # one, which the kernel takes from the current folder however deep: in a folder 4000 bytes deep, export (xlsx,
+    # csv), trace and monitor wrote `x.xlsx` fine before cli9, then were refused (exit 2, "path too long: 4007 bytes
+    # from /"). The daemon, which writes through its data dir's absolute path, is still judged from /.
+    import os
+
+    deep = _deep_folder(tmp_path / "deep", 4000) if (tmp_path / "deep").mkdir() is None else None
+    code, flat = _cli_in(tmp_path, monkeypatch, cmd, deep)
+    if made is None:
+        assert code == 2 and "path too long: 4003 bytes from /, and what is written there may add 128" in flat, flat
+    else:
+        assert code == 0 and os.path.exists(os.path.join(deep, made)), flat[-600:]
+
+
+@pytest.mark.parametrize("cmd,room", [(["export", "SRC", "--format", "xlsx", "--out", "F.xlsx"], 22),
+                                      (["trace", "F.jsonl"], 22),
+                                      (["monitor", "--simulate", "--duration", "1", "--output", "F.csv"], 49)])
+def test_a_file_output_keeps_only_the_room_its_own_writes_take(tmp_path, monkeypatch, cmd, room):
+    # missing_parent kept a folder's 128 bytes below every output: a file 4007 bytes from / (its temporary name 22 bytes
+    # more, 4029, within the 4095 of PATH_MAX) was refused, exit 2, "what is written there may add 128". Now a file
+    # keeps its temporary name's 22 (paths.TEMP_NAME_BYTES), monitor its parts' 49 (FILE.parts/.part-….parquet.….tmp).
+    import os
+
+    deep = _deep_folder(tmp_path / "deep", 4000) if (tmp_path / "deep").mkdir() is None else None
+    fits = [a.replace("F.", os.path.join(deep, "f.")) for a in cmd]
+    code, flat = _cli_in(tmp_path, monkeypatch, fits, tmp_path)
+    assert code == 0 and os.path.exists(fits[-1]), flat[-600:]
+    ext = "." + cmd[-1].rsplit(".", 1)[1]
+    past = os.path.join(deep, "p" * (4096 - room - len(deep) - 1 - len(ext)) + ext)  # with its room, 4096: one past
+    assert len(os.fsencode(past)) + room == 4096
+    code, flat = _cli_in(tmp_path, monkeypatch, [*cmd[:-1], past], tmp_path)
+    assert code == 2 and f"what is written there may add {room};" in flat and not os.path.exists(past), flat[-600:]
+
+
 def test_the_room_kept_below_an_output_holds_the_daemons_deepest_file(tmp_path):
     # paths.OUTPUT_DEPTH_BYTES is what a folder output keeps below it for PATH_MAX: the daemon's files are the deepest
     # (`intervals/date=…/part-<utc>-<pid>-<seq>.parquet`, written under a temporary name ~22 bytes longer).

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from powerprof.storage import datafiles
 from powerprof.storage.atomic import atomic_path
 from powerprof.trust import out_dir_refusal
-from powerprof.paths import RUN_JSON
+from powerprof.paths import OUTPUT_DEPTH_BYTES, RUN_JSON, TEMP_NAME_BYTES
 from powerprof.storage.runs import cwd_gone, missing_parent, no_finished_level
 
 from .rowkeys import TUNER_KEY, WHY, folder_sql, ident, is_tuner_decisions, key_of, keyless_sql, why_of
@@ -751,8 +751,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                           "picks columns, and any table that has one of them is written")
     # A file's folder, or a folder's parent, that does not exist is never made (storage.runs.missing_parent, every
     # command's rule): a file's failed at the end naming a temporary ("Failed to open local file '.w.parquet.1.tmp'").
-    if (why := missing_parent(out)) is not None:
-        raise ExportUsageError(why)
+    if (why := missing_parent(out, below=TEMP_NAME_BYTES if fmt == "xlsx" or single else OUTPUT_DEPTH_BYTES)) is not None:
+        raise ExportUsageError(why)  # a file's temporary name, or a folder's files
     if (fmt == "xlsx" or single) and not out.parent.is_dir():
         from powerprof.paths import what_is  # noqa: PLC0415
 

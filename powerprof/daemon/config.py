@@ -643,7 +643,8 @@ def _cannot_make_or_write(d: Path, given: bool) -> str | None:
     nearest one above that exists, where it is made) not writable. Each passed --check ("config OK"); the daemon then
     stopped at start or at its first write. None where it can. Judged for the user running the check (the daemon's
     user where it is run as that user: `sudo -u powerprof powerprof daemon --check`)."""
-    if (why := path_problem(d) or path_max_problem(d, OUTPUT_DEPTH_BYTES)) is not None:
+    # Judged from /: the daemon writes through its data dir's absolute path (service: Path(data_dir).absolute()).
+    if (why := path_problem(d) or path_max_problem(d if cwd_gone(d) else cwd_joined(d), OUTPUT_DEPTH_BYTES)) is not None:
         return why
     there = cwd_joined(d)
     if not os.path.lexists(there):
