@@ -1550,7 +1550,8 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
         sys.exit(service.EXIT_CONFIG)
     if check:
         click.echo(f"config OK ({cfg.source})")
-        if (note := dconfig.check_user_note()) is not None:
+        args = [a for flag, v in [("--config", config_path), *given.items()] if v is not None for a in (flag, str(v))]
+        if (note := dconfig.check_user_note(args=["--simulate", *args] if simulate else args)) is not None:
             click.echo(note, err=True)
         return
     from powerprof.rig import Rig
