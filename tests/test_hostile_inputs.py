@@ -292,6 +292,23 @@ def test_the_room_kept_below_an_output_holds_the_daemons_deepest_file(tmp_path):
     assert len(os.fsencode(written)) + pid_room <= OUTPUT_DEPTH_BYTES - 20, written  # and room for a longer name
 
 
+def test_the_room_a_monitor_output_keeps_holds_its_spools_deepest_file(tmp_path):
+    # storage.samples.SPOOL_DEPTH_BYTES is what `monitor --output FILE` keeps beyond FILE for PATH_MAX: its parts
+    # (`FILE.parts/part-NNNNNN.parquet`) written under their temporary names (paths.temp_sibling).
+    import os
+
+    from powerprof.paths import temp_sibling
+    from powerprof.storage.samples import SPOOL_DEPTH_BYTES, SampleSpool, Timeline
+
+    out = tmp_path / "m.csv"
+    spool = SampleSpool(Timeline(), out)
+    part = spool._part_path(0)
+    spool.close()
+    pid_room = 7 - len(str(os.getpid()))  # the longest a pid may be (pid_max 4194304)
+    beyond = len(os.fsencode(str(temp_sibling(part)))) - len(os.fsencode(str(out)))
+    assert beyond + pid_room + 1 <= SPOOL_DEPTH_BYTES, (beyond, temp_sibling(part))  # and a 7th digit of the part's
+
+
 def test_tag_with_a_socket_path_too_long_for_a_socket_is_a_usage_error(tmp_path):
     # It said "cannot reach the daemon at …: OSError: AF_UNIX path too long", exit 1, as if no daemon ran.
     from click.testing import CliRunner
