@@ -889,12 +889,12 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
 
-    from powerprof.paths import cwd_joined, output_file_refusal
+    from powerprof.paths import TEMP_NAME_BYTES, cwd_joined, output_file_refusal
     from powerprof.storage.runs import missing_parent
 
     # A relative one from a removed current folder (os.getcwd()'s traceback), or a missing folder ("folder 'x' does not
-    # exist", exit 2): in every command's words (missing_parent).
-    if (why := missing_parent(out_path, "OUT.jsonl")) is not None:
+    # exist", exit 2): in every command's words (missing_parent). One file, written under its temporary name.
+    if (why := missing_parent(out_path, "OUT.jsonl", TEMP_NAME_BYTES)) is not None:
         raise click.UsageError(why)
     out = Path(out_path)
     # lstat, not exists(): a looping symlink was replaced without --force; a FIFO or device is refused even with it.
@@ -1550,7 +1550,8 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
         sys.exit(service.EXIT_CONFIG)
     if check:
         click.echo(f"config OK ({cfg.source})")
-        if (note := dconfig.check_user_note()) is not None:
+        args = [a for flag, v in [("--config", config_path), *given.items()] if v is not None for a in (flag, str(v))]
+        if (note := dconfig.check_user_note(args=["--simulate", *args] if simulate else args)) is not None:
             click.echo(note, err=True)
         return
     from powerprof.rig import Rig

@@ -352,14 +352,14 @@ def check_output(output: str, force: bool) -> None:
     """`--output FILE` refused before anything opens (OptionRefused): a file of an earlier run without --force, a
     FIFO or a device, a folder root may not write in, or the parts a killed monitor of that name left."""
     from powerprof.paths import cwd_joined, output_file_refusal
-    from powerprof.storage.samples import check_output_path, parts_dir_for
+    from powerprof.storage.samples import SPOOL_DEPTH_BYTES, check_output_path, parts_dir_for
     from powerprof.trust import out_dir_refusal
 
     from powerprof.storage.runs import missing_parent
 
     # A relative FILE from a removed current folder (said as "folder '.' is not writable"), or a missing folder: in
-    # every command's words (storage.runs.missing_parent, exit 2).
-    if (why := missing_parent(output, "--output")) is not None:
+    # every command's words (storage.runs.missing_parent, exit 2). Its parts' files beside it are its deepest write.
+    if (why := missing_parent(output, "--output", SPOOL_DEPTH_BYTES)) is not None:
         raise MonitorUsageError(why)
     # The write at the end replaced an earlier run's samples without a word; --force, a FIFO or a device.
     if (why := output_file_refusal(output, force, "samples of an earlier run?")) is not None:
@@ -473,13 +473,13 @@ def recover_output(output: str, force: bool) -> None:
     """`monitor --recover FILE`: the parts of a killed `monitor --output FILE` as FILE, then the parts removed.
     Raises OptionRefused for a FILE or folder it will not write, MonitorError for a recovery that failed."""
     from powerprof import pipes
-    from powerprof.paths import cwd_joined, output_file_refusal
+    from powerprof.paths import TEMP_NAME_BYTES, cwd_joined, output_file_refusal
     from powerprof.storage.samples import RecoverError, check_output_path, parts_dir_for, recover_parts
     from powerprof.trust import out_dir_refusal
 
     from powerprof.storage.runs import missing_parent
 
-    if (why := missing_parent(output, "--recover")) is not None:  # as --output's
+    if (why := missing_parent(output, "--recover", TEMP_NAME_BYTES)) is not None:  # as --output's; FILE alone written
         raise MonitorUsageError(why)
     # A FIFO, a device or a symlink at FILE is refused even with --force (the rename would replace it by a file).
     if (why := output_file_refusal(output, True, "")) is not None:

@@ -143,16 +143,21 @@ def path_problem(path) -> str | None:
 
 # Linux's PATH_MAX: the most bytes the kernel takes in one path, its last the NUL (ENAMETOOLONG beyond).
 PATH_MAX_BYTES = 4096
-# Room kept after an output's path for what is written at it: the deepest any command writes below the folder it is
-# given is a daemon's `intervals/date=YYYY-MM-DD/part-<utc>-<pid>-<seq>.parquet` under its temporary name (~100 bytes).
+# Room kept after a folder output's path for what is written in it: the deepest any command writes below the folder it
+# is given is a daemon's `intervals/date=YYYY-MM-DD/part-<utc>-<pid>-<seq>.parquet` under its temporary name (~100 bytes).
 OUTPUT_DEPTH_BYTES = 128
+# What `temp_sibling` adds to a file's path: `.` before its name, `.<pid>.<8 hex>.tmp` after (a pid of up to 7 digits).
+# A file output keeps this alone: 128 refused files whose write fit (an xlsx 4007 bytes from /, its temporary 4029).
+TEMP_NAME_BYTES = 22
 
 
 def path_max_problem(path, below: int) -> str | None:
-    """Why an output cannot be written at `path`: its absolute path, with the `below` bytes written beyond it (a file's
+    """Why an output cannot be written at `path`: the path, with the `below` bytes written beyond it (a file's
     temporary name, a folder's files), is past what the kernel takes in one path (PATH_MAX, 4096 bytes with the NUL),
     with the fix; None where it fits. Such a path inside a deep existing folder passed every check and failed at the
-    write, after the work ("File name too long"). Judged on the absolute path: each command writes through it."""
+    write, after the work ("File name too long"). Judged as given, the string each command writes through: a relative
+    one from the current folder however deep that is (judged from /, relative outputs in a folder 4000 bytes deep
+    were refused that the commands wrote fine); a caller that writes through the absolute path passes that."""
     if cwd_gone(path) is not None:
         return None
     full = cwd_joined(path)
@@ -161,12 +166,14 @@ def path_max_problem(path, below: int) -> str | None:
         most = os.pathconf(there, "PC_PATH_MAX") if there is not None else PATH_MAX_BYTES
     except (OSError, ValueError):
         most = PATH_MAX_BYTES
-    size = len(os.fsencode(full))
+    size = len(os.fsencode(str(path)))
     if size + below < most:
         return None
     added = f", and what is written there may add {below}" if below else ""
-    return (f"path too long: {size} bytes from /{added}; the kernel takes {most - 1} bytes in a path (PATH_MAX). "
-            f"Fix: give a path of at most {max(0, most - 1 - below)} bytes from / (a folder nearer /, or shorter names)")
+    frm, to = ("from /", "a folder nearer /") if os.path.isabs(path) else ("", "fewer folders")
+    return (f"path too long: {size} bytes{' ' + frm if frm else ''}{added}; the kernel takes {most - 1} bytes in a path "
+            f"(PATH_MAX). Fix: give a path of at most {max(0, most - 1 - below)} bytes{' ' + frm if frm else ''} ({to}, "
+            "or shorter names)")
 
 
 def temp_name_problem(path) -> str | None:

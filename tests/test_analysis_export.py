@@ -1319,16 +1319,89 @@ def test_a_remote_analysis_whose_analysis_json_cannot_be_read_is_exported_with_a
             "Access Denied), so whether it and the other analysis table there are of one analysis was not checked") in said
 
 
-def test_a_remote_export_opens_the_stores_filesystem_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt,out", [("csv", "ok"), ("xlsx", "ok.xlsx")])
+def test_a_remote_export_opens_the_stores_filesystem_once(tmp_path, monkeypatch, fmt, out):
     # The mix check and the tables' read each called _open_uri: a dead store's wait (GCS_RETRY_LIMIT_S) came twice.
+    # An xlsx's summary sheet opened it once more (its analysis.json and run.json): 2 opens, 6.7 s where each took 2 s.
     import pyarrow.fs as pafs
 
     run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
     assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"]).exit_code == 0
     bucket, opened = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem()), []
     monkeypatch.setattr(ex, "_open_uri", lambda uri: (opened.append(uri), (bucket, uri.removeprefix("s3://")))[1])
-    r = CliRunner().invoke(main, ["export", "s3://run", "--format", "csv", "--out", str(tmp_path / "ok")])
+    r = CliRunner().invoke(main, ["export", "s3://run", "--format", fmt, "--out", str(tmp_path / out)])
     assert r.exit_code == 0 and opened == ["s3://run"], (opened, r.output)
+    if fmt == "xlsx":  # and its summary read through that one store
+        rows = {row[0].value: row[1].value for row in load_workbook(tmp_path / out)["summary"].iter_rows()}
+        assert rows["recommended power limit (W)"] is not None and "run_id" in rows, rows
+
+
+_HOSTILE_SUMMARY = {  # what analysis.json / run.json hold (a dict: merged into the real analysis.json, its id kept)
+    "analysis=[1]": ("analysis.json", "[1]", "is not a JSON object (a list)"),
+    "analysis=str": ("analysis.json", '"s"', "is not a JSON object (a str)"),
+    "nested": ("analysis.json", "[" * 200_000, "nested deeper than Python's parser goes"),
+    "rec=str": ("analysis.json", {"recommendation": "x"}, "not of the form analyze writes"),
+    "warnings=[str]": ("analysis.json", {"warnings": ["w"]}, "not of the form analyze writes"),
+    "series=[str]": ("analysis.json", {"series": ["s"]}, "not of the form analyze writes"),
+    "ci_low=str": ("analysis.json", {"recommendation": {"ci_low": "a", "ci_high": 1}}, "not of the form analyze writes"),
+    "runs=5": ("analysis.json", {"runs": 5}, "not of the form analyze writes"),
+    "run=[1]": ("run.json", "[1]", "is not a JSON object (a list)"),
+    "run=str": ("run.json", '"s"', "is not a JSON object (a str)"),
+    "run nested": ("run.json", "[" * 200_000, "nested deeper than Python's parser goes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HOSTILE_SUMMARY))
+@pytest.mark.parametrize("scheme", ["local", "s3"])
+def test_an_xlsx_of_a_run_whose_json_is_not_of_analyzes_form_says_it_in_a_row(tmp_path, monkeypatch, scheme, case):
+    # summary_rows never checked the types in analysis.json and run.json: a string where a dict was (rec "x", warnings
+    # ["w"], ci_low "a", runs 5, run.json [1]) ended the export in a traceback after the tables (AttributeError,
+    # ValueError, TypeError; exit 1), local and remote alike (cli9 made the remote ones read); a list for
+    # analysis.json reached the mix check, 200,000 `[` a RecursionError there. Now the sheet is written (exit 0), a
+    # "not read" row naming why, the recommendation left out; a mix check's unread id is said in a note.
+    import pyarrow.fs as pafs
+
+    name, text, why = _HOSTILE_SUMMARY[case]
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"]).exit_code == 0
+    f = run / "analysis" / name if name == "analysis.json" else run / name
+    if isinstance(text, dict):
+        text = json.dumps({**json.loads(f.read_text()), **text})
+    f.write_text(text)
+    if scheme == "s3":
+        bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+        monkeypatch.setattr(ex, "_open_uri", lambda uri: (bucket, uri.removeprefix("s3://")))
+    if name == "analysis.json" and not text.startswith("{"):  # its id unread: the mix check says so, and goes on
+        monkeypatch.setattr(ex, "_refuse_mixed", lambda *a, **k: None)
+    r = CliRunner().invoke(main, ["export", str(run) if scheme == "local" else "s3://run", "--format", "xlsx",
+                                  "--out", str(tmp_path / "a.xlsx")])
+    assert r.exit_code == 0, (r.exception, r.output)
+    rows = {row[0].value: row[1].value for row in load_workbook(tmp_path / "a.xlsx")["summary"].iter_rows()}
+    assert str(rows.get(name, "")).startswith("not read: ") and why in rows[name], rows
+    assert "recommended power limit (W)" not in rows or name == "run.json", rows
+    assert "run_id" in rows or name == "run.json", rows
+
+
+@pytest.mark.parametrize("scheme", ["local", "s3"])
+def test_an_xlsx_summary_reads_no_json_larger_than_its_cap(tmp_path, monkeypatch, scheme):
+    # f.read() loaded the whole analysis.json and run.json, however large, into memory. Now at most
+    # SUMMARY_JSON_MAX_BYTES of each is read (analyze's are kilobytes): a larger one is said "not read: … too large".
+    import pyarrow.fs as pafs
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"]).exit_code == 0
+    size = (run / "analysis" / "analysis.json").stat().st_size
+    assert (run / "run.json").stat().st_size < size  # the cap between them: run.json read, analysis.json not
+    monkeypatch.setattr(ex, "SUMMARY_JSON_MAX_BYTES", size - 1)
+    if scheme == "s3":
+        bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+        monkeypatch.setattr(ex, "_open_uri", lambda uri: (bucket, uri.removeprefix("s3://")))
+    r = CliRunner().invoke(main, ["export", str(run) if scheme == "local" else "s3://run", "--format", "xlsx",
+                                  "--out", str(tmp_path / "a.xlsx")])
+    assert r.exit_code == 0, r.output
+    rows = {row[0].value: row[1].value for row in load_workbook(tmp_path / "a.xlsx")["summary"].iter_rows()}
+    assert "is too large (over 0 MiB" in str(rows.get("analysis.json")), rows
+    assert "recommended power limit (W)" not in rows and "run_id" in rows, rows
 
 
 def test_export_reads_a_folder_whose_reports_a_person_edited_and_names_a_report_of_another_analysis(tmp_path):

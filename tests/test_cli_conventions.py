@@ -146,6 +146,8 @@ def test_daemon_check_as_root_says_its_writability_is_roots(tmp_path, monkeypatc
     assert r.exit_code == 0 and "config OK" in flat, flat
     note = "judged for root, who may write in any folder; where the daemon runs as another user (the systemd unit's"
     assert (note in flat and "sudo -u powerprof powerprof daemon --check" in flat) == (euid == 0), flat
+    # With the options given, not "(with the same --config)" where --data-dir was given and no --config.
+    assert "--config" not in flat and (f"daemon --check --data-dir {tmp_path / 'dd'}" in flat) == (euid == 0), flat
 
 
 def test_devices_json_uses_run_json_key_names():

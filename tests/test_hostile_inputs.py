@@ -213,6 +213,63 @@ def test_an_output_path_past_path_max_is_refused_before_the_work(tmp_path, monke
     assert "give a shorter name" not in flat and not os.listdir(deep), flat[-600:]
 
 
+def _cli_in(tmp_path, monkeypatch, cmd, cwd):
+    """`cmd` run in `cwd` (SRC: a one-column Parquet file), its exit code and flattened output."""
+    from click.testing import CliRunner
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from powerprof.cli import main
+
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    src = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"power_w": [1.0]}), src)
+    monkeypatch.chdir(cwd)
+    r = CliRunner().invoke(main, [a.replace("SRC", str(src)) for a in cmd])
+    return r.exit_code, " ".join(r.output.split())
+
+
+@pytest.mark.parametrize("cmd,made", [(["export", "SRC", "--format", "xlsx", "--out", "x.xlsx"], "x.xlsx"),
+                                      (["export", "SRC", "--format", "csv", "--out", "c"], "c"),
+                                      (["trace", "t.jsonl"], "t.jsonl"),
+                                      (["monitor", "--simulate", "--duration", "1", "--output", "m.csv"], "m.csv"),
+                                      (["daemon", "--check", "--data-dir", "dd"], None)])
+def test_a_relative_output_in_a_deep_current_folder_is_judged_as_written(tmp_path, monkeypatch, cmd, made):
+    # path_max_problem judged the absolute path (os.getcwd() + the path), but these commands write through the relative
+    # one, which the kernel takes from the current folder however deep: in a folder 4000 bytes deep, export (xlsx,
+    # csv), trace and monitor wrote `x.xlsx` fine before cli9, then were refused (exit 2, "path too long: 4007 bytes
+    # from /"). The daemon, which writes through its data dir's absolute path, is still judged from /.
+    import os
+
+    deep = _deep_folder(tmp_path / "deep", 4000) if (tmp_path / "deep").mkdir() is None else None
+    code, flat = _cli_in(tmp_path, monkeypatch, cmd, deep)
+    if made is None:
+        assert code == 2 and "path too long: 4003 bytes from /, and what is written there may add 128" in flat, flat
+    else:
+        assert code == 0 and os.path.exists(os.path.join(deep, made)), flat[-600:]
+
+
+@pytest.mark.parametrize("cmd,room", [(["export", "SRC", "--format", "xlsx", "--out", "F.xlsx"], 22),
+                                      (["trace", "F.jsonl"], 22),
+                                      (["monitor", "--simulate", "--duration", "1", "--output", "F.csv"], 49)])
+def test_a_file_output_keeps_only_the_room_its_own_writes_take(tmp_path, monkeypatch, cmd, room):
+    # missing_parent kept a folder's 128 bytes below every output: a file 4007 bytes from / (its temporary name 22 bytes
+    # more, 4029, within the 4095 of PATH_MAX) was refused, exit 2, "what is written there may add 128". Now a file
+    # keeps its temporary name's 22 (paths.TEMP_NAME_BYTES), monitor its parts' 49 (FILE.parts/.part-….parquet.….tmp).
+    import os
+
+    deep = _deep_folder(tmp_path / "deep", 4000) if (tmp_path / "deep").mkdir() is None else None
+    fits = [a.replace("F.", os.path.join(deep, "f.")) for a in cmd]
+    code, flat = _cli_in(tmp_path, monkeypatch, fits, tmp_path)
+    assert code == 0 and os.path.exists(fits[-1]), flat[-600:]
+    ext = "." + cmd[-1].rsplit(".", 1)[1]
+    past = os.path.join(deep, "p" * (4096 - room - len(deep) - 1 - len(ext)) + ext)  # with its room, 4096: one past
+    assert len(os.fsencode(past)) + room == 4096
+    code, flat = _cli_in(tmp_path, monkeypatch, [*cmd[:-1], past], tmp_path)
+    assert code == 2 and f"what is written there may add {room};" in flat and not os.path.exists(past), flat[-600:]
+
+
 def test_the_room_kept_below_an_output_holds_the_daemons_deepest_file(tmp_path):
     # paths.OUTPUT_DEPTH_BYTES is what a folder output keeps below it for PATH_MAX: the daemon's files are the deepest
     # (`intervals/date=…/part-<utc>-<pid>-<seq>.parquet`, written under a temporary name ~22 bytes longer).
@@ -233,6 +290,23 @@ def test_the_room_kept_below_an_output_holds_the_daemons_deepest_file(tmp_path):
     pid_room = 2 * (7 - len(str(os.getpid())))  # the longest a pid may be (pid_max 4194304), in both names
     written = os.path.join(os.path.dirname(deepest), temp_sibling(deepest).name)
     assert len(os.fsencode(written)) + pid_room <= OUTPUT_DEPTH_BYTES - 20, written  # and room for a longer name
+
+
+def test_the_room_a_monitor_output_keeps_holds_its_spools_deepest_file(tmp_path):
+    # storage.samples.SPOOL_DEPTH_BYTES is what `monitor --output FILE` keeps beyond FILE for PATH_MAX: its parts
+    # (`FILE.parts/part-NNNNNN.parquet`) written under their temporary names (paths.temp_sibling).
+    import os
+
+    from powerprof.paths import temp_sibling
+    from powerprof.storage.samples import SPOOL_DEPTH_BYTES, SampleSpool, Timeline
+
+    out = tmp_path / "m.csv"
+    spool = SampleSpool(Timeline(), out)
+    part = spool._part_path(0)
+    spool.close()
+    pid_room = 7 - len(str(os.getpid()))  # the longest a pid may be (pid_max 4194304)
+    beyond = len(os.fsencode(str(temp_sibling(part)))) - len(os.fsencode(str(out)))
+    assert beyond + pid_room + 1 <= SPOOL_DEPTH_BYTES, (beyond, temp_sibling(part))  # and a 7th digit of the part's
 
 
 def test_tag_with_a_socket_path_too_long_for_a_socket_is_a_usage_error(tmp_path):
@@ -382,13 +456,24 @@ def _deep_prompts_file(tmp_path):
         load_prompts(tmp_path / "p.jsonl")
 
 
+def _deep_analysis_json(tmp_path):
+    from powerprof.analysis.report import outputs_disagree, unread_outputs_disagree
+
+    (tmp_path / "analysis.json").write_text(DEEP)
+    notes: list[str] = []
+    assert outputs_disagree(tmp_path, notes=notes) is None and unread_outputs_disagree(tmp_path) == []
+    assert notes == [f"{tmp_path}/analysis.json could not be read (not valid JSON (nested deeper than Python's parser "
+                     "goes)), so whether it and the other analysis table there are of one analysis was not checked"]
+
+
 @pytest.mark.parametrize("reader", [_deep_restore_file, _deep_run_json, _deep_run_json_no_level, _deep_daemon_config,
                                     _deep_tuner_table, _deep_run_json_above_out, _deep_sim_state_file,
-                                    _deep_prompts_file])
+                                    _deep_prompts_file, _deep_analysis_json])
 def test_a_file_nested_past_pythons_stack_is_said_damaged_not_a_traceback(tmp_path, reader, caplog):
     # The readers caught ValueError only: 200,000 `[` was a RecursionError traceback (`restore`, `devices`, `sweep` on
     # such a restore file; `analyze` on such a run.json; the daemon exited 1, not its config error's 2; `sweep` and
-    # `measure` on such a run.json in a folder above --out, on such a simulator state file or --prompts file).
+    # `measure` on such a run.json in a folder above --out, on such a simulator state file or --prompts file; `export`
+    # of a run, local or remote, on such an analysis.json: report._ids, its mix check).
     import inspect
 
     reader(tmp_path, caplog) if "caplog" in inspect.signature(reader).parameters else reader(tmp_path)

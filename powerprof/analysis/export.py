@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from powerprof.storage import datafiles
 from powerprof.storage.atomic import atomic_path
 from powerprof.trust import out_dir_refusal
-from powerprof.paths import RUN_JSON
+from powerprof.paths import OUTPUT_DEPTH_BYTES, RUN_JSON, TEMP_NAME_BYTES
 from powerprof.storage.runs import cwd_gone, missing_parent, no_finished_level
 
 from .rowkeys import TUNER_KEY, WHY, folder_sql, ident, is_tuner_decisions, key_of, keyless_sql, why_of
@@ -362,21 +362,24 @@ def _refuse_mixed_remote(uri: str, fs, path: str, notes: list[str] | None = None
             notes.extend(unread_outputs_disagree(folder, fs, f"{urlsplit(uri).scheme}://{folder}"))
 
 
-def find_sources(src, notes: list[str] | None = None) -> list[Source]:
+def find_sources(src, notes: list[str] | None = None, opened: dict | None = None) -> list[Source]:
     """Tables of a run directory (top-level *.parquet, plus analysis/analysis.parquet), of a daemon
     dataset (one hive-partitioned dataset per sub-folder), of a single Parquet file, or of a URI. `notes` receives
-    an analysis table whose id could not be read (its mix unchecked)."""
+    an analysis table whose id could not be read (its mix unchecked); `opened` (where given), a remote URI's
+    (filesystem, path) by the URI, for the summary sheet's reads (`summary_rows`): a store opened once."""
     if is_uri(src):
         for folder in analysis_folders_of(src):  # a file:// URI's
             _refuse_mixed(folder, notes=notes)
         if local_path(src) is not None:
             return _uri_sources(str(src))
         try:
-            opened = _open_uri(str(src))
+            store = _open_uri(str(src))
         except (pa.ArrowException, OSError) as e:  # as _uri_sources says it
             raise ExportError(f"{src}: cannot open ({e})") from None
-        _refuse_mixed_remote(str(src), *opened, notes)
-        return _uri_sources(str(src), opened)
+        if opened is not None:
+            opened[str(src)] = store
+        _refuse_mixed_remote(str(src), *store, notes)
+        return _uri_sources(str(src), store)
     p = Path(src)
     from powerprof.paths import path_problem  # noqa: PLC0415
 
@@ -665,7 +668,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     if t_from and t_to and t_from >= t_to:
         raise ExportUsageError(f"--from ({time_from}) must be before --to ({time_to})")
     srcs = expand(src)
-    groups = [find_sources(s, notes) for s in srcs]
+    opened: dict = {}  # a remote URI's store, opened once: its summary sheet is read through it
+    groups = [find_sources(s, notes, opened) for s in srcs]
     if (why := _dataset_beside_run(srcs, groups)) is not None:
         raise ExportError(why)
     sources = union_sources(_without_copied_runs(srcs, groups, notes))
@@ -747,8 +751,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                           "picks columns, and any table that has one of them is written")
     # A file's folder, or a folder's parent, that does not exist is never made (storage.runs.missing_parent, every
     # command's rule): a file's failed at the end naming a temporary ("Failed to open local file '.w.parquet.1.tmp'").
-    if (why := missing_parent(out)) is not None:
-        raise ExportUsageError(why)
+    if (why := missing_parent(out, below=TEMP_NAME_BYTES if fmt == "xlsx" or single else OUTPUT_DEPTH_BYTES)) is not None:
+        raise ExportUsageError(why)  # a file's temporary name, or a folder's files
     if (fmt == "xlsx" or single) and not out.parent.is_dir():
         from powerprof.paths import what_is  # noqa: PLC0415
 
@@ -785,7 +789,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             if n > XLSX_MAX_ROWS:
                 raise ExportError(f"table {s.name} has {n} rows in the selection; a sheet holds {XLSX_MAX_ROWS}. "
                                   "Narrow it with --from/--to or --columns, or export csv or parquet.")
-        summary = summary_rows(src_path, tz, time_from, time_to) + ([("not filtered by --from/--to", note)] if note else [])
+        summary = summary_rows(src_path, tz, time_from, time_to, opened.get(str(src_path))) \
+            + ([("not filtered by --from/--to", note)] if note else [])
         try:
             cut: dict[str, dict[str, int]] = {}
             written = [_write_xlsx(scans, out, tz, summary, replace=force, cut=cut)]
@@ -1309,12 +1314,15 @@ def _write_parquet(scan: ds.Scanner, path: Path, tz: str) -> None:
             writer.close()
 
 
-def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str | None) -> list[tuple[str, object]]:
+def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str | None,
+                 opened=None) -> list[tuple[str, object]]:
     """(item, value) rows for the xlsx summary sheet: the recommendation (from analysis/analysis.json)
     and the run's details (run.json), when the source is a run directory (a file:// URI's too); always what was
     exported. A remote URI's (s3://, gs://) are read through its filesystem, as its tables are (they were not read: the
-    sheet said "exported from" a local path made of the URI, `<cwd>/s3:/run`, and no recommendation); one that is there
-    but cannot be read is said in a row."""
+    sheet said "exported from" a local path made of the URI, `<cwd>/s3:/run`, and no recommendation); `opened`: the
+    (filesystem, path) `find_sources` opened it to (each open of S3 asks for the bucket's region: a dead store's wait
+    came twice). One that is there but cannot be read, or is not of the form analyze and sweep write, is said in a row
+    ("not read: …"), its figures left out: a string where a dict was ended the export in a traceback, exit 1."""
     from powerprof import __version__  # noqa: PLC0415
 
     local = local_path(str(src))
@@ -1328,14 +1336,36 @@ def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str |
     ]
     unread: list[tuple[str, object]] = []
     if local is None:
-        read = _remote_json_reader(str(src), unread)
+        read = _remote_json_reader(str(src), unread, opened)
     else:
         def read(*names: str) -> dict | None:
-            return _read_json(local.joinpath(*names)) if local.is_dir() else None
+            f = local.joinpath(*names)
+            if not (local.is_dir() and f.is_file()):
+                return None
+            return _json_object(lambda n: _read_head(f, n), str(f), names[-1], unread)
     analysis = read("analysis", "analysis.json")
-    rec = (analysis or {}).get("recommendation")
+    try:
+        head = _analysis_rows(analysis) if analysis else []
+    except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as e:
+        head = []
+        unread.append(("analysis.json", f"not read: its recommendation is not of the form analyze writes ({e!r}); "
+                                        "run `powerprof analyze` again to write it anew"))
+    run = read("run.json")
+    flat: list[tuple[str, object]] = []
+    if run:
+        try:
+            flat = [(k, v) for k, v in _flatten(run) if k not in ("levels_done",)]
+        except RecursionError:
+            unread.append(("run.json", "not read: nested deeper than Python's stack goes"))
+    return unread + head + rows + flat
+
+
+def _analysis_rows(analysis: dict) -> list[tuple[str, object]]:
+    """The summary sheet's rows of an analysis.json: its recommendation, configurations and warnings. A field not of
+    the form analyze writes raises (AttributeError, TypeError, ValueError), said by `summary_rows` in a row."""
+    rec = analysis.get("recommendation")
     head: list[tuple[str, object]] = []
-    pooled = [str(r.get("run_id")) for r in (analysis or {}).get("runs") or [] if isinstance(r, dict)]
+    pooled = [str(r.get("run_id")) for r in analysis.get("runs") or [] if isinstance(r, dict)]
     if len(pooled) > 1:
         # `analyze a b` writes to a/analysis by default: its recommendation is the pool's, not this run's alone.
         head.append(("recommendation of the pooled runs", ", ".join(pooled)))
@@ -1353,9 +1383,9 @@ def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str |
         left = [x for x in rec.get("left_out") or [] if isinstance(x, dict)]
         if left:
             head.append(("never chosen", ", ".join(f"{x.get('level_value'):g} ({x.get('why')})" for x in left)))
-    elif analysis and analysis.get("recommendation_note"):
+    elif analysis.get("recommendation_note"):
         head += [("recommended", f"none: {analysis['recommendation_note']}")]
-    conf = (analysis or {}).get("configurations")
+    conf = analysis.get("configurations")
     if isinstance(conf, dict):
         why = "; ".join(f"{x.get('why')}" for x in conf.get("not_chosen") or [] if isinstance(x, dict))
         head.append(("chosen configuration", conf.get("chosen") or f"none: {why}"))
@@ -1366,23 +1396,52 @@ def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str |
                 + (f" at {x['level_value']:g} {'MHz' if x.get('level_kind') == 'sm_clock' else 'W'}"
                    if isinstance(x.get("level_value"), (int, float)) else "")
                 + f" ({x.get('why')})" for x in left)))
-    if analysis:
-        head += [("warning", f"{w.get('kind')}: {w.get('message')}") for w in analysis.get("warnings", [])]
-    run = read("run.json")
-    rows = unread + head + rows
-    if run:
-        rows += [(k, v) for k, v in _flatten(run) if k not in ("levels_done",)]
-    return rows
+    head += [("warning", f"{w.get('kind')}: {w.get('message')}") for w in analysis.get("warnings", [])]
+    return head
 
 
-def _remote_json_reader(uri: str, unread: list[tuple[str, object]]):
+# The most of an analysis.json or run.json the summary sheet reads (analyze's and sweep's are kilobytes): a larger one
+# is said "not read", never loaded whole into memory.
+SUMMARY_JSON_MAX_BYTES = 8 << 20
+
+
+def _read_head(path: Path, n: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
+def _json_object(read_head, where: str, name: str, unread: list[tuple[str, object]]) -> dict | None:
+    """The JSON object `read_head(n)` (the file's first n bytes) holds, or None with a "not read: …" row for `unread`
+    naming `where` and why: it cannot be read, is larger than SUMMARY_JSON_MAX_BYTES, is no JSON, or no JSON object
+    (`[1]` reached summary_rows as if a dict: a traceback)."""
+    try:
+        data = read_head(SUMMARY_JSON_MAX_BYTES + 1)
+        if len(data) > SUMMARY_JSON_MAX_BYTES:
+            unread.append((name, f"not read: {where} is too large (over {SUMMARY_JSON_MAX_BYTES >> 20} MiB; analyze "
+                                 "and sweep write a few kilobytes)"))
+            return None
+        doc = json.loads(data)
+    except RecursionError:
+        unread.append((name, f"not read: {where} is not valid JSON (nested deeper than Python's parser goes)"))
+        return None
+    except (pa.ArrowException, OSError, ValueError) as e:
+        unread.append((name, f"not read: {where} could not be read ({e})"))
+        return None
+    if not isinstance(doc, dict):
+        unread.append((name, f"not read: {where} is not a JSON object (a {type(doc).__name__})"))
+        return None
+    return doc
+
+
+def _remote_json_reader(uri: str, unread: list[tuple[str, object]], opened=None):
     """A reader of a run's JSON files behind a remote URI (`read("run.json")`), through the filesystem its tables are
-    read with: None where the URI names no folder or the file is not there (no run, as for a local folder); a file
-    there that cannot be read (access denied, the store gone) is None too, and a row for `unread` says so."""
+    read with (`opened`, else opened here): None where the URI names no folder or the file is not there (no run, as
+    for a local folder); one there that cannot be read (access denied, the store gone) or is no JSON object is None
+    too, and a row for `unread` says so (`_json_object`)."""
     import pyarrow.fs as pafs  # noqa: PLC0415
 
     try:
-        fs, path = _open_uri(uri)
+        fs, path = opened or _open_uri(uri)
         folder = fs.get_file_info(path).type == pafs.FileType.Directory
     except (pa.ArrowException, OSError) as e:
         unread.append(("recommendation and run details", f"not read: {uri} could not be opened ({e})"))
@@ -1395,19 +1454,15 @@ def _remote_json_reader(uri: str, unread: list[tuple[str, object]]):
         try:
             if fs.get_file_info(where).type != pafs.FileType.File:
                 return None
-            with fs.open_input_stream(where) as f:
-                return json.loads(f.read())
-        except (pa.ArrowException, OSError, ValueError, RecursionError) as e:
+        except (pa.ArrowException, OSError) as e:
             unread.append((names[-1], f"not read: {_uri_join(uri, '/'.join(names))} could not be read ({e})"))
             return None
+
+        def head(n: int) -> bytes:
+            with fs.open_input_stream(where) as f:
+                return f.read(n)
+        return _json_object(head, _uri_join(uri, "/".join(names)), names[-1], unread)
     return read
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:

@@ -585,6 +585,9 @@ def _ids(folder: Path | str, names, fs=None, unread: dict[str, str] | None = Non
                         ids[name] = _png_comment(stream.read())
             else:
                 ids[name] = _stamp_of(f, fs)
+        except RecursionError:  # nested past Python's stack ("[" * 200000): a traceback, local and remote
+            if unread is not None:
+                unread[name] = "not valid JSON (nested deeper than Python's parser goes)"
         except (OSError, ValueError, pa.ArrowException) as e:
             # Not an id of None: a read that failed (S3's AccessDenied on analysis.json alone) was counted as one, and
             # a good export refused as "more than one analysis (analysis.json none, ...)".
@@ -632,7 +635,7 @@ def unread_outputs_disagree(folder: Path | str, fs=None, shown: str | None = Non
                 text = stream.read().decode()
         listed = json.loads(text).get("files") or {}
         plots = sorted({Path(str(v)).name for v in listed.values()} if isinstance(listed, dict) else set())
-    except (OSError, ValueError, AttributeError, pa.ArrowException):
+    except (OSError, ValueError, AttributeError, RecursionError, pa.ArrowException):
         plots = []
     ids = _ids(folder, ("analysis.json", "report.md", "report.html", *(n for n in plots if n.endswith(".png"))), fs)
     now = ids.pop("analysis.json", None)

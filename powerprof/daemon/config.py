@@ -13,7 +13,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from powerprof.paths import (OUTPUT_DEPTH_BYTES, RUN_MARKS, STATE_DIR_ENV, cwd_gone, cwd_joined, holds_sweep_run,
@@ -643,7 +643,8 @@ def _cannot_make_or_write(d: Path, given: bool) -> str | None:
     nearest one above that exists, where it is made) not writable. Each passed --check ("config OK"); the daemon then
     stopped at start or at its first write. None where it can. Judged for the user running the check (the daemon's
     user where it is run as that user: `sudo -u powerprof powerprof daemon --check`)."""
-    if (why := path_problem(d) or path_max_problem(d, OUTPUT_DEPTH_BYTES)) is not None:
+    # Judged from /: the daemon writes through its data dir's absolute path (service: Path(data_dir).absolute()).
+    if (why := path_problem(d) or path_max_problem(d if cwd_gone(d) else cwd_joined(d), OUTPUT_DEPTH_BYTES)) is not None:
         return why
     there = cwd_joined(d)
     if not os.path.lexists(there):
@@ -664,16 +665,20 @@ def _cannot_make_or_write(d: Path, given: bool) -> str | None:
             f"give a folder this user may write, or run the daemon as one who may (chown or chmod it)")
 
 
-def check_user_note(euid: int | None = None) -> str | None:
+def check_user_note(euid: int | None = None, args: Sequence[str] = ()) -> str | None:
     """What `daemon --check` run as root cannot tell, said after "config OK": the data dir's writability (judged by
     os.access, `_cannot_make_or_write`) is root's, who writes through any folder's mode, not that of the user the
     daemon runs as (the unit's User=powerprof): a data dir only root may write passed as root and failed at start.
-    Judged as that user only by running the check as it (its groups, ACLs and mounts are the kernel's to apply)."""
+    Judged as that user only by running the check as it (its groups, ACLs and mounts are the kernel's to apply).
+    `args`: the options this check was given, repeated in the command said (it said "with the same --config" where
+    `--data-dir` was given)."""
+    import shlex  # noqa: PLC0415
+
     if (os.geteuid() if euid is None else euid) != 0:
         return None
     return ("note: the data dir's writability was judged for root, who may write in any folder; where the daemon runs "
-            "as another user (the systemd unit's User=powerprof) run the check as that user: sudo -u powerprof "
-            "powerprof daemon --check (with the same --config)")
+            "as another user (the systemd unit's User=powerprof) run the check as that user: "
+            + shlex.join(["sudo", "-u", "powerprof", "powerprof", "daemon", "--check", *args]))
 
 
 UNIX_PATH_MAX_BYTES = 107  # Linux's sun_path is 108 bytes, its last the NUL

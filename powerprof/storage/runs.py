@@ -139,15 +139,17 @@ def given_out_problem(out: Path, flag: str = "--out", default: bool = False) -> 
     return None if default else missing_parent(out, flag)
 
 
-def missing_parent(out, flag: str = "--out") -> str | None:
-    """Why the output `out` the user named (a folder or a file) is not made: its parent folder does not exist. Every
+def missing_parent(out, flag: str = "--out", below: int = OUTPUT_DEPTH_BYTES) -> str | None:
+    """Why the output `out` the user named (a folder or a file) is not made: its parent folder does not exist, or its path
+    with the `below` bytes written beyond it (a folder's files, a file's temporary name: paths.TEMP_NAME_BYTES) is past
+    PATH_MAX (`path_max_problem`). Every
     command's --out makes the folder (or file) it names, never the folders above it (`mkdir -p` of a mistyped path
     made a tree of folders, from / as root). None where `out` or its parent folder exists. A parent, or the folder
     above it, that exists as no folder (a file, a link to nothing) is refused naming it: a fleet analyze's write ended
     in a NotADirectoryError or FileNotFoundError traceback, analyze's error said "No such file or directory"."""
     if (why := cwd_gone(out, flag)) is not None:
         return why
-    if (why := path_problem(out) or path_max_problem(out, OUTPUT_DEPTH_BYTES)) is not None:  # else the write's failure
+    if (why := path_problem(out) or path_max_problem(out, below)) is not None:  # else the write's failure
         return f"{flag} {out}: {why}"
     parent = cwd_joined(out).parent
     if os.path.lexists(out):

@@ -21,6 +21,8 @@ from powerprof.collectors.nvml import GpuReading
 from powerprof.collectors.rapl import RaplReading
 from powerprof.collectors.sampler import Sample
 
+from powerprof.paths import TEMP_NAME_BYTES
+
 from .atomic import atomic_path, fsync_dir
 
 if TYPE_CHECKING:
@@ -265,6 +267,9 @@ def beside_name(path: Path) -> Path:
 FLUSH_EVERY_S = 2.0  # at most this much (plus one write) of a killed monitor's samples is lost
 PART_MAX_ROWS = 50_000  # a part is rewritten whole at each flush: this bounds that write and the memory held
 PARTS_SUFFIX = ".parts"
+# What a spool writes beyond its FILE's path, the deepest: `FILE.parts/.part-NNNNNNN.parquet.<pid>.<hex>.tmp` (a part's
+# temporary name; the room a monitor --output keeps for PATH_MAX, storage.runs.missing_parent).
+SPOOL_DEPTH_BYTES = len(PARTS_SUFFIX) + len("/part-0000000.parquet") + TEMP_NAME_BYTES
 
 
 def parts_dir_for(path: str | os.PathLike) -> Path:
