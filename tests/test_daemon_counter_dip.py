@@ -1323,3 +1323,84 @@ def test_a_simulated_llamacpp_behind_a_routers_503_blip_keeps_its_windows_whole(
     assert got["scraper_said_below"] == 0, got
     assert got["rows_server_restart"] == 0 and got["restarts_told"] == 0, got
     assert abs(got["bypass_counted"] - got["bypass_run"]) <= 1 + 0.05 * got["bypass_run"], got
+
+
+def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: bool) -> tuple[list, Scraper, int]:
+    """llama.cpp, proxy.workers = 2, pages 100 (task 1 decoding 10), 150 (task 2 decoding 20: task 1 ended, the counter
+    read again), a restart no scrape saw, 400 (task 3 decoding 5: read again, 440, a 40-token answer ended after
+    /slots; or, `bad_slots`, /slots unreadable: the scrape fails), 450 (task 3 decoding 10). A worker's connect refused
+    10 ms before the third scrape began reaches the daemon in its flush 10 ms into it; the other worker is idle (its
+    clock last said at its heartbeat). Gives each scrape's (delta, window_partial, window_down_refused,
+    window_read_missed, down_open(), paths asked), the scraper and the refusal's time."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from powerprof.daemon.workers import _STATS, FLUSH_S, ProxyWorkers, _WorkerLink, frame
+
+    zero = (0,) * len(_STATS)
+
+    def slots(task, n):
+        return json.dumps([{"id": 0, "id_task": task, "is_processing": True, "next_token": [{"n_decoded": n}]}])
+
+    # (the counter, /slots, the counter read again)
+    steps = [(100, slots(1, 10), 100), (150, slots(2, 20), 150), (400, "{not json" if bad_slots else slots(3, 5), 440),
+             (450, slots(3, 10), 450)]
+    asked: list[str] = []
+
+    class Paged(Scraper):
+        step = None
+
+        async def _get(self, path):
+            asked.append(path)
+            if path == "/metrics":
+                first = self.step is None
+                if first:
+                    self.step = steps.pop(0)
+                c = self.step[0] if first else self.step[2]
+                return 200, f"# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total {c}\n"
+            return 200, self.step[1]
+
+    async def go():
+        workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=None, proxy_kwargs={},
+                               header_timeout_s=10, idle_timeout_s=10)
+        for w in workers.workers:
+            w.transport = SimpleNamespace(close=lambda: None)
+        busy, idle = (_WorkerLink(workers, w) for w in workers.workers)
+        idle.data_received(frame(([], [], [], [], zero, [], time.monotonic_ns(), [])))
+        async with aiohttp.ClientSession() as s:
+            sc = Paged(s, "http://x", "llamacpp")
+            sc.refusals, sc.refusals_wait = workers.take_refusals, workers.wait_refusals
+            sc.refusals_late_s = workers.refusals_late_s
+            out = []
+
+            async def one():
+                asked.clear()
+                sc.step = None
+                d = await sc.scrape()
+                out.append((d, sc.window_partial, sc.window_down_refused, sc.window_read_missed, sc.down_open(),
+                            tuple(asked)))
+
+            for _ in range(2):
+                await one()
+            refused = time.monotonic_ns()
+
+            def flush():
+                busy.data_received(frame(([], [], [], [], zero, [], time.monotonic_ns(), [refused])))
+
+            asyncio.get_running_loop().call_later(FLUSH_S, flush)
+            await asyncio.sleep(0.01)
+            await one()
+            await one()
+            return out, sc, refused
+
+    return asyncio.run(go())
+
+
+def test_a_proxy_workers_refusal_flushed_into_a_llamacpp_scrape_whose_slots_are_unreadable_is_open_at_once():
+    # /slots unreadable fails the scrape, which still waits for the workers' refusals up to its start: the death is
+    # open (down_open, the ledger's note_down) from this scrape on. Before, the failed scrape took them at once, without
+    # the wait, and the refusal flushed 10 ms in was open only a scrape later; the next page is said either way.
+    got, sc, refused = _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots=True)
+    assert got[2][0] is None and got[2][4] == (refused, refused), got
+    assert got[3][:3] == (290.0, ("counter_below",), True), got

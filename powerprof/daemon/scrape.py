@@ -999,8 +999,14 @@ class Scraper:
         finished = counter_total(page, LLAMACPP_COUNTER) if metrics_status == 200 else None
         status, text = await self._get("/slots")
         self.read_ns = (read_at_ns, int(time.monotonic() * 1e9))
-        slots_page = slots_json(text) if status == 200 else None
-        slots = slot_progress(slots_page) if status == 200 else None
+        try:
+            slots_page = slots_json(text) if status == 200 else None
+            slots = slot_progress(slots_page) if status == 200 else None
+        except ValueError:
+            # The scrape fails, but the proxy workers' refusals up to its start are still waited for: taken at once (the
+            # failed scrape's take), one a worker flushed 10-38 ms in was missing from `down_open` until a scrape later.
+            await self._take_refusals(int(self._scrape_at * 1e9))
+            raise
         self.window_each_step = slots is not None
         self.window_slots = slot_tasks(slots_page) if slots is not None else None
         if finished is not None:
