@@ -1397,6 +1397,15 @@ def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: bool) -> tuple[li
     return asyncio.run(go())
 
 
+def test_a_proxy_workers_refusal_flushed_into_a_llamacpp_scrape_that_reads_the_counter_again_finds_the_server_down():
+    # The counter's second read comes before the wait for the workers' refusals (Scraper._scrape_llamacpp): the
+    # refusal flushed in the wait is still judged against this scrape's page (250 past the old reading: said).
+    got, sc, refused = _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots=False)
+    assert [g[:4] for g in got] == [(0.0, (), False, 0.0), (60.0, (), False, 0.0),
+                                    (235.0, ("counter_below",), True, 40.0), (55.0, (), False, 0.0)], got
+    assert got[2][5] == ("/metrics", "/slots", "/metrics"), got[2]
+
+
 def test_a_proxy_workers_refusal_flushed_into_a_llamacpp_scrape_whose_slots_are_unreadable_is_open_at_once():
     # /slots unreadable fails the scrape, which still waits for the workers' refusals up to its start: the death is
     # open (down_open, the ledger's note_down) from this scrape on. Before, the failed scrape took them at once, without
