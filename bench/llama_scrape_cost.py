@@ -7,10 +7,13 @@ under `--lanes` clients each asking for 64-token answers back to back, while thi
 `--interval` s, as the daemon's scrape loop does while traffic moves. Variants, alternated round by round:
 `none` (no scrape), `two` (/metrics and /slots only: `slot_ended` never true), `three` (the counter read again at every
 scrape: always true), `real` (read again where /slots changed otherwise than by decoding on, as the daemon does).
-Printed per variant: the server's tokens/s (median of the rounds, and their range), the server's CPU time a token, the
-scrape's wall time (median and p90 over every scrape), how many scrapes read the counter again, and that third GET's
-wall time alone. Then, the server idle, what one GET of /metrics and of /slots costs it: its process's CPU time (user +
-system, psutil) and the GET's wall time, over `--gets` GETs each: figures a loaded host moves far less than tokens/s.
+Printed per round, each variant beside that round's `none`: its tokens/s and the server's CPU time a token as ratios
+to `none`'s (a shared host's load moves from round to round; a variant is compared within its round), and its scrape's
+wall p50. Then per variant, over the rounds: those ratios' median and range (a cost smaller than that range is not
+resolved here), the scrape's wall time (median and p90 over every scrape, and the range of the rounds' p50s), how many
+scrapes read the counter again, and that third GET's wall time alone. Then, the server idle, what one GET of /metrics
+and of /slots costs it: its process's CPU time (user + system, psutil) and the GET's wall time, over `--gets` GETs
+each: figures a loaded host moves far less than tokens/s.
 """
 
 from __future__ import annotations
@@ -133,16 +136,33 @@ def main() -> None:
             idle = {p: asyncio.run(_gets(base, p, args.gets, proc)) for p in ("/metrics", "/slots")}
     print(f"llama-server, tiny GGUF, 1 thread, {args.lanes} lanes of 64-token answers, a scrape every "
           f"{args.interval:g} s, {args.rounds} rounds of {args.seconds:g} s")
-    print("variant  tok/s median (range)      CPU us/token   scrape ms p50 / p90   scrapes read again   "
-          "third GET ms p50 / p90")
+    scraped = VARIANTS[1:]
+    print("round  none tok/s  " + "  ".join(f"{v}: tok/s x, CPU/token x, scrape p50 ms" for v in scraped))
+    for i in range(args.rounds):
+        base_r = got["none"][i]
+        cells = []
+        for v in scraped:
+            r = got[v][i]
+            cells.append(f"{v}: x{r['tok_s'] / base_r['tok_s']:.2f}, x{r['cpu_tok_us'] / base_r['cpu_tok_us']:.2f}, "
+                         f"{_pct([x * 1e3 for x in r['scrape_s']], 0.5):.1f}")
+        print(f"{i:5d}  {base_r['tok_s']:10.1f}  " + "  ".join(cells))
+    print("variant  tok/s x none: median (range)   CPU/token x none: median (range)   scrape ms p50 / p90 (rounds' "
+          "p50 range)   scrapes read again   third GET ms p50 / p90")
     for v in VARIANTS:
-        tok = [r["tok_s"] for r in got[v]]
-        cpu = statistics.median(r["cpu_tok_us"] for r in got[v])
+        tok = [r["tok_s"] / b["tok_s"] for r, b in zip(got[v], got["none"])]
+        cpu = [r["cpu_tok_us"] / b["cpu_tok_us"] for r, b in zip(got[v], got["none"])]
         sc = [x * 1e3 for r in got[v] for x in r["scrape_s"]]
         th = [x * 1e3 for r in got[v] for x in r["third_s"]]
-        print(f"{v:7}  {statistics.median(tok):7.1f} ({min(tok):.1f}-{max(tok):.1f})   {cpu:9.0f}      "
-              + (f"{_pct(sc, 0.5):6.2f} / {_pct(sc, 0.9):6.2f}   {len(th):5d} of {len(sc):5d}        "
-                 f"{_pct(th, 0.5):6.2f} / {_pct(th, 0.9):6.2f}" if sc else "-"))
+        p50s = [_pct([x * 1e3 for x in r["scrape_s"]], 0.5) for r in got[v]]
+        print(f"{v:7}  x{statistics.median(tok):.2f} (x{min(tok):.2f}-x{max(tok):.2f})          "
+              f"x{statistics.median(cpu):.2f} (x{min(cpu):.2f}-x{max(cpu):.2f})              "
+              + (f"{_pct(sc, 0.5):6.2f} / {_pct(sc, 0.9):6.2f} ({min(p50s):.1f}-{max(p50s):.1f})   "
+                 f"{len(th):5d} of {len(sc):5d}        {_pct(th, 0.5):6.2f} / {_pct(th, 0.9):6.2f}" if sc else "-"))
+    none_tok = [r["tok_s"] for r in got["none"]]
+    none_cpu = [r["cpu_tok_us"] for r in got["none"]]
+    print(f"none's own tok/s over the rounds: median {statistics.median(none_tok):.1f} "
+          f"({min(none_tok):.1f}-{max(none_tok):.1f}); the server's CPU a token {statistics.median(none_cpu):.0f} us "
+          f"({min(none_cpu):.0f}-{max(none_cpu):.0f})")
     for p, (cpu_us, wall_us) in idle.items():
         print(f"idle server, GET {p}: its CPU {cpu_us:.0f} us a GET, wall {wall_us:.0f} us (median of {args.gets})")
 
