@@ -6517,28 +6517,66 @@ def test_a_restart_ends_a_batch_400s_span_at_its_window():
     assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), b)], (led.recon.batch_run_ons, (a, b))
 
 
-def test_a_death_the_page_says_no_restart_of_ends_a_batch_400s_span_a_counters_fall_does_not():
-    # A refused scrape, then a page that says no restart: a death all the same (`_gone_at`), its batch's prompts died
-    # with it. Before: only recon.restarts cut a span, so it stayed marked to its bound (31.6 s); and a restart told by
-    # a counter's fall alone (a multi-process page's dip) cut it, at 6 s, where the batch ran on to the real one at
-    # 21 s.
-    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+def _connect_refused(led, rid, at_s):
+    """A proxied request whose connect to the server was refused at `at_s` (upstream_unreachable): a death's mark."""
+    tr = _chat(rid, at_s, 100)
+    led.on_start(tr)
+    tr.end_ns, tr.outcome, tr.status, tr.error = int(at_s * S), "upstream_unreachable", 502, "x"
+    led.on_end(tr)
+
+
+def _batch_and_first_page(led):
+    """A null /generate batch SGLang answered its band abort's 400 at 0.6 s (its span to about 32 s), then a page."""
     led.recon.server_seen = True
     led._paces.append(40.0)
     _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600,
                    prompt_count=2)
     led.add_server_tokens(int(1.0 * S), 0.0, None)
+    (_, b), = led.recon.batch_run_ons.values()
+    return b
+
+
+def test_a_death_the_page_says_no_restart_of_ends_a_batch_400s_span_where_a_connection_broke_a_counters_fall_does_not():
+    # A refused scrape, then a page that says no restart: a death, or nothing listening for a moment while the same
+    # process lived on (a Kubernetes Service's pod out of its readiness, a port-forward's hiccup; the scraper cannot tell
+    # a young counter's). A proxied connection broken in that window shows it (`Ledger._batch_death`): the batch's
+    # prompts died with it, its span ends at the window. Without one, its span stays to its bound (an over-flag at
+    # worst; before 405de90e the same, which then cut it at 6.0 s whatever the server did). A restart told by a
+    # counter's fall alone (a multi-process page's dip) cut it at 6 s where the batch ran on to the real one at 21 s.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    bound = _batch_and_first_page(led)
+    assert bound > int(30 * S), bound
     led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), down_ns=int(5.5 * S), down_refused=True)
+    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), bound)], led.recon.batch_run_ons
+    _connect_refused(led, 2, 5.6)
     assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), int(6.0 * S))], led.recon.batch_run_ons
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
-    led.recon.server_seen = True
-    led._paces.append(40.0)
-    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600,
-                   prompt_count=2)
-    led.add_server_tokens(int(1.0 * S), 0.0, None)
+    _batch_and_first_page(led)
     led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), partial=("server_restart",), restart_by_fall=True)
     led.add_server_tokens(int(21.0 * S), 0.0, int(20.0 * S), partial=("server_restart",))
     assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), int(21.0 * S))], led.recon.batch_run_ons
+
+
+def test_a_refused_scrape_the_same_process_is_back_from_records_no_death_and_leaves_a_batch_400s_span(monkeypatch):
+    # The review's repro_a_refused_alive: a page at 50M tokens, one scrape refused (nothing listening for a moment, the
+    # same process alive), the page back at 50M + 400, past anything a new process could have counted since
+    # (scrape.FASTEST_SERVER_TOKENS_PER_S): the scraper reads it whole, the same process. Before, it still said the
+    # window's down scrape refused and the ledger recorded a death there: a batch's span cut from 31.6 s to 1.0 s after
+    # its arrival (the rows between unflagged), and the run-ons' deaths with it. Now none is recorded.
+    from test_daemon_counter_dip import DOWN, _scrape_steps, _sglang
+
+    got = []
+    _scrape_steps("sglang", [_sglang(50_000_000), DOWN, _sglang(50_000_400)],
+                  lambda sc: got.append((sc.window_partial, sc.window_down_ns, sc.window_down_refused)),
+                  monkeypatch=monkeypatch)
+    (partial, down_ns, refused) = got[2]
+    assert partial == () and down_ns == int(1.25 * S), got  # whole: the same process
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    bound = _batch_and_first_page(led)
+    led.add_server_tokens(int(1.5 * S), 400.0, int(1.0 * S), partial=partial, down_ns=down_ns, down_refused=refused)
+    print("span end from arrival s", (list(led.recon.batch_run_ons.values())[0][1] - 0.5 * S) / 1e9)
+    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), bound)], led.recon.batch_run_ons
+    assert not led._gone_at and not led._died_unrestarted, led._gone_at
 
 
 def test_overlapping_batch_400s_scraped_merge_into_one_span():

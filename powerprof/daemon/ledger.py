@@ -2364,6 +2364,18 @@ class Ledger:
         a, _, down, refused = g
         return refused or any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_fail_ns)
 
+    def _batch_death(self, g: tuple) -> bool:
+        """Whether death `g` (`_gone_at`) is shown enough to end a batch 400's span there (`_end_run_ons_at_restart`):
+        a restart the page said, or a proxied connection broken from the old process's last scrape to
+        CRASH_CLOSE_SLACK_S past its first found-down scrape (`_conn_fail_ns`). Not a refusal alone the page said no
+        restart after (nothing listened for a moment: a Kubernetes Service's pod out of its readiness, the same process
+        maybe back with a young counter, `scrape.Scraper._down_back`): it cut a span the batch ran on past, 31.6 s to
+        1.0 s after its arrival, the rows between unflagged. Left to its bound there: an over-flag at worst."""
+        a, _, down, _ = g
+        if g[:3] not in self._died_unrestarted:
+            return True
+        return any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_fail_ns)
+
     def _end_run_ons_at_restart(self) -> None:
         """A restart ends every run-on of the process that died: nothing ran it on past that process's death, placed
         from its last scrape and the first that found the server down (`_run_on_cut_ns`). Held to its estimate
@@ -2374,13 +2386,13 @@ class Ledger:
         100). Placed already (a stream's, `_place_run_ons`), its events past the cut go (`_cut_run_on`)."""
         for r in self.requests.values():
             self._cut_run_on(r)
-        # A batch SGLang answered 400 ran its other prompts in the process that died: none past its death's window, a
-        # restart's or a refused death's the page said no restart of (`_gone_at`; before: marked on to its bound, the
-        # new process's rows flagged for nothing). Not a restart told by a counter's fall alone (a multi-process page's
-        # dip, in recon.restarts): read from recon.restarts, a death unsaid by the page left a span marked to its bound
-        # (31.6 s for a 6 s window), and a dip's false restart cut a span the batch ran past, its rows unflagged.
+        # A batch SGLang answered 400 ran its other prompts in the process that died: none past its death's window
+        # (`_gone_at`; before: marked on to its bound, the new process's rows flagged for nothing), where that death is
+        # shown (`_batch_death`). Not a restart told by a counter's fall alone (a multi-process page's dip, in
+        # recon.restarts): read from recon.restarts, a dip's false restart cut a span the batch ran past, its rows
+        # unflagged.
         def cut(a0: int, a1: int) -> int:
-            return min([a1, *(g[1] for g in self._gone_at if g[0] >= a0)])
+            return min([a1, *(g[1] for g in self._gone_at if g[0] >= a0 and self._batch_death(g))])
         spans = self.recon.batch_run_ons
         for k, (a0, a1) in list(spans.items()):
             spans[k] = (a0, cut(a0, a1))
