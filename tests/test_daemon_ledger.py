@@ -6557,6 +6557,23 @@ def test_a_death_the_page_says_no_restart_of_ends_a_batch_400s_span_where_a_conn
     assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), int(21.0 * S))], led.recon.batch_run_ons
 
 
+def test_a_restart_after_a_503_ends_a_batch_400s_span_only_where_a_death_is_shown():
+    # The review's F2 (repro_a 2): a gateway's 503, then a page whose counter dipped (50M, 503, 25M, then 50,000,400: the
+    # same process, one process's share of the page lagging): the scraper says server_restart, not by the fall alone
+    # (a 503 came first), nothing refused. Before, that cut a batch's span from 32.1 s to 6.0 s after its arrival while
+    # it ran on, the rows between unflagged. Now only a death shown cuts it (`Ledger._batch_death`): a proxied
+    # connection broken in the window, or the down scrape refused; else its bound, an over-flag at worst.
+    for shown in (None, "broke", "refused"):
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        bound = _batch_and_first_page(led)
+        if shown == "broke":
+            _connect_refused(led, 2, 3.1)
+        led.add_server_tokens(int(6.0 * S), 0.0, int(1.0 * S), partial=("server_restart",), restart_by_fall=False,
+                              down_ns=int(3.0 * S), down_refused=shown == "refused")
+        want = bound if shown is None else int(6.0 * S)
+        assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), want)], (shown, led.recon.batch_run_ons)
+
+
 def test_a_refused_scrape_the_same_process_is_back_from_records_no_death_and_leaves_a_batch_400s_span(monkeypatch):
     # The review's repro_a_refused_alive: a page at 50M tokens, one scrape refused (nothing listening for a moment, the
     # same process alive), the page back at 50M + 400, past anything a new process could have counted since

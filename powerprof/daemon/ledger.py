@@ -2366,15 +2366,19 @@ class Ledger:
 
     def _batch_death(self, g: tuple) -> bool:
         """Whether death `g` (`_gone_at`) is shown enough to end a batch 400's span there (`_end_run_ons_at_restart`):
-        a restart the page said, or a proxied connection broken from the old process's last scrape to
-        CRASH_CLOSE_SLACK_S past its first found-down scrape (`_conn_fail_ns`). Not a refusal alone the page said no
+        a restart no scrape found down (the new process's start time said it), a proxied connection broken from the old
+        process's last scrape to CRASH_CLOSE_SLACK_S past its first found-down scrape (`_conn_fail_ns`), or a restart
+        the page said whose first found-down scrape was refused (`_death_shown`). Not a refusal alone the page said no
         restart after (nothing listened for a moment: a Kubernetes Service's pod out of its readiness, the same process
-        maybe back with a young counter, `scrape.Scraper._down_back`): it cut a span the batch ran on past, 31.6 s to
-        1.0 s after its arrival, the rows between unflagged. Left to its bound there: an over-flag at worst."""
-        a, _, down, _ = g
-        if g[:3] not in self._died_unrestarted:
+        maybe back with a young counter, `scrape.Scraper._down_back`), nor a 503 then a counter's dip (a gateway's
+        blip, then one process's share of a multi-process page lagging): each cut a span the batch ran on past, 31.6 s
+        to 1.0 s and 32.1 s to 6.0 s after its arrival, the rows between unflagged. Left to its bound there: an
+        over-flag at worst."""
+        a, _, down, refused = g
+        if down is None:
             return True
-        return any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_fail_ns)
+        broke = any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_fail_ns)
+        return broke or (refused and g[:3] not in self._died_unrestarted)
 
     def _end_run_ons_at_restart(self) -> None:
         """A restart ends every run-on of the process that died: nothing ran it on past that process's death, placed
