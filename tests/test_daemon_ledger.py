@@ -6596,6 +6596,37 @@ def test_a_refused_scrape_the_same_process_is_back_from_records_no_death_and_lea
     assert not led._gone_at and not led._died_unrestarted, led._gone_at
 
 
+def test_a_batch_400_sent_to_the_new_process_keeps_its_span_merged_with_one_a_restart_cut():
+    # The review's F3 (repro_a 1): batch A at 0.5 s (its span to about 32 s) and batch B at 10.5 s, sent to the new
+    # process inside the restart's window (the old process's last page at 1 s, refused from 5 s, the new one's first
+    # page at 12 s). Alone, B's span runs to about 42 s and survives the cut; merged with A's, the cut trimmed the one
+    # span to 12.0 s: B's rows 12-42 s unflagged. The cut is re-applied at each later broken connection, so a merge
+    # formed after the restart (C at 13 s) was cut too. Now each batch a span holds is cut apart (`cut_batches`).
+    ends = {}
+    for merged in (False, True):
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        led.recon.server_seen = True
+        led._paces.append(40.0)
+        led.add_server_tokens(int(1.0 * S), 0.0, None)
+        kw = dict(sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600, prompt_count=2)
+        if merged:
+            _band_generate(led, 1, 0.5, 0.6, **kw)
+        _band_generate(led, 2, 10.5, 10.6, **kw)
+        (_, b_end), = led.recon.batch_run_ons.values()
+        assert b_end > int(40 * S), led.recon.batch_run_ons
+        led.add_server_tokens(int(12.0 * S), 0.0, int(1.0 * S), partial=("server_restart",), down_ns=int(5.0 * S),
+                              down_refused=True)
+        ends[merged] = list(led.recon.batch_run_ons.values())
+        if merged:
+            _band_generate(led, 3, 13.0, 13.1, **kw)
+            _connect_refused(led, 4, 14.0)
+            ends["later"] = list(led.recon.batch_run_ons.values())
+    print({k: [(a / 1e9, b / 1e9) for a, b in v] for k, v in ends.items()})
+    assert ends[False] == [(int(10.5 * S), b_end)], ends
+    assert ends[True] == [(int(0.5 * S), b_end)], ends  # before: (0.5 s, 12.0 s)
+    assert ends["later"] == [(int(0.5 * S), int(13.0 * S) + b_end - int(10.5 * S))], ends
+
+
 def test_overlapping_batch_400s_scraped_merge_into_one_span():
     # Scraped, each band-abort 400 added its own entry unless one span held it whole, and the windows' check over them is
     # linear in the entries: the review's repro_d2 (20,000 null 400s, a span each overlapping the last) took 3.6, 10.4,
