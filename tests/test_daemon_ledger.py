@@ -6395,6 +6395,30 @@ def test_a_batch_400s_prefill_rate_is_learned_low_never_from_a_cache_hit_or_a_ba
     assert 62763 / 16000.0 + 1.0 <= (a1 - a0) / 1e9 < 62763 / 16000.0 + 1.5, led._batch_spans  # the lowest rate
 
 
+@pytest.mark.parametrize("prompts", [2, 8, 16])
+def test_a_batch_400s_prefill_is_taken_slow_enough_for_a_small_models_long_prompts(prompts):
+    # The review's F4 (repro_c_k): BATCH_PREFILL_CTX_SHARE 1.5e-4 fell short for small models: SmolLM2-135M's attention
+    # share is 1.6e-4 a context token (Qwen3-0.6B's 1.3e-4), 3.3e-4 at half the weights' matmul efficiency. A rate learned
+    # at 20,000 tok/s on 500-token prompts, a batch of 8 or 16 prompts of 30,000 ids and a band prompt in a 32,768
+    # context, max_tokens 6: before, spans of 76.8 s and 143.5 s where Qwen3-0.6B's prefill at half efficiency runs
+    # 93.5 s and 186.9 s (the rows between unflagged). Now 4e-4: past SmolLM2-135M's at half efficiency.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    _prefill_stream(led, 1, 0.025, 500, final=0)
+    led.on_end(led.requests[1].trace)
+    msg = ("Input length (32765 tokens) exceeds the maximum allowed length (32762 tokens). Use a shorter input or "
+           "enable --allow-auto-truncate.")
+    tr = RequestTrace(2, "POST", "/generate", None, int(1.0 * S), 0, api="sglang-generate", stream=False)
+    tr.extra.update(error_message=msg, sequences=prompts + 1, max_tokens=6, prompt_ids=prompts * 30000 + 32765,
+                    prompt_count=prompts + 1)
+    led.on_start(tr)
+    _answered_without_counts(led, tr, 400, 1.05)
+    (a0, a1), = led._batch_spans
+    truth_s = prompts * 30000 * (1 + 3.3e-4 * 30000) / (20000 * (1 + 3.3e-4 * 500))
+    print("span s", (a1 - a0) / 1e9, "prefill truth s", truth_s)
+    assert (a1 - a0) / 1e9 >= truth_s, led._batch_spans
+
+
 def test_a_batch_400s_prefill_rate_learned_on_short_prompts_is_taken_at_its_long_prompts_length():
     # A rate learned on 500-token prompts (20,000 tok/s) was used whole for a batch of two 30,000-id prompts in a
     # 32,768-token context. Prefill slows with its context (attention): at Llama-3-8B's 1.9e-5 a context token and
@@ -6402,7 +6426,7 @@ def test_a_batch_400s_prefill_rate_learned_on_short_prompts_is_taken_at_its_long
     # / (20,000 (1 + 3.8e-5 * 500)) = 6.3 s, then 6 tokens, where the span was 5.88 s with its slack (the
     # simulator prefills at one rate whatever the context, shorter prompts teaching a lower rate, so it cannot show
     # this). Now each rate is taken at the batch's longest prompt (at most its size and the context the abort's
-    # message says): 26.8 s.
+    # message says): 55.8 s (26.8 s at BATCH_PREFILL_CTX_SHARE 1.5e-4).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.run_ons_unknown = True
     _prefill_stream(led, 1, 0.025, 500, final=0)  # 500 tokens to its first in 25 ms: 20,000 tok/s

@@ -151,10 +151,12 @@ BATCH_PREFILL_LEARN_MIN = 64
 # over (`_batch_end_ns`): a rate learned on a stream of L0 tokens is taken at L0's context for a batch whose prompts may
 # be L long, as rate * (1 + k L0) / (1 + k L), never raised. Attention's FLOPs a token over its weights' are about
 # (attention width * layers) / parameters a context token for a causal prompt (its mean context L / 2, two matmuls):
-# 1.9e-5 for Llama-3-8B, 3.3e-5 for Llama-3.2-1B, 1.3e-4 for Qwen3-0.6B, and attention runs below the weights' matmul
-# efficiency; so a bound that errs long. Without it a rate learned on short prompts was used whole for a batch of
-# 30,000-token ones.
-BATCH_PREFILL_CTX_SHARE = 1.5e-4
+# 1.9e-5 for Llama-3-8B, 3.3e-5 for Llama-3.2-1B, 1.3e-4 for Qwen3-0.6B, 1.6e-4 for SmolLM2-135M (parameters without
+# the embeddings), and attention runs below the weights' matmul efficiency: at half of it, up to 3.3e-4 a token. An
+# estimate that errs long down to such models, not a proof (a smaller one, or attention slower still, runs past it).
+# Without it a rate learned on short prompts was used whole for a batch of 30,000-token ones; at 1.5e-4, 16 such prompts
+# were marked 143.5 s where Qwen3-0.6B's prefill at half efficiency runs 186.9 s.
+BATCH_PREFILL_CTX_SHARE = 4e-4
 # The longest a batch's span marks (`_batch_end_ns`): a span runs to bounds that err long (a null's context, floor
 # rates), and one band abort must not blank J/token for hours; its row says where its span was cut so.
 BATCH_SPAN_MAX_S = 600.0
