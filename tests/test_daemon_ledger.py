@@ -6310,9 +6310,12 @@ def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them(
 
 
 def _band_generate(led, rid, arrival_s, end_s, **extra):
-    """A /generate batch SGLang answered its band abort's 400 at `end_s`, `extra` the proxy's reading of its body."""
+    """A /generate batch SGLang answered its band abort's 400 at `end_s`, `extra` the proxy's reading of its body. Its
+    abort's message says a 131,072-token context unless `extra` gives one (`ledger.batch_context`): a smaller one
+    bounds a null's run and sets the length its prefill's rate is taken at. Before, 58 tokens by default: a scene of
+    251 tokens a sequence bounded at 64, a prefill scene's rate taken at 64 tokens (not scaled at all)."""
     tr = RequestTrace(rid, "POST", "/generate", None, int(arrival_s * S), 0, api="sglang-generate", stream=False)
-    tr.extra.update({"error_message": BAND_MSG, **extra})
+    tr.extra.update({"error_message": BAND_MSG_128K, **extra})
     led.on_start(tr)
     _answered_without_counts(led, tr, 400, end_s)
     return tr
@@ -6322,7 +6325,9 @@ def test_a_batch_400s_span_holds_its_prompts_prefill_at_the_streams_rate():
     # The review's test_repro_c_prefill: 24 prompts of 1,500 tokens (6,000 characters) and a band prompt, max_new_tokens
     # 6: SGLang prefills every other prompt first, the last prefill ending 2.25 s after the batch's arrival (808 J for
     # nobody). Before: its span was twice 6 tokens at the pace, 0.14 s (and a second): streams at 2.1 s +19..+222%,
-    # unflagged. Now its prompts' size (a token a character) at the rate its streams' time to first token showed.
+    # unflagged. Now its prompts' size (a token a character) at the rate its streams' time to first token showed,
+    # taken at a 2,048-token context (`BATCH_PREFILL_CTX_SHARE`; its 1,500-token prompts fit).
+    from powerprof.daemon.ledger import BATCH_PREFILL_CTX_SHARE as k
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.run_ons_unknown = True
     tr, ev, p = _streamed(1, 0.0, 0.1, 0.6, n=40, prompt=1600)  # 1,600 tokens to its first in 0.1 s: 16,000 tok/s
@@ -6334,12 +6339,16 @@ def test_a_batch_400s_span_holds_its_prompts_prefill_at_the_streams_rate():
                        token_source="usage", cached_tokens=0)  # its server said its cache's part: none
     led.on_end(tr)
     assert [r for r, _ in led._prefill_rates] == [pytest.approx(16000.0)], led._prefill_rates
-    _band_generate(led, 2, 1.0, 1.05, sequences=25, max_tokens=6, prompt_chars=24 * 6000 + 40, prompt_count=25)
+    msg = ("Input length (2045 tokens) exceeds the maximum allowed length (2042 tokens). Use a shorter input or enable "
+           "--allow-auto-truncate.")
+    _band_generate(led, 2, 1.0, 1.05, sequences=25, max_tokens=6, prompt_chars=24 * 6000 + 40, prompt_count=25,
+                   error_message=msg)
     (a0, a1), = led._batch_spans
     print("span s", (a1 - a0) / 1e9)
-    # The truth's last prefill, and the slack; at most its prompts' characters (a token each) at the rate learned, the
-    # decode at the pace shared, and the slack (the floor's rate alone: 288 s).
-    assert 2.25 + 1.0 <= (a1 - a0) / 1e9 < 144040 / 16000.0 + 3.0, led._batch_spans
+    # The truth's last prefill, and the slack; at most its prompts' characters (a token each) at the rate learned taken
+    # at the 2,048-token context, the decode at the pace shared, and the slack (the floor's rate alone: 288 s).
+    rate = 16000.0 * (1 + k * 1600) / (1 + k * 2048)
+    assert 2.25 + 1.0 <= (a1 - a0) / 1e9 < 144090 / rate + 3.0, led._batch_spans
 
 
 def _prefill_stream(led, rid, ttft_s, prompt, early=None, final=None, seqs=1):
@@ -6364,7 +6373,7 @@ def test_a_batch_400s_prefill_rate_is_learned_low_never_from_a_cache_hit_or_a_ba
     # span 1.48 s beside a 1.9 s true prefill at 16,000 tok/s); a server saying no cached count (SGLang's default)
     # taught the same; an 8-prompt stream's first token read all 8,000 tokens (114,286 tok/s); the median was taken.
     # Now only a single sequence whose server said a cached count teaches, that count taken off, and the lowest rate.
-    from powerprof.daemon.ledger import BATCH_PREFILL_FLOOR_TOK_S
+    from powerprof.daemon.ledger import BATCH_PREFILL_CTX_SHARE as k, BATCH_PREFILL_FLOOR_TOK_S
     for early, final in ((None, 3990), (3990, None), (3990, 3990), (None, None)):
         led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
         _prefill_stream(led, 1, 0.02, 4000, early=early, final=final)
@@ -6377,7 +6386,8 @@ def test_a_batch_400s_prefill_rate_is_learned_low_never_from_a_cache_hit_or_a_ba
     _prefill_stream(led, 2, 0.02, 4000)  # no cached count said: may be a hit
     led.on_end(led.requests[2].trace)
     assert list(led._prefill_rates) == [], led._prefill_rates
-    _band_generate(led, 3, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2)
+    _band_generate(led, 3, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2,
+                   error_message=BAND_MSG)  # the floor's rate is not scaled, whatever the context
     (a0, a1), = led._batch_spans
     print("span s, floor", (a1 - a0) / 1e9)
     assert (a1 - a0) / 1e9 >= 62763 / BATCH_PREFILL_FLOOR_TOK_S, led._batch_spans
@@ -6389,10 +6399,15 @@ def test_a_batch_400s_prefill_rate_is_learned_low_never_from_a_cache_hit_or_a_ba
         led.on_end(led.requests[rid].trace)
     assert sorted(r for r, _ in led._prefill_rates) == [pytest.approx(16000.0), pytest.approx(20000.0),
                                                          pytest.approx(20000.0)], led._prefill_rates
-    _band_generate(led, 9, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2)
+    msg = ("Input length (32763 tokens) exceeds the maximum allowed length (32762 tokens). Use a shorter input or "
+           "enable --allow-auto-truncate.")
+    _band_generate(led, 9, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2,
+                   error_message=msg)
     (a0, a1), = led._batch_spans
     print("span s, learned", (a1 - a0) / 1e9)
-    assert 62763 / 16000.0 + 1.0 <= (a1 - a0) / 1e9 < 62763 / 16000.0 + 1.5, led._batch_spans  # the lowest rate
+    # The lowest rate, each learned on 4,000-token prompts, taken at the 32,768-token context (BATCH_PREFILL_CTX_SHARE).
+    prefill_s = 62771 / (16000.0 * (1 + k * 4000) / (1 + k * 32768))
+    assert prefill_s + 1.0 <= (a1 - a0) / 1e9 < prefill_s + 1.5, led._batch_spans
 
 
 @pytest.mark.parametrize("prompts", [2, 8, 16])
@@ -6470,15 +6485,21 @@ def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():
     # The review's test_repro_c4_pace_big: a pace learned light (86 tok/s), then 30 streams live and a null batch of 30
     # short id prompts and a band prompt (253 ids): its others ran 251 tokens each at ~19 tok/s a sequence, to 13.35 s
     # from its arrival. Before: twice its bound at 86 tok/s, to 9.83 s: streams at 11.1 s +561%, unflagged. Now the
-    # pace is shared by its sequences and those live (the server's aggregate rate does not fall as they join).
+    # pace is shared by its sequences and those live (the server's aggregate rate does not fall as they join). Its
+    # abort's message says the scene's 256-token context: a null runs to 256 tokens (with the 58-token context the
+    # helper said before, bounded at 64: a span of 47.2 s for 183.3 s, passing only by the 61 sequences sharing it).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.run_ons_unknown = True
     led._paces.append(86.0)
     for k in range(30):
         led.on_start(_chat(10 + k, 0.5, 400))
-    _band_generate(led, 2, 1.0, 1.05, sequences=31, max_tokens_null=True, prompt_ids=30 * 3 + 253, prompt_count=31)
+    msg = ("Input length (253 tokens) exceeds the maximum allowed length (250 tokens). Use a shorter input or enable "
+           "--allow-auto-truncate.")
+    _band_generate(led, 2, 1.0, 1.05, sequences=31, max_tokens_null=True, prompt_ids=30 * 3 + 253, prompt_count=31,
+                   error_message=msg)
     (a0, a1), = led._batch_spans
-    print("span s", (a1 - a0) / 1e9)
+    print("span s", (a1 - a0) / 1e9, led.requests[2].batch_bound)
+    assert led.requests[2].batch_bound[1] >= 251, led.requests[2].batch_bound  # the tokens a sequence ran
     assert (a1 - a0) / 1e9 >= 13.35 + 1.0, led._batch_spans
 
 
