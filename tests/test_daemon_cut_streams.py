@@ -591,6 +591,7 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
 
     srv, daemon = _h200_daemon(tmp_path, "sglang", overrides={"scrape.server": "none"}, decode_tok_s=100.0, n_ctx=256)
     band = " ".join(["w"] * 253)  # 254 tokens with the BOS, of a 256-token context: the other runs to its end
+    spans: list = []  # the ledger's batch span(s), as the streams beside the batch ended
 
     async def scene(url):
         await _until_idle_measured(daemon)  # else the first streams are uncertain for that alone (start-up idle flag)
@@ -603,6 +604,7 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
                 assert r.status == 400, await r.text()
             span_end_ns = await _batch_span_end_ns(daemon)
             await asyncio.gather(*[_ok_100(s, url, k) for k in range(3)])
+            spans.extend(daemon.ledger._batch_spans)  # before the split lets it go
             # Past the bound: the 256-token context at the streams' pace shared by its 2 sequences (7.1 s from its
             # arrival quiet; before batch7's context bound, its prompts' 527 characters a token each, 2 BOS, + 6: 535
             # tokens, 12.4 s). The pace is the one the daemon learned, lower on a loaded host (the bound errs long
@@ -618,6 +620,13 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
     truth = {t["client_id"]: t for t in srv.truth if t.get("client_id")}
     rows = _rows_by_tag(tmp_path)
     assert daemon.scraper is None and truth["batch"]["generated"] >= 240, truth["batch"]  # it ran for nobody
+    # The batch's true run ends within its span: the flags above would pass with any span of 1-14 s.
+    ran = [t for t in [*srv.truth, *srv.truth_cancelled] if t.get("client_id") == "batch"]
+    run_end = max(e[0] for t in ran for e in t["emissions"])
+    print("batch run from its arrival s", (run_end - min(t["t_arrive_ns"] for t in ran)) / 1e9, "span",
+          [((a - spans[0][0]) / 1e9, (b - spans[0][0]) / 1e9) for a, b in spans])
+    (_, span_end), = spans
+    assert run_end <= span_end, (run_end, spans)
     err = _errors_shown({t: r for t, r in rows.items() if t.startswith("ok")}, truth)
     notes = {t: r["energy_note"] if isinstance(r["energy_note"], str) else "" for t, r in rows.items()}
     print({t: notes[t][:200] for t in sorted(notes)})

@@ -6383,9 +6383,12 @@ def test_a_400_batchs_row_says_windows_marked_only_where_the_ledger_marked_them(
 
 
 def _band_generate(led, rid, arrival_s, end_s, **extra):
-    """A /generate batch SGLang answered its band abort's 400 at `end_s`, `extra` the proxy's reading of its body."""
+    """A /generate batch SGLang answered its band abort's 400 at `end_s`, `extra` the proxy's reading of its body. Its
+    abort's message says a 131,072-token context unless `extra` gives one (`ledger.batch_context`): a smaller one
+    bounds a null's run and sets the length its prefill's rate is taken at. Before, 58 tokens by default: a scene of
+    251 tokens a sequence bounded at 64, a prefill scene's rate taken at 64 tokens (not scaled at all)."""
     tr = RequestTrace(rid, "POST", "/generate", None, int(arrival_s * S), 0, api="sglang-generate", stream=False)
-    tr.extra.update({"error_message": BAND_MSG, **extra})
+    tr.extra.update({"error_message": BAND_MSG_128K, **extra})
     led.on_start(tr)
     _answered_without_counts(led, tr, 400, end_s)
     return tr
@@ -6395,7 +6398,9 @@ def test_a_batch_400s_span_holds_its_prompts_prefill_at_the_streams_rate():
     # The review's test_repro_c_prefill: 24 prompts of 1,500 tokens (6,000 characters) and a band prompt, max_new_tokens
     # 6: SGLang prefills every other prompt first, the last prefill ending 2.25 s after the batch's arrival (808 J for
     # nobody). Before: its span was twice 6 tokens at the pace, 0.14 s (and a second): streams at 2.1 s +19..+222%,
-    # unflagged. Now its prompts' size (a token a character) at the rate its streams' time to first token showed.
+    # unflagged. Now its prompts' size (a token a character) at the rate its streams' time to first token showed,
+    # taken at a 2,048-token context (`BATCH_PREFILL_CTX_SHARE`; its 1,500-token prompts fit).
+    from powerprof.daemon.ledger import BATCH_PREFILL_CTX_SHARE as k
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.run_ons_unknown = True
     tr, ev, p = _streamed(1, 0.0, 0.1, 0.6, n=40, prompt=1600)  # 1,600 tokens to its first in 0.1 s: 16,000 tok/s
@@ -6407,12 +6412,16 @@ def test_a_batch_400s_span_holds_its_prompts_prefill_at_the_streams_rate():
                        token_source="usage", cached_tokens=0)  # its server said its cache's part: none
     led.on_end(tr)
     assert [r for r, _ in led._prefill_rates] == [pytest.approx(16000.0)], led._prefill_rates
-    _band_generate(led, 2, 1.0, 1.05, sequences=25, max_tokens=6, prompt_chars=24 * 6000 + 40, prompt_count=25)
+    msg = ("Input length (2045 tokens) exceeds the maximum allowed length (2042 tokens). Use a shorter input or enable "
+           "--allow-auto-truncate.")
+    _band_generate(led, 2, 1.0, 1.05, sequences=25, max_tokens=6, prompt_chars=24 * 6000 + 40, prompt_count=25,
+                   error_message=msg)
     (a0, a1), = led._batch_spans
     print("span s", (a1 - a0) / 1e9)
-    # The truth's last prefill, and the slack; at most its prompts' characters (a token each) at the rate learned, the
-    # decode at the pace shared, and the slack (the floor's rate alone: 288 s).
-    assert 2.25 + 1.0 <= (a1 - a0) / 1e9 < 144040 / 16000.0 + 3.0, led._batch_spans
+    # The truth's last prefill, and the slack; at most its prompts' characters (a token each) at the rate learned taken
+    # at the 2,048-token context, the decode at the pace shared, and the slack (the floor's rate alone: 288 s).
+    rate = 16000.0 * (1 + k * 1600) / (1 + k * 2048)
+    assert 2.25 + 1.0 <= (a1 - a0) / 1e9 < 144090 / rate + 3.0, led._batch_spans
 
 
 def _prefill_stream(led, rid, ttft_s, prompt, early=None, final=None, seqs=1):
@@ -6437,7 +6446,7 @@ def test_a_batch_400s_prefill_rate_is_learned_low_never_from_a_cache_hit_or_a_ba
     # span 1.48 s beside a 1.9 s true prefill at 16,000 tok/s); a server saying no cached count (SGLang's default)
     # taught the same; an 8-prompt stream's first token read all 8,000 tokens (114,286 tok/s); the median was taken.
     # Now only a single sequence whose server said a cached count teaches, that count taken off, and the lowest rate.
-    from powerprof.daemon.ledger import BATCH_PREFILL_FLOOR_TOK_S
+    from powerprof.daemon.ledger import BATCH_PREFILL_CTX_SHARE as k, BATCH_PREFILL_FLOOR_TOK_S
     for early, final in ((None, 3990), (3990, None), (3990, 3990), (None, None)):
         led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
         _prefill_stream(led, 1, 0.02, 4000, early=early, final=final)
@@ -6450,7 +6459,8 @@ def test_a_batch_400s_prefill_rate_is_learned_low_never_from_a_cache_hit_or_a_ba
     _prefill_stream(led, 2, 0.02, 4000)  # no cached count said: may be a hit
     led.on_end(led.requests[2].trace)
     assert list(led._prefill_rates) == [], led._prefill_rates
-    _band_generate(led, 3, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2)
+    _band_generate(led, 3, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2,
+                   error_message=BAND_MSG)  # the floor's rate is not scaled, whatever the context
     (a0, a1), = led._batch_spans
     print("span s, floor", (a1 - a0) / 1e9)
     assert (a1 - a0) / 1e9 >= 62763 / BATCH_PREFILL_FLOOR_TOK_S, led._batch_spans
@@ -6462,10 +6472,39 @@ def test_a_batch_400s_prefill_rate_is_learned_low_never_from_a_cache_hit_or_a_ba
         led.on_end(led.requests[rid].trace)
     assert sorted(r for r, _ in led._prefill_rates) == [pytest.approx(16000.0), pytest.approx(20000.0),
                                                          pytest.approx(20000.0)], led._prefill_rates
-    _band_generate(led, 9, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2)
+    msg = ("Input length (32763 tokens) exceeds the maximum allowed length (32762 tokens). Use a shorter input or "
+           "enable --allow-auto-truncate.")
+    _band_generate(led, 9, 1.0, 1.05, sequences=2, max_tokens=6, prompt_ids=30000 + 32763, prompt_count=2,
+                   error_message=msg)
     (a0, a1), = led._batch_spans
     print("span s, learned", (a1 - a0) / 1e9)
-    assert 62763 / 16000.0 + 1.0 <= (a1 - a0) / 1e9 < 62763 / 16000.0 + 1.5, led._batch_spans  # the lowest rate
+    # The lowest rate, each learned on 4,000-token prompts, taken at the 32,768-token context (BATCH_PREFILL_CTX_SHARE).
+    prefill_s = 62771 / (16000.0 * (1 + k * 4000) / (1 + k * 32768))
+    assert prefill_s + 1.0 <= (a1 - a0) / 1e9 < prefill_s + 1.5, led._batch_spans
+
+
+@pytest.mark.parametrize("prompts", [2, 8, 16])
+def test_a_batch_400s_prefill_is_taken_slow_enough_for_a_small_models_long_prompts(prompts):
+    # The review's F4 (repro_c_k): BATCH_PREFILL_CTX_SHARE 1.5e-4 fell short for small models: SmolLM2-135M's attention
+    # share is 1.6e-4 a context token (Qwen3-0.6B's 1.3e-4), 3.3e-4 at half the weights' matmul efficiency. A rate learned
+    # at 20,000 tok/s on 500-token prompts, a batch of 8 or 16 prompts of 30,000 ids and a band prompt in a 32,768
+    # context, max_tokens 6: before, spans of 76.8 s and 143.5 s where Qwen3-0.6B's prefill at half efficiency runs
+    # 93.5 s and 186.9 s (the rows between unflagged). Now 4e-4: past SmolLM2-135M's at half efficiency.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.run_ons_unknown = True
+    _prefill_stream(led, 1, 0.025, 500, final=0)
+    led.on_end(led.requests[1].trace)
+    msg = ("Input length (32765 tokens) exceeds the maximum allowed length (32762 tokens). Use a shorter input or "
+           "enable --allow-auto-truncate.")
+    tr = RequestTrace(2, "POST", "/generate", None, int(1.0 * S), 0, api="sglang-generate", stream=False)
+    tr.extra.update(error_message=msg, sequences=prompts + 1, max_tokens=6, prompt_ids=prompts * 30000 + 32765,
+                    prompt_count=prompts + 1)
+    led.on_start(tr)
+    _answered_without_counts(led, tr, 400, 1.05)
+    (a0, a1), = led._batch_spans
+    truth_s = prompts * 30000 * (1 + 3.3e-4 * 30000) / (20000 * (1 + 3.3e-4 * 500))
+    print("span s", (a1 - a0) / 1e9, "prefill truth s", truth_s)
+    assert (a1 - a0) / 1e9 >= truth_s, led._batch_spans
 
 
 def test_a_batch_400s_prefill_rate_learned_on_short_prompts_is_taken_at_its_long_prompts_length():
@@ -6475,7 +6514,7 @@ def test_a_batch_400s_prefill_rate_learned_on_short_prompts_is_taken_at_its_long
     # / (20,000 (1 + 3.8e-5 * 500)) = 6.3 s, then 6 tokens, where the span was 5.88 s with its slack (the
     # simulator prefills at one rate whatever the context, shorter prompts teaching a lower rate, so it cannot show
     # this). Now each rate is taken at the batch's longest prompt (at most its size and the context the abort's
-    # message says): 26.8 s.
+    # message says): 55.8 s (26.8 s at BATCH_PREFILL_CTX_SHARE 1.5e-4).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.run_ons_unknown = True
     _prefill_stream(led, 1, 0.025, 500, final=0)  # 500 tokens to its first in 25 ms: 20,000 tok/s
@@ -6519,15 +6558,21 @@ def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():
     # The review's test_repro_c4_pace_big: a pace learned light (86 tok/s), then 30 streams live and a null batch of 30
     # short id prompts and a band prompt (253 ids): its others ran 251 tokens each at ~19 tok/s a sequence, to 13.35 s
     # from its arrival. Before: twice its bound at 86 tok/s, to 9.83 s: streams at 11.1 s +561%, unflagged. Now the
-    # pace is shared by its sequences and those live (the server's aggregate rate does not fall as they join).
+    # pace is shared by its sequences and those live (the server's aggregate rate does not fall as they join). Its
+    # abort's message says the scene's 256-token context: a null runs to 256 tokens (with the 58-token context the
+    # helper said before, bounded at 64: a span of 47.2 s for 183.3 s, passing only by the 61 sequences sharing it).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.run_ons_unknown = True
     led._paces.append(86.0)
     for k in range(30):
         led.on_start(_chat(10 + k, 0.5, 400))
-    _band_generate(led, 2, 1.0, 1.05, sequences=31, max_tokens_null=True, prompt_ids=30 * 3 + 253, prompt_count=31)
+    msg = ("Input length (253 tokens) exceeds the maximum allowed length (250 tokens). Use a shorter input or enable "
+           "--allow-auto-truncate.")
+    _band_generate(led, 2, 1.0, 1.05, sequences=31, max_tokens_null=True, prompt_ids=30 * 3 + 253, prompt_count=31,
+                   error_message=msg)
     (a0, a1), = led._batch_spans
-    print("span s", (a1 - a0) / 1e9)
+    print("span s", (a1 - a0) / 1e9, led.requests[2].batch_bound)
+    assert led.requests[2].batch_bound[1] >= 251, led.requests[2].batch_bound  # the tokens a sequence ran
     assert (a1 - a0) / 1e9 >= 13.35 + 1.0, led._batch_spans
 
 
@@ -6590,28 +6635,114 @@ def test_a_restart_ends_a_batch_400s_span_at_its_window():
     assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), b)], (led.recon.batch_run_ons, (a, b))
 
 
-def test_a_death_the_page_says_no_restart_of_ends_a_batch_400s_span_a_counters_fall_does_not():
-    # A refused scrape, then a page that says no restart: a death all the same (`_gone_at`), its batch's prompts died
-    # with it. Before: only recon.restarts cut a span, so it stayed marked to its bound (31.6 s); and a restart told by
-    # a counter's fall alone (a multi-process page's dip) cut it, at 6 s, where the batch ran on to the real one at
-    # 21 s.
-    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+def _connect_refused(led, rid, at_s):
+    """A proxied request whose connect to the server was refused at `at_s` (upstream_unreachable): a death's mark."""
+    tr = _chat(rid, at_s, 100)
+    led.on_start(tr)
+    tr.end_ns, tr.outcome, tr.status, tr.error = int(at_s * S), "upstream_unreachable", 502, "x"
+    led.on_end(tr)
+
+
+def _batch_and_first_page(led):
+    """A null /generate batch SGLang answered its band abort's 400 at 0.6 s (its span to about 32 s), then a page."""
     led.recon.server_seen = True
     led._paces.append(40.0)
     _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600,
                    prompt_count=2)
     led.add_server_tokens(int(1.0 * S), 0.0, None)
+    (_, b), = led.recon.batch_run_ons.values()
+    return b
+
+
+def test_a_death_the_page_says_no_restart_of_ends_a_batch_400s_span_where_a_connection_broke_a_counters_fall_does_not():
+    # A refused scrape, then a page that says no restart: a death, or nothing listening for a moment while the same
+    # process lived on (a Kubernetes Service's pod out of its readiness, a port-forward's hiccup; the scraper cannot tell
+    # a young counter's). A proxied connection broken in that window shows it (`Ledger._batch_death`): the batch's
+    # prompts died with it, its span ends at the window. Without one, its span stays to its bound (an over-flag at
+    # worst; before 405de90e the same, which then cut it at 6.0 s whatever the server did). A restart told by a
+    # counter's fall alone (a multi-process page's dip) cut it at 6 s where the batch ran on to the real one at 21 s.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    bound = _batch_and_first_page(led)
+    assert bound > int(30 * S), bound
     led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), down_ns=int(5.5 * S), down_refused=True)
+    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), bound)], led.recon.batch_run_ons
+    _connect_refused(led, 2, 5.6)
     assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), int(6.0 * S))], led.recon.batch_run_ons
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
-    led.recon.server_seen = True
-    led._paces.append(40.0)
-    _band_generate(led, 1, 0.5, 0.6, sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600,
-                   prompt_count=2)
-    led.add_server_tokens(int(1.0 * S), 0.0, None)
+    _batch_and_first_page(led)
     led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), partial=("server_restart",), restart_by_fall=True)
     led.add_server_tokens(int(21.0 * S), 0.0, int(20.0 * S), partial=("server_restart",))
     assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), int(21.0 * S))], led.recon.batch_run_ons
+
+
+def test_a_restart_after_a_503_ends_a_batch_400s_span_only_where_a_death_is_shown():
+    # The review's F2 (repro_a 2): a gateway's 503, then a page whose counter dipped (50M, 503, 25M, then 50,000,400: the
+    # same process, one process's share of the page lagging): the scraper says server_restart, not by the fall alone
+    # (a 503 came first), nothing refused. Before, that cut a batch's span from 32.1 s to 6.0 s after its arrival while
+    # it ran on, the rows between unflagged. Now only a death shown cuts it (`Ledger._batch_death`): a proxied
+    # connection broken in the window, or the down scrape refused; else its bound, an over-flag at worst.
+    for shown in (None, "broke", "refused"):
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        bound = _batch_and_first_page(led)
+        if shown == "broke":
+            _connect_refused(led, 2, 3.1)
+        led.add_server_tokens(int(6.0 * S), 0.0, int(1.0 * S), partial=("server_restart",), restart_by_fall=False,
+                              down_ns=int(3.0 * S), down_refused=shown == "refused")
+        want = bound if shown is None else int(6.0 * S)
+        assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), want)], (shown, led.recon.batch_run_ons)
+
+
+def test_a_refused_scrape_the_same_process_is_back_from_records_no_death_and_leaves_a_batch_400s_span(monkeypatch):
+    # The review's repro_a_refused_alive: a page at 50M tokens, one scrape refused (nothing listening for a moment, the
+    # same process alive), the page back at 50M + 400, past anything a new process could have counted since
+    # (scrape.FASTEST_SERVER_TOKENS_PER_S): the scraper reads it whole, the same process. Before, it still said the
+    # window's down scrape refused and the ledger recorded a death there: a batch's span cut from 31.6 s to 1.0 s after
+    # its arrival (the rows between unflagged), and the run-ons' deaths with it. Now none is recorded.
+    from test_daemon_counter_dip import DOWN, _scrape_steps, _sglang
+
+    got = []
+    _scrape_steps("sglang", [_sglang(50_000_000), DOWN, _sglang(50_000_400)],
+                  lambda sc: got.append((sc.window_partial, sc.window_down_ns, sc.window_down_refused)),
+                  monkeypatch=monkeypatch)
+    (partial, down_ns, refused) = got[2]
+    assert partial == () and down_ns == int(1.25 * S), got  # whole: the same process
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    bound = _batch_and_first_page(led)
+    led.add_server_tokens(int(1.5 * S), 400.0, int(1.0 * S), partial=partial, down_ns=down_ns, down_refused=refused)
+    print("span end from arrival s", (list(led.recon.batch_run_ons.values())[0][1] - 0.5 * S) / 1e9)
+    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), bound)], led.recon.batch_run_ons
+    assert not led._gone_at and not led._died_unrestarted, led._gone_at
+
+
+def test_a_batch_400_sent_to_the_new_process_keeps_its_span_merged_with_one_a_restart_cut():
+    # The review's F3 (repro_a 1): batch A at 0.5 s (its span to about 32 s) and batch B at 10.5 s, sent to the new
+    # process inside the restart's window (the old process's last page at 1 s, refused from 5 s, the new one's first
+    # page at 12 s). Alone, B's span runs to about 42 s and survives the cut; merged with A's, the cut trimmed the one
+    # span to 12.0 s: B's rows 12-42 s unflagged. The cut is re-applied at each later broken connection, so a merge
+    # formed after the restart (C at 13 s) was cut too. Now each batch a span holds is cut apart (`cut_batches`).
+    ends = {}
+    for merged in (False, True):
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        led.recon.server_seen = True
+        led._paces.append(40.0)
+        led.add_server_tokens(int(1.0 * S), 0.0, None)
+        kw = dict(sequences=2, max_tokens_null=True, error_message=BAND_MSG_128K, prompt_chars=600, prompt_count=2)
+        if merged:
+            _band_generate(led, 1, 0.5, 0.6, **kw)
+        _band_generate(led, 2, 10.5, 10.6, **kw)
+        (_, b_end), = led.recon.batch_run_ons.values()
+        assert b_end > int(40 * S), led.recon.batch_run_ons
+        led.add_server_tokens(int(12.0 * S), 0.0, int(1.0 * S), partial=("server_restart",), down_ns=int(5.0 * S),
+                              down_refused=True)
+        ends[merged] = list(led.recon.batch_run_ons.values())
+        if merged:
+            _band_generate(led, 3, 13.0, 13.1, **kw)
+            _connect_refused(led, 4, 14.0)
+            ends["later"] = list(led.recon.batch_run_ons.values())
+    print({k: [(a / 1e9, b / 1e9) for a, b in v] for k, v in ends.items()})
+    assert ends[False] == [(int(10.5 * S), b_end)], ends
+    assert ends[True] == [(int(0.5 * S), b_end)], ends  # before: (0.5 s, 12.0 s)
+    assert ends["later"] == [(int(0.5 * S), int(13.0 * S) + b_end - int(10.5 * S))], ends
 
 
 def test_overlapping_batch_400s_scraped_merge_into_one_span():

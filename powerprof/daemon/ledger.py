@@ -155,10 +155,12 @@ BATCH_PREFILL_LEARN_MIN = 64
 # over (`_batch_end_ns`): a rate learned on a stream of L0 tokens is taken at L0's context for a batch whose prompts may
 # be L long, as rate * (1 + k L0) / (1 + k L), never raised. Attention's FLOPs a token over its weights' are about
 # (attention width * layers) / parameters a context token for a causal prompt (its mean context L / 2, two matmuls):
-# 1.9e-5 for Llama-3-8B, 3.3e-5 for Llama-3.2-1B, 1.3e-4 for Qwen3-0.6B, and attention runs below the weights' matmul
-# efficiency; so a bound that errs long. Without it a rate learned on short prompts was used whole for a batch of
-# 30,000-token ones.
-BATCH_PREFILL_CTX_SHARE = 1.5e-4
+# 1.9e-5 for Llama-3-8B, 3.3e-5 for Llama-3.2-1B, 1.3e-4 for Qwen3-0.6B, 1.6e-4 for SmolLM2-135M (parameters without
+# the embeddings), and attention runs below the weights' matmul efficiency: at half of it, up to 3.3e-4 a token. An
+# estimate that errs long down to such models, not a proof (a smaller one, or attention slower still, runs past it).
+# Without it a rate learned on short prompts was used whole for a batch of 30,000-token ones; at 1.5e-4, 16 such prompts
+# were marked 143.5 s where Qwen3-0.6B's prefill at half efficiency runs 186.9 s.
+BATCH_PREFILL_CTX_SHARE = 4e-4
 # The longest a batch's span marks (`_batch_end_ns`): a span runs to bounds that err long (a null's context, floor
 # rates), and one band abort must not blank J/token for hours; its row says where its span was cut so.
 BATCH_SPAN_MAX_S = 600.0
@@ -355,6 +357,21 @@ def batch_context(extra: dict, message: str | None) -> int | None:
     return size if size is None or m is None else min(size, int(m.group(2)) + SGLANG_BAND_TOKENS)
 
 
+def batches_added(batches: list[tuple[int, int]], a0: int, a1: int) -> list[tuple[int, int]]:
+    """The (arrival, end) of the batches a merged span holds (`merged_span`) with one arrived at `a0`, ending at `a1`,
+    added, those it arrived no sooner than and ends no sooner than dropped: a restart's cut never ends it sooner than
+    them (`cut_batches`). Kept, each batch keeps its own end at a cut: one end for the span, a batch sent to the new
+    process inside a restart's window lost its run to an older batch's cut (42.1 s to 12.0 s, its rows unflagged)."""
+    return [b for b in batches if not (b[0] <= a0 and b[1] <= a1)] + [(a0, a1)]
+
+
+def cut_batches(batches: list[tuple[int, int]], deaths: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each batch (arrival, end) ended at the first of `deaths` (a restart window's (start, end): the old process's last
+    scrape, the new one's first) that began at or after its arrival: its process died there. One that arrived later
+    went to the new process, its end its own."""
+    return [(a0, min([a1, *(e for d, e in deaths if d >= a0)])) for a0, a1 in batches]
+
+
 def merged_span(spans: list[tuple[int, int]], a0: int, a1: int) -> list[tuple[int, int]]:
     """`spans` (disjoint) with [a0, a1] added, those it overlaps merged into one: many such marks cost one span each
     only where apart."""
@@ -481,6 +498,10 @@ class Ledger:
         # (arrival, latest end) of batches answered 400 that SGLang may have run on (`_batch_run_on`) where no scrape
         # window is there to mark: the intervals whose requests say so (`batch_beside_j`); disjoint, merged.
         self._batch_spans: list[tuple[int, int]] = []
+        # The batches (arrival, end) each such span holds, by its start (`batches_added`), and each of
+        # recon.batch_run_ons's, by its key: a restart cuts each batch apart (`_end_run_ons_at_restart`).
+        self._batch_span_batches: dict[int, list[tuple[int, int]]] = {}
+        self._batch_run_on_batches: dict[int, list[tuple[int, int]]] = {}
         # (end of its placing, latest end) of llama.cpp whole answers run on past RUN_ON_TO_END_MAX_S (`_run_on`): the
         # rest of that run is placed nowhere, so the intervals there say so on their requests' rows (`capped_beside_j`).
         # By request id: a restart that ends such a run sooner (`_cut_run_on`) takes its span out.
@@ -1051,8 +1072,11 @@ class Ledger:
             # arrival to its bounded end (`_batch_end_ns`) and a GONE_ABORT_SLACK_S. Unsaid, the simulated SGLang's
             # null batch (248 tokens for nobody) left three streams beside it +39%, unflagged.
             r.batch_unplaced = True  # its row says so (`rowtext._no_energy_reason`)
-            self._batch_spans = merged_span(self._batch_spans, int(tr.arrival_ns),
-                                            min(end_ns + int(GONE_ABORT_SLACK_S * 1e9), int(attr.NEVER)))
+            b0, b1 = int(tr.arrival_ns), min(end_ns + int(GONE_ABORT_SLACK_S * 1e9), int(attr.NEVER))
+            over = [sp for sp in self._batch_spans if not (sp[1] < b0 or sp[0] > b1)]
+            held = [b for sp in over for b in self._batch_span_batches.pop(sp[0], [sp])]
+            self._batch_spans = merged_span(self._batch_spans, b0, b1)
+            self._batch_span_batches[min([b0, *(sp[0] for sp in over)])] = batches_added(held, b0, b1)
             return
         # Bounded as under none (before: an explicit null or no pace marked every window until a restart).
         latest = end_ns
@@ -1063,9 +1087,11 @@ class Ledger:
         over = [k for k, (a0, a1) in spans.items() if not (a1 < tr.arrival_ns or a0 > latest)]
         a0 = min([int(tr.arrival_ns), *(spans[k][0] for k in over)])
         a1 = max([latest, *(spans[k][1] for k in over)])
+        held = [b for k in over for b in self._batch_run_on_batches.pop(k, [spans[k]])]
         for k in over:
             del spans[k]
         spans[tr.request_id] = (a0, a1)
+        self._batch_run_on_batches[tr.request_id] = batches_added(held, int(tr.arrival_ns), latest)
 
     def _batch_end_ns(self, tr: RequestTrace, seqs: int) -> int:
         """The end a batch SGLang answered 400 is taken to run its other prompts within (`_batch_run_on`; not a proof),
@@ -2403,6 +2429,22 @@ class Ledger:
         a, _, down, refused = g
         return refused or any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_fail_ns)
 
+    def _batch_death(self, g: tuple) -> bool:
+        """Whether death `g` (`_gone_at`) is shown enough to end a batch 400's span there (`_end_run_ons_at_restart`):
+        a restart no scrape found down (the new process's start time said it), a proxied connection broken from the old
+        process's last scrape to CRASH_CLOSE_SLACK_S past its first found-down scrape (`_conn_fail_ns`), or a restart
+        the page said whose first found-down scrape was refused (`_death_shown`). Not a refusal alone the page said no
+        restart after (nothing listened for a moment: a Kubernetes Service's pod out of its readiness, the same process
+        maybe back with a young counter, `scrape.Scraper._down_back`), nor a 503 then a counter's dip (a gateway's
+        blip, then one process's share of a multi-process page lagging): each cut a span the batch ran on past, 31.6 s
+        to 1.0 s and 32.1 s to 6.0 s after its arrival, the rows between unflagged. Left to its bound there: an
+        over-flag at worst."""
+        a, _, down, refused = g
+        if down is None:
+            return True
+        broke = any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_fail_ns)
+        return broke or (refused and g[:3] not in self._died_unrestarted)
+
     def _end_run_ons_at_restart(self) -> None:
         """A restart ends every run-on of the process that died: nothing ran it on past that process's death, placed
         from its last scrape and the first that found the server down (`_run_on_cut_ns`). Held to its estimate
@@ -2413,17 +2455,20 @@ class Ledger:
         100). Placed already (a stream's, `_place_run_ons`), its events past the cut go (`_cut_run_on`)."""
         for r in self.requests.values():
             self._cut_run_on(r)
-        # A batch SGLang answered 400 ran its other prompts in the process that died: none past its death's window, a
-        # restart's or a refused death's the page said no restart of (`_gone_at`; before: marked on to its bound, the
-        # new process's rows flagged for nothing). Not a restart told by a counter's fall alone (a multi-process page's
-        # dip, in recon.restarts): read from recon.restarts, a death unsaid by the page left a span marked to its bound
-        # (31.6 s for a 6 s window), and a dip's false restart cut a span the batch ran past, its rows unflagged.
-        def cut(a0: int, a1: int) -> int:
-            return min([a1, *(g[1] for g in self._gone_at if g[0] >= a0)])
+        # A batch SGLang answered 400 ran its other prompts in the process that died: none past its death's window
+        # (`_gone_at`; before: marked on to its bound, the new process's rows flagged for nothing), where that death is
+        # shown (`_batch_death`). Not a restart told by a counter's fall alone (a multi-process page's dip, in
+        # recon.restarts): read from recon.restarts, a dip's false restart cut a span the batch ran past, its rows
+        # unflagged.
+        # Each batch a merged span holds cut apart (`cut_batches`): one sent to the new process keeps its end.
+        deaths = [(g[0], g[1]) for g in self._gone_at if self._batch_death(g)]
         spans = self.recon.batch_run_ons
         for k, (a0, a1) in list(spans.items()):
-            spans[k] = (a0, cut(a0, a1))
-        self._batch_spans = [(a0, cut(a0, a1)) for a0, a1 in self._batch_spans]
+            held = self._batch_run_on_batches[k] = cut_batches(self._batch_run_on_batches.get(k, [(a0, a1)]), deaths)
+            spans[k] = (a0, max(b for _, b in held))
+        for i, (a0, a1) in enumerate(self._batch_spans):
+            held = self._batch_span_batches[a0] = cut_batches(self._batch_span_batches.get(a0, [(a0, a1)]), deaths)
+            self._batch_spans[i] = (a0, max(b for _, b in held))
 
     def _cut_run_on(self, r: LiveRequest) -> None:
         """End `r`'s run-on where the process running it died, as best known (`_run_on_cut_ns`: not before its client
@@ -2799,6 +2844,8 @@ class Ledger:
         for rid in [rid for rid, (_, b) in self.recon.batch_run_ons.items()
                     if b <= gone_ns or self.serves_generate is False]:
             del self.recon.batch_run_ons[rid]
+        self._batch_run_on_batches = {k: v for k, v in self._batch_run_on_batches.items()
+                                      if k in self.recon.batch_run_ons}
         server_count = self.recon.server_count(t, why_low, self.scraping, self.proxy_unread_since_ns,
                                                self.proxy_unread_spans)
         # Intervals whose bypass count may be low (or high: schema.BYPASS_COUNT_TWO_WAY): their requests may carry bypass
@@ -2888,6 +2935,8 @@ class Ledger:
         unplaced_col = energy.shape[1] - 1
         # Over a batch answered 400 whose other prompts SGLang may run for nobody, no server scraped (`_batch_run_on`).
         self._batch_spans = [s for s in self._batch_spans if s[1] > t[0]]
+        starts = {sp[0] for sp in self._batch_spans}
+        self._batch_span_batches = {k: v for k, v in self._batch_span_batches.items() if k in starts}
         batch_iv = np.zeros(t.size - 1, bool)
         for a0, a1 in self._batch_spans:
             batch_iv |= (a0 < t[1:]) & (a1 > t[:-1])
