@@ -13,12 +13,14 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+import pandas as pd
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_helpers import DaemonProc, open_long_stream, read_dataset, sim_env
 from powerprof.sim.nvml import SimNVML
+from powerprof.sim.profiles import get_profile
 from powerprof.sim.server import SimServer
 
 pytestmark = pytest.mark.slow
@@ -220,7 +222,20 @@ def test_energy_of_requests_idle_and_unproxied_adds_up_to_the_measured_total(tmp
     inside = intervals[(intervals["t_start_utc"] >= t["t_start_utc"]) & (intervals["t_end_utc"] <= t["t_end_utc"])]
     last = intervals[(intervals["t_start_utc"] < t["t_end_utc"]) & (intervals["t_end_utc"] > t["t_end_utc"])]
     assert 0.995 * inside["gpu_energy_j"].sum() <= t["gpu_energy_j"], (t["gpu_energy_j"], inside["gpu_energy_j"].sum())
-    assert t["gpu_energy_j"] <= inside["gpu_energy_j"].sum() + last["gpu_energy_j"].sum() + 1e-6
+    # An interval row ends at a counter read, whose value is the counter's last refresh: a read between the stop call
+    # and the next refresh (a sample 0.5 ms after the call) still shows the refresh before the call, so what the GPUs
+    # drew from that refresh to the call is in the row after the call's, which the tag counts up to the call (its stop
+    # edge's value is that next refresh's, placed back to the call, never past it). So the tag exceeds these rows by
+    # up to one refresh's energy at the call (docs/data.md, daemon_tags): 0.77 J over them in 1 of 25 runs beside two
+    # CPU hogs, of 0.88 J (2 GPUs idle at 22 W, a 20 ms refresh). The GPUs' power there: the most of the samples either
+    # side of the call (the burst's answers were all read before `tag stop` ran: its power falls to idle, and stays).
+    before, after = gpu[gpu["time_utc"] <= t["t_end_utc"]], gpu[gpu["time_utc"] > t["t_end_utc"]]
+    near = pd.concat([before[before["time_utc"] == before["time_utc"].max()],
+                      after[after["time_utc"] == after["time_utc"].min()]])
+    refresh_j = get_profile("seed-16g").energy_counter_update_s * near.groupby("gpu_index")["power_w"].max().sum()
+    assert 0 < refresh_j < 15, near  # at most 2 x 320 W over 20 ms
+    assert t["gpu_energy_j"] <= inside["gpu_energy_j"].sum() + last["gpu_energy_j"].sum() + refresh_j + 1e-6, (
+        t["gpu_energy_j"], inside["gpu_energy_j"].sum(), last["gpu_energy_j"].sum(), refresh_j)
 
 
 def test_bad_config_exits_2_naming_the_key(tmp_path):
