@@ -1097,13 +1097,15 @@ class Daemon:
             cadence.idle_s = self.cfg.get("scrape", "idle_interval_s")
             # Proxied requests and tags being measured keep the scrape fast (docs/daemon.md, Scrape cadence).
             led = self.ledger
-            if cadence.due(time.monotonic(), _busy(led)):
-                # Scraped at the idle period (still: no request, no counter rise lately): only such a window's rise may
-                # be a burst that began late in it (below). One long for a slow read or a late loop while requests ran
-                # is not: placed at its end, its tokens left the proxy's before them as more than the server counted,
-                # and the rise back read as bypass tokens that never ran (the real llama-server: 33, rows saying only
-                # `server_restart`; tests/test_daemon_scrape.py).
-                still = cadence.period_s(time.monotonic()) > cadence.fast_s
+            # Scraped at the idle period (still: no request, no counter rise lately): only such a window's rise may be a
+            # burst that began late in it (below). One long for a slow read or a late loop while requests ran is not:
+            # placed at its end, its tokens left the proxy's before them as more than the server counted, and the rise
+            # back read as bypass tokens that never ran (the real llama-server: 33, rows saying only `server_restart`;
+            # tests/test_daemon_scrape.py). Read before `due` counts the requests live now: a window the first request
+            # after a stillness ends (woken at its arrival) is still a slow one (docs/daemon.md, Scrape cadence).
+            now = time.monotonic()
+            still = cadence.period_s(now) > cadence.fast_s
+            if cadence.due(now, _busy(led)):
                 t0 = time.monotonic_ns()
                 delta = await self.scraper.scrape()
                 t0, t1 = _read_span(self.scraper, t0)
