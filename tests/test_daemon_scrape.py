@@ -345,12 +345,10 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
     assert all(a[1] == b[0] for a, b in zip(ledger.spans[1:], ledger.spans[2:]))  # each window where the last ended
 
 
-def test_a_burst_the_first_request_after_a_stillness_wakes_the_scrape_on_is_placed_back_not_spread(monkeypatch):
-    """A slow (idle-period) window whose scrape a request's arrival woke is still a slow one: its rise is held and placed
-    back from the next window's rate (`burst_start_ns`), not spread over the whole window. Before, `still` was read
-    after `Cadence.due` had counted that request live, so such a window never was: bypass tokens begun just before the
-    first request were spread over the idle window (tests/test_daemon_buffered_bypass.py's wind-down scene beside CPU
-    hogs: intervals before any traffic `complete` with 1.5 to 7 bypass tokens where none ran)."""
+def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int) -> tuple[int, list]:
+    """Still (idle period), then 20 tokens counted and a request live that wakes the scrape (arrived
+    `arrived_before_ns` before it: a proxy worker's record read late), then fast windows of 10 tokens each (200 tokens
+    a second at 0.05 s: the 20 took about 0.1 s by that rate). The wake's time and the windows given the ledger."""
     from powerprof.daemon import scrape as scrape_mod
     from powerprof.daemon.service import Daemon
 
@@ -394,7 +392,7 @@ def test_a_burst_the_first_request_after_a_stillness_wakes_the_scrape_on_is_plac
         # tokens each (200 tokens a second at 0.05 s): the 20 took about 0.1 s.
         woken_ns = time.monotonic_ns()
         me.scraper.rise = 20.0
-        ledger.requests[1] = object()
+        ledger.requests[1] = types.SimpleNamespace(trace=types.SimpleNamespace(arrival_ns=woken_ns - arrived_before_ns))
         me.waker.wake()
         while me.scraper.calls == calls and time.monotonic() - t0 < 20:
             await asyncio.sleep(0.002)
@@ -405,13 +403,36 @@ def test_a_burst_the_first_request_after_a_stillness_wakes_the_scrape_on_is_plac
         await asyncio.wait_for(task, 5)
         return woken_ns
 
-    woken_ns = asyncio.run(go())
-    burst = [x for x in ledger.spans if x[2] == 20.0]
-    assert burst, ledger.spans
+    return asyncio.run(go()), ledger.spans
+
+
+def test_a_burst_the_first_request_after_a_stillness_wakes_the_scrape_on_is_placed_back_not_spread(monkeypatch):
+    """A slow (idle-period) window whose scrape a request's arrival woke is still a slow one: its rise is held and
+    placed back from the next window's rate (`burst_start_ns`), not spread over the whole window. Before, `still` was read
+    after `Cadence.due` had counted that request live, so such a window never was: bypass tokens begun just before the
+    first request were spread over the idle window (tests/test_daemon_buffered_bypass.py's wind-down scene beside CPU
+    hogs: intervals before any traffic `complete` with 1.5 to 7 bypass tokens where none ran)."""
+    woken_ns, spans = _burst_woken_by_a_request(monkeypatch, 0)
+    burst = [x for x in spans if x[2] == 20.0]
+    assert burst, spans
     # Its window 0.5 s long or more, the burst placed over its last part (about 0.1 s), the part before it given empty
     # (before: all of it, 20 tokens from the window's start, 0.5 s or more before the request).
-    assert burst[0][0] > woken_ns - 0.45e9, ((burst[0][0] - woken_ns) / 1e9, ledger.spans[-4:])
-    assert [x for x in ledger.spans if x[1] == burst[0][0] and x[2] == 0.0], ledger.spans[-4:]
+    assert burst[0][0] > woken_ns - 0.45e9, ((burst[0][0] - woken_ns) / 1e9, spans[-4:])
+    assert [x for x in spans if x[1] == burst[0][0] and x[2] == 0.0], spans[-4:]
+
+
+def test_a_held_burst_begins_no_later_than_the_request_that_woke_its_scrape(monkeypatch):
+    """A request told the daemon late (a proxy worker's record, 0.3 s after its arrival on a loaded host) wakes a slow
+    window whose count already holds its first tokens: the held burst begins no later than its arrival, where its
+    tokens the proxy placed begin. Before, the next window's faster rate put all 20 in its last ~0.1 s, 0.2 s after the
+    arrival: the request's tokens placed before had no count under them (counter_below), and the count after read as
+    bypass tokens (tests/test_daemon_delivery.py's two-proxy-worker scenes: unproxied energy)."""
+    woken_ns, spans = _burst_woken_by_a_request(monkeypatch, int(0.3e9))
+    burst = [x for x in spans if x[2] == 20.0]
+    assert burst, spans
+    arrived_ns = woken_ns - int(0.3e9)
+    assert burst[0][0] <= arrived_ns, ((burst[0][0] - arrived_ns) / 1e9, spans[-4:])
+    assert [x for x in spans if x[1] == burst[0][0] and x[2] == 0.0], spans[-4:]  # the window's part before: empty
 
 
 def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
