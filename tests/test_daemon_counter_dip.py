@@ -1125,6 +1125,17 @@ def test_a_restart_behind_a_gateways_503_is_still_told(kind, monkeypatch):
     assert deltas == [0, None, 40, 40] and "counter_below" in sc.partial, deltas
 
 
+def _counted(server_tokens) -> bool:
+    """Whether a row's `server_tokens` is a count: null (None, or NaN as pandas reads it) is no count at all, the row
+    not scraped or before the first read (docs/data.md), not zero bypass tokens."""
+    return server_tokens is not None and server_tokens == server_tokens
+
+
+def bypass_counted(rows: list[dict]) -> float:
+    """The bypass tokens the rows count (`server_tokens`), the rows with no count left out (`rows_no_count`)."""
+    return float(sum(r["server_tokens"] for r in rows if _counted(r["server_tokens"])))
+
+
 def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | None = None, lag_s: float = 0.0,
              run_s: float = 4.0, bypass_lanes: int = 0, flavour: str = "sglang", long_lanes: int = 0,
              direct: bool = False, scrape_s: float = 0.25, workers: int = 1, blip_old_s: float | None = None) -> dict:
@@ -1242,9 +1253,19 @@ def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | Non
         "rows_server_restart": sum("server_restart" in m for m in marks),
         "restarts_told": daemon.scraper.restarts,
         "jpt_left_out": dict(daemon.ledger.totals.jpt_left_out),
-        "bypass_counted": sum(r["server_tokens"] or 0 for r in rows),
+        "bypass_counted": bypass_counted(rows),
+        "rows_no_count": sum(not _counted(r["server_tokens"]) for r in rows),
         "bypass_run": sum(t["generated"] for k, t in srv.request_truth().items() if k.startswith("byp")),
     }
+
+
+def test_blip_runs_bypass_count_leaves_out_rows_with_no_count():
+    """A row's null `server_tokens` (NaN from the parquet) is no count (docs/data.md): left out of blip_run's
+    bypass_counted, not summed. Before, `r["server_tokens"] or 0` let the NaN through (it is truthy): one run's
+    bypass_counted came out NaN, failing every bound on it with no figure to read."""
+    rows = [{"server_tokens": 3.0}, {"server_tokens": float("nan")}, {"server_tokens": None}, {"server_tokens": 0.5}]
+    assert bypass_counted(rows) == 3.5
+    assert [_counted(r["server_tokens"]) for r in rows] == [True, False, False, True]
 
 
 def test_a_simulated_sglang_behind_a_routers_503_blip_keeps_its_windows_whole(tmp_path):

@@ -345,6 +345,96 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
     assert all(a[1] == b[0] for a, b in zip(ledger.spans[1:], ledger.spans[2:]))  # each window where the last ended
 
 
+def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int) -> tuple[int, list]:
+    """Still (idle period), then 20 tokens counted and a request live that wakes the scrape (arrived
+    `arrived_before_ns` before it: a proxy worker's record read late), then fast windows of 10 tokens each (200 tokens
+    a second at 0.05 s: the 20 took about 0.1 s by that rate). The wake's time and the windows given the ledger."""
+    from powerprof.daemon import scrape as scrape_mod
+    from powerprof.daemon.service import Daemon
+
+    monkeypatch.setattr(scrape_mod, "STILL_S", 0.3)  # still after 0.3 s, not 5
+
+    class FakeScraper:
+        kind, finished, window_partial, cache_hits, served = "vllm", None, (), None, None
+        restart_by_fall = False  # Scraper.restart_by_fall
+        window_each_step = False  # Scraper.window_each_step
+        window_down_ns = None  # Scraper.window_down_ns
+        window_down_refused = False  # Scraper.window_down_refused
+        window_read_missed = 0.0  # Scraper.window_read_missed
+        vllm_v1 = False
+        rise, calls = 0.0, 0
+
+        async def scrape(self):
+            self.calls += 1
+            return self.rise
+
+    ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
+    ledger.add_cache_hits = lambda since, t, hits: None
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0: ledger.spans.append((since, t, d))
+    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.05, idle_interval_s=2.0),
+                               scraper=FakeScraper(), ledger=ledger, stop_event=None,
+                               _scrape_since_ns=time.monotonic_ns())
+
+    async def go():
+        me.stop_event = asyncio.Event()
+        task = asyncio.create_task(Daemon._scrape_loop(me))
+        t0 = time.monotonic()
+        # Still, scraped at the idle period (a window 0.9 s long or more, nothing counted); then 0.5 s into the next
+        # (the idle scrapes come 1 s apart or more).
+        while not any(t - since >= 0.9e9 for since, t, _ in ledger.spans) and time.monotonic() - t0 < 20:
+            await asyncio.sleep(0.02)
+        while True:
+            calls = me.scraper.calls
+            await asyncio.sleep(0.5)
+            if me.scraper.calls == calls:
+                break
+        # 20 bypass tokens begun just before a request that arrives now and wakes the scrape; then fast windows of 10
+        # tokens each (200 tokens a second at 0.05 s): the 20 took about 0.1 s.
+        woken_ns = time.monotonic_ns()
+        me.scraper.rise = 20.0
+        ledger.requests[1] = types.SimpleNamespace(trace=types.SimpleNamespace(arrival_ns=woken_ns - arrived_before_ns))
+        me.waker.wake()
+        while me.scraper.calls == calls and time.monotonic() - t0 < 20:
+            await asyncio.sleep(0.002)
+        me.scraper.rise = 10.0
+        while not [x for x in ledger.spans if x[2] == 20.0] and time.monotonic() - t0 < 20:
+            await asyncio.sleep(0.02)
+        me.stop_event.set()
+        await asyncio.wait_for(task, 5)
+        return woken_ns
+
+    return asyncio.run(go()), ledger.spans
+
+
+def test_a_burst_the_first_request_after_a_stillness_wakes_the_scrape_on_is_placed_back_not_spread(monkeypatch):
+    """A slow (idle-period) window whose scrape a request's arrival woke is still a slow one: its rise is held and
+    placed back from the next window's rate (`burst_start_ns`), not spread over the whole window. Before, `still` was read
+    after `Cadence.due` had counted that request live, so such a window never was: bypass tokens begun just before the
+    first request were spread over the idle window (tests/test_daemon_buffered_bypass.py's wind-down scene beside CPU
+    hogs: intervals before any traffic `complete` with 1.5 to 7 bypass tokens where none ran)."""
+    woken_ns, spans = _burst_woken_by_a_request(monkeypatch, 0)
+    burst = [x for x in spans if x[2] == 20.0]
+    assert burst, spans
+    # Its window 0.5 s long or more, the burst placed over its last part (about 0.1 s), the part before it given empty
+    # (before: all of it, 20 tokens from the window's start, 0.5 s or more before the request).
+    assert burst[0][0] > woken_ns - 0.45e9, ((burst[0][0] - woken_ns) / 1e9, spans[-4:])
+    assert [x for x in spans if x[1] == burst[0][0] and x[2] == 0.0], spans[-4:]
+
+
+def test_a_held_burst_begins_no_later_than_the_request_that_woke_its_scrape(monkeypatch):
+    """A request told the daemon late (a proxy worker's record, 0.3 s after its arrival on a loaded host) wakes a slow
+    window whose count already holds its first tokens: the held burst begins no later than its arrival, where its
+    tokens the proxy placed begin. Before, the next window's faster rate put all 20 in its last ~0.1 s, 0.2 s after the
+    arrival: the request's tokens placed before had no count under them (counter_below), and the count after read as
+    bypass tokens (tests/test_daemon_delivery.py's two-proxy-worker scenes: unproxied energy)."""
+    woken_ns, spans = _burst_woken_by_a_request(monkeypatch, int(0.3e9))
+    burst = [x for x in spans if x[2] == 20.0]
+    assert burst, spans
+    arrived_ns = woken_ns - int(0.3e9)
+    assert burst[0][0] <= arrived_ns, ((burst[0][0] - arrived_ns) / 1e9, spans[-4:])
+    assert [x for x in spans if x[1] == burst[0][0] and x[2] == 0.0], spans[-4:]  # the window's part before: empty
+
+
 def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():
     """The server reads its counter anywhere in the GET, and the window's end is stamped at the GET's midpoint: the
     ledger is given the GET's start and end with each window (`read_ns`), so the proxy's tokens inside it can be

@@ -544,6 +544,8 @@ class _HeldWindow(NamedTuple):
     down_ns: int | None = None  # Scraper.window_down_ns
     down_refused: bool = False  # Scraper.window_down_refused
     read_missed: float = 0.0  # Scraper.window_read_missed
+    # The earliest arrival of the proxied requests live at its scrape (None: none): its burst began no later
+    arrived_ns: int | None = None
 
 
 class Daemon:
@@ -1097,13 +1099,15 @@ class Daemon:
             cadence.idle_s = self.cfg.get("scrape", "idle_interval_s")
             # Proxied requests and tags being measured keep the scrape fast (docs/daemon.md, Scrape cadence).
             led = self.ledger
-            if cadence.due(time.monotonic(), _busy(led)):
-                # Scraped at the idle period (still: no request, no counter rise lately): only such a window's rise may
-                # be a burst that began late in it (below). One long for a slow read or a late loop while requests ran
-                # is not: placed at its end, its tokens left the proxy's before them as more than the server counted,
-                # and the rise back read as bypass tokens that never ran (the real llama-server: 33, rows saying only
-                # `server_restart`; tests/test_daemon_scrape.py).
-                still = cadence.period_s(time.monotonic()) > cadence.fast_s
+            # Scraped at the idle period (still: no request, no counter rise lately): only such a window's rise may be a
+            # burst that began late in it (below). One long for a slow read or a late loop while requests ran is not:
+            # placed at its end, its tokens left the proxy's before them as more than the server counted, and the rise
+            # back read as bypass tokens that never ran (the real llama-server: 33, rows saying only `server_restart`;
+            # tests/test_daemon_scrape.py). Read before `due` counts the requests live now: a window the first request
+            # after a stillness ends (woken at its arrival) is still a slow one (docs/daemon.md, Scrape cadence).
+            now = time.monotonic()
+            still = cadence.period_s(now) > cadence.fast_s
+            if cadence.due(now, _busy(led)):
                 t0 = time.monotonic_ns()
                 delta = await self.scraper.scrape()
                 t0, t1 = _read_span(self.scraper, t0)
@@ -1144,6 +1148,12 @@ class Daemon:
                                           "unchecked, its tokens are counted", check_faults)
                     if held is not None:  # the held slow window's burst began where this window's rate says
                         start = burst_start_ns(held.since_ns, held.t_ns, held.delta, delta / max(1, t - held.t_ns))
+                        if held.arrived_ns is not None:
+                            # A request that arrived in it ran from its arrival: the window a proxy worker's record
+                            # woke late (its request told the daemon after the server had counted its first tokens)
+                            # held them, and the next window's faster rate put them after the request's tokens the
+                            # proxy placed, which then had no count under them (docs/daemon.md, Scrape cadence).
+                            start = max(held.since_ns, min(start, held.arrived_ns))
                         if start > held.since_ns:
                             self.ledger.add_server_tokens(start, 0.0, held.since_ns, at_finish, partial=held.partial,
                                                           restart_by_fall=held.restart_by_fall, down_ns=held.down_ns,
@@ -1159,7 +1169,8 @@ class Daemon:
                         # a slow window ending a stillness: placed at the next scrape
                         held = _HeldWindow(since, t, delta, self.scraper.finished, partial, (t0, t1), self.scraper.served,
                                            self.scraper.restart_by_fall, self.scraper.window_down_ns,
-                                           self.scraper.window_down_refused, self.scraper.window_read_missed)
+                                           self.scraper.window_down_refused, self.scraper.window_read_missed,
+                                           min((r.trace.arrival_ns for r in led.requests.values()), default=None))
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
                         # With the GET's span: the counter was read somewhere in it (docs/daemon.md, "A counter read
