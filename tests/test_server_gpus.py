@@ -301,6 +301,42 @@ def test_a_daemon_on_every_gpu_of_a_two_gpu_server_knows_they_serve_and_flags_no
     assert "serve the proxied work is not known" not in out
 
 
+def test_a_daemon_gpus_of_several_gpus_tells_nothing_of_which_serve(tmp_path):
+    import urllib.request
+
+    from daemon_helpers import DaemonProc, read_dataset, sim_env
+
+    # daemon.gpus = [0, 1], the server on GPU 0 alone, its processes not findable (another pid namespace: the lookup
+    # made to fail). Before, daemon.gpus was told as every named GPU serving, unchecked: GPU 1's idle draw in every row,
+    # unflagged (the review's daemon: 93 of 94 rows, +7.7% median). It chooses the GPUs sampled only: which serve stays
+    # undecided, the rows flagged, until the GPUs' power judges.
+    (tmp_path / "sc").mkdir()
+    (tmp_path / "sc" / "sitecustomize.py").write_text(
+        "from powerprof.workload import serverprocs\n"
+        "serverprocs.ServerProcesses.__call__ = lambda self: (None, 'hidden by the test')\n")
+    cfg = tmp_path / "daemon.toml"
+    cfg.write_text("[daemon]\ngpus = [0, 1]\n")
+    path = os.pathsep.join([str(tmp_path / "sc"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+                            *sys.path])
+    d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "seed-16g", "--sim-gpus", "2",
+                   "--interval", "0.25", "--flush-interval", "0.5",
+                   env={**sim_env(tmp_path), "POWERPROF_SIM_SERVER_GPUS": "0", "PYTHONPATH": path})
+    try:
+        for _ in range(3):
+            body = json.dumps({"prompt": "hello", "max_tokens": 48}).encode()
+            req = urllib.request.Request(d.info["proxy"] + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            urllib.request.urlopen(req, timeout=60).read()
+    finally:
+        rc = d.stop()
+    out = d.output()
+    assert rc == 0, out[-3000:]
+    reqs = read_dataset(tmp_path / "data", "requests")
+    assert len(reqs) == 3
+    assert reqs["energy_note"].fillna("").str.contains("GPU serving none of its work").all(), reqs["energy_note"]
+    assert "serve the proxied work is not known" in out and "taken as the server's GPUs" not in out
+
+
 def test_the_daemon_names_the_gpus_that_serve_by_nvml_index_and_uuid(caplog):
     import logging
 
@@ -467,7 +503,81 @@ def test_the_daemon_tells_its_ledger_the_sampled_gpus_the_servers_processes_hold
     monkeypatch.setattr(nvml_mod, "gpu_processes", lambda nv, h: None if h.index == 0 else real(nv, h))
     d.ledger, d._helpers_seen = Ledger("d", 0, 2, Sink(), grace_s=0.1), {}
     Daemon._check_placement(d)
-    assert d.ledger._told_serving is None
+    assert d.ledger._told_serving[0] is None  # withdrawn: nothing told
+
+
+@pytest.mark.parametrize("scene", ["missed-worker", "samples-unread"])
+def test_a_serving_mask_the_check_cannot_back_is_not_told_and_the_rows_stay_flagged(scene, monkeypatch):
+    import pynvml
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.metrics import GpuSnapshot, Snapshot, make_registry, render
+    from powerprof.daemon.service import Daemon
+    from powerprof.storage.schema import UNSURE_FLAG
+    from support import LedgerReading as R, RowSink as Sink
+
+    # Both GPUs draw with the work, a wrong told mask in either direction. missed-worker: the server's engine (4242)
+    # on GPU 0 and a tensor-parallel worker the daemon does not find as the server's (a Ray worker, no descendant:
+    # 9999) on GPU 1: told [T, F], the rows' GPU 1 energy dropped (-33% in a review's scene). samples-unread: a 300 MiB
+    # idle context of the server's on GPU 1 whose per-process samples NVML cannot give: told [T, T] (GPU 1 serving
+    # none: +20%). Now nothing is told: which serve stays undecided, the request's row flagged, and /metrics has no
+    # powerprof_gpu_serving meanwhile.
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(0, 4242, 14 << 30, lambda: 1.0)
+    if scene == "missed-worker":
+        sim.add_process(1, 9999, 14 << 30, lambda: 1.0)
+    else:
+        sim.add_process(1, 4243, 300 << 20, lambda: 0.0)
+
+    def no(*_a):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    if scene == "samples-unread":
+        monkeypatch.setattr(sim, "nvmlDeviceGetProcessUtilization", no)
+        monkeypatch.setattr(sim, "nvmlDeviceGetProcessesUtilizationInfo", no)
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
+                        collector=SimpleNamespace(nvml=sim, infos=sim.gpus[:2]),
+                        gpu_uuids={i: sim.gpus[i].uuid for i in (0, 1)}, _unsampled=(), ledger=led,
+                        _idle_said=False, _helper_said=False)
+    Daemon._check_placement(d)
+    tr = _ledger_trace(1, 0.2)
+    led.on_start(tr)
+    for x in range(5):
+        led.add_gpu_sample(x * 10**9, x * 10**9, [R(300.0 * x, 300.0), R(250.0 * x, 250.0)])
+        led.advance(x * 10**9)
+    _ledger_end(led, tr, 4.5)
+    led.close_all(6 * 10**9)
+    assert led.learner.serving is None and led.totals.serving_undecided
+    row = sink.rows["requests"][0]
+    assert UNSURE_FLAG in (row["energy_note"] or "") and "serve the proxied work" in row["energy_note"], row
+    from powerprof.daemon.service import gpu_serving  # what _update_snapshot gives each GPU's gauge
+
+    gpus = tuple(GpuSnapshot(k, f"GPU-{k}", "seed-16g", None, None, None, None, 0.0, serving=gpu_serving(led.totals, k))
+                 for k in range(2))
+    text = render(make_registry(SimpleNamespace(snapshot=Snapshot(gpus=gpus)))).decode()
+    assert not [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "powerprof_gpu_serving"]
+
+
+def _ledger_trace(rid: int, at_s: float):
+    from powerprof.daemon.proxy import RequestTrace
+
+    return RequestTrace(rid, "POST", "/completion", "t", int(at_s * 1e9), 0, api="llamacpp", stream=True)
+
+
+def _ledger_end(led, tr, end_s: float) -> None:
+    from powerprof.daemon.streams import Counts
+
+    for k in range(20):
+        led.on_tokens(tr, int((0.3 + 0.2 * k) * 1e9), 1)
+    tr.first_ns, tr.last_ns, tr.end_ns = int(0.3 * 1e9), int(4.1 * 1e9), int(end_s * 1e9)
+    tr.counts = Counts(generated_tokens=20, prompt_tokens=5, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
 
 
 def test_simulate_with_gpus_puts_the_simulated_server_on_the_selected_gpus(tmp_path):

@@ -25,6 +25,7 @@ import itertools
 import logging
 import math
 import re
+import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -57,7 +58,7 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_interval_note,
                       _idle_unmeasured_note, _gpus_undecided_interval_note, _gpus_undecided_note, UNDECIDED_CAUSE,
-                      UNDECIDED_FIX,
+                      UNDECIDED_DISAGREE, UNDECIDED_FIX,
                       _interval_cache_note, _joined,
                       _no_counter_short_note, _counter_short_note, _no_energy_reason, _parser_held, _request_flags,
                       _secs, _unsaid_reason, _usage_above_note, _usage_below_note, _with_late, _counted_low_interval_note, client_held,
@@ -409,9 +410,12 @@ class Ledger:
         # Set by the daemon while the server also runs on a GPU it does not sample (SERVER_GPU_UNSAMPLED_FLAG, with
         # which and the fix): every interval and request row closed meanwhile says it in its energy_note.
         self.unsampled_note: str | None = None
-        # Which sampled GPUs serve, as the daemon was told (`tell_serving`), and whence, waiting for the next close: set
-        # from the placement check's thread, taken up on the ledger's.
-        self._told_serving: tuple[np.ndarray, str] | None = None
+        # Which sampled GPUs serve, as the daemon was told (`tell_serving`; None: a telling withdrawn), and whence,
+        # waiting for the next close: set from the placement check's thread, taken up on the ledger's, each under the
+        # lock (before, a tell landing between the close's read and its reset was lost).
+        self._told_serving: tuple[np.ndarray | None, str] | None = None
+        self._told_lock = threading.Lock()
+        self._disagree_said: tuple | None = None  # the (told, judged) masks the last disagreement warning named
         self._serving_source = "told"  # the latest told mask's source, in words (the log names it)
         self._serving_said: np.ndarray | None = None  # the serving mask the log last named (None: none named)
         self._undecided_said_ns: int | None = None  # when the log last said which GPUs serve is not known (t's clock)
@@ -637,16 +641,39 @@ class Ledger:
         log.warning("which of the %d sampled GPUs serve the proxied work is not known: %s; %d busy interval(s) since "
                     "start were split with every sampled GPU's energy the work's, their requests' rows say %s and are "
                     "left out of J/token (powerprof_joules_per_token_left_out_intervals_total{reason=\"%s\"}); %s",
-                    self.n_gpus, UNDECIDED_CAUSE, self._undecided_intervals, UNSURE_FLAG, GPUS_UNDECIDED_REASON,
+                    self.n_gpus, UNDECIDED_DISAGREE if self.learner.serving_from == "disagree" else UNDECIDED_CAUSE,
+                    self._undecided_intervals, UNSURE_FLAG, GPUS_UNDECIDED_REASON,
                     UNDECIDED_FIX)
+
+    def _say_disagreement(self) -> None:
+        """A WARNING where the told serving GPUs and those the power judges differ (at each new pair): neither is
+        picked, which serve is undecided and the rows split meanwhile are flagged (workmodel.CostLearner._decide)."""
+        lr = self.learner
+        if lr.serving_from != "disagree":
+            self._disagree_said = None
+            return
+        pair = (tuple(bool(x) for x in lr.told), tuple(bool(x) for x in lr.judged))
+        if pair == self._disagree_said:
+            return
+        self._disagree_said, self._serving_said = pair, None  # the agreeing mask, when it comes, is said anew
+
+        def named(mask):
+            return ", ".join(self.gpu_names[g] for g, on in enumerate(mask) if on) or "none"
+        log.warning("which sampled GPUs serve the proxied work is undecided: %s tells %s, the GPUs' power judges %s "
+                    "(a worker of the server's not seen, or another server's load following the traffic); rows split "
+                    "meanwhile have every sampled GPU's energy the work's, say %s and are left out of J/token "
+                    "(reason %s) until the two agree", self._serving_source, named(pair[0]), named(pair[1]),
+                    UNSURE_FLAG, GPUS_UNDECIDED_REASON)
 
     def tell_serving(self, serving, source: str) -> None:
         """The sampled GPUs (by position) the server runs on, as the daemon found them (`source`, in words: its
-        processes on NVML's process lists, or a set daemon.gpus): taken by the work model at the next close, until
-        it judges them from the GPUs' power (workmodel.CostLearner.tell_serving). Any thread."""
-        mask = np.asarray(serving, dtype=bool)
-        if mask.size == self.n_gpus and mask.any():
-            self._told_serving = (mask, source)
+        processes on NVML's process lists), or None: nothing can be told now (an earlier telling withdrawn): taken by
+        the work model at the next close (workmodel.CostLearner.tell_serving: checked against the GPUs' power once
+        judged, a disagreement leaving which serve undecided). Any thread."""
+        mask = None if serving is None else np.asarray(serving, dtype=bool)
+        if mask is None or (mask.size == self.n_gpus and mask.any()):
+            with self._told_lock:
+                self._told_serving = (mask, source)
 
     # --- recorder interface (called by the proxy) ------------------------------------------
 
@@ -2733,8 +2760,9 @@ class Ledger:
         gpu0 = np.nan_to_num(gpu)
         # GPUs that do none of the proxied work (no server on them): their energy is idle, whole; the
         # requests, bypass traffic and the idle part of busy time split the others' (the work model's).
-        if (told := self._told_serving) is not None:
-            self._told_serving = None
+        with self._told_lock:
+            told, self._told_serving = self._told_serving, None
+        if told is not None:
             self.learner.tell_serving(told[0])
             self._serving_source = told[1]
         serving = self.learner.serving
@@ -3050,9 +3078,10 @@ class Ledger:
         # Said where the mask changes from the one last said (compared with the local `serving`, which the all-serving
         # branch sets to None, the all-serving line came at every close: 15 times in 20 s).
         now_serving = self.learner.serving
+        self._say_disagreement()
         if now_serving is not None and (self._serving_said is None or not np.array_equal(now_serving, self._serving_said)):
             self._serving_said = now_serving.copy()
-            by_power = self.learner.serving_from == "judged"
+            by_power = self.learner.serving_from != "told"
             idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if not on)
             log.info("the proxied work runs on sampled GPU(s) %s; %s (%s)",
                      ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if on) or "none",
@@ -3060,7 +3089,8 @@ class Ledger:
                                                 "hold none of the server's processes")
                       + ": their energy counts as idle, not the requests' (daemon.gpus can leave them out)")
                      if idle_gpus else "every sampled GPU takes part",
-                     "judged from their power" if by_power else self._serving_source)
+                     {"told": self._serving_source, "both": f"{self._serving_source}, and judged from their power alike"}
+                     .get(self.learner.serving_from, "judged from their power"))
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):

@@ -850,20 +850,25 @@ def _gpus_undecided(r: LiveRequest) -> bool:
     return r.gpu_j > 0 and not r.gpu_missing and r.gpus_undecided_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
 
 
-_UNDECIDED_WHY = ("split before the daemon knew which of the sampled GPUs serve the proxied work (the GPUs the "
-                  "server's processes hold on NVML's process lists, else a set daemon.gpus, else judged once "
+_UNDECIDED_WHY = ("split before the daemon knew which of the sampled GPUs serve the proxied work (told by the "
+                  "placement check where its evidence is whole, judged from the GPUs' power once "
                   f"{MIN_IDLE} idle and {MIN_BUSY_GPU} busy intervals are in, or from {MIN_BUSY} busy intervals alone "
-                  "where the work explains their power), so every sampled GPU's energy went to the work, a GPU serving "
-                  "none of it included")
-# Why it may never be known, for the log (ledger._say_undecided), and the fix: both work at once (the placement check
-# tells the ledger, service._check_placement); a load too even never lets the power judge.
-UNDECIDED_CAUSE = ("the server's processes are on no sampled GPU's process list the daemon can read (a remote upstream, "
-                   "another pid namespace, a server not started yet), daemon.gpus is not set, and the GPUs' power has "
-                   f"not yet told ({MIN_IDLE} idle and {MIN_BUSY_GPU} busy intervals, or {MIN_BUSY} busy ones whose "
-                   "work explains the power: never under a load too even)")
-UNDECIDED_FIX = ("fix: run the daemon on the server's host where it can see the server's processes (its pid namespace), "
-                 "or set daemon.gpus to exactly the GPUs the server runs on (each then taken as serving) and restart "
-                 "the daemon")
+                  "where the work explains their power, and the two agreeing where both are in), so every sampled GPU's "
+                  "energy went to the work, a GPU serving none of it included")
+# Why it may never be known, for the log (ledger._say_undecided), and the fix: the placement check tells the ledger at
+# once where its evidence is whole (service._check_placement); a load too even never lets the power judge.
+UNDECIDED_CAUSE = ("the placement check tells nothing (the server's processes on no sampled GPU's process list the daemon "
+                   "can read: a remote upstream, another pid namespace, a server not started yet; or its evidence not "
+                   "whole: a GPU's per-process samples unread, a serving GPU holding under a helper context of the "
+                   "server's, another process's context above a helper's on a GPU the server's processes are not on), "
+                   f"and the GPUs' power has not yet told ({MIN_IDLE} idle and {MIN_BUSY_GPU} busy intervals, or "
+                   f"{MIN_BUSY} busy ones whose work explains the power: never under a load too even)")
+UNDECIDED_DISAGREE = ("the GPUs the placement check finds the server's processes on and those the GPUs' power judges "
+                      "serving disagree (the warning before names both)")
+UNDECIDED_FIX = ("fix: run the daemon on the server's host where it can see the server's processes (its pid namespace) "
+                 "and NVML's per-process samples, or sample only the one GPU a one-GPU server runs on (daemon.gpus); "
+                 "where another process's context is on a sampled GPU, leave that GPU out of daemon.gpus; restart the "
+                 "daemon")
 _UNDECIDED_FIX = "fix: none for this row; for later ones, " + UNDECIDED_FIX.removeprefix("fix: ")
 
 

@@ -548,6 +548,14 @@ class _HeldWindow(NamedTuple):
     arrived_ns: int | None = None
 
 
+def gpu_serving(tot, k: int) -> bool | None:
+    """Whether the `k`th sampled GPU's energy is the work's in the ledger's totals (powerprof_gpu_serving), None where
+    not said: which of several GPUs serve undecided (every GPU's energy the work's: not the same as all serving)."""
+    if tot.serving_undecided:
+        return None
+    return True if tot.serving_mask is None else bool(tot.serving_mask[k]) if k < len(tot.serving_mask) else None
+
+
 class Daemon:
     def __init__(
         self,
@@ -919,8 +927,7 @@ class Daemon:
                     up=0.0 if info.index in self.collector.lost else 1.0,
                     energy_unknown_s=tot.gpu_unknown_s[k] if k < len(tot.gpu_unknown_s) else 0.0,
                     energy_unread=bool(tot.gpu_unread_now[k]) if k < len(tot.gpu_unread_now) else False,
-                    serving=None if tot.serving_undecided else True if tot.serving_mask is None else
-                    bool(tot.serving_mask[k]) if k < len(tot.serving_mask) else None,
+                    serving=gpu_serving(tot, k),
                 )
             )
         # The latest closed interval's end (the edge the open ones start at), on the readings' own clock: a sample
@@ -1498,11 +1505,6 @@ class Daemon:
         self._helper_unsampled = False  # the last check judged a context on an unsampled GPU a helper
         self._helpers_seen: dict = {}  # the last check's helpers (index → (UUID, bytes))
         self._unread_helper_checks: dict = {}  # index → checks in a row a helper's samples could not be read
-        if cfg.get("daemon", "gpus") and len(self.collector.infos) > 1:
-            # Named, the GPUs sampled are taken as the server's until its processes are seen (the placement check, just
-            # below and at each change) or the GPUs' power judges them: where neither can tell (a remote upstream,
-            # another pid namespace, a load too even), every row was flagged until then (docs/daemon.md, "One engine").
-            self.ledger.tell_serving([True] * len(self.collector.infos), "daemon.gpus, taken as the server's GPUs")
         self._check_placement()
         return data_dir
 
@@ -1573,6 +1575,7 @@ class Daemon:
         # not serving: its helper state is kept, and the check kept due, for up to UNREAD_HELPER_CHECKS such checks in
         # a row; then nothing shows it idle any more and it counts as serving (said as unread, not as work seen). A
         # context that grows past the helper bound, or whose samples show work, is serving at once.
+        samples_read = not p.unread  # before a remembered helper's unread samples are taken for a helper's below
         before = getattr(self, "_helpers_seen", {})
         unread = getattr(self, "_unread_helper_checks", {})
         unread = {i: unread.get(i, 0) + 1 for i in p.unread if i in before}
@@ -1583,13 +1586,7 @@ class Daemon:
                 p.helpers[i] = (before[i][0], p.sizes.get(i) or before[i][1])
         self._unread_helper_checks = {i: n for i, n in unread.items() if n < UNREAD_HELPER_CHECKS}
         self._helpers_seen = dict(p.helpers)
-        # The ledger is told which sampled GPUs serve: those the server's processes hold more than a helper context on,
-        # where every sampled GPU's list was read (one NVML cannot give may hold the server too). Before, until the GPUs'
-        # power judged them (never under a load too even) each row of a multi-GPU host was flagged: a 2-GPU
-        # tensor-parallel server, daemon.gpus = [0, 1], 20 of 44 rows (simulator).
-        if not any(i.index in p.unlisted for i in self.collector.infos):
-            self.ledger.tell_serving([i.index in p.server for i in self.collector.infos],
-                                     "the server's processes on NVML's process lists")
+        Daemon._tell_serving(self, p, samples_read)  # as named: tests run the check on a stand-in self
         # The unsampled helpers' pids, sizes and this check's start: what the light look between checks compares, and
         # where the next check's samples begin.
         self._helper_look = ({i: (p.pids.get(i, frozenset()), p.sizes.get(i))
@@ -1624,6 +1621,35 @@ class Daemon:
                 "its energy counts as idle (the requests' attribution keeps it apart), and with it every host total")):
             self._idle_said = True
             log.info("%s", idle)
+
+    def _tell_serving(self, p, samples_read: bool) -> None:
+        """Tells the ledger which sampled GPUs serve (those the server's processes hold more than a helper context on)
+        where the check's evidence is whole, else withdraws any earlier telling (which serve then undecided, the rows
+        flagged until the GPUs' power judges): every sampled GPU's process list and every per-process sample read, each
+        GPU told serving holding at least a helper's bound of the server's, and no other process's context past that
+        bound on a GPU told serving none (a TP worker not found as the server's, e.g. a Ray worker, or another server:
+        either may draw with the work). Before, any check told, and a set daemon.gpus of several GPUs told them all
+        serving unchecked: a wrong mask left rows unflagged, -33% (a missed worker) to +20% (an idle GPU's draw in)."""
+        from powerprof.workload.placement import HELPER_MAX_BYTES
+
+        infos = self.collector.infos
+        serving = [i.index in p.server for i in infos]
+        why = ("a sampled GPU's process list could not be read" if any(i.index in p.unlisted for i in infos) else
+               "NVML's per-process samples could not be read" if not samples_read else
+               "a GPU told serving where the server's processes hold under a helper context's bound, or a size NVML "
+               "does not say" if any(on and (p.sizes.get(i.index) or 0) < HELPER_MAX_BYTES
+                                     for i, on in zip(infos, serving)) else
+               "another process's context past a helper's bound on a GPU the server's processes are not on" if any(
+                   not on and i.index in p.foreign and (p.foreign[i.index] is None  # not said: nothing shows it small
+                                                        or p.foreign[i.index] >= HELPER_MAX_BYTES)
+                   for i, on in zip(infos, serving))
+               else None)
+        if why != getattr(self, "_untold_why", None) and len(infos) > 1:
+            self._untold_why = why
+            if why is not None:
+                log.info("which sampled GPUs serve is not told from the server's processes (%s): judged from the GPUs' "
+                         "power alone, the rows flagged until then", why)
+        self.ledger.tell_serving(None if why else serving, "the server's processes on NVML's process lists")
 
     async def _placement_loop(self) -> None:
         """`_check_placement` whenever a GPU's process list changed (read every PLACEMENT_LIST_S: a server started after

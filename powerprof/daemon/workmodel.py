@@ -189,9 +189,11 @@ class CostLearner:
         self._g_busy_n = 0  # busy intervals ever added to _g_busy
         self._g_busy_judged = 0  # _g_busy_n at the last judgement from busy intervals alone
         self.serving: np.ndarray | None = None  # (G,) the GPUs doing the proxied work; None: not known yet (all)
-        # Where `serving` came from: None (not known), "told" (`tell_serving`: from outside, until judged) or "judged"
-        # (from the GPUs' power, `_judge_gpus`).
+        # Where `serving` came from: None (not known), "told" (`tell_serving`: from outside, not judged yet), "judged"
+        # (from the GPUs' power, `_judge_gpus`, nothing told), "both" (the two agree) or "disagree" (serving None).
         self.serving_from: str | None = None
+        self.told: np.ndarray | None = None  # the mask told (`tell_serving`), None: none
+        self.judged: np.ndarray | None = None  # the mask the GPUs' power judged last, None: not judged yet
         self.fits: dict = {}
 
     def add(self, setting, features: np.ndarray, energy_j: np.ndarray, usable: np.ndarray) -> Fit | None:
@@ -281,35 +283,47 @@ class CostLearner:
         top = float(rise.max())
         if top <= 0:
             return
-        serving = rise >= SERVING_SHARE * top
-        self.serving_from = "judged"
-        self._set_serving(serving)
+        self.judged = rise >= SERVING_SHARE * top
+        self._decide()
 
-    def tell_serving(self, serving: np.ndarray) -> None:
-        """The GPUs doing the proxied work as told from outside (the daemon's placement check: the GPUs the server's
-        processes hold, from NVML's process lists; or a set daemon.gpus), taken until the GPUs' power judges them
-        (`_judge_gpus`), which stands from then on. Before, nothing told: until that judgement every sampled GPU's energy
-        was the work's (each row flagged), never under a load too even to judge."""
-        serving = np.asarray(serving, dtype=bool)
-        if self.serving_from == "judged" or not serving.any():
+    def tell_serving(self, serving: np.ndarray | None) -> None:
+        """The GPUs doing the proxied work as told from outside (the daemon's placement check, where its evidence is
+        whole: service._check_placement), None: nothing told (any earlier telling withdrawn). A told mask is taken until
+        the GPUs' power judges them (`_judge_gpus`); then the two must agree: where they differ, neither is picked (a
+        missed worker, a foreign server following the traffic) and `serving` is None, every row flagged (`_decide`)."""
+        told = None if serving is None else np.asarray(serving, dtype=bool)
+        self.told = told if told is not None and told.any() else None
+        self._decide()
+
+    def _decide(self) -> None:
+        """`serving` from the told mask and the judged one: the one there is, or both where they agree; None where they
+        disagree (serving_from "disagree"). Before, a judgement overrode a told mask and stood, and a told mask stood
+        unchecked until judged: a wrong one of either left rows unflagged, -33%..+50% (a review's ledger scenes)."""
+        told, judged = self.told, self.judged
+        if told is not None and judged is not None and not np.array_equal(told, judged):
+            self.serving_from = "disagree"
+            self._set_serving(None)
             return
-        self.serving_from = "told"
-        self._set_serving(serving)
+        self.serving_from = ("told" if told is not None and judged is None else "judged" if told is None and judged is
+                             not None else "both" if told is not None else None)
+        self._set_serving(told if told is not None else judged)
 
-    def _set_serving(self, serving: np.ndarray) -> None:
-        """`serving` from now on, the windows' energies re-summed over it."""
-        if self.serving is not None and np.array_equal(serving, self.serving):
+    def _set_serving(self, serving: np.ndarray | None) -> None:
+        """`serving` from now on (None: not known, every GPU's energy the work's), the windows' energies re-summed."""
+        if serving is None if self.serving is None else (serving is not None and np.array_equal(serving, self.serving)):
             return
         self.serving = serving
+
+        def over(g: np.ndarray) -> float:  # a GPU's energies summed over the working GPUs (every one: not known)
+            return float(g[serving].sum()) if serving is not None and g.size == serving.size else float(g.sum())
         for setting, yg in self._yg.items():
             ys = self._y[setting]
             ys.clear()
-            ys.extend(float(g[serving].sum()) if g.size == serving.size else float(g.sum()) for g in yg)
+            ys.extend(over(g) for g in yg)
             # Each run of idle intervals that taught the idle power, re-summed over the working GPUs (kept ones
             # past the window too: each holds its power per GPU).
             idle = self._idle[setting]
-            kept = [(n, float(gw[serving].sum()) if gw.size == serving.size else float(gw.sum()), first, gw)
-                    for n, _, first, gw in idle]
+            kept = [(n, over(gw), first, gw) for n, _, first, gw in idle]
             idle.clear()
             idle.extend(k for k in kept if k[1] > 0)
             self._idle_sorted.setdefault(setting, [])[:] = sorted(k[1] for k in idle)

@@ -68,6 +68,10 @@ class Placement:
     unread: dict[int, str] = field(default_factory=dict)
     sizes: dict[int, int | None] = field(default_factory=dict)  # index → bytes the server's processes hold (None: not said)
     pids: dict[int, frozenset] = field(default_factory=dict)  # index → the server's pids there (_helper_moved)
+    # index → the bytes the largest context of a process not the server's holds there (None: a size NVML does not say),
+    # listed GPUs with one only: a worker of the server's not found as its (a TP worker no descendant of it) or another
+    # server, either drawing with the work on a GPU the server's processes are not on.
+    foreign: dict[int, int | None] = field(default_factory=dict)
 
     @property
     def unmeasured(self) -> dict[int, str]:
@@ -203,6 +207,7 @@ def find_placement(nvml, measured: dict[int, str], server_procs, *, since_us: in
     held: dict[int, tuple[str, int | None]] = {}  # index → (UUID, bytes the server's processes hold; None: not said)
     theirs: dict[int, tuple[object, set[int]]] = {}  # index → (handle, the server's pids on it)
     unlisted: list[int] = []
+    foreign: dict[int, int | None] = {}
     for i in range(count):
         h = gw.query("nvmlDeviceGetHandleByIndex", i)
         procs = gpu_processes(nvml, h) if h is not None else None
@@ -211,6 +216,8 @@ def find_placement(nvml, measured: dict[int, str], server_procs, *, since_us: in
             continue
         ours = {pid for pid in set(procs) & pids if _same_process(nvml, pid)}
         mine = [procs[pid] for pid in ours]
+        if others := [b for pid, b in procs.items() if pid not in ours]:
+            foreign[i] = None if any(b is None for b in others) else max(others)
         if mine:
             theirs[i] = (h, ours)
             size = None if any(m is None for m in mine) else sum(mine)
@@ -232,7 +239,7 @@ def find_placement(nvml, measured: dict[int, str], server_procs, *, since_us: in
                 unread[i] = why
         server[i] = u
     return Placement(server, dict(measured), unlisted, helpers, largest, unread, {i: b for i, (_u, b) in held.items()},
-                     {i: frozenset(ours) for i, (_h, ours) in theirs.items()})
+                     {i: frozenset(ours) for i, (_h, ours) in theirs.items()}, foreign)
 
 
 def _idle(nvml, handle, pids: set[int], process_util, since_us: int | None = None,
