@@ -4798,6 +4798,17 @@ def test_a_llamacpp_run_on_that_may_sit_deferred_beside_an_idle_slot_is_not_note
     assert span[1] is not None and 20.9 < span[1] < 21.2, span
 
 
+def test_a_capped_llamacpp_run_on_that_slots_show_ended_early_leaves_past_its_placed_tokens_unflagged():
+    # max_tokens 2000 at 40 tokens/s: estimated 100 s after its leave, placed to the held 30 s, its rest to the estimate
+    # marked (`Ledger._capped_spans`). llama-server cancelled it at 3.0 s (its slot 0's task 7 idle from then). A stream
+    # 40-45 s, past its placed tokens and its slot's end, shares with nothing of it. Before, the counted span was cut
+    # there but the capped one not: flagged (uncertain-uncounted) for nothing.
+    rows = _llamacpp_whole_run_on([], max_tokens=2000, end_s=50.0, beside=(40.0, 45.0), counted_run=(0.6, 3.0),
+                                  slots_at=lambda t: {0: (7, t < 3.0 - 1e-9), 1: (3, False)})
+    note = rows[5]["energy_note"] or ""
+    assert UNSURE_FLAG not in note, note
+
+
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):
     # SGLang runs a stream on 2 s after its client left (`Ledger._run_on`). A stream at 40 tokens/s from 0.5 s, its client
     # gone at `leave`; the server down over (down, up): its old process last scraped at `down`, the new one's first

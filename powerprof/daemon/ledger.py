@@ -2347,6 +2347,11 @@ class Ledger:
         end = max(self._placed_slots_end.get(rid, int(attr.NEVER)), self._placed_end.get(rid, int(attr.NEVER)))
         if rid in self._counted_spans and end < a1:
             self._counted_spans[rid] = (a0, max(a0, end))
+        c0, c1 = self._capped_spans.get(rid, (0, 0))
+        if end <= c0:
+            self._capped_spans.pop(rid, None)  # ended before its rest past the held 30 s: nothing ran there
+        elif end < c1:
+            self._capped_spans[rid] = (c0, end)
 
     def note_down(self, since_ns: int, down_ns: int, refused_ns: int | None) -> None:
         """A scrape since the server's last good one (`since_ns`) found it down (the first began at `down_ns`), one
