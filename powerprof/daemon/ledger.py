@@ -2305,8 +2305,9 @@ class Ledger:
         the first read begun after the latest leave where slots sat idle at that read and the one before, as many as its
         runs need and the one each pinned (`_slots_needed`): a run queued there would have taken them (llama-server
         moves a deferred task back to its queue as a slot is released, `pop_deferred_task`, and a task asks for one
-        free slot unless it has `n` choices or an `id_slot`), so the (slot, task) pairs busy there hold every run still decoding. Ended at the first read
-        where each of them changed task or went idle, its last step before the read's end, plus GONE_ABORT_SLACK_S.
+        free slot unless it has `n` choices or an `id_slot`), so the (slot, task) pairs busy there hold every run still
+        decoding, but for one whose move another deferred task took (docs/daemon.md, a known limit). Ended at the first
+        read where each of them changed task or went idle, its last step before the read's end, plus GONE_ABORT_SLACK_S.
         Before, only a still count closed it: under steady traffic, never."""
         if self.window_slots is None:
             return
