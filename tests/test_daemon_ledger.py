@@ -4750,15 +4750,16 @@ def test_a_whole_answer_llamacpp_run_on_that_stopped_before_its_prefill_guard_en
     assert "the server counts that run's tokens" not in note and UNSURE_FLAG not in note, note
 
 
-def _llamacpp_unknown_span_under_traffic(slots_at):
+def _llamacpp_unknown_span_under_traffic(slots_at, **extra):
     # A llama.cpp whole answer left at 1.0 s, no max_tokens: its counted span has no known end (`Ledger._run_on`). 300 s
     # of 0.1 s scrape windows, 5 tokens each (other traffic: the count never still); `slots_at(t)`: the /slots read
-    # then, {slot id: (task id, busy)} (`Ledger.window_slots`). The span's (start, end) in s, None for no end.
+    # then, {slot id: (task id, busy)} (`Ledger.window_slots`); `extra`: its body's terms (choices, id_slot). The span's
+    # (start, end) in s, None for no end.
     from powerprof.daemon import attribution as attr
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.count_each_step, led.runs_on_after_leave, led.scraping = True, (None, None), True
     tr = RequestTrace(2, "POST", "/v1/chat/completions", None, int(0.5 * S), 0, api="openai-chat", stream=False)
-    tr.extra.update(prompt_chars=400)
+    tr.extra.update(prompt_chars=400, **extra)
     led.on_start(tr)
     tr.end_ns, tr.outcome = int(1.0 * S), "client_disconnected"
     led.on_end(tr)
@@ -4791,6 +4792,42 @@ def test_a_llamacpp_run_on_with_no_known_end_stays_open_while_its_slot_may_run_i
     # task changing at each): the run may have queued behind them, unseen on any slot, so no read notes its slots and
     # today's rule (a still count) stays.
     assert _llamacpp_unknown_span_under_traffic(slots)[1] is None
+
+
+def test_a_llamacpp_run_on_that_may_sit_deferred_beside_an_idle_slot_is_not_noted_by_it():
+    # llama-server defers a task of n choices until it has a free slot for each (a parent and n-1 child tasks), and one
+    # pinned by id_slot while that slot is busy, so either may sit queued beside an idle slot (`Ledger._slots_needed`).
+    # n=2: 3 slots, slot 0 task 7 to 10 s, slot 1 idle from 1.95 s, slot 2 task 8 to 12 s; its two tasks take slots 0
+    # and 1 at 10 s (9, 10) and decode to 30 s for nobody. Before, slot 1 idle at two reads noted it at 2 s beside
+    # tasks 7 and 8: its span ended at 13 s, the rows 13-30 s unflagged.
+    def n2(t):
+        return {0: (7, True) if t < 10.0 - 1e-9 else (9, t < 30.0 - 1e-9),
+                1: (5, True) if t < 1.95 else (5, False) if t < 10.0 - 1e-9 else (10, t < 30.0 - 1e-9),
+                2: (8, t < 12.0 - 1e-9)}
+    span = _llamacpp_unknown_span_under_traffic(n2, sequences=2, choices=2)
+    assert span[1] is not None and 30.0 < span[1] < 31.3, span
+    # Pinned to slot 1 (busy with task 5 to 10 s), slot 0 idle: it runs as task 9 on slot 1 from 10 s to 30 s. Before,
+    # slot 0 idle at two reads noted it beside task 5: its span ended at 11 s.
+    def pinned(t):
+        return {0: (3, False), 1: (5, True) if t < 10.0 - 1e-9 else (9, t < 30.0 - 1e-9)}
+    span = _llamacpp_unknown_span_under_traffic(pinned, id_slot=1)
+    assert span[1] is not None and 30.0 < span[1] < 31.3, span
+    # Its needs met (two slots idle beside its n=2 run on slots 0 and 1 to 20 s): noted, it ends at its slots' end.
+    span = _llamacpp_unknown_span_under_traffic(
+        lambda t: {0: (7, t < 20.0 - 1e-9), 1: (8, t < 20.0 - 1e-9), 2: (3, False), 3: (4, False)},
+        sequences=2, choices=2)
+    assert span[1] is not None and 20.9 < span[1] < 21.2, span
+
+
+def test_a_capped_llamacpp_run_on_that_slots_show_ended_early_leaves_past_its_placed_tokens_unflagged():
+    # max_tokens 2000 at 40 tokens/s: estimated 100 s after its leave, placed to the held 30 s, its rest to the estimate
+    # marked (`Ledger._capped_spans`). llama-server cancelled it at 3.0 s (its slot 0's task 7 idle from then). A stream
+    # 40-45 s, past its placed tokens and its slot's end, shares with nothing of it. Before, the counted span was cut
+    # there but the capped one not: flagged (uncertain-uncounted) for nothing.
+    rows = _llamacpp_whole_run_on([], max_tokens=2000, end_s=50.0, beside=(40.0, 45.0), counted_run=(0.6, 3.0),
+                                  slots_at=lambda t: {0: (7, t < 3.0 - 1e-9), 1: (3, False)})
+    note = rows[5]["energy_note"] or ""
+    assert UNSURE_FLAG not in note, note
 
 
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):

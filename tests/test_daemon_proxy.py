@@ -2628,3 +2628,14 @@ def test_a_deeply_nested_400_body_ends_its_request_with_no_message():
     rec = _run(main())
     assert len(rec.ended) == 1 and rec.ended[0].recorder_error is None, rec.ended
     assert rec.ended[0].extra.get("error_message") is None
+
+
+def test_a_request_body_id_slot_is_kept_for_the_ledger():
+    # llama-server defers a task pinned by id_slot while that slot is busy: the ledger's run-on watch needs that slot
+    # idle (Ledger._slots_needed). A negative one (llama-server's -1: any slot) or not an int is not kept.
+    from powerprof.daemon.proxy import inspect_request_body
+
+    for v, kept in ((1, 1), (-1, None), ("1", None), (True, None)):
+        extra = {}
+        inspect_request_body(json.dumps({"prompt": "p", "id_slot": v}).encode(), api="llamacpp", extra=extra)
+        assert extra.get("id_slot") == kept, (v, extra)

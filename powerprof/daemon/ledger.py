@@ -533,6 +533,10 @@ class Ledger:
         # By counted span: (its latest leave, to note from at the first /slots read begun after it, or None once noted;
         # the (slot id, task id) pairs busy there), and the slots seen idle at the latest read handled.
         self._counted_watch: dict[int, tuple[int | None, frozenset]] = {}
+        # By counted span not yet noted: the slots idle at both reads its runs need before one notes it, (how many, which
+        # ids): llama-server defers a task of `n` choices until `n` slots are free, one pinned by `id_slot` while that
+        # slot is busy (`_slots_needed`), so such a run may sit queued while fewer slots idle.
+        self._counted_need: dict[int, tuple[int, frozenset]] = {}
         self._slots_handled: tuple[int, frozenset] | None = None
         # By placed counted span (a run-on placed to its max_tokens): where /slots showed its run had ended (that
         # read's end plus GONE_ABORT_SLACK_S), and where its placed tokens end; the span ends at the later of the two,
@@ -1002,7 +1006,11 @@ class Ledger:
                 self._counted_spans[rid] = (min(a0, start), int(attr.NEVER))
                 self._counted_from[rid] = max(self._counted_from.get(rid, 0), guard)
                 # Its slots are noted afresh after this leave, beside those of the runs already in the span.
-                self._counted_watch[rid] = (int(tr.end_ns), self._counted_watch.get(rid, (None, frozenset()))[1])
+                after, watched = self._counted_watch.get(rid, (None, frozenset()))
+                n0, ids0 = self._counted_need.get(rid, (1, frozenset())) if after is not None else (1, frozenset())
+                n1, ids1 = self._slots_needed(tr)
+                self._counted_need[rid] = (max(n0, n1), ids0 | ids1)
+                self._counted_watch[rid] = (int(tr.end_ns), watched)
                 return
             span_s = 2.0 * limit / float(np.median(self._paces))
             r.run_on_end_ns, r.run_on_to_end = tr.end_ns + int(min(span_s, RUN_ON_TO_END_MAX_S) * 1e9), True
@@ -1014,6 +1022,7 @@ class Ledger:
                 # Watched by its slots as a run with no known end is (`_end_counted_by_slots`): a run llama-server
                 # cancelled early (at its first quiet second) or ended sooner than held ends its span sooner.
                 self._counted_watch[tr.request_id] = (int(tr.end_ns), frozenset())
+                self._counted_need[tr.request_id] = self._slots_needed(tr)
                 self._placed_slots_end[tr.request_id] = int(attr.NEVER)
             if span_s > RUN_ON_TO_END_MAX_S:
                 # Its rest, past the held 30 s, is placed nowhere: its work is in the shares of the requests beside it
@@ -1032,6 +1041,18 @@ class Ledger:
             return  # gone before its first token (or a whole answer, its tokens unseen): `_run_on_gone` at its close
         # Placed once the streams beside it have shown that run (`_place_run_ons`; the intervals from here held till then).
         r.run_on_from_ns = max([tr.last_ns, *r.ev_t[-1:], *(e.t_ns for e in self.edges[:1])])  # none in a closed interval
+
+    @staticmethod
+    def _slots_needed(tr: RequestTrace) -> tuple[int, frozenset]:
+        """The slots that must sit idle at two /slots reads before one notes a llama.cpp run-on's slots
+        (`_end_counted_by_slots`): (how many, which ids). llama-server defers a task of `n` choices (a parent and n-1
+        child tasks) until it finds a free slot for each, and one pinned by `id_slot` while that slot is busy
+        (server-context.cpp: "try getting free slots for all child tasks", "requested slot is unavailable, we defer"):
+        with fewer idle, or its own slot busy, it may sit queued, on no slot. Before, one idle slot noted it: an n=2
+        run queued to 10 s and run to 30 s, beside 3 slots one idle, had its span end at 13 s, the rows to 30 s
+        unflagged."""
+        pinned = tr.extra.get("id_slot")
+        return max(tr.extra.get("choices", 1), 1), frozenset(() if pinned is None else (pinned,))
 
     def _counted_start_ns(self, r: LiveRequest) -> int:
         """Where a llama.cpp whole answer's counted span (`_counted_spans`) starts: its arrival. Its tokens before the
@@ -2308,10 +2329,12 @@ class Ledger:
     def _end_counted_by_slots(self) -> None:
         """End the counted spans with no known end whose runs' slots have moved on, by the latest /slots read
         (`window_slots`); a placed one's at the later of that and its placed tokens' end (`_cut_placed_span`). Noted at
-        the first read begun after the latest leave where a slot sat idle at that read and the one before (a run queued
-        behind full slots would have taken it: llama-server hands a deferred task the slot freed at once,
-        `pop_deferred_task`): the (slot, task) pairs busy there hold every run still decoding. Ended at the first read
-        where each of them changed task or went idle, its last step before the read's end, plus GONE_ABORT_SLACK_S.
+        the first read begun after the latest leave where slots sat idle at that read and the one before, as many as its
+        runs need and the one each pinned (`_slots_needed`): a run queued there would have taken them (llama-server
+        moves a deferred task back to its queue as a slot is released, `pop_deferred_task`, and a task asks for one
+        free slot unless it has `n` choices or an `id_slot`), so the (slot, task) pairs busy there hold every run still
+        decoding, but for one whose move another deferred task took (docs/daemon.md, a known limit). Ended at the first
+        read where each of them changed task or went idle, its last step before the read's end, plus GONE_ABORT_SLACK_S.
         Before, only a still count closed it: under steady traffic, never."""
         if self.window_slots is None:
             return
@@ -2321,15 +2344,17 @@ class Ledger:
         idle = frozenset(sid for sid, (_, busy) in slots.items() if not busy)
         idle_before = self._slots_handled[1] if self._slots_handled is not None else frozenset()
         self._slots_handled = (r1, frozenset((sid, slots[sid][0]) for sid in idle))
-        idle_kept = any((sid, slots[sid][0]) in idle_before for sid in idle)
+        kept = frozenset(sid for sid in idle if (sid, slots[sid][0]) in idle_before)  # idle at both reads
         for rid, (after, watched) in list(self._counted_watch.items()):
             a0, a1 = self._counted_spans.get(rid, (0, 0))
             placed = self._placed_slots_end.get(rid)
             if (a1 < int(attr.NEVER)) if placed is None else placed < int(attr.NEVER):
                 continue
             if after is not None:
-                if r0 < after or not idle_kept:
-                    continue
+                n, ids = self._counted_need.get(rid, (1, frozenset()))
+                if r0 < after or len(kept) < n or not ids <= kept:
+                    continue  # its runs may sit queued, on no slot (`_slots_needed`)
+                self._counted_need.pop(rid, None)
                 after, watched = None, watched | {(sid, task) for sid, (task, busy) in slots.items() if busy}
                 self._counted_watch[rid] = (after, watched)
             if all(not slots.get(sid, (None, False))[1] or slots[sid][0] != task for sid, task in watched):
@@ -2350,6 +2375,11 @@ class Ledger:
         end = max(self._placed_slots_end.get(rid, int(attr.NEVER)), self._placed_end.get(rid, int(attr.NEVER)))
         if rid in self._counted_spans and end < a1:
             self._counted_spans[rid] = (a0, max(a0, end))
+        c0, c1 = self._capped_spans.get(rid, (0, 0))
+        if end <= c0:
+            self._capped_spans.pop(rid, None)  # ended before its rest past the held 30 s: nothing ran there
+        elif end < c1:
+            self._capped_spans[rid] = (c0, end)
 
     def note_down(self, since_ns: int, down_ns: int, refused_ns: int | None) -> None:
         """A scrape since the server's last good one (`since_ns`) found it down (the first began at `down_ns`), one
@@ -2981,6 +3011,7 @@ class Ledger:
         self._counted_spans = {k: s for k, s in self._counted_spans.items() if s[1] > t[0]}
         self._counted_from = {k: v for k, v in self._counted_from.items() if k in self._counted_spans}
         self._counted_watch = {k: v for k, v in self._counted_watch.items() if k in self._counted_spans}
+        self._counted_need = {k: v for k, v in self._counted_need.items() if k in self._counted_spans}
         self._placed_slots_end = {k: v for k, v in self._placed_slots_end.items() if k in self._counted_spans}
         self._placed_end = {k: v for k, v in self._placed_end.items() if k in self._counted_spans}
         counted_iv = np.zeros(t.size - 1, bool)

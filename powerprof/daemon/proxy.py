@@ -634,6 +634,9 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             n = request_choices(doc, api)
             if n > 1:
                 extra["choices"] = n
+        pinned = doc.get("id_slot")
+        if type(pinned) is int and 0 <= pinned <= MAX_SEQUENCES:
+            extra["id_slot"] = pinned  # llama-server defers it while that slot is busy (Ledger._slots_needed)
         if api == "llamacpp":
             # llama-server's rule for its native /completion (`n_predict`, else `max_tokens`): -1, its default, is none.
             # Unread, a whole answer whose client left there was not run on to its end (Ledger._run_on).
