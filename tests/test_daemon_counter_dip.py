@@ -1344,10 +1344,10 @@ def test_a_simulated_llamacpp_behind_a_routers_503_blip_keeps_its_windows_whole(
     assert abs(got["bypass_counted"] - got["bypass_run"]) <= 1 + 0.05 * got["bypass_run"], got
 
 
-def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: bool) -> tuple[list, Scraper, int]:
+def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: str | None) -> tuple[list, Scraper, int]:
     """llama.cpp, proxy.workers = 2, pages 100 (task 1 decoding 10), 150 (task 2 decoding 20: task 1 ended, the counter
     read again), a restart no scrape saw, 400 (task 3 decoding 5: read again, 440, a 40-token answer ended after
-    /slots; or, `bad_slots`, /slots unreadable: the scrape fails), 450 (task 3 decoding 10). A worker's connect refused
+    /slots; or /slots the page `bad_slots`, unreadable: the scrape fails), 450 (task 3 decoding 10). A worker's connect refused
     10 ms before the third scrape began reaches the daemon in its flush 10 ms into it; the other worker is idle (its
     clock last said at its heartbeat). Gives each scrape's (delta, window_partial, window_down_refused,
     window_read_missed, down_open(), paths asked), the scraper and the refusal's time."""
@@ -1363,7 +1363,7 @@ def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: bool) -> tuple[li
         return json.dumps([{"id": 0, "id_task": task, "is_processing": True, "next_token": [{"n_decoded": n}]}])
 
     # (the counter, /slots, the counter read again)
-    steps = [(100, slots(1, 10), 100), (150, slots(2, 20), 150), (400, "{not json" if bad_slots else slots(3, 5), 440),
+    steps = [(100, slots(1, 10), 100), (150, slots(2, 20), 150), (400, bad_slots or slots(3, 5), 440),
              (450, slots(3, 10), 450)]
     asked: list[str] = []
 
@@ -1419,16 +1419,21 @@ def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: bool) -> tuple[li
 def test_a_proxy_workers_refusal_flushed_into_a_llamacpp_scrape_that_reads_the_counter_again_finds_the_server_down():
     # The counter's second read comes before the wait for the workers' refusals (Scraper._scrape_llamacpp): the
     # refusal flushed in the wait is still judged against this scrape's page (250 past the old reading: said).
-    got, sc, refused = _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots=False)
+    got, sc, refused = _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots=None)
     assert [g[:4] for g in got] == [(0.0, (), False, 0.0), (60.0, (), False, 0.0),
                                     (235.0, ("counter_below",), True, 40.0), (55.0, (), False, 0.0)], got
     assert got[2][5] == ("/metrics", "/slots", "/metrics"), got[2]
 
 
-def test_a_proxy_workers_refusal_flushed_into_a_llamacpp_scrape_whose_slots_are_unreadable_is_open_at_once():
+@pytest.mark.parametrize("bad_slots", ["{not json", "[" * 100_000 + "]" * 100_000,
+                                       '[{"id": 0, "id_task": 3, "is_processing": true, "next_token": [null]}]'],
+                         ids=["not-json", "nested-past-the-stack", "next-token-null"])
+def test_a_proxy_workers_refusal_flushed_into_a_llamacpp_scrape_whose_slots_are_unreadable_is_open_at_once(bad_slots):
     # /slots unreadable fails the scrape, which still waits for the workers' refusals up to its start: the death is
     # open (down_open, the ledger's note_down) from this scrape on. Before, the failed scrape took them at once, without
-    # the wait, and the refusal flushed 10 ms in was open only a scrape later; the next page is said either way.
-    got, sc, refused = _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots=True)
+    # the wait, and the refusal flushed 10 ms in was open only a scrape later; the next page is said either way. Only a
+    # ValueError waited: one nested past Python's stack (RecursionError) or a null where a slot's next_token is
+    # (AttributeError) still fell to scrape()'s catch-all, which takes the refusals without the wait.
+    got, sc, refused = _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots=bad_slots)
     assert got[2][0] is None and got[2][4] == (refused, refused), got
     assert got[3][:3] == (290.0, ("counter_below",), True), got
