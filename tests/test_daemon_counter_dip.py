@@ -1152,7 +1152,7 @@ def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | Non
     nvml = SimNVML("a100-40g", state_path=None)
     srv = SimServer(nvml, flavour=flavour, n_slots=16, batching="continuous", decode_tok_s=200.0, draft_n_max=0).start()
     nginx = "<html><body><h1>503 Service Temporarily Unavailable</h1></body></html>"
-    router = {"503_until": 0.0, "answered_503": 0}
+    router = {"503_until": 0.0, "answered_503": 0, "blip_ns": None}
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -1209,6 +1209,7 @@ def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | Non
                         await asyncio.sleep(0.05)
                     end[0] = time.monotonic() + run_s - blip_at_s
                     router["503_until"] = time.monotonic() + lag_s
+                    router["blip_ns"] = (time.monotonic_ns(), int(router["503_until"] * 1e9))
                 if restart_at_s is not None:
                     await asyncio.sleep(restart_at_s)
                     # The gateway's own health check sees the server go (not a scrape that must land in its 0.3 s down:
@@ -1232,12 +1233,19 @@ def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | Non
         srv.stop()
     rows = read_dataset(tmp_path / "data", "intervals").to_dict("records")
     marks = [r["server_count"] or "" for r in rows]
+    near = []  # the counter_below rows over the blip +- one scrape, as (start, end) since the daemon's start
+    if router["blip_ns"] is not None:
+        lo, hi = ((t - daemon.ledger.t0_ns) / 1e9 for t in router["blip_ns"])
+        near = [(r["t_start_mono_s"], r["t_start_mono_s"] + r["duration_s"]) for r, m in zip(rows, marks)
+                if "counter_below" in m and r["t_start_mono_s"] < hi + scrape_s
+                and r["t_start_mono_s"] + r["duration_s"] > lo - scrape_s]
     return {
         "answered_503": router["answered_503"],
         "rows": len(rows),
         "rows_complete": sum(m == "complete" for m in marks),
         "marks": sorted({m for m in marks if m != "complete"}),
         "rows_counter_below": sum("counter_below" in m for m in marks),
+        "counter_below_near_blip": near,
         "scraper_said_below": daemon.scraper.below,  # the scraper's own counter_below pages (`Scraper._said_below`)
         "rows_server_restart": sum("server_restart" in m for m in marks),
         "restarts_told": daemon.scraper.restarts,
@@ -1336,10 +1344,11 @@ def test_a_simulated_llamacpp_behind_a_routers_503_blip_keeps_its_windows_whole(
     13 s): the count reconciler's windows whose count lost tokens nothing explains (`reconcile._lost_beyond`, with
     proxy_lag: a loaded host's proxy late behind llama-server's end-of-request counter), out of J/token and said, not
     the blip's doing. So the blip's own judgment is what is held here: the scraper said no page counter_below (sent
-    to `_down_back`, as a down, it would), told no restart, and the count is exact."""
+    to `_down_back`, as a down, it would), told no restart, no row over the blip +- one scrape is counter_below (one
+    the reconciler flagged there would hide a blip said so), and the count is exact."""
     got = blip_run(tmp_path, blip_at_s=6.0, lag_s=0.4, run_s=7.0, bypass_lanes=2, flavour="llamacpp", blip_old_s=1.5)
     assert got["answered_503"] >= 1, got
-    assert got["scraper_said_below"] == 0, got
+    assert got["scraper_said_below"] == 0 and got["counter_below_near_blip"] == [], got
     assert got["rows_server_restart"] == 0 and got["restarts_told"] == 0, got
     assert abs(got["bypass_counted"] - got["bypass_run"]) <= 1 + 0.05 * got["bypass_run"], got
 
