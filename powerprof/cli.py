@@ -1550,8 +1550,10 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
         sys.exit(service.EXIT_CONFIG)
     if check:
         click.echo(f"config OK ({cfg.source})")
-        args = [a for flag, v in [("--config", config_path), *given.items()] if v is not None for a in (flag, str(v))]
-        if (note := dconfig.check_user_note(args=["--simulate", *args] if simulate else args)) is not None:
+        # Every option given, --simulate's profile and --sim-gpus too: the note's command checks this very config.
+        args = [a for flag, v in [("--config", config_path), ("--simulate", simulate), ("--sim-gpus", sim_gpus),
+                                  *given.items()] if v is not None for a in (flag, str(v))]
+        if (note := dconfig.check_user_note(args=args)) is not None:
             click.echo(note, err=True)
         return
     from powerprof.rig import Rig

@@ -1345,6 +1345,13 @@ _HOSTILE_SUMMARY = {  # what analysis.json / run.json hold (a dict: merged into 
     "series=[str]": ("analysis.json", {"series": ["s"]}, "not of the form analyze writes"),
     "ci_low=str": ("analysis.json", {"recommendation": {"ci_low": "a", "ci_high": 1}}, "not of the form analyze writes"),
     "runs=5": ("analysis.json", {"runs": 5}, "not of the form analyze writes"),
+    # a 401-digit integer (valid JSON) where a figure is: `:g` raised OverflowError, a traceback after the tables
+    "ci_low=10**400": ("analysis.json", {"recommendation": {"recommended_value": 250, "ci_low": 10**400, "ci_high": 1}},
+                       "not of the form analyze writes"),
+    "left_out=10**400": ("analysis.json", {"recommendation": {"recommended_value": 250, "left_out": [
+        {"level_value": 10**400, "why": "x"}]}}, "not of the form analyze writes"),
+    "configurations.left_out=10**400": ("analysis.json", {"configurations": {"chosen": "a", "left_out": [
+        {"config_id": "b", "level_value": 10**400}]}}, "not of the form analyze writes"),
     "run=[1]": ("run.json", "[1]", "is not a JSON object (a list)"),
     "run=str": ("run.json", '"s"', "is not a JSON object (a str)"),
     "run nested": ("run.json", "[" * 200_000, "nested deeper than Python's parser goes"),

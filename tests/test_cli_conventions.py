@@ -150,6 +150,19 @@ def test_daemon_check_as_root_says_its_writability_is_roots(tmp_path, monkeypatc
     assert "--config" not in flat and (f"daemon --check --data-dir {tmp_path / 'dd'}" in flat) == (euid == 0), flat
 
 
+def test_daemon_check_as_root_repeats_simulate_and_sim_gpus_as_given(tmp_path, monkeypatch):
+    # The root note's command said a bare `--simulate` (its profile dropped) and no --sim-gpus: run as told, it checked
+    # another rig than this one (the default profile, one GPU, where daemon.gpus may name more).
+    from powerprof.daemon import config as dconfig
+
+    monkeypatch.setattr(dconfig.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(dconfig.os, "access", lambda *a, **k: True)
+    r = run("daemon", "--check", "--simulate", "l4-24g", "--sim-gpus", "2", "--data-dir", str(tmp_path / "dd"))
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 0 and "config OK" in flat, flat
+    assert f"daemon --check --simulate l4-24g --sim-gpus 2 --data-dir {tmp_path / 'dd'}" in flat, flat
+
+
 def test_devices_json_uses_run_json_key_names():
     info = json.loads(run("devices", "--simulate", "--json").output)
     (g,) = info["gpus"]

@@ -1163,7 +1163,7 @@ def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | Non
     nvml = SimNVML("a100-40g", state_path=None)
     srv = SimServer(nvml, flavour=flavour, n_slots=16, batching="continuous", decode_tok_s=200.0, draft_n_max=0).start()
     nginx = "<html><body><h1>503 Service Temporarily Unavailable</h1></body></html>"
-    router = {"503_until": 0.0, "answered_503": 0}
+    router = {"503_until": 0.0, "answered_503": 0, "blip_ns": None}
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -1220,6 +1220,7 @@ def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | Non
                         await asyncio.sleep(0.05)
                     end[0] = time.monotonic() + run_s - blip_at_s
                     router["503_until"] = time.monotonic() + lag_s
+                    router["blip_ns"] = (time.monotonic_ns(), int(router["503_until"] * 1e9))
                 if restart_at_s is not None:
                     await asyncio.sleep(restart_at_s)
                     # The gateway's own health check sees the server go (not a scrape that must land in its 0.3 s down:
@@ -1243,12 +1244,19 @@ def blip_run(tmp_path, restart_at_s: float | None = None, blip_at_s: float | Non
         srv.stop()
     rows = read_dataset(tmp_path / "data", "intervals").to_dict("records")
     marks = [r["server_count"] or "" for r in rows]
+    near = []  # the counter_below rows over the blip +- one scrape, as (start, end) since the daemon's start
+    if router["blip_ns"] is not None:
+        lo, hi = ((t - daemon.ledger.t0_ns) / 1e9 for t in router["blip_ns"])
+        near = [(r["t_start_mono_s"], r["t_start_mono_s"] + r["duration_s"]) for r, m in zip(rows, marks)
+                if "counter_below" in m and r["t_start_mono_s"] < hi + scrape_s
+                and r["t_start_mono_s"] + r["duration_s"] > lo - scrape_s]
     return {
         "answered_503": router["answered_503"],
         "rows": len(rows),
         "rows_complete": sum(m == "complete" for m in marks),
         "marks": sorted({m for m in marks if m != "complete"}),
         "rows_counter_below": sum("counter_below" in m for m in marks),
+        "counter_below_near_blip": near,
         "scraper_said_below": daemon.scraper.below,  # the scraper's own counter_below pages (`Scraper._said_below`)
         "rows_server_restart": sum("server_restart" in m for m in marks),
         "restarts_told": daemon.scraper.restarts,
@@ -1357,18 +1365,19 @@ def test_a_simulated_llamacpp_behind_a_routers_503_blip_keeps_its_windows_whole(
     13 s): the count reconciler's windows whose count lost tokens nothing explains (`reconcile._lost_beyond`, with
     proxy_lag: a loaded host's proxy late behind llama-server's end-of-request counter), out of J/token and said, not
     the blip's doing. So the blip's own judgment is what is held here: the scraper said no page counter_below (sent
-    to `_down_back`, as a down, it would), told no restart, and the count is exact."""
+    to `_down_back`, as a down, it would), told no restart, no row over the blip +- one scrape is counter_below (one
+    the reconciler flagged there would hide a blip said so), and the count is exact."""
     got = blip_run(tmp_path, blip_at_s=6.0, lag_s=0.4, run_s=7.0, bypass_lanes=2, flavour="llamacpp", blip_old_s=1.5)
     assert got["answered_503"] >= 1, got
-    assert got["scraper_said_below"] == 0, got
+    assert got["scraper_said_below"] == 0 and got["counter_below_near_blip"] == [], got
     assert got["rows_server_restart"] == 0 and got["restarts_told"] == 0, got
     assert abs(got["bypass_counted"] - got["bypass_run"]) <= 1 + 0.05 * got["bypass_run"], got
 
 
-def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: bool) -> tuple[list, Scraper, int]:
+def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: str | None) -> tuple[list, Scraper, int]:
     """llama.cpp, proxy.workers = 2, pages 100 (task 1 decoding 10), 150 (task 2 decoding 20: task 1 ended, the counter
     read again), a restart no scrape saw, 400 (task 3 decoding 5: read again, 440, a 40-token answer ended after
-    /slots; or, `bad_slots`, /slots unreadable: the scrape fails), 450 (task 3 decoding 10). A worker's connect refused
+    /slots; or /slots the page `bad_slots`, unreadable: the scrape fails), 450 (task 3 decoding 10). A worker's connect refused
     10 ms before the third scrape began reaches the daemon in its flush 10 ms into it; the other worker is idle (its
     clock last said at its heartbeat). Gives each scrape's (delta, window_partial, window_down_refused,
     window_read_missed, down_open(), paths asked), the scraper and the refusal's time."""
@@ -1384,7 +1393,7 @@ def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: bool) -> tuple[li
         return json.dumps([{"id": 0, "id_task": task, "is_processing": True, "next_token": [{"n_decoded": n}]}])
 
     # (the counter, /slots, the counter read again)
-    steps = [(100, slots(1, 10), 100), (150, slots(2, 20), 150), (400, "{not json" if bad_slots else slots(3, 5), 440),
+    steps = [(100, slots(1, 10), 100), (150, slots(2, 20), 150), (400, bad_slots or slots(3, 5), 440),
              (450, slots(3, 10), 450)]
     asked: list[str] = []
 
@@ -1440,16 +1449,21 @@ def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: bool) -> tuple[li
 def test_a_proxy_workers_refusal_flushed_into_a_llamacpp_scrape_that_reads_the_counter_again_finds_the_server_down():
     # The counter's second read comes before the wait for the workers' refusals (Scraper._scrape_llamacpp): the
     # refusal flushed in the wait is still judged against this scrape's page (250 past the old reading: said).
-    got, sc, refused = _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots=False)
+    got, sc, refused = _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots=None)
     assert [g[:4] for g in got] == [(0.0, (), False, 0.0), (60.0, (), False, 0.0),
                                     (235.0, ("counter_below",), True, 40.0), (55.0, (), False, 0.0)], got
     assert got[2][5] == ("/metrics", "/slots", "/metrics"), got[2]
 
 
-def test_a_proxy_workers_refusal_flushed_into_a_llamacpp_scrape_whose_slots_are_unreadable_is_open_at_once():
+@pytest.mark.parametrize("bad_slots", ["{not json", "[" * 100_000 + "]" * 100_000,
+                                       '[{"id": 0, "id_task": 3, "is_processing": true, "next_token": [null]}]'],
+                         ids=["not-json", "nested-past-the-stack", "next-token-null"])
+def test_a_proxy_workers_refusal_flushed_into_a_llamacpp_scrape_whose_slots_are_unreadable_is_open_at_once(bad_slots):
     # /slots unreadable fails the scrape, which still waits for the workers' refusals up to its start: the death is
     # open (down_open, the ledger's note_down) from this scrape on. Before, the failed scrape took them at once, without
-    # the wait, and the refusal flushed 10 ms in was open only a scrape later; the next page is said either way.
-    got, sc, refused = _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots=True)
+    # the wait, and the refusal flushed 10 ms in was open only a scrape later; the next page is said either way. Only a
+    # ValueError waited: one nested past Python's stack (RecursionError) or a null where a slot's next_token is
+    # (AttributeError) still fell to scrape()'s catch-all, which takes the refusals without the wait.
+    got, sc, refused = _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots=bad_slots)
     assert got[2][0] is None and got[2][4] == (refused, refused), got
     assert got[3][:3] == (290.0, ("counter_below",), True), got

@@ -587,11 +587,14 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
 
     import aiohttp
 
+    from powerprof.daemon.ledger import BATCH_PREFILL_FLOOR_TOK_S
+    from powerprof.daemon.rowtext import GONE_ABORT_SLACK_S
     from powerprof.storage.schema import UNSURE_FLAG
 
     srv, daemon = _h200_daemon(tmp_path, "sglang", overrides={"scrape.server": "none"}, decode_tok_s=100.0, n_ctx=256)
     band = " ".join(["w"] * 253)  # 254 tokens with the BOS, of a 256-token context: the other runs to its end
     spans: list = []  # the ledger's batch span(s), as the streams beside the batch ended
+    paces: list = []  # the streams' pace the daemon had learned as it took the batch (tokens/s)
 
     async def scene(url):
         await _until_idle_measured(daemon)  # else the first streams are uncertain for that alone (start-up idle flag)
@@ -603,13 +606,15 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
                     headers={"X-Sim-Request-Id": "batch", "X-Powerprof-Tag": "batch"}) as r:
                 assert r.status == 400, await r.text()
             span_end_ns = await _batch_span_end_ns(daemon)
+            paces.append(float(np.median(daemon.ledger._paces)))  # the pace the bound was taken at, before ok0-2's
             await asyncio.gather(*[_ok_100(s, url, k) for k in range(3)])
             spans.extend(daemon.ledger._batch_spans)  # before the split lets it go
             # Past the bound: the 256-token context at the streams' pace shared by its 2 sequences (7.1 s from its
             # arrival quiet; before batch7's context bound, its prompts' 527 characters a token each, 2 BOS, + 6: 535
             # tokens, 12.4 s). The pace is the one the daemon learned, lower on a loaded host (the bound errs long
-            # there, rightly): a fixed 14 s wait sent ok20 inside it, flagged. So they go once an interval has closed
-            # past the span's end, and at most 40 s on.
+            # there, rightly): a fixed 14 s wait sent ok20 inside it, flagged. So they go once the ledger's newest sample
+            # edge is past the span's end (an interval reaching past it begun), and at most 40 s on; the span's length
+            # is held to its bound below.
             deadline = time.monotonic() + 40
             while daemon.ledger.edges[-1].t_ns < span_end_ns:
                 assert time.monotonic() < deadline, (span_end_ns / 1e9, time.monotonic())  # a span left unbounded
@@ -625,8 +630,13 @@ def test_an_sglang_batch_answered_400_with_no_server_scraped_flags_the_rows_besi
     run_end = max(e[0] for t in ran for e in t["emissions"])
     print("batch run from its arrival s", (run_end - min(t["t_arrive_ns"] for t in ran)) / 1e9, "span",
           [((a - spans[0][0]) / 1e9, (b - spans[0][0]) / 1e9) for a, b in spans])
-    (_, span_end), = spans
+    (span_start, span_end), = spans
     assert run_end <= span_end, (run_end, spans)
+    # And the span is bounded as said: the context's 256 tokens at half the pace the daemon had learned (its 2
+    # sequences), 20% to spare, after its prompts' prefill (535 tokens at most, no rate learned: the floor's) and the
+    # abort's slack. The wait above follows the span's own end: a bound grown from 8 s to 35 s passed it.
+    bound_s = 256 / (paces[0] / 2) * 1.2 + 535 / BATCH_PREFILL_FLOOR_TOK_S + GONE_ABORT_SLACK_S
+    assert not daemon.ledger._prefill_rates and (span_end - span_start) / 1e9 <= bound_s, (spans, paces, bound_s)
     err = _errors_shown({t: r for t, r in rows.items() if t.startswith("ok")}, truth)
     notes = {t: r["energy_note"] if isinstance(r["energy_note"], str) else "" for t, r in rows.items()}
     print({t: notes[t][:200] for t in sorted(notes)})

@@ -466,14 +466,39 @@ def _deep_analysis_json(tmp_path):
                      "goes)), so whether it and the other analysis table there are of one analysis was not checked"]
 
 
+def _deep_analysis_json_in_out(tmp_path):
+    from types import SimpleNamespace
+
+    from powerprof.analysis.report import AnalysisOutTaken, _earlier_outputs, check_out
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "analysis.json").write_text(DEEP)
+    with pytest.raises(AnalysisOutTaken, match="files that are no powerprof analysis"):  # as one not valid JSON
+        check_out(out, [SimpleNamespace(run_id="r1", path=tmp_path / "r1")])
+    assert _earlier_outputs(out) == []  # none proven an earlier analysis': nothing removed
+
+
+def _deep_run_json_as_out(tmp_path):
+    from types import SimpleNamespace
+
+    from powerprof.analysis.report import AnalysisOutTaken, check_out
+
+    (tmp_path / "run.json").write_text(DEEP)
+    with pytest.raises(AnalysisOutTaken, match=r"the run directory of another run \(unknown\)"):
+        check_out(tmp_path, [SimpleNamespace(run_id="r1", path=tmp_path / "r1")])
+
+
 @pytest.mark.parametrize("reader", [_deep_restore_file, _deep_run_json, _deep_run_json_no_level, _deep_daemon_config,
                                     _deep_tuner_table, _deep_run_json_above_out, _deep_sim_state_file,
-                                    _deep_prompts_file, _deep_analysis_json])
+                                    _deep_prompts_file, _deep_analysis_json, _deep_analysis_json_in_out,
+                                    _deep_run_json_as_out])
 def test_a_file_nested_past_pythons_stack_is_said_damaged_not_a_traceback(tmp_path, reader, caplog):
     # The readers caught ValueError only: 200,000 `[` was a RecursionError traceback (`restore`, `devices`, `sweep` on
     # such a restore file; `analyze` on such a run.json; the daemon exited 1, not its config error's 2; `sweep` and
     # `measure` on such a run.json in a folder above --out, on such a simulator state file or --prompts file; `export`
-    # of a run, local or remote, on such an analysis.json: report._ids, its mix check).
+    # of a run, local or remote, on such an analysis.json: report._ids, its mix check; `analyze --out` a folder
+    # holding such an analysis.json or run.json: check_out, _earlier_outputs, its run_id).
     import inspect
 
     reader(tmp_path, caplog) if "caplog" in inspect.signature(reader).parameters else reader(tmp_path)

@@ -1346,7 +1346,7 @@ def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str |
     analysis = read("analysis", "analysis.json")
     try:
         head = _analysis_rows(analysis) if analysis else []
-    except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as e:
+    except (AttributeError, TypeError, ValueError, KeyError, RecursionError, OverflowError) as e:
         head = []
         unread.append(("analysis.json", f"not read: its recommendation is not of the form analyze writes ({e!r}); "
                                         "run `powerprof analyze` again to write it anew"))
@@ -1362,7 +1362,8 @@ def summary_rows(src: Path | str, tz: str, time_from: str | None, time_to: str |
 
 def _analysis_rows(analysis: dict) -> list[tuple[str, object]]:
     """The summary sheet's rows of an analysis.json: its recommendation, configurations and warnings. A field not of
-    the form analyze writes raises (AttributeError, TypeError, ValueError), said by `summary_rows` in a row."""
+    the form analyze writes raises (AttributeError, TypeError, ValueError; OverflowError: an integer too
+    large for a float, formatted), said by `summary_rows` in a row."""
     rec = analysis.get("recommendation")
     head: list[tuple[str, object]] = []
     pooled = [str(r.get("run_id")) for r in analysis.get("runs") or [] if isinstance(r, dict)]

@@ -244,7 +244,7 @@ def check_out(out: Path, runs) -> None:
     try:
         earlier = json.loads((out / "analysis.json").read_text())
         had = sorted({str(r["run_id"]) for r in earlier["runs"]})
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         had = None
     now = sorted({r.run_id for r in runs})
     if had == now:
@@ -269,7 +269,7 @@ def _earlier_outputs(out: Path) -> list[Path]:
         earlier = json.loads((out / "analysis.json").read_text())
         listed, earlier_id = earlier.get("files") or {}, earlier.get("analysis_id")
         names = {Path(str(v)).name for v in listed.values()} if isinstance(listed, dict) else set()
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         names, earlier_id = set(), None
     found = []
     for f in _output_files(out):
@@ -354,7 +354,7 @@ def _refuse_a_run_folder(out: Path, runs) -> None:
     def run_id(folder: Path) -> str:
         try:
             return str(json.loads((folder / RUN_JSON).read_text()).get("run_id") or "unknown")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             return "unknown"
 
     inputs = {r.path.resolve() for r in runs}

@@ -1008,7 +1008,7 @@ class Scraper:
         try:
             slots_page = slots_json(text) if status == 200 else None
             slots = slot_progress(slots_page) if status == 200 else None
-        except ValueError:
+        except Exception:  # noqa: BLE001  (re-raised: any parse failure, a RecursionError or a null next_token too)
             # The scrape fails, but the proxy workers' refusals up to its start are still waited for: taken at once (the
             # failed scrape's take), one a worker flushed 10-38 ms in was missing from `down_open` until a scrape later.
             await self._take_refusals(int(self._scrape_at * 1e9))
