@@ -6701,6 +6701,15 @@ def _connect_refused(led, rid, at_s):
     led.on_end(tr)
 
 
+def _cut_mid_answer(led, rid, at_s):
+    """A proxied request whose connection to the server broke mid-answer at `at_s` (bytes came, then a reset): what a
+    dying process does to the requests it runs, unlike a refused connect (nothing listening for a moment)."""
+    tr = _chat(rid, at_s - 0.2, 100)
+    led.on_start(tr)
+    tr.end_ns, tr.outcome, tr.status, tr.error = int(at_s * S), "upstream_error", 200, "ReadError: connection reset"
+    led.on_end(tr)
+
+
 def _batch_and_first_page(led):
     """A null /generate batch SGLang answered its band abort's 400 at 0.6 s (its span to about 32 s), then a page."""
     led.recon.server_seen = True
@@ -6712,20 +6721,25 @@ def _batch_and_first_page(led):
     return b
 
 
-def test_a_death_the_page_says_no_restart_of_ends_a_batch_400s_span_where_a_connection_broke_a_counters_fall_does_not():
+def test_a_death_the_page_says_no_restart_of_leaves_a_batch_400s_span_to_its_bound_a_counters_fall_too():
     # A refused scrape, then a page that says no restart: a death, or nothing listening for a moment while the same
     # process lived on (a Kubernetes Service's pod out of its readiness, a port-forward's hiccup; the scraper cannot tell
-    # a young counter's). A proxied connection broken in that window shows it (`Ledger._batch_death`): the batch's
-    # prompts died with it, its span ends at the window. Without one, its span stays to its bound (an over-flag at
-    # worst; before 405de90e the same, which then cut it at 6.0 s whatever the server did). A restart told by a
-    # counter's fall alone (a multi-process page's dip) cut it at 6 s where the batch ran on to the real one at 21 s.
-    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
-    bound = _batch_and_first_page(led)
-    assert bound > int(30 * S), bound
-    led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), down_ns=int(5.5 * S), down_refused=True)
-    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), bound)], led.recon.batch_run_ons
-    _connect_refused(led, 2, 5.6)
-    assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), int(6.0 * S))], led.recon.batch_run_ons
+    # a young counter's). Its span stays to its bound (an over-flag at worst), a refused connect or even a connection
+    # cut mid-answer in the window beside it (a port-forward's hiccup cuts established streams too): the review of
+    # batchfix8's fault 1, a refused connect cut it at 0.8 s after its arrival while the batch ran on to ~32 s, the rows
+    # between unflagged. A restart told by a counter's fall alone (a multi-process page's dip) cut it at 6 s where the
+    # batch ran on to the real one at 21 s.
+    for proof in (None, _connect_refused, _cut_mid_answer):
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        bound = _batch_and_first_page(led)
+        assert bound > int(30 * S), bound
+        led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), down_ns=int(5.5 * S), down_refused=True)
+        assert led._died_unrestarted, led._gone_at
+        if proof is not None:
+            proof(led, 2, 5.6)
+        print(getattr(proof, "__name__", None), "span end from arrival s",
+              (list(led.recon.batch_run_ons.values())[0][1] - 0.5 * S) / 1e9)
+        assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), bound)], (proof, led.recon.batch_run_ons)
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     _batch_and_first_page(led)
     led.add_server_tokens(int(6.0 * S), 0.0, int(5.0 * S), partial=("server_restart",), restart_by_fall=True)
@@ -6738,24 +6752,27 @@ def test_a_restart_after_a_503_ends_a_batch_400s_span_only_where_a_death_is_show
     # same process, one process's share of the page lagging): the scraper says server_restart, not by the fall alone
     # (a 503 came first), nothing refused. Before, that cut a batch's span from 32.1 s to 6.0 s after its arrival while
     # it ran on, the rows between unflagged. Now only a death shown cuts it (`Ledger._batch_death`): a proxied
-    # connection broken in the window, or the down scrape refused; else its bound, an over-flag at worst.
-    for shown in (None, "broke", "refused"):
+    # connection cut mid-answer in the window, or the down scrape refused; else its bound, an over-flag at worst. A
+    # refused connect is no such proof (nothing listening for a moment), as the review of batchfix8 (fault 1) found.
+    for shown in (None, "connect_refused", "cut", "refused"):
         led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
         bound = _batch_and_first_page(led)
-        if shown == "broke":
+        if shown == "connect_refused":
             _connect_refused(led, 2, 3.1)
+        if shown == "cut":
+            _cut_mid_answer(led, 2, 3.1)
         led.add_server_tokens(int(6.0 * S), 0.0, int(1.0 * S), partial=("server_restart",), restart_by_fall=False,
                               down_ns=int(3.0 * S), down_refused=shown == "refused")
-        want = bound if shown is None else int(6.0 * S)
+        want = bound if shown in (None, "connect_refused") else int(6.0 * S)
         assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), want)], (shown, led.recon.batch_run_ons)
 
 
-def test_a_refused_scrape_the_same_process_is_back_from_records_no_death_and_leaves_a_batch_400s_span(monkeypatch):
+def test_a_refused_scrape_the_same_process_may_be_back_from_leaves_a_batch_400s_span(monkeypatch):
     # The review's repro_a_refused_alive: a page at 50M tokens, one scrape refused (nothing listening for a moment, the
     # same process alive), the page back at 50M + 400, past anything a new process could have counted since
-    # (scrape.FASTEST_SERVER_TOKENS_PER_S): the scraper reads it whole, the same process. Before, it still said the
-    # window's down scrape refused and the ledger recorded a death there: a batch's span cut from 31.6 s to 1.0 s after
-    # its arrival (the rows between unflagged), and the run-ons' deaths with it. Now none is recorded.
+    # (scrape.FASTEST_SERVER_TOKENS_PER_S): the scraper reads it whole. Its refusal is kept (a restarted process whose
+    # counter persisted reads so too: cleared, that death was lost, batchfix8's review fault 2), a death no page said a
+    # restart of, which cuts no batch span: before, its span was cut from 31.6 s to 1.0 s after its arrival.
     from test_daemon_counter_dip import DOWN, _scrape_steps, _sglang
 
     got = []
@@ -6769,7 +6786,7 @@ def test_a_refused_scrape_the_same_process_is_back_from_records_no_death_and_lea
     led.add_server_tokens(int(1.5 * S), 400.0, int(1.0 * S), partial=partial, down_ns=down_ns, down_refused=refused)
     print("span end from arrival s", (list(led.recon.batch_run_ons.values())[0][1] - 0.5 * S) / 1e9)
     assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), bound)], led.recon.batch_run_ons
-    assert not led._gone_at and not led._died_unrestarted, led._gone_at
+    assert refused and led._died_unrestarted, (got, led._gone_at)
 
 
 def test_a_batch_400_sent_to_the_new_process_keeps_its_span_merged_with_one_a_restart_cut():

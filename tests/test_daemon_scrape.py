@@ -345,10 +345,12 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
     assert all(a[1] == b[0] for a, b in zip(ledger.spans[1:], ledger.spans[2:]))  # each window where the last ended
 
 
-def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int) -> tuple[int, list]:
+def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int, death=None, flags=None) -> tuple[int, list]:
     """Still (idle period), then 20 tokens counted and a request live that wakes the scrape (arrived
     `arrived_before_ns` before it: a proxy worker's record read late), then fast windows of 10 tokens each (200 tokens
-    a second at 0.05 s: the 20 took about 0.1 s by that rate). The wake's time and the windows given the ledger."""
+    a second at 0.05 s: the 20 took about 0.1 s by that rate). The wake's time and the windows given the ledger.
+    `death(woken_ns)`: the burst's window's (partial, down_ns, down_refused); `flags` gets each window's
+    (partial, restart_by_fall, down_ns, down_refused)."""
     from powerprof.daemon import scrape as scrape_mod
     from powerprof.daemon.service import Daemon
 
@@ -366,11 +368,21 @@ def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int) -> tuple[int,
 
         async def scrape(self):
             self.calls += 1
+            said = death(woken[0]) if death is not None and self.rise == 20.0 else ((), None, False)
+            self.window_partial, self.window_down_ns, self.window_down_refused = said
             return self.rise
 
+    woken = [0]
     ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
     ledger.add_cache_hits = lambda since, t, hits: None
-    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None, restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0: ledger.spans.append((since, t, d))
+
+    def add_server_tokens(t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None,
+                          restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0):
+        ledger.spans.append((since, t, d))
+        if flags is not None:
+            flags.append((partial, restart_by_fall, down_ns, down_refused))
+
+    ledger.add_server_tokens = add_server_tokens
     me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.05, idle_interval_s=2.0),
                                scraper=FakeScraper(), ledger=ledger, stop_event=None,
                                _scrape_since_ns=time.monotonic_ns())
@@ -390,7 +402,7 @@ def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int) -> tuple[int,
                 break
         # 20 bypass tokens begun just before a request that arrives now and wakes the scrape; then fast windows of 10
         # tokens each (200 tokens a second at 0.05 s): the 20 took about 0.1 s.
-        woken_ns = time.monotonic_ns()
+        woken_ns = woken[0] = time.monotonic_ns()
         me.scraper.rise = 20.0
         ledger.requests[1] = types.SimpleNamespace(trace=types.SimpleNamespace(arrival_ns=woken_ns - arrived_before_ns))
         me.waker.wake()
@@ -433,6 +445,31 @@ def test_a_held_burst_begins_no_later_than_the_request_that_woke_its_scrape(monk
     arrived_ns = woken_ns - int(0.3e9)
     assert burst[0][0] <= arrived_ns, ((burst[0][0] - arrived_ns) / 1e9, spans[-4:])
     assert [x for x in spans if x[1] == burst[0][0] and x[2] == 0.0], spans[-4:]  # the window's part before: empty
+
+
+@pytest.mark.parametrize("down_s,refused", [(-0.3, False), (-0.3, True), (None, False), (0.001, True)])
+def test_a_held_window_gives_its_death_with_one_part_alone(monkeypatch, down_s, refused):
+    """A held slow window saying a restart (or a refused down scrape) was given the ledger as two parts, each with the
+    restart and the down scrape: the part the down scrape is not in read down=None, "the start time said a restart",
+    and cut a running SGLang batch's span from 31.6 s to 5.5 s after its arrival (batchfix8's review, fault 3). Now
+    the part it falls in takes it (`service.held_death_part`), the other says the restart by the fall alone (flagged,
+    no death); with no down scrape, or one in the burst, the window is given whole."""
+    flags = []
+
+    def death(woken_ns):
+        down = None if down_s is None else woken_ns + int(down_s * 1e9)
+        return ((() if refused else ("server_restart",)), down, refused)
+
+    woken_ns, spans = _burst_woken_by_a_request(monkeypatch, 0, death, flags)
+    i = next(k for k, x in enumerate(spans) if x[2] == 20.0)
+    deaths = [f for f in flags if (f[0] and not f[1]) or f[3]]
+    assert len(deaths) == 1, list(zip(spans, flags))[-4:]
+    if down_s == -0.3:  # in the part before the burst: that part takes it
+        assert spans[i - 1][1] == spans[i][0] and spans[i - 1][2] == 0.0, spans[-4:]
+        assert (flags[i - 1][0], *flags[i - 1][2:]) == death(woken_ns) and flags[i][1:] == (True, None, False), flags
+    else:  # given whole: the window from the idle scrape before
+        assert spans[i - 1][2] == 0.0 and spans[i - 1][1] == spans[i][0] and spans[i][1] - spans[i][0] > 0.4e9, spans
+        assert flags[i][0] == death(woken_ns)[0] and flags[i][2:] == death(woken_ns)[1:], flags[-4:]
 
 
 def test_the_daemon_scrape_loop_gives_the_ledger_each_gets_span():

@@ -402,8 +402,7 @@ class Scraper:
         self._down_at_ns: int | None = None
         self.window_down_ns: int | None = None
         # Whether that first scrape's connection was refused (nothing listening: a death), not a 502/503 a router or a
-        # loading page answers: only the first proves a death (`Ledger._death_proven`). Not where the page after shows
-        # the same process back (`_down_back`): nothing died.
+        # loading page answers: only the first proves a death (`Ledger._death_proven`).
         self._down_refused = False
         self.window_down_refused = False
         # When the first scrape since the last believed page whose connection was refused began (None: none was): a
@@ -602,13 +601,12 @@ class Scraper:
         50 counted 10 in a window that said nothing; one back at exactly its reading (34: warm-up 2 and one 32-token
         request, in the old process and the new alike) counted none of the new one's 32. Not said where `total` is more
         than a new process could have counted from 0 since the last believed page's scrape began (at
-        FASTEST_SERVER_TOKENS_PER_S): the same process, a long-running server behind a gateway's 503 blip, whole; a
-        refusal in its window then proved no death (`window_down_refused` False: nothing died, `Ledger.add_server_tokens`
-        records none). Before, refused connects while the same process lived on (a Kubernetes Service's pod failing its
-        readiness probe, a port-forward's hiccup) recorded a death the ledger cut a running batch's span at (31.6 s to
-        1.0 s after its arrival, the rows between unflagged)."""
+        FASTEST_SERVER_TOKENS_PER_S): the same process, a long-running server behind a gateway's 503 blip, whole. A
+        refusal in its window is kept (`window_down_refused`): a restarted process whose counter starts past the old
+        reading (a never-wiped PROMETHEUS_MULTIPROC_DIR) reads so too; cleared, its death was lost (a whole answer's
+        run-on costed 159.6 tokens and 410 J for about 105 J, unflagged). `Ledger._batch_death` cuts no batch span at
+        such a death (the same process may be back)."""
         if self._believed_at is not None and total > FASTEST_SERVER_TOKENS_PER_S * (time.monotonic() - self._believed_at):
-            self._down_refused = False
             return
         self._said_below(f"is at {total:g} after a scrape found the server down, at or past {prev:g}, its reading "
                          "before: the same process back, or a restart whose new process reached the old reading")
