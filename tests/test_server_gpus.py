@@ -434,7 +434,7 @@ def _daemon_sampling_gpu1_of_a_server_on_two():
     answer = [({4242}, None)]
     d = SimpleNamespace(_server_procs=lambda: answer[0], collector=SimpleNamespace(nvml=sim, infos=[sim.gpus[1]]),
                         gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(),
-                        ledger=SimpleNamespace(unsampled_note=None, tell_serving=lambda *a: None),
+                        ledger=SimpleNamespace(unsampled_note=None, tell_serving=lambda *a, **k: None),
                         _idle_said=False, _helper_said=False)
     return sim, answer, d
 
@@ -469,7 +469,7 @@ def test_the_daemon_does_not_flag_rows_for_a_helper_context(caplog):
     sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
     d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
                         collector=SimpleNamespace(nvml=sim, infos=[sim.gpus[1]]), gpu_uuids={1: sim.gpus[1].uuid},
-                        _unsampled=(), ledger=SimpleNamespace(unsampled_note=None, tell_serving=lambda *a: None),
+                        _unsampled=(), ledger=SimpleNamespace(unsampled_note=None, tell_serving=lambda *a, **k: None),
                         _idle_said=False, _helper_said=False)
     Daemon._check_placement(d)
     assert d._unsampled == () and d.ledger.unsampled_note is None
