@@ -859,8 +859,7 @@ _UNDECIDED_WHY = ("split before the daemon knew which of the sampled GPUs serve 
 # once where its evidence is whole (service._check_placement); a load too even never lets the power judge.
 UNDECIDED_CAUSE = ("the placement check tells nothing (the server's processes on no sampled GPU's process list the daemon "
                    "can read: a remote upstream, another pid namespace, a server not started yet; or its evidence not "
-                   "whole: a GPU's per-process samples unread, a serving GPU holding under a helper context of the "
-                   "server's), "
+                   "whole: a sampled GPU's process list or per-process samples unread), "
                    f"and the GPUs' power has not yet told ({MIN_IDLE} idle and {MIN_BUSY_GPU} busy intervals, or "
                    f"{MIN_BUSY} busy ones whose work explains the power: never under a load too even)")
 UNDECIDED_DISAGREE = ("the GPUs the placement check finds the server's processes on and those the GPUs' power judges "

@@ -1575,7 +1575,9 @@ class Daemon:
         # not serving: its helper state is kept, and the check kept due, for up to UNREAD_HELPER_CHECKS such checks in
         # a row; then nothing shows it idle any more and it counts as serving (said as unread, not as work seen). A
         # context that grows past the helper bound, or whose samples show work, is serving at once.
-        samples_read = not p.unread  # before a remembered helper's unread samples are taken for a helper's below
+        # Before a remembered helper's unread samples are taken for a helper's below; the sampled GPUs' alone (before,
+        # any GPU's: a helper's unread samples on a GPU not sampled withdrew the sampled ones' telling).
+        samples_read = not any(i in p.measured for i in p.unread)
         before = getattr(self, "_helpers_seen", {})
         unread = getattr(self, "_unread_helper_checks", {})
         unread = {i: unread.get(i, 0) + 1 for i in p.unread if i in before}
@@ -1623,12 +1625,12 @@ class Daemon:
             log.info("%s", idle)
 
     def _tell_serving(self, p, samples_read: bool) -> None:
-        """Tells the ledger which sampled GPUs serve (those the server's processes hold more than a helper context on)
+        """Tells the ledger which sampled GPUs serve (those find_placement counts the server's processes serving on)
         where the check's evidence is whole, else withdraws any earlier telling (which serve then undecided, the rows
-        flagged until the GPUs' power judges): every sampled GPU's process list and every per-process sample read, and
-        each GPU told serving holding at least a helper's bound of the server's. Before, any check told, and a set
-        daemon.gpus of several GPUs told them all serving unchecked: a wrong mask left rows unflagged, -33% (a missed
-        worker) to +20% (an idle GPU's draw in).
+        flagged until the GPUs' power judges): every sampled GPU's process list and every per-process sample read.
+        Before, any check told, and a set daemon.gpus of several GPUs told them all serving unchecked: a wrong mask
+        left rows unflagged, -33% (a missed worker) to +20% (an idle GPU's draw in); and each GPU told serving had to
+        hold a helper's bound (1 GiB) of the server's, so a model under it, or NVML saying no sizes, was never told.
         Another process's context past a helper's bound on a GPU told serving none (a TP worker not found as the
         server's, e.g. a Ray worker, or another server: either may draw with the work) makes the mask provisional,
         the rows flagged until the power judges the same: before, nothing was told there, and the power judging alone
@@ -1638,10 +1640,7 @@ class Daemon:
         infos = self.collector.infos
         serving = [i.index in p.server for i in infos]
         why = ("a sampled GPU's process list could not be read" if any(i.index in p.unlisted for i in infos) else
-               "NVML's per-process samples could not be read" if not samples_read else
-               "a GPU told serving where the server's processes hold under a helper context's bound, or a size NVML "
-               "does not say" if any(on and (p.sizes.get(i.index) or 0) < HELPER_MAX_BYTES
-                                     for i, on in zip(infos, serving)) else None)
+               "NVML's per-process samples could not be read" if not samples_read else None)
         foreign = why is None and any(
             not on and i.index in p.foreign and (p.foreign[i.index] is None  # not said: nothing shows it small
                                                  or p.foreign[i.index] >= HELPER_MAX_BYTES)
