@@ -1195,6 +1195,24 @@ def test_the_log_says_which_gpus_serve_is_not_known_with_the_fix_while_it_is_not
     assert not led.totals.serving_undecided  # judged by the end
 
 
+def test_a_told_mask_of_no_sampled_gpu_withdraws_the_earlier_telling():
+    from support import LedgerReading as R
+
+    # The server told on GPU 0, then seen on unsampled GPUs alone (told [F, F]). Before, the all-False mask was ignored
+    # silently and [T, F] stood; now the telling is withdrawn: which serve undecided, its rows flagged.
+    led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
+    led.tell_serving([True, False], "told by the test")
+    for x in range(3):
+        led.add_gpu_sample(x * S, x * S, [R(100.0 * x, 100.0), R(60.0 * x, 60.0)])
+        led.advance(x * S)
+    assert led.learner.serving.tolist() == [True, False]
+    led.tell_serving([False, False], "told by the test")
+    for x in range(3, 6):
+        led.add_gpu_sample(x * S, x * S, [R(100.0 * x, 100.0), R(60.0 * x, 60.0)])
+        led.advance(x * S)
+    assert led.learner.told is None and led.learner.serving is None
+
+
 def test_serving_is_undecided_while_untold_and_unjudged_and_told_gpus_wait_for_no_judgement():
     # GPU 0 300 W, GPU 1 60 W, a request live 0.2-2.5 s: undecided until told; /metrics leaves powerprof_gpu_serving
     # out meanwhile (before: 1 on every GPU, read as all serving).

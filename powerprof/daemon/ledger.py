@@ -677,7 +677,11 @@ class Ledger:
         judged, a disagreement leaving which serve undecided; provisional: undecided until the power judges the same).
         Any thread."""
         mask = None if serving is None else np.asarray(serving, dtype=bool)
-        if mask is None or (mask.size == self.n_gpus and mask.any()):
+        if mask is not None and mask.size == self.n_gpus and not mask.any():
+            # No sampled GPU serves (the server on unsampled ones alone): nothing to take, so an earlier telling is
+            # withdrawn. Before, it was ignored and an earlier mask stood, stale, unflagged by this rule.
+            mask = None
+        if mask is None or mask.size == self.n_gpus:
             with self._told_lock:
                 self._told_serving = (mask, source, provisional)
 
