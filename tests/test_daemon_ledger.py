@@ -995,16 +995,19 @@ def test_a_gpu_no_server_uses_gives_its_energy_to_idle_not_to_the_requests():
     assert led.totals.energy_by_dest_j[1] >= 30 * 70.0  # GPU 1's energy in busy intervals is idle
 
 
-def _steady_traffic_on_two_gpus(gpu1_serves, lead_s=0.0, told=None):
+def _steady_traffic_on_two_gpus(gpu1_serves, lead_s=0.0, told=None, tell=None):
     """Two GPUs, requests back to back from `lead_s` on (idle before) with 0.1-0.25 s gaps inside 1 s reads. GPU 0 draws
     100 W idle, 300 W while a request is live; GPU 1 60 W throughout (serving nothing), or half GPU 0's (serving too).
     Returns the requests' spans, their rows by id, the ledger and each row's error against its truth (%). `told`: the
-    serving GPUs the daemon's placement check (or daemon.gpus) tells the ledger before the first read."""
+    serving GPUs the daemon's placement check (or daemon.gpus) tells the ledger before the first read; `tell`: a
+    callable given the ledger then (the daemon's own check telling it)."""
     rnd = np.random.default_rng(3)
     sink = Sink()
     led = Ledger("d", 0, 2, sink, grace_s=0.1)
     if told is not None:
         led.tell_serving(told, "told by the test")
+    if tell is not None:
+        tell(led)
     t, reqs = lead_s, []
     while t < 58.0:
         live = float(rnd.uniform(0.5, 1.2))
@@ -1117,6 +1120,47 @@ def test_a_told_mask_the_power_judges_otherwise_leaves_which_serve_undecided_war
     assert led.totals.jpt_left_out[GPUS_UNDECIDED_REASON][0] > 0
 
 
+@pytest.mark.parametrize("follows", [False, True])
+def test_a_foreign_servers_context_makes_the_told_mask_provisional_its_rows_flagged_till_the_power_agrees(follows):
+    # The daemon's own placement check on a stand-in: the server (4242) holds 14 GiB on GPU 0, another process (9999,
+    # not the server's: another server, or a TP worker not found as its) 14 GiB on GPU 1. follows: GPU 1's load follows
+    # the same traffic (a balancer in front of both), the proxied work's truth GPU 0's alone (300 W). Before, the check
+    # told nothing and the power, judging alone, took GPU 1 serving: the 24 rows after the judgement unflagged, +50.1%
+    # median. Now the check tells [T, F] provisional: every row flagged until the power judges; a disagreement stays
+    # flagged, an agreement (GPU 1 drawing 60 W whatever the traffic) unflags the rows after it.
+    from types import SimpleNamespace
+
+    from powerprof.daemon.service import Daemon
+    from powerprof.sim.nvml import SimNVML
+
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(0, 4242, 14 << 30, lambda: 1.0)
+    sim.add_process(1, 9999, 14 << 30, lambda: 1.0)
+
+    def check(led):
+        Daemon._check_placement(SimpleNamespace(
+            _server_procs=lambda: ({4242}, None), collector=SimpleNamespace(nvml=sim, infos=sim.gpus[:2]),
+            gpu_uuids={i: sim.gpus[i].uuid for i in (0, 1)}, _unsampled=(), ledger=led, _idle_said=False,
+            _helper_said=False))
+        told.append(led._told_serving)
+
+    told: list = []
+    reqs, got, led, _, _ = _steady_traffic_on_two_gpus(follows, lead_s=3.0, tell=check)
+    assert led.learner.judged.tolist() == [True, follows]
+    err = {i + 1: 100 * (got[i + 1]["gpu_energy_j"] / (300.0 * (b - a)) - 1) for i, (a, b) in enumerate(reqs)}
+    unflagged = [i for i, r in got.items() if UNSURE_FLAG not in (r["energy_note"] or "")]
+    if follows:
+        assert led.learner.serving is None and led.learner.serving_from == "disagree"
+        assert not unflagged, [err[i] for i in unflagged]
+    else:
+        assert led.learner.serving_from == "both" and len(unflagged) > 15
+        assert max(abs(err[i]) for i in unflagged) < 5.5, [err[i] for i in unflagged]
+        first_unflagged_s = min(reqs[i - 1][0] for i in unflagged)
+        assert all(i in unflagged for i in got if reqs[i - 1][0] > first_unflagged_s + 2)
+    assert told[0][0].tolist() == [True, False] and told[0][2]  # provisional
+
+
 @pytest.mark.parametrize("gpu1_serves", [False, True])
 def test_the_line_naming_the_serving_gpus_is_said_once_per_change(gpu1_serves, caplog):
     # Once judged all serving, the line came at every close (compared with the local mask the all-serving branch sets
@@ -1149,6 +1193,24 @@ def test_the_log_says_which_gpus_serve_is_not_known_with_the_fix_while_it_is_not
     n_iv, n_tok = led.totals.jpt_left_out[GPUS_UNDECIDED_REASON]
     assert n_iv >= 25 and n_tok > 0 and UNSURE_FLAG not in led.totals.jpt_left_out, led.totals.jpt_left_out
     assert not led.totals.serving_undecided  # judged by the end
+
+
+def test_a_told_mask_of_no_sampled_gpu_withdraws_the_earlier_telling():
+    from support import LedgerReading as R
+
+    # The server told on GPU 0, then seen on unsampled GPUs alone (told [F, F]). Before, the all-False mask was ignored
+    # silently and [T, F] stood; now the telling is withdrawn: which serve undecided, its rows flagged.
+    led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
+    led.tell_serving([True, False], "told by the test")
+    for x in range(3):
+        led.add_gpu_sample(x * S, x * S, [R(100.0 * x, 100.0), R(60.0 * x, 60.0)])
+        led.advance(x * S)
+    assert led.learner.serving.tolist() == [True, False]
+    led.tell_serving([False, False], "told by the test")
+    for x in range(3, 6):
+        led.add_gpu_sample(x * S, x * S, [R(100.0 * x, 100.0), R(60.0 * x, 60.0)])
+        led.advance(x * S)
+    assert led.learner.told is None and led.learner.serving is None
 
 
 def test_serving_is_undecided_while_untold_and_unjudged_and_told_gpus_wait_for_no_judgement():

@@ -434,7 +434,7 @@ def _daemon_sampling_gpu1_of_a_server_on_two():
     answer = [({4242}, None)]
     d = SimpleNamespace(_server_procs=lambda: answer[0], collector=SimpleNamespace(nvml=sim, infos=[sim.gpus[1]]),
                         gpu_uuids={1: sim.gpus[1].uuid}, _unsampled=(),
-                        ledger=SimpleNamespace(unsampled_note=None, tell_serving=lambda *a: None),
+                        ledger=SimpleNamespace(unsampled_note=None, tell_serving=lambda *a, **k: None),
                         _idle_said=False, _helper_said=False)
     return sim, answer, d
 
@@ -469,7 +469,7 @@ def test_the_daemon_does_not_flag_rows_for_a_helper_context(caplog):
     sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
     d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
                         collector=SimpleNamespace(nvml=sim, infos=[sim.gpus[1]]), gpu_uuids={1: sim.gpus[1].uuid},
-                        _unsampled=(), ledger=SimpleNamespace(unsampled_note=None, tell_serving=lambda *a: None),
+                        _unsampled=(), ledger=SimpleNamespace(unsampled_note=None, tell_serving=lambda *a, **k: None),
                         _idle_said=False, _helper_said=False)
     Daemon._check_placement(d)
     assert d._unsampled == () and d.ledger.unsampled_note is None
@@ -504,6 +504,62 @@ def test_the_daemon_tells_its_ledger_the_sampled_gpus_the_servers_processes_hold
     d.ledger, d._helpers_seen = Ledger("d", 0, 2, Sink(), grace_s=0.1), {}
     Daemon._check_placement(d)
     assert d.ledger._told_serving[0] is None  # withdrawn: nothing told
+
+
+@pytest.mark.parametrize("sizes", [(800 << 20, 0), (700 << 20, 700 << 20)])
+def test_a_model_under_a_helpers_bound_is_told_where_it_runs(sizes):
+    from types import SimpleNamespace
+
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.service import Daemon
+    from support import RowSink as Sink
+
+    # A small model (800 MiB: a 1B Q4 llama-server) on GPU 0, GPU 1 empty; or a 700 + 700 MiB TP=2. find_placement
+    # counts each serving (the largest context, or its equal, needs no samples). Before, every GPU told serving had to
+    # hold 1 GiB of the server's: nothing told, the rows flagged until the power judged (for good under an even load).
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    for g, b in enumerate(sizes):
+        if b:
+            sim.add_process(g, 4242 + g, b, lambda: 1.0)
+    led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
+    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
+                        collector=SimpleNamespace(nvml=sim, infos=sim.gpus[:2]),
+                        gpu_uuids={i: sim.gpus[i].uuid for i in (0, 1)}, _unsampled=(), ledger=led,
+                        _idle_said=False, _helper_said=False)
+    Daemon._check_placement(d)
+    assert led._told_serving[0].tolist() == [b > 0 for b in sizes] and not led._told_serving[2]
+
+
+def test_unread_samples_on_a_gpu_not_sampled_leave_the_sampled_ones_told(monkeypatch):
+    import pynvml
+    from types import SimpleNamespace
+
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.service import Daemon
+    from support import RowSink as Sink
+
+    # Sampling GPUs 0 and 1 of three: the server's 14 GiB on GPU 0, a 300 MiB context of its on GPU 2 (not sampled)
+    # whose per-process samples NVML cannot give. Before, any unread sample withdrew the telling: told nothing; now
+    # the sampled GPUs' evidence is whole: told [T, F] (GPU 2 counted serving, the unsampled flag says so).
+    sim = SimNVML("seed-16g", count=3, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(0, 4242, 14 << 30, lambda: 1.0)
+    sim.add_process(2, 4243, 300 << 20, lambda: 0.0)
+
+    def no(*_a):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    monkeypatch.setattr(sim, "nvmlDeviceGetProcessUtilization", no)
+    monkeypatch.setattr(sim, "nvmlDeviceGetProcessesUtilizationInfo", no)
+    led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
+    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
+                        collector=SimpleNamespace(nvml=sim, infos=sim.gpus[:2]),
+                        gpu_uuids={i: sim.gpus[i].uuid for i in (0, 1)}, _unsampled=(), ledger=led,
+                        _idle_said=False, _helper_said=False)
+    Daemon._check_placement(d)
+    assert led._told_serving[0].tolist() == [True, False]
+    assert d._unsampled == (2,)
 
 
 @pytest.mark.parametrize("scene", ["missed-worker", "samples-unread"])

@@ -58,7 +58,7 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_interval_note,
                       _idle_unmeasured_note, _gpus_undecided_interval_note, _gpus_undecided_note, UNDECIDED_CAUSE,
-                      UNDECIDED_DISAGREE, UNDECIDED_FIX,
+                      UNDECIDED_DISAGREE, UNDECIDED_FIX, UNDECIDED_PROVISIONAL,
                       _interval_cache_note, _joined,
                       _no_counter_short_note, _counter_short_note, _no_energy_reason, _parser_held, _request_flags,
                       _secs, _unsaid_reason, _usage_above_note, _usage_below_note, _with_late, _counted_low_interval_note, client_held,
@@ -649,7 +649,8 @@ class Ledger:
         log.warning("which of the %d sampled GPUs serve the proxied work is not known: %s; %d busy interval(s) since "
                     "start were split with every sampled GPU's energy the work's, their requests' rows say %s and are "
                     "left out of J/token (powerprof_joules_per_token_left_out_intervals_total{reason=\"%s\"}); %s",
-                    self.n_gpus, UNDECIDED_DISAGREE if self.learner.serving_from == "disagree" else UNDECIDED_CAUSE,
+                    self.n_gpus, {"disagree": UNDECIDED_DISAGREE, "provisional": UNDECIDED_PROVISIONAL}
+                    .get(self.learner.serving_from, UNDECIDED_CAUSE),
                     self._undecided_intervals, UNSURE_FLAG, GPUS_UNDECIDED_REASON,
                     UNDECIDED_FIX)
 
@@ -673,15 +674,20 @@ class Ledger:
                     "(reason %s) until the two agree", self._serving_source, named(pair[0]), named(pair[1]),
                     UNSURE_FLAG, GPUS_UNDECIDED_REASON)
 
-    def tell_serving(self, serving, source: str) -> None:
+    def tell_serving(self, serving, source: str, provisional: bool = False) -> None:
         """The sampled GPUs (by position) the server runs on, as the daemon found them (`source`, in words: its
         processes on NVML's process lists), or None: nothing can be told now (an earlier telling withdrawn): taken by
         the work model at the next close (workmodel.CostLearner.tell_serving: checked against the GPUs' power once
-        judged, a disagreement leaving which serve undecided). Any thread."""
+        judged, a disagreement leaving which serve undecided; provisional: undecided until the power judges the same).
+        Any thread."""
         mask = None if serving is None else np.asarray(serving, dtype=bool)
-        if mask is None or (mask.size == self.n_gpus and mask.any()):
+        if mask is not None and mask.size == self.n_gpus and not mask.any():
+            # No sampled GPU serves (the server on unsampled ones alone): nothing to take, so an earlier telling is
+            # withdrawn. Before, it was ignored and an earlier mask stood, stale, unflagged by this rule.
+            mask = None
+        if mask is None or mask.size == self.n_gpus:
             with self._told_lock:
-                self._told_serving = (mask, source)
+                self._told_serving = (mask, source, provisional)
 
     # --- recorder interface (called by the proxy) ------------------------------------------
 
@@ -2800,7 +2806,7 @@ class Ledger:
         with self._told_lock:
             told, self._told_serving = self._told_serving, None
         if told is not None:
-            self.learner.tell_serving(told[0])
+            self.learner.tell_serving(told[0], provisional=told[2])
             self._serving_source = told[1]
         serving = self.learner.serving
         unjudged = serving is None  # which GPUs serve not judged yet: every sampled GPU's energy is the work's

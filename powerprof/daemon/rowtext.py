@@ -859,12 +859,14 @@ _UNDECIDED_WHY = ("split before the daemon knew which of the sampled GPUs serve 
 # once where its evidence is whole (service._check_placement); a load too even never lets the power judge.
 UNDECIDED_CAUSE = ("the placement check tells nothing (the server's processes on no sampled GPU's process list the daemon "
                    "can read: a remote upstream, another pid namespace, a server not started yet; or its evidence not "
-                   "whole: a GPU's per-process samples unread, a serving GPU holding under a helper context of the "
-                   "server's, another process's context above a helper's on a GPU the server's processes are not on), "
+                   "whole: a sampled GPU's process list or per-process samples unread), "
                    f"and the GPUs' power has not yet told ({MIN_IDLE} idle and {MIN_BUSY_GPU} busy intervals, or "
                    f"{MIN_BUSY} busy ones whose work explains the power: never under a load too even)")
 UNDECIDED_DISAGREE = ("the GPUs the placement check finds the server's processes on and those the GPUs' power judges "
                       "serving disagree (the warning before names both)")
+UNDECIDED_PROVISIONAL = ("the placement check finds the server's processes on some sampled GPUs but another process's "
+                         "context above a helper's on one it is not on, whose load may follow the traffic: its mask waits "
+                         "for the GPUs' power to judge the same")
 UNDECIDED_FIX = ("fix: run the daemon on the server's host where it can see the server's processes (its pid namespace) "
                  "and NVML's per-process samples, or sample only the one GPU a one-GPU server runs on (daemon.gpus); "
                  "where another process's context is on a sampled GPU, leave that GPU out of daemon.gpus; restart the "

@@ -1594,7 +1594,9 @@ class Daemon:
         # not serving: its helper state is kept, and the check kept due, for up to UNREAD_HELPER_CHECKS such checks in
         # a row; then nothing shows it idle any more and it counts as serving (said as unread, not as work seen). A
         # context that grows past the helper bound, or whose samples show work, is serving at once.
-        samples_read = not p.unread  # before a remembered helper's unread samples are taken for a helper's below
+        # Before a remembered helper's unread samples are taken for a helper's below; the sampled GPUs' alone (before,
+        # any GPU's: a helper's unread samples on a GPU not sampled withdrew the sampled ones' telling).
+        samples_read = not any(i in p.measured for i in p.unread)
         before = getattr(self, "_helpers_seen", {})
         unread = getattr(self, "_unread_helper_checks", {})
         unread = {i: unread.get(i, 0) + 1 for i in p.unread if i in before}
@@ -1642,33 +1644,35 @@ class Daemon:
             log.info("%s", idle)
 
     def _tell_serving(self, p, samples_read: bool) -> None:
-        """Tells the ledger which sampled GPUs serve (those the server's processes hold more than a helper context on)
+        """Tells the ledger which sampled GPUs serve (those find_placement counts the server's processes serving on)
         where the check's evidence is whole, else withdraws any earlier telling (which serve then undecided, the rows
-        flagged until the GPUs' power judges): every sampled GPU's process list and every per-process sample read, each
-        GPU told serving holding at least a helper's bound of the server's, and no other process's context past that
-        bound on a GPU told serving none (a TP worker not found as the server's, e.g. a Ray worker, or another server:
-        either may draw with the work). Before, any check told, and a set daemon.gpus of several GPUs told them all
-        serving unchecked: a wrong mask left rows unflagged, -33% (a missed worker) to +20% (an idle GPU's draw in)."""
+        flagged until the GPUs' power judges): every sampled GPU's process list and every per-process sample read.
+        Before, any check told, and a set daemon.gpus of several GPUs told them all serving unchecked: a wrong mask
+        left rows unflagged, -33% (a missed worker) to +20% (an idle GPU's draw in); and each GPU told serving had to
+        hold a helper's bound (1 GiB) of the server's, so a model under it, or NVML saying no sizes, was never told.
+        Another process's context past a helper's bound on a GPU told serving none (a TP worker not found as the
+        server's, e.g. a Ray worker, or another server: either may draw with the work) makes the mask provisional,
+        the rows flagged until the power judges the same: before, nothing was told there, and the power judging alone
+        took a foreign server's load following the traffic for the work's (+50% unflagged, a review's scene)."""
         from powerprof.workload.placement import HELPER_MAX_BYTES
 
         infos = self.collector.infos
         serving = [i.index in p.server for i in infos]
         why = ("a sampled GPU's process list could not be read" if any(i.index in p.unlisted for i in infos) else
-               "NVML's per-process samples could not be read" if not samples_read else
-               "a GPU told serving where the server's processes hold under a helper context's bound, or a size NVML "
-               "does not say" if any(on and (p.sizes.get(i.index) or 0) < HELPER_MAX_BYTES
-                                     for i, on in zip(infos, serving)) else
-               "another process's context past a helper's bound on a GPU the server's processes are not on" if any(
-                   not on and i.index in p.foreign and (p.foreign[i.index] is None  # not said: nothing shows it small
-                                                        or p.foreign[i.index] >= HELPER_MAX_BYTES)
-                   for i, on in zip(infos, serving))
-               else None)
-        if why != getattr(self, "_untold_why", None) and len(infos) > 1:
-            self._untold_why = why
-            if why is not None:
-                log.info("which sampled GPUs serve is not told from the server's processes (%s): judged from the GPUs' "
-                         "power alone, the rows flagged until then", why)
-        self.ledger.tell_serving(None if why else serving, "the server's processes on NVML's process lists")
+               "NVML's per-process samples could not be read" if not samples_read else None)
+        foreign = why is None and any(
+            not on and i.index in p.foreign and (p.foreign[i.index] is None  # not said: nothing shows it small
+                                                 or p.foreign[i.index] >= HELPER_MAX_BYTES)
+            for i, on in zip(infos, serving))
+        said = why or ("another process's context past a helper's bound on a GPU the server's processes are not on: "
+                       "told provisional, taken only where the GPUs' power judges the same" if foreign else None)
+        if said != getattr(self, "_untold_why", None) and len(infos) > 1:
+            self._untold_why = said
+            if said is not None:
+                log.info("which sampled GPUs serve is not told from the server's processes alone (%s): the rows "
+                         "flagged until the GPUs' power judges", said)
+        self.ledger.tell_serving(None if why else serving, "the server's processes on NVML's process lists",
+                                 provisional=foreign)
 
     async def _placement_loop(self) -> None:
         """`_check_placement` whenever a GPU's process list changed (read every PLACEMENT_LIST_S: a server started after

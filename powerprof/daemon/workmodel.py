@@ -193,6 +193,8 @@ class CostLearner:
         # (from the GPUs' power, `_judge_gpus`, nothing told), "both" (the two agree) or "disagree" (serving None).
         self.serving_from: str | None = None
         self.told: np.ndarray | None = None  # the mask told (`tell_serving`), None: none
+        # The told mask is provisional (`tell_serving`): taken only once the power judges the same, undecided till then.
+        self.told_provisional = False
         self.judged: np.ndarray | None = None  # the mask the GPUs' power judged last, None: not judged yet
         self.fits: dict = {}
 
@@ -286,13 +288,16 @@ class CostLearner:
         self.judged = rise >= SERVING_SHARE * top
         self._decide()
 
-    def tell_serving(self, serving: np.ndarray | None) -> None:
+    def tell_serving(self, serving: np.ndarray | None, provisional: bool = False) -> None:
         """The GPUs doing the proxied work as told from outside (the daemon's placement check, where its evidence is
         whole: service._check_placement), None: nothing told (any earlier telling withdrawn). A told mask is taken until
         the GPUs' power judges them (`_judge_gpus`); then the two must agree: where they differ, neither is picked (a
-        missed worker, a foreign server following the traffic) and `serving` is None, every row flagged (`_decide`)."""
+        missed worker, a foreign server following the traffic) and `serving` is None, every row flagged (`_decide`).
+        provisional: a mask whose evidence has a known gap (another process's large context on a GPU told idle, whose
+        load may follow the traffic): not taken alone, `serving` None (rows flagged) until the power judges the same."""
         told = None if serving is None else np.asarray(serving, dtype=bool)
         self.told = told if told is not None and told.any() else None
+        self.told_provisional = bool(provisional) and self.told is not None
         self._decide()
 
     def _decide(self) -> None:
@@ -302,6 +307,12 @@ class CostLearner:
         told, judged = self.told, self.judged
         if told is not None and judged is not None and not np.array_equal(told, judged):
             self.serving_from = "disagree"
+            self._set_serving(None)
+            return
+        if told is not None and judged is None and self.told_provisional:
+            # Not taken alone: the power judging alone, with nothing told, took a foreign server's load following the
+            # traffic for the work's (+50% unflagged, a review's ledger scene); told and waiting, the rows are flagged.
+            self.serving_from = "provisional"
             self._set_serving(None)
             return
         self.serving_from = ("told" if told is not None and judged is None else "judged" if told is None and judged is
