@@ -212,24 +212,36 @@ def test_a_launched_server_is_shown_only_the_measured_gpus(monkeypatch):
         assert rig._launch_env() is None
 
 
-def test_daemon_sampling_one_gpu_of_a_server_on_two_says_so_and_marks_its_rows(tmp_path):
-    import urllib.request
-
-    from daemon_helpers import DaemonProc, read_dataset, sim_env
+def _two_gpu_daemon(tmp_path, gpus: str, server_gpus: str, **env):
+    """A daemon over the simulated two-GPU host, daemon.gpus = `gpus`, the simulated server on `server_gpus`."""
+    from daemon_helpers import DaemonProc, sim_env
 
     cfg = tmp_path / "daemon.toml"
-    cfg.write_text("[daemon]\ngpus = [1]\n")
-    d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "seed-16g", "--sim-gpus", "2",
-                   "--interval", "0.25", "--flush-interval", "0.5",
-                   env={**sim_env(tmp_path), "POWERPROF_SIM_SERVER_GPUS": "0,1"})
+    cfg.write_text(f"[daemon]\ngpus = {gpus}\n")
+    return DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "seed-16g", "--sim-gpus", "2",
+                      "--interval", "0.25", "--flush-interval", "0.5",
+                      env={**sim_env(tmp_path), "POWERPROF_SIM_SERVER_GPUS": server_gpus, **env})
+
+
+def _post_completions(d, n: int, max_tokens: int) -> None:
+    """`n` completions through the daemon's proxy, one after another."""
+    import urllib.request
+
+    for _ in range(n):
+        body = json.dumps({"prompt": "hello", "max_tokens": max_tokens}).encode()
+        req = urllib.request.Request(d.info["proxy"] + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(req, timeout=60).read()
+
+
+def test_daemon_sampling_one_gpu_of_a_server_on_two_says_so_and_marks_its_rows(tmp_path):
+    from daemon_helpers import read_dataset
+
+    d = _two_gpu_daemon(tmp_path, "[1]", "0,1")
     tag = [sys.executable, "-m", "powerprof.cli", "tag"]
     try:
         subprocess.run(tag + ["start", "t", "--socket", d.info["tags"]], check=True, capture_output=True, timeout=60)
-        for _ in range(3):
-            body = json.dumps({"prompt": "hello", "max_tokens": 24}).encode()
-            req = urllib.request.Request(d.info["proxy"] + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"}, method="POST")
-            urllib.request.urlopen(req, timeout=60).read()
+        _post_completions(d, 3, 24)
         subprocess.run(tag + ["stop", "t", "--socket", d.info["tags"]], check=True, capture_output=True, timeout=60)
     finally:
         rc = d.stop()
@@ -269,25 +281,15 @@ def test_daemon_sampling_every_gpu_of_the_server_marks_nothing(tmp_path):
 
 
 def test_a_daemon_on_every_gpu_of_a_two_gpu_server_knows_they_serve_and_flags_no_row_for_it(tmp_path):
-    import urllib.request
-
-    from daemon_helpers import DaemonProc, read_dataset, sim_env
+    from daemon_helpers import read_dataset
 
     # A tensor-parallel server on GPUs 0 and 1, daemon.gpus = [0, 1]. Before, nothing told the ledger which GPUs serve
     # (daemon.gpus chose only those sampled): until the GPUs' power judged them each row was flagged, the fix its note
     # named (daemon.gpus) the one already set: 20 of 44 rows in 20 s (4 of 43 on a quieter host). Now the placement
     # check's finding (the server's processes on both) is taken from the first interval.
-    cfg = tmp_path / "daemon.toml"
-    cfg.write_text("[daemon]\ngpus = [0, 1]\n")
-    d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "seed-16g", "--sim-gpus", "2",
-                   "--interval", "0.25", "--flush-interval", "0.5",
-                   env={**sim_env(tmp_path), "POWERPROF_SIM_SERVER_GPUS": "0,1"})
+    d = _two_gpu_daemon(tmp_path, "[0, 1]", "0,1")
     try:
-        for _ in range(10):
-            body = json.dumps({"prompt": "hello", "max_tokens": 48}).encode()
-            req = urllib.request.Request(d.info["proxy"] + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"}, method="POST")
-            urllib.request.urlopen(req, timeout=60).read()
+        _post_completions(d, 10, 48)
     finally:
         rc = d.stop()
     out = d.output()
@@ -302,9 +304,7 @@ def test_a_daemon_on_every_gpu_of_a_two_gpu_server_knows_they_serve_and_flags_no
 
 
 def test_a_daemon_gpus_of_several_gpus_tells_nothing_of_which_serve(tmp_path):
-    import urllib.request
-
-    from daemon_helpers import DaemonProc, read_dataset, sim_env
+    from daemon_helpers import read_dataset
 
     # daemon.gpus = [0, 1], the server on GPU 0 alone, its processes not findable (another pid namespace: the lookup
     # made to fail). Before, daemon.gpus was told as every named GPU serving, unchecked: GPU 1's idle draw in every row,
@@ -314,19 +314,11 @@ def test_a_daemon_gpus_of_several_gpus_tells_nothing_of_which_serve(tmp_path):
     (tmp_path / "sc" / "sitecustomize.py").write_text(
         "from powerprof.workload import serverprocs\n"
         "serverprocs.ServerProcesses.__call__ = lambda self: (None, 'hidden by the test')\n")
-    cfg = tmp_path / "daemon.toml"
-    cfg.write_text("[daemon]\ngpus = [0, 1]\n")
     path = os.pathsep.join([str(tmp_path / "sc"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
                             *sys.path])
-    d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "seed-16g", "--sim-gpus", "2",
-                   "--interval", "0.25", "--flush-interval", "0.5",
-                   env={**sim_env(tmp_path), "POWERPROF_SIM_SERVER_GPUS": "0", "PYTHONPATH": path})
+    d = _two_gpu_daemon(tmp_path, "[0, 1]", "0", PYTHONPATH=path)
     try:
-        for _ in range(3):
-            body = json.dumps({"prompt": "hello", "max_tokens": 48}).encode()
-            req = urllib.request.Request(d.info["proxy"] + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"}, method="POST")
-            urllib.request.urlopen(req, timeout=60).read()
+        _post_completions(d, 3, 48)
     finally:
         rc = d.stop()
     out = d.output()
