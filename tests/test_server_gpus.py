@@ -234,6 +234,17 @@ def _post_completions(d, n: int, max_tokens: int) -> None:
         urllib.request.urlopen(req, timeout=60).read()
 
 
+def _serve_and_stop(d, n: int, max_tokens: int) -> str:
+    """`n` completions through the daemon's proxy, then the daemon stopped (exit 0 checked); its output."""
+    try:
+        _post_completions(d, n, max_tokens)
+    finally:
+        rc = d.stop()
+    out = d.output()
+    assert rc == 0, out[-3000:]
+    return out
+
+
 def test_daemon_sampling_one_gpu_of_a_server_on_two_says_so_and_marks_its_rows(tmp_path):
     from daemon_helpers import read_dataset
 
@@ -288,12 +299,7 @@ def test_a_daemon_on_every_gpu_of_a_two_gpu_server_knows_they_serve_and_flags_no
     # named (daemon.gpus) the one already set: 20 of 44 rows in 20 s (4 of 43 on a quieter host). Now the placement
     # check's finding (the server's processes on both) is taken from the first interval.
     d = _two_gpu_daemon(tmp_path, "[0, 1]", "0,1")
-    try:
-        _post_completions(d, 10, 48)
-    finally:
-        rc = d.stop()
-    out = d.output()
-    assert rc == 0, out[-3000:]
+    out = _serve_and_stop(d, 10, 48)
     reqs = read_dataset(tmp_path / "data", "requests")
     assert len(reqs) == 10
     assert not reqs["energy_note"].fillna("").str.contains("GPU serving none of its work").any(), reqs["energy_note"]
@@ -317,12 +323,7 @@ def test_a_daemon_gpus_of_several_gpus_tells_nothing_of_which_serve(tmp_path):
     path = os.pathsep.join([str(tmp_path / "sc"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
                             *sys.path])
     d = _two_gpu_daemon(tmp_path, "[0, 1]", "0", PYTHONPATH=path)
-    try:
-        _post_completions(d, 3, 48)
-    finally:
-        rc = d.stop()
-    out = d.output()
-    assert rc == 0, out[-3000:]
+    out = _serve_and_stop(d, 3, 48)
     reqs = read_dataset(tmp_path / "data", "requests")
     assert len(reqs) == 3
     assert reqs["energy_note"].fillna("").str.contains("GPU serving none of its work").all(), reqs["energy_note"]
@@ -468,9 +469,18 @@ def test_the_daemon_does_not_flag_rows_for_a_helper_context(caplog):
     assert any("a helper context of 300 MiB on GPU 0" in r.getMessage() for r in caplog.records)
 
 
-def test_the_daemon_tells_its_ledger_the_sampled_gpus_the_servers_processes_hold(monkeypatch):
+def _two_gpu_stand_in(sim, led):
+    """A stand-in daemon's state for Daemon._check_placement: sampling GPUs 0 and 1 of `sim`, the server's pids
+    4242 and 4243, its ledger `led`."""
     from types import SimpleNamespace
 
+    return SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
+                           collector=SimpleNamespace(nvml=sim, infos=sim.gpus[:2]),
+                           gpu_uuids={i: sim.gpus[i].uuid for i in (0, 1)}, _unsampled=(), ledger=led,
+                           _idle_said=False, _helper_said=False)
+
+
+def test_the_daemon_tells_its_ledger_the_sampled_gpus_the_servers_processes_hold(monkeypatch):
     from powerprof.daemon.ledger import Ledger
     from powerprof.daemon.service import Daemon
     from support import LedgerReading as R, RowSink as Sink
@@ -480,10 +490,7 @@ def test_the_daemon_tells_its_ledger_the_sampled_gpus_the_servers_processes_hold
     # flagged). A GPU whose process list NVML cannot give tells nothing.
     sim = _two_gpu_server(1, 14 << 30, 0, 300 << 20)
     led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
-    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
-                        collector=SimpleNamespace(nvml=sim, infos=sim.gpus[:2]),
-                        gpu_uuids={i: sim.gpus[i].uuid for i in (0, 1)}, _unsampled=(), ledger=led,
-                        _idle_said=False, _helper_said=False)
+    d = _two_gpu_stand_in(sim, led)
     Daemon._check_placement(d)
     for x in range(3):
         led.add_gpu_sample(x * 10**9, x * 10**9, [R(60.0 * x, 60.0), R(300.0 * x, 300.0)])
@@ -500,8 +507,6 @@ def test_the_daemon_tells_its_ledger_the_sampled_gpus_the_servers_processes_hold
 
 @pytest.mark.parametrize("sizes", [(800 << 20, 0), (700 << 20, 700 << 20)])
 def test_a_model_under_a_helpers_bound_is_told_where_it_runs(sizes):
-    from types import SimpleNamespace
-
     from powerprof.daemon.ledger import Ledger
     from powerprof.daemon.service import Daemon
     from support import RowSink as Sink
@@ -515,18 +520,13 @@ def test_a_model_under_a_helpers_bound_is_told_where_it_runs(sizes):
         if b:
             sim.add_process(g, 4242 + g, b, lambda: 1.0)
     led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
-    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
-                        collector=SimpleNamespace(nvml=sim, infos=sim.gpus[:2]),
-                        gpu_uuids={i: sim.gpus[i].uuid for i in (0, 1)}, _unsampled=(), ledger=led,
-                        _idle_said=False, _helper_said=False)
+    d = _two_gpu_stand_in(sim, led)
     Daemon._check_placement(d)
     assert led._told_serving[0].tolist() == [b > 0 for b in sizes] and not led._told_serving[2]
 
 
 def test_unread_samples_on_a_gpu_not_sampled_leave_the_sampled_ones_told(monkeypatch):
     import pynvml
-    from types import SimpleNamespace
-
     from powerprof.daemon.ledger import Ledger
     from powerprof.daemon.service import Daemon
     from support import RowSink as Sink
@@ -545,10 +545,7 @@ def test_unread_samples_on_a_gpu_not_sampled_leave_the_sampled_ones_told(monkeyp
     monkeypatch.setattr(sim, "nvmlDeviceGetProcessUtilization", no)
     monkeypatch.setattr(sim, "nvmlDeviceGetProcessesUtilizationInfo", no)
     led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
-    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
-                        collector=SimpleNamespace(nvml=sim, infos=sim.gpus[:2]),
-                        gpu_uuids={i: sim.gpus[i].uuid for i in (0, 1)}, _unsampled=(), ledger=led,
-                        _idle_said=False, _helper_said=False)
+    d = _two_gpu_stand_in(sim, led)
     Daemon._check_placement(d)
     assert led._told_serving[0].tolist() == [True, False]
     assert d._unsampled == (2,)
@@ -589,10 +586,7 @@ def test_a_serving_mask_the_check_cannot_back_is_not_told_and_the_rows_stay_flag
         monkeypatch.setattr(sim, "nvmlDeviceGetProcessesUtilizationInfo", no)
     sink = Sink()
     led = Ledger("d", 0, 2, sink, grace_s=0.1)
-    d = SimpleNamespace(_server_procs=lambda: ({4242, 4243}, None),
-                        collector=SimpleNamespace(nvml=sim, infos=sim.gpus[:2]),
-                        gpu_uuids={i: sim.gpus[i].uuid for i in (0, 1)}, _unsampled=(), ledger=led,
-                        _idle_said=False, _helper_said=False)
+    d = _two_gpu_stand_in(sim, led)
     Daemon._check_placement(d)
     tr = _ledger_trace(1, 0.2)
     led.on_start(tr)
