@@ -971,18 +971,50 @@ def test_a_proxy_refusal_while_the_last_pages_get_was_in_flight_finds_the_server
     assert got == [(0.0, (), False), (50.0, (), False), (250.0, ("counter_below",), True)], got
 
 
+def _two_proxy_workers():
+    """ProxyWorkers(2) on stand-in transports, the idle one's heartbeat said now: the workers and the busy one's link."""
+    import time
+    from types import SimpleNamespace
+
+    from powerprof.daemon.workers import _STATS, ProxyWorkers, _WorkerLink, frame
+
+    workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=None, proxy_kwargs={},
+                           header_timeout_s=10, idle_timeout_s=10)
+    for w in workers.workers:
+        w.transport = SimpleNamespace(close=lambda: None)
+    busy, idle = (_WorkerLink(workers, w) for w in workers.workers)
+    idle.data_received(frame(([], [], [], [], (0,) * len(_STATS), [], time.monotonic_ns(), [])))
+    return workers, busy
+
+
+def _hears_refusals_of(sc: Scraper, workers) -> None:
+    """The scraper takes (and waits for) the workers' refusals, as the daemon wires it."""
+    sc.refusals, sc.refusals_wait = workers.take_refusals, workers.wait_refusals
+    sc.refusals_late_s = workers.refusals_late_s
+
+
+async def _refusal_flushed_10ms_in(busy) -> int:
+    """A worker's connect refused now, flushed by the busy worker FLUSH_S after; 10 ms slept. The refusal's time."""
+    import time
+
+    from powerprof.daemon.workers import _STATS, FLUSH_S, frame
+
+    refused = time.monotonic_ns()
+
+    def flush():
+        busy.data_received(frame(([], [], [], [], (0,) * len(_STATS), [], time.monotonic_ns(), [refused])))
+
+    asyncio.get_running_loop().call_later(FLUSH_S, flush)
+    await asyncio.sleep(0.01)
+    return refused
+
+
 def test_a_proxy_workers_refusal_flushed_after_the_scrape_began_finds_the_server_down():
     # 100, 150, a restart no scrape saw, 400, proxy.workers = 2: a worker's connect refused 10 ms before the third
     # scrape began reaches the daemon in its flush FLUSH_S (20 ms) after the refusal, 10 ms into that scrape; the other
     # worker is idle (its clock last said at its heartbeat). Before, the scraper took the refusals as it began, found
     # none, and the next scrape dropped this one as older than its window: 250 whole, unsaid. Now it waits after its page
     # for the workers' records up to its start (ProxyWorkers.wait_refusals, bounded by REFUSALS_LATE_S): said.
-    import time
-    from types import SimpleNamespace
-
-    from powerprof.daemon.workers import _STATS, FLUSH_S, ProxyWorkers, _WorkerLink, frame
-
-    zero = (0,) * len(_STATS)
     pages = [_sglang(100), _sglang(150), _sglang(400)]
 
     class Paged(Scraper):
@@ -990,25 +1022,12 @@ def test_a_proxy_workers_refusal_flushed_after_the_scrape_began_finds_the_server
             return 200, pages.pop(0)
 
     async def go():
-        workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=None, proxy_kwargs={},
-                               header_timeout_s=10, idle_timeout_s=10)
-        for w in workers.workers:
-            w.transport = SimpleNamespace(close=lambda: None)
-        busy, idle = (_WorkerLink(workers, w) for w in workers.workers)
-        idle.data_received(frame(([], [], [], [], zero, [], time.monotonic_ns(), [])))
+        workers, busy = _two_proxy_workers()
         async with aiohttp.ClientSession() as s:
             sc = Paged(s, "http://x", "sglang")
-            sc.refusals = workers.take_refusals
-            sc.refusals_wait = workers.wait_refusals
-            sc.refusals_late_s = workers.refusals_late_s
+            _hears_refusals_of(sc, workers)
             out = [(await sc.scrape(), sc.window_partial, sc.window_down_refused) for _ in range(2)]
-            refused = time.monotonic_ns()
-
-            def flush():
-                busy.data_received(frame(([], [], [], [], zero, [], time.monotonic_ns(), [refused])))
-
-            asyncio.get_running_loop().call_later(FLUSH_S, flush)
-            await asyncio.sleep(0.01)
+            await _refusal_flushed_10ms_in(busy)
             out.append((await sc.scrape(), sc.window_partial, sc.window_down_refused))
             return out
 
@@ -1383,12 +1402,7 @@ def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: str | None) -> tu
     clock last said at its heartbeat). Gives each scrape's (delta, window_partial, window_down_refused,
     window_read_missed, down_open(), paths asked), the scraper and the refusal's time."""
     import json
-    import time
-    from types import SimpleNamespace
 
-    from powerprof.daemon.workers import _STATS, FLUSH_S, ProxyWorkers, _WorkerLink, frame
-
-    zero = (0,) * len(_STATS)
 
     def slots(task, n):
         return json.dumps([{"id": 0, "id_task": task, "is_processing": True, "next_token": [{"n_decoded": n}]}])
@@ -1412,16 +1426,10 @@ def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: str | None) -> tu
             return 200, self.step[1]
 
     async def go():
-        workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=None, proxy_kwargs={},
-                               header_timeout_s=10, idle_timeout_s=10)
-        for w in workers.workers:
-            w.transport = SimpleNamespace(close=lambda: None)
-        busy, idle = (_WorkerLink(workers, w) for w in workers.workers)
-        idle.data_received(frame(([], [], [], [], zero, [], time.monotonic_ns(), [])))
+        workers, busy = _two_proxy_workers()
         async with aiohttp.ClientSession() as s:
             sc = Paged(s, "http://x", "llamacpp")
-            sc.refusals, sc.refusals_wait = workers.take_refusals, workers.wait_refusals
-            sc.refusals_late_s = workers.refusals_late_s
+            _hears_refusals_of(sc, workers)
             out = []
 
             async def one():
@@ -1433,13 +1441,7 @@ def _llamacpp_refusal_flushed_into_the_third_scrape(bad_slots: str | None) -> tu
 
             for _ in range(2):
                 await one()
-            refused = time.monotonic_ns()
-
-            def flush():
-                busy.data_received(frame(([], [], [], [], zero, [], time.monotonic_ns(), [refused])))
-
-            asyncio.get_running_loop().call_later(FLUSH_S, flush)
-            await asyncio.sleep(0.01)
+            refused = await _refusal_flushed_10ms_in(busy)
             await one()
             await one()
             return out, sc, refused
