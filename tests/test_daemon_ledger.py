@@ -28,6 +28,17 @@ def _trace(rid, arrival_s, stream=True):
     return RequestTrace(rid, "POST", "/completion", "t", int(arrival_s * S), 0, api="llamacpp", stream=stream)
 
 
+def _decoded(led, tr, first_s, step_s, n, last_s, end_s, prompt_tokens):
+    """`tr` started, its `n` tokens one every `step_s` from `first_s`, ended at `end_s` with the usage counts."""
+    led.on_start(tr)
+    for k in range(n):
+        led.on_tokens(tr, int((first_s + step_s * k) * S), 1)
+    tr.first_ns, tr.last_ns, tr.end_ns = int(first_s * S), int(last_s * S), int(end_s * S)
+    tr.counts = Counts(generated_tokens=n, prompt_tokens=prompt_tokens, model=None, stop_reason=None,
+                       token_source="usage")
+    led.on_end(tr)
+
+
 def _answered_without_counts(led, tr, status, end_s):
     """`tr` ends with `status` at `end_s`, the server having said nothing of its tokens or prompt."""
     tr.status, tr.end_ns = status, int(end_s * S)
@@ -1218,12 +1229,7 @@ def test_serving_is_undecided_while_untold_and_unjudged_and_told_gpus_wait_for_n
     # out meanwhile (before: 1 on every GPU, read as all serving).
     led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
     tr = _trace(1, 0.2)
-    led.on_start(tr)
-    for k in range(20):
-        led.on_tokens(tr, int((0.3 + 0.1 * k) * S), 1)
-    tr.first_ns, tr.last_ns, tr.end_ns = int(0.3 * S), int(2.2 * S), int(2.5 * S)
-    tr.counts = Counts(generated_tokens=20, prompt_tokens=5, model=None, stop_reason=None, token_source="usage")
-    led.on_end(tr)
+    _decoded(led, tr, 0.3, 0.1, 20, 2.2, 2.5, prompt_tokens=5)
     for x in range(5):
         led.add_gpu_sample(x * S, x * S, [R(300.0 * x, 300.0), R(60.0 * x, 60.0)])
         led.advance(x * S)
@@ -3066,12 +3072,7 @@ def test_requests_that_shared_intervals_split_by_the_fixed_ratio_say_so(mature):
                                    token_source="usage")
                 led.on_end(tr)
         if k == 3:
-            led.on_start(c)
-            for j in range(8):
-                led.on_tokens(c, int((3.2 + 0.1 * j) * S), 1)
-            c.first_ns, c.last_ns, c.end_ns = int(3.2 * S), int(3.9 * S), int(3.95 * S)
-            c.counts = Counts(generated_tokens=8, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
-            led.on_end(c)
+            _decoded(led, c, 3.2, 0.1, 8, 3.9, 3.95, prompt_tokens=100)
     led.advance(int(5.5 * S))
     notes = {r["request_id"]: r["energy_note"] or "" for r in sink.rows["requests"]}
     assert set(notes) == {1, 2, 3}
