@@ -356,14 +356,7 @@ def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int, death=None, f
 
     monkeypatch.setattr(scrape_mod, "STILL_S", 0.3)  # still after 0.3 s, not 5
 
-    class FakeScraper:
-        kind, finished, window_partial, cache_hits, served = "vllm", None, (), None, None
-        restart_by_fall = False  # Scraper.restart_by_fall
-        window_each_step = False  # Scraper.window_each_step
-        window_down_ns = None  # Scraper.window_down_ns
-        window_down_refused = False  # Scraper.window_down_refused
-        window_read_missed = 0.0  # Scraper.window_read_missed
-        vllm_v1 = False
+    class FakeScraper(_FakeScraper):
         rise, calls = 0.0, 0
 
         async def scrape(self):
