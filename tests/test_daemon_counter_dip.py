@@ -972,7 +972,7 @@ def test_a_proxy_refusal_while_the_last_pages_get_was_in_flight_finds_the_server
 
 
 def _two_proxy_workers():
-    """ProxyWorkers(2) on stand-in transports, the idle one's heartbeat said now: the workers and the busy one's link."""
+    """ProxyWorkers(2) on stand-in transports, the idle one's heartbeat said now: the workers, the busy one's link."""
     import time
     from types import SimpleNamespace
 
