@@ -4847,6 +4847,16 @@ def test_a_llamacpp_run_on_with_no_known_end_closes_when_its_slot_moves_on_under
     assert span[1] is not None and 20.9 < span[1] < 21.2, span
 
 
+def test_a_slots_page_with_a_list_task_id_reaches_add_server_tokens_without_a_typeerror():
+    # A /slots page whose id_task is a list (odd or hostile) passed slot_progress and slot_tasks; the ledger's
+    # `_end_counted_by_slots` put (slot, task) in a frozenset: TypeError in add_server_tokens, called with no try in the
+    # scrape loop, so the loop ended silently. `slot_tasks` now keeps only int or str task ids (else None).
+    from powerprof.daemon.scrape import slot_tasks
+    page = [{"id": 0, "id_task": [7], "is_processing": False}, {"id": 1, "id_task": 2, "is_processing": True}]
+    assert slot_tasks(page) == {0: (None, False), 1: (2, True)}
+    _llamacpp_unknown_span_under_traffic(lambda t: slot_tasks(page))  # before: TypeError: unhashable type: 'list'
+
+
 @pytest.mark.parametrize("slots", [lambda t: {0: (7, True), 1: (3, False)},
                                    lambda t: {0: (7 if t < 20.0 - 1e-9 else 8, True), 1: (int(t * 10), True)}],
                          ids=["its_task_goes_on", "every_slot_busy"])

@@ -122,11 +122,14 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
 
 def slot_tasks(slots) -> dict[int, tuple[object, bool]]:
     """{slot id: (task id, busy)} from llama.cpp's /slots JSON; a slot that does not say whether it is busy is
-    read as busy, as `slot_progress` reads it."""
+    read as busy, as `slot_progress` reads it. A task id other than an int or a str is None: the ledger keeps
+    (slot, task) pairs in sets, and an unhashable one (a list) ended the scrape loop with a TypeError."""
     out = {}
     for s in slots if isinstance(slots, list) else ():
         if isinstance(s, dict) and isinstance(s.get("id"), int):
-            out[s["id"]] = (s.get("id_task", s.get("task_id")), bool(s.get("is_processing", s.get("state", 1) != 0)))
+            task = s.get("id_task", s.get("task_id"))
+            task = task if isinstance(task, (int, str)) and not isinstance(task, bool) else None
+            out[s["id"]] = (task, bool(s.get("is_processing", s.get("state", 1) != 0)))
     return out
 
 
