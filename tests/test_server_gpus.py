@@ -525,6 +525,42 @@ def test_a_model_under_a_helpers_bound_is_told_where_it_runs(sizes):
     assert led._told_serving[0].tolist() == [b > 0 for b in sizes] and not led._told_serving[2]
 
 
+def test_a_small_models_bare_context_on_another_gpu_is_told_provisional_and_the_rows_stay_flagged(caplog):
+    import logging
+
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.service import Daemon
+    from powerprof.storage.schema import UNSURE_FLAG
+    from support import LedgerReading as R, RowSink as Sink
+
+    # An 800 MiB model on GPU 0 (a 1B Q4 llama-server) and a bare 300 MiB CUDA context of its on GPU 1, idle:
+    # find_placement counts GPU 1 serving by its share (>= a tenth of the largest) without its samples. Before, told
+    # [T, T] not provisional: the rows unflagged with GPU 1's idle draw in. Now provisional: the rows flagged until the
+    # GPUs' power judges the same, the log says why once.
+    caplog.set_level(logging.INFO)
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(0, 4242, 800 << 20, lambda: 1.0)
+    sim.add_process(1, 4243, 300 << 20, lambda: 0.0)
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    d = _two_gpu_stand_in(sim, led)
+    Daemon._check_placement(d)
+    Daemon._check_placement(d)
+    assert led._told_serving[0].tolist() == [True, True] and led._told_serving[2]
+    assert sum("its samples not looked at" in r.getMessage() for r in caplog.records) == 1
+    tr = _ledger_trace(1, 0.2)
+    led.on_start(tr)
+    for x in range(5):
+        led.add_gpu_sample(x * 10**9, x * 10**9, [R(300.0 * x, 300.0), R(60.0 * x, 60.0)])
+        led.advance(x * 10**9)
+    _ledger_end(led, tr, 4.5)
+    led.close_all(6 * 10**9)
+    assert led.learner.serving is None
+    row = sink.rows["requests"][0]
+    assert UNSURE_FLAG in (row["energy_note"] or ""), row
+
+
 def test_unread_samples_on_a_gpu_not_sampled_leave_the_sampled_ones_told(monkeypatch):
     import pynvml
     from powerprof.daemon.ledger import Ledger

@@ -1654,7 +1654,7 @@ class Daemon:
         server's, e.g. a Ray worker, or another server: either may draw with the work) makes the mask provisional,
         the rows flagged until the power judges the same: before, nothing was told there, and the power judging alone
         took a foreign server's load following the traffic for the work's (+50% unflagged, a review's scene)."""
-        from powerprof.workload.placement import HELPER_MAX_BYTES
+        from powerprof.workload.placement import HELPER_MAX_BYTES, HELPER_MAX_SHARE
 
         infos = self.collector.infos
         serving = [i.index in p.server for i in infos]
@@ -1664,15 +1664,24 @@ class Daemon:
             not on and i.index in p.foreign and (p.foreign[i.index] is None  # not said: nothing shows it small
                                                  or p.foreign[i.index] >= HELPER_MAX_BYTES)
             for i, on in zip(infos, serving))
+        # A context under a helper's bound and under the largest, counted serving by its share alone (at least
+        # HELPER_MAX_SHARE of the largest: its samples not looked at), may be a small model's server's bare CUDA
+        # context: an 800 MiB model on GPU 0 and an idle 300 MiB context on GPU 1 were told [T, T], rows unflagged with
+        # GPU 1's idle draw in. The largest (or its equal: an even TP's shards) is where a model is: told as found.
+        unlooked = why is None and any(
+            on and (b := p.sizes.get(i.index)) is not None and b < HELPER_MAX_BYTES
+            and HELPER_MAX_SHARE * p.largest <= b < p.largest for i, on in zip(infos, serving))
         said = why or ("another process's context past a helper's bound on a GPU the server's processes are not on: "
-                       "told provisional, taken only where the GPUs' power judges the same" if foreign else None)
+                       "told provisional, taken only where the GPUs' power judges the same" if foreign else
+                       "a context under a helper's bound counted serving by its size alone, its samples not looked at: "
+                       "told provisional, taken only where the GPUs' power judges the same" if unlooked else None)
         if said != getattr(self, "_untold_why", None) and len(infos) > 1:
             self._untold_why = said
             if said is not None:
                 log.info("which sampled GPUs serve is not told from the server's processes alone (%s): the rows "
                          "flagged until the GPUs' power judges", said)
         self.ledger.tell_serving(None if why else serving, "the server's processes on NVML's process lists",
-                                 provisional=foreign)
+                                 provisional=foreign or unlooked)
 
     async def _placement_loop(self) -> None:
         """`_check_placement` whenever a GPU's process list changed (read every PLACEMENT_LIST_S: a server started after
