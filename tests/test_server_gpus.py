@@ -561,6 +561,28 @@ def test_a_small_models_bare_context_on_another_gpu_is_told_provisional_and_the_
     assert UNSURE_FLAG in (row["energy_note"] or ""), row
 
 
+def test_a_server_on_no_sampled_gpu_withdraws_the_telling_and_the_log_says_why_once(caplog):
+    import logging
+
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.service import Daemon
+    from support import RowSink as Sink
+
+    # Sampling GPUs 0 and 1 of three, the server's 14 GiB on GPU 2 alone: nothing told. Before, the log said nothing of
+    # it (docs/daemon.md said it did); only the unsampled GPU's warning stood.
+    caplog.set_level(logging.INFO)
+    sim = SimNVML("seed-16g", count=3, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(2, 4242, 14 << 30, lambda: 1.0)
+    led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
+    d = _two_gpu_stand_in(sim, led)
+    Daemon._check_placement(d)
+    Daemon._check_placement(d)
+    assert led._told_serving[0] is None
+    said = [r.getMessage() for r in caplog.records if "not told from the server's processes alone" in r.getMessage()]
+    assert len(said) == 1 and "on no sampled GPU" in said[0], said
+
+
 def test_unread_samples_on_a_gpu_not_sampled_leave_the_sampled_ones_told(monkeypatch):
     import pynvml
     from powerprof.daemon.ledger import Ledger

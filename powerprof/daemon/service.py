@@ -1659,7 +1659,8 @@ class Daemon:
         infos = self.collector.infos
         serving = [i.index in p.server for i in infos]
         why = ("a sampled GPU's process list could not be read" if any(i.index in p.unlisted for i in infos) else
-               "NVML's per-process samples could not be read" if not samples_read else None)
+               "NVML's per-process samples could not be read" if not samples_read else
+               "the server's processes hold a context on no sampled GPU" if not any(serving) else None)
         foreign = why is None and any(
             not on and i.index in p.foreign and (p.foreign[i.index] is None  # not said: nothing shows it small
                                                  or p.foreign[i.index] >= HELPER_MAX_BYTES)
