@@ -559,10 +559,6 @@ class Ledger:
         # When proxied requests' connections to the server broke (refused, closed with no answer, cut mid-answer):
         # what a death does to the requests in flight, the proof a lone found-down scrape lacks (`_death_proven`).
         self._conn_fail_ns: deque = deque(maxlen=64)
-        # Of those, the ones cut mid-answer (bytes of an answer came, then the connection broke): a process that was
-        # running requests died. Not a refused connect or resend (nothing listening for a moment: a pod out of its
-        # readiness, the same process on), nor a close with no answer (a router's refusal) (`_batch_death`).
-        self._conn_cut_ns: deque = deque(maxlen=64)
         # Recent streams' decode paces (tokens a second a sequence, first token to last): a stream gone before its first
         # token that the server runs on decodes at about theirs (`_run_on_gone`).
         self._paces: deque = deque(maxlen=RUN_ON_PACES)
@@ -834,8 +830,6 @@ class Ledger:
             # such a close cut a live run-on to 0.6 tokens / 2.5 J of 160 / 400, its row sure (session 59's review).
             # Unless its resend was refused (proxy.RESEND_REFUSED): nothing listened, as a refused connect says.
             self._conn_fail_ns.append(trace.end_ns)
-            if trace.outcome == "upstream_error" and not closed_unanswered(r):
-                self._conn_cut_ns.append(trace.end_ns)
             if self._gone_at:
                 self._end_run_ons_at_restart()
             if self._down_open is not None:  # a 503's window open: that death shown, its held closes are crashes
@@ -2501,19 +2495,21 @@ class Ledger:
     def _batch_death(self, g: tuple) -> bool:
         """Whether death `g` (`_gone_at`) is proven enough to end a batch 400's span there (`_end_run_ons_at_restart`):
         a restart the page said (its start time, or a fall the scraper calls one) where no scrape found the server down
-        (the start time said it), or where its first found-down scrape was refused or a proxied connection was cut
-        mid-answer from the old process's last scrape to CRASH_CLOSE_SLACK_S past that scrape (`_conn_cut_ns`). Never a
+        (the start time said it), or where its first found-down scrape was refused. Not a proxied connection cut
+        mid-answer after a 503 and a counter's dip: a gateway's blip cuts established streams too (taken for proof, a
+        span of 31.6 s was cut 5.5 s after its arrival while the batch ran on, the rows between unflagged). Never a
         death no page said a restart of (`_died_unrestarted`: a refusal, then a page that says none): the same process
         may have lived on (a Kubernetes Service's pod out of its readiness, a port-forward's hiccup; a young counter
         reads as a new process's, `scrape.Scraper._down_back`), and a refused connect or resend proves nothing more (one
         in the window cut a span from 31.6 s to 0.8 s after its arrival while the batch ran on, the rows between
-        unflagged). Nor a 503 then a counter's dip (32.1 s to 6.0 s). Left to its bound there: an over-flag at worst."""
-        a, _, down, refused = g
+        unflagged). Nor a 503 then a counter's dip (32.1 s to 6.0 s). Left to its bound there: an over-flag at worst (a
+        start-time restart behind a gateway's 503 too: the ledger is not told the start time said it)."""
+        _, _, down, refused = g
         if g[:3] in self._died_unrestarted:
             return False
         if down is None:
             return True
-        return refused or any(a <= t <= down + int(CRASH_CLOSE_SLACK_S * 1e9) for t in self._conn_cut_ns)
+        return refused
 
     def _end_run_ons_at_restart(self) -> None:
         """A restart ends every run-on of the process that died: nothing ran it on past that process's death, placed

@@ -608,8 +608,12 @@ class Scraper:
         refusal in its window is kept (`window_down_refused`): a restarted process whose counter starts past the old
         reading (a never-wiped PROMETHEUS_MULTIPROC_DIR) reads so too; cleared, its death was lost (a whole answer's
         run-on costed 159.6 tokens and 410 J for about 105 J, unflagged). `Ledger._batch_death` cuts no batch span at
-        such a death (the same process may be back)."""
+        such a death (the same process may be back). Not on llama.cpp: its counters live in the process and cannot
+        outlast a restart, so the page past reach is the same process and the refusal is cleared (no death: kept, a
+        whole answer's run-on was cut at it, 40.8 tokens and 103 J for 400 and 1001, unflagged)."""
         if self._believed_at is not None and total > FASTEST_SERVER_TOKENS_PER_S * (time.monotonic() - self._believed_at):
+            if self.kind == "llamacpp":
+                self._down_refused = False
             return
         self._said_below(f"is at {total:g} after a scrape found the server down, at or past {prev:g}, its reading "
                          "before: the same process back, or a restart whose new process reached the old reading")
