@@ -531,7 +531,7 @@ def test_a_small_models_bare_context_on_another_gpu_is_told_provisional_and_the_
     from powerprof.daemon.ledger import Ledger
     from powerprof.daemon.service import Daemon
     from powerprof.storage.schema import UNSURE_FLAG
-    from support import LedgerReading as R, RowSink as Sink
+    from support import RowSink as Sink
 
     # An 800 MiB model on GPU 0 (a 1B Q4 llama-server) and a bare 300 MiB CUDA context of its on GPU 1, idle:
     # find_placement counts GPU 1 serving by its share (>= a tenth of the largest) without its samples. Before, told
@@ -549,13 +549,7 @@ def test_a_small_models_bare_context_on_another_gpu_is_told_provisional_and_the_
     Daemon._check_placement(d)
     assert led._told_serving[0].tolist() == [True, True] and led._told_serving[2]
     assert sum("its samples not looked at" in r.getMessage() for r in caplog.records) == 1
-    tr = _ledger_trace(1, 0.2)
-    led.on_start(tr)
-    for x in range(5):
-        led.add_gpu_sample(x * 10**9, x * 10**9, [R(300.0 * x, 300.0), R(60.0 * x, 60.0)])
-        led.advance(x * 10**9)
-    _ledger_end(led, tr, 4.5)
-    led.close_all(6 * 10**9)
+    _one_request_beside(led, 60.0)
     assert led.learner.serving is None
     row = sink.rows["requests"][0]
     assert UNSURE_FLAG in (row["energy_note"] or ""), row
@@ -620,7 +614,7 @@ def test_a_serving_mask_the_check_cannot_back_is_not_told_and_the_rows_stay_flag
     from powerprof.daemon.metrics import GpuSnapshot, Snapshot, make_registry, render
     from powerprof.daemon.service import Daemon
     from powerprof.storage.schema import UNSURE_FLAG
-    from support import LedgerReading as R, RowSink as Sink
+    from support import RowSink as Sink
 
     # Both GPUs draw with the work, a wrong told mask in either direction. missed-worker: the server's engine (4242)
     # on GPU 0 and a tensor-parallel worker the daemon does not find as the server's (a Ray worker, no descendant:
@@ -646,13 +640,7 @@ def test_a_serving_mask_the_check_cannot_back_is_not_told_and_the_rows_stay_flag
     led = Ledger("d", 0, 2, sink, grace_s=0.1)
     d = _two_gpu_stand_in(sim, led)
     Daemon._check_placement(d)
-    tr = _ledger_trace(1, 0.2)
-    led.on_start(tr)
-    for x in range(5):
-        led.add_gpu_sample(x * 10**9, x * 10**9, [R(300.0 * x, 300.0), R(250.0 * x, 250.0)])
-        led.advance(x * 10**9)
-    _ledger_end(led, tr, 4.5)
-    led.close_all(6 * 10**9)
+    _one_request_beside(led, 250.0)
     assert led.learner.serving is None and led.totals.serving_undecided
     row = sink.rows["requests"][0]
     assert UNSURE_FLAG in (row["energy_note"] or "") and "serve the proxied work" in row["energy_note"], row
@@ -678,6 +666,19 @@ def _ledger_end(led, tr, end_s: float) -> None:
     tr.first_ns, tr.last_ns, tr.end_ns = int(0.3 * 1e9), int(4.1 * 1e9), int(end_s * 1e9)
     tr.counts = Counts(generated_tokens=20, prompt_tokens=5, model=None, stop_reason=None, token_source="usage")
     led.on_end(tr)
+
+
+def _one_request_beside(led, gpu1_w: float) -> None:
+    """One request 0.2-4.5 s on a 2-GPU ledger, GPU 0 at 300 W and GPU 1 at `gpu1_w` for 5 one-second samples, closed."""
+    from support import LedgerReading as R
+
+    tr = _ledger_trace(1, 0.2)
+    led.on_start(tr)
+    for x in range(5):
+        led.add_gpu_sample(x * 10**9, x * 10**9, [R(300.0 * x, 300.0), R(gpu1_w * x, gpu1_w)])
+        led.advance(x * 10**9)
+    _ledger_end(led, tr, 4.5)
+    led.close_all(6 * 10**9)
 
 
 def test_simulate_with_gpus_puts_the_simulated_server_on_the_selected_gpus(tmp_path):
