@@ -301,3 +301,33 @@ def test_the_packages_lazy_simnvml_is_cached_listed_and_safe_to_ask_for_without_
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "needs pynvml" in r.stdout and "pip install" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("profile, lock, idle_w, locked_mhz, locked_w", [
+    ("h200-141g", (1400, 1400), 78.0, 1395, 135.1),  # before: 78 W locked, at its 345 MHz idle clock
+    ("a100-40g", (1400, 1400), 55.0, 1395, 142.2),
+    ("h200-141g", (345, 1980), 78.0, 345, 78.0),  # a lock whose floor is the idle clock holds nothing up
+])
+def test_a_clock_lock_holds_the_idle_clock_up_and_moves_the_idle_draw_as_nvml_shows(profile, lock, idle_w, locked_mhz,
+                                                                                     locked_w):
+    # sim/gpu.py `_idle_held`: idle under a lock, the SM clock held at the lock's lowest clock, the idle power scaled by
+    # its voltage squared (a real card's idle draw moves under a lock: docs/simulator.md). Through NVML: the clock,
+    # GpuIdle, and the counter over a second; busy, AppClocks where the lock holds it below the top clock.
+    clock = FakeClock()
+    n = SimNVML(profile, state_path=None, clock_ns=clock)
+    n.nvmlInit()
+    h = n.nvmlDeviceGetHandleByIndex(0)
+
+    def idle_over_a_second():
+        e0 = n.nvmlDeviceGetTotalEnergyConsumption(h)
+        clock.advance(1.0)
+        return (n.nvmlDeviceGetTotalEnergyConsumption(h) - e0) / 1000
+
+    assert idle_over_a_second() == pytest.approx(idle_w, abs=0.1)
+    n.external_clock_change(0, lock)
+    assert idle_over_a_second() == pytest.approx(locked_w, abs=0.1)
+    assert n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM) == locked_mhz
+    assert n.nvmlDeviceGetCurrentClocksEventReasons(h) == n.nvmlClocksEventReasonGpuIdle
+    n.gpus[0].set_phase(Phase("decode", 0.12))
+    want = n.nvmlClocksEventReasonApplicationsClocksSetting if lock[1] < n.gpus[0].profile.sm_clock_max_mhz else 0
+    assert n.nvmlDeviceGetCurrentClocksEventReasons(h) == want

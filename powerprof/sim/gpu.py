@@ -106,12 +106,38 @@ class SimGpu:
         if phase.kind == "idle":
             # A neighbour's memory traffic alone (copy engines: no kernels) keeps the SM clock idle.
             mem_w = p.mem_power_w * self._bystander_mem
+            held_mhz, idle_w = self._idle_held()
             if extra <= 0:
-                return float(p.sm_clock_idle_mhz), float(p.idle_power_w) + mem_w, REASON_GPU_IDLE
+                return held_mhz, idle_w + mem_w, REASON_GPU_IDLE
             # The server idles, another process's kernels run: the clock they get, the idle power plus theirs.
             f, _, reasons = self._choose_busy(Phase("decode", 0.5), extra)
-            return f, float(p.idle_power_w) + extra + mem_w, reasons
+            return f, idle_w + extra + mem_w, reasons
         return self._choose_busy(phase, extra)
+
+    def _volt_v(self, f_mhz: float) -> float:
+        """The voltage clock `f_mhz` runs at: linear between the profile's at its lowest and highest DVFS clock (an
+        idle clock below the lowest at the lowest's)."""
+        p = self.profile
+        return max(p.volt_min_v, p.volt_min_v + (p.volt_max_v - p.volt_min_v) * (f_mhz - p.sm_clock_min_mhz) / (
+            p.sm_clock_max_mhz - p.sm_clock_min_mhz))
+
+    def _idle_held(self) -> tuple[float, float]:
+        """(SM clock MHz, W) of the idle card: its idle clock and power, or, where a clock lock's floor is above the
+        idle clock, the lock's lowest clock (a lock between two steps: the one below its ceiling) and the idle power
+        scaled by that clock's voltage squared, as busy power scales with V². A lock moves a real card's idle draw: RTX
+        3090s locked to 210-1950 MHz idled at 15-30 W for 8 W unlocked (ilya-zlobintsev/LACT#908), a V100 locked to its
+        lowest clock at 33 W for 45 W (sasha0552/nvidia-pstated#6); here only up (the idle clock is the lowest)."""
+        p = self.profile
+        idle_mhz = float(p.sm_clock_idle_mhz)
+        if self._locked is None:
+            return idle_mhz, float(p.idle_power_w)
+        lo_mhz, hi_mhz = self._locked
+        allowed = (self._f <= hi_mhz) & (self._f >= lo_mhz)
+        below = self._f[self._f <= hi_mhz]
+        held_mhz = float(self._f[allowed][0] if allowed.any() else below[-1] if below.size else self._f[0])
+        if held_mhz <= idle_mhz:
+            return idle_mhz, float(p.idle_power_w)
+        return held_mhz, float(p.idle_power_w) * (self._volt_v(held_mhz) / self._volt_v(idle_mhz)) ** 2
 
     def _choose_busy(self, phase: Phase, extra: float) -> tuple[float, float, int]:
         p = self.profile
