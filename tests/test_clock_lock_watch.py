@@ -143,3 +143,25 @@ def test_a_lock_found_partway_is_named_as_found_during_the_measurement_not_as_it
     assert got[:4] == [None] * 4 and w.found_mhz == {0: 1200.0}
     assert "above the 1200 MHz a clock lock found during the measurement held it at:" in got[4], got[4]
     assert "began" not in got[4], got[4]
+
+
+def test_the_daemons_lock_signs_see_a_lock_and_its_release_at_the_second_busy_reading_and_nothing_else():
+    # collectors/limitwatch.ClockLockSigns: the daemon's witness (a lock starts a new idle setting, docs/daemon.md).
+    from powerprof.collectors.limitwatch import ClockLockSigns
+
+    signs = ClockLockSigns()
+    states = [signs.feed([r])[0] for r in (
+        _r(1980), _r(1980),  # busy at the top clock, no bit: no lock
+        _r(1400, REASON_SW_POWER_CAP), _r(1400, REASON_SW_POWER_CAP),  # a cap holds it: a limiter, no lock
+        _r(1395, REASON_APP_CLOCKS), _r(345, REASON_GPU_IDLE), _r(1395, REASON_APP_CLOCKS),  # idle between: still a run
+        _r(1980), _r(1395, REASON_APP_CLOCKS), _r(1980),  # one odd read above: no release
+        _r(1980), _r(1980))]  # two in a row above, no bit: released
+    assert states == [None] * 6 + [1395.0] * 4 + [None] * 2
+    moved = ClockLockSigns()
+    for mhz in (1395, 1395, 900, 900):  # another tool locks it lower
+        got = moved.feed([_r(mhz, REASON_APP_CLOCKS)])
+    assert got == (900.0,)
+    capped = ClockLockSigns()
+    for _ in range(3):
+        got = capped.feed([_r(1395, REASON_APP_CLOCKS, power_w=680.0)])
+    assert got == (None,)  # at the cap (over 90% of it): no lock

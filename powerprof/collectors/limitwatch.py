@@ -178,6 +178,59 @@ class ClockLockWatch:
                 f"{self.during} measured that clock, not its own setting; the windows measured since are left out of every figure")
 
 
+class ClockLockSigns:
+    """Each GPU's SM clock lock as its readings show it, for a process that sets none (the daemon): the MHz a lock
+    holds it at, or None (no lock seen, or released).
+
+    The signs ClockLockWatch(find_lock=True) reads: CLOCK_LOCK_READINGS busy readings in a row held by a setting with
+    the AppClocks bit (no limiter named, power under 90% of the cap: clock_reasons.held_by_a_setting) at a clock off
+    the lock held (by more than the tolerance) are a lock there; as many busy readings in a row without the bit above
+    the lock by more than the tolerance are its release (the boost clock, hundreds of MHz up). A busy GPU at its top
+    clock with no lock shows no AppClocks bit, and a power cap or heat names itself: neither ever starts one. Idle
+    readings (GpuIdle, 0% utilisation) say nothing (an idle card sits at its idle clock, and a real one lingers at a
+    high clock a while after work): a lock is seen only at the next busy readings. A lock at the top clock shows no
+    sign (nothing holds the clock below where it would run)."""
+
+    def __init__(self, tolerance_mhz: float = CLOCK_LOCK_TOLERANCE_MHZ, readings: int = CLOCK_LOCK_READINGS):
+        self.tolerance_mhz = float(tolerance_mhz)
+        self.readings = int(readings)
+        self.locked_mhz: dict[int, float] = {}  # GPU index → the lock's clock (absent: none)
+        self._run: dict[int, tuple[bool, list[float]]] = {}  # GPU index → (held, its readings' MHz) off the state
+
+    def feed(self, readings) -> tuple:
+        """Take one sample's GpuReadings; each GPU's lock MHz (None: none) after them, in the readings' order."""
+        for r in readings:
+            self._feed_one(r)
+        return tuple(self.locked_mhz.get(getattr(r, "index", None)) for r in readings)
+
+    def _feed_one(self, r) -> None:
+        mhz, reasons = getattr(r, "sm_clock_mhz", None), getattr(r, "clock_event_reasons", None)
+        if mhz is None or reasons is None or reasons & REASON_GPU_IDLE or getattr(r, "gpu_util_pct", None) == 0:
+            return
+        lock = self.locked_mhz.get(r.index)
+        power_w = r.power_w if r.power_w is not None else r.power_avg_w
+        limit_w = r.enforced_limit_w if r.enforced_limit_w is not None else r.power_limit_w
+        held = bool(reasons & REASON_APP_CLOCKS) and held_by_a_setting(reasons, power_w, limit_w)
+        if held and (lock is None or abs(mhz - lock) > self.tolerance_mhz):
+            pass  # a lock where none was, or another one
+        elif not held and lock is not None and mhz > lock + self.tolerance_mhz and held_by_a_setting(
+                reasons, power_w, limit_w):
+            pass  # above the lock, nothing holding it: released
+        else:
+            self._run.pop(r.index, None)
+            return
+        was, run = self._run.get(r.index, (held, []))
+        run = run if was == held else []
+        run.append(mhz)
+        self._run[r.index] = (held, run)
+        if len(run) >= self.readings:
+            if held:
+                self.locked_mhz[r.index] = max(run)
+            else:
+                self.locked_mhz.pop(r.index, None)
+            self._run.pop(r.index, None)
+
+
 class LimitWatch:
     """A sampler subscriber (`sampler.subscribe(watch)`): every GPU reading from now must show `expected`,
     and, given `clocks`, the SM clock setting that watch judges (a ClockMove once its run of off readings is

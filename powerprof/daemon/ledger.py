@@ -34,6 +34,7 @@ import numpy as np
 
 from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
                                           interval_cpu_s, unknown_server_text)
+from powerprof.collectors.limitwatch import ClockLockSigns
 from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.energy import COUNTER_STEP_S, epoch_broken, interp_at, trailing_average_interval_energy_j, unwrap_resets
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
@@ -66,7 +67,7 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
 from . import tagedge
 from .streams import uncounted_kind
 from .tagedge import TAG_UNHELD_FIX, TAG_UNHELD_FLAG
-from .workmodel import FEATURES, GPUS_UNDECIDED_REASON, CostLearner
+from .workmodel import FEATURES, GPUS_UNDECIDED_REASON, CostLearner, setting_of
 
 log = logging.getLogger("powerprof.daemon.ledger")
 
@@ -183,7 +184,7 @@ class _Edge:
     wall_ns: int
     counter_j: np.ndarray  # (G,) NaN where missing
     power_w: np.ndarray  # (G,) instant power (or a reading with no averaging window); NaN where missing
-    setting: tuple = ()  # the GPUs' power limits: costs are learned per setting
+    setting: tuple = ()  # the GPUs' power limits (and clock locks: workmodel.setting_of): costs are learned per setting
     epoch: np.ndarray | None = None  # (G,) the counters' epochs (a jump or reset bumps one); None: as the edge before
     avg_power_w: np.ndarray | None = None  # (G,) trailing-average power (GPUs with an averaging window); None: not read
 
@@ -568,7 +569,8 @@ class Ledger:
         self._prefill_rates: deque = deque(maxlen=RUN_ON_PACES)
         # Sequences of the requests started and not ended, by request id: those a batch's pace is shared by.
         self._live_seqs: dict[int, int] = {}
-        self._setting: tuple = ()  # the GPUs' power limits at the latest full sample
+        self._setting: tuple = ()  # the GPUs' power limits (and SM clock locks) at the latest full sample
+        self._locks = ClockLockSigns()  # each GPU's SM clock lock, as its readings show it
         self._power_w: np.ndarray | None = None  # the GPUs' power at the latest full sample
         self.scraping = False  # the daemon scrapes the server's counters (set by it): no count yet is `unread`, not `off`
         # Since when a proxy worker serves whose records are unread (set by the daemon: workers.ProxyWorkers), None: none.
@@ -1957,7 +1959,9 @@ class Ledger:
                           for r, w in zip(readings, windows)], dtype=float)
         avg = np.array([r.power_avg_w if r.power_avg_w is not None and w > 0 else np.nan
                         for r, w in zip(readings, windows)], dtype=float)
-        setting = tuple(getattr(r, "power_limit_w", None) for r in readings)
+        # A clock lock its readings show (or its release) is another setting, as a limit's change: it can move the
+        # idle draw (workmodel.LockedSetting).
+        setting = setting_of(tuple(getattr(r, "power_limit_w", None) for r in readings), self._locks.feed(readings))
         self._setting = setting
         epoch = np.array([getattr(r, "energy_epoch", 0) for r in readings], dtype=np.int64)
         if len(readings) == self.n_gpus:

@@ -64,6 +64,37 @@ MIN_R2_SERVING = 0.5
 GPUS_UNDECIDED_REASON = "gpus-undecided"
 
 
+class LockedSetting(tuple):
+    """A setting (the GPUs' power limits, the tuple) where some GPU's SM clock is locked: `clocks`, each GPU's lock in
+    MHz or None (collectors/limitwatch.ClockLockSigns). A lock can move the idle draw (`_idle_held` in sim/gpu.py, the
+    public reports there), so it is another setting with its own idle power; equal only to one with the same locks."""
+
+    clocks: tuple
+
+    def __new__(cls, limits_w, clocks):
+        self = super().__new__(cls, limits_w)
+        self.clocks = tuple(clocks)
+        return self
+
+    def __eq__(self, other):
+        return tuple.__eq__(self, other) and getattr(other, "clocks", None) == self.clocks
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash((tuple(self), self.clocks))
+
+    def __reduce__(self):
+        return LockedSetting, (tuple(self), self.clocks)
+
+
+def setting_of(limits_w: tuple, clocks: tuple) -> tuple:
+    """The setting of GPUs at power limits `limits_w` with SM clock locks `clocks` (MHz, None: none): the limits
+    alone where no GPU is locked."""
+    return LockedSetting(limits_w, clocks) if any(c is not None for c in clocks) else tuple(limits_w)
+
+
 def busy_rise_w(power_w: np.ndarray, rates: np.ndarray, least: int = MIN_BUSY,
                 min_r2: float = MIN_R2_SERVING) -> np.ndarray | None:
     """Per GPU, the standard deviation of its busy-interval power (K, G) that the intervals' work rates (K, F) explain
@@ -359,17 +390,20 @@ class CostLearner:
 
         A limit caps power; an idle GPU draws below it, so the limit does not change its idle draw (checked here: each
         GPU's idle draw there below its limit now), and setting it leaves clocks and persistence as they were. A setting
-        is power limits alone: a clock lock, which may raise the idle draw, never started a new one. Before, after a
-        limit's change the busy intervals' time with no request live went to the requests until a run of idle
-        intervals closed at the new limit or the fit there matured: under steady traffic (idle gaps 0.1-0.25 s, never
-        a run) every row for ~31 s flagged `uncertain-uncounted`, out of J/token (docs/daemon.md, Attribution, idle)."""
+        is power limits and SM clock locks: a lock can move the idle draw, so only a setting with the same locks
+        (`LockedSetting.clocks`) lends its idle power. Before, after a limit's change the busy intervals' time with no
+        request live went to the requests until a run of idle intervals closed at the new limit or the fit there
+        matured: under steady traffic (idle gaps 0.1-0.25 s, never a run) every row for ~31 s flagged
+        `uncertain-uncounted`, out of J/token (docs/daemon.md, Attribution, idle)."""
         try:
             limit_w = np.array(setting, dtype=float)  # an unread limit (None) reads NaN
         except (TypeError, ValueError):
             return None
         if limit_w.ndim != 1 or not np.all(np.isfinite(limit_w)):
             return None
-        others = [s for s in self._idle_latest if s != setting and len(s) == len(setting) and self._idle.get(s)]
+        clocks = getattr(setting, "clocks", None)
+        others = [s for s in self._idle_latest if s != setting and len(s) == len(setting) and self._idle.get(s)
+                  and getattr(s, "clocks", None) == clocks]
         if not others:
             return None
         latest = max(others, key=lambda s: self._idle_latest[s])
