@@ -652,6 +652,47 @@ def test_a_serving_mask_the_check_cannot_back_is_not_told_and_the_rows_stay_flag
     assert not [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "powerprof_gpu_serving"]
 
 
+def test_a_telling_that_crosses_a_close_taking_the_last_one_is_kept_for_the_next_close():
+    import threading
+
+    from powerprof.daemon.ledger import Ledger
+    from support import LedgerReading as R, RowSink as Sink
+
+    # The placement check tells from its own thread; the ledger's close takes the telling waiting. A second telling
+    # landing between the close's read of the first and its reset of the slot was lost (the close reset the slot after
+    # it): the stale first mask stood. Here the second telling is made from another thread at the very read (the
+    # slot's getter), as the check's thread would; the close may hold it back (a lock) but must not drop it.
+    crossing: list = []
+
+    class Crossed(Ledger):
+        @property
+        def _told_serving(self):
+            told = self.__dict__.get("_slot")
+            if told is not None and not crossing:
+                crossing.append(threading.Thread(
+                    target=self.tell_serving, args=([False, True], "the check's next telling")))
+                crossing[0].start()
+                crossing[0].join(0.5)  # done at once where nothing holds it back: the race the lock closes
+            return told
+
+        @_told_serving.setter
+        def _told_serving(self, told):
+            self.__dict__["_slot"] = told
+
+    led = Crossed("d", 0, 2, Sink(), grace_s=0.1)
+    led.tell_serving([True, True], "the check's first telling")
+    for x in range(3):
+        led.add_gpu_sample(x * 10**9, x * 10**9, [R(300.0 * x, 300.0), R(300.0 * x, 300.0)])
+        led.advance(x * 10**9)
+    assert crossing, "the close read no telling"
+    crossing[0].join(5)
+    for x in range(3, 6):
+        led.add_gpu_sample(x * 10**9, x * 10**9, [R(300.0 * x, 300.0), R(300.0 * x, 300.0)])
+        led.advance(x * 10**9)
+    # Before the lock: [True, True] (the second telling lost, the first standing); now the second's, at the next close.
+    assert led.learner.serving is not None and led.learner.serving.tolist() == [False, True]
+
+
 def _ledger_trace(rid: int, at_s: float):
     from powerprof.daemon.proxy import RequestTrace
 
