@@ -652,6 +652,36 @@ def test_a_serving_mask_the_check_cannot_back_is_not_told_and_the_rows_stay_flag
     assert not [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "powerprof_gpu_serving"]
 
 
+def test_an_asserted_mask_the_servers_processes_contradict_is_told_provisional_and_warned_once(caplog):
+    import logging
+
+    import numpy as np
+
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.service import Daemon
+    from support import RowSink as Sink
+
+    # daemon.serving_gpus = [0, 1]; the check's evidence whole, the server's engine on GPU 0 alone: the two disagree,
+    # so the assertion is told provisional (the rows flagged until the power judges the same), warned once, naming the
+    # key. A worker of the server's then seen on GPU 1: agreed, told as asserted.
+    caplog.set_level(logging.INFO)
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(0, 4242, 14 << 30, lambda: 1.0)
+    led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
+    d = _two_gpu_stand_in(sim, led)
+    d._serving_asserted = np.array([True, True])
+    Daemon._check_placement(d)
+    Daemon._check_placement(d)
+    assert led._told_serving[0].tolist() == [True, True] and led._told_serving[1] == "daemon.serving_gpus"
+    assert led._told_serving[2]
+    warned = [r.getMessage() for r in caplog.records if "daemon.serving_gpus asserts" in r.getMessage()]
+    assert len(warned) == 1 and "fix: correct daemon.serving_gpus" in warned[0], warned
+    sim.add_process(1, 4243, 14 << 30, lambda: 1.0)
+    Daemon._check_placement(d)
+    assert led._told_serving[0].tolist() == [True, True] and not led._told_serving[2]
+
+
 def test_a_telling_that_crosses_a_close_taking_the_last_one_is_kept_for_the_next_close():
     import threading
 

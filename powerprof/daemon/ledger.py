@@ -58,7 +58,8 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_interval_note,
                       _idle_unmeasured_note, _gpus_undecided_interval_note, _gpus_undecided_note, UNDECIDED_CAUSE,
-                      UNDECIDED_DISAGREE, UNDECIDED_FIX, UNDECIDED_PROVISIONAL,
+                      UNDECIDED_ASSERTED_DISAGREE, UNDECIDED_ASSERTED_DOUBTED, UNDECIDED_DISAGREE, UNDECIDED_FIX,
+                      UNDECIDED_PROVISIONAL,
                       _interval_cache_note, _joined,
                       _no_counter_short_note, _counter_short_note, _no_energy_reason, _parser_held, _request_flags,
                       _secs, _unsaid_reason, _usage_above_note, _usage_below_note, _with_late, _counted_low_interval_note, client_held,
@@ -380,6 +381,11 @@ def merged_span(spans: list[tuple[int, int]], a0: int, a1: int) -> list[tuple[in
     over = [s for s in spans if not (s[1] < a0 or s[0] > a1)]
     return sorted(keep + [(min([a0, *(s[0] for s in over)]), max([a1, *(s[1] for s in over)]))])
 
+# The told mask's source where the operator asserts which sampled GPUs serve (config daemon.serving_gpus): the log's and
+# the undecided causes' words name the key.
+SERVING_ASSERTED_SOURCE = "daemon.serving_gpus"
+
+
 class Ledger:
     def __init__(
         self,
@@ -645,7 +651,9 @@ class Ledger:
         log.warning("which of the %d sampled GPUs serve the proxied work is not known: %s; %d busy interval(s) since "
                     "start were split with every sampled GPU's energy the work's, their requests' rows say %s and are "
                     "left out of J/token (powerprof_joules_per_token_left_out_intervals_total{reason=\"%s\"}); %s",
-                    self.n_gpus, {"disagree": UNDECIDED_DISAGREE, "provisional": UNDECIDED_PROVISIONAL}
+                    self.n_gpus, ({"disagree": UNDECIDED_ASSERTED_DISAGREE, "provisional": UNDECIDED_ASSERTED_DOUBTED}
+                                  if self._serving_source == SERVING_ASSERTED_SOURCE else
+                                  {"disagree": UNDECIDED_DISAGREE, "provisional": UNDECIDED_PROVISIONAL})
                     .get(self.learner.serving_from, UNDECIDED_CAUSE),
                     self._undecided_intervals, UNSURE_FLAG, GPUS_UNDECIDED_REASON,
                     UNDECIDED_FIX)
@@ -665,10 +673,14 @@ class Ledger:
         def named(mask):
             return ", ".join(self.gpu_names[g] for g, on in enumerate(mask) if on) or "none"
         log.warning("which sampled GPUs serve the proxied work is undecided: %s tells %s, the GPUs' power judges %s "
-                    "(a worker of the server's not seen, or another server's load following the traffic); rows split "
-                    "meanwhile have every sampled GPU's energy the work's, say %s and are left out of J/token "
-                    "(reason %s) until the two agree", self._serving_source, named(pair[0]), named(pair[1]),
-                    UNSURE_FLAG, GPUS_UNDECIDED_REASON)
+                    "(%s); rows split meanwhile have every sampled GPU's energy the work's, say %s and are left out of "
+                    "J/token (reason %s) until the two agree%s", self._serving_source, named(pair[0]), named(pair[1]),
+                    "the config's assertion wrong, or another server's load following the traffic"
+                    if self._serving_source == SERVING_ASSERTED_SOURCE else
+                    "a worker of the server's not seen, or another server's load following the traffic",
+                    UNSURE_FLAG, GPUS_UNDECIDED_REASON,
+                    "; fix: correct daemon.serving_gpus (or empty it, to let the daemon judge) and restart the daemon"
+                    if self._serving_source == SERVING_ASSERTED_SOURCE else "")
 
     def tell_serving(self, serving, source: str, provisional: bool = False) -> None:
         """The sampled GPUs (by position) the server runs on, as the daemon found them (`source`, in words: its
@@ -3126,6 +3138,8 @@ class Ledger:
             log.info("the proxied work runs on sampled GPU(s) %s; %s (%s)",
                      ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if on) or "none",
                      (f"GPU(s) {idle_gpus} " + ("draw no more when it runs than when idle" if by_power else
+                                                "are not in daemon.serving_gpus"
+                                                if self._serving_source == SERVING_ASSERTED_SOURCE else
                                                 "hold none of the server's processes")
                       + ": their energy counts as idle, not the requests' (daemon.gpus can leave them out)")
                      if idle_gpus else "every sampled GPU takes part",
