@@ -682,6 +682,35 @@ def test_an_asserted_mask_the_servers_processes_contradict_is_told_provisional_a
     assert led._told_serving[0].tolist() == [True, True] and not led._told_serving[2]
 
 
+def test_the_kept_judgement_is_read_back_only_for_its_gpus_and_upstream_and_never_from_anothers_file(tmp_path):
+    from powerprof.daemon import servingstate
+
+    # Kept in the data dir as opentags.py keeps its windows; read back for the same GPUs (in order) and upstream only.
+    # Not acted on: a symlink, another user's file or one others may write (root reads it), a file not of its form.
+    uuids, up = ["GPU-a", "GPU-b"], "http://127.0.0.1:8000"
+    assert servingstate.load(tmp_path, uuids, up) is None
+    servingstate.save(tmp_path, uuids, up, [True, False])
+    mask, saved_s = servingstate.load(tmp_path, uuids, up)
+    assert mask == [True, False] and saved_s > 0
+    assert servingstate.load(tmp_path, uuids[::-1], up) is None and servingstate.load(tmp_path, uuids, "http://x") is None
+    p = servingstate.path_in(tmp_path)
+    if os.geteuid() == 0:  # another user's file, root reading
+        os.chown(p, 65534, 65534)
+        assert servingstate.load(tmp_path, uuids, up) is None
+        os.chown(p, 0, 0)
+    else:  # this user's, read as another (not root)
+        assert servingstate.load(tmp_path, uuids, up, euid=os.geteuid() + 1) is None
+    os.chmod(p, 0o666)
+    assert servingstate.load(tmp_path, uuids, up) is None
+    os.chmod(p, 0o600)
+    os.rename(p, tmp_path / "real.json")
+    os.symlink(tmp_path / "real.json", p)
+    assert servingstate.load(tmp_path, uuids, up) is None
+    p.unlink()
+    p.write_text('{"uuids": ["GPU-a", "GPU-b"], "upstream": "http://127.0.0.1:8000", "serving": [1, 0], "saved_s": 1}')
+    assert servingstate.load(tmp_path, uuids, up) is None
+
+
 def test_a_telling_that_crosses_a_close_taking_the_last_one_is_kept_for_the_next_close():
     import threading
 

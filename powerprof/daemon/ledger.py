@@ -26,6 +26,7 @@ import logging
 import math
 import re
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -426,6 +427,12 @@ class Ledger:
         self._serving_said: np.ndarray | None = None  # the serving mask the log last named (None: none named)
         self._undecided_said_ns: int | None = None  # when the log last said which GPUs serve is not known (t's clock)
         self._undecided_intervals = 0  # busy intervals split so since start
+        # The mask the last run's power judged, as the daemon read it back at start (servingstate.load: (mask, saved
+        # wall s)), or None: provisional, never taken (nothing shows the server still on those GPUs), only said against
+        # this run's first judgement taken (`_say_judged`); and the daemon's keeping of each judgement taken.
+        self.saved_serving: tuple[list[bool], float] | None = None
+        self.on_judged: Callable[[list[bool]], None] | None = None
+        self._judged_kept: tuple | None = None  # the judged mask last handed to on_judged
         self.emit = emit
         self.grace_ns = int(grace_s * 1e9)
         self.max_hold_ns = int(max_hold_s * 1e9)
@@ -681,6 +688,35 @@ class Ledger:
                     UNSURE_FLAG, GPUS_UNDECIDED_REASON,
                     "; fix: correct daemon.serving_gpus (or empty it, to let the daemon judge) and restart the daemon"
                     if self._serving_source == SERVING_ASSERTED_SOURCE else "")
+
+    def _say_judged(self) -> None:
+        """At each new mask the GPUs' power judged and the work model took (alone or agreeing with a told one): kept for
+        the next start (`on_judged`), and said against the last run's (`saved_serving`), once: the same, or not (the
+        host's GPUs re-assigned since: this run's judgement stands, as with nothing saved)."""
+        lr = self.learner
+        if lr.serving_from not in ("judged", "both") or lr.serving is None:
+            return
+        mask = tuple(bool(x) for x in lr.serving)
+        if mask == self._judged_kept:
+            return
+        self._judged_kept = mask
+        if self.on_judged is not None:
+            self.on_judged(list(mask))
+        if self.saved_serving is None:
+            return
+        (saved, saved_s), self.saved_serving = self.saved_serving, None
+
+        def named(m):
+            return ", ".join(self.gpu_names[g] for g, on in enumerate(m) if on) or "none"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(saved_s))
+        if list(mask) == saved:
+            log.info("the GPUs' power judges %s serving the proxied work, as the last run's judgement (saved %s) did",
+                     named(mask), when)
+        else:
+            log.warning("the GPUs' power judges %s serving the proxied work, the last run's judgement (saved %s) %s "
+                        "(the server moved to other GPUs since, or another process's load changed): this run's stands; "
+                        "the saved one was never taken (rows before this judgement flagged %s as without it)",
+                        named(mask), when, named(saved), GPUS_UNDECIDED_REASON)
 
     def tell_serving(self, serving, source: str, provisional: bool = False) -> None:
         """The sampled GPUs (by position) the server runs on, as the daemon found them (`source`, in words: its
@@ -3131,6 +3167,7 @@ class Ledger:
         # branch sets to None, the all-serving line came at every close: 15 times in 20 s).
         now_serving = self.learner.serving
         self._say_disagreement()
+        self._say_judged()
         if now_serving is not None and (self._serving_said is None or not np.array_equal(now_serving, self._serving_said)):
             self._serving_said = now_serving.copy()
             by_power = self.learner.serving_from != "told"

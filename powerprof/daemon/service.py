@@ -38,7 +38,7 @@ from powerprof.storage.atomic import atomic_path
 from powerprof.storage.samples import sample_rows
 from powerprof.storage.schema import gpu_uuids_value
 
-from . import opentags, sdnotify, streams, tagedge
+from . import opentags, sdnotify, servingstate, streams, tagedge
 from .config import Config, ConfigError, is_loopback, listen_host, load_config, missing_parent_text
 from .guard import ConnectionGuard, quiet_bad_requests
 from .inflight import InFlight
@@ -1528,6 +1528,12 @@ class Daemon:
         self._helper_unsampled = False  # the last check judged a context on an unsampled GPU a helper
         self._helpers_seen: dict = {}  # the last check's helpers (index → (UUID, bytes))
         self._unread_helper_checks: dict = {}  # index → checks in a row a helper's samples could not be read
+        if len(self.collector.infos) > 1:
+            # The last run's judgement, provisional (servingstate.py): said against this run's, never taken.
+            uuids = [i.uuid for i in self.collector.infos]
+            upstream = self.upstream or ""
+            self.ledger.saved_serving = servingstate.load(data_dir, uuids, upstream)
+            self.ledger.on_judged = lambda mask: servingstate.save(data_dir, uuids, upstream, mask)
         if self._serving_asserted is not None:
             # Told at once, whatever the placement check finds or cannot find (no upstream, its processes unseen): a
             # server in a container under a load too even for the power to judge had every row flagged for good.
