@@ -269,6 +269,10 @@ def test_daemon_serving_gpus_names_sampled_gpus_or_is_refused_at_load_check_and_
             load_config(p, env={})
         r = CliRunner().invoke(main, ["daemon", "--check", "--config", str(p)])
         assert r.exit_code == 2 and "daemon.serving_gpus" in r.output and "config OK" not in r.output, r.output
+    # A simulated host's count given (--sim-gpus), an index past it is refused by --check as daemon.gpus's is.
+    r = CliRunner().invoke(main, ["daemon", "--check", "--simulate", "a100-40g", "--sim-gpus", "2", "--config",
+                                  str(_write(tmp_path, "[daemon]\nserving_gpus = [2]\n"))])
+    assert r.exit_code == 2 and "daemon.serving_gpus: GPU index 2 does not exist" in r.output, r.output
     sim = SimNVML("a100-40g", count=2, state_path=None)
 
     def daemon(gpus, serving):
