@@ -1545,6 +1545,7 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
         sys.exit(service.EXIT_CONFIG)
     try:
         _check_sim_gpus(simulate, cfg.get("daemon", "gpus"), f"{cfg.source}: daemon.gpus", count=sim_gpus)
+        _check_sim_gpus(simulate, cfg.get("daemon", "serving_gpus"), f"{cfg.source}: daemon.serving_gpus", count=sim_gpus)
     except click.UsageError as e:
         click.echo(f"powerprof daemon: {e.message}", err=True)
         sys.exit(service.EXIT_CONFIG)

@@ -247,6 +247,58 @@ def test_the_daemon_samples_the_gpu_its_uuid_names_and_stops_naming_one_that_is_
 
 
 
+def test_daemon_serving_gpus_names_sampled_gpus_or_is_refused_at_load_check_and_start(tmp_path):
+    # daemon.serving_gpus asserts which sampled GPUs the proxied server runs on (one the daemon cannot see: a
+    # container, another pid namespace). One naming no GPU, or a GPU daemon.gpus does not sample, is refused: at load
+    # (and so `daemon --check`) where the config alone tells, else at start, naming the key. Before: an unknown key.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+    from powerprof.daemon.service import Daemon, StartupError
+    from powerprof.rig import Rig
+    from powerprof.sim.nvml import SimNVML
+
+    assert load_config(_write(tmp_path, '[daemon]\nserving_gpus = [1, "GPU-8f2e"]\n'), env={}).get(
+        "daemon", "serving_gpus") == [1, "GPU-8f2e"]
+    assert load_config(None, env={}).get("daemon", "serving_gpus") == []
+    for bad, said in (('gpus = [0, 1]\nserving_gpus = [2]', "2 is not in daemon.gpus"),
+                      ('gpus = ["GPU-aa"]\nserving_gpus = ["GPU-bb"]', "'GPU-bb' is not in daemon.gpus"),
+                      ('serving_gpus = ["8f2e"]', "daemon.serving_gpus.*UUIDs")):
+        p = _write(tmp_path, f"[daemon]\n{bad}\n")
+        with pytest.raises(ConfigError, match=said):
+            load_config(p, env={})
+        r = CliRunner().invoke(main, ["daemon", "--check", "--config", str(p)])
+        assert r.exit_code == 2 and "daemon.serving_gpus" in r.output and "config OK" not in r.output, r.output
+    # A simulated host's count given (--sim-gpus), an index past it is refused by --check as daemon.gpus's is.
+    r = CliRunner().invoke(main, ["daemon", "--check", "--simulate", "a100-40g", "--sim-gpus", "2", "--config",
+                                  str(_write(tmp_path, "[daemon]\nserving_gpus = [2]\n"))])
+    assert r.exit_code == 2 and "daemon.serving_gpus: GPU index 2 does not exist" in r.output, r.output
+    sim = SimNVML("a100-40g", count=2, state_path=None)
+
+    def daemon(gpus, serving):
+        cfg = load_config(None, env={}, overrides={
+            "daemon.data_dir": str(tmp_path / "data"), "daemon.gpus": gpus, "daemon.serving_gpus": serving,
+            "proxy.listen": "", "metrics.listen": "", "daemon.restore_on_start": False})
+        return Daemon(cfg, Rig("a100-40g", gpus=cfg.get("daemon", "gpus") or None, nvml=sim))
+
+    for gpus, serving, said in (([], ["GPU-00000000"], "'GPU-00000000' names no GPU"),
+                                ([sim.gpus[0].uuid], [1], "GPU 1 is not sampled")):
+        with pytest.raises(StartupError, match=f"daemon.serving_gpus.*{said}"):
+            daemon(gpus, serving)._open()
+    # Told at once, as asserted. The simulated server runs on both GPUs, its processes seen: an assertion of GPU 1
+    # alone is told provisional (the rows flagged until the GPUs' power judges the same), one of both is taken.
+    for serving, mask_said, doubted in (([sim.gpus[1].uuid[:12]], [False, True], True),
+                                        ([0, sim.gpus[1].uuid], [True, True], False)):
+        d = daemon([], serving)
+        try:
+            d._open()
+            mask, source, provisional = d.ledger._told_serving
+            assert mask.tolist() == mask_said and source == "daemon.serving_gpus" and provisional == doubted
+        finally:
+            d.rig.close()
+            os.close(d._lock_fd)
+
+
 def _sim_left(parent) -> tuple[list, list]:
     """The simulated powercap updater threads and trees (under `parent`) there are."""
     import threading

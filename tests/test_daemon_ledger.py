@@ -1131,6 +1131,53 @@ def test_a_told_mask_the_power_judges_otherwise_leaves_which_serve_undecided_war
     assert led.totals.jpt_left_out[GPUS_UNDECIDED_REASON][0] > 0
 
 
+@pytest.mark.parametrize("gpu1_serves", [False, True])
+def test_an_asserted_serving_mask_splits_at_once_and_a_power_judgement_against_it_is_warned_naming_the_key(gpu1_serves,
+                                                                                                          caplog):
+    # daemon.serving_gpus = [0] (Daemon._open tells it at once): the server unseen (a container), so the placement
+    # check tells nothing. Untold, the rows before the power's judgement were flagged (29 of 53 here; for good under a
+    # load too even to judge). Asserted right (GPU 1 idle at 60 W): none flagged, each within 5.5%. Asserted wrong (GPU 1
+    # serving too): the power's judgement disagrees, warned naming the key and its fix, the rows after it flagged.
+    from powerprof.daemon.ledger import SERVING_ASSERTED_SOURCE
+
+    caplog.set_level(logging.INFO, logger="powerprof.daemon.ledger")
+    reqs, got, led, err, _ = _steady_traffic_on_two_gpus(
+        gpu1_serves, lead_s=3.0, tell=lambda led: led.tell_serving([True, False], SERVING_ASSERTED_SOURCE))
+    flagged = [i for i, r in got.items() if UNSURE_FLAG in (r["energy_note"] or "")]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if not gpu1_serves:
+        assert not flagged and max(abs(e) for e in err.values()) < 5.5, (flagged, err)
+        assert led.learner.serving_from == "both" and not said, said
+        return
+    warned = [m for m in said if "daemon.serving_gpus tells" in m]
+    assert len(warned) == 1 and "fix: correct daemon.serving_gpus" in warned[0], said
+    assert any("the GPUs daemon.serving_gpus asserts serving" in m for m in said), said
+    assert led.learner.serving_from == "disagree"
+    late = [i + 1 for i, (a, b) in enumerate(reqs) if a > 45]
+    assert late and set(late) <= set(flagged)
+
+
+@pytest.mark.parametrize("saved", [[True, False], [True, True]])
+def test_the_last_runs_judgement_is_provisional_kept_anew_and_said_against_this_runs(saved, caplog):
+    # The mask the last run's power judged, read back at start (servingstate.load): nothing shows the server still on
+    # those GPUs, so it is never taken: the rows before this run's judgement stay flagged as without it (29 of 53 here,
+    # GPU 1 idle at 60 W), and the judgement is said against it (the same: INFO; else a WARNING, this run's standing:
+    # saved [T, T], a server moved off GPU 1 since, taken, would have put GPU 1's 60 W in every row, +20%, unflagged).
+    # The judgement taken is handed on to be kept (on_judged). Before, nothing was kept or said.
+    caplog.set_level(logging.INFO, logger="powerprof.daemon.ledger")
+    kept: list = []
+
+    def start(led):
+        led.saved_serving, led.on_judged = (saved, 0.0), kept.append
+
+    reqs, got, led, err, _ = _steady_traffic_on_two_gpus(False, lead_s=3.0, tell=start)
+    flagged = [i for i, r in got.items() if UNSURE_FLAG in (r["energy_note"] or "")]
+    assert len(flagged) == 29 and kept == [[True, False]], (len(flagged), kept)
+    said = [r for r in caplog.records if "the last run's judgement" in r.getMessage()]
+    assert len(said) == 1 and (said[0].levelno == logging.INFO) == (saved == [True, False]), [r.getMessage() for r in said]
+    assert led.saved_serving is None
+
+
 @pytest.mark.parametrize("follows", [False, True])
 def test_a_foreign_servers_context_makes_the_told_mask_provisional_its_rows_flagged_till_the_power_agrees(follows):
     # The daemon's own placement check on a stand-in: the server (4242) holds 14 GiB on GPU 0, another process (9999,

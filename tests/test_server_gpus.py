@@ -652,6 +652,106 @@ def test_a_serving_mask_the_check_cannot_back_is_not_told_and_the_rows_stay_flag
     assert not [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "powerprof_gpu_serving"]
 
 
+def test_an_asserted_mask_the_servers_processes_contradict_is_told_provisional_and_warned_once(caplog):
+    import logging
+
+    import numpy as np
+
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.service import Daemon
+    from support import RowSink as Sink
+
+    # daemon.serving_gpus = [0, 1]; the check's evidence whole, the server's engine on GPU 0 alone: the two disagree,
+    # so the assertion is told provisional (the rows flagged until the power judges the same), warned once, naming the
+    # key. A worker of the server's then seen on GPU 1: agreed, told as asserted.
+    caplog.set_level(logging.INFO)
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    sim.nvmlInit()
+    sim.add_process(0, 4242, 14 << 30, lambda: 1.0)
+    led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
+    d = _two_gpu_stand_in(sim, led)
+    d._serving_asserted = np.array([True, True])
+    Daemon._check_placement(d)
+    Daemon._check_placement(d)
+    assert led._told_serving[0].tolist() == [True, True] and led._told_serving[1] == "daemon.serving_gpus"
+    assert led._told_serving[2]
+    warned = [r.getMessage() for r in caplog.records if "daemon.serving_gpus asserts" in r.getMessage()]
+    assert len(warned) == 1 and "fix: correct daemon.serving_gpus" in warned[0], warned
+    sim.add_process(1, 4243, 14 << 30, lambda: 1.0)
+    Daemon._check_placement(d)
+    assert led._told_serving[0].tolist() == [True, True] and not led._told_serving[2]
+
+
+def test_the_kept_judgement_is_read_back_only_for_its_gpus_and_upstream_and_never_from_anothers_file(tmp_path):
+    from powerprof.daemon import servingstate
+
+    # Kept in the data dir as opentags.py keeps its windows; read back for the same GPUs (in order) and upstream only.
+    # Not acted on: a symlink, another user's file or one others may write (root reads it), a file not of its form.
+    uuids, up = ["GPU-a", "GPU-b"], "http://127.0.0.1:8000"
+    assert servingstate.load(tmp_path, uuids, up) is None
+    servingstate.save(tmp_path, uuids, up, [True, False])
+    mask, saved_s = servingstate.load(tmp_path, uuids, up)
+    assert mask == [True, False] and saved_s > 0
+    assert servingstate.load(tmp_path, uuids[::-1], up) is None and servingstate.load(tmp_path, uuids, "http://x") is None
+    p = servingstate.path_in(tmp_path)
+    if os.geteuid() == 0:  # another user's file, root reading
+        os.chown(p, 65534, 65534)
+        assert servingstate.load(tmp_path, uuids, up) is None
+        os.chown(p, 0, 0)
+    else:  # this user's, read as another (not root)
+        assert servingstate.load(tmp_path, uuids, up, euid=os.geteuid() + 1) is None
+    os.chmod(p, 0o666)
+    assert servingstate.load(tmp_path, uuids, up) is None
+    os.chmod(p, 0o600)
+    os.rename(p, tmp_path / "real.json")
+    os.symlink(tmp_path / "real.json", p)
+    assert servingstate.load(tmp_path, uuids, up) is None
+    p.unlink()
+    p.write_text('{"uuids": ["GPU-a", "GPU-b"], "upstream": "http://127.0.0.1:8000", "serving": [1, 0], "saved_s": 1}')
+    assert servingstate.load(tmp_path, uuids, up) is None
+
+
+def test_a_telling_that_crosses_a_close_taking_the_last_one_is_kept_for_the_next_close():
+    import threading
+
+    from powerprof.daemon.ledger import Ledger
+    from support import LedgerReading as R, RowSink as Sink
+
+    # The placement check tells from its own thread; the ledger's close takes the telling waiting. A second telling
+    # landing between the close's read of the first and its reset of the slot was lost (the close reset the slot after
+    # it): the stale first mask stood. Here the second telling is made from another thread at the very read (the
+    # slot's getter), as the check's thread would; the close may hold it back (a lock) but must not drop it.
+    crossing: list = []
+
+    class Crossed(Ledger):
+        @property
+        def _told_serving(self):
+            told = self.__dict__.get("_slot")
+            if told is not None and not crossing:
+                crossing.append(threading.Thread(
+                    target=self.tell_serving, args=([False, True], "the check's next telling")))
+                crossing[0].start()
+                crossing[0].join(0.5)  # done at once where nothing holds it back: the race the lock closes
+            return told
+
+        @_told_serving.setter
+        def _told_serving(self, told):
+            self.__dict__["_slot"] = told
+
+    led = Crossed("d", 0, 2, Sink(), grace_s=0.1)
+    led.tell_serving([True, True], "the check's first telling")
+    for x in range(3):
+        led.add_gpu_sample(x * 10**9, x * 10**9, [R(300.0 * x, 300.0), R(300.0 * x, 300.0)])
+        led.advance(x * 10**9)
+    assert crossing, "the close read no telling"
+    crossing[0].join(5)
+    for x in range(3, 6):
+        led.add_gpu_sample(x * 10**9, x * 10**9, [R(300.0 * x, 300.0), R(300.0 * x, 300.0)])
+        led.advance(x * 10**9)
+    # Before the lock: [True, True] (the second telling lost, the first standing); now the second's, at the next close.
+    assert led.learner.serving is not None and led.learner.serving.tolist() == [False, True]
+
+
 def _ledger_trace(rid: int, at_s: float):
     from powerprof.daemon.proxy import RequestTrace
 

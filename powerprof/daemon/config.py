@@ -181,6 +181,26 @@ def _gpu_list(v):
     return list(dict.fromkeys(v))
 
 
+def _serving_not_sampled(serving, sampled) -> str | None:
+    """Why `daemon.serving_gpus` names a GPU `daemon.gpus` does not sample, where the config alone can tell: an index
+    beside indexes, a GPU- UUID (or prefix) beside GPU- UUIDs; the rest (kinds mixed, MIG-, every GPU sampled) is
+    checked against NVML at start (Daemon._asserted_serving). None where nothing is wrong that far."""
+    if not isinstance(serving, list) or not isinstance(sampled, list) or not sampled:
+        return None
+    ints = [g for g in sampled if isinstance(g, int)]
+    uuids = [g for g in sampled if isinstance(g, str) and g.startswith("GPU-")]
+    for g in serving:
+        if isinstance(g, int) and len(ints) == len(sampled) and g not in ints:
+            break
+        if (isinstance(g, str) and g.startswith("GPU-") and len(uuids) == len(sampled)
+                and not any(u.startswith(g) or g.startswith(u) for u in uuids)):
+            break
+    else:
+        return None
+    return (f"{g!r} is not in daemon.gpus = {sampled!r}: only a sampled GPU's energy can be the work's; add it to "
+            "daemon.gpus, or name only sampled GPUs (empty: let the daemon judge)")
+
+
 def _str_list(v):
     if not all(isinstance(x, str) and x for x in v):
         raise ValueError("must be a list of non-empty strings")
@@ -225,6 +245,9 @@ SPEC: dict[str, dict[str, Key]] = {
         "listen_beyond_loopback": Key(bool, False, help="allow proxy/metrics listen addresses other than loopback "
                                       "(the proxy has no authentication: firewall it)"),
         "gpus": Key(list, [], _gpu_list, help="NVML indexes or GPU-/MIG- UUIDs to sample; empty = all visible", item=int),
+        "serving_gpus": Key(list, [], _gpu_list, item=int,
+                            help="of the sampled GPUs, those the proxied server runs on (indexes or UUIDs), asserted where "
+                            "the daemon cannot see its processes; empty = judged (its processes, the GPUs' power)"),
         "log_level": Key(str, "info", _choice("debug", "info", "warning", "error"), True),
         "restore_on_start": Key(bool, True, help="restore limits left by a crashed sweep"),
         "host": Key(str, "", help="the host column of every dataset row; default the machine's host name"),
@@ -539,6 +562,9 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
             errors.append(f"config key {key}: the socket path {str(sock)[:60]!r}... is {len(os.fsencode(sock))} bytes, "
                           f"more than the {UNIX_PATH_MAX_BYTES} a unix socket's path may have"
                           + came_from(key) + "; give a shorter path")
+    if (why := _serving_not_sampled(values["daemon"]["serving_gpus"], values["daemon"]["gpus"])) is not None:
+        errors.append(f"config key daemon.serving_gpus = {values['daemon']['serving_gpus']!r}"
+                      f"{came_from('daemon.serving_gpus', 'daemon.gpus')}: {why}")
     if values["daemon"]["flush_interval_s"] > values["daemon"]["compact_interval_s"]:
         errors.append(f"config key daemon.flush_interval_s = {values['daemon']['flush_interval_s']:g} must not exceed "
                       f"daemon.compact_interval_s = {values['daemon']['compact_interval_s']:g}"

@@ -26,6 +26,7 @@ import logging
 import math
 import re
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -59,7 +60,8 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_interval_note,
                       _idle_unmeasured_note, _gpus_undecided_interval_note, _gpus_undecided_note, UNDECIDED_CAUSE,
-                      UNDECIDED_DISAGREE, UNDECIDED_FIX, UNDECIDED_PROVISIONAL,
+                      UNDECIDED_ASSERTED_DISAGREE, UNDECIDED_ASSERTED_DOUBTED, UNDECIDED_DISAGREE, UNDECIDED_FIX,
+                      UNDECIDED_PROVISIONAL,
                       _interval_cache_note, _joined,
                       _no_counter_short_note, _counter_short_note, _no_energy_reason, _parser_held, _request_flags,
                       _secs, _unsaid_reason, _usage_above_note, _usage_below_note, _with_late, _counted_low_interval_note, client_held,
@@ -381,6 +383,11 @@ def merged_span(spans: list[tuple[int, int]], a0: int, a1: int) -> list[tuple[in
     over = [s for s in spans if not (s[1] < a0 or s[0] > a1)]
     return sorted(keep + [(min([a0, *(s[0] for s in over)]), max([a1, *(s[1] for s in over)]))])
 
+# The told mask's source where the operator asserts which sampled GPUs serve (config daemon.serving_gpus): the log's and
+# the undecided causes' words name the key.
+SERVING_ASSERTED_SOURCE = "daemon.serving_gpus"
+
+
 class Ledger:
     def __init__(
         self,
@@ -421,6 +428,12 @@ class Ledger:
         self._serving_said: np.ndarray | None = None  # the serving mask the log last named (None: none named)
         self._undecided_said_ns: int | None = None  # when the log last said which GPUs serve is not known (t's clock)
         self._undecided_intervals = 0  # busy intervals split so since start
+        # The mask the last run's power judged, as the daemon read it back at start (servingstate.load: (mask, saved
+        # wall s)), or None: provisional, never taken (nothing shows the server still on those GPUs), only said against
+        # this run's first judgement taken (`_say_judged`); and the daemon's keeping of each judgement taken.
+        self.saved_serving: tuple[list[bool], float] | None = None
+        self.on_judged: Callable[[list[bool]], None] | None = None
+        self._judged_kept: tuple | None = None  # the judged mask last handed to on_judged
         self.emit = emit
         self.grace_ns = int(grace_s * 1e9)
         self.max_hold_ns = int(max_hold_s * 1e9)
@@ -647,7 +660,9 @@ class Ledger:
         log.warning("which of the %d sampled GPUs serve the proxied work is not known: %s; %d busy interval(s) since "
                     "start were split with every sampled GPU's energy the work's, their requests' rows say %s and are "
                     "left out of J/token (powerprof_joules_per_token_left_out_intervals_total{reason=\"%s\"}); %s",
-                    self.n_gpus, {"disagree": UNDECIDED_DISAGREE, "provisional": UNDECIDED_PROVISIONAL}
+                    self.n_gpus, ({"disagree": UNDECIDED_ASSERTED_DISAGREE, "provisional": UNDECIDED_ASSERTED_DOUBTED}
+                                  if self._serving_source == SERVING_ASSERTED_SOURCE else
+                                  {"disagree": UNDECIDED_DISAGREE, "provisional": UNDECIDED_PROVISIONAL})
                     .get(self.learner.serving_from, UNDECIDED_CAUSE),
                     self._undecided_intervals, UNSURE_FLAG, GPUS_UNDECIDED_REASON,
                     UNDECIDED_FIX)
@@ -667,10 +682,43 @@ class Ledger:
         def named(mask):
             return ", ".join(self.gpu_names[g] for g, on in enumerate(mask) if on) or "none"
         log.warning("which sampled GPUs serve the proxied work is undecided: %s tells %s, the GPUs' power judges %s "
-                    "(a worker of the server's not seen, or another server's load following the traffic); rows split "
-                    "meanwhile have every sampled GPU's energy the work's, say %s and are left out of J/token "
-                    "(reason %s) until the two agree", self._serving_source, named(pair[0]), named(pair[1]),
-                    UNSURE_FLAG, GPUS_UNDECIDED_REASON)
+                    "(%s); rows split meanwhile have every sampled GPU's energy the work's, say %s and are left out of "
+                    "J/token (reason %s) until the two agree%s", self._serving_source, named(pair[0]), named(pair[1]),
+                    "the config's assertion wrong, or another server's load following the traffic"
+                    if self._serving_source == SERVING_ASSERTED_SOURCE else
+                    "a worker of the server's not seen, or another server's load following the traffic",
+                    UNSURE_FLAG, GPUS_UNDECIDED_REASON,
+                    "; fix: correct daemon.serving_gpus (or empty it, to let the daemon judge) and restart the daemon"
+                    if self._serving_source == SERVING_ASSERTED_SOURCE else "")
+
+    def _say_judged(self) -> None:
+        """At each new mask the GPUs' power judged and the work model took (alone or agreeing with a told one): kept for
+        the next start (`on_judged`), and said against the last run's (`saved_serving`), once: the same, or not (the
+        host's GPUs re-assigned since: this run's judgement stands, as with nothing saved)."""
+        lr = self.learner
+        if lr.serving_from not in ("judged", "both") or lr.serving is None:
+            return
+        mask = tuple(bool(x) for x in lr.serving)
+        if mask == self._judged_kept:
+            return
+        self._judged_kept = mask
+        if self.on_judged is not None:
+            self.on_judged(list(mask))
+        if self.saved_serving is None:
+            return
+        (saved, saved_s), self.saved_serving = self.saved_serving, None
+
+        def named(m):
+            return ", ".join(self.gpu_names[g] for g, on in enumerate(m) if on) or "none"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(saved_s))
+        if list(mask) == saved:
+            log.info("the GPUs' power judges %s serving the proxied work, as the last run's judgement (saved %s) did",
+                     named(mask), when)
+        else:
+            log.warning("the GPUs' power judges %s serving the proxied work, the last run's judgement (saved %s) %s "
+                        "(the server moved to other GPUs since, or another process's load changed): this run's stands; "
+                        "the saved one was never taken (rows before this judgement flagged %s as without it)",
+                        named(mask), when, named(saved), GPUS_UNDECIDED_REASON)
 
     def tell_serving(self, serving, source: str, provisional: bool = False) -> None:
         """The sampled GPUs (by position) the server runs on, as the daemon found them (`source`, in words: its
@@ -3123,6 +3171,7 @@ class Ledger:
         # branch sets to None, the all-serving line came at every close: 15 times in 20 s).
         now_serving = self.learner.serving
         self._say_disagreement()
+        self._say_judged()
         if now_serving is not None and (self._serving_said is None or not np.array_equal(now_serving, self._serving_said)):
             self._serving_said = now_serving.copy()
             by_power = self.learner.serving_from != "told"
@@ -3130,6 +3179,8 @@ class Ledger:
             log.info("the proxied work runs on sampled GPU(s) %s; %s (%s)",
                      ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if on) or "none",
                      (f"GPU(s) {idle_gpus} " + ("draw no more when it runs than when idle" if by_power else
+                                                "are not in daemon.serving_gpus"
+                                                if self._serving_source == SERVING_ASSERTED_SOURCE else
                                                 "hold none of the server's processes")
                       + ": their energy counts as idle, not the requests' (daemon.gpus can leave them out)")
                      if idle_gpus else "every sampled GPU takes part",

@@ -869,8 +869,14 @@ UNDECIDED_PROVISIONAL = ("the placement check finds the server's processes on so
                          "for the GPUs' power to judge the same")
 UNDECIDED_FIX = ("fix: run the daemon on the server's host where it can see the server's processes (its pid namespace) "
                  "and NVML's per-process samples, or sample only the one GPU a one-GPU server runs on (daemon.gpus); "
-                 "where another process's context is on a sampled GPU, leave that GPU out of daemon.gpus; restart the "
-                 "daemon")
+                 "where another process's context is on a sampled GPU, leave that GPU out of daemon.gpus; or, where "
+                 "you know which sampled GPUs the server runs on, name them in daemon.serving_gpus; restart the daemon")
+# The causes where the told mask is daemon.serving_gpus's (ledger.SERVING_ASSERTED_SOURCE).
+UNDECIDED_ASSERTED_DISAGREE = ("the GPUs daemon.serving_gpus asserts serving and those the GPUs' power judges serving "
+                               "disagree (the warning before names both; fix: correct daemon.serving_gpus, or empty it)")
+UNDECIDED_ASSERTED_DOUBTED = ("the server's processes on NVML's process lists are on other sampled GPUs than "
+                              "daemon.serving_gpus asserts (the warning before names both): the assertion waits for the "
+                              "GPUs' power to judge the same")
 _UNDECIDED_FIX = "fix: none for this row; for later ones, " + UNDECIDED_FIX.removeprefix("fix: ")
 
 

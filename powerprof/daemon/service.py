@@ -38,18 +38,19 @@ from powerprof.storage.atomic import atomic_path
 from powerprof.storage.samples import sample_rows
 from powerprof.storage.schema import gpu_uuids_value
 
-from . import opentags, sdnotify, streams, tagedge
+from . import opentags, sdnotify, servingstate, streams, tagedge
 from .config import Config, ConfigError, is_loopback, listen_host, load_config, missing_parent_text
 from .guard import ConnectionGuard, quiet_bad_requests
 from .inflight import InFlight
 from .latency import RequestLatency
-from .ledger import RAPL_HOLD_S, Ledger
+from .ledger import RAPL_HOLD_S, SERVING_ASSERTED_SOURCE, Ledger
 from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace, scrape_via_name
 from .scrape import AT_FINISH, IGNORES_BEST_OF, PREFILLS_CHOICES_APART, RUNS_ON_AFTER_LEAVE, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns, new_session
 from .store import COMPACTION_LOCK, Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import PeerPolicy, stop_wait_s, tag_app
 from .ticks import Waker, idle_period, sleep_on_grid
+from .workmodel import GPUS_UNDECIDED_REASON
 
 log = logging.getLogger("powerprof.daemon")
 
@@ -1468,6 +1469,9 @@ class Daemon:
             raise StartupError(str(e)) from None
         for p in self.sources.problems:
             log.warning("%s: %s%s", p.source, p.message, f" (fix: {p.fix})" if p.fix else "")
+        # Before the data dir is locked: a refusal here leaves nothing to undo but the rig (_open closes it).
+        self._serving_asserted = (self._asserted_serving(cfg.get("daemon", "serving_gpus"))
+                                  if self.sources.nvml is not None else None)
         data_dir = cfg.data_dir()
         try:
             # Its folders above made only for the default path: one given must have its parent (lock_data_dir).
@@ -1524,8 +1528,39 @@ class Daemon:
         self._helper_unsampled = False  # the last check judged a context on an unsampled GPU a helper
         self._helpers_seen: dict = {}  # the last check's helpers (index → (UUID, bytes))
         self._unread_helper_checks: dict = {}  # index → checks in a row a helper's samples could not be read
+        if len(self.collector.infos) > 1:
+            # The last run's judgement, provisional (servingstate.py): said against this run's, never taken.
+            uuids = [i.uuid for i in self.collector.infos]
+            upstream = self.upstream or ""
+            self.ledger.saved_serving = servingstate.load(data_dir, uuids, upstream)
+            self.ledger.on_judged = lambda mask: servingstate.save(data_dir, uuids, upstream, mask)
+        if self._serving_asserted is not None:
+            # Told at once, whatever the placement check finds or cannot find (no upstream, its processes unseen): a
+            # server in a container under a load too even for the power to judge had every row flagged for good.
+            self.ledger.tell_serving(self._serving_asserted, SERVING_ASSERTED_SOURCE)
         self._check_placement()
         return data_dir
+
+    def _asserted_serving(self, named: list):
+        """The mask over the sampled GPUs `daemon.serving_gpus` asserts serving (None where it is empty); StartupError
+        naming the key where an entry names no GPU of this machine, or one not sampled (the config checks what it can
+        alone: config._serving_not_sampled)."""
+        if not named:
+            return None
+        import numpy as np
+
+        from powerprof.collectors.nvml import resolve_gpu_ids
+
+        indexes, _, unknown = resolve_gpu_ids(self.sources.nvml.nvml, named)
+        if unknown is not None:
+            raise StartupError(f"config key daemon.serving_gpus = {named!r}: {unknown!r} names no GPU or MIG instance "
+                               "on this machine (nvidia-smi -L lists them)")
+        sampled = [i.index for i in self.sources.nvml.infos]
+        if out := [g for g in indexes if g not in sampled]:
+            raise StartupError(f"config key daemon.serving_gpus = {named!r}: GPU {out[0]} is not sampled (the daemon "
+                               f"samples GPU(s) {', '.join(map(str, sampled))}): only a sampled GPU's energy can be the "
+                               "work's; add it to daemon.gpus, or name only sampled GPUs (empty: let the daemon judge)")
+        return np.array([g in indexes for g in sampled])
 
     def _check_placement(self) -> None:
         """Which GPUs the upstream's processes hold a context on, over every GPU NVML reports: one the daemon does not
@@ -1672,6 +1707,9 @@ class Daemon:
         unlooked = why is None and any(
             on and (b := p.sizes.get(i.index)) is not None and b < HELPER_MAX_BYTES
             and HELPER_MAX_SHARE * p.largest <= b < p.largest for i, on in zip(infos, serving))
+        if (asserted := getattr(self, "_serving_asserted", None)) is not None:
+            Daemon._tell_asserted(self, asserted, None if why or foreign or unlooked else serving)
+            return
         said = why or ("another process's context past a helper's bound on a GPU the server's processes are not on: "
                        "told provisional, taken only where the GPUs' power judges the same" if foreign else
                        "a context under a helper's bound counted serving by its size alone, its samples not looked at: "
@@ -1683,6 +1721,26 @@ class Daemon:
                          "flagged until the GPUs' power judges", said)
         self.ledger.tell_serving(None if why else serving, "the server's processes on NVML's process lists",
                                  provisional=foreign or unlooked)
+
+    def _tell_asserted(self, asserted, found: list | None) -> None:
+        """Tells the ledger the mask `daemon.serving_gpus` asserts, whatever the check found; where the check's evidence
+        is whole (`found`: its mask) and differs, provisional (the rows flagged until the GPUs' power judges the same as
+        the assertion), warned once per such finding: two sources that disagree are neither trusted silently. A check
+        that tells nothing (`found` None) leaves the doubt as it was: nothing shows the server's processes moved."""
+        was = getattr(self, "_asserted_doubted", None)
+        found = was if found is None else found
+        doubted = found is not None and found != asserted.tolist()
+        if doubted and was != found:
+            def named(mask):
+                return ", ".join(n for n, on in zip(self.ledger.gpu_names, mask) if on) or "none"
+            log.warning("daemon.serving_gpus asserts the proxied work runs on %s, but the server's processes on NVML's "
+                        "process lists are on %s: which serve is undecided, the rows flagged (%s) until the GPUs' power "
+                        "judges the same as the assertion; fix: correct daemon.serving_gpus (or empty it, to let the "
+                        "daemon judge) and restart the daemon", named(asserted), named(found), GPUS_UNDECIDED_REASON)
+        elif not doubted and was:
+            log.info("the server's processes on NVML's process lists no longer differ from daemon.serving_gpus")
+        self._asserted_doubted = found if doubted else None
+        self.ledger.tell_serving(asserted, SERVING_ASSERTED_SOURCE, provisional=doubted)
 
     async def _placement_loop(self) -> None:
         """`_check_placement` whenever a GPU's process list changed (read every PLACEMENT_LIST_S: a server started after

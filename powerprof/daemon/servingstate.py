@@ -1,0 +1,84 @@
+"""Which sampled GPUs the last daemon's power judged serving the proxied work, kept on disk across restarts.
+
+Kept in the data dir (the daemon's own, checked at start), hidden, keyed by the sampled GPUs' UUIDs (in order) and the
+upstream: a file of other GPUs or another upstream is not used. Read back as a provisional mask only (docs/daemon.md,
+Attribution, Assumptions, "One engine"): nothing at a start shows the server is still on the GPUs it was on (a
+container restarted onto another GPU behind the same port), so the rows stay flagged until the power judges again; the
+file lets the log say whether that judgement is the last run's or not. Opened as opentags.py opens its file (never
+through a symlink, a regular file, its size capped), and not acted on where another user could have written it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+
+from powerprof.storage.atomic import atomic_path
+
+log = logging.getLogger("powerprof.daemon.servingstate")
+
+FILE_NAME = ".serving-gpus.json"
+MAX_BYTES = 1 << 16  # a mask of a few hundred GPUs and their UUIDs fits many times over
+
+
+def path_in(data_dir: Path) -> Path:
+    return Path(data_dir) / FILE_NAME
+
+
+def save(data_dir: Path, uuids: list[str], upstream: str, serving: list[bool]) -> None:
+    """The mask the power judged (`serving`, over the sampled GPUs `uuids`) behind `upstream`. Never raises: the
+    attribution goes on whether or not it is kept (its failure is logged)."""
+    p = path_in(data_dir)
+    try:
+        with atomic_path(p) as tmp:
+            tmp.write_text(json.dumps({"uuids": list(uuids), "upstream": upstream,
+                                       "serving": [bool(x) for x in serving], "saved_s": time.time()}))
+    except OSError as e:
+        log.warning("cannot keep which GPUs serve in %s (%s): the next start will not say whether its judgement is "
+                    "this one's", p, e.strerror or e)
+
+
+def load(data_dir: Path, uuids: list[str], upstream: str, euid: int | None = None) -> tuple[list[bool], float] | None:
+    """(the mask, when it was saved) a daemon of these GPUs and this upstream saved, or None: none, another key's
+    (said at INFO), or one not read (said as a warning: not a regular file, another user's or writable by others,
+    not of this form)."""
+    p = path_in(data_dir)
+    euid = os.geteuid() if euid is None else euid
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("cannot read %s (%s): the last run's judgement of which GPUs serve is not known", p, e.strerror or e)
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        # Another user's file, or one others may write, could say any mask: never acted on (root's rule for its state,
+        # as for the data dir's folders: lock_data_dir).
+        if st.st_uid not in {0, euid}:
+            raise ValueError(f"owned by uid {st.st_uid}, not this daemon's user")
+        if st.st_mode & 0o022:
+            raise ValueError(f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
+        raw = os.read(fd, MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            raise ValueError(f"over {MAX_BYTES} bytes")
+        doc = json.loads(raw)
+        serving, saved_s = doc.get("serving"), doc.get("saved_s")
+        if not (isinstance(serving, list) and all(type(x) is bool for x in serving)
+                and isinstance(saved_s, (int, float)) and not isinstance(saved_s, bool)):
+            raise ValueError("not of this form")
+    except (OSError, ValueError) as e:
+        log.warning("cannot read %s (%s): the last run's judgement of which GPUs serve is not used", p, e)
+        return None
+    finally:
+        os.close(fd)
+    if doc.get("uuids") != list(uuids) or doc.get("upstream") != upstream or len(serving) != len(uuids):
+        log.info("%s is of other GPUs or another upstream: the last run's judgement of which GPUs serve is not used", p)
+        return None
+    return serving, float(saved_s)
