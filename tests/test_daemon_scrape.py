@@ -271,6 +271,7 @@ class _FakeScraper:
     window_down_ns = None  # Scraper.window_down_ns
     window_down_refused = False  # Scraper.window_down_refused
     window_read_missed = 0.0  # Scraper.window_read_missed
+    window_past_reach = False  # Scraper.window_past_reach
     vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
     async def scrape(self):
@@ -284,11 +285,11 @@ def _window_ledger(keep=lambda w: (w.since, w.t, w.d), busy: bool = True, **fiel
     ledger.add_cache_hits = lambda since, t, hits: None
 
     def add_server_tokens(t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None,
-                          restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0):
+                          restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0, past_reach=False):
         ledger.spans.append(keep(types.SimpleNamespace(
             t=t, d=d, since=since, at_finish=at_finish, finished=finished, partial=partial, read_ns=read_ns,
             served=served, restart_by_fall=restart_by_fall, down_ns=down_ns, down_refused=down_refused,
-            read_missed=read_missed)))
+            read_missed=read_missed, past_reach=past_reach)))
 
     ledger.add_server_tokens = add_server_tokens
     return ledger
@@ -370,7 +371,7 @@ def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int, death=None, f
     ledger.add_cache_hits = lambda since, t, hits: None
 
     def add_server_tokens(t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None,
-                          restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0):
+                          restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0, past_reach=False):
         ledger.spans.append((since, t, d))
         if flags is not None:
             flags.append((partial, restart_by_fall, down_ns, down_refused))
@@ -546,14 +547,16 @@ def test_the_daemon_scrape_loop_stamps_the_counters_read_not_the_wait_for_the_pr
 
 def test_the_daemon_scrape_loop_gives_the_ledger_when_a_scrape_found_the_server_down():
     """A restart's window says when its first scrape found the server down (Scraper.window_down_ns): the ledger places
-    the dead process's run-ons' end from it (`Ledger._run_on_cut_ns`), so the loop must hand it on with the window."""
+    the dead process's run-ons' end from it (`Ledger._run_on_cut_ns`), so the loop must hand it on with the window; and
+    whether its page was back past a new process's reach (Scraper.window_past_reach: no run-on is cut at that death)."""
     class FakeScraper(_FakeScraper):
         kind, window_partial = "sglang", ("server_restart",)
         window_down_ns = 123_456_789
+        window_past_reach = True
 
-    ledger = _window_ledger(keep=lambda w: w.down_ns)
+    ledger = _window_ledger(keep=lambda w: (w.down_ns, w.past_reach))
     _run_scrape_loop(FakeScraper(), ledger, lambda: len(ledger.spans) >= 2)
-    assert ledger.spans and set(ledger.spans) == {123_456_789}, ledger.spans
+    assert ledger.spans and set(ledger.spans) == {(123_456_789, True)}, ledger.spans
 
 
 def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):

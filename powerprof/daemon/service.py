@@ -546,6 +546,7 @@ class _HeldWindow(NamedTuple):
     read_missed: float = 0.0  # Scraper.window_read_missed
     # The earliest arrival of the proxied requests live at its scrape (None: none): its burst began no later
     arrived_ns: int | None = None
+    past_reach: bool = False  # Scraper.window_past_reach
 
 
 def held_death_part(held: _HeldWindow, start_ns: int) -> tuple[int, bool]:
@@ -1180,7 +1181,7 @@ class Daemon:
                         # other says the restart (its rows flagged) by the fall alone, which records no death.
                         start, first = held_death_part(held, start)
                         death = dict(restart_by_fall=held.restart_by_fall, down_ns=held.down_ns,
-                                     down_refused=held.down_refused)
+                                     down_refused=held.down_refused, past_reach=held.past_reach)
                         none = dict(restart_by_fall=True, down_ns=None, down_refused=False)
                         if start > held.since_ns:
                             self.ledger.add_server_tokens(start, 0.0, held.since_ns, at_finish, partial=held.partial,
@@ -1196,7 +1197,8 @@ class Daemon:
                         held = _HeldWindow(since, t, delta, self.scraper.finished, partial, (t0, t1), self.scraper.served,
                                            self.scraper.restart_by_fall, self.scraper.window_down_ns,
                                            self.scraper.window_down_refused, self.scraper.window_read_missed,
-                                           min((r.trace.arrival_ns for r in led.requests.values()), default=None))
+                                           min((r.trace.arrival_ns for r in led.requests.values()), default=None),
+                                           self.scraper.window_past_reach)
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
                         # With the GET's span: the counter was read somewhere in it (docs/daemon.md, "A counter read
@@ -1206,7 +1208,8 @@ class Daemon:
                                                       restart_by_fall=self.scraper.restart_by_fall,
                                                       down_ns=self.scraper.window_down_ns,
                                                       down_refused=self.scraper.window_down_refused,
-                                                      read_missed=self.scraper.window_read_missed)
+                                                      read_missed=self.scraper.window_read_missed,
+                                                      past_reach=self.scraper.window_past_reach)
                     since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
                     read_from = self._scrape_read_from_ns = t0
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
@@ -1221,7 +1224,8 @@ class Daemon:
             self.ledger.add_server_tokens(held.t_ns, held.delta, held.since_ns, self.scraper.kind in AT_FINISH,
                                           held.finished, partial=held.partial, read_ns=held.read_ns, served=held.served,
                                           restart_by_fall=held.restart_by_fall, down_ns=held.down_ns,
-                                          down_refused=held.down_refused, read_missed=held.read_missed)
+                                          down_refused=held.down_refused, read_missed=held.read_missed,
+                                          past_reach=held.past_reach)
 
     async def _final_scrape(self) -> None:
         """At a clean stop, after the last sample: read the server's counters once more, so the last interval's count
@@ -1249,7 +1253,8 @@ class Daemon:
                                       served=self.scraper.served, restart_by_fall=self.scraper.restart_by_fall,
                                       down_ns=self.scraper.window_down_ns,
                                       down_refused=self.scraper.window_down_refused,
-                                                      read_missed=self.scraper.window_read_missed)
+                                      read_missed=self.scraper.window_read_missed,
+                                      past_reach=self.scraper.window_past_reach)
 
     # --- reload ------------------------------------------------------------------------------------
 
