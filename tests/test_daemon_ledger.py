@@ -6873,6 +6873,64 @@ def test_a_restart_after_a_503_ends_a_batch_400s_span_only_where_a_death_is_show
         assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), want)], (shown, led.recon.batch_run_ons)
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "burst_part"])
+def test_a_held_windows_refused_death_in_its_burst_places_its_tokens_in_the_burst(whole):
+    # A held slow window (0 to 2.0 s, idle at 50 W) whose 20 bypass tokens ran in its last 0.1 s (250 W) beside a
+    # stream that arrived at 1.9 s, a scrape refused at 1.95 s, the page saying no restart. Given whole (before:
+    # `service.held_death_part`), its tokens were spread over the stillness: 19 in the idle intervals, `complete`, 120 J
+    # unproxied for 25. Now the burst part (1.9 s, 2.0 s] takes them and the death, its window from 0 (dead_from_ns: it
+    # may have come anywhere in it).
+    from powerprof.daemon.proxy import RequestTrace
+
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    _idle_measured(led, 50.0)
+    led.scraping = True
+    tr = RequestTrace(1, "POST", "/v1/chat/completions", None, int(1.9 * S), 0, api="openai-chat", stream=True)
+    tr.extra.update(prompt_chars=40)
+    led.add_server_tokens(0, 0.0, None)
+    e, n = 0.0, 0
+    for k in range(1, 41):
+        t = k * 0.1
+        if k == 19:
+            led.on_start(tr)
+        if 21 <= k <= 24:  # its 16 tokens from 2.0 s to 2.4 s, at 40 a second
+            for j in range(4):
+                ts = t - 0.1 + (j + 1) * 0.025
+                tr.first_ns, tr.last_ns = tr.first_ns or int(ts * S), int(ts * S)
+                led.on_tokens(tr, int(ts * S), 1)
+        if k == 24:
+            tr.end_ns, tr.outcome = int(2.4 * S), "ok"
+            tr.counts = Counts(generated_tokens=16, prompt_tokens=10, model=None, stop_reason="length",
+                               token_source="usage")
+            led.on_end(tr)
+        p = 250.0 if 20 <= k <= 24 else 50.0
+        e += p * 0.1
+        led.add_gpu_sample(int(t * S), int(t * S), [R(e, p)])
+        read = (int((t - 0.001) * S), int((t + 0.001) * S))
+        if k == 20:
+            death = dict(down_ns=int(1.95 * S), down_refused=True, read_ns=read)
+            if whole:
+                led.add_server_tokens(int(2.0 * S), 20.0, 0, **death)
+            else:
+                led.add_server_tokens(int(1.9 * S), 0.0, 0)
+                led.add_server_tokens(int(2.0 * S), 20.0, int(1.9 * S), dead_from_ns=0, **death)
+        elif k > 20:
+            led.add_server_tokens(int(t * S), 4.0 if k <= 24 else 0.0, int((t - 0.1) * S), read_ns=read)
+        led.note_proxy_delay(int(t * S), 0.003)  # a proxy on time: no proxy_lag at its rise
+        led.advance(int(t * S))
+    led.close_all(int(4.0 * S))
+    ivs = led.emit.rows["intervals"]
+    idle = [x for x in ivs if x["t_start_mono_s"] + x["duration_s"] <= 1.9 + 1e-6 and x["t_start_mono_s"] >= 0]
+    unproxied = sum(x["unproxied_energy_j"] or 0.0 for x in ivs)
+    print("unproxied J", unproxied, "idle", sum(x["unproxied_energy_j"] or 0.0 for x in idle))
+    assert list(led._gone_at) == [(0, int(2.0 * S), int(1.95 * S), True)], led._gone_at  # the death's window: whole
+    if whole:
+        assert unproxied == pytest.approx(120.0, abs=1) and {x["server_count"] for x in idle} == {"complete"}, ivs
+    else:
+        assert unproxied == pytest.approx(25.0, abs=1), ivs
+        assert all(not x["unproxied_energy_j"] for x in idle), idle
+
+
 def test_a_refused_scrape_the_same_process_may_be_back_from_leaves_a_batch_400s_span(monkeypatch):
     # The review's repro_a_refused_alive: a page at 50M tokens, one scrape refused (nothing listening for a moment, the
     # same process alive), the page back at 50M + 400, past anything a new process could have counted since

@@ -2289,7 +2289,8 @@ class Ledger:
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
                           read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None,
                           restart_by_fall: bool = False, down_ns: int | None = None,
-                          down_refused: bool = False, read_missed: float = 0.0, past_reach: bool = False) -> None:
+                          down_refused: bool = False, read_missed: float = 0.0, past_reach: bool = False,
+                          dead_from_ns: int | None = None) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: a scrape window, its
         arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger).
         `restart_by_fall`: its server_restart was told by the counter's fall alone (scrape.Scraper.restart_by_fall): a
@@ -2303,14 +2304,16 @@ class Ledger:
         to its end. Before, only server_restart recorded one: a whole answer the proxy's refusals saw die was written
         not costed (0 J for about 100 J), its energy with the requests beside it, their rows unflagged. `past_reach`:
         its page was back past a new process's reach (scrape.Scraper.window_past_reach): a death no run-on is cut at,
-        as nothing tells it from the same process back (`_run_on_cut_ns`)."""
+        as nothing tells it from the same process back (`_run_on_cut_ns`). `dead_from_ns`: where a death by a refusal
+        alone may have come from, before `since_ns` (a held slow window's burst part: `service.held_death_part`)."""
         self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served, read_missed)
         self._down_open = None  # a believed page: the window it held is this one's
         restart = "server_restart" in partial and not restart_by_fall
+        dead_from = since_ns if dead_from_ns is None or since_ns is None else min(dead_from_ns, since_ns)
         died = (not restart and down_refused and since_ns is not None and down_ns is not None
-                and since_ns < down_ns <= t_ns)
+                and dead_from < down_ns <= t_ns)
         if restart or died:
-            a, b = self.recon.restarts[-1] if restart else (since_ns, t_ns)
+            a, b = self.recon.restarts[-1] if restart else (dead_from, t_ns)
             down = down_ns if down_ns is not None and a < down_ns <= b else None
             self._gone_at.append((a, b, down, down is not None and down_refused))
             if died:

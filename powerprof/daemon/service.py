@@ -553,14 +553,20 @@ def held_death_part(held: _HeldWindow, start_ns: int) -> tuple[int, bool]:
     """Where a held slow window split at its burst's `start_ns` may give its death (a restart the page said, or a
     refused down scrape: `Ledger.add_server_tokens` records one): (the split point, whether the first part takes it).
     The first part, (since, start], takes it where its first found-down scrape falls in it: the old process died before
-    it. Else it is given whole, unsplit (a death no scrape placed, or placed in the burst, may have come anywhere in it).
-    Each part given the same restart, the part without the down scrape read down=None, "the start time said it": a
-    running batch's span cut from 31.6 s to 5.5 s after its arrival while it ran on (batchfix8's review, fault 3)."""
-    dies = ("server_restart" in held.partial and not held.restart_by_fall) or held.down_refused
-    if not dies:
+    it. A refused down scrape in the burst that the page says no restart of: the burst part, its death's window from
+    `since` all the same (`Ledger.add_server_tokens`' dead_from_ns: it may have come anywhere in it). Given whole, the
+    burst's tokens were spread over the stillness before it, its intervals `complete` (20 bypass tokens over 1.9 s of
+    idle and 0.1 s of burst: 19 in the idle intervals, 120 J unproxied for 25). Else it is given whole, unsplit (a
+    restart the page said, its intervals `server_restart`, with no down scrape or one in the burst). Each part given the
+    same restart, the part without the down scrape read down=None, "the start time said it": a running batch's span cut
+    from 31.6 s to 5.5 s after its arrival while it ran on (batchfix8's review, fault 3)."""
+    said = "server_restart" in held.partial and not held.restart_by_fall
+    if not (said or held.down_refused):
         return start_ns, False
     if held.down_ns is not None and held.since_ns < held.down_ns <= start_ns:
         return start_ns, True
+    if not said and held.down_ns is not None and start_ns < held.down_ns <= held.t_ns:
+        return start_ns, False
     return held.since_ns, False
 
 
@@ -1181,7 +1187,8 @@ class Daemon:
                         # other says the restart (its rows flagged) by the fall alone, which records no death.
                         start, first = held_death_part(held, start)
                         death = dict(restart_by_fall=held.restart_by_fall, down_ns=held.down_ns,
-                                     down_refused=held.down_refused, past_reach=held.past_reach)
+                                     down_refused=held.down_refused, past_reach=held.past_reach,
+                                     dead_from_ns=held.since_ns)
                         none = dict(restart_by_fall=True, down_ns=None, down_refused=False)
                         if start > held.since_ns:
                             self.ledger.add_server_tokens(start, 0.0, held.since_ns, at_finish, partial=held.partial,
