@@ -5401,7 +5401,8 @@ def test_an_uncertain_run_on_is_marked_to_be_left_out_of_j_per_token(runs_on, en
 
 @pytest.mark.parametrize("downs,back_as,past_reach", [
     ([], (), False), ([(1.5, 1.6)], (), True), ([(1.5, 1.6)], ("counter_below",), False),
-    ([(1.5, 1.6)], ("server_restart",), False)], ids=["alive", "past_reach", "young_page", "restarted"])
+    ([(1.5, 1.6)], ("server_restart",), False), ([(5.0, 5.1)], (), True)],
+    ids=["alive", "past_reach", "young_page", "restarted", "past_reach_after_its_end"])
 def test_a_refused_scrape_then_a_page_past_a_new_processs_reach_leaves_an_sglang_run_on_unsure(downs, back_as,
                                                                                                 past_reach):
     # SGLang's whole answer (0.5 s, its client gone at 1.0 s) runs on to its 4 s wait (4.5 s) beside a stream (0.2 s to
@@ -5411,9 +5412,11 @@ def test_a_refused_scrape_then_a_page_past_a_new_processs_reach_leaves_an_sglang
     # and 54 J, unflagged, for 159.6 and 271 where the same process lived on (`alive`), the stream 209 J for 142. Now it
     # runs on, its row says both readings (UNSURE_FLAG), and the windows over the rest of its run-on say run_on_may_end,
     # the stream's row flagged. A page that could be a new process's (young: counter_below) or a restart the page said
-    # is a death: cut there, as before.
+    # is a death: cut there, as before. Past reach after its run-on's end (5.0 s): nothing of it in doubt, unflagged.
+    late = downs == [(5.0, 5.1)]
     rows = _llamacpp_whole_run_on(downs, arrive=0.5, leave=1.0, end_s=12.0, runs_on=(2.0, 4.0), beside=(0.2, 3.0),
-                                  back_as=back_as, down_ns=int(1.55 * S), down_refused=True, past_reach=past_reach)
+                                  back_as=back_as, down_ns=int((5.05 if late else 1.55) * S), down_refused=True,
+                                  past_reach=past_reach)
     run_on, near = rows[2], rows[5]
     note, near_note = run_on["energy_note"] or "", near["energy_note"] or ""
     print(run_on["attributed_tokens"], run_on["gpu_energy_j"], near["gpu_energy_j"], note)
@@ -5421,7 +5424,7 @@ def test_a_refused_scrape_then_a_page_past_a_new_processs_reach_leaves_an_sglang
         assert run_on["attributed_tokens"] == pytest.approx(159.6, abs=1), run_on
         assert run_on["gpu_energy_j"] == pytest.approx(270.6, abs=5), run_on
         assert near["gpu_energy_j"] == pytest.approx(142.4, abs=5), near
-    if past_reach:
+    if past_reach and not late:
         assert f"{UNSURE_FLAG}: a scrape 1.05 s after its arrival found nothing listening" in note, note
         assert "past anything a new process could have counted" in note and "at most 1.05 s" in note, note
         assert "run_on_may_end" in near_note, near_note

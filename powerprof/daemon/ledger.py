@@ -2485,8 +2485,9 @@ class Ledger:
         a, b, down, _ = gone
         lo = max(a, arrival, left or a)  # alive at its last scrape, when it took the request, and at its client's leaving
         if (a, b, down) in self._death_unsure:
-            r.run_on_unsure, r.run_on_reach = (a, down), True
-            self.recon.run_ons_may_end[(tr.request_id, "death")] = (lo, int(r.run_on_end_ns))
+            if r.run_on_end_ns is not None and r.run_on_end_ns > lo:  # ended before it, nothing of it is in doubt
+                r.run_on_unsure, r.run_on_reach = (a, down), True
+                self.recon.run_ons_may_end[(tr.request_id, "death")] = (lo, int(r.run_on_end_ns))
             return None
         return (lo if down is None else (lo + down) // 2), (a, b, down, lo)
 
