@@ -800,14 +800,16 @@ def _llama_pages(script) -> list:
     return out
 
 
-@pytest.mark.parametrize("kind,before,after,young,kept", [
+@pytest.mark.parametrize("kind,before,after,young,kept,reach", [
     # Past a new process's reach on llama.cpp: the same process (its counters cannot outlast a restart), no death.
-    ("llamacpp", (50_000_000, 50_000_000), (50_000_400, 50_000_400), False, False),
-    ("sglang", 50_000_000, 50_000_400, False, True),
-    ("llamacpp", (40, 40), (50, 50), True, True),  # a young server: a new process may have counted it (counter_below)
+    ("llamacpp", (50_000_000, 50_000_000), (50_000_400, 50_000_400), False, False, False),
+    ("sglang", 50_000_000, 50_000_400, False, True, True),
+    ("vllm", 50_000_000, 50_000_400, False, True, True),  # several API servers: no start time on the page
+    ("sglang", 40, 50, True, True, False),  # a young server: a new process may have counted it (counter_below)
+    ("llamacpp", (40, 40), (50, 50), True, True, False),
 ])
 def test_a_page_back_past_a_new_processs_reach_after_a_refusal_keeps_its_refusal(kind, before, after, young, kept,
-                                                                                   monkeypatch):
+                                                                                   reach, monkeypatch):
     # A refused scrape, its page back past anything a new process could have counted since (FASTEST_SERVER_TOKENS_PER_S):
     # read whole (`_down_back`), the same process, or a restarted one whose counter persisted (SGLang or vLLM with a
     # never-wiped PROMETHEUS_MULTIPROC_DIR, restarted in place). Its refusal is kept, a death no page said a restart of:
@@ -815,11 +817,16 @@ def test_a_page_back_past_a_new_processs_reach_after_a_refusal_keeps_its_refusal
     # 410 J for about 105 J, unflagged. The ledger cuts no batch span at it (`Ledger._batch_death`). A young server's
     # page is said counter_below too. llama.cpp's page past reach clears it: kept, a whole answer's run-on was cut at
     # a death that never happened (40.8 tokens and 103 J for 400 and 1001, unflagged).
+    # SGLang's and vLLM's kept refusal says so (`window_past_reach`): that death is unsure, the ledger cuts no run-on
+    # at it (`Ledger._run_on_cut_ns`); before, an SGLang whole answer's run-on was cut there unflagged (40.6 tokens and
+    # 54 J for 159.6 and 271 where the same process lived on: tests/test_daemon_ledger.py).
+    page = _vllm_multiprocess if kind == "vllm" else _sglang
     pages = ([_llama_pages([before]), [DOWN], _llama_pages([after])] if kind == "llamacpp"
-             else [[_sglang(before)], [DOWN], [_sglang(after)]])
+             else [[page(before)], [DOWN], [page(after)]])
     deltas, sc = _scrapes(kind, [p for step in pages for p in step], n=3, period_s=1.0, monkeypatch=monkeypatch)
-    got = (sc.window_down_ns is not None, sc.window_down_refused, "counter_below" in sc.window_partial)
-    assert got == (True, kept, young), (deltas, got)
+    got = (sc.window_down_ns is not None, sc.window_down_refused, "counter_below" in sc.window_partial,
+           sc.window_past_reach)
+    assert got == (True, kept, young, reach), (deltas, got)
 
 
 @pytest.mark.parametrize("script,said", [

@@ -5446,6 +5446,41 @@ def test_an_uncertain_run_on_is_marked_to_be_left_out_of_j_per_token(runs_on, en
     assert leds[1].flagged_requests.get(UNSURE_FLAG, 0) == 0, leds[1].flagged_requests
 
 
+@pytest.mark.parametrize("downs,back_as,past_reach", [
+    ([], (), False), ([(1.5, 1.6)], (), True), ([(1.5, 1.6)], ("counter_below",), False),
+    ([(1.5, 1.6)], ("server_restart",), False), ([(5.0, 5.1)], (), True)],
+    ids=["alive", "past_reach", "young_page", "restarted", "past_reach_after_its_end"])
+def test_a_refused_scrape_then_a_page_past_a_new_processs_reach_leaves_an_sglang_run_on_unsure(downs, back_as,
+                                                                                                past_reach):
+    # SGLang's whole answer (0.5 s, its client gone at 1.0 s) runs on to its 4 s wait (4.5 s) beside a stream (0.2 s to
+    # 3.0 s). Its last scrape at 1.5 s, the next refused (1.55 s), the page at 1.6 s past anything a new process could
+    # have counted since (scrape.Scraper.window_past_reach): the same process back, or a restarted one whose counter
+    # persisted. Taken for a death (the refusal kept, `_died_unrestarted`), its run-on was cut at 1.525 s: 40.6 tokens
+    # and 54 J, unflagged, for 159.6 and 271 where the same process lived on (`alive`), the stream 209 J for 142. Now it
+    # runs on, its row says both readings (UNSURE_FLAG), and the windows over the rest of its run-on say run_on_may_end,
+    # the stream's row flagged. A page that could be a new process's (young: counter_below) or a restart the page said
+    # is a death: cut there, as before. Past reach after its run-on's end (5.0 s): nothing of it in doubt, unflagged.
+    late = downs == [(5.0, 5.1)]
+    rows = _llamacpp_whole_run_on(downs, arrive=0.5, leave=1.0, end_s=12.0, runs_on=(2.0, 4.0), beside=(0.2, 3.0),
+                                  back_as=back_as, down_ns=int((5.05 if late else 1.55) * S), down_refused=True,
+                                  past_reach=past_reach)
+    run_on, near = rows[2], rows[5]
+    note, near_note = run_on["energy_note"] or "", near["energy_note"] or ""
+    print(run_on["attributed_tokens"], run_on["gpu_energy_j"], near["gpu_energy_j"], note)
+    if not downs or past_reach:
+        assert run_on["attributed_tokens"] == pytest.approx(159.6, abs=1), run_on
+        assert run_on["gpu_energy_j"] == pytest.approx(270.6, abs=5), run_on
+        assert near["gpu_energy_j"] == pytest.approx(142.4, abs=5), near
+    if past_reach and not late:
+        assert f"{UNSURE_FLAG}: a scrape 1.05 s after its arrival found nothing listening" in note, note
+        assert "past anything a new process could have counted" in note and "at most 1.05 s" in note, note
+        assert "run_on_may_end" in near_note, near_note
+    else:
+        assert UNSURE_FLAG not in note, note
+    if downs and not past_reach:
+        assert run_on["attributed_tokens"] == pytest.approx(40.6, abs=1), run_on
+
+
 def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():
     # A grown SGLang multi-process counter read at half for one page passes for a restart (scrape.counter_restarted):
     # nothing was down, no start time moved (`restart_by_fall`). The stream its server ran on to 3.0 s decoded to
@@ -6886,6 +6921,64 @@ def test_a_restart_after_a_503_ends_a_batch_400s_span_only_where_a_death_is_show
                               down_ns=int(3.0 * S), down_refused=shown == "refused")
         want = int(6.0 * S) if shown == "refused" else bound
         assert list(led.recon.batch_run_ons.values()) == [(int(0.5 * S), want)], (shown, led.recon.batch_run_ons)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "burst_part"])
+def test_a_held_windows_refused_death_in_its_burst_places_its_tokens_in_the_burst(whole):
+    # A held slow window (0 to 2.0 s, idle at 50 W) whose 20 bypass tokens ran in its last 0.1 s (250 W) beside a
+    # stream that arrived at 1.9 s, a scrape refused at 1.95 s, the page saying no restart. Given whole (before:
+    # `service.held_death_part`), its tokens were spread over the stillness: 19 in the idle intervals, `complete`, 120 J
+    # unproxied for 25. Now the burst part (1.9 s, 2.0 s] takes them and the death, its window from 0 (dead_from_ns: it
+    # may have come anywhere in it).
+    from powerprof.daemon.proxy import RequestTrace
+
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    _idle_measured(led, 50.0)
+    led.scraping = True
+    tr = RequestTrace(1, "POST", "/v1/chat/completions", None, int(1.9 * S), 0, api="openai-chat", stream=True)
+    tr.extra.update(prompt_chars=40)
+    led.add_server_tokens(0, 0.0, None)
+    e, n = 0.0, 0
+    for k in range(1, 41):
+        t = k * 0.1
+        if k == 19:
+            led.on_start(tr)
+        if 21 <= k <= 24:  # its 16 tokens from 2.0 s to 2.4 s, at 40 a second
+            for j in range(4):
+                ts = t - 0.1 + (j + 1) * 0.025
+                tr.first_ns, tr.last_ns = tr.first_ns or int(ts * S), int(ts * S)
+                led.on_tokens(tr, int(ts * S), 1)
+        if k == 24:
+            tr.end_ns, tr.outcome = int(2.4 * S), "ok"
+            tr.counts = Counts(generated_tokens=16, prompt_tokens=10, model=None, stop_reason="length",
+                               token_source="usage")
+            led.on_end(tr)
+        p = 250.0 if 20 <= k <= 24 else 50.0
+        e += p * 0.1
+        led.add_gpu_sample(int(t * S), int(t * S), [R(e, p)])
+        read = (int((t - 0.001) * S), int((t + 0.001) * S))
+        if k == 20:
+            death = dict(down_ns=int(1.95 * S), down_refused=True, read_ns=read)
+            if whole:
+                led.add_server_tokens(int(2.0 * S), 20.0, 0, **death)
+            else:
+                led.add_server_tokens(int(1.9 * S), 0.0, 0)
+                led.add_server_tokens(int(2.0 * S), 20.0, int(1.9 * S), dead_from_ns=0, **death)
+        elif k > 20:
+            led.add_server_tokens(int(t * S), 4.0 if k <= 24 else 0.0, int((t - 0.1) * S), read_ns=read)
+        led.note_proxy_delay(int(t * S), 0.003)  # a proxy on time: no proxy_lag at its rise
+        led.advance(int(t * S))
+    led.close_all(int(4.0 * S))
+    ivs = led.emit.rows["intervals"]
+    idle = [x for x in ivs if x["t_start_mono_s"] + x["duration_s"] <= 1.9 + 1e-6 and x["t_start_mono_s"] >= 0]
+    unproxied = sum(x["unproxied_energy_j"] or 0.0 for x in ivs)
+    print("unproxied J", unproxied, "idle", sum(x["unproxied_energy_j"] or 0.0 for x in idle))
+    assert list(led._gone_at) == [(0, int(2.0 * S), int(1.95 * S), True)], led._gone_at  # the death's window: whole
+    if whole:
+        assert unproxied == pytest.approx(120.0, abs=1) and {x["server_count"] for x in idle} == {"complete"}, ivs
+    else:
+        assert unproxied == pytest.approx(25.0, abs=1), ivs
+        assert all(not x["unproxied_energy_j"] for x in idle), idle
 
 
 def test_a_refused_scrape_the_same_process_may_be_back_from_leaves_a_batch_400s_span(monkeypatch):

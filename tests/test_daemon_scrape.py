@@ -271,6 +271,7 @@ class _FakeScraper:
     window_down_ns = None  # Scraper.window_down_ns
     window_down_refused = False  # Scraper.window_down_refused
     window_read_missed = 0.0  # Scraper.window_read_missed
+    window_past_reach = False  # Scraper.window_past_reach
     vllm_v1 = False  # Scraper.vllm_v1: best_of refused or ignored (not read here)
 
     async def scrape(self):
@@ -284,11 +285,12 @@ def _window_ledger(keep=lambda w: (w.since, w.t, w.d), busy: bool = True, **fiel
     ledger.add_cache_hits = lambda since, t, hits: None
 
     def add_server_tokens(t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None,
-                          restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0):
+                          restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0, past_reach=False,
+                          dead_from_ns=None):
         ledger.spans.append(keep(types.SimpleNamespace(
             t=t, d=d, since=since, at_finish=at_finish, finished=finished, partial=partial, read_ns=read_ns,
             served=served, restart_by_fall=restart_by_fall, down_ns=down_ns, down_refused=down_refused,
-            read_missed=read_missed)))
+            read_missed=read_missed, past_reach=past_reach)))
 
     ledger.add_server_tokens = add_server_tokens
     return ledger
@@ -345,12 +347,13 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
     assert all(a[1] == b[0] for a, b in zip(ledger.spans[1:], ledger.spans[2:]))  # each window where the last ended
 
 
-def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int, death=None, flags=None) -> tuple[int, list]:
+def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int, death=None, flags=None,
+                              dead_from=None) -> tuple[int, list]:
     """Still (idle period), then 20 tokens counted and a request live that wakes the scrape (arrived
     `arrived_before_ns` before it: a proxy worker's record read late), then fast windows of 10 tokens each (200 tokens
     a second at 0.05 s: the 20 took about 0.1 s by that rate). The wake's time and the windows given the ledger.
     `death(woken_ns)`: the burst's window's (partial, down_ns, down_refused); `flags` gets each window's
-    (partial, restart_by_fall, down_ns, down_refused)."""
+    (partial, restart_by_fall, down_ns, down_refused), `dead_from` its dead_from_ns."""
     from powerprof.daemon import scrape as scrape_mod
     from powerprof.daemon.service import Daemon
 
@@ -366,12 +369,14 @@ def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int, death=None, f
             return self.rise
 
     woken = [0]
-    ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
+    ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[], dead_from=[])
     ledger.add_cache_hits = lambda since, t, hits: None
 
     def add_server_tokens(t, d, since, at_finish, finished=None, partial=(), read_ns=None, served=None,
-                          restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0):
+                          restart_by_fall=False, down_ns=None, down_refused=False, read_missed=0.0, past_reach=False,
+                          dead_from_ns=None):
         ledger.spans.append((since, t, d))
+        ledger.dead_from.append(dead_from_ns)
         if flags is not None:
             flags.append((partial, restart_by_fall, down_ns, down_refused))
 
@@ -408,7 +413,10 @@ def _burst_woken_by_a_request(monkeypatch, arrived_before_ns: int, death=None, f
         await asyncio.wait_for(task, 5)
         return woken_ns
 
-    return asyncio.run(go()), ledger.spans
+    woken_ns = asyncio.run(go())
+    if dead_from is not None:
+        dead_from.extend(ledger.dead_from)
+    return woken_ns, ledger.spans
 
 
 def test_a_burst_the_first_request_after_a_stillness_wakes_the_scrape_on_is_placed_back_not_spread(monkeypatch):
@@ -440,26 +448,34 @@ def test_a_held_burst_begins_no_later_than_the_request_that_woke_its_scrape(monk
     assert [x for x in spans if x[1] == burst[0][0] and x[2] == 0.0], spans[-4:]  # the window's part before: empty
 
 
-@pytest.mark.parametrize("down_s,refused", [(-0.3, False), (-0.3, True), (None, False), (0.001, True)])
+@pytest.mark.parametrize("down_s,refused", [(-0.3, False), (-0.3, True), (None, False), (-0.05, True), (0.001, True)])
 def test_a_held_window_gives_its_death_with_one_part_alone(monkeypatch, down_s, refused):
     """A held slow window saying a restart (or a refused down scrape) was given the ledger as two parts, each with the
     restart and the down scrape: the part the down scrape is not in read down=None, "the start time said a restart",
     and cut a running SGLang batch's span from 31.6 s to 5.5 s after its arrival (batchfix8's review, fault 3). Now
     the part it falls in takes it (`service.held_death_part`), the other says the restart by the fall alone (flagged,
-    no death); with no down scrape, or one in the burst, the window is given whole."""
-    flags = []
+    no death); a refused one in the burst the page says no restart of goes with the burst part, its death's window
+    from the held window's start (dead_from_ns): given whole, its 20 tokens were spread over the idle window, its
+    intervals `complete` (tests/test_daemon_ledger.py: 120 J unproxied for 25); with no down scrape (a restart the
+    page said, its intervals flagged server_restart), or one after its scrape, the window is given whole."""
+    flags, dead_from = [], []
 
     def death(woken_ns):
         down = None if down_s is None else woken_ns + int(down_s * 1e9)
         return ((() if refused else ("server_restart",)), down, refused)
 
-    woken_ns, spans = _burst_woken_by_a_request(monkeypatch, 0, death, flags)
+    woken_ns, spans = _burst_woken_by_a_request(monkeypatch, 0, death, flags, dead_from)
     i = next(k for k, x in enumerate(spans) if x[2] == 20.0)
     deaths = [f for f in flags if (f[0] and not f[1]) or f[3]]
     assert len(deaths) == 1, list(zip(spans, flags))[-4:]
     if down_s == -0.3:  # in the part before the burst: that part takes it
         assert spans[i - 1][1] == spans[i][0] and spans[i - 1][2] == 0.0, spans[-4:]
         assert (flags[i - 1][0], *flags[i - 1][2:]) == death(woken_ns) and flags[i][1:] == (True, None, False), flags
+    elif down_s == -0.05:  # in the burst, no restart said: the burst part takes it, from the window's start
+        assert spans[i - 1][1] == spans[i][0] and spans[i - 1][2] == 0.0, spans[-4:]
+        assert spans[i][1] - spans[i][0] < 0.4e9 and spans[i - 1][1] - spans[i - 1][0] > 0.4e9, spans[-4:]
+        assert (flags[i][0], *flags[i][2:]) == death(woken_ns) and flags[i - 1][1:] == (True, None, False), flags
+        assert dead_from[i] == spans[i - 1][0], (dead_from[-4:], spans[-4:])
     else:  # given whole: the window from the idle scrape before
         assert spans[i - 1][2] == 0.0 and spans[i - 1][1] == spans[i][0] and spans[i][1] - spans[i][0] > 0.4e9, spans
         assert flags[i][0] == death(woken_ns)[0] and flags[i][2:] == death(woken_ns)[1:], flags[-4:]
@@ -546,14 +562,16 @@ def test_the_daemon_scrape_loop_stamps_the_counters_read_not_the_wait_for_the_pr
 
 def test_the_daemon_scrape_loop_gives_the_ledger_when_a_scrape_found_the_server_down():
     """A restart's window says when its first scrape found the server down (Scraper.window_down_ns): the ledger places
-    the dead process's run-ons' end from it (`Ledger._run_on_cut_ns`), so the loop must hand it on with the window."""
+    the dead process's run-ons' end from it (`Ledger._run_on_cut_ns`), so the loop must hand it on with the window; and
+    whether its page was back past a new process's reach (Scraper.window_past_reach: no run-on is cut at that death)."""
     class FakeScraper(_FakeScraper):
         kind, window_partial = "sglang", ("server_restart",)
         window_down_ns = 123_456_789
+        window_past_reach = True
 
-    ledger = _window_ledger(keep=lambda w: w.down_ns)
+    ledger = _window_ledger(keep=lambda w: (w.down_ns, w.past_reach))
     _run_scrape_loop(FakeScraper(), ledger, lambda: len(ledger.spans) >= 2)
-    assert ledger.spans and set(ledger.spans) == {123_456_789}, ledger.spans
+    assert ledger.spans and set(ledger.spans) == {(123_456_789, True)}, ledger.spans
 
 
 def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):

@@ -566,6 +566,9 @@ class Ledger:
         # Of those, the (start, end, first found down) of deaths no page said a restart of (`add_server_tokens`: a
         # refused connect, then a page that says none): a run-on's row says its process died, not that it restarted.
         self._died_unrestarted: deque = deque(maxlen=64)
+        # Of those, the deaths whose page back was past a new process's reach (scrape.Scraper.window_past_reach): the
+        # same process back, or a restarted one whose counter persisted; a run-on is not cut there (`_run_on_cut_ns`).
+        self._death_unsure: deque = deque(maxlen=64)
         # A death seen before its restart is: (the old process's last scrape, the first scrape since that found the
         # server down, whether a scrape since found nothing listening) (`note_down`); None: none open. Ended by the
         # next scrape window, which lists it in `_gone_at` where it says a restart.
@@ -2338,7 +2341,8 @@ class Ledger:
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = (),
                           read_ns: tuple[int, int] | None = None, served: tuple[float, ...] | None = None,
                           restart_by_fall: bool = False, down_ns: int | None = None,
-                          down_refused: bool = False, read_missed: float = 0.0) -> None:
+                          down_refused: bool = False, read_missed: float = 0.0, past_reach: bool = False,
+                          dead_from_ns: int | None = None) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: a scrape window, its
         arguments as `CountReconciler.add_server_tokens` takes them (the daemon's scrape loop calls the ledger).
         `restart_by_fall`: its server_restart was told by the counter's fall alone (scrape.Scraper.restart_by_fall): a
@@ -2350,18 +2354,24 @@ class Ledger:
         Refused in a window the page does not say restarted (COUNTER_BELOW: `Scraper._down_back`, the proxy's refused
         connects among them, `Scraper._proxy_refused`), it is a death all the same: a restart from the window's start
         to its end. Before, only server_restart recorded one: a whole answer the proxy's refusals saw die was written
-        not costed (0 J for about 100 J), its energy with the requests beside it, their rows unflagged."""
+        not costed (0 J for about 100 J), its energy with the requests beside it, their rows unflagged. `past_reach`:
+        its page was back past a new process's reach (scrape.Scraper.window_past_reach): a death no run-on is cut at,
+        as nothing tells it from the same process back (`_run_on_cut_ns`). `dead_from_ns`: where a death by a refusal
+        alone may have come from, before `since_ns` (a held slow window's burst part: `service.held_death_part`)."""
         self.recon.add_server_tokens(t_ns, delta, since_ns, at_finish, finished, partial, read_ns, served, read_missed)
         self._down_open = None  # a believed page: the window it held is this one's
         restart = "server_restart" in partial and not restart_by_fall
+        dead_from = since_ns if dead_from_ns is None or since_ns is None else min(dead_from_ns, since_ns)
         died = (not restart and down_refused and since_ns is not None and down_ns is not None
-                and since_ns < down_ns <= t_ns)
+                and dead_from < down_ns <= t_ns)
         if restart or died:
-            a, b = self.recon.restarts[-1] if restart else (since_ns, t_ns)
+            a, b = self.recon.restarts[-1] if restart else (dead_from, t_ns)
             down = down_ns if down_ns is not None and a < down_ns <= b else None
             self._gone_at.append((a, b, down, down is not None and down_refused))
             if died:
                 self._died_unrestarted.append((a, b, down))
+                if past_reach:
+                    self._death_unsure.append((a, b, down))
             for r in self.requests.values():  # closes with no answer this death explains: crashes (`_crash_seen`)
                 if r.trace.end_ns is not None and closed_unanswered(r):
                     self._run_on(r)
@@ -2508,6 +2518,10 @@ class Ledger:
         whole answer served 0.5 s to its client's leaving at 3.0 s and run on by SGLang was costed to that restart's
         found-down scrape at 1.55 s, 40.6 tokens and 110 J for the truth's 100 and 250 at least. Its death is placed after
         the leaving, never before.
+        A death whose page back was past a new process's reach (`_death_unsure`) cuts none: the same process may have
+        lived on, its run-on with it (cut there, a whole SGLang answer's run-on read 40.6 tokens and 54 J for 159.6
+        and 271, unflagged). Its row says both readings (`run_on_unsure`), and the windows over the rest of its run-on
+        say run_on_may_end (their rows flagged, as a run-on's that may have ended by itself).
         With that restart's (window start, end, first found down, the death's lower bound), which its row says
         (`r.run_on_death`)."""
         if not self._gone_at:
@@ -2522,6 +2536,11 @@ class Ledger:
             return None
         a, b, down, _ = gone
         lo = max(a, arrival, left or a)  # alive at its last scrape, when it took the request, and at its client's leaving
+        if (a, b, down) in self._death_unsure:
+            if r.run_on_end_ns is not None and r.run_on_end_ns > lo:  # ended before it, nothing of it is in doubt
+                r.run_on_unsure, r.run_on_reach = (a, down), True
+                self.recon.run_ons_may_end[(tr.request_id, "death")] = (lo, int(r.run_on_end_ns))
+            return None
         return (lo if down is None else (lo + down) // 2), (a, b, down, lo)
 
     def _death_proven(self, r: LiveRequest, g: tuple) -> bool:

@@ -151,6 +151,9 @@ class LiveRequest:
     # A restart's (old process's last scrape, first found-down scrape) that may have ended its run-on, not cut there
     # for lack of proof that was a death, not a router's 503 (`Ledger._death_proven`): its row says both readings.
     run_on_unsure: tuple[int, int] | None = None
+    # That scrape found nothing listening, and the page after it was past a new process's reach: the same process back,
+    # or a restarted one whose counter persisted (`Ledger._death_unsure`), not a router's 503.
+    run_on_reach: bool = False
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared

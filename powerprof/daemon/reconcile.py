@@ -203,8 +203,9 @@ class CountReconciler:
         self.finished: deque = deque()
         # {request id: (its client's leave, its run-on's placed end)} of SGLang run-ons that may have ended by themselves
         # (`Ledger._run_on`, dropped where placed sure: `Ledger._place_run_on`): the windows over them say
-        # SERVER_COUNT_RUN_ON_MAY_END (`bypass_over`).
-        self.run_ons_may_end: dict[int, tuple[int, int]] = {}
+        # SERVER_COUNT_RUN_ON_MAY_END (`bypass_over`); keyed (request id, "death") too, a run-on whose process may have
+        # died on it (`Ledger._run_on_cut_ns`), its placing none of that key's business.
+        self.run_ons_may_end: dict[int | tuple[int, str], tuple[int, int]] = {}
         # {request id: (its arrival, the end its prompts' run is taken to stay within)} of batches SGLang may have answered 400
         # while running their other prompts for nobody (`Ledger._batch_run_on`): the windows over them say
         # SERVER_COUNT_BATCH_RUN_ON (`bypass_over`).

@@ -465,6 +465,16 @@ def _run_on_note(r: LiveRequest) -> str:
                 "reads as a refused connection")
     a, down = r.run_on_unsure
     tr = r.trace
+    if r.run_on_reach:
+        return (f"{said}; {UNSURE_FLAG}: a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after its arrival found nothing "
+                "listening (its connection refused), and the server's next page was back past anything a new process "
+                "could have counted since, with no start time to say which process it was: the same process back "
+                "(nothing listened for a moment), which ran it on as costed here, or a restarted one whose counter "
+                "persisted (a PROMETHEUS_MULTIPROC_DIR kept over the restart), the old one dead there: then the server "
+                f"ran it at most {(max(down, tr.end_ns or down) - tr.arrival_ns) / 1e9:.2f} s from its arrival and "
+                "the figure here is high, the requests beside it low (theirs say run_on_may_end); fix: scrape the "
+                "server's own port (scrape.url) and clear PROMETHEUS_MULTIPROC_DIR at each start of the server, so a "
+                "restart reads as one")
     return (f"{said}; {UNSURE_FLAG}: a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after its arrival (after the server's "
             f"last good scrape) found the server down (an HTTP 502/503, then a restart by its counters), with no "
             f"refused connection and no proxied request failing then: if that was its process's death, the server ran "

@@ -408,6 +408,11 @@ class Scraper:
         # loading page answers: only the first proves a death (`Ledger._death_proven`).
         self._down_refused = False
         self.window_down_refused = False
+        # Whether the page after it was back past a new process's reach (`_down_back`, not llama.cpp's): the same
+        # process back, or a restarted one whose counter persisted, nothing tells which; the ledger then cuts no run-on
+        # at that death and says both readings (`Ledger._run_on_cut_ns`).
+        self._past_reach = False
+        self.window_past_reach = False
         # When the first scrape since the last believed page whose connection was refused began (None: none was): a
         # death seen before the new process answers (`down_open`).
         self._refused_at_ns: int | None = None
@@ -608,12 +613,16 @@ class Scraper:
         refusal in its window is kept (`window_down_refused`): a restarted process whose counter starts past the old
         reading (a never-wiped PROMETHEUS_MULTIPROC_DIR) reads so too; cleared, its death was lost (a whole answer's
         run-on costed 159.6 tokens and 410 J for about 105 J, unflagged). `Ledger._batch_death` cuts no batch span at
-        such a death (the same process may be back). Not on llama.cpp: its counters live in the process and cannot
-        outlast a restart, so the page past reach is the same process and the refusal is cleared (no death: kept, a
-        whole answer's run-on was cut at it, 40.8 tokens and 103 J for 400 and 1001, unflagged)."""
+        such a death (the same process may be back), nor a run-on: its window says so (`window_past_reach`), and the
+        ledger gives the run-on's row both readings, flagged (cut there, a whole SGLang answer's run-on read 40.6 tokens
+        and 54 J for 159.6 and 271 where the same process lived on, unflagged). Not on llama.cpp: its counters live in
+        the process and cannot outlast a restart, so the page past reach is the same process and the refusal is cleared
+        (no death: kept, a whole answer's run-on was cut at it, 40.8 tokens and 103 J for 400 and 1001, unflagged)."""
         if self._believed_at is not None and total > FASTEST_SERVER_TOKENS_PER_S * (time.monotonic() - self._believed_at):
             if self.kind == "llamacpp":
                 self._down_refused = False
+            else:
+                self._past_reach = True
             return
         self._said_below(f"is at {total:g} after a scrape found the server down, at or past {prev:g}, its reading "
                          "before: the same process back, or a restart whose new process reached the old reading")
@@ -763,7 +772,7 @@ class Scraper:
         self.window_slots = None
         self.window_read_missed = 0.0
         self.restart_by_fall = False
-        self.window_down_ns, self.window_down_refused = None, False
+        self.window_down_ns, self.window_down_refused, self.window_past_reach = None, False, False
         self.cache_hits = None
         self.served = None
         self._scrape_at = time.monotonic()
@@ -848,6 +857,7 @@ class Scraper:
                 self._believed_at = self._scrape_at
                 self.window_down_ns, self._down_at_ns = self._down_at_ns, None
                 self.window_down_refused, self._down_refused = self._down_refused, False
+                self.window_past_reach, self._past_reach = self._past_reach, False
                 self._refused_at_ns = self._loading_at_ns = None
                 if prev is None:
                     self._baseline(total)

@@ -547,20 +547,27 @@ class _HeldWindow(NamedTuple):
     read_missed: float = 0.0  # Scraper.window_read_missed
     # The earliest arrival of the proxied requests live at its scrape (None: none): its burst began no later
     arrived_ns: int | None = None
+    past_reach: bool = False  # Scraper.window_past_reach
 
 
 def held_death_part(held: _HeldWindow, start_ns: int) -> tuple[int, bool]:
     """Where a held slow window split at its burst's `start_ns` may give its death (a restart the page said, or a
     refused down scrape: `Ledger.add_server_tokens` records one): (the split point, whether the first part takes it).
     The first part, (since, start], takes it where its first found-down scrape falls in it: the old process died before
-    it. Else it is given whole, unsplit (a death no scrape placed, or placed in the burst, may have come anywhere in it).
-    Each part given the same restart, the part without the down scrape read down=None, "the start time said it": a
-    running batch's span cut from 31.6 s to 5.5 s after its arrival while it ran on (batchfix8's review, fault 3)."""
-    dies = ("server_restart" in held.partial and not held.restart_by_fall) or held.down_refused
-    if not dies:
+    it. A refused down scrape in the burst that the page says no restart of: the burst part, its death's window from
+    `since` all the same (`Ledger.add_server_tokens`' dead_from_ns: it may have come anywhere in it). Given whole, the
+    burst's tokens were spread over the stillness before it, its intervals `complete` (20 bypass tokens over 1.9 s of
+    idle and 0.1 s of burst: 19 in the idle intervals, 120 J unproxied for 25). Else it is given whole, unsplit (a
+    restart the page said, its intervals `server_restart`, with no down scrape or one in the burst). Each part given the
+    same restart, the part without the down scrape read down=None, "the start time said it": a running batch's span cut
+    from 31.6 s to 5.5 s after its arrival while it ran on (batchfix8's review, fault 3)."""
+    said = "server_restart" in held.partial and not held.restart_by_fall
+    if not (said or held.down_refused):
         return start_ns, False
     if held.down_ns is not None and held.since_ns < held.down_ns <= start_ns:
         return start_ns, True
+    if not said and held.down_ns is not None and start_ns < held.down_ns <= held.t_ns:
+        return start_ns, False
     return held.since_ns, False
 
 
@@ -1181,7 +1188,8 @@ class Daemon:
                         # other says the restart (its rows flagged) by the fall alone, which records no death.
                         start, first = held_death_part(held, start)
                         death = dict(restart_by_fall=held.restart_by_fall, down_ns=held.down_ns,
-                                     down_refused=held.down_refused)
+                                     down_refused=held.down_refused, past_reach=held.past_reach,
+                                     dead_from_ns=held.since_ns)
                         none = dict(restart_by_fall=True, down_ns=None, down_refused=False)
                         if start > held.since_ns:
                             self.ledger.add_server_tokens(start, 0.0, held.since_ns, at_finish, partial=held.partial,
@@ -1197,7 +1205,8 @@ class Daemon:
                         held = _HeldWindow(since, t, delta, self.scraper.finished, partial, (t0, t1), self.scraper.served,
                                            self.scraper.restart_by_fall, self.scraper.window_down_ns,
                                            self.scraper.window_down_refused, self.scraper.window_read_missed,
-                                           min((r.trace.arrival_ns for r in led.requests.values()), default=None))
+                                           min((r.trace.arrival_ns for r in led.requests.values()), default=None),
+                                           self.scraper.window_past_reach)
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
                         # With the GET's span: the counter was read somewhere in it (docs/daemon.md, "A counter read
@@ -1207,7 +1216,8 @@ class Daemon:
                                                       restart_by_fall=self.scraper.restart_by_fall,
                                                       down_ns=self.scraper.window_down_ns,
                                                       down_refused=self.scraper.window_down_refused,
-                                                      read_missed=self.scraper.window_read_missed)
+                                                      read_missed=self.scraper.window_read_missed,
+                                                      past_reach=self.scraper.window_past_reach)
                     since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
                     read_from = self._scrape_read_from_ns = t0
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
@@ -1222,7 +1232,8 @@ class Daemon:
             self.ledger.add_server_tokens(held.t_ns, held.delta, held.since_ns, self.scraper.kind in AT_FINISH,
                                           held.finished, partial=held.partial, read_ns=held.read_ns, served=held.served,
                                           restart_by_fall=held.restart_by_fall, down_ns=held.down_ns,
-                                          down_refused=held.down_refused, read_missed=held.read_missed)
+                                          down_refused=held.down_refused, read_missed=held.read_missed,
+                                          past_reach=held.past_reach)
 
     async def _final_scrape(self) -> None:
         """At a clean stop, after the last sample: read the server's counters once more, so the last interval's count
@@ -1250,7 +1261,8 @@ class Daemon:
                                       served=self.scraper.served, restart_by_fall=self.scraper.restart_by_fall,
                                       down_ns=self.scraper.window_down_ns,
                                       down_refused=self.scraper.window_down_refused,
-                                                      read_missed=self.scraper.window_read_missed)
+                                      read_missed=self.scraper.window_read_missed,
+                                      past_reach=self.scraper.window_past_reach)
 
     # --- reload ------------------------------------------------------------------------------------
 

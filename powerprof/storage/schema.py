@@ -329,7 +329,8 @@ SERVER_COUNT_PROXY_UNREAD = "proxy_unread"
 # A scrape window from the leave of an SGLang run-on's client to its placed end whose answer may have ended by itself
 # before its abort (`LiveRequest.run_on_may_end`): SGLang then counted its tokens at that end, unseen by the proxy, and
 # they read as bypass tokens there; aborted, it counted none. Which, nothing tells: its bypass count may be high (one of
-# BYPASS_COUNT_TWO_WAY), and the requests given energy there low.
+# BYPASS_COUNT_TWO_WAY), and the requests given energy there low. Also from the death not cut at of a run-on whose
+# process may have died on it (a refused scrape, then a page past a new process's reach: `Ledger._run_on_cut_ns`).
 SERVER_COUNT_RUN_ON_MAY_END = "run_on_may_end"
 # A scrape window from the arrival of a batch (two or more prompts) an SGLang (or a server of kind unknown yet) answered
 # 400 with its band abort's message to an end its other prompts' run is taken to stay within (`Ledger._batch_end_ns`,
@@ -512,7 +513,9 @@ BYPASS_COUNT_FIX = {
     SERVER_COUNT_RUN_ON_MAY_END: "their count may be high: a request whose client left an SGLang stream (or whole "
                                  "answer) ran on until SGLang's abort unless its answer ended by itself first, unseen, "
                                  "SGLang then counting its tokens at that end (read as bypass tokens here, the requests "
-                                 "beside it low); none for the figures kept, they are left out of J/token; clients that "
+                                 "beside it low), or its process died first (a refused scrape, then a page past what a "
+                                 "new process could have counted: the requests beside it low); none for the figures "
+                                 "kept, they are left out of J/token; clients that "
                                  "stay to their answers' end, or send ignore_eos (or a min_tokens) where the answer is "
                                  "to run to max_tokens",
     SERVER_COUNT_BATCH_RUN_ON: "their count may be high or low: a batch (several prompts) answered 400 may have run "
