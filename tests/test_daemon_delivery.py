@@ -244,7 +244,19 @@ def test_held_back_streams_through_two_proxy_workers_are_found_placed_and_said(t
     assert "proxy workers: 2" in o.notes, o.notes
     assert abs(s["conservation_err"]) <= 0.001
     assert s["requests_est_j"] == pytest.approx(s["requests_true_j"], rel=0.03), s
-    assert s["unproxied_j"] < 0.015 * s["requests_true_j"], s
+    # Unproxied energy (there is no bypass traffic): what no interval says (`complete`) under 1%, as in-process above.
+    # Beside two CPU hogs (load 10-12 on 2 cores), buffered, 12 runs: 0-41.7 J of ~1890 J in all (2.2%; CI twice 37-38
+    # J, over the 1.5% this bound was), 0-9.2 J (0.5%) of it `complete`, the rest in intervals saying `proxy_lag` or
+    # `counter_below` (left out of J/token, the rows `bypass-uncounted`); in-process beside the same hogs 0-11.4 J, none
+    # `complete`. Not the record link: the scrape windows waited for every burst's end record (resolved after it). It
+    # follows how late the proxy read each burst after the server sent it (one run in-process read them 9 ms late at
+    # the median, 22 at p90: 11.4 J; one with two workers 0.7 and 4.8 ms: 0 J), more often with two workers (10 of 12
+    # runs over 10 J, in-process 1 of 6: more processes on the loaded host). So, said or not, under 5% as in-process;
+    # the 4 kB bursts (4 runs: 0-15.8 J, 0.8%) under 1.5% still.
+    iv = o.intervals
+    silent_j = iv.loc[iv["server_count"] == "complete", "unproxied_energy_j"].sum()
+    assert silent_j < 0.01 * s["requests_true_j"], (silent_j, s)
+    assert s["unproxied_j"] < (0.05 if delivery == "buffered" else 0.015) * s["requests_true_j"], s
     notes = o.requests["energy_note"].fillna("")
     assert len(notes) == 40 and notes.str.contains(r"in (?:one burst|\d+ bursts)", regex=True).all(), notes.value_counts()
     assert notes.str.contains("proxy_buffering").all()
