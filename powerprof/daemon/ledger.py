@@ -39,8 +39,8 @@ from powerprof.energy import COUNTER_STEP_S, epoch_broken, interp_at, trailing_a
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, UNSURE_FLAG, bypass_count_low,
-                                      bypass_count_may_be, outside_text)
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, SERVER_COUNT_OFF, UNSURE_FLAG,
+                                      bypass_count_low, bypass_count_may_be, outside_text)
 
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
@@ -3028,6 +3028,17 @@ class Ledger:
             counted_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(counted_iv, work_j, 0.0)])
         counted_col = energy.shape[1] - 1
+        # Closed with a whole answer live in them still in flight (held past max_hold_s, or at the daemon's stop), where
+        # no server counter is read (COUNT_OFF): its tokens come only with its end, too late for them, so its decode there
+        # is in the shares of the requests beside it, whether its client stays or leaves (`held_whole_beside_j`). A
+        # counter read each step (vLLM's, llama.cpp's /slots) reads them as bypass as they come: shares fair there.
+        inflight = np.array([r.trace.end_ns is None and r.trace.api is not None and r.trace.stream is not True
+                             for r in reqs], dtype=bool)
+        off_iv = np.array([c == SERVER_COUNT_OFF for c in server_count], dtype=bool)
+        held_iv = off_iv & (min((int(reqs[i].trace.arrival_ns) for i in np.flatnonzero(inflight)),
+                                default=int(attr.NEVER)) < t[1:])
+        energy = np.column_stack([energy, np.where(held_iv, work_j, 0.0)])
+        held_col = energy.shape[1] - 1
         # A crash-costed close that may have queued unrun behind full slots (`resend_queued`): costed as run, its figure
         # may be the requests' beside it (a queued whole answer on the simulator's llama.cpp: 73-78 J for 0, its
         # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does, where that may be a material share of their
@@ -3169,6 +3180,8 @@ class Ledger:
             r.batch_beside_j += a.request_energy[i, batch_col]
             if not r.run_on_to_end and not r.run_on_unknown:  # the run-on's own row says its own reading
                 r.counted_beside_j += a.request_energy[i, counted_col]
+            if not inflight[i]:  # its own row says its tokens that came after their intervals closed
+                r.held_whole_beside_j += a.request_energy[i, held_col]
             if not queued[i]:
                 r.queued_beside_j += a.request_energy[i, queued_col]
                 r.queued_short_j += float(queued_short_j[i])
@@ -3237,7 +3250,7 @@ class Ledger:
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
-                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | unmeasured_iv,
+                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | held_iv | unmeasured_iv,
                       undecided_iv=undecided_iv)
         self._say_undecided(t, undecided_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
@@ -3470,8 +3483,9 @@ class Ledger:
             # (`_unplaced`: a run-on for nobody may be in the requests' share, UNSURE_FLAG on their rows; before, kept:
             # +19% on the simulator's SGLang), nor past the 30 s a llama.cpp whole answer's run-on is placed to (`_run_on`:
             # its rest there too), nor over a batch answered 400 SGLang may run on, no server scraped (`_batch_run_on`),
-            # nor split before the idle power was measured with idle time in them (`unmeasured_iv`). What is left out is
-            # counted by reason, never silently.
+            # nor closed with a whole answer in flight, no counter read (`held_whole_beside_j`), nor split before the
+            # idle power was measured with idle time in them (`unmeasured_iv`). What is left out is counted by reason,
+            # never silently.
             if a.tokens[k] <= 0 or np.isnan(work_j[k]):
                 continue
             why = (NO_COUNTER_SHORT_FLAG if short_iv is not None and short_iv[k]

@@ -70,6 +70,10 @@ class LiveRequest:
     # counts and no proxied request lists (`Ledger._counted_spans`): read as bypass, their energy in unproxied, out of
     # this share, more or less than that run used (UNSURE_FLAG).
     counted_beside_j: float = 0.0
+    # Its GPU joules from intervals closed while a whole answer live in them was still in flight, no server counter read
+    # (`Ledger._close`: held past max_hold_s, or at the daemon's stop): that answer's decode there, its tokens come too
+    # late for them, is in this share (UNSURE_FLAG).
+    held_whole_beside_j: float = 0.0
     # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
     # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
     unread_beside_j: float = 0.0
