@@ -6764,6 +6764,91 @@ def test_a_null_batch_400s_run_is_bounded_by_the_context_its_abort_says():
     assert 4096 / (40.0 / 3) <= (a1 - a0) / 1e9 < BATCH_SPAN_MAX_S, led._batch_spans
 
 
+def _sglang_capped_batch_beside_streams(batch_end_s, streams, monkeypatch, end_s=50.0, dt=0.25, restart_s=None):
+    # SGLang, scraped (its counter at-finish: a request's tokens counted at its end), 100 W throughout: a null /generate
+    # batch of 2 prompts answered 400 at 0.3 s (128K context: bounded far past the cap, BATCH_SPAN_MAX_S cut to 20 s
+    # here), its other prompt decoding for nobody at 40 tokens/s to `batch_end_s`, counted then; streams (from, to) s
+    # at 40 tokens/s beside it (ids 10, 11, ...), each counted at its end; `restart_s`: the page of the scrape then says
+    # a restart (its process gone, the batch's run with it: its count never comes). The rows by id.
+    from powerprof.daemon import ledger as ledger_mod
+    from powerprof.daemon.scrape import RUNS_ON_AFTER_LEAVE
+    monkeypatch.setattr(ledger_mod, "BATCH_SPAN_MAX_S", 20.0)
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.serves_generate, led.runs_on_after_leave, led.scraping = True, RUNS_ON_AFTER_LEAVE["sglang"], True
+    led._paces.append(40.0)
+    batch = RequestTrace(1, "POST", "/generate", None, int(0.2 * S), 0, api="sglang-generate", stream=False)
+    batch.extra.update(sequences=2, max_tokens_null=True, prompt_chars=200_000, prompt_count=2,
+                       error_message=BAND_MSG_128K)
+    led.on_start(batch)
+    near = {}
+    for i, (a, z) in enumerate(streams):
+        near[10 + i] = [RequestTrace(10 + i, "POST", "/v1/chat/completions", None, int(a * S), 0, api="openai-chat",
+                                     stream=True), a, z, 0]
+        near[10 + i][0].extra["prompt_chars"] = 400
+    e, prev, counted_batch = 0.0, None, False
+    for k in range(int(round(end_s / dt)) + 1):
+        t = k * dt
+        count = 0.0
+        if prev is not None and prev < 0.3 <= t:
+            led.recon.server_seen = True
+            _answered_without_counts(led, batch, 400, 0.3)
+        for rid, v in near.items():
+            tr, a, z, _ = v
+            if tr.end_ns is not None or t < a - 1e-9:
+                continue
+            if rid not in led.requests:
+                led.on_start(tr)
+            for j in range(int(round(dt / 0.025))):
+                ts = t - dt + (j + 1) * 0.025
+                if a < ts <= z + 1e-9:
+                    tr.first_ns, tr.last_ns = tr.first_ns or int(ts * S), int(ts * S)
+                    led.on_tokens(tr, int(ts * S), 1)
+                    v[3] += 1
+            if t >= z - 1e-9:
+                count += v[3]
+                tr.end_ns, tr.outcome = int(z * S), "ok"
+                tr.counts = Counts(generated_tokens=v[3], prompt_tokens=100, model=None, stop_reason=None,
+                                   token_source="usage")
+                led.on_end(tr)
+        restart = restart_s is not None and prev is not None and prev < restart_s <= t
+        if restart_s is not None and t >= restart_s:
+            counted_batch = True  # died with its process: never counted
+        if not counted_batch and t >= batch_end_s - 1e-9:
+            count += 40.0 * (batch_end_s - 0.5)
+            counted_batch = True
+        e += 100.0 * dt
+        led.add_gpu_sample(int(t * S), int(t * S), [R(e, 100.0)])
+        if prev is not None:
+            led.add_server_tokens(int(t * S), count, int(prev * S), at_finish=True,
+                                  partial=("server_restart",) if restart else ())
+        prev = t
+        led.advance(int(t * S))
+    led.close_all(int(end_s * S))
+    return {r["request_id"]: r for r in led.emit.rows["requests"]}
+
+
+@pytest.mark.parametrize("batch_end_s,restart_s,flagged", [(35.0, None, True), (3.0, None, False), (35.0, 22.0, False)],
+                         ids=["runs_past_the_cap", "ended_early", "restarted_past_the_cap"])
+def test_rows_beside_a_capped_sglang_batch_still_uncounted_past_the_cap_are_flagged(batch_end_s, restart_s, flagged,
+                                                                                      monkeypatch):
+    # A batch 400's marked span is cut at BATCH_SPAN_MAX_S (20 s here). SGLang counts a request's tokens at its end: no
+    # unlisted token counted since the batch's arrival says its other prompts have not ended, so a run past the cap is
+    # still marked (batch_run_on) until the count shows them. Before, a stream 25-28 s beside the run to 35 s read 300 J
+    # for the truth's 150 J (+100%), unflagged (600 s cap: streams at 700 and 850 s beside a run to 900 s, 500 J for 250).
+    # Its count seen at 3 s (ended early), the span stays at the cap, the stream unflagged (its whole 300 J its own).
+    # A restart the page says at 22 s ends its run there: not held past it (held on, the stream was flagged, and every
+    # row after it to the batch's bound). One after the run's count (38-41 s) is not flagged either way.
+    rows = _sglang_capped_batch_beside_streams(batch_end_s, [(25.0, 28.0), (38.0, 41.0)], monkeypatch,
+                                               restart_s=restart_s)
+    note, after = rows[10]["energy_note"] or "", rows[11]["energy_note"] or ""
+    print(rows[10]["gpu_energy_j"], note, rows[11]["gpu_energy_j"], after)
+    assert (BYPASS_LOW_FLAG in note and "batch_run_on" in note) == flagged, note
+    assert BYPASS_LOW_FLAG not in after, after
+    if not flagged:
+        assert rows[10]["gpu_energy_j"] == pytest.approx(300.0, rel=0.05), rows[10]
+    assert rows[11]["gpu_energy_j"] == pytest.approx(300.0, rel=0.05), rows[11]
+
+
 def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():
     # The review's test_repro_c4_pace_big: a pace learned light (86 tok/s), then 30 streams live and a null batch of 30
     # short id prompts and a band prompt (253 ids): its others ran 251 tokens each at ~19 tok/s a sequence, to 13.35 s

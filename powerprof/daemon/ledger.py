@@ -502,6 +502,10 @@ class Ledger:
         # (arrival, latest end) of batches answered 400 that SGLang may have run on (`_batch_run_on`) where no scrape
         # window is there to mark: the intervals whose requests say so (`batch_beside_j`); disjoint, merged.
         self._batch_spans: list[tuple[int, int]] = []
+        # A scraped batch 400 whose span was cut at BATCH_SPAN_MAX_S, by request id: (its arrival, its bound uncut), its
+        # span held open past the cap while its at-finish server's count shows no unlisted token
+        # (`_hold_uncounted_batches`).
+        self._batch_uncounted: dict[int, tuple[int, int]] = {}
         # The batches (arrival, end) each such span holds, by its start (`batches_added`), and each of
         # recon.batch_run_ons's, by its key: a restart cuts each batch apart (`_end_run_ons_at_restart`).
         self._batch_span_batches: dict[int, list[tuple[int, int]]] = {}
@@ -1115,7 +1119,7 @@ class Ledger:
             # sooner of it and the decode bound, 0.14 s, while the others' prefill ran to 2.03 s).
             end_ns = int(tr.end_ns) + int(RUNS_ON_AFTER_LEAVE["sglang"][0] * 1e9)
         cap_ns = int(tr.arrival_ns) + int(BATCH_SPAN_MAX_S * 1e9)
-        r.batch_capped = end_ns > cap_ns
+        r.batch_capped, bound_ns = end_ns > cap_ns, end_ns
         end_ns = min(end_ns, cap_ns)
         tokens = limit if isinstance(limit, int) else batch_context(tr.extra, c.server_error if streamed else
                                                                      tr.extra.get("error_message"))
@@ -1135,6 +1139,9 @@ class Ledger:
         # Bounded as under none (before: an explicit null or no pace marked every window until a restart).
         latest = end_ns
         r.batch_run_on = True  # its row says so (`rowtext._no_energy_reason`)
+        if r.batch_capped and self.recon.server_at_finish:
+            r.batch_uncounted = True
+            self._batch_uncounted[tr.request_id] = (int(tr.arrival_ns), bound_ns)
         latest, spans = max(int(tr.end_ns), latest), self.recon.batch_run_ons
         # Overlapping spans merged into one, as under none: before, an entry each, and the windows' check over them
         # went quadratic (5,000 400s a block: 3.6, 10.4, 22, 29.6 s of ledger CPU).
@@ -1146,6 +1153,31 @@ class Ledger:
             del spans[k]
         spans[tr.request_id] = (a0, a1)
         self._batch_run_on_batches[tr.request_id] = batches_added(held, int(tr.arrival_ns), latest)
+
+    def _hold_uncounted_batches(self, upto_ns: int) -> None:
+        """Hold a capped batch 400's span (`_batch_uncounted`) open to the latest scrape (`upto_ns`, at most its bound
+        uncut) while its server, counting a request's tokens at its end (SGLang), has counted no unlisted token since its
+        arrival: its other prompts have not ended, so their run goes on past BATCH_SPAN_MAX_S. Let go at the first
+        resolved window from its arrival with bypass tokens (its prompts' count, or other bypass traffic: then as
+        before, its rows past the cap unflagged), at a death shown since its arrival, at its bound, or once its span is
+        gone (pruned).
+        Before, the rows there were unflagged: a stream beside such a run 100 s past the cap read +100%."""
+        spans, rc = self.recon.batch_run_ons, self.recon
+        for rid, (a0, bound) in list(self._batch_uncounted.items()):
+            key = next((k for k, (b0, b1) in spans.items() if b0 <= a0 <= b1), None)
+            counted = any(sp.bypass_tokens is not None and sp.bypass_tokens > LAG_TOKENS and sp.t1_ns > a0
+                          for sp in rc.server_spans)
+            # A death shown since its arrival ended its run there (`_end_run_ons_at_restart`): never held past it.
+            counted = counted or any(g[0] >= a0 and self._batch_death(g) for g in self._gone_at)
+            if key is None or counted or upto_ns >= bound:
+                del self._batch_uncounted[rid]
+            if key is None or counted:
+                continue
+            end = min(upto_ns, bound)
+            if end > spans[key][1]:
+                spans[key] = (spans[key][0], end)
+                held = self._batch_run_on_batches.get(key, [(a0, end)])
+                self._batch_run_on_batches[key] = [(b0, max(b1, end) if b0 == a0 else b1) for b0, b1 in held]
 
     def _batch_end_ns(self, tr: RequestTrace, seqs: int) -> int:
         """The end a batch SGLang answered 400 is taken to run its other prompts within (`_batch_run_on`; not a proof),
@@ -2631,6 +2663,7 @@ class Ledger:
             # Bypass tokens are known once the server's counter has been scraped past the interval
             # and LAG_S beyond (the proxy's late view of the same tokens).
             rc.resolve_spans(rc.server_upto_ns)
+            self._hold_uncounted_batches(rc.server_upto_ns)
             known = min((sp.t0_ns for sp in rc.server_spans if sp.bypass_tokens is None), default=rc.server_upto_ns)
             if rc.durations:
                 # A bypass request running now is seen only at its end (an at-finish server): its intervals are held
