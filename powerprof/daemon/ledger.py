@@ -41,8 +41,8 @@ from powerprof.energy import COUNTER_STEP_S, epoch_broken, interp_at, trailing_a
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, UNSURE_FLAG, bypass_count_low,
-                                      bypass_count_may_be, outside_text)
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, SERVER_COUNT_OFF, UNSURE_FLAG,
+                                      bypass_count_low, bypass_count_may_be, outside_text)
 
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
@@ -516,6 +516,10 @@ class Ledger:
         # (arrival, latest end) of batches answered 400 that SGLang may have run on (`_batch_run_on`) where no scrape
         # window is there to mark: the intervals whose requests say so (`batch_beside_j`); disjoint, merged.
         self._batch_spans: list[tuple[int, int]] = []
+        # A scraped batch 400 whose span was cut at BATCH_SPAN_MAX_S, by request id: (its arrival, its bound uncut), its
+        # span held open past the cap while its at-finish server's count shows no unlisted token
+        # (`_hold_uncounted_batches`).
+        self._batch_uncounted: dict[int, tuple[int, int]] = {}
         # The batches (arrival, end) each such span holds, by its start (`batches_added`), and each of
         # recon.batch_run_ons's, by its key: a restart cuts each batch apart (`_end_run_ons_at_restart`).
         self._batch_span_batches: dict[int, list[tuple[int, int]]] = {}
@@ -1168,7 +1172,7 @@ class Ledger:
             # sooner of it and the decode bound, 0.14 s, while the others' prefill ran to 2.03 s).
             end_ns = int(tr.end_ns) + int(RUNS_ON_AFTER_LEAVE["sglang"][0] * 1e9)
         cap_ns = int(tr.arrival_ns) + int(BATCH_SPAN_MAX_S * 1e9)
-        r.batch_capped = end_ns > cap_ns
+        r.batch_capped, bound_ns = end_ns > cap_ns, end_ns
         end_ns = min(end_ns, cap_ns)
         tokens = limit if isinstance(limit, int) else batch_context(tr.extra, c.server_error if streamed else
                                                                      tr.extra.get("error_message"))
@@ -1188,6 +1192,9 @@ class Ledger:
         # Bounded as under none (before: an explicit null or no pace marked every window until a restart).
         latest = end_ns
         r.batch_run_on = True  # its row says so (`rowtext._no_energy_reason`)
+        if r.batch_capped and self.recon.server_at_finish:
+            r.batch_uncounted = True
+            self._batch_uncounted[tr.request_id] = (int(tr.arrival_ns), bound_ns)
         latest, spans = max(int(tr.end_ns), latest), self.recon.batch_run_ons
         # Overlapping spans merged into one, as under none: before, an entry each, and the windows' check over them
         # went quadratic (5,000 400s a block: 3.6, 10.4, 22, 29.6 s of ledger CPU).
@@ -1199,6 +1206,31 @@ class Ledger:
             del spans[k]
         spans[tr.request_id] = (a0, a1)
         self._batch_run_on_batches[tr.request_id] = batches_added(held, int(tr.arrival_ns), latest)
+
+    def _hold_uncounted_batches(self, upto_ns: int) -> None:
+        """Hold a capped batch 400's span (`_batch_uncounted`) open to the latest scrape (`upto_ns`, at most its bound
+        uncut) while its server, counting a request's tokens at its end (SGLang), has counted no unlisted token since its
+        arrival: its other prompts have not ended, so their run goes on past BATCH_SPAN_MAX_S. Let go at the first
+        resolved window from its arrival with bypass tokens (its prompts' count, or other bypass traffic: then as
+        before, its rows past the cap unflagged), at a death shown since its arrival, at its bound, or once its span is
+        gone (pruned).
+        Before, the rows there were unflagged: a stream beside such a run 100 s past the cap read +100%."""
+        spans, rc = self.recon.batch_run_ons, self.recon
+        for rid, (a0, bound) in list(self._batch_uncounted.items()):
+            key = next((k for k, (b0, b1) in spans.items() if b0 <= a0 <= b1), None)
+            counted = any(sp.bypass_tokens is not None and sp.bypass_tokens > LAG_TOKENS and sp.t1_ns > a0
+                          for sp in rc.server_spans)
+            # A death shown since its arrival ended its run there (`_end_run_ons_at_restart`): never held past it.
+            counted = counted or any(g[0] >= a0 and self._batch_death(g) for g in self._gone_at)
+            if key is None or counted or upto_ns >= bound:
+                del self._batch_uncounted[rid]
+            if key is None or counted:
+                continue
+            end = min(upto_ns, bound)
+            if end > spans[key][1]:
+                spans[key] = (spans[key][0], end)
+                held = self._batch_run_on_batches.get(key, [(a0, end)])
+                self._batch_run_on_batches[key] = [(b0, max(b1, end) if b0 == a0 else b1) for b0, b1 in held]
 
     def _batch_end_ns(self, tr: RequestTrace, seqs: int) -> int:
         """The end a batch SGLang answered 400 is taken to run its other prompts within (`_batch_run_on`; not a proof),
@@ -2702,6 +2734,7 @@ class Ledger:
             # Bypass tokens are known once the server's counter has been scraped past the interval
             # and LAG_S beyond (the proxy's late view of the same tokens).
             rc.resolve_spans(rc.server_upto_ns)
+            self._hold_uncounted_batches(rc.server_upto_ns)
             known = min((sp.t0_ns for sp in rc.server_spans if sp.bypass_tokens is None), default=rc.server_upto_ns)
             if rc.durations:
                 # A bypass request running now is seen only at its end (an at-finish server): its intervals are held
@@ -3099,6 +3132,17 @@ class Ledger:
             counted_iv |= (a0 < t[1:]) & (a1 > t[:-1])
         energy = np.column_stack([energy, np.where(counted_iv, work_j, 0.0)])
         counted_col = energy.shape[1] - 1
+        # Closed with a whole answer live in them still in flight (held past max_hold_s, or at the daemon's stop), where
+        # no server counter is read (COUNT_OFF): its tokens come only with its end, too late for them, so its decode there
+        # is in the shares of the requests beside it, whether its client stays or leaves (`held_whole_beside_j`). A
+        # counter read each step (vLLM's, llama.cpp's /slots) reads them as bypass as they come: shares fair there.
+        inflight = np.array([r.trace.end_ns is None and r.trace.api is not None and r.trace.stream is not True
+                             for r in reqs], dtype=bool)
+        off_iv = np.array([c == SERVER_COUNT_OFF for c in server_count], dtype=bool)
+        held_iv = off_iv & (min((int(reqs[i].trace.arrival_ns) for i in np.flatnonzero(inflight)),
+                                default=int(attr.NEVER)) < t[1:])
+        energy = np.column_stack([energy, np.where(held_iv, work_j, 0.0)])
+        held_col = energy.shape[1] - 1
         # A crash-costed close that may have queued unrun behind full slots (`resend_queued`): costed as run, its figure
         # may be the requests' beside it (a queued whole answer on the simulator's llama.cpp: 73-78 J for 0, its
         # neighbours -18..-24%), so they say UNSURE_FLAG too, as it does, where that may be a material share of their
@@ -3243,6 +3287,8 @@ class Ledger:
             r.batch_beside_j += a.request_energy[i, batch_col]
             if not r.run_on_to_end and not r.run_on_unknown:  # the run-on's own row says its own reading
                 r.counted_beside_j += a.request_energy[i, counted_col]
+            if not inflight[i]:  # its own row says its tokens that came after their intervals closed
+                r.held_whole_beside_j += a.request_energy[i, held_col]
             if not queued[i]:
                 r.queued_beside_j += a.request_energy[i, queued_col]
                 r.queued_short_j += float(queued_short_j[i])
@@ -3311,7 +3357,7 @@ class Ledger:
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
-                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | unmeasured_iv,
+                      aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | held_iv | unmeasured_iv,
                       undecided_iv=undecided_iv)
         self._say_undecided(t, undecided_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
@@ -3544,8 +3590,9 @@ class Ledger:
             # (`_unplaced`: a run-on for nobody may be in the requests' share, UNSURE_FLAG on their rows; before, kept:
             # +19% on the simulator's SGLang), nor past the 30 s a llama.cpp whole answer's run-on is placed to (`_run_on`:
             # its rest there too), nor over a batch answered 400 SGLang may run on, no server scraped (`_batch_run_on`),
-            # nor split before the idle power was measured with idle time in them (`unmeasured_iv`). What is left out is
-            # counted by reason, never silently.
+            # nor closed with a whole answer in flight, no counter read (`held_whole_beside_j`), nor split before the
+            # idle power was measured with idle time in them (`unmeasured_iv`). What is left out is counted by reason,
+            # never silently.
             if a.tokens[k] <= 0 or np.isnan(work_j[k]):
                 continue
             why = (NO_COUNTER_SHORT_FLAG if short_iv is not None and short_iv[k]

@@ -70,6 +70,10 @@ class LiveRequest:
     # counts and no proxied request lists (`Ledger._counted_spans`): read as bypass, their energy in unproxied, out of
     # this share, more or less than that run used (UNSURE_FLAG).
     counted_beside_j: float = 0.0
+    # Its GPU joules from intervals closed while a whole answer live in them was still in flight, no server counter read
+    # (`Ledger._close`: held past max_hold_s, or at the daemon's stop): that answer's decode there, its tokens come too
+    # late for them, is in this share (UNSURE_FLAG).
+    held_whole_beside_j: float = 0.0
     # Its GPU joules from intervals over the prefill of a request whose body the proxy streamed on unread, its prompt's
     # length unsaid (PROMPT_UNREAD_FLAG): that prefill is not costed, so its energy is in this request's share.
     unread_beside_j: float = 0.0
@@ -111,6 +115,9 @@ class LiveRequest:
     batch_bound: tuple[int, int | None, float | None] | None = None
     # That span was cut at ledger.BATCH_SPAN_MAX_S: its run may go on past it, the rows there unflagged
     batch_capped: bool = False
+    # ... but held open past it while its at-finish server's count shows no unlisted token since its arrival
+    # (`Ledger._hold_uncounted_batches`): the rows there flagged (batch_run_on) until its count comes
+    batch_uncounted: bool = False
     # Its close with no answer came as its server died (`Ledger._crash_seen`): a crash, not a router refusing it
     crash_seen: bool = False
     # Seen only as sent before the old process's last good scrape, a scrape then finding it down by a 503 and a page

@@ -620,7 +620,10 @@ def _batch_cause(r: LiveRequest) -> str:
     if r.batch_capped:
         # ledger.BATCH_SPAN_MAX_S (imports point down: said, not imported)
         until = (f", marked {span_s:.0f} s from its arrival at most: its bound ran longer, and the rows beside its "
-                 "run past that are not flagged")
+                 "run past that are not flagged" + (" once the server's counter, which counts a request's tokens at "
+                                                    "its end, has counted a token no proxied request lists since its "
+                                                    "arrival (its other prompts' end, or other traffic's)"
+                                                    if r.batch_uncounted else ""))
     return (f"this request is that work's cause ({n} other sequence(s), {up_to}{until}), yet it is charged none of it: "
             "its abort's message shows they were let through, not how far they ran (their end unseen, a restart may "
             "have cut them), so a charge could bill work never done; its empty figure "
@@ -806,7 +809,8 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
                                       or _n_cmpl_unsure(r) or _closed_partial(r) or r.run_on_unplaced
                                       or _unplaced_beside(r) or _capped_beside(r) or _batch_beside(r)
-                                      or _counted_beside(r) or _idle_unmeasured(r) or _gpus_undecided(r))}
+                                      or _counted_beside(r) or _held_whole_beside(r) or _idle_unmeasured(r)
+                                      or _gpus_undecided(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -966,6 +970,18 @@ def _counted_beside(r: LiveRequest) -> bool:
     """UNSURE_FLAG over a llama.cpp whole answer's run whose client left (`Ledger._counted_spans`): at least
     QUEUED_BESIDE_MIN_SHARE of its figure is from intervals where the server counted that run's tokens, read as bypass."""
     return r.counted_beside_j > 0 and r.counted_beside_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+
+
+def _held_whole_beside(r: LiveRequest) -> bool:
+    """UNSURE_FLAG over intervals closed while a whole answer live in them was still in flight, no server counter read
+    (`Ledger._close`): at least QUEUED_BESIDE_MIN_SHARE of its figure is from intervals where that answer's decode may be."""
+    return r.held_whole_beside_j > 0 and r.held_whole_beside_j >= QUEUED_BESIDE_MIN_SHARE * r.gpu_j
+
+
+# The fix for the rows beside a whole answer in flight past its hold, no counter read (`_held_whole_beside`).
+HELD_WHOLE_FIX = ("stream long answers, or set scrape.server (auto, or the server's kind) so the daemon reads the "
+                  "server's token counter, which counts a whole answer's tokens as they are decoded (vLLM; llama.cpp "
+                  "with /slots)")
 
 
 # The fix for a whole answer llama.cpp ran on past the span its run-on is placed in (`Ledger._run_on`): a max_tokens
@@ -1158,6 +1174,13 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "they read as bypass traffic and unproxied takes their energy out of these shares, more or less "
                      "than that run used, and where not, unplaced, that run's work is in these shares: its figure may "
                      f"be low or high; left out of J/token; fix: {COUNTED_RUN_ON_FIX}")
+    if _held_whole_beside(r):
+        notes.append(f"{UNSURE_FLAG}: {100 * min(r.held_whole_beside_j / r.gpu_j, 1.0):.0f}% of its GPU energy is from "
+                     "intervals closed while a whole answer beside it was still in flight (its intervals are held for "
+                     "it 120 s at most, or the daemon stopped): that answer's tokens come only with its end, too late "
+                     "for them, and no server token counter is read (scrape.server = none), so its decode there, "
+                     "whether its client stayed or left, may be in this row's share, its figure high by up to that; "
+                     f"left out of J/token; fix: {HELD_WHOLE_FIX}")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
