@@ -706,14 +706,21 @@ class Ledger:
             return
         self._judged_kept = mask
         if self.on_judged is not None:
-            self.on_judged(list(mask))
+            try:  # its keeping is a log line's source only: never stops the accounting
+                self.on_judged(list(mask))
+            except Exception:
+                log.exception("keeping which GPUs serve failed: the next start will not say whether its judgement is "
+                              "this one's")
         if self.saved_serving is None:
             return
         (saved, saved_s), self.saved_serving = self.saved_serving, None
 
         def named(m):
             return ", ".join(self.gpu_names[g] for g, on in enumerate(m) if on) or "none"
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(saved_s))
+        try:  # servingstate.load checks it is a plausible time; a log line never stops the accounting
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(saved_s))
+        except (ValueError, OverflowError, OSError):
+            when = "at an unreadable time"
         if list(mask) == saved:
             log.info("the GPUs' power judges %s serving the proxied work, as the last run's judgement (saved %s) did",
                      named(mask), when)
@@ -3186,25 +3193,6 @@ class Ledger:
                 rq.queued_rerun_from_ns = int(t[0])
             queued_lower |= np.maximum(arrival, arrival[q]) < np.minimum(end, rq.queued_rerun_from_ns)
         fit = self.learner.add(setting, a.features, per_gpu, usable)
-        # Said where the mask changes from the one last said (compared with the local `serving`, which the all-serving
-        # branch sets to None, the all-serving line came at every close: 15 times in 20 s).
-        now_serving = self.learner.serving
-        self._say_disagreement()
-        self._say_judged()
-        if now_serving is not None and (self._serving_said is None or not np.array_equal(now_serving, self._serving_said)):
-            self._serving_said = now_serving.copy()
-            by_power = self.learner.serving_from != "told"
-            idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if not on)
-            log.info("the proxied work runs on sampled GPU(s) %s; %s (%s)",
-                     ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if on) or "none",
-                     (f"GPU(s) {idle_gpus} " + ("draw no more when it runs than when idle" if by_power else
-                                                "are not in daemon.serving_gpus"
-                                                if self._serving_source == SERVING_ASSERTED_SOURCE else
-                                                "hold none of the server's processes")
-                      + ": their energy counts as idle, not the requests' (daemon.gpus can leave them out)")
-                     if idle_gpus else "every sampled GPU takes part",
-                     {"told": self._serving_source, "both": f"{self._serving_source}, and judged from their power alike"}
-                     .get(self.learner.serving_from, "judged from their power"))
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):
@@ -3272,6 +3260,28 @@ class Ledger:
                 j = int(np.searchsorted(r.ev_t, t_end))
                 r.spent += float(sum(r.ev_n[:j]))
                 del r.ev_t[:j], r.ev_n[:j]
+        # Said after the rows' energy is added: nothing that can raise (a log line's formatting, the keeping's
+        # callback) sits between the fit and the rows' energy (before, a saved time of NaN raised in `_say_judged`
+        # there: one interval's energy lost from live rows, a row -16.7% unflagged; a review's scene).
+        # Said where the mask changes from the one last said (compared with the local `serving`, which the all-serving
+        # branch sets to None, the all-serving line came at every close: 15 times in 20 s).
+        now_serving = self.learner.serving
+        self._say_disagreement()
+        self._say_judged()
+        if now_serving is not None and (self._serving_said is None or not np.array_equal(now_serving, self._serving_said)):
+            self._serving_said = now_serving.copy()
+            by_power = self.learner.serving_from != "told"
+            idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if not on)
+            log.info("the proxied work runs on sampled GPU(s) %s; %s (%s)",
+                     ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if on) or "none",
+                     (f"GPU(s) {idle_gpus} " + ("draw no more when it runs than when idle" if by_power else
+                                                "are not in daemon.serving_gpus"
+                                                if self._serving_source == SERVING_ASSERTED_SOURCE else
+                                                "hold none of the server's processes")
+                      + ": their energy counts as idle, not the requests' (daemon.gpus can leave them out)")
+                     if idle_gpus else "every sampled GPU takes part",
+                     {"told": self._serving_source, "both": f"{self._serving_source}, and judged from their power alike"}
+                     .get(self.learner.serving_from, "judged from their power"))
         unc = [i for i, r in enumerate(reqs) if is_unseen(r) and not passive[i]]
         if unc:
             # Requests whose work the proxy cannot see (embeddings, audio, an endpoint it does not parse) take no
