@@ -1015,6 +1015,7 @@ class Daemon:
             intervals=tot.intervals,
             idle_not_serving_j=tot.idle_not_serving_j,
             serving_changes=tot.serving_changes,
+            serving_asserted=tot.serving_asserted,
         )
 
     def _helper_pids(self) -> list[int]:
