@@ -1235,6 +1235,28 @@ def test_the_last_runs_judgement_is_provisional_kept_anew_and_said_against_this_
     assert led.saved_serving is None
 
 
+@pytest.mark.parametrize("asserted", [False, True])
+def test_a_differing_last_judgement_says_only_what_became_of_the_rows_before_this_one(asserted, caplog):
+    # Saved [T, T], this run's power judges [T, F]. The WARNING said the rows before the judgement were "flagged
+    # gpus-undecided as without it" also where daemon.serving_gpus split them unflagged (0 of 53 flagged: a review's
+    # repro). Now it says what happened: the undecided intervals and their flag, or the assertion's.
+    from powerprof.daemon.ledger import SERVING_ASSERTED_SOURCE
+    from powerprof.storage.schema import SERVING_ASSERTED_FLAG
+
+    caplog.set_level(logging.INFO, logger="powerprof.daemon.ledger")
+
+    def start(led):
+        if asserted:
+            led.tell_serving([True, False], SERVING_ASSERTED_SOURCE)
+        led.saved_serving = ([True, True], 0.0)
+
+    got = _steady_traffic_on_two_gpus(False, lead_s=3.0, tell=start)[1]
+    flagged = [i for i, r in got.items() if UNSURE_FLAG in (r["energy_note"] or "")]
+    said = [r.getMessage() for r in caplog.records if "the last run's judgement" in r.getMessage()]
+    assert len(said) == 1 and (f"flagged {GPUS_UNDECIDED_REASON}" in said[0]) == bool(flagged), (said, len(flagged))
+    assert (SERVING_ASSERTED_FLAG in said[0]) == asserted and bool(flagged) != asserted, said
+
+
 def test_a_saved_time_the_log_cannot_format_never_costs_the_rows_their_energy():
     # A saved time of NaN (servingstate.load refuses it now; a log line must not stop the accounting all the same)
     # raised in _say_judged between the fit and the rows' energy: the close failed there, one interval's energy lost from

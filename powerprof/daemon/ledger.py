@@ -738,10 +738,17 @@ class Ledger:
             log.info("the GPUs' power judges %s serving the proxied work, as the last run's judgement (saved %s) did",
                      named(mask), when)
         else:
+            # What became of the rows before it, as it happened: flagged only where split undecided (a told or asserted
+            # mask split them unflagged; before, the line said "flagged" whatever, 0 of 53 rows being so).
+            before = [f"{self._undecided_intervals} busy interval(s) split undecided, their rows flagged "
+                      f"{GPUS_UNDECIDED_REASON}" if self._undecided_intervals else "",
+                      f"{self._asserted_intervals} busy interval(s) split by daemon.serving_gpus alone, their rows saying "
+                      f"{SERVING_ASSERTED_FLAG}" if self._asserted_intervals else ""]
             log.warning("the GPUs' power judges %s serving the proxied work, the last run's judgement (saved %s) %s "
                         "(the server moved to other GPUs since, or another process's load changed): this run's stands; "
-                        "the saved one was never taken (rows before this judgement flagged %s as without it)",
-                        named(mask), when, named(saved), GPUS_UNDECIDED_REASON)
+                        "the saved one was never taken (before this judgement: %s)",
+                        named(mask), when, named(saved),
+                        "; ".join(b for b in before if b) or "no busy interval split without a mask")
 
     def tell_serving(self, serving, source: str, provisional: bool = False) -> None:
         """The sampled GPUs (by position) the server runs on, as the daemon found them (`source`, in words: its
@@ -3290,6 +3297,7 @@ class Ledger:
         # Said where the mask changes from the one last said (compared with the local `serving`, which the all-serving
         # branch sets to None, the all-serving line came at every close: 15 times in 20 s).
         now_serving = self.learner.serving
+        self._say_undecided(t, undecided_iv)  # first: `_say_judged` counts this close's undecided intervals too
         self._say_disagreement()
         self._say_judged()
         if now_serving is not None and (self._serving_said is None or not np.array_equal(now_serving, self._serving_said)):
@@ -3347,7 +3355,6 @@ class Ledger:
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
                       aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | unmeasured_iv,
                       undecided_iv=undecided_iv)
-        self._say_undecided(t, undecided_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted,
                             unmeasured_j=np.where(unmeasured_iv, unmeasured_j, 0.0),
