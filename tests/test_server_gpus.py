@@ -745,6 +745,37 @@ def test_the_kept_judgement_is_written_0600_whatever_the_umask_so_the_next_start
     assert servingstate.load(tmp_path, ["GPU-a"], "http://x")[0] == [True]
 
 
+def test_the_judged_mask_is_kept_off_the_callers_thread_latest_wins_and_written_at_close(tmp_path, monkeypatch):
+    # The save (a write, two fsyncs: 22.5 ms measured) ran inside the ledger's close on the event loop, blocking the
+    # proxy at each new mask, unbounded however often it flipped (a review's flip.py: 4 saves in 900 s). Now handed to
+    # one thread holding one waiting mask: put never waits on the disk; masks superseded while a write runs are not
+    # written; close writes the last one.
+    import threading
+
+    from powerprof.daemon import servingstate
+
+    gate, written = threading.Event(), []
+    real = servingstate.save
+
+    def slow(data_dir, uuids, upstream, serving):
+        gate.wait(10)
+        written.append(list(serving))
+        real(data_dir, uuids, upstream, serving)
+
+    monkeypatch.setattr(servingstate, "save", slow)
+    keeper = servingstate.Keeper(tmp_path, ["GPU-a", "GPU-b"], "http://x")
+    t0 = time.monotonic()
+    for mask in ([True, False], [True, True], [False, True], [True, False], [False, True]):
+        keeper.put(mask)
+    assert time.monotonic() - t0 < 1.0 and written == []  # the first write is held at the gate: nothing blocked
+    gate.set()
+    keeper.close()
+    assert written[-1] == [False, True] and len(written) <= 2, written
+    assert servingstate.load(tmp_path, ["GPU-a", "GPU-b"], "http://x")[0] == [False, True]
+    keeper.put([True, True])  # after close: not written, nothing started
+    assert servingstate.load(tmp_path, ["GPU-a", "GPU-b"], "http://x")[0] == [False, True]
+
+
 def test_a_telling_that_crosses_a_close_taking_the_last_one_is_kept_for_the_next_close():
     import threading
 

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,47 @@ def save(data_dir: Path, uuids: list[str], upstream: str, serving: list[bool]) -
     except OSError as e:
         log.warning("cannot keep which GPUs serve in %s (%s): the next start will not say whether its judgement is "
                     "this one's", p, e.strerror or e)
+
+
+class Keeper:
+    """`save` off the caller's thread: the ledger's close runs on the event loop, and a save (a write and two fsyncs,
+    22.5 ms measured, more on a busy disk) blocked the proxy at each new mask judged. One thread, one waiting mask,
+    the latest (a mask superseded before its write is never written): bounded however often the judgement flips."""
+
+    def __init__(self, data_dir: Path, uuids: list[str], upstream: str):
+        self._args = (Path(data_dir), list(uuids), upstream)
+        self._waiting: list[bool] | None = None
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def put(self, serving: list[bool]) -> None:
+        """Keeps `serving` soon (any thread; never blocks on the disk)."""
+        with self._cond:
+            self._waiting = list(serving)
+            if self._thread is None and not self._stopping:
+                self._thread = threading.Thread(target=self._run, name="powerprof-serving-keep", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting is None and not self._stopping:
+                    self._cond.wait()
+                mask, self._waiting = self._waiting, None
+                if mask is None:
+                    return
+            save(*self._args, mask)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Writes the mask still waiting (at most `timeout_s` on the thread) and stops it."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
 
 
 def load(data_dir: Path, uuids: list[str], upstream: str, euid: int | None = None) -> tuple[list[bool], float] | None:
