@@ -1544,8 +1544,13 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
         click.echo(f"powerprof daemon: {e}", err=True)
         sys.exit(service.EXIT_CONFIG)
     try:
+        from powerprof.rig import sim_gpu_count_of
+
         _check_sim_gpus(simulate, cfg.get("daemon", "gpus"), f"{cfg.source}: daemon.gpus", count=sim_gpus)
-        _check_sim_gpus(simulate, cfg.get("daemon", "serving_gpus"), f"{cfg.source}: daemon.serving_gpus", count=sim_gpus)
+        # The simulated host's count as the start makes it (--sim-gpus, else daemon.gpus's indexes): [5] beside no
+        # --sim-gpus passed --check, then the start refused it (a review's repro).
+        _check_sim_gpus(simulate, cfg.get("daemon", "serving_gpus"), f"{cfg.source}: daemon.serving_gpus",
+                        count=sim_gpu_count_of(simulate, cfg.get("daemon", "gpus"), sim_gpus) if simulate else None)
     except click.UsageError as e:
         click.echo(f"powerprof daemon: {e.message}", err=True)
         sys.exit(service.EXIT_CONFIG)

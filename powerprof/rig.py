@@ -28,6 +28,19 @@ from powerprof.privilege import has_admin_privilege
 from powerprof.paths import regular_file_head
 
 
+def sim_gpu_count_of(sim_profile: str | None, gpus, sim_gpu_count: int | None) -> int:
+    """How many GPUs a simulated host has: the one rule for the Rig and the daemon's --check (which checked
+    daemon.serving_gpus against --sim-gpus alone: [5] passed it, then the start refused it)."""
+    if sim_profile and "," in sim_profile:
+        # A mixed host (one profile per GPU): it has as many GPUs as profiles; --gpus then picks among them.
+        return len(sim_profile.split(","))
+    # A count given is the host (the daemon's --sim-gpus 2: daemon.gpus = [7] then names no GPU of it, said by
+    # open_sources; before, 8 were built and gpu7 measured, silently); none given, the indexes asked for make it
+    # (`--simulate --gpus 0,1`: two GPUs).
+    ints = [g for g in gpus or () if isinstance(g, int)]
+    return sim_gpu_count if sim_gpu_count is not None else (max(ints) + 1 if ints else 1)
+
+
 class Rig:
     """Opened hardware and server for one command; `close()` (or leaving the `with`) releases all of it."""
 
@@ -65,14 +78,7 @@ class Rig:
         self._real_server_used = False
         self._controllers: list = []  # every LimitController handed out: whether any changed a GPU (changed_gpus)
         self._launch_notes: list[str] = []  # what launching a server did besides (a server left by a killed powerprof stopped)
-        ints = [g for g in gpus or () if isinstance(g, int)]
-        # A count given is the host (the daemon's --sim-gpus 2: daemon.gpus = [7] then names no GPU of it, said by
-        # open_sources; before, 8 were built and gpu7 measured, silently); none given, the indexes asked for make it
-        # (`--simulate --gpus 0,1`: two GPUs).
-        self._sim_gpu_count = sim_gpu_count if sim_gpu_count is not None else (max(ints) + 1 if ints else 1)
-        if sim_profile and "," in sim_profile:
-            # A mixed host (one profile per GPU): it has as many GPUs as profiles; --gpus then picks among them.
-            self._sim_gpu_count = len(sim_profile.split(","))
+        self._sim_gpu_count = sim_gpu_count_of(sim_profile, gpus, sim_gpu_count)
         self._nvml = nvml
         self._sim_server_gpus = sim_server_gpus
 

@@ -273,6 +273,16 @@ def test_daemon_serving_gpus_names_sampled_gpus_or_is_refused_at_load_check_and_
     r = CliRunner().invoke(main, ["daemon", "--check", "--simulate", "a100-40g", "--sim-gpus", "2", "--config",
                                   str(_write(tmp_path, "[daemon]\nserving_gpus = [2]\n"))])
     assert r.exit_code == 2 and "daemon.serving_gpus: GPU index 2 does not exist" in r.output, r.output
+    # None given, the host the start makes (daemon.gpus's indexes, else one GPU; a mixed profile's count): [5] passed
+    # --check ("config OK", rc 0), then the start refused it (exit 1; a review's repro). Within it, still OK.
+    for simulate, keys, ok in (("a100-40g", "serving_gpus = [5]", False),
+                               ("a100-40g", "gpus = [0, 1]\nserving_gpus = [1]", True),
+                               ("a100-40g,a100-40g", "serving_gpus = [1]", True),
+                               ("a100-40g,a100-40g", "serving_gpus = [2]", False)):
+        r = CliRunner().invoke(main, ["daemon", "--check", "--simulate", simulate, "--config",
+                                      str(_write(tmp_path, f"[daemon]\n{keys}\n"))])
+        assert (r.exit_code == 0 and "config OK" in r.output) if ok else (
+            r.exit_code == 2 and "daemon.serving_gpus: GPU index" in r.output), (simulate, keys, r.output)
     sim = SimNVML("a100-40g", count=2, state_path=None)
 
     def daemon(gpus, serving):

@@ -5,7 +5,9 @@ does not use is said, and a launched server is put on the measured GPUs (workloa
 from __future__ import annotations
 
 import json
+import logging
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -709,6 +711,69 @@ def test_the_kept_judgement_is_read_back_only_for_its_gpus_and_upstream_and_neve
     p.unlink()
     p.write_text('{"uuids": ["GPU-a", "GPU-b"], "upstream": "http://127.0.0.1:8000", "serving": [1, 0], "saved_s": 1}')
     assert servingstate.load(tmp_path, uuids, up) is None
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b"42", b'"x"', b"null", b"[" * 30000 + b"]" * 30000,
+                                     *(('{"uuids": ["GPU-a", "GPU-b"], "upstream": "http://127.0.0.1:8000", "serving": '
+                                        '[true, false], "saved_s": %s}' % x).encode()
+                                       for x in ("NaN", "Infinity", "-Infinity", "1e300", "-5", "0"))],
+                         ids=["list", "number", "string", "null", "deep", "nan", "inf", "-inf", "1e300", "neg", "zero"])
+def test_a_kept_judgement_file_of_another_shape_or_time_is_warned_and_not_used(tmp_path, content, caplog):
+    # Valid JSON that is not an object crashed the daemon's start (AttributeError; RecursionError when deep); a saved
+    # time not finite or not plausible was taken, then raised where the ledger's close formats it (a review's repro).
+    from powerprof.daemon import servingstate
+
+    p = servingstate.path_in(tmp_path)
+    p.write_bytes(content)
+    os.chmod(p, 0o600)
+    caplog.set_level(logging.WARNING, logger="powerprof.daemon.servingstate")
+    assert servingstate.load(tmp_path, ["GPU-a", "GPU-b"], "http://127.0.0.1:8000") is None
+    assert any("cannot read" in r.getMessage() for r in caplog.records)
+
+
+def test_the_kept_judgement_is_written_0600_whatever_the_umask_so_the_next_start_reads_it(tmp_path):
+    # Under umask 002 (many distributions' users' default) it was 664, and every later start refused the daemon's own
+    # file as writable by group.
+    from powerprof.daemon import servingstate
+
+    old = os.umask(0o002)
+    try:
+        servingstate.save(tmp_path, ["GPU-a"], "http://x", [True])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(servingstate.path_in(tmp_path)).st_mode) == 0o600
+    assert servingstate.load(tmp_path, ["GPU-a"], "http://x")[0] == [True]
+
+
+def test_the_judged_mask_is_kept_off_the_callers_thread_latest_wins_and_written_at_close(tmp_path, monkeypatch):
+    # The save (a write, two fsyncs: 22.5 ms measured) ran inside the ledger's close on the event loop, blocking the
+    # proxy at each new mask, unbounded however often it flipped (a review's flip.py: 4 saves in 900 s). Now handed to
+    # one thread holding one waiting mask: put never waits on the disk; masks superseded while a write runs are not
+    # written; close writes the last one.
+    import threading
+
+    from powerprof.daemon import servingstate
+
+    gate, written = threading.Event(), []
+    real = servingstate.save
+
+    def slow(data_dir, uuids, upstream, serving):
+        gate.wait(10)
+        written.append(list(serving))
+        real(data_dir, uuids, upstream, serving)
+
+    monkeypatch.setattr(servingstate, "save", slow)
+    keeper = servingstate.Keeper(tmp_path, ["GPU-a", "GPU-b"], "http://x")
+    t0 = time.monotonic()
+    for mask in ([True, False], [True, True], [False, True], [True, False], [False, True]):
+        keeper.put(mask)
+    assert time.monotonic() - t0 < 1.0 and written == []  # the first write is held at the gate: nothing blocked
+    gate.set()
+    keeper.close()
+    assert written[-1] == [False, True] and len(written) <= 2, written
+    assert servingstate.load(tmp_path, ["GPU-a", "GPU-b"], "http://x")[0] == [False, True]
+    keeper.put([True, True])  # after close: not written, nothing started
+    assert servingstate.load(tmp_path, ["GPU-a", "GPU-b"], "http://x")[0] == [False, True]
 
 
 def test_a_telling_that_crosses_a_close_taking_the_last_one_is_kept_for_the_next_close():

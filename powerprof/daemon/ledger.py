@@ -41,8 +41,8 @@ from powerprof.energy import COUNTER_STEP_S, epoch_broken, interp_at, trailing_a
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, SERVER_COUNT_OFF, UNSURE_FLAG,
-                                      bypass_count_low, bypass_count_may_be, outside_text)
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, SERVER_COUNT_OFF, SERVING_ASSERTED_FLAG,
+                                      UNSURE_FLAG, bypass_count_low, bypass_count_may_be, outside_text)
 
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
 
@@ -59,7 +59,8 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_interval_note,
-                      _idle_unmeasured_note, _gpus_undecided_interval_note, _gpus_undecided_note, UNDECIDED_CAUSE,
+                      _idle_unmeasured_note, _gpus_undecided_interval_note, _gpus_undecided_note,
+                      _serving_asserted_interval_note, UNDECIDED_CAUSE,
                       UNDECIDED_ASSERTED_DISAGREE, UNDECIDED_ASSERTED_DOUBTED, UNDECIDED_DISAGREE, UNDECIDED_FIX,
                       UNDECIDED_PROVISIONAL,
                       _interval_cache_note, _joined,
@@ -309,6 +310,9 @@ class Totals:
     # The latest intervals accounted were split before the daemon knew which of several sampled GPUs serve (every GPU's
     # energy the work's): serving_mask's None then says nothing of which serve (/metrics leaves powerprof_gpu_serving out).
     serving_undecided: bool = False
+    # The latest intervals accounted were split by daemon.serving_gpus's assertion alone, the GPUs' power not agreeing
+    # yet (their rows say SERVING_ASSERTED_FLAG): /metrics says serving_mask is the operator's word, unconfirmed.
+    serving_asserted: bool = False
 
 
 
@@ -428,6 +432,8 @@ class Ledger:
         self._serving_said: np.ndarray | None = None  # the serving mask the log last named (None: none named)
         self._undecided_said_ns: int | None = None  # when the log last said which GPUs serve is not known (t's clock)
         self._undecided_intervals = 0  # busy intervals split so since start
+        self._asserted_intervals = 0  # busy intervals split by daemon.serving_gpus alone since start (SERVING_ASSERTED_FLAG)
+        self._split_asserted = False  # the latest close split by it alone (Totals.serving_asserted)
         # The mask the last run's power judged, as the daemon read it back at start (servingstate.load: (mask, saved
         # wall s)), or None: provisional, never taken (nothing shows the server still on those GPUs), only said against
         # this run's first judgement taken (`_say_judged`); and the daemon's keeping of each judgement taken.
@@ -688,13 +694,20 @@ class Ledger:
 
         def named(mask):
             return ", ".join(self.gpu_names[g] for g, on in enumerate(mask) if on) or "none"
+        asserted = self._serving_source == SERVING_ASSERTED_SOURCE
         log.warning("which sampled GPUs serve the proxied work is undecided: %s tells %s, the GPUs' power judges %s "
                     "(%s); rows split meanwhile have every sampled GPU's energy the work's, say %s and are left out of "
-                    "J/token (reason %s) until the two agree%s", self._serving_source, named(pair[0]), named(pair[1]),
+                    "J/token (reason %s) until the two agree%s%s", self._serving_source, named(pair[0]),
+                    named(pair[1]),
                     "the config's assertion wrong, or another server's load following the traffic"
-                    if self._serving_source == SERVING_ASSERTED_SOURCE else
+                    if asserted else
                     "a worker of the server's not seen, or another server's load following the traffic",
                     UNSURE_FLAG, GPUS_UNDECIDED_REASON,
+                    f"; before this, {self._asserted_intervals} busy interval(s) were split by the assertion alone: "
+                    f"{self.flagged_requests.get(SERVING_ASSERTED_FLAG, 0)} request row(s) already written, and the "
+                    f"requests live now, say {SERVING_ASSERTED_FLAG} and stay in J/token as written (off by a GPU's "
+                    f"share where the assertion is wrong; powerprof_requests_serving_asserted_total counts them)"
+                    if asserted and self._asserted_intervals else "",
                     "; fix: correct daemon.serving_gpus (or empty it, to let the daemon judge) and restart the daemon"
                     if self._serving_source == SERVING_ASSERTED_SOURCE else "")
 
@@ -710,22 +723,36 @@ class Ledger:
             return
         self._judged_kept = mask
         if self.on_judged is not None:
-            self.on_judged(list(mask))
+            try:  # its keeping is a log line's source only: never stops the accounting
+                self.on_judged(list(mask))
+            except Exception:
+                log.exception("keeping which GPUs serve failed: the next start will not say whether its judgement is "
+                              "this one's")
         if self.saved_serving is None:
             return
         (saved, saved_s), self.saved_serving = self.saved_serving, None
 
         def named(m):
             return ", ".join(self.gpu_names[g] for g, on in enumerate(m) if on) or "none"
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(saved_s))
+        try:  # servingstate.load checks it is a plausible time; a log line never stops the accounting
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(saved_s))
+        except (ValueError, OverflowError, OSError):
+            when = "at an unreadable time"
         if list(mask) == saved:
             log.info("the GPUs' power judges %s serving the proxied work, as the last run's judgement (saved %s) did",
                      named(mask), when)
         else:
+            # What became of the rows before it, as it happened: flagged only where split undecided (a told or asserted
+            # mask split them unflagged; before, the line said "flagged" whatever, 0 of 53 rows being so).
+            before = [f"{self._undecided_intervals} busy interval(s) split undecided, their rows flagged "
+                      f"{GPUS_UNDECIDED_REASON}" if self._undecided_intervals else "",
+                      f"{self._asserted_intervals} busy interval(s) split by daemon.serving_gpus alone, their rows saying "
+                      f"{SERVING_ASSERTED_FLAG}" if self._asserted_intervals else ""]
             log.warning("the GPUs' power judges %s serving the proxied work, the last run's judgement (saved %s) %s "
                         "(the server moved to other GPUs since, or another process's load changed): this run's stands; "
-                        "the saved one was never taken (rows before this judgement flagged %s as without it)",
-                        named(mask), when, named(saved), GPUS_UNDECIDED_REASON)
+                        "the saved one was never taken (before this judgement: %s)",
+                        named(mask), when, named(saved),
+                        "; ".join(b for b in before if b) or "no busy interval split without a mask")
 
     def tell_serving(self, serving, source: str, provisional: bool = False) -> None:
         """The sampled GPUs (by position) the server runs on, as the daemon found them (`source`, in words: its
@@ -2909,6 +2936,12 @@ class Ledger:
             self.learner.tell_serving(told[0], provisional=told[2])
             self._serving_source = told[1]
         serving = self.learner.serving
+        # Split by daemon.serving_gpus alone, the GPUs' power not agreeing yet (an even load may never let it judge):
+        # its rows say so (SERVING_ASSERTED_FLAG), kept in J/token as the operator's word. Before, silent: a wrong
+        # assertion split 597 of 597 rows -33%/-67%/+20% under an even load with no mark (a review's ledger scenes).
+        asserted = (self.n_gpus > 1 and self.learner.serving_from == "told"
+                    and self._serving_source == SERVING_ASSERTED_SOURCE)
+        self._split_asserted = asserted
         unjudged = serving is None  # which GPUs serve not judged yet: every sampled GPU's energy is the work's
         if serving is not None and serving.size == self.n_gpus and not serving.all():
             work_j = np.nan_to_num(per_gpu[:, serving]).sum(axis=1)
@@ -3183,6 +3216,10 @@ class Ledger:
         unmeasured_col = energy.shape[1] - 2
         energy = np.column_stack([energy, np.where(undecided_iv, undecided_j, 0.0)])
         undecided_col = energy.shape[1] - 1
+        asserted_iv = (busy > 0) & asserted
+        self._asserted_intervals += int(np.count_nonzero(asserted_iv))
+        energy = np.column_stack([energy, np.where(asserted_iv, np.nan_to_num(work_j), 0.0)])
+        asserted_col = energy.shape[1] - 1
         ev_c_a, ev_w_a = np.array(ev_c, dtype=float), np.array(ev_w, dtype=float)
         seqs_a = np.array([r.trace.extra.get("sequences", 1) for r in reqs], dtype=float)
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
@@ -3230,25 +3267,6 @@ class Ledger:
                 rq.queued_rerun_from_ns = int(t[0])
             queued_lower |= np.maximum(arrival, arrival[q]) < np.minimum(end, rq.queued_rerun_from_ns)
         fit = self.learner.add(setting, a.features, per_gpu, usable)
-        # Said where the mask changes from the one last said (compared with the local `serving`, which the all-serving
-        # branch sets to None, the all-serving line came at every close: 15 times in 20 s).
-        now_serving = self.learner.serving
-        self._say_disagreement()
-        self._say_judged()
-        if now_serving is not None and (self._serving_said is None or not np.array_equal(now_serving, self._serving_said)):
-            self._serving_said = now_serving.copy()
-            by_power = self.learner.serving_from != "told"
-            idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if not on)
-            log.info("the proxied work runs on sampled GPU(s) %s; %s (%s)",
-                     ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if on) or "none",
-                     (f"GPU(s) {idle_gpus} " + ("draw no more when it runs than when idle" if by_power else
-                                                "are not in daemon.serving_gpus"
-                                                if self._serving_source == SERVING_ASSERTED_SOURCE else
-                                                "hold none of the server's processes")
-                      + ": their energy counts as idle, not the requests' (daemon.gpus can leave them out)")
-                     if idle_gpus else "every sampled GPU takes part",
-                     {"told": self._serving_source, "both": f"{self._serving_source}, and judged from their power alike"}
-                     .get(self.learner.serving_from, "judged from their power"))
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):
@@ -3301,6 +3319,7 @@ class Ledger:
             r.idle_unmeasured_j += a.request_energy[i, unmeasured_col]
             r.idle_unmeasured_cpu_j += a.request_energy[i, unmeasured_col + 1]
             r.gpus_undecided_j += a.request_energy[i, undecided_col]
+            r.serving_asserted_j += a.request_energy[i, asserted_col]
             if a.request_energy[i, 9] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                 others = {reqs[j].trace.request_id for k in np.flatnonzero(live) for j in pend_iv[k] if j != i}
@@ -3318,6 +3337,29 @@ class Ledger:
                 j = int(np.searchsorted(r.ev_t, t_end))
                 r.spent += float(sum(r.ev_n[:j]))
                 del r.ev_t[:j], r.ev_n[:j]
+        # Said after the rows' energy is added: nothing that can raise (a log line's formatting, the keeping's
+        # callback) sits between the fit and the rows' energy (before, a saved time of NaN raised in `_say_judged`
+        # there: one interval's energy lost from live rows, a row -16.7% unflagged; a review's scene).
+        # Said where the mask changes from the one last said (compared with the local `serving`, which the all-serving
+        # branch sets to None, the all-serving line came at every close: 15 times in 20 s).
+        now_serving = self.learner.serving
+        self._say_undecided(t, undecided_iv)  # first: `_say_judged` counts this close's undecided intervals too
+        self._say_disagreement()
+        self._say_judged()
+        if now_serving is not None and (self._serving_said is None or not np.array_equal(now_serving, self._serving_said)):
+            self._serving_said = now_serving.copy()
+            by_power = self.learner.serving_from != "told"
+            idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if not on)
+            log.info("the proxied work runs on sampled GPU(s) %s; %s (%s)",
+                     ", ".join(self.gpu_names[g] for g, on in enumerate(now_serving) if on) or "none",
+                     (f"GPU(s) {idle_gpus} " + ("draw no more when it runs than when idle" if by_power else
+                                                "are not in daemon.serving_gpus"
+                                                if self._serving_source == SERVING_ASSERTED_SOURCE else
+                                                "hold none of the server's processes")
+                      + ": their energy counts as idle, not the requests' (daemon.gpus can leave them out)")
+                     if idle_gpus else "every sampled GPU takes part",
+                     {"told": self._serving_source, "both": f"{self._serving_source}, and judged from their power alike"}
+                     .get(self.learner.serving_from, "judged from their power"))
         unc = [i for i, r in enumerate(reqs) if is_unseen(r) and not passive[i]]
         if unc:
             # Requests whose work the proxy cannot see (embeddings, audio, an endpoint it does not parse) take no
@@ -3359,11 +3401,10 @@ class Ledger:
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
                       aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | held_iv | unmeasured_iv,
                       undecided_iv=undecided_iv)
-        self._say_undecided(t, undecided_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted,
                             unmeasured_j=np.where(unmeasured_iv, unmeasured_j, 0.0),
-                            undecided_j=np.where(undecided_iv, undecided_j, 0.0))
+                            undecided_j=np.where(undecided_iv, undecided_j, 0.0), asserted_iv=asserted_iv)
         ended = [r for r, d in zip(reqs, done) if d]
         for r in ended:
             del self.requests[r.trace.request_id]
@@ -3634,6 +3675,7 @@ class Ledger:
             serving_changes=self._serving_changes,
             serving_mask=None if self._accounted_serving is None else tuple(bool(x) for x in self._accounted_serving),
             serving_undecided=bool(unjudged and self.n_gpus > 1),
+            serving_asserted=self._split_asserted,
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:
@@ -3869,7 +3911,7 @@ class Ledger:
     def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None,
                        server_count=None, short_iv=None, cache_iv=None, unsure=None, per_gpu=None,
                        serving=None, idle_missing=None, low_counted=None, unmeasured_j=None,
-                       undecided_j=None) -> None:
+                       undecided_j=None, asserted_iv=None) -> None:
         rows = []
         unsaid = cache_iv if cache_iv is not None else np.zeros(t.size - 1)
         for k in range(t.size - 1):
@@ -3912,7 +3954,9 @@ class Ledger:
                                            _idle_unmeasured_interval_note(float(unmeasured_j[k]), float(gpu[k]))
                                            if unmeasured_j is not None else None,
                                            _gpus_undecided_interval_note(float(undecided_j[k]), float(gpu[k]))
-                                           if undecided_j is not None else None),
+                                           if undecided_j is not None else None,
+                                           _serving_asserted_interval_note(asserted_iv is not None
+                                                                           and bool(asserted_iv[k]))),
                 }
             )
         unsure = unsure or {}

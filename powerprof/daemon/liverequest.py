@@ -249,6 +249,9 @@ class LiveRequest:
     # the daemon judged which of several GPUs serve the work (a bound on another GPU's idle draw it holds,
     # rowtext._gpus_undecided).
     gpus_undecided_j: float = 0.0
+    # Of its GPU joules, those from busy intervals split by daemon.serving_gpus's assertion alone, the GPUs' power not
+    # agreeing yet (rowtext._serving_asserted_note: SERVING_ASSERTED_FLAG).
+    serving_asserted_j: float = 0.0
 
 
 def told_prompt_tokens(r: LiveRequest) -> float | None:

@@ -25,7 +25,8 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG,
                                       COUNT_OPEN_FIX, COUNT_OPEN_FLAG, GONE_PREFILL_FIX, GONE_PREFILL_FLAG,
                                       HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_UNREAD_FIX, PROMPT_UNREAD_FLAG,
-                                      SERVER_COUNT_SLOTS_ONLY, UNSURE_FLAG)
+                                      SERVER_COUNT_SLOTS_ONLY, SERVING_ASSERTED_FIX, SERVING_ASSERTED_FLAG,
+                                      UNSURE_FLAG)
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -82,6 +83,11 @@ FLAG_COUNTERS = {
                          "it (an image or audio part, a shape not known), and the server never said the prompt's "
                          "length, their prefill not costed and their figures low; or they ran over such a prefill, "
                          f"their figures high; fix: {PROMPT_UNREAD_FIX}"),
+    SERVING_ASSERTED_FLAG: ("powerprof_requests_serving_asserted", "Requests whose rows' energy_note says approximate: "
+                            f"{SERVING_ASSERTED_FLAG}: part of their energy is from intervals split by the operator's "
+                            "daemon.serving_gpus alone, the GPUs' power not agreeing yet: kept in "
+                            "powerprof_joules_per_token as the operator's assumption; where it is wrong, each is off by "
+                            f"a GPU's share; fix: {SERVING_ASSERTED_FIX}"),
     UNSURE_FLAG: ("powerprof_requests_uncertain_uncounted", "Requests whose rows' energy_note says "
                   f"{UNSURE_FLAG}: their figure may be high or low and nothing measured says which (a run-on after "
                   "their client left that a scrape finding the server down may have cut, nearly all of it too much if "
@@ -187,6 +193,7 @@ class Snapshot:
     intervals: int = 0  # ledger.Totals: intervals closed since start (what the *_unknown_intervals are out of)
     idle_not_serving_j: float = 0.0  # ledger.Totals: of the idle energy, the GPUs' serving none of the work
     serving_changes: int = 0  # ledger.Totals: changes of which GPUs' energy is the work's
+    serving_asserted: bool = False  # ledger.Totals: powerprof_gpu_serving is daemon.serving_gpus's word, unconfirmed
 
 
 class SnapshotCollector:
@@ -247,6 +254,11 @@ class SnapshotCollector:
             if x.serving is not None:
                 sv.add_metric([str(x.index), x.uuid, x.name], 1.0 if x.serving else 0.0)
         yield sv
+        yield GaugeMetricFamily("powerprof_gpu_serving_asserted", "1 while powerprof_gpu_serving is the operator's "
+                                "daemon.serving_gpus alone, the GPUs' power not agreeing yet (an even load may never let "
+                                "it judge): the requests split meanwhile say "
+                                f"{SERVING_ASSERTED_FLAG} (powerprof_requests_serving_asserted_total) and stay in "
+                                "powerprof_joules_per_token; 0 otherwise", value=1.0 if s.serving_asserted else 0.0)
         if s.cpu_energy_j is not None:
             yield CounterMetricFamily("powerprof_cpu_energy_joules", "CPU package+DRAM energy (RAPL) of the whole host, every process, since start",
                                       value=s.cpu_energy_j)

@@ -19,7 +19,8 @@ from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG
                                       NOT_FORWARDED_NOTE, CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
                                       GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_BODY_FIX,
                                       PROMPT_NO_ASK_FIX, PROMPT_RUNNING_USAGE_FIX, PROMPT_STATEFUL_FIX, PROMPT_USAGE_FIX,
-                                      PROMPT_UNREAD_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_USAGE_ABOVE,
+                                      PROMPT_UNREAD_FLAG, SERVER_COUNT_COMPLETE, SERVING_ASSERTED_FIX,
+                                      SERVING_ASSERTED_FLAG, SERVER_COUNT_USAGE_ABOVE,
                                       SERVER_COUNT_USAGE_BELOW, UNSURE_FLAG, bypass_count_fix, bypass_count_may_be,
                                       outside_text)
 
@@ -88,7 +89,7 @@ OWN_LATE_FIX = "give the daemon's host CPU to spare (fewer other processes, or m
 # FLAG_COUNTERS), counted from the decision its row's energy_note is written by (_request_flags), never from the note's
 # text, which quotes what clients send (a path).
 COUNTED_FLAGS = (NO_COUNTER_SHORT_FLAG, CACHE_UNSAID_FLAG, CACHE_LATE_FLAG, BEST_OF_FLAG, COUNT_OPEN_FLAG,
-                 HELD_TAIL_FLAG, GONE_PREFILL_FLAG, PROMPT_UNREAD_FLAG, UNSURE_FLAG)
+                 HELD_TAIL_FLAG, GONE_PREFILL_FLAG, PROMPT_UNREAD_FLAG, SERVING_ASSERTED_FLAG, UNSURE_FLAG)
 
 
 def tag_server_count(counts: set) -> str | None:
@@ -806,6 +807,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
             HELD_TAIL_FLAG: energy and r.held_tail_n > 0,
             GONE_PREFILL_FLAG: energy and _gone_flagged(r),
             PROMPT_UNREAD_FLAG: energy and (prompt_unread(r) or r.prefill_uncosted or r.unread_beside_j > 0),
+            SERVING_ASSERTED_FLAG: energy and r.serving_asserted_j > 0,
             UNSURE_FLAG: energy and (_run_on_unsure(r) or resend_queued(r) or resend_crossed(r) or _queued_beside(r)
                                       or _n_cmpl_unsure(r) or _closed_partial(r) or r.run_on_unplaced
                                       or _unplaced_beside(r) or _capped_beside(r) or _batch_beside(r)
@@ -901,6 +903,20 @@ def _gpus_undecided_note(r: LiveRequest) -> str | None:
     return (f"{UNSURE_FLAG}: up to {r.gpus_undecided_j:.1f} J ({100 * min(r.gpus_undecided_j / r.gpu_j, 1.0):.0f}%) "
             f"of its figure may be the draw of a GPU serving none of its work: it was {_UNDECIDED_WHY} (the bound: its "
             f"share of every GPU's energy but the one drawing least); left out of J/token; {_UNDECIDED_FIX}")
+
+
+def _serving_asserted_words(what: str, holds: str) -> str:
+    """SERVING_ASSERTED_FLAG's words: `what` was split by daemon.serving_gpus's assertion alone, which the GPUs' power
+    has not confirmed (kept in J/token: the operator's word, said here)."""
+    return (f"{SERVING_ASSERTED_FLAG}: {what} split by daemon.serving_gpus (the operator's word; the GPUs' power has "
+            f"not confirmed it): where it is wrong, {holds} the draw of a GPU serving none of the work, or lacks one "
+            "that serves (by a whole GPU's share: -67% to +20% in a ledger scene); kept in J/token as the operator's "
+            f"assumption; fix: {SERVING_ASSERTED_FIX}")
+
+
+def _serving_asserted_interval_note(asserted: bool) -> str | None:
+    """An interval row's SERVING_ASSERTED_FLAG part (inside `approximate:`): its split rested on the assertion alone."""
+    return "approximate: " + _serving_asserted_words("its energy was", "requests_energy_j holds") if asserted else None
 
 
 def _gpus_undecided_interval_note(bound_j: float, gpu_j: float) -> str | None:
@@ -1265,6 +1281,9 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "so this request's "
                      "share there may be high or low; fix: "
                      f"{GONE_PREFILL_FIX}")
+    if r.serving_asserted_j > 0:
+        notes.append(_serving_asserted_words(f"{100 * min(r.serving_asserted_j / r.gpu_j, 1.0):.0f}% of its GPU "
+                                             "energy is from intervals", "its figure holds"))
     # Given much there, or little where the range's other end gives it much (a queued prompt beside another's decode).
     if r.gpu_j > 0 and max(r.fixed_j, r.fixed_hi_j - r.fixed_j) >= FIXED_RATIO_MIN_SHARE * r.gpu_j:
         pct = 100 * min(r.fixed_j / r.gpu_j, 1.0)

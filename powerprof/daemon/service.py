@@ -643,6 +643,7 @@ class Daemon:
         self.ledger: Ledger | None = None
         self.tags: TagLimiter | None = None
         self.flusher: Flusher | None = None
+        self._serving_keeper: servingstate.Keeper | None = None  # keeps each judged serving mask, off the event loop
         self.sampler: Sampler | None = None
         self.proxy: Proxy | None = None
         self.scraper: Scraper | None = None
@@ -1015,6 +1016,7 @@ class Daemon:
             intervals=tot.intervals,
             idle_not_serving_j=tot.idle_not_serving_j,
             serving_changes=tot.serving_changes,
+            serving_asserted=tot.serving_asserted,
         )
 
     def _helper_pids(self) -> list[int]:
@@ -1545,7 +1547,8 @@ class Daemon:
             uuids = [i.uuid for i in self.collector.infos]
             upstream = self.upstream or ""
             self.ledger.saved_serving = servingstate.load(data_dir, uuids, upstream)
-            self.ledger.on_judged = lambda mask: servingstate.save(data_dir, uuids, upstream, mask)
+            self._serving_keeper = servingstate.Keeper(data_dir, uuids, upstream)  # off the event loop
+            self.ledger.on_judged = self._serving_keeper.put
         if self._serving_asserted is not None:
             # Told at once, whatever the placement check finds or cannot find (no upstream, its processes unseen): a
             # server in a container under a load too even for the power to judge had every row flagged for good.
@@ -2010,6 +2013,8 @@ class Daemon:
             if self.flusher is not None:
                 self._drain()
                 self.ledger.close_all(time.monotonic_ns(), time.time_ns())
+                if self._serving_keeper is not None:
+                    self._serving_keeper.close()  # the last mask judged, kept before the data dir's lock goes
                 self.flusher.stop()
                 if self.store.buffered():
                     log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)

@@ -440,6 +440,16 @@ GONE_PREFILL_FLAG = "gone-prefill-beside"
 GONE_PREFILL_FIX = ("none from the server (vLLM and SGLang say nothing per request of a prefill they dropped when its "
                     "client left); clients that give up on long prompts under load: a longer timeout, or fewer "
                     "requests at once")
+# A daemon request's or interval's energy_note (inside its `approximate:` part) where part of its energy is from
+# intervals split by the operator's daemon.serving_gpus alone, the GPUs' power not (yet) agreeing: a wrong assertion
+# puts a GPU's draw that serves none of the work in it, or leaves one that does out. Kept in J/token: the operator's
+# stated assumption, said on every such row and counted, since flagging them made the key useless where it is needed
+# (an unseen server under a load too even for the power ever to judge: every row flagged, as without it). docs/daemon.md,
+# Attribution, Assumptions, "One engine".
+SERVING_ASSERTED_FLAG = "serving-asserted"
+SERVING_ASSERTED_FIX = ("none where daemon.serving_gpus names the GPUs the server runs on (nvidia-smi on its host "
+                        "shows them); where it does not, correct it, or empty it to let the daemon judge, and restart "
+                        "the daemon")
 # The `server_count` values whose energy is trusted in J/token. `slots_only` alone is every interval of a llama-server
 # started without --metrics (its default): leaving it out would leave every figure out for a loss only bypass traffic
 # causes; like `off` (bypass not measured at all), the rows, /metrics, the log and `analyze`'s notes say it instead.
