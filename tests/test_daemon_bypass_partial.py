@@ -942,7 +942,7 @@ def test_a_slots_only_servers_intervals_on_a_loaded_host_do_not_say_a_lag_may_ha
     missing the last `tail_lost_s` of the proxied traffic: where that traffic ends, the lag the levels held falls, and
     the gap with it (the lost tail, or the lag itself): read as bypass tokens the lag may have hidden (count low), which
     `slots_only` says already. Before, 2 intervals (1 without a lost tail) said `proxy_lag,slots_only` and 2 rows
-    bypass-uncounted, left out of J/token (a real llama-server beside two CPU hogs: 1 run in 6,
+    bypass-uncounted, left out of J/token (a real llama-server beside two CPU hogs: 2 runs in 6,
     tests/test_real_llama_server.py). A lag that may have made bypass tokens (count high) still says proxy_lag."""
     rows, reqs, _ = _run(restart_at_s=None, slots_only=True, proxied_until_s=7.0, delay_s=0.05, tail_lost_s=tail_lost_s)
     counted = [r for r in rows if r["server_tokens"] is not None and r["t_start_mono_s"] < 12]

@@ -1168,7 +1168,7 @@ class CountReconciler:
             # `_read_unsure` leaves it): only what the lag may have made counts there. Its /slots misses each request's
             # last tokens, a fall of the gap that reads as a lag drained: hidden counted, a real llama-server without
             # --metrics beside two CPU hogs had its request's intervals say proxy_lag (hidden 17-26 tokens, no bypass
-            # traffic) and its row bypass-uncounted, 1 run in 6.
+            # traffic) and its row bypass-uncounted, 2 runs in 6.
             moved = made if SERVER_COUNT_SLOTS_ONLY in sp.partial else max(made, hidden)
             if moved > max(LAG_TOKENS, LAG_SHARE * float(sp.server_tokens)) \
                     and "server_restart" not in sp.partial and PROXY_LAG not in sp.partial:
