@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import threading
 import time
 import urllib.request
 
@@ -14,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemon_helpers import DaemonProc, read_dataset, sim_env
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
-from powerprof.storage.schema import SERVER_COUNT_USAGE_ABOVE, SERVER_COUNT_USAGE_BELOW
+from powerprof.daemon.reconcile import CREDIT_S, LAG_S
+from powerprof.storage.schema import SERVER_COUNT_PROXY_LAG, SERVER_COUNT_USAGE_ABOVE, SERVER_COUNT_USAGE_BELOW
 
 pytestmark = pytest.mark.slow
 
@@ -181,12 +184,35 @@ def test_a_usage_above_the_servers_own_counter_is_said_under_several_tokens_a_ch
         assert row["gpu_j_per_token"] is None or pd.isna(row["gpu_j_per_token"]), row
 
 
+@contextlib.contextmanager
+def _host_lateness(step_s: float = 0.02):
+    """Yields a list that fills, while the block runs, with (UTC seconds, s) how late a timer of this process woke:
+    the host's load as the daemon measures its proxy's (a timer's lateness on its event loop, `note_proxy_delay`)."""
+    seen: list[tuple[float, float]] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            t = time.monotonic()
+            time.sleep(step_s)
+            seen.append((time.time(), time.monotonic() - t - step_s))
+
+    th = threading.Thread(target=probe, daemon=True)
+    th.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        th.join(5)
+
+
 def test_a_usage_above_its_chunks_that_the_servers_counter_agrees_with_stays_believed(tmp_path):
     """Speculative decoding's shape (4 tokens a chunk, usage 40 over 10 chunks counted one a chunk) with an honest
     counter (40): the usage is believed (generated_tokens 40, J/token kept, no error) and nothing says the server's
     counter contradicted it. The guard for the test above: a fix must read the counter, not the usage's distance from
     the chunks."""
-    reqs, intervals = _usage_scene(tmp_path, 1.0, 4)
+    with _host_lateness() as late:
+        reqs, intervals = _usage_scene(tmp_path, 1.0, 4)
     assert len(reqs) == 6
     for row in reqs:
         assert row["generated_tokens"] == 40 and pd.isna(row["error"]), row
@@ -198,10 +224,24 @@ def test_a_usage_above_its_chunks_that_the_servers_counter_agrees_with_stays_bel
     # reconcile.LAG_TOKENS: what a record's own delay moves whatever the placing; after the fix 0-1.05 over 4 runs,
     # before 1.9-4.9). Before, its 4-token chunks were placed at their stamps, up to 3 tokens behind the counter, its
     # first chunk 2.6 ahead: 5-15 of 30 busy intervals said counter_below or proxy_lag, 2 runs in 3.
-    said = [(iv["t_start_mono_s"], iv["server_count"]) for iv in intervals if iv["server_count"] != "complete"
-            and iv["proxy_tokens"]]
-    assert not said, said
-    assert not any("bypass-uncounted" in _said(row) for row in reqs), [_said(row) for row in reqs]
+    # Only `proxy_lag` may stand, and only within a level's reach (LAG_S + CREDIT_S) of a moment this process's timer
+    # woke more than a token's time late (80 tokens/s): a loaded host, where the daemon measures its proxy late too and
+    # rightly says how far that may move the count (`proxy_lag`: a burst the loop held, the lag of its measured delay,
+    # a long GET, a proxy silent; seen beside two CPU hogs). Asserted as `not said` before, it failed 2 of 6 loaded
+    # runs (3 and over 6 such intervals, no bypass traffic); after, 10 of 12 passed, 5 saying it on 6-19 (the other 2,
+    # at load 11-12, said counter_below: not explained yet). Where the host is never seen late the bound is what it
+    # was (nothing said), and counter_below or any other reason fails anywhere.
+    said = [iv for iv in intervals if iv["server_count"] != "complete" and iv["proxy_tokens"]]
+    reach_s = LAG_S + CREDIT_S  # a level looks LAG_S ahead and is held CREDIT_S
+    late_at = [t for t, x in late if x > 1 / 80]
+    unexplained = [(iv["t_start_mono_s"], iv["server_count"]) for iv in said
+                   if iv["server_count"] != SERVER_COUNT_PROXY_LAG
+                   or not any(iv["t_start_utc"].timestamp() - reach_s <= t <= iv["t_end_utc"].timestamp() + reach_s
+                              for t in late_at)]
+    assert not unexplained, (unexplained, [(round(t, 2), round(x, 3)) for t, x in late if x > 1 / 80])
+    # A row over such intervals says so (bypass-uncounted, naming proxy_lag alone), and none says it elsewhere.
+    blamed = [_said(row) for row in reqs if "bypass-uncounted" in _said(row)]
+    assert not blamed or said and all("(proxy_lag: their server_count)" in x for x in blamed), blamed
     assert sum(iv["server_tokens"] or 0.0 for iv in intervals) <= 2.0
 
 
