@@ -393,7 +393,8 @@ def _run_on_unsure(r: LiveRequest) -> bool:
     answer may have ended by itself sooner, unseen (`_may_have_ended`)."""
     if r.run_on_crash:
         return r.crash_unsure
-    return r.run_on_end_ns is not None and (r.run_on_unsure is not None and not r.run_on_restart or _may_have_ended(r))
+    return r.run_on_end_ns is not None and (r.run_on_unsure is not None and (not r.run_on_restart or r.run_on_reach)
+                                            or _may_have_ended(r))
 
 
 def _may_have_ended(r: LiveRequest) -> bool:
@@ -433,7 +434,7 @@ def _run_on_note(r: LiveRequest) -> str:
                 "its figure may be high (SGLang then counts its tokens at its end, read as bypass tokens) and the "
                 "shares of the requests beside it then low; fix: none for J/token, which leaves it out; a client that "
                 "stays to its answer's end is costed as any")
-        if r.run_on_unsure is None or r.run_on_restart:
+        if r.run_on_unsure is None or r.run_on_restart and not r.run_on_reach:
             return said
     if r.run_on_crash and r.crash_route_unsure:
         return (f"{said}; {UNSURE_FLAG}: a /generate to a server whose kind the daemon does not know: SGLang runs it "
