@@ -5507,6 +5507,32 @@ def test_an_unsure_death_then_a_sure_restart_cuts_the_run_on_at_the_restart(unsu
     assert ("run_on_may_end" in near_note) == unsure_first, near_note
 
 
+@pytest.mark.parametrize("past_reach,opened", [(True, None), (True, (1.55, 1.55)), (False, None)],
+                         ids=["past_reach", "past_reach_told_down", "restarted"])
+def test_a_close_with_no_answer_at_a_death_past_a_new_processs_reach_says_both_readings(past_reach, opened):
+    # SGLang's whole answer (0.5 s) beside a stream (0.2 s to 3.0 s), its connection closed with no answer at 1.52 s, a
+    # scrape refused at 1.55 s, the page at 1.6 s past a new process's reach: a restarted process whose counter
+    # persisted (the crash, as costed: 40.8 tokens, 52 J), or the same process back, which saw the close and ran it on
+    # to its 4 s wait (4.5 s: 159.6 tokens, 271 J, the stream 142 J). Costed as a sure crash, both rows were unflagged,
+    # the stream 221 J (+55%); now the crash's row says both readings and the stream's says run_on_may_end, whether or
+    # not the daemon was told of the refusal first (`note_down`, which costs it as a crash at once). A restart the page
+    # said keeps it a sure crash, the stream unflagged.
+    from powerprof.daemon.proxy import CRASHED_NOTE
+
+    rows = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=0.5, leave=1.52, end_s=12.0, runs_on=(2.0, 4.0),
+                                  beside=(0.2, 3.0), back_as=() if past_reach else ("server_restart",),
+                                  down_ns=int(1.55 * S), down_refused=True, past_reach=past_reach, opened=opened,
+                                  outcome="upstream_error", error=CRASHED_NOTE + ": connection closed")
+    crash, near = rows[2], rows[5]
+    note, near_note = crash["energy_note"] or "", near["energy_note"] or ""
+    print(crash["attributed_tokens"], crash["gpu_energy_j"], near["gpu_energy_j"], note, near_note)
+    assert crash["attributed_tokens"] == pytest.approx(40.8, abs=1), crash
+    assert (UNSURE_FLAG in note) == past_reach, note
+    assert ("the same process back" in note and "to its next 4 s wait" in note) == past_reach, note
+    assert ("PROMETHEUS_MULTIPROC_DIR" in note) == past_reach, note
+    assert ("run_on_may_end" in near_note) == past_reach, near_note
+
+
 def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():
     # A grown SGLang multi-process counter read at half for one page passes for a restart (scrape.counter_restarted):
     # nothing was down, no start time moved (`restart_by_fall`). The stream its server ran on to 3.0 s decoded to

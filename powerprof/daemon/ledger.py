@@ -975,6 +975,31 @@ class Ledger:
         r.crash_by_page = f"{CRASHED_NOTE}: {RESEND_LOADING}" in (tr.error or "")
         return False if r.crash_by_page else None
 
+    def _crash_reach(self, r: LiveRequest) -> None:
+        """Whether `r`'s crash-costed close with no answer is explained only by deaths whose page back was past a new
+        process's reach (`_death_unsure`), on a server that runs a whole answer on after its connection closes (SGLang,
+        to its next wait: RUNS_ON_AFTER_LEAVE): the same process back (a port-forward's hiccup closing the connection)
+        ran it on as a client's leave, or a restarted one whose counter persisted, the old one dead. Costed as the crash,
+        its row says both readings (`LiveRequest.crash_reach`), and the windows from its close to that wait say
+        run_on_may_end for the requests beside it. Costed as a sure crash, a whole answer closed at 1.52 s (refused
+        1.55 s, the page past reach at 1.6 s) read 40.8 tokens and 52 J, the stream beside it 221 J, both unflagged,
+        where the same process ran it to 4.5 s (159.6 tokens, 271 J; the stream 142 J). Any other death shown there
+        (a restart the page said) keeps it a sure crash; vLLM aborts it at once, the crash's costing right either way."""
+        tr, key = r.trace, (r.trace.request_id, "death")
+        waits = self.runs_on_after_leave
+        slack = int(CRASH_CLOSE_SLACK_S * 1e9)
+        within = [g for g in self._gone_at if g[0] <= tr.end_ns <= (g[1] if g[2] is None else g[2]) + slack]
+        reach = next((g for g in within if g[:3] in self._death_unsure), None)
+        if (reach is None or waits is None or waits[1] is None
+                or any(g[:3] not in self._death_unsure and (g[2] is None or self._death_shown(g)) for g in within)):
+            r.crash_reach = None
+            self.recon.run_ons_may_end.pop(key, None)
+            return
+        wait_ns = int(waits[1] * 1e9)
+        r.crash_reach = (reach[0], reach[2])
+        self.recon.run_ons_may_end[key] = (
+            int(tr.end_ns), tr.arrival_ns + max(1, -(-(tr.end_ns - tr.arrival_ns) // wait_ns)) * wait_ns)
+
     def _never_run(self, tr) -> bool:
         """Whether the server refuses `tr`'s method and route unrun, so a close with no answer at its death cost nothing.
         PUT: SGLang's /generate alone takes it, as a POST; every other route refuses it (llama-server 404, the vLLM and
@@ -1022,6 +1047,8 @@ class Ledger:
                 self._cost_as_crash(r, seen)
             elif seen is not None:
                 r.crash_unsure = not seen  # a proof come later makes it sure
+            if r.run_on_crash:
+                self._crash_reach(r)
             return
         if (tr.outcome != "client_disconnected" or tr.end_ns is None
                 or tr.api is None or is_passive(r) or is_unseen(r) or (tr.error or "").startswith(BODY_LEFT_NOTE)):
