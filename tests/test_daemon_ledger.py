@@ -5477,6 +5477,8 @@ def test_a_refused_scrape_then_a_page_past_a_new_processs_reach_leaves_an_sglang
         assert f"{UNSURE_FLAG}: a scrape 1.05 s after its arrival found nothing listening" in note, note
         assert "past anything a new process could have counted" in note and "at most 1.05 s" in note, note
         assert "run_on_may_end" in near_note, near_note
+        # The fix the death asks for, on the rows beside it too (before: run_on_may_end's clients' fix alone).
+        assert "scrape.url" in near_note and "PROMETHEUS_MULTIPROC_DIR" in near_note, near_note
     else:
         assert UNSURE_FLAG not in note, note
     if downs and not past_reach:

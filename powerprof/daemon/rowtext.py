@@ -207,7 +207,8 @@ def _bypass_low_note(r: LiveRequest) -> str | None:
                 f"server token count may be low or high ({', '.join(why)}: their server_count): bypass traffic there "
                 f"may be missing from unproxied (a batch run on for nobody, counted late), or tokens not its taken "
                 f"for it (the proxy's own lag, a restarted "
-                f"counter's, a run-on's that may have ended by itself, unseen), so "
+                f"counter's, a run-on's that may have ended by itself or at a death not told from the same process "
+                f"back, unseen), so "
                 f"this request's energy may hold bypass traffic's or have lost its own; "
                 f"fix: {bypass_count_fix(','.join(why))}")
     return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "

@@ -521,10 +521,12 @@ BYPASS_COUNT_FIX = {
                                  "answer) ran on until SGLang's abort unless its answer ended by itself first, unseen, "
                                  "SGLang then counting its tokens at that end (read as bypass tokens here, the requests "
                                  "beside it low), or its process died first (a refused scrape, then a page past what a "
-                                 "new process could have counted: the requests beside it low); none for the figures "
-                                 "kept, they are left out of J/token; clients that "
+                                 "new process could have counted: the requests beside it low), or a close with no "
+                                 "answer there was the same process's, which ran it on (the requests beside it high); "
+                                 "none for the figures kept, they are left out of J/token; clients that "
                                  "stay to their answers' end, or send ignore_eos (or a min_tokens) where the answer is "
-                                 "to run to max_tokens",
+                                 "to run to max_tokens; where a refused scrape came before a page past what a new "
+                                 "process could have counted (the server's log), " + PAST_REACH_FIX,
     SERVER_COUNT_BATCH_RUN_ON: "their count may be high or low: a batch (several prompts) answered 400 may have run "
                                "on for nobody (SGLang answers 400 for one prompt in the context's last 6 tokens and "
                                "runs the others to their cap), counted at its end and placed late, the requests beside "
