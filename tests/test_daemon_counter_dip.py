@@ -829,6 +829,21 @@ def test_a_page_back_past_a_new_processs_reach_after_a_refusal_keeps_its_refusal
     assert got == (True, kept, young, reach), (deltas, got)
 
 
+@pytest.mark.parametrize("after,said", [(50_020_000, False), (80_000_000, True)], ids=["its_pace", "past_its_pace"])
+def test_a_page_past_a_new_processs_reach_after_a_refusal_must_fit_the_servers_pace(after, said, monkeypatch):
+    # SGLang at 10,000 tokens a second (49,990,000 then 50,000,000), a refused scrape, then a page at 80,000,000 two
+    # seconds on: past a new process's reach, but no rise this server's pace allows (`_beyond_reach`): another process
+    # on its port (another deployment's persisted counter). Read whole, as the same process back, its window counted
+    # 30,000,000 tokens and said nothing (where a gateway's 503 said counter_below); now said, its refusal a sure
+    # death (no `window_past_reach`). Back at its pace (20,000 in 2 s), the same process or its persisted counter, as
+    # before.
+    deltas, sc = _scrapes("sglang", [_sglang(49_990_000), _sglang(50_000_000), DOWN, _sglang(after)], n=4,
+                          period_s=1.0, monkeypatch=monkeypatch)
+    assert deltas[-1] == after - 50_000_000, deltas
+    got = ("counter_below" in sc.window_partial, sc.window_past_reach, sc.window_down_refused)
+    assert got == (said, not said, True), (deltas, got)
+
+
 @pytest.mark.parametrize("script,said", [
     # A plain blip in front of a server that has run a while (10000 tokens, 40 a second): whole, as before.
     ([(9960, 9960), (10000, 10000), "gw", (10080, 10080), (10120, 10120)], False),

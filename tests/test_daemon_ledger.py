@@ -4703,7 +4703,7 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
                            opened=None, same_process=False, whole_as=("POST", "/v1/chat/completions", "openai-chat"),
                            serves_generate=True, back_as=("server_restart",), beside=None, with_whole=True,
                            counted_run=None, idle_first=False, each_step=True, guard_s=None, slots_at=None,
-                           **restart_kw):
+                           windows=None, **restart_kw):
     # A whole answer (arrives at `arrive`, max_tokens) whose client leaves at `leave` (or, `outcome` upstream_error, whose
     # connection to the server broke then: the proxy saw its process die), run on by llama-server to its
     # max_tokens (`Ledger._run_on`) at the latest streams' 40 tokens/s, held up to 2 x 400 / 40 = 20 s. 100 W throughout,
@@ -4721,7 +4721,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
     # measured idle first (`_idle_measured`), its busy intervals' time no request was live in idle, not theirs.
     # `each_step` False: the server's counter alone (`--metrics --no-slots`), each request's tokens counted at its end;
     # `guard_s`: the whole answer's prompt's estimated prefill end (`Ledger._prefill_end_est_ns`), s. `slots_at(t)`: the
-    # /slots read with each scrape at t s, {slot id: (task id, busy)} (`Ledger.window_slots`).
+    # /slots read with each scrape at t s, {slot id: (task id, busy)} (`Ledger.window_slots`). `windows`: {tenths of a
+    # second: add_server_tokens' keywords} for the scrape window ending then, over those above.
     # Returns its row (with `beside`, every row by id).
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.count_each_step = each_step
@@ -4807,7 +4808,8 @@ def _llamacpp_whole_run_on(downs=(), leave=0.6, max_tokens=400, end_s=25.0, arri
         led.add_server_tokens(int(t * S), 20.0 + unscraped_near if prev is not None and prev < 0.5 <= t
                               else float(unscraped_near if prev is not None else 0),
                               None if prev is None else int(prev * S),
-                              partial=back_as if restart else (), **(restart_kw if restart else {}))
+                              **{"partial": back_as if restart else (), **(restart_kw if restart else {}),
+                                 **(windows or {}).get(k, {})})
         unscraped_near = 0
         prev = t
         led.advance(int(t * S))
@@ -5645,10 +5647,62 @@ def test_a_refused_scrape_then_a_page_past_a_new_processs_reach_leaves_an_sglang
         assert f"{UNSURE_FLAG}: a scrape 1.05 s after its arrival found nothing listening" in note, note
         assert "past anything a new process could have counted" in note and "at most 1.05 s" in note, note
         assert "run_on_may_end" in near_note, near_note
+        # The fix the death asks for, on the rows beside it too (before: run_on_may_end's clients' fix alone).
+        assert "scrape.url" in near_note and "PROMETHEUS_MULTIPROC_DIR" in near_note, near_note
     else:
         assert UNSURE_FLAG not in note, note
     if downs and not past_reach:
         assert run_on["attributed_tokens"] == pytest.approx(40.6, abs=1), run_on
+
+
+@pytest.mark.parametrize("unsure_first", [False, True], ids=["restart_alone", "past_reach_then_restart"])
+def test_an_unsure_death_then_a_sure_restart_cuts_the_run_on_at_the_restart(unsure_first):
+    # SGLang's whole answer (0.5 s, its client gone at 1.0 s, run on to its 4 s wait at 4.5 s) beside a stream (0.2 s to
+    # 2.4 s). A refused scrape at 1.55 s, the page at 1.6 s past a new process's reach (unsure: `_death_unsure`); then a
+    # refused scrape at 2.55 s and a page at 2.6 s that says server_restart (sure). Whatever the first was, the process
+    # running it was dead by the second: taking the earliest death alone, the unsure one hid the sure one, 159.6 tokens
+    # and 301 J, the new process's energy to 4.5 s on a dead request; both readings the row said were wrong (the truth
+    # is 80.6 tokens at most). Now cut at the sure restart (80.6 tokens, 114 J, as the restart alone), its row still
+    # saying the first reading (dead at 1.55 s), the stream's rows beside it flagged run_on_may_end.
+    reach = {16: dict(partial=(), down_ns=int(1.55 * S), down_refused=True, past_reach=True)}
+    restart = {26: dict(partial=("server_restart",), down_ns=int(2.55 * S), down_refused=True)}
+    rows = _llamacpp_whole_run_on([], arrive=0.5, leave=1.0, end_s=12.0, runs_on=(2.0, 4.0), beside=(0.2, 2.4),
+                                  windows={**(reach if unsure_first else {}), **restart})
+    run_on, near = rows[2], rows[5]
+    note, near_note = run_on["energy_note"] or "", near["energy_note"] or ""
+    print(run_on["attributed_tokens"], run_on["gpu_energy_j"], near["gpu_energy_j"], note)
+    assert run_on["attributed_tokens"] == pytest.approx(80.6, abs=1), run_on
+    assert run_on["gpu_energy_j"] == pytest.approx(114.4, abs=5), run_on
+    assert "until it restarted" in note, note
+    said = f"{UNSURE_FLAG}: a scrape 1.05 s after its arrival found nothing listening" in note
+    assert said == unsure_first and ("at most 1.05 s" in note) == unsure_first, note
+    assert ("run_on_may_end" in near_note) == unsure_first, near_note
+
+
+@pytest.mark.parametrize("past_reach,opened", [(True, None), (True, (1.55, 1.55)), (False, None)],
+                         ids=["past_reach", "past_reach_told_down", "restarted"])
+def test_a_close_with_no_answer_at_a_death_past_a_new_processs_reach_says_both_readings(past_reach, opened):
+    # SGLang's whole answer (0.5 s) beside a stream (0.2 s to 3.0 s), its connection closed with no answer at 1.52 s, a
+    # scrape refused at 1.55 s, the page at 1.6 s past a new process's reach: a restarted process whose counter
+    # persisted (the crash, as costed: 40.8 tokens, 52 J), or the same process back, which saw the close and ran it on
+    # to its 4 s wait (4.5 s: 159.6 tokens, 271 J, the stream 142 J). Costed as a sure crash, both rows were unflagged,
+    # the stream 221 J (+55%); now the crash's row says both readings and the stream's says run_on_may_end, whether or
+    # not the daemon was told of the refusal first (`note_down`, which costs it as a crash at once). A restart the page
+    # said keeps it a sure crash, the stream unflagged.
+    from powerprof.daemon.proxy import CRASHED_NOTE
+
+    rows = _llamacpp_whole_run_on([(1.5, 1.6)], arrive=0.5, leave=1.52, end_s=12.0, runs_on=(2.0, 4.0),
+                                  beside=(0.2, 3.0), back_as=() if past_reach else ("server_restart",),
+                                  down_ns=int(1.55 * S), down_refused=True, past_reach=past_reach, opened=opened,
+                                  outcome="upstream_error", error=CRASHED_NOTE + ": connection closed")
+    crash, near = rows[2], rows[5]
+    note, near_note = crash["energy_note"] or "", near["energy_note"] or ""
+    print(crash["attributed_tokens"], crash["gpu_energy_j"], near["gpu_energy_j"], note, near_note)
+    assert crash["attributed_tokens"] == pytest.approx(40.8, abs=1), crash
+    assert (UNSURE_FLAG in note) == past_reach, note
+    assert ("the same process back" in note and "to its next 4 s wait" in note) == past_reach, note
+    assert ("PROMETHEUS_MULTIPROC_DIR" in note) == past_reach, note
+    assert ("run_on_may_end" in near_note) == past_reach, near_note
 
 
 def test_a_restart_told_by_the_counter_fall_alone_leaves_run_ons():

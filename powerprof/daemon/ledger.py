@@ -1006,6 +1006,31 @@ class Ledger:
         r.crash_by_page = f"{CRASHED_NOTE}: {RESEND_LOADING}" in (tr.error or "")
         return False if r.crash_by_page else None
 
+    def _crash_reach(self, r: LiveRequest) -> None:
+        """Whether `r`'s crash-costed close with no answer is explained only by deaths whose page back was past a new
+        process's reach (`_death_unsure`), on a server that runs a whole answer on after its connection closes (SGLang,
+        to its next wait: RUNS_ON_AFTER_LEAVE): the same process back (a port-forward's hiccup closing the connection)
+        ran it on as a client's leave, or a restarted one whose counter persisted, the old one dead. Costed as the crash,
+        its row says both readings (`LiveRequest.crash_reach`), and the windows from its close to that wait say
+        run_on_may_end for the requests beside it. Costed as a sure crash, a whole answer closed at 1.52 s (refused
+        1.55 s, the page past reach at 1.6 s) read 40.8 tokens and 52 J, the stream beside it 221 J, both unflagged,
+        where the same process ran it to 4.5 s (159.6 tokens, 271 J; the stream 142 J). Any other death shown there
+        (a restart the page said) keeps it a sure crash; vLLM aborts it at once, the crash's costing right either way."""
+        tr, key = r.trace, (r.trace.request_id, "death")
+        waits = self.runs_on_after_leave
+        slack = int(CRASH_CLOSE_SLACK_S * 1e9)
+        within = [g for g in self._gone_at if g[0] <= tr.end_ns <= (g[1] if g[2] is None else g[2]) + slack]
+        reach = next((g for g in within if g[:3] in self._death_unsure), None)
+        if (reach is None or waits is None or waits[1] is None
+                or any(g[:3] not in self._death_unsure and (g[2] is None or self._death_shown(g)) for g in within)):
+            r.crash_reach = None
+            self.recon.run_ons_may_end.pop(key, None)
+            return
+        wait_ns = int(waits[1] * 1e9)
+        r.crash_reach = (reach[0], reach[2])
+        self.recon.run_ons_may_end[key] = (
+            int(tr.end_ns), tr.arrival_ns + max(1, -(-(tr.end_ns - tr.arrival_ns) // wait_ns)) * wait_ns)
+
     def _never_run(self, tr) -> bool:
         """Whether the server refuses `tr`'s method and route unrun, so a close with no answer at its death cost nothing.
         PUT: SGLang's /generate alone takes it, as a POST; every other route refuses it (llama-server 404, the vLLM and
@@ -1053,6 +1078,8 @@ class Ledger:
                 self._cost_as_crash(r, seen)
             elif seen is not None:
                 r.crash_unsure = not seen  # a proof come later makes it sure
+            if r.run_on_crash:
+                self._crash_reach(r)
             return
         if (tr.outcome != "client_disconnected" or tr.end_ns is None
                 or tr.api is None or is_passive(r) or is_unseen(r) or (tr.error or "").startswith(BODY_LEFT_NOTE)):
@@ -2580,27 +2607,38 @@ class Ledger:
         A death whose page back was past a new process's reach (`_death_unsure`) cuts none: the same process may have
         lived on, its run-on with it (cut there, a whole SGLang answer's run-on read 40.6 tokens and 54 J for 159.6
         and 271, unflagged). Its row says both readings (`run_on_unsure`), and the windows over the rest of its run-on
-        say run_on_may_end (their rows flagged, as a run-on's that may have ended by itself).
+        say run_on_may_end (their rows flagged, as a run-on's that may have ended by itself), to the cut of the first
+        sure death after it, which still cuts: taking the earliest death alone, an unsure one hid a later sure restart
+        (159.6 tokens and 301 J for 80.6 and 114 at most, the new process's energy on a dead request).
         With that restart's (window start, end, first found down, the death's lower bound), which its row says
         (`r.run_on_death`)."""
         if not self._gone_at:
             return None
         tr = r.trace
         arrival, left = tr.arrival_ns, tr.end_ns
-        gone = min((g for g in self._gone_at
-                    if (left is None or left <= (g[1] if g[2] is None else g[2]))
-                    and (g[0] >= arrival or g[2] is not None and arrival < g[2] and self._death_proven(r, g))),
-                   default=None)
-        if gone is None:
-            return None
-        a, b, down, _ = gone
-        lo = max(a, arrival, left or a)  # alive at its last scrape, when it took the request, and at its client's leaving
-        if (a, b, down) in self._death_unsure:
-            if r.run_on_end_ns is not None and r.run_on_end_ns > lo:  # ended before it, nothing of it is in doubt
+        gones = sorted((g for g in self._gone_at
+                       if (left is None or left <= (g[1] if g[2] is None else g[2]))
+                        and (g[0] >= arrival or g[2] is not None and arrival < g[2] and self._death_proven(r, g))),
+                       key=lambda g: g[:2])
+        sure = next((g for g in gones if g[:3] not in self._death_unsure), None)
+        cut = None
+        if sure is not None:
+            a, b, down, _ = sure
+            lo = max(a, arrival, left or a)  # alive at its last scrape, when it took the request, and at its leaving
+            cut = (lo if down is None else (lo + down) // 2), (a, b, down, lo)
+        unsure = gones[0] if gones and gones[0][:3] in self._death_unsure else None
+        if unsure is not None and r.run_on_end_ns is not None:
+            a, _, down, _ = unsure
+            lo = max(a, arrival, left or a)
+            end = int(r.run_on_end_ns) if cut is None else min(int(r.run_on_end_ns), cut[0])
+            if end > lo:  # ended before it, nothing of it is in doubt
                 r.run_on_unsure, r.run_on_reach = (a, down), True
-                self.recon.run_ons_may_end[(tr.request_id, "death")] = (lo, int(r.run_on_end_ns))
-            return None
-        return (lo if down is None else (lo + down) // 2), (a, b, down, lo)
+                self.recon.run_ons_may_end[(tr.request_id, "death")] = (lo, end)
+                return cut
+        if r.run_on_reach:  # a sure death come since cut it at or before the unsure one: nothing left in doubt
+            r.run_on_unsure, r.run_on_reach = None, False
+            self.recon.run_ons_may_end.pop((tr.request_id, "death"), None)
+        return cut
 
     def _death_proven(self, r: LiveRequest, g: tuple) -> bool:
         """Whether restart `g`'s first found-down scrape, which came after `r` arrived past the old process's last

@@ -127,6 +127,10 @@ class LiveRequest:
     # That unsure crash seen by its resend's meeting llama-server's loading page alone (proxy.RESEND_LOADING), not by
     # its sending before the old process's last good scrape (`Ledger._crash_seen`): its row says which.
     crash_by_page: bool = False
+    # That crash explained only by a death whose page back was past a new process's reach (`Ledger._crash_reach`): the
+    # same process back ran it on to its next wait, or a restarted one's counter persisted. (Its last scrape before it,
+    # the refused scrape), monotonic ns; its row says both readings, flagged UNSURE_FLAG.
+    crash_reach: tuple[int, int | None] | None = None
     # That crash unsure because it was a /generate to a server whose kind is not known (`Ledger._crash_seen`): SGLang
     # runs it, llama-server and vLLM refuse it unrun (404).
     crash_route_unsure: bool = False

@@ -16,7 +16,7 @@ from powerprof.energy import COUNTER_STEP_S
 from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_BUSY_SHARE, NO_COUNTER_SHORT_FIX,
                                 NO_COUNTER_SHORT_FLAG)
 from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG,
-                                      NOT_FORWARDED_NOTE, CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
+                                      NOT_FORWARDED_NOTE, PAST_REACH_FIX, CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, COUNT_OPEN_FIX, COUNT_OPEN_FLAG,
                                       GONE_PREFILL_FIX, GONE_PREFILL_FLAG, HELD_TAIL_FIX, HELD_TAIL_FLAG, PROMPT_BODY_FIX,
                                       PROMPT_NO_ASK_FIX, PROMPT_RUNNING_USAGE_FIX, PROMPT_STATEFUL_FIX, PROMPT_USAGE_FIX,
                                       PROMPT_UNREAD_FLAG, SERVER_COUNT_COMPLETE, SERVING_ASSERTED_FIX,
@@ -208,7 +208,8 @@ def _bypass_low_note(r: LiveRequest) -> str | None:
                 f"server token count may be low or high ({', '.join(why)}: their server_count): bypass traffic there "
                 f"may be missing from unproxied (a batch run on for nobody, counted late), or tokens not its taken "
                 f"for it (the proxy's own lag, a restarted "
-                f"counter's, a run-on's that may have ended by itself, unseen), so "
+                f"counter's, a run-on's that may have ended by itself or at a death not told from the same process "
+                f"back, unseen), so "
                 f"this request's energy may hold bypass traffic's or have lost its own; "
                 f"fix: {bypass_count_fix(','.join(why))}")
     return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
@@ -393,8 +394,9 @@ def _run_on_unsure(r: LiveRequest) -> bool:
     refusal of a request it held (0 J, its energy the neighbours') reads the same; or placed to SGLang's abort where its
     answer may have ended by itself sooner, unseen (`_may_have_ended`)."""
     if r.run_on_crash:
-        return r.crash_unsure
-    return r.run_on_end_ns is not None and (r.run_on_unsure is not None and not r.run_on_restart or _may_have_ended(r))
+        return r.crash_unsure or r.crash_reach is not None
+    return r.run_on_end_ns is not None and (r.run_on_unsure is not None and (not r.run_on_restart or r.run_on_reach)
+                                            or _may_have_ended(r))
 
 
 def _may_have_ended(r: LiveRequest) -> bool:
@@ -434,8 +436,20 @@ def _run_on_note(r: LiveRequest) -> str:
                 "its figure may be high (SGLang then counts its tokens at its end, read as bypass tokens) and the "
                 "shares of the requests beside it then low; fix: none for J/token, which leaves it out; a client that "
                 "stays to its answer's end is costed as any")
-        if r.run_on_unsure is None or r.run_on_restart:
+        if r.run_on_unsure is None or r.run_on_restart and not r.run_on_reach:
             return said
+    tr = r.trace
+    if r.run_on_crash and r.crash_reach is not None and not r.crash_unsure:
+        a, down = r.crash_reach
+        wait_s = RUNS_ON_AFTER_LEAVE["sglang"][1]
+        return (f"{said}; {UNSURE_FLAG}: a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after its arrival found nothing "
+                "listening (its connection refused), and the server's next page was back past anything a new process "
+                "could have counted since, with no start time to say which process it was: a restarted one whose "
+                "counter persisted (a PROMETHEUS_MULTIPROC_DIR kept over the restart), the old one dead with it in "
+                "flight, as costed here; or the same process back (nothing listened for a moment, its connection "
+                f"closed by that hiccup), which ran it on as a client's leave, to its next {wait_s:g} s wait: then the "
+                "figure here is low, the requests beside it high (theirs say run_on_may_end); "
+                f"fix: {PAST_REACH_FIX}")
     if r.run_on_crash and r.crash_route_unsure:
         return (f"{said}; {UNSURE_FLAG}: a /generate to a server whose kind the daemon does not know: SGLang runs it "
                 "(the figure here is right), llama-server and vLLM refuse it unrun (404: 0 J, its energy the requests' "
@@ -465,7 +479,6 @@ def _run_on_note(r: LiveRequest) -> str:
                 "requests beside it; fix: scrape the server's own port (scrape.url), not through a router, so a death "
                 "reads as a refused connection")
     a, down = r.run_on_unsure
-    tr = r.trace
     if r.run_on_reach:
         return (f"{said}; {UNSURE_FLAG}: a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after its arrival found nothing "
                 "listening (its connection refused), and the server's next page was back past anything a new process "
@@ -473,9 +486,7 @@ def _run_on_note(r: LiveRequest) -> str:
                 "(nothing listened for a moment), which ran it on as costed here, or a restarted one whose counter "
                 "persisted (a PROMETHEUS_MULTIPROC_DIR kept over the restart), the old one dead there: then the server "
                 f"ran it at most {(max(down, tr.end_ns or down) - tr.arrival_ns) / 1e9:.2f} s from its arrival and "
-                "the figure here is high, the requests beside it low (theirs say run_on_may_end); fix: scrape the "
-                "server's own port (scrape.url) and clear PROMETHEUS_MULTIPROC_DIR at each start of the server, so a "
-                "restart reads as one")
+                f"the figure here is high, the requests beside it low (theirs say run_on_may_end); fix: {PAST_REACH_FIX}")
     return (f"{said}; {UNSURE_FLAG}: a scrape {(down - tr.arrival_ns) / 1e9:.2f} s after its arrival (after the server's "
             f"last good scrape) found the server down (an HTTP 502/503, then a restart by its counters), with no "
             f"refused connection and no proxied request failing then: if that was its process's death, the server ran "

@@ -190,7 +190,8 @@ PARTIAL_REASONS = {
                    f"{BLIP_RATE_MARGIN:g} times the server's highest rate or had risen faster than {BLIP_RISE_MARGIN:g} "
                    "times that rate since (no process start time on the page; not "
                    "where, after a 502/503, it and the finished-request histogram, or llama.cpp's decode calls, had not moved, nor where "
-                   "it was higher than a new process could have counted since the page before the outage): dips "
+                   "it was higher than a new process could have counted since the page before the outage and, the "
+                   f"server's rate known, had risen no faster than {BLIP_RISE_MARGIN:g} times it): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
                    "the count is exact, a server back from a 503 with its counter whole, or a restart whose new process "
                    "had counted more than half the old one's tokens by its first page (or whose old one had counted "
@@ -617,12 +618,23 @@ class Scraper:
         ledger gives the run-on's row both readings, flagged (cut there, a whole SGLang answer's run-on read 40.6 tokens
         and 54 J for 159.6 and 271 where the same process lived on, unflagged). Not on llama.cpp: its counters live in
         the process and cannot outlast a restart, so the page past reach is the same process and the refusal is cleared
-        (no death: kept, a whole answer's run-on was cut at it, 40.8 tokens and 103 J for 400 and 1001, unflagged)."""
-        if self._believed_at is not None and total > FASTEST_SERVER_TOKENS_PER_S * (time.monotonic() - self._believed_at):
+        (no death: kept, a whole answer's run-on was cut at it, 40.8 tokens and 103 J for 400 and 1001, unflagged).
+        Where the server's pace is known (`_peak_tok_s`), past reach only with a rise that pace allows (`_beyond_reach`,
+        as `_blip_back`): else another process on that port (another deployment's persisted counter), said. Unchecked,
+        50,000,000 then a refusal then 80,000,000 two seconds on (pace 10,000 a second) counted 30,000,000 tokens in a
+        window that said nothing, where a gateway's 503 said it."""
+        since_s = None if self._believed_at is None else time.monotonic() - self._believed_at
+        if since_s is not None and total > FASTEST_SERVER_TOKENS_PER_S * since_s:
             if self.kind == "llamacpp":
                 self._down_refused = False
-            else:
+                return
+            paced = (None if self._peak_tok_s <= 0 else
+                     self._beyond_reach(COUNTERS[self.kind], prev, total, self._peak_tok_s, since_s))
+            if paced is None:
                 self._past_reach = True
+                return
+            self._said_below(f"is at {total:g} after a scrape found the server down, at or past {prev:g}, its reading "
+                             f"before, but {paced}: another process on its port, or the same one back")
             return
         self._said_below(f"is at {total:g} after a scrape found the server down, at or past {prev:g}, its reading "
                          "before: the same process back, or a restart whose new process reached the old reading")

@@ -330,7 +330,9 @@ SERVER_COUNT_PROXY_UNREAD = "proxy_unread"
 # before its abort (`LiveRequest.run_on_may_end`): SGLang then counted its tokens at that end, unseen by the proxy, and
 # they read as bypass tokens there; aborted, it counted none. Which, nothing tells: its bypass count may be high (one of
 # BYPASS_COUNT_TWO_WAY), and the requests given energy there low. Also from the death not cut at of a run-on whose
-# process may have died on it (a refused scrape, then a page past a new process's reach: `Ledger._run_on_cut_ns`).
+# process may have died on it (a refused scrape, then a page past a new process's reach: `Ledger._run_on_cut_ns`), and
+# from a close with no answer costed as a crash at such a death to SGLang's next wait, where the same process back ran
+# it on (`Ledger._crash_reach`: the requests given energy there high).
 SERVER_COUNT_RUN_ON_MAY_END = "run_on_may_end"
 # A scrape window from the arrival of a batch (two or more prompts) an SGLang (or a server of kind unknown yet) answered
 # 400 with its band abort's message to an end its other prompts' run is taken to stay within (`Ledger._batch_end_ns`,
@@ -489,6 +491,11 @@ def bypass_count_unknown(server_count: str | None) -> bool:
     return not server_count or server_count == SERVER_COUNT_UNREAD
 
 
+# What to do where a refused scrape, then a page past what a new process could have counted, left a death unsure (the
+# same process back, or a restarted one whose counter persisted): said by the rows of the requests it may have ended
+# and by those beside them (`run_on_may_end`), which nothing in their own traffic can fix.
+PAST_REACH_FIX = ("scrape the server's own port (scrape.url) and clear PROMETHEUS_MULTIPROC_DIR at each start of the "
+                  "server, so a restart reads as one")
 # What to do about each value a `server_count` may hold but `complete`, said beside the figures it leaves out or keeps
 # (a request's energy_note, `analyze`'s notes, `powerprof tag stop`). No fix makes rows already written whole.
 BYPASS_COUNT_FIX = {
@@ -524,10 +531,12 @@ BYPASS_COUNT_FIX = {
                                  "answer) ran on until SGLang's abort unless its answer ended by itself first, unseen, "
                                  "SGLang then counting its tokens at that end (read as bypass tokens here, the requests "
                                  "beside it low), or its process died first (a refused scrape, then a page past what a "
-                                 "new process could have counted: the requests beside it low); none for the figures "
-                                 "kept, they are left out of J/token; clients that "
+                                 "new process could have counted: the requests beside it low), or a close with no "
+                                 "answer there was the same process's, which ran it on (the requests beside it high); "
+                                 "none for the figures kept, they are left out of J/token; clients that "
                                  "stay to their answers' end, or send ignore_eos (or a min_tokens) where the answer is "
-                                 "to run to max_tokens",
+                                 "to run to max_tokens; where a refused scrape came before a page past what a new "
+                                 "process could have counted (the server's log), " + PAST_REACH_FIX,
     SERVER_COUNT_BATCH_RUN_ON: "their count may be high or low: a batch (several prompts) answered 400 may have run "
                                "on for nobody (SGLang answers 400 for one prompt in the context's last 6 tokens and "
                                "runs the others to their cap), counted at its end and placed late, the requests beside "
