@@ -165,3 +165,19 @@ def test_the_daemons_lock_signs_see_a_lock_and_its_release_at_the_second_busy_re
     for _ in range(3):
         got = capped.feed([_r(1395, REASON_APP_CLOCKS, power_w=680.0)])
     assert got == (None,)  # at the cap (over 90% of it): no lock
+
+
+@pytest.mark.parametrize("after", [
+    (1785, REASON_SW_POWER_CAP, 299.0),  # released, then power-capped below the boost clock
+    (1980, 0, 284.0),  # released, busy at the top clock at 95% of the cap, no bit
+    (1700, REASON_SW_THERMAL, 250.0)])  # released, then thermally throttled
+def test_the_daemons_lock_signs_see_a_release_under_a_power_cap_or_heat(after):
+    # A limiter only lowers the clock: one read above the lock's ceiling proves the lock gone, whatever bit it names.
+    # Before, the release needed no limiter and power under 90% of the cap: the lock stayed for ever (rev-clocklock F2).
+    from powerprof.collectors.limitwatch import ClockLockSigns
+
+    mhz, reasons, power_w = after
+    signs = ClockLockSigns()
+    states = [signs.feed([r])[0] for r in [_r(1395, REASON_APP_CLOCKS, limit_w=300.0)] * 2
+              + [_r(mhz, reasons, power_w=power_w, limit_w=300.0)] * 2]
+    assert states == [None, 1395.0, 1395.0, None]

@@ -184,8 +184,9 @@ class ClockLockSigns:
 
     The signs ClockLockWatch(find_lock=True) reads: CLOCK_LOCK_READINGS busy readings in a row held by a setting with
     the AppClocks bit (no limiter named, power under 90% of the cap: clock_reasons.held_by_a_setting) at a clock off
-    the lock held (by more than the tolerance) are a lock there; as many busy readings in a row without the bit above
-    the lock by more than the tolerance are its release (the boost clock, hundreds of MHz up). A busy GPU at its top
+    the lock held (by more than the tolerance) are a lock there; as many busy readings in a row not so held above the
+    lock by more than the tolerance are its release (the boost clock, hundreds of MHz up), whatever limiter they name:
+    a power cap or heat only lowers the clock, so a clock above the lock proves it gone. A busy GPU at its top
     clock with no lock shows no AppClocks bit, and a power cap or heat names itself: neither ever starts one. Idle
     readings (GpuIdle, 0% utilisation) say nothing (an idle card sits at its idle clock, and a real one lingers at a
     high clock a while after work): a lock is seen only at the next busy readings. A lock at the top clock shows no
@@ -213,9 +214,8 @@ class ClockLockSigns:
         held = bool(reasons & REASON_APP_CLOCKS) and held_by_a_setting(reasons, power_w, limit_w)
         if held and (lock is None or abs(mhz - lock) > self.tolerance_mhz):
             pass  # a lock where none was, or another one
-        elif not held and lock is not None and mhz > lock + self.tolerance_mhz and held_by_a_setting(
-                reasons, power_w, limit_w):
-            pass  # above the lock, nothing holding it: released
+        elif not held and lock is not None and mhz > lock + self.tolerance_mhz:
+            pass  # above the lock: released, whatever limiter is named (a cap or heat only lowers the clock)
         else:
             self._run.pop(r.index, None)
             return
