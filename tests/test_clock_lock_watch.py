@@ -181,3 +181,16 @@ def test_the_daemons_lock_signs_see_a_release_under_a_power_cap_or_heat(after):
     states = [signs.feed([r])[0] for r in [_r(1395, REASON_APP_CLOCKS, limit_w=300.0)] * 2
               + [_r(mhz, reasons, power_w=power_w, limit_w=300.0)] * 2]
     assert states == [None, 1395.0, 1395.0, None]
+
+
+def test_the_daemons_lock_signs_tell_when_a_busy_reading_showed_the_locks_held_or_changed():
+    # ClockLockSigns.told: what the daemon's idle runs wait for (workmodel.CostLearner.lock_told).
+    from powerprof.collectors.limitwatch import ClockLockSigns
+
+    signs = ClockLockSigns()
+    told = []
+    for r in (_r(1980, None), _r(345, REASON_GPU_IDLE), _r(1980), _r(1395, REASON_APP_CLOCKS), _r(345, REASON_GPU_IDLE),
+              _r(1395, REASON_APP_CLOCKS), _r(1395, REASON_APP_CLOCKS), _r(1980), _r(1395, REASON_APP_CLOCKS)):
+        signs.feed([r])
+        told.append(signs.told)
+    assert told == ["blind", None, "same", None, None, "changed", "same", None, "same"]

@@ -197,17 +197,32 @@ class ClockLockSigns:
         self.readings = int(readings)
         self.locked_mhz: dict[int, float] = {}  # GPU index → the lock's clock (absent: none)
         self._run: dict[int, tuple[bool, list[float]]] = {}  # GPU index → (held, its readings' MHz) off the state
+        self._signed = False  # some reading carried an SM clock and its reasons: a lock can be seen at all
+        # What the last feed told of the locks: "same" (a busy reading showed the state held, no change under way),
+        # "changed" (a GPU's lock was seen set, moved or released), "blind" (no reading ever carried the signs: no lock
+        # can be seen) or None (nothing: no busy reading, or a change's run of readings still open).
+        self.told: str | None = None
 
     def feed(self, readings) -> tuple:
         """Take one sample's GpuReadings; each GPU's lock MHz (None: none) after them, in the readings' order."""
-        for r in readings:
-            self._feed_one(r)
+        before = dict(self.locked_mhz)
+        said = [self._feed_one(r) for r in readings]
+        if not self._signed:
+            self.told = "blind"
+        elif self.locked_mhz != before:
+            self.told = "changed"
+        else:
+            self.told = "same" if any(said) and not self._run else None
         return tuple(self.locked_mhz.get(getattr(r, "index", None)) for r in readings)
 
-    def _feed_one(self, r) -> None:
+    def _feed_one(self, r) -> bool:
+        """Whether the reading was a busy one that said something of its GPU's lock."""
         mhz, reasons = getattr(r, "sm_clock_mhz", None), getattr(r, "clock_event_reasons", None)
-        if mhz is None or reasons is None or reasons & REASON_GPU_IDLE or getattr(r, "gpu_util_pct", None) == 0:
-            return
+        if mhz is None or reasons is None:
+            return False
+        self._signed = True
+        if reasons & REASON_GPU_IDLE or getattr(r, "gpu_util_pct", None) == 0:
+            return False
         lock = self.locked_mhz.get(r.index)
         power_w = r.power_w if r.power_w is not None else r.power_avg_w
         limit_w = r.enforced_limit_w if r.enforced_limit_w is not None else r.power_limit_w
@@ -218,7 +233,7 @@ class ClockLockSigns:
             pass  # above the lock: released, whatever limiter is named (a cap or heat only lowers the clock)
         else:
             self._run.pop(r.index, None)
-            return
+            return True
         was, run = self._run.get(r.index, (held, []))
         run = run if was == held else []
         run.append(mhz)
@@ -229,6 +244,7 @@ class ClockLockSigns:
             else:
                 self.locked_mhz.pop(r.index, None)
             self._run.pop(r.index, None)
+        return True
 
 
 class LimitWatch:

@@ -2019,6 +2019,10 @@ class Ledger:
         # The edge instant is weighted by each GPU's power, instant or averaged: only the weights need it.
         self._power_w = weight_w
         t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, weight_w)
+        # An idle run teaches its setting only once a busy reading tells the locks held up to it (workmodel.lock_told).
+        told = self._locks.told
+        if told is not None:
+            self.learner.lock_told(None if told == "blind" else t, changed=told == "changed")
         self._insert_edge(_Edge(t, wall, counter, power, setting, epoch, avg))
 
     def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> tuple[int, int] | None:
@@ -3166,7 +3170,7 @@ class Ledger:
             if rq.queued_rerun_from_ns is None:
                 rq.queued_rerun_from_ns = int(t[0])
             queued_lower |= np.maximum(arrival, arrival[q]) < np.minimum(end, rq.queued_rerun_from_ns)
-        fit = self.learner.add(setting, a.features, per_gpu, usable)
+        fit = self.learner.add(setting, a.features, per_gpu, usable, ends_ns=t[1:])
         # Said where the mask changes from the one last said (compared with the local `serving`, which the all-serving
         # branch sets to None, the all-serving line came at every close: 15 times in 20 s).
         now_serving = self.learner.serving
