@@ -7017,10 +7017,10 @@ def _lock_scene(lock_s=None, release_s=None, until_s=40.0, limit_w=None, changes
 
 
 def test_rows_after_a_clock_lock_are_split_with_the_idle_power_measured_under_it_or_flagged():
-    # Another tool locks the H200's SM clock at 1400 MHz at 15 s: its idle draw 78 -> 135 W (sim/gpu.py `_idle_held`).
+    # Another tool locks the H200's SM clock at 1400 MHz at 15 s: its idle draw 78 -> 99.7 W (sim/gpu.py `_idle_held`).
     # Each request's busy intervals hold 0.5 s no request was live in. Before, the lock started no setting: the 78 W
-    # measured before it split the intervals after it, 6 rows +24.5% and one +12.2% unflagged (then 2 rows -20.1% and
-    # one -10.0% after the release). Now the lock, seen at the second busy reading under it (AppClocks, the clock held:
+    # measured before it split the intervals after it, 6 rows +9.3% and one +4.7% unflagged (then 2 rows -7.6% and
+    # one -3.8% after the release). Now the lock, seen at the second busy reading under it (AppClocks, the clock held:
     # collectors/limitwatch.ClockLockSigns), starts a setting whose idle power is measured anew: until a run closes
     # there the rows are flagged, then within 1%. The release at 35 s is another change back (its idle power the one
     # measured before the lock). Between a change and its second busy reading, one row each way as before (known limit).
@@ -7053,8 +7053,8 @@ LOCK = (1400, 1400)
 def test_idle_runs_before_a_lock_change_is_seen_teach_no_setting(arrivals, changes, until_s, seen):
     # An idle card shows no lock, so a lock set or released while it idles (or already there when the daemon starts)
     # is seen only at the next busy readings. Before, every idle run between went to the other setting's idle median:
-    # 118 runs at 135 W in the unlocked one (78 W true), every row after the release -20.1% (9 of 9; 15 of 15 after a
-    # start on a locked card), or the locked one at 78 W, 20 of 20 rows +24.5% after the relock, all unflagged. Now an
+    # 118 runs at 99.7 W in the unlocked one (78 W true), every row after the release -7.6% (9 of 9; 15 of 15 after a
+    # start on a locked card), or the locked one at 78 W, 20 of 20 rows +9.3% after the relock, all unflagged. Now an
     # idle run teaches only once a busy reading tells the locks held, and is dropped where one tells a change: each
     # row from a change's second busy reading on is within 1% or flagged (between a change and it: the known limit).
     led, sink, truth, arrival = _lock_scene(until_s=until_s, changes=changes, arrivals=arrivals)

@@ -318,7 +318,7 @@ class CostLearner:
 
         An idle card shows no lock (it sits at its idle clock), so a lock set or released while it idles is seen only at
         the next busy readings. Filed at once, the runs between went to the other setting's idle median: a lock set in a
-        38 s idle left 118 runs at 135 W in the unlocked median (78 W true), every row after the release -20.1%,
+        38 s idle left 118 runs at 99.7 W in the unlocked median (78 W true), every row after the release -7.6%,
         unflagged (docs/daemon.md, Attribution, idle)."""
         self._lock_blind = t_ns is None
         if t_ns is None:
