@@ -163,8 +163,11 @@ def test_the_daemons_lock_signs_see_a_lock_and_its_release_at_the_second_busy_re
     assert got == (900.0,)
     capped = ClockLockSigns()
     for _ in range(3):
-        got = capped.feed([_r(1395, REASON_APP_CLOCKS, power_w=680.0)])
-    assert got == (None,)  # at the cap (over 90% of it): no lock
+        got = capped.feed([_r(1395, REASON_APP_CLOCKS, power_w=690.0)])
+    assert got == (None,)  # at the cap (98% of it or more: clock_reasons.CAP_AT_LIMIT_FRACTION): no lock
+    for _ in range(3):
+        got = capped.feed([_r(1395, REASON_APP_CLOCKS | REASON_SW_POWER_CAP, power_w=600.0)])
+    assert got == (None,)  # the cap named: no lock
 
 
 @pytest.mark.parametrize("after", [
@@ -194,3 +197,13 @@ def test_the_daemons_lock_signs_tell_when_a_busy_reading_showed_the_locks_held_o
         signs.feed([r])
         told.append(signs.told)
     assert told == ["blind", None, "same", None, None, "changed", "same", None, "same"]
+
+
+def test_the_daemons_lock_signs_see_a_lock_whose_busy_draw_is_90_to_98_percent_of_the_cap():
+    # An H200 locked at 1400 MHz under a 250 W limit decodes at 233 W (93%), AppClocks only. Before, the 90% guard of
+    # held_by_a_setting rejected it: the lock was never seen (rev-clocklock F3).
+    from powerprof.collectors.limitwatch import ClockLockSigns
+
+    signs = ClockLockSigns()
+    states = [signs.feed([_r(1395, REASON_APP_CLOCKS, power_w=233.0, limit_w=250.0)])[0] for _ in range(3)]
+    assert states == [None, 1395.0, 1395.0]

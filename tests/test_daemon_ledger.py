@@ -7016,7 +7016,8 @@ def _lock_scene(lock_s=None, release_s=None, until_s=40.0, limit_w=None, changes
     return led, sink, truth, arrival
 
 
-def test_rows_after_a_clock_lock_are_split_with_the_idle_power_measured_under_it_or_flagged():
+@pytest.mark.parametrize("limit_w", [None, 250.0, 300.0])
+def test_rows_after_a_clock_lock_are_split_with_the_idle_power_measured_under_it_or_flagged(limit_w):
     # Another tool locks the H200's SM clock at 1400 MHz at 15 s: its idle draw 78 -> 99.7 W (sim/gpu.py `_idle_held`).
     # Each request's busy intervals hold 0.5 s no request was live in. Before, the lock started no setting: the 78 W
     # measured before it split the intervals after it, 6 rows +9.3% and one +4.7% unflagged (then 2 rows -7.6% and
@@ -7024,7 +7025,10 @@ def test_rows_after_a_clock_lock_are_split_with_the_idle_power_measured_under_it
     # collectors/limitwatch.ClockLockSigns), starts a setting whose idle power is measured anew: until a run closes
     # there the rows are flagged, then within 1%. The release at 35 s is another change back (its idle power the one
     # measured before the lock). Between a change and its second busy reading, one row each way as before (known limit).
-    led, sink, truth, arrival = _lock_scene(lock_s=15.0, release_s=35.0, until_s=50.0)
+    # Under a 250 W limit the locked decode draws 233 W (93% of the cap, AppClocks only): before, never seen, 6 rows
+    # +9.3% and one +4.6%, then 2 -8.7% and one -4.4%, unflagged. Under 300 W the unlocked decode draws 284 W (95%):
+    # before, the release was never seen (7 rows -7.6%, one -3.8%).
+    led, sink, truth, arrival = _lock_scene(lock_s=15.0, release_s=35.0, until_s=50.0, limit_w=limit_w)
     rows = {r["request_id"]: r for r in sink.rows["requests"]}
     seen_s = 19.0  # the lock's second busy reading (16.5 s, 18.5 s)
     for k, a in arrival.items():
@@ -7068,7 +7072,7 @@ def test_idle_runs_before_a_lock_change_is_seen_teach_no_setting(arrivals, chang
     assert len(led.learner._held) <= led.learner.window
 
 
-@pytest.mark.parametrize("limit_w", [None, 200.0])
+@pytest.mark.parametrize("limit_w", [None, 200.0, 250.0, 300.0])
 def test_a_busy_gpu_with_no_clock_lock_starts_no_new_setting(limit_w):
     # The same scene with no lock: busy at its top clock (1980 MHz, no clock event reason) or held below it by a 200 W
     # cap (SwPowerCap, a limiter: never a lock's sign). One setting throughout, its idle power the 78 W measured, every

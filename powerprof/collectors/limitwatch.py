@@ -6,7 +6,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from .clock_reasons import REASON_APP_CLOCKS, REASON_GPU_IDLE, clock_event_reason_names, held_by_a_setting
+from .clock_reasons import (CAP_AT_LIMIT_FRACTION, REASON_APP_CLOCKS, REASON_GPU_IDLE, REASON_SETTING_ONLY,
+                            clock_event_reason_names, held_by_a_setting)
 
 # A limit reads back in whole milliwatts, set or not by us: 2 W (the controller's set tolerance,
 # control/restore.py DEFAULT_TOLERANCE_W) is far above that rounding and far below any limit step.
@@ -183,8 +184,8 @@ class ClockLockSigns:
     holds it at, or None (no lock seen, or released).
 
     The signs ClockLockWatch(find_lock=True) reads: CLOCK_LOCK_READINGS busy readings in a row held by a setting with
-    the AppClocks bit (no limiter named, power under 90% of the cap: clock_reasons.held_by_a_setting) at a clock off
-    the lock held (by more than the tolerance) are a lock there; as many busy readings in a row not so held above the
+    the AppClocks bit (no limiter named, power under 98% of the cap, CAP_AT_LIMIT_FRACTION, where the watch asks 90%:
+    clock_reasons.held_by_a_setting) at a clock off the lock held (by more than the tolerance) are a lock there; as many busy readings in a row not so held above the
     lock by more than the tolerance are its release (the boost clock, hundreds of MHz up), whatever limiter they name:
     a power cap or heat only lowers the clock, so a clock above the lock proves it gone. A busy GPU at its top
     clock with no lock shows no AppClocks bit, and a power cap or heat names itself: neither ever starts one. Idle
@@ -226,7 +227,10 @@ class ClockLockSigns:
         lock = self.locked_mhz.get(r.index)
         power_w = r.power_w if r.power_w is not None else r.power_avg_w
         limit_w = r.enforced_limit_w if r.enforced_limit_w is not None else r.power_limit_w
-        held = bool(reasons & REASON_APP_CLOCKS) and held_by_a_setting(reasons, power_w, limit_w)
+        # The AppClocks bit and no limiter's, under CAP_AT_LIMIT_FRACTION of the cap (not held_by_a_setting's 90%: a
+        # lock whose busy draw sat at 90-98% of the cap was never seen, the 93% of a 250 W cap of an H200 at 1400 MHz).
+        held = (bool(reasons & REASON_APP_CLOCKS) and not reasons & ~REASON_SETTING_ONLY and power_w is not None
+                and (limit_w is None or power_w < CAP_AT_LIMIT_FRACTION * limit_w))
         if held and (lock is None or abs(mhz - lock) > self.tolerance_mhz):
             pass  # a lock where none was, or another one
         elif not held and lock is not None and mhz > lock + self.tolerance_mhz:
