@@ -7039,6 +7039,10 @@ def test_rows_after_a_clock_lock_are_split_with_the_idle_power_measured_under_it
         assert UNSURE_FLAG in (r["energy_note"] or "") or abs(err) < 0.01, (k, a, err, r["energy_note"])
     flagged = [k for k, a in arrival.items() if a > seen_s and UNSURE_FLAG in (rows[k]["energy_note"] or "")]
     assert len(flagged) <= 1, flagged  # one row, before the first idle run under the lock closed
+    # The costs rows tell the locked fit from the unlocked one at the same limits (before: both "700", idle 78 / 99.7 W).
+    fits = {(r["power_limits_w"], r["sm_clock_locks_mhz"]): r["idle_w"] for r in sink.rows["costs"]}
+    limits = f"{limit_w or 700:g}"
+    assert fits == {(limits, ""): pytest.approx(78.0, abs=0.5), (limits, "1395"): pytest.approx(99.7, abs=0.5)}, fits
 
 
 LOCK = (1400, 1400)

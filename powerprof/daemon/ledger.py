@@ -3591,6 +3591,9 @@ class Ledger:
             "daemon_id": self.daemon_id,
             "time_utc": edge.wall_ns,
             "power_limits_w": ",".join("" if x is None else f"{x:g}" for x in setting),
+            # A locked fit's idle power is not the unlocked one's at the same limits (workmodel.LockedSetting).
+            "sm_clock_locks_mhz": ",".join("" if x is None else f"{x:g}"
+                                           for x in getattr(setting, "clocks", (None,) * len(setting))),
             "n_intervals": fit.n,
             "n_busy": fit.n_busy,
             "r2": fit.r2,
