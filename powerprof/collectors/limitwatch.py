@@ -185,9 +185,10 @@ class ClockLockSigns:
 
     The signs ClockLockWatch(find_lock=True) reads: CLOCK_LOCK_READINGS busy readings in a row held by a setting with
     the AppClocks bit (no limiter named, power under 98% of the cap, CAP_AT_LIMIT_FRACTION, where the watch asks 90%:
-    clock_reasons.held_by_a_setting) at a clock off the lock held (by more than the tolerance) are a lock there; as many busy readings in a row not so held above the
-    lock by more than the tolerance are its release (the boost clock, hundreds of MHz up), whatever limiter they name:
-    a power cap or heat only lowers the clock, so a clock above the lock proves it gone. A busy GPU at its top
+    clock_reasons.held_by_a_setting) at a clock off the lock held (by more than the tolerance) are a lock there; as
+    many busy readings in a row not so held above the lock by more than the tolerance are its release (the boost clock,
+    hundreds of MHz up), whatever limiter they name: a power cap or heat only lowers the clock, so a clock above the
+    lock proves it gone. A busy GPU at its top
     clock with no lock shows no AppClocks bit, and a power cap or heat names itself: neither ever starts one. Idle
     readings (GpuIdle, 0% utilisation) say nothing (an idle card sits at its idle clock, and a real one lingers at a
     high clock a while after work): a lock is seen only at the next busy readings. A lock at the top clock shows no
