@@ -163,5 +163,47 @@ def test_the_daemons_lock_signs_see_a_lock_and_its_release_at_the_second_busy_re
     assert got == (900.0,)
     capped = ClockLockSigns()
     for _ in range(3):
-        got = capped.feed([_r(1395, REASON_APP_CLOCKS, power_w=680.0)])
-    assert got == (None,)  # at the cap (over 90% of it): no lock
+        got = capped.feed([_r(1395, REASON_APP_CLOCKS, power_w=690.0)])
+    assert got == (None,)  # at the cap (98% of it or more: clock_reasons.CAP_AT_LIMIT_FRACTION): no lock
+    for _ in range(3):
+        got = capped.feed([_r(1395, REASON_APP_CLOCKS | REASON_SW_POWER_CAP, power_w=600.0)])
+    assert got == (None,)  # the cap named: no lock
+
+
+@pytest.mark.parametrize("after", [
+    (1785, REASON_SW_POWER_CAP, 299.0),  # released, then power-capped below the boost clock
+    (1980, 0, 284.0),  # released, busy at the top clock at 95% of the cap, no bit
+    (1700, REASON_SW_THERMAL, 250.0)])  # released, then thermally throttled
+def test_the_daemons_lock_signs_see_a_release_under_a_power_cap_or_heat(after):
+    # A limiter only lowers the clock: one read above the lock's ceiling proves the lock gone, whatever bit it names.
+    # Before, the release needed no limiter and power under 90% of the cap: the lock stayed for ever (rev-clocklock F2).
+    from powerprof.collectors.limitwatch import ClockLockSigns
+
+    mhz, reasons, power_w = after
+    signs = ClockLockSigns()
+    states = [signs.feed([r])[0] for r in [_r(1395, REASON_APP_CLOCKS, limit_w=300.0)] * 2
+              + [_r(mhz, reasons, power_w=power_w, limit_w=300.0)] * 2]
+    assert states == [None, 1395.0, 1395.0, None]
+
+
+def test_the_daemons_lock_signs_tell_when_a_busy_reading_showed_the_locks_held_or_changed():
+    # ClockLockSigns.told: what the daemon's idle runs wait for (workmodel.CostLearner.lock_told).
+    from powerprof.collectors.limitwatch import ClockLockSigns
+
+    signs = ClockLockSigns()
+    told = []
+    for r in (_r(1980, None), _r(345, REASON_GPU_IDLE), _r(1980), _r(1395, REASON_APP_CLOCKS), _r(345, REASON_GPU_IDLE),
+              _r(1395, REASON_APP_CLOCKS), _r(1395, REASON_APP_CLOCKS), _r(1980), _r(1395, REASON_APP_CLOCKS)):
+        signs.feed([r])
+        told.append(signs.told)
+    assert told == ["blind", None, "same", None, None, "changed", "same", None, "same"]
+
+
+def test_the_daemons_lock_signs_see_a_lock_whose_busy_draw_is_90_to_98_percent_of_the_cap():
+    # An H200 locked at 1400 MHz under a 250 W limit decodes at 233 W (93%), AppClocks only. Before, the 90% guard of
+    # held_by_a_setting rejected it: the lock was never seen (rev-clocklock F3).
+    from powerprof.collectors.limitwatch import ClockLockSigns
+
+    signs = ClockLockSigns()
+    states = [signs.feed([_r(1395, REASON_APP_CLOCKS, power_w=233.0, limit_w=250.0)])[0] for _ in range(3)]
+    assert states == [None, 1395.0, 1395.0]

@@ -168,6 +168,33 @@ def test_consecutive_short_idle_intervals_are_summed_into_one_reading():
     assert learner2.costs("s").idle_w == pytest.approx(78.0)  # None before
 
 
+def test_an_idle_run_teaches_only_once_a_reading_tells_the_locks_and_none_across_a_change():
+    # CostLearner.lock_told: a run ending where the SM clock locks are told teaches its setting; one ending before
+    # a busy reading told a change (a lock set or released while the card idled) teaches none; at most a window held.
+    learner = CostLearner()
+
+    def run(end_ns, w=78.0):  # one idle run of 0.4 s
+        learner.add("s", np.array([[0.4, 0, 0, 0, 0]]), np.array([0.4 * w]), np.ones(1, bool), ends_ns=[end_ns])
+
+    run(10)
+    assert learner.costs("s").idle_w is None  # nothing told yet (the daemon's start)
+    learner.lock_told(20)
+    assert learner.costs("s").idle_w == pytest.approx(78.0)
+    run(30, 135.0)  # locked while idle: unseen till busy readings tell the change
+    learner.lock_told(40, changed=True)
+    run(35, 135.0)  # closed late, before the change was told: dropped too
+    learner.lock_told(50)
+    assert learner._idle_sorted["s"] == [78.0]
+    run(60)
+    learner.lock_told(None)  # no reading shows a lock: filed as they close
+    run(70)
+    assert learner._idle_sorted["s"] == [78.0, 78.0, 78.0]
+    learner.lock_told(80)
+    for k in range(2 * learner.window):
+        run(100 + k)
+    assert len(learner._held) == learner.window
+
+
 def test_steady_traffic_with_short_idle_gaps_keeps_the_idle_power_learned_at_start_up():
     # The review's scene (simulated vLLM, window 150): requests back to back, idle gaps of 0.1-0.25 s, never a 0.3 s
     # run. Once the start-up runs left the window the idle power was None at 432 of 462 closes, the fit never matured

@@ -1295,11 +1295,12 @@ def test_an_upgraded_hosts_old_rows_join_its_new_ones_of_the_same_gpu_set(tmp_pa
     assert "different GPU sets" not in res.output and "GPU set unknown" not in res.output
 
 
-def _cost_fit(root: Path, daemon: str, gpus: str | None, t_s: float, limits: str) -> None:
+def _cost_fit(root: Path, daemon: str, gpus: str | None, t_s: float, limits: str, locks: str = "") -> None:
     """One fit of the work model as the daemon's ledger emits it (Ledger._costs_row's columns), written by the daemon's
     store on host `vm` with its GPU set `gpus`."""
     store = DatasetStore(root, datasets(), host="vm", gpu_uuids=gpus)
     store.append("costs", [{"daemon_id": daemon, "time_utc": T0_NS + int(t_s * 10**9), "power_limits_w": limits,
+                            "sm_clock_locks_mhz": locks,
                             "n_intervals": 900, "n_busy": 600, "r2": 0.97, "rel_rmse": 0.04, "mature": True,
                             "not_mature_reason": None, "idle_w": 70.0, "step_j": 0.5, "decode_j": 0.3,
                             "prefill_j": 0.02, "ctx_j_per_ktoken": 0.01}])
@@ -1324,6 +1325,20 @@ def test_cost_fits_carry_their_gpu_set_and_older_ones_read_it_as_null(tmp_path):
     from powerprof.storage.schema import DAEMON_TABLES
 
     assert DAEMON_TABLES["costs"].field("gpu_uuids") == DAEMON_TABLES["intervals"].field("gpu_uuids")
+
+
+def test_cost_fits_carry_their_clock_locks_and_older_ones_read_them_as_null(tmp_path):
+    # A locked fit and an unlocked one at the same limits (idle 99.7 and 78 W on the simulated H200) were one "300"
+    # setting in the stored rows. Now sm_clock_locks_mhz tells them apart; a file written before the column reads null.
+    _cost_fit(tmp_path / "d1", "one", GPU_B, 0, "300", "1395")
+    _cost_fit(tmp_path / "d2", "two", GPU_B, 0, "300")
+    _cost_fit(tmp_path / "old", "old", GPU_B, 50, "300")
+    for f in (tmp_path / "old").rglob("*.parquet"):
+        pq.write_table(pq.read_table(f).drop_columns(["sm_clock_locks_mhz"]), f)
+    paths = export([str(tmp_path / d) for d in ("d1", "d2", "old")], "parquet", tmp_path / "out")
+    costs = {p.stem: pq.read_table(p) for p in paths}["costs"]
+    got = {r["daemon_id"]: r["sm_clock_locks_mhz"] for r in costs.to_pylist()}
+    assert got == {"one": "1395", "two": "", "old": None}, got
 
 
 def test_the_overlap_count_is_every_interval_overlapping_another_daemons_as_matched_pair_by_pair():

@@ -304,14 +304,18 @@ def test_the_packages_lazy_simnvml_is_cached_listed_and_safe_to_ask_for_without_
 
 
 @pytest.mark.parametrize("profile, lock, idle_w, locked_mhz, locked_w", [
-    ("h200-141g", (1400, 1400), 78.0, 1395, 135.1),  # before: 78 W locked, at its 345 MHz idle clock
-    ("a100-40g", (1400, 1400), 55.0, 1395, 142.2),
+    # The real H200's idle with a model loaded, 120.6 W at 1980 MHz (docs/hardware.md): a lock there is its idle
+    # clock; before, the whole idle draw scaled by V² gave 173.8 W (and 135.1 W at 1400 MHz).
+    ("h200-141g", (1980, 1980), 78.0, 1980, 120.6),
+    ("h200-141g", (1400, 1400), 78.0, 1395, 99.7),
+    ("a100-40g", (1400, 1400), 55.0, 1395, 92.0),  # before 142.2 W
     ("h200-141g", (345, 1980), 78.0, 345, 78.0),  # a lock whose floor is the idle clock holds nothing up
+    ("seed-16g", (510, 2790), 22.0, 210, 22.0),  # nor one whose floor is the lowest clock
 ])
 def test_a_clock_lock_holds_the_idle_clock_up_and_moves_the_idle_draw_as_nvml_shows(profile, lock, idle_w, locked_mhz,
                                                                                      locked_w):
-    # sim/gpu.py `_idle_held`: idle under a lock, the SM clock held at the lock's lowest clock, the idle power scaled by
-    # its voltage squared (a real card's idle draw moves under a lock: docs/simulator.md). Through NVML: the clock,
+    # sim/gpu.py `_idle_held`: idle under a lock, the SM clock held at the lock's clock, only the clock-dependent part
+    # of the idle power moved (a real card's idle draw moves under a lock: docs/simulator.md). Through NVML: the clock,
     # GpuIdle, and the counter over a second; busy, AppClocks where the lock holds it below the top clock.
     clock = FakeClock()
     n = SimNVML(profile, state_path=None, clock_ns=clock)
@@ -331,3 +335,21 @@ def test_a_clock_lock_holds_the_idle_clock_up_and_moves_the_idle_draw_as_nvml_sh
     n.gpus[0].set_phase(Phase("decode", 0.12))
     want = n.nvmlClocksEventReasonApplicationsClocksSetting if lock[1] < n.gpus[0].profile.sm_clock_max_mhz else 0
     assert n.nvmlDeviceGetCurrentClocksEventReasons(h) == want
+
+
+def test_a_lock_below_the_clock_an_idle_card_holds_lowers_its_idle_draw_to_the_same_figure_as_from_below():
+    # A serving card's context holds its idle clock high (the real H200: 120.6 W at 1980 MHz with a model loaded,
+    # docs/hardware.md): a lock lowers it there. Only the clock-dependent part moves, so the H200 locked at 1400 MHz
+    # idles at the same 99.7 W from either idle clock; before, a lock below the idle clock changed nothing.
+    import dataclasses
+
+    from powerprof.sim.gpu import SimGpu
+    from powerprof.sim.profiles import PROFILES
+
+    serving = dataclasses.replace(PROFILES["h200-141g"], sm_clock_idle_mhz=1980, idle_power_w=120.6)
+    for profile in (serving, PROFILES["h200-141g"]):
+        g = SimGpu(profile, 0, "u")
+        g.set_locked_clocks((1400, 1400))
+        assert g._idle_held() == pytest.approx((1395.0, 99.7), abs=0.1)
+    g = SimGpu(serving, 0, "u")
+    assert g._idle_held() == (1980.0, 120.6)

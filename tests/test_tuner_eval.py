@@ -38,6 +38,17 @@ def test_diurnal_rate_follows_the_day_and_the_length_mix_shifts_when_told():
         diurnal(day, 2.0, shift_at_s=10.0)
 
 
+@pytest.mark.parametrize("level, idle_w", [(1980, 120.6), (1400, 99.7), (900, 87.2)])
+def test_the_virtual_server_idles_a_locked_card_at_what_simgpu_idles_it(level, idle_w):
+    # An idle tick under a locked clock costs SimGpu's idle draw there (sim/gpu.py `_idle_held`). Before, 78 W at every
+    # level: J/token at a level -0.0% (900 MHz) to -0.7% (a 1980 MHz lock) against the live simulated server's.
+    p = get_profile("h200-141g")
+    ticks = []
+    vs = VirtualServer(p, [900, 1400, 1980], knob="clock")
+    vs.run(np.array([35.0]), np.array([10]), np.array([2]), lambda tk: ticks.append(tk) or level, level)
+    assert ticks[0].energy_j / (ticks[0].t_end_s - ticks[0].t_start_s) == pytest.approx(idle_w, abs=0.1)
+
+
 def test_the_virtual_server_keeps_the_simulators_physics():
     p = get_profile("seed-16g")
     capped, free = level_table(p, 200), level_table(p, 300)

@@ -6,7 +6,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from .clock_reasons import REASON_APP_CLOCKS, REASON_GPU_IDLE, clock_event_reason_names, held_by_a_setting
+from .clock_reasons import (CAP_AT_LIMIT_FRACTION, REASON_APP_CLOCKS, REASON_GPU_IDLE, REASON_SETTING_ONLY,
+                            clock_event_reason_names, held_by_a_setting)
 
 # A limit reads back in whole milliwatts, set or not by us: 2 W (the controller's set tolerance,
 # control/restore.py DEFAULT_TOLERANCE_W) is far above that rounding and far below any limit step.
@@ -183,9 +184,11 @@ class ClockLockSigns:
     holds it at, or None (no lock seen, or released).
 
     The signs ClockLockWatch(find_lock=True) reads: CLOCK_LOCK_READINGS busy readings in a row held by a setting with
-    the AppClocks bit (no limiter named, power under 90% of the cap: clock_reasons.held_by_a_setting) at a clock off
-    the lock held (by more than the tolerance) are a lock there; as many busy readings in a row without the bit above
-    the lock by more than the tolerance are its release (the boost clock, hundreds of MHz up). A busy GPU at its top
+    the AppClocks bit (no limiter named, power under 98% of the cap, CAP_AT_LIMIT_FRACTION, where the watch asks 90%:
+    clock_reasons.held_by_a_setting) at a clock off the lock held (by more than the tolerance) are a lock there; as
+    many busy readings in a row not so held above the lock by more than the tolerance are its release (the boost clock,
+    hundreds of MHz up), whatever limiter they name: a power cap or heat only lowers the clock, so a clock above the
+    lock proves it gone. A busy GPU at its top
     clock with no lock shows no AppClocks bit, and a power cap or heat names itself: neither ever starts one. Idle
     readings (GpuIdle, 0% utilisation) say nothing (an idle card sits at its idle clock, and a real one lingers at a
     high clock a while after work): a lock is seen only at the next busy readings. A lock at the top clock shows no
@@ -196,29 +199,46 @@ class ClockLockSigns:
         self.readings = int(readings)
         self.locked_mhz: dict[int, float] = {}  # GPU index → the lock's clock (absent: none)
         self._run: dict[int, tuple[bool, list[float]]] = {}  # GPU index → (held, its readings' MHz) off the state
+        self._signed = False  # some reading carried an SM clock and its reasons: a lock can be seen at all
+        # What the last feed told of the locks: "same" (a busy reading showed the state held, no change under way),
+        # "changed" (a GPU's lock was seen set, moved or released), "blind" (no reading ever carried the signs: no lock
+        # can be seen) or None (nothing: no busy reading, or a change's run of readings still open).
+        self.told: str | None = None
 
     def feed(self, readings) -> tuple:
         """Take one sample's GpuReadings; each GPU's lock MHz (None: none) after them, in the readings' order."""
-        for r in readings:
-            self._feed_one(r)
+        before = dict(self.locked_mhz)
+        said = [self._feed_one(r) for r in readings]
+        if not self._signed:
+            self.told = "blind"
+        elif self.locked_mhz != before:
+            self.told = "changed"
+        else:
+            self.told = "same" if any(said) and not self._run else None
         return tuple(self.locked_mhz.get(getattr(r, "index", None)) for r in readings)
 
-    def _feed_one(self, r) -> None:
+    def _feed_one(self, r) -> bool:
+        """Whether the reading was a busy one that said something of its GPU's lock."""
         mhz, reasons = getattr(r, "sm_clock_mhz", None), getattr(r, "clock_event_reasons", None)
-        if mhz is None or reasons is None or reasons & REASON_GPU_IDLE or getattr(r, "gpu_util_pct", None) == 0:
-            return
+        if mhz is None or reasons is None:
+            return False
+        self._signed = True
+        if reasons & REASON_GPU_IDLE or getattr(r, "gpu_util_pct", None) == 0:
+            return False
         lock = self.locked_mhz.get(r.index)
         power_w = r.power_w if r.power_w is not None else r.power_avg_w
         limit_w = r.enforced_limit_w if r.enforced_limit_w is not None else r.power_limit_w
-        held = bool(reasons & REASON_APP_CLOCKS) and held_by_a_setting(reasons, power_w, limit_w)
+        # The AppClocks bit and no limiter's, under CAP_AT_LIMIT_FRACTION of the cap (not held_by_a_setting's 90%: a
+        # lock whose busy draw sat at 90-98% of the cap was never seen, the 93% of a 250 W cap of an H200 at 1400 MHz).
+        held = (bool(reasons & REASON_APP_CLOCKS) and not reasons & ~REASON_SETTING_ONLY and power_w is not None
+                and (limit_w is None or power_w < CAP_AT_LIMIT_FRACTION * limit_w))
         if held and (lock is None or abs(mhz - lock) > self.tolerance_mhz):
             pass  # a lock where none was, or another one
-        elif not held and lock is not None and mhz > lock + self.tolerance_mhz and held_by_a_setting(
-                reasons, power_w, limit_w):
-            pass  # above the lock, nothing holding it: released
+        elif not held and lock is not None and mhz > lock + self.tolerance_mhz:
+            pass  # above the lock: released, whatever limiter is named (a cap or heat only lowers the clock)
         else:
             self._run.pop(r.index, None)
-            return
+            return True
         was, run = self._run.get(r.index, (held, []))
         run = run if was == held else []
         run.append(mhz)
@@ -229,6 +249,7 @@ class ClockLockSigns:
             else:
                 self.locked_mhz.pop(r.index, None)
             self._run.pop(r.index, None)
+        return True
 
 
 class LimitWatch:

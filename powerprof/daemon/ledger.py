@@ -2108,6 +2108,10 @@ class Ledger:
         # The edge instant is weighted by each GPU's power, instant or averaged: only the weights need it.
         self._power_w = weight_w
         t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, weight_w)
+        # An idle run teaches its setting only once a busy reading tells the locks held up to it (workmodel.lock_told).
+        told = self._locks.told
+        if told is not None:
+            self.learner.lock_told(None if told == "blind" else t, changed=told == "changed")
         self._insert_edge(_Edge(t, wall, counter, power, setting, epoch, avg))
 
     def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> tuple[int, int] | None:
@@ -3304,7 +3308,7 @@ class Ledger:
             if rq.queued_rerun_from_ns is None:
                 rq.queued_rerun_from_ns = int(t[0])
             queued_lower |= np.maximum(arrival, arrival[q]) < np.minimum(end, rq.queued_rerun_from_ns)
-        fit = self.learner.add(setting, a.features, per_gpu, usable)
+        fit = self.learner.add(setting, a.features, per_gpu, usable, ends_ns=t[1:])
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):
@@ -3733,6 +3737,9 @@ class Ledger:
             "daemon_id": self.daemon_id,
             "time_utc": edge.wall_ns,
             "power_limits_w": ",".join("" if x is None else f"{x:g}" for x in setting),
+            # A locked fit's idle power is not the unlocked one's at the same limits (workmodel.LockedSetting).
+            "sm_clock_locks_mhz": ",".join("" if x is None else f"{x:g}"
+                                           for x in getattr(setting, "clocks", (None,) * len(setting))),
             "n_intervals": fit.n,
             "n_busy": fit.n_busy,
             "r2": fit.r2,

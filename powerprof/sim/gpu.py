@@ -27,6 +27,10 @@ class Phase:
 
 
 IDLE = Phase("idle", 0.0)
+# The SM activity an idle card's clock tree keeps (of dyn_power_w's full activity): a real H200 idled at 78 W at its
+# 345 MHz idle clock and at 120.6 W with a model loaded holding 1980 MHz (docs/hardware.md), 42.6 W =
+# 300 W × a × (1 − (345/1980)(0.67/1.0)²) for its profile, a = 0.154. The rest of the idle draw does not follow the clock.
+IDLE_SM_ACTIVITY = 0.154
 
 
 def step_time_factor(compute_share: float, f_mhz: np.ndarray | float, f_max_mhz: float):
@@ -122,11 +126,14 @@ class SimGpu:
             p.sm_clock_max_mhz - p.sm_clock_min_mhz))
 
     def _idle_held(self) -> tuple[float, float]:
-        """(SM clock MHz, W) of the idle card: its idle clock and power, or, where a clock lock's floor is above the
-        idle clock, the lock's lowest clock (a lock between two steps: the one below its ceiling) and the idle power
-        scaled by that clock's voltage squared, as busy power scales with V². A lock moves a real card's idle draw: RTX
-        3090s locked to 210-1950 MHz idled at 15-30 W for 8 W unlocked (ilya-zlobintsev/LACT#908), a V100 locked to its
-        lowest clock at 33 W for 45 W (sasha0552/nvidia-pstated#6); here only up (the idle clock is the lowest)."""
+        """(SM clock MHz, W) of the idle card: its idle clock and power, or, under a clock lock that holds the idle clock
+        elsewhere (a floor above it: the lock's lowest clock; a ceiling below it: the ceiling's step), that clock and
+        the idle power with only its clock-dependent part moved: dyn_power_w × IDLE_SM_ACTIVITY × (f/f_max)(V/V_max)²
+        at the held clock less the same at the idle clock (a lock below the idle clock lowers it, above raises it).
+        Scaling the whole idle draw by V² gave the H200 locked at 1400 MHz 135 W and at 1980 MHz 174 W, above the real
+        H200's 120.6 W idle at 1980 MHz (docs/hardware.md); now 99.7 W and 120.6 W. A lock moves a real card's idle
+        draw both ways: RTX 3090s locked to 210-1950 MHz idled at 15-30 W for 8 W unlocked (ilya-zlobintsev/LACT#908),
+        a V100 locked to its lowest clock at 33 W for 45 W (sasha0552/nvidia-pstated#6)."""
         p = self.profile
         idle_mhz = float(p.sm_clock_idle_mhz)
         if self._locked is None:
@@ -134,10 +141,16 @@ class SimGpu:
         lo_mhz, hi_mhz = self._locked
         allowed = (self._f <= hi_mhz) & (self._f >= lo_mhz)
         below = self._f[self._f <= hi_mhz]
-        held_mhz = float(self._f[allowed][0] if allowed.any() else below[-1] if below.size else self._f[0])
-        if held_mhz <= idle_mhz:
+        if (lo_mhz <= max(idle_mhz, float(self._f[0])) and idle_mhz <= hi_mhz) or not below.size:  # it idles as unlocked
             return idle_mhz, float(p.idle_power_w)
-        return held_mhz, float(p.idle_power_w) * (self._volt_v(held_mhz) / self._volt_v(idle_mhz)) ** 2
+        held_mhz = float(below[-1] if idle_mhz > hi_mhz or not allowed.any() else self._f[allowed][0])
+        return held_mhz, float(p.idle_power_w) + p.dyn_power_w * IDLE_SM_ACTIVITY * (
+            self._clock_scale(held_mhz) - self._clock_scale(idle_mhz))
+
+    def _clock_scale(self, f_mhz: float) -> float:
+        """(f/f_max)(V/V_max)²: what SM dynamic power at clock `f_mhz` is, relative to f_max's, at the same activity."""
+        p = self.profile
+        return f_mhz / p.sm_clock_max_mhz * (self._volt_v(f_mhz) / p.volt_max_v) ** 2
 
     def _choose_busy(self, phase: Phase, extra: float) -> tuple[float, float, int]:
         p = self.profile

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from . import batching, knobs
-from .gpu import Phase, SimGpu
+from .gpu import IDLE, Phase, SimGpu
 from .profiles import GpuProfile
 
 SHARE_GRID = np.linspace(0.0, 1.0, 401)
@@ -28,11 +28,12 @@ SHARE_GRID = np.linspace(0.0, 1.0, 401)
 
 @dataclass(frozen=True)
 class LevelTable:
-    """DVFS outcome at one level over SHARE_GRID: speed relative to f_max and board power."""
+    """DVFS outcome at one level over SHARE_GRID: speed relative to f_max and board power; and the idle card's power."""
 
     level: float
     speed: np.ndarray
     power_w: np.ndarray
+    idle_w: float  # what SimGpu idles at there: a locked clock moves it (sim/gpu.py `_idle_held`), a power limit not
 
     def at(self, share: float) -> tuple[float, float]:
         return float(np.interp(share, SHARE_GRID, self.speed)), float(np.interp(share, SHARE_GRID, self.power_w))
@@ -50,7 +51,8 @@ def level_table(profile: GpuProfile, level: float, knob: str = "power") -> Level
         gpu.set_phase(Phase("decode", float(s)))
         speed.append(gpu.speed_factor(float(s)))
         power.append(gpu.read()["power_w"])
-    return LevelTable(level, np.array(speed), np.array(power))
+    gpu.set_phase(IDLE)
+    return LevelTable(level, np.array(speed), np.array(power), float(gpu.read()["power_w"]))
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,6 @@ class VirtualServer:
         first = np.full(n, np.nan)
         last = np.full(n, np.nan)
         costs, tps = self.costs, self.tokens_per_step
-        idle_w = self.profile.idle_power_w
         level = float(level0)
         table = self.tables[level]
         t = 0.0
@@ -188,11 +189,11 @@ class VirtualServer:
             if not pre and not dec_ids:
                 t_next = arr[nxt] if nxt < n else math.inf
                 if t_next >= tick_end:
-                    energy += idle_w * (tick_end - t)
+                    energy += table.idle_w * (tick_end - t)
                     t = tick_end
                     close_tick(t)
                     continue
-                energy += idle_w * (t_next - t)
+                energy += table.idle_w * (t_next - t)
                 t = t_next
                 continue
             if pre:

@@ -629,6 +629,8 @@ DAEMON_COSTS_COLUMNS = [
     ("daemon_id", STR),
     ("time_utc", TS),  # end of the last interval in the window
     ("power_limits_w", STR),  # the setting: each sampled GPU's limit, comma separated
+    # and each sampled GPU's SM clock lock (MHz, empty: none seen), comma separated; null in files written before it
+    ("sm_clock_locks_mhz", STR),
     ("n_intervals", I32),  # intervals in the rolling window
     ("n_busy", I32),  # of which with work
     ("idle_w", F64),  # intercept: power with nothing running
