@@ -79,6 +79,25 @@ def test_the_context_term_and_the_step_term_weigh_work():
     assert a.features[0, 1] == pytest.approx(2.0)  # two steps: the most tokens any request got
 
 
+def test_the_context_costs_band_gives_each_request_its_figure_at_either_end():
+    """The fit's context cost at its band's two ends (workmodel.ctx_band: the decode cost the other way) splits the same
+    intervals again: the long-context request's figure rises with it, the short one's falls, the sum stays the
+    interval's. Before, the split at the fitted costs alone: nothing said how far either could be off."""
+    reqs = [(-1, -0.5, 0.9, 0.95), (-1, -0.5, 0.9, 0.95)]
+    toks = [(0.1, 0, 1), (0.1, 1, 1), (0.5, 0, 1), (0.5, 1, 1)]
+    ctx = [4000, 0, 4001, 1]
+    band = ((2.0, 0.5, 0.05, 0.5), (2.0, 1.5, 0.05, 0.0))
+    a = _run([0, 1], [100.0], reqs, toks, ctx=ctx,
+             costs=A.WorkCosts(step_j=2.0, decode_j=1.0, ctx_j=0.25, ctx_band=band))
+    mid = a.request_energy[:, 0]
+    for (step, dec, _, c), got in zip(band, a.band_j.T):
+        w0, w1 = step + 2 * dec + c * 8.001, step + 2 * dec + c * 0.001
+        assert got == pytest.approx([100 * w0 / (w0 + w1), 100 * w1 / (w0 + w1)])
+    assert a.band_j[0, 0] > mid[0] > a.band_j[0, 1] and a.band_j[1, 0] < mid[1] < a.band_j[1, 1]
+    assert a.band_j.sum(axis=0) == pytest.approx([100.0, 100.0])
+    assert _run([0, 1], [100.0], reqs, toks, ctx=ctx, costs=A.WorkCosts(ctx_j=0.25)).band_j is None
+
+
 def test_time_no_request_was_live_in_is_idle_at_the_idle_power():
     # One short request from 0.2 s to 0.5 s in a 1 s interval of 100 J; idle power 40 W.
     reqs = [(0.2, 0.3, 0.45, 0.5)]

@@ -7490,3 +7490,21 @@ def test_a_busy_gpu_with_no_clock_lock_starts_no_new_setting(limit_w):
     rows = {r["request_id"]: r for r in sink.rows["requests"]}
     for k in list(arrival)[1:]:
         assert rows[k]["gpu_energy_j"] == pytest.approx(truth[k], rel=0.01), (k, rows[k]["energy_note"])
+
+
+def test_a_row_split_by_the_fit_says_how_far_the_context_cost_band_moves_it():
+    # The fit trades its decode and context costs (beside CPU hogs, long-context turns -7.4% to +15.4% in sum run to
+    # run, unsaid): a row whose figure moves by 5% or more over the context cost's band says how far; one that hardly
+    # leans on it (a short chat beside short chats) says nothing.
+    from powerprof.daemon.liverequest import LiveRequest
+    from powerprof.daemon.rowtext import _approximate_note
+
+    r = LiveRequest(_trace(1, 0.0), gpu_j=100.0, ctx_up_j=12.4, ctx_down_j=-7.6)
+    note = _approximate_note(r) or ""
+    assert "its share of the intervals it shared rests on the work model's context cost" in note, note
+    assert "±2 standard errors" in note and "its figure would be -8% to +12%" in note, note
+    # A short one beside long ones: the band's ends move it the other way.
+    r = LiveRequest(_trace(2, 0.0), gpu_j=100.0, ctx_up_j=-6.0, ctx_down_j=3.0)
+    assert "its figure would be -6% to +3%" in (_approximate_note(r) or "")
+    assert "context cost" not in (_approximate_note(LiveRequest(_trace(3, 0.0), gpu_j=100.0, ctx_up_j=4.9,
+                                                                ctx_down_j=-3.0)) or "")

@@ -29,6 +29,16 @@ def _long_turns():
             for r in conversation_trace(6, 6, 60, 6.0)]
 
 
+def _band_of(rows: pd.DataFrame) -> tuple[float, float]:
+    """The rows' summed error against their truth with each row's figure at the low, then the high, end of the work
+    model's context cost band its note states (rowtext.CTX_BAND_NOTE; a row with none at its figure): the truth lies
+    between where the first is ≤ 0 ≤ the second."""
+    ends = rows["energy_note"].fillna("").str.extract(
+        r"standard errors: there .*? its figure would be ([-+]\d+)% to ([-+]\d+)%").astype(float).fillna(0.0)
+    e, true_j = rows["gpu_energy_j"].fillna(0.0), rows["true_j"].sum()
+    return tuple(float((e * (1 + ends[k] / 100)).sum() / true_j - 1) for k in (0, 1))
+
+
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     """The module's five scenes, three at a time, each its own simulated server and daemon in a process of its own
@@ -67,8 +77,11 @@ def test_turns_of_a_cached_conversation_are_costed_at_the_prefill_they_caused(ru
         m = s["kinds_all"][kind]
         assert m["n"] >= 90 and m["no_share"] == 0, (kind, m)
         # Real-time replay on a loaded host moves these by several % run to run (seen: turns +8.0%, median 15%; 16 runs
-        # two side by side, turns -2.9% to +10.1%; a full suite on 2 cores once +12.2%). Before the fix +22.5%.
-        assert abs(m["sum_err"]) < 0.15, (kind, m)
+        # two side by side, turns -2.9% to +10.1%; a full suite on 2 cores once +12.2%). Before the fix +22.5%. Beside
+        # CPU hogs the fit trades its decode and context costs (turns -7.4% to +15.4%, chats the other way): an error
+        # past 15% must be one the rows said, the truth between their figures' sums at the context cost band's ends.
+        lo, hi = _band_of(o.requests[(o.requests["kind"] == kind) & o.requests["true_j"].notna()])
+        assert abs(m["sum_err"]) < 0.15 or lo <= 0.02 and hi >= -0.02, (kind, m, lo, hi)
     rows = o.requests
     if flavour == "vllm":
         # The server said every cached count: nothing is flagged, and the rows carry the counts (the truth's).

@@ -68,6 +68,9 @@ class WorkCosts:
     idle_w: float | None = None
     prefill_tok_s: float = DEFAULT_PREFILL_TOK_S  # how fast a prompt is prefilled (where it is placed)
     source: str = "fixed"  # fixed (the documented ratio) | fitted
+    # The fit's (step_j, decode_j, prefill_j, ctx_j) at its context cost's band's two ends (workmodel.ctx_band): the
+    # split at each is what each request's figure would be there (Attribution.band_j); () none.
+    ctx_band: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class Attribution:
     # would be placed at PREFILL_TOK_S_SLOW too: which intervals a queued request's prefill reaches rests on the rate.
     # (R, K): each request's share of each interval's energy.
     ratio_split: np.ndarray | None = None
+    # (R, 2) each request's energy (the first column) split at the two ends of costs.ctx_band; None where it has none.
+    band_j: np.ndarray | None = None
     share: np.ndarray | None = None
     # (R, K) the least and the most of each interval's energy each request takes over the range (a prompt token
     # PREFILL_PER_DECODE_RANGE of a decoded token, prefilled at any rate from PREFILL_TOK_S_SLOW to the one in use),
@@ -570,6 +575,17 @@ def attribute(
     if costs.source == "fixed" and ratio_split.any():
         share_lo, share_hi = share_range(share, ratio_split, costs, edges, arrival, prefill_end, p_tok, pre_slow, tok_w,
                                          ctx, server, sequences, f_busy)
+    band_j = None
+    if costs.ctx_band:
+        band_j = np.empty((r_count, 2))
+        for b, (step_j, decode_j, prefill_j, ctx_j) in enumerate(costs.ctx_band):
+            # The prompts stay where the rate in use placed them: only the costs' ratios move.
+            alt, alt_unprox, _ = request_work(replace(costs, step_j=step_j, decode_j=decode_j, prefill_j=prefill_j,
+                                                      ctx_j=ctx_j), tok_w, pre, ctx, server, sequences)
+            alt[:, no_work] = work[:, no_work]  # shared by live time: no costs in it
+            d = alt.sum(axis=0) + alt_unprox
+            band_j[:, b] = (f_busy[None, :] * np.divide(alt, d[None, :], out=np.zeros_like(alt),
+                                                        where=d[None, :] > 0)) @ energy[:, 0]
     request_energy = share @ energy
     dest = np.stack([share.sum(axis=0), f_idle, f_unprox], axis=1)[:, :, None] * energy[:, None, :]
     by_kind = np.zeros((4, energy.shape[1]))
@@ -593,6 +609,7 @@ def attribute(
         share=share,
         share_lo=share_lo,
         share_hi=share_hi,
+        band_j=band_j,
     )
 
 

@@ -3323,6 +3323,9 @@ class Ledger:
             r.cpu_other_pct_j += a.request_energy[i, 5]
             r.no_counter_short_j += a.request_energy[i, 6]
             r.bypass_low_j += a.request_energy[i, 7]
+            if a.band_j is not None:
+                r.ctx_up_j += a.band_j[i, 0] - a.request_energy[i, 0]
+                r.ctx_down_j += a.band_j[i, 1] - a.request_energy[i, 0]
             if fixed_hi_j[i] > 0:
                 r.fixed_j += fixed_j[i]
                 r.fixed_lo_j += fixed_lo_j[i]

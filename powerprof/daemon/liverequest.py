@@ -230,6 +230,10 @@ class LiveRequest:
     # another's decode) may be due much more: its own figure says nothing of that, this does.
     fixed_lo_j: float = 0.0
     fixed_hi_j: float = 0.0
+    # How much more its GPU joules would be (negative: less) split at the fitted context cost's band's ends (context
+    # cost up, down: workmodel.ctx_band, the decode cost moving the other way), summed over the closes split by the fit.
+    ctx_up_j: float = 0.0
+    ctx_down_j: float = 0.0
     # [t0, t1, its GPU joules there] of intervals with prefill over hits no answer had said when they closed while
     # requests whose hit may be among them were still live (`_cache_waiting`): their end may say it. Judged as its row
     # is made, once those (`cache_wait`) have ended (CACHE_UNSAID_FLAG only where the hits are still unsaid then).

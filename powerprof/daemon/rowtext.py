@@ -31,7 +31,7 @@ from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, RUN_ON_MAY_END_PA
 from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
-from .workmodel import IDLE_MIN_S, MIN_BUSY, MIN_BUSY_GPU, MIN_IDLE, MIN_R2
+from .workmodel import CTX_BAND_SE, IDLE_MIN_S, MIN_BUSY, MIN_BUSY_GPU, MIN_IDLE, MIN_R2
 
 # What an interval row's `server_count` says where the server's count is whole (storage/schema.py states them).
 COUNT_COMPLETE = SERVER_COUNT_COMPLETE
@@ -61,6 +61,13 @@ GONE_ABORT_SLACK_S = 1.0
 # measured (`_idle_unmeasured`).
 QUEUED_BESIDE_MIN_SHARE = 0.01
 FIXED_RATIO_MIN_SHARE = 0.05
+# A row split by the fit says how far its figure would move over the fitted context cost's band (`workmodel.ctx_band`)
+# from this share of it on: long-context turns beside short chats, a loaded host, moved -7.4% to +15.4% in sum run to run.
+CTX_BAND_MIN_SHARE = 0.05
+CTX_BAND_NOTE = ("its share of the intervals it shared rests on the work model's context cost (a decoded token of a long "
+                 "context costs more), which the fit tells only to ±{se:g} standard errors: there (the decode cost moving "
+                 "the other way) its figure would be {lo:+.0f}% to {hi:+.0f}%, the intervals' sums measured; fix: none for "
+                 "this row, the band narrows on a quieter host (the proxy reading tokens on time) and with more traffic")
 FIXED_RATIO_LEAD = "{pct}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
 # Given none there (not a joule: a share under 0.5% reads "under 1%"): only the range's slow rate places its prompt
 # beside the others' work.
@@ -1304,6 +1311,10 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         notes.append(FIXED_RATIO_NOTE.format(lead=lead, why=r.fixed_why,
                                              lo=round(100 * (r.fixed_lo_j - r.fixed_j) / r.gpu_j) + 0.0,
                                              hi=round(100 * (r.fixed_hi_j - r.fixed_j) / r.gpu_j) + 0.0))
+    if r.gpu_j > 0 and max(abs(r.ctx_up_j), abs(r.ctx_down_j)) >= CTX_BAND_MIN_SHARE * r.gpu_j:
+        lo, hi = sorted((r.ctx_up_j, r.ctx_down_j))
+        notes.append(CTX_BAND_NOTE.format(se=CTX_BAND_SE, lo=round(100 * min(lo, 0.0) / r.gpu_j) + 0.0,
+                                          hi=round(100 * max(hi, 0.0) / r.gpu_j) + 0.0))
     c = r.trace.counts
     if r.server_ahead >= 0.5 and not r.to_server and no_tokens is None and (c is None or c.tokens_estimated):
         notes.append(f"its tokens were counted from its chunks (one each, or their logprobs) and the server's counter ran {r.server_ahead:.0f} token(s) "

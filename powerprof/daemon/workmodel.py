@@ -47,6 +47,12 @@ MIN_IDLE = 5  # idle runs (below) before their median power is the idle power (u
 # +95%). A run that read 0 J is a counter read stale (energy._stale_if_flat: a GPU never draws nothing): it teaches none.
 IDLE_MIN_S = 0.3
 REFIT_EVERY = 10  # intervals added between fits
+CTX = FEATURES.index("ctx_ktokens")
+# The context cost's band (`ctx_band`), standard errors either side: ~95% of a normal estimate's spread. Its decode and
+# context costs trade: on the simulated H200 beside two CPU hogs (tests/test_daemon_prefix_cache.py's llama.cpp scene)
+# runs fitted 0.0 to 0.113 J per token per 1000 tokens of context, the decode cost 0.29 to 0.12 J a token, and the
+# long-context turns read -7.4% to +15.4% in sum, unsaid; the rows that lean on it now say how far (docs/daemon.md).
+CTX_BAND_SE = 2.0
 MIN_BUSY_GPU = 5  # busy intervals before a GPU's part in the work is judged
 # A GPU whose median busy-interval power rises above its idle median by less than this share of the
 # GPU that rises most does none of the proxied work (a GPU no server uses, or one whose load is its
@@ -125,6 +131,9 @@ class Fit:
     rel_rmse: float | None
     mature: bool
     reason: str  # why not mature ("" when it is)
+    # The work costs (FEATURES[1:]) at the context cost CTX_BAND_SE standard errors above, then below, the fitted one,
+    # the others moved with it as the fit trades them (`ctx_band`); () where it cannot be told.
+    ctx_band: tuple = ()
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -155,6 +164,35 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
                 best[list(support)] = sol
     coef[cols] = best / norm[cols]
     return coef
+
+
+def ctx_band(x: np.ndarray, y: np.ndarray, coef: np.ndarray, held: bool) -> tuple:
+    """The fitted work costs (FEATURES[1:]) at the context cost `CTX_BAND_SE` standard errors above and below the fit
+    `coef` of `y` on `x` (the intercept held at coef[0] where `held`), the other costs moved with it along their
+    covariance with it (where the context cost is high the decode cost is low: long-context work pays what short work
+    gives up), each kept ≥ 0; () with too few busy intervals or a singular design.
+
+    The covariance is the least-squares one on the fit's support (its positive costs, and the context cost always),
+    heteroskedasticity-robust (HC1): an interval's error grows with its work (tokens a late proxy read moved across
+    its edges), not the same in each."""
+    cols = [j for j in range(0 if not held else 1, x.shape[1]) if coef[j] > 0 or j == CTX]
+    busy = (x[:, 2] > 0) | (x[:, 3] > 0)
+    xb = x[busy][:, cols]
+    dof = xb.shape[0] - len(cols)
+    if dof <= 0:
+        return ()
+    res = y[busy] - x[busy] @ coef
+    try:
+        inv = np.linalg.inv(xb.T @ xb)
+    except np.linalg.LinAlgError:
+        return ()
+    cov = inv @ (xb.T * res**2) @ xb @ inv * (xb.shape[0] / dof)
+    k = cols.index(CTX)
+    if not np.all(np.isfinite(cov)) or cov[k, k] <= 0:
+        return ()
+    move = np.zeros(x.shape[1])
+    move[cols] = cov[:, k] / np.sqrt(cov[k, k]) * CTX_BAND_SE
+    return tuple(tuple(float(c) for c in np.maximum(coef + sign * move, 0.0)[1:]) for sign in (1.0, -1.0))
 
 
 def fit_costs(x: np.ndarray, y: np.ndarray, min_busy: int = MIN_BUSY, min_r2: float = MIN_R2,
@@ -190,7 +228,8 @@ def fit_costs(x: np.ndarray, y: np.ndarray, min_busy: int = MIN_BUSY, min_r2: fl
         reason = "no per-token cost found"
     else:
         reason = ""
-    return Fit(tuple(float(c) for c in coef), int(x.shape[0]), n_busy, r2, rel, reason == "", reason)
+    band = ctx_band(x, y, coef, idle_w is not None) if reason == "" else ()
+    return Fit(tuple(float(c) for c in coef), int(x.shape[0]), n_busy, r2, rel, reason == "", reason, band)
 
 
 class CostLearner:
@@ -492,4 +531,4 @@ class CostLearner:
             return WorkCosts(idle_w=idle)
         _, step, dec, pre, ctx = fit.coef
         return WorkCosts(step_j=step, decode_j=dec, prefill_j=pre, ctx_j=ctx, idle_w=idle,
-                         prefill_tok_s=self.prefill_tok_s(setting, pre, idle), source="fitted")
+                         prefill_tok_s=self.prefill_tok_s(setting, pre, idle), source="fitted", ctx_band=fit.ctx_band)
