@@ -94,7 +94,14 @@ MAX_OPEN_TAGS = 256
 # Responses answers whose conversation length is kept for a later turn naming them (Ledger.response_context): ~100 bytes
 # each; a chat client continues its latest turns.
 RESPONSE_CONTEXT_KEEP = 4096
-SPREAD_EVENTS = 64  # a non-streamed response's tokens are spread as this many events
+# A non-streamed response's tokens (and a held-back stream's burst) are spread over its decode as events at most
+# SPREAD_PITCH_S apart, at least SPREAD_EVENTS of them and at most SPREAD_EVENTS_MAX (`spread_events`): each interval
+# and scrape window it spans then gets its rate times their overlap within one event. As 64 events alone, a 100 s answer
+# had one every 1.6 s: of the 0.5 s intervals it spanned one in three got a lump, the others none, and the work model
+# split each one's energy by that lumpy work (its row -23%, the stream beside it +52%, unflagged; docs/daemon.md).
+SPREAD_EVENTS = 64
+SPREAD_PITCH_S = 0.02
+SPREAD_EVENTS_MAX = 6000  # 120 s (the default hold on a whole answer, max_hold_s) at the pitch; longer: farther apart
 BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of the proxied ones stay out of the fit
 # A stream's piece holding more tokens than its sequences, this long or more after its previous piece, is a burst held
 # back since then (a buffering hop that flushes when its buffer fills or on a timer: `_held_burst`) ...
@@ -378,6 +385,13 @@ def cut_batches(batches: list[tuple[int, int]], deaths: list[tuple[int, int]]) -
     scrape, the new one's first) that began at or after its arrival: its process died there. One that arrived later
     went to the new process, its end its own."""
     return [(a0, min([a1, *(e for d, e in deaths if d >= a0)])) for a0, a1 in batches]
+
+
+def spread_events(start_ns: int, t1_ns: int) -> int:
+    """How many events tokens spread evenly (or at the server's pace) over `start_ns`..`t1_ns` are placed as: one per
+    SPREAD_PITCH_S of it, SPREAD_EVENTS at least, SPREAD_EVENTS_MAX at most (a 10-minute span's: 0.1 s apart)."""
+    k = math.ceil(max(t1_ns - start_ns, 0) / (SPREAD_PITCH_S * 1e9))
+    return int(min(max(k, SPREAD_EVENTS), SPREAD_EVENTS_MAX))
 
 
 def merged_span(spans: list[tuple[int, int]], a0: int, a1: int) -> list[tuple[int, int]]:
@@ -1666,19 +1680,20 @@ class Ledger:
                 # that never ran (225 with llama.cpp's timings, rows `complete`). Its decode moved back to end there,
                 # at the old process's pace (`_at_server_pace`, which cuts there too).
                 start = max(trace.arrival_ns, trace.first_ns - (trace.last_ns - cut))
-                ts = self._at_server_pace(r, start, cut, SPREAD_EVENTS, n)
+                ts = self._at_server_pace(r, start, cut, spread_events(start, cut), n)
             else:
                 self.recon.note_unsure(r, trace.last_ns)
                 first = self._whole_answer_first_ns(r)
                 if first != trace.first_ns:
                     r.placed_from_ns = first  # its prompt ends, and its decode starts, there (not its row's TTFT)
-                ts = np.linspace(first, trace.last_ns, SPREAD_EVENTS).astype(np.int64).tolist()
+                ts = np.linspace(first, trace.last_ns, spread_events(first, trace.last_ns)).astype(np.int64).tolist()
             r.ev_t, r.ev_n = [], []
-            self._place(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS)
+            ns = [n / len(ts)] * len(ts)
+            self._place(r, ts, ns)
             if c is not None and c.token_source in ("usage", "timings") and c.invalid is None \
                     and c.count_problem is None:
                 # A whole answer's count is the server's word alone: only its counter checks it.
-                self.recon.note_usage_only(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS, n, 0.0)
+                self.recon.note_usage_only(r, ts, ns, n, 0.0)
         return 0.0
 
     def _whole_answer_first_ns(self, r: LiveRequest) -> int:
@@ -1732,11 +1747,12 @@ class Ledger:
         start = self._decode_start(r, t1)
         if t1 - start <= SAME_DELIVERY_NS:
             return  # nothing to move
-        ts = self._at_server_pace(r, start, t1, SPREAD_EVENTS, n)
+        k = spread_events(start, t1)
+        ts = self._at_server_pace(r, start, t1, k, n)
         if self.recon.server_seen:  # the scrape windows' proxied tokens move with them
-            self.recon.proxied.extend((t, -k) for t, k in zip(r.ev_t, r.ev_n))
-            self.recon.proxied.extend((t, n / SPREAD_EVENTS) for t in ts)
-        r.ev_t, r.ev_n = self._open_only(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS)
+            self.recon.proxied.extend((t, -x) for t, x in zip(r.ev_t, r.ev_n))
+            self.recon.proxied.extend((t, n / k) for t in ts)
+        r.ev_t, r.ev_n = self._open_only(r, ts, [n / k] * k)
         r.placed_from_ns = start
         r.burst_s = (t1 - tr.arrival_ns) / 1e9
         self._burst_said(r, n)
@@ -1782,7 +1798,7 @@ class Ledger:
             last = tr.last_ns if tr.last_ns is not None else int(r.ev_t[-1])
             start = self._decode_start(r, int(last))
             if r.ev_t[m - 1] - start > SAME_DELIVERY_NS:
-                k = int(min(SPREAD_EVENTS, max(2, n1)))
+                k = int(min(spread_events(start, int(r.ev_t[m - 1])), max(2, n1)))
                 ts = self._at_server_pace(r, start, int(r.ev_t[m - 1]), k, n1)
                 if self.recon.server_seen:
                     self.recon.proxied.extend((t, -x) for t, x in zip(r.ev_t[:m], r.ev_n[:m]))
