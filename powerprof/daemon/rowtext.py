@@ -621,8 +621,10 @@ def _batch_cause(r: LiveRequest) -> str:
         # ledger.BATCH_SPAN_MAX_S (imports point down: said, not imported)
         until = (f", marked {span_s:.0f} s from its arrival at most: its bound ran longer, and the rows beside its "
                  "run past that are not flagged" + (" once the server's counter, which counts a request's tokens at "
-                                                    "its end, has counted a token no proxied request lists since its "
-                                                    "arrival (its other prompts' end, or other traffic's)"
+                                                    "its end, has counted since its arrival what its other prompts' "
+                                                    "end may be (tokens no proxied request lists, the finished "
+                                                    "requests' latency reaching its age; or other traffic's passing "
+                                                    "for it)"
                                                     if r.batch_uncounted else ""))
     return (f"this request is that work's cause ({n} other sequence(s), {up_to}{until}), yet it is charged none of it: "
             "its abort's message shows they were let through, not how far they ran (their end unseen, a restart may "
