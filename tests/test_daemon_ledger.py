@@ -5029,6 +5029,21 @@ def test_a_stream_beside_a_whole_answer_held_past_its_hold_is_flagged_where_no_c
         assert rows[5]["gpu_energy_j"] == pytest.approx(150.0, rel=0.05), rows[5]
 
 
+def test_a_whole_answer_itself_past_its_hold_beside_others_says_its_figure_low_or_high():
+    # The review's whole_dir.py (its batch-API scene, holds 10 s): whole answers that were themselves in flight past
+    # their hold beside others read 153-157 J for a fair 176-202 J (-13..-22%), their own decode there given to the
+    # answers beside them, yet the note said "its figure high by up to that" (63-100%). A row whose own tokens came late
+    # (after their intervals closed) says low or high; one whose tokens all came in time keeps "high by up to that".
+    from powerprof.daemon.liverequest import LiveRequest
+    from powerprof.daemon.rowtext import _approximate_note
+
+    said = "intervals closed while a whole answer beside it was still in flight"
+    own_late = _approximate_note(LiveRequest(_trace(1, 0.0), gpu_j=155.0, held_whole_beside_j=155.0, late=600.0)) or ""
+    assert said in own_late and "its figure low or high" in own_late and "high by up to" not in own_late, own_late
+    in_time = _approximate_note(LiveRequest(_trace(2, 0.0), gpu_j=300.0, held_whole_beside_j=300.0)) or ""
+    assert said in in_time and "its figure high by up to that" in in_time, in_time
+
+
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):
     # SGLang runs a stream on 2 s after its client left (`Ledger._run_on`). A stream at 40 tokens/s from 0.5 s, its client
     # gone at `leave`; the server down over (down, up): its old process last scraped at `down`, the new one's first

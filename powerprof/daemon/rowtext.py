@@ -1181,8 +1181,11 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "intervals closed while a whole answer beside it was still in flight (its intervals are held for "
                      "it 120 s at most, or the daemon stopped): that answer's tokens come only with its end, too late "
                      "for them, and no server token counter is read (scrape.server = none), so its decode there, "
-                     "whether its client stayed or left, may be in this row's share, its figure high by up to that; "
-                     f"left out of J/token; fix: {HELD_WHOLE_FIX}")
+                     "whether its client stayed or left, may be in this row's share, its figure "
+                     # Its own tokens late too (a whole answer itself past its hold): its own decode there went to the
+                     # answers beside it, so low as well (the review's batch scene: -13..-22% with 63-100% said "high").
+                     + ("low or high (its own tokens came late too)" if r.late > 0 else "high by up to that")
+                     + f"; left out of J/token; fix: {HELD_WHOLE_FIX}")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):
