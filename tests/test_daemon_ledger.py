@@ -4950,12 +4950,12 @@ def test_a_capped_llamacpp_run_on_that_slots_show_ended_early_leaves_past_its_pl
     assert UNSURE_FLAG not in note, note
 
 
-def _whole_answer_beside_a_stream(end_s, outcome="ok", scraped=False):
+def _whole_answer_beside_a_stream(end_s, outcome="ok", scraped=False, tag_s=None):
     # llama.cpp (100 W throughout, 0.1 s reads): a whole answer from 0.5 s decoding 40 tokens/s to `end_s` (answered,
     # its tokens spread over its decode as the proxy gives them, or `outcome` client_disconnected: its client gone then),
     # a stream 2-5 s beside it at 40 tokens/s (truth 150 J: half of 300 J). The ledger's holds (max_hold_s,
     # prompt_hold_s) cut to 10 s; `scraped`: /slots read each 0.1 s, counting both as they decode (each step), else no
-    # server scraped (scrape.server = none). The rows by id and the ledger.
+    # server scraped (scrape.server = none); `tag_s`: a tag window (from, to) s. The rows by id and the ledger.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.max_hold_ns = led.prompt_hold_ns = int(10 * S)
     led.serves_generate, led.runs_on_after_leave = False, (None, None)
@@ -4996,6 +4996,10 @@ def _whole_answer_beside_a_stream(end_s, outcome="ok", scraped=False):
             led.on_end(whole)
         e += 10.0
         led.add_gpu_sample(int(t * S), int(t * S), [R(e, 100.0)])
+        if tag_s is not None and k == int(round(tag_s[0] * 10)):
+            led.open_tag("bench", int(t * S), int(t * S))
+        if tag_s is not None and k == int(round(tag_s[1] * 10)):
+            led.close_tag("bench", int(t * S), int(t * S))
         if scraped and k:
             led.window_slots = (int((t - 0.01) * S), int((t + 0.01) * S), {0: (7, t <= end_s), 1: (8, 2.0 < t <= 5.0)})
             led.add_server_tokens(int(t * S), counted, int((t - 0.1) * S))
@@ -5042,6 +5046,19 @@ def test_a_whole_answer_itself_past_its_hold_beside_others_says_its_figure_low_o
     assert said in own_late and "its figure low or high" in own_late and "high by up to" not in own_late, own_late
     in_time = _approximate_note(LiveRequest(_trace(2, 0.0), gpu_j=300.0, held_whole_beside_j=300.0)) or ""
     assert said in in_time and "its figure high by up to that" in in_time, in_time
+
+
+@pytest.mark.parametrize("scraped", [False, True], ids=["none", "counted_each_step"])
+def test_a_tag_over_intervals_beside_a_whole_answer_held_past_its_hold_says_its_share(scraped):
+    # The review's scene_tag.py: a tag window over intervals whose requests say uncertain-uncounted (a whole answer in
+    # flight past its hold, no counter read) kept its J/token with no word (+42% there: 0.797 J/token for 0.561). Now
+    # its note says so with the share, as its requests' rows do; with /slots read each step, nothing to say.
+    rows, led = _whole_answer_beside_a_stream(20.0, scraped=scraped, tag_s=(1.0, 8.0))
+    tag = led.emit.rows["tags"][0]
+    note = tag["energy_note"] or ""
+    print(tag["gpu_j_per_token"], note)
+    assert (f"{UNSURE_FLAG}: 100% of its serving GPUs' energy is from intervals closed while a whole answer" in note) \
+        != scraped, note
 
 
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):

@@ -55,7 +55,7 @@ from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED,
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
-                      NO_COUNTER_READ, QUEUED_BESIDE_MIN_SHARE, UNPLACED_FIX, prompt_unread,
+                      HELD_WHOLE_FIX, NO_COUNTER_READ, QUEUED_BESIDE_MIN_SHARE, UNPLACED_FIX, prompt_unread,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_interval_note,
@@ -240,6 +240,10 @@ class _Tag:
     work_missing: bool = False  # an interval inside had no energy from a serving GPU: its J/token is unknown
     excluded: set = field(default_factory=set)  # sampled GPUs (by position) judged to serve none of the proxied work
     excluded_j: float = 0.0  # their energy inside it, in gpu_j and not in its J/token
+    # Of work_j, its intervals' closed while a whole answer was in flight past its hold, no counter read (`_close`'s
+    # held_iv, `LiveRequest.held_whole_beside_j`): that answer's tokens there came late, in none of its tokens
+    # (`_tag_note`).
+    held_whole_j: float = 0.0
     unread: set = field(default_factory=set)  # sampled GPUs (by position) that gave no energy over part of it
     all_gpus_intervals: int = 0  # intervals inside it split with every sampled GPU's energy (none judged idle there)
     tokens: float = 0.0
@@ -3434,7 +3438,7 @@ class Ledger:
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
                       aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | held_iv | unmeasured_iv,
-                      undecided_iv=undecided_iv)
+                      undecided_iv=undecided_iv, held_iv=held_iv)
         self._say_undecided(t, undecided_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted,
@@ -3623,7 +3627,7 @@ class Ledger:
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
                  host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None,
                  work_j=None, serving=None, idle_missing=None, unjudged=False, aside_j=None, unplaced_iv=None,
-                 undecided_iv=None) -> None:
+                 undecided_iv=None, held_iv=None) -> None:
         # aside_j: the energy of the GPUs serving none of the work per interval (their read ones', all of it idle);
         # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all);
         # idle_missing: intervals where a GPU serving none of the work gave no reading: the requests' energy and every
@@ -3686,7 +3690,7 @@ class Ledger:
         n = sum(x[2] for x in self._recent)
         for tag in list(self.tags.values()) + self.closed_tags:
             self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged, server_count, work_j, per_gpu, serving,
-                          unjudged)
+                          unjudged, held_iv)
         self.totals = Totals(
             gpu_energy_j=tuple(float(x) for x in self._gpu_total),
             gpu_unknown_s=tuple(float(x) for x in self._gpu_unknown_s),
@@ -3742,7 +3746,7 @@ class Ledger:
         return row
 
     def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods, host_s=None, other_s=None, judged=None,
-                 server_count=None, work_j=None, per_gpu=None, serving=None, unjudged=False) -> None:
+                 server_count=None, work_j=None, per_gpu=None, serving=None, unjudged=False, held_iv=None) -> None:
         mid = (t[:-1] + t[1:]) // 2
         end = tag.t1_ns if tag.t1_ns is not None else attr.NEVER
         inside = (mid >= tag.t0_ns) & (mid < end)
@@ -3755,6 +3759,8 @@ class Ledger:
         work = gpu if work_j is None else work_j
         tag.work_j += float(np.nansum(work[inside]))
         tag.work_missing = tag.work_missing or bool(np.isnan(work[inside]).any())
+        if held_iv is not None:
+            tag.held_whole_j += float(np.nansum(work[inside & held_iv]))
         if per_gpu is not None and serving is not None:
             tag.excluded.update(int(g) for g in np.flatnonzero(~serving))
             tag.excluded_j += float(np.nansum(per_gpu[np.ix_(inside, ~serving)]))
@@ -3890,6 +3896,16 @@ class Ledger:
                          "than half a sampling interval, so no energy was measured over it: gpu_energy_j, "
                          "cpu_energy_j and gpu_j_per_token are empty (not zero); fix: a window of several sampling "
                          "intervals (daemon.interval_s), and the log's NVML errors")
+        if tg.held_whole_j > 0 and tg.held_whole_j >= QUEUED_BESIDE_MIN_SHARE * tg.work_j:
+            # As its requests' rows there say (`rowtext._held_whole_beside`, out of the live J/token): before, its
+            # J/token unflagged, a window over whole answers held past their hold beside streams +42% (0.797 J/token
+            # for 0.561: 10,036 tokens of 14,250).
+            notes.append(f"{UNSURE_FLAG}: {100 * min(tg.held_whole_j / tg.work_j, 1.0):.0f}% of its serving GPUs' "
+                         "energy is from intervals closed while a whole answer was still in flight (past the daemon's "
+                         "hold for its intervals, or at its stop), no server token counter read (scrape.server = "
+                         "none): that answer's tokens there came after them, in none of this window's tokens, so "
+                         "gpu_j_per_token may be high by them (its requests' rows there say so, left out of "
+                         f"powerprof_joules_per_token); fix: {HELD_WHOLE_FIX}")
         if tg.counted_low and tg.unproxied_j > 0:
             notes.append(f"{tg.counted_low} request(s) in this window carried no token counts, and the server counted "
                          "more tokens than their chunks (several a chunk: speculative decoding, a busy server): that "
