@@ -1005,6 +1005,19 @@ def test_the_gauge_and_its_left_out_counters_are_on_metrics():
                    ("powerprof_joules_per_token_left_out_tokens", "gpus-undecided"): 0}, got
     doc = fams["powerprof_joules_per_token"].documentation
     assert "bypass-uncounted" in doc and "uncertain-uncounted" in doc, doc
+    # Its causes said: before, only "after a client's leave", while the review's batch-API scene left 1,099 of 1,200
+    # intervals out as uncertain-uncounted beside whole answers past their hold, no client leaving.
+    left = fams["powerprof_joules_per_token_left_out_intervals"].documentation
+    assert "whole answer still in flight past the daemon's hold" in left and "batch" in left, left
+    assert "whole answer still in flight past the daemon's hold" in doc, doc
+
+
+def test_the_scrape_none_fix_says_the_rows_beside_a_long_whole_answer_leave_j_per_token():
+    # The fix a may-be-low count offers (schema.BYPASS_NONE_FIX, on usage_above_counter's error too) promised the rows
+    # stay in J/token under scrape.server = none: not those beside a whole answer in flight past the 120 s hold, flagged.
+    from powerprof.storage.schema import bypass_count_fix
+    fix = bypass_count_fix("usage_above_counter")
+    assert "stay in J/token, but for those beside a whole (unstreamed) answer still in flight 120 s" in fix, fix
 
 
 def test_tag_rows_say_how_far_the_server_count_covers_their_intervals():

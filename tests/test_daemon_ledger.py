@@ -5108,12 +5108,12 @@ def test_a_capped_llamacpp_run_on_that_slots_show_ended_early_leaves_past_its_pl
     assert UNSURE_FLAG not in note, note
 
 
-def _whole_answer_beside_a_stream(end_s, outcome="ok", scraped=False):
+def _whole_answer_beside_a_stream(end_s, outcome="ok", scraped=False, tag_s=None):
     # llama.cpp (100 W throughout, 0.1 s reads): a whole answer from 0.5 s decoding 40 tokens/s to `end_s` (answered,
     # its tokens spread over its decode as the proxy gives them, or `outcome` client_disconnected: its client gone then),
     # a stream 2-5 s beside it at 40 tokens/s (truth 150 J: half of 300 J). The ledger's holds (max_hold_s,
     # prompt_hold_s) cut to 10 s; `scraped`: /slots read each 0.1 s, counting both as they decode (each step), else no
-    # server scraped (scrape.server = none). The rows by id and the ledger.
+    # server scraped (scrape.server = none); `tag_s`: a tag window (from, to) s. The rows by id and the ledger.
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     led.max_hold_ns = led.prompt_hold_ns = int(10 * S)
     led.serves_generate, led.runs_on_after_leave = False, (None, None)
@@ -5154,6 +5154,10 @@ def _whole_answer_beside_a_stream(end_s, outcome="ok", scraped=False):
             led.on_end(whole)
         e += 10.0
         led.add_gpu_sample(int(t * S), int(t * S), [R(e, 100.0)])
+        if tag_s is not None and k == int(round(tag_s[0] * 10)):
+            led.open_tag("bench", int(t * S), int(t * S))
+        if tag_s is not None and k == int(round(tag_s[1] * 10)):
+            led.close_tag("bench", int(t * S), int(t * S))
         if scraped and k:
             led.window_slots = (int((t - 0.01) * S), int((t + 0.01) * S), {0: (7, t <= end_s), 1: (8, 2.0 < t <= 5.0)})
             led.add_server_tokens(int(t * S), counted, int((t - 0.1) * S))
@@ -5185,6 +5189,34 @@ def test_a_stream_beside_a_whole_answer_held_past_its_hold_is_flagged_where_no_c
     if scraped:
         assert UNSURE_FLAG not in note, note
         assert rows[5]["gpu_energy_j"] == pytest.approx(150.0, rel=0.05), rows[5]
+
+
+def test_a_whole_answer_itself_past_its_hold_beside_others_says_its_figure_low_or_high():
+    # The review's whole_dir.py (its batch-API scene, holds 10 s): whole answers that were themselves in flight past
+    # their hold beside others read 153-157 J for a fair 176-202 J (-13..-22%), their own decode there given to the
+    # answers beside them, yet the note said "its figure high by up to that" (63-100%). A row whose own tokens came late
+    # (after their intervals closed) says low or high; one whose tokens all came in time keeps "high by up to that".
+    from powerprof.daemon.liverequest import LiveRequest
+    from powerprof.daemon.rowtext import _approximate_note
+
+    said = "intervals closed while a whole answer beside it was still in flight"
+    own_late = _approximate_note(LiveRequest(_trace(1, 0.0), gpu_j=155.0, held_whole_beside_j=155.0, late=600.0)) or ""
+    assert said in own_late and "its figure low or high" in own_late and "high by up to" not in own_late, own_late
+    in_time = _approximate_note(LiveRequest(_trace(2, 0.0), gpu_j=300.0, held_whole_beside_j=300.0)) or ""
+    assert said in in_time and "its figure high by up to that" in in_time, in_time
+
+
+@pytest.mark.parametrize("scraped", [False, True], ids=["none", "counted_each_step"])
+def test_a_tag_over_intervals_beside_a_whole_answer_held_past_its_hold_says_its_share(scraped):
+    # The review's scene_tag.py: a tag window over intervals whose requests say uncertain-uncounted (a whole answer in
+    # flight past its hold, no counter read) kept its J/token with no word (+42% there: 0.797 J/token for 0.561). Now
+    # its note says so with the share, as its requests' rows do; with /slots read each step, nothing to say.
+    rows, led = _whole_answer_beside_a_stream(20.0, scraped=scraped, tag_s=(1.0, 8.0))
+    tag = led.emit.rows["tags"][0]
+    note = tag["energy_note"] or ""
+    print(tag["gpu_j_per_token"], note)
+    assert (f"{UNSURE_FLAG}: 100% of its serving GPUs' energy is from intervals closed while a whole answer" in note) \
+        != scraped, note
 
 
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):
@@ -7056,12 +7088,15 @@ def test_a_null_batch_400s_run_is_bounded_by_the_context_its_abort_says():
     assert 4096 / (40.0 / 3) <= (a1 - a0) / 1e9 < BATCH_SPAN_MAX_S, led._batch_spans
 
 
-def _sglang_capped_batch_beside_streams(batch_end_s, streams, monkeypatch, end_s=50.0, dt=0.25, restart_s=None):
+def _sglang_capped_batch_beside_streams(batch_end_s, streams, monkeypatch, end_s=50.0, dt=0.25, restart_s=None,
+                                       bypass=None, latency=False):
     # SGLang, scraped (its counter at-finish: a request's tokens counted at its end), 100 W throughout: a null /generate
     # batch of 2 prompts answered 400 at 0.3 s (128K context: bounded far past the cap, BATCH_SPAN_MAX_S cut to 20 s
     # here), its other prompt decoding for nobody at 40 tokens/s to `batch_end_s`, counted then; streams (from, to) s
     # at 40 tokens/s beside it (ids 10, 11, ...), each counted at its end; `restart_s`: the page of the scrape then says
-    # a restart (its process gone, the batch's run with it: its count never comes). The rows by id.
+    # a restart (its process gone, the batch's run with it: its count never comes); `bypass`: (at s, tokens) a bypass
+    # request of 0.1 s counted then; `latency`: each window tells its finished requests' summed end-to-end seconds
+    # (SGLang's histogram). The rows by id.
     from powerprof.daemon import ledger as ledger_mod
     from powerprof.daemon.scrape import RUNS_ON_AFTER_LEAVE
     monkeypatch.setattr(ledger_mod, "BATCH_SPAN_MAX_S", 20.0)
@@ -7080,7 +7115,9 @@ def _sglang_capped_batch_beside_streams(batch_end_s, streams, monkeypatch, end_s
     e, prev, counted_batch = 0.0, None, False
     for k in range(int(round(end_s / dt)) + 1):
         t = k * dt
-        count = 0.0
+        count, done, lat = 0.0, 0, 0.0
+        if bypass is not None and prev is not None and prev < bypass[0] <= t:
+            count, done, lat = count + bypass[1], done + 1, lat + 0.1
         if prev is not None and prev < 0.3 <= t:
             led.recon.server_seen = True
             _answered_without_counts(led, batch, 400, 0.3)
@@ -7097,7 +7134,7 @@ def _sglang_capped_batch_beside_streams(batch_end_s, streams, monkeypatch, end_s
                     led.on_tokens(tr, int(ts * S), 1)
                     v[3] += 1
             if t >= z - 1e-9:
-                count += v[3]
+                count, done, lat = count + v[3], done + 1, lat + (z - a)
                 tr.end_ns, tr.outcome = int(z * S), "ok"
                 tr.counts = Counts(generated_tokens=v[3], prompt_tokens=100, model=None, stop_reason=None,
                                    token_source="usage")
@@ -7106,13 +7143,14 @@ def _sglang_capped_batch_beside_streams(batch_end_s, streams, monkeypatch, end_s
         if restart_s is not None and t >= restart_s:
             counted_batch = True  # died with its process: never counted
         if not counted_batch and t >= batch_end_s - 1e-9:
-            count += 40.0 * (batch_end_s - 0.5)
+            count, done, lat = count + 40.0 * (batch_end_s - 0.5), done + 1, lat + batch_end_s - 0.2
             counted_batch = True
         e += 100.0 * dt
         led.add_gpu_sample(int(t * S), int(t * S), [R(e, 100.0)])
         if prev is not None:
             led.add_server_tokens(int(t * S), count, int(prev * S), at_finish=True,
-                                  partial=("server_restart",) if restart else ())
+                                  partial=("server_restart",) if restart else (),
+                                  finished=(done, lat) if latency else None)
         prev = t
         led.advance(int(t * S))
     led.close_all(int(end_s * S))
@@ -7139,6 +7177,76 @@ def test_rows_beside_a_capped_sglang_batch_still_uncounted_past_the_cap_are_flag
     if not flagged:
         assert rows[10]["gpu_energy_j"] == pytest.approx(300.0, rel=0.05), rows[10]
     assert rows[11]["gpu_energy_j"] == pytest.approx(300.0, rel=0.05), rows[11]
+
+
+@pytest.mark.parametrize("bypass", [(22.0, 3), (22.0, 20), (10.0, 20)], ids=["3_at_22s", "20_at_22s", "20_at_10s"])
+@pytest.mark.parametrize("latency", [True, False], ids=["histogram", "no_histogram"])
+def test_a_small_bypass_count_does_not_let_go_of_a_capped_sglang_batch_still_running(bypass, latency, monkeypatch):
+    # The review's scene_batch_bypass: the capped batch (cap 20 s) runs to 35 s, and one small bypass request is counted
+    # while it runs. Before, any unlisted count over a token let go of its hold: the stream at 25-28 s read 300 J for
+    # the truth's 150 J (+100%), unflagged. Now only a count the batch's prompts' end may be: with SGLang's histogram,
+    # a request finished whose latency reaches the batch's age (0.1 s is none); without it, at least what a sequence
+    # decodes from its prefill's end at its span's pace (its 200,000-character prompts bounded at 400 s of prefill:
+    # 20 tokens at 22 s pass then, the hold let go as before, said on its 400's row).
+    rows = _sglang_capped_batch_beside_streams(35.0, [(25.0, 28.0), (38.0, 41.0)], monkeypatch, bypass=bypass,
+                                               latency=latency)
+    note, after = rows[10]["energy_note"] or "", rows[11]["energy_note"] or ""
+    print(rows[10]["gpu_energy_j"], note)
+    assert (BYPASS_LOW_FLAG in note and "batch_run_on" in note) == latency, note
+    assert BYPASS_LOW_FLAG not in after, after
+    assert rows[11]["gpu_energy_j"] == pytest.approx(300.0, rel=0.05), rows[11]
+
+
+def test_a_bypass_count_a_capped_batch_could_not_have_made_by_its_pace_keeps_its_hold():
+    # Without the histogram, the count must reach one sequence's decode from the batch's prefill's end (bounded) at its
+    # span's pace: past that, 20 tokens are no end of a prompt decoding at 20 tokens a second for 100 s; 3,000 are.
+    from powerprof.daemon.ledger import batch_count_may_end
+    t0, one = np.array([110 * S]), (np.array([0]), np.array([10 * S]), np.array([20.0]))
+    assert [batch_count_may_end(*one, t0, t0 + S // 4, np.array([n]), np.array([np.nan]))[0] for n in (20.0, 3000.0)] \
+        == [False, True]
+    # With it, a request finished whose latency reaches the batch's age less BATCH_HOLD_SLACK_S, whatever its tokens.
+    assert [batch_count_may_end(*one, t0, t0 + S // 4, np.array([n]), np.array([s]))[0]
+            for n, s in ((20.0, 109.5), (3000.0, 0.5))] == [True, False]
+    # A window ending by a batch's arrival is none of its: batches by windows at once.
+    got = batch_count_may_end(np.array([0, 200 * S]), np.array([10 * S, 210 * S]), np.array([20.0, 20.0]), t0,
+                              t0 + S // 4, np.array([3000.0]), np.array([np.nan]))
+    assert got.tolist() == [True, False]
+
+
+def test_a_proxied_requests_latency_is_no_capped_batchs_end():
+    # SGLang's histogram sums every finished request's latency, the proxy's own too: a 3-token bypass request (0.1 s)
+    # ending beside a proxied answer of 30 s, 30.1 s in all, is no end of a batch 25 s old. Before (the sum taken
+    # whole), its hold was let go; the proxied one's latency (`recon.finished`) is taken off first.
+    from powerprof.daemon.reconcile import _ScrapeWindow
+    for listed, held in ((True, True), (False, False)):
+        led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+        led.recon.batch_run_ons = {1: (0, int(20 * S))}
+        led._batch_run_on_batches = {1: [(0, int(20 * S))]}
+        led._batch_uncounted = {1: (0, int(7000 * S), int(400 * S), 20.0)}
+        sp = _ScrapeWindow(t0_ns=int(25 * S), t1_ns=int(25.25 * S), server_tokens=1203.0, finished_latency=(2, 30.1),
+                           partial=(), restarted=False, read_span_ns=None, finished_requests=2, bypass_tokens=3.0)
+        led.recon.server_spans = [sp]
+        if listed:
+            led.recon.finished.append((int(25.1 * S), 1200.0, int(30 * S)))
+        led._hold_uncounted_batches(int(26 * S))
+        assert (1 in led._batch_uncounted) == held, led._batch_uncounted
+        assert (led.recon.batch_run_ons[1][1] == int(26 * S)) == held, led.recon.batch_run_ons
+
+
+def test_holding_uncounted_batches_reads_the_windows_and_deaths_once_a_call(monkeypatch):
+    # The review's perf_hold.py: each held 400 rescanned every window and every death shown, 446 ms a step at 5,000 held
+    # 400s over 600 windows. Now the deaths are judged once a call (and the windows read once into arrays): 300 held
+    # 400s beside 4 deaths judge 4, not 1,200; none let go (no death, no count since their arrival), their span held on.
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led._gone_at = [(int((650 + k) * S), 0, None, None) for k in range(4)]
+    calls = []
+    monkeypatch.setattr(led, "_batch_death", lambda g: calls.append(g) or False)
+    led.recon.batch_run_ons = {1: (int(10 * S), int(600 * S))}
+    led._batch_run_on_batches = {1: [(int(10 * S + i * S // 10), int(600 * S)) for i in range(300)]}
+    led._batch_uncounted = {i: (int(10 * S + i * S // 10), int(7000 * S), int(7000 * S), 1.0) for i in range(300)}
+    led._hold_uncounted_batches(int(700 * S))
+    assert len(calls) == 4, len(calls)
+    assert len(led._batch_uncounted) == 300 and led.recon.batch_run_ons[1] == (int(10 * S), int(700 * S))
 
 
 def test_a_batch_400s_pace_is_shared_by_every_sequence_live_beside_it():

@@ -55,7 +55,7 @@ from .proxy import BODY_LEFT_NOTE, CRASHED_NOTE, RESEND_LOADING, RESEND_REFUSED,
 from .reconcile import LAG_S, LAG_SHARE, LAG_TOKENS, SCRAPE_HOLD_S, CountReconciler
 from .scrape import RUNS_ON_AFTER_LEAVE
 from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NOTE, GONE_ABORT_SLACK_S, GPU_MISSING_NOTE,
-                      NO_COUNTER_READ, QUEUED_BESIDE_MIN_SHARE, UNPLACED_FIX, prompt_unread,
+                      HELD_WHOLE_FIX, NO_COUNTER_READ, QUEUED_BESIDE_MIN_SHARE, UNPLACED_FIX, prompt_unread,
                       NO_RAPL_NOTE, UNSAID_FIX, UNSAID_NOTES, _approximate_note, _before_first_note, _burst_fix,
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_interval_note,
@@ -176,6 +176,9 @@ BATCH_PREFILL_CTX_SHARE = 4e-4
 # The longest a batch's span marks (`_batch_end_ns`): a span runs to bounds that err long (a null's context, floor
 # rates), and one band abort must not blank J/token for hours; its row says where its span was cut so.
 BATCH_SPAN_MAX_S = 600.0
+# How much later than the proxy's arrival stamp a server's end-to-end latency may start (its own receipt, its clock):
+# a finished request's latency under its age less this is no end of that batch (`batch_count_may_end`).
+BATCH_HOLD_SLACK_S = 1.0
 # Intervals a request keeps to judge once the requests whose end may say their hits have ended (`LiveRequest.cache_unsure`);
 # beyond, judged at their close as before (a stream live for hours over 1 s intervals).
 CACHE_UNSURE_MAX = 256
@@ -245,6 +248,10 @@ class _Tag:
     work_missing: bool = False  # an interval inside had no energy from a serving GPU: its J/token is unknown
     excluded: set = field(default_factory=set)  # sampled GPUs (by position) judged to serve none of the proxied work
     excluded_j: float = 0.0  # their energy inside it, in gpu_j and not in its J/token
+    # Of work_j, its intervals' closed while a whole answer was in flight past its hold, no counter read (`_close`'s
+    # held_iv, `LiveRequest.held_whole_beside_j`): that answer's tokens there came late, in none of its tokens
+    # (`_tag_note`).
+    held_whole_j: float = 0.0
     unread: set = field(default_factory=set)  # sampled GPUs (by position) that gave no energy over part of it
     all_gpus_intervals: int = 0  # intervals inside it split with every sampled GPU's energy (none judged idle there)
     tokens: float = 0.0
@@ -378,6 +385,44 @@ def batches_added(batches: list[tuple[int, int]], a0: int, a1: int) -> list[tupl
     them (`cut_batches`). Kept, each batch keeps its own end at a cut: one end for the span, a batch sent to the new
     process inside a restart's window lost its run to an older batch's cut (42.1 s to 12.0 s, its rows unflagged)."""
     return [b for b in batches if not (b[0] <= a0 and b[1] <= a1)] + [(a0, a1)]
+
+
+def batch_count_may_end(a0_ns: np.ndarray, prefill_end_ns: np.ndarray, pace_tok_s: np.ndarray, t0_ns: np.ndarray,
+                        t1_ns: np.ndarray, tokens: np.ndarray, latency_s: np.ndarray) -> np.ndarray:
+    """Whether each batch 400 (its other prompts arrived at `a0_ns`, prefilled by `prefill_end_ns` at the latest,
+    decoding at `pace_tok_s` a sequence) may have ended in one of the resolved windows (start `t0_ns`, end `t1_ns`)
+    whose bypass `tokens` are over LAG_TOKENS (`Ledger._hold_uncounted_batches`): SGLang counts a request's tokens at its
+    end. Where the window's finished requests' summed end-to-end seconds are told (`latency_s`, NaN where not), they
+    must reach the batch's age at the window's start less BATCH_HOLD_SLACK_S: no request of the batch could have
+    finished in it otherwise (a 3-token bypass request's 0.1 s at 22 s is no end of a batch that arrived at 0.2 s).
+    Where not told, its tokens must reach what one sequence decodes from that prefill's end to the window's start at
+    that pace (the batch's span's own estimate: a pace joined by more sequences later falls below it; a hold kept too
+    long over-flags, never hides). The told windows by their ends' order, the latest arrival each lets go as a running
+    minimum from the last: (batches + windows) log windows (a matrix of both cost 234 ms at 5,000 by 600); the untold,
+    the histogram not read, a matrix."""
+    a0_ns = np.asarray(a0_ns, dtype=np.int64)
+    told = ~np.isnan(latency_s)
+    order = np.argsort(t1_ns[told], kind="stable")
+    t1_told = t1_ns[told][order]
+    # A told window lets go every batch arrived by its start less its latency and the slack, and before its end.
+    reach = (t0_ns[told] - (latency_s[told] + BATCH_HOLD_SLACK_S) * 1e9)[order]
+    least = np.minimum.accumulate(reach[::-1])[::-1] if reach.size else reach
+    at = np.searchsorted(t1_told, a0_ns, side="right")
+    done = np.zeros(a0_ns.shape, dtype=bool)
+    ok = at < t1_told.size
+    done[ok] = least[at[ok]] <= a0_ns[ok]
+    if (~told).any():
+        a0, pre, pace = a0_ns[:, None], np.asarray(prefill_end_ns)[:, None], np.asarray(pace_tok_s)[:, None]
+        t0u, t1u = t0_ns[~told], t1_ns[~told]
+        by_tokens = tokens[~told] >= np.maximum(0.0, (t0u - pre) / 1e9) * pace
+        done |= ((t1u > a0) & by_tokens).any(axis=1)
+    return done
+
+
+def listed_latency_s(end_ns: np.ndarray, latency_s: np.ndarray, t0_ns: np.ndarray, t1_ns: np.ndarray) -> np.ndarray:
+    """The summed `latency_s` of the proxied requests ended at `end_ns` (sorted) in each window (`t0_ns`, `t1_ns`]."""
+    cum = np.concatenate([[0.0], np.cumsum(latency_s)])
+    return cum[np.searchsorted(end_ns, t1_ns, side="right")] - cum[np.searchsorted(end_ns, t0_ns, side="right")]
 
 
 def cut_batches(batches: list[tuple[int, int]], deaths: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -536,10 +581,11 @@ class Ledger:
         # (arrival, latest end) of batches answered 400 that SGLang may have run on (`_batch_run_on`) where no scrape
         # window is there to mark: the intervals whose requests say so (`batch_beside_j`); disjoint, merged.
         self._batch_spans: list[tuple[int, int]] = []
-        # A scraped batch 400 whose span was cut at BATCH_SPAN_MAX_S, by request id: (its arrival, its bound uncut), its
-        # span held open past the cap while its at-finish server's count shows no unlisted token
-        # (`_hold_uncounted_batches`).
-        self._batch_uncounted: dict[int, tuple[int, int]] = {}
+        # A scraped batch 400 whose span was cut at BATCH_SPAN_MAX_S, by request id: (its arrival, its bound uncut, its
+        # prompts' prefill's end as bounded, their decode pace a sequence taken), its span held open past the cap while
+        # its at-finish server has counted nothing its prompts' end may be (`_hold_uncounted_batches`,
+        # `batch_count_may_end`).
+        self._batch_uncounted: dict[int, tuple[int, int, int, float]] = {}
         # The batches (arrival, end) each such span holds, by its start (`batches_added`), and each of
         # recon.batch_run_ons's, by its key: a restart cuts each batch apart (`_end_run_ons_at_restart`).
         self._batch_span_batches: dict[int, list[tuple[int, int]]] = {}
@@ -1262,7 +1308,9 @@ class Ledger:
         r.batch_run_on = True  # its row says so (`rowtext._no_energy_reason`)
         if r.batch_capped and self.recon.server_at_finish:
             r.batch_uncounted = True
-            self._batch_uncounted[tr.request_id] = (int(tr.arrival_ns), bound_ns)
+            prefill_s, pace = self._batch_timing(tr, seqs) or (0.0, BATCH_PACE_FLOOR_TOK_S)
+            self._batch_uncounted[tr.request_id] = (int(tr.arrival_ns), bound_ns,
+                                                    int(tr.arrival_ns) + int(prefill_s * 1e9), pace)
         latest, spans = max(int(tr.end_ns), latest), self.recon.batch_run_ons
         # Overlapping spans merged into one, as under none: before, an entry each, and the windows' check over them
         # went quadratic (5,000 400s a block: 3.6, 10.4, 22, 29.6 s of ledger CPU).
@@ -1277,28 +1325,66 @@ class Ledger:
 
     def _hold_uncounted_batches(self, upto_ns: int) -> None:
         """Hold a capped batch 400's span (`_batch_uncounted`) open to the latest scrape (`upto_ns`, at most its bound
-        uncut) while its server, counting a request's tokens at its end (SGLang), has counted no unlisted token since its
-        arrival: its other prompts have not ended, so their run goes on past BATCH_SPAN_MAX_S. Let go at the first
-        resolved window from its arrival with bypass tokens (its prompts' count, or other bypass traffic: then as
-        before, its rows past the cap unflagged), at a death shown since its arrival, at its bound, or once its span is
-        gone (pruned).
-        Before, the rows there were unflagged: a stream beside such a run 100 s past the cap read +100%."""
+        uncut) while its server, counting a request's tokens at its end (SGLang), has counted no unlisted count its
+        prompts' end could be since its arrival (`batch_count_may_end`): their run goes on past BATCH_SPAN_MAX_S. Let go
+        at the first resolved window from its arrival whose bypass tokens may be its prompts' end (or other bypass
+        traffic's that passes for it: then as before, its rows past the cap unflagged), at a death shown since its
+        arrival, at its bound, or once its span is gone (pruned).
+        Before, the rows there were unflagged: a stream beside such a run 100 s past the cap read +100%; and any
+        unlisted count over a token let go: a 3-token bypass request at 22 s beside a run to 35 s (cap 20 s) left the
+        stream at 25-28 s +100%, unflagged. The windows and deaths are read once a call (before, per held 400: 446 ms a
+        step at 5,000 held 400s over 600 windows)."""
+        if not self._batch_uncounted:
+            return
         spans, rc = self.recon.batch_run_ons, self.recon
-        for rid, (a0, bound) in list(self._batch_uncounted.items()):
-            key = next((k for k, (b0, b1) in spans.items() if b0 <= a0 <= b1), None)
-            counted = any(sp.bypass_tokens is not None and sp.bypass_tokens > LAG_TOKENS and sp.t1_ns > a0
-                          for sp in rc.server_spans)
-            # A death shown since its arrival ended its run there (`_end_run_ons_at_restart`): never held past it.
-            counted = counted or any(g[0] >= a0 and self._batch_death(g) for g in self._gone_at)
-            if key is None or counted or upto_ns >= bound:
+        wins = [sp for sp in rc.server_spans if sp.bypass_tokens is not None and sp.bypass_tokens > LAG_TOKENS]
+        t0 = np.array([sp.t0_ns for sp in wins], dtype=np.int64)
+        t1 = np.array([sp.t1_ns for sp in wins], dtype=np.int64)
+        tokens = np.array([sp.bypass_tokens for sp in wins], dtype=float)
+        latency_s = np.array([sp.finished_latency[1] if sp.finished_latency is not None else np.nan for sp in wins],
+                             dtype=float)
+        # Less the proxied requests' own latencies that ended in each (`recon.finished`): a long stream's end beside a
+        # 3-token bypass request is no batch's end either.
+        fin = sorted((f[0], f[2] / 1e9) for f in rc.finished)
+        latency_s = np.maximum(0.0, latency_s - listed_latency_s(np.array([f[0] for f in fin], dtype=np.int64),
+                                                                 np.array([f[1] for f in fin], dtype=float), t0, t1))
+        held_now = list(self._batch_uncounted.items())
+        a0s = np.array([v[0] for _, v in held_now], dtype=np.int64)
+        counted = (batch_count_may_end(a0s, np.array([v[2] for _, v in held_now], dtype=np.int64),
+                                       np.array([v[3] for _, v in held_now], dtype=float), t0, t1, tokens, latency_s)
+                   if wins else np.zeros(len(held_now), dtype=bool))
+        # A death shown since its arrival ended its run there (`_end_run_ons_at_restart`): never held past it.
+        died = max((g[0] for g in self._gone_at if self._batch_death(g)), default=None)
+        if died is not None:
+            counted |= a0s <= died
+        keys = sorted((b0, b1, k) for k, (b0, b1) in spans.items())
+        starts = [b0 for b0, _, _ in keys]
+        for (rid, (a0, bound, _, _)), gone in zip(held_now, counted.tolist()):
+            at = bisect.bisect_right(starts, a0) - 1  # spans are disjoint: the one starting last at or before it
+            key = keys[at][2] if at >= 0 and a0 <= keys[at][1] else None
+            if key is None or gone or upto_ns >= bound:
                 del self._batch_uncounted[rid]
-            if key is None or counted:
+            if key is None or gone:
                 continue
             end = min(upto_ns, bound)
             if end > spans[key][1]:
                 spans[key] = (spans[key][0], end)
                 held = self._batch_run_on_batches.get(key, [(a0, end)])
                 self._batch_run_on_batches[key] = [(b0, max(b1, end) if b0 == a0 else b1) for b0, b1 in held]
+
+    def _batch_timing(self, tr: RequestTrace, seqs: int) -> tuple[float, float] | None:
+        """(its prompts' prefill's seconds, each sequence's decode pace) a batch SGLang answered 400 is taken to run at
+        (`_batch_end_ns`); None where its prompts' size is unread."""
+        size, context = batch_context_bound(tr.extra), batch_context(tr.extra, tr.extra.get("error_message"))
+        if size is None:
+            return None
+        live = sum(self._live_seqs.values())  # this batch ended: not among them
+        pace = (float(np.median(self._paces)) if self._paces else BATCH_PACE_FLOOR_TOK_S) / max(seqs + live, 1)
+        # A prompt of the batch is at most its size and the context (`batch_context`): each rate learned taken at that
+        # length (BATCH_PREFILL_CTX_SHARE), the lowest a bound.
+        rate = min((r * min(1.0, (1 + BATCH_PREFILL_CTX_SHARE * ctx) / (1 + BATCH_PREFILL_CTX_SHARE * context))
+                    for r, ctx in self._prefill_rates), default=BATCH_PREFILL_FLOOR_TOK_S)
+        return size / rate, pace
 
     def _batch_end_ns(self, tr: RequestTrace, seqs: int) -> int:
         """The end a batch SGLang answered 400 is taken to run its other prompts within (`_batch_run_on`; not a proof),
@@ -1313,19 +1399,13 @@ class Ledger:
         not fall as sequences join, so each of n decodes at least at pace / n. Before: twice the limit at the learned
         pace alone, no prefill: a null batch beside 30 streams was marked to 9.8 s and ran to 13.4 s, 24 prompts of
         1,500 tokens prefilled to 2.25 s behind a span of 0.14 s. attr.NEVER where its prompts' size is unread."""
-        size, context = batch_context_bound(tr.extra), batch_context(tr.extra, tr.extra.get("error_message"))
         limit = tr.extra.get("max_tokens")
         if not isinstance(limit, int):
-            limit = context
-        if size is None or limit is None:
+            limit = batch_context(tr.extra, tr.extra.get("error_message"))
+        timing = self._batch_timing(tr, seqs)
+        if timing is None or limit is None:
             return int(attr.NEVER)
-        live = sum(self._live_seqs.values())  # this batch ended: not among them
-        pace = (float(np.median(self._paces)) if self._paces else BATCH_PACE_FLOOR_TOK_S) / max(seqs + live, 1)
-        # A prompt of the batch is at most its size and the context (`batch_context`): each rate learned taken at that
-        # length (BATCH_PREFILL_CTX_SHARE), the lowest a bound.
-        rate = min((r * min(1.0, (1 + BATCH_PREFILL_CTX_SHARE * ctx) / (1 + BATCH_PREFILL_CTX_SHARE * context))
-                    for r, ctx in self._prefill_rates), default=BATCH_PREFILL_FLOOR_TOK_S)
-        span_s = size / rate + limit / pace
+        span_s = timing[0] + limit / timing[1]
         return min(int(tr.arrival_ns) + int(span_s * 1e9), int(attr.NEVER))
 
     def _unplaced(self, r: LiveRequest, limit) -> None:
@@ -3461,7 +3541,7 @@ class Ledger:
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
                       aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | held_iv | unmeasured_iv,
-                      undecided_iv=undecided_iv)
+                      undecided_iv=undecided_iv, held_iv=held_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted,
                             unmeasured_j=np.where(unmeasured_iv, unmeasured_j, 0.0),
@@ -3649,7 +3729,7 @@ class Ledger:
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
                  host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None,
                  work_j=None, serving=None, idle_missing=None, unjudged=False, aside_j=None, unplaced_iv=None,
-                 undecided_iv=None) -> None:
+                 undecided_iv=None, held_iv=None) -> None:
         # aside_j: the energy of the GPUs serving none of the work per interval (their read ones', all of it idle);
         # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all);
         # idle_missing: intervals where a GPU serving none of the work gave no reading: the requests' energy and every
@@ -3712,7 +3792,7 @@ class Ledger:
         n = sum(x[2] for x in self._recent)
         for tag in list(self.tags.values()) + self.closed_tags:
             self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged, server_count, work_j, per_gpu, serving,
-                          unjudged)
+                          unjudged, held_iv)
         self.totals = Totals(
             gpu_energy_j=tuple(float(x) for x in self._gpu_total),
             gpu_unknown_s=tuple(float(x) for x in self._gpu_unknown_s),
@@ -3772,7 +3852,7 @@ class Ledger:
         return row
 
     def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods, host_s=None, other_s=None, judged=None,
-                 server_count=None, work_j=None, per_gpu=None, serving=None, unjudged=False) -> None:
+                 server_count=None, work_j=None, per_gpu=None, serving=None, unjudged=False, held_iv=None) -> None:
         mid = (t[:-1] + t[1:]) // 2
         end = tag.t1_ns if tag.t1_ns is not None else attr.NEVER
         inside = (mid >= tag.t0_ns) & (mid < end)
@@ -3785,6 +3865,8 @@ class Ledger:
         work = gpu if work_j is None else work_j
         tag.work_j += float(np.nansum(work[inside]))
         tag.work_missing = tag.work_missing or bool(np.isnan(work[inside]).any())
+        if held_iv is not None:
+            tag.held_whole_j += float(np.nansum(work[inside & held_iv]))
         if per_gpu is not None and serving is not None:
             tag.excluded.update(int(g) for g in np.flatnonzero(~serving))
             tag.excluded_j += float(np.nansum(per_gpu[np.ix_(inside, ~serving)]))
@@ -3920,6 +4002,16 @@ class Ledger:
                          "than half a sampling interval, so no energy was measured over it: gpu_energy_j, "
                          "cpu_energy_j and gpu_j_per_token are empty (not zero); fix: a window of several sampling "
                          "intervals (daemon.interval_s), and the log's NVML errors")
+        if tg.held_whole_j > 0 and tg.held_whole_j >= QUEUED_BESIDE_MIN_SHARE * tg.work_j:
+            # As its requests' rows there say (`rowtext._held_whole_beside`, out of the live J/token): before, its
+            # J/token unflagged, a window over whole answers held past their hold beside streams +42% (0.797 J/token
+            # for 0.561: 10,036 tokens of 14,250).
+            notes.append(f"{UNSURE_FLAG}: {100 * min(tg.held_whole_j / tg.work_j, 1.0):.0f}% of its serving GPUs' "
+                         "energy is from intervals closed while a whole answer was still in flight (past the daemon's "
+                         "hold for its intervals, or at its stop), no server token counter read (scrape.server = "
+                         "none): that answer's tokens there came after them, in none of this window's tokens, so "
+                         "gpu_j_per_token may be high by them (its requests' rows there say so, left out of "
+                         f"powerprof_joules_per_token); fix: {HELD_WHOLE_FIX}")
         if tg.counted_low and tg.unproxied_j > 0:
             notes.append(f"{tg.counted_low} request(s) in this window carried no token counts, and the server counted "
                          "more tokens than their chunks (several a chunk: speculative decoding, a busy server): that "

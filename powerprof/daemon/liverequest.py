@@ -115,8 +115,8 @@ class LiveRequest:
     batch_bound: tuple[int, int | None, float | None] | None = None
     # That span was cut at ledger.BATCH_SPAN_MAX_S: its run may go on past it, the rows there unflagged
     batch_capped: bool = False
-    # ... but held open past it while its at-finish server's count shows no unlisted token since its arrival
-    # (`Ledger._hold_uncounted_batches`): the rows there flagged (batch_run_on) until its count comes
+    # ... but held open past it while its at-finish server has counted nothing since its arrival that its prompts' end
+    # may be (`Ledger._hold_uncounted_batches`): the rows there flagged (batch_run_on) until such a count comes
     batch_uncounted: bool = False
     # Its close with no answer came as its server died (`Ledger._crash_seen`): a crash, not a router refusing it
     crash_seen: bool = False

@@ -375,8 +375,10 @@ class SnapshotCollector:
                                     "read (bypass-uncounted: bypass traffic's energy may be in the requests', or theirs "
                                     "in unproxied; the rule analyze leaves such requests out "
                                     "by) and intervals after a client's leave from a server whose kind the daemon does "
-                                    f"not know, scraping none ({UNSURE_FLAG}: a run-on for nobody may be in the "
-                                    "requests' share; fix: set scrape.server); powerprof_joules_per_token_left_out_* "
+                                    "not know, beside a whole answer still in flight past the daemon's hold, or beside "
+                                    f"a batch answered 400, scraping none ({UNSURE_FLAG}: a run-on for nobody or that "
+                                    "answer's decode may be in the requests' share; fix: set scrape.server); "
+                                    "powerprof_joules_per_token_left_out_* "
                                     "count them; absent when none is left",
                                     value=s.joules_per_token)
         lo_iv = CounterMetricFamily("powerprof_joules_per_token_left_out_intervals", "Intervals with tokens left out of "
@@ -384,8 +386,12 @@ class SnapshotCollector:
                                     "counter, mostly idle: fix: " + NO_COUNTER_SHORT_FIX + "), bypass-uncounted (their "
                                     "server_count says the bypass count may be low (or high: proxy_lag, server_restart) or "
                                     "unread: "
-                                    f"the interval rows say why), {UNSURE_FLAG} (after a client's leave, the server's "
-                                    "kind unknown: scrape.server = none; the request rows say so), "
+                                    f"the interval rows say why), {UNSURE_FLAG} (work that is no live request's own "
+                                    "may be in their shares: after a client's leave, the server's kind unknown; beside "
+                                    "a whole answer still in flight past the daemon's hold for its intervals, or a batch "
+                                    "answered 400 that may run on, no server counter read (scrape.server = none); a "
+                                    "run-on for nobody not placed whole; idle power not measured yet; the request rows say "
+                                    "which), "
                                     f"{GPUS_UNDECIDED_REASON} (split before the daemon knew which of several GPUs serve: "
                                     "every GPU's energy the work's; the log says why and the fix)", labels=["reason"])
         lo_tok = CounterMetricFamily("powerprof_joules_per_token_left_out_tokens", "Proxied tokens of the intervals "

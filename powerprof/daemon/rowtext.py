@@ -640,8 +640,10 @@ def _batch_cause(r: LiveRequest) -> str:
         # ledger.BATCH_SPAN_MAX_S (imports point down: said, not imported)
         until = (f", marked {span_s:.0f} s from its arrival at most: its bound ran longer, and the rows beside its "
                  "run past that are not flagged" + (" once the server's counter, which counts a request's tokens at "
-                                                    "its end, has counted a token no proxied request lists since its "
-                                                    "arrival (its other prompts' end, or other traffic's)"
+                                                    "its end, has counted since its arrival what its other prompts' "
+                                                    "end may be (tokens no proxied request lists, the finished "
+                                                    "requests' latency reaching its age; or other traffic's passing "
+                                                    "for it)"
                                                     if r.batch_uncounted else ""))
     return (f"this request is that work's cause ({n} other sequence(s), {up_to}{until}), yet it is charged none of it: "
             "its abort's message shows they were let through, not how far they ran (their end unseen, a restart may "
@@ -1213,8 +1215,11 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
                      "intervals closed while a whole answer beside it was still in flight (its intervals are held for "
                      "it 120 s at most, or the daemon stopped): that answer's tokens come only with its end, too late "
                      "for them, and no server token counter is read (scrape.server = none), so its decode there, "
-                     "whether its client stayed or left, may be in this row's share, its figure high by up to that; "
-                     f"left out of J/token; fix: {HELD_WHOLE_FIX}")
+                     "whether its client stayed or left, may be in this row's share, its figure "
+                     # Its own tokens late too (a whole answer itself past its hold): its own decode there went to the
+                     # answers beside it, so low as well (the review's batch scene: -13..-22% with 63-100% said "high").
+                     + ("low or high (its own tokens came late too)" if r.late > 0 else "high by up to that")
+                     + f"; left out of J/token; fix: {HELD_WHOLE_FIX}")
     if _whole_gone(r):  # its share is of intervals it was live in only, not of its work
         notes.append(f"{WHOLE_GONE_NOTE}; its own figure is a share of intervals it was live in, none of its work")
     if _best_of_flagged(r, best_of_ignored):

@@ -553,11 +553,13 @@ BYPASS_COUNT_FIX = {
 # scraping nothing, it knows no server kind, so no run-on after a client's leave (SGLang's, llama.cpp's) is placed, the
 # cut rows and those beside them flagged UNSURE_FLAG (docs/daemon.md, "A request the server runs on after its client
 # left"); so the fix says so, and is not offered for `run_on_may_end` nor `batch_run_on`, which only SGLang's run-ons
-# cause.
+# cause. Nor are the rows beside a whole answer in flight past the ledger's 120 s hold for its intervals
+# (Ledger max_hold_s): with no counter read its decode there is in their shares, flagged (docs/daemon.md).
 BYPASS_NONE_FIX = ("where every request goes through the proxy and no client leaves mid-answer (SGLang and llama.cpp "
                    "run such a request on, which only a scraped server's kind lets the daemon place), set "
                    "scrape.server = none: there is then no bypass traffic to count, and the rows (server_count off) "
-                   "stay in J/token")
+                   "stay in J/token, but for those beside a whole (unstreamed) answer still in flight 120 s after its "
+                   "arrival, flagged then")
 BYPASS_PROXY_FIX = "or send every request through the proxy"
 
 
