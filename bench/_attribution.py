@@ -479,6 +479,19 @@ def run_mixed(trace: list[TraceRequest], profile="h200-141g", interval_s: float 
     reqs["true_tokens"] = [truth[str(i)]["generated"] if str(i) in truth else np.nan for i in reqs["index"]]
     reqs["true_cached"] = [truth[str(i)].get("cached_tokens", np.nan) if str(i) in truth else np.nan
                            for i in reqs["index"]]
+    # When the engine worked on each request, UTC ns: its first prefill step's start (on the engine's schedule, as its
+    # truth's energy) to its last token. Its row's span (the proxy's arrival to its end) beyond that is time the GPU
+    # idled with it live (not yet forwarded, queued, its end read late: a loaded host), the daemon's and not the truth's.
+    span: dict = {}
+    for row in srv.truth:
+        cid, t0 = row.get("client_id"), row.get("t_prefill_start_sched_ns")
+        if cid is None or t0 is None:
+            continue
+        t1 = max([row.get("t_prefill_end_ns") or t0, *(t for t, _n in row.get("emissions") or ())])
+        a, b = span.get(cid, (t0, t1))
+        span[cid] = (min(a, t0), max(b, t1))
+    reqs["true_start_ns"] = [span[str(i)][0] + wall_off if str(i) in span else np.nan for i in reqs["index"]]
+    reqs["true_end_ns"] = [span[str(i)][1] + wall_off if str(i) in span else np.nan for i in reqs["index"]]
     scrape_windows = np.array(windows, dtype=np.int64).reshape(-1, 2) + wall_off
     return Outcome(requests=reqs, intervals=intervals, costs=costs, measured_j=measured, bypass_truth_j=bypass_truth,
                    unproxied_j=float(intervals["unproxied_energy_j"].sum()), client_tokens=0, wall_s=wall,
