@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -5185,6 +5186,26 @@ def test_a_stream_beside_a_whole_answer_held_past_its_hold_is_flagged_where_no_c
     if scraped:
         assert UNSURE_FLAG not in note, note
         assert rows[5]["gpu_energy_j"] == pytest.approx(150.0, rel=0.05), rows[5]
+
+
+@pytest.mark.parametrize("scraped", [False, True], ids=["none_scraped", "counted_each_step"])
+def test_a_whole_answer_past_its_hold_whose_late_tokens_are_a_material_share_is_left_out_of_j_per_token(scraped):
+    # The whole answer beside the stream above (0.5-20 s, 780 tokens, truth 1800 J: 1950 J less the stream's 150 J,
+    # 2.31 J/token): its tokens come at its end, and those placed in the intervals that closed under its hold (10 s
+    # here, max_hold_s) are late. Its gpu_energy_j counts every interval it was live in, its J/token divided it by its
+    # attributed tokens alone. Before, unflagged in J/token: 1650 J / 403 tokens, 4.09 J/token (+77%; scraped, 1010 J,
+    # its decode's energy read as bypass as it came: 2.50). Now out of J/token, its note giving both readings.
+    rows, led = _whole_answer_beside_a_stream(20.0, "ok", scraped)
+    row = rows[2]
+    note = row["energy_note"] or ""
+    print(row["gpu_energy_j"], row["attributed_tokens"], row["error"], note)
+    assert "arrived after their interval had closed" in (row["error"] or ""), row
+    assert UNSURE_FLAG in note and "arrived after the intervals they ran in had closed" in note, note
+    m = re.search(rf"{UNSURE_FLAG}: ([0-9.]+) of its ([0-9.]+) tokens \(", note)
+    assert m and float(m[2]) == pytest.approx(780, abs=1) and 300 <= float(m[1]) <= 480, note
+    # Within its hold none is late: not flagged by it.
+    rows, _ = _whole_answer_beside_a_stream(8.0, "ok", scraped)
+    assert "arrived after the intervals they ran in had closed" not in (rows[2]["energy_note"] or ""), rows[2]
 
 
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):
