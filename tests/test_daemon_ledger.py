@@ -3974,6 +3974,9 @@ def test_a_streams_usage_surplus_over_chunks_already_closed_is_late_and_said_not
     assert led.late_tokens == 20
     assert row["attributed_tokens"] == pytest.approx(10.0) and row["generated_tokens"] == 30
     assert "20 token(s) arrived after their interval had closed and were not attributed" in (row["error"] or ""), row
+    # Two thirds of its tokens late: its 450 J over its 10 attributed (45 J/token) out of J/token, both readings said.
+    assert f"{UNSURE_FLAG}: 20 of its 30 tokens (67%) arrived after the intervals" in row["energy_note"], row
+    assert "45 J/token over its attributed tokens (high by the late ones), 15 over all its tokens" in row["energy_note"]
 
 
 @pytest.mark.parametrize("gap_ns, said", [(5_000, None), (900_000, None), (1_100_000, "1.1 ms"), (50_000_000, "50.0 ms")])

@@ -862,8 +862,9 @@ def _late_note(r: LiveRequest) -> str:
     hi = f"{r.gpu_j / r.tokens:.3g} J/token over its attributed tokens (high by the late ones)" if r.tokens > 0 else \
         "no J/token over its attributed tokens (none)"
     return (f"{UNSURE_FLAG}: {r.late:.0f} of its {n:.0f} tokens ({100 * r.late / n:.0f}%) arrived after the intervals "
-            "they ran in had closed (a whole answer's come with its end, and a live request's intervals are held at most "
-            f"120 s, max_hold_s; or a proxy worker's records were read late): those intervals were split without them, "
+            "they ran in had closed (a whole answer's tokens, or a stream's usage surplus over its chunks, come with its "
+            "end, and a live request's intervals are held at most 120 s, max_hold_s, or 30 s while a prompt's length is "
+            "unsaid, prompt_hold_s; or a proxy worker's records were read late): those intervals were split without them, "
             f"their work given to the requests live there (to it alone where none was beside it); its "
             f"{r.gpu_j:.1f} J counts every interval it was live in: {hi}, {r.gpu_j / n:.3g} over all its tokens (low "
             "by the share of their work the requests beside it took); left out of J/token; fix: stream answers that "
