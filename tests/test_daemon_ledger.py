@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -3973,6 +3974,9 @@ def test_a_streams_usage_surplus_over_chunks_already_closed_is_late_and_said_not
     assert led.late_tokens == 20
     assert row["attributed_tokens"] == pytest.approx(10.0) and row["generated_tokens"] == 30
     assert "20 token(s) arrived after their interval had closed and were not attributed" in (row["error"] or ""), row
+    # Two thirds of its tokens late: its 450 J over its 10 attributed (45 J/token) out of J/token, both readings said.
+    assert f"{UNSURE_FLAG}: 20 of its 30 tokens (67%) arrived after the intervals" in row["energy_note"], row
+    assert "45 J/token over its attributed tokens (high by the late ones), 15 over all its tokens" in row["energy_note"]
 
 
 @pytest.mark.parametrize("gap_ns, said", [(5_000, None), (900_000, None), (1_100_000, "1.1 ms"), (50_000_000, "50.0 ms")])
@@ -5217,6 +5221,26 @@ def test_a_tag_over_intervals_beside_a_whole_answer_held_past_its_hold_says_its_
     print(tag["gpu_j_per_token"], note)
     assert (f"{UNSURE_FLAG}: 100% of its serving GPUs' energy is from intervals closed while a whole answer" in note) \
         != scraped, note
+
+
+@pytest.mark.parametrize("scraped", [False, True], ids=["none_scraped", "counted_each_step"])
+def test_a_whole_answer_past_its_hold_whose_late_tokens_are_a_material_share_is_left_out_of_j_per_token(scraped):
+    # The whole answer beside the stream above (0.5-20 s, 780 tokens, truth 1800 J: 1950 J less the stream's 150 J,
+    # 2.31 J/token): its tokens come at its end, and those placed in the intervals that closed under its hold (10 s
+    # here, max_hold_s) are late. Its gpu_energy_j counts every interval it was live in, its J/token divided it by its
+    # attributed tokens alone. Before, unflagged in J/token: 1650 J / 403 tokens, 4.09 J/token (+77%; scraped, 1010 J,
+    # its decode's energy read as bypass as it came: 2.50). Now out of J/token, its note giving both readings.
+    rows, led = _whole_answer_beside_a_stream(20.0, "ok", scraped)
+    row = rows[2]
+    note = row["energy_note"] or ""
+    print(row["gpu_energy_j"], row["attributed_tokens"], row["error"], note)
+    assert "arrived after their interval had closed" in (row["error"] or ""), row
+    assert UNSURE_FLAG in note and "arrived after the intervals they ran in had closed" in note, note
+    m = re.search(rf"{UNSURE_FLAG}: ([0-9.]+) of its ([0-9.]+) tokens \(", note)
+    assert m and float(m[2]) == pytest.approx(780, abs=1) and 300 <= float(m[1]) <= 480, note
+    # Within its hold none is late: not flagged by it.
+    rows, _ = _whole_answer_beside_a_stream(8.0, "ok", scraped)
+    assert "arrived after the intervals they ran in had closed" not in (rows[2]["energy_note"] or ""), rows[2]
 
 
 def _sglang_stream_run_on(late=0.0, down=2.0, up=2.5, leave=1.0, extra=None, probe=None, counted=None, **restart_kw):

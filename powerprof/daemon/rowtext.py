@@ -61,6 +61,11 @@ GONE_ABORT_SLACK_S = 1.0
 # measured (`_idle_unmeasured`).
 QUEUED_BESIDE_MIN_SHARE = 0.01
 FIXED_RATIO_MIN_SHARE = 0.05
+# A row whose late tokens (placed before an interval already closed: LiveRequest.late) are more than this share of all
+# its tokens, and more than one, is flagged (`_late_material`): its energy counts every interval it was live in, its
+# attributed tokens not those, and neither divisor is right where requests beside it took part of their work
+# (docs/daemon.md, Records, not token events: the figures).
+LATE_MATERIAL_SHARE = 0.05
 # A row split by the fit says how far its figure would move over the fitted context cost's band (`workmodel.ctx_band`)
 # from this share of it on: long-context turns beside short chats, a loaded host, moved -7.4% to +15.4% in sum run to run.
 CTX_BAND_MIN_SHARE = 0.05
@@ -832,7 +837,7 @@ def _request_flags(r: LiveRequest, best_of_ignored: bool) -> list[str]:
                                       or _n_cmpl_unsure(r) or _closed_partial(r) or r.run_on_unplaced
                                       or _unplaced_beside(r) or _capped_beside(r) or _batch_beside(r)
                                       or _counted_beside(r) or _held_whole_beside(r) or _idle_unmeasured(r)
-                                      or _gpus_undecided(r))}
+                                      or _gpus_undecided(r) or _late_material(r))}
     return [f for f in COUNTED_FLAGS if said[f]]
 
 
@@ -845,6 +850,28 @@ def _unproven_close_fix(r: LiveRequest) -> str:
                 "process came back, or it was still down when the daemon stopped); the server's or router's log says "
                 "whether it ran")
     return "let the daemon scrape the server (scrape.url) so a crash is seen, or read the router's log for it"
+
+
+def _late_material(r: LiveRequest) -> bool:
+    """UNSURE_FLAG: its late tokens (LiveRequest.late) are more than one and more than LATE_MATERIAL_SHARE of all its
+    tokens: its gpu_energy_j counts the intervals they ran in, its attributed tokens do not count them."""
+    return r.gpu_j > 0 and not r.gpu_missing and r.late > 1 and r.late > LATE_MATERIAL_SHARE * (r.tokens + r.late)
+
+
+def _late_note(r: LiveRequest) -> str:
+    """Why `_late_material` leaves its row out of J/token: both readings of its J/token, with the fix."""
+    n = r.tokens + r.late
+    hi = f"{r.gpu_j / r.tokens:.3g} J/token over its attributed tokens (high by the late ones)" if r.tokens > 0 else \
+        "no J/token over its attributed tokens (none)"
+    return (f"{UNSURE_FLAG}: {r.late:.0f} of its {n:.0f} tokens ({100 * r.late / n:.0f}%) arrived after the intervals "
+            "they ran in had closed (a whole answer's tokens, or a stream's usage surplus over its chunks, come with its "
+            "end, and a live request's intervals are held at most 120 s, max_hold_s, or 30 s while a prompt's length is "
+            "unsaid, prompt_hold_s; or a proxy worker's records were read late): those intervals were split without them, "
+            f"their work given to the requests live there (to it alone where none was beside it); its "
+            f"{r.gpu_j:.1f} J counts every interval it was live in: {hi}, {r.gpu_j / n:.3g} over all its tokens (low "
+            "by the share of their work the requests beside it took); left out of J/token; fix: stream answers that "
+            "may run longer than that hold (a stream's tokens come as they are made), fewer busy processes beside the "
+            "daemon")
 
 
 def _idle_unmeasured(r: LiveRequest) -> bool:
@@ -1226,6 +1253,8 @@ def _approximate_note(r: LiveRequest, best_of_ignored: bool = False) -> str | No
         notes.append(_best_of_note(r.trace.extra))
     if _n_cmpl_unsure(r):
         notes.append(_n_cmpl_note(r))
+    if _late_material(r):
+        notes.append(_late_note(r))
     c = r.trace.counts
     if _count_open_flagged(r):
         notes.append(f"{COUNT_OPEN_FLAG}: its count ({c.generated_tokens} tokens) is the server's running count as of "
