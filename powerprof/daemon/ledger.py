@@ -3777,12 +3777,12 @@ class Ledger:
             tag.excluded.update(int(g) for g in np.flatnonzero(~serving))
             tag.excluded_j += float(np.nansum(per_gpu[np.ix_(inside, ~serving)]))
             tag.excluded_asserted = tag.excluded_asserted or (asserted and bool((~serving).any()))
-        if asserted_iv is not None:
-            tag.asserted_intervals += int(np.count_nonzero(asserted_iv & inside))
         elif per_gpu is not None and per_gpu.shape[1] > 1 and unjudged:
             # Which GPUs serve not judged yet: every sampled GPU's energy in it there (once judged all serving, the
             # same figure is the serving GPUs', nothing to say).
             tag.all_gpus_intervals += int(inside.sum())
+        if asserted_iv is not None:
+            tag.asserted_intervals += int(np.count_nonzero(asserted_iv & inside))
         if per_gpu is not None:
             tag.unread.update(int(g) for g in np.flatnonzero(np.isnan(per_gpu[inside]).any(axis=0)))
         # The interval rows' own unproxied_energy_j (the scrape windows' bypass tokens already spread over the
