@@ -844,6 +844,20 @@ def test_a_page_past_a_new_processs_reach_after_a_refusal_must_fit_the_servers_p
     assert got == (said, not said, True), (deltas, got)
 
 
+@pytest.mark.parametrize("idle,gap", [(0, DOWN), (5, DOWN), (5, "503"), (0, "503")],
+                         ids=["first_page_refused", "idle_refused", "idle_503", "first_page_503"])
+def test_a_page_past_reach_with_no_pace_known_may_rise_no_faster_than_any_server(idle, gap, monkeypatch):
+    # SGLang at 50,000,000, its pace not known yet (the daemon's first page, or idle since), a refusal or a 503, then
+    # 80,000,000 two seconds on: no one server counts 30,000,000 in 2 s (FASTEST_SERVER_TOKENS_PER_S), so another
+    # process on its port. Before, read whole: delta 30,000,000, the window complete (`partial` empty; a review's
+    # nopace.py); now counter_below. Within that bound (1,500,000 in 2 s) still read whole, the same process back.
+    for after, said in ((80_000_000, True), (51_500_000, False)):
+        deltas, sc = _scrapes("sglang", [_sglang(50_000_000)] * (idle + 1) + [gap, _sglang(after)], n=idle + 3,
+                              period_s=1.0, monkeypatch=monkeypatch)
+        assert deltas[-1] == after - 50_000_000, deltas
+        assert ("counter_below" in sc.window_partial) == said, (after, deltas, sc.window_partial)
+
+
 @pytest.mark.parametrize("script,said", [
     # A plain blip in front of a server that has run a while (10000 tokens, 40 a second): whole, as before.
     ([(9960, 9960), (10000, 10000), "gw", (10080, 10080), (10120, 10120)], False),

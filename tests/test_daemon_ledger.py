@@ -1255,6 +1255,37 @@ def test_rows_split_by_an_assertion_the_power_has_not_confirmed_say_so_and_are_c
         assert not warned and not flagged
 
 
+@pytest.mark.parametrize("mask,gpu1_serves", [([True, False], True), ([True, True], False), ([True, False], False)],
+                         ids=["tp-pair-as-one", "idle-gpu1-as-serving", "right"])
+def test_a_tag_over_intervals_split_by_an_unconfirmed_assertion_says_serving_asserted(mask, gpu1_serves):
+    # A tag open 5..50 s over the even-load scene, daemon.serving_gpus asserted. Before, its note said nothing of the
+    # assertion (-33.3% / +21.4% J/token at `powerprof tag stop`), and of a GPU the mask left out it said "drew no more
+    # when it ran than when idle, so their 6300 J ... is idle", as if the power had said so.
+    from powerprof.daemon.ledger import SERVING_ASSERTED_SOURCE
+    from powerprof.storage.schema import SERVING_ASSERTED_FIX, SERVING_ASSERTED_FLAG
+
+    def tell(led):
+        led.tell_serving(mask, SERVING_ASSERTED_SOURCE)
+        adv = led.advance
+
+        def advance(t_ns):
+            if t_ns == 5 * S:
+                led.open_tag("w", 5 * S, 5 * S)
+            if t_ns == 50 * S:
+                led.close_tag("w", 50 * S, 50 * S)
+            return adv(t_ns)
+        led.advance = advance
+
+    _, _, led, _, sink = _steady_traffic_on_two_gpus(gpu1_serves, lead_s=3.0, even=True, tell=tell)
+    (tag,) = sink.rows["tags"]
+    note = tag["energy_note"] or ""
+    assert f"{SERVING_ASSERTED_FLAG}: 45 busy interval(s) of its 45 were split by daemon.serving_gpus" in note, note
+    assert SERVING_ASSERTED_FIX in note, note
+    assert "drew no more" not in note, note
+    if not all(mask):
+        assert "daemon.serving_gpus leaves out GPU(s) gpu1" in note, note
+
+
 def test_metrics_say_the_serving_mask_is_the_operators_word_and_count_its_rows():
     # powerprof_gpu_serving showed an asserted mask as known, so observe.py and the tuner weighed levels by it unsaid.
     from prometheus_client.parser import text_string_to_metric_families

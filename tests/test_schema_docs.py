@@ -39,6 +39,18 @@ def test_every_column_is_documented_with_its_type(name):
         assert docs[name][field.name] == str(field.type), f"{name}.{field.name}"
 
 
+@pytest.mark.parametrize("section", ["daemon_requests", "daemon_intervals", "daemon_tags"])
+def test_the_energy_note_entries_name_the_serving_asserted_flag(section):
+    # The daemon writes SERVING_ASSERTED_FLAG on request, interval and tag rows; data.md's energy_note entries never
+    # named it (a review's finding), the intervals' ending "Null: every figure whole" as if no such note existed.
+    from powerprof.storage.schema import SERVING_ASSERTED_FLAG
+
+    text = DOC.read_text()
+    body = text.split(f"\n## {section}", 1)[1].split("\n## ", 1)[0]
+    (entry,) = [line for line in body.splitlines() if line.startswith("| energy_note |")]
+    assert f"{SERVING_ASSERTED_FLAG}: " in entry, section
+
+
 def test_samples_are_documented():
     assert "samples" in _doc_tables()
 

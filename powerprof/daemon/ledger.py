@@ -41,7 +41,8 @@ from powerprof.energy import COUNTER_STEP_S, epoch_broken, interp_at, trailing_a
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, SERVER_COUNT_OFF, SERVING_ASSERTED_FLAG,
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, GONE_PREFILL_FLAG, SERVER_COUNT_OFF, SERVING_ASSERTED_FIX,
+                                      SERVING_ASSERTED_FLAG,
                                       UNSURE_FLAG, bypass_count_low, bypass_count_may_be, outside_text)
 
 from powerprof.arrival import COUNT_SLACK_TOKENS, SAME_DELIVERY_NS
@@ -60,7 +61,7 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
                       _busy_host_note, _bypass_low_note, _count_low_note, _counter_flat_note, _cpu_missing_note,
                       _gpu_missing_note, _idle_gpu_missing_note, _idle_unknown_note, _idle_unmeasured_interval_note,
                       _idle_unmeasured_note, _gpus_undecided_interval_note, _gpus_undecided_note,
-                      _serving_asserted_interval_note, UNDECIDED_CAUSE,
+                      _serving_asserted_interval_note, _serving_asserted_words, UNDECIDED_CAUSE,
                       UNDECIDED_ASSERTED_DISAGREE, UNDECIDED_ASSERTED_DOUBTED, UNDECIDED_DISAGREE, UNDECIDED_FIX,
                       UNDECIDED_PROVISIONAL,
                       _interval_cache_note, _joined,
@@ -254,6 +255,10 @@ class _Tag:
     held_whole_j: float = 0.0
     unread: set = field(default_factory=set)  # sampled GPUs (by position) that gave no energy over part of it
     all_gpus_intervals: int = 0  # intervals inside it split with every sampled GPU's energy (none judged idle there)
+    # Of its busy intervals, those split by daemon.serving_gpus alone, unconfirmed by the power (SERVING_ASSERTED_FLAG),
+    # and whether the assertion is what left its `excluded` GPUs out (not their power): its note says so.
+    asserted_intervals: int = 0
+    excluded_asserted: bool = False
     tokens: float = 0.0
     methods: set = field(default_factory=set)
     counted_low: int = 0  # requests inside it counted one token a chunk that the server counted more (_request_fields)
@@ -3541,7 +3546,7 @@ class Ledger:
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
                       work_j=np.where(work_missing, np.nan, work_j), serving=serving, idle_missing=aside_missing, unjudged=unjudged,
                       aside_j=aside, unplaced_iv=unplaced_iv | capped_iv | batch_iv | counted_iv | held_iv | unmeasured_iv,
-                      undecided_iv=undecided_iv, held_iv=held_iv)
+                      undecided_iv=undecided_iv, held_iv=held_iv, asserted_iv=asserted_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
                             unsure, per_gpu, serving, idle_missing=aside_missing, low_counted=low_counted,
                             unmeasured_j=np.where(unmeasured_iv, unmeasured_j, 0.0),
@@ -3729,7 +3734,7 @@ class Ledger:
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
                  host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None,
                  work_j=None, serving=None, idle_missing=None, unjudged=False, aside_j=None, unplaced_iv=None,
-                 undecided_iv=None, held_iv=None) -> None:
+                 undecided_iv=None, held_iv=None, asserted_iv=None) -> None:
         # aside_j: the energy of the GPUs serving none of the work per interval (their read ones', all of it idle);
         # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all);
         # idle_missing: intervals where a GPU serving none of the work gave no reading: the requests' energy and every
@@ -3792,7 +3797,7 @@ class Ledger:
         n = sum(x[2] for x in self._recent)
         for tag in list(self.tags.values()) + self.closed_tags:
             self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged, server_count, work_j, per_gpu, serving,
-                          unjudged, held_iv)
+                          unjudged, held_iv, self._split_asserted, asserted_iv)
         self.totals = Totals(
             gpu_energy_j=tuple(float(x) for x in self._gpu_total),
             gpu_unknown_s=tuple(float(x) for x in self._gpu_unknown_s),
@@ -3852,7 +3857,9 @@ class Ledger:
         return row
 
     def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods, host_s=None, other_s=None, judged=None,
-                 server_count=None, work_j=None, per_gpu=None, serving=None, unjudged=False, held_iv=None) -> None:
+                 server_count=None, work_j=None, per_gpu=None, serving=None, unjudged=False, held_iv=None,
+                 asserted=False, asserted_iv=None) -> None:
+        # asserted: `serving` is daemon.serving_gpus's word alone (unconfirmed), asserted_iv its busy intervals there.
         mid = (t[:-1] + t[1:]) // 2
         end = tag.t1_ns if tag.t1_ns is not None else attr.NEVER
         inside = (mid >= tag.t0_ns) & (mid < end)
@@ -3870,10 +3877,13 @@ class Ledger:
         if per_gpu is not None and serving is not None:
             tag.excluded.update(int(g) for g in np.flatnonzero(~serving))
             tag.excluded_j += float(np.nansum(per_gpu[np.ix_(inside, ~serving)]))
+            tag.excluded_asserted = tag.excluded_asserted or (asserted and bool((~serving).any()))
         elif per_gpu is not None and per_gpu.shape[1] > 1 and unjudged:
             # Which GPUs serve not judged yet: every sampled GPU's energy in it there (once judged all serving, the
             # same figure is the serving GPUs', nothing to say).
             tag.all_gpus_intervals += int(inside.sum())
+        if asserted_iv is not None:
+            tag.asserted_intervals += int(np.count_nonzero(asserted_iv & inside))
         if per_gpu is not None:
             tag.unread.update(int(g) for g in np.flatnonzero(np.isnan(per_gpu[inside]).any(axis=0)))
         # The interval rows' own unproxied_energy_j (the scrape windows' bypass tokens already spread over the
@@ -3968,12 +3978,21 @@ class Ledger:
                      f"the node total unknown: GPU(s) {self._named(sorted(tg.unread))} gave no energy reading over part of "
                      "it (lost or failing reads; the samples' error column says which; restarting the daemon, "
                      "daemon.gpus without a GPU that is gone, measures the others' total)")
+            # Left out by daemon.serving_gpus, the power has not said they idled (SERVING_ASSERTED_FLAG's note beside).
+            why = (f"daemon.serving_gpus leaves out GPU(s) {self._named(sorted(tg.excluded))}, so their "
+                   f"{tg.excluded_j:.4g} J over this window is counted idle, not its work" if tg.excluded_asserted else
+                   f"GPU(s) {self._named(sorted(tg.excluded))} drew no more when it ran than when idle, so their "
+                   f"{tg.excluded_j:.4g} J over this window is idle, not its work")
             notes.append(f"gpu_energy_j and gpu_j_per_token are of the GPUs serving the proxied work alone, as its "
-                         f"requests' split: GPU(s) {self._named(sorted(tg.excluded))} drew no more when it ran than when "
-                         f"idle, so their {tg.excluded_j:.4g} J over this window is idle, not its work ({total})"
+                         f"requests' split: {why} ({total})"
                          + (f"; {tg.all_gpus_intervals} of its {tg.intervals} intervals, before the daemon judged so, "
                             "hold every sampled GPU's energy" if tg.all_gpus_intervals else "")
-                         + "; fix: daemon.gpus can leave them out")
+                         + ("" if tg.excluded_asserted and tg.asserted_intervals  # its SERVING_ASSERTED_FLAG part's fix
+                            else f"; fix: {SERVING_ASSERTED_FIX}" if tg.excluded_asserted
+                            else "; fix: daemon.gpus can leave them out"))
+        if tg.asserted_intervals:
+            notes.append(_serving_asserted_words(f"{tg.asserted_intervals} busy interval(s) of its {tg.intervals} were",
+                                                 "gpu_energy_j (and gpu_j_per_token) holds"))
         if _unresolved_tag(tg):
             notes.append(f"{TAG_UNHELD_FLAG}: shorter than the energy counter's refresh (up to "
                          f"{COUNTER_STEP_S * 1e3:.0f} ms), and a GPU's counter did not move within "

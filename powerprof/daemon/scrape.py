@@ -191,7 +191,8 @@ PARTIAL_REASONS = {
                    "times that rate since (no process start time on the page; not "
                    "where, after a 502/503, it and the finished-request histogram, or llama.cpp's decode calls, had not moved, nor where "
                    "it was higher than a new process could have counted since the page before the outage and, the "
-                   f"server's rate known, had risen no faster than {BLIP_RISE_MARGIN:g} times it): dips "
+                   f"server's rate known, had risen no faster than {BLIP_RISE_MARGIN:g} times it, unknown, than "
+                   f"{FASTEST_SERVER_TOKENS_PER_S:g} tokens a second): dips "
                    "on consecutive pages of a multi-process /metrics (SGLang's, a vLLM with several API servers), where "
                    "the count is exact, a server back from a 503 with its counter whole, or a restart whose new process "
                    "had counted more than half the old one's tokens by its first page (or whose old one had counted "
@@ -628,7 +629,10 @@ class Scraper:
             if self.kind == "llamacpp":
                 self._down_refused = False
                 return
-            paced = (None if self._peak_tok_s <= 0 else
+            # With no pace known (right after the first page; a server idle since the start), the rise no server makes:
+            # unbounded, 50,000,000 then a refusal (or a 503) then 80,000,000 two seconds on was read whole, the window
+            # complete with 30,000,000 tokens no one process counted.
+            paced = (self._beyond_fastest(COUNTERS[self.kind], prev, total, since_s) if self._peak_tok_s <= 0 else
                      self._beyond_reach(COUNTERS[self.kind], prev, total, self._peak_tok_s, since_s))
             if paced is None:
                 self._past_reach = True
@@ -657,6 +661,16 @@ class Scraper:
             if not now.get(key, 0.0) >= was:  # NaN on either page: not comparable, read as gone back
                 return f"{key[0]}{dict(key[1])} went back from {was:g} to {now.get(key, 0.0):g}"
         return None
+
+    @staticmethod
+    def _beyond_fastest(name: str, prev: float, total: float, since_s: float) -> str | None:
+        """None where a count `name` risen from `prev` to `total` over `since_s` is within what any one server counts
+        (FASTEST_SERVER_TOKENS_PER_S): the bound where the server's own pace is not known yet. Else why not."""
+        rise = FASTEST_SERVER_TOKENS_PER_S * since_s
+        if total - prev <= rise:
+            return None
+        return (f"{name} risen {total - prev:g}, over the {rise:.0f} any one server counts since "
+                f"({FASTEST_SERVER_TOKENS_PER_S:g} a second, its pace not known yet, x {since_s:.2f} s)")
 
     @staticmethod
     def _beyond_reach(name: str, prev: float, total: float, peak_s: float, since_s: float) -> str | None:

@@ -2012,9 +2012,11 @@ class Daemon:
             await session.close()
             if self.flusher is not None:
                 self._drain()
-                self.ledger.close_all(time.monotonic_ns(), time.time_ns())
-                if self._serving_keeper is not None:
-                    self._serving_keeper.close()  # the last mask judged, kept before the data dir's lock goes
+                try:
+                    self.ledger.close_all(time.monotonic_ns(), time.time_ns())
+                finally:  # the last mask judged, kept before the data dir's lock goes, even where close_all raised
+                    if self._serving_keeper is not None:
+                        self._serving_keeper.close()
                 self.flusher.stop()
                 if self.store.buffered():
                     log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)

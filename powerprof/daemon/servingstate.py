@@ -61,6 +61,7 @@ class Keeper:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._said: set[str] = set()  # the kinds of save failure already logged (once each)
 
     def put(self, serving: list[bool]) -> None:
         """Keeps `serving` soon (any thread; never blocks on the disk)."""
@@ -79,7 +80,15 @@ class Keeper:
                 mask, self._waiting = self._waiting, None
                 if mask is None:
                     return
-            save(*self._args, mask)
+            # save catches OSError; anything else killed this thread, every later mask silently never kept (a review's
+            # keeper.py: a RuntimeError, then no file, one save tried). The next mask is tried all the same.
+            try:
+                save(*self._args, mask)
+            except Exception as e:
+                if type(e).__name__ not in self._said:
+                    self._said.add(type(e).__name__)
+                    log.warning("cannot keep which GPUs serve in %s: the next start will not say whether its judgement "
+                                "is this one's (said once per kind of error)", path_in(self._args[0]), exc_info=True)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Writes the mask still waiting (at most `timeout_s` on the thread) and stops it."""
