@@ -7423,9 +7423,10 @@ def test_overlapping_batch_400s_scraped_merge_into_one_span():
     assert a0 == int(0.5 * S) and a1 > int(5.4 * S + 30 * S), led.recon.batch_run_ons
 
 
-def _lock_scene(lock_s=None, release_s=None, until_s=40.0, limit_w=None, changes=None, arrivals=None):
+def _lock_scene(lock_s=None, release_s=None, until_s=40.0, limit_w=None, changes=None, arrivals=None, dur_s=0.5,
+                n_tok=10):
     """A simulated H200 read through NVML every 0.5 s as the daemon does, a 0.5 s request every 2 s (at k·2 + 0.3 s,
-    decoding 10 tokens; or at `arrivals` s), another tool's `nvidia-smi -lgc 1400,1400` at `lock_s` and `-rgc` at
+    decoding 10 tokens; or at `arrivals` s, `dur_s` long, `n_tok` tokens), another tool's `nvidia-smi -lgc 1400,1400` at `lock_s` and `-rgc` at
     `release_s` (None: none; or `changes`, (s, (min, max) MHz or None) each). Returns (ledger, sink, {request id: its
     true GPU energy while live}, its arrival s by id)."""
     from powerprof.collectors.nvml import NvmlCollector
@@ -7465,16 +7466,16 @@ def _lock_scene(lock_s=None, release_s=None, until_s=40.0, limit_w=None, changes
         tr = _trace(k, a)
         led.on_start(tr)
         gpu.set_phase(Phase("decode", 0.12))
-        for j in range(10):
-            t = a + 0.05 + 0.045 * j
+        for j in range(n_tok):
+            t = a + 0.05 + (dur_s - 0.05) / n_tok * j
             to(t)
             led.on_tokens(tr, int(round(t * S)), 1)
             tr.first_ns = tr.first_ns or int(round(t * S))
             tr.last_ns = int(round(t * S))
-        to(a + 0.5)
+        to(a + dur_s)
         gpu.set_phase(IDLE)
         tr.end_ns = now[0]
-        tr.counts = Counts(generated_tokens=10, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+        tr.counts = Counts(generated_tokens=n_tok, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
         led.on_end(tr)
         truth[k] = gpu.true_energy_at_j(tr.end_ns) - gpu.true_energy_at_j(tr.arrival_ns)
         arrival[k] = a
@@ -7541,6 +7542,22 @@ def test_idle_runs_before_a_lock_change_is_seen_teach_no_setting(arrivals, chang
         err = r["gpu_energy_j"] / truth[k] - 1
         assert UNSURE_FLAG in (r["energy_note"] or "") or abs(err) < 0.01, (k, a, err, r["energy_note"])
     assert len(led.learner._held) <= led.learner.window
+
+
+def test_idle_runs_no_busy_reading_tells_the_locks_of_are_filed_after_a_bound():
+    # 0.1 s requests every 2 s fall between the 0.5 s samples: no reading is ever busy, so none tells the SM clock
+    # locks (collectors/limitwatch.ClockLockSigns). Before, every idle run was held for that telling for good: idle
+    # power never learned, 40 of 40 rows flagged over 80 s (+110%, the whole idle split in). Now a run held
+    # workmodel.LOCK_WAIT_S (60 s) is filed to the locks as last told: 30 of 40 flagged, the 10 after 60 s exact.
+    from powerprof.daemon.workmodel import LOCK_WAIT_S
+
+    led, sink, truth, arrival = _lock_scene(until_s=80.0, dur_s=0.1, n_tok=2)
+    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    late = [k for k, a in arrival.items() if a > LOCK_WAIT_S]
+    assert len(late) == 10
+    for k in late:
+        assert rows[k]["gpu_energy_j"] == pytest.approx(truth[k], rel=0.01), (k, rows[k]["energy_note"])
+    assert led.learner._idle_runs > 0 and led.learner.held_since_ns is not None
 
 
 @pytest.mark.parametrize("limit_w", [None, 200.0, 250.0, 300.0])

@@ -2128,6 +2128,8 @@ class Ledger:
         told = self._locks.told
         if told is not None:
             self.learner.lock_told(None if told == "blind" else t, changed=told == "changed")
+        else:
+            self.learner.lock_untold(t)  # held no longer than workmodel.LOCK_WAIT_S
         self._insert_edge(_Edge(t, wall, counter, power, setting, epoch, avg))
 
     def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> tuple[int, int] | None:
