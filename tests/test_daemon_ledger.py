@@ -7560,6 +7560,70 @@ def test_idle_runs_no_busy_reading_tells_the_locks_of_are_filed_after_a_bound():
     assert led.learner._idle_runs > 0 and led.learner.held_since_ns is not None
 
 
+def test_a_lone_busy_reading_under_a_lock_on_an_unused_gpu_holds_no_idle_run_for_ever():
+    # Two simulated H200s, the server on GPU 0 (locked at 1400 MHz at 40 s, released at 70 s). GPU 1 reads busy once
+    # under another tenant's lock, then idles unlocked for good: its run of lock readings never closes. Before, that
+    # open run kept every idle run held to the end: 37 of 50 rows flagged (+27.4%), 0 runs filed. Now an open run of a
+    # GPU the idle power is not of holds nothing (and one expires after workmodel.LOCK_WAIT_S): as with no such
+    # reading, 4 rows flagged and 2 unflagged off by more than 1% (the known limit: a change before its 2nd reading).
+    from powerprof.collectors.nvml import NvmlCollector
+    from powerprof.sim.gpu import IDLE, Phase
+    from powerprof.sim.nvml import SimNVML
+
+    now = [0]
+    sim = SimNVML("h200-141g", count=2, clock_ns=lambda: now[0], state_path=False, record_history=True)
+    col = NvmlCollector(sim, clock_ns=lambda: now[0])
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    g0, g1 = sim.gpus
+    sim.external_clock_change(1, (1400, 1400))
+    g1.set_phase(Phase("decode", 0.12))
+    events = [(0.3, lambda: (g1.set_phase(IDLE), sim.external_clock_change(1, None))),
+              (40.1, lambda: sim.external_clock_change(0, (1400, 1400))), (70.1, lambda: sim.external_clock_change(0, None))]
+    next_sample = [0.0]
+
+    def to(t_s):
+        while True:
+            nxt = min([next_sample[0]] + [e[0] for e in events[:1]])
+            if nxt > t_s:
+                break
+            now[0] = int(round(nxt * S))
+            if events and events[0][0] == nxt:
+                events.pop(0)[1]()
+            else:
+                led.add_gpu_sample(now[0], now[0], col.read())
+                led.advance(now[0])
+                next_sample[0] += 0.5
+        now[0] = int(round(t_s * S))
+
+    truth = {}
+    for k in range(50):
+        a = 5 + 2 * k + 0.3
+        to(a)
+        tr = _trace(k, a)
+        led.on_start(tr)
+        g0.set_phase(Phase("decode", 0.12))
+        for j in range(10):
+            t = a + 0.05 + 0.045 * j
+            to(t)
+            led.on_tokens(tr, int(round(t * S)), 1)
+            tr.first_ns = tr.first_ns or int(round(t * S))
+            tr.last_ns = int(round(t * S))
+        to(a + 0.5)
+        g0.set_phase(IDLE)
+        tr.end_ns = now[0]
+        tr.counts = Counts(generated_tokens=10, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+        led.on_end(tr)
+        truth[k] = g0.true_energy_at_j(tr.end_ns) - g0.true_energy_at_j(tr.arrival_ns)
+    to(110.0)
+    led.close_all(int(111 * S))
+    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    flagged = [k for k in truth if UNSURE_FLAG in (rows[k]["energy_note"] or "")]
+    off = [k for k in truth if k not in flagged and abs(rows[k]["gpu_energy_j"] / truth[k] - 1) > 0.01]
+    assert len(flagged) <= 4 and len(off) <= 2, (flagged, off)
+    assert led.learner._idle_runs > 0
+
+
 @pytest.mark.parametrize("limit_w", [None, 200.0, 250.0, 300.0])
 def test_a_busy_gpu_with_no_clock_lock_starts_no_new_setting(limit_w):
     # The same scene with no lock: busy at its top clock (1980 MHz, no clock event reason) or held below it by a 200 W

@@ -70,7 +70,7 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
 from . import tagedge
 from .streams import uncounted_kind
 from .tagedge import TAG_UNHELD_FIX, TAG_UNHELD_FLAG
-from .workmodel import FEATURES, GPUS_UNDECIDED_REASON, CostLearner, setting_of
+from .workmodel import FEATURES, GPUS_UNDECIDED_REASON, LOCK_WAIT_S, CostLearner, setting_of
 
 log = logging.getLogger("powerprof.daemon.ledger")
 
@@ -610,7 +610,7 @@ class Ledger:
         # Sequences of the requests started and not ended, by request id: those a batch's pace is shared by.
         self._live_seqs: dict[int, int] = {}
         self._setting: tuple = ()  # the GPUs' power limits (and SM clock locks) at the latest full sample
-        self._locks = ClockLockSigns()  # each GPU's SM clock lock, as its readings show it
+        self._locks = ClockLockSigns(expire_s=LOCK_WAIT_S)  # each GPU's SM clock lock, as its readings show it
         self._power_w: np.ndarray | None = None  # the GPUs' power at the latest full sample
         self.scraping = False  # the daemon scrapes the server's counters (set by it): no count yet is `unread`, not `off`
         # Since when a proxy worker serves whose records are unread (set by the daemon: workers.ProxyWorkers), None: none.
@@ -2114,7 +2114,11 @@ class Ledger:
                         for r, w in zip(readings, windows)], dtype=float)
         # A clock lock its readings show (or its release) is another setting, as a limit's change: it can move the
         # idle draw (workmodel.LockedSetting).
-        setting = setting_of(tuple(getattr(r, "power_limit_w", None) for r in readings), self._locks.feed(readings))
+        serving = self.learner.serving  # the GPUs the idle power is of: another's lock state holds no run back
+        matters = (None if serving is None or serving.size != len(readings)
+                   else {getattr(r, "index", None) for r, s in zip(readings, serving) if s})
+        setting = setting_of(tuple(getattr(r, "power_limit_w", None) for r in readings),
+                             self._locks.feed(readings, t_ns, matters))
         self._setting = setting
         epoch = np.array([getattr(r, "energy_epoch", 0) for r in readings], dtype=np.int64)
         if len(readings) == self.n_gpus:
