@@ -7558,6 +7558,11 @@ def test_idle_runs_no_busy_reading_tells_the_locks_of_are_filed_after_a_bound():
     for k in late:
         assert rows[k]["gpu_energy_j"] == pytest.approx(truth[k], rel=0.01), (k, rows[k]["energy_note"])
     assert led.learner._idle_runs > 0 and led.learner.held_since_ns is not None
+    # The flagged rows say why: runs held for the locks, and till when (before: "no run of idle intervals 0.3 s long
+    # had closed yet ... fix: none", false).
+    note = rows[20]["energy_note"] or ""
+    assert UNSURE_FLAG in note and "held till a busy reading tells the GPUs' SM clock locks" in note, note
+    assert "after at most 60 s" in note and "had closed yet" not in note, note
 
 
 def test_a_lone_busy_reading_under_a_lock_on_an_unused_gpu_holds_no_idle_run_for_ever():

@@ -3385,6 +3385,8 @@ class Ledger:
             r.counter_j += a.request_energy[i, counter_col]
             r.idle_unmeasured_j += a.request_energy[i, unmeasured_col]
             r.idle_unmeasured_cpu_j += a.request_energy[i, unmeasured_col + 1]
+            r.idle_lock_held = r.idle_lock_held or (a.request_energy[i, unmeasured_col] > 0
+                                                    and self.learner.held_since_ns is not None)
             r.gpus_undecided_j += a.request_energy[i, undecided_col]
             r.serving_asserted_j += a.request_energy[i, asserted_col]
             if a.request_energy[i, 9] > 0:
@@ -4021,7 +4023,8 @@ class Ledger:
                                            if methods[k] != METHOD_NONE and dur > 0 else None, self.unsampled_note,
                                            _counted_low_interval_note(int(low_counted[k]), float(server[k]))
                                            if low_counted is not None and low_counted[k] else None,
-                                           _idle_unmeasured_interval_note(float(unmeasured_j[k]), float(gpu[k]))
+                                           _idle_unmeasured_interval_note(float(unmeasured_j[k]), float(gpu[k]),
+                                                                          self.learner.held_since_ns is not None)
                                            if unmeasured_j is not None else None,
                                            _gpus_undecided_interval_note(float(undecided_j[k]), float(gpu[k]))
                                            if undecided_j is not None else None,
