@@ -7629,6 +7629,20 @@ def test_a_lone_busy_reading_under_a_lock_on_an_unused_gpu_holds_no_idle_run_for
     assert led.learner._idle_runs > 0
 
 
+def test_costs_rows_write_no_clock_locks_where_no_reading_could_show_one(monkeypatch):
+    # Readings with no SM clock or clock event reasons (ClockLockSigns told "blind"): a lock cannot be seen at all.
+    # Before, sm_clock_locks_mhz read "" (none seen) there, as where none was; now null (docs/data.md).
+    import dataclasses
+
+    from powerprof.collectors.nvml import NvmlCollector
+
+    read = NvmlCollector.read
+    monkeypatch.setattr(NvmlCollector, "read", lambda self: [
+        dataclasses.replace(r, sm_clock_mhz=None, clock_event_reasons=None) for r in read(self)])
+    led, sink, truth, arrival = _lock_scene(until_s=30.0)
+    assert sink.rows["costs"] and {r["sm_clock_locks_mhz"] for r in sink.rows["costs"]} == {None}
+
+
 @pytest.mark.parametrize("limit_w", [None, 200.0, 250.0, 300.0])
 def test_a_busy_gpu_with_no_clock_lock_starts_no_new_setting(limit_w):
     # The same scene with no lock: busy at its top clock (1980 MHz, no clock event reason) or held below it by a 200 W

@@ -213,6 +213,11 @@ class ClockLockSigns:
         # can be seen) or None (nothing: no busy reading, or a change's run of readings still open).
         self.told: str | None = None
 
+    @property
+    def seeing(self) -> bool:
+        """Whether some reading carried an SM clock and its reasons: a lock can be seen at all."""
+        return self._signed
+
     def feed(self, readings, t_ns: int | None = None, matters=None) -> tuple:
         """Take one sample's GpuReadings, read at `t_ns`; each GPU's lock MHz (None: none) after them, in the readings'
         order. `matters`: the GPU indexes whose open run keeps `told` from "same" (None: every GPU's)."""

@@ -3764,9 +3764,11 @@ class Ledger:
             "daemon_id": self.daemon_id,
             "time_utc": edge.wall_ns,
             "power_limits_w": ",".join("" if x is None else f"{x:g}" for x in setting),
-            # A locked fit's idle power is not the unlocked one's at the same limits (workmodel.LockedSetting).
-            "sm_clock_locks_mhz": ",".join("" if x is None else f"{x:g}"
-                                           for x in getattr(setting, "clocks", (None,) * len(setting))),
+            # A locked fit's idle power is not the unlocked one's at the same limits (workmodel.LockedSetting); null
+            # where no reading carried the signs (a lock could not be seen), not "" (none seen).
+            "sm_clock_locks_mhz": (",".join("" if x is None else f"{x:g}"
+                                            for x in getattr(setting, "clocks", (None,) * len(setting)))
+                                   if self._locks.seeing else None),
             "n_intervals": fit.n,
             "n_busy": fit.n_busy,
             "r2": fit.r2,
