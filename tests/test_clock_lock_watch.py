@@ -199,6 +199,23 @@ def test_the_daemons_lock_signs_tell_when_a_busy_reading_showed_the_locks_held_o
     assert told == ["blind", None, "same", None, None, "changed", "same", None, "same"]
 
 
+def test_the_daemons_lock_signs_tell_same_past_another_gpus_open_run_or_an_expired_one():
+    # GPU 1 read busy once under another tenant's lock (a run opened), then idle for good; GPU 0 busy at its top clock.
+    # Before, GPU 1's open run kept `told` None at every sample for ever: no idle run was ever filed (rev-fix2 F1).
+    from powerprof.collectors.limitwatch import ClockLockSigns
+
+    idle1 = _r(345, REASON_GPU_IDLE, index=1)
+    for matters, expire_s, want in [({0}, None, ["same"] * 3), (None, 60.0, [None, None, "same"]),
+                                    (None, None, [None] * 3)]:
+        signs = ClockLockSigns(expire_s=expire_s)
+        signs.feed([_r(1980), _r(1395, REASON_APP_CLOCKS, index=1)], 0, matters)
+        told = []
+        for t_s in (1, 59, 61):
+            signs.feed([_r(1980), idle1], int(t_s * 1e9), matters)
+            told.append(signs.told)
+        assert told == want, (matters, expire_s, told)
+
+
 def test_the_daemons_lock_signs_see_a_lock_whose_busy_draw_is_90_to_98_percent_of_the_cap():
     # An H200 locked at 1400 MHz under a 250 W limit decodes at 233 W (93%), AppClocks only. Before, the 90% guard of
     # held_by_a_setting rejected it: the lock was never seen (rev-clocklock F3).

@@ -192,29 +192,49 @@ class ClockLockSigns:
     clock with no lock shows no AppClocks bit, and a power cap or heat names itself: neither ever starts one. Idle
     readings (GpuIdle, 0% utilisation) say nothing (an idle card sits at its idle clock, and a real one lingers at a
     high clock a while after work): a lock is seen only at the next busy readings. A lock at the top clock shows no
-    sign (nothing holds the clock below where it would run)."""
+    sign (nothing holds the clock below where it would run).
 
-    def __init__(self, tolerance_mhz: float = CLOCK_LOCK_TOLERANCE_MHZ, readings: int = CLOCK_LOCK_READINGS):
+    A run of readings off the state left open keeps `told` from "same" only on a GPU in `matters` (`feed`: the GPUs
+    the idle power is of), and only for `expire_s` after its latest reading: one GPU's lone busy reading under another
+    tenant's lock, that GPU then idle for good, held every GPU's idle runs for ever (37 of 50 rows flagged)."""
+
+    def __init__(self, tolerance_mhz: float = CLOCK_LOCK_TOLERANCE_MHZ, readings: int = CLOCK_LOCK_READINGS,
+                 expire_s: float | None = None):
         self.tolerance_mhz = float(tolerance_mhz)
         self.readings = int(readings)
+        self.expire_ns = None if expire_s is None else int(expire_s * 1e9)
         self.locked_mhz: dict[int, float] = {}  # GPU index → the lock's clock (absent: none)
         self._run: dict[int, tuple[bool, list[float]]] = {}  # GPU index → (held, its readings' MHz) off the state
+        self._run_ns: dict[int, int | None] = {}  # GPU index → when its open run's latest reading was fed (`feed`)
+        self._t_ns: int | None = None  # the sample being fed's
         self._signed = False  # some reading carried an SM clock and its reasons: a lock can be seen at all
         # What the last feed told of the locks: "same" (a busy reading showed the state held, no change under way),
         # "changed" (a GPU's lock was seen set, moved or released), "blind" (no reading ever carried the signs: no lock
         # can be seen) or None (nothing: no busy reading, or a change's run of readings still open).
         self.told: str | None = None
 
-    def feed(self, readings) -> tuple:
-        """Take one sample's GpuReadings; each GPU's lock MHz (None: none) after them, in the readings' order."""
+    @property
+    def seeing(self) -> bool:
+        """Whether some reading carried an SM clock and its reasons: a lock can be seen at all."""
+        return self._signed
+
+    def feed(self, readings, t_ns: int | None = None, matters=None) -> tuple:
+        """Take one sample's GpuReadings, read at `t_ns`; each GPU's lock MHz (None: none) after them, in the readings'
+        order. `matters`: the GPU indexes whose open run keeps `told` from "same" (None: every GPU's)."""
         before = dict(self.locked_mhz)
+        self._t_ns = t_ns
         said = [self._feed_one(r) for r in readings]
+        if t_ns is not None and self.expire_ns is not None:
+            for i in [i for i, last in self._run_ns.items() if last is not None and t_ns - last >= self.expire_ns]:
+                self._run.pop(i, None)  # no busy reading closed it for so long: the state as last told
+                self._run_ns.pop(i, None)
         if not self._signed:
             self.told = "blind"
         elif self.locked_mhz != before:
             self.told = "changed"
         else:
-            self.told = "same" if any(said) and not self._run else None
+            vetoes = [i for i in self._run if matters is None or i in matters]
+            self.told = "same" if any(said) and not vetoes else None
         return tuple(self.locked_mhz.get(getattr(r, "index", None)) for r in readings)
 
     def _feed_one(self, r) -> bool:
@@ -238,17 +258,20 @@ class ClockLockSigns:
             pass  # above the lock: released, whatever limiter is named (a cap or heat only lowers the clock)
         else:
             self._run.pop(r.index, None)
+            self._run_ns.pop(r.index, None)
             return True
         was, run = self._run.get(r.index, (held, []))
         run = run if was == held else []
         run.append(mhz)
         self._run[r.index] = (held, run)
+        self._run_ns[r.index] = self._t_ns
         if len(run) >= self.readings:
             if held:
                 self.locked_mhz[r.index] = max(run)
             else:
                 self.locked_mhz.pop(r.index, None)
             self._run.pop(r.index, None)
+            self._run_ns.pop(r.index, None)
         return True
 
 

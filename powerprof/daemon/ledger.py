@@ -71,7 +71,7 @@ from .rowtext import (CACHE_UNSAID_MIN, COUNT_FIX, COUNTED_FLAGS, CPU_MISSING_NO
 from . import tagedge
 from .streams import uncounted_kind
 from .tagedge import TAG_UNHELD_FIX, TAG_UNHELD_FLAG
-from .workmodel import FEATURES, GPUS_UNDECIDED_REASON, CostLearner, setting_of
+from .workmodel import FEATURES, GPUS_UNDECIDED_REASON, LOCK_WAIT_S, CostLearner, setting_of
 
 log = logging.getLogger("powerprof.daemon.ledger")
 
@@ -661,7 +661,7 @@ class Ledger:
         # Sequences of the requests started and not ended, by request id: those a batch's pace is shared by.
         self._live_seqs: dict[int, int] = {}
         self._setting: tuple = ()  # the GPUs' power limits (and SM clock locks) at the latest full sample
-        self._locks = ClockLockSigns()  # each GPU's SM clock lock, as its readings show it
+        self._locks = ClockLockSigns(expire_s=LOCK_WAIT_S)  # each GPU's SM clock lock, as its readings show it
         self._power_w: np.ndarray | None = None  # the GPUs' power at the latest full sample
         self.scraping = False  # the daemon scrapes the server's counters (set by it): no count yet is `unread`, not `off`
         # Since when a proxy worker serves whose records are unread (set by the daemon: workers.ProxyWorkers), None: none.
@@ -2199,7 +2199,11 @@ class Ledger:
                         for r, w in zip(readings, windows)], dtype=float)
         # A clock lock its readings show (or its release) is another setting, as a limit's change: it can move the
         # idle draw (workmodel.LockedSetting).
-        setting = setting_of(tuple(getattr(r, "power_limit_w", None) for r in readings), self._locks.feed(readings))
+        serving = self.learner.serving  # the GPUs the idle power is of: another's lock state holds no run back
+        matters = (None if serving is None or serving.size != len(readings)
+                   else {getattr(r, "index", None) for r, s in zip(readings, serving) if s})
+        setting = setting_of(tuple(getattr(r, "power_limit_w", None) for r in readings),
+                             self._locks.feed(readings, t_ns, matters))
         self._setting = setting
         epoch = np.array([getattr(r, "energy_epoch", 0) for r in readings], dtype=np.int64)
         if len(readings) == self.n_gpus:
@@ -2213,6 +2217,8 @@ class Ledger:
         told = self._locks.told
         if told is not None:
             self.learner.lock_told(None if told == "blind" else t, changed=told == "changed")
+        else:
+            self.learner.lock_untold(t)  # held no longer than workmodel.LOCK_WAIT_S
         self._insert_edge(_Edge(t, wall, counter, power, setting, epoch, avg))
 
     def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> tuple[int, int] | None:
@@ -3464,6 +3470,8 @@ class Ledger:
             r.counter_j += a.request_energy[i, counter_col]
             r.idle_unmeasured_j += a.request_energy[i, unmeasured_col]
             r.idle_unmeasured_cpu_j += a.request_energy[i, unmeasured_col + 1]
+            r.idle_lock_held = r.idle_lock_held or (a.request_energy[i, unmeasured_col] > 0
+                                                    and self.learner.held_since_ns is not None)
             r.gpus_undecided_j += a.request_energy[i, undecided_col]
             r.serving_asserted_j += a.request_energy[i, asserted_col]
             if a.request_energy[i, 9] > 0:
@@ -3841,9 +3849,11 @@ class Ledger:
             "daemon_id": self.daemon_id,
             "time_utc": edge.wall_ns,
             "power_limits_w": ",".join("" if x is None else f"{x:g}" for x in setting),
-            # A locked fit's idle power is not the unlocked one's at the same limits (workmodel.LockedSetting).
-            "sm_clock_locks_mhz": ",".join("" if x is None else f"{x:g}"
-                                           for x in getattr(setting, "clocks", (None,) * len(setting))),
+            # A locked fit's idle power is not the unlocked one's at the same limits (workmodel.LockedSetting); null
+            # where no reading carried the signs (a lock could not be seen), not "" (none seen).
+            "sm_clock_locks_mhz": (",".join("" if x is None else f"{x:g}"
+                                            for x in getattr(setting, "clocks", (None,) * len(setting)))
+                                   if self._locks.seeing else None),
             "n_intervals": fit.n,
             "n_busy": fit.n_busy,
             "r2": fit.r2,
@@ -4126,7 +4136,8 @@ class Ledger:
                                            if methods[k] != METHOD_NONE and dur > 0 else None, self.unsampled_note,
                                            _counted_low_interval_note(int(low_counted[k]), float(server[k]))
                                            if low_counted is not None and low_counted[k] else None,
-                                           _idle_unmeasured_interval_note(float(unmeasured_j[k]), float(gpu[k]))
+                                           _idle_unmeasured_interval_note(float(unmeasured_j[k]), float(gpu[k]),
+                                                                          self.learner.held_since_ns is not None)
                                            if unmeasured_j is not None else None,
                                            _gpus_undecided_interval_note(float(undecided_j[k]), float(gpu[k]))
                                            if undecided_j is not None else None,

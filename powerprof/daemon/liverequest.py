@@ -253,6 +253,7 @@ class LiveRequest:
     # (at their mean power: a bound on the idle energy it holds, rowtext._idle_unmeasured).
     idle_unmeasured_j: float = 0.0
     idle_unmeasured_cpu_j: float = 0.0  # and of its CPU joules, the same intervals' same fraction (a bound as well)
+    idle_lock_held: bool = False  # some of them split while idle runs were held for the SM clock locks (`lock_untold`)
     # Of its GPU joules, its share of the energy of every sampled GPU but the one drawing least, in intervals split before
     # the daemon judged which of several GPUs serve the work (a bound on another GPU's idle draw it holds,
     # rowtext._gpus_undecided).

@@ -31,7 +31,7 @@ from .liverequest import (CROSSING_CLOSE_MAX_S, PROMPT_HOLD_S, RUN_ON_MAY_END_PA
 from .proxy import RESEND_LOADING, RESEND_REFUSED
 from .promptlen import STATEFUL_REASONS
 from .scrape import RUNS_ON_AFTER_LEAVE
-from .workmodel import CTX_BAND_SE, IDLE_MIN_S, MIN_BUSY, MIN_BUSY_GPU, MIN_IDLE, MIN_R2
+from .workmodel import CTX_BAND_SE, IDLE_MIN_S, LOCK_WAIT_S, MIN_BUSY, MIN_BUSY_GPU, MIN_IDLE, MIN_R2
 
 # What an interval row's `server_count` says where the server's count is whole (storage/schema.py states them).
 COUNT_COMPLETE = SERVER_COUNT_COMPLETE
@@ -895,13 +895,25 @@ def _idle_unmeasured_note(r: LiveRequest, cpu_j: float | None = None) -> str | N
            if cpu_j is not None and cpu_j > 0 and r.idle_unmeasured_cpu_j > 0 else "")
     return (f"{UNSURE_FLAG}: up to {r.idle_unmeasured_j:.1f} J ({100 * min(r.idle_unmeasured_j / r.gpu_j, 1.0):.0f}%) "
             "of its figure may be idle energy: it was live in intervals split before the daemon had measured the GPUs' "
-            f"idle power at their power limit (no run of idle intervals {IDLE_MIN_S:g} s long had closed yet: the "
-            "first moments after the daemon's start, or after a change to a limit at or below the idle draw last "
-            "measured), so the time no request was live there went to the requests live in them, not to idle; high by "
+            f"idle power at their power limit ({_idle_unmeasured_why(r.idle_lock_held)}), so the time no request was "
+            "live there went to the requests live in them, not to idle; high by "
             f"up to that (those intervals' mean power over that time){cpu}; left out of J/token; fix: none for this "
             "row; "
-            f"requests once the GPUs have been idle {IDLE_MIN_S:g} s at that limit, or once the work model's fit "
-            f"there has matured ({MIN_BUSY} busy intervals), are split with it")
+            + (f"requests once those runs are filed (at a busy reading, or {LOCK_WAIT_S:g} s on)" if r.idle_lock_held
+               else f"requests once the GPUs have been idle {IDLE_MIN_S:g} s at that limit")
+            + f", or once the work model's fit there has matured ({MIN_BUSY} busy intervals), are split with it")
+
+
+def _idle_unmeasured_why(lock_held: bool) -> str:
+    """Why no idle power stood: runs held for the SM clock locks (`lock_held`: workmodel.CostLearner.lock_untold), or
+    none closed. Before, the held runs' rows said none had closed, with no fix (rev-fix2 F1, F2)."""
+    if lock_held:
+        return ("runs of idle intervals had closed, but are held till a busy reading tells the GPUs' SM clock locks, "
+                "which an idle card does not show: requests shorter than the sampling period are never read busy, or "
+                "a GPU's lock change was seen half; each is filed to the locks as last told after at most "
+                f"{LOCK_WAIT_S:g} s")
+    return (f"no run of idle intervals {IDLE_MIN_S:g} s long had closed yet: the first moments after the daemon's "
+            "start, or after a change to a limit at or below the idle draw last measured")
 
 
 def _gpus_undecided(r: LiveRequest) -> bool:
@@ -977,7 +989,7 @@ def _gpus_undecided_interval_note(bound_j: float, gpu_j: float) -> str | None:
             f"and are left out of J/token; {_UNDECIDED_FIX}")
 
 
-def _idle_unmeasured_interval_note(bound_j: float, gpu_j: float) -> str | None:
+def _idle_unmeasured_interval_note(bound_j: float, gpu_j: float, lock_held: bool = False) -> str | None:
     """An interval row's part where its busy time no request was live in went to its requests, no idle power measured
     yet (`_idle_unmeasured`'s cause; `bound_j`: that time at its mean power, given where 1% or more of its GPU energy).
     Before, silent: requests_energy_j held it, idle_energy_j 0 J (a request 0.5 s after the first read, 100 W idle: 50 J
@@ -986,9 +998,8 @@ def _idle_unmeasured_interval_note(bound_j: float, gpu_j: float) -> str | None:
         return None
     share = f" ({100 * min(bound_j / gpu_j, 1.0):.0f}%)" if gpu_j > 0 else ""
     return (f"{UNSURE_FLAG}: requests_energy_j may be high and idle_energy_j low by up to {bound_j:.1f} J{share}: split "
-            "before the daemon had measured the GPUs' idle power at their power limit (no run of idle intervals "
-            f"{IDLE_MIN_S:g} s long had closed yet: the first moments after the daemon's start, or after a change to a "
-            "limit at or below the idle draw last measured), so the time no request was live in it went to the "
+            "before the daemon had measured the GPUs' idle power at their power limit "
+            f"({_idle_unmeasured_why(lock_held)}), so the time no request was live in it went to the "
             "requests live in it, not to idle (the bound: that time at its mean power); its requests' rows say so "
             "and are left out of J/token; fix: none for this row")
 

@@ -46,6 +46,11 @@ MIN_IDLE = 5  # idle runs (below) before their median power is the idle power (u
 # intervals read 62-84 W on the simulated H200); 0.5 s left the simulated SGLang's first streams with none (+78% to
 # +95%). A run that read 0 J is a counter read stale (energy._stale_if_flat: a GPU never draws nothing): it teaches none.
 IDLE_MIN_S = 0.3
+# An idle run held for a busy reading to tell the SM clock locks (`CostLearner.lock_told`) is filed to its setting, the
+# locks as last told, once none has for this long: short requests that fall between the samples (0.1 s every 2 s at
+# 0.5 s sampling) are never read busy, and held for good every row was flagged (40 of 40, idle power never learned). A
+# lock changed unseen for this long goes to the old setting's idle, the known limit (docs/daemon.md, Attribution, idle).
+LOCK_WAIT_S = 60.0
 REFIT_EVERY = 10  # intervals added between fits
 CTX = FEATURES.index("ctx_ktokens")
 # The context cost's band (`ctx_band`), standard errors either side: ~95% of a normal estimate's spread. Its decode and
@@ -256,6 +261,7 @@ class CostLearner:
         # setting, its entry in `_idle`), filed once one tells the locks held, dropped where one tells a change.
         self._held: deque = deque(maxlen=window)
         self._told_ns: int | None = None  # the locks are told up to this instant (None: not yet)
+        self.held_since_ns: int | None = None  # the end of the oldest idle run held now (None: none held)
         self._untold: tuple | None = None  # (from, to) ns: the latest span a lock may have changed in (its runs dropped)
         self._lock_blind = False  # no reading shows a lock (`lock_told(None)`): every run is filed as it closes
         self._yg: dict = {}  # per setting: each interval's energy per GPU (the window's rows)
@@ -342,6 +348,10 @@ class CostLearner:
             self._file_idle(setting, run)
         elif self._untold is None or not self._untold[0] < end_ns <= self._untold[1]:
             self._held.append((end_ns, setting, run))
+        self._held_changed()
+
+    def _held_changed(self) -> None:
+        self.held_since_ns = self._held[0][0] if self._held else None
 
     def _file_idle(self, setting, run: tuple) -> None:
         self._idle.setdefault(setting, deque()).append(run)
@@ -364,15 +374,24 @@ class CostLearner:
             while self._held:
                 _, setting, run = self._held.popleft()
                 self._file_idle(setting, run)
+            self._held_changed()
             return
         if changed:
             self._untold = (self._told_ns if self._told_ns is not None else -1, t_ns)
             self._held = deque((h for h in self._held if h[0] > t_ns), maxlen=self._held.maxlen)
+            self._held_changed()
             return
         self._told_ns = t_ns if self._told_ns is None else max(self._told_ns, t_ns)
         while self._held and self._held[0][0] <= self._told_ns:
             _, setting, run = self._held.popleft()
             self._file_idle(setting, run)
+        self._held_changed()
+
+    def lock_untold(self, t_ns: int) -> None:
+        """A sample at `t_ns` told nothing of the locks: the held runs that ended LOCK_WAIT_S or more before it are
+        filed to their setting (the locks as last told), as if told there: a lock changed unseen so long is the known
+        limit, not a reason to learn no idle power at all."""
+        self.lock_told(t_ns - int(LOCK_WAIT_S * 1e9))
 
     def _mask(self, n_gpus: int) -> np.ndarray:
         if self.serving is None or self.serving.size != n_gpus:
@@ -455,6 +474,7 @@ class CostLearner:
             self._idle_sorted.setdefault(setting, [])[:] = sorted(k[1] for k in idle)
         held = [(e, s, (n, over(gw), first, gw)) for e, s, (n, _, first, gw) in self._held]
         self._held = deque((h for h in held if h[2][1] > 0), maxlen=self._held.maxlen)
+        self._held_changed()
         self._spell = None
 
     def _idle_median(self, setting, least: int = MIN_IDLE) -> float | None:
