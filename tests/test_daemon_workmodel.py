@@ -195,6 +195,40 @@ def test_an_idle_run_teaches_only_once_a_reading_tells_the_locks_and_none_across
     assert len(learner._held) == learner.window
 
 
+def test_runs_filed_unconfirmed_after_the_lock_wait_are_taken_back_when_a_reading_then_tells_a_change():
+    # lock_untold files runs held LOCK_WAIT_S (60 s) with no busy reading to tell the locks. A lock set in a long idle
+    # (unseen: an idle card shows none) put its runs at the locked draw into the unlocked median, and the busy
+    # reading that then told the change dropped only the runs still held: 340 runs at 99.7 W filed, the unlocked
+    # idle 99.7 W for 78 W true, every later row split with it -27.8% idle, unflagged (the review's lockwait.py).
+    # Now the runs filed unconfirmed since the last telling by a reading are taken back out at the change.
+    from powerprof.daemon.workmodel import LOCK_WAIT_S
+    learner = CostLearner()
+    s = 1_000_000_000
+
+    def step(t_s, w):  # one idle interval of 0.5 s ending at t_s
+        learner.add("s", np.array([[0.5, 0, 0, 0, 0]]), np.array([0.5 * w]), np.ones(1, bool), ends_ns=[int(t_s * s)])
+
+    t = 0.0
+    while t < 30:
+        t += 0.5
+        step(t, 78.0)
+        learner.lock_told(int(t * s))  # busy readings tell the locks held
+    assert learner.costs("s").idle_w == pytest.approx(78.0)
+    while t < 30 + 3 * LOCK_WAIT_S:  # locked at 30 s while idle, unseen; samples tell nothing
+        t += 0.5
+        step(t, 99.7)
+        learner.lock_untold(int(t * s))
+    assert learner.costs("s").idle_w == pytest.approx(99.7)  # filed after the wait: the known limit meanwhile
+    learner.lock_told(int(t * s), changed=True)  # the next busy reading shows the lock
+    assert learner.costs("s").idle_w == pytest.approx(78.0)  # 99.7 before
+    # A telling by a reading confirms what lock_untold filed before it: a later change takes none of those back.
+    step(t + 0.5, 78.0)
+    learner.lock_untold(int((t + 0.5 + LOCK_WAIT_S) * s))
+    learner.lock_told(int((t + 1.0 + LOCK_WAIT_S) * s))
+    learner.lock_told(int((t + 2.0 + LOCK_WAIT_S) * s), changed=True)
+    assert 78.0 in learner._idle_sorted["s"][-1:] and learner.costs("s").idle_w == pytest.approx(78.0)
+
+
 def test_steady_traffic_with_short_idle_gaps_keeps_the_idle_power_learned_at_start_up():
     # The review's scene (simulated vLLM, window 150): requests back to back, idle gaps of 0.1-0.25 s, never a 0.3 s
     # run. Once the start-up runs left the window the idle power was None at 432 of 462 closes, the fit never matured
