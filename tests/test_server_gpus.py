@@ -482,6 +482,28 @@ def _two_gpu_stand_in(sim, led):
                            _idle_said=False, _helper_said=False)
 
 
+def _checked_twice(count, procs, asserted=None):
+    """The placement check run twice on a stand-in daemon sampling GPUs 0 and 1 of `count` simulated GPUs, the
+    server's `procs` ((gpu, pid, bytes) each) on them, daemon.serving_gpus `asserted`: (sim, its ledger, the daemon)."""
+    import numpy as np
+
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.service import Daemon
+    from support import RowSink as Sink
+
+    sim = SimNVML("seed-16g", count=count, state_path=None)
+    sim.nvmlInit()
+    for gpu, pid, size in procs:
+        sim.add_process(gpu, pid, size, lambda: 1.0)
+    led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
+    d = _two_gpu_stand_in(sim, led)
+    if asserted is not None:
+        d._serving_asserted = np.array(asserted)
+    Daemon._check_placement(d)
+    Daemon._check_placement(d)
+    return sim, led, d
+
+
 def test_the_daemon_tells_its_ledger_the_sampled_gpus_the_servers_processes_hold(monkeypatch):
     from powerprof.daemon.ledger import Ledger
     from powerprof.daemon.service import Daemon
@@ -560,20 +582,10 @@ def test_a_small_models_bare_context_on_another_gpu_is_told_provisional_and_the_
 def test_a_server_on_no_sampled_gpu_withdraws_the_telling_and_the_log_says_why_once(caplog):
     import logging
 
-    from powerprof.daemon.ledger import Ledger
-    from powerprof.daemon.service import Daemon
-    from support import RowSink as Sink
-
     # Sampling GPUs 0 and 1 of three, the server's 14 GiB on GPU 2 alone: nothing told. Before, the log said nothing of
     # it (docs/daemon.md said it did); only the unsampled GPU's warning stood.
     caplog.set_level(logging.INFO)
-    sim = SimNVML("seed-16g", count=3, state_path=None)
-    sim.nvmlInit()
-    sim.add_process(2, 4242, 14 << 30, lambda: 1.0)
-    led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
-    d = _two_gpu_stand_in(sim, led)
-    Daemon._check_placement(d)
-    Daemon._check_placement(d)
+    _, led, _ = _checked_twice(3, [(2, 4242, 14 << 30)])
     assert led._told_serving[0] is None
     said = [r.getMessage() for r in caplog.records if "not told from the server's processes alone" in r.getMessage()]
     assert len(said) == 1 and "on no sampled GPU" in said[0], said
@@ -657,24 +669,13 @@ def test_a_serving_mask_the_check_cannot_back_is_not_told_and_the_rows_stay_flag
 def test_an_asserted_mask_the_servers_processes_contradict_is_told_provisional_and_warned_once(caplog):
     import logging
 
-    import numpy as np
-
-    from powerprof.daemon.ledger import Ledger
     from powerprof.daemon.service import Daemon
-    from support import RowSink as Sink
 
     # daemon.serving_gpus = [0, 1]; the check's evidence whole, the server's engine on GPU 0 alone: the two disagree,
     # so the assertion is told provisional (the rows flagged until the power judges the same), warned once, naming the
     # key. A worker of the server's then seen on GPU 1: agreed, told as asserted.
     caplog.set_level(logging.INFO)
-    sim = SimNVML("seed-16g", count=2, state_path=None)
-    sim.nvmlInit()
-    sim.add_process(0, 4242, 14 << 30, lambda: 1.0)
-    led = Ledger("d", 0, 2, Sink(), grace_s=0.1)
-    d = _two_gpu_stand_in(sim, led)
-    d._serving_asserted = np.array([True, True])
-    Daemon._check_placement(d)
-    Daemon._check_placement(d)
+    sim, led, d = _checked_twice(2, [(0, 4242, 14 << 30)], asserted=[True, True])
     assert led._told_serving[0].tolist() == [True, True] and led._told_serving[1] == "daemon.serving_gpus"
     assert led._told_serving[2]
     warned = [r.getMessage() for r in caplog.records if "daemon.serving_gpus asserts" in r.getMessage()]
