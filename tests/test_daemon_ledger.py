@@ -3702,6 +3702,16 @@ def _held_stream(pieces, generated: int, late_s: float | None = None, predicted_
     return sink
 
 
+def test_a_small_burst_held_long_is_placed_as_no_more_events_than_its_tokens(monkeypatch):
+    # A 3-token stream held back 100 s by a hop: spread at the pitch it was placed as 5000 events of 0.0006 token each
+    # (right in sum; memory and the closes' CPU for nothing). As a first burst's: at most its tokens (2 at least).
+    ks = []
+    pace = Ledger._at_server_pace
+    monkeypatch.setattr(Ledger, "_at_server_pace", lambda self, r, a, b, k, n: ks.append(k) or pace(self, r, a, b, k, n))
+    _held_stream([(100.5, 3)], 3)
+    assert ks == [3], ks
+
+
 def test_a_first_burst_is_placed_from_the_decode_start_the_servers_timings_say():
     # llama.cpp's timings (`predicted_ms`) cover its whole decode, ending at its last token. A stream whose first piece
     # was a burst of 20 tokens at 3 s, the rest a burst at 5 s, decoded 4 s: from 1 s. Before: the start was taken

@@ -1832,7 +1832,7 @@ class Ledger:
         start = self._decode_start(r, t1)
         if t1 - start <= SAME_DELIVERY_NS:
             return  # nothing to move
-        k = spread_events(start, t1)
+        k = int(min(spread_events(start, t1), max(2, n)))  # no more events than tokens, as `_first_burst`'s
         ts = self._at_server_pace(r, start, t1, k, n)
         if self.recon.server_seen:  # the scrape windows' proxied tokens move with them
             self.recon.proxied.extend((t, -x) for t, x in zip(r.ev_t, r.ev_n))
