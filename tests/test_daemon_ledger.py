@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from powerprof.collectors.rapl import RaplCollector
-from powerprof.daemon.ledger import Ledger
+from powerprof.daemon.ledger import Ledger, spread_events
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.streams import Counts
 from powerprof.daemon.workmodel import GPUS_UNDECIDED_REASON
@@ -224,6 +224,14 @@ def test_a_long_whole_answers_spread_gives_each_interval_its_share_not_lumps(who
     for rid, (e, note) in err.items():
         assert abs(e) < 0.02, (rid, e, note)
         assert note is None or "uncertain" not in note, note
+
+
+def test_a_long_whole_answer_is_spread_as_a_few_events_a_scrape_window_not_thousands():
+    # 20 ms apart, a 110 s answer was 5495 events: 1000 such answers ending at once peaked at 1.2 GB and their closes
+    # took 3.5 s of CPU on the daemon's loop. 50 ms apart: 5 to a default 0.25 s scrape window, at most 2400.
+    assert spread_events(0, 110 * S) == 2200
+    assert spread_events(0, 600 * S) == 2400
+    assert spread_events(0, int(0.25 * S)) == 64
 
 
 @pytest.mark.parametrize("prompt", [500, 100])
