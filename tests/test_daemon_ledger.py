@@ -7848,9 +7848,9 @@ def test_a_row_split_by_the_fit_says_how_far_the_context_cost_band_moves_it():
     r = LiveRequest(_trace(1, 0.0), gpu_j=100.0, ctx_up_j=12.4, ctx_down_j=-7.6)
     note = _approximate_note(r) or ""
     assert "its share of the intervals it shared rests on the work model's context cost" in note, note
-    assert "±2 standard errors" in note and "its figure would be -8% to +12%" in note, note
+    assert "±2 standard errors" in note and "its figure moves by -8% to +12%" in note, note
     # A short one beside long ones: the band's ends move it the other way.
     r = LiveRequest(_trace(2, 0.0), gpu_j=100.0, ctx_up_j=-6.0, ctx_down_j=3.0)
-    assert "its figure would be -6% to +3%" in (_approximate_note(r) or "")
+    assert "its figure moves by -6% to +3%" in (_approximate_note(r) or "")
     assert "context cost" not in (_approximate_note(LiveRequest(_trace(3, 0.0), gpu_j=100.0, ctx_up_j=4.9,
                                                                 ctx_down_j=-3.0)) or "")
