@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from powerprof.collectors.rapl import RaplCollector
-from powerprof.daemon.ledger import Ledger
+from powerprof.daemon.ledger import Ledger, spread_events
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.streams import Counts
 from powerprof.daemon.workmodel import GPUS_UNDECIDED_REASON
@@ -224,6 +224,14 @@ def test_a_long_whole_answers_spread_gives_each_interval_its_share_not_lumps(who
     for rid, (e, note) in err.items():
         assert abs(e) < 0.02, (rid, e, note)
         assert note is None or "uncertain" not in note, note
+
+
+def test_a_long_whole_answer_is_spread_as_a_few_events_a_scrape_window_not_thousands():
+    # 20 ms apart, a 110 s answer was 5495 events: 1000 such answers ending at once peaked at 1.2 GB and their closes
+    # took 3.5 s of CPU on the daemon's loop. 50 ms apart: 5 to a default 0.25 s scrape window, at most 2400.
+    assert spread_events(0, 110 * S) == 2200
+    assert spread_events(0, 600 * S) == 2400
+    assert spread_events(0, int(0.25 * S)) == 64
 
 
 @pytest.mark.parametrize("prompt", [500, 100])
@@ -3700,6 +3708,16 @@ def _held_stream(pieces, generated: int, late_s: float | None = None, predicted_
         _feed(led, float(k), 100.0 * k)
         led.advance(int((k + 0.2) * S))
     return sink
+
+
+def test_a_small_burst_held_long_is_placed_as_no_more_events_than_its_tokens(monkeypatch):
+    # A 3-token stream held back 100 s by a hop: spread at the pitch it was placed as 5000 events of 0.0006 token each
+    # (right in sum; memory and the closes' CPU for nothing). As a first burst's: at most its tokens (2 at least).
+    ks = []
+    pace = Ledger._at_server_pace
+    monkeypatch.setattr(Ledger, "_at_server_pace", lambda self, r, a, b, k, n: ks.append(k) or pace(self, r, a, b, k, n))
+    _held_stream([(100.5, 3)], 3)
+    assert ks == [3], ks
 
 
 def test_a_first_burst_is_placed_from_the_decode_start_the_servers_timings_say():
@@ -7822,17 +7840,17 @@ def test_a_busy_gpu_with_no_clock_lock_starts_no_new_setting(limit_w):
 
 def test_a_row_split_by_the_fit_says_how_far_the_context_cost_band_moves_it():
     # The fit trades its decode and context costs (beside CPU hogs, long-context turns -7.4% to +15.4% in sum run to
-    # run, unsaid): a row whose figure moves by 5% or more over the context cost's band says how far; one that hardly
-    # leans on it (a short chat beside short chats) says nothing.
+    # run, unsaid): a row whose figure moves by 15% or more over the context cost's band says how far; one that leans
+    # on it less says nothing (at 5%, half a scene's rows said it, no more off than the others: the rows' own spread).
     from powerprof.daemon.liverequest import LiveRequest
     from powerprof.daemon.rowtext import _approximate_note
 
-    r = LiveRequest(_trace(1, 0.0), gpu_j=100.0, ctx_up_j=12.4, ctx_down_j=-7.6)
+    r = LiveRequest(_trace(1, 0.0), gpu_j=100.0, ctx_up_j=22.4, ctx_down_j=-7.6)
     note = _approximate_note(r) or ""
     assert "its share of the intervals it shared rests on the work model's context cost" in note, note
-    assert "±2 standard errors" in note and "its figure would be -8% to +12%" in note, note
+    assert "±2 standard errors" in note and "its figure moves by -8% to +22%" in note, note
     # A short one beside long ones: the band's ends move it the other way.
-    r = LiveRequest(_trace(2, 0.0), gpu_j=100.0, ctx_up_j=-6.0, ctx_down_j=3.0)
-    assert "its figure would be -6% to +3%" in (_approximate_note(r) or "")
-    assert "context cost" not in (_approximate_note(LiveRequest(_trace(3, 0.0), gpu_j=100.0, ctx_up_j=4.9,
+    r = LiveRequest(_trace(2, 0.0), gpu_j=100.0, ctx_up_j=-16.0, ctx_down_j=3.0)
+    assert "its figure moves by -16% to +3%" in (_approximate_note(r) or "")
+    assert "context cost" not in (_approximate_note(LiveRequest(_trace(3, 0.0), gpu_j=100.0, ctx_up_j=14.9,
                                                                 ctx_down_j=-3.0)) or "")

@@ -34,7 +34,7 @@ def _band_of(rows: pd.DataFrame) -> tuple[float, float]:
     model's context cost band its note states (rowtext.CTX_BAND_NOTE; a row with none at its figure): the truth lies
     between where the first is ≤ 0 ≤ the second."""
     ends = rows["energy_note"].fillna("").str.extract(
-        r"standard errors: there .*? its figure would be ([-+]\d+)% to ([-+]\d+)%").astype(float).fillna(0.0)
+        r"standard errors: across them .*? its figure moves by ([-+]\d+)% to ([-+]\d+)%").astype(float).fillna(0.0)
     e, true_j = rows["gpu_energy_j"].fillna(0.0), rows["true_j"].sum()
     return tuple(float((e * (1 + ends[k] / 100)).sum() / true_j - 1) for k in (0, 1))
 

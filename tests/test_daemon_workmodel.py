@@ -348,7 +348,7 @@ def test_the_context_costs_band_holds_what_a_noisy_fit_trades_away():
     way) holds the true context cost in most runs and is narrow where the features are exact. Before: no band, the
     fitted context cost anywhere from 0 to twice the true one with nothing said (the simulated H200 beside CPU hogs:
     0.0 to 0.113 J per token per 1000 tokens of context)."""
-    held, widths = 0, []
+    held, bound, widths = 0, 0, []
     for seed in range(20):
         rng = np.random.default_rng(100 + seed)
         n = 130
@@ -362,16 +362,35 @@ def test_the_context_costs_band_holds_what_a_noisy_fit_trades_away():
         x[:, 2] *= 1 + moved
         x[:, 4] *= 1 + moved
         fit = fit_costs(x, y, idle_w=TRUE[0])
-        assert fit.mature and len(fit.ctx_band) == 2
+        assert fit.mature
+        if fit.coef[2] <= 0 or fit.coef[4] <= 0:
+            assert fit.ctx_band == ()  # at a bound: no band (one-sided there, it missed the truth)
+            bound += 1
+            continue
         up, down = fit.ctx_band
         assert up[3] >= fit.coef[4] >= down[3] >= 0
         if up[3] > 0 and down[3] < fit.coef[4]:
             assert up[1] <= fit.coef[2] <= down[1]  # the decode cost moves the other way
         held += down[3] <= TRUE[4] <= up[3]
         widths.append(up[3] - down[3])
-    assert held >= 17, held
+    assert held >= 17 - bound and bound <= 3, (held, bound)
     assert np.median(widths) > 0.2 * TRUE[4]  # wide: these features cannot tell the two apart well
     x, y = _intervals(400, np.random.default_rng(1))
     fit = fit_costs(x, y * (1 + np.random.default_rng(2).normal(0, 0.005, y.size)))
     up, down = fit.ctx_band
     assert up[3] - down[3] < 0.05 * fit.coef[4]
+
+
+def test_a_fit_at_its_bound_gives_no_context_band():
+    # NNLS put the decode (or context) cost at 0 on a near-collinear design: the band, left one-sided or without the
+    # decode trade, held the truth in 0 of 9 such fits (a review's band_cover.py) and its rows said a narrow band that
+    # did not hold it (decode 0, context 0.181 said 0.174-0.187, truth 0.05). Now no band there.
+    from powerprof.daemon.workmodel import ctx_band
+
+    rng = np.random.default_rng(3)
+    x = np.column_stack([np.ones(60), rng.integers(20, 60, 60), rng.uniform(50, 200, 60), np.zeros(60),
+                         rng.uniform(50, 300, 60)])
+    y = x @ np.array([100.0, 1.0, 0.3, 0.0, 0.05]) * (1 + rng.normal(0, 0.02, 60))
+    assert len(ctx_band(x, y, np.array([100.0, 1.0, 0.3, 0.0, 0.05]), True)) == 2
+    assert ctx_band(x, y, np.array([100.0, 1.0, 0.0, 0.0, 0.18]), True) == ()
+    assert ctx_band(x, y, np.array([100.0, 1.0, 0.4, 0.0, 0.0]), True) == ()

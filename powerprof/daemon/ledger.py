@@ -100,9 +100,11 @@ RESPONSE_CONTEXT_KEEP = 4096
 # and scrape window it spans then gets its rate times their overlap within one event. As 64 events alone, a 100 s answer
 # had one every 1.6 s: of the 0.5 s intervals it spanned one in three got a lump, the others none, and the work model
 # split each one's energy by that lumpy work (its row -23%, the stream beside it +52%, unflagged; docs/daemon.md).
+# 50 ms: 5 to a default scrape window (0.25 s), every row within 0.6% there, as at 20 ms; at 20 ms, 1000 answers of
+# 110 s ending at once peaked at 1.2 GB and their closes took 3.5 s of CPU on the daemon's loop (now 0.55 GB, 1.6 s).
 SPREAD_EVENTS = 64
-SPREAD_PITCH_S = 0.02
-SPREAD_EVENTS_MAX = 6000  # 120 s (the default hold on a whole answer, max_hold_s) at the pitch; longer: farther apart
+SPREAD_PITCH_S = 0.05
+SPREAD_EVENTS_MAX = 2400  # 120 s (the default hold on a whole answer, max_hold_s) at the pitch; longer: farther apart
 BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of the proxied ones stay out of the fit
 # A stream's piece holding more tokens than its sequences, this long or more after its previous piece, is a burst held
 # back since then (a buffering hop that flushes when its buffer fills or on a timer: `_held_burst`) ...
@@ -439,7 +441,7 @@ def cut_batches(batches: list[tuple[int, int]], deaths: list[tuple[int, int]]) -
 
 def spread_events(start_ns: int, t1_ns: int) -> int:
     """How many events tokens spread evenly (or at the server's pace) over `start_ns`..`t1_ns` are placed as: one per
-    SPREAD_PITCH_S of it, SPREAD_EVENTS at least, SPREAD_EVENTS_MAX at most (a 10-minute span's: 0.1 s apart)."""
+    SPREAD_PITCH_S of it, SPREAD_EVENTS at least, SPREAD_EVENTS_MAX at most (a 10-minute span's: 0.25 s apart)."""
     k = math.ceil(max(t1_ns - start_ns, 0) / (SPREAD_PITCH_S * 1e9))
     return int(min(max(k, SPREAD_EVENTS), SPREAD_EVENTS_MAX))
 
@@ -1771,7 +1773,10 @@ class Ledger:
                 first = self._whole_answer_first_ns(r)
                 if first != trace.first_ns:
                     r.placed_from_ns = first  # its prompt ends, and its decode starts, there (not its row's TTFT)
-                ts = np.linspace(first, trace.last_ns, spread_events(first, trace.last_ns)).astype(np.int64).tolist()
+                # Each event at the middle of its equal share of the decode: one at its last instant, its end, fell in
+                # no interval (the request is live to its end, not at it), its tokens lost (2 of 780 at 50 ms apart).
+                k = spread_events(first, trace.last_ns)
+                ts = (first + (np.arange(k) + 0.5) * ((trace.last_ns - first) / k)).astype(np.int64).tolist()
             r.ev_t, r.ev_n = [], []
             ns = [n / len(ts)] * len(ts)
             self._place(r, ts, ns)
@@ -1832,7 +1837,7 @@ class Ledger:
         start = self._decode_start(r, t1)
         if t1 - start <= SAME_DELIVERY_NS:
             return  # nothing to move
-        k = spread_events(start, t1)
+        k = int(min(spread_events(start, t1), max(2, n)))  # no more events than tokens, as `_first_burst`'s
         ts = self._at_server_pace(r, start, t1, k, n)
         if self.recon.server_seen:  # the scrape windows' proxied tokens move with them
             self.recon.proxied.extend((t, -x) for t, x in zip(r.ev_t, r.ev_n))

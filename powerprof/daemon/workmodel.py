@@ -175,12 +175,16 @@ def ctx_band(x: np.ndarray, y: np.ndarray, coef: np.ndarray, held: bool) -> tupl
     """The fitted work costs (FEATURES[1:]) at the context cost `CTX_BAND_SE` standard errors above and below the fit
     `coef` of `y` on `x` (the intercept held at coef[0] where `held`), the other costs moved with it along their
     covariance with it (where the context cost is high the decode cost is low: long-context work pays what short work
-    gives up), each kept ≥ 0; () with too few busy intervals or a singular design.
+    gives up), each kept ≥ 0; () with too few busy intervals or a singular design, or where the context or decode cost
+    sits at its bound (0): the NNLS fit is one-sided there, and a ±SE band held the truth in 0 of 9 such fits (a
+    review's band_cover.py; 94% of the interior ones): its rows then say no band.
 
-    The covariance is the least-squares one on the fit's support (its positive costs, and the context cost always),
+    The covariance is the least-squares one on the fit's support (its positive costs),
     heteroskedasticity-robust (HC1): an interval's error grows with its work (tokens a late proxy read moved across
     its edges), not the same in each."""
-    cols = [j for j in range(0 if not held else 1, x.shape[1]) if coef[j] > 0 or j == CTX]
+    if coef[CTX] <= 0 or coef[2] <= 0:
+        return ()
+    cols = [j for j in range(0 if not held else 1, x.shape[1]) if coef[j] > 0]
     busy = (x[:, 2] > 0) | (x[:, 3] > 0)
     xb = x[busy][:, cols]
     dof = xb.shape[0] - len(cols)
