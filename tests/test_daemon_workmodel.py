@@ -177,7 +177,15 @@ def test_an_idle_run_teaches_only_once_a_reading_tells_the_locks_and_none_across
         learner.add("s", np.array([[0.4, 0, 0, 0, 0]]), np.array([0.4 * w]), np.ones(1, bool), ends_ns=[end_ns])
 
     run(10)
-    assert learner.costs("s").idle_w is None  # nothing told yet (the daemon's start)
+    # Nothing told yet (the daemon's start): filed at once, as the locks the first telling will say, and taken back
+    # out where that telling says a change (held, short requests no busy sample caught learned no idle power for
+    # LOCK_WAIT_S at every start: a one-token answer +73%).
+    assert learner.costs("s").idle_w == pytest.approx(78.0)
+    started = CostLearner()
+    started.add("s", np.array([[0.4, 0, 0, 0, 0]]), np.array([0.4 * 135.0]), np.ones(1, bool), ends_ns=[10])
+    assert started.costs("s").idle_w == pytest.approx(135.0)
+    started.lock_told(20, changed=True)  # started on a locked card: its first busy readings tell the lock
+    assert started.costs("s").idle_w is None
     learner.lock_told(20)
     assert learner.costs("s").idle_w == pytest.approx(78.0)
     run(30, 135.0)  # locked while idle: unseen till busy readings tell the change
